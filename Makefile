@@ -1,0 +1,34 @@
+# Two commands for a new user: `make demo` and `make test`. Both set themselves up.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint typecheck check bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/renqueue demo
+
+test: $(STAMP) lint typecheck
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check renqueue tests bench examples
+	$(BIN)/ruff format --check renqueue tests bench examples
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python bench/pipeline.py
+
+clean:
+	rm -rf $(VENV) .renqueue .mypy_cache .ruff_cache .pytest_cache
