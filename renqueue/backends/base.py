@@ -1,0 +1,60 @@
+"""The protocol every backend adapter implements.
+
+An adapter turns an :class:`~renqueue.messages.InferenceRequest` into a call to
+one endpoint + model + credentials, and the response into :class:`Delta` pieces
+(streaming) or one :class:`Generation`. Every failure leaves an adapter as a
+:class:`~renqueue.errors.BackendError` subclass: rate-limited (with
+``retry_after``), retryable, fatal, or bad request. Nothing else escapes
+(``asyncio.CancelledError`` excepted: cancellation is not failure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol, runtime_checkable
+
+from msgspec import Struct
+
+from ..messages import InferenceRequest, Usage
+
+__all__ = ["Backend", "Delta", "Generation"]
+
+
+class Delta(Struct, frozen=True, kw_only=True):
+    """A piece of a streamed answer. The last one carries usage and finish reason."""
+
+    text: str = ""
+    usage: Usage | None = None
+    finish_reason: str | None = None
+
+
+class Generation(Struct, frozen=True, kw_only=True):
+    """A whole answer."""
+
+    text: str
+    usage: Usage
+    finish_reason: str | None = None
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One callable backend. Safe to share between concurrent calls."""
+
+    @property
+    def name(self) -> str: ...
+
+    def stream(
+        self, request: InferenceRequest, *, priority: int | None = None
+    ) -> AsyncIterator[Delta]:
+        """Yield the answer as it is generated. Closing the iterator aborts the call."""
+        ...
+
+    async def complete(
+        self, request: InferenceRequest, *, priority: int | None = None
+    ) -> Generation:
+        """The whole answer in one response."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections. Idempotent."""
+        ...

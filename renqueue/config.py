@@ -1,0 +1,352 @@
+"""Typed configuration, loaded from one TOML file and overridable from the environment.
+
+Everything is validated at start-up: a bad file raises :class:`ConfigError`
+naming the offending field (``$.backends.groq.limits.requests[0]``), never a
+failure at the first request. API keys are never in the file: a backend names
+the environment variable (``api_key_env``) or file (``api_key_file``) that
+holds its key, and the key is read into a :class:`Secret` that never prints.
+
+Environment overrides (applied after the file):
+
+``RENQUEUE_NATS_URL``      connect to this server/cluster instead of the embedded one
+``RENQUEUE_DATA_DIR``      embedded server's data directory
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+from .errors import ConfigError
+
+__all__ = [
+    "DEFAULT_PRIORITIES",
+    "BackendConfig",
+    "Config",
+    "LimitsConfig",
+    "NatsConfig",
+    "Rate",
+    "RetentionConfig",
+    "RouteConfig",
+    "RouterConfig",
+    "Secret",
+    "WorkerConfig",
+    "load_config",
+    "parse_config",
+    "parse_duration",
+    "parse_rate",
+]
+
+DEFAULT_PRIORITIES: Final = ("critical", "high", "normal", "low", "batch")
+
+_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+Name = Annotated[str, Meta(pattern=_NAME)]
+Duration = Annotated[str, Meta(pattern=r"^\s*\d+(\.\d+)?\s*(ms|s|m|h|d)\s*$")]
+
+_DURATION_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_WINDOW_WORDS: Final = {
+    "sec": 1.0,
+    "second": 1.0,
+    "min": 60.0,
+    "minute": 60.0,
+    "hour": 3600.0,
+    "day": 86400.0,
+}
+_DURATION_RE: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_RATE_RE: Final = re.compile(r"^\s*(\d+)\s*/\s*(\S+)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"``, ``"7d"`` -> seconds."""
+    match = _DURATION_RE.match(text)
+    if match is None:
+        raise ValueError(f"invalid duration {text!r}: use a number and ms, s, m, h or d")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+class Rate(Struct, frozen=True, kw_only=True):
+    """``count`` per ``window`` seconds."""
+
+    count: int
+    window: float
+
+
+def parse_rate(text: str) -> Rate:
+    """``"30/min"``, ``"30/1m"``, ``"14400/day"``, ``"6000/10s"`` -> :class:`Rate`."""
+    match = _RATE_RE.match(text)
+    if match is None:
+        raise ValueError(f"invalid rate {text!r}: use COUNT/WINDOW, e.g. 30/min or 1000/1d")
+    count, window_text = int(match.group(1)), match.group(2)
+    window = _WINDOW_WORDS.get(window_text)
+    if window is None:
+        window = parse_duration(window_text)
+    if count < 1 or window <= 0:
+        raise ValueError(f"invalid rate {text!r}: count and window must be positive")
+    return Rate(count=count, window=window)
+
+
+class Secret:
+    """A credential. Never shows its value in repr, str, logs or errors."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+    def __bool__(self) -> bool:
+        return bool(self._value)
+
+
+class _Section(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of every config section: unknown keys are errors (typos fail loudly)."""
+
+
+class RetentionConfig(_Section, kw_only=True):
+    """Limits of one stream. ``max_age = "0s"`` and ``max_bytes = -1`` mean unlimited."""
+
+    max_age: Duration = "0s"
+    max_bytes: int = -1
+
+    @property
+    def max_age_seconds(self) -> float:
+        return parse_duration(self.max_age)
+
+
+class NatsConfig(_Section, kw_only=True):
+    """Where NATS is. An empty ``url`` starts the embedded server."""
+
+    url: str = ""
+    data_dir: str = ".renqueue"
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=-1, le=65535)] = 4222
+    replicas: Annotated[int, Meta(ge=1, le=5)] = 1
+    duplicate_window: Duration = "10m"
+    requests: RetentionConfig = RetentionConfig()
+    dispatch: RetentionConfig = RetentionConfig()
+    events: RetentionConfig = RetentionConfig(max_age="30d")
+    tokens: RetentionConfig = RetentionConfig(max_age="1h")
+    dlq: RetentionConfig = RetentionConfig(max_age="30d")
+    credentials_file: str | None = None
+    ping_interval: Duration = "10s"
+
+
+class LimitsConfig(_Section, kw_only=True):
+    """Declared limits of one backend: concurrent requests, and counts per window."""
+
+    concurrency: Annotated[int, Meta(ge=1, le=100_000)] = 4
+    requests: list[str] = []
+    tokens: list[str] = []
+
+    def __post_init__(self) -> None:
+        for text in (*self.requests, *self.tokens):
+            parse_rate(text)
+
+    @property
+    def request_rates(self) -> list[Rate]:
+        return [parse_rate(text) for text in self.requests]
+
+    @property
+    def token_rates(self) -> list[Rate]:
+        return [parse_rate(text) for text in self.tokens]
+
+
+class BackendConfig(_Section, kw_only=True):
+    """One callable endpoint + model + credentials."""
+
+    adapter: Literal["openai"] = "openai"
+    base_url: str
+    model: str
+    api_key_env: str | None = None
+    api_key_file: str | None = None
+    tier: Annotated[int, Meta(ge=0, le=100)] = 1
+    cost_input_per_mtok: Annotated[float, Meta(ge=0)] = 0.0
+    cost_output_per_mtok: Annotated[float, Meta(ge=0)] = 0.0
+    tags: list[str] = []
+    limits: LimitsConfig = LimitsConfig()
+    timeout: Duration = "120s"
+    connect_timeout: Duration = "5s"
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+        if self.api_key_env is not None and self.api_key_file is not None:
+            raise ValueError("give api_key_env or api_key_file, not both")
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        """US dollars for a call with these token counts."""
+        return (
+            prompt_tokens * self.cost_input_per_mtok
+            + completion_tokens * self.cost_output_per_mtok
+        ) / 1_000_000
+
+    def api_key(self) -> Secret | None:
+        """Read the key from its env var or file; ``None`` when the backend needs none."""
+        if self.api_key_env is not None:
+            value = os.environ.get(self.api_key_env)
+            if not value:
+                raise ConfigError(
+                    f"environment variable {self.api_key_env} is not set",
+                    path="api_key_env",
+                )
+            return Secret(value)
+        if self.api_key_file is not None:
+            try:
+                return Secret(Path(self.api_key_file).read_text().strip())
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot read key file: {exc.strerror}", path="api_key_file"
+                ) from exc
+        return None
+
+
+class RouteConfig(_Section, kw_only=True):
+    """A model group: candidate backends in cascade order (first = preferred)."""
+
+    backends: Annotated[list[Name], Meta(min_length=1)]
+
+
+class RouterConfig(_Section, kw_only=True):
+    """Router tuning. ``hold_limit`` bounds requests a router holds while waiting for room."""
+
+    fetch_batch: Annotated[int, Meta(ge=1, le=1000)] = 64
+    hold_limit: Annotated[int, Meta(ge=1, le=100_000)] = 256
+    capacity_refresh: Duration = "50ms"
+    ack_wait: Duration = "30s"
+    max_deliver: Annotated[int, Meta(ge=1)] = 10
+
+
+class WorkerConfig(_Section, kw_only=True):
+    """Worker tuning. A request whose run fails transiently is retried up to ``max_deliver``."""
+
+    ack_wait: Duration = "30s"
+    max_deliver: Annotated[int, Meta(ge=1)] = 5
+    retry_delay: Duration = "1s"
+    drain_timeout: Duration = "10s"
+
+
+class Config(_Section, kw_only=True):
+    """The whole configuration (one TOML file)."""
+
+    nats: NatsConfig = NatsConfig()
+    priorities: Annotated[list[Name], Meta(min_length=1, max_length=16)] = msgspec.field(
+        default_factory=lambda: list(DEFAULT_PRIORITIES)
+    )
+    default_priority: Name = "normal"
+    backends: dict[Name, BackendConfig] = {}
+    routes: dict[Name, RouteConfig] = {}
+    router: RouterConfig = RouterConfig()
+    worker: WorkerConfig = WorkerConfig()
+
+    def priority_rank(self, level: str) -> int:
+        """0 for the most urgent level."""
+        return self.priorities.index(level)
+
+
+_S = TypeVar("_S")
+
+
+def _convert(value: Any, type_: type[_S], path: str, source: str | None) -> _S:
+    try:
+        return msgspec.convert(value, type_, strict=True)
+    except msgspec.ValidationError as exc:
+        message, _, where = str(exc).partition(" - at `")
+        field = path + where.rstrip("`")[1:] if where else path
+        raise ConfigError(message, path=field, source=source) from exc
+
+
+def parse_config(data: Mapping[str, Any], *, source: str | None = None) -> Config:
+    """Validate a config mapping (as read from TOML). Raises :class:`ConfigError`."""
+    raw = dict(data)
+    backends = raw.pop("backends", {})
+    routes = raw.pop("routes", {})
+    for section, value in (("backends", backends), ("routes", routes)):
+        if not isinstance(value, Mapping):
+            raise ConfigError("expected a table", path=f"$.{section}", source=source)
+    config = _convert(raw, Config, "$", source)
+    parsed_backends = {
+        name: _convert(value, BackendConfig, f"$.backends.{name}", source)
+        for name, value in backends.items()
+    }
+    parsed_routes = {
+        name: _convert(value, RouteConfig, f"$.routes.{name}", source)
+        for name, value in routes.items()
+    }
+    config = msgspec.structs.replace(config, backends=parsed_backends, routes=parsed_routes)
+    _check_references(config, source)
+    return config
+
+
+def _check_references(config: Config, source: str | None) -> None:
+    name_re = re.compile(_NAME)
+    for section, names in (("backends", config.backends), ("routes", config.routes)):
+        for name in names:
+            if not name_re.match(name):
+                raise ConfigError(
+                    f"invalid name {name!r}: use letters, digits, - and _",
+                    path=f"$.{section}.{name}",
+                    source=source,
+                )
+    if len(set(config.priorities)) != len(config.priorities):
+        raise ConfigError("priority levels must be unique", path="$.priorities", source=source)
+    if config.default_priority not in config.priorities:
+        raise ConfigError(
+            f"{config.default_priority!r} is not one of the priority levels",
+            path="$.default_priority",
+            source=source,
+        )
+    for route_name, route in config.routes.items():
+        for index, backend in enumerate(route.backends):
+            if backend not in config.backends:
+                raise ConfigError(
+                    f"unknown backend {backend!r}",
+                    path=f"$.routes.{route_name}.backends[{index}]",
+                    source=source,
+                )
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Load ``path`` (or ``$RENQUEUE_CONFIG``, or ``./renqueue.toml``), then env overrides.
+
+    With no file at all, returns the defaults (no backends, no routes).
+    """
+    env = os.environ if environ is None else environ
+    candidate = path or env.get("RENQUEUE_CONFIG")
+    file = Path(candidate) if candidate else Path("renqueue.toml")
+    source = str(file)
+    if file.exists():
+        try:
+            data = tomllib.loads(file.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"not valid TOML: {exc}", source=source) from exc
+        except OSError as exc:
+            raise ConfigError(f"cannot read: {exc.strerror}", source=source) from exc
+    elif candidate:
+        raise ConfigError("file not found", source=source)
+    else:
+        data, source = {}, "<defaults>"
+    config = parse_config(data, source=source)
+    nats = config.nats
+    if url := env.get("RENQUEUE_NATS_URL"):
+        nats = msgspec.structs.replace(nats, url=url)
+    if data_dir := env.get("RENQUEUE_DATA_DIR"):
+        nats = msgspec.structs.replace(nats, data_dir=data_dir)
+    return msgspec.structs.replace(config, nats=nats)

@@ -1,0 +1,210 @@
+"""Every error Ren-Queue raises, under one root.
+
+The tree, by what a caller can do about it::
+
+    RenQueueError
+    ├── ConfigError                 bad config file or value; carries the field path
+    ├── ProvisionError              a stream/consumer change NATS cannot apply in place
+    ├── EmbeddedServerError         the embedded nats-server did not start
+    ├── ConnectionFailedError       NATS unreachable / JetStream not answering
+    ├── InvalidRequestError         the request itself is wrong (never retried)
+    │   ├── MalformedRequestError   payload does not decode or fails validation
+    │   ├── UnknownRouteError       no such route (model group)
+    │   └── UnknownPriorityError    no such priority level
+    ├── BackendError                a backend call failed; carries backend, request_id
+    │   ├── RateLimitedError        429 / quota; carries retry_after seconds
+    │   ├── RetryableBackendError   5xx, timeouts, connection errors, broken streams
+    │   ├── FatalBackendError       auth, unknown model: this backend cannot serve
+    │   └── BadRequestError         the backend says the request is invalid (4xx)
+    └── RequestFailedError          client side: a request ended in a non-completed state
+        ├── RequestRejectedError    rejected as invalid before routing
+        ├── RequestExpiredError     its deadline passed
+        └── RequestCancelledError   cancelled
+
+Foreign errors (httpx, nats, msgspec) are translated once, at the boundary
+where they occur, with ``raise ... from exc``. Messages never contain secrets.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "BadRequestError",
+    "ConfigError",
+    "ConnectionFailedError",
+    "EmbeddedServerError",
+    "FatalBackendError",
+    "InvalidRequestError",
+    "MalformedRequestError",
+    "ProvisionError",
+    "RateLimitedError",
+    "RenQueueError",
+    "RequestCancelledError",
+    "RequestExpiredError",
+    "RequestFailedError",
+    "RequestRejectedError",
+    "RetryableBackendError",
+    "UnknownPriorityError",
+    "UnknownRouteError",
+]
+
+
+class RenQueueError(Exception):
+    """Root of every error Ren-Queue raises."""
+
+    #: Stable machine-readable name, used as ``error_type`` in events.
+    code = "error"
+
+
+class ConfigError(RenQueueError):
+    """The configuration is invalid. ``path`` names the offending field."""
+
+    code = "config"
+
+    def __init__(self, message: str, *, path: str = "$", source: str | None = None) -> None:
+        self.path = path
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}{message} (at {path})")
+
+
+class ProvisionError(RenQueueError):
+    """A stream or consumer exists with a config that cannot be changed in place."""
+
+    code = "provision"
+
+
+class EmbeddedServerError(RenQueueError):
+    """The embedded nats-server could not be started or stopped."""
+
+    code = "embedded_server"
+
+
+class ConnectionFailedError(RenQueueError):
+    """NATS or JetStream is not reachable."""
+
+    code = "connection"
+
+
+class InvalidRequestError(RenQueueError):
+    """The request is invalid; retrying it unchanged cannot succeed."""
+
+    code = "invalid_request"
+
+    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+        self.request_id = request_id
+        super().__init__(message)
+
+
+class MalformedRequestError(InvalidRequestError):
+    """The payload does not decode, or a field fails validation."""
+
+    code = "malformed"
+
+
+class UnknownRouteError(InvalidRequestError):
+    """The request names a route (model group) that is not configured."""
+
+    code = "unknown_route"
+
+    def __init__(self, route: str, *, request_id: str | None = None) -> None:
+        self.route = route
+        super().__init__(f"unknown route {route!r}", request_id=request_id)
+
+
+class UnknownPriorityError(InvalidRequestError):
+    """The request names a priority level that is not configured."""
+
+    code = "unknown_priority"
+
+    def __init__(self, priority: str, *, request_id: str | None = None) -> None:
+        self.priority = priority
+        super().__init__(f"unknown priority level {priority!r}", request_id=request_id)
+
+
+class BackendError(RenQueueError):
+    """A backend call failed."""
+
+    code = "backend"
+    #: Whether the same request may succeed if tried again (here or elsewhere).
+    retryable = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        backend: str,
+        request_id: str | None = None,
+        status: int | None = None,
+    ) -> None:
+        self.backend = backend
+        self.request_id = request_id
+        self.status = status
+        super().__init__(f"{backend}: {message}")
+
+
+class RateLimitedError(BackendError):
+    """The backend refused for rate or quota reasons; try again after ``retry_after``."""
+
+    code = "rate_limited"
+    retryable = True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        backend: str,
+        retry_after: float | None = None,
+        request_id: str | None = None,
+        status: int | None = 429,
+    ) -> None:
+        self.retry_after = retry_after
+        super().__init__(message, backend=backend, request_id=request_id, status=status)
+
+
+class RetryableBackendError(BackendError):
+    """A transient failure: server error, timeout, dropped connection."""
+
+    code = "backend_unavailable"
+    retryable = True
+
+
+class FatalBackendError(BackendError):
+    """This backend cannot serve requests (auth, unknown model, misconfiguration)."""
+
+    code = "backend_fatal"
+
+
+class BadRequestError(BackendError):
+    """The backend rejected the request itself as invalid."""
+
+    code = "backend_bad_request"
+
+
+class RequestFailedError(RenQueueError):
+    """Client side: the request ended in a terminal state other than completed."""
+
+    code = "failed"
+
+    def __init__(self, message: str, *, request_id: str, error_type: str = "failed") -> None:
+        self.request_id = request_id
+        self.error_type = error_type
+        super().__init__(f"request {request_id}: {message}")
+
+
+class RequestRejectedError(RequestFailedError):
+    """The request was rejected as invalid before it was routed."""
+
+    code = "rejected"
+
+
+class RequestExpiredError(RequestFailedError):
+    """The request's deadline passed before it could finish."""
+
+    code = "expired"
+
+
+class RequestCancelledError(RequestFailedError):
+    """The request was cancelled."""
+
+    code = "cancelled"

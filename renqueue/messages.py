@@ -1,0 +1,249 @@
+"""Wire messages and events: every payload Ren-Queue puts on NATS.
+
+All are frozen, keyword-only ``msgspec.Struct`` types, JSON on the wire, each
+carrying the schema version ``v``. The event log outlives any version of this
+code, so the schema evolves by msgspec's rules: new fields get defaults and go
+last; a field's type never changes; a removed field's name is never reused.
+
+Events form one tagged union (:data:`Event`, tag field ``kind``) decoded by one
+reusable decoder (:data:`EVENT_DECODER`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+__all__ = [
+    "DISPATCH_DECODER",
+    "EVENT_DECODER",
+    "REQUEST_DECODER",
+    "SCHEMA_VERSION",
+    "TERMINAL_KINDS",
+    "TOKEN_DECODER",
+    "Cancelled",
+    "ChatMessage",
+    "Completed",
+    "Dispatch",
+    "Event",
+    "Expired",
+    "Failed",
+    "GenerationParams",
+    "InferenceRequest",
+    "Rejected",
+    "Retrying",
+    "Routed",
+    "Started",
+    "Submitted",
+    "TokenChunk",
+    "Usage",
+    "encode",
+    "is_terminal",
+    "kind_of",
+]
+
+SCHEMA_VERSION: Final = 1
+
+#: Ids and names become NATS subject tokens: no dots, spaces or wildcards.
+RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
+Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+NonNegative = Annotated[float, Meta(ge=0)]
+Count = Annotated[int, Meta(ge=0)]
+
+
+class ChatMessage(Struct, frozen=True, kw_only=True):
+    """One chat turn, as in the OpenAI chat-completions API."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Annotated[str, Meta(max_length=1_000_000)]
+
+
+class GenerationParams(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Sampling parameters passed through to the backend. ``None`` = backend default."""
+
+    max_tokens: Annotated[int, Meta(ge=1, le=1_000_000)] | None = None
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    stop: Annotated[list[str], Meta(max_length=16)] | None = None
+    seed: int | None = None
+
+
+class Usage(Struct, frozen=True, kw_only=True):
+    """Token counts reported by the backend (or estimated when it reports none)."""
+
+    prompt_tokens: Count = 0
+    completion_tokens: Count = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class InferenceRequest(Struct, frozen=True, kw_only=True):
+    """What a client publishes to ``rq.req.<priority>.<tenant>``.
+
+    ``deadline`` and ``submitted_at`` are Unix times in seconds; ``max_cost`` is
+    in US dollars; ``complexity`` is the minimum backend tier the request needs.
+    """
+
+    v: int = SCHEMA_VERSION
+    id: RequestId
+    tenant: Name = "default"
+    route: Name
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=10_000)]
+    params: GenerationParams = GenerationParams()
+    priority: Name = "normal"
+    deadline: NonNegative | None = None
+    max_cost: NonNegative | None = None
+    complexity: Annotated[int, Meta(ge=0, le=100)] | None = None
+    metadata: Annotated[dict[str, str], Meta(max_length=64)] = {}
+    submitted_at: NonNegative = 0.0
+
+
+class Dispatch(Struct, frozen=True, kw_only=True):
+    """A routing decision, published to the chosen backend's subject ``rq.dispatch.<backend>``."""
+
+    v: int = SCHEMA_VERSION
+    request: InferenceRequest
+    backend: Name
+    attempt: Annotated[int, Meta(ge=1)] = 1
+    routed_at: NonNegative = 0.0
+
+
+class TokenChunk(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A piece of generated text on ``rq.tok.<tenant>.<request_id>``.
+
+    ``delivery`` numbers the run that produced it (a worker crash or preemption
+    starts a new run); ``seq`` counts chunks within a run from 0. The first
+    chunk of a run after the first has ``restart=True``: text streamed by an
+    earlier run is void. ``final=True`` closes the stream (its ``text`` is empty).
+    """
+
+    v: int = SCHEMA_VERSION
+    request_id: RequestId
+    delivery: Annotated[int, Meta(ge=1)] = 1
+    seq: Count = 0
+    text: str = ""
+    restart: bool = False
+    final: bool = False
+
+
+# --------------------------------------------------------------------- events
+
+
+class _EventBase(Struct, frozen=True, kw_only=True, tag_field="kind"):
+    v: int = SCHEMA_VERSION
+    request_id: str
+    tenant: str
+    at: float
+
+
+class Submitted(_EventBase, tag="submitted"):
+    """A client submitted a request (the full request, for audit and replay)."""
+
+    request: InferenceRequest
+
+
+class Rejected(_EventBase, tag="rejected"):
+    """Terminal: the request was invalid (malformed, unknown route, ...)."""
+
+    error_type: str
+    reason: str
+
+
+class Routed(_EventBase, tag="routed"):
+    """A router bound the request to a backend."""
+
+    backend: str
+    attempt: int
+    priority: str
+    queue_wait: float
+    reason: str = ""
+
+
+class Started(_EventBase, tag="started"):
+    """A worker started calling the backend."""
+
+    backend: str
+    attempt: int
+    delivery: int
+    worker: str
+
+
+class Retrying(_EventBase, tag="retrying"):
+    """A backend call failed transiently; the request waits and is tried again."""
+
+    backend: str
+    attempt: int
+    delivery: int
+    error_type: str
+    reason: str
+    retry_after: float
+
+
+class Completed(_EventBase, tag="completed"):
+    """Terminal: the backend produced a full answer."""
+
+    backend: str
+    attempt: int
+    delivery: int
+    text: str
+    usage: Usage
+    cost: float
+    finish_reason: str | None = None
+    ttft: float | None = None
+    duration: float = 0.0
+
+
+class Failed(_EventBase, tag="failed"):
+    """Terminal: the request cannot be completed; a copy is in the dead-letter stream."""
+
+    error_type: str
+    reason: str
+    backend: str | None = None
+    attempt: int = 0
+
+
+class Expired(_EventBase, tag="expired"):
+    """Terminal: the deadline passed before the request could finish."""
+
+    stage: str
+    reason: str = ""
+
+
+class Cancelled(_EventBase, tag="cancelled"):
+    """Terminal: the request was cancelled."""
+
+    stage: str
+    reason: str = ""
+
+
+Event = Submitted | Rejected | Routed | Started | Retrying | Completed | Failed | Expired | Cancelled
+
+TERMINAL_KINDS: Final = frozenset({"completed", "failed", "rejected", "expired", "cancelled"})
+
+_TERMINAL_TYPES: Final = (Completed, Failed, Rejected, Expired, Cancelled)
+
+
+def is_terminal(event: Event) -> bool:
+    """True for events that end a request: exactly one of them exists per request."""
+    return isinstance(event, _TERMINAL_TYPES)
+
+
+def kind_of(event: Event) -> str:
+    """The event's tag, which is also the last token of its subject."""
+    return str(type(event).__struct_config__.tag)
+
+
+EVENT_DECODER: Final = msgspec.json.Decoder(Event)
+REQUEST_DECODER: Final = msgspec.json.Decoder(InferenceRequest)
+DISPATCH_DECODER: Final = msgspec.json.Decoder(Dispatch)
+TOKEN_DECODER: Final = msgspec.json.Decoder(TokenChunk)
+_ENCODER: Final = msgspec.json.Encoder()
+
+
+def encode(message: Struct) -> bytes:
+    """Encode any wire message or event as JSON."""
+    return _ENCODER.encode(message)

@@ -1,0 +1,82 @@
+"""NATS subjects and stream names: the one place that spells them.
+
+Subjects carry the tenant, so NATS permissions alone can confine a tenant to
+publishing its own requests and reading its own tokens and events::
+
+    rq.req.<priority>.<tenant>             requests, one subject per priority level
+    rq.dispatch.<backend>                  routing decisions, one subject per backend
+    rq.evt.<tenant>.<request_id>.<kind>    the event log
+    rq.tok.<tenant>.<request_id>           streamed token chunks
+    rq.dlq.<stage>                         dead letters (stage: requests, dispatch)
+
+A tenant's permissions: publish ``rq.req.*.<tenant>`` and
+``rq.evt.<tenant>.*.submitted``; subscribe/read ``rq.evt.<tenant>.>`` and
+``rq.tok.<tenant>.>`` (see ``nats/auth.conf``).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "ADVISORIES_STREAM",
+    "DISPATCH_STREAM",
+    "DLQ_STREAM",
+    "EVENTS_STREAM",
+    "REQUESTS_STREAM",
+    "STATE_BUCKET",
+    "TOKENS_STREAM",
+    "dispatch_subject",
+    "dlq_subject",
+    "event_subject",
+    "events_of_request",
+    "request_subject",
+    "requests_of_level",
+    "router_consumer",
+    "token_subject",
+    "worker_consumer",
+]
+
+REQUESTS_STREAM: Final = "RQ_REQUESTS"
+DISPATCH_STREAM: Final = "RQ_DISPATCH"
+EVENTS_STREAM: Final = "RQ_EVENTS"
+TOKENS_STREAM: Final = "RQ_TOKENS"
+DLQ_STREAM: Final = "RQ_DLQ"
+ADVISORIES_STREAM: Final = "RQ_ADVISORIES"
+STATE_BUCKET: Final = "rq-state"
+
+
+def request_subject(priority: str, tenant: str) -> str:
+    return f"rq.req.{priority}.{tenant}"
+
+
+def requests_of_level(priority: str) -> str:
+    return f"rq.req.{priority}.*"
+
+
+def dispatch_subject(backend: str) -> str:
+    return f"rq.dispatch.{backend}"
+
+
+def event_subject(tenant: str, request_id: str, kind: str) -> str:
+    return f"rq.evt.{tenant}.{request_id}.{kind}"
+
+
+def events_of_request(tenant: str, request_id: str) -> str:
+    return f"rq.evt.{tenant}.{request_id}.*"
+
+
+def token_subject(tenant: str, request_id: str) -> str:
+    return f"rq.tok.{tenant}.{request_id}"
+
+
+def dlq_subject(stage: str) -> str:
+    return f"rq.dlq.{stage}"
+
+
+def router_consumer(priority: str) -> str:
+    return f"router-{priority}"
+
+
+def worker_consumer(backend: str) -> str:
+    return f"worker-{backend}"
