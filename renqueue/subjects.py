@@ -8,6 +8,7 @@ publishing its own requests and reading its own tokens and events::
     rq.evt.<tenant>.<request_id>.<kind>    the event log
     rq.tok.<tenant>.<request_id>           streamed token chunks
     rq.dlq.<stage>                         dead letters (stage: requests, dispatch)
+    rq.capacity.<backend>                  core NATS: a worker freed a slot (not stored)
 
 A tenant's permissions: publish ``rq.req.*.<tenant>`` and
 ``rq.evt.<tenant>.*.submitted``; subscribe/read ``rq.evt.<tenant>.>`` and
@@ -26,6 +27,7 @@ __all__ = [
     "REQUESTS_STREAM",
     "STATE_BUCKET",
     "TOKENS_STREAM",
+    "capacity_subject",
     "dispatch_subject",
     "dlq_subject",
     "event_subject",
@@ -56,6 +58,11 @@ def requests_of_level(priority: str) -> str:
 
 def dispatch_subject(backend: str) -> str:
     return f"rq.dispatch.{backend}"
+
+
+def capacity_subject(backend: str) -> str:
+    """Core NATS (not stored): a worker freed a slot of ``backend``."""
+    return f"rq.capacity.{backend}"
 
 
 def event_subject(tenant: str, request_id: str, kind: str) -> str:

@@ -1,0 +1,271 @@
+"""The ``renqueue`` command line.
+
+::
+
+    renqueue up                 embedded NATS (unless --nats) + provision + routers + workers
+    renqueue router             router processes only (scale out)
+    renqueue worker -b NAME     workers for some backends only (scale out)
+    renqueue provision          apply streams/ to NATS, idempotently
+    renqueue submit PROMPT      submit one request; --stream prints tokens as they come
+    renqueue audit ID           one request's timeline from the event log
+    renqueue schema             JSON Schema of every wire message and event
+    renqueue mock-backend       an OpenAI-compatible mock LLM server
+    renqueue demo               everything embedded, a mixed workload, a summary
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from .config import Config, load_config
+from .errors import ConfigError, RenQueueError, RequestFailedError
+from .logs import configure_logging
+
+__all__ = ["main"]
+
+
+def _with_nats(config: Config, url: str | None) -> Config:
+    if url:
+        return msgspec.structs.replace(config, nats=msgspec.structs.replace(config.nats, url=url))
+    return config
+
+
+def _client_url(config: Config) -> str:
+    from .connection import resolve_nats_url
+
+    url = resolve_nats_url(config)
+    if url is None:
+        raise ConfigError(
+            "no NATS URL: give --nats or RENQUEUE_NATS_URL, or start `renqueue up` first",
+            path="$.nats.url",
+        )
+    return url
+
+
+async def _up(config: Config, args: argparse.Namespace) -> None:
+    from .service import Services, run_until_signalled
+
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr="127.0.0.1")
+    backends = None if args.backend is None else args.backend
+    routers = args.routers
+    if args.command == "router":
+        backends = []
+    elif args.command == "worker":
+        routers = 0
+    await run_until_signalled(Services(config, routers=routers, backends=backends))
+
+
+async def _provision(config: Config, _args: argparse.Namespace) -> None:
+    from .connection import connect
+    from .provision import provision
+
+    nc = await connect(_client_url(config), name="renqueue-provision", config=config.nats)
+    try:
+        report = await provision(nc, config)
+        print(report)
+    finally:
+        await nc.drain()
+
+
+async def _submit(config: Config, args: argparse.Namespace) -> None:
+    from .client import Client
+
+    client = await Client.connect(_client_url(config), tenant=args.tenant, name="renqueue-cli")
+    async with client:
+        handle = await client.submit(
+            args.prompt,
+            route=args.route,
+            priority=args.priority or config.default_priority,
+            request_id=args.id,
+            max_tokens=args.max_tokens,
+            timeout=args.timeout,
+        )
+        print(f"request {handle.id}{' (already submitted)' if handle.duplicate else ''}")
+        if args.stream:
+            async for chunk in handle.stream():
+                if chunk.restart:
+                    print("\n[restarted]", flush=True)
+                print(chunk.text, end="", flush=True)
+            print()
+        result = await handle.result(timeout=args.wait)
+        if args.json:
+            print(json.dumps(msgspec.to_builtins(result)))
+        else:
+            if not args.stream:
+                print(result.text)
+            print(
+                f"-- backend={result.backend} tokens={result.usage.prompt_tokens}+"
+                f"{result.usage.completion_tokens} cost=${result.cost:.6f} "
+                f"duration={result.duration:.3f}s"
+            )
+
+
+async def _audit(config: Config, args: argparse.Namespace) -> None:
+    from .connection import connect
+    from .eventlog import EventLog
+
+    nc = await connect(_client_url(config), name="renqueue-audit", config=config.nats)
+    try:
+        events = await EventLog(nc.jetstream()).history(args.tenant or "*", args.request_id)
+    finally:
+        await nc.drain()
+    if not events:
+        raise RenQueueError(f"no events for request {args.request_id}")
+    for event in events:
+        data = msgspec.to_builtins(event)
+        if args.json:
+            print(json.dumps(data))
+            continue
+        when = datetime.datetime.fromtimestamp(event.at, tz=datetime.UTC).isoformat(
+            timespec="milliseconds"
+        )
+        kind = data.pop("kind")
+        for key in ("v", "request_id", "tenant", "at"):
+            data.pop(key, None)
+        if kind == "submitted":
+            request = data.pop("request")
+            data = {
+                "route": request["route"],
+                "priority": request["priority"],
+                "messages": len(request["messages"]),
+            }
+        if kind == "completed":
+            data["text"] = _shorten(data["text"])
+        details = " ".join(f"{k}={v}" for k, v in data.items() if v not in (None, ""))
+        print(f"{when}  {kind:<10} {details}")
+
+
+def _shorten(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _schema(_config: Config, _args: argparse.Namespace) -> None:
+    from . import messages
+
+    types: list[Any] = [
+        messages.InferenceRequest,
+        messages.Dispatch,
+        messages.TokenChunk,
+        messages.Event,
+    ]
+    (_schemas, components) = msgspec.json.schema_components(types)
+    print(json.dumps({"$defs": components}, indent=2, sort_keys=True))
+
+
+async def _mock_backend(_config: Config, args: argparse.Namespace) -> None:
+    from .mockbackend import MockSettings, serve
+
+    settings = MockSettings(
+        ttft=args.ttft,
+        tokens_per_second=args.tps,
+        output_tokens=args.output_tokens,
+        failure_rate=args.failure_rate,
+        rpm=args.rpm,
+        tpm=args.tpm,
+        concurrency=args.concurrency,
+    )
+    await serve(settings, args.host, args.port)
+
+
+async def _demo(config: Config, args: argparse.Namespace) -> None:
+    from .demo import run_demo
+
+    ok = await run_demo(requests=args.requests)
+    if not ok:
+        raise SystemExit(1)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="renqueue", description=__doc__.splitlines()[0])
+    parser.add_argument("-c", "--config", help="TOML config file (default: ./renqueue.toml)")
+    parser.add_argument("--nats", help="NATS URL (default: embedded server / RENQUEUE_NATS_URL)")
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    for name, text in (
+        ("up", "run embedded NATS (unless --nats), routers and workers"),
+        ("router", "run router processes only"),
+        ("worker", "run workers only"),
+    ):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--routers", type=int, default=1, help="router loops in this process")
+        cmd.add_argument(
+            "-b", "--backend", action="append", help="serve only this backend (repeatable)"
+        )
+        cmd.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+        cmd.set_defaults(run=_up)
+
+    sub.add_parser("provision", help="apply streams/ to NATS").set_defaults(run=_provision)
+
+    cmd = sub.add_parser("submit", help="submit one request")
+    cmd.add_argument("prompt")
+    cmd.add_argument("--route", required=True)
+    cmd.add_argument("--priority", help="level name (default: config default_priority)")
+    cmd.add_argument("--tenant", default="default")
+    cmd.add_argument("--id", help="request id (idempotency key)")
+    cmd.add_argument("--max-tokens", type=int)
+    cmd.add_argument("--timeout", type=float, help="deadline, seconds from now")
+    cmd.add_argument("--wait", type=float, help="give up waiting for the result after N s")
+    cmd.add_argument("--stream", action="store_true", help="print tokens as they come")
+    cmd.add_argument("--json", action="store_true", help="print the result as JSON")
+    cmd.set_defaults(run=_submit)
+
+    cmd = sub.add_parser("audit", help="one request's timeline")
+    cmd.add_argument("request_id")
+    cmd.add_argument("--tenant", help="tenant (default: any)")
+    cmd.add_argument("--json", action="store_true", help="one JSON event per line")
+    cmd.set_defaults(run=_audit)
+
+    sub.add_parser("schema", help="JSON Schema of messages and events").set_defaults(run=_schema)
+
+    cmd = sub.add_parser("mock-backend", help="OpenAI-compatible mock LLM server")
+    cmd.add_argument("--host", default="127.0.0.1")
+    cmd.add_argument("--port", type=int, default=8100)
+    cmd.add_argument("--ttft", type=float, default=0.05, help="seconds to first token")
+    cmd.add_argument("--tps", type=float, default=100.0, help="tokens per second (0: instant)")
+    cmd.add_argument("--output-tokens", type=int, default=32)
+    cmd.add_argument("--failure-rate", type=float, default=0.0)
+    cmd.add_argument("--rpm", type=int, help="requests per minute it allows")
+    cmd.add_argument("--tpm", type=int, help="tokens per minute it allows")
+    cmd.add_argument("--concurrency", type=int, help="concurrent requests it allows")
+    cmd.set_defaults(run=_mock_backend)
+
+    cmd = sub.add_parser("demo", help="run everything embedded on a mixed workload")
+    cmd.add_argument("--requests", type=int, default=200)
+    cmd.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    configure_logging(level=args.log_level, json=args.log_json)
+    try:
+        config = _with_nats(load_config(args.config), args.nats)
+        result = args.run(config, args)
+        if asyncio.iscoroutine(result):
+            asyncio.run(result)
+    except RequestFailedError as exc:
+        print(f"renqueue: {exc} [{exc.error_type}]", file=sys.stderr)
+        return 3
+    except RenQueueError as exc:
+        print(f"renqueue: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Prometheus metrics. Labels are backend, route and priority names only: never ids or keys."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+__all__ = [
+    "BACKEND_CALLS",
+    "BACKEND_LATENCY",
+    "COST",
+    "DUPLICATES_DROPPED",
+    "IN_FLIGHT",
+    "QUEUE_WAIT",
+    "REJECTED",
+    "ROUTED",
+    "TERMINAL",
+    "TOKENS",
+]
+
+ROUTED = Counter(
+    "renqueue_routed_total", "Routing decisions made", ["backend", "priority"]
+)
+REJECTED = Counter(
+    "renqueue_rejected_total", "Requests rejected as invalid, by error type", ["error_type"]
+)
+TERMINAL = Counter(
+    "renqueue_terminal_total", "Requests that reached a terminal state", ["kind"]
+)
+QUEUE_WAIT = Histogram(
+    "renqueue_queue_wait_seconds",
+    "Time from submit to routing decision",
+    ["priority"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+BACKEND_CALLS = Counter(
+    "renqueue_backend_calls_total", "Backend calls by outcome", ["backend", "outcome"]
+)
+BACKEND_LATENCY = Histogram(
+    "renqueue_backend_call_seconds",
+    "Duration of a backend call",
+    ["backend"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+TOKENS = Counter("renqueue_tokens_total", "Tokens by backend and direction", ["backend", "direction"])
+COST = Counter("renqueue_cost_dollars_total", "Spend in US dollars", ["backend"])
+IN_FLIGHT = Gauge("renqueue_worker_in_flight", "Requests being served by this process", ["backend"])
+DUPLICATES_DROPPED = Counter(
+    "renqueue_duplicate_completions_total",
+    "Completions dropped because the request already had a terminal event",
+    ["backend"],
+)

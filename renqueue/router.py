@@ -1,0 +1,442 @@
+"""The router: binds waiting requests to backends, late, in priority order.
+
+Requests wait in the priority subjects (``rq.req.<level>.<tenant>``), one
+durable pull consumer per level shared by every router process. Each router
+runs one long-poll fetch task per level, feeding a small local hold (bounded
+per level, so batch work can never crowd out a critical fetch). A single
+dispatch loop then takes held requests highest level first, oldest first, and
+binds each to the first candidate of its route that is healthy, capable and
+has a free slot *now*. A request whose candidates are all full stays held (its
+ack timer kept alive) until a slot frees: backends are never given more work
+than their concurrency, so backend subjects stay short and waiting happens
+where priority applies.
+
+Free slots are known from the broker: a backend's in-flight count is its worker
+consumer's ``num_pending + num_ack_pending``, refreshed at most every
+``router.capacity_refresh``, plus what this router dispatched since. Workers
+announce freed slots on ``rq.capacity.<backend>`` (core NATS) so a router
+wakes without polling. With several routers, each may over-fill a backend by
+the slots it saw free at the same moment; the worker consumer's
+``max_ack_pending`` still caps concurrency at the broker.
+
+The decisions are plain functions (:func:`choose_backend`, :func:`validate`);
+:class:`Router` is the loop around them that does the NATS work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+import msgspec
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from . import metrics
+from .config import Config, parse_duration
+from .errors import InvalidRequestError, MalformedRequestError, UnknownRouteError
+from .eventlog import EventLog
+from .logs import get_logger
+from .messages import (
+    REQUEST_DECODER,
+    Dispatch,
+    Expired,
+    InferenceRequest,
+    Rejected,
+    Routed,
+    encode,
+)
+from .subjects import (
+    DISPATCH_STREAM,
+    REQUESTS_STREAM,
+    capacity_subject,
+    dispatch_subject,
+    router_consumer,
+    worker_consumer,
+)
+
+__all__ = ["BackendView", "NoRoom", "Router", "choose_backend", "validate"]
+
+log = get_logger("router")
+
+_ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+class NoRoom(enum.Enum):
+    """Why no backend was chosen."""
+
+    FULL = "every capable candidate is at capacity"
+    NONE_CAPABLE = "no candidate is healthy and capable"
+
+
+class BackendView(msgspec.Struct, frozen=True, kw_only=True):
+    """What a routing decision knows about one backend at one moment."""
+
+    name: str
+    capacity: int
+    in_flight: int
+    healthy: bool = True
+    tier: int = 1
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.in_flight)
+
+
+def validate(request: InferenceRequest, *, level: str, tenant: str, config: Config) -> None:
+    """Check a decoded request against where it was published and the config.
+
+    The subject is authoritative: a payload naming another tenant or level is
+    rejected (a tenant must not be able to speak for another).
+    """
+    if request.tenant != tenant:
+        raise MalformedRequestError(
+            f"tenant {request.tenant!r} does not match subject tenant {tenant!r}",
+            request_id=request.id,
+        )
+    if request.priority != level:
+        raise MalformedRequestError(
+            f"priority {request.priority!r} does not match subject level {level!r}",
+            request_id=request.id,
+        )
+    if request.route not in config.routes:
+        raise UnknownRouteError(request.route, request_id=request.id)
+
+
+def choose_backend(
+    request: InferenceRequest, candidates: list[str], views: Mapping[str, BackendView]
+) -> str | NoRoom:
+    """The first healthy, capable candidate (cascade order) with a free slot."""
+    capable = [
+        views[name]
+        for name in candidates
+        if name in views
+        and views[name].healthy
+        and (request.complexity is None or views[name].tier >= request.complexity)
+    ]
+    if not capable:
+        return NoRoom.NONE_CAPABLE
+    for view in capable:
+        if view.free > 0:
+            return view.name
+    return NoRoom.FULL
+
+
+class _Held(msgspec.Struct, kw_only=True):
+    msg: Any
+    request: InferenceRequest
+    received: float
+    touched: float
+
+
+class _Capacity:
+    """Per-backend in-flight estimate: broker truth plus local dispatches since."""
+
+    def __init__(self, js: Any, config: Config, refresh: float) -> None:
+        self._js = js
+        self._config = config
+        self._refresh = refresh
+        self._known: dict[str, int] = dict.fromkeys(config.backends, 0)
+        self._since: dict[str, int] = dict.fromkeys(config.backends, 0)
+        self._at: dict[str, float] = dict.fromkeys(config.backends, 0.0)
+
+    def views(self) -> dict[str, BackendView]:
+        return {
+            name: BackendView(
+                name=name,
+                capacity=backend.limits.concurrency,
+                in_flight=self._known[name] + self._since[name],
+                tier=backend.tier,
+            )
+            for name, backend in self._config.backends.items()
+        }
+
+    def dispatched(self, backend: str) -> None:
+        self._since[backend] += 1
+
+    def freed(self, backend: str) -> None:
+        """A worker announced a freed slot: believe it until the next refresh."""
+        if backend in self._known:
+            self._known[backend] = max(0, self._known[backend] - 1)
+
+    async def refresh(self, backends: list[str], *, force: bool = False) -> None:
+        now = time.monotonic()
+        for name in backends:
+            if not force and now - self._at[name] < self._refresh:
+                continue
+            info = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(name))
+            self._known[name] = info.num_pending + info.num_ack_pending
+            self._since[name] = 0
+            self._at[name] = now
+
+
+class Router:
+    """One router process's loop. Stateless: any number may run side by side."""
+
+    def __init__(
+        self,
+        nc: Any,
+        js: Any,
+        config: Config,
+        *,
+        name: str = "router",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._nc = nc
+        self._js = js
+        self._config = config
+        self._name = name
+        self._clock = clock
+        self._log = EventLog(js)
+        self._levels = list(config.priorities)
+        self._held: dict[str, deque[_Held]] = {level: deque() for level in self._levels}
+        self._room = {level: asyncio.Event() for level in self._levels}
+        self._wake = asyncio.Event()
+        self._capacity = _Capacity(js, config, parse_duration(config.router.capacity_refresh))
+        self._ack_wait = parse_duration(config.router.ack_wait)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._capacity_sub: Any = None
+        self._stopping = asyncio.Event()
+        self.routed = 0
+        self.rejected = 0
+
+    async def start(self) -> None:
+        """Bind to the provisioned consumers and start the loops."""
+        for level in self._levels:
+            psub = await self._js.pull_subscribe_bind(
+                durable=router_consumer(level), stream=REQUESTS_STREAM
+            )
+            self._spawn(self._fetch_loop(level, psub), f"fetch-{level}")
+        self._capacity_sub = await self._nc.subscribe(capacity_subject("*"), cb=self._on_freed)
+        self._spawn(self._dispatch_loop(), "dispatch")
+        self._spawn(self._keepalive_loop(), "keepalive")
+        log.info("router started", router=self._name, levels=self._levels)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=f"{self._name}-{name}")
+        self._tasks.add(task)
+
+    async def stop(self) -> None:
+        """Stop taking work, let in-flight dispatches land, hand held requests back."""
+        self._stopping.set()
+        if self._capacity_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._capacity_sub.unsubscribe()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._inflight:
+            await asyncio.gather(*self._inflight, return_exceptions=True)
+        for held in self._held.values():
+            while held:
+                with contextlib.suppress(Exception):
+                    await held.popleft().msg.nak()
+        log.info("router stopped", router=self._name, routed=self.routed)
+
+    async def _on_freed(self, msg: Any) -> None:
+        self._capacity.freed(msg.subject.rsplit(".", 1)[-1])
+        self._wake.set()
+
+    # ------------------------------------------------------------- fetching
+
+    async def _fetch_loop(self, level: str, psub: Any) -> None:
+        limit = self._config.router.hold_limit
+        batch = self._config.router.fetch_batch
+        held = self._held[level]
+        while True:
+            room = limit - len(held)
+            if room <= 0:
+                self._room[level].clear()
+                await self._room[level].wait()
+                continue
+            try:
+                msgs = await psub.fetch(batch=min(room, batch), timeout=1.0)
+            except (TimeoutError, NatsTimeoutError):
+                continue
+            except Exception as exc:  # noqa: BLE001 - a broker hiccup must not kill the loop
+                log.warning("fetch failed", level=level, error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            now = self._clock()
+            for msg in msgs:
+                request = await self._admit(msg, level, now)
+                if request is not None:
+                    held.append(_Held(msg=msg, request=request, received=now, touched=now))
+            self._wake.set()
+
+    async def _admit(self, msg: Any, level: str, now: float) -> InferenceRequest | None:
+        """Decode and validate one request; reject it (terminally) if it is bad."""
+        tenant = _subject_token(msg.subject, 3)
+        header_id = (msg.headers or {}).get("Nats-Msg-Id", "")
+        request_id = header_id if _is_id(header_id) else f"invalid-{msg.metadata.sequence.stream}"
+        try:
+            request = REQUEST_DECODER.decode(msg.data)
+            validate(request, level=level, tenant=tenant, config=self._config)
+        except (msgspec.DecodeError, InvalidRequestError) as exc:
+            error = exc if isinstance(exc, InvalidRequestError) else MalformedRequestError(str(exc))
+            await self._reject(msg, request_id, tenant, error)
+            return None
+        if request.deadline is not None and now >= request.deadline:
+            await self._expire(msg, request, now)
+            return None
+        return request
+
+    async def _reject(self, msg: Any, request_id: str, tenant: str, error: Exception) -> None:
+        code = getattr(error, "code", "malformed")
+        self.rejected += 1
+        metrics.REJECTED.labels(code).inc()
+        metrics.TERMINAL.labels("rejected").inc()
+        log.warning("request rejected", request_id=request_id, error_type=code, reason=str(error))
+        try:
+            await self._log.dead_letter(
+                "requests",
+                msg.data,
+                reason=f"{code}: {error}",
+                source_subject=msg.subject,
+                request_id=request_id,
+            )
+            event = Rejected(
+                request_id=request_id,
+                tenant=tenant,
+                at=self._clock(),
+                error_type=code,
+                reason=str(error)[:1000],
+            )
+            await self._log.finish(event)
+            await msg.ack()
+        except Exception as exc:  # noqa: BLE001 - leave it for redelivery, keep serving
+            log.error("could not record rejection", request_id=request_id, error=str(exc))
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
+
+    async def _expire(self, msg: Any, request: InferenceRequest, now: float) -> None:
+        event = Expired(
+            request_id=request.id,
+            tenant=request.tenant,
+            at=now,
+            stage="queued",
+            reason="deadline passed while waiting to be routed",
+        )
+        metrics.TERMINAL.labels("expired").inc()
+        try:
+            await self._log.finish(event)
+            await msg.ack()
+        except Exception as exc:  # noqa: BLE001
+            log.error("could not record expiry", request_id=request.id, error=str(exc))
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
+
+    # ------------------------------------------------------------- dispatching
+
+    async def _dispatch_loop(self) -> None:
+        refresh = parse_duration(self._config.router.capacity_refresh)
+        while True:
+            waiting = await self._dispatch_round()
+            # With requests waiting for room, look again after the refresh
+            # interval even if no worker announces a freed slot.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), refresh if waiting else None)
+            self._wake.clear()
+
+    async def _dispatch_round(self) -> list[str]:
+        """Bind every held request that can be bound now, highest level first.
+
+        Returns the backends that held requests are waiting on.
+        """
+        views = self._capacity.views()
+        waiting: set[str] = set()
+        now = self._clock()
+        for level in self._levels:
+            held = self._held[level]
+            keep: deque[_Held] = deque()
+            while held:
+                item = held.popleft()
+                request = item.request
+                if request.deadline is not None and now >= request.deadline:
+                    await self._expire(item.msg, request, now)
+                    continue
+                candidates = self._config.routes[request.route].backends
+                choice = choose_backend(request, candidates, views)
+                if isinstance(choice, NoRoom):
+                    await self._capacity.refresh(candidates)
+                    views = self._capacity.views()
+                    choice = choose_backend(request, candidates, views)
+                if isinstance(choice, NoRoom):
+                    keep.append(item)
+                    waiting.update(candidates)
+                    continue
+                self._capacity.dispatched(choice)
+                views = self._capacity.views()
+                self._bind(item, choice, level, now)
+            held.extend(keep)
+            if len(held) < self._config.router.hold_limit:
+                self._room[level].set()
+        return sorted(waiting)
+
+    def _bind(self, item: _Held, backend: str, level: str, now: float) -> None:
+        task = asyncio.create_task(self._publish_decision(item, backend, level, now))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    async def _publish_decision(self, item: _Held, backend: str, level: str, now: float) -> None:
+        request = item.request
+        wait = max(0.0, now - request.submitted_at) if request.submitted_at else 0.0
+        dispatch = Dispatch(request=request, backend=backend, attempt=1, routed_at=now)
+        routed = Routed(
+            request_id=request.id,
+            tenant=request.tenant,
+            at=now,
+            backend=backend,
+            attempt=1,
+            priority=level,
+            queue_wait=wait,
+            reason="first candidate in cascade order with a free slot",
+        )
+        try:
+            sent = await self._js.publish_async(
+                dispatch_subject(backend),
+                encode(dispatch),
+                headers={"Nats-Msg-Id": f"{request.id}:dispatch:1"},
+            )
+            logged = await self._log.append_async(routed)
+            await asyncio.wait_for(asyncio.gather(sent, logged), timeout=10.0)
+            await item.msg.ack()
+        except Exception as exc:  # noqa: BLE001 - the request goes back to wait, nothing lost
+            log.warning("dispatch failed; request returns to its queue", error=str(exc))
+            with contextlib.suppress(Exception):
+                await item.msg.nak(delay=0.5)
+            return
+        self.routed += 1
+        metrics.ROUTED.labels(backend, level).inc()
+        metrics.QUEUE_WAIT.labels(level).observe(wait)
+
+    # ------------------------------------------------------------- keepalive
+
+    async def _keepalive_loop(self) -> None:
+        """Held requests wait for room: keep their ack timers from running out."""
+        interval = max(0.1, self._ack_wait / 3)
+        while True:
+            await asyncio.sleep(interval)
+            now = self._clock()
+            for held in self._held.values():
+                for item in list(held):
+                    if now - item.touched >= interval:
+                        with contextlib.suppress(Exception):
+                            await item.msg.in_progress()
+                        item.touched = now
+
+
+def _subject_token(subject: str, index: int) -> str:
+    parts = subject.split(".")
+    token = parts[index] if len(parts) > index else ""
+    return token if _is_id(token) else "unknown"
+
+
+def _is_id(text: str) -> bool:
+    return 0 < len(text) <= 128 and all(ch in _ID_OK for ch in text)

@@ -1,0 +1,161 @@
+"""Running the services: embedded NATS (when no URL is given), routers and workers.
+
+:class:`Services` is the one place that wires them together, for ``renqueue
+up``, ``renqueue router``, ``renqueue worker``, the demo and the tests. Its
+shutdown order is fixed: stop taking work (routers first, so nothing new is
+dispatched), let workers finish in-flight runs within ``worker.drain_timeout``
+and nak the rest, drain the NATS connection, stop the embedded server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from .backends import Backend, make_backend
+from .config import Config
+from .connection import connect
+from .embedded import EmbeddedServer
+from .logs import get_logger
+from .provision import provision
+from .router import Router
+from .worker import Worker
+
+__all__ = ["Services", "State", "run_until_signalled"]
+
+log = get_logger("service")
+
+
+class State(enum.Enum):
+    UNOPENED = "unopened"
+    RUNNING = "running"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+class Services:
+    """Start what this process should run; stop it all in order on exit.
+
+    ``backends=None`` runs a worker for every configured backend; ``[]`` none.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        routers: int = 1,
+        backends: Sequence[str] | None = None,
+        provision_streams: bool = True,
+        name: str = "renqueue",
+    ) -> None:
+        self.config = config
+        self._router_count = routers
+        self._backend_names = list(config.backends) if backends is None else list(backends)
+        self._provision = provision_streams
+        self._name = name
+        self.state = State.UNOPENED
+        self.server: EmbeddedServer | None = None
+        self.nc: Any = None
+        self.js: Any = None
+        self.routers: list[Router] = []
+        self.workers: list[Worker] = []
+        self._adapters: list[Backend] = []
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def url(self) -> str:
+        if self.config.nats.url:
+            return self.config.nats.url
+        if self.server is None:
+            raise RuntimeError("services are not running")
+        return self.server.url
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self.state is not State.UNOPENED:
+            raise RuntimeError(f"cannot start services in state {self.state.value}")
+        self.state = State.RUNNING
+        try:
+            if not self.config.nats.url:
+                nats = self.config.nats
+                self.server = EmbeddedServer(Path(nats.data_dir), host=nats.host, port=nats.port)
+                await self.server.start()
+                log.info("embedded nats-server started", url=self.server.url)
+            self.nc = await connect(self.url, name=self._name, config=self.config.nats)
+            self.js = self.nc.jetstream()
+            if self._provision:
+                await provision(self.nc, self.config)
+            for index in range(self._router_count):
+                router = Router(self.nc, self.js, self.config, name=f"{self._name}-router-{index}")
+                await router.start()
+                self.routers.append(router)
+            if self._backend_names:
+                self._http = httpx.AsyncClient(
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=1000)
+                )
+            for backend_name in self._backend_names:
+                adapter = make_backend(
+                    backend_name, self.config.backends[backend_name], client=self._http
+                )
+                self._adapters.append(adapter)
+                worker = Worker(self.nc, self.js, self.config, backend_name, adapter)
+                await worker.start()
+                self.workers.append(worker)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        """Stop in the fixed order. Idempotent."""
+        if self.state in (State.DRAINING, State.CLOSED):
+            return
+        self.state = State.DRAINING
+        for router in self.routers:
+            await router.stop()
+        await asyncio.gather(*(worker.stop() for worker in self.workers), return_exceptions=True)
+        for adapter in self._adapters:
+            await adapter.aclose()
+        if self._http is not None:
+            await self._http.aclose()
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception as exc:  # noqa: BLE001 - shutting down regardless
+                log.warning("nats drain failed", error=str(exc))
+        if self.server is not None:
+            await self.server.stop()
+        self.state = State.CLOSED
+
+
+async def run_until_signalled(services: Services) -> None:
+    """Run until SIGINT or SIGTERM, then shut down in order."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with services:
+            log.info("running; Ctrl-C to stop", url=services.url)
+            await stop.wait()
+            log.info("signal received; draining")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

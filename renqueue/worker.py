@@ -1,0 +1,397 @@
+"""The backend worker: serves one backend from its durable consumer.
+
+Any number of worker processes may serve the same backend: they share the
+durable pull consumer ``worker-<backend>``, whose ``max_ack_pending`` equals
+the backend's concurrency, so the broker itself caps concurrent calls across
+all of them.
+
+A dispatched request is acked only once it reached a terminal state
+(completed, failed, expired) and that state is in the log. While the backend
+generates, the message is kept alive with ``in_progress()``. If the worker
+dies, the request is redelivered after ``ack_wait`` and run again; the new run
+streams a ``restart`` chunk first, and the terminal event's shared message id
+makes sure only one completion is ever recorded. Transient failures
+(rate-limited, server errors) are retried with a delayed ``nak`` up to
+``worker.max_deliver`` runs; then, or on a fatal error, the request fails into
+the dead-letter stream. Cancellation (shutdown) is not failure: the request is
+nak'ed back to the queue at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from . import metrics
+from .backends import Backend
+from .config import BackendConfig, Config, parse_duration
+from .errors import BackendError, RetryableBackendError
+from .eventlog import EventLog
+from .logs import bound_request, get_logger
+from .messages import (
+    DISPATCH_DECODER,
+    Completed,
+    Dispatch,
+    Expired,
+    Failed,
+    Retrying,
+    Started,
+    TokenChunk,
+    Usage,
+    encode,
+)
+from .subjects import (
+    DISPATCH_STREAM,
+    capacity_subject,
+    token_subject,
+    worker_consumer,
+)
+
+__all__ = ["Worker"]
+
+log = get_logger("worker")
+
+
+class _Expiry(Exception):
+    """The request's deadline passed during the backend call."""
+
+
+class Worker:
+    """Serves one backend. ``start()``, then ``stop()`` to drain."""
+
+    def __init__(
+        self,
+        nc: Any,
+        js: Any,
+        config: Config,
+        backend_name: str,
+        backend: Backend,
+        *,
+        name: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._nc = nc
+        self._js = js
+        self._config = config
+        self._backend_name = backend_name
+        self._backend_config: BackendConfig = config.backends[backend_name]
+        self._backend = backend
+        self._name = name or f"{socket.gethostname()}-{os.getpid()}-{backend_name}"
+        self._clock = clock
+        self._log = EventLog(js)
+        self._slots = self._backend_config.limits.concurrency
+        self._ack_wait = parse_duration(config.worker.ack_wait)
+        self._retry_delay = parse_duration(config.worker.retry_delay)
+        self._drain_timeout = parse_duration(config.worker.drain_timeout)
+        self._running: set[asyncio.Task[None]] = set()
+        self._slot_freed = asyncio.Event()
+        self._fetcher: asyncio.Task[None] | None = None
+        self.completed = 0
+        self.failed = 0
+
+    @property
+    def backend_name(self) -> str:
+        return self._backend_name
+
+    async def start(self) -> None:
+        psub = await self._js.pull_subscribe_bind(
+            durable=worker_consumer(self._backend_name), stream=DISPATCH_STREAM
+        )
+        self._fetcher = asyncio.create_task(self._fetch_loop(psub), name=f"{self._name}-fetch")
+        log.info("worker started", worker=self._name, backend=self._backend_name)
+
+    async def stop(self) -> None:
+        """Stop fetching, let in-flight runs finish within the bound, nak the rest."""
+        if self._fetcher is not None:
+            self._fetcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._fetcher
+            self._fetcher = None
+        if self._running:
+            _done, pending = await asyncio.wait(self._running, timeout=self._drain_timeout)
+            for task in pending:
+                task.cancel()  # each run naks its message when cancelled
+            await asyncio.gather(*pending, return_exceptions=True)
+        log.info("worker stopped", worker=self._name, completed=self.completed)
+
+    async def _fetch_loop(self, psub: Any) -> None:
+        while True:
+            free = self._slots - len(self._running)
+            if free <= 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            try:
+                msgs = await psub.fetch(batch=free, timeout=1.0)
+            except (TimeoutError, NatsTimeoutError):
+                continue
+            except Exception as exc:  # noqa: BLE001 - a broker hiccup must not kill the loop
+                log.warning("fetch failed", backend=self._backend_name, error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                task = asyncio.create_task(self._handle(msg))
+                self._running.add(task)
+                task.add_done_callback(self._run_done)
+
+    def _run_done(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        self._slot_freed.set()
+
+    # ------------------------------------------------------------------ one run
+
+    async def _handle(self, msg: Any) -> None:
+        try:
+            dispatch = DISPATCH_DECODER.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            await self._poison(msg, str(exc))
+            return
+        request = dispatch.request
+        with bound_request(request.id, backend=self._backend_name):
+            metrics.IN_FLIGHT.labels(self._backend_name).inc()
+            try:
+                await self._run(msg, dispatch)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await msg.nak()
+                raise
+            except Exception:  # noqa: BLE001 - never let one request kill the worker
+                log.exception("unexpected error; request will be redelivered")
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=self._retry_delay)
+            finally:
+                metrics.IN_FLIGHT.labels(self._backend_name).dec()
+                with contextlib.suppress(Exception):
+                    await self._nc.publish(capacity_subject(self._backend_name), b"")
+
+    async def _poison(self, msg: Any, reason: str) -> None:
+        seq = msg.metadata.sequence.stream
+        log.error("undecodable dispatch message sent to dead letters", seq=seq, reason=reason)
+        await self._log.dead_letter(
+            "dispatch",
+            msg.data,
+            reason=f"malformed: {reason}",
+            source_subject=msg.subject,
+            request_id=f"dispatch-{seq}",
+        )
+        await msg.term()
+
+    async def _run(self, msg: Any, dispatch: Dispatch) -> None:
+        request = dispatch.request
+        delivery = int(msg.metadata.num_delivered)
+        if delivery > 1 and await self._log.terminal_of(request.tenant, request.id) is not None:
+            log.info("redelivered request already finished; dropping", delivery=delivery)
+            metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
+            await msg.ack()
+            return
+        now = self._clock()
+        if request.deadline is not None and now >= request.deadline:
+            await self._finish(
+                msg,
+                Expired(
+                    request_id=request.id,
+                    tenant=request.tenant,
+                    at=now,
+                    stage="queued",
+                    reason="deadline passed before the backend call",
+                ),
+                delivery,
+            )
+            return
+        started = Started(
+            request_id=request.id,
+            tenant=request.tenant,
+            at=now,
+            backend=self._backend_name,
+            attempt=dispatch.attempt,
+            delivery=delivery,
+            worker=self._name,
+        )
+        pending_acks: list[asyncio.Future[Any]] = [await self._log.append_async(started)]
+        keepalive = asyncio.create_task(self._keep_alive(msg))
+        try:
+            outcome, chunks = await self._call(request, dispatch, delivery, pending_acks)
+        except BackendError as exc:
+            await self._backend_failed(msg, dispatch, delivery, exc, pending_acks)
+            return
+        except _Expiry:
+            await self._settle(pending_acks)
+            await self._finish(
+                msg,
+                Expired(
+                    request_id=request.id,
+                    tenant=request.tenant,
+                    at=self._clock(),
+                    stage="running",
+                    reason="deadline passed during generation",
+                ),
+                delivery,
+            )
+            return
+        finally:
+            keepalive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keepalive
+        await self._settle(pending_acks)
+        await self._finish(msg, outcome, delivery, seq=chunks)
+
+    async def _call(
+        self,
+        request: Any,
+        dispatch: Dispatch,
+        delivery: int,
+        pending_acks: list[asyncio.Future[Any]],
+    ) -> tuple[Completed, int]:
+        """Stream the backend's answer to the token subject.
+
+        Returns the completion and the number of chunks streamed.
+        """
+        subject = token_subject(request.tenant, request.id)
+        started = time.monotonic()
+        ttft: float | None = None
+        parts: list[str] = []
+        usage: Usage | None = None
+        finish_reason: str | None = None
+        seq = 0
+        rank = self._config.priority_rank(request.priority)
+        timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
+        try:
+            async with asyncio.timeout(timeout):
+                stream = self._backend.stream(request, priority=rank)
+                try:
+                    async for delta in stream:
+                        if delta.text:
+                            if ttft is None:
+                                ttft = time.monotonic() - started
+                            chunk = TokenChunk(
+                                request_id=request.id,
+                                delivery=delivery,
+                                seq=seq,
+                                text=delta.text,
+                                restart=delivery > 1 and seq == 0,
+                            )
+                            pending_acks.append(
+                                await self._js.publish_async(subject, encode(chunk))
+                            )
+                            seq += 1
+                            parts.append(delta.text)
+                        if delta.usage is not None:
+                            usage = delta.usage
+                        if delta.finish_reason is not None:
+                            finish_reason = delta.finish_reason
+                finally:
+                    await stream.aclose()  # type: ignore[attr-defined]
+        except TimeoutError as exc:
+            raise _Expiry from exc
+        duration = time.monotonic() - started
+        usage = usage or Usage()
+        cost = self._backend_config.cost(usage.prompt_tokens, usage.completion_tokens)
+        metrics.BACKEND_CALLS.labels(self._backend_name, "completed").inc()
+        metrics.BACKEND_LATENCY.labels(self._backend_name).observe(duration)
+        metrics.TOKENS.labels(self._backend_name, "input").inc(usage.prompt_tokens)
+        metrics.TOKENS.labels(self._backend_name, "output").inc(usage.completion_tokens)
+        completed = Completed(
+            request_id=request.id,
+            tenant=request.tenant,
+            at=self._clock(),
+            backend=self._backend_name,
+            attempt=dispatch.attempt,
+            delivery=delivery,
+            text="".join(parts),
+            usage=usage,
+            cost=cost,
+            finish_reason=finish_reason,
+            ttft=ttft,
+            duration=duration,
+        )
+        return completed, seq
+
+    async def _backend_failed(
+        self,
+        msg: Any,
+        dispatch: Dispatch,
+        delivery: int,
+        exc: BackendError,
+        pending_acks: list[asyncio.Future[Any]],
+    ) -> None:
+        request = dispatch.request
+        metrics.BACKEND_CALLS.labels(self._backend_name, exc.code).inc()
+        await self._settle(pending_acks)
+        if exc.retryable and delivery < self._config.worker.max_deliver:
+            delay = getattr(exc, "retry_after", None) or self._retry_delay * 2 ** (delivery - 1)
+            log.warning("backend call failed; will retry", error=str(exc), delay=delay)
+            await self._log.append(
+                Retrying(
+                    request_id=request.id,
+                    tenant=request.tenant,
+                    at=self._clock(),
+                    backend=self._backend_name,
+                    attempt=dispatch.attempt,
+                    delivery=delivery,
+                    error_type=exc.code,
+                    reason=str(exc)[:1000],
+                    retry_after=delay,
+                )
+            )
+            await msg.nak(delay=delay)
+            return
+        log.error("request failed", error=str(exc), delivery=delivery)
+        await self._log.dead_letter(
+            "dispatch",
+            msg.data,
+            reason=f"{exc.code}: {exc}",
+            source_subject=msg.subject,
+            request_id=request.id,
+        )
+        await self._finish(
+            msg,
+            Failed(
+                request_id=request.id,
+                tenant=request.tenant,
+                at=self._clock(),
+                error_type=exc.code,
+                reason=str(exc)[:1000]
+                + ("" if not isinstance(exc, RetryableBackendError) else " (retries exhausted)"),
+                backend=self._backend_name,
+                attempt=dispatch.attempt,
+            ),
+            delivery,
+        )
+
+    async def _finish(self, msg: Any, event: Any, delivery: int, *, seq: int = 0) -> None:
+        """Record the terminal event, then ack: a crash in between means a redelivery
+        that finds the terminal event and drops the run."""
+        first = await self._log.finish(event, delivery=delivery, seq=seq)
+        kind = type(event).__name__.lower()
+        if first:
+            metrics.TERMINAL.labels(kind).inc()
+            if isinstance(event, Completed):
+                self.completed += 1
+                metrics.COST.labels(self._backend_name).inc(event.cost)
+            elif isinstance(event, Failed):
+                self.failed += 1
+        else:
+            log.warning("duplicate terminal event dropped", kind=kind)
+            metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
+        await msg.ack()
+
+    async def _settle(self, pending_acks: list[asyncio.Future[Any]]) -> None:
+        """Wait until every token chunk and event published so far is stored."""
+        if pending_acks:
+            await asyncio.wait_for(asyncio.gather(*pending_acks), timeout=30.0)
+            pending_acks.clear()
+
+    async def _keep_alive(self, msg: Any) -> None:
+        interval = max(0.1, self._ack_wait / 3)
+        while True:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
