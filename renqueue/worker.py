@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from aiolimiter import AsyncLimiter
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from . import metrics
@@ -91,6 +92,12 @@ class Worker:
         self._ack_wait = parse_duration(config.worker.ack_wait)
         self._retry_delay = parse_duration(config.worker.retry_delay)
         self._drain_timeout = parse_duration(config.worker.drain_timeout)
+        # Declared request rates, held in this process (a later issue shares
+        # them across processes through the projection).
+        self._limiters = [
+            AsyncLimiter(rate.count, rate.window)
+            for rate in self._backend_config.limits.request_rates
+        ]
         self._running: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
         self._fetcher: asyncio.Task[None] | None = None
@@ -265,6 +272,8 @@ class Worker:
         timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
         try:
             async with asyncio.timeout(timeout):
+                for limiter in self._limiters:
+                    await limiter.acquire()
                 stream = self._backend.stream(request, priority=rank)
                 try:
                     async for delta in stream:

@@ -1,0 +1,248 @@
+"""End to end: client -> priority subject -> router -> backend subject -> worker -> mock LLM.
+
+Each test runs its own embedded nats-server (started by Services on a free
+port in a temp dir) and real mock backends over loopback HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from renqueue import Client, RequestExpiredError, RequestRejectedError, Services, parse_config
+from renqueue.config import Config
+from renqueue.eventlog import EventLog
+from renqueue.messages import Completed, Rejected, Started
+from renqueue.mockbackend import MockBackend, MockSettings
+from renqueue.subjects import DLQ_STREAM, request_subject
+
+
+def make_config(tmp_path: Path, backends: dict[str, tuple[str, int]], **extra: Any) -> Config:
+    """backends: name -> (base_url, concurrency); one route per backend plus 'chat'."""
+    raw: dict[str, Any] = {
+        "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+        "backends": {
+            name: {"base_url": url, "model": "mock", "limits": {"concurrency": slots}}
+            for name, (url, slots) in backends.items()
+        },
+        "routes": {"chat": {"backends": list(backends)}},
+        "worker": {"retry_delay": "100ms", "drain_timeout": "2s"},
+        "router": {"capacity_refresh": "20ms"},
+    }
+    for key, value in extra.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return parse_config(raw)
+
+
+@pytest.fixture
+async def mock() -> AsyncIterator[MockBackend]:
+    async with MockBackend(MockSettings(ttft=0.0, tokens_per_second=0, output_tokens=8)) as m:
+        yield m
+
+
+@pytest.fixture
+async def stack(tmp_path: Path, mock: MockBackend) -> AsyncIterator[Services]:
+    config = make_config(tmp_path, {"b1": (mock.url, 4)})
+    async with Services(config) as services:
+        yield services
+
+
+@pytest.fixture
+async def client(stack: Services) -> AsyncIterator[Client]:
+    async with Client(stack.nc, tenant="t1") as c:
+        yield c
+
+
+async def kinds(client: Client, request_id: str) -> list[str]:
+    events = await EventLog(client.js).history(client.tenant, request_id)
+    return [type(e).__name__.lower() for e in events]
+
+
+async def test_submit_streams_tokens_and_result_matches(client: Client) -> None:
+    handle = await client.submit("hello", route="chat", priority="high")
+    chunks = [chunk async for chunk in handle.stream(timeout=10)]
+    result = await handle.result(timeout=10)
+
+    assert "".join(c.text for c in chunks) == result.text
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert result.backend == "b1"
+    assert result.usage.completion_tokens == 8
+    assert await kinds(client, handle.id) == ["submitted", "routed", "started", "completed"]
+
+
+async def test_late_subscriber_gets_every_token_in_order(client: Client) -> None:
+    handle = await client.submit("hello", route="chat")
+    result = await handle.result(timeout=10)
+    # The request is over before anyone subscribes to its tokens.
+    chunks = [chunk async for chunk in handle.stream(timeout=10)]
+    assert "".join(c.text for c in chunks) == result.text
+    assert len(chunks) >= 2
+
+
+async def test_resubmit_with_same_id_creates_nothing_new(
+    client: Client, mock: MockBackend
+) -> None:
+    first = await client.submit("once", route="chat", request_id="same-id-1")
+    result = await first.result(timeout=10)
+    again = await client.submit("once", route="chat", request_id="same-id-1")
+
+    assert again.duplicate
+    assert (await again.result(timeout=10)).text == result.text
+    assert (await mock.stats())["requests"] == 1
+    assert (await kinds(client, "same-id-1")).count("submitted") == 1
+
+
+async def test_malformed_payload_is_rejected_and_router_keeps_serving(client: Client) -> None:
+    js = client.js
+    await js.publish(
+        request_subject("normal", "t1"), b"{not json", headers={"Nats-Msg-Id": "garbage-1"}
+    )
+    await js.publish(
+        request_subject("normal", "t1"), b'{"id": 5}', headers={"Nats-Msg-Id": "garbage-2"}
+    )
+
+    for bad in ("garbage-1", "garbage-2"):
+        with pytest.raises(RequestRejectedError) as info:
+            await client.handle(bad).result(timeout=10)
+        assert info.value.error_type == "malformed"
+    dead = await js.get_last_msg(DLQ_STREAM, "rq.dlq.requests")
+    assert dead.data == b'{"id": 5}'
+    # The router is still serving.
+    good = await client.submit("still there?", route="chat")
+    assert (await good.result(timeout=10)).backend == "b1"
+
+
+async def test_unknown_route_gets_a_clear_error_event(client: Client) -> None:
+    handle = await client.submit("hi", route="no-such-route")
+    with pytest.raises(RequestRejectedError) as info:
+        await handle.result(timeout=10)
+    assert info.value.error_type == "unknown_route"
+    assert "no-such-route" in str(info.value)
+    [rejected] = [
+        e for e in await EventLog(client.js).history("t1", handle.id) if isinstance(e, Rejected)
+    ]
+    assert rejected.error_type == "unknown_route"
+
+
+async def test_payload_naming_another_tenant_is_rejected(client: Client) -> None:
+    request = client.build_request("sneaky", route="chat")
+    forged = msgspec.structs.replace(request, tenant="other-tenant")
+    await client.js.publish(
+        request_subject("normal", "t1"),
+        msgspec.json.encode(forged),
+        headers={"Nats-Msg-Id": forged.id},
+    )
+    with pytest.raises(RequestRejectedError, match="does not match subject tenant"):
+        await client.handle(forged.id).result(timeout=10)
+
+
+async def test_deadline_passed_while_waiting_expires_without_backend_call(
+    client: Client, mock: MockBackend
+) -> None:
+    request = client.build_request("too late", route="chat", deadline=time.time() - 1)
+    handle = await client.submit_request(request)
+    with pytest.raises(RequestExpiredError):
+        await handle.result(timeout=10)
+    assert (await mock.stats())["requests"] == 0
+
+
+async def test_higher_levels_start_first_when_a_slot_frees(tmp_path: Path) -> None:
+    async with MockBackend(
+        MockSettings(ttft=0.0, tokens_per_second=0, output_tokens=4)
+    ) as fast, MockBackend(MockSettings(ttft=0.6, tokens_per_second=0, output_tokens=4)) as slow:
+        config = make_config(tmp_path, {"one": (fast.url, 1)})
+        config = msgspec.structs.replace(
+            config,
+            backends={
+                "one": msgspec.structs.replace(config.backends["one"], base_url=slow.url),
+            },
+        )
+        async with Services(config) as services, Client(services.nc, tenant="t1") as client:
+            blocker = await client.submit("hold the slot", route="chat", priority="batch")
+            await asyncio.sleep(0.2)  # the blocker is running
+            levels = ["batch", "low", "normal", "high", "critical"]
+            handles = {
+                level: await client.submit(level, route="chat", priority=level) for level in levels
+            }
+            await blocker.result(timeout=20)
+            for handle in handles.values():
+                await handle.result(timeout=20)
+            starts = {}
+            for level, handle in handles.items():
+                events = await EventLog(client.js).history("t1", handle.id)
+                [started] = [e for e in events if isinstance(e, Started)]
+                starts[level] = started.at
+    assert sorted(levels, key=starts.__getitem__) == list(reversed(levels))
+
+
+async def test_worker_killed_mid_stream_is_redelivered_and_completes_once(
+    tmp_path: Path,
+) -> None:
+    async with MockBackend(MockSettings(ttft=0.0, tokens_per_second=20, output_tokens=60)) as slow:
+        config = make_config(
+            tmp_path, {"slow": (slow.url, 2)}, worker={"ack_wait": "1s", "max_deliver": 5}
+        )
+        # Routers here; the first worker in a separate process we can kill.
+        async with Services(config, backends=[]) as services:
+            config_file = tmp_path / "renqueue.toml"
+            config_file.write_text(
+                f'[nats]\nurl = "{services.url}"\n'
+                f'[worker]\nack_wait = "1s"\nmax_deliver = 5\nretry_delay = "100ms"\n'
+                f'[backends.slow]\nbase_url = "{slow.url}"\nmodel = "mock"\n'
+                f"[backends.slow.limits]\nconcurrency = 2\n"
+                f'[routes.chat]\nbackends = ["slow"]\n'
+            )
+            worker = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "renqueue.cli",
+                "-c",
+                str(config_file),
+                "worker",
+                "-b",
+                "slow",
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            async with Client(services.nc, tenant="t1") as client:
+                handle = await client.submit("a long answer", route="chat")
+                chunks = []
+                stream = handle.stream(timeout=20)
+                async for chunk in stream:
+                    chunks.append(chunk)
+                    if len(chunks) == 5:
+                        worker.send_signal(signal.SIGKILL)
+                        await worker.wait()
+                        break
+                await stream.aclose()
+                # A fresh worker (this process) picks the request up after ack_wait.
+                replacement = Services(
+                    msgspec.structs.replace(
+                        config, nats=msgspec.structs.replace(config.nats, url=services.url)
+                    ),
+                    routers=0,
+                    provision_streams=False,
+                )
+                async with replacement:
+                    result = await handle.result(timeout=30)
+                    rest = [chunk async for chunk in handle.stream(timeout=20)]
+                events = await EventLog(client.js).history("t1", handle.id)
+
+    completions = [e for e in events if isinstance(e, Completed)]
+    assert len(completions) == 1
+    assert [e.delivery for e in events if isinstance(e, Started)] == [1, 2]
+    assert completions[0].delivery == 2
+    # The second run announces itself, then streams the whole answer again.
+    restarted = [c for c in rest if c.delivery == 2]
+    assert restarted[0].restart
+    assert "".join(c.text for c in restarted) == result.text
