@@ -1,0 +1,103 @@
+"""Config validation: every bad value fails at load time, naming its field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from renqueue.config import load_config, parse_config, parse_duration, parse_rate
+from renqueue.errors import ConfigError
+
+BACKEND = {"base_url": "http://127.0.0.1:1/v1", "model": "m"}
+
+
+@pytest.mark.parametrize(
+    ("data", "path", "words"),
+    [
+        ({"nats": {"port": "x"}}, "$.nats.port", "Expected `int`"),
+        ({"nats": {"replicas": 7}}, "$.nats.replicas", "<= 5"),
+        ({"nats": {"prot": 1}}, "$.nats", "unknown field `prot`"),
+        ({"backends": {"a": {"model": "m"}}}, "$.backends.a", "missing required field `base_url`"),
+        ({"backends": {"a": {**BACKEND, "base_url": "ftp://x"}}}, "$.backends.a", "http://"),
+        (
+            {"backends": {"a": {**BACKEND, "limits": {"concurrency": 0}}}},
+            "$.backends.a.limits.concurrency",
+            ">= 1",
+        ),
+        (
+            {"backends": {"a": {**BACKEND, "limits": {"requests": ["often"]}}}},
+            "$.backends.a.limits",
+            "invalid rate 'often'",
+        ),
+        ({"backends": {"a": {**BACKEND, "timeout": "soon"}}}, "$.backends.a.timeout", "match"),
+        ({"backends": {"bad.name": BACKEND}}, "$.backends.bad.name", "invalid name"),
+        (
+            {"backends": {"a": BACKEND}, "routes": {"r": {"backends": ["a", "zz"]}}},
+            "$.routes.r.backends[1]",
+            "unknown backend 'zz'",
+        ),
+        ({"routes": {"r": {"backends": []}}}, "$.routes.r.backends", "length >= 1"),
+        ({"priorities": ["a", "a"], "default_priority": "a"}, "$.priorities", "unique"),
+        ({"default_priority": "urgent"}, "$.default_priority", "'urgent'"),
+    ],
+)
+def test_invalid_config_names_the_field(data: dict[str, object], path: str, words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert info.value.path == path
+    assert words in str(info.value)
+
+
+def test_example_config_file_is_valid() -> None:
+    config = load_config(Path(__file__).parents[1] / "renqueue.toml", environ={})
+    assert config.routes
+    for route in config.routes.values():
+        assert all(name in config.backends for name in route.backends)
+
+
+def test_env_overrides_nats_url(tmp_path: Path) -> None:
+    file = tmp_path / "c.toml"
+    file.write_text('[nats]\nurl = "nats://file:4222"\n')
+    config = load_config(file, environ={"RENQUEUE_NATS_URL": "nats://env:4222"})
+    assert config.nats.url == "nats://env:4222"
+
+
+def test_bad_toml_and_missing_file_fail_with_the_file_name(tmp_path: Path) -> None:
+    file = tmp_path / "broken.toml"
+    file.write_text("[nats\n")
+    with pytest.raises(ConfigError, match="broken.toml: not valid TOML"):
+        load_config(file, environ={})
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "absent.toml", environ={})
+
+
+def test_api_key_comes_from_env_and_never_prints(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = parse_config({"backends": {"a": {**BACKEND, "api_key_env": "RQ_TEST_KEY"}}})
+    monkeypatch.setenv("RQ_TEST_KEY", "sk-live-SECRET")
+    key = config.backends["a"].api_key()
+    assert key is not None
+    assert key.reveal() == "sk-live-SECRET"
+    assert "SECRET" not in repr(key)
+    assert "SECRET" not in str(key)
+    assert "SECRET" not in repr(config)
+    monkeypatch.delenv("RQ_TEST_KEY")
+    with pytest.raises(ConfigError, match="RQ_TEST_KEY is not set"):
+        config.backends["a"].api_key()
+
+
+def test_durations_and_rates_parse() -> None:
+    assert parse_duration("250ms") == 0.25
+    assert parse_duration("2h") == 7200
+    assert parse_rate("30/min").count == 30
+    assert parse_rate("30/min").window == 60
+    assert parse_rate("1000/1d").window == 86400
+    with pytest.raises(ValueError, match="invalid rate"):
+        parse_rate("0/min")
+
+
+def test_cost_is_per_million_tokens() -> None:
+    config = parse_config(
+        {"backends": {"a": {**BACKEND, "cost_input_per_mtok": 1.0, "cost_output_per_mtok": 2.0}}}
+    )
+    assert config.backends["a"].cost(1_000_000, 500_000) == pytest.approx(2.0)
