@@ -1,0 +1,155 @@
+"""Connecting to NATS with production defaults, and finding which NATS to use.
+
+nats-py's defaults suit a demo, not a service: it gives up reconnecting after
+60 attempts (a broker restart longer than ~2 minutes would leave every router
+and worker dead), and notices a silently dropped TCP connection only after two
+missed pings of two minutes each. Here every connection reconnects forever,
+quickly, and pings often enough to notice a dead peer within seconds.
+
+Reconnecting forever has a catch at the *first* connect: nats-py then retries
+an unreachable server forever too. :func:`connect` bounds the first attempt
+with ``timeout`` and raises :class:`ConnectionFailedError` naming the last
+error, so a wrong URL fails clearly instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import nats.errors
+import structlog
+from nats.aio.client import Client
+
+from .config import Config, NatsConfig, parse_duration
+from .embedded import url_file
+from .errors import ConnectionFailedError
+
+__all__ = ["connect", "redact_url", "resolve_nats_url"]
+
+log = structlog.get_logger(__name__)
+
+#: Pause between reconnect attempts. Short, because the usual cause is a
+#: restarting broker or a cluster node moving, both back within a second or two.
+RECONNECT_TIME_WAIT = 0.5
+
+
+def redact_url(url: str) -> str:
+    """``nats://user:secret@host:4222`` -> ``nats://***@host:4222`` (for logs and errors)."""
+    parts = []
+    for one in url.split(","):
+        split = urlsplit(one.strip())
+        if split.username is not None or split.password is not None:
+            netloc = "***@" + split.netloc.rpartition("@")[2]
+            parts.append(urlunsplit(split._replace(netloc=netloc)))
+        else:
+            parts.append(one.strip())
+    return ",".join(parts)
+
+
+def resolve_nats_url(config: Config) -> str | None:
+    """Which NATS to use: the configured URL, else a running embedded server's, else ``None``.
+
+    ``None`` means "start the embedded server". The URL from
+    ``<data_dir>/nats.url`` is returned without probing it: if that server is
+    gone (killed without cleanup), :func:`connect` fails with a clear error
+    naming the URL, which beats silently starting a second server on the
+    same store.
+    """
+    if config.nats.url:
+        return config.nats.url
+    path = url_file(Path(config.nats.data_dir))
+    try:
+        url = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConnectionFailedError(f"cannot read {path}: {exc.strerror}") from exc
+    return url or None
+
+
+async def connect(
+    url: str,
+    *,
+    name: str,
+    config: NatsConfig | None = None,
+    timeout: float = 5.0,  # noqa: ASYNC109 - bounds only the first connect, not the client's life
+    inbox_prefix: str | None = None,
+) -> Client:
+    """Connect to ``url`` (comma-separated for a cluster) as connection ``name``.
+
+    ``timeout`` bounds the first connect, retries included; after that the
+    client reconnects forever. ``inbox_prefix`` must be set to the user's
+    allowed inbox prefix when the server restricts subscriptions per user,
+    otherwise JetStream acks are denied (see ``nats/auth-tls.conf``).
+    Raises :class:`ConnectionFailedError` when no server answers in time.
+    """
+    nats_config = config if config is not None else NatsConfig()
+    shown = redact_url(url)
+    bound = log.bind(nats_name=name, url=shown)
+    last_error: list[BaseException] = []
+    client = Client()
+
+    async def on_error(exc: Exception) -> None:
+        last_error[:] = [exc]
+        bound.warning("nats error", error=_describe(exc))
+
+    async def on_disconnect() -> None:
+        # nats-py reports a deliberate close() as a disconnect too; only an
+        # unplanned one deserves a warning.
+        if not client.is_closed:
+            bound.warning("nats disconnected; reconnecting")
+
+    async def on_reconnect() -> None:
+        bound.info("nats reconnected")
+
+    async def on_closed() -> None:
+        bound.info("nats connection closed")
+
+    options: dict[str, Any] = {
+        "servers": [one.strip() for one in url.split(",") if one.strip()],
+        "name": name,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": RECONNECT_TIME_WAIT,
+        "ping_interval": parse_duration(nats_config.ping_interval),
+        "max_outstanding_pings": 3,
+        "connect_timeout": min(2.0, timeout),
+        "error_cb": on_error,
+        "disconnected_cb": on_disconnect,
+        "reconnected_cb": on_reconnect,
+        "closed_cb": on_closed,
+    }
+    if nats_config.credentials_file:
+        options["user_credentials"] = nats_config.credentials_file
+    if inbox_prefix:
+        options["inbox_prefix"] = inbox_prefix
+
+    try:
+        async with asyncio.timeout(timeout):
+            await client.connect(**options)
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        # On timeout the cancelled connect leaves a half-open client: close it.
+        await client.close()
+        cause = last_error[0] if last_error else exc
+        raise ConnectionFailedError(
+            f"cannot connect to NATS at {shown} within {timeout:g}s: {_describe(cause)}"
+        ) from exc
+    bound.info("nats connected", server=_connected(client))
+    return client
+
+
+def _describe(exc: BaseException) -> str:
+    """An error as ``Type: message`` with any URL credentials redacted."""
+    text = str(exc) or type(exc).__name__
+    if "@" in text:
+        text = " ".join(redact_url(word) if "://" in word else word for word in text.split(" "))
+    return f"{type(exc).__name__}: {text}"
+
+
+def _connected(client: Client) -> str | None:
+    connected = client.connected_url
+    if connected is None:
+        return None
+    return f"{connected.hostname}:{connected.port}"

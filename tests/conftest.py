@@ -1,0 +1,73 @@
+"""Shared fixtures: a real nats-server per session, and one per test that needs a clean broker.
+
+The chain is server -> connection -> JetStream, as in nats.py's own test suite.
+Servers listen on a random port (``port=-1``) with a temporary store, and are
+declared ready by their own log (:class:`renqueue.embedded.EmbeddedServer`).
+
+Streams are global to a server, so tests that provision or assert on stream
+state should use ``isolated_server`` / ``isolated_nc``: a server of their own.
+Measured here (2 cores): a start takes ~15 ms (median of 20, max 20 ms) and a
+stop 2-90 ms (more with streams to flush), so per-test servers cost little.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+from nats.js.client import JetStreamContext
+
+from renqueue.connection import connect
+from renqueue.embedded import EmbeddedServer
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def nats_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[EmbeddedServer]:
+    """One nats-server with JetStream for the whole session (shared: streams persist)."""
+    async with EmbeddedServer(tmp_path_factory.mktemp("nats"), port=-1) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server: EmbeddedServer) -> str:
+    return nats_server.url
+
+
+@pytest_asyncio.fixture
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    """A client connected to the session server, closed after the test."""
+    client = await connect(nats_url, name="test")
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest.fixture
+def js(nc: Client) -> JetStreamContext:
+    return nc.jetstream()
+
+
+@pytest_asyncio.fixture
+async def isolated_server(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
+    """A nats-server of the test's own: no streams, nothing left by other tests."""
+    async with EmbeddedServer(tmp_path / "nats", port=-1) as server:
+        yield server
+
+
+@pytest_asyncio.fixture
+async def isolated_nc(isolated_server: EmbeddedServer) -> AsyncIterator[Client]:
+    """A client connected to ``isolated_server``, closed after the test."""
+    client = await connect(isolated_server.url, name="test-isolated")
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest.fixture
+def isolated_js(isolated_nc: Client) -> JetStreamContext:
+    return isolated_nc.jetstream()
