@@ -1,0 +1,555 @@
+"""Apply the stream and consumer definitions in ``streams/`` to a NATS server, idempotently.
+
+The definitions are JSON in NATS's own config schema (what ``nats stream add
+--config`` takes), so an operator can read them, diff them and apply them with
+the ``nats`` CLI. :func:`provision` sends them to the JetStream API directly
+(``$JS.API.STREAM.*`` / ``$JS.API.CONSUMER.*`` requests) rather than through
+nats-py's typed wrappers: those drop fields they do not know and re-serialise
+the rest, so what reaches the server would not be what the file says.
+
+For each stream and consumer it reads the live config, compares the fields the
+definition names, and then:
+
+- creates it when missing;
+- updates it when only fields NATS can change in place differ (limits,
+  subjects, ack wait, max ack pending, ...);
+- refuses with :class:`ProvisionError`, naming each differing field with its
+  old and new value, when NATS cannot apply the change in place (storage;
+  retention to or from workqueue; a consumer's deliver, ack or replay policy)
+  or when the server rejects the update. Such a change needs a migration, never
+  a silent delete-and-recreate of a queue that may hold requests.
+
+Fields the definition does not name are left as they are on the server, so a
+limit an operator set by hand survives a re-provision.
+
+Values from the config override the files at provision time (see
+``streams/README.md``): ``num_replicas`` from ``nats.replicas``; ``max_age``
+and ``max_bytes`` from ``nats.<stream>``; ``duplicate_window`` from
+``nats.duplicate_window`` on the requests, dispatch and events streams; the
+request subjects from ``priorities``; the consumers from ``priorities``,
+``backends``, ``router`` and ``worker``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import msgspec
+import nats.errors
+import structlog
+from nats.aio.client import Client
+from nats.js.client import JetStreamContext
+
+from .config import Config, parse_duration
+from .errors import ConnectionFailedError, ProvisionError
+from .subjects import (
+    ADVISORIES_STREAM,
+    DISPATCH_STREAM,
+    DLQ_STREAM,
+    EVENTS_STREAM,
+    REQUESTS_STREAM,
+    STATE_BUCKET,
+    TOKENS_STREAM,
+    dispatch_subject,
+    requests_of_level,
+    router_consumer,
+    worker_consumer,
+)
+
+__all__ = [
+    "STREAMS_DIR_ENV",
+    "Action",
+    "ProvisionItem",
+    "ProvisionReport",
+    "find_streams_dir",
+    "provision",
+]
+
+log = structlog.get_logger(__name__)
+
+#: Environment variable naming the directory of stream definitions.
+STREAMS_DIR_ENV: Final = "RENQUEUE_STREAMS_DIR"
+
+_API_PREFIX: Final = "$JS.API"
+_API_TIMEOUT: Final = 5.0
+
+# JetStream API error codes (nats-server's errors.json).
+_ERR_STREAM_NOT_FOUND: Final = 10059
+_ERR_STREAM_NAME_IN_USE: Final = 10058
+_ERR_CONSUMER_NOT_FOUND: Final = 10014
+_ERR_CONSUMER_EXISTS: Final = 10148
+
+_NS_PER_SECOND: Final = 1_000_000_000
+_DURATION_FIELDS: Final = frozenset({"max_age", "duplicate_window", "ack_wait", "idle_heartbeat"})
+
+# Fields NATS cannot change on a live consumer; checked before asking, so the
+# error names the field instead of relaying a server message.
+_CONSUMER_FIXED: Final = (
+    "deliver_policy",
+    "opt_start_seq",
+    "opt_start_time",
+    "ack_policy",
+    "replay_policy",
+    "deliver_subject",
+)
+
+# The KV bucket's backing stream, in the shape nats-py's create_key_value
+# builds (the KV protocol fixes the stream name and subjects), with history 1.
+_KV_STREAM: Final = f"KV_{STATE_BUCKET}"
+
+_PLACEHOLDER_RE: Final = re.compile(r"\{([A-Za-z_.]+)\}")
+
+
+class Action(enum.Enum):
+    """What provisioning did to one stream or consumer."""
+
+    CREATED = "created"
+    UPDATED = "updated"
+    UNCHANGED = "unchanged"
+
+
+class ProvisionItem(msgspec.Struct, frozen=True, kw_only=True):
+    """One stream, consumer or KV bucket, and what was done to it.
+
+    ``name`` is the stream name, ``<stream>/<consumer>`` for a consumer, or
+    the bucket name. ``changes`` lists ``field: old -> new`` for an update.
+    """
+
+    kind: Literal["stream", "consumer", "kv"]
+    name: str
+    action: Action
+    changes: tuple[str, ...] = ()
+
+
+class ProvisionReport(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything :func:`provision` touched, in the order it was applied."""
+
+    items: tuple[ProvisionItem, ...]
+
+    def get(self, name: str) -> ProvisionItem:
+        """The item for a stream, ``<stream>/<consumer>`` or bucket name."""
+        for item in self.items:
+            if item.name == name:
+                return item
+        raise KeyError(name)
+
+    def names(self, action: Action) -> list[str]:
+        return [item.name for item in self.items if item.action is action]
+
+    @property
+    def created(self) -> list[str]:
+        return self.names(Action.CREATED)
+
+    @property
+    def updated(self) -> list[str]:
+        return self.names(Action.UPDATED)
+
+    @property
+    def unchanged(self) -> list[str]:
+        return self.names(Action.UNCHANGED)
+
+    def __str__(self) -> str:
+        lines = []
+        for item in self.items:
+            line = f"{item.kind} {item.name}: {item.action.value}"
+            if item.changes:
+                line += " (" + "; ".join(item.changes) + ")"
+            lines.append(line)
+        return "\n".join(lines)
+
+
+class _StreamSpec(msgspec.Struct, frozen=True):
+    file: str
+    name: str
+    #: Attribute of NatsConfig holding this stream's RetentionConfig, if any.
+    retention: str | None
+    #: Whether nats.duplicate_window applies (streams written with Nats-Msg-Id).
+    dedupe: bool
+
+
+_STREAMS: Final = (
+    _StreamSpec("requests.json", REQUESTS_STREAM, "requests", dedupe=True),
+    _StreamSpec("dispatch.json", DISPATCH_STREAM, "dispatch", dedupe=True),
+    _StreamSpec("events.json", EVENTS_STREAM, "events", dedupe=True),
+    _StreamSpec("tokens.json", TOKENS_STREAM, "tokens", dedupe=False),
+    _StreamSpec("dlq.json", DLQ_STREAM, "dlq", dedupe=False),
+    _StreamSpec("advisories.json", ADVISORIES_STREAM, None, dedupe=False),
+)
+
+
+def find_streams_dir(streams_dir: Path | None = None) -> Path:
+    """The stream definitions: ``streams_dir``, else ``$RENQUEUE_STREAMS_DIR``, else the repo's.
+
+    The repo's ``streams/`` sits next to the ``renqueue`` package in a
+    checkout or an editable install.
+    """
+    env = os.environ.get(STREAMS_DIR_ENV)
+    if streams_dir is not None:
+        candidate, origin = Path(streams_dir), "streams_dir argument"
+    elif env:
+        candidate, origin = Path(env), f"${STREAMS_DIR_ENV}"
+    else:
+        candidate, origin = Path(__file__).resolve().parents[1] / "streams", "default"
+    if not candidate.is_dir():
+        raise ProvisionError(
+            f"stream definitions directory {candidate} ({origin}) not found; "
+            f"pass streams_dir or set ${STREAMS_DIR_ENV}"
+        )
+    return candidate
+
+
+async def provision(
+    js_or_nc: Client | JetStreamContext,
+    config: Config,
+    *,
+    streams_dir: Path | None = None,
+) -> ProvisionReport:
+    """Create or update every stream, consumer and the state KV bucket; idempotent.
+
+    ``js_or_nc`` is a connected nats-py client or a JetStream context from one
+    (whose API prefix, and so its JetStream domain, is used). Raises
+    :class:`ProvisionError` for a bad definition file or a change NATS cannot
+    apply, and :class:`ConnectionFailedError` when JetStream does not answer.
+    All definitions are read and checked before anything is sent.
+    """
+    directory = find_streams_dir(streams_dir)
+    streams = [(spec, _stream_config(directory, spec, config)) for spec in _STREAMS]
+    consumers = _consumer_configs(directory, config)
+    api = _JetStreamApi(js_or_nc)
+
+    items: list[ProvisionItem] = []
+    for spec, desired in streams:
+        items.append(await _ensure_stream(api, desired, source=str(directory / spec.file)))
+    for stream, desired, source in consumers:
+        items.append(await _ensure_consumer(api, stream, desired, source=source))
+    kv = await _ensure_stream(api, _kv_stream_config(config), source="renqueue.provision")
+    items.append(msgspec.structs.replace(kv, kind="kv", name=STATE_BUCKET))
+
+    report = ProvisionReport(items=tuple(items))
+    log.info(
+        "provisioned",
+        created=report.created,
+        updated=report.updated,
+        unchanged=len(report.unchanged),
+    )
+    return report
+
+
+# -- definitions -------------------------------------------------------------
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    """Read one definition file; any problem is a ProvisionError naming the file."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ProvisionError(f"{path}: definition file not found") from exc
+    except OSError as exc:
+        raise ProvisionError(f"{path}: cannot read: {exc.strerror}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProvisionError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ProvisionError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _ns(duration: str) -> int:
+    return round(parse_duration(duration) * _NS_PER_SECOND)
+
+
+def _stream_config(directory: Path, spec: _StreamSpec, config: Config) -> dict[str, Any]:
+    path = directory / spec.file
+    desired = _load_json(path)
+    if desired.get("name") != spec.name:
+        raise ProvisionError(
+            f"{path}: name is {desired.get('name')!r}, expected {spec.name!r} (renqueue.subjects)"
+        )
+    subjects = desired.get("subjects")
+    if not isinstance(subjects, list) or not all(isinstance(s, str) for s in subjects):
+        raise ProvisionError(f"{path}: subjects must be a list of strings")
+    desired["subjects"] = _expand_subjects(subjects, config.priorities)
+    nats_config = config.nats
+    desired["num_replicas"] = nats_config.replicas
+    if spec.retention is not None:
+        retention = getattr(nats_config, spec.retention)
+        desired["max_age"] = _ns(retention.max_age)
+        desired["max_bytes"] = retention.max_bytes
+    if spec.dedupe:
+        desired["duplicate_window"] = _ns(nats_config.duplicate_window)
+        max_age = desired.get("max_age", 0)
+        if isinstance(max_age, int) and 0 < max_age < desired["duplicate_window"]:
+            raise ProvisionError(
+                f"stream {spec.name}: nats.duplicate_window ({nats_config.duplicate_window}) "
+                f"exceeds nats.{spec.retention}.max_age; NATS requires it to be at most max_age"
+            )
+    if spec.name == REQUESTS_STREAM:
+        _check_layout(path, desired["subjects"], [requests_of_level(p) for p in config.priorities])
+    return desired
+
+
+def _expand_subjects(subjects: list[str], priorities: Sequence[str]) -> list[str]:
+    """``rq.req.{priority}.*`` -> one subject per priority level, in config order."""
+    expanded: list[str] = []
+    for subject in subjects:
+        if "{priority}" in subject:
+            expanded.extend(subject.replace("{priority}", level) for level in priorities)
+        else:
+            expanded.append(subject)
+    return expanded
+
+
+def _check_layout(path: Path, got: Sequence[str], expected: Sequence[str]) -> None:
+    """A template that disagrees with renqueue.subjects would strand messages: refuse it."""
+    if list(got) != list(expected):
+        raise ProvisionError(
+            f"{path}: renders {list(got)}, but renqueue.subjects expects {list(expected)}"
+        )
+
+
+def _consumer_configs(directory: Path, config: Config) -> list[tuple[str, dict[str, Any], str]]:
+    """(stream, consumer config, source) for every router and worker consumer."""
+    router_path = directory / "consumers" / "router.json"
+    worker_path = directory / "consumers" / "worker.json"
+    router_template = _load_json(router_path)
+    worker_template = _load_json(worker_path)
+    common = {
+        "router.ack_wait": _ns(config.router.ack_wait),
+        "router.max_deliver": config.router.max_deliver,
+        "worker.ack_wait": _ns(config.worker.ack_wait),
+        "worker.max_deliver": config.worker.max_deliver,
+    }
+    result: list[tuple[str, dict[str, Any], str]] = []
+    for level in config.priorities:
+        values = {**common, "priority": level}
+        rendered = _render(router_template, values, router_path)
+        _check_consumer(router_path, rendered, router_consumer(level), requests_of_level(level))
+        result.append((REQUESTS_STREAM, rendered, str(router_path)))
+    for name, backend in config.backends.items():
+        values = {**common, "backend": name, "backend.concurrency": backend.limits.concurrency}
+        rendered = _render(worker_template, values, worker_path)
+        _check_consumer(worker_path, rendered, worker_consumer(name), dispatch_subject(name))
+        result.append((DISPATCH_STREAM, rendered, str(worker_path)))
+    return result
+
+
+def _render(template: Any, values: Mapping[str, Any], path: Path) -> Any:
+    """Fill placeholders: a string that is exactly ``"{x}"`` becomes the typed value of x;
+    ``{x}`` inside a longer string is substituted as text."""
+    if isinstance(template, dict):
+        return {key: _render(value, values, path) for key, value in template.items()}
+    if isinstance(template, list):
+        return [_render(value, values, path) for value in template]
+    if not isinstance(template, str):
+        return template
+
+    def lookup(name: str) -> Any:
+        if name not in values:
+            known = ", ".join(sorted(values))
+            raise ProvisionError(f"{path}: unknown placeholder {{{name}}} (known here: {known})")
+        return values[name]
+
+    whole = _PLACEHOLDER_RE.fullmatch(template)
+    if whole is not None:
+        return lookup(whole.group(1))
+    return _PLACEHOLDER_RE.sub(lambda match: str(lookup(match.group(1))), template)
+
+
+def _check_consumer(path: Path, rendered: dict[str, Any], durable: str, subject: str) -> None:
+    if rendered.get("durable_name") != durable or rendered.get("filter_subject") != subject:
+        raise ProvisionError(
+            f"{path}: renders durable_name={rendered.get('durable_name')!r}, "
+            f"filter_subject={rendered.get('filter_subject')!r}; renqueue.subjects expects "
+            f"{durable!r}, {subject!r}"
+        )
+
+
+def _kv_stream_config(config: Config) -> dict[str, Any]:
+    return {
+        "name": _KV_STREAM,
+        "description": "Ren-Queue projection state (KV bucket rq-state)",
+        "subjects": [f"$KV.{STATE_BUCKET}.>"],
+        "retention": "limits",
+        "storage": "file",
+        "discard": "new",
+        "max_msgs_per_subject": 1,
+        "allow_direct": True,
+        "allow_rollup_hdrs": True,
+        "deny_delete": True,
+        "duplicate_window": 120 * _NS_PER_SECOND,
+        "num_replicas": config.nats.replicas,
+    }
+
+
+# -- applying ----------------------------------------------------------------
+
+
+class _JetStreamApi:
+    """Raw JetStream API requests over a nats-py client."""
+
+    def __init__(self, js_or_nc: Client | JetStreamContext) -> None:
+        if isinstance(js_or_nc, JetStreamContext):
+            # nats-py exposes no public accessor for these; the prefix carries
+            # the JetStream domain, if the context was made for one.
+            self._nc: Client = js_or_nc._nc
+            self._prefix: str = js_or_nc._prefix
+        else:
+            self._nc = js_or_nc
+            self._prefix = _API_PREFIX
+
+    async def call(self, operation: str, payload: Mapping[str, Any] | None = None) -> Any:
+        subject = f"{self._prefix}.{operation}"
+        body = b"" if payload is None else json.dumps(payload).encode()
+        try:
+            reply = await self._nc.request(subject, body, timeout=_API_TIMEOUT)
+        except nats.errors.NoRespondersError as exc:
+            raise ConnectionFailedError(
+                f"JetStream did not answer {subject}: is JetStream enabled on this server?"
+            ) from exc
+        except nats.errors.TimeoutError as exc:
+            raise ConnectionFailedError(
+                f"JetStream did not answer {subject} within {_API_TIMEOUT:g}s"
+            ) from exc
+        try:
+            return json.loads(reply.data)
+        except json.JSONDecodeError as exc:
+            raise ConnectionFailedError(f"JetStream sent a non-JSON reply to {subject}") from exc
+
+
+def _error(response: Any) -> tuple[int, str] | None:
+    """(err_code, description) of an API error reply, or None on success."""
+    error = response.get("error") if isinstance(response, dict) else None
+    if not error:
+        return None
+    return int(error.get("err_code", 0)), str(error.get("description", error))
+
+
+def _show(field: str, value: Any) -> str:
+    if field in _DURATION_FIELDS and isinstance(value, int) and value > 0:
+        return f"{value} ({value / _NS_PER_SECOND:g}s)"
+    return json.dumps(value)
+
+
+def _equal(old: Any, new: Any) -> bool:
+    # The server omits zero values (Go's omitempty): missing == false/0/""/[]/{}.
+    if old is None:
+        return new in (None, False, 0, "", [], {})
+    return bool(old == new)
+
+
+def _diff(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
+    """``field: old -> new`` for each field the definition names that differs."""
+    return [
+        f"{field}: {_show(field, existing.get(field))} -> {_show(field, value)}"
+        for field, value in desired.items()
+        if not _equal(existing.get(field), value)
+    ]
+
+
+async def _ensure_stream(
+    api: _JetStreamApi, desired: dict[str, Any], *, source: str
+) -> ProvisionItem:
+    name = desired["name"]
+    for _attempt in range(2):  # a second pass only after losing a create race
+        info = await api.call(f"STREAM.INFO.{name}")
+        error = _error(info)
+        if error is not None and error[0] == _ERR_STREAM_NOT_FOUND:
+            created = await api.call(f"STREAM.CREATE.{name}", desired)
+            error = _error(created)
+            if error is None:
+                log.info("stream created", stream=name)
+                return ProvisionItem(kind="stream", name=name, action=Action.CREATED)
+            if error[0] == _ERR_STREAM_NAME_IN_USE:
+                continue
+            raise ProvisionError(f"stream {name} ({source}): NATS refused to create it: {error[1]}")
+        if error is not None:
+            raise ProvisionError(f"stream {name}: cannot read its config: {error[1]}")
+        return await _update_stream(api, info["config"], desired, source=source)
+    raise ProvisionError(f"stream {name}: created and deleted concurrently; try again")
+
+
+async def _update_stream(
+    api: _JetStreamApi, existing: dict[str, Any], desired: dict[str, Any], *, source: str
+) -> ProvisionItem:
+    name = desired["name"]
+    changes = _diff(existing, desired)
+    if not changes:
+        return ProvisionItem(kind="stream", name=name, action=Action.UNCHANGED)
+    fixed = [c for c in changes if c.startswith("storage:")]
+    old_retention, new_retention = existing.get("retention"), desired.get("retention")
+    if old_retention != new_retention and "workqueue" in (old_retention, new_retention):
+        fixed += [c for c in changes if c.startswith("retention:")]
+    if fixed:
+        raise ProvisionError(
+            f"stream {name} ({source}): NATS cannot change {'; '.join(fixed)} on a live "
+            "stream; create a new stream and migrate, or delete this one if it is empty"
+        )
+    reply = await api.call(f"STREAM.UPDATE.{name}", {**existing, **desired})
+    _raise_refused(reply, f"stream {name} ({source})", changes)
+    log.info("stream updated", stream=name, changes=changes)
+    return ProvisionItem(kind="stream", name=name, action=Action.UPDATED, changes=tuple(changes))
+
+
+async def _ensure_consumer(
+    api: _JetStreamApi, stream: str, desired: dict[str, Any], *, source: str
+) -> ProvisionItem:
+    durable = desired["durable_name"]
+    label = f"{stream}/{durable}"
+    for _attempt in range(2):  # a second pass only after losing a create race
+        info = await api.call(f"CONSUMER.INFO.{stream}.{durable}")
+        error = _error(info)
+        if error is not None and error[0] == _ERR_CONSUMER_NOT_FOUND:
+            request = {"stream_name": stream, "config": desired, "action": "create"}
+            created = await api.call(f"CONSUMER.CREATE.{stream}.{durable}", request)
+            error = _error(created)
+            if error is None:
+                log.info("consumer created", consumer=label)
+                return ProvisionItem(kind="consumer", name=label, action=Action.CREATED)
+            if error[0] == _ERR_CONSUMER_EXISTS:
+                continue
+            raise ProvisionError(
+                f"consumer {label} ({source}): NATS refused to create it: {error[1]}"
+            )
+        if error is not None:
+            raise ProvisionError(f"consumer {label}: cannot read its config: {error[1]}")
+        return await _update_consumer(api, stream, info["config"], desired, source=source)
+    raise ProvisionError(f"consumer {label}: created and deleted concurrently; try again")
+
+
+async def _update_consumer(
+    api: _JetStreamApi,
+    stream: str,
+    existing: dict[str, Any],
+    desired: dict[str, Any],
+    *,
+    source: str,
+) -> ProvisionItem:
+    durable = desired["durable_name"]
+    label = f"{stream}/{durable}"
+    changes = _diff(existing, desired)
+    if not changes:
+        return ProvisionItem(kind="consumer", name=label, action=Action.UNCHANGED)
+    fixed = [c for c in changes if c.partition(":")[0] in _CONSUMER_FIXED]
+    if fixed:
+        raise ProvisionError(
+            f"consumer {label} ({source}): NATS cannot change {'; '.join(fixed)} on a live "
+            "consumer; delete it (its pending messages stay in the stream) and provision again"
+        )
+    request = {"stream_name": stream, "config": {**existing, **desired}, "action": "update"}
+    reply = await api.call(f"CONSUMER.CREATE.{stream}.{durable}", request)
+    _raise_refused(reply, f"consumer {label} ({source})", changes)
+    log.info("consumer updated", consumer=label, changes=changes)
+    return ProvisionItem(kind="consumer", name=label, action=Action.UPDATED, changes=tuple(changes))
+
+
+def _raise_refused(reply: Any, what: str, changes: Sequence[str]) -> None:
+    error = _error(reply)
+    if error is not None:
+        raise ProvisionError(
+            f"{what}: NATS refused the update ({error[1]}); differing fields: {'; '.join(changes)}"
+        )
