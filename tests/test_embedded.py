@@ -15,6 +15,8 @@ from renqueue.connection import connect, resolve_nats_url
 from renqueue.embedded import EmbeddedServer, ServerState, url_file
 from renqueue.errors import ConnectionFailedError, EmbeddedServerError
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -68,6 +70,23 @@ async def test_url_file_is_written_while_running_and_removed_on_stop(tmp_path: P
     async with EmbeddedServer(tmp_path, port=-1) as server:
         assert url_file(tmp_path).read_text().strip() == server.url
     assert not url_file(tmp_path).exists()
+
+
+async def test_runs_with_the_repo_embedded_config(tmp_path: Path) -> None:
+    config_file = REPO / "nats" / "embedded.conf"
+    async with EmbeddedServer(tmp_path, port=-1, config_file=config_file) as server:
+        nc = await connect(server.url, name="test")
+        try:
+            assert nc.max_payload == 8 * 1024 * 1024
+        finally:
+            await nc.close()
+
+
+async def test_bad_config_file_raises_with_the_server_message(tmp_path: Path) -> None:
+    config_file = tmp_path / "bad.conf"
+    config_file.write_text("jetstream { store_dir: elsewhere }\n")  # clashes with -sd
+    with pytest.raises(EmbeddedServerError, match="Duplicate 'store_dir'"):
+        await EmbeddedServer(tmp_path / "data", port=-1, config_file=config_file).start()
 
 
 async def test_close_is_idempotent_and_a_closed_server_cannot_restart(tmp_path: Path) -> None:
