@@ -307,7 +307,13 @@ class EmbeddedServer:
         up and blocks the server on its next log write.
         """
         assert process.stderr is not None
-        while raw := await process.stderr.readline():
+        while True:
+            try:
+                raw = await process.stderr.readline()
+            except ValueError:  # a line over the reader's limit: dropped, keep draining
+                continue
+            if not raw:
+                break
             line = raw.decode("utf-8", "replace").rstrip()
             self._log_tail.append(line)
             if self._listen is None and (match := _LISTEN_RE.search(line)):
