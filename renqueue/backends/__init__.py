@@ -1,15 +1,38 @@
 """Backend adapters: one protocol, one implementation per wire format."""
 
+from __future__ import annotations
+
+import httpx
+
+from ..config import BackendConfig
+from ..errors import ConfigError
 from .base import Backend, Delta, Generation
-from .openai import OpenAIBackend
+from .openai import OpenAIBackend, RateLimitInfo
 
-__all__ = ["Backend", "Delta", "Generation", "OpenAIBackend", "make_backend"]
+__all__ = [
+    "Backend",
+    "Delta",
+    "Generation",
+    "OpenAIBackend",
+    "RateLimitInfo",
+    "make_backend",
+]
 
 
-def make_backend(name: str, config: "BackendConfig", **kwargs: object) -> Backend:  # noqa: F821
-    """Build the adapter a backend's config names."""
-    from ..config import BackendConfig  # noqa: F401 - for the annotation
+def make_backend(
+    name: str,
+    config: BackendConfig,
+    *,
+    client: httpx.AsyncClient | None = None,
+    send_priority: bool = False,
+) -> Backend:
+    """Build the adapter ``config.adapter`` names.
 
+    ``client`` shares one connection pool between adapters (never closed by
+    them); ``send_priority`` passes the request's priority rank to backends
+    that schedule by it (vLLM).
+    """
     if config.adapter == "openai":
-        return OpenAIBackend(name, config, **kwargs)  # type: ignore[arg-type]
-    raise ValueError(f"unknown adapter {config.adapter!r}")
+        return OpenAIBackend(name, config, client=client, send_priority=send_priority)
+    # Unreachable for a validated config; a hand-built one may still carry anything.
+    raise ConfigError(f"unknown adapter {config.adapter!r}", path=f"$.backends.{name}.adapter")

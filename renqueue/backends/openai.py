@@ -1,0 +1,563 @@
+"""The adapter for the OpenAI chat-completions wire format.
+
+One format covers most of what Ren-Queue routes to: vLLM, Ollama (``/v1``),
+llama.cpp, LM Studio, Groq, OpenRouter, Together, Cerebras and OpenAI itself
+all answer ``POST {base_url}/chat/completions``. So this one adapter, given a
+:class:`~renqueue.config.BackendConfig`, is most backends.
+
+What it owns, and why:
+
+- **One pooled** :class:`httpx.AsyncClient` per adapter (or one injected and
+  shared between adapters): connection reuse is most of the per-request cost
+  on a fast local backend.
+- **Error mapping at the boundary, once.** Every HTTP status, transport error
+  and broken stream leaves as a :class:`~renqueue.errors.BackendError`
+  subclass the worker can act on: wait (``RateLimitedError.retry_after``),
+  retry (``RetryableBackendError``), stop using this backend
+  (``FatalBackendError``) or fail the request (``BadRequestError``).
+- **Rate-limit headers** (``x-ratelimit-*``) are parsed from every response
+  into :attr:`OpenAIBackend.last_rate_limit`, so the limiter can learn the
+  provider's real limits instead of trusting the declared ones.
+- **The key stays secret.** It is sent only as ``Authorization: Bearer``, kept
+  in an :class:`httpx.Headers` (whose repr masks it) and scrubbed from every
+  error message, including provider bodies that echo it back.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from types import TracebackType
+from typing import Any, Final, Self
+
+import httpx
+import msgspec
+from msgspec import Struct
+
+from ..config import BackendConfig, parse_duration
+from ..errors import (
+    BackendError,
+    BadRequestError,
+    ConfigError,
+    FatalBackendError,
+    RateLimitedError,
+    RetryableBackendError,
+)
+from ..messages import InferenceRequest, Usage
+from .base import Delta, Generation
+
+__all__ = ["OpenAIBackend", "RateLimitInfo", "parse_reset", "parse_retry_after", "rate_limit_info"]
+
+#: Longest provider error text carried into an exception message.
+_DETAIL_LIMIT: Final = 300
+
+_RESET_PART_RE: Final = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_RESET_FULL_RE: Final = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|h|m|s))+")
+_RESET_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+#: A bare number this large is a Unix timestamp (seconds), not a duration.
+_EPOCH_SECONDS: Final = 1e9
+_EPOCH_MILLISECONDS: Final = 1e11
+
+
+class RateLimitInfo(Struct, frozen=True, kw_only=True):
+    """The provider's view of our quota, read from one response's ``x-ratelimit-*`` headers.
+
+    ``reset_*`` are seconds from ``at`` (Unix time the response arrived) until
+    that quota is full again. A field is ``None`` when the header was absent or
+    unreadable: providers send different subsets.
+    """
+
+    at: float
+    limit_requests: int | None = None
+    remaining_requests: int | None = None
+    reset_requests: float | None = None
+    limit_tokens: int | None = None
+    remaining_tokens: int | None = None
+    reset_tokens: float | None = None
+
+
+def parse_reset(text: str) -> float | None:
+    """A reset time in seconds: OpenAI's ``"1s"``, ``"6m0s"``, ``"120ms"``, ``"2m59.56s"``.
+
+    A bare number is seconds, unless it is large enough to be a Unix timestamp
+    (seconds or milliseconds, as GitHub and OpenRouter send), which is turned
+    into seconds from now. ``None`` for anything unreadable: a bad header must
+    never fail a request that otherwise succeeded.
+    """
+    value = text.strip()
+    if not value:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        pass
+    else:
+        if number >= _EPOCH_MILLISECONDS:
+            number = number / 1000 - time.time()
+        elif number >= _EPOCH_SECONDS:
+            number -= time.time()
+        return max(number, 0.0)
+    if not _RESET_FULL_RE.fullmatch(value):
+        return None
+    return sum(float(amount) * _RESET_UNITS[unit] for amount, unit in _RESET_PART_RE.findall(value))
+
+
+def _int_header(headers: Mapping[str, str], name: str) -> int | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    try:
+        return int(float(value))
+    except ValueError:
+        return None
+
+
+def _reset_header(headers: Mapping[str, str], name: str) -> float | None:
+    value = headers.get(name)
+    return None if value is None else parse_reset(value)
+
+
+def rate_limit_info(headers: Mapping[str, str], *, at: float | None = None) -> RateLimitInfo | None:
+    """Read the ``x-ratelimit-*`` headers; ``None`` when the response carries none of them."""
+    info = RateLimitInfo(
+        at=time.time() if at is None else at,
+        limit_requests=_int_header(headers, "x-ratelimit-limit-requests"),
+        remaining_requests=_int_header(headers, "x-ratelimit-remaining-requests"),
+        reset_requests=_reset_header(headers, "x-ratelimit-reset-requests"),
+        limit_tokens=_int_header(headers, "x-ratelimit-limit-tokens"),
+        remaining_tokens=_int_header(headers, "x-ratelimit-remaining-tokens"),
+        reset_tokens=_reset_header(headers, "x-ratelimit-reset-tokens"),
+    )
+    if all(value is None for value in msgspec.structs.astuple(info)[1:]):
+        return None
+    return info
+
+
+def parse_retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds to wait after a 429, from the most precise header the provider sent.
+
+    In order: ``retry-after-ms`` (OpenAI), ``retry-after`` (seconds or an
+    HTTP-date), then the reset time of whichever ``x-ratelimit-*`` quota is
+    exhausted (the longer one if both or neither say so). ``None`` when
+    nothing says: the caller picks its own backoff.
+    """
+    if (millis := headers.get("retry-after-ms")) is not None:
+        try:
+            return max(float(millis) / 1000, 0.0)
+        except ValueError:
+            pass
+    if (value := headers.get("retry-after")) is not None:
+        value = value.strip()
+        try:
+            return max(float(value), 0.0)
+        except ValueError:
+            pass
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            when = None
+        if when is not None:
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=UTC)
+            return max((when - datetime.now(UTC)).total_seconds(), 0.0)
+    info = rate_limit_info(headers)
+    if info is None:
+        return None
+    exhausted = [
+        reset
+        for remaining, reset in (
+            (info.remaining_requests, info.reset_requests),
+            (info.remaining_tokens, info.reset_tokens),
+        )
+        if remaining == 0 and reset is not None
+    ]
+    candidates = exhausted or [r for r in (info.reset_requests, info.reset_tokens) if r is not None]
+    return max(candidates) if candidates else None
+
+
+# ----------------------------------------------------------------- wire types
+# Only the fields we read; msgspec skips the rest. Loose types (``| None``)
+# because "OpenAI-compatible" servers differ in what they leave out or null.
+
+
+class _WireUsage(Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class _WireError(Struct):
+    message: str = ""
+
+
+class _WireDelta(Struct):
+    content: str | None = None
+
+
+class _WireChunkChoice(Struct):
+    delta: _WireDelta | None = None
+    finish_reason: str | None = None
+
+
+class _WireChunk(Struct):
+    choices: list[_WireChunkChoice] | None = None
+    usage: _WireUsage | None = None
+    error: _WireError | str | None = None
+
+
+class _WireMessage(Struct):
+    content: str | None = None
+
+
+class _WireChoice(Struct):
+    message: _WireMessage | None = None
+    finish_reason: str | None = None
+
+
+class _WireCompletion(Struct):
+    choices: list[_WireChoice] | None = None
+    usage: _WireUsage | None = None
+
+
+_CHUNK_DECODER: Final = msgspec.json.Decoder(_WireChunk)
+_COMPLETION_DECODER: Final = msgspec.json.Decoder(_WireCompletion)
+_ENCODER: Final = msgspec.json.Encoder()
+_PARAM_FIELDS: Final = ("max_tokens", "temperature", "top_p", "stop", "seed")
+
+
+def _error_detail(body: bytes) -> str:
+    """The provider's error text: JSON ``error.message`` (or a close variant), else the body."""
+    try:
+        data: Any = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        text = body.decode("utf-8", errors="replace").strip()
+    else:
+        text = ""
+        if isinstance(data, dict):
+            error = data.get("error")
+            if isinstance(error, dict) and isinstance(error.get("message"), str):
+                text = error["message"]
+            elif isinstance(error, str):
+                text = error  # Ollama: {"error": "model 'x' not found"}
+            elif isinstance(data.get("message"), str):
+                text = data["message"]  # vLLM: {"object": "error", "message": ...}
+            elif isinstance(data.get("detail"), str):
+                text = data["detail"]  # FastAPI-based servers
+        if not text:
+            text = body.decode("utf-8", errors="replace").strip()
+    text = " ".join(text.split())
+    if len(text) > _DETAIL_LIMIT:
+        text = text[: _DETAIL_LIMIT - 3] + "..."
+    return text or "(empty body)"
+
+
+def _estimate_prompt_tokens(request: InferenceRequest) -> int:
+    """About four characters per token: the usual rule of thumb for English text."""
+    chars = sum(len(message.content) for message in request.messages)
+    return -(-chars // 4)
+
+
+def _usage(wire: _WireUsage | None, request: InferenceRequest, completion_estimate: int) -> Usage:
+    """The reported usage, each missing count filled in with an estimate."""
+    prompt = wire.prompt_tokens if wire is not None else None
+    completion = wire.completion_tokens if wire is not None else None
+    return Usage(
+        prompt_tokens=prompt if prompt is not None else _estimate_prompt_tokens(request),
+        completion_tokens=completion if completion is not None else completion_estimate,
+    )
+
+
+class _StreamState:
+    """Folds SSE ``data`` payloads into text, finish reason and usage."""
+
+    __slots__ = ("deltas", "done", "finish_reason", "usage")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.deltas = 0
+        self.finish_reason: str | None = None
+        self.usage: _WireUsage | None = None
+
+    def feed(self, data: str) -> str:
+        """Take one event's data; return the text it adds ("" for none).
+
+        Raises ``msgspec.DecodeError`` for a chunk that is not valid JSON of
+        the expected shape, ``LookupError`` for an in-band error event.
+        """
+        if data == "[DONE]":
+            self.done = True
+            return ""
+        chunk = _CHUNK_DECODER.decode(data)
+        if chunk.error is not None:
+            message = chunk.error if isinstance(chunk.error, str) else chunk.error.message
+            raise LookupError(message or "error event in stream")
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        text = ""
+        for choice in chunk.choices or ():
+            if choice.finish_reason is not None:
+                self.finish_reason = choice.finish_reason
+            if choice.delta is not None and choice.delta.content:
+                text += choice.delta.content
+        if text:
+            self.deltas += 1
+        return text
+
+
+class OpenAIBackend:
+    """A backend that speaks the OpenAI chat-completions API.
+
+    Safe to share between concurrent calls. ``client`` lets several adapters
+    share one connection pool; an injected client is never closed here.
+    ``send_priority`` adds the request's priority rank as the ``priority``
+    body field, which vLLM's priority scheduler reads (lower = sooner) and
+    most other servers reject or ignore, hence off by default.
+
+    Usage: when the backend reports none (some servers ignore
+    ``stream_options.include_usage``), it is estimated: prompt tokens as
+    prompt characters / 4, completion tokens as the number of content deltas
+    (streaming, about one token each) or output characters / 4 (not
+    streaming). Estimates are good enough for quota accounting, not billing.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: BackendConfig,
+        *,
+        client: httpx.AsyncClient | None = None,
+        send_priority: bool = False,
+    ) -> None:
+        self._name = name
+        self._config = config
+        self._send_priority = send_priority
+        self._url = config.base_url.rstrip("/") + "/chat/completions"
+        self._timeout = httpx.Timeout(
+            parse_duration(config.timeout), connect=parse_duration(config.connect_timeout)
+        )
+        key = config.api_key()
+        self._key = key.reveal() if key else ""
+        if self._key and not (self._key.isascii() and self._key.isprintable()):
+            # Checked here because httpx/h11 put an illegal header value,
+            # key included, into their exception messages.
+            raise ConfigError(
+                "API key contains characters not allowed in an HTTP header",
+                path=f"$.backends.{name}.{'api_key_env' if config.api_key_env else 'api_key_file'}",
+            )
+        base_headers = {"Content-Type": "application/json"}
+        if self._key:
+            base_headers["Authorization"] = f"Bearer {self._key}"
+        # httpx.Headers masks Authorization in its repr.
+        self._stream_headers = httpx.Headers({**base_headers, "Accept": "text/event-stream"})
+        self._json_headers = httpx.Headers({**base_headers, "Accept": "application/json"})
+        self._owns_client = client is None
+        if client is None:
+            # Size the pool so the declared concurrency never waits for a
+            # connection; the limiter, not the pool, is what bounds load.
+            concurrency = config.limits.concurrency
+            client = httpx.AsyncClient(
+                timeout=self._timeout,
+                limits=httpx.Limits(
+                    max_connections=max(concurrency, 100),
+                    max_keepalive_connections=max(concurrency, 20),
+                ),
+            )
+        self._client = client
+        self._closed = False
+        #: The latest ``x-ratelimit-*`` reading from this backend (any call,
+        #: including 429s); ``None`` until a response carries those headers.
+        self.last_rate_limit: RateLimitInfo | None = None
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def config(self) -> BackendConfig:
+        return self._config
+
+    def __repr__(self) -> str:
+        return (
+            f"OpenAIBackend(name={self._name!r}, model={self._config.model!r}, url={self._url!r})"
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool, unless it was injected. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_client:
+            await self._client.aclose()
+
+    # ------------------------------------------------------------- calls
+
+    async def stream(
+        self, request: InferenceRequest, *, priority: int | None = None
+    ) -> AsyncIterator[Delta]:
+        """Yield text deltas as the backend generates them, then one ``Delta`` with usage.
+
+        Closing the generator early closes the HTTP response, so the backend
+        sees the disconnect and stops generating.
+        """
+        body = self._body(request, priority, stream=True)
+        state = _StreamState()
+        try:
+            async with self._client.stream(
+                "POST",
+                self._url,
+                content=body,
+                headers=self._stream_headers,
+                timeout=self._timeout,
+            ) as response:
+                self._observe(response)
+                if not response.is_success:
+                    await response.aread()
+                    raise self._status_error(response, request)
+                if "text/event-stream" not in response.headers.get("content-type", ""):
+                    # A server that ignored "stream": true and sent one JSON body.
+                    generation = self._generation(await response.aread(), request)
+                    if generation.text:
+                        yield Delta(text=generation.text)
+                    yield Delta(usage=generation.usage, finish_reason=generation.finish_reason)
+                    return
+                data: list[str] = []
+                async for line in response.aiter_lines():
+                    if line.startswith("data:"):
+                        data.append(line[6:] if line.startswith("data: ") else line[5:])
+                    elif not line and data:
+                        # A blank line ends an event (multi-line data joins with \n).
+                        text = self._feed(state, "\n".join(data), request)
+                        data.clear()
+                        if text:
+                            yield Delta(text=text)
+                    # Other lines: ":" comments (keep-alives), event:, id:, retry:.
+                if data:  # the last event, when the body ends without a blank line
+                    text = self._feed(state, "\n".join(data), request)
+                    if text:
+                        yield Delta(text=text)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc, request) from exc
+        if not state.done:
+            raise RetryableBackendError(
+                "stream ended before [DONE]", backend=self._name, request_id=request.id
+            )
+        yield Delta(
+            usage=_usage(state.usage, request, state.deltas), finish_reason=state.finish_reason
+        )
+
+    async def complete(
+        self, request: InferenceRequest, *, priority: int | None = None
+    ) -> Generation:
+        """The whole answer from one non-streaming call."""
+        body = self._body(request, priority, stream=False)
+        try:
+            response = await self._client.post(
+                self._url, content=body, headers=self._json_headers, timeout=self._timeout
+            )
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc, request) from exc
+        self._observe(response)
+        if not response.is_success:
+            raise self._status_error(response, request)
+        return self._generation(response.content, request)
+
+    # ------------------------------------------------------------- helpers
+
+    def _body(self, request: InferenceRequest, priority: int | None, *, stream: bool) -> bytes:
+        if self._closed:
+            raise FatalBackendError("adapter is closed", backend=self._name, request_id=request.id)
+        body: dict[str, Any] = {"model": self._config.model, "messages": request.messages}
+        params = request.params
+        for field in _PARAM_FIELDS:
+            value = getattr(params, field)
+            if value is not None:
+                body[field] = value
+        if stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        if self._send_priority and priority is not None:
+            body["priority"] = priority
+        return _ENCODER.encode(body)
+
+    def _observe(self, response: httpx.Response) -> None:
+        info = rate_limit_info(response.headers)
+        if info is not None:
+            self.last_rate_limit = info
+
+    def _feed(self, state: _StreamState, data: str, request: InferenceRequest) -> str:
+        try:
+            return state.feed(data)
+        except msgspec.DecodeError as exc:
+            raise RetryableBackendError(
+                f"malformed stream chunk: {self._redact(str(exc))}",
+                backend=self._name,
+                request_id=request.id,
+            ) from exc
+        except LookupError as exc:
+            raise RetryableBackendError(
+                f"error in stream: {self._redact(_error_detail(str(exc).encode()))}",
+                backend=self._name,
+                request_id=request.id,
+            ) from None  # the LookupError is ours; it adds nothing
+
+    def _generation(self, body: bytes, request: InferenceRequest) -> Generation:
+        try:
+            completion = _COMPLETION_DECODER.decode(body)
+        except msgspec.DecodeError as exc:
+            raise RetryableBackendError(
+                f"malformed response body: {self._redact(str(exc))}",
+                backend=self._name,
+                request_id=request.id,
+            ) from exc
+        if not completion.choices:
+            raise RetryableBackendError(
+                "response has no choices", backend=self._name, request_id=request.id
+            )
+        choice = completion.choices[0]
+        text = (choice.message.content if choice.message else None) or ""
+        return Generation(
+            text=text,
+            usage=_usage(completion.usage, request, -(-len(text) // 4)),
+            finish_reason=choice.finish_reason,
+        )
+
+    def _redact(self, text: str) -> str:
+        """Scrub the key from text that came from outside (bodies, foreign errors)."""
+        return text.replace(self._key, "***") if self._key else text
+
+    def _status_error(self, response: httpx.Response, request: InferenceRequest) -> BackendError:
+        status = response.status_code
+        message = f"HTTP {status}: {self._redact(_error_detail(response.content))}"
+        fields: dict[str, Any] = {"backend": self._name, "request_id": request.id}
+        if status == 429:
+            return RateLimitedError(
+                message, retry_after=parse_retry_after(response.headers), **fields
+            )
+        if status in (408, 409) or status >= 500:
+            return RetryableBackendError(message, status=status, **fields)
+        if status in (400, 413, 422):
+            return BadRequestError(message, status=status, **fields)
+        # 401, 403, 404 and anything else unexpected (402 out of credits, 405,
+        # a redirect): this backend's configuration is what's wrong.
+        return FatalBackendError(message, status=status, **fields)
+
+    def _transport_error(self, exc: httpx.HTTPError, request: InferenceRequest) -> BackendError:
+        detail = self._redact(str(exc))
+        message = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+        if isinstance(exc, httpx.UnsupportedProtocol | httpx.LocalProtocolError):
+            return FatalBackendError(message, backend=self._name, request_id=request.id)
+        # Timeouts, connection errors, RemoteProtocolError (a dropped stream).
+        return RetryableBackendError(message, backend=self._name, request_id=request.id)
