@@ -1,0 +1,566 @@
+"""The OpenAI chat-completions adapter, against real HTTP servers on loopback.
+
+Well-behaved traffic goes to the project's MockBackend; broken servers (bad
+streams, odd statuses) are tiny aiohttp apps below, one handler per scenario.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+
+import httpx
+import pytest
+from aiohttp import web
+
+from renqueue.backends import Backend, Delta, OpenAIBackend, RateLimitInfo, make_backend
+from renqueue.backends.openai import parse_reset, parse_retry_after, rate_limit_info
+from renqueue.config import BackendConfig
+from renqueue.errors import (
+    BackendError,
+    BadRequestError,
+    ConfigError,
+    FatalBackendError,
+    RateLimitedError,
+    RetryableBackendError,
+)
+from renqueue.messages import ChatMessage, GenerationParams, InferenceRequest, Usage
+from renqueue.mockbackend import MockBackend, MockSettings
+
+KEY = "sk-test-SECRET123"
+KEY_ENV = "RQ_TEST_OPENAI_KEY"
+
+
+def make_request(content: str = "12345678", **params: object) -> InferenceRequest:
+    return InferenceRequest(
+        id="req-1",
+        route="chat",
+        messages=[ChatMessage(role="user", content=content)],
+        params=GenerationParams(**params),  # type: ignore[arg-type]
+    )
+
+
+def config_for(url: str, **fields: object) -> BackendConfig:
+    return BackendConfig(base_url=url, model="m", api_key_env=KEY_ENV, **fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEY_ENV, KEY)
+
+
+@pytest.fixture
+async def mock() -> AsyncIterator[MockBackend]:
+    async with MockBackend(MockSettings(output_tokens=4, require_api_key=KEY)) as server:
+        yield server
+
+
+@pytest.fixture
+async def backend(mock: MockBackend) -> AsyncIterator[OpenAIBackend]:
+    async with OpenAIBackend("mock", config_for(mock.url)) as adapter:
+        yield adapter
+
+
+async def collect(backend: Backend, request: InferenceRequest) -> list[Delta]:
+    return [delta async for delta in backend.stream(request)]
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Poll ``condition`` for up to 2 s (server-side counters have no event to wait on)."""
+    for _ in range(400):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not reached in time")
+
+
+def assert_secret_free(exc: BaseException, backend: OpenAIBackend) -> None:
+    rendered = "".join(traceback.format_exception(exc))
+    for text in (str(exc), repr(exc), rendered, repr(backend)):
+        assert "SECRET123" not in text
+
+
+# ------------------------------------------------------------------ happy paths
+
+
+async def test_stream_yields_text_deltas_then_usage_and_finish_reason(
+    backend: OpenAIBackend,
+) -> None:
+    deltas = await collect(backend, make_request())
+    assert "".join(d.text for d in deltas) == "tok0 tok1 tok2 tok3"
+    assert [d.usage for d in deltas[:-1]] == [None] * (len(deltas) - 1)
+    assert deltas[-1] == Delta(
+        usage=Usage(prompt_tokens=2, completion_tokens=4), finish_reason="stop"
+    )
+
+
+async def test_complete_returns_whole_answer(backend: OpenAIBackend) -> None:
+    generation = await backend.complete(make_request(max_tokens=2))
+    assert generation.text == "tok0 tok1"
+    assert generation.usage == Usage(prompt_tokens=2, completion_tokens=2)
+    assert generation.finish_reason == "length"
+
+
+async def test_params_model_and_stream_options_reach_the_backend(
+    mock: MockBackend, backend: OpenAIBackend
+) -> None:
+    request = make_request(max_tokens=3, temperature=0.2, top_p=0.9, stop=["\n"], seed=11)
+    await collect(backend, request)
+    sent = mock.stats().last_request
+    assert sent["model"] == "m"
+    assert sent["messages"] == [{"role": "user", "content": "12345678"}]
+    assert (sent["max_tokens"], sent["temperature"], sent["top_p"]) == (3, 0.2, 0.9)
+    assert (sent["stop"], sent["seed"]) == (["\n"], 11)
+    assert sent["stream"] is True
+    assert sent["stream_options"] == {"include_usage": True}
+    assert "priority" not in sent
+    await backend.complete(make_request(), priority=0)
+    sent = mock.stats().last_request
+    assert "stream" not in sent
+    assert "max_tokens" not in sent  # unset params are left to the backend
+    assert "priority" not in sent  # not sent unless asked for
+
+
+async def test_priority_sent_only_with_send_priority(mock: MockBackend) -> None:
+    async with OpenAIBackend("vllm", config_for(mock.url), send_priority=True) as adapter:
+        await adapter.complete(make_request(), priority=3)
+        assert mock.stats().last_request["priority"] == 3
+        await adapter.complete(make_request())
+        assert "priority" not in mock.stats().last_request
+
+
+async def test_rate_limit_headers_are_exposed(mock: MockBackend) -> None:
+    mock.update(rpm=10, tpm=1000)
+    async with OpenAIBackend("mock", config_for(mock.url)) as adapter:
+        assert adapter.last_rate_limit is None
+        await collect(adapter, make_request())
+        info = adapter.last_rate_limit
+    assert isinstance(info, RateLimitInfo)
+    assert (info.limit_requests, info.remaining_requests) == (10, 9)
+    assert (info.limit_tokens, info.remaining_tokens) == (1000, 994)
+    assert info.reset_requests is not None
+    assert 0 < info.reset_requests <= 6.1
+
+
+# --------------------------------------------------------------- error mapping
+
+
+async def test_429_maps_to_rate_limited_with_retry_after(mock: MockBackend) -> None:
+    mock.update(rpm=1)
+    async with OpenAIBackend("mock", config_for(mock.url)) as adapter:
+        await adapter.complete(make_request())
+        with pytest.raises(RateLimitedError) as caught:
+            await collect(adapter, make_request())
+        info = adapter.last_rate_limit
+    error = caught.value
+    assert error.retry_after is not None
+    assert 59 < error.retry_after <= 60  # from retry-after-ms
+    assert error.status == 429
+    assert error.backend == "mock"
+    assert error.request_id == "req-1"
+    assert "Rate limit reached" in str(error)
+    assert info is not None
+    assert info.remaining_requests == 0  # the 429's headers are recorded too
+
+
+async def test_injected_500_is_retryable_with_provider_message(mock: MockBackend) -> None:
+    mock.update(failure_rate=1.0)
+    async with OpenAIBackend("mock", config_for(mock.url)) as adapter:
+        with pytest.raises(RetryableBackendError) as caught:
+            await adapter.complete(make_request())
+    assert caught.value.status == 500
+    assert "injected failure" in str(caught.value)
+
+
+async def test_unknown_model_is_fatal(mock: MockBackend) -> None:
+    mock.update(models=("other",))
+    async with OpenAIBackend("mock", config_for(mock.url)) as adapter:
+        with pytest.raises(FatalBackendError) as caught:
+            await collect(adapter, make_request())
+    assert caught.value.status == 404
+    assert "does not exist" in str(caught.value)
+
+
+async def test_busy_503_is_retryable(mock: MockBackend) -> None:
+    mock.update(concurrency=1, busy_status=503, ttft=0.3)
+    async with OpenAIBackend("mock", config_for(mock.url)) as adapter:
+        slow = asyncio.create_task(adapter.complete(make_request()))
+        await until(lambda: mock.stats().in_flight > 0)
+        with pytest.raises(RetryableBackendError) as caught:
+            await adapter.complete(make_request())
+        await slow
+    assert caught.value.status == 503
+
+
+async def test_wrong_key_is_fatal_and_the_key_never_shows(mock: MockBackend) -> None:
+    # The mock wants another key and echoes back the one it got, as some
+    # providers do: the adapter must scrub it from the error.
+    mock.update(require_api_key="sk-other")
+    async with OpenAIBackend("mock", config_for(mock.url)) as adapter:
+        with pytest.raises(FatalBackendError) as caught:
+            await adapter.complete(make_request())
+        assert caught.value.status == 401
+        assert "Incorrect API key provided: ***" in str(caught.value)
+        assert_secret_free(caught.value, adapter)
+        assert "SECRET123" not in repr(adapter._stream_headers)
+
+
+async def test_connection_refused_is_retryable_and_secret_free() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    async with OpenAIBackend("gone", config_for(f"http://127.0.0.1:{port}/v1")) as adapter:
+        with pytest.raises(RetryableBackendError) as caught:
+            await collect(adapter, make_request())
+        assert isinstance(caught.value.__cause__, httpx.ConnectError)
+        assert_secret_free(caught.value, adapter)
+
+
+async def test_read_timeout_is_retryable(mock: MockBackend) -> None:
+    mock.update(ttft=0.3)
+    async with OpenAIBackend("mock", config_for(mock.url, timeout="100ms")) as adapter:
+        with pytest.raises(RetryableBackendError) as caught:
+            await adapter.complete(make_request())
+    assert "ReadTimeout" in str(caught.value)
+
+
+async def test_closing_the_stream_early_stops_the_backend(mock: MockBackend) -> None:
+    mock.update(output_tokens=500, tokens_per_second=100)
+    async with OpenAIBackend("mock", config_for(mock.url)) as adapter:
+        stream = adapter.stream(make_request())
+        first = await anext(stream)
+        await stream.aclose()  # type: ignore[attr-defined]
+        await until(lambda: mock.stats().disconnects > 0)
+    stats = mock.stats()
+    assert first.text == "tok0"
+    assert stats.disconnects == 1
+    assert stats.tokens_out < 50
+
+
+# ------------------------------------------------------ broken/odd servers
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+CHUNK = 'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n'
+
+
+async def sse(request: web.Request, body: str) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(body.encode())
+    return response
+
+
+async def odd_stream(request: web.Request) -> web.StreamResponse:
+    """Comments, event/id lines, \\r\\n endings, a usage-only chunk with empty choices."""
+    return await sse(
+        request,
+        ": keep-alive\n\n"
+        "event: message\r\nid: 1\r\n"
+        + CHUNK.replace("\n\n", "\r\n\r\n") % "Hel"
+        + "\n\n"
+        + CHUNK % "lo"
+        + 'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+        + 'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2}}\n\n'
+        + "data: [DONE]",  # no trailing blank line
+    )
+
+
+async def no_usage(request: web.Request) -> web.StreamResponse:
+    return await sse(request, CHUNK % "a" + CHUNK % "b" + CHUNK % "c" + "data: [DONE]\n\n")
+
+
+async def truncated(request: web.Request) -> web.StreamResponse:
+    return await sse(request, CHUNK % "partial")
+
+
+async def garbage(request: web.Request) -> web.StreamResponse:
+    return await sse(request, CHUNK % "x" + "data: {not json\n\n" + "data: [DONE]\n\n")
+
+
+async def error_event(request: web.Request) -> web.StreamResponse:
+    body = CHUNK % "x" + 'data: {"error": {"message": "model crashed"}}\n\n'
+    return await sse(request, body)
+
+
+async def dropped(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write((CHUNK % "x").encode())
+    assert request.transport is not None
+    request.transport.abort()  # mid chunked body: the client sees a protocol error
+    return response
+
+
+async def json_to_stream(request: web.Request) -> web.StreamResponse:
+    return web.json_response(
+        {
+            "choices": [{"message": {"content": "whole"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+        }
+    )
+
+
+def status(code: int, body: str | dict[str, object], **headers: str) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if isinstance(body, dict):
+            return web.json_response(body, status=code, headers=headers)
+        return web.Response(text=body, status=code, headers=headers)
+
+    return handler
+
+
+def openai_error(message: str) -> dict[str, object]:
+    return {"error": {"message": message, "type": "x", "code": None}}
+
+
+HTTP_DATE = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
+
+SCENARIOS: dict[str, Handler] = {
+    "odd": odd_stream,
+    "no-usage": no_usage,
+    "truncated": truncated,
+    "garbage": garbage,
+    "error-event": error_event,
+    "dropped": dropped,
+    "json": json_to_stream,
+    "401": status(401, openai_error("bad key")),
+    "403": status(403, openai_error("forbidden region")),
+    "404": status(404, {"error": "model 'm' not found"}),  # Ollama's shape
+    "400": status(400, openai_error("max_tokens too large")),
+    "413": status(413, "payload too large"),
+    "422": status(422, {"object": "error", "message": "bad field"}),  # vLLM's shape
+    "408": status(408, "timeout"),
+    "409": status(409, "conflict"),
+    "502": status(502, "<html>bad gateway</html>"),
+    "503": status(503, openai_error("overloaded " * 100)),
+    "402": status(402, openai_error("insufficient credits")),
+    "429-date": status(429, openai_error("slow down"), **{"Retry-After": HTTP_DATE}),
+    "429-tokens": status(
+        429,
+        openai_error("tokens"),
+        **{
+            "x-ratelimit-remaining-requests": "5",
+            "x-ratelimit-reset-requests": "2s",
+            "x-ratelimit-remaining-tokens": "0",
+            "x-ratelimit-reset-tokens": "6m0s",
+        },
+    ),
+    "429-bare": status(429, openai_error("no hint")),
+}
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[str]:
+    """Base URL of a server whose scenario is the first path segment."""
+
+    async def dispatch(request: web.Request) -> web.StreamResponse:
+        return await SCENARIOS[request.match_info["scenario"]](request)
+
+    app = web.Application()
+    app.router.add_post("/{scenario}/v1/chat/completions", dispatch)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def scripted_backend(scripted: str) -> AsyncIterator[Callable[[str], OpenAIBackend]]:
+    client = httpx.AsyncClient()
+    adapters: list[OpenAIBackend] = []
+
+    def build(scenario: str) -> OpenAIBackend:
+        adapter = OpenAIBackend(scenario, config_for(f"{scripted}/{scenario}/v1"), client=client)
+        adapters.append(adapter)
+        return adapter
+
+    yield build
+    for adapter in adapters:
+        await adapter.aclose()
+    await client.aclose()
+
+
+async def test_sse_comments_crlf_and_usage_only_chunk(
+    scripted_backend: Callable[[str], OpenAIBackend],
+) -> None:
+    deltas = await collect(scripted_backend("odd"), make_request())
+    assert [d.text for d in deltas[:-1]] == ["Hel", "lo"]
+    assert deltas[-1].usage == Usage(prompt_tokens=7, completion_tokens=2)
+    assert deltas[-1].finish_reason == "stop"
+
+
+async def test_missing_usage_is_estimated(scripted_backend: Callable[[str], OpenAIBackend]) -> None:
+    deltas = await collect(scripted_backend("no-usage"), make_request(content="x" * 40))
+    # 40 prompt chars / 4; one completion token per content delta.
+    assert deltas[-1].usage == Usage(prompt_tokens=10, completion_tokens=3)
+    assert deltas[-1].finish_reason is None
+
+
+async def test_json_answer_to_a_stream_request_is_accepted(
+    scripted_backend: Callable[[str], OpenAIBackend],
+) -> None:
+    deltas = await collect(scripted_backend("json"), make_request())
+    assert deltas == [
+        Delta(text="whole"),
+        Delta(usage=Usage(prompt_tokens=1, completion_tokens=1), finish_reason="stop"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("scenario", "fragment"),
+    [
+        ("truncated", "before [DONE]"),
+        ("garbage", "malformed stream chunk"),
+        ("error-event", "model crashed"),
+        ("dropped", "RemoteProtocolError"),
+    ],
+)
+async def test_broken_streams_are_retryable(
+    scripted_backend: Callable[[str], OpenAIBackend], scenario: str, fragment: str
+) -> None:
+    adapter = scripted_backend(scenario)
+    texts: list[str] = []
+
+    async def consume() -> None:
+        async for delta in adapter.stream(make_request()):
+            texts.append(delta.text)
+
+    with pytest.raises(RetryableBackendError) as caught:
+        await consume()
+    assert fragment in str(caught.value)
+    assert texts in ([], ["x"], ["partial"])  # what came before the break was passed on
+    assert_secret_free(caught.value, adapter)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "error_type", "fragment"),
+    [
+        ("401", FatalBackendError, "bad key"),
+        ("403", FatalBackendError, "forbidden region"),
+        ("404", FatalBackendError, "model 'm' not found"),
+        ("402", FatalBackendError, "insufficient credits"),
+        ("400", BadRequestError, "max_tokens too large"),
+        ("413", BadRequestError, "payload too large"),
+        ("422", BadRequestError, "bad field"),
+        ("408", RetryableBackendError, "timeout"),
+        ("409", RetryableBackendError, "conflict"),
+        ("502", RetryableBackendError, "bad gateway"),
+        ("503", RetryableBackendError, "overloaded"),
+    ],
+)
+@pytest.mark.parametrize("streaming", [True, False])
+async def test_status_codes_map_to_error_classes(
+    scripted_backend: Callable[[str], OpenAIBackend],
+    scenario: str,
+    error_type: type[BackendError],
+    fragment: str,
+    streaming: bool,
+) -> None:
+    adapter = scripted_backend(scenario)
+    call = collect(adapter, make_request()) if streaming else adapter.complete(make_request())
+    with pytest.raises(BackendError) as caught:
+        await call
+    assert type(caught.value) is error_type
+    assert caught.value.status == int(scenario)
+    assert fragment in str(caught.value)
+    assert len(str(caught.value)) < 360  # provider text is truncated
+    assert_secret_free(caught.value, adapter)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "low", "high"),
+    [("429-date", 25, 30.5), ("429-tokens", 360, 360), ("429-bare", None, None)],
+)
+async def test_retry_after_from_date_or_ratelimit_reset(
+    scripted_backend: Callable[[str], OpenAIBackend],
+    scenario: str,
+    low: float | None,
+    high: float | None,
+) -> None:
+    with pytest.raises(RateLimitedError) as caught:
+        await scripted_backend(scenario).complete(make_request())
+    retry_after = caught.value.retry_after
+    if low is None or high is None:
+        assert retry_after is None
+    else:
+        assert retry_after is not None
+        assert low <= retry_after <= high
+
+
+# ----------------------------------------------------------- parsing helpers
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("1s", 1.0),
+        ("6m0s", 360.0),
+        ("120ms", 0.12),
+        ("2m59.56s", 179.56),
+        ("1h2m3s", 3723.0),
+        ("7.5", 7.5),
+        ("soon", None),
+        ("", None),
+    ],
+)
+def test_parse_reset(text: str, seconds: float | None) -> None:
+    result = parse_reset(text)
+    assert result == pytest.approx(seconds) if seconds is not None else result is None
+
+
+def test_parse_retry_after_prefers_precise_headers() -> None:
+    assert parse_retry_after({"retry-after-ms": "1500", "retry-after": "2"}) == 1.5
+    assert parse_retry_after({"retry-after": "2"}) == 2.0
+    assert parse_retry_after({}) is None
+
+
+def test_rate_limit_info_absent_without_headers() -> None:
+    assert rate_limit_info({"content-type": "application/json"}) is None
+    info = rate_limit_info({"x-ratelimit-limit-tokens": "6000", "x-ratelimit-reset-tokens": "1s"})
+    assert info is not None
+    assert (info.limit_tokens, info.reset_tokens, info.limit_requests) == (6000, 1.0, None)
+
+
+# ----------------------------------------------------------- lifecycle
+
+
+async def test_make_backend_builds_an_openai_adapter(mock: MockBackend) -> None:
+    backend = make_backend("mock", config_for(mock.url), send_priority=True)
+    assert isinstance(backend, OpenAIBackend)
+    assert isinstance(backend, Backend)
+    assert backend.name == "mock"
+    await backend.complete(make_request(), priority=1)
+    assert mock.stats().last_request["priority"] == 1
+    await backend.aclose()
+
+
+async def test_aclose_is_idempotent_and_spares_an_injected_client(mock: MockBackend) -> None:
+    async with httpx.AsyncClient() as client:
+        adapter = OpenAIBackend("mock", config_for(mock.url), client=client)
+        await adapter.aclose()
+        await adapter.aclose()
+        assert not client.is_closed
+        with pytest.raises(FatalBackendError):
+            await adapter.complete(make_request())
+    own = OpenAIBackend("mock", config_for(mock.url))
+    await own.aclose()
+    await own.aclose()
+    assert own._client.is_closed
+
+
+def test_key_with_illegal_characters_fails_at_construction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(KEY_ENV, "sk-test-SECRET123\nX-Evil: 1")
+    with pytest.raises(ConfigError) as caught:
+        OpenAIBackend("bad", config_for("http://127.0.0.1:1/v1"))
+    assert "SECRET123" not in str(caught.value)
