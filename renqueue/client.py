@@ -34,6 +34,7 @@ import msgspec
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NoStreamResponseError
 
+from .connection import connect
 from .errors import (
     MalformedRequestError,
     RequestCancelledError,
@@ -131,7 +132,11 @@ class RequestHandle:
     def __repr__(self) -> str:
         return f"RequestHandle(id={self.id!r}, tenant={self.tenant!r})"
 
-    async def stream(self, *, timeout: float | None = None) -> AsyncIterator[TokenChunk]:
+    async def stream(
+        self,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - per-chunk bound, not a whole-call one
+    ) -> AsyncIterator[TokenChunk]:
         """Yield text chunks in order until the request ends.
 
         A chunk with ``restart=True`` begins a new run of the request (the
@@ -162,7 +167,11 @@ class RequestHandle:
         """This request's events so far, in log order."""
         return await EventLog(self._client.js).history(self.tenant, self.id)
 
-    async def result(self, *, timeout: float | None = None) -> Result:
+    async def result(
+        self,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - the common case, like httpx's timeout=
+    ) -> Result:
         """Wait for the request to end. Raises a :class:`RequestFailedError` unless completed."""
         if self._waiter is not None:
             event = await asyncio.wait_for(asyncio.shield(self._waiter), timeout)
@@ -196,8 +205,6 @@ class Client:
 
     @classmethod
     async def connect(cls, url: str, *, tenant: str = "default", name: str = "client") -> Self:
-        from .connection import connect
-
         return cls(await connect(url, name=name), tenant=tenant, owns_connection=True)
 
     async def __aenter__(self) -> Self:

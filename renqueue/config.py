@@ -116,7 +116,7 @@ class _Section(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Base of every config section: unknown keys are errors (typos fail loudly)."""
 
 
-class RetentionConfig(_Section, kw_only=True):
+class RetentionConfig(_Section, frozen=True, kw_only=True):
     """Limits of one stream. ``max_age = "0s"`` and ``max_bytes = -1`` mean unlimited."""
 
     max_age: Duration = "0s"
@@ -127,7 +127,7 @@ class RetentionConfig(_Section, kw_only=True):
         return parse_duration(self.max_age)
 
 
-class NatsConfig(_Section, kw_only=True):
+class NatsConfig(_Section, frozen=True, kw_only=True):
     """Where NATS is. An empty ``url`` starts the embedded server."""
 
     url: str = ""
@@ -145,7 +145,7 @@ class NatsConfig(_Section, kw_only=True):
     ping_interval: Duration = "10s"
 
 
-class LimitsConfig(_Section, kw_only=True):
+class LimitsConfig(_Section, frozen=True, kw_only=True):
     """Declared limits of one backend: concurrent requests, and counts per window."""
 
     concurrency: Annotated[int, Meta(ge=1, le=100_000)] = 4
@@ -165,7 +165,7 @@ class LimitsConfig(_Section, kw_only=True):
         return [parse_rate(text) for text in self.tokens]
 
 
-class BackendConfig(_Section, kw_only=True):
+class BackendConfig(_Section, frozen=True, kw_only=True):
     """One callable endpoint + model + credentials."""
 
     adapter: Literal["openai"] = "openai"
@@ -190,8 +190,7 @@ class BackendConfig(_Section, kw_only=True):
     def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
         """US dollars for a call with these token counts."""
         return (
-            prompt_tokens * self.cost_input_per_mtok
-            + completion_tokens * self.cost_output_per_mtok
+            prompt_tokens * self.cost_input_per_mtok + completion_tokens * self.cost_output_per_mtok
         ) / 1_000_000
 
     def api_key(self) -> Secret | None:
@@ -214,13 +213,13 @@ class BackendConfig(_Section, kw_only=True):
         return None
 
 
-class RouteConfig(_Section, kw_only=True):
+class RouteConfig(_Section, frozen=True, kw_only=True):
     """A model group: candidate backends in cascade order (first = preferred)."""
 
     backends: Annotated[list[Name], Meta(min_length=1)]
 
 
-class RouterConfig(_Section, kw_only=True):
+class RouterConfig(_Section, frozen=True, kw_only=True):
     """Router tuning. ``hold_limit`` bounds requests a router holds while waiting for room."""
 
     fetch_batch: Annotated[int, Meta(ge=1, le=1000)] = 64
@@ -230,7 +229,7 @@ class RouterConfig(_Section, kw_only=True):
     max_deliver: Annotated[int, Meta(ge=1)] = 10
 
 
-class WorkerConfig(_Section, kw_only=True):
+class WorkerConfig(_Section, frozen=True, kw_only=True):
     """Worker tuning. A request whose run fails transiently is retried up to ``max_deliver``."""
 
     ack_wait: Duration = "30s"
@@ -239,7 +238,7 @@ class WorkerConfig(_Section, kw_only=True):
     drain_timeout: Duration = "10s"
 
 
-class Config(_Section, kw_only=True):
+class Config(_Section, frozen=True, kw_only=True):
     """The whole configuration (one TOML file)."""
 
     nats: NatsConfig = NatsConfig()

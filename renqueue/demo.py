@@ -153,7 +153,8 @@ async def _run(client: Client, config: Config, count: int, rng: random.Random, o
         )
         submitted.append((priority, route, time.monotonic(), handle))
     bad = await client.submit("This route does not exist.", route="chat-huge", priority="normal")
-    print(f"  submitted {count} requests (+1 to an unknown route) in {time.monotonic() - started:.2f}s")
+    took = time.monotonic() - started
+    print(f"  submitted {count} requests (+1 to an unknown route) in {took:.2f}s")
 
     print("\nStreaming three requests live:")
     live = [s for s in submitted if s[0] in ("critical", "high")][:3]
@@ -186,9 +187,17 @@ async def _run(client: Client, config: Config, count: int, rng: random.Random, o
         await bad.result(timeout=10)
     except RequestFailedError as exc:
         rejected = exc
-    _summary(config, results, latencies, count, time.monotonic() - started, rejected)
+    _summary(
+        config,
+        results=results,
+        latencies=latencies,
+        total=count,
+        elapsed=time.monotonic() - started,
+        rejected=rejected,
+    )
     complete = not timed_out and len(results) == count and rejected is not None
-    print(f"\n{'OK' if complete else 'INCOMPLETE'}: {len(results)}/{count} requests reached a terminal state")
+    verdict = "OK" if complete else "INCOMPLETE"
+    print(f"\n{verdict}: {len(results)}/{count} requests reached a terminal state")
     return complete
 
 
@@ -208,6 +217,7 @@ async def _progress(results: dict[str, Any], total: int, out: Any) -> None:
 
 def _summary(
     config: Config,
+    *,
     results: dict[str, Result | RequestFailedError],
     latencies: dict[str, list[float]],
     total: int,

@@ -11,6 +11,7 @@ window the same check is made by reading the request's events.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any, Final
 
 import msgspec
@@ -124,10 +125,9 @@ class EventLog:
                 raw = await self._js.get_msg(EVENTS_STREAM, seq=seq, subject=subject, next=True)
             except NotFoundError:
                 return events
-            try:
+            # A foreign or undecodable message on our subject is skipped.
+            with contextlib.suppress(msgspec.DecodeError):
                 events.append(EVENT_DECODER.decode(raw.data))
-            except msgspec.DecodeError:
-                pass  # a foreign or newer-schema message on our subject: skip it
             seq = raw.seq + 1
 
     async def terminal_of(self, tenant: str, request_id: str) -> Event | None:

@@ -140,20 +140,20 @@ class _EventBase(Struct, frozen=True, kw_only=True, tag_field="kind"):
     at: float
 
 
-class Submitted(_EventBase, tag="submitted"):
+class Submitted(_EventBase, frozen=True, kw_only=True, tag="submitted"):
     """A client submitted a request (the full request, for audit and replay)."""
 
     request: InferenceRequest
 
 
-class Rejected(_EventBase, tag="rejected"):
+class Rejected(_EventBase, frozen=True, kw_only=True, tag="rejected"):
     """Terminal: the request was invalid (malformed, unknown route, ...)."""
 
     error_type: str
     reason: str
 
 
-class Routed(_EventBase, tag="routed"):
+class Routed(_EventBase, frozen=True, kw_only=True, tag="routed"):
     """A router bound the request to a backend."""
 
     backend: str
@@ -163,7 +163,7 @@ class Routed(_EventBase, tag="routed"):
     reason: str = ""
 
 
-class Started(_EventBase, tag="started"):
+class Started(_EventBase, frozen=True, kw_only=True, tag="started"):
     """A worker started calling the backend."""
 
     backend: str
@@ -172,7 +172,7 @@ class Started(_EventBase, tag="started"):
     worker: str
 
 
-class Retrying(_EventBase, tag="retrying"):
+class Retrying(_EventBase, frozen=True, kw_only=True, tag="retrying"):
     """A backend call failed transiently; the request waits and is tried again."""
 
     backend: str
@@ -183,7 +183,7 @@ class Retrying(_EventBase, tag="retrying"):
     retry_after: float
 
 
-class Completed(_EventBase, tag="completed"):
+class Completed(_EventBase, frozen=True, kw_only=True, tag="completed"):
     """Terminal: the backend produced a full answer."""
 
     backend: str
@@ -197,7 +197,7 @@ class Completed(_EventBase, tag="completed"):
     duration: float = 0.0
 
 
-class Failed(_EventBase, tag="failed"):
+class Failed(_EventBase, frozen=True, kw_only=True, tag="failed"):
     """Terminal: the request cannot be completed; a copy is in the dead-letter stream."""
 
     error_type: str
@@ -206,21 +206,23 @@ class Failed(_EventBase, tag="failed"):
     attempt: int = 0
 
 
-class Expired(_EventBase, tag="expired"):
+class Expired(_EventBase, frozen=True, kw_only=True, tag="expired"):
     """Terminal: the deadline passed before the request could finish."""
 
     stage: str
     reason: str = ""
 
 
-class Cancelled(_EventBase, tag="cancelled"):
+class Cancelled(_EventBase, frozen=True, kw_only=True, tag="cancelled"):
     """Terminal: the request was cancelled."""
 
     stage: str
     reason: str = ""
 
 
-Event = Submitted | Rejected | Routed | Started | Retrying | Completed | Failed | Expired | Cancelled
+Event = (
+    Submitted | Rejected | Routed | Started | Retrying | Completed | Failed | Expired | Cancelled
+)
 
 TERMINAL_KINDS: Final = frozenset({"completed", "failed", "rejected", "expired", "cancelled"})
 

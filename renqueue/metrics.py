@@ -17,15 +17,11 @@ __all__ = [
     "TOKENS",
 ]
 
-ROUTED = Counter(
-    "renqueue_routed_total", "Routing decisions made", ["backend", "priority"]
-)
+ROUTED = Counter("renqueue_routed_total", "Routing decisions made", ["backend", "priority"])
 REJECTED = Counter(
     "renqueue_rejected_total", "Requests rejected as invalid, by error type", ["error_type"]
 )
-TERMINAL = Counter(
-    "renqueue_terminal_total", "Requests that reached a terminal state", ["kind"]
-)
+TERMINAL = Counter("renqueue_terminal_total", "Requests that reached a terminal state", ["kind"])
 QUEUE_WAIT = Histogram(
     "renqueue_queue_wait_seconds",
     "Time from submit to routing decision",
@@ -41,7 +37,9 @@ BACKEND_LATENCY = Histogram(
     ["backend"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
-TOKENS = Counter("renqueue_tokens_total", "Tokens by backend and direction", ["backend", "direction"])
+TOKENS = Counter(
+    "renqueue_tokens_total", "Tokens by backend and direction", ["backend", "direction"]
+)
 COST = Counter("renqueue_cost_dollars_total", "Spend in US dollars", ["backend"])
 IN_FLIGHT = Gauge("renqueue_worker_in_flight", "Requests being served by this process", ["backend"])
 DUPLICATES_DROPPED = Counter(

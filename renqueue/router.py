@@ -201,7 +201,7 @@ class Router:
         self._tasks: set[asyncio.Task[None]] = set()
         self._inflight: set[asyncio.Task[None]] = set()
         self._capacity_sub: Any = None
-        self._stopping = asyncio.Event()
+        self._subs: list[Any] = []
         self.routed = 0
         self.rejected = 0
 
@@ -211,8 +211,10 @@ class Router:
             psub = await self._js.pull_subscribe_bind(
                 durable=router_consumer(level), stream=REQUESTS_STREAM
             )
+            self._subs.append(psub)
             self._spawn(self._fetch_loop(level, psub), f"fetch-{level}")
         self._capacity_sub = await self._nc.subscribe(capacity_subject("*"), cb=self._on_freed)
+        self._subs.append(self._capacity_sub)
         self._spawn(self._dispatch_loop(), "dispatch")
         self._spawn(self._keepalive_loop(), "keepalive")
         log.info("router started", router=self._name, levels=self._levels)
@@ -223,14 +225,16 @@ class Router:
 
     async def stop(self) -> None:
         """Stop taking work, let in-flight dispatches land, hand held requests back."""
-        self._stopping.set()
-        if self._capacity_sub is not None:
-            with contextlib.suppress(Exception):
-                await self._capacity_sub.unsubscribe()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        # Unsubscribe, or a pull that expires after the fetch task is gone
+        # leaves a status message no one reads, and draining NATS waits on it.
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
         for held in self._held.values():
@@ -310,8 +314,8 @@ class Router:
             )
             await self._log.finish(event)
             await msg.ack()
-        except Exception as exc:  # noqa: BLE001 - leave it for redelivery, keep serving
-            log.error("could not record rejection", request_id=request_id, error=str(exc))
+        except Exception as exc:
+            log.exception("could not record rejection", request_id=request_id, error=str(exc))
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
 
@@ -327,8 +331,8 @@ class Router:
         try:
             await self._log.finish(event)
             await msg.ack()
-        except Exception as exc:  # noqa: BLE001
-            log.error("could not record expiry", request_id=request.id, error=str(exc))
+        except Exception as exc:
+            log.exception("could not record expiry", request_id=request.id, error=str(exc))
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
 

@@ -101,6 +101,7 @@ class Worker:
         self._running: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
         self._fetcher: asyncio.Task[None] | None = None
+        self._sub: Any = None
         self.completed = 0
         self.failed = 0
 
@@ -109,10 +110,10 @@ class Worker:
         return self._backend_name
 
     async def start(self) -> None:
-        psub = await self._js.pull_subscribe_bind(
+        self._sub = await self._js.pull_subscribe_bind(
             durable=worker_consumer(self._backend_name), stream=DISPATCH_STREAM
         )
-        self._fetcher = asyncio.create_task(self._fetch_loop(psub), name=f"{self._name}-fetch")
+        self._fetcher = asyncio.create_task(self._fetch_loop(self._sub), name=f"{self._name}-fetch")
         log.info("worker started", worker=self._name, backend=self._backend_name)
 
     async def stop(self) -> None:
@@ -122,6 +123,11 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._fetcher
             self._fetcher = None
+        if self._sub is not None:
+            # An expiring pull must not leave an unread message that stalls drain().
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
         if self._running:
             _done, pending = await asyncio.wait(self._running, timeout=self._drain_timeout)
             for task in pending:
@@ -170,7 +176,7 @@ class Worker:
                 with contextlib.suppress(Exception):
                     await msg.nak()
                 raise
-            except Exception:  # noqa: BLE001 - never let one request kill the worker
+            except Exception:
                 log.exception("unexpected error; request will be redelivered")
                 with contextlib.suppress(Exception):
                     await msg.nak(delay=self._retry_delay)

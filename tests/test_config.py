@@ -66,7 +66,7 @@ def test_env_overrides_nats_url(tmp_path: Path) -> None:
 def test_bad_toml_and_missing_file_fail_with_the_file_name(tmp_path: Path) -> None:
     file = tmp_path / "broken.toml"
     file.write_text("[nats\n")
-    with pytest.raises(ConfigError, match="broken.toml: not valid TOML"):
+    with pytest.raises(ConfigError, match=r"broken\.toml: not valid TOML"):
         load_config(file, environ={})
     with pytest.raises(ConfigError, match="file not found"):
         load_config(tmp_path / "absent.toml", environ={})

@@ -51,29 +51,47 @@ def test_request_round_trips_with_schema_version() -> None:
 def test_hostile_requests_fail_validation_naming_the_field(
     patch: dict[str, object], words: str
 ) -> None:
-    with pytest.raises(msgspec.ValidationError, match=words.replace("[", r"\[").replace("$", r"\$")):
+    with pytest.raises(
+        msgspec.ValidationError, match=words.replace("[", r"\[").replace("$", r"\$")
+    ):
         REQUEST_DECODER.decode(json.dumps({**VALID, **patch}))
 
 
 def test_events_decode_by_kind_and_terminal_ones_share_one_msg_id() -> None:
     completed = Completed(
-        request_id="r", tenant="t", at=1.0, backend="b", attempt=1, delivery=2,
-        text="x", usage=Usage(prompt_tokens=1, completion_tokens=1), cost=0.0,
+        request_id="r",
+        tenant="t",
+        at=1.0,
+        backend="b",
+        attempt=1,
+        delivery=2,
+        text="x",
+        usage=Usage(prompt_tokens=1, completion_tokens=1),
+        cost=0.0,
     )
     failed = Failed(request_id="r", tenant="t", at=2.0, error_type="e", reason="why")
-    routed = Routed(request_id="r", tenant="t", at=0.5, backend="b", attempt=1,
-                    priority="high", queue_wait=0.1)
+    routed = Routed(
+        request_id="r", tenant="t", at=0.5, backend="b", attempt=1, priority="high", queue_wait=0.1
+    )
     assert EVENT_DECODER.decode(encode(completed)) == completed
     assert json.loads(encode(failed))["kind"] == "failed"
-    assert is_terminal(completed) and is_terminal(failed) and not is_terminal(routed)
+    assert is_terminal(completed)
+    assert is_terminal(failed)
+    assert not is_terminal(routed)
     assert msg_id_of(completed) == msg_id_of(failed) == "r:terminal"
     assert msg_id_of(routed) == "r:routed:1"
 
 
 def test_old_events_without_new_fields_still_decode() -> None:
     # Schema evolution: fields with defaults may be absent in older log entries.
-    old = {"kind": "failed", "request_id": "r", "tenant": "t", "at": 1.0,
-           "error_type": "e", "reason": "r"}
+    old = {
+        "kind": "failed",
+        "request_id": "r",
+        "tenant": "t",
+        "at": 1.0,
+        "error_type": "e",
+        "reason": "r",
+    }
     event = EVENT_DECODER.decode(json.dumps(old))
     assert isinstance(event, Failed)
     assert event.backend is None

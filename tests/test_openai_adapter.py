@@ -317,7 +317,9 @@ def openai_error(message: str) -> dict[str, object]:
     return {"error": {"message": message, "type": "x", "code": None}}
 
 
-HTTP_DATE = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
+# Computed at import: an hour ahead, so the wait it implies stays far above the
+# lower bound below however long the suite takes to reach the test.
+HTTP_DATE = format_datetime(datetime.now(UTC) + timedelta(hours=1), usegmt=True)
 
 SCENARIOS: dict[str, Handler] = {
     "odd": odd_stream,
@@ -478,7 +480,7 @@ async def test_status_codes_map_to_error_classes(
 
 @pytest.mark.parametrize(
     ("scenario", "low", "high"),
-    [("429-date", 25, 30.5), ("429-tokens", 360, 360), ("429-bare", None, None)],
+    [("429-date", 3000, 3600.5), ("429-tokens", 360, 360), ("429-bare", None, None)],
 )
 async def test_retry_after_from_date_or_ratelimit_reset(
     scripted_backend: Callable[[str], OpenAIBackend],

@@ -88,16 +88,14 @@ async def test_late_subscriber_gets_every_token_in_order(client: Client) -> None
     assert len(chunks) >= 2
 
 
-async def test_resubmit_with_same_id_creates_nothing_new(
-    client: Client, mock: MockBackend
-) -> None:
+async def test_resubmit_with_same_id_creates_nothing_new(client: Client, mock: MockBackend) -> None:
     first = await client.submit("once", route="chat", request_id="same-id-1")
     result = await first.result(timeout=10)
     again = await client.submit("once", route="chat", request_id="same-id-1")
 
     assert again.duplicate
     assert (await again.result(timeout=10)).text == result.text
-    assert (await mock.stats())["requests"] == 1
+    assert mock.stats().requests == 1
     assert (await kinds(client, "same-id-1")).count("submitted") == 1
 
 
@@ -152,13 +150,14 @@ async def test_deadline_passed_while_waiting_expires_without_backend_call(
     handle = await client.submit_request(request)
     with pytest.raises(RequestExpiredError):
         await handle.result(timeout=10)
-    assert (await mock.stats())["requests"] == 0
+    assert mock.stats().requests == 0
 
 
 async def test_higher_levels_start_first_when_a_slot_frees(tmp_path: Path) -> None:
-    async with MockBackend(
-        MockSettings(ttft=0.0, tokens_per_second=0, output_tokens=4)
-    ) as fast, MockBackend(MockSettings(ttft=0.6, tokens_per_second=0, output_tokens=4)) as slow:
+    async with (
+        MockBackend(MockSettings(ttft=0.0, tokens_per_second=0, output_tokens=4)) as fast,
+        MockBackend(MockSettings(ttft=0.6, tokens_per_second=0, output_tokens=4)) as slow,
+    ):
         config = make_config(tmp_path, {"one": (fast.url, 1)})
         config = msgspec.structs.replace(
             config,
