@@ -190,7 +190,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="renqueue", description=__doc__.splitlines()[0])
     parser.add_argument("-c", "--config", help="TOML config file (default: ./renqueue.toml)")
     parser.add_argument("--nats", help="NATS URL (default: embedded server / RENQUEUE_NATS_URL)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-level", help="DEBUG, INFO, WARNING, ERROR (default: INFO; the demo: ERROR)"
+    )
     parser.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -250,7 +252,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    configure_logging(level=args.log_level, json=args.log_json)
+    quiet = args.command == "demo"  # the demo's terminal display is its output
+    configure_logging(level=args.log_level or ("ERROR" if quiet else "INFO"), json=args.log_json)
     try:
         config = _with_nats(load_config(args.config), args.nats)
         result = args.run(config, args)

@@ -32,29 +32,31 @@ __all__ = ["demo_config", "run_demo"]
 #: name -> (mock settings, backend config without base_url)
 _BACKENDS: dict[str, tuple[MockSettings, dict[str, Any]]] = {
     "local-small": (
-        MockSettings(ttft=0.02, tokens_per_second=400, output_tokens=24),
+        MockSettings(ttft=0.03, tokens_per_second=80, output_tokens=24),
         {"tier": 1, "tags": ["local"], "limits": {"concurrency": 8}},
     ),
     "local-large": (
-        MockSettings(ttft=0.15, tokens_per_second=120, output_tokens=48),
+        MockSettings(ttft=0.2, tokens_per_second=40, output_tokens=48),
         {"tier": 3, "tags": ["local"], "limits": {"concurrency": 2}},
     ),
     "free-api": (
-        MockSettings(ttft=0.08, tokens_per_second=300, output_tokens=32, rpm=120),
+        # The provider enforces 40/min with real 429s; we declare 30/min and
+        # must never trip it.
+        MockSettings(ttft=0.08, tokens_per_second=80, output_tokens=32, rpm=40),
         {
             "tier": 2,
             "tags": ["free"],
-            "limits": {"concurrency": 4, "requests": ["100/min"]},
+            "limits": {"concurrency": 4, "requests": ["30/min"]},
         },
     ),
     "paid-api": (
-        MockSettings(ttft=0.05, tokens_per_second=300, output_tokens=32),
+        MockSettings(ttft=0.05, tokens_per_second=100, output_tokens=32),
         {
             "tier": 3,
             "tags": ["paid"],
             "cost_input_per_mtok": 0.15,
             "cost_output_per_mtok": 0.60,
-            "limits": {"concurrency": 16},
+            "limits": {"concurrency": 4},
         },
     ),
 }
@@ -136,28 +138,31 @@ async def run_demo(*, requests: int = 200, seed: int = 7) -> bool:
             async with Services(config) as services:
                 print(f"  embedded NATS at {services.url}")
                 async with await Client.connect(services.url, tenant="demo") as client:
-                    return await _run(client, config, requests, rng, out)
+                    ok = await _run(client, config, requests, rng, out)
+            throttled = {name: mock.stats().rate_limited for name, mock in mocks.items()}
+            print(f"  429s the providers sent us: {throttled}")
+            return ok
 
 
 async def _run(client: Client, config: Config, count: int, rng: random.Random, out: Any) -> bool:
     work = _workload(count, rng)
     started = time.monotonic()
-    submitted: list[tuple[str, str, float, RequestHandle]] = []
-    for index, (priority, route) in enumerate(work):
-        handle = await client.submit(
-            rng.choice(_PROMPTS),
-            route=route,
-            priority=priority,
-            request_id=f"demo-{index:04d}-{rng.getrandbits(32):08x}",
-            timeout=45.0,
-        )
-        submitted.append((priority, route, time.monotonic(), handle))
+    prompts = [rng.choice(_PROMPTS) for _ in work]
+
+    async def submit(index: int) -> tuple[str, str, float, RequestHandle]:
+        priority, route = work[index]
+        handle = await client.submit(prompts[index], route=route, priority=priority, timeout=45.0)
+        return priority, route, started, handle
+
+    # One burst, as a real traffic spike: everything waits in the priority
+    # subjects and the routers hand out slots most urgent first.
+    submitted = list(await asyncio.gather(*(submit(i) for i in range(count))))
     bad = await client.submit("This route does not exist.", route="chat-huge", priority="normal")
     took = time.monotonic() - started
     print(f"  submitted {count} requests (+1 to an unknown route) in {took:.2f}s")
 
-    print("\nStreaming three requests live:")
-    live = [s for s in submitted if s[0] in ("critical", "high")][:3]
+    print("\nStreaming three requests live (critical first, batch waits its turn):")
+    live = [next(s for s in submitted if s[0] == level) for level in ("critical", "high", "batch")]
     for priority, route, _t, handle in live:
         await _stream_live(handle, f"{priority} {route}")
 
