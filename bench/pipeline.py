@@ -1,0 +1,947 @@
+"""Benchmark of the foundation pipeline: client -> router -> worker -> mock LLM -> client.
+
+Run with ``make bench`` (about 2-3 minutes) or ``python bench/pipeline.py --quick``
+(about a minute). Everything runs on loopback: an embedded nats-server, an
+instant mock LLM in a child process, and the routers, workers and client in
+this process (as ``renqueue demo`` and the tests run them).
+
+The machine is small and shared, so absolute numbers drift between runs. What
+is meant to be read are the ratios against baselines measured in the same run:
+
+1. Broker ceiling: what this nats-server + nats-py can do on a plain R1 file
+   stream (acked publishes, windowed and one at a time; fetch(100) + ack).
+2. Mock ceiling: the instant mock backend called directly, streaming, with the
+   project's OpenAI adapter (httpx) and with raw aiohttp, at the pipeline's
+   concurrency levels: proves the mock is not the bottleneck, and gives the
+   direct-call latency the pipeline's "added latency" is measured against.
+3. Pipeline: ``Services`` + ``Client``, closed loop (C submitters, each
+   submit -> result, repeated), throughput and client-observed latency; one
+   streamed variant (consume ``handle.stream()`` then the result).
+
+Results: a table on stdout, JSON in ``bench/results/pipeline-<UTC>.json`` and
+``bench/results/pipeline-latest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import json
+import os
+import platform
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import msgspec
+from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
+
+from renqueue import Client, Services, parse_config
+from renqueue.backends import Backend, make_backend
+from renqueue.config import Config
+from renqueue.connection import connect
+from renqueue.embedded import EmbeddedServer, find_nats_server
+from renqueue.logs import configure_logging
+from renqueue.messages import REQUEST_DECODER, InferenceRequest
+from renqueue.subjects import DISPATCH_STREAM, EVENTS_STREAM, REQUESTS_STREAM, TOKENS_STREAM
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PAYLOAD = b"x" * 128
+#: Tokens the instant mock answers with (each one an SSE event, so a token chunk).
+OUTPUT_TOKENS = 8
+BACKEND = "mock"
+TENANT = "bench"
+PROMPT = "Say something short."
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long each part runs."""
+
+    levels: tuple[int, ...]
+    stream_level: int
+    broker_seconds: float
+    mock_seconds: float
+    warmup_seconds: float
+    pipeline_seconds: float
+
+
+FULL = Plan(
+    levels=(1, 16, 64),
+    stream_level=16,
+    broker_seconds=4.0,
+    mock_seconds=4.0,
+    warmup_seconds=2.0,
+    pipeline_seconds=10.0,
+)
+QUICK = Plan(
+    levels=(1, 16, 64),
+    stream_level=16,
+    broker_seconds=2.0,
+    mock_seconds=1.5,
+    warmup_seconds=1.0,
+    pipeline_seconds=4.0,
+)
+
+
+# --------------------------------------------------------------------- helpers
+
+
+def percentile(values: list[float], pct: float) -> float:
+    """Nearest-rank percentile; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def latency_summary(seconds: list[float]) -> dict[str, float]:
+    """p50/p90/p99/max in milliseconds."""
+    return {
+        "p50_ms": percentile(seconds, 50) * 1000,
+        "p90_ms": percentile(seconds, 90) * 1000,
+        "p99_ms": percentile(seconds, 99) * 1000,
+        "max_ms": max(seconds) * 1000 if seconds else float("nan"),
+    }
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc (0.0 where unavailable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+class CpuMeter:
+    """CPU used by a set of processes between ``start()`` and ``stop()``, as cores busy."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self._pids = pids
+        self._before: dict[str, float] = {}
+        self._wall = 0.0
+
+    def start(self) -> None:
+        self._wall = time.perf_counter()
+        self._before = {name: proc_cpu_seconds(pid) for name, pid in self._pids.items()}
+
+    def stop(self) -> dict[str, float]:
+        wall = time.perf_counter() - self._wall
+        return {
+            name: round((proc_cpu_seconds(pid) - self._before[name]) / wall, 3)
+            for name, pid in self._pids.items()
+        }
+
+
+@dataclass
+class LoopResult:
+    """A closed-loop run: completions in the window, their latencies, errors."""
+
+    concurrency: int
+    elapsed: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    first_token: list[float] = field(default_factory=list)
+    errors: int = 0
+    error_samples: list[str] = field(default_factory=list)
+
+    @property
+    def completed(self) -> int:
+        return len(self.latencies)
+
+    @property
+    def rate(self) -> float:
+        return self.completed / self.elapsed if self.elapsed else 0.0
+
+
+async def closed_loop(
+    call: Callable[[LoopResult], Awaitable[float]], concurrency: int, seconds: float
+) -> LoopResult:
+    """``concurrency`` tasks each repeating ``call`` until ``seconds`` have passed.
+
+    ``call`` returns the latency of one operation (it may record more in the
+    result). Operations started before the end are awaited and counted; the
+    rate is completions over the time until the last one ended.
+    """
+    result = LoopResult(concurrency)
+    start = time.perf_counter()
+    end = start + seconds
+    last_end = start
+
+    async def one() -> None:
+        nonlocal last_end
+        while time.perf_counter() < end:
+            try:
+                latency = await call(result)
+            except Exception as exc:  # noqa: BLE001 - counted and shown, the run goes on
+                result.errors += 1
+                if len(result.error_samples) < 3:
+                    result.error_samples.append(f"{type(exc).__name__}: {exc}"[:200])
+                await asyncio.sleep(0.01)
+                continue
+            result.latencies.append(latency)
+            last_end = time.perf_counter()
+
+    await asyncio.gather(*(one() for _ in range(concurrency)))
+    result.elapsed = last_end - start
+    return result
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def nats_server_version() -> str:
+    try:
+        out = subprocess.run(
+            [str(find_nats_server()), "--version"], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip()
+
+
+def machine_info() -> dict[str, Any]:
+    model = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    import nats  # noqa: PLC0415 - only for its version
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": model,
+        "loadavg_at_start": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "nats_server": nats_server_version(),
+        "nats_py": getattr(nats, "__version__", "unknown"),
+        "httpx": httpx.__version__,
+        "aiohttp": aiohttp.__version__,
+        "git_commit": git_commit(),
+    }
+
+
+# ------------------------------------------------------------ 1. broker ceiling
+
+
+async def broker_ceiling(seconds: float) -> dict[str, Any]:
+    """Acked publish (windowed publish_async; one at a time) and fetch(100)+ack rates."""
+    with tempfile.TemporaryDirectory(prefix="renqueue-bench-broker-") as tmp:
+        async with EmbeddedServer(Path(tmp), port=-1) as server:
+            nc = await connect(server.url, name="bench-broker")
+            try:
+                js = nc.jetstream()
+                await js.add_stream(
+                    StreamConfig(
+                        name="BENCH",
+                        subjects=["bench.>"],
+                        storage=StorageType.FILE,
+                        num_replicas=1,
+                    )
+                )
+                cpu = CpuMeter({"python": os.getpid(), "nats_server": server.pid or 0})
+
+                # (a) publish_async, acks pipelined, windows of 256.
+                window = 256
+                cpu.start()
+                start = time.perf_counter()
+                end = start + seconds
+                published = 0
+                while time.perf_counter() < end:
+                    futures = [await js.publish_async("bench.a", PAYLOAD) for _ in range(window)]
+                    await asyncio.gather(*futures)
+                    published += window
+                async_elapsed = time.perf_counter() - start
+                async_cpu = cpu.stop()
+
+                # (b) js.publish one at a time, awaiting each ack.
+                single: list[float] = []
+                cpu.start()
+                start = time.perf_counter()
+                end = start + seconds / 2
+                while (now := time.perf_counter()) < end:
+                    await js.publish("bench.b", PAYLOAD)
+                    single.append(time.perf_counter() - now)
+                single_elapsed = time.perf_counter() - start
+                single_cpu = cpu.stop()
+
+                # (c) fetch(100) + ack() over what (a) stored.
+                await js.add_consumer(
+                    "BENCH",
+                    ConsumerConfig(
+                        durable_name="bench-consumer",
+                        filter_subject="bench.a",
+                        ack_policy=AckPolicy.EXPLICIT,
+                        max_ack_pending=10_000,
+                    ),
+                )
+                psub = await js.pull_subscribe_bind(durable="bench-consumer", stream="BENCH")
+                consumed = 0
+                cpu.start()
+                start = time.perf_counter()
+                end = start + seconds
+                while consumed < published and time.perf_counter() < end:
+                    msgs = await psub.fetch(batch=100, timeout=2.0)
+                    for msg in msgs:
+                        await msg.ack()
+                    consumed += len(msgs)
+                await nc.flush()
+                fetch_elapsed = time.perf_counter() - start
+                fetch_cpu = cpu.stop()
+            finally:
+                await nc.drain()
+    return {
+        "message_bytes": len(PAYLOAD),
+        "publish_async_windowed": {
+            "window": window,
+            "messages": published,
+            "seconds": async_elapsed,
+            "msgs_per_s": published / async_elapsed,
+            "cpu_cores": async_cpu,
+        },
+        "publish_one_at_a_time": {
+            "messages": len(single),
+            "seconds": single_elapsed,
+            "msgs_per_s": len(single) / single_elapsed,
+            "latency": latency_summary(single),
+            "cpu_cores": single_cpu,
+        },
+        "fetch100_ack": {
+            "messages": consumed,
+            "seconds": fetch_elapsed,
+            "msgs_per_s": consumed / fetch_elapsed,
+            "cpu_cores": fetch_cpu,
+        },
+    }
+
+
+# -------------------------------------------------------------- mock backend
+
+_MOCK_CHILD = """
+import asyncio, sys
+from renqueue.logs import configure_logging
+from renqueue.mockbackend import MockSettings, serve
+configure_logging(level="WARNING")
+settings = MockSettings(ttft=0.0, tokens_per_second=0, output_tokens=int(sys.argv[1]))
+def ready(url):
+    print(url, flush=True)
+try:
+    asyncio.run(serve(settings, port=0, on_ready=ready))
+except KeyboardInterrupt:
+    pass
+"""
+
+
+@contextlib.asynccontextmanager
+async def mock_process() -> AsyncIterator[tuple[str, int]]:
+    """The instant mock LLM in its own process (an external server, as a real backend is)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _MOCK_CHILD,
+        str(OUTPUT_TOKENS),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 20.0)
+        url = line.decode().strip()
+        if not url.startswith("http"):
+            raise RuntimeError(f"mock backend did not start: {line!r}")
+        yield url, proc.pid
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 5.0)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+def bench_config(data_dir: str, mock_url: str, slots: int) -> Config:
+    return parse_config(
+        {
+            "nats": {"data_dir": data_dir, "port": -1},
+            "backends": {
+                BACKEND: {"base_url": mock_url, "model": "mock", "limits": {"concurrency": slots}}
+            },
+            "routes": {"chat": {"backends": [BACKEND]}},
+            "worker": {"drain_timeout": "5s"},
+        },
+        source="<bench>",
+    )
+
+
+def bench_request() -> InferenceRequest:
+    raw = {
+        "id": uuid.uuid4().hex,
+        "tenant": TENANT,
+        "route": "chat",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "priority": "normal",
+        "submitted_at": time.time(),
+    }
+    return REQUEST_DECODER.decode(msgspec.json.encode(raw))
+
+
+async def mock_ceiling(mock_url: str, mock_pid: int, plan: Plan) -> dict[str, Any]:
+    """The mock called directly, streaming, with the project's adapter and with raw aiohttp.
+
+    Each level gets a fresh connection pool, warmed at that level: httpx's pool
+    costs more per request the more connections it holds, so a pool grown at
+    C=64 would make the C=1 baseline look slow.
+    """
+    config = bench_config("/nonexistent", mock_url, 256)
+    cpu = CpuMeter({"python": os.getpid(), "mock": mock_pid})
+    out: dict[str, Any] = {"adapter_httpx": {}, "raw_aiohttp": {}}
+    body = msgspec.json.encode(
+        {
+            "model": "mock",
+            "messages": [{"role": "user", "content": PROMPT}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    url = mock_url.rstrip("/") + "/chat/completions"
+
+    @contextlib.asynccontextmanager
+    async def adapter_call() -> AsyncIterator[Callable[[LoopResult], Awaitable[float]]]:
+        # The same pool settings Services gives its workers.
+        http = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1000)
+        )
+        adapter: Backend = make_backend(BACKEND, config.backends[BACKEND], client=http)
+
+        async def call(_result: LoopResult) -> float:
+            request = bench_request()
+            start = time.perf_counter()
+            tokens = 0
+            stream = adapter.stream(request)
+            try:
+                async for delta in stream:
+                    tokens += bool(delta.text)
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+            if tokens != OUTPUT_TOKENS:
+                raise RuntimeError(f"expected {OUTPUT_TOKENS} tokens, got {tokens}")
+            return time.perf_counter() - start
+
+        try:
+            yield call
+        finally:
+            await adapter.aclose()
+            await http.aclose()
+
+    @contextlib.asynccontextmanager
+    async def aiohttp_call() -> AsyncIterator[Callable[[LoopResult], Awaitable[float]]]:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+
+        async def call(_result: LoopResult) -> float:
+            start = time.perf_counter()
+            events = 0
+            async with session.post(url, data=body, headers=headers) as response:
+                response.raise_for_status()
+                async for line in response.content:
+                    if line.startswith(b"data:"):
+                        events += 1
+            if events < OUTPUT_TOKENS:
+                raise RuntimeError(f"expected at least {OUTPUT_TOKENS} events, got {events}")
+            return time.perf_counter() - start
+
+        try:
+            yield call
+        finally:
+            await session.close()
+
+    clients: dict[str, Callable[[], Any]] = {
+        "adapter_httpx": adapter_call,
+        "raw_aiohttp": aiohttp_call,
+    }
+    for name, make in clients.items():
+        for level in plan.levels:
+            async with make() as call:
+                await closed_loop(call, level, min(1.0, plan.warmup_seconds))
+                cpu.start()
+                result = await closed_loop(call, level, plan.mock_seconds)
+                busy = cpu.stop()
+            done = max(1, result.completed)
+            out[name][str(level)] = {
+                "requests": result.completed,
+                "errors": result.errors,
+                "seconds": result.elapsed,
+                "requests_per_s": result.rate,
+                "latency": latency_summary(result.latencies),
+                "cpu_cores": busy,
+                "python_cpu_ms_per_request": busy["python"] * result.elapsed / done * 1000,
+            }
+            print(f"  {name} C={level}: {result.rate:.0f} req/s", flush=True)
+    return out
+
+
+# ------------------------------------------------------------------ pipeline
+
+
+async def stream_counts(js: Any) -> dict[str, int]:
+    """Messages ever stored per stream (last sequence; work queues delete on ack)."""
+    counts = {}
+    for name in (REQUESTS_STREAM, DISPATCH_STREAM, EVENTS_STREAM, TOKENS_STREAM):
+        info = await js.stream_info(name)
+        counts[name] = int(info.state.last_seq)
+    return counts
+
+
+def nats_stats(nc: Any) -> dict[str, int]:
+    return {key: int(nc.stats[key]) for key in ("in_msgs", "out_msgs")}
+
+
+def _category(filename: str, func: str) -> str:
+    """Which part of the stack a profiled function belongs to."""
+    path = filename.replace("\\", "/")
+    if filename == "~":
+        if any(word in func for word in ("socket", "select", "epoll", "poll")):
+            return "syscalls (socket, epoll)"
+        if "importlib" in func or "posix.stat" in func:
+            return "failed imports (sniffio)"
+        return "C builtins (msgspec, str, ...)"
+    for marker, name in (
+        ("/httpx/", "http client (httpx, httpcore, h11, anyio)"),
+        ("/httpcore/", "http client (httpx, httpcore, h11, anyio)"),
+        ("/h11/", "http client (httpx, httpcore, h11, anyio)"),
+        ("/anyio/", "http client (httpx, httpcore, h11, anyio)"),
+        ("/nats/", "nats-py"),
+        ("/renqueue/", "renqueue"),
+        ("/structlog/", "structlog"),
+        ("/prometheus_client/", "prometheus-client"),
+        ("/aiolimiter/", "aiolimiter"),
+        ("importlib", "failed imports (sniffio)"),
+        ("/asyncio/", "asyncio event loop"),
+        ("selectors.py", "asyncio event loop"),
+        ("/bench/", "benchmark driver"),
+    ):
+        if marker in path:
+            return name
+    return "other python"
+
+
+def profile_breakdown(profile: cProfile.Profile, top: int = 15) -> dict[str, Any]:
+    """Own time per part of the stack (share of all), and the top functions by own time."""
+    stats: dict[tuple[str, int, str], tuple[Any, ...]] = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    total = sum(entry[2] for entry in stats.values()) or 1.0
+    parts: dict[str, float] = {}
+    for (filename, _line, func), entry in stats.items():
+        key = _category(filename, func)
+        parts[key] = parts.get(key, 0.0) + entry[2]
+    ranked = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    return {
+        "share_of_own_time": {
+            k: round(v / total, 3) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
+        },
+        "top_functions": [
+            {
+                "function": f"{Path(filename).name}:{line}({func})",
+                "own_s": round(entry[2], 3),
+                "cum_s": round(entry[3], 3),
+                "calls": entry[1],
+            }
+            for (filename, line, func), entry in ranked
+        ],
+    }
+
+
+async def pipeline(
+    mock_url: str, mock_pid: int, plan: Plan, slots: int, *, profile: bool
+) -> dict[str, Any]:
+    """Services + Client on the instant mock: closed loops at each level, then one streamed."""
+    out: dict[str, Any] = {"backend_slots": slots, "levels": {}, "streamed": {}}
+    with tempfile.TemporaryDirectory(prefix="renqueue-bench-pipeline-") as tmp:
+        config = bench_config(tmp, mock_url, slots)
+        async with Services(config, name="bench") as services:
+            assert services.server is not None
+            client_nc = await connect(services.url, name="bench-client")
+            client = Client(client_nc, tenant=TENANT)
+            pids = {
+                "python": os.getpid(),
+                "nats_server": services.server.pid or 0,
+                "mock": mock_pid,
+            }
+            cpu = CpuMeter(pids)
+
+            async def submit_result(_result: LoopResult) -> float:
+                start = time.perf_counter()
+                handle = await client.submit(PROMPT, route="chat", priority="normal", timeout=60)
+                await handle.result(timeout=60)
+                return time.perf_counter() - start
+
+            async def submit_stream_result(result: LoopResult) -> float:
+                start = time.perf_counter()
+                handle = await client.submit(PROMPT, route="chat", priority="normal", timeout=60)
+                chunks = 0
+                async for _chunk in handle.stream(timeout=30):
+                    if chunks == 0:
+                        result.first_token.append(time.perf_counter() - start)
+                    chunks += 1
+                await handle.result(timeout=60)
+                if chunks != OUTPUT_TOKENS:
+                    raise RuntimeError(f"expected {OUTPUT_TOKENS} chunks, got {chunks}")
+                return time.perf_counter() - start
+
+            async def measure(
+                call: Callable[[LoopResult], Awaitable[float]], level: int
+            ) -> dict[str, Any]:
+                await closed_loop(call, level, plan.warmup_seconds)
+                streams_before = await stream_counts(services.js)
+                svc_before = nats_stats(services.nc)
+                cli_before = nats_stats(client_nc)
+                cpu.start()
+                result = await closed_loop(call, level, plan.pipeline_seconds)
+                busy = cpu.stop()
+                streams_after = await stream_counts(services.js)
+                svc_after = nats_stats(services.nc)
+                cli_after = nats_stats(client_nc)
+                done = max(1, result.completed)
+                stored = {
+                    name: (streams_after[name] - streams_before[name]) / done
+                    for name in streams_after
+                }
+                row: dict[str, Any] = {
+                    "requests": result.completed,
+                    "errors": result.errors,
+                    "error_samples": result.error_samples,
+                    "seconds": result.elapsed,
+                    "requests_per_s": result.rate,
+                    "latency": latency_summary(result.latencies),
+                    "cpu_cores": busy,
+                    "python_cpu_ms_per_request": busy["python"] * result.elapsed / done * 1000,
+                    "stored_msgs_per_request": stored,
+                    "stored_msgs_per_request_total": sum(stored.values()),
+                    "nats_msgs_per_request": {
+                        "services_in": (svc_after["in_msgs"] - svc_before["in_msgs"]) / done,
+                        "services_out": (svc_after["out_msgs"] - svc_before["out_msgs"]) / done,
+                        "client_in": (cli_after["in_msgs"] - cli_before["in_msgs"]) / done,
+                        "client_out": (cli_after["out_msgs"] - cli_before["out_msgs"]) / done,
+                    },
+                }
+                if result.first_token:
+                    row["first_chunk"] = latency_summary(result.first_token)
+                return row
+
+            try:
+                for level in plan.levels:
+                    out["levels"][str(level)] = await measure(submit_result, level)
+                    print(
+                        f"  pipeline C={level}: {out['levels'][str(level)]['requests_per_s']:.0f}"
+                    )
+                out["streamed"][str(plan.stream_level)] = await measure(
+                    submit_stream_result, plan.stream_level
+                )
+                if profile:
+                    top = max(plan.levels)
+                    profiler = cProfile.Profile()
+                    profiler.enable()
+                    result = await closed_loop(submit_result, top, plan.pipeline_seconds / 2)
+                    profiler.disable()
+                    out["profile"] = {
+                        "concurrency": top,
+                        "requests": result.completed,
+                        "requests_per_s_under_profiler": result.rate,
+                        **profile_breakdown(profiler),
+                    }
+                out["worker_completed"] = sum(w.completed for w in services.workers)
+                out["router_routed"] = sum(r.routed for r in services.routers)
+            finally:
+                await client.close()
+                await client_nc.drain()
+    return out
+
+
+# ------------------------------------------------------------------- analysis
+
+#: JetStream operations one completed request costs, read from the code (see README).
+OPS_PER_REQUEST: dict[str, dict[str, str | int]] = {
+    "acked_publishes": {
+        "count": 6 + OUTPUT_TOKENS + 1,
+        "detail": (
+            "client: request (js.publish) + submitted event (js.publish); "
+            "router: dispatch + routed event (publish_async); "
+            "worker: started event (publish_async) + one token chunk per delta "
+            f"({OUTPUT_TOKENS}, publish_async) + completed event (js.publish) "
+            "+ final chunk (js.publish)"
+        ),
+    },
+    "pull_deliveries_acked": {
+        "count": 2,
+        "detail": "router fetches + acks the request; worker fetches + acks the dispatch",
+    },
+    "push_deliveries": {
+        "count": 4,
+        "detail": "client event tap (ordered consumer): submitted, routed, started, completed",
+    },
+}
+
+
+def analyse(broker: dict[str, Any], mock: dict[str, Any], pipe: dict[str, Any]) -> dict[str, Any]:
+    publishes = int(OPS_PER_REQUEST["acked_publishes"]["count"])
+    pulls = int(OPS_PER_REQUEST["pull_deliveries_acked"]["count"])
+    pushes = int(OPS_PER_REQUEST["push_deliveries"]["count"])
+    pub_ceiling = broker["publish_async_windowed"]["msgs_per_s"]
+    single_ceiling = broker["publish_one_at_a_time"]["msgs_per_s"]
+    fetch_ceiling = broker["fetch100_ack"]["msgs_per_s"]
+    levels: dict[str, Any] = {}
+    for level, row in pipe["levels"].items():
+        rate = row["requests_per_s"]
+        adapter = mock["adapter_httpx"].get(level, {})
+        raw = mock["raw_aiohttp"].get(level, {})
+        added = {
+            key: row["latency"][key] - adapter["latency"][key]
+            for key in ("p50_ms", "p90_ms", "p99_ms")
+            if adapter
+        }
+        levels[level] = {
+            "requests_per_s": rate,
+            "vs_publish_async_ceiling": rate / pub_ceiling,
+            "vs_fetch_ack_ceiling": rate / fetch_ceiling,
+            "implied_acked_publishes_per_s": rate * publishes,
+            "implied_publish_share_of_ceiling": rate * publishes / pub_ceiling,
+            "implied_pull_ops_per_s": rate * pulls,
+            "implied_pull_share_of_ceiling": rate * pulls / fetch_ceiling,
+            "implied_js_ops_per_s": rate * (publishes + pulls + pushes),
+            "mock_adapter_over_pipeline": adapter.get("requests_per_s", 0.0) / rate if rate else 0,
+            "mock_aiohttp_over_pipeline": raw.get("requests_per_s", 0.0) / rate if rate else 0,
+            "added_latency_ms": added,
+        }
+    return {
+        "js_ops_per_request": {
+            "acked_publishes": publishes,
+            "pull_deliveries_acked": pulls,
+            "push_deliveries": pushes,
+            "total": publishes + pulls + pushes,
+        },
+        "broker_ceilings_msgs_per_s": {
+            "publish_async_windowed": pub_ceiling,
+            "publish_one_at_a_time": single_ceiling,
+            "fetch100_ack": fetch_ceiling,
+        },
+        "levels": levels,
+    }
+
+
+# ---------------------------------------------------------------------- report
+
+
+def fmt(value: float, digits: int = 0) -> str:
+    return f"{value:,.{digits}f}"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    machine = report["machine"]
+    broker = report["broker"]
+    mock = report["mock"]
+    pipe = report["pipeline"]
+    analysis = report["analysis"]
+    print()
+    print(
+        f"Ren-Queue pipeline benchmark  {report['timestamp']}  commit {machine['git_commit'][:12]}"
+    )
+    print(
+        f"  {machine['cpu_count']} cpus ({machine['cpu_model']}), python {machine['python']}, "
+        f"{machine['nats_server']}, nats-py {machine['nats_py']}, mode {report['mode']}"
+    )
+
+    print("\n1. Broker ceiling (embedded nats-server, R1 file stream, 128 B)")
+    print(f"  {'operation':<36} {'msgs/s':>10}  note")
+    a = broker["publish_async_windowed"]
+    b = broker["publish_one_at_a_time"]
+    c = broker["fetch100_ack"]
+    print(f"  {'publish_async, window ' + str(a['window']):<36} {fmt(a['msgs_per_s']):>10}")
+    print(
+        f"  {'js.publish one at a time':<36} {fmt(b['msgs_per_s']):>10}  "
+        f"p50 {b['latency']['p50_ms'] * 1000:.0f} us, p99 {b['latency']['p99_ms'] * 1000:.0f} us"
+    )
+    print(f"  {'fetch(100) + ack()':<36} {fmt(c['msgs_per_s']):>10}")
+
+    print("\n2. Mock backend ceiling (instant, 8 tokens, SSE, called directly)")
+    print(
+        f"  {'C':>3} {'adapter req/s':>14} {'p50 ms':>7} {'p99 ms':>7}"
+        f" {'aiohttp req/s':>14} {'p50 ms':>7} {'p99 ms':>7}"
+    )
+    for level in pipe["levels"]:
+        ad = mock["adapter_httpx"][level]
+        raw = mock["raw_aiohttp"][level]
+        print(
+            f"  {level:>3} {fmt(ad['requests_per_s']):>14} {ad['latency']['p50_ms']:>7.2f}"
+            f" {ad['latency']['p99_ms']:>7.2f} {fmt(raw['requests_per_s']):>14}"
+            f" {raw['latency']['p50_ms']:>7.2f} {raw['latency']['p99_ms']:>7.2f}"
+        )
+
+    print(f"\n3. Pipeline (Services + Client, {pipe['backend_slots']} slots, closed loop)")
+    print(
+        f"  {'C':>3} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} {'+p99 ms':>8}"
+        f" {'mock/pipe':>10} {'vs pub':>7} {'vs fetch':>8} {'py cpu':>7} {'srv cpu':>7}"
+        f" {'py ms/req':>9}"
+    )
+    for level, row in pipe["levels"].items():
+        an = analysis["levels"][level]
+        added = an["added_latency_ms"]
+        print(
+            f"  {level:>3} {fmt(row['requests_per_s']):>7} {row['latency']['p50_ms']:>7.2f}"
+            f" {row['latency']['p99_ms']:>7.2f} {added.get('p50_ms', float('nan')):>8.2f}"
+            f" {added.get('p99_ms', float('nan')):>8.2f}"
+            f" {an['mock_adapter_over_pipeline']:>9.1f}x"
+            f" {an['vs_publish_async_ceiling']:>7.3f} {an['vs_fetch_ack_ceiling']:>8.3f}"
+            f" {row['cpu_cores']['python']:>7.2f} {row['cpu_cores']['nats_server']:>7.2f}"
+            f" {row['python_cpu_ms_per_request']:>9.2f}"
+        )
+        if row["errors"]:
+            print(f"      errors: {row['errors']} e.g. {row['error_samples'][:1]}")
+    for level, row in pipe["streamed"].items():
+        first = row.get("first_chunk", {})
+        print(
+            f"  streamed C={level}: {fmt(row['requests_per_s'])} req/s, "
+            f"p50 {row['latency']['p50_ms']:.2f} ms, p99 {row['latency']['p99_ms']:.2f} ms, "
+            f"first chunk p50 {first.get('p50_ms', float('nan')):.2f} ms"
+            + (f", errors {row['errors']}" if row["errors"] else "")
+        )
+
+    ops = analysis["js_ops_per_request"]
+    top = max(pipe["levels"], key=lambda lv: pipe["levels"][lv]["requests_per_s"])
+    best = analysis["levels"][top]
+    row = pipe["levels"][top]
+    print(
+        f"\n  JetStream ops per request (from the code): {ops['acked_publishes']} acked publishes"
+        f" + {ops['pull_deliveries_acked']} pull deliveries/acks"
+        f" + {ops['push_deliveries']} push deliveries = {ops['total']}"
+    )
+    msgs = row["nats_msgs_per_request"]
+    print(
+        f"  measured stored msgs/request: {row['stored_msgs_per_request_total']:.2f}"
+        f"  NATS protocol msgs/request: services in {msgs['services_in']:.1f}"
+        f" out {msgs['services_out']:.1f}, client in {msgs['client_in']:.1f}"
+        f" out {msgs['client_out']:.1f}"
+    )
+    print(
+        f"  best (C={top}): {fmt(best['requests_per_s'])} req/s = "
+        f"{fmt(best['implied_acked_publishes_per_s'])} acked publishes/s "
+        f"({best['implied_publish_share_of_ceiling']:.0%} of the publish_async ceiling), "
+        f"{fmt(best['implied_pull_ops_per_s'])} pull ops/s "
+        f"({best['implied_pull_share_of_ceiling']:.0%} of fetch+ack), "
+        f"{fmt(best['implied_js_ops_per_s'])} JetStream ops/s in all"
+    )
+    raw_ratio = best["mock_aiohttp_over_pipeline"]
+    print(
+        f"  the mock serves a raw aiohttp client {raw_ratio:.1f}x faster than the pipeline"
+        f" consumes it at C={top}"
+        + (": the mock is not the bottleneck" if raw_ratio > 2 else ": WARNING, mock-bound")
+    )
+    print(
+        f"  the project's adapter (httpx) alone, called directly, does"
+        f" {best['mock_adapter_over_pipeline']:.1f}x the pipeline's rate at C={top}"
+        " (it runs inside the worker, so it is part of the pipeline's cost)"
+    )
+    prof = pipe.get("profile")
+    if prof:
+        print(
+            f"\n  Where the Python process spends its time (cProfile, C={prof['concurrency']},"
+            f" {fmt(prof['requests_per_s_under_profiler'])} req/s under the profiler):"
+        )
+        for part, share in prof["share_of_own_time"].items():
+            if share >= 0.01:
+                print(f"    {share:>5.0%}  {part}")
+
+
+# ------------------------------------------------------------------------ main
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    plan = QUICK if args.quick else FULL
+    if args.levels:
+        plan = Plan(
+            levels=tuple(int(x) for x in args.levels.split(",")),
+            stream_level=plan.stream_level,
+            broker_seconds=plan.broker_seconds,
+            mock_seconds=plan.mock_seconds,
+            warmup_seconds=plan.warmup_seconds,
+            pipeline_seconds=plan.pipeline_seconds,
+        )
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    report: dict[str, Any] = {
+        "benchmark": "pipeline",
+        "timestamp": stamp,
+        "mode": "quick" if args.quick else "full",
+        "plan": msgspec.to_builtins(plan.__dict__),
+        "machine": machine_info(),
+        "mock_settings": {"ttft": 0.0, "tokens_per_second": 0, "output_tokens": OUTPUT_TOKENS},
+    }
+    started = time.perf_counter()
+    print("1/3 broker ceiling ...", flush=True)
+    report["broker"] = await broker_ceiling(plan.broker_seconds)
+    async with mock_process() as (mock_url, mock_pid):
+        print("2/3 mock backend ceiling ...", flush=True)
+        report["mock"] = await mock_ceiling(mock_url, mock_pid, plan)
+        print("3/3 pipeline ...", flush=True)
+        report["pipeline"] = await pipeline(
+            mock_url, mock_pid, plan, args.slots, profile=not args.no_profile
+        )
+    report["analysis"] = analyse(report["broker"], report["mock"], report["pipeline"])
+    report["ops_per_request_detail"] = OPS_PER_REQUEST
+    report["total_seconds"] = time.perf_counter() - started
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="shorter runs (about a minute)")
+    parser.add_argument("--slots", type=int, default=256, help="backend concurrency (256)")
+    parser.add_argument("--levels", default="", help="client concurrency levels, e.g. 1,16,64")
+    parser.add_argument(
+        "--no-profile", action="store_true", help="skip the cProfile window (attribution only)"
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
+    args = parser.parse_args()
+    configure_logging(level="WARNING")
+    report = asyncio.run(run(args))
+    print_report(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"pipeline-{report['timestamp']}.json"
+    text = json.dumps(report, indent=2, sort_keys=False) + "\n"
+    path.write_text(text)
+    (args.out / "pipeline-latest.json").write_text(text)
+    print(f"\n  JSON: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    print(f"  total {report['total_seconds']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
