@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import importlib.metadata
 import json
 import os
 import platform
@@ -229,6 +230,13 @@ def nats_server_version() -> str:
     return out.stdout.strip()
 
 
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def machine_info() -> dict[str, Any]:
     model = "unknown"
     with contextlib.suppress(OSError):
@@ -236,8 +244,6 @@ def machine_info() -> dict[str, Any]:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    import nats  # noqa: PLC0415 - only for its version
-
     return {
         "cpu_count": os.cpu_count(),
         "cpu_model": model,
@@ -245,7 +251,8 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "nats_server": nats_server_version(),
-        "nats_py": getattr(nats, "__version__", "unknown"),
+        "nats_py": _version("nats-py"),
+        "httpcore": _version("httpcore"),
         "httpx": httpx.__version__,
         "aiohttp": aiohttp.__version__,
         "git_commit": git_commit(),
