@@ -163,19 +163,26 @@ def _schema(_config: Config, _args: argparse.Namespace) -> None:
     print(json.dumps({"$defs": components}, indent=2, sort_keys=True))
 
 
-async def _mock_backend(_config: Config, args: argparse.Namespace) -> None:
-    from .mockbackend import MockSettings, serve
+def _mock_backend(_config: Config, args: argparse.Namespace) -> None:
+    from .mockbackend import run_mock_backend
 
-    settings = MockSettings(
-        ttft=args.ttft,
-        tokens_per_second=args.tps,
-        output_tokens=args.output_tokens,
-        failure_rate=args.failure_rate,
-        rpm=args.rpm,
-        tpm=args.tpm,
-        concurrency=args.concurrency,
-    )
-    await serve(settings, args.host, args.port)
+    try:
+        run_mock_backend(
+            host=args.host,
+            port=args.port,
+            ttft=args.ttft,
+            tps=args.tps,
+            output_tokens=args.output_tokens,
+            failure_rate=args.failure_rate,
+            rpm=args.rpm,
+            tpm=args.tpm,
+            concurrency=args.concurrency,
+            model=args.model,
+            seed=args.seed,
+            on_ready=lambda url: print(f"mock backend serving at {url}", flush=True),
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc), path="mock-backend options") from exc
 
 
 async def _demo(config: Config, args: argparse.Namespace) -> None:
@@ -239,9 +246,11 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument("--tps", type=float, default=100.0, help="tokens per second (0: instant)")
     cmd.add_argument("--output-tokens", type=int, default=32)
     cmd.add_argument("--failure-rate", type=float, default=0.0)
-    cmd.add_argument("--rpm", type=int, help="requests per minute it allows")
-    cmd.add_argument("--tpm", type=int, help="tokens per minute it allows")
-    cmd.add_argument("--concurrency", type=int, help="concurrent requests it allows")
+    cmd.add_argument("--rpm", type=int, default=0, help="requests per minute it allows (0: any)")
+    cmd.add_argument("--tpm", type=int, default=0, help="tokens per minute it allows (0: any)")
+    cmd.add_argument("--concurrency", type=int, default=0, help="concurrent requests (0: any)")
+    cmd.add_argument("--model", help="accept only this model name (default: any)")
+    cmd.add_argument("--seed", type=int, help="seed for reproducible failure draws")
     cmd.set_defaults(run=_mock_backend)
 
     cmd = sub.add_parser("demo", help="run everything embedded on a mixed workload")

@@ -57,7 +57,6 @@ from .messages import (
     GenerationParams,
     InferenceRequest,
     Rejected,
-    Submitted,
     TokenChunk,
     Usage,
     encode,
@@ -143,19 +142,23 @@ class RequestHandle:
         earlier run was interrupted): text streamed before it is void.
         ``timeout`` bounds the wait for each next chunk.
         """
-        js = self._client.js
-        sub = await js.subscribe(
+        # A callback feeding a local queue: nats-py's next_msg() can swallow
+        # the cancellation of a consumer that stops listening mid-wait.
+        chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
+
+        async def on_chunk(msg: Any) -> None:
+            with contextlib.suppress(msgspec.DecodeError):
+                chunks.put_nowait(TOKEN_DECODER.decode(msg.data))
+
+        sub = await self._client.js.subscribe(
             token_subject(self.tenant, self.id),
+            cb=on_chunk,
             ordered_consumer=True,
             deliver_policy=DeliverPolicy.ALL,
         )
         try:
             while True:
-                msg = await sub.next_msg(timeout=timeout or 3600.0)
-                try:
-                    chunk = TOKEN_DECODER.decode(msg.data)
-                except msgspec.DecodeError:
-                    continue
+                chunk = await asyncio.wait_for(chunks.get(), timeout)
                 if chunk.final:
                     return
                 yield chunk
@@ -198,7 +201,6 @@ class Client:
         self.tenant = tenant
         self._owns = owns_connection
         self._tap: Any = None
-        self._tap_task: asyncio.Task[None] | None = None
         self._tap_lock = asyncio.Lock()
         self._waiters: dict[str, asyncio.Future[Event]] = {}
         self._closed = False
@@ -223,10 +225,6 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        if self._tap_task is not None:
-            self._tap_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tap_task
         if self._tap is not None:
             with contextlib.suppress(Exception):
                 await self._tap.unsubscribe()
@@ -306,9 +304,6 @@ class Client:
         waiter = self._waiters.get(request.id)
         if waiter is None:
             waiter = self._waiters[request.id] = asyncio.get_running_loop().create_future()
-        submitted = Submitted(
-            request_id=request.id, tenant=request.tenant, at=request.submitted_at, request=request
-        )
         try:
             ack = await self.js.publish(
                 request_subject(request.priority, request.tenant),
@@ -321,7 +316,6 @@ class Client:
         except BaseException:
             self._waiters.pop(request.id, None)
             raise
-        await EventLog(self.js).append(submitted)
         if ack.duplicate:
             # The original may have ended before this client followed events.
             self._waiters.pop(request.id, None)
@@ -340,22 +334,17 @@ class Client:
                 return
             self._tap = await self.js.subscribe(
                 f"rq.evt.{self.tenant}.*.*",
+                cb=self._on_event,
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.NEW,
             )
-            self._tap_task = asyncio.create_task(self._follow_tap(), name="client-event-tap")
 
-    async def _follow_tap(self) -> None:
-        while True:
-            try:
-                msg = await self._tap.next_msg(timeout=3600.0)
-            except TimeoutError:
-                continue
-            try:
-                event = EVENT_DECODER.decode(msg.data)
-            except msgspec.DecodeError:
-                continue
-            if is_terminal(event):
-                waiter = self._waiters.pop(event.request_id, None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(event)
+    async def _on_event(self, msg: Any) -> None:
+        try:
+            event = EVENT_DECODER.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if is_terminal(event):
+            waiter = self._waiters.pop(event.request_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(event)

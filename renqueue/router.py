@@ -45,9 +45,11 @@ from .messages import (
     REQUEST_DECODER,
     Dispatch,
     Expired,
+    Failed,
     InferenceRequest,
     Rejected,
     Routed,
+    Submitted,
     encode,
 )
 from .subjects import (
@@ -131,6 +133,8 @@ class _Held(msgspec.Struct, kw_only=True):
     request: InferenceRequest
     received: float
     touched: float
+    #: The ack of the request's ``submitted`` event, awaited before it is routed.
+    logged: Any = None
 
 
 class _Capacity:
@@ -270,8 +274,22 @@ class Router:
             now = self._clock()
             for msg in msgs:
                 request = await self._admit(msg, level, now)
-                if request is not None:
-                    held.append(_Held(msg=msg, request=request, received=now, touched=now))
+                if request is None:
+                    continue
+                # The log's first word on a request, written by whoever reads it
+                # first, so it always precedes its `routed` event (a redelivery
+                # writes it again under the same message id: stored once).
+                logged = await self._log.append_async(
+                    Submitted(
+                        request_id=request.id,
+                        tenant=request.tenant,
+                        at=request.submitted_at or now,
+                        request=request,
+                    )
+                )
+                held.append(
+                    _Held(msg=msg, request=request, received=now, touched=now, logged=logged)
+                )
             self._wake.set()
 
     async def _admit(self, msg: Any, level: str, now: float) -> InferenceRequest | None:
@@ -318,6 +336,32 @@ class Router:
             log.exception("could not record rejection", request_id=request_id, error=str(exc))
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
+
+    async def _fail_undeliverable(self, item: _Held, exc: Exception) -> None:
+        request = item.request
+        log.error("dispatch failed on the last delivery; request fails", error=str(exc))
+        try:
+            await self._log.dead_letter(
+                "requests",
+                item.msg.data,
+                reason=f"undeliverable: {exc}",
+                source_subject=item.msg.subject,
+                request_id=request.id,
+            )
+            await self._log.finish(
+                Failed(
+                    request_id=request.id,
+                    tenant=request.tenant,
+                    at=self._clock(),
+                    error_type="undeliverable",
+                    reason=f"could not hand the request to a backend: {exc}"[:1000],
+                )
+            )
+            await item.msg.ack()
+        except Exception:
+            log.exception("could not record the failure", request_id=request.id)
+            with contextlib.suppress(Exception):
+                await item.msg.nak(delay=1.0)
 
     async def _expire(self, msg: Any, request: InferenceRequest, now: float) -> None:
         event = Expired(
@@ -409,12 +453,17 @@ class Router:
                 headers={"Nats-Msg-Id": f"{request.id}:dispatch:1"},
             )
             logged = await self._log.append_async(routed)
-            await asyncio.wait_for(asyncio.gather(sent, logged), timeout=10.0)
+            await asyncio.wait_for(asyncio.gather(item.logged, sent, logged), timeout=10.0)
             await item.msg.ack()
         except Exception as exc:  # noqa: BLE001 - the request goes back to wait, nothing lost
-            log.warning("dispatch failed; request returns to its queue", error=str(exc))
-            with contextlib.suppress(Exception):
-                await item.msg.nak(delay=0.5)
+            if item.msg.metadata.num_delivered < self._config.router.max_deliver:
+                log.warning("dispatch failed; request returns to its queue", error=str(exc))
+                with contextlib.suppress(Exception):
+                    await item.msg.nak(delay=0.5)
+                return
+            # Its last delivery: fail it for the record rather than leave it
+            # stranded in the stream past max_deliver.
+            await self._fail_undeliverable(item, exc)
             return
         self.routed += 1
         metrics.ROUTED.labels(backend, level).inc()

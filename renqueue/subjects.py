@@ -10,9 +10,8 @@ publishing its own requests and reading its own tokens and events::
     rq.dlq.<stage>                         dead letters (stage: requests, dispatch)
     rq.capacity.<backend>                  core NATS: a worker freed a slot (not stored)
 
-A tenant's permissions: publish ``rq.req.*.<tenant>`` and
-``rq.evt.<tenant>.*.submitted``; subscribe/read ``rq.evt.<tenant>.>`` and
-``rq.tok.<tenant>.>`` (see ``nats/auth.conf``).
+A tenant's permissions: publish ``rq.req.*.<tenant>``; subscribe/read ``rq.evt.<tenant>.>`` and
+``rq.tok.<tenant>.>`` (see ``nats/auth-tls.conf``).
 """
 
 from __future__ import annotations

@@ -176,14 +176,49 @@ class Worker:
                 with contextlib.suppress(Exception):
                     await msg.nak()
                 raise
-            except Exception:
-                log.exception("unexpected error; request will be redelivered")
-                with contextlib.suppress(Exception):
-                    await msg.nak(delay=self._retry_delay)
+            except Exception as exc:  # noqa: BLE001 - one request must never kill the worker
+                await self._unexpected(msg, dispatch, exc)
             finally:
                 metrics.IN_FLIGHT.labels(self._backend_name).dec()
                 with contextlib.suppress(Exception):
                     await self._nc.publish(capacity_subject(self._backend_name), b"")
+
+    async def _unexpected(self, msg: Any, dispatch: Dispatch, exc: Exception) -> None:
+        """A bug or a broker failure mid-run: retry, and on the last delivery fail
+        terminally, or the request would sit in the stream past ``max_deliver``."""
+        delivery = int(msg.metadata.num_delivered)
+        if delivery < self._config.worker.max_deliver:
+            log.exception("unexpected error; request will be redelivered")
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=self._retry_delay)
+            return
+        log.exception("unexpected error on the last delivery; request fails")
+        request = dispatch.request
+        try:
+            await self._log.dead_letter(
+                "dispatch",
+                msg.data,
+                reason=f"internal: {type(exc).__name__}",
+                source_subject=msg.subject,
+                request_id=request.id,
+            )
+            await self._finish(
+                msg,
+                Failed(
+                    request_id=request.id,
+                    tenant=request.tenant,
+                    at=self._clock(),
+                    error_type="internal",
+                    reason=f"worker error on the last delivery: {type(exc).__name__}",
+                    backend=self._backend_name,
+                    attempt=dispatch.attempt,
+                ),
+                delivery,
+            )
+        except Exception:
+            log.exception("could not record the failure; leaving the request for redelivery")
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=self._retry_delay)
 
     async def _poison(self, msg: Any, reason: str) -> None:
         seq = msg.metadata.sequence.stream

@@ -1,0 +1,158 @@
+"""The CLI as a user runs it: `renqueue up` in a process of its own, then submit,
+audit, the example script, and SIGTERM with requests in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from renqueue import Client
+from renqueue.mockbackend import MockBackend, MockSettings
+
+ROOT = Path(__file__).parents[1]
+
+
+def write_config(tmp_path: Path, backend_url: str, *, slots: int = 4) -> Path:
+    file = tmp_path / "renqueue.toml"
+    file.write_text(
+        f'[nats]\ndata_dir = "{tmp_path / "data"}"\nport = -1\n'
+        f'[worker]\ndrain_timeout = "500ms"\nack_wait = "2s"\n'
+        f'[backends.mock]\nbase_url = "{backend_url}"\nmodel = "mock"\n'
+        f"[backends.mock.limits]\nconcurrency = {slots}\n"
+        f'[routes.chat]\nbackends = ["mock"]\n'
+    )
+    return file
+
+
+async def run(*args: str, timeout: float = 60) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "RENQUEUE_CONFIG": ""},
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+@asynccontextmanager
+async def renqueue_up(config: Path) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    url_file = config.parent / "data" / "nats.url"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "renqueue",
+        "-c",
+        str(config),
+        "up",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(200):
+            if url_file.exists() and url_file.read_text().strip():
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("renqueue up did not start its embedded server")
+        await asyncio.sleep(0.5)  # provisioning and services
+        yield proc, url_file.read_text().strip()
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 30)
+
+
+async def test_up_submit_audit_and_example_as_a_user_would(tmp_path: Path) -> None:
+    async with MockBackend(MockSettings(output_tokens=6)) as mock:
+        config = write_config(tmp_path, mock.url)
+        async with renqueue_up(config) as (_proc, url):
+            code, out, err = await run(
+                "-m", "renqueue", "-c", str(config), "submit", "hello", "--route", "chat",
+                "--priority", "high", "--id", "cli-req-1", "--json",
+            )  # fmt: skip
+            assert code == 0, err
+            result = json.loads(out.splitlines()[-1])
+            assert result["backend"] == "mock"
+            assert result["usage"]["completion_tokens"] == 6
+
+            code, out, err = await run("-m", "renqueue", "-c", str(config), "audit", "cli-req-1")
+            assert code == 0, err
+            kinds = [line.split()[1] for line in out.splitlines()]
+            assert kinds == ["submitted", "routed", "started", "completed"]
+
+            code, out, _ = await run("-m", "renqueue", "-c", str(config), "audit", "nope")
+            assert code == 2
+            code, out, err = await run_example(url)
+            assert code == 0, err
+            assert "-- mock:" in out
+    assert mock.stats().requests == 2
+
+
+async def run_example(url: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(ROOT / "examples" / "submit_and_stream.py"),
+        "hi",
+        "chat",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "RENQUEUE_NATS_URL": url},
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_sigterm_with_requests_in_flight_loses_nothing(tmp_path: Path) -> None:
+    async with MockBackend(MockSettings(ttft=0.0, tokens_per_second=20, output_tokens=20)) as mock:
+        config = write_config(tmp_path, mock.url, slots=2)
+        async with renqueue_up(config) as (proc, url):
+            client = await Client.connect(url, tenant="t")
+            ids = [(await client.submit("x", route="chat")).id for _ in range(6)]
+            await client.close()
+            await asyncio.sleep(0.5)  # two are running, four wait
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
+        # Nothing was acked that did not finish: a restart completes every request.
+        async with renqueue_up(config) as (_proc, url):
+            client = await Client.connect(url, tenant="t")
+            results = [await client.handle(rid).result(timeout=60) for rid in ids]
+            await client.close()
+    assert all(r.usage.completion_tokens == 20 for r in results)
+    assert len({r.request_id for r in results}) == 6
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["submit", "x", "--route", "chat"], "no NATS URL"),
+        (["mock-backend", "--failure-rate", "2"], "failure_rate"),
+    ],
+)
+async def test_cli_errors_are_one_clear_line(tmp_path: Path, args: list[str], words: str) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(f'[nats]\ndata_dir = "{tmp_path / "none"}"\n')
+    code, _out, err = await run("-m", "renqueue", "-c", str(config), *args)
+    assert code == 2
+    assert words in err
+    assert "Traceback" not in err
+
+
+async def test_bad_config_file_names_the_field(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(
+        '[backends.a]\nbase_url = "http://x"\nmodel = "m"\nlimits = { concurrency = 0 }\n'
+    )
+    code, _out, err = await run("-m", "renqueue", "-c", str(config), "up")
+    assert code == 2
+    assert "$.backends.a.limits.concurrency" in err
