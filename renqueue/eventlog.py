@@ -88,16 +88,17 @@ class EventLog:
         """
         if not is_terminal(event):
             raise ValueError(f"{kind_of(event)} is not a terminal event")
-        first = await self.append(event)
-        if first:
-            chunk = TokenChunk(request_id=event.request_id, delivery=delivery, seq=seq, final=True)
-            await self._js.publish(
-                token_subject(event.tenant, event.request_id),
-                encode(chunk),
-                timeout=self._timeout,
-                headers={_MSG_ID: f"{event.request_id}:final"},
-            )
-        return first
+        # Both at once (one round trip, not two). The final chunk has an id of
+        # its own, so a duplicate terminal's final chunk is dropped as well.
+        chunk = TokenChunk(request_id=event.request_id, delivery=delivery, seq=seq, final=True)
+        terminal = await self.append_async(event)
+        closed = await self._js.publish_async(
+            token_subject(event.tenant, event.request_id),
+            encode(chunk),
+            headers={_MSG_ID: f"{event.request_id}:final"},
+        )
+        ack, _ = await asyncio.wait_for(asyncio.gather(terminal, closed), self._timeout)
+        return not ack.duplicate
 
     async def dead_letter(
         self, stage: str, payload: bytes, *, reason: str, source_subject: str, request_id: str

@@ -17,8 +17,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-import httpx
-
 from .backends import Backend, make_backend
 from .config import Config
 from .connection import connect
@@ -67,7 +65,6 @@ class Services:
         self.routers: list[Router] = []
         self.workers: list[Worker] = []
         self._adapters: list[Backend] = []
-        self._http: httpx.AsyncClient | None = None
 
     @property
     def url(self) -> str:
@@ -107,14 +104,9 @@ class Services:
                 router = Router(self.nc, self.js, self.config, name=f"{self._name}-router-{index}")
                 await router.start()
                 self.routers.append(router)
-            if self._backend_names:
-                self._http = httpx.AsyncClient(
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=1000)
-                )
             for backend_name in self._backend_names:
-                adapter = make_backend(
-                    backend_name, self.config.backends[backend_name], client=self._http
-                )
+                # Each adapter owns connection pools sized to its concurrency.
+                adapter = make_backend(backend_name, self.config.backends[backend_name])
                 self._adapters.append(adapter)
                 worker = Worker(self.nc, self.js, self.config, backend_name, adapter)
                 await worker.start()
@@ -133,8 +125,6 @@ class Services:
         await asyncio.gather(*(worker.stop() for worker in self.workers), return_exceptions=True)
         for adapter in self._adapters:
             await adapter.aclose()
-        if self._http is not None:
-            await self._http.aclose()
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await self.nc.drain()

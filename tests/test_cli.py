@@ -32,7 +32,7 @@ def write_config(tmp_path: Path, backend_url: str, *, slots: int = 4) -> Path:
     return file
 
 
-async def run(*args: str, timeout: float = 60) -> tuple[int, str, str]:
+async def run(*args: str, limit: float = 60) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         *args,
@@ -40,7 +40,7 @@ async def run(*args: str, timeout: float = 60) -> tuple[int, str, str]:
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "RENQUEUE_CONFIG": ""},
     )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    out, err = await asyncio.wait_for(proc.communicate(), limit)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 

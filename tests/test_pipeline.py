@@ -79,13 +79,16 @@ async def test_submit_streams_tokens_and_result_matches(client: Client) -> None:
     assert await kinds(client, handle.id) == ["submitted", "routed", "started", "completed"]
 
 
-async def test_late_subscriber_gets_every_token_in_order(client: Client) -> None:
+async def test_late_subscriber_gets_every_token_in_order(
+    client: Client, mock: MockBackend
+) -> None:
+    mock.update(tokens_per_second=200)  # paced: one chunk per token
     handle = await client.submit("hello", route="chat")
     result = await handle.result(timeout=10)
     # The request is over before anyone subscribes to its tokens.
     chunks = [chunk async for chunk in handle.stream(timeout=10)]
     assert "".join(c.text for c in chunks) == result.text
-    assert len(chunks) >= 2
+    assert [c.seq for c in chunks] == list(range(8))
 
 
 async def test_resubmit_with_same_id_creates_nothing_new(client: Client, mock: MockBackend) -> None:

@@ -25,9 +25,10 @@ What it owns, and why:
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from types import TracebackType
@@ -181,6 +182,10 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
 # ----------------------------------------------------------------- wire types
 # Only the fields we read; msgspec skips the rest. Loose types (``| None``)
 # because "OpenAI-compatible" servers differ in what they leave out or null.
+
+
+#: Concurrent calls per connection pool (see ``OpenAIBackend.__init__``).
+_CALLS_PER_POOL: Final = 8
 
 
 class _WireUsage(Struct):
@@ -354,17 +359,27 @@ class OpenAIBackend:
         self._json_headers = httpx.Headers({**base_headers, "Accept": "application/json"})
         self._owns_client = client is None
         if client is None:
-            # Size the pool so the declared concurrency never waits for a
-            # connection; the limiter, not the pool, is what bounds load.
+            # Several small pools instead of one big one: httpcore rescans
+            # every connection of a pool on each request start and close, so
+            # its cost per call grows with the pool (encode/httpcore#1035; at
+            # 64 concurrent calls, one pool spent ~5 ms of CPU per call, eight
+            # pools ~2 ms: bench/README.md). Each pool has room for its share
+            # of the declared concurrency; the broker, not the pool, bounds load.
             concurrency = config.limits.concurrency
-            client = httpx.AsyncClient(
-                timeout=self._timeout,
-                limits=httpx.Limits(
-                    max_connections=max(concurrency, 100),
-                    max_keepalive_connections=max(concurrency, 20),
-                ),
-            )
-        self._client = client
+            shards = max(1, min(16, -(-concurrency // _CALLS_PER_POOL)))
+            per_pool = -(-concurrency // shards) + 4
+            self._pools = [
+                httpx.AsyncClient(
+                    timeout=self._timeout,
+                    limits=httpx.Limits(
+                        max_connections=per_pool, max_keepalive_connections=per_pool
+                    ),
+                )
+                for _ in range(shards)
+            ]
+        else:
+            self._pools = [client]
+        self._busy = [0] * len(self._pools)
         self._closed = False
         #: The latest ``x-ratelimit-*`` reading from this backend (any call,
         #: including 429s); ``None`` until a response carries those headers.
@@ -400,7 +415,18 @@ class OpenAIBackend:
             return
         self._closed = True
         if self._owns_client:
-            await self._client.aclose()
+            for pool in self._pools:
+                await pool.aclose()
+
+    @contextlib.contextmanager
+    def _pool(self) -> Iterator[httpx.AsyncClient]:
+        """The least busy connection pool, counted busy for the duration."""
+        index = min(range(len(self._busy)), key=self._busy.__getitem__)
+        self._busy[index] += 1
+        try:
+            yield self._pools[index]
+        finally:
+            self._busy[index] -= 1
 
     # ------------------------------------------------------------- calls
 
@@ -415,39 +441,9 @@ class OpenAIBackend:
         body = self._body(request, priority, stream=True)
         state = _StreamState()
         try:
-            async with self._client.stream(
-                "POST",
-                self._url,
-                content=body,
-                headers=self._stream_headers,
-                timeout=self._timeout,
-            ) as response:
-                self._observe(response)
-                if not response.is_success:
-                    await response.aread()
-                    raise self._status_error(response, request)
-                if "text/event-stream" not in response.headers.get("content-type", ""):
-                    # A server that ignored "stream": true and sent one JSON body.
-                    generation = self._generation(await response.aread(), request)
-                    if generation.text:
-                        yield Delta(text=generation.text)
-                    yield Delta(usage=generation.usage, finish_reason=generation.finish_reason)
-                    return
-                data: list[str] = []
-                async for line in response.aiter_lines():
-                    if line.startswith("data:"):
-                        data.append(line[6:] if line.startswith("data: ") else line[5:])
-                    elif not line and data:
-                        # A blank line ends an event (multi-line data joins with \n).
-                        text = self._feed(state, "\n".join(data), request)
-                        data.clear()
-                        if text:
-                            yield Delta(text=text)
-                    # Other lines: ":" comments (keep-alives), event:, id:, retry:.
-                if data:  # the last event, when the body ends without a blank line
-                    text = self._feed(state, "\n".join(data), request)
-                    if text:
-                        yield Delta(text=text)
+            with self._pool() as pool:
+                async for delta in self._stream_from(pool, body, state, request):
+                    yield delta
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, request) from exc
         if not state.done:
@@ -458,15 +454,73 @@ class OpenAIBackend:
             usage=_usage(state.usage, request, state.deltas), finish_reason=state.finish_reason
         )
 
+    async def _stream_from(
+        self,
+        pool: httpx.AsyncClient,
+        body: bytes,
+        state: _StreamState,
+        request: InferenceRequest,
+    ) -> AsyncIterator[Delta]:
+        """The SSE parse. Everything that arrived in one network read becomes
+        one :class:`Delta`: a fast backend's burst of tokens costs one publish
+        downstream, and a slow one's single token is not held back."""
+        async with pool.stream(
+            "POST",
+            self._url,
+            content=body,
+            headers=self._stream_headers,
+            timeout=self._timeout,
+        ) as response:
+            self._observe(response)
+            if not response.is_success:
+                await response.aread()
+                raise self._status_error(response, request)
+            if "text/event-stream" not in response.headers.get("content-type", ""):
+                # A server that ignored "stream": true and sent one JSON body.
+                generation = self._generation(await response.aread(), request)
+                if generation.text:
+                    yield Delta(text=generation.text)
+                state.done = True
+                state.usage = _WireUsage(
+                    prompt_tokens=generation.usage.prompt_tokens,
+                    completion_tokens=generation.usage.completion_tokens,
+                )
+                state.finish_reason = generation.finish_reason
+                return
+            data: list[str] = []
+            partial = ""
+            async for piece in response.aiter_text():
+                lines = (partial + piece).split("\n")
+                partial = lines.pop()  # an incomplete line waits for the next read
+                text = ""
+                for raw in lines:
+                    line = raw.removesuffix("\r")
+                    if line.startswith("data:"):
+                        data.append(line[6:] if line.startswith("data: ") else line[5:])
+                    elif not line and data:
+                        # A blank line ends an event (multi-line data joins with \n).
+                        text += self._feed(state, "\n".join(data), request)
+                        data.clear()
+                    # Other lines: ":" comments (keep-alives), event:, id:, retry:.
+                if text:
+                    yield Delta(text=text)
+            if partial.startswith("data:"):
+                data.append(partial[6:] if partial.startswith("data: ") else partial[5:])
+            if data:  # the last event, when the body ends without a blank line
+                text = self._feed(state, "\n".join(data), request)
+                if text:
+                    yield Delta(text=text)
+
     async def complete(
         self, request: InferenceRequest, *, priority: int | None = None
     ) -> Generation:
         """The whole answer from one non-streaming call."""
         body = self._body(request, priority, stream=False)
         try:
-            response = await self._client.post(
-                self._url, content=body, headers=self._json_headers, timeout=self._timeout
-            )
+            with self._pool() as pool:
+                response = await pool.post(
+                    self._url, content=body, headers=self._json_headers, timeout=self._timeout
+                )
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, request) from exc
         self._observe(response)
