@@ -1,0 +1,622 @@
+"""The projection: a pure fold of the event log, stored in KV, equal to a replay.
+
+The fold tests need no server. The projector tests each run their own
+nats-server (``isolated_js``): they assert on the whole event stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import msgspec
+import pytest
+from nats.aio.client import Client as NatsClient
+from nats.js.client import JetStreamContext
+
+from renqueue.config import parse_config
+from renqueue.eventlog import EventLog
+from renqueue.messages import (
+    Cancelled,
+    ChatMessage,
+    Completed,
+    Event,
+    Expired,
+    Failed,
+    InferenceRequest,
+    Rejected,
+    Retrying,
+    Routed,
+    Started,
+    Submitted,
+    Usage,
+    is_terminal,
+)
+from renqueue.projection import (
+    STALE_IN_FLIGHT,
+    STATE_KEY,
+    BackendState,
+    ProjectionState,
+    Projector,
+    StateView,
+    decode_state,
+    encode_state,
+    fold,
+    fold_many,
+    is_healthy,
+    rebuild,
+)
+from renqueue.provision import provision
+from renqueue.subjects import STATE_BUCKET, event_subject
+
+T0 = 1_700_000_000.0
+EMPTY = ProjectionState()
+
+# ------------------------------------------------------------------ builders
+
+
+def submitted(rid: str, *, tenant: str = "t1", at: float = T0) -> Submitted:
+    request = InferenceRequest(
+        id=rid, tenant=tenant, route="chat", messages=[ChatMessage(role="user", content="hi")]
+    )
+    return Submitted(request_id=rid, tenant=tenant, at=at, request=request)
+
+
+def started(
+    rid: str, backend: str = "b1", *, at: float = T0, tenant: str = "t1", delivery: int = 1
+) -> Started:
+    return Started(
+        request_id=rid,
+        tenant=tenant,
+        at=at,
+        backend=backend,
+        attempt=1,
+        delivery=delivery,
+        worker="w",
+    )
+
+
+def retrying(
+    rid: str,
+    error_type: str,
+    backend: str = "b1",
+    *,
+    at: float = T0,
+    tenant: str = "t1",
+    delivery: int = 1,
+) -> Retrying:
+    return Retrying(
+        request_id=rid,
+        tenant=tenant,
+        at=at,
+        backend=backend,
+        attempt=1,
+        delivery=delivery,
+        error_type=error_type,
+        reason="boom",
+        retry_after=0.1,
+    )
+
+
+def failed(
+    rid: str, error_type: str, backend: str | None = "b1", *, at: float = T0, tenant: str = "t1"
+) -> Failed:
+    return Failed(
+        request_id=rid, tenant=tenant, at=at, error_type=error_type, reason="x", backend=backend
+    )
+
+
+def completed(
+    rid: str,
+    backend: str = "b1",
+    *,
+    at: float = T0,
+    tenant: str = "t1",
+    cost: float = 0.0,
+    tokens: tuple[int, int] = (0, 0),
+    delivery: int = 1,
+) -> Completed:
+    return Completed(
+        request_id=rid,
+        tenant=tenant,
+        at=at,
+        backend=backend,
+        attempt=1,
+        delivery=delivery,
+        text="ok",
+        usage=Usage(prompt_tokens=tokens[0], completion_tokens=tokens[1]),
+        cost=cost,
+    )
+
+
+def random_log(seed: int, requests: int = 60) -> list[Event]:
+    """A plausible interleaved log: retries, re-routes, every terminal kind, some unfinished."""
+    rng = random.Random(seed)
+    backends = ["b1", "b2", "b3"]
+    tenants = ["t1", "t2"]
+    errors = ["backend_unavailable", "backend_fatal", "rate_limited", "backend_bad_request"]
+    per_request: list[list[tuple[str, dict[str, Any]]]] = []
+    for n in range(requests):
+        rid, tenant = f"r{seed}-{n}", rng.choice(tenants)
+        steps: list[tuple[str, dict[str, Any]]] = [("submitted", {})]
+        if rng.random() < 0.1:
+            steps.append(("rejected", {}))
+        else:
+            delivery = 0
+            backend = rng.choice(backends)
+            for _ in range(rng.randint(0, 3)):
+                delivery += 1
+                steps.append(("started", {"backend": backend, "delivery": delivery}))
+                steps.append(("retrying", {"backend": backend, "delivery": delivery}))
+                if rng.random() < 0.3:
+                    backend = rng.choice(backends)
+            delivery += 1
+            steps.append(("started", {"backend": backend, "delivery": delivery}))
+            end = rng.choice(["completed", "completed", "failed", "expired", "cancelled", None])
+            if end is not None:
+                steps.append((end, {"backend": backend, "delivery": delivery}))
+        per_request.append([(kind, {**args, "rid": rid, "tenant": tenant}) for kind, args in steps])
+
+    events: list[Event] = []
+    at = T0
+    while per_request:
+        queue = rng.choice(per_request)
+        kind, args = queue.pop(0)
+        if not queue:
+            per_request.remove(queue)
+        at += rng.choice([0.0, 0.001, 0.5, 3.0, 20.0])
+        rid, tenant = args["rid"], args["tenant"]
+        backend, delivery = args.get("backend", "b1"), args.get("delivery", 1)
+        if kind == "submitted":
+            events.append(submitted(rid, tenant=tenant, at=at))
+        elif kind == "rejected":
+            events.append(
+                Rejected(request_id=rid, tenant=tenant, at=at, error_type="malformed", reason="x")
+            )
+        elif kind == "started":
+            events.append(started(rid, backend, at=at, tenant=tenant, delivery=delivery))
+        elif kind == "retrying":
+            error = rng.choice(errors)
+            events.append(retrying(rid, error, backend, at=at, tenant=tenant, delivery=delivery))
+        elif kind == "completed":
+            cost = rng.choice([0.0, 0.1, 0.2, 1e-7, 0.30000000000000004])
+            tokens = (rng.randint(0, 900), rng.randint(0, 900))
+            events.append(
+                completed(
+                    rid, backend, at=at, tenant=tenant, cost=cost, tokens=tokens, delivery=delivery
+                )
+            )
+        elif kind == "failed":
+            events.append(failed(rid, rng.choice(errors), backend, at=at, tenant=tenant))
+        elif kind == "expired":
+            events.append(Expired(request_id=rid, tenant=tenant, at=at, stage="running"))
+        else:
+            events.append(Cancelled(request_id=rid, tenant=tenant, at=at, stage="running"))
+    return events
+
+
+def fold_list(events: Sequence[Event], state: ProjectionState = EMPTY) -> ProjectionState:
+    for event in events:
+        state = fold(state, event)
+    return state
+
+
+# ------------------------------------------------------------------ health
+
+
+def test_backend_turns_unhealthy_after_threshold_consecutive_backend_faults() -> None:
+    state = fold_list(
+        [
+            started("a"),
+            retrying("a", "backend_unavailable", at=T0 + 1),
+            retrying("a", "backend_unavailable", at=T0 + 2),
+        ]
+    )
+    assert is_healthy(state.backend("b1"), T0 + 2)
+    state = fold(state, failed("a", "backend_fatal", at=T0 + 3))
+    b1 = state.backend("b1")
+    assert b1.consecutive_failures == 3
+    assert b1.last_fault_at == T0 + 3
+    assert b1.last_error_type == "backend_fatal"
+    assert not is_healthy(b1, T0 + 3)
+    # Other backends are untouched.
+    assert is_healthy(state.backend("b2"), T0 + 3)
+
+
+def test_rate_limits_and_bad_requests_never_make_a_backend_unhealthy() -> None:
+    events: list[Event] = []
+    for n in range(10):
+        events.append(retrying(f"r{n}", "rate_limited", at=T0 + n))
+        events.append(failed(f"q{n}", "backend_bad_request", at=T0 + n))
+    state = fold_list(events)
+    b1 = state.backend("b1")
+    assert is_healthy(b1, T0 + 10)
+    assert b1.consecutive_failures == 0
+    assert b1.calls_failed == 20
+    assert b1.rate_limited == 10
+    assert b1.last_error_type == "backend_bad_request"
+
+
+def test_a_completion_restores_health_at_once() -> None:
+    faults = [retrying("a", "backend_unavailable", at=T0 + n) for n in range(5)]
+    state = fold_list(faults)
+    assert not is_healthy(state.backend("b1"), T0 + 5)
+    state = fold(state, completed("b", at=T0 + 6))
+    assert state.backend("b1").consecutive_failures == 0
+    assert is_healthy(state.backend("b1"), T0 + 6)
+
+
+def test_cooldown_runs_from_the_last_fault_in_event_time() -> None:
+    state = fold_list([retrying("a", "backend_unavailable", at=T0 + n) for n in range(3)])
+    last = T0 + 2
+    assert not is_healthy(state.backend("b1"), last + 29.9)
+    assert is_healthy(state.backend("b1"), last + 30.0)
+    # Half-open: one more fault after the cooldown re-arms it.
+    state = fold(state, retrying("a", "backend_unavailable", at=last + 31))
+    assert not is_healthy(state.backend("b1"), last + 31 + 29.9)
+    assert is_healthy(state.backend("b1"), last + 31 + 30.0)
+
+
+def test_threshold_and_cooldown_are_parameters() -> None:
+    state = fold(EMPTY, retrying("a", "backend_unavailable", at=T0))
+    b1 = state.backend("b1")
+    assert is_healthy(b1, T0)
+    assert not is_healthy(b1, T0, threshold=1)
+    assert is_healthy(b1, T0 + 5, threshold=1, cooldown=5)
+
+
+def test_a_backend_the_log_never_named_is_healthy() -> None:
+    assert is_healthy(EMPTY.backend("nobody"), T0)
+    assert EMPTY.backend("nobody") == BackendState()
+
+
+# ---------------------------------------------------------- counting
+
+
+def test_spend_and_tokens_sum_per_backend_tenant_and_total() -> None:
+    state = fold_many(
+        EMPTY,
+        [
+            completed("a", "b1", tenant="t1", cost=0.25, tokens=(10, 20)),
+            completed("b", "b1", tenant="t2", cost=0.5, tokens=(1, 2)),
+            completed("c", "b2", tenant="t1", cost=1.0, tokens=(100, 200)),
+        ],
+    )
+    assert state.backend("b1").spend == 0.75
+    assert (state.backend("b1").tokens_in, state.backend("b1").tokens_out) == (11, 22)
+    assert state.backend("b2").spend == 1.0
+    assert state.tenants["t1"].spend == 1.25
+    assert state.tenants["t2"].spend == 0.5
+    assert state.spend == 1.75
+    assert state.terminal == {"completed": 3}
+
+
+def test_requests_are_counted_by_terminal_kind_per_tenant() -> None:
+    state = fold_many(
+        EMPTY,
+        [
+            submitted("a", tenant="t1"),
+            submitted("b", tenant="t2"),
+            completed("a", tenant="t1"),
+            Rejected(request_id="b", tenant="t2", at=T0, error_type="malformed", reason="x"),
+            Expired(request_id="c", tenant="t1", at=T0, stage="queued"),
+            Cancelled(request_id="d", tenant="t1", at=T0, stage="queued"),
+            failed("e", "backend_fatal", tenant="t1"),
+        ],
+    )
+    assert state.submitted == 2
+    assert state.tenants["t1"].submitted == 1
+    assert state.tenants["t1"].terminal == {
+        "completed": 1,
+        "expired": 1,
+        "cancelled": 1,
+        "failed": 1,
+    }
+    assert state.tenants["t2"].terminal == {"rejected": 1}
+    assert sum(state.terminal.values()) == 5
+
+
+def test_in_flight_follows_starts_retries_reroutes_and_goes_back_to_zero() -> None:
+    state = fold_list([started("a", "b1"), started("b", "b1"), started("c", "b2")])
+    assert state.in_flight_count == 3
+    assert (state.backend("b1").in_flight, state.backend("b2").in_flight) == (2, 1)
+    # A retry and a redelivery on the same backend are still one request.
+    state = fold_list([retrying("a", "backend_unavailable"), started("a", "b1", delivery=2)], state)
+    assert state.backend("b1").in_flight == 2
+    assert state.backend("b1").calls_started == 3
+    # Re-routed to another backend: it moves.
+    state = fold(state, started("b", "b2", delivery=2))
+    assert (state.backend("b1").in_flight, state.backend("b2").in_flight) == (1, 2)
+    state = fold_list(
+        [
+            completed("a", "b1"),
+            failed("b", "backend_fatal", "b2"),
+            Expired(request_id="c", tenant="t1", at=T0, stage="running"),
+        ],
+        state,
+    )
+    assert state.in_flight_count == 0
+    assert state.in_flight == {}
+    assert (state.backend("b1").in_flight, state.backend("b2").in_flight) == (0, 0)
+
+
+def test_terminal_events_of_requests_never_started_leave_in_flight_alone() -> None:
+    state = fold_list(
+        [
+            started("a"),
+            Rejected(request_id="x", tenant="t1", at=T0, error_type="malformed", reason="x"),
+            Expired(request_id="y", tenant="t1", at=T0, stage="queued"),
+        ]
+    )
+    assert state.in_flight_count == 1
+    assert state.backend("b1").in_flight == 1
+
+
+def test_a_start_that_never_ends_is_swept_after_the_stale_horizon_of_event_time() -> None:
+    state = fold_list([started("lost", at=T0), started("live", at=T0 + STALE_IN_FLIGHT)])
+    assert set(state.in_flight) == {"live", "lost"}
+    later = Routed(
+        request_id="z",
+        tenant="t1",
+        at=T0 + STALE_IN_FLIGHT + 61,
+        backend="b1",
+        attempt=1,
+        priority="normal",
+        queue_wait=0,
+    )
+    state = fold(state, later)
+    assert set(state.in_flight) == {"live"}
+    assert state.in_flight_dropped == 1
+    assert state.backend("b1").in_flight == 1
+
+
+def test_a_non_finite_cost_or_time_cannot_poison_the_stored_state() -> None:
+    state = fold(EMPTY, completed("a", cost=float("nan"), at=float("inf")))
+    assert state.spend == 0.0
+    assert decode_state(encode_state(state)) == state
+
+
+def test_fold_never_changes_its_input() -> None:
+    events = random_log(7)
+    half = fold_many(EMPTY, events[: len(events) // 2])
+    before = encode_state(half)
+    fold_many(half, events[len(events) // 2 :])
+    for event in events:
+        fold(half, event)
+    assert encode_state(half) == before
+    assert encode_state(EMPTY) == encode_state(ProjectionState())
+
+
+# ------------------------------------------------------------- determinism
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_folding_the_same_log_always_gives_the_same_state(seed: int) -> None:
+    events = random_log(seed)
+    once = fold_many(EMPTY, events)
+    assert fold_many(EMPTY, events) == once
+    assert fold_list(events) == once
+    # Resuming from a stored (JSON round-tripped) state at any cut equals one pass:
+    # what a projector does after a restart.
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(len(events)), 4))
+    state = EMPTY
+    for start, end in zip([0, *cuts], [*cuts, len(events)], strict=True):
+        state = decode_state(encode_state(fold_many(state, events[start:end])))
+    assert state == once
+    assert encode_state(state) == encode_state(once)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_in_flight_is_exactly_the_started_requests_with_no_terminal_event(seed: int) -> None:
+    events = random_log(seed, requests=80)
+    started_ids = {e.request_id for e in events if isinstance(e, Started)}
+    ended = {e.request_id for e in events if is_terminal(e)}
+    state = fold_many(EMPTY, events)
+    assert set(state.in_flight) == started_ids - ended
+    assert sum(b.in_flight for b in state.backends.values()) == state.in_flight_count
+    assert sum(state.terminal.values()) == len(ended)
+    assert sum(b.calls_started for b in state.backends.values()) == sum(
+        isinstance(e, Started) for e in events
+    )
+
+
+# --------------------------------------------------------- with a real NATS
+
+
+@pytest.fixture
+async def events_js(isolated_nc: NatsClient, isolated_js: JetStreamContext) -> JetStreamContext:
+    config = parse_config(
+        {
+            "backends": {
+                name: {"base_url": "http://127.0.0.1:9", "model": "m"} for name in ("b1", "b2")
+            },
+            "routes": {"chat": {"backends": ["b1", "b2"]}},
+        }
+    )
+    await provision(isolated_nc, config)
+    return isolated_js
+
+
+@pytest.fixture
+async def projector(events_js: JetStreamContext) -> AsyncIterator[Projector]:
+    async with Projector(events_js, name="p1") as p:
+        yield p
+
+
+async def publish(js: JetStreamContext, events: Sequence[Event]) -> None:
+    log = EventLog(js)
+    for event in events:
+        await log.append(event)
+
+
+async def stored(js: JetStreamContext) -> ProjectionState:
+    kv = await js.key_value(STATE_BUCKET)
+    return decode_state((await kv.get(STATE_KEY)).value or b"")
+
+
+async def test_stored_state_equals_a_replay_of_the_log(
+    events_js: JetStreamContext, projector: Projector
+) -> None:
+    events = random_log(101, requests=80)
+    # Some events before a reader exists, some while the projector runs.
+    await publish(events_js, events[:100])
+    await asyncio.sleep(0.15)
+    await publish(events_js, events[100:])
+    async with asyncio.timeout(10):
+        live = await projector.sync()
+    replayed = await rebuild(events_js)
+
+    assert live.last_seq == (await events_js.stream_info("RQ_EVENTS")).state.last_seq
+    assert replayed == live
+    assert encode_state(replayed) == encode_state(live)
+    assert live.events == len(events)
+    assert projector.state == live
+    # And the pure fold of the published list, up to the sequence numbers.
+    assert msgspec.structs.replace(fold_many(EMPTY, events), last_seq=live.last_seq) == live
+
+
+async def test_undecodable_events_are_skipped_counted_and_the_projector_keeps_going(
+    events_js: JetStreamContext, projector: Projector
+) -> None:
+    await publish(events_js, [started("a")])
+    await events_js.publish(event_subject("t1", "bad", "completed"), b"{not json")
+    await events_js.publish(event_subject("t1", "bad2", "started"), b'{"kind": "started"}')
+    await publish(events_js, [completed("a", cost=0.5)])
+    async with asyncio.timeout(10):
+        live = await projector.sync()
+
+    assert live.skipped == 2
+    assert live.events == 2
+    assert live.backend("b1").calls_completed == 1
+    assert live.in_flight_count == 0
+    assert await rebuild(events_js) == live
+
+
+async def test_state_view_follows_the_stored_state_and_judges_health(
+    events_js: JetStreamContext, projector: Projector
+) -> None:
+    async with await StateView.open(events_js) as view:
+        assert view.backend_healthy("b1", T0)
+        await publish(
+            events_js,
+            [started("a", "b1")]
+            + [
+                retrying("a", "backend_unavailable", "b1", at=T0 + n, delivery=n)
+                for n in range(1, 4)
+            ],
+        )
+        last = (await events_js.stream_info("RQ_EVENTS")).state.last_seq
+        async with asyncio.timeout(10):
+            await view.wait_for(last)
+        assert not view.backend_healthy("b1", T0 + 4)
+        assert view.backend_healthy("b1", T0 + 3 + 30)
+        assert view.backend_healthy("b2", T0 + 4)
+        assert view.backend_healthy("never-heard-of", T0 + 4)
+        assert view.state == await stored(events_js)
+
+
+async def test_a_restarted_projector_resumes_from_the_stored_sequence(
+    events_js: JetStreamContext,
+) -> None:
+    events = random_log(202, requests=40)
+    async with Projector(events_js, name="first") as first:
+        await publish(events_js, events[:60])
+        async with asyncio.timeout(10):
+            await first.sync()
+    await publish(events_js, events[60:])  # while no projector runs
+    async with Projector(events_js, name="second") as second:
+        assert second.state.last_seq > 0  # it started from the stored state
+        async with asyncio.timeout(10):
+            live = await second.sync()
+    assert live == await rebuild(events_js)
+    assert live.events == len(events)
+
+
+async def test_two_projectors_at_once_never_clobber_the_stored_state(
+    events_js: JetStreamContext,
+) -> None:
+    kv = await events_js.key_value(STATE_BUCKET)
+    watcher: Any = await kv.watch(STATE_KEY)
+    seen: list[int] = []
+
+    async def record() -> None:
+        async for entry in watcher:
+            if entry is not None and entry.value:
+                seen.append(decode_state(entry.value).last_seq)
+
+    recorder = asyncio.create_task(record())
+    events = random_log(303, requests=120)
+    try:
+        async with (
+            Projector(events_js, name="p1", flush_interval=0.02) as p1,
+            Projector(events_js, name="p2", flush_interval=0.02) as p2,
+        ):
+            for start in range(0, len(events), 40):
+                await publish(events_js, events[start : start + 40])
+                await asyncio.sleep(0.05)
+            async with asyncio.timeout(10):
+                live = await p1.sync()
+            assert p1.writes + p2.writes > 2
+    finally:
+        await watcher.stop()
+        recorder.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await recorder
+
+    assert live == await rebuild(events_js)
+    assert live.events == len(events)
+    # Every stored value is based on the one before: the sequence never goes back.
+    assert seen == sorted(seen)
+    assert len(seen) > 2
+
+
+async def test_a_projector_never_overwrites_a_newer_state_written_by_another(
+    events_js: JetStreamContext, projector: Projector
+) -> None:
+    await publish(events_js, [started("a"), completed("a", cost=0.5)])
+    async with asyncio.timeout(10):
+        before = await projector.sync()
+    # Another projector (simulated) stored a state far ahead of this one.
+    kv = await events_js.key_value(STATE_BUCKET)
+    ahead = msgspec.structs.replace(before, last_seq=before.last_seq + 1000, events=999_999)
+    await kv.put(STATE_KEY, encode_state(ahead))
+
+    await publish(events_js, [started("b"), completed("b", cost=0.25)])
+    await asyncio.sleep(0.5)  # several flush intervals: no write may land
+
+    assert projector.conflicts >= 1
+    assert await stored(events_js) == ahead
+    assert projector.state == ahead
+
+
+async def test_an_undecodable_stored_state_is_rebuilt_from_the_log(
+    events_js: JetStreamContext,
+) -> None:
+    await publish(events_js, random_log(404, requests=10))
+    kv = await events_js.key_value(STATE_BUCKET)
+    await kv.put(STATE_KEY, b"written by some other version")
+    async with Projector(events_js) as fresh:
+        async with asyncio.timeout(10):
+            live = await fresh.sync()
+    assert live == await rebuild(events_js)
+
+
+async def test_deleting_the_stored_state_makes_the_next_projector_refold_the_log(
+    events_js: JetStreamContext,
+) -> None:
+    events = random_log(505, requests=10)
+    await publish(events_js, events)
+    async with Projector(events_js, name="first") as first:
+        async with asyncio.timeout(10):
+            await first.sync()
+    kv = await events_js.key_value(STATE_BUCKET)
+    await kv.delete(STATE_KEY)
+    async with Projector(events_js, name="second") as second:
+        assert second.state.last_seq == 0
+        async with asyncio.timeout(10):
+            live = await second.sync()
+    assert live == await rebuild(events_js)
+    assert live.events == len(events)
