@@ -23,6 +23,7 @@ reconnects still gets every chunk, in order, once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 import uuid
@@ -32,7 +33,7 @@ from typing import Any, Self
 
 import msgspec
 from nats.js.api import DeliverPolicy
-from nats.js.errors import NoStreamResponseError
+from nats.js.errors import NoStreamResponseError, NotFoundError
 
 from .connection import connect
 from .errors import (
@@ -62,7 +63,7 @@ from .messages import (
     encode,
     is_terminal,
 )
-from .subjects import request_subject, token_subject
+from .subjects import TOKENS_STREAM, request_subject, token_subject
 
 __all__ = ["Client", "RequestHandle", "Result"]
 
@@ -109,6 +110,74 @@ def _raise_for(event: Event) -> Result:
     raise TypeError(f"not a terminal event: {event!r}")
 
 
+class _TokenFollower:
+    """Every chunk of one request, in order, once: stored ones, then live ones.
+
+    No JetStream consumer per stream (they are server-side objects, costly to
+    create and slow to go away at hundreds of streams a second). Instead: a
+    core subscription to the token subject collects live chunks from the
+    start; stored chunks are read with direct gets from the stream; chunks are
+    de-duplicated by (delivery, seq). A gap in the live sequence (chunks lost
+    while the connection was down) sends the follower back to the store.
+    """
+
+    def __init__(self, client: Client, tenant: str, request_id: str) -> None:
+        self._js = client.js
+        self._nc = client.nc
+        self._subject = token_subject(tenant, request_id)
+        self._live: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        self._ready: collections.deque[TokenChunk] = collections.deque()
+        self._seen: set[tuple[int, int, bool]] = set()
+        self._cursor = 1  # next stream sequence to read from the store
+        self._last: tuple[int, int] = (0, -1)  # (delivery, seq) last handed out
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        # Subscribe before reading the store, so nothing falls between the two.
+        self._sub = await self._nc.subscribe(self._subject, cb=self._on_live)
+        await self._read_store()
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+    async def _on_live(self, msg: Any) -> None:
+        with contextlib.suppress(msgspec.DecodeError):
+            self._live.put_nowait(TOKEN_DECODER.decode(msg.data))
+
+    async def _read_store(self) -> None:
+        while True:
+            try:
+                raw = await self._js.get_msg(
+                    TOKENS_STREAM, seq=self._cursor, subject=self._subject, next=True, direct=True
+                )
+            except NotFoundError:
+                return
+            self._cursor = raw.seq + 1
+            with contextlib.suppress(msgspec.DecodeError):
+                self._accept(TOKEN_DECODER.decode(raw.data))
+
+    def _accept(self, chunk: TokenChunk) -> None:
+        key = (chunk.delivery, chunk.seq, chunk.final)
+        if key not in self._seen:
+            self._seen.add(key)
+            self._ready.append(chunk)
+
+    async def next(self) -> TokenChunk:
+        while not self._ready:
+            chunk = await self._live.get()
+            delivery, seq = self._last
+            skipped = chunk.seq > seq + 1 if chunk.delivery == delivery else chunk.seq > 0
+            if skipped:
+                await self._read_store()  # missed some live: the store has them, in order
+            self._accept(chunk)
+        chunk = self._ready.popleft()
+        self._last = (chunk.delivery, chunk.seq)
+        return chunk
+
+
 class RequestHandle:
     """A submitted request: its token stream, its events and its result."""
 
@@ -142,29 +211,16 @@ class RequestHandle:
         earlier run was interrupted): text streamed before it is void.
         ``timeout`` bounds the wait for each next chunk.
         """
-        # A callback feeding a local queue: nats-py's next_msg() can swallow
-        # the cancellation of a consumer that stops listening mid-wait.
-        chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
-
-        async def on_chunk(msg: Any) -> None:
-            with contextlib.suppress(msgspec.DecodeError):
-                chunks.put_nowait(TOKEN_DECODER.decode(msg.data))
-
-        sub = await self._client.js.subscribe(
-            token_subject(self.tenant, self.id),
-            cb=on_chunk,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL,
-        )
+        follower = _TokenFollower(self._client, self.tenant, self.id)
+        await follower.start()
         try:
             while True:
-                chunk = await asyncio.wait_for(chunks.get(), timeout)
+                chunk = await asyncio.wait_for(follower.next(), timeout)
                 if chunk.final:
                     return
                 yield chunk
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await follower.close()
 
     async def events(self) -> list[Event]:
         """This request's events so far, in log order."""
@@ -196,7 +252,7 @@ class Client:
     """Submits requests for one tenant. Create with :meth:`connect` or from an open connection."""
 
     def __init__(self, nc: Any, *, tenant: str = "default", owns_connection: bool = False) -> None:
-        self._nc = nc
+        self.nc = nc
         self.js = nc.jetstream()
         self.tenant = tenant
         self._owns = owns_connection
@@ -231,7 +287,7 @@ class Client:
         for waiter in self._waiters.values():
             waiter.cancel()
         if self._owns:
-            await self._nc.drain()
+            await self.nc.drain()
 
     def build_request(
         self,

@@ -52,6 +52,7 @@ from .messages import (
     Submitted,
     encode,
 )
+from .projection import StateView
 from .subjects import (
     DISPATCH_STREAM,
     REQUESTS_STREAM,
@@ -140,8 +141,16 @@ class _Held(msgspec.Struct, kw_only=True):
 class _Capacity:
     """Per-backend in-flight estimate: broker truth plus local dispatches since."""
 
-    def __init__(self, js: Any, config: Config, refresh: float) -> None:
+    def __init__(
+        self,
+        js: Any,
+        config: Config,
+        refresh: float,
+        *,
+        health: Callable[[str], bool] = lambda _name: True,
+    ) -> None:
         self._js = js
+        self._health = health
         self._config = config
         self._refresh = refresh
         self._known: dict[str, int] = dict.fromkeys(config.backends, 0)
@@ -155,6 +164,7 @@ class _Capacity:
                 capacity=backend.limits.concurrency,
                 in_flight=self._known[name] + self._since[name],
                 tier=backend.tier,
+                healthy=self._health(name),
             )
             for name, backend in self._config.backends.items()
         }
@@ -200,7 +210,10 @@ class Router:
         self._held: dict[str, deque[_Held]] = {level: deque() for level in self._levels}
         self._room = {level: asyncio.Event() for level in self._levels}
         self._wake = asyncio.Event()
-        self._capacity = _Capacity(js, config, parse_duration(config.router.capacity_refresh))
+        self._state: StateView | None = None
+        self._capacity = _Capacity(
+            js, config, parse_duration(config.router.capacity_refresh), health=self._healthy
+        )
         self._ack_wait = parse_duration(config.router.ack_wait)
         self._tasks: set[asyncio.Task[None]] = set()
         self._inflight: set[asyncio.Task[None]] = set()
@@ -209,8 +222,13 @@ class Router:
         self.routed = 0
         self.rejected = 0
 
+    def _healthy(self, backend: str) -> bool:
+        """Health as folded from the log by the projection (healthy until known otherwise)."""
+        return self._state is None or self._state.backend_healthy(backend, self._clock())
+
     async def start(self) -> None:
         """Bind to the provisioned consumers and start the loops."""
+        self._state = await StateView.open(self._js)
         for level in self._levels:
             psub = await self._js.pull_subscribe_bind(
                 durable=router_consumer(level), stream=REQUESTS_STREAM
@@ -239,6 +257,8 @@ class Router:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._subs.clear()
+        if self._state is not None:
+            await self._state.close()
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
         for held in self._held.values():

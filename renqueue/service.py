@@ -22,6 +22,7 @@ from .config import Config
 from .connection import connect
 from .embedded import EmbeddedServer
 from .logs import get_logger
+from .projection import Projector
 from .provision import provision
 from .router import Router
 from .worker import Worker
@@ -42,6 +43,7 @@ class Services:
     """Start what this process should run; stop it all in order on exit.
 
     ``backends=None`` runs a worker for every configured backend; ``[]`` none.
+    ``projector=None`` runs the projection service when routers run here.
     """
 
     def __init__(
@@ -51,17 +53,22 @@ class Services:
         routers: int = 1,
         backends: Sequence[str] | None = None,
         provision_streams: bool = True,
+        projector: bool | None = None,
         name: str = "renqueue",
     ) -> None:
         self.config = config
         self._router_count = routers
         self._backend_names = list(config.backends) if backends is None else list(backends)
         self._provision = provision_streams
+        # The projection is folded wherever routers run, unless told otherwise;
+        # any number of projectors may run (they compare-and-set the state).
+        self._run_projector = routers > 0 if projector is None else projector
         self._name = name
         self.state = State.UNOPENED
         self.server: EmbeddedServer | None = None
         self.nc: Any = None
         self.js: Any = None
+        self.projector: Projector | None = None
         self.routers: list[Router] = []
         self.workers: list[Worker] = []
         self._adapters: list[Backend] = []
@@ -100,6 +107,9 @@ class Services:
             self.js = self.nc.jetstream()
             if self._provision:
                 await provision(self.nc, self.config)
+            if self._run_projector:
+                self.projector = Projector(self.js, name=f"{self._name}-projector")
+                await self.projector.start()
             for index in range(self._router_count):
                 router = Router(self.nc, self.js, self.config, name=f"{self._name}-router-{index}")
                 await router.start()
@@ -123,6 +133,8 @@ class Services:
         for router in self.routers:
             await router.stop()
         await asyncio.gather(*(worker.stop() for worker in self.workers), return_exceptions=True)
+        if self.projector is not None:
+            await self.projector.stop()  # after the workers: their last events get folded
         for adapter in self._adapters:
             await adapter.aclose()
         if self.nc is not None and not self.nc.is_closed:

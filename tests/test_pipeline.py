@@ -18,7 +18,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from renqueue import Client, RequestExpiredError, RequestRejectedError, Services, parse_config
+from renqueue import (
+    Client,
+    RequestExpiredError,
+    RequestFailedError,
+    RequestRejectedError,
+    Services,
+    parse_config,
+)
 from renqueue.config import Config
 from renqueue.eventlog import EventLog
 from renqueue.messages import Completed, Rejected, Started
@@ -79,9 +86,7 @@ async def test_submit_streams_tokens_and_result_matches(client: Client) -> None:
     assert await kinds(client, handle.id) == ["submitted", "routed", "started", "completed"]
 
 
-async def test_late_subscriber_gets_every_token_in_order(
-    client: Client, mock: MockBackend
-) -> None:
+async def test_late_subscriber_gets_every_token_in_order(client: Client, mock: MockBackend) -> None:
     mock.update(tokens_per_second=200)  # paced: one chunk per token
     handle = await client.submit("hello", route="chat")
     result = await handle.result(timeout=10)
@@ -248,3 +253,45 @@ async def test_worker_killed_mid_stream_is_redelivered_and_completes_once(
     restarted = [c for c in rest if c.delivery == 2]
     assert restarted[0].restart
     assert "".join(c.text for c in restarted) == result.text
+
+
+async def test_subscriber_joining_mid_stream_gets_stored_then_live_chunks_once(
+    client: Client, mock: MockBackend
+) -> None:
+    mock.update(tokens_per_second=40, output_tokens=16)  # ~0.4 s of generation
+    handle = await client.submit("hello", route="chat")
+    first = handle.stream(timeout=10)
+    await anext(first)
+    await asyncio.sleep(0.15)  # a few more chunks are stored before the second subscriber
+    late = [chunk async for chunk in handle.stream(timeout=10)]
+    early = [chunk async for chunk in first]
+    result = await handle.result(timeout=10)
+
+    assert [c.seq for c in late] == list(range(16))
+    assert "".join(c.text for c in late) == result.text
+    assert [c.seq for c in early] == list(range(1, 16))
+
+
+async def test_router_skips_a_backend_the_log_shows_failing(tmp_path: Path) -> None:
+    async with (
+        MockBackend(MockSettings(failure_rate=1.0)) as broken,
+        MockBackend(MockSettings(output_tokens=3)) as healthy,
+    ):
+        config = make_config(
+            tmp_path,
+            {"broken": (broken.url, 4), "healthy": (healthy.url, 4)},
+            worker={"max_deliver": 2, "retry_delay": "50ms"},
+        )
+        async with Services(config) as services, Client(services.nc, tenant="t1") as client:
+            # Each request bound to the broken backend fails twice (retrying,
+            # then failed): two requests make the three faults that mark it down.
+            for _ in range(2):
+                handle = await client.submit("x", route="chat")
+                with pytest.raises(RequestFailedError):
+                    await handle.result(timeout=10)
+            assert services.projector is not None
+            await asyncio.wait_for(services.projector.sync(), 10)
+            await asyncio.sleep(0.3)  # the routers' state view follows the KV bucket
+            result = await (await client.submit("y", route="chat")).result(timeout=10)
+    assert result.backend == "healthy"
+    assert broken.stats().requests == 4
