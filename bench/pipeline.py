@@ -699,13 +699,15 @@ async def pipeline(
 #: JetStream operations one completed request costs, read from the code (see README).
 OPS_PER_REQUEST: dict[str, dict[str, str | int]] = {
     "acked_publishes": {
-        "count": 6 + OUTPUT_TOKENS + 1,
+        # The instant mock's tokens arrive in one network read, and the worker
+        # publishes one chunk per read: one text chunk per answer here.
+        "count": 8,
         "detail": (
-            "client: request (js.publish) + submitted event (js.publish); "
-            "router: dispatch + routed event (publish_async); "
-            "worker: started event (publish_async) + one token chunk per delta "
-            f"({OUTPUT_TOKENS}, publish_async) + completed event (js.publish) "
-            "+ final chunk (js.publish)"
+            "client: request (js.publish); "
+            "router: submitted event + dispatch + routed event (publish_async); "
+            "worker: started event + one token chunk per network read from the "
+            "backend (1 for the instant mock; publish_async) + completed event and "
+            "final chunk (publish_async, awaited together)"
         ),
     },
     "pull_deliveries_acked": {
