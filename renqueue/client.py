@@ -12,12 +12,19 @@ Submits are idempotent: the request id is the JetStream message id, so a
 resubmit with the same id (after a timeout, say) creates nothing new and the
 returned handle follows the original request.
 
-Results come from the event log. One ordered consumer per client follows the
-tenant's events from the moment of the first submit and resolves waiting
+Results come from the event log. One consumer per client (the *tap*) follows
+the tenant's events from the moment of the first submit and resolves waiting
 handles; a handle for a request submitted elsewhere or earlier reads that
-request's own events instead. Token streams are read from ``RQ_TOKENS`` with
-an ordered consumer from the first chunk, so a subscriber that starts late or
-reconnects still gets every chunk, in order, once.
+request's own events instead. Token streams are followed live on the token
+subject, with stored chunks read back from ``RQ_TOKENS``, so a subscriber that
+starts late or reconnects still gets every chunk, in order, once.
+
+Everything a client does works under a tenant's NATS permissions
+(``nats/auth.conf``): every API subject it uses names the tenant's own
+subjects. Under per-user permissions, connect with the user's inbox prefix::
+
+    await Client.connect("nats://acme:PASSWORD@host:4222", tenant="acme",
+                         inbox_prefix="_INBOX_acme")
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ from types import TracebackType
 from typing import Any, Self
 
 import msgspec
-from nats.js.api import DeliverPolicy
-from nats.js.errors import NoStreamResponseError, NotFoundError
+import structlog
+from nats.js.api import AckPolicy, DeliverPolicy
+from nats.js.errors import NoStreamResponseError
 
+from .config import NatsConfig
 from .connection import connect
 from .errors import (
     MalformedRequestError,
@@ -44,7 +53,7 @@ from .errors import (
     RequestRejectedError,
     UnknownPriorityError,
 )
-from .eventlog import EventLog
+from .eventlog import EventLog, delete_consumer, read_subject
 from .messages import (
     EVENT_DECODER,
     REQUEST_DECODER,
@@ -63,9 +72,11 @@ from .messages import (
     encode,
     is_terminal,
 )
-from .subjects import TOKENS_STREAM, request_subject, token_subject
+from .subjects import EVENTS_STREAM, TOKENS_STREAM, event_subject, request_subject, token_subject
 
 __all__ = ["Client", "RequestHandle", "Result"]
+
+log = structlog.get_logger(__name__)
 
 
 class Result(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,17 +124,22 @@ def _raise_for(event: Event) -> Result:
 class _TokenFollower:
     """Every chunk of one request, in order, once: stored ones, then live ones.
 
-    No JetStream consumer per stream (they are server-side objects, costly to
-    create and slow to go away at hundreds of streams a second). Instead: a
-    core subscription to the token subject collects live chunks from the
-    start; stored chunks are read with direct gets from the stream; chunks are
-    de-duplicated by (delivery, seq). A gap in the live sequence (chunks lost
-    while the connection was down) sends the follower back to the store.
+    A core subscription to the token subject collects live chunks from the
+    start. Stored chunks are read back only when there are any: a
+    ``last_by_subj`` direct get says so, and only then a short-lived consumer
+    filtered to this one subject replays them (:func:`read_subject`). In the
+    common case (following from the submit) nothing is stored yet and no
+    JetStream consumer is made: they are server-side objects, costly to create
+    at hundreds of streams a second. Chunks are de-duplicated by (delivery,
+    seq, final). A gap in the live sequence (chunks lost while the connection
+    was down) sends the follower back to the store.
     """
 
     def __init__(self, client: Client, tenant: str, request_id: str) -> None:
         self._js = client.js
         self._nc = client.nc
+        self._tenant = tenant
+        self._request_id = request_id
         self._subject = token_subject(tenant, request_id)
         self._live: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._ready: collections.deque[TokenChunk] = collections.deque()
@@ -145,19 +161,25 @@ class _TokenFollower:
 
     async def _on_live(self, msg: Any) -> None:
         with contextlib.suppress(msgspec.DecodeError):
-            self._live.put_nowait(TOKEN_DECODER.decode(msg.data))
+            chunk = TOKEN_DECODER.decode(msg.data)
+            # Anything can be sent to a subject (a reply, a push consumer's
+            # delivery): keep only chunks of this request.
+            if chunk.request_id == self._request_id:
+                self._live.put_nowait(chunk)
 
     async def _read_store(self) -> None:
-        while True:
-            try:
-                raw = await self._js.get_msg(
-                    TOKENS_STREAM, seq=self._cursor, subject=self._subject, next=True, direct=True
-                )
-            except NotFoundError:
-                return
-            self._cursor = raw.seq + 1
+        stored = await read_subject(
+            self._nc,
+            self._js,
+            TOKENS_STREAM,
+            self._subject,
+            start=self._cursor,
+            name=f"rq-tok-{self._tenant}",
+        )
+        for seq, data in stored:
+            self._cursor = seq + 1
             with contextlib.suppress(msgspec.DecodeError):
-                self._accept(TOKEN_DECODER.decode(raw.data))
+                self._accept(TOKEN_DECODER.decode(data))
 
     def _accept(self, chunk: TokenChunk) -> None:
         key = (chunk.delivery, chunk.seq, chunk.final)
@@ -224,7 +246,7 @@ class RequestHandle:
 
     async def events(self) -> list[Event]:
         """This request's events so far, in log order."""
-        return await EventLog(self._client.js).history(self.tenant, self.id)
+        return await EventLog(self._client.js, nc=self._client.nc).read(self.tenant, self.id)
 
     async def result(
         self,
@@ -251,19 +273,46 @@ class RequestHandle:
 class Client:
     """Submits requests for one tenant. Create with :meth:`connect` or from an open connection."""
 
+    #: Idle heartbeat of the event tap; three missed ones mean it is gone.
+    tap_heartbeat: float = 5.0
+    #: How long the server keeps the tap while no one listens (a disconnect).
+    tap_inactive_threshold: float = 30.0
+
     def __init__(self, nc: Any, *, tenant: str = "default", owns_connection: bool = False) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.tenant = tenant
         self._owns = owns_connection
-        self._tap: Any = None
+        self._tap_sub: Any = None
+        self._tap_name = ""
+        self._tap_inbox = ""
+        self._tap_cseq = 0  # consumer sequence of the last tap delivery
+        self._tap_seen = 0.0  # loop time of the last tap message or heartbeat
+        self._tap_wake = asyncio.Event()  # a gap was seen: sweep the waiters
+        self._tap_watch: asyncio.Task[None] | None = None
         self._tap_lock = asyncio.Lock()
         self._waiters: dict[str, asyncio.Future[Event]] = {}
         self._closed = False
 
     @classmethod
-    async def connect(cls, url: str, *, tenant: str = "default", name: str = "client") -> Self:
-        return cls(await connect(url, name=name), tenant=tenant, owns_connection=True)
+    async def connect(
+        cls,
+        url: str,
+        *,
+        tenant: str = "default",
+        name: str = "client",
+        inbox_prefix: str | None = None,
+        user_credentials: str | None = None,
+    ) -> Self:
+        """Connect to ``url`` (``nats://user:password@host:port`` for a password user).
+
+        ``inbox_prefix`` is the inbox the user may subscribe to (``_INBOX_acme``
+        in ``nats/auth.conf``); ``user_credentials`` a NATS ``.creds`` file.
+        """
+        config = NatsConfig(credentials_file=user_credentials, inbox_prefix=inbox_prefix)
+        return cls(
+            await connect(url, name=name, config=config), tenant=tenant, owns_connection=True
+        )
 
     async def __aenter__(self) -> Self:
         return self
@@ -281,9 +330,16 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        if self._tap is not None:
+        watch, self._tap_watch = self._tap_watch, None
+        if watch is not None:
+            watch.cancel()
+            await asyncio.wait({watch}, timeout=1.0)
+        if self._tap_sub is not None:
             with contextlib.suppress(Exception):
-                await self._tap.unsubscribe()
+                await self._tap_sub.unsubscribe()
+            self._tap_sub = None
+            if not self.nc.is_closed:
+                await delete_consumer(self.js, EVENTS_STREAM, self._tap_name)
         for waiter in self._waiters.values():
             waiter.cancel()
         if self._owns:
@@ -356,10 +412,27 @@ class Client:
 
     async def submit_request(self, request: InferenceRequest) -> RequestHandle:
         """Submit a built request. Idempotent on ``request.id``."""
+        if request.tenant != self.tenant:
+            # Not on this client's tap: the handle reads the request's own events.
+            duplicate = await self._publish(request)
+            return RequestHandle(self, request.id, request.tenant, duplicate=duplicate)
         await self._ensure_tap()
         waiter = self._waiters.get(request.id)
         if waiter is None:
             waiter = self._waiters[request.id] = asyncio.get_running_loop().create_future()
+        try:
+            duplicate = await self._publish(request)
+        except BaseException:
+            self._waiters.pop(request.id, None)
+            raise
+        if duplicate:
+            # The original may have ended before this client followed events.
+            self._waiters.pop(request.id, None)
+            return RequestHandle(self, request.id, request.tenant, duplicate=True)
+        return RequestHandle(self, request.id, request.tenant, waiter=waiter)
+
+    async def _publish(self, request: InferenceRequest) -> bool:
+        """Publish ``request``; True if JetStream already had it (a resubmit)."""
         try:
             ack = await self.js.publish(
                 request_subject(request.priority, request.tenant),
@@ -367,40 +440,130 @@ class Client:
                 headers={"Nats-Msg-Id": request.id},
             )
         except NoStreamResponseError as exc:
-            self._waiters.pop(request.id, None)
             raise UnknownPriorityError(request.priority, request_id=request.id) from exc
-        except BaseException:
-            self._waiters.pop(request.id, None)
-            raise
-        if ack.duplicate:
-            # The original may have ended before this client followed events.
-            self._waiters.pop(request.id, None)
-            return RequestHandle(self, request.id, request.tenant, duplicate=True)
-        return RequestHandle(self, request.id, request.tenant, waiter=waiter)
+        return bool(ack.duplicate)
 
     def handle(self, request_id: str) -> RequestHandle:
         """A handle for a request submitted earlier or elsewhere."""
         return RequestHandle(self, request_id, self.tenant, duplicate=True)
 
     # -------------------------------------------------------------- event tap
+    #
+    # A named push consumer on RQ_EVENTS with the one filter rq.evt.<tenant>.*.*:
+    # its create subject names the filter, so a tenant's permissions allow it
+    # (an unnamed or ordered consumer's create subject does not, and cannot be
+    # allowed without exposing every tenant). Push, not pull: a pull needs
+    # $JS.API.CONSUMER.MSG.NEXT.<stream>.<name>, which no permission can confine
+    # to a tenant's own consumers, and a callback cannot swallow a cancellation
+    # the way a pending fetch can. Deliveries are unacknowledged; each carries
+    # its consumer sequence and each idle heartbeat the last one sent, so a
+    # loss (slow consumer, reconnect) shows as a gap, and silence as a consumer
+    # that is gone (deleted after a long disconnect, or a server restart). On
+    # either, the tap is re-created (a no-op if it still exists) and the
+    # pending waiters are checked against the log: nothing is missed.
 
     async def _ensure_tap(self) -> None:
         async with self._tap_lock:
-            if self._tap is not None:
+            if self._tap_sub is not None:
                 return
-            self._tap = await self.js.subscribe(
-                f"rq.evt.{self.tenant}.*.*",
-                cb=self._on_event,
-                ordered_consumer=True,
-                deliver_policy=DeliverPolicy.NEW,
+            if self._closed:
+                raise RuntimeError("client is closed")
+            self._tap_name = f"rq-tap-{self.tenant}-{uuid.uuid4().hex[:16]}"
+            self._tap_inbox = self.nc.new_inbox()
+            sub = await self.nc.subscribe(self._tap_inbox, cb=self._on_tap)
+            try:
+                await self._create_tap()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+                raise
+            self._tap_sub = sub
+            self._tap_watch = asyncio.create_task(
+                self._watch_tap(), name=f"renqueue-tap-{self._tap_name}"
             )
 
-    async def _on_event(self, msg: Any) -> None:
+    async def _create_tap(self) -> None:
+        """Create the tap consumer; with the same name and config, a no-op if it exists."""
+        info = await self.js.add_consumer(
+            EVENTS_STREAM,
+            name=self._tap_name,
+            filter_subject=event_subject(self.tenant, "*", "*"),
+            deliver_subject=self._tap_inbox,
+            deliver_policy=DeliverPolicy.NEW,
+            ack_policy=AckPolicy.NONE,
+            idle_heartbeat=self.tap_heartbeat,
+            inactive_threshold=self.tap_inactive_threshold,
+            mem_storage=True,
+            num_replicas=1,
+        )
+        delivered = info.delivered.consumer_seq if info.delivered is not None else 0
+        self._tap_cseq = delivered or 0
+        self._tap_seen = asyncio.get_running_loop().time()
+
+    async def _watch_tap(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._tap_wake.wait(), self.tap_heartbeat)
+            if self.nc.is_closed:
+                return  # closed under this client (not by it): nothing to follow
+            gap = self._tap_wake.is_set()
+            self._tap_wake.clear()
+            silent = loop.time() - self._tap_seen > 3 * self.tap_heartbeat
+            if not (gap or silent):
+                continue
+            try:
+                if silent:
+                    async with self._tap_lock:
+                        await self._create_tap()
+                    log.info("event tap re-created", consumer=self._tap_name)
+                await self._sweep()
+            except Exception as exc:  # noqa: BLE001 - retried at the next beat
+                log.warning("event tap recovery failed; retrying", error=str(exc))
+
+    async def _sweep(self) -> None:
+        """Resolve waiters whose terminal event the tap may have missed, from the log."""
+        events = EventLog(self.js)
+        limit = asyncio.Semaphore(32)
+
+        async def check(request_id: str) -> None:
+            async with limit:
+                event = await events.terminal_of(self.tenant, request_id)
+            if event is not None:
+                self._resolve(event)
+
+        results = await asyncio.gather(
+            *(check(rid) for rid in list(self._waiters)), return_exceptions=True
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+
+    async def _on_tap(self, msg: Any) -> None:
+        self._tap_seen = asyncio.get_running_loop().time()
+        headers = msg.headers
+        if headers and headers.get("Status"):
+            # An idle heartbeat carries the last consumer sequence sent.
+            last = headers.get("Nats-Last-Consumer")
+            if last is not None and last.isdigit() and int(last) > self._tap_cseq:
+                self._tap_cseq = int(last)
+                self._tap_wake.set()
+            return
+        try:
+            cseq = msg.metadata.sequence.consumer
+        except Exception:  # noqa: BLE001 - not a JetStream delivery: not ours
+            return
+        if cseq != self._tap_cseq + 1:
+            self._tap_wake.set()
+        self._tap_cseq = cseq
         try:
             event = EVENT_DECODER.decode(msg.data)
         except msgspec.DecodeError:
             return
         if is_terminal(event):
-            waiter = self._waiters.pop(event.request_id, None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(event)
+            self._resolve(event)
+
+    def _resolve(self, event: Event) -> None:
+        waiter = self._waiters.pop(event.request_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(event)

@@ -49,6 +49,7 @@ DEFAULT_PRIORITIES: Final = ("critical", "high", "normal", "low", "batch")
 _NAME = r"^[A-Za-z0-9_-]{1,64}$"
 Name = Annotated[str, Meta(pattern=_NAME)]
 Duration = Annotated[str, Meta(pattern=r"^\s*\d+(\.\d+)?\s*(ms|s|m|h|d)\s*$")]
+InboxPrefix = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*$")]
 
 _DURATION_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _WINDOW_WORDS: Final = {
@@ -143,6 +144,10 @@ class NatsConfig(_Section, frozen=True, kw_only=True):
     dlq: RetentionConfig = RetentionConfig(max_age="30d")
     credentials_file: str | None = None
     ping_interval: Duration = "10s"
+    #: Inbox prefix of this connection's replies. Under per-user permissions
+    #: it must be one the user may subscribe to (``_INBOX_<user>`` in
+    #: nats/auth.conf), or JetStream acks are denied. ``None``: ``_INBOX``.
+    inbox_prefix: InboxPrefix | None = None
 
 
 class LimitsConfig(_Section, frozen=True, kw_only=True):

@@ -81,9 +81,11 @@ async def connect(
     """Connect to ``url`` (comma-separated for a cluster) as connection ``name``.
 
     ``timeout`` bounds the first connect, retries included; after that the
-    client reconnects forever. ``inbox_prefix`` must be set to the user's
-    allowed inbox prefix when the server restricts subscriptions per user,
-    otherwise JetStream acks are denied (see ``nats/auth-tls.conf``).
+    client reconnects forever. ``inbox_prefix`` (default: ``config.inbox_prefix``)
+    must be set to the user's allowed inbox prefix when the server restricts
+    subscriptions per user, otherwise JetStream acks are denied (see
+    ``nats/auth.conf``). Credentials go in the URL (``nats://user:pass@host``)
+    or in ``config.credentials_file``.
     Raises :class:`ConnectionFailedError` when no server answers in time.
     """
     nats_config = config if config is not None else NatsConfig()
@@ -123,6 +125,7 @@ async def connect(
     }
     if nats_config.credentials_file:
         options["user_credentials"] = nats_config.credentials_file
+    inbox_prefix = inbox_prefix or nats_config.inbox_prefix
     if inbox_prefix:
         options["inbox_prefix"] = inbox_prefix
 

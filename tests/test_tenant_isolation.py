@@ -1,0 +1,321 @@
+"""Tenant isolation by NATS permissions alone: a real nats-server running nats/auth.conf.
+
+The services connect as the ``renqueue`` user; tenants ``acme`` and
+``globex`` connect as themselves with their own inbox prefixes. A tenant's
+whole client (submit, tokens, result, events, handles of older requests)
+works under its permissions, and every way at another tenant's subjects is
+refused by the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.js.api import AckPolicy, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from renqueue import Client, Services, parse_config
+from renqueue.embedded import EmbeddedServer
+from renqueue.eventlog import EventLog
+from renqueue.messages import Completed
+from renqueue.mockbackend import MockBackend, MockSettings
+from renqueue.subjects import EVENTS_STREAM, TOKENS_STREAM, request_subject
+
+AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"
+PASSWORDS = {
+    "RQ_SERVICE_PASSWORD": "service-secret",
+    "RQ_TENANT_ACME_PASSWORD": "acme-secret",
+    "RQ_TENANT_GLOBEX_PASSWORD": "globex-secret",
+    "RQ_SYS_PASSWORD": "sys-secret",
+}
+#: How long to wait for an answer that a refused request never gets.
+REFUSED = 0.5
+
+
+def user_url(server: EmbeddedServer, user: str, password: str) -> str:
+    return server.url.replace("nats://", f"nats://{user}:{password}@")
+
+
+@dataclass
+class Tenant:
+    """A raw connection as a tenant, recording the permission errors the server sends."""
+
+    nc: NATS
+    errors: list[str] = field(default_factory=list)
+
+    async def violation(self, text: str) -> None:
+        """Wait (briefly) for the server's permissions violation naming ``text``."""
+        for _ in range(50):
+            if any("permissions violation" in e and text.lower() in e for e in self.errors):
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no permissions violation for {text!r}; got {self.errors}")
+
+
+@dataclass
+class Stack:
+    server: EmbeddedServer
+    services: Services
+    mock: MockBackend
+
+
+@pytest.fixture
+async def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Stack]:
+    for name, value in PASSWORDS.items():
+        monkeypatch.setenv(name, value)  # the server reads them from its environment
+    async with (
+        EmbeddedServer(tmp_path / "nats", port=-1, config_file=AUTH_CONF) as server,
+        MockBackend(MockSettings(ttft=0.0, tokens_per_second=400, output_tokens=8)) as mock,
+    ):
+        config = parse_config(
+            {
+                "nats": {
+                    "url": user_url(server, "renqueue", PASSWORDS["RQ_SERVICE_PASSWORD"]),
+                    "inbox_prefix": "_INBOX_renqueue",
+                },
+                "backends": {"b1": {"base_url": mock.url, "model": "mock"}},
+                "routes": {"chat": {"backends": ["b1"]}},
+                "worker": {"retry_delay": "100ms", "drain_timeout": "2s"},
+                "router": {"capacity_refresh": "20ms"},
+            }
+        )
+        async with Services(config) as services:
+            yield Stack(server, services, mock)
+
+
+async def tenant_client(stack: Stack, tenant: str) -> Client:
+    password = PASSWORDS[f"RQ_TENANT_{tenant.upper()}_PASSWORD"]
+    return await Client.connect(
+        user_url(stack.server, tenant, password),
+        tenant=tenant,
+        name=f"test-{tenant}",
+        inbox_prefix=f"_INBOX_{tenant}",
+    )
+
+
+async def raw_tenant(stack: Stack, tenant: str) -> Tenant:
+    password = PASSWORDS[f"RQ_TENANT_{tenant.upper()}_PASSWORD"]
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc).lower())
+
+    nc = NATS()
+    await nc.connect(
+        user_url(stack.server, tenant, password),
+        inbox_prefix=f"_INBOX_{tenant}",
+        error_cb=on_error,
+        max_reconnect_attempts=0,
+    )
+    return Tenant(nc, errors)
+
+
+async def test_a_tenant_uses_the_whole_client_on_its_own_subjects_only(stack: Stack) -> None:
+    started = time.monotonic()
+    async with await tenant_client(stack, "globex") as globex:
+        theirs = await globex.submit("globex's secret", route="chat")
+        assert (await theirs.result(timeout=10)).backend == "b1"
+
+    async with await tenant_client(stack, "acme") as acme:
+        # Submit, stream live, result, events.
+        handle = await acme.submit("hello", route="chat", priority="high")
+        chunks = [chunk async for chunk in handle.stream(timeout=10)]
+        result = await handle.result(timeout=10)
+        assert "".join(c.text for c in chunks) == result.text
+        assert [c.seq for c in chunks] == list(range(8))
+        kinds = [type(e).__name__ for e in await handle.events()]
+        assert kinds == ["Submitted", "Routed", "Started", "Completed"]
+
+        # A handle for an older request: result from the log, stored tokens replayed.
+        older = acme.handle(handle.id)
+        assert (await older.result(timeout=10)).text == result.text
+        replayed = [chunk async for chunk in older.stream(timeout=10)]
+        assert [(c.seq, c.text) for c in replayed] == [(c.seq, c.text) for c in chunks]
+        assert len(await older.events()) == 4
+        # Unknown request: nothing stored, nothing read, no error.
+        assert await acme.handle("no-such-request").events() == []
+
+    await check_refusals(stack, globex_request=theirs.id)
+    assert time.monotonic() - started < 15
+
+
+async def check_refusals(stack: Stack, *, globex_request: str) -> None:
+    acme = await raw_tenant(stack, "acme")
+    js = acme.nc.jetstream(timeout=REFUSED)
+    try:
+        # Publishing a request as another tenant: denied, so never acked.
+        with pytest.raises(TimeoutError):
+            await js.publish(
+                request_subject("normal", "globex"), b"{}", headers={"Nats-Msg-Id": "forged-1"}
+            )
+        await acme.violation('publish to "rq.req.normal.globex"')
+
+        # Subscribing to another tenant's tokens: denied, nothing arrives.
+        received: list[bytes] = []
+
+        async def collect(msg: object) -> None:
+            received.append(getattr(msg, "data", b""))
+
+        await acme.nc.subscribe("rq.tok.globex.>", cb=collect)
+        await acme.violation('subscription to "rq.tok.globex.>"')
+        await stack.services.nc.publish(f"rq.tok.globex.{globex_request}", b"leak")
+        await stack.services.nc.flush()
+        await asyncio.sleep(0.1)
+        assert received == []
+
+        # A consumer on another tenant's events: the create subject names the
+        # filter, and that filter is not acme's.
+        inbox = acme.nc.new_inbox()
+        with pytest.raises(TimeoutError):
+            await js.add_consumer(
+                EVENTS_STREAM,
+                name="peek",
+                filter_subject="rq.evt.globex.*.*",
+                deliver_subject=inbox,
+                ack_policy=AckPolicy.NONE,
+                deliver_policy=DeliverPolicy.ALL,
+            )
+        await acme.violation('"$js.api.consumer.create.rq_events.peek.rq.evt.globex.*.*"')
+        # Nor unnamed (an ordered consumer), nor all events.
+        with pytest.raises(TimeoutError):
+            await js.add_consumer(EVENTS_STREAM, deliver_subject=inbox, ack_policy=AckPolicy.NONE)
+        await acme.violation('"$js.api.consumer.create.rq_events"')
+        with pytest.raises(TimeoutError):
+            await js.add_consumer(
+                EVENTS_STREAM, name="all", filter_subject=">", deliver_subject=inbox
+            )
+        await acme.violation('"$js.api.consumer.create.rq_events.all"')
+        # Nor acme's filter in the subject with globex's in the body: the server checks.
+        body = {
+            "stream_name": EVENTS_STREAM,
+            "config": {
+                "name": "sly",
+                "filter_subjects": ["rq.evt.globex.>"],
+                "deliver_subject": inbox,
+                "ack_policy": "none",
+            },
+        }
+        reply = await acme.nc.request(
+            f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.sly.rq.evt.acme.>",
+            json.dumps(body).encode(),
+            timeout=2,
+        )
+        assert "error" in json.loads(reply.data)
+        body["config"] = {**body["config"], "filter_subject": "rq.evt.globex.>"}
+        del body["config"]["filter_subjects"]
+        reply = await acme.nc.request(
+            f"$JS.API.CONSUMER.CREATE.{EVENTS_STREAM}.sly.rq.evt.acme.>",
+            json.dumps(body).encode(),
+            timeout=2,
+        )
+        assert "did not match" in json.loads(reply.data)["error"]["description"]
+
+        # Direct gets of another tenant's subjects: by subject in the API subject
+        # (refused), or by subject in the body (refused whatever the body says).
+        with pytest.raises(TimeoutError):
+            await js.get_last_msg(
+                EVENTS_STREAM, f"rq.evt.globex.{globex_request}.completed", direct=True
+            )
+        await acme.violation(f'"$js.api.direct.get.rq_events.rq.evt.globex.{globex_request}')
+        with pytest.raises(TimeoutError):
+            await js.get_msg(
+                TOKENS_STREAM,
+                seq=1,
+                subject=f"rq.tok.globex.{globex_request}",
+                next=True,
+                direct=True,
+            )
+        await acme.violation('"$js.api.direct.get.rq_tokens"')
+        # An allowed subject with a body asking for another's: the server refuses the body.
+        reply = await acme.nc.request(
+            f"$JS.API.DIRECT.GET.{EVENTS_STREAM}.rq.evt.acme.x.completed",
+            json.dumps({"seq": 1, "next_by_subj": "rq.evt.globex.>"}).encode(),
+            timeout=2,
+        )
+        assert reply.headers is not None
+        assert reply.headers.get("Status") == "408"
+        assert reply.data == b""
+        # The stream API's get, and listing consumers, are not granted at all.
+        with pytest.raises(TimeoutError):
+            await js.get_msg(EVENTS_STREAM, seq=1)
+        await acme.violation('"$js.api.stream.msg.get.rq_events"')
+    finally:
+        await acme.nc.close()
+
+    # Nothing acme tried reached globex's log.
+    svc_log = EventLog(stack.services.js)
+    assert await svc_log.history("globex", "forged-1") == []
+    assert [type(e).__name__ for e in await svc_log.history("globex", globex_request)][-1] == (
+        "Completed"
+    )
+
+
+def test_auth_configs_grant_the_same_permissions() -> None:
+    """nats/auth-tls.conf is nats/auth.conf plus TLS: the same accounts, users and permissions."""
+
+    def accounts(path: Path) -> str:
+        text = path.read_text()
+        return text[text.index("\naccounts {") :]
+
+    assert accounts(AUTH_CONF.with_name("auth-tls.conf")) == accounts(AUTH_CONF)
+
+
+async def test_tap_deleted_by_the_server_is_recreated_and_nothing_is_missed(
+    stack: Stack,
+) -> None:
+    acme = await tenant_client(stack, "acme")
+    acme.tap_heartbeat = 0.3
+    try:
+        await (await acme.submit("warm up", route="chat")).result(timeout=10)
+        # The request ends while the tap is gone (it is noticed only after
+        # three silent heartbeats): only the log can resolve it.
+        stack.mock.update(ttft=0.3)
+        handle = await acme.submit("while the tap is gone", route="chat")
+        await stack.services.js.delete_consumer(EVENTS_STREAM, acme._tap_name)
+        result = await handle.result(timeout=10)
+        assert result.text
+        info = await stack.services.js.consumer_info(EVENTS_STREAM, acme._tap_name)
+        assert info.config.filter_subject == "rq.evt.acme.*.*"
+        # The new tap resolves the next request live.
+        stack.mock.update(ttft=0.0)
+        assert (await (await acme.submit("after", route="chat")).result(timeout=10)).text
+    finally:
+        started = time.monotonic()
+        await acme.close()
+        assert time.monotonic() - started < 3
+    # Closing deleted the tap.
+    with pytest.raises(NotFoundError):
+        await stack.services.js.consumer_info(EVENTS_STREAM, acme._tap_name)
+    events = await EventLog(stack.services.js).history("acme", handle.id)
+    assert sum(isinstance(e, Completed) for e in events) == 1
+
+
+async def test_a_lost_tap_delivery_shows_as_a_gap_and_the_log_resolves_it(stack: Stack) -> None:
+    acme = await tenant_client(stack, "acme")
+    acme.tap_heartbeat = 0.3
+    on_tap = acme._on_tap
+    dropped: list[bytes] = []
+
+    async def lossy(msg: Any) -> None:
+        # Lose the terminal event, as a slow consumer or a reconnect would.
+        if b'"kind":"completed"' in msg.data and not dropped:
+            dropped.append(msg.data)
+            return
+        await on_tap(msg)
+
+    acme._on_tap = lossy  # type: ignore[method-assign]
+    try:
+        handle = await acme.submit("lost", route="chat")
+        result = await handle.result(timeout=5)
+        assert dropped
+        assert result.text
+    finally:
+        await acme.close()
