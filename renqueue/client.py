@@ -502,14 +502,20 @@ class Client:
 
     async def _watch_tap(self) -> None:
         loop = asyncio.get_running_loop()
+        reconnects = self.nc.stats["reconnects"]
         while not self._closed:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._tap_wake.wait(), self.tap_heartbeat)
+                await asyncio.wait_for(self._tap_wake.wait(), min(1.0, self.tap_heartbeat))
             if self.nc.is_closed:
                 return  # closed under this client (not by it): nothing to follow
             gap = self._tap_wake.is_set()
             self._tap_wake.clear()
-            silent = loop.time() - self._tap_seen > 3 * self.tap_heartbeat
+            # After a reconnect the server may have lost the (in-memory) tap:
+            # don't wait for three missed heartbeats to find out.
+            reconnected = self.nc.is_connected and self.nc.stats["reconnects"] != reconnects
+            if reconnected:
+                reconnects = self.nc.stats["reconnects"]
+            silent = reconnected or loop.time() - self._tap_seen > 3 * self.tap_heartbeat
             if not (gap or silent):
                 continue
             try:
