@@ -25,11 +25,13 @@ import msgspec
 from msgspec import Meta, Struct
 
 from .errors import ConfigError
+from .scheduling import LevelPolicy
 
 __all__ = [
     "DEFAULT_PRIORITIES",
     "BackendConfig",
     "Config",
+    "LevelConfig",
     "LimitsConfig",
     "NatsConfig",
     "Rate",
@@ -185,6 +187,10 @@ class BackendConfig(_Section, frozen=True, kw_only=True):
     limits: LimitsConfig = LimitsConfig()
     timeout: Duration = "120s"
     connect_timeout: Duration = "5s"
+    #: Send the request's effective priority rank as the body's ``priority``
+    #: field (vLLM's priority scheduling: lower runs sooner). Most other
+    #: servers reject unknown fields, hence off by default.
+    send_priority: bool = False
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -224,6 +230,31 @@ class RouteConfig(_Section, frozen=True, kw_only=True):
     backends: Annotated[list[Name], Meta(min_length=1)]
 
 
+class LevelConfig(_Section, frozen=True, kw_only=True):
+    """Settings of one priority level (``[levels.<name>]``); unset = the default.
+
+    Defaults for the standard levels: ``high`` ages after 30 s, ``normal`` 60 s,
+    ``low`` 120 s, ``batch`` 300 s, each to the next more urgent level; ``low``
+    and ``batch`` are preemptible; ``critical`` preempts. Other level names age
+    after 60 s (all but the most urgent) and neither preempt nor are preempted.
+    """
+
+    age_after: Duration | None = None
+    never_age: bool = False
+    promote_to: Name | None = None
+    preemptible: bool | None = None
+    preempts: bool | None = None
+
+
+_LEVEL_DEFAULTS: Final = {
+    "critical": LevelConfig(preempts=True),
+    "high": LevelConfig(age_after="30s"),
+    "normal": LevelConfig(age_after="60s"),
+    "low": LevelConfig(age_after="120s", preemptible=True),
+    "batch": LevelConfig(age_after="300s", preemptible=True),
+}
+
+
 class RouterConfig(_Section, frozen=True, kw_only=True):
     """Router tuning. ``hold_limit`` bounds requests a router holds while waiting for room."""
 
@@ -251,6 +282,7 @@ class Config(_Section, frozen=True, kw_only=True):
         default_factory=lambda: list(DEFAULT_PRIORITIES)
     )
     default_priority: Name = "normal"
+    levels: dict[Name, LevelConfig] = {}
     backends: dict[Name, BackendConfig] = {}
     routes: dict[Name, RouteConfig] = {}
     router: RouterConfig = RouterConfig()
@@ -259,6 +291,29 @@ class Config(_Section, frozen=True, kw_only=True):
     def priority_rank(self, level: str) -> int:
         """0 for the most urgent level."""
         return self.priorities.index(level)
+
+    def level_policies(self) -> list[LevelPolicy]:
+        """Every level's effective settings, most urgent first (defaults filled in)."""
+        policies = []
+        for rank, name in enumerate(self.priorities):
+            given = self.levels.get(name, LevelConfig())
+            default = _LEVEL_DEFAULTS.get(name, LevelConfig(age_after=None if rank == 0 else "60s"))
+            age = None if given.never_age else (given.age_after or default.age_after)
+            policies.append(
+                LevelPolicy(
+                    name=name,
+                    rank=rank,
+                    age_after=None if rank == 0 or age is None else parse_duration(age),
+                    promote_to=(
+                        None if given.promote_to is None else self.priority_rank(given.promote_to)
+                    ),
+                    preemptible=bool(
+                        default.preemptible if given.preemptible is None else given.preemptible
+                    ),
+                    preempts=bool(default.preempts if given.preempts is None else given.preempts),
+                )
+            )
+        return policies
 
 
 _S = TypeVar("_S")
@@ -278,7 +333,8 @@ def parse_config(data: Mapping[str, Any], *, source: str | None = None) -> Confi
     raw = dict(data)
     backends = raw.pop("backends", {})
     routes = raw.pop("routes", {})
-    for section, value in (("backends", backends), ("routes", routes)):
+    levels = raw.pop("levels", {})
+    for section, value in (("backends", backends), ("routes", routes), ("levels", levels)):
         if not isinstance(value, Mapping):
             raise ConfigError("expected a table", path=f"$.{section}", source=source)
     config = _convert(raw, Config, "$", source)
@@ -290,7 +346,13 @@ def parse_config(data: Mapping[str, Any], *, source: str | None = None) -> Confi
         name: _convert(value, RouteConfig, f"$.routes.{name}", source)
         for name, value in routes.items()
     }
-    config = msgspec.structs.replace(config, backends=parsed_backends, routes=parsed_routes)
+    parsed_levels = {
+        name: _convert(value, LevelConfig, f"$.levels.{name}", source)
+        for name, value in levels.items()
+    }
+    config = msgspec.structs.replace(
+        config, backends=parsed_backends, routes=parsed_routes, levels=parsed_levels
+    )
     _check_references(config, source)
     return config
 
@@ -307,6 +369,23 @@ def _check_references(config: Config, source: str | None) -> None:
                 )
     if len(set(config.priorities)) != len(config.priorities):
         raise ConfigError("priority levels must be unique", path="$.priorities", source=source)
+    for name, level in config.levels.items():
+        if name not in config.priorities:
+            raise ConfigError(
+                f"{name!r} is not one of the priority levels",
+                path=f"$.levels.{name}",
+                source=source,
+            )
+        target = level.promote_to
+        if target is not None and (
+            target not in config.priorities
+            or config.priority_rank(target) >= config.priority_rank(name)
+        ):
+            raise ConfigError(
+                f"promote_to must name a more urgent level than {name!r}",
+                path=f"$.levels.{name}.promote_to",
+                source=source,
+            )
     if config.default_priority not in config.priorities:
         raise ConfigError(
             f"{config.default_priority!r} is not one of the priority levels",

@@ -32,6 +32,7 @@ from .messages import (
     TERMINAL_KINDS,
     Completed,
     Event,
+    Promoted,
     Retrying,
     Routed,
     Started,
@@ -65,6 +66,8 @@ def msg_id_of(event: Event) -> str:
         return f"{event.request_id}:{kind_of(event)}:{event.attempt}:{event.delivery}"
     if isinstance(event, Routed):
         return f"{event.request_id}:routed:{event.attempt}"
+    if isinstance(event, Promoted):
+        return f"{event.request_id}:promoted:{event.to_level}"
     return f"{event.request_id}:{kind_of(event)}"
 
 

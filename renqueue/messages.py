@@ -23,6 +23,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "TERMINAL_KINDS",
     "TOKEN_DECODER",
+    "CancelRequested",
     "Cancelled",
     "ChatMessage",
     "Completed",
@@ -32,6 +33,7 @@ __all__ = [
     "Failed",
     "GenerationParams",
     "InferenceRequest",
+    "Promoted",
     "Rejected",
     "Retrying",
     "Routed",
@@ -110,6 +112,8 @@ class Dispatch(Struct, frozen=True, kw_only=True):
     backend: Name
     attempt: Annotated[int, Meta(ge=1)] = 1
     routed_at: NonNegative = 0.0
+    #: The request's level rank after aging when it was bound (0 = most urgent).
+    effective_rank: Annotated[int, Meta(ge=0)] | None = None
 
 
 class TokenChunk(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -160,6 +164,24 @@ class Routed(_EventBase, frozen=True, kw_only=True, tag="routed"):
     attempt: int
     priority: str
     queue_wait: float
+    reason: str = ""
+
+
+class Promoted(_EventBase, frozen=True, kw_only=True, tag="promoted"):
+    """A waiting request aged into a more urgent level.
+
+    ``at`` is when it earned the promotion (submit time + ``waited``), not when
+    a router noticed, so replays and restarts agree.
+    """
+
+    from_level: str
+    to_level: str
+    waited: float
+
+
+class CancelRequested(_EventBase, frozen=True, kw_only=True, tag="cancel_requested"):
+    """A client asked for the request to be cancelled (not terminal: ``cancelled`` is)."""
+
     reason: str = ""
 
 
@@ -221,7 +243,17 @@ class Cancelled(_EventBase, frozen=True, kw_only=True, tag="cancelled"):
 
 
 Event = (
-    Submitted | Rejected | Routed | Started | Retrying | Completed | Failed | Expired | Cancelled
+    Submitted
+    | Rejected
+    | Routed
+    | Promoted
+    | CancelRequested
+    | Started
+    | Retrying
+    | Completed
+    | Failed
+    | Expired
+    | Cancelled
 )
 
 TERMINAL_KINDS: Final = frozenset({"completed", "failed", "rejected", "expired", "cancelled"})

@@ -37,22 +37,27 @@ import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from . import metrics
+from .cancellation import CancelWatch
 from .config import Config, parse_duration
 from .errors import InvalidRequestError, MalformedRequestError, UnknownRouteError
 from .eventlog import EventLog
 from .logs import get_logger
 from .messages import (
     REQUEST_DECODER,
+    Cancelled,
+    CancelRequested,
     Dispatch,
     Expired,
     Failed,
     InferenceRequest,
+    Promoted,
     Rejected,
     Routed,
     Submitted,
     encode,
 )
 from .projection import StateView
+from .scheduling import effective_rank, pick_key, promotions
 from .subjects import (
     DISPATCH_STREAM,
     REQUESTS_STREAM,
@@ -132,8 +137,14 @@ def choose_backend(
 class _Held(msgspec.Struct, kw_only=True):
     msg: Any
     request: InferenceRequest
+    rank: int
+    #: When the wait began: the submit time the log records (the client's),
+    #: or when this router read it if the client gave none.
+    submitted: float
     received: float
     touched: float
+    #: Promotions already announced as events.
+    promoted: int = 0
     #: The ack of the request's ``submitted`` event, awaited before it is routed.
     logged: Any = None
 
@@ -199,14 +210,17 @@ class Router:
         *,
         name: str = "router",
         clock: Callable[[], float] = time.time,
+        cancels: CancelWatch | None = None,
     ) -> None:
         self._nc = nc
+        self._cancels = cancels
         self._js = js
         self._config = config
         self._name = name
         self._clock = clock
         self._log = EventLog(js)
         self._levels = list(config.priorities)
+        self._policies = config.level_policies()
         self._held: dict[str, deque[_Held]] = {level: deque() for level in self._levels}
         self._room = {level: asyncio.Event() for level in self._levels}
         self._wake = asyncio.Event()
@@ -229,6 +243,8 @@ class Router:
     async def start(self) -> None:
         """Bind to the provisioned consumers and start the loops."""
         self._state = await StateView.open(self._js)
+        if self._cancels is not None:
+            self._cancels.listen(self._on_cancel_requested)
         for level in self._levels:
             psub = await self._js.pull_subscribe_bind(
                 durable=router_consumer(level), stream=REQUESTS_STREAM
@@ -277,6 +293,7 @@ class Router:
         limit = self._config.router.hold_limit
         batch = self._config.router.fetch_batch
         held = self._held[level]
+        rank = self._config.priority_rank(level)
         while True:
             room = limit - len(held)
             if room <= 0:
@@ -308,7 +325,15 @@ class Router:
                     )
                 )
                 held.append(
-                    _Held(msg=msg, request=request, received=now, touched=now, logged=logged)
+                    _Held(
+                        msg=msg,
+                        request=request,
+                        rank=rank,
+                        submitted=request.submitted_at or now,
+                        received=now,
+                        touched=now,
+                        logged=logged,
+                    )
                 )
             self._wake.set()
 
@@ -327,7 +352,37 @@ class Router:
         if request.deadline is not None and now >= request.deadline:
             await self._expire(msg, request, now)
             return None
+        if self._cancels is not None and self._cancels.is_cancelled(request.id):
+            await self._cancel(msg, request)
+            return None
         return request
+
+    def _on_cancel_requested(self, event: CancelRequested) -> None:
+        """Drop a held request at once; later reads check the watch on admission."""
+        for held in self._held.values():
+            for item in held:
+                if item.request.id == event.request_id:
+                    held.remove(item)
+                    self._spawn_publish(self._cancel(item.msg, item.request))
+                    self._room[self._levels[item.rank]].set()
+                    return
+
+    async def _cancel(self, msg: Any, request: InferenceRequest) -> None:
+        event = Cancelled(
+            request_id=request.id,
+            tenant=request.tenant,
+            at=self._clock(),
+            stage="queued",
+            reason="cancelled by request before it was routed",
+        )
+        metrics.TERMINAL.labels("cancelled").inc()
+        try:
+            await self._log.finish(event)
+            await msg.ack()
+        except Exception:
+            log.exception("could not record cancellation", request_id=request.id)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
 
     async def _reject(self, msg: Any, request_id: str, tenant: str, error: Exception) -> None:
         code = getattr(error, "code", "malformed")
@@ -413,39 +468,75 @@ class Router:
             self._wake.clear()
 
     async def _dispatch_round(self) -> list[str]:
-        """Bind every held request that can be bound now, highest level first.
+        """Bind every held request that can be bound now, most urgent first.
 
-        Returns the backends that held requests are waiting on.
+        Urgency is the effective level after aging (:mod:`renqueue.scheduling`),
+        then age. Returns the backends that held requests are waiting on.
         """
         views = self._capacity.views()
         waiting: set[str] = set()
         now = self._clock()
-        for level in self._levels:
-            held = self._held[level]
-            keep: deque[_Held] = deque()
-            while held:
-                item = held.popleft()
-                request = item.request
-                if request.deadline is not None and now >= request.deadline:
-                    await self._expire(item.msg, request, now)
-                    continue
-                candidates = self._config.routes[request.route].backends
-                choice = choose_backend(request, candidates, views)
-                if isinstance(choice, NoRoom):
-                    await self._capacity.refresh(candidates)
-                    views = self._capacity.views()
-                    choice = choose_backend(request, candidates, views)
-                if isinstance(choice, NoRoom):
-                    keep.append(item)
-                    waiting.update(candidates)
-                    continue
-                self._capacity.dispatched(choice)
+        policies = self._policies
+        order = sorted(
+            (item for held in self._held.values() for item in held),
+            key=lambda item: pick_key(item.rank, item.submitted, now, policies),
+        )
+        gone: set[int] = set()
+        for item in order:
+            request = item.request
+            self._announce_promotions(item, now)
+            if request.deadline is not None and now >= request.deadline:
+                gone.add(id(item))
+                await self._expire(item.msg, request, now)
+                continue
+            candidates = self._config.routes[request.route].backends
+            choice = choose_backend(request, candidates, views)
+            if isinstance(choice, NoRoom):
+                await self._capacity.refresh(candidates)
                 views = self._capacity.views()
-                self._bind(item, choice, level, now)
-            held.extend(keep)
+                choice = choose_backend(request, candidates, views)
+            if isinstance(choice, NoRoom):
+                waiting.update(candidates)
+                continue
+            gone.add(id(item))
+            self._capacity.dispatched(choice)
+            views = self._capacity.views()
+            self._bind(item, choice, self._levels[item.rank], now)
+        for level, held in self._held.items():
+            if gone:
+                kept = [item for item in held if id(item) not in gone]
+                held.clear()
+                held.extend(kept)
             if len(held) < self._config.router.hold_limit:
                 self._room[level].set()
         return sorted(waiting)
+
+    def _announce_promotions(self, item: _Held, now: float) -> None:
+        """Record each promotion a waiting request earned (once: ids dedupe repeats)."""
+        steps = promotions(item.rank, max(0.0, now - item.submitted), self._policies)
+        ranks = [item.rank] + [rank for rank, _after in steps]
+        for index in range(item.promoted, len(steps)):
+            to_rank, after = steps[index]
+            event = Promoted(
+                request_id=item.request.id,
+                tenant=item.request.tenant,
+                at=item.submitted + after,
+                from_level=self._levels[ranks[index]],
+                to_level=self._levels[to_rank],
+                waited=after,
+            )
+            self._spawn_publish(self._log.append(event))
+        item.promoted = len(steps)
+
+    def _spawn_publish(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._inflight.add(task)
+        task.add_done_callback(self._publish_done)
+
+    def _publish_done(self, task: asyncio.Task[Any]) -> None:
+        self._inflight.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("event publish failed", error=str(task.exception()))
 
     def _bind(self, item: _Held, backend: str, level: str, now: float) -> None:
         task = asyncio.create_task(self._publish_decision(item, backend, level, now))
@@ -455,7 +546,15 @@ class Router:
     async def _publish_decision(self, item: _Held, backend: str, level: str, now: float) -> None:
         request = item.request
         wait = max(0.0, now - request.submitted_at) if request.submitted_at else 0.0
-        dispatch = Dispatch(request=request, backend=backend, attempt=1, routed_at=now)
+        dispatch = Dispatch(
+            request=request,
+            backend=backend,
+            attempt=1,
+            routed_at=now,
+            effective_rank=effective_rank(
+                item.rank, max(0.0, now - item.submitted), self._policies
+            ),
+        )
         routed = Routed(
             request_id=request.id,
             tenant=request.tenant,

@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from .backends import Backend, make_backend
+from .cancellation import CancelWatch
 from .config import Config
 from .connection import connect
 from .embedded import EmbeddedServer
@@ -69,6 +70,7 @@ class Services:
         self.nc: Any = None
         self.js: Any = None
         self.projector: Projector | None = None
+        self.cancels: CancelWatch | None = None
         self.routers: list[Router] = []
         self.workers: list[Worker] = []
         self._adapters: list[Backend] = []
@@ -107,18 +109,29 @@ class Services:
             self.js = self.nc.jetstream()
             if self._provision:
                 await provision(self.nc, self.config)
+            self.cancels = CancelWatch(self.js)
+            await self.cancels.start()
             if self._run_projector:
                 self.projector = Projector(self.js, name=f"{self._name}-projector")
                 await self.projector.start()
             for index in range(self._router_count):
-                router = Router(self.nc, self.js, self.config, name=f"{self._name}-router-{index}")
+                router = Router(
+                    self.nc,
+                    self.js,
+                    self.config,
+                    name=f"{self._name}-router-{index}",
+                    cancels=self.cancels,
+                )
                 await router.start()
                 self.routers.append(router)
             for backend_name in self._backend_names:
                 # Each adapter owns connection pools sized to its concurrency.
-                adapter = make_backend(backend_name, self.config.backends[backend_name])
+                backend = self.config.backends[backend_name]
+                adapter = make_backend(backend_name, backend, send_priority=backend.send_priority)
                 self._adapters.append(adapter)
-                worker = Worker(self.nc, self.js, self.config, backend_name, adapter)
+                worker = Worker(
+                    self.nc, self.js, self.config, backend_name, adapter, cancels=self.cancels
+                )
                 await worker.start()
                 self.workers.append(worker)
         except BaseException:
@@ -135,6 +148,8 @@ class Services:
         await asyncio.gather(*(worker.stop() for worker in self.workers), return_exceptions=True)
         if self.projector is not None:
             await self.projector.stop()  # after the workers: their last events get folded
+        if self.cancels is not None:
+            await self.cancels.stop()
         for adapter in self._adapters:
             await adapter.aclose()
         if self.nc is not None and not self.nc.is_closed:

@@ -33,16 +33,20 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from . import metrics
 from .backends import Backend
+from .cancellation import CancelWatch
 from .config import BackendConfig, Config, parse_duration
 from .errors import BackendError, RetryableBackendError
 from .eventlog import EventLog
 from .logs import bound_request, get_logger
 from .messages import (
     DISPATCH_DECODER,
+    Cancelled,
+    CancelRequested,
     Completed,
     Dispatch,
     Expired,
     Failed,
+    InferenceRequest,
     Retrying,
     Started,
     TokenChunk,
@@ -78,6 +82,7 @@ class Worker:
         *,
         name: str | None = None,
         clock: Callable[[], float] = time.time,
+        cancels: CancelWatch | None = None,
     ) -> None:
         self._nc = nc
         self._js = js
@@ -99,6 +104,8 @@ class Worker:
             for rate in self._backend_config.limits.request_rates
         ]
         self._running: set[asyncio.Task[None]] = set()
+        self._calls: dict[str, asyncio.Task[tuple[Completed, int]]] = {}
+        self._cancels = cancels
         self._slot_freed = asyncio.Event()
         self._fetcher: asyncio.Task[None] | None = None
         self._sub: Any = None
@@ -110,6 +117,8 @@ class Worker:
         return self._backend_name
 
     async def start(self) -> None:
+        if self._cancels is not None:
+            self._cancels.listen(self._on_cancel_requested)
         self._sub = await self._js.pull_subscribe_bind(
             durable=worker_consumer(self._backend_name), stream=DISPATCH_STREAM
         )
@@ -254,6 +263,9 @@ class Worker:
                 delivery,
             )
             return
+        if self._cancels is not None and self._cancels.is_cancelled(request.id):
+            await self._finish(msg, self._cancelled(request, "queued"), delivery)
+            return
         started = Started(
             request_id=request.id,
             tenant=request.tenant,
@@ -265,8 +277,20 @@ class Worker:
         )
         pending_acks: list[asyncio.Future[Any]] = [await self._log.append_async(started)]
         keepalive = asyncio.create_task(self._keep_alive(msg))
+        # The call runs as a task of its own, so a cancellation request can stop
+        # it (closing the backend's HTTP stream) without stopping this run.
+        call = asyncio.create_task(self._call(request, dispatch, delivery, pending_acks))
+        self._calls[request.id] = call
         try:
-            outcome, chunks = await self._call(request, dispatch, delivery, pending_acks)
+            outcome, chunks = await call
+        except asyncio.CancelledError:
+            this = asyncio.current_task()
+            if call.cancelled() and this is not None and not this.cancelling():
+                # Stopped by a cancellation request, not by shutdown.
+                await self._settle(pending_acks)
+                await self._finish(msg, self._cancelled(request, "running"), delivery)
+                return
+            raise
         except BackendError as exc:
             await self._backend_failed(msg, dispatch, delivery, exc, pending_acks)
             return
@@ -285,11 +309,28 @@ class Worker:
             )
             return
         finally:
+            self._calls.pop(request.id, None)
+            call.cancel()
             keepalive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keepalive
         await self._settle(pending_acks)
         await self._finish(msg, outcome, delivery, seq=chunks)
+
+    def _cancelled(self, request: InferenceRequest, stage: str) -> Cancelled:
+        return Cancelled(
+            request_id=request.id,
+            tenant=request.tenant,
+            at=self._clock(),
+            stage=stage,
+            reason="cancelled by request",
+        )
+
+    def _on_cancel_requested(self, event: CancelRequested) -> None:
+        call = self._calls.get(event.request_id)
+        if call is not None:
+            log.info("stopping a running request on cancellation", request_id=event.request_id)
+            call.cancel()
 
     async def _call(
         self,
@@ -309,7 +350,11 @@ class Worker:
         usage: Usage | None = None
         finish_reason: str | None = None
         seq = 0
-        rank = self._config.priority_rank(request.priority)
+        rank = (
+            dispatch.effective_rank
+            if dispatch.effective_rank is not None
+            else self._config.priority_rank(request.priority)
+        )
         timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
         try:
             async with asyncio.timeout(timeout):
