@@ -19,6 +19,7 @@ id, so a cancellation that races a completion leaves exactly one of them.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import time
@@ -27,9 +28,11 @@ from typing import Any
 
 import msgspec
 from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from .logs import get_logger
 from .messages import EVENT_DECODER, CancelRequested
+from .subjects import EVENTS_STREAM
 
 __all__ = ["CancelWatch"]
 
@@ -48,8 +51,19 @@ class CancelWatch:
         self._cancelled: dict[str, float] = {}
         self._listeners: list[Callable[[CancelRequested], None]] = []
         self._sub: Any = None
+        self._caught_up = asyncio.Event()
+        self._caught_up_to = 0
 
     async def start(self) -> None:
+        """Subscribe, and return once every cancellation already logged is known,
+        so no router or worker acts on a request before it could know."""
+        try:
+            last = (await self._js.get_last_msg(EVENTS_STREAM, CANCELS)).seq
+        except NotFoundError:
+            last = 0
+        self._caught_up_to = last
+        if last == 0:
+            self._caught_up.set()
         since = datetime.datetime.fromtimestamp(time.time() - self._horizon, tz=datetime.UTC)
         self._sub = await self._js.subscribe(
             CANCELS,
@@ -58,6 +72,10 @@ class CancelWatch:
             deliver_policy=DeliverPolicy.BY_START_TIME,
             config=ConsumerConfig(opt_start_time=since),
         )
+        try:
+            await asyncio.wait_for(self._caught_up.wait(), 10.0)
+        except TimeoutError:
+            log.warning("cancellations still loading after 10 s; continuing")
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -73,6 +91,8 @@ class CancelWatch:
         return request_id in self._cancelled
 
     async def _on_cancel(self, msg: Any) -> None:
+        if msg.metadata.sequence.stream >= self._caught_up_to:
+            self._caught_up.set()
         try:
             event = EVENT_DECODER.decode(msg.data)
         except msgspec.DecodeError:

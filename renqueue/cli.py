@@ -7,6 +7,7 @@
     renqueue worker -b NAME     workers for some backends only (scale out)
     renqueue provision          apply streams/ to NATS, idempotently
     renqueue submit PROMPT      submit one request; --stream prints tokens as they come
+    renqueue cancel ID          cancel a request: queued never runs, running is stopped
     renqueue audit ID           one request's timeline from the event log
     renqueue schema             JSON Schema of every wire message and event
     renqueue mock-backend       an OpenAI-compatible mock LLM server
@@ -109,6 +110,18 @@ async def _submit(config: Config, args: argparse.Namespace) -> None:
                 f"{result.usage.completion_tokens} cost=${result.cost:.6f} "
                 f"duration={result.duration:.3f}s"
             )
+
+
+async def _cancel(config: Config, args: argparse.Namespace) -> None:
+    from .client import Client
+
+    client = await Client.connect(_client_url(config), tenant=args.tenant, name="renqueue-cli")
+    async with client:
+        handle = client.handle(args.request_id)
+        await handle.cancel(args.reason)
+        print(f"cancellation requested for {handle.id}")
+        if args.wait is not None:
+            await handle.result(timeout=args.wait)  # raises RequestCancelledError
 
 
 async def _audit(config: Config, args: argparse.Namespace) -> None:
@@ -231,6 +244,13 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument("--json", action="store_true", help="print the result as JSON")
     cmd.set_defaults(run=_submit)
 
+    cmd = sub.add_parser("cancel", help="cancel a request (queued: never runs; running: stopped)")
+    cmd.add_argument("request_id")
+    cmd.add_argument("--tenant", default="default")
+    cmd.add_argument("--reason", default="")
+    cmd.add_argument("--wait", type=float, help="wait up to N s for the request to end")
+    cmd.set_defaults(run=_cancel)
+
     cmd = sub.add_parser("audit", help="one request's timeline")
     cmd.add_argument("request_id")
     cmd.add_argument("--tenant", help="tenant (default: any)")
@@ -239,6 +259,12 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("schema", help="JSON Schema of messages and events").set_defaults(run=_schema)
 
+    _add_tool_commands(sub)
+    return parser
+
+
+def _add_tool_commands(sub: Any) -> None:
+    """The mock backend and the demo: tools around Ren-Queue, not part of it."""
     cmd = sub.add_parser("mock-backend", help="OpenAI-compatible mock LLM server")
     cmd.add_argument("--host", default="127.0.0.1")
     cmd.add_argument("--port", type=int, default=8100)
@@ -256,7 +282,6 @@ def _parser() -> argparse.ArgumentParser:
     cmd = sub.add_parser("demo", help="run everything embedded on a mixed workload")
     cmd.add_argument("--requests", type=int, default=200)
     cmd.set_defaults(run=_demo)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

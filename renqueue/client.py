@@ -59,6 +59,7 @@ from .messages import (
     REQUEST_DECODER,
     TOKEN_DECODER,
     Cancelled,
+    CancelRequested,
     ChatMessage,
     Completed,
     Event,
@@ -247,6 +248,19 @@ class RequestHandle:
     async def events(self) -> list[Event]:
         """This request's events so far, in log order."""
         return await EventLog(self._client.js, nc=self._client.nc).read(self.tenant, self.id)
+
+    async def cancel(self, reason: str = "") -> None:
+        """Ask for the request to be cancelled.
+
+        A queued request never runs; a running one is stopped at the backend.
+        Either way it ends with a ``cancelled`` event, and :meth:`result`
+        raises :class:`RequestCancelledError`. A request that already ended is
+        not changed. Idempotent.
+        """
+        event = CancelRequested(
+            request_id=self.id, tenant=self.tenant, at=time.time(), reason=reason[:500]
+        )
+        await EventLog(self._client.js, nc=self._client.nc).append(event)
 
     async def result(
         self,
