@@ -10,8 +10,10 @@ publishing its own requests and reading its own tokens and events::
     rq.dlq.<stage>                         dead letters (stage: requests, dispatch)
     rq.capacity.<backend>                  core NATS: a worker freed a slot (not stored)
 
-A tenant's permissions: publish ``rq.req.*.<tenant>``; subscribe/read ``rq.evt.<tenant>.>`` and
-``rq.tok.<tenant>.>`` (see ``nats/auth-tls.conf``).
+A tenant's permissions (``nats/auth.conf``): publish ``rq.req.*.<tenant>`` and
+``rq.evt.<tenant>.*.cancel_requested``; subscribe ``rq.tok.<tenant>.>``; and
+JetStream API subjects that carry the tenant: named single-filter consumers
+and last-by-subject direct gets under ``rq.evt.<tenant>.`` / ``rq.tok.<tenant>.``.
 """
 
 from __future__ import annotations
