@@ -377,6 +377,7 @@ class Client:
         max_cost: float | None = None,
         complexity: int | None = None,
         metadata: Mapping[str, str] | None = None,
+        parent_id: str | None = None,
     ) -> InferenceRequest:
         """Build and validate a request. ``timeout`` (seconds from now) sets ``deadline``.
 
@@ -411,6 +412,7 @@ class Client:
             "complexity": complexity,
             "metadata": dict(metadata or {}),
             "submitted_at": now,
+            "parent_id": parent_id,
         }
         try:
             # Decoding validates every constraint (constructors do not).

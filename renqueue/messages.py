@@ -102,6 +102,9 @@ class InferenceRequest(Struct, frozen=True, kw_only=True):
     complexity: Annotated[int, Meta(ge=0, le=100)] | None = None
     metadata: Annotated[dict[str, str], Meta(max_length=64)] = {}
     submitted_at: NonNegative = 0.0
+    #: A request this one is part of: it never runs at a lower effective
+    #: priority than that parent (same tenant).
+    parent_id: RequestId | None = None
 
 
 class Dispatch(Struct, frozen=True, kw_only=True):
@@ -177,6 +180,8 @@ class Promoted(_EventBase, frozen=True, kw_only=True, tag="promoted"):
     from_level: str
     to_level: str
     waited: float
+    #: Why: empty for aging; "inherited from parent <id>" for inheritance.
+    reason: str = ""
 
 
 class CancelRequested(_EventBase, frozen=True, kw_only=True, tag="cancel_requested"):

@@ -35,6 +35,7 @@ from typing import Any, Final
 
 import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import NotFoundError
 
 from . import metrics
 from .cancellation import CancelWatch
@@ -43,6 +44,7 @@ from .errors import InvalidRequestError, MalformedRequestError, UnknownRouteErro
 from .eventlog import EventLog
 from .logs import get_logger
 from .messages import (
+    EVENT_DECODER,
     REQUEST_DECODER,
     Cancelled,
     CancelRequested,
@@ -57,12 +59,14 @@ from .messages import (
     encode,
 )
 from .projection import StateView
-from .scheduling import effective_rank, pick_key, promotions
+from .scheduling import LevelPolicy, effective_rank, pick_key, promotions
 from .subjects import (
     DISPATCH_STREAM,
+    EVENTS_STREAM,
     REQUESTS_STREAM,
     capacity_subject,
     dispatch_subject,
+    event_subject,
     router_consumer,
     worker_consumer,
 )
@@ -147,6 +151,13 @@ class _Held(msgspec.Struct, kw_only=True):
     promoted: int = 0
     #: The ack of the request's ``submitted`` event, awaited before it is routed.
     logged: Any = None
+    #: The parent's (rank, submitted_at), when the request names a known parent.
+    parent: tuple[int, float] | None = None
+    #: The most urgent rank already announced as inherited.
+    inherited: int | None = None
+
+    def key(self, now: float, policies: list[LevelPolicy]) -> tuple[int, float]:
+        return pick_key(self.rank, self.submitted, now, policies, parent=self.parent)
 
 
 class _Capacity:
@@ -333,6 +344,7 @@ class Router:
                         received=now,
                         touched=now,
                         logged=logged,
+                        parent=await self._parent_of(request),
                     )
                 )
             self._wake.set()
@@ -356,6 +368,27 @@ class Router:
             await self._cancel(msg, request)
             return None
         return request
+
+    async def _parent_of(self, request: InferenceRequest) -> tuple[int, float] | None:
+        """The parent's level and submit time, from its ``submitted`` event.
+
+        Looked up under the request's own tenant only: a tenant cannot borrow
+        another tenant's priority. An unknown parent means no inheritance.
+        """
+        if request.parent_id is None:
+            return None
+        subject = event_subject(request.tenant, request.parent_id, "submitted")
+        try:
+            raw = await self._js.get_last_msg(EVENTS_STREAM, subject)
+            parent = EVENT_DECODER.decode(raw.data)
+        except (NotFoundError, msgspec.DecodeError):
+            return None
+        except Exception as exc:  # noqa: BLE001 - inheritance is best effort, routing is not
+            log.warning("parent lookup failed", parent_id=request.parent_id, error=str(exc))
+            return None
+        if not isinstance(parent, Submitted) or parent.request.priority not in self._levels:
+            return None
+        return (self._config.priority_rank(parent.request.priority), parent.at)
 
     def _on_cancel_requested(self, event: CancelRequested) -> None:
         """Drop a held request at once; later reads check the watch on admission."""
@@ -479,12 +512,13 @@ class Router:
         policies = self._policies
         order = sorted(
             (item for held in self._held.values() for item in held),
-            key=lambda item: pick_key(item.rank, item.submitted, now, policies),
+            key=lambda item: item.key(now, policies),
         )
         gone: set[int] = set()
         for item in order:
             request = item.request
             self._announce_promotions(item, now)
+            self._announce_inheritance(item, now)
             if request.deadline is not None and now >= request.deadline:
                 gone.add(id(item))
                 await self._expire(item.msg, request, now)
@@ -528,6 +562,26 @@ class Router:
             self._spawn_publish(self._log.append(event))
         item.promoted = len(steps)
 
+    def _announce_inheritance(self, item: _Held, now: float) -> None:
+        """Record that a child runs at its parent's (more urgent) level."""
+        if item.parent is None:
+            return
+        inherited, _ = item.key(now, self._policies)
+        own = effective_rank(item.rank, max(0.0, now - item.submitted), self._policies)
+        if inherited >= own or (item.inherited is not None and inherited >= item.inherited):
+            return
+        item.inherited = inherited
+        event = Promoted(
+            request_id=item.request.id,
+            tenant=item.request.tenant,
+            at=now,
+            from_level=self._levels[own],
+            to_level=self._levels[inherited],
+            waited=max(0.0, now - item.submitted),
+            reason=f"inherited from parent {item.request.parent_id}",
+        )
+        self._spawn_publish(self._log.append(event))
+
     def _spawn_publish(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
         self._inflight.add(task)
@@ -551,9 +605,7 @@ class Router:
             backend=backend,
             attempt=1,
             routed_at=now,
-            effective_rank=effective_rank(
-                item.rank, max(0.0, now - item.submitted), self._policies
-            ),
+            effective_rank=item.key(now, self._policies)[0],
         )
         routed = Routed(
             request_id=request.id,

@@ -72,10 +72,22 @@ def effective_rank(rank: int, waited: float, policies: Sequence[LevelPolicy]) ->
 
 
 def pick_key(
-    rank: int, submitted_at: float, now: float, policies: Sequence[LevelPolicy]
+    rank: int,
+    submitted_at: float,
+    now: float,
+    policies: Sequence[LevelPolicy],
+    *,
+    parent: tuple[int, float] | None = None,
 ) -> tuple[int, float]:
-    """Sort key for waiting requests: most urgent effective rank first, then oldest."""
-    return (effective_rank(rank, max(0.0, now - submitted_at), policies), submitted_at)
+    """Sort key for waiting requests: most urgent effective rank first, then oldest.
+
+    ``parent`` is the (rank, submitted_at) of the request's parent: a child
+    never competes below its parent's effective rank (priority inheritance).
+    """
+    own = effective_rank(rank, max(0.0, now - submitted_at), policies)
+    if parent is not None:
+        own = min(own, effective_rank(parent[0], max(0.0, now - parent[1]), policies))
+    return (own, submitted_at)
 
 
 def aging_bound(rank: int, policies: Sequence[LevelPolicy]) -> float | None:

@@ -56,6 +56,15 @@ def test_pick_order_is_effective_level_then_age() -> None:
     ]
 
 
+def test_a_child_competes_at_its_parents_effective_rank_never_below_its_own() -> None:
+    now = 100.0
+    assert pick_key(4, 99.0, now, POLICIES, parent=(1, 95.0)) == (1, 99.0)
+    # The parent has aged to critical: so does the child.
+    assert pick_key(4, 99.0, now, POLICIES, parent=(1, 80.0)) == (0, 99.0)
+    # A less urgent parent does not demote the child.
+    assert pick_key(1, 99.0, now, POLICIES, parent=(4, 0.0)) == (1, 99.0)
+
+
 def test_default_levels_age_to_the_top_and_low_levels_are_preemptible() -> None:
     policies = parse_config({}).level_policies()
     assert [aging_bound(p.rank, policies) for p in policies] == [0, 30, 90, 210, 510]
@@ -154,3 +163,41 @@ async def test_effective_priority_is_passed_to_backends_that_ask_for_it(tmp_path
     assert sent["priority"] == 3  # "low" is rank 3 and had no time to age
     assert plain is not None
     assert "priority" not in plain
+
+
+async def test_a_child_never_runs_below_its_parents_priority(tmp_path: Path) -> None:
+    async with MockBackend(MockSettings(ttft=0.3, output_tokens=2)) as mock:
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {
+                    "one": {"base_url": mock.url, "model": "m", "limits": {"concurrency": 1}}
+                },
+                "routes": {"chat": {"backends": ["one"]}},
+            }
+        )
+        async with Services(config) as services, Client(services.nc, tenant="t") as client:
+            parent = await client.submit("plan the work", route="chat", priority="high")
+            await parent.result(timeout=10)
+            blocker = await client.submit("hold the slot", route="chat", priority="critical")
+            await asyncio.sleep(0.1)
+            older = await client.submit("older batch", route="chat", priority="batch")
+            child = await client.submit(
+                "a step of the plan", route="chat", priority="batch", parent_id=parent.id
+            )
+            orphan = await client.submit(
+                "unknown parent", route="chat", priority="batch", parent_id="no-such-parent"
+            )
+            for handle in (blocker, older, child, orphan):
+                await handle.result(timeout=20)
+            starts = {}
+            for name, handle in (("older", older), ("child", child), ("orphan", orphan)):
+                history = await EventLog(client.js).history("t", handle.id)
+                starts[name] = next(e.at for e in history if isinstance(e, Started))
+                if name == "child":
+                    inherited = [e for e in history if isinstance(e, Promoted)]
+    # The child inherits "high" and overtakes the older batch request; a request
+    # naming an unknown parent keeps its own level.
+    assert starts["child"] < starts["older"] < starts["orphan"]
+    assert [(e.from_level, e.to_level) for e in inherited] == [("batch", "high")]
+    assert inherited[0].reason == f"inherited from parent {parent.id}"
