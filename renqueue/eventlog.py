@@ -32,6 +32,7 @@ from .messages import (
     TERMINAL_KINDS,
     Completed,
     Event,
+    Preempted,
     Promoted,
     Retrying,
     Routed,
@@ -62,7 +63,7 @@ def msg_id_of(event: Event) -> str:
     """The JetStream message id that makes publishing ``event`` idempotent."""
     if is_terminal(event):
         return f"{event.request_id}:terminal"
-    if isinstance(event, Started | Retrying):
+    if isinstance(event, Started | Retrying | Preempted):
         return f"{event.request_id}:{kind_of(event)}:{event.attempt}:{event.delivery}"
     if isinstance(event, Routed):
         return f"{event.request_id}:routed:{event.attempt}"

@@ -33,6 +33,7 @@ __all__ = [
     "Failed",
     "GenerationParams",
     "InferenceRequest",
+    "Preempted",
     "Promoted",
     "Rejected",
     "Retrying",
@@ -105,6 +106,9 @@ class InferenceRequest(Struct, frozen=True, kw_only=True):
     #: A request this one is part of: it never runs at a lower effective
     #: priority than that parent (same tenant).
     parent_id: RequestId | None = None
+    #: Times the request was sent back to wait after it had been bound to a
+    #: backend (preemption); set by workers, not clients.
+    requeues: Annotated[int, Meta(ge=0, le=1000)] = 0
 
 
 class Dispatch(Struct, frozen=True, kw_only=True):
@@ -122,8 +126,9 @@ class Dispatch(Struct, frozen=True, kw_only=True):
 class TokenChunk(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A piece of generated text on ``rq.tok.<tenant>.<request_id>``.
 
-    ``delivery`` numbers the run that produced it (a worker crash or preemption
-    starts a new run); ``seq`` counts chunks within a run from 0. The first
+    ``delivery`` numbers the run that produced it, increasing over the
+    request's life (a worker crash or a preemption starts a new run); ``seq``
+    counts chunks within a run from 0. The first
     chunk of a run after the first has ``restart=True``: text streamed by an
     earlier run is void. ``final=True`` closes the stream (its ``text`` is empty).
     """
@@ -190,6 +195,19 @@ class CancelRequested(_EventBase, frozen=True, kw_only=True, tag="cancel_request
     reason: str = ""
 
 
+class Preempted(_EventBase, frozen=True, kw_only=True, tag="preempted"):
+    """A running request gave its slot to a more urgent one and waits again.
+
+    It keeps its original submit time (and so its aging credit); its next run
+    streams a ``restart`` chunk first.
+    """
+
+    backend: str
+    attempt: int
+    delivery: int
+    by: str
+
+
 class Started(_EventBase, frozen=True, kw_only=True, tag="started"):
     """A worker started calling the backend."""
 
@@ -253,6 +271,7 @@ Event = (
     | Routed
     | Promoted
     | CancelRequested
+    | Preempted
     | Started
     | Retrying
     | Completed

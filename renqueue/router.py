@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import msgspec
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError
 
@@ -59,7 +60,7 @@ from .messages import (
     encode,
 )
 from .projection import StateView
-from .scheduling import LevelPolicy, effective_rank, pick_key, promotions
+from .scheduling import LevelPolicy, effective_rank, may_preempt, pick_key, promotions
 from .subjects import (
     DISPATCH_STREAM,
     EVENTS_STREAM,
@@ -67,6 +68,7 @@ from .subjects import (
     capacity_subject,
     dispatch_subject,
     event_subject,
+    preempt_subject,
     router_consumer,
     worker_consumer,
 )
@@ -74,6 +76,9 @@ from .subjects import (
 __all__ = ["BackendView", "NoRoom", "Router", "choose_backend", "validate"]
 
 log = get_logger("router")
+
+#: Seconds before an urgent request that is still waiting asks for preemption again.
+_PREEMPT_RETRY: Final = 2.0
 
 _ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 
@@ -155,6 +160,8 @@ class _Held(msgspec.Struct, kw_only=True):
     parent: tuple[int, float] | None = None
     #: The most urgent rank already announced as inherited.
     inherited: int | None = None
+    #: When this router last asked a backend to preempt a run for it.
+    preempt_asked: float | None = None
 
     def key(self, now: float, policies: list[LevelPolicy]) -> tuple[int, float]:
         return pick_key(self.rank, self.submitted, now, policies, parent=self.parent)
@@ -531,6 +538,8 @@ class Router:
                 choice = choose_backend(request, candidates, views)
             if isinstance(choice, NoRoom):
                 waiting.update(candidates)
+                if choice is NoRoom.FULL:
+                    self._maybe_preempt(item, candidates, views, now)
                 continue
             gone.add(id(item))
             self._capacity.dispatched(choice)
@@ -582,6 +591,42 @@ class Router:
         )
         self._spawn_publish(self._log.append(event))
 
+    def _maybe_preempt(
+        self, item: _Held, candidates: list[str], views: Mapping[str, BackendView], now: float
+    ) -> None:
+        """An urgent request finds every slot taken: ask for a preemptible one.
+
+        At most one ask per request per ``_PREEMPT_RETRY`` seconds; the freed
+        slot then goes to the most urgent waiting request, which is this one
+        unless something more urgent arrived meanwhile.
+        """
+        rank = item.key(now, self._policies)[0]
+        if not may_preempt(rank, self._policies):
+            return
+        if item.preempt_asked is not None and now - item.preempt_asked < _PREEMPT_RETRY:
+            return
+        item.preempt_asked = now
+        capable = [
+            name
+            for name in candidates
+            if name in views
+            and views[name].healthy
+            and (item.request.complexity is None or views[name].tier >= item.request.complexity)
+        ]
+        self._spawn_publish(self._ask_preemption(item.request.id, rank, capable))
+
+    async def _ask_preemption(self, by: str, rank: int, backends: list[str]) -> None:
+        ask = msgspec.json.encode({"by": by, "rank": rank})
+        for backend in backends:
+            try:
+                reply = await self._nc.request(preempt_subject(backend), ask, timeout=0.5)
+            except (NatsTimeoutError, NoRespondersError):
+                continue
+            with contextlib.suppress(msgspec.DecodeError):
+                if msgspec.json.decode(reply.data).get("preempted"):
+                    log.info("preempted a run", backend=backend, by=by)
+                    return
+
     def _spawn_publish(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
         self._inflight.add(task)
@@ -600,10 +645,11 @@ class Router:
     async def _publish_decision(self, item: _Held, backend: str, level: str, now: float) -> None:
         request = item.request
         wait = max(0.0, now - request.submitted_at) if request.submitted_at else 0.0
+        attempt = request.requeues + 1  # a preempted request is bound anew
         dispatch = Dispatch(
             request=request,
             backend=backend,
-            attempt=1,
+            attempt=attempt,
             routed_at=now,
             effective_rank=item.key(now, self._policies)[0],
         )
@@ -612,7 +658,7 @@ class Router:
             tenant=request.tenant,
             at=now,
             backend=backend,
-            attempt=1,
+            attempt=attempt,
             priority=level,
             queue_wait=wait,
             reason="first candidate in cascade order with a free slot",
@@ -621,7 +667,7 @@ class Router:
             sent = await self._js.publish_async(
                 dispatch_subject(backend),
                 encode(dispatch),
-                headers={"Nats-Msg-Id": f"{request.id}:dispatch:1"},
+                headers={"Nats-Msg-Id": f"{request.id}:dispatch:{attempt}"},
             )
             logged = await self._log.append_async(routed)
             await asyncio.wait_for(asyncio.gather(item.logged, sent, logged), timeout=10.0)

@@ -20,7 +20,15 @@ from collections.abc import Mapping, Sequence
 
 from msgspec import Struct
 
-__all__ = ["LevelPolicy", "aging_bound", "effective_rank", "pick_key", "promotions"]
+__all__ = [
+    "LevelPolicy",
+    "aging_bound",
+    "choose_victim",
+    "effective_rank",
+    "may_preempt",
+    "pick_key",
+    "promotions",
+]
 
 
 class LevelPolicy(Struct, frozen=True, kw_only=True):
@@ -101,6 +109,29 @@ def aging_bound(rank: int, policies: Sequence[LevelPolicy]) -> float | None:
     if not steps or steps[-1][0] != 0:
         return None
     return steps[-1][1]
+
+
+def may_preempt(rank: int, policies: Sequence[LevelPolicy]) -> bool:
+    """Whether a waiting request at effective ``rank`` may take a running one's slot."""
+    return policies[rank].preempts
+
+
+def choose_victim(
+    runs: Mapping[str, tuple[int, float]], rank: int, policies: Sequence[LevelPolicy]
+) -> str | None:
+    """Which run gives its slot to a request at effective ``rank``.
+
+    ``runs`` maps request id to (effective rank it runs at, start time). Only
+    preemptible runs strictly less urgent than ``rank`` qualify; the least
+    urgent goes first, and among those the most recently started (the least
+    work thrown away). ``None``: nothing may be preempted.
+    """
+    eligible = [
+        (run_rank, started, request_id)
+        for request_id, (run_rank, started) in runs.items()
+        if run_rank > rank and policies[run_rank].preemptible
+    ]
+    return max(eligible)[2] if eligible else None
 
 
 def policies_by_name(policies: Sequence[LevelPolicy]) -> Mapping[str, LevelPolicy]:

@@ -9,6 +9,7 @@ publishing its own requests and reading its own tokens and events::
     rq.tok.<tenant>.<request_id>           streamed token chunks
     rq.dlq.<stage>                         dead letters (stage: requests, dispatch)
     rq.capacity.<backend>                  core NATS: a worker freed a slot (not stored)
+    rq.preempt.<backend>                   core NATS request: free a slot for an urgent request
 
 A tenant's permissions (``nats/auth.conf``): publish ``rq.req.*.<tenant>`` and
 ``rq.evt.<tenant>.*.cancel_requested``; subscribe ``rq.tok.<tenant>.>``; and
@@ -33,6 +34,7 @@ __all__ = [
     "dlq_subject",
     "event_subject",
     "events_of_request",
+    "preempt_subject",
     "request_subject",
     "requests_of_level",
     "router_consumer",
@@ -64,6 +66,11 @@ def dispatch_subject(backend: str) -> str:
 def capacity_subject(backend: str) -> str:
     """Core NATS (not stored): a worker freed a slot of ``backend``."""
     return f"rq.capacity.{backend}"
+
+
+def preempt_subject(backend: str) -> str:
+    """Core NATS request/reply: a router asks ``backend``'s workers to free a slot."""
+    return f"rq.preempt.{backend}"
 
 
 def event_subject(tenant: str, request_id: str, kind: str) -> str:

@@ -47,15 +47,19 @@ from .messages import (
     Expired,
     Failed,
     InferenceRequest,
+    Preempted,
     Retrying,
     Started,
     TokenChunk,
     Usage,
     encode,
 )
+from .scheduling import choose_victim
 from .subjects import (
     DISPATCH_STREAM,
     capacity_subject,
+    preempt_subject,
+    request_subject,
     token_subject,
     worker_consumer,
 )
@@ -67,6 +71,26 @@ log = get_logger("worker")
 
 class _Expiry(Exception):
     """The request's deadline passed during the backend call."""
+
+
+class _Run(msgspec.Struct, kw_only=True):
+    """A backend call in progress, as preemption sees it."""
+
+    rank: int
+    started: float
+    call: asyncio.Task[Any]
+    preempted_by: str | None = None
+
+    def is_live(self) -> bool:
+        return self.preempted_by is None and not self.call.done()
+
+
+class _PreemptAsk(msgspec.Struct, frozen=True, kw_only=True):
+    by: str
+    rank: int
+
+
+_PREEMPT_DECODER = msgspec.json.Decoder(_PreemptAsk)
 
 
 class Worker:
@@ -105,6 +129,9 @@ class Worker:
         ]
         self._running: set[asyncio.Task[None]] = set()
         self._calls: dict[str, asyncio.Task[tuple[Completed, int]]] = {}
+        self._runs: dict[str, _Run] = {}
+        self._policies = config.level_policies()
+        self._preempt_sub: Any = None
         self._cancels = cancels
         self._slot_freed = asyncio.Event()
         self._fetcher: asyncio.Task[None] | None = None
@@ -119,6 +146,12 @@ class Worker:
     async def start(self) -> None:
         if self._cancels is not None:
             self._cancels.listen(self._on_cancel_requested)
+        # One worker per backend answers each ask (queue group): it frees one slot.
+        self._preempt_sub = await self._nc.subscribe(
+            preempt_subject(self._backend_name),
+            queue=f"workers-{self._backend_name}",
+            cb=self._on_preempt,
+        )
         self._sub = await self._js.pull_subscribe_bind(
             durable=worker_consumer(self._backend_name), stream=DISPATCH_STREAM
         )
@@ -132,6 +165,10 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._fetcher
             self._fetcher = None
+        if self._preempt_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._preempt_sub.unsubscribe()
+            self._preempt_sub = None
         if self._sub is not None:
             # An expiring pull must not leave an unread message that stalls drain().
             with contextlib.suppress(Exception):
@@ -244,10 +281,10 @@ class Worker:
     async def _run(self, msg: Any, dispatch: Dispatch) -> None:
         request = dispatch.request
         delivery = int(msg.metadata.num_delivered)
-        if delivery > 1 and await self._log.terminal_of(request.tenant, request.id) is not None:
-            log.info("redelivered request already finished; dropping", delivery=delivery)
-            metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
-            await msg.ack()
+        # Runs are numbered over the request's whole life: redeliveries of this
+        # dispatch, and dispatches after a preemption (a higher attempt).
+        run = (dispatch.attempt - 1) * self._config.worker.max_deliver + delivery
+        if delivery > 1 and await self._settled_before(msg, dispatch):
             return
         now = self._clock()
         if request.deadline is not None and now >= request.deadline:
@@ -260,11 +297,11 @@ class Worker:
                     stage="queued",
                     reason="deadline passed before the backend call",
                 ),
-                delivery,
+                run,
             )
             return
         if self._cancels is not None and self._cancels.is_cancelled(request.id):
-            await self._finish(msg, self._cancelled(request, "queued"), delivery)
+            await self._finish(msg, self._cancelled(request, "queued"), run)
             return
         started = Started(
             request_id=request.id,
@@ -272,25 +309,31 @@ class Worker:
             at=now,
             backend=self._backend_name,
             attempt=dispatch.attempt,
-            delivery=delivery,
+            delivery=run,
             worker=self._name,
         )
         pending_acks: list[asyncio.Future[Any]] = [await self._log.append_async(started)]
         keepalive = asyncio.create_task(self._keep_alive(msg))
-        # The call runs as a task of its own, so a cancellation request can stop
-        # it (closing the backend's HTTP stream) without stopping this run.
-        call = asyncio.create_task(self._call(request, dispatch, delivery, pending_acks))
+        # The call runs as a task of its own, so a cancellation or preemption
+        # can stop it (closing the backend's HTTP stream) without stopping this run.
+        call = asyncio.create_task(self._call(request, dispatch, run, pending_acks))
         self._calls[request.id] = call
+        self._runs[request.id] = _Run(
+            rank=self._rank_of(dispatch), started=time.monotonic(), call=call
+        )
         try:
             outcome, chunks = await call
         except asyncio.CancelledError:
             this = asyncio.current_task()
-            if call.cancelled() and this is not None and not this.cancelling():
-                # Stopped by a cancellation request, not by shutdown.
-                await self._settle(pending_acks)
-                await self._finish(msg, self._cancelled(request, "running"), delivery)
-                return
-            raise
+            if not (call.cancelled() and this is not None and not this.cancelling()):
+                raise  # shutdown: the message is nak'ed by _handle
+            await self._settle(pending_acks)
+            preempted_by = self._runs[request.id].preempted_by
+            if preempted_by is not None:
+                await self._requeue(msg, dispatch, run, preempted_by)
+            else:
+                await self._finish(msg, self._cancelled(request, "running"), run)
+            return
         except BackendError as exc:
             await self._backend_failed(msg, dispatch, delivery, exc, pending_acks)
             return
@@ -305,17 +348,84 @@ class Worker:
                     stage="running",
                     reason="deadline passed during generation",
                 ),
-                delivery,
+                run,
             )
             return
         finally:
             self._calls.pop(request.id, None)
+            self._runs.pop(request.id, None)
             call.cancel()
             keepalive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keepalive
         await self._settle(pending_acks)
-        await self._finish(msg, outcome, delivery, seq=chunks)
+        await self._finish(msg, outcome, run, seq=chunks)
+
+    async def _settled_before(self, msg: Any, dispatch: Dispatch) -> bool:
+        """On a redelivery: was this dispatch already finished or preempted by a
+        worker that died before acking it? Then complete that work and ack."""
+        request = dispatch.request
+        if await self._log.terminal_of(request.tenant, request.id) is not None:
+            log.info("redelivered request already finished; dropping")
+            metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
+            await msg.ack()
+            return True
+        for event in await self._log.history(request.tenant, request.id):
+            if isinstance(event, Preempted) and event.attempt == dispatch.attempt:
+                await self._requeue(msg, dispatch, event.delivery, event.by)
+                return True
+        return False
+
+    def _rank_of(self, dispatch: Dispatch) -> int:
+        if dispatch.effective_rank is not None:
+            return dispatch.effective_rank
+        return self._config.priority_rank(dispatch.request.priority)
+
+    async def _on_preempt(self, msg: Any) -> None:
+        """A router needs a slot for an urgent request: give up one preemptible run."""
+        try:
+            ask = _PREEMPT_DECODER.decode(msg.data)
+        except msgspec.DecodeError:
+            await msg.respond(b'{"preempted": null}')
+            return
+        victim = choose_victim(
+            {rid: (run.rank, run.started) for rid, run in self._runs.items() if run.is_live()},
+            ask.rank,
+            self._policies,
+        )
+        if victim is not None:
+            run = self._runs[victim]
+            run.preempted_by = ask.by
+            run.call.cancel()
+            log.info("preempting a run", request_id=victim, by=ask.by)
+        await msg.respond(msgspec.json.encode({"preempted": victim}))
+
+    async def _requeue(self, msg: Any, dispatch: Dispatch, run: int, by: str) -> None:
+        """Send a preempted request back to wait, keeping its submit time (aging credit).
+
+        In this order, each step idempotent: the ``preempted`` event (so a
+        redelivery knows), the request back on its priority subject, the ack.
+        """
+        request = dispatch.request
+        await self._log.append(
+            Preempted(
+                request_id=request.id,
+                tenant=request.tenant,
+                at=self._clock(),
+                backend=self._backend_name,
+                attempt=dispatch.attempt,
+                delivery=run,
+                by=by,
+            )
+        )
+        again = msgspec.structs.replace(request, requeues=dispatch.attempt)
+        await self._js.publish(
+            request_subject(request.priority, request.tenant),
+            encode(again),
+            headers={"Nats-Msg-Id": f"{request.id}:requeue:{dispatch.attempt}"},
+        )
+        await msg.ack()
+        metrics.TERMINAL.labels("preempted").inc()
 
     def _cancelled(self, request: InferenceRequest, stage: str) -> Cancelled:
         return Cancelled(

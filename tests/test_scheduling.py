@@ -9,7 +9,7 @@ import pytest
 
 from renqueue import Client, ConfigError, Services, parse_config
 from renqueue.eventlog import EventLog
-from renqueue.messages import Promoted, Started
+from renqueue.messages import Preempted, Promoted, Routed, Started
 from renqueue.mockbackend import MockBackend, MockSettings
 from renqueue.scheduling import (
     LevelPolicy,
@@ -201,3 +201,47 @@ async def test_a_child_never_runs_below_its_parents_priority(tmp_path: Path) -> 
     assert starts["child"] < starts["older"] < starts["orphan"]
     assert [(e.from_level, e.to_level) for e in inherited] == [("batch", "high")]
     assert inherited[0].reason == f"inherited from parent {parent.id}"
+
+
+async def test_critical_request_preempts_running_batch_work(tmp_path: Path) -> None:
+    async with MockBackend(MockSettings(tokens_per_second=25, output_tokens=40)) as mock:
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {
+                    "one": {"base_url": mock.url, "model": "m", "limits": {"concurrency": 1}}
+                },
+                "routes": {"chat": {"backends": ["one"]}},
+            }
+        )
+        async with Services(config) as services, Client(services.nc, tenant="t") as client:
+            batch = await client.submit("a long batch job", route="chat", priority="batch")
+            stream = batch.stream(timeout=20)
+            first = [await anext(stream) for _ in range(3)]  # it is generating
+            urgent = await client.submit("now!", route="chat", priority="critical")
+            urgent_result = await urgent.result(timeout=20)
+            batch_result = await batch.result(timeout=30)
+            rest = [chunk async for chunk in stream]
+            batch_events = await EventLog(client.js).history("t", batch.id)
+            urgent_events = await EventLog(client.js).history("t", urgent.id)
+
+    preempted = [e for e in batch_events if isinstance(e, Preempted)]
+    assert [p.by for p in preempted] == [urgent.id]
+    runs = [e for e in batch_events if isinstance(e, Started)]
+    assert len(runs) == 2
+    # The urgent request ran between the batch request's two runs.
+    [urgent_start] = [e.at for e in urgent_events if isinstance(e, Started)]
+    assert runs[0].at < preempted[0].at <= urgent_start < runs[1].at
+    assert urgent_result.usage.completion_tokens == 40
+    # The subscriber saw an explicit restart, then the whole answer again.
+    assert first[0].delivery == 1
+    restarted = [c for c in rest if c.restart]
+    assert len(restarted) == 1
+    second_run = rest[rest.index(restarted[0]) :]
+    assert "".join(c.text for c in second_run) == batch_result.text
+    # It kept its original submit time (its aging credit): the second
+    # routing measures its wait from the first submit, not from the requeue.
+    submitted = batch_events[0]
+    routed = [e for e in batch_events if isinstance(e, Routed)]
+    assert [e.attempt for e in routed] == [1, 2]
+    assert routed[1].queue_wait == pytest.approx(routed[1].at - submitted.at, abs=0.05)
