@@ -138,6 +138,9 @@ class BackendState(Struct, frozen=True, kw_only=True, omit_defaults=True):
     tokens_out: int = 0
     spend: float = 0.0
     in_flight: int = 0
+    #: Moving average of completed calls' durations (seconds, weight 0.2 on
+    #: the newest): what a deadline check expects a call here to take.
+    duration_ewma: float | None = None
 
 
 class TenantState(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -245,6 +248,10 @@ def fold_many(state: ProjectionState, events: Iterable[Event]) -> ProjectionStat
     for event in events:
         builder.apply(event, None)
     return builder.freeze()
+
+
+def _ewma(previous: float | None, sample: float, weight: float = 0.2) -> float:
+    return sample if previous is None else (1 - weight) * previous + weight * sample
 
 
 def _finite(value: float) -> float:
@@ -384,6 +391,7 @@ class _Builder:
             tokens_in=backend.tokens_in + event.usage.prompt_tokens,
             tokens_out=backend.tokens_out + event.usage.completion_tokens,
             spend=backend.spend + cost,
+            duration_ewma=_ewma(backend.duration_ewma, _finite(event.duration)),
         )
         tenant = self._tenants.get(event.tenant, _EMPTY_TENANT)
         self._set_tenant(event.tenant, spend=tenant.spend + cost)
@@ -775,6 +783,14 @@ class StateView:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+    def expected_duration(self, name: str, *, min_samples: int = 5) -> float | None:
+        """What a call to ``name`` is expected to take; ``None`` until it has
+        ``min_samples`` completions (an estimate from fewer is noise)."""
+        backend = self.state.backends.get(name)
+        if backend is None or backend.calls_completed < min_samples:
+            return None
+        return backend.duration_ewma
 
     def backend_healthy(self, name: str, now: float) -> bool:
         """:func:`is_healthy` for ``name`` at Unix time ``now``; unknown backends are healthy."""

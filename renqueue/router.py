@@ -60,7 +60,14 @@ from .messages import (
     encode,
 )
 from .projection import StateView
-from .scheduling import LevelPolicy, effective_rank, may_preempt, pick_key, promotions
+from .scheduling import (
+    LevelPolicy,
+    effective_rank,
+    hopeless,
+    may_preempt,
+    pick_key,
+    promotions,
+)
 from .subjects import (
     DISPATCH_STREAM,
     EVENTS_STREAM,
@@ -478,13 +485,16 @@ class Router:
             with contextlib.suppress(Exception):
                 await item.msg.nak(delay=1.0)
 
-    async def _expire(self, msg: Any, request: InferenceRequest, now: float) -> None:
+    async def _expire(
+        self,
+        msg: Any,
+        request: InferenceRequest,
+        now: float,
+        *,
+        reason: str = "deadline passed while waiting to be routed",
+    ) -> None:
         event = Expired(
-            request_id=request.id,
-            tenant=request.tenant,
-            at=now,
-            stage="queued",
-            reason="deadline passed while waiting to be routed",
+            request_id=request.id, tenant=request.tenant, at=now, stage="queued", reason=reason
         )
         metrics.TERMINAL.labels("expired").inc()
         try:
@@ -531,6 +541,26 @@ class Router:
                 await self._expire(item.msg, request, now)
                 continue
             candidates = self._config.routes[request.route].backends
+            if request.deadline is not None and self._state is not None:
+                finish = hopeless(
+                    request.deadline,
+                    now,
+                    [
+                        self._state.expected_duration(name)
+                        for name in candidates
+                        if name in views and views[name].healthy
+                    ],
+                )
+                if finish is not None:
+                    gone.add(id(item))
+                    await self._expire(
+                        item.msg,
+                        request,
+                        now,
+                        reason="cannot meet the deadline on any candidate: the fastest "
+                        f"would finish {finish - request.deadline:.1f} s late",
+                    )
+                    continue
             choice = choose_backend(request, candidates, views)
             if isinstance(choice, NoRoom):
                 await self._capacity.refresh(candidates)

@@ -25,6 +25,7 @@ __all__ = [
     "aging_bound",
     "choose_victim",
     "effective_rank",
+    "hopeless",
     "may_preempt",
     "pick_key",
     "promotions",
@@ -132,6 +133,19 @@ def choose_victim(
         if run_rank > rank and policies[run_rank].preemptible
     ]
     return max(eligible)[2] if eligible else None
+
+
+def hopeless(deadline: float, now: float, expected: Sequence[float | None]) -> float | None:
+    """Whether no candidate can finish before ``deadline``.
+
+    ``expected`` holds each capable candidate's expected call duration
+    (``None``: unknown, which is never hopeless). Returns the best estimate of
+    when the request could finish when that is past the deadline, else ``None``.
+    """
+    if not expected or any(duration is None for duration in expected):
+        return None
+    best = now + min(duration for duration in expected if duration is not None)
+    return best if best > deadline else None
 
 
 def policies_by_name(policies: Sequence[LevelPolicy]) -> Mapping[str, LevelPolicy]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from renqueue import Client, ConfigError, Services, parse_config
+from renqueue import Client, ConfigError, RequestExpiredError, Services, parse_config
 from renqueue.eventlog import EventLog
 from renqueue.messages import Preempted, Promoted, Routed, Started
 from renqueue.mockbackend import MockBackend, MockSettings
@@ -15,6 +15,7 @@ from renqueue.scheduling import (
     LevelPolicy,
     aging_bound,
     effective_rank,
+    hopeless,
     pick_key,
     promotions,
 )
@@ -245,3 +246,40 @@ async def test_critical_request_preempts_running_batch_work(tmp_path: Path) -> N
     routed = [e for e in batch_events if isinstance(e, Routed)]
     assert [e.attempt for e in routed] == [1, 2]
     assert routed[1].queue_wait == pytest.approx(routed[1].at - submitted.at, abs=0.05)
+
+
+def test_hopeless_only_when_every_candidate_is_known_to_be_too_slow() -> None:
+    assert hopeless(10.0, 9.0, [2.0, 3.0]) == 11.0
+    assert hopeless(10.0, 9.0, [0.5, 3.0]) is None
+    assert hopeless(10.0, 9.0, [2.0, None]) is None  # unknown: might make it
+    assert hopeless(10.0, 9.0, []) is None
+
+
+async def test_a_request_that_cannot_meet_its_deadline_is_told_before_any_call(
+    tmp_path: Path,
+) -> None:
+    async with MockBackend(MockSettings(ttft=0.8, output_tokens=2)) as mock:
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {
+                    "one": {"base_url": mock.url, "model": "m", "limits": {"concurrency": 8}}
+                },
+                "routes": {"chat": {"backends": ["one"]}},
+            }
+        )
+        async with Services(config) as services, Client(services.nc, tenant="t") as client:
+            warm = [await client.submit("warm up", route="chat") for _ in range(5)]
+            await asyncio.gather(*(h.result(timeout=10) for h in warm))
+            assert services.projector is not None
+            await asyncio.wait_for(services.projector.sync(), 10)
+            await asyncio.sleep(0.3)  # routers' state view follows the KV bucket
+            served = mock.stats().requests
+            # Calls here take ~0.8 s: a 0.6 s deadline is hopeless, and the
+            # client hears so well before the deadline itself.
+            doomed = await client.submit("too tight", route="chat", timeout=0.6)
+            with pytest.raises(RequestExpiredError, match="cannot meet the deadline"):
+                await doomed.result(timeout=0.4)
+            fine = await client.submit("enough time", route="chat", timeout=5.0)
+            await fine.result(timeout=10)
+    assert mock.stats().requests == served + 1
