@@ -187,6 +187,9 @@ class BackendConfig(_Section, frozen=True, kw_only=True):
     limits: LimitsConfig = LimitsConfig()
     timeout: Duration = "120s"
     connect_timeout: Duration = "5s"
+    #: Replicas of one model share a pool name: an idle one takes work
+    #: queued on a busy sibling's subject (work stealing).
+    pool: Name | None = None
     #: Send the request's effective priority rank as the body's ``priority``
     #: field (vLLM's priority scheduling: lower runs sooner). Most other
     #: servers reject unknown fields, hence off by default.

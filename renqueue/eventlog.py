@@ -37,6 +37,7 @@ from .messages import (
     Retrying,
     Routed,
     Started,
+    Stolen,
     TokenChunk,
     encode,
     is_terminal,
@@ -67,6 +68,8 @@ def msg_id_of(event: Event) -> str:
         return f"{event.request_id}:{kind_of(event)}:{event.attempt}:{event.delivery}"
     if isinstance(event, Routed):
         return f"{event.request_id}:routed:{event.attempt}"
+    if isinstance(event, Stolen):
+        return f"{event.request_id}:stolen:{event.attempt}"
     if isinstance(event, Promoted):
         return f"{event.request_id}:promoted:{event.to_level}"
     return f"{event.request_id}:{kind_of(event)}"

@@ -39,6 +39,7 @@ __all__ = [
     "Retrying",
     "Routed",
     "Started",
+    "Stolen",
     "Submitted",
     "TokenChunk",
     "Usage",
@@ -208,6 +209,14 @@ class Preempted(_EventBase, frozen=True, kw_only=True, tag="preempted"):
     by: str
 
 
+class Stolen(_EventBase, frozen=True, kw_only=True, tag="stolen"):
+    """An idle replica took a request queued for a busy sibling in its pool."""
+
+    from_backend: str
+    to_backend: str
+    attempt: int
+
+
 class Started(_EventBase, frozen=True, kw_only=True, tag="started"):
     """A worker started calling the backend."""
 
@@ -272,6 +281,7 @@ Event = (
     | Promoted
     | CancelRequested
     | Preempted
+    | Stolen
     | Started
     | Retrying
     | Completed

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 from aiolimiter import AsyncLimiter
 from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import NotFoundError
 
 from . import metrics
 from .backends import Backend
@@ -50,6 +51,7 @@ from .messages import (
     Preempted,
     Retrying,
     Started,
+    Stolen,
     TokenChunk,
     Usage,
     encode,
@@ -58,6 +60,7 @@ from .scheduling import choose_victim
 from .subjects import (
     DISPATCH_STREAM,
     capacity_subject,
+    dispatch_subject,
     preempt_subject,
     request_subject,
     token_subject,
@@ -91,6 +94,9 @@ class _PreemptAsk(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _PREEMPT_DECODER = msgspec.json.Decoder(_PreemptAsk)
+
+#: Seconds between looks at pool siblings' queues while this worker has room.
+_STEAL_INTERVAL = 0.1
 
 
 class Worker:
@@ -132,6 +138,7 @@ class Worker:
         self._runs: dict[str, _Run] = {}
         self._policies = config.level_policies()
         self._preempt_sub: Any = None
+        self._stealer: asyncio.Task[None] | None = None
         self._cancels = cancels
         self._slot_freed = asyncio.Event()
         self._fetcher: asyncio.Task[None] | None = None
@@ -156,10 +163,25 @@ class Worker:
             durable=worker_consumer(self._backend_name), stream=DISPATCH_STREAM
         )
         self._fetcher = asyncio.create_task(self._fetch_loop(self._sub), name=f"{self._name}-fetch")
+        pool = self._backend_config.pool
+        siblings = [
+            name
+            for name, backend in self._config.backends.items()
+            if pool is not None and backend.pool == pool and name != self._backend_name
+        ]
+        if siblings:
+            self._stealer = asyncio.create_task(
+                self._steal_loop(siblings), name=f"{self._name}-steal"
+            )
         log.info("worker started", worker=self._name, backend=self._backend_name)
 
     async def stop(self) -> None:
         """Stop fetching, let in-flight runs finish within the bound, nak the rest."""
+        if self._stealer is not None:
+            self._stealer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stealer
+            self._stealer = None
         if self._fetcher is not None:
             self._fetcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -200,6 +222,80 @@ class Worker:
                 task = asyncio.create_task(self._handle(msg))
                 self._running.add(task)
                 task.add_done_callback(self._run_done)
+
+    # ----------------------------------------------------------- work stealing
+
+    async def _steal_loop(self, siblings: list[str]) -> None:
+        """While this worker has free slots and nothing of its own queued, move
+        work queued on busy siblings of its pool to its own subject.
+
+        The queued dispatches are read from the stream directly: a sibling's
+        consumer will not hand them to anyone while its slots are full
+        (``max_ack_pending``), which is exactly when they should be stolen.
+        """
+        own = worker_consumer(self._backend_name)
+        while True:
+            await asyncio.sleep(_STEAL_INTERVAL)
+            try:
+                mine = await self._js.consumer_info(DISPATCH_STREAM, own)
+                free = self._slots - mine.num_ack_pending - mine.num_pending
+                for sibling in siblings:
+                    if free <= 0:
+                        break
+                    info = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(sibling))
+                    seq = info.delivered.stream_seq + 1
+                    for _ in range(min(free, info.num_pending)):
+                        try:
+                            raw = await self._js.get_msg(
+                                DISPATCH_STREAM,
+                                seq=seq,
+                                subject=dispatch_subject(sibling),
+                                next=True,
+                            )
+                        except NotFoundError:
+                            break
+                        seq = raw.seq + 1
+                        if await self._steal(raw, sibling):
+                            free -= 1
+            except Exception as exc:  # noqa: BLE001 - stealing is an optimisation: never fatal
+                log.warning("work stealing failed; will retry", error=str(exc))
+
+    async def _steal(self, raw: Any, sibling: str) -> bool:
+        """Move one queued dispatch from ``sibling`` to this backend.
+
+        In this order: the ``stolen`` event, the dispatch on this backend's
+        subject, the original deleted from the stream. If the sibling's worker
+        got the original first anyway, both runs publish the same ``started``
+        message id and the later one steps back (see ``_run``): one call, ever.
+        """
+        try:
+            dispatch = DISPATCH_DECODER.decode(raw.data)
+        except msgspec.DecodeError:
+            return False  # the sibling's worker dead-letters it
+        request = dispatch.request
+        await self._log.append(
+            Stolen(
+                request_id=request.id,
+                tenant=request.tenant,
+                at=self._clock(),
+                from_backend=sibling,
+                to_backend=self._backend_name,
+                attempt=dispatch.attempt,
+            )
+        )
+        await self._move(dispatch, self._backend_name)
+        with contextlib.suppress(NotFoundError):
+            await self._js.delete_msg(DISPATCH_STREAM, raw.seq)
+        log.info("stole a queued request", request_id=request.id, sibling=sibling)
+        return True
+
+    async def _move(self, dispatch: Dispatch, to_backend: str) -> None:
+        moved = msgspec.structs.replace(dispatch, backend=to_backend)
+        await self._js.publish(
+            dispatch_subject(to_backend),
+            encode(moved),
+            headers={"Nats-Msg-Id": f"{dispatch.request.id}:stolen:{dispatch.attempt}"},
+        )
 
     def _run_done(self, task: asyncio.Task[None]) -> None:
         self._running.discard(task)
@@ -284,35 +380,11 @@ class Worker:
         # Runs are numbered over the request's whole life: redeliveries of this
         # dispatch, and dispatches after a preemption (a higher attempt).
         run = (dispatch.attempt - 1) * self._config.worker.max_deliver + delivery
-        if delivery > 1 and await self._settled_before(msg, dispatch):
+        if await self._refused(msg, dispatch, delivery, run):
             return
-        now = self._clock()
-        if request.deadline is not None and now >= request.deadline:
-            await self._finish(
-                msg,
-                Expired(
-                    request_id=request.id,
-                    tenant=request.tenant,
-                    at=now,
-                    stage="queued",
-                    reason="deadline passed before the backend call",
-                ),
-                run,
-            )
+        pending_acks = await self._start(msg, dispatch, run)
+        if pending_acks is None:
             return
-        if self._cancels is not None and self._cancels.is_cancelled(request.id):
-            await self._finish(msg, self._cancelled(request, "queued"), run)
-            return
-        started = Started(
-            request_id=request.id,
-            tenant=request.tenant,
-            at=now,
-            backend=self._backend_name,
-            attempt=dispatch.attempt,
-            delivery=run,
-            worker=self._name,
-        )
-        pending_acks: list[asyncio.Future[Any]] = [await self._log.append_async(started)]
         keepalive = asyncio.create_task(self._keep_alive(msg))
         # The call runs as a task of its own, so a cancellation or preemption
         # can stop it (closing the backend's HTTP stream) without stopping this run.
@@ -361,6 +433,54 @@ class Worker:
         await self._settle(pending_acks)
         await self._finish(msg, outcome, run, seq=chunks)
 
+    async def _refused(self, msg: Any, dispatch: Dispatch, delivery: int, run: int) -> bool:
+        """Settle, without calling the backend, a dispatch that must not run:
+        already finished or moved by a worker that died before acking it,
+        past its deadline, or cancelled."""
+        request = dispatch.request
+        if delivery > 1 and await self._settled_before(msg, dispatch):
+            return True
+        now = self._clock()
+        if request.deadline is not None and now >= request.deadline:
+            expired = Expired(
+                request_id=request.id,
+                tenant=request.tenant,
+                at=now,
+                stage="queued",
+                reason="deadline passed before the backend call",
+            )
+            await self._finish(msg, expired, run)
+            return True
+        if self._cancels is not None and self._cancels.is_cancelled(request.id):
+            await self._finish(msg, self._cancelled(request, "queued"), run)
+            return True
+        return False
+
+    async def _start(
+        self, msg: Any, dispatch: Dispatch, run: int
+    ) -> list[asyncio.Future[Any]] | None:
+        """Record ``started``; the pending acks to wait for, or ``None`` to step back."""
+        request = dispatch.request
+        started = Started(
+            request_id=request.id,
+            tenant=request.tenant,
+            at=self._clock(),
+            backend=self._backend_name,
+            attempt=dispatch.attempt,
+            delivery=run,
+            worker=self._name,
+        )
+        if self._backend_config.pool is None:
+            return [await self._log.append_async(started)]
+        # In a pool, a queued dispatch may be stolen by a sibling while it is
+        # delivered here: both runs have the same `started` message id, which
+        # makes it the claim: the second to publish it steps back.
+        if not await self._log.append(started):
+            log.info("another replica runs this request; dropping it")
+            await msg.ack()
+            return None
+        return []
+
     async def _settled_before(self, msg: Any, dispatch: Dispatch) -> bool:
         """On a redelivery: was this dispatch already finished or preempted by a
         worker that died before acking it? Then complete that work and ack."""
@@ -373,6 +493,14 @@ class Worker:
         for event in await self._log.history(request.tenant, request.id):
             if isinstance(event, Preempted) and event.attempt == dispatch.attempt:
                 await self._requeue(msg, dispatch, event.delivery, event.by)
+                return True
+            if (
+                isinstance(event, Stolen)
+                and event.attempt == dispatch.attempt
+                and event.from_backend == self._backend_name
+            ):
+                await self._move(dispatch, event.to_backend)  # finish the thief's move
+                await msg.ack()
                 return True
         return False
 

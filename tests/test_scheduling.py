@@ -9,7 +9,7 @@ import pytest
 
 from renqueue import Client, ConfigError, RequestExpiredError, Services, parse_config
 from renqueue.eventlog import EventLog
-from renqueue.messages import Preempted, Promoted, Routed, Started
+from renqueue.messages import Dispatch, Preempted, Promoted, Routed, Started, Stolen, encode
 from renqueue.mockbackend import MockBackend, MockSettings
 from renqueue.scheduling import (
     LevelPolicy,
@@ -19,6 +19,7 @@ from renqueue.scheduling import (
     pick_key,
     promotions,
 )
+from renqueue.subjects import dispatch_subject
 
 POLICIES = [
     LevelPolicy(name="critical", rank=0),
@@ -283,3 +284,47 @@ async def test_a_request_that_cannot_meet_its_deadline_is_told_before_any_call(
             fine = await client.submit("enough time", route="chat", timeout=5.0)
             await fine.result(timeout=10)
     assert mock.stats().requests == served + 1
+
+
+async def test_an_idle_replica_steals_work_queued_on_a_busy_sibling(tmp_path: Path) -> None:
+    async with (
+        MockBackend(MockSettings(ttft=1.5, output_tokens=2)) as slow,
+        MockBackend(MockSettings(output_tokens=2)) as fast,
+    ):
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {
+                    name: {
+                        "base_url": mock.url,
+                        "model": "m",
+                        "pool": "llama-8b",
+                        "limits": {"concurrency": 1},
+                    }
+                    for name, mock in (("replica-a", slow), ("replica-b", fast))
+                },
+                "routes": {"chat": {"backends": ["replica-a", "replica-b"]}},
+            }
+        )
+        async with Services(config) as services, Client(services.nc, tenant="t") as client:
+            # Work already bound to replica-a (as several routers over-filling
+            # it would leave it): its one slot is busy, four wait on its subject.
+            handles = []
+            for index in range(5):
+                request = client.build_request(f"job {index}", route="chat")
+                await client.js.publish(
+                    dispatch_subject("replica-a"),
+                    encode(Dispatch(request=request, backend="replica-a")),
+                    headers={"Nats-Msg-Id": f"{request.id}:dispatch:1"},
+                )
+                handles.append(client.handle(request.id))
+            results = [await h.result(timeout=20) for h in handles]
+            stolen = []
+            for handle in handles:
+                history = await EventLog(client.js).history("t", handle.id)
+                stolen += [e for e in history if isinstance(e, Stolen)]
+    by_backend = [r.backend for r in results]
+    assert by_backend.count("replica-b") >= 3
+    assert len(stolen) == by_backend.count("replica-b")
+    assert {(e.from_backend, e.to_backend) for e in stolen} == {("replica-a", "replica-b")}
+    assert slow.stats().requests + fast.stats().requests == 5
