@@ -335,27 +335,13 @@ class Worker:
                 await msg.nak(delay=self._retry_delay)
             return
         log.exception("unexpected error on the last delivery; request fails")
-        request = dispatch.request
         try:
-            await self._log.dead_letter(
-                "dispatch",
-                msg.data,
-                reason=f"internal: {type(exc).__name__}",
-                source_subject=msg.subject,
-                request_id=request.id,
-            )
-            await self._finish(
+            await self._fail(
                 msg,
-                Failed(
-                    request_id=request.id,
-                    tenant=request.tenant,
-                    at=self._clock(),
-                    error_type="internal",
-                    reason=f"worker error on the last delivery: {type(exc).__name__}",
-                    backend=self._backend_name,
-                    attempt=dispatch.attempt,
-                ),
+                dispatch,
                 delivery,
+                error_type="internal",
+                reason=f"worker error on the last delivery: {type(exc).__name__}",
             )
         except Exception:
             log.exception("could not record the failure; leaving the request for redelivery")
@@ -677,27 +663,33 @@ class Worker:
             await msg.nak(delay=delay)
             return
         log.error("request failed", error=str(exc), delivery=delivery)
+        exhausted = " (retries exhausted)" if isinstance(exc, RetryableBackendError) else ""
+        await self._fail(
+            msg, dispatch, delivery, error_type=exc.code, reason=str(exc)[:1000] + exhausted
+        )
+
+    async def _fail(
+        self, msg: Any, dispatch: Dispatch, delivery: int, *, error_type: str, reason: str
+    ) -> None:
+        """Fail the request for good: a copy to the dead-letter stream, then ``failed``."""
+        request = dispatch.request
         await self._log.dead_letter(
             "dispatch",
             msg.data,
-            reason=f"{exc.code}: {exc}",
+            reason=f"{error_type}: {reason}",
             source_subject=msg.subject,
             request_id=request.id,
         )
-        await self._finish(
-            msg,
-            Failed(
-                request_id=request.id,
-                tenant=request.tenant,
-                at=self._clock(),
-                error_type=exc.code,
-                reason=str(exc)[:1000]
-                + ("" if not isinstance(exc, RetryableBackendError) else " (retries exhausted)"),
-                backend=self._backend_name,
-                attempt=dispatch.attempt,
-            ),
-            delivery,
+        failed = Failed(
+            request_id=request.id,
+            tenant=request.tenant,
+            at=self._clock(),
+            error_type=error_type,
+            reason=reason,
+            backend=self._backend_name,
+            attempt=dispatch.attempt,
         )
+        await self._finish(msg, failed, delivery)
 
     async def _finish(self, msg: Any, event: Any, delivery: int, *, seq: int = 0) -> None:
         """Record the terminal event, then ack: a crash in between means a redelivery

@@ -31,6 +31,7 @@ from renqueue.eventlog import EventLog
 from renqueue.messages import Completed, Rejected, Started
 from renqueue.mockbackend import MockBackend, MockSettings
 from renqueue.subjects import DLQ_STREAM, request_subject
+from renqueue.worker import Worker
 
 
 def make_config(tmp_path: Path, backends: dict[str, tuple[str, int]], **extra: Any) -> Config:
@@ -295,3 +296,40 @@ async def test_router_skips_a_backend_the_log_shows_failing(tmp_path: Path) -> N
             result = await (await client.submit("y", route="chat")).result(timeout=10)
     assert result.backend == "healthy"
     assert broken.stats().requests == 4
+
+
+class BrokenBackend:
+    """A backend adapter with a bug: it raises something that is not a BackendError."""
+
+    name = "b1"
+
+    async def stream(self, request: Any, *, priority: int | None = None) -> AsyncIterator[Any]:
+        raise RuntimeError("adapter bug")
+        yield  # an async generator, as the protocol asks
+
+    async def complete(self, request: Any, *, priority: int | None = None) -> Any:
+        raise RuntimeError("adapter bug")
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_a_worker_bug_fails_the_request_on_its_last_delivery_not_never(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    config = make_config(
+        tmp_path, {"b1": (mock.url, 2)}, worker={"max_deliver": 2, "retry_delay": "50ms"}
+    )
+    async with Services(config, backends=[]) as services:
+        worker = Worker(services.nc, services.js, config, "b1", BrokenBackend())
+        await worker.start()
+        try:
+            async with Client(services.nc, tenant="t1") as client:
+                handle = await client.submit("x", route="chat")
+                with pytest.raises(RequestFailedError) as info:
+                    await handle.result(timeout=10)
+                events = await EventLog(client.js).history("t1", handle.id)
+        finally:
+            await worker.stop()
+    assert info.value.error_type == "internal"
+    assert [e.delivery for e in events if isinstance(e, Started)] == [1, 2]
