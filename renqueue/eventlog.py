@@ -30,7 +30,6 @@ from nats.js.errors import NotFoundError
 from .messages import (
     EVENT_DECODER,
     TERMINAL_KINDS,
-    Completed,
     Event,
     Preempted,
     Promoted,
@@ -277,7 +276,3 @@ class EventLog:
         found = await asyncio.gather(*(last(kind) for kind in sorted(TERMINAL_KINDS)))
         raws = sorted((raw.seq, raw.data or b"") for raw in found if raw is not None)
         return next((e for e in _decode_events(raws) if is_terminal(e)), None)
-
-    @staticmethod
-    def completed(events: list[Event]) -> Completed | None:
-        return next((e for e in events if isinstance(e, Completed)), None)

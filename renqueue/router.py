@@ -157,7 +157,6 @@ class _Held(msgspec.Struct, kw_only=True):
     #: When the wait began: the submit time the log records (the client's),
     #: or when this router read it if the client gave none.
     submitted: float
-    received: float
     touched: float
     #: Promotions already announced as events.
     promoted: int = 0
@@ -355,7 +354,6 @@ class Router:
                         request=request,
                         rank=rank,
                         submitted=request.submitted_at or now,
-                        received=now,
                         touched=now,
                         logged=logged,
                         parent=await self._parent_of(request),
