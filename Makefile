@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck check bench clean
+.PHONY: setup demo test lint typecheck check bench bench-scheduling clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,9 @@ typecheck: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/pipeline.py
+
+bench-scheduling: $(STAMP)
+	$(BIN)/python bench/scheduling.py
 
 clean:
 	rm -rf $(VENV) .renqueue .mypy_cache .ruff_cache .pytest_cache
