@@ -520,15 +520,23 @@ class Router:
 
         Urgency is the effective level after aging (:mod:`renqueue.scheduling`),
         then age. Returns the backends that held requests are waiting on.
+
+        Backend load is read once, before the walk, and the walk itself never
+        awaits: a slot that frees meanwhile cannot go to whichever request the
+        walk happens to be at; it goes to the head of the order next round.
         """
-        views = self._capacity.views()
-        waiting: set[str] = set()
         now = self._clock()
         policies = self._policies
         order = sorted(
             (item for held in self._held.values() for item in held),
             key=lambda item: item.key(now, policies),
         )
+        wanted = {
+            name for item in order for name in self._config.routes[item.request.route].backends
+        }
+        await self._capacity.refresh(sorted(wanted))
+        views = self._capacity.views()
+        waiting: set[str] = set()
         gone: set[int] = set()
         for item in order:
             request = item.request
@@ -536,7 +544,7 @@ class Router:
             self._announce_inheritance(item, now)
             if request.deadline is not None and now >= request.deadline:
                 gone.add(id(item))
-                await self._expire(item.msg, request, now)
+                self._spawn_publish(self._expire(item.msg, request, now))
                 continue
             candidates = self._config.routes[request.route].backends
             if request.deadline is not None and self._state is not None:
@@ -551,19 +559,11 @@ class Router:
                 )
                 if finish is not None:
                     gone.add(id(item))
-                    await self._expire(
-                        item.msg,
-                        request,
-                        now,
-                        reason="cannot meet the deadline on any candidate: the fastest "
-                        f"would finish {finish - request.deadline:.1f} s late",
-                    )
+                    late = finish - request.deadline
+                    reason = f"cannot meet the deadline on any candidate: the fastest would finish {late:.1f} s late"  # noqa: E501
+                    self._spawn_publish(self._expire(item.msg, request, now, reason=reason))
                     continue
             choice = choose_backend(request, candidates, views)
-            if isinstance(choice, NoRoom):
-                await self._capacity.refresh(candidates)
-                views = self._capacity.views()
-                choice = choose_backend(request, candidates, views)
             if isinstance(choice, NoRoom):
                 waiting.update(candidates)
                 if choice is NoRoom.FULL:
@@ -628,7 +628,9 @@ class Router:
         slot then goes to the most urgent waiting request, which is this one
         unless something more urgent arrived meanwhile.
         """
-        rank = item.key(now, self._policies)[0]
+        # The level it was submitted at (or inherited), not the one it aged to:
+        # aged requests preempting each other under overload would only churn.
+        rank = item.rank if item.parent is None else min(item.rank, item.parent[0])
         if not may_preempt(rank, self._policies):
             return
         if item.preempt_asked is not None and now - item.preempt_asked < _PREEMPT_RETRY:

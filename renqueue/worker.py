@@ -376,6 +376,8 @@ class Worker:
         # can stop it (closing the backend's HTTP stream) without stopping this run.
         call = asyncio.create_task(self._call(request, dispatch, run, pending_acks))
         self._calls[request.id] = call
+        # A run is judged at the level it was bound at: one that aged to the top
+        # is not preemptible, or aging could never get it through.
         self._runs[request.id] = _Run(
             rank=self._rank_of(dispatch), started=time.monotonic(), call=call
         )
@@ -491,6 +493,7 @@ class Worker:
         return False
 
     def _rank_of(self, dispatch: Dispatch) -> int:
+        """The priority passed down to the backend: the effective one when bound."""
         if dispatch.effective_rank is not None:
             return dispatch.effective_rank
         return self._config.priority_rank(dispatch.request.priority)
@@ -574,11 +577,7 @@ class Worker:
         usage: Usage | None = None
         finish_reason: str | None = None
         seq = 0
-        rank = (
-            dispatch.effective_rank
-            if dispatch.effective_rank is not None
-            else self._config.priority_rank(request.priority)
-        )
+        rank = self._rank_of(dispatch)
         timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
         try:
             async with asyncio.timeout(timeout):
