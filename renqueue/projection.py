@@ -55,6 +55,7 @@ from .messages import (
     kind_of,
 )
 from .subjects import EVENTS_STREAM, STATE_BUCKET
+from .tasks import cancel_and_wait
 
 __all__ = [
     "BACKEND_FAULTS",
@@ -601,12 +602,9 @@ class Projector:
             return
         self.status = ProjectorStatus.CLOSED
         if self._task is not None:
-            # Python 3.11's wait_for (inside nats-py's fetch) can swallow a
-            # cancellation that races a reply; the loop also checks the status,
-            # and the cancel is repeated until the task is done.
-            while not self._task.done():
-                self._task.cancel()
-                await asyncio.wait({self._task}, timeout=1.0)
+            # The loop also checks the status; cancel_and_wait repeats the
+            # cancel, which nats-py's fetch can swallow (see renqueue.tasks).
+            await cancel_and_wait([self._task])
             if not self._task.cancelled() and self._task.exception() is not None:
                 log.warning("projector loop ended with an error", error=str(self._task.exception()))
             self._task = None
@@ -812,9 +810,7 @@ class StateView:
     async def close(self) -> None:
         """Stop watching. Idempotent."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
             self._task = None
         if self._watcher is not None:
             with contextlib.suppress(Exception):

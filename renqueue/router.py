@@ -79,6 +79,7 @@ from .subjects import (
     router_consumer,
     worker_consumer,
 )
+from .tasks import cancel_and_wait
 
 __all__ = ["BackendView", "NoRoom", "Router", "choose_backend", "validate"]
 
@@ -287,9 +288,7 @@ class Router:
 
     async def stop(self) -> None:
         """Stop taking work, let in-flight dispatches land, hand held requests back."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))
         self._tasks.clear()
         # Unsubscribe, or a pull that expires after the fetch task is gone
         # leaves a status message no one reads, and draining NATS waits on it.

@@ -66,6 +66,7 @@ from .subjects import (
     token_subject,
     worker_consumer,
 )
+from .tasks import cancel_and_wait
 
 __all__ = ["Worker"]
 
@@ -94,6 +95,9 @@ class _PreemptAsk(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _PREEMPT_DECODER = msgspec.json.Decoder(_PreemptAsk)
+
+#: Seconds between closing a preempted call and releasing its slot.
+_PREEMPT_GRACE = 0.1
 
 #: Seconds between looks at pool siblings' queues while this worker has room.
 _STEAL_INTERVAL = 0.1
@@ -177,16 +181,8 @@ class Worker:
 
     async def stop(self) -> None:
         """Stop fetching, let in-flight runs finish within the bound, nak the rest."""
-        if self._stealer is not None:
-            self._stealer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._stealer
-            self._stealer = None
-        if self._fetcher is not None:
-            self._fetcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._fetcher
-            self._fetcher = None
+        await cancel_and_wait([t for t in (self._stealer, self._fetcher) if t is not None])
+        self._stealer = self._fetcher = None
         if self._preempt_sub is not None:
             with contextlib.suppress(Exception):
                 await self._preempt_sub.unsubscribe()
@@ -390,6 +386,9 @@ class Worker:
             await self._settle(pending_acks)
             preempted_by = self._runs[request.id].preempted_by
             if preempted_by is not None:
+                # The HTTP stream is closed; give the backend a moment to see
+                # the disconnect before its slot goes to the urgent request.
+                await asyncio.sleep(_PREEMPT_GRACE)
                 await self._requeue(msg, dispatch, run, preempted_by)
             else:
                 await self._finish(msg, self._cancelled(request, "running"), run)
