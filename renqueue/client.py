@@ -378,6 +378,8 @@ class Client:
         complexity: int | None = None,
         metadata: Mapping[str, str] | None = None,
         parent_id: str | None = None,
+        dedupe_key: str | None = None,
+        coalesce: bool = False,
     ) -> InferenceRequest:
         """Build and validate a request. ``timeout`` (seconds from now) sets ``deadline``.
 
@@ -413,6 +415,8 @@ class Client:
             "metadata": dict(metadata or {}),
             "submitted_at": now,
             "parent_id": parent_id,
+            "dedupe_key": dedupe_key,
+            "coalesce": coalesce,
         }
         try:
             # Decoding validates every constraint (constructors do not).

@@ -26,6 +26,7 @@ __all__ = [
     "CancelRequested",
     "Cancelled",
     "ChatMessage",
+    "Coalesced",
     "Completed",
     "Dispatch",
     "Event",
@@ -110,6 +111,10 @@ class InferenceRequest(Struct, frozen=True, kw_only=True):
     #: Times the request was sent back to wait after it had been bound to a
     #: backend (preemption); set by workers, not clients.
     requeues: Annotated[int, Meta(ge=0, le=1000)] = 0
+    #: Requests of one tenant with the same key share one backend call.
+    dedupe_key: RequestId | None = None
+    #: Share a call with identical requests (same route, messages and params).
+    coalesce: bool = False
 
 
 class Dispatch(Struct, frozen=True, kw_only=True):
@@ -217,6 +222,12 @@ class Stolen(_EventBase, frozen=True, kw_only=True, tag="stolen"):
     attempt: int
 
 
+class Coalesced(_EventBase, frozen=True, kw_only=True, tag="coalesced"):
+    """The request shares the backend call of ``leader`` (an identical request)."""
+
+    leader: str
+
+
 class Started(_EventBase, frozen=True, kw_only=True, tag="started"):
     """A worker started calling the backend."""
 
@@ -249,6 +260,8 @@ class Completed(_EventBase, frozen=True, kw_only=True, tag="completed"):
     finish_reason: str | None = None
     ttft: float | None = None
     duration: float = 0.0
+    #: The request whose backend call this one shared (coalescing); its cost is there.
+    shared_with: str | None = None
 
 
 class Failed(_EventBase, frozen=True, kw_only=True, tag="failed"):
@@ -282,6 +295,7 @@ Event = (
     | CancelRequested
     | Preempted
     | Stolen
+    | Coalesced
     | Started
     | Retrying
     | Completed

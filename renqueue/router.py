@@ -31,7 +31,7 @@ import enum
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 from nats.errors import NoRespondersError
@@ -40,6 +40,7 @@ from nats.js.errors import NotFoundError
 
 from . import metrics
 from .cancellation import CancelWatch
+from .coalescing import Groups, coalesce_key
 from .config import Config, parse_duration
 from .errors import InvalidRequestError, MalformedRequestError, UnknownRouteError
 from .eventlog import EventLog
@@ -49,6 +50,7 @@ from .messages import (
     REQUEST_DECODER,
     Cancelled,
     CancelRequested,
+    Coalesced,
     Dispatch,
     Expired,
     Failed,
@@ -72,6 +74,7 @@ from .subjects import (
     DISPATCH_STREAM,
     EVENTS_STREAM,
     REQUESTS_STREAM,
+    boost_subject,
     capacity_subject,
     dispatch_subject,
     event_subject,
@@ -84,6 +87,15 @@ from .tasks import cancel_and_wait
 __all__ = ["BackendView", "NoRoom", "Router", "choose_backend", "validate"]
 
 log = get_logger("router")
+
+
+class _Boost(msgspec.Struct, frozen=True):
+    leader: str
+    rank: Annotated[int, msgspec.Meta(ge=0)]
+    submitted: float
+
+
+_BOOST_DECODER: Final = msgspec.json.Decoder(_Boost)
 
 #: Seconds before an urgent request that is still waiting asks for preemption again.
 _PREEMPT_RETRY: Final = 2.0
@@ -169,9 +181,15 @@ class _Held(msgspec.Struct, kw_only=True):
     inherited: int | None = None
     #: When this router last asked a backend to preempt a run for it.
     preempt_asked: float | None = None
+    #: The most urgent (rank, submitted_at) among requests that coalesced onto
+    #: this one: the shared call runs at the highest priority of its waiters.
+    boost: tuple[int, float] | None = None
 
     def key(self, now: float, policies: list[LevelPolicy]) -> tuple[int, float]:
-        return pick_key(self.rank, self.submitted, now, policies, parent=self.parent)
+        rank, submitted = pick_key(self.rank, self.submitted, now, policies, parent=self.parent)
+        if self.boost is not None:
+            rank = min(rank, pick_key(*self.boost, now, policies)[0])
+        return rank, submitted
 
 
 class _Capacity:
@@ -250,6 +268,7 @@ class Router:
         self._room = {level: asyncio.Event() for level in self._levels}
         self._wake = asyncio.Event()
         self._state: StateView | None = None
+        self._groups = Groups(js)
         self._capacity = _Capacity(
             js, config, parse_duration(config.router.capacity_refresh), health=self._healthy
         )
@@ -278,6 +297,7 @@ class Router:
             self._spawn(self._fetch_loop(level, psub), f"fetch-{level}")
         self._capacity_sub = await self._nc.subscribe(capacity_subject("*"), cb=self._on_freed)
         self._subs.append(self._capacity_sub)
+        self._subs.append(await self._nc.subscribe(boost_subject("*"), cb=self._on_boost))
         self._spawn(self._dispatch_loop(), "dispatch")
         self._spawn(self._keepalive_loop(), "keepalive")
         log.info("router started", router=self._name, levels=self._levels)
@@ -347,6 +367,8 @@ class Router:
                         request=request,
                     )
                 )
+                if await self._follows(msg, request, logged, now):
+                    continue
                 held.append(
                     _Held(
                         msg=msg,
@@ -379,6 +401,49 @@ class Router:
             await self._cancel(msg, request)
             return None
         return request
+
+    async def _follows(self, msg: Any, request: InferenceRequest, logged: Any, now: float) -> bool:
+        """Join the request's coalescing group; True if it follows another's call."""
+        key = coalesce_key(request)
+        if key is None:
+            return False
+        try:
+            leader = await self._groups.join(request, key)
+        except Exception as exc:  # noqa: BLE001 - coalescing is an optimisation
+            log.warning("coalescing failed; the request runs alone", error=str(exc))
+            return False
+        if leader is None:
+            return False
+        try:
+            await asyncio.wait_for(logged, 10.0)
+            await self._log.append(
+                Coalesced(request_id=request.id, tenant=request.tenant, at=now, leader=leader)
+            )
+            await msg.ack()
+            # Whichever router holds the leader lifts it to this follower's level.
+            boost = {"leader": leader, "rank": self._config.priority_rank(request.priority)}
+            await self._nc.publish(
+                boost_subject(request.tenant),
+                msgspec.json.encode({**boost, "submitted": request.submitted_at or now}),
+            )
+        except Exception as exc:  # noqa: BLE001 - redelivered; join() knows it already
+            log.warning("could not record coalescing; will retry", error=str(exc))
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=0.5)
+        return True
+
+    async def _on_boost(self, msg: Any) -> None:
+        try:
+            boost = _BOOST_DECODER.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        for held in self._held.values():
+            for item in held:
+                if item.request.id == boost.leader:
+                    if item.boost is None or boost.rank < item.boost[0]:
+                        item.boost = (boost.rank, boost.submitted)
+                    self._wake.set()
+                    return
 
     async def _parent_of(self, request: InferenceRequest) -> tuple[int, float] | None:
         """The parent's level and submit time, from its ``submitted`` event.

@@ -10,6 +10,7 @@ publishing its own requests and reading its own tokens and events::
     rq.dlq.<stage>                         dead letters (stage: requests, dispatch)
     rq.capacity.<backend>                  core NATS: a worker freed a slot (not stored)
     rq.preempt.<backend>                   core NATS request: free a slot for an urgent request
+    rq.boost.<tenant>                      core NATS: lift a coalescing leader to a follower's level
 
 A tenant's permissions (``nats/auth.conf``): publish ``rq.req.*.<tenant>`` and
 ``rq.evt.<tenant>.*.cancel_requested``; subscribe ``rq.tok.<tenant>.>``; and
@@ -29,6 +30,7 @@ __all__ = [
     "REQUESTS_STREAM",
     "STATE_BUCKET",
     "TOKENS_STREAM",
+    "boost_subject",
     "capacity_subject",
     "dispatch_subject",
     "dlq_subject",
@@ -66,6 +68,11 @@ def dispatch_subject(backend: str) -> str:
 def capacity_subject(backend: str) -> str:
     """Core NATS (not stored): a worker freed a slot of ``backend``."""
     return f"rq.capacity.{backend}"
+
+
+def boost_subject(tenant: str) -> str:
+    """Core NATS: a coalesced follower lifts its leader to its level, if more urgent."""
+    return f"rq.boost.{tenant}"
 
 
 def preempt_subject(backend: str) -> str:

@@ -35,6 +35,7 @@ from nats.js.errors import NotFoundError
 from . import metrics
 from .backends import Backend
 from .cancellation import CancelWatch
+from .coalescing import Groups, coalesce_key
 from .config import BackendConfig, Config, parse_duration
 from .errors import BackendError, RetryableBackendError
 from .eventlog import EventLog
@@ -140,6 +141,7 @@ class Worker:
         self._running: set[asyncio.Task[None]] = set()
         self._calls: dict[str, asyncio.Task[tuple[Completed, int]]] = {}
         self._runs: dict[str, _Run] = {}
+        self._groups = Groups(js)
         self._policies = config.level_policies()
         self._preempt_sub: Any = None
         self._stealer: asyncio.Task[None] | None = None
@@ -391,7 +393,7 @@ class Worker:
                 await asyncio.sleep(_PREEMPT_GRACE)
                 await self._requeue(msg, dispatch, run, preempted_by)
             else:
-                await self._finish(msg, self._cancelled(request, "running"), run)
+                await self._finish(msg, request, self._cancelled(request, "running"), run)
             return
         except BackendError as exc:
             await self._backend_failed(msg, dispatch, delivery, exc, pending_acks)
@@ -400,6 +402,7 @@ class Worker:
             await self._settle(pending_acks)
             await self._finish(
                 msg,
+                request,
                 Expired(
                     request_id=request.id,
                     tenant=request.tenant,
@@ -418,7 +421,7 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await keepalive
         await self._settle(pending_acks)
-        await self._finish(msg, outcome, run, seq=chunks)
+        await self._finish(msg, request, outcome, run, seq=chunks)
 
     async def _refused(self, msg: Any, dispatch: Dispatch, delivery: int, run: int) -> bool:
         """Settle, without calling the backend, a dispatch that must not run:
@@ -436,10 +439,10 @@ class Worker:
                 stage="queued",
                 reason="deadline passed before the backend call",
             )
-            await self._finish(msg, expired, run)
+            await self._finish(msg, request, expired, run)
             return True
         if self._cancels is not None and self._cancels.is_cancelled(request.id):
-            await self._finish(msg, self._cancelled(request, "queued"), run)
+            await self._finish(msg, request, self._cancelled(request, "queued"), run)
             return True
         return False
 
@@ -687,11 +690,17 @@ class Worker:
             backend=self._backend_name,
             attempt=dispatch.attempt,
         )
-        await self._finish(msg, failed, delivery)
+        await self._finish(msg, request, failed, delivery)
 
-    async def _finish(self, msg: Any, event: Any, delivery: int, *, seq: int = 0) -> None:
+    async def _finish(
+        self, msg: Any, request: InferenceRequest, event: Any, delivery: int, *, seq: int = 0
+    ) -> None:
         """Record the terminal event, then ack: a crash in between means a redelivery
-        that finds the terminal event and drops the run."""
+        that finds the terminal event and drops the run. Followers sharing this
+        request's call get their outcome first, so a crash cannot strand them."""
+        key = coalesce_key(request)
+        if key is not None:
+            await self._hand_out(request, key, event)
         first = await self._log.finish(event, delivery=delivery, seq=seq)
         kind = type(event).__name__.lower()
         if first:
@@ -705,6 +714,35 @@ class Worker:
             log.warning("duplicate terminal event dropped", kind=kind)
             metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
         await msg.ack()
+
+    async def _hand_out(self, request: InferenceRequest, key: str, event: Any) -> None:
+        """Give each follower of this (leading) request a copy of its outcome."""
+        followers = await self._groups.close(request, key)
+        for follower in followers:
+            if isinstance(event, Completed):
+                copy: Any = msgspec.structs.replace(
+                    event, request_id=follower, cost=0.0, shared_with=request.id
+                )
+                chunk = TokenChunk(request_id=follower, seq=0, text=event.text)
+                if event.text:
+                    await self._js.publish(
+                        token_subject(request.tenant, follower),
+                        encode(chunk),
+                        headers={"Nats-Msg-Id": f"{follower}:shared"},
+                    )
+                await self._log.finish(copy, seq=1 if event.text else 0)
+            else:
+                outcome = type(event).__name__.lower()
+                failed = Failed(
+                    request_id=follower,
+                    tenant=request.tenant,
+                    at=self._clock(),
+                    error_type=f"shared_call_{outcome}",
+                    reason=f"the call shared with {request.id} ended {outcome}",
+                    backend=self._backend_name,
+                )
+                await self._log.finish(failed)
+        await self._groups.forget(request, key)
 
     async def _settle(self, pending_acks: list[asyncio.Future[Any]]) -> None:
         """Wait until every token chunk and event published so far is stored."""

@@ -9,7 +9,16 @@ import pytest
 
 from renqueue import Client, ConfigError, RequestExpiredError, Services, parse_config
 from renqueue.eventlog import EventLog
-from renqueue.messages import Dispatch, Preempted, Promoted, Routed, Started, Stolen, encode
+from renqueue.messages import (
+    Coalesced,
+    Dispatch,
+    Preempted,
+    Promoted,
+    Routed,
+    Started,
+    Stolen,
+    encode,
+)
 from renqueue.mockbackend import MockBackend, MockSettings
 from renqueue.scheduling import (
     LevelPolicy,
@@ -328,3 +337,70 @@ async def test_an_idle_replica_steals_work_queued_on_a_busy_sibling(tmp_path: Pa
     assert len(stolen) == by_backend.count("replica-b")
     assert {(e.from_backend, e.to_backend) for e in stolen} == {("replica-a", "replica-b")}
     assert slow.stats().requests + fast.stats().requests == 5
+
+
+async def test_identical_requests_share_one_backend_call(tmp_path: Path) -> None:
+    async with MockBackend(MockSettings(ttft=0.3, output_tokens=6)) as mock:
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {"one": {"base_url": mock.url, "model": "m"}},
+                "routes": {"chat": {"backends": ["one"]}},
+            }
+        )
+        async with Services(config) as services, Client(services.nc, tenant="t") as client:
+            same = [
+                await client.submit("same question", route="chat", coalesce=True) for _ in range(3)
+            ]
+            keyed = [
+                await client.submit(text, route="chat", dedupe_key="report-42")
+                for text in ("phrased one way", "phrased another way")
+            ]
+            alone = await client.submit("same question", route="chat")  # did not ask
+            results = [await h.result(timeout=10) for h in [*same, *keyed, alone]]
+            streamed = [
+                "".join([c.text async for c in h.stream(timeout=10)]) for h in [*same, *keyed]
+            ]
+            coalesced = []
+            for handle in [*same, *keyed]:
+                history = await EventLog(client.js).history("t", handle.id)
+                coalesced += [e for e in history if isinstance(e, Coalesced)]
+    # Three backend calls in all: the coalesced group, the keyed group, the loner.
+    assert mock.stats().requests == 3
+    assert len({r.text for r in results[:3]}) == 1
+    assert results[3].text == results[4].text
+    assert streamed == [r.text for r in results[:5]]
+    leaders = {same[0].id, keyed[0].id}
+    assert {e.leader for e in coalesced} == leaders
+    assert len(coalesced) == 3
+    shared = [r for r in results[:5] if r.request_id not in leaders]
+    assert all(r.cost == 0.0 for r in shared)
+
+
+async def test_a_shared_call_runs_at_the_most_urgent_waiters_level(tmp_path: Path) -> None:
+    async with MockBackend(MockSettings(ttft=0.3, output_tokens=2)) as mock:
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {
+                    "one": {"base_url": mock.url, "model": "m", "limits": {"concurrency": 1}}
+                },
+                "routes": {"chat": {"backends": ["one"]}},
+            }
+        )
+        async with Services(config) as services, Client(services.nc, tenant="t") as client:
+            blocker = await client.submit("hold the slot", route="chat", priority="critical")
+            await asyncio.sleep(0.1)
+            leader = await client.submit("q", route="chat", priority="batch", coalesce=True)
+            other = await client.submit("older normal work", route="chat", priority="normal")
+            await asyncio.sleep(0.05)
+            follower = await client.submit("q", route="chat", priority="high", coalesce=True)
+            for handle in (blocker, leader, other, follower):
+                await handle.result(timeout=10)
+            starts = {}
+            for name, handle in (("leader", leader), ("other", other)):
+                history = await EventLog(client.js).history("t", handle.id)
+                starts[name] = next(e.at for e in history if isinstance(e, Started))
+    # The batch leader ran before the normal request: its follower is "high".
+    assert starts["leader"] < starts["other"]
+    assert mock.stats().requests == 3
