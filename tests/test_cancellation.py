@@ -11,9 +11,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from renqueue import Client, RequestCancelledError, Services, parse_config
+from renqueue import Client, RequestCancelledError, RequestExpiredError, Services, parse_config
 from renqueue.eventlog import EventLog
-from renqueue.messages import Cancelled, Started
+from renqueue.messages import Cancelled, Expired, Started
 from renqueue.mockbackend import MockBackend, MockSettings
 
 
@@ -127,3 +127,22 @@ async def test_cli_cancel(stack: Services) -> None:
     assert proc.returncode == 3, err  # the request ended cancelled
     assert b"cancellation requested" in out
     assert b"cancelled" in err
+
+
+async def test_a_running_request_past_its_deadline_is_stopped_and_expires(
+    stack: Services, slow: MockBackend
+) -> None:
+    async with Client(stack.nc, tenant="t") as client:
+        handle = await client.submit("too long for its deadline", route="chat", timeout=0.6)
+        with pytest.raises(RequestExpiredError):
+            await handle.result(timeout=10)
+        history = await EventLog(client.js).history("t", handle.id)
+        for _ in range(50):  # the mock notices the closed connection
+            if slow.stats().disconnects:
+                break
+            await asyncio.sleep(0.05)
+    [expired] = [e for e in history if isinstance(e, Expired)]
+    assert expired.stage == "running"
+    assert any(isinstance(e, Started) for e in history)
+    assert slow.stats().disconnects == 1
+    assert slow.stats().completed == 0
