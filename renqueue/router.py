@@ -367,6 +367,8 @@ class Router:
                         request=request,
                     )
                 )
+                if await self._settle_on_read(msg, request, logged, now):
+                    continue
                 if await self._follows(msg, request, logged, now):
                     continue
                 held.append(
@@ -394,13 +396,26 @@ class Router:
             error = exc if isinstance(exc, InvalidRequestError) else MalformedRequestError(str(exc))
             await self._reject(msg, request_id, tenant, error)
             return None
-        if request.deadline is not None and now >= request.deadline:
-            await self._expire(msg, request, now)
-            return None
-        if self._cancels is not None and self._cancels.is_cancelled(request.id):
-            await self._cancel(msg, request)
-            return None
         return request
+
+    async def _settle_on_read(
+        self, msg: Any, request: InferenceRequest, logged: Any, now: float
+    ) -> bool:
+        """End a request that is already past its deadline or cancelled when read.
+
+        After its ``submitted`` event, so the log still starts with it.
+        """
+        expired = request.deadline is not None and now >= request.deadline
+        cancelled = self._cancels is not None and self._cancels.is_cancelled(request.id)
+        if not (expired or cancelled):
+            return False
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(logged, 10.0)
+        if expired:
+            await self._expire(msg, request, now)
+        else:
+            await self._cancel(msg, request)
+        return True
 
     async def _follows(self, msg: Any, request: InferenceRequest, logged: Any, now: float) -> bool:
         """Join the request's coalescing group; True if it follows another's call."""

@@ -103,6 +103,9 @@ async def test_cancel_before_any_router_reads_it_and_after_it_ended(
         async with later, Client(later.nc, tenant="t") as client:
             with pytest.raises(RequestCancelledError):
                 await client.handle(early.id).result(timeout=10)
+            history = await EventLog(client.js).history("t", early.id)
+            # The router still records the submit before ending it.
+            assert [type(e).__name__ for e in history].count("Submitted") == 1
             slow.update(tokens_per_second=0)
             done = await client.submit("quick", route="chat")
             result = await done.result(timeout=10)

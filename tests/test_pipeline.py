@@ -160,6 +160,7 @@ async def test_deadline_passed_while_waiting_expires_without_backend_call(
     with pytest.raises(RequestExpiredError):
         await handle.result(timeout=10)
     assert mock.stats().requests == 0
+    assert await kinds(client, handle.id) == ["submitted", "expired"]
 
 
 async def test_higher_levels_start_first_when_a_slot_frees(tmp_path: Path) -> None:
