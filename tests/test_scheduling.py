@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from renqueue import Client, ConfigError, RequestExpiredError, Services, parse_config
+from renqueue import Client, Config, ConfigError, RequestExpiredError, Services, parse_config
 from renqueue.eventlog import EventLog
 from renqueue.messages import (
     Coalesced,
@@ -37,6 +37,17 @@ POLICIES = [
     LevelPolicy(name="low", rank=3, age_after=30, promote_to=1),
     LevelPolicy(name="batch", rank=4, age_after=None),
 ]
+
+
+def one_backend(tmp_path: Path, url: str, *, slots: int = 4) -> Config:
+    """One backend ``one`` at ``url`` with ``slots`` slots, behind the route ``chat``."""
+    return parse_config(
+        {
+            "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+            "backends": {"one": {"base_url": url, "model": "m", "limits": {"concurrency": slots}}},
+            "routes": {"chat": {"backends": ["one"]}},
+        }
+    )
 
 
 def test_a_request_climbs_one_level_per_age_after() -> None:
@@ -178,15 +189,7 @@ async def test_effective_priority_is_passed_to_backends_that_ask_for_it(tmp_path
 
 async def test_a_child_never_runs_below_its_parents_priority(tmp_path: Path) -> None:
     async with MockBackend(MockSettings(ttft=0.3, output_tokens=2)) as mock:
-        config = parse_config(
-            {
-                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
-                "backends": {
-                    "one": {"base_url": mock.url, "model": "m", "limits": {"concurrency": 1}}
-                },
-                "routes": {"chat": {"backends": ["one"]}},
-            }
-        )
+        config = one_backend(tmp_path, mock.url, slots=1)
         async with Services(config) as services, Client(services.nc, tenant="t") as client:
             parent = await client.submit("plan the work", route="chat", priority="high")
             await parent.result(timeout=10)
@@ -216,15 +219,7 @@ async def test_a_child_never_runs_below_its_parents_priority(tmp_path: Path) -> 
 
 async def test_critical_request_preempts_running_batch_work(tmp_path: Path) -> None:
     async with MockBackend(MockSettings(tokens_per_second=25, output_tokens=40)) as mock:
-        config = parse_config(
-            {
-                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
-                "backends": {
-                    "one": {"base_url": mock.url, "model": "m", "limits": {"concurrency": 1}}
-                },
-                "routes": {"chat": {"backends": ["one"]}},
-            }
-        )
+        config = one_backend(tmp_path, mock.url, slots=1)
         async with Services(config) as services, Client(services.nc, tenant="t") as client:
             batch = await client.submit("a long batch job", route="chat", priority="batch")
             stream = batch.stream(timeout=20)
@@ -269,15 +264,7 @@ async def test_a_request_that_cannot_meet_its_deadline_is_told_before_any_call(
     tmp_path: Path,
 ) -> None:
     async with MockBackend(MockSettings(ttft=0.8, output_tokens=2)) as mock:
-        config = parse_config(
-            {
-                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
-                "backends": {
-                    "one": {"base_url": mock.url, "model": "m", "limits": {"concurrency": 8}}
-                },
-                "routes": {"chat": {"backends": ["one"]}},
-            }
-        )
+        config = one_backend(tmp_path, mock.url, slots=8)
         async with Services(config) as services, Client(services.nc, tenant="t") as client:
             warm = [await client.submit("warm up", route="chat") for _ in range(5)]
             await asyncio.gather(*(h.result(timeout=10) for h in warm))
@@ -341,13 +328,7 @@ async def test_an_idle_replica_steals_work_queued_on_a_busy_sibling(tmp_path: Pa
 
 async def test_identical_requests_share_one_backend_call(tmp_path: Path) -> None:
     async with MockBackend(MockSettings(ttft=0.3, output_tokens=6)) as mock:
-        config = parse_config(
-            {
-                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
-                "backends": {"one": {"base_url": mock.url, "model": "m"}},
-                "routes": {"chat": {"backends": ["one"]}},
-            }
-        )
+        config = one_backend(tmp_path, mock.url)
         async with Services(config) as services, Client(services.nc, tenant="t") as client:
             same = [
                 await client.submit("same question", route="chat", coalesce=True) for _ in range(3)
@@ -379,15 +360,7 @@ async def test_identical_requests_share_one_backend_call(tmp_path: Path) -> None
 
 async def test_a_shared_call_runs_at_the_most_urgent_waiters_level(tmp_path: Path) -> None:
     async with MockBackend(MockSettings(ttft=0.3, output_tokens=2)) as mock:
-        config = parse_config(
-            {
-                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
-                "backends": {
-                    "one": {"base_url": mock.url, "model": "m", "limits": {"concurrency": 1}}
-                },
-                "routes": {"chat": {"backends": ["one"]}},
-            }
-        )
+        config = one_backend(tmp_path, mock.url, slots=1)
         async with Services(config) as services, Client(services.nc, tenant="t") as client:
             blocker = await client.submit("hold the slot", route="chat", priority="critical")
             await asyncio.sleep(0.1)
