@@ -1,7 +1,7 @@
-"""Scheduling benchmark (issue #3): queue wait by priority level under overload.
+"""Scheduling benchmark (issue #3): wait by level under overload, preemption, work stealing.
 
-Run with ``make bench-scheduling`` (about 3 minutes) or
-``python bench/scheduling.py --quick`` (about a minute). Everything runs on
+Run with ``make bench-scheduling`` (about 3.5 minutes) or
+``python bench/scheduling.py --quick`` (about 1.5 minutes). Everything runs on
 loopback: an embedded nats-server, a mock LLM with a fixed service time in a
 child process, and ``Services`` (router, worker, projector) and one ``Client``
 in this process, as ``bench/pipeline.py`` and the tests run them.
@@ -28,8 +28,20 @@ the scheduling rules (``renqueue.scheduling.effective_rank``, N slots, the
 service time measured in that run, zero routing overhead): the model says what
 the rules promise; a gap between model and measurement is the implementation.
 
-Preemption and work stealing are built but not measured here yet (issue #3):
-the JSON holds a placeholder for each, no numbers.
+Two more parts, each with its own backends and runs:
+
+4. Preemption: one backend, every slot running long batch calls (plus a
+   backlog); critical requests arrive one by one. Their submit -> start, with
+   the levels' default preemption and with ``[levels.critical] preempts =
+   false``; the batch runs preempted, the tokens they had streamed (thrown
+   away), and whether everything still completed.
+5. Work stealing: two replicas of one model, one slow (ttft 1 s), one fast
+   (0.1 s). (a) Poisson traffic through the router; (b) a burst of dispatches
+   published straight to the slow replica's subject (what over-filling routers
+   leave there). Each with and without a shared ``pool`` (stealing needs one):
+   wait, each replica's calls and utilisation, ``stolen`` events.
+
+``--only ordering|preemption|stealing`` (repeatable) runs a subset.
 
 Results: a table on stdout, JSON in ``bench/results/scheduling-<UTC>.json``
 (+ ``scheduling-latest.json``) and a plot of wait by level over time in
@@ -54,11 +66,12 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -68,9 +81,27 @@ from renqueue.config import DEFAULT_PRIORITIES, Config
 from renqueue.connection import connect
 from renqueue.embedded import find_nats_server
 from renqueue.logs import configure_logging
-from renqueue.messages import EVENT_DECODER, Completed, Promoted, Routed, Started, is_terminal
+from renqueue.messages import (
+    EVENT_DECODER,
+    Completed,
+    Dispatch,
+    Preempted,
+    Promoted,
+    Routed,
+    Started,
+    Stolen,
+    TokenChunk,
+    encode,
+    is_terminal,
+)
 from renqueue.scheduling import LevelPolicy, aging_bound, effective_rank
-from renqueue.subjects import EVENTS_STREAM, REQUESTS_STREAM, router_consumer
+from renqueue.subjects import (
+    EVENTS_STREAM,
+    REQUESTS_STREAM,
+    TOKENS_STREAM,
+    dispatch_subject,
+    router_consumer,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -80,7 +111,55 @@ PROMPT = "Say something short."
 LEVELS: tuple[str, ...] = tuple(DEFAULT_PRIORITIES)
 #: Share of arrivals per level (critical 5 %, high 15 %, normal 40 %, low 20 %, batch 20 %).
 MIX: dict[str, float] = {"critical": 0.05, "high": 0.15, "normal": 0.40, "low": 0.20, "batch": 0.20}
-NOT_MEASURED = "not measured yet (issue #3): built, no scenario in this benchmark yet"
+#: The two replicas of scenario 5 (route cascade order: slow first).
+SLOW = "replica-slow"
+#: The parts of the benchmark (``--only``).
+PARTS = ("ordering", "preemption", "stealing")
+FAST = "replica-fast"
+
+
+@dataclass(frozen=True)
+class PreemptionPlan:
+    """Scenario 4: critical requests arriving while every slot runs long batch work.
+
+    ``batch_requests`` batch calls of ``batch_tokens`` at ``tokens_per_second``
+    (5 s each) are submitted at once: they fill every slot and leave a backlog
+    of one more round. ``lead`` seconds later, ``critical_requests`` critical
+    requests arrive ``critical_every`` seconds apart (all before the first
+    batch round ends), each short (``max_tokens = critical_tokens``: 0.25 s)."""
+
+    slots: int = 4
+    tokens_per_second: float = 20.0
+    batch_tokens: int = 100
+    batch_requests: int = 8
+    lead: float = 0.5
+    critical_requests: int = 10
+    critical_every: float = 0.4
+    critical_tokens: int = 5
+
+    @property
+    def batch_call(self) -> float:
+        return self.batch_tokens / self.tokens_per_second
+
+
+@dataclass(frozen=True)
+class StealingPlan:
+    """Scenario 5: two replicas of one model, one slow (``slow_ttft``), one fast.
+
+    (a) Poisson traffic at ``rate``/s for ``seconds`` through the router
+    (route cascade: slow replica first); (b) ``burst`` dispatches published
+    straight to the slow replica's subject, as over-filling routers would
+    leave them. Each with and without ``pool`` (stealing needs a pool)."""
+
+    slots: int = 4
+    slow_ttft: float = 1.0
+    fast_ttft: float = 0.1
+    output_tokens: int = 4
+    rate: float = 20.0
+    seconds: float = 6.0
+    burst: int = 24
+    seed: int = 5
+    router_path: bool = True
 
 
 @dataclass(frozen=True)
@@ -98,6 +177,8 @@ class Plan:
     #: Keep the levels' default preemption (critical preempts running low and
     #: batch work). Off by default: scenarios 1 and 3 measure ordering alone.
     preemption: bool = False
+    preempt: PreemptionPlan = field(default_factory=PreemptionPlan)
+    steal: StealingPlan = field(default_factory=StealingPlan)
 
     @property
     def nominal_capacity(self) -> float:
@@ -110,7 +191,12 @@ class Plan:
 
 
 FULL = Plan()
-QUICK = Plan(arrival_seconds=12.0, strict=False)
+QUICK = Plan(
+    arrival_seconds=12.0,
+    strict=False,
+    preempt=PreemptionPlan(batch_tokens=60, critical_requests=6),
+    steal=StealingPlan(burst=16, router_path=False),
+)
 
 
 # --------------------------------------------------------------------- helpers
@@ -214,7 +300,7 @@ from renqueue.logs import configure_logging
 from renqueue.mockbackend import MockSettings, serve
 configure_logging(level="WARNING")
 settings = MockSettings(
-    ttft=float(sys.argv[1]), tokens_per_second=0, output_tokens=int(sys.argv[2])
+    ttft=float(sys.argv[1]), tokens_per_second=float(sys.argv[3]), output_tokens=int(sys.argv[2])
 )
 def ready(url):
     print(url, flush=True)
@@ -225,15 +311,27 @@ except KeyboardInterrupt:
 """
 
 
+async def mock_calls(url: str) -> int:
+    """Chat requests the mock has received so far (its ``/stats``)."""
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        response = await http.get(url.removesuffix("/v1") + "/stats")
+        response.raise_for_status()
+        return int(response.json()["requests"])
+
+
 @contextlib.asynccontextmanager
-async def mock_process(plan: Plan) -> AsyncIterator[str]:
-    """The mock LLM (fixed ttft, all tokens at once) in its own process."""
+async def mock_process(
+    ttft: float, output_tokens: int, tokens_per_second: float = 0.0
+) -> AsyncIterator[str]:
+    """The mock LLM in its own process: fixed ttft, then ``output_tokens`` at
+    ``tokens_per_second`` (0: all at once)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
         _MOCK_CHILD,
-        str(plan.ttft),
-        str(plan.output_tokens),
+        str(ttft),
+        str(output_tokens),
+        str(tokens_per_second),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
     )
@@ -356,11 +454,16 @@ class Record:
         return None if self.started_at is None else self.started_at - self.submitted_at
 
 
-async def read_events(js: Any) -> list[Any]:
-    """Every event in the log, in order (one ephemeral pull consumer, no acks)."""
+async def read_stream(js: Any, stream: str, subject: str) -> list[bytes]:
+    """Every message of ``stream`` on ``subject``, in order (one ephemeral pull consumer,
+    no acks)."""
+    info = await js.stream_info(stream)
+    if not info.state.messages:
+        return []
+    last = int(info.state.last_seq)
     psub = await js.pull_subscribe(
-        f"rq.evt.{TENANT}.>",
-        stream=EVENTS_STREAM,
+        subject,
+        stream=stream,
         config=ConsumerConfig(
             ack_policy=AckPolicy.NONE,
             deliver_policy=DeliverPolicy.ALL,
@@ -369,9 +472,7 @@ async def read_events(js: Any) -> list[Any]:
             num_replicas=1,
         ),
     )
-    events: list[Any] = []
-    info = await js.stream_info(EVENTS_STREAM)
-    last = int(info.state.last_seq)
+    out: list[bytes] = []
     try:
         while True:
             try:
@@ -380,8 +481,7 @@ async def read_events(js: Any) -> list[Any]:
                 break
             done = False
             for msg in msgs:
-                with contextlib.suppress(msgspec.DecodeError):
-                    events.append(EVENT_DECODER.decode(msg.data))
+                out.append(msg.data)
                 meta = msg.metadata
                 if meta.num_pending == 0 or meta.sequence.stream >= last:
                     done = True
@@ -390,7 +490,28 @@ async def read_events(js: Any) -> list[Any]:
     finally:
         with contextlib.suppress(Exception):
             await psub.unsubscribe()
+    return out
+
+
+async def read_events(js: Any) -> list[Any]:
+    """Every event of the bench tenant in the log, in order."""
+    events: list[Any] = []
+    for data in await read_stream(js, EVENTS_STREAM, f"rq.evt.{TENANT}.>"):
+        with contextlib.suppress(msgspec.DecodeError):
+            events.append(EVENT_DECODER.decode(data))
     return events
+
+
+_CHUNK_DECODER = msgspec.json.Decoder(TokenChunk)
+
+
+async def read_chunks(js: Any) -> list[TokenChunk]:
+    """Every token chunk streamed to the bench tenant, in order."""
+    chunks: list[TokenChunk] = []
+    for data in await read_stream(js, TOKENS_STREAM, f"rq.tok.{TENANT}.>"):
+        with contextlib.suppress(msgspec.DecodeError):
+            chunks.append(_CHUNK_DECODER.decode(data))
+    return chunks
 
 
 async def sample_queues(js: Any, config: Config, out: list[dict[str, Any]]) -> None:
@@ -726,6 +847,368 @@ def out_of_order(records: Sequence[Record], policies: Sequence[LevelPolicy]) -> 
     }
 
 
+# ------------------------------------------------- preemption and work stealing
+
+
+@dataclass
+class RunSpan:
+    """One backend call of a request, from the event log: ``started`` to its end."""
+
+    request_id: str
+    backend: str
+    delivery: int
+    started: float
+    ended: float | None = None
+    how: str = ""  # "completed", "preempted" or another terminal kind
+
+
+def run_spans(events: Sequence[Any]) -> dict[tuple[str, int], RunSpan]:
+    """Every run (request id, delivery) with its start and how it ended."""
+    spans: dict[tuple[str, int], RunSpan] = {}
+    for event in events:
+        if isinstance(event, Started):
+            spans.setdefault(
+                (event.request_id, event.delivery),
+                RunSpan(event.request_id, event.backend, event.delivery, event.at),
+            )
+        elif isinstance(event, Preempted | Completed):
+            span = spans.get((event.request_id, event.delivery))
+            if span is not None and span.ended is None:
+                span.ended = event.at
+                span.how = "preempted" if isinstance(event, Preempted) else "completed"
+    return spans
+
+
+def bench_config(
+    data_dir: str,
+    backends: dict[str, dict[str, Any]],
+    route: list[str],
+    *,
+    levels: dict[str, dict[str, Any]] | None = None,
+    source: str,
+) -> Config:
+    """Five default levels, the given backends, one route ``chat``."""
+    return parse_config(
+        {
+            "nats": {"data_dir": data_dir, "port": -1},
+            "priorities": list(LEVELS),
+            "levels": levels or {},
+            "backends": backends,
+            "routes": {"chat": {"backends": route}},
+            "worker": {"drain_timeout": "5s"},
+        },
+        source=source,
+    )
+
+
+async def run_preemption(pp: PreemptionPlan, mock_url: str, *, preemption: bool) -> dict[str, Any]:
+    """Fill every slot with long batch calls (plus a backlog), then submit critical
+    requests one by one; follow everything to completion."""
+    key = "on" if preemption else "off"
+    # On: the defaults (critical preempts, batch preemptible). Off: critical does not.
+    levels = {} if preemption else {"critical": {"preempts": False}}
+    outcomes: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix=f"renqueue-bench-preempt-{key}-") as tmp:
+        config = bench_config(
+            tmp,
+            {BACKEND: {"base_url": mock_url, "model": "mock", "limits": {"concurrency": pp.slots}}},
+            [BACKEND],
+            levels=levels,
+            source=f"<bench:preemption-{key}>",
+        )
+        async with Services(config, name="bench") as services:
+            client_nc = await connect(services.url, name="bench-client")
+            client = Client(client_nc, tenant=TENANT)
+            try:
+                warm = [
+                    await client.submit(PROMPT, route="chat", priority="critical", max_tokens=1)
+                    for _ in range(pp.slots * 2)
+                ]
+                await asyncio.gather(*(handle.result(timeout=30) for handle in warm))
+
+                async def follow(request_id: str, handle: Any) -> None:
+                    try:
+                        result = await handle.result(timeout=300)
+                        outcomes[request_id] = (
+                            "completed" if result.usage.completion_tokens else "empty"
+                        )
+                    except Exception as exc:  # noqa: BLE001 - counted and shown
+                        outcomes[request_id] = type(exc).__name__
+
+                calls_before = await mock_calls(mock_url)
+                start = time.time()
+                batch: dict[str, float] = {}
+                tasks: list[asyncio.Task[None]] = []
+                for _ in range(pp.batch_requests):
+                    request = client.build_request(PROMPT, route="chat", priority="batch")
+                    batch[request.id] = request.submitted_at
+                    handle = await client.submit_request(request)
+                    tasks.append(asyncio.create_task(follow(request.id, handle)))
+                critical: dict[str, float] = {}
+                for index in range(pp.critical_requests):
+                    delay = start + pp.lead + index * pp.critical_every - time.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    request = client.build_request(
+                        PROMPT, route="chat", priority="critical", max_tokens=pp.critical_tokens
+                    )
+                    critical[request.id] = request.submitted_at
+                    handle = await client.submit_request(request)
+                    tasks.append(asyncio.create_task(follow(request.id, handle)))
+                await asyncio.gather(*tasks)
+                drained = time.time()
+                calls = await mock_calls(mock_url) - calls_before
+                events = await read_events(services.js)
+                chunks = await read_chunks(services.js)
+            finally:
+                await client.close()
+                await client_nc.drain()
+    raw = {"start": start, "drained": drained, "backend_calls": calls}
+    return analyse_preemption(pp, preemption, raw, batch, critical, outcomes, events, chunks)
+
+
+def analyse_preemption(
+    pp: PreemptionPlan,
+    preemption: bool,
+    raw: dict[str, float],
+    batch: dict[str, float],
+    critical: dict[str, float],
+    outcomes: dict[str, str],
+    events: Sequence[Any],
+    chunks: Sequence[TokenChunk],
+) -> dict[str, Any]:
+    start = raw["start"]
+    spans = run_spans(events)
+    first_start: dict[str, float] = {}
+    for span in sorted(spans.values(), key=lambda span: span.started):
+        first_start.setdefault(span.request_id, span.started)
+    waits = {rid: first_start[rid] - at for rid, at in critical.items() if rid in first_start}
+    batch_spans = [span for span in spans.values() if span.request_id in batch]
+
+    def batch_running(t: float) -> int:
+        return sum(
+            1
+            for span in batch_spans
+            if span.started <= t and (span.ended is None or span.ended > t)
+        )
+
+    preempted = [e for e in events if isinstance(e, Preempted) and e.request_id in batch]
+    lost_runs = {(e.request_id, e.delivery) for e in preempted}
+    tokens_by_run: dict[tuple[str, int], int] = {}
+    for chunk in chunks:
+        if chunk.text:
+            run = (chunk.request_id, chunk.delivery)
+            tokens_by_run[run] = tokens_by_run.get(run, 0) + 1
+    lost_tokens = sum(tokens_by_run.get(run, 0) for run in lost_runs)
+    lost_seconds = sum(
+        e.at - spans[(e.request_id, e.delivery)].started
+        for e in preempted
+        if (e.request_id, e.delivery) in spans
+    )
+    completed = {e.request_id: e for e in events if isinstance(e, Completed)}
+    batch_full = sum(
+        1
+        for rid in batch
+        if rid in completed and completed[rid].usage.completion_tokens == pp.batch_tokens
+    )
+    batch_done = [completed[rid].at for rid in batch if rid in completed]
+    served_tokens = sum(tokens_by_run.values())
+    preemptors = {e.by for e in preempted}
+    return {
+        "title": "preemption on (defaults: critical preempts, batch preemptible)"
+        if preemption
+        else "preemption off ([levels.critical] preempts = false)",
+        "levels": {} if preemption else {"critical": {"preempts": False}},
+        "requests": len(batch) + len(critical),
+        "outcomes": _count(outcomes.values()),
+        "all_completed": all(v == "completed" for v in outcomes.values())
+        and len(outcomes) == len(batch) + len(critical),
+        "critical_wait": summary(list(waits.values())),
+        "critical_series": [
+            {"t": round(at - start, 3), "wait": round(waits[rid], 4) if rid in waits else None}
+            for rid, at in sorted(critical.items(), key=lambda item: item[1])
+        ],
+        "batch_running_at_critical_submit_min": min(
+            (batch_running(at) for at in critical.values()), default=0
+        ),
+        "criticals_that_preempted": len(preemptors & set(critical)),
+        "preempted_runs": len(preempted),
+        "preempted_requests": len({e.request_id for e in preempted}),
+        "preemptions_of_one_request_max": max(
+            _count(e.request_id for e in preempted).values(), default=0
+        ),
+        "lost_tokens": lost_tokens,
+        "lost_slot_seconds": lost_seconds,
+        "tokens_streamed": served_tokens,
+        "batch_tokens_needed": pp.batch_requests * pp.batch_tokens,
+        "batch_completed_full": batch_full,
+        "batch_last_completed_s": max(batch_done) - start if batch_done else float("nan"),
+        "backend_calls": int(raw["backend_calls"]),
+        "total_seconds": raw["drained"] - start,
+    }
+
+
+def steal_trace(sp: StealingPlan) -> list[float]:
+    """Poisson arrival offsets at ``sp.rate`` for ``sp.seconds`` (seeded)."""
+    rng = random.Random(sp.seed)
+    out: list[float] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(sp.rate)
+        if t >= sp.seconds:
+            return out
+        out.append(t)
+
+
+async def run_stealing(
+    sp: StealingPlan, urls: dict[str, str], *, pool: bool, burst: bool
+) -> dict[str, Any]:
+    """Two replicas (slow first in the route); traffic through the router, or a burst
+    of dispatches bound to the slow one. ``pool`` puts both in one pool."""
+    key = f"{'burst' if burst else 'router'}-{'pool' if pool else 'nopool'}"
+    backends = {
+        name: {
+            "base_url": urls[name],
+            "model": "mock",
+            "limits": {"concurrency": sp.slots},
+            **({"pool": "bench-pool"} if pool else {}),
+        }
+        for name in (SLOW, FAST)
+    }
+    outcomes: dict[str, str] = {}
+    submitted: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix=f"renqueue-bench-steal-{key}-") as tmp:
+        config = bench_config(tmp, backends, [SLOW, FAST], source=f"<bench:stealing-{key}>")
+        async with Services(config, name="bench") as services:
+            client_nc = await connect(services.url, name="bench-client")
+            client = Client(client_nc, tenant=TENANT)
+            try:
+                # Warm-up through the router: fills the slow replica, then the fast one.
+                warm = [await client.submit(PROMPT, route="chat") for _ in range(sp.slots * 2)]
+                await asyncio.gather(*(handle.result(timeout=30) for handle in warm))
+
+                async def follow(request_id: str, handle: Any) -> None:
+                    try:
+                        result = await handle.result(timeout=300)
+                        outcomes[request_id] = "completed" if result.text else "empty"
+                    except Exception as exc:  # noqa: BLE001 - counted and shown
+                        outcomes[request_id] = type(exc).__name__
+
+                tasks: list[asyncio.Task[None]] = []
+                calls_before = {name: await mock_calls(urls[name]) for name in (SLOW, FAST)}
+                start = time.time()
+                if burst:
+                    # As several routers over-filling the slow replica would leave it:
+                    # its slots busy, the rest waiting on its subject.
+                    for _ in range(sp.burst):
+                        request = client.build_request(PROMPT, route="chat")
+                        submitted[request.id] = request.submitted_at
+                        await client.js.publish(
+                            dispatch_subject(SLOW),
+                            encode(Dispatch(request=request, backend=SLOW)),
+                            headers={"Nats-Msg-Id": f"{request.id}:dispatch:1"},
+                        )
+                        handle = client.handle(request.id)
+                        tasks.append(asyncio.create_task(follow(request.id, handle)))
+                else:
+                    for offset in steal_trace(sp):
+                        delay = start + offset - time.time()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                        request = client.build_request(PROMPT, route="chat")
+                        submitted[request.id] = request.submitted_at
+                        handle = await client.submit_request(request)
+                        tasks.append(asyncio.create_task(follow(request.id, handle)))
+                await asyncio.gather(*tasks)
+                drained = time.time()
+                calls = {
+                    name: await mock_calls(urls[name]) - calls_before[name] for name in (SLOW, FAST)
+                }
+                events = await read_events(services.js)
+            finally:
+                await client.close()
+                await client_nc.drain()
+    raw = {"start": start, "drained": drained, "backend_calls": calls}
+    return analyse_stealing(sp, pool, burst, raw, submitted, outcomes, events)
+
+
+def analyse_stealing(
+    sp: StealingPlan,
+    pool: bool,
+    burst: bool,
+    raw: dict[str, Any],
+    submitted: dict[str, float],
+    outcomes: dict[str, str],
+    events: Sequence[Any],
+) -> dict[str, Any]:
+    start: float = raw["start"]
+    drained: float = raw["drained"]
+    mine = [e for e in events if e.request_id in submitted]
+    spans = run_spans(mine)
+    first_start: dict[str, float] = {}
+    for span in sorted(spans.values(), key=lambda span: span.started):
+        first_start.setdefault(span.request_id, span.started)
+    completed = {e.request_id: e for e in mine if isinstance(e, Completed)}
+    routed = {e.request_id: e.backend for e in mine if isinstance(e, Routed)}
+    stolen = [e for e in mine if isinstance(e, Stolen)]
+    end = max((e.at for e in completed.values()), default=drained)
+    window = max(end - start, 1e-9)
+    replicas: dict[str, Any] = {}
+    for name in (SLOW, FAST):
+        done = [e for e in completed.values() if e.backend == name]
+        busy = sum(
+            e.at - spans[(e.request_id, e.delivery)].started
+            for e in done
+            if (e.request_id, e.delivery) in spans
+        )
+        replicas[name] = {
+            "bound": sum(1 for backend in routed.values() if backend == name)
+            if not burst
+            else (len(submitted) if name == SLOW else 0),
+            "calls": len(done),
+            "backend_calls": raw["backend_calls"][name],
+            "busy_slot_seconds": busy,
+            "utilisation": busy / (sp.slots * window),
+            "calls_per_s": len(done) / window,
+        }
+    waits = [first_start[rid] - at for rid, at in submitted.items() if rid in first_start]
+    latency = [completed[rid].at - at for rid, at in submitted.items() if rid in completed]
+    series = sorted(
+        (
+            {
+                "t": round(at - start, 4),
+                "wait": round(first_start[rid] - at, 4) if rid in first_start else None,
+                "backend": completed[rid].backend if rid in completed else None,
+            }
+            for rid, at in submitted.items()
+        ),
+        key=lambda row: row["t"] or 0.0,
+    )
+    return {
+        "title": ("burst bound to the slow replica" if burst else "router path")
+        + (", pool (stealing)" if pool else ", no pool"),
+        "pool": pool,
+        "requests": len(submitted),
+        "outcomes": _count(outcomes.values()),
+        "all_completed": all(v == "completed" for v in outcomes.values())
+        and len(outcomes) == len(submitted),
+        "wait": summary(waits),
+        "latency": summary(latency),
+        "stolen_events": len(stolen),
+        # Stolen, but the sibling's worker had received the original first: the
+        # thief's copy stepped back (same `started` id), the request ran where it was.
+        "stolen_but_ran_on_sibling": sum(
+            1
+            for e in stolen
+            if e.request_id in completed and completed[e.request_id].backend == e.from_backend
+        ),
+        "stolen_pairs": _count(f"{e.from_backend}->{e.to_backend}" for e in stolen),
+        "window_s": window,
+        "replicas": replicas,
+        "series": series,
+    }
+
+
 # ---------------------------------------------------------------------- plot
 
 COLOURS = {
@@ -739,17 +1222,53 @@ MARKERS = {"critical": "o", "high": "^", "normal": "s", "low": "D", "batch": "v"
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """One panel per scenario: wait (log) against submit time, one colour/marker per level."""
+    """Top row: one panel per ordering scenario (wait, log, against submit time, one
+    colour/marker per level). Bottom row: preemption, work stealing (burst), replica
+    utilisation."""
     import matplotlib  # noqa: PLC0415 - a dev extra, only needed here
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    rows = [
+        part
+        for part, present in (
+            ("ordering", bool(report["scenarios"])),
+            ("extra", "preemption" in report or "work_stealing" in report),
+        )
+        if present
+    ]
+    if not rows:
+        return
+    columns = max(3, len(report["scenarios"]))
+    heights = {"ordering": 5.6, "extra": 4.6}
+    fig = plt.figure(
+        figsize=(6.2 * columns, sum(heights[row] for row in rows)), layout="constrained"
+    )
+    subfigs = fig.subfigures(
+        len(rows), 1, height_ratios=[heights[row] for row in rows], squeeze=False
+    )[:, 0]
+    for subfig, row in zip(subfigs, rows, strict=True):
+        if row == "ordering":
+            plot_ordering(subfig, report)
+        else:
+            axes = subfig.subplots(1, 3, squeeze=False)[0]
+            plot_preemption(axes[0], report.get("preemption"))
+            plot_stealing(axes[1], report.get("work_stealing"))
+            plot_utilisation(axes[2], report.get("work_stealing"))
+            subfig.suptitle(
+                "Preemption (4) and work stealing (5): separate runs, own backends",
+                fontsize=10,
+            )
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_ordering(subfig: Any, report: dict[str, Any]) -> None:
     from matplotlib.lines import Line2D  # noqa: PLC0415
 
     runs = report["scenarios"]
-    fig, axes = plt.subplots(
-        1, len(runs), figsize=(6.2 * len(runs), 5.4), sharey=True, squeeze=False
-    )
+    axes = subfig.subplots(1, len(runs), sharey=True, squeeze=False)
     plan = report["plan"]
     for ax, (key, run) in zip(axes[0], runs.items(), strict=True):
         series = run["series"]
@@ -799,15 +1318,132 @@ def plot(report: dict[str, Any], path: Path) -> None:
     handles.append(Line2D([0], [0], color="black", linestyle="--", linewidth=0.9))
     labels.append("aging bound B of the level\n(competes at the top after B)")
     axes[0][0].legend(handles, labels, loc="lower right", fontsize=8, markerscale=2)
-    fig.suptitle(
+    subfig.suptitle(
         f"Ren-Queue scheduling: {plan['slots']} slots x {plan['ttft']}s service, arrivals "
         f"{plan['arrival_rate']:.0f}/s ({plan['overload']:.0f}x nominal capacity) for "
         f"{plan['arrival_seconds']:.0f}s, same trace in every panel  ({report['timestamp']})",
         fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+
+def plot_preemption(ax: Any, section: dict[str, Any] | None) -> None:
+    """Critical submit -> start against submit time, with and without preemption."""
+    if section is None:
+        ax.set_axis_off()
+        return
+    pp = section["plan"]
+    style = {"on": ("#d62728", "o", "with preemption"), "off": ("#7f7f7f", "^", "without")}
+    for key, run in section["runs"].items():
+        colour, marker, label = style[key]
+        points = [(p["t"], p["wait"]) for p in run["critical_series"] if p["wait"] is not None]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            wait = run["critical_wait"]
+            ax.plot(
+                xs,
+                ys,
+                marker=marker,
+                color=colour,
+                linestyle="-",
+                linewidth=0.8,
+                label=f"{label}: p50 {wait['p50_s']:.2f}s, max {wait['max_s']:.2f}s"
+                + (
+                    f"\n  ({run['preempted_runs']} batch runs preempted, "
+                    f"{run['lost_tokens']} tokens lost)"
+                    if key == "on"
+                    else ""
+                ),
+            )
+    ax.axhline(
+        pp["batch_tokens"] / pp["tokens_per_second"],
+        color="grey",
+        linestyle=":",
+        linewidth=1,
+        label="one batch call",
+    )
+    ax.set_xlabel("critical submit time since the batch burst (s)")
+    ax.set_ylabel("critical: started.at - submitted_at (s)")
+    ax.set_title(
+        f"4. critical requests while {pp['slots']} slots run batch calls of "
+        f"{pp['batch_tokens'] / pp['tokens_per_second']:g}s",
+        fontsize=9,
+    )
+    ax.set_ylim(0, pp["batch_tokens"] / pp["tokens_per_second"] * 1.25)
+    ax.grid(True, alpha=0.25)
+    ax.legend(fontsize=8, loc="upper right")
+
+
+def plot_stealing(ax: Any, section: dict[str, Any] | None) -> None:
+    """Wait of each request of the burst bound to the slow replica, with and without a pool."""
+    if section is None or "burst_pool" not in section["runs"]:
+        ax.set_axis_off()
+        return
+    sp = section["plan"]
+    for key, colour, marker, label in (
+        ("burst_no_pool", "#7f7f7f", "^", "no pool"),
+        ("burst_pool", "#1f77b4", "o", "pool (stealing)"),
+    ):
+        run = section["runs"][key]
+        waits = [p["wait"] for p in run["series"] if p["wait"] is not None]
+        wait = run["wait"]
+        ax.plot(
+            range(1, len(waits) + 1),
+            waits,
+            marker=marker,
+            color=colour,
+            linestyle="",
+            markersize=4,
+            label=f"{label}: p50 {wait['p50_s']:.2f}s, p95 {wait['p95_s']:.2f}s"
+            + (f", {run['stolen_events']} stolen" if run["pool"] else ""),
+        )
+    ax.set_xlabel(f"request of the burst (published in this order to {SLOW})")
+    ax.set_ylabel("started.at - submitted_at (s)")
+    ax.set_title(
+        f"5b. {sp['burst']} dispatches bound to the slow replica "
+        f"(ttft {sp['slow_ttft']:g}s vs {sp['fast_ttft']:g}s, {sp['slots']} slots each)",
+        fontsize=9,
+    )
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.25)
+    ax.legend(fontsize=8, loc="upper left")
+
+
+def plot_utilisation(ax: Any, section: dict[str, Any] | None) -> None:
+    """Each replica's utilisation per stealing run, calls served on top of each bar."""
+    if section is None:
+        ax.set_axis_off()
+        return
+    runs = section["runs"]
+    keys = list(runs)
+    width = 0.38
+    for offset, name, colour in ((-width / 2, SLOW, "#9467bd"), (width / 2, FAST, "#2ca02c")):
+        values = [runs[key]["replicas"][name]["utilisation"] * 100 for key in keys]
+        bars = ax.bar(
+            [index + offset for index in range(len(keys))],
+            values,
+            width,
+            color=colour,
+            label=name,
+        )
+        for bar, key in zip(bars, keys, strict=True):
+            ax.text(
+                bar.get_x() + bar.get_width() / 2,
+                bar.get_height() + 1,
+                f"{runs[key]['replicas'][name]['calls']}",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+    ax.set_xticks(
+        range(len(keys)),
+        [key.replace("_", "\n", 1).replace("_", " ") for key in keys],
+        fontsize=8,
+    )
+    ax.set_ylim(0, 115)
+    ax.set_ylabel("utilisation: busy slot-s / (slots x window) (%)")
+    ax.set_title("5. replica utilisation (number on bar: calls served)", fontsize=9)
+    ax.grid(True, axis="y", alpha=0.25)
+    ax.legend(fontsize=8, loc="upper right")
 
 
 # ---------------------------------------------------------------------- report
@@ -880,10 +1516,75 @@ def print_report(report: dict[str, Any]) -> None:
         )
         if run["errors"]:
             print(f"  errors: {run['errors']}")
-    print()
-    for name, entry in report["not_measured"].items():
-        print(f"{name}: {entry['status']}")
+    if "preemption" in report:
+        print_preemption(report["preemption"])
+    if "work_stealing" in report:
+        print_stealing(report["work_stealing"])
     print("\n" + "\n".join(f"  {line}" for line in report["reading"]))
+
+
+def print_preemption(section: dict[str, Any]) -> None:
+    pp = section["plan"]
+    batch_call = pp["batch_tokens"] / pp["tokens_per_second"]
+    print(
+        f"\n4. Preemption: 1 backend x {pp['slots']} slots; {pp['batch_requests']} batch calls "
+        f"of {pp['batch_tokens']} tokens at {pp['tokens_per_second']:g} tok/s ({batch_call:g} s "
+        f"each) submitted at once; from +{pp['lead']:g} s, {pp['critical_requests']} critical "
+        f"requests {pp['critical_every']:g} s apart ({pp['critical_tokens']} tokens each)"
+    )
+    print(
+        f"  {'preemption':<10} {'crit p50 s':>10} {'p95 s':>6} {'max s':>6} {'batch busy':>10}"
+        f" {'preempted':>9} {'requests':>8} {'lost tok':>8} {'lost slot-s':>11}"
+        f" {'batch done s':>12} {'calls':>5} {'all done':>8}"
+    )
+    for key, run in section["runs"].items():
+        wait = run["critical_wait"]
+        print(
+            f"  {key:<10} {wait['p50_s']:>10.2f} {wait['p95_s']:>6.2f} {wait['max_s']:>6.2f}"
+            f" {run['batch_running_at_critical_submit_min']:>10}"
+            f" {run['preempted_runs']:>9} {run['preempted_requests']:>8}"
+            f" {run['lost_tokens']:>8} {run['lost_slot_seconds']:>11.2f}"
+            f" {run['batch_last_completed_s']:>12.1f} {run['backend_calls']:>5}"
+            f" {'yes' if run['all_completed'] else 'NO':>8}"
+        )
+    print(
+        "  crit = submit -> first `started` of each critical request; batch busy = fewest batch "
+        "runs in progress when a critical request was submitted; lost tok = tokens streamed by "
+        "preempted runs (thrown away); batch done = last batch completion after the burst; "
+        "calls = chat calls the mock received (requests + preempted runs if none is repeated)"
+    )
+
+
+def print_stealing(section: dict[str, Any]) -> None:
+    sp = section["plan"]
+    print(
+        f"\n5. Work stealing: 2 replicas x {sp['slots']} slots, {SLOW} ttft {sp['slow_ttft']:g} s, "
+        f"{FAST} ttft {sp['fast_ttft']:g} s (route: slow first); (a) router path: Poisson "
+        f"{sp['rate']:g}/s for {sp['seconds']:g} s; (b) burst: {sp['burst']} dispatches "
+        f"published to {SLOW}'s subject"
+    )
+    print(
+        f"  {'run':<16} {'n':>4} {'wait p50':>8} {'p95':>6} {'max':>6} {'lat p95':>7}"
+        f" {'stolen':>6} {'slow calls':>10} {'util':>5} {'fast calls':>10} {'util':>5}"
+        f" {'window s':>8} {'calls':>5} {'all done':>8}"
+    )
+    for key, run in section["runs"].items():
+        wait = run["wait"]
+        slow, fast = run["replicas"][SLOW], run["replicas"][FAST]
+        print(
+            f"  {key:<16} {run['requests']:>4} {wait['p50_s']:>8.2f} {wait['p95_s']:>6.2f}"
+            f" {wait['max_s']:>6.2f} {run['latency']['p95_s']:>7.2f} {run['stolen_events']:>6}"
+            f" {slow['calls']:>10} {slow['utilisation']:>5.0%} {fast['calls']:>10}"
+            f" {fast['utilisation']:>5.0%} {run['window_s']:>8.1f}"
+            f" {slow['backend_calls'] + fast['backend_calls']:>5}"
+            f" {'yes' if run['all_completed'] else 'NO':>8}"
+        )
+    print(
+        "  wait = submit -> first `started`; lat = submit -> `completed`; util = busy slot-"
+        "seconds (started -> completed of the completing run) / (slots x window); window = "
+        "first submit -> last completion; calls = chat calls both mocks received (= n: no "
+        "request called twice)"
+    )
 
 
 def reading(report: dict[str, Any]) -> list[str]:
@@ -930,6 +1631,43 @@ def reading(report: dict[str, Any]) -> list[str]:
             "the rules put first (see README: a slot freed during a dispatch round goes to "
             "the request the round is looking at)."
         )
+    if "preemption" in report:
+        on, off = (report["preemption"]["runs"][k] for k in ("on", "off"))
+        pp = report["preemption"]["plan"]
+        out.append(
+            f"preemption: critical submit->start p50 {on['critical_wait']['p50_s']:.2f}s / max "
+            f"{on['critical_wait']['max_s']:.2f}s with preemption, "
+            f"{off['critical_wait']['p50_s']:.2f}s / {off['critical_wait']['max_s']:.2f}s "
+            f"without (a batch call is {pp['batch_tokens'] / pp['tokens_per_second']:g}s); "
+            f"cost: {on['preempted_runs']} batch runs preempted ({on['preempted_requests']} "
+            f"requests), {on['lost_tokens']} tokens thrown away "
+            f"({on['lost_tokens'] / on['batch_tokens_needed']:.1%} of the batch work), last "
+            f"batch done at {on['batch_last_completed_s']:.1f}s vs "
+            f"{off['batch_last_completed_s']:.1f}s; every request completed: "
+            f"{'yes' if on['all_completed'] and off['all_completed'] else 'NO'}."
+        )
+    if "work_stealing" in report:
+        runs = report["work_stealing"]["runs"]
+        for mode in ("router", "burst"):
+            if f"{mode}_pool" not in runs:
+                continue
+            pool, nopool = runs[f"{mode}_pool"], runs[f"{mode}_no_pool"]
+            out.append(
+                f"work stealing, {mode}: wait p95 {nopool['wait']['p95_s']:.2f}s without a pool, "
+                f"{pool['wait']['p95_s']:.2f}s with ({pool['stolen_events']} stolen); calls "
+                f"slow/fast {nopool['replicas'][SLOW]['calls']}/{nopool['replicas'][FAST]['calls']}"
+                f" vs {pool['replicas'][SLOW]['calls']}/{pool['replicas'][FAST]['calls']}; "
+                f"utilisation slow/fast {nopool['replicas'][SLOW]['utilisation']:.0%}/"
+                f"{nopool['replicas'][FAST]['utilisation']:.0%} vs "
+                f"{pool['replicas'][SLOW]['utilisation']:.0%}/"
+                f"{pool['replicas'][FAST]['utilisation']:.0%}."
+                + (
+                    f" {pool['stolen_but_ran_on_sibling']} stolen request(s) ran on the slow "
+                    "replica anyway (its worker had the original first; the copy stepped back)."
+                    if pool.get("stolen_but_ran_on_sibling")
+                    else ""
+                )
+            )
     return out
 
 
@@ -939,17 +1677,19 @@ def reading(report: dict[str, Any]) -> list[str]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = QUICK if args.quick else FULL
     if args.seconds:
-        plan = Plan(**{**asdict(plan), "arrival_seconds": args.seconds})
+        plan = replace(plan, arrival_seconds=args.seconds)
     if args.no_strict:
-        plan = Plan(**{**asdict(plan), "strict": False})
+        plan = replace(plan, strict=False)
     if args.preemption:
-        plan = Plan(**{**asdict(plan), "preemption": True})
+        plan = replace(plan, preemption=True)
+    parts = set(args.only or PARTS)
     trace = arrival_trace(plan)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     report: dict[str, Any] = {
         "benchmark": "scheduling",
         "timestamp": stamp,
         "mode": "quick" if args.quick else "full",
+        "parts": sorted(parts),
         "plan": {
             **asdict(plan),
             "nominal_capacity": plan.nominal_capacity,
@@ -964,26 +1704,35 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "scenarios": {},
     }
     began = time.perf_counter()
-    items = scenarios(plan)
-    async with mock_process(plan) as mock_url:
-        for index, scenario in enumerate(items, 1):
-            print(f"{index}/{len(items)} {scenario.title} ...", flush=True)
-            raw = await run_scenario(scenario, plan, trace, mock_url)
-            report["scenarios"][scenario.key] = analyse(raw, plan, scenario)
-    report["not_measured"] = {
-        "preemption": {
-            "status": NOT_MEASURED,
-            "built": "yes (e101fa8: an urgent request takes a slot from running batch work)",
-            "what": "urgent arrivals preempting running low/batch work: their wait, the "
-            "service time thrown away, throughput. Scenarios 1 and 3 run with preemption "
-            "off unless --preemption.",
-        },
-        "work_stealing": {
-            "status": NOT_MEASURED,
-            "built": "yes (c5a4f8f: an idle replica takes work queued on a busy pool sibling)",
-            "what": "an idle backend taking work queued on a busy sibling (needs two backends)",
-        },
-    }
+    if "ordering" in parts:
+        items = scenarios(plan)
+        async with mock_process(plan.ttft, plan.output_tokens) as mock_url:
+            for index, scenario in enumerate(items, 1):
+                print(f"{index}/{len(items)} {scenario.title} ...", flush=True)
+                raw = await run_scenario(scenario, plan, trace, mock_url)
+                report["scenarios"][scenario.key] = analyse(raw, plan, scenario)
+    if "preemption" in parts:
+        pp = plan.preempt
+        runs: dict[str, Any] = {}
+        async with mock_process(0.0, pp.batch_tokens, pp.tokens_per_second) as mock_url:
+            for key, on in (("on", True), ("off", False)):
+                print(f"preemption {key} ...", flush=True)
+                runs[key] = await run_preemption(pp, mock_url, preemption=on)
+        report["preemption"] = {"plan": asdict(pp), "runs": runs}
+    if "stealing" in parts:
+        sp = plan.steal
+        stealing: dict[str, Any] = {}
+        async with (
+            mock_process(sp.slow_ttft, sp.output_tokens) as slow_url,
+            mock_process(sp.fast_ttft, sp.output_tokens) as fast_url,
+        ):
+            urls = {SLOW: slow_url, FAST: fast_url}
+            for burst in (False, True) if sp.router_path else (True,):
+                for pool in (False, True):
+                    key = f"{'burst' if burst else 'router'}_{'pool' if pool else 'no_pool'}"
+                    print(f"work stealing {key} ...", flush=True)
+                    stealing[key] = await run_stealing(sp, urls, pool=pool, burst=burst)
+        report["work_stealing"] = {"plan": asdict(sp), "runs": stealing}
     report["reading"] = reading(report)
     report["total_seconds"] = time.perf_counter() - began
     return report
@@ -991,13 +1740,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="12 s of arrivals, no strict run")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="12 s of arrivals, no strict run; shorter preemption run, stealing burst only",
+    )
     parser.add_argument("--seconds", type=float, default=0.0, help="arrival window (s)")
     parser.add_argument("--no-strict", action="store_true", help="skip the strict-priority run")
     parser.add_argument(
         "--preemption",
         action="store_true",
         help="keep the levels' default preemption in the priority runs (off: ordering alone)",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=PARTS,
+        help="run only this part (repeatable): ordering (1-3), preemption (4), stealing (5)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write JSON + PNG")
     args = parser.parse_args()
