@@ -73,7 +73,9 @@ from .scheduling import (
 from .subjects import (
     DISPATCH_STREAM,
     EVENTS_STREAM,
+    FETCH_TIMEOUT,
     REQUESTS_STREAM,
+    SHUTDOWN_NAK_DELAY,
     boost_subject,
     capacity_subject,
     dispatch_subject,
@@ -323,7 +325,7 @@ class Router:
         for held in self._held.values():
             while held:
                 with contextlib.suppress(Exception):
-                    await held.popleft().msg.nak()
+                    await held.popleft().msg.nak(delay=SHUTDOWN_NAK_DELAY)
         log.info("router stopped", router=self._name, routed=self.routed)
 
     async def _on_freed(self, msg: Any) -> None:
@@ -344,7 +346,7 @@ class Router:
                 await self._room[level].wait()
                 continue
             try:
-                msgs = await psub.fetch(batch=min(room, batch), timeout=1.0)
+                msgs = await psub.fetch(batch=min(room, batch), timeout=FETCH_TIMEOUT)
             except (TimeoutError, NatsTimeoutError):
                 continue
             except Exception as exc:  # noqa: BLE001 - a broker hiccup must not kill the loop

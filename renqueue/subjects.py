@@ -27,7 +27,9 @@ __all__ = [
     "DISPATCH_STREAM",
     "DLQ_STREAM",
     "EVENTS_STREAM",
+    "FETCH_TIMEOUT",
     "REQUESTS_STREAM",
+    "SHUTDOWN_NAK_DELAY",
     "STATE_BUCKET",
     "TOKENS_STREAM",
     "boost_subject",
@@ -51,6 +53,16 @@ TOKENS_STREAM: Final = "RQ_TOKENS"
 DLQ_STREAM: Final = "RQ_DLQ"
 ADVISORIES_STREAM: Final = "RQ_ADVISORIES"
 STATE_BUCKET: Final = "rq-state"
+
+
+#: Seconds a pull (fetch) waits at the server. Kept short: a waiting pull whose
+#: client went away still receives messages until it expires (DESIGN.md).
+FETCH_TIMEOUT: Final = 1.0
+
+#: Delay of the naks given at shutdown: past the expiry of any pull the
+#: stopping process left at the server, so the message is not redelivered into
+#: it (where it would sit out a whole ack_wait).
+SHUTDOWN_NAK_DELAY: Final = FETCH_TIMEOUT + 0.5
 
 
 def request_subject(priority: str, tenant: str) -> str:

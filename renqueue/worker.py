@@ -60,6 +60,8 @@ from .messages import (
 from .scheduling import choose_victim
 from .subjects import (
     DISPATCH_STREAM,
+    FETCH_TIMEOUT,
+    SHUTDOWN_NAK_DELAY,
     capacity_subject,
     dispatch_subject,
     preempt_subject,
@@ -209,7 +211,7 @@ class Worker:
                 await self._slot_freed.wait()
                 continue
             try:
-                msgs = await psub.fetch(batch=free, timeout=1.0)
+                msgs = await psub.fetch(batch=free, timeout=FETCH_TIMEOUT)
             except (TimeoutError, NatsTimeoutError):
                 continue
             except Exception as exc:  # noqa: BLE001 - a broker hiccup must not kill the loop
@@ -314,7 +316,7 @@ class Worker:
                 await self._run(msg, dispatch)
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):
-                    await msg.nak()
+                    await msg.nak(delay=SHUTDOWN_NAK_DELAY)
                 raise
             except Exception as exc:  # noqa: BLE001 - one request must never kill the worker
                 await self._unexpected(msg, dispatch, exc)

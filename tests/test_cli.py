@@ -24,6 +24,9 @@ def write_config(tmp_path: Path, backend_url: str, *, slots: int = 4) -> Path:
     file = tmp_path / "renqueue.toml"
     file.write_text(
         f'[nats]\ndata_dir = "{tmp_path / "data"}"\nport = -1\n'
+        # Router ack_wait far above the waits below: a request the stopping
+        # router failed to hand back would sit it out and fail the test.
+        f'[router]\nack_wait = "60s"\n'
         f'[worker]\ndrain_timeout = "500ms"\nack_wait = "2s"\n'
         f'[backends.mock]\nbase_url = "{backend_url}"\nmodel = "mock"\n'
         f"[backends.mock.limits]\nconcurrency = {slots}\n"
@@ -126,7 +129,7 @@ async def test_sigterm_with_requests_in_flight_loses_nothing(tmp_path: Path) -> 
         # Nothing was acked that did not finish: a restart completes every request.
         async with renqueue_up(config) as (_proc, url):
             client = await Client.connect(url, tenant="t")
-            results = [await client.handle(rid).result(timeout=60) for rid in ids]
+            results = [await client.handle(rid).result(timeout=20) for rid in ids]
             await client.close()
     assert all(r.usage.completion_tokens == 20 for r in results)
     assert len({r.request_id for r in results}) == 6
