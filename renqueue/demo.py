@@ -161,11 +161,6 @@ async def _run(client: Client, config: Config, count: int, rng: random.Random, o
     took = time.monotonic() - started
     print(f"  submitted {count} requests (+1 to an unknown route) in {took:.2f}s")
 
-    print("\nStreaming three requests live (critical first, batch waits its turn):")
-    live = [next(s for s in submitted if s[0] == level) for level in ("critical", "high", "batch")]
-    for priority, route, _t, handle in live:
-        await _stream_live(handle, f"{priority} {route}")
-
     results: dict[str, Result | RequestFailedError] = {}
     latencies: dict[str, list[float]] = defaultdict(list)
 
@@ -176,7 +171,15 @@ async def _run(client: Client, config: Config, count: int, rng: random.Random, o
         except RequestFailedError as exc:
             results[handle.id] = exc
 
+    # Follow every result from now on, so latencies are measured as they end,
+    # also while three of them stream to the terminal.
     waiters = [asyncio.create_task(wait(p, t, h)) for p, _r, t, h in submitted]
+
+    print("\nStreaming three requests live (critical first, batch waits its turn):")
+    live = [next(s for s in submitted if s[0] == level) for level in ("critical", "high", "batch")]
+    for priority, route, _t, handle in live:
+        await _stream_live(handle, f"{priority} {route}")
+
     progress = asyncio.create_task(_progress(results, count, out))
     timed_out = False
     try:

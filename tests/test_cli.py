@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from renqueue import Client
+from renqueue.demo import run_demo
 from renqueue.mockbackend import MockBackend, MockSettings
 
 ROOT = Path(__file__).parents[1]
@@ -159,3 +160,13 @@ async def test_bad_config_file_names_the_field(tmp_path: Path) -> None:
     code, _out, err = await run("-m", "renqueue", "-c", str(config), "up")
     assert code == 2
     assert "$.backends.a.limits.concurrency" in err
+
+
+async def test_the_demo_brings_every_request_to_a_terminal_state(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert await run_demo(requests=30)
+    out = capsys.readouterr().out
+    assert "OK: 30/30 requests reached a terminal state" in out
+    assert "unknown route -> unknown_route" in out
+    assert "429s the providers sent us: {'local-small': 0" in out
