@@ -86,7 +86,7 @@ from .subjects import (
 )
 from .tasks import cancel_and_wait
 
-__all__ = ["BackendView", "NoRoom", "Router", "choose_backend", "validate"]
+__all__ = ["BackendView", "NoRoom", "Router", "capable", "choose_backend", "validate"]
 
 log = get_logger("router")
 
@@ -146,20 +146,27 @@ def validate(request: InferenceRequest, *, level: str, tenant: str, config: Conf
         raise UnknownRouteError(request.route, request_id=request.id)
 
 
-def choose_backend(
+def capable(
     request: InferenceRequest, candidates: list[str], views: Mapping[str, BackendView]
-) -> str | NoRoom:
-    """The first healthy, capable candidate (cascade order) with a free slot."""
-    capable = [
+) -> list[BackendView]:
+    """The candidates (cascade order) that are healthy and of a tier the request needs."""
+    return [
         views[name]
         for name in candidates
         if name in views
         and views[name].healthy
         and (request.complexity is None or views[name].tier >= request.complexity)
     ]
-    if not capable:
+
+
+def choose_backend(
+    request: InferenceRequest, candidates: list[str], views: Mapping[str, BackendView]
+) -> str | NoRoom:
+    """The first healthy, capable candidate (cascade order) with a free slot."""
+    able = capable(request, candidates, views)
+    if not able:
         return NoRoom.NONE_CAPABLE
-    for view in capable:
+    for view in able:
         if view.free > 0:
             return view.name
     return NoRoom.FULL
@@ -717,14 +724,8 @@ class Router:
         if item.preempt_asked is not None and now - item.preempt_asked < _PREEMPT_RETRY:
             return
         item.preempt_asked = now
-        capable = [
-            name
-            for name in candidates
-            if name in views
-            and views[name].healthy
-            and (item.request.complexity is None or views[name].tier >= item.request.complexity)
-        ]
-        self._spawn_publish(self._ask_preemption(item.request.id, rank, capable))
+        backends = [view.name for view in capable(item.request, candidates, views)]
+        self._spawn_publish(self._ask_preemption(item.request.id, rank, backends))
 
     async def _ask_preemption(self, by: str, rank: int, backends: list[str]) -> None:
         ask = msgspec.json.encode({"by": by, "rank": rank})
