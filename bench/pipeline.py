@@ -28,13 +28,9 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
-import importlib.metadata
 import json
 import os
-import platform
 import pstats
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -47,19 +43,18 @@ from typing import Any
 import aiohttp
 import httpx
 import msgspec
+from common import RESULTS, ROOT, machine_info, mock_process, package_version, percentile
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 
 from renqueue import Client, Services, parse_config
 from renqueue.backends import Backend, make_backend
 from renqueue.config import Config
 from renqueue.connection import connect
-from renqueue.embedded import EmbeddedServer, find_nats_server
+from renqueue.embedded import EmbeddedServer
 from renqueue.logs import configure_logging
 from renqueue.messages import REQUEST_DECODER, InferenceRequest
 from renqueue.subjects import DISPATCH_STREAM, EVENTS_STREAM, REQUESTS_STREAM, TOKENS_STREAM
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 PAYLOAD = b"x" * 128
 #: Tokens the instant mock answers with (each one an SSE event, so a token chunk).
 OUTPUT_TOKENS = 8
@@ -99,15 +94,6 @@ QUICK = Plan(
 
 
 # --------------------------------------------------------------------- helpers
-
-
-def percentile(values: list[float], pct: float) -> float:
-    """Nearest-rank percentile; NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def latency_summary(seconds: list[float]) -> dict[str, float]:
@@ -201,62 +187,6 @@ async def closed_loop(
     await asyncio.gather(*(one() for _ in range(concurrency)))
     result.elapsed = last_end - start
     return result
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
-def nats_server_version() -> str:
-    try:
-        out = subprocess.run(
-            [str(find_nats_server()), "--version"], capture_output=True, text=True, check=True
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return out.stdout.strip()
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def machine_info() -> dict[str, Any]:
-    model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": model,
-        "loadavg_at_start": list(os.getloadavg()),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "nats_server": nats_server_version(),
-        "nats_py": _version("nats-py"),
-        "httpcore": _version("httpcore"),
-        "httpx": httpx.__version__,
-        "aiohttp": aiohttp.__version__,
-        "git_commit": git_commit(),
-    }
 
 
 # ------------------------------------------------------------ 1. broker ceiling
@@ -354,48 +284,6 @@ async def broker_ceiling(seconds: float) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------- mock backend
-
-_MOCK_CHILD = """
-import asyncio, sys
-from renqueue.logs import configure_logging
-from renqueue.mockbackend import MockSettings, serve
-configure_logging(level="WARNING")
-settings = MockSettings(ttft=0.0, tokens_per_second=0, output_tokens=int(sys.argv[1]))
-def ready(url):
-    print(url, flush=True)
-try:
-    asyncio.run(serve(settings, port=0, on_ready=ready))
-except KeyboardInterrupt:
-    pass
-"""
-
-
-@contextlib.asynccontextmanager
-async def mock_process() -> AsyncIterator[tuple[str, int]]:
-    """The instant mock LLM in its own process (an external server, as a real backend is)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        _MOCK_CHILD,
-        str(OUTPUT_TOKENS),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-    )
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 20.0)
-        url = line.decode().strip()
-        if not url.startswith("http"):
-            raise RuntimeError(f"mock backend did not start: {line!r}")
-        yield url, proc.pid
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 5.0)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
 
 
 def bench_config(data_dir: str, mock_url: str, slots: int) -> Config:
@@ -910,13 +798,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "timestamp": stamp,
         "mode": "quick" if args.quick else "full",
         "plan": msgspec.to_builtins(plan.__dict__),
-        "machine": machine_info(),
+        "machine": machine_info(
+            httpcore=package_version("httpcore"),
+            httpx=httpx.__version__,
+            aiohttp=aiohttp.__version__,
+        ),
         "mock_settings": {"ttft": 0.0, "tokens_per_second": 0, "output_tokens": OUTPUT_TOKENS},
     }
     started = time.perf_counter()
     print("1/3 broker ceiling ...", flush=True)
     report["broker"] = await broker_ceiling(plan.broker_seconds)
-    async with mock_process() as (mock_url, mock_pid):
+    async with mock_process(ttft=0.0, output_tokens=OUTPUT_TOKENS) as (mock_url, mock_pid):
         print("2/3 mock backend ceiling ...", flush=True)
         report["mock"] = await mock_ceiling(mock_url, mock_pid, plan)
         print("3/3 pipeline ...", flush=True)

@@ -54,18 +54,14 @@ import argparse
 import asyncio
 import contextlib
 import heapq
-import importlib.metadata
 import itertools
 import json
 import os
-import platform
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -73,13 +69,13 @@ from typing import Any
 
 import httpx
 import msgspec
+from common import RESULTS, ROOT, machine_info, mock_process, percentile
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from renqueue import Client, Services, parse_config
 from renqueue.config import DEFAULT_PRIORITIES, Config
 from renqueue.connection import connect
-from renqueue.embedded import find_nats_server
 from renqueue.logs import configure_logging
 from renqueue.messages import (
     EVENT_DECODER,
@@ -103,8 +99,6 @@ from renqueue.subjects import (
     router_consumer,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 BACKEND = "mock"
 TENANT = "bench"
 PROMPT = "Say something short."
@@ -202,15 +196,6 @@ QUICK = Plan(
 # --------------------------------------------------------------------- helpers
 
 
-def percentile(values: Sequence[float], pct: float) -> float:
-    """Nearest-rank percentile; NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
-
 def summary(values: Sequence[float]) -> dict[str, float]:
     """Count, mean, p50/p95/p99/max of seconds."""
     return {
@@ -220,52 +205,6 @@ def summary(values: Sequence[float]) -> dict[str, float]:
         "p95_s": percentile(values, 95),
         "p99_s": percentile(values, 99),
         "max_s": max(values) if values else float("nan"),
-    }
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
-def machine_info() -> dict[str, Any]:
-    model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    try:
-        server = subprocess.run(
-            [str(find_nats_server()), "--version"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        server = "unknown"
-    try:
-        nats_py = importlib.metadata.version("nats-py")
-    except importlib.metadata.PackageNotFoundError:
-        nats_py = "unknown"
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": model,
-        "loadavg_at_start": list(os.getloadavg()),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "nats_server": server,
-        "nats_py": nats_py,
-        "git_commit": git_commit(),
     }
 
 
@@ -294,22 +233,6 @@ def arrival_trace(plan: Plan) -> list[Arrival]:
 
 # -------------------------------------------------------------- mock backend
 
-_MOCK_CHILD = """
-import asyncio, sys
-from renqueue.logs import configure_logging
-from renqueue.mockbackend import MockSettings, serve
-configure_logging(level="WARNING")
-settings = MockSettings(
-    ttft=float(sys.argv[1]), tokens_per_second=float(sys.argv[3]), output_tokens=int(sys.argv[2])
-)
-def ready(url):
-    print(url, flush=True)
-try:
-    asyncio.run(serve(settings, port=0, on_ready=ready))
-except KeyboardInterrupt:
-    pass
-"""
-
 
 async def mock_calls(url: str) -> int:
     """Chat requests the mock has received so far (its ``/stats``)."""
@@ -317,39 +240,6 @@ async def mock_calls(url: str) -> int:
         response = await http.get(url.removesuffix("/v1") + "/stats")
         response.raise_for_status()
         return int(response.json()["requests"])
-
-
-@contextlib.asynccontextmanager
-async def mock_process(
-    ttft: float, output_tokens: int, tokens_per_second: float = 0.0
-) -> AsyncIterator[str]:
-    """The mock LLM in its own process: fixed ttft, then ``output_tokens`` at
-    ``tokens_per_second`` (0: all at once)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        _MOCK_CHILD,
-        str(ttft),
-        str(output_tokens),
-        str(tokens_per_second),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-    )
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 20.0)
-        url = line.decode().strip()
-        if not url.startswith("http"):
-            raise RuntimeError(f"mock backend did not start: {line!r}")
-        yield url
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 5.0)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
 
 
 # ------------------------------------------------------------------ scenarios
@@ -1706,7 +1596,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     began = time.perf_counter()
     if "ordering" in parts:
         items = scenarios(plan)
-        async with mock_process(plan.ttft, plan.output_tokens) as mock_url:
+        async with mock_process(ttft=plan.ttft, output_tokens=plan.output_tokens) as (
+            mock_url,
+            _pid,
+        ):
             for index, scenario in enumerate(items, 1):
                 print(f"{index}/{len(items)} {scenario.title} ...", flush=True)
                 raw = await run_scenario(scenario, plan, trace, mock_url)
@@ -1714,7 +1607,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if "preemption" in parts:
         pp = plan.preempt
         runs: dict[str, Any] = {}
-        async with mock_process(0.0, pp.batch_tokens, pp.tokens_per_second) as mock_url:
+        async with mock_process(
+            ttft=0.0, output_tokens=pp.batch_tokens, tokens_per_second=pp.tokens_per_second
+        ) as (mock_url, _pid):
             for key, on in (("on", True), ("off", False)):
                 print(f"preemption {key} ...", flush=True)
                 runs[key] = await run_preemption(pp, mock_url, preemption=on)
@@ -1723,8 +1618,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         sp = plan.steal
         stealing: dict[str, Any] = {}
         async with (
-            mock_process(sp.slow_ttft, sp.output_tokens) as slow_url,
-            mock_process(sp.fast_ttft, sp.output_tokens) as fast_url,
+            mock_process(ttft=sp.slow_ttft, output_tokens=sp.output_tokens) as (slow_url, _),
+            mock_process(ttft=sp.fast_ttft, output_tokens=sp.output_tokens) as (fast_url, _),
         ):
             urls = {SLOW: slow_url, FAST: fast_url}
             for burst in (False, True) if sp.router_path else (True,):

@@ -1,0 +1,126 @@
+"""What both benchmarks share: results folder, percentiles, machine info, the mock in a
+process of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from renqueue.embedded import find_nats_server
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def percentile(values: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def package_version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def nats_server_version() -> str:
+    try:
+        out = subprocess.run(
+            [str(find_nats_server()), "--version"], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip()
+
+
+def machine_info(**extra: Any) -> dict[str, Any]:
+    """CPU, Python, nats-server, nats-py and git commit, plus ``extra``."""
+    model = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": model,
+        "loadavg_at_start": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "nats_server": nats_server_version(),
+        "nats_py": package_version("nats-py"),
+        **extra,
+        "git_commit": git_commit(),
+    }
+
+
+@contextlib.asynccontextmanager
+async def mock_process(
+    *, ttft: float, output_tokens: int, tokens_per_second: float = 0.0
+) -> AsyncIterator[tuple[str, int]]:
+    """`renqueue mock-backend` in a process of its own (an external server, as a real
+    backend is): its base URL and pid."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "renqueue",
+        "--log-level",
+        "WARNING",
+        "mock-backend",
+        "--port",
+        "0",
+        "--ttft",
+        str(ttft),
+        "--tps",
+        str(tokens_per_second),
+        "--output-tokens",
+        str(output_tokens),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 20.0)).decode().strip()
+        url = line.rsplit(" ", 1)[-1]
+        if not url.startswith("http"):
+            raise RuntimeError(f"mock backend did not start: {line!r}")
+        yield url, proc.pid
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 5.0)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
