@@ -330,6 +330,35 @@ async def client_of(url: str) -> AsyncIterator[tuple[Client, NatsClient]]:
         await nc.close()
 
 
+@asynccontextmanager
+async def stack(
+    tmp_path: Path,
+    server: EmbeddedServer,
+    settings: MockSettings,
+    *,
+    worker_sets: int = 1,
+    **options: Any,
+) -> AsyncIterator[tuple[MockBackend, Config, Any, Client, Any]]:
+    """A mock backend with ``settings`` (its ``concurrency`` is the backend's slots),
+    its config (:func:`write_config` with ``options``), worker sets in this process,
+    a factory of router processes and a client: (mock, config, new_router, client, js)."""
+    async with MockBackend(settings) as mock:
+        file = write_config(
+            tmp_path / "rq.toml",
+            nats_url=server.url,
+            backend_url=mock.url,
+            slots=settings.concurrency,
+            **options,
+        )
+        config = load_config(file, environ={})
+        async with (
+            workers(config, count=worker_sets),
+            router_processes(file, tmp_path) as new_router,
+            client_of(server.url) as (client, nc),
+        ):
+            yield mock, config, new_router, client, nc.jetstream()
+
+
 # ------------------------------------------------------------------ tests
 
 
@@ -337,34 +366,31 @@ async def test_router_killed_mid_load_loses_and_duplicates_nothing(
     tmp_path: Path, isolated_server: EmbeddedServer
 ) -> None:
     slots = 2
-    async with MockBackend(MockSettings(ttft=0.04, output_tokens=4, concurrency=slots)) as mock:
-        file = write_config(
-            tmp_path / "rq.toml", nats_url=isolated_server.url, backend_url=mock.url, slots=slots
-        )
-        config = load_config(file, environ={})
-        async with (
-            workers(config),
-            router_processes(file, tmp_path) as new_router,
-            client_of(isolated_server.url) as (client, nc),
-        ):
-            js = nc.jetstream()
-            first = await new_router()
-            handles = await submit_load(client, "kill")
+    settings = MockSettings(ttft=0.04, output_tokens=4, concurrency=slots)
+    async with stack(tmp_path, isolated_server, settings) as (
+        mock,
+        _config,
+        new_router,
+        client,
+        js,
+    ):
+        first = await new_router()
+        handles = await submit_load(client, "kill")
 
-            async def midway() -> bool:
-                return mock.stats().completed >= 6 and await held(js) >= 30
+        async def midway() -> bool:
+            return mock.stats().completed >= 6 and await held(js) >= 30
 
-            await until(midway, "some requests ran and many are held by the router")
-            await first.kill()
-            # The dead router's requests are still fetched-and-unacked: nobody
-            # has them until the consumer's ack_wait hands them out again.
-            orphaned = await held(js)
-            assert orphaned >= 30
-            await new_router()
-            await await_all(client, handles, within=25)
-            await audit(js, handles)
-            await assert_nothing_left(js)
-        assert_one_call_each(mock, len(handles), slots)
+        await until(midway, "some requests ran and many are held by the router")
+        await first.kill()
+        # The dead router's requests are still fetched-and-unacked: nobody
+        # has them until the consumer's ack_wait hands them out again.
+        orphaned = await held(js)
+        assert orphaned >= 30
+        await new_router()
+        await await_all(client, handles, within=25)
+        await audit(js, handles)
+        await assert_nothing_left(js)
+    assert_one_call_each(mock, len(handles), slots)
 
 
 async def test_frozen_router_that_resumes_after_takeover_dispatches_nothing_twice(
@@ -374,101 +400,92 @@ async def test_frozen_router_that_resumes_after_takeover_dispatches_nothing_twic
     router takes its held requests over, then the first resumes with its stale hold
     and dispatches from it: the dispatch message id must make every repeat harmless."""
     slots = 2
-    async with MockBackend(MockSettings(ttft=0.08, output_tokens=4, concurrency=slots)) as mock:
-        file = write_config(
-            tmp_path / "rq.toml", nats_url=isolated_server.url, backend_url=mock.url, slots=slots
-        )
-        config = load_config(file, environ={})
-        async with (
-            workers(config),
-            router_processes(file, tmp_path) as new_router,
-            client_of(isolated_server.url) as (client, nc),
-        ):
-            js = nc.jetstream()
-            frozen = await new_router()
-            handles = await submit_load(client, "zombie")
+    settings = MockSettings(ttft=0.08, output_tokens=4, concurrency=slots)
+    async with stack(tmp_path, isolated_server, settings) as (
+        mock,
+        _config,
+        new_router,
+        client,
+        js,
+    ):
+        frozen = await new_router()
+        handles = await submit_load(client, "zombie")
 
-            async def midway() -> bool:
-                return mock.stats().completed >= 4 and await held(js) >= 30
+        async def midway() -> bool:
+            return mock.stats().completed >= 4 and await held(js) >= 30
 
-            await until(midway, "some requests ran and many are held by the router")
-            frozen.signal(signal.SIGSTOP)
-            try:
-                stalled_at = mock.stats().completed
-                takeover = await new_router()
+        await until(midway, "some requests ran and many are held by the router")
+        frozen.signal(signal.SIGSTOP)
+        try:
+            stalled_at = mock.stats().completed
+            takeover = await new_router()
 
-                async def taken_over() -> bool:
-                    # Beyond what the frozen router had dispatched (at most its
-                    # slots in flight): the new router is routing its old hold.
-                    return mock.stats().completed >= stalled_at + slots + 4
+            async def taken_over() -> bool:
+                # Beyond what the frozen router had dispatched (at most its
+                # slots in flight): the new router is routing its old hold.
+                return mock.stats().completed >= stalled_at + slots + 4
 
-                await until(taken_over, "the second router routes the frozen one's requests")
-                left = len(handles) - mock.stats().completed
-                assert left >= 20, "too few requests left for the resumed router to race on"
-            finally:
-                frozen.signal(signal.SIGCONT)
-            await await_all(client, handles, within=25)
-            await audit(js, handles)
-            await assert_nothing_left(js)
-            assert await frozen.terminate() == 0
-            assert await takeover.terminate() == 0
-        assert_one_call_each(mock, len(handles), slots)
-        # The resumed router did dispatch from its stale hold (repeats the dispatch
-        # message id turned into no-ops): the race this test is about happened.
-        assert frozen.routed() + takeover.routed() > len(handles)
+            await until(taken_over, "the second router routes the frozen one's requests")
+            left = len(handles) - mock.stats().completed
+            assert left >= 20, "too few requests left for the resumed router to race on"
+        finally:
+            frozen.signal(signal.SIGCONT)
+        await await_all(client, handles, within=25)
+        await audit(js, handles)
+        await assert_nothing_left(js)
+        assert await frozen.terminate() == 0
+        assert await takeover.terminate() == 0
+    assert_one_call_each(mock, len(handles), slots)
+    # The resumed router did dispatch from its stale hold (repeats the dispatch
+    # message id turned into no-ops): the race this test is about happened.
+    assert frozen.routed() + takeover.routed() > len(handles)
 
 
 async def test_graceful_restart_under_aging_hands_back_held_and_promotes_once(
     tmp_path: Path, isolated_server: EmbeddedServer
 ) -> None:
     slots = 2
-    async with MockBackend(MockSettings(ttft=0.1, output_tokens=4, concurrency=slots)) as mock:
-        # Router ack_wait stays long: handed-back requests must come back by the
-        # nak, not by the timer (the whole run is bounded well below it).
-        file = write_config(
-            tmp_path / "rq.toml",
-            nats_url=isolated_server.url,
-            backend_url=mock.url,
-            slots=slots,
-            router_ack_wait="60s",
-            age_after="300ms",
-        )
-        config = load_config(file, environ={})
+    settings = MockSettings(ttft=0.1, output_tokens=4, concurrency=slots)
+    # Router ack_wait stays long: handed-back requests must come back by the
+    # nak, not by the timer (the whole run is bounded well below it).
+    async with stack(
+        tmp_path, isolated_server, settings, router_ack_wait="60s", age_after="300ms"
+    ) as (
+        mock,
+        config,
+        new_router,
+        client,
+        js,
+    ):
         policies = config.level_policies()
-        async with (
-            workers(config),
-            router_processes(file, tmp_path) as new_router,
-            client_of(isolated_server.url) as (client, nc),
-        ):
-            js = nc.jetstream()
-            first = await new_router()
-            handles = await submit_load(client, "aging")
-            submitted = asyncio.get_running_loop().time()
+        first = await new_router()
+        handles = await submit_load(client, "aging")
+        submitted = asyncio.get_running_loop().time()
 
-            async def aged() -> bool:
-                # Long enough that waiting requests earned promotions (batch: two).
-                return asyncio.get_running_loop().time() - submitted > 0.7 and await held(js) >= 20
+        async def aged() -> bool:
+            # Long enough that waiting requests earned promotions (batch: two).
+            return asyncio.get_running_loop().time() - submitted > 0.7 and await held(js) >= 20
 
-            await until(aged, "many requests are held and have aged")
-            assert await first.terminate() == 0
-            log = EventLog(js)
-            before = await asyncio.gather(*(log.history(TENANT, h.id) for h in handles))
-            promoted_and_waiting = [
-                events
-                for events in before
-                if any(isinstance(e, Promoted) for e in events)
-                and not any(isinstance(e, Routed) for e in events)
-            ]
-            # The new router re-derives these promotions from the submit time.
-            assert len(promoted_and_waiting) >= 10
+        await until(aged, "many requests are held and have aged")
+        assert await first.terminate() == 0
+        log = EventLog(js)
+        before = await asyncio.gather(*(log.history(TENANT, h.id) for h in handles))
+        promoted_and_waiting = [
+            events
+            for events in before
+            if any(isinstance(e, Promoted) for e in events)
+            and not any(isinstance(e, Routed) for e in events)
+        ]
+        # The new router re-derives these promotions from the submit time.
+        assert len(promoted_and_waiting) >= 10
 
-            await new_router()
-            # Well within the router ack_wait (60 s): the graceful stop handed
-            # its held requests back with a nak; none waited out the timer.
-            await await_all(client, handles, within=20)
-            histories = await audit(js, handles)
-            await assert_nothing_left(js)
-        assert_one_call_each(mock, len(handles), slots)
+        await new_router()
+        # Well within the router ack_wait (60 s): the graceful stop handed
+        # its held requests back with a nak; none waited out the timer.
+        await await_all(client, handles, within=20)
+        histories = await audit(js, handles)
+        await assert_nothing_left(js)
+    assert_one_call_each(mock, len(handles), slots)
 
     duplicated = []
     wrong = []
@@ -496,31 +513,28 @@ async def test_two_routers_share_the_load_without_duplicates_or_overload(
     tmp_path: Path, isolated_server: EmbeddedServer
 ) -> None:
     slots = 3
-    async with MockBackend(MockSettings(ttft=0.03, output_tokens=4, concurrency=slots)) as mock:
-        file = write_config(
-            tmp_path / "rq.toml", nats_url=isolated_server.url, backend_url=mock.url, slots=slots
-        )
-        config = load_config(file, environ={})
-        # Two worker service sets, each taking up to `slots` calls: only the
-        # broker (max_ack_pending) keeps the backend within its concurrency.
-        async with (
-            workers(config, count=2),
-            router_processes(file, tmp_path) as new_router,
-            client_of(isolated_server.url) as (client, nc),
-        ):
-            js = nc.jetstream()
-            routers = [await new_router(), await new_router()]
-            handles = await submit_load(client, "pair", gap=0.005)
-            await await_all(client, handles, within=25)
-            await audit(js, handles)
-            await assert_nothing_left(js)
-            for router in routers:
-                assert await router.terminate() == 0
-        assert_one_call_each(mock, len(handles), slots)
-        routed = [router.routed() for router in routers]
-        # Each request was routed by exactly one of them, and both took part.
-        assert sum(routed) == len(handles)
-        assert min(routed) > 0, routed
+    settings = MockSettings(ttft=0.03, output_tokens=4, concurrency=slots)
+    # Two worker service sets, each taking up to `slots` calls: only the
+    # broker (max_ack_pending) keeps the backend within its concurrency.
+    async with stack(tmp_path, isolated_server, settings, worker_sets=2) as (
+        mock,
+        _config,
+        new_router,
+        client,
+        js,
+    ):
+        routers = [await new_router(), await new_router()]
+        handles = await submit_load(client, "pair", gap=0.005)
+        await await_all(client, handles, within=25)
+        await audit(js, handles)
+        await assert_nothing_left(js)
+        for router in routers:
+            assert await router.terminate() == 0
+    assert_one_call_each(mock, len(handles), slots)
+    routed = [router.routed() for router in routers]
+    # Each request was routed by exactly one of them, and both took part.
+    assert sum(routed) == len(handles)
+    assert min(routed) > 0, routed
 
 
 async def test_router_killed_during_preemption_coalescing_and_cancellation_loses_and_duplicates_nothing(  # noqa: E501
@@ -537,91 +551,82 @@ async def test_router_killed_during_preemption_coalescing_and_cancellation_loses
     # each preempting call then got one 429 "Too many concurrent requests",
     # was retried 1 s later and completed; max_in_flight_seen stayed 2.)
     settings = MockSettings(ttft=0.02, output_tokens=8, tokens_per_second=20, concurrency=slots)
-    async with MockBackend(settings) as mock:
-        file = write_config(
-            tmp_path / "rq.toml",
-            nats_url=isolated_server.url,
-            backend_url=mock.url,
-            slots=slots,
-            age_after="300ms",
-            preemption=True,
+    async with stack(tmp_path, isolated_server, settings, age_after="300ms", preemption=True) as (
+        mock,
+        _config,
+        new_router,
+        client,
+        js,
+    ):
+        first = await new_router()
+        handles: list[Any] = []
+
+        async def submit(prompt: str, level: str, rid: str, **options: Any) -> Any:
+            handle = await client.submit(
+                prompt, route="chat", priority=level, request_id=rid, **options
+            )
+            handles.append(handle)
+            return handle
+
+        # Preemptible runs fill the slots and queue up behind them.
+        for index in range(6):
+            level = ("batch", "low")[index % 2]
+            await submit(f"filler {index}", level, f"fill-{index}")
+        # Queued, then cancelled before any router could route them.
+        cancelled = [await submit(f"doomed {i}", "batch", f"cancel-{i}") for i in range(3)]
+        for handle in cancelled:
+            await handle.cancel("changed my mind")
+        # Three coalescing groups: identical prompts at different levels.
+        groups = {
+            "a": ("batch", "low", "normal"),
+            "b": ("low", "normal", "high"),
+            "c": ("batch", "batch", "high"),
+        }
+        for name, levels in groups.items():
+            for index, level in enumerate(levels):
+                await submit(f"shared {name}", level, f"co-{name}-{index}", coalesce=True)
+
+        async def slots_full() -> bool:
+            return mock.stats().in_flight == slots
+
+        await until(slots_full, "preemptible runs fill the backend's slots", within=10)
+        # Urgent work arrives while low and batch runs hold every slot.
+        for index in range(4):
+            await submit(f"urgent {index}", "critical", f"urgent-{index}")
+            await submit(f"middle {index}", ("high", "normal")[index % 2], f"mid-{index}")
+            await asyncio.sleep(0.05)
+
+        async def midway() -> bool:
+            return "preempted a run" in first.text() and await held(js) >= 5
+
+        await until(midway, "a run was preempted and requests are held", within=10)
+        await first.kill()
+        orphaned = await held(js)
+        await new_router()
+        # Late arrivals: one more of group a (it follows, or leads anew if
+        # the group's call already ended) and urgent work for the new router.
+        await submit("shared a", "critical", "co-a-late", coalesce=True)
+        await submit("urgent late", "critical", "urgent-late")
+
+        results = await asyncio.gather(
+            *(handle.result(timeout=25) for handle in handles), return_exceptions=True
         )
-        config = load_config(file, environ={})
-        async with (
-            workers(config),
-            router_processes(file, tmp_path) as new_router,
-            client_of(isolated_server.url) as (client, nc),
-        ):
-            js = nc.jetstream()
-            first = await new_router()
-            handles: list[Any] = []
+        outcome = dict(zip([h.id for h in handles], results, strict=True))
+        cancelled_ids = {h.id for h in cancelled}
+        unexpected = {
+            rid: repr(result)
+            for rid, result in outcome.items()
+            if (rid in cancelled_ids) != isinstance(result, RequestCancelledError)
+        }
+        assert not unexpected, f"requests that ended unexpectedly: {unexpected}"
 
-            async def submit(prompt: str, level: str, rid: str, **options: Any) -> Any:
-                handle = await client.submit(
-                    prompt, route="chat", priority=level, request_id=rid, **options
-                )
-                handles.append(handle)
-                return handle
-
-            # Preemptible runs fill the slots and queue up behind them.
-            for index in range(6):
-                level = ("batch", "low")[index % 2]
-                await submit(f"filler {index}", level, f"fill-{index}")
-            # Queued, then cancelled before any router could route them.
-            cancelled = [await submit(f"doomed {i}", "batch", f"cancel-{i}") for i in range(3)]
-            for handle in cancelled:
-                await handle.cancel("changed my mind")
-            # Three coalescing groups: identical prompts at different levels.
-            groups = {
-                "a": ("batch", "low", "normal"),
-                "b": ("low", "normal", "high"),
-                "c": ("batch", "batch", "high"),
-            }
-            for name, levels in groups.items():
-                for index, level in enumerate(levels):
-                    await submit(f"shared {name}", level, f"co-{name}-{index}", coalesce=True)
-
-            async def slots_full() -> bool:
-                return mock.stats().in_flight == slots
-
-            await until(slots_full, "preemptible runs fill the backend's slots", within=10)
-            # Urgent work arrives while low and batch runs hold every slot.
-            for index in range(4):
-                await submit(f"urgent {index}", "critical", f"urgent-{index}")
-                await submit(f"middle {index}", ("high", "normal")[index % 2], f"mid-{index}")
-                await asyncio.sleep(0.05)
-
-            async def midway() -> bool:
-                return "preempted a run" in first.text() and await held(js) >= 5
-
-            await until(midway, "a run was preempted and requests are held", within=10)
-            await first.kill()
-            orphaned = await held(js)
-            await new_router()
-            # Late arrivals: one more of group a (it follows, or leads anew if
-            # the group's call already ended) and urgent work for the new router.
-            await submit("shared a", "critical", "co-a-late", coalesce=True)
-            await submit("urgent late", "critical", "urgent-late")
-
-            results = await asyncio.gather(
-                *(handle.result(timeout=25) for handle in handles), return_exceptions=True
-            )
-            outcome = dict(zip([h.id for h in handles], results, strict=True))
-            cancelled_ids = {h.id for h in cancelled}
-            unexpected = {
-                rid: repr(result)
-                for rid, result in outcome.items()
-                if (rid in cancelled_ids) != isinstance(result, RequestCancelledError)
-            }
-            assert not unexpected, f"requests that ended unexpectedly: {unexpected}"
-
-            log = EventLog(js)
-            ids = [handle.id for handle in handles]
-            histories = dict(
-                zip(ids, await asyncio.gather(*(log.history(TENANT, r) for r in ids)), strict=True)
-            )
-            await assert_nothing_left(js)
-        stats = mock.stats()
+        log = EventLog(js)
+        ids = [handle.id for handle in handles]
+        histories = dict(
+            zip(ids, await asyncio.gather(*(log.history(TENANT, r) for r in ids)), strict=True)
+        )
+        await assert_nothing_left(js)
+    stats = mock.stats()
 
     problems: list[str] = []
     followers: dict[str, str] = {}
