@@ -130,7 +130,10 @@ async def test_a_tenant_uses_the_whole_client_on_its_own_subjects_only(stack: St
         chunks = [chunk async for chunk in handle.stream(timeout=10)]
         result = await handle.result(timeout=10)
         assert "".join(c.text for c in chunks) == result.text
-        assert [c.seq for c in chunks] == list(range(8))
+        # One chunk per network read of the backend's stream: their number
+        # varies, but they are numbered from 0 without a gap.
+        assert chunks
+        assert [c.seq for c in chunks] == list(range(len(chunks)))
         kinds = [type(e).__name__ for e in await handle.events()]
         assert kinds == ["Submitted", "Routed", "Started", "Completed"]
 
