@@ -19,6 +19,7 @@ from .errors import (
     RequestFailedError,
     RequestRejectedError,
     RetryableBackendError,
+    ServiceFailedError,
     UnknownPriorityError,
     UnknownRouteError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "Result",
     "RetryableBackendError",
     "RouteConfig",
+    "ServiceFailedError",
     "Services",
     "TokenChunk",
     "UnknownPriorityError",

@@ -7,6 +7,7 @@ The tree, by what a caller can do about it::
     ├── ProvisionError              a stream/consumer change NATS cannot apply in place
     ├── EmbeddedServerError         the embedded nats-server did not start
     ├── ConnectionFailedError       NATS unreachable / JetStream not answering
+    ├── ServiceFailedError          a service loop cannot go on: the process stops
     ├── InvalidRequestError         the request itself is wrong (never retried)
     │   ├── MalformedRequestError   payload does not decode or fails validation
     │   ├── UnknownRouteError       no such route (model group)
@@ -44,6 +45,7 @@ __all__ = [
     "RequestFailedError",
     "RequestRejectedError",
     "RetryableBackendError",
+    "ServiceFailedError",
     "UnknownPriorityError",
     "UnknownRouteError",
 ]
@@ -84,6 +86,16 @@ class ConnectionFailedError(RenQueueError):
     """NATS or JetStream is not reachable."""
 
     code = "connection"
+
+
+class ServiceFailedError(RenQueueError):
+    """A background loop of a service cannot go on; the process shuts down.
+
+    Raised by :func:`renqueue.service.run_until_signalled` after an orderly
+    shutdown, so a process supervisor restarts the process.
+    """
+
+    code = "service_failed"
 
 
 class InvalidRequestError(RenQueueError):

@@ -22,10 +22,12 @@ from .cancellation import CancelWatch
 from .config import Config
 from .connection import connect
 from .embedded import EmbeddedServer
+from .errors import ServiceFailedError
 from .logs import get_logger
 from .projection import Projector
 from .provision import provision
 from .router import Router
+from .tasks import Supervisor, cancel_and_wait
 from .worker import Worker
 
 __all__ = ["Services", "State", "run_until_signalled"]
@@ -74,6 +76,9 @@ class Services:
         self.routers: list[Router] = []
         self.workers: list[Worker] = []
         self._adapters: list[Backend] = []
+        #: Owns every background loop of this process; ``failed`` is set when one
+        #: cannot go on, and the process must then stop (see :mod:`renqueue.tasks`).
+        self.supervisor = Supervisor(name)
 
     @property
     def url(self) -> str:
@@ -157,13 +162,16 @@ class Services:
                 await self.nc.drain()
             except Exception as exc:  # noqa: BLE001 - shutting down regardless
                 log.warning("nats drain failed", error=str(exc))
+        await self.supervisor.close()
         if self.server is not None:
             await self.server.stop()
         self.state = State.CLOSED
 
 
 async def run_until_signalled(services: Services) -> None:
-    """Run until SIGINT or SIGTERM, then shut down in order."""
+    """Run until SIGINT or SIGTERM, or until a background loop cannot go on;
+    then shut down in order. Raises :class:`ServiceFailedError` in the second
+    case, after the shutdown, so the process exits non-zero."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -171,8 +179,18 @@ async def run_until_signalled(services: Services) -> None:
     try:
         async with services:
             log.info("running; Ctrl-C to stop", url=services.url)
-            await stop.wait()
-            log.info("signal received; draining")
+            signalled = asyncio.create_task(stop.wait())
+            failed = asyncio.create_task(services.supervisor.failed.wait())
+            try:
+                await asyncio.wait({signalled, failed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                await cancel_and_wait([signalled, failed])
+            if services.supervisor.failed.is_set():
+                log.critical("a service loop failed; draining", reason=services.supervisor.reason)
+            else:
+                log.info("signal received; draining")
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+    if services.supervisor.failed.is_set():
+        raise ServiceFailedError(services.supervisor.reason or "a service loop failed")

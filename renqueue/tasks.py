@@ -1,4 +1,22 @@
-"""Owning background tasks: cancel them for sure.
+"""Owning background tasks: supervise them while they run, cancel them for sure.
+
+Every long-lived loop of a service (a router's fetch and dispatch loops, a
+worker's fetch loop, the projector, the watches) runs under a
+:class:`Supervisor`. The rules, from the review that found loops dying in
+silence while their work was kept alive:
+
+- A loop that raises is logged (with the traceback) and started again after a
+  capped, jittered backoff: a broker hiccup, a reconnect or a timed-out API
+  call costs a pause, never the loop.
+- A loop that keeps failing (``give_up_after`` consecutive failures with no
+  healthy stretch in between), or raises :class:`Fatal`, cannot go on: the
+  supervisor records why and sets :attr:`Supervisor.failed`. The process
+  (``renqueue up``/``router``/``worker``) then shuts down and exits non-zero,
+  so a process supervisor (systemd, Kubernetes) restarts it, and every message
+  it held goes back to the broker for another instance.
+- Work kept alive for a loop (the router's ``in_progress()`` keepalives) asks
+  :meth:`Supervisor.healthy` first: nothing is kept alive for a loop that is
+  down.
 
 Python 3.11's ``asyncio.wait_for`` (which nats-py uses inside ``fetch`` and
 ``next_msg``) can swallow a cancellation that arrives together with a reply:
@@ -10,10 +28,131 @@ unbounded wait can then hang a shutdown forever (seen in the router: 9 stops in
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
-from typing import Any
+import random
+from collections.abc import Callable, Collection, Coroutine
+from typing import Any, Final
 
-__all__ = ["cancel_and_wait"]
+from .logs import get_logger
+
+__all__ = ["Fatal", "Supervisor", "cancel_and_wait"]
+
+log = get_logger("tasks")
+
+#: A loop that has run this long since its last failure is healthy again: its
+#: failure count and backoff start over.
+HEALTHY_AFTER: Final = 30.0
+
+
+class Fatal(Exception):
+    """Raised by a supervised loop that cannot go on: the process must stop."""
+
+
+class _Loop:
+    """One supervised loop: its task, failure streak and last sign of life."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.task: asyncio.Task[None] | None = None
+        self.failures = 0
+        self.running = False
+        self.error: str | None = None
+
+
+class Supervisor:
+    """Runs a process's background loops; restarts failed ones; says when one is dead.
+
+    ``spawn(name, factory)`` runs ``await factory()`` and, if it raises, logs
+    and runs it again after ``min(max_backoff, base * 2**n)`` seconds (with
+    jitter). A loop that returns normally has finished its job and is not
+    restarted. :meth:`close` cancels every loop for sure (idempotent).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        base_backoff: float = 0.1,
+        max_backoff: float = 5.0,
+        give_up_after: int = 20,
+    ) -> None:
+        self._name = name
+        self._base = base_backoff
+        self._max = max_backoff
+        self._give_up_after = give_up_after
+        self._loops: dict[str, _Loop] = {}
+        #: Set once a loop cannot go on; :attr:`reason` says which and why.
+        self.failed = asyncio.Event()
+        self.reason: str | None = None
+        self._closed = False
+
+    def spawn(self, name: str, factory: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``factory()`` as supervised loop ``name`` (unique within this supervisor)."""
+        if self._closed:
+            raise RuntimeError(f"supervisor {self._name} is closed")
+        if name in self._loops:
+            raise ValueError(f"loop {name!r} is already supervised")
+        loop = _Loop(name)
+        self._loops[name] = loop
+        loop.task = asyncio.create_task(self._supervise(loop, factory), name=f"{self._name}-{name}")
+
+    def healthy(self, name: str | None = None) -> bool:
+        """True while loop ``name`` (default: every loop) runs and the supervisor has not failed."""
+        if self.failed.is_set() or self._closed:
+            return False
+        loops = self._loops.values() if name is None else [self._loops[name]]
+        return all(loop.running for loop in loops)
+
+    async def close(self) -> None:
+        """Cancel every loop and wait until they have all ended. Idempotent."""
+        self._closed = True
+        await cancel_and_wait([loop.task for loop in self._loops.values() if loop.task])
+
+    def _fail(self, loop: _Loop, reason: str) -> None:
+        loop.error = reason
+        if self.reason is None:
+            self.reason = f"{self._name}: loop {loop.name!r} cannot go on: {reason}"
+        log.critical(
+            "background loop cannot go on", supervisor=self._name, loop=loop.name, reason=reason
+        )
+        self.failed.set()
+
+    async def _supervise(
+        self, loop: _Loop, factory: Callable[[], Coroutine[Any, Any, None]]
+    ) -> None:
+        event_loop = asyncio.get_running_loop()
+        while True:
+            began = event_loop.time()
+            loop.running = True
+            try:
+                await factory()
+            except asyncio.CancelledError:
+                loop.running = False
+                raise
+            except Fatal as exc:
+                loop.running = False
+                self._fail(loop, str(exc) or type(exc).__name__)
+                return
+            except Exception as exc:
+                loop.running = False
+                if event_loop.time() - began >= HEALTHY_AFTER:
+                    loop.failures = 0
+                loop.failures += 1
+                if loop.failures >= self._give_up_after:
+                    self._fail(loop, f"failed {loop.failures} times in a row; last: {exc!r}")
+                    return
+                delay = min(self._max, self._base * 2 ** (loop.failures - 1))
+                delay *= random.uniform(0.5, 1.0)
+                log.exception(
+                    "background loop failed; restarting",
+                    supervisor=self._name,
+                    loop=loop.name,
+                    failures=loop.failures,
+                    retry_in=round(delay, 3),
+                )
+                await asyncio.sleep(delay)
+                continue
+            loop.running = False
+            return
 
 
 async def cancel_and_wait(tasks: Collection[asyncio.Task[Any]], *, every: float = 0.2) -> None:

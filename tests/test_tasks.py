@@ -1,10 +1,10 @@
-"""cancel_and_wait ends a task even when one cancellation is swallowed."""
+"""Task ownership: cancel_and_wait ends a task for sure; Supervisor restarts or escalates."""
 
 from __future__ import annotations
 
 import asyncio
 
-from renqueue.tasks import cancel_and_wait
+from renqueue.tasks import Fatal, Supervisor, cancel_and_wait
 
 
 async def test_a_loop_that_swallows_one_cancellation_is_still_stopped() -> None:
@@ -37,3 +37,56 @@ async def test_a_task_that_failed_is_waited_for_without_raising() -> None:
     await asyncio.sleep(0)
     await cancel_and_wait([task])
     assert isinstance(task.exception(), RuntimeError)
+
+
+async def test_a_failing_loop_is_restarted_and_logged_not_lost() -> None:
+    runs = 0
+    third = asyncio.Event()
+
+    async def flaky() -> None:
+        nonlocal runs
+        runs += 1
+        if runs < 3:
+            raise ConnectionError("broker hiccup")
+        third.set()
+        await asyncio.Event().wait()  # runs for good from now on
+
+    supervisor = Supervisor("test", base_backoff=0.001, max_backoff=0.01)
+    supervisor.spawn("flaky", flaky)
+    await asyncio.wait_for(third.wait(), 5)
+    assert runs == 3
+    assert supervisor.healthy("flaky")
+    assert not supervisor.failed.is_set()
+    await supervisor.close()
+    assert not supervisor.healthy()
+
+
+async def test_a_loop_that_keeps_failing_fails_the_supervisor() -> None:
+    async def broken() -> None:
+        raise RuntimeError("bug")
+
+    supervisor = Supervisor("test", base_backoff=0.001, max_backoff=0.001, give_up_after=4)
+    supervisor.spawn("broken", broken)
+    await asyncio.wait_for(supervisor.failed.wait(), 5)
+    assert supervisor.reason is not None
+    assert "broken" in supervisor.reason
+    assert "4 times" in supervisor.reason
+    assert not supervisor.healthy()
+    await supervisor.close()
+
+
+async def test_fatal_fails_the_supervisor_at_once() -> None:
+    runs = 0
+
+    async def doomed() -> None:
+        nonlocal runs
+        runs += 1
+        raise Fatal("consumer deleted")
+
+    supervisor = Supervisor("test")
+    supervisor.spawn("doomed", doomed)
+    await asyncio.wait_for(supervisor.failed.wait(), 5)
+    assert runs == 1
+    assert supervisor.reason is not None
+    assert "consumer deleted" in supervisor.reason
+    await supervisor.close()
