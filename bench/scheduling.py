@@ -96,6 +96,7 @@ from renqueue.subjects import (
     REQUESTS_STREAM,
     TOKENS_STREAM,
     dispatch_subject,
+    msg_id,
     router_consumer,
 )
 
@@ -996,7 +997,9 @@ async def run_stealing(
                         await client.js.publish(
                             dispatch_subject(SLOW),
                             encode(Dispatch(request=request, backend=SLOW)),
-                            headers={"Nats-Msg-Id": f"{request.id}:dispatch:1"},
+                            headers={
+                                "Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", 1)
+                            },
                         )
                         handle = client.handle(request.id)
                         tasks.append(asyncio.create_task(follow(request.id, handle)))

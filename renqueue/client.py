@@ -73,7 +73,14 @@ from .messages import (
     encode,
     is_terminal,
 )
-from .subjects import EVENTS_STREAM, TOKENS_STREAM, event_subject, request_subject, token_subject
+from .subjects import (
+    EVENTS_STREAM,
+    TOKENS_STREAM,
+    event_subject,
+    msg_id,
+    request_subject,
+    token_subject,
+)
 
 __all__ = ["Client", "RequestHandle", "Result"]
 
@@ -457,7 +464,7 @@ class Client:
             ack = await self.js.publish(
                 request_subject(request.priority, request.tenant),
                 encode(request),
-                headers={"Nats-Msg-Id": request.id},
+                headers={"Nats-Msg-Id": msg_id(request.tenant, request.id)},
             )
         except NoStreamResponseError as exc:
             raise UnknownPriorityError(request.priority, request_id=request.id) from exc

@@ -47,6 +47,7 @@ from .subjects import (
     dlq_subject,
     event_subject,
     events_of_request,
+    msg_id,
     token_subject,
 )
 
@@ -60,18 +61,20 @@ _DELETE_TIMEOUT: Final = 1.0
 
 
 def msg_id_of(event: Event) -> str:
-    """The JetStream message id that makes publishing ``event`` idempotent."""
+    """The JetStream message id that makes publishing ``event`` idempotent
+    (scoped by tenant: see :func:`renqueue.subjects.msg_id`)."""
+    tenant, rid = event.tenant, event.request_id
     if is_terminal(event):
-        return f"{event.request_id}:terminal"
+        return msg_id(tenant, rid, "terminal")
     if isinstance(event, Started | Retrying | Preempted):
-        return f"{event.request_id}:{kind_of(event)}:{event.attempt}:{event.delivery}"
+        return msg_id(tenant, rid, kind_of(event), event.attempt, event.delivery)
     if isinstance(event, Routed):
-        return f"{event.request_id}:routed:{event.attempt}"
+        return msg_id(tenant, rid, "routed", event.attempt)
     if isinstance(event, Stolen):
-        return f"{event.request_id}:stolen:{event.attempt}"
+        return msg_id(tenant, rid, "stolen", event.attempt)
     if isinstance(event, Promoted):
-        return f"{event.request_id}:promoted:{event.to_level}"
-    return f"{event.request_id}:{kind_of(event)}"
+        return msg_id(tenant, rid, "promoted", event.to_level)
+    return msg_id(tenant, rid, kind_of(event))
 
 
 async def delete_consumer(js: Any, stream: str, name: str) -> None:
@@ -204,13 +207,20 @@ class EventLog:
         closed = await self._js.publish_async(
             token_subject(event.tenant, event.request_id),
             encode(chunk),
-            headers={_MSG_ID: f"{event.request_id}:final"},
+            headers={_MSG_ID: msg_id(event.tenant, event.request_id, "final")},
         )
         ack, _ = await asyncio.wait_for(asyncio.gather(terminal, closed), self._timeout)
         return not ack.duplicate
 
     async def dead_letter(
-        self, stage: str, payload: bytes, *, reason: str, source_subject: str, request_id: str
+        self,
+        stage: str,
+        payload: bytes,
+        *,
+        reason: str,
+        source_subject: str,
+        tenant: str,
+        request_id: str,
     ) -> None:
         """Keep a copy of a message that cannot be processed, with why."""
         await self._js.publish(
@@ -218,7 +228,8 @@ class EventLog:
             payload,
             timeout=self._timeout,
             headers={
-                _MSG_ID: f"{request_id}:dlq:{stage}",
+                _MSG_ID: msg_id(tenant, request_id, "dlq", stage),
+                "Rq-Tenant": tenant,
                 "Rq-Reason": reason[:500],
                 "Rq-Source-Subject": source_subject,
                 "Rq-Request-Id": request_id,

@@ -80,6 +80,7 @@ from .subjects import (
     capacity_subject,
     dispatch_subject,
     event_subject,
+    msg_id,
     preempt_subject,
     router_consumer,
     worker_consumer,
@@ -126,12 +127,32 @@ class BackendView(msgspec.Struct, frozen=True, kw_only=True):
         return max(0, self.capacity - self.in_flight)
 
 
-def validate(request: InferenceRequest, *, level: str, tenant: str, config: Config) -> None:
+def validate(
+    request: InferenceRequest,
+    *,
+    level: str,
+    tenant: str,
+    config: Config,
+    message_id: str | None = None,
+) -> None:
     """Check a decoded request against where it was published and the config.
 
     The subject is authoritative: a payload naming another tenant or level is
-    rejected (a tenant must not be able to speak for another).
+    rejected (a tenant must not be able to speak for another). ``message_id``
+    is the publish's ``Nats-Msg-Id``: it must be ``<tenant>:<id>`` (a requeue
+    by a worker: ``<tenant>:<id>:requeue:<attempt>``), so that deduplication
+    is scoped by tenant. ``None`` skips that check (a request not read from
+    the stream).
     """
+    if message_id is not None and not (
+        message_id == msg_id(tenant, request.id)
+        or (request.requeues > 0 and message_id.startswith(msg_id(tenant, request.id, "requeue")))
+    ):
+        raise MalformedRequestError(
+            f"the Nats-Msg-Id header must be {msg_id(tenant, request.id)!r} "
+            f"(<tenant>:<request id>), got {message_id[:200]!r}",
+            request_id=request.id,
+        )
     if request.tenant != tenant:
         raise MalformedRequestError(
             f"tenant {request.tenant!r} does not match subject tenant {tenant!r}",
@@ -396,11 +417,16 @@ class Router:
     async def _admit(self, msg: Any, level: str, now: float) -> InferenceRequest | None:
         """Decode and validate one request; reject it (terminally) if it is bad."""
         tenant = _subject_token(msg.subject, 3)
-        header_id = (msg.headers or {}).get("Nats-Msg-Id", "")
+        header = str((msg.headers or {}).get("Nats-Msg-Id", ""))
+        # The id to record a rejection under: the payload's, else the header's
+        # (``<tenant>:<id>``), always in the subject's tenant.
+        scope, _, rest = header.partition(":")
+        header_id = rest.partition(":")[0] if scope == tenant else ""
         request_id = header_id if _is_id(header_id) else f"invalid-{msg.metadata.sequence.stream}"
         try:
             request = REQUEST_DECODER.decode(msg.data)
-            validate(request, level=level, tenant=tenant, config=self._config)
+            request_id = request.id
+            validate(request, level=level, tenant=tenant, config=self._config, message_id=header)
         except (msgspec.DecodeError, InvalidRequestError) as exc:
             error = exc if isinstance(exc, InvalidRequestError) else MalformedRequestError(str(exc))
             await self._reject(msg, request_id, tenant, error)
@@ -529,6 +555,7 @@ class Router:
                 msg.data,
                 reason=f"{code}: {error}",
                 source_subject=msg.subject,
+                tenant=tenant,
                 request_id=request_id,
             )
             event = Rejected(
@@ -554,6 +581,7 @@ class Router:
                 item.msg.data,
                 reason=f"undeliverable: {exc}",
                 source_subject=item.msg.subject,
+                tenant=request.tenant,
                 request_id=request.id,
             )
             await self._log.finish(
@@ -779,7 +807,7 @@ class Router:
             sent = await self._js.publish_async(
                 dispatch_subject(backend),
                 encode(dispatch),
-                headers={"Nats-Msg-Id": f"{request.id}:dispatch:{attempt}"},
+                headers={"Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", attempt)},
             )
             logged = await self._log.append_async(routed)
             await asyncio.wait_for(asyncio.gather(item.logged, sent, logged), timeout=10.0)

@@ -38,6 +38,7 @@ __all__ = [
     "dlq_subject",
     "event_subject",
     "events_of_request",
+    "msg_id",
     "preempt_subject",
     "request_subject",
     "requests_of_level",
@@ -106,6 +107,17 @@ def token_subject(tenant: str, request_id: str) -> str:
 
 def dlq_subject(stage: str) -> str:
     return f"rq.dlq.{stage}"
+
+
+def msg_id(tenant: str, request_id: str, *parts: object) -> str:
+    """A JetStream message id (``Nats-Msg-Id``) for something about one request.
+
+    Deduplication is per stream, across every tenant, so each id starts with
+    the tenant: ``<tenant>:<request_id>[:<part>...]``. Tenant and request id
+    cannot contain ``:``, so ids of different tenants never collide. A client
+    submits with ``msg_id(tenant, request_id)``.
+    """
+    return ":".join((tenant, request_id, *map(str, parts)))
 
 
 def router_consumer(priority: str) -> str:

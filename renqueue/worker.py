@@ -64,6 +64,7 @@ from .subjects import (
     SHUTDOWN_NAK_DELAY,
     capacity_subject,
     dispatch_subject,
+    msg_id,
     preempt_subject,
     request_subject,
     token_subject,
@@ -294,7 +295,11 @@ class Worker:
         await self._js.publish(
             dispatch_subject(to_backend),
             encode(moved),
-            headers={"Nats-Msg-Id": f"{dispatch.request.id}:stolen:{dispatch.attempt}"},
+            headers={
+                "Nats-Msg-Id": msg_id(
+                    dispatch.request.tenant, dispatch.request.id, "stolen", dispatch.attempt
+                )
+            },
         )
 
     def _run_done(self, task: asyncio.Task[None]) -> None:
@@ -356,6 +361,7 @@ class Worker:
             msg.data,
             reason=f"malformed: {reason}",
             source_subject=msg.subject,
+            tenant="unknown",
             request_id=f"dispatch-{seq}",
         )
         await msg.term()
@@ -543,7 +549,9 @@ class Worker:
         await self._js.publish(
             request_subject(request.priority, request.tenant),
             encode(again),
-            headers={"Nats-Msg-Id": f"{request.id}:requeue:{dispatch.attempt}"},
+            headers={
+                "Nats-Msg-Id": msg_id(request.tenant, request.id, "requeue", dispatch.attempt)
+            },
         )
         await msg.ack()
         metrics.TERMINAL.labels("preempted").inc()
@@ -681,6 +689,7 @@ class Worker:
             msg.data,
             reason=f"{error_type}: {reason}",
             source_subject=msg.subject,
+            tenant=request.tenant,
             request_id=request.id,
         )
         failed = Failed(
@@ -730,7 +739,7 @@ class Worker:
                     await self._js.publish(
                         token_subject(request.tenant, follower),
                         encode(chunk),
-                        headers={"Nats-Msg-Id": f"{follower}:shared"},
+                        headers={"Nats-Msg-Id": msg_id(request.tenant, follower, "shared")},
                     )
                 await self._log.finish(copy, seq=1 if event.text else 0)
             else:

@@ -78,8 +78,8 @@ def test_events_decode_by_kind_and_terminal_ones_share_one_msg_id() -> None:
     assert is_terminal(completed)
     assert is_terminal(failed)
     assert not is_terminal(routed)
-    assert msg_id_of(completed) == msg_id_of(failed) == "r:terminal"
-    assert msg_id_of(routed) == "r:routed:1"
+    assert msg_id_of(completed) == msg_id_of(failed) == "t:r:terminal"
+    assert msg_id_of(routed) == "t:r:routed:1"
 
 
 def test_old_events_without_new_fields_still_decode() -> None:

@@ -30,7 +30,7 @@ from renqueue.config import Config
 from renqueue.eventlog import EventLog
 from renqueue.messages import Completed, Rejected, Started
 from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.subjects import DLQ_STREAM, request_subject
+from renqueue.subjects import DLQ_STREAM, msg_id, request_subject
 from renqueue.worker import Worker
 
 
@@ -111,10 +111,10 @@ async def test_resubmit_with_same_id_creates_nothing_new(client: Client, mock: M
 async def test_malformed_payload_is_rejected_and_router_keeps_serving(client: Client) -> None:
     js = client.js
     await js.publish(
-        request_subject("normal", "t1"), b"{not json", headers={"Nats-Msg-Id": "garbage-1"}
+        request_subject("normal", "t1"), b"{not json", headers={"Nats-Msg-Id": "t1:garbage-1"}
     )
     await js.publish(
-        request_subject("normal", "t1"), b'{"id": 5}', headers={"Nats-Msg-Id": "garbage-2"}
+        request_subject("normal", "t1"), b'{"id": 5}', headers={"Nats-Msg-Id": "t1:garbage-2"}
     )
 
     for bad in ("garbage-1", "garbage-2"):
@@ -126,6 +126,35 @@ async def test_malformed_payload_is_rejected_and_router_keeps_serving(client: Cl
     # The router is still serving.
     good = await client.submit("still there?", route="chat")
     assert (await good.result(timeout=10)).backend == "b1"
+
+
+async def test_two_tenants_may_use_the_same_request_id(stack: Services, mock: MockBackend) -> None:
+    """Deduplication is scoped by tenant: another tenant's id is not a duplicate."""
+    async with Client(stack.nc, tenant="ta") as ta, Client(stack.nc, tenant="tb") as tb:
+        first = await ta.submit("from a", route="chat", request_id="shared-id")
+        assert (await first.result(timeout=10)).backend == "b1"
+        second = await tb.submit("from b", route="chat", request_id="shared-id")
+        assert not second.duplicate
+        assert (await second.result(timeout=10)).backend == "b1"
+    assert mock.stats().requests == 2
+    log = EventLog(stack.js)
+    for tenant in ("ta", "tb"):
+        events = await log.history(tenant, "shared-id")
+        assert [type(e).__name__ for e in events] == ["Submitted", "Routed", "Started", "Completed"]
+
+
+async def test_a_message_id_of_another_scope_is_rejected(client: Client, mock: MockBackend) -> None:
+    """A publish whose Nats-Msg-Id is not <subject tenant>:<payload id> is rejected."""
+    for index, header in enumerate(["other:wrong-scope-{}", "wrong-scope-{}", None]):
+        request = client.build_request("hi", route="chat", request_id=f"wrong-scope-{index}")
+        headers = None if header is None else {"Nats-Msg-Id": header.format(index)}
+        await client.js.publish(
+            request_subject("normal", "t1"), msgspec.json.encode(request), headers=headers
+        )
+        with pytest.raises(RequestRejectedError, match="Nats-Msg-Id") as info:
+            await client.handle(request.id).result(timeout=10)
+        assert info.value.error_type == "malformed"
+    assert mock.stats().requests == 0
 
 
 async def test_unknown_route_gets_a_clear_error_event(client: Client) -> None:
@@ -146,7 +175,7 @@ async def test_payload_naming_another_tenant_is_rejected(client: Client) -> None
     await client.js.publish(
         request_subject("normal", "t1"),
         msgspec.json.encode(forged),
-        headers={"Nats-Msg-Id": forged.id},
+        headers={"Nats-Msg-Id": msg_id("t1", forged.id)},
     )
     with pytest.raises(RequestRejectedError, match="does not match subject tenant"):
         await client.handle(forged.id).result(timeout=10)

@@ -28,7 +28,7 @@ from renqueue.scheduling import (
     pick_key,
     promotions,
 )
-from renqueue.subjects import dispatch_subject
+from renqueue.subjects import dispatch_subject, msg_id
 
 POLICIES = [
     LevelPolicy(name="critical", rank=0),
@@ -311,7 +311,7 @@ async def test_an_idle_replica_steals_work_queued_on_a_busy_sibling(tmp_path: Pa
                 await client.js.publish(
                     dispatch_subject("replica-a"),
                     encode(Dispatch(request=request, backend="replica-a")),
-                    headers={"Nats-Msg-Id": f"{request.id}:dispatch:1"},
+                    headers={"Nats-Msg-Id": msg_id("t", request.id, "dispatch", 1)},
                 )
                 handles.append(client.handle(request.id))
             results = [await h.result(timeout=20) for h in handles]
