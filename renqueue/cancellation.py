@@ -1,20 +1,44 @@
 """Following cancellation requests: which requests must not run, or must stop.
 
-A client cancels by appending a ``cancel_requested`` event to the log. Routers
-and workers learn of it through one :class:`CancelWatch` per process: an
-ordered consumer on ``rq.evt.*.*.cancel_requested`` that starts ``horizon``
-seconds back, so a process that starts (or restarts) later still knows every
-recent cancellation. Each router and worker then acts where the request is:
+A client cancels by appending a ``cancel_requested`` event to the log, on the
+subject ``rq.evt.<tenant>.<request_id>.cancel_requested``. Routers and workers
+learn of it through one :class:`CancelWatch` per process: a loop (supervised,
+see :mod:`renqueue.tasks`) that reads ``rq.evt.*.*.cancel_requested`` through
+an ephemeral pull consumer starting ``horizon`` seconds back, so a process
+that starts (or restarts) later still knows every recent cancellation. If the
+loop fails it is started again from the message after the last one it read:
+no cancellation is skipped.
+
+The subject is the authority: a cancellation is known by (tenant, request id)
+as its subject names them. Tenants may publish any payload on their own
+``cancel_requested`` subjects, so a payload whose ``tenant`` or
+``request_id`` disagrees with its subject is ignored: one tenant can never
+cancel another's request.
+
+Each router and worker then acts where the request is:
 
 - waiting in a router's hold, or read later from the priority subject: it is
   dropped with a ``cancelled`` event (stage ``queued``), never dispatched;
+- sharing another request's call (a coalesced follower): it ends at once
+  with its own ``cancelled`` (stage ``queued``) and leaves the group; the
+  shared call goes on for the others (:mod:`renqueue.coalescing`);
 - dispatched but not started: the worker records ``cancelled`` instead of
   calling the backend;
 - running: the worker stops the backend call (closing its HTTP stream) and
-  records ``cancelled`` (stage ``running``).
+  records ``cancelled`` (stage ``running``). A worker registers a run before
+  it looks for a cancellation, so one that arrives while the run starts is
+  not missed.
 
-The ``cancelled`` event is terminal and shares the request's terminal message
-id, so a cancellation that races a completion leaves exactly one of them.
+Past the horizon: a process that starts later does not read cancellations
+older than ``horizon``. Before a request runs, routers and workers therefore
+ask :meth:`CancelWatch.was_cancelled`, which looks the request's own
+``cancel_requested`` subject up in the log when the request is older than
+what the watch covers: a cancellation is honoured however old it is (as long
+as ``RQ_EVENTS`` keeps it, 30 days by default).
+
+The ``cancelled`` event is terminal and goes through the request's terminal
+claim (:meth:`renqueue.eventlog.EventLog.finish`), so a cancellation that
+races a completion leaves exactly one of them.
 """
 
 from __future__ import annotations
@@ -24,83 +48,212 @@ import contextlib
 import datetime
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import msgspec
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from .eventlog import delete_consumer
 from .logs import get_logger
 from .messages import EVENT_DECODER, CancelRequested
-from .subjects import EVENTS_STREAM
+from .subjects import EVENTS_STREAM, FETCH_TIMEOUT, event_subject
+from .tasks import Supervisor, cancel_and_wait
 
-__all__ = ["CancelWatch"]
+__all__ = ["CANCELS", "CancelWatch", "cancel_of"]
 
 log = get_logger("cancellation")
 
 #: Subject filter of every cancellation request.
-CANCELS = "rq.evt.*.*.cancel_requested"
+CANCELS: Final = "rq.evt.*.*.cancel_requested"
+
+#: Name of the watch's loop under its supervisor.
+LOOP: Final = "cancel-watch"
+
+#: Messages fetched at once while catching up.
+_BATCH: Final = 256
+
+#: The watch's consumer goes away this long after its process stopped asking.
+_INACTIVE: Final = 30.0
+
+#: How long :meth:`CancelWatch.start` waits to have read every logged cancellation.
+_CATCH_UP: Final = 10.0
+
+#: Cancellations remembered before the oldest (past the horizon) are forgotten.
+_KEEP: Final = 10_000
+
+
+def cancel_of(subject: str, data: bytes) -> CancelRequested | None:
+    """The cancellation a message on ``subject`` carries, if subject and payload agree.
+
+    The subject (``rq.evt.<tenant>.<request_id>.cancel_requested``) is the
+    authority; a payload naming another tenant or request, or not a
+    ``cancel_requested`` event at all, is no cancellation.
+    """
+    parts = subject.split(".")
+    if len(parts) != 5 or parts[:2] != ["rq", "evt"] or parts[4] != "cancel_requested":
+        return None
+    try:
+        event = EVENT_DECODER.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(event, CancelRequested):
+        return None
+    if (event.tenant, event.request_id) != (parts[2], parts[3]):
+        return None
+    return event
+
+
+def _seconds(when: datetime.datetime | None) -> float:
+    return when.timestamp() if when is not None else 0.0
 
 
 class CancelWatch:
-    """The set of recently cancelled request ids, kept current from the log."""
+    """The requests recently cancelled, by (tenant, request id), kept current from the log.
 
-    def __init__(self, js: Any, *, horizon: float = 86400.0) -> None:
+    ``supervisor`` runs the watch's loop (a private one when ``None``).
+    ``horizon`` is how far back (seconds) a starting watch reads.
+    """
+
+    def __init__(
+        self,
+        js: Any,
+        *,
+        horizon: float = 86400.0,
+        supervisor: Supervisor | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._js = js
         self._horizon = horizon
-        self._cancelled: dict[str, float] = {}
+        self._clock = clock
+        self._own_supervisor = supervisor is None
+        self._supervisor = supervisor or Supervisor("cancel-watch")
+        #: (tenant, request id) -> server time the cancellation was stored.
+        self._cancelled: dict[tuple[str, str], float] = {}
         self._listeners: list[Callable[[CancelRequested], None]] = []
-        self._sub: Any = None
         self._caught_up = asyncio.Event()
-        self._caught_up_to = 0
+        #: Every cancellation stored at or after this (server time) is known.
+        self._known_since = 0.0
+        #: Stream sequence to resume from after a failure (0: from the horizon).
+        self._next_seq = 0
+        self._task: asyncio.Task[Any] | None = None
+        self._started = False
+
+    @property
+    def caught_up(self) -> bool:
+        """True once every cancellation logged before the start has been read."""
+        return self._caught_up.is_set()
 
     async def start(self) -> None:
-        """Subscribe, and return once every cancellation already logged is known,
+        """Start the loop; return once every cancellation already logged is known,
         so no router or worker acts on a request before it could know."""
+        if self._started:
+            raise RuntimeError("the cancel watch is already started")
+        self._started = True
+        self._known_since = self._clock() - self._horizon
+        self._supervisor.spawn(LOOP, self._follow)
+        waiting = asyncio.create_task(self._caught_up.wait())
+        failed = asyncio.create_task(self._supervisor.failed.wait())
         try:
-            last = (await self._js.get_last_msg(EVENTS_STREAM, CANCELS)).seq
-        except NotFoundError:
-            last = 0
-        self._caught_up_to = last
-        if last == 0:
-            self._caught_up.set()
-        since = datetime.datetime.fromtimestamp(time.time() - self._horizon, tz=datetime.UTC)
-        self._sub = await self._js.subscribe(
-            CANCELS,
-            cb=self._on_cancel,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.BY_START_TIME,
-            config=ConsumerConfig(opt_start_time=since),
-        )
-        try:
-            await asyncio.wait_for(self._caught_up.wait(), 10.0)
-        except TimeoutError:
-            log.warning("cancellations still loading after 10 s; continuing")
+            await asyncio.wait({waiting, failed}, timeout=_CATCH_UP, return_when="FIRST_COMPLETED")
+        finally:
+            await cancel_and_wait([waiting, failed])
+        if not self.caught_up:
+            log.warning("cancellations still loading; continuing", waited=_CATCH_UP)
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+        """Stop the loop (and the private supervisor). Idempotent."""
+        if self._task is not None:
+            await cancel_and_wait([self._task])
+            self._task = None
+        if self._own_supervisor:
+            await self._supervisor.close()
 
     def listen(self, callback: Callable[[CancelRequested], None]) -> None:
-        """Call ``callback`` for each cancellation seen from now on."""
+        """Call ``callback`` for each cancellation read from now on.
+
+        The event it gets agrees with its subject: its ``tenant`` and
+        ``request_id`` can be trusted.
+        """
         self._listeners.append(callback)
 
-    def is_cancelled(self, request_id: str) -> bool:
-        return request_id in self._cancelled
+    def is_cancelled(self, tenant: str, request_id: str) -> bool:
+        """Whether ``tenant``'s request ``request_id`` was cancelled (as far as read)."""
+        return (tenant, request_id) in self._cancelled
 
-    async def _on_cancel(self, msg: Any) -> None:
-        if msg.metadata.sequence.stream >= self._caught_up_to:
-            self._caught_up.set()
+    async def was_cancelled(self, tenant: str, request_id: str, since: float) -> bool:
+        """Like :meth:`is_cancelled`, for a request that exists since ``since`` (Unix s).
+
+        When ``since`` is before what the watch covers (its horizon, or what it
+        forgot), the request's own ``cancel_requested`` subject is looked up in
+        the log: one direct get, only for requests that old.
+        """
+        if self.is_cancelled(tenant, request_id):
+            return True
+        if since >= self._known_since:
+            return False
+        subject = event_subject(tenant, request_id, "cancel_requested")
         try:
-            event = EVENT_DECODER.decode(msg.data)
-        except msgspec.DecodeError:
+            raw = await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
+        except NotFoundError:
+            return False
+        if cancel_of(subject, raw.data or b"") is None:
+            return False
+        self._cancelled[(tenant, request_id)] = _seconds(raw.time)
+        return True
+
+    # ------------------------------------------------------------------ loop
+
+    async def _subscribe(self) -> Any:
+        if self._next_seq:
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._next_seq
+            )
+        else:
+            since = datetime.datetime.fromtimestamp(self._known_since, tz=datetime.UTC)
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since
+            )
+        config.ack_policy = AckPolicy.NONE
+        config.inactive_threshold = _INACTIVE
+        config.mem_storage = True
+        config.num_replicas = 1
+        return await self._js.pull_subscribe(CANCELS, stream=EVENTS_STREAM, config=config)
+
+    async def _follow(self) -> None:
+        """Read cancellations until stopped; raise (to be restarted) on any failure."""
+        self._task = asyncio.current_task()
+        psub = await self._subscribe()
+        try:
+            if (await psub.consumer_info()).num_pending == 0:
+                # Nothing logged since the horizon (or since the last one read).
+                self._caught_up.set()
+            while True:
+                try:
+                    msgs = await psub.fetch(batch=_BATCH, timeout=FETCH_TIMEOUT)
+                except (TimeoutError, NatsTimeoutError):
+                    self._caught_up.set()  # nothing was pending
+                    continue
+                for msg in msgs:
+                    self._take(msg)
+                    self._next_seq = msg.metadata.sequence.stream + 1
+                    if msg.metadata.num_pending == 0:
+                        self._caught_up.set()
+        finally:
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+            await delete_consumer(self._js, EVENTS_STREAM, psub._consumer)
+
+    def _take(self, msg: Any) -> None:
+        event = cancel_of(msg.subject, msg.data)
+        if event is None:
+            log.warning("ignoring a cancellation whose payload disagrees with its subject",
+                        subject=msg.subject)  # fmt: skip
             return
-        if not isinstance(event, CancelRequested):
-            return
-        self._cancelled[event.request_id] = event.at
-        self._prune(event.at)
+        stored = _seconds(msg.metadata.timestamp)
+        self._cancelled[(event.tenant, event.request_id)] = stored
+        self._prune(stored)
         for callback in self._listeners:
             try:
                 callback(event)
@@ -108,8 +261,12 @@ class CancelWatch:
                 log.exception("cancel listener failed", request_id=event.request_id)
 
     def _prune(self, now: float) -> None:
-        if len(self._cancelled) > 10_000:
-            horizon = now - self._horizon
-            for request_id, at in list(self._cancelled.items()):
-                if at < horizon:
-                    del self._cancelled[request_id]
+        """Forget cancellations past the horizon once there are many; lookups of
+        requests that old then go to the log (:meth:`was_cancelled`)."""
+        if len(self._cancelled) <= _KEEP:
+            return
+        horizon = now - self._horizon
+        for key, at in list(self._cancelled.items()):
+            if at < horizon:
+                del self._cancelled[key]
+        self._known_since = max(self._known_since, horizon)

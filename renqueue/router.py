@@ -40,7 +40,7 @@ from nats.js.errors import NotFoundError
 
 from . import metrics
 from .cancellation import CancelWatch
-from .coalescing import Groups, coalesce_key
+from .coalescing import Coalescer, coalesce_key
 from .config import Config, parse_duration
 from .errors import InvalidRequestError, MalformedRequestError, UnknownRouteError
 from .eventlog import EventLog
@@ -298,7 +298,9 @@ class Router:
         self._room = {level: asyncio.Event() for level in self._levels}
         self._wake = asyncio.Event()
         self._state: StateView | None = None
-        self._groups = Groups(js)
+        self._coalescer = Coalescer(js, clock=clock)
+        #: Timers that expire coalesced followers at their deadlines.
+        self._follower_timers: set[asyncio.TimerHandle] = set()
         self._capacity = _Capacity(
             js, config, parse_duration(config.router.capacity_refresh), health=self._healthy
         )
@@ -340,6 +342,9 @@ class Router:
         """Stop taking work, let in-flight dispatches land, hand held requests back."""
         await cancel_and_wait(list(self._tasks))
         self._tasks.clear()
+        for timer in self._follower_timers:
+            timer.cancel()
+        self._follower_timers.clear()
         # Unsubscribe, or a pull that expires after the fetch task is gone
         # leaves a status message no one reads, and draining NATS waits on it.
         for sub in self._subs:
@@ -441,7 +446,9 @@ class Router:
         After its ``submitted`` event, so the log still starts with it.
         """
         expired = request.deadline is not None and now >= request.deadline
-        cancelled = self._cancels is not None and self._cancels.is_cancelled(request.id)
+        cancelled = self._cancels is not None and await self._cancels.was_cancelled(
+            request.tenant, request.id, since=now
+        )
         if not (expired or cancelled):
             return False
         with contextlib.suppress(Exception):
@@ -458,7 +465,7 @@ class Router:
         if key is None:
             return False
         try:
-            leader = await self._groups.join(request, key)
+            leader = await self._coalescer.join(request, key)
         except Exception as exc:  # noqa: BLE001 - coalescing is an optimisation
             log.warning("coalescing failed; the request runs alone", error=str(exc))
             return False
@@ -470,6 +477,7 @@ class Router:
                 Coalesced(request_id=request.id, tenant=request.tenant, at=now, leader=leader)
             )
             await msg.ack()
+            self._expire_follower_at_deadline(request, key)
             # Whichever router holds the leader lifts it to this follower's level.
             boost = {"leader": leader, "rank": self._config.priority_rank(request.priority)}
             await self._nc.publish(
@@ -482,14 +490,30 @@ class Router:
                 await msg.nak(delay=0.5)
         return True
 
+    def _expire_follower_at_deadline(self, request: InferenceRequest, key: str) -> None:
+        """A follower waits on another request's call, held by no router: this
+        router ends it at its deadline (if it dies, the hand-out does, late)."""
+        if request.deadline is None:
+            return
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, request.deadline - self._clock())
+
+        def fire() -> None:
+            self._follower_timers.discard(handle)
+            self._spawn_publish(self._coalescer.follower_expired(request, key))
+
+        handle = loop.call_later(delay, fire)
+        self._follower_timers.add(handle)
+
     async def _on_boost(self, msg: Any) -> None:
         try:
             boost = _BOOST_DECODER.decode(msg.data)
         except msgspec.DecodeError:
             return
+        tenant = _subject_token(msg.subject, 2)
         for held in self._held.values():
             for item in held:
-                if item.request.id == boost.leader:
+                if item.request.tenant == tenant and item.request.id == boost.leader:
                     if item.boost is None or boost.rank < item.boost[0]:
                         item.boost = (boost.rank, boost.submitted)
                     self._wake.set()
@@ -517,14 +541,28 @@ class Router:
         return (self._config.priority_rank(parent.request.priority), parent.at)
 
     def _on_cancel_requested(self, event: CancelRequested) -> None:
-        """Drop a held request at once; later reads check the watch on admission."""
+        """Drop a held request at once; later reads check the watch on admission.
+
+        The watch passes only events whose tenant and id are their subject's,
+        and the match is on both: a tenant never cancels another's request. A
+        request held nowhere may be a coalesced follower: it ends on its own.
+        """
         for held in self._held.values():
             for item in held:
-                if item.request.id == event.request_id:
+                if item.request.tenant == event.tenant and item.request.id == event.request_id:
                     held.remove(item)
                     self._spawn_publish(self._cancel(item.msg, item.request))
                     self._room[self._levels[item.rank]].set()
                     return
+        self._spawn_publish(self._coalescer.follower_cancelled(event.tenant, event.request_id))
+
+    async def _end(self, request: InferenceRequest, event: Any) -> None:
+        """Record a request's terminal event; a coalescing leader's followers
+        get their outcome first (so a crash in between cannot strand them)."""
+        key = coalesce_key(request)
+        if key is not None:
+            await self._coalescer.leader_ended(request.tenant, request.id, key, event)
+        await self._log.finish(event)
 
     async def _cancel(self, msg: Any, request: InferenceRequest) -> None:
         event = Cancelled(
@@ -536,7 +574,7 @@ class Router:
         )
         metrics.TERMINAL.labels("cancelled").inc()
         try:
-            await self._log.finish(event)
+            await self._end(request, event)
             await msg.ack()
         except Exception:
             log.exception("could not record cancellation", request_id=request.id)
@@ -584,14 +622,15 @@ class Router:
                 tenant=request.tenant,
                 request_id=request.id,
             )
-            await self._log.finish(
+            await self._end(
+                request,
                 Failed(
                     request_id=request.id,
                     tenant=request.tenant,
                     at=self._clock(),
                     error_type="undeliverable",
                     reason=f"could not hand the request to a backend: {exc}"[:1000],
-                )
+                ),
             )
             await item.msg.ack()
         except Exception:
@@ -612,7 +651,7 @@ class Router:
         )
         metrics.TERMINAL.labels("expired").inc()
         try:
-            await self._log.finish(event)
+            await self._end(request, event)
             await msg.ack()
         except Exception as exc:
             log.exception("could not record expiry", request_id=request.id, error=str(exc))

@@ -114,7 +114,7 @@ class Services:
             self.js = self.nc.jetstream()
             if self._provision:
                 await provision(self.nc, self.config)
-            self.cancels = CancelWatch(self.js)
+            self.cancels = CancelWatch(self.js, supervisor=self.supervisor)
             await self.cancels.start()
             if self._run_projector:
                 self.projector = Projector(self.js, name=f"{self._name}-projector")

@@ -35,7 +35,7 @@ from nats.js.errors import NotFoundError
 from . import metrics
 from .backends import Backend
 from .cancellation import CancelWatch
-from .coalescing import Groups, coalesce_key
+from .coalescing import Coalescer, coalesce_key
 from .config import BackendConfig, Config, parse_duration
 from .errors import BackendError, RetryableBackendError
 from .eventlog import EventLog
@@ -142,9 +142,10 @@ class Worker:
             for rate in self._backend_config.limits.request_rates
         ]
         self._running: set[asyncio.Task[None]] = set()
+        # Both keyed by msg_id(tenant, request id): ids are scoped by tenant.
         self._calls: dict[str, asyncio.Task[tuple[Completed, int]]] = {}
         self._runs: dict[str, _Run] = {}
-        self._groups = Groups(js)
+        self._coalescer = Coalescer(js, clock=clock)
         self._policies = config.level_policies()
         self._preempt_sub: Any = None
         self._stealer: asyncio.Task[None] | None = None
@@ -381,12 +382,15 @@ class Worker:
         # The call runs as a task of its own, so a cancellation or preemption
         # can stop it (closing the backend's HTTP stream) without stopping this run.
         call = asyncio.create_task(self._call(request, dispatch, run, pending_acks))
-        self._calls[request.id] = call
+        scoped = msg_id(request.tenant, request.id)
+        self._calls[scoped] = call
         # A run is judged at the level it was bound at: one that aged to the top
         # is not preemptible, or aging could never get it through.
-        self._runs[request.id] = _Run(
-            rank=self._rank_of(dispatch), started=time.monotonic(), call=call
-        )
+        self._runs[scoped] = _Run(rank=self._rank_of(dispatch), started=time.monotonic(), call=call)
+        # A cancellation read after _refused looked and before the call was
+        # registered found nothing to stop: look again, now that it would.
+        if self._cancels is not None and self._cancels.is_cancelled(request.tenant, request.id):
+            call.cancel()
         try:
             outcome, chunks = await call
         except asyncio.CancelledError:
@@ -394,7 +398,7 @@ class Worker:
             if not (call.cancelled() and this is not None and not this.cancelling()):
                 raise  # shutdown: the message is nak'ed by _handle
             await self._settle(pending_acks)
-            preempted_by = self._runs[request.id].preempted_by
+            preempted_by = self._runs[scoped].preempted_by
             if preempted_by is not None:
                 # The HTTP stream is closed; give the backend a moment to see
                 # the disconnect before its slot goes to the urgent request.
@@ -422,8 +426,8 @@ class Worker:
             )
             return
         finally:
-            self._calls.pop(request.id, None)
-            self._runs.pop(request.id, None)
+            self._calls.pop(scoped, None)
+            self._runs.pop(scoped, None)
             call.cancel()
             keepalive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -449,7 +453,9 @@ class Worker:
             )
             await self._finish(msg, request, expired, run)
             return True
-        if self._cancels is not None and self._cancels.is_cancelled(request.id):
+        if self._cancels is not None and await self._cancels.was_cancelled(
+            request.tenant, request.id, since=dispatch.routed_at
+        ):
             await self._finish(msg, request, self._cancelled(request, "queued"), run)
             return True
         return False
@@ -566,7 +572,8 @@ class Worker:
         )
 
     def _on_cancel_requested(self, event: CancelRequested) -> None:
-        call = self._calls.get(event.request_id)
+        # The watch passes only events that agree with their subject's tenant.
+        call = self._calls.get(msg_id(event.tenant, event.request_id))
         if call is not None:
             log.info("stopping a running request on cancellation", request_id=event.request_id)
             call.cancel()
@@ -711,7 +718,7 @@ class Worker:
         request's call get their outcome first, so a crash cannot strand them."""
         key = coalesce_key(request)
         if key is not None:
-            await self._hand_out(request, key, event)
+            await self._coalescer.leader_ended(request.tenant, request.id, key, event)
         first = await self._log.finish(event, delivery=delivery, seq=seq)
         kind = type(event).__name__.lower()
         if first:
@@ -725,35 +732,6 @@ class Worker:
             log.warning("duplicate terminal event dropped", kind=kind)
             metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
         await msg.ack()
-
-    async def _hand_out(self, request: InferenceRequest, key: str, event: Any) -> None:
-        """Give each follower of this (leading) request a copy of its outcome."""
-        followers = await self._groups.close(request, key)
-        for follower in followers:
-            if isinstance(event, Completed):
-                copy: Any = msgspec.structs.replace(
-                    event, request_id=follower, cost=0.0, shared_with=request.id
-                )
-                chunk = TokenChunk(request_id=follower, seq=0, text=event.text)
-                if event.text:
-                    await self._js.publish(
-                        token_subject(request.tenant, follower),
-                        encode(chunk),
-                        headers={"Nats-Msg-Id": msg_id(request.tenant, follower, "shared")},
-                    )
-                await self._log.finish(copy, seq=1 if event.text else 0)
-            else:
-                outcome = type(event).__name__.lower()
-                failed = Failed(
-                    request_id=follower,
-                    tenant=request.tenant,
-                    at=self._clock(),
-                    error_type=f"shared_call_{outcome}",
-                    reason=f"the call shared with {request.id} ended {outcome}",
-                    backend=self._backend_name,
-                )
-                await self._log.finish(failed)
-        await self._groups.forget(request, key)
 
     async def _settle(self, pending_acks: list[asyncio.Future[Any]]) -> None:
         """Wait until every token chunk and event published so far is stored."""
