@@ -5,16 +5,21 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
 from renqueue import Client, RequestCancelledError, RequestExpiredError, Services, parse_config
+from renqueue.cancellation import CancelWatch
 from renqueue.eventlog import EventLog
-from renqueue.messages import Cancelled, Expired, Started
+from renqueue.messages import Cancelled, CancelRequested, Expired, Started, encode
 from renqueue.mockbackend import MockBackend, MockSettings
+from renqueue.provision import provision
+from renqueue.subjects import event_subject
 
 
 @pytest.fixture
@@ -148,4 +153,80 @@ async def test_a_running_request_past_its_deadline_is_stopped_and_expires(
     assert expired.stage == "running"
     assert any(isinstance(e, Started) for e in history)
     assert slow.stats().disconnects == 1
+    assert slow.stats().completed == 0
+
+
+async def test_one_tenant_cannot_cancel_another_tenants_request(
+    stack: Services, slow: MockBackend
+) -> None:
+    """Issue #6 item 15: the match is on (subject tenant, id), never on id alone."""
+    slow.update(tokens_per_second=200)
+    async with Client(stack.nc, tenant="victim") as victim, Client(stack.nc, tenant="evil") as evil:
+        handle = await victim.submit("mine", route="chat", request_id="same-id")
+        stream = handle.stream(timeout=10)
+        await anext(stream)  # running
+        # Its own request id, on its own subject...
+        await evil.handle("same-id").cancel()
+        # ...and a forged payload naming the victim, on its own subject.
+        forged = CancelRequested(request_id="same-id", tenant="victim", at=time.time())
+        await evil.js.publish(
+            event_subject("evil", "same-id", "cancel_requested"),
+            encode(forged),
+            headers={"Nats-Msg-Id": "victim:same-id:cancel_requested"},
+        )
+        result = await handle.result(timeout=10)
+        await stream.aclose()
+    assert result.text
+    assert slow.stats().completed == 1
+
+
+async def test_the_watch_starts_at_once_when_every_cancellation_is_past_its_horizon(
+    nc: Any,
+) -> None:
+    """Issue #6 item 7: the newest cancellation older than the horizon used to
+    stall every start for 10 s (its catch-up message never came). Past the
+    horizon a cancellation is still honoured: looked up in the log."""
+    js = nc.jetstream()
+    await provision(nc, parse_config({"routes": {}, "backends": {}}))
+    old = CancelRequested(request_id="old-one", tenant="t", at=time.time())
+    await EventLog(js).append(old)
+    # The watch's clock is a day ahead: the cancellation is past its horizon.
+    watch = CancelWatch(js, horizon=60.0, clock=lambda: time.time() + 86_400)
+    try:
+        await asyncio.wait_for(watch.start(), 5)
+        assert watch.caught_up
+        assert not watch.is_cancelled("t", "old-one")
+        assert await watch.was_cancelled("t", "old-one", since=time.time())
+        assert not await watch.was_cancelled("other", "old-one", since=time.time())
+    finally:
+        await watch.stop()
+
+
+async def test_a_cancel_that_lands_while_a_run_starts_is_not_missed(
+    stack: Services, slow: MockBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #6 item 8: a cancel read after the worker's "cancelled?" check and
+    before its backend call was registered ran the request to the end. The
+    cancel is published (and seen by the watch) exactly in that window."""
+    [worker] = stack.workers
+    watch = stack.cancels
+    assert watch is not None
+    start = worker._start  # the window under test is inside the run
+    seen = asyncio.Event()
+    watch.listen(lambda _event: seen.set())
+
+    async def start_then_cancel(msg: Any, dispatch: Any, run: int) -> Any:
+        acks = await start(msg, dispatch, run)
+        request = dispatch.request
+        await EventLog(stack.js).append(
+            CancelRequested(request_id=request.id, tenant=request.tenant, at=time.time())
+        )
+        await asyncio.wait_for(seen.wait(), 10)  # the watch has read it
+        return acks
+
+    monkeypatch.setattr(worker, "_start", start_then_cancel)
+    async with Client(stack.nc, tenant="t") as client:
+        handle = await client.submit("cancel me as I start", route="chat")
+        with pytest.raises(RequestCancelledError):
+            await handle.result(timeout=10)
     assert slow.stats().completed == 0
