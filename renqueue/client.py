@@ -385,6 +385,9 @@ class Client:
     tap_heartbeat: float = 5.0
     #: How long the server keeps the tap while no one listens (a disconnect).
     tap_inactive_threshold: float = 30.0
+    #: Seconds a submit that finds no stream (a cluster electing a leader, or a
+    #: level that is not configured) is retried before UnknownPriorityError.
+    no_stream_grace: float = 3.0
 
     def __init__(self, nc: Any, *, tenant: str = "default", owns_connection: bool = False) -> None:
         self.nc = nc
@@ -551,16 +554,31 @@ class Client:
         return RequestHandle(self, request.id, request.tenant, duplicate=duplicate, waiter=waiter)
 
     async def _publish(self, request: InferenceRequest) -> bool:
-        """Publish ``request``; True if JetStream already had it (a resubmit)."""
-        try:
-            ack = await self.js.publish(
-                request_subject(request.priority, request.tenant),
-                encode(request),
-                headers={"Nats-Msg-Id": msg_id(request.tenant, request.id)},
-            )
-        except NoStreamResponseError as exc:
-            raise UnknownPriorityError(request.priority, request_id=request.id) from exc
-        return bool(ack.duplicate)
+        """Publish ``request``; True if JetStream already had it (a resubmit).
+
+        "No responders" means no stream listens on the subject: the level is
+        not configured, or, for a few seconds, a cluster is electing the
+        stream's leader. So it is retried with the same message id (a publish
+        is idempotent) for :attr:`no_stream_grace` seconds before it is taken
+        to mean an unknown level.
+        """
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.no_stream_grace
+        delay = 0.05
+        while True:
+            try:
+                ack = await self.js.publish(
+                    request_subject(request.priority, request.tenant),
+                    encode(request),
+                    headers={"Nats-Msg-Id": msg_id(request.tenant, request.id)},
+                )
+            except NoStreamResponseError as exc:
+                if loop.time() + delay > give_up:
+                    raise UnknownPriorityError(request.priority, request_id=request.id) from exc
+                await asyncio.sleep(delay)
+                delay = min(0.5, delay * 2)
+                continue
+            return bool(ack.duplicate)
 
     def handle(self, request_id: str) -> RequestHandle:
         """A handle for a request submitted earlier or elsewhere."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from renqueue import Client, Services, parse_config
+from renqueue import Client, Services, UnknownPriorityError, parse_config
 from renqueue.client import _TokenFollower
 from renqueue.embedded import EmbeddedServer
 from renqueue.messages import TokenChunk, encode
@@ -124,3 +124,15 @@ async def test_a_resubmit_while_the_first_handle_waits_resolves_both(tmp_path: P
             two = await second.result(timeout=10)
     assert one.text == two.text
     assert mock.stats().requests == 1
+
+
+async def test_a_submit_to_an_unconfigured_level_fails_clearly_after_its_grace(
+    streams: tuple[NatsClient, NatsClient],
+) -> None:
+    _deaf, loud = streams
+    async with Client(loud, tenant="t") as client:
+        client.no_stream_grace = 0.3
+        with pytest.raises(UnknownPriorityError, match="urgent"):
+            await client.submit("hi", route="chat", priority="urgent")
+        # A configured level is stored at once.
+        assert not (await client.submit("hi", route="chat", priority="normal")).duplicate
