@@ -30,7 +30,6 @@ subjects. Under per-user permissions, connect with the user's inbox prefix::
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import time
 import uuid
@@ -138,10 +137,25 @@ class _TokenFollower:
     filtered to this one subject replays them (:func:`read_subject`). In the
     common case (following from the submit) nothing is stored yet and no
     JetStream consumer is made: they are server-side objects, costly to create
-    at hundreds of streams a second. Chunks are de-duplicated by (delivery,
-    seq, final). A gap in the live sequence (chunks lost while the connection
-    was down) sends the follower back to the store.
+    at hundreds of streams a second.
+
+    Chunks are handed out by run (``delivery``) and ``seq``. A live chunk
+    that skips ahead, a quiet spell of :attr:`IDLE` seconds and a reconnect
+    all send the follower back to the store, so a stream ends whenever its
+    final chunk is stored, even if its live copy was lost (a reconnect, a slow
+    consumer), and a gap whose chunk was not yet committed (a cluster) is
+    filled by a later read. Once a newer run has begun (a ``restart`` chunk),
+    chunks of older runs are void and dropped, late ones from a zombie run
+    included.
+
+    The final chunk carries its run and the run's next ``seq``: the stream
+    ends once every chunk before it is handed out. A final chunk with
+    ``seq`` 0 (a run that streamed nothing, or one written before final
+    chunks carried their position) ends it after one more read of the store.
     """
+
+    #: Seconds of silence after which the store is read again.
+    IDLE = 2.0
 
     def __init__(self, client: Client, tenant: str, request_id: str) -> None:
         self._js = client.js
@@ -150,14 +164,27 @@ class _TokenFollower:
         self._request_id = request_id
         self._subject = token_subject(tenant, request_id)
         self._live: asyncio.Queue[TokenChunk] = asyncio.Queue()
-        self._ready: collections.deque[TokenChunk] = collections.deque()
-        self._seen: set[tuple[int, int, bool]] = set()
+        #: Chunks received and not yet handed out, by (run, seq).
+        self._pending: dict[tuple[int, int], TokenChunk] = {}
+        self._final: TokenChunk | None = None
+        self._run = 0  # the run being handed out (0: none yet)
+        self._next = 0  # the next seq of that run
         self._cursor = 1  # next stream sequence to read from the store
-        self._last: tuple[int, int] = (0, -1)  # (delivery, seq) last handed out
+        #: Whether the store was read after the final chunk was seen.
+        self._read_after_final = False
+        #: Whether the store was read since the last chunk was handed out.
+        self._read_since_take = False
+        self._reconnects = 0
+        #: The newest run seen live, and in the store (in stream order): a
+        #: chunk of an older run that comes after one of a newer run is from a
+        #: zombie (a worker presumed dead), and void.
+        self._newest_live = 0
+        self._newest_stored = 0
         self._sub: Any = None
 
     async def start(self) -> None:
         # Subscribe before reading the store, so nothing falls between the two.
+        self._reconnects = self._nc.stats["reconnects"]
         self._sub = await self._nc.subscribe(self._subject, cb=self._on_live)
         await self._read_store()
 
@@ -187,25 +214,85 @@ class _TokenFollower:
         for seq, data in stored:
             self._cursor = seq + 1
             with contextlib.suppress(msgspec.DecodeError):
-                self._accept(TOKEN_DECODER.decode(data))
+                chunk = TOKEN_DECODER.decode(data)
+                if chunk.final or chunk.delivery >= self._newest_stored:
+                    self._newest_stored = max(self._newest_stored, chunk.delivery)
+                    self._add(chunk)
+        self._read_since_take = True
+        if self._final is not None:
+            self._read_after_final = True
 
-    def _accept(self, chunk: TokenChunk) -> None:
-        key = (chunk.delivery, chunk.seq, chunk.final)
-        if key not in self._seen:
-            self._seen.add(key)
-            self._ready.append(chunk)
+    def _add(self, chunk: TokenChunk) -> None:
+        if chunk.request_id != self._request_id:
+            return
+        if chunk.final:
+            if self._final is None or chunk.delivery >= self._final.delivery:
+                self._final = chunk
+            return
+        if chunk.delivery < self._run or (chunk.delivery == self._run and chunk.seq < self._next):
+            return  # a void run (zombie), or handed out already
+        self._pending[(chunk.delivery, chunk.seq)] = chunk
+
+    def _add_live(self, chunk: TokenChunk) -> None:
+        if chunk.final or chunk.delivery >= self._newest_live:
+            self._newest_live = max(self._newest_live, chunk.delivery)
+            self._add(chunk)
+
+    def _take(self) -> TokenChunk | None:
+        """The next chunk in order, if it is here."""
+        chunk = self._pending.pop((self._run, self._next), None)
+        if chunk is None:
+            if not self._read_since_take:
+                return None  # the store may still have this run's missing chunks
+            # A newer run that has begun voids what is left of this one.
+            newer = sorted(run for run, seq in self._pending if run > self._run and seq == 0)
+            if not newer:
+                return None
+            self._run, self._next = newer[-1], 0
+            self._pending = {k: v for k, v in self._pending.items() if k[0] >= self._run}
+            chunk = self._pending.pop((self._run, 0))
+        self._next = chunk.seq + 1
+        self._read_since_take = False
+        return chunk
+
+    def _ended(self) -> TokenChunk | None:
+        """The final chunk, once nothing before it is still to come."""
+        final = self._final
+        if final is None:
+            return None
+        if final.seq > 0 and final.delivery >= self._run:
+            if final.delivery == self._run and self._next >= final.seq:
+                return final
+            return None
+        # seq 0 (the run streamed nothing), or a position that cannot be trusted
+        # (a final chunk written before they carried their run's next seq).
+        return final if self._read_after_final else None
 
     async def next(self) -> TokenChunk:
-        while not self._ready:
-            chunk = await self._live.get()
-            delivery, seq = self._last
-            skipped = chunk.seq > seq + 1 if chunk.delivery == delivery else chunk.seq > 0
-            if skipped:
-                await self._read_store()  # missed some live: the store has them, in order
-            self._accept(chunk)
-        chunk = self._ready.popleft()
-        self._last = (chunk.delivery, chunk.seq)
-        return chunk
+        """The next chunk in order; the final chunk last."""
+        while True:
+            chunk = self._take()
+            if chunk is not None:
+                return chunk
+            final = self._ended()
+            if final is not None:
+                return final
+            if (self._pending or self._final is not None) and not self._read_since_take:
+                # Something is here but not the next chunk: it was missed live.
+                await self._read_store()
+                continue
+            try:
+                live = await asyncio.wait_for(self._live.get(), self.IDLE)
+            except TimeoutError:
+                await self._read_store()  # quiet: the store may have what was missed
+                continue
+            self._add_live(live)
+            while not self._live.empty():
+                self._add_live(self._live.get_nowait())
+            reconnects = self._nc.stats["reconnects"]
+            if reconnects != self._reconnects:
+                self._reconnects = reconnects
+                await self._read_store()  # live chunks were lost while disconnected
 
 
 class RequestHandle:
@@ -298,6 +385,9 @@ class Client:
     tap_heartbeat: float = 5.0
     #: How long the server keeps the tap while no one listens (a disconnect).
     tap_inactive_threshold: float = 30.0
+    #: Seconds a submit that finds no stream (a cluster electing a leader, or a
+    #: level that is not configured) is retried before UnknownPriorityError.
+    no_stream_grace: float = 3.0
 
     def __init__(self, nc: Any, *, tenant: str = "default", owns_connection: bool = False) -> None:
         self.nc = nc
@@ -444,31 +534,51 @@ class Client:
             duplicate = await self._publish(request)
             return RequestHandle(self, request.id, request.tenant, duplicate=duplicate)
         await self._ensure_tap()
+        # A handle of this client may already wait for this id (a resubmit):
+        # then both share its waiter, and this submit must not drop it.
         waiter = self._waiters.get(request.id)
+        shared = waiter is not None
         if waiter is None:
             waiter = self._waiters[request.id] = asyncio.get_running_loop().create_future()
         try:
             duplicate = await self._publish(request)
         except BaseException:
-            self._waiters.pop(request.id, None)
+            if not shared:
+                self._waiters.pop(request.id, None)
             raise
-        if duplicate:
-            # The original may have ended before this client followed events.
+        if duplicate and not shared:
+            # The original may have ended before this client followed events:
+            # the handle reads the request's own events.
             self._waiters.pop(request.id, None)
             return RequestHandle(self, request.id, request.tenant, duplicate=True)
-        return RequestHandle(self, request.id, request.tenant, waiter=waiter)
+        return RequestHandle(self, request.id, request.tenant, duplicate=duplicate, waiter=waiter)
 
     async def _publish(self, request: InferenceRequest) -> bool:
-        """Publish ``request``; True if JetStream already had it (a resubmit)."""
-        try:
-            ack = await self.js.publish(
-                request_subject(request.priority, request.tenant),
-                encode(request),
-                headers={"Nats-Msg-Id": msg_id(request.tenant, request.id)},
-            )
-        except NoStreamResponseError as exc:
-            raise UnknownPriorityError(request.priority, request_id=request.id) from exc
-        return bool(ack.duplicate)
+        """Publish ``request``; True if JetStream already had it (a resubmit).
+
+        "No responders" means no stream listens on the subject: the level is
+        not configured, or, for a few seconds, a cluster is electing the
+        stream's leader. So it is retried with the same message id (a publish
+        is idempotent) for :attr:`no_stream_grace` seconds before it is taken
+        to mean an unknown level.
+        """
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.no_stream_grace
+        delay = 0.05
+        while True:
+            try:
+                ack = await self.js.publish(
+                    request_subject(request.priority, request.tenant),
+                    encode(request),
+                    headers={"Nats-Msg-Id": msg_id(request.tenant, request.id)},
+                )
+            except NoStreamResponseError as exc:
+                if loop.time() + delay > give_up:
+                    raise UnknownPriorityError(request.priority, request_id=request.id) from exc
+                await asyncio.sleep(delay)
+                delay = min(0.5, delay * 2)
+                continue
+            return bool(ack.duplicate)
 
     def handle(self, request_id: str) -> RequestHandle:
         """A handle for a request submitted earlier or elsewhere."""

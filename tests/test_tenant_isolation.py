@@ -322,3 +322,65 @@ async def test_a_lost_tap_delivery_shows_as_a_gap_and_the_log_resolves_it(stack:
         assert result.text
     finally:
         await acme.close()
+
+
+async def test_the_documented_token_replay_works_under_tenant_permissions(stack: Stack) -> None:
+    """docs/wire-format.md "Following tokens", step by step with raw requests
+    (no client-library helper): a tenant reads its stored chunks and knows
+    when it has them all."""
+    async with await tenant_client(stack, "acme") as acme:
+        handle = await acme.submit("replay me", route="chat")
+        text = (await handle.result(timeout=10)).text
+    tenant = await raw_tenant(stack, "acme")
+    nc = tenant.nc
+    subject = f"rq.tok.acme.{handle.id}"
+    try:
+        # Step 1: last-by-subject direct get, empty body.
+        last = await nc.request(f"$JS.API.DIRECT.GET.{TOKENS_STREAM}.{subject}", b"", timeout=2)
+        assert last.headers is not None
+        last_seq = int(last.headers["Nats-Sequence"])
+        # Step 2: a named push consumer with that one filter.
+        deliver = f"_INBOX_acme.replay-{handle.id}"
+        received: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def collect(msg: Any) -> None:
+            received.put_nowait(msg)
+
+        await nc.subscribe(deliver, cb=collect)
+        name = f"rq-tok-acme-{handle.id[:8]}"
+        body = {
+            "stream_name": TOKENS_STREAM,
+            "config": {
+                "name": name,
+                "filter_subject": subject,
+                "deliver_subject": deliver,
+                "deliver_policy": "all",
+                "ack_policy": "none",
+                "inactive_threshold": 10_000_000_000,
+                "mem_storage": True,
+                "num_replicas": 1,
+            },
+        }
+        created = await nc.request(
+            f"$JS.API.CONSUMER.CREATE.{TOKENS_STREAM}.{name}.{subject}",
+            json.dumps(body).encode(),
+            timeout=2,
+        )
+        assert json.loads(created.data)["num_pending"] > 0
+        chunks = []
+        while True:
+            msg = await asyncio.wait_for(received.get(), 5)
+            # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+            parts = msg.reply.split(".")
+            chunks.append(json.loads(msg.data))
+            if int(parts[5]) >= last_seq or int(parts[8]) == 0:
+                break
+        deleted = await nc.request(
+            f"$JS.API.CONSUMER.DELETE.{TOKENS_STREAM}.{name}", b"", timeout=2
+        )
+        assert json.loads(deleted.data).get("success") is True
+    finally:
+        await nc.close()
+    assert tenant.errors == []
+    assert chunks[-1]["final"] is True
+    assert "".join(c.get("text", "") for c in chunks) == text

@@ -1,0 +1,138 @@
+"""The client follows every token and every handle to its end (issue #6 items 6, 11).
+
+Token chunks are published straight to ``RQ_TOKENS`` here, as workers do, so a
+test can arrange exactly what the follower sees live and what only the store
+has. A connection with ``no_echo`` does not receive its own publishes: chunks
+published through it reach the store but not the follower's live
+subscription on that connection, as a chunk lost to a reconnect would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from renqueue import Client, Services, UnknownPriorityError, parse_config
+from renqueue.client import _TokenFollower
+from renqueue.embedded import EmbeddedServer
+from renqueue.messages import TokenChunk, encode
+from renqueue.mockbackend import MockBackend, MockSettings
+from renqueue.provision import provision
+from renqueue.subjects import token_subject
+
+
+@pytest.fixture
+async def quiet_follower(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_TokenFollower, "IDLE", 0.2, raising=False)
+
+
+@pytest.fixture
+async def streams(isolated_server: EmbeddedServer) -> AsyncIterator[tuple[NatsClient, NatsClient]]:
+    """(a connection that does not hear itself, a normal one), streams provisioned."""
+    deaf = NatsClient()
+    await deaf.connect(isolated_server.url, no_echo=True)
+    loud = NatsClient()
+    await loud.connect(isolated_server.url)
+    await provision(loud, parse_config({"routes": {}, "backends": {}}))
+    try:
+        yield deaf, loud
+    finally:
+        await deaf.close()
+        await loud.close()
+
+
+async def put(nc: NatsClient, request_id: str, **fields: object) -> None:
+    chunk = TokenChunk(request_id=request_id, **fields)  # type: ignore[arg-type]
+    await nc.jetstream().publish(token_subject("t", request_id), encode(chunk))
+
+
+async def texts(handle: object) -> list[tuple[int, int, str]]:
+    return [
+        (chunk.delivery, chunk.seq, chunk.text)
+        async for chunk in handle.stream(timeout=5)  # type: ignore[attr-defined]
+    ]
+
+
+@pytest.mark.usefixtures("quiet_follower")
+async def test_a_stream_ends_when_its_final_chunk_is_only_in_the_store(
+    streams: tuple[NatsClient, NatsClient],
+) -> None:
+    deaf, loud = streams
+    async with Client(deaf, tenant="t") as client:
+        handle = client.handle("lost-final")
+        stream = handle.stream(timeout=5)
+        await put(loud, "lost-final", delivery=1, seq=0, text="a")
+        first = await anext(stream)
+        # The final chunk reaches the store, never the live subscription.
+        await put(deaf, "lost-final", delivery=1, seq=1, final=True)
+        rest = [chunk async for chunk in stream]
+    assert (first.seq, first.text) == (0, "a")
+    assert rest == []
+
+
+@pytest.mark.usefixtures("quiet_follower")
+async def test_a_gap_is_filled_from_the_store_and_a_zombie_run_is_dropped(
+    streams: tuple[NatsClient, NatsClient],
+) -> None:
+    deaf, loud = streams
+    async with Client(deaf, tenant="t") as client:
+        handle = client.handle("gappy")
+        stream = handle.stream(timeout=5)
+        await put(loud, "gappy", delivery=1, seq=0, text="a")
+        assert (await anext(stream)).text == "a"
+        await put(deaf, "gappy", delivery=1, seq=1, text="b")  # missed live
+        await put(loud, "gappy", delivery=1, seq=2, text="c")
+        # A second run begins; a late chunk of the first (a zombie worker) is void.
+        await put(loud, "gappy", delivery=2, seq=0, text="A", restart=True)
+        await put(loud, "gappy", delivery=1, seq=3, text="zombie")
+        await put(loud, "gappy", delivery=2, seq=1, text="B")
+        await put(loud, "gappy", delivery=2, seq=2, final=True)
+        rest = [(c.delivery, c.seq, c.text) async for c in stream]
+    assert rest == [(1, 1, "b"), (1, 2, "c"), (2, 0, "A"), (2, 1, "B")]
+
+
+@pytest.mark.usefixtures("quiet_follower")
+async def test_a_final_chunk_without_its_position_still_ends_the_stream(
+    streams: tuple[NatsClient, NatsClient],
+) -> None:
+    """Final chunks written before they carried their run's next seq (seq 0)."""
+    deaf, loud = streams
+    async with Client(deaf, tenant="t") as client:
+        for seq, text in enumerate("xy"):
+            await put(loud, "old-final", delivery=1, seq=seq, text=text)
+        await put(loud, "old-final", delivery=3, seq=0, final=True)
+        assert await texts(client.handle("old-final")) == [(1, 0, "x"), (1, 1, "y")]
+
+
+async def test_a_resubmit_while_the_first_handle_waits_resolves_both(tmp_path: Path) -> None:
+    async with MockBackend(MockSettings(ttft=0.0, tokens_per_second=50, output_tokens=10)) as mock:
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {"b": {"base_url": mock.url, "model": "m"}},
+                "routes": {"chat": {"backends": ["b"]}},
+            }
+        )
+        async with Services(config) as services, Client(services.nc, tenant="t") as client:
+            first = await client.submit("once", route="chat", request_id="twice")
+            second = await client.submit("once", route="chat", request_id="twice")
+            assert second.duplicate
+            one = await first.result(timeout=10)
+            two = await second.result(timeout=10)
+    assert one.text == two.text
+    assert mock.stats().requests == 1
+
+
+async def test_a_submit_to_an_unconfigured_level_fails_clearly_after_its_grace(
+    streams: tuple[NatsClient, NatsClient],
+) -> None:
+    _deaf, loud = streams
+    async with Client(loud, tenant="t") as client:
+        client.no_stream_grace = 0.3
+        with pytest.raises(UnknownPriorityError, match="urgent"):
+            await client.submit("hi", route="chat", priority="urgent")
+        # A configured level is stored at once.
+        assert not (await client.submit("hi", route="chat", priority="normal")).duplicate
