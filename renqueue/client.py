@@ -38,7 +38,6 @@ from types import TracebackType
 from typing import Any, Self
 
 import msgspec
-import structlog
 from nats.js.api import AckPolicy, DeliverPolicy
 from nats.js.errors import NoStreamResponseError
 
@@ -53,6 +52,7 @@ from .errors import (
     UnknownPriorityError,
 )
 from .eventlog import EventLog, delete_consumer, read_subject
+from .logs import get_logger
 from .messages import (
     EVENT_DECODER,
     REQUEST_DECODER,
@@ -83,7 +83,7 @@ from .subjects import (
 
 __all__ = ["Client", "RequestHandle", "Result"]
 
-log = structlog.get_logger(__name__)
+log = get_logger("client")
 
 
 class Result(msgspec.Struct, frozen=True, kw_only=True):

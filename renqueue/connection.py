@@ -20,16 +20,16 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import nats.errors
-import structlog
 from nats.aio.client import Client
 
 from .config import Config, NatsConfig, parse_duration
 from .embedded import url_file
 from .errors import ConnectionFailedError
+from .logs import get_logger
 
 __all__ = ["connect", "redact_url", "resolve_nats_url"]
 
-log = structlog.get_logger(__name__)
+log = get_logger("connection")
 
 #: Pause between reconnect attempts. Short, because the usual cause is a
 #: restarting broker or a cluster node moving, both back within a second or two.

@@ -33,9 +33,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Final, Self
 
-import structlog
-
 from .errors import EmbeddedServerError
+from .logs import get_logger
 
 __all__ = [
     "URL_FILE_NAME",
@@ -45,7 +44,7 @@ __all__ = [
     "url_file",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger("embedded")
 
 #: Name of the file, inside the data dir, that holds a running embedded server's URL.
 URL_FILE_NAME: Final = "nats.url"

@@ -50,13 +50,14 @@ from types import TracebackType
 from typing import Annotated, Any, Final, Literal, Self
 
 import msgspec
-import structlog
 from aiohttp import web
 from msgspec import Meta, Struct
 
+from .logs import get_logger
+
 __all__ = ["MockBackend", "MockSettings", "MockStats", "format_reset", "run_mock_backend", "serve"]
 
-_log = structlog.get_logger(component="mock-backend")
+_log = get_logger("mock-backend")
 
 Seconds = Annotated[float, Meta(ge=0)]
 Limit = Annotated[int, Meta(ge=0)]

@@ -42,12 +42,12 @@ from typing import Any, Final, Literal
 
 import msgspec
 import nats.errors
-import structlog
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
 from .config import Config, parse_duration
 from .errors import ConnectionFailedError, ProvisionError
+from .logs import get_logger
 from .subjects import (
     ADVISORIES_STREAM,
     DISPATCH_STREAM,
@@ -71,7 +71,7 @@ __all__ = [
     "provision",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger("provision")
 
 #: Environment variable naming the directory of stream definitions.
 STREAMS_DIR_ENV: Final = "RENQUEUE_STREAMS_DIR"
