@@ -20,7 +20,7 @@ from typing import Any, Self
 from .backends import Backend, make_backend
 from .cancellation import CancelWatch
 from .config import Config
-from .connection import connect
+from .connection import connect, redact_url
 from .embedded import EmbeddedServer
 from .errors import ServiceFailedError
 from .logs import get_logger
@@ -178,7 +178,7 @@ async def run_until_signalled(services: Services) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         async with services:
-            log.info("running; Ctrl-C to stop", url=services.url)
+            log.info("running; Ctrl-C to stop", url=redact_url(services.url))
             signalled = asyncio.create_task(stop.wait())
             failed = asyncio.create_task(services.supervisor.failed.wait())
             try:
