@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal, TypeVar
 
@@ -194,6 +194,9 @@ class BackendConfig(_Section, frozen=True, kw_only=True):
     #: field (vLLM's priority scheduling: lower runs sooner). Most other
     #: servers reject unknown fields, hence off by default.
     send_priority: bool = False
+    #: A backend whose key is missing is taken out of service at start-up
+    #: with a warning, and the rest runs; a required one stops the start-up.
+    required: bool = False
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -207,23 +210,30 @@ class BackendConfig(_Section, frozen=True, kw_only=True):
             prompt_tokens * self.cost_input_per_mtok + completion_tokens * self.cost_output_per_mtok
         ) / 1_000_000
 
-    def api_key(self) -> Secret | None:
-        """Read the key from its env var or file; ``None`` when the backend needs none."""
+    def api_key(self, *, path: str = "$") -> Secret | None:
+        """Read the key from its env var or file; ``None`` when the backend needs none.
+
+        ``path`` is this backend's place in the config (``$.backends.<name>``),
+        for the error.
+        """
         if self.api_key_env is not None:
             value = os.environ.get(self.api_key_env)
             if not value:
                 raise ConfigError(
                     f"environment variable {self.api_key_env} is not set",
-                    path="api_key_env",
+                    path=f"{path}.api_key_env",
                 )
             return Secret(value)
         if self.api_key_file is not None:
             try:
-                return Secret(Path(self.api_key_file).read_text().strip())
+                key = Path(self.api_key_file).read_text().strip()
             except OSError as exc:
                 raise ConfigError(
-                    f"cannot read key file: {exc.strerror}", path="api_key_file"
+                    f"cannot read key file: {exc.strerror}", path=f"{path}.api_key_file"
                 ) from exc
+            if not key:
+                raise ConfigError("key file is empty", path=f"{path}.api_key_file")
+            return Secret(key)
         return None
 
 
@@ -290,6 +300,38 @@ class Config(_Section, frozen=True, kw_only=True):
     routes: dict[Name, RouteConfig] = {}
     router: RouterConfig = RouterConfig()
     worker: WorkerConfig = WorkerConfig()
+
+    def unusable_backends(self, names: Iterable[str]) -> dict[str, ConfigError]:
+        """Of ``names``, the backends whose credentials cannot be read, with why.
+
+        Raises the error of the first *required* one (``required = true``).
+        """
+        unusable: dict[str, ConfigError] = {}
+        for name in names:
+            backend = self.backends[name]
+            try:
+                backend.api_key(path=f"$.backends.{name}")
+            except ConfigError as exc:
+                if backend.required:
+                    raise
+                unusable[name] = exc
+        return unusable
+
+    def without_backends(self, names: Iterable[str]) -> Config:
+        """This config with ``names`` taken out of service: gone from every route,
+        and routes left with no backend gone too."""
+        out = set(names)
+        routes = {
+            name: msgspec.structs.replace(
+                route, backends=[b for b in route.backends if b not in out]
+            )
+            for name, route in self.routes.items()
+        }
+        return msgspec.structs.replace(
+            self,
+            backends={n: b for n, b in self.backends.items() if n not in out},
+            routes={n: r for n, r in routes.items() if r.backends},
+        )
 
     def priority_rank(self, level: str) -> int:
         """0 for the most urgent level."""

@@ -105,6 +105,8 @@ class Services:
             raise RuntimeError(f"cannot start services in state {self.state.value}")
         self.state = State.RUNNING
         try:
+            # Everything that can be checked is checked before anything starts.
+            self._check()
             if not self.config.nats.url:
                 nats = self.config.nats
                 self.server = EmbeddedServer(Path(nats.data_dir), host=nats.host, port=nats.port)
@@ -129,11 +131,7 @@ class Services:
                 )
                 await router.start()
                 self.routers.append(router)
-            for backend_name in self._backend_names:
-                # Each adapter owns connection pools sized to its concurrency.
-                backend = self.config.backends[backend_name]
-                adapter = make_backend(backend_name, backend, send_priority=backend.send_priority)
-                self._adapters.append(adapter)
+            for backend_name, adapter in zip(self._backend_names, self._adapters, strict=True):
                 worker = Worker(
                     self.nc, self.js, self.config, backend_name, adapter, cancels=self.cancels
                 )
@@ -142,6 +140,34 @@ class Services:
         except BaseException:
             await self.close()
             raise
+
+    def _check(self) -> None:
+        """Check the config and build the backend adapters, before NATS is touched.
+
+        A backend whose API key is missing is taken out of service (out of
+        every route this process routes, and no worker for it) with one
+        warning, so the rest runs; a ``required`` one raises ConfigError.
+        """
+        unusable = self.config.unusable_backends(self._backend_names)
+        for name, error in unusable.items():
+            log.warning(
+                "backend taken out of service: its API key is missing "
+                "(set it, or mark the backend required = true to make this an error)",
+                backend=name,
+                error=str(error),
+            )
+        if unusable:
+            self.config = self.config.without_backends(unusable)
+            self._backend_names = [n for n in self._backend_names if n not in unusable]
+        if self._router_count and not self.config.routes:
+            log.warning("no routes configured: every request will be rejected (unknown_route)")
+        if not self.config.backends:
+            log.warning("no backends configured: nothing can serve a request")
+        for backend_name in self._backend_names:
+            # Each adapter owns connection pools sized to its concurrency.
+            backend = self.config.backends[backend_name]
+            adapter = make_backend(backend_name, backend, send_priority=backend.send_priority)
+            self._adapters.append(adapter)
 
     async def close(self) -> None:
         """Stop in the fixed order. Idempotent."""

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from renqueue import Client, Services
 from renqueue.config import load_config, parse_config, parse_duration, parse_rate
 from renqueue.errors import ConfigError
+from renqueue.mockbackend import MockBackend, MockSettings
 
 BACKEND = {"base_url": "http://127.0.0.1:1/v1", "model": "m"}
 
@@ -101,3 +103,34 @@ def test_cost_is_per_million_tokens() -> None:
         {"backends": {"a": {**BACKEND, "cost_input_per_mtok": 1.0, "cost_output_per_mtok": 2.0}}}
     )
     assert config.backends["a"].cost(1_000_000, 500_000) == pytest.approx(2.0)
+
+
+async def test_a_backend_without_its_key_is_taken_out_and_the_rest_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RQ_TEST_MISSING_KEY", raising=False)
+    async with MockBackend(MockSettings(ttft=0.0, tokens_per_second=0, output_tokens=2)) as mock:
+        raw = {
+            "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+            "backends": {
+                "cloud": {"base_url": mock.url, "model": "m", "api_key_env": "RQ_TEST_MISSING_KEY"},
+                "local": {"base_url": mock.url, "model": "m"},
+            },
+            "routes": {
+                "chat": {"backends": ["cloud", "local"]},
+                "cloud-only": {"backends": ["cloud"]},
+            },
+        }
+        async with Services(parse_config(raw)) as services:
+            assert [w.backend_name for w in services.workers] == ["local"]
+            assert list(services.config.routes) == ["chat"]
+            async with Client(services.nc, tenant="t") as client:
+                result = await (await client.submit("hi", route="chat")).result(timeout=10)
+        assert result.backend == "local"
+
+        raw["backends"]["cloud"]["required"] = True  # type: ignore[index]
+        with pytest.raises(ConfigError, match=r"\$\.backends\.cloud\.api_key_env"):
+            await Services(
+                parse_config({**raw, "nats": {"data_dir": str(tmp_path / "n2")}})
+            ).start()
+        assert not (tmp_path / "n2").exists()  # nothing was started

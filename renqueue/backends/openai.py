@@ -342,7 +342,7 @@ class OpenAIBackend:
         self._timeout = httpx.Timeout(
             parse_duration(config.timeout), connect=parse_duration(config.connect_timeout)
         )
-        key = config.api_key()
+        key = config.api_key(path=f"$.backends.{name}")
         self._key = key.reveal() if key else ""
         if self._key and not (self._key.isascii() and self._key.isprintable()):
             # Checked here because httpx/h11 put an illegal header value,
