@@ -12,6 +12,13 @@
     renqueue schema             JSON Schema of every wire message and event
     renqueue mock-backend       an OpenAI-compatible mock LLM server
     renqueue demo               everything embedded, a mixed workload, a summary
+
+Exit codes: 0 done (``submit``: the request completed; ``cancel``: it was
+cancelled, or the cancellation was recorded when not waiting); 2 a Ren-Queue
+error (bad config, NATS unreachable, no such request, ...); 3 the request
+ended, but not as asked (``submit``: failed, expired, cancelled or rejected;
+``cancel``: it had already ended otherwise); 4 ``--wait`` ran out before the
+request ended (it goes on: follow it with ``renqueue audit``).
 """
 
 from __future__ import annotations
@@ -31,6 +38,13 @@ from .errors import ConfigError, RenQueueError, RequestFailedError
 from .logs import configure_logging
 
 __all__ = ["main"]
+
+#: Exit codes (see the module docstring).
+EXIT_OK, EXIT_ERROR, EXIT_UNSUCCESSFUL, EXIT_WAIT_TIMEOUT = 0, 2, 3, 4
+
+
+class _WaitTimeout(RenQueueError):
+    """``--wait`` ran out before the request ended."""
 
 
 def _with_nats(config: Config, url: str | None) -> Config:
@@ -64,6 +78,10 @@ async def _up(config: Config, args: argparse.Namespace) -> None:
         backends = []
     elif args.command == "worker":
         routers = 0
+    if args.command != "up" and not config.nats.url:
+        # Scaling out joins a running Ren-Queue; it never starts a second
+        # embedded server on the same store.
+        config = _with_nats(config, _client_url(config))
     await run_until_signalled(Services(config, routers=routers, backends=backends))
 
 
@@ -99,7 +117,7 @@ async def _submit(config: Config, args: argparse.Namespace) -> None:
                     print("\n[restarted]", flush=True)
                 print(chunk.text, end="", flush=True)
             print()
-        result = await handle.result(timeout=args.wait)
+        result = await _wait(handle, args.wait)
         if args.json:
             print(json.dumps(msgspec.to_builtins(result)))
         else:
@@ -114,14 +132,43 @@ async def _submit(config: Config, args: argparse.Namespace) -> None:
 
 async def _cancel(config: Config, args: argparse.Namespace) -> None:
     from .client import Client
+    from .errors import RequestCancelledError
 
     client = await Client.connect(_client_url(config), tenant=args.tenant, name="renqueue-cli")
     async with client:
         handle = client.handle(args.request_id)
+        known = await handle.events()
         await handle.cancel(args.reason)
+        if not known:
+            raise RenQueueError(
+                f"no request {handle.id} is known for tenant {args.tenant!r} (no events): it was "
+                "never submitted, or no router has read it yet; the cancellation is recorded "
+                "and applies if it arrives"
+            )
         print(f"cancellation requested for {handle.id}")
-        if args.wait is not None:
-            await handle.result(timeout=args.wait)  # raises RequestCancelledError
+        if args.wait is None:
+            return
+        try:
+            result = await _wait(handle, args.wait)
+        except RequestCancelledError:
+            print(f"request {handle.id} cancelled")
+            return
+        raise RequestFailedError(
+            f"already ended: completed on {result.backend} before the cancellation",
+            request_id=handle.id,
+            error_type="completed",
+        )
+
+
+async def _wait(handle: Any, wait: float | None) -> Any:
+    """The handle's result; ``_WaitTimeout`` if ``wait`` seconds pass first."""
+    try:
+        return await handle.result(timeout=wait)
+    except TimeoutError as exc:
+        raise _WaitTimeout(
+            f"request {handle.id} has not ended after {wait:g} s; it goes on "
+            f"(follow it with `renqueue audit {handle.id}`)"
+        ) from exc
 
 
 async def _audit(config: Config, args: argparse.Namespace) -> None:
@@ -207,7 +254,12 @@ async def _demo(config: Config, args: argparse.Namespace) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="renqueue", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="renqueue",
+        description=__doc__.splitlines()[0],
+        epilog=__doc__[__doc__.index("Exit codes") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("-c", "--config", help="TOML config file (default: ./renqueue.toml)")
     parser.add_argument("--nats", help="NATS URL (default: embedded server / RENQUEUE_NATS_URL)")
     parser.add_argument(
@@ -295,13 +347,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             asyncio.run(result)
     except RequestFailedError as exc:
         print(f"renqueue: {exc} [{exc.error_type}]", file=sys.stderr)
-        return 3
+        return EXIT_UNSUCCESSFUL
+    except _WaitTimeout as exc:
+        print(f"renqueue: {exc}", file=sys.stderr)
+        return EXIT_WAIT_TIMEOUT
     except RenQueueError as exc:
         print(f"renqueue: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -132,9 +132,9 @@ async def test_cli_cancel(stack: Services) -> None:
         )  # fmt: skip
         out, err = await asyncio.wait_for(proc.communicate(), 30)
         await busy.result(timeout=10)
-    assert proc.returncode == 3, err  # the request ended cancelled
+    assert proc.returncode == 0, err  # the request ended cancelled, as asked
     assert b"cancellation requested" in out
-    assert b"cancelled" in err
+    assert b"cancelled" in out
 
 
 async def test_a_running_request_past_its_deadline_is_stopped_and_expires(

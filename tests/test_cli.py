@@ -103,6 +103,52 @@ async def test_up_submit_audit_and_example_as_a_user_would(tmp_path: Path) -> No
     assert mock.stats().requests == 2
 
 
+async def test_exit_codes_and_scaling_out_without_a_url(tmp_path: Path) -> None:
+    """Issue #6 items 23, 27: --wait timeouts, unknown ids and cancel --wait exit
+    with the documented codes, one line each; `renqueue router` without --nats
+    joins the running server instead of starting a second one on its store."""
+    async with MockBackend(MockSettings(ttft=0.0, tokens_per_second=10, output_tokens=30)) as mock:
+        config = write_config(tmp_path, mock.url)
+        async with renqueue_up(config) as (_proc, _url):
+            base = ("-m", "renqueue", "-c", str(config))
+            code, _out, err = await run(*base, "submit", "x", "--route", "chat", "--wait", "0.2")
+            assert code == 4, err
+            assert "has not ended after 0.2 s" in err
+            assert "Traceback" not in err
+            code, _out, err = await run(*base, "cancel", "never-submitted")
+            assert code == 2, err
+            assert "no request never-submitted is known" in err
+            code, out, err = await run(
+                *base, "submit", "y", "--route", "chat", "--id", "to-cancel", "--wait", "0.1"
+            )
+            assert code == 4, err
+            code, out, err = await run(*base, "cancel", "to-cancel", "--wait", "10")
+            assert code == 0, err
+            assert "cancelled" in out
+
+            log = tmp_path / "router.log"
+            with log.open("wb") as sink:
+                router = await asyncio.create_subprocess_exec(
+                    sys.executable, *base, "router", stdout=sink, stderr=sink,
+                    env={**os.environ, "RENQUEUE_CONFIG": ""},
+                )  # fmt: skip
+            try:
+                for _ in range(400):
+                    if "router started" in log.read_text() or router.returncode is not None:
+                        break
+                    await asyncio.sleep(0.05)  # poll interval while it starts
+            finally:
+                router.send_signal(signal.SIGTERM)
+                code = await asyncio.wait_for(router.wait(), 30)
+            text = log.read_text()
+            assert "router started" in text, text
+            assert "embedded nats-server" not in text
+            assert code == 0, text
+    code, _out, err = await run(*base, "router", limit=30)
+    assert code == 2
+    assert "no NATS URL" in err
+
+
 async def run_example(url: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
