@@ -156,8 +156,10 @@ class Coalescer:
             group = _DECODER.decode(entry.value)
             if group.leader == request.id:
                 return None  # a redelivery of the leader
-            if request.id in group.followers:
+            if request.id in group.followers and not group.closed:
                 return group.leader  # a redelivery of a follower
+            # In a closed group it is being handed out: put back on its queue
+            # to run alone, it leads a new group (the claim keeps one outcome).
             if not group.closed:
                 ended = await self._log.terminal_of(request.tenant, group.leader)
                 if ended is not None:
