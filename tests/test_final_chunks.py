@@ -10,6 +10,7 @@ language would.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -50,11 +51,19 @@ def make_config(tmp_path: Path, url: str, **worker: Any) -> Config:
 
 
 async def stored_chunks(client: Client, request_id: str) -> list[dict[str, Any]]:
-    """The request's chunks as stored, decoded as plain JSON (no defaults filled in)."""
-    raws = await read_subject(
-        client.nc, client.js, TOKENS_STREAM, token_subject(TENANT, request_id)
-    )
-    return [json.loads(data) for _, data in raws]
+    """The request's chunks as stored, decoded as plain JSON (no defaults filled in),
+    once the final one is stored (it is published together with the terminal event,
+    so it may land just after the result)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while True:
+        raws = await read_subject(
+            client.nc, client.js, TOKENS_STREAM, token_subject(TENANT, request_id)
+        )
+        chunks = [json.loads(data) for _, data in raws]
+        if (chunks and chunks[-1].get("final")) or loop.time() > deadline:
+            return chunks
+        await asyncio.sleep(0.02)
 
 
 def assert_final_follows_the_text(chunks: list[dict[str, Any]], *, run: int) -> None:

@@ -81,7 +81,7 @@ def test_events_decode_by_kind_and_terminal_ones_have_no_msg_id() -> None:
     # Exactly one terminal event rests on the terminal claim, not on a message
     # id a tenant could pre-occupy: terminal events are published without one.
     for terminal in (completed, failed):
-        with pytest.raises(ValueError, match="EventLog.finish"):
+        with pytest.raises(ValueError, match=r"EventLog\.finish"):
             msg_id_of(terminal)
     assert msg_id_of(routed) == "t:r:routed:1"
 
