@@ -43,7 +43,7 @@ from typing import Any
 import msgspec
 from aiolimiter import AsyncLimiter
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from . import metrics
 from .backends import Backend
@@ -123,6 +123,9 @@ _PREEMPT_DECODER = msgspec.json.Decoder(_PreemptAsk)
 
 #: Seconds between closing a preempted call and releasing its slot.
 _PREEMPT_GRACE = 0.1
+
+#: JetStream's "no message found" (deleting a sequence that is gone).
+_NO_MESSAGE = 10057
 
 #: Seconds between looks at pool siblings' queues while this worker has room.
 _STEAL_INTERVAL = 0.1
@@ -324,8 +327,13 @@ class Worker:
         )
         if not await self._move(dispatch, self._backend_name, raw.seq):
             return False
-        with contextlib.suppress(NotFoundError):
+        try:
             await self._js.delete_msg(DISPATCH_STREAM, raw.seq)
+        except APIError as exc:
+            # Gone already: another thief moved it at the same moment (its copy
+            # and ours share the id: one is stored), or its worker acked it.
+            if not isinstance(exc, NotFoundError) and exc.err_code != _NO_MESSAGE:
+                raise
         log.info("stole a queued request", request_id=request.id, sibling=sibling)
         return True
 
