@@ -13,8 +13,9 @@ recent cancellation. Each router and worker then acts where the request is:
 - running: the worker stops the backend call (closing its HTTP stream) and
   records ``cancelled`` (stage ``running``).
 
-The ``cancelled`` event is terminal and shares the request's terminal message
-id, so a cancellation that races a completion leaves exactly one of them.
+The ``cancelled`` event is terminal and, like every terminal event, is written
+only by whoever claims the request's outcome (:meth:`EventLog.finish`), so a
+cancellation that races a completion leaves exactly one of them.
 """
 
 from __future__ import annotations
