@@ -85,17 +85,24 @@ _REPLAY_INACTIVE: Final = 10.0
 _DELETE_TIMEOUT: Final = 1.0
 
 
-def msg_id_of(event: Event) -> str:
+def msg_id_of(event: Event) -> str | None:
     """The JetStream message id that makes publishing ``event`` idempotent
-    (scoped by tenant: see :func:`renqueue.subjects.msg_id`).
+    (scoped by tenant: see :func:`renqueue.subjects.msg_id`), or ``None``.
 
-    Terminal events have none: they are published once, by the holder of the
-    request's terminal claim (see the module docstring).
+    Tenants may publish into ``RQ_EVENTS`` with any message id, so an id can be
+    pre-occupied: nothing that matters may rest on one. Terminal events have
+    none: they are published once, by the holder of the request's terminal
+    claim (see the module docstring). ``started`` and ``retrying`` have none:
+    each is published once, by the worker running that run (in a pool, the
+    holder of the run's claim), so a forged id cannot hide a run or a failed
+    run (which the retry budget counts).
     """
     tenant, rid = event.tenant, event.request_id
     if is_terminal(event):
         raise ValueError(f"{kind_of(event)} is terminal: publish it with EventLog.finish")
-    if isinstance(event, Started | Retrying | Preempted):
+    if isinstance(event, Started | Retrying):
+        return None
+    if isinstance(event, Preempted):
         return msg_id(tenant, rid, kind_of(event), event.attempt, event.delivery)
     if isinstance(event, Routed):
         return msg_id(tenant, rid, "routed", event.attempt)
@@ -104,6 +111,11 @@ def msg_id_of(event: Event) -> str:
     if isinstance(event, Promoted):
         return msg_id(tenant, rid, "promoted", event.to_level)
     return msg_id(tenant, rid, kind_of(event))
+
+
+def _headers(event: Event) -> dict[str, str] | None:
+    message_id = msg_id_of(event)
+    return None if message_id is None else {_MSG_ID: message_id}
 
 
 async def delete_consumer(js: Any, stream: str, name: str) -> None:
@@ -210,14 +222,14 @@ class EventLog:
             self._subject(event),
             encode(event),
             timeout=self._timeout,
-            headers={_MSG_ID: msg_id_of(event)},
+            headers=_headers(event),
         )
         return not ack.duplicate
 
     async def append_async(self, event: Event) -> asyncio.Future[Any]:
         """Publish non-terminal ``event`` with a pipelined ack; await the returned future."""
         future: asyncio.Future[Any] = await self._js.publish_async(
-            self._subject(event), encode(event), headers={_MSG_ID: msg_id_of(event)}
+            self._subject(event), encode(event), headers=_headers(event)
         )
         return future
 

@@ -382,3 +382,33 @@ async def test_graceful_worker_restarts_do_not_use_up_a_requests_retry_budget(
     assert isinstance(end, Completed)
     assert end.delivery == restarts + 1
     assert [e.delivery for e in events if isinstance(e, Started)] == [1, 2, 3]
+
+
+async def test_another_tenant_cannot_pre_occupy_a_requests_outcome_or_run(
+    tmp_path: Path, isolated_server: Any
+) -> None:
+    """Tenants may publish into RQ_EVENTS (their own ``cancel_requested`` subjects)
+    with any ``Nats-Msg-Id``: ids naming another tenant's terminal event or run
+    must not keep that request from running or ending."""
+    async with MockBackend(MockSettings(output_tokens=4)) as mock:
+        path = tmp_path / "rq.toml"
+        write_config(path, nats_url=isolated_server.url, backend_url=mock.url)
+        # In a pool: its runs are claimed (a stolen copy may race the original).
+        path.write_text(
+            path.read_text().replace('model = "mock"\n', 'model = "mock"\npool = "p"\n')
+        )
+        config = load_config(path, environ={})
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            request = client.build_request("mine", route="chat")
+            for forged in ("terminal", "started:1:1", "final"):
+                await services.js.publish(
+                    "rq.evt.mallory.x.cancel_requested",
+                    b"{}",
+                    headers={"Nats-Msg-Id": msg_id(TENANT, request.id, *forged.split(":"))},
+                )
+            handle = await client.submit_request(request)
+            result = await handle.result(timeout=10)
+            events = await histories(services.js, request.id)
+    assert result.text
+    assert [kind_of(e) for e in events] == ["submitted", "routed", "started", "completed"]
+    assert mock.stats().requests == 1
