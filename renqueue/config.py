@@ -279,12 +279,38 @@ class RouterConfig(_Section, frozen=True, kw_only=True):
 
 
 class WorkerConfig(_Section, frozen=True, kw_only=True):
-    """Worker tuning. A request whose run fails transiently is retried up to ``max_deliver``."""
+    """Worker tuning.
 
-    ack_wait: Duration = "30s"
+    ``ack_wait`` is a running request's lease: renewed every third of it while
+    the run is alive, so a dead worker's slots come back after at most this.
+    ``max_deliver`` is the retry budget: runs of one dispatch that may fail
+    (``retrying`` events: transient backend errors, worker errors) before the
+    request fails. ``delivery_limit`` is the broker's backstop (the worker
+    consumer's ``max_deliver``): deliveries of one dispatch for any reason,
+    failed runs, dead workers and shutdowns alike, after which the request
+    fails as ``undeliverable``; by default ``max(20, 4 * max_deliver)``, so
+    restarts do not use up a request's budget.
+    """
+
+    ack_wait: Duration = "5s"
     max_deliver: Annotated[int, Meta(ge=1)] = 5
+    delivery_limit: Annotated[int, Meta(ge=2)] | None = None
     retry_delay: Duration = "1s"
     drain_timeout: Duration = "10s"
+
+    def __post_init__(self) -> None:
+        if self.delivery_limit is not None and self.delivery_limit <= self.max_deliver:
+            raise ValueError(
+                f"delivery_limit ({self.delivery_limit}) must exceed max_deliver "
+                f"({self.max_deliver}): it is a backstop above the retry budget"
+            )
+
+    @property
+    def deliveries(self) -> int:
+        """The worker consumer's ``max_deliver``: ``delivery_limit`` or its default."""
+        if self.delivery_limit is not None:
+            return self.delivery_limit
+        return max(20, 4 * self.max_deliver)
 
 
 class Config(_Section, frozen=True, kw_only=True):

@@ -1,11 +1,25 @@
 """Writing to and reading from the event log (the ``RQ_EVENTS`` stream).
 
-Every event is published with a JetStream message id derived from the request
-id, so publishing the same fact twice stores it once. All terminal events of a
-request share one id (``<request_id>:terminal``): JetStream keeps the first and
-reports the rest as duplicates, which is how a second completion (a worker that
-was presumed dead but was not) is detected and dropped. Past the duplicate
-window the same check is made by reading the request's events.
+Every non-terminal event is published with a JetStream message id derived from
+the request id, so publishing the same fact twice (a retried publish, a
+redelivered run) within the duplicate window stores it once.
+
+Exactly one terminal event per request does not rest on that window, nor on a
+message id (tenants may publish into ``RQ_EVENTS``, with any id): every
+terminal event goes through :meth:`EventLog.finish`, which first *claims* the
+request's outcome by creating the key ``<tenant>.<request_id>`` in the
+``rq-terminal`` KV bucket (a compare-and-set: the create fails if the key
+exists), a bucket only services can write. The claim holds the encoded event
+and its final chunk's ``(delivery, seq)``. Only the creator publishes them; a
+loser publishes nothing of its own. A crash between the claim and the publish
+leaves a claim whose event is missing from the log: whoever next finds the
+claim (a redelivered run checks it before calling the backend; a later
+``finish`` loses to it) publishes the claimed event, with
+``Nats-Expected-Last-Subject-Sequence: 0`` on its subject, so it is stored at
+most once however many find it, and the final chunk if the token stream lacks
+it (:meth:`EventLog.settle`). Claims live as long as the events
+(``nats.events.max_age``); past that both are gone and a request's outcome is
+forgotten (a dispatch redelivered after 30 days would run again).
 
 Two ways to read: services (full permissions) walk a request's subjects with
 ``next_by_subj`` direct gets (:meth:`EventLog.history`); a tenant reads only
@@ -25,11 +39,13 @@ from typing import Any, Final
 
 import msgspec
 from nats.js.api import AckPolicy, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from .messages import (
+    CLAIM_DECODER,
     EVENT_DECODER,
     TERMINAL_KINDS,
+    TOKEN_DECODER,
     Event,
     Preempted,
     Promoted,
@@ -37,6 +53,7 @@ from .messages import (
     Routed,
     Started,
     Stolen,
+    TerminalClaim,
     TokenChunk,
     encode,
     is_terminal,
@@ -44,37 +61,61 @@ from .messages import (
 )
 from .subjects import (
     EVENTS_STREAM,
+    TERMINAL_BUCKET,
+    TOKENS_STREAM,
     dlq_subject,
     event_subject,
     events_of_request,
     msg_id,
+    run_claim_key,
+    terminal_key,
     token_subject,
 )
 
 __all__ = ["EventLog", "delete_consumer", "msg_id_of", "read_subject"]
 
 _MSG_ID: Final = "Nats-Msg-Id"
+_EXPECTED_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
+#: JetStream's "wrong last sequence" publish errors: the subject is not as expected.
+_WRONG_LAST_SEQUENCE: Final = frozenset({10071, 10164})
+_CLAIMS_STREAM: Final = f"KV_{TERMINAL_BUCKET}"
 #: A replay consumer left behind (its reader died) goes away this long after.
 _REPLAY_INACTIVE: Final = 10.0
 #: Bound on deleting a consumer: closing never waits longer than this.
 _DELETE_TIMEOUT: Final = 1.0
 
 
-def msg_id_of(event: Event) -> str:
+def msg_id_of(event: Event) -> str | None:
     """The JetStream message id that makes publishing ``event`` idempotent
-    (scoped by tenant: see :func:`renqueue.subjects.msg_id`)."""
+    (scoped by tenant: see :func:`renqueue.subjects.msg_id`), or ``None``.
+
+    Tenants may publish into ``RQ_EVENTS`` with any message id, so an id can be
+    pre-occupied: nothing that matters may rest on one. Terminal events have
+    none: they are published once, by the holder of the request's terminal
+    claim (see the module docstring). ``started`` and ``retrying`` have none:
+    each is published once, by the worker running that run (in a pool, the
+    holder of the run's claim), so a forged id cannot hide a run or a failed
+    run (which the retry budget counts).
+    """
     tenant, rid = event.tenant, event.request_id
     if is_terminal(event):
-        return msg_id(tenant, rid, "terminal")
-    if isinstance(event, Started | Retrying | Preempted):
+        raise ValueError(f"{kind_of(event)} is terminal: publish it with EventLog.finish")
+    if isinstance(event, Started | Retrying):
+        return None
+    if isinstance(event, Preempted):
         return msg_id(tenant, rid, kind_of(event), event.attempt, event.delivery)
     if isinstance(event, Routed):
         return msg_id(tenant, rid, "routed", event.attempt)
     if isinstance(event, Stolen):
-        return msg_id(tenant, rid, "stolen", event.attempt)
+        return msg_id(tenant, rid, "stolen", event.attempt, event.from_seq)
     if isinstance(event, Promoted):
         return msg_id(tenant, rid, "promoted", event.to_level)
     return msg_id(tenant, rid, kind_of(event))
+
+
+def _headers(event: Event) -> dict[str, str] | None:
+    message_id = msg_id_of(event)
+    return None if message_id is None else {_MSG_ID: message_id}
 
 
 async def delete_consumer(js: Any, stream: str, name: str) -> None:
@@ -176,41 +217,137 @@ class EventLog:
         return event_subject(event.tenant, event.request_id, kind_of(event))
 
     async def append(self, event: Event) -> bool:
-        """Publish ``event`` and wait for the ack. False if it was a duplicate."""
+        """Publish non-terminal ``event`` and wait for the ack. False if it was a duplicate."""
         ack = await self._js.publish(
             self._subject(event),
             encode(event),
             timeout=self._timeout,
-            headers={_MSG_ID: msg_id_of(event)},
+            headers=_headers(event),
         )
         return not ack.duplicate
 
     async def append_async(self, event: Event) -> asyncio.Future[Any]:
-        """Publish ``event`` with a pipelined ack; await the returned future for it."""
+        """Publish non-terminal ``event`` with a pipelined ack; await the returned future."""
         future: asyncio.Future[Any] = await self._js.publish_async(
-            self._subject(event), encode(event), headers={_MSG_ID: msg_id_of(event)}
+            self._subject(event), encode(event), headers=_headers(event)
         )
         return future
 
-    async def finish(self, event: Event, *, delivery: int = 1, seq: int = 0) -> bool:
-        """Record a terminal ``event`` and close the request's token stream.
+    async def finish(
+        self, event: Event, *, delivery: int | None = None, seq: int | None = None
+    ) -> bool:
+        """End the request with terminal ``event``, exactly once, and close its token stream.
 
-        Returns False when the request already had a terminal event: this one
-        was dropped by JetStream's deduplication, and nothing else is published.
+        The one way a terminal event is written (workers, routers, coalescing
+        followers, the advisory reader). Claims the outcome first (see the
+        module docstring); returns False when the request already had one:
+        then nothing of ``event`` is published, and the earlier claim's event
+        and final chunk are made sure of instead.
+
+        ``delivery``/``seq`` place the final chunk: the number of the run that
+        ends the request and that run's next chunk ``seq`` (the defaults for a
+        missing one: ``1`` and ``0``). With neither given (a caller that ran
+        nothing: a router), the final chunk follows the last chunk stored for
+        the request, or is ``(1, 0)`` if there is none.
         """
         if not is_terminal(event):
             raise ValueError(f"{kind_of(event)} is not a terminal event")
-        # Both at once (one round trip, not two). The final chunk has an id of
-        # its own, so a duplicate terminal's final chunk is dropped as well.
-        chunk = TokenChunk(request_id=event.request_id, delivery=delivery, seq=seq, final=True)
-        terminal = await self.append_async(event)
-        closed = await self._js.publish_async(
-            token_subject(event.tenant, event.request_id),
-            encode(chunk),
-            headers={_MSG_ID: msg_id(event.tenant, event.request_id, "final")},
+        if delivery is None and seq is None:
+            delivery, seq = await self._after_last_chunk(event.tenant, event.request_id)
+        claim = TerminalClaim(event=event, delivery=delivery or 1, seq=seq or 0)
+        if not await self._create(terminal_key(event.tenant, event.request_id), encode(claim)):
+            existing = await self.claim_of(event.tenant, event.request_id)
+            if existing is not None:
+                await self.settle(existing)
+            return False
+        await self._publish_terminal(claim, check_final=False)
+        return True
+
+    async def claim_of(self, tenant: str, request_id: str) -> TerminalClaim | None:
+        """The request's terminal claim, if it has one (one direct get)."""
+        subject = f"$KV.{TERMINAL_BUCKET}.{terminal_key(tenant, request_id)}"
+        try:
+            raw = await self._js.get_msg(_CLAIMS_STREAM, subject=subject, direct=True)
+        except NotFoundError:
+            return None
+        return CLAIM_DECODER.decode(raw.data or b"")
+
+    async def settle(self, claim: TerminalClaim) -> None:
+        """Make sure a claimed outcome is in the log: publish its event if it is
+        missing (stored at most once), and its final chunk if the token stream
+        does not end with it. Idempotent; for a claim someone else made."""
+        await self._publish_terminal(claim, check_final=True)
+
+    async def claim_run(self, tenant: str, request_id: str, attempt: int, run: int) -> bool:
+        """Claim run ``run`` of ``attempt`` of a request: True for the one caller
+        that creates the claim, False for every other (a pooled dispatch taken
+        by two replicas at once)."""
+        return await self._create(run_claim_key(tenant, request_id, attempt, run), b"")
+
+    async def _create(self, key: str, value: bytes) -> bool:
+        """Create ``key`` in the ``rq-terminal`` bucket; False if it exists (compare-and-set)."""
+        try:
+            await self._js.publish(
+                f"$KV.{TERMINAL_BUCKET}.{key}",
+                value,
+                timeout=self._timeout,
+                headers={_EXPECTED_LAST_SUBJECT_SEQ: "0"},
+            )
+        except APIError as exc:
+            if exc.err_code in _WRONG_LAST_SEQUENCE:
+                return False
+            raise
+        return True
+
+    async def _publish_terminal(self, claim: TerminalClaim, *, check_final: bool) -> None:
+        event = claim.event
+        chunk = TokenChunk(
+            request_id=event.request_id, delivery=claim.delivery, seq=claim.seq, final=True
         )
-        ack, _ = await asyncio.wait_for(asyncio.gather(terminal, closed), self._timeout)
-        return not ack.duplicate
+        subject = token_subject(event.tenant, event.request_id)
+
+        async def close_stream() -> None:
+            if check_final:
+                with contextlib.suppress(NotFoundError, msgspec.DecodeError):
+                    last = await self._js.get_last_msg(TOKENS_STREAM, subject, direct=True)
+                    if TOKEN_DECODER.decode(last.data or b"").final:
+                        return
+            # Its own message id: a repeat within the tokens' duplicate window
+            # is dropped, and one past it is the same (delivery, seq) again.
+            await self._js.publish(
+                subject,
+                encode(chunk),
+                timeout=self._timeout,
+                headers={_MSG_ID: msg_id(event.tenant, event.request_id, "final")},
+            )
+
+        # Both at once (one round trip, not two).
+        await asyncio.gather(self._store_terminal(event), close_stream())
+
+    async def _store_terminal(self, event: Event) -> None:
+        """Publish ``event`` unless its subject already holds one: the claim
+        allows one terminal event per request, so a stored one is this one."""
+        try:
+            await self._js.publish(
+                self._subject(event),
+                encode(event),
+                timeout=self._timeout,
+                headers={_EXPECTED_LAST_SUBJECT_SEQ: "0"},
+            )
+        except APIError as exc:
+            if exc.err_code not in _WRONG_LAST_SEQUENCE:
+                raise
+
+    async def _after_last_chunk(self, tenant: str, request_id: str) -> tuple[int, int]:
+        """``(delivery, seq)`` right after the last chunk stored for the request."""
+        try:
+            last = await self._js.get_last_msg(
+                TOKENS_STREAM, token_subject(tenant, request_id), direct=True
+            )
+            chunk = TOKEN_DECODER.decode(last.data or b"")
+        except (NotFoundError, msgspec.DecodeError):
+            return 1, 0
+        return chunk.delivery, chunk.seq + (0 if chunk.final else 1)
 
     async def dead_letter(
         self,
@@ -236,14 +373,19 @@ class EventLog:
             },
         )
 
-    async def history(self, tenant: str, request_id: str) -> list[Event]:
-        """All events of one request, in log order, reading only that request's subjects.
+    async def history(self, tenant: str, request_id: str, *, kind: str = "*") -> list[Event]:
+        """All events of one request (of one ``kind``, if given), in log order,
+        reading only that request's subjects.
 
         For services: ``next_by_subj`` gets carry the subject in the request
         body, which permissions cannot check (``tenant`` may be ``*``). A
         tenant uses :meth:`read`.
         """
-        subject = events_of_request(tenant, request_id)
+        subject = (
+            events_of_request(tenant, request_id)
+            if kind == "*"
+            else event_subject(tenant, request_id, kind)
+        )
         raws: list[tuple[int, bytes]] = []
         seq = 1
         while True:
@@ -273,8 +415,8 @@ class EventLog:
 
         One ``last_by_subj`` direct get per terminal kind, all at once: one
         round trip, allowed by a tenant's permissions. Should a request have two
-        terminal events (possible only past the duplicate window), the first
-        in log order wins, as in :meth:`history`.
+        terminal events (possible only for requests ended before terminal
+        claims existed), the first in log order wins, as in :meth:`history`.
         """
 
         async def last(kind: str) -> Any:

@@ -17,6 +17,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 __all__ = [
+    "CLAIM_DECODER",
     "DISPATCH_DECODER",
     "EVENT_DECODER",
     "REQUEST_DECODER",
@@ -42,6 +43,7 @@ __all__ = [
     "Started",
     "Stolen",
     "Submitted",
+    "TerminalClaim",
     "TokenChunk",
     "Usage",
     "encode",
@@ -129,14 +131,20 @@ class Dispatch(Struct, frozen=True, kw_only=True):
     effective_rank: Annotated[int, Meta(ge=0)] | None = None
 
 
-class TokenChunk(Struct, frozen=True, kw_only=True, omit_defaults=True):
+class TokenChunk(Struct, frozen=True, kw_only=True):
     """A piece of generated text on ``rq.tok.<tenant>.<request_id>``.
 
-    ``delivery`` numbers the run that produced it, increasing over the
-    request's life (a worker crash or a preemption starts a new run); ``seq``
-    counts chunks within a run from 0. The first
-    chunk of a run after the first has ``restart=True``: text streamed by an
-    earlier run is void. ``final=True`` closes the stream (its ``text`` is empty).
+    ``delivery`` is the run number (as in ``started``, ``retrying``,
+    ``preempted`` and ``completed``), increasing over the request's life (a
+    retry, a worker crash or a preemption starts a new run); ``seq`` counts
+    chunks within a run from 0. The first chunk of a run after the first has
+    ``restart=True``: text streamed by an earlier run is void. ``final=True``
+    closes the stream (its ``text`` is empty); it carries the number of the
+    run that ended the request and that run's next ``seq``, so it sorts after
+    every chunk of the request by ``(delivery, seq)``.
+
+    Every field is written; the defaults exist so that chunks stored by
+    earlier versions, which left fields at their defaults out, still decode.
     """
 
     v: int = SCHEMA_VERSION
@@ -220,6 +228,8 @@ class Stolen(_EventBase, frozen=True, kw_only=True, tag="stolen"):
     from_backend: str
     to_backend: str
     attempt: int
+    #: Stream sequence of the dispatch message moved (0: written before it was recorded).
+    from_seq: int = 0
 
 
 class Coalesced(_EventBase, frozen=True, kw_only=True, tag="coalesced"):
@@ -229,7 +239,7 @@ class Coalesced(_EventBase, frozen=True, kw_only=True, tag="coalesced"):
 
 
 class Started(_EventBase, frozen=True, kw_only=True, tag="started"):
-    """A worker started calling the backend."""
+    """A worker started calling the backend (``delivery``: the run number)."""
 
     backend: str
     attempt: int
@@ -238,7 +248,8 @@ class Started(_EventBase, frozen=True, kw_only=True, tag="started"):
 
 
 class Retrying(_EventBase, frozen=True, kw_only=True, tag="retrying"):
-    """A backend call failed transiently; the request waits and is tried again."""
+    """A run failed transiently (``delivery``: its run number); the request
+    waits ``retry_after`` seconds and runs again."""
 
     backend: str
     attempt: int
@@ -309,6 +320,21 @@ TERMINAL_KINDS: Final = frozenset({"completed", "failed", "rejected", "expired",
 _TERMINAL_TYPES: Final = (Completed, Failed, Rejected, Expired, Cancelled)
 
 
+class TerminalClaim(Struct, frozen=True, kw_only=True):
+    """The claim on a request's one terminal outcome, value of key
+    ``<tenant>.<request_id>`` in the ``rq-terminal`` KV bucket (services only).
+
+    Created (never updated) before the terminal event is published; it holds
+    the event and the ``(delivery, seq)`` of the final chunk, so that whoever
+    finds a claim whose event is not in the log yet can publish both.
+    """
+
+    v: int = SCHEMA_VERSION
+    event: Event
+    delivery: int = 1
+    seq: int = 0
+
+
 def is_terminal(event: Event) -> bool:
     """True for events that end a request: exactly one of them exists per request."""
     return isinstance(event, _TERMINAL_TYPES)
@@ -323,6 +349,7 @@ EVENT_DECODER: Final = msgspec.json.Decoder(Event)
 REQUEST_DECODER: Final = msgspec.json.Decoder(InferenceRequest)
 DISPATCH_DECODER: Final = msgspec.json.Decoder(Dispatch)
 TOKEN_DECODER: Final = msgspec.json.Decoder(TokenChunk)
+CLAIM_DECODER: Final = msgspec.json.Decoder(TerminalClaim)
 _ENCODER: Final = msgspec.json.Encoder()
 
 

@@ -28,6 +28,11 @@ and ``max_bytes`` from ``nats.<stream>``; ``duplicate_window`` from
 ``nats.duplicate_window`` on the requests, dispatch and events streams; the
 request subjects from ``priorities``; the consumers from ``priorities``,
 ``backends``, ``router`` and ``worker``.
+
+Two KV buckets are provisioned from code (the KV protocol fixes their stream's
+shape): ``rq-state`` (the projection, coalescing groups) and ``rq-terminal``
+(terminal claims, see :mod:`renqueue.eventlog`), whose entries live as long as
+the events they guard (``nats.events.max_age``).
 """
 
 from __future__ import annotations
@@ -49,14 +54,17 @@ from .config import Config, parse_duration
 from .errors import ConnectionFailedError, ProvisionError
 from .logs import get_logger
 from .subjects import (
+    ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
     DISPATCH_STREAM,
     DLQ_STREAM,
     EVENTS_STREAM,
     REQUESTS_STREAM,
     STATE_BUCKET,
+    TERMINAL_BUCKET,
     TOKENS_STREAM,
     dispatch_subject,
+    max_deliveries_advisory,
     requests_of_level,
     router_consumer,
     worker_consumer,
@@ -102,6 +110,7 @@ _CONSUMER_FIXED: Final = (
 # The KV bucket's backing stream, in the shape nats-py's create_key_value
 # builds (the KV protocol fixes the stream name and subjects), with history 1.
 _KV_STREAM: Final = f"KV_{STATE_BUCKET}"
+_TERMINAL_STREAM: Final = f"KV_{TERMINAL_BUCKET}"
 
 _PLACEHOLDER_RE: Final = re.compile(r"\{([A-Za-z_.]+)\}")
 
@@ -230,6 +239,8 @@ async def provision(
         items.append(await _ensure_consumer(api, stream, desired, source=source))
     kv = await _ensure_stream(api, _kv_stream_config(config), source="renqueue.provision")
     items.append(msgspec.structs.replace(kv, kind="kv", name=STATE_BUCKET))
+    claims = await _ensure_stream(api, _terminal_stream_config(config), source="renqueue.provision")
+    items.append(msgspec.structs.replace(claims, kind="kv", name=TERMINAL_BUCKET))
 
     report = ProvisionReport(items=tuple(items))
     log.info(
@@ -316,6 +327,7 @@ def _consumer_configs(directory: Path, config: Config) -> list[tuple[str, dict[s
     """(stream, consumer config, source) for every router and worker consumer."""
     router_path = directory / "consumers" / "router.json"
     worker_path = directory / "consumers" / "worker.json"
+    advisories_path = directory / "consumers" / "advisories.json"
     router_template = _load_json(router_path)
     worker_template = _load_json(worker_path)
     common = {
@@ -323,6 +335,7 @@ def _consumer_configs(directory: Path, config: Config) -> list[tuple[str, dict[s
         "router.max_deliver": config.router.max_deliver,
         "worker.ack_wait": _ns(config.worker.ack_wait),
         "worker.max_deliver": config.worker.max_deliver,
+        "worker.delivery_limit": config.worker.deliveries,
     }
     result: list[tuple[str, dict[str, Any], str]] = []
     for level in config.priorities:
@@ -335,6 +348,18 @@ def _consumer_configs(directory: Path, config: Config) -> list[tuple[str, dict[s
         rendered = _render(worker_template, values, worker_path)
         _check_consumer(worker_path, rendered, worker_consumer(name), dispatch_subject(name))
         result.append((DISPATCH_STREAM, rendered, str(worker_path)))
+    advisories = _render(_load_json(advisories_path), common, advisories_path)
+    expected = [max_deliveries_advisory(s) for s in (REQUESTS_STREAM, DISPATCH_STREAM)]
+    if (
+        advisories.get("durable_name") != ADVISORIES_CONSUMER
+        or advisories.get("filter_subjects") != expected
+    ):
+        raise ProvisionError(
+            f"{advisories_path}: renders durable_name={advisories.get('durable_name')!r}, "
+            f"filter_subjects={advisories.get('filter_subjects')!r}; renqueue.subjects expects "
+            f"{ADVISORIES_CONSUMER!r}, {expected!r}"
+        )
+    result.append((ADVISORIES_STREAM, advisories, str(advisories_path)))
     return result
 
 
@@ -382,6 +407,30 @@ def _kv_stream_config(config: Config) -> dict[str, Any]:
         "allow_rollup_hdrs": True,
         "deny_delete": True,
         "duplicate_window": 120 * _NS_PER_SECOND,
+        "num_replicas": config.nats.replicas,
+    }
+
+
+def _terminal_stream_config(config: Config) -> dict[str, Any]:
+    """The terminal claims' bucket: one entry per request, kept as long as its events."""
+    return {
+        "name": _TERMINAL_STREAM,
+        "description": (
+            f"Ren-Queue terminal claims (KV bucket {TERMINAL_BUCKET}): one per request, "
+            "created before its terminal event"
+        ),
+        "subjects": [f"$KV.{TERMINAL_BUCKET}.>"],
+        "retention": "limits",
+        "storage": "file",
+        "discard": "new",
+        "max_msgs_per_subject": 1,
+        "max_age": _ns(config.nats.events.max_age),
+        "allow_direct": True,
+        "allow_rollup_hdrs": True,
+        "deny_delete": True,
+        "deny_purge": False,
+        "duplicate_window": min(120 * _NS_PER_SECOND, _ns(config.nats.events.max_age))
+        or 120 * _NS_PER_SECOND,
         "num_replicas": config.nats.replicas,
     }
 

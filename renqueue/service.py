@@ -17,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from .advisories import AdvisoryReader
 from .backends import Backend, make_backend
 from .cancellation import CancelWatch
 from .config import Config
@@ -73,6 +74,8 @@ class Services:
         self.js: Any = None
         self.projector: Projector | None = None
         self.cancels: CancelWatch | None = None
+        #: Ends requests that ran out of deliveries; runs wherever routers or workers do.
+        self.advisories: AdvisoryReader | None = None
         self.routers: list[Router] = []
         self.workers: list[Worker] = []
         self._adapters: list[Backend] = []
@@ -133,10 +136,19 @@ class Services:
                 self.routers.append(router)
             for backend_name, adapter in zip(self._backend_names, self._adapters, strict=True):
                 worker = Worker(
-                    self.nc, self.js, self.config, backend_name, adapter, cancels=self.cancels
+                    self.nc,
+                    self.js,
+                    self.config,
+                    backend_name,
+                    adapter,
+                    cancels=self.cancels,
+                    supervisor=self.supervisor,
                 )
                 await worker.start()
                 self.workers.append(worker)
+            if self.routers or self.workers:
+                self.advisories = AdvisoryReader(self.js, supervisor=self.supervisor)
+                await self.advisories.start()
         except BaseException:
             await self.close()
             raise
@@ -177,6 +189,8 @@ class Services:
         for router in self.routers:
             await router.stop()
         await asyncio.gather(*(worker.stop() for worker in self.workers), return_exceptions=True)
+        if self.advisories is not None:
+            await self.advisories.stop()
         if self.projector is not None:
             await self.projector.stop()  # after the workers: their last events get folded
         if self.cancels is not None:

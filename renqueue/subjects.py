@@ -11,6 +11,9 @@ publishing its own requests and reading its own tokens and events::
     rq.capacity.<backend>                  core NATS: a worker freed a slot (not stored)
     rq.preempt.<backend>                   core NATS request: free a slot for an urgent request
     rq.boost.<tenant>                      core NATS: lift a coalescing leader to a follower's level
+    $JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>
+                                           the server: a message ran out of deliveries
+                                           (captured in RQ_ADVISORIES)
 
 A tenant's permissions (``nats/auth.conf``): publish ``rq.req.*.<tenant>`` and
 ``rq.evt.<tenant>.*.cancel_requested``; subscribe ``rq.tok.<tenant>.>``; and
@@ -23,6 +26,7 @@ from __future__ import annotations
 from typing import Final
 
 __all__ = [
+    "ADVISORIES_CONSUMER",
     "ADVISORIES_STREAM",
     "DISPATCH_STREAM",
     "DLQ_STREAM",
@@ -31,6 +35,7 @@ __all__ = [
     "REQUESTS_STREAM",
     "SHUTDOWN_NAK_DELAY",
     "STATE_BUCKET",
+    "TERMINAL_BUCKET",
     "TOKENS_STREAM",
     "boost_subject",
     "capacity_subject",
@@ -38,11 +43,14 @@ __all__ = [
     "dlq_subject",
     "event_subject",
     "events_of_request",
+    "max_deliveries_advisory",
     "msg_id",
     "preempt_subject",
     "request_subject",
     "requests_of_level",
     "router_consumer",
+    "run_claim_key",
+    "terminal_key",
     "token_subject",
     "worker_consumer",
 ]
@@ -54,6 +62,10 @@ TOKENS_STREAM: Final = "RQ_TOKENS"
 DLQ_STREAM: Final = "RQ_DLQ"
 ADVISORIES_STREAM: Final = "RQ_ADVISORIES"
 STATE_BUCKET: Final = "rq-state"
+#: Claims only services can write: a request's one terminal outcome, a pool run.
+TERMINAL_BUCKET: Final = "rq-terminal"
+#: The durable consumer on RQ_ADVISORIES that ends requests out of deliveries.
+ADVISORIES_CONSUMER: Final = "advisories"
 
 
 #: Seconds a pull (fetch) waits at the server. Kept short: a waiting pull whose
@@ -118,6 +130,23 @@ def msg_id(tenant: str, request_id: str, *parts: object) -> str:
     submits with ``msg_id(tenant, request_id)``.
     """
     return ":".join((tenant, request_id, *map(str, parts)))
+
+
+def terminal_key(tenant: str, request_id: str) -> str:
+    """Key of a request's terminal claim in the ``rq-terminal`` bucket."""
+    return f"{tenant}.{request_id}"
+
+
+def run_claim_key(tenant: str, request_id: str, attempt: int, run: int) -> str:
+    """Key of the claim on one run of a pooled request (``rq-terminal`` bucket):
+    when a dispatch is stolen while its sibling's worker takes it too, the
+    worker that creates the key runs it."""
+    return f"{tenant}.{request_id}.run.{attempt}.{run}"
+
+
+def max_deliveries_advisory(stream: str, consumer: str = "*") -> str:
+    """The server's advisory that a message of ``stream`` ran out of deliveries."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
 
 
 def router_consumer(priority: str) -> str:

@@ -102,6 +102,13 @@ class Supervisor:
         loops = self._loops.values() if name is None else [self._loops[name]]
         return all(loop.running for loop in loops)
 
+    async def stop(self, *names: str) -> None:
+        """Cancel loops ``names`` only (a service stopping inside a running process)
+        and wait until they have ended; they are forgotten, so the names may be
+        spawned again. Unknown names are ignored."""
+        loops = [self._loops.pop(name) for name in names if name in self._loops]
+        await cancel_and_wait([loop.task for loop in loops if loop.task is not None])
+
     async def close(self) -> None:
         """Cancel every loop and wait until they have all ended. Idempotent."""
         self._closed = True

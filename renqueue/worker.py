@@ -6,15 +6,28 @@ the backend's concurrency, so the broker itself caps concurrent calls across
 all of them.
 
 A dispatched request is acked only once it reached a terminal state
-(completed, failed, expired) and that state is in the log. While the backend
-generates, the message is kept alive with ``in_progress()``. If the worker
-dies, the request is redelivered after ``ack_wait`` and run again; the new run
-streams a ``restart`` chunk first, and the terminal event's shared message id
-makes sure only one completion is ever recorded. Transient failures
-(rate-limited, server errors) are retried with a delayed ``nak`` up to
-``worker.max_deliver`` runs; then, or on a fatal error, the request fails into
-the dead-letter stream. Cancellation (shutdown) is not failure: the request is
-nak'ed back to the queue at once.
+(completed, failed, expired) and that state is in the log. The message is a
+short lease (``worker.ack_wait``, a few seconds) renewed with ``in_progress()``
+every third of it for as long as its run is alive, in every phase of the run;
+if the worker dies, the lease runs out and the request is redelivered within
+``ack_wait`` and run again. The new run streams a ``restart`` chunk first.
+Every run checks the request's terminal claim (:mod:`renqueue.eventlog`)
+before it calls the backend, and the terminal event is written only by whoever
+creates the claim, so a request ends once however often it is delivered.
+
+Runs are numbered over the request's life (the ``delivery`` of ``started``,
+``retrying``, ``preempted``, ``completed`` and of token chunks). Transient
+failures (rate-limited, server errors, worker errors) are retried with a
+delayed ``nak`` and a ``retrying`` event; the budget, ``worker.max_deliver``
+failed runs per dispatch, is counted from those events, so redeliveries for
+other reasons (a worker killed or shut down) do not use it up. The broker's
+own limit (the consumer's ``max_deliver`` = ``worker.delivery_limit``) is a
+backstop far above it; a message that reaches it ends ``failed`` as
+``undeliverable`` (:mod:`renqueue.advisories`). Cancellation (shutdown) is not
+failure: the request is nak'ed back to the queue at once.
+
+The fetch loop and the work-stealing loop run under the process's
+:class:`~renqueue.tasks.Supervisor`.
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ from typing import Any
 import msgspec
 from aiolimiter import AsyncLimiter
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from . import metrics
 from .backends import Backend
@@ -56,6 +69,8 @@ from .messages import (
     TokenChunk,
     Usage,
     encode,
+    is_terminal,
+    kind_of,
 )
 from .scheduling import choose_victim
 from .subjects import (
@@ -70,7 +85,7 @@ from .subjects import (
     token_subject,
     worker_consumer,
 )
-from .tasks import cancel_and_wait
+from .tasks import Supervisor, cancel_and_wait
 
 __all__ = ["Worker"]
 
@@ -93,6 +108,12 @@ class _Run(msgspec.Struct, kw_only=True):
         return self.preempted_by is None and not self.call.done()
 
 
+class _Chunks(msgspec.Struct):
+    """The token chunks a run has streamed so far: the next chunk's ``seq``."""
+
+    seq: int = 0
+
+
 class _PreemptAsk(msgspec.Struct, frozen=True, kw_only=True):
     by: str
     rank: int
@@ -102,6 +123,9 @@ _PREEMPT_DECODER = msgspec.json.Decoder(_PreemptAsk)
 
 #: Seconds between closing a preempted call and releasing its slot.
 _PREEMPT_GRACE = 0.1
+
+#: JetStream's "no message found" (deleting a sequence that is gone).
+_NO_MESSAGE = 10057
 
 #: Seconds between looks at pool siblings' queues while this worker has room.
 _STEAL_INTERVAL = 0.1
@@ -121,6 +145,7 @@ class Worker:
         name: str | None = None,
         clock: Callable[[], float] = time.time,
         cancels: CancelWatch | None = None,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self._nc = nc
         self._js = js
@@ -133,6 +158,8 @@ class Worker:
         self._log = EventLog(js)
         self._slots = self._backend_config.limits.concurrency
         self._ack_wait = parse_duration(config.worker.ack_wait)
+        #: Run numbers of one attempt stay below this: the broker's delivery limit.
+        self._stride = config.worker.deliveries
         self._retry_delay = parse_duration(config.worker.retry_delay)
         self._drain_timeout = parse_duration(config.worker.drain_timeout)
         # Declared request rates, held in this process (a later issue shares
@@ -143,15 +170,17 @@ class Worker:
         ]
         self._running: set[asyncio.Task[None]] = set()
         # Both keyed by msg_id(tenant, request id): ids are scoped by tenant.
-        self._calls: dict[str, asyncio.Task[tuple[Completed, int]]] = {}
+        self._calls: dict[str, asyncio.Task[Completed]] = {}
         self._runs: dict[str, _Run] = {}
         self._coalescer = Coalescer(js, clock=clock)
         self._policies = config.level_policies()
         self._preempt_sub: Any = None
-        self._stealer: asyncio.Task[None] | None = None
         self._cancels = cancels
         self._slot_freed = asyncio.Event()
-        self._fetcher: asyncio.Task[None] | None = None
+        self._own_supervisor = supervisor is None
+        self._supervisor = supervisor or Supervisor(self._name)
+        #: Names of this worker's loops under the supervisor.
+        self._loops: list[str] = []
         self._sub: Any = None
         self.completed = 0
         self.failed = 0
@@ -172,23 +201,27 @@ class Worker:
         self._sub = await self._js.pull_subscribe_bind(
             durable=worker_consumer(self._backend_name), stream=DISPATCH_STREAM
         )
-        self._fetcher = asyncio.create_task(self._fetch_loop(self._sub), name=f"{self._name}-fetch")
+        self._loops.append(f"{self._name}-fetch")
+        self._supervisor.spawn(self._loops[-1], self._fetch_loop)
+        if self.siblings:
+            self._loops.append(f"{self._name}-steal")
+            self._supervisor.spawn(self._loops[-1], self._steal_loop)
+        log.info("worker started", worker=self._name, backend=self._backend_name)
+
+    @property
+    def siblings(self) -> list[str]:
+        """The other backends of this backend's pool (replicas work can be stolen from)."""
         pool = self._backend_config.pool
-        siblings = [
+        return [
             name
             for name, backend in self._config.backends.items()
             if pool is not None and backend.pool == pool and name != self._backend_name
         ]
-        if siblings:
-            self._stealer = asyncio.create_task(
-                self._steal_loop(siblings), name=f"{self._name}-steal"
-            )
-        log.info("worker started", worker=self._name, backend=self._backend_name)
 
     async def stop(self) -> None:
         """Stop fetching, let in-flight runs finish within the bound, nak the rest."""
-        await cancel_and_wait([t for t in (self._stealer, self._fetcher) if t is not None])
-        self._stealer = self._fetcher = None
+        await self._supervisor.stop(*self._loops)
+        self._loops.clear()
         if self._preempt_sub is not None:
             with contextlib.suppress(Exception):
                 await self._preempt_sub.unsubscribe()
@@ -200,12 +233,20 @@ class Worker:
             self._sub = None
         if self._running:
             _done, pending = await asyncio.wait(self._running, timeout=self._drain_timeout)
-            for task in pending:
-                task.cancel()  # each run naks its message when cancelled
-            await asyncio.gather(*pending, return_exceptions=True)
+            # Each run naks its message when cancelled. A run can swallow a
+            # cancellation (see renqueue.tasks): cancel until every one has ended.
+            await cancel_and_wait(pending)
+        if self._own_supervisor:
+            await self._supervisor.close()
         log.info("worker stopped", worker=self._name, completed=self.completed)
 
-    async def _fetch_loop(self, psub: Any) -> None:
+    async def _fetch_loop(self) -> None:
+        """Fetch at most the free slots; each message runs in a task of its own.
+
+        A failed fetch (other than the timeout of an empty poll) raises: the
+        supervisor logs it and starts the loop again after a backoff.
+        """
+        psub = self._sub
         while True:
             free = self._slots - len(self._running)
             if free <= 0:
@@ -216,10 +257,6 @@ class Worker:
                 msgs = await psub.fetch(batch=free, timeout=FETCH_TIMEOUT)
             except (TimeoutError, NatsTimeoutError):
                 continue
-            except Exception as exc:  # noqa: BLE001 - a broker hiccup must not kill the loop
-                log.warning("fetch failed", backend=self._backend_name, error=str(exc))
-                await asyncio.sleep(0.5)
-                continue
             for msg in msgs:
                 task = asyncio.create_task(self._handle(msg))
                 self._running.add(task)
@@ -227,48 +264,51 @@ class Worker:
 
     # ----------------------------------------------------------- work stealing
 
-    async def _steal_loop(self, siblings: list[str]) -> None:
+    async def _steal_loop(self) -> None:
+        """Every ``_STEAL_INTERVAL``, one :meth:`steal` round. An error raises:
+        the supervisor logs it and starts the loop again after a backoff."""
+        while True:
+            await asyncio.sleep(_STEAL_INTERVAL)
+            await self.steal()
+
+    async def steal(self) -> int:
         """While this worker has free slots and nothing of its own queued, move
-        work queued on busy siblings of its pool to its own subject.
+        work queued on busy siblings of its pool to its own subject; how many.
 
         The queued dispatches are read from the stream directly: a sibling's
         consumer will not hand them to anyone while its slots are full
         (``max_ack_pending``), which is exactly when they should be stolen.
         """
         own = worker_consumer(self._backend_name)
-        while True:
-            await asyncio.sleep(_STEAL_INTERVAL)
-            try:
-                mine = await self._js.consumer_info(DISPATCH_STREAM, own)
-                free = self._slots - mine.num_ack_pending - mine.num_pending
-                for sibling in siblings:
-                    if free <= 0:
-                        break
-                    info = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(sibling))
-                    seq = info.delivered.stream_seq + 1
-                    for _ in range(min(free, info.num_pending)):
-                        try:
-                            raw = await self._js.get_msg(
-                                DISPATCH_STREAM,
-                                seq=seq,
-                                subject=dispatch_subject(sibling),
-                                next=True,
-                            )
-                        except NotFoundError:
-                            break
-                        seq = raw.seq + 1
-                        if await self._steal(raw, sibling):
-                            free -= 1
-            except Exception as exc:  # noqa: BLE001 - stealing is an optimisation: never fatal
-                log.warning("work stealing failed; will retry", error=str(exc))
+        mine = await self._js.consumer_info(DISPATCH_STREAM, own)
+        free = self._slots - mine.num_ack_pending - mine.num_pending
+        moved = 0
+        for sibling in self.siblings:
+            if free <= 0:
+                break
+            info = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(sibling))
+            seq = info.delivered.stream_seq + 1
+            for _ in range(min(free, info.num_pending)):
+                try:
+                    raw = await self._js.get_msg(
+                        DISPATCH_STREAM, seq=seq, subject=dispatch_subject(sibling), next=True
+                    )
+                except NotFoundError:
+                    break
+                seq = raw.seq + 1
+                if await self._steal(raw, sibling):
+                    free -= 1
+                    moved += 1
+        return moved
 
     async def _steal(self, raw: Any, sibling: str) -> bool:
-        """Move one queued dispatch from ``sibling`` to this backend.
+        """Move one queued dispatch (stream sequence ``raw.seq``) from ``sibling`` here.
 
-        In this order: the ``stolen`` event, the dispatch on this backend's
-        subject, the original deleted from the stream. If the sibling's worker
-        got the original first anyway, both runs publish the same ``started``
-        message id and the later one steps back (see ``_run``): one call, ever.
+        In this order: the ``stolen`` event, the copy on this backend's
+        subject, the original deleted from the stream, only once the copy is
+        known to be stored. If the sibling's worker got the original first
+        anyway, both runs claim the same run (``claim_run``) and the second
+        steps back (see ``_start``): one call, ever.
         """
         try:
             dispatch = DISPATCH_DECODER.decode(raw.data)
@@ -283,25 +323,64 @@ class Worker:
                 from_backend=sibling,
                 to_backend=self._backend_name,
                 attempt=dispatch.attempt,
+                from_seq=raw.seq,
             )
         )
-        await self._move(dispatch, self._backend_name)
-        with contextlib.suppress(NotFoundError):
+        if not await self._move(dispatch, self._backend_name, raw.seq):
+            return False
+        try:
             await self._js.delete_msg(DISPATCH_STREAM, raw.seq)
+        except APIError as exc:
+            # Gone already: another thief moved it at the same moment (its copy
+            # and ours share the id: one is stored), or its worker acked it.
+            if not isinstance(exc, NotFoundError) and exc.err_code != _NO_MESSAGE:
+                raise
         log.info("stole a queued request", request_id=request.id, sibling=sibling)
         return True
 
-    async def _move(self, dispatch: Dispatch, to_backend: str) -> None:
+    async def _move(self, dispatch: Dispatch, to_backend: str, source_seq: int) -> bool:
+        """Store a copy of the dispatch at stream sequence ``source_seq`` on
+        ``to_backend``'s subject. True when the copy is stored (now or before),
+        so the source may be removed; False when it must stay.
+
+        The copy's message id names the source message (``stolen:<attempt>:<seq>``),
+        so each move has its own id (A -> B -> A moves twice, under two ids) and
+        a duplicate can only be a copy of this very source: an earlier try of
+        this move, or another thief moving it at the same moment.
+        """
+        request = dispatch.request
         moved = msgspec.structs.replace(dispatch, backend=to_backend)
-        await self._js.publish(
+        ack = await self._js.publish(
             dispatch_subject(to_backend),
             encode(moved),
             headers={
                 "Nats-Msg-Id": msg_id(
-                    dispatch.request.tenant, dispatch.request.id, "stolen", dispatch.attempt
+                    request.tenant, request.id, "stolen", dispatch.attempt, source_seq
                 )
             },
         )
+        if not ack.duplicate:
+            return True
+        # Stored before: still queued, or already run and acked (gone). Delete
+        # the source only if what is stored under this id is this request.
+        try:
+            copy = await self._js.get_msg(DISPATCH_STREAM, seq=ack.seq)
+        except NotFoundError:
+            return True
+        with contextlib.suppress(msgspec.DecodeError):
+            stored = DISPATCH_DECODER.decode(copy.data or b"")
+            if (stored.request.tenant, stored.request.id, stored.attempt) == (
+                request.tenant,
+                request.id,
+                dispatch.attempt,
+            ):
+                return True
+        log.error(
+            "a move's copy was not stored and its id is taken; keeping the source",
+            request_id=request.id,
+            seq=source_seq,
+        )
+        return False
 
     def _run_done(self, task: asyncio.Task[None]) -> None:
         self._running.discard(task)
@@ -310,47 +389,71 @@ class Worker:
     # ------------------------------------------------------------------ one run
 
     async def _handle(self, msg: Any) -> None:
+        """One delivery, from fetch to ack or nak. Its lease is renewed for as
+        long as this task is alive, whatever phase it is in."""
+        keepalive = asyncio.create_task(self._keep_alive(msg, asyncio.current_task()))
+        try:
+            await self._handle_leased(msg)
+        finally:
+            keepalive.cancel()
+            await asyncio.wait([keepalive])
+
+    async def _handle_leased(self, msg: Any) -> None:
         try:
             dispatch = DISPATCH_DECODER.decode(msg.data)
         except msgspec.DecodeError as exc:
             await self._poison(msg, str(exc))
             return
         request = dispatch.request
+        # Runs are numbered over the request's whole life: redeliveries of this
+        # dispatch, and dispatches after a preemption (a higher attempt).
+        run = (dispatch.attempt - 1) * self._stride + int(msg.metadata.num_delivered)
+        chunks = _Chunks()
         with bound_request(request.id, backend=self._backend_name):
             metrics.IN_FLIGHT.labels(self._backend_name).inc()
             try:
-                await self._run(msg, dispatch)
+                await self._run(msg, dispatch, run, chunks)
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):
                     await msg.nak(delay=SHUTDOWN_NAK_DELAY)
                 raise
             except Exception as exc:  # noqa: BLE001 - one request must never kill the worker
-                await self._unexpected(msg, dispatch, exc)
+                await self._unexpected(msg, dispatch, run, chunks, exc)
             finally:
                 metrics.IN_FLIGHT.labels(self._backend_name).dec()
                 with contextlib.suppress(Exception):
                     await self._nc.publish(capacity_subject(self._backend_name), b"")
 
-    async def _unexpected(self, msg: Any, dispatch: Dispatch, exc: Exception) -> None:
-        """A bug or a broker failure mid-run: retry, and on the last delivery fail
-        terminally, or the request would sit in the stream past ``max_deliver``."""
-        delivery = int(msg.metadata.num_delivered)
-        if delivery < self._config.worker.max_deliver:
-            log.exception("unexpected error; request will be redelivered")
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=self._retry_delay)
-            return
-        log.exception("unexpected error on the last delivery; request fails")
+    async def _unexpected(
+        self, msg: Any, dispatch: Dispatch, run: int, chunks: _Chunks, exc: Exception
+    ) -> None:
+        """A bug or a broker failure mid-run: a failed run like any other, retried
+        within the budget, then the request fails; if not even that can be
+        recorded, the message is left for redelivery (the broker's delivery
+        limit is the backstop)."""
         try:
+            if await self._failed_runs(dispatch) + 1 < self._config.worker.max_deliver:
+                log.error("unexpected error; the request will run again", exc_info=exc)
+                await self._retry(
+                    msg,
+                    dispatch,
+                    run,
+                    error_type="internal",
+                    reason=f"worker error: {type(exc).__name__}",
+                    delay=self._retry_delay,
+                )
+                return
+            log.error("unexpected error on the last allowed run; request fails", exc_info=exc)
             await self._fail(
                 msg,
                 dispatch,
-                delivery,
+                run,
+                chunks.seq,
                 error_type="internal",
-                reason=f"worker error on the last delivery: {type(exc).__name__}",
+                reason=f"worker error on the last allowed run: {type(exc).__name__}",
             )
         except Exception:
-            log.exception("could not record the failure; leaving the request for redelivery")
+            log.exception("could not record the failed run; leaving the request for redelivery")
             with contextlib.suppress(Exception):
                 await msg.nak(delay=self._retry_delay)
 
@@ -367,21 +470,17 @@ class Worker:
         )
         await msg.term()
 
-    async def _run(self, msg: Any, dispatch: Dispatch) -> None:
+    async def _run(self, msg: Any, dispatch: Dispatch, run: int, chunks: _Chunks) -> None:
         request = dispatch.request
         delivery = int(msg.metadata.num_delivered)
-        # Runs are numbered over the request's whole life: redeliveries of this
-        # dispatch, and dispatches after a preemption (a higher attempt).
-        run = (dispatch.attempt - 1) * self._config.worker.max_deliver + delivery
         if await self._refused(msg, dispatch, delivery, run):
             return
         pending_acks = await self._start(msg, dispatch, run)
         if pending_acks is None:
             return
-        keepalive = asyncio.create_task(self._keep_alive(msg))
         # The call runs as a task of its own, so a cancellation or preemption
         # can stop it (closing the backend's HTTP stream) without stopping this run.
-        call = asyncio.create_task(self._call(request, dispatch, run, pending_acks))
+        call = asyncio.create_task(self._call(request, dispatch, run, pending_acks, chunks))
         scoped = msg_id(request.tenant, request.id)
         self._calls[scoped] = call
         # A run is judged at the level it was bound at: one that aged to the top
@@ -392,7 +491,7 @@ class Worker:
         if self._cancels is not None and self._cancels.is_cancelled(request.tenant, request.id):
             call.cancel()
         try:
-            outcome, chunks = await call
+            outcome = await call
         except asyncio.CancelledError:
             this = asyncio.current_task()
             if not (call.cancelled() and this is not None and not this.cancelling()):
@@ -405,10 +504,11 @@ class Worker:
                 await asyncio.sleep(_PREEMPT_GRACE)
                 await self._requeue(msg, dispatch, run, preempted_by)
             else:
-                await self._finish(msg, request, self._cancelled(request, "running"), run)
+                cancelled = self._cancelled(request, "running")
+                await self._finish(msg, request, cancelled, run, seq=chunks.seq)
             return
         except BackendError as exc:
-            await self._backend_failed(msg, dispatch, delivery, exc, pending_acks)
+            await self._backend_failed(msg, dispatch, run, chunks, exc, pending_acks=pending_acks)
             return
         except _Expiry:
             await self._settle(pending_acks)
@@ -423,23 +523,29 @@ class Worker:
                     reason="deadline passed during generation",
                 ),
                 run,
+                seq=chunks.seq,
             )
             return
         finally:
             self._calls.pop(scoped, None)
             self._runs.pop(scoped, None)
             call.cancel()
-            keepalive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keepalive
         await self._settle(pending_acks)
-        await self._finish(msg, request, outcome, run, seq=chunks)
+        await self._finish(msg, request, outcome, run, seq=chunks.seq)
 
     async def _refused(self, msg: Any, dispatch: Dispatch, delivery: int, run: int) -> bool:
         """Settle, without calling the backend, a dispatch that must not run:
-        already finished or moved by a worker that died before acking it,
-        past its deadline, or cancelled."""
+        already ended (checked on every delivery: a zombie's or a second
+        dispatch's run finds the terminal claim), finished or moved by a worker
+        that died before acking it, past its deadline, or cancelled."""
         request = dispatch.request
+        claim = await self._log.claim_of(request.tenant, request.id)
+        if claim is not None:
+            log.info("request already ended; dropping this run", ended=kind_of(claim.event))
+            metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
+            await self._log.settle(claim)  # its event may not be in the log yet
+            await msg.ack()
+            return True
         if delivery > 1 and await self._settled_before(msg, dispatch):
             return True
         now = self._clock()
@@ -465,6 +571,16 @@ class Worker:
     ) -> list[asyncio.Future[Any]] | None:
         """Record ``started``; the pending acks to wait for, or ``None`` to step back."""
         request = dispatch.request
+        # In a pool, a queued dispatch may be stolen by a sibling while it is
+        # delivered here: both copies are then the same run of the same
+        # attempt, and the claim on that run (a KV create only services can
+        # make) decides which one calls the backend; the other steps back.
+        if self._backend_config.pool is not None and not await self._log.claim_run(
+            request.tenant, request.id, dispatch.attempt, run
+        ):
+            log.info("another replica runs this request; dropping it")
+            await msg.ack()
+            return None
         started = Started(
             request_id=request.id,
             tenant=request.tenant,
@@ -474,27 +590,21 @@ class Worker:
             delivery=run,
             worker=self._name,
         )
-        if self._backend_config.pool is None:
-            return [await self._log.append_async(started)]
-        # In a pool, a queued dispatch may be stolen by a sibling while it is
-        # delivered here: both runs have the same `started` message id, which
-        # makes it the claim: the second to publish it steps back.
-        if not await self._log.append(started):
-            log.info("another replica runs this request; dropping it")
-            await msg.ack()
-            return None
-        return []
+        return [await self._log.append_async(started)]
 
     async def _settled_before(self, msg: Any, dispatch: Dispatch) -> bool:
-        """On a redelivery: was this dispatch already finished or preempted by a
-        worker that died before acking it? Then complete that work and ack."""
+        """On a redelivery: was this dispatch finished (before terminal claims
+        existed), preempted or moved by a worker that died before acking it?
+        Then complete that work and ack."""
         request = dispatch.request
-        if await self._log.terminal_of(request.tenant, request.id) is not None:
+        source_seq = int(msg.metadata.sequence.stream)
+        events = await self._log.history(request.tenant, request.id)
+        if any(is_terminal(event) for event in events):
             log.info("redelivered request already finished; dropping")
             metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
             await msg.ack()
             return True
-        for event in await self._log.history(request.tenant, request.id):
+        for event in events:
             if isinstance(event, Preempted) and event.attempt == dispatch.attempt:
                 await self._requeue(msg, dispatch, event.delivery, event.by)
                 return True
@@ -502,8 +612,10 @@ class Worker:
                 isinstance(event, Stolen)
                 and event.attempt == dispatch.attempt
                 and event.from_backend == self._backend_name
+                and event.from_seq in (0, source_seq)
+                # Finish the thief's move; keep the message if the copy is not stored.
+                and await self._move(dispatch, event.to_backend, source_seq)
             ):
-                await self._move(dispatch, event.to_backend)  # finish the thief's move
                 await msg.ack()
                 return True
         return False
@@ -582,20 +694,17 @@ class Worker:
         self,
         request: Any,
         dispatch: Dispatch,
-        delivery: int,
+        run: int,
         pending_acks: list[asyncio.Future[Any]],
-    ) -> tuple[Completed, int]:
-        """Stream the backend's answer to the token subject.
-
-        Returns the completion and the number of chunks streamed.
-        """
+        chunks: _Chunks,
+    ) -> Completed:
+        """Stream the backend's answer to the token subject (counting in ``chunks``)."""
         subject = token_subject(request.tenant, request.id)
         started = time.monotonic()
         ttft: float | None = None
         parts: list[str] = []
         usage: Usage | None = None
         finish_reason: str | None = None
-        seq = 0
         rank = self._rank_of(dispatch)
         timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
         try:
@@ -610,15 +719,15 @@ class Worker:
                                 ttft = time.monotonic() - started
                             chunk = TokenChunk(
                                 request_id=request.id,
-                                delivery=delivery,
-                                seq=seq,
+                                delivery=run,
+                                seq=chunks.seq,
                                 text=delta.text,
-                                restart=delivery > 1 and seq == 0,
+                                restart=run > 1 and chunks.seq == 0,
                             )
                             pending_acks.append(
                                 await self._js.publish_async(subject, encode(chunk))
                             )
-                            seq += 1
+                            chunks.seq += 1
                             parts.append(delta.text)
                         if delta.usage is not None:
                             usage = delta.usage
@@ -635,13 +744,13 @@ class Worker:
         metrics.BACKEND_LATENCY.labels(self._backend_name).observe(duration)
         metrics.TOKENS.labels(self._backend_name, "input").inc(usage.prompt_tokens)
         metrics.TOKENS.labels(self._backend_name, "output").inc(usage.completion_tokens)
-        completed = Completed(
+        return Completed(
             request_id=request.id,
             tenant=request.tenant,
             at=self._clock(),
             backend=self._backend_name,
             attempt=dispatch.attempt,
-            delivery=delivery,
+            delivery=run,
             text="".join(parts),
             usage=usage,
             cost=cost,
@@ -649,45 +758,76 @@ class Worker:
             ttft=ttft,
             duration=duration,
         )
-        return completed, seq
 
     async def _backend_failed(
         self,
         msg: Any,
         dispatch: Dispatch,
-        delivery: int,
+        run: int,
+        chunks: _Chunks,
         exc: BackendError,
+        *,
         pending_acks: list[asyncio.Future[Any]],
     ) -> None:
-        request = dispatch.request
         metrics.BACKEND_CALLS.labels(self._backend_name, exc.code).inc()
         await self._settle(pending_acks)
-        if exc.retryable and delivery < self._config.worker.max_deliver:
-            delay = getattr(exc, "retry_after", None) or self._retry_delay * 2 ** (delivery - 1)
-            log.warning("backend call failed; will retry", error=str(exc), delay=delay)
-            await self._log.append(
-                Retrying(
-                    request_id=request.id,
-                    tenant=request.tenant,
-                    at=self._clock(),
-                    backend=self._backend_name,
-                    attempt=dispatch.attempt,
-                    delivery=delivery,
-                    error_type=exc.code,
-                    reason=str(exc)[:1000],
-                    retry_after=delay,
+        if exc.retryable:
+            failed = await self._failed_runs(dispatch) + 1
+            if failed < self._config.worker.max_deliver:
+                delay = getattr(exc, "retry_after", None) or self._retry_delay * 2 ** (failed - 1)
+                log.warning("backend call failed; will retry", error=str(exc), delay=delay)
+                await self._retry(
+                    msg, dispatch, run, error_type=exc.code, reason=str(exc)[:1000], delay=delay
                 )
-            )
-            await msg.nak(delay=delay)
-            return
-        log.error("request failed", error=str(exc), delivery=delivery)
+                return
+        log.error("request failed", error=str(exc), run=run)
         exhausted = " (retries exhausted)" if isinstance(exc, RetryableBackendError) else ""
         await self._fail(
-            msg, dispatch, delivery, error_type=exc.code, reason=str(exc)[:1000] + exhausted
+            msg, dispatch, run, chunks.seq, error_type=exc.code, reason=str(exc)[:1000] + exhausted
         )
 
+    async def _failed_runs(self, dispatch: Dispatch) -> int:
+        """Runs of this dispatch (attempt) that failed and were retried, from the log."""
+        request = dispatch.request
+        retries = await self._log.history(request.tenant, request.id, kind="retrying")
+        return sum(1 for e in retries if isinstance(e, Retrying) and e.attempt == dispatch.attempt)
+
+    async def _retry(
+        self,
+        msg: Any,
+        dispatch: Dispatch,
+        run: int,
+        *,
+        error_type: str,
+        reason: str,
+        delay: float,
+    ) -> None:
+        """Record the failed run (``retrying``: what the budget counts), then nak."""
+        request = dispatch.request
+        await self._log.append(
+            Retrying(
+                request_id=request.id,
+                tenant=request.tenant,
+                at=self._clock(),
+                backend=self._backend_name,
+                attempt=dispatch.attempt,
+                delivery=run,
+                error_type=error_type,
+                reason=reason,
+                retry_after=delay,
+            )
+        )
+        await msg.nak(delay=delay)
+
     async def _fail(
-        self, msg: Any, dispatch: Dispatch, delivery: int, *, error_type: str, reason: str
+        self,
+        msg: Any,
+        dispatch: Dispatch,
+        run: int,
+        seq: int,
+        *,
+        error_type: str,
+        reason: str,
     ) -> None:
         """Fail the request for good: a copy to the dead-letter stream, then ``failed``."""
         request = dispatch.request
@@ -708,18 +848,19 @@ class Worker:
             backend=self._backend_name,
             attempt=dispatch.attempt,
         )
-        await self._finish(msg, request, failed, delivery)
+        await self._finish(msg, request, failed, run, seq=seq)
 
     async def _finish(
-        self, msg: Any, request: InferenceRequest, event: Any, delivery: int, *, seq: int = 0
+        self, msg: Any, request: InferenceRequest, event: Any, run: int, *, seq: int = 0
     ) -> None:
-        """Record the terminal event, then ack: a crash in between means a redelivery
-        that finds the terminal event and drops the run. Followers sharing this
-        request's call get their outcome first, so a crash cannot strand them."""
+        """Record the terminal event, its final chunk at ``(run, seq)`` (the run's
+        next chunk), then ack: a crash in between means a redelivery that finds
+        the terminal claim and drops the run. Followers sharing this request's
+        call get their outcome first, so a crash cannot strand them."""
         key = coalesce_key(request)
         if key is not None:
             await self._coalescer.leader_ended(request.tenant, request.id, key, event)
-        first = await self._log.finish(event, delivery=delivery, seq=seq)
+        first = await self._log.finish(event, delivery=run, seq=seq)
         kind = type(event).__name__.lower()
         if first:
             metrics.TERMINAL.labels(kind).inc()
@@ -739,9 +880,14 @@ class Worker:
             await asyncio.wait_for(asyncio.gather(*pending_acks), timeout=30.0)
             pending_acks.clear()
 
-    async def _keep_alive(self, msg: Any) -> None:
+    async def _keep_alive(self, msg: Any, run: asyncio.Task[Any] | None) -> None:
+        """Renew ``msg``'s lease every third of ``ack_wait`` while ``run`` is alive."""
         interval = max(0.1, self._ack_wait / 3)
-        while True:
+        while run is None or not run.done():
             await asyncio.sleep(interval)
-            with contextlib.suppress(Exception):
+            if run is not None and run.done():
+                return
+            try:
                 await msg.in_progress()
+            except Exception as exc:  # noqa: BLE001 - the next renewal may get through
+                log.warning("could not renew a running request's lease", error=str(exc))

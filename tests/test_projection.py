@@ -449,7 +449,10 @@ async def projector(events_js: JetStreamContext) -> AsyncIterator[Projector]:
 async def publish(js: JetStreamContext, events: Sequence[Event]) -> None:
     log = EventLog(js)
     for event in events:
-        await log.append(event)
+        if is_terminal(event):  # the one way a terminal event is written
+            await log.finish(event, delivery=1, seq=0)
+        else:
+            await log.append(event)
 
 
 async def stored(js: JetStreamContext) -> ProjectionState:

@@ -16,12 +16,14 @@ from renqueue.config import Config, parse_config
 from renqueue.errors import ProvisionError
 from renqueue.provision import STREAMS_DIR_ENV, Action, find_streams_dir, provision
 from renqueue.subjects import (
+    ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
     DISPATCH_STREAM,
     DLQ_STREAM,
     EVENTS_STREAM,
     REQUESTS_STREAM,
     STATE_BUCKET,
+    TERMINAL_BUCKET,
     TOKENS_STREAM,
     requests_of_level,
     router_consumer,
@@ -122,7 +124,20 @@ async def test_one_router_consumer_per_priority_and_one_worker_per_backend(
         assert worker["filter_subject"] == f"rq.dispatch.{backend}"
         assert worker["max_ack_pending"] == concurrency
         assert worker["ack_wait"] == 120 * 10**9
-        assert worker["max_deliver"] == 3
+        # The broker's limit is a backstop above the retry budget (max_deliver
+        # counts failed runs), so shutdowns and crashes do not use up the budget.
+        assert worker["max_deliver"] == 20
+
+    limited = make_config(worker={"max_deliver": 3, "delivery_limit": 7})
+    await provision(isolated_nc, limited)
+    worker = await consumer_config(isolated_nc, DISPATCH_STREAM, worker_consumer("local"))
+    assert worker["max_deliver"] == 7
+
+    advisories = await consumer_config(isolated_nc, ADVISORIES_STREAM, ADVISORIES_CONSUMER)
+    assert advisories["filter_subjects"] == [
+        "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.RQ_REQUESTS.*",
+        "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.RQ_DISPATCH.*",
+    ]
 
 
 async def test_retention_limits_from_config_override_the_files(isolated_nc: Client) -> None:
@@ -149,8 +164,11 @@ async def test_changed_max_age_is_updated_in_place(isolated_nc: Client) -> None:
     item = report.get(EVENTS_STREAM)
     assert item.action is Action.UPDATED
     assert any(change.startswith("max_age:") for change in item.changes)
-    assert report.updated == [EVENTS_STREAM]
+    # Terminal claims live exactly as long as the events they guard.
+    assert report.updated == [EVENTS_STREAM, TERMINAL_BUCKET]
     assert (await stream_config(isolated_nc, EVENTS_STREAM))["max_age"] == 7 * 86400 * 10**9
+    claims = await stream_config(isolated_nc, f"KV_{TERMINAL_BUCKET}")
+    assert claims["max_age"] == 7 * 86400 * 10**9
 
 
 async def test_changed_concurrency_updates_the_worker_consumer(isolated_nc: Client) -> None:

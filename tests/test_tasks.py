@@ -90,3 +90,18 @@ async def test_fatal_fails_the_supervisor_at_once() -> None:
     assert supervisor.reason is not None
     assert "consumer deleted" in supervisor.reason
     await supervisor.close()
+
+
+async def test_stopping_some_loops_leaves_the_others_running() -> None:
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    supervisor = Supervisor("test")
+    supervisor.spawn("a", forever)
+    supervisor.spawn("b", forever)
+    await asyncio.sleep(0)
+    await asyncio.wait_for(supervisor.stop("a", "unknown"), 5)
+    assert supervisor.healthy("b")
+    assert supervisor.healthy()  # "a" is forgotten, not counted as down
+    supervisor.spawn("a", forever)  # the name may be used again
+    await supervisor.close()

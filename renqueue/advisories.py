@@ -1,0 +1,236 @@
+"""Ending requests whose message ran out of deliveries.
+
+JetStream stops delivering a message once its consumer has delivered it
+``max_deliver`` times without an ack: the message stays in its work-queue
+stream, and the server announces it once, with the core NATS advisory
+``$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>``.
+``RQ_ADVISORIES`` captures those advisories, so none is missed while no
+process listens, and :class:`AdvisoryReader` acts on them through the durable
+pull consumer ``advisories`` (``streams/consumers/advisories.json``), which
+only takes advisories of ``RQ_REQUESTS`` (the routers' consumers:
+``router.max_deliver``) and ``RQ_DISPATCH`` (the workers' consumers: the
+backstop ``worker.delivery_limit``). For each exhausted message, every step
+idempotent, so an advisory handled twice (a reader that died midway) changes
+nothing:
+
+1. the message is read by its stream sequence (gone already: nothing to do);
+2. unless the request already ended (its terminal claim), a copy goes to the
+   dead-letter stream (``rq.dlq.requests`` / ``rq.dlq.dispatch``, the reason
+   in ``Rq-Reason``) and the request ends ``failed``, ``error_type``
+   ``undeliverable``, through :meth:`EventLog.finish`: exactly once, whoever
+   else tries to end it;
+3. the message is deleted from its stream (nothing would ever deliver it again);
+4. the advisory is acked.
+
+Who runs it: every service process that runs routers or workers (``renqueue
+up``, ``renqueue router``, ``renqueue worker``), under its supervisor. The
+consumer is shared, so each advisory goes to one of them; running it in every
+such process means any deployment, however its routers and workers are split
+across processes, ends every exhausted request, and as long as one process
+runs, none is left waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Final
+
+import msgspec
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import NotFoundError
+
+from .eventlog import EventLog
+from .logs import bound_request, get_logger
+from .messages import DISPATCH_DECODER, REQUEST_DECODER, Failed
+from .subjects import (
+    ADVISORIES_CONSUMER,
+    ADVISORIES_STREAM,
+    DISPATCH_STREAM,
+    FETCH_TIMEOUT,
+    REQUESTS_STREAM,
+    msg_id,
+)
+from .tasks import Supervisor
+
+__all__ = ["AdvisoryReader", "MaxDeliveries"]
+
+log = get_logger("advisories")
+
+#: Advisories handled per fetch.
+_BATCH: Final = 16
+#: Longest wait before an advisory whose handling failed is tried again.
+_MAX_RETRY: Final = 30.0
+_ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+class MaxDeliveries(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields of ``io.nats.jetstream.advisory.v1.max_deliver`` this reader uses."""
+
+    stream: str
+    consumer: str
+    stream_seq: int
+    deliveries: int = 0
+
+
+_ADVISORY_DECODER: Final = msgspec.json.Decoder(MaxDeliveries)
+
+
+class _Subject(msgspec.Struct, frozen=True, kw_only=True):
+    """The request a stored message is about, and how to record its failure."""
+
+    tenant: str
+    request_id: str
+    stage: str
+    backend: str | None = None
+    attempt: int = 0
+
+
+class AdvisoryReader:
+    """Ends every request whose message ran out of deliveries (see the module docstring)."""
+
+    def __init__(self, js: Any, *, supervisor: Supervisor | None = None) -> None:
+        self._js = js
+        self._log = EventLog(js)
+        self._own_supervisor = supervisor is None
+        self._supervisor = supervisor or Supervisor("advisories")
+        self._loop = "advisories"
+        #: Requests this reader ended (for logs and tests).
+        self.ended = 0
+
+    async def start(self) -> None:
+        self._supervisor.spawn(self._loop, self._read)
+
+    async def stop(self) -> None:
+        await self._supervisor.stop(self._loop)
+        if self._own_supervisor:
+            await self._supervisor.close()
+
+    async def _read(self) -> None:
+        """Fetch and handle advisories. A failed fetch raises: the supervisor
+        logs it and starts the loop again after a backoff."""
+        psub = await self._js.pull_subscribe_bind(
+            durable=ADVISORIES_CONSUMER, stream=ADVISORIES_STREAM
+        )
+        try:
+            while True:
+                try:
+                    msgs = await psub.fetch(batch=_BATCH, timeout=FETCH_TIMEOUT)
+                except (TimeoutError, NatsTimeoutError):
+                    continue
+                for msg in msgs:
+                    await self._on_advisory(msg)
+        finally:
+            try:
+                await psub.unsubscribe()
+            except Exception as exc:  # noqa: BLE001 - shutting the loop down regardless
+                log.debug("unsubscribe failed", error=str(exc))
+
+    async def _on_advisory(self, msg: Any) -> None:
+        try:
+            advisory = _ADVISORY_DECODER.decode(msg.data)
+        except msgspec.DecodeError:
+            log.exception("undecodable max-deliveries advisory; skipped")
+            await msg.ack()
+            return
+        try:
+            # When the server gave up, by its clock: when the advisory was stored.
+            await self.handle(advisory, at=msg.metadata.timestamp.timestamp())
+        except Exception:
+            delivered = int(msg.metadata.num_delivered)
+            delay = min(_MAX_RETRY, 0.5 * 2 ** (delivered - 1))
+            log.exception(
+                "could not end an undeliverable request; will retry",
+                stream=advisory.stream,
+                seq=advisory.stream_seq,
+                retry_in=delay,
+            )
+            await msg.nak(delay=delay)
+            return
+        await msg.ack()
+
+    async def handle(self, advisory: MaxDeliveries, *, at: float) -> None:
+        """Steps 1-3 of the module docstring for one advisory; ``at``: when the
+        server gave up on the message (the ``failed`` event's time)."""
+        if advisory.stream not in (REQUESTS_STREAM, DISPATCH_STREAM):
+            return
+        try:
+            stored = await self._js.get_msg(advisory.stream, seq=advisory.stream_seq)
+        except NotFoundError:
+            return  # acked or removed meanwhile: nothing is stranded
+        about = _about(advisory, stored)
+        with bound_request(about.request_id, tenant=about.tenant):
+            claim = await self._log.claim_of(about.tenant, about.request_id)
+            if claim is not None:
+                await self._log.settle(claim)
+            else:
+                reason = (
+                    f"delivered {advisory.deliveries} times to {advisory.consumer} "
+                    "without being acknowledged"
+                )
+                await self._log.dead_letter(
+                    about.stage,
+                    stored.data or b"",
+                    reason=f"undeliverable: {reason}",
+                    source_subject=stored.subject,
+                    tenant=about.tenant,
+                    request_id=about.request_id,
+                )
+                failed = Failed(
+                    request_id=about.request_id,
+                    tenant=about.tenant,
+                    at=at,
+                    error_type="undeliverable",
+                    reason=f"the request ran out of deliveries: {reason}",
+                    backend=about.backend,
+                    attempt=about.attempt,
+                )
+                if await self._log.finish(failed):
+                    self.ended += 1
+                    log.warning("request ran out of deliveries; failed", reason=reason)
+            with contextlib.suppress(NotFoundError):
+                await self._js.delete_msg(advisory.stream, advisory.stream_seq)
+
+
+def _about(advisory: MaxDeliveries, stored: Any) -> _Subject:
+    """Whose request a stored message is. On ``RQ_REQUESTS`` the subject names the
+    tenant (tenants publish there: the subject is the authority); on
+    ``RQ_DISPATCH`` the payload is the services' own."""
+    seq = advisory.stream_seq
+    data = stored.data or b""
+    if advisory.stream == DISPATCH_STREAM:
+        backend = stored.subject.rsplit(".", 1)[-1]
+        try:
+            dispatch = DISPATCH_DECODER.decode(data)
+        except msgspec.DecodeError:
+            return _Subject(
+                tenant="unknown", request_id=f"dispatch-{seq}", stage="dispatch", backend=backend
+            )
+        request = dispatch.request
+        return _Subject(
+            tenant=request.tenant,
+            request_id=request.id,
+            stage="dispatch",
+            backend=backend,
+            attempt=dispatch.attempt,
+        )
+    parts = stored.subject.split(".")
+    tenant = parts[3] if len(parts) == 4 and _is_id(parts[3]) else "unknown"
+    # The id the publish vouched for (``Nats-Msg-Id: <tenant>:<id>``), as the router reads it.
+    header = str((stored.headers or {}).get("Nats-Msg-Id", ""))
+    scope, _, rest = header.partition(":")
+    named = rest.partition(":")[0]
+    request_id = named if scope == tenant and _is_id(named) else f"invalid-{seq}"
+    try:
+        payload_id = REQUEST_DECODER.decode(data).id
+    except msgspec.DecodeError:
+        payload_id = None
+    if payload_id is not None and (
+        header == msg_id(tenant, payload_id)
+        or header.startswith(msg_id(tenant, payload_id, "requeue") + ":")
+    ):
+        request_id = payload_id
+    return _Subject(tenant=tenant, request_id=request_id, stage="requests")
+
+
+def _is_id(text: str) -> bool:
+    return 0 < len(text) <= 128 and all(ch in _ID_OK for ch in text)

@@ -1,0 +1,268 @@
+"""The worker's lease, shutdown and work stealing (issue #6 items 3, 9, 13).
+
+- A killed worker's requests come back in seconds: the lease (``ack_wait``)
+  is short and renewed while the run is alive.
+- ``Worker.stop()`` ends even when a run swallows a cancellation.
+- Work moved between replicas of a pool more than once is never lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.js.errors import NotFoundError
+
+from renqueue import Client, Services, load_config, parse_config
+from renqueue.backends import make_backend
+from renqueue.backends.base import Delta
+from renqueue.config import Config, WorkerConfig, parse_duration
+from renqueue.eventlog import EventLog
+from renqueue.messages import Dispatch, Started, Stolen, encode
+from renqueue.mockbackend import MockBackend, MockSettings
+from renqueue.subjects import DISPATCH_STREAM, dispatch_subject, msg_id
+from renqueue.worker import Worker
+
+TENANT = "t"
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, within: float = 15.0) -> float:
+    """Wait until ``check()``; the seconds it took."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    while not await check():
+        if loop.time() - began > within:
+            pytest.fail(f"timed out after {within} s waiting until {what}")
+        await asyncio.sleep(0.02)
+    return loop.time() - began
+
+
+async def started_runs(js: Any, request_id: str) -> list[Started]:
+    return [e for e in await EventLog(js).history(TENANT, request_id) if isinstance(e, Started)]
+
+
+# ------------------------------------------------------------------ item 13
+
+
+async def test_a_killed_workers_request_is_run_again_within_a_few_default_leases(
+    tmp_path: Path, isolated_server: Any
+) -> None:
+    """kill -9 a worker mid-call: another worker starts the request again within a
+    few times the default ``ack_wait``, not after a 30 s lease."""
+    lease = parse_duration(WorkerConfig().ack_wait)
+    assert lease <= 10, "a worker's lease is a few seconds, renewed while its run is alive"
+    # ~6 s of generation: the kill lands mid-call.
+    async with MockBackend(MockSettings(tokens_per_second=10, output_tokens=60)) as mock:
+        file = tmp_path / "rq.toml"
+        # No [worker] section: the default lease is what is tested.
+        file.write_text(
+            f'[nats]\nurl = "{isolated_server.url}"\n'
+            f'[router]\ncapacity_refresh = "20ms"\n'
+            f'[backends.b]\nbase_url = "{mock.url}"\nmodel = "mock"\n'
+            f"[backends.b.limits]\nconcurrency = 2\n"
+            f'[routes.chat]\nbackends = ["b"]\n'
+        )
+        config = load_config(file, environ={})
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RENQUEUE_")}
+        async with (
+            Services(config, backends=[]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            doomed = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "renqueue", "-c", str(file), "worker", "-b", "b",
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL, env={**env, "PYTHONUNBUFFERED": "1"},
+            )  # fmt: skip
+            try:
+                handle = await client.submit("a long answer", route="chat")
+                stream = handle.stream(timeout=20)
+                await anext(stream)  # the doomed worker is mid-call
+                await stream.aclose()
+                async with Services(
+                    config, routers=0, backends=["b"], provision_streams=False, name="survivor"
+                ):
+
+                    async def rerun() -> bool:
+                        return len(await started_runs(services.js, handle.id)) >= 2
+
+                    doomed.send_signal(signal.SIGKILL)
+                    await doomed.wait()
+                    recovered = await until(
+                        rerun, "another worker started the request again", within=3 * lease
+                    )
+                    mock.update(tokens_per_second=0)  # let the new run finish at once
+                    await handle.result(timeout=3 * lease)
+            finally:
+                if doomed.returncode is None:
+                    doomed.kill()
+                    await doomed.wait()
+            runs = await started_runs(services.js, handle.id)
+    print(f"time to recover from a kill -9: {recovered:.2f} s (ack_wait {lease:g} s)")
+    assert [run.delivery for run in runs] == [1, 2]
+    assert runs[0].worker != runs[1].worker
+
+
+# ------------------------------------------------------------------ item 9
+
+
+class SwallowsOneCancellation:
+    """A backend whose stream swallows the first cancellation (as nats-py's fetch
+    can on Python 3.11, see renqueue.tasks), then waits on."""
+
+    name = "b"
+
+    def __init__(self) -> None:
+        self.calling = asyncio.Event()
+        self.swallowed = 0
+
+    async def stream(self, request: Any, *, priority: int | None = None) -> AsyncIterator[Delta]:
+        self.calling.set()
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if self.swallowed == 0:
+                    self.swallowed += 1
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                    continue
+                raise
+        yield Delta()  # an async generator, as the protocol asks
+
+    async def complete(self, request: Any, *, priority: int | None = None) -> Any:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        return None
+
+
+def one_backend(tmp_path: Path, url: str) -> Config:
+    return parse_config(
+        {
+            "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+            "backends": {"b": {"base_url": url, "model": "m", "limits": {"concurrency": 2}}},
+            "routes": {"chat": {"backends": ["b"]}},
+            "worker": {"drain_timeout": "100ms", "retry_delay": "50ms"},
+            "router": {"capacity_refresh": "20ms"},
+        }
+    )
+
+
+async def test_stop_ends_even_when_a_run_swallows_a_cancellation(tmp_path: Path) -> None:
+    async with MockBackend(MockSettings(output_tokens=4)) as mock:
+        config = one_backend(tmp_path, mock.url)
+        async with Services(config, backends=[]) as services:
+            stubborn = SwallowsOneCancellation()
+            worker = Worker(services.nc, services.js, config, "b", stubborn, name="stubborn")
+            await worker.start()
+            async with Client(services.nc, tenant=TENANT) as client:
+                handle = await client.submit("x", route="chat")
+                await asyncio.wait_for(stubborn.calling.wait(), 10)
+                await asyncio.wait_for(worker.stop(), 10)
+                assert stubborn.swallowed == 1
+                # The run was handed back (nak): a healthy worker completes it.
+                adapter = make_backend("b", config.backends["b"])
+                healthy = Worker(services.nc, services.js, config, "b", adapter, name="healthy")
+                await healthy.start()
+                try:
+                    await handle.result(timeout=10)
+                finally:
+                    await healthy.stop()
+                    await adapter.aclose()
+                runs = await started_runs(services.js, handle.id)
+    assert [(run.worker, run.delivery) for run in runs] == [("stubborn", 1), ("healthy", 2)]
+
+
+# ------------------------------------------------------------------ item 3
+
+
+def pool(tmp_path: Path, url: str, replicas: list[str]) -> Config:
+    return parse_config(
+        {
+            "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+            "backends": {
+                name: {
+                    "base_url": url,
+                    "model": "m",
+                    "pool": "llama",
+                    "limits": {"concurrency": 1},
+                }
+                for name in replicas
+            },
+            "routes": {"chat": {"backends": replicas}},
+        }
+    )
+
+
+async def queued(js: Any) -> list[str]:
+    """The subjects of the dispatches waiting in RQ_DISPATCH, in stream order."""
+    state = (await js.stream_info(DISPATCH_STREAM)).state
+    subjects = []
+    seq = state.first_seq
+    while seq <= state.last_seq:
+        try:
+            raw = await js.get_msg(DISPATCH_STREAM, seq=seq, subject="rq.dispatch.>", next=True)
+        except NotFoundError:
+            break
+        subjects.append(raw.subject)
+        seq = raw.seq + 1
+    return subjects
+
+
+async def test_work_moved_around_a_pool_twice_within_the_window_is_never_lost(
+    tmp_path: Path,
+) -> None:
+    """A -> B -> C -> A: every move is stored, every source removed only after."""
+    replicas = ["replica-a", "replica-b", "replica-c"]
+    async with MockBackend(MockSettings(output_tokens=3)) as mock:
+        config = pool(tmp_path, mock.url, replicas)
+        async with (
+            Services(config, routers=0, backends=[]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            js = services.js
+            adapters = {name: make_backend(name, config.backends[name]) for name in replicas}
+            # Not started: nothing fetches, so each move is made by steal() alone.
+            a, b, c = (
+                Worker(services.nc, js, config, name, adapters[name], name=name)
+                for name in replicas
+            )
+            request = client.build_request("move me", route="chat")
+            await js.publish(
+                dispatch_subject("replica-a"),
+                encode(Dispatch(request=request, backend="replica-a")),
+                headers={"Nats-Msg-Id": msg_id(TENANT, request.id, "dispatch", 1)},
+            )
+            handle = client.handle(request.id)
+            for thief, holder in ((b, "replica-b"), (c, "replica-c"), (a, "replica-a")):
+                assert await thief.steal() == 1
+                assert await queued(js) == [dispatch_subject(holder)]
+            # Two idle replicas at once on the same queued dispatch: one copy.
+            await asyncio.gather(b.steal(), c.steal())
+            [where] = await queued(js)
+            owner = {b: "replica-b", c: "replica-c"}
+            worker = next(w for w, name in owner.items() if dispatch_subject(name) == where)
+            await worker.start()
+            try:
+                result = await handle.result(timeout=10)
+            finally:
+                await worker.stop()
+                for adapter in adapters.values():
+                    await adapter.aclose()
+            moves = [
+                e for e in await EventLog(js).history(TENANT, request.id) if isinstance(e, Stolen)
+            ]
+    assert result.backend == where.rsplit(".", 1)[-1]
+    assert mock.stats().requests == 1
+    assert [(m.from_backend, m.to_backend) for m in moves[:3]] == [
+        ("replica-a", "replica-b"),
+        ("replica-b", "replica-c"),
+        ("replica-c", "replica-a"),
+    ]
+    # Each move has its own source message; the two thieves' race made one move.
+    assert len({m.from_seq for m in moves}) == len(moves) >= 4
