@@ -59,6 +59,7 @@ from .subjects import (
     dispatch_subject,
     requests_of_level,
     router_consumer,
+    router_max_deliveries,
     worker_consumer,
 )
 
@@ -321,6 +322,9 @@ def _consumer_configs(directory: Path, config: Config) -> list[tuple[str, dict[s
     common = {
         "router.ack_wait": _ns(config.router.ack_wait),
         "router.max_deliver": config.router.max_deliver,
+        # The router consumers' backstop (router.max_deliver counts failed
+        # dispatches; every hand-back is a delivery too): see renqueue.router.
+        "router.max_deliveries": router_max_deliveries(config.router.max_deliver),
         "worker.ack_wait": _ns(config.worker.ack_wait),
         "worker.max_deliver": config.worker.max_deliver,
     }

@@ -21,8 +21,10 @@ from renqueue.subjects import (
     DLQ_STREAM,
     EVENTS_STREAM,
     REQUESTS_STREAM,
+    ROUTER_DELIVERY_BACKSTOP,
     STATE_BUCKET,
     TOKENS_STREAM,
+    dispatch_subject,
     requests_of_level,
     router_consumer,
     worker_consumer,
@@ -115,7 +117,9 @@ async def test_one_router_consumer_per_priority_and_one_worker_per_backend(
         assert router["filter_subject"] == requests_of_level(level)
         assert router["ack_policy"] == "explicit"
         assert router["ack_wait"] == 45 * 10**9
-        assert router["max_deliver"] == 4
+        # router.max_deliver counts failed dispatches; the consumer's limit is a
+        # backstop far above it (every hand-back by a router is a delivery).
+        assert router["max_deliver"] == 4 * ROUTER_DELIVERY_BACKSTOP
 
     for backend, concurrency in (("local", 3), ("cloud", 7)):
         worker = await consumer_config(isolated_nc, DISPATCH_STREAM, worker_consumer(backend))
@@ -264,11 +268,11 @@ async def test_state_bucket_is_a_usable_kv_with_history_one(isolated_nc: Client)
 
 
 async def test_max_deliveries_advisories_are_captured(isolated_nc: Client) -> None:
-    config = make_config(router={"ack_wait": "100ms", "max_deliver": 1})
+    config = make_config(worker={"ack_wait": "100ms", "max_deliver": 1})
     await provision(isolated_nc, config)
     js = isolated_nc.jetstream()
-    await js.publish("rq.req.normal.t1", b"poison")
-    sub = await js.pull_subscribe_bind(router_consumer("normal"), REQUESTS_STREAM)
+    await js.publish(dispatch_subject("local"), b"poison")
+    sub = await js.pull_subscribe_bind(worker_consumer("local"), DISPATCH_STREAM)
     (first,) = await sub.fetch(1, timeout=2)  # delivered once, never acked
 
     deadline = asyncio.get_running_loop().time() + 5
@@ -277,7 +281,7 @@ async def test_max_deliveries_advisories_are_captured(isolated_nc: Client) -> No
         await asyncio.sleep(0.05)
     advisory = await js.get_last_msg(
         ADVISORIES_STREAM,
-        f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.{router_consumer('normal')}",
+        f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{DISPATCH_STREAM}.{worker_consumer('local')}",
     )
     assert json.loads(advisory.data)["stream_seq"] == first.metadata.sequence.stream
 
