@@ -851,7 +851,9 @@ class StateView:
         self._check_every = check_every
         self._kv: Any = None
         self._watcher: Any = None
+        #: The last entry the watch delivered: (revision, value).
         self._watch_rev = 0
+        self._watch_value = b""
         self._behind = False
         self._broken = False
         self._changed = asyncio.Event()
@@ -937,6 +939,7 @@ class StateView:
     def _seen(self, entry: Any) -> None:
         """An entry (value or marker) the watch delivered."""
         self._watch_rev = int(entry.revision)
+        self._watch_value = bytes(entry.value or b"")
         self._behind = False
         self._take(entry)
 
@@ -961,23 +964,27 @@ class StateView:
         await self._close_watch()
         await self._open_watch()
 
-    async def _stored_revision(self) -> int:
-        """The revision of the stored value (of its delete marker; 0 if none)."""
+    async def _stored(self) -> tuple[int, bytes]:
+        """The stored entry (or its delete marker): (revision, value); (0, b"") if none."""
         try:
             entry = await self._kv.get(STATE_KEY)
         except KeyNotFoundError as exc:
             marker = getattr(exc, "entry", None)
-            return int(marker.revision) if marker is not None else 0
-        return int(entry.revision)
+            if marker is None:
+                return 0, b""
+            return int(marker.revision), bytes(marker.value or b"")
+        return int(entry.revision), bytes(entry.value or b"")
 
     async def _stale(self) -> bool:
         """The watch was quiet for a while: has the stored value moved on without it?
 
-        Stale only when a revision stored at the previous check has still not
+        The stored entry is compared by revision *and* value: a bucket
+        re-created (after a store was lost) counts revisions from 1 again, so
+        a revision alone could match the watch's last one by chance. Stale
+        only when an entry stored at the previous check has still not
         arrived, so a value on its way when the check ran is no false alarm.
         """
-        stored = await self._stored_revision()
-        if stored == self._watch_rev:
+        if await self._stored() == (self._watch_rev, self._watch_value):
             self._behind = False
             return False
         was_behind, self._behind = self._behind, True

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -17,6 +18,8 @@ from nats.aio.client import Client as NatsClient
 from nats.js.client import JetStreamContext
 
 from renqueue.config import parse_config
+from renqueue.connection import connect
+from renqueue.embedded import EmbeddedServer
 from renqueue.eventlog import EventLog
 from renqueue.messages import (
     Cancelled,
@@ -714,3 +717,50 @@ async def test_a_state_view_whose_watch_went_stale_resumes_and_sees_later_writes
         await kv.put(STATE_KEY, encode_state(ProjectionState(last_seq=11)))
         async with asyncio.timeout(10):
             await view.wait_for(11)
+
+
+@pytest.mark.parametrize("store", ["kept", "lost"])
+async def test_a_state_view_sees_writes_made_after_the_server_restarted(
+    tmp_path: Path, store: str
+) -> None:
+    """Issue #6 item 10: a server restart loses the watch's (in-memory) consumer.
+    With the store kept, nats-py's ordered consumer re-creates it from the
+    next sequence; with the store lost (the bucket made again, revisions
+    from 1), that sequence is past anything the new bucket holds and the
+    view went silently stale. Either way it must see the next write."""
+    server = EmbeddedServer(tmp_path / "nats", port=-1)
+    await server.start()
+    port = server.port
+    nc = await connect(server.url, name="test-view")
+    try:
+        js = nc.jetstream()
+        await provision(nc, parse_config({}))
+        kv = await js.key_value(STATE_BUCKET)
+        await kv.put(STATE_KEY, encode_state(ProjectionState(last_seq=1)))
+        async with await StateView.open(js, check_every=0.2) as view:
+            assert view.state.last_seq == 1
+            await server.stop()
+            server = EmbeddedServer(tmp_path / ("nats" if store == "kept" else "nats-2"), port=port)
+            await server.start()  # back on the same address
+
+            async def write() -> None:
+                # The first calls may land while the client still reconnects.
+                while True:
+                    try:
+                        if store == "lost":
+                            await provision(nc, parse_config({}))
+                        bucket = await js.key_value(STATE_BUCKET)
+                        await bucket.put(STATE_KEY, encode_state(ProjectionState(last_seq=2)))
+                    except Exception:  # retry until the server answers
+                        await asyncio.sleep(0.1)
+                    else:
+                        return
+
+            async with asyncio.timeout(20):
+                await write()
+                await view.wait_for(2)
+            if store == "lost":
+                assert view.reopened >= 1
+    finally:
+        await nc.close()
+        await server.stop()
