@@ -19,8 +19,11 @@ ask, by the worker process that holds it:
    next offer; a confirm that gets no answer ends the ask (the worker may have
    acted), so one ask never preempts two runs.
 
-A request still waiting :data:`renqueue.router` ``_PREEMPT_RETRY`` seconds
-later asks again. Every subject here is under ``rq.>``, which only the service
+One run at most is preempted per urgent request: once a confirm was answered
+with a preemption (or went unanswered: the worker may have acted), the router
+never asks for that request again. A request whose ask found nothing to
+preempt asks again ``_PREEMPT_RETRY`` (:mod:`renqueue.router`) seconds later
+while it still waits. Every subject here is under ``rq.>``, which only the service
 user may publish to; replies go to the service user's inbox
 (``_INBOX_renqueue.>``, granted to it in ``nats/auth.conf``).
 """

@@ -251,6 +251,8 @@ class _Held(msgspec.Struct, kw_only=True):
     inherited: int | None = None
     #: When this router last asked a backend to preempt a run for it.
     preempt_asked: float | None = None
+    #: A run was preempted for it: it never asks again (one per urgent request).
+    preempted_one: bool = False
     #: The most urgent (rank, submitted_at) among requests that coalesced onto
     #: this one: the shared call runs at the highest priority of its waiters.
     boost: tuple[int, float] | None = None
@@ -868,26 +870,29 @@ class Router:
     ) -> None:
         """An urgent request finds every slot taken: ask for a preemptible one.
 
-        At most one ask per request per ``_PREEMPT_RETRY`` seconds; the freed
-        slot then goes to the most urgent waiting request, which is this one
-        unless something more urgent arrived meanwhile.
+        At most one ask per request per ``_PREEMPT_RETRY`` seconds (an ask
+        that found nothing to preempt is repeated: a preemptible run may have
+        started since), and no more once one run was preempted for it. The
+        freed slot then goes to the most urgent waiting request, which is this
+        one unless something more urgent arrived meanwhile.
         """
         # The level it was submitted at (or inherited), not the one it aged to:
         # aged requests preempting each other under overload would only churn.
         rank = item.rank if item.parent is None else min(item.rank, item.parent[0])
         if not may_preempt(rank, self._policies):
             return
-        if item.preempt_asked is not None and now - item.preempt_asked < _PREEMPT_RETRY:
+        if item.preempted_one or (
+            item.preempt_asked is not None and now - item.preempt_asked < _PREEMPT_RETRY
+        ):
             return
         item.preempt_asked = now
         backends = [view.name for view in capable(item.request, candidates, views)]
-        self._spawn_publish(self._ask_preemption(item.request, rank, backends))
+        self._spawn_publish(self._ask_preemption(item, rank, backends))
 
-    async def _ask_preemption(
-        self, request: InferenceRequest, rank: int, backends: list[str]
-    ) -> None:
-        """Free one slot for ``request``: ask every worker of ``backends`` for an
+    async def _ask_preemption(self, item: _Held, rank: int, backends: list[str]) -> None:
+        """Free one slot for ``item``: ask every worker of ``backends`` for an
         offer, then confirm the best one only (:mod:`renqueue.preemption`)."""
+        request = item.request
         order = {name: index for index, name in enumerate(backends)}
         offers: list[Offer] = []
 
@@ -917,14 +922,16 @@ class Router:
             except NoRespondersError:
                 continue  # that worker is gone: it preempted nothing
             except NatsTimeoutError:
-                # It may have acted: one ask must never preempt two runs.
+                # It may have acted: one request must never preempt two runs.
                 log.warning("no answer to a preemption; not asking another", by=request.id)
+                item.preempted_one = True
                 return
             try:
                 answer = ANSWER_DECODER.decode(reply.data)
             except msgspec.DecodeError:
                 continue
             if answer.preempted is not None:
+                item.preempted_one = True
                 log.info(
                     "preempted a run", backend=offer.backend, by=request.id, run=answer.preempted
                 )
