@@ -172,3 +172,56 @@ async def test_a_router_loop_that_keeps_failing_fails_its_process(
             if not running.done():
                 running.cancel()
             await nc.close()
+
+
+async def test_graceful_router_restarts_do_not_use_up_a_waiting_requests_deliveries(
+    server: EmbeddedServer,
+) -> None:
+    """Issue #6 item 4, for routers: every graceful stop naks what the router
+    holds, and each nak is a delivery. More restarts than ``router.max_deliver``
+    while a request waits for room must not fail it (nor strand it at the
+    consumer's ``max_deliver``): only failed dispatches count against it."""
+    restarts = 4
+    async with MockBackend(MockSettings(ttft=0.0, output_tokens=2)) as mock:
+        config = make_config(user_url(server, "svc"), mock, max_deliver=2)
+        assert restarts > config.router.max_deliver
+        async with (
+            Services(config, routers=0, backends=[]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            js = services.js
+
+            async def deliveries() -> int:
+                info = await js.consumer_info(REQUESTS_STREAM, router_consumer("normal"))
+                return int(info.delivered.consumer_seq)
+
+            # No worker yet: the blocker's dispatch takes the backend's slots
+            # (concurrency 2) and sits unrun, so the next request waits, held.
+            blockers = [await client.submit(f"blocker {n}", route="chat") for n in range(2)]
+            waiting = await client.submit("waits for room", route="chat")
+            seen = 0
+            for n in range(restarts):
+                before = await deliveries()
+                router = Router(services.nc, js, config, name=f"router-{n}")
+                await router.start()
+                try:
+                    # The first router is delivered the blockers too.
+                    async def delivered(expected: int = before + (3 if n == 0 else 1)) -> bool:
+                        return await deliveries() >= expected
+
+                    await until(delivered, f"router {n} was delivered the waiting request")
+                finally:
+                    await router.stop()  # graceful: hands it back with a nak
+                seen += 1
+            assert seen > config.router.max_deliver
+            last = Router(services.nc, js, config, name="router-last")
+            await last.start()
+            try:
+                async with Services(config, routers=0, backends=["b"], projector=False):
+                    for handle in (*blockers, waiting):
+                        await handle.result(timeout=20)
+            finally:
+                await last.stop()
+            kinds = [kind_of(e) for e in await EventLog(js).history(TENANT, waiting.id)]
+    assert kinds.count("routed") == 1
+    assert "failed" not in kinds
