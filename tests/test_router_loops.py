@@ -9,6 +9,7 @@ deleted under a running router (its every round finds it gone).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,13 +20,19 @@ from renqueue import Client, Services, parse_config
 from renqueue.config import Config
 from renqueue.connection import connect
 from renqueue.embedded import EmbeddedServer
-from renqueue.errors import ServiceFailedError
+from renqueue.errors import RequestFailedError, ServiceFailedError
 from renqueue.eventlog import EventLog
 from renqueue.messages import Routed, kind_of
 from renqueue.mockbackend import MockBackend, MockSettings
 from renqueue.router import Router
 from renqueue.service import run_until_signalled
-from renqueue.subjects import DISPATCH_STREAM, REQUESTS_STREAM, router_consumer, worker_consumer
+from renqueue.subjects import (
+    DISPATCH_STREAM,
+    DLQ_STREAM,
+    REQUESTS_STREAM,
+    router_consumer,
+    worker_consumer,
+)
 from renqueue.tasks import Supervisor
 
 TENANT = "t"
@@ -225,3 +232,37 @@ async def test_graceful_router_restarts_do_not_use_up_a_waiting_requests_deliver
             kinds = [kind_of(e) for e in await EventLog(js).history(TENANT, waiting.id)]
     assert kinds.count("routed") == 1
     assert "failed" not in kinds
+
+
+async def test_a_request_whose_dispatches_keep_failing_fails_after_router_max_deliver(
+    server: EmbeddedServer,
+) -> None:
+    """What the budget does count: failed dispatches (here the dispatch stream
+    is full, so every publish of the decision is refused). After
+    ``router.max_deliver`` of them the request fails ``undeliverable``."""
+    async with MockBackend(MockSettings(ttft=0.0, output_tokens=2)) as mock:
+        config = make_config(user_url(server, "svc"), mock, max_deliver=2)
+        async with (
+            Services(config, backends=[]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            js = services.js
+            info = await js.stream_info(DISPATCH_STREAM)
+            await js.update_stream(dataclasses.replace(info.config, max_msgs=1))
+            blocker = await client.submit("fills the dispatch stream", route="chat")
+
+            async def dispatched() -> bool:
+                return (await js.stream_info(DISPATCH_STREAM)).state.messages == 1
+
+            await until(dispatched, "the blocker is dispatched")
+            doomed = await client.submit("finds it full", route="chat")
+            with pytest.raises(RequestFailedError) as failed:
+                await doomed.result(timeout=20)
+            kinds = [kind_of(e) for e in await EventLog(js).history(TENANT, doomed.id)]
+            assert (await js.stream_info(DLQ_STREAM)).state.messages == 1
+            assert blocker.id != doomed.id
+    assert failed.value.error_type == "undeliverable"
+    # (`routed` is pipelined with the dispatch, so the log may show one.)
+    assert kinds[0] == "submitted"
+    assert kinds[-1] == "failed"
+    assert "started" not in kinds
