@@ -137,6 +137,10 @@ _PREEMPT_RETRY: Final = 2.0
 
 _ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 
+#: Seconds a decision's publishes may take to be acked before the dispatch counts
+#: as failed (``router.ack_wait`` if that is shorter).
+_ACKS_TIMEOUT: Final = 10.0
+
 #: Requests whose failed dispatches a router remembers (oldest forgotten first).
 _FAILURES_KEPT: Final = 10_000
 
@@ -980,7 +984,7 @@ class Router:
                 headers={"Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", attempt)},
             )
             logged = await self._log.append_async(routed)
-            await asyncio.wait_for(asyncio.gather(item.logged, sent, logged), timeout=10.0)
+            await self._kept_alive(item.msg, asyncio.gather(item.logged, sent, logged))
             await item.msg.ack()
         except Exception as exc:  # noqa: BLE001 - the request goes back to wait, nothing lost
             key = msg_id(request.tenant, request.id)
@@ -1008,6 +1012,34 @@ class Router:
         self.routed += 1
         metrics.ROUTED.labels(backend, level).inc()
         metrics.QUEUE_WAIT.labels(level).observe(wait)
+
+    async def _kept_alive(self, msg: Any, acks: Any) -> None:
+        """Await ``acks`` (the publishes of a decision) within ``_ACKS_TIMEOUT``
+        (or ``router.ack_wait`` if shorter),
+        keeping ``msg``'s ack timer alive meanwhile: a slow broker must not let
+        the request be redelivered (and bound again) while its decision is
+        still on its way. An ack that never comes (nats-py reports a refused
+        ``publish_async`` only to the error callback) is a failed dispatch."""
+        loop = asyncio.get_running_loop()
+        timeout = min(_ACKS_TIMEOUT, self._ack_wait)
+        deadline = loop.time() + timeout
+        interval = max(0.1, self._ack_wait / 3)
+        waiting = asyncio.ensure_future(acks)
+        try:
+            while not waiting.done():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise TimeoutError(f"no acks for the decision within {timeout:g} s")
+                await asyncio.wait({waiting}, timeout=min(interval, remaining))
+                if not waiting.done():
+                    with contextlib.suppress(Exception):
+                        await msg.in_progress()
+            waiting.result()
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                with contextlib.suppress(BaseException):
+                    await waiting
 
     # ------------------------------------------------------------- keepalive
 

@@ -257,7 +257,7 @@ async def test_a_request_whose_dispatches_keep_failing_fails_after_router_max_de
             await until(dispatched, "the blocker is dispatched")
             doomed = await client.submit("finds it full", route="chat")
             with pytest.raises(RequestFailedError) as failed:
-                await doomed.result(timeout=20)
+                await doomed.result(timeout=30)
             kinds = [kind_of(e) for e in await EventLog(js).history(TENANT, doomed.id)]
             assert (await js.stream_info(DLQ_STREAM)).state.messages == 1
             assert blocker.id != doomed.id
@@ -265,4 +265,5 @@ async def test_a_request_whose_dispatches_keep_failing_fails_after_router_max_de
     # (`routed` is pipelined with the dispatch, so the log may show one.)
     assert kinds[0] == "submitted"
     assert kinds[-1] == "failed"
+    assert kinds.count("failed") == 1
     assert "started" not in kinds
