@@ -4,23 +4,36 @@ Three layers, from pure to I/O:
 
 - :func:`fold` (and :func:`fold_many`) turns a :class:`ProjectionState` and
   an event into the next state. It reads nothing but its arguments: no clock,
-  no network. Time comes only from the events' own ``at`` stamps, so folding
-  the log from its first event always rebuilds exactly the state that is live
-  (design property 4). :func:`is_healthy` is the health rule, a pure function
-  of one backend's state and a caller-supplied ``now``, so a router applies the
-  cooldown with its own clock.
+  no network. Time comes only from the events' own ``at`` stamps, and only
+  from events written by the services (a tenant-written ``cancel_requested``
+  never moves the clock), so folding the log from its first event always
+  rebuilds exactly the state that is live (design property 4).
+  :func:`is_healthy` is the health rule, a pure function of one backend's
+  state and a caller-supplied ``now``, so a router applies the cooldown with
+  its own clock.
+- Where stream messages are decoded (``_fold_messages``, shared by the
+  projector and :func:`rebuild`), the subject is the authority: a message
+  whose payload disagrees with its subject ``rq.evt.<tenant>.<id>.<kind>``
+  (kind, tenant or request id) is skipped and counted in ``mismatched``, never
+  folded. Tenants may publish only on ``rq.evt.<tenant>.*.cancel_requested``,
+  so a service fact (``failed``, ``completed``, ...) can only come from a
+  subject that only the services can publish to.
 - :class:`Projector` is the service around the fold: it reads ``RQ_EVENTS`` in
   order, folds in batches, and writes the state to the KV bucket ``rq-state``
   under the key ``projection`` with compare-and-set, at most every
   ``flush_interval``. :func:`rebuild` replays the stream into a fresh state,
   for audits and to check the live state against the log.
 - :class:`StateView` is what readers (routers, workers) hold: it watches the
-  KV key and keeps the latest decoded state in memory.
+  KV key and keeps the latest decoded state in memory. A watch that ends or
+  goes quiet while the stored value moved on is re-opened from the current
+  value; one that cannot be re-opened fails its loop (and, persisting, its
+  process: see :mod:`renqueue.tasks`).
 
 The state is bounded: counters per backend, per tenant and in total, plus one
-small entry per request that has started and not yet ended (dropped at its
-terminal event, and swept after :data:`STALE_IN_FLIGHT` seconds of event time
-so a lost terminal event cannot leak an entry forever).
+small entry per request that has started and not yet ended, keyed
+``<tenant>:<request id>`` (dropped at its terminal event, and swept after
+:data:`STALE_IN_FLIGHT` seconds of event time so a lost terminal event cannot
+leak an entry forever).
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ from .logs import get_logger
 from .messages import (
     EVENT_DECODER,
     Cancelled,
+    CancelRequested,
     Completed,
     Event,
     Expired,
@@ -54,8 +68,8 @@ from .messages import (
     Submitted,
     kind_of,
 )
-from .subjects import EVENTS_STREAM, STATE_BUCKET
-from .tasks import cancel_and_wait
+from .subjects import EVENTS_STREAM, STATE_BUCKET, msg_id
+from .tasks import Supervisor
 
 __all__ = [
     "BACKEND_FAULTS",
@@ -64,6 +78,7 @@ __all__ = [
     "STALE_IN_FLIGHT",
     "STATE_KEY",
     "STATE_VERSION",
+    "TENANT_WRITTEN_KINDS",
     "BackendState",
     "InFlight",
     "ProjectionState",
@@ -76,12 +91,20 @@ __all__ = [
     "fold_many",
     "is_healthy",
     "rebuild",
+    "subject_agrees",
 ]
 
 log = get_logger("projection")
 
 #: Version of the stored state's schema (the ``v`` field of the KV value).
-STATE_VERSION: Final = 1
+#: 2: ``in_flight`` is keyed ``<tenant>:<request id>`` (1: by request id alone);
+#: a projector that finds an older state folds the log again from the start.
+STATE_VERSION: Final = 2
+
+#: Event kinds a tenant may publish itself (``nats/auth.conf``: only
+#: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
+#: word: they are counted, and never move the projection's clock.
+TENANT_WRITTEN_KINDS: Final = frozenset({"cancel_requested"})
 
 #: The KV key (in bucket ``rq-state``) the projector writes the state to.
 STATE_KEY: Final = "projection"
@@ -164,8 +187,11 @@ class ProjectionState(Struct, frozen=True, kw_only=True):
 
     ``last_seq`` is the ``RQ_EVENTS`` sequence of the last message folded
     (or skipped); a projector resumes after it. ``log_time`` is the latest
-    event time seen, the projection's own clock. ``skipped`` counts messages
-    that did not decode as events. Treat every value as immutable: :func:`fold`
+    event time seen in events the services wrote, the projection's own clock.
+    ``skipped`` counts messages that did not decode as events, ``mismatched``
+    those whose payload disagreed with their subject (kind, tenant or request
+    id: forged or misfiled, never folded). ``in_flight`` is keyed
+    ``<tenant>:<request id>``. Treat every value as immutable: :func:`fold`
     never changes its input, it returns a new state.
     """
 
@@ -182,6 +208,7 @@ class ProjectionState(Struct, frozen=True, kw_only=True):
     in_flight: dict[str, InFlight] = {}
     in_flight_dropped: int = 0
     last_sweep_at: float = 0.0
+    mismatched: int = 0
 
     @property
     def in_flight_count(self) -> int:
@@ -283,6 +310,7 @@ class _Builder:
         self.spend = state.spend
         self.in_flight_dropped = state.in_flight_dropped
         self.last_sweep_at = state.last_sweep_at
+        self.mismatched = state.mismatched
         self.terminal = state.terminal
         self._backends = state.backends
         self._tenants = state.tenants
@@ -315,11 +343,18 @@ class _Builder:
         self.skipped += 1
         self.last_seq = max(self.last_seq, seq)
 
+    def mismatch(self, seq: int) -> None:
+        """A message at ``seq`` whose payload disagrees with its subject: count it, skip it."""
+        self.mismatched += 1
+        self.last_seq = max(self.last_seq, seq)
+
     def apply(self, event: Event, seq: int | None) -> None:
         at = _finite(event.at)
         self.events += 1
         if seq is not None:
             self.last_seq = max(self.last_seq, seq)
+        if isinstance(event, CancelRequested):
+            return  # the tenant's word: counted, never a fact, never the clock
         self.log_time = max(self.log_time, at)
         if isinstance(event, Submitted):
             self.submitted += 1
@@ -338,15 +373,16 @@ class _Builder:
             tenant = self._tenants.get(event.tenant, _EMPTY_TENANT)
             self.terminal = _bump(self.terminal, kind)
             self._set_tenant(event.tenant, terminal=_bump(tenant.terminal, kind))
-            self._end(event.request_id)
+            self._end(msg_id(event.tenant, event.request_id))
         if self.log_time - self.last_sweep_at >= _SWEEP_EVERY:
             self._sweep()
 
     def _start(self, event: Started, at: float) -> None:
         backend = self._backends.get(event.backend, _EMPTY_BACKEND)
-        previous = self._in_flight.get(event.request_id)
+        key = msg_id(event.tenant, event.request_id)
+        previous = self._in_flight.get(key)
         self._own("in_flight")
-        self._in_flight[event.request_id] = InFlight(event.backend, at)
+        self._in_flight[key] = InFlight(event.backend, at)
         if previous is None or previous.backend != event.backend:
             if previous is not None:
                 self._leave(previous.backend)
@@ -362,10 +398,10 @@ class _Builder:
         backend = self._backends.get(name, _EMPTY_BACKEND)
         self._set_backend(name, in_flight=max(0, backend.in_flight - 1))
 
-    def _end(self, request_id: str) -> None:
-        if request_id in self._in_flight:
+    def _end(self, key: str) -> None:
+        if key in self._in_flight:
             self._own("in_flight")
-            self._leave(self._in_flight.pop(request_id).backend)
+            self._leave(self._in_flight.pop(key).backend)
 
     def _failure(self, name: str, error_type: str, at: float) -> None:
         backend = self._backends.get(name, _EMPTY_BACKEND)
@@ -401,9 +437,9 @@ class _Builder:
     def _sweep(self) -> None:
         self.last_sweep_at = self.log_time
         horizon = self.log_time - STALE_IN_FLIGHT
-        stale = [rid for rid, entry in self._in_flight.items() if entry.since < horizon]
-        for request_id in stale:
-            self._end(request_id)
+        stale = [key for key, entry in self._in_flight.items() if entry.since < horizon]
+        for key in stale:
+            self._end(key)
         self.in_flight_dropped += len(stale)
 
     def freeze(self) -> ProjectionState:
@@ -421,14 +457,35 @@ class _Builder:
             in_flight=self._in_flight,
             in_flight_dropped=self.in_flight_dropped,
             last_sweep_at=self.last_sweep_at,
+            mismatched=self.mismatched,
         )
 
 
-def _fold_messages(builder: _Builder, msgs: Iterable[Any]) -> None:
-    """Fold stream messages into ``builder``; undecodable ones are skipped and counted.
+def subject_agrees(subject: str, event: Event) -> bool:
+    """Whether ``event`` is what its subject ``rq.evt.<tenant>.<id>.<kind>`` says it is.
 
-    Messages at or below the builder's ``last_seq`` were folded already (a
-    consumer restarted behind the state) and are ignored.
+    The subject is the authority (NATS permissions check it; nothing checks a
+    payload): kind, tenant and request id must all match it.
+    """
+    parts = subject.split(".")
+    return (
+        len(parts) == 5
+        and parts[:2] == ["rq", "evt"]
+        and parts[2] == event.tenant
+        and parts[3] == event.request_id
+        and parts[4] == kind_of(event)
+    )
+
+
+def _fold_messages(builder: _Builder, msgs: Iterable[Any]) -> None:
+    """Fold stream messages into ``builder``.
+
+    Undecodable messages are skipped and counted in ``skipped``; messages
+    whose payload disagrees with their subject (:func:`subject_agrees`) are
+    skipped and counted in ``mismatched``. Messages at or below the builder's
+    ``last_seq`` were folded already (a consumer restarted behind the state)
+    and are ignored. The projector and :func:`rebuild` both fold through
+    here, so a replay skips exactly what the live projection skipped.
     """
     for msg in msgs:
         seq = int(msg.metadata.sequence.stream)
@@ -441,6 +498,15 @@ def _fold_messages(builder: _Builder, msgs: Iterable[Any]) -> None:
         except msgspec.DecodeError as exc:
             log.warning("undecodable event skipped", seq=seq, subject=msg.subject, error=str(exc))
             builder.skip(seq)
+            continue
+        if not subject_agrees(msg.subject, event):
+            log.warning(
+                "event whose payload disagrees with its subject skipped",
+                seq=seq,
+                subject=msg.subject,
+                kind=kind_of(event),
+            )
+            builder.mismatch(seq)
             continue
         builder.apply(event, seq)
 
@@ -534,7 +600,13 @@ class Projector:
     stored value, so the stored ``last_seq`` never goes backwards.
 
     Messages that do not decode as events are skipped and counted in the
-    state's ``skipped`` (a replay skips and counts the same ones).
+    state's ``skipped``, those whose payload disagrees with their subject in
+    ``mismatched`` (a replay skips and counts the same ones).
+
+    The fold loop runs under ``supervisor`` (the process's, from
+    :class:`renqueue.service.Services`; a private one if not given): a failed
+    read is logged and the loop started again, from the state's sequence,
+    after a capped backoff.
     """
 
     def __init__(
@@ -546,9 +618,13 @@ class Projector:
         fetch_timeout: float = 1.0,
         batch: int = _BATCH,
         clock: Callable[[], float] = time.monotonic,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self._js = js
         self._name = name
+        self._own_supervisor = supervisor is None
+        self._supervisor = supervisor if supervisor is not None else Supervisor(name)
+        self._loop = f"{name}-fold"
         self._flush_interval = flush_interval
         self._fetch_timeout = fetch_timeout
         self._batch = batch
@@ -560,7 +636,6 @@ class Projector:
         self._stored_seq = 0
         self._last_write = 0.0
         self._psub: Any = None
-        self._task: asyncio.Task[None] | None = None
         self.writes = 0
         self.conflicts = 0
 
@@ -592,7 +667,7 @@ class Projector:
         self._kv = await self._js.key_value(STATE_BUCKET)
         await self._load()
         self.status = ProjectorStatus.RUNNING
-        self._task = asyncio.create_task(self._run(), name=f"{self._name}-fold")
+        self._supervisor.spawn(self._loop, self._run)
         log.info("projector started", projector=self._name, after=self._state.last_seq)
 
     async def stop(self) -> None:
@@ -601,13 +676,11 @@ class Projector:
             self.status = ProjectorStatus.CLOSED
             return
         self.status = ProjectorStatus.CLOSED
-        if self._task is not None:
-            # The loop also checks the status; cancel_and_wait repeats the
-            # cancel, which nats-py's fetch can swallow (see renqueue.tasks).
-            await cancel_and_wait([self._task])
-            if not self._task.cancelled() and self._task.exception() is not None:
-                log.warning("projector loop ended with an error", error=str(self._task.exception()))
-            self._task = None
+        # The loop also checks the status; stop() repeats the cancel, which
+        # nats-py's fetch can swallow (see renqueue.tasks).
+        await self._supervisor.stop(self._loop)
+        if self._own_supervisor:
+            await self._supervisor.close()
         if self._state.last_seq > self._stored_seq:
             try:
                 await self._flush()
@@ -652,6 +725,15 @@ class Projector:
             # truth, so fold it again from the start and overwrite (by CAS).
             log.exception("stored projection undecodable; rebuilding from the log", error=str(exc))
             self._state = ProjectionState()
+        if self._state.v < STATE_VERSION:
+            # An older schema (v1 keyed in-flight requests by id alone, across
+            # tenants): fold the log again rather than guess what it meant.
+            log.warning(
+                "stored projection has an older schema; rebuilding from the log",
+                stored=self._state.v,
+                current=STATE_VERSION,
+            )
+            self._state = ProjectionState()
         self._stored_seq = self._state.last_seq
 
     async def _release(self) -> None:
@@ -660,6 +742,8 @@ class Projector:
             self._psub = None
 
     async def _run(self) -> None:
+        """The fold loop. Any other error than a restart ends it: the supervisor
+        logs it and runs it again after a backoff, from the state's sequence."""
         while self.status is ProjectorStatus.RUNNING:
             try:
                 await self._release()
@@ -667,9 +751,6 @@ class Projector:
                 await self._consume(self._psub)
             except _Restart:
                 continue
-            except Exception as exc:  # noqa: BLE001 - a broker hiccup must not kill the loop
-                log.warning("projector read failed; resuming", error=str(exc))
-                await asyncio.sleep(0.5)
 
     async def _consume(self, psub: Any) -> None:
         idle = 0
@@ -735,6 +816,16 @@ class StateView:
     Open with ``await StateView.open(js)``; close with :meth:`close` (or use it
     as an async context manager). Until a projector has written anything the
     state is empty, and every backend is healthy.
+
+    The watch is followed by a loop under ``supervisor`` (the process's; a
+    private one if not given). A watch can end or go quiet while the stored
+    value moves on (its consumer lost with a server restart, the bucket
+    re-created with sequences starting over): whenever the watch has been
+    silent for ``check_every`` seconds, the view reads the stored revision,
+    and if the watch has still not delivered it at the next check, the watch
+    is re-opened from the current value (logged). A watch that cannot be
+    re-opened fails the loop: the supervisor logs it and retries with
+    backoff, and a view that stays blind takes its process down.
     """
 
     def __init__(
@@ -743,14 +834,28 @@ class StateView:
         *,
         threshold: int = DEFAULT_FAILURE_THRESHOLD,
         cooldown: float = DEFAULT_COOLDOWN,
+        supervisor: Supervisor | None = None,
+        name: str = "state-view",
+        check_every: float = 5.0,
     ) -> None:
         self._js = js
         self.threshold = threshold
         self.cooldown = cooldown
         self.state = ProjectionState()
         self.revision = 0
+        #: Times the watch was found ended or stale and re-opened.
+        self.reopened = 0
+        self._own_supervisor = supervisor is None
+        self._supervisor = supervisor if supervisor is not None else Supervisor(name)
+        self._loop = f"{name}-watch"
+        self._check_every = check_every
+        self._kv: Any = None
         self._watcher: Any = None
-        self._task: asyncio.Task[None] | None = None
+        #: The last entry the watch delivered: (revision, value).
+        self._watch_rev = 0
+        self._watch_value = b""
+        self._behind = False
+        self._broken = False
         self._changed = asyncio.Event()
 
     @classmethod
@@ -760,15 +865,21 @@ class StateView:
         *,
         threshold: int = DEFAULT_FAILURE_THRESHOLD,
         cooldown: float = DEFAULT_COOLDOWN,
+        supervisor: Supervisor | None = None,
+        name: str = "state-view",
+        check_every: float = 5.0,
     ) -> StateView:
         """Watch the stored state; returns once the current value (if any) is loaded."""
-        view = cls(js, threshold=threshold, cooldown=cooldown)
-        kv = await js.key_value(STATE_BUCKET)
-        view._watcher = await kv.watch(STATE_KEY)
-        # The watch delivers the current value, then a None marker.
-        while (entry := await view._watcher.updates(timeout=5.0)) is not None:
-            view._take(entry)
-        view._task = asyncio.create_task(view._follow(), name="state-view")
+        view = cls(
+            js,
+            threshold=threshold,
+            cooldown=cooldown,
+            supervisor=supervisor,
+            name=name,
+            check_every=check_every,
+        )
+        await view._open_watch()
+        view._supervisor.spawn(view._loop, view._follow)
         return view
 
     async def __aenter__(self) -> Self:
@@ -809,13 +920,10 @@ class StateView:
 
     async def close(self) -> None:
         """Stop watching. Idempotent."""
-        if self._task is not None:
-            await cancel_and_wait([self._task])
-            self._task = None
-        if self._watcher is not None:
-            with contextlib.suppress(Exception):
-                await self._watcher.stop()
-            self._watcher = None
+        await self._supervisor.stop(self._loop)
+        if self._own_supervisor:
+            await self._supervisor.close()
+        await self._close_watch()
 
     def _take(self, entry: Any) -> None:
         if entry.value is None or entry.operation is not None:
@@ -828,7 +936,82 @@ class StateView:
         self.state, self.revision = state, int(entry.revision)
         self._changed.set()
 
+    def _seen(self, entry: Any) -> None:
+        """An entry (value or marker) the watch delivered."""
+        self._watch_rev = int(entry.revision)
+        self._watch_value = bytes(entry.value or b"")
+        self._behind = False
+        self._take(entry)
+
+    async def _open_watch(self) -> None:
+        """Open a watch and load the current value (the watch delivers it, then None)."""
+        self._kv = await self._js.key_value(STATE_BUCKET)
+        self._watcher = await self._kv.watch(STATE_KEY)
+        while (entry := await self._watcher.updates(timeout=5.0)) is not None:
+            self._seen(entry)
+        self._behind = False
+        self._broken = False
+
+    async def _close_watch(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
+    async def _reopen(self, why: str) -> None:
+        log.warning("projection watch re-opened", reason=why, revision=self._watch_rev)
+        self.reopened += 1
+        await self._close_watch()
+        await self._open_watch()
+
+    async def _stored(self) -> tuple[int, bytes]:
+        """The stored entry (or its delete marker): (revision, value); (0, b"") if none."""
+        try:
+            entry = await self._kv.get(STATE_KEY)
+        except KeyNotFoundError as exc:
+            marker = getattr(exc, "entry", None)
+            if marker is None:
+                return 0, b""
+            return int(marker.revision), bytes(marker.value or b"")
+        return int(entry.revision), bytes(entry.value or b"")
+
+    async def _stale(self) -> bool:
+        """The watch was quiet for a while: has the stored value moved on without it?
+
+        The stored entry is compared by revision *and* value: a bucket
+        re-created (after a store was lost) counts revisions from 1 again, so
+        a revision alone could match the watch's last one by chance. Stale
+        only when an entry stored at the previous check has still not
+        arrived, so a value on its way when the check ran is no false alarm.
+        """
+        if await self._stored() == (self._watch_rev, self._watch_value):
+            self._behind = False
+            return False
+        was_behind, self._behind = self._behind, True
+        return was_behind
+
     async def _follow(self) -> None:
-        async for entry in self._watcher:
-            if entry is not None:
-                self._take(entry)
+        """Take each update; re-open the watch when it ended or went stale.
+
+        An error (the bucket gone, the server unreachable) ends this run: the
+        supervisor logs it and starts the loop again, which re-opens the watch.
+        """
+        try:
+            if self._broken or self._watcher is None:
+                await self._reopen("the previous watch failed")
+            while True:
+                try:
+                    entry = await self._watcher.updates(timeout=self._check_every)
+                except NatsTimeoutError:
+                    if await self._stale():
+                        await self._reopen("silent while the stored value changed")
+                    continue
+                if entry is None:
+                    continue
+                if entry is self._watcher.STOP_ITER:
+                    await self._reopen("the watch ended")
+                    continue
+                self._seen(entry)
+        except Exception:
+            self._broken = True
+            raise

@@ -67,6 +67,7 @@ from .subjects import (
     max_deliveries_advisory,
     requests_of_level,
     router_consumer,
+    router_max_deliveries,
     worker_consumer,
 )
 
@@ -333,6 +334,9 @@ def _consumer_configs(directory: Path, config: Config) -> list[tuple[str, dict[s
     common = {
         "router.ack_wait": _ns(config.router.ack_wait),
         "router.max_deliver": config.router.max_deliver,
+        # The router consumers' backstop (router.max_deliver counts failed
+        # dispatches; every hand-back is a delivery too): see renqueue.router.
+        "router.max_deliveries": router_max_deliveries(config.router.max_deliver),
         "worker.ack_wait": _ns(config.worker.ack_wait),
         "worker.max_deliver": config.worker.max_deliver,
         "worker.delivery_limit": config.worker.deliveries,

@@ -19,6 +19,26 @@ wakes without polling. With several routers, each may over-fill a backend by
 the slots it saw free at the same moment; the worker consumer's
 ``max_ack_pending`` still caps concurrency at the broker.
 
+Waiting is measured in server time: a request's wait begins at the timestamp
+the broker gave its message when it was stored (a requeue after a preemption
+keeps the one logged in its ``submitted`` event), never at a time a client
+wrote into the payload.
+
+Every loop (one fetch loop per level, the dispatch loop, the keepalive, the
+projection watch) runs under the process's :class:`~renqueue.tasks.Supervisor`:
+a failed JetStream call is logged and the loop started again after a capped
+backoff, and a loop that keeps failing takes the process down. Requests are
+kept alive only for loops that run: when the dispatch loop fails, every held
+request is handed back (nak'ed) for another router, and nothing is fetched
+until it runs again.
+
+A request's dispatch is given up (``failed``, ``undeliverable``, with a
+dead-letter copy) after ``router.max_deliver`` *failed dispatches* seen by a
+router, not after that many deliveries: hand-backs (graceful restarts, a
+failed dispatch loop) are deliveries too, and must not use up its budget. The
+router consumers' own ``max_deliver`` is a backstop far above it
+(:func:`renqueue.subjects.router_max_deliveries`).
+
 The decisions are plain functions (:func:`choose_backend`, :func:`validate`);
 :class:`Router` is the loop around them that does the NATS work.
 """
@@ -28,9 +48,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Final
 
 import msgspec
@@ -55,11 +76,21 @@ from .messages import (
     Expired,
     Failed,
     InferenceRequest,
+    Preempted,
     Promoted,
     Rejected,
     Routed,
     Submitted,
     encode,
+)
+from .preemption import (
+    ANSWER_DECODER,
+    CONFIRM_TIMEOUT,
+    OFFER_DECODER,
+    OFFER_WINDOW,
+    Ask,
+    Confirm,
+    Offer,
 )
 from .projection import StateView
 from .scheduling import (
@@ -83,9 +114,10 @@ from .subjects import (
     msg_id,
     preempt_subject,
     router_consumer,
+    router_max_deliveries,
     worker_consumer,
 )
-from .tasks import cancel_and_wait
+from .tasks import Supervisor
 
 __all__ = ["BackendView", "NoRoom", "Router", "capable", "choose_backend", "validate"]
 
@@ -104,6 +136,18 @@ _BOOST_DECODER: Final = msgspec.json.Decoder(_Boost)
 _PREEMPT_RETRY: Final = 2.0
 
 _ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+#: Seconds a decision's publishes may take to be acked before the dispatch counts
+#: as failed (``router.ack_wait`` if that is shorter).
+_ACKS_TIMEOUT: Final = 10.0
+
+#: Requests whose failed dispatches a router remembers (oldest forgotten first).
+_FAILURES_KEPT: Final = 10_000
+
+
+def stored_at(msg: Any) -> float:
+    """The server's timestamp of a stream message (when it was stored), Unix seconds."""
+    return float(msg.metadata.timestamp.timestamp())
 
 
 class NoRoom(enum.Enum):
@@ -197,8 +241,8 @@ class _Held(msgspec.Struct, kw_only=True):
     msg: Any
     request: InferenceRequest
     rank: int
-    #: When the wait began: the submit time the log records (the client's),
-    #: or when this router read it if the client gave none.
+    #: When the wait began, in server time: when the broker stored the request
+    #: (for a requeue, the time logged in its first ``submitted`` event).
     submitted: float
     touched: float
     #: Promotions already announced as events.
@@ -211,6 +255,8 @@ class _Held(msgspec.Struct, kw_only=True):
     inherited: int | None = None
     #: When this router last asked a backend to preempt a run for it.
     preempt_asked: float | None = None
+    #: A run was preempted for it: it never asks again (one per urgent request).
+    preempted_one: bool = False
     #: The most urgent (rank, submitted_at) among requests that coalesced onto
     #: this one: the shared call runs at the highest priority of its waiters.
     boost: tuple[int, float] | None = None
@@ -284,9 +330,17 @@ class Router:
         name: str = "router",
         clock: Callable[[], float] = time.time,
         cancels: CancelWatch | None = None,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self._nc = nc
         self._cancels = cancels
+        self._own_supervisor = supervisor is None
+        self._supervisor = supervisor if supervisor is not None else Supervisor(name)
+        self._loops: list[str] = []
+        #: Set while the dispatch loop runs: nothing is fetched while it is down.
+        self._dispatching = asyncio.Event()
+        #: Failed dispatches this router saw, per ``<tenant>:<id>``.
+        self._dispatch_failures: dict[str, int] = {}
         self._js = js
         self._config = config
         self._name = name
@@ -305,7 +359,7 @@ class Router:
             js, config, parse_duration(config.router.capacity_refresh), health=self._healthy
         )
         self._ack_wait = parse_duration(config.router.ack_wait)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._max_deliveries = router_max_deliveries(config.router.max_deliver)
         self._inflight: set[asyncio.Task[None]] = set()
         self._capacity_sub: Any = None
         self._subs: list[Any] = []
@@ -318,7 +372,9 @@ class Router:
 
     async def start(self) -> None:
         """Bind to the provisioned consumers and start the loops."""
-        self._state = await StateView.open(self._js)
+        self._state = await StateView.open(
+            self._js, supervisor=self._supervisor, name=f"{self._name}-state"
+        )
         if self._cancels is not None:
             self._cancels.listen(self._on_cancel_requested)
         for level in self._levels:
@@ -326,22 +382,26 @@ class Router:
                 durable=router_consumer(level), stream=REQUESTS_STREAM
             )
             self._subs.append(psub)
-            self._spawn(self._fetch_loop(level, psub), f"fetch-{level}")
+            self._supervise(f"fetch-{level}", functools.partial(self._fetch_loop, level, psub))
         self._capacity_sub = await self._nc.subscribe(capacity_subject("*"), cb=self._on_freed)
         self._subs.append(self._capacity_sub)
         self._subs.append(await self._nc.subscribe(boost_subject("*"), cb=self._on_boost))
-        self._spawn(self._dispatch_loop(), "dispatch")
-        self._spawn(self._keepalive_loop(), "keepalive")
+        self._supervise("dispatch", self._dispatch_loop)
+        self._supervise("keepalive", self._keepalive_loop)
         log.info("router started", router=self._name, levels=self._levels)
 
-    def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.create_task(coro, name=f"{self._name}-{name}")
-        self._tasks.add(task)
+    def _loop_name(self, what: str) -> str:
+        return f"{self._name}-{what}"
+
+    def _supervise(self, what: str, factory: Callable[[], Any]) -> None:
+        name = self._loop_name(what)
+        self._loops.append(name)
+        self._supervisor.spawn(name, factory)
 
     async def stop(self) -> None:
         """Stop taking work, let in-flight dispatches land, hand held requests back."""
-        await cancel_and_wait(list(self._tasks))
-        self._tasks.clear()
+        await self._supervisor.stop(*self._loops)
+        self._loops.clear()
         for timer in self._follower_timers:
             timer.cancel()
         self._follower_timers.clear()
@@ -353,13 +413,29 @@ class Router:
         self._subs.clear()
         if self._state is not None:
             await self._state.close()
+        if self._own_supervisor:
+            await self._supervisor.close()
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
-        for held in self._held.values():
-            while held:
-                with contextlib.suppress(Exception):
-                    await held.popleft().msg.nak(delay=SHUTDOWN_NAK_DELAY)
+        await self._hand_back(self._levels)
         log.info("router stopped", router=self._name, routed=self.routed)
+
+    async def _hand_back(self, levels: Iterable[str], why: str | None = None) -> None:
+        """Nak the held requests of ``levels`` back to their queue, for any router.
+
+        The delay outlasts any pull this router left at the server, so they
+        are not redelivered into it (see ``SHUTDOWN_NAK_DELAY``).
+        """
+        items: list[_Held] = []
+        for level in levels:
+            items.extend(self._held[level])
+            self._held[level].clear()
+            self._room[level].set()
+        if items and why is not None:
+            log.warning("held requests handed back", count=len(items), reason=why)
+        for item in items:
+            with contextlib.suppress(Exception):
+                await item.msg.nak(delay=SHUTDOWN_NAK_DELAY)
 
     async def _on_freed(self, msg: Any) -> None:
         self._capacity.freed(msg.subject.rsplit(".", 1)[-1])
@@ -368,11 +444,16 @@ class Router:
     # ------------------------------------------------------------- fetching
 
     async def _fetch_loop(self, level: str, psub: Any) -> None:
+        """Fetch level ``level`` into the hold. A failed call (a pull, the
+        ``submitted`` publish) ends the loop for the supervisor to restart;
+        the rest of the batch is handed back first."""
         limit = self._config.router.hold_limit
         batch = self._config.router.fetch_batch
         held = self._held[level]
         rank = self._config.priority_rank(level)
         while True:
+            # Nothing is taken while no dispatch loop runs to bind it.
+            await self._dispatching.wait()
             room = limit - len(held)
             if room <= 0:
                 self._room[level].clear()
@@ -382,42 +463,80 @@ class Router:
                 msgs = await psub.fetch(batch=min(room, batch), timeout=FETCH_TIMEOUT)
             except (TimeoutError, NatsTimeoutError):
                 continue
-            except Exception as exc:  # noqa: BLE001 - a broker hiccup must not kill the loop
-                log.warning("fetch failed", level=level, error=str(exc))
-                await asyncio.sleep(0.5)
-                continue
             now = self._clock()
-            for msg in msgs:
-                request = await self._admit(msg, level, now)
-                if request is None:
-                    continue
-                # The log's first word on a request, written by whoever reads it
-                # first, so it always precedes its `routed` event (a redelivery
-                # writes it again under the same message id: stored once).
-                logged = await self._log.append_async(
-                    Submitted(
-                        request_id=request.id,
-                        tenant=request.tenant,
-                        at=request.submitted_at or now,
-                        request=request,
-                    )
-                )
-                if await self._settle_on_read(msg, request, logged, now):
-                    continue
-                if await self._follows(msg, request, logged, now):
-                    continue
-                held.append(
-                    _Held(
-                        msg=msg,
-                        request=request,
-                        rank=rank,
-                        submitted=request.submitted_at or now,
-                        touched=now,
-                        logged=logged,
-                        parent=await self._parent_of(request),
-                    )
-                )
-            self._wake.set()
+            pending = deque(msgs)
+            try:
+                while pending:
+                    await self._take(pending[0], level, rank, now)
+                    pending.popleft()
+            except BaseException:
+                # Failed or stopped mid-batch: what was not taken goes back now,
+                # not after a whole ack_wait.
+                for msg in pending:
+                    with contextlib.suppress(Exception):
+                        await msg.nak(delay=SHUTDOWN_NAK_DELAY)
+                raise
+            finally:
+                self._wake.set()
+
+    async def _take(self, msg: Any, level: str, rank: int, now: float) -> None:
+        """Admit one fetched request: log it, settle it, or hold it for dispatch."""
+        request = await self._admit(msg, level, now)
+        if request is None:
+            return
+        submitted = await self._submitted_at(msg, request)
+        # The log's first word on a request, written by whoever reads it
+        # first, so it always precedes its `routed` event (a redelivery
+        # writes it again under the same message id: stored once).
+        logged = await self._log.append_async(
+            Submitted(request_id=request.id, tenant=request.tenant, at=submitted, request=request)
+        )
+        if await self._settle_on_read(msg, request, logged, now):
+            return
+        if await self._follows(msg, request, logged, now):
+            return
+        self._held[level].append(
+            _Held(
+                msg=msg,
+                request=request,
+                rank=rank,
+                submitted=submitted,
+                touched=now,
+                logged=logged,
+                parent=await self._parent_of(request),
+            )
+        )
+
+    async def _submitted_at(self, msg: Any, request: InferenceRequest) -> float:
+        """When the request's wait began, in server time (never the payload's clock).
+
+        A first submit: when the broker stored it. A requeue by a worker after
+        a preemption (``requeues > 0``) keeps its original time: the one logged
+        in its ``submitted`` event, which only the services can write, and
+        only if the log shows that preemption (a ``preempted`` event of that
+        attempt). Anything else a client publishes counts from its own storing.
+        """
+        stored = stored_at(msg)
+        if request.requeues == 0:
+            return stored
+        try:
+            first = await self._js.get_last_msg(
+                EVENTS_STREAM, event_subject(request.tenant, request.id, "submitted")
+            )
+            preempted = await self._js.get_last_msg(
+                EVENTS_STREAM, event_subject(request.tenant, request.id, "preempted")
+            )
+            submitted_event = EVENT_DECODER.decode(first.data)
+            preempted_event = EVENT_DECODER.decode(preempted.data)
+        except (NotFoundError, msgspec.DecodeError):
+            return stored
+        if (
+            isinstance(submitted_event, Submitted)
+            and isinstance(preempted_event, Preempted)
+            and preempted_event.attempt == request.requeues
+        ):
+            return min(stored, submitted_event.at)
+        return stored
 
     async def _admit(self, msg: Any, level: str, now: float) -> InferenceRequest | None:
         """Decode and validate one request; reject it (terminally) if it is bad."""
@@ -482,7 +601,7 @@ class Router:
             boost = {"leader": leader, "rank": self._config.priority_rank(request.priority)}
             await self._nc.publish(
                 boost_subject(request.tenant),
-                msgspec.json.encode({**boost, "submitted": request.submitted_at or now}),
+                msgspec.json.encode({**boost, "submitted": stored_at(msg)}),
             )
         except Exception as exc:  # noqa: BLE001 - redelivered; join() knows it already
             log.warning("could not record coalescing; will retry", error=str(exc))
@@ -661,14 +780,25 @@ class Router:
     # ------------------------------------------------------------- dispatching
 
     async def _dispatch_loop(self) -> None:
+        """Dispatch rounds, each when woken. A failed round (a JetStream call
+        that timed out, had no responders, or found a consumer gone) hands
+        every held request back for another router and ends the loop: the
+        supervisor logs it and starts it again after a backoff, and nothing
+        is fetched meanwhile."""
         refresh = parse_duration(self._config.router.capacity_refresh)
-        while True:
-            waiting = await self._dispatch_round()
-            # With requests waiting for room, look again after the refresh
-            # interval even if no worker announces a freed slot.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), refresh if waiting else None)
-            self._wake.clear()
+        self._dispatching.set()
+        try:
+            while True:
+                waiting = await self._dispatch_round()
+                # With requests waiting for room, look again after the refresh
+                # interval even if no worker announces a freed slot.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), refresh if waiting else None)
+                self._wake.clear()
+        except Exception as exc:
+            self._dispatching.clear()
+            await self._hand_back(self._levels, f"dispatch failed: {exc!r}")
+            raise
 
     async def _dispatch_round(self) -> list[str]:
         """Bind every held request that can be bound now, most urgent first.
@@ -690,6 +820,10 @@ class Router:
             name for item in order for name in self._config.routes[item.request.route].backends
         }
         await self._capacity.refresh(sorted(wanted))
+        # Requests dropped while the refresh was awaited (cancelled, handed
+        # back) are no longer this router's to bind.
+        present = {id(item) for held in self._held.values() for item in held}
+        order = [item for item in order if id(item) in present]
         views = self._capacity.views()
         waiting: set[str] = set()
         gone: set[int] = set()
@@ -779,32 +913,72 @@ class Router:
     ) -> None:
         """An urgent request finds every slot taken: ask for a preemptible one.
 
-        At most one ask per request per ``_PREEMPT_RETRY`` seconds; the freed
-        slot then goes to the most urgent waiting request, which is this one
-        unless something more urgent arrived meanwhile.
+        At most one ask per request per ``_PREEMPT_RETRY`` seconds (an ask
+        that found nothing to preempt is repeated: a preemptible run may have
+        started since), and no more once one run was preempted for it. The
+        freed slot then goes to the most urgent waiting request, which is this
+        one unless something more urgent arrived meanwhile.
         """
         # The level it was submitted at (or inherited), not the one it aged to:
         # aged requests preempting each other under overload would only churn.
         rank = item.rank if item.parent is None else min(item.rank, item.parent[0])
         if not may_preempt(rank, self._policies):
             return
-        if item.preempt_asked is not None and now - item.preempt_asked < _PREEMPT_RETRY:
+        if item.preempted_one or (
+            item.preempt_asked is not None and now - item.preempt_asked < _PREEMPT_RETRY
+        ):
             return
         item.preempt_asked = now
         backends = [view.name for view in capable(item.request, candidates, views)]
-        self._spawn_publish(self._ask_preemption(item.request.id, rank, backends))
+        self._spawn_publish(self._ask_preemption(item, rank, backends))
 
-    async def _ask_preemption(self, by: str, rank: int, backends: list[str]) -> None:
-        ask = msgspec.json.encode({"by": by, "rank": rank})
-        for backend in backends:
-            try:
-                reply = await self._nc.request(preempt_subject(backend), ask, timeout=0.5)
-            except (NatsTimeoutError, NoRespondersError):
-                continue
+    async def _ask_preemption(self, item: _Held, rank: int, backends: list[str]) -> None:
+        """Free one slot for ``item``: ask every worker of ``backends`` for an
+        offer, then confirm the best one only (:mod:`renqueue.preemption`)."""
+        request = item.request
+        order = {name: index for index, name in enumerate(backends)}
+        offers: list[Offer] = []
+
+        async def collect(msg: Any) -> None:
             with contextlib.suppress(msgspec.DecodeError):
-                if msgspec.json.decode(reply.data).get("preempted"):
-                    log.info("preempted a run", backend=backend, by=by)
-                    return
+                offer = OFFER_DECODER.decode(msg.data)
+                if offer.backend in order:
+                    offers.append(offer)
+
+        inbox = self._nc.new_inbox()
+        sub = await self._nc.subscribe(inbox, cb=collect)
+        try:
+            ask = encode(Ask(by=request.id, tenant=request.tenant, rank=rank))
+            for backend in backends:
+                await self._nc.publish(preempt_subject(backend), ask, reply=inbox)
+            await asyncio.sleep(OFFER_WINDOW)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        # Cascade order first (where the request would be routed), then the
+        # least urgent run, then the most recently started (least work lost).
+        offers.sort(key=lambda offer: (order[offer.backend], -offer.rank, offer.running))
+        confirm = encode(Confirm(by=request.id, tenant=request.tenant, rank=rank))
+        for offer in offers:
+            try:
+                reply = await self._nc.request(offer.confirm, confirm, timeout=CONFIRM_TIMEOUT)
+            except NoRespondersError:
+                continue  # that worker is gone: it preempted nothing
+            except NatsTimeoutError:
+                # It may have acted: one request must never preempt two runs.
+                log.warning("no answer to a preemption; not asking another", by=request.id)
+                item.preempted_one = True
+                return
+            try:
+                answer = ANSWER_DECODER.decode(reply.data)
+            except msgspec.DecodeError:
+                continue
+            if answer.preempted is not None:
+                item.preempted_one = True
+                log.info(
+                    "preempted a run", backend=offer.backend, by=request.id, run=answer.preempted
+                )
+                return
 
     def _spawn_publish(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -823,7 +997,7 @@ class Router:
 
     async def _publish_decision(self, item: _Held, backend: str, level: str, now: float) -> None:
         request = item.request
-        wait = max(0.0, now - request.submitted_at) if request.submitted_at else 0.0
+        wait = max(0.0, now - item.submitted)
         attempt = request.requeues + 1  # a preempted request is bound anew
         dispatch = Dispatch(
             request=request,
@@ -849,31 +1023,81 @@ class Router:
                 headers={"Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", attempt)},
             )
             logged = await self._log.append_async(routed)
-            await asyncio.wait_for(asyncio.gather(item.logged, sent, logged), timeout=10.0)
+            await self._kept_alive(item.msg, asyncio.gather(item.logged, sent, logged))
             await item.msg.ack()
         except Exception as exc:  # noqa: BLE001 - the request goes back to wait, nothing lost
-            if item.msg.metadata.num_delivered < self._config.router.max_deliver:
-                log.warning("dispatch failed; request returns to its queue", error=str(exc))
+            key = msg_id(request.tenant, request.id)
+            failures = self._dispatch_failures.pop(key, 0) + 1
+            if (
+                failures < self._config.router.max_deliver
+                and item.msg.metadata.num_delivered < self._max_deliveries
+            ):
+                self._dispatch_failures[key] = failures
+                while len(self._dispatch_failures) > _FAILURES_KEPT:
+                    self._dispatch_failures.pop(next(iter(self._dispatch_failures)))
+                log.warning(
+                    "dispatch failed; request returns to its queue",
+                    error=str(exc),
+                    failures=failures,
+                )
                 with contextlib.suppress(Exception):
                     await item.msg.nak(delay=0.5)
                 return
-            # Its last delivery: fail it for the record rather than leave it
-            # stranded in the stream past max_deliver.
+            # Out of dispatch attempts (or at the consumer's last delivery):
+            # fail it for the record rather than leave it stranded in the stream.
             await self._fail_undeliverable(item, exc)
             return
+        self._dispatch_failures.pop(msg_id(request.tenant, request.id), None)
         self.routed += 1
         metrics.ROUTED.labels(backend, level).inc()
         metrics.QUEUE_WAIT.labels(level).observe(wait)
 
+    async def _kept_alive(self, msg: Any, acks: Any) -> None:
+        """Await ``acks`` (the publishes of a decision) within ``_ACKS_TIMEOUT``
+        (or ``router.ack_wait`` if shorter),
+        keeping ``msg``'s ack timer alive meanwhile: a slow broker must not let
+        the request be redelivered (and bound again) while its decision is
+        still on its way. An ack that never comes (nats-py reports a refused
+        ``publish_async`` only to the error callback) is a failed dispatch."""
+        loop = asyncio.get_running_loop()
+        timeout = min(_ACKS_TIMEOUT, self._ack_wait)
+        deadline = loop.time() + timeout
+        interval = max(0.1, self._ack_wait / 3)
+        waiting = asyncio.ensure_future(acks)
+        try:
+            while not waiting.done():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise TimeoutError(f"no acks for the decision within {timeout:g} s")
+                await asyncio.wait({waiting}, timeout=min(interval, remaining))
+                if not waiting.done():
+                    with contextlib.suppress(Exception):
+                        await msg.in_progress()
+            waiting.result()
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                with contextlib.suppress(BaseException):
+                    await waiting
+
     # ------------------------------------------------------------- keepalive
 
     async def _keepalive_loop(self) -> None:
-        """Held requests wait for room: keep their ack timers from running out."""
+        """Held requests wait for room: keep their ack timers from running out,
+        but only while the loops that would bind them run. A level whose
+        fetch loop, or a router whose dispatch loop, is down (failed, in its
+        backoff) hands its held requests back instead, for another router."""
         interval = max(0.1, self._ack_wait / 3)
         while True:
             await asyncio.sleep(interval)
             now = self._clock()
-            for held in self._held.values():
+            dispatching = self._supervisor.healthy(self._loop_name("dispatch"))
+            for level, held in self._held.items():
+                if not (
+                    dispatching and self._supervisor.healthy(self._loop_name(f"fetch-{level}"))
+                ):
+                    await self._hand_back([level], "a loop that would bind them is down")
+                    continue
                 for item in list(held):
                     if now - item.touched >= interval:
                         with contextlib.suppress(Exception):

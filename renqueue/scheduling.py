@@ -4,8 +4,10 @@ A request waits at the level it was submitted with. Each level may say how long
 a request waits there before it is *promoted* (``age_after``) and to which
 level (``promote_to``, default the next more urgent one); promotion repeats
 from the new level with that level's ``age_after``. Waiting time is measured
-from the request's ``submitted_at`` (the time the log records), never from
-when a router happened to see it, so the bound holds across router restarts.
+from when the broker stored the request (server time, the time its
+``submitted`` event records; never the ``submitted_at`` a client wrote into
+the payload, nor when a router happened to see it), so the bound holds across
+router restarts and a tenant cannot backdate its way up.
 
 With every level aging towards the top, a request submitted at level L is
 treated as the most urgent level after at most the sum of the ``age_after``

@@ -122,7 +122,9 @@ class Services:
             self.cancels = CancelWatch(self.js, supervisor=self.supervisor)
             await self.cancels.start()
             if self._run_projector:
-                self.projector = Projector(self.js, name=f"{self._name}-projector")
+                self.projector = Projector(
+                    self.js, name=f"{self._name}-projector", supervisor=self.supervisor
+                )
                 await self.projector.start()
             for index in range(self._router_count):
                 router = Router(
@@ -131,6 +133,7 @@ class Services:
                     self.config,
                     name=f"{self._name}-router-{index}",
                     cancels=self.cancels,
+                    supervisor=self.supervisor,
                 )
                 await router.start()
                 self.routers.append(router)

@@ -9,7 +9,8 @@ publishing its own requests and reading its own tokens and events::
     rq.tok.<tenant>.<request_id>           streamed token chunks
     rq.dlq.<stage>                         dead letters (stage: requests, dispatch)
     rq.capacity.<backend>                  core NATS: a worker freed a slot (not stored)
-    rq.preempt.<backend>                   core NATS request: free a slot for an urgent request
+    rq.preempt.<backend>.ask               core NATS: an urgent request asks all workers for offers
+    rq.preempt.<backend>.<worker token>    core NATS request: the chosen worker, told to preempt
     rq.boost.<tenant>                      core NATS: lift a coalescing leader to a follower's level
     $JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>
                                            the server: a message ran out of deliveries
@@ -32,7 +33,9 @@ __all__ = [
     "DLQ_STREAM",
     "EVENTS_STREAM",
     "FETCH_TIMEOUT",
+    "PREEMPT_ASK",
     "REQUESTS_STREAM",
+    "ROUTER_DELIVERY_BACKSTOP",
     "SHUTDOWN_NAK_DELAY",
     "STATE_BUCKET",
     "TERMINAL_BUCKET",
@@ -46,9 +49,11 @@ __all__ = [
     "max_deliveries_advisory",
     "msg_id",
     "preempt_subject",
+    "preempt_subjects",
     "request_subject",
     "requests_of_level",
     "router_consumer",
+    "router_max_deliveries",
     "run_claim_key",
     "terminal_key",
     "token_subject",
@@ -77,6 +82,20 @@ FETCH_TIMEOUT: Final = 1.0
 #: it (where it would sit out a whole ack_wait).
 SHUTDOWN_NAK_DELAY: Final = FETCH_TIMEOUT + 0.5
 
+#: The router consumers' ``max_deliver`` is ``router.max_deliver`` times this.
+#: ``router.max_deliver`` counts *failed dispatches* of a request; deliveries
+#: also go up with every hand-back (a router's graceful stop naks what it
+#: holds), so the broker's own limit is only a backstop, far above it.
+ROUTER_DELIVERY_BACKSTOP: Final = 20
+
+#: The last token of the subject preemption asks are published to.
+PREEMPT_ASK: Final = "ask"
+
+
+def router_max_deliveries(max_deliver: int) -> int:
+    """The router consumers' ``max_deliver`` for a ``router.max_deliver`` of ``max_deliver``."""
+    return max_deliver * ROUTER_DELIVERY_BACKSTOP
+
 
 def request_subject(priority: str, tenant: str) -> str:
     return f"rq.req.{priority}.{tenant}"
@@ -100,9 +119,16 @@ def boost_subject(tenant: str) -> str:
     return f"rq.boost.{tenant}"
 
 
-def preempt_subject(backend: str) -> str:
-    """Core NATS request/reply: a router asks ``backend``'s workers to free a slot."""
-    return f"rq.preempt.{backend}"
+def preempt_subject(backend: str, worker: str = PREEMPT_ASK) -> str:
+    """Core NATS: a router asks every worker of ``backend`` for a preemption offer
+    (``worker`` left out), or tells the one worker whose token is ``worker`` to
+    preempt (see :mod:`renqueue.preemption`)."""
+    return f"rq.preempt.{backend}.{worker}"
+
+
+def preempt_subjects(backend: str) -> str:
+    """What a worker of ``backend`` subscribes to: the asks and its own confirms."""
+    return f"rq.preempt.{backend}.*"
 
 
 def event_subject(tenant: str, request_id: str, kind: str) -> str:

@@ -96,16 +96,24 @@ class Supervisor:
         loop.task = asyncio.create_task(self._supervise(loop, factory), name=f"{self._name}-{name}")
 
     def healthy(self, name: str | None = None) -> bool:
-        """True while loop ``name`` (default: every loop) runs and the supervisor has not failed."""
+        """True while loop ``name`` (default: every loop) runs and the supervisor has not failed.
+
+        A loop that is unknown, stopped, or waiting out its backoff is not healthy.
+        """
         if self.failed.is_set() or self._closed:
             return False
-        loops = self._loops.values() if name is None else [self._loops[name]]
-        return all(loop.running for loop in loops)
+        if name is None:
+            return all(loop.running for loop in self._loops.values())
+        loop = self._loops.get(name)
+        return loop is not None and loop.running
 
     async def stop(self, *names: str) -> None:
-        """Cancel loops ``names`` only (a service stopping inside a running process)
-        and wait until they have ended; they are forgotten, so the names may be
-        spawned again. Unknown names are ignored."""
+        """Cancel the named loops and wait until they have ended; forget them.
+
+        For a service that stops before the rest of its process (a router's
+        ``stop()`` ends its loops before handing its held requests back).
+        Unknown names are ignored; a stopped loop is not healthy.
+        """
         loops = [self._loops.pop(name) for name in names if name in self._loops]
         await cancel_and_wait([loop.task for loop in loops if loop.task is not None])
 

@@ -37,6 +37,7 @@ import contextlib
 import os
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -72,15 +73,18 @@ from .messages import (
     is_terminal,
     kind_of,
 )
+from .preemption import ASK_DECODER, CONFIRM_DECODER, Answer, Offer
 from .scheduling import choose_victim
 from .subjects import (
     DISPATCH_STREAM,
     FETCH_TIMEOUT,
+    PREEMPT_ASK,
     SHUTDOWN_NAK_DELAY,
     capacity_subject,
     dispatch_subject,
     msg_id,
     preempt_subject,
+    preempt_subjects,
     request_subject,
     token_subject,
     worker_consumer,
@@ -113,13 +117,6 @@ class _Chunks(msgspec.Struct):
 
     seq: int = 0
 
-
-class _PreemptAsk(msgspec.Struct, frozen=True, kw_only=True):
-    by: str
-    rank: int
-
-
-_PREEMPT_DECODER = msgspec.json.Decoder(_PreemptAsk)
 
 #: Seconds between closing a preempted call and releasing its slot.
 _PREEMPT_GRACE = 0.1
@@ -192,11 +189,12 @@ class Worker:
     async def start(self) -> None:
         if self._cancels is not None:
             self._cancels.listen(self._on_cancel_requested)
-        # One worker per backend answers each ask (queue group): it frees one slot.
+        # Every worker of the backend hears each preemption ask (no queue
+        # group: the run to preempt may be in any of them) and offers; the
+        # router confirms one, on this worker's own subject (renqueue.preemption).
+        self._preempt_token = uuid.uuid4().hex
         self._preempt_sub = await self._nc.subscribe(
-            preempt_subject(self._backend_name),
-            queue=f"workers-{self._backend_name}",
-            cb=self._on_preempt,
+            preempt_subjects(self._backend_name), cb=self._on_preempt
         )
         self._sub = await self._js.pull_subscribe_bind(
             durable=worker_consumer(self._backend_name), stream=DISPATCH_STREAM
@@ -627,23 +625,49 @@ class Worker:
         return self._config.priority_rank(dispatch.request.priority)
 
     async def _on_preempt(self, msg: Any) -> None:
-        """A router needs a slot for an urgent request: give up one preemptible run."""
-        try:
-            ask = _PREEMPT_DECODER.decode(msg.data)
-        except msgspec.DecodeError:
-            await msg.respond(b'{"preempted": null}')
+        """A router needs a slot for an urgent request (two phases, see
+        :mod:`renqueue.preemption`): on an ask, offer this worker's best victim
+        (or stay silent); on a confirm addressed to this worker, preempt it."""
+        token = msg.subject.rsplit(".", 1)[-1]
+        if token == PREEMPT_ASK:
+            try:
+                ask = ASK_DECODER.decode(msg.data)
+            except msgspec.DecodeError:
+                return
+            victim = self._preemption_victim(ask.rank)
+            if victim is None or not msg.reply:
+                return
+            run = self._runs[victim]
+            offer = Offer(
+                backend=self._backend_name,
+                confirm=preempt_subject(self._backend_name, self._preempt_token),
+                rank=run.rank,
+                running=max(0.0, time.monotonic() - run.started),
+            )
+            await msg.respond(encode(offer))
             return
-        victim = choose_victim(
-            {rid: (run.rank, run.started) for rid, run in self._runs.items() if run.is_live()},
-            ask.rank,
-            self._policies,
-        )
+        if token != self._preempt_token:
+            return  # a confirm for another worker of this backend
+        try:
+            confirm = CONFIRM_DECODER.decode(msg.data)
+        except msgspec.DecodeError:
+            await msg.respond(encode(Answer()))
+            return
+        victim = self._preemption_victim(confirm.rank)
         if victim is not None:
             run = self._runs[victim]
-            run.preempted_by = ask.by
+            run.preempted_by = confirm.by
             run.call.cancel()
-            log.info("preempting a run", request_id=victim, by=ask.by)
-        await msg.respond(msgspec.json.encode({"preempted": victim}))
+            log.info("preempting a run", request_id=str(victim), by=confirm.by)
+        await msg.respond(encode(Answer(preempted=None if victim is None else str(victim))))
+
+    def _preemption_victim(self, rank: int) -> Any:
+        """The key of the run to give up for a request at ``rank``; ``None`` if none may be."""
+        return choose_victim(
+            {key: (run.rank, run.started) for key, run in self._runs.items() if run.is_live()},
+            rank,
+            self._policies,
+        )
 
     async def _requeue(self, msg: Any, dispatch: Dispatch, run: int, by: str) -> None:
         """Send a preempted request back to wait, keeping its submit time (aging credit).

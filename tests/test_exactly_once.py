@@ -47,6 +47,7 @@ from renqueue.subjects import (
     DISPATCH_STREAM,
     DLQ_STREAM,
     REQUESTS_STREAM,
+    ROUTER_DELIVERY_BACKSTOP,
     TERMINAL_BUCKET,
     TOKENS_STREAM,
     dispatch_subject,
@@ -337,13 +338,20 @@ async def test_a_request_that_runs_out_of_router_deliveries_fails_undeliverable(
         path.write_text(path.read_text().replace("[router]\n", "[router]\nmax_deliver = 2\n"))
         config = load_config(path, environ={})
         # A worker process (which runs the advisory reader) and no router: the
-        # test plays a router that takes the request twice and never routes it.
+        # test plays a router that takes the request and never routes it, until
+        # the router consumers' backstop (a router's own nak, as when it stops,
+        # does not count against router.max_deliver: only failed dispatches do).
         async with (
             Services(config, routers=0, backends=["b"]) as services,
             Client(services.nc, tenant=TENANT) as client,
         ):
             handle = await client.submit("doomed", route="chat", priority="normal")
-            await pull_and_nak(services.js, REQUESTS_STREAM, router_consumer("normal"), 2)
+            await pull_and_nak(
+                services.js,
+                REQUESTS_STREAM,
+                router_consumer("normal"),
+                2 * ROUTER_DELIVERY_BACKSTOP,
+            )
             await assert_failed_undeliverable(client, handle, "requests")
     assert mock.stats().requests == 0
 

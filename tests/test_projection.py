@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -17,9 +18,12 @@ from nats.aio.client import Client as NatsClient
 from nats.js.client import JetStreamContext
 
 from renqueue.config import parse_config
+from renqueue.connection import connect
+from renqueue.embedded import EmbeddedServer
 from renqueue.eventlog import EventLog
 from renqueue.messages import (
     Cancelled,
+    CancelRequested,
     ChatMessage,
     Completed,
     Event,
@@ -32,12 +36,15 @@ from renqueue.messages import (
     Started,
     Submitted,
     Usage,
+    encode,
     is_terminal,
 )
 from renqueue.projection import (
     STALE_IN_FLIGHT,
     STATE_KEY,
+    STATE_VERSION,
     BackendState,
+    InFlight,
     ProjectionState,
     Projector,
     StateView,
@@ -342,6 +349,27 @@ def test_in_flight_follows_starts_retries_reroutes_and_goes_back_to_zero() -> No
     assert (state.backend("b1").in_flight, state.backend("b2").in_flight) == (0, 0)
 
 
+def test_in_flight_entries_are_scoped_by_tenant() -> None:
+    # Two tenants may use the same request id (ids are scoped by tenant): one
+    # tenant's request ending must not end the other's.
+    state = fold_list([started("same", "b1", tenant="t1"), started("same", "b2", tenant="t2")])
+    assert set(state.in_flight) == {"t1:same", "t2:same"}
+    state = fold(state, completed("same", "b1", tenant="t1"))
+    assert set(state.in_flight) == {"t2:same"}
+    assert (state.backend("b1").in_flight, state.backend("b2").in_flight) == (0, 1)
+
+
+def test_a_tenant_written_cancel_request_never_moves_the_projection_clock() -> None:
+    state = fold(EMPTY, started("a", at=T0))
+    # A tenant may put any `at` on its own cancel_requested: year 3000.
+    forged = CancelRequested(request_id="a", tenant="t1", at=32_503_680_000.0)
+    after = fold(state, forged)
+    assert after.log_time == T0
+    assert after.last_sweep_at == state.last_sweep_at
+    assert after.in_flight == state.in_flight
+    assert after.events == state.events + 1
+
+
 def test_terminal_events_of_requests_never_started_leave_in_flight_alone() -> None:
     state = fold_list(
         [
@@ -356,7 +384,7 @@ def test_terminal_events_of_requests_never_started_leave_in_flight_alone() -> No
 
 def test_a_start_that_never_ends_is_swept_after_the_stale_horizon_of_event_time() -> None:
     state = fold_list([started("lost", at=T0), started("live", at=T0 + STALE_IN_FLIGHT)])
-    assert set(state.in_flight) == {"live", "lost"}
+    assert set(state.in_flight) == {"t1:live", "t1:lost"}
     later = Routed(
         request_id="z",
         tenant="t1",
@@ -367,7 +395,7 @@ def test_a_start_that_never_ends_is_swept_after_the_stale_horizon_of_event_time(
         queue_wait=0,
     )
     state = fold(state, later)
-    assert set(state.in_flight) == {"live"}
+    assert set(state.in_flight) == {"t1:live"}
     assert state.in_flight_dropped == 1
     assert state.backend("b1").in_flight == 1
 
@@ -412,8 +440,8 @@ def test_folding_the_same_log_always_gives_the_same_state(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(10))
 def test_in_flight_is_exactly_the_started_requests_with_no_terminal_event(seed: int) -> None:
     events = random_log(seed, requests=80)
-    started_ids = {e.request_id for e in events if isinstance(e, Started)}
-    ended = {e.request_id for e in events if is_terminal(e)}
+    started_ids = {f"{e.tenant}:{e.request_id}" for e in events if isinstance(e, Started)}
+    ended = {f"{e.tenant}:{e.request_id}" for e in events if is_terminal(e)}
     state = fold_many(EMPTY, events)
     assert set(state.in_flight) == started_ids - ended
     assert sum(b.in_flight for b in state.backends.values()) == state.in_flight_count
@@ -623,3 +651,119 @@ async def test_deleting_the_stored_state_makes_the_next_projector_refold_the_log
             live = await second.sync()
     assert live == await rebuild(events_js)
     assert live.events == len(events)
+
+
+async def test_a_payload_that_disagrees_with_its_subject_is_counted_never_folded(
+    events_js: JetStreamContext, projector: Projector
+) -> None:
+    # What a tenant can do with its permissions: any payload on its own
+    # cancel_requested subject. And misfiled payloads on service subjects.
+    forged_failure = encode(failed("x", "backend_unavailable", "b1", tenant="t1"))
+    for n in range(3):
+        await events_js.publish(event_subject("t1", f"x{n}", "cancel_requested"), forged_failure)
+    other_tenant = encode(completed("y", tenant="t2", cost=1_000_000.0))
+    await events_js.publish(event_subject("t1", "y", "cancel_requested"), other_tenant)
+    await events_js.publish(event_subject("t1", "y", "completed"), other_tenant)
+    other_id = encode(completed("z", tenant="t1", cost=5.0))
+    await events_js.publish(event_subject("t1", "not-z", "completed"), other_id)
+    await events_js.publish("rq.evt.t1.z.completed.extra", other_id)
+    await publish(events_js, [started("a"), completed("a", cost=0.5)])
+    async with asyncio.timeout(10):
+        live = await projector.sync()
+
+    assert live.mismatched == 7
+    assert live.events == 2
+    assert live.backend("b1").consecutive_failures == 0
+    assert live.backend("b1").calls_failed == 0
+    assert live.spend == 0.5
+    assert "t2" not in live.tenants
+    assert live.log_time == T0
+    assert await rebuild(events_js) == live
+
+
+async def test_a_stored_state_of_the_old_schema_is_rebuilt_from_the_log(
+    events_js: JetStreamContext,
+) -> None:
+    # Schema 1 keyed in-flight requests by id alone (across tenants).
+    await publish(events_js, [started("a"), started("b", tenant="t2")])
+    last = (await events_js.stream_info("RQ_EVENTS")).state.last_seq
+    kv = await events_js.key_value(STATE_BUCKET)
+    old = ProjectionState(v=1, last_seq=last, events=2, in_flight={"a": InFlight("b1", T0)})
+    await kv.put(STATE_KEY, encode_state(old))
+    async with Projector(events_js) as fresh:
+        await publish(events_js, [completed("a")])
+        async with asyncio.timeout(10):
+            live = await fresh.sync()
+    assert live.v == STATE_VERSION
+    assert live == await rebuild(events_js)
+    assert set(live.in_flight) == {"t2:b"}
+
+
+async def test_a_state_view_whose_watch_went_stale_resumes_and_sees_later_writes(
+    events_js: JetStreamContext, isolated_nc: NatsClient
+) -> None:
+    kv = await events_js.key_value(STATE_BUCKET)
+    for seq in (1, 2, 3):
+        await kv.put(STATE_KEY, encode_state(ProjectionState(last_seq=seq)))
+    async with await StateView.open(events_js, check_every=0.1) as view:
+        assert view.state.last_seq == 3
+        # The bucket is re-created (a re-provision after it was lost): the
+        # watch's consumer is gone and the new bucket's revisions start over.
+        await events_js.delete_key_value(STATE_BUCKET)
+        await provision(isolated_nc, parse_config({}))
+        kv = await events_js.key_value(STATE_BUCKET)
+        await kv.put(STATE_KEY, encode_state(ProjectionState(last_seq=10)))
+        async with asyncio.timeout(10):
+            await view.wait_for(10)
+        assert view.reopened >= 1
+        # And the re-opened watch follows live writes.
+        await kv.put(STATE_KEY, encode_state(ProjectionState(last_seq=11)))
+        async with asyncio.timeout(10):
+            await view.wait_for(11)
+
+
+@pytest.mark.parametrize("store", ["kept", "lost"])
+async def test_a_state_view_sees_writes_made_after_the_server_restarted(
+    tmp_path: Path, store: str
+) -> None:
+    """Issue #6 item 10: a server restart loses the watch's (in-memory) consumer.
+    With the store kept, nats-py's ordered consumer re-creates it from the
+    next sequence; with the store lost (the bucket made again, revisions
+    from 1), that sequence is past anything the new bucket holds and the
+    view went silently stale. Either way it must see the next write."""
+    server = EmbeddedServer(tmp_path / "nats", port=-1)
+    await server.start()
+    port = server.port
+    nc = await connect(server.url, name="test-view")
+    try:
+        js = nc.jetstream()
+        await provision(nc, parse_config({}))
+        kv = await js.key_value(STATE_BUCKET)
+        await kv.put(STATE_KEY, encode_state(ProjectionState(last_seq=1)))
+        async with await StateView.open(js, check_every=0.2) as view:
+            assert view.state.last_seq == 1
+            await server.stop()
+            server = EmbeddedServer(tmp_path / ("nats" if store == "kept" else "nats-2"), port=port)
+            await server.start()  # back on the same address
+
+            async def write() -> None:
+                # The first calls may land while the client still reconnects.
+                while True:
+                    try:
+                        if store == "lost":
+                            await provision(nc, parse_config({}))
+                        bucket = await js.key_value(STATE_BUCKET)
+                        await bucket.put(STATE_KEY, encode_state(ProjectionState(last_seq=2)))
+                    except Exception:  # retry until the server answers
+                        await asyncio.sleep(0.1)
+                    else:
+                        return
+
+            async with asyncio.timeout(20):
+                await write()
+                await view.wait_for(2)
+            if store == "lost":
+                assert view.reopened >= 1
+    finally:
+        await nc.close()
+        await server.stop()

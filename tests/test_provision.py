@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.client import JetStreamContext
 
 from renqueue.config import Config, parse_config
@@ -22,9 +23,11 @@ from renqueue.subjects import (
     DLQ_STREAM,
     EVENTS_STREAM,
     REQUESTS_STREAM,
+    ROUTER_DELIVERY_BACKSTOP,
     STATE_BUCKET,
     TERMINAL_BUCKET,
     TOKENS_STREAM,
+    dispatch_subject,
     requests_of_level,
     router_consumer,
     worker_consumer,
@@ -117,7 +120,9 @@ async def test_one_router_consumer_per_priority_and_one_worker_per_backend(
         assert router["filter_subject"] == requests_of_level(level)
         assert router["ack_policy"] == "explicit"
         assert router["ack_wait"] == 45 * 10**9
-        assert router["max_deliver"] == 4
+        # router.max_deliver counts failed dispatches; the consumer's limit is a
+        # backstop far above it (every hand-back by a router is a delivery).
+        assert router["max_deliver"] == 4 * ROUTER_DELIVERY_BACKSTOP
 
     for backend, concurrency in (("local", 3), ("cloud", 7)):
         worker = await consumer_config(isolated_nc, DISPATCH_STREAM, worker_consumer(backend))
@@ -282,12 +287,18 @@ async def test_state_bucket_is_a_usable_kv_with_history_one(isolated_nc: Client)
 
 
 async def test_max_deliveries_advisories_are_captured(isolated_nc: Client) -> None:
-    config = make_config(router={"ack_wait": "100ms", "max_deliver": 1})
+    config = make_config(worker={"ack_wait": "100ms", "max_deliver": 1, "delivery_limit": 2})
     await provision(isolated_nc, config)
     js = isolated_nc.jetstream()
-    await js.publish("rq.req.normal.t1", b"poison")
-    sub = await js.pull_subscribe_bind(router_consumer("normal"), REQUESTS_STREAM)
-    (first,) = await sub.fetch(1, timeout=2)  # delivered once, never acked
+    await js.publish(dispatch_subject("local"), b"poison")
+    sub = await js.pull_subscribe_bind(worker_consumer("local"), DISPATCH_STREAM)
+    (first,) = await sub.fetch(1, timeout=2)  # delivered, never acked
+    (again,) = await sub.fetch(1, timeout=2)  # redelivered: the last of delivery_limit
+    assert again.metadata.sequence.stream == first.metadata.sequence.stream
+    # The server gives up on the message (and announces it) when it would
+    # deliver it a third time: to a consumer that asks for more.
+    with pytest.raises(NatsTimeoutError):
+        await sub.fetch(1, timeout=1)
 
     deadline = asyncio.get_running_loop().time() + 5
     while (await js.stream_info(ADVISORIES_STREAM)).state.messages == 0:
@@ -295,7 +306,7 @@ async def test_max_deliveries_advisories_are_captured(isolated_nc: Client) -> No
         await asyncio.sleep(0.05)
     advisory = await js.get_last_msg(
         ADVISORIES_STREAM,
-        f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.{router_consumer('normal')}",
+        f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{DISPATCH_STREAM}.{worker_consumer('local')}",
     )
     assert json.loads(advisory.data)["stream_seq"] == first.metadata.sequence.stream
 

@@ -1,0 +1,134 @@
+"""Preemption: one urgent request takes exactly one preemptible run's slot (issue #6 item 19).
+
+The ask must reach the worker process that holds the run to preempt (not a
+random member of the backend's workers), one ask must never preempt two runs
+(not on two workers of one backend, not on two candidate backends), and it
+must work under ``nats/auth.conf``'s users (the worker's answer goes to the
+service user's inbox).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from renqueue import Client, Services, parse_config
+from renqueue.config import Config
+from renqueue.embedded import EmbeddedServer
+from renqueue.eventlog import EventLog
+from renqueue.messages import Preempted, Started
+from renqueue.mockbackend import MockBackend, MockSettings
+
+TENANT = "t"
+AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"
+PASSWORDS = {
+    "RQ_SERVICE_PASSWORD": "service-secret",
+    "RQ_TENANT_ACME_PASSWORD": "acme-secret",
+    "RQ_TENANT_GLOBEX_PASSWORD": "globex-secret",
+    "RQ_SYS_PASSWORD": "sys-secret",
+}
+#: Runs of the long requests: ~2 s (50 tokens at 25/s); urgent ones: 2 tokens.
+LONG = MockSettings(ttft=0.0, tokens_per_second=25, output_tokens=50)
+
+
+def config_of(nats: dict[str, Any], backends: dict[str, tuple[str, int]]) -> Config:
+    return parse_config(
+        {
+            "nats": nats,
+            "backends": {
+                name: {"base_url": url, "model": "m", "limits": {"concurrency": slots}}
+                for name, (url, slots) in backends.items()
+            },
+            "routes": {"chat": {"backends": list(backends)}},
+            "worker": {"retry_delay": "100ms", "drain_timeout": "1s"},
+            "router": {"capacity_refresh": "20ms"},
+        }
+    )
+
+
+async def until_started(client: Client, request_id: str, within: float = 10.0) -> None:
+    log = EventLog(client.js)
+    async with asyncio.timeout(within):
+        while True:
+            if any(isinstance(e, Started) for e in await log.history(TENANT, request_id)):
+                return
+            await asyncio.sleep(0.02)
+
+
+async def histories(client: Client, ids: list[str]) -> dict[str, list[Any]]:
+    log = EventLog(client.js)
+    return {rid: await log.history(TENANT, rid) for rid in ids}
+
+
+@pytest.mark.parametrize("other", ["normal", "low"])
+async def test_the_ask_reaches_the_worker_holding_the_run_to_preempt(
+    tmp_path: Path, other: str
+) -> None:
+    """Two worker processes of one backend, one slot each: A runs a batch
+    request, B a ``normal`` (not preemptible) or ``low`` (preemptible, but more
+    urgent than batch) one. A critical request preempts A's batch run, once,
+    and never B's run. (Before: the ask went to one worker of a queue group,
+    chosen at random, which preempted its own run or answered "none".)"""
+    async with MockBackend(LONG) as mock:
+        # The broker allows two runs of backend b; each worker process one.
+        shared = config_of({"data_dir": str(tmp_path / "nats"), "port": -1}, {"b": (mock.url, 2)})
+        async with Services(shared, backends=[]) as services:
+            one_each = config_of({"url": services.url}, {"b": (mock.url, 1)})
+            only = {"routers": 0, "backends": ["b"], "provision_streams": False}
+            async with Client(services.nc, tenant=TENANT) as client:
+                async with Services(one_each, **only, projector=False, name="worker-a"):
+                    batch = await client.submit("long batch", route="chat", priority="batch")
+                    await until_started(client, batch.id)
+                    async with Services(one_each, **only, projector=False, name="worker-b"):
+                        busy = await client.submit("long", route="chat", priority=other)
+                        await until_started(client, busy.id)
+                        urgent = await client.submit(
+                            "now", route="chat", priority="critical", max_tokens=2
+                        )
+                        for handle in (urgent, busy, batch):
+                            await handle.result(timeout=30)
+                events = await histories(client, [batch.id, busy.id, urgent.id])
+    preempted = [(rid, e.by) for rid, es in events.items() for e in es if isinstance(e, Preempted)]
+    assert preempted == [(batch.id, urgent.id)]
+    assert sum(isinstance(e, Started) for e in events[busy.id]) == 1
+
+
+@pytest.fixture
+async def auth_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+    """A server running nats/auth.conf; yields the service user's URL."""
+    for name, value in PASSWORDS.items():
+        monkeypatch.setenv(name, value)
+    async with EmbeddedServer(tmp_path / "nats", port=-1, config_file=AUTH_CONF) as server:
+        yield server.url.replace("nats://", f"nats://renqueue:{PASSWORDS['RQ_SERVICE_PASSWORD']}@")
+
+
+async def test_one_urgent_request_preempts_one_run_under_the_auth_config(
+    auth_server: str,
+) -> None:
+    """Two candidate backends, each full with a batch run: one critical request
+    preempts exactly one of them. (Before: ``auth.conf`` refused the worker's
+    answer, the router timed out and asked the next backend, which preempted
+    a second run for the same request.)"""
+    async with MockBackend(LONG) as first, MockBackend(LONG) as second:
+        config = config_of(
+            {"url": auth_server, "inbox_prefix": "_INBOX_renqueue"},
+            {"b1": (first.url, 1), "b2": (second.url, 1)},
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            batches = [
+                await client.submit(f"long batch {n}", route="chat", priority="batch")
+                for n in range(2)
+            ]
+            for handle in batches:
+                await until_started(client, handle.id)
+            urgent = await client.submit("now", route="chat", priority="critical", max_tokens=2)
+            for handle in (urgent, *batches):
+                await handle.result(timeout=30)
+            events = await histories(client, [h.id for h in (*batches, urgent)])
+    preempted = [(rid, e.by) for rid, es in events.items() for e in es if isinstance(e, Preempted)]
+    assert len(preempted) == 1
+    assert preempted[0][1] == urgent.id

@@ -1,0 +1,127 @@
+"""The server is the clock (issue #6 item 17).
+
+A request's wait (its order among its level, its aging) and the log's
+``submitted`` time come from the timestamp the broker gave the request when it
+stored it, never from the ``submitted_at`` a client wrote into the payload: a
+tenant can neither backdate a request to jump the queue nor future-date one to
+stop the projection's clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from renqueue import Client, Services, parse_config
+from renqueue.config import Config
+from renqueue.eventlog import EventLog
+from renqueue.messages import Started, Submitted, encode
+from renqueue.mockbackend import MockBackend, MockSettings
+from renqueue.subjects import REQUESTS_STREAM, msg_id, request_subject, router_consumer
+
+TENANT = "t"
+AN_HOUR = 3600.0
+
+
+def one_slot(tmp_path: Path, url: str, nats_url: str = "") -> Config:
+    return parse_config(
+        {
+            "nats": {"data_dir": str(tmp_path / "nats"), "port": -1, "url": nats_url},
+            "backends": {"b": {"base_url": url, "model": "m", "limits": {"concurrency": 1}}},
+            "routes": {"chat": {"backends": ["b"]}},
+            "worker": {"retry_delay": "100ms", "drain_timeout": "2s"},
+            "router": {"capacity_refresh": "20ms"},
+        }
+    )
+
+
+async def until(check: Any, what: str, within: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not await check():
+        if loop.time() > deadline:
+            pytest.fail(f"timed out after {within} s waiting until {what}")
+        await asyncio.sleep(0.02)
+
+
+async def start_of(client: Client, request_id: str) -> float:
+    history = await EventLog(client.js).history(TENANT, request_id)
+    return next(e.at for e in history if isinstance(e, Started))
+
+
+@pytest.mark.parametrize("how", ["submit", "forged requeue"])
+async def test_a_backdated_request_does_not_jump_ahead_of_an_earlier_one(
+    tmp_path: Path, how: str
+) -> None:
+    async with MockBackend(MockSettings(output_tokens=2)) as mock:
+        config = one_slot(tmp_path, mock.url)
+        # No worker yet: the first request takes the one slot (its dispatch
+        # waits unrun), so the next two are both held when the slot frees.
+        async with Services(config, backends=[]) as services:
+            client = Client(services.nc, tenant=TENANT)
+            async with client:
+                blocker = await client.submit("blocker", route="chat")
+                earlier = await client.submit("earlier", route="chat")
+                backdated = msgspec.structs.replace(
+                    client.build_request("backdated", route="chat"),
+                    submitted_at=time.time() - AN_HOUR,
+                )
+                if how == "submit":
+                    handle = await client.submit_request(backdated)
+                else:
+                    # As if a worker had requeued it after a preemption the
+                    # log never saw: the payload's time must not count either.
+                    again = msgspec.structs.replace(backdated, requeues=1)
+                    await client.js.publish(
+                        request_subject("normal", TENANT),
+                        encode(again),
+                        headers={"Nats-Msg-Id": msg_id(TENANT, again.id, "requeue", 1)},
+                    )
+                    handle = client.handle(again.id)
+
+                async def both_held() -> bool:
+                    info = await services.js.consumer_info(
+                        REQUESTS_STREAM, router_consumer("normal")
+                    )
+                    return int(info.num_ack_pending) == 2
+
+                await until(both_held, "the router holds both requests")
+                workers = one_slot(tmp_path, mock.url, nats_url=services.url)
+                async with Services(workers, routers=0, backends=["b"], projector=False):
+                    for h in (blocker, earlier, handle):
+                        await h.result(timeout=20)
+                assert await start_of(client, earlier.id) < await start_of(client, handle.id)
+                history = await EventLog(client.js).history(TENANT, handle.id)
+                [submitted] = [e for e in history if isinstance(e, Submitted)]
+                assert submitted.at > backdated.submitted_at + AN_HOUR / 2
+
+
+async def test_a_future_dated_request_does_not_stall_the_projection_clock(
+    tmp_path: Path,
+) -> None:
+    async with MockBackend(MockSettings(output_tokens=2)) as mock:
+        config = one_slot(tmp_path, mock.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            year_3000 = 32_503_680_000.0
+            future = msgspec.structs.replace(
+                client.build_request("from the future", route="chat"), submitted_at=year_3000
+            )
+            await (await client.submit_request(future)).result(timeout=10)
+            later = await client.submit("later", route="chat")
+            await later.result(timeout=10)
+            assert services.projector is not None
+            state = await asyncio.wait_for(services.projector.sync(), 10)
+            log = EventLog(client.js)
+            [submitted] = [
+                e for e in await log.history(TENANT, future.id) if isinstance(e, Submitted)
+            ]
+            last = max(e.at for e in await log.history(TENANT, later.id))
+    # The log and the projection's clock keep the services' time: the clock is
+    # at the last event folded (the later request's), not in the year 3000.
+    assert state.log_time == last
+    assert abs(submitted.at - time.time()) < AN_HOUR
