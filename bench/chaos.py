@@ -930,9 +930,15 @@ async def audit(
         end_event = first_terminal.get(track.id)
         if track.stream_error is not None:
             stream_report["error"] += 1
+            if len(stream_examples["hung"]) < 3:
+                stream_examples["hung"].append({"id": track.id, "error": track.stream_error})
+        elif not track.stream_ended and end_event is None:
+            stream_report["hung, request lost"] += 1
         elif not track.stream_ended:
             final_stored = await final_chunk_stored(js, track.id)
-            stream_report["hung_final_stored" if final_stored else "hung_no_final"] += 1
+            stream_report[
+                "hung, final chunk stored" if final_stored else "hung, no final chunk stored"
+            ] += 1
             if len(stream_examples["hung"]) < 3:
                 stream_examples["hung"].append(
                     {
@@ -1000,10 +1006,19 @@ async def audit(
             where.setdefault(dispatch.request.id, []).append(note)
     dlq = (await js.stream_info(DLQ_STREAM)).state.messages
 
+    lost_ids = {t.id for t in lost}
     lost_where: Counter[str] = Counter()
     for track in lost:
         notes = where.get(track.id, [])
-        if not notes:
+        leaders = [
+            i.event.leader for i in events.get(track.id, []) if isinstance(i.event, Coalesced)
+        ]
+        if not notes and leaders:
+            leader = leaders[-1]
+            ended = first_terminal.get(leader)
+            fate = "lost" if leader in lost_ids else ("ended " + kind_of(ended) if ended else "?")
+            lost_where[f"coalesced follower, leader {fate}"] += 1
+        elif not notes:
             lost_where["in no work queue"] += 1
         for note in notes:
             stream = note.split()[1]
