@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck check bench bench-scheduling clean
+.PHONY: setup demo test lint typecheck check bench bench-scheduling chaos clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ bench: $(STAMP)
 
 bench-scheduling: $(STAMP)
 	$(BIN)/python bench/scheduling.py
+
+# kill -9 routers and workers under load (single node, 3-node cluster, harsh), audit the log.
+chaos: $(STAMP)
+	$(BIN)/python bench/chaos.py --setting all
 
 clean:
 	rm -rf $(VENV) .renqueue .mypy_cache .ruff_cache .pytest_cache

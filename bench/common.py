@@ -1,5 +1,5 @@
-"""What both benchmarks share: results folder, percentiles, machine info, the mock in a
-process of its own."""
+"""What the benchmarks share: results folder, percentiles, machine info, the mock in a
+process of its own (and its counters), free loopback ports."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ import contextlib
 import importlib.metadata
 import os
 import platform
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from renqueue.embedded import find_nats_server
 
@@ -86,10 +89,20 @@ def machine_info(**extra: Any) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def mock_process(
-    *, ttft: float, output_tokens: int, tokens_per_second: float = 0.0
+    *,
+    ttft: float,
+    output_tokens: int,
+    tokens_per_second: float = 0.0,
+    failure_rate: float = 0.0,
+    concurrency: int = 0,
+    seed: int | None = None,
 ) -> AsyncIterator[tuple[str, int]]:
     """`renqueue mock-backend` in a process of its own (an external server, as a real
-    backend is): its base URL and pid."""
+    backend is): its base URL and pid. ``failure_rate``, ``concurrency`` and ``seed``
+    are the mock's options of the same names (0 / None: off)."""
+    extra = [f"--failure-rate={failure_rate}", f"--concurrency={concurrency}"]
+    if seed is not None:
+        extra.append(f"--seed={seed}")
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -105,6 +118,7 @@ async def mock_process(
         str(tokens_per_second),
         "--output-tokens",
         str(output_tokens),
+        *extra,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
@@ -124,3 +138,22 @@ async def mock_process(
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
+
+
+async def mock_stats(url: str) -> dict[str, Any]:
+    """The counters of a mock started by :func:`mock_process` (``GET /stats``; ``url`` is
+    its base URL, ending in ``/v1``)."""
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        response = await http.get(url.removesuffix("/v1") + "/stats")
+        response.raise_for_status()
+        stats: dict[str, Any] = response.json()
+    return stats
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now (for servers that must know theirs in advance,
+    such as the routes of a NATS cluster; another process may take it meanwhile)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port

@@ -1,0 +1,1428 @@
+"""Chaos benchmark (issue #6): kill -9 routers and workers under load, then audit the log.
+
+Run with ``make chaos`` (every setting, about 12-15 minutes) or
+``python bench/chaos.py --setting single --quick`` (about a minute). Each setting:
+
+- NATS: ``single`` and ``harsh``: one nats-server; ``cluster``: three nodes on
+  loopback (free ports, temporary stores) with R3 streams, and one node killed
+  (``kill -9``) a third of the way through the arrivals, restarted two thirds through.
+- Three mock LLM backends (``renqueue mock-backend`` processes; their concurrency cap is
+  the backend's limit, so a 429 "busy" means Ren-Queue ran more calls than its limit),
+  one route ``chat`` cascading over them: ``alpha`` and ``beta`` (4 slots each, one
+  pool) and ``gamma`` (6 slots, 3 % injected failures).
+- Services as separate OS processes, as an operator runs them: 2 ``renqueue router``
+  processes (each also runs the projector) and 4 ``renqueue worker -b NAME`` processes
+  (gamma has two). The harness is their supervisor: a process that exits on its own is
+  restarted (and counted); one picked at random is ``kill -9``-ed every ~1 s (``harsh``:
+  every ~0.5 s) and replaced at once.
+- Load: ``--requests`` (1,000) at a steady rate through ``renqueue.Client``, over the
+  five levels (critical 5 %, high 15 %, normal 40 %, low 20 %, batch 20 %); a quarter of
+  them streamed by a follower (``handle.stream()``); groups of 2-4 identical requests
+  coalesced (``coalesce=True`` or a shared ``dedupe_key``); 5 % resubmitted with the
+  same id 0.2-4 s later; 3 % cancelled; 4 % with a 1-4 s deadline; 0.5 % for a route
+  that does not exist (rejected).
+- ``harsh``: ack_wait 2 s for routers and workers, max_deliver 3 for both, slower
+  backends (20 tokens/s) and a kill every ~0.5 s, so some requests use up their
+  deliveries.
+
+After the arrivals the kills stop and the harness waits (bounded) for every request to
+end, then reads ``RQ_EVENTS`` with the service connection (every request's events) and
+prints: submitted, **lost** (no terminal event), **duplicated** (more than one terminal
+event), outcomes by terminal kind and error type, backend calls against the calls the
+outcomes needed, latency submit -> terminal (server timestamp of the terminal event),
+the streamed followers' text against the completed text, client handles that never
+resolved, what was left in the work queues, and examples (event histories) of every
+kind of problem. JSON: ``bench/results/chaos-<setting>-latest.json`` (and a timestamped
+copy). Exit status 1 if any setting lost or duplicated a request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from common import RESULTS, ROOT, free_port, machine_info, mock_process, mock_stats, percentile
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from renqueue import Client
+from renqueue.config import load_config
+from renqueue.connection import connect
+from renqueue.embedded import find_nats_server
+from renqueue.errors import RequestFailedError
+from renqueue.logs import configure_logging
+from renqueue.messages import (
+    DISPATCH_DECODER,
+    EVENT_DECODER,
+    REQUEST_DECODER,
+    TERMINAL_KINDS,
+    TOKEN_DECODER,
+    Cancelled,
+    Coalesced,
+    Completed,
+    Event,
+    Expired,
+    Failed,
+    InferenceRequest,
+    Preempted,
+    Rejected,
+    Retrying,
+    Routed,
+    Started,
+    Stolen,
+    kind_of,
+)
+from renqueue.provision import provision
+from renqueue.subjects import (
+    ADVISORIES_STREAM,
+    DISPATCH_STREAM,
+    DLQ_STREAM,
+    EVENTS_STREAM,
+    REQUESTS_STREAM,
+    TOKENS_STREAM,
+    token_subject,
+)
+
+TENANT = "chaos"
+ROUTE = "chat"
+LEVELS = ("critical", "high", "normal", "low", "batch")
+LEVEL_WEIGHTS = (5, 15, 40, 20, 20)
+
+
+# --------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    slots: int
+    pool: str | None = None
+    failure_rate: float = 0.0
+    workers: int = 1
+
+
+BACKENDS = (
+    Backend(name="alpha", slots=4, pool="local"),
+    Backend(name="beta", slots=4, pool="local"),
+    Backend(name="gamma", slots=6, failure_rate=0.03, workers=2),
+)
+ROUTERS = 2
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    nodes: int
+    router_ack_wait: float
+    worker_ack_wait: float
+    router_max_deliver: int
+    worker_max_deliver: int
+    kill_every: float
+    tokens_per_second: float
+    kill_node: bool = False
+    about: str = ""
+
+
+SETTINGS = {
+    "single": Setting(
+        name="single",
+        nodes=1,
+        router_ack_wait=30.0,
+        worker_ack_wait=30.0,
+        router_max_deliver=10,
+        worker_max_deliver=5,
+        kill_every=1.0,
+        tokens_per_second=40.0,
+        about="one nats-server, default ack_wait (30 s) and max_deliver (10 / 5)",
+    ),
+    "cluster": Setting(
+        name="cluster",
+        nodes=3,
+        router_ack_wait=30.0,
+        worker_ack_wait=30.0,
+        router_max_deliver=10,
+        worker_max_deliver=5,
+        kill_every=1.0,
+        tokens_per_second=40.0,
+        kill_node=True,
+        about="3-node cluster, R3 streams, one node killed mid-run and restarted",
+    ),
+    "harsh": Setting(
+        name="harsh",
+        nodes=1,
+        router_ack_wait=2.0,
+        worker_ack_wait=2.0,
+        router_max_deliver=3,
+        worker_max_deliver=3,
+        kill_every=0.5,
+        tokens_per_second=20.0,
+        about="one nats-server, ack_wait 2 s, max_deliver 3 / 3, a kill every ~0.5 s",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    requests: int
+    rate: float
+    tail: float  # bound on the wait for the last requests, after the arrivals
+
+
+def plan_for(setting: Setting, *, quick: bool, requests: int | None, rate: float | None) -> Plan:
+    ack_wait = max(setting.router_ack_wait, setting.worker_ack_wait)
+    if quick:
+        return Plan(requests=requests or 150, rate=rate or 10.0, tail=max(30.0, ack_wait + 20.0))
+    return Plan(requests=requests or 1000, rate=rate or 15.0, tail=max(60.0, 3 * ack_wait + 30.0))
+
+
+def config_text(setting: Setting, url: str, mocks: dict[str, str]) -> str:
+    lines = [
+        "# Written by bench/chaos.py.",
+        "[nats]",
+        f'url = "{url}"',
+        f"replicas = {3 if setting.nodes == 3 else 1}",
+        "",
+        "[router]",
+        f'ack_wait = "{setting.router_ack_wait:g}s"',
+        f"max_deliver = {setting.router_max_deliver}",
+        "",
+        "[worker]",
+        f'ack_wait = "{setting.worker_ack_wait:g}s"',
+        f"max_deliver = {setting.worker_max_deliver}",
+        'retry_delay = "200ms"',
+        'drain_timeout = "2s"',
+    ]
+    for backend in BACKENDS:
+        lines += [
+            "",
+            f"[backends.{backend.name}]",
+            f'base_url = "{mocks[backend.name]}"',
+            'model = "mock"',
+        ]
+        if backend.pool is not None:
+            lines.append(f'pool = "{backend.pool}"')
+        if backend.failure_rate:
+            lines += ["cost_input_per_mtok = 0.5", "cost_output_per_mtok = 1.5"]
+        lines += [f"[backends.{backend.name}.limits]", f"concurrency = {backend.slots}"]
+    names = ", ".join(f'"{b.name}"' for b in BACKENDS)
+    lines += ["", f"[routes.{ROUTE}]", f"backends = [{names}]", ""]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ nats-server
+
+
+class NatsNode:
+    """One nats-server process (of a single-node set-up or a cluster), log in a file."""
+
+    def __init__(
+        self, name: str, directory: Path, *, cluster: list[int] | None = None, index: int = 0
+    ) -> None:
+        self.name = name
+        self.dir = directory
+        self.port = free_port()
+        self.cluster_port = cluster[index] if cluster else None
+        self.log = directory / "nats-server.log"
+        self.proc: asyncio.subprocess.Process | None = None
+        directory.mkdir(parents=True, exist_ok=True)
+        text = (
+            f"server_name: {name}\nhost: 127.0.0.1\nport: {self.port}\n"
+            'max_payload: 8MB\nmax_pending: 64MB\nwrite_deadline: "10s"\n'
+            f'jetstream {{\n  store_dir: "{directory / "store"}"\n'
+            "  max_memory_store: 256MB\n  max_file_store: 4GB\n}\n"
+        )
+        if cluster:
+            routes = "\n".join(f"    nats-route://127.0.0.1:{port}" for port in cluster)
+            text += (
+                f"cluster {{\n  name: chaos\n  listen: 127.0.0.1:{self.cluster_port}\n"
+                f"  routes: [\n{routes}\n  ]\n}}\n"
+            )
+        self.config = directory / "nats-server.conf"
+        self.config.write_text(text)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def start(self, *, within: float = 30.0) -> None:
+        offset = self.log.stat().st_size if self.log.exists() else 0
+        with self.log.open("ab") as out:
+            self.proc = await asyncio.create_subprocess_exec(
+                str(find_nats_server()), "-c", str(self.config),
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+            )  # fmt: skip
+        deadline = time.monotonic() + within
+        while True:
+            with self.log.open("rb") as file:
+                file.seek(offset)
+                if b"Server is ready" in file.read():
+                    return
+            if self.proc.returncode is not None or time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"nats-server {self.name} did not start:\n{tail}")
+            await asyncio.sleep(0.05)
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+    async def stop(self) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        self.proc.terminate()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 10.0)
+        except TimeoutError:
+            await self.kill()
+
+
+@contextlib.asynccontextmanager
+async def nats_servers(setting: Setting, workdir: Path) -> AsyncIterator[list[NatsNode]]:
+    cluster = [free_port() for _ in range(setting.nodes)] if setting.nodes > 1 else None
+    nodes = [
+        NatsNode(f"chaos-n{i + 1}", workdir / f"nats-{i + 1}", cluster=cluster, index=i)
+        for i in range(setting.nodes)
+    ]
+    try:
+        await asyncio.gather(*(node.start() for node in nodes))
+        yield nodes
+    finally:
+        await asyncio.gather(*(node.stop() for node in nodes), return_exceptions=True)
+
+
+async def until_jetstream_answers(nc: Any, *, within: float = 60.0) -> None:
+    """A new cluster answers JetStream API calls once its meta leader is elected."""
+    js = nc.jetstream()
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            await js.account_info()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+        else:
+            return
+
+
+async def provision_with_retries(nc: Any, config: Any, *, within: float = 60.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            await provision(nc, config)
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1.0)
+        else:
+            return
+
+
+# ------------------------------------------------------------- service processes
+
+
+@dataclass
+class Slot:
+    """One router or worker place in the fleet; a process at a time fills it."""
+
+    role: str
+    backend: str | None
+    index: int
+    proc: asyncio.subprocess.Process | None = None
+    log: Path | None = None
+    generation: int = 0
+    ready: bool = False
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.role}-{self.backend}-{self.index}" if self.backend else f"router-{self.index}"
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    def is_ready(self) -> bool:
+        if not self.ready and self.log is not None and self.log.exists():
+            self.ready = f'"{self.role} started"'.encode() in self.log.read_bytes()
+        return self.ready
+
+
+class Fleet:
+    """Routers and workers as ``python -m renqueue`` processes, supervised: a process
+    that exits by itself is restarted (and recorded); :meth:`kill` is ``kill -9`` and an
+    immediate replacement."""
+
+    def __init__(self, config_file: Path, url: str, logs: Path) -> None:
+        self.config_file = config_file
+        self.url = url
+        self.logs = logs
+        logs.mkdir(parents=True, exist_ok=True)
+        self.slots = [Slot("router", None, i) for i in range(ROUTERS)]
+        for backend in BACKENDS:
+            self.slots += [Slot("worker", backend.name, i) for i in range(backend.workers)]
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("RENQUEUE_")},
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.stopping = False
+        self.killed_pids: set[int] = set()
+        self.kills: list[dict[str, Any]] = []
+        self.self_exits: list[dict[str, Any]] = []
+        self.spawned = 0
+        self._watchers: set[asyncio.Task[None]] = set()
+        self._t0 = time.monotonic()
+
+    async def start(self, *, within: float = 120.0) -> None:
+        for slot in self.slots:
+            await self._spawn(slot)
+        deadline = time.monotonic() + within
+        while not all(slot.is_ready() for slot in self.slots):
+            if time.monotonic() > deadline:
+                late = [s.name for s in self.slots if not s.is_ready()]
+                raise RuntimeError(f"services not started within {within:g}s: {late}")
+            await asyncio.sleep(0.2)
+
+    async def _spawn(self, slot: Slot) -> None:
+        slot.generation += 1
+        slot.ready = False
+        slot.log = self.logs / f"{slot.name}-{slot.generation:03d}.log"
+        argv = [
+            sys.executable, "-m", "renqueue", "-c", str(self.config_file), "--nats", self.url,
+            "--log-json", slot.role,
+        ]  # fmt: skip
+        if slot.backend is not None:
+            argv += ["-b", slot.backend]
+        with slot.log.open("wb") as out:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, env=self.env
+            )
+        slot.proc = proc
+        self.spawned += 1
+        task = asyncio.create_task(self._watch(slot, proc))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _watch(self, slot: Slot, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        if self.stopping or proc.pid in self.killed_pids or slot.proc is not proc:
+            return
+        tail = []
+        if slot.log is not None:
+            tail = slot.log.read_text(errors="replace").splitlines()[-6:]
+        self.self_exits.append(
+            {
+                "t": round(time.monotonic() - self._t0, 2),
+                "slot": slot.name,
+                "exit_code": code,
+                "was_ready": slot.ready,
+                "log": str(slot.log),
+                "last_lines": [line[:400] for line in tail],
+            }
+        )
+        await asyncio.sleep(0.5)  # a supervisor's restart delay
+        if not self.stopping and slot.proc is proc:
+            await self._spawn(slot)
+
+    def pick(self, rng: random.Random) -> Slot | None:
+        alive = [slot for slot in self.slots if slot.alive]
+        ready = [slot for slot in alive if slot.is_ready()]
+        choices = ready or alive
+        return rng.choice(choices) if choices else None
+
+    async def kill(self, slot: Slot) -> None:
+        proc = slot.proc
+        if proc is None or proc.returncode is not None:
+            return
+        self.killed_pids.add(proc.pid)
+        was_ready = slot.is_ready()
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+        self.kills.append(
+            {
+                "t": round(time.monotonic() - self._t0, 2),
+                "slot": slot.name,
+                "role": slot.role,
+                "was_ready": was_ready,
+            }
+        )
+        await self._spawn(slot)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        procs = [slot.proc for slot in self.slots if slot.alive]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()  # type: ignore[union-attr]
+
+        async def reap(proc: Any) -> None:
+            try:
+                await asyncio.wait_for(proc.wait(), 8.0)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+
+        await asyncio.gather(*(reap(proc) for proc in procs))
+        for task in list(self._watchers):
+            task.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+
+    def log_files(self) -> list[Path]:
+        return sorted(self.logs.glob("*.log"))
+
+
+async def kill_loop(fleet: Fleet, rng: random.Random, every: float, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every * rng.uniform(0.5, 1.5))
+        if stop.is_set():
+            return
+        slot = fleet.pick(rng)
+        if slot is not None:
+            await fleet.kill(slot)
+
+
+async def node_chaos(
+    nodes: list[NatsNode],
+    rng: random.Random,
+    *,
+    kill_at: float,
+    restart_at: float,
+    t0: float,
+    record: dict[str, Any],
+) -> None:
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, t0 + kill_at - loop.time()))
+    node = rng.choice(nodes)
+    await node.kill()
+    record["killed"] = {"node": node.name, "t": round(loop.time() - t0, 2)}
+    await asyncio.sleep(max(0.0, t0 + restart_at - loop.time()))
+    await node.start()
+    record["restarted"] = {"node": node.name, "t": round(loop.time() - t0, 2)}
+
+
+# ---------------------------------------------------------------------- workload
+
+
+@dataclass
+class Track:
+    """One request of the workload: what was planned, and what the client saw."""
+
+    id: str
+    level: str
+    at: float
+    prompt: str
+    options: dict[str, Any]
+    group: str | None = None
+    stream: bool = False
+    cancel_after: float | None = None
+    resubmit_after: float | None = None
+    request: InferenceRequest | None = None
+    submit_at: float | None = None
+    acked: bool = False
+    submit_errors: list[str] = field(default_factory=list)
+    first_duplicate: bool = False
+    outcome: str | None = None
+    resubmitted: bool = False
+    resubmit_duplicate: bool | None = None
+    resubmit_outcome: str | None = None
+    cancel_sent: bool = False
+    stream_text: str | None = None
+    stream_ended: bool = False
+    stream_restarts: int = 0
+    stream_error: str | None = None
+
+
+def make_workload(count: int, rate: float, rng: random.Random, run: str) -> list[Track]:
+    tracks: list[Track] = []
+    groups = 0
+    while len(tracks) < count:
+        at = len(tracks) / rate
+        if rng.random() < 0.06 and count - len(tracks) >= 2:
+            groups += 1
+            size = min(rng.randint(2, 4), count - len(tracks))
+            shared: dict[str, Any] = {"route": ROUTE, "max_tokens": rng.randint(4, 16)}
+            if rng.random() < 0.5:
+                shared["coalesce"] = True
+                label = f"coalesce-{groups}"
+            else:
+                shared["dedupe_key"] = f"{run}-dk-{groups}"
+                label = f"dedupe-{groups}"
+            for member in range(size):
+                tracks.append(
+                    Track(
+                        id=f"{run}-{len(tracks):05d}",
+                        level=rng.choices(LEVELS, LEVEL_WEIGHTS)[0],
+                        at=at + member * 0.05,
+                        prompt=f"a question asked {size} times ({label})",
+                        options=dict(shared),
+                        group=label,
+                        stream=rng.random() < 0.25,
+                        resubmit_after=rng.uniform(0.2, 4.0) if rng.random() < 0.05 else None,
+                    )
+                )
+            continue
+        options: dict[str, Any] = {"route": ROUTE, "max_tokens": rng.randint(4, 16)}
+        if rng.random() < 0.005:
+            options["route"] = "no-such-route"
+        if rng.random() < 0.04:
+            options["timeout"] = rng.uniform(1.0, 4.0)
+        index = len(tracks)
+        tracks.append(
+            Track(
+                id=f"{run}-{index:05d}",
+                level=rng.choices(LEVELS, LEVEL_WEIGHTS)[0],
+                at=at,
+                prompt=f"request {index}: say something",
+                options=options,
+                stream=rng.random() < 0.25,
+                cancel_after=rng.uniform(0.05, 2.5) if rng.random() < 0.03 else None,
+                resubmit_after=rng.uniform(0.2, 4.0) if rng.random() < 0.05 else None,
+            )
+        )
+    return tracks
+
+
+class Driver:
+    """Submits the workload through one ``renqueue.Client`` and follows what it sees."""
+
+    def __init__(self, client: Client, tracks: list[Track]) -> None:
+        self.client = client
+        self.tracks = tracks
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def run(self, t0: float) -> None:
+        """Play the schedule: submits, resubmits and cancels at their times."""
+        loop = asyncio.get_running_loop()
+        actions: list[tuple[float, int, str, Track]] = []
+        for track in self.tracks:
+            actions.append((track.at, 0, "submit", track))
+            if track.resubmit_after is not None:
+                actions.append((track.at + track.resubmit_after, 1, "resubmit", track))
+            if track.cancel_after is not None:
+                actions.append((track.at + track.cancel_after, 2, "cancel", track))
+        actions.sort(key=lambda a: (a[0], a[1], a[3].id))
+        for at, _, what, track in actions:
+            delay = t0 + at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if what == "submit":
+                self.spawn(self.submit(track))
+            elif what == "resubmit":
+                self.spawn(self.resubmit(track))
+            else:
+                self.spawn(self.cancel(track))
+
+    async def _publish(self, track: Track, request: InferenceRequest) -> Any:
+        """Submit until acked (the same id: idempotent), as a careful client would."""
+        delay = 0.2
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                return await self.client.submit_request(request)
+            except Exception as exc:  # noqa: BLE001 - any failure: retry, and count it
+                track.submit_errors.append(type(exc).__name__)
+                if time.monotonic() > deadline:
+                    return None
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+
+    async def submit(self, track: Track) -> None:
+        track.request = self.client.build_request(
+            track.prompt, priority=track.level, request_id=track.id, **track.options
+        )
+        track.submit_at = time.time()
+        handle = await self._publish(track, track.request)
+        if handle is None:
+            return
+        track.acked = True
+        track.first_duplicate = handle.duplicate
+        if track.stream:
+            self.spawn(self.follow(track, handle))
+        self.spawn(self.result(track, handle, resubmit=False))
+
+    async def resubmit(self, track: Track) -> None:
+        if track.request is None:
+            return
+        handle = await self._publish(track, track.request)
+        if handle is None:
+            return
+        track.resubmitted = True
+        track.resubmit_duplicate = handle.duplicate
+        self.spawn(self.result(track, handle, resubmit=True))
+
+    async def cancel(self, track: Track) -> None:
+        for _ in range(5):
+            try:
+                await self.client.handle(track.id).cancel("chaos benchmark")
+            except Exception:  # noqa: BLE001 - retried a few times
+                await asyncio.sleep(0.5)
+            else:
+                track.cancel_sent = True
+                return
+
+    async def result(self, track: Track, handle: Any, *, resubmit: bool) -> None:
+        try:
+            await handle.result()
+            outcome = "completed"
+        except RequestFailedError as exc:
+            outcome = exc.error_type or exc.code
+        except Exception as exc:  # noqa: BLE001 - recorded: what the client saw
+            outcome = f"error:{type(exc).__name__}"
+        if resubmit:
+            track.resubmit_outcome = outcome
+        else:
+            track.outcome = outcome
+
+    async def follow(self, track: Track, handle: Any) -> None:
+        parts: list[str] = []
+        try:
+            async for chunk in handle.stream():
+                if chunk.restart:
+                    parts.clear()
+                    track.stream_restarts += 1
+                parts.append(chunk.text)
+            track.stream_ended = True
+        except Exception as exc:  # noqa: BLE001 - recorded: what the follower saw
+            track.stream_error = f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            track.stream_text = "".join(parts)
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+# ------------------------------------------------------------------------- audit
+
+
+@dataclass(frozen=True)
+class Logged:
+    seq: int
+    at: float  # server timestamp (stored)
+    event: Event
+
+
+async def read_events(js: Any) -> dict[str, list[Logged]]:
+    """Every event of the benchmark's tenant, in log order, grouped by request id."""
+    for attempt in range(5):
+        try:
+            return await _read_events_once(js)
+        except Exception:
+            if attempt == 4:
+                raise
+            await asyncio.sleep(2.0)
+    raise AssertionError("unreachable")
+
+
+async def _read_events_once(js: Any) -> dict[str, list[Logged]]:
+    by_id: dict[str, list[Logged]] = {}
+    sub = await js.pull_subscribe(
+        f"rq.evt.{TENANT}.>",
+        stream=EVENTS_STREAM,
+        config=ConsumerConfig(
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.ALL,
+            inactive_threshold=30.0,
+            mem_storage=True,
+            num_replicas=1,
+        ),
+    )
+    try:
+        info = await sub.consumer_info()
+        pending = info.num_pending
+        while pending > 0:
+            msgs = await sub.fetch(batch=1000, timeout=5.0)
+            for msg in msgs:
+                meta = msg.metadata
+                pending = meta.num_pending
+                with contextlib.suppress(msgspec.DecodeError):
+                    event = EVENT_DECODER.decode(msg.data)
+                    rid = msg.subject.split(".")[3]
+                    by_id.setdefault(rid, []).append(
+                        Logged(seq=meta.sequence.stream, at=meta.timestamp.timestamp(), event=event)
+                    )
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return by_id
+
+
+async def stored(js: Any, stream: str, subject: str = ">", cap: int = 20000) -> list[Any]:
+    """The messages a stream still holds (by direct reads, so no consumer is made:
+    a work-queue stream refuses one that overlaps its own)."""
+    out = []
+    seq = 1
+    while len(out) < cap:
+        try:
+            msg = await js.get_msg(stream, seq=seq, subject=subject, next=True)
+        except NotFoundError:
+            break
+        out.append(msg)
+        seq = msg.seq + 1
+    return out
+
+
+def terminals(history: list[Logged]) -> list[Logged]:
+    return [item for item in history if kind_of(item.event) in TERMINAL_KINDS]
+
+
+def outcome_of(event: Event) -> str:
+    """The client's word for a terminal event: ``completed`` or its error type."""
+    if isinstance(event, Completed):
+        return "completed"
+    if isinstance(event, Rejected | Failed):
+        return event.error_type
+    return kind_of(event)
+
+
+def describe(history: list[Logged], t0: float | None) -> list[str]:
+    """A request's events, one short line each (time from the submit)."""
+    start = t0 if t0 is not None else (history[0].at if history else 0.0)
+    lines = []
+    for item in history:
+        e = item.event
+        details: list[str] = []
+        if isinstance(e, Routed):
+            details.append(f"backend={e.backend} attempt={e.attempt}")
+        if isinstance(e, Started):
+            details.append(f"backend={e.backend} attempt={e.attempt} run={e.delivery} {e.worker}")
+        if isinstance(e, Completed):
+            details.append(f"backend={e.backend} run={e.delivery}")
+            if e.shared_with:
+                details.append(f"shared_with={e.shared_with}")
+        if isinstance(e, Retrying):
+            details.append(f"backend={e.backend} run={e.delivery} {e.error_type}")
+        if isinstance(e, Preempted):
+            details.append(f"backend={e.backend} run={e.delivery} by={e.by}")
+        if isinstance(e, Stolen):
+            details.append(f"{e.from_backend}->{e.to_backend}")
+        if isinstance(e, Coalesced):
+            details.append(f"leader={e.leader}")
+        if isinstance(e, Failed | Rejected):
+            details.append(f"{e.error_type}: {e.reason[:80]}")
+        if isinstance(e, Expired | Cancelled):
+            details.append(f"stage={e.stage}")
+        lines.append(
+            f"{item.at - start:+8.2f}s  #{item.seq:<6} {kind_of(e):<16} {' '.join(details)}"
+        )
+    return lines
+
+
+async def audit(
+    js: Any,
+    tracks: list[Track],
+    mocks: dict[str, str],
+    fleet: Fleet,
+) -> dict[str, Any]:
+    events = await read_events(js)
+    by_id = {track.id: track for track in tracks}
+    acked = [track for track in tracks if track.acked]
+    lost = [t for t in acked if not terminals(events.get(t.id, []))]
+    duplicated = [t for t in acked if len(terminals(events.get(t.id, []))) > 1]
+    unacked = [t for t in tracks if not t.acked]
+    unacked_stored = [t.id for t in unacked if events.get(t.id)]
+    foreign = sorted(rid for rid in events if rid not in by_id)
+
+    kinds: Counter[str] = Counter()
+    error_types: Counter[str] = Counter()
+    latencies: list[float] = []
+    completed_latency: dict[str, list[float]] = {level: [] for level in LEVELS}
+    own_completed = shared_completed = stopped_running = 0
+    first_terminal: dict[str, Event] = {}
+    for track in acked:
+        ends = terminals(events.get(track.id, []))
+        if not ends:
+            continue
+        end = ends[0]
+        first_terminal[track.id] = end.event
+        kind = kind_of(end.event)
+        kinds[kind] += 1
+        if isinstance(end.event, Failed | Rejected):
+            error_types[f"{kind}:{end.event.error_type}"] += 1
+        if isinstance(end.event, Expired | Cancelled):
+            error_types[f"{kind}:{end.event.stage}"] += 1
+            if end.event.stage == "running":
+                stopped_running += 1
+        if isinstance(end.event, Completed):
+            if end.event.shared_with:
+                shared_completed += 1
+            else:
+                own_completed += 1
+        if track.submit_at is not None:
+            latency = end.at - track.submit_at
+            latencies.append(latency)
+            if isinstance(end.event, Completed):
+                completed_latency[track.level].append(latency)
+
+    every = [item.event for history in events.values() for item in history]
+    count_of: Counter[str] = Counter(kind_of(e) for e in every)
+    runs_per_request = Counter(
+        sum(1 for item in events.get(t.id, []) if isinstance(item.event, Started)) for t in acked
+    )
+
+    # Backend calls against the calls the outcomes needed.
+    stats = {name: await mock_stats(url) for name, url in mocks.items()}
+    calls = sum(s["requests"] for s in stats.values())
+    full = sum(s["completed"] for s in stats.values())
+    injected = sum(s["failed"] for s in stats.values())
+    busy = sum(s["busy"] for s in stats.values())
+    needed = own_completed + injected + count_of["preempted"] + stopped_running
+    backend = {
+        "calls": calls,
+        "full_generations": full,
+        "cut_off": sum(s["disconnects"] for s in stats.values()),
+        "injected_failures": injected,
+        "busy_429_over_limit": busy,
+        "needed": needed,
+        "needed_detail": {
+            "own_completions": own_completed,
+            "injected_failures": injected,
+            "preempted_runs": count_of["preempted"],
+            "stopped_running_by_cancel_or_deadline": stopped_running,
+        },
+        "extra_calls": calls - needed,
+        "repeated_full_generations": full - own_completed,
+        "coalesced_followers_completed": shared_completed,
+        "per_backend": {
+            name: {k: s[k] for k in ("requests", "completed", "failed", "busy", "disconnects")}
+            | {"max_in_flight_seen": s["max_in_flight_seen"]}
+            for name, s in stats.items()
+        },
+    }
+
+    # Streamed followers: their text against the completed text.
+    streamed = [t for t in acked if t.stream]
+    stream_report: Counter[str] = Counter()
+    stream_examples: dict[str, list[dict[str, Any]]] = {"mismatched": [], "hung": []}
+    for track in streamed:
+        end_event = first_terminal.get(track.id)
+        if track.stream_error is not None:
+            stream_report["error"] += 1
+            if len(stream_examples["hung"]) < 3:
+                stream_examples["hung"].append({"id": track.id, "error": track.stream_error})
+        elif not track.stream_ended and end_event is None:
+            stream_report["hung, request lost"] += 1
+        elif not track.stream_ended:
+            final_stored = await final_chunk_stored(js, track.id)
+            stream_report[
+                "hung, final chunk stored" if final_stored else "hung, no final chunk stored"
+            ] += 1
+            if len(stream_examples["hung"]) < 3:
+                stream_examples["hung"].append(
+                    {
+                        "id": track.id,
+                        "final_chunk_stored": final_stored,
+                        "terminal": None if end_event is None else kind_of(end_event),
+                        "text_so_far": (track.stream_text or "")[:120],
+                    }
+                )
+        elif isinstance(end_event, Completed):
+            if track.stream_text == end_event.text:
+                stream_report["matched"] += 1
+            else:
+                stream_report["mismatched"] += 1
+                if len(stream_examples["mismatched"]) < 3:
+                    stream_examples["mismatched"].append(
+                        {
+                            "id": track.id,
+                            "streamed": (track.stream_text or "")[:200],
+                            "completed": end_event.text[:200],
+                            "restarts": track.stream_restarts,
+                        }
+                    )
+        else:
+            stream_report["ended_not_completed"] += 1
+
+    # What the client saw against the log.
+    stranded_first = [t for t in acked if t.outcome is None and t.id in first_terminal]
+    stranded_resubmit = [
+        t for t in acked if t.resubmitted and t.resubmit_outcome is None and t.id in first_terminal
+    ]
+    disagree = [
+        t
+        for t in acked
+        if t.id in first_terminal
+        and any(
+            seen is not None and seen != outcome_of(first_terminal[t.id])
+            for seen in (t.outcome, t.resubmit_outcome)
+        )
+    ]
+
+    # Work left in the queues, and where the lost requests are.
+    left_requests = await stored(js, REQUESTS_STREAM, "rq.req.>")
+    left_dispatch = await stored(js, DISPATCH_STREAM, "rq.dispatch.>")
+    advisories = await stored(js, ADVISORIES_STREAM)
+    exhausted: set[tuple[str, int]] = set()
+    for msg in advisories:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            body = json.loads(msg.data)
+            exhausted.add((body["stream"], int(body["stream_seq"])))
+    where: dict[str, list[str]] = {}
+    for msg in left_requests:
+        with contextlib.suppress(msgspec.DecodeError):
+            rid = REQUEST_DECODER.decode(msg.data).id
+            note = f"in {REQUESTS_STREAM} #{msg.seq}"
+            if (REQUESTS_STREAM, msg.seq) in exhausted:
+                note += " (max_deliver used up: advisory)"
+            where.setdefault(rid, []).append(note)
+    for msg in left_dispatch:
+        with contextlib.suppress(msgspec.DecodeError):
+            dispatch = DISPATCH_DECODER.decode(msg.data)
+            note = f"in {DISPATCH_STREAM} #{msg.seq} ({dispatch.backend})"
+            if (DISPATCH_STREAM, msg.seq) in exhausted:
+                note += " (max_deliver used up: advisory)"
+            where.setdefault(dispatch.request.id, []).append(note)
+    dlq = (await js.stream_info(DLQ_STREAM)).state.messages
+
+    lost_ids = {t.id for t in lost}
+    lost_where: Counter[str] = Counter()
+    for track in lost:
+        notes = where.get(track.id, [])
+        leaders = [
+            i.event.leader for i in events.get(track.id, []) if isinstance(i.event, Coalesced)
+        ]
+        if not notes and leaders:
+            leader = leaders[-1]
+            ended = first_terminal.get(leader)
+            fate = "lost" if leader in lost_ids else ("ended " + kind_of(ended) if ended else "?")
+            lost_where[f"coalesced follower, leader {fate}"] += 1
+        elif not notes:
+            lost_where["in no work queue"] += 1
+        for note in notes:
+            stream = note.split()[1]
+            lost_where[
+                f"{stream}, deliveries used up" if "advisory" in note else f"{stream}, waiting"
+            ] += 1
+
+    def example(track: Track) -> dict[str, Any]:
+        history = events.get(track.id, [])
+        return {
+            "id": track.id,
+            "level": track.level,
+            "group": track.group,
+            "resubmitted": track.resubmitted,
+            "cancel_sent": track.cancel_sent,
+            "client_outcome": track.outcome,
+            "client_resubmit_outcome": track.resubmit_outcome,
+            "where": where.get(track.id, []),
+            "events": describe(history, track.submit_at),
+        }
+
+    return {
+        "submitted": len(acked),
+        "planned": len(tracks),
+        "unacked": len(unacked),
+        "unacked_but_stored": unacked_stored,
+        "submit_retries": sum(len(t.submit_errors) for t in tracks),
+        "submit_errors": dict(Counter(e for t in tracks for e in t.submit_errors)),
+        "resubmits": sum(1 for t in acked if t.resubmitted),
+        "coalesce_groups": len({t.group for t in acked if t.group}),
+        "in_groups": sum(1 for t in acked if t.group),
+        "streamed": len(streamed),
+        "cancels_sent": sum(1 for t in acked if t.cancel_sent),
+        "lost": len(lost),
+        "lost_where": dict(lost_where),
+        "duplicated": len(duplicated),
+        "terminal_kinds": dict(kinds),
+        "error_types": dict(error_types),
+        "events_by_kind": dict(count_of),
+        "runs_per_request": {str(k): v for k, v in sorted(runs_per_request.items())},
+        "foreign_ids_in_log": foreign[:20],
+        "backend": backend,
+        "latency": {
+            "count": len(latencies),
+            "p50": percentile(latencies, 50),
+            "p95": percentile(latencies, 95),
+            "max": max(latencies, default=float("nan")),
+            "completed_by_level": {
+                level: {
+                    "n": len(values),
+                    "p50": percentile(values, 50),
+                    "p95": percentile(values, 95),
+                }
+                for level, values in completed_latency.items()
+            },
+        },
+        "streams": dict(stream_report),
+        "client": {
+            "stranded_handles": len(stranded_first),
+            "stranded_resubmit_handles": len(stranded_resubmit),
+            "stranded_first_handles_of_resubmitted": sum(
+                1 for t in stranded_first if t.resubmitted
+            ),
+            "disagree_with_log": len(disagree),
+        },
+        "left": {
+            REQUESTS_STREAM: len(left_requests),
+            DISPATCH_STREAM: len(left_dispatch),
+            DLQ_STREAM: dlq,
+            "max_deliveries_advisories": len(advisories),
+        },
+        "processes": {
+            "spawned": fleet.spawned,
+            "kills": len(fleet.kills),
+            "kills_by_role": dict(Counter(k["role"] for k in fleet.kills)),
+            "kills_while_starting": sum(1 for k in fleet.kills if not k["was_ready"]),
+            "self_exits": fleet.self_exits,
+            "log_problems": log_problems(fleet.log_files()),
+        },
+        "lost_ids": [t.id for t in lost],
+        "duplicated_ids": [t.id for t in duplicated],
+        "stranded_ids": [t.id for t in stranded_first],
+        "examples": {
+            "lost": [example(t) for t in lost[:3]],
+            "duplicated": [example(t) for t in duplicated[:3]],
+            "stranded_handle": [example(t) for t in stranded_first[:2]],
+            "client_disagrees": [example(t) for t in disagree[:2]],
+            "stream_hung": stream_examples["hung"],
+            "stream_mismatched": stream_examples["mismatched"],
+        },
+    }
+
+
+async def final_chunk_stored(js: Any, request_id: str) -> bool:
+    try:
+        last = await js.get_last_msg(TOKENS_STREAM, token_subject(TENANT, request_id))
+    except Exception:  # noqa: BLE001 - none stored, or unreadable: not stored
+        return False
+    try:
+        return bool(TOKEN_DECODER.decode(last.data).final)
+    except msgspec.DecodeError:
+        return False
+
+
+def log_problems(files: list[Path]) -> dict[str, int]:
+    """Warnings and errors the service processes logged, by message; non-JSON lines
+    (tracebacks) counted apart."""
+    found: Counter[str] = Counter()
+    for path in files:
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                if line.strip():
+                    found["(non-JSON line: traceback or crash output)"] += 1
+                continue
+            if not isinstance(entry, dict):
+                continue
+            level = entry.get("level", "")
+            if level in {"warning", "error", "critical", "exception"}:
+                text = str(entry.get("event", ""))
+                if entry.get("error"):
+                    text += f" [{str(entry['error'])[:70]}]"
+                found[f"{level}: {text}"] += 1
+    return dict(found.most_common(15))
+
+
+# --------------------------------------------------------------------------- run
+
+
+async def wait_for_tail(
+    js: Any, tracks: list[Track], live: set[str], driver: Driver, bound: float
+) -> float:
+    """Wait until every acked request has a terminal event and the client has seen it,
+    at most ``bound`` seconds; the time waited."""
+    started = time.monotonic()
+    deadline = started + bound
+    next_audit = started + 10.0
+    ended: set[str] = set()
+    while time.monotonic() < deadline:
+        ended |= live
+        acked = [t for t in tracks if t.acked]
+        waiting = [t for t in acked if t.id not in ended]
+        if not waiting:
+            break
+        if time.monotonic() >= next_audit:
+            with contextlib.suppress(Exception):
+                events = await read_events(js)
+                ended |= {rid for rid, history in events.items() if terminals(history)}
+            next_audit = time.monotonic() + 10.0
+        await asyncio.sleep(0.5)
+    # The log is done (or the bound is reached): give the client's handles and
+    # streams a moment to see it.
+    grace = min(10.0, max(2.0, deadline - time.monotonic()))
+    if driver.tasks:
+        await asyncio.wait(set(driver.tasks), timeout=grace)
+    return time.monotonic() - started
+
+
+async def run_setting(
+    setting: Setting, plan: Plan, *, seed: int, keep: bool, out: Path
+) -> dict[str, Any]:
+    rng = random.Random(seed)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    workdir = Path(tempfile.mkdtemp(prefix=f"rq-chaos-{setting.name}-"))
+    report: dict[str, Any] = {
+        "benchmark": "chaos",
+        "setting": setting.name,
+        "about": setting.about,
+        "timestamp": stamp,
+        "plan": plan.__dict__,
+        "seed": seed,
+        "settings": setting.__dict__,
+        "machine": machine_info(),
+        "workdir": str(workdir) if keep else None,
+    }
+    print(f"\n== chaos {setting.name}: {setting.about}", flush=True)
+    print(
+        f"   {plan.requests} requests at {plan.rate:g}/s, a kill -9 every ~{setting.kill_every:g}s"
+        f", tail bound {plan.tail:g}s, work dir {workdir}",
+        flush=True,
+    )
+    started = time.monotonic()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            nodes = await stack.enter_async_context(nats_servers(setting, workdir))
+            url = ",".join(node.url for node in nodes)
+            mocks: dict[str, str] = {}
+            for index, backend in enumerate(BACKENDS):
+                mock_url, _pid = await stack.enter_async_context(
+                    mock_process(
+                        ttft=0.05,
+                        output_tokens=24,
+                        tokens_per_second=setting.tokens_per_second,
+                        failure_rate=backend.failure_rate,
+                        concurrency=backend.slots,
+                        seed=seed + index,
+                    )
+                )
+                mocks[backend.name] = mock_url
+            config_file = workdir / "renqueue.toml"
+            config_file.write_text(config_text(setting, url, mocks))
+            report["config_toml"] = config_file.read_text()
+            config = load_config(config_file, environ={})
+
+            nc = await connect(url, name="chaos-harness", config=config.nats)
+            stack.push_async_callback(nc.close)
+            await until_jetstream_answers(nc)
+            await provision_with_retries(nc, config)
+            js = nc.jetstream()
+
+            fleet = Fleet(config_file, url, workdir / "logs")
+            stack.push_async_callback(fleet.stop)
+            await fleet.start()
+            print(f"   up: {len(nodes)} nats node(s), {len(fleet.slots)} services", flush=True)
+
+            live: set[str] = set()
+
+            async def on_event(msg: Any) -> None:
+                parts = msg.subject.split(".")
+                if len(parts) == 5 and parts[4] in TERMINAL_KINDS:
+                    live.add(parts[3])
+
+            await nc.subscribe(f"rq.evt.{TENANT}.*.*", cb=on_event)
+
+            run_tag = f"{setting.name[:1]}{stamp[-7:-1]}"
+            tracks = make_workload(plan.requests, plan.rate, rng, run_tag)
+            client_nc = await connect(url, name="chaos-client", config=config.nats)
+            stack.push_async_callback(client_nc.close)
+            client = Client(client_nc, tenant=TENANT)
+            driver = Driver(client, tracks)
+            loop = asyncio.get_running_loop()
+            stop_kills = asyncio.Event()
+            node_record: dict[str, Any] = {}
+            t0 = loop.time() + 0.5
+            window = tracks[-1].at
+            killer = asyncio.create_task(
+                kill_loop(fleet, random.Random(seed + 100), setting.kill_every, stop_kills)
+            )
+            node_task = None
+            if setting.kill_node:
+                node_task = asyncio.create_task(
+                    node_chaos(
+                        nodes,
+                        random.Random(seed + 200),
+                        kill_at=window / 3,
+                        restart_at=2 * window / 3,
+                        t0=t0,
+                        record=node_record,
+                    )
+                )
+            try:
+                await driver.run(t0)
+                arrivals = loop.time() - t0
+                print(
+                    f"   arrivals done in {arrivals:.1f}s, {len(fleet.kills)} kills; waiting for"
+                    " the tail",
+                    flush=True,
+                )
+            finally:
+                stop_kills.set()
+                await killer
+                if node_task is not None:
+                    await node_task
+            tail = await wait_for_tail(js, tracks, live, driver, plan.tail)
+            await driver.close()
+            await client.close()
+            result = await audit(js, tracks, mocks, fleet)
+            result["arrival_seconds"] = round(arrivals, 2)
+            result["tail_seconds"] = round(tail, 2)
+            result["node_chaos"] = node_record
+            report.update(result)
+    finally:
+        report["total_seconds"] = round(time.monotonic() - started, 1)
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    write_json(
+        report, out, f"chaos-{setting.name}-{stamp}.json", f"chaos-{setting.name}-latest.json"
+    )
+    return report
+
+
+def write_json(report: dict[str, Any], out: Path, *names: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(report, indent=2, default=str) + "\n"
+    for name in names:
+        (out / name).write_text(text)
+
+
+# ------------------------------------------------------------------------ report
+
+
+def _seconds(value: float) -> str:
+    return "-" if value != value else f"{value:.2f}s"  # NaN: no values
+
+
+def print_report(report: dict[str, Any]) -> None:
+    name = report["setting"]
+    if "submitted" not in report:
+        print(f"chaos {name}: did not complete (see above)")
+        return
+    p = report["processes"]
+    node = report.get("node_chaos") or {}
+    print(f"\nchaos {name}: {report['about']}")
+    print(
+        f"  submitted {report['submitted']} in {report['arrival_seconds']}s "
+        f"(resubmits {report['resubmits']}, {report['in_groups']} in {report['coalesce_groups']}"
+        f" coalescing groups, streamed {report['streamed']}, cancels {report['cancels_sent']}); "
+        f"unacked {report['unacked']}, submit retries {report['submit_retries']} "
+        f"{report['submit_errors'] or ''}"
+    )
+    print(
+        f"  kills {p['kills']} {p['kills_by_role']} ({p['kills_while_starting']} while starting), "
+        f"self-exits {len(p['self_exits'])}"
+        + (
+            f"; nats node {node['killed']['node']} killed at {node['killed']['t']}s"
+            + (f", restarted at {node['restarted']['t']}s" if "restarted" in node else "")
+            if "killed" in node
+            else ""
+        )
+        + f"; tail {report['tail_seconds']}s"
+    )
+    print(f"  LOST {report['lost']}  DUPLICATED {report['duplicated']}", end="")
+    print(f"  (lost: {report['lost_where']})" if report["lost"] else "")
+    print(f"  terminal: {report['terminal_kinds']}")
+    print(f"  error types: {report['error_types']}")
+    b = report["backend"]
+    print(
+        f"  backend calls {b['calls']}, needed {b['needed']} {b['needed_detail']}; "
+        f"extra {b['extra_calls']} (repeated full generations {b['repeated_full_generations']}, "
+        f"cut off {b['cut_off']}, over-limit 429s {b['busy_429_over_limit']}); coalesced "
+        f"followers served without a call {b['coalesced_followers_completed']}"
+    )
+    lat = report["latency"]
+    by_level = " ".join(
+        f"{level} {_seconds(v['p95'])}" for level, v in lat["completed_by_level"].items() if v["n"]
+    )
+    print(
+        f"  latency submit->terminal p50 {_seconds(lat['p50'])} p95 {_seconds(lat['p95'])} "
+        f"max {_seconds(lat['max'])}; completed p95 by level: {by_level}"
+    )
+    print(f"  streams ({report['streamed']}): {report['streams']}")
+    c = report["client"]
+    print(
+        f"  client handles never resolved although the log has a terminal: {c['stranded_handles']}"
+        f" first handles ({c['stranded_first_handles_of_resubmitted']} of them resubmitted), "
+        f"{c['stranded_resubmit_handles']} resubmit handles; outcome differs from the log: "
+        f"{c['disagree_with_log']}"
+    )
+    print(f"  left: {report['left']}; runs per request {report['runs_per_request']}")
+    if p["log_problems"]:
+        top = list(p["log_problems"].items())[:6]
+        print("  service logs: " + "; ".join(f"{n}x {text}" for text, n in top))
+    for exit_ in p["self_exits"][:3]:
+        last = exit_["last_lines"][-1] if exit_["last_lines"] else ""
+        print(f"  self-exit {exit_['slot']} code {exit_['exit_code']} at {exit_['t']}s: {last}")
+    for kind, examples in report["examples"].items():
+        for example in examples[:2]:
+            brief = {k: v for k, v in example.items() if k != "events"}
+            print(f"  example ({kind}): {json.dumps(brief)}")
+            for line in example.get("events", []):
+                print(f"      {line}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
+    parser.add_argument("--setting", choices=[*SETTINGS, "all"], default="all")
+    parser.add_argument("--requests", type=int, help="requests per setting (1000; quick 150)")
+    parser.add_argument("--rate", type=float, help="arrivals per second (15; quick 10)")
+    parser.add_argument("--quick", action="store_true", help="a ~1-minute smoke run per setting")
+    parser.add_argument("--seed", type=int, default=6)
+    parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, stores)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
+    args = parser.parse_args()
+    # The harness's own warnings (a client reconnecting while a node is down) are
+    # expected here; the services' logs are summarised in the report.
+    configure_logging(level="ERROR")
+    names = list(SETTINGS) if args.setting == "all" else [args.setting]
+    reports = []
+    for name in names:
+        setting = SETTINGS[name]
+        plan = plan_for(setting, quick=args.quick, requests=args.requests, rate=args.rate)
+        try:
+            report = asyncio.run(
+                run_setting(setting, plan, seed=args.seed, keep=args.keep, out=args.out)
+            )
+        except Exception:  # noqa: BLE001 - the other settings still run
+            traceback.print_exc()
+            report = {"setting": name}
+        print_report(report)
+        reports.append(report)
+    print()
+    failed = False
+    for report in reports:
+        ok = report.get("lost") == 0 and report.get("duplicated") == 0
+        failed |= not ok
+        print(
+            f"chaos {report['setting']}: lost {report.get('lost', '?')}, duplicated "
+            f"{report.get('duplicated', '?')} -> {'OK' if ok else 'FAIL'}"
+        )
+    path = args.out / f"chaos-{names[-1]}-latest.json"
+    print(f"JSON: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
