@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -35,7 +36,7 @@ import msgspec
 
 from .config import Config, load_config
 from .errors import ConfigError, RenQueueError, RequestFailedError
-from .logs import configure_logging
+from .logs import configure_logging, get_logger
 
 __all__ = ["main"]
 
@@ -336,12 +337,25 @@ def _add_tool_commands(sub: Any) -> None:
     cmd.set_defaults(run=_demo)
 
 
+_SERVICE_COMMANDS = frozenset({"up", "router", "worker"})
+
+
+def _has_config_file(path: str | None) -> bool:
+    """Whether ``load_config`` read a file (it falls back to the defaults silently)."""
+    return bool(path or os.environ.get("RENQUEUE_CONFIG")) or os.path.exists("renqueue.toml")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     quiet = args.command == "demo"  # the demo's terminal display is its output
     configure_logging(level=args.log_level or ("ERROR" if quiet else "INFO"), json=args.log_json)
     try:
         config = _with_nats(load_config(args.config), args.nats)
+        if args.command in _SERVICE_COMMANDS and not _has_config_file(args.config):
+            get_logger(__name__).warning(
+                "no config file (./renqueue.toml not found, no -c or $RENQUEUE_CONFIG): "
+                "running with the defaults, which have no backends and no routes"
+            )
         result = args.run(config, args)
         if asyncio.iscoroutine(result):
             asyncio.run(result)

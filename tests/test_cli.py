@@ -216,3 +216,26 @@ async def test_the_demo_brings_every_request_to_a_terminal_state(
     assert "OK: 30/30 requests reached a terminal state" in out
     assert "unknown route -> unknown_route" in out
     assert "429s the providers sent us: {'local-small': 0" in out
+
+
+async def test_up_without_a_config_file_says_so(tmp_path: Path) -> None:
+    """Issue #6 item 27: `up` with no config file names what it runs with."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "renqueue", "up",
+        cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "RENQUEUE_CONFIG": "", "RENQUEUE_DATA_DIR": str(tmp_path / "data")},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        async with asyncio.timeout(60):
+            while not any("no backends configured" in line for line in lines):
+                line = (await proc.stdout.readline()).decode()
+                assert line, "".join(lines)
+                lines.append(line)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.communicate(), 30)
+    text = "".join(lines)
+    assert "no config file (./renqueue.toml not found" in text, text
+    assert "no routes configured" in text, text
