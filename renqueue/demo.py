@@ -140,9 +140,9 @@ def _percentile(values: list[float], pct: float) -> float:
 
 
 RESTART_LEGEND = (
-    "  [restart] = the run streaming this request was interrupted (preempted by a more\n"
-    "  urgent request, or retried after a backend error) and a new run began; the text\n"
-    "  after the marker replaces the text before it."
+    "  [restart] = a new run of the request began here: the run before it was preempted\n"
+    "  by a more urgent request, failed and was retried, or lost its worker. The text\n"
+    "  after the marker replaces the text before it (a client drops the older run's)."
 )
 
 
