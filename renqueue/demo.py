@@ -139,7 +139,7 @@ def _percentile(values: list[float], pct: float) -> float:
     return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
 
 
-RESTART_LEGEND = (
+_RESTART_LEGEND = (
     "  [restart] = a new run of the request began here: the run before it was preempted\n"
     "  by a more urgent request, failed and was retried, or lost its worker. The text\n"
     "  after the marker replaces the text before it (a client drops the older run's)."
@@ -149,7 +149,7 @@ RESTART_LEGEND = (
 async def _stream_live(handle: RequestHandle, label: str, *, legend: bool) -> bool:
     """Print the request's tokens as they come, then what happened to it.
 
-    Prints :data:`RESTART_LEGEND` under the first stream with a restart unless
+    Prints :data:`_RESTART_LEGEND` under the first stream with a restart unless
     ``legend`` is False (it was printed already); returns whether it was printed.
     """
     print(f"\n  [{label}] ", end="", flush=True)
@@ -164,7 +164,7 @@ async def _stream_live(handle: RequestHandle, label: str, *, legend: bool) -> bo
         await handle.result(timeout=10)
     print(f"    {_history(await handle.events())}")
     if restarted and legend:
-        print(RESTART_LEGEND)
+        print(_RESTART_LEGEND)
         return True
     return False
 

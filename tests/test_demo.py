@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from renqueue import Client, Services, parse_config
-from renqueue.demo import RESTART_LEGEND, _stream_live
+from renqueue.demo import _RESTART_LEGEND, _stream_live
 from renqueue.mockbackend import MockBackend, MockSettings
 
 
@@ -40,7 +40,7 @@ async def test_a_restarted_stream_is_marked_explained_once_and_its_history_shown
     assert lines[2] == (
         "    ran on b1 -> call failed (backend_unavailable), retried -> ran on b1 -> completed"
     )
-    assert "\n".join(lines[3:6]) == RESTART_LEGEND
+    assert "\n".join(lines[3:6]) == _RESTART_LEGEND
     assert lines[7] == "  [normal chat] tok0 tok1 tok2 tok3"
     assert lines[8] == "    ran on b1 -> completed"
     assert out.count("[restart] =") == 1
