@@ -4,8 +4,9 @@ Starts an embedded nats-server (in a temporary data dir), four mock backends
 standing in for a small local model, a large local model with few slots, a
 free API with a low request limit and a paid API, the router and the workers;
 submits a mixed workload across priorities and routes (a few requests
-streamed live to the terminal, a progress line for the rest) and prints what
-happened: per backend requests, tokens and cost; per priority latency; failures.
+streamed live to the terminal, each followed by what happened to it, and a
+progress line for the rest) and prints what happened: per backend requests,
+tokens, cost and the 429s the provider sent; per priority latency; failures.
 Returns True only if every request reached a terminal state.
 """
 
@@ -24,6 +25,18 @@ from typing import Any
 from .client import Client, RequestHandle, Result
 from .config import Config, parse_config
 from .errors import RequestFailedError
+from .messages import (
+    Cancelled,
+    Coalesced,
+    Completed,
+    Event,
+    Expired,
+    Failed,
+    Preempted,
+    Retrying,
+    Started,
+    kind_of,
+)
 from .mockbackend import MockBackend, MockSettings
 from .service import Services
 
@@ -59,6 +72,14 @@ _BACKENDS: dict[str, tuple[MockSettings, dict[str, Any]]] = {
             "limits": {"concurrency": 4},
         },
     ),
+}
+
+#: name -> what it stands for, shown at the start.
+_ROLES = {
+    "local-small": "a small model on our own GPU, 8 slots",
+    "local-large": "a large model on our own GPU, 2 slots",
+    "free-api": "a free API tier, 4 slots, 30 requests/min declared (it allows 40)",
+    "paid-api": "a paid API, 4 slots, $0.15 / $0.60 per million tokens in / out",
 }
 
 _ROUTES = {
@@ -118,13 +139,58 @@ def _percentile(values: list[float], pct: float) -> float:
     return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
 
 
-async def _stream_live(handle: RequestHandle, label: str) -> None:
+_RESTART_LEGEND = (
+    "  [restart] = a new run of the request began here: the run before it was preempted\n"
+    "  by a more urgent request, failed and was retried, or lost its worker. The text\n"
+    "  after the marker replaces the text before it (a client drops the older run's)."
+)
+
+
+async def _stream_live(handle: RequestHandle, label: str, *, legend: bool) -> bool:
+    """Print the request's tokens as they come, then what happened to it.
+
+    Prints :data:`_RESTART_LEGEND` under the first stream with a restart unless
+    ``legend`` is False (it was printed already); returns whether it was printed.
+    """
     print(f"\n  [{label}] ", end="", flush=True)
+    restarted = False
     async for chunk in handle.stream(timeout=30):
         if chunk.restart:
+            restarted = True
             print(" [restart] ", end="")
         print(chunk.text, end="", flush=True)
     print()
+    with contextlib.suppress(RequestFailedError):
+        await handle.result(timeout=10)
+    print(f"    {_history(await handle.events())}")
+    if restarted and legend:
+        print(_RESTART_LEGEND)
+        return True
+    return False
+
+
+def _history(events: list[Event]) -> str:
+    """A request's runs in a few words: where it ran, why a run ended, how it ended."""
+    steps: list[str] = []
+    for event in events:
+        match event:
+            case Started(backend=backend):
+                steps.append(f"ran on {backend}")
+            case Coalesced():
+                steps.append("shared the call of an identical request")
+            case Preempted():
+                steps.append("preempted (its slot went to a more urgent request)")
+            case Retrying(error_type=error_type):
+                steps.append(f"call failed ({error_type}), retried")
+            case Completed():
+                steps.append("completed")
+            case Failed(error_type=error_type):
+                steps.append(f"failed ({error_type})")
+            case Expired() | Cancelled():
+                steps.append(kind_of(event))
+            case _:
+                pass
+    return " -> ".join(steps) or "no run recorded"
 
 
 async def run_demo(*, requests: int = 200, seed: int = 7) -> bool:
@@ -134,17 +200,26 @@ async def run_demo(*, requests: int = 200, seed: int = 7) -> bool:
         async with _mock_backends() as mocks:
             config = demo_config({n: m.url for n, m in mocks.items()}, data_dir)
             print("Ren-Queue demo")
-            print(f"  backends: {', '.join(f'{n} ({m.url})' for n, m in mocks.items())}")
+            print("  backends (mock servers speaking the OpenAI API):")
+            for name, mock in mocks.items():
+                print(f"    {name:<12} {mock.url:<28} {_ROLES[name]}")
+            routes = "; ".join(f"{n} -> {', '.join(b)}" for n, b in _ROUTES.items())
+            print(f"  routes (cheapest first): {routes}")
             async with Services(config) as services:
                 print(f"  embedded NATS at {services.url}")
                 async with await Client.connect(services.url, tenant="demo") as client:
-                    ok = await _run(client, config, requests, rng, out)
-            throttled = {name: mock.stats().rate_limited for name, mock in mocks.items()}
-            print(f"  429s the providers sent us: {throttled}")
-            return ok
+                    return await _run(client, config, requests, rng, out, mocks=mocks)
 
 
-async def _run(client: Client, config: Config, count: int, rng: random.Random, out: Any) -> bool:
+async def _run(
+    client: Client,
+    config: Config,
+    count: int,
+    rng: random.Random,
+    out: Any,
+    *,
+    mocks: dict[str, MockBackend],
+) -> bool:
     work = _workload(count, rng)
     started = time.monotonic()
     prompts = [rng.choice(_PROMPTS) for _ in work]
@@ -177,19 +252,24 @@ async def _run(client: Client, config: Config, count: int, rng: random.Random, o
 
     print("\nStreaming three requests live (critical first, batch waits its turn):")
     live = [next(s for s in submitted if s[0] == level) for level in ("critical", "high", "batch")]
+    legend = True
     for priority, route, _t, handle in live:
-        await _stream_live(handle, f"{priority} {route}")
+        if await _stream_live(handle, f"{priority} {route}", legend=legend):
+            legend = False
 
-    progress = asyncio.create_task(_progress(results, count, out))
+    print("\nThe rest:")
+    progress = _Progress(count, out)
+    ticker = asyncio.create_task(progress.tick(results))
     timed_out = False
     try:
         await asyncio.wait_for(asyncio.gather(*waiters), timeout=55)
     except TimeoutError:
         timed_out = True
     finally:
-        progress.cancel()
+        ticker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await progress
+            await ticker
+        progress.show(len(results), last=True)
     rejected = None
     try:
         await bad.result(timeout=10)
@@ -197,6 +277,7 @@ async def _run(client: Client, config: Config, count: int, rng: random.Random, o
         rejected = exc
     _summary(
         config,
+        throttled={name: mock.stats().rate_limited for name, mock in mocks.items()},
         results=results,
         latencies=latencies,
         total=count,
@@ -209,23 +290,37 @@ async def _run(client: Client, config: Config, count: int, rng: random.Random, o
     return complete
 
 
-async def _progress(results: dict[str, Any], total: int, out: Any) -> None:
-    tty = out.isatty()
-    last = -1
-    while True:
-        done = len(results)
-        if tty:
-            bar = "#" * (30 * done // total)
-            print(f"\r  progress [{bar:<30}] {done}/{total}", end="", flush=True)
-        elif done != last and (done - last >= total // 10 or done == total):
-            print(f"  progress {done}/{total}", flush=True)
-            last = done
-        await asyncio.sleep(0.2)
+class _Progress:
+    """How many requests ended: a bar redrawn in place on a terminal, else a
+    line per tenth. The last call (``last=True``, once every wait is over)
+    always shows the final count, so the display ends where the run did."""
+
+    def __init__(self, total: int, out: Any) -> None:
+        self._total = total
+        self._out = out
+        self._tty = bool(out.isatty())
+        self._shown = -1
+
+    async def tick(self, results: dict[str, Any]) -> None:
+        while True:
+            self.show(len(results))
+            await asyncio.sleep(0.2)
+
+    def show(self, done: int, *, last: bool = False) -> None:
+        total = self._total
+        if self._tty:
+            bar = "#" * (30 * done // max(total, 1))
+            end = "\n" if last else ""
+            print(f"\r  progress [{bar:<30}] {done}/{total}", end=end, file=self._out, flush=True)
+        elif done != self._shown and (last or done - self._shown >= total // 10):
+            print(f"  progress {done}/{total}", file=self._out, flush=True)
+            self._shown = done
 
 
 def _summary(
     config: Config,
     *,
+    throttled: dict[str, int],
     results: dict[str, Result | RequestFailedError],
     latencies: dict[str, list[float]],
     total: int,
@@ -244,21 +339,32 @@ def _summary(
             cost[outcome.backend] += outcome.cost
         else:
             failures[outcome.error_type] += 1
-    print(f"\n\nSummary ({total} requests in {elapsed:.1f}s)")
-    print(f"  {'backend':<12} {'requests':>8} {'tokens in':>10} {'tokens out':>10} {'cost $':>10}")
+    print(f"\nSummary ({total} requests in {elapsed:.1f}s)")
+    print(
+        f"  {'backend':<12} {'requests':>8} {'tokens in':>10} {'tokens out':>10} {'cost $':>10}"
+        f" {'429s':>5}"
+    )
     for name in config.backends:
         c = per_backend[name]
         print(
             f"  {name:<12} {c['requests']:>8} {c['tokens_in']:>10} {c['tokens_out']:>10}"
-            f" {cost[name]:>10.6f}"
+            f" {cost[name]:>10.6f} {throttled.get(name, 0):>5}"
         )
-    print(f"\n  {'priority':<10} {'done':>5} {'p50 s':>7} {'p95 s':>7}")
+    print(
+        "  429s = 'too many requests' answers the provider sent us. Workers pace each\n"
+        "  backend to its declared limits, so a provider sends them only when it is\n"
+        "  stricter than declared; the worker then retries after the wait it asks for."
+    )
+    print("\n  Latency from submit to result, by priority:")
+    print(f"  {'priority':<10} {'done':>5} {'p50 s':>7} {'p95 s':>7}")
     for level in config.priorities:
         values = latencies.get(level, [])
         print(
             f"  {level:<10} {len(values):>5} {_percentile(values, 50):>7.2f}"
             f" {_percentile(values, 95):>7.2f}"
         )
-    print(f"\n  failures: {dict(failures) or 'none'}")
+    listed = ", ".join(f"{kind} {n}" for kind, n in sorted(failures.items()))
+    print(f"\n  failures: {listed or 'none'}")
     if rejected is not None:
-        print(f"  unknown route -> {rejected.error_type}: {rejected}")
+        reason = str(rejected).removeprefix(f"request {rejected.request_id}: ")
+        print(f"  +1 to an unknown route -> rejected [{rejected.error_type}]: {reason}")

@@ -100,7 +100,10 @@ class MockSettings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 class MockStats(Struct, frozen=True, kw_only=True):
     """Counters since start. ``rate_limited`` counts every 429 (rate or busy);
     ``busy`` counts concurrency rejections (429 or 503); ``failed`` counts
-    injected failures; ``last_request`` is the last chat request body, as sent.
+    injected failures; ``disconnects`` counts clients that went away before
+    their answer was complete (while sending the request, waiting or
+    streaming: a normal event, never logged as an error); ``last_request`` is
+    the last chat request body, as sent.
     """
 
     requests: int = 0
@@ -447,13 +450,9 @@ class MockBackend:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         counters = self._counters
         counters.requests += 1
-        raw = await request.read()
-        try:
-            body = _BODY_DECODER.decode(raw)
-        except msgspec.DecodeError as exc:
-            counters.bad_requests += 1
-            return _error(400, f"invalid request body: {exc}", "invalid_request_error", None)
-        self._last_request = raw
+        body = await self._read_body(request)
+        if isinstance(body, web.Response):
+            return body
         settings = self._settings
         if (refused := self._refuse(request, body, settings)) is not None:
             return refused
@@ -491,6 +490,21 @@ class MockBackend:
             return await self._complete(request, headers, plan)
         finally:
             counters.in_flight -= 1
+
+    async def _read_body(self, request: web.Request) -> _ChatBody | web.Response:
+        """The request body, or the answer when it cannot be had (400, or 499 if gone)."""
+        try:
+            raw = await request.read()
+        except ConnectionError:
+            # The client went away before its request was in: nothing to answer.
+            return self._gone()
+        try:
+            body = _BODY_DECODER.decode(raw)
+        except msgspec.DecodeError as exc:
+            self._counters.bad_requests += 1
+            return _error(400, f"invalid request body: {exc}", "invalid_request_error", None)
+        self._last_request = raw
+        return body
 
     def _refuse(
         self, request: web.Request, body: _ChatBody, settings: MockSettings
@@ -566,7 +580,6 @@ class MockBackend:
         response = web.StreamResponse(
             headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        await response.prepare(request)
         prefix = (
             b'data: {"id":"' + plan.request_id.encode() + b'","object":"chat.completion.chunk",'
             b'"created":' + str(int(time.time())).encode() + b',"model":'
@@ -582,6 +595,8 @@ class MockBackend:
         rate = plan.settings.tokens_per_second
         loop = asyncio.get_running_loop()
         try:
+            # Sending the headers fails too if the client is already gone.
+            await response.prepare(request)
             if plan.settings.ttft:
                 await asyncio.sleep(plan.settings.ttft)
             start = loop.time()
@@ -604,7 +619,8 @@ class MockBackend:
                 await asyncio.sleep(max(0.0, start + sent / rate - loop.time()))
             await response.write_eof()
         except ConnectionError:
-            # The client went away: stop generating.
+            # The client went away (a worker cancelled or preempted the call):
+            # an ordinary event, counted, not an error to log. Stop generating.
             counters.disconnects += 1
             return response
         counters.completed += 1
@@ -621,8 +637,7 @@ class MockBackend:
             await asyncio.sleep(delay)
             transport = request.transport
             if transport is None or transport.is_closing():
-                self._counters.disconnects += 1
-                return web.Response(status=499, reason="Client Closed Request")
+                return self._gone()
         payload = {
             "id": plan.request_id,
             "object": "chat.completion",
@@ -642,6 +657,11 @@ class MockBackend:
         return web.Response(
             body=_ENCODER.encode(payload), headers=headers, content_type="application/json"
         )
+
+    def _gone(self) -> web.Response:
+        """The answer to a client that disconnected: counted; aiohttp drops it quietly."""
+        self._counters.disconnects += 1
+        return web.Response(status=499, reason="Client Closed Request")
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:

@@ -12,9 +12,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from renqueue import Client
+from renqueue import Client, demo
 from renqueue.demo import run_demo
 from renqueue.mockbackend import MockBackend, MockSettings
 
@@ -209,13 +210,41 @@ async def test_bad_config_file_names_the_field(tmp_path: Path) -> None:
 
 
 async def test_the_demo_brings_every_request_to_a_terminal_state(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # free-api's provider takes one call at a time, though it is declared with
+    # four slots: it answers 429s, which the summary must count per backend.
+    started: dict[str, MockBackend] = {}
+
+    class Recorded(MockBackend):
+        async def start(self) -> None:
+            await super().start()
+            started[self.url] = self
+
+    monkeypatch.setattr(demo, "MockBackend", Recorded)
+    settings, backend = demo._BACKENDS["free-api"]
+    strict = msgspec.structs.replace(settings, concurrency=1)
+    monkeypatch.setitem(demo._BACKENDS, "free-api", (strict, backend))
+
     assert await run_demo(requests=30)
-    out = capsys.readouterr().out
-    assert "OK: 30/30 requests reached a terminal state" in out
-    assert "unknown route -> unknown_route" in out
-    assert "429s the providers sent us: {'local-small': 0" in out
+    lines = capsys.readouterr().out.splitlines()
+    verdict = lines.index("OK: 30/30 requests reached a terminal state")
+    # The progress display ends at the final count, before the verdict.
+    progress = [n for n, line in enumerate(lines) if line.startswith("  progress ")]
+    assert lines[progress[-1]] == "  progress 30/30"
+    assert progress[-1] < verdict
+    rejected = "  +1 to an unknown route -> rejected [unknown_route]"
+    assert any(line.startswith(rejected) for line in lines)
+    # The backend table's last column is the 429s each mock provider sent.
+    urls = {f[0]: f[1] for f in map(str.split, lines) if len(f) > 1 and f[1] in started}
+    assert set(urls) == set(demo._BACKENDS)
+    header = next(n for n, line in enumerate(lines) if line.split()[:2] == ["backend", "requests"])
+    rows = {line.split()[0]: line.split() for line in lines[header + 1 : header + 5]}
+    assert lines[header].split()[-1] == "429s"
+    sent = {name: started[url].stats().rate_limited for name, url in urls.items()}
+    assert {name: int(row[-1]) for name, row in rows.items()} == sent
+    assert sent["free-api"] > 0
+    assert sent["local-small"] == sent["local-large"] == sent["paid-api"] == 0
 
 
 async def test_up_without_a_config_file_says_so(tmp_path: Path) -> None:

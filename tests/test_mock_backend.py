@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import socket
+import struct
+import sys
 from collections.abc import AsyncIterator
 
 import httpx
@@ -188,6 +193,81 @@ async def test_client_disconnect_mid_stream_stops_generation(client: httpx.Async
     assert stats.tokens_out < 50
     assert later.tokens_out == stats.tokens_out  # nothing generated after the disconnect
     assert stats.completed == 0
+
+
+async def test_clients_hanging_up_are_counted_and_never_logged_as_errors() -> None:
+    """A worker that cancels or preempts a call hangs up on the backend at any
+    moment: while sending the request, before the answer starts, mid-stream,
+    or with a TCP reset. The mock (here the ``renqueue mock-backend`` process,
+    logging at INFO to stderr) counts each as a disconnect and logs no
+    traceback: ``make demo`` shows this log."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *("-m", "renqueue", "mock-backend", "--port", "0", "--ttft", "0.02"),
+        *("--tps", "200", "--output-tokens", "400"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "RENQUEUE_CONFIG": ""},
+    )
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        url = line.split()[-1]
+        port = int(url.removesuffix("/v1").rsplit(":", 1)[1])
+        body = json.dumps({**CHAT, "stream": True}).encode()
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: mock\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+
+        async def hang_up(how: str) -> None:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            if how == "while sending":
+                writer.write(head + body[:5])
+            else:
+                writer.write(head + body)
+            await writer.drain()
+            if how == "mid-stream":
+                await reader.readuntil(b"tok3")
+            elif how == "with a reset":
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            elif how == "while sending":
+                # The server has the headers and waits for the rest of the body.
+                for _ in range(500):
+                    if (await mock_stats(url))["requests"] > started:
+                        break
+                    await asyncio.sleep(0.01)
+            writer.close()
+            await writer.wait_closed()
+
+        ways = ["while sending", "before the answer", "mid-stream", "with a reset"]
+        for how in ways:
+            started = (await mock_stats(url))["requests"]
+            await hang_up(how)
+        stats = await mock_stats(url)
+        for _ in range(500):
+            if stats["requests"] == len(ways) and stats["in_flight"] == 0:
+                break
+            await asyncio.sleep(0.01)
+            stats = await mock_stats(url)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    log = err.decode()
+    assert "Traceback" not in log
+    assert "Error handling request" not in log
+    assert stats["disconnects"] == len(ways), stats
+    assert stats["completed"] == 0
+    assert [json.loads(entry)["level"] for entry in log.splitlines()] == ["info"]  # listening
+
+
+async def mock_stats(url: str) -> dict[str, int]:
+    async with httpx.AsyncClient(timeout=5) as http:
+        response = await http.get(url.removesuffix("/v1") + "/stats")
+    stats: dict[str, int] = response.json()
+    return stats
 
 
 async def test_tokens_are_paced_by_tokens_per_second(client: httpx.AsyncClient) -> None:
