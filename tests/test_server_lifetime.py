@@ -27,7 +27,7 @@ from renqueue.embedded import find_nats_server
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc; Linux only")
 
 BOUND = 20.0  # seconds any awaited condition gets before the test fails
-#: Where the embedded server's pid is kept, in the data dir (docs/operations.md).
+#: Where the embedded server's pid is kept, in the data dir (docs/architecture.md).
 LOCK_FILE_NAME = "nats-server.pid"
 
 
