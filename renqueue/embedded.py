@@ -15,20 +15,38 @@ starting another server on the same store (see
 The server runs in its own session (process group): a Ctrl-C in the terminal
 reaches Ren-Queue only, which drains its NATS connections first and then stops
 the server, instead of the server vanishing under connections still in use.
+
+The server never outlives the process that started it. On Linux the kernel
+sends it SIGTERM when its parent dies, however it dies (``kill -9``, a crash,
+the OOM killer): ``prctl(PR_SET_PDEATHSIG)`` is set in the child before it
+runs the server. (Strictly, when the *thread* that started it ends: start the
+server from the thread whose event loop lives as long as it should.)
+
+``<data_dir>/nats-server.pid`` is the data dir's lock: it holds the server's
+pid, and it is ``flock``-ed by the starting process and, through an inherited
+descriptor, by the server itself, for as long as either lives. A second start
+on the same data dir is refused with one plain line naming the pid (two
+servers on one JetStream store would corrupt it; nats-server does not stop
+it): "a nats-server from an earlier run is still running, pid N", or, while
+the ``renqueue`` that owns it runs, that one's pid too. A lock left by a
+server that is gone is taken over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import enum
 import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import sysconfig
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Final, Self
@@ -37,6 +55,7 @@ from .errors import EmbeddedServerError
 from .logs import get_logger
 
 __all__ = [
+    "LOCK_FILE_NAME",
     "URL_FILE_NAME",
     "EmbeddedServer",
     "ServerState",
@@ -50,6 +69,11 @@ log = get_logger("embedded")
 URL_FILE_NAME: Final = "nats.url"
 #: Name of the generated server config, inside the data dir.
 CONFIG_FILE_NAME: Final = "nats-server.conf"
+#: Name of the lock file, inside the data dir, holding the running server's pid.
+LOCK_FILE_NAME: Final = "nats-server.pid"
+
+# prctl(2) option: the signal the kernel sends a process when its parent dies.
+_PR_SET_PDEATHSIG: Final = 1
 
 _LOG_TAIL: Final = 40
 _READER_GRACE: Final = 2.0
@@ -152,6 +176,7 @@ class EmbeddedServer:
         self._log_tail: deque[str] = deque(maxlen=_LOG_TAIL)
         self._listen: tuple[str, int] | None = None
         self._url: str | None = None
+        self._lock: _DataDirLock | None = None
 
     # -- public state -------------------------------------------------------
 
@@ -240,6 +265,8 @@ class EmbeddedServer:
             if self._reader is not None:
                 self._reader.cancel()
             raise
+        finally:
+            self._release_lock()
         if self._reader is not None:
             # The reader ends at EOF once the process is gone; await it so the
             # pipe is closed here, not by the garbage collector. The bound
@@ -276,6 +303,13 @@ class EmbeddedServer:
         binary = self.binary if self.binary is not None else find_nats_server()
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise EmbeddedServerError(
+                f"cannot prepare data dir {self.data_dir}: {exc.strerror}"
+            ) from exc
+        # Before anything in the data dir is touched: it may be another server's.
+        self._lock = _DataDirLock.acquire(self.data_dir)
+        try:
             config_file = self.config_file
             if config_file is None:
                 config_file = self.data_dir / CONFIG_FILE_NAME
@@ -292,9 +326,16 @@ class EmbeddedServer:
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,
+                # The server holds the lock too: should it outlive us after all
+                # (no PDEATHSIG off Linux), the next start still sees it.
+                pass_fds=(self._lock.fd,),
+                preexec_fn=_die_with_parent(),
             )
         except OSError as exc:
             raise EmbeddedServerError(f"cannot run {binary}: {exc.strerror or exc}") from exc
+        except subprocess.SubprocessError as exc:  # raised by the preexec_fn
+            raise EmbeddedServerError(f"cannot run {binary}: {exc}") from exc
+        self._lock.record(self._process.pid)
         self._reader = asyncio.create_task(
             self._read_log(self._process), name=f"nats-server-log-{self._process.pid}"
         )
@@ -383,6 +424,17 @@ class EmbeddedServer:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
 
+    def _release_lock(self) -> None:
+        """Give up the data dir once the server is gone (a live one keeps its lock)."""
+        if self._lock is None:
+            return
+        process = self._process
+        if process is None or process.returncode is not None:
+            self._lock.release()
+        else:
+            self._lock.close()
+        self._lock = None
+
     def _remove_url_file(self) -> None:
         """Remove ``nats.url`` if it is still ours (another server may have replaced it)."""
         if self._url is None:
@@ -415,3 +467,168 @@ def _write_atomic(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise EmbeddedServerError(f"cannot write {path}: {exc.strerror}") from exc
+
+
+class _DataDirLock:
+    """``<data_dir>/nats-server.pid``: an ``flock``-ed file holding the server's pid.
+
+    The lock is held while any process holding the open file lives: the one
+    that started the server and the server (which inherits the descriptor).
+    The file is never removed (removing a lock file races with a process
+    about to lock it); an empty or dead pid in it means no server.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    @classmethod
+    def acquire(cls, data_dir: Path) -> _DataDirLock:
+        """Lock ``data_dir``, or raise EmbeddedServerError saying who holds it."""
+        path = data_dir / LOCK_FILE_NAME
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise EmbeddedServerError(f"cannot open {path}: {exc.strerror}") from exc
+        lock = cls(path, fd)
+        try:
+            refusal = lock._take(data_dir)
+        except BaseException:
+            lock.close()
+            raise
+        if refusal is not None:
+            lock.close()
+            raise EmbeddedServerError(refusal)
+        return lock
+
+    def _take(self, data_dir: Path) -> str | None:
+        """Lock and clear the file; or, when a server holds the data dir, why not."""
+        held = not self._try_flock()
+        pid = self._recorded_pid()
+        serving = pid is not None and _serves(pid, data_dir)
+        if held or serving:
+            return _in_use_message(data_dir, pid if serving else None)
+        if pid is not None:
+            log.info("stale lock of a stopped nats-server taken over", pid=pid, lock=str(self.path))
+        self.record(None)
+        return None
+
+    def _try_flock(self) -> bool:
+        try:
+            import fcntl  # noqa: PLC0415 - POSIX only; the pid check still works without
+
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:
+            return True
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise EmbeddedServerError(f"cannot lock {self.path}: {exc.strerror}") from exc
+        return True
+
+    def _recorded_pid(self) -> int | None:
+        try:
+            text = os.pread(self.fd, 64, 0).decode("ascii", "replace").strip()
+        except OSError:
+            return None
+        return int(text) if text.isdigit() else None
+
+    def record(self, pid: int | None) -> None:
+        """Write ``pid`` (or nothing) into the lock file."""
+        data = b"" if pid is None else f"{pid}\n".encode()
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, data, 0)
+        except OSError as exc:
+            raise EmbeddedServerError(f"cannot write {self.path}: {exc.strerror}") from exc
+
+    def release(self) -> None:
+        """The server is gone: clear the pid and unlock."""
+        with contextlib.suppress(EmbeddedServerError):
+            self.record(None)
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def _in_use_message(data_dir: Path, server: int | None) -> str:
+    """What to tell a user whose data dir another server is using, in one line."""
+    if server is None:
+        return (
+            f"data dir {data_dir} is in use by another process starting a nats-server "
+            f"({data_dir / LOCK_FILE_NAME} is locked); wait for it, or give --nats URL"
+        )
+    owner = _parent_of(server)
+    if owner is not None and owner != os.getpid() and "renqueue" in _cmdline(owner):
+        return (
+            f"data dir {data_dir} is in use by a running renqueue (pid {owner}) and its "
+            f"nats-server (pid {server}): stop that one first, or run `renqueue router` / "
+            "`renqueue worker`, which join it"
+        )
+    return (
+        f"a nats-server from an earlier run is still running, pid {server}, on data dir "
+        f"{data_dir}: stop it (`kill {server}`) and start again, or use it by giving its "
+        "URL with --nats"
+    )
+
+
+def _serves(pid: int, data_dir: Path) -> bool:
+    """Whether ``pid`` is a live nats-server on ``data_dir`` (not a reused pid).
+
+    Without ``/proc`` the command line is unknown: a live pid then counts.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, someone else's
+    if not Path("/proc/self").exists():
+        return True
+    argv = _cmdline(pid).split("\0")
+    if not argv or "nats-server" not in Path(argv[0]).name:
+        return False
+    with contextlib.suppress(ValueError):
+        return Path(argv[argv.index("-sd") + 1]).resolve() == data_dir.resolve()
+    return True  # a nats-server, store dir set some other way: assume ours
+
+
+def _cmdline(pid: int) -> str:
+    """The NUL-separated command line of ``pid``; "" when unknown."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").rstrip("\0")
+    except OSError:
+        return ""
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking the kernel to SIGTERM the child when we die (Linux).
+
+    libc is loaded here, in the parent: the function run in the forked child
+    only calls it. If we died between fork and prctl, the child exits at once.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        log.warning("prctl unavailable: the embedded nats-server may outlive a killed renqueue")
+        return None
+    parent = os.getpid()
+
+    def set_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return set_death_signal

@@ -38,6 +38,7 @@ the events they guard (``nats.events.max_age``).
 from __future__ import annotations
 
 import enum
+import importlib.resources
 import json
 import os
 import re
@@ -194,24 +195,36 @@ _STREAMS: Final = (
 
 
 def find_streams_dir(streams_dir: Path | None = None) -> Path:
-    """The stream definitions: ``streams_dir``, else ``$RENQUEUE_STREAMS_DIR``, else the repo's.
+    """The stream definitions, in this order of precedence.
 
-    The repo's ``streams/`` sits next to the ``renqueue`` package in a
-    checkout or an editable install.
+    1. ``streams_dir``, else ``$RENQUEUE_STREAMS_DIR`` (an error if it is not
+       a directory: a path given explicitly is never silently replaced);
+    2. the checkout's ``streams/``: the directory next to the ``renqueue``
+       package when a ``pyproject.toml`` sits beside it (a clone, or an
+       editable install of one), so edits there take effect;
+    3. the copy packaged into the wheel as ``renqueue/_streams`` (an installed
+       ``renqueue``, e.g. ``pip install renqueue`` or a container image).
     """
     env = os.environ.get(STREAMS_DIR_ENV)
-    if streams_dir is not None:
-        candidate, origin = Path(streams_dir), "streams_dir argument"
-    elif env:
-        candidate, origin = Path(env), f"${STREAMS_DIR_ENV}"
-    else:
-        candidate, origin = Path(__file__).resolve().parents[1] / "streams", "default"
-    if not candidate.is_dir():
-        raise ProvisionError(
-            f"stream definitions directory {candidate} ({origin}) not found; "
-            f"pass streams_dir or set ${STREAMS_DIR_ENV}"
-        )
-    return candidate
+    if streams_dir is not None or env:
+        if streams_dir is not None:
+            candidate, origin = Path(streams_dir), "streams_dir argument"
+        else:
+            candidate, origin = Path(str(env)), f"${STREAMS_DIR_ENV}"
+        if not candidate.is_dir():
+            raise ProvisionError(f"stream definitions directory {candidate} ({origin}) not found")
+        return candidate
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "streams").is_dir() and (checkout / "pyproject.toml").is_file():
+        return checkout / "streams"
+    packaged = importlib.resources.files(__package__ or "renqueue") / "_streams"
+    if isinstance(packaged, Path) and packaged.is_dir():
+        return packaged
+    raise ProvisionError(
+        f"no stream definitions: neither {checkout / 'streams'} (a checkout) nor the "
+        f"packaged copy {packaged} exists; pass streams_dir or set ${STREAMS_DIR_ENV} "
+        "to a copy of the repository's streams/ directory"
+    )
 
 
 async def provision(

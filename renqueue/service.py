@@ -185,10 +185,20 @@ class Services:
             self._adapters.append(adapter)
 
     async def close(self) -> None:
-        """Stop in the fixed order. Idempotent."""
+        """Stop in the fixed order. Idempotent. The embedded server is stopped
+        whatever happens before (an error, a cancellation): it never outlives us."""
         if self.state in (State.DRAINING, State.CLOSED):
             return
         self.state = State.DRAINING
+        try:
+            await self._stop_services()
+        finally:
+            if self.server is not None:
+                await self.server.stop()
+            self.state = State.CLOSED
+
+    async def _stop_services(self) -> None:
+        """Everything but the embedded server, in order."""
         for router in self.routers:
             await router.stop()
         await asyncio.gather(*(worker.stop() for worker in self.workers), return_exceptions=True)
@@ -206,9 +216,6 @@ class Services:
             except Exception as exc:  # noqa: BLE001 - shutting down regardless
                 log.warning("nats drain failed", error=str(exc))
         await self.supervisor.close()
-        if self.server is not None:
-            await self.server.stop()
-        self.state = State.CLOSED
 
 
 async def run_until_signalled(services: Services) -> None:

@@ -314,6 +314,7 @@ async def test_max_deliveries_advisories_are_captured(isolated_nc: Client) -> No
 def test_streams_dir_comes_from_argument_then_env_then_repo(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # (The packaged copy, for an installed wheel, is tested in test_packaging.py.)
     monkeypatch.delenv(STREAMS_DIR_ENV, raising=False)
     assert find_streams_dir() == REPO_STREAMS
     monkeypatch.setenv(STREAMS_DIR_ENV, str(tmp_path))
