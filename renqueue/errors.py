@@ -11,6 +11,7 @@ The tree, by what a caller can do about it::
     ├── InvalidRequestError         the request itself is wrong (never retried)
     │   ├── MalformedRequestError   payload does not decode or fails validation
     │   ├── UnknownRouteError       no such route (model group)
+    │   ├── NoCapableBackendError   no backend of the route has the tier asked for
     │   └── UnknownPriorityError    no such priority level
     ├── BackendError                a backend call failed; carries backend, request_id
     │   ├── RateLimitedError        429 / quota; carries retry_after seconds
@@ -37,6 +38,7 @@ __all__ = [
     "FatalBackendError",
     "InvalidRequestError",
     "MalformedRequestError",
+    "NoCapableBackendError",
     "ProvisionError",
     "RateLimitedError",
     "RenQueueError",
@@ -122,6 +124,25 @@ class UnknownRouteError(InvalidRequestError):
     def __init__(self, route: str, *, request_id: str | None = None) -> None:
         self.route = route
         super().__init__(f"unknown route {route!r}", request_id=request_id)
+
+
+class NoCapableBackendError(InvalidRequestError):
+    """The request's ``complexity`` is above the tier of every backend of its route.
+
+    Decided from the config alone, so it is final: waiting would never help.
+    """
+
+    code = "no_capable_backend"
+
+    def __init__(
+        self, route: str, complexity: int, best: int, *, request_id: str | None = None
+    ) -> None:
+        self.route = route
+        super().__init__(
+            f"complexity {complexity} is above every backend of route {route!r} "
+            f"(the highest tier there is {best})",
+            request_id=request_id,
+        )
 
 
 class UnknownPriorityError(InvalidRequestError):

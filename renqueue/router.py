@@ -63,7 +63,12 @@ from . import metrics
 from .cancellation import CancelWatch
 from .coalescing import Coalescer, coalesce_key
 from .config import Config, parse_duration
-from .errors import InvalidRequestError, MalformedRequestError, UnknownRouteError
+from .errors import (
+    InvalidRequestError,
+    MalformedRequestError,
+    NoCapableBackendError,
+    UnknownRouteError,
+)
 from .eventlog import EventLog
 from .logs import get_logger
 from .messages import (
@@ -209,6 +214,19 @@ def validate(
         )
     if request.route not in config.routes:
         raise UnknownRouteError(request.route, request_id=request.id)
+    if request.complexity is not None:
+        # Held, a request no backend can ever serve would wait forever and,
+        # many of them, fill the level's hold for every tenant.
+        tiers = [
+            config.backends[name].tier
+            for name in config.routes[request.route].backends
+            if name in config.backends
+        ]
+        best = max(tiers, default=0)
+        if request.complexity > best:
+            raise NoCapableBackendError(
+                request.route, request.complexity, best, request_id=request.id
+            )
 
 
 def capable(

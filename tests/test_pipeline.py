@@ -363,3 +363,24 @@ async def test_a_worker_bug_fails_the_request_on_its_last_delivery_not_never(
             await worker.stop()
     assert info.value.error_type == "internal"
     assert [e.delivery for e in events if isinstance(e, Started)] == [1, 2]
+
+
+async def test_requests_no_backend_can_serve_are_rejected_not_held(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """A complexity above every backend's tier is rejected at once: held, such
+    requests waited forever and, a few of them, filled the level's hold so
+    that no other tenant's request at that level was ever fetched."""
+    config = make_config(tmp_path, {"b1": (mock.url, 4)}, router={"hold_limit": 2})
+    async with (
+        Services(config) as services,
+        Client(services.nc, tenant="ta") as ta,
+        Client(services.nc, tenant="tb") as tb,
+    ):
+        impossible = [await ta.submit("hard", route="chat", complexity=9) for _ in range(3)]
+        assert (await (await tb.submit("easy", route="chat")).result(timeout=20)).backend == "b1"
+        for handle in impossible:
+            with pytest.raises(RequestRejectedError, match="highest tier there is 1") as info:
+                await handle.result(timeout=10)
+            assert info.value.error_type == "no_capable_backend"
+    assert mock.stats().requests == 1
