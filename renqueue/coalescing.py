@@ -320,7 +320,7 @@ class Coalescer:
             return
         again = msgspec.structs.replace(request, requeues=request.requeues + 1)
         await self._js.publish(
-            request_subject(request.priority, tenant),
+            request_subject(request.priority, tenant, requeue=True),
             encode(again),
             headers={"Nats-Msg-Id": msg_id(tenant, follower, "requeue", "leader", leader)},
         )

@@ -153,7 +153,7 @@ class UnknownPriorityError(InvalidRequestError):
     def __init__(self, priority: str, *, request_id: str | None = None) -> None:
         self.priority = priority
         super().__init__(
-            f"unknown priority level {priority!r} (no stream stores rq.req.{priority}.*; "
+            f"unknown priority level {priority!r} (no stream stores rq.req.{priority}.>; "
             "or the NATS cluster did not answer in time)",
             request_id=request_id,
         )

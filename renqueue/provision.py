@@ -319,7 +319,7 @@ def _stream_config(directory: Path, spec: _StreamSpec, config: Config) -> dict[s
 
 
 def _expand_subjects(subjects: list[str], priorities: Sequence[str]) -> list[str]:
-    """``rq.req.{priority}.*`` -> one subject per priority level, in config order."""
+    """``rq.req.{priority}.>`` -> one subject per priority level, in config order."""
     expanded: list[str] = []
     for subject in subjects:
         if "{priority}" in subject:

@@ -116,6 +116,7 @@ from .subjects import (
     capacity_subject,
     dispatch_subject,
     event_subject,
+    is_requeue_subject,
     msg_id,
     preempt_subject,
     router_consumer,
@@ -183,19 +184,29 @@ def validate(
     tenant: str,
     config: Config,
     message_id: str | None = None,
+    requeue: bool = False,
 ) -> None:
     """Check a decoded request against where it was published and the config.
 
     The subject is authoritative: a payload naming another tenant or level is
     rejected (a tenant must not be able to speak for another). ``message_id``
-    is the publish's ``Nats-Msg-Id``: it must be ``<tenant>:<id>`` (a requeue
-    by a worker: ``<tenant>:<id>:requeue:<attempt>``), so that deduplication
-    is scoped by tenant. ``None`` skips that check (a request not read from
-    the stream).
+    is the publish's ``Nats-Msg-Id``: it must be ``<tenant>:<id>`` (a requeue:
+    ``<tenant>:<id>:requeue:...``), so that deduplication is scoped by tenant.
+    ``None`` skips that check (a request not read from the stream).
+    ``requeue``: it was read from the services' requeue subject (which no
+    tenant may publish to); only such a request may carry ``requeues`` (a
+    tenant setting it ran one id many times at once, billed once).
     """
+    if requeue != (request.requeues > 0):
+        raise MalformedRequestError(
+            "requeues is set by the services only, on rq.req.<priority>.<tenant>.requeue"
+            if request.requeues > 0
+            else "a request on the requeue subject must carry requeues > 0",
+            request_id=request.id,
+        )
     if message_id is not None and not (
         message_id == msg_id(tenant, request.id)
-        or (request.requeues > 0 and message_id.startswith(msg_id(tenant, request.id, "requeue")))
+        or (requeue and message_id.startswith(msg_id(tenant, request.id, "requeue")))
     ):
         raise MalformedRequestError(
             f"the Nats-Msg-Id header must be {msg_id(tenant, request.id)!r} "
@@ -568,7 +579,14 @@ class Router:
         try:
             request = REQUEST_DECODER.decode(msg.data)
             request_id = request.id
-            validate(request, level=level, tenant=tenant, config=self._config, message_id=header)
+            validate(
+                request,
+                level=level,
+                tenant=tenant,
+                config=self._config,
+                message_id=header,
+                requeue=is_requeue_subject(msg.subject),
+            )
         except (msgspec.DecodeError, InvalidRequestError) as exc:
             error = exc if isinstance(exc, InvalidRequestError) else MalformedRequestError(str(exc))
             await self._reject(msg, request_id, tenant, error)

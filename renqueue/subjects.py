@@ -4,6 +4,7 @@ Subjects carry the tenant, so NATS permissions alone can confine a tenant to
 publishing its own requests and reading its own tokens and events::
 
     rq.req.<priority>.<tenant>             requests, one subject per priority level
+    rq.req.<priority>.<tenant>.requeue     services only: a request put back (preempted, ...)
     rq.dispatch.<backend>                  routing decisions, one subject per backend
     rq.evt.<tenant>.<request_id>.<kind>    the event log
     rq.tok.<tenant>.<request_id>           streamed token chunks
@@ -35,6 +36,7 @@ __all__ = [
     "FETCH_TIMEOUT",
     "PREEMPT_ASK",
     "REQUESTS_STREAM",
+    "REQUEUE_SUFFIX",
     "ROUTER_DELIVERY_BACKSTOP",
     "SHUTDOWN_NAK_DELAY",
     "STATE_BUCKET",
@@ -46,6 +48,7 @@ __all__ = [
     "dlq_subject",
     "event_subject",
     "events_of_request",
+    "is_requeue_subject",
     "max_deliveries_advisory",
     "msg_id",
     "preempt_subject",
@@ -97,12 +100,26 @@ def router_max_deliveries(max_deliver: int) -> int:
     return max_deliver * ROUTER_DELIVERY_BACKSTOP
 
 
-def request_subject(priority: str, tenant: str) -> str:
-    return f"rq.req.{priority}.{tenant}"
+#: Last token of the services' requeue subject, ``rq.req.<priority>.<tenant>.requeue``.
+REQUEUE_SUFFIX = "requeue"
+
+
+def request_subject(priority: str, tenant: str, *, requeue: bool = False) -> str:
+    """Where a request waits; ``requeue``: the services' own subject for putting
+    one back (a preemption, a coalesced follower left to run alone), which no
+    tenant may publish to, so only a request read there may carry ``requeues``."""
+    subject = f"rq.req.{priority}.{tenant}"
+    return f"{subject}.{REQUEUE_SUFFIX}" if requeue else subject
+
+
+def is_requeue_subject(subject: str) -> bool:
+    """True for ``rq.req.<priority>.<tenant>.requeue`` (published by services only)."""
+    parts = subject.split(".")
+    return len(parts) == 5 and parts[4] == REQUEUE_SUFFIX
 
 
 def requests_of_level(priority: str) -> str:
-    return f"rq.req.{priority}.*"
+    return f"rq.req.{priority}.>"
 
 
 def dispatch_subject(backend: str) -> str:

@@ -689,7 +689,7 @@ class Worker:
         )
         again = msgspec.structs.replace(request, requeues=dispatch.attempt)
         await self._js.publish(
-            request_subject(request.priority, request.tenant),
+            request_subject(request.priority, request.tenant, requeue=True),
             encode(again),
             headers={
                 "Nats-Msg-Id": msg_id(request.tenant, request.id, "requeue", dispatch.attempt)

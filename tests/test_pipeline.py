@@ -88,13 +88,14 @@ async def test_submit_streams_tokens_and_result_matches(client: Client) -> None:
 
 
 async def test_late_subscriber_gets_every_token_in_order(client: Client, mock: MockBackend) -> None:
-    mock.update(tokens_per_second=200)  # paced: one chunk per token
+    mock.update(tokens_per_second=200)  # paced: several chunks
     handle = await client.submit("hello", route="chat")
     result = await handle.result(timeout=10)
     # The request is over before anyone subscribes to its tokens.
     chunks = [chunk async for chunk in handle.stream(timeout=10)]
     assert "".join(c.text for c in chunks) == result.text
-    assert [c.seq for c in chunks] == list(range(8))
+    # One chunk per network read: a loaded machine may read tokens together.
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
 
 
 async def test_resubmit_with_same_id_creates_nothing_new(client: Client, mock: MockBackend) -> None:
@@ -154,6 +155,24 @@ async def test_a_message_id_of_another_scope_is_rejected(client: Client, mock: M
         with pytest.raises(RequestRejectedError, match="Nats-Msg-Id") as info:
             await client.handle(request.id).result(timeout=10)
         assert info.value.error_type == "malformed"
+    assert mock.stats().requests == 0
+
+
+async def test_a_tenant_cannot_forge_a_requeue(client: Client, mock: MockBackend) -> None:
+    """Only the services put a request back (on their own requeue subject): a
+    tenant setting ``requeues`` ran one request id several times at once and
+    was billed for one run. Now it is rejected and never runs."""
+    request = client.build_request("hi", route="chat", request_id="amplified")
+    for n in (1, 2, 3):
+        forged = msgspec.structs.replace(request, requeues=n)
+        await client.js.publish(
+            request_subject("normal", "t1"),
+            msgspec.json.encode(forged),
+            headers={"Nats-Msg-Id": msg_id("t1", "amplified", "requeue", n)},
+        )
+    with pytest.raises(RequestRejectedError, match="set by the services only") as info:
+        await client.handle("amplified").result(timeout=10)
+    assert info.value.error_type == "malformed"
     assert mock.stats().requests == 0
 
 

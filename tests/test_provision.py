@@ -112,7 +112,7 @@ async def test_one_router_consumer_per_priority_and_one_worker_per_backend(
     await provision(isolated_nc, config)
 
     requests = await stream_config(isolated_nc, REQUESTS_STREAM)
-    assert requests["subjects"] == ["rq.req.urgent.*", "rq.req.bulk.*"]
+    assert requests["subjects"] == ["rq.req.urgent.>", "rq.req.bulk.>"]
     assert requests["retention"] == "workqueue"
 
     for level in ("urgent", "bulk"):
@@ -202,7 +202,7 @@ async def test_new_priority_level_adds_its_subject_and_router_consumer(
     assert report.get(REQUESTS_STREAM).action is Action.UPDATED
     assert report.get(f"{REQUESTS_STREAM}/{router_consumer('mid')}").action is Action.CREATED
     subjects = (await stream_config(isolated_nc, REQUESTS_STREAM))["subjects"]
-    assert subjects == ["rq.req.high.*", "rq.req.mid.*", "rq.req.low.*"]
+    assert subjects == ["rq.req.high.>", "rq.req.mid.>", "rq.req.low.>"]
 
 
 async def test_retention_change_is_refused_naming_the_field(
@@ -323,3 +323,29 @@ def test_streams_dir_comes_from_argument_then_env_then_repo(
     monkeypatch.setenv(STREAMS_DIR_ENV, str(tmp_path / "missing"))
     with pytest.raises(ProvisionError, match="missing"):
         find_streams_dir()
+
+
+async def test_a_deployment_from_before_the_requeue_subject_is_upgraded_in_place(
+    isolated_nc: Client,
+) -> None:
+    """Levels were ``rq.req.<level>.*``; the services' requeue subject needs
+    ``rq.req.<level>.>``: provisioning widens the stream and the router
+    consumers' filters without losing what waits in them."""
+    config = make_config()
+    await provision(isolated_nc, config)
+    js = isolated_nc.jetstream()
+    info = await js.stream_info(REQUESTS_STREAM)
+    info.config.subjects = [f"rq.req.{level}.*" for level in config.priorities]
+    await js.update_stream(info.config)
+    consumer = await js.consumer_info(REQUESTS_STREAM, router_consumer("normal"))
+    consumer.config.filter_subject = "rq.req.normal.*"
+    await js.add_consumer(REQUESTS_STREAM, consumer.config)
+    await js.publish("rq.req.normal.t1", b"waiting")
+
+    await provision(isolated_nc, config)
+    info = await js.stream_info(REQUESTS_STREAM)
+    assert info.config.subjects == [f"rq.req.{level}.>" for level in config.priorities]
+    assert info.state.messages == 1
+    consumer = await js.consumer_info(REQUESTS_STREAM, router_consumer("normal"))
+    assert consumer.config.filter_subject == "rq.req.normal.>"
+    assert consumer.num_pending == 1

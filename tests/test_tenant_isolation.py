@@ -160,6 +160,14 @@ async def check_refusals(stack: Stack, *, globex_request: str) -> None:
                 request_subject("normal", "globex"), b"{}", headers={"Nats-Msg-Id": "forged-1"}
             )
         await acme.violation('publish to "rq.req.normal.globex"')
+        # Putting a request back is the services' alone, even for its own.
+        with pytest.raises(TimeoutError):
+            await js.publish(
+                request_subject("normal", "acme", requeue=True),
+                b"{}",
+                headers={"Nats-Msg-Id": "acme:x:requeue:1"},
+            )
+        await acme.violation('publish to "rq.req.normal.acme.requeue"')
 
         # Subscribing to another tenant's tokens: denied, nothing arrives.
         received: list[bytes] = []
