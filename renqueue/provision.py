@@ -371,8 +371,8 @@ def _unavailable(exc: Exception) -> bool:
 def _permission_denied(nc: Client) -> str | None:
     """The server's permissions violation on the JetStream API or a reply inbox, if any."""
     error = nc.last_error
-    text = "" if error is None else str(error)
-    if "Permissions Violation" in text and ("$JS." in text or "Subscription" in text):
+    text = "" if error is None else str(error).lower()  # nats-py lowercases -ERR text
+    if "permissions violation" in text and ("$js." in text or "subscription" in text):
         return text
     return None
 
