@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import functools
 import json
 import os
 import random
@@ -258,23 +257,14 @@ async def provision(
     directory = find_streams_dir(streams_dir)
     streams = [(spec, _stream_config(directory, spec, config)) for spec in _STREAMS]
     consumers = _consumer_configs(directory, config)
-    api = _JetStreamApi(js_or_nc)
-    patience = parse_duration(config.nats.startup_wait)
-
-    async def ensure(step: str, attempt: Callable[[], Awaitable[ProvisionItem]]) -> ProvisionItem:
-        return await until_jetstream_answers(step, attempt, nc=api.nc, patience=patience)
+    api = _JetStreamApi(js_or_nc, patience=parse_duration(config.nats.startup_wait))
 
     items: list[ProvisionItem] = []
     for spec, desired in streams:
-        source = str(directory / spec.file)
-        attempt = functools.partial(_ensure_stream, api, desired, source=source)
-        items.append(await ensure(f"stream {spec.name}", attempt))
+        items.append(await _ensure_stream(api, desired, source=str(directory / spec.file)))
     for stream, desired, source in consumers:
-        attempt = functools.partial(_ensure_consumer, api, stream, desired, source=source)
-        items.append(await ensure(f"consumer {stream}/{desired['durable_name']}", attempt))
-    kv_config = _kv_stream_config(config)
-    attempt = functools.partial(_ensure_stream, api, kv_config, source="renqueue.provision")
-    kv = await ensure(f"kv {STATE_BUCKET}", attempt)
+        items.append(await _ensure_consumer(api, stream, desired, source=source))
+    kv = await _ensure_stream(api, _kv_stream_config(config), source="renqueue.provision")
     items.append(msgspec.structs.replace(kv, kind="kv", name=STATE_BUCKET))
 
     report = ProvisionReport(items=tuple(items))
@@ -528,7 +518,9 @@ def _kv_stream_config(config: Config) -> dict[str, Any]:
 class _JetStreamApi:
     """Raw JetStream API requests over a nats-py client."""
 
-    def __init__(self, js_or_nc: Client | JetStreamContext) -> None:
+    def __init__(self, js_or_nc: Client | JetStreamContext, *, patience: float = 0.0) -> None:
+        #: How long :func:`until_jetstream_answers` waits per stream or consumer.
+        self.patience = patience
         if isinstance(js_or_nc, JetStreamContext):
             # nats-py exposes no public accessor for these; the prefix carries
             # the JetStream domain, if the context was made for one.
@@ -595,6 +587,18 @@ def _diff(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
 async def _ensure_stream(
     api: _JetStreamApi, desired: dict[str, Any], *, source: str
 ) -> ProvisionItem:
+    """Create or update one stream, waiting while JetStream cannot answer."""
+    return await until_jetstream_answers(
+        f"stream {desired['name']}",
+        lambda: _ensure_stream_now(api, desired, source=source),
+        nc=api.nc,
+        patience=api.patience,
+    )
+
+
+async def _ensure_stream_now(
+    api: _JetStreamApi, desired: dict[str, Any], *, source: str
+) -> ProvisionItem:
     name = desired["name"]
     for _attempt in range(2):  # a second pass only after losing a create race
         info = await api.call(f"STREAM.INFO.{name}")
@@ -637,6 +641,18 @@ async def _update_stream(
 
 
 async def _ensure_consumer(
+    api: _JetStreamApi, stream: str, desired: dict[str, Any], *, source: str
+) -> ProvisionItem:
+    """Create or update one consumer, waiting while JetStream cannot answer."""
+    return await until_jetstream_answers(
+        f"consumer {stream}/{desired['durable_name']}",
+        lambda: _ensure_consumer_now(api, stream, desired, source=source),
+        nc=api.nc,
+        patience=api.patience,
+    )
+
+
+async def _ensure_consumer_now(
     api: _JetStreamApi, stream: str, desired: dict[str, Any], *, source: str
 ) -> ProvisionItem:
     durable = desired["durable_name"]
