@@ -150,6 +150,10 @@ class NatsConfig(_Section, frozen=True, kw_only=True):
     #: it must be one the user may subscribe to (``_INBOX_<user>`` in
     #: nats/auth.conf), or JetStream acks are denied. ``None``: ``_INBOX``.
     inbox_prefix: InboxPrefix | None = None
+    #: How long a starting service waits for JetStream to answer (a cluster
+    #: electing its leaders, nodes still joining) before it exits with an
+    #: error; each start-up step waits this long at most. ``"0s"``: forever.
+    startup_wait: Duration = "0s"
 
 
 class LimitsConfig(_Section, frozen=True, kw_only=True):

@@ -22,6 +22,15 @@ definition names, and then:
 Fields the definition does not name are left as they are on the server, so a
 limit an operator set by hand survives a re-provision.
 
+While JetStream cannot answer (no reply in time, no responders, or a "not now"
+error: a cluster with no quorum or no leader yet, a stream between leaders, a
+node still joining), each stream and consumer is retried after a capped,
+jittered backoff, with one warning logged per attempt, until the cluster
+answers or ``nats.startup_wait`` runs out ("0s", the default: forever).
+:func:`until_jetstream_answers` does that, for any start-up step. Errors that
+waiting cannot fix fail at once: a bad definition, a change NATS refuses, a
+NATS permissions violation.
+
 Values from the config override the files at provision time (see
 ``streams/README.md``): ``num_replicas`` from ``nats.replicas``; ``max_age``
 and ``max_bytes`` from ``nats.<stream>``; ``duplicate_window`` from
@@ -37,17 +46,20 @@ the events they guard (``nats.events.max_age``).
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import importlib.resources
 import json
 import os
+import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 import msgspec
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
@@ -79,6 +91,7 @@ __all__ = [
     "ProvisionReport",
     "find_streams_dir",
     "provision",
+    "until_jetstream_answers",
 ]
 
 log = get_logger("provision")
@@ -94,6 +107,27 @@ _ERR_STREAM_NOT_FOUND: Final = 10059
 _ERR_STREAM_NAME_IN_USE: Final = 10058
 _ERR_CONSUMER_NOT_FOUND: Final = 10014
 _ERR_CONSUMER_EXISTS: Final = 10148
+
+# JetStream API errors that mean "not now" (nats-server's errors.json), besides
+# any with HTTP-like code 503. Every other error reply is a real refusal.
+_NOT_NOW: Final = frozenset(
+    {
+        10004,  # incomplete results
+        10005,  # no suitable peers for placement (a node is still joining)
+        10008,  # JetStream system temporarily unavailable (no quorum)
+        10009,  # JetStream cluster can not handle request (no leader)
+        10076,  # JetStream not enabled (not yet)
+        10118,  # stream is offline
+        10119,  # consumer is offline
+        10167,  # too many requests
+        10202,  # cluster member change in progress
+    }
+)
+# Backoff between attempts while JetStream is unavailable: base * 2**n, capped.
+_RETRY_BASE: Final = 0.2
+_RETRY_CAP: Final = 3.0
+
+_T = TypeVar("_T")
 
 _NS_PER_SECOND: Final = 1_000_000_000
 _DURATION_FIELDS: Final = frozenset({"max_age", "duplicate_window", "ack_wait", "idle_heartbeat"})
@@ -238,13 +272,15 @@ async def provision(
     ``js_or_nc`` is a connected nats-py client or a JetStream context from one
     (whose API prefix, and so its JetStream domain, is used). Raises
     :class:`ProvisionError` for a bad definition file or a change NATS cannot
-    apply, and :class:`ConnectionFailedError` when JetStream does not answer.
-    All definitions are read and checked before anything is sent.
+    apply. While JetStream cannot answer it waits (see
+    :func:`until_jetstream_answers`), up to ``nats.startup_wait``, then raises
+    :class:`ConnectionFailedError`, as it does at once for a permissions
+    violation. All definitions are read and checked before anything is sent.
     """
     directory = find_streams_dir(streams_dir)
     streams = [(spec, _stream_config(directory, spec, config)) for spec in _STREAMS]
     consumers = _consumer_configs(directory, config)
-    api = _JetStreamApi(js_or_nc)
+    api = _JetStreamApi(js_or_nc, patience=parse_duration(config.nats.startup_wait))
 
     items: list[ProvisionItem] = []
     for spec, desired in streams:
@@ -264,6 +300,96 @@ async def provision(
         unchanged=len(report.unchanged),
     )
     return report
+
+
+# -- waiting for JetStream ---------------------------------------------------
+
+
+class _NotNow(ConnectionFailedError):
+    """JetStream cannot answer yet: no reply in time, no responders, or a "not now" error."""
+
+
+async def until_jetstream_answers(
+    step: str,
+    attempt: Callable[[], Awaitable[_T]],
+    *,
+    nc: Client,
+    patience: float = 0.0,
+) -> _T:
+    """``await attempt()`` until JetStream answers it, and return its result.
+
+    While JetStream cannot answer (nats-py's timeout or no-responders errors, a
+    503 or "not now" API error: no quorum or leader yet, a stream or consumer
+    between leaders, a node still joining), logs one warning per attempt and
+    tries again after ``min(3 s, 0.2 s * 2**n)`` with jitter: a service started
+    during a cluster election waits for the cluster, as a pod waits for its
+    dependency. ``attempt`` must be safe to repeat. After ``patience`` seconds
+    (0: never) it gives up with :class:`ConnectionFailedError`; so it does at
+    once when ``nc`` saw a NATS permissions violation on the JetStream API or
+    its reply inbox (the server drops the request, so it looks like a timeout,
+    but waiting cannot fix it). Any other error is raised at once.
+    """
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    failures = 0
+    while True:
+        try:
+            return await attempt()
+        except Exception as exc:
+            if not _unavailable(exc):
+                raise
+            if (denied := _permission_denied(nc)) is not None:
+                raise ConnectionFailedError(
+                    f"{step}: JetStream did not answer: the NATS server refused this user "
+                    f"({denied}); it needs to publish to $JS.API.> and to subscribe to its "
+                    "reply inbox (nats.inbox_prefix)"
+                ) from exc
+            waited = loop.time() - began
+            if patience and waited >= patience:
+                raise ConnectionFailedError(
+                    f"{step}: JetStream did not answer within nats.startup_wait "
+                    f"({patience:g}s): {exc}"
+                ) from exc
+            failures += 1
+            delay = min(_RETRY_CAP, _RETRY_BASE * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
+            log.warning(
+                "jetstream unavailable; retrying",
+                step=step,
+                attempt=failures,
+                waited=round(waited, 1),
+                retry_in=round(delay, 2),
+                error=str(exc) or type(exc).__name__,
+            )
+        # nats-py's requests use asyncio.wait_for, which can swallow a
+        # cancellation (see renqueue.tasks): never start another wait after one.
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError
+        await asyncio.sleep(delay)
+
+
+def _unavailable(exc: Exception) -> bool:
+    """Whether ``exc`` means JetStream cannot answer *yet* (worth waiting for)."""
+    if isinstance(
+        exc,
+        _NotNow
+        | nats.errors.TimeoutError
+        | nats.errors.NoRespondersError
+        | nats.errors.ConnectionReconnectingError,
+    ):
+        return True
+    if isinstance(exc, nats.js.errors.APIError):  # nats-py's typed API (KV, ...)
+        return exc.code == 503 or exc.err_code in _NOT_NOW
+    return False
+
+
+def _permission_denied(nc: Client) -> str | None:
+    """The server's permissions violation on the JetStream API or a reply inbox, if any."""
+    error = nc.last_error
+    text = "" if error is None else str(error).lower()  # nats-py lowercases -ERR text
+    if "permissions violation" in text and ("$js." in text or "subscription" in text):
+        return text
+    return None
 
 
 # -- definitions -------------------------------------------------------------
@@ -458,33 +584,40 @@ def _terminal_stream_config(config: Config) -> dict[str, Any]:
 class _JetStreamApi:
     """Raw JetStream API requests over a nats-py client."""
 
-    def __init__(self, js_or_nc: Client | JetStreamContext) -> None:
+    def __init__(self, js_or_nc: Client | JetStreamContext, *, patience: float = 0.0) -> None:
+        #: How long :func:`until_jetstream_answers` waits per stream or consumer.
+        self.patience = patience
         if isinstance(js_or_nc, JetStreamContext):
             # nats-py exposes no public accessor for these; the prefix carries
             # the JetStream domain, if the context was made for one.
-            self._nc: Client = js_or_nc._nc
+            self.nc: Client = js_or_nc._nc
             self._prefix: str = js_or_nc._prefix
         else:
-            self._nc = js_or_nc
+            self.nc = js_or_nc
             self._prefix = _API_PREFIX
 
     async def call(self, operation: str, payload: Mapping[str, Any] | None = None) -> Any:
         subject = f"{self._prefix}.{operation}"
         body = b"" if payload is None else json.dumps(payload).encode()
         try:
-            reply = await self._nc.request(subject, body, timeout=_API_TIMEOUT)
+            reply = await self.nc.request(subject, body, timeout=_API_TIMEOUT)
         except nats.errors.NoRespondersError as exc:
-            raise ConnectionFailedError(
-                f"JetStream did not answer {subject}: is JetStream enabled on this server?"
+            raise _NotNow(
+                f"JetStream did not answer {subject} (no responders): is JetStream enabled "
+                "on this server, and has it started?"
             ) from exc
         except nats.errors.TimeoutError as exc:
-            raise ConnectionFailedError(
-                f"JetStream did not answer {subject} within {_API_TIMEOUT:g}s"
-            ) from exc
+            raise _NotNow(f"JetStream did not answer {subject} within {_API_TIMEOUT:g}s") from exc
         try:
-            return json.loads(reply.data)
+            response = json.loads(reply.data)
         except json.JSONDecodeError as exc:
             raise ConnectionFailedError(f"JetStream sent a non-JSON reply to {subject}") from exc
+        error = response.get("error") if isinstance(response, dict) else None
+        if isinstance(error, dict) and (
+            error.get("code") == 503 or error.get("err_code") in _NOT_NOW
+        ):
+            raise _NotNow(f"JetStream cannot answer {subject} yet: {error.get('description')}")
+        return response
 
 
 def _error(response: Any) -> tuple[int, str] | None:
@@ -518,6 +651,18 @@ def _diff(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
 
 
 async def _ensure_stream(
+    api: _JetStreamApi, desired: dict[str, Any], *, source: str
+) -> ProvisionItem:
+    """Create or update one stream, waiting while JetStream cannot answer."""
+    return await until_jetstream_answers(
+        f"stream {desired['name']}",
+        lambda: _ensure_stream_now(api, desired, source=source),
+        nc=api.nc,
+        patience=api.patience,
+    )
+
+
+async def _ensure_stream_now(
     api: _JetStreamApi, desired: dict[str, Any], *, source: str
 ) -> ProvisionItem:
     name = desired["name"]
@@ -562,6 +707,18 @@ async def _update_stream(
 
 
 async def _ensure_consumer(
+    api: _JetStreamApi, stream: str, desired: dict[str, Any], *, source: str
+) -> ProvisionItem:
+    """Create or update one consumer, waiting while JetStream cannot answer."""
+    return await until_jetstream_answers(
+        f"consumer {stream}/{desired['durable_name']}",
+        lambda: _ensure_consumer_now(api, stream, desired, source=source),
+        nc=api.nc,
+        patience=api.patience,
+    )
+
+
+async def _ensure_consumer_now(
     api: _JetStreamApi, stream: str, desired: dict[str, Any], *, source: str
 ) -> ProvisionItem:
     durable = desired["durable_name"]

@@ -5,28 +5,35 @@ up``, ``renqueue router``, ``renqueue worker``, the demo and the tests. Its
 shutdown order is fixed: stop taking work (routers first, so nothing new is
 dispatched), let workers finish in-flight runs within ``worker.drain_timeout``
 and nak the rest, drain the NATS connection, stop the embedded server.
+
+Start-up joining a cluster that is electing its leaders (or whose nodes are
+still coming up) waits for it: provisioning, and opening the projector's and
+routers' state, retry while JetStream cannot answer, logging each attempt (see
+:func:`renqueue.provision.until_jetstream_answers`), for up to
+``nats.startup_wait`` (default: forever). A signal stops the wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Protocol, Self, TypeVar
 
 from .advisories import AdvisoryReader
 from .backends import Backend, make_backend
 from .cancellation import CancelWatch
-from .config import Config
+from .config import Config, parse_duration
 from .connection import connect, redact_url
 from .embedded import EmbeddedServer
 from .errors import ServiceFailedError
 from .logs import get_logger
 from .projection import Projector
-from .provision import provision
+from .provision import provision, until_jetstream_answers
 from .router import Router
 from .tasks import Supervisor, cancel_and_wait
 from .worker import Worker
@@ -34,6 +41,14 @@ from .worker import Worker
 __all__ = ["Services", "State", "run_until_signalled"]
 
 log = get_logger("service")
+
+
+class _Startable(Protocol):
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+_S = TypeVar("_S", bound=_Startable)
 
 
 class State(enum.Enum):
@@ -122,20 +137,28 @@ class Services:
             self.cancels = CancelWatch(self.js, supervisor=self.supervisor)
             await self.cancels.start()
             if self._run_projector:
-                self.projector = Projector(
-                    self.js, name=f"{self._name}-projector", supervisor=self.supervisor
+                self.projector = await self._start_waiting(
+                    "projector",
+                    functools.partial(
+                        Projector,
+                        self.js,
+                        name=f"{self._name}-projector",
+                        supervisor=self.supervisor,
+                    ),
                 )
-                await self.projector.start()
             for index in range(self._router_count):
-                router = Router(
-                    self.nc,
-                    self.js,
-                    self.config,
-                    name=f"{self._name}-router-{index}",
-                    cancels=self.cancels,
-                    supervisor=self.supervisor,
+                router = await self._start_waiting(
+                    f"router {index}",
+                    functools.partial(
+                        Router,
+                        self.nc,
+                        self.js,
+                        self.config,
+                        name=f"{self._name}-router-{index}",
+                        cancels=self.cancels,
+                        supervisor=self.supervisor,
+                    ),
                 )
-                await router.start()
                 self.routers.append(router)
             for backend_name, adapter in zip(self._backend_names, self._adapters, strict=True):
                 worker = Worker(
@@ -155,6 +178,22 @@ class Services:
         except BaseException:
             await self.close()
             raise
+
+    async def _start_waiting(self, step: str, make: Callable[[], _S]) -> _S:
+        """``make()`` and start it; while JetStream cannot answer, stop it and
+        try a fresh one (each attempt starts from nothing)."""
+
+        async def attempt() -> _S:
+            component = make()
+            try:
+                await component.start()
+            except BaseException:
+                await component.stop()
+                raise
+            return component
+
+        patience = parse_duration(self.config.nats.startup_wait)
+        return await until_jetstream_answers(step, attempt, nc=self.nc, patience=patience)
 
     def _check(self) -> None:
         """Check the config and build the backend adapters, before NATS is touched.
@@ -227,7 +266,11 @@ async def run_until_signalled(services: Services) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        async with services:
+        if not await _start_unless_signalled(services, stop) or stop.is_set():
+            await services.close()
+            log.info("signal received while starting; stopped")
+            return
+        try:
             log.info("running; Ctrl-C to stop", url=redact_url(services.url))
             signalled = asyncio.create_task(stop.wait())
             failed = asyncio.create_task(services.supervisor.failed.wait())
@@ -239,8 +282,30 @@ async def run_until_signalled(services: Services) -> None:
                 log.critical("a service loop failed; draining", reason=services.supervisor.reason)
             else:
                 log.info("signal received; draining")
+        finally:
+            await services.close()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     if services.supervisor.failed.is_set():
         raise ServiceFailedError(services.supervisor.reason or "a service loop failed")
+
+
+async def _start_unless_signalled(services: Services, stop: asyncio.Event) -> bool:
+    """Start ``services``, or stop starting once ``stop`` is set (start-up can
+    wait long for a cluster): False then. A failed start raises; either way
+    start() has closed what it opened."""
+    starting = asyncio.create_task(services.start())
+    signalled = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel_and_wait([signalled])
+        if not starting.done():
+            # Once: start() then closes what it opened; a second cancel would cut that short.
+            starting.cancel()
+            await asyncio.wait({starting})
+    if starting.cancelled():
+        return False
+    starting.result()  # raises what start() raised
+    return True

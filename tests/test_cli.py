@@ -134,7 +134,9 @@ async def test_exit_codes_and_scaling_out_without_a_url(tmp_path: Path) -> None:
                     env={**os.environ, "RENQUEUE_CONFIG": ""},
                 )  # fmt: skip
             try:
-                for _ in range(400):
+                # Up to 60 s: a SIGTERM while it still starts stops the start-up
+                # (it may be waiting for JetStream), so it must have started first.
+                for _ in range(1200):
                     if "router started" in log.read_text() or router.returncode is not None:
                         break
                     await asyncio.sleep(0.05)  # poll interval while it starts
