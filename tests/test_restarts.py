@@ -599,7 +599,7 @@ async def test_router_killed_during_preemption_coalescing_and_cancellation_loses
         async def midway() -> bool:
             return "preempted a run" in first.text() and await held(js) >= 5
 
-        await until(midway, "a run was preempted and requests are held", within=10)
+        await until(midway, "a run was preempted and requests are held", within=30)
         await first.kill()
         orphaned = await held(js)
         await new_router()

@@ -77,8 +77,8 @@ async def test_a_backdated_request_does_not_jump_ahead_of_an_earlier_one(
                     # As if a worker had requeued it after a preemption the
                     # log never saw: the payload's time must not count either.
                     again = msgspec.structs.replace(backdated, requeues=1)
-                    await client.js.publish(
-                        request_subject("normal", TENANT),
+                    await services.js.publish(
+                        request_subject("normal", TENANT, requeue=True),
                         encode(again),
                         headers={"Nats-Msg-Id": msg_id(TENANT, again.id, "requeue", 1)},
                     )
