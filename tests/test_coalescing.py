@@ -21,11 +21,21 @@ from renqueue import (
     Services,
     parse_config,
 )
+from renqueue.advisories import AdvisoryReader, MaxDeliveries
 from renqueue.coalescing import Group
 from renqueue.eventlog import EventLog
-from renqueue.messages import Coalesced, Completed, Event, is_terminal
+from renqueue.messages import (
+    REQUEST_DECODER,
+    Cancelled,
+    Coalesced,
+    Completed,
+    Event,
+    Failed,
+    Submitted,
+    is_terminal,
+)
 from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.subjects import STATE_BUCKET
+from renqueue.subjects import REQUESTS_STREAM, STATE_BUCKET, request_subject
 
 
 @pytest.fixture
@@ -156,3 +166,63 @@ async def _wait_coalesced(client: Client, request_id: str) -> None:
             return
         await asyncio.sleep(0.02)  # poll interval, not a synchronisation
     raise AssertionError(f"{request_id} never coalesced")
+
+
+async def _terminal_within(client: Client, request_id: str, bound: float = 15.0) -> Event:
+    """The request's terminal event, polled from the log for at most ``bound`` s."""
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        ended = await terminals(client, request_id)
+        if ended:
+            return ended[0]
+        await asyncio.sleep(0.05)  # poll interval, not a synchronisation
+    raise AssertionError(f"{request_id} has no terminal event after {bound} s")
+
+
+async def test_a_leader_that_runs_out_of_deliveries_hands_out_to_its_followers(
+    stack: Services,
+) -> None:
+    """The advisory reader ends a leader whose message ran out of deliveries:
+    its followers get their outcome first (here: they run on their own)."""
+    async with Client(stack.nc, tenant="t") as client:
+        await occupy(client)
+        leader = await client.submit("undeliverable", route="chat", coalesce=True)
+        follower = await client.submit("undeliverable", route="chat", coalesce=True)
+        await _wait_coalesced(client, follower.id)
+        # The leader waits in a router's hold; its message is the one left on
+        # the tenant's subject (the blocker's and the follower's were acked).
+        stored = await stack.js.get_last_msg(REQUESTS_STREAM, request_subject("normal", "t"))
+        assert REQUEST_DECODER.decode(stored.data).id == leader.id
+        advisory = MaxDeliveries(
+            stream=REQUESTS_STREAM, consumer="router-normal", stream_seq=stored.seq, deliveries=9
+        )
+        await AdvisoryReader(stack.js).handle(advisory, at=time.time())
+        [ended] = await terminals(client, leader.id)
+        assert isinstance(ended, Failed)
+        assert ended.error_type == "undeliverable"
+        assert (await follower.result(timeout=15)).text
+        assert len(await terminals(client, follower.id)) == 1
+
+
+async def test_a_worker_that_finds_a_leader_ended_hands_out_to_its_followers(
+    stack: Services,
+) -> None:
+    """A dispatch of a leader that already ended (its terminal claim exists,
+    its hand-out never ran) is dropped by the worker, which hands out first."""
+    async with Client(stack.nc, tenant="t") as client:
+        await occupy(client)
+        leader = await client.submit("ended", route="chat", coalesce=True)
+        follower = await client.submit("ended", route="chat", coalesce=True)
+        await _wait_coalesced(client, follower.id)
+        [submitted] = [e for e in await history(client, leader.id) if isinstance(e, Submitted)]
+        # The leader ends by a path that skipped the hand-out.
+        cancelled = Cancelled(request_id=leader.id, tenant="t", at=time.time(), stage="queued")
+        assert await EventLog(stack.js).finish(cancelled)
+        # The router still holds the leader: once the slot frees it dispatches it,
+        # and the worker finds its claim.
+        with pytest.raises(RequestCancelledError):
+            await leader.result(timeout=10)
+        assert submitted.request.id == leader.id
+        ended = await _terminal_within(client, follower.id)
+        assert isinstance(ended, Completed)
+        assert len(await terminals(client, follower.id)) == 1
