@@ -30,7 +30,12 @@ A follower's own cancellation and deadline hold while it waits: a cancelled
 follower ends ``cancelled`` at once (:meth:`Coalescer.follower_cancelled`,
 from any router's cancel listener); its deadline is kept in the group, and a
 follower past it when the call ends gets ``expired`` instead of the copy (the
-router that coalesced it also expires it on time). The terminal claim in
+router that coalesced it also expires it on time). Such a follower is ended
+first (its terminal claim and event) and leaves its group after, so a
+failure or a crash in between leaves it in the group, where the hand-out
+finds its claim and skips it; the router runs both as supervised jobs
+(:meth:`renqueue.tasks.Supervisor.spawn_job`), retried with a capped
+backoff until they succeed. The terminal claim in
 :meth:`renqueue.eventlog.EventLog.finish` makes sure only one of these
 outcomes is ever recorded for a follower.
 
@@ -260,6 +265,12 @@ class Coalescer:
     async def _settle(
         self, tenant: str, leader: str, follower: str, deadline: float | None, outcome: Event
     ) -> None:
+        claim = await self._log.claim_of(tenant, follower)
+        if claim is not None:
+            # It ended on its own (cancelled, expired) and had not left the
+            # group yet: nothing to give it (its event may still be missing).
+            await self._log.settle(claim)
+            return
         now = self._clock()
         if isinstance(outcome, Completed):
             if deadline is not None and now >= deadline:
@@ -352,10 +363,6 @@ class Coalescer:
             await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
         except NotFoundError:
             return False
-        request = await self._submitted(tenant, request_id)
-        key = coalesce_key(request) if request is not None else None
-        if key is not None:
-            await self.leave(tenant, key, request_id)
         await self._log.finish(
             Cancelled(
                 request_id=request_id,
@@ -365,11 +372,14 @@ class Coalescer:
                 reason="cancelled by request while sharing another request's call",
             )
         )
+        request = await self._submitted(tenant, request_id)
+        key = coalesce_key(request) if request is not None else None
+        if key is not None:
+            await self.leave(tenant, key, request_id)
         return True
 
     async def follower_expired(self, request: InferenceRequest, key: str) -> None:
         """End a coalesced follower whose deadline passed while it waited."""
-        await self.leave(request.tenant, key, request.id)
         await self._log.finish(
             Expired(
                 request_id=request.id,
@@ -379,3 +389,4 @@ class Coalescer:
                 reason="deadline passed while sharing another request's call",
             )
         )
+        await self.leave(request.tenant, key, request.id)

@@ -337,6 +337,7 @@ class Router:
         self._own_supervisor = supervisor is None
         self._supervisor = supervisor if supervisor is not None else Supervisor(name)
         self._loops: list[str] = []
+        self._job_prefix = f"{name}:job:"
         #: Set while the dispatch loop runs: nothing is fetched while it is down.
         self._dispatching = asyncio.Event()
         #: Failed dispatches this router saw, per ``<tenant>:<id>``.
@@ -400,7 +401,8 @@ class Router:
 
     async def stop(self) -> None:
         """Stop taking work, let in-flight dispatches land, hand held requests back."""
-        await self._supervisor.stop(*self._loops)
+        # Jobs cut short leave their follower in its group: its leader's hand-out ends it.
+        await self._supervisor.stop(*self._loops, *self._supervisor.jobs(self._job_prefix))
         self._loops.clear()
         for timer in self._follower_timers:
             timer.cancel()
@@ -619,7 +621,10 @@ class Router:
 
         def fire() -> None:
             self._follower_timers.discard(handle)
-            self._spawn_publish(self._coalescer.follower_expired(request, key))
+            self._spawn_job(
+                f"follower-expired-{request.tenant}:{request.id}",
+                functools.partial(self._coalescer.follower_expired, request, key),
+            )
 
         handle = loop.call_later(delay, fire)
         self._follower_timers.add(handle)
@@ -673,7 +678,20 @@ class Router:
                     self._spawn_publish(self._cancel(item.msg, item.request))
                     self._room[self._levels[item.rank]].set()
                     return
-        self._spawn_publish(self._coalescer.follower_cancelled(event.tenant, event.request_id))
+        self._end_follower_cancelled(event.tenant, event.request_id)
+
+    def _end_follower_cancelled(self, tenant: str, request_id: str) -> None:
+        """End a cancelled coalesced follower (if it is one), retried until done."""
+
+        async def end() -> None:
+            await self._coalescer.follower_cancelled(tenant, request_id)
+
+        self._spawn_job(f"follower-cancelled-{tenant}:{request_id}", end)
+
+    def _spawn_job(self, what: str, factory: Callable[[], Any]) -> None:
+        """Run idempotent one-off work under the supervisor: retried with a
+        capped backoff until it succeeds (see :meth:`Supervisor.spawn_job`)."""
+        self._supervisor.spawn_job(f"{self._job_prefix}{what}", factory)
 
     async def _end(self, request: InferenceRequest, event: Any) -> None:
         """Record a request's terminal event; a coalescing leader's followers

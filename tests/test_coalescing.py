@@ -30,6 +30,7 @@ from renqueue.messages import (
     Coalesced,
     Completed,
     Event,
+    Expired,
     Failed,
     Submitted,
     is_terminal,
@@ -226,3 +227,42 @@ async def test_a_worker_that_finds_a_leader_ended_hands_out_to_its_followers(
         ended = await _terminal_within(client, follower.id)
         assert isinstance(ended, Completed)
         assert len(await terminals(client, follower.id)) == 1
+
+
+async def test_a_follower_whose_end_fails_once_still_ends_and_leaves_its_group(
+    stack: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ending a follower on its deadline or its cancellation survives a
+    transient failure (a publish timing out during a reconnect): it is retried."""
+    real = EventLog.finish
+    failed: list[str] = []
+
+    async def flaky(self: EventLog, event: Event, **kwargs: int) -> bool:
+        follower = isinstance(event, Expired | Cancelled) and event.request_id.startswith("foll")
+        if follower and event.request_id not in failed:
+            failed.append(event.request_id)
+            raise TimeoutError("publish timed out (simulated: a reconnect)")
+        return await real(self, event, **kwargs)
+
+    monkeypatch.setattr(EventLog, "finish", flaky)
+    async with Client(stack.nc, tenant="t") as client:
+        await occupy(client)
+        leader = await client.submit("flaky", route="chat", coalesce=True, request_id="lead-x")
+        hasty = await client.submit(
+            "flaky", route="chat", coalesce=True, timeout=0.5, request_id="foll-hasty"
+        )
+        quitter = await client.submit("flaky", route="chat", coalesce=True, request_id="foll-quit")
+        await _wait_coalesced(client, quitter.id)
+        await quitter.cancel()
+        with pytest.raises(RequestExpiredError):
+            await hasty.result(timeout=10)
+        with pytest.raises(RequestCancelledError):
+            await quitter.result(timeout=10)
+        assert sorted(failed) == ["foll-hasty", "foll-quit"]
+        # Both left the group: the hand-out gives nothing more to them.
+        kv = await stack.js.key_value(STATE_BUCKET)
+        [entry] = [await kv.get(key) for key in await kv.keys() if key.startswith("co.t.")]
+        assert msgspec.json.decode(entry.value, type=Group).followers == []
+        assert (await leader.result(timeout=15)).text
+        for handle in (leader, hasty, quitter):
+            assert len(await terminals(client, handle.id)) == 1
