@@ -21,7 +21,9 @@ Each router and worker then acts where the request is:
   dropped with a ``cancelled`` event (stage ``queued``), never dispatched;
 - sharing another request's call (a coalesced follower): it ends at once
   with its own ``cancelled`` (stage ``queued``) and leaves the group; the
-  shared call goes on for the others (:mod:`renqueue.coalescing`);
+  shared call goes on for the others (:mod:`renqueue.coalescing`). A router
+  looks again once it has recorded a request as a follower, so a
+  cancellation read while the request was joining is not missed;
 - dispatched but not started: the worker records ``cancelled`` instead of
   calling the backend;
 - running: the worker stops the backend call (closing its HTTP stream) and

@@ -598,6 +598,11 @@ class Router:
                 Coalesced(request_id=request.id, tenant=request.tenant, at=now, leader=leader)
             )
             await msg.ack()
+            # A cancellation read after _settle_on_read looked, and before the
+            # `coalesced` event above was stored, found the request neither
+            # held nor a follower: look again, now that it is one.
+            if self._cancels is not None and self._cancels.is_cancelled(request.tenant, request.id):
+                self._end_follower_cancelled(request.tenant, request.id)
             self._expire_follower_at_deadline(request, key)
             # Whichever router holds the leader lifts it to this follower's level.
             boost = {"leader": leader, "rank": self._config.priority_rank(request.priority)}

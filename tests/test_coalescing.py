@@ -22,7 +22,7 @@ from renqueue import (
     parse_config,
 )
 from renqueue.advisories import AdvisoryReader, MaxDeliveries
-from renqueue.coalescing import Group
+from renqueue.coalescing import Coalescer, Group
 from renqueue.eventlog import EventLog
 from renqueue.messages import (
     REQUEST_DECODER,
@@ -32,6 +32,7 @@ from renqueue.messages import (
     Event,
     Expired,
     Failed,
+    InferenceRequest,
     Submitted,
     is_terminal,
 )
@@ -266,3 +267,36 @@ async def test_a_follower_whose_end_fails_once_still_ends_and_leaves_its_group(
         assert (await leader.result(timeout=15)).text
         for handle in (leader, hasty, quitter):
             assert len(await terminals(client, handle.id)) == 1
+
+
+async def test_a_cancel_read_while_a_request_joins_its_group_is_not_missed(
+    stack: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancellation the router reads after it checked for one, and before
+    the request's `coalesced` event is stored, still ends the follower."""
+    assert stack.cancels is not None
+    watch = stack.cancels
+    real = Coalescer.join
+
+    async def join_then_cancel(self: Coalescer, request: InferenceRequest, key: str) -> str | None:
+        leader = await real(self, request, key)
+        if request.id == "gap-follower":
+            # The cancel lands in the gap: joined, `coalesced` not yet logged.
+            await client.handle(request.id).cancel()
+            deadline = time.monotonic() + 10
+            while not watch.is_cancelled("t", request.id):
+                assert time.monotonic() < deadline, "the watch never read the cancel"
+                await asyncio.sleep(0.01)  # poll interval, not a synchronisation
+        return leader
+
+    monkeypatch.setattr(Coalescer, "join", join_then_cancel)
+    async with Client(stack.nc, tenant="t") as client:
+        await occupy(client)
+        leader = await client.submit("gap", route="chat", coalesce=True)
+        follower = await client.submit(
+            "gap", route="chat", coalesce=True, request_id="gap-follower"
+        )
+        with pytest.raises(RequestCancelledError):
+            await follower.result(timeout=15)
+        assert (await leader.result(timeout=15)).text
+        assert len(await terminals(client, follower.id)) == 1
