@@ -493,7 +493,7 @@ class Router:
         logged = await self._log.append_async(
             Submitted(request_id=request.id, tenant=request.tenant, at=submitted, request=request)
         )
-        if await self._settle_on_read(msg, request, logged, now):
+        if await self._settle_on_read(msg, request, logged, now, since=submitted):
             return
         if await self._follows(msg, request, logged, now):
             return
@@ -560,15 +560,17 @@ class Router:
         return request
 
     async def _settle_on_read(
-        self, msg: Any, request: InferenceRequest, logged: Any, now: float
+        self, msg: Any, request: InferenceRequest, logged: Any, now: float, *, since: float
     ) -> bool:
         """End a request that is already past its deadline or cancelled when read.
 
         After its ``submitted`` event, so the log still starts with it.
+        ``since``: when its wait began (server time); a cancellation older
+        than what the watch holds is looked up in the log.
         """
         expired = request.deadline is not None and now >= request.deadline
         cancelled = self._cancels is not None and await self._cancels.was_cancelled(
-            request.tenant, request.id, since=now
+            request.tenant, request.id, since=since
         )
         if not (expired or cancelled):
             return False
