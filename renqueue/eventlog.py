@@ -46,6 +46,7 @@ from .messages import (
     EVENT_DECODER,
     TERMINAL_KINDS,
     TOKEN_DECODER,
+    CancelRequested,
     Event,
     Preempted,
     Promoted,
@@ -95,12 +96,14 @@ def msg_id_of(event: Event) -> str | None:
     claim (see the module docstring). ``started`` and ``retrying`` have none:
     each is published once, by the worker running that run (in a pool, the
     holder of the run's claim), so a forged id cannot hide a run or a failed
-    run (which the retry budget counts).
+    run (which the retry budget counts). ``cancel_requested`` has none: it is
+    idempotent, and a tenant publishing the id of another's cancellation first
+    (on its own subject) would drop it.
     """
     tenant, rid = event.tenant, event.request_id
     if is_terminal(event):
         raise ValueError(f"{kind_of(event)} is terminal: publish it with EventLog.finish")
-    if isinstance(event, Started | Retrying):
+    if isinstance(event, Started | Retrying | CancelRequested):
         return None
     if isinstance(event, Preempted):
         return msg_id(tenant, rid, kind_of(event), event.attempt, event.delivery)

@@ -264,3 +264,26 @@ async def test_a_flood_of_cancellations_stays_bounded_and_forgotten_ones_are_sti
         assert len(watch) == 50
     finally:
         await watch.stop()
+
+
+async def test_another_tenant_cannot_drop_a_cancellation_by_taking_its_message_id(
+    stack: Services, slow: MockBackend
+) -> None:
+    """Deduplication is stream-wide: a cancellation published under
+    ``<tenant>:<id>:cancel_requested`` could be dropped by another tenant
+    publishing that id first, on its own subject. Cancellations carry none."""
+    async with Client(stack.nc, tenant="victim") as victim, Client(stack.nc, tenant="evil") as evil:
+        await evil.js.publish(
+            event_subject("evil", "anything", "cancel_requested"),
+            encode(CancelRequested(request_id="anything", tenant="evil", at=time.time())),
+            headers={"Nats-Msg-Id": "victim:waits:cancel_requested"},
+        )
+        busy = await victim.submit("takes the only slot", route="chat")
+        stream = busy.stream(timeout=10)
+        await anext(stream)  # running: the next request waits
+        await stream.aclose()
+        waiting = await victim.submit("waits", route="chat", request_id="waits")
+        await waiting.cancel()
+        with pytest.raises(RequestCancelledError):
+            await waiting.result(timeout=10)
+    assert slow.stats().requests == 1
