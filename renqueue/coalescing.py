@@ -60,7 +60,7 @@ from typing import Any, Final
 import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
-from .eventlog import EventLog
+from .eventlog import EventLog, publish_stored
 from .logs import get_logger
 from .messages import (
     EVENT_DECODER,
@@ -332,10 +332,13 @@ class Coalescer:
             )
             return
         again = msgspec.structs.replace(request, requeues=request.requeues + 1)
-        await self._js.publish(
+        # The group forgets it after this: a copy must surely be stored (a
+        # tenant may have taken this message id first, see publish_stored).
+        await publish_stored(
+            self._js,
             request_subject(request.priority, tenant),
             encode(again),
-            headers={"Nats-Msg-Id": msg_id(tenant, follower, "requeue", "leader", leader)},
+            msg_id(tenant, follower, "requeue", "leader", leader),
         )
         log.info("coalesced request runs on its own", request_id=follower, leader=leader)
 

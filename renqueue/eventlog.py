@@ -73,7 +73,7 @@ from .subjects import (
     token_subject,
 )
 
-__all__ = ["EventLog", "delete_consumer", "msg_id_of", "read_subject"]
+__all__ = ["EventLog", "delete_consumer", "msg_id_of", "publish_stored", "read_subject"]
 
 _MSG_ID: Final = "Nats-Msg-Id"
 _EXPECTED_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
@@ -119,6 +119,33 @@ def msg_id_of(event: Event) -> str | None:
 def _headers(event: Event) -> dict[str, str] | None:
     message_id = msg_id_of(event)
     return None if message_id is None else {_MSG_ID: message_id}
+
+
+async def publish_stored(js: Any, subject: str, payload: bytes, message_id: str) -> None:
+    """Publish ``payload`` on ``subject`` so that a copy is surely stored.
+
+    For a message whose source is acked (or deleted) once it is published: a
+    requeue. ``message_id`` makes a retried publish store it once, but
+    deduplication is stream-wide and tenants publish into the same streams
+    with ids of their choice: a "duplicate" ack may mean that another tenant
+    took the id first, on its own subject, and nothing of ours was stored.
+    So a duplicate counts only when the message it names is still there, on
+    ``subject``, with ``payload``. Otherwise the payload is published again
+    under ``message_id`` plus a random suffix (a uuid4, which nobody can take
+    first). Trade-off: a genuine retry whose first copy was already consumed
+    is then stored twice, and may run twice; the terminal claim keeps one
+    outcome (and the dispatch's own message id usually drops the second).
+    """
+    ack = await js.publish(subject, payload, headers={_MSG_ID: message_id})
+    if not ack.duplicate:
+        return
+    try:
+        stored = await js.get_msg(ack.stream, seq=ack.seq)
+    except NotFoundError:
+        stored = None
+    if stored is not None and stored.subject == subject and stored.data == payload:
+        return  # ours, from an earlier try, still waiting to be read
+    await js.publish(subject, payload, headers={_MSG_ID: f"{message_id}:{uuid.uuid4().hex}"})
 
 
 async def delete_consumer(js: Any, stream: str, name: str) -> None:

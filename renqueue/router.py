@@ -184,7 +184,8 @@ def validate(
     The subject is authoritative: a payload naming another tenant or level is
     rejected (a tenant must not be able to speak for another). ``message_id``
     is the publish's ``Nats-Msg-Id``: it must be ``<tenant>:<id>`` (a requeue
-    by a worker: ``<tenant>:<id>:requeue:<attempt>``), so that deduplication
+    by the services: ``<tenant>:<id>:requeue:...``, see
+    :func:`renqueue.eventlog.publish_stored`), so that deduplication
     is scoped by tenant. ``None`` skips that check (a request not read from
     the stream).
     """

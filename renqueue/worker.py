@@ -52,7 +52,7 @@ from .cancellation import CancelWatch
 from .coalescing import Coalescer, coalesce_key
 from .config import BackendConfig, Config, parse_duration
 from .errors import BackendError, RetryableBackendError
-from .eventlog import EventLog
+from .eventlog import EventLog, publish_stored
 from .logs import bound_request, get_logger
 from .messages import (
     DISPATCH_DECODER,
@@ -693,12 +693,13 @@ class Worker:
             )
         )
         again = msgspec.structs.replace(request, requeues=dispatch.attempt)
-        await self._js.publish(
+        # Acked only once a copy is surely stored: a tenant may have taken
+        # this message id first (see publish_stored).
+        await publish_stored(
+            self._js,
             request_subject(request.priority, request.tenant),
             encode(again),
-            headers={
-                "Nats-Msg-Id": msg_id(request.tenant, request.id, "requeue", dispatch.attempt)
-            },
+            msg_id(request.tenant, request.id, "requeue", dispatch.attempt),
         )
         await msg.ack()
         metrics.TERMINAL.labels("preempted").inc()

@@ -300,3 +300,26 @@ async def test_a_cancel_read_while_a_request_joins_its_group_is_not_missed(
             await follower.result(timeout=15)
         assert (await leader.result(timeout=15)).text
         assert len(await terminals(client, follower.id)) == 1
+
+
+async def test_a_follower_is_not_lost_to_a_requeue_id_another_tenant_took(
+    stack: Services,
+) -> None:
+    """A follower whose leader was cancelled is put back on its queue under a
+    message id another tenant may have taken first (on its own subject): the
+    group forgets it only once a copy of it is surely stored."""
+    async with Client(stack.nc, tenant="t") as client, Client(stack.nc, tenant="evil") as evil:
+        await evil.js.publish(
+            "rq.req.normal.evil",
+            b'{"id": "x", "tenant": "evil", "route": "chat", "messages": []}',
+            headers={"Nats-Msg-Id": "t:lone:requeue:leader:lead"},
+        )
+        await occupy(client)
+        leader = await client.submit("forged", route="chat", coalesce=True, request_id="lead")
+        follower = await client.submit("forged", route="chat", coalesce=True, request_id="lone")
+        await _wait_coalesced(client, follower.id)
+        await leader.cancel()
+        with pytest.raises(RequestCancelledError):
+            await leader.result(timeout=10)
+        assert (await follower.result(timeout=15)).text
+        assert len(await terminals(client, follower.id)) == 1
