@@ -139,10 +139,10 @@ async def publish_stored(js: Any, subject: str, payload: bytes, message_id: str)
     ack = await js.publish(subject, payload, headers={_MSG_ID: message_id})
     if not ack.duplicate:
         return
-    try:
-        stored = await js.get_msg(ack.stream, seq=ack.seq)
-    except NotFoundError:
-        stored = None
+    stored = None
+    if ack.seq:
+        with contextlib.suppress(NotFoundError):
+            stored = await js.get_msg(ack.stream, seq=ack.seq)
     if stored is not None and stored.subject == subject and stored.data == payload:
         return  # ours, from an earlier try, still waiting to be read
     await js.publish(subject, payload, headers={_MSG_ID: f"{message_id}:{uuid.uuid4().hex}"})
