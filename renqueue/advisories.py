@@ -18,7 +18,9 @@ nothing:
    dead-letter stream (``rq.dlq.requests`` / ``rq.dlq.dispatch``, the reason
    in ``Rq-Reason``) and the request ends ``failed``, ``error_type``
    ``undeliverable``, through :meth:`EventLog.finish`: exactly once, whoever
-   else tries to end it;
+   else tries to end it. A coalescing leader's followers get their outcome
+   first (:meth:`Coalescer.leader_ended`: they run on their own), and again
+   when the request had already ended (its ender may have skipped that);
 3. the message is deleted from its stream (nothing would ever deliver it again);
 4. the advisory is acked.
 
@@ -33,15 +35,17 @@ runs, none is left waiting.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Final
 
 import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError
 
+from .coalescing import Coalescer, coalesce_key
 from .eventlog import EventLog
 from .logs import bound_request, get_logger
-from .messages import DISPATCH_DECODER, REQUEST_DECODER, Failed
+from .messages import DISPATCH_DECODER, REQUEST_DECODER, Event, Failed, InferenceRequest
 from .subjects import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
@@ -83,6 +87,8 @@ class _Subject(msgspec.Struct, frozen=True, kw_only=True):
     stage: str
     backend: str | None = None
     attempt: int = 0
+    #: The request itself, when the stored message holds one that agrees with the above.
+    request: InferenceRequest | None = None
 
 
 class AdvisoryReader:
@@ -91,6 +97,7 @@ class AdvisoryReader:
     def __init__(self, js: Any, *, supervisor: Supervisor | None = None) -> None:
         self._js = js
         self._log = EventLog(js)
+        self._coalescer = Coalescer(js, clock=time.time)
         self._own_supervisor = supervisor is None
         self._supervisor = supervisor or Supervisor("advisories")
         self._loop = "advisories"
@@ -161,6 +168,8 @@ class AdvisoryReader:
         with bound_request(about.request_id, tenant=about.tenant):
             claim = await self._log.claim_of(about.tenant, about.request_id)
             if claim is not None:
+                # Its ender may not have handed out to its followers: again (idempotent).
+                await self._hand_out(about, claim.event)
                 await self._log.settle(claim)
             else:
                 reason = (
@@ -184,11 +193,24 @@ class AdvisoryReader:
                     backend=about.backend,
                     attempt=about.attempt,
                 )
+                # A coalescing leader's followers get their outcome first, so a
+                # crash in between cannot strand them (the advisory is redelivered).
+                await self._hand_out(about, failed)
                 if await self._log.finish(failed):
                     self.ended += 1
                     log.warning("request ran out of deliveries; failed", reason=reason)
             with contextlib.suppress(NotFoundError):
                 await self._js.delete_msg(advisory.stream, advisory.stream_seq)
+
+    async def _hand_out(self, about: _Subject, outcome: Event) -> None:
+        """If the request leads a coalescing group, give its followers their
+        outcome (:meth:`Coalescer.leader_ended`, idempotent)."""
+        request = about.request
+        if request is None or (request.tenant, request.id) != (about.tenant, about.request_id):
+            return
+        key = coalesce_key(request)
+        if key is not None:
+            await self._coalescer.leader_ended(about.tenant, about.request_id, key, outcome)
 
 
 def _about(advisory: MaxDeliveries, stored: Any) -> _Subject:
@@ -212,6 +234,7 @@ def _about(advisory: MaxDeliveries, stored: Any) -> _Subject:
             stage="dispatch",
             backend=backend,
             attempt=dispatch.attempt,
+            request=request,
         )
     parts = stored.subject.split(".")
     tenant = parts[3] if len(parts) == 4 and _is_id(parts[3]) else "unknown"
@@ -221,15 +244,20 @@ def _about(advisory: MaxDeliveries, stored: Any) -> _Subject:
     named = rest.partition(":")[0]
     request_id = named if scope == tenant and _is_id(named) else f"invalid-{seq}"
     try:
-        payload_id = REQUEST_DECODER.decode(data).id
+        payload: InferenceRequest | None = REQUEST_DECODER.decode(data)
     except msgspec.DecodeError:
-        payload_id = None
-    if payload_id is not None and (
-        header == msg_id(tenant, payload_id)
-        or header.startswith(msg_id(tenant, payload_id, "requeue") + ":")
+        payload = None
+    if payload is not None and (
+        header == msg_id(tenant, payload.id)
+        or header.startswith(msg_id(tenant, payload.id, "requeue") + ":")
     ):
-        request_id = payload_id
-    return _Subject(tenant=tenant, request_id=request_id, stage="requests")
+        request_id = payload.id
+    return _Subject(
+        tenant=tenant,
+        request_id=request_id,
+        stage="requests",
+        request=payload if payload is not None and payload.tenant == tenant else None,
+    )
 
 
 def _is_id(text: str) -> bool:

@@ -21,7 +21,9 @@ Each router and worker then acts where the request is:
   dropped with a ``cancelled`` event (stage ``queued``), never dispatched;
 - sharing another request's call (a coalesced follower): it ends at once
   with its own ``cancelled`` (stage ``queued``) and leaves the group; the
-  shared call goes on for the others (:mod:`renqueue.coalescing`);
+  shared call goes on for the others (:mod:`renqueue.coalescing`). A router
+  looks again once it has recorded a request as a follower, so a
+  cancellation read while the request was joining is not missed;
 - dispatched but not started: the worker records ``cancelled`` instead of
   calling the backend;
 - running: the worker stops the backend call (closing its HTTP stream) and
@@ -36,6 +38,12 @@ ask :meth:`CancelWatch.was_cancelled`, which looks the request's own
 what the watch covers: a cancellation is honoured however old it is (as long
 as ``RQ_EVENTS`` keeps it, 30 days by default).
 
+Memory: tenants may publish any number of cancellations, with made-up ids.
+A watch holds at most ``keep`` (:data:`KEEP` by default); it forgets the
+oldest read first, those past the horizon or over that cap, at O(1) per
+cancellation read, and what it covers then starts just after the newest one
+it forgot: a request older than that is looked up in the log, as above.
+
 The ``cancelled`` event is terminal and goes through the request's terminal
 claim (:meth:`renqueue.eventlog.EventLog.finish`), so a cancellation that
 races a completion leaves exactly one of them.
@@ -46,7 +54,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -80,8 +90,9 @@ _INACTIVE: Final = 30.0
 #: How long :meth:`CancelWatch.start` waits to have read every logged cancellation.
 _CATCH_UP: Final = 10.0
 
-#: Cancellations remembered before the oldest (past the horizon) are forgotten.
-_KEEP: Final = 10_000
+#: Most cancellations held in memory: past this, the oldest are forgotten
+#: (a tenant can publish any number of them, with made-up ids).
+KEEP: Final = 100_000
 
 
 def cancel_of(subject: str, data: bytes) -> CancelRequested | None:
@@ -113,7 +124,10 @@ class CancelWatch:
     """The requests recently cancelled, by (tenant, request id), kept current from the log.
 
     ``supervisor`` runs the watch's loop (a private one when ``None``).
-    ``horizon`` is how far back (seconds) a starting watch reads.
+    ``horizon`` is how far back (seconds) a starting watch reads. ``keep``
+    bounds the cancellations held in memory: past it the oldest is forgotten
+    and the watch's coverage starts after it (see :meth:`was_cancelled`).
+    Forgetting is in arrival order, O(1) per cancellation read.
     """
 
     def __init__(
@@ -123,14 +137,21 @@ class CancelWatch:
         horizon: float = 86400.0,
         supervisor: Supervisor | None = None,
         clock: Callable[[], float] = time.time,
+        keep: int = KEEP,
     ) -> None:
+        if keep < 1:
+            raise ValueError("keep must be at least 1")
         self._js = js
         self._horizon = horizon
+        self._keep = keep
         self._clock = clock
         self._own_supervisor = supervisor is None
         self._supervisor = supervisor or Supervisor("cancel-watch")
-        #: (tenant, request id) -> server time the cancellation was stored.
-        self._cancelled: dict[tuple[str, str], float] = {}
+        #: (tenant, request id) -> server time the cancellation was stored, in
+        #: the order read (the oldest first: forgotten first).
+        self._cancelled: OrderedDict[tuple[str, str], float] = OrderedDict()
+        #: Cancellations forgotten (past the horizon, or over ``keep``).
+        self.forgotten = 0
         self._listeners: list[Callable[[CancelRequested], None]] = []
         self._caught_up = asyncio.Event()
         #: Every cancellation stored at or after this (server time) is known.
@@ -178,6 +199,10 @@ class CancelWatch:
         """
         self._listeners.append(callback)
 
+    def __len__(self) -> int:
+        """How many cancellations are held in memory (at most ``keep``)."""
+        return len(self._cancelled)
+
     def is_cancelled(self, tenant: str, request_id: str) -> bool:
         """Whether ``tenant``'s request ``request_id`` was cancelled (as far as read)."""
         return (tenant, request_id) in self._cancelled
@@ -187,7 +212,8 @@ class CancelWatch:
 
         When ``since`` is before what the watch covers (its horizon, or what it
         forgot), the request's own ``cancel_requested`` subject is looked up in
-        the log: one direct get, only for requests that old.
+        the log: one direct get, only for requests that old. ``since`` is best
+        the time the request was stored (a cancellation comes after that).
         """
         if self.is_cancelled(tenant, request_id):
             return True
@@ -200,7 +226,7 @@ class CancelWatch:
             return False
         if cancel_of(subject, raw.data or b"") is None:
             return False
-        self._cancelled[(tenant, request_id)] = _seconds(raw.time)
+        self._remember((tenant, request_id), _seconds(raw.time))
         return True
 
     # ------------------------------------------------------------------ loop
@@ -251,22 +277,25 @@ class CancelWatch:
             log.warning("ignoring a cancellation whose payload disagrees with its subject",
                         subject=msg.subject)  # fmt: skip
             return
-        stored = _seconds(msg.metadata.timestamp)
-        self._cancelled[(event.tenant, event.request_id)] = stored
-        self._prune(stored)
+        self._remember((event.tenant, event.request_id), _seconds(msg.metadata.timestamp))
         for callback in self._listeners:
             try:
                 callback(event)
             except Exception:  # one listener must not starve the others
                 log.exception("cancel listener failed", request_id=event.request_id)
 
-    def _prune(self, now: float) -> None:
-        """Forget cancellations past the horizon once there are many; lookups of
-        requests that old then go to the log (:meth:`was_cancelled`)."""
-        if len(self._cancelled) <= _KEEP:
-            return
-        horizon = now - self._horizon
-        for key, at in list(self._cancelled.items()):
-            if at < horizon:
-                del self._cancelled[key]
-        self._known_since = max(self._known_since, horizon)
+    def _remember(self, key: tuple[str, str], stored: float) -> None:
+        """Hold one cancellation (the newest read), then forget what is too old
+        or too many: from the front, so each read costs O(1) amortised."""
+        self._cancelled[key] = stored
+        self._cancelled.move_to_end(key)
+        horizon = stored - self._horizon
+        while self._cancelled:
+            oldest, at = next(iter(self._cancelled.items()))
+            if at >= horizon and len(self._cancelled) <= self._keep:
+                return
+            del self._cancelled[oldest]
+            self.forgotten += 1
+            # What the watch covers starts after what it forgot: an older
+            # request is looked up in the log (was_cancelled).
+            self._known_since = max(self._known_since, math.nextafter(at, math.inf))

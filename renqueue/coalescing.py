@@ -8,7 +8,9 @@ the others become *followers*: a ``coalesced`` event, and they leave the queue.
 Every follower ends with exactly one terminal event of its own, whatever
 happens to the leader (:meth:`Coalescer.leader_ended`, called wherever a
 leader ends: the worker after a call, the router when it expires, cancels or
-cannot deliver a leader):
+cannot deliver a leader, the advisory reader when its message ran out of
+deliveries; and again, since it is idempotent, by whoever finds a leader
+already ended: a worker handed its dispatch, the advisory reader):
 
 - the leader **completed**: each follower gets the same text (one token
   chunk) and a ``completed`` copy with ``shared_with`` = the leader and no
@@ -28,7 +30,12 @@ A follower's own cancellation and deadline hold while it waits: a cancelled
 follower ends ``cancelled`` at once (:meth:`Coalescer.follower_cancelled`,
 from any router's cancel listener); its deadline is kept in the group, and a
 follower past it when the call ends gets ``expired`` instead of the copy (the
-router that coalesced it also expires it on time). The terminal claim in
+router that coalesced it also expires it on time). Such a follower is ended
+first (its terminal claim and event) and leaves its group after, so a
+failure or a crash in between leaves it in the group, where the hand-out
+finds its claim and skips it; the router runs both as supervised jobs
+(:meth:`renqueue.tasks.Supervisor.spawn_job`), retried with a capped
+backoff until they succeed. The terminal claim in
 :meth:`renqueue.eventlog.EventLog.finish` makes sure only one of these
 outcomes is ever recorded for a follower.
 
@@ -53,7 +60,7 @@ from typing import Any, Final
 import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
-from .eventlog import EventLog
+from .eventlog import EventLog, publish_stored
 from .logs import get_logger
 from .messages import (
     EVENT_DECODER,
@@ -258,6 +265,12 @@ class Coalescer:
     async def _settle(
         self, tenant: str, leader: str, follower: str, deadline: float | None, outcome: Event
     ) -> None:
+        claim = await self._log.claim_of(tenant, follower)
+        if claim is not None:
+            # It ended on its own (cancelled, expired) and had not left the
+            # group yet: nothing to give it (its event may still be missing).
+            await self._log.settle(claim)
+            return
         now = self._clock()
         if isinstance(outcome, Completed):
             if deadline is not None and now >= deadline:
@@ -319,10 +332,13 @@ class Coalescer:
             )
             return
         again = msgspec.structs.replace(request, requeues=request.requeues + 1)
-        await self._js.publish(
+        # The group forgets it after this: a copy must surely be stored (a
+        # tenant may have taken this message id first, see publish_stored).
+        await publish_stored(
+            self._js,
             request_subject(request.priority, tenant, requeue=True),
             encode(again),
-            headers={"Nats-Msg-Id": msg_id(tenant, follower, "requeue", "leader", leader)},
+            msg_id(tenant, follower, "requeue", "leader", leader),
         )
         log.info("coalesced request runs on its own", request_id=follower, leader=leader)
 
@@ -350,10 +366,6 @@ class Coalescer:
             await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
         except NotFoundError:
             return False
-        request = await self._submitted(tenant, request_id)
-        key = coalesce_key(request) if request is not None else None
-        if key is not None:
-            await self.leave(tenant, key, request_id)
         await self._log.finish(
             Cancelled(
                 request_id=request_id,
@@ -363,11 +375,14 @@ class Coalescer:
                 reason="cancelled by request while sharing another request's call",
             )
         )
+        request = await self._submitted(tenant, request_id)
+        key = coalesce_key(request) if request is not None else None
+        if key is not None:
+            await self.leave(tenant, key, request_id)
         return True
 
     async def follower_expired(self, request: InferenceRequest, key: str) -> None:
         """End a coalesced follower whose deadline passed while it waited."""
-        await self.leave(request.tenant, key, request.id)
         await self._log.finish(
             Expired(
                 request_id=request.id,
@@ -377,3 +392,4 @@ class Coalescer:
                 reason="deadline passed while sharing another request's call",
             )
         )
+        await self.leave(request.tenant, key, request.id)

@@ -46,6 +46,7 @@ from .messages import (
     EVENT_DECODER,
     TERMINAL_KINDS,
     TOKEN_DECODER,
+    CancelRequested,
     Event,
     Preempted,
     Promoted,
@@ -72,7 +73,7 @@ from .subjects import (
     token_subject,
 )
 
-__all__ = ["EventLog", "delete_consumer", "msg_id_of", "read_subject"]
+__all__ = ["EventLog", "delete_consumer", "msg_id_of", "publish_stored", "read_subject"]
 
 _MSG_ID: Final = "Nats-Msg-Id"
 _EXPECTED_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
@@ -95,12 +96,14 @@ def msg_id_of(event: Event) -> str | None:
     claim (see the module docstring). ``started`` and ``retrying`` have none:
     each is published once, by the worker running that run (in a pool, the
     holder of the run's claim), so a forged id cannot hide a run or a failed
-    run (which the retry budget counts).
+    run (which the retry budget counts). ``cancel_requested`` has none: it is
+    idempotent, and a tenant publishing the id of another's cancellation first
+    (on its own subject) would drop it.
     """
     tenant, rid = event.tenant, event.request_id
     if is_terminal(event):
         raise ValueError(f"{kind_of(event)} is terminal: publish it with EventLog.finish")
-    if isinstance(event, Started | Retrying):
+    if isinstance(event, Started | Retrying | CancelRequested):
         return None
     if isinstance(event, Preempted):
         return msg_id(tenant, rid, kind_of(event), event.attempt, event.delivery)
@@ -116,6 +119,33 @@ def msg_id_of(event: Event) -> str | None:
 def _headers(event: Event) -> dict[str, str] | None:
     message_id = msg_id_of(event)
     return None if message_id is None else {_MSG_ID: message_id}
+
+
+async def publish_stored(js: Any, subject: str, payload: bytes, message_id: str) -> None:
+    """Publish ``payload`` on ``subject`` so that a copy is surely stored.
+
+    For a message whose source is acked (or deleted) once it is published: a
+    requeue. ``message_id`` makes a retried publish store it once, but
+    deduplication is stream-wide and tenants publish into the same streams
+    with ids of their choice: a "duplicate" ack may mean that another tenant
+    took the id first, on its own subject, and nothing of ours was stored.
+    So a duplicate counts only when the message it names is still there, on
+    ``subject``, with ``payload``. Otherwise the payload is published again
+    under ``message_id`` plus a random suffix (a uuid4, which nobody can take
+    first). Trade-off: a genuine retry whose first copy was already consumed
+    is then stored twice, and may run twice; the terminal claim keeps one
+    outcome (and the dispatch's own message id usually drops the second).
+    """
+    ack = await js.publish(subject, payload, headers={_MSG_ID: message_id})
+    if not ack.duplicate:
+        return
+    stored = None
+    if ack.seq:
+        with contextlib.suppress(NotFoundError):
+            stored = await js.get_msg(ack.stream, seq=ack.seq)
+    if stored is not None and stored.subject == subject and stored.data == payload:
+        return  # ours, from an earlier try, still waiting to be read
+    await js.publish(subject, payload, headers={_MSG_ID: f"{message_id}:{uuid.uuid4().hex}"})
 
 
 async def delete_consumer(js: Any, stream: str, name: str) -> None:

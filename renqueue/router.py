@@ -190,9 +190,10 @@ def validate(
 
     The subject is authoritative: a payload naming another tenant or level is
     rejected (a tenant must not be able to speak for another). ``message_id``
-    is the publish's ``Nats-Msg-Id``: it must be ``<tenant>:<id>`` (a requeue:
-    ``<tenant>:<id>:requeue:...``), so that deduplication is scoped by tenant.
-    ``None`` skips that check (a request not read from the stream).
+    is the publish's ``Nats-Msg-Id``: it must be ``<tenant>:<id>`` (a requeue
+    by the services: ``<tenant>:<id>:requeue:...``, see
+    :func:`renqueue.eventlog.publish_stored`), so that deduplication is scoped
+    by tenant. ``None`` skips that check (a request not read from the stream).
     ``requeue``: it was read from the services' requeue subject (which no
     tenant may publish to); only such a request may carry ``requeues`` (a
     tenant setting it ran one id many times at once, billed once).
@@ -366,6 +367,7 @@ class Router:
         self._own_supervisor = supervisor is None
         self._supervisor = supervisor if supervisor is not None else Supervisor(name)
         self._loops: list[str] = []
+        self._job_prefix = f"{name}:job:"
         #: Set while the dispatch loop runs: nothing is fetched while it is down.
         self._dispatching = asyncio.Event()
         #: Failed dispatches this router saw, per ``<tenant>:<id>``.
@@ -429,7 +431,8 @@ class Router:
 
     async def stop(self) -> None:
         """Stop taking work, let in-flight dispatches land, hand held requests back."""
-        await self._supervisor.stop(*self._loops)
+        # Jobs cut short leave their follower in its group: its leader's hand-out ends it.
+        await self._supervisor.stop(*self._loops, *self._supervisor.jobs(self._job_prefix))
         self._loops.clear()
         for timer in self._follower_timers:
             timer.cancel()
@@ -520,7 +523,7 @@ class Router:
         logged = await self._log.append_async(
             Submitted(request_id=request.id, tenant=request.tenant, at=submitted, request=request)
         )
-        if await self._settle_on_read(msg, request, logged, now):
+        if await self._settle_on_read(msg, request, logged, now, since=submitted):
             return
         if await self._follows(msg, request, logged, now):
             return
@@ -594,15 +597,17 @@ class Router:
         return request
 
     async def _settle_on_read(
-        self, msg: Any, request: InferenceRequest, logged: Any, now: float
+        self, msg: Any, request: InferenceRequest, logged: Any, now: float, *, since: float
     ) -> bool:
         """End a request that is already past its deadline or cancelled when read.
 
         After its ``submitted`` event, so the log still starts with it.
+        ``since``: when its wait began (server time); a cancellation older
+        than what the watch holds is looked up in the log.
         """
         expired = request.deadline is not None and now >= request.deadline
         cancelled = self._cancels is not None and await self._cancels.was_cancelled(
-            request.tenant, request.id, since=now
+            request.tenant, request.id, since=since
         )
         if not (expired or cancelled):
             return False
@@ -632,6 +637,11 @@ class Router:
                 Coalesced(request_id=request.id, tenant=request.tenant, at=now, leader=leader)
             )
             await msg.ack()
+            # A cancellation read after _settle_on_read looked, and before the
+            # `coalesced` event above was stored, found the request neither
+            # held nor a follower: look again, now that it is one.
+            if self._cancels is not None and self._cancels.is_cancelled(request.tenant, request.id):
+                self._end_follower_cancelled(request.tenant, request.id)
             self._expire_follower_at_deadline(request, key)
             # Whichever router holds the leader lifts it to this follower's level.
             boost = {"leader": leader, "rank": self._config.priority_rank(request.priority)}
@@ -655,7 +665,10 @@ class Router:
 
         def fire() -> None:
             self._follower_timers.discard(handle)
-            self._spawn_publish(self._coalescer.follower_expired(request, key))
+            self._spawn_job(
+                f"follower-expired-{request.tenant}:{request.id}",
+                functools.partial(self._coalescer.follower_expired, request, key),
+            )
 
         handle = loop.call_later(delay, fire)
         self._follower_timers.add(handle)
@@ -709,7 +722,20 @@ class Router:
                     self._spawn_publish(self._cancel(item.msg, item.request))
                     self._room[self._levels[item.rank]].set()
                     return
-        self._spawn_publish(self._coalescer.follower_cancelled(event.tenant, event.request_id))
+        self._end_follower_cancelled(event.tenant, event.request_id)
+
+    def _end_follower_cancelled(self, tenant: str, request_id: str) -> None:
+        """End a cancelled coalesced follower (if it is one), retried until done."""
+
+        async def end() -> None:
+            await self._coalescer.follower_cancelled(tenant, request_id)
+
+        self._spawn_job(f"follower-cancelled-{tenant}:{request_id}", end)
+
+    def _spawn_job(self, what: str, factory: Callable[[], Any]) -> None:
+        """Run idempotent one-off work under the supervisor: retried with a
+        capped backoff until it succeeds (see :meth:`Supervisor.spawn_job`)."""
+        self._supervisor.spawn_job(f"{self._job_prefix}{what}", factory)
 
     async def _end(self, request: InferenceRequest, event: Any) -> None:
         """Record a request's terminal event; a coalescing leader's followers

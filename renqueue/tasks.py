@@ -17,6 +17,11 @@ silence while their work was kept alive:
 - Work kept alive for a loop (the router's ``in_progress()`` keepalives) asks
   :meth:`Supervisor.healthy` first: nothing is kept alive for a loop that is
   down.
+- A one-off piece of work that must not be lost to a transient error (ending
+  a coalesced follower at its deadline or on its cancellation) runs as a
+  *job* (:meth:`Supervisor.spawn_job`): retried under the same backoff until
+  it succeeds, forgotten once it has, and failing the supervisor like a loop
+  if it keeps failing. Jobs do not count in :meth:`Supervisor.healthy`.
 
 Python 3.11's ``asyncio.wait_for`` (which nats-py uses inside ``fetch`` and
 ``next_msg``) can swallow a cancellation that arrives together with a reply:
@@ -80,6 +85,7 @@ class Supervisor:
         self._max = max_backoff
         self._give_up_after = give_up_after
         self._loops: dict[str, _Loop] = {}
+        self._jobs: dict[str, _Loop] = {}
         #: Set once a loop cannot go on; :attr:`reason` says which and why.
         self.failed = asyncio.Event()
         self.reason: str | None = None
@@ -95,6 +101,32 @@ class Supervisor:
         self._loops[name] = loop
         loop.task = asyncio.create_task(self._supervise(loop, factory), name=f"{self._name}-{name}")
 
+    def spawn_job(self, name: str, factory: Callable[[], Coroutine[Any, Any, None]]) -> bool:
+        """Run ``factory()`` until it returns, retried like a loop when it raises.
+
+        For idempotent one-off work. False (and nothing started) if job
+        ``name`` is still running: the same work is already under way.
+        """
+        if self._closed:
+            raise RuntimeError(f"supervisor {self._name} is closed")
+        if name in self._jobs:
+            return False
+        job = _Loop(name)
+        self._jobs[name] = job
+
+        async def run() -> None:
+            try:
+                await self._supervise(job, factory)
+            finally:
+                self._jobs.pop(name, None)
+
+        job.task = asyncio.create_task(run(), name=f"{self._name}-{name}")
+        return True
+
+    def jobs(self, prefix: str = "") -> list[str]:
+        """The names of the jobs still running that start with ``prefix``."""
+        return [name for name in self._jobs if name.startswith(prefix)]
+
     def healthy(self, name: str | None = None) -> bool:
         """True while loop ``name`` (default: every loop) runs and the supervisor has not failed.
 
@@ -108,19 +140,21 @@ class Supervisor:
         return loop is not None and loop.running
 
     async def stop(self, *names: str) -> None:
-        """Cancel the named loops and wait until they have ended; forget them.
+        """Cancel the named loops (or jobs) and wait until they have ended; forget them.
 
         For a service that stops before the rest of its process (a router's
         ``stop()`` ends its loops before handing its held requests back).
         Unknown names are ignored; a stopped loop is not healthy.
         """
         loops = [self._loops.pop(name) for name in names if name in self._loops]
+        loops += [self._jobs.pop(name) for name in names if name in self._jobs]
         await cancel_and_wait([loop.task for loop in loops if loop.task is not None])
 
     async def close(self) -> None:
-        """Cancel every loop and wait until they have all ended. Idempotent."""
+        """Cancel every loop and job and wait until they have all ended. Idempotent."""
         self._closed = True
-        await cancel_and_wait([loop.task for loop in self._loops.values() if loop.task])
+        loops = [*self._loops.values(), *self._jobs.values()]
+        await cancel_and_wait([loop.task for loop in loops if loop.task])
 
     def _fail(self, loop: _Loop, reason: str) -> None:
         loop.error = reason

@@ -52,7 +52,7 @@ from .cancellation import CancelWatch
 from .coalescing import Coalescer, coalesce_key
 from .config import BackendConfig, Config, parse_duration
 from .errors import BackendError, RetryableBackendError
-from .eventlog import EventLog
+from .eventlog import EventLog, publish_stored
 from .logs import bound_request, get_logger
 from .messages import (
     DISPATCH_DECODER,
@@ -541,6 +541,9 @@ class Worker:
         if claim is not None:
             log.info("request already ended; dropping this run", ended=kind_of(claim.event))
             metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
+            # Whoever ended it may not have handed out to its followers (a crash
+            # after the claim, an ender that skipped it): idempotent, so again.
+            await self._hand_out(request, claim.event)
             await self._log.settle(claim)  # its event may not be in the log yet
             await msg.ack()
             return True
@@ -597,9 +600,11 @@ class Worker:
         request = dispatch.request
         source_seq = int(msg.metadata.sequence.stream)
         events = await self._log.history(request.tenant, request.id)
-        if any(is_terminal(event) for event in events):
+        ended = [event for event in events if is_terminal(event)]
+        if ended:
             log.info("redelivered request already finished; dropping")
             metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
+            await self._hand_out(request, ended[0])
             await msg.ack()
             return True
         for event in events:
@@ -688,12 +693,13 @@ class Worker:
             )
         )
         again = msgspec.structs.replace(request, requeues=dispatch.attempt)
-        await self._js.publish(
+        # Acked only once a copy is surely stored: a tenant may have taken
+        # this message id first (see publish_stored).
+        await publish_stored(
+            self._js,
             request_subject(request.priority, request.tenant, requeue=True),
             encode(again),
-            headers={
-                "Nats-Msg-Id": msg_id(request.tenant, request.id, "requeue", dispatch.attempt)
-            },
+            msg_id(request.tenant, request.id, "requeue", dispatch.attempt),
         )
         await msg.ack()
         metrics.TERMINAL.labels("preempted").inc()
@@ -881,9 +887,7 @@ class Worker:
         next chunk), then ack: a crash in between means a redelivery that finds
         the terminal claim and drops the run. Followers sharing this request's
         call get their outcome first, so a crash cannot strand them."""
-        key = coalesce_key(request)
-        if key is not None:
-            await self._coalescer.leader_ended(request.tenant, request.id, key, event)
+        await self._hand_out(request, event)
         first = await self._log.finish(event, delivery=run, seq=seq)
         kind = type(event).__name__.lower()
         if first:
@@ -897,6 +901,13 @@ class Worker:
             log.warning("duplicate terminal event dropped", kind=kind)
             metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
         await msg.ack()
+
+    async def _hand_out(self, request: InferenceRequest, event: Any) -> None:
+        """If ``request`` leads a coalescing group, give its followers their
+        outcome from ``event`` (its terminal event). Idempotent."""
+        key = coalesce_key(request)
+        if key is not None:
+            await self._coalescer.leader_ended(request.tenant, request.id, key, event)
 
     async def _settle(self, pending_acks: list[asyncio.Future[Any]]) -> None:
         """Wait until every token chunk and event published so far is stored."""

@@ -230,3 +230,60 @@ async def test_a_cancel_that_lands_while_a_run_starts_is_not_missed(
         with pytest.raises(RequestCancelledError):
             await handle.result(timeout=10)
     assert slow.stats().completed == 0
+
+
+async def test_a_flood_of_cancellations_stays_bounded_and_forgotten_ones_are_still_honoured(
+    isolated_nc: Any,
+) -> None:
+    """A tenant publishing cancellations with made-up ids by the thousand must
+    not grow a watch without bound, nor make each read walk all it holds: the
+    oldest are forgotten one by one, and a request whose cancellation was
+    forgotten still finds it, in the log."""
+    js = isolated_nc.jetstream()
+    await provision(isolated_nc, parse_config({"routes": {}, "backends": {}}))
+    before = time.time() - 1.0  # a request stored before its cancellation
+    log = EventLog(js)
+    await log.append(CancelRequested(request_id="victim", tenant="t", at=time.time()))
+    flood = 300
+    acks = [
+        await log.append_async(CancelRequested(request_id=f"made-up-{i}", tenant="evil", at=0.0))
+        for i in range(flood)
+    ]
+    await asyncio.gather(*acks)
+    watch = CancelWatch(js, keep=50)
+    try:
+        await asyncio.wait_for(watch.start(), 10)
+        assert watch.caught_up
+        assert watch.is_cancelled("evil", f"made-up-{flood - 1}")
+        assert len(watch) == 50
+        # Each read forgot only what it had to: one cancellation past the cap.
+        assert watch.forgotten == flood + 1 - 50
+        assert not watch.is_cancelled("t", "victim")
+        assert await watch.was_cancelled("t", "victim", since=before)
+        assert not await watch.was_cancelled("t", "someone-else", since=before)
+        assert len(watch) == 50
+    finally:
+        await watch.stop()
+
+
+async def test_another_tenant_cannot_drop_a_cancellation_by_taking_its_message_id(
+    stack: Services, slow: MockBackend
+) -> None:
+    """Deduplication is stream-wide: a cancellation published under
+    ``<tenant>:<id>:cancel_requested`` could be dropped by another tenant
+    publishing that id first, on its own subject. Cancellations carry none."""
+    async with Client(stack.nc, tenant="victim") as victim, Client(stack.nc, tenant="evil") as evil:
+        await evil.js.publish(
+            event_subject("evil", "anything", "cancel_requested"),
+            encode(CancelRequested(request_id="anything", tenant="evil", at=time.time())),
+            headers={"Nats-Msg-Id": "victim:waits:cancel_requested"},
+        )
+        busy = await victim.submit("takes the only slot", route="chat")
+        stream = busy.stream(timeout=10)
+        await anext(stream)  # running: the next request waits
+        await stream.aclose()
+        waiting = await victim.submit("waits", route="chat", request_id="waits")
+        await waiting.cancel()
+        with pytest.raises(RequestCancelledError):
+            await waiting.result(timeout=10)
+    assert slow.stats().requests == 1

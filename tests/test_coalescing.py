@@ -21,11 +21,23 @@ from renqueue import (
     Services,
     parse_config,
 )
-from renqueue.coalescing import Group
+from renqueue.advisories import AdvisoryReader, MaxDeliveries
+from renqueue.coalescing import Coalescer, Group
 from renqueue.eventlog import EventLog
-from renqueue.messages import Coalesced, Completed, Event, is_terminal
+from renqueue.messages import (
+    REQUEST_DECODER,
+    Cancelled,
+    Coalesced,
+    Completed,
+    Event,
+    Expired,
+    Failed,
+    InferenceRequest,
+    Submitted,
+    is_terminal,
+)
 from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.subjects import STATE_BUCKET
+from renqueue.subjects import REQUESTS_STREAM, STATE_BUCKET, request_subject
 
 
 @pytest.fixture
@@ -156,3 +168,158 @@ async def _wait_coalesced(client: Client, request_id: str) -> None:
             return
         await asyncio.sleep(0.02)  # poll interval, not a synchronisation
     raise AssertionError(f"{request_id} never coalesced")
+
+
+async def _terminal_within(client: Client, request_id: str, bound: float = 15.0) -> Event:
+    """The request's terminal event, polled from the log for at most ``bound`` s."""
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        ended = await terminals(client, request_id)
+        if ended:
+            return ended[0]
+        await asyncio.sleep(0.05)  # poll interval, not a synchronisation
+    raise AssertionError(f"{request_id} has no terminal event after {bound} s")
+
+
+async def test_a_leader_that_runs_out_of_deliveries_hands_out_to_its_followers(
+    stack: Services,
+) -> None:
+    """The advisory reader ends a leader whose message ran out of deliveries:
+    its followers get their outcome first (here: they run on their own)."""
+    async with Client(stack.nc, tenant="t") as client:
+        await occupy(client)
+        leader = await client.submit("undeliverable", route="chat", coalesce=True)
+        follower = await client.submit("undeliverable", route="chat", coalesce=True)
+        await _wait_coalesced(client, follower.id)
+        # The leader waits in a router's hold; its message is the one left on
+        # the tenant's subject (the blocker's and the follower's were acked).
+        stored = await stack.js.get_last_msg(REQUESTS_STREAM, request_subject("normal", "t"))
+        assert REQUEST_DECODER.decode(stored.data).id == leader.id
+        advisory = MaxDeliveries(
+            stream=REQUESTS_STREAM, consumer="router-normal", stream_seq=stored.seq, deliveries=9
+        )
+        await AdvisoryReader(stack.js).handle(advisory, at=time.time())
+        [ended] = await terminals(client, leader.id)
+        assert isinstance(ended, Failed)
+        assert ended.error_type == "undeliverable"
+        assert (await follower.result(timeout=15)).text
+        assert len(await terminals(client, follower.id)) == 1
+
+
+async def test_a_worker_that_finds_a_leader_ended_hands_out_to_its_followers(
+    stack: Services,
+) -> None:
+    """A dispatch of a leader that already ended (its terminal claim exists,
+    its hand-out never ran) is dropped by the worker, which hands out first."""
+    async with Client(stack.nc, tenant="t") as client:
+        await occupy(client)
+        leader = await client.submit("ended", route="chat", coalesce=True)
+        follower = await client.submit("ended", route="chat", coalesce=True)
+        await _wait_coalesced(client, follower.id)
+        [submitted] = [e for e in await history(client, leader.id) if isinstance(e, Submitted)]
+        # The leader ends by a path that skipped the hand-out.
+        cancelled = Cancelled(request_id=leader.id, tenant="t", at=time.time(), stage="queued")
+        assert await EventLog(stack.js).finish(cancelled)
+        # The router still holds the leader: once the slot frees it dispatches it,
+        # and the worker finds its claim.
+        with pytest.raises(RequestCancelledError):
+            await leader.result(timeout=10)
+        assert submitted.request.id == leader.id
+        ended = await _terminal_within(client, follower.id)
+        assert isinstance(ended, Completed)
+        assert len(await terminals(client, follower.id)) == 1
+
+
+async def test_a_follower_whose_end_fails_once_still_ends_and_leaves_its_group(
+    stack: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ending a follower on its deadline or its cancellation survives a
+    transient failure (a publish timing out during a reconnect): it is retried."""
+    real = EventLog.finish
+    failed: list[str] = []
+
+    async def flaky(self: EventLog, event: Event, **kwargs: int) -> bool:
+        follower = isinstance(event, Expired | Cancelled) and event.request_id.startswith("foll")
+        if follower and event.request_id not in failed:
+            failed.append(event.request_id)
+            raise TimeoutError("publish timed out (simulated: a reconnect)")
+        return await real(self, event, **kwargs)
+
+    monkeypatch.setattr(EventLog, "finish", flaky)
+    async with Client(stack.nc, tenant="t") as client:
+        await occupy(client)
+        leader = await client.submit("flaky", route="chat", coalesce=True, request_id="lead-x")
+        hasty = await client.submit(
+            "flaky", route="chat", coalesce=True, timeout=0.5, request_id="foll-hasty"
+        )
+        quitter = await client.submit("flaky", route="chat", coalesce=True, request_id="foll-quit")
+        await _wait_coalesced(client, quitter.id)
+        await quitter.cancel()
+        with pytest.raises(RequestExpiredError):
+            await hasty.result(timeout=10)
+        with pytest.raises(RequestCancelledError):
+            await quitter.result(timeout=10)
+        assert sorted(failed) == ["foll-hasty", "foll-quit"]
+        # Both left the group: the hand-out gives nothing more to them.
+        kv = await stack.js.key_value(STATE_BUCKET)
+        [entry] = [await kv.get(key) for key in await kv.keys() if key.startswith("co.t.")]
+        assert msgspec.json.decode(entry.value, type=Group).followers == []
+        assert (await leader.result(timeout=15)).text
+        for handle in (leader, hasty, quitter):
+            assert len(await terminals(client, handle.id)) == 1
+
+
+async def test_a_cancel_read_while_a_request_joins_its_group_is_not_missed(
+    stack: Services, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancellation the router reads after it checked for one, and before
+    the request's `coalesced` event is stored, still ends the follower."""
+    assert stack.cancels is not None
+    watch = stack.cancels
+    real = Coalescer.join
+
+    async def join_then_cancel(self: Coalescer, request: InferenceRequest, key: str) -> str | None:
+        leader = await real(self, request, key)
+        if request.id == "gap-follower":
+            # The cancel lands in the gap: joined, `coalesced` not yet logged.
+            await client.handle(request.id).cancel()
+            deadline = time.monotonic() + 10
+            while not watch.is_cancelled("t", request.id):
+                assert time.monotonic() < deadline, "the watch never read the cancel"
+                await asyncio.sleep(0.01)  # poll interval, not a synchronisation
+        return leader
+
+    monkeypatch.setattr(Coalescer, "join", join_then_cancel)
+    async with Client(stack.nc, tenant="t") as client:
+        await occupy(client)
+        leader = await client.submit("gap", route="chat", coalesce=True)
+        follower = await client.submit(
+            "gap", route="chat", coalesce=True, request_id="gap-follower"
+        )
+        with pytest.raises(RequestCancelledError):
+            await follower.result(timeout=15)
+        assert (await leader.result(timeout=15)).text
+        assert len(await terminals(client, follower.id)) == 1
+
+
+async def test_a_follower_is_not_lost_to_a_requeue_id_another_tenant_took(
+    stack: Services,
+) -> None:
+    """A follower whose leader was cancelled is put back on its queue under a
+    message id another tenant may have taken first (on its own subject): the
+    group forgets it only once a copy of it is surely stored."""
+    async with Client(stack.nc, tenant="t") as client, Client(stack.nc, tenant="evil") as evil:
+        await evil.js.publish(
+            "rq.req.normal.evil",
+            b'{"id": "x", "tenant": "evil", "route": "chat", "messages": []}',
+            headers={"Nats-Msg-Id": "t:lone:requeue:leader:lead"},
+        )
+        await occupy(client)
+        leader = await client.submit("forged", route="chat", coalesce=True, request_id="lead")
+        follower = await client.submit("forged", route="chat", coalesce=True, request_id="lone")
+        await _wait_coalesced(client, follower.id)
+        await leader.cancel()
+        with pytest.raises(RequestCancelledError):
+            await leader.result(timeout=10)
+        assert (await follower.result(timeout=15)).text
+        assert len(await terminals(client, follower.id)) == 1

@@ -132,3 +132,33 @@ async def test_one_urgent_request_preempts_one_run_under_the_auth_config(
     preempted = [(rid, e.by) for rid, es in events.items() for e in es if isinstance(e, Preempted)]
     assert len(preempted) == 1
     assert preempted[0][1] == urgent.id
+
+
+async def test_a_preempted_request_is_not_lost_to_a_requeue_id_another_tenant_took(
+    tmp_path: Path,
+) -> None:
+    """Another tenant publishes, on its own subject, with the message id the
+    victim's requeue after a preemption will carry: the requeue is then a
+    "duplicate" that stored nothing of the victim's. The worker must not ack
+    the preempted dispatch until a copy is surely stored, or the request is lost."""
+    async with MockBackend(LONG) as mock:
+        config = config_of({"data_dir": str(tmp_path / "nats"), "port": -1}, {"b": (mock.url, 1)})
+        async with (
+            Services(config) as services,
+            Client(services.nc, tenant=TENANT) as client,
+            Client(services.nc, tenant="evil") as evil,
+        ):
+            await evil.js.publish(
+                "rq.req.normal.evil",
+                b'{"id": "x", "tenant": "evil", "route": "chat", "messages": []}',
+                headers={"Nats-Msg-Id": f"{TENANT}:victim:requeue:1"},
+            )
+            batch = await client.submit(
+                "long batch", route="chat", priority="batch", request_id="victim"
+            )
+            await until_started(client, batch.id)
+            urgent = await client.submit("now", route="chat", priority="critical", max_tokens=2)
+            await urgent.result(timeout=30)
+            assert (await batch.result(timeout=30)).text
+            events = await histories(client, [batch.id])
+    assert [e.by for e in events[batch.id] if isinstance(e, Preempted)] == [urgent.id]

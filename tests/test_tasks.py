@@ -105,3 +105,32 @@ async def test_stopping_some_loops_leaves_the_others_running() -> None:
     assert supervisor.healthy()  # "a" is forgotten, not counted as down
     supervisor.spawn("a", forever)  # the name may be used again
     await supervisor.close()
+
+
+async def test_a_job_is_retried_until_it_succeeds_then_forgotten() -> None:
+    tries = 0
+    retried = asyncio.Event()
+    done = asyncio.Event()
+    ended = asyncio.Event()
+
+    async def flaky_once() -> None:
+        nonlocal tries
+        tries += 1
+        if tries == 1:
+            raise TimeoutError("transient")
+        retried.set()
+        await done.wait()
+        ended.set()
+
+    supervisor = Supervisor("test", base_backoff=0.001, max_backoff=0.01)
+    assert supervisor.spawn_job("end-it", flaky_once)
+    assert not supervisor.spawn_job("end-it", flaky_once)  # already under way
+    await asyncio.wait_for(retried.wait(), 5)
+    assert supervisor.jobs() == ["end-it"]
+    done.set()
+    await asyncio.wait_for(ended.wait(), 5)
+    await asyncio.sleep(0)  # let the job's task finish its bookkeeping
+    assert supervisor.jobs() == []
+    assert tries == 2
+    assert not supervisor.failed.is_set()
+    await supervisor.close()
