@@ -121,8 +121,10 @@ class _Chunks(msgspec.Struct):
 #: Seconds between closing a preempted call and releasing its slot.
 _PREEMPT_GRACE = 0.1
 
-#: JetStream's "no message found" (deleting a sequence that is gone).
-_NO_MESSAGE = 10057
+#: JetStream's answers to deleting a sequence that is gone: "no message found",
+#: and "sequence N not found" (the message was removed, e.g. acked by its
+#: consumer, between the server's lookup and its erase).
+_GONE = frozenset({10057, 10043})
 
 #: Seconds between looks at pool siblings' queues while this worker has room.
 _STEAL_INTERVAL = 0.1
@@ -331,7 +333,7 @@ class Worker:
         except APIError as exc:
             # Gone already: another thief moved it at the same moment (its copy
             # and ours share the id: one is stored), or its worker acked it.
-            if not isinstance(exc, NotFoundError) and exc.err_code != _NO_MESSAGE:
+            if not isinstance(exc, NotFoundError) and exc.err_code not in _GONE:
                 raise
         log.info("stole a queued request", request_id=request.id, sibling=sibling)
         return True

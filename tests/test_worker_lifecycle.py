@@ -266,3 +266,38 @@ async def test_work_moved_around_a_pool_twice_within_the_window_is_never_lost(
     ]
     # Each move has its own source message; the two thieves' race made one move.
     assert len({m.from_seq for m in moves}) == len(moves) >= 4
+
+
+async def test_a_steal_whose_source_was_taken_meanwhile_is_no_error(tmp_path: Path) -> None:
+    """The source of a move is acked (run by its own replica) or moved by another
+    thief between the thief's read and its delete: the delete finds nothing, and
+    that is not a failure of the steal loop (seen in the chaos run as
+    ``sequence N not found``, err_code 10043, restarting the loop)."""
+    replicas = ["replica-a", "replica-b"]
+    async with MockBackend(MockSettings(output_tokens=3)) as mock:
+        config = pool(tmp_path, mock.url, replicas)
+        async with (
+            Services(config, routers=0, backends=[]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            js = services.js
+            adapter = make_backend("replica-b", config.backends["replica-b"])
+            thief = Worker(services.nc, js, config, "replica-b", adapter, name="replica-b")
+            request = client.build_request("taken meanwhile", route="chat")
+            await js.publish(
+                dispatch_subject("replica-a"),
+                encode(Dispatch(request=request, backend="replica-a")),
+                headers={"Nats-Msg-Id": msg_id(TENANT, request.id, "dispatch", 1)},
+            )
+            raw = await js.get_msg(
+                DISPATCH_STREAM, seq=1, subject=dispatch_subject("replica-a"), next=True
+            )
+            # What the thief read is gone before it deletes it (acked by replica-a).
+            await js.delete_msg(DISPATCH_STREAM, raw.seq)
+            try:
+                assert await thief._steal(raw, "replica-a") is True
+            finally:
+                await adapter.aclose()
+            # The copy is stored on the thief's subject (its run claim decides
+            # which of the two runs calls the backend).
+            assert await queued(js) == [dispatch_subject("replica-b")]
