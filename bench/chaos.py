@@ -21,9 +21,12 @@ Run with ``make chaos`` (every setting, about 12-15 minutes) or
   coalesced (``coalesce=True`` or a shared ``dedupe_key``); 5 % resubmitted with the
   same id 0.2-4 s later; 3 % cancelled; 4 % with a 1-4 s deadline; 0.5 % for a route
   that does not exist (rejected).
-- ``harsh``: ack_wait 2 s for routers and workers, max_deliver 3 for both, slower
-  backends (20 tokens/s) and a kill every ~0.5 s, so some requests use up their
-  deliveries.
+- ``single`` and ``cluster`` use the defaults (router ack_wait 30 s, max_deliver 10;
+  worker lease 5 s, retry budget 5). ``harsh``: ack_wait 2 s for routers and workers,
+  max_deliver 3 for both, the worker consumer's delivery limit 4 (the broker's
+  backstop: kills do not use up the retry budget, but they do use deliveries),
+  slower backends (20 tokens/s) and a kill every ~0.5 s, so some requests use up
+  their deliveries and must end ``failed`` (``undeliverable``).
 
 After the arrivals the kills stop and the harness waits (bounded) for every request to
 end, then reads ``RQ_EVENTS`` with the service connection (every request's events) and
@@ -87,6 +90,7 @@ from renqueue.messages import (
     Routed,
     Started,
     Stolen,
+    Submitted,
     kind_of,
 )
 from renqueue.provision import provision
@@ -137,6 +141,8 @@ class Setting:
     kill_every: float
     tokens_per_second: float
     kill_node: bool = False
+    #: The worker consumer's ``max_deliver`` (``worker.delivery_limit``); None: the default.
+    worker_delivery_limit: int | None = None
     about: str = ""
 
 
@@ -145,18 +151,21 @@ SETTINGS = {
         name="single",
         nodes=1,
         router_ack_wait=30.0,
-        worker_ack_wait=30.0,
+        worker_ack_wait=5.0,
         router_max_deliver=10,
         worker_max_deliver=5,
         kill_every=1.0,
         tokens_per_second=40.0,
-        about="one nats-server, default ack_wait (30 s) and max_deliver (10 / 5)",
+        about=(
+            "one nats-server, the defaults: ack_wait 30 s / 5 s, max_deliver 10 / 5"
+            " (router / worker)"
+        ),
     ),
     "cluster": Setting(
         name="cluster",
         nodes=3,
         router_ack_wait=30.0,
-        worker_ack_wait=30.0,
+        worker_ack_wait=5.0,
         router_max_deliver=10,
         worker_max_deliver=5,
         kill_every=1.0,
@@ -173,7 +182,11 @@ SETTINGS = {
         worker_max_deliver=3,
         kill_every=0.5,
         tokens_per_second=20.0,
-        about="one nats-server, ack_wait 2 s, max_deliver 3 / 3, a kill every ~0.5 s",
+        worker_delivery_limit=4,
+        about=(
+            "one nats-server, ack_wait 2 s, max_deliver 3 / 3, worker delivery_limit 4,"
+            " a kill every ~0.5 s"
+        ),
     ),
 }
 
@@ -206,6 +219,11 @@ def config_text(setting: Setting, url: str, mocks: dict[str, str]) -> str:
         "[worker]",
         f'ack_wait = "{setting.worker_ack_wait:g}s"',
         f"max_deliver = {setting.worker_max_deliver}",
+        *(
+            [f"delivery_limit = {setting.worker_delivery_limit}"]
+            if setting.worker_delivery_limit is not None
+            else []
+        ),
         'retry_delay = "200ms"',
         'drain_timeout = "2s"',
     ]
@@ -849,8 +867,11 @@ async def audit(
     events = await read_events(js)
     by_id = {track.id: track for track in tracks}
     acked = [track for track in tracks if track.acked]
-    lost = [t for t in acked if not terminals(events.get(t.id, []))]
-    duplicated = [t for t in acked if len(terminals(events.get(t.id, []))) > 1]
+    # A request the client never saw acked but that was stored (a router logged
+    # it) counts too: it must end like any other.
+    counted = [t for t in tracks if t.acked or events.get(t.id)]
+    lost = [t for t in counted if not terminals(events.get(t.id, []))]
+    duplicated = [t for t in counted if len(terminals(events.get(t.id, []))) > 1]
     unacked = [t for t in tracks if not t.acked]
     unacked_stored = [t.id for t in unacked if events.get(t.id)]
     foreign = sorted(rid for rid in events if rid not in by_id)
@@ -885,6 +906,8 @@ async def audit(
             latencies.append(latency)
             if isinstance(end.event, Completed):
                 completed_latency[track.level].append(latency)
+
+    phases = latency_phases(acked, events)
 
     every = [item.event for history in events.values() for item in history]
     count_of: Counter[str] = Counter(kind_of(e) for e in every)
@@ -1065,7 +1088,9 @@ async def audit(
             "count": len(latencies),
             "p50": percentile(latencies, 50),
             "p95": percentile(latencies, 95),
+            "p99": percentile(latencies, 99),
             "max": max(latencies, default=float("nan")),
+            "phases": phases,
             "completed_by_level": {
                 level: {
                     "n": len(values),
@@ -1109,6 +1134,44 @@ async def audit(
             "stream_hung": stream_examples["hung"],
             "stream_mismatched": stream_examples["mismatched"],
         },
+    }
+
+
+def latency_phases(tracks: list[Track], events: dict[str, list[Logged]]) -> dict[str, Any]:
+    """Where the time went, per request that ended (p50/p95/max seconds): the
+    client's submit -> the first ``submitted`` event (a router read it) ->
+    the first ``routed`` -> the first ``started`` (a worker began) and the last
+    ``started`` -> the terminal event."""
+    spans: dict[str, list[float]] = {
+        "submit_to_read": [],
+        "read_to_routed": [],
+        "routed_to_started": [],
+        "last_started_to_end": [],
+    }
+    for track in tracks:
+        history = events.get(track.id, [])
+        ends = terminals(history)
+        if not ends or track.submit_at is None:
+            continue
+        read = next((item for item in history if isinstance(item.event, Submitted)), None)
+        routed = next((item for item in history if isinstance(item.event, Routed)), None)
+        runs = [item for item in history if isinstance(item.event, Started)]
+        if read is not None:
+            spans["submit_to_read"].append(read.at - track.submit_at)
+            if routed is not None:
+                spans["read_to_routed"].append(routed.at - read.at)
+        if routed is not None and runs:
+            spans["routed_to_started"].append(runs[0].at - routed.at)
+        if runs:
+            spans["last_started_to_end"].append(ends[0].at - runs[-1].at)
+    return {
+        name: {
+            "n": len(values),
+            "p50": percentile(values, 50),
+            "p95": percentile(values, 95),
+            "max": max(values, default=float("nan")),
+        }
+        for name, values in spans.items()
     }
 
 
@@ -1358,7 +1421,16 @@ def print_report(report: dict[str, Any]) -> None:
     )
     print(
         f"  latency submit->terminal p50 {_seconds(lat['p50'])} p95 {_seconds(lat['p95'])} "
-        f"max {_seconds(lat['max'])}; completed p95 by level: {by_level}"
+        f"p99 {_seconds(lat['p99'])} max {_seconds(lat['max'])}; completed p95 by level: "
+        f"{by_level}"
+    )
+    print(
+        "  where the time went (p50/p95/max): "
+        + "; ".join(
+            f"{name.replace('_', ' ')} {_seconds(v['p50'])}/{_seconds(v['p95'])}/"
+            f"{_seconds(v['max'])}"
+            for name, v in lat["phases"].items()
+        )
     )
     print(f"  streams ({report['streamed']}): {report['streams']}")
     c = report["client"]
@@ -1381,6 +1453,25 @@ def print_report(report: dict[str, Any]) -> None:
             print(f"  example ({kind}): {json.dumps(brief)}")
             for line in example.get("events", []):
                 print(f"      {line}")
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """One line per setting: what the issue asks a chaos run to report."""
+    name = report["setting"]
+    if "submitted" not in report:
+        return f"chaos {name}: did not complete"
+    p = report["processes"]
+    roles = p["kills_by_role"]
+    node = report.get("node_chaos") or {}
+    lat = report["latency"]
+    return (
+        f"chaos {name}: requests {report['submitted']}, kills {p['kills']} "
+        f"(router {roles.get('router', 0)}, worker {roles.get('worker', 0)}, "
+        f"nats node {1 if 'killed' in node else 0}), lost {report['lost']}, "
+        f"duplicated {report['duplicated']}, outcomes {report['terminal_kinds']}, "
+        f"extra backend calls {report['backend']['extra_calls']}, latency p50/p95/p99 "
+        f"{_seconds(lat['p50'])}/{_seconds(lat['p95'])}/{_seconds(lat['p99'])}"
+    )
 
 
 def main() -> None:
@@ -1415,10 +1506,7 @@ def main() -> None:
     for report in reports:
         ok = report.get("lost") == 0 and report.get("duplicated") == 0
         failed |= not ok
-        print(
-            f"chaos {report['setting']}: lost {report.get('lost', '?')}, duplicated "
-            f"{report.get('duplicated', '?')} -> {'OK' if ok else 'FAIL'}"
-        )
+        print(summary_line(report) + f" -> {'OK' if ok else 'FAIL'}")
     path = args.out / f"chaos-{names[-1]}-latest.json"
     print(f"JSON: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     sys.exit(1 if failed else 0)
