@@ -411,6 +411,8 @@ class Fleet:
         self.kills: list[dict[str, Any]] = []
         self.self_exits: list[dict[str, Any]] = []
         self.spawned = 0
+        #: Wall-clock time each process (by its log file) was spawned.
+        self.spawned_at: dict[Path, float] = {}
         self._watchers: set[asyncio.Task[None]] = set()
         self._t0 = time.monotonic()
 
@@ -440,6 +442,7 @@ class Fleet:
             )
         slot.proc = proc
         self.spawned += 1
+        self.spawned_at[slot.log] = time.time()
         task = asyncio.create_task(self._watch(slot, proc))
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
@@ -1122,6 +1125,7 @@ async def audit(
             "kills_while_starting": sum(1 for k in fleet.kills if not k["was_ready"]),
             "self_exits": fleet.self_exits,
             "log_problems": log_problems(fleet.log_files()),
+            "startup": startup_times(fleet),
         },
         "lost_ids": [t.id for t in lost],
         "duplicated_ids": [t.id for t in duplicated],
@@ -1184,6 +1188,35 @@ async def final_chunk_stored(js: Any, request_id: str) -> bool:
         return bool(TOKEN_DECODER.decode(last.data).final)
     except msgspec.DecodeError:
         return False
+
+
+def startup_times(fleet: Fleet) -> dict[str, Any]:
+    """Seconds from spawning a service process to its ``router started`` /
+    ``worker started`` log line; how many were killed before they got there.
+    On a loaded machine a start takes seconds: a kill rate close to the restart
+    rate leaves the fleet mostly starting, which is what latency then shows."""
+    took: list[float] = []
+    never = 0
+    for path, spawned in fleet.spawned_at.items():
+        ready_at = None
+        with contextlib.suppress(OSError):
+            for line in path.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                    entry = json.loads(line)
+                    if entry["event"] in ("router started", "worker started"):
+                        ready_at = datetime.fromisoformat(entry["timestamp"]).timestamp()
+                        break
+        if ready_at is None:
+            never += 1
+        else:
+            took.append(ready_at - spawned)
+    return {
+        "ready": len(took),
+        "never_ready": never,
+        "p50": percentile(took, 50),
+        "p95": percentile(took, 95),
+        "max": max(took, default=float("nan")),
+    }
 
 
 def log_problems(files: list[Path]) -> dict[str, int]:
@@ -1395,7 +1428,9 @@ def print_report(report: dict[str, Any]) -> None:
     )
     print(
         f"  kills {p['kills']} {p['kills_by_role']} ({p['kills_while_starting']} while starting), "
-        f"self-exits {len(p['self_exits'])}"
+        f"self-exits {len(p['self_exits'])}; start to ready p50 {_seconds(p['startup']['p50'])} "
+        f"p95 {_seconds(p['startup']['p95'])} ({p['startup']['never_ready']} of "
+        f"{p['spawned']} never ready)"
         + (
             f"; nats node {node['killed']['node']} killed at {node['killed']['t']}s"
             + (f", restarted at {node['restarted']['t']}s" if "restarted" in node else "")
