@@ -18,7 +18,9 @@ nothing:
    dead-letter stream (``rq.dlq.requests`` / ``rq.dlq.dispatch``, the reason
    in ``Rq-Reason``) and the request ends ``failed``, ``error_type``
    ``undeliverable``, through :meth:`EventLog.finish`: exactly once, whoever
-   else tries to end it;
+   else tries to end it. A request that leads a coalescing group hands out
+   first (:meth:`renqueue.coalescing.Coalescer.leader_ended`): its followers
+   run on their own, as for any leader that ends for a reason of its own;
 3. the message is deleted from its stream (nothing would ever deliver it again);
 4. the advisory is acked.
 
@@ -33,15 +35,17 @@ runs, none is left waiting.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Final
 
 import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError
 
+from .coalescing import Coalescer, coalesce_key
 from .eventlog import EventLog
 from .logs import bound_request, get_logger
-from .messages import DISPATCH_DECODER, REQUEST_DECODER, Failed
+from .messages import DISPATCH_DECODER, REQUEST_DECODER, Failed, InferenceRequest
 from .subjects import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
@@ -83,6 +87,8 @@ class _Subject(msgspec.Struct, frozen=True, kw_only=True):
     stage: str
     backend: str | None = None
     attempt: int = 0
+    #: The request's coalescing group, when it may lead one.
+    group: str | None = None
 
 
 class AdvisoryReader:
@@ -91,6 +97,7 @@ class AdvisoryReader:
     def __init__(self, js: Any, *, supervisor: Supervisor | None = None) -> None:
         self._js = js
         self._log = EventLog(js)
+        self._coalescer = Coalescer(js, clock=time.time)
         self._own_supervisor = supervisor is None
         self._supervisor = supervisor or Supervisor("advisories")
         self._loop = "advisories"
@@ -184,6 +191,10 @@ class AdvisoryReader:
                     backend=about.backend,
                     attempt=about.attempt,
                 )
+                if about.group is not None:
+                    await self._coalescer.leader_ended(
+                        about.tenant, about.request_id, about.group, failed
+                    )
                 if await self._log.finish(failed):
                     self.ended += 1
                     log.warning("request ran out of deliveries; failed", reason=reason)
@@ -212,6 +223,7 @@ def _about(advisory: MaxDeliveries, stored: Any) -> _Subject:
             stage="dispatch",
             backend=backend,
             attempt=dispatch.attempt,
+            group=coalesce_key(request),
         )
     parts = stored.subject.split(".")
     tenant = parts[3] if len(parts) == 4 and _is_id(parts[3]) else "unknown"
@@ -220,16 +232,20 @@ def _about(advisory: MaxDeliveries, stored: Any) -> _Subject:
     scope, _, rest = header.partition(":")
     named = rest.partition(":")[0]
     request_id = named if scope == tenant and _is_id(named) else f"invalid-{seq}"
+    published: InferenceRequest | None
     try:
-        payload_id = REQUEST_DECODER.decode(data).id
+        published = REQUEST_DECODER.decode(data)
     except msgspec.DecodeError:
-        payload_id = None
-    if payload_id is not None and (
-        header == msg_id(tenant, payload_id)
-        or header.startswith(msg_id(tenant, payload_id, "requeue") + ":")
+        published = None
+    group = None
+    if published is not None and (
+        header == msg_id(tenant, published.id)
+        or header.startswith(msg_id(tenant, published.id, "requeue") + ":")
     ):
-        request_id = payload_id
-    return _Subject(tenant=tenant, request_id=request_id, stage="requests")
+        request_id = published.id
+        # Only within the subject's tenant: a group is scoped by it.
+        group = coalesce_key(published) if published.tenant == tenant else None
+    return _Subject(tenant=tenant, request_id=request_id, stage="requests", group=group)
 
 
 def _is_id(text: str) -> bool:

@@ -8,7 +8,8 @@ the others become *followers*: a ``coalesced`` event, and they leave the queue.
 Every follower ends with exactly one terminal event of its own, whatever
 happens to the leader (:meth:`Coalescer.leader_ended`, called wherever a
 leader ends: the worker after a call, the router when it expires, cancels or
-cannot deliver a leader):
+cannot deliver a leader, the advisory reader when its message ran out of
+deliveries):
 
 - the leader **completed**: each follower gets the same text (one token
   chunk) and a ``completed`` copy with ``shared_with`` = the leader and no
