@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from nats.js.errors import NotFoundError
 
@@ -26,7 +27,7 @@ from renqueue.config import Config, WorkerConfig, parse_duration
 from renqueue.eventlog import EventLog
 from renqueue.messages import Dispatch, Started, Stolen, encode
 from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.subjects import DISPATCH_STREAM, dispatch_subject, msg_id
+from renqueue.subjects import DISPATCH_STREAM, dispatch_subject, msg_id, worker_consumer
 from renqueue.worker import Worker
 
 TENANT = "t"
@@ -301,3 +302,62 @@ async def test_a_steal_whose_source_was_taken_meanwhile_is_no_error(tmp_path: Pa
             # The copy is stored on the thief's subject (its run claim decides
             # which of the two runs calls the backend).
             assert await queued(js) == [dispatch_subject("replica-b")]
+
+
+async def test_a_stolen_request_whose_original_was_delivered_and_whose_worker_died_still_runs(
+    tmp_path: Path,
+) -> None:
+    """The race seen in a chaos run (1 request lost): replica-a's worker takes
+    its queued dispatch at the moment replica-b steals it. replica-a's run
+    claims run 1; b's copy steps back. replica-a's worker then dies (kill -9).
+    Its message must still be there to be delivered again (the thief must not
+    delete a delivered original), and its redelivery must run (not hand over
+    to a copy that stepped back): the request completes, with one backend call
+    per run that got to call it."""
+    replicas = ["replica-a", "replica-b"]
+    async with MockBackend(MockSettings(output_tokens=3)) as mock:
+        config = pool(tmp_path, mock.url, replicas)
+        config = msgspec.structs.replace(
+            config, worker=msgspec.structs.replace(config.worker, ack_wait="1s")
+        )
+        async with (
+            Services(config, routers=0, backends=[]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            js = services.js
+            request = client.build_request("stolen while delivered", route="chat")
+            await js.publish(
+                dispatch_subject("replica-a"),
+                encode(Dispatch(request=request, backend="replica-a")),
+                headers={"Nats-Msg-Id": msg_id(TENANT, request.id, "dispatch", 1)},
+            )
+            # The thief reads the queued original ...
+            raw = await js.get_msg(
+                DISPATCH_STREAM, seq=1, subject=dispatch_subject("replica-a"), next=True
+            )
+            # ... while replica-a's worker takes it and claims its run 1; that
+            # worker then dies without acking (its lease runs out in 1 s).
+            doomed = await js.pull_subscribe_bind(
+                durable=worker_consumer("replica-a"), stream=DISPATCH_STREAM
+            )
+            [delivered] = await doomed.fetch(1, timeout=5)
+            assert delivered.metadata.sequence.stream == raw.seq
+            assert await EventLog(js).claim_run(TENANT, request.id, 1, 1)
+            await doomed.unsubscribe()
+            adapters = {name: make_backend(name, config.backends[name]) for name in replicas}
+            thief = Worker(services.nc, js, config, "replica-b", adapters["replica-b"], name="b")
+            assert await thief._steal(raw, "replica-a") is True
+            owner = Worker(services.nc, js, config, "replica-a", adapters["replica-a"], name="a")
+            await thief.start()  # its copy steps back: run 1 is claimed
+            await owner.start()  # replica-a's message comes back after its lease
+            try:
+                result = await client.handle(request.id).result(timeout=15)
+            finally:
+                await thief.stop()
+                await owner.stop()
+                for adapter in adapters.values():
+                    await adapter.aclose()
+            runs = await started_runs(js, request.id)
+    assert result.backend == "replica-a"
+    assert [(run.worker, run.delivery) for run in runs] == [("a", 2)]
+    assert mock.stats().requests == 1
