@@ -20,7 +20,8 @@ Runs are numbered over the request's life (the ``delivery`` of ``started``,
 failures (rate-limited, server errors, worker errors) are retried with a
 delayed ``nak`` and a ``retrying`` event; the budget, ``worker.max_deliver``
 failed runs per dispatch, is counted from those events, so redeliveries for
-other reasons (a worker killed or shut down) do not use it up. The broker's
+other reasons (a worker killed or shut down, a broker that does not answer:
+handed back after a backoff that doubles with each delivery) do not use it up. The broker's
 own limit (the consumer's ``max_deliver`` = ``worker.delivery_limit``) is a
 backstop far above it; a message that reaches it ends ``failed`` as
 ``undeliverable`` (:mod:`renqueue.advisories`). Cancellation (shutdown) is not
@@ -43,8 +44,18 @@ from typing import Any
 
 import msgspec
 from aiolimiter import AsyncLimiter
+from nats.errors import (
+    ConnectionClosedError,
+    NoRespondersError,
+    OutboundBufferLimitError,
+)
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import (
+    APIError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 
 from . import metrics
 from .backends import Backend
@@ -125,6 +136,24 @@ _PREEMPT_GRACE = 0.1
 #: and "sequence N not found" (the message was removed, e.g. acked by its
 #: consumer, between the server's lookup and its erase).
 _GONE = frozenset({10057, 10043})
+
+#: Longest delay before a run handed back for the broker's sake runs again.
+_MAX_BACKOFF = 30.0
+
+
+def _broker_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the broker did not answer (no stream leader, a
+    reconnect, a timeout), rather than that something is wrong with the run."""
+    return isinstance(
+        exc,
+        NoStreamResponseError
+        | ServiceUnavailableError
+        | NoRespondersError
+        | ConnectionClosedError
+        | OutboundBufferLimitError
+        | TimeoutError,
+    )
+
 
 #: Seconds between looks at pool siblings' queues while this worker has room.
 _STEAL_INTERVAL = 0.1
@@ -442,10 +471,19 @@ class Worker:
     async def _unexpected(
         self, msg: Any, dispatch: Dispatch, run: int, chunks: _Chunks, exc: Exception
     ) -> None:
-        """A bug or a broker failure mid-run: a failed run like any other, retried
-        within the budget, then the request fails; if not even that can be
-        recorded, the message is left for redelivery (the broker's delivery
-        limit is the backstop)."""
+        """A bug mid-run: a failed run like any other, retried within the
+        budget, then the request fails; if not even that can be recorded, the
+        message is left for redelivery (the broker's delivery limit is the
+        backstop). A broker that does not answer (a stream leader election, a
+        reconnect) is not the request's failure: the run is handed back with a
+        backoff that grows with its deliveries, and no retry is counted."""
+        if _broker_unavailable(exc):
+            delay = self._backoff(msg)
+            log.warning("the broker did not answer mid-run; the request will run again",
+                        error=repr(exc), retry_in=delay)  # fmt: skip
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=delay)
+            return
         try:
             if await self._failed_runs(dispatch) + 1 < self._config.worker.max_deliver:
                 log.error("unexpected error; the request will run again", exc_info=exc)
@@ -470,7 +508,14 @@ class Worker:
         except Exception:
             log.exception("could not record the failed run; leaving the request for redelivery")
             with contextlib.suppress(Exception):
-                await msg.nak(delay=self._retry_delay)
+                await msg.nak(delay=self._backoff(msg))
+
+    def _backoff(self, msg: Any) -> float:
+        """Delay before a message handed back for the broker's sake is delivered
+        again: doubling from ``retry_delay`` with each delivery, capped, so
+        the delivery limit spans minutes of broker trouble, not seconds."""
+        delivered = max(1, int(msg.metadata.num_delivered))
+        return float(min(_MAX_BACKOFF, self._retry_delay * 2 ** min(delivered - 1, 16)))
 
     async def _poison(self, msg: Any, reason: str) -> None:
         seq = msg.metadata.sequence.stream

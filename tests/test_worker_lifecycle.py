@@ -18,14 +18,14 @@ from typing import Any
 
 import msgspec
 import pytest
-from nats.js.errors import NotFoundError
+from nats.js.errors import NoStreamResponseError, NotFoundError
 
 from renqueue import Client, Services, load_config, parse_config
 from renqueue.backends import make_backend
 from renqueue.backends.base import Delta
 from renqueue.config import Config, WorkerConfig, parse_duration
 from renqueue.eventlog import EventLog
-from renqueue.messages import Dispatch, Started, Stolen, encode
+from renqueue.messages import Dispatch, Started, Stolen, encode, kind_of
 from renqueue.mockbackend import MockBackend, MockSettings
 from renqueue.subjects import DISPATCH_STREAM, dispatch_subject, msg_id, worker_consumer
 from renqueue.worker import Worker
@@ -361,3 +361,59 @@ async def test_a_stolen_request_whose_original_was_delivered_and_whose_worker_di
     assert result.backend == "replica-a"
     assert [(run.worker, run.delivery) for run in runs] == [("a", 2)]
     assert mock.stats().requests == 1
+
+
+class BrokerSilentTwice:
+    """A backend call interrupted twice by a broker that does not answer (as a
+    run's publishes are while a stream elects a leader), then answering."""
+
+    name = "b"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def stream(self, request: Any, *, priority: int | None = None) -> AsyncIterator[Delta]:
+        self.calls += 1
+        if self.calls <= 2:
+            raise NoStreamResponseError
+        yield Delta(text="answered")
+
+    async def complete(self, request: Any, *, priority: int | None = None) -> Any:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_a_broker_that_does_not_answer_does_not_use_up_the_retry_budget(
+    tmp_path: Path,
+) -> None:
+    """Seen in the chaos cluster run: while a NATS node was down, runs failing
+    with 'no response from stream' were counted as failed runs, used up
+    ``worker.max_deliver`` in a second, then the delivery limit (retried every
+    200 ms), and ended ``failed`` (``undeliverable``) after ~10 s of leader
+    election. The broker's silence is not the request's failure: with a
+    retry budget of one run, the request still completes."""
+    async with MockBackend(MockSettings(output_tokens=4)) as mock:
+        config = one_backend(tmp_path, mock.url)
+        config = msgspec.structs.replace(
+            config, worker=msgspec.structs.replace(config.worker, max_deliver=1)
+        )
+        async with Services(config, backends=[]) as services:
+            silent = BrokerSilentTwice()
+            worker = Worker(services.nc, services.js, config, "b", silent, name="w")
+            await worker.start()
+            try:
+                async with Client(services.nc, tenant=TENANT) as client:
+                    handle = await client.submit("x", route="chat")
+                    result = await handle.result(timeout=10)
+            finally:
+                await worker.stop()
+            retries = [
+                e
+                for e in await EventLog(services.js).history(TENANT, handle.id)
+                if kind_of(e) == "retrying"
+            ]
+    assert result.text == "answered"
+    assert silent.calls == 3
+    assert retries == []
