@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -1515,6 +1516,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, help="requests per setting (1000; quick 150)")
     parser.add_argument("--rate", type=float, help="arrivals per second (15; quick 10)")
     parser.add_argument("--quick", action="store_true", help="a ~1-minute smoke run per setting")
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        help="seconds between kills (the setting's: 1, harsh 0.5); on a machine where a"
+        " service takes longer than ~6 kill intervals to start, the fleet is mostly down",
+    )
     parser.add_argument("--seed", type=int, default=6)
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, stores)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
@@ -1526,6 +1533,8 @@ def main() -> None:
     reports = []
     for name in names:
         setting = SETTINGS[name]
+        if args.kill_every is not None:
+            setting = dataclasses.replace(setting, kill_every=args.kill_every)
         plan = plan_for(setting, quick=args.quick, requests=args.requests, rate=args.rate)
         try:
             report = asyncio.run(
