@@ -23,7 +23,8 @@ Run with ``make chaos`` (every setting, about 12-15 minutes) or
   that does not exist (rejected).
 - ``single`` and ``cluster`` use the defaults (router ack_wait 30 s, max_deliver 10;
   worker lease 5 s, retry budget 5). ``harsh``: ack_wait 2 s for routers and workers,
-  max_deliver 3 for both, the worker consumer's delivery limit 4 (the broker's
+  router max_deliver 3, a worker retry budget of 1 run (a backend failure fails
+  the request) and the worker consumer's delivery limit 2 (the broker's
   backstop: kills do not use up the retry budget, but they do use deliveries),
   slower backends (20 tokens/s) and a kill every ~0.5 s, so some requests use up
   their deliveries and must end ``failed`` (``undeliverable``).
@@ -180,13 +181,13 @@ SETTINGS = {
         router_ack_wait=2.0,
         worker_ack_wait=2.0,
         router_max_deliver=3,
-        worker_max_deliver=3,
+        worker_max_deliver=1,
         kill_every=0.5,
         tokens_per_second=20.0,
-        worker_delivery_limit=4,
+        worker_delivery_limit=2,
         about=(
-            "one nats-server, ack_wait 2 s, max_deliver 3 / 3, worker delivery_limit 4,"
-            " a kill every ~0.5 s"
+            "one nats-server, ack_wait 2 s, max_deliver 3 / 1 (router / worker), worker"
+            " delivery_limit 2, a kill every ~0.5 s"
         ),
     ),
 }
