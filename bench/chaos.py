@@ -1,7 +1,7 @@
 """Chaos benchmark (issue #6): kill -9 routers and workers under load, then audit the log.
 
-Run with ``make chaos`` (every setting, about 12-15 minutes) or
-``python bench/chaos.py --setting single --quick`` (about a minute). Each setting:
+Run with ``make chaos`` (every setting, about 7-15 minutes on a small shared machine) or
+``python bench/chaos.py --setting single --quick`` (about 1.5 minutes). Each setting:
 
 - NATS: ``single`` and ``harsh``: one nats-server; ``cluster``: three nodes on
   loopback (free ports, temporary stores) with R3 streams, and one node killed
