@@ -1,7 +1,7 @@
 """Chaos benchmark (issue #6): kill -9 routers and workers under load, then audit the log.
 
-Run with ``make chaos`` (every setting, about 12-15 minutes) or
-``python bench/chaos.py --setting single --quick`` (about a minute). Each setting:
+Run with ``make chaos`` (every setting, about 7-15 minutes on a small shared machine) or
+``python bench/chaos.py --setting single --quick`` (about 1.5 minutes). Each setting:
 
 - NATS: ``single`` and ``harsh``: one nats-server; ``cluster``: three nodes on
   loopback (free ports, temporary stores) with R3 streams, and one node killed
@@ -21,9 +21,13 @@ Run with ``make chaos`` (every setting, about 12-15 minutes) or
   coalesced (``coalesce=True`` or a shared ``dedupe_key``); 5 % resubmitted with the
   same id 0.2-4 s later; 3 % cancelled; 4 % with a 1-4 s deadline; 0.5 % for a route
   that does not exist (rejected).
-- ``harsh``: ack_wait 2 s for routers and workers, max_deliver 3 for both, slower
-  backends (20 tokens/s) and a kill every ~0.5 s, so some requests use up their
-  deliveries.
+- ``single`` and ``cluster`` use the defaults (router ack_wait 30 s, max_deliver 10;
+  worker lease 5 s, retry budget 5). ``harsh``: ack_wait 2 s for routers and workers,
+  router max_deliver 3, a worker retry budget of 1 run (a backend failure fails
+  the request) and the worker consumer's delivery limit 2 (the broker's
+  backstop: kills do not use up the retry budget, but they do use deliveries),
+  slower backends (20 tokens/s) and a kill every ~0.5 s, so some requests use up
+  their deliveries and must end ``failed`` (``undeliverable``).
 
 After the arrivals the kills stop and the harness waits (bounded) for every request to
 end, then reads ``RQ_EVENTS`` with the service connection (every request's events) and
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -87,6 +92,7 @@ from renqueue.messages import (
     Routed,
     Started,
     Stolen,
+    Submitted,
     kind_of,
 )
 from renqueue.provision import provision
@@ -137,6 +143,8 @@ class Setting:
     kill_every: float
     tokens_per_second: float
     kill_node: bool = False
+    #: The worker consumer's ``max_deliver`` (``worker.delivery_limit``); None: the default.
+    worker_delivery_limit: int | None = None
     about: str = ""
 
 
@@ -145,18 +153,21 @@ SETTINGS = {
         name="single",
         nodes=1,
         router_ack_wait=30.0,
-        worker_ack_wait=30.0,
+        worker_ack_wait=5.0,
         router_max_deliver=10,
         worker_max_deliver=5,
         kill_every=1.0,
         tokens_per_second=40.0,
-        about="one nats-server, default ack_wait (30 s) and max_deliver (10 / 5)",
+        about=(
+            "one nats-server, the defaults: ack_wait 30 s / 5 s, max_deliver 10 / 5"
+            " (router / worker)"
+        ),
     ),
     "cluster": Setting(
         name="cluster",
         nodes=3,
         router_ack_wait=30.0,
-        worker_ack_wait=30.0,
+        worker_ack_wait=5.0,
         router_max_deliver=10,
         worker_max_deliver=5,
         kill_every=1.0,
@@ -170,10 +181,14 @@ SETTINGS = {
         router_ack_wait=2.0,
         worker_ack_wait=2.0,
         router_max_deliver=3,
-        worker_max_deliver=3,
+        worker_max_deliver=1,
         kill_every=0.5,
         tokens_per_second=20.0,
-        about="one nats-server, ack_wait 2 s, max_deliver 3 / 3, a kill every ~0.5 s",
+        worker_delivery_limit=2,
+        about=(
+            "one nats-server, ack_wait 2 s, max_deliver 3 / 1 (router / worker), worker"
+            " delivery_limit 2, a kill every ~0.5 s"
+        ),
     ),
 }
 
@@ -206,6 +221,11 @@ def config_text(setting: Setting, url: str, mocks: dict[str, str]) -> str:
         "[worker]",
         f'ack_wait = "{setting.worker_ack_wait:g}s"',
         f"max_deliver = {setting.worker_max_deliver}",
+        *(
+            [f"delivery_limit = {setting.worker_delivery_limit}"]
+            if setting.worker_delivery_limit is not None
+            else []
+        ),
         'retry_delay = "200ms"',
         'drain_timeout = "2s"',
     ]
@@ -393,6 +413,8 @@ class Fleet:
         self.kills: list[dict[str, Any]] = []
         self.self_exits: list[dict[str, Any]] = []
         self.spawned = 0
+        #: Wall-clock time each process (by its log file) was spawned.
+        self.spawned_at: dict[Path, float] = {}
         self._watchers: set[asyncio.Task[None]] = set()
         self._t0 = time.monotonic()
 
@@ -422,6 +444,7 @@ class Fleet:
             )
         slot.proc = proc
         self.spawned += 1
+        self.spawned_at[slot.log] = time.time()
         task = asyncio.create_task(self._watch(slot, proc))
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
@@ -849,8 +872,11 @@ async def audit(
     events = await read_events(js)
     by_id = {track.id: track for track in tracks}
     acked = [track for track in tracks if track.acked]
-    lost = [t for t in acked if not terminals(events.get(t.id, []))]
-    duplicated = [t for t in acked if len(terminals(events.get(t.id, []))) > 1]
+    # A request the client never saw acked but that was stored (a router logged
+    # it) counts too: it must end like any other.
+    counted = [t for t in tracks if t.acked or events.get(t.id)]
+    lost = [t for t in counted if not terminals(events.get(t.id, []))]
+    duplicated = [t for t in counted if len(terminals(events.get(t.id, []))) > 1]
     unacked = [t for t in tracks if not t.acked]
     unacked_stored = [t.id for t in unacked if events.get(t.id)]
     foreign = sorted(rid for rid in events if rid not in by_id)
@@ -885,6 +911,8 @@ async def audit(
             latencies.append(latency)
             if isinstance(end.event, Completed):
                 completed_latency[track.level].append(latency)
+
+    phases = latency_phases(acked, events)
 
     every = [item.event for history in events.values() for item in history]
     count_of: Counter[str] = Counter(kind_of(e) for e in every)
@@ -1065,7 +1093,9 @@ async def audit(
             "count": len(latencies),
             "p50": percentile(latencies, 50),
             "p95": percentile(latencies, 95),
+            "p99": percentile(latencies, 99),
             "max": max(latencies, default=float("nan")),
+            "phases": phases,
             "completed_by_level": {
                 level: {
                     "n": len(values),
@@ -1097,6 +1127,7 @@ async def audit(
             "kills_while_starting": sum(1 for k in fleet.kills if not k["was_ready"]),
             "self_exits": fleet.self_exits,
             "log_problems": log_problems(fleet.log_files()),
+            "startup": startup_times(fleet),
         },
         "lost_ids": [t.id for t in lost],
         "duplicated_ids": [t.id for t in duplicated],
@@ -1112,6 +1143,44 @@ async def audit(
     }
 
 
+def latency_phases(tracks: list[Track], events: dict[str, list[Logged]]) -> dict[str, Any]:
+    """Where the time went, per request that ended (p50/p95/max seconds): the
+    client's submit -> the first ``submitted`` event (a router read it) ->
+    the first ``routed`` -> the first ``started`` (a worker began) and the last
+    ``started`` -> the terminal event."""
+    spans: dict[str, list[float]] = {
+        "submit_to_read": [],
+        "read_to_routed": [],
+        "routed_to_started": [],
+        "last_started_to_end": [],
+    }
+    for track in tracks:
+        history = events.get(track.id, [])
+        ends = terminals(history)
+        if not ends or track.submit_at is None:
+            continue
+        read = next((item for item in history if isinstance(item.event, Submitted)), None)
+        routed = next((item for item in history if isinstance(item.event, Routed)), None)
+        runs = [item for item in history if isinstance(item.event, Started)]
+        if read is not None:
+            spans["submit_to_read"].append(read.at - track.submit_at)
+            if routed is not None:
+                spans["read_to_routed"].append(routed.at - read.at)
+        if routed is not None and runs:
+            spans["routed_to_started"].append(runs[0].at - routed.at)
+        if runs:
+            spans["last_started_to_end"].append(ends[0].at - runs[-1].at)
+    return {
+        name: {
+            "n": len(values),
+            "p50": percentile(values, 50),
+            "p95": percentile(values, 95),
+            "max": max(values, default=float("nan")),
+        }
+        for name, values in spans.items()
+    }
+
+
 async def final_chunk_stored(js: Any, request_id: str) -> bool:
     try:
         last = await js.get_last_msg(TOKENS_STREAM, token_subject(TENANT, request_id))
@@ -1121,6 +1190,35 @@ async def final_chunk_stored(js: Any, request_id: str) -> bool:
         return bool(TOKEN_DECODER.decode(last.data).final)
     except msgspec.DecodeError:
         return False
+
+
+def startup_times(fleet: Fleet) -> dict[str, Any]:
+    """Seconds from spawning a service process to its ``router started`` /
+    ``worker started`` log line; how many were killed before they got there.
+    On a loaded machine a start takes seconds: a kill rate close to the restart
+    rate leaves the fleet mostly starting, which is what latency then shows."""
+    took: list[float] = []
+    never = 0
+    for path, spawned in fleet.spawned_at.items():
+        ready_at = None
+        with contextlib.suppress(OSError):
+            for line in path.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                    entry = json.loads(line)
+                    if entry["event"] in ("router started", "worker started"):
+                        ready_at = datetime.fromisoformat(entry["timestamp"]).timestamp()
+                        break
+        if ready_at is None:
+            never += 1
+        else:
+            took.append(ready_at - spawned)
+    return {
+        "ready": len(took),
+        "never_ready": never,
+        "p50": percentile(took, 50),
+        "p95": percentile(took, 95),
+        "max": max(took, default=float("nan")),
+    }
 
 
 def log_problems(files: list[Path]) -> dict[str, int]:
@@ -1332,7 +1430,9 @@ def print_report(report: dict[str, Any]) -> None:
     )
     print(
         f"  kills {p['kills']} {p['kills_by_role']} ({p['kills_while_starting']} while starting), "
-        f"self-exits {len(p['self_exits'])}"
+        f"self-exits {len(p['self_exits'])}; start to ready p50 {_seconds(p['startup']['p50'])} "
+        f"p95 {_seconds(p['startup']['p95'])} ({p['startup']['never_ready']} of "
+        f"{p['spawned']} never ready)"
         + (
             f"; nats node {node['killed']['node']} killed at {node['killed']['t']}s"
             + (f", restarted at {node['restarted']['t']}s" if "restarted" in node else "")
@@ -1358,7 +1458,16 @@ def print_report(report: dict[str, Any]) -> None:
     )
     print(
         f"  latency submit->terminal p50 {_seconds(lat['p50'])} p95 {_seconds(lat['p95'])} "
-        f"max {_seconds(lat['max'])}; completed p95 by level: {by_level}"
+        f"p99 {_seconds(lat['p99'])} max {_seconds(lat['max'])}; completed p95 by level: "
+        f"{by_level}"
+    )
+    print(
+        "  where the time went (p50/p95/max): "
+        + "; ".join(
+            f"{name.replace('_', ' ')} {_seconds(v['p50'])}/{_seconds(v['p95'])}/"
+            f"{_seconds(v['max'])}"
+            for name, v in lat["phases"].items()
+        )
     )
     print(f"  streams ({report['streamed']}): {report['streams']}")
     c = report["client"]
@@ -1383,12 +1492,37 @@ def print_report(report: dict[str, Any]) -> None:
                 print(f"      {line}")
 
 
+def summary_line(report: dict[str, Any]) -> str:
+    """One line per setting: what the issue asks a chaos run to report."""
+    name = report["setting"]
+    if "submitted" not in report:
+        return f"chaos {name}: did not complete"
+    p = report["processes"]
+    roles = p["kills_by_role"]
+    node = report.get("node_chaos") or {}
+    lat = report["latency"]
+    return (
+        f"chaos {name}: requests {report['submitted']}, kills {p['kills']} "
+        f"(router {roles.get('router', 0)}, worker {roles.get('worker', 0)}, "
+        f"nats node {1 if 'killed' in node else 0}), lost {report['lost']}, "
+        f"duplicated {report['duplicated']}, outcomes {report['terminal_kinds']}, "
+        f"extra backend calls {report['backend']['extra_calls']}, latency p50/p95/p99 "
+        f"{_seconds(lat['p50'])}/{_seconds(lat['p95'])}/{_seconds(lat['p99'])}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
     parser.add_argument("--setting", choices=[*SETTINGS, "all"], default="all")
     parser.add_argument("--requests", type=int, help="requests per setting (1000; quick 150)")
     parser.add_argument("--rate", type=float, help="arrivals per second (15; quick 10)")
     parser.add_argument("--quick", action="store_true", help="a ~1-minute smoke run per setting")
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        help="seconds between kills (the setting's: 1, harsh 0.5); on a machine where a"
+        " service takes longer than ~6 kill intervals to start, the fleet is mostly down",
+    )
     parser.add_argument("--seed", type=int, default=6)
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, stores)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
@@ -1400,6 +1534,8 @@ def main() -> None:
     reports = []
     for name in names:
         setting = SETTINGS[name]
+        if args.kill_every is not None:
+            setting = dataclasses.replace(setting, kill_every=args.kill_every)
         plan = plan_for(setting, quick=args.quick, requests=args.requests, rate=args.rate)
         try:
             report = asyncio.run(
@@ -1415,10 +1551,7 @@ def main() -> None:
     for report in reports:
         ok = report.get("lost") == 0 and report.get("duplicated") == 0
         failed |= not ok
-        print(
-            f"chaos {report['setting']}: lost {report.get('lost', '?')}, duplicated "
-            f"{report.get('duplicated', '?')} -> {'OK' if ok else 'FAIL'}"
-        )
+        print(summary_line(report) + f" -> {'OK' if ok else 'FAIL'}")
     path = args.out / f"chaos-{names[-1]}-latest.json"
     print(f"JSON: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     sys.exit(1 if failed else 0)

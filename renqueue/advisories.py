@@ -237,7 +237,7 @@ def _about(advisory: MaxDeliveries, stored: Any) -> _Subject:
             request=request,
         )
     parts = stored.subject.split(".")
-    tenant = parts[3] if len(parts) == 4 and _is_id(parts[3]) else "unknown"
+    tenant = parts[3] if len(parts) in (4, 5) and _is_id(parts[3]) else "unknown"
     # The id the publish vouched for (``Nats-Msg-Id: <tenant>:<id>``), as the router reads it.
     header = str((stored.headers or {}).get("Nats-Msg-Id", ""))
     scope, _, rest = header.partition(":")

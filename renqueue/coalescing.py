@@ -52,13 +52,17 @@ again (a redelivery, the next joiner) completes it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import (
+    BadRequestError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
 
 from .eventlog import EventLog, publish_stored
 from .logs import get_logger
@@ -88,6 +92,8 @@ __all__ = ["Coalescer", "Group", "coalesce_key"]
 log = get_logger("coalescing")
 
 _TRIES: Final = 8
+#: JetStream's "wrong last sequence" (a compare-and-set lost).
+_WRONG_LAST_SEQUENCE: Final = 10071
 
 
 def coalesce_key(request: InferenceRequest) -> str | None:
@@ -259,8 +265,14 @@ class Coalescer:
         except KeyNotFoundError:
             return
         if _DECODER.decode(entry.value).leader == leader:
-            with contextlib.suppress(KeyWrongLastSequenceError):
+            try:
                 await kv.delete(name, last=entry.revision)
+            except BadRequestError as exc:
+                # Changed meanwhile (a new group replaced the closed one): it is
+                # not ours to drop. nats-py raises a plain BadRequestError for a
+                # delete's wrong last sequence, not KeyWrongLastSequenceError.
+                if exc.err_code != _WRONG_LAST_SEQUENCE:
+                    raise
 
     async def _settle(
         self, tenant: str, leader: str, follower: str, deadline: float | None, outcome: Event

@@ -289,7 +289,8 @@ class WorkerConfig(_Section, frozen=True, kw_only=True):
     the run is alive, so a dead worker's slots come back after at most this.
     ``max_deliver`` is the retry budget: runs of one dispatch that may fail
     (``retrying`` events: transient backend errors, worker errors) before the
-    request fails. ``delivery_limit`` is the broker's backstop (the worker
+    request fails; a run cut short by a broker that does not answer is handed
+    back with a backoff and does not count. ``delivery_limit`` is the broker's backstop (the worker
     consumer's ``max_deliver``): deliveries of one dispatch for any reason,
     failed runs, dead workers and shutdowns alike, after which the request
     fails as ``undeliverable``; by default ``max(20, 4 * max_deliver)``, so

@@ -20,7 +20,8 @@ Runs are numbered over the request's life (the ``delivery`` of ``started``,
 failures (rate-limited, server errors, worker errors) are retried with a
 delayed ``nak`` and a ``retrying`` event; the budget, ``worker.max_deliver``
 failed runs per dispatch, is counted from those events, so redeliveries for
-other reasons (a worker killed or shut down) do not use it up. The broker's
+other reasons (a worker killed or shut down, a broker that does not answer:
+handed back after a backoff that doubles with each delivery) do not use it up. The broker's
 own limit (the consumer's ``max_deliver`` = ``worker.delivery_limit``) is a
 backstop far above it; a message that reaches it ends ``failed`` as
 ``undeliverable`` (:mod:`renqueue.advisories`). Cancellation (shutdown) is not
@@ -43,8 +44,18 @@ from typing import Any
 
 import msgspec
 from aiolimiter import AsyncLimiter
+from nats.errors import (
+    ConnectionClosedError,
+    NoRespondersError,
+    OutboundBufferLimitError,
+)
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import (
+    APIError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 
 from . import metrics
 from .backends import Backend
@@ -121,8 +132,28 @@ class _Chunks(msgspec.Struct):
 #: Seconds between closing a preempted call and releasing its slot.
 _PREEMPT_GRACE = 0.1
 
-#: JetStream's "no message found" (deleting a sequence that is gone).
-_NO_MESSAGE = 10057
+#: JetStream's answers to deleting a sequence that is gone: "no message found",
+#: and "sequence N not found" (the message was removed, e.g. acked by its
+#: consumer, between the server's lookup and its erase).
+_GONE = frozenset({10057, 10043})
+
+#: Longest delay before a run handed back for the broker's sake runs again.
+_MAX_BACKOFF = 30.0
+
+
+def _broker_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the broker did not answer (no stream leader, a
+    reconnect, a timeout), rather than that something is wrong with the run."""
+    return isinstance(
+        exc,
+        NoStreamResponseError
+        | ServiceUnavailableError
+        | NoRespondersError
+        | ConnectionClosedError
+        | OutboundBufferLimitError
+        | TimeoutError,
+    )
+
 
 #: Seconds between looks at pool siblings' queues while this worker has room.
 _STEAL_INTERVAL = 0.1
@@ -304,9 +335,15 @@ class Worker:
 
         In this order: the ``stolen`` event, the copy on this backend's
         subject, the original deleted from the stream, only once the copy is
-        known to be stored. If the sibling's worker got the original first
-        anyway, both runs claim the same run (``claim_run``) and the second
-        steps back (see ``_start``): one call, ever.
+        known to be stored and only if the sibling's consumer has not
+        delivered it meanwhile. A delivered original is its run's lease: if
+        it were deleted and that run's worker died, nothing would deliver the
+        request again (the copy's run steps back, see below). So a delivered
+        original stays, and both runs claim the same run (``claim_run``): the
+        second steps back (see ``_start``), one call. A worker delivered an
+        original after its ``stolen`` event was logged hands it over to the
+        copy instead (``_settled_before``), so the original deleted in the
+        moment between the look and the delete never runs.
         """
         try:
             dispatch = DISPATCH_DECODER.decode(raw.data)
@@ -324,22 +361,31 @@ class Worker:
                 from_seq=raw.seq,
             )
         )
-        if not await self._move(dispatch, self._backend_name, raw.seq):
+        if await self._move(dispatch, self._backend_name, raw.seq) is None:
             return False
+        sibling_consumer = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(sibling))
+        if sibling_consumer.delivered.stream_seq >= raw.seq:
+            log.info("a stolen request was delivered to its replica meanwhile; keeping it",
+                     request_id=request.id, sibling=sibling)  # fmt: skip
+            return True
         try:
             await self._js.delete_msg(DISPATCH_STREAM, raw.seq)
         except APIError as exc:
             # Gone already: another thief moved it at the same moment (its copy
             # and ours share the id: one is stored), or its worker acked it.
-            if not isinstance(exc, NotFoundError) and exc.err_code != _NO_MESSAGE:
+            if not isinstance(exc, NotFoundError) and exc.err_code not in _GONE:
                 raise
         log.info("stole a queued request", request_id=request.id, sibling=sibling)
         return True
 
-    async def _move(self, dispatch: Dispatch, to_backend: str, source_seq: int) -> bool:
+    async def _move(
+        self, dispatch: Dispatch, to_backend: str, source_seq: int
+    ) -> tuple[int, bool] | None:
         """Store a copy of the dispatch at stream sequence ``source_seq`` on
-        ``to_backend``'s subject. True when the copy is stored (now or before),
-        so the source may be removed; False when it must stay.
+        ``to_backend``'s subject. When the copy is stored (now or before):
+        its stream sequence and whether it is still there (gone: it was run,
+        moved on, or stepped back, see ``_settled_before``), so the source may
+        be removed; ``None`` when it is not stored and the source must stay.
 
         The copy's message id names the source message (``stolen:<attempt>:<seq>``),
         so each move has its own id (A -> B -> A moves twice, under two ids) and
@@ -358,13 +404,13 @@ class Worker:
             },
         )
         if not ack.duplicate:
-            return True
+            return int(ack.seq), True
         # Stored before: still queued, or already run and acked (gone). Delete
         # the source only if what is stored under this id is this request.
         try:
             copy = await self._js.get_msg(DISPATCH_STREAM, seq=ack.seq)
         except NotFoundError:
-            return True
+            return int(ack.seq), False
         with contextlib.suppress(msgspec.DecodeError):
             stored = DISPATCH_DECODER.decode(copy.data or b"")
             if (stored.request.tenant, stored.request.id, stored.attempt) == (
@@ -372,13 +418,13 @@ class Worker:
                 request.id,
                 dispatch.attempt,
             ):
-                return True
+                return int(ack.seq), True
         log.error(
             "a move's copy was not stored and its id is taken; keeping the source",
             request_id=request.id,
             seq=source_seq,
         )
-        return False
+        return None
 
     def _run_done(self, task: asyncio.Task[None]) -> None:
         self._running.discard(task)
@@ -425,10 +471,19 @@ class Worker:
     async def _unexpected(
         self, msg: Any, dispatch: Dispatch, run: int, chunks: _Chunks, exc: Exception
     ) -> None:
-        """A bug or a broker failure mid-run: a failed run like any other, retried
-        within the budget, then the request fails; if not even that can be
-        recorded, the message is left for redelivery (the broker's delivery
-        limit is the backstop)."""
+        """A bug mid-run: a failed run like any other, retried within the
+        budget, then the request fails; if not even that can be recorded, the
+        message is left for redelivery (the broker's delivery limit is the
+        backstop). A broker that does not answer (a stream leader election, a
+        reconnect) is not the request's failure: the run is handed back with a
+        backoff that grows with its deliveries, and no retry is counted."""
+        if _broker_unavailable(exc):
+            delay = self._backoff(msg)
+            log.warning("the broker did not answer mid-run; the request will run again",
+                        error=repr(exc), retry_in=delay)  # fmt: skip
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=delay)
+            return
         try:
             if await self._failed_runs(dispatch) + 1 < self._config.worker.max_deliver:
                 log.error("unexpected error; the request will run again", exc_info=exc)
@@ -453,7 +508,14 @@ class Worker:
         except Exception:
             log.exception("could not record the failed run; leaving the request for redelivery")
             with contextlib.suppress(Exception):
-                await msg.nak(delay=self._retry_delay)
+                await msg.nak(delay=self._backoff(msg))
+
+    def _backoff(self, msg: Any) -> float:
+        """Delay before a message handed back for the broker's sake is delivered
+        again: doubling from ``retry_delay`` with each delivery, capped, so
+        the delivery limit spans minutes of broker trouble, not seconds."""
+        delivered = max(1, int(msg.metadata.num_delivered))
+        return float(min(_MAX_BACKOFF, self._retry_delay * 2 ** min(delivered - 1, 16)))
 
     async def _poison(self, msg: Any, reason: str) -> None:
         seq = msg.metadata.sequence.stream
@@ -547,7 +609,10 @@ class Worker:
             await self._log.settle(claim)  # its event may not be in the log yet
             await msg.ack()
             return True
-        if delivery > 1 and await self._settled_before(msg, dispatch):
+        pooled = self._backend_config.pool is not None
+        if (delivery > 1 or pooled) and await self._settled_before(
+            msg, dispatch, first=delivery == 1
+        ):
             return True
         now = self._clock()
         if request.deadline is not None and now >= request.deadline:
@@ -593,12 +658,25 @@ class Worker:
         )
         return [await self._log.append_async(started)]
 
-    async def _settled_before(self, msg: Any, dispatch: Dispatch) -> bool:
+    async def _settled_before(self, msg: Any, dispatch: Dispatch, *, first: bool = False) -> bool:
         """On a redelivery: was this dispatch finished (before terminal claims
         existed), preempted or moved by a worker that died before acking it?
-        Then complete that work and ack."""
+        Then complete that work and ack. ``first``: a first delivery in a pool,
+        where only a move matters (a sibling stole this message while it was
+        being delivered here: the copy runs, this one is handed over).
+
+        A move is handed over only while its copy can still run (it is
+        stored, or was moved on). A copy gone without an outcome stepped back
+        for a run of this very message (the run claim, see ``_start``), and
+        that run's worker died: this message is then the request's only
+        lease, and it runs.
+        """
         request = dispatch.request
         source_seq = int(msg.metadata.sequence.stream)
+        if first:
+            stolen = await self._log.history(request.tenant, request.id, kind="stolen")
+            if not any(self._stolen_here(event, dispatch, source_seq) for event in stolen):
+                return False
         events = await self._log.history(request.tenant, request.id)
         ended = [event for event in events if is_terminal(event)]
         if ended:
@@ -611,17 +689,32 @@ class Worker:
             if isinstance(event, Preempted) and event.attempt == dispatch.attempt:
                 await self._requeue(msg, dispatch, event.delivery, event.by)
                 return True
-            if (
-                isinstance(event, Stolen)
-                and event.attempt == dispatch.attempt
-                and event.from_backend == self._backend_name
-                and event.from_seq in (0, source_seq)
-                # Finish the thief's move; keep the message if the copy is not stored.
-                and await self._move(dispatch, event.to_backend, source_seq)
-            ):
-                await msg.ack()
-                return True
+        move = next((e for e in events if self._stolen_here(e, dispatch, source_seq)), None)
+        return isinstance(move, Stolen) and await self._hand_over(msg, dispatch, move, events)
+
+    async def _hand_over(
+        self, msg: Any, dispatch: Dispatch, move: Stolen, events: list[Any]
+    ) -> bool:
+        """Finish a thief's ``move`` of this message and ack it, if the copy can
+        still run; False (keep and run this message) otherwise."""
+        moved = await self._move(dispatch, move.to_backend, int(msg.metadata.sequence.stream))
+        if moved is None:
+            return False  # the copy is not stored: keep this message
+        copy_seq, stored = moved
+        if stored or any(isinstance(e, Stolen) and e.from_seq == copy_seq for e in events):
+            await msg.ack()
+            return True
+        log.info("a stolen copy stepped back and its run is gone; running the original")
         return False
+
+    def _stolen_here(self, event: Any, dispatch: Dispatch, source_seq: int) -> bool:
+        """Whether ``event`` records a sibling moving the message at ``source_seq``."""
+        return (
+            isinstance(event, Stolen)
+            and event.attempt == dispatch.attempt
+            and event.from_backend == self._backend_name
+            and event.from_seq in (0, source_seq)
+        )
 
     def _rank_of(self, dispatch: Dispatch) -> int:
         """The priority passed down to the backend: the effective one when bound."""

@@ -323,3 +323,40 @@ async def test_a_follower_is_not_lost_to_a_requeue_id_another_tenant_took(
             await leader.result(timeout=10)
         assert (await follower.result(timeout=15)).text
         assert len(await terminals(client, follower.id)) == 1
+
+
+class _ReplacedAfterRead:
+    """The real ``rq-state`` bucket, where another router replaces the group
+    right after this reader read it (a request joining the closed group leads
+    a new one): the interleaving a chaos run hit between ``_forget``'s read
+    and its delete."""
+
+    def __init__(self, kv: object, replacement: Group) -> None:
+        self._kv = kv
+        self._replacement = replacement
+
+    async def get(self, name: str) -> object:
+        entry = await self._kv.get(name)  # type: ignore[attr-defined]
+        await self._kv.put(name, msgspec.json.encode(self._replacement))  # type: ignore[attr-defined]
+        return entry
+
+    def __getattr__(self, attr: str) -> object:
+        return getattr(self._kv, attr)
+
+
+async def test_a_group_replaced_while_its_leader_hands_out_does_not_fail_the_leader(
+    stack: Services,
+) -> None:
+    """Seen in the chaos cluster run: a leader's hand-out read its closed group,
+    a new identical request replaced it, and the delete with the old revision
+    raised (nats-py: BadRequestError 10071, not KeyWrongLastSequenceError), so
+    the worker failed the leader's finished run and ran it again (an extra
+    backend call per occurrence). The group is not the leader's to drop any
+    more: the hand-out ends quietly and the new group stays."""
+    coalescer = Coalescer(stack.js, clock=time.time)
+    kv = await stack.js.key_value(STATE_BUCKET)
+    name = "co.t.some-key"
+    await kv.put(name, msgspec.json.encode(Group(leader="old", closed=True)))
+    coalescer._kv = _ReplacedAfterRead(kv, Group(leader="new"))
+    await coalescer._forget("t", "some-key", "old")
+    assert msgspec.json.decode((await kv.get(name)).value, type=Group).leader == "new"

@@ -15,6 +15,7 @@ not use up a request's retry budget.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -30,6 +31,7 @@ from renqueue import Client, RequestFailedError, Services, load_config
 from renqueue.config import Config
 from renqueue.eventlog import EventLog, read_subject
 from renqueue.messages import (
+    DISPATCH_DECODER,
     TOKEN_DECODER,
     Completed,
     Dispatch,
@@ -420,3 +422,62 @@ async def test_another_tenant_cannot_pre_occupy_a_requests_outcome_or_run(
     assert result.text
     assert [kind_of(e) for e in events] == ["submitted", "routed", "started", "completed"]
     assert mock.stats().requests == 1
+
+
+async def test_followers_of_a_leader_that_runs_out_of_deliveries_run_on_their_own(
+    tmp_path: Path, isolated_server: Any
+) -> None:
+    """Seen in a chaos run (1 request lost): a coalescing leader ended ``failed``
+    (``undeliverable``) by the advisory reader left its follower waiting on it
+    forever. Its followers run on their own, as for any leader that ends for a
+    reason of its own: each is routed again, and ends."""
+    async with MockBackend(MockSettings(output_tokens=4)) as mock:
+        config = write_config(
+            tmp_path / "rq.toml",
+            nats_url=isolated_server.url,
+            backend_url=mock.url,
+            extra="max_deliver = 1\ndelivery_limit = 2\n",
+        )
+        async with routers_only(config) as (services, client):
+            js = services.js
+            leader = await client.submit("the same question", route="chat", coalesce=True)
+
+            async def routed(request_id: str) -> bool:
+                return any(kind_of(e) == "routed" for e in await histories(js, request_id))
+
+            await until(lambda: routed(leader.id), "the leader is routed")
+            follower = await client.submit("the same question", route="chat", coalesce=True)
+
+            async def coalesced() -> bool:
+                return any(kind_of(e) == "coalesced" for e in await histories(js, follower.id))
+
+            await until(coalesced, "the second request follows the first")
+            # No worker: the test plays one that takes every dispatch and never
+            # finishes it (each runs out after two deliveries).
+            psub = await js.pull_subscribe_bind(
+                durable=worker_consumer("b"), stream=DISPATCH_STREAM
+            )
+            taken: list[str] = []
+
+            async def take_and_nak() -> None:
+                while True:
+                    with contextlib.suppress(NatsTimeoutError):
+                        for msg in await psub.fetch(batch=1, timeout=0.5):
+                            taken.append(DISPATCH_DECODER.decode(msg.data).request.id)
+                            await msg.nak()
+
+            playing = asyncio.create_task(take_and_nak())
+            try:
+                outcomes = await asyncio.gather(
+                    leader.result(timeout=20), follower.result(timeout=20), return_exceptions=True
+                )
+            finally:
+                playing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await playing
+                await psub.unsubscribe()
+            events = await histories(js, follower.id)
+    assert [getattr(o, "error_type", o) for o in outcomes] == ["undeliverable", "undeliverable"]
+    # The follower was routed on its own (its own dispatch), once its leader failed.
+    assert taken == [leader.id, leader.id, follower.id, follower.id]
+    assert [kind_of(e) for e in events if is_terminal(e)] == ["failed"]

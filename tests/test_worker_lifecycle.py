@@ -16,17 +16,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
-from nats.js.errors import NotFoundError
+from nats.js.errors import NoStreamResponseError, NotFoundError
 
 from renqueue import Client, Services, load_config, parse_config
 from renqueue.backends import make_backend
 from renqueue.backends.base import Delta
 from renqueue.config import Config, WorkerConfig, parse_duration
 from renqueue.eventlog import EventLog
-from renqueue.messages import Dispatch, Started, Stolen, encode
+from renqueue.messages import Dispatch, Started, Stolen, encode, kind_of
 from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.subjects import DISPATCH_STREAM, dispatch_subject, msg_id
+from renqueue.subjects import DISPATCH_STREAM, dispatch_subject, msg_id, worker_consumer
 from renqueue.worker import Worker
 
 TENANT = "t"
@@ -266,3 +267,153 @@ async def test_work_moved_around_a_pool_twice_within_the_window_is_never_lost(
     ]
     # Each move has its own source message; the two thieves' race made one move.
     assert len({m.from_seq for m in moves}) == len(moves) >= 4
+
+
+async def test_a_steal_whose_source_was_taken_meanwhile_is_no_error(tmp_path: Path) -> None:
+    """The source of a move is acked (run by its own replica) or moved by another
+    thief between the thief's read and its delete: the delete finds nothing, and
+    that is not a failure of the steal loop (seen in the chaos run as
+    ``sequence N not found``, err_code 10043, restarting the loop)."""
+    replicas = ["replica-a", "replica-b"]
+    async with MockBackend(MockSettings(output_tokens=3)) as mock:
+        config = pool(tmp_path, mock.url, replicas)
+        async with (
+            Services(config, routers=0, backends=[]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            js = services.js
+            adapter = make_backend("replica-b", config.backends["replica-b"])
+            thief = Worker(services.nc, js, config, "replica-b", adapter, name="replica-b")
+            request = client.build_request("taken meanwhile", route="chat")
+            await js.publish(
+                dispatch_subject("replica-a"),
+                encode(Dispatch(request=request, backend="replica-a")),
+                headers={"Nats-Msg-Id": msg_id(TENANT, request.id, "dispatch", 1)},
+            )
+            raw = await js.get_msg(
+                DISPATCH_STREAM, seq=1, subject=dispatch_subject("replica-a"), next=True
+            )
+            # What the thief read is gone before it deletes it (acked by replica-a).
+            await js.delete_msg(DISPATCH_STREAM, raw.seq)
+            try:
+                assert await thief._steal(raw, "replica-a") is True
+            finally:
+                await adapter.aclose()
+            # The copy is stored on the thief's subject (its run claim decides
+            # which of the two runs calls the backend).
+            assert await queued(js) == [dispatch_subject("replica-b")]
+
+
+async def test_a_stolen_request_whose_original_was_delivered_and_whose_worker_died_still_runs(
+    tmp_path: Path,
+) -> None:
+    """The race seen in a chaos run (1 request lost): replica-a's worker takes
+    its queued dispatch at the moment replica-b steals it. replica-a's run
+    claims run 1; b's copy steps back. replica-a's worker then dies (kill -9).
+    Its message must still be there to be delivered again (the thief must not
+    delete a delivered original), and its redelivery must run (not hand over
+    to a copy that stepped back): the request completes, with one backend call
+    per run that got to call it."""
+    replicas = ["replica-a", "replica-b"]
+    async with MockBackend(MockSettings(output_tokens=3)) as mock:
+        config = pool(tmp_path, mock.url, replicas)
+        config = msgspec.structs.replace(
+            config, worker=msgspec.structs.replace(config.worker, ack_wait="1s")
+        )
+        async with (
+            Services(config, routers=0, backends=[]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            js = services.js
+            request = client.build_request("stolen while delivered", route="chat")
+            await js.publish(
+                dispatch_subject("replica-a"),
+                encode(Dispatch(request=request, backend="replica-a")),
+                headers={"Nats-Msg-Id": msg_id(TENANT, request.id, "dispatch", 1)},
+            )
+            # The thief reads the queued original ...
+            raw = await js.get_msg(
+                DISPATCH_STREAM, seq=1, subject=dispatch_subject("replica-a"), next=True
+            )
+            # ... while replica-a's worker takes it and claims its run 1; that
+            # worker then dies without acking (its lease runs out in 1 s).
+            doomed = await js.pull_subscribe_bind(
+                durable=worker_consumer("replica-a"), stream=DISPATCH_STREAM
+            )
+            [delivered] = await doomed.fetch(1, timeout=5)
+            assert delivered.metadata.sequence.stream == raw.seq
+            assert await EventLog(js).claim_run(TENANT, request.id, 1, 1)
+            await doomed.unsubscribe()
+            adapters = {name: make_backend(name, config.backends[name]) for name in replicas}
+            thief = Worker(services.nc, js, config, "replica-b", adapters["replica-b"], name="b")
+            assert await thief._steal(raw, "replica-a") is True
+            owner = Worker(services.nc, js, config, "replica-a", adapters["replica-a"], name="a")
+            await thief.start()  # its copy steps back: run 1 is claimed
+            await owner.start()  # replica-a's message comes back after its lease
+            try:
+                result = await client.handle(request.id).result(timeout=15)
+            finally:
+                await thief.stop()
+                await owner.stop()
+                for adapter in adapters.values():
+                    await adapter.aclose()
+            runs = await started_runs(js, request.id)
+    assert result.backend == "replica-a"
+    assert [(run.worker, run.delivery) for run in runs] == [("a", 2)]
+    assert mock.stats().requests == 1
+
+
+class BrokerSilentTwice:
+    """A backend call interrupted twice by a broker that does not answer (as a
+    run's publishes are while a stream elects a leader), then answering."""
+
+    name = "b"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def stream(self, request: Any, *, priority: int | None = None) -> AsyncIterator[Delta]:
+        self.calls += 1
+        if self.calls <= 2:
+            raise NoStreamResponseError
+        yield Delta(text="answered")
+
+    async def complete(self, request: Any, *, priority: int | None = None) -> Any:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_a_broker_that_does_not_answer_does_not_use_up_the_retry_budget(
+    tmp_path: Path,
+) -> None:
+    """Seen in the chaos cluster run: while a NATS node was down, runs failing
+    with 'no response from stream' were counted as failed runs, used up
+    ``worker.max_deliver`` in a second, then the delivery limit (retried every
+    200 ms), and ended ``failed`` (``undeliverable``) after ~10 s of leader
+    election. The broker's silence is not the request's failure: with a
+    retry budget of one run, the request still completes."""
+    async with MockBackend(MockSettings(output_tokens=4)) as mock:
+        config = one_backend(tmp_path, mock.url)
+        config = msgspec.structs.replace(
+            config, worker=msgspec.structs.replace(config.worker, max_deliver=1)
+        )
+        async with Services(config, backends=[]) as services:
+            silent = BrokerSilentTwice()
+            worker = Worker(services.nc, services.js, config, "b", silent, name="w")
+            await worker.start()
+            try:
+                async with Client(services.nc, tenant=TENANT) as client:
+                    handle = await client.submit("x", route="chat")
+                    result = await handle.result(timeout=10)
+            finally:
+                await worker.stop()
+            retries = [
+                e
+                for e in await EventLog(services.js).history(TENANT, handle.id)
+                if kind_of(e) == "retrying"
+            ]
+    assert result.text == "answered"
+    assert silent.calls == 3
+    assert retries == []
