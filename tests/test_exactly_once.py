@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from nats.errors import TimeoutError as NatsTimeoutError
 
@@ -55,6 +56,7 @@ from renqueue.subjects import (
     dispatch_subject,
     dlq_subject,
     msg_id,
+    request_subject,
     router_consumer,
     terminal_key,
     token_subject,
@@ -331,8 +333,9 @@ async def test_a_dispatch_that_runs_out_of_deliveries_fails_undeliverable_with_a
     assert mock.stats().requests == 0
 
 
+@pytest.mark.parametrize("how", ["submitted", "requeued"])
 async def test_a_request_that_runs_out_of_router_deliveries_fails_undeliverable(
-    tmp_path: Path, isolated_server: Any
+    tmp_path: Path, isolated_server: Any, how: str
 ) -> None:
     async with MockBackend(MockSettings(output_tokens=4)) as mock:
         path = tmp_path / "rq.toml"
@@ -347,7 +350,18 @@ async def test_a_request_that_runs_out_of_router_deliveries_fails_undeliverable(
             Services(config, routers=0, backends=["b"]) as services,
             Client(services.nc, tenant=TENANT) as client,
         ):
-            handle = await client.submit("doomed", route="chat", priority="normal")
+            if how == "submitted":
+                handle = await client.submit("doomed", route="chat", priority="normal")
+            else:
+                # Put back by the services (five subject tokens): still its tenant's.
+                request = client.build_request("doomed", route="chat", priority="normal")
+                again = msgspec.structs.replace(request, requeues=1)
+                await services.js.publish(
+                    request_subject("normal", TENANT, requeue=True),
+                    encode(again),
+                    headers={"Nats-Msg-Id": msg_id(TENANT, again.id, "requeue", 1)},
+                )
+                handle = client.handle(again.id)
             await pull_and_nak(
                 services.js,
                 REQUESTS_STREAM,
