@@ -20,6 +20,7 @@ from .errors import (
     RequestRejectedError,
     RetryableBackendError,
     ServiceFailedError,
+    TokensExpiredError,
     UnknownPriorityError,
     UnknownRouteError,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "ServiceFailedError",
     "Services",
     "TokenChunk",
+    "TokensExpiredError",
     "UnknownPriorityError",
     "UnknownRouteError",
     "Usage",
