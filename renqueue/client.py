@@ -372,10 +372,12 @@ class RequestHandle:
 
         Chunks are kept ``nats.tokens.max_age`` (1 h by default). For a
         request that has ended and whose chunks are no longer all stored,
-        this raises :class:`TokensExpiredError` (a few seconds after the
-        stored ones, if any, were yielded); :meth:`result` still has the
-        outcome and a completed request's text. A request id that was never
-        submitted (or whose events aged out too) is waited for.
+        this raises :class:`TokensExpiredError` after the chunks it could
+        yield in order (usually none: the oldest age out first), within a few
+        seconds; it never makes up chunks from the ``completed`` event.
+        :meth:`result` still has the outcome and a completed request's text.
+        A request with no terminal event (not ended yet, never submitted, or
+        older than ``nats.events.max_age``) is waited for.
         """
         follower = _TokenFollower(self._client, self.tenant, self.id)
         await follower.start()
