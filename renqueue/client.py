@@ -171,7 +171,9 @@ class _TokenFollower:
     so a quiet read of the store that finds nothing new looks the request's
     terminal event up: once the request has ended and one more read,
     :attr:`IDLE` seconds later, still finds nothing that ends the stream, it
-    raises :class:`TokensExpiredError`.
+    raises :class:`TokensExpiredError`; unless a run was handed out from its
+    first chunk and only the final chunk is missing (the oldest chunks age
+    out first, so that one is late, not gone: see :meth:`_check_expired`).
     """
 
     #: Seconds of silence after which the store is read again.
@@ -299,9 +301,15 @@ class _TokenFollower:
 
         The first time it has, remember it (its final chunk may be being
         stored right now); the next time, the stored chunks cannot end the
-        stream any more: they aged out of the store.
+        stream any more: they aged out of the store. Except when a run is
+        being handed out from its first chunk and no final chunk is stored:
+        chunks age out oldest first, so the final chunk was not written yet
+        (its writer crashed after the terminal event; whoever settles the
+        request's terminal claim writes it).
         """
         if self._outcome is not None:
+            if self._run > 0 and self._final is None:
+                return
             raise TokensExpiredError(request_id=self._request_id, outcome=self._outcome)
         event = await EventLog(self._js).terminal_of(self._tenant, self._request_id)
         if event is not None:
