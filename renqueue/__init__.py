@@ -21,6 +21,7 @@ from .errors import (
     RequestRejectedError,
     RetryableBackendError,
     ServiceFailedError,
+    TokensExpiredError,
     UnknownPriorityError,
     UnknownRouteError,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "ServiceFailedError",
     "Services",
     "TokenChunk",
+    "TokensExpiredError",
     "UnknownPriorityError",
     "UnknownRouteError",
     "Usage",

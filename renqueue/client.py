@@ -19,6 +19,16 @@ request's own events instead. Token streams are followed live on the token
 subject, with stored chunks read back from ``RQ_TOKENS``, so a subscriber that
 starts late or reconnects still gets every chunk, in order, once.
 
+Every message is taken on its subject's word, never its payload's. A tenant
+can make the server deliver its own stored messages to any subject (a push
+consumer's ``deliver_subject`` is unchecked), so a live token is accepted only
+if it arrived on exactly ``rq.tok.<tenant>.<request_id>``, and an event only
+if its own consumer delivered it and its subject
+``rq.evt.<tenant>.<request_id>.<kind>`` agrees with its payload. Tenants may
+write only ``cancel_requested`` events, so a result always comes from an
+event the services wrote. Anything else is dropped and counted
+(``renqueue_misdirected_messages_total``).
+
 Everything a client does works under a tenant's NATS permissions
 (``nats/auth.conf``): every API subject it uses names the tenant's own
 subjects. Under per-user permissions, connect with the user's inbox prefix::
@@ -41,6 +51,7 @@ import msgspec
 from nats.js.api import AckPolicy, DeliverPolicy
 from nats.js.errors import NoStreamResponseError
 
+from . import metrics
 from .config import NatsConfig
 from .connection import connect
 from .errors import (
@@ -49,9 +60,10 @@ from .errors import (
     RequestExpiredError,
     RequestFailedError,
     RequestRejectedError,
+    TokensExpiredError,
     UnknownPriorityError,
 )
-from .eventlog import EventLog, delete_consumer, read_subject
+from .eventlog import EventLog, delete_consumer, read_subject, subject_agrees
 from .logs import get_logger
 from .messages import (
     EVENT_DECODER,
@@ -71,6 +83,7 @@ from .messages import (
     Usage,
     encode,
     is_terminal,
+    kind_of,
 )
 from .subjects import (
     EVENTS_STREAM,
@@ -152,6 +165,15 @@ class _TokenFollower:
     ends once every chunk before it is handed out. A final chunk with
     ``seq`` 0 (a run that streamed nothing, or one written before final
     chunks carried their position) ends it after one more read of the store.
+
+    Chunks are kept ``nats.tokens.max_age`` (1 h by default). A stream that
+    cannot end from what is stored (its chunks aged out) would wait forever,
+    so a quiet read of the store that finds nothing new looks the request's
+    terminal event up: once the request has ended and one more read,
+    :attr:`IDLE` seconds later, still finds nothing that ends the stream, it
+    raises :class:`TokensExpiredError`; unless a run was handed out from its
+    first chunk and only the final chunk is missing (the oldest chunks age
+    out first, so that one is late, not gone: see :meth:`_check_expired`).
     """
 
     #: Seconds of silence after which the store is read again.
@@ -180,6 +202,8 @@ class _TokenFollower:
         #: zombie (a worker presumed dead), and void.
         self._newest_live = 0
         self._newest_stored = 0
+        #: The kind of the request's terminal event, once a quiet read found it.
+        self._outcome: str | None = None
         self._sub: Any = None
 
     async def start(self) -> None:
@@ -195,10 +219,14 @@ class _TokenFollower:
             self._sub = None
 
     async def _on_live(self, msg: Any) -> None:
+        # A tenant's push consumer can deliver its own stored messages here:
+        # they keep the subject they were stored under. Only the services can
+        # publish on this subject (or store on it), so it is the authority.
+        if msg.subject != self._subject:
+            metrics.misdirected("tokens", msg.subject)
+            return
         with contextlib.suppress(msgspec.DecodeError):
             chunk = TOKEN_DECODER.decode(msg.data)
-            # Anything can be sent to a subject (a reply, a push consumer's
-            # delivery): keep only chunks of this request.
             if chunk.request_id == self._request_id:
                 self._live.put_nowait(chunk)
 
@@ -268,6 +296,25 @@ class _TokenFollower:
         # (a final chunk written before they carried their run's next seq).
         return final if self._read_after_final else None
 
+    async def _check_expired(self) -> None:
+        """After a quiet read that found nothing new: has the request ended?
+
+        The first time it has, remember it (its final chunk may be being
+        stored right now); the next time, the stored chunks cannot end the
+        stream any more: they aged out of the store. Except when a run is
+        being handed out from its first chunk and no final chunk is stored:
+        chunks age out oldest first, so the final chunk was not written yet
+        (its writer crashed after the terminal event; whoever settles the
+        request's terminal claim writes it).
+        """
+        if self._outcome is not None:
+            if self._run > 0 and self._final is None:
+                return
+            raise TokensExpiredError(request_id=self._request_id, outcome=self._outcome)
+        event = await EventLog(self._js).terminal_of(self._tenant, self._request_id)
+        if event is not None:
+            self._outcome = kind_of(event)
+
     async def next(self) -> TokenChunk:
         """The next chunk in order; the final chunk last."""
         while True:
@@ -284,7 +331,10 @@ class _TokenFollower:
             try:
                 live = await asyncio.wait_for(self._live.get(), self.IDLE)
             except TimeoutError:
+                cursor = self._cursor
                 await self._read_store()  # quiet: the store may have what was missed
+                if self._cursor == cursor:
+                    await self._check_expired()
                 continue
             self._add_live(live)
             while not self._live.empty():
@@ -327,6 +377,15 @@ class RequestHandle:
         A chunk with ``restart=True`` begins a new run of the request (the
         earlier run was interrupted): text streamed before it is void.
         ``timeout`` bounds the wait for each next chunk.
+
+        Chunks are kept ``nats.tokens.max_age`` (1 h by default). For a
+        request that has ended and whose chunks are no longer all stored,
+        this raises :class:`TokensExpiredError` after the chunks it could
+        yield in order (usually none: the oldest age out first), within a few
+        seconds; it never makes up chunks from the ``completed`` event.
+        :meth:`result` still has the outcome and a completed request's text.
+        A request with no terminal event (not ended yet, never submitted, or
+        older than ``nats.events.max_age``) is waited for.
         """
         follower = _TokenFollower(self._client, self.tenant, self.id)
         await follower.start()
@@ -693,15 +752,29 @@ class Client:
                 self._tap_wake.set()
             return
         try:
-            cseq = msg.metadata.sequence.consumer
+            meta = msg.metadata
         except Exception:  # noqa: BLE001 - not a JetStream delivery: not ours
+            metrics.misdirected("tap", msg.subject)
             return
+        if meta.stream != EVENTS_STREAM or meta.consumer != self._tap_name:
+            # Another consumer delivering to this inbox (its name is in the
+            # delivery's reply subject, which the server sets).
+            metrics.misdirected("tap", msg.subject, consumer=meta.consumer)
+            return
+        cseq = meta.sequence.consumer
         if cseq != self._tap_cseq + 1:
             self._tap_wake.set()
         self._tap_cseq = cseq
         try:
             event = EVENT_DECODER.decode(msg.data)
         except msgspec.DecodeError:
+            return
+        # The subject is the authority: a payload must be what its subject
+        # says (kind, tenant, request id). Tenants may publish only on
+        # rq.evt.<tenant>.*.cancel_requested, so a terminal event that agrees
+        # with its subject was written by the services.
+        if event.tenant != self.tenant or not subject_agrees(msg.subject, event):
+            metrics.misdirected("tap", msg.subject, kind=kind_of(event))
             return
         if is_terminal(event):
             self._resolve(event)

@@ -18,10 +18,12 @@ The tree, by what a caller can do about it::
     │   ├── RetryableBackendError   5xx, timeouts, connection errors, broken streams
     │   ├── FatalBackendError       auth, unknown model: this backend cannot serve
     │   └── BadRequestError         the backend says the request is invalid (4xx)
-    └── RequestFailedError          client side: a request ended in a non-completed state
-        ├── RequestRejectedError    rejected as invalid before routing
-        ├── RequestExpiredError     its deadline passed
-        └── RequestCancelledError   cancelled
+    ├── RequestFailedError          client side: a request ended in a non-completed state
+    │   ├── RequestRejectedError    rejected as invalid before routing
+    │   ├── RequestExpiredError     its deadline passed
+    │   └── RequestCancelledError   cancelled
+    └── TokensExpiredError          client side: a request ended, its token stream is no
+                                    longer stored (past ``nats.tokens.max_age``)
 
 Foreign errors (httpx, nats, msgspec) are translated once, at the boundary
 where they occur, with ``raise ... from exc``. Messages never contain secrets.
@@ -48,6 +50,7 @@ __all__ = [
     "RequestRejectedError",
     "RetryableBackendError",
     "ServiceFailedError",
+    "TokensExpiredError",
     "UnknownPriorityError",
     "UnknownRouteError",
 ]
@@ -245,3 +248,25 @@ class RequestCancelledError(RequestFailedError):
     """The request was cancelled."""
 
     code = "cancelled"
+
+
+class TokensExpiredError(RenQueueError):
+    """Client side: the request has ended, but its token stream is no longer stored.
+
+    Token chunks are kept ``nats.tokens.max_age`` (1 h by default) in
+    ``RQ_TOKENS``; a stream followed after that cannot be replayed. The
+    outcome (and a completed request's whole text) is still in the event log:
+    use ``RequestHandle.result()``. ``outcome`` is the terminal event's kind
+    (``completed``, ``failed``, ...).
+    """
+
+    code = "tokens_expired"
+
+    def __init__(self, *, request_id: str, outcome: str) -> None:
+        self.request_id = request_id
+        self.outcome = outcome
+        super().__init__(
+            f"request {request_id} has ended ({outcome}) but its token stream is no longer "
+            "stored (tokens are kept for nats.tokens.max_age, 1 h by default): "
+            "use result() for its outcome and text"
+        )

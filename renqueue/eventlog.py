@@ -28,6 +28,15 @@ confine to the tenant's own subtree: ``last_by_subj`` direct gets
 (``$JS.API.DIRECT.GET.<stream>.<subject>``, :meth:`EventLog.terminal_of`) and
 named single-filter consumers (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``,
 :func:`read_subject`, :meth:`EventLog.read`). ``nats/auth.conf`` grants those.
+
+Every read trusts the subject, not the payload: a message whose subject is
+not the one read is dropped (only what the reader's own consumer delivered,
+on the subjects it asked for, is kept), and an event whose payload disagrees
+with its subject ``rq.evt.<tenant>.<request_id>.<kind>`` (kind, tenant or
+request id: :func:`subject_agrees`) is dropped and counted
+(:func:`renqueue.metrics.misdirected`). Tenants may publish only on their
+``cancel_requested`` subjects, so a terminal event (or any other service
+fact) read here was written by the services.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import msgspec
 from nats.js.api import AckPolicy, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
+from . import metrics
 from .messages import (
     CLAIM_DECODER,
     EVENT_DECODER,
@@ -69,11 +79,20 @@ from .subjects import (
     events_of_request,
     msg_id,
     run_claim_key,
+    subject_matches,
     terminal_key,
     token_subject,
 )
 
-__all__ = ["EventLog", "delete_consumer", "msg_id_of", "publish_stored", "read_subject"]
+__all__ = [
+    "EventLog",
+    "delete_consumer",
+    "msg_id_of",
+    "publish_stored",
+    "read_messages",
+    "read_subject",
+    "subject_agrees",
+]
 
 _MSG_ID: Final = "Nats-Msg-Id"
 _EXPECTED_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
@@ -167,12 +186,38 @@ async def read_subject(
     """Messages stored on ``subject`` (wildcards allowed) from stream sequence ``start``.
 
     Returns ``(stream sequence, data)`` pairs in stream order, up to the last
-    message stored when called. Every API subject used names ``subject``, so a
-    permission can confine the reader to its own subtree: a ``last_by_subj``
-    direct get first says whether anything is stored at or after ``start``
-    (usually not: then no consumer is made); if so, a named, single-filter,
-    unacknowledged, ephemeral push consumer (``name`` plus a random suffix,
-    delivering to an inbox of this connection) replays it and is deleted.
+    message stored when called (see :func:`read_messages`).
+    """
+    return [
+        (seq, data)
+        for seq, _, data in await read_messages(
+            nc, js, stream, subject, start=start, name=name, timeout=timeout
+        )
+    ]
+
+
+async def read_messages(
+    nc: Any,
+    js: Any,
+    stream: str,
+    subject: str,
+    *,
+    start: int = 1,
+    name: str = "rq-read",
+    timeout: float = 5.0,  # noqa: ASYNC109 - a bound on silence between messages
+) -> list[tuple[int, str, bytes]]:
+    """Messages stored on ``subject`` (wildcards allowed) from stream sequence ``start``.
+
+    Returns ``(stream sequence, subject, data)`` triples in stream order, up
+    to the last message stored when called. Every API subject used names
+    ``subject``, so a permission can confine the reader to its own subtree: a
+    ``last_by_subj`` direct get first says whether anything is stored at or
+    after ``start`` (usually not: then no consumer is made); if so, a named,
+    single-filter, unacknowledged, ephemeral push consumer (``name`` plus a
+    random suffix, delivering to an inbox of this connection) replays it and
+    is deleted. Only that consumer's deliveries of messages stored on
+    ``subject`` are kept: anything else arriving on the inbox (another
+    consumer delivering there) is dropped and counted.
     Raises ``TimeoutError`` if the replay stalls for ``timeout`` seconds.
     """
     try:
@@ -182,7 +227,10 @@ async def read_subject(
     if last.seq < start:
         return []
     if last.seq == start:  # exactly one message, and the get fetched it
-        return [(last.seq, last.data or b"")]
+        if not subject_matches(subject, last.subject or ""):
+            metrics.misdirected("read", last.subject or "", expected=subject)
+            return []
+        return [(last.seq, last.subject, last.data or b"")]
     received: asyncio.Queue[Any] = asyncio.Queue()
 
     async def on_msg(msg: Any) -> None:
@@ -206,14 +254,25 @@ async def read_subject(
             num_replicas=1,
         )
         created = True
-        out: list[tuple[int, bytes]] = []
+        out: list[tuple[int, str, bytes]] = []
         pending = info.num_pending or 0
         while pending > 0:
             msg = await asyncio.wait_for(received.get(), timeout)
             if msg.headers and msg.headers.get("Status"):
                 continue  # a status message (heartbeat), not stored data
-            meta = msg.metadata
-            out.append((meta.sequence.stream, msg.data))
+            try:
+                meta = msg.metadata
+            except Exception:  # noqa: BLE001 - not a JetStream delivery
+                metrics.misdirected("read", msg.subject, expected=subject)
+                continue
+            if (
+                meta.stream != stream
+                or meta.consumer != consumer
+                or not subject_matches(subject, msg.subject)
+            ):
+                metrics.misdirected("read", msg.subject, expected=subject)
+                continue
+            out.append((meta.sequence.stream, msg.subject, msg.data))
             pending = 0 if meta.sequence.stream >= last.seq else meta.num_pending
         return out
     finally:
@@ -223,12 +282,37 @@ async def read_subject(
             await delete_consumer(js, stream, consumer)
 
 
-def _decode_events(raws: list[tuple[int, bytes]]) -> list[Event]:
+def subject_agrees(subject: str, event: Event) -> bool:
+    """Whether ``event`` is what its subject ``rq.evt.<tenant>.<id>.<kind>`` says it is.
+
+    The subject is the authority (NATS permissions check it; nothing checks a
+    payload): kind, tenant and request id must all match it.
+    """
+    parts = subject.split(".")
+    return (
+        len(parts) == 5
+        and parts[:2] == ["rq", "evt"]
+        and parts[2] == event.tenant
+        and parts[3] == event.request_id
+        and parts[4] == kind_of(event)
+    )
+
+
+def _decode_events(raws: list[tuple[int, str, bytes]]) -> list[Event]:
+    """The events of ``(seq, subject, data)`` messages, skipping undecodable
+    ones and dropping (and counting) those whose payload disagrees with their
+    subject: a ``completed`` payload on a ``cancel_requested`` subject (which
+    tenants may write) is no completion."""
     events: list[Event] = []
-    for _, data in raws:
-        # A foreign or undecodable message on our subject is skipped.
-        with contextlib.suppress(msgspec.DecodeError):
-            events.append(EVENT_DECODER.decode(data))
+    for _, subject, data in raws:
+        try:
+            event = EVENT_DECODER.decode(data)
+        except msgspec.DecodeError:
+            continue  # a foreign or undecodable message on our subject
+        if not subject_agrees(subject, event):
+            metrics.misdirected("events", subject, kind=kind_of(event))
+            continue
+        events.append(event)
     return events
 
 
@@ -416,21 +500,21 @@ class EventLog:
             if kind == "*"
             else event_subject(tenant, request_id, kind)
         )
-        raws: list[tuple[int, bytes]] = []
+        raws: list[tuple[int, str, bytes]] = []
         seq = 1
         while True:
             try:
                 raw = await self._js.get_msg(EVENTS_STREAM, seq=seq, subject=subject, next=True)
             except NotFoundError:
                 return _decode_events(raws)
-            raws.append((raw.seq, raw.data or b""))
+            raws.append((raw.seq, raw.subject or "", raw.data or b""))
             seq = raw.seq + 1
 
     async def read(self, tenant: str, request_id: str) -> list[Event]:
         """Like :meth:`history`, through API subjects a tenant's permissions allow."""
         if self._nc is None:
             raise RuntimeError("EventLog.read needs the connection: EventLog(js, nc=nc)")
-        raws = await read_subject(
+        raws = await read_messages(
             self._nc,
             self._js,
             EVENTS_STREAM,
@@ -457,5 +541,7 @@ class EventLog:
                 return None
 
         found = await asyncio.gather(*(last(kind) for kind in sorted(TERMINAL_KINDS)))
-        raws = sorted((raw.seq, raw.data or b"") for raw in found if raw is not None)
+        raws = sorted(
+            (raw.seq, raw.subject or "", raw.data or b"") for raw in found if raw is not None
+        )
         return next((e for e in _decode_events(raws) if is_terminal(e)), None)

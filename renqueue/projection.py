@@ -53,6 +53,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
+from .eventlog import subject_agrees
 from .logs import get_logger
 from .messages import (
     EVENT_DECODER,
@@ -459,22 +460,6 @@ class _Builder:
             last_sweep_at=self.last_sweep_at,
             mismatched=self.mismatched,
         )
-
-
-def subject_agrees(subject: str, event: Event) -> bool:
-    """Whether ``event`` is what its subject ``rq.evt.<tenant>.<id>.<kind>`` says it is.
-
-    The subject is the authority (NATS permissions check it; nothing checks a
-    payload): kind, tenant and request id must all match it.
-    """
-    parts = subject.split(".")
-    return (
-        len(parts) == 5
-        and parts[:2] == ["rq", "evt"]
-        and parts[2] == event.tenant
-        and parts[3] == event.request_id
-        and parts[4] == kind_of(event)
-    )
 
 
 def _fold_messages(builder: _Builder, msgs: Iterable[Any]) -> None:

@@ -121,6 +121,7 @@ from .subjects import (
     preempt_subject,
     router_consumer,
     router_max_deliveries,
+    subject_matches,
     worker_consumer,
 )
 from .tasks import Supervisor
@@ -470,6 +471,11 @@ class Router:
                 await item.msg.nak(delay=SHUTDOWN_NAK_DELAY)
 
     async def _on_freed(self, msg: Any) -> None:
+        # A tenant's push consumer can deliver here (its messages keep their
+        # own subjects): only rq.capacity.<backend> is a worker's word.
+        if not subject_matches(capacity_subject("*"), msg.subject):
+            metrics.misdirected("capacity", msg.subject)
+            return
         self._capacity.freed(msg.subject.rsplit(".", 1)[-1])
         self._wake.set()
 
@@ -674,6 +680,9 @@ class Router:
         self._follower_timers.add(handle)
 
     async def _on_boost(self, msg: Any) -> None:
+        if not subject_matches(boost_subject("*"), msg.subject):
+            metrics.misdirected("boost", msg.subject)  # delivered by a tenant's consumer
+            return
         try:
             boost = _BOOST_DECODER.decode(msg.data)
         except msgspec.DecodeError:
@@ -1002,6 +1011,9 @@ class Router:
         offers: list[Offer] = []
 
         async def collect(msg: Any) -> None:
+            if msg.subject != inbox:
+                metrics.misdirected("offers", msg.subject)
+                return
             with contextlib.suppress(msgspec.DecodeError):
                 offer = OFFER_DECODER.decode(msg.data)
                 if offer.backend in order:

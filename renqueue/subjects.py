@@ -21,6 +21,17 @@ A tenant's permissions (``nats/auth.conf``): publish ``rq.req.*.<tenant>`` and
 ``rq.evt.<tenant>.*.cancel_requested``; subscribe ``rq.tok.<tenant>.>``; and
 JetStream API subjects that carry the tenant: named single-filter consumers
 and last-by-subject direct gets under ``rq.evt.<tenant>.`` / ``rq.tok.<tenant>.``.
+
+A tenant may not publish to any other subject, but it can make the server
+*deliver* to any subject: a push consumer's ``deliver_subject`` is in the
+request body, which no permission checks. What arrives that way keeps the
+subject it was stored under (one of the tenant's own ``rq.evt.<tenant>.…``
+or ``rq.tok.<tenant>.…``), with a payload the services wrote or, on
+``cancel_requested``, the tenant wrote; idle heartbeats and flow-control
+messages of such a consumer arrive with the deliver subject itself and an
+empty body. So every receiver of a core subscription checks that
+``msg.subject`` is one it subscribed for (:func:`subject_matches`) and drops
+(logs and counts, :func:`renqueue.metrics.misdirected`) anything else.
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ __all__ = [
     "router_consumer",
     "router_max_deliveries",
     "run_claim_key",
+    "subject_matches",
     "terminal_key",
     "token_subject",
     "worker_consumer",
@@ -98,6 +110,19 @@ PREEMPT_ASK: Final = "ask"
 def router_max_deliveries(max_deliver: int) -> int:
     """The router consumers' ``max_deliver`` for a ``router.max_deliver`` of ``max_deliver``."""
     return max_deliver * ROUTER_DELIVERY_BACKSTOP
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether ``subject`` is one that ``pattern`` (NATS wildcards: ``*`` one
+    token, ``>`` one or more at the end) subscribes to."""
+    want = pattern.split(".")
+    have = subject.split(".")
+    for index, part in enumerate(want):
+        if part == ">":
+            return len(have) > index
+        if index >= len(have) or part not in ("*", have[index]):
+            return False
+    return len(have) == len(want)
 
 
 #: Last token of the services' requeue subject, ``rq.req.<priority>.<tenant>.requeue``.

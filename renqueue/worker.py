@@ -97,6 +97,7 @@ from .subjects import (
     preempt_subject,
     preempt_subjects,
     request_subject,
+    subject_matches,
     token_subject,
     worker_consumer,
 )
@@ -726,6 +727,10 @@ class Worker:
         """A router needs a slot for an urgent request (two phases, see
         :mod:`renqueue.preemption`): on an ask, offer this worker's best victim
         (or stay silent); on a confirm addressed to this worker, preempt it."""
+        if not subject_matches(preempt_subjects(self._backend_name), msg.subject):
+            # A tenant's push consumer delivering here: its messages keep their own subjects.
+            metrics.misdirected("preempt", msg.subject)
+            return
         token = msg.subject.rsplit(".", 1)[-1]
         if token == PREEMPT_ASK:
             try:

@@ -1,4 +1,5 @@
-"""The client follows every token and every handle to its end (issue #6 items 6, 11).
+"""The client follows every token and every handle to its end (issue #6 items 6, 11),
+and says so when the tokens are gone (past ``nats.tokens.max_age``).
 
 Token chunks are published straight to ``RQ_TOKENS`` here, as workers do, so a
 test can arrange exactly what the follower sees live and what only the store
@@ -15,13 +16,13 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from renqueue import Client, Services, UnknownPriorityError, parse_config
+from renqueue import Client, Services, TokensExpiredError, UnknownPriorityError, parse_config
 from renqueue.client import _TokenFollower
 from renqueue.embedded import EmbeddedServer
-from renqueue.messages import TokenChunk, encode
+from renqueue.messages import Cancelled, Completed, Event, TokenChunk, Usage, encode, kind_of
 from renqueue.mockbackend import MockBackend, MockSettings
 from renqueue.provision import provision
-from renqueue.subjects import token_subject
+from renqueue.subjects import event_subject, token_subject
 
 
 @pytest.fixture
@@ -47,6 +48,12 @@ async def streams(isolated_server: EmbeddedServer) -> AsyncIterator[tuple[NatsCl
 async def put(nc: NatsClient, request_id: str, **fields: object) -> None:
     chunk = TokenChunk(request_id=request_id, **fields)  # type: ignore[arg-type]
     await nc.jetstream().publish(token_subject("t", request_id), encode(chunk))
+
+
+async def end(nc: NatsClient, event: Event) -> None:
+    """Store ``event`` (terminal) in the log, as a service would."""
+    subject = event_subject(event.tenant, event.request_id, kind_of(event))
+    await nc.jetstream().publish(subject, encode(event))
 
 
 async def texts(handle: object) -> list[tuple[int, int, str]]:
@@ -105,6 +112,45 @@ async def test_a_final_chunk_without_its_position_still_ends_the_stream(
             await put(loud, "old-final", delivery=1, seq=seq, text=text)
         await put(loud, "old-final", delivery=3, seq=0, final=True)
         assert await texts(client.handle("old-final")) == [(1, 0, "x"), (1, 1, "y")]
+
+
+@pytest.mark.usefixtures("quiet_follower")
+async def test_a_stream_whose_tokens_aged_out_of_the_store_ends_with_tokens_expired(
+    streams: tuple[NatsClient, NatsClient],
+) -> None:
+    """RQ_TOKENS keeps chunks 1 h; the log keeps the outcome 30 d. A stream of
+    an ended request whose chunks are gone (all, or its first ones) raises
+    instead of waiting forever."""
+    _deaf, loud = streams
+    usage = Usage(prompt_tokens=1, completion_tokens=2)
+    await end(
+        loud,
+        Completed(
+            request_id="all-gone",
+            tenant="t",
+            at=1.0,
+            backend="b",
+            attempt=1,
+            delivery=1,
+            text="xy",
+            usage=usage,
+            cost=0.0,
+        ),
+    )
+    # Its first chunk aged out, its last one and the final chunk are left.
+    await put(loud, "half-gone", delivery=1, seq=1, text="y")
+    await put(loud, "half-gone", delivery=1, seq=2, final=True)
+    await end(loud, Cancelled(request_id="half-gone", tenant="t", at=1.0, stage="running"))
+    async with Client(loud, tenant="t") as client:
+        with pytest.raises(TokensExpiredError) as gone:
+            await texts(client.handle("all-gone"))
+        assert (gone.value.request_id, gone.value.outcome) == ("all-gone", "completed")
+        assert "result()" in str(gone.value)
+        with pytest.raises(TokensExpiredError) as half:
+            await texts(client.handle("half-gone"))
+        assert half.value.outcome == "cancelled"
+        # The outcome is still there.
+        assert (await client.handle("all-gone").result(timeout=5)).text == "xy"
 
 
 async def test_a_resubmit_while_the_first_handle_waits_resolves_both(tmp_path: Path) -> None:

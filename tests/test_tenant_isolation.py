@@ -21,8 +21,9 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js.api import AckPolicy, DeliverPolicy
 from nats.js.errors import NotFoundError
+from prometheus_client import REGISTRY
 
-from renqueue import Client, Services, parse_config
+from renqueue import Client, RequestCancelledError, Services, parse_config
 from renqueue.embedded import EmbeddedServer
 from renqueue.eventlog import EventLog
 from renqueue.messages import Completed
@@ -392,3 +393,151 @@ async def test_the_documented_token_replay_works_under_tenant_permissions(stack:
     assert tenant.errors == []
     assert chunks[-1]["final"] is True
     assert "".join(c.get("text", "") for c in chunks) == text
+
+
+# ------------------------------------------------ deliveries a tenant can aim
+#
+# A tenant may create push consumers on its own subjects, and a consumer's
+# deliver_subject is in the request body, which no permission checks: the
+# server delivers the tenant's own stored messages (on their stored subjects)
+# to any subject. Every receiver checks the subject (issue #6, review 1).
+
+
+def misdirected(receiver: str) -> float:
+    """Messages ``receiver`` dropped for their subject (renqueue_misdirected_messages_total)."""
+    value = REGISTRY.get_sample_value("renqueue_misdirected_messages_total", {"receiver": receiver})
+    return value or 0.0
+
+
+async def until(condition: Any, what: str, *, bound: float = 10.0) -> None:
+    """Poll ``condition`` (an async callable) until it holds, for at most ``bound`` seconds."""
+    deadline = time.monotonic() + bound
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def aim(stack: Stack, tenant: Tenant, name: str, stored_on: str, deliver_to: str) -> None:
+    """Have ``tenant``'s push consumer deliver what it stored on ``stored_on`` to
+    ``deliver_to``, and wait until the server has delivered all of it."""
+    js = tenant.nc.jetstream(timeout=2)
+    await js.add_consumer(
+        EVENTS_STREAM,
+        name=name,
+        filter_subject=stored_on,
+        deliver_subject=deliver_to,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.NONE,
+    )
+
+    async def delivered() -> bool:
+        info = await stack.services.js.consumer_info(EVENTS_STREAM, name)
+        return info.num_pending == 0 and info.delivered.consumer_seq > 0
+
+    await until(delivered, f"{name} to deliver to {deliver_to}")
+    assert tenant.errors == []  # nothing here is refused: the server does it all
+
+
+async def test_another_tenants_consumer_cannot_inject_tokens_into_a_stream(stack: Stack) -> None:
+    acme = await raw_tenant(stack, "acme")
+    rid = "victim-stream"
+    try:
+        # Chunk-shaped payloads on acme's own (tenant-writable) cancel subject.
+        carrier = f"rq.evt.acme.{rid}-carrier.cancel_requested"
+        js = acme.nc.jetstream(timeout=2)
+        for chunk in (
+            {"request_id": rid, "delivery": 50, "seq": 0, "text": "INJECTED BY ACME"},
+            {"request_id": rid, "delivery": 50, "seq": 1, "final": True},
+        ):
+            await js.publish(carrier, json.dumps(chunk).encode())
+        before = misdirected("tokens")
+        async with await tenant_client(stack, "globex") as globex:
+            stream = globex.handle(rid).stream(timeout=10)
+            first = asyncio.ensure_future(anext(stream))
+            # The consumer delivers only once someone listens on the deliver
+            # subject: globex's follower, subscribed to rq.tok.globex.<rid>.
+            await aim(stack, acme, "carrier-tokens", carrier, f"rq.tok.globex.{rid}")
+            assert not first.done()
+            handle = await globex.submit("real text", route="chat", request_id=rid)
+            chunks = [await first, *[chunk async for chunk in stream]]
+            result = await handle.result(timeout=10)
+        assert "".join(c.text for c in chunks) == result.text
+        assert all(c.delivery == 1 for c in chunks)
+        assert misdirected("tokens") >= before + 2
+    finally:
+        await acme.nc.close()
+
+
+async def test_a_forged_result_on_the_cancel_subject_resolves_nothing(stack: Stack) -> None:
+    """A tenant may write only cancel_requested events: a ``completed`` payload
+    there is no result, neither live (the tap), nor in ``events()``."""
+    stack.mock.update(ttft=30.0)  # the request runs until it is cancelled
+    forger = await raw_tenant(stack, "acme")
+    try:
+        async with await tenant_client(stack, "acme") as acme:
+            handle = await acme.submit("hello", route="chat")
+            forged = {
+                "kind": "completed",
+                "v": 1,
+                "request_id": handle.id,
+                "tenant": "acme",
+                "at": 0.0,
+                "backend": "b1",
+                "attempt": 1,
+                "delivery": 1,
+                "text": "FORGED",
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0},
+                "cost": 1e6,
+            }
+            ack = await forger.nc.jetstream(timeout=2).publish(
+                f"rq.evt.acme.{handle.id}.cancel_requested", json.dumps(forged).encode()
+            )
+
+            async def tap_has_it() -> bool:
+                info = await stack.services.js.consumer_info(EVENTS_STREAM, acme._tap_name)
+                return info.delivered.stream_seq >= ack.seq
+
+            await until(tap_has_it, "the tap to deliver the forged event")
+            await handle.cancel()
+            with pytest.raises(RequestCancelledError):
+                await handle.result(timeout=10)
+            kinds = [type(e).__name__ for e in await handle.events()]
+            assert "Completed" not in kinds
+            assert kinds[-1] == "Cancelled"
+    finally:
+        await forger.nc.close()
+
+
+async def test_a_tenants_consumer_cannot_speak_for_the_services(stack: Stack) -> None:
+    """rq.boost, rq.capacity and rq.preempt are the services' own subjects: a
+    tenant's consumer delivering there is dropped and counted by the routers
+    and workers, not acted on."""
+    acme = await raw_tenant(stack, "acme")
+    try:
+        carrier = "rq.evt.acme.carrier.cancel_requested"
+        boost = {"leader": "my-batch-job", "rank": 0, "submitted": 0.0}
+        await acme.nc.jetstream(timeout=2).publish(carrier, json.dumps(boost).encode())
+        for receiver, target in (
+            ("boost", "rq.boost.acme"),
+            ("capacity", "rq.capacity.b1"),
+            ("preempt", "rq.preempt.b1.ask"),
+        ):
+            before = misdirected(receiver)
+            # nats-server 2.15 pushes only to a deliver subject with a literal
+            # subscriber (the services' own are wildcards): one listens here,
+            # and the services' wildcard subscriptions receive the delivery too.
+            listener = await stack.services.nc.subscribe(target)
+            await aim(stack, acme, f"carrier-{receiver}", carrier, target)
+            await listener.unsubscribe()
+
+            async def counted(receiver: str = receiver, before: float = before) -> bool:
+                return misdirected(receiver) > before
+
+            await until(counted, f"the {receiver} receiver to drop the delivery")
+    finally:
+        await acme.nc.close()
+    # The services still work.
+    async with await tenant_client(stack, "acme") as client:
+        handle = await client.submit("after", route="chat")
+        assert (await handle.result(timeout=10)).text
