@@ -1003,6 +1003,10 @@ class Router:
         backends = [view.name for view in capable(item.request, candidates, views)]
         self._spawn_publish(self._ask_preemption(item, rank, backends))
 
+    def _holds(self, item: _Held) -> bool:
+        """Whether ``item`` still waits in this router (not bound, ended or handed back)."""
+        return any(item is held for queue in self._held.values() for held in queue)
+
     async def _ask_preemption(self, item: _Held, rank: int, backends: list[str]) -> None:
         """Free one slot for ``item``: ask every worker of ``backends`` for an
         offer, then confirm the best one only (:mod:`renqueue.preemption`)."""
@@ -1029,11 +1033,17 @@ class Router:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        # Bound, expired, cancelled or handed back meanwhile: it needs no slot,
+        # so nothing may be preempted for it.
+        if not self._holds(item):
+            return
         # Cascade order first (where the request would be routed), then the
         # least urgent run, then the most recently started (least work lost).
         offers.sort(key=lambda offer: (order[offer.backend], -offer.rank, offer.running))
         confirm = encode(Confirm(by=request.id, tenant=request.tenant, rank=rank))
         for offer in offers:
+            if not self._holds(item):
+                return
             try:
                 reply = await self._nc.request(offer.confirm, confirm, timeout=CONFIRM_TIMEOUT)
             except NoRespondersError:

@@ -22,6 +22,7 @@ from renqueue.embedded import EmbeddedServer
 from renqueue.eventlog import EventLog
 from renqueue.messages import Preempted, Started
 from renqueue.mockbackend import MockBackend, MockSettings
+from renqueue.router import _Held
 
 TENANT = "t"
 AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"
@@ -162,3 +163,29 @@ async def test_a_preempted_request_is_not_lost_to_a_requeue_id_another_tenant_to
             assert (await batch.result(timeout=30)).text
             events = await histories(client, [batch.id])
     assert [e.by for e in events[batch.id] if isinstance(e, Preempted)] == [urgent.id]
+
+
+async def test_nothing_is_preempted_for_a_request_that_stopped_waiting(tmp_path: Path) -> None:
+    """The router confirms a preemption after its offer window: if the urgent
+    request was bound, ended or handed back meanwhile, it needs no slot and no
+    run may be preempted for it. (Before: the confirm went out regardless.)
+    White box: the window is too short to hit from outside without sleeps."""
+    async with MockBackend(LONG) as mock:
+        config = config_of({"data_dir": str(tmp_path / "nats"), "port": -1}, {"b": (mock.url, 1)})
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            batch = await client.submit("long", route="chat", priority="batch")
+            await until_started(client, batch.id)
+            urgent = client.build_request("urgent", route="chat", priority="critical")
+            now = services.routers[0]._clock()
+            gone = _Held(
+                msg=None,
+                request=urgent,
+                rank=config.priorities.index("critical"),
+                submitted=now,
+                touched=now,
+            )  # held by no router
+            await services.routers[0]._ask_preemption(gone, gone.rank, ["b"])
+            await batch.result(timeout=20)
+            history = (await histories(client, [batch.id]))[batch.id]
+    assert not any(isinstance(event, Preempted) for event in history)
+    assert mock.stats().requests == 1
