@@ -441,11 +441,10 @@ async def test_frozen_router_that_resumes_after_takeover_dispatches_nothing_twic
     # The race this test is about happened: the resumed router found its lease
     # gone and stood by, with its stale hold dropped.
     stood_by = [
-        json.loads(line)
-        for line in frozen.text().splitlines()
-        if "router stands by" in line
+        json.loads(line) for line in frozen.text().splitlines() if "router stands by" in line
     ]
-    assert stood_by and stood_by[0]["reason"] == "the binder's lease was lost"
+    assert stood_by
+    assert stood_by[0]["reason"] == "the binder's lease was lost"
     assert stood_by[0]["held"] > 0
 
 
