@@ -31,7 +31,8 @@ REJECTED = Counter(
 TERMINAL = Counter("renqueue_terminal_total", "Requests that reached a terminal state", ["kind"])
 BINDING = Gauge(
     "renqueue_router_binding",
-    "1 while this process's router holds the binder's lease and binds requests, else 0",
+    "1 while the router holds the binder's lease and binds requests, else 0",
+    ["router"],
 )
 QUEUE_WAIT = Histogram(
     "renqueue_queue_wait_seconds",

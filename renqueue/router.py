@@ -504,9 +504,7 @@ class Router:
                 await self._lease.release()
 
     def _binding_healthy(self) -> bool:
-        return all(
-            self._supervisor.healthy(self._loop_name(name)) for name in self._binding_loops
-        )
+        return all(self._supervisor.healthy(self._loop_name(name)) for name in self._binding_loops)
 
     async def _begin_term(self) -> None:
         """This router holds the lease: take the router consumers over and bind.
@@ -529,7 +527,7 @@ class Router:
         self._supervise_binding("dispatch", self._dispatch_loop)
         self._supervise_binding("keepalive", self._keepalive_loop)
         self._term = term
-        metrics.BINDING.set(1)
+        metrics.BINDING.labels(self._name).set(1)
         log.info("router is binding", router=self._name, term=term)
 
     async def _end_term(self, why: str | None) -> None:
@@ -550,7 +548,7 @@ class Router:
             self._room[level].set()
         was = self._term
         self._term = None
-        metrics.BINDING.set(0)
+        metrics.BINDING.labels(self._name).set(0)
         if why is not None and was is not None:
             log.warning("router stands by", router=self._name, term=was, reason=why, held=dropped)
 
