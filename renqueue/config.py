@@ -280,6 +280,14 @@ class RouterConfig(_Section, frozen=True, kw_only=True):
     capacity_refresh: Duration = "50ms"
     ack_wait: Duration = "30s"
     max_deliver: Annotated[int, Meta(ge=1)] = 10
+    #: The binder's lease (renqueue.lease): a dead binder's standby takes
+    #: over about this long (plus ~0.3 s of server expiry) after it died.
+    lease_ttl: Duration = "1s"
+
+    def __post_init__(self) -> None:
+        ttl = parse_duration(self.lease_ttl)
+        if not 0.2 <= ttl <= 60:
+            raise ValueError(f"lease_ttl must be between 200ms and 60s, not {self.lease_ttl!r}")
 
 
 class WorkerConfig(_Section, frozen=True, kw_only=True):

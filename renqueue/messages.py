@@ -187,6 +187,10 @@ class Routed(_EventBase, frozen=True, kw_only=True, tag="routed"):
     priority: str
     queue_wait: float
     reason: str = ""
+    #: The router that bound it (the binder's lease holder) and its term:
+    #: which instance decided, for audits. Empty/0 in events from before it.
+    router: str = ""
+    term: int = 0
 
 
 class Promoted(_EventBase, frozen=True, kw_only=True, tag="promoted"):

@@ -9,6 +9,7 @@ from .logs import get_logger
 __all__ = [
     "BACKEND_CALLS",
     "BACKEND_LATENCY",
+    "BINDING",
     "COST",
     "DUPLICATES_DROPPED",
     "IN_FLIGHT",
@@ -28,6 +29,11 @@ REJECTED = Counter(
     "renqueue_rejected_total", "Requests rejected as invalid, by error type", ["error_type"]
 )
 TERMINAL = Counter("renqueue_terminal_total", "Requests that reached a terminal state", ["kind"])
+BINDING = Gauge(
+    "renqueue_router_binding",
+    "1 while the router holds the binder's lease and binds requests, else 0",
+    ["router"],
+)
 QUEUE_WAIT = Histogram(
     "renqueue_queue_wait_seconds",
     "Time from submit to routing decision",

@@ -72,6 +72,7 @@ from .subjects import (
     DISPATCH_STREAM,
     DLQ_STREAM,
     EVENTS_STREAM,
+    LEASE_BUCKET,
     REQUESTS_STREAM,
     STATE_BUCKET,
     TERMINAL_BUCKET,
@@ -91,6 +92,8 @@ __all__ = [
     "ProvisionReport",
     "find_streams_dir",
     "provision",
+    "renew_router_consumers",
+    "router_consumer_configs",
     "until_jetstream_answers",
 ]
 
@@ -147,6 +150,7 @@ _CONSUMER_FIXED: Final = (
 # builds (the KV protocol fixes the stream name and subjects), with history 1.
 _KV_STREAM: Final = f"KV_{STATE_BUCKET}"
 _TERMINAL_STREAM: Final = f"KV_{TERMINAL_BUCKET}"
+_LEASE_STREAM: Final = f"KV_{LEASE_BUCKET}"
 
 _PLACEHOLDER_RE: Final = re.compile(r"\{([A-Za-z_.]+)\}")
 
@@ -291,6 +295,8 @@ async def provision(
     items.append(msgspec.structs.replace(kv, kind="kv", name=STATE_BUCKET))
     claims = await _ensure_stream(api, _terminal_stream_config(config), source="renqueue.provision")
     items.append(msgspec.structs.replace(claims, kind="kv", name=TERMINAL_BUCKET))
+    leases = await _ensure_stream(api, _lease_stream_config(config), source="renqueue.provision")
+    items.append(msgspec.structs.replace(leases, kind="kv", name=LEASE_BUCKET))
 
     report = ProvisionReport(items=tuple(items))
     log.info(
@@ -300,6 +306,41 @@ async def provision(
         unchanged=len(report.unchanged),
     )
     return report
+
+
+def router_consumer_configs(
+    config: Config, *, streams_dir: Path | None = None
+) -> list[dict[str, Any]]:
+    """The router consumers' configs (one per level), rendered from ``streams/``."""
+    directory = find_streams_dir(streams_dir)
+    return [
+        desired
+        for stream, desired, _source in _consumer_configs(directory, config)
+        if stream == REQUESTS_STREAM
+    ]
+
+
+async def renew_router_consumers(
+    js_or_nc: Client | JetStreamContext, configs: Sequence[dict[str, Any]]
+) -> None:
+    """Delete and re-create the router consumers: a new binder's first act.
+
+    Deleting a work-queue consumer keeps its messages in the stream; the new
+    consumer delivers every one not yet acked at once, including those a dead
+    binder held (which would otherwise wait out ``router.ack_wait``). An ack
+    from a binder that lost its lease still acks its message by stream
+    sequence: it sends one only after the request's dispatch was stored.
+    """
+    api = _JetStreamApi(js_or_nc)
+    for desired in configs:
+        durable = desired["durable_name"]
+        reply = await api.call(f"CONSUMER.DELETE.{REQUESTS_STREAM}.{durable}")
+        error = _error(reply)
+        if error is not None and error[0] != _ERR_CONSUMER_NOT_FOUND:
+            raise ConnectionFailedError(
+                f"cannot delete consumer {REQUESTS_STREAM}/{durable}: {error[1]}"
+            )
+        await _ensure_consumer_now(api, REQUESTS_STREAM, desired, source="the binder")
 
 
 # -- waiting for JetStream ---------------------------------------------------
@@ -574,6 +615,28 @@ def _terminal_stream_config(config: Config) -> dict[str, Any]:
         "deny_purge": False,
         "duplicate_window": min(120 * _NS_PER_SECOND, _ns(config.nats.events.max_age))
         or 120 * _NS_PER_SECOND,
+        "num_replicas": config.nats.replicas,
+    }
+
+
+def _lease_stream_config(config: Config) -> dict[str, Any]:
+    """The leases' bucket: an entry lives ``router.lease_ttl`` past its last write."""
+    ttl = _ns(config.router.lease_ttl)
+    return {
+        "name": _LEASE_STREAM,
+        "description": (
+            f"Ren-Queue leases (KV bucket {LEASE_BUCKET}): the binder's, renewed while it lives"
+        ),
+        "subjects": [f"$KV.{LEASE_BUCKET}.>"],
+        "retention": "limits",
+        "storage": "file",
+        "discard": "new",
+        "max_msgs_per_subject": 1,
+        "max_age": ttl,
+        "allow_direct": True,
+        "allow_rollup_hdrs": True,
+        "deny_delete": True,
+        "duplicate_window": ttl,
         "num_replicas": config.nats.replicas,
     }
 

@@ -1,23 +1,32 @@
 """The router: binds waiting requests to backends, late, in priority order.
 
 Requests wait in the priority subjects (``rq.req.<level>.<tenant>``), one
-durable pull consumer per level shared by every router process. Each router
-runs one long-poll fetch task per level, feeding a small local hold (bounded
-per level, so batch work can never crowd out a critical fetch). A single
-dispatch loop then takes held requests highest level first, oldest first, and
-binds each to the first candidate of its route that is healthy, capable and
-has a free slot *now*. A request whose candidates are all full stays held (its
-ack timer kept alive) until a slot frees: backends are never given more work
-than their concurrency, so backend subjects stay short and waiting happens
-where priority applies.
+durable pull consumer per level. Exactly one router binds at a time: the
+holder of the binder's lease (:mod:`renqueue.lease`, a key in the
+``rq-leases`` KV bucket that the server expires ``router.lease_ttl`` after its
+last renewal). It is the one place that decides what is committed to each
+backend, so the binding order is global, whatever number of routers run; the
+others stand by, seeking the lease every 100 ms. A new binder first deletes
+and re-creates the router consumers, so everything its predecessor held
+(dead or stopped) is delivered to it at once; a router binds only while its
+lease is valid (renewed within ``ttl``, less a margin), so a binder whose
+renewals stall stops binding before anyone else can start.
+
+The binder runs one long-poll fetch task per level, feeding a small local hold
+(bounded per level, so batch work can never crowd out a critical fetch). A
+single dispatch loop then takes held requests highest level first, oldest
+first, and binds each to the first candidate of its route that is healthy,
+capable and has a free slot *now*. A request whose candidates are all full
+stays held (its ack timer kept alive) until a slot frees: backends are never
+given more work than their concurrency, so backend subjects stay short and
+waiting happens where priority applies.
 
 Free slots are known from the broker: a backend's in-flight count is its worker
 consumer's ``num_pending + num_ack_pending``, refreshed at most every
-``router.capacity_refresh``, plus what this router dispatched since. Workers
-announce freed slots on ``rq.capacity.<backend>`` (core NATS) so a router
-wakes without polling. With several routers, each may over-fill a backend by
-the slots it saw free at the same moment; the worker consumer's
-``max_ack_pending`` still caps concurrency at the broker.
+``router.capacity_refresh``, plus what the binder dispatched since. Workers
+announce freed slots on ``rq.capacity.<backend>`` (core NATS) so the binder
+wakes without polling. The worker consumer's ``max_ack_pending`` caps
+concurrency at the broker in any case.
 
 Waiting is measured in server time: a request's wait begins at the timestamp
 the broker gave its message when it was stored (a requeue after a preemption
@@ -29,8 +38,7 @@ projection watch) runs under the process's :class:`~renqueue.tasks.Supervisor`:
 a failed JetStream call is logged and the loop started again after a capped
 backoff, and a loop that keeps failing takes the process down. Requests are
 kept alive only for loops that run: when the dispatch loop fails, every held
-request is handed back (nak'ed) for another router, and nothing is fetched
-until it runs again.
+request is handed back (nak'ed), and nothing is fetched until it runs again.
 
 A request's dispatch is given up (``failed``, ``undeliverable``, with a
 dead-letter copy) after ``router.max_deliver`` *failed dispatches* seen by a
@@ -49,7 +57,10 @@ import asyncio
 import contextlib
 import enum
 import functools
+import os
+import socket
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Final
@@ -70,6 +81,7 @@ from .errors import (
     UnknownRouteError,
 )
 from .eventlog import EventLog
+from .lease import Lease
 from .logs import get_logger
 from .messages import (
     EVENT_DECODER,
@@ -98,6 +110,7 @@ from .preemption import (
     Offer,
 )
 from .projection import StateView
+from .provision import renew_router_consumers, router_consumer_configs
 from .scheduling import (
     LevelPolicy,
     effective_rank,
@@ -107,6 +120,7 @@ from .scheduling import (
     promotions,
 )
 from .subjects import (
+    BINDER_LEASE,
     DISPATCH_STREAM,
     EVENTS_STREAM,
     FETCH_TIMEOUT,
@@ -395,6 +409,22 @@ class Router:
         self._inflight: set[asyncio.Task[None]] = set()
         self._capacity_sub: Any = None
         self._subs: list[Any] = []
+        #: The binder's lease: only its holder fetches and binds (see module doc).
+        self._lease = Lease(
+            js,
+            BINDER_LEASE,
+            holder=f"{name}@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
+            ttl=parse_duration(config.router.lease_ttl),
+        )
+        #: The lease term whose fetch and dispatch loops run (None: standing by).
+        self._term: int | None = None
+        self._binding_loops: list[str] = []
+        self._pull_subs: list[Any] = []
+        self._consumer_configs: list[dict[str, Any]] = []
+        #: Since when a binding loop has been down (loop time), and until when
+        #: this router stays out of the race for the lease after giving it up.
+        self._failing_since: float | None = None
+        self._sit_out_until = 0.0
         self.routed = 0
         self.rejected = 0
 
@@ -402,25 +432,129 @@ class Router:
         """Health as folded from the log by the projection (healthy until known otherwise)."""
         return self._state is None or self._state.backend_healthy(backend, self._clock())
 
+    @property
+    def binding(self) -> bool:
+        """Whether this router holds the binder's lease and its loops run."""
+        return self._term is not None
+
+    @property
+    def holder(self) -> str:
+        """This router's name in the binder's lease (unique per instance)."""
+        return self._lease.holder
+
     async def start(self) -> None:
-        """Bind to the provisioned consumers and start the loops."""
+        """Open the state, listen, and seek the binder's lease (bind if it is free)."""
+        self._consumer_configs = router_consumer_configs(self._config)
         self._state = await StateView.open(
             self._js, supervisor=self._supervisor, name=f"{self._name}-state"
         )
         if self._cancels is not None:
             self._cancels.listen(self._on_cancel_requested)
+        self._capacity_sub = await self._nc.subscribe(capacity_subject("*"), cb=self._on_freed)
+        self._subs.append(self._capacity_sub)
+        self._subs.append(await self._nc.subscribe(boost_subject("*"), cb=self._on_boost))
+        # One attempt now, so a lone router binds as soon as it has started.
+        if await self._lease.try_acquire():
+            await self._begin_term()
+        self._supervise("lease", self._lease_loop)
+        log.info(
+            "router started",
+            router=self._name,
+            levels=self._levels,
+            role="binder" if self.binding else "standby",
+        )
+
+    # ------------------------------------------------------------- the lease
+
+    async def _lease_loop(self) -> None:
+        """Hold the binder's lease, or wait for it; begin and end terms.
+
+        A renewal that raises (a timeout, a reconnect) ends the loop for the
+        supervisor to restart: the lease stays held, and binding is fenced
+        (:meth:`Lease.valid`) until a renewal succeeds again. A renewal that
+        finds the lease lost ends the term at once. A binder one of whose
+        binding loops has been failing for ``2 * ttl`` gives the lease up and
+        stays out of the race for ``5 * ttl``, so a healthy router binds.
+        """
+        ttl = self._lease.ttl
+        renew_every = ttl / 5
+        poll = min(0.1, renew_every)
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._lease.held and (
+                loop.time() < self._sit_out_until or not await self._lease.try_acquire()
+            ):
+                await asyncio.sleep(poll)
+                continue
+            if self._term != self._lease.term:
+                await self._begin_term()
+            await asyncio.sleep(renew_every)
+            if not await self._lease.renew():
+                await self._end_term("the binder's lease was lost")
+                continue
+            if self._binding_healthy():
+                self._failing_since = None
+                continue
+            if self._failing_since is None:
+                self._failing_since = loop.time()
+            elif loop.time() - self._failing_since >= 2 * ttl:
+                self._failing_since = None
+                self._sit_out_until = loop.time() + 5 * ttl
+                await self._end_term("a binding loop keeps failing")
+                await self._lease.release()
+
+    def _binding_healthy(self) -> bool:
+        return all(self._supervisor.healthy(self._loop_name(name)) for name in self._binding_loops)
+
+    async def _begin_term(self) -> None:
+        """This router holds the lease: take the router consumers over and bind.
+
+        The consumers are re-created first, so every request the previous
+        binder held (dead, or stopped) is delivered here at once instead of
+        after ``router.ack_wait``.
+        """
+        await self._end_term(None)  # anything a failed earlier attempt left running
+        term = self._lease.term
+        await renew_router_consumers(self._nc, self._consumer_configs)
         for level in self._levels:
             psub = await self._js.pull_subscribe_bind(
                 durable=router_consumer(level), stream=REQUESTS_STREAM
             )
-            self._subs.append(psub)
-            self._supervise(f"fetch-{level}", functools.partial(self._fetch_loop, level, psub))
-        self._capacity_sub = await self._nc.subscribe(capacity_subject("*"), cb=self._on_freed)
-        self._subs.append(self._capacity_sub)
-        self._subs.append(await self._nc.subscribe(boost_subject("*"), cb=self._on_boost))
-        self._supervise("dispatch", self._dispatch_loop)
-        self._supervise("keepalive", self._keepalive_loop)
-        log.info("router started", router=self._name, levels=self._levels)
+            self._pull_subs.append(psub)
+            self._supervise_binding(
+                f"fetch-{level}", functools.partial(self._fetch_loop, level, psub)
+            )
+        self._supervise_binding("dispatch", self._dispatch_loop)
+        self._supervise_binding("keepalive", self._keepalive_loop)
+        self._term = term
+        metrics.BINDING.labels(self._name).set(1)
+        log.info("router is binding", router=self._name, term=term)
+
+    async def _end_term(self, why: str | None) -> None:
+        """Stop fetching and binding; forget what was held (not nak'ed: the
+        next binder's fresh consumers deliver it, and a nak from here would
+        only deliver it to that binder twice)."""
+        names, self._binding_loops = self._binding_loops, []
+        await self._supervisor.stop(*(self._loop_name(name) for name in names))
+        for psub in self._pull_subs:
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+        self._pull_subs.clear()
+        self._dispatching.clear()
+        dropped = 0
+        for level, held in self._held.items():
+            dropped += len(held)
+            held.clear()
+            self._room[level].set()
+        was = self._term
+        self._term = None
+        metrics.BINDING.labels(self._name).set(0)
+        if why is not None and was is not None:
+            log.warning("router stands by", router=self._name, term=was, reason=why, held=dropped)
+
+    def _supervise_binding(self, what: str, factory: Callable[[], Any]) -> None:
+        self._binding_loops.append(what)
+        self._supervisor.spawn(self._loop_name(what), factory)
 
     def _loop_name(self, what: str) -> str:
         return f"{self._name}-{what}"
@@ -431,10 +565,11 @@ class Router:
         self._supervisor.spawn(name, factory)
 
     async def stop(self) -> None:
-        """Stop taking work, let in-flight dispatches land, hand held requests back."""
+        """Stop taking work, let in-flight dispatches land, give the lease up."""
         # Jobs cut short leave their follower in its group: its leader's hand-out ends it.
         await self._supervisor.stop(*self._loops, *self._supervisor.jobs(self._job_prefix))
         self._loops.clear()
+        await self._end_term(None)
         for timer in self._follower_timers:
             timer.cancel()
         self._follower_timers.clear()
@@ -450,7 +585,12 @@ class Router:
             await self._supervisor.close()
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
-        await self._hand_back(self._levels)
+        # Last: a standby takes over at once, and re-created consumers give
+        # it what this router held (see _begin_term).
+        try:
+            await self._lease.release()
+        except Exception as exc:  # noqa: BLE001 - then it expires within the ttl
+            log.warning("could not release the binder's lease", error=str(exc))
         log.info("router stopped", router=self._name, routed=self.routed)
 
     async def _hand_back(self, levels: Iterable[str], why: str | None = None) -> None:
@@ -490,8 +630,10 @@ class Router:
         held = self._held[level]
         rank = self._config.priority_rank(level)
         while True:
-            # Nothing is taken while no dispatch loop runs to bind it.
+            # Nothing is taken while no dispatch loop runs to bind it, nor
+            # while the lease may be another router's.
             await self._dispatching.wait()
+            await self._lease.until_valid()
             room = limit - len(held)
             if room <= 0:
                 self._room[level].clear()
@@ -519,6 +661,10 @@ class Router:
 
     async def _take(self, msg: Any, level: str, rank: int, now: float) -> None:
         """Admit one fetched request: log it, settle it, or hold it for dispatch."""
+        if self._holds_message(msg):
+            # Delivered again while held (a nak from a router that lost the
+            # lease, an ack timer that ran out): the held one stands for it.
+            return
         request = await self._admit(msg, level, now)
         if request is None:
             return
@@ -543,6 +689,14 @@ class Router:
                 logged=logged,
                 parent=await self._parent_of(request),
             )
+        )
+
+    def _holds_message(self, msg: Any) -> bool:
+        seq = msg.metadata.sequence.stream
+        return any(
+            item.msg.metadata.sequence.stream == seq
+            for held in self._held.values()
+            for item in held
         )
 
     async def _submitted_at(self, msg: Any, request: InferenceRequest) -> float:
@@ -860,6 +1014,7 @@ class Router:
         self._dispatching.set()
         try:
             while True:
+                await self._lease.until_valid()
                 waiting = await self._dispatch_round()
                 # With requests waiting for room, look again after the refresh
                 # interval even if no worker announces a freed slot.
@@ -1099,6 +1254,8 @@ class Router:
             priority=level,
             queue_wait=wait,
             reason="first candidate in cascade order with a free slot",
+            router=self._lease.holder,
+            term=self._term or 0,
         )
         try:
             sent = await self._js.publish_async(

@@ -41,10 +41,12 @@ from typing import Final
 __all__ = [
     "ADVISORIES_CONSUMER",
     "ADVISORIES_STREAM",
+    "BINDER_LEASE",
     "DISPATCH_STREAM",
     "DLQ_STREAM",
     "EVENTS_STREAM",
     "FETCH_TIMEOUT",
+    "LEASE_BUCKET",
     "PREEMPT_ASK",
     "REQUESTS_STREAM",
     "REQUEUE_SUFFIX",
@@ -84,6 +86,10 @@ ADVISORIES_STREAM: Final = "RQ_ADVISORIES"
 STATE_BUCKET: Final = "rq-state"
 #: Claims only services can write: a request's one terminal outcome, a pool run.
 TERMINAL_BUCKET: Final = "rq-terminal"
+#: Leases (renqueue.lease): entries expire router.lease_ttl after their last write.
+LEASE_BUCKET: Final = "rq-leases"
+#: The key of the binder's lease: the one router that binds requests to backends.
+BINDER_LEASE: Final = "binder"
 #: The durable consumer on RQ_ADVISORIES that ends requests out of deliveries.
 ADVISORIES_CONSUMER: Final = "advisories"
 

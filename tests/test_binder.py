@@ -1,0 +1,222 @@
+"""One binding order across all routers (issue #7 item 1).
+
+Exactly one router binds at a time: the holder of the binder's lease
+(:mod:`renqueue.lease`). These tests pin what that buys: with several routers
+the order is global (a critical request never waits behind batch work another
+router bound), a dead binder's standby takes over, and what the dead one held
+is delivered to the new binder at once, not after ``router.ack_wait``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_restarts import (
+    LEVELS,
+    assert_nothing_left,
+    audit,
+    await_all,
+    client_of,
+    router_processes,
+    workers,
+    write_config,
+)
+
+from renqueue import Client, Services, parse_config
+from renqueue.config import Config, load_config
+from renqueue.connection import connect
+from renqueue.embedded import EmbeddedServer
+from renqueue.eventlog import EventLog
+from renqueue.lease import Lease
+from renqueue.messages import Routed
+from renqueue.mockbackend import MockBackend, MockSettings
+from renqueue.provision import provision
+from renqueue.subjects import DISPATCH_STREAM, REQUESTS_STREAM, router_consumer
+
+TENANT = "t"
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, within: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not await check():
+        if loop.time() > deadline:
+            pytest.fail(f"timed out after {within} s waiting until {what}")
+        await asyncio.sleep(0.02)
+
+
+def strict_config(url: str, mock: MockBackend, slots: int) -> Config:
+    """Five levels, no aging, no preemption: the order is priority, then age."""
+    return parse_config(
+        {
+            "nats": {"url": url},
+            "backends": {
+                "b": {"base_url": mock.url, "model": "m", "limits": {"concurrency": slots}}
+            },
+            "routes": {"chat": {"backends": ["b"]}},
+            "router": {"capacity_refresh": "20ms"},
+            "worker": {"drain_timeout": "2s"},
+            "levels": {
+                level: {"never_age": True, "preempts": False, "preemptible": False}
+                for level in LEVELS
+            },
+        }
+    )
+
+
+async def held(js: Any) -> int:
+    infos = [await js.consumer_info(REQUESTS_STREAM, router_consumer(level)) for level in LEVELS]
+    return sum(info.num_ack_pending for info in infos)
+
+
+async def test_with_three_routers_critical_work_is_bound_before_batch_work_held_elsewhere(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Reproduces the review: each router held its own slice of the waiting
+    requests and bound its own best when a slot freed, so with three routers
+    batch work held by one was bound while critical work waited in another."""
+    slots = 4
+    async with MockBackend(MockSettings(ttft=0.02, output_tokens=2, concurrency=slots)) as mock:
+        config = strict_config(isolated_server.url, mock, slots)
+        async with (
+            Services(config, routers=3, backends=[]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            js = services.js
+            # No worker yet: batch work fills the free slots (bound into the
+            # backend's subject) and the rest waits, held.
+            batch = [
+                await client.submit(f"batch {n}", route="chat", priority="batch") for n in range(24)
+            ]
+
+            async def read_all(level: str, count: int) -> bool:
+                info = await js.consumer_info(REQUESTS_STREAM, router_consumer(level))
+                dispatched = (await js.stream_info(DISPATCH_STREAM)).state.messages
+                return info.num_pending == 0 and await held(js) + dispatched >= count
+
+            await until(lambda: read_all("batch", len(batch)), "the batch work is read")
+            critical = [
+                await client.submit(f"critical {n}", route="chat", priority="critical")
+                for n in range(6)
+            ]
+            await until(
+                lambda: read_all("critical", len(batch) + len(critical)),
+                "the critical work is read too",
+            )
+            log = EventLog(js)
+            bound_early = {
+                handle.id
+                for handle in batch
+                if any(isinstance(e, Routed) for e in await log.history(TENANT, handle.id))
+            }
+            # Slots free one by one from here: every critical request must be
+            # bound before any batch request still waiting.
+            async with Services(config, routers=0, backends=["b"], projector=False):
+                await asyncio.gather(*(h.result(timeout=30) for h in (*batch, *critical)))
+            routed: dict[str, Routed] = {}
+            for handle in (*batch, *critical):
+                events = [e for e in await log.history(TENANT, handle.id) if isinstance(e, Routed)]
+                assert len(events) == 1, handle.id
+                routed[handle.id] = events[0]
+    assert len(bound_early) <= slots, "more work was bound than the backend has slots"
+    late_batch = [routed[h.id].at for h in batch if h.id not in bound_early]
+    last_critical = max(routed[h.id].at for h in critical)
+    # (Requests bound in one round share its time: the round walks critical first.)
+    assert last_critical <= min(late_batch), "a batch request was bound while critical work waited"
+    # One router decided every one of them.
+    assert len({event.router for event in routed.values()}) == 1
+    assert all(event.term > 0 for event in routed.values())
+
+
+async def test_a_killed_binders_standby_binds_what_it_held_at_once(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """``kill -9`` of the binder: its standby takes the lease over, and the
+    requests the dead one held are delivered to it at once (its router
+    consumers are re-created), not after ``router.ack_wait`` (here 120 s, far
+    beyond the test's budget)."""
+    slots = 2
+    settings = MockSettings(ttft=0.05, output_tokens=4, concurrency=slots)
+    async with MockBackend(settings) as mock:
+        file = write_config(
+            tmp_path / "rq.toml",
+            nats_url=isolated_server.url,
+            backend_url=mock.url,
+            slots=slots,
+            router_ack_wait="120s",
+        )
+        async with (
+            router_processes(file, tmp_path) as new_router,
+            client_of(isolated_server.url) as (client, nc),
+        ):
+            js = nc.jetstream()
+            first = await new_router()
+            second = await new_router()
+            binders = [r for r in (first, second) if "router is binding" in r.text()]
+            assert len(binders) == 1, "exactly one of two routers binds"
+            binder = binders[0]
+            standby = second if binder is first else first
+            handles = [
+                await client.submit(f"q{n}", route="chat", priority=LEVELS[n % len(LEVELS)])
+                for n in range(30)
+            ]
+
+            async def holding() -> bool:
+                return await held(js) >= 20
+
+            # No worker yet: all but the slots' worth wait in the binder's hold.
+            await until(holding, "the binder holds the waiting requests")
+            await binder.kill()
+
+            async def took_over() -> bool:
+                return "router is binding" in standby.text()
+
+            await until(took_over, "the standby took the lease over")
+            async with workers(load_config(file, environ={})):
+                await await_all(client, handles, within=30)
+            await audit(js, handles)
+            await assert_nothing_left(js)
+            assert await standby.terminate() == 0
+
+
+async def test_a_lease_has_one_holder_expires_with_its_holder_and_can_be_given_up(
+    isolated_server: EmbeddedServer,
+) -> None:
+    config = parse_config({"router": {"lease_ttl": "500ms"}})
+    nc = await connect(isolated_server.url, name="lease")
+    try:
+        js = nc.jetstream()
+        await provision(nc, config)
+        a = Lease(js, "role", "a", ttl=0.5)
+        b = Lease(js, "role", "b", ttl=0.5)
+        assert await a.try_acquire()
+        assert a.valid()
+        assert a.term is not None
+        assert not await b.try_acquire()
+        assert not b.valid()
+        # Its own entry is its own: a restarted loop of the same holder adopts it.
+        assert await a.try_acquire()
+        assert await a.renew()
+
+        # a stops renewing (dies): the server expires its entry, b acquires.
+        async def b_acquires() -> bool:
+            return await b.try_acquire()
+
+        await until(b_acquires, "the dead holder's lease expired and b took it")
+        # a's next renewal finds the key moved on: lost, not valid.
+        assert not await a.renew()
+        assert not a.valid()
+        assert b.term is not None
+        assert b.term > 0
+        # Given up, it is free at once.
+        await b.release()
+        assert not b.valid()
+        assert await a.try_acquire()
+        entry = await (await js.key_value("rq-leases")).get("role")
+        assert entry.value == b"a"
+    finally:
+        await nc.close()
