@@ -52,9 +52,9 @@ from renqueue.projection import (
     encode_state,
     fold,
     fold_many,
-    is_healthy,
     rebuild,
 )
+from renqueue.policy import is_healthy
 from renqueue.provision import provision
 from renqueue.subjects import STATE_BUCKET, event_subject
 
