@@ -16,12 +16,14 @@ before it calls the backend, and the terminal event is written only by whoever
 creates the claim, so a request ends once however often it is delivered.
 
 Runs are numbered over the request's life (the ``delivery`` of ``started``,
-``retrying``, ``preempted``, ``completed`` and of token chunks). Transient
-failures (rate-limited, server errors, worker errors) are retried with a
-delayed ``nak`` and a ``retrying`` event; the budget, ``worker.max_deliver``
+``retrying``, ``preempted``, ``completed`` and of token chunks). What a failed
+run leads to is the failure policy's decision (:func:`renqueue.policy.after_failure`):
+transient failures (rate-limited, server errors, worker errors) are retried
+with a delayed ``nak`` (the provider's ``retry-after``, else a capped, jittered
+backoff) and a ``retrying`` event; the budget, ``worker.max_deliver``
 failed runs per dispatch, is counted from those events, so redeliveries for
 other reasons (a worker killed or shut down, a broker that does not answer:
-handed back after a backoff that doubles with each delivery) do not use it up. The broker's
+handed back after the same backoff by delivery count) do not use it up. The broker's
 own limit (the consumer's ``max_deliver`` = ``worker.delivery_limit``) is a
 backstop far above it; a message that reaches it ends ``failed`` as
 ``undeliverable`` (:mod:`renqueue.advisories`). Cancellation (shutdown) is not
