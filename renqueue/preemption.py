@@ -23,9 +23,10 @@ One run at most is preempted per urgent request: once a confirm was answered
 with a preemption (or went unanswered: the worker may have acted), the router
 never asks for that request again. A request whose ask found nothing to
 preempt asks again ``PREEMPT_RETRY`` seconds later while it still waits (the
-round planner decides when to ask: :func:`renqueue.policy.plan`). Every subject here is under ``rq.>``, which only the service
-user may publish to; replies go to the service user's inbox
-(``_INBOX_renqueue.>``, granted to it in ``nats/auth.conf``).
+round planner decides when to ask: :func:`renqueue.policy.plan`). Every
+subject here is under ``rq.>``, which only the service user may publish to;
+replies go to the service user's inbox (``_INBOX_renqueue.>``, granted to it
+in ``nats/auth.conf``).
 """
 
 from __future__ import annotations

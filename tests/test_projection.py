@@ -39,6 +39,7 @@ from renqueue.messages import (
     encode,
     is_terminal,
 )
+from renqueue.policy import is_healthy
 from renqueue.projection import (
     STALE_IN_FLIGHT,
     STATE_KEY,
@@ -54,7 +55,6 @@ from renqueue.projection import (
     fold_many,
     rebuild,
 )
-from renqueue.policy import is_healthy
 from renqueue.provision import provision
 from renqueue.subjects import STATE_BUCKET, event_subject
 
