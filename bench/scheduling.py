@@ -24,7 +24,7 @@ Wait = the ``started`` event's time minus the request's ``submitted_at``,
 both read from the event log after the run (every request is followed to
 completion: what is still queued when arrivals stop drains). Next to each
 measured row the benchmark gives the same trace run through an ideal model of
-the scheduling rules (``renqueue.scheduling.effective_rank``, N slots, the
+the scheduling rules (``renqueue.policy.effective_rank``, N slots, the
 service time measured in that run, zero routing overhead): the model says what
 the rules promise; a gap between model and measurement is the implementation.
 
@@ -90,7 +90,7 @@ from renqueue.messages import (
     encode,
     is_terminal,
 )
-from renqueue.scheduling import LevelPolicy, aging_bound, effective_rank
+from renqueue.policy import LevelPolicy, aging_bound, effective_rank
 from renqueue.subjects import (
     EVENTS_STREAM,
     REQUESTS_STREAM,

@@ -25,7 +25,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from .errors import ConfigError
-from .scheduling import LevelPolicy
+from .policy import FailurePolicy, LevelPolicy, PlanPolicy
 
 __all__ = [
     "DEFAULT_PRIORITIES",
@@ -302,13 +302,16 @@ class WorkerConfig(_Section, frozen=True, kw_only=True):
     consumer's ``max_deliver``): deliveries of one dispatch for any reason,
     failed runs, dead workers and shutdowns alike, after which the request
     fails as ``undeliverable``; by default ``max(20, 4 * max_deliver)``, so
-    restarts do not use up a request's budget.
+    restarts do not use up a request's budget. ``retry_delay`` and
+    ``max_retry_delay`` shape the backoff between failed runs (doubling from
+    the first, capped by the second, jittered: :func:`renqueue.policy.backoff`).
     """
 
     ack_wait: Duration = "5s"
     max_deliver: Annotated[int, Meta(ge=1)] = 5
     delivery_limit: Annotated[int, Meta(ge=2)] | None = None
     retry_delay: Duration = "1s"
+    max_retry_delay: Duration = "30s"
     drain_timeout: Duration = "10s"
 
     def __post_init__(self) -> None:
@@ -317,6 +320,19 @@ class WorkerConfig(_Section, frozen=True, kw_only=True):
                 f"delivery_limit ({self.delivery_limit}) must exceed max_deliver "
                 f"({self.max_deliver}): it is a backstop above the retry budget"
             )
+        if parse_duration(self.max_retry_delay) < parse_duration(self.retry_delay):
+            raise ValueError(
+                f"max_retry_delay ({self.max_retry_delay}) must not be below retry_delay "
+                f"({self.retry_delay}): it caps the backoff that starts there"
+            )
+
+    def failure_policy(self) -> FailurePolicy:
+        """The rules a worker decides a failed run by (:func:`renqueue.policy.after_failure`)."""
+        return FailurePolicy(
+            budget=self.max_deliver,
+            retry_delay=parse_duration(self.retry_delay),
+            max_retry_delay=parse_duration(self.max_retry_delay),
+        )
 
     @property
     def deliveries(self) -> int:
@@ -375,6 +391,13 @@ class Config(_Section, frozen=True, kw_only=True):
     def priority_rank(self, level: str) -> int:
         """0 for the most urgent level."""
         return self.priorities.index(level)
+
+    def plan_policy(self) -> PlanPolicy:
+        """The rules a router plans its rounds by (:func:`renqueue.policy.plan`)."""
+        return PlanPolicy(
+            levels=tuple(self.level_policies()),
+            routes={name: tuple(route.backends) for name, route in self.routes.items()},
+        )
 
     def level_policies(self) -> list[LevelPolicy]:
         """Every level's effective settings, most urgent first (defaults filled in)."""

@@ -7,7 +7,7 @@ ask, by the worker process that holds it:
 1. **Ask.** The router publishes an :class:`Ask` to ``rq.preempt.<backend>.ask``
    of every capable candidate, with a reply inbox. Every worker process of
    those backends receives it (no queue group). A worker holding a run that
-   may be preempted for the ask's rank (:func:`renqueue.scheduling.choose_victim`)
+   may be preempted for the ask's rank (:func:`renqueue.policy.choose_victim`)
    answers with an :class:`Offer`; the others stay silent.
 2. **Confirm.** After :data:`OFFER_WINDOW` seconds the router takes the best
    offer (the first backend in cascade order, then the least urgent run, then
@@ -22,10 +22,11 @@ ask, by the worker process that holds it:
 One run at most is preempted per urgent request: once a confirm was answered
 with a preemption (or went unanswered: the worker may have acted), the router
 never asks for that request again. A request whose ask found nothing to
-preempt asks again ``_PREEMPT_RETRY`` (:mod:`renqueue.router`) seconds later
-while it still waits. Every subject here is under ``rq.>``, which only the service
-user may publish to; replies go to the service user's inbox
-(``_INBOX_renqueue.>``, granted to it in ``nats/auth.conf``).
+preempt asks again ``PREEMPT_RETRY`` seconds later while it still waits (the
+round planner decides when to ask: :func:`renqueue.policy.plan`). Every
+subject here is under ``rq.>``, which only the service user may publish to;
+replies go to the service user's inbox (``_INBOX_renqueue.>``, granted to it
+in ``nats/auth.conf``).
 """
 
 from __future__ import annotations

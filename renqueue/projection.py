@@ -8,9 +8,9 @@ Three layers, from pure to I/O:
   from events written by the services (a tenant-written ``cancel_requested``
   never moves the clock), so folding the log from its first event always
   rebuilds exactly the state that is live (design property 4).
-  :func:`is_healthy` is the health rule, a pure function of one backend's
-  state and a caller-supplied ``now``, so a router applies the cooldown with
-  its own clock.
+  The health rule is :func:`renqueue.policy.is_healthy`, a pure function of
+  one backend's state and a caller-supplied ``now``, so a router applies the
+  cooldown with its own clock.
 - Where stream messages are decoded (``_fold_messages``, shared by the
   projector and :func:`rebuild`), the subject is the authority: a message
   whose payload disagrees with its subject ``rq.evt.<tenant>.<id>.<kind>``
@@ -69,13 +69,12 @@ from .messages import (
     Submitted,
     kind_of,
 )
+from .policy import DEFAULT_COOLDOWN, DEFAULT_FAILURE_THRESHOLD, is_healthy
 from .subjects import EVENTS_STREAM, STATE_BUCKET, msg_id
 from .tasks import Supervisor
 
 __all__ = [
     "BACKEND_FAULTS",
-    "DEFAULT_COOLDOWN",
-    "DEFAULT_FAILURE_THRESHOLD",
     "STALE_IN_FLIGHT",
     "STATE_KEY",
     "STATE_VERSION",
@@ -90,7 +89,6 @@ __all__ = [
     "encode_state",
     "fold",
     "fold_many",
-    "is_healthy",
     "rebuild",
     "subject_agrees",
 ]
@@ -115,12 +113,6 @@ STATE_KEY: Final = "projection"
 #: (``rate_limited``) means the backend is up and busy: the rate limiter's
 #: business, not health's. ``backend_bad_request`` blames the request.
 BACKEND_FAULTS: Final = frozenset({"backend_unavailable", "backend_fatal"})
-
-#: Consecutive backend-fault failures after which a backend is unhealthy.
-DEFAULT_FAILURE_THRESHOLD: Final = 3
-#: Seconds (event time) after the last fault at which an unhealthy backend is
-#: tried again: one more fault re-arms the cooldown, a completion clears it.
-DEFAULT_COOLDOWN: Final = 30.0
 
 #: A started request with no event for this long (event time) is dropped from
 #: the in-flight map and counted in ``in_flight_dropped``. Property 1 says every
@@ -239,25 +231,6 @@ def decode_state(data: bytes) -> ProjectionState:
 
 
 # ----------------------------------------------------------------------- fold
-
-
-def is_healthy(
-    backend: BackendState,
-    now: float,
-    *,
-    threshold: int = DEFAULT_FAILURE_THRESHOLD,
-    cooldown: float = DEFAULT_COOLDOWN,
-) -> bool:
-    """The health rule: unhealthy after ``threshold`` consecutive backend faults,
-    until a completion or until ``cooldown`` seconds after the latest fault.
-
-    ``now`` is a Unix time on the events' scale (``time.time()`` for a live
-    router; a log time for an audit). After the cooldown the backend is tried
-    again; one more fault makes it unhealthy for another cooldown.
-    """
-    if backend.consecutive_failures < threshold or backend.last_fault_at is None:
-        return True
-    return now - backend.last_fault_at >= cooldown
 
 
 def fold(state: ProjectionState, event: Event, *, seq: int | None = None) -> ProjectionState:

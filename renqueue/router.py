@@ -47,7 +47,8 @@ failed dispatch loop) are deliveries too, and must not use up its budget. The
 router consumers' own ``max_deliver`` is a backstop far above it
 (:func:`renqueue.subjects.router_max_deliveries`).
 
-The decisions are plain functions (:func:`choose_backend`, :func:`validate`);
+The decisions are plain functions in :mod:`renqueue.policy` (a round:
+:func:`~renqueue.policy.plan`; admission: :func:`~renqueue.policy.validate`);
 :class:`Router` is the loop around them that does the NATS work.
 """
 
@@ -55,14 +56,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import functools
 import os
 import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Final
 
 import msgspec
@@ -77,8 +77,6 @@ from .config import Config, parse_duration
 from .errors import (
     InvalidRequestError,
     MalformedRequestError,
-    NoCapableBackendError,
-    UnknownRouteError,
 )
 from .eventlog import EventLog
 from .lease import Lease
@@ -100,6 +98,22 @@ from .messages import (
     Submitted,
     encode,
 )
+from .policy import (
+    BIND_REASON,
+    AskPreemption,
+    BackendView,
+    Bind,
+    Expire,
+    Inherit,
+    LevelPolicy,
+    PlanPolicy,
+    Promote,
+    Wait,
+    Waiting,
+    pick_key,
+    plan,
+    validate,
+)
 from .preemption import (
     ANSWER_DECODER,
     CONFIRM_TIMEOUT,
@@ -111,14 +125,6 @@ from .preemption import (
 )
 from .projection import StateView
 from .provision import renew_router_consumers, router_consumer_configs
-from .scheduling import (
-    LevelPolicy,
-    effective_rank,
-    hopeless,
-    may_preempt,
-    pick_key,
-    promotions,
-)
 from .subjects import (
     BINDER_LEASE,
     DISPATCH_STREAM,
@@ -140,7 +146,7 @@ from .subjects import (
 )
 from .tasks import Supervisor
 
-__all__ = ["BackendView", "NoRoom", "Router", "capable", "choose_backend", "validate"]
+__all__ = ["Router"]
 
 log = get_logger("router")
 
@@ -152,9 +158,6 @@ class _Boost(msgspec.Struct, frozen=True):
 
 
 _BOOST_DECODER: Final = msgspec.json.Decoder(_Boost)
-
-#: Seconds before an urgent request that is still waiting asks for preemption again.
-_PREEMPT_RETRY: Final = 2.0
 
 _ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 
@@ -169,117 +172,6 @@ _FAILURES_KEPT: Final = 10_000
 def stored_at(msg: Any) -> float:
     """The server's timestamp of a stream message (when it was stored), Unix seconds."""
     return float(msg.metadata.timestamp.timestamp())
-
-
-class NoRoom(enum.Enum):
-    """Why no backend was chosen."""
-
-    FULL = "every capable candidate is at capacity"
-    NONE_CAPABLE = "no candidate is healthy and capable"
-
-
-class BackendView(msgspec.Struct, frozen=True, kw_only=True):
-    """What a routing decision knows about one backend at one moment."""
-
-    name: str
-    capacity: int
-    in_flight: int
-    healthy: bool = True
-    tier: int = 1
-
-    @property
-    def free(self) -> int:
-        return max(0, self.capacity - self.in_flight)
-
-
-def validate(
-    request: InferenceRequest,
-    *,
-    level: str,
-    tenant: str,
-    config: Config,
-    message_id: str | None = None,
-    requeue: bool = False,
-) -> None:
-    """Check a decoded request against where it was published and the config.
-
-    The subject is authoritative: a payload naming another tenant or level is
-    rejected (a tenant must not be able to speak for another). ``message_id``
-    is the publish's ``Nats-Msg-Id``: it must be ``<tenant>:<id>`` (a requeue
-    by the services: ``<tenant>:<id>:requeue:...``, see
-    :func:`renqueue.eventlog.publish_stored`), so that deduplication is scoped
-    by tenant. ``None`` skips that check (a request not read from the stream).
-    ``requeue``: it was read from the services' requeue subject (which no
-    tenant may publish to); only such a request may carry ``requeues`` (a
-    tenant setting it ran one id many times at once, billed once).
-    """
-    if requeue != (request.requeues > 0):
-        raise MalformedRequestError(
-            "requeues is set by the services only, on rq.req.<priority>.<tenant>.requeue"
-            if request.requeues > 0
-            else "a request on the requeue subject must carry requeues > 0",
-            request_id=request.id,
-        )
-    if message_id is not None and not (
-        message_id == msg_id(tenant, request.id)
-        or (requeue and message_id.startswith(msg_id(tenant, request.id, "requeue")))
-    ):
-        raise MalformedRequestError(
-            f"the Nats-Msg-Id header must be {msg_id(tenant, request.id)!r} "
-            f"(<tenant>:<request id>), got {message_id[:200]!r}",
-            request_id=request.id,
-        )
-    if request.tenant != tenant:
-        raise MalformedRequestError(
-            f"tenant {request.tenant!r} does not match subject tenant {tenant!r}",
-            request_id=request.id,
-        )
-    if request.priority != level:
-        raise MalformedRequestError(
-            f"priority {request.priority!r} does not match subject level {level!r}",
-            request_id=request.id,
-        )
-    if request.route not in config.routes:
-        raise UnknownRouteError(request.route, request_id=request.id)
-    if request.complexity is not None:
-        # Held, a request no backend can ever serve would wait forever and,
-        # many of them, fill the level's hold for every tenant.
-        tiers = [
-            config.backends[name].tier
-            for name in config.routes[request.route].backends
-            if name in config.backends
-        ]
-        best = max(tiers, default=0)
-        if request.complexity > best:
-            raise NoCapableBackendError(
-                request.route, request.complexity, best, request_id=request.id
-            )
-
-
-def capable(
-    request: InferenceRequest, candidates: list[str], views: Mapping[str, BackendView]
-) -> list[BackendView]:
-    """The candidates (cascade order) that are healthy and of a tier the request needs."""
-    return [
-        views[name]
-        for name in candidates
-        if name in views
-        and views[name].healthy
-        and (request.complexity is None or views[name].tier >= request.complexity)
-    ]
-
-
-def choose_backend(
-    request: InferenceRequest, candidates: list[str], views: Mapping[str, BackendView]
-) -> str | NoRoom:
-    """The first healthy, capable candidate (cascade order) with a free slot."""
-    able = capable(request, candidates, views)
-    if not able:
-        return NoRoom.NONE_CAPABLE
-    for view in able:
-        if view.free > 0:
-            return view.name
-    return NoRoom.FULL
 
 
 class _Held(msgspec.Struct, kw_only=True):
@@ -307,10 +199,9 @@ class _Held(msgspec.Struct, kw_only=True):
     boost: tuple[int, float] | None = None
 
     def key(self, now: float, policies: list[LevelPolicy]) -> tuple[int, float]:
-        rank, submitted = pick_key(self.rank, self.submitted, now, policies, parent=self.parent)
-        if self.boost is not None:
-            rank = min(rank, pick_key(*self.boost, now, policies)[0])
-        return rank, submitted
+        return pick_key(
+            self.rank, self.submitted, now, policies, parent=self.parent, boost=self.boost
+        )
 
 
 class _Capacity:
@@ -1029,134 +920,104 @@ class Router:
     async def _dispatch_round(self) -> list[str]:
         """Bind every held request that can be bound now, most urgent first.
 
-        Urgency is the effective level after aging (:mod:`renqueue.scheduling`),
-        then age. Returns the backends that held requests are waiting on.
+        The decisions are :func:`renqueue.policy.plan`'s, over a snapshot of
+        the hold (plain data) and of backend load; this carries them out (the
+        publishes, the acks) and keeps the bookkeeping they name. Returns the
+        backends that held requests are waiting on.
 
-        Backend load is read once, before the walk, and the walk itself never
+        Backend load is read once, before the plan, and carrying it out never
         awaits: a slot that frees meanwhile cannot go to whichever request the
-        walk happens to be at; it goes to the head of the order next round.
+        round happens to be at; it goes to the head of the order next round.
         """
         now = self._clock()
-        policies = self._policies
-        order = sorted(
-            (item for held in self._held.values() for item in held),
-            key=lambda item: item.key(now, policies),
-        )
+        held = [item for queue in self._held.values() for item in queue]
         wanted = {
-            name for item in order for name in self._config.routes[item.request.route].backends
+            name for item in held for name in self._config.routes[item.request.route].backends
         }
         await self._capacity.refresh(sorted(wanted))
         # Requests dropped while the refresh was awaited (cancelled, handed
         # back) are no longer this router's to bind.
-        present = {id(item) for held in self._held.values() for item in held}
-        order = [item for item in order if id(item) in present]
-        views = self._capacity.views()
+        present = {id(item) for queue in self._held.values() for item in queue}
+        items = {id(item): item for item in held if id(item) in present}
+        snapshot = [
+            Waiting(
+                ref=ref,
+                request=item.request,
+                rank=item.rank,
+                submitted=item.submitted,
+                parent=item.parent,
+                boost=item.boost,
+                promoted=item.promoted,
+                inherited=item.inherited,
+                preempt_asked=item.preempt_asked,
+                preempted_one=item.preempted_one,
+            )
+            for ref, item in items.items()
+        ]
+        state = self._state
+        views = {
+            name: msgspec.structs.replace(
+                view, expected_duration=None if state is None else state.expected_duration(name)
+            )
+            for name, view in self._capacity.views().items()
+        }
         waiting: set[str] = set()
         gone: set[int] = set()
-        for item in order:
-            request = item.request
-            self._announce_promotions(item, now)
-            self._announce_inheritance(item, now)
-            if request.deadline is not None and now >= request.deadline:
-                gone.add(id(item))
-                self._spawn_publish(self._expire(item.msg, request, now))
-                continue
-            candidates = self._config.routes[request.route].backends
-            if request.deadline is not None and self._state is not None:
-                finish = hopeless(
-                    request.deadline,
-                    now,
-                    [
-                        self._state.expected_duration(name)
-                        for name in candidates
-                        if name in views and views[name].healthy
-                    ],
-                )
-                if finish is not None:
-                    gone.add(id(item))
-                    late = finish - request.deadline
-                    reason = f"cannot meet the deadline on any candidate: the fastest would finish {late:.1f} s late"  # noqa: E501
-                    self._spawn_publish(self._expire(item.msg, request, now, reason=reason))
-                    continue
-            choice = choose_backend(request, candidates, views)
-            if isinstance(choice, NoRoom):
-                waiting.update(candidates)
-                if choice is NoRoom.FULL:
-                    self._maybe_preempt(item, candidates, views, now)
-                continue
-            gone.add(id(item))
-            self._capacity.dispatched(choice)
-            views = self._capacity.views()
-            self._bind(item, choice, self._levels[item.rank], now)
-        for level, held in self._held.items():
+        for action in plan(snapshot, views, now, self._plan_policy):
+            item = items[action.ref]
+            if isinstance(action, Promote | Inherit):
+                self._announce_promotion(item, action)
+            elif isinstance(action, Expire):
+                gone.add(action.ref)
+                self._spawn_publish(self._expire(item.msg, item.request, now, reason=action.reason))
+            elif isinstance(action, Bind):
+                gone.add(action.ref)
+                self._capacity.dispatched(action.backend)
+                self._bind(item, action.backend, self._levels[item.rank], now, reason=action.reason)
+            elif isinstance(action, AskPreemption):
+                self._maybe_preempt(item, action, now)
+            elif isinstance(action, Wait):
+                waiting.update(action.backends)
+        for level, queue in self._held.items():
             if gone:
-                kept = [item for item in held if id(item) not in gone]
-                held.clear()
-                held.extend(kept)
-            if len(held) < self._config.router.hold_limit:
+                kept = [item for item in queue if id(item) not in gone]
+                queue.clear()
+                queue.extend(kept)
+            if len(queue) < self._config.router.hold_limit:
                 self._room[level].set()
         return sorted(waiting)
 
-    def _announce_promotions(self, item: _Held, now: float) -> None:
-        """Record each promotion a waiting request earned (once: ids dedupe repeats)."""
-        steps = promotions(item.rank, max(0.0, now - item.submitted), self._policies)
-        ranks = [item.rank] + [rank for rank, _after in steps]
-        for index in range(item.promoted, len(steps)):
-            to_rank, after = steps[index]
-            event = Promoted(
-                request_id=item.request.id,
-                tenant=item.request.tenant,
-                at=item.submitted + after,
-                from_level=self._levels[ranks[index]],
-                to_level=self._levels[to_rank],
-                waited=after,
-            )
-            self._spawn_publish(self._log.append(event))
-        item.promoted = len(steps)
+    @functools.cached_property
+    def _plan_policy(self) -> PlanPolicy:
+        return self._config.plan_policy()
 
-    def _announce_inheritance(self, item: _Held, now: float) -> None:
-        """Record that a child runs at its parent's (more urgent) level."""
-        if item.parent is None:
-            return
-        inherited, _ = item.key(now, self._policies)
-        own = effective_rank(item.rank, max(0.0, now - item.submitted), self._policies)
-        if inherited >= own or (item.inherited is not None and inherited >= item.inherited):
-            return
-        item.inherited = inherited
+    def _announce_promotion(self, item: _Held, action: Promote | Inherit) -> None:
+        """Record a promotion the planner announced: earned by aging (``at`` is
+        when it was earned; message ids dedupe repeats) or inherited from the
+        request's parent."""
         event = Promoted(
             request_id=item.request.id,
             tenant=item.request.tenant,
-            at=now,
-            from_level=self._levels[own],
-            to_level=self._levels[inherited],
-            waited=max(0.0, now - item.submitted),
-            reason=f"inherited from parent {item.request.parent_id}",
+            at=action.at,
+            from_level=action.from_level,
+            to_level=action.to_level,
+            waited=action.waited,
+            reason=action.reason,
         )
+        if isinstance(action, Promote):
+            item.promoted = action.promoted
+        else:
+            item.inherited = action.rank
         self._spawn_publish(self._log.append(event))
 
-    def _maybe_preempt(
-        self, item: _Held, candidates: list[str], views: Mapping[str, BackendView], now: float
-    ) -> None:
-        """An urgent request finds every slot taken: ask for a preemptible one.
-
-        At most one ask per request per ``_PREEMPT_RETRY`` seconds (an ask
-        that found nothing to preempt is repeated: a preemptible run may have
-        started since), and no more once one run was preempted for it. The
-        freed slot then goes to the most urgent waiting request, which is this
-        one unless something more urgent arrived meanwhile.
-        """
-        # The level it was submitted at (or inherited), not the one it aged to:
-        # aged requests preempting each other under overload would only churn.
-        rank = item.rank if item.parent is None else min(item.rank, item.parent[0])
-        if not may_preempt(rank, self._policies):
-            return
-        if item.preempted_one or (
-            item.preempt_asked is not None and now - item.preempt_asked < _PREEMPT_RETRY
-        ):
-            return
+    def _maybe_preempt(self, item: _Held, action: AskPreemption, now: float) -> None:
+        """An urgent request finds every capable slot taken: ask for a
+        preemptible one (the planner decided it may, and that it is time:
+        :func:`renqueue.policy.plan`). The freed slot then goes to the most
+        urgent waiting request, which is this one unless something more
+        urgent arrived meanwhile."""
         item.preempt_asked = now
-        backends = [view.name for view in capable(item.request, candidates, views)]
-        self._spawn_publish(self._ask_preemption(item, rank, backends))
+        self._spawn_publish(self._ask_preemption(item, action.rank, list(action.backends)))
 
     def _holds(self, item: _Held) -> bool:
         """Whether ``item`` still waits in this router (not bound, ended or handed back)."""
@@ -1229,12 +1090,16 @@ class Router:
         if not task.cancelled() and task.exception() is not None:
             log.warning("event publish failed", error=str(task.exception()))
 
-    def _bind(self, item: _Held, backend: str, level: str, now: float) -> None:
-        task = asyncio.create_task(self._publish_decision(item, backend, level, now))
+    def _bind(
+        self, item: _Held, backend: str, level: str, now: float, *, reason: str = BIND_REASON
+    ) -> None:
+        task = asyncio.create_task(self._publish_decision(item, backend, level, now, reason))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
-    async def _publish_decision(self, item: _Held, backend: str, level: str, now: float) -> None:
+    async def _publish_decision(
+        self, item: _Held, backend: str, level: str, now: float, reason: str = BIND_REASON
+    ) -> None:
         request = item.request
         wait = max(0.0, now - item.submitted)
         attempt = request.requeues + 1  # a preempted request is bound anew
@@ -1253,7 +1118,7 @@ class Router:
             attempt=attempt,
             priority=level,
             queue_wait=wait,
-            reason="first candidate in cascade order with a free slot",
+            reason=reason,
             router=self._lease.holder,
             term=self._term or 0,
         )

@@ -16,12 +16,14 @@ before it calls the backend, and the terminal event is written only by whoever
 creates the claim, so a request ends once however often it is delivered.
 
 Runs are numbered over the request's life (the ``delivery`` of ``started``,
-``retrying``, ``preempted``, ``completed`` and of token chunks). Transient
-failures (rate-limited, server errors, worker errors) are retried with a
-delayed ``nak`` and a ``retrying`` event; the budget, ``worker.max_deliver``
+``retrying``, ``preempted``, ``completed`` and of token chunks). What a failed
+run leads to is the failure policy's decision (:func:`renqueue.policy.after_failure`):
+transient failures (rate-limited, server errors, worker errors) are retried
+with a delayed ``nak`` (the provider's ``retry-after``, else a capped, jittered
+backoff) and a ``retrying`` event; the budget, ``worker.max_deliver``
 failed runs per dispatch, is counted from those events, so redeliveries for
 other reasons (a worker killed or shut down, a broker that does not answer:
-handed back after a backoff that doubles with each delivery) do not use it up. The broker's
+handed back after the same backoff by delivery count) do not use it up. The broker's
 own limit (the consumer's ``max_deliver`` = ``worker.delivery_limit``) is a
 backstop far above it; a message that reaches it ends ``failed`` as
 ``undeliverable`` (:mod:`renqueue.advisories`). Cancellation (shutdown) is not
@@ -36,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import socket
 import time
 import uuid
@@ -62,7 +65,7 @@ from .backends import Backend
 from .cancellation import CancelWatch
 from .coalescing import Coalescer, coalesce_key
 from .config import BackendConfig, Config, parse_duration
-from .errors import BackendError, RetryableBackendError
+from .errors import BackendError
 from .eventlog import EventLog, publish_stored
 from .logs import bound_request, get_logger
 from .messages import (
@@ -84,8 +87,8 @@ from .messages import (
     is_terminal,
     kind_of,
 )
+from .policy import RequeueElsewhere, Retry, after_failure, backoff, choose_victim
 from .preemption import ASK_DECODER, CONFIRM_DECODER, Answer, Offer
-from .scheduling import choose_victim
 from .subjects import (
     DISPATCH_STREAM,
     FETCH_TIMEOUT,
@@ -138,9 +141,6 @@ _PREEMPT_GRACE = 0.1
 #: consumer, between the server's lookup and its erase).
 _GONE = frozenset({10057, 10043})
 
-#: Longest delay before a run handed back for the broker's sake runs again.
-_MAX_BACKOFF = 30.0
-
 
 def _broker_unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` says the broker did not answer (no stream leader, a
@@ -189,7 +189,8 @@ class Worker:
         self._ack_wait = parse_duration(config.worker.ack_wait)
         #: Run numbers of one attempt stay below this: the broker's delivery limit.
         self._stride = config.worker.deliveries
-        self._retry_delay = parse_duration(config.worker.retry_delay)
+        #: How a failed run is retried or ended (:func:`renqueue.policy.after_failure`).
+        self._failure_policy = config.worker.failure_policy()
         self._drain_timeout = parse_duration(config.worker.drain_timeout)
         # Declared request rates, held in this process (a later issue shares
         # them across processes through the projection).
@@ -486,26 +487,7 @@ class Worker:
                 await msg.nak(delay=delay)
             return
         try:
-            if await self._failed_runs(dispatch) + 1 < self._config.worker.max_deliver:
-                log.error("unexpected error; the request will run again", exc_info=exc)
-                await self._retry(
-                    msg,
-                    dispatch,
-                    run,
-                    error_type="internal",
-                    reason=f"worker error: {type(exc).__name__}",
-                    delay=self._retry_delay,
-                )
-                return
-            log.error("unexpected error on the last allowed run; request fails", exc_info=exc)
-            await self._fail(
-                msg,
-                dispatch,
-                run,
-                chunks.seq,
-                error_type="internal",
-                reason=f"worker error on the last allowed run: {type(exc).__name__}",
-            )
+            await self._after_failure(msg, dispatch, run, chunks, exc)
         except Exception:
             log.exception("could not record the failed run; leaving the request for redelivery")
             with contextlib.suppress(Exception):
@@ -513,10 +495,11 @@ class Worker:
 
     def _backoff(self, msg: Any) -> float:
         """Delay before a message handed back for the broker's sake is delivered
-        again: doubling from ``retry_delay`` with each delivery, capped, so
-        the delivery limit spans minutes of broker trouble, not seconds."""
+        again: the failure policy's backoff (doubling from ``retry_delay``,
+        capped at ``max_retry_delay``, jittered) by the delivery count, so the
+        delivery limit spans minutes of broker trouble, not seconds."""
         delivered = max(1, int(msg.metadata.num_delivered))
-        return float(min(_MAX_BACKOFF, self._retry_delay * 2 ** min(delivered - 1, 16)))
+        return backoff(delivered, self._failure_policy, random.random)
 
     async def _poison(self, msg: Any, reason: str) -> None:
         seq = msg.metadata.sequence.stream
@@ -899,19 +882,44 @@ class Worker:
     ) -> None:
         metrics.BACKEND_CALLS.labels(self._backend_name, exc.code).inc()
         await self._settle(pending_acks)
-        if exc.retryable:
-            failed = await self._failed_runs(dispatch) + 1
-            if failed < self._config.worker.max_deliver:
-                delay = getattr(exc, "retry_after", None) or self._retry_delay * 2 ** (failed - 1)
-                log.warning("backend call failed; will retry", error=str(exc), delay=delay)
-                await self._retry(
-                    msg, dispatch, run, error_type=exc.code, reason=str(exc)[:1000], delay=delay
-                )
-                return
-        log.error("request failed", error=str(exc), run=run)
-        exhausted = " (retries exhausted)" if isinstance(exc, RetryableBackendError) else ""
+        await self._after_failure(msg, dispatch, run, chunks, exc)
+
+    async def _after_failure(
+        self, msg: Any, dispatch: Dispatch, run: int, chunks: _Chunks, exc: Exception
+    ) -> None:
+        """Carry out what the failure policy decides for a failed run: retry it
+        here after a delay, or fail the request (:func:`renqueue.policy.after_failure`)."""
+        action = after_failure(
+            exc,
+            failed_runs=await self._failed_runs(dispatch),
+            policy=self._failure_policy,
+            random=random.random,
+        )
+        internal = not isinstance(exc, BackendError)
+        if isinstance(action, Retry):
+            if internal:
+                log.error("unexpected error; the request will run again",
+                          exc_info=exc, delay=action.delay)  # fmt: skip
+            else:
+                log.warning("backend call failed; will retry", error=str(exc), delay=action.delay)
+            await self._retry(
+                msg,
+                dispatch,
+                run,
+                error_type=action.error_type,
+                reason=action.reason,
+                delay=action.delay,
+            )
+            return
+        if isinstance(action, RequeueElsewhere):
+            # Not produced yet: the fallback down the cascade is a later issue's.
+            log.error("no fallback to another backend yet; request fails", reason=action.reason)
+        elif internal:
+            log.error("unexpected error on the last allowed run; request fails", exc_info=exc)
+        else:
+            log.error("request failed", error=str(exc), run=run)
         await self._fail(
-            msg, dispatch, run, chunks.seq, error_type=exc.code, reason=str(exc)[:1000] + exhausted
+            msg, dispatch, run, chunks.seq, error_type=action.error_type, reason=action.reason
         )
 
     async def _failed_runs(self, dispatch: Dispatch) -> int:

@@ -39,6 +39,7 @@ from renqueue.messages import (
     encode,
     is_terminal,
 )
+from renqueue.policy import is_healthy
 from renqueue.projection import (
     STALE_IN_FLIGHT,
     STATE_KEY,
@@ -52,7 +53,6 @@ from renqueue.projection import (
     encode_state,
     fold,
     fold_many,
-    is_healthy,
     rebuild,
 )
 from renqueue.provision import provision

@@ -47,7 +47,7 @@ from renqueue.messages import (
     kind_of,
 )
 from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.scheduling import promotions
+from renqueue.policy import promotions
 from renqueue.subjects import (
     DISPATCH_STREAM,
     DLQ_STREAM,

@@ -7,7 +7,7 @@ import pytest
 from renqueue.config import parse_config
 from renqueue.errors import MalformedRequestError, UnknownRouteError
 from renqueue.messages import ChatMessage, InferenceRequest
-from renqueue.router import BackendView, NoRoom, choose_backend, validate
+from renqueue.policy import BackendView, NoRoom, choose_backend, validate
 
 CONFIG = parse_config(
     {

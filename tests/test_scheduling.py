@@ -20,7 +20,7 @@ from renqueue.messages import (
     encode,
 )
 from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.scheduling import (
+from renqueue.policy import (
     LevelPolicy,
     aging_bound,
     effective_rank,

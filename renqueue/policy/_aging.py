@@ -1,4 +1,4 @@
-"""Scheduling decisions as plain functions: effective priority (aging) and pick order.
+"""Aging and pick order: a waiting request's effective priority, as plain functions.
 
 A request waits at the level it was submitted with. Each level may say how long
 a request waits there before it is *promoted* (``age_after``) and to which
@@ -18,20 +18,9 @@ the time for one slot to free (:func:`aging_bound`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from msgspec import Struct
-
-__all__ = [
-    "LevelPolicy",
-    "aging_bound",
-    "choose_victim",
-    "effective_rank",
-    "hopeless",
-    "may_preempt",
-    "pick_key",
-    "promotions",
-]
 
 
 class LevelPolicy(Struct, frozen=True, kw_only=True):
@@ -89,15 +78,21 @@ def pick_key(
     policies: Sequence[LevelPolicy],
     *,
     parent: tuple[int, float] | None = None,
+    boost: tuple[int, float] | None = None,
 ) -> tuple[int, float]:
     """Sort key for waiting requests: most urgent effective rank first, then oldest.
 
     ``parent`` is the (rank, submitted_at) of the request's parent: a child
     never competes below its parent's effective rank (priority inheritance).
+    ``boost`` is the most urgent (rank, submitted_at) among the requests that
+    coalesced onto this one: the shared call competes at its most urgent
+    waiter's effective rank. Neither changes the age the request is ordered by.
     """
     own = effective_rank(rank, max(0.0, now - submitted_at), policies)
     if parent is not None:
         own = min(own, effective_rank(parent[0], max(0.0, now - parent[1]), policies))
+    if boost is not None:
+        own = min(own, effective_rank(boost[0], max(0.0, now - boost[1]), policies))
     return (own, submitted_at)
 
 
@@ -112,43 +107,3 @@ def aging_bound(rank: int, policies: Sequence[LevelPolicy]) -> float | None:
     if not steps or steps[-1][0] != 0:
         return None
     return steps[-1][1]
-
-
-def may_preempt(rank: int, policies: Sequence[LevelPolicy]) -> bool:
-    """Whether a waiting request at effective ``rank`` may take a running one's slot."""
-    return policies[rank].preempts
-
-
-def choose_victim(
-    runs: Mapping[str, tuple[int, float]], rank: int, policies: Sequence[LevelPolicy]
-) -> str | None:
-    """Which run gives its slot to a request at effective ``rank``.
-
-    ``runs`` maps request id to (effective rank it runs at, start time). Only
-    preemptible runs strictly less urgent than ``rank`` qualify; the least
-    urgent goes first, and among those the most recently started (the least
-    work thrown away). ``None``: nothing may be preempted.
-    """
-    eligible = [
-        (run_rank, started, request_id)
-        for request_id, (run_rank, started) in runs.items()
-        if run_rank > rank and policies[run_rank].preemptible
-    ]
-    return max(eligible)[2] if eligible else None
-
-
-def hopeless(deadline: float, now: float, expected: Sequence[float | None]) -> float | None:
-    """Whether no candidate can finish before ``deadline``.
-
-    ``expected`` holds each capable candidate's expected call duration
-    (``None``: unknown, which is never hopeless). Returns the best estimate of
-    when the request could finish when that is past the deadline, else ``None``.
-    """
-    if not expected or any(duration is None for duration in expected):
-        return None
-    best = now + min(duration for duration in expected if duration is not None)
-    return best if best > deadline else None
-
-
-def policies_by_name(policies: Sequence[LevelPolicy]) -> Mapping[str, LevelPolicy]:
-    return {policy.name: policy for policy in policies}

@@ -1,0 +1,96 @@
+"""Every decision Ren-Queue makes, as plain functions of (state, input) -> output.
+
+No clock, no I/O, no NATS: the services (router, worker, projector) are loops
+that read the broker, ask these functions, and carry out what they answer.
+
+- Aging and pick order (``_aging``): :class:`LevelPolicy`, :func:`promotions`,
+  :func:`effective_rank`, :func:`pick_key`, :func:`aging_bound`.
+- One request's routing (``_routing``): :func:`validate`, :func:`capable`,
+  :func:`choose_backend`, :func:`hopeless`, :class:`BackendView`, :class:`NoRoom`.
+- A router's round (``_planner``): :func:`plan` over :class:`Waiting` requests
+  and :class:`BackendView` s, under a :class:`PlanPolicy`, answering
+  :data:`Action` s: :class:`Promote`, :class:`Inherit`, :class:`Expire`,
+  :class:`Bind`, :class:`AskPreemption`, :class:`Wait`.
+- Preemption (``_preemption``): :func:`may_preempt`, :func:`preempting_rank`,
+  :func:`choose_victim`.
+- A worker's failed run (``_failure``): :func:`after_failure` under a
+  :class:`FailurePolicy`, answering :class:`Retry`, :class:`RequeueElsewhere`
+  or :class:`Fail`; :func:`backoff`.
+- Backend health (``_health``): :func:`is_healthy`.
+"""
+
+from ._aging import LevelPolicy, aging_bound, effective_rank, pick_key, promotions
+from ._failure import (
+    INTERNAL,
+    Fail,
+    FailureAction,
+    FailurePolicy,
+    RequeueElsewhere,
+    Retry,
+    after_failure,
+    backoff,
+    retry_after,
+)
+from ._health import DEFAULT_COOLDOWN, DEFAULT_FAILURE_THRESHOLD, FaultRecord, is_healthy
+from ._planner import (
+    BIND_REASON,
+    DEADLINE_PASSED,
+    PREEMPT_RETRY,
+    Action,
+    AskPreemption,
+    Bind,
+    Expire,
+    Inherit,
+    PlanPolicy,
+    Promote,
+    Wait,
+    Waiting,
+    plan,
+    urgency,
+)
+from ._preemption import choose_victim, may_preempt, preempting_rank
+from ._routing import BackendView, NoRoom, capable, choose_backend, hopeless, validate
+
+__all__ = [
+    "BIND_REASON",
+    "DEADLINE_PASSED",
+    "DEFAULT_COOLDOWN",
+    "DEFAULT_FAILURE_THRESHOLD",
+    "INTERNAL",
+    "PREEMPT_RETRY",
+    "Action",
+    "AskPreemption",
+    "BackendView",
+    "Bind",
+    "Expire",
+    "Fail",
+    "FailureAction",
+    "FailurePolicy",
+    "FaultRecord",
+    "Inherit",
+    "LevelPolicy",
+    "NoRoom",
+    "PlanPolicy",
+    "Promote",
+    "RequeueElsewhere",
+    "Retry",
+    "Wait",
+    "Waiting",
+    "after_failure",
+    "aging_bound",
+    "backoff",
+    "capable",
+    "choose_backend",
+    "choose_victim",
+    "effective_rank",
+    "hopeless",
+    "is_healthy",
+    "may_preempt",
+    "pick_key",
+    "plan",
+    "preempting_rank",
+    "promotions",
+    "retry_after",
+    "urgency",
+    "validate",
+]

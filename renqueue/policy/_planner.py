@@ -1,0 +1,285 @@
+"""The round planner: what a router does with everything it holds, at one moment.
+
+:func:`plan` is a plain function of a snapshot: the requests waiting in a
+router (:class:`Waiting`, plain data, no NATS messages), what is known of each
+backend (:class:`~renqueue.policy.BackendView`: slots, health, tier, expected
+call duration), the time, and the rules (:class:`PlanPolicy`). It returns the
+round's decisions as actions, each carrying the reason that goes into its
+event; the router carries them out (the publishes, the acks) and keeps the
+bookkeeping they name.
+
+The rules, in the order the planner applies them:
+
+1. Order: most urgent *effective* level first (after aging, parent
+   inheritance and a coalesced follower's boost, :func:`pick_key`), then the
+   oldest (server time); ties keep the order the waiting requests were given in.
+2. For each request in that order, announce what changed about its level: each
+   promotion it earned by aging and has not announced yet (:class:`Promote`),
+   and a more urgent level inherited from its parent (:class:`Inherit`).
+3. :class:`Expire` it if its deadline passed, or if every healthy candidate's
+   expected call duration ends past the deadline (:func:`hopeless`: a candidate
+   with no estimate yet may still make it, so it is never hopeless).
+4. Else :class:`Bind` it to the first candidate of its route, in cascade order,
+   that is healthy, of a tier the request needs and has a free slot
+   (:func:`choose_backend`); the slot is used up for the rest of the round.
+5. Else it waits (:class:`Wait`), and if every capable candidate is full and its
+   level preempts (:func:`may_preempt`, at :func:`preempting_rank`), it asks
+   for a preemptible run's slot (:class:`AskPreemption`), unless a run was
+   already preempted for it (one per request) or it asked less than
+   ``preempt_retry`` seconds ago.
+
+Every waiting request gets exactly one of :class:`Expire`, :class:`Bind` or
+:class:`Wait`, after its announcements and before the next request's actions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import msgspec
+from msgspec import Struct
+
+from ..messages import InferenceRequest
+from ._aging import LevelPolicy, effective_rank, pick_key, promotions
+from ._preemption import may_preempt, preempting_rank
+from ._routing import BackendView, NoRoom, capable, choose_backend, hopeless
+
+#: Seconds before an urgent request that is still waiting asks for preemption again.
+PREEMPT_RETRY = 2.0
+
+#: ``Routed.reason`` of a binding.
+BIND_REASON = "first candidate in cascade order with a free slot"
+#: ``Expired.reason`` of a request whose deadline passed while it waited.
+DEADLINE_PASSED = "deadline passed while waiting to be routed"
+
+
+class PlanPolicy(Struct, frozen=True, kw_only=True):
+    """The rules a round is planned by: levels, routes and the preemption pace
+    (:meth:`renqueue.config.Config.plan_policy`)."""
+
+    #: Every level, most urgent first (index = rank).
+    levels: tuple[LevelPolicy, ...]
+    #: Each route's candidate backends, in cascade order (first = preferred).
+    routes: Mapping[str, tuple[str, ...]]
+    #: Seconds before a request whose ask found nothing to preempt asks again.
+    preempt_retry: float = PREEMPT_RETRY
+
+
+class Waiting(Struct, frozen=True, kw_only=True):
+    """One request a router holds, as the planner sees it.
+
+    ``ref`` is the router's handle for it, echoed in every action about it.
+    """
+
+    ref: int
+    request: InferenceRequest
+    #: The rank of the level it was submitted at.
+    rank: int
+    #: When its wait began, in server time.
+    submitted: float
+    #: The parent's (rank, submitted), when the request names a known parent.
+    parent: tuple[int, float] | None = None
+    #: The most urgent (rank, submitted) among requests that coalesced onto it.
+    boost: tuple[int, float] | None = None
+    #: Aging promotions already announced.
+    promoted: int = 0
+    #: The most urgent rank already announced as inherited.
+    inherited: int | None = None
+    #: When it last asked for a preemption.
+    preempt_asked: float | None = None
+    #: A run was preempted for it (or a confirm went unanswered): it never asks again.
+    preempted_one: bool = False
+
+
+class Promote(Struct, frozen=True, kw_only=True, tag=True):
+    """Announce an aging promotion (a ``promoted`` event, stamped ``at``)."""
+
+    ref: int
+    from_level: str
+    to_level: str
+    #: When it was earned: submit time + ``waited`` (not when it was noticed).
+    at: float
+    waited: float
+    #: Aging promotions announced once this one is: the new ``Waiting.promoted``.
+    promoted: int
+    #: ``Promoted.reason``: empty for aging (the event's schema says so).
+    reason: str = ""
+
+
+class Inherit(Struct, frozen=True, kw_only=True, tag=True):
+    """Announce that a child competes at its parent's more urgent level."""
+
+    ref: int
+    from_level: str
+    to_level: str
+    #: The rank inherited: the new ``Waiting.inherited``.
+    rank: int
+    at: float
+    waited: float
+    reason: str
+
+
+class Expire(Struct, frozen=True, kw_only=True, tag=True):
+    """End the request ``expired`` (stage ``queued``): it cannot finish in time."""
+
+    ref: int
+    reason: str
+
+
+class Bind(Struct, frozen=True, kw_only=True, tag=True):
+    """Dispatch the request to ``backend`` (a ``routed`` event with ``reason``)."""
+
+    ref: int
+    backend: str
+    #: The rank it competed at (passed down to backends that take a priority).
+    effective_rank: int
+    reason: str = BIND_REASON
+
+
+class AskPreemption(Struct, frozen=True, kw_only=True, tag=True):
+    """Ask the workers of ``backends`` to free a slot for the request, at ``rank``.
+
+    Carrying it out sets ``Waiting.preempt_asked`` to the round's time.
+    """
+
+    ref: int
+    rank: int
+    #: Its capable candidates, in cascade order (every one of them full).
+    backends: tuple[str, ...]
+    reason: str
+
+
+class Wait(Struct, frozen=True, kw_only=True, tag=True):
+    """Keep holding the request: no candidate can take it now."""
+
+    ref: int
+    #: The backends whose freed slots could change that: its route's candidates.
+    backends: tuple[str, ...]
+    reason: str
+
+
+Action = Promote | Inherit | Expire | Bind | AskPreemption | Wait
+
+
+def urgency(item: Waiting, now: float, levels: Sequence[LevelPolicy]) -> tuple[int, float]:
+    """The sort key of a waiting request: (effective rank, submit time); smaller first."""
+    return pick_key(item.rank, item.submitted, now, levels, parent=item.parent, boost=item.boost)
+
+
+def plan(
+    waiting: Sequence[Waiting],
+    backends: Mapping[str, BackendView],
+    now: float,
+    policy: PlanPolicy,
+) -> list[Action]:
+    """The round's decisions for ``waiting`` at ``now`` (see the module docstring).
+
+    ``backends`` is the load and health at the start of the round; a binding
+    uses up its slot for the requests after it. Pure: no clock, no I/O, the
+    arguments are not changed.
+    """
+    levels = policy.levels
+    views = dict(backends)
+    actions: list[Action] = []
+    for item in sorted(waiting, key=lambda item: urgency(item, now, levels)):
+        actions.extend(_announcements(item, now, levels))
+        request = item.request
+        candidates = policy.routes.get(request.route, ())
+        if request.deadline is not None:
+            if now >= request.deadline:
+                actions.append(Expire(ref=item.ref, reason=DEADLINE_PASSED))
+                continue
+            finish = hopeless(
+                request.deadline,
+                now,
+                [
+                    views[name].expected_duration
+                    for name in candidates
+                    if name in views and views[name].healthy
+                ],
+            )
+            if finish is not None:
+                late = finish - request.deadline
+                reason = (
+                    "cannot meet the deadline on any candidate: "
+                    f"the fastest would finish {late:.1f} s late"
+                )
+                actions.append(Expire(ref=item.ref, reason=reason))
+                continue
+        choice = choose_backend(request, candidates, views)
+        if isinstance(choice, NoRoom):
+            if choice is NoRoom.FULL:
+                ask = _preemption(item, candidates, views, now, policy)
+                if ask is not None:
+                    actions.append(ask)
+            actions.append(Wait(ref=item.ref, backends=tuple(candidates), reason=choice.value))
+            continue
+        view = views[choice]
+        views[choice] = msgspec.structs.replace(view, in_flight=view.in_flight + 1)
+        actions.append(
+            Bind(ref=item.ref, backend=choice, effective_rank=urgency(item, now, levels)[0])
+        )
+    return actions
+
+
+def _announcements(
+    item: Waiting, now: float, levels: Sequence[LevelPolicy]
+) -> list[Promote | Inherit]:
+    """The promotions ``item`` earned and has not announced, then a new inheritance."""
+    waited = max(0.0, now - item.submitted)
+    steps = promotions(item.rank, waited, levels)
+    ranks = [item.rank] + [rank for rank, _after in steps]
+    announced: list[Promote | Inherit] = [
+        Promote(
+            ref=item.ref,
+            from_level=levels[ranks[index]].name,
+            to_level=levels[to_rank].name,
+            at=item.submitted + after,
+            waited=after,
+            promoted=index + 1,
+        )
+        for index, (to_rank, after) in enumerate(steps)
+        if index >= item.promoted
+    ]
+    if item.parent is None:
+        return announced
+    own = effective_rank(item.rank, waited, levels)
+    # The parent's level only: a coalesced follower's boost is not an inheritance.
+    inherited = min(own, effective_rank(item.parent[0], max(0.0, now - item.parent[1]), levels))
+    if inherited < own and (item.inherited is None or inherited < item.inherited):
+        announced.append(
+            Inherit(
+                ref=item.ref,
+                from_level=levels[own].name,
+                to_level=levels[inherited].name,
+                rank=inherited,
+                at=now,
+                waited=waited,
+                reason=f"inherited from parent {item.request.parent_id}",
+            )
+        )
+    return announced
+
+
+def _preemption(
+    item: Waiting,
+    candidates: Sequence[str],
+    views: Mapping[str, BackendView],
+    now: float,
+    policy: PlanPolicy,
+) -> AskPreemption | None:
+    """An ask for a slot, if ``item`` (every capable slot full) may and should ask now."""
+    rank = preempting_rank(item.rank, item.parent)
+    if not may_preempt(rank, policy.levels):
+        return None
+    if item.preempted_one or (
+        item.preempt_asked is not None and now - item.preempt_asked < policy.preempt_retry
+    ):
+        return None
+    level = policy.levels[rank].name
+    return AskPreemption(
+        ref=item.ref,
+        rank=rank,
+        backends=tuple(view.name for view in capable(item.request, candidates, views)),
+        reason=f"every capable slot is taken and level {level} preempts",
+    )
