@@ -44,6 +44,8 @@ LEASE_MARGIN: Final = 0.25
 #: nats-py reports a compare-and-set on a stale revision as this API error
 #: code when it does not map it to KeyWrongLastSequenceError.
 _WRONG_LAST_SEQUENCE: Final = 10071
+#: ... and this one on a cluster, for a delete (nats-py maps it for create/update only).
+_WRONG_LAST_SEQUENCE_CLUSTERED: Final = 10164
 
 
 class Lease:
@@ -161,7 +163,7 @@ class Lease:
         except (KeyWrongLastSequenceError, KeyNotFoundError):
             pass  # already someone else's, or expired: nothing to give up
         except BadRequestError as exc:
-            if exc.err_code != _WRONG_LAST_SEQUENCE:
+            if exc.err_code not in (_WRONG_LAST_SEQUENCE, _WRONG_LAST_SEQUENCE_CLUSTERED):
                 raise
 
     def _granted(self, revision: int, sent: float, *, new_term: bool) -> None:

@@ -130,6 +130,7 @@ from .subjects import (
     DISPATCH_STREAM,
     EVENTS_STREAM,
     FETCH_TIMEOUT,
+    LEASE_BUCKET,
     REQUESTS_STREAM,
     SHUTDOWN_NAK_DELAY,
     boost_subject,
@@ -167,6 +168,8 @@ _ACKS_TIMEOUT: Final = 10.0
 
 #: Requests whose failed dispatches a router remembers (oldest forgotten first).
 _FAILURES_KEPT: Final = 10_000
+#: A binder one of whose binding loops failed this many times in a row gives the lease up.
+_GIVE_UP_AFTER_FAILURES: Final = 3
 
 
 def stored_at(msg: Any) -> float:
@@ -312,10 +315,11 @@ class Router:
         self._binding_loops: list[str] = []
         self._pull_subs: list[Any] = []
         self._consumer_configs: list[dict[str, Any]] = []
-        #: Since when a binding loop has been down (loop time), and until when
-        #: this router stays out of the race for the lease after giving it up.
-        self._failing_since: float | None = None
+        #: Until when (loop time) this router stays out of the race for the
+        #: lease after giving it up.
         self._sit_out_until = 0.0
+        #: Terms begin and end one at a time (the lease and renewal loops both end them).
+        self._term_lock = asyncio.Lock()
         self.routed = 0
         self.rejected = 0
 
@@ -327,6 +331,11 @@ class Router:
     def binding(self) -> bool:
         """Whether this router holds the binder's lease and its loops run."""
         return self._term is not None
+
+    @property
+    def lease_ttl(self) -> float:
+        """The lease's ttl this router judges validity by (see :meth:`start`)."""
+        return self._lease.ttl
 
     @property
     def holder(self) -> str:
@@ -344,10 +353,20 @@ class Router:
         self._capacity_sub = await self._nc.subscribe(capacity_subject("*"), cb=self._on_freed)
         self._subs.append(self._capacity_sub)
         self._subs.append(await self._nc.subscribe(boost_subject("*"), cb=self._on_boost))
+        ttl = self._lease.ttl
+        with contextlib.suppress(Exception):
+            # The server expires the lease by the bucket's max_age, which the
+            # last process to provision set: judge validity by the shorter.
+            info = await self._js.stream_info(f"KV_{LEASE_BUCKET}")
+            if info.config.max_age:
+                ttl = min(ttl, float(info.config.max_age))
+        self._lease.ttl = ttl
         # One attempt now, so a lone router binds as soon as it has started.
         if await self._lease.try_acquire():
-            await self._begin_term()
+            async with self._term_lock:
+                await self._begin_term()
         self._supervise("lease", self._lease_loop)
+        self._supervise("renew", self._renew_loop)
         log.info(
             "router started",
             router=self._name,
@@ -358,18 +377,15 @@ class Router:
     # ------------------------------------------------------------- the lease
 
     async def _lease_loop(self) -> None:
-        """Hold the binder's lease, or wait for it; begin and end terms.
+        """Seek the binder's lease while not holding it; begin a term once held.
 
-        A renewal that raises (a timeout, a reconnect) ends the loop for the
-        supervisor to restart: the lease stays held, and binding is fenced
-        (:meth:`Lease.valid`) until a renewal succeeds again. A renewal that
-        finds the lease lost ends the term at once. A binder one of whose
-        binding loops has been failing for ``2 * ttl`` gives the lease up and
-        stays out of the race for ``5 * ttl``, so a healthy router binds.
+        Renewals run in their own loop (:meth:`_renew_loop`), so a term that
+        is slow to begin (re-creating consumers on a cluster) never lets the
+        lease run out. A term begins only while the lease is valid, so a
+        router whose lease expired meanwhile never re-creates the consumers
+        of a binder that took over.
         """
-        ttl = self._lease.ttl
-        renew_every = ttl / 5
-        poll = min(0.1, renew_every)
+        poll = min(0.1, self._lease.ttl / 5)
         loop = asyncio.get_running_loop()
         while True:
             if not self._lease.held and (
@@ -377,25 +393,41 @@ class Router:
             ):
                 await asyncio.sleep(poll)
                 continue
-            if self._term != self._lease.term:
-                await self._begin_term()
-            await asyncio.sleep(renew_every)
-            if not await self._lease.renew():
-                await self._end_term("the binder's lease was lost")
-                continue
-            if self._binding_healthy():
-                self._failing_since = None
-                continue
-            if self._failing_since is None:
-                self._failing_since = loop.time()
-            elif loop.time() - self._failing_since >= 2 * ttl:
-                self._failing_since = None
-                self._sit_out_until = loop.time() + 5 * ttl
-                await self._end_term("a binding loop keeps failing")
-                await self._lease.release()
+            if self._term != self._lease.term and self._lease.valid():
+                async with self._term_lock:
+                    if self._term != self._lease.term and self._lease.valid():
+                        await self._begin_term()
+            await asyncio.sleep(poll)
 
-    def _binding_healthy(self) -> bool:
-        return all(self._supervisor.healthy(self._loop_name(name)) for name in self._binding_loops)
+    async def _renew_loop(self) -> None:
+        """Renew the lease every ``ttl / 5`` while held; end the term when it is lost.
+
+        A renewal that raises (a timeout, a reconnect) ends the loop for the
+        supervisor to restart: the lease stays held, and binding is fenced
+        (:meth:`Lease.valid`) until a renewal succeeds again. A binder one of
+        whose binding loops failed 3 times in a row gives the lease up and
+        stays out of the race for ``5 * ttl``, so a healthy router binds.
+        """
+        ttl = self._lease.ttl
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(ttl / 5)
+            if not self._lease.held:
+                continue
+            if not await self._lease.renew():
+                async with self._term_lock:
+                    await self._end_term("the binder's lease was lost")
+                continue
+            failing = [
+                name
+                for name in self._binding_loops
+                if self._supervisor.failures(self._loop_name(name)) >= _GIVE_UP_AFTER_FAILURES
+            ]
+            if failing and self._term is not None:
+                self._sit_out_until = loop.time() + 5 * ttl
+                async with self._term_lock:
+                    await self._end_term(f"a binding loop keeps failing: {', '.join(failing)}")
+                await self._lease.release()
 
     async def _begin_term(self) -> None:
         """This router holds the lease: take the router consumers over and bind.
@@ -460,7 +492,8 @@ class Router:
         # Jobs cut short leave their follower in its group: its leader's hand-out ends it.
         await self._supervisor.stop(*self._loops, *self._supervisor.jobs(self._job_prefix))
         self._loops.clear()
-        await self._end_term(None)
+        async with self._term_lock:
+            await self._end_term(None)
         for timer in self._follower_timers:
             timer.cancel()
         self._follower_timers.clear()
@@ -935,6 +968,9 @@ class Router:
             name for item in held for name in self._config.routes[item.request.route].backends
         }
         await self._capacity.refresh(sorted(wanted))
+        if not self._lease.valid():
+            # The lease may have passed on while the load was read: decide nothing.
+            return sorted(wanted)
         # Requests dropped while the refresh was awaited (cancelled, handed
         # back) are no longer this router's to bind.
         present = {id(item) for queue in self._held.values() for item in queue}

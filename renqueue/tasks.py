@@ -139,6 +139,12 @@ class Supervisor:
         loop = self._loops.get(name)
         return loop is not None and loop.running
 
+    def failures(self, name: str) -> int:
+        """Loop ``name``'s failures in a row (0 for an unknown loop); reset after
+        ``HEALTHY_AFTER`` seconds of running without one."""
+        loop = self._loops.get(name)
+        return 0 if loop is None else loop.failures
+
     async def stop(self, *names: str) -> None:
         """Cancel the named loops (or jobs) and wait until they have ended; forget them.
 

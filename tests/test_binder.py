@@ -35,6 +35,7 @@ from renqueue.lease import Lease
 from renqueue.messages import Routed
 from renqueue.mockbackend import MockBackend, MockSettings
 from renqueue.provision import provision
+from renqueue.router import Router
 from renqueue.subjects import DISPATCH_STREAM, REQUESTS_STREAM, router_consumer
 
 TENANT = "t"
@@ -218,5 +219,28 @@ async def test_a_lease_has_one_holder_expires_with_its_holder_and_can_be_given_u
         assert await a.try_acquire()
         entry = await (await js.key_value("rq-leases")).get("role")
         assert entry.value == b"a"
+    finally:
+        await nc.close()
+
+
+async def test_a_router_judges_its_lease_by_the_buckets_expiry_when_that_is_shorter(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Review finding: validity was judged by the router's own ``lease_ttl``
+    while the server expires the lease by the bucket's ``max_age``, which the
+    last process to provision set; two leases could then be valid at once."""
+    short = parse_config({"router": {"lease_ttl": "1s"}})
+    long = parse_config({"router": {"lease_ttl": "5s"}})
+    nc = await connect(isolated_server.url, name="ttl")
+    try:
+        await provision(nc, long)
+        await provision(nc, short)  # the bucket now expires entries after 1 s
+        router = Router(nc, nc.jetstream(), long, name="long")
+        await router.start()
+        try:
+            assert router.binding
+            assert router.lease_ttl == pytest.approx(1.0)
+        finally:
+            await router.stop()
     finally:
         await nc.close()
