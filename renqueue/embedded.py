@@ -450,6 +450,8 @@ class EmbeddedServer:
             if result is not None:
                 return result
             if self._reader.done() or self._process.returncode is not None:
+                # Exited: let the reader take in the last lines (the reason) first.
+                await asyncio.wait({self._reader}, timeout=_READER_GRACE)
                 returncode = await self._process.wait()
                 raise EmbeddedServerError(
                     f"nats-server exited with status {returncode} while starting:\n"
