@@ -295,6 +295,11 @@ async def unterminated_chunk(request: web.Request) -> web.StreamResponse:
     return await sse(request, CHUNK % "a" + CHUNK.rstrip("\n") % "b")
 
 
+async def burst(request: web.Request) -> web.StreamResponse:
+    """Five token events, in one write: one network read on the other side."""
+    return await sse(request, "".join(CHUNK % t for t in "abcde") + "data: [DONE]\n\n")
+
+
 async def no_usage(request: web.Request) -> web.StreamResponse:
     return await sse(request, CHUNK % "a" + CHUNK % "b" + CHUNK % "c" + "data: [DONE]\n\n")
 
@@ -350,6 +355,7 @@ HTTP_DATE = format_datetime(datetime.now(UTC) + timedelta(hours=1), usegmt=True)
 SCENARIOS: dict[str, Handler] = {
     "odd": odd_stream,
     "cr-only": cr_only,
+    "burst": burst,
     "error-type": error_type_event,
     "huge-line": huge_line,
     "unterminated": unterminated_chunk,
@@ -429,6 +435,16 @@ async def test_sse_comments_crlf_and_usage_only_chunk(
     assert "".join(d.text for d in deltas[:-1]) == "Hello"
     assert deltas[-1].usage == Usage(prompt_tokens=7, completion_tokens=2)
     assert deltas[-1].finish_reason == "stop"
+
+
+async def test_events_that_arrive_in_one_read_become_one_delta(
+    scripted_backend: Callable[[str], OpenAIBackend],
+) -> None:
+    # The worker publishes one chunk per delta: a burst costs one publish.
+    deltas = await collect(scripted_backend("burst"), make_request())
+    assert [d.text for d in deltas if d.text] == ["abcde"]
+    # Each event still counts as a token where the backend reports no usage.
+    assert deltas[-1].usage == Usage(prompt_tokens=2, completion_tokens=5)
 
 
 async def test_cr_only_line_endings_stream(
