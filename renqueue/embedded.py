@@ -468,7 +468,6 @@ class EmbeddedServer:
 
     async def _read_ports_file(self) -> _PortsFile | None:
         """The server's ports file, once it is there, whole, with a client URL."""
-        assert self._process is not None
         # Named after the executable and pid; any name is taken, as a wrapper
         # script may exec the server under another name (stale ones are gone).
         for path in self.data_dir.glob("*.ports"):
