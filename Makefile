@@ -17,8 +17,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/renqueue demo
 
+# The suite runs on TEST_WORKERS processes (pytest-xdist; 0 = in this process).
+# Two for two cores: its time is mostly waiting, and every test starts its own
+# servers on random ports (a session's shared nats-server is one per worker).
+# worksteal: an idle worker takes queued tests from a busy one, so a few long
+# tests landing on one worker do not leave the other idle at the end.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) lint typecheck
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(STAMP)
 	$(BIN)/ruff check renqueue tests bench examples

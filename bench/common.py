@@ -9,6 +9,7 @@ import importlib.metadata
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -23,13 +24,20 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
-def percentile(values: Sequence[float], pct: float) -> float:
-    """Nearest-rank percentile; NaN for no values."""
+def percentile(values: Sequence[float], pct: int) -> float:
+    """The ``pct``-th percentile (1..99) of ``values``; NaN for no values.
+
+    ``statistics.quantiles(method="inclusive")``: linear interpolation between
+    the two closest ranks, the minimum counting as the 0th percentile and the
+    maximum as the 100th (numpy's default, "type 7"). So p50 is the median and
+    a percentile never lies outside the values seen. (The hand-written version
+    this replaces took the closest of those two ranks instead of interpolating.)
+    """
     if not values:
         return float("nan")
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
-    return ordered[index]
+    if len(values) == 1:
+        return float(values[0])  # quantiles() wants two points
+    return statistics.quantiles(values, n=100, method="inclusive")[pct - 1]
 
 
 def git_commit() -> str:

@@ -537,9 +537,10 @@ class Client:
         dedupe_key: str | None = None,
         coalesce: bool = False,
     ) -> InferenceRequest:
-        """Build and validate a request. ``timeout`` (seconds from now) sets ``deadline``.
+        """Build and validate a request, without sending it (see :meth:`submit_request`).
 
-        Raises :class:`MalformedRequestError` naming the bad field.
+        The parameters are those of :meth:`submit`. Raises
+        :class:`MalformedRequestError` naming the bad field.
         """
         if isinstance(prompt, str):
             messages: list[Any] = [{"role": "user", "content": prompt}]
@@ -581,10 +582,86 @@ class Client:
             raise MalformedRequestError(str(exc), request_id=str(raw["id"])) from exc
 
     async def submit(
-        self, prompt: str | Iterable[ChatMessage | Mapping[str, str]], **options: Any
+        self,
+        prompt: str | Iterable[ChatMessage | Mapping[str, str]],
+        *,
+        route: str,
+        priority: str = "normal",
+        request_id: str | None = None,
+        system: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - sets the request's deadline
+        deadline: float | None = None,
+        max_cost: float | None = None,
+        complexity: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+        parent_id: str | None = None,
+        dedupe_key: str | None = None,
+        coalesce: bool = False,
     ) -> RequestHandle:
-        """Submit a request (see :meth:`build_request` for the options)."""
-        return await self.submit_request(self.build_request(prompt, **options))
+        """Submit a request; the handle streams its tokens and waits for its result.
+
+        Idempotent on ``request_id``: submitting the same id again returns a
+        handle on the original (``handle.duplicate``), within the stream's
+        duplicate window.
+
+        Args:
+            prompt: The user's message, or the whole conversation as
+                :class:`ChatMessage` objects or ``{"role", "content"}`` mappings.
+            route: The model group to run on (a ``[routes.<name>]`` of the config).
+            priority: A level name from the config (``critical``, ``high``,
+                ``normal``, ``low``, ``batch`` by default).
+            request_id: The id (letters, digits, ``_``, ``-``; up to 128); a
+                random one when ``None``. Scoped by tenant.
+            system: A system message put before the prompt.
+            max_tokens: Upper bound on generated tokens (backend default if ``None``).
+            temperature: Sampling temperature (backend default if ``None``).
+            top_p: Nucleus sampling (backend default if ``None``).
+            stop: Stop sequences (backend default if ``None``).
+            seed: Sampling seed, for backends that take one.
+            timeout: Seconds from now until the deadline; overrides ``deadline``.
+            deadline: The deadline as a Unix time in seconds. A request not
+                finished by then ends expired. ``None``: no deadline.
+            max_cost: A spend ceiling in US dollars, carried in the request
+                (no router acts on it yet).
+            complexity: The lowest backend tier that can do the job (0-100).
+            metadata: Up to 64 string pairs carried along, for your own use.
+            parent_id: A request this one is part of: it never runs at a lower
+                effective priority than that parent (same tenant).
+            dedupe_key: Requests of this tenant with the same key share one
+                backend call.
+            coalesce: Share a call with identical requests (same route,
+                messages and parameters).
+
+        Raises:
+            MalformedRequestError: A parameter fails validation (the field is named).
+            UnknownPriorityError: No stream takes ``priority``.
+        """
+        request = self.build_request(
+            prompt,
+            route=route,
+            priority=priority,
+            request_id=request_id,
+            system=system,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
+            timeout=timeout,
+            deadline=deadline,
+            max_cost=max_cost,
+            complexity=complexity,
+            metadata=metadata,
+            parent_id=parent_id,
+            dedupe_key=dedupe_key,
+            coalesce=coalesce,
+        )
+        return await self.submit_request(request)
 
     async def submit_request(self, request: InferenceRequest) -> RequestHandle:
         """Submit a built request. Idempotent on ``request.id``."""

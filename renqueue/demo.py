@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -132,11 +133,15 @@ def _workload(count: int, rng: random.Random) -> list[tuple[str, str]]:
     ]
 
 
-def _percentile(values: list[float], pct: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
+def _percentile(values: list[float], pct: int) -> float:
+    """The ``pct``-th percentile (1..99), interpolated between the closest ranks.
+
+    ``method="inclusive"`` takes the values as the whole population: the
+    minimum is the 0th percentile and the maximum the 100th (numpy's default).
+    """
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[pct - 1]
 
 
 _RESTART_LEGEND = (

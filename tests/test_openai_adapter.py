@@ -269,6 +269,37 @@ async def odd_stream(request: web.Request) -> web.StreamResponse:
     )
 
 
+async def cr_only(request: web.Request) -> web.StreamResponse:
+    """Old-Mac line endings (CR alone), which a split on LF would never end."""
+    body = CHUNK % "Hel" + CHUNK % "lo" + "data: [DONE]\n\n"
+    return await sse(request, body.replace("\n", "\r"))
+
+
+async def error_type_event(request: web.Request) -> web.StreamResponse:
+    body = CHUNK % "x" + 'event: error\ndata: {"error": {"message": "overloaded"}}\n\n'
+    return await sse(request, body)
+
+
+async def huge_line(request: web.Request) -> web.StreamResponse:
+    # One line over the parser's 4 MiB bound, in many writes, never ended.
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write((CHUNK % "x").encode() + b"data: ")
+    for _ in range(65):
+        await response.write(b"y" * 65536)
+    return response
+
+
+async def unterminated_chunk(request: web.Request) -> web.StreamResponse:
+    # The last event has no blank line and there is no [DONE]: dropped (spec).
+    return await sse(request, CHUNK % "a" + CHUNK.rstrip("\n") % "b")
+
+
+async def burst(request: web.Request) -> web.StreamResponse:
+    """Five token events, in one write: one network read on the other side."""
+    return await sse(request, "".join(CHUNK % t for t in "abcde") + "data: [DONE]\n\n")
+
+
 async def no_usage(request: web.Request) -> web.StreamResponse:
     return await sse(request, CHUNK % "a" + CHUNK % "b" + CHUNK % "c" + "data: [DONE]\n\n")
 
@@ -323,6 +354,11 @@ HTTP_DATE = format_datetime(datetime.now(UTC) + timedelta(hours=1), usegmt=True)
 
 SCENARIOS: dict[str, Handler] = {
     "odd": odd_stream,
+    "cr-only": cr_only,
+    "burst": burst,
+    "error-type": error_type_event,
+    "huge-line": huge_line,
+    "unterminated": unterminated_chunk,
     "no-usage": no_usage,
     "truncated": truncated,
     "garbage": garbage,
@@ -401,6 +437,24 @@ async def test_sse_comments_crlf_and_usage_only_chunk(
     assert deltas[-1].finish_reason == "stop"
 
 
+async def test_events_that_arrive_in_one_read_become_one_delta(
+    scripted_backend: Callable[[str], OpenAIBackend],
+) -> None:
+    # The worker publishes one chunk per delta: a burst costs one publish.
+    deltas = await collect(scripted_backend("burst"), make_request())
+    assert [d.text for d in deltas if d.text] == ["abcde"]
+    # Each event still counts as a token where the backend reports no usage.
+    assert deltas[-1].usage == Usage(prompt_tokens=2, completion_tokens=5)
+
+
+async def test_cr_only_line_endings_stream(
+    scripted_backend: Callable[[str], OpenAIBackend],
+) -> None:
+    deltas = await collect(scripted_backend("cr-only"), make_request())
+    assert "".join(d.text for d in deltas) == "Hello"
+    assert deltas[-1].usage is not None
+
+
 async def test_missing_usage_is_estimated(scripted_backend: Callable[[str], OpenAIBackend]) -> None:
     deltas = await collect(scripted_backend("no-usage"), make_request(content="x" * 40))
     # 40 prompt chars / 4; one completion token per content delta.
@@ -425,6 +479,9 @@ async def test_json_answer_to_a_stream_request_is_accepted(
         ("garbage", "malformed stream chunk"),
         ("error-event", "model crashed"),
         ("dropped", "RemoteProtocolError"),
+        ("error-type", "overloaded"),
+        ("huge-line", "line longer than 4194304 bytes"),
+        ("unterminated", "before [DONE]"),
     ],
 )
 async def test_broken_streams_are_retryable(
@@ -440,7 +497,8 @@ async def test_broken_streams_are_retryable(
     with pytest.raises(RetryableBackendError) as caught:
         await consume()
     assert fragment in str(caught.value)
-    assert texts in ([], ["x"], ["partial"])  # what came before the break was passed on
+    # What came before the break was passed on; an unterminated event was not.
+    assert texts in ([], ["x"], ["partial"], ["a"])
     assert_secret_free(caught.value, adapter)
 
 

@@ -48,6 +48,7 @@ from ..errors import (
     RetryableBackendError,
 )
 from ..messages import InferenceRequest, Usage
+from ._sse import ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation
 
 __all__ = ["OpenAIBackend", "RateLimitInfo", "parse_reset", "parse_retry_after", "rate_limit_info"]
@@ -275,7 +276,7 @@ def _usage(wire: _WireUsage | None, request: InferenceRequest, completion_estima
 
 
 class _StreamState:
-    """Folds SSE ``data`` payloads into text, finish reason and usage."""
+    """Folds server-sent events into text, finish reason and usage."""
 
     __slots__ = ("deltas", "done", "finish_reason", "usage")
 
@@ -285,12 +286,16 @@ class _StreamState:
         self.finish_reason: str | None = None
         self.usage: _WireUsage | None = None
 
-    def feed(self, data: str) -> str:
-        """Take one event's data; return the text it adds ("" for none).
+    def feed(self, event: ServerSentEvent) -> str:
+        """Take one event; return the text it adds ("" for none).
 
         Raises ``msgspec.DecodeError`` for a chunk that is not valid JSON of
-        the expected shape, ``LookupError`` for an in-band error event.
+        the expected shape, ``LookupError`` for an in-band error: an
+        ``error`` field in the data, or an event of type ``error``.
         """
+        data = event.data
+        if event.event == "error":
+            raise LookupError(data or "error event in stream")
         if data == "[DONE]":
             self.done = True
             return ""
@@ -461,9 +466,9 @@ class OpenAIBackend:
         state: _StreamState,
         request: InferenceRequest,
     ) -> AsyncIterator[Delta]:
-        """The SSE parse. Everything that arrived in one network read becomes
-        one :class:`Delta`: a fast backend's burst of tokens costs one publish
-        downstream, and a slow one's single token is not held back."""
+        """The SSE parse (:mod:`._sse`). Everything that arrived in one network
+        read becomes one :class:`Delta`: a fast backend's burst of tokens costs
+        one publish downstream, and a slow one's single token is not held back."""
         async with pool.stream(
             "POST",
             self._url,
@@ -487,29 +492,23 @@ class OpenAIBackend:
                 )
                 state.finish_reason = generation.finish_reason
                 return
-            data: list[str] = []
-            partial = ""
-            async for piece in response.aiter_text():
-                lines = (partial + piece).split("\n")
-                partial = lines.pop()  # an incomplete line waits for the next read
-                text = ""
-                for raw in lines:
-                    line = raw.removesuffix("\r")
-                    if line.startswith("data:"):
-                        data.append(line[6:] if line.startswith("data: ") else line[5:])
-                    elif not line and data:
-                        # A blank line ends an event (multi-line data joins with \n).
-                        text += self._feed(state, "\n".join(data), request)
-                        data.clear()
-                    # Other lines: ":" comments (keep-alives), event:, id:, retry:.
-                if text:
-                    yield Delta(text=text)
-            if partial.startswith("data:"):
-                data.append(partial[6:] if partial.startswith("data: ") else partial[5:])
-            if data:  # the last event, when the body ends without a blank line
-                text = self._feed(state, "\n".join(data), request)
-                if text:
-                    yield Delta(text=text)
+            decoder = SSEDecoder()
+            try:
+                async for piece in response.aiter_bytes():
+                    text = ""
+                    for event in decoder.feed(piece):
+                        text += self._feed(state, event, request)
+                    if text:
+                        yield Delta(text=text)
+                # The spec drops an event whose blank line never came; a bare
+                # [DONE] there is taken (servers that close right after it).
+                last = decoder.finish()
+            except SSEError as exc:
+                raise RetryableBackendError(
+                    f"malformed stream: {exc}", backend=self._name, request_id=request.id
+                ) from exc
+            if last is not None and last.data == "[DONE]":
+                state.done = True
 
     async def complete(
         self, request: InferenceRequest, *, priority: int | None = None
@@ -551,9 +550,9 @@ class OpenAIBackend:
         if info is not None:
             self.last_rate_limit = info
 
-    def _feed(self, state: _StreamState, data: str, request: InferenceRequest) -> str:
+    def _feed(self, state: _StreamState, event: ServerSentEvent, request: InferenceRequest) -> str:
         try:
-            return state.feed(data)
+            return state.feed(event)
         except msgspec.DecodeError as exc:
             raise RetryableBackendError(
                 f"malformed stream chunk: {self._redact(str(exc))}",
