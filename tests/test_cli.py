@@ -17,6 +17,7 @@ import pytest
 
 from renqueue import Client, demo
 from renqueue.demo import run_demo
+from renqueue.embedded import EmbeddedServer
 from renqueue.mockbackend import MockBackend, MockSettings
 
 ROOT = Path(__file__).parents[1]
@@ -281,3 +282,47 @@ async def test_up_without_a_config_file_says_so(tmp_path: Path) -> None:
     text = "".join(lines)
     assert "no config file (./renqueue.toml not found" in text, text
     assert "no routes configured" in text, text
+
+
+async def test_the_committed_config_runs_its_local_backends_when_cloud_keys_are_unset(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """Issue #6 item 25: `renqueue up` with the committed renqueue.toml and no
+    API key in the environment takes each keyless backend out with one warning
+    naming its field, and runs the rest (the local backends)."""
+    keyless = {"groq-llama-8b": "GROQ_API_KEY", "openrouter-free": "OPENROUTER_API_KEY",
+               "openai-mini": "OPENAI_API_KEY"}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in keyless.values() and not k.startswith("RENQUEUE_")
+    }
+    # The committed file as it is; only the server is the test's (its port is
+    # the default 4222 in the file): the documented override.
+    env["RENQUEUE_NATS_URL"] = isolated_server.url
+    log = tmp_path / "up.log"
+    with log.open("wb") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "renqueue", "-c", str(ROOT / "renqueue.toml"), "up",
+            cwd=tmp_path, stdout=sink, stderr=sink, env=env,
+        )  # fmt: skip
+    try:
+        text = await until_logged(log, "running; Ctrl-C to stop", proc)
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), 30)
+    lines = text.splitlines()
+    warnings = [line for line in lines if "backend taken out of service" in line]
+    assert len(warnings) == len(keyless), text
+    for name, variable in keyless.items():
+        [line] = [w for w in warnings if f"$.backends.{name}.api_key_env" in w]
+        assert f"{variable} is not set" in line
+    started = {
+        json.loads(line)["backend"]
+        for line in lines
+        if line.startswith("{") and json.loads(line).get("event") == "worker started"
+    }
+    assert started == {"local-llama-8b", "local-qwen-32b"}
+    assert "Traceback" not in text
+    assert code == 0, text
