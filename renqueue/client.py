@@ -437,6 +437,26 @@ class RequestHandle:
         return event
 
 
+class _Waiter:
+    """The future of one request's terminal event, shared by every handle of
+    this client that follows it through the tap.
+
+    ``holders`` counts the submits of the request still being published and
+    the handles given the future: it is dropped only when none is left, so a
+    submit whose publish raised, or was a duplicate, never takes it from a
+    resubmit that shares it. ``stored``: a submit of this client stored the
+    request (a publish that was no duplicate), after the tap was following
+    events, so the tap (or a sweep of the log) sees its end.
+    """
+
+    __slots__ = ("future", "holders", "stored")
+
+    def __init__(self, future: asyncio.Future[Event]) -> None:
+        self.future = future
+        self.holders = 0
+        self.stored = False
+
+
 class Client:
     """Submits requests for one tenant. Create with :meth:`connect` or from an open connection."""
 
@@ -461,7 +481,7 @@ class Client:
         self._tap_wake = asyncio.Event()  # a gap was seen: sweep the waiters
         self._tap_watch: asyncio.Task[None] | None = None
         self._tap_lock = asyncio.Lock()
-        self._waiters: dict[str, asyncio.Future[Event]] = {}
+        self._waiters: dict[str, _Waiter] = {}
         self._closed = False
 
     @classmethod
@@ -511,7 +531,7 @@ class Client:
             if not self.nc.is_closed:
                 await delete_consumer(self.js, EVENTS_STREAM, self._tap_name)
         for waiter in self._waiters.values():
-            waiter.cancel()
+            waiter.future.cancel()
         if self._owns:
             await self.nc.drain()
 
@@ -593,24 +613,35 @@ class Client:
             duplicate = await self._publish(request)
             return RequestHandle(self, request.id, request.tenant, duplicate=duplicate)
         await self._ensure_tap()
-        # A handle of this client may already wait for this id (a resubmit):
-        # then both share its waiter, and this submit must not drop it.
+        # A handle or a submit of this client may already wait for this id (a
+        # resubmit): they share one waiter, held until none of them needs it.
         waiter = self._waiters.get(request.id)
-        shared = waiter is not None
         if waiter is None:
-            waiter = self._waiters[request.id] = asyncio.get_running_loop().create_future()
+            future = asyncio.get_running_loop().create_future()
+            waiter = self._waiters[request.id] = _Waiter(future)
+        waiter.holders += 1
         try:
             duplicate = await self._publish(request)
         except BaseException:
-            if not shared:
-                self._waiters.pop(request.id, None)
+            self._release(request.id, waiter)
             raise
-        if duplicate and not shared:
-            # The original may have ended before this client followed events:
-            # the handle reads the request's own events.
-            self._waiters.pop(request.id, None)
+        if not duplicate:
+            waiter.stored = True
+        elif not waiter.stored:
+            # Stored before this client followed events (by another client,
+            # or a publish whose ack was lost): it may have ended already,
+            # unseen by the tap. The handle reads the request's own events.
+            self._release(request.id, waiter)
             return RequestHandle(self, request.id, request.tenant, duplicate=True)
-        return RequestHandle(self, request.id, request.tenant, duplicate=duplicate, waiter=waiter)
+        return RequestHandle(
+            self, request.id, request.tenant, duplicate=duplicate, waiter=waiter.future
+        )
+
+    def _release(self, request_id: str, waiter: _Waiter) -> None:
+        """A submit gives up its hold on ``waiter``; the last one drops it."""
+        waiter.holders -= 1
+        if waiter.holders <= 0 and self._waiters.get(request_id) is waiter:
+            del self._waiters[request_id]
 
     async def _publish(self, request: InferenceRequest) -> bool:
         """Publish ``request``; True if JetStream already had it (a resubmit).
@@ -699,6 +730,8 @@ class Client:
     async def _watch_tap(self) -> None:
         loop = asyncio.get_running_loop()
         reconnects = self.nc.stats["reconnects"]
+        # A sweep of the log is owed (a gap or a re-created tap) until one succeeds.
+        owed = False
         while not self._closed:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._tap_wake.wait(), min(1.0, self.tap_heartbeat))
@@ -712,14 +745,19 @@ class Client:
             if reconnected:
                 reconnects = self.nc.stats["reconnects"]
             silent = reconnected or loop.time() - self._tap_seen > 3 * self.tap_heartbeat
-            if not (gap or silent):
+            owed = owed or gap or silent
+            if not owed:
                 continue
             try:
                 if silent:
                     async with self._tap_lock:
                         await self._create_tap()
                     log.info("event tap re-created", consumer=self._tap_name)
+                # What the tap missed is only in the log: a sweep that fails
+                # (a direct get timing out while a node is down) is owed still,
+                # though the re-created tap's heartbeats say all is well.
                 await self._sweep()
+                owed = False
             except Exception as exc:  # noqa: BLE001 - retried at the next beat
                 log.warning("event tap recovery failed; retrying", error=str(exc))
 
@@ -781,5 +819,5 @@ class Client:
 
     def _resolve(self, event: Event) -> None:
         waiter = self._waiters.pop(event.request_id, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(event)
+        if waiter is not None and not waiter.future.done():
+            waiter.future.set_result(event)
