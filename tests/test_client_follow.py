@@ -11,6 +11,7 @@ subscription on that connection, as a chunk lost to a reconnect would.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -303,3 +304,50 @@ async def test_a_tap_sweep_that_fails_is_retried_until_it_resolves_what_the_tap_
                     client.tap_heartbeat = 0.2
                     assert (await handle.result(timeout=15)).text
     assert failures == [handle.id]
+
+
+@pytest.mark.usefixtures("quiet_follower")
+async def test_a_stream_rides_out_a_server_restart_and_ends_from_the_store(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue #6 item 6: a stream waiting for its next chunk while the server
+    restarts. Its re-reads of the store fail while the server is away (a
+    chaos run's follower raised ``TimeoutError: nats: timeout`` out of
+    ``stream()``); they must be retried, and once the server is back the
+    final chunk, stored while no live copy reached the follower, ends it."""
+    store = tmp_path / "nats"
+    server = EmbeddedServer(store, port=-1)
+    await server.start()
+    port = server.port
+    options = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.1}
+    deaf, loud = NatsClient(), NatsClient()
+    try:
+        await deaf.connect(server.url, no_echo=True, **options)
+        await loud.connect(server.url, **options)
+        await provision(loud, parse_config({"routes": {}, "backends": {}}))
+        async with Client(deaf, tenant="t") as client:
+            client.js = deaf.jetstream(timeout=0.5)  # reads fail fast while it is away
+            stream = client.handle("restart").stream(timeout=60)
+            await put(loud, "restart", delivery=1, seq=0, text="a")
+            assert (await anext(stream)).text == "a"
+            rest = asyncio.create_task(anext(stream, None))
+            caplog.set_level(logging.WARNING, logger="renqueue.client")
+            await server.stop()  # the store is kept on disk
+            for _ in range(1500):
+                if rest.done() or any("stored tokens failed" in r.message for r in caplog.records):
+                    break
+                await asyncio.sleep(0.02)  # poll interval, not a synchronisation
+            assert not rest.done(), rest.exception()  # a failed read did not end the stream
+            server = EmbeddedServer(store, port=port)
+            await server.start()
+            for _ in range(1500):
+                if deaf.is_connected and loud.is_connected:
+                    break
+                await asyncio.sleep(0.02)  # poll interval, not a synchronisation
+            # Stored, and through the follower's own connection: no live copy.
+            await put(deaf, "restart", delivery=1, seq=1, final=True)
+            assert await asyncio.wait_for(rest, 30) is None
+    finally:
+        await deaf.close()
+        await loud.close()
+        await server.stop()
