@@ -384,7 +384,7 @@ class Router:
         self._room = {level: asyncio.Event() for level in self._levels}
         self._wake = asyncio.Event()
         self._state: StateView | None = None
-        self._coalescer = Coalescer(js, clock=clock)
+        self._coalescer = Coalescer(js, clock=clock, ttl=parse_duration(config.router.coalesce_ttl))
         #: Timers that expire coalesced followers at their deadlines.
         self._follower_timers: set[asyncio.TimerHandle] = set()
         self._capacity = _Capacity(
