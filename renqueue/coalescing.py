@@ -91,6 +91,7 @@ from .messages import (
     Expired,
     Failed,
     InferenceRequest,
+    Preempted,
     Submitted,
     TokenChunk,
     encode,
@@ -499,7 +500,11 @@ class Coalescer:
                 )
             )
             return
-        again = msgspec.structs.replace(request, requeues=request.requeues + 1)
+        # A routing attempt of its own that no earlier one used: it may have
+        # been preempted (and dispatched again) before it joined, and a reused
+        # attempt's dispatch message id would be dropped as a duplicate.
+        requeues = max(request.requeues, await self._preempted_attempt(tenant, follower)) + 1
+        again = msgspec.structs.replace(request, requeues=requeues)
         # The group forgets it after this: a copy must surely be stored (a
         # tenant may have taken this message id first, see publish_stored).
         await publish_stored(
@@ -509,6 +514,16 @@ class Coalescer:
             msg_id(tenant, follower, "requeue", "leader", leader),
         )
         log.info("coalesced request runs on its own", request_id=follower, leader=leader)
+
+    async def _preempted_attempt(self, tenant: str, request_id: str) -> int:
+        """The attempt of the request's latest ``preempted`` event; 0 if none."""
+        subject = event_subject(tenant, request_id, "preempted")
+        try:
+            raw = await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
+            event = EVENT_DECODER.decode(raw.data or b"")
+        except (NotFoundError, msgspec.DecodeError):
+            return 0
+        return event.attempt if isinstance(event, Preempted) else 0
 
     async def _submitted(self, tenant: str, request_id: str) -> InferenceRequest | None:
         event = await self._submitted_event(tenant, request_id)

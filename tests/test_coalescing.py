@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from nats.aio.client import Client as NatsClient
 from nats.js.errors import KeyNotFoundError
 
 from renqueue import (
@@ -36,10 +37,12 @@ from renqueue.messages import (
     Expired,
     Failed,
     InferenceRequest,
+    Preempted,
     Submitted,
     is_terminal,
 )
 from renqueue.mockbackend import MockBackend, MockSettings
+from renqueue.provision import provision
 from renqueue.subjects import REQUESTS_STREAM, STATE_BUCKET, request_subject
 
 
@@ -565,3 +568,40 @@ async def test_followers_of_a_hand_out_cut_short_are_found_in_the_log(
             assert len(await terminals(client, handle.id)) == 1
     # The blocker and the newcomer's call, shared with the followers.
     assert slow.stats().completed == 2
+
+
+async def test_a_follower_put_back_takes_a_routing_attempt_no_earlier_one_used(
+    isolated_nc: NatsClient,
+) -> None:
+    """A follower that was preempted twice before it joined (attempts 1 and 2
+    routed) and whose leader is then cancelled is put back with an attempt of
+    its own (3, then routed as 4): reusing attempt 2 would give its dispatch
+    the message id of the earlier one, dropped as a duplicate inside the
+    window, and the request would be lost. Real NATS, the hand-out called
+    directly: the double preemption is out of reach from outside."""
+    js = isolated_nc.jetstream()
+    await provision(isolated_nc, parse_config({"routes": {}, "backends": {}}))
+    log = EventLog(js)
+    client = Client(isolated_nc, tenant="t")
+    request = client.build_request("twice preempted", route="chat", coalesce=True)
+    await log.append(Submitted(request_id=request.id, tenant="t", at=time.time(), request=request))
+    for attempt in (1, 2):
+        preempted = Preempted(
+            request_id=request.id,
+            tenant="t",
+            at=time.time(),
+            backend="b",
+            attempt=attempt,
+            delivery=attempt,
+            by="urgent",
+        )
+        await log.append(preempted)
+    key = coalesce_key(request)
+    assert key is not None
+    kv = await js.key_value(STATE_BUCKET)
+    await kv.put(f"co.t.{key}", msgspec.json.encode(Group(leader="lead", followers=[request.id])))
+    cancelled = Cancelled(request_id="lead", tenant="t", at=time.time(), stage="queued")
+    await Coalescer(js, clock=time.time).leader_ended("t", "lead", key, cancelled)
+    stored = await js.get_last_msg(REQUESTS_STREAM, request_subject("normal", "t", requeue=True))
+    again = REQUEST_DECODER.decode(stored.data)
+    assert (again.id, again.requeues) == (request.id, 3)
