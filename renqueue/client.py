@@ -41,15 +41,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Final, Self, TypeVar
 
 import msgspec
+from nats.errors import (
+    ConnectionReconnectingError,
+    FlushTimeoutError,
+    NoRespondersError,
+    OutboundBufferLimitError,
+    StaleConnectionError,
+)
 from nats.js.api import AckPolicy, DeliverPolicy
-from nats.js.errors import NoStreamResponseError
+from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
 from . import metrics
 from .config import NatsConfig
@@ -96,7 +104,46 @@ from .subjects import (
 
 __all__ = ["Client", "RequestHandle", "Result"]
 
+T = TypeVar("T")
+
 log = get_logger("client")
+
+#: Failures of a read that pass by themselves: a timeout (nats-py's is a
+#: TimeoutError too), no responders or a 503 while a stream leader is elected,
+#: a connection that is reconnecting. A closed connection is not one of them.
+_TRANSIENT: Final = (
+    TimeoutError,
+    NoRespondersError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+    ConnectionReconnectingError,
+    OutboundBufferLimitError,
+    StaleConnectionError,
+    FlushTimeoutError,
+)
+#: A transient failure of a read is retried after this, doubling up to _RETRY_MAX.
+_RETRY_FIRST: Final = 0.1
+_RETRY_MAX: Final = 2.0
+
+
+async def _retrying(nc: Any, what: str, read: Callable[[], Awaitable[T]], **fields: Any) -> T:
+    """``await read()``, retried with a capped backoff while it fails transiently.
+
+    For reads a caller waits on anyway (a stream's next chunk, a result): a
+    broker that does not answer for a while (a reconnect, a node down) delays
+    them, it does not end them. The caller's own timeout bounds the wait; a
+    closed connection, or any other error, is raised.
+    """
+    delay = _RETRY_FIRST
+    while True:
+        try:
+            return await read()
+        except _TRANSIENT as exc:
+            if nc.is_closed:
+                raise
+            log.warning(f"{what} failed; retrying", error=repr(exc), retry_in=delay, **fields)
+            await asyncio.sleep(delay)
+            delay = min(_RETRY_MAX, delay * 2)
 
 
 class Result(msgspec.Struct, frozen=True, kw_only=True):
@@ -157,7 +204,9 @@ class _TokenFollower:
     all send the follower back to the store, so a stream ends whenever its
     final chunk is stored, even if its live copy was lost (a reconnect, a slow
     consumer), and a gap whose chunk was not yet committed (a cluster) is
-    filled by a later read. Once a newer run has begun (a ``restart`` chunk),
+    filled by a later read. A read that fails for a while (a timeout, no
+    responders: the server restarting, a node down) is retried with a capped
+    backoff, never raised. Once a newer run has begun (a ``restart`` chunk),
     chunks of older runs are void and dropped, late ones from a zombie run
     included.
 
@@ -231,13 +280,20 @@ class _TokenFollower:
                 self._live.put_nowait(chunk)
 
     async def _read_store(self) -> None:
-        stored = await read_subject(
+        """Read what the store has after the cursor; a transient failure (a
+        reconnect, a stream leader election) is retried, never raised."""
+
+        read = functools.partial(
+            read_subject,
             self._nc,
             self._js,
             TOKENS_STREAM,
             self._subject,
             start=self._cursor,
             name=f"rq-tok-{self._tenant}",
+        )
+        stored = await _retrying(
+            self._nc, "reading stored tokens", read, request_id=self._request_id
         )
         for seq, data in stored:
             self._cursor = seq + 1
@@ -311,7 +367,10 @@ class _TokenFollower:
             if self._run > 0 and self._final is None:
                 return
             raise TokensExpiredError(request_id=self._request_id, outcome=self._outcome)
-        event = await EventLog(self._js).terminal_of(self._tenant, self._request_id)
+        try:
+            event = await EventLog(self._js).terminal_of(self._tenant, self._request_id)
+        except _TRANSIENT:
+            return  # looked up again after the next quiet read
         if event is not None:
             self._outcome = kind_of(event)
 
@@ -385,11 +444,12 @@ class RequestHandle:
         seconds; it never makes up chunks from the ``completed`` event.
         :meth:`result` still has the outcome and a completed request's text.
         A request with no terminal event (not ended yet, never submitted, or
-        older than ``nats.events.max_age``) is waited for.
+        older than ``nats.events.max_age``) is waited for, as is a broker
+        that does not answer for a while (a restart, a node down).
         """
         follower = _TokenFollower(self._client, self.tenant, self.id)
-        await follower.start()
         try:
+            await asyncio.wait_for(follower.start(), timeout)
             while True:
                 chunk = await asyncio.wait_for(follower.next(), timeout)
                 if chunk.final:
@@ -429,12 +489,36 @@ class RequestHandle:
 
     async def _read_terminal(self) -> Event:
         """Poll the request's own events: for requests not followed from their submit."""
-        log = EventLog(self._client.js)
+        lookup = functools.partial(EventLog(self._client.js).terminal_of, self.tenant, self.id)
         delay = 0.05
-        while (event := await log.terminal_of(self.tenant, self.id)) is None:
+        while True:
+            event = await _retrying(
+                self._client.nc, "looking up a result", lookup, request_id=self.id
+            )
+            if event is not None:
+                return event
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
-        return event
+
+
+class _Waiter:
+    """The future of one request's terminal event, shared by every handle of
+    this client that follows it through the tap.
+
+    ``holders`` counts the submits of the request still being published and
+    the handles given the future: it is dropped only when none is left, so a
+    submit whose publish raised, or was a duplicate, never takes it from a
+    resubmit that shares it. ``stored``: a submit of this client stored the
+    request (a publish that was no duplicate), after the tap was following
+    events, so the tap (or a sweep of the log) sees its end.
+    """
+
+    __slots__ = ("future", "holders", "stored")
+
+    def __init__(self, future: asyncio.Future[Event]) -> None:
+        self.future = future
+        self.holders = 0
+        self.stored = False
 
 
 class Client:
@@ -461,7 +545,7 @@ class Client:
         self._tap_wake = asyncio.Event()  # a gap was seen: sweep the waiters
         self._tap_watch: asyncio.Task[None] | None = None
         self._tap_lock = asyncio.Lock()
-        self._waiters: dict[str, asyncio.Future[Event]] = {}
+        self._waiters: dict[str, _Waiter] = {}
         self._closed = False
 
     @classmethod
@@ -511,7 +595,7 @@ class Client:
             if not self.nc.is_closed:
                 await delete_consumer(self.js, EVENTS_STREAM, self._tap_name)
         for waiter in self._waiters.values():
-            waiter.cancel()
+            waiter.future.cancel()
         if self._owns:
             await self.nc.drain()
 
@@ -670,24 +754,35 @@ class Client:
             duplicate = await self._publish(request)
             return RequestHandle(self, request.id, request.tenant, duplicate=duplicate)
         await self._ensure_tap()
-        # A handle of this client may already wait for this id (a resubmit):
-        # then both share its waiter, and this submit must not drop it.
+        # A handle or a submit of this client may already wait for this id (a
+        # resubmit): they share one waiter, held until none of them needs it.
         waiter = self._waiters.get(request.id)
-        shared = waiter is not None
         if waiter is None:
-            waiter = self._waiters[request.id] = asyncio.get_running_loop().create_future()
+            future = asyncio.get_running_loop().create_future()
+            waiter = self._waiters[request.id] = _Waiter(future)
+        waiter.holders += 1
         try:
             duplicate = await self._publish(request)
         except BaseException:
-            if not shared:
-                self._waiters.pop(request.id, None)
+            self._release(request.id, waiter)
             raise
-        if duplicate and not shared:
-            # The original may have ended before this client followed events:
-            # the handle reads the request's own events.
-            self._waiters.pop(request.id, None)
+        if not duplicate:
+            waiter.stored = True
+        elif not waiter.stored:
+            # Stored before this client followed events (by another client,
+            # or a publish whose ack was lost): it may have ended already,
+            # unseen by the tap. The handle reads the request's own events.
+            self._release(request.id, waiter)
             return RequestHandle(self, request.id, request.tenant, duplicate=True)
-        return RequestHandle(self, request.id, request.tenant, duplicate=duplicate, waiter=waiter)
+        return RequestHandle(
+            self, request.id, request.tenant, duplicate=duplicate, waiter=waiter.future
+        )
+
+    def _release(self, request_id: str, waiter: _Waiter) -> None:
+        """A submit gives up its hold on ``waiter``; the last one drops it."""
+        waiter.holders -= 1
+        if waiter.holders <= 0 and self._waiters.get(request_id) is waiter:
+            del self._waiters[request_id]
 
     async def _publish(self, request: InferenceRequest) -> bool:
         """Publish ``request``; True if JetStream already had it (a resubmit).
@@ -776,6 +871,8 @@ class Client:
     async def _watch_tap(self) -> None:
         loop = asyncio.get_running_loop()
         reconnects = self.nc.stats["reconnects"]
+        # A sweep of the log is owed (a gap or a re-created tap) until one succeeds.
+        owed = False
         while not self._closed:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._tap_wake.wait(), min(1.0, self.tap_heartbeat))
@@ -789,14 +886,19 @@ class Client:
             if reconnected:
                 reconnects = self.nc.stats["reconnects"]
             silent = reconnected or loop.time() - self._tap_seen > 3 * self.tap_heartbeat
-            if not (gap or silent):
+            owed = owed or gap or silent
+            if not owed:
                 continue
             try:
                 if silent:
                     async with self._tap_lock:
                         await self._create_tap()
                     log.info("event tap re-created", consumer=self._tap_name)
+                # What the tap missed is only in the log: a sweep that fails
+                # (a direct get timing out while a node is down) is owed still,
+                # though the re-created tap's heartbeats say all is well.
                 await self._sweep()
+                owed = False
             except Exception as exc:  # noqa: BLE001 - retried at the next beat
                 log.warning("event tap recovery failed; retrying", error=str(exc))
 
@@ -858,5 +960,5 @@ class Client:
 
     def _resolve(self, event: Event) -> None:
         waiter = self._waiters.pop(event.request_id, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(event)
+        if waiter is not None and not waiter.future.done():
+            waiter.future.set_result(event)

@@ -46,34 +46,52 @@ hand-out never ran: a crash, or a leader re-read after it ended) is dead: the
 next request to join it finishes the hand-out first and then leads a new
 group, so no one ever joins a dead leader. The hand-out itself is resumable:
 the group is closed first (no one joins after that), each follower's outcome
-is idempotent, and the group is deleted only at the end, so whoever runs it
-again (a redelivery, the next joiner) completes it.
+is idempotent, and the group is marked done only at the end, so whoever runs
+it again (a redelivery, the next joiner) completes it.
+
+Groups expire. Each write carries a ``Nats-TTL`` of the group's ``ttl``
+(``router.coalesce_ttl``, set by its creator), so a group no one touches for
+that long is gone, whatever state it was left in, and so is the ``done``
+marker a finished hand-out leaves. The bucket is not the record of who
+follows whom; the log is: each follower's ``coalesced`` event names its
+leader. A leader's hand-out that finds no group of its own (it expired while
+the leader waited, or a newcomer replaced it once it was closed), or one it
+created again after the first expired, looks its followers up in the log
+(:meth:`Coalescer._followers_in_log`), so each still ends exactly once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
+import math
+import uuid
 from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import (
+    APIError,
     BadRequestError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NotFoundError,
 )
 
-from .eventlog import EventLog, publish_stored
+from .eventlog import EventLog, delete_consumer, publish_stored, subject_agrees
 from .logs import get_logger
 from .messages import (
     EVENT_DECODER,
     Cancelled,
+    Coalesced,
     Completed,
     Event,
     Expired,
     Failed,
     InferenceRequest,
+    Preempted,
     Submitted,
     TokenChunk,
     encode,
@@ -94,6 +112,13 @@ log = get_logger("coalescing")
 _TRIES: Final = 8
 #: JetStream's "wrong last sequence" (a compare-and-set lost).
 _WRONG_LAST_SEQUENCE: Final = 10071
+_WRONG_LAST_SEQUENCES: Final = frozenset({10071, 10164})
+#: Seconds subtracted from a leader's submit time (the requests stream's clock)
+#: when its followers are looked up in the log (the events stream's clock: on
+#: a cluster, another node's).
+_CLOCK_SLACK: Final = 60.0
+#: Coalesced events read per fetch when followers are looked up in the log.
+_SCAN_BATCH: Final = 256
 
 
 def coalesce_key(request: InferenceRequest) -> str | None:
@@ -112,27 +137,45 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     closed: bool = False
     #: Followers' deadlines (Unix s), for those that have one.
     deadlines: dict[str, float] = {}
+    #: Seconds each write of the group lives in the bucket (its ``Nats-TTL``),
+    #: set by its creator (``router.coalesce_ttl``); 0: it never expires.
+    ttl: float = 0.0
+    #: When its leader created it (the creator's clock, Unix s); 0: unknown.
+    created: float = 0.0
+    #: The hand-out is over: what is left is a marker that expires after ``ttl``.
+    done: bool = False
 
 
 _DECODER: Final = msgspec.json.Decoder(Group)
 
 
 def _without(group: Group, follower: str) -> Group:
-    return Group(
-        leader=group.leader,
+    return msgspec.structs.replace(
+        group,
         followers=[f for f in group.followers if f != follower],
-        closed=group.closed,
         deadlines={f: d for f, d in group.deadlines.items() if f != follower},
     )
+
+
+def _whole_seconds(ttl: float) -> int:
+    """A ``Nats-TTL`` in whole seconds (the server's unit), at least 1."""
+    return max(1, math.ceil(ttl))
+
+
+def _ttl_header(ttl: float) -> dict[str, str]:
+    """The ``Nats-TTL`` header for ``ttl`` seconds, if any."""
+    return {"Nats-TTL": str(_whole_seconds(ttl))} if ttl > 0 else {}
 
 
 class Coalescer:
     """Joining groups, and giving every follower its outcome when its leader ends."""
 
-    def __init__(self, js: Any, *, clock: Callable[[], float]) -> None:
+    def __init__(self, js: Any, *, clock: Callable[[], float], ttl: float = 0.0) -> None:
         self._js = js
         self._log = EventLog(js)
         self._clock = clock
+        #: Lifetime of the groups this one creates (each write renews it); 0: none.
+        self._ttl = ttl
         self._kv: Any = None
 
     async def _bucket(self) -> Any:
@@ -144,6 +187,22 @@ class Coalescer:
     def _key(tenant: str, key: str) -> str:
         return f"co.{tenant}.{key}"
 
+    def _new_group(self, leader: str) -> Group:
+        return Group(leader=leader, ttl=self._ttl, created=self._clock())
+
+    async def _write(self, name: str, group: Group, *, last: int) -> None:
+        """Replace revision ``last`` of group ``name`` (compare-and-set), the new
+        value living ``group.ttl`` seconds (every write renews it)."""
+        headers = {"Nats-Expected-Last-Subject-Sequence": str(last), **_ttl_header(group.ttl)}
+        try:
+            await self._js.publish(
+                f"$KV.{STATE_BUCKET}.{name}", msgspec.json.encode(group), headers=headers
+            )
+        except APIError as exc:
+            if exc.err_code in _WRONG_LAST_SEQUENCES:
+                raise KeyWrongLastSequenceError(description=exc.description) from exc
+            raise
+
     # ------------------------------------------------------------- joining
 
     async def join(self, request: InferenceRequest, key: str) -> str | None:
@@ -154,10 +213,11 @@ class Coalescer:
         """
         kv = await self._bucket()
         name = self._key(request.tenant, key)
-        mine = msgspec.json.encode(Group(leader=request.id))
         for _ in range(_TRIES):
+            mine = self._new_group(request.id)
             try:
-                await kv.create(name, mine)
+                ttl = _whole_seconds(mine.ttl) if mine.ttl > 0 else None
+                await kv.create(name, msgspec.json.encode(mine), msg_ttl=ttl)
             except KeyWrongLastSequenceError:
                 pass
             else:
@@ -183,16 +243,14 @@ class Coalescer:
             if request.deadline is not None:
                 deadlines[request.id] = request.deadline
             changed = (
-                Group(leader=request.id)
+                self._new_group(request.id)
                 if group.closed
-                else Group(
-                    leader=group.leader,
-                    followers=[*group.followers, request.id],
-                    deadlines=deadlines,
+                else msgspec.structs.replace(
+                    group, followers=[*group.followers, request.id], deadlines=deadlines
                 )
             )
             try:
-                await kv.update(name, msgspec.json.encode(changed), last=entry.revision)
+                await self._write(name, changed, last=entry.revision)
             except KeyWrongLastSequenceError:
                 continue
             return None if group.closed else group.leader
@@ -211,9 +269,7 @@ class Coalescer:
             if group.closed or follower not in group.followers:
                 return  # not there, or being handed out: the claim picks one outcome
             try:
-                await kv.update(
-                    name, msgspec.json.encode(_without(group, follower)), last=entry.revision
-                )
+                await self._write(name, _without(group, follower), last=entry.revision)
             except KeyWrongLastSequenceError:
                 continue
             return
@@ -228,11 +284,22 @@ class Coalescer:
         this again and finishes what was left.
         """
         group = await self._close(tenant, key, leader)
-        if group is None:
-            return
-        for follower in group.followers:
-            await self._settle(tenant, leader, follower, group.deadlines.get(follower), outcome)
-        await self._forget(tenant, key, leader)
+        if group is not None and group.done:
+            return  # handed out already
+        followers: dict[str, float | None] = {}
+        if group is not None:
+            followers = {f: group.deadlines.get(f) for f in group.followers}
+        if group is None or not await self._complete(tenant, leader, group):
+            # The group may have expired (or been replaced) while the leader
+            # waited: its followers are in the log, each by its `coalesced`.
+            for follower in await self._followers_in_log(tenant, leader):
+                if follower not in followers:
+                    request = await self._submitted(tenant, follower)
+                    followers[follower] = None if request is None else request.deadline
+        for follower, deadline in followers.items():
+            await self._settle(tenant, leader, follower, deadline, outcome)
+        if group is not None:
+            await self._forget(tenant, key, leader)
 
     async def _close(self, tenant: str, key: str, leader: str) -> Group | None:
         """Close the group ``leader`` leads (no one joins after); the group, or None."""
@@ -245,34 +312,124 @@ class Coalescer:
                 return None
             group = _DECODER.decode(entry.value)
             if group.leader != leader:
-                return None  # not (or no longer) the leader: nothing to hand out
+                return None  # not (or no longer) the leader: its followers are in the log
             if group.closed:
                 return group
             closed = msgspec.structs.replace(group, closed=True)
             try:
-                await kv.update(name, msgspec.json.encode(closed), last=entry.revision)
+                await self._write(name, closed, last=entry.revision)
             except KeyWrongLastSequenceError:
                 continue
             return closed
         raise RuntimeError(f"could not close coalescing group {name} after {_TRIES} tries")
 
     async def _forget(self, tenant: str, key: str, leader: str) -> None:
-        """Drop a closed group once its followers have their outcomes."""
+        """Mark a closed group done once its followers have their outcomes.
+
+        The marker (``done``) lives the group's ``ttl``: a late repeat of the
+        hand-out (a redelivery, a worker that finds the leader ended) finds it
+        and does nothing, and the next request to join replaces it. A group
+        without a ``ttl`` (written by earlier versions) is deleted instead.
+        """
         kv = await self._bucket()
         name = self._key(tenant, key)
         try:
             entry = await kv.get(name)
         except KeyNotFoundError:
             return
-        if _DECODER.decode(entry.value).leader == leader:
-            try:
+        group = _DECODER.decode(entry.value)
+        if group.leader != leader:
+            return
+        try:
+            if group.ttl > 0:
+                done = msgspec.structs.replace(group, followers=[], deadlines={}, done=True)
+                await self._write(name, done, last=entry.revision)
+            else:
                 await kv.delete(name, last=entry.revision)
-            except BadRequestError as exc:
-                # Changed meanwhile (a new group replaced the closed one): it is
-                # not ours to drop. nats-py raises a plain BadRequestError for a
-                # delete's wrong last sequence, not KeyWrongLastSequenceError.
-                if exc.err_code != _WRONG_LAST_SEQUENCE:
-                    raise
+        except KeyWrongLastSequenceError:
+            return  # replaced meanwhile (a new group): not ours to mark
+        except BadRequestError as exc:
+            # The same for a delete: nats-py raises a plain BadRequestError for
+            # its wrong last sequence, not KeyWrongLastSequenceError.
+            if exc.err_code != _WRONG_LAST_SEQUENCE:
+                raise
+
+    async def _complete(self, tenant: str, leader: str, group: Group) -> bool:
+        """Whether ``group`` (led by ``leader``) surely lists all its followers.
+
+        Not if it may have expired while its leader waited and been created
+        anew by the leader, read again: a re-created group was created at
+        least ``ttl`` after the leader was submitted (its first one lived that
+        long), so a group created within half of that is the first.
+        """
+        if group.ttl <= 0 or group.created <= 0:
+            return True  # never expires: nothing can have been lost
+        submitted = await self._submitted_event(tenant, leader)
+        return submitted is not None and group.created - submitted.at < group.ttl / 2
+
+    async def _followers_in_log(self, tenant: str, leader: str) -> list[str]:
+        """The requests whose latest ``coalesced`` event names ``leader`` and
+        which have not moved on since (routed, or coalesced with another).
+
+        Read from the leader's submit time on: no one joins a leader before
+        it is read. A leader with no ``submitted`` event (a tenant hid it, see
+        docs/architecture.md) has none found. The tenant's newest coalesced
+        event says, in one direct get, whether there is anything to read.
+        """
+        submitted = await self._submitted_event(tenant, leader)
+        if submitted is None:
+            return []
+        since = submitted.at - _CLOCK_SLACK
+        subject = event_subject(tenant, "*", "coalesced")
+        try:
+            newest = await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
+        except NotFoundError:
+            return []
+        if newest.time is not None and newest.time.timestamp() < since:
+            return []
+        latest: dict[str, tuple[str, int]] = {}
+        start = datetime.datetime.fromtimestamp(since, tz=datetime.UTC)
+        name = f"rq-co-{tenant}-{uuid.uuid4().hex}"
+        sub = await self._js.pull_subscribe(
+            subject,
+            stream=EVENTS_STREAM,
+            config=ConsumerConfig(
+                name=name,
+                ack_policy=AckPolicy.NONE,
+                deliver_policy=DeliverPolicy.BY_START_TIME,
+                opt_start_time=start,
+                inactive_threshold=10.0,
+                mem_storage=True,
+                num_replicas=1,
+            ),
+        )
+        try:
+            info = await sub.consumer_info()
+            pending = int(info.num_pending or 0)
+            while pending > 0:
+                for msg in await sub.fetch(batch=_SCAN_BATCH, timeout=5.0):
+                    meta = msg.metadata
+                    pending = int(meta.num_pending)
+                    with contextlib.suppress(msgspec.DecodeError):
+                        event = EVENT_DECODER.decode(msg.data)
+                        if isinstance(event, Coalesced) and subject_agrees(msg.subject, event):
+                            latest[event.request_id] = (event.leader, meta.sequence.stream)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            await delete_consumer(self._js, EVENTS_STREAM, name)
+        followers = []
+        for follower, (named, seq) in latest.items():
+            if named != leader or follower == leader:
+                continue
+            routed = event_subject(tenant, follower, "routed")
+            try:
+                moved = (await self._js.get_last_msg(EVENTS_STREAM, routed, direct=True)).seq
+            except NotFoundError:
+                moved = 0
+            if (moved or 0) < seq:
+                followers.append(follower)
+        return followers
 
     async def _settle(
         self, tenant: str, leader: str, follower: str, deadline: float | None, outcome: Event
@@ -343,7 +500,11 @@ class Coalescer:
                 )
             )
             return
-        again = msgspec.structs.replace(request, requeues=request.requeues + 1)
+        # A routing attempt of its own that no earlier one used: it may have
+        # been preempted (and dispatched again) before it joined, and a reused
+        # attempt's dispatch message id would be dropped as a duplicate.
+        requeues = max(request.requeues, await self._preempted_attempt(tenant, follower)) + 1
+        again = msgspec.structs.replace(request, requeues=requeues)
         # The group forgets it after this: a copy must surely be stored (a
         # tenant may have taken this message id first, see publish_stored).
         await publish_stored(
@@ -354,7 +515,21 @@ class Coalescer:
         )
         log.info("coalesced request runs on its own", request_id=follower, leader=leader)
 
+    async def _preempted_attempt(self, tenant: str, request_id: str) -> int:
+        """The attempt of the request's latest ``preempted`` event; 0 if none."""
+        subject = event_subject(tenant, request_id, "preempted")
+        try:
+            raw = await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
+            event = EVENT_DECODER.decode(raw.data or b"")
+        except (NotFoundError, msgspec.DecodeError):
+            return 0
+        return event.attempt if isinstance(event, Preempted) else 0
+
     async def _submitted(self, tenant: str, request_id: str) -> InferenceRequest | None:
+        event = await self._submitted_event(tenant, request_id)
+        return None if event is None else event.request
+
+    async def _submitted_event(self, tenant: str, request_id: str) -> Submitted | None:
         subject = event_subject(tenant, request_id, "submitted")
         try:
             raw = await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
@@ -363,7 +538,7 @@ class Coalescer:
             return None
         if not isinstance(event, Submitted) or event.request.id != request_id:
             return None
-        return event.request
+        return event
 
     # ------------------------------------------------------ follower's own end
 

@@ -593,6 +593,8 @@ def _kv_stream_config(config: Config) -> dict[str, Any]:
         "max_msgs_per_subject": 1,
         "allow_direct": True,
         "allow_rollup_hdrs": True,
+        # Coalescing groups expire (router.coalesce_ttl): a Nats-TTL on each write.
+        "allow_msg_ttl": True,
         "deny_delete": True,
         "duplicate_window": 120 * _NS_PER_SECOND,
         "num_replicas": config.nats.replicas,

@@ -292,7 +292,7 @@ class Router:
         self._room = {level: asyncio.Event() for level in self._levels}
         self._wake = asyncio.Event()
         self._state: StateView | None = None
-        self._coalescer = Coalescer(js, clock=clock)
+        self._coalescer = Coalescer(js, clock=clock, ttl=parse_duration(config.router.coalesce_ttl))
         #: Timers that expire coalesced followers at their deadlines.
         self._follower_timers: set[asyncio.TimerHandle] = set()
         self._capacity = _Capacity(
@@ -626,32 +626,35 @@ class Router:
     async def _submitted_at(self, msg: Any, request: InferenceRequest) -> float:
         """When the request's wait began, in server time (never the payload's clock).
 
-        A first submit: when the broker stored it. A requeue by a worker after
-        a preemption (``requeues > 0``) keeps its original time: the one logged
-        in its ``submitted`` event, which only the services can write, and
-        only if the log shows that preemption (a ``preempted`` event of that
-        attempt). Anything else a client publishes counts from its own storing.
+        A first submit: when the broker stored it. A request the services put
+        back (``requeues > 0``) keeps its original time, the one logged in its
+        ``submitted`` event, when the log shows why it was put back: a
+        preemption (a ``preempted`` event of that attempt), or a coalescing
+        group whose leader ended on its own (a ``coalesced`` event: it was a
+        follower). Only the services write those subjects. Anything else counts
+        from its own storing.
         """
         stored = stored_at(msg)
         if request.requeues == 0:
             return stored
-        try:
-            first = await self._js.get_last_msg(
-                EVENTS_STREAM, event_subject(request.tenant, request.id, "submitted")
-            )
-            preempted = await self._js.get_last_msg(
-                EVENTS_STREAM, event_subject(request.tenant, request.id, "preempted")
-            )
-            submitted_event = EVENT_DECODER.decode(first.data)
-            preempted_event = EVENT_DECODER.decode(preempted.data)
-        except (NotFoundError, msgspec.DecodeError):
+
+        async def logged(kind: str) -> Any:
+            subject = event_subject(request.tenant, request.id, kind)
+            try:
+                return EVENT_DECODER.decode(
+                    (await self._js.get_last_msg(EVENTS_STREAM, subject)).data
+                )
+            except (NotFoundError, msgspec.DecodeError):
+                return None
+
+        first = await logged("submitted")
+        if not isinstance(first, Submitted):
             return stored
-        if (
-            isinstance(submitted_event, Submitted)
-            and isinstance(preempted_event, Preempted)
-            and preempted_event.attempt == request.requeues
-        ):
-            return min(stored, submitted_event.at)
+        preempted = await logged("preempted")
+        if isinstance(preempted, Preempted) and preempted.attempt == request.requeues:
+            return min(stored, first.at)
+        if isinstance(await logged("coalesced"), Coalesced):
+            return min(stored, first.at)
         return stored
 
     async def _admit(self, msg: Any, level: str, now: float) -> InferenceRequest | None:

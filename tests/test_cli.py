@@ -17,6 +17,7 @@ import pytest
 
 from renqueue import Client, demo
 from renqueue.demo import run_demo
+from renqueue.embedded import EmbeddedServer
 from renqueue.mockbackend import MockBackend, MockSettings
 
 ROOT = Path(__file__).parents[1]
@@ -50,27 +51,36 @@ async def run(*args: str, limit: float = 60) -> tuple[int, str, str]:
     return proc.returncode, out.decode(), err.decode()
 
 
+def read_log(path: Path) -> str:
+    return path.read_text(errors="replace")
+
+
+async def until_logged(
+    log: Path, words: str, proc: asyncio.subprocess.Process, within: float = 60.0
+) -> str:
+    """Wait until ``proc`` wrote ``words`` to ``log``; the log so far."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while words not in (text := read_log(log)):
+        if proc.returncode is not None or loop.time() > deadline:
+            pytest.fail(f"no {words!r} in the log of renqueue:\n{text[-3000:]}")
+        await asyncio.sleep(0.05)  # poll interval while it starts
+    return text
+
+
 @asynccontextmanager
 async def renqueue_up(config: Path) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    """``renqueue up`` in a process of its own, once its services run (its
+    "running" line, written after provisioning and every service started)."""
     url_file = config.parent / "data" / "nats.url"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "renqueue",
-        "-c",
-        str(config),
-        "up",
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    log = config.parent / f"up-{os.urandom(4).hex()}.log"
+    with log.open("wb") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "renqueue", "-c", str(config), "up",
+            stdout=sink, stderr=sink, env={**os.environ, "RENQUEUE_CONFIG": ""},
+        )  # fmt: skip
     try:
-        for _ in range(200):
-            if url_file.exists() and url_file.read_text().strip():
-                break
-            await asyncio.sleep(0.05)
-        else:
-            pytest.fail("renqueue up did not start its embedded server")
-        await asyncio.sleep(0.5)  # provisioning and services
+        await until_logged(log, "running; Ctrl-C to stop", proc)
         yield proc, url_file.read_text().strip()
     finally:
         if proc.returncode is None:
@@ -134,12 +144,9 @@ async def test_exit_codes_and_scaling_out_without_a_url(tmp_path: Path) -> None:
                     env={**os.environ, "RENQUEUE_CONFIG": ""},
                 )  # fmt: skip
             try:
-                # Up to 60 s: a SIGTERM while it still starts stops the start-up
-                # (it may be waiting for JetStream), so it must have started first.
-                for _ in range(1200):
-                    if "router started" in log.read_text() or router.returncode is not None:
-                        break
-                    await asyncio.sleep(0.05)  # poll interval while it starts
+                # A SIGTERM while it still starts stops the start-up (it may be
+                # waiting for JetStream), so it must have started first.
+                await until_logged(log, "router started", router)
             finally:
                 router.send_signal(signal.SIGTERM)
                 code = await asyncio.wait_for(router.wait(), 30)
@@ -173,7 +180,12 @@ async def test_sigterm_with_requests_in_flight_loses_nothing(tmp_path: Path) -> 
             client = await Client.connect(url, tenant="t")
             ids = [(await client.submit("x", route="chat")).id for _ in range(6)]
             await client.close()
-            await asyncio.sleep(0.5)  # two are running, four wait
+            # Two are running (the backend's two slots), four wait.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while mock.stats().in_flight < 2:
+                assert loop.time() < deadline, "the first two requests never ran"
+                await asyncio.sleep(0.02)  # poll interval, not a synchronisation
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(proc.wait(), 30) == 0
         # Nothing was acked that did not finish: a restart completes every request.
@@ -270,3 +282,47 @@ async def test_up_without_a_config_file_says_so(tmp_path: Path) -> None:
     text = "".join(lines)
     assert "no config file (./renqueue.toml not found" in text, text
     assert "no routes configured" in text, text
+
+
+async def test_the_committed_config_runs_its_local_backends_when_cloud_keys_are_unset(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """Issue #6 item 25: `renqueue up` with the committed renqueue.toml and no
+    API key in the environment takes each keyless backend out with one warning
+    naming its field, and runs the rest (the local backends)."""
+    keyless = {"groq-llama-8b": "GROQ_API_KEY", "openrouter-free": "OPENROUTER_API_KEY",
+               "openai-mini": "OPENAI_API_KEY"}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in keyless.values() and not k.startswith("RENQUEUE_")
+    }
+    # The committed file as it is; only the server is the test's (its port is
+    # the default 4222 in the file): the documented override.
+    env["RENQUEUE_NATS_URL"] = isolated_server.url
+    log = tmp_path / "up.log"
+    with log.open("wb") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "renqueue", "-c", str(ROOT / "renqueue.toml"), "up",
+            cwd=tmp_path, stdout=sink, stderr=sink, env=env,
+        )  # fmt: skip
+    try:
+        text = await until_logged(log, "running; Ctrl-C to stop", proc)
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), 30)
+    lines = text.splitlines()
+    warnings = [line for line in lines if "backend taken out of service" in line]
+    assert len(warnings) == len(keyless), text
+    for name, variable in keyless.items():
+        [line] = [w for w in warnings if f"$.backends.{name}.api_key_env" in w]
+        assert f"{variable} is not set" in line
+    started = {
+        json.loads(line)["backend"]
+        for line in lines
+        if line.startswith("{") and json.loads(line).get("event") == "worker started"
+    }
+    assert started == {"local-llama-8b", "local-qwen-32b"}
+    assert "Traceback" not in text
+    assert code == 0, text

@@ -10,19 +10,24 @@ subscription on that connection, as a chunk lost to a reconnect would.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
+import nats.errors
 import pytest
 from nats.aio.client import Client as NatsClient
 
 from renqueue import Client, Services, TokensExpiredError, UnknownPriorityError, parse_config
 from renqueue.client import _TokenFollower
 from renqueue.embedded import EmbeddedServer
+from renqueue.eventlog import EventLog
 from renqueue.messages import Cancelled, Completed, Event, TokenChunk, Usage, encode, kind_of
 from renqueue.mockbackend import MockBackend, MockSettings
 from renqueue.provision import provision
-from renqueue.subjects import event_subject, token_subject
+from renqueue.subjects import EVENTS_STREAM, event_subject, token_subject
 
 
 @pytest.fixture
@@ -182,3 +187,167 @@ async def test_a_submit_to_an_unconfigured_level_fails_clearly_after_its_grace(
             await client.submit("hi", route="chat", priority="urgent")
         # A configured level is stored at once.
         assert not (await client.submit("hi", route="chat", priority="normal")).duplicate
+
+
+class GatedPublish:
+    """A client's JetStream context whose first publish of a request waits at a
+    gate, then fails (a publish stuck in a reconnect that times out) or goes
+    through: so a resubmit of the same id can run while it is in flight."""
+
+    def __init__(self, js: object, *, fail: bool) -> None:
+        self._js = js
+        self._fail = fail
+        self._first = True
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def publish(self, subject: str, payload: bytes = b"", **kwargs: object) -> object:
+        if self._first and subject.startswith("rq.req."):
+            self._first = False
+            self.entered.set()
+            await self.release.wait()
+            if self._fail:
+                raise nats.errors.TimeoutError
+        return await self._js.publish(subject, payload, **kwargs)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._js, name)
+
+
+@pytest.mark.parametrize("first", ["raises", "is a duplicate"])
+async def test_a_resubmit_sharing_a_waiter_resolves_whatever_the_first_publish_does(
+    tmp_path: Path, first: str
+) -> None:
+    """Issue #6 item 11, as the chaos cluster run left it: a resubmit while the
+    first submit of the id is still publishing shares its waiter; that first
+    publish then raised (or was acked as a duplicate) and dropped the waiter,
+    and the resubmit's handle never resolved."""
+    async with MockBackend(MockSettings(ttft=0.0, tokens_per_second=0, output_tokens=4)) as mock:
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {"b": {"base_url": mock.url, "model": "m"}},
+                "routes": {"chat": {"backends": ["b"]}},
+            }
+        )
+        async with Services(config) as services, Client(services.nc, tenant="t") as client:
+            if first == "is a duplicate":
+                # Stored and ended before this client followed events.
+                async with Client(services.nc, tenant="t") as other:
+                    done = await other.submit("once", route="chat", request_id="again")
+                    await done.result(timeout=10)
+            gate = GatedPublish(client.js, fail=first == "raises")
+            client.js = gate
+            original = asyncio.create_task(client.submit("once", route="chat", request_id="again"))
+            await gate.entered.wait()
+            resubmit = await client.submit("once", route="chat", request_id="again")
+            gate.release.set()
+            if first == "raises":
+                with pytest.raises(nats.errors.TimeoutError):
+                    await original
+            else:
+                assert (await (await original).result(timeout=10)).text
+            assert (await resubmit.result(timeout=10)).text
+    assert mock.stats().requests == 1
+
+
+async def test_a_tap_sweep_that_fails_is_retried_until_it_resolves_what_the_tap_missed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #6 item 11: the tap missed a terminal event (its consumer gone
+    meanwhile, as after a server restart); the sweep of the log that follows
+    the re-created tap failed once (a direct get timing out while a node is
+    down) and was never tried again, because the new tap's heartbeats said all
+    was well: the handle never resolved."""
+    real = EventLog.terminal_of
+    failures: list[str] = []
+    armed = asyncio.Event()
+
+    async def flaky(self: EventLog, tenant: str, request_id: str) -> Event | None:
+        if armed.is_set() and not failures:
+            failures.append(request_id)
+            raise nats.errors.TimeoutError
+        return await real(self, tenant, request_id)
+
+    monkeypatch.setattr(EventLog, "terminal_of", flaky)
+    async with MockBackend(MockSettings(ttft=0.0, tokens_per_second=0, output_tokens=4)) as mock:
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {"b": {"base_url": mock.url, "model": "m"}},
+                "routes": {"chat": {"backends": ["b"]}},
+            }
+        )
+        async with Services(config, backends=[]) as services:
+            client = Client(services.nc, tenant="t")
+            client.tap_heartbeat = 30.0  # no silence is noticed until the end is logged
+            async with client:
+                handle = await client.submit("missed", route="chat")
+                # The tap goes away (a server restart loses in-memory consumers).
+                for info in await services.js.consumers_info(EVENTS_STREAM):
+                    if info.name.startswith("rq-tap-t-"):
+                        await services.js.delete_consumer(EVENTS_STREAM, info.name)
+                workers = msgspec.structs.replace(
+                    config, nats=msgspec.structs.replace(config.nats, url=services.url)
+                )
+                async with Services(workers, routers=0, backends=["b"], projector=False):
+                    log = EventLog(services.js)
+                    for _ in range(500):
+                        if await real(log, "t", handle.id) is not None:
+                            break
+                        await asyncio.sleep(0.02)  # poll interval, not a synchronisation
+                    else:
+                        pytest.fail("the request never ended")
+                    # The client notices the silence now: it re-creates the tap
+                    # and sweeps the log, whose first read fails.
+                    armed.set()
+                    client.tap_heartbeat = 0.2
+                    assert (await handle.result(timeout=15)).text
+    assert failures == [handle.id]
+
+
+@pytest.mark.usefixtures("quiet_follower")
+async def test_a_stream_rides_out_a_server_restart_and_ends_from_the_store(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue #6 item 6: a stream waiting for its next chunk while the server
+    restarts. Its re-reads of the store fail while the server is away (a
+    chaos run's follower raised ``TimeoutError: nats: timeout`` out of
+    ``stream()``); they must be retried, and once the server is back the
+    final chunk, stored while no live copy reached the follower, ends it."""
+    store = tmp_path / "nats"
+    server = EmbeddedServer(store, port=-1)
+    await server.start()
+    port = server.port
+    options = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.1}
+    deaf, loud = NatsClient(), NatsClient()
+    try:
+        await deaf.connect(server.url, no_echo=True, **options)
+        await loud.connect(server.url, **options)
+        await provision(loud, parse_config({"routes": {}, "backends": {}}))
+        async with Client(deaf, tenant="t") as client:
+            client.js = deaf.jetstream(timeout=0.5)  # reads fail fast while it is away
+            stream = client.handle("restart").stream(timeout=60)
+            await put(loud, "restart", delivery=1, seq=0, text="a")
+            assert (await anext(stream)).text == "a"
+            rest = asyncio.create_task(anext(stream, None))
+            caplog.set_level(logging.WARNING, logger="renqueue.client")
+            await server.stop()  # the store is kept on disk
+            for _ in range(1500):
+                if rest.done() or any("stored tokens failed" in r.message for r in caplog.records):
+                    break
+                await asyncio.sleep(0.02)  # poll interval, not a synchronisation
+            assert not rest.done(), rest.exception()  # a failed read did not end the stream
+            server = EmbeddedServer(store, port=port)
+            await server.start()
+            for _ in range(1500):
+                if deaf.is_connected and loud.is_connected:
+                    break
+                await asyncio.sleep(0.02)  # poll interval, not a synchronisation
+            # Stored, and through the follower's own connection: no live copy.
+            await put(deaf, "restart", delivery=1, seq=1, final=True)
+            assert await asyncio.wait_for(rest, 30) is None
+    finally:
+        await deaf.close()
+        await loud.close()
+        await server.stop()

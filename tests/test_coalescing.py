@@ -8,21 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import msgspec
 import pytest
+from nats.aio.client import Client as NatsClient
+from nats.js.errors import KeyNotFoundError
 
 from renqueue import (
     Client,
     RequestCancelledError,
     RequestExpiredError,
+    RequestFailedError,
     Services,
     parse_config,
 )
 from renqueue.advisories import AdvisoryReader, MaxDeliveries
-from renqueue.coalescing import Coalescer, Group
+from renqueue.coalescing import Coalescer, Group, coalesce_key
+from renqueue.config import Config
 from renqueue.eventlog import EventLog
 from renqueue.messages import (
     REQUEST_DECODER,
@@ -33,10 +37,12 @@ from renqueue.messages import (
     Expired,
     Failed,
     InferenceRequest,
+    Preempted,
     Submitted,
     is_terminal,
 )
 from renqueue.mockbackend import MockBackend, MockSettings
+from renqueue.provision import provision
 from renqueue.subjects import REQUESTS_STREAM, STATE_BUCKET, request_subject
 
 
@@ -360,3 +366,242 @@ async def test_a_group_replaced_while_its_leader_hands_out_does_not_fail_the_lea
     coalescer._kv = _ReplacedAfterRead(kv, Group(leader="new"))
     await coalescer._forget("t", "some-key", "old")
     assert msgspec.json.decode((await kv.get(name)).value, type=Group).leader == "new"
+
+
+def unrun_config(tmp_path: Path, url: str, **router: str) -> Config:
+    """One backend with one slot; the tests start its worker when they choose."""
+    return parse_config(
+        {
+            "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+            "backends": {"one": {"base_url": url, "model": "m", "limits": {"concurrency": 1}}},
+            "routes": {"chat": {"backends": ["one"]}},
+            "worker": {"retry_delay": "50ms", "drain_timeout": "1s"},
+            "router": {"capacity_refresh": "20ms", **router},
+        }
+    )
+
+
+def workers_of(config: Config, services: Services) -> Services:
+    """A worker process for ``config``'s backend, joining ``services``' server."""
+    joined = msgspec.structs.replace(
+        config, nats=msgspec.structs.replace(config.nats, url=services.url)
+    )
+    return Services(joined, routers=0, backends=["one"], projector=False, name="workers")
+
+
+async def group_of(js: object, request: InferenceRequest) -> Group | None:
+    """The coalescing group ``request`` would join, as stored (``None``: none)."""
+    kv = await js.key_value(STATE_BUCKET)  # type: ignore[attr-defined]
+    try:
+        entry = await kv.get(f"co.{request.tenant}.{coalesce_key(request)}")
+    except KeyNotFoundError:
+        return None
+    return msgspec.json.decode(entry.value, type=Group)
+
+
+async def _until(check: Callable[[], Awaitable[bool]], what: str, bound: float = 20.0) -> None:
+    deadline = time.monotonic() + bound
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {bound} s waiting until {what}")
+        await asyncio.sleep(0.05)  # poll interval, not a synchronisation
+
+
+async def test_a_group_expires_while_its_leader_waits_and_its_followers_still_end(
+    tmp_path: Path,
+) -> None:
+    """Issue #6 item 2, "groups expire": a group no one touches for
+    ``router.coalesce_ttl`` is gone from the bucket, even while its leader
+    still waits. A later identical request then leads a group of its own (a
+    second call), and the followers of the expired group are found in the
+    log (their `coalesced` events) when the leader ends: each gets the
+    leader's outcome, once. The markers left by finished hand-outs expire too."""
+    async with MockBackend(MockSettings(ttft=0.0, output_tokens=4)) as mock:
+        config = unrun_config(tmp_path, mock.url, coalesce_ttl="2s")
+        # No worker yet: the blocker's dispatch takes the slot and waits unrun.
+        async with (
+            Services(config, backends=[]) as services,
+            Client(services.nc, tenant="t") as client,
+        ):
+            same = client.build_request("same", route="chat", coalesce=True)
+            blocker = await client.submit("blocker", route="chat")
+            leader = await client.submit("same", route="chat", coalesce=True)
+            follower = await client.submit("same", route="chat", coalesce=True)
+            await _wait_coalesced(client, follower.id)
+            group = await group_of(services.js, same)
+            assert group is not None
+            assert (group.leader, group.followers) == (leader.id, [follower.id])
+
+            async def expired() -> bool:
+                return await group_of(services.js, same) is None
+
+            await _until(expired, "the group expired while its leader waits")
+            later = await client.submit("same", route="chat", coalesce=True)
+
+            async def regrouped() -> bool:
+                group = await group_of(services.js, same)
+                return group is not None and group.leader == later.id
+
+            await _until(regrouped, "the later request leads a group of its own")
+            async with workers_of(config, services):
+                for handle in (blocker, leader, follower, later):
+                    await handle.result(timeout=20)
+            for handle in (leader, follower, later):
+                assert len(await terminals(client, handle.id)) == 1
+            [copy] = await terminals(client, follower.id)
+            assert isinstance(copy, Completed)
+            assert copy.shared_with == leader.id
+            assert not [e for e in await history(client, later.id) if isinstance(e, Coalesced)]
+            await _until(expired, "the finished groups' markers expired")
+    # The blocker, the leader's call (shared with the follower), the later one's.
+    assert mock.stats().requests == 3
+
+
+async def test_a_leader_whose_call_fails_for_good_fails_its_followers_once(
+    tmp_path: Path,
+) -> None:
+    """The leader's backend call fails for good (a 400): its followers end
+    `failed` (`shared_call_failed`), each once, and the call is not repeated."""
+    async with MockBackend(MockSettings(ttft=0.0, output_tokens=4)) as mock:
+        config = unrun_config(tmp_path, mock.url)
+        async with (
+            Services(config, backends=[]) as services,
+            Client(services.nc, tenant="t") as client,
+        ):
+            leader = await client.submit("doomed", route="chat", coalesce=True)
+            followers = [await client.submit("doomed", route="chat", coalesce=True) for _ in "ab"]
+            for handle in followers:
+                await _wait_coalesced(client, handle.id)
+            mock.update(failure_rate=1.0, failure_status=400)
+            async with workers_of(config, services):
+                with pytest.raises(RequestFailedError) as failed:
+                    await leader.result(timeout=20)
+                shared = []
+                for handle in followers:
+                    with pytest.raises(RequestFailedError) as info:
+                        await handle.result(timeout=20)
+                    shared.append(info.value.error_type)
+            for handle in (leader, *followers):
+                assert len(await terminals(client, handle.id)) == 1
+    assert failed.value.error_type == "backend_bad_request"
+    assert shared == ["shared_call_failed", "shared_call_failed"]
+    assert mock.stats().requests == 1
+
+
+async def test_a_leader_judged_hopeless_at_the_router_lets_its_follower_run_alone(
+    tmp_path: Path,
+) -> None:
+    """The router gives up a held leader that can no longer meet its deadline
+    (every candidate's expected call time ends past it, `expired` before any
+    call): its follower, which has no deadline, runs on its own, once."""
+    async with MockBackend(MockSettings(ttft=0.8, output_tokens=2)) as mock:
+        config = unrun_config(tmp_path, mock.url)
+        async with (
+            Services(config, backends=[]) as services,
+            Client(services.nc, tenant="t") as client,
+        ):
+            async with workers_of(config, services):
+                for n in range(5):  # the projection learns a call takes ~0.8 s
+                    await (await client.submit(f"warm {n}", route="chat")).result(timeout=10)
+            [router] = services.routers
+
+            async def learned() -> bool:
+                # White box: the router's view of the projection, once it folded them.
+                view = router._state
+                return view is not None and view.expected_duration("one") is not None
+
+            await _until(learned, "the router knows how long a call takes")
+            blocker = await client.submit("blocker", route="chat")  # takes the slot, unrun
+            # Not hopeless when read (0.8 s of 3 s), hopeless once 2.2 s have passed.
+            leader = await client.submit("late", route="chat", coalesce=True, timeout=3.0)
+            follower = await client.submit("late", route="chat", coalesce=True)
+            await _wait_coalesced(client, follower.id)
+            with pytest.raises(RequestExpiredError, match="cannot meet the deadline"):
+                await leader.result(timeout=10)
+            async with workers_of(config, services):
+                assert (await blocker.result(timeout=20)).text
+                alone = await follower.result(timeout=20)
+            assert alone.text
+            for handle in (leader, follower):
+                assert len(await terminals(client, handle.id)) == 1
+            [ended] = await terminals(client, follower.id)
+            assert isinstance(ended, Completed)
+            assert ended.shared_with is None
+    assert mock.stats().requests == 5 + 2  # warm-ups, the blocker, the follower alone
+
+
+async def test_followers_of_a_hand_out_cut_short_are_found_in_the_log(
+    stack: Services, slow: MockBackend
+) -> None:
+    """A leader's hand-out closed its group and stopped (its process died);
+    before it ran again, an identical request found the group closed and
+    replaced it with a group of its own. The leader's next hand-out finds no
+    group of its own: it finds its followers in the log (their `coalesced`
+    events) and ends each once. (Before: they were stranded.)"""
+    async with Client(stack.nc, tenant="t") as client:
+        same = client.build_request("cut", route="chat", coalesce=True)
+        await occupy(client)
+        leader = await client.submit("cut", route="chat", coalesce=True)
+        followers = [await client.submit("cut", route="chat", coalesce=True) for _ in "ab"]
+        for handle in followers:
+            await _wait_coalesced(client, handle.id)
+        # The hand-out as a crash left it: closed, nobody given an outcome yet.
+        kv = await stack.js.key_value(STATE_BUCKET)
+        name = f"co.t.{coalesce_key(same)}"
+        entry = await kv.get(name)
+        closed = msgspec.structs.replace(msgspec.json.decode(entry.value, type=Group), closed=True)
+        await kv.update(name, msgspec.json.encode(closed), last=entry.revision)
+        newcomer = await client.submit("cut", route="chat", coalesce=True)
+
+        async def replaced() -> bool:
+            group = await group_of(stack.js, same)
+            return group is not None and group.leader == newcomer.id
+
+        await _until(replaced, "the newcomer replaced the closed group")
+        await leader.cancel()
+        with pytest.raises(RequestCancelledError):
+            await leader.result(timeout=10)
+        text = (await newcomer.result(timeout=20)).text
+        for handle in followers:
+            assert (await handle.result(timeout=20)).text == text
+        for handle in (leader, newcomer, *followers):
+            assert len(await terminals(client, handle.id)) == 1
+    # The blocker and the newcomer's call, shared with the followers.
+    assert slow.stats().completed == 2
+
+
+async def test_a_follower_put_back_takes_a_routing_attempt_no_earlier_one_used(
+    isolated_nc: NatsClient,
+) -> None:
+    """A follower that was preempted twice before it joined (attempts 1 and 2
+    routed) and whose leader is then cancelled is put back with an attempt of
+    its own (3, then routed as 4): reusing attempt 2 would give its dispatch
+    the message id of the earlier one, dropped as a duplicate inside the
+    window, and the request would be lost. Real NATS, the hand-out called
+    directly: the double preemption is out of reach from outside."""
+    js = isolated_nc.jetstream()
+    await provision(isolated_nc, parse_config({"routes": {}, "backends": {}}))
+    log = EventLog(js)
+    client = Client(isolated_nc, tenant="t")
+    request = client.build_request("twice preempted", route="chat", coalesce=True)
+    await log.append(Submitted(request_id=request.id, tenant="t", at=time.time(), request=request))
+    for attempt in (1, 2):
+        preempted = Preempted(
+            request_id=request.id,
+            tenant="t",
+            at=time.time(),
+            backend="b",
+            attempt=attempt,
+            delivery=attempt,
+            by="urgent",
+        )
+        await log.append(preempted)
+    key = coalesce_key(request)
+    assert key is not None
+    kv = await js.key_value(STATE_BUCKET)
+    await kv.put(f"co.t.{key}", msgspec.json.encode(Group(leader="lead", followers=[request.id])))
+    cancelled = Cancelled(request_id="lead", tenant="t", at=time.time(), stage="queued")
+    await Coalescer(js, clock=time.time).leader_ended("t", "lead", key, cancelled)
+    stored = await js.get_last_msg(REQUESTS_STREAM, request_subject("normal", "t", requeue=True))
+    again = REQUEST_DECODER.decode(stored.data)
+    assert (again.id, again.requeues) == (request.id, 3)

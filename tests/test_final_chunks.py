@@ -30,7 +30,7 @@ from renqueue.backends.base import Delta
 from renqueue.config import Config
 from renqueue.errors import FatalBackendError
 from renqueue.eventlog import EventLog, read_subject
-from renqueue.messages import TOKEN_DECODER, Started
+from renqueue.messages import TOKEN_DECODER, Preempted, Retrying, Started
 from renqueue.mockbackend import MockBackend, MockSettings
 from renqueue.subjects import TOKENS_STREAM, token_subject
 from renqueue.worker import Worker
@@ -182,3 +182,58 @@ def test_chunks_written_by_earlier_versions_still_decode() -> None:
     assert (old.v, old.delivery, old.seq, old.restart, old.final) == (1, 1, 0, False, False)
     final = TOKEN_DECODER.decode(b'{"v": 1, "request_id": "r", "seq": 3, "final": true}')
     assert (final.delivery, final.seq, final.text, final.final) == (1, 3, "", True)
+
+
+async def test_a_request_failing_after_a_preemption_numbers_its_final_chunk_by_run(
+    tmp_path: Path,
+) -> None:
+    """Issue #6 item 20, the failed path on a second attempt: after a
+    preemption the request is dispatched again (attempt 2), so its runs are
+    numbered from ``delivery_limit + 1`` while the broker's delivery count
+    starts again at 1. Its ``retrying`` event and its final chunk carry the
+    run number (the same as its ``started`` events), not the delivery count,
+    so the final chunk still sorts after every chunk of the first run."""
+    long = MockSettings(ttft=0.0, tokens_per_second=25, output_tokens=50)
+    async with MockBackend(long) as mock:
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {
+                    "b": {"base_url": mock.url, "model": "m", "limits": {"concurrency": 1}}
+                },
+                "routes": {"chat": {"backends": ["b"]}},
+                "worker": {"retry_delay": "50ms", "drain_timeout": "1s", "max_deliver": 2},
+                "router": {"capacity_refresh": "20ms"},
+            }
+        )
+        stride = config.worker.deliveries
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            batch = await client.submit("long batch", route="chat", priority="batch")
+            stream = batch.stream(timeout=10)
+            for _ in range(3):
+                await anext(stream)  # its first run streams
+            await stream.aclose()
+            urgent = await client.submit("now", route="chat", priority="critical", max_tokens=2)
+            stream = urgent.stream(timeout=10)
+            await anext(stream)  # it runs on the preempted slot: the backend admitted it
+            await stream.aclose()
+            # From now on every call fails (retryable): the batch request's
+            # second attempt fails once, is retried, and fails for good.
+            mock.update(failure_rate=1.0, failure_status=500)
+            assert (await urgent.result(timeout=10)).text
+            with pytest.raises(RequestFailedError) as info:
+                await batch.result(timeout=20)
+            chunks = await stored_chunks(client, batch.id)
+            events = await EventLog(client.js).history(TENANT, batch.id)
+    assert info.value.error_type == "backend_unavailable"
+    assert [e.attempt for e in events if isinstance(e, Preempted)] == [1]
+    runs = [(e.attempt, e.delivery) for e in events if isinstance(e, Started)]
+    assert runs == [(1, 1), (2, stride + 1), (2, stride + 2)]
+    assert [(e.attempt, e.delivery) for e in events if isinstance(e, Retrying)] == [(2, stride + 1)]
+    *texts, final = chunks
+    assert final.get("final") is True, chunks
+    assert (final["delivery"], final["seq"]) == (stride + 2, 0)
+    assert texts
+    assert all(chunk["delivery"] == 1 for chunk in texts)
+    order = sorted(chunks, key=lambda c: (c.get("delivery", 1), c.get("seq", 0)))
+    assert order[-1] is final

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 import pytest
 
 from renqueue import Client, Services, parse_config
@@ -22,6 +24,7 @@ from renqueue.connection import connect
 from renqueue.embedded import EmbeddedServer
 from renqueue.errors import RequestFailedError, ServiceFailedError
 from renqueue.eventlog import EventLog
+from renqueue.logs import EVENT_ATTRIBUTE
 from renqueue.messages import Routed, kind_of
 from renqueue.mockbackend import MockBackend, MockSettings
 from renqueue.router import Router
@@ -268,3 +271,63 @@ async def test_a_request_whose_dispatches_keep_failing_fails_after_router_max_de
     assert kinds[-1] == "failed"
     assert kinds.count("failed") == 1
     assert "started" not in kinds
+
+
+class RefusingSubmitted:
+    """A router's JetStream context that refuses its first ``submitted``
+    publishes the way nats-py does when a long reconnect has filled the
+    connection's outbound buffer: the publish call itself raises. (A server
+    that denies or drops the publish reports it only on the ack, which the
+    dispatch awaits; this is what reaches the fetch loop.)"""
+
+    def __init__(self, js: Any, refusals: int) -> None:
+        self._js = js
+        self.refusals = refusals
+
+    async def publish_async(self, subject: str, payload: bytes = b"", **kwargs: Any) -> Any:
+        if subject.endswith(".submitted") and self.refusals > 0:
+            self.refusals -= 1
+            raise nats.errors.OutboundBufferLimitError
+        return await self._js.publish_async(subject, payload, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+
+async def test_a_fetch_loop_whose_submitted_publish_raises_is_logged_and_restarted(
+    server: EmbeddedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue #6 item 1, the fetch loop: publishing a request's `submitted`
+    event raises (here three times); the loop is logged, with its traceback,
+    and started again, what it had fetched goes back to the queue, and every
+    request still completes through this router, each logged once."""
+    caplog.set_level(logging.WARNING, logger="renqueue")
+    async with MockBackend(MockSettings(ttft=0.0, output_tokens=2)) as mock:
+        config = make_config(user_url(server, "svc"), mock)
+        async with (
+            Services(config, routers=0) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            refusing = RefusingSubmitted(services.js, refusals=3)
+            router = Router(services.nc, refusing, config, name="flaky")
+            await router.start()
+            try:
+                handles = [
+                    await client.submit(f"q{n}", route="chat", request_id=f"f{n}") for n in range(4)
+                ]
+                results = await asyncio.gather(*(h.result(timeout=30) for h in handles))
+            finally:
+                await router.stop()
+            log = EventLog(services.js)
+            kinds = [[kind_of(e) for e in await log.history(TENANT, h.id)] for h in handles]
+    assert refusing.refusals == 0
+    assert [r.backend for r in results] == ["b"] * 4
+    assert router.routed == 4
+    assert all(k.count("submitted") == 1 and k.count("completed") == 1 for k in kinds), kinds
+    failed = [r for r in caplog.records if r.getMessage().startswith("background loop failed")]
+    assert len(failed) == 3, [r.getMessage() for r in caplog.records]
+    for record in failed:
+        assert record.levelno == logging.ERROR
+        assert getattr(record, EVENT_ATTRIBUTE)["loop"] == "flaky-fetch-normal"
+        assert record.exc_info is not None
+        assert isinstance(record.exc_info[1], nats.errors.OutboundBufferLimitError)

@@ -5,7 +5,8 @@ nats/auth.conf (its password in the NATS URL), with three backends whose keys
 come from the environment and from a file; one key is wrong, and that mock
 answers 401 with a message echoing the key, as some providers do. After
 successful and failed requests, every place a secret could leak is read back
-and searched: the service's stdout and stderr (at DEBUG), every message of
+and searched, for every password of nats/auth.conf's users (the tenant's is in
+the client's URL) and every API key: the service's stdout and stderr (at DEBUG), every message of
 every stream (events, dead letters, tokens, the projection's KV), the
 Prometheus page, the client's error, ``renqueue audit`` and a CLI error about
 the same secret-bearing URL.
@@ -31,10 +32,22 @@ from renqueue.mockbackend import MockBackend, MockSettings
 AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"
 NATS_PASSWORD = "natsPW4d1e0c6b5a"
 TENANT_PASSWORD = "tenantPW9f8e7d6c"
+GLOBEX_PASSWORD = "globexPW2b3c4d5e"
+SYS_PASSWORD = "sysPW6f7a8b9c0d"
 ENV_KEY = "sk-envKEY3b2a1908f7e6"
 FILE_KEY = "sk-fileKEY5c4d3e2f1a0b"
 WRONG_KEY = "sk-wrongKEY7a6b5c4d3e2f"
-SECRETS = (NATS_PASSWORD, ENV_KEY, FILE_KEY, WRONG_KEY)
+#: Every secret the setup uses: the passwords of every auth.conf user (the
+#: tenant's is in the client's URL) and the API keys.
+SECRETS = (
+    NATS_PASSWORD,
+    TENANT_PASSWORD,
+    GLOBEX_PASSWORD,
+    SYS_PASSWORD,
+    ENV_KEY,
+    FILE_KEY,
+    WRONG_KEY,
+)
 
 
 def free_port() -> int:
@@ -96,8 +109,8 @@ async def test_no_secret_reaches_logs_events_metrics_or_errors(
     passwords = {
         "RQ_SERVICE_PASSWORD": NATS_PASSWORD,
         "RQ_TENANT_ACME_PASSWORD": TENANT_PASSWORD,
-        "RQ_TENANT_GLOBEX_PASSWORD": "unused-globex",
-        "RQ_SYS_PASSWORD": "unused-sys",
+        "RQ_TENANT_GLOBEX_PASSWORD": GLOBEX_PASSWORD,
+        "RQ_SYS_PASSWORD": SYS_PASSWORD,
     }
     server_env = {**os.environ, **passwords}
     key_file = tmp_path / "key"

@@ -17,10 +17,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from renqueue import Client, Services, parse_config
+from renqueue import Client, RequestCancelledError, Services, parse_config
 from renqueue.config import Config
 from renqueue.eventlog import EventLog
-from renqueue.messages import Started, Submitted, encode
+from renqueue.messages import Coalesced, Preempted, Routed, Started, Submitted, encode
 from renqueue.mockbackend import MockBackend, MockSettings
 from renqueue.subjects import REQUESTS_STREAM, msg_id, request_subject, router_consumer
 
@@ -125,3 +125,75 @@ async def test_a_future_dated_request_does_not_stall_the_projection_clock(
     # at the last event folded (the later request's), not in the year 3000.
     assert state.log_time == last
     assert abs(submitted.at - time.time()) < AN_HOUR
+
+
+async def held_by_routers(services: Services) -> int:
+    info = await services.js.consumer_info(REQUESTS_STREAM, router_consumer("normal"))
+    return int(info.num_ack_pending)
+
+
+async def test_a_follower_put_back_to_run_alone_keeps_its_place(tmp_path: Path) -> None:
+    """A coalesced follower whose leader is cancelled is put back on its queue
+    to run alone. Its wait still counts from its own submit (server time, from
+    its `submitted` event): it goes before a request submitted after it,
+    though its requeued copy was stored after that one."""
+    async with MockBackend(MockSettings(output_tokens=2)) as mock:
+        config = one_slot(tmp_path, mock.url)
+        # No worker yet: the blocker's dispatch takes the one slot, unrun.
+        async with (
+            Services(config, backends=[]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            blocker = await client.submit("blocker", route="chat")
+            leader = await client.submit("same", route="chat", coalesce=True)
+            follower = await client.submit("same", route="chat", coalesce=True)
+            log = EventLog(client.js)
+
+            async def coalesced() -> bool:
+                return any(isinstance(e, Coalesced) for e in await log.history(TENANT, follower.id))
+
+            await until(coalesced, "the follower joined the leader's call")
+            later = await client.submit("later", route="chat")
+            await leader.cancel()
+            with pytest.raises(RequestCancelledError):
+                await leader.result(timeout=10)
+
+            async def both_held() -> bool:
+                return await held_by_routers(services) == 2
+
+            await until(both_held, "the router holds the later request and the follower")
+            workers = one_slot(tmp_path, mock.url, nats_url=services.url)
+            async with Services(workers, routers=0, backends=["b"], projector=False):
+                for handle in (blocker, follower, later):
+                    await handle.result(timeout=20)
+            assert await start_of(client, follower.id) < await start_of(client, later.id)
+            history = await log.history(TENANT, follower.id)
+    [submitted] = [e for e in history if isinstance(e, Submitted)]
+    [routed] = [e for e in history if isinstance(e, Routed)]
+    assert routed.queue_wait == pytest.approx(routed.at - submitted.at, abs=1e-6)
+
+
+async def test_a_preempted_request_keeps_its_wait_from_its_first_submit(tmp_path: Path) -> None:
+    """A preempted request put back by its worker (attempt 2) keeps the time
+    of its first `submitted` event: its second `routed` counts its wait from
+    there, not from the requeue."""
+    long = MockSettings(ttft=0.0, tokens_per_second=25, output_tokens=50)
+    async with MockBackend(long) as mock:
+        config = one_slot(tmp_path, mock.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            batch = await client.submit("long batch", route="chat", priority="batch")
+            stream = batch.stream(timeout=10)
+            for _ in range(5):
+                await anext(stream)  # its first run streams for a while
+            await stream.aclose()
+            urgent = await client.submit("now", route="chat", priority="critical", max_tokens=2)
+            await urgent.result(timeout=20)
+            await batch.result(timeout=30)
+            history = await EventLog(client.js).history(TENANT, batch.id)
+    [submitted] = [e for e in history if isinstance(e, Submitted)]
+    [preempted] = [e for e in history if isinstance(e, Preempted)]
+    first, second = (e for e in history if isinstance(e, Routed))
+    assert (first.attempt, second.attempt) == (1, 2)
+    # From the requeue, the wait would be shorter by the first run's length.
+    assert preempted.at - submitted.at > 0.2
+    assert second.queue_wait == pytest.approx(second.at - submitted.at, abs=1e-6)
