@@ -1,4 +1,5 @@
-"""Scheduling benchmark (issue #3): wait by level under overload, preemption, work stealing.
+"""Scheduling benchmark (issue #3): wait by level under overload, preemption, work stealing;
+the binding order across several routers and binding after a router dies (issue #7).
 
 Run with ``make bench-scheduling`` (about 3.5 minutes) or
 ``python bench/scheduling.py --quick`` (about 1.5 minutes). Everything runs on
@@ -41,7 +42,18 @@ Two more parts, each with its own backends and runs:
    leave there). Each with and without a shared ``pool`` (stealing needs one):
    wait, each replica's calls and utilisation, ``stolen`` events.
 
-``--only ordering|preemption|stealing`` (repeatable) runs a subset.
+And one part whose services are separate OS processes:
+
+6. Binding order across routers: the ordering part's backend under strict priority,
+   the same trace against 1 and against 3 ``renqueue router`` processes (plus a
+   ``renqueue worker`` process), at 2x and 1x capacity: binds that passed over a more
+   urgent, older waiting request (from the event log, server times), critical
+   requests left waiting while batch work was bound, wait by level. Then failover:
+   3 router processes under steady overload, the router that binds ``kill -9``-ed a
+   few times: kill -> next bind, and what became of the requests it held
+   (:class:`RouterTap` tells the router processes apart by their inbox prefixes).
+
+``--only ordering|preemption|stealing|binding`` (repeatable) runs a subset.
 
 Results: a table on stdout, JSON in ``bench/results/scheduling-<UTC>.json``
 (+ ``scheduling-latest.json``) and a plot of wait by level over time in
@@ -176,15 +188,17 @@ class BindingPlan:
     The ordering part's backend (``Plan.slots`` slots, mock ttft ``Plan.ttft``) under
     strict priority (five levels, ``never_age``, no preemption): ordering alone.
     Routers, the worker and the projector are ``renqueue`` processes of their own on a
-    nats-server of their own. (a) Poisson arrivals at ``overload`` x capacity for
-    ``arrival_seconds`` (seeded), the same trace played against each count in
-    ``routers``. (b) ``failover_routers`` routers under ``failover_overload`` x
-    capacity: ``kills`` times, ``kill_every`` s apart from ``kill_lead`` s, the
-    router that binds is ``kill -9``-ed and replaced at once; arrivals stop
-    ``kill_tail`` s after the last kill."""
+    nats-server of their own. (a) For each load in ``overloads``: Poisson arrivals at
+    that multiple of capacity for ``arrival_seconds`` (seeded), the same trace played
+    against each count in ``routers``. 2x is issue #7's overload; at 1x batch work is
+    bound while more urgent work arrives, so a critical request can wait behind it.
+    (b) ``failover_routers`` routers under ``failover_overload`` x capacity: ``kills``
+    times, ``kill_every`` s apart from ``kill_lead`` s, the router that binds is
+    ``kill -9``-ed and replaced at once; arrivals stop ``kill_tail`` s after the last
+    kill."""
 
     routers: tuple[int, ...] = (1, 3)
-    overload: float = 2.0
+    overloads: tuple[float, ...] = (2.0, 1.0)
     arrival_seconds: float = 20.0
     seed: int = 3
     #: One routing round: a more urgent, older request counts as passed over only if
@@ -238,7 +252,9 @@ QUICK = Plan(
     strict=False,
     preempt=PreemptionPlan(batch_tokens=60, critical_requests=6),
     steal=StealingPlan(burst=16, router_path=False),
-    binding=BindingPlan(arrival_seconds=10.0, kills=3, kill_every=5.0, kill_lead=4.0),
+    binding=BindingPlan(
+        overloads=(2.0,), arrival_seconds=10.0, kills=3, kill_every=5.0, kill_lead=4.0
+    ),
 )
 
 
@@ -1792,19 +1808,27 @@ def analyse_failover(raw: dict[str, Any]) -> dict[str, Any]:
 async def run_binding_part(plan: Plan, *, keep: bool = False) -> dict[str, Any]:
     """Part 6: the binding order with each router count, then the failover run."""
     bp = plan.binding
-    load = replace(plan, overload=bp.overload, arrival_seconds=bp.arrival_seconds, seed=bp.seed)
-    trace = arrival_trace(load)
-    section: dict[str, Any] = {
-        "plan": asdict(bp),
-        "arrival_rate": load.arrival_rate,
-        "requests": len(trace),
-        "runs": {},
-    }
+    section: dict[str, Any] = {"plan": asdict(bp), "loads": {}}
     async with mock_process(ttft=plan.ttft, output_tokens=plan.output_tokens) as (mock_url, _):
-        for routers in bp.routers:
-            print(f"binding order, {routers} router process(es) ...", flush=True)
-            raw = await run_binding(plan, bp, mock_url, trace, routers=routers, keep=keep)
-            section["runs"][f"routers_{routers}"] = analyse_binding(raw, bp)
+        for overload in bp.overloads:
+            load = replace(
+                plan, overload=overload, arrival_seconds=bp.arrival_seconds, seed=bp.seed
+            )
+            trace = arrival_trace(load)
+            runs: dict[str, Any] = {}
+            section["loads"][f"{overload:g}x"] = {
+                "overload": overload,
+                "arrival_rate": load.arrival_rate,
+                "requests": len(trace),
+                "runs": runs,
+            }
+            for routers in bp.routers:
+                print(
+                    f"binding order at {overload:g}x capacity, {routers} router process(es) ...",
+                    flush=True,
+                )
+                raw = await run_binding(plan, bp, mock_url, trace, routers=routers, keep=keep)
+                runs[f"routers_{routers}"] = analyse_binding(raw, bp)
         if bp.failover:
             seconds = bp.kill_lead + (bp.kills - 1) * bp.kill_every + bp.kill_tail
             steady = replace(
@@ -2226,11 +2250,30 @@ def print_binding(section: dict[str, Any], plan: dict[str, Any]) -> None:
     print(
         f"\n6. Binding order across routers (issue #7): 1 backend x {plan['slots']} slots, mock "
         f"ttft {plan['ttft']:g} s, strict priority (never_age, no preemption); Poisson "
-        f"{section['arrival_rate']:.0f}/s ({bp['overload']:g}x) for {bp['arrival_seconds']:g} s "
-        f"({section['requests']} requests, seed {bp['seed']}); routers, worker and "
+        f"arrivals for {bp['arrival_seconds']:g} s (seed {bp['seed']}); routers, worker and "
         "projectors are `renqueue` processes"
     )
-    runs = section["runs"]
+    for load in section["loads"].values():
+        print_binding_load(load, slack_ms)
+    print(
+        f"  out of order = a `routed` of r at server time t while a more urgent request, "
+        f"capable of r's backend, submitted before r and >= {slack_ms:.0f} ms before t (one "
+        "routing round; slack 0: before t), was not yet bound; crit<-batch = critical "
+        "requests (of all) not bound while a batch request was bound, pairs = such batch "
+        "binds, other rtr = of those, bound by another router than the critical one; "
+        "ordering fig = the ordering part's definition (router's own key, waited > 0.2 s, "
+        "still waiting 50 ms later); in flight = max bound-not-completed (over "
+        f"{plan['slots']}: dispatches waited in the backend subject)"
+    )
+    print_failover(section.get("failover"))
+
+
+def print_binding_load(load: dict[str, Any], slack_ms: float) -> None:
+    runs = load["runs"]
+    print(
+        f"  {load['overload']:g}x capacity: {load['arrival_rate']:.0f}/s, "
+        f"{load['requests']} requests"
+    )
     print(
         f"  {'routers':>7} {'binds':>5} {f'out of order ({slack_ms:.0f} ms)':>24}"
         f" {'(slack 0)':>14} {'crit<-batch':>11} {'pairs':>5} {'other rtr':>9}"
@@ -2262,17 +2305,9 @@ def print_binding(section: dict[str, Any], plan: dict[str, Any]) -> None:
             cells.append(f"{wait['p50_s']:>7.2f} / {wait['p95_s']:>6.2f}")
         n = runs[keys[0]]["levels"][level]["submitted"]
         print(f"  {level:<9} n {n:>4}  " + "   ".join(cells))
-    print(
-        f"  out of order = a `routed` of r at server time t while a more urgent request, "
-        f"capable of r's backend, submitted before r and >= {slack_ms:.0f} ms before t (one "
-        "routing round; slack 0: before t), was not yet bound; crit<-batch = critical "
-        "requests (of all) not bound while a batch request was bound, pairs = such batch "
-        "binds, other rtr = of those, bound by another router than the critical one; "
-        "ordering fig = the ordering part's definition (router's own key, waited > 0.2 s, "
-        "still waiting 50 ms later); in flight = max bound-not-completed (over "
-        f"{plan['slots']}: dispatches waited in the backend subject)"
-    )
-    fo = section.get("failover")
+
+
+def print_failover(fo: dict[str, Any] | None) -> None:
     if not fo:
         return
     ack = fo["router_ack_wait_s"]
@@ -2398,19 +2433,19 @@ def reading(report: dict[str, Any]) -> list[str]:
             )
     if "binding" in report:
         section = report["binding"]
-        runs = list(section["runs"].values())
-        out.append(
-            "binding order: out-of-order binds (slack "
-            f"{section['plan']['round_slack'] * 1000:.0f} ms / 0) "
-            + "; ".join(
-                f"{run['routers']} router(s) {run['out_of_order']['rate']:.1%} / "
-                f"{run['out_of_order_slack_0']['rate']:.1%}, critical behind batch "
-                f"{run['critical_behind_batch']['critical_behind_batch']}/"
-                f"{run['critical_behind_batch']['critical']}"
-                for run in runs
+        for name, load in section["loads"].items():
+            out.append(
+                f"binding order at {name} capacity: out-of-order binds (slack "
+                f"{section['plan']['round_slack'] * 1000:.0f} ms / 0) "
+                + "; ".join(
+                    f"{run['routers']} router(s) {run['out_of_order']['rate']:.1%} / "
+                    f"{run['out_of_order_slack_0']['rate']:.1%}, critical behind batch "
+                    f"{run['critical_behind_batch']['critical_behind_batch']}/"
+                    f"{run['critical_behind_batch']['critical']}"
+                    for run in load["runs"].values()
+                )
+                + "."
             )
-            + "."
-        )
         fo = section.get("failover")
         if fo:
             out.append(
@@ -2440,7 +2475,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 plan.binding,
                 failover=not args.no_failover,
                 failover_ack_wait=args.failover_ack_wait,
-                overload=args.binding_overload or plan.binding.overload,
+                overloads=tuple(args.binding_overload or plan.binding.overloads),
             ),
         )
     parts = set(args.only or PARTS)
@@ -2539,8 +2574,9 @@ def main() -> None:
     parser.add_argument(
         "--binding-overload",
         type=float,
-        default=0.0,
-        help="binding part: arrivals as a multiple of capacity in the order runs (default 2)",
+        action="append",
+        help="binding part: arrivals as a multiple of capacity in the order runs "
+        "(repeatable; default 2 and 1, --quick: 2)",
     )
     parser.add_argument(
         "--keep", action="store_true", help="binding part: keep the work dirs (service logs)"
