@@ -1535,19 +1535,29 @@ class Bind:
     binder: str | None = None  # the router process that published it (RouterTap)
     started: float | None = None
     completed: float | None = None
+    #: (time, router process) of each delivery of its request message (RouterTap).
+    deliveries: list[tuple[float, str]] = field(default_factory=list)
 
     def waiting_at(self, t: float) -> bool:
         """Not bound by time ``t``."""
         return self.routed is None or self.routed > t
+
+    def holder_at(self, t: float) -> str | None:
+        """The router process its latest delivery by ``t`` went to; None: none yet
+        (still in the stream, as far as the tap heard)."""
+        held = [who for at, who in self.deliveries if at <= t]
+        return held[-1] if held else None
 
 
 def binds_from_log(
     events: Sequence[tuple[Any, float]],
     ids: Sequence[str] | None,
     routes: dict[str, list[str]],
-    binders: dict[str, tuple[str, float]],
+    tap: RouterTap,
 ) -> dict[str, Bind]:
-    """Every request (of ``ids``, or all) with its submit, first bind, start and end."""
+    """Every request (of ``ids``, or all) with its submit, first bind, start and end,
+    and what the tap heard: who bound it, where it was delivered."""
+    binders = tap.binders
     wanted = None if ids is None else set(ids)
     rank = {name: index for index, name in enumerate(LEVELS)}
     out: dict[str, Bind] = {}
@@ -1574,6 +1584,10 @@ def binds_from_log(
             bind.started = event.at
         elif isinstance(event, Completed) and bind.completed is None:
             bind.completed = event.at
+    for delivery in tap.deliveries:
+        bind = out.get(delivery.request_id)
+        if bind is not None:
+            bind.deliveries.append((delivery.t, delivery.who))
     return out
 
 
@@ -1589,10 +1603,15 @@ def passed_over(binds: Sequence[Bind], slack: float) -> dict[str, Any]:
     levels: dict[str, Any] = {level: {"count": 0, "max_passed": 0} for level in LEVELS}
     total = 0
     passed_all: list[int] = []
+    # Where each passed-over request was at t (as the tap heard it): held by the
+    # router that bound r, by another router, or not delivered to any yet.
+    where = {"same_router": 0, "another_router": 0, "not_delivered": 0}
+    by_another = 0
     bound = sorted((b for b in binds if b.routed is not None), key=lambda b: b.routed or 0.0)
     for r in bound:
         t = r.routed or 0.0
         passed = 0
+        elsewhere = False
         for rank in range(r.rank):
             rows = by_rank[rank]
             while low[rank] < len(rows) and not rows[low[rank]].waiting_at(t):
@@ -1602,6 +1621,15 @@ def passed_over(binds: Sequence[Bind], slack: float) -> dict[str, Any]:
                     break
                 if q.waiting_at(t) and r.backend in q.candidates:
                     passed += 1
+                    holder = q.holder_at(t)
+                    if holder is None:
+                        where["not_delivered"] += 1
+                    elif holder == r.binder:
+                        where["same_router"] += 1
+                    else:
+                        where["another_router"] += 1
+                        elsewhere = True
+        by_another += elsewhere
         if passed:
             total += 1
             passed_all.append(passed)
@@ -1615,6 +1643,8 @@ def passed_over(binds: Sequence[Bind], slack: float) -> dict[str, Any]:
         "passed_p50": percentile(passed_all, 50) if passed_all else 0,
         "passed_max": max(passed_all, default=0),
         "levels": levels,
+        "out_of_order_passing_one_held_by_another_router": by_another,
+        "passed_over_where": where,
     }
 
 
@@ -1653,7 +1683,7 @@ def critical_behind_batch(binds: Sequence[Bind], slack: float) -> dict[str, Any]
 
 def analyse_binding(raw: dict[str, Any], bp: BindingPlan) -> dict[str, Any]:
     tap: RouterTap = raw["tap"]
-    binds = binds_from_log(raw["events"], list(raw["records"]), raw["routes"], tap.binders)
+    binds = binds_from_log(raw["events"], list(raw["records"]), raw["routes"], tap)
     rows = list(binds.values())
     start: float = raw["start"]
     ends = [b.completed for b in rows if b.completed is not None]
@@ -1727,7 +1757,7 @@ def analyse_failover(raw: dict[str, Any]) -> dict[str, Any]:
     """Per kill: the time to the next bind, and what became of the requests the killed
     router held (delivered to it and never acked, nak'ed or terminated)."""
     tap: RouterTap = raw["tap"]
-    binds = binds_from_log(raw["events"], None, raw["routes"], tap.binders)
+    binds = binds_from_log(raw["events"], None, raw["routes"], tap)
     bound = sorted(
         (b for b in binds.values() if b.routed is not None), key=lambda b: b.routed or 0.0
     )
@@ -1746,12 +1776,20 @@ def analyse_failover(raw: dict[str, Any]) -> dict[str, Any]:
         row["next_routed_s"] = (after[0].routed or 0.0) - at if after else None
         row["next_routed_by"] = after[0].binder if after else None
         row["next_routed_by_another_s"] = (other[0].routed or 0.0) - at if other else None
+        row["next_routed_by_another"] = other[0].binder if other else None
         held = [
             d
             for d in tap.deliveries
             if d.who == victim and (d.stream_seq, d.delivered) not in tap.ended
         ]
-        waiting = [d for d in held if d.request_id in binds and binds[d.request_id].waiting_at(at)]
+        # Bound by the victim itself, stored after the kill: its decision was on the way.
+        waiting = [
+            d
+            for d in held
+            if d.request_id in binds
+            and binds[d.request_id].waiting_at(at)
+            and binds[d.request_id].binder != victim
+        ]
         row["held"] = len(held)
         row["held_already_bound"] = len(held) - len(waiting)
         row["held_waiting"] = len(waiting)
@@ -2262,7 +2300,9 @@ def print_binding(section: dict[str, Any], plan: dict[str, Any]) -> None:
         "requests (of all) not bound while a batch request was bound, pairs = such batch "
         "binds, other rtr = of those, bound by another router than the critical one; "
         "ordering fig = the ordering part's definition (router's own key, waited > 0.2 s, "
-        "still waiting 50 ms later); in flight = max bound-not-completed (over "
+        "still waiting 50 ms later); passed = where the requests passed over (50 ms) were at "
+        "the bind (tap): held by the binding router / by another router / not yet delivered "
+        "to any; in flight = max bound-not-completed (over "
         f"{plan['slots']}: dispatches waited in the backend subject)"
     )
     print_failover(section.get("failover"))
@@ -2277,7 +2317,8 @@ def print_binding_load(load: dict[str, Any], slack_ms: float) -> None:
     print(
         f"  {'routers':>7} {'binds':>5} {f'out of order ({slack_ms:.0f} ms)':>24}"
         f" {'(slack 0)':>14} {'crit<-batch':>11} {'pairs':>5} {'other rtr':>9}"
-        f" {'ordering fig':>12} {'in flight':>9} {'req/s':>5}  binds by router"
+        f" {'ordering fig':>12} {'in flight':>9} {'req/s':>5} {'passed: same/other/stream':>25}"
+        "  binds by router"
     )
     for run in runs.values():
         ooo, ooo0 = run["out_of_order"], run["out_of_order_slack_0"]
@@ -2287,10 +2328,12 @@ def print_binding_load(load: dict[str, Any], slack_ms: float) -> None:
         rate0 = f"{ooo0['out_of_order']} ({ooo0['rate']:.1%})"
         crit = f"{cb['critical_behind_batch']}/{cb['critical']}"
         figure = f"{fig['total']} ({fig['share']:.1%})"
+        at = ooo["passed_over_where"]
+        where = f"{at['same_router']}/{at['another_router']}/{at['not_delivered']}"
         print(
             f"  {run['routers']:>7} {ooo['binds']:>5} {rate:>24} {rate0:>14} {crit:>11}"
             f" {cb['batch_binds_ahead']:>5} {cb['of_which_by_another_router']:>9} {figure:>12}"
-            f" {run['bound_not_finished_max']:>9} {run['throughput_rps']:>5.1f}  "
+            f" {run['bound_not_finished_max']:>9} {run['throughput_rps']:>5.1f} {where:>25}  "
             + ", ".join(f"{k} {v}" for k, v in run["binds_by_router"].items())
         )
     keys = list(runs)
@@ -2330,21 +2373,23 @@ def print_failover(fo: dict[str, Any] | None) -> None:
             continue
         print(
             f"  {index:>4} {kill['offset_s']:>5.1f} {kill['who']:<12} {kill['how'][:28]:<28}"
-            f" {_s(kill['next_routed_s'], 3):>11} {kill['next_routed_by'] or '-':<12}"
+            f" {_s(kill['next_routed_by_another_s'], 3):>11}"
+            f" {kill['next_routed_by_another'] or '-':<12}"
             f" {kill['held_waiting']:>4} {kill['held_already_bound']:>5}"
             f" {_s(kill['first_redelivery_s']):>9} {_s(kill['first_held_routed_s']):>16}"
             f" {_s(kill['last_held_routed_s']):>6}  {kill['held_by_level']}"
         )
     print(
-        f"  max: next bind {_s(fo['max_next_routed_s'], 3)} s (by another router "
-        f"{_s(fo['max_next_routed_by_another_s'], 3)} s), first held request redelivered "
+        f"  max: next bind by another router {_s(fo['max_next_routed_by_another_s'], 3)} s "
+        f"(any router {_s(fo['max_next_routed_s'], 3)} s), first held request redelivered "
         f"{_s(fo['max_first_redelivery_s'])} s, first held request bound "
         f"{_s(fo['max_first_held_routed_s'])} s, last {_s(fo['max_last_held_routed_s'])} s"
     )
     print(
-        "  next bind = kill -> the next `routed` event stored (server time); held = requests "
-        "delivered to the killed process and never acked/nak'ed (RouterTap), waiting = not "
-        "yet bound at the kill (bound = bound, not yet acked); redeliv = kill -> first of "
+        "  next bind = kill -> the next `routed` event stored (server time) that another "
+        "router process published; held = requests delivered to the killed process and never "
+        "acked/nak'ed (RouterTap) and not bound before the kill (bound = bound, or on the "
+        "way, but not acked); redeliv = kill -> first of "
         "them delivered again (to any router); 1st / last held bound = kill -> their first "
         "/ last `routed`"
     )
@@ -2450,7 +2495,8 @@ def reading(report: dict[str, Any]) -> list[str]:
         if fo:
             out.append(
                 f"failover ({len(fo['kills'])} kill -9 of {fo['routers']} routers): next bind "
-                f"after at most {_s(fo['max_next_routed_s'], 3)} s; the killed router's "
+                f"(by another router) after at most {_s(fo['max_next_routed_by_another_s'], 3)}"
+                " s; the killed router's "
                 f"held requests first redelivered after up to {_s(fo['max_first_redelivery_s'])}"
                 f" s, first bound after up to {_s(fo['max_first_held_routed_s'])} s."
             )
