@@ -56,7 +56,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -396,13 +396,26 @@ class Fleet:
     that exits by itself is restarted (and recorded); :meth:`kill` is ``kill -9`` and an
     immediate replacement."""
 
-    def __init__(self, config_file: Path, url: str, logs: Path) -> None:
+    def __init__(
+        self,
+        config_file: Path,
+        url: str,
+        logs: Path,
+        *,
+        routers: int = ROUTERS,
+        backends: Sequence[Backend] = BACKENDS,
+        config_for: Callable[[Slot], Awaitable[Path]] | None = None,
+    ) -> None:
+        """``routers`` router processes and ``backends``' workers. ``config_for``, if
+        given, is awaited before each spawn (the slot's ``generation`` already counts
+        it) and names the config file that process gets; else ``config_file``."""
         self.config_file = config_file
         self.url = url
         self.logs = logs
+        self.config_for = config_for
         logs.mkdir(parents=True, exist_ok=True)
-        self.slots = [Slot("router", None, i) for i in range(ROUTERS)]
-        for backend in BACKENDS:
+        self.slots = [Slot("router", None, i) for i in range(routers)]
+        for backend in backends:
             self.slots += [Slot("worker", backend.name, i) for i in range(backend.workers)]
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("RENQUEUE_")},
@@ -432,8 +445,9 @@ class Fleet:
         slot.generation += 1
         slot.ready = False
         slot.log = self.logs / f"{slot.name}-{slot.generation:03d}.log"
+        config_file = self.config_file if self.config_for is None else await self.config_for(slot)
         argv = [
-            sys.executable, "-m", "renqueue", "-c", str(self.config_file), "--nats", self.url,
+            sys.executable, "-m", "renqueue", "-c", str(config_file), "--nats", self.url,
             "--log-json", slot.role,
         ]  # fmt: skip
         if slot.backend is not None:

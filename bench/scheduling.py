@@ -1,4 +1,5 @@
-"""Scheduling benchmark (issue #3): wait by level under overload, preemption, work stealing.
+"""Scheduling benchmark (issue #3): wait by level under overload, preemption, work stealing;
+the binding order across several routers and binding after a router dies (issue #7).
 
 Run with ``make bench-scheduling`` (about 3.5 minutes) or
 ``python bench/scheduling.py --quick`` (about 1.5 minutes). Everything runs on
@@ -41,7 +42,18 @@ Two more parts, each with its own backends and runs:
    leave there). Each with and without a shared ``pool`` (stealing needs one):
    wait, each replica's calls and utilisation, ``stolen`` events.
 
-``--only ordering|preemption|stealing`` (repeatable) runs a subset.
+And one part whose services are separate OS processes:
+
+6. Binding order across routers: the ordering part's backend under strict priority,
+   the same trace against 1 and against 3 ``renqueue router`` processes (plus a
+   ``renqueue worker`` process), at 2x and 1x capacity: binds that passed over a more
+   urgent, older waiting request (from the event log, server times), critical
+   requests left waiting while batch work was bound, wait by level. Then failover:
+   3 router processes under steady overload, the router that binds ``kill -9``-ed a
+   few times: kill -> next bind, and what became of the requests it held
+   (:class:`RouterTap` tells the router processes apart by their inbox prefixes).
+
+``--only ordering|preemption|stealing|binding`` (repeatable) runs a subset.
 
 Results: a table on stdout, JSON in ``bench/results/scheduling-<UTC>.json``
 (+ ``scheduling-latest.json``) and a plot of wait by level over time in
@@ -58,9 +70,10 @@ import itertools
 import json
 import os
 import random
+import shutil
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -69,16 +82,26 @@ from typing import Any
 
 import httpx
 import msgspec
+from chaos import Backend as ChaosBackend
+from chaos import (
+    Fleet,
+    NatsNode,
+    Slot,
+    log_problems,
+    provision_with_retries,
+    until_jetstream_answers,
+)
 from common import RESULTS, ROOT, machine_info, mock_process, percentile
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from renqueue import Client, Services, parse_config
-from renqueue.config import DEFAULT_PRIORITIES, Config
+from renqueue.config import DEFAULT_PRIORITIES, Config, load_config
 from renqueue.connection import connect
 from renqueue.logs import configure_logging
 from renqueue.messages import (
     EVENT_DECODER,
+    REQUEST_DECODER,
     Completed,
     Dispatch,
     Preempted,
@@ -86,6 +109,7 @@ from renqueue.messages import (
     Routed,
     Started,
     Stolen,
+    Submitted,
     TokenChunk,
     encode,
     is_terminal,
@@ -109,7 +133,7 @@ MIX: dict[str, float] = {"critical": 0.05, "high": 0.15, "normal": 0.40, "low": 
 #: The two replicas of scenario 5 (route cascade order: slow first).
 SLOW = "replica-slow"
 #: The parts of the benchmark (``--only``).
-PARTS = ("ordering", "preemption", "stealing")
+PARTS = ("ordering", "preemption", "stealing", "binding")
 FAST = "replica-fast"
 
 
@@ -158,6 +182,42 @@ class StealingPlan:
 
 
 @dataclass(frozen=True)
+class BindingPlan:
+    """Scenario 6 (issue #7): the binding order across routers, and binding after one dies.
+
+    The ordering part's backend (``Plan.slots`` slots, mock ttft ``Plan.ttft``) under
+    strict priority (five levels, ``never_age``, no preemption): ordering alone.
+    Routers, the worker and the projector are ``renqueue`` processes of their own on a
+    nats-server of their own. (a) For each load in ``overloads``: Poisson arrivals at
+    that multiple of capacity for ``arrival_seconds`` (seeded), the same trace played
+    against each count in ``routers``. 2x is issue #7's overload; at 1x batch work is
+    bound while more urgent work arrives, so a critical request can wait behind it.
+    (b) ``failover_routers`` routers under ``failover_overload`` x capacity: ``kills``
+    times, ``kill_every`` s apart from ``kill_lead`` s, the router that binds is
+    ``kill -9``-ed and replaced at once; arrivals stop ``kill_tail`` s after the last
+    kill."""
+
+    routers: tuple[int, ...] = (1, 3)
+    overloads: tuple[float, ...] = (2.0, 1.0)
+    arrival_seconds: float = 20.0
+    seed: int = 3
+    #: One routing round: a more urgent, older request counts as passed over only if
+    #: it was waiting at least this long before the bind (also reported with 0).
+    round_slack: float = 0.05
+    failover: bool = True
+    failover_routers: int = 3
+    failover_overload: float = 1.25
+    kills: int = 5
+    kill_every: float = 6.0
+    kill_lead: float = 5.0
+    kill_tail: float = 2.0
+    #: ``router.ack_wait`` in the failover run (consumers and keepalive); None: the
+    #: default (30 s), so a killed router's held requests come back after 30 s.
+    failover_ack_wait: float | None = None
+    seed_failover: int = 7
+
+
+@dataclass(frozen=True)
 class Plan:
     """The load: arrivals at ``overload`` x capacity for ``arrival_seconds``."""
 
@@ -174,6 +234,7 @@ class Plan:
     preemption: bool = False
     preempt: PreemptionPlan = field(default_factory=PreemptionPlan)
     steal: StealingPlan = field(default_factory=StealingPlan)
+    binding: BindingPlan = field(default_factory=BindingPlan)
 
     @property
     def nominal_capacity(self) -> float:
@@ -191,6 +252,9 @@ QUICK = Plan(
     strict=False,
     preempt=PreemptionPlan(batch_tokens=60, critical_requests=6),
     steal=StealingPlan(burst=16, router_path=False),
+    binding=BindingPlan(
+        overloads=(2.0,), arrival_seconds=10.0, kills=3, kill_every=5.0, kill_lead=4.0
+    ),
 )
 
 
@@ -288,13 +352,20 @@ def scenarios(plan: Plan) -> list[Scenario]:
                 title="strict priority (five levels, never_age)"
                 + ("" if plan.preemption else ", no preemption"),
                 priorities=LEVELS,
-                levels={
-                    name: {**no_preemption, **({"never_age": True} if name != LEVELS[0] else {})}
-                    for name in LEVELS
-                },
+                levels=strict_levels(preemption=plan.preemption),
             )
         )
     return out
+
+
+def strict_levels(*, preemption: bool) -> dict[str, dict[str, Any]]:
+    """``[levels.*]`` of strict priority: the five levels, no aging (``never_age``) and,
+    unless ``preemption``, explicitly no preemption (the defaults have some)."""
+    no_preemption: dict[str, Any] = {} if preemption else {"preempts": False, "preemptible": False}
+    return {
+        name: {**no_preemption, **({"never_age": True} if name != LEVELS[0] else {})}
+        for name in LEVELS
+    }
 
 
 def scenario_config(scenario: Scenario, data_dir: str, mock_url: str, plan: Plan) -> Config:
@@ -348,6 +419,11 @@ class Record:
 async def read_stream(js: Any, stream: str, subject: str) -> list[bytes]:
     """Every message of ``stream`` on ``subject``, in order (one ephemeral pull consumer,
     no acks)."""
+    return [data for data, _stored in await read_stream_stamped(js, stream, subject)]
+
+
+async def read_stream_stamped(js: Any, stream: str, subject: str) -> list[tuple[bytes, float]]:
+    """As :func:`read_stream`, each message with the server's time of storing it."""
     info = await js.stream_info(stream)
     if not info.state.messages:
         return []
@@ -363,7 +439,7 @@ async def read_stream(js: Any, stream: str, subject: str) -> list[bytes]:
             num_replicas=1,
         ),
     )
-    out: list[bytes] = []
+    out: list[tuple[bytes, float]] = []
     try:
         while True:
             try:
@@ -372,7 +448,7 @@ async def read_stream(js: Any, stream: str, subject: str) -> list[bytes]:
                 break
             done = False
             for msg in msgs:
-                out.append(msg.data)
+                out.append((msg.data, msg.metadata.timestamp.timestamp()))
                 meta = msg.metadata
                 if meta.num_pending == 0 or meta.sequence.stream >= last:
                     done = True
@@ -1102,6 +1178,726 @@ def analyse_stealing(
     }
 
 
+# ------------------------------------------ binding order across routers (issue #7)
+
+#: Inbox prefix of the router processes of the binding part, one per process:
+#: ``<TAP_PREFIX>.<slot>.<generation>`` (see :class:`RouterTap`).
+TAP_PREFIX = "_INBOX_RQB"
+
+
+def binding_config_text(
+    url: str,
+    mock_url: str,
+    slots: int,
+    *,
+    inbox_prefix: str | None = None,
+    ack_wait: float | None = None,
+) -> str:
+    """The TOML every process of the binding part reads: strict priority (no aging, no
+    preemption), one backend ``mock`` of ``slots`` slots, route ``chat``. A router
+    process gets its own ``inbox_prefix``; ``ack_wait`` sets ``router.ack_wait``."""
+    lines = [
+        "# Written by bench/scheduling.py (binding part).",
+        "priorities = [" + ", ".join(f'"{name}"' for name in LEVELS) + "]",
+        f'default_priority = "{LEVELS[0]}"',
+        "",
+        "[nats]",
+        f'url = "{url}"',
+        *([f'inbox_prefix = "{inbox_prefix}"'] if inbox_prefix else []),
+        "",
+        "[worker]",
+        'drain_timeout = "2s"',
+        *(["", "[router]", f'ack_wait = "{ack_wait:g}s"'] if ack_wait else []),
+    ]
+    for name, options in strict_levels(preemption=False).items():
+        lines += ["", f"[levels.{name}]"]
+        lines += [f"{key} = {'true' if value else 'false'}" for key, value in options.items()]
+    lines += [
+        "",
+        f"[backends.{BACKEND}]",
+        f'base_url = "{mock_url}"',
+        'model = "mock"',
+        f"[backends.{BACKEND}.limits]",
+        f"concurrency = {slots}",
+        "",
+        "[routes.chat]",
+        f'backends = ["{BACKEND}"]',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+@dataclass
+class TapDelivery:
+    """A request message JetStream delivered to a router process."""
+
+    who: str  # ``<slot>.<generation>``: one router process
+    t: float  # this process's clock at receipt
+    stream_seq: int
+    delivered: int
+    request_id: str
+    consumer: str  # ``router-<level>``
+
+
+class RouterTap:
+    """What each router process receives and binds, heard from outside on core NATS.
+
+    Every router process runs with its own ``nats.inbox_prefix``
+    (``<TAP_PREFIX>.<slot>.<generation>``), which nats-py uses for every inbox of
+    that connection. So: the request messages its pull consumers receive
+    (JetStream delivers them to the puller's inbox) are heard by subscribing under
+    that prefix; a ``routed`` event it publishes carries a reply subject under it
+    (JetStream's publish ack), which names the binder; and an ack, nak or term of a
+    request message (``$JS.ACK.RQ_REQUESTS.<consumer>.<delivered>.<seq>...``) ends
+    that delivery. Nothing here relies on the router's code, only on its
+    connection honouring ``nats.inbox_prefix``. Times are this process's clock at
+    receipt (event-loop lag included)."""
+
+    def __init__(self, nc: Any) -> None:
+        self._nc = nc
+        self._subs: list[Any] = []
+        self.deliveries: list[TapDelivery] = []
+        #: (stream seq, delivered) -> (time, "ack" | "nak" | "term"): that delivery ended.
+        self.ended: dict[tuple[int, int], tuple[float, str]] = {}
+        #: request id -> (router process, time) of the first ``routed`` publish heard.
+        self.binders: dict[str, tuple[str, float]] = {}
+        self.binds: list[tuple[float, str]] = []
+
+    async def start(self) -> None:
+        self._subs.append(await self._nc.subscribe(f"$JS.ACK.{REQUESTS_STREAM}.>", cb=self._on_ack))
+        self._subs.append(await self._nc.subscribe(f"rq.evt.{TENANT}.*.routed", cb=self._on_routed))
+        await self._nc.flush()
+
+    async def watch(self, who: str) -> str:
+        """Listen under a new router process's inbox prefix (before it starts); returns
+        the prefix to configure it with."""
+        prefix = f"{TAP_PREFIX}.{who}"
+
+        async def on_delivery(msg: Any) -> None:
+            self._on_delivery(who, msg)
+
+        # `<prefix>.<nuid>`: pull and push subscriptions; publish acks are one token deeper.
+        self._subs.append(await self._nc.subscribe(f"{prefix}.*", cb=on_delivery))
+        await self._nc.flush()
+        return prefix
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+
+    def _on_delivery(self, who: str, msg: Any) -> None:
+        parts = (msg.reply or "").split(".")
+        if len(parts) < 9 or parts[:3] != ["$JS", "ACK", REQUESTS_STREAM]:
+            return  # a status message, a KV watch, another stream
+        try:
+            request_id = REQUEST_DECODER.decode(msg.data).id
+        except msgspec.DecodeError:
+            request_id = ""
+        self.deliveries.append(
+            TapDelivery(
+                who=who,
+                t=time.time(),
+                stream_seq=int(parts[5]),
+                delivered=int(parts[4]),
+                request_id=request_id,
+                consumer=parts[3],
+            )
+        )
+
+    async def _on_ack(self, msg: Any) -> None:
+        parts = msg.subject.split(".")
+        if len(parts) < 9:
+            return
+        data = bytes(msg.data)
+        if data in (b"", b"+ACK") or data.startswith(b"+NXT"):
+            kind = "ack"
+        elif data.startswith(b"-NAK"):
+            kind = "nak"
+        elif data.startswith(b"+TERM"):
+            kind = "term"
+        else:
+            return  # +WPI: in progress, still held
+        self.ended.setdefault((int(parts[5]), int(parts[4])), (time.time(), kind))
+
+    async def _on_routed(self, msg: Any) -> None:
+        parts = (msg.reply or "").split(".")
+        who = f"{parts[1]}.{parts[2]}" if len(parts) > 3 and parts[0] == TAP_PREFIX else "?"
+        now = time.time()
+        self.binds.append((now, who))
+        self.binders.setdefault(msg.subject.split(".")[3], (who, now))
+
+    def summary(self) -> dict[str, int]:
+        return {
+            "deliveries": len(self.deliveries),
+            "redeliveries": sum(1 for d in self.deliveries if d.delivered > 1),
+            "deliveries_ended": len(self.ended),
+            "routed_heard": len(self.binds),
+            "routed_binder_unknown": sum(1 for _t, who in self.binds if who == "?"),
+        }
+
+    def recent_binds(self, since: float) -> Counter[str]:
+        """``routed`` publishes heard since ``since``, per router process."""
+        return Counter(who for t, who in self.binds if t >= since)
+
+
+async def read_events_stamped(js: Any) -> list[tuple[Any, float]]:
+    """Every event of the bench tenant in the log, with the server's time of storing it."""
+    events: list[tuple[Any, float]] = []
+    for data, stored in await read_stream_stamped(js, EVENTS_STREAM, f"rq.evt.{TENANT}.>"):
+        with contextlib.suppress(msgspec.DecodeError):
+            events.append((EVENT_DECODER.decode(data), stored))
+    return events
+
+
+def pick_victim(
+    fleet: Fleet, tap: RouterTap, rng: random.Random, *, window: float = 2.0
+) -> tuple[Slot | None, dict[str, int], str]:
+    """The router to kill: the one that bound the most in the last ``window`` s (the
+    only one, once a single router binds); a random started one if none bound."""
+    routers = [s for s in fleet.slots if s.role == "router" and s.alive]
+    ready = [s for s in routers if s.is_ready()] or routers
+    if not ready:
+        return None, {}, "no router alive"
+    current = {f"{slot.name}.{slot.generation}": slot for slot in ready}
+    recent = tap.recent_binds(time.time() - window)
+    counts = {who: recent.get(who, 0) for who in current}
+    best = max(counts.values())
+    if best == 0:
+        return rng.choice(ready), counts, f"random (no router bound in the last {window:g} s)"
+    binding = sum(1 for n in counts.values() if n)
+    slot = current[rng.choice([who for who, n in counts.items() if n == best])]
+    return slot, counts, ("the only router binding" if binding == 1 else f"busiest of {binding}")
+
+
+async def run_binding(
+    plan: Plan,
+    bp: BindingPlan,
+    mock_url: str,
+    trace: list[Arrival],
+    *,
+    routers: int,
+    kills: Sequence[float] = (),
+    ack_wait: float | None = None,
+    keep: bool = False,
+) -> dict[str, Any]:
+    """``routers`` ``renqueue router`` processes and one ``renqueue worker`` process on a
+    nats-server of their own; play ``trace``; ``kill -9`` the binding router at each
+    offset in ``kills`` (replaced at once). Returns what the analysis needs."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"renqueue-bench-binding-{routers}-"))
+    records: dict[str, str] = {}  # request id -> level
+    outcomes: dict[str, str] = {}
+    errors: list[str] = []
+    kill_log: list[dict[str, Any]] = []
+    rng = random.Random(bp.seed + routers)
+    load_before = os.getloadavg()
+    node = NatsNode("bench-binding", workdir / "nats")
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            await node.start()
+            stack.push_async_callback(node.stop)
+            base = workdir / "renqueue.toml"
+            base.write_text(binding_config_text(node.url, mock_url, plan.slots, ack_wait=ack_wait))
+            config = load_config(base, environ={})
+            nc = await connect(node.url, name="bench-harness", config=config.nats)
+            stack.push_async_callback(nc.close)
+            await until_jetstream_answers(nc)
+            await provision_with_retries(nc, config)
+            tap = RouterTap(nc)
+            await tap.start()
+
+            async def config_for(slot: Slot) -> Path:
+                if slot.role != "router":
+                    return base
+                prefix = await tap.watch(f"{slot.name}.{slot.generation}")
+                path = workdir / f"{slot.name}-{slot.generation:03d}.toml"
+                path.write_text(
+                    binding_config_text(
+                        node.url, mock_url, plan.slots, inbox_prefix=prefix, ack_wait=ack_wait
+                    )
+                )
+                return path
+
+            fleet = Fleet(
+                base,
+                node.url,
+                workdir / "logs",
+                routers=routers,
+                backends=(ChaosBackend(name=BACKEND, slots=plan.slots),),
+                config_for=config_for,
+            )
+            stack.push_async_callback(fleet.stop)
+            began = time.time()
+            await fleet.start()
+            ready_s = time.time() - began
+            client_nc = await connect(node.url, name="bench-client", config=config.nats)
+            stack.push_async_callback(client_nc.close)
+            client = Client(client_nc, tenant=TENANT)
+            stack.push_async_callback(client.close)
+            warm = [
+                await client.submit(PROMPT, route="chat", priority=LEVELS[0])
+                for _ in range(plan.slots * 2)
+            ]
+            await asyncio.gather(*(handle.result(timeout=60) for handle in warm))
+
+            async def one(arrival: Arrival) -> None:
+                request = client.build_request(PROMPT, route="chat", priority=arrival.level)
+                records[request.id] = arrival.level
+                try:
+                    handle = await client.submit_request(request)
+                    result = await handle.result(timeout=600)
+                    outcomes[request.id] = "completed" if result.text else "empty"
+                except Exception as exc:  # noqa: BLE001 - counted and shown, the run goes on
+                    outcomes[request.id] = type(exc).__name__
+                    if len(errors) < 3:
+                        errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+            async def killer(start: float) -> None:
+                for offset in kills:
+                    delay = start + offset - time.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    slot, counts, how = pick_victim(fleet, tap, rng)
+                    if slot is None:
+                        kill_log.append({"t": time.time(), "who": None, "how": how})
+                        continue
+                    who = f"{slot.name}.{slot.generation}"
+                    at = time.time()
+                    await fleet.kill(slot)
+                    kill_log.append(
+                        {
+                            "t": at,
+                            "offset_s": round(at - start, 3),
+                            "who": who,
+                            "how": how,
+                            "binds_last_2s": counts,
+                        }
+                    )
+
+            tasks: list[asyncio.Task[None]] = []
+            start = time.time()
+            killing = asyncio.create_task(killer(start))
+            for arrival in trace:
+                delay = start + arrival.offset - time.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(arrival)))
+            arrivals_end = time.time()
+            print(
+                f"    {len(trace)} submitted in {arrivals_end - start:.1f}s; draining ...",
+                flush=True,
+            )
+            await killing
+            await asyncio.gather(*tasks)
+            drained = time.time()
+            events = await read_events_stamped(nc.jetstream())
+            await tap.stop()
+            problems = log_problems(fleet.log_files())
+            spawned = fleet.spawned
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return {
+        "routers": routers,
+        "records": records,
+        "outcomes": outcomes,
+        "errors": errors,
+        "events": events,
+        "tap": tap,
+        "kills": kill_log,
+        "start": start,
+        "arrivals_end": arrivals_end,
+        "drained": drained,
+        "services_ready_s": ready_s,
+        "processes_spawned": spawned,
+        "log_problems": problems,
+        "loadavg_before": list(load_before),
+        "loadavg_after": list(os.getloadavg()),
+        "policies": config.level_policies(),
+        "routes": {name: list(route.backends) for name, route in config.routes.items()},
+        "ack_wait_s": ack_wait,
+        "workdir": str(workdir) if keep else None,
+    }
+
+
+@dataclass
+class Bind:
+    """One request of a binding run, from the event log (server times)."""
+
+    id: str
+    level: str
+    rank: int
+    submitted: float  # the `submitted` event's time: when the broker stored the request
+    candidates: tuple[str, ...]
+    routed: float | None = None  # when the broker stored its first `routed` event
+    backend: str | None = None
+    binder: str | None = None  # the router process that published it (RouterTap)
+    started: float | None = None
+    completed: float | None = None
+    #: (time, router process) of each delivery of its request message (RouterTap).
+    deliveries: list[tuple[float, str]] = field(default_factory=list)
+
+    def waiting_at(self, t: float) -> bool:
+        """Not bound by time ``t``."""
+        return self.routed is None or self.routed > t
+
+    def holder_at(self, t: float) -> str | None:
+        """The router process its latest delivery by ``t`` went to; None: none yet
+        (still in the stream, as far as the tap heard)."""
+        held = [who for at, who in self.deliveries if at <= t]
+        return held[-1] if held else None
+
+
+def binds_from_log(
+    events: Sequence[tuple[Any, float]],
+    ids: Sequence[str] | None,
+    routes: dict[str, list[str]],
+    tap: RouterTap,
+) -> dict[str, Bind]:
+    """Every request (of ``ids``, or all) with its submit, first bind, start and end,
+    and what the tap heard: who bound it, where it was delivered."""
+    binders = tap.binders
+    wanted = None if ids is None else set(ids)
+    rank = {name: index for index, name in enumerate(LEVELS)}
+    out: dict[str, Bind] = {}
+    for event, stored in events:
+        if wanted is not None and event.request_id not in wanted:
+            continue
+        if isinstance(event, Submitted) and event.request_id not in out:
+            request = event.request
+            out[event.request_id] = Bind(
+                id=event.request_id,
+                level=request.priority,
+                rank=rank.get(request.priority, len(LEVELS)),
+                submitted=event.at,
+                candidates=tuple(routes.get(request.route, ())),
+            )
+            continue
+        bind = out.get(event.request_id)
+        if bind is None:
+            continue
+        if isinstance(event, Routed) and bind.routed is None:
+            bind.routed, bind.backend = stored, event.backend
+            bind.binder = binders.get(event.request_id, (None, 0.0))[0]
+        elif isinstance(event, Started) and bind.started is None:
+            bind.started = event.at
+        elif isinstance(event, Completed) and bind.completed is None:
+            bind.completed = event.at
+    for delivery in tap.deliveries:
+        bind = out.get(delivery.request_id)
+        if bind is not None:
+            bind.deliveries.append((delivery.t, delivery.who))
+    return out
+
+
+def passed_over(binds: Sequence[Bind], slack: float) -> dict[str, Any]:
+    """Binds that broke issue #7's rule: a ``routed`` event for r at server time t is
+    out of order if some q of a more urgent level, capable of r's backend, whose wait
+    began before r's (``submitted``) and at least ``slack`` before t (one routing
+    round), was not bound by t. Counted per level of r, with how many it passed."""
+    by_rank: list[list[Bind]] = [[] for _ in range(len(LEVELS) + 1)]
+    for b in sorted(binds, key=lambda b: b.submitted):
+        by_rank[b.rank].append(b)
+    low = [0] * len(by_rank)
+    levels: dict[str, Any] = {level: {"count": 0, "max_passed": 0} for level in LEVELS}
+    total = 0
+    passed_all: list[int] = []
+    # Where each passed-over request was at t (as the tap heard it): held by the
+    # router that bound r, by another router, or not delivered to any yet.
+    where = {"same_router": 0, "another_router": 0, "not_delivered": 0}
+    by_another = 0
+    bound = sorted((b for b in binds if b.routed is not None), key=lambda b: b.routed or 0.0)
+    for r in bound:
+        t = r.routed or 0.0
+        passed = 0
+        elsewhere = False
+        for rank in range(r.rank):
+            rows = by_rank[rank]
+            while low[rank] < len(rows) and not rows[low[rank]].waiting_at(t):
+                low[rank] += 1  # bound by now: never waiting again
+            for q in rows[low[rank] :]:
+                if q.submitted >= r.submitted or q.submitted > t - slack:
+                    break
+                if q.waiting_at(t) and r.backend in q.candidates:
+                    passed += 1
+                    holder = q.holder_at(t)
+                    if holder is None:
+                        where["not_delivered"] += 1
+                    elif holder == r.binder:
+                        where["same_router"] += 1
+                    else:
+                        where["another_router"] += 1
+                        elsewhere = True
+        by_another += elsewhere
+        if passed:
+            total += 1
+            passed_all.append(passed)
+            levels[r.level]["count"] += 1
+            levels[r.level]["max_passed"] = max(levels[r.level]["max_passed"], passed)
+    return {
+        "slack_s": slack,
+        "binds": len(bound),
+        "out_of_order": total,
+        "rate": total / len(bound) if bound else 0.0,
+        "passed_p50": percentile(passed_all, 50) if passed_all else 0,
+        "passed_max": max(passed_all, default=0),
+        "levels": levels,
+        "out_of_order_passing_one_held_by_another_router": by_another,
+        "passed_over_where": where,
+    }
+
+
+def critical_behind_batch(binds: Sequence[Bind], slack: float) -> dict[str, Any]:
+    """Critical requests that waited while a batch request was bound: some batch b,
+    capable of the critical c's backend candidates, was bound at t_b with c waiting
+    since at least ``slack`` before t_b and not bound by t_b (whatever b's age)."""
+    critical = [b for b in binds if b.rank == 0]
+    batch = sorted(
+        (b for b in binds if b.rank == len(LEVELS) - 1 and b.routed is not None),
+        key=lambda b: b.routed or 0.0,
+    )
+    affected = 0
+    pairs = 0
+    other_router = 0
+    for c in critical:
+        ahead = [
+            b
+            for b in batch
+            if c.submitted <= (b.routed or 0.0) - slack
+            and c.waiting_at(b.routed or 0.0)
+            and b.backend in c.candidates
+        ]
+        if ahead:
+            affected += 1
+            pairs += len(ahead)
+            other_router += sum(1 for b in ahead if b.binder and c.binder and b.binder != c.binder)
+    return {
+        "slack_s": slack,
+        "critical": len(critical),
+        "critical_behind_batch": affected,
+        "batch_binds_ahead": pairs,
+        "of_which_by_another_router": other_router,
+    }
+
+
+def analyse_binding(raw: dict[str, Any], bp: BindingPlan) -> dict[str, Any]:
+    tap: RouterTap = raw["tap"]
+    binds = binds_from_log(raw["events"], list(raw["records"]), raw["routes"], tap)
+    rows = list(binds.values())
+    start: float = raw["start"]
+    ends = [b.completed for b in rows if b.completed is not None]
+    starts = [b.started for b in rows if b.started is not None]
+    first = min(starts, default=start)
+    last = max(ends, default=start)
+    # Bound but not finished at once (routed -> completed): over 4 means dispatches
+    # waited in the backend subject (routers over-filling the backend).
+    edges = sorted(
+        [(b.routed, 1) for b in rows if b.routed is not None]
+        + [(b.completed, -1) for b in rows if b.completed is not None and b.routed is not None]
+    )
+    level_now = peak = 0
+    for _t, step in edges:
+        level_now += step
+        peak = max(peak, level_now)
+    # The ordering part's figure, on the same binds: the router's own key, a request
+    # counts once it waited 0.2 s and still waits 50 ms after the decision.
+    as_records = [
+        Record(
+            id=b.id,
+            level=b.level,
+            submit_level=b.level,
+            submitted_at=b.submitted,
+            scheduled_offset=b.submitted - start,
+            routed_at=b.routed,
+            started_at=b.started,
+        )
+        for b in rows
+        if b.rank < len(LEVELS)
+    ]
+    levels: dict[str, Any] = {}
+    for level in LEVELS:
+        mine = [b for b in rows if b.level == level]
+        levels[level] = {
+            "submitted": len(mine),
+            "wait": summary([b.started - b.submitted for b in mine if b.started is not None]),
+            "bind_wait": summary([b.routed - b.submitted for b in mine if b.routed is not None]),
+        }
+    by_router = Counter(b.binder or "?" for b in rows if b.routed is not None)
+    return {
+        "routers": raw["routers"],
+        "requests": len(raw["records"]),
+        "logged": len(rows),
+        "bound": sum(1 for b in rows if b.routed is not None),
+        "completed": len(ends),
+        "outcomes": _count(raw["outcomes"].values()),
+        "errors": raw["errors"],
+        "out_of_order": passed_over(rows, bp.round_slack),
+        "out_of_order_slack_0": passed_over(rows, 0.0),
+        "critical_behind_batch": critical_behind_batch(rows, bp.round_slack),
+        "critical_behind_batch_slack_0": critical_behind_batch(rows, 0.0),
+        "ordering_part_figure": out_of_order(as_records, raw["policies"]),
+        "binds_by_router": dict(sorted(by_router.items())),
+        "tap": tap.summary(),
+        "bound_not_finished_max": peak,
+        "throughput_rps": len(ends) / (last - first) if last > first else float("nan"),
+        "arrival_seconds": raw["arrivals_end"] - start,
+        "drain_seconds": raw["drained"] - raw["arrivals_end"],
+        "services_ready_s": raw["services_ready_s"],
+        "loadavg_before": raw["loadavg_before"],
+        "loadavg_after": raw["loadavg_after"],
+        "log_problems": raw["log_problems"],
+        "wait_all": summary([b.started - b.submitted for b in rows if b.started is not None]),
+        "levels": levels,
+        "workdir": raw["workdir"],
+    }
+
+
+def analyse_failover(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per kill: the time to the next bind, and what became of the requests the killed
+    router held (delivered to it and never acked, nak'ed or terminated)."""
+    tap: RouterTap = raw["tap"]
+    binds = binds_from_log(raw["events"], None, raw["routes"], tap)
+    bound = sorted(
+        (b for b in binds.values() if b.routed is not None), key=lambda b: b.routed or 0.0
+    )
+    by_seq: dict[int, list[TapDelivery]] = {}
+    for d in tap.deliveries:
+        by_seq.setdefault(d.stream_seq, []).append(d)
+    kills: list[dict[str, Any]] = []
+    for kill in raw["kills"]:
+        at, victim = kill["t"], kill["who"]
+        row: dict[str, Any] = {k: v for k, v in kill.items() if k != "t"}
+        if victim is None:
+            kills.append(row)
+            continue
+        after = [b for b in bound if (b.routed or 0.0) > at]
+        other = [b for b in after if b.binder not in (victim, None)]
+        row["next_routed_s"] = (after[0].routed or 0.0) - at if after else None
+        row["next_routed_by"] = after[0].binder if after else None
+        row["next_routed_by_another_s"] = (other[0].routed or 0.0) - at if other else None
+        row["next_routed_by_another"] = other[0].binder if other else None
+        held = [
+            d
+            for d in tap.deliveries
+            if d.who == victim and (d.stream_seq, d.delivered) not in tap.ended
+        ]
+        # Bound by the victim itself, stored after the kill: its decision was on the way.
+        waiting = [
+            d
+            for d in held
+            if d.request_id in binds
+            and binds[d.request_id].waiting_at(at)
+            and binds[d.request_id].binder != victim
+        ]
+        row["held"] = len(held)
+        row["held_already_bound"] = len(held) - len(waiting)
+        row["held_waiting"] = len(waiting)
+        row["held_by_level"] = _count(d.consumer.removeprefix("router-") for d in waiting)
+        redelivered = []
+        for d in waiting:
+            again = [x.t for x in by_seq.get(d.stream_seq, []) if x.delivered > d.delivered]
+            if again:
+                redelivered.append(min(again) - at)
+        routed_after = [
+            (binds[d.request_id].routed or 0.0) - at
+            for d in waiting
+            if binds[d.request_id].routed is not None
+        ]
+        row["held_redelivered"] = len(redelivered)
+        row["first_redelivery_s"] = min(redelivered, default=None)
+        row["held_routed"] = len(routed_after)
+        row["first_held_routed_s"] = min(routed_after, default=None)
+        row["last_held_routed_s"] = max(routed_after, default=None)
+        row["held_routed_s"] = summary(routed_after)
+        kills.append(row)
+
+    def worst(key: str) -> float | None:
+        values = [row[key] for row in kills if row.get(key) is not None]
+        return max(values, default=None)
+
+    records = raw["records"]
+    completed = sum(1 for v in raw["outcomes"].values() if v == "completed")
+    return {
+        "routers": raw["routers"],
+        "requests": len(records),
+        "completed": completed,
+        "outcomes": _count(raw["outcomes"].values()),
+        "errors": raw["errors"],
+        "router_ack_wait_s": raw["ack_wait_s"],
+        "kills": kills,
+        "tap": tap.summary(),
+        "max_next_routed_s": worst("next_routed_s"),
+        "max_next_routed_by_another_s": worst("next_routed_by_another_s"),
+        "max_first_redelivery_s": worst("first_redelivery_s"),
+        "max_first_held_routed_s": worst("first_held_routed_s"),
+        "max_last_held_routed_s": worst("last_held_routed_s"),
+        "processes_spawned": raw["processes_spawned"],
+        "services_ready_s": raw["services_ready_s"],
+        "arrival_seconds": raw["arrivals_end"] - raw["start"],
+        "drain_seconds": raw["drained"] - raw["arrivals_end"],
+        "loadavg_before": raw["loadavg_before"],
+        "loadavg_after": raw["loadavg_after"],
+        "log_problems": raw["log_problems"],
+        "workdir": raw["workdir"],
+    }
+
+
+async def run_binding_part(plan: Plan, *, keep: bool = False) -> dict[str, Any]:
+    """Part 6: the binding order with each router count, then the failover run."""
+    bp = plan.binding
+    section: dict[str, Any] = {"plan": asdict(bp), "loads": {}}
+    async with mock_process(ttft=plan.ttft, output_tokens=plan.output_tokens) as (mock_url, _):
+        for overload in bp.overloads:
+            load = replace(
+                plan, overload=overload, arrival_seconds=bp.arrival_seconds, seed=bp.seed
+            )
+            trace = arrival_trace(load)
+            runs: dict[str, Any] = {}
+            section["loads"][f"{overload:g}x"] = {
+                "overload": overload,
+                "arrival_rate": load.arrival_rate,
+                "requests": len(trace),
+                "runs": runs,
+            }
+            for routers in bp.routers:
+                print(
+                    f"binding order at {overload:g}x capacity, {routers} router process(es) ...",
+                    flush=True,
+                )
+                raw = await run_binding(plan, bp, mock_url, trace, routers=routers, keep=keep)
+                runs[f"routers_{routers}"] = analyse_binding(raw, bp)
+        if bp.failover:
+            seconds = bp.kill_lead + (bp.kills - 1) * bp.kill_every + bp.kill_tail
+            steady = replace(
+                plan,
+                overload=bp.failover_overload,
+                arrival_seconds=seconds,
+                seed=bp.seed_failover,
+            )
+            kills = [bp.kill_lead + index * bp.kill_every for index in range(bp.kills)]
+            print(
+                f"failover: {bp.failover_routers} routers, {bp.kills} kills ...",
+                flush=True,
+            )
+            raw = await run_binding(
+                plan,
+                bp,
+                mock_url,
+                arrival_trace(steady),
+                routers=bp.failover_routers,
+                kills=kills,
+                ack_wait=bp.failover_ack_wait,
+                keep=keep,
+            )
+            section["failover"] = {
+                "arrival_rate": steady.arrival_rate,
+                "planned_arrival_seconds": seconds,
+                **analyse_failover(raw),
+            }
+    return section
+
+
 # ---------------------------------------------------------------------- plot
 
 COLOURS = {
@@ -1413,6 +2209,8 @@ def print_report(report: dict[str, Any]) -> None:
         print_preemption(report["preemption"])
     if "work_stealing" in report:
         print_stealing(report["work_stealing"])
+    if "binding" in report:
+        print_binding(report["binding"], report["plan"])
     print("\n" + "\n".join(f"  {line}" for line in report["reading"]))
 
 
@@ -1477,6 +2275,123 @@ def print_stealing(section: dict[str, Any]) -> None:
         "seconds (started -> completed of the completing run) / (slots x window); window = "
         "first submit -> last completion; calls = chat calls both mocks received (= n: no "
         "request called twice)"
+    )
+
+
+def _s(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_binding(section: dict[str, Any], plan: dict[str, Any]) -> None:
+    bp = section["plan"]
+    slack_ms = bp["round_slack"] * 1000
+    print(
+        f"\n6. Binding order across routers (issue #7): 1 backend x {plan['slots']} slots, mock "
+        f"ttft {plan['ttft']:g} s, strict priority (never_age, no preemption); Poisson "
+        f"arrivals for {bp['arrival_seconds']:g} s (seed {bp['seed']}); routers, worker and "
+        "projectors are `renqueue` processes"
+    )
+    for load in section["loads"].values():
+        print_binding_load(load, slack_ms)
+    print(
+        f"  out of order = a `routed` of r at server time t while a more urgent request, "
+        f"capable of r's backend, submitted before r and >= {slack_ms:.0f} ms before t (one "
+        "routing round; slack 0: before t), was not yet bound; crit<-batch = critical "
+        "requests (of all) not bound while a batch request was bound, pairs = such batch "
+        "binds, other rtr = of those, bound by another router than the critical one; "
+        "ordering fig = the ordering part's definition (router's own key, waited > 0.2 s, "
+        "still waiting 50 ms later); passed = where the requests passed over (50 ms) were at "
+        "the bind (tap): held by the binding router / by another router / not yet delivered "
+        "to any; in flight = max bound-not-completed (over "
+        f"{plan['slots']}: dispatches waited in the backend subject)"
+    )
+    print_failover(section.get("failover"))
+
+
+def print_binding_load(load: dict[str, Any], slack_ms: float) -> None:
+    runs = load["runs"]
+    print(
+        f"  {load['overload']:g}x capacity: {load['arrival_rate']:.0f}/s, "
+        f"{load['requests']} requests"
+    )
+    print(
+        f"  {'routers':>7} {'binds':>5} {f'out of order ({slack_ms:.0f} ms)':>24}"
+        f" {'(slack 0)':>14} {'crit<-batch':>11} {'pairs':>5} {'other rtr':>9}"
+        f" {'ordering fig':>12} {'in flight':>9} {'req/s':>5} {'passed: same/other/stream':>25}"
+        "  binds by router"
+    )
+    for run in runs.values():
+        ooo, ooo0 = run["out_of_order"], run["out_of_order_slack_0"]
+        cb = run["critical_behind_batch"]
+        fig = run["ordering_part_figure"]
+        rate = f"{ooo['out_of_order']} ({ooo['rate']:.1%})"
+        rate0 = f"{ooo0['out_of_order']} ({ooo0['rate']:.1%})"
+        crit = f"{cb['critical_behind_batch']}/{cb['critical']}"
+        figure = f"{fig['total']} ({fig['share']:.1%})"
+        at = ooo["passed_over_where"]
+        where = f"{at['same_router']}/{at['another_router']}/{at['not_delivered']}"
+        print(
+            f"  {run['routers']:>7} {ooo['binds']:>5} {rate:>24} {rate0:>14} {crit:>11}"
+            f" {cb['batch_binds_ahead']:>5} {cb['of_which_by_another_router']:>9} {figure:>12}"
+            f" {run['bound_not_finished_max']:>9} {run['throughput_rps']:>5.1f} {where:>25}  "
+            + ", ".join(f"{k} {v}" for k, v in run["binds_by_router"].items())
+        )
+    keys = list(runs)
+    print(
+        "  wait (submitted -> started) p50 / p95 s per level: "
+        + "   ".join(f"{runs[k]['routers']} router(s)" for k in keys)
+    )
+    for level in LEVELS:
+        cells = []
+        for key in keys:
+            wait = runs[key]["levels"][level]["wait"]
+            cells.append(f"{wait['p50_s']:>7.2f} / {wait['p95_s']:>6.2f}")
+        n = runs[keys[0]]["levels"][level]["submitted"]
+        print(f"  {level:<9} n {n:>4}  " + "   ".join(cells))
+
+
+def print_failover(fo: dict[str, Any] | None) -> None:
+    if not fo:
+        return
+    ack = fo["router_ack_wait_s"]
+    print(
+        f"\n  kill -9 failover: {fo['routers']} routers, Poisson {fo['arrival_rate']:.0f}/s for "
+        f"{fo['planned_arrival_seconds']:g} s ({fo['requests']} requests), kill -9 at "
+        + ", ".join(f"{k['offset_s']:.0f}" for k in fo["kills"] if k.get("who"))
+        + " s, router ack_wait "
+        + (f"{ack:g} s" if ack else "30 s (default)")
+        + f"; served {fo['completed']}/{fo['requests']} ({fo['outcomes']})"
+    )
+    print(
+        f"  {'kill':>4} {'at s':>5} {'victim':<12} {'chosen as':<28} {'next bind s':>11}"
+        f" {'by':<12} {'held':>4} {'bound':>5} {'redeliv s':>9} {'1st held bound s':>16}"
+        f" {'last s':>6}  held waiting by level"
+    )
+    for index, kill in enumerate(fo["kills"], 1):
+        if kill.get("who") is None:
+            print(f"  {index:>4} no kill: {kill.get('how')}")
+            continue
+        print(
+            f"  {index:>4} {kill['offset_s']:>5.1f} {kill['who']:<12} {kill['how'][:28]:<28}"
+            f" {_s(kill['next_routed_by_another_s'], 3):>11}"
+            f" {kill['next_routed_by_another'] or '-':<12}"
+            f" {kill['held_waiting']:>4} {kill['held_already_bound']:>5}"
+            f" {_s(kill['first_redelivery_s']):>9} {_s(kill['first_held_routed_s']):>16}"
+            f" {_s(kill['last_held_routed_s']):>6}  {kill['held_by_level']}"
+        )
+    print(
+        f"  max: next bind by another router {_s(fo['max_next_routed_by_another_s'], 3)} s "
+        f"(any router {_s(fo['max_next_routed_s'], 3)} s), first held request redelivered "
+        f"{_s(fo['max_first_redelivery_s'])} s, first held request bound "
+        f"{_s(fo['max_first_held_routed_s'])} s, last {_s(fo['max_last_held_routed_s'])} s"
+    )
+    print(
+        "  next bind = kill -> the next `routed` event stored (server time) that another "
+        "router process published; held = requests delivered to the killed process and never "
+        "acked/nak'ed (RouterTap) and not bound before the kill (bound = bound, or on the "
+        "way, but not acked); redeliv = kill -> first of "
+        "them delivered again (to any router); 1st / last held bound = kill -> their first "
+        "/ last `routed`"
     )
 
 
@@ -1561,6 +2476,30 @@ def reading(report: dict[str, Any]) -> list[str]:
                     else ""
                 )
             )
+    if "binding" in report:
+        section = report["binding"]
+        for name, load in section["loads"].items():
+            out.append(
+                f"binding order at {name} capacity: out-of-order binds (slack "
+                f"{section['plan']['round_slack'] * 1000:.0f} ms / 0) "
+                + "; ".join(
+                    f"{run['routers']} router(s) {run['out_of_order']['rate']:.1%} / "
+                    f"{run['out_of_order_slack_0']['rate']:.1%}, critical behind batch "
+                    f"{run['critical_behind_batch']['critical_behind_batch']}/"
+                    f"{run['critical_behind_batch']['critical']}"
+                    for run in load["runs"].values()
+                )
+                + "."
+            )
+        fo = section.get("failover")
+        if fo:
+            out.append(
+                f"failover ({len(fo['kills'])} kill -9 of {fo['routers']} routers): next bind "
+                f"(by another router) after at most {_s(fo['max_next_routed_by_another_s'], 3)}"
+                " s; the killed router's "
+                f"held requests first redelivered after up to {_s(fo['max_first_redelivery_s'])}"
+                f" s, first bound after up to {_s(fo['max_first_held_routed_s'])} s."
+            )
     return out
 
 
@@ -1575,6 +2514,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         plan = replace(plan, strict=False)
     if args.preemption:
         plan = replace(plan, preemption=True)
+    if args.no_failover or args.failover_ack_wait is not None or args.binding_overload:
+        plan = replace(
+            plan,
+            binding=replace(
+                plan.binding,
+                failover=not args.no_failover,
+                failover_ack_wait=args.failover_ack_wait,
+                overloads=tuple(args.binding_overload or plan.binding.overloads),
+            ),
+        )
     parts = set(args.only or PARTS)
     trace = arrival_trace(plan)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -1631,6 +2580,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"work stealing {key} ...", flush=True)
                     stealing[key] = await run_stealing(sp, urls, pool=pool, burst=burst)
         report["work_stealing"] = {"plan": asdict(sp), "runs": stealing}
+    if "binding" in parts:
+        report["binding"] = await run_binding_part(plan, keep=args.keep)
     report["reading"] = reading(report)
     report["total_seconds"] = time.perf_counter() - began
     return report
@@ -1654,7 +2605,27 @@ def main() -> None:
         "--only",
         action="append",
         choices=PARTS,
-        help="run only this part (repeatable): ordering (1-3), preemption (4), stealing (5)",
+        help="run only this part (repeatable): ordering (1-3), preemption (4), stealing (5), "
+        "binding (6: binding order with 1 and 3 router processes, kill -9 failover)",
+    )
+    parser.add_argument(
+        "--no-failover", action="store_true", help="binding part: skip the kill -9 run"
+    )
+    parser.add_argument(
+        "--failover-ack-wait",
+        type=float,
+        default=None,
+        help="binding part: router.ack_wait (s) in the failover run (default: the config's, 30)",
+    )
+    parser.add_argument(
+        "--binding-overload",
+        type=float,
+        action="append",
+        help="binding part: arrivals as a multiple of capacity in the order runs "
+        "(repeatable; default 2 and 1, --quick: 2)",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="binding part: keep the work dirs (service logs)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write JSON + PNG")
     args = parser.parse_args()
@@ -1667,9 +2638,11 @@ def main() -> None:
     base.with_suffix(".json").write_text(text)
     (args.out / "scheduling-latest.json").write_text(text)
     plot(report, base.with_suffix(".png"))
-    (args.out / "scheduling-latest.png").write_bytes(base.with_suffix(".png").read_bytes())
     shown = base.relative_to(ROOT) if base.is_relative_to(ROOT) else base
-    print(f"\n  JSON: {shown}.json\n  plot: {shown}.png")
+    print(f"\n  JSON: {shown}.json")
+    if base.with_suffix(".png").exists():  # no plot for the binding part alone
+        (args.out / "scheduling-latest.png").write_bytes(base.with_suffix(".png").read_bytes())
+        print(f"  plot: {shown}.png")
     print(f"  total {report['total_seconds']:.0f}s")
 
 
