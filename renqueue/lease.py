@@ -110,6 +110,10 @@ class Lease:
         sent = self._clock()
         try:
             revision = await kv.create(self.key, self.holder.encode())
+        except KeyNotFoundError:
+            # The create found the key taken, and nats-py's look at it found
+            # it gone: it expired in between. The next attempt creates it.
+            return False
         except KeyWrongLastSequenceError:
             return await self._adopt(kv)
         except BadRequestError as exc:
