@@ -1542,10 +1542,10 @@ class Bind:
         """Not bound by time ``t``."""
         return self.routed is None or self.routed > t
 
-    def holder_at(self, t: float) -> str | None:
-        """The router process its latest delivery by ``t`` went to; None: none yet
-        (still in the stream, as far as the tap heard)."""
-        held = [who for at, who in self.deliveries if at <= t]
+    def holder_at(self, t: float) -> tuple[str, float] | None:
+        """The router process its latest delivery by ``t`` went to, and when; None:
+        none yet (still in the stream, as far as the tap heard)."""
+        held = [(who, at) for at, who in self.deliveries if at <= t]
         return held[-1] if held else None
 
 
@@ -1591,6 +1591,10 @@ def binds_from_log(
     return out
 
 
+#: Slacks (s) the out-of-order rate is also given for, in the JSON and the table.
+LONGER_SLACKS = (0.25, 1.0)
+
+
 def passed_over(binds: Sequence[Bind], slack: float) -> dict[str, Any]:
     """Binds that broke issue #7's rule: a ``routed`` event for r at server time t is
     out of order if some q of a more urgent level, capable of r's backend, whose wait
@@ -1606,6 +1610,10 @@ def passed_over(binds: Sequence[Bind], slack: float) -> dict[str, Any]:
     # Where each passed-over request was at t (as the tap heard it): held by the
     # router that bound r, by another router, or not delivered to any yet.
     where = {"same_router": 0, "another_router": 0, "not_delivered": 0}
+    #: Per class: how long before t the passed-over request had been delivered there,
+    #: and (all classes) how long it had waited since submitted.
+    held_for: dict[str, list[float]] = {"same_router": [], "another_router": []}
+    waited: list[float] = []
     by_another = 0
     bound = sorted((b for b in binds if b.routed is not None), key=lambda b: b.routed or 0.0)
     for r in bound:
@@ -1621,14 +1629,15 @@ def passed_over(binds: Sequence[Bind], slack: float) -> dict[str, Any]:
                     break
                 if q.waiting_at(t) and r.backend in q.candidates:
                     passed += 1
+                    waited.append(t - q.submitted)
                     holder = q.holder_at(t)
                     if holder is None:
                         where["not_delivered"] += 1
-                    elif holder == r.binder:
-                        where["same_router"] += 1
-                    else:
-                        where["another_router"] += 1
-                        elsewhere = True
+                        continue
+                    place = "same_router" if holder[0] == r.binder else "another_router"
+                    where[place] += 1
+                    held_for[place].append(t - holder[1])
+                    elsewhere = elsewhere or place == "another_router"
         by_another += elsewhere
         if passed:
             total += 1
@@ -1645,6 +1654,8 @@ def passed_over(binds: Sequence[Bind], slack: float) -> dict[str, Any]:
         "levels": levels,
         "out_of_order_passing_one_held_by_another_router": by_another,
         "passed_over_where": where,
+        "passed_over_delivered_ago_s": {k: summary(v) for k, v in held_for.items()},
+        "passed_over_waited_s": summary(waited),
     }
 
 
@@ -1734,6 +1745,16 @@ def analyse_binding(raw: dict[str, Any], bp: BindingPlan) -> dict[str, Any]:
         "errors": raw["errors"],
         "out_of_order": passed_over(rows, bp.round_slack),
         "out_of_order_slack_0": passed_over(rows, 0.0),
+        # Longer slacks tell a lagging round (a few hundred ms on a loaded machine)
+        # from passing over a request that another router holds for seconds.
+        "out_of_order_by_slack": {
+            f"{slack:g}": {
+                key: value
+                for key, value in passed_over(rows, slack).items()
+                if key in ("out_of_order", "rate", "passed_over_where")
+            }
+            for slack in LONGER_SLACKS
+        },
         "critical_behind_batch": critical_behind_batch(rows, bp.round_slack),
         "critical_behind_batch_slack_0": critical_behind_batch(rows, 0.0),
         "ordering_part_figure": out_of_order(as_records, raw["policies"]),
@@ -2296,7 +2317,8 @@ def print_binding(section: dict[str, Any], plan: dict[str, Any]) -> None:
     print(
         f"  out of order = a `routed` of r at server time t while a more urgent request, "
         f"capable of r's backend, submitted before r and >= {slack_ms:.0f} ms before t (one "
-        "routing round; slack 0: before t), was not yet bound; crit<-batch = critical "
+        "routing round; slack 0: before t; 0.25 s / 1 s: rate with those slacks), was not yet "
+        "bound; crit<-batch = critical "
         "requests (of all) not bound while a batch request was bound, pairs = such batch "
         "binds, other rtr = of those, bound by another router than the critical one; "
         "ordering fig = the ordering part's definition (router's own key, waited > 0.2 s, "
@@ -2316,7 +2338,8 @@ def print_binding_load(load: dict[str, Any], slack_ms: float) -> None:
     )
     print(
         f"  {'routers':>7} {'binds':>5} {f'out of order ({slack_ms:.0f} ms)':>24}"
-        f" {'(slack 0)':>14} {'crit<-batch':>11} {'pairs':>5} {'other rtr':>9}"
+        f" {'(slack 0)':>14} {'(0.25 s)':>8} {'(1 s)':>6} {'crit<-batch':>11} {'pairs':>5}"
+        f" {'other rtr':>9}"
         f" {'ordering fig':>12} {'in flight':>9} {'req/s':>5} {'passed: same/other/stream':>25}"
         "  binds by router"
     )
@@ -2328,10 +2351,12 @@ def print_binding_load(load: dict[str, Any], slack_ms: float) -> None:
         rate0 = f"{ooo0['out_of_order']} ({ooo0['rate']:.1%})"
         crit = f"{cb['critical_behind_batch']}/{cb['critical']}"
         figure = f"{fig['total']} ({fig['share']:.1%})"
+        longer = run["out_of_order_by_slack"]
         at = ooo["passed_over_where"]
         where = f"{at['same_router']}/{at['another_router']}/{at['not_delivered']}"
         print(
-            f"  {run['routers']:>7} {ooo['binds']:>5} {rate:>24} {rate0:>14} {crit:>11}"
+            f"  {run['routers']:>7} {ooo['binds']:>5} {rate:>24} {rate0:>14}"
+            f" {longer['0.25']['rate']:>8.1%} {longer['1']['rate']:>6.1%} {crit:>11}"
             f" {cb['batch_binds_ahead']:>5} {cb['of_which_by_another_router']:>9} {figure:>12}"
             f" {run['bound_not_finished_max']:>9} {run['throughput_rps']:>5.1f} {where:>25}  "
             + ", ".join(f"{k} {v}" for k, v in run["binds_by_router"].items())
