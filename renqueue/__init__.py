@@ -1,6 +1,6 @@
 """Ren-Queue: a priority queue and router for LLM inference on NATS JetStream."""
 
-from .client import Client, RequestHandle, Result
+from ._client import Client, RequestHandle, Result
 from .config import BackendConfig, Config, RouteConfig, load_config, parse_config
 from .errors import (
     BackendError,
@@ -25,8 +25,15 @@ from .errors import (
     UnknownPriorityError,
     UnknownRouteError,
 )
-from .messages import ChatMessage, Event, GenerationParams, InferenceRequest, TokenChunk, Usage
-from .service import Services
+from .services._service import Services
+from .wire._messages import (
+    ChatMessage,
+    Event,
+    GenerationParams,
+    InferenceRequest,
+    TokenChunk,
+    Usage,
+)
 
 __version__ = "0.1.0"
 

@@ -23,8 +23,7 @@ import pytest_asyncio
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
-from renqueue.connection import connect
-from renqueue.embedded import EmbeddedServer
+from renqueue.ops import EmbeddedServer, connect
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

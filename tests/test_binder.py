@@ -28,15 +28,11 @@ from test_restarts import (
 
 from renqueue import Client, Services, parse_config
 from renqueue.config import Config, load_config
-from renqueue.connection import connect
-from renqueue.embedded import EmbeddedServer
-from renqueue.eventlog import EventLog
-from renqueue.lease import Lease
-from renqueue.messages import Routed
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.provision import provision
-from renqueue.router import Router
-from renqueue.subjects import DISPATCH_STREAM, REQUESTS_STREAM, router_consumer
+from renqueue.ops import EmbeddedServer, connect, provision
+from renqueue.services import Router
+from renqueue.state import Lease
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import DISPATCH_STREAM, REQUESTS_STREAM, EventLog, Routed, router_consumer
 
 TENANT = "t"
 

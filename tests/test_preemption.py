@@ -18,11 +18,10 @@ import pytest
 
 from renqueue import Client, Services, parse_config
 from renqueue.config import Config
-from renqueue.embedded import EmbeddedServer
-from renqueue.eventlog import EventLog
-from renqueue.messages import Preempted, Started
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.router import _Held
+from renqueue.ops import EmbeddedServer
+from renqueue.services._router import _Held
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import EventLog, Preempted, Started
 
 TENANT = "t"
 AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"

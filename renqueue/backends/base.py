@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from msgspec import Struct
 
-from ..messages import InferenceRequest, Usage
+from ..wire._messages import InferenceRequest, Usage
 
 __all__ = ["Backend", "Delta", "Generation"]
 

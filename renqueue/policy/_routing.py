@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ..errors import MalformedRequestError, NoCapableBackendError, UnknownRouteError
-from ..messages import InferenceRequest
-from ..subjects import msg_id
+from ..wire._messages import InferenceRequest
+from ..wire._subjects import msg_id
 
 if TYPE_CHECKING:  # config builds the level policies from this package: no cycle at run time
     from ..config import Config

@@ -65,11 +65,11 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from .eventlog import delete_consumer
-from .logs import get_logger
-from .messages import EVENT_DECODER, CancelRequested
-from .subjects import EVENTS_STREAM, FETCH_TIMEOUT, event_subject
-from .tasks import Supervisor, cancel_and_wait
+from .._tasks import Supervisor, cancel_and_wait
+from ..logs import get_logger
+from ..wire._eventlog import delete_consumer
+from ..wire._messages import EVENT_DECODER, CancelRequested
+from ..wire._subjects import EVENTS_STREAM, FETCH_TIMEOUT, event_subject
 
 __all__ = ["CANCELS", "CancelWatch", "cancel_of"]
 

@@ -50,8 +50,8 @@ import msgspec
 from nats.js.api import AckPolicy, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
-from . import metrics
-from .messages import (
+from .. import metrics
+from ._messages import (
     CLAIM_DECODER,
     EVENT_DECODER,
     TERMINAL_KINDS,
@@ -70,7 +70,7 @@ from .messages import (
     is_terminal,
     kind_of,
 )
-from .subjects import (
+from ._subjects import (
     EVENTS_STREAM,
     TERMINAL_BUCKET,
     TOKENS_STREAM,

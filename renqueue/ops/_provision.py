@@ -63,10 +63,10 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
-from .config import Config, parse_duration
-from .errors import ConnectionFailedError, ProvisionError
-from .logs import get_logger
-from .subjects import (
+from ..config import Config, parse_duration
+from ..errors import ConnectionFailedError, ProvisionError
+from ..logs import get_logger
+from ..wire._subjects import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
     DISPATCH_STREAM,
@@ -252,10 +252,10 @@ def find_streams_dir(streams_dir: Path | None = None) -> Path:
         if not candidate.is_dir():
             raise ProvisionError(f"stream definitions directory {candidate} ({origin}) not found")
         return candidate
-    checkout = Path(__file__).resolve().parents[1]
+    checkout = Path(__file__).resolve().parents[2]  # renqueue/ops/_provision.py
     if (checkout / "streams").is_dir() and (checkout / "pyproject.toml").is_file():
         return checkout / "streams"
-    packaged = importlib.resources.files(__package__ or "renqueue") / "_streams"
+    packaged = importlib.resources.files("renqueue") / "_streams"
     if isinstance(packaged, Path) and packaged.is_dir():
         return packaged
     raise ProvisionError(

@@ -70,18 +70,37 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError
 
-from . import metrics
-from .cancellation import CancelWatch
-from .coalescing import Coalescer, coalesce_key
-from .config import Config, parse_duration
-from .errors import (
+from .. import metrics
+from .._tasks import Supervisor
+from ..config import Config, parse_duration
+from ..errors import (
     InvalidRequestError,
     MalformedRequestError,
 )
-from .eventlog import EventLog
-from .lease import Lease
-from .logs import get_logger
-from .messages import (
+from ..logs import get_logger
+from ..ops._provision import renew_router_consumers, router_consumer_configs
+from ..policy import (
+    BIND_REASON,
+    AskPreemption,
+    BackendView,
+    Bind,
+    Expire,
+    Inherit,
+    LevelPolicy,
+    PlanPolicy,
+    Promote,
+    Wait,
+    Waiting,
+    pick_key,
+    plan,
+    validate,
+)
+from ..state._cancellation import CancelWatch
+from ..state._coalescing import Coalescer, coalesce_key
+from ..state._lease import Lease
+from ..state._projection import StateView
+from ..wire._eventlog import EventLog
+from ..wire._messages import (
     EVENT_DECODER,
     REQUEST_DECODER,
     Cancelled,
@@ -98,23 +117,7 @@ from .messages import (
     Submitted,
     encode,
 )
-from .policy import (
-    BIND_REASON,
-    AskPreemption,
-    BackendView,
-    Bind,
-    Expire,
-    Inherit,
-    LevelPolicy,
-    PlanPolicy,
-    Promote,
-    Wait,
-    Waiting,
-    pick_key,
-    plan,
-    validate,
-)
-from .preemption import (
+from ..wire._preemption import (
     ANSWER_DECODER,
     CONFIRM_TIMEOUT,
     OFFER_DECODER,
@@ -123,9 +126,7 @@ from .preemption import (
     Confirm,
     Offer,
 )
-from .projection import StateView
-from .provision import renew_router_consumers, router_consumer_configs
-from .subjects import (
+from ..wire._subjects import (
     BINDER_LEASE,
     DISPATCH_STREAM,
     EVENTS_STREAM,
@@ -145,7 +146,6 @@ from .subjects import (
     subject_matches,
     worker_consumer,
 )
-from .tasks import Supervisor
 
 __all__ = ["Router"]
 

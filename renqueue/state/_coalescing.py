@@ -80,9 +80,9 @@ from nats.js.errors import (
     NotFoundError,
 )
 
-from .eventlog import EventLog, delete_consumer, publish_stored, subject_agrees
-from .logs import get_logger
-from .messages import (
+from ..logs import get_logger
+from ..wire._eventlog import EventLog, delete_consumer, publish_stored, subject_agrees
+from ..wire._messages import (
     EVENT_DECODER,
     Cancelled,
     Coalesced,
@@ -96,7 +96,7 @@ from .messages import (
     TokenChunk,
     encode,
 )
-from .subjects import (
+from ..wire._subjects import (
     EVENTS_STREAM,
     STATE_BUCKET,
     event_subject,

@@ -24,19 +24,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, Self, TypeVar
 
-from .advisories import AdvisoryReader
-from .backends import Backend, make_backend
-from .cancellation import CancelWatch
-from .config import Config, parse_duration
-from .connection import connect, redact_url
-from .embedded import EmbeddedServer
-from .errors import ServiceFailedError
-from .logs import get_logger
-from .projection import Projector
-from .provision import provision, until_jetstream_answers
-from .router import Router
-from .tasks import Supervisor, cancel_and_wait
-from .worker import Worker
+from .._tasks import Supervisor, cancel_and_wait
+from ..backends import Backend, make_backend
+from ..config import Config, parse_duration
+from ..errors import ServiceFailedError
+from ..logs import get_logger
+from ..ops._connection import connect, redact_url
+from ..ops._embedded import EmbeddedServer
+from ..ops._provision import provision, until_jetstream_answers
+from ..state._cancellation import CancelWatch
+from ..state._projection import Projector
+from ._advisories import AdvisoryReader
+from ._router import Router
+from ._worker import Worker
 
 __all__ = ["Services", "State", "run_until_signalled"]
 

@@ -61,7 +61,6 @@ from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
 from . import metrics
 from .config import NatsConfig
-from .connection import connect
 from .errors import (
     MalformedRequestError,
     RequestCancelledError,
@@ -71,9 +70,10 @@ from .errors import (
     TokensExpiredError,
     UnknownPriorityError,
 )
-from .eventlog import EventLog, delete_consumer, read_subject, subject_agrees
 from .logs import get_logger
-from .messages import (
+from .ops._connection import connect
+from .wire._eventlog import EventLog, delete_consumer, read_subject, subject_agrees
+from .wire._messages import (
     EVENT_DECODER,
     REQUEST_DECODER,
     TOKEN_DECODER,
@@ -93,7 +93,7 @@ from .messages import (
     is_terminal,
     kind_of,
 )
-from .subjects import (
+from .wire._subjects import (
     EVENTS_STREAM,
     TOKENS_STREAM,
     event_subject,

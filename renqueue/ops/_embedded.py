@@ -73,8 +73,8 @@ from urllib.parse import urlsplit
 import httpx
 import msgspec
 
-from .errors import EmbeddedServerError
-from .logs import get_logger
+from ..errors import EmbeddedServerError
+from ..logs import get_logger
 
 __all__ = [
     "LOCK_FILE_NAME",

@@ -53,9 +53,11 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
-from .eventlog import subject_agrees
-from .logs import get_logger
-from .messages import (
+from .._tasks import Supervisor
+from ..logs import get_logger
+from ..policy import DEFAULT_COOLDOWN, DEFAULT_FAILURE_THRESHOLD, is_healthy
+from ..wire._eventlog import subject_agrees
+from ..wire._messages import (
     EVENT_DECODER,
     Cancelled,
     CancelRequested,
@@ -69,9 +71,7 @@ from .messages import (
     Submitted,
     kind_of,
 )
-from .policy import DEFAULT_COOLDOWN, DEFAULT_FAILURE_THRESHOLD, is_healthy
-from .subjects import EVENTS_STREAM, STATE_BUCKET, msg_id
-from .tasks import Supervisor
+from ..wire._subjects import EVENTS_STREAM, STATE_BUCKET, msg_id
 
 __all__ = [
     "BACKEND_FAULTS",
