@@ -62,7 +62,7 @@ DUPLICATES_DROPPED = Counter(
 MISDIRECTED = Counter(
     "renqueue_misdirected_messages_total",
     "Messages dropped because their subject is not one the receiver subscribed for, "
-    "or disagrees with their payload (see renqueue.subjects), by receiver",
+    "or disagrees with their payload (see renqueue.wire._subjects), by receiver",
     ["receiver"],
 )
 

@@ -1,7 +1,7 @@
 """One binding order across all routers (issue #7 item 1).
 
 Exactly one router binds at a time: the holder of the binder's lease
-(:mod:`renqueue.lease`). These tests pin what that buys: with several routers
+(:mod:`renqueue.state._lease`). These tests pin what that buys: with several routers
 the order is global (a critical request never waits behind batch work another
 router bound), a dead binder's standby takes over, and what the dead one held
 is delivered to the new binder at once, not after ``router.ack_wait``.

@@ -123,7 +123,7 @@ async def test_a_killed_workers_request_is_run_again_within_a_few_default_leases
 
 class SwallowsOneCancellation:
     """A backend whose stream swallows the first cancellation (as nats-py's fetch
-    can on Python 3.11, see renqueue.tasks), then waits on."""
+    can on Python 3.11, see renqueue._tasks), then waits on."""
 
     name = "b"
 

@@ -63,7 +63,7 @@ def validate(
     rejected (a tenant must not be able to speak for another). ``message_id``
     is the publish's ``Nats-Msg-Id``: it must be ``<tenant>:<id>`` (a requeue
     by the services: ``<tenant>:<id>:requeue:...``, see
-    :func:`renqueue.eventlog.publish_stored`), so that deduplication is scoped
+    :func:`renqueue.wire.publish_stored`), so that deduplication is scoped
     by tenant. ``None`` skips that check (a request not read from the stream).
     ``requeue``: it was read from the services' requeue subject (which no
     tenant may publish to); only such a request may carry ``requeues`` (a

@@ -2,7 +2,7 @@
 
 Requests wait in the priority subjects (``rq.req.<level>.<tenant>``), one
 durable pull consumer per level. Exactly one router binds at a time: the
-holder of the binder's lease (:mod:`renqueue.lease`, a key in the
+holder of the binder's lease (:mod:`renqueue.state._lease`, a key in the
 ``rq-leases`` KV bucket that the server expires ``router.lease_ttl`` after its
 last renewal). It is the one place that decides what is committed to each
 backend, so the binding order is global, whatever number of routers run; the
@@ -34,7 +34,7 @@ keeps the one logged in its ``submitted`` event), never at a time a client
 wrote into the payload.
 
 Every loop (one fetch loop per level, the dispatch loop, the keepalive, the
-projection watch) runs under the process's :class:`~renqueue.tasks.Supervisor`:
+projection watch) runs under the process's :class:`~renqueue._tasks.Supervisor`:
 a failed JetStream call is logged and the loop started again after a capped
 backoff, and a loop that keeps failing takes the process down. Requests are
 kept alive only for loops that run: when the dispatch loop fails, every held
@@ -45,7 +45,7 @@ dead-letter copy) after ``router.max_deliver`` *failed dispatches* seen by a
 router, not after that many deliveries: hand-backs (graceful restarts, a
 failed dispatch loop) are deliveries too, and must not use up its budget. The
 router consumers' own ``max_deliver`` is a backstop far above it
-(:func:`renqueue.subjects.router_max_deliveries`).
+(:func:`renqueue.wire.router_max_deliveries`).
 
 The decisions are plain functions in :mod:`renqueue.policy` (a round:
 :func:`~renqueue.policy.plan`; admission: :func:`~renqueue.policy.validate`);
@@ -1064,7 +1064,7 @@ class Router:
 
     async def _ask_preemption(self, item: _Held, rank: int, backends: list[str]) -> None:
         """Free one slot for ``item``: ask every worker of ``backends`` for an
-        offer, then confirm the best one only (:mod:`renqueue.preemption`)."""
+        offer, then confirm the best one only (:mod:`renqueue.wire._preemption`)."""
         request = item.request
         order = {name: index for index, name in enumerate(backends)}
         offers: list[Offer] = []

@@ -9,7 +9,7 @@ and nak the rest, drain the NATS connection, stop the embedded server.
 Start-up joining a cluster that is electing its leaders (or whose nodes are
 still coming up) waits for it: provisioning, and opening the projector's and
 routers' state, retry while JetStream cannot answer, logging each attempt (see
-:func:`renqueue.provision.until_jetstream_answers`), for up to
+:func:`renqueue.ops.until_jetstream_answers`), for up to
 ``nats.startup_wait`` (default: forever). A signal stops the wait.
 """
 
@@ -95,7 +95,7 @@ class Services:
         self.workers: list[Worker] = []
         self._adapters: list[Backend] = []
         #: Owns every background loop of this process; ``failed`` is set when one
-        #: cannot go on, and the process must then stop (see :mod:`renqueue.tasks`).
+        #: cannot go on, and the process must then stop (see :mod:`renqueue._tasks`).
         self.supervisor = Supervisor(name)
 
     @property

@@ -11,7 +11,7 @@ short lease (``worker.ack_wait``, a few seconds) renewed with ``in_progress()``
 every third of it for as long as its run is alive, in every phase of the run;
 if the worker dies, the lease runs out and the request is redelivered within
 ``ack_wait`` and run again. The new run streams a ``restart`` chunk first.
-Every run checks the request's terminal claim (:mod:`renqueue.eventlog`)
+Every run checks the request's terminal claim (:mod:`renqueue.wire._eventlog`)
 before it calls the backend, and the terminal event is written only by whoever
 creates the claim, so a request ends once however often it is delivered.
 
@@ -26,11 +26,11 @@ other reasons (a worker killed or shut down, a broker that does not answer:
 handed back after the same backoff by delivery count) do not use it up. The broker's
 own limit (the consumer's ``max_deliver`` = ``worker.delivery_limit``) is a
 backstop far above it; a message that reaches it ends ``failed`` as
-``undeliverable`` (:mod:`renqueue.advisories`). Cancellation (shutdown) is not
+``undeliverable`` (:mod:`renqueue.services._advisories`). Cancellation (shutdown) is not
 failure: the request is nak'ed back to the queue at once.
 
 The fetch loop and the work-stealing loop run under the process's
-:class:`~renqueue.tasks.Supervisor`.
+:class:`~renqueue._tasks.Supervisor`.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ class Worker:
             self._cancels.listen(self._on_cancel_requested)
         # Every worker of the backend hears each preemption ask (no queue
         # group: the run to preempt may be in any of them) and offers; the
-        # router confirms one, on this worker's own subject (renqueue.preemption).
+        # router confirms one, on this worker's own subject (renqueue.wire._preemption).
         self._preempt_token = uuid.uuid4().hex
         self._preempt_sub = await self._nc.subscribe(
             preempt_subjects(self._backend_name), cb=self._on_preempt
@@ -265,7 +265,7 @@ class Worker:
         if self._running:
             _done, pending = await asyncio.wait(self._running, timeout=self._drain_timeout)
             # Each run naks its message when cancelled. A run can swallow a
-            # cancellation (see renqueue.tasks): cancel until every one has ended.
+            # cancellation (see renqueue._tasks): cancel until every one has ended.
             await cancel_and_wait(pending)
         if self._own_supervisor:
             await self._supervisor.close()
@@ -708,7 +708,7 @@ class Worker:
 
     async def _on_preempt(self, msg: Any) -> None:
         """A router needs a slot for an urgent request (two phases, see
-        :mod:`renqueue.preemption`): on an ask, offer this worker's best victim
+        :mod:`renqueue.wire._preemption`): on an ask, offer this worker's best victim
         (or stay silent); on a confirm addressed to this worker, preempt it."""
         if not subject_matches(preempt_subjects(self._backend_name), msg.subject):
             # A tenant's push consumer delivering here: its messages keep their own subjects.

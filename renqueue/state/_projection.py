@@ -27,7 +27,7 @@ Three layers, from pure to I/O:
   KV key and keeps the latest decoded state in memory. A watch that ends or
   goes quiet while the stored value moved on is re-opened from the current
   value; one that cannot be re-opened fails its loop (and, persisting, its
-  process: see :mod:`renqueue.tasks`).
+  process: see :mod:`renqueue._tasks`).
 
 The state is bounded: counters per backend, per tenant and in total, plus one
 small entry per request that has started and not yet ended, keyed
@@ -562,7 +562,7 @@ class Projector:
     ``mismatched`` (a replay skips and counts the same ones).
 
     The fold loop runs under ``supervisor`` (the process's, from
-    :class:`renqueue.service.Services`; a private one if not given): a failed
+    :class:`renqueue.services.Services`; a private one if not given): a failed
     read is logged and the loop started again, from the state's sequence,
     after a capped backoff.
     """
@@ -635,7 +635,7 @@ class Projector:
             return
         self.status = ProjectorStatus.CLOSED
         # The loop also checks the status; stop() repeats the cancel, which
-        # nats-py's fetch can swallow (see renqueue.tasks).
+        # nats-py's fetch can swallow (see renqueue._tasks).
         await self._supervisor.stop(self._loop)
         if self._own_supervisor:
             await self._supervisor.close()

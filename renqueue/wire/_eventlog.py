@@ -107,7 +107,7 @@ _DELETE_TIMEOUT: Final = 1.0
 
 def msg_id_of(event: Event) -> str | None:
     """The JetStream message id that makes publishing ``event`` idempotent
-    (scoped by tenant: see :func:`renqueue.subjects.msg_id`), or ``None``.
+    (scoped by tenant: see :func:`renqueue.wire.msg_id`), or ``None``.
 
     Tenants may publish into ``RQ_EVENTS`` with any message id, so an id can be
     pre-occupied: nothing that matters may rest on one. Terminal events have

@@ -86,7 +86,7 @@ ADVISORIES_STREAM: Final = "RQ_ADVISORIES"
 STATE_BUCKET: Final = "rq-state"
 #: Claims only services can write: a request's one terminal outcome, a pool run.
 TERMINAL_BUCKET: Final = "rq-terminal"
-#: Leases (renqueue.lease): entries expire router.lease_ttl after their last write.
+#: Leases (renqueue.state._lease): entries expire router.lease_ttl after their last write.
 LEASE_BUCKET: Final = "rq-leases"
 #: The key of the binder's lease: the one router that binds requests to backends.
 BINDER_LEASE: Final = "binder"
@@ -170,7 +170,7 @@ def boost_subject(tenant: str) -> str:
 def preempt_subject(backend: str, worker: str = PREEMPT_ASK) -> str:
     """Core NATS: a router asks every worker of ``backend`` for a preemption offer
     (``worker`` left out), or tells the one worker whose token is ``worker`` to
-    preempt (see :mod:`renqueue.preemption`)."""
+    preempt (see :mod:`renqueue.wire._preemption`)."""
     return f"rq.preempt.{backend}.{worker}"
 
 
