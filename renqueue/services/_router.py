@@ -139,6 +139,7 @@ from ..wire._subjects import (
     dispatch_subject,
     event_subject,
     is_requeue_subject,
+    misdirected,
     msg_id,
     preempt_subject,
     router_consumer,
@@ -538,7 +539,7 @@ class Router:
         # A tenant's push consumer can deliver here (its messages keep their
         # own subjects): only rq.capacity.<backend> is a worker's word.
         if not subject_matches(capacity_subject("*"), msg.subject):
-            metrics.misdirected("capacity", msg.subject)
+            misdirected("capacity", msg.subject)
             return
         self._capacity.freed(msg.subject.rsplit(".", 1)[-1])
         self._wake.set()
@@ -762,7 +763,7 @@ class Router:
 
     async def _on_boost(self, msg: Any) -> None:
         if not subject_matches(boost_subject("*"), msg.subject):
-            metrics.misdirected("boost", msg.subject)  # delivered by a tenant's consumer
+            misdirected("boost", msg.subject)  # delivered by a tenant's consumer
             return
         try:
             boost = _BOOST_DECODER.decode(msg.data)
@@ -1071,7 +1072,7 @@ class Router:
 
         async def collect(msg: Any) -> None:
             if msg.subject != inbox:
-                metrics.misdirected("offers", msg.subject)
+                misdirected("offers", msg.subject)
                 return
             with contextlib.suppress(msgspec.DecodeError):
                 offer = OFFER_DECODER.decode(msg.data)

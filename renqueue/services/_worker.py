@@ -97,6 +97,7 @@ from ..wire._subjects import (
     SHUTDOWN_NAK_DELAY,
     capacity_subject,
     dispatch_subject,
+    misdirected,
     msg_id,
     preempt_subject,
     preempt_subjects,
@@ -712,7 +713,7 @@ class Worker:
         (or stay silent); on a confirm addressed to this worker, preempt it."""
         if not subject_matches(preempt_subjects(self._backend_name), msg.subject):
             # A tenant's push consumer delivering here: its messages keep their own subjects.
-            metrics.misdirected("preempt", msg.subject)
+            misdirected("preempt", msg.subject)
             return
         token = msg.subject.rsplit(".", 1)[-1]
         if token == PREEMPT_ASK:

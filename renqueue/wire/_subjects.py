@@ -31,12 +31,14 @@ or ``rq.tok.<tenant>.…``), with a payload the services wrote or, on
 messages of such a consumer arrive with the deliver subject itself and an
 empty body. So every receiver of a core subscription checks that
 ``msg.subject`` is one it subscribed for (:func:`subject_matches`) and drops
-(logs and counts, :func:`renqueue.metrics.misdirected`) anything else.
+(logs and counts, :func:`misdirected`) anything else.
 """
 
 from __future__ import annotations
 
 from typing import Final
+
+from ..logs import get_logger
 
 __all__ = [
     "ADVISORIES_CONSUMER",
@@ -63,6 +65,7 @@ __all__ = [
     "events_of_request",
     "is_requeue_subject",
     "max_deliveries_advisory",
+    "misdirected",
     "msg_id",
     "preempt_subject",
     "preempt_subjects",
@@ -129,6 +132,26 @@ def subject_matches(pattern: str, subject: str) -> bool:
         if index >= len(have) or part not in ("*", have[index]):
             return False
     return len(have) == len(want)
+
+
+_security = get_logger("security")
+
+
+def misdirected(receiver: str, subject: str, **fields: object) -> None:
+    """Drop a message that ``receiver`` must not act on: count it and say so.
+
+    ``receiver`` is a fixed name (``tap``, ``tokens``, ``events``, ``read``,
+    ``boost``, ``capacity``, ``preempt``, ``offers``): never an id. The count is
+    ``renqueue_misdirected_messages_total`` (:data:`renqueue.metrics.MISDIRECTED`).
+    """
+    # Imported here: the metrics load prometheus_client, which a client process
+    # (`import renqueue`) then loads only once it drops a message.
+    from ..metrics import MISDIRECTED  # noqa: PLC0415
+
+    MISDIRECTED.labels(receiver).inc()
+    _security.warning(
+        "message on an unexpected subject dropped", receiver=receiver, subject=subject, **fields
+    )
 
 
 #: Last token of the services' requeue subject, ``rq.req.<priority>.<tenant>.requeue``.
