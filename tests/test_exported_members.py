@@ -21,7 +21,15 @@ PACKAGES = [
 ]
 
 #: What ``import renqueue`` must not load: the services and what only they need.
-SERVICE_SIDE = ["renqueue.services", "renqueue.tools", "renqueue.metrics", "prometheus_client"]
+SERVICE_SIDE = [
+    "renqueue.services",
+    "renqueue.tools",
+    "renqueue.metrics",
+    "renqueue.backends",
+    "prometheus_client",
+    "aiolimiter",
+    "httpx",
+]
 
 
 def public_names(module: types.ModuleType) -> set[str]:

@@ -67,14 +67,16 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Final, Self, TypeVar
+from typing import TYPE_CHECKING, Final, Self, TypeVar
 from urllib.parse import urlsplit
 
-import httpx
 import msgspec
 
 from ..errors import EmbeddedServerError
 from ..logs import get_logger
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = [
     "LOCK_FILE_NAME",
@@ -426,6 +428,10 @@ class EmbeddedServer:
         ports = await self._poll(self._read_ports_file, deadline, lambda: "no ports file yet")
         self._listen = (self.host, _port_of(ports.nats[0]))
         if ports.monitoring:
+            # Imported here: only a process that starts a server probes it; a
+            # client that merely connects (renqueue.ops.connect) never loads httpx.
+            import httpx  # noqa: PLC0415
+
             self._monitoring_url = _dialable(ports.monitoring[0])
             # No proxy from the environment for a loopback probe. Plain HTTP:
             # verify=False only spares loading the CA bundle (~10s of ms).
@@ -543,6 +549,8 @@ class _HealthProbe:
         self.last = "no answer yet"
 
     async def __call__(self) -> bool | None:
+        import httpx  # noqa: PLC0415 - loaded by _wait_ready already, see there
+
         try:
             response = await self._http.get(self._url, timeout=1.0)
         except httpx.HTTPError as exc:
