@@ -98,7 +98,7 @@ from ..policy import (
 from ..state._cancellation import CancelWatch
 from ..state._coalescing import Coalescer, coalesce_key
 from ..state._lease import Lease
-from ..state._projection import StateView
+from ..state._view import StateView
 from ..wire._eventlog import EventLog
 from ..wire._messages import (
     EVENT_DECODER,

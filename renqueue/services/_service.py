@@ -33,7 +33,7 @@ from ..ops._connection import connect, redact_url
 from ..ops._embedded import EmbeddedServer
 from ..ops._provision import provision, until_jetstream_answers
 from ..state._cancellation import CancelWatch
-from ..state._projection import Projector
+from ..state._projector import Projector
 from ._advisories import AdvisoryReader
 from ._router import Router
 from ._worker import Worker

@@ -1,9 +1,9 @@
 """State the services share, kept in the broker and rebuilt from it.
 
-- The projection (``_projection``): :func:`fold` turns the event log into
-  :class:`ProjectionState` (a pure function of the events); :class:`Projector`
-  keeps it in the ``rq-state`` KV bucket; :class:`StateView` is a reader's
-  live copy.
+- The projection: :func:`fold` (``_fold``) turns the event log into
+  :class:`ProjectionState`, a pure function of the events; :class:`Projector`
+  (``_projector``) keeps it in the ``rq-state`` KV bucket; :class:`StateView`
+  (``_view``) is a reader's live copy.
 - The binder's lease (``_lease``): :class:`Lease`, at most one holder at a
   time, judged by the server's clock.
 - Coalescing groups (``_coalescing``): :class:`Coalescer`, identical requests
@@ -14,8 +14,7 @@
 
 from ._cancellation import CANCELS, CancelWatch, cancel_of
 from ._coalescing import Coalescer, Group, coalesce_key
-from ._lease import LEASE_MARGIN, Lease
-from ._projection import (
+from ._fold import (
     BACKEND_FAULTS,
     STALE_IN_FLIGHT,
     STATE_KEY,
@@ -24,15 +23,15 @@ from ._projection import (
     BackendState,
     InFlight,
     ProjectionState,
-    Projector,
-    StateView,
     TenantState,
     decode_state,
     encode_state,
     fold,
     fold_many,
-    rebuild,
 )
+from ._lease import LEASE_MARGIN, Lease
+from ._projector import Projector, rebuild
+from ._view import StateView
 
 __all__ = [
     "BACKEND_FAULTS",
