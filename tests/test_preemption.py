@@ -19,7 +19,7 @@ import pytest
 from renqueue import Client, Services, parse_config
 from renqueue.config import Config
 from renqueue.ops import EmbeddedServer
-from renqueue.services._router import _Held
+from renqueue.services.router._router import _Held
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import EventLog, Preempted, Started
 

@@ -523,7 +523,7 @@ def _consumer_configs(directory: Path, config: Config) -> list[tuple[str, dict[s
         "router.ack_wait": _ns(config.router.ack_wait),
         "router.max_deliver": config.router.max_deliver,
         # The router consumers' backstop (router.max_deliver counts failed
-        # dispatches; every hand-back is a delivery too): see renqueue.services._router.
+        # dispatches; every hand-back is a delivery too): see renqueue.services.router._router.
         "router.max_deliveries": router_max_deliveries(config.router.max_deliver),
         "worker.ack_wait": _ns(config.worker.ack_wait),
         "worker.max_deliver": config.worker.max_deliver,

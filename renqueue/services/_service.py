@@ -35,8 +35,8 @@ from ..ops._provision import provision, until_jetstream_answers
 from ..state._cancellation import CancelWatch
 from ..state._projector import Projector
 from ._advisories import AdvisoryReader
-from ._router import Router
-from ._worker import Worker
+from .router._router import Router
+from .worker._worker import Worker
 
 __all__ = ["Services", "State", "run_until_signalled"]
 

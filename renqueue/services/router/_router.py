@@ -70,16 +70,16 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError
 
-from .. import metrics
-from .._tasks import Supervisor
-from ..config import Config, parse_duration
-from ..errors import (
+from ... import metrics
+from ..._tasks import Supervisor
+from ...config import Config, parse_duration
+from ...errors import (
     InvalidRequestError,
     MalformedRequestError,
 )
-from ..logs import get_logger
-from ..ops._provision import renew_router_consumers, router_consumer_configs
-from ..policy import (
+from ...logs import get_logger
+from ...ops._provision import renew_router_consumers, router_consumer_configs
+from ...policy import (
     BIND_REASON,
     AskPreemption,
     BackendView,
@@ -95,12 +95,12 @@ from ..policy import (
     plan,
     validate,
 )
-from ..state._cancellation import CancelWatch
-from ..state._coalescing import Coalescer, coalesce_key
-from ..state._lease import Lease
-from ..state._view import StateView
-from ..wire._eventlog import EventLog
-from ..wire._messages import (
+from ...state._cancellation import CancelWatch
+from ...state._coalescing import Coalescer, coalesce_key
+from ...state._lease import Lease
+from ...state._view import StateView
+from ...wire._eventlog import EventLog
+from ...wire._messages import (
     EVENT_DECODER,
     REQUEST_DECODER,
     Cancelled,
@@ -117,7 +117,7 @@ from ..wire._messages import (
     Submitted,
     encode,
 )
-from ..wire._preemption import (
+from ...wire._preemption import (
     ANSWER_DECODER,
     CONFIRM_TIMEOUT,
     OFFER_DECODER,
@@ -126,7 +126,7 @@ from ..wire._preemption import (
     Confirm,
     Offer,
 )
-from ..wire._subjects import (
+from ...wire._subjects import (
     BINDER_LEASE,
     DISPATCH_STREAM,
     EVENTS_STREAM,

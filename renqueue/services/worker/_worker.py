@@ -60,17 +60,17 @@ from nats.js.errors import (
     ServiceUnavailableError,
 )
 
-from .. import metrics
-from .._tasks import Supervisor, cancel_and_wait
-from ..backends import Backend
-from ..config import BackendConfig, Config, parse_duration
-from ..errors import BackendError
-from ..logs import bound_request, get_logger
-from ..policy import RequeueElsewhere, Retry, after_failure, backoff, choose_victim
-from ..state._cancellation import CancelWatch
-from ..state._coalescing import Coalescer, coalesce_key
-from ..wire._eventlog import EventLog, publish_stored
-from ..wire._messages import (
+from ... import metrics
+from ..._tasks import Supervisor, cancel_and_wait
+from ...backends import Backend
+from ...config import BackendConfig, Config, parse_duration
+from ...errors import BackendError
+from ...logs import bound_request, get_logger
+from ...policy import RequeueElsewhere, Retry, after_failure, backoff, choose_victim
+from ...state._cancellation import CancelWatch
+from ...state._coalescing import Coalescer, coalesce_key
+from ...wire._eventlog import EventLog, publish_stored
+from ...wire._messages import (
     DISPATCH_DECODER,
     Cancelled,
     CancelRequested,
@@ -89,8 +89,8 @@ from ..wire._messages import (
     is_terminal,
     kind_of,
 )
-from ..wire._preemption import ASK_DECODER, CONFIRM_DECODER, Answer, Offer
-from ..wire._subjects import (
+from ...wire._preemption import ASK_DECODER, CONFIRM_DECODER, Answer, Offer
+from ...wire._subjects import (
     DISPATCH_STREAM,
     FETCH_TIMEOUT,
     PREEMPT_ASK,
