@@ -19,7 +19,7 @@ import pytest
 from renqueue import Client, Services, parse_config
 from renqueue.config import Config
 from renqueue.ops import EmbeddedServer
-from renqueue.services.router._router import _Held
+from renqueue.services.router._hold import Held
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import EventLog, Preempted, Started
 
@@ -176,7 +176,7 @@ async def test_nothing_is_preempted_for_a_request_that_stopped_waiting(tmp_path:
             await until_started(client, batch.id)
             urgent = client.build_request("urgent", route="chat", priority="critical")
             now = services.routers[0]._clock()
-            gone = _Held(
+            gone = Held(
                 msg=None,
                 request=urgent,
                 rank=config.priorities.index("critical"),
