@@ -69,16 +69,21 @@ from nats.js.errors import NotFoundError
 
 from renqueue import Client
 from renqueue.config import load_config
-from renqueue.connection import connect
-from renqueue.embedded import find_nats_server
 from renqueue.errors import RequestFailedError
 from renqueue.logs import configure_logging
-from renqueue.messages import (
+from renqueue.ops import connect, find_nats_server, provision
+from renqueue.wire import (
+    ADVISORIES_STREAM,
     DISPATCH_DECODER,
+    DISPATCH_STREAM,
+    DLQ_STREAM,
     EVENT_DECODER,
+    EVENTS_STREAM,
     REQUEST_DECODER,
+    REQUESTS_STREAM,
     TERMINAL_KINDS,
     TOKEN_DECODER,
+    TOKENS_STREAM,
     Cancelled,
     Coalesced,
     Completed,
@@ -94,15 +99,6 @@ from renqueue.messages import (
     Stolen,
     Submitted,
     kind_of,
-)
-from renqueue.provision import provision
-from renqueue.subjects import (
-    ADVISORIES_STREAM,
-    DISPATCH_STREAM,
-    DLQ_STREAM,
-    EVENTS_STREAM,
-    REQUESTS_STREAM,
-    TOKENS_STREAM,
     token_subject,
 )
 

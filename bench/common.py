@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from renqueue.embedded import find_nats_server
+from renqueue.ops import find_nats_server
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -49,11 +49,16 @@ from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 from renqueue import Client, Services, parse_config
 from renqueue.backends import Backend, make_backend
 from renqueue.config import Config
-from renqueue.connection import connect
-from renqueue.embedded import EmbeddedServer
 from renqueue.logs import configure_logging
-from renqueue.messages import REQUEST_DECODER, InferenceRequest
-from renqueue.subjects import DISPATCH_STREAM, EVENTS_STREAM, REQUESTS_STREAM, TOKENS_STREAM
+from renqueue.ops import EmbeddedServer, connect
+from renqueue.wire import (
+    DISPATCH_STREAM,
+    EVENTS_STREAM,
+    REQUEST_DECODER,
+    REQUESTS_STREAM,
+    TOKENS_STREAM,
+    InferenceRequest,
+)
 
 PAYLOAD = b"x" * 128
 #: Tokens the instant mock answers with (each one an SSE event, so a token chunk).

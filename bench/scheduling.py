@@ -97,11 +97,15 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from renqueue import Client, Services, parse_config
 from renqueue.config import DEFAULT_PRIORITIES, Config, load_config
-from renqueue.connection import connect
 from renqueue.logs import configure_logging
-from renqueue.messages import (
+from renqueue.ops import connect
+from renqueue.policy import LevelPolicy, aging_bound, effective_rank
+from renqueue.wire import (
     EVENT_DECODER,
+    EVENTS_STREAM,
     REQUEST_DECODER,
+    REQUESTS_STREAM,
+    TOKENS_STREAM,
     Completed,
     Dispatch,
     Preempted,
@@ -111,15 +115,9 @@ from renqueue.messages import (
     Stolen,
     Submitted,
     TokenChunk,
+    dispatch_subject,
     encode,
     is_terminal,
-)
-from renqueue.policy import LevelPolicy, aging_bound, effective_rank
-from renqueue.subjects import (
-    EVENTS_STREAM,
-    REQUESTS_STREAM,
-    TOKENS_STREAM,
-    dispatch_subject,
     msg_id,
     router_consumer,
 )

@@ -1,6 +1,15 @@
-"""Ren-Queue: a priority queue and router for LLM inference on NATS JetStream."""
+"""Ren-Queue: a priority queue and router for LLM inference on NATS JetStream.
 
-from .client import Client, RequestHandle, Result
+``import renqueue`` gives the client API (:class:`Client`, config loading, the
+errors, the wire types) and imports nothing of the services: :class:`Services`
+(``renqueue.services``, which loads the router, the worker and
+prometheus_client) is imported when it is first named.
+"""
+
+import importlib
+import typing
+
+from ._client import Client, RequestHandle, Result
 from .config import BackendConfig, Config, RouteConfig, load_config, parse_config
 from .errors import (
     BackendError,
@@ -25,10 +34,22 @@ from .errors import (
     UnknownPriorityError,
     UnknownRouteError,
 )
-from .messages import ChatMessage, Event, GenerationParams, InferenceRequest, TokenChunk, Usage
-from .service import Services
+from .wire._messages import (
+    ChatMessage,
+    Event,
+    GenerationParams,
+    InferenceRequest,
+    TokenChunk,
+    Usage,
+)
+
+if typing.TYPE_CHECKING:
+    from .services import Services
 
 __version__ = "0.1.0"
+
+#: Public names loaded on first use (PEP 562), each from the module that holds it.
+_LAZY = {"Services": "renqueue.services"}
 
 __all__ = [
     "BackendConfig",
@@ -68,3 +89,15 @@ __all__ = [
     "load_config",
     "parse_config",
 ]
+
+
+def __getattr__(name: str) -> typing.Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

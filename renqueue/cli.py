@@ -55,7 +55,7 @@ def _with_nats(config: Config, url: str | None) -> Config:
 
 
 def _client_url(config: Config) -> str:
-    from .connection import resolve_nats_url
+    from .ops._connection import resolve_nats_url
 
     url = resolve_nats_url(config)
     if url is None:
@@ -67,7 +67,7 @@ def _client_url(config: Config) -> str:
 
 
 async def _up(config: Config, args: argparse.Namespace) -> None:
-    from .service import Services, run_until_signalled
+    from .services._service import Services, run_until_signalled
 
     if args.metrics_port:
         from prometheus_client import start_http_server
@@ -87,8 +87,8 @@ async def _up(config: Config, args: argparse.Namespace) -> None:
 
 
 async def _provision(config: Config, _args: argparse.Namespace) -> None:
-    from .connection import connect
-    from .provision import provision
+    from .ops._connection import connect
+    from .ops._provision import provision
 
     nc = await connect(_client_url(config), name="renqueue-provision", config=config.nats)
     try:
@@ -99,7 +99,7 @@ async def _provision(config: Config, _args: argparse.Namespace) -> None:
 
 
 async def _submit(config: Config, args: argparse.Namespace) -> None:
-    from .client import Client
+    from ._client import Client
 
     client = await Client.connect(_client_url(config), tenant=args.tenant, name="renqueue-cli")
     async with client:
@@ -132,7 +132,7 @@ async def _submit(config: Config, args: argparse.Namespace) -> None:
 
 
 async def _cancel(config: Config, args: argparse.Namespace) -> None:
-    from .client import Client
+    from ._client import Client
     from .errors import RequestCancelledError
 
     client = await Client.connect(_client_url(config), tenant=args.tenant, name="renqueue-cli")
@@ -173,8 +173,8 @@ async def _wait(handle: Any, wait: float | None) -> Any:
 
 
 async def _audit(config: Config, args: argparse.Namespace) -> None:
-    from .connection import connect
-    from .eventlog import EventLog
+    from .ops._connection import connect
+    from .wire._eventlog import EventLog
 
     nc = await connect(_client_url(config), name="renqueue-audit", config=config.nats)
     try:
@@ -212,20 +212,15 @@ def _shorten(text: str, limit: int = 60) -> str:
 
 
 def _schema(_config: Config, _args: argparse.Namespace) -> None:
-    from . import messages
+    from .wire import Dispatch, Event, InferenceRequest, TokenChunk
 
-    types: list[Any] = [
-        messages.InferenceRequest,
-        messages.Dispatch,
-        messages.TokenChunk,
-        messages.Event,
-    ]
+    types: list[Any] = [InferenceRequest, Dispatch, TokenChunk, Event]
     (_schemas, components) = msgspec.json.schema_components(types)
     print(json.dumps({"$defs": components}, indent=2, sort_keys=True))
 
 
 def _mock_backend(_config: Config, args: argparse.Namespace) -> None:
-    from .mockbackend import run_mock_backend
+    from .tools._mockbackend import run_mock_backend
 
     try:
         run_mock_backend(
@@ -247,7 +242,7 @@ def _mock_backend(_config: Config, args: argparse.Namespace) -> None:
 
 
 async def _demo(config: Config, args: argparse.Namespace) -> None:
-    from .demo import run_demo
+    from .tools._demo import run_demo
 
     ok = await run_demo(requests=args.requests)
     if not ok:

@@ -283,7 +283,7 @@ class RouterConfig(_Section, frozen=True, kw_only=True):
     #: A coalescing group expires this long after its last change (a join, a
     #: follower leaving, its leader ending); ``"0s"``: never.
     coalesce_ttl: Duration = "1h"
-    #: The binder's lease (renqueue.lease): a dead binder's standby takes
+    #: The binder's lease (renqueue.state._lease): a dead binder's standby takes
     #: over about this long (plus ~0.3 s of server expiry) after it died.
     lease_ttl: Duration = "1s"
 

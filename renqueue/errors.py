@@ -96,7 +96,7 @@ class ConnectionFailedError(RenQueueError):
 class ServiceFailedError(RenQueueError):
     """A background loop of a service cannot go on; the process shuts down.
 
-    Raised by :func:`renqueue.service.run_until_signalled` after an orderly
+    Raised by :func:`renqueue.services.run_until_signalled` after an orderly
     shutdown, so a process supervisor restarts the process.
     """
 

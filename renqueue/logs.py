@@ -19,7 +19,7 @@ The request id is bound through contextvars (``bound_request``), so every line
 logged while a request is handled carries it. Secrets never reach a log line:
 config values that hold credentials are :class:`~renqueue.config.Secret` and
 print as ``***``; NATS URLs are logged through
-:func:`renqueue.connection.redact_url`.
+:func:`renqueue.ops.redact_url`.
 """
 
 from __future__ import annotations

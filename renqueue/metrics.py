@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from .logs import get_logger
-
 __all__ = [
     "BACKEND_CALLS",
     "BACKEND_LATENCY",
@@ -19,10 +17,7 @@ __all__ = [
     "ROUTED",
     "TERMINAL",
     "TOKENS",
-    "misdirected",
 ]
-
-log = get_logger("security")
 
 ROUTED = Counter("renqueue_routed_total", "Routing decisions made", ["backend", "priority"])
 REJECTED = Counter(
@@ -62,18 +57,6 @@ DUPLICATES_DROPPED = Counter(
 MISDIRECTED = Counter(
     "renqueue_misdirected_messages_total",
     "Messages dropped because their subject is not one the receiver subscribed for, "
-    "or disagrees with their payload (see renqueue.subjects), by receiver",
+    "or disagrees with their payload (see renqueue.wire), by receiver",
     ["receiver"],
 )
-
-
-def misdirected(receiver: str, subject: str, **fields: object) -> None:
-    """Drop a message that ``receiver`` must not act on: count it and say so.
-
-    ``receiver`` is a fixed name (``tap``, ``tokens``, ``events``, ``boost``,
-    ``capacity``, ``preempt``, ``offers``): never an id.
-    """
-    MISDIRECTED.labels(receiver).inc()
-    log.warning(
-        "message on an unexpected subject dropped", receiver=receiver, subject=subject, **fields
-    )

@@ -3,7 +3,7 @@
 The chain is server -> connection -> JetStream, as in nats.py's own test suite.
 Servers listen on a random port (``port=-1``) with a temporary store, and are
 declared ready by their own ports file and ``/healthz`` endpoint
-(:class:`renqueue.embedded.EmbeddedServer`).
+(:class:`renqueue.ops.EmbeddedServer`).
 
 Streams are global to a server, so tests that provision or assert on stream
 state should use ``isolated_server`` / ``isolated_nc``: a server of their own.
@@ -23,8 +23,7 @@ import pytest_asyncio
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
-from renqueue.connection import connect
-from renqueue.embedded import EmbeddedServer
+from renqueue.ops import EmbeddedServer, connect
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

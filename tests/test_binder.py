@@ -1,7 +1,7 @@
 """One binding order across all routers (issue #7 item 1).
 
 Exactly one router binds at a time: the holder of the binder's lease
-(:mod:`renqueue.lease`). These tests pin what that buys: with several routers
+(:mod:`renqueue.state._lease`). These tests pin what that buys: with several routers
 the order is global (a critical request never waits behind batch work another
 router bound), a dead binder's standby takes over, and what the dead one held
 is delivered to the new binder at once, not after ``router.ack_wait``.
@@ -28,15 +28,11 @@ from test_restarts import (
 
 from renqueue import Client, Services, parse_config
 from renqueue.config import Config, load_config
-from renqueue.connection import connect
-from renqueue.embedded import EmbeddedServer
-from renqueue.eventlog import EventLog
-from renqueue.lease import Lease
-from renqueue.messages import Routed
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.provision import provision
-from renqueue.router import Router
-from renqueue.subjects import DISPATCH_STREAM, REQUESTS_STREAM, router_consumer
+from renqueue.ops import EmbeddedServer, connect, provision
+from renqueue.services import Router
+from renqueue.state import Lease
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import DISPATCH_STREAM, REQUESTS_STREAM, EventLog, Routed, router_consumer
 
 TENANT = "t"
 

@@ -14,12 +14,18 @@ import msgspec
 import pytest
 
 from renqueue import Client, RequestCancelledError, RequestExpiredError, Services, parse_config
-from renqueue.cancellation import CancelWatch
-from renqueue.eventlog import EventLog
-from renqueue.messages import Cancelled, CancelRequested, Expired, Started, encode
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.provision import provision
-from renqueue.subjects import event_subject
+from renqueue.ops import provision
+from renqueue.state import CancelWatch
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import (
+    Cancelled,
+    CancelRequested,
+    EventLog,
+    Expired,
+    Started,
+    encode,
+    event_subject,
+)
 
 
 @pytest.fixture

@@ -15,10 +15,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from renqueue import Client, demo
-from renqueue.demo import run_demo
-from renqueue.embedded import EmbeddedServer
-from renqueue.mockbackend import MockBackend, MockSettings
+from renqueue import Client
+from renqueue.ops import EmbeddedServer
+from renqueue.tools import MockBackend, MockSettings, run_demo
+from renqueue.tools import _demo as demo
 
 ROOT = Path(__file__).parents[1]
 

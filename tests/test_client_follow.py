@@ -21,13 +21,22 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from renqueue import Client, Services, TokensExpiredError, UnknownPriorityError, parse_config
-from renqueue.client import _TokenFollower
-from renqueue.embedded import EmbeddedServer
-from renqueue.eventlog import EventLog
-from renqueue.messages import Cancelled, Completed, Event, TokenChunk, Usage, encode, kind_of
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.provision import provision
-from renqueue.subjects import EVENTS_STREAM, event_subject, token_subject
+from renqueue._client import _TokenFollower
+from renqueue.ops import EmbeddedServer, provision
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import (
+    EVENTS_STREAM,
+    Cancelled,
+    Completed,
+    Event,
+    EventLog,
+    TokenChunk,
+    Usage,
+    encode,
+    event_subject,
+    kind_of,
+    token_subject,
+)
 
 
 @pytest.fixture

@@ -24,26 +24,28 @@ from renqueue import (
     Services,
     parse_config,
 )
-from renqueue.advisories import AdvisoryReader, MaxDeliveries
-from renqueue.coalescing import Coalescer, Group, coalesce_key
 from renqueue.config import Config
-from renqueue.eventlog import EventLog
-from renqueue.messages import (
+from renqueue.ops import provision
+from renqueue.services import AdvisoryReader, MaxDeliveries
+from renqueue.state import Coalescer, Group, coalesce_key
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import (
     REQUEST_DECODER,
+    REQUESTS_STREAM,
+    STATE_BUCKET,
     Cancelled,
     Coalesced,
     Completed,
     Event,
+    EventLog,
     Expired,
     Failed,
     InferenceRequest,
     Preempted,
     Submitted,
     is_terminal,
+    request_subject,
 )
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.provision import provision
-from renqueue.subjects import REQUESTS_STREAM, STATE_BUCKET, request_subject
 
 
 @pytest.fixture

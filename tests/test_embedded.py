@@ -12,9 +12,8 @@ import httpx
 import pytest
 
 from renqueue.config import parse_config
-from renqueue.connection import connect, resolve_nats_url
-from renqueue.embedded import EmbeddedServer, ServerState, url_file
 from renqueue.errors import ConnectionFailedError, EmbeddedServerError
+from renqueue.ops import EmbeddedServer, ServerState, connect, resolve_nats_url, url_file
 
 REPO = Path(__file__).resolve().parents[1]
 

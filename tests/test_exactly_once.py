@@ -30,32 +30,31 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from renqueue import Client, RequestFailedError, Services, load_config
 from renqueue.config import Config
-from renqueue.eventlog import EventLog, read_subject
-from renqueue.messages import (
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import (
     DISPATCH_DECODER,
-    TOKEN_DECODER,
-    Completed,
-    Dispatch,
-    Started,
-    Submitted,
-    TerminalClaim,
-    TokenChunk,
-    Usage,
-    encode,
-    is_terminal,
-    kind_of,
-)
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.subjects import (
     DISPATCH_STREAM,
     DLQ_STREAM,
     REQUESTS_STREAM,
     ROUTER_DELIVERY_BACKSTOP,
     TERMINAL_BUCKET,
+    TOKEN_DECODER,
     TOKENS_STREAM,
+    Completed,
+    Dispatch,
+    EventLog,
+    Started,
+    Submitted,
+    TerminalClaim,
+    TokenChunk,
+    Usage,
     dispatch_subject,
     dlq_subject,
+    encode,
+    is_terminal,
+    kind_of,
     msg_id,
+    read_subject,
     request_subject,
     router_consumer,
     terminal_key,

@@ -29,11 +29,18 @@ from renqueue import (
 from renqueue.backends.base import Delta
 from renqueue.config import Config
 from renqueue.errors import FatalBackendError
-from renqueue.eventlog import EventLog, read_subject
-from renqueue.messages import TOKEN_DECODER, Preempted, Retrying, Started
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.subjects import TOKENS_STREAM, token_subject
-from renqueue.worker import Worker
+from renqueue.services import Worker
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import (
+    TOKEN_DECODER,
+    TOKENS_STREAM,
+    EventLog,
+    Preempted,
+    Retrying,
+    Started,
+    read_subject,
+    token_subject,
+)
 
 TENANT = "t"
 

@@ -9,8 +9,7 @@ import sys
 import msgspec
 import pytest
 
-from renqueue.eventlog import msg_id_of
-from renqueue.messages import (
+from renqueue.wire import (
     EVENT_DECODER,
     REQUEST_DECODER,
     SCHEMA_VERSION,
@@ -20,6 +19,7 @@ from renqueue.messages import (
     Usage,
     encode,
     is_terminal,
+    msg_id_of,
 )
 
 VALID = {

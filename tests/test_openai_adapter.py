@@ -28,8 +28,8 @@ from renqueue.errors import (
     RateLimitedError,
     RetryableBackendError,
 )
-from renqueue.messages import ChatMessage, GenerationParams, InferenceRequest, Usage
-from renqueue.mockbackend import MockBackend, MockSettings
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import ChatMessage, GenerationParams, InferenceRequest, Usage
 
 KEY = "sk-test-SECRET123"
 KEY_ENV = "RQ_TEST_OPENAI_KEY"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from renqueue.demo import _percentile
+from renqueue.tools._demo import _percentile
 
 REPO = Path(__file__).resolve().parents[1]
 

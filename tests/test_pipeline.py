@@ -27,11 +27,17 @@ from renqueue import (
     parse_config,
 )
 from renqueue.config import Config
-from renqueue.eventlog import EventLog
-from renqueue.messages import Completed, Rejected, Started
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.subjects import DLQ_STREAM, msg_id, request_subject
-from renqueue.worker import Worker
+from renqueue.services import Worker
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import (
+    DLQ_STREAM,
+    Completed,
+    EventLog,
+    Rejected,
+    Started,
+    msg_id,
+    request_subject,
+)
 
 
 def make_config(tmp_path: Path, backends: dict[str, tuple[str, int]], **extra: Any) -> Config:

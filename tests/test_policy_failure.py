@@ -16,9 +16,6 @@ from renqueue.errors import (
     RateLimitedError,
     RetryableBackendError,
 )
-from renqueue.eventlog import EventLog
-from renqueue.messages import Retrying
-from renqueue.mockbackend import MockBackend, MockSettings
 from renqueue.policy import (
     Fail,
     FailurePolicy,
@@ -26,6 +23,8 @@ from renqueue.policy import (
     after_failure,
     backoff,
 )
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import EventLog, Retrying
 
 POLICY = FailurePolicy(budget=5, retry_delay=1.0, max_retry_delay=30.0)
 

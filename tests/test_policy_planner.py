@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from renqueue.config import parse_config
-from renqueue.messages import ChatMessage, InferenceRequest
 from renqueue.policy import (
     BIND_REASON,
     DEADLINE_PASSED,
@@ -31,6 +30,7 @@ from renqueue.policy import (
     effective_rank,
     plan,
 )
+from renqueue.wire import ChatMessage, InferenceRequest
 
 NOW = 1_000.0
 

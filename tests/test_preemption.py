@@ -18,11 +18,10 @@ import pytest
 
 from renqueue import Client, Services, parse_config
 from renqueue.config import Config
-from renqueue.embedded import EmbeddedServer
-from renqueue.eventlog import EventLog
-from renqueue.messages import Preempted, Started
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.router import _Held
+from renqueue.ops import EmbeddedServer
+from renqueue.services.router._hold import Held
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import EventLog, Preempted, Started
 
 TENANT = "t"
 AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"
@@ -177,7 +176,7 @@ async def test_nothing_is_preempted_for_a_request_that_stopped_waiting(tmp_path:
             await until_started(client, batch.id)
             urgent = client.build_request("urgent", route="chat", priority="critical")
             now = services.routers[0]._clock()
-            gone = _Held(
+            gone = Held(
                 msg=None,
                 request=urgent,
                 rank=config.priorities.index("critical"),

@@ -18,29 +18,9 @@ from nats.aio.client import Client as NatsClient
 from nats.js.client import JetStreamContext
 
 from renqueue.config import parse_config
-from renqueue.connection import connect
-from renqueue.embedded import EmbeddedServer
-from renqueue.eventlog import EventLog
-from renqueue.messages import (
-    Cancelled,
-    CancelRequested,
-    ChatMessage,
-    Completed,
-    Event,
-    Expired,
-    Failed,
-    InferenceRequest,
-    Rejected,
-    Retrying,
-    Routed,
-    Started,
-    Submitted,
-    Usage,
-    encode,
-    is_terminal,
-)
+from renqueue.ops import EmbeddedServer, connect, provision
 from renqueue.policy import is_healthy
-from renqueue.projection import (
+from renqueue.state import (
     STALE_IN_FLIGHT,
     STATE_KEY,
     STATE_VERSION,
@@ -55,8 +35,27 @@ from renqueue.projection import (
     fold_many,
     rebuild,
 )
-from renqueue.provision import provision
-from renqueue.subjects import STATE_BUCKET, event_subject
+from renqueue.wire import (
+    STATE_BUCKET,
+    Cancelled,
+    CancelRequested,
+    ChatMessage,
+    Completed,
+    Event,
+    EventLog,
+    Expired,
+    Failed,
+    InferenceRequest,
+    Rejected,
+    Retrying,
+    Routed,
+    Started,
+    Submitted,
+    Usage,
+    encode,
+    event_subject,
+    is_terminal,
+)
 
 T0 = 1_700_000_000.0
 EMPTY = ProjectionState()

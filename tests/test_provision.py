@@ -15,8 +15,8 @@ from nats.js.client import JetStreamContext
 
 from renqueue.config import Config, parse_config
 from renqueue.errors import ProvisionError
-from renqueue.provision import STREAMS_DIR_ENV, Action, find_streams_dir, provision
-from renqueue.subjects import (
+from renqueue.ops import STREAMS_DIR_ENV, Action, find_streams_dir, provision
+from renqueue.wire import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
     DISPATCH_STREAM,

@@ -8,8 +8,8 @@ from pathlib import Path
 import msgspec
 
 from renqueue import Client, Services, parse_config
-from renqueue.embedded import EmbeddedServer
-from renqueue.mockbackend import MockBackend, MockSettings
+from renqueue.ops import EmbeddedServer
+from renqueue.tools import MockBackend, MockSettings
 
 
 async def test_services_reconnect_after_the_server_restarts(tmp_path: Path) -> None:

@@ -28,15 +28,19 @@ from nats.aio.client import Client as NatsClient
 
 from renqueue import Client, Services
 from renqueue.config import Config, load_config
-from renqueue.connection import connect
-from renqueue.embedded import EmbeddedServer
 from renqueue.errors import RequestCancelledError
-from renqueue.eventlog import EventLog
-from renqueue.messages import (
+from renqueue.ops import EmbeddedServer, connect
+from renqueue.policy import promotions
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import (
+    DISPATCH_STREAM,
+    DLQ_STREAM,
+    REQUESTS_STREAM,
     Cancelled,
     Coalesced,
     Completed,
     Event,
+    EventLog,
     Preempted,
     Promoted,
     Retrying,
@@ -45,13 +49,6 @@ from renqueue.messages import (
     Submitted,
     is_terminal,
     kind_of,
-)
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.policy import promotions
-from renqueue.subjects import (
-    DISPATCH_STREAM,
-    DLQ_STREAM,
-    REQUESTS_STREAM,
     router_consumer,
 )
 

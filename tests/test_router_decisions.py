@@ -6,8 +6,8 @@ import pytest
 
 from renqueue.config import parse_config
 from renqueue.errors import MalformedRequestError, UnknownRouteError
-from renqueue.messages import ChatMessage, InferenceRequest
 from renqueue.policy import BackendView, NoRoom, choose_backend, validate
+from renqueue.wire import ChatMessage, InferenceRequest
 
 CONFIG = parse_config(
     {

@@ -19,24 +19,23 @@ import nats.errors
 import pytest
 
 from renqueue import Client, Services, parse_config
+from renqueue._tasks import Supervisor
 from renqueue.config import Config
-from renqueue.connection import connect
-from renqueue.embedded import EmbeddedServer
 from renqueue.errors import RequestFailedError, ServiceFailedError
-from renqueue.eventlog import EventLog
 from renqueue.logs import EVENT_ATTRIBUTE
-from renqueue.messages import Routed, kind_of
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.router import Router
-from renqueue.service import run_until_signalled
-from renqueue.subjects import (
+from renqueue.ops import EmbeddedServer, connect
+from renqueue.services import Router, run_until_signalled
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import (
     DISPATCH_STREAM,
     DLQ_STREAM,
     REQUESTS_STREAM,
+    EventLog,
+    Routed,
+    kind_of,
     router_consumer,
     worker_consumer,
 )
-from renqueue.tasks import Supervisor
 
 TENANT = "t"
 

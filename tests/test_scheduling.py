@@ -8,18 +8,6 @@ from pathlib import Path
 import pytest
 
 from renqueue import Client, Config, ConfigError, RequestExpiredError, Services, parse_config
-from renqueue.eventlog import EventLog
-from renqueue.messages import (
-    Coalesced,
-    Dispatch,
-    Preempted,
-    Promoted,
-    Routed,
-    Started,
-    Stolen,
-    encode,
-)
-from renqueue.mockbackend import MockBackend, MockSettings
 from renqueue.policy import (
     LevelPolicy,
     aging_bound,
@@ -28,7 +16,20 @@ from renqueue.policy import (
     pick_key,
     promotions,
 )
-from renqueue.subjects import dispatch_subject, msg_id
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import (
+    Coalesced,
+    Dispatch,
+    EventLog,
+    Preempted,
+    Promoted,
+    Routed,
+    Started,
+    Stolen,
+    dispatch_subject,
+    encode,
+    msg_id,
+)
 
 POLICIES = [
     LevelPolicy(name="critical", rank=0),

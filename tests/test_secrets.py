@@ -26,8 +26,8 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from renqueue import Client, RequestFailedError
-from renqueue.embedded import EmbeddedServer
-from renqueue.mockbackend import MockBackend, MockSettings
+from renqueue.ops import EmbeddedServer
+from renqueue.tools import MockBackend, MockSettings
 
 AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"
 NATS_PASSWORD = "natsPW4d1e0c6b5a"

@@ -19,10 +19,20 @@ import pytest
 
 from renqueue import Client, RequestCancelledError, Services, parse_config
 from renqueue.config import Config
-from renqueue.eventlog import EventLog
-from renqueue.messages import Coalesced, Preempted, Routed, Started, Submitted, encode
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.subjects import REQUESTS_STREAM, msg_id, request_subject, router_consumer
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import (
+    REQUESTS_STREAM,
+    Coalesced,
+    EventLog,
+    Preempted,
+    Routed,
+    Started,
+    Submitted,
+    encode,
+    msg_id,
+    request_subject,
+    router_consumer,
+)
 
 TENANT = "t"
 AN_HOUR = 3600.0

@@ -21,12 +21,10 @@ import pytest
 
 from renqueue import Client
 from renqueue.config import parse_config
-from renqueue.connection import connect
-from renqueue.embedded import EmbeddedServer
 from renqueue.errors import ConnectionFailedError
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.provision import provision
-from renqueue.subjects import REQUESTS_STREAM
+from renqueue.ops import EmbeddedServer, connect, provision
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import REQUESTS_STREAM
 
 RETRYING = "jetstream unavailable; retrying"
 

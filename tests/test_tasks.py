@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from renqueue.tasks import Fatal, Supervisor, cancel_and_wait
+from renqueue._tasks import Fatal, Supervisor, cancel_and_wait
 
 
 async def test_a_loop_that_swallows_one_cancellation_is_still_stopped() -> None:

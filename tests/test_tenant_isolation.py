@@ -24,11 +24,9 @@ from nats.js.errors import NotFoundError
 from prometheus_client import REGISTRY
 
 from renqueue import Client, RequestCancelledError, Services, parse_config
-from renqueue.embedded import EmbeddedServer
-from renqueue.eventlog import EventLog
-from renqueue.messages import Completed
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.subjects import EVENTS_STREAM, TOKENS_STREAM, request_subject
+from renqueue.ops import EmbeddedServer
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import EVENTS_STREAM, TOKENS_STREAM, Completed, EventLog, request_subject
 
 AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"
 PASSWORDS = {

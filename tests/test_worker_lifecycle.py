@@ -24,11 +24,20 @@ from renqueue import Client, Services, load_config, parse_config
 from renqueue.backends import make_backend
 from renqueue.backends.base import Delta
 from renqueue.config import Config, WorkerConfig, parse_duration
-from renqueue.eventlog import EventLog
-from renqueue.messages import Dispatch, Started, Stolen, encode, kind_of
-from renqueue.mockbackend import MockBackend, MockSettings
-from renqueue.subjects import DISPATCH_STREAM, dispatch_subject, msg_id, worker_consumer
-from renqueue.worker import Worker
+from renqueue.services import Worker
+from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import (
+    DISPATCH_STREAM,
+    Dispatch,
+    EventLog,
+    Started,
+    Stolen,
+    dispatch_subject,
+    encode,
+    kind_of,
+    msg_id,
+    worker_consumer,
+)
 
 TENANT = "t"
 
@@ -114,7 +123,7 @@ async def test_a_killed_workers_request_is_run_again_within_a_few_default_leases
 
 class SwallowsOneCancellation:
     """A backend whose stream swallows the first cancellation (as nats-py's fetch
-    can on Python 3.11, see renqueue.tasks), then waits on."""
+    can on Python 3.11, see renqueue._tasks), then waits on."""
 
     name = "b"
 

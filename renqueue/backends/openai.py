@@ -47,7 +47,7 @@ from ..errors import (
     RateLimitedError,
     RetryableBackendError,
 )
-from ..messages import InferenceRequest, Usage
+from ..wire._messages import InferenceRequest, Usage
 from ._sse import ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation
 

@@ -1,7 +1,7 @@
 """The health rule: whether a backend may be called, from the facts the log folded.
 
 The facts (a backend's streak of backend faults and the time of the latest)
-are folded from the event log by :func:`renqueue.projection.fold`; the verdict
+are folded from the event log by :func:`renqueue.state.fold`; the verdict
 is this plain function of them and a caller-supplied ``now``, so the state
 stays clock-free and a router applies the cooldown with its own clock.
 """
@@ -19,7 +19,7 @@ DEFAULT_COOLDOWN: Final = 30.0
 
 class FaultRecord(Protocol):
     """What the health rule reads of a backend's folded state
-    (:class:`renqueue.projection.BackendState` has it)."""
+    (:class:`renqueue.state.BackendState` has it)."""
 
     @property
     def consecutive_failures(self) -> int: ...

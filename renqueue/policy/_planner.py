@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 from msgspec import Struct
 
-from ..messages import InferenceRequest
+from ..wire._messages import InferenceRequest
 from ._aging import LevelPolicy, effective_rank, pick_key, promotions
 from ._preemption import may_preempt, preempting_rank
 from ._routing import BackendView, NoRoom, capable, choose_backend, hopeless

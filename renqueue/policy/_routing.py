@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ..errors import MalformedRequestError, NoCapableBackendError, UnknownRouteError
-from ..messages import InferenceRequest
-from ..subjects import msg_id
+from ..wire._messages import InferenceRequest
+from ..wire._subjects import msg_id
 
 if TYPE_CHECKING:  # config builds the level policies from this package: no cycle at run time
     from ..config import Config
@@ -63,7 +63,7 @@ def validate(
     rejected (a tenant must not be able to speak for another). ``message_id``
     is the publish's ``Nats-Msg-Id``: it must be ``<tenant>:<id>`` (a requeue
     by the services: ``<tenant>:<id>:requeue:...``, see
-    :func:`renqueue.eventlog.publish_stored`), so that deduplication is scoped
+    :func:`renqueue.wire.publish_stored`), so that deduplication is scoped
     by tenant. ``None`` skips that check (a request not read from the stream).
     ``requeue``: it was read from the services' requeue subject (which no
     tenant may publish to); only such a request may carry ``requeues`` (a

@@ -53,7 +53,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta, Struct
 
-from .logs import get_logger
+from ..logs import get_logger
 
 __all__ = ["MockBackend", "MockSettings", "MockStats", "format_reset", "run_mock_backend", "serve"]
 

@@ -2,7 +2,7 @@
 
 Requests wait in the priority subjects (``rq.req.<level>.<tenant>``), one
 durable pull consumer per level. Exactly one router binds at a time: the
-holder of the binder's lease (:mod:`renqueue.lease`, a key in the
+holder of the binder's lease (:mod:`renqueue.state._lease`, a key in the
 ``rq-leases`` KV bucket that the server expires ``router.lease_ttl`` after its
 last renewal). It is the one place that decides what is committed to each
 backend, so the binding order is global, whatever number of routers run; the
@@ -21,20 +21,13 @@ stays held (its ack timer kept alive) until a slot frees: backends are never
 given more work than their concurrency, so backend subjects stay short and
 waiting happens where priority applies.
 
-Free slots are known from the broker: a backend's in-flight count is its worker
-consumer's ``num_pending + num_ack_pending``, refreshed at most every
-``router.capacity_refresh``, plus what the binder dispatched since. Workers
-announce freed slots on ``rq.capacity.<backend>`` (core NATS) so the binder
-wakes without polling. The worker consumer's ``max_ack_pending`` caps
-concurrency at the broker in any case.
-
-Waiting is measured in server time: a request's wait begins at the timestamp
-the broker gave its message when it was stored (a requeue after a preemption
-keeps the one logged in its ``submitted`` event), never at a time a client
-wrote into the payload.
+Its parts: the hold (``_hold``), the free slots it counts per backend
+(``_capacity``: broker truth plus its own dispatches since), reading a fetched
+request (``_admission``: validation, the wait measured in server time, the
+parent's priority) and its side of the preemption protocol (``_preemption``).
 
 Every loop (one fetch loop per level, the dispatch loop, the keepalive, the
-projection watch) runs under the process's :class:`~renqueue.tasks.Supervisor`:
+projection watch) runs under the process's :class:`~renqueue._tasks.Supervisor`:
 a failed JetStream call is logged and the loop started again after a capped
 backoff, and a loop that keeps failing takes the process down. Requests are
 kept alive only for loops that run: when the dispatch loop fails, every held
@@ -45,7 +38,7 @@ dead-letter copy) after ``router.max_deliver`` *failed dispatches* seen by a
 router, not after that many deliveries: hand-backs (graceful restarts, a
 failed dispatch loop) are deliveries too, and must not use up its budget. The
 router consumers' own ``max_deliver`` is a backstop far above it
-(:func:`renqueue.subjects.router_max_deliveries`).
+(:func:`renqueue.wire.router_max_deliveries`).
 
 The decisions are plain functions in :mod:`renqueue.policy` (a round:
 :func:`~renqueue.policy.plan`; admission: :func:`~renqueue.policy.validate`);
@@ -62,28 +55,35 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import Annotated, Any, Final
+from collections.abc import Callable
+from typing import Any, Final
 
 import msgspec
-from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import NotFoundError
 
-from . import metrics
-from .cancellation import CancelWatch
-from .coalescing import Coalescer, coalesce_key
-from .config import Config, parse_duration
-from .errors import (
-    InvalidRequestError,
-    MalformedRequestError,
+from ... import metrics
+from ..._tasks import Supervisor
+from ...config import Config, parse_duration
+from ...logs import get_logger
+from ...ops._provision import renew_router_consumers, router_consumer_configs
+from ...policy import (
+    BIND_REASON,
+    AskPreemption,
+    Bind,
+    Expire,
+    Inherit,
+    PlanPolicy,
+    Promote,
+    Wait,
+    Waiting,
+    plan,
 )
-from .eventlog import EventLog
-from .lease import Lease
-from .logs import get_logger
-from .messages import (
-    EVENT_DECODER,
-    REQUEST_DECODER,
+from ...state._cancellation import CancelWatch
+from ...state._coalescing import Coalescer, coalesce_key
+from ...state._lease import Lease
+from ...state._view import StateView
+from ...wire._eventlog import EventLog
+from ...wire._messages import (
     Cancelled,
     CancelRequested,
     Coalesced,
@@ -91,44 +91,14 @@ from .messages import (
     Expired,
     Failed,
     InferenceRequest,
-    Preempted,
     Promoted,
     Rejected,
     Routed,
     Submitted,
     encode,
 )
-from .policy import (
-    BIND_REASON,
-    AskPreemption,
-    BackendView,
-    Bind,
-    Expire,
-    Inherit,
-    LevelPolicy,
-    PlanPolicy,
-    Promote,
-    Wait,
-    Waiting,
-    pick_key,
-    plan,
-    validate,
-)
-from .preemption import (
-    ANSWER_DECODER,
-    CONFIRM_TIMEOUT,
-    OFFER_DECODER,
-    OFFER_WINDOW,
-    Ask,
-    Confirm,
-    Offer,
-)
-from .projection import StateView
-from .provision import renew_router_consumers, router_consumer_configs
-from .subjects import (
+from ...wire._subjects import (
     BINDER_LEASE,
-    DISPATCH_STREAM,
-    EVENTS_STREAM,
     FETCH_TIMEOUT,
     LEASE_BUCKET,
     REQUESTS_STREAM,
@@ -136,31 +106,21 @@ from .subjects import (
     boost_subject,
     capacity_subject,
     dispatch_subject,
-    event_subject,
-    is_requeue_subject,
+    misdirected,
     msg_id,
-    preempt_subject,
     router_consumer,
     router_max_deliveries,
     subject_matches,
-    worker_consumer,
 )
-from .tasks import Supervisor
+from ._admission import Refused, admit, parent_of, subject_token, submitted_at
+from ._capacity import Capacity
+from ._hold import BOOST_DECODER, Held, Hold, stored_at
+from ._preemption import ask_preemption
 
 __all__ = ["Router"]
 
 log = get_logger("router")
 
-
-class _Boost(msgspec.Struct, frozen=True):
-    leader: str
-    rank: Annotated[int, msgspec.Meta(ge=0)]
-    submitted: float
-
-
-_BOOST_DECODER: Final = msgspec.json.Decoder(_Boost)
-
-_ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 
 #: Seconds a decision's publishes may take to be acked before the dispatch counts
 #: as failed (``router.ack_wait`` if that is shorter).
@@ -170,91 +130,6 @@ _ACKS_TIMEOUT: Final = 10.0
 _FAILURES_KEPT: Final = 10_000
 #: A binder one of whose binding loops failed this many times in a row gives the lease up.
 _GIVE_UP_AFTER_FAILURES: Final = 3
-
-
-def stored_at(msg: Any) -> float:
-    """The server's timestamp of a stream message (when it was stored), Unix seconds."""
-    return float(msg.metadata.timestamp.timestamp())
-
-
-class _Held(msgspec.Struct, kw_only=True):
-    msg: Any
-    request: InferenceRequest
-    rank: int
-    #: When the wait began, in server time: when the broker stored the request
-    #: (for a requeue, the time logged in its first ``submitted`` event).
-    submitted: float
-    touched: float
-    #: Promotions already announced as events.
-    promoted: int = 0
-    #: The ack of the request's ``submitted`` event, awaited before it is routed.
-    logged: Any = None
-    #: The parent's (rank, submitted_at), when the request names a known parent.
-    parent: tuple[int, float] | None = None
-    #: The most urgent rank already announced as inherited.
-    inherited: int | None = None
-    #: When this router last asked a backend to preempt a run for it.
-    preempt_asked: float | None = None
-    #: A run was preempted for it: it never asks again (one per urgent request).
-    preempted_one: bool = False
-    #: The most urgent (rank, submitted_at) among requests that coalesced onto
-    #: this one: the shared call runs at the highest priority of its waiters.
-    boost: tuple[int, float] | None = None
-
-    def key(self, now: float, policies: list[LevelPolicy]) -> tuple[int, float]:
-        return pick_key(
-            self.rank, self.submitted, now, policies, parent=self.parent, boost=self.boost
-        )
-
-
-class _Capacity:
-    """Per-backend in-flight estimate: broker truth plus local dispatches since."""
-
-    def __init__(
-        self,
-        js: Any,
-        config: Config,
-        refresh: float,
-        *,
-        health: Callable[[str], bool] = lambda _name: True,
-    ) -> None:
-        self._js = js
-        self._health = health
-        self._config = config
-        self._refresh = refresh
-        self._known: dict[str, int] = dict.fromkeys(config.backends, 0)
-        self._since: dict[str, int] = dict.fromkeys(config.backends, 0)
-        self._at: dict[str, float] = dict.fromkeys(config.backends, 0.0)
-
-    def views(self) -> dict[str, BackendView]:
-        return {
-            name: BackendView(
-                name=name,
-                capacity=backend.limits.concurrency,
-                in_flight=self._known[name] + self._since[name],
-                tier=backend.tier,
-                healthy=self._health(name),
-            )
-            for name, backend in self._config.backends.items()
-        }
-
-    def dispatched(self, backend: str) -> None:
-        self._since[backend] += 1
-
-    def freed(self, backend: str) -> None:
-        """A worker announced a freed slot: believe it until the next refresh."""
-        if backend in self._known:
-            self._known[backend] = max(0, self._known[backend] - 1)
-
-    async def refresh(self, backends: list[str], *, force: bool = False) -> None:
-        now = time.monotonic()
-        for name in backends:
-            if not force and now - self._at[name] < self._refresh:
-                continue
-            info = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(name))
-            self._known[name] = info.num_pending + info.num_ack_pending
-            self._since[name] = 0
-            self._at[name] = now
 
 
 class Router:
@@ -288,14 +163,13 @@ class Router:
         self._log = EventLog(js)
         self._levels = list(config.priorities)
         self._policies = config.level_policies()
-        self._held: dict[str, deque[_Held]] = {level: deque() for level in self._levels}
-        self._room = {level: asyncio.Event() for level in self._levels}
+        self._hold = Hold(self._levels, config.router.hold_limit)
         self._wake = asyncio.Event()
         self._state: StateView | None = None
         self._coalescer = Coalescer(js, clock=clock, ttl=parse_duration(config.router.coalesce_ttl))
         #: Timers that expire coalesced followers at their deadlines.
         self._follower_timers: set[asyncio.TimerHandle] = set()
-        self._capacity = _Capacity(
+        self._capacity = Capacity(
             js, config, parse_duration(config.router.capacity_refresh), health=self._healthy
         )
         self._ack_wait = parse_duration(config.router.ack_wait)
@@ -464,11 +338,7 @@ class Router:
                 await psub.unsubscribe()
         self._pull_subs.clear()
         self._dispatching.clear()
-        dropped = 0
-        for level, held in self._held.items():
-            dropped += len(held)
-            held.clear()
-            self._room[level].set()
+        dropped = self._hold.clear()
         was = self._term
         self._term = None
         metrics.BINDING.labels(self._name).set(0)
@@ -517,28 +387,11 @@ class Router:
             log.warning("could not release the binder's lease", error=str(exc))
         log.info("router stopped", router=self._name, routed=self.routed)
 
-    async def _hand_back(self, levels: Iterable[str], why: str | None = None) -> None:
-        """Nak the held requests of ``levels`` back to their queue, for any router.
-
-        The delay outlasts any pull this router left at the server, so they
-        are not redelivered into it (see ``SHUTDOWN_NAK_DELAY``).
-        """
-        items: list[_Held] = []
-        for level in levels:
-            items.extend(self._held[level])
-            self._held[level].clear()
-            self._room[level].set()
-        if items and why is not None:
-            log.warning("held requests handed back", count=len(items), reason=why)
-        for item in items:
-            with contextlib.suppress(Exception):
-                await item.msg.nak(delay=SHUTDOWN_NAK_DELAY)
-
     async def _on_freed(self, msg: Any) -> None:
         # A tenant's push consumer can deliver here (its messages keep their
         # own subjects): only rq.capacity.<backend> is a worker's word.
         if not subject_matches(capacity_subject("*"), msg.subject):
-            metrics.misdirected("capacity", msg.subject)
+            misdirected("capacity", msg.subject)
             return
         self._capacity.freed(msg.subject.rsplit(".", 1)[-1])
         self._wake.set()
@@ -549,19 +402,16 @@ class Router:
         """Fetch level ``level`` into the hold. A failed call (a pull, the
         ``submitted`` publish) ends the loop for the supervisor to restart;
         the rest of the batch is handed back first."""
-        limit = self._config.router.hold_limit
         batch = self._config.router.fetch_batch
-        held = self._held[level]
         rank = self._config.priority_rank(level)
         while True:
             # Nothing is taken while no dispatch loop runs to bind it, nor
             # while the lease may be another router's.
             await self._dispatching.wait()
             await self._lease.until_valid()
-            room = limit - len(held)
+            room = self._hold.room(level)
             if room <= 0:
-                self._room[level].clear()
-                await self._room[level].wait()
+                await self._hold.wait_for_room(level)
                 continue
             try:
                 msgs = await psub.fetch(batch=min(room, batch), timeout=FETCH_TIMEOUT)
@@ -585,14 +435,14 @@ class Router:
 
     async def _take(self, msg: Any, level: str, rank: int, now: float) -> None:
         """Admit one fetched request: log it, settle it, or hold it for dispatch."""
-        if self._holds_message(msg):
+        if self._hold.holds_message(msg):
             # Delivered again while held (a nak from a router that lost the
             # lease, an ack timer that ran out): the held one stands for it.
             return
         request = await self._admit(msg, level, now)
         if request is None:
             return
-        submitted = await self._submitted_at(msg, request)
+        submitted = await submitted_at(self._js, msg, request)
         # The log's first word on a request, written by whoever reads it
         # first, so it always precedes its `routed` event (a redelivery
         # writes it again under the same message id: stored once).
@@ -603,85 +453,26 @@ class Router:
             return
         if await self._follows(msg, request, logged, now):
             return
-        self._held[level].append(
-            _Held(
+        self._hold.add(
+            level,
+            Held(
                 msg=msg,
                 request=request,
                 rank=rank,
                 submitted=submitted,
                 touched=now,
                 logged=logged,
-                parent=await self._parent_of(request),
-            )
+                parent=await parent_of(self._js, request, self._config),
+            ),
         )
-
-    def _holds_message(self, msg: Any) -> bool:
-        seq = msg.metadata.sequence.stream
-        return any(
-            item.msg.metadata.sequence.stream == seq
-            for held in self._held.values()
-            for item in held
-        )
-
-    async def _submitted_at(self, msg: Any, request: InferenceRequest) -> float:
-        """When the request's wait began, in server time (never the payload's clock).
-
-        A first submit: when the broker stored it. A request the services put
-        back (``requeues > 0``) keeps its original time, the one logged in its
-        ``submitted`` event, when the log shows why it was put back: a
-        preemption (a ``preempted`` event of that attempt), or a coalescing
-        group whose leader ended on its own (a ``coalesced`` event: it was a
-        follower). Only the services write those subjects. Anything else counts
-        from its own storing.
-        """
-        stored = stored_at(msg)
-        if request.requeues == 0:
-            return stored
-
-        async def logged(kind: str) -> Any:
-            subject = event_subject(request.tenant, request.id, kind)
-            try:
-                return EVENT_DECODER.decode(
-                    (await self._js.get_last_msg(EVENTS_STREAM, subject)).data
-                )
-            except (NotFoundError, msgspec.DecodeError):
-                return None
-
-        first = await logged("submitted")
-        if not isinstance(first, Submitted):
-            return stored
-        preempted = await logged("preempted")
-        if isinstance(preempted, Preempted) and preempted.attempt == request.requeues:
-            return min(stored, first.at)
-        if isinstance(await logged("coalesced"), Coalesced):
-            return min(stored, first.at)
-        return stored
 
     async def _admit(self, msg: Any, level: str, now: float) -> InferenceRequest | None:
         """Decode and validate one request; reject it (terminally) if it is bad."""
-        tenant = _subject_token(msg.subject, 3)
-        header = str((msg.headers or {}).get("Nats-Msg-Id", ""))
-        # The id to record a rejection under: the payload's, else the header's
-        # (``<tenant>:<id>``), always in the subject's tenant.
-        scope, _, rest = header.partition(":")
-        header_id = rest.partition(":")[0] if scope == tenant else ""
-        request_id = header_id if _is_id(header_id) else f"invalid-{msg.metadata.sequence.stream}"
-        try:
-            request = REQUEST_DECODER.decode(msg.data)
-            request_id = request.id
-            validate(
-                request,
-                level=level,
-                tenant=tenant,
-                config=self._config,
-                message_id=header,
-                requeue=is_requeue_subject(msg.subject),
-            )
-        except (msgspec.DecodeError, InvalidRequestError) as exc:
-            error = exc if isinstance(exc, InvalidRequestError) else MalformedRequestError(str(exc))
-            await self._reject(msg, request_id, tenant, error)
+        admitted = admit(msg, level, self._config)
+        if isinstance(admitted, Refused):
+            await self._reject(msg, *admitted)
             return None
-        return request
+        return admitted
 
     async def _settle_on_read(
         self, msg: Any, request: InferenceRequest, logged: Any, now: float, *, since: float
@@ -762,41 +553,14 @@ class Router:
 
     async def _on_boost(self, msg: Any) -> None:
         if not subject_matches(boost_subject("*"), msg.subject):
-            metrics.misdirected("boost", msg.subject)  # delivered by a tenant's consumer
+            misdirected("boost", msg.subject)  # delivered by a tenant's consumer
             return
         try:
-            boost = _BOOST_DECODER.decode(msg.data)
+            boost = BOOST_DECODER.decode(msg.data)
         except msgspec.DecodeError:
             return
-        tenant = _subject_token(msg.subject, 2)
-        for held in self._held.values():
-            for item in held:
-                if item.request.tenant == tenant and item.request.id == boost.leader:
-                    if item.boost is None or boost.rank < item.boost[0]:
-                        item.boost = (boost.rank, boost.submitted)
-                    self._wake.set()
-                    return
-
-    async def _parent_of(self, request: InferenceRequest) -> tuple[int, float] | None:
-        """The parent's level and submit time, from its ``submitted`` event.
-
-        Looked up under the request's own tenant only: a tenant cannot borrow
-        another tenant's priority. An unknown parent means no inheritance.
-        """
-        if request.parent_id is None:
-            return None
-        subject = event_subject(request.tenant, request.parent_id, "submitted")
-        try:
-            raw = await self._js.get_last_msg(EVENTS_STREAM, subject)
-            parent = EVENT_DECODER.decode(raw.data)
-        except (NotFoundError, msgspec.DecodeError):
-            return None
-        except Exception as exc:  # noqa: BLE001 - inheritance is best effort, routing is not
-            log.warning("parent lookup failed", parent_id=request.parent_id, error=str(exc))
-            return None
-        if not isinstance(parent, Submitted) or parent.request.priority not in self._levels:
-            return None
-        return (self._config.priority_rank(parent.request.priority), parent.at)
+        if self._hold.boost(subject_token(msg.subject, 2), boost):
+            self._wake.set()
 
     def _on_cancel_requested(self, event: CancelRequested) -> None:
         """Drop a held request at once; later reads check the watch on admission.
@@ -805,13 +569,10 @@ class Router:
         and the match is on both: a tenant never cancels another's request. A
         request held nowhere may be a coalesced follower: it ends on its own.
         """
-        for held in self._held.values():
-            for item in held:
-                if item.request.tenant == event.tenant and item.request.id == event.request_id:
-                    held.remove(item)
-                    self._spawn_publish(self._cancel(item.msg, item.request))
-                    self._room[self._levels[item.rank]].set()
-                    return
+        item = self._hold.remove_request(event.tenant, event.request_id)
+        if item is not None:
+            self._spawn_publish(self._cancel(item.msg, item.request))
+            return
         self._end_follower_cancelled(event.tenant, event.request_id)
 
     def _end_follower_cancelled(self, tenant: str, request_id: str) -> None:
@@ -881,7 +642,7 @@ class Router:
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
 
-    async def _fail_undeliverable(self, item: _Held, exc: Exception) -> None:
+    async def _fail_undeliverable(self, item: Held, exc: Exception) -> None:
         request = item.request
         log.error("dispatch failed on the last delivery; request fails", error=str(exc))
         try:
@@ -950,7 +711,7 @@ class Router:
                 self._wake.clear()
         except Exception as exc:
             self._dispatching.clear()
-            await self._hand_back(self._levels, f"dispatch failed: {exc!r}")
+            await self._hold.hand_back(self._levels, f"dispatch failed: {exc!r}")
             raise
 
     async def _dispatch_round(self) -> list[str]:
@@ -966,7 +727,7 @@ class Router:
         round happens to be at; it goes to the head of the order next round.
         """
         now = self._clock()
-        held = [item for queue in self._held.values() for item in queue]
+        held = list(self._hold)
         wanted = {
             name for item in held for name in self._config.routes[item.request.route].backends
         }
@@ -976,7 +737,7 @@ class Router:
             return sorted(wanted)
         # Requests dropped while the refresh was awaited (cancelled, handed
         # back) are no longer this router's to bind.
-        present = {id(item) for queue in self._held.values() for item in queue}
+        present = {id(item) for item in self._hold}
         items = {id(item): item for item in held if id(item) in present}
         snapshot = [
             Waiting(
@@ -1017,20 +778,14 @@ class Router:
                 self._maybe_preempt(item, action, now)
             elif isinstance(action, Wait):
                 waiting.update(action.backends)
-        for level, queue in self._held.items():
-            if gone:
-                kept = [item for item in queue if id(item) not in gone]
-                queue.clear()
-                queue.extend(kept)
-            if len(queue) < self._config.router.hold_limit:
-                self._room[level].set()
+        self._hold.prune(gone)
         return sorted(waiting)
 
     @functools.cached_property
     def _plan_policy(self) -> PlanPolicy:
         return self._config.plan_policy()
 
-    def _announce_promotion(self, item: _Held, action: Promote | Inherit) -> None:
+    def _announce_promotion(self, item: Held, action: Promote | Inherit) -> None:
         """Record a promotion the planner announced: earned by aging (``at`` is
         when it was earned; message ids dedupe repeats) or inherited from the
         request's parent."""
@@ -1049,7 +804,7 @@ class Router:
             item.inherited = action.rank
         self._spawn_publish(self._log.append(event))
 
-    def _maybe_preempt(self, item: _Held, action: AskPreemption, now: float) -> None:
+    def _maybe_preempt(self, item: Held, action: AskPreemption, now: float) -> None:
         """An urgent request finds every capable slot taken: ask for a
         preemptible one (the planner decided it may, and that it is time:
         :func:`renqueue.policy.plan`). The freed slot then goes to the most
@@ -1058,66 +813,12 @@ class Router:
         item.preempt_asked = now
         self._spawn_publish(self._ask_preemption(item, action.rank, list(action.backends)))
 
-    def _holds(self, item: _Held) -> bool:
-        """Whether ``item`` still waits in this router (not bound, ended or handed back)."""
-        return any(item is held for queue in self._held.values() for held in queue)
-
-    async def _ask_preemption(self, item: _Held, rank: int, backends: list[str]) -> None:
-        """Free one slot for ``item``: ask every worker of ``backends`` for an
-        offer, then confirm the best one only (:mod:`renqueue.preemption`)."""
-        request = item.request
-        order = {name: index for index, name in enumerate(backends)}
-        offers: list[Offer] = []
-
-        async def collect(msg: Any) -> None:
-            if msg.subject != inbox:
-                metrics.misdirected("offers", msg.subject)
-                return
-            with contextlib.suppress(msgspec.DecodeError):
-                offer = OFFER_DECODER.decode(msg.data)
-                if offer.backend in order:
-                    offers.append(offer)
-
-        inbox = self._nc.new_inbox()
-        sub = await self._nc.subscribe(inbox, cb=collect)
-        try:
-            ask = encode(Ask(by=request.id, tenant=request.tenant, rank=rank))
-            for backend in backends:
-                await self._nc.publish(preempt_subject(backend), ask, reply=inbox)
-            await asyncio.sleep(OFFER_WINDOW)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        # Bound, expired, cancelled or handed back meanwhile: it needs no slot,
-        # so nothing may be preempted for it.
-        if not self._holds(item):
-            return
-        # Cascade order first (where the request would be routed), then the
-        # least urgent run, then the most recently started (least work lost).
-        offers.sort(key=lambda offer: (order[offer.backend], -offer.rank, offer.running))
-        confirm = encode(Confirm(by=request.id, tenant=request.tenant, rank=rank))
-        for offer in offers:
-            if not self._holds(item):
-                return
-            try:
-                reply = await self._nc.request(offer.confirm, confirm, timeout=CONFIRM_TIMEOUT)
-            except NoRespondersError:
-                continue  # that worker is gone: it preempted nothing
-            except NatsTimeoutError:
-                # It may have acted: one request must never preempt two runs.
-                log.warning("no answer to a preemption; not asking another", by=request.id)
-                item.preempted_one = True
-                return
-            try:
-                answer = ANSWER_DECODER.decode(reply.data)
-            except msgspec.DecodeError:
-                continue
-            if answer.preempted is not None:
-                item.preempted_one = True
-                log.info(
-                    "preempted a run", backend=offer.backend, by=request.id, run=answer.preempted
-                )
-                return
+    async def _ask_preemption(self, item: Held, rank: int, backends: list[str]) -> None:
+        """Free one slot for ``item`` (:func:`ask_preemption`), while it still waits here."""
+        if await ask_preemption(
+            self._nc, item.request, rank, backends, waiting=lambda: self._hold.holds(item)
+        ):
+            item.preempted_one = True
 
     def _spawn_publish(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -1130,14 +831,14 @@ class Router:
             log.warning("event publish failed", error=str(task.exception()))
 
     def _bind(
-        self, item: _Held, backend: str, level: str, now: float, *, reason: str = BIND_REASON
+        self, item: Held, backend: str, level: str, now: float, *, reason: str = BIND_REASON
     ) -> None:
         task = asyncio.create_task(self._publish_decision(item, backend, level, now, reason))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
     async def _publish_decision(
-        self, item: _Held, backend: str, level: str, now: float, reason: str = BIND_REASON
+        self, item: Held, backend: str, level: str, now: float, reason: str = BIND_REASON
     ) -> None:
         request = item.request
         wait = max(0.0, now - item.submitted)
@@ -1237,24 +938,14 @@ class Router:
             await asyncio.sleep(interval)
             now = self._clock()
             dispatching = self._supervisor.healthy(self._loop_name("dispatch"))
-            for level, held in self._held.items():
+            for level, held in self._hold.queues.items():
                 if not (
                     dispatching and self._supervisor.healthy(self._loop_name(f"fetch-{level}"))
                 ):
-                    await self._hand_back([level], "a loop that would bind them is down")
+                    await self._hold.hand_back([level], "a loop that would bind them is down")
                     continue
                 for item in list(held):
                     if now - item.touched >= interval:
                         with contextlib.suppress(Exception):
                             await item.msg.in_progress()
                         item.touched = now
-
-
-def _subject_token(subject: str, index: int) -> str:
-    parts = subject.split(".")
-    token = parts[index] if len(parts) > index else ""
-    return token if _is_id(token) else "unknown"
-
-
-def _is_id(text: str) -> bool:
-    return 0 < len(text) <= 128 and all(ch in _ID_OK for ch in text)

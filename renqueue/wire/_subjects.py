@@ -31,12 +31,14 @@ or ``rq.tok.<tenant>.…``), with a payload the services wrote or, on
 messages of such a consumer arrive with the deliver subject itself and an
 empty body. So every receiver of a core subscription checks that
 ``msg.subject`` is one it subscribed for (:func:`subject_matches`) and drops
-(logs and counts, :func:`renqueue.metrics.misdirected`) anything else.
+(logs and counts, :func:`misdirected`) anything else.
 """
 
 from __future__ import annotations
 
 from typing import Final
+
+from ..logs import get_logger
 
 __all__ = [
     "ADVISORIES_CONSUMER",
@@ -63,6 +65,7 @@ __all__ = [
     "events_of_request",
     "is_requeue_subject",
     "max_deliveries_advisory",
+    "misdirected",
     "msg_id",
     "preempt_subject",
     "preempt_subjects",
@@ -86,7 +89,7 @@ ADVISORIES_STREAM: Final = "RQ_ADVISORIES"
 STATE_BUCKET: Final = "rq-state"
 #: Claims only services can write: a request's one terminal outcome, a pool run.
 TERMINAL_BUCKET: Final = "rq-terminal"
-#: Leases (renqueue.lease): entries expire router.lease_ttl after their last write.
+#: Leases (renqueue.state._lease): entries expire router.lease_ttl after their last write.
 LEASE_BUCKET: Final = "rq-leases"
 #: The key of the binder's lease: the one router that binds requests to backends.
 BINDER_LEASE: Final = "binder"
@@ -131,6 +134,26 @@ def subject_matches(pattern: str, subject: str) -> bool:
     return len(have) == len(want)
 
 
+_security = get_logger("security")
+
+
+def misdirected(receiver: str, subject: str, **fields: object) -> None:
+    """Drop a message that ``receiver`` must not act on: count it and say so.
+
+    ``receiver`` is a fixed name (``tap``, ``tokens``, ``events``, ``read``,
+    ``boost``, ``capacity``, ``preempt``, ``offers``): never an id. The count is
+    ``renqueue_misdirected_messages_total`` (:data:`renqueue.metrics.MISDIRECTED`).
+    """
+    # Imported here: the metrics load prometheus_client, which a client process
+    # (`import renqueue`) then loads only once it drops a message.
+    from ..metrics import MISDIRECTED  # noqa: PLC0415
+
+    MISDIRECTED.labels(receiver).inc()
+    _security.warning(
+        "message on an unexpected subject dropped", receiver=receiver, subject=subject, **fields
+    )
+
+
 #: Last token of the services' requeue subject, ``rq.req.<priority>.<tenant>.requeue``.
 REQUEUE_SUFFIX = "requeue"
 
@@ -170,7 +193,7 @@ def boost_subject(tenant: str) -> str:
 def preempt_subject(backend: str, worker: str = PREEMPT_ASK) -> str:
     """Core NATS: a router asks every worker of ``backend`` for a preemption offer
     (``worker`` left out), or tells the one worker whose token is ``worker`` to
-    preempt (see :mod:`renqueue.preemption`)."""
+    preempt (see :mod:`renqueue.wire._preemption`)."""
     return f"rq.preempt.{backend}.{worker}"
 
 

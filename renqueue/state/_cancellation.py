@@ -3,7 +3,7 @@
 A client cancels by appending a ``cancel_requested`` event to the log, on the
 subject ``rq.evt.<tenant>.<request_id>.cancel_requested``. Routers and workers
 learn of it through one :class:`CancelWatch` per process: a loop (supervised,
-see :mod:`renqueue.tasks`) that reads ``rq.evt.*.*.cancel_requested`` through
+see :mod:`renqueue._tasks`) that reads ``rq.evt.*.*.cancel_requested`` through
 an ephemeral pull consumer starting ``horizon`` seconds back, so a process
 that starts (or restarts) later still knows every recent cancellation. If the
 loop fails it is started again from the message after the last one it read:
@@ -21,7 +21,7 @@ Each router and worker then acts where the request is:
   dropped with a ``cancelled`` event (stage ``queued``), never dispatched;
 - sharing another request's call (a coalesced follower): it ends at once
   with its own ``cancelled`` (stage ``queued``) and leaves the group; the
-  shared call goes on for the others (:mod:`renqueue.coalescing`). A router
+  shared call goes on for the others (:mod:`renqueue.state._coalescing`). A router
   looks again once it has recorded a request as a follower, so a
   cancellation read while the request was joining is not missed;
 - dispatched but not started: the worker records ``cancelled`` instead of
@@ -45,7 +45,7 @@ cancellation read, and what it covers then starts just after the newest one
 it forgot: a request older than that is looked up in the log, as above.
 
 The ``cancelled`` event is terminal and goes through the request's terminal
-claim (:meth:`renqueue.eventlog.EventLog.finish`), so a cancellation that
+claim (:meth:`renqueue.wire.EventLog.finish`), so a cancellation that
 races a completion leaves exactly one of them.
 """
 
@@ -65,11 +65,11 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from .eventlog import delete_consumer
-from .logs import get_logger
-from .messages import EVENT_DECODER, CancelRequested
-from .subjects import EVENTS_STREAM, FETCH_TIMEOUT, event_subject
-from .tasks import Supervisor, cancel_and_wait
+from .._tasks import Supervisor, cancel_and_wait
+from ..logs import get_logger
+from ..wire._eventlog import delete_consumer
+from ..wire._messages import EVENT_DECODER, CancelRequested
+from ..wire._subjects import EVENTS_STREAM, FETCH_TIMEOUT, event_subject
 
 __all__ = ["CANCELS", "CancelWatch", "cancel_of"]
 

@@ -33,7 +33,7 @@ from typing import Any, Final
 
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 
-from .subjects import LEASE_BUCKET
+from ..wire._subjects import LEASE_BUCKET
 
 __all__ = ["LEASE_MARGIN", "Lease"]
 

@@ -34,7 +34,7 @@ not the one read is dropped (only what the reader's own consumer delivered,
 on the subjects it asked for, is kept), and an event whose payload disagrees
 with its subject ``rq.evt.<tenant>.<request_id>.<kind>`` (kind, tenant or
 request id: :func:`subject_agrees`) is dropped and counted
-(:func:`renqueue.metrics.misdirected`). Tenants may publish only on their
+(:func:`renqueue.wire.misdirected`). Tenants may publish only on their
 ``cancel_requested`` subjects, so a terminal event (or any other service
 fact) read here was written by the services.
 """
@@ -50,8 +50,7 @@ import msgspec
 from nats.js.api import AckPolicy, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
-from . import metrics
-from .messages import (
+from ._messages import (
     CLAIM_DECODER,
     EVENT_DECODER,
     TERMINAL_KINDS,
@@ -70,13 +69,14 @@ from .messages import (
     is_terminal,
     kind_of,
 )
-from .subjects import (
+from ._subjects import (
     EVENTS_STREAM,
     TERMINAL_BUCKET,
     TOKENS_STREAM,
     dlq_subject,
     event_subject,
     events_of_request,
+    misdirected,
     msg_id,
     run_claim_key,
     subject_matches,
@@ -107,7 +107,7 @@ _DELETE_TIMEOUT: Final = 1.0
 
 def msg_id_of(event: Event) -> str | None:
     """The JetStream message id that makes publishing ``event`` idempotent
-    (scoped by tenant: see :func:`renqueue.subjects.msg_id`), or ``None``.
+    (scoped by tenant: see :func:`renqueue.wire.msg_id`), or ``None``.
 
     Tenants may publish into ``RQ_EVENTS`` with any message id, so an id can be
     pre-occupied: nothing that matters may rest on one. Terminal events have
@@ -228,7 +228,7 @@ async def read_messages(
         return []
     if last.seq == start:  # exactly one message, and the get fetched it
         if not subject_matches(subject, last.subject or ""):
-            metrics.misdirected("read", last.subject or "", expected=subject)
+            misdirected("read", last.subject or "", expected=subject)
             return []
         return [(last.seq, last.subject, last.data or b"")]
     received: asyncio.Queue[Any] = asyncio.Queue()
@@ -263,14 +263,14 @@ async def read_messages(
             try:
                 meta = msg.metadata
             except Exception:  # noqa: BLE001 - not a JetStream delivery
-                metrics.misdirected("read", msg.subject, expected=subject)
+                misdirected("read", msg.subject, expected=subject)
                 continue
             if (
                 meta.stream != stream
                 or meta.consumer != consumer
                 or not subject_matches(subject, msg.subject)
             ):
-                metrics.misdirected("read", msg.subject, expected=subject)
+                misdirected("read", msg.subject, expected=subject)
                 continue
             out.append((meta.sequence.stream, msg.subject, msg.data))
             pending = 0 if meta.sequence.stream >= last.seq else meta.num_pending
@@ -310,7 +310,7 @@ def _decode_events(raws: list[tuple[int, str, bytes]]) -> list[Event]:
         except msgspec.DecodeError:
             continue  # a foreign or undecodable message on our subject
         if not subject_agrees(subject, event):
-            metrics.misdirected("events", subject, kind=kind_of(event))
+            misdirected("events", subject, kind=kind_of(event))
             continue
         events.append(event)
     return events

@@ -34,9 +34,9 @@ router that coalesced it also expires it on time). Such a follower is ended
 first (its terminal claim and event) and leaves its group after, so a
 failure or a crash in between leaves it in the group, where the hand-out
 finds its claim and skips it; the router runs both as supervised jobs
-(:meth:`renqueue.tasks.Supervisor.spawn_job`), retried with a capped
+(:meth:`renqueue._tasks.Supervisor.spawn_job`), retried with a capped
 backoff until they succeed. The terminal claim in
-:meth:`renqueue.eventlog.EventLog.finish` makes sure only one of these
+:meth:`renqueue.wire.EventLog.finish` makes sure only one of these
 outcomes is ever recorded for a follower.
 
 The group lives in the ``rq-state`` KV bucket under ``co.<tenant>.<key>``,
@@ -80,9 +80,9 @@ from nats.js.errors import (
     NotFoundError,
 )
 
-from .eventlog import EventLog, delete_consumer, publish_stored, subject_agrees
-from .logs import get_logger
-from .messages import (
+from ..logs import get_logger
+from ..wire._eventlog import EventLog, delete_consumer, publish_stored, subject_agrees
+from ..wire._messages import (
     EVENT_DECODER,
     Cancelled,
     Coalesced,
@@ -96,7 +96,7 @@ from .messages import (
     TokenChunk,
     encode,
 )
-from .subjects import (
+from ..wire._subjects import (
     EVENTS_STREAM,
     STATE_BUCKET,
     event_subject,

@@ -9,7 +9,7 @@ and nak the rest, drain the NATS connection, stop the embedded server.
 Start-up joining a cluster that is electing its leaders (or whose nodes are
 still coming up) waits for it: provisioning, and opening the projector's and
 routers' state, retry while JetStream cannot answer, logging each attempt (see
-:func:`renqueue.provision.until_jetstream_answers`), for up to
+:func:`renqueue.ops.until_jetstream_answers`), for up to
 ``nats.startup_wait`` (default: forever). A signal stops the wait.
 """
 
@@ -24,19 +24,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, Self, TypeVar
 
-from .advisories import AdvisoryReader
-from .backends import Backend, make_backend
-from .cancellation import CancelWatch
-from .config import Config, parse_duration
-from .connection import connect, redact_url
-from .embedded import EmbeddedServer
-from .errors import ServiceFailedError
-from .logs import get_logger
-from .projection import Projector
-from .provision import provision, until_jetstream_answers
-from .router import Router
-from .tasks import Supervisor, cancel_and_wait
-from .worker import Worker
+from .._tasks import Supervisor, cancel_and_wait
+from ..backends import Backend, make_backend
+from ..config import Config, parse_duration
+from ..errors import ServiceFailedError
+from ..logs import get_logger
+from ..ops._connection import connect, redact_url
+from ..ops._embedded import EmbeddedServer
+from ..ops._provision import provision, until_jetstream_answers
+from ..state._cancellation import CancelWatch
+from ..state._projector import Projector
+from ._advisories import AdvisoryReader
+from .router._router import Router
+from .worker._worker import Worker
 
 __all__ = ["Services", "State", "run_until_signalled"]
 
@@ -95,7 +95,7 @@ class Services:
         self.workers: list[Worker] = []
         self._adapters: list[Backend] = []
         #: Owns every background loop of this process; ``failed`` is set when one
-        #: cannot go on, and the process must then stop (see :mod:`renqueue.tasks`).
+        #: cannot go on, and the process must then stop (see :mod:`renqueue._tasks`).
         self.supervisor = Supervisor(name)
 
     @property

@@ -23,10 +23,11 @@ from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .client import Client, RequestHandle, Result
-from .config import Config, parse_config
-from .errors import RequestFailedError
-from .messages import (
+from .._client import Client, RequestHandle, Result
+from ..config import Config, parse_config
+from ..errors import RequestFailedError
+from ..services._service import Services
+from ..wire._messages import (
     Cancelled,
     Coalesced,
     Completed,
@@ -38,8 +39,7 @@ from .messages import (
     Started,
     kind_of,
 )
-from .mockbackend import MockBackend, MockSettings
-from .service import Services
+from ._mockbackend import MockBackend, MockSettings
 
 __all__ = ["demo_config", "run_demo"]
 

@@ -11,7 +11,7 @@ short lease (``worker.ack_wait``, a few seconds) renewed with ``in_progress()``
 every third of it for as long as its run is alive, in every phase of the run;
 if the worker dies, the lease runs out and the request is redelivered within
 ``ack_wait`` and run again. The new run streams a ``restart`` chunk first.
-Every run checks the request's terminal claim (:mod:`renqueue.eventlog`)
+Every run checks the request's terminal claim (:mod:`renqueue.wire._eventlog`)
 before it calls the backend, and the terminal event is written only by whoever
 creates the claim, so a request ends once however often it is delivered.
 
@@ -26,11 +26,15 @@ other reasons (a worker killed or shut down, a broker that does not answer:
 handed back after the same backoff by delivery count) do not use it up. The broker's
 own limit (the consumer's ``max_deliver`` = ``worker.delivery_limit``) is a
 backstop far above it; a message that reaches it ends ``failed`` as
-``undeliverable`` (:mod:`renqueue.advisories`). Cancellation (shutdown) is not
+``undeliverable`` (:mod:`renqueue.services._advisories`). Cancellation (shutdown) is not
 failure: the request is nak'ed back to the queue at once.
 
 The fetch loop and the work-stealing loop run under the process's
-:class:`~renqueue.tasks.Supervisor`.
+:class:`~renqueue._tasks.Supervisor`.
+
+Its parts: the backend call and its token stream (``_tokens``), work stealing
+between replicas of a pool (``_stealing``) and its side of the preemption
+protocol (``_preemption``).
 """
 
 from __future__ import annotations
@@ -41,12 +45,10 @@ import os
 import random
 import socket
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from aiolimiter import AsyncLimiter
 from nats.errors import (
     ConnectionClosedError,
     NoRespondersError,
@@ -54,21 +56,21 @@ from nats.errors import (
 )
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import (
-    APIError,
     NoStreamResponseError,
-    NotFoundError,
     ServiceUnavailableError,
 )
 
-from . import metrics
-from .backends import Backend
-from .cancellation import CancelWatch
-from .coalescing import Coalescer, coalesce_key
-from .config import BackendConfig, Config, parse_duration
-from .errors import BackendError
-from .eventlog import EventLog, publish_stored
-from .logs import bound_request, get_logger
-from .messages import (
+from ... import metrics
+from ..._tasks import Supervisor, cancel_and_wait
+from ...backends import Backend
+from ...config import BackendConfig, Config, parse_duration
+from ...errors import BackendError
+from ...logs import bound_request, get_logger
+from ...policy import RequeueElsewhere, Retry, after_failure, backoff
+from ...state._cancellation import CancelWatch
+from ...state._coalescing import Coalescer, coalesce_key
+from ...wire._eventlog import EventLog
+from ...wire._messages import (
     DISPATCH_DECODER,
     Cancelled,
     CancelRequested,
@@ -81,65 +83,25 @@ from .messages import (
     Retrying,
     Started,
     Stolen,
-    TokenChunk,
-    Usage,
-    encode,
     is_terminal,
     kind_of,
 )
-from .policy import RequeueElsewhere, Retry, after_failure, backoff, choose_victim
-from .preemption import ASK_DECODER, CONFIRM_DECODER, Answer, Offer
-from .subjects import (
+from ...wire._subjects import (
     DISPATCH_STREAM,
     FETCH_TIMEOUT,
-    PREEMPT_ASK,
     SHUTDOWN_NAK_DELAY,
     capacity_subject,
-    dispatch_subject,
     msg_id,
-    preempt_subject,
     preempt_subjects,
-    request_subject,
-    subject_matches,
-    token_subject,
     worker_consumer,
 )
-from .tasks import Supervisor, cancel_and_wait
+from ._preemption import PREEMPT_GRACE, Preemptible, Run, requeue
+from ._stealing import STEAL_INTERVAL, Thief
+from ._tokens import Caller, Chunks, Expiry, settle
 
 __all__ = ["Worker"]
 
 log = get_logger("worker")
-
-
-class _Expiry(Exception):
-    """The request's deadline passed during the backend call."""
-
-
-class _Run(msgspec.Struct, kw_only=True):
-    """A backend call in progress, as preemption sees it."""
-
-    rank: int
-    started: float
-    call: asyncio.Task[Any]
-    preempted_by: str | None = None
-
-    def is_live(self) -> bool:
-        return self.preempted_by is None and not self.call.done()
-
-
-class _Chunks(msgspec.Struct):
-    """The token chunks a run has streamed so far: the next chunk's ``seq``."""
-
-    seq: int = 0
-
-
-#: Seconds between closing a preempted call and releasing its slot.
-_PREEMPT_GRACE = 0.1
-
-#: JetStream's answers to deleting a sequence that is gone: "no message found",
-#: and "sequence N not found" (the message was removed, e.g. acked by its
-#: consumer, between the server's lookup and its erase).
-_GONE = frozenset({10057, 10043})
 
 
 def _broker_unavailable(exc: BaseException) -> bool:
@@ -154,10 +116,6 @@ def _broker_unavailable(exc: BaseException) -> bool:
         | OutboundBufferLimitError
         | TimeoutError,
     )
-
-
-#: Seconds between looks at pool siblings' queues while this worker has room.
-_STEAL_INTERVAL = 0.1
 
 
 class Worker:
@@ -181,7 +139,6 @@ class Worker:
         self._config = config
         self._backend_name = backend_name
         self._backend_config: BackendConfig = config.backends[backend_name]
-        self._backend = backend
         self._name = name or f"{socket.gethostname()}-{os.getpid()}-{backend_name}"
         self._clock = clock
         self._log = EventLog(js)
@@ -192,18 +149,16 @@ class Worker:
         #: How a failed run is retried or ended (:func:`renqueue.policy.after_failure`).
         self._failure_policy = config.worker.failure_policy()
         self._drain_timeout = parse_duration(config.worker.drain_timeout)
-        # Declared request rates, held in this process (a later issue shares
-        # them across processes through the projection).
-        self._limiters = [
-            AsyncLimiter(rate.count, rate.window)
-            for rate in self._backend_config.limits.request_rates
-        ]
+        self._caller = Caller(js, backend_name, self._backend_config, backend, clock=clock)
         self._running: set[asyncio.Task[None]] = set()
         # Both keyed by msg_id(tenant, request id): ids are scoped by tenant.
         self._calls: dict[str, asyncio.Task[Completed]] = {}
-        self._runs: dict[str, _Run] = {}
         self._coalescer = Coalescer(js, clock=clock)
         self._policies = config.level_policies()
+        self._preemptible = Preemptible(backend_name, self._policies)
+        self._thief = Thief(
+            js, self._log, backend_name, self.siblings, slots=self._slots, clock=clock
+        )
         self._preempt_sub: Any = None
         self._cancels = cancels
         self._slot_freed = asyncio.Event()
@@ -224,10 +179,9 @@ class Worker:
             self._cancels.listen(self._on_cancel_requested)
         # Every worker of the backend hears each preemption ask (no queue
         # group: the run to preempt may be in any of them) and offers; the
-        # router confirms one, on this worker's own subject (renqueue.preemption).
-        self._preempt_token = uuid.uuid4().hex
+        # router confirms one, on this worker's own subject (renqueue.wire._preemption).
         self._preempt_sub = await self._nc.subscribe(
-            preempt_subjects(self._backend_name), cb=self._on_preempt
+            preempt_subjects(self._backend_name), cb=self._preemptible.on_message
         )
         self._sub = await self._js.pull_subscribe_bind(
             durable=worker_consumer(self._backend_name), stream=DISPATCH_STREAM
@@ -265,7 +219,7 @@ class Worker:
         if self._running:
             _done, pending = await asyncio.wait(self._running, timeout=self._drain_timeout)
             # Each run naks its message when cancelled. A run can swallow a
-            # cancellation (see renqueue.tasks): cancel until every one has ended.
+            # cancellation (see renqueue._tasks): cancel until every one has ended.
             await cancel_and_wait(pending)
         if self._own_supervisor:
             await self._supervisor.close()
@@ -296,137 +250,19 @@ class Worker:
     # ----------------------------------------------------------- work stealing
 
     async def _steal_loop(self) -> None:
-        """Every ``_STEAL_INTERVAL``, one :meth:`steal` round. An error raises:
+        """Every ``STEAL_INTERVAL`` seconds, one :meth:`steal` round. An error raises:
         the supervisor logs it and starts the loop again after a backoff."""
         while True:
-            await asyncio.sleep(_STEAL_INTERVAL)
+            await asyncio.sleep(STEAL_INTERVAL)
             await self.steal()
 
     async def steal(self) -> int:
-        """While this worker has free slots and nothing of its own queued, move
-        work queued on busy siblings of its pool to its own subject; how many.
-
-        The queued dispatches are read from the stream directly: a sibling's
-        consumer will not hand them to anyone while its slots are full
-        (``max_ack_pending``), which is exactly when they should be stolen.
-        """
-        own = worker_consumer(self._backend_name)
-        mine = await self._js.consumer_info(DISPATCH_STREAM, own)
-        free = self._slots - mine.num_ack_pending - mine.num_pending
-        moved = 0
-        for sibling in self.siblings:
-            if free <= 0:
-                break
-            info = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(sibling))
-            seq = info.delivered.stream_seq + 1
-            for _ in range(min(free, info.num_pending)):
-                try:
-                    raw = await self._js.get_msg(
-                        DISPATCH_STREAM, seq=seq, subject=dispatch_subject(sibling), next=True
-                    )
-                except NotFoundError:
-                    break
-                seq = raw.seq + 1
-                if await self._steal(raw, sibling):
-                    free -= 1
-                    moved += 1
-        return moved
+        """One round of work stealing (:meth:`Thief.steal`): how many dispatches moved here."""
+        return await self._thief.steal()
 
     async def _steal(self, raw: Any, sibling: str) -> bool:
-        """Move one queued dispatch (stream sequence ``raw.seq``) from ``sibling`` here.
-
-        In this order: the ``stolen`` event, the copy on this backend's
-        subject, the original deleted from the stream, only once the copy is
-        known to be stored and only if the sibling's consumer has not
-        delivered it meanwhile. A delivered original is its run's lease: if
-        it were deleted and that run's worker died, nothing would deliver the
-        request again (the copy's run steps back, see below). So a delivered
-        original stays, and both runs claim the same run (``claim_run``): the
-        second steps back (see ``_start``), one call. A worker delivered an
-        original after its ``stolen`` event was logged hands it over to the
-        copy instead (``_settled_before``), so the original deleted in the
-        moment between the look and the delete never runs.
-        """
-        try:
-            dispatch = DISPATCH_DECODER.decode(raw.data)
-        except msgspec.DecodeError:
-            return False  # the sibling's worker dead-letters it
-        request = dispatch.request
-        await self._log.append(
-            Stolen(
-                request_id=request.id,
-                tenant=request.tenant,
-                at=self._clock(),
-                from_backend=sibling,
-                to_backend=self._backend_name,
-                attempt=dispatch.attempt,
-                from_seq=raw.seq,
-            )
-        )
-        if await self._move(dispatch, self._backend_name, raw.seq) is None:
-            return False
-        sibling_consumer = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(sibling))
-        if sibling_consumer.delivered.stream_seq >= raw.seq:
-            log.info("a stolen request was delivered to its replica meanwhile; keeping it",
-                     request_id=request.id, sibling=sibling)  # fmt: skip
-            return True
-        try:
-            await self._js.delete_msg(DISPATCH_STREAM, raw.seq)
-        except APIError as exc:
-            # Gone already: another thief moved it at the same moment (its copy
-            # and ours share the id: one is stored), or its worker acked it.
-            if not isinstance(exc, NotFoundError) and exc.err_code not in _GONE:
-                raise
-        log.info("stole a queued request", request_id=request.id, sibling=sibling)
-        return True
-
-    async def _move(
-        self, dispatch: Dispatch, to_backend: str, source_seq: int
-    ) -> tuple[int, bool] | None:
-        """Store a copy of the dispatch at stream sequence ``source_seq`` on
-        ``to_backend``'s subject. When the copy is stored (now or before):
-        its stream sequence and whether it is still there (gone: it was run,
-        moved on, or stepped back, see ``_settled_before``), so the source may
-        be removed; ``None`` when it is not stored and the source must stay.
-
-        The copy's message id names the source message (``stolen:<attempt>:<seq>``),
-        so each move has its own id (A -> B -> A moves twice, under two ids) and
-        a duplicate can only be a copy of this very source: an earlier try of
-        this move, or another thief moving it at the same moment.
-        """
-        request = dispatch.request
-        moved = msgspec.structs.replace(dispatch, backend=to_backend)
-        ack = await self._js.publish(
-            dispatch_subject(to_backend),
-            encode(moved),
-            headers={
-                "Nats-Msg-Id": msg_id(
-                    request.tenant, request.id, "stolen", dispatch.attempt, source_seq
-                )
-            },
-        )
-        if not ack.duplicate:
-            return int(ack.seq), True
-        # Stored before: still queued, or already run and acked (gone). Delete
-        # the source only if what is stored under this id is this request.
-        try:
-            copy = await self._js.get_msg(DISPATCH_STREAM, seq=ack.seq)
-        except NotFoundError:
-            return int(ack.seq), False
-        with contextlib.suppress(msgspec.DecodeError):
-            stored = DISPATCH_DECODER.decode(copy.data or b"")
-            if (stored.request.tenant, stored.request.id, stored.attempt) == (
-                request.tenant,
-                request.id,
-                dispatch.attempt,
-            ):
-                return int(ack.seq), True
-        log.error(
-            "a move's copy was not stored and its id is taken; keeping the source",
-            request_id=request.id,
-            seq=source_seq,
-        )
-        return None
+        """Move one queued dispatch from ``sibling`` here (:meth:`Thief.steal_one`)."""
+        return await self._thief.steal_one(raw, sibling)
 
     def _run_done(self, task: asyncio.Task[None]) -> None:
         self._running.discard(task)
@@ -454,7 +290,7 @@ class Worker:
         # Runs are numbered over the request's whole life: redeliveries of this
         # dispatch, and dispatches after a preemption (a higher attempt).
         run = (dispatch.attempt - 1) * self._stride + int(msg.metadata.num_delivered)
-        chunks = _Chunks()
+        chunks = Chunks()
         with bound_request(request.id, backend=self._backend_name):
             metrics.IN_FLIGHT.labels(self._backend_name).inc()
             try:
@@ -471,7 +307,7 @@ class Worker:
                     await self._nc.publish(capacity_subject(self._backend_name), b"")
 
     async def _unexpected(
-        self, msg: Any, dispatch: Dispatch, run: int, chunks: _Chunks, exc: Exception
+        self, msg: Any, dispatch: Dispatch, run: int, chunks: Chunks, exc: Exception
     ) -> None:
         """A bug mid-run: a failed run like any other, retried within the
         budget, then the request fails; if not even that can be recorded, the
@@ -514,7 +350,7 @@ class Worker:
         )
         await msg.term()
 
-    async def _run(self, msg: Any, dispatch: Dispatch, run: int, chunks: _Chunks) -> None:
+    async def _run(self, msg: Any, dispatch: Dispatch, run: int, chunks: Chunks) -> None:
         request = dispatch.request
         delivery = int(msg.metadata.num_delivered)
         if await self._refused(msg, dispatch, delivery, run):
@@ -524,12 +360,15 @@ class Worker:
             return
         # The call runs as a task of its own, so a cancellation or preemption
         # can stop it (closing the backend's HTTP stream) without stopping this run.
-        call = asyncio.create_task(self._call(request, dispatch, run, pending_acks, chunks))
+        rank = self._rank_of(dispatch)
+        call = asyncio.create_task(
+            self._caller.call(dispatch, run, pending_acks, chunks, rank=rank)
+        )
         scoped = msg_id(request.tenant, request.id)
         self._calls[scoped] = call
         # A run is judged at the level it was bound at: one that aged to the top
         # is not preemptible, or aging could never get it through.
-        self._runs[scoped] = _Run(rank=self._rank_of(dispatch), started=time.monotonic(), call=call)
+        self._preemptible.runs[scoped] = Run(rank=rank, started=time.monotonic(), call=call)
         # A cancellation read after _refused looked and before the call was
         # registered found nothing to stop: look again, now that it would.
         if self._cancels is not None and self._cancels.is_cancelled(request.tenant, request.id):
@@ -540,12 +379,12 @@ class Worker:
             this = asyncio.current_task()
             if not (call.cancelled() and this is not None and not this.cancelling()):
                 raise  # shutdown: the message is nak'ed by _handle
-            await self._settle(pending_acks)
-            preempted_by = self._runs[scoped].preempted_by
+            await settle(pending_acks)
+            preempted_by = self._preemptible.runs[scoped].preempted_by
             if preempted_by is not None:
                 # The HTTP stream is closed; give the backend a moment to see
                 # the disconnect before its slot goes to the urgent request.
-                await asyncio.sleep(_PREEMPT_GRACE)
+                await asyncio.sleep(PREEMPT_GRACE)
                 await self._requeue(msg, dispatch, run, preempted_by)
             else:
                 cancelled = self._cancelled(request, "running")
@@ -554,8 +393,8 @@ class Worker:
         except BackendError as exc:
             await self._backend_failed(msg, dispatch, run, chunks, exc, pending_acks=pending_acks)
             return
-        except _Expiry:
-            await self._settle(pending_acks)
+        except Expiry:
+            await settle(pending_acks)
             await self._finish(
                 msg,
                 request,
@@ -572,9 +411,9 @@ class Worker:
             return
         finally:
             self._calls.pop(scoped, None)
-            self._runs.pop(scoped, None)
+            self._preemptible.runs.pop(scoped, None)
             call.cancel()
-        await self._settle(pending_acks)
+        await settle(pending_acks)
         await self._finish(msg, request, outcome, run, seq=chunks.seq)
 
     async def _refused(self, msg: Any, dispatch: Dispatch, delivery: int, run: int) -> bool:
@@ -659,7 +498,7 @@ class Worker:
         source_seq = int(msg.metadata.sequence.stream)
         if first:
             stolen = await self._log.history(request.tenant, request.id, kind="stolen")
-            if not any(self._stolen_here(event, dispatch, source_seq) for event in stolen):
+            if not any(self._thief.stolen_here(event, dispatch, source_seq) for event in stolen):
                 return False
         events = await self._log.history(request.tenant, request.id)
         ended = [event for event in events if is_terminal(event)]
@@ -673,32 +512,8 @@ class Worker:
             if isinstance(event, Preempted) and event.attempt == dispatch.attempt:
                 await self._requeue(msg, dispatch, event.delivery, event.by)
                 return True
-        move = next((e for e in events if self._stolen_here(e, dispatch, source_seq)), None)
-        return isinstance(move, Stolen) and await self._hand_over(msg, dispatch, move, events)
-
-    async def _hand_over(
-        self, msg: Any, dispatch: Dispatch, move: Stolen, events: list[Any]
-    ) -> bool:
-        """Finish a thief's ``move`` of this message and ack it, if the copy can
-        still run; False (keep and run this message) otherwise."""
-        moved = await self._move(dispatch, move.to_backend, int(msg.metadata.sequence.stream))
-        if moved is None:
-            return False  # the copy is not stored: keep this message
-        copy_seq, stored = moved
-        if stored or any(isinstance(e, Stolen) and e.from_seq == copy_seq for e in events):
-            await msg.ack()
-            return True
-        log.info("a stolen copy stepped back and its run is gone; running the original")
-        return False
-
-    def _stolen_here(self, event: Any, dispatch: Dispatch, source_seq: int) -> bool:
-        """Whether ``event`` records a sibling moving the message at ``source_seq``."""
-        return (
-            isinstance(event, Stolen)
-            and event.attempt == dispatch.attempt
-            and event.from_backend == self._backend_name
-            and event.from_seq in (0, source_seq)
-        )
+        move = next((e for e in events if self._thief.stolen_here(e, dispatch, source_seq)), None)
+        return isinstance(move, Stolen) and await self._thief.hand_over(msg, dispatch, move, events)
 
     def _rank_of(self, dispatch: Dispatch) -> int:
         """The priority passed down to the backend: the effective one when bound."""
@@ -706,84 +521,12 @@ class Worker:
             return dispatch.effective_rank
         return self._config.priority_rank(dispatch.request.priority)
 
-    async def _on_preempt(self, msg: Any) -> None:
-        """A router needs a slot for an urgent request (two phases, see
-        :mod:`renqueue.preemption`): on an ask, offer this worker's best victim
-        (or stay silent); on a confirm addressed to this worker, preempt it."""
-        if not subject_matches(preempt_subjects(self._backend_name), msg.subject):
-            # A tenant's push consumer delivering here: its messages keep their own subjects.
-            metrics.misdirected("preempt", msg.subject)
-            return
-        token = msg.subject.rsplit(".", 1)[-1]
-        if token == PREEMPT_ASK:
-            try:
-                ask = ASK_DECODER.decode(msg.data)
-            except msgspec.DecodeError:
-                return
-            victim = self._preemption_victim(ask.rank)
-            if victim is None or not msg.reply:
-                return
-            run = self._runs[victim]
-            offer = Offer(
-                backend=self._backend_name,
-                confirm=preempt_subject(self._backend_name, self._preempt_token),
-                rank=run.rank,
-                running=max(0.0, time.monotonic() - run.started),
-            )
-            await msg.respond(encode(offer))
-            return
-        if token != self._preempt_token:
-            return  # a confirm for another worker of this backend
-        try:
-            confirm = CONFIRM_DECODER.decode(msg.data)
-        except msgspec.DecodeError:
-            await msg.respond(encode(Answer()))
-            return
-        victim = self._preemption_victim(confirm.rank)
-        if victim is not None:
-            run = self._runs[victim]
-            run.preempted_by = confirm.by
-            run.call.cancel()
-            log.info("preempting a run", request_id=str(victim), by=confirm.by)
-        await msg.respond(encode(Answer(preempted=None if victim is None else str(victim))))
-
-    def _preemption_victim(self, rank: int) -> Any:
-        """The key of the run to give up for a request at ``rank``; ``None`` if none may be."""
-        return choose_victim(
-            {key: (run.rank, run.started) for key, run in self._runs.items() if run.is_live()},
-            rank,
-            self._policies,
-        )
-
     async def _requeue(self, msg: Any, dispatch: Dispatch, run: int, by: str) -> None:
-        """Send a preempted request back to wait, keeping its submit time (aging credit).
-
-        In this order, each step idempotent: the ``preempted`` event (so a
-        redelivery knows), the request back on its priority subject, the ack.
-        """
-        request = dispatch.request
-        await self._log.append(
-            Preempted(
-                request_id=request.id,
-                tenant=request.tenant,
-                at=self._clock(),
-                backend=self._backend_name,
-                attempt=dispatch.attempt,
-                delivery=run,
-                by=by,
-            )
-        )
-        again = msgspec.structs.replace(request, requeues=dispatch.attempt)
-        # Acked only once a copy is surely stored: a tenant may have taken
-        # this message id first (see publish_stored).
-        await publish_stored(
-            self._js,
-            request_subject(request.priority, request.tenant, requeue=True),
-            encode(again),
-            msg_id(request.tenant, request.id, "requeue", dispatch.attempt),
-        )
-        await msg.ack()
-        metrics.TERMINAL.labels("preempted").inc()
+        """Send a preempted request back to wait (:func:`requeue`)."""
+        await requeue(
+            self._js, self._log, msg, dispatch, run=run, by=by,
+            backend=self._backend_name, at=self._clock(),
+        )  # fmt: skip
 
     def _cancelled(self, request: InferenceRequest, stage: str) -> Cancelled:
         return Cancelled(
@@ -801,91 +544,22 @@ class Worker:
             log.info("stopping a running request on cancellation", request_id=event.request_id)
             call.cancel()
 
-    async def _call(
-        self,
-        request: Any,
-        dispatch: Dispatch,
-        run: int,
-        pending_acks: list[asyncio.Future[Any]],
-        chunks: _Chunks,
-    ) -> Completed:
-        """Stream the backend's answer to the token subject (counting in ``chunks``)."""
-        subject = token_subject(request.tenant, request.id)
-        started = time.monotonic()
-        ttft: float | None = None
-        parts: list[str] = []
-        usage: Usage | None = None
-        finish_reason: str | None = None
-        rank = self._rank_of(dispatch)
-        timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
-        try:
-            async with asyncio.timeout(timeout):
-                for limiter in self._limiters:
-                    await limiter.acquire()
-                stream = self._backend.stream(request, priority=rank)
-                try:
-                    async for delta in stream:
-                        if delta.text:
-                            if ttft is None:
-                                ttft = time.monotonic() - started
-                            chunk = TokenChunk(
-                                request_id=request.id,
-                                delivery=run,
-                                seq=chunks.seq,
-                                text=delta.text,
-                                restart=run > 1 and chunks.seq == 0,
-                            )
-                            pending_acks.append(
-                                await self._js.publish_async(subject, encode(chunk))
-                            )
-                            chunks.seq += 1
-                            parts.append(delta.text)
-                        if delta.usage is not None:
-                            usage = delta.usage
-                        if delta.finish_reason is not None:
-                            finish_reason = delta.finish_reason
-                finally:
-                    await stream.aclose()  # type: ignore[attr-defined]
-        except TimeoutError as exc:
-            raise _Expiry from exc
-        duration = time.monotonic() - started
-        usage = usage or Usage()
-        cost = self._backend_config.cost(usage.prompt_tokens, usage.completion_tokens)
-        metrics.BACKEND_CALLS.labels(self._backend_name, "completed").inc()
-        metrics.BACKEND_LATENCY.labels(self._backend_name).observe(duration)
-        metrics.TOKENS.labels(self._backend_name, "input").inc(usage.prompt_tokens)
-        metrics.TOKENS.labels(self._backend_name, "output").inc(usage.completion_tokens)
-        return Completed(
-            request_id=request.id,
-            tenant=request.tenant,
-            at=self._clock(),
-            backend=self._backend_name,
-            attempt=dispatch.attempt,
-            delivery=run,
-            text="".join(parts),
-            usage=usage,
-            cost=cost,
-            finish_reason=finish_reason,
-            ttft=ttft,
-            duration=duration,
-        )
-
     async def _backend_failed(
         self,
         msg: Any,
         dispatch: Dispatch,
         run: int,
-        chunks: _Chunks,
+        chunks: Chunks,
         exc: BackendError,
         *,
         pending_acks: list[asyncio.Future[Any]],
     ) -> None:
         metrics.BACKEND_CALLS.labels(self._backend_name, exc.code).inc()
-        await self._settle(pending_acks)
+        await settle(pending_acks)
         await self._after_failure(msg, dispatch, run, chunks, exc)
 
     async def _after_failure(
-        self, msg: Any, dispatch: Dispatch, run: int, chunks: _Chunks, exc: Exception
+        self, msg: Any, dispatch: Dispatch, run: int, chunks: Chunks, exc: Exception
     ) -> None:
         """Carry out what the failure policy decides for a failed run: retry it
         here after a delay, or fail the request (:func:`renqueue.policy.after_failure`)."""
@@ -1014,12 +688,6 @@ class Worker:
         key = coalesce_key(request)
         if key is not None:
             await self._coalescer.leader_ended(request.tenant, request.id, key, event)
-
-    async def _settle(self, pending_acks: list[asyncio.Future[Any]]) -> None:
-        """Wait until every token chunk and event published so far is stored."""
-        if pending_acks:
-            await asyncio.wait_for(asyncio.gather(*pending_acks), timeout=30.0)
-            pending_acks.clear()
 
     async def _keep_alive(self, msg: Any, run: asyncio.Task[Any] | None) -> None:
         """Renew ``msg``'s lease every third of ``ack_wait`` while ``run`` is alive."""

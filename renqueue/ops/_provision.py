@@ -40,7 +40,7 @@ request subjects from ``priorities``; the consumers from ``priorities``,
 
 Two KV buckets are provisioned from code (the KV protocol fixes their stream's
 shape): ``rq-state`` (the projection, coalescing groups) and ``rq-terminal``
-(terminal claims, see :mod:`renqueue.eventlog`), whose entries live as long as
+(terminal claims, see :mod:`renqueue.wire._eventlog`), whose entries live as long as
 the events they guard (``nats.events.max_age``).
 """
 
@@ -63,10 +63,10 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
-from .config import Config, parse_duration
-from .errors import ConnectionFailedError, ProvisionError
-from .logs import get_logger
-from .subjects import (
+from ..config import Config, parse_duration
+from ..errors import ConnectionFailedError, ProvisionError
+from ..logs import get_logger
+from ..wire._subjects import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
     DISPATCH_STREAM,
@@ -252,10 +252,10 @@ def find_streams_dir(streams_dir: Path | None = None) -> Path:
         if not candidate.is_dir():
             raise ProvisionError(f"stream definitions directory {candidate} ({origin}) not found")
         return candidate
-    checkout = Path(__file__).resolve().parents[1]
+    checkout = Path(__file__).resolve().parents[2]  # renqueue/ops/_provision.py
     if (checkout / "streams").is_dir() and (checkout / "pyproject.toml").is_file():
         return checkout / "streams"
-    packaged = importlib.resources.files(__package__ or "renqueue") / "_streams"
+    packaged = importlib.resources.files("renqueue") / "_streams"
     if isinstance(packaged, Path) and packaged.is_dir():
         return packaged
     raise ProvisionError(
@@ -291,11 +291,15 @@ async def provision(
         items.append(await _ensure_stream(api, desired, source=str(directory / spec.file)))
     for stream, desired, source in consumers:
         items.append(await _ensure_consumer(api, stream, desired, source=source))
-    kv = await _ensure_stream(api, _kv_stream_config(config), source="renqueue.provision")
+    kv = await _ensure_stream(api, _kv_stream_config(config), source="renqueue.ops.provision")
     items.append(msgspec.structs.replace(kv, kind="kv", name=STATE_BUCKET))
-    claims = await _ensure_stream(api, _terminal_stream_config(config), source="renqueue.provision")
+    claims = await _ensure_stream(
+        api, _terminal_stream_config(config), source="renqueue.ops.provision"
+    )
     items.append(msgspec.structs.replace(claims, kind="kv", name=TERMINAL_BUCKET))
-    leases = await _ensure_stream(api, _lease_stream_config(config), source="renqueue.provision")
+    leases = await _ensure_stream(
+        api, _lease_stream_config(config), source="renqueue.ops.provision"
+    )
     items.append(msgspec.structs.replace(leases, kind="kv", name=LEASE_BUCKET))
 
     report = ProvisionReport(items=tuple(items))
@@ -406,7 +410,7 @@ async def until_jetstream_answers(
                 error=str(exc) or type(exc).__name__,
             )
         # nats-py's requests use asyncio.wait_for, which can swallow a
-        # cancellation (see renqueue.tasks): never start another wait after one.
+        # cancellation (see renqueue._tasks): never start another wait after one.
         task = asyncio.current_task()
         if task is not None and task.cancelling():
             raise asyncio.CancelledError
@@ -464,7 +468,7 @@ def _stream_config(directory: Path, spec: _StreamSpec, config: Config) -> dict[s
     desired = _load_json(path)
     if desired.get("name") != spec.name:
         raise ProvisionError(
-            f"{path}: name is {desired.get('name')!r}, expected {spec.name!r} (renqueue.subjects)"
+            f"{path}: name is {desired.get('name')!r}, expected {spec.name!r} (renqueue.wire)"
         )
     subjects = desired.get("subjects")
     if not isinstance(subjects, list) or not all(isinstance(s, str) for s in subjects):
@@ -501,10 +505,10 @@ def _expand_subjects(subjects: list[str], priorities: Sequence[str]) -> list[str
 
 
 def _check_layout(path: Path, got: Sequence[str], expected: Sequence[str]) -> None:
-    """A template that disagrees with renqueue.subjects would strand messages: refuse it."""
+    """A template that disagrees with renqueue.wire would strand messages: refuse it."""
     if list(got) != list(expected):
         raise ProvisionError(
-            f"{path}: renders {list(got)}, but renqueue.subjects expects {list(expected)}"
+            f"{path}: renders {list(got)}, but renqueue.wire expects {list(expected)}"
         )
 
 
@@ -519,7 +523,7 @@ def _consumer_configs(directory: Path, config: Config) -> list[tuple[str, dict[s
         "router.ack_wait": _ns(config.router.ack_wait),
         "router.max_deliver": config.router.max_deliver,
         # The router consumers' backstop (router.max_deliver counts failed
-        # dispatches; every hand-back is a delivery too): see renqueue.router.
+        # dispatches; every hand-back is a delivery too): see renqueue.services.router._router.
         "router.max_deliveries": router_max_deliveries(config.router.max_deliver),
         "worker.ack_wait": _ns(config.worker.ack_wait),
         "worker.max_deliver": config.worker.max_deliver,
@@ -544,7 +548,7 @@ def _consumer_configs(directory: Path, config: Config) -> list[tuple[str, dict[s
     ):
         raise ProvisionError(
             f"{advisories_path}: renders durable_name={advisories.get('durable_name')!r}, "
-            f"filter_subjects={advisories.get('filter_subjects')!r}; renqueue.subjects expects "
+            f"filter_subjects={advisories.get('filter_subjects')!r}; renqueue.wire expects "
             f"{ADVISORIES_CONSUMER!r}, {expected!r}"
         )
     result.append((ADVISORIES_STREAM, advisories, str(advisories_path)))
@@ -577,7 +581,7 @@ def _check_consumer(path: Path, rendered: dict[str, Any], durable: str, subject:
     if rendered.get("durable_name") != durable or rendered.get("filter_subject") != subject:
         raise ProvisionError(
             f"{path}: renders durable_name={rendered.get('durable_name')!r}, "
-            f"filter_subject={rendered.get('filter_subject')!r}; renqueue.subjects expects "
+            f"filter_subject={rendered.get('filter_subject')!r}; renqueue.wire expects "
             f"{durable!r}, {subject!r}"
         )
 

@@ -59,9 +59,7 @@ from nats.errors import (
 from nats.js.api import AckPolicy, DeliverPolicy
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
-from . import metrics
 from .config import NatsConfig
-from .connection import connect
 from .errors import (
     MalformedRequestError,
     RequestCancelledError,
@@ -71,9 +69,10 @@ from .errors import (
     TokensExpiredError,
     UnknownPriorityError,
 )
-from .eventlog import EventLog, delete_consumer, read_subject, subject_agrees
 from .logs import get_logger
-from .messages import (
+from .ops._connection import connect
+from .wire._eventlog import EventLog, delete_consumer, read_subject, subject_agrees
+from .wire._messages import (
     EVENT_DECODER,
     REQUEST_DECODER,
     TOKEN_DECODER,
@@ -93,10 +92,11 @@ from .messages import (
     is_terminal,
     kind_of,
 )
-from .subjects import (
+from .wire._subjects import (
     EVENTS_STREAM,
     TOKENS_STREAM,
     event_subject,
+    misdirected,
     msg_id,
     request_subject,
     token_subject,
@@ -272,7 +272,7 @@ class _TokenFollower:
         # they keep the subject they were stored under. Only the services can
         # publish on this subject (or store on it), so it is the authority.
         if msg.subject != self._subject:
-            metrics.misdirected("tokens", msg.subject)
+            misdirected("tokens", msg.subject)
             return
         with contextlib.suppress(msgspec.DecodeError):
             chunk = TOKEN_DECODER.decode(msg.data)
@@ -933,12 +933,12 @@ class Client:
         try:
             meta = msg.metadata
         except Exception:  # noqa: BLE001 - not a JetStream delivery: not ours
-            metrics.misdirected("tap", msg.subject)
+            misdirected("tap", msg.subject)
             return
         if meta.stream != EVENTS_STREAM or meta.consumer != self._tap_name:
             # Another consumer delivering to this inbox (its name is in the
             # delivery's reply subject, which the server sets).
-            metrics.misdirected("tap", msg.subject, consumer=meta.consumer)
+            misdirected("tap", msg.subject, consumer=meta.consumer)
             return
         cseq = meta.sequence.consumer
         if cseq != self._tap_cseq + 1:
@@ -953,7 +953,7 @@ class Client:
         # rq.evt.<tenant>.*.cancel_requested, so a terminal event that agrees
         # with its subject was written by the services.
         if event.tenant != self.tenant or not subject_agrees(msg.subject, event):
-            metrics.misdirected("tap", msg.subject, kind=kind_of(event))
+            misdirected("tap", msg.subject, kind=kind_of(event))
             return
         if is_terminal(event):
             self._resolve(event)

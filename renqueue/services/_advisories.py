@@ -42,11 +42,12 @@ import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError
 
-from .coalescing import Coalescer, coalesce_key
-from .eventlog import EventLog
-from .logs import bound_request, get_logger
-from .messages import DISPATCH_DECODER, REQUEST_DECODER, Event, Failed, InferenceRequest
-from .subjects import (
+from .._tasks import Supervisor
+from ..logs import bound_request, get_logger
+from ..state._coalescing import Coalescer, coalesce_key
+from ..wire._eventlog import EventLog
+from ..wire._messages import DISPATCH_DECODER, REQUEST_DECODER, Event, Failed, InferenceRequest
+from ..wire._subjects import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
     DISPATCH_STREAM,
@@ -54,7 +55,6 @@ from .subjects import (
     REQUESTS_STREAM,
     msg_id,
 )
-from .tasks import Supervisor
 
 __all__ = ["AdvisoryReader", "MaxDeliveries"]
 

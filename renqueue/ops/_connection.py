@@ -22,10 +22,10 @@ from urllib.parse import urlsplit, urlunsplit
 import nats.errors
 from nats.aio.client import Client
 
-from .config import Config, NatsConfig, parse_duration
-from .embedded import url_file
-from .errors import ConnectionFailedError
-from .logs import get_logger
+from ..config import Config, NatsConfig, parse_duration
+from ..errors import ConnectionFailedError
+from ..logs import get_logger
+from ._embedded import url_file
 
 __all__ = ["connect", "redact_url", "resolve_nats_url"]
 

@@ -1,0 +1,137 @@
+"""Reading a fetched request: what it is, whose it is, and when its wait began.
+
+The subject is the authority: the tenant is the subject's, and a rejection is
+recorded under the payload's id, else the message id's, always in the
+subject's tenant. Waiting is measured in server time: a request's wait begins
+at the timestamp the broker gave its message when it was stored (a requeue
+after a preemption keeps the one logged in its ``submitted`` event), never at
+a time a client wrote into the payload.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, NamedTuple
+
+import msgspec
+from nats.js.errors import NotFoundError
+
+from ...config import Config
+from ...errors import InvalidRequestError, MalformedRequestError
+from ...logs import get_logger
+from ...policy import validate
+from ...wire._messages import (
+    EVENT_DECODER,
+    REQUEST_DECODER,
+    Coalesced,
+    InferenceRequest,
+    Preempted,
+    Submitted,
+)
+from ...wire._subjects import EVENTS_STREAM, event_subject, is_requeue_subject
+from ._hold import stored_at
+
+__all__ = ["Refused", "admit", "parent_of", "subject_token", "submitted_at"]
+
+log = get_logger("router")
+
+_ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+class Refused(NamedTuple):
+    """A request that must be rejected: the id and tenant to record it under, and why."""
+
+    request_id: str
+    tenant: str
+    error: InvalidRequestError
+
+
+def admit(msg: Any, level: str, config: Config) -> InferenceRequest | Refused:
+    """Decode and validate one request fetched from ``level``'s subject."""
+    tenant = subject_token(msg.subject, 3)
+    header = str((msg.headers or {}).get("Nats-Msg-Id", ""))
+    # The id to record a rejection under: the payload's, else the header's
+    # (``<tenant>:<id>``), always in the subject's tenant.
+    scope, _, rest = header.partition(":")
+    header_id = rest.partition(":")[0] if scope == tenant else ""
+    request_id = header_id if _is_id(header_id) else f"invalid-{msg.metadata.sequence.stream}"
+    try:
+        request = REQUEST_DECODER.decode(msg.data)
+        request_id = request.id
+        validate(
+            request,
+            level=level,
+            tenant=tenant,
+            config=config,
+            message_id=header,
+            requeue=is_requeue_subject(msg.subject),
+        )
+    except (msgspec.DecodeError, InvalidRequestError) as exc:
+        error = exc if isinstance(exc, InvalidRequestError) else MalformedRequestError(str(exc))
+        return Refused(request_id, tenant, error)
+    return request
+
+
+async def submitted_at(js: Any, msg: Any, request: InferenceRequest) -> float:
+    """When the request's wait began, in server time (never the payload's clock).
+
+    A first submit: when the broker stored it. A request the services put
+    back (``requeues > 0``) keeps its original time, the one logged in its
+    ``submitted`` event, when the log shows why it was put back: a
+    preemption (a ``preempted`` event of that attempt), or a coalescing
+    group whose leader ended on its own (a ``coalesced`` event: it was a
+    follower). Only the services write those subjects. Anything else counts
+    from its own storing.
+    """
+    stored = stored_at(msg)
+    if request.requeues == 0:
+        return stored
+
+    async def logged(kind: str) -> Any:
+        subject = event_subject(request.tenant, request.id, kind)
+        try:
+            return EVENT_DECODER.decode((await js.get_last_msg(EVENTS_STREAM, subject)).data)
+        except (NotFoundError, msgspec.DecodeError):
+            return None
+
+    first = await logged("submitted")
+    if not isinstance(first, Submitted):
+        return stored
+    preempted = await logged("preempted")
+    if isinstance(preempted, Preempted) and preempted.attempt == request.requeues:
+        return min(stored, first.at)
+    if isinstance(await logged("coalesced"), Coalesced):
+        return min(stored, first.at)
+    return stored
+
+
+async def parent_of(js: Any, request: InferenceRequest, config: Config) -> tuple[int, float] | None:
+    """The parent's level and submit time, from its ``submitted`` event.
+
+    Looked up under the request's own tenant only: a tenant cannot borrow
+    another tenant's priority. An unknown parent means no inheritance.
+    """
+    if request.parent_id is None:
+        return None
+    subject = event_subject(request.tenant, request.parent_id, "submitted")
+    try:
+        raw = await js.get_last_msg(EVENTS_STREAM, subject)
+        parent = EVENT_DECODER.decode(raw.data)
+    except (NotFoundError, msgspec.DecodeError):
+        return None
+    except Exception as exc:  # noqa: BLE001 - inheritance is best effort, routing is not
+        log.warning("parent lookup failed", parent_id=request.parent_id, error=str(exc))
+        return None
+    if not isinstance(parent, Submitted) or parent.request.priority not in config.priorities:
+        return None
+    return (config.priority_rank(parent.request.priority), parent.at)
+
+
+def subject_token(subject: str, index: int) -> str:
+    """Token ``index`` of ``subject`` if it is a valid id (tenant, ...), else ``"unknown"``."""
+    parts = subject.split(".")
+    token = parts[index] if len(parts) > index else ""
+    return token if _is_id(token) else "unknown"
+
+
+def _is_id(text: str) -> bool:
+    return 0 < len(text) <= 128 and all(ch in _ID_OK for ch in text)

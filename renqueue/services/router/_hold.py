@@ -1,0 +1,165 @@
+"""The binder's hold: requests fetched from the priority subjects and not yet bound.
+
+One queue per level, each bounded by ``router.hold_limit``, so batch work can
+never crowd out a critical fetch: a level's fetch loop waits for room in its
+own queue only. A held request's message is not acked until the request is
+bound or ended; the hold is the router's only state, and a successor's fresh
+consumers deliver it again (see :class:`~renqueue.services.Router`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Annotated, Any, Final
+
+import msgspec
+
+from ...logs import get_logger
+from ...policy import LevelPolicy, pick_key
+from ...wire._messages import InferenceRequest
+from ...wire._subjects import SHUTDOWN_NAK_DELAY
+
+__all__ = ["BOOST_DECODER", "Boost", "Held", "Hold", "stored_at"]
+
+log = get_logger("router")
+
+
+def stored_at(msg: Any) -> float:
+    """The server's timestamp of a stream message (when it was stored), Unix seconds."""
+    return float(msg.metadata.timestamp.timestamp())
+
+
+class Boost(msgspec.Struct, frozen=True):
+    """On ``rq.boost.<tenant>``: a follower asks its coalescing leader to run at its level."""
+
+    leader: str
+    rank: Annotated[int, msgspec.Meta(ge=0)]
+    submitted: float
+
+
+BOOST_DECODER: Final = msgspec.json.Decoder(Boost)
+
+
+class Held(msgspec.Struct, kw_only=True):
+    """One held request and the bookkeeping its round-planner snapshot needs."""
+
+    msg: Any
+    request: InferenceRequest
+    rank: int
+    #: When the wait began, in server time: when the broker stored the request
+    #: (for a requeue, the time logged in its first ``submitted`` event).
+    submitted: float
+    touched: float
+    #: Promotions already announced as events.
+    promoted: int = 0
+    #: The ack of the request's ``submitted`` event, awaited before it is routed.
+    logged: Any = None
+    #: The parent's (rank, submitted_at), when the request names a known parent.
+    parent: tuple[int, float] | None = None
+    #: The most urgent rank already announced as inherited.
+    inherited: int | None = None
+    #: When this router last asked a backend to preempt a run for it.
+    preempt_asked: float | None = None
+    #: A run was preempted for it: it never asks again (one per urgent request).
+    preempted_one: bool = False
+    #: The most urgent (rank, submitted_at) among requests that coalesced onto
+    #: this one: the shared call runs at the highest priority of its waiters.
+    boost: tuple[int, float] | None = None
+
+    def key(self, now: float, policies: list[LevelPolicy]) -> tuple[int, float]:
+        return pick_key(
+            self.rank, self.submitted, now, policies, parent=self.parent, boost=self.boost
+        )
+
+
+class Hold:
+    """The held requests, one bounded queue per level (in level order)."""
+
+    def __init__(self, levels: list[str], limit: int) -> None:
+        self._levels = levels
+        self._limit = limit
+        #: Each level's queue, oldest first (read them; change them through the methods).
+        self.queues: dict[str, deque[Held]] = {level: deque() for level in levels}
+        self._room = {level: asyncio.Event() for level in levels}
+
+    def __iter__(self) -> Iterator[Held]:
+        return (item for queue in self.queues.values() for item in queue)
+
+    def room(self, level: str) -> int:
+        """How many more requests ``level`` may hold (0 or less: full)."""
+        return self._limit - len(self.queues[level])
+
+    async def wait_for_room(self, level: str) -> None:
+        """Until a request of ``level`` leaves the hold (bound, ended or handed back)."""
+        self._room[level].clear()
+        await self._room[level].wait()
+
+    def add(self, level: str, item: Held) -> None:
+        self.queues[level].append(item)
+
+    def holds(self, item: Held) -> bool:
+        """Whether ``item`` still waits here (not bound, ended or handed back)."""
+        return any(item is held for held in self)
+
+    def holds_message(self, msg: Any) -> bool:
+        """Whether the stream message ``msg`` is held already (delivered again)."""
+        seq = msg.metadata.sequence.stream
+        return any(item.msg.metadata.sequence.stream == seq for item in self)
+
+    def boost(self, tenant: str, boost: Boost) -> bool:
+        """Lift the held leader ``boost`` names to its follower's rank; whether it is held."""
+        for item in self:
+            if item.request.tenant == tenant and item.request.id == boost.leader:
+                if item.boost is None or boost.rank < item.boost[0]:
+                    item.boost = (boost.rank, boost.submitted)
+                return True
+        return False
+
+    def remove_request(self, tenant: str, request_id: str) -> Held | None:
+        """Take the request ``(tenant, request_id)`` out of the hold, if it is held."""
+        for held in self.queues.values():
+            for item in held:
+                if item.request.tenant == tenant and item.request.id == request_id:
+                    held.remove(item)
+                    self._room[self._levels[item.rank]].set()
+                    return item
+        return None
+
+    def prune(self, gone: set[int]) -> None:
+        """Drop the items whose ``id()`` is in ``gone`` (bound or ended in a round)."""
+        for level, queue in self.queues.items():
+            if gone:
+                kept = [item for item in queue if id(item) not in gone]
+                queue.clear()
+                queue.extend(kept)
+            if len(queue) < self._limit:
+                self._room[level].set()
+
+    def clear(self) -> int:
+        """Forget everything held, without naks; how many."""
+        dropped = 0
+        for level, held in self.queues.items():
+            dropped += len(held)
+            held.clear()
+            self._room[level].set()
+        return dropped
+
+    async def hand_back(self, levels: Iterable[str], why: str | None = None) -> None:
+        """Nak the held requests of ``levels`` back to their queue, for any router.
+
+        The delay outlasts any pull this router left at the server, so they
+        are not redelivered into it (see ``SHUTDOWN_NAK_DELAY``).
+        """
+        items: list[Held] = []
+        for level in levels:
+            items.extend(self.queues[level])
+            self.queues[level].clear()
+            self._room[level].set()
+        if items and why is not None:
+            log.warning("held requests handed back", count=len(items), reason=why)
+        for item in items:
+            with contextlib.suppress(Exception):
+                await item.msg.nak(delay=SHUTDOWN_NAK_DELAY)

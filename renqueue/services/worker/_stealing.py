@@ -1,0 +1,209 @@
+"""Work stealing: a worker with room takes work queued on busy replicas of its pool.
+
+Backends that share a ``pool`` serve the same model. A dispatch queued on a
+replica whose slots are all taken waits there (its consumer's
+``max_ack_pending``), while another replica may sit idle; the idle replica's
+worker moves it to its own subject. Every move is logged first (a ``stolen``
+event), its copy stored under a message id naming the source message, and the
+source deleted only once the copy is stored and only if the replica's consumer
+has not delivered it meanwhile: a request is never lost, and runs once (the
+run claim decides between an original and its copy delivered at once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+import msgspec
+from nats.js.errors import APIError, NotFoundError
+
+from ...logs import get_logger
+from ...wire._eventlog import EventLog
+from ...wire._messages import DISPATCH_DECODER, Dispatch, Stolen, encode
+from ...wire._subjects import DISPATCH_STREAM, dispatch_subject, msg_id, worker_consumer
+
+__all__ = ["STEAL_INTERVAL", "Thief"]
+
+log = get_logger("worker")
+
+#: Seconds between looks at pool siblings' queues while this worker has room.
+STEAL_INTERVAL: Final = 0.1
+
+#: JetStream's answers to deleting a sequence that is gone: "no message found",
+#: and "sequence N not found" (the message was removed, e.g. acked by its
+#: consumer, between the server's lookup and its erase).
+_GONE: Final = frozenset({10057, 10043})
+
+
+class Thief:
+    """Moves dispatches queued on ``siblings`` to ``backend_name``'s subject."""
+
+    def __init__(
+        self,
+        js: Any,
+        events: EventLog,
+        backend_name: str,
+        siblings: list[str],
+        *,
+        slots: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._js = js
+        self._log = events
+        self._backend_name = backend_name
+        self._siblings = siblings
+        self._slots = slots
+        self._clock = clock
+
+    async def steal(self) -> int:
+        """While this worker has free slots and nothing of its own queued, move
+        work queued on busy siblings of its pool to its own subject; how many.
+
+        The queued dispatches are read from the stream directly: a sibling's
+        consumer will not hand them to anyone while its slots are full
+        (``max_ack_pending``), which is exactly when they should be stolen.
+        """
+        own = worker_consumer(self._backend_name)
+        mine = await self._js.consumer_info(DISPATCH_STREAM, own)
+        free = self._slots - mine.num_ack_pending - mine.num_pending
+        moved = 0
+        for sibling in self._siblings:
+            if free <= 0:
+                break
+            info = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(sibling))
+            seq = info.delivered.stream_seq + 1
+            for _ in range(min(free, info.num_pending)):
+                try:
+                    raw = await self._js.get_msg(
+                        DISPATCH_STREAM, seq=seq, subject=dispatch_subject(sibling), next=True
+                    )
+                except NotFoundError:
+                    break
+                seq = raw.seq + 1
+                if await self.steal_one(raw, sibling):
+                    free -= 1
+                    moved += 1
+        return moved
+
+    async def steal_one(self, raw: Any, sibling: str) -> bool:
+        """Move one queued dispatch (stream sequence ``raw.seq``) from ``sibling`` here.
+
+        In this order: the ``stolen`` event, the copy on this backend's
+        subject, the original deleted from the stream, only once the copy is
+        known to be stored and only if the sibling's consumer has not
+        delivered it meanwhile. A delivered original is its run's lease: if
+        it were deleted and that run's worker died, nothing would deliver the
+        request again (the copy's run steps back, see below). So a delivered
+        original stays, and both runs claim the same run (``claim_run``): the
+        second steps back (see the worker's ``_start``), one call. A worker delivered an
+        original after its ``stolen`` event was logged hands it over to the
+        copy instead (the worker's ``_settled_before``), so the original deleted in the
+        moment between the look and the delete never runs.
+        """
+        try:
+            dispatch = DISPATCH_DECODER.decode(raw.data)
+        except msgspec.DecodeError:
+            return False  # the sibling's worker dead-letters it
+        request = dispatch.request
+        await self._log.append(
+            Stolen(
+                request_id=request.id,
+                tenant=request.tenant,
+                at=self._clock(),
+                from_backend=sibling,
+                to_backend=self._backend_name,
+                attempt=dispatch.attempt,
+                from_seq=raw.seq,
+            )
+        )
+        if await self.move(dispatch, self._backend_name, raw.seq) is None:
+            return False
+        sibling_consumer = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(sibling))
+        if sibling_consumer.delivered.stream_seq >= raw.seq:
+            log.info("a stolen request was delivered to its replica meanwhile; keeping it",
+                     request_id=request.id, sibling=sibling)  # fmt: skip
+            return True
+        try:
+            await self._js.delete_msg(DISPATCH_STREAM, raw.seq)
+        except APIError as exc:
+            # Gone already: another thief moved it at the same moment (its copy
+            # and ours share the id: one is stored), or its worker acked it.
+            if not isinstance(exc, NotFoundError) and exc.err_code not in _GONE:
+                raise
+        log.info("stole a queued request", request_id=request.id, sibling=sibling)
+        return True
+
+    async def move(
+        self, dispatch: Dispatch, to_backend: str, source_seq: int
+    ) -> tuple[int, bool] | None:
+        """Store a copy of the dispatch at stream sequence ``source_seq`` on
+        ``to_backend``'s subject. When the copy is stored (now or before):
+        its stream sequence and whether it is still there (gone: it was run,
+        moved on, or stepped back, see the worker's ``_settled_before``), so the source may
+        be removed; ``None`` when it is not stored and the source must stay.
+
+        The copy's message id names the source message (``stolen:<attempt>:<seq>``),
+        so each move has its own id (A -> B -> A moves twice, under two ids) and
+        a duplicate can only be a copy of this very source: an earlier try of
+        this move, or another thief moving it at the same moment.
+        """
+        request = dispatch.request
+        moved = msgspec.structs.replace(dispatch, backend=to_backend)
+        ack = await self._js.publish(
+            dispatch_subject(to_backend),
+            encode(moved),
+            headers={
+                "Nats-Msg-Id": msg_id(
+                    request.tenant, request.id, "stolen", dispatch.attempt, source_seq
+                )
+            },
+        )
+        if not ack.duplicate:
+            return int(ack.seq), True
+        # Stored before: still queued, or already run and acked (gone). Delete
+        # the source only if what is stored under this id is this request.
+        try:
+            copy = await self._js.get_msg(DISPATCH_STREAM, seq=ack.seq)
+        except NotFoundError:
+            return int(ack.seq), False
+        with contextlib.suppress(msgspec.DecodeError):
+            stored = DISPATCH_DECODER.decode(copy.data or b"")
+            if (stored.request.tenant, stored.request.id, stored.attempt) == (
+                request.tenant,
+                request.id,
+                dispatch.attempt,
+            ):
+                return int(ack.seq), True
+        log.error(
+            "a move's copy was not stored and its id is taken; keeping the source",
+            request_id=request.id,
+            seq=source_seq,
+        )
+        return None
+
+    async def hand_over(
+        self, msg: Any, dispatch: Dispatch, move: Stolen, events: list[Any]
+    ) -> bool:
+        """Finish a thief's ``move`` of this message and ack it, if the copy can
+        still run; False (keep and run this message) otherwise."""
+        moved = await self.move(dispatch, move.to_backend, int(msg.metadata.sequence.stream))
+        if moved is None:
+            return False  # the copy is not stored: keep this message
+        copy_seq, stored = moved
+        if stored or any(isinstance(e, Stolen) and e.from_seq == copy_seq for e in events):
+            await msg.ack()
+            return True
+        log.info("a stolen copy stepped back and its run is gone; running the original")
+        return False
+
+    def stolen_here(self, event: Any, dispatch: Dispatch, source_seq: int) -> bool:
+        """Whether ``event`` records a sibling moving the message at ``source_seq``."""
+        return (
+            isinstance(event, Stolen)
+            and event.attempt == dispatch.attempt
+            and event.from_backend == self._backend_name
+            and event.from_seq in (0, source_seq)
+        )

@@ -1,0 +1,143 @@
+"""One backend call, its answer streamed to the request's token subject.
+
+Each chunk carries the run that produced it (``delivery``) and its place in
+that run (``seq``); the first chunk of a run after the first is marked
+``restart``: what an earlier run streamed is void. The chunks are
+published without awaiting their acks one by one: the run awaits them all
+(:func:`settle`) before its terminal event, so the log never records an
+outcome whose tokens are not stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from aiolimiter import AsyncLimiter
+
+from ... import metrics
+from ...backends import Backend
+from ...config import BackendConfig
+from ...wire._messages import Completed, Dispatch, TokenChunk, Usage, encode
+from ...wire._subjects import token_subject
+
+__all__ = ["Caller", "Chunks", "Expiry", "settle"]
+
+
+class Expiry(Exception):
+    """The request's deadline passed during the backend call."""
+
+
+class Chunks(msgspec.Struct):
+    """The token chunks a run has streamed so far: the next chunk's ``seq``."""
+
+    seq: int = 0
+
+
+async def settle(pending_acks: list[asyncio.Future[Any]]) -> None:
+    """Wait until every token chunk and event published so far is stored."""
+    if pending_acks:
+        await asyncio.wait_for(asyncio.gather(*pending_acks), timeout=30.0)
+        pending_acks.clear()
+
+
+class Caller:
+    """Calls one backend, within its declared request rates, and streams the answer."""
+
+    def __init__(
+        self,
+        js: Any,
+        backend_name: str,
+        backend_config: BackendConfig,
+        backend: Backend,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._js = js
+        self._backend_name = backend_name
+        self._backend_config = backend_config
+        self._backend = backend
+        self._clock = clock
+        # Declared request rates, held in this process (a later issue shares
+        # them across processes through the projection).
+        self._limiters = [
+            AsyncLimiter(rate.count, rate.window) for rate in backend_config.limits.request_rates
+        ]
+
+    async def call(
+        self,
+        dispatch: Dispatch,
+        run: int,
+        pending_acks: list[asyncio.Future[Any]],
+        chunks: Chunks,
+        *,
+        rank: int,
+    ) -> Completed:
+        """Stream the backend's answer to the token subject (counting in ``chunks``).
+
+        ``rank`` is the priority passed down to backends that schedule by it.
+        Raises :class:`Expiry` when the request's deadline passes first, and
+        the backend's :class:`~renqueue.BackendError` when the call fails.
+        """
+        request = dispatch.request
+        subject = token_subject(request.tenant, request.id)
+        started = time.monotonic()
+        ttft: float | None = None
+        parts: list[str] = []
+        usage: Usage | None = None
+        finish_reason: str | None = None
+        timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
+        try:
+            async with asyncio.timeout(timeout):
+                for limiter in self._limiters:
+                    await limiter.acquire()
+                stream = self._backend.stream(request, priority=rank)
+                try:
+                    async for delta in stream:
+                        if delta.text:
+                            if ttft is None:
+                                ttft = time.monotonic() - started
+                            chunk = TokenChunk(
+                                request_id=request.id,
+                                delivery=run,
+                                seq=chunks.seq,
+                                text=delta.text,
+                                restart=run > 1 and chunks.seq == 0,
+                            )
+                            pending_acks.append(
+                                await self._js.publish_async(subject, encode(chunk))
+                            )
+                            chunks.seq += 1
+                            parts.append(delta.text)
+                        if delta.usage is not None:
+                            usage = delta.usage
+                        if delta.finish_reason is not None:
+                            finish_reason = delta.finish_reason
+                finally:
+                    await stream.aclose()  # type: ignore[attr-defined]
+        except TimeoutError as exc:
+            raise Expiry from exc
+        duration = time.monotonic() - started
+        usage = usage or Usage()
+        cost = self._backend_config.cost(usage.prompt_tokens, usage.completion_tokens)
+        metrics.BACKEND_CALLS.labels(self._backend_name, "completed").inc()
+        metrics.BACKEND_LATENCY.labels(self._backend_name).observe(duration)
+        metrics.TOKENS.labels(self._backend_name, "input").inc(usage.prompt_tokens)
+        metrics.TOKENS.labels(self._backend_name, "output").inc(usage.completion_tokens)
+        return Completed(
+            request_id=request.id,
+            tenant=request.tenant,
+            at=self._clock(),
+            backend=self._backend_name,
+            attempt=dispatch.attempt,
+            delivery=run,
+            text="".join(parts),
+            usage=usage,
+            cost=cost,
+            finish_reason=finish_reason,
+            ttft=ttft,
+            duration=duration,
+        )

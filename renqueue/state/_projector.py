@@ -1,0 +1,379 @@
+"""The projector: the fold of ``RQ_EVENTS``, kept in the ``rq-state`` KV bucket.
+
+:class:`Projector` is the service around :func:`~renqueue.state.fold`: it reads
+``RQ_EVENTS`` in order, folds in batches, and writes the state to the KV bucket
+``rq-state`` under the key :data:`~renqueue.state.STATE_KEY` with
+compare-and-set, at most every ``flush_interval``. :func:`rebuild` replays the
+stream into a fresh state, for audits and to check the live state against the
+log.
+
+Where stream messages are decoded (``_fold_messages``, shared by the projector
+and :func:`rebuild`), the subject is the authority: a message whose payload
+disagrees with its subject ``rq.evt.<tenant>.<id>.<kind>`` (kind, tenant or
+request id) is skipped and counted in ``mismatched``, never folded. Tenants may
+publish only on ``rq.evt.<tenant>.*.cancel_requested``, so a service fact
+(``failed``, ``completed``, ...) can only come from a subject that only the
+services can publish to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any, Final, Self
+
+import msgspec
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+
+from .._tasks import Supervisor
+from ..logs import get_logger
+from ..wire._eventlog import subject_agrees
+from ..wire._messages import (
+    EVENT_DECODER,
+    kind_of,
+)
+from ..wire._subjects import EVENTS_STREAM, STATE_BUCKET
+from ._fold import STATE_KEY, STATE_VERSION, ProjectionState, _Builder, decode_state, encode_state
+
+__all__ = ["Projector", "rebuild"]
+
+log = get_logger("projection")
+
+# Fetch sizes for the projector and rebuild: one pull returns up to this many.
+_BATCH: Final = 512
+
+
+def _fold_messages(builder: _Builder, msgs: Iterable[Any]) -> None:
+    """Fold stream messages into ``builder``.
+
+    Undecodable messages are skipped and counted in ``skipped``; messages
+    whose payload disagrees with their subject (:func:`subject_agrees`) are
+    skipped and counted in ``mismatched``. Messages at or below the builder's
+    ``last_seq`` were folded already (a consumer restarted behind the state)
+    and are ignored. The projector and :func:`rebuild` both fold through
+    here, so a replay skips exactly what the live projection skipped.
+    """
+    for msg in msgs:
+        seq = int(msg.metadata.sequence.stream)
+        if seq <= builder.last_seq:
+            continue
+        if seq > builder.last_seq + 1 and builder.last_seq > 0:
+            log.warning("events missing from the log", after=builder.last_seq, next=seq)
+        try:
+            event = EVENT_DECODER.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.warning("undecodable event skipped", seq=seq, subject=msg.subject, error=str(exc))
+            builder.skip(seq)
+            continue
+        if not subject_agrees(msg.subject, event):
+            log.warning(
+                "event whose payload disagrees with its subject skipped",
+                seq=seq,
+                subject=msg.subject,
+                kind=kind_of(event),
+            )
+            builder.mismatch(seq)
+            continue
+        builder.apply(event, seq)
+
+
+async def _events_consumer(js: Any, after: int, *, inactive: float = 30.0) -> Any:
+    """An ephemeral, unacknowledged pull consumer on ``RQ_EVENTS`` from ``after + 1``."""
+    config = ConsumerConfig(
+        deliver_policy=DeliverPolicy.ALL if after <= 0 else DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=None if after <= 0 else after + 1,
+        ack_policy=AckPolicy.NONE,
+        inactive_threshold=inactive,
+        mem_storage=True,
+        num_replicas=1,
+    )
+    return await js.pull_subscribe("rq.evt.>", stream=EVENTS_STREAM, config=config)
+
+
+async def _drop_consumer(js: Any, psub: Any) -> None:
+    """Unsubscribe and delete an ephemeral consumer; best effort (it expires anyway)."""
+    with contextlib.suppress(Exception):
+        name = psub._consumer  # nats-py keeps the consumer name only here
+        await psub.unsubscribe()
+        await js.delete_consumer(EVENTS_STREAM, name)
+
+
+async def _stream_last_seq(js: Any) -> int:
+    info = await js.stream_info(EVENTS_STREAM)
+    return int(info.state.last_seq)
+
+
+async def rebuild(js: Any, *, upto: int | None = None) -> ProjectionState:
+    """Replay ``RQ_EVENTS`` from its first message into a fresh state.
+
+    Folds up to ``upto`` (default: the stream's last sequence when called), so
+    the result is comparable with a stored state of the same ``last_seq``.
+    Events past the stream's retention (``max_age``) are gone: on a log older
+    than that, the live state holds counts a replay cannot see.
+    """
+    target = await _stream_last_seq(js) if upto is None else upto
+    builder = _Builder(ProjectionState())
+    if target <= 0:
+        return builder.freeze()
+    psub = await _events_consumer(js, 0)
+    try:
+        while builder.last_seq < target:
+            try:
+                msgs = await psub.fetch(_BATCH, timeout=2.0)
+            except (TimeoutError, NatsTimeoutError):
+                # Nothing more to read: the tail up to ``target`` was deleted.
+                break
+            _fold_messages(builder, (m for m in msgs if m.metadata.sequence.stream <= target))
+            if msgs and msgs[-1].metadata.sequence.stream >= target:
+                break
+    finally:
+        await _drop_consumer(js, psub)
+    return builder.freeze()
+
+
+# ------------------------------------------------------------------ projector
+
+
+class ProjectorStatus(enum.Enum):
+    UNOPENED = "unopened"
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+class _Restart(Exception):
+    """The state was replaced by the stored one: read the log again after it."""
+
+
+class Projector:
+    """Folds ``RQ_EVENTS`` into the KV key ``rq-state/projection``, continuously.
+
+    Why an ephemeral ordered-by-sequence consumer started after the stored
+    ``last_seq``, and not a shared durable consumer: a fold needs *every*
+    event, in order. A durable consumer shared by two projectors would split
+    the events between them, and its ack floor would be a second record of
+    progress that can disagree with the state (ack then crash = events lost
+    from the fold; write then crash = events folded twice). Here the KV value
+    is the only record: it holds the state *and* the sequence it reflects, in
+    one atomic write, so a projector (re)starts exactly where the stored state
+    ends and any number of projectors can run, each reading the whole log.
+    The consumer is acknowledgement-free and in memory; if it disappears
+    (server restart, inactivity) it is made again from the state's sequence.
+
+    Writes are coalesced (at most one per ``flush_interval``) and made with
+    ``kv.update(..., last=revision)``. On a conflict another projector wrote
+    first: this one adopts the stored state and its revision, and refolds the
+    log from the stored sequence. A write is only ever based on the latest
+    stored value, so the stored ``last_seq`` never goes backwards.
+
+    Messages that do not decode as events are skipped and counted in the
+    state's ``skipped``, those whose payload disagrees with their subject in
+    ``mismatched`` (a replay skips and counts the same ones).
+
+    The fold loop runs under ``supervisor`` (the process's, from
+    :class:`renqueue.services.Services`; a private one if not given): a failed
+    read is logged and the loop started again, from the state's sequence,
+    after a capped backoff.
+    """
+
+    def __init__(
+        self,
+        js: Any,
+        *,
+        name: str = "projector",
+        flush_interval: float = 0.1,
+        fetch_timeout: float = 1.0,
+        batch: int = _BATCH,
+        clock: Callable[[], float] = time.monotonic,
+        supervisor: Supervisor | None = None,
+    ) -> None:
+        self._js = js
+        self._name = name
+        self._own_supervisor = supervisor is None
+        self._supervisor = supervisor if supervisor is not None else Supervisor(name)
+        self._loop = f"{name}-fold"
+        self._flush_interval = flush_interval
+        self._fetch_timeout = fetch_timeout
+        self._batch = batch
+        self._clock = clock
+        self.status = ProjectorStatus.UNOPENED
+        self._kv: Any = None
+        self._state = ProjectionState()
+        self._revision = 0
+        self._stored_seq = 0
+        self._last_write = 0.0
+        self._psub: Any = None
+        self.writes = 0
+        self.conflicts = 0
+
+    @property
+    def state(self) -> ProjectionState:
+        """The state folded so far (may be ahead of the stored one by one flush)."""
+        return self._state
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Load the stored state and start folding after its sequence.
+
+        Raises ``nats.js.errors.BucketNotFoundError`` if ``rq-state`` was not
+        provisioned.
+        """
+        if self.status is not ProjectorStatus.UNOPENED:
+            raise RuntimeError(f"cannot start a projector in state {self.status.value}")
+        self._kv = await self._js.key_value(STATE_BUCKET)
+        await self._load()
+        self.status = ProjectorStatus.RUNNING
+        self._supervisor.spawn(self._loop, self._run)
+        log.info("projector started", projector=self._name, after=self._state.last_seq)
+
+    async def stop(self) -> None:
+        """Stop reading, write what was folded (best effort), drop the consumer. Idempotent."""
+        if self.status is not ProjectorStatus.RUNNING:
+            self.status = ProjectorStatus.CLOSED
+            return
+        self.status = ProjectorStatus.CLOSED
+        # The loop also checks the status; stop() repeats the cancel, which
+        # nats-py's fetch can swallow (see renqueue._tasks).
+        await self._supervisor.stop(self._loop)
+        if self._own_supervisor:
+            await self._supervisor.close()
+        if self._state.last_seq > self._stored_seq:
+            try:
+                await self._flush()
+            except Exception as exc:  # noqa: BLE001 - the next projector refolds from the log
+                log.warning("final projection write failed", error=str(exc))
+        await self._release()
+        log.info("projector stopped", projector=self._name, seq=self._stored_seq)
+
+    async def sync(self) -> ProjectionState:
+        """Wait until the *stored* state covers the stream as it is now; return it.
+
+        Whichever projector wrote it: this reads KV, not this instance's memory.
+        Bound the wait with ``asyncio.timeout``.
+        """
+        target = await _stream_last_seq(self._js)
+        while True:
+            # Nothing stored yet, or a value this version cannot read (not yet
+            # overwritten): wait for the next write.
+            with contextlib.suppress(KeyNotFoundError, msgspec.DecodeError):
+                entry = await self._kv.get(STATE_KEY)
+                state = decode_state(entry.value)
+                if state.last_seq >= target:
+                    return state
+            await asyncio.sleep(self._flush_interval / 2)
+
+    async def _load(self) -> None:
+        """Adopt the stored state and its revision (a fresh state if there is none)."""
+        try:
+            entry = await self._kv.get(STATE_KEY)
+        except KeyNotFoundError as exc:
+            # Never written (revision 0), or deleted: then the delete marker's
+            # revision is the one a compare-and-set must name.
+            marker = getattr(exc, "entry", None)
+            self._revision = int(marker.revision) if marker is not None else 0
+            self._state, self._stored_seq = ProjectionState(), 0
+            return
+        self._revision = int(entry.revision)
+        try:
+            self._state = decode_state(entry.value)
+        except msgspec.DecodeError as exc:
+            # Written by an incompatible version, or damaged: the log is the
+            # truth, so fold it again from the start and overwrite (by CAS).
+            log.exception("stored projection undecodable; rebuilding from the log", error=str(exc))
+            self._state = ProjectionState()
+        if self._state.v < STATE_VERSION:
+            # An older schema (v1 keyed in-flight requests by id alone, across
+            # tenants): fold the log again rather than guess what it meant.
+            log.warning(
+                "stored projection has an older schema; rebuilding from the log",
+                stored=self._state.v,
+                current=STATE_VERSION,
+            )
+            self._state = ProjectionState()
+        self._stored_seq = self._state.last_seq
+
+    async def _release(self) -> None:
+        if self._psub is not None:
+            await _drop_consumer(self._js, self._psub)
+            self._psub = None
+
+    async def _run(self) -> None:
+        """The fold loop. Any other error than a restart ends it: the supervisor
+        logs it and runs it again after a backoff, from the state's sequence."""
+        while self.status is ProjectorStatus.RUNNING:
+            try:
+                await self._release()
+                self._psub = await _events_consumer(self._js, self._state.last_seq)
+                await self._consume(self._psub)
+            except _Restart:
+                continue
+
+    async def _consume(self, psub: Any) -> None:
+        idle = 0
+        while self.status is ProjectorStatus.RUNNING:
+            dirty = self._state.last_seq > self._stored_seq
+            timeout = self._fetch_timeout
+            if dirty:
+                due = self._last_write + self._flush_interval - self._clock()
+                timeout = min(timeout, max(0.01, due))
+            try:
+                msgs = await psub.fetch(self._batch, timeout=timeout)
+            except (TimeoutError, NatsTimeoutError):
+                msgs = []
+            if msgs:
+                idle = 0
+                builder = _Builder(self._state)
+                _fold_messages(builder, msgs)
+                self._state = builder.freeze()
+            else:
+                idle += 1
+                if idle % 5 == 0:
+                    await self._check_consumer(psub)
+            if (
+                self._state.last_seq > self._stored_seq
+                and self._clock() - self._last_write >= self._flush_interval
+                and not await self._flush()
+            ):
+                raise _Restart
+
+    async def _check_consumer(self, psub: Any) -> None:
+        """An idle consumer may have been lost (server restart): make it again if so."""
+        try:
+            await psub.consumer_info()
+        except NotFoundError as exc:
+            raise _Restart from exc
+
+    async def _flush(self) -> bool:
+        """Write the state by compare-and-set. False if another projector wrote first
+        (the stored state has then been adopted)."""
+        state = self._state
+        try:
+            self._revision = await self._kv.update(
+                STATE_KEY, encode_state(state), last=self._revision
+            )
+        except KeyWrongLastSequenceError:
+            self.conflicts += 1
+            log.info("projection written by another projector; adopting it", projector=self._name)
+            await self._load()
+            self._last_write = self._clock()
+            return False
+        self._stored_seq = state.last_seq
+        self._last_write = self._clock()
+        self.writes += 1
+        return True

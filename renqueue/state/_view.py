@@ -1,0 +1,239 @@
+"""The state view: a reader's live copy of the stored projection.
+
+:class:`StateView` is what readers (routers, workers) hold: it watches the KV
+key and keeps the latest decoded state in memory. A watch that ends or goes
+quiet while the stored value moved on is re-opened from the current value; one
+that cannot be re-opened fails its loop (and, persisting, its process: see
+:mod:`renqueue._tasks`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from types import TracebackType
+from typing import Any, Self
+
+import msgspec
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import KeyNotFoundError
+
+from .._tasks import Supervisor
+from ..logs import get_logger
+from ..policy import DEFAULT_COOLDOWN, DEFAULT_FAILURE_THRESHOLD, is_healthy
+from ..wire._subjects import STATE_BUCKET
+from ._fold import STATE_KEY, ProjectionState, decode_state
+
+__all__ = ["StateView"]
+
+log = get_logger("projection")
+
+
+# ----------------------------------------------------------------- state view
+
+
+class StateView:
+    """The latest stored projection, kept current by a KV watch.
+
+    Open with ``await StateView.open(js)``; close with :meth:`close` (or use it
+    as an async context manager). Until a projector has written anything the
+    state is empty, and every backend is healthy.
+
+    The watch is followed by a loop under ``supervisor`` (the process's; a
+    private one if not given). A watch can end or go quiet while the stored
+    value moves on (its consumer lost with a server restart, the bucket
+    re-created with sequences starting over): whenever the watch has been
+    silent for ``check_every`` seconds, the view reads the stored revision,
+    and if the watch has still not delivered it at the next check, the watch
+    is re-opened from the current value (logged). A watch that cannot be
+    re-opened fails the loop: the supervisor logs it and retries with
+    backoff, and a view that stays blind takes its process down.
+    """
+
+    def __init__(
+        self,
+        js: Any,
+        *,
+        threshold: int = DEFAULT_FAILURE_THRESHOLD,
+        cooldown: float = DEFAULT_COOLDOWN,
+        supervisor: Supervisor | None = None,
+        name: str = "state-view",
+        check_every: float = 5.0,
+    ) -> None:
+        self._js = js
+        self.threshold = threshold
+        self.cooldown = cooldown
+        self.state = ProjectionState()
+        self.revision = 0
+        #: Times the watch was found ended or stale and re-opened.
+        self.reopened = 0
+        self._own_supervisor = supervisor is None
+        self._supervisor = supervisor if supervisor is not None else Supervisor(name)
+        self._loop = f"{name}-watch"
+        self._check_every = check_every
+        self._kv: Any = None
+        self._watcher: Any = None
+        #: The last entry the watch delivered: (revision, value).
+        self._watch_rev = 0
+        self._watch_value = b""
+        self._behind = False
+        self._broken = False
+        self._changed = asyncio.Event()
+
+    @classmethod
+    async def open(
+        cls,
+        js: Any,
+        *,
+        threshold: int = DEFAULT_FAILURE_THRESHOLD,
+        cooldown: float = DEFAULT_COOLDOWN,
+        supervisor: Supervisor | None = None,
+        name: str = "state-view",
+        check_every: float = 5.0,
+    ) -> StateView:
+        """Watch the stored state; returns once the current value (if any) is loaded."""
+        view = cls(
+            js,
+            threshold=threshold,
+            cooldown=cooldown,
+            supervisor=supervisor,
+            name=name,
+            check_every=check_every,
+        )
+        await view._open_watch()
+        view._supervisor.spawn(view._loop, view._follow)
+        return view
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def expected_duration(self, name: str, *, min_samples: int = 5) -> float | None:
+        """What a call to ``name`` is expected to take; ``None`` until it has
+        ``min_samples`` completions (an estimate from fewer is noise)."""
+        backend = self.state.backends.get(name)
+        if backend is None or backend.calls_completed < min_samples:
+            return None
+        return backend.duration_ewma
+
+    def backend_healthy(self, name: str, now: float) -> bool:
+        """:func:`is_healthy` for ``name`` at Unix time ``now``; unknown backends are healthy."""
+        backend = self.state.backends.get(name)
+        if backend is None:
+            return True
+        return is_healthy(backend, now, threshold=self.threshold, cooldown=self.cooldown)
+
+    async def wait_for(self, seq: int) -> ProjectionState:
+        """Wait until the view reflects stream sequence ``seq`` or later.
+
+        Bound the wait with ``asyncio.timeout``.
+        """
+        while self.state.last_seq < seq:
+            self._changed.clear()
+            await self._changed.wait()
+        return self.state
+
+    async def close(self) -> None:
+        """Stop watching. Idempotent."""
+        await self._supervisor.stop(self._loop)
+        if self._own_supervisor:
+            await self._supervisor.close()
+        await self._close_watch()
+
+    def _take(self, entry: Any) -> None:
+        if entry.value is None or entry.operation is not None:
+            return  # a delete or purge marker: keep what we had
+        try:
+            state = decode_state(entry.value)
+        except msgspec.DecodeError as exc:
+            log.warning("undecodable projection in KV ignored", error=str(exc))
+            return
+        self.state, self.revision = state, int(entry.revision)
+        self._changed.set()
+
+    def _seen(self, entry: Any) -> None:
+        """An entry (value or marker) the watch delivered."""
+        self._watch_rev = int(entry.revision)
+        self._watch_value = bytes(entry.value or b"")
+        self._behind = False
+        self._take(entry)
+
+    async def _open_watch(self) -> None:
+        """Open a watch and load the current value (the watch delivers it, then None)."""
+        self._kv = await self._js.key_value(STATE_BUCKET)
+        self._watcher = await self._kv.watch(STATE_KEY)
+        while (entry := await self._watcher.updates(timeout=5.0)) is not None:
+            self._seen(entry)
+        self._behind = False
+        self._broken = False
+
+    async def _close_watch(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
+    async def _reopen(self, why: str) -> None:
+        log.warning("projection watch re-opened", reason=why, revision=self._watch_rev)
+        self.reopened += 1
+        await self._close_watch()
+        await self._open_watch()
+
+    async def _stored(self) -> tuple[int, bytes]:
+        """The stored entry (or its delete marker): (revision, value); (0, b"") if none."""
+        try:
+            entry = await self._kv.get(STATE_KEY)
+        except KeyNotFoundError as exc:
+            marker = getattr(exc, "entry", None)
+            if marker is None:
+                return 0, b""
+            return int(marker.revision), bytes(marker.value or b"")
+        return int(entry.revision), bytes(entry.value or b"")
+
+    async def _stale(self) -> bool:
+        """The watch was quiet for a while: has the stored value moved on without it?
+
+        The stored entry is compared by revision *and* value: a bucket
+        re-created (after a store was lost) counts revisions from 1 again, so
+        a revision alone could match the watch's last one by chance. Stale
+        only when an entry stored at the previous check has still not
+        arrived, so a value on its way when the check ran is no false alarm.
+        """
+        if await self._stored() == (self._watch_rev, self._watch_value):
+            self._behind = False
+            return False
+        was_behind, self._behind = self._behind, True
+        return was_behind
+
+    async def _follow(self) -> None:
+        """Take each update; re-open the watch when it ended or went stale.
+
+        An error (the bucket gone, the server unreachable) ends this run: the
+        supervisor logs it and starts the loop again, which re-opens the watch.
+        """
+        try:
+            if self._broken or self._watcher is None:
+                await self._reopen("the previous watch failed")
+            while True:
+                try:
+                    entry = await self._watcher.updates(timeout=self._check_every)
+                except NatsTimeoutError:
+                    if await self._stale():
+                        await self._reopen("silent while the stored value changed")
+                    continue
+                if entry is None:
+                    continue
+                if entry is self._watcher.STOP_ITER:
+                    await self._reopen("the watch ended")
+                    continue
+                self._seen(entry)
+        except Exception:
+            self._broken = True
+            raise

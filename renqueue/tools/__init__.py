@@ -1,0 +1,29 @@
+"""Tools around Ren-Queue, not part of it: the mock LLM backend and the demo.
+
+Needs the ``mock`` extra (aiohttp).
+
+- :class:`MockBackend` (``_mockbackend``): an OpenAI-compatible server on
+  loopback with declared limits and real 429s, for the demo, tests and benchmarks.
+- :func:`run_demo` (``_demo``): ``renqueue demo``.
+"""
+
+from ._demo import demo_config, run_demo
+from ._mockbackend import (
+    MockBackend,
+    MockSettings,
+    MockStats,
+    format_reset,
+    run_mock_backend,
+    serve,
+)
+
+__all__ = [
+    "MockBackend",
+    "MockSettings",
+    "MockStats",
+    "demo_config",
+    "format_reset",
+    "run_demo",
+    "run_mock_backend",
+    "serve",
+]
