@@ -347,6 +347,10 @@ CEILINGS: tuple[tuple[str, str, Callable[[dict[str, Any]], float]], ...] = (
 )
 
 
+def _cpu_ms(report: dict[str, Any], level: str) -> float:
+    return float(report["pipeline"]["levels"][level]["python_cpu_ms_per_request"])
+
+
 def spread(values: list[float]) -> dict[str, Any]:
     median = statistics.median(values)
     low, high = min(values), max(values)
@@ -404,7 +408,7 @@ def at(
 
 def summarise(
     runs: list[dict[str, Any]], levels: list[str]
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     def values(side: str, read: Callable[[dict[str, Any]], float]) -> list[float]:
         return [read(run["report"]) for run in runs if run["side"] == side]
 
@@ -439,7 +443,18 @@ def summarise(
             "new": new,
             "new_over_old": new["median"] / old["median"] if old["median"] else float("nan"),
         }
-    return table, ceilings
+    # CPU of the benchmark's Python process per request: less moved by waiting on other
+    # processes than rates and latencies are, though not immune (caches, clock); shown,
+    # not judged.
+    cpu = {
+        level: judge(
+            values("old", at(_cpu_ms, level)),
+            values("new", at(_cpu_ms, level)),
+            higher_is_better=False,
+        )
+        for level in levels
+    }
+    return table, ceilings, cpu
 
 
 # ---------------------------------------------------------------------- report
@@ -501,6 +516,17 @@ def print_report(result: dict[str, Any]) -> None:
                     f" {judged['new_over_old']:>8.2f} {band:>6}"
                 )
             print(f"  -> {row['label']}: {row['verdict']}")
+
+    print(
+        "\nPython CPU per request, ms (the process running client, routers and workers; not judged)"
+    )
+    print(head)
+    for level, judged in result["python_cpu_ms_per_request"].items():
+        band = "±" + format(100 * judged["band"], ".0f") + "%"
+        print(
+            f"  {'C=' + level:<30} {cell(judged['old']):>24} {cell(judged['new']):>24}"
+            f" {judged['new_over_old']:>8.2f} {band:>6}"
+        )
     summary = result["verdict"]
     print()
     if summary["slower"]:
@@ -579,7 +605,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         else:
             shutil.rmtree(work, ignore_errors=True)
     info["loadavg_end"] = list(os.getloadavg())
-    table, ceilings = summarise(runs, levels)
+    table, ceilings, cpu = summarise(runs, levels)
 
     def where(outcome: str) -> list[str]:
         return [
@@ -614,6 +640,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "machine": info,
         "ceilings": ceilings,
         "table": table,
+        "python_cpu_ms_per_request": cpu,
         "verdict": {
             "slower": where("slower"),
             "inconclusive": where("inconclusive"),
