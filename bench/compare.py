@@ -1,7 +1,7 @@
 """Not slower: an old commit's ``bench/pipeline.py`` against this checkout's, run alternately.
 
 Run with ``make bench-compare`` (``OLD=<commit>``, default 51190ec, the commit before
-issue #7's work began; about 5 minutes for 3 rounds once the old side is set up) or
+issue #7's work began; about 4.5 minutes for 3 rounds once the old side is set up) or
 ``python bench/compare.py --old <commit> --rounds N``.
 
 Each side runs its *own* ``bench/pipeline.py`` with its *own* virtualenv, as a
