@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck check bench bench-scheduling chaos clean
+.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling chaos clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,13 @@ typecheck: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/pipeline.py
+
+# Not slower (issue #7): OLD's own bench/pipeline.py (its own extract and venv, cached in
+# .renqueue/bench-compare/) against this checkout's, alternately, ROUNDS runs each.
+OLD ?= 51190ec
+ROUNDS ?= 3
+bench-compare: $(STAMP)
+	$(BIN)/python bench/compare.py --old $(OLD) --rounds $(ROUNDS)
 
 bench-scheduling: $(STAMP)
 	$(BIN)/python bench/scheduling.py
