@@ -217,7 +217,7 @@ async def test_a_cancel_that_lands_while_a_run_starts_is_not_missed(
     [worker] = stack.workers
     watch = stack.cancels
     assert watch is not None
-    start = worker._start  # the window under test is inside the run
+    start = worker._start_run  # the window under test is inside the run
     seen = asyncio.Event()
     watch.listen(lambda _event: seen.set())
 
@@ -230,7 +230,7 @@ async def test_a_cancel_that_lands_while_a_run_starts_is_not_missed(
         await asyncio.wait_for(seen.wait(), 10)  # the watch has read it
         return acks
 
-    monkeypatch.setattr(worker, "_start", start_then_cancel)
+    monkeypatch.setattr(worker, "_start_run", start_then_cancel)
     async with Client(stack.nc, tenant="t") as client:
         handle = await client.submit("cancel me as I start", route="chat")
         with pytest.raises(RequestCancelledError):

@@ -42,6 +42,7 @@ import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError
 
+from .._lifecycle import Lifecycle
 from .._tasks import Supervisor
 from ..logs import bound_request, get_logger
 from ..state._coalescing import Coalescer, coalesce_key
@@ -91,7 +92,7 @@ class _Subject(msgspec.Struct, frozen=True, kw_only=True):
     request: InferenceRequest | None = None
 
 
-class AdvisoryReader:
+class AdvisoryReader(Lifecycle):
     """Ends every request whose message ran out of deliveries (see the module docstring)."""
 
     def __init__(self, js: Any, *, supervisor: Supervisor | None = None) -> None:
@@ -101,13 +102,14 @@ class AdvisoryReader:
         self._own_supervisor = supervisor is None
         self._supervisor = supervisor or Supervisor("advisories")
         self._loop = "advisories"
+        self._name = "advisories"
         #: Requests this reader ended (for logs and tests).
         self.ended = 0
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         self._supervisor.spawn(self._loop, self._read)
 
-    async def stop(self) -> None:
+    async def _stop(self) -> None:
         await self._supervisor.stop(self._loop)
         if self._own_supervisor:
             await self._supervisor.close()

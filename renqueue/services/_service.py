@@ -16,14 +16,13 @@ routers' state, retry while JetStream cannot answer, logging each attempt (see
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Protocol, Self, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from .._lifecycle import Lifecycle, State
 from .._tasks import Supervisor, cancel_and_wait
 from ..backends import Backend, make_backend
 from ..config import Config, parse_duration
@@ -51,14 +50,7 @@ class _Startable(Protocol):
 _S = TypeVar("_S", bound=_Startable)
 
 
-class State(enum.Enum):
-    UNOPENED = "unopened"
-    RUNNING = "running"
-    DRAINING = "draining"
-    CLOSED = "closed"
-
-
-class Services:
+class Services(Lifecycle):
     """Start what this process should run; stop it all in order on exit.
 
     ``backends=None`` runs a worker for every configured backend; ``[]`` none.
@@ -83,7 +75,6 @@ class Services:
         # any number of projectors may run (they compare-and-set the state).
         self._run_projector = routers > 0 if projector is None else projector
         self._name = name
-        self.state = State.UNOPENED
         self.server: EmbeddedServer | None = None
         self.nc: Any = None
         self.js: Any = None
@@ -99,6 +90,11 @@ class Services:
         self.supervisor = Supervisor(name)
 
     @property
+    def state(self) -> State:
+        """Where the services are in their lifecycle (the same as :attr:`status`)."""
+        return self.status
+
+    @property
     def url(self) -> str:
         if self.config.nats.url:
             return self.config.nats.url
@@ -106,78 +102,60 @@ class Services:
             raise RuntimeError("services are not running")
         return self.server.url
 
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
-    async def start(self) -> None:
-        if self.state is not State.UNOPENED:
-            raise RuntimeError(f"cannot start services in state {self.state.value}")
-        self.state = State.RUNNING
-        try:
-            # Everything that can be checked is checked before anything starts.
-            self._check()
-            if not self.config.nats.url:
-                nats = self.config.nats
-                self.server = EmbeddedServer(Path(nats.data_dir), host=nats.host, port=nats.port)
-                await self.server.start()
-                log.info("embedded nats-server started", url=self.server.url)
-            self.nc = await connect(self.url, name=self._name, config=self.config.nats)
-            self.js = self.nc.jetstream()
-            if self._provision:
-                await provision(self.nc, self.config)
-            self.cancels = CancelWatch(self.js, supervisor=self.supervisor)
-            await self.cancels.start()
-            if self._run_projector:
-                self.projector = await self._start_waiting(
-                    "projector",
-                    functools.partial(
-                        Projector,
-                        self.js,
-                        name=f"{self._name}-projector",
-                        supervisor=self.supervisor,
-                    ),
-                )
-            for index in range(self._router_count):
-                router = await self._start_waiting(
-                    f"router {index}",
-                    functools.partial(
-                        Router,
-                        self.nc,
-                        self.js,
-                        self.config,
-                        name=f"{self._name}-router-{index}",
-                        cancels=self.cancels,
-                        supervisor=self.supervisor,
-                    ),
-                )
-                self.routers.append(router)
-            for backend_name, adapter in zip(self._backend_names, self._adapters, strict=True):
-                worker = Worker(
+    async def _start(self) -> None:
+        # A failure (or a cancellation) here stops what was opened: see Lifecycle.start.
+        # Everything that can be checked is checked before anything starts.
+        self._check()
+        if not self.config.nats.url:
+            nats = self.config.nats
+            self.server = EmbeddedServer(Path(nats.data_dir), host=nats.host, port=nats.port)
+            await self.server.start()
+            log.info("embedded nats-server started", url=self.server.url)
+        self.nc = await connect(self.url, name=self._name, config=self.config.nats)
+        self.js = self.nc.jetstream()
+        if self._provision:
+            await provision(self.nc, self.config)
+        self.cancels = CancelWatch(self.js, supervisor=self.supervisor)
+        await self.cancels.start()
+        if self._run_projector:
+            self.projector = await self._start_waiting(
+                "projector",
+                functools.partial(
+                    Projector,
+                    self.js,
+                    name=f"{self._name}-projector",
+                    supervisor=self.supervisor,
+                ),
+            )
+        for index in range(self._router_count):
+            router = await self._start_waiting(
+                f"router {index}",
+                functools.partial(
+                    Router,
                     self.nc,
                     self.js,
                     self.config,
-                    backend_name,
-                    adapter,
+                    name=f"{self._name}-router-{index}",
                     cancels=self.cancels,
                     supervisor=self.supervisor,
-                )
-                await worker.start()
-                self.workers.append(worker)
-            if self.routers or self.workers:
-                self.advisories = AdvisoryReader(self.js, supervisor=self.supervisor)
-                await self.advisories.start()
-        except BaseException:
-            await self.close()
-            raise
+                ),
+            )
+            self.routers.append(router)
+        for backend_name, adapter in zip(self._backend_names, self._adapters, strict=True):
+            worker = Worker(
+                self.nc,
+                self.js,
+                self.config,
+                backend_name,
+                adapter,
+                cancels=self.cancels,
+                supervisor=self.supervisor,
+            )
+            await worker.start()
+            self.workers.append(worker)
+        if self.routers or self.workers:
+            self.advisories = AdvisoryReader(self.js, supervisor=self.supervisor)
+            await self.advisories.start()
 
     async def _start_waiting(self, step: str, make: Callable[[], _S]) -> _S:
         """``make()`` and start it; while JetStream cannot answer, stop it and
@@ -185,11 +163,7 @@ class Services:
 
         async def attempt() -> _S:
             component = make()
-            try:
-                await component.start()
-            except BaseException:
-                await component.stop()
-                raise
+            await component.start()  # a failed start has stopped the component
             return component
 
         patience = parse_duration(self.config.nats.startup_wait)
@@ -224,17 +198,17 @@ class Services:
             self._adapters.append(adapter)
 
     async def close(self) -> None:
-        """Stop in the fixed order. Idempotent. The embedded server is stopped
-        whatever happens before (an error, a cancellation): it never outlives us."""
-        if self.state in (State.DRAINING, State.CLOSED):
-            return
-        self.state = State.DRAINING
+        """Stop in the fixed order. Idempotent (the same as :meth:`stop`)."""
+        await self.stop()
+
+    async def _stop(self) -> None:
+        """The embedded server is stopped whatever happens before (an error, a
+        cancellation): it never outlives us."""
         try:
             await self._stop_services()
         finally:
             if self.server is not None:
                 await self.server.stop()
-            self.state = State.CLOSED
 
     async def _stop_services(self) -> None:
         """Everything but the embedded server, in order."""

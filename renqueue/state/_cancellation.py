@@ -65,6 +65,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from .._lifecycle import Lifecycle
 from .._tasks import Supervisor, cancel_and_wait
 from ..logs import get_logger
 from ..wire._eventlog import delete_consumer
@@ -120,7 +121,7 @@ def _seconds(when: datetime.datetime | None) -> float:
     return when.timestamp() if when is not None else 0.0
 
 
-class CancelWatch:
+class CancelWatch(Lifecycle):
     """The requests recently cancelled, by (tenant, request id), kept current from the log.
 
     ``supervisor`` runs the watch's loop (a private one when ``None``).
@@ -158,20 +159,16 @@ class CancelWatch:
         self._known_since = 0.0
         #: Stream sequence to resume from after a failure (0: from the horizon).
         self._next_seq = 0
-        self._task: asyncio.Task[Any] | None = None
-        self._started = False
+        self._name = "cancel-watch"
 
     @property
     def caught_up(self) -> bool:
         """True once every cancellation logged before the start has been read."""
         return self._caught_up.is_set()
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         """Start the loop; return once every cancellation already logged is known,
         so no router or worker acts on a request before it could know."""
-        if self._started:
-            raise RuntimeError("the cancel watch is already started")
-        self._started = True
         self._known_since = self._clock() - self._horizon
         self._supervisor.spawn(LOOP, self._follow)
         waiting = asyncio.create_task(self._caught_up.wait())
@@ -183,21 +180,35 @@ class CancelWatch:
         if not self.caught_up:
             log.warning("cancellations still loading; continuing", waited=_CATCH_UP)
 
-    async def stop(self) -> None:
-        """Stop the loop (and the private supervisor). Idempotent."""
-        if self._task is not None:
-            await cancel_and_wait([self._task])
-            self._task = None
+    async def _stop(self) -> None:
+        """Stop the loop (and the private supervisor)."""
+        await self._supervisor.stop(LOOP)
         if self._own_supervisor:
             await self._supervisor.close()
 
-    def listen(self, callback: Callable[[CancelRequested], None]) -> None:
-        """Call ``callback`` for each cancellation read from now on.
+    def listen(self, callback: Callable[[CancelRequested], None]) -> Callable[[], None]:
+        """Call ``callback`` for each cancellation read from now on; returns the
+        function that removes it again (idempotent), for its owner's stop.
 
         The event it gets agrees with its subject: its ``tenant`` and
         ``request_id`` can be trusted.
         """
         self._listeners.append(callback)
+
+        def unlisten() -> None:
+            self.unlisten(callback)
+
+        return unlisten
+
+    def unlisten(self, callback: Callable[[CancelRequested], None]) -> None:
+        """Stop calling ``callback`` (registered with :meth:`listen`); no-op if it is not."""
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(callback)
+
+    @property
+    def listeners(self) -> int:
+        """How many listeners are registered."""
+        return len(self._listeners)
 
     def __len__(self) -> int:
         """How many cancellations are held in memory (at most ``keep``)."""
@@ -249,7 +260,6 @@ class CancelWatch:
 
     async def _follow(self) -> None:
         """Read cancellations until stopped; raise (to be restarted) on any failure."""
-        self._task = asyncio.current_task()
         psub = await self._subscribe()
         try:
             if (await psub.consumer_info()).num_pending == 0:
@@ -278,7 +288,7 @@ class CancelWatch:
                         subject=msg.subject)  # fmt: skip
             return
         self._remember((event.tenant, event.request_id), _seconds(msg.metadata.timestamp))
-        for callback in self._listeners:
+        for callback in list(self._listeners):  # a listener may unlisten
             try:
                 callback(event)
             except Exception:  # one listener must not starve the others

@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import time
 from collections.abc import Callable, Iterable
-from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, Final
 
 import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
+from .._lifecycle import Lifecycle, State
 from .._tasks import Supervisor
 from ..logs import get_logger
 from ..wire._eventlog import subject_agrees
@@ -140,17 +139,15 @@ async def rebuild(js: Any, *, upto: int | None = None) -> ProjectionState:
 # ------------------------------------------------------------------ projector
 
 
-class ProjectorStatus(enum.Enum):
-    UNOPENED = "unopened"
-    RUNNING = "running"
-    CLOSED = "closed"
+#: A projector's lifecycle state: the one of every component (:mod:`renqueue._lifecycle`).
+ProjectorStatus = State
 
 
 class _Restart(Exception):
     """The state was replaced by the stored one: read the log again after it."""
 
 
-class Projector:
+class Projector(Lifecycle):
     """Folds ``RQ_EVENTS`` into the KV key ``rq-state/projection``, continuously.
 
     Why an ephemeral ordered-by-sequence consumer started after the stored
@@ -201,7 +198,6 @@ class Projector:
         self._fetch_timeout = fetch_timeout
         self._batch = batch
         self._clock = clock
-        self.status = ProjectorStatus.UNOPENED
         self._kv: Any = None
         self._state = ProjectionState()
         self._revision = 0
@@ -216,38 +212,19 @@ class Projector:
         """The state folded so far (may be ahead of the stored one by one flush)."""
         return self._state
 
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
-
-    async def start(self) -> None:
+    async def _start(self) -> None:
         """Load the stored state and start folding after its sequence.
 
         Raises ``nats.js.errors.BucketNotFoundError`` if ``rq-state`` was not
         provisioned.
         """
-        if self.status is not ProjectorStatus.UNOPENED:
-            raise RuntimeError(f"cannot start a projector in state {self.status.value}")
         self._kv = await self._js.key_value(STATE_BUCKET)
         await self._load()
-        self.status = ProjectorStatus.RUNNING
         self._supervisor.spawn(self._loop, self._run)
         log.info("projector started", projector=self._name, after=self._state.last_seq)
 
-    async def stop(self) -> None:
-        """Stop reading, write what was folded (best effort), drop the consumer. Idempotent."""
-        if self.status is not ProjectorStatus.RUNNING:
-            self.status = ProjectorStatus.CLOSED
-            return
-        self.status = ProjectorStatus.CLOSED
+    async def _stop(self) -> None:
+        """Stop reading, write what was folded (best effort), drop the consumer."""
         # The loop also checks the status; stop() repeats the cancel, which
         # nats-py's fetch can swallow (see renqueue._tasks).
         await self._supervisor.stop(self._loop)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from types import TracebackType
 from typing import Any, Self
 
 import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import KeyNotFoundError
 
+from .._lifecycle import Lifecycle, State
 from .._tasks import Supervisor
 from ..logs import get_logger
 from ..policy import DEFAULT_COOLDOWN, DEFAULT_FAILURE_THRESHOLD, is_healthy
@@ -32,7 +32,7 @@ log = get_logger("projection")
 # ----------------------------------------------------------------- state view
 
 
-class StateView:
+class StateView(Lifecycle):
     """The latest stored projection, kept current by a KV watch.
 
     Open with ``await StateView.open(js)``; close with :meth:`close` (or use it
@@ -61,6 +61,7 @@ class StateView:
         check_every: float = 5.0,
     ) -> None:
         self._js = js
+        self._name = name
         self.threshold = threshold
         self.cooldown = cooldown
         self.state = ProjectionState()
@@ -100,20 +101,21 @@ class StateView:
             name=name,
             check_every=check_every,
         )
-        await view._open_watch()
-        view._supervisor.spawn(view._loop, view._follow)
+        await view.start()
         return view
 
     async def __aenter__(self) -> Self:
+        """Start the view, unless :meth:`open` already has.
+
+        So both ``async with StateView(js)`` and ``async with await StateView.open(js)`` work.
+        """
+        if self.status is not State.RUNNING:
+            await self.start()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
+    async def _start(self) -> None:
+        await self._open_watch()
+        self._supervisor.spawn(self._loop, self._follow)
 
     def expected_duration(self, name: str, *, min_samples: int = 5) -> float | None:
         """What a call to ``name`` is expected to take; ``None`` until it has
@@ -141,7 +143,10 @@ class StateView:
         return self.state
 
     async def close(self) -> None:
-        """Stop watching. Idempotent."""
+        """Stop watching. Idempotent (the same as :meth:`stop`)."""
+        await self.stop()
+
+    async def _stop(self) -> None:
         await self._supervisor.stop(self._loop)
         if self._own_supervisor:
             await self._supervisor.close()

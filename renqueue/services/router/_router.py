@@ -62,6 +62,7 @@ import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from ... import metrics
+from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor
 from ...config import Config, parse_duration
 from ...logs import get_logger
@@ -132,7 +133,7 @@ _FAILURES_KEPT: Final = 10_000
 _GIVE_UP_AFTER_FAILURES: Final = 3
 
 
-class Router:
+class Router(Lifecycle):
     """One router process's loop. Stateless: any number may run side by side."""
 
     def __init__(
@@ -177,6 +178,8 @@ class Router:
         self._inflight: set[asyncio.Task[None]] = set()
         self._capacity_sub: Any = None
         self._subs: list[Any] = []
+        #: Removes this router's cancel listener (set while it is registered).
+        self._unlisten: Callable[[], None] | None = None
         #: The binder's lease: only its holder fetches and binds (see module doc).
         self._lease = Lease(
             js,
@@ -216,14 +219,14 @@ class Router:
         """This router's name in the binder's lease (unique per instance)."""
         return self._lease.holder
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         """Open the state, listen, and seek the binder's lease (bind if it is free)."""
         self._consumer_configs = router_consumer_configs(self._config)
         self._state = await StateView.open(
             self._js, supervisor=self._supervisor, name=f"{self._name}-state"
         )
         if self._cancels is not None:
-            self._cancels.listen(self._on_cancel_requested)
+            self._unlisten = self._cancels.listen(self._on_cancel_requested)
         self._capacity_sub = await self._nc.subscribe(capacity_subject("*"), cb=self._on_freed)
         self._subs.append(self._capacity_sub)
         self._subs.append(await self._nc.subscribe(boost_subject("*"), cb=self._on_boost))
@@ -357,8 +360,11 @@ class Router:
         self._loops.append(name)
         self._supervisor.spawn(name, factory)
 
-    async def stop(self) -> None:
+    async def _stop(self) -> None:
         """Stop taking work, let in-flight dispatches land, give the lease up."""
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
         # Jobs cut short leave their follower in its group: its leader's hand-out ends it.
         await self._supervisor.stop(*self._loops, *self._supervisor.jobs(self._job_prefix))
         self._loops.clear()

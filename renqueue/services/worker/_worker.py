@@ -61,6 +61,7 @@ from nats.js.errors import (
 )
 
 from ... import metrics
+from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor, cancel_and_wait
 from ...backends import Backend
 from ...config import BackendConfig, Config, parse_duration
@@ -118,7 +119,7 @@ def _broker_unavailable(exc: BaseException) -> bool:
     )
 
 
-class Worker:
+class Worker(Lifecycle):
     """Serves one backend. ``start()``, then ``stop()`` to drain."""
 
     def __init__(
@@ -167,6 +168,8 @@ class Worker:
         #: Names of this worker's loops under the supervisor.
         self._loops: list[str] = []
         self._sub: Any = None
+        #: Removes this worker's cancel listener (set while it is registered).
+        self._unlisten: Callable[[], None] | None = None
         self.completed = 0
         self.failed = 0
 
@@ -174,9 +177,9 @@ class Worker:
     def backend_name(self) -> str:
         return self._backend_name
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         if self._cancels is not None:
-            self._cancels.listen(self._on_cancel_requested)
+            self._unlisten = self._cancels.listen(self._on_cancel_requested)
         # Every worker of the backend hears each preemption ask (no queue
         # group: the run to preempt may be in any of them) and offers; the
         # router confirms one, on this worker's own subject (renqueue.wire._preemption).
@@ -203,8 +206,11 @@ class Worker:
             if pool is not None and backend.pool == pool and name != self._backend_name
         ]
 
-    async def stop(self) -> None:
+    async def _stop(self) -> None:
         """Stop fetching, let in-flight runs finish within the bound, nak the rest."""
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
         await self._supervisor.stop(*self._loops)
         self._loops.clear()
         if self._preempt_sub is not None:
@@ -355,7 +361,7 @@ class Worker:
         delivery = int(msg.metadata.num_delivered)
         if await self._refused(msg, dispatch, delivery, run):
             return
-        pending_acks = await self._start(msg, dispatch, run)
+        pending_acks = await self._start_run(msg, dispatch, run)
         if pending_acks is None:
             return
         # The call runs as a task of its own, so a cancellation or preemption
@@ -455,7 +461,7 @@ class Worker:
             return True
         return False
 
-    async def _start(
+    async def _start_run(
         self, msg: Any, dispatch: Dispatch, run: int
     ) -> list[asyncio.Future[Any]] | None:
         """Record ``started``; the pending acks to wait for, or ``None`` to step back."""
@@ -490,7 +496,7 @@ class Worker:
 
         A move is handed over only while its copy can still run (it is
         stored, or was moved on). A copy gone without an outcome stepped back
-        for a run of this very message (the run claim, see ``_start``), and
+        for a run of this very message (the run claim, see ``_start_run``), and
         that run's worker died: this message is then the request's only
         lease, and it runs.
         """
