@@ -81,7 +81,13 @@ from nats.js.errors import (
 )
 
 from ..logs import get_logger
-from ..wire._eventlog import EventLog, delete_consumer, publish_stored, subject_agrees
+from ..wire._eventlog import (
+    WRONG_LAST_SEQUENCE,
+    EventLog,
+    delete_consumer,
+    publish_stored,
+    subject_agrees,
+)
 from ..wire._messages import (
     EVENT_DECODER,
     Cancelled,
@@ -112,7 +118,6 @@ log = get_logger("coalescing")
 _TRIES: Final = 8
 #: JetStream's "wrong last sequence" (a compare-and-set lost).
 _WRONG_LAST_SEQUENCE: Final = 10071
-_WRONG_LAST_SEQUENCES: Final = frozenset({10071, 10164})
 #: Seconds subtracted from a leader's submit time (the requests stream's clock)
 #: when its followers are looked up in the log (the events stream's clock: on
 #: a cluster, another node's).
@@ -199,7 +204,7 @@ class Coalescer:
                 f"$KV.{STATE_BUCKET}.{name}", msgspec.json.encode(group), headers=headers
             )
         except APIError as exc:
-            if exc.err_code in _WRONG_LAST_SEQUENCES:
+            if exc.err_code in WRONG_LAST_SEQUENCE:
                 raise KeyWrongLastSequenceError(description=exc.description) from exc
             raise
 

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any, Final
 
-from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError
 
+from ..wire._eventlog import is_wrong_last_sequence
 from ..wire._subjects import LEASE_BUCKET
 
 __all__ = ["LEASE_MARGIN", "Lease"]
@@ -40,12 +42,6 @@ __all__ = ["LEASE_MARGIN", "Lease"]
 #: The share of the ttl a holder gives up, for the time between its validity
 #: check and the act it guards, and for the server's write being stored late.
 LEASE_MARGIN: Final = 0.25
-
-#: nats-py reports a compare-and-set on a stale revision as this API error
-#: code when it does not map it to KeyWrongLastSequenceError.
-_WRONG_LAST_SEQUENCE: Final = 10071
-#: ... and this one on a cluster, for a delete (nats-py maps it for create/update only).
-_WRONG_LAST_SEQUENCE_CLUSTERED: Final = 10164
 
 
 class Lease:
@@ -62,7 +58,7 @@ class Lease:
         holder: str,
         ttl: float,
         *,
-        clock: Any = time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._js = js
         self.key = key
@@ -114,10 +110,8 @@ class Lease:
             # The create found the key taken, and nats-py's look at it found
             # it gone: it expired in between. The next attempt creates it.
             return False
-        except KeyWrongLastSequenceError:
-            return await self._adopt(kv)
-        except BadRequestError as exc:
-            if exc.err_code != _WRONG_LAST_SEQUENCE:
+        except Exception as exc:
+            if not is_wrong_last_sequence(exc):
                 raise
             return await self._adopt(kv)
         self._granted(revision, sent, new_term=True)
@@ -144,11 +138,8 @@ class Lease:
         sent = self._clock()
         try:
             revision = await kv.update(self.key, self.holder.encode(), last=self._revision)
-        except KeyWrongLastSequenceError:
-            self._lost()
-            return False
-        except BadRequestError as exc:
-            if exc.err_code != _WRONG_LAST_SEQUENCE:
+        except Exception as exc:
+            if not is_wrong_last_sequence(exc):
                 raise
             self._lost()
             return False
@@ -164,10 +155,10 @@ class Lease:
         kv = await self._bucket()
         try:
             await kv.delete(self.key, last=revision)
-        except (KeyWrongLastSequenceError, KeyNotFoundError):
-            pass  # already someone else's, or expired: nothing to give up
-        except BadRequestError as exc:
-            if exc.err_code not in (_WRONG_LAST_SEQUENCE, _WRONG_LAST_SEQUENCE_CLUSTERED):
+        except KeyNotFoundError:
+            pass  # expired: nothing to give up
+        except Exception as exc:
+            if not is_wrong_last_sequence(exc):  # else already someone else's
                 raise
 
     def _granted(self, revision: int, sent: float, *, new_term: bool) -> None:

@@ -11,8 +11,10 @@
 """
 
 from ._eventlog import (
+    WRONG_LAST_SEQUENCE,
     EventLog,
     delete_consumer,
+    is_wrong_last_sequence,
     msg_id_of,
     publish_stored,
     read_messages,
@@ -134,6 +136,7 @@ __all__ = [
     "TERMINAL_KINDS",
     "TOKENS_STREAM",
     "TOKEN_DECODER",
+    "WRONG_LAST_SEQUENCE",
     "Answer",
     "Ask",
     "CancelRequested",
@@ -171,6 +174,7 @@ __all__ = [
     "events_of_request",
     "is_requeue_subject",
     "is_terminal",
+    "is_wrong_last_sequence",
     "kind_of",
     "max_deliveries_advisory",
     "msg_id",

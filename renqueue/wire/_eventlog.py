@@ -48,7 +48,7 @@ from typing import Any, Final
 
 import msgspec
 from nats.js.api import AckPolicy, DeliverPolicy
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, KeyWrongLastSequenceError, NotFoundError
 
 from ._messages import (
     CLAIM_DECODER,
@@ -85,8 +85,10 @@ from ._subjects import (
 )
 
 __all__ = [
+    "WRONG_LAST_SEQUENCE",
     "EventLog",
     "delete_consumer",
+    "is_wrong_last_sequence",
     "msg_id_of",
     "publish_stored",
     "read_messages",
@@ -97,12 +99,24 @@ __all__ = [
 _MSG_ID: Final = "Nats-Msg-Id"
 _EXPECTED_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
 #: JetStream's "wrong last sequence" publish errors: the subject is not as expected.
-_WRONG_LAST_SEQUENCE: Final = frozenset({10071, 10164})
+WRONG_LAST_SEQUENCE: Final = frozenset({10071, 10164})
 _CLAIMS_STREAM: Final = f"KV_{TERMINAL_BUCKET}"
 #: A replay consumer left behind (its reader died) goes away this long after.
 _REPLAY_INACTIVE: Final = 10.0
 #: Bound on deleting a consumer: closing never waits longer than this.
 _DELETE_TIMEOUT: Final = 1.0
+
+
+def is_wrong_last_sequence(exc: BaseException) -> bool:
+    """Whether ``exc`` is a compare-and-set that found its subject moved on.
+
+    nats-py reports it as ``KeyWrongLastSequenceError`` for a KV create or
+    update, and as a plain API error (10071, or 10164 on a cluster) for a KV
+    delete or a raw publish with ``Nats-Expected-Last-Subject-Sequence``.
+    """
+    if isinstance(exc, KeyWrongLastSequenceError):
+        return True
+    return isinstance(exc, APIError) and exc.err_code in WRONG_LAST_SEQUENCE
 
 
 def msg_id_of(event: Event) -> str | None:
@@ -408,7 +422,7 @@ class EventLog:
                 headers={_EXPECTED_LAST_SUBJECT_SEQ: "0"},
             )
         except APIError as exc:
-            if exc.err_code in _WRONG_LAST_SEQUENCE:
+            if exc.err_code in WRONG_LAST_SEQUENCE:
                 return False
             raise
         return True
@@ -449,7 +463,7 @@ class EventLog:
                 headers={_EXPECTED_LAST_SUBJECT_SEQ: "0"},
             )
         except APIError as exc:
-            if exc.err_code not in _WRONG_LAST_SEQUENCE:
+            if exc.err_code not in WRONG_LAST_SEQUENCE:
                 raise
 
     async def _after_last_chunk(self, tenant: str, request_id: str) -> tuple[int, int]:
