@@ -230,14 +230,12 @@ class Router(Lifecycle):
         self._capacity_sub = await self._nc.subscribe(capacity_subject("*"), cb=self._on_freed)
         self._subs.append(self._capacity_sub)
         self._subs.append(await self._nc.subscribe(boost_subject("*"), cb=self._on_boost))
-        ttl = self._lease.ttl
-        with contextlib.suppress(Exception):
-            # The server expires the lease by the bucket's max_age, which the
-            # last process to provision set: judge validity by the shorter.
-            info = await self._js.stream_info(f"KV_{LEASE_BUCKET}")
-            if info.config.max_age:
-                ttl = min(ttl, float(info.config.max_age))
-        self._lease.ttl = ttl
+        # The server expires the lease by the bucket's max_age, which the last
+        # process to provision set: judge validity by the shorter. (Not
+        # suppressed: a router that cannot read it must not guess.)
+        info = await self._js.stream_info(f"KV_{LEASE_BUCKET}")
+        if info.config.max_age:
+            self._lease.ttl = min(self._lease.ttl, float(info.config.max_age))
         # One attempt now, so a lone router binds as soon as it has started.
         if await self._lease.try_acquire():
             async with self._term_lock:
