@@ -49,19 +49,14 @@ from types import TracebackType
 from typing import Any, Final, Self, TypeVar
 
 import msgspec
-from nats.errors import (
-    ConnectionReconnectingError,
-    FlushTimeoutError,
-    NoRespondersError,
-    OutboundBufferLimitError,
-    StaleConnectionError,
-)
-from nats.js.api import AckPolicy, DeliverPolicy
-from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
 from .config import NatsConfig
 from .errors import (
     MalformedRequestError,
+    NatsClosedError,
+    NatsError,
+    NatsNoRespondersError,
+    NatsUnavailableError,
     RequestCancelledError,
     RequestExpiredError,
     RequestFailedError,
@@ -92,6 +87,14 @@ from .wire._messages import (
     is_terminal,
     kind_of,
 )
+from .wire._nats import (
+    AckPolicy,
+    Connection,
+    DeliverPolicy,
+    Message,
+    NatsClient,
+    Subscription,
+)
 from .wire._subjects import (
     EVENTS_STREAM,
     TOKENS_STREAM,
@@ -111,22 +114,15 @@ log = get_logger("client")
 #: Failures of a read that pass by themselves: a timeout (nats-py's is a
 #: TimeoutError too), no responders or a 503 while a stream leader is elected,
 #: a connection that is reconnecting. A closed connection is not one of them.
-_TRANSIENT: Final = (
-    TimeoutError,
-    NoRespondersError,
-    NoStreamResponseError,
-    ServiceUnavailableError,
-    ConnectionReconnectingError,
-    OutboundBufferLimitError,
-    StaleConnectionError,
-    FlushTimeoutError,
-)
+_TRANSIENT: Final = (TimeoutError, NatsUnavailableError)
 #: A transient failure of a read is retried after this, doubling up to _RETRY_MAX.
 _RETRY_FIRST: Final = 0.1
 _RETRY_MAX: Final = 2.0
 
 
-async def _retrying(nc: Any, what: str, read: Callable[[], Awaitable[T]], **fields: Any) -> T:
+async def _retrying(
+    nc: Connection, what: str, read: Callable[[], Awaitable[T]], **fields: Any
+) -> T:
     """``await read()``, retried with a capped backoff while it fails transiently.
 
     For reads a caller waits on anyway (a stream's next chunk, a result): a
@@ -139,7 +135,7 @@ async def _retrying(nc: Any, what: str, read: Callable[[], Awaitable[T]], **fiel
         try:
             return await read()
         except _TRANSIENT as exc:
-            if nc.is_closed:
+            if nc.is_closed or isinstance(exc, NatsClosedError):
                 raise
             log.warning(f"{what} failed; retrying", error=repr(exc), retry_in=delay, **fields)
             await asyncio.sleep(delay)
@@ -253,21 +249,21 @@ class _TokenFollower:
         self._newest_stored = 0
         #: The kind of the request's terminal event, once a quiet read found it.
         self._outcome: str | None = None
-        self._sub: Any = None
+        self._sub: Subscription | None = None
 
     async def start(self) -> None:
         # Subscribe before reading the store, so nothing falls between the two.
-        self._reconnects = self._nc.stats["reconnects"]
+        self._reconnects = self._nc.reconnects
         self._sub = await self._nc.subscribe(self._subject, cb=self._on_live)
         await self._read_store()
 
     async def close(self) -> None:
         if self._sub is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(NatsError):
                 await self._sub.unsubscribe()
             self._sub = None
 
-    async def _on_live(self, msg: Any) -> None:
+    async def _on_live(self, msg: Message) -> None:
         # A tenant's push consumer can deliver its own stored messages here:
         # they keep the subject they were stored under. Only the services can
         # publish on this subject (or store on it), so it is the authority.
@@ -398,7 +394,7 @@ class _TokenFollower:
             self._add_live(live)
             while not self._live.empty():
                 self._add_live(self._live.get_nowait())
-            reconnects = self._nc.stats["reconnects"]
+            reconnects = self._nc.reconnects
             if reconnects != self._reconnects:
                 self._reconnects = reconnects
                 await self._read_store()  # live chunks were lost while disconnected
@@ -532,12 +528,18 @@ class Client:
     #: level that is not configured) is retried before UnknownPriorityError.
     no_stream_grace: float = 3.0
 
-    def __init__(self, nc: Any, *, tenant: str = "default", owns_connection: bool = False) -> None:
-        self.nc = nc
-        self.js = nc.jetstream()
+    def __init__(
+        self,
+        nc: Connection | NatsClient,
+        *,
+        tenant: str = "default",
+        owns_connection: bool = False,
+    ) -> None:
+        self.nc = Connection.of(nc)
+        self.js = self.nc.jetstream()
         self.tenant = tenant
         self._owns = owns_connection
-        self._tap_sub: Any = None
+        self._tap_sub: Subscription | None = None
         self._tap_name = ""
         self._tap_inbox = ""
         self._tap_cseq = 0  # consumer sequence of the last tap delivery
@@ -589,7 +591,7 @@ class Client:
             watch.cancel()
             await asyncio.wait({watch}, timeout=1.0)
         if self._tap_sub is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(NatsError):
                 await self._tap_sub.unsubscribe()
             self._tap_sub = None
             if not self.nc.is_closed:
@@ -803,7 +805,7 @@ class Client:
                     encode(request),
                     headers={"Nats-Msg-Id": msg_id(request.tenant, request.id)},
                 )
-            except NoStreamResponseError as exc:
+            except NatsNoRespondersError as exc:
                 if loop.time() + delay > give_up:
                     raise UnknownPriorityError(request.priority, request_id=request.id) from exc
                 await asyncio.sleep(delay)
@@ -870,7 +872,7 @@ class Client:
 
     async def _watch_tap(self) -> None:
         loop = asyncio.get_running_loop()
-        reconnects = self.nc.stats["reconnects"]
+        reconnects = self.nc.reconnects
         # A sweep of the log is owed (a gap or a re-created tap) until one succeeds.
         owed = False
         while not self._closed:
@@ -882,9 +884,9 @@ class Client:
             self._tap_wake.clear()
             # After a reconnect the server may have lost the (in-memory) tap:
             # don't wait for three missed heartbeats to find out.
-            reconnected = self.nc.is_connected and self.nc.stats["reconnects"] != reconnects
+            reconnected = self.nc.is_connected and self.nc.reconnects != reconnects
             if reconnected:
-                reconnects = self.nc.stats["reconnects"]
+                reconnects = self.nc.reconnects
             silent = reconnected or loop.time() - self._tap_seen > 3 * self.tap_heartbeat
             owed = owed or gap or silent
             if not owed:
@@ -920,7 +922,7 @@ class Client:
         if failed:
             raise failed[0]
 
-    async def _on_tap(self, msg: Any) -> None:
+    async def _on_tap(self, msg: Message) -> None:
         self._tap_seen = asyncio.get_running_loop().time()
         headers = msg.headers
         if headers and headers.get("Status"):

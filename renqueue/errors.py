@@ -7,6 +7,14 @@ The tree, by what a caller can do about it::
     ├── ProvisionError              a stream/consumer change NATS cannot apply in place
     ├── EmbeddedServerError         the embedded nats-server did not start
     ├── ConnectionFailedError       NATS unreachable / JetStream not answering
+    ├── NatsError                   a NATS operation failed (translated in renqueue.wire)
+    │   ├── NatsUnavailableError    the broker did not answer; try again
+    │   │   ├── NatsTimeoutError    no answer in time (also a TimeoutError)
+    │   │   ├── NatsNoRespondersError  no one subscribes to a request's subject
+    │   │   └── NatsClosedError     the connection is closed for good
+    │   ├── NatsNotFoundError       no such message, key, stream, consumer or bucket
+    │   ├── WrongLastSequenceError  a compare-and-set found its subject moved on
+    │   └── NatsApiError            JetStream refused; carries status, err_code
     ├── ServiceFailedError          a service loop cannot go on: the process stops
     ├── InvalidRequestError         the request itself is wrong (never retried)
     │   ├── MalformedRequestError   payload does not decode or fails validation
@@ -40,6 +48,13 @@ __all__ = [
     "FatalBackendError",
     "InvalidRequestError",
     "MalformedRequestError",
+    "NatsApiError",
+    "NatsClosedError",
+    "NatsError",
+    "NatsNoRespondersError",
+    "NatsNotFoundError",
+    "NatsTimeoutError",
+    "NatsUnavailableError",
     "NoCapableBackendError",
     "ProvisionError",
     "RateLimitedError",
@@ -53,6 +68,7 @@ __all__ = [
     "TokensExpiredError",
     "UnknownPriorityError",
     "UnknownRouteError",
+    "WrongLastSequenceError",
 ]
 
 
@@ -91,6 +107,64 @@ class ConnectionFailedError(RenQueueError):
     """NATS or JetStream is not reachable."""
 
     code = "connection"
+
+
+class NatsError(RenQueueError):
+    """A NATS or JetStream operation failed (nats-py's error, translated once,
+    in ``renqueue.wire``; the original is the ``__cause__``)."""
+
+    code = "nats"
+
+
+class NatsUnavailableError(NatsError):
+    """The broker did not answer: no responders, no stream leader yet, a
+    reconnect, a full outbound buffer. Worth trying again."""
+
+    code = "nats_unavailable"
+
+
+class NatsTimeoutError(NatsUnavailableError, TimeoutError):
+    """No answer in time, or a fetch that found no message within its timeout."""
+
+    code = "nats_timeout"
+
+
+class NatsNoRespondersError(NatsUnavailableError):
+    """A request found no one subscribed to its subject (JetStream not up, a
+    worker gone)."""
+
+    code = "nats_no_responders"
+
+
+class NatsClosedError(NatsUnavailableError):
+    """The connection is closed: it will not come back by itself."""
+
+    code = "nats_closed"
+
+
+class NatsNotFoundError(NatsError):
+    """No such message, key, stream, consumer or bucket."""
+
+    code = "nats_not_found"
+
+
+class WrongLastSequenceError(NatsError):
+    """A compare-and-set (a KV create or update, a publish with an expected
+    last subject sequence) found its subject moved on."""
+
+    code = "nats_wrong_last_sequence"
+
+
+class NatsApiError(NatsError):
+    """JetStream refused the operation. ``status`` is the HTTP-like code,
+    ``err_code`` nats-server's own (its errors.json)."""
+
+    code = "nats_api"
+
+    def __init__(self, message: str, *, status: int | None, err_code: int | None) -> None:
+        self.status = status
+        self.err_code = err_code
+        super().__init__(f"{message} (status {status}, err_code {err_code})")
 
 
 class ServiceFailedError(RenQueueError):

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from nats.aio.client import Client
-from nats.js.client import JetStreamContext
 
 from renqueue.ops import EmbeddedServer, connect
+from renqueue.wire import Connection, JetStream
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
@@ -39,7 +38,7 @@ def nats_url(nats_server: EmbeddedServer) -> str:
 
 
 @pytest_asyncio.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
+async def nc(nats_url: str) -> AsyncIterator[Connection]:
     """A client connected to the session server, closed after the test."""
     client = await connect(nats_url, name="test")
     try:
@@ -49,7 +48,7 @@ async def nc(nats_url: str) -> AsyncIterator[Client]:
 
 
 @pytest.fixture
-def js(nc: Client) -> JetStreamContext:
+def js(nc: Connection) -> JetStream:
     return nc.jetstream()
 
 
@@ -61,7 +60,7 @@ async def isolated_server(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
 
 
 @pytest_asyncio.fixture
-async def isolated_nc(isolated_server: EmbeddedServer) -> AsyncIterator[Client]:
+async def isolated_nc(isolated_server: EmbeddedServer) -> AsyncIterator[Connection]:
     """A client connected to ``isolated_server``, closed after the test."""
     client = await connect(isolated_server.url, name="test-isolated")
     try:
@@ -71,5 +70,5 @@ async def isolated_nc(isolated_server: EmbeddedServer) -> AsyncIterator[Client]:
 
 
 @pytest.fixture
-def isolated_js(isolated_nc: Client) -> JetStreamContext:
+def isolated_js(isolated_nc: Connection) -> JetStream:
     return isolated_nc.jetstream()

@@ -16,18 +16,18 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
-import nats.errors
 import pytest
-from nats.aio.client import Client as NatsClient
 
 from renqueue import Client, Services, TokensExpiredError, UnknownPriorityError, parse_config
 from renqueue._client import _TokenFollower
+from renqueue.errors import NatsTimeoutError
 from renqueue.ops import EmbeddedServer, provision
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import (
     EVENTS_STREAM,
     Cancelled,
     Completed,
+    Connection,
     Event,
     EventLog,
     TokenChunk,
@@ -45,12 +45,12 @@ async def quiet_follower(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-async def streams(isolated_server: EmbeddedServer) -> AsyncIterator[tuple[NatsClient, NatsClient]]:
+async def streams(isolated_server: EmbeddedServer) -> AsyncIterator[tuple[Connection, Connection]]:
     """(a connection that does not hear itself, a normal one), streams provisioned."""
-    deaf = NatsClient()
-    await deaf.connect(isolated_server.url, no_echo=True)
-    loud = NatsClient()
-    await loud.connect(isolated_server.url)
+    deaf = Connection()
+    await deaf.open(5, servers=isolated_server.url, no_echo=True)
+    loud = Connection()
+    await loud.open(5, servers=isolated_server.url)
     await provision(loud, parse_config({"routes": {}, "backends": {}}))
     try:
         yield deaf, loud
@@ -59,12 +59,12 @@ async def streams(isolated_server: EmbeddedServer) -> AsyncIterator[tuple[NatsCl
         await loud.close()
 
 
-async def put(nc: NatsClient, request_id: str, **fields: object) -> None:
+async def put(nc: Connection, request_id: str, **fields: object) -> None:
     chunk = TokenChunk(request_id=request_id, **fields)  # type: ignore[arg-type]
     await nc.jetstream().publish(token_subject("t", request_id), encode(chunk))
 
 
-async def end(nc: NatsClient, event: Event) -> None:
+async def end(nc: Connection, event: Event) -> None:
     """Store ``event`` (terminal) in the log, as a service would."""
     subject = event_subject(event.tenant, event.request_id, kind_of(event))
     await nc.jetstream().publish(subject, encode(event))
@@ -79,7 +79,7 @@ async def texts(handle: object) -> list[tuple[int, int, str]]:
 
 @pytest.mark.usefixtures("quiet_follower")
 async def test_a_stream_ends_when_its_final_chunk_is_only_in_the_store(
-    streams: tuple[NatsClient, NatsClient],
+    streams: tuple[Connection, Connection],
 ) -> None:
     deaf, loud = streams
     async with Client(deaf, tenant="t") as client:
@@ -96,7 +96,7 @@ async def test_a_stream_ends_when_its_final_chunk_is_only_in_the_store(
 
 @pytest.mark.usefixtures("quiet_follower")
 async def test_a_gap_is_filled_from_the_store_and_a_zombie_run_is_dropped(
-    streams: tuple[NatsClient, NatsClient],
+    streams: tuple[Connection, Connection],
 ) -> None:
     deaf, loud = streams
     async with Client(deaf, tenant="t") as client:
@@ -117,7 +117,7 @@ async def test_a_gap_is_filled_from_the_store_and_a_zombie_run_is_dropped(
 
 @pytest.mark.usefixtures("quiet_follower")
 async def test_a_final_chunk_without_its_position_still_ends_the_stream(
-    streams: tuple[NatsClient, NatsClient],
+    streams: tuple[Connection, Connection],
 ) -> None:
     """Final chunks written before they carried their run's next seq (seq 0)."""
     deaf, loud = streams
@@ -130,7 +130,7 @@ async def test_a_final_chunk_without_its_position_still_ends_the_stream(
 
 @pytest.mark.usefixtures("quiet_follower")
 async def test_a_stream_whose_tokens_aged_out_of_the_store_ends_with_tokens_expired(
-    streams: tuple[NatsClient, NatsClient],
+    streams: tuple[Connection, Connection],
 ) -> None:
     """RQ_TOKENS keeps chunks 1 h; the log keeps the outcome 30 d. A stream of
     an ended request whose chunks are gone (all, or its first ones) raises
@@ -187,7 +187,7 @@ async def test_a_resubmit_while_the_first_handle_waits_resolves_both(tmp_path: P
 
 
 async def test_a_submit_to_an_unconfigured_level_fails_clearly_after_its_grace(
-    streams: tuple[NatsClient, NatsClient],
+    streams: tuple[Connection, Connection],
 ) -> None:
     _deaf, loud = streams
     async with Client(loud, tenant="t") as client:
@@ -216,7 +216,7 @@ class GatedPublish:
             self.entered.set()
             await self.release.wait()
             if self._fail:
-                raise nats.errors.TimeoutError
+                raise NatsTimeoutError("nats: timeout")
         return await self._js.publish(subject, payload, **kwargs)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> object:
@@ -252,7 +252,7 @@ async def test_a_resubmit_sharing_a_waiter_resolves_whatever_the_first_publish_d
             resubmit = await client.submit("once", route="chat", request_id="again")
             gate.release.set()
             if first == "raises":
-                with pytest.raises(nats.errors.TimeoutError):
+                with pytest.raises(NatsTimeoutError):
                     await original
             else:
                 assert (await (await original).result(timeout=10)).text
@@ -275,7 +275,7 @@ async def test_a_tap_sweep_that_fails_is_retried_until_it_resolves_what_the_tap_
     async def flaky(self: EventLog, tenant: str, request_id: str) -> Event | None:
         if armed.is_set() and not failures:
             failures.append(request_id)
-            raise nats.errors.TimeoutError
+            raise NatsTimeoutError("nats: timeout")
         return await real(self, tenant, request_id)
 
     monkeypatch.setattr(EventLog, "terminal_of", flaky)
@@ -293,7 +293,7 @@ async def test_a_tap_sweep_that_fails_is_retried_until_it_resolves_what_the_tap_
             async with client:
                 handle = await client.submit("missed", route="chat")
                 # The tap goes away (a server restart loses in-memory consumers).
-                for info in await services.js.consumers_info(EVENTS_STREAM):
+                for info in await services.js.context.consumers_info(EVENTS_STREAM):
                     if info.name.startswith("rq-tap-t-"):
                         await services.js.delete_consumer(EVENTS_STREAM, info.name)
                 workers = msgspec.structs.replace(
@@ -329,10 +329,10 @@ async def test_a_stream_rides_out_a_server_restart_and_ends_from_the_store(
     await server.start()
     port = server.port
     options = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.1}
-    deaf, loud = NatsClient(), NatsClient()
+    deaf, loud = Connection(), Connection()
     try:
-        await deaf.connect(server.url, no_echo=True, **options)
-        await loud.connect(server.url, **options)
+        await deaf.open(5, servers=server.url, no_echo=True, **options)
+        await loud.open(5, servers=server.url, **options)
         await provision(loud, parse_config({"routes": {}, "backends": {}}))
         async with Client(deaf, tenant="t") as client:
             client.js = deaf.jetstream(timeout=0.5)  # reads fail fast while it is away

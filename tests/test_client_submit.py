@@ -5,12 +5,12 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from nats.aio.client import Client as NatsClient
 
 from renqueue import Client
+from renqueue.wire import Connection
 
 
-async def test_a_misspelt_option_is_a_type_error_at_the_call(nc: NatsClient) -> None:
+async def test_a_misspelt_option_is_a_type_error_at_the_call(nc: Connection) -> None:
     client = Client(nc)
     # Raised by the call itself, before there is a coroutine to await: nothing
     # is built or published, and mypy reports the same line.

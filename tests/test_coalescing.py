@@ -13,8 +13,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from nats.aio.client import Client as NatsClient
-from nats.js.errors import KeyNotFoundError
 
 from renqueue import (
     Client,
@@ -25,6 +23,7 @@ from renqueue import (
     parse_config,
 )
 from renqueue.config import Config
+from renqueue.errors import NatsNotFoundError
 from renqueue.ops import provision
 from renqueue.services import AdvisoryReader, MaxDeliveries
 from renqueue.state import Coalescer, Group, coalesce_key
@@ -36,6 +35,7 @@ from renqueue.wire import (
     Cancelled,
     Coalesced,
     Completed,
+    Connection,
     Event,
     EventLog,
     Expired,
@@ -396,7 +396,7 @@ async def group_of(js: object, request: InferenceRequest) -> Group | None:
     kv = await js.key_value(STATE_BUCKET)  # type: ignore[attr-defined]
     try:
         entry = await kv.get(f"co.{request.tenant}.{coalesce_key(request)}")
-    except KeyNotFoundError:
+    except NatsNotFoundError:
         return None
     return msgspec.json.decode(entry.value, type=Group)
 
@@ -573,7 +573,7 @@ async def test_followers_of_a_hand_out_cut_short_are_found_in_the_log(
 
 
 async def test_a_follower_put_back_takes_a_routing_attempt_no_earlier_one_used(
-    isolated_nc: NatsClient,
+    isolated_nc: Connection,
 ) -> None:
     """A follower that was preempted twice before it joined (attempts 1 and 2
     routed) and whose leader is then cancelled is put back with an attempt of

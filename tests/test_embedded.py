@@ -103,7 +103,7 @@ async def test_random_port_server_serves_jetstream_and_stops(tmp_path: Path) -> 
         assert server.url == f"nats://127.0.0.1:{server.port}"
         nc = await connect(server.url, name="test")
         try:
-            info = await nc.jetstream().account_info()
+            info = await nc.jetstream().context.account_info()
             assert info.limits is not None  # JetStream answers
         finally:
             await nc.close()
@@ -126,7 +126,7 @@ async def test_runs_with_the_repo_embedded_config(tmp_path: Path) -> None:
     async with EmbeddedServer(tmp_path, port=-1, config_file=config_file) as server:
         nc = await connect(server.url, name="test")
         try:
-            assert nc.max_payload == 8 * 1024 * 1024
+            assert nc.client.max_payload == 8 * 1024 * 1024
         finally:
             await nc.close()
 
@@ -187,7 +187,7 @@ async def test_jetstream_data_survives_a_restart_on_the_same_dir(tmp_path: Path)
     async with EmbeddedServer(tmp_path, port=-1) as server:
         nc = await connect(server.url, name="test")
         js = nc.jetstream()
-        await js.add_stream(name="KEEP", subjects=["keep.>"])
+        await js.context.add_stream(name="KEEP", subjects=["keep.>"])
         await js.publish("keep.one", b"x")
         await nc.close()
     async with EmbeddedServer(tmp_path, port=-1) as server:

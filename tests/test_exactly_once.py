@@ -26,10 +26,10 @@ from typing import Any
 
 import msgspec
 import pytest
-from nats.errors import TimeoutError as NatsTimeoutError
 
 from renqueue import Client, RequestFailedError, Services, load_config
 from renqueue.config import Config
+from renqueue.errors import NatsTimeoutError
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import (
     DISPATCH_DECODER,

@@ -8,17 +8,17 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from nats.aio.client import Client as NATS
-from nats.js.errors import NotFoundError
 
 from renqueue import Services, parse_config
 from renqueue._lifecycle import Lifecycle, State
 from renqueue.backends import make_backend
 from renqueue.config import Config
+from renqueue.errors import NatsNotFoundError
 from renqueue.ops import EmbeddedServer
 from renqueue.services import AdvisoryReader, Router, Worker
 from renqueue.state import Projector, StateView
 from renqueue.state._cancellation import CancelWatch
+from renqueue.wire import Connection
 
 
 def make_config(url: str) -> Config:
@@ -133,7 +133,7 @@ async def test_unlisten_removes_the_listener_once(stack: Services) -> None:
     assert watch.listeners == before
 
 
-def _unprovisioned(nc: NATS) -> dict[str, Callable[[], Lifecycle]]:
+def _unprovisioned(nc: Connection) -> dict[str, Callable[[], Lifecycle]]:
     """Components whose start fails: the server has no streams or buckets."""
     js = nc.jetstream(timeout=1.0)
     config = make_config("nats://unused")
@@ -146,10 +146,10 @@ def _unprovisioned(nc: NATS) -> dict[str, Callable[[], Lifecycle]]:
 
 @pytest.mark.parametrize("kind", ["projector", "state-view", "router"])
 async def test_a_failed_start_ends_closed_and_stops_again_quietly(
-    isolated_nc: NATS, kind: str
+    isolated_nc: Connection, kind: str
 ) -> None:
     component = _unprovisioned(isolated_nc)[kind]()
-    with pytest.raises(NotFoundError):  # the rq-state bucket
+    with pytest.raises(NatsNotFoundError):  # the rq-state bucket
         await component.start()
     assert component.status is State.CLOSED
     await component.stop()

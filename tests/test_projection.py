@@ -14,8 +14,6 @@ from typing import Any
 
 import msgspec
 import pytest
-from nats.aio.client import Client as NatsClient
-from nats.js.client import JetStreamContext
 
 from renqueue.config import parse_config
 from renqueue.ops import EmbeddedServer, connect, provision
@@ -41,11 +39,13 @@ from renqueue.wire import (
     CancelRequested,
     ChatMessage,
     Completed,
+    Connection,
     Event,
     EventLog,
     Expired,
     Failed,
     InferenceRequest,
+    JetStream,
     Rejected,
     Retrying,
     Routed,
@@ -454,7 +454,7 @@ def test_in_flight_is_exactly_the_started_requests_with_no_terminal_event(seed: 
 
 
 @pytest.fixture
-async def events_js(isolated_nc: NatsClient, isolated_js: JetStreamContext) -> JetStreamContext:
+async def events_js(isolated_nc: Connection, isolated_js: JetStream) -> JetStream:
     config = parse_config(
         {
             "backends": {
@@ -468,12 +468,12 @@ async def events_js(isolated_nc: NatsClient, isolated_js: JetStreamContext) -> J
 
 
 @pytest.fixture
-async def projector(events_js: JetStreamContext) -> AsyncIterator[Projector]:
+async def projector(events_js: JetStream) -> AsyncIterator[Projector]:
     async with Projector(events_js, name="p1") as p:
         yield p
 
 
-async def publish(js: JetStreamContext, events: Sequence[Event]) -> None:
+async def publish(js: JetStream, events: Sequence[Event]) -> None:
     log = EventLog(js)
     for event in events:
         if is_terminal(event):  # the one way a terminal event is written
@@ -482,13 +482,13 @@ async def publish(js: JetStreamContext, events: Sequence[Event]) -> None:
             await log.append(event)
 
 
-async def stored(js: JetStreamContext) -> ProjectionState:
+async def stored(js: JetStream) -> ProjectionState:
     kv = await js.key_value(STATE_BUCKET)
     return decode_state((await kv.get(STATE_KEY)).value or b"")
 
 
 async def test_stored_state_equals_a_replay_of_the_log(
-    events_js: JetStreamContext, projector: Projector
+    events_js: JetStream, projector: Projector
 ) -> None:
     events = random_log(101, requests=80)
     # Some events before a reader exists, some while the projector runs.
@@ -509,7 +509,7 @@ async def test_stored_state_equals_a_replay_of_the_log(
 
 
 async def test_undecodable_events_are_skipped_counted_and_the_projector_keeps_going(
-    events_js: JetStreamContext, projector: Projector
+    events_js: JetStream, projector: Projector
 ) -> None:
     await publish(events_js, [started("a")])
     await events_js.publish(event_subject("t1", "bad", "completed"), b"{not json")
@@ -526,7 +526,7 @@ async def test_undecodable_events_are_skipped_counted_and_the_projector_keeps_go
 
 
 async def test_state_view_follows_the_stored_state_and_judges_health(
-    events_js: JetStreamContext, projector: Projector
+    events_js: JetStream, projector: Projector
 ) -> None:
     async with await StateView.open(events_js) as view:
         assert view.backend_healthy("b1", T0)
@@ -549,7 +549,7 @@ async def test_state_view_follows_the_stored_state_and_judges_health(
 
 
 async def test_a_restarted_projector_resumes_from_the_stored_sequence(
-    events_js: JetStreamContext,
+    events_js: JetStream,
 ) -> None:
     events = random_log(202, requests=40)
     async with Projector(events_js, name="first") as first:
@@ -566,9 +566,9 @@ async def test_a_restarted_projector_resumes_from_the_stored_sequence(
 
 
 async def test_two_projectors_at_once_never_clobber_the_stored_state(
-    events_js: JetStreamContext,
+    events_js: JetStream,
 ) -> None:
-    kv = await events_js.key_value(STATE_BUCKET)
+    kv = await events_js.context.key_value(STATE_BUCKET)  # nats-py's own: an iterator
     watcher: Any = await kv.watch(STATE_KEY)
     seen: list[int] = []
 
@@ -604,7 +604,7 @@ async def test_two_projectors_at_once_never_clobber_the_stored_state(
 
 
 async def test_a_projector_never_overwrites_a_newer_state_written_by_another(
-    events_js: JetStreamContext, projector: Projector
+    events_js: JetStream, projector: Projector
 ) -> None:
     await publish(events_js, [started("a"), completed("a", cost=0.5)])
     async with asyncio.timeout(10):
@@ -623,7 +623,7 @@ async def test_a_projector_never_overwrites_a_newer_state_written_by_another(
 
 
 async def test_an_undecodable_stored_state_is_rebuilt_from_the_log(
-    events_js: JetStreamContext,
+    events_js: JetStream,
 ) -> None:
     await publish(events_js, random_log(404, requests=10))
     kv = await events_js.key_value(STATE_BUCKET)
@@ -635,7 +635,7 @@ async def test_an_undecodable_stored_state_is_rebuilt_from_the_log(
 
 
 async def test_deleting_the_stored_state_makes_the_next_projector_refold_the_log(
-    events_js: JetStreamContext,
+    events_js: JetStream,
 ) -> None:
     events = random_log(505, requests=10)
     await publish(events_js, events)
@@ -653,7 +653,7 @@ async def test_deleting_the_stored_state_makes_the_next_projector_refold_the_log
 
 
 async def test_a_payload_that_disagrees_with_its_subject_is_counted_never_folded(
-    events_js: JetStreamContext, projector: Projector
+    events_js: JetStream, projector: Projector
 ) -> None:
     # What a tenant can do with its permissions: any payload on its own
     # cancel_requested subject. And misfiled payloads on service subjects.
@@ -681,7 +681,7 @@ async def test_a_payload_that_disagrees_with_its_subject_is_counted_never_folded
 
 
 async def test_a_stored_state_of_the_old_schema_is_rebuilt_from_the_log(
-    events_js: JetStreamContext,
+    events_js: JetStream,
 ) -> None:
     # Schema 1 keyed in-flight requests by id alone (across tenants).
     await publish(events_js, [started("a"), started("b", tenant="t2")])
@@ -699,7 +699,7 @@ async def test_a_stored_state_of_the_old_schema_is_rebuilt_from_the_log(
 
 
 async def test_a_state_view_whose_watch_went_stale_resumes_and_sees_later_writes(
-    events_js: JetStreamContext, isolated_nc: NatsClient
+    events_js: JetStream, isolated_nc: Connection
 ) -> None:
     kv = await events_js.key_value(STATE_BUCKET)
     for seq in (1, 2, 3):
@@ -708,7 +708,7 @@ async def test_a_state_view_whose_watch_went_stale_resumes_and_sees_later_writes
         assert view.state.last_seq == 3
         # The bucket is re-created (a re-provision after it was lost): the
         # watch's consumer is gone and the new bucket's revisions start over.
-        await events_js.delete_key_value(STATE_BUCKET)
+        await events_js.context.delete_key_value(STATE_BUCKET)
         await provision(isolated_nc, parse_config({}))
         kv = await events_js.key_value(STATE_BUCKET)
         await kv.put(STATE_KEY, encode_state(ProjectionState(last_seq=10)))

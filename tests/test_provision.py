@@ -9,12 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nats.aio.client import Client
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.client import JetStreamContext
 
 from renqueue.config import Config, parse_config
-from renqueue.errors import ProvisionError
+from renqueue.errors import NatsTimeoutError, ProvisionError
 from renqueue.ops import STREAMS_DIR_ENV, Action, find_streams_dir, provision
 from renqueue.wire import (
     ADVISORIES_CONSUMER,
@@ -27,6 +24,8 @@ from renqueue.wire import (
     STATE_BUCKET,
     TERMINAL_BUCKET,
     TOKENS_STREAM,
+    Connection,
+    JetStream,
     dispatch_subject,
     requests_of_level,
     router_consumer,
@@ -67,20 +66,20 @@ def edit_json(path: Path, **changes: Any) -> None:
     path.write_text(json.dumps(data))
 
 
-async def stream_config(nc: Client, name: str) -> dict[str, Any]:
+async def stream_config(nc: Connection, name: str) -> dict[str, Any]:
     reply = await nc.request(f"$JS.API.STREAM.INFO.{name}", b"", timeout=2)
     config: dict[str, Any] = json.loads(reply.data)["config"]
     return config
 
 
-async def consumer_config(nc: Client, stream: str, name: str) -> dict[str, Any]:
+async def consumer_config(nc: Connection, stream: str, name: str) -> dict[str, Any]:
     reply = await nc.request(f"$JS.API.CONSUMER.INFO.{stream}.{name}", b"", timeout=2)
     config: dict[str, Any] = json.loads(reply.data)["config"]
     return config
 
 
 async def test_first_run_creates_everything_and_second_run_changes_nothing(
-    isolated_nc: Client,
+    isolated_nc: Connection,
 ) -> None:
     config = make_config()
     first = await provision(isolated_nc, config)
@@ -95,13 +94,13 @@ async def test_first_run_creates_everything_and_second_run_changes_nothing(
     assert second.unchanged == first.created
 
 
-async def test_accepts_a_jetstream_context(isolated_js: JetStreamContext) -> None:
+async def test_accepts_a_jetstream_context(isolated_js: JetStream) -> None:
     report = await provision(isolated_js, make_config())
     assert REQUESTS_STREAM in report.created
 
 
 async def test_one_router_consumer_per_priority_and_one_worker_per_backend(
-    isolated_nc: Client,
+    isolated_nc: Connection,
 ) -> None:
     config = make_config(
         priorities=["urgent", "bulk"],
@@ -145,7 +144,7 @@ async def test_one_router_consumer_per_priority_and_one_worker_per_backend(
     ]
 
 
-async def test_retention_limits_from_config_override_the_files(isolated_nc: Client) -> None:
+async def test_retention_limits_from_config_override_the_files(isolated_nc: Connection) -> None:
     config = make_config(
         nats={
             "replicas": 1,
@@ -162,7 +161,7 @@ async def test_retention_limits_from_config_override_the_files(isolated_nc: Clie
     assert tokens["max_age"] == 3600 * 10**9  # the config default for tokens
 
 
-async def test_changed_max_age_is_updated_in_place(isolated_nc: Client) -> None:
+async def test_changed_max_age_is_updated_in_place(isolated_nc: Connection) -> None:
     await provision(isolated_nc, make_config())
     report = await provision(isolated_nc, make_config(nats={"events": {"max_age": "7d"}}))
 
@@ -176,7 +175,7 @@ async def test_changed_max_age_is_updated_in_place(isolated_nc: Client) -> None:
     assert claims["max_age"] == 7 * 86400 * 10**9
 
 
-async def test_changed_concurrency_updates_the_worker_consumer(isolated_nc: Client) -> None:
+async def test_changed_concurrency_updates_the_worker_consumer(isolated_nc: Connection) -> None:
     await provision(isolated_nc, make_config())
     changed = make_config(
         backends={
@@ -193,7 +192,7 @@ async def test_changed_concurrency_updates_the_worker_consumer(isolated_nc: Clie
 
 
 async def test_new_priority_level_adds_its_subject_and_router_consumer(
-    isolated_nc: Client,
+    isolated_nc: Connection,
 ) -> None:
     await provision(isolated_nc, make_config(priorities=["high", "low"], default_priority="low"))
     report = await provision(
@@ -206,7 +205,7 @@ async def test_new_priority_level_adds_its_subject_and_router_consumer(
 
 
 async def test_retention_change_is_refused_naming_the_field(
-    isolated_nc: Client, tmp_path: Path
+    isolated_nc: Connection, tmp_path: Path
 ) -> None:
     streams = copy_streams(tmp_path)
     await provision(isolated_nc, make_config(), streams_dir=streams)
@@ -221,7 +220,7 @@ async def test_retention_change_is_refused_naming_the_field(
 
 
 async def test_storage_change_is_refused_naming_the_field(
-    isolated_nc: Client, tmp_path: Path
+    isolated_nc: Connection, tmp_path: Path
 ) -> None:
     streams = copy_streams(tmp_path)
     await provision(isolated_nc, make_config(), streams_dir=streams)
@@ -232,7 +231,7 @@ async def test_storage_change_is_refused_naming_the_field(
 
 
 async def test_consumer_ack_policy_change_is_refused_naming_the_field(
-    isolated_nc: Client, tmp_path: Path
+    isolated_nc: Connection, tmp_path: Path
 ) -> None:
     streams = copy_streams(tmp_path)
     await provision(isolated_nc, make_config(), streams_dir=streams)
@@ -245,7 +244,7 @@ async def test_consumer_ack_policy_change_is_refused_naming_the_field(
 
 
 async def test_malformed_stream_json_is_refused_naming_the_file(
-    isolated_nc: Client, tmp_path: Path
+    isolated_nc: Connection, tmp_path: Path
 ) -> None:
     streams = copy_streams(tmp_path)
     (streams / "dlq.json").write_text('{"name": "RQ_DLQ", ')
@@ -258,7 +257,7 @@ async def test_malformed_stream_json_is_refused_naming_the_file(
 
 
 async def test_template_disagreeing_with_subject_layout_is_refused(
-    isolated_nc: Client, tmp_path: Path
+    isolated_nc: Connection, tmp_path: Path
 ) -> None:
     streams = copy_streams(tmp_path)
     edit_json(streams / "consumers" / "worker.json", filter_subject="rq.dispatch.{backend}.x")
@@ -268,7 +267,7 @@ async def test_template_disagreeing_with_subject_layout_is_refused(
 
 
 async def test_unknown_placeholder_is_refused_naming_it(
-    isolated_nc: Client, tmp_path: Path
+    isolated_nc: Connection, tmp_path: Path
 ) -> None:
     streams = copy_streams(tmp_path)
     edit_json(streams / "consumers" / "router.json", max_ack_pending="{router.pending}")
@@ -277,16 +276,17 @@ async def test_unknown_placeholder_is_refused_naming_it(
         await provision(isolated_nc, make_config(), streams_dir=streams)
 
 
-async def test_state_bucket_is_a_usable_kv_with_history_one(isolated_nc: Client) -> None:
+async def test_state_bucket_is_a_usable_kv_with_history_one(isolated_nc: Connection) -> None:
     await provision(isolated_nc, make_config())
     kv = await isolated_nc.jetstream().key_value(STATE_BUCKET)
     await kv.put("k", b"1")
     await kv.put("k", b"2")
     assert (await kv.get("k")).value == b"2"
-    assert (await kv.status()).history == 1
+    info = await isolated_nc.jetstream().stream_info(f"KV_{STATE_BUCKET}")
+    assert info.config.max_msgs_per_subject == 1  # history 1
 
 
-async def test_max_deliveries_advisories_are_captured(isolated_nc: Client) -> None:
+async def test_max_deliveries_advisories_are_captured(isolated_nc: Connection) -> None:
     config = make_config(worker={"ack_wait": "100ms", "max_deliver": 1, "delivery_limit": 2})
     await provision(isolated_nc, config)
     js = isolated_nc.jetstream()
@@ -326,7 +326,7 @@ def test_streams_dir_comes_from_argument_then_env_then_repo(
 
 
 async def test_a_deployment_from_before_the_requeue_subject_is_upgraded_in_place(
-    isolated_nc: Client,
+    isolated_nc: Connection,
 ) -> None:
     """Levels were ``rq.req.<level>.*``; the services' requeue subject needs
     ``rq.req.<level>.>``: provisioning widens the stream and the router
@@ -336,7 +336,7 @@ async def test_a_deployment_from_before_the_requeue_subject_is_upgraded_in_place
     js = isolated_nc.jetstream()
     info = await js.stream_info(REQUESTS_STREAM)
     info.config.subjects = [f"rq.req.{level}.*" for level in config.priorities]
-    await js.update_stream(info.config)
+    await js.context.update_stream(info.config)
     consumer = await js.consumer_info(REQUESTS_STREAM, router_consumer("normal"))
     consumer.config.filter_subject = "rq.req.normal.*"
     await js.add_consumer(REQUESTS_STREAM, consumer.config)

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nats.aio.client import Client as NatsClient
 
 from renqueue import Client, Services
 from renqueue.config import Config, load_config
@@ -39,6 +38,7 @@ from renqueue.wire import (
     Cancelled,
     Coalesced,
     Completed,
+    Connection,
     Event,
     EventLog,
     Preempted,
@@ -318,7 +318,7 @@ async def workers(config: Config, count: int = 1) -> AsyncIterator[list[Services
 
 
 @asynccontextmanager
-async def client_of(url: str) -> AsyncIterator[tuple[Client, NatsClient]]:
+async def client_of(url: str) -> AsyncIterator[tuple[Client, Connection]]:
     nc = await connect(url, name="test-client")
     try:
         async with Client(nc, tenant=TENANT) as client:

@@ -15,13 +15,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import nats.errors
 import pytest
 
 from renqueue import Client, Services, parse_config
 from renqueue._tasks import Supervisor
 from renqueue.config import Config
-from renqueue.errors import RequestFailedError, ServiceFailedError
+from renqueue.errors import NatsUnavailableError, RequestFailedError, ServiceFailedError
 from renqueue.logs import EVENT_ATTRIBUTE
 from renqueue.ops import EmbeddedServer, connect
 from renqueue.services import Router, run_until_signalled
@@ -251,7 +250,7 @@ async def test_a_request_whose_dispatches_keep_failing_fails_after_router_max_de
         ):
             js = services.js
             info = await js.stream_info(DISPATCH_STREAM)
-            await js.update_stream(dataclasses.replace(info.config, max_msgs=1))
+            await js.context.update_stream(dataclasses.replace(info.config, max_msgs=1))
             blocker = await client.submit("fills the dispatch stream", route="chat")
 
             async def dispatched() -> bool:
@@ -286,7 +285,7 @@ class RefusingSubmitted:
     async def publish_async(self, subject: str, payload: bytes = b"", **kwargs: Any) -> Any:
         if subject.endswith(".submitted") and self.refusals > 0:
             self.refusals -= 1
-            raise nats.errors.OutboundBufferLimitError
+            raise NatsUnavailableError("nats: outbound buffer limit exceeded")
         return await self._js.publish_async(subject, payload, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -329,4 +328,4 @@ async def test_a_fetch_loop_whose_submitted_publish_raises_is_logged_and_restart
         assert record.levelno == logging.ERROR
         assert getattr(record, EVENT_ATTRIBUTE)["loop"] == "flaky-fetch-normal"
         assert record.exc_info is not None
-        assert isinstance(record.exc_info[1], nats.errors.OutboundBufferLimitError)
+        assert isinstance(record.exc_info[1], NatsUnavailableError)

@@ -1,7 +1,7 @@
 """Secrets never reach a log line, an event, a metric or an error message.
 
 `renqueue up` runs in a process of its own as the ``renqueue`` user of
-nats/auth.conf (its password in the NATS URL), with three backends whose keys
+nats/auth.conf (its password in the Connection URL), with three backends whose keys
 come from the environment and from a file; one key is wrong, and that mock
 answers 401 with a message echoing the key, as some providers do. After
 successful and failed requests, every place a secret could leak is read back
@@ -22,12 +22,12 @@ import sys
 from pathlib import Path
 
 import httpx
-import nats.js.errors
-from nats.aio.client import Client as NATS
 
 from renqueue import Client, RequestFailedError
+from renqueue.errors import NatsError
 from renqueue.ops import EmbeddedServer
 from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import Connection
 
 AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"
 NATS_PASSWORD = "natsPW4d1e0c6b5a"
@@ -75,17 +75,17 @@ async def wait_for_line(log: Path, words: str, proc: asyncio.subprocess.Process)
 
 async def stored_messages(url: str) -> str:
     """Every message (headers and data) of every stream, as one text."""
-    nc = NATS()
-    await nc.connect(url, inbox_prefix="_INBOX_renqueue")
+    nc = Connection()
+    await nc.open(5, servers=url, inbox_prefix="_INBOX_renqueue")
     try:
         js = nc.jetstream()
         parts = []
-        for info in await js.streams_info():
+        for info in await js.context.streams_info():
             state = info.state
             for seq in range(state.first_seq, state.last_seq + 1):
                 try:
                     msg = await js.get_msg(info.config.name, seq)
-                except nats.js.errors.Error:
+                except NatsError:
                     continue  # deleted (work queues delete what was acked)
                 parts.append(f"{msg.subject} {msg.headers} {(msg.data or b'').decode()}")
         return "\n".join(parts)

@@ -202,7 +202,7 @@ async def test_a_stream_nats_cannot_change_fails_fast(isolated_server: EmbeddedS
     """A refused config is not unavailability: no retry, the ProvisionError at once."""
     nc = await connect(isolated_server.url, name="test")
     try:
-        await nc.jetstream().add_stream(
+        await nc.jetstream().context.add_stream(
             name=REQUESTS_STREAM, subjects=["rq.req.>"], storage="memory"
         )
     finally:

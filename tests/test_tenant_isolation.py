@@ -1,4 +1,4 @@
-"""Tenant isolation by NATS permissions alone: a real nats-server running nats/auth.conf.
+"""Tenant isolation by Connection permissions alone: a real nats-server running nats/auth.conf.
 
 The services connect as the ``renqueue`` user; tenants ``acme`` and
 ``globex`` connect as themselves with their own inbox prefixes. A tenant's
@@ -18,15 +18,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nats.aio.client import Client as NATS
-from nats.js.api import AckPolicy, DeliverPolicy
-from nats.js.errors import NotFoundError
 from prometheus_client import REGISTRY
 
 from renqueue import Client, RequestCancelledError, Services, parse_config
+from renqueue.errors import NatsNotFoundError
 from renqueue.ops import EmbeddedServer
 from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import EVENTS_STREAM, TOKENS_STREAM, Completed, EventLog, request_subject
+from renqueue.wire import (
+    EVENTS_STREAM,
+    TOKENS_STREAM,
+    AckPolicy,
+    Completed,
+    Connection,
+    DeliverPolicy,
+    EventLog,
+    request_subject,
+)
 
 AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"
 PASSWORDS = {
@@ -47,7 +54,7 @@ def user_url(server: EmbeddedServer, user: str, password: str) -> str:
 class Tenant:
     """A raw connection as a tenant, recording the permission errors the server sends."""
 
-    nc: NATS
+    nc: Connection
     errors: list[str] = field(default_factory=list)
 
     async def violation(self, text: str) -> None:
@@ -107,9 +114,10 @@ async def raw_tenant(stack: Stack, tenant: str) -> Tenant:
     async def on_error(exc: Exception) -> None:
         errors.append(str(exc).lower())
 
-    nc = NATS()
-    await nc.connect(
-        user_url(stack.server, tenant, password),
+    nc = Connection()
+    await nc.open(
+        5,
+        servers=user_url(stack.server, tenant, password),
         inbox_prefix=f"_INBOX_{tenant}",
         error_cb=on_error,
         max_reconnect_attempts=0,
@@ -302,7 +310,7 @@ async def test_tap_deleted_by_the_server_is_recreated_and_nothing_is_missed(
         await acme.close()
         assert time.monotonic() - started < 3
     # Closing deleted the tap.
-    with pytest.raises(NotFoundError):
+    with pytest.raises(NatsNotFoundError):
         await stack.services.js.consumer_info(EVENTS_STREAM, acme._tap_name)
     events = await EventLog(stack.services.js).history("acme", handle.id)
     assert sum(isinstance(e, Completed) for e in events) == 1
@@ -525,7 +533,7 @@ async def test_a_tenants_consumer_cannot_speak_for_the_services(stack: Stack) ->
             # nats-server 2.15 pushes only to a deliver subject with a literal
             # subscriber (the services' own are wildcards): one listens here,
             # and the services' wildcard subscriptions receive the delivery too.
-            listener = await stack.services.nc.subscribe(target)
+            listener = await stack.services.nc.client.subscribe(target)
             await aim(stack, acme, f"carrier-{receiver}", carrier, target)
             await listener.unsubscribe()
 

@@ -18,12 +18,12 @@ from typing import Any
 
 import msgspec
 import pytest
-from nats.js.errors import NoStreamResponseError, NotFoundError
 
 from renqueue import Client, Services, load_config, parse_config
 from renqueue.backends import make_backend
 from renqueue.backends.base import Delta
 from renqueue.config import Config, WorkerConfig, parse_duration
+from renqueue.errors import NatsNoRespondersError, NatsNotFoundError
 from renqueue.services import Worker
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import (
@@ -217,7 +217,7 @@ async def queued(js: Any) -> list[str]:
     while seq <= state.last_seq:
         try:
             raw = await js.get_msg(DISPATCH_STREAM, seq=seq, subject="rq.dispatch.>", next=True)
-        except NotFoundError:
+        except NatsNotFoundError:
             break
         subjects.append(raw.subject)
         seq = raw.seq + 1
@@ -384,7 +384,7 @@ class BrokerSilentTwice:
     async def stream(self, request: Any, *, priority: int | None = None) -> AsyncIterator[Delta]:
         self.calls += 1
         if self.calls <= 2:
-            raise NoStreamResponseError
+            raise NatsNoRespondersError("nats: no response from stream")
         yield Delta(text="answered")
 
     async def complete(self, request: Any, *, priority: int | None = None) -> Any:

@@ -14,17 +14,14 @@ error, so a wrong URL fails clearly instead of hanging.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import nats.errors
-from nats.aio.client import Client
-
 from ..config import Config, NatsConfig, parse_duration
 from ..errors import ConnectionFailedError
 from ..logs import get_logger
+from ..wire._nats import Connection
 from ._embedded import url_file
 
 __all__ = ["connect", "redact_url", "resolve_nats_url"]
@@ -77,7 +74,7 @@ async def connect(
     config: NatsConfig | None = None,
     timeout: float = 5.0,  # noqa: ASYNC109 - bounds only the first connect, not the client's life
     inbox_prefix: str | None = None,
-) -> Client:
+) -> Connection:
     """Connect to ``url`` (comma-separated for a cluster) as connection ``name``.
 
     ``timeout`` bounds the first connect, retries included; after that the
@@ -92,7 +89,7 @@ async def connect(
     shown = redact_url(url)
     bound = log.bind(nats_name=name, url=shown)
     last_error: list[BaseException] = []
-    client = Client()
+    client = Connection()
 
     async def on_error(exc: Exception) -> None:
         last_error[:] = [exc]
@@ -130,16 +127,13 @@ async def connect(
         options["inbox_prefix"] = inbox_prefix
 
     try:
-        async with asyncio.timeout(timeout):
-            await client.connect(**options)
-    except (TimeoutError, OSError, nats.errors.Error) as exc:
-        # On timeout the cancelled connect leaves a half-open client: close it.
-        await client.close()
-        cause = last_error[0] if last_error else exc
+        await client.open(timeout, **options)
+    except ConnectionFailedError as exc:
+        cause = last_error[0] if last_error else (exc.__cause__ or exc)
         raise ConnectionFailedError(
             f"cannot connect to NATS at {shown} within {timeout:g}s: {_describe(cause)}"
         ) from exc
-    bound.info("nats connected", server=_connected(client))
+    bound.info("nats connected", server=client.connected_server)
     return client
 
 
@@ -149,10 +143,3 @@ def _describe(exc: BaseException) -> str:
     if "@" in text:
         text = " ".join(redact_url(word) if "://" in word else word for word in text.split(" "))
     return f"{type(exc).__name__}: {text}"
-
-
-def _connected(client: Client) -> str | None:
-    connected = client.connected_url
-    if connected is None:
-        return None
-    return f"{connected.hostname}:{connected.port}"

@@ -58,14 +58,17 @@ from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
 import msgspec
-import nats.errors
-import nats.js.errors
-from nats.aio.client import Client
-from nats.js.client import JetStreamContext
 
 from ..config import Config, parse_duration
-from ..errors import ConnectionFailedError, ProvisionError
+from ..errors import (
+    ConnectionFailedError,
+    NatsClosedError,
+    NatsTimeoutError,
+    NatsUnavailableError,
+    ProvisionError,
+)
 from ..logs import get_logger
+from ..wire._nats import NOT_NOW, Connection, JetStream
 from ..wire._subjects import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
@@ -111,21 +114,6 @@ _ERR_STREAM_NAME_IN_USE: Final = 10058
 _ERR_CONSUMER_NOT_FOUND: Final = 10014
 _ERR_CONSUMER_EXISTS: Final = 10148
 
-# JetStream API errors that mean "not now" (nats-server's errors.json), besides
-# any with HTTP-like code 503. Every other error reply is a real refusal.
-_NOT_NOW: Final = frozenset(
-    {
-        10004,  # incomplete results
-        10005,  # no suitable peers for placement (a node is still joining)
-        10008,  # JetStream system temporarily unavailable (no quorum)
-        10009,  # JetStream cluster can not handle request (no leader)
-        10076,  # JetStream not enabled (not yet)
-        10118,  # stream is offline
-        10119,  # consumer is offline
-        10167,  # too many requests
-        10202,  # cluster member change in progress
-    }
-)
 # Backoff between attempts while JetStream is unavailable: base * 2**n, capped.
 _RETRY_BASE: Final = 0.2
 _RETRY_CAP: Final = 3.0
@@ -266,14 +254,14 @@ def find_streams_dir(streams_dir: Path | None = None) -> Path:
 
 
 async def provision(
-    js_or_nc: Client | JetStreamContext,
+    js_or_nc: Connection | JetStream,
     config: Config,
     *,
     streams_dir: Path | None = None,
 ) -> ProvisionReport:
     """Create or update every stream, consumer and the state KV bucket; idempotent.
 
-    ``js_or_nc`` is a connected nats-py client or a JetStream context from one
+    ``js_or_nc`` is a connection or a JetStream context from one
     (whose API prefix, and so its JetStream domain, is used). Raises
     :class:`ProvisionError` for a bad definition file or a change NATS cannot
     apply. While JetStream cannot answer it waits (see
@@ -325,7 +313,7 @@ def router_consumer_configs(
 
 
 async def renew_router_consumers(
-    js_or_nc: Client | JetStreamContext, configs: Sequence[dict[str, Any]]
+    js_or_nc: Connection | JetStream, configs: Sequence[dict[str, Any]]
 ) -> None:
     """Delete and re-create the router consumers: a new binder's first act.
 
@@ -362,7 +350,7 @@ async def until_jetstream_answers(
     step: str,
     attempt: Callable[[], Awaitable[_T]],
     *,
-    nc: Client,
+    nc: Connection,
     patience: float = 0.0,
 ) -> _T:
     """``await attempt()`` until JetStream answers it, and return its result.
@@ -418,21 +406,12 @@ async def until_jetstream_answers(
 
 
 def _unavailable(exc: Exception) -> bool:
-    """Whether ``exc`` means JetStream cannot answer *yet* (worth waiting for)."""
-    if isinstance(
-        exc,
-        _NotNow
-        | nats.errors.TimeoutError
-        | nats.errors.NoRespondersError
-        | nats.errors.ConnectionReconnectingError,
-    ):
-        return True
-    if isinstance(exc, nats.js.errors.APIError):  # nats-py's typed API (KV, ...)
-        return exc.code == 503 or exc.err_code in _NOT_NOW
-    return False
+    """Whether ``exc`` means JetStream cannot answer *yet* (worth waiting for):
+    a closed connection will not answer later."""
+    return isinstance(exc, _NotNow | NatsUnavailableError) and not isinstance(exc, NatsClosedError)
 
 
-def _permission_denied(nc: Client) -> str | None:
+def _permission_denied(nc: Connection) -> str | None:
     """The server's permissions violation on the JetStream API or a reply inbox, if any."""
     error = nc.last_error
     text = "" if error is None else str(error).lower()  # nats-py lowercases -ERR text
@@ -657,14 +636,13 @@ def _lease_stream_config(config: Config) -> dict[str, Any]:
 class _JetStreamApi:
     """Raw JetStream API requests over a nats-py client."""
 
-    def __init__(self, js_or_nc: Client | JetStreamContext, *, patience: float = 0.0) -> None:
+    def __init__(self, js_or_nc: Connection | JetStream, *, patience: float = 0.0) -> None:
         #: How long :func:`until_jetstream_answers` waits per stream or consumer.
         self.patience = patience
-        if isinstance(js_or_nc, JetStreamContext):
-            # nats-py exposes no public accessor for these; the prefix carries
-            # the JetStream domain, if the context was made for one.
-            self.nc: Client = js_or_nc._nc
-            self._prefix: str = js_or_nc._prefix
+        if isinstance(js_or_nc, JetStream):
+            # The prefix carries the JetStream domain, if the context has one.
+            self.nc: Connection = js_or_nc.connection
+            self._prefix = js_or_nc.api_prefix
         else:
             self.nc = js_or_nc
             self._prefix = _API_PREFIX
@@ -674,20 +652,22 @@ class _JetStreamApi:
         body = b"" if payload is None else json.dumps(payload).encode()
         try:
             reply = await self.nc.request(subject, body, timeout=_API_TIMEOUT)
-        except nats.errors.NoRespondersError as exc:
+        except NatsTimeoutError as exc:
+            raise _NotNow(f"JetStream did not answer {subject} within {_API_TIMEOUT:g}s") from exc
+        except NatsClosedError:
+            raise
+        except NatsUnavailableError as exc:
             raise _NotNow(
-                f"JetStream did not answer {subject} (no responders): is JetStream enabled "
+                f"JetStream did not answer {subject} ({exc}): is JetStream enabled "
                 "on this server, and has it started?"
             ) from exc
-        except nats.errors.TimeoutError as exc:
-            raise _NotNow(f"JetStream did not answer {subject} within {_API_TIMEOUT:g}s") from exc
         try:
             response = json.loads(reply.data)
         except json.JSONDecodeError as exc:
             raise ConnectionFailedError(f"JetStream sent a non-JSON reply to {subject}") from exc
         error = response.get("error") if isinstance(response, dict) else None
         if isinstance(error, dict) and (
-            error.get("code") == 503 or error.get("err_code") in _NOT_NOW
+            error.get("code") == 503 or error.get("err_code") in NOT_NOW
         ):
             raise _NotNow(f"JetStream cannot answer {subject} yet: {error.get('description')}")
         return response

@@ -36,18 +36,18 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Final
+from typing import Final
 
 import msgspec
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import NotFoundError
 
 from .._lifecycle import Lifecycle
 from .._tasks import Supervisor
+from ..errors import NatsNotFoundError
 from ..logs import bound_request, get_logger
 from ..state._coalescing import Coalescer, coalesce_key
 from ..wire._eventlog import EventLog
 from ..wire._messages import DISPATCH_DECODER, REQUEST_DECODER, Event, Failed, InferenceRequest
+from ..wire._nats import JetStream, Message, StoredMessage
 from ..wire._subjects import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
@@ -95,7 +95,7 @@ class _Subject(msgspec.Struct, frozen=True, kw_only=True):
 class AdvisoryReader(Lifecycle):
     """Ends every request whose message ran out of deliveries (see the module docstring)."""
 
-    def __init__(self, js: Any, *, supervisor: Supervisor | None = None) -> None:
+    def __init__(self, js: JetStream, *, supervisor: Supervisor | None = None) -> None:
         self._js = js
         self._log = EventLog(js)
         self._coalescer = Coalescer(js, clock=time.time)
@@ -124,7 +124,7 @@ class AdvisoryReader(Lifecycle):
             while True:
                 try:
                     msgs = await psub.fetch(batch=_BATCH, timeout=FETCH_TIMEOUT)
-                except (TimeoutError, NatsTimeoutError):
+                except TimeoutError:
                     continue
                 for msg in msgs:
                     await self._on_advisory(msg)
@@ -134,7 +134,7 @@ class AdvisoryReader(Lifecycle):
             except Exception as exc:  # noqa: BLE001 - shutting the loop down regardless
                 log.debug("unsubscribe failed", error=str(exc))
 
-    async def _on_advisory(self, msg: Any) -> None:
+    async def _on_advisory(self, msg: Message) -> None:
         try:
             advisory = _ADVISORY_DECODER.decode(msg.data)
         except msgspec.DecodeError:
@@ -164,7 +164,7 @@ class AdvisoryReader(Lifecycle):
             return
         try:
             stored = await self._js.get_msg(advisory.stream, seq=advisory.stream_seq)
-        except NotFoundError:
+        except NatsNotFoundError:
             return  # acked or removed meanwhile: nothing is stranded
         about = _about(advisory, stored)
         with bound_request(about.request_id, tenant=about.tenant):
@@ -201,7 +201,7 @@ class AdvisoryReader(Lifecycle):
                 if await self._log.finish(failed):
                     self.ended += 1
                     log.warning("request ran out of deliveries; failed", reason=reason)
-            with contextlib.suppress(NotFoundError):
+            with contextlib.suppress(NatsNotFoundError):
                 await self._js.delete_msg(advisory.stream, advisory.stream_seq)
 
     async def _hand_out(self, about: _Subject, outcome: Event) -> None:
@@ -215,7 +215,7 @@ class AdvisoryReader(Lifecycle):
             await self._coalescer.leader_ended(about.tenant, about.request_id, key, outcome)
 
 
-def _about(advisory: MaxDeliveries, stored: Any) -> _Subject:
+def _about(advisory: MaxDeliveries, stored: StoredMessage) -> _Subject:
     """Whose request a stored message is. On ``RQ_REQUESTS`` the subject names the
     tenant (tenants publish there: the subject is the authority); on
     ``RQ_DISPATCH`` the payload is the services' own."""

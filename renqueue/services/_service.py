@@ -20,7 +20,7 @@ import functools
 import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from .._lifecycle import Lifecycle, State
 from .._tasks import Supervisor, cancel_and_wait
@@ -33,6 +33,7 @@ from ..ops._embedded import EmbeddedServer
 from ..ops._provision import provision, until_jetstream_answers
 from ..state._cancellation import CancelWatch
 from ..state._projector import Projector
+from ..wire._nats import Connection, JetStream
 from ._advisories import AdvisoryReader
 from .router._router import Router
 from .worker._worker import Worker
@@ -76,8 +77,8 @@ class Services(Lifecycle):
         self._run_projector = routers > 0 if projector is None else projector
         self._name = name
         self.server: EmbeddedServer | None = None
-        self.nc: Any = None
-        self.js: Any = None
+        self.nc: Connection | None = None
+        self.js: JetStream | None = None
         self.projector: Projector | None = None
         self.cancels: CancelWatch | None = None
         #: Ends requests that ran out of deliveries; runs wherever routers or workers do.
@@ -111,18 +112,18 @@ class Services(Lifecycle):
             self.server = EmbeddedServer(Path(nats.data_dir), host=nats.host, port=nats.port)
             await self.server.start()
             log.info("embedded nats-server started", url=self.server.url)
-        self.nc = await connect(self.url, name=self._name, config=self.config.nats)
-        self.js = self.nc.jetstream()
+        self.nc = nc = await connect(self.url, name=self._name, config=self.config.nats)
+        self.js = js = nc.jetstream()
         if self._provision:
-            await provision(self.nc, self.config)
-        self.cancels = CancelWatch(self.js, supervisor=self.supervisor)
+            await provision(nc, self.config)
+        self.cancels = CancelWatch(js, supervisor=self.supervisor)
         await self.cancels.start()
         if self._run_projector:
             self.projector = await self._start_waiting(
                 "projector",
                 functools.partial(
                     Projector,
-                    self.js,
+                    js,
                     name=f"{self._name}-projector",
                     supervisor=self.supervisor,
                 ),
@@ -132,8 +133,8 @@ class Services(Lifecycle):
                 f"router {index}",
                 functools.partial(
                     Router,
-                    self.nc,
-                    self.js,
+                    nc,
+                    js,
                     self.config,
                     name=f"{self._name}-router-{index}",
                     cancels=self.cancels,
@@ -143,8 +144,8 @@ class Services(Lifecycle):
             self.routers.append(router)
         for backend_name, adapter in zip(self._backend_names, self._adapters, strict=True):
             worker = Worker(
-                self.nc,
-                self.js,
+                nc,
+                js,
                 self.config,
                 backend_name,
                 adapter,
@@ -154,7 +155,7 @@ class Services(Lifecycle):
             await worker.start()
             self.workers.append(worker)
         if self.routers or self.workers:
-            self.advisories = AdvisoryReader(self.js, supervisor=self.supervisor)
+            self.advisories = AdvisoryReader(js, supervisor=self.supervisor)
             await self.advisories.start()
 
     async def _start_waiting(self, step: str, make: Callable[[], _S]) -> _S:
@@ -167,6 +168,8 @@ class Services(Lifecycle):
             return component
 
         patience = parse_duration(self.config.nats.startup_wait)
+        if self.nc is None:
+            raise RuntimeError("not connected")
         return await until_jetstream_answers(step, attempt, nc=self.nc, patience=patience)
 
     def _check(self) -> None:

@@ -58,18 +58,24 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Final
 
 import msgspec
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
 
 from .._lifecycle import Lifecycle
 from .._tasks import Supervisor, cancel_and_wait
+from ..errors import NatsError, NatsNotFoundError
 from ..logs import get_logger
 from ..wire._eventlog import delete_consumer
 from ..wire._messages import EVENT_DECODER, CancelRequested
+from ..wire._nats import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    JetStream,
+    Message,
+    PullSubscription,
+)
 from ..wire._subjects import EVENTS_STREAM, FETCH_TIMEOUT, event_subject
 
 __all__ = ["CANCELS", "CancelWatch", "cancel_of"]
@@ -133,7 +139,7 @@ class CancelWatch(Lifecycle):
 
     def __init__(
         self,
-        js: Any,
+        js: JetStream,
         *,
         horizon: float = 86400.0,
         supervisor: Supervisor | None = None,
@@ -233,7 +239,7 @@ class CancelWatch(Lifecycle):
         subject = event_subject(tenant, request_id, "cancel_requested")
         try:
             raw = await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
-        except NotFoundError:
+        except NatsNotFoundError:
             return False
         if cancel_of(subject, raw.data or b"") is None:
             return False
@@ -242,7 +248,7 @@ class CancelWatch(Lifecycle):
 
     # ------------------------------------------------------------------ loop
 
-    async def _subscribe(self) -> Any:
+    async def _subscribe(self) -> PullSubscription:
         if self._next_seq:
             config = ConsumerConfig(
                 deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._next_seq
@@ -268,7 +274,7 @@ class CancelWatch(Lifecycle):
             while True:
                 try:
                     msgs = await psub.fetch(batch=_BATCH, timeout=FETCH_TIMEOUT)
-                except (TimeoutError, NatsTimeoutError):
+                except TimeoutError:
                     self._caught_up.set()  # nothing was pending
                     continue
                 for msg in msgs:
@@ -277,11 +283,11 @@ class CancelWatch(Lifecycle):
                     if msg.metadata.num_pending == 0:
                         self._caught_up.set()
         finally:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(NatsError):
                 await psub.unsubscribe()
-            await delete_consumer(self._js, EVENTS_STREAM, psub._consumer)
+            await delete_consumer(self._js, EVENTS_STREAM, psub.consumer)
 
-    def _take(self, msg: Any) -> None:
+    def _take(self, msg: Message) -> None:
         event = cancel_of(msg.subject, msg.data)
         if event is None:
             log.warning("ignoring a cancellation whose payload disagrees with its subject",

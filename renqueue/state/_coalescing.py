@@ -68,21 +68,13 @@ import hashlib
 import math
 import uuid
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Final
 
 import msgspec
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import (
-    APIError,
-    BadRequestError,
-    KeyNotFoundError,
-    KeyWrongLastSequenceError,
-    NotFoundError,
-)
 
+from ..errors import NatsError, NatsNotFoundError, WrongLastSequenceError
 from ..logs import get_logger
 from ..wire._eventlog import (
-    WRONG_LAST_SEQUENCE,
     EventLog,
     delete_consumer,
     publish_stored,
@@ -102,6 +94,7 @@ from ..wire._messages import (
     TokenChunk,
     encode,
 )
+from ..wire._nats import AckPolicy, ConsumerConfig, DeliverPolicy, JetStream, KeyValue
 from ..wire._subjects import (
     EVENTS_STREAM,
     STATE_BUCKET,
@@ -116,8 +109,6 @@ __all__ = ["Coalescer", "Group", "coalesce_key"]
 log = get_logger("coalescing")
 
 _TRIES: Final = 8
-#: JetStream's "wrong last sequence" (a compare-and-set lost).
-_WRONG_LAST_SEQUENCE: Final = 10071
 #: Seconds subtracted from a leader's submit time (the requests stream's clock)
 #: when its followers are looked up in the log (the events stream's clock: on
 #: a cluster, another node's).
@@ -175,15 +166,15 @@ def _ttl_header(ttl: float) -> dict[str, str]:
 class Coalescer:
     """Joining groups, and giving every follower its outcome when its leader ends."""
 
-    def __init__(self, js: Any, *, clock: Callable[[], float], ttl: float = 0.0) -> None:
+    def __init__(self, js: JetStream, *, clock: Callable[[], float], ttl: float = 0.0) -> None:
         self._js = js
         self._log = EventLog(js)
         self._clock = clock
         #: Lifetime of the groups this one creates (each write renews it); 0: none.
         self._ttl = ttl
-        self._kv: Any = None
+        self._kv: KeyValue | None = None
 
-    async def _bucket(self) -> Any:
+    async def _bucket(self) -> KeyValue:
         if self._kv is None:
             self._kv = await self._js.key_value(STATE_BUCKET)
         return self._kv
@@ -199,14 +190,9 @@ class Coalescer:
         """Replace revision ``last`` of group ``name`` (compare-and-set), the new
         value living ``group.ttl`` seconds (every write renews it)."""
         headers = {"Nats-Expected-Last-Subject-Sequence": str(last), **_ttl_header(group.ttl)}
-        try:
-            await self._js.publish(
-                f"$KV.{STATE_BUCKET}.{name}", msgspec.json.encode(group), headers=headers
-            )
-        except APIError as exc:
-            if exc.err_code in WRONG_LAST_SEQUENCE:
-                raise KeyWrongLastSequenceError(description=exc.description) from exc
-            raise
+        await self._js.publish(
+            f"$KV.{STATE_BUCKET}.{name}", msgspec.json.encode(group), headers=headers
+        )
 
     # ------------------------------------------------------------- joining
 
@@ -223,13 +209,13 @@ class Coalescer:
             try:
                 ttl = _whole_seconds(mine.ttl) if mine.ttl > 0 else None
                 await kv.create(name, msgspec.json.encode(mine), msg_ttl=ttl)
-            except KeyWrongLastSequenceError:
+            except WrongLastSequenceError:
                 pass
             else:
                 return None
             try:
                 entry = await kv.get(name)
-            except KeyNotFoundError:
+            except NatsNotFoundError:
                 continue  # deleted meanwhile: try to create it again
             group = _DECODER.decode(entry.value)
             if group.leader == request.id:
@@ -256,7 +242,7 @@ class Coalescer:
             )
             try:
                 await self._write(name, changed, last=entry.revision)
-            except KeyWrongLastSequenceError:
+            except WrongLastSequenceError:
                 continue
             return None if group.closed else group.leader
         raise RuntimeError(f"could not join coalescing group {name} after {_TRIES} tries")
@@ -268,14 +254,14 @@ class Coalescer:
         for _ in range(_TRIES):
             try:
                 entry = await kv.get(name)
-            except KeyNotFoundError:
+            except NatsNotFoundError:
                 return
             group = _DECODER.decode(entry.value)
             if group.closed or follower not in group.followers:
                 return  # not there, or being handed out: the claim picks one outcome
             try:
                 await self._write(name, _without(group, follower), last=entry.revision)
-            except KeyWrongLastSequenceError:
+            except WrongLastSequenceError:
                 continue
             return
 
@@ -313,7 +299,7 @@ class Coalescer:
         for _ in range(_TRIES):
             try:
                 entry = await kv.get(name)
-            except KeyNotFoundError:
+            except NatsNotFoundError:
                 return None
             group = _DECODER.decode(entry.value)
             if group.leader != leader:
@@ -323,7 +309,7 @@ class Coalescer:
             closed = msgspec.structs.replace(group, closed=True)
             try:
                 await self._write(name, closed, last=entry.revision)
-            except KeyWrongLastSequenceError:
+            except WrongLastSequenceError:
                 continue
             return closed
         raise RuntimeError(f"could not close coalescing group {name} after {_TRIES} tries")
@@ -340,7 +326,7 @@ class Coalescer:
         name = self._key(tenant, key)
         try:
             entry = await kv.get(name)
-        except KeyNotFoundError:
+        except NatsNotFoundError:
             return
         group = _DECODER.decode(entry.value)
         if group.leader != leader:
@@ -351,13 +337,8 @@ class Coalescer:
                 await self._write(name, done, last=entry.revision)
             else:
                 await kv.delete(name, last=entry.revision)
-        except KeyWrongLastSequenceError:
+        except WrongLastSequenceError:
             return  # replaced meanwhile (a new group): not ours to mark
-        except BadRequestError as exc:
-            # The same for a delete: nats-py raises a plain BadRequestError for
-            # its wrong last sequence, not KeyWrongLastSequenceError.
-            if exc.err_code != _WRONG_LAST_SEQUENCE:
-                raise
 
     async def _complete(self, tenant: str, leader: str, group: Group) -> bool:
         """Whether ``group`` (led by ``leader``) surely lists all its followers.
@@ -388,7 +369,7 @@ class Coalescer:
         subject = event_subject(tenant, "*", "coalesced")
         try:
             newest = await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
-        except NotFoundError:
+        except NatsNotFoundError:
             return []
         if newest.time is not None and newest.time.timestamp() < since:
             return []
@@ -420,7 +401,7 @@ class Coalescer:
                         if isinstance(event, Coalesced) and subject_agrees(msg.subject, event):
                             latest[event.request_id] = (event.leader, meta.sequence.stream)
         finally:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(NatsError):
                 await sub.unsubscribe()
             await delete_consumer(self._js, EVENTS_STREAM, name)
         followers = []
@@ -430,7 +411,7 @@ class Coalescer:
             routed = event_subject(tenant, follower, "routed")
             try:
                 moved = (await self._js.get_last_msg(EVENTS_STREAM, routed, direct=True)).seq
-            except NotFoundError:
+            except NatsNotFoundError:
                 moved = 0
             if (moved or 0) < seq:
                 followers.append(follower)
@@ -526,7 +507,7 @@ class Coalescer:
         try:
             raw = await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
             event = EVENT_DECODER.decode(raw.data or b"")
-        except (NotFoundError, msgspec.DecodeError):
+        except (NatsNotFoundError, msgspec.DecodeError):
             return 0
         return event.attempt if isinstance(event, Preempted) else 0
 
@@ -539,7 +520,7 @@ class Coalescer:
         try:
             raw = await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
             event = EVENT_DECODER.decode(raw.data or b"")
-        except (NotFoundError, msgspec.DecodeError):
+        except (NatsNotFoundError, msgspec.DecodeError):
             return None
         if not isinstance(event, Submitted) or event.request.id != request_id:
             return None
@@ -556,7 +537,7 @@ class Coalescer:
         subject = event_subject(tenant, request_id, "coalesced")
         try:
             await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
-        except NotFoundError:
+        except NatsNotFoundError:
             return False
         await self._log.finish(
             Cancelled(

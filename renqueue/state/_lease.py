@@ -30,11 +30,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Final
 
-from nats.js.errors import KeyNotFoundError
-
-from ..wire._eventlog import is_wrong_last_sequence
+from ..errors import NatsNotFoundError, WrongLastSequenceError
+from ..wire._nats import JetStream, KeyValue
 from ..wire._subjects import LEASE_BUCKET
 
 __all__ = ["LEASE_MARGIN", "Lease"]
@@ -53,7 +52,7 @@ class Lease:
 
     def __init__(
         self,
-        js: Any,
+        js: JetStream,
         key: str,
         holder: str,
         ttl: float,
@@ -65,7 +64,7 @@ class Lease:
         self.holder = holder
         self.ttl = ttl
         self._clock = clock
-        self._kv: Any = None
+        self._kv: KeyValue | None = None
         self._revision: int | None = None
         self._term: int | None = None
         self._valid_until = 0.0
@@ -95,7 +94,7 @@ class Lease:
             self._renewed.clear()
             await self._renewed.wait()
 
-    async def _bucket(self) -> Any:
+    async def _bucket(self) -> KeyValue:
         if self._kv is None:
             self._kv = await self._js.key_value(LEASE_BUCKET)
         return self._kv
@@ -106,22 +105,20 @@ class Lease:
         sent = self._clock()
         try:
             revision = await kv.create(self.key, self.holder.encode())
-        except KeyNotFoundError:
+        except NatsNotFoundError:
             # The create found the key taken, and nats-py's look at it found
             # it gone: it expired in between. The next attempt creates it.
             return False
-        except Exception as exc:
-            if not is_wrong_last_sequence(exc):
-                raise
+        except WrongLastSequenceError:
             return await self._adopt(kv)
         self._granted(revision, sent, new_term=True)
         return True
 
-    async def _adopt(self, kv: Any) -> bool:
+    async def _adopt(self, kv: KeyValue) -> bool:
         """The key exists: it is ours if it holds our name (a restarted loop)."""
         try:
             entry = await kv.get(self.key)
-        except KeyNotFoundError:
+        except NatsNotFoundError:
             return False  # expired in between: the next attempt creates it
         if entry.value != self.holder.encode():
             return False
@@ -138,9 +135,7 @@ class Lease:
         sent = self._clock()
         try:
             revision = await kv.update(self.key, self.holder.encode(), last=self._revision)
-        except Exception as exc:
-            if not is_wrong_last_sequence(exc):
-                raise
+        except WrongLastSequenceError:
             self._lost()
             return False
         self._granted(revision, sent, new_term=False)
@@ -155,11 +150,10 @@ class Lease:
         kv = await self._bucket()
         try:
             await kv.delete(self.key, last=revision)
-        except KeyNotFoundError:
+        except NatsNotFoundError:
             pass  # expired: nothing to give up
-        except Exception as exc:
-            if not is_wrong_last_sequence(exc):  # else already someone else's
-                raise
+        except WrongLastSequenceError:
+            pass  # already someone else's
 
     def _granted(self, revision: int, sent: float, *, new_term: bool) -> None:
         if new_term:

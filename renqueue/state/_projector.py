@@ -22,20 +22,27 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Final
+from typing import Final
 
 import msgspec
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from .._lifecycle import Lifecycle, State
 from .._tasks import Supervisor
+from ..errors import NatsError, NatsNotFoundError, WrongLastSequenceError
 from ..logs import get_logger
-from ..wire._eventlog import subject_agrees
+from ..wire._eventlog import delete_consumer, subject_agrees
 from ..wire._messages import (
     EVENT_DECODER,
     kind_of,
+)
+from ..wire._nats import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    JetStream,
+    KeyValue,
+    Message,
+    PullSubscription,
 )
 from ..wire._subjects import EVENTS_STREAM, STATE_BUCKET
 from ._fold import STATE_KEY, STATE_VERSION, ProjectionState, _Builder, decode_state, encode_state
@@ -48,7 +55,7 @@ log = get_logger("projection")
 _BATCH: Final = 512
 
 
-def _fold_messages(builder: _Builder, msgs: Iterable[Any]) -> None:
+def _fold_messages(builder: _Builder, msgs: Iterable[Message]) -> None:
     """Fold stream messages into ``builder``.
 
     Undecodable messages are skipped and counted in ``skipped``; messages
@@ -82,7 +89,9 @@ def _fold_messages(builder: _Builder, msgs: Iterable[Any]) -> None:
         builder.apply(event, seq)
 
 
-async def _events_consumer(js: Any, after: int, *, inactive: float = 30.0) -> Any:
+async def _events_consumer(
+    js: JetStream, after: int, *, inactive: float = 30.0
+) -> PullSubscription:
     """An ephemeral, unacknowledged pull consumer on ``RQ_EVENTS`` from ``after + 1``."""
     config = ConsumerConfig(
         deliver_policy=DeliverPolicy.ALL if after <= 0 else DeliverPolicy.BY_START_SEQUENCE,
@@ -95,20 +104,19 @@ async def _events_consumer(js: Any, after: int, *, inactive: float = 30.0) -> An
     return await js.pull_subscribe("rq.evt.>", stream=EVENTS_STREAM, config=config)
 
 
-async def _drop_consumer(js: Any, psub: Any) -> None:
+async def _drop_consumer(js: JetStream, psub: PullSubscription) -> None:
     """Unsubscribe and delete an ephemeral consumer; best effort (it expires anyway)."""
-    with contextlib.suppress(Exception):
-        name = psub._consumer  # nats-py keeps the consumer name only here
+    with contextlib.suppress(NatsError):
         await psub.unsubscribe()
-        await js.delete_consumer(EVENTS_STREAM, name)
+    await delete_consumer(js, EVENTS_STREAM, psub.consumer)
 
 
-async def _stream_last_seq(js: Any) -> int:
+async def _stream_last_seq(js: JetStream) -> int:
     info = await js.stream_info(EVENTS_STREAM)
     return int(info.state.last_seq)
 
 
-async def rebuild(js: Any, *, upto: int | None = None) -> ProjectionState:
+async def rebuild(js: JetStream, *, upto: int | None = None) -> ProjectionState:
     """Replay ``RQ_EVENTS`` from its first message into a fresh state.
 
     Folds up to ``upto`` (default: the stream's last sequence when called), so
@@ -125,7 +133,7 @@ async def rebuild(js: Any, *, upto: int | None = None) -> ProjectionState:
         while builder.last_seq < target:
             try:
                 msgs = await psub.fetch(_BATCH, timeout=2.0)
-            except (TimeoutError, NatsTimeoutError):
+            except TimeoutError:
                 # Nothing more to read: the tail up to ``target`` was deleted.
                 break
             _fold_messages(builder, (m for m in msgs if m.metadata.sequence.stream <= target))
@@ -180,7 +188,7 @@ class Projector(Lifecycle):
 
     def __init__(
         self,
-        js: Any,
+        js: JetStream,
         *,
         name: str = "projector",
         flush_interval: float = 0.1,
@@ -198,14 +206,20 @@ class Projector(Lifecycle):
         self._fetch_timeout = fetch_timeout
         self._batch = batch
         self._clock = clock
-        self._kv: Any = None
+        self._kv: KeyValue | None = None
         self._state = ProjectionState()
         self._revision = 0
         self._stored_seq = 0
         self._last_write = 0.0
-        self._psub: Any = None
+        self._psub: PullSubscription | None = None
         self.writes = 0
         self.conflicts = 0
+
+    @property
+    def _bucket(self) -> KeyValue:
+        if self._kv is None:
+            raise RuntimeError("the projector is not started")
+        return self._kv
 
     @property
     def state(self) -> ProjectionState:
@@ -248,8 +262,8 @@ class Projector(Lifecycle):
         while True:
             # Nothing stored yet, or a value this version cannot read (not yet
             # overwritten): wait for the next write.
-            with contextlib.suppress(KeyNotFoundError, msgspec.DecodeError):
-                entry = await self._kv.get(STATE_KEY)
+            with contextlib.suppress(NatsNotFoundError, msgspec.DecodeError):
+                entry = await self._bucket.get(STATE_KEY)
                 state = decode_state(entry.value)
                 if state.last_seq >= target:
                     return state
@@ -257,16 +271,14 @@ class Projector(Lifecycle):
 
     async def _load(self) -> None:
         """Adopt the stored state and its revision (a fresh state if there is none)."""
-        try:
-            entry = await self._kv.get(STATE_KEY)
-        except KeyNotFoundError as exc:
+        entry = await self._bucket.latest(STATE_KEY)
+        if entry is None or entry.operation is not None:
             # Never written (revision 0), or deleted: then the delete marker's
             # revision is the one a compare-and-set must name.
-            marker = getattr(exc, "entry", None)
-            self._revision = int(marker.revision) if marker is not None else 0
+            self._revision = 0 if entry is None else entry.revision
             self._state, self._stored_seq = ProjectionState(), 0
             return
-        self._revision = int(entry.revision)
+        self._revision = entry.revision
         try:
             self._state = decode_state(entry.value)
         except msgspec.DecodeError as exc:
@@ -301,7 +313,7 @@ class Projector(Lifecycle):
             except _Restart:
                 continue
 
-    async def _consume(self, psub: Any) -> None:
+    async def _consume(self, psub: PullSubscription) -> None:
         idle = 0
         while self.status is ProjectorStatus.RUNNING:
             dirty = self._state.last_seq > self._stored_seq
@@ -311,7 +323,7 @@ class Projector(Lifecycle):
                 timeout = min(timeout, max(0.01, due))
             try:
                 msgs = await psub.fetch(self._batch, timeout=timeout)
-            except (TimeoutError, NatsTimeoutError):
+            except TimeoutError:
                 msgs = []
             if msgs:
                 idle = 0
@@ -329,11 +341,11 @@ class Projector(Lifecycle):
             ):
                 raise _Restart
 
-    async def _check_consumer(self, psub: Any) -> None:
+    async def _check_consumer(self, psub: PullSubscription) -> None:
         """An idle consumer may have been lost (server restart): make it again if so."""
         try:
             await psub.consumer_info()
-        except NotFoundError as exc:
+        except NatsNotFoundError as exc:
             raise _Restart from exc
 
     async def _flush(self) -> bool:
@@ -341,10 +353,10 @@ class Projector(Lifecycle):
         (the stored state has then been adopted)."""
         state = self._state
         try:
-            self._revision = await self._kv.update(
+            self._revision = await self._bucket.update(
                 STATE_KEY, encode_state(state), last=self._revision
             )
-        except KeyWrongLastSequenceError:
+        except WrongLastSequenceError:
             self.conflicts += 1
             log.info("projection written by another projector; adopting it", projector=self._name)
             await self._load()

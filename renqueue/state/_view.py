@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, Self
+from typing import Self
 
 import msgspec
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import KeyNotFoundError
 
 from .._lifecycle import Lifecycle, State
 from .._tasks import Supervisor
+from ..errors import NatsError, NatsTimeoutError
 from ..logs import get_logger
 from ..policy import DEFAULT_COOLDOWN, DEFAULT_FAILURE_THRESHOLD, is_healthy
+from ..wire._nats import JetStream, KeyEntry, KeyValue, KeyWatcher
 from ..wire._subjects import STATE_BUCKET
 from ._fold import STATE_KEY, ProjectionState, decode_state
 
@@ -52,7 +52,7 @@ class StateView(Lifecycle):
 
     def __init__(
         self,
-        js: Any,
+        js: JetStream,
         *,
         threshold: int = DEFAULT_FAILURE_THRESHOLD,
         cooldown: float = DEFAULT_COOLDOWN,
@@ -72,8 +72,8 @@ class StateView(Lifecycle):
         self._supervisor = supervisor if supervisor is not None else Supervisor(name)
         self._loop = f"{name}-watch"
         self._check_every = check_every
-        self._kv: Any = None
-        self._watcher: Any = None
+        self._kv: KeyValue | None = None
+        self._watcher: KeyWatcher | None = None
         #: The last entry the watch delivered: (revision, value).
         self._watch_rev = 0
         self._watch_value = b""
@@ -84,7 +84,7 @@ class StateView(Lifecycle):
     @classmethod
     async def open(
         cls,
-        js: Any,
+        js: JetStream,
         *,
         threshold: int = DEFAULT_FAILURE_THRESHOLD,
         cooldown: float = DEFAULT_COOLDOWN,
@@ -152,55 +152,52 @@ class StateView(Lifecycle):
             await self._supervisor.close()
         await self._close_watch()
 
-    def _take(self, entry: Any) -> None:
-        if entry.value is None or entry.operation is not None:
+    def _take(self, entry: KeyEntry) -> None:
+        if entry.operation is not None:
             return  # a delete or purge marker: keep what we had
         try:
             state = decode_state(entry.value)
         except msgspec.DecodeError as exc:
             log.warning("undecodable projection in KV ignored", error=str(exc))
             return
-        self.state, self.revision = state, int(entry.revision)
+        self.state, self.revision = state, entry.revision
         self._changed.set()
 
-    def _seen(self, entry: Any) -> None:
+    def _seen(self, entry: KeyEntry) -> None:
         """An entry (value or marker) the watch delivered."""
-        self._watch_rev = int(entry.revision)
-        self._watch_value = bytes(entry.value or b"")
+        self._watch_rev = entry.revision
+        self._watch_value = entry.value
         self._behind = False
         self._take(entry)
 
-    async def _open_watch(self) -> None:
+    async def _open_watch(self) -> KeyWatcher:
         """Open a watch and load the current value (the watch delivers it, then None)."""
         self._kv = await self._js.key_value(STATE_BUCKET)
-        self._watcher = await self._kv.watch(STATE_KEY)
-        while (entry := await self._watcher.updates(timeout=5.0)) is not None:
+        self._watcher = watcher = await self._kv.watch(STATE_KEY)
+        while (entry := await watcher.updates(timeout=5.0)) is not None:
             self._seen(entry)
         self._behind = False
         self._broken = False
+        return watcher
 
     async def _close_watch(self) -> None:
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(NatsError):
                 await watcher.stop()
 
-    async def _reopen(self, why: str) -> None:
+    async def _reopen(self, why: str) -> KeyWatcher:
         log.warning("projection watch re-opened", reason=why, revision=self._watch_rev)
         self.reopened += 1
         await self._close_watch()
-        await self._open_watch()
+        return await self._open_watch()
 
     async def _stored(self) -> tuple[int, bytes]:
         """The stored entry (or its delete marker): (revision, value); (0, b"") if none."""
-        try:
-            entry = await self._kv.get(STATE_KEY)
-        except KeyNotFoundError as exc:
-            marker = getattr(exc, "entry", None)
-            if marker is None:
-                return 0, b""
-            return int(marker.revision), bytes(marker.value or b"")
-        return int(entry.revision), bytes(entry.value or b"")
+        if self._kv is None:
+            return 0, b""
+        entry = await self._kv.latest(STATE_KEY)
+        return (0, b"") if entry is None else (entry.revision, entry.value)
 
     async def _stale(self) -> bool:
         """The watch was quiet for a while: has the stored value moved on without it?
@@ -224,19 +221,20 @@ class StateView(Lifecycle):
         supervisor logs it and starts the loop again, which re-opens the watch.
         """
         try:
-            if self._broken or self._watcher is None:
-                await self._reopen("the previous watch failed")
+            watcher = self._watcher
+            if self._broken or watcher is None:
+                watcher = await self._reopen("the previous watch failed")
             while True:
                 try:
-                    entry = await self._watcher.updates(timeout=self._check_every)
+                    entry = await watcher.updates(timeout=self._check_every)
                 except NatsTimeoutError:
                     if await self._stale():
-                        await self._reopen("silent while the stored value changed")
+                        watcher = await self._reopen("silent while the stored value changed")
                     continue
                 if entry is None:
                     continue
-                if entry is self._watcher.STOP_ITER:
-                    await self._reopen("the watch ended")
+                if watcher.is_stop(entry):
+                    watcher = await self._reopen("the watch ended")
                     continue
                 self._seen(entry)
         except Exception:

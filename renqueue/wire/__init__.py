@@ -1,4 +1,4 @@
-"""What Ren-Queue puts on NATS, and how it is spelled.
+r"""What Ren-Queue puts on NATS, and how it is spelled.
 
 - Messages and events (``_messages``): every payload, a frozen ``msgspec.Struct``
   carrying a schema version; events are one tagged union, :data:`Event`.
@@ -6,15 +6,17 @@
 - The event log (``_eventlog``): :class:`EventLog` writes and reads ``RQ_EVENTS``;
   a terminal event goes through the request's terminal claim, so each request
   records exactly one.
+- The NATS boundary (``_nats``): typed handles on a connection —
+  :class:`Connection`, :class:`JetStream`, :class:`KeyValue`, :class:`Message`,
+  subscriptions — and the one place a nats-py error becomes a
+  :class:`renqueue.errors.NatsError`. Nothing else imports ``nats``.
 - The preemption protocol's messages (``_preemption``): :class:`Ask`,
   :class:`Offer`, :class:`Confirm`, :class:`Answer`.
 """
 
 from ._eventlog import (
-    WRONG_LAST_SEQUENCE,
     EventLog,
     delete_consumer,
-    is_wrong_last_sequence,
     msg_id_of,
     publish_stored,
     read_messages,
@@ -54,6 +56,28 @@ from ._messages import (
     encode,
     is_terminal,
     kind_of,
+)
+from ._nats import (
+    NOT_NOW,
+    WRONG_LAST_SEQUENCE,
+    AckPolicy,
+    Connection,
+    ConsumerConfig,
+    ConsumerInfo,
+    DeliverPolicy,
+    JetStream,
+    KeyEntry,
+    KeyValue,
+    KeyWatcher,
+    Message,
+    MessageMetadata,
+    NatsClient,
+    PubAck,
+    PullSubscription,
+    StoredMessage,
+    StreamInfo,
+    Subscription,
+    translate,
 )
 from ._preemption import (
     ANSWER_DECODER,
@@ -122,6 +146,7 @@ __all__ = [
     "EVENT_DECODER",
     "FETCH_TIMEOUT",
     "LEASE_BUCKET",
+    "NOT_NOW",
     "OFFER_DECODER",
     "OFFER_WINDOW",
     "PREEMPT_ASK",
@@ -137,6 +162,7 @@ __all__ = [
     "TOKENS_STREAM",
     "TOKEN_DECODER",
     "WRONG_LAST_SEQUENCE",
+    "AckPolicy",
     "Answer",
     "Ask",
     "CancelRequested",
@@ -145,6 +171,10 @@ __all__ = [
     "Coalesced",
     "Completed",
     "Confirm",
+    "Connection",
+    "ConsumerConfig",
+    "ConsumerInfo",
+    "DeliverPolicy",
     "Dispatch",
     "Event",
     "EventLog",
@@ -152,15 +182,27 @@ __all__ = [
     "Failed",
     "GenerationParams",
     "InferenceRequest",
+    "JetStream",
+    "KeyEntry",
+    "KeyValue",
+    "KeyWatcher",
+    "Message",
+    "MessageMetadata",
+    "NatsClient",
     "Offer",
     "Preempted",
     "Promoted",
+    "PubAck",
+    "PullSubscription",
     "Rejected",
     "Retrying",
     "Routed",
     "Started",
     "Stolen",
+    "StoredMessage",
+    "StreamInfo",
     "Submitted",
+    "Subscription",
     "TerminalClaim",
     "TokenChunk",
     "Usage",
@@ -174,7 +216,6 @@ __all__ = [
     "events_of_request",
     "is_requeue_subject",
     "is_terminal",
-    "is_wrong_last_sequence",
     "kind_of",
     "max_deliveries_advisory",
     "msg_id",
@@ -193,5 +234,6 @@ __all__ = [
     "subject_matches",
     "terminal_key",
     "token_subject",
+    "translate",
     "worker_consumer",
 ]

@@ -44,12 +44,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from typing import Any, Final
+from typing import Final
 
 import msgspec
-from nats.js.api import AckPolicy, DeliverPolicy
-from nats.js.errors import APIError, KeyWrongLastSequenceError, NotFoundError
 
+from ..errors import NatsError, NatsNotFoundError, WrongLastSequenceError
 from ._messages import (
     CLAIM_DECODER,
     EVENT_DECODER,
@@ -69,6 +68,15 @@ from ._messages import (
     is_terminal,
     kind_of,
 )
+from ._nats import (
+    AckPolicy,
+    Connection,
+    DeliverPolicy,
+    JetStream,
+    Message,
+    PubAck,
+    StoredMessage,
+)
 from ._subjects import (
     EVENTS_STREAM,
     TERMINAL_BUCKET,
@@ -85,10 +93,8 @@ from ._subjects import (
 )
 
 __all__ = [
-    "WRONG_LAST_SEQUENCE",
     "EventLog",
     "delete_consumer",
-    "is_wrong_last_sequence",
     "msg_id_of",
     "publish_stored",
     "read_messages",
@@ -98,25 +104,11 @@ __all__ = [
 
 _MSG_ID: Final = "Nats-Msg-Id"
 _EXPECTED_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
-#: JetStream's "wrong last sequence" publish errors: the subject is not as expected.
-WRONG_LAST_SEQUENCE: Final = frozenset({10071, 10164})
 _CLAIMS_STREAM: Final = f"KV_{TERMINAL_BUCKET}"
 #: A replay consumer left behind (its reader died) goes away this long after.
 _REPLAY_INACTIVE: Final = 10.0
 #: Bound on deleting a consumer: closing never waits longer than this.
 _DELETE_TIMEOUT: Final = 1.0
-
-
-def is_wrong_last_sequence(exc: BaseException) -> bool:
-    """Whether ``exc`` is a compare-and-set that found its subject moved on.
-
-    nats-py reports it as ``KeyWrongLastSequenceError`` for a KV create or
-    update, and as a plain API error (10071, or 10164 on a cluster) for a KV
-    delete or a raw publish with ``Nats-Expected-Last-Subject-Sequence``.
-    """
-    if isinstance(exc, KeyWrongLastSequenceError):
-        return True
-    return isinstance(exc, APIError) and exc.err_code in WRONG_LAST_SEQUENCE
 
 
 def msg_id_of(event: Event) -> str | None:
@@ -154,7 +146,7 @@ def _headers(event: Event) -> dict[str, str] | None:
     return None if message_id is None else {_MSG_ID: message_id}
 
 
-async def publish_stored(js: Any, subject: str, payload: bytes, message_id: str) -> None:
+async def publish_stored(js: JetStream, subject: str, payload: bytes, message_id: str) -> None:
     """Publish ``payload`` on ``subject`` so that a copy is surely stored.
 
     For a message whose source is acked (or deleted) once it is published: a
@@ -174,22 +166,22 @@ async def publish_stored(js: Any, subject: str, payload: bytes, message_id: str)
         return
     stored = None
     if ack.seq:
-        with contextlib.suppress(NotFoundError):
+        with contextlib.suppress(NatsNotFoundError):
             stored = await js.get_msg(ack.stream, seq=ack.seq)
     if stored is not None and stored.subject == subject and stored.data == payload:
         return  # ours, from an earlier try, still waiting to be read
     await js.publish(subject, payload, headers={_MSG_ID: f"{message_id}:{uuid.uuid4().hex}"})
 
 
-async def delete_consumer(js: Any, stream: str, name: str) -> None:
+async def delete_consumer(js: JetStream, stream: str, name: str) -> None:
     """Delete a consumer, best effort and bounded: it is ephemeral and expires anyway."""
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(NatsError, TimeoutError):
         await asyncio.wait_for(js.delete_consumer(stream, name), _DELETE_TIMEOUT)
 
 
 async def read_subject(
-    nc: Any,
-    js: Any,
+    nc: Connection,
+    js: JetStream,
     stream: str,
     subject: str,
     *,
@@ -211,8 +203,8 @@ async def read_subject(
 
 
 async def read_messages(
-    nc: Any,
-    js: Any,
+    nc: Connection,
+    js: JetStream,
     stream: str,
     subject: str,
     *,
@@ -236,7 +228,7 @@ async def read_messages(
     """
     try:
         last = await js.get_last_msg(stream, subject, direct=True)
-    except NotFoundError:
+    except NatsNotFoundError:
         return []
     if last.seq < start:
         return []
@@ -245,9 +237,9 @@ async def read_messages(
             misdirected("read", last.subject or "", expected=subject)
             return []
         return [(last.seq, last.subject, last.data or b"")]
-    received: asyncio.Queue[Any] = asyncio.Queue()
+    received: asyncio.Queue[Message] = asyncio.Queue()
 
-    async def on_msg(msg: Any) -> None:
+    async def on_msg(msg: Message) -> None:
         received.put_nowait(msg)
 
     inbox = nc.new_inbox()
@@ -276,7 +268,7 @@ async def read_messages(
                 continue  # a status message (heartbeat), not stored data
             try:
                 meta = msg.metadata
-            except Exception:  # noqa: BLE001 - not a JetStream delivery
+            except NatsError:  # not a JetStream delivery
                 misdirected("read", msg.subject, expected=subject)
                 continue
             if (
@@ -290,7 +282,7 @@ async def read_messages(
             pending = 0 if meta.sequence.stream >= last.seq else meta.num_pending
         return out
     finally:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(NatsError):
             await sub.unsubscribe()
         if created:
             await delete_consumer(js, stream, consumer)
@@ -336,7 +328,9 @@ class EventLog:
     ``nc`` (the connection of ``js``) is needed only by :meth:`read`.
     """
 
-    def __init__(self, js: Any, *, nc: Any = None, timeout: float = 5.0) -> None:
+    def __init__(
+        self, js: JetStream, *, nc: Connection | None = None, timeout: float = 5.0
+    ) -> None:
         self._js = js
         self._nc = nc
         self._timeout = timeout
@@ -354,12 +348,11 @@ class EventLog:
         )
         return not ack.duplicate
 
-    async def append_async(self, event: Event) -> asyncio.Future[Any]:
+    async def append_async(self, event: Event) -> asyncio.Future[PubAck]:
         """Publish non-terminal ``event`` with a pipelined ack; await the returned future."""
-        future: asyncio.Future[Any] = await self._js.publish_async(
+        return await self._js.publish_async(
             self._subject(event), encode(event), headers=_headers(event)
         )
-        return future
 
     async def finish(
         self, event: Event, *, delivery: int | None = None, seq: int | None = None
@@ -396,7 +389,7 @@ class EventLog:
         subject = f"$KV.{TERMINAL_BUCKET}.{terminal_key(tenant, request_id)}"
         try:
             raw = await self._js.get_msg(_CLAIMS_STREAM, subject=subject, direct=True)
-        except NotFoundError:
+        except NatsNotFoundError:
             return None
         return CLAIM_DECODER.decode(raw.data or b"")
 
@@ -421,10 +414,8 @@ class EventLog:
                 timeout=self._timeout,
                 headers={_EXPECTED_LAST_SUBJECT_SEQ: "0"},
             )
-        except APIError as exc:
-            if exc.err_code in WRONG_LAST_SEQUENCE:
-                return False
-            raise
+        except WrongLastSequenceError:
+            return False
         return True
 
     async def _publish_terminal(self, claim: TerminalClaim, *, check_final: bool) -> None:
@@ -436,7 +427,7 @@ class EventLog:
 
         async def close_stream() -> None:
             if check_final:
-                with contextlib.suppress(NotFoundError, msgspec.DecodeError):
+                with contextlib.suppress(NatsNotFoundError, msgspec.DecodeError):
                     last = await self._js.get_last_msg(TOKENS_STREAM, subject, direct=True)
                     if TOKEN_DECODER.decode(last.data or b"").final:
                         return
@@ -455,16 +446,13 @@ class EventLog:
     async def _store_terminal(self, event: Event) -> None:
         """Publish ``event`` unless its subject already holds one: the claim
         allows one terminal event per request, so a stored one is this one."""
-        try:
+        with contextlib.suppress(WrongLastSequenceError):  # stored by an earlier try
             await self._js.publish(
                 self._subject(event),
                 encode(event),
                 timeout=self._timeout,
                 headers={_EXPECTED_LAST_SUBJECT_SEQ: "0"},
             )
-        except APIError as exc:
-            if exc.err_code not in WRONG_LAST_SEQUENCE:
-                raise
 
     async def _after_last_chunk(self, tenant: str, request_id: str) -> tuple[int, int]:
         """``(delivery, seq)`` right after the last chunk stored for the request."""
@@ -473,7 +461,7 @@ class EventLog:
                 TOKENS_STREAM, token_subject(tenant, request_id), direct=True
             )
             chunk = TOKEN_DECODER.decode(last.data or b"")
-        except (NotFoundError, msgspec.DecodeError):
+        except (NatsNotFoundError, msgspec.DecodeError):
             return 1, 0
         return chunk.delivery, chunk.seq + (0 if chunk.final else 1)
 
@@ -519,7 +507,7 @@ class EventLog:
         while True:
             try:
                 raw = await self._js.get_msg(EVENTS_STREAM, seq=seq, subject=subject, next=True)
-            except NotFoundError:
+            except NatsNotFoundError:
                 return _decode_events(raws)
             raws.append((raw.seq, raw.subject or "", raw.data or b""))
             seq = raw.seq + 1
@@ -547,11 +535,11 @@ class EventLog:
         claims existed), the first in log order wins, as in :meth:`history`.
         """
 
-        async def last(kind: str) -> Any:
+        async def last(kind: str) -> StoredMessage | None:
             subject = event_subject(tenant, request_id, kind)
             try:
                 return await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
-            except NotFoundError:
+            except NatsNotFoundError:
                 return None
 
         found = await asyncio.gather(*(last(kind) for kind in sorted(TERMINAL_KINDS)))

@@ -10,23 +10,24 @@ a time a client wrote into the payload.
 
 from __future__ import annotations
 
-from typing import Any, Final, NamedTuple
+from typing import Final, NamedTuple
 
 import msgspec
-from nats.js.errors import NotFoundError
 
 from ...config import Config
-from ...errors import InvalidRequestError, MalformedRequestError
+from ...errors import InvalidRequestError, MalformedRequestError, NatsNotFoundError
 from ...logs import get_logger
 from ...policy import validate
 from ...wire._messages import (
     EVENT_DECODER,
     REQUEST_DECODER,
     Coalesced,
+    Event,
     InferenceRequest,
     Preempted,
     Submitted,
 )
+from ...wire._nats import JetStream, Message
 from ...wire._subjects import EVENTS_STREAM, event_subject, is_requeue_subject
 from ._hold import stored_at
 
@@ -45,7 +46,7 @@ class Refused(NamedTuple):
     error: InvalidRequestError
 
 
-def admit(msg: Any, level: str, config: Config) -> InferenceRequest | Refused:
+def admit(msg: Message, level: str, config: Config) -> InferenceRequest | Refused:
     """Decode and validate one request fetched from ``level``'s subject."""
     tenant = subject_token(msg.subject, 3)
     header = str((msg.headers or {}).get("Nats-Msg-Id", ""))
@@ -71,7 +72,7 @@ def admit(msg: Any, level: str, config: Config) -> InferenceRequest | Refused:
     return request
 
 
-async def submitted_at(js: Any, msg: Any, request: InferenceRequest) -> float:
+async def submitted_at(js: JetStream, msg: Message, request: InferenceRequest) -> float:
     """When the request's wait began, in server time (never the payload's clock).
 
     A first submit: when the broker stored it. A request the services put
@@ -86,11 +87,11 @@ async def submitted_at(js: Any, msg: Any, request: InferenceRequest) -> float:
     if request.requeues == 0:
         return stored
 
-    async def logged(kind: str) -> Any:
+    async def logged(kind: str) -> Event | None:
         subject = event_subject(request.tenant, request.id, kind)
         try:
             return EVENT_DECODER.decode((await js.get_last_msg(EVENTS_STREAM, subject)).data)
-        except (NotFoundError, msgspec.DecodeError):
+        except (NatsNotFoundError, msgspec.DecodeError):
             return None
 
     first = await logged("submitted")
@@ -104,7 +105,9 @@ async def submitted_at(js: Any, msg: Any, request: InferenceRequest) -> float:
     return stored
 
 
-async def parent_of(js: Any, request: InferenceRequest, config: Config) -> tuple[int, float] | None:
+async def parent_of(
+    js: JetStream, request: InferenceRequest, config: Config
+) -> tuple[int, float] | None:
     """The parent's level and submit time, from its ``submitted`` event.
 
     Looked up under the request's own tenant only: a tenant cannot borrow
@@ -116,7 +119,7 @@ async def parent_of(js: Any, request: InferenceRequest, config: Config) -> tuple
     try:
         raw = await js.get_last_msg(EVENTS_STREAM, subject)
         parent = EVENT_DECODER.decode(raw.data)
-    except (NotFoundError, msgspec.DecodeError):
+    except (NatsNotFoundError, msgspec.DecodeError):
         return None
     except Exception as exc:  # noqa: BLE001 - inheritance is best effort, routing is not
         log.warning("parent lookup failed", parent_id=request.parent_id, error=str(exc))

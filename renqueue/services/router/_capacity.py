@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from ...config import Config
 from ...policy import BackendView
+from ...wire._nats import JetStream
 from ...wire._subjects import DISPATCH_STREAM, worker_consumer
 
 __all__ = ["Capacity"]
@@ -31,7 +31,7 @@ class Capacity:
 
     def __init__(
         self,
-        js: Any,
+        js: JetStream,
         config: Config,
         refresh: float,
         *,
@@ -71,6 +71,6 @@ class Capacity:
             if not force and now - self._at[name] < self._refresh:
                 continue
             info = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(name))
-            self._known[name] = info.num_pending + info.num_ack_pending
+            self._known[name] = (info.num_pending or 0) + (info.num_ack_pending or 0)
             self._since[name] = 0
             self._at[name] = now

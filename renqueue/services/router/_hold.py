@@ -13,13 +13,14 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Annotated, Any, Final
+from typing import Annotated, Final
 
 import msgspec
 
 from ...logs import get_logger
 from ...policy import LevelPolicy, pick_key
 from ...wire._messages import InferenceRequest
+from ...wire._nats import Message, PubAck
 from ...wire._subjects import SHUTDOWN_NAK_DELAY
 
 __all__ = ["BOOST_DECODER", "Boost", "Held", "Hold", "stored_at"]
@@ -27,7 +28,7 @@ __all__ = ["BOOST_DECODER", "Boost", "Held", "Hold", "stored_at"]
 log = get_logger("router")
 
 
-def stored_at(msg: Any) -> float:
+def stored_at(msg: Message) -> float:
     """The server's timestamp of a stream message (when it was stored), Unix seconds."""
     return float(msg.metadata.timestamp.timestamp())
 
@@ -46,7 +47,7 @@ BOOST_DECODER: Final = msgspec.json.Decoder(Boost)
 class Held(msgspec.Struct, kw_only=True):
     """One held request and the bookkeeping its round-planner snapshot needs."""
 
-    msg: Any
+    msg: Message
     request: InferenceRequest
     rank: int
     #: When the wait began, in server time: when the broker stored the request
@@ -56,7 +57,7 @@ class Held(msgspec.Struct, kw_only=True):
     #: Promotions already announced as events.
     promoted: int = 0
     #: The ack of the request's ``submitted`` event, awaited before it is routed.
-    logged: Any = None
+    logged: asyncio.Future[PubAck] | None = None
     #: The parent's (rank, submitted_at), when the request names a known parent.
     parent: tuple[int, float] | None = None
     #: The most urgent rank already announced as inherited.
@@ -104,7 +105,7 @@ class Hold:
         """Whether ``item`` still waits here (not bound, ended or handed back)."""
         return any(item is held for held in self)
 
-    def holds_message(self, msg: Any) -> bool:
+    def holds_message(self, msg: Message) -> bool:
         """Whether the stream message ``msg`` is held already (delivered again)."""
         seq = msg.metadata.sequence.stream
         return any(item.msg.metadata.sequence.stream == seq for item in self)

@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 
+from ...errors import NatsNoRespondersError, NatsTimeoutError
 from ...logs import get_logger
 from ...wire._messages import InferenceRequest, encode
+from ...wire._nats import Connection, Message
 from ...wire._preemption import (
     ANSWER_DECODER,
     CONFIRM_TIMEOUT,
@@ -35,7 +34,7 @@ log = get_logger("router")
 
 
 async def ask_preemption(
-    nc: Any,
+    nc: Connection,
     request: InferenceRequest,
     rank: int,
     backends: list[str],
@@ -52,7 +51,7 @@ async def ask_preemption(
     order = {name: index for index, name in enumerate(backends)}
     offers: list[Offer] = []
 
-    async def collect(msg: Any) -> None:
+    async def collect(msg: Message) -> None:
         if msg.subject != inbox:
             misdirected("offers", msg.subject)
             return
@@ -82,7 +81,7 @@ async def ask_preemption(
             return False
         try:
             reply = await nc.request(offer.confirm, confirm, timeout=CONFIRM_TIMEOUT)
-        except NoRespondersError:
+        except NatsNoRespondersError:
             continue  # that worker is gone: it preempted nothing
         except NatsTimeoutError:
             # It may have acted: one request must never preempt two runs.

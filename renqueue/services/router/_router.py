@@ -55,11 +55,10 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import msgspec
-from nats.errors import TimeoutError as NatsTimeoutError
 
 from ... import metrics
 from ..._lifecycle import Lifecycle
@@ -89,6 +88,7 @@ from ...wire._messages import (
     CancelRequested,
     Coalesced,
     Dispatch,
+    Event,
     Expired,
     Failed,
     InferenceRequest,
@@ -98,6 +98,7 @@ from ...wire._messages import (
     Submitted,
     encode,
 )
+from ...wire._nats import Connection, JetStream, Message, PubAck, PullSubscription, Subscription
 from ...wire._subjects import (
     BINDER_LEASE,
     FETCH_TIMEOUT,
@@ -138,8 +139,8 @@ class Router(Lifecycle):
 
     def __init__(
         self,
-        nc: Any,
-        js: Any,
+        nc: Connection,
+        js: JetStream,
         config: Config,
         *,
         name: str = "router",
@@ -176,8 +177,8 @@ class Router(Lifecycle):
         self._ack_wait = parse_duration(config.router.ack_wait)
         self._max_deliveries = router_max_deliveries(config.router.max_deliver)
         self._inflight: set[asyncio.Task[None]] = set()
-        self._capacity_sub: Any = None
-        self._subs: list[Any] = []
+        self._capacity_sub: Subscription | None = None
+        self._subs: list[Subscription] = []
         #: Removes this router's cancel listener (set while it is registered).
         self._unlisten: Callable[[], None] | None = None
         #: The binder's lease: only its holder fetches and binds (see module doc).
@@ -190,7 +191,7 @@ class Router(Lifecycle):
         #: The lease term whose fetch and dispatch loops run (None: standing by).
         self._term: int | None = None
         self._binding_loops: list[str] = []
-        self._pull_subs: list[Any] = []
+        self._pull_subs: list[PullSubscription] = []
         self._consumer_configs: list[dict[str, Any]] = []
         #: Until when (loop time) this router stays out of the race for the
         #: lease after giving it up.
@@ -391,7 +392,7 @@ class Router(Lifecycle):
             log.warning("could not release the binder's lease", error=str(exc))
         log.info("router stopped", router=self._name, routed=self.routed)
 
-    async def _on_freed(self, msg: Any) -> None:
+    async def _on_freed(self, msg: Message) -> None:
         # A tenant's push consumer can deliver here (its messages keep their
         # own subjects): only rq.capacity.<backend> is a worker's word.
         if not subject_matches(capacity_subject("*"), msg.subject):
@@ -402,7 +403,7 @@ class Router(Lifecycle):
 
     # ------------------------------------------------------------- fetching
 
-    async def _fetch_loop(self, level: str, psub: Any) -> None:
+    async def _fetch_loop(self, level: str, psub: PullSubscription) -> None:
         """Fetch level ``level`` into the hold. A failed call (a pull, the
         ``submitted`` publish) ends the loop for the supervisor to restart;
         the rest of the batch is handed back first."""
@@ -419,7 +420,7 @@ class Router(Lifecycle):
                 continue
             try:
                 msgs = await psub.fetch(batch=min(room, batch), timeout=FETCH_TIMEOUT)
-            except (TimeoutError, NatsTimeoutError):
+            except TimeoutError:
                 continue
             now = self._clock()
             pending = deque(msgs)
@@ -437,7 +438,7 @@ class Router(Lifecycle):
             finally:
                 self._wake.set()
 
-    async def _take(self, msg: Any, level: str, rank: int, now: float) -> None:
+    async def _take(self, msg: Message, level: str, rank: int, now: float) -> None:
         """Admit one fetched request: log it, settle it, or hold it for dispatch."""
         if self._hold.holds_message(msg):
             # Delivered again while held (a nak from a router that lost the
@@ -470,7 +471,7 @@ class Router(Lifecycle):
             ),
         )
 
-    async def _admit(self, msg: Any, level: str, now: float) -> InferenceRequest | None:
+    async def _admit(self, msg: Message, level: str, now: float) -> InferenceRequest | None:
         """Decode and validate one request; reject it (terminally) if it is bad."""
         admitted = admit(msg, level, self._config)
         if isinstance(admitted, Refused):
@@ -479,7 +480,13 @@ class Router(Lifecycle):
         return admitted
 
     async def _settle_on_read(
-        self, msg: Any, request: InferenceRequest, logged: Any, now: float, *, since: float
+        self,
+        msg: Message,
+        request: InferenceRequest,
+        logged: asyncio.Future[PubAck],
+        now: float,
+        *,
+        since: float,
     ) -> bool:
         """End a request that is already past its deadline or cancelled when read.
 
@@ -501,7 +508,9 @@ class Router(Lifecycle):
             await self._cancel(msg, request)
         return True
 
-    async def _follows(self, msg: Any, request: InferenceRequest, logged: Any, now: float) -> bool:
+    async def _follows(
+        self, msg: Message, request: InferenceRequest, logged: asyncio.Future[PubAck], now: float
+    ) -> bool:
         """Join the request's coalescing group; True if it follows another's call."""
         key = coalesce_key(request)
         if key is None:
@@ -555,7 +564,7 @@ class Router(Lifecycle):
         handle = loop.call_later(delay, fire)
         self._follower_timers.add(handle)
 
-    async def _on_boost(self, msg: Any) -> None:
+    async def _on_boost(self, msg: Message) -> None:
         if not subject_matches(boost_subject("*"), msg.subject):
             misdirected("boost", msg.subject)  # delivered by a tenant's consumer
             return
@@ -592,7 +601,7 @@ class Router(Lifecycle):
         capped backoff until it succeeds (see :meth:`Supervisor.spawn_job`)."""
         self._supervisor.spawn_job(f"{self._job_prefix}{what}", factory)
 
-    async def _end(self, request: InferenceRequest, event: Any) -> None:
+    async def _end(self, request: InferenceRequest, event: Event) -> None:
         """Record a request's terminal event; a coalescing leader's followers
         get their outcome first (so a crash in between cannot strand them)."""
         key = coalesce_key(request)
@@ -600,7 +609,7 @@ class Router(Lifecycle):
             await self._coalescer.leader_ended(request.tenant, request.id, key, event)
         await self._log.finish(event)
 
-    async def _cancel(self, msg: Any, request: InferenceRequest) -> None:
+    async def _cancel(self, msg: Message, request: InferenceRequest) -> None:
         event = Cancelled(
             request_id=request.id,
             tenant=request.tenant,
@@ -617,7 +626,7 @@ class Router(Lifecycle):
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
 
-    async def _reject(self, msg: Any, request_id: str, tenant: str, error: Exception) -> None:
+    async def _reject(self, msg: Message, request_id: str, tenant: str, error: Exception) -> None:
         code = getattr(error, "code", "malformed")
         self.rejected += 1
         metrics.REJECTED.labels(code).inc()
@@ -676,7 +685,7 @@ class Router(Lifecycle):
 
     async def _expire(
         self,
-        msg: Any,
+        msg: Message,
         request: InferenceRequest,
         now: float,
         *,
@@ -873,7 +882,8 @@ class Router(Lifecycle):
                 headers={"Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", attempt)},
             )
             logged = await self._log.append_async(routed)
-            await self._kept_alive(item.msg, asyncio.gather(item.logged, sent, logged))
+            acks = [ack for ack in (item.logged, sent, logged) if ack is not None]
+            await self._kept_alive(item.msg, asyncio.gather(*acks))
             await item.msg.ack()
         except Exception as exc:  # noqa: BLE001 - the request goes back to wait, nothing lost
             key = msg_id(request.tenant, request.id)
@@ -902,7 +912,7 @@ class Router(Lifecycle):
         metrics.ROUTED.labels(backend, level).inc()
         metrics.QUEUE_WAIT.labels(level).observe(wait)
 
-    async def _kept_alive(self, msg: Any, acks: Any) -> None:
+    async def _kept_alive(self, msg: Message, acks: Awaitable[object]) -> None:
         """Await ``acks`` (the publishes of a decision) within ``_ACKS_TIMEOUT``
         (or ``router.ack_wait`` if shorter),
         keeping ``msg``'s ack timer alive meanwhile: a slow broker must not let

@@ -22,6 +22,7 @@ from ...logs import get_logger
 from ...policy import LevelPolicy, choose_victim
 from ...wire._eventlog import EventLog, publish_stored
 from ...wire._messages import Dispatch, Preempted, encode
+from ...wire._nats import JetStream, Message
 from ...wire._preemption import ASK_DECODER, CONFIRM_DECODER, Answer, Offer
 from ...wire._subjects import (
     PREEMPT_ASK,
@@ -63,7 +64,7 @@ class Preemptible:
         self.token = uuid.uuid4().hex
         self.runs: dict[str, Run] = {}
 
-    async def on_message(self, msg: Any) -> None:
+    async def on_message(self, msg: Message) -> None:
         """A router needs a slot for an urgent request: on an ask, offer this
         worker's best victim (or stay silent); on a confirm addressed to this
         worker, preempt it (cancel its call) and answer which run it was."""
@@ -104,7 +105,7 @@ class Preemptible:
             log.info("preempting a run", request_id=str(victim), by=confirm.by)
         await msg.respond(encode(Answer(preempted=None if victim is None else str(victim))))
 
-    def victim(self, rank: int) -> Any:
+    def victim(self, rank: int) -> str | None:
         """The key of the run to give up for a request at ``rank``; ``None`` if none may be."""
         return choose_victim(
             {key: (run.rank, run.started) for key, run in self.runs.items() if run.is_live()},
@@ -114,9 +115,9 @@ class Preemptible:
 
 
 async def requeue(
-    js: Any,
+    js: JetStream,
     events: EventLog,
-    msg: Any,
+    msg: Message,
     dispatch: Dispatch,
     *,
     run: int,

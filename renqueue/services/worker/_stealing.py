@@ -18,11 +18,12 @@ from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
-from nats.js.errors import APIError, NotFoundError
 
+from ...errors import NatsApiError, NatsNotFoundError
 from ...logs import get_logger
 from ...wire._eventlog import EventLog
 from ...wire._messages import DISPATCH_DECODER, Dispatch, Stolen, encode
+from ...wire._nats import JetStream, Message, StoredMessage
 from ...wire._subjects import DISPATCH_STREAM, dispatch_subject, msg_id, worker_consumer
 
 __all__ = ["STEAL_INTERVAL", "Thief"]
@@ -43,7 +44,7 @@ class Thief:
 
     def __init__(
         self,
-        js: Any,
+        js: JetStream,
         events: EventLog,
         backend_name: str,
         siblings: list[str],
@@ -68,19 +69,19 @@ class Thief:
         """
         own = worker_consumer(self._backend_name)
         mine = await self._js.consumer_info(DISPATCH_STREAM, own)
-        free = self._slots - mine.num_ack_pending - mine.num_pending
+        free = self._slots - (mine.num_ack_pending or 0) - (mine.num_pending or 0)
         moved = 0
         for sibling in self._siblings:
             if free <= 0:
                 break
             info = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(sibling))
-            seq = info.delivered.stream_seq + 1
-            for _ in range(min(free, info.num_pending)):
+            seq = (info.delivered.stream_seq if info.delivered else 0) + 1
+            for _ in range(min(free, info.num_pending or 0)):
                 try:
                     raw = await self._js.get_msg(
                         DISPATCH_STREAM, seq=seq, subject=dispatch_subject(sibling), next=True
                     )
-                except NotFoundError:
+                except NatsNotFoundError:
                     break
                 seq = raw.seq + 1
                 if await self.steal_one(raw, sibling):
@@ -88,7 +89,7 @@ class Thief:
                     moved += 1
         return moved
 
-    async def steal_one(self, raw: Any, sibling: str) -> bool:
+    async def steal_one(self, raw: StoredMessage, sibling: str) -> bool:
         """Move one queued dispatch (stream sequence ``raw.seq``) from ``sibling`` here.
 
         In this order: the ``stolen`` event, the copy on this backend's
@@ -122,16 +123,19 @@ class Thief:
         if await self.move(dispatch, self._backend_name, raw.seq) is None:
             return False
         sibling_consumer = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(sibling))
-        if sibling_consumer.delivered.stream_seq >= raw.seq:
+        delivered = sibling_consumer.delivered
+        if delivered is not None and delivered.stream_seq >= raw.seq:
             log.info("a stolen request was delivered to its replica meanwhile; keeping it",
                      request_id=request.id, sibling=sibling)  # fmt: skip
             return True
         try:
             await self._js.delete_msg(DISPATCH_STREAM, raw.seq)
-        except APIError as exc:
+        except NatsNotFoundError:
             # Gone already: another thief moved it at the same moment (its copy
             # and ours share the id: one is stored), or its worker acked it.
-            if not isinstance(exc, NotFoundError) and exc.err_code not in _GONE:
+            pass
+        except NatsApiError as exc:
+            if exc.err_code not in _GONE:  # "delete failed: no message found"
                 raise
         log.info("stole a queued request", request_id=request.id, sibling=sibling)
         return True
@@ -167,7 +171,7 @@ class Thief:
         # the source only if what is stored under this id is this request.
         try:
             copy = await self._js.get_msg(DISPATCH_STREAM, seq=ack.seq)
-        except NotFoundError:
+        except NatsNotFoundError:
             return int(ack.seq), False
         with contextlib.suppress(msgspec.DecodeError):
             stored = DISPATCH_DECODER.decode(copy.data or b"")
@@ -185,7 +189,7 @@ class Thief:
         return None
 
     async def hand_over(
-        self, msg: Any, dispatch: Dispatch, move: Stolen, events: list[Any]
+        self, msg: Message, dispatch: Dispatch, move: Stolen, events: list[Any]
     ) -> bool:
         """Finish a thief's ``move`` of this message and ack it, if the copy can
         still run; False (keep and run this message) otherwise."""

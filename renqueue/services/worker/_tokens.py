@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 from aiolimiter import AsyncLimiter
@@ -22,6 +21,7 @@ from ... import metrics
 from ...backends import Backend
 from ...config import BackendConfig
 from ...wire._messages import Completed, Dispatch, TokenChunk, Usage, encode
+from ...wire._nats import JetStream, PubAck
 from ...wire._subjects import token_subject
 
 __all__ = ["Caller", "Chunks", "Expiry", "settle"]
@@ -37,7 +37,7 @@ class Chunks(msgspec.Struct):
     seq: int = 0
 
 
-async def settle(pending_acks: list[asyncio.Future[Any]]) -> None:
+async def settle(pending_acks: list[asyncio.Future[PubAck]]) -> None:
     """Wait until every token chunk and event published so far is stored."""
     if pending_acks:
         await asyncio.wait_for(asyncio.gather(*pending_acks), timeout=30.0)
@@ -49,7 +49,7 @@ class Caller:
 
     def __init__(
         self,
-        js: Any,
+        js: JetStream,
         backend_name: str,
         backend_config: BackendConfig,
         backend: Backend,
@@ -71,7 +71,7 @@ class Caller:
         self,
         dispatch: Dispatch,
         run: int,
-        pending_acks: list[asyncio.Future[Any]],
+        pending_acks: list[asyncio.Future[PubAck]],
         chunks: Chunks,
         *,
         rank: int,

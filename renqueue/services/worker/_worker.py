@@ -49,23 +49,13 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from nats.errors import (
-    ConnectionClosedError,
-    NoRespondersError,
-    OutboundBufferLimitError,
-)
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import (
-    NoStreamResponseError,
-    ServiceUnavailableError,
-)
 
 from ... import metrics
 from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor, cancel_and_wait
 from ...backends import Backend
 from ...config import BackendConfig, Config, parse_duration
-from ...errors import BackendError
+from ...errors import BackendError, NatsUnavailableError
 from ...logs import bound_request, get_logger
 from ...policy import RequeueElsewhere, Retry, after_failure, backoff
 from ...state._cancellation import CancelWatch
@@ -77,6 +67,7 @@ from ...wire._messages import (
     CancelRequested,
     Completed,
     Dispatch,
+    Event,
     Expired,
     Failed,
     InferenceRequest,
@@ -86,6 +77,15 @@ from ...wire._messages import (
     Stolen,
     is_terminal,
     kind_of,
+)
+from ...wire._nats import (
+    Connection,
+    JetStream,
+    Message,
+    PubAck,
+    PullSubscription,
+    StoredMessage,
+    Subscription,
 )
 from ...wire._subjects import (
     DISPATCH_STREAM,
@@ -108,15 +108,7 @@ log = get_logger("worker")
 def _broker_unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` says the broker did not answer (no stream leader, a
     reconnect, a timeout), rather than that something is wrong with the run."""
-    return isinstance(
-        exc,
-        NoStreamResponseError
-        | ServiceUnavailableError
-        | NoRespondersError
-        | ConnectionClosedError
-        | OutboundBufferLimitError
-        | TimeoutError,
-    )
+    return isinstance(exc, NatsUnavailableError | TimeoutError)
 
 
 class Worker(Lifecycle):
@@ -124,8 +116,8 @@ class Worker(Lifecycle):
 
     def __init__(
         self,
-        nc: Any,
-        js: Any,
+        nc: Connection,
+        js: JetStream,
         config: Config,
         backend_name: str,
         backend: Backend,
@@ -160,14 +152,14 @@ class Worker(Lifecycle):
         self._thief = Thief(
             js, self._log, backend_name, self.siblings, slots=self._slots, clock=clock
         )
-        self._preempt_sub: Any = None
+        self._preempt_sub: Subscription | None = None
         self._cancels = cancels
         self._slot_freed = asyncio.Event()
         self._own_supervisor = supervisor is None
         self._supervisor = supervisor or Supervisor(self._name)
         #: Names of this worker's loops under the supervisor.
         self._loops: list[str] = []
-        self._sub: Any = None
+        self._sub: PullSubscription | None = None
         #: Removes this worker's cancel listener (set while it is registered).
         self._unlisten: Callable[[], None] | None = None
         self.completed = 0
@@ -238,6 +230,8 @@ class Worker(Lifecycle):
         supervisor logs it and starts the loop again after a backoff.
         """
         psub = self._sub
+        if psub is None:
+            raise RuntimeError("the worker is not started")
         while True:
             free = self._slots - len(self._running)
             if free <= 0:
@@ -246,7 +240,7 @@ class Worker(Lifecycle):
                 continue
             try:
                 msgs = await psub.fetch(batch=free, timeout=FETCH_TIMEOUT)
-            except (TimeoutError, NatsTimeoutError):
+            except TimeoutError:
                 continue
             for msg in msgs:
                 task = asyncio.create_task(self._handle(msg))
@@ -266,7 +260,7 @@ class Worker(Lifecycle):
         """One round of work stealing (:meth:`Thief.steal`): how many dispatches moved here."""
         return await self._thief.steal()
 
-    async def _steal(self, raw: Any, sibling: str) -> bool:
+    async def _steal(self, raw: StoredMessage, sibling: str) -> bool:
         """Move one queued dispatch from ``sibling`` here (:meth:`Thief.steal_one`)."""
         return await self._thief.steal_one(raw, sibling)
 
@@ -276,7 +270,7 @@ class Worker(Lifecycle):
 
     # ------------------------------------------------------------------ one run
 
-    async def _handle(self, msg: Any) -> None:
+    async def _handle(self, msg: Message) -> None:
         """One delivery, from fetch to ack or nak. Its lease is renewed for as
         long as this task is alive, whatever phase it is in."""
         keepalive = asyncio.create_task(self._keep_alive(msg, asyncio.current_task()))
@@ -286,7 +280,7 @@ class Worker(Lifecycle):
             keepalive.cancel()
             await asyncio.wait([keepalive])
 
-    async def _handle_leased(self, msg: Any) -> None:
+    async def _handle_leased(self, msg: Message) -> None:
         try:
             dispatch = DISPATCH_DECODER.decode(msg.data)
         except msgspec.DecodeError as exc:
@@ -313,7 +307,7 @@ class Worker(Lifecycle):
                     await self._nc.publish(capacity_subject(self._backend_name), b"")
 
     async def _unexpected(
-        self, msg: Any, dispatch: Dispatch, run: int, chunks: Chunks, exc: Exception
+        self, msg: Message, dispatch: Dispatch, run: int, chunks: Chunks, exc: Exception
     ) -> None:
         """A bug mid-run: a failed run like any other, retried within the
         budget, then the request fails; if not even that can be recorded, the
@@ -335,7 +329,7 @@ class Worker(Lifecycle):
             with contextlib.suppress(Exception):
                 await msg.nak(delay=self._backoff(msg))
 
-    def _backoff(self, msg: Any) -> float:
+    def _backoff(self, msg: Message) -> float:
         """Delay before a message handed back for the broker's sake is delivered
         again: the failure policy's backoff (doubling from ``retry_delay``,
         capped at ``max_retry_delay``, jittered) by the delivery count, so the
@@ -343,7 +337,7 @@ class Worker(Lifecycle):
         delivered = max(1, int(msg.metadata.num_delivered))
         return backoff(delivered, self._failure_policy, random.random)
 
-    async def _poison(self, msg: Any, reason: str) -> None:
+    async def _poison(self, msg: Message, reason: str) -> None:
         seq = msg.metadata.sequence.stream
         log.error("undecodable dispatch message sent to dead letters", seq=seq, reason=reason)
         await self._log.dead_letter(
@@ -356,7 +350,7 @@ class Worker(Lifecycle):
         )
         await msg.term()
 
-    async def _run(self, msg: Any, dispatch: Dispatch, run: int, chunks: Chunks) -> None:
+    async def _run(self, msg: Message, dispatch: Dispatch, run: int, chunks: Chunks) -> None:
         request = dispatch.request
         delivery = int(msg.metadata.num_delivered)
         if await self._refused(msg, dispatch, delivery, run):
@@ -422,7 +416,7 @@ class Worker(Lifecycle):
         await settle(pending_acks)
         await self._finish(msg, request, outcome, run, seq=chunks.seq)
 
-    async def _refused(self, msg: Any, dispatch: Dispatch, delivery: int, run: int) -> bool:
+    async def _refused(self, msg: Message, dispatch: Dispatch, delivery: int, run: int) -> bool:
         """Settle, without calling the backend, a dispatch that must not run:
         already ended (checked on every delivery: a zombie's or a second
         dispatch's run finds the terminal claim), finished or moved by a worker
@@ -462,8 +456,8 @@ class Worker(Lifecycle):
         return False
 
     async def _start_run(
-        self, msg: Any, dispatch: Dispatch, run: int
-    ) -> list[asyncio.Future[Any]] | None:
+        self, msg: Message, dispatch: Dispatch, run: int
+    ) -> list[asyncio.Future[PubAck]] | None:
         """Record ``started``; the pending acks to wait for, or ``None`` to step back."""
         request = dispatch.request
         # In a pool, a queued dispatch may be stolen by a sibling while it is
@@ -487,7 +481,9 @@ class Worker(Lifecycle):
         )
         return [await self._log.append_async(started)]
 
-    async def _settled_before(self, msg: Any, dispatch: Dispatch, *, first: bool = False) -> bool:
+    async def _settled_before(
+        self, msg: Message, dispatch: Dispatch, *, first: bool = False
+    ) -> bool:
         """On a redelivery: was this dispatch finished (before terminal claims
         existed), preempted or moved by a worker that died before acking it?
         Then complete that work and ack. ``first``: a first delivery in a pool,
@@ -527,7 +523,7 @@ class Worker(Lifecycle):
             return dispatch.effective_rank
         return self._config.priority_rank(dispatch.request.priority)
 
-    async def _requeue(self, msg: Any, dispatch: Dispatch, run: int, by: str) -> None:
+    async def _requeue(self, msg: Message, dispatch: Dispatch, run: int, by: str) -> None:
         """Send a preempted request back to wait (:func:`requeue`)."""
         await requeue(
             self._js, self._log, msg, dispatch, run=run, by=by,
@@ -552,20 +548,20 @@ class Worker(Lifecycle):
 
     async def _backend_failed(
         self,
-        msg: Any,
+        msg: Message,
         dispatch: Dispatch,
         run: int,
         chunks: Chunks,
         exc: BackendError,
         *,
-        pending_acks: list[asyncio.Future[Any]],
+        pending_acks: list[asyncio.Future[PubAck]],
     ) -> None:
         metrics.BACKEND_CALLS.labels(self._backend_name, exc.code).inc()
         await settle(pending_acks)
         await self._after_failure(msg, dispatch, run, chunks, exc)
 
     async def _after_failure(
-        self, msg: Any, dispatch: Dispatch, run: int, chunks: Chunks, exc: Exception
+        self, msg: Message, dispatch: Dispatch, run: int, chunks: Chunks, exc: Exception
     ) -> None:
         """Carry out what the failure policy decides for a failed run: retry it
         here after a delay, or fail the request (:func:`renqueue.policy.after_failure`)."""
@@ -610,7 +606,7 @@ class Worker(Lifecycle):
 
     async def _retry(
         self,
-        msg: Any,
+        msg: Message,
         dispatch: Dispatch,
         run: int,
         *,
@@ -637,7 +633,7 @@ class Worker(Lifecycle):
 
     async def _fail(
         self,
-        msg: Any,
+        msg: Message,
         dispatch: Dispatch,
         run: int,
         seq: int,
@@ -667,7 +663,7 @@ class Worker(Lifecycle):
         await self._finish(msg, request, failed, run, seq=seq)
 
     async def _finish(
-        self, msg: Any, request: InferenceRequest, event: Any, run: int, *, seq: int = 0
+        self, msg: Message, request: InferenceRequest, event: Event, run: int, *, seq: int = 0
     ) -> None:
         """Record the terminal event, its final chunk at ``(run, seq)`` (the run's
         next chunk), then ack: a crash in between means a redelivery that finds
@@ -688,14 +684,14 @@ class Worker(Lifecycle):
             metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
         await msg.ack()
 
-    async def _hand_out(self, request: InferenceRequest, event: Any) -> None:
+    async def _hand_out(self, request: InferenceRequest, event: Event) -> None:
         """If ``request`` leads a coalescing group, give its followers their
         outcome from ``event`` (its terminal event). Idempotent."""
         key = coalesce_key(request)
         if key is not None:
             await self._coalescer.leader_ended(request.tenant, request.id, key, event)
 
-    async def _keep_alive(self, msg: Any, run: asyncio.Task[Any] | None) -> None:
+    async def _keep_alive(self, msg: Message, run: asyncio.Task[Any] | None) -> None:
         """Renew ``msg``'s lease every third of ``ack_wait`` while ``run`` is alive."""
         interval = max(0.1, self._ack_wait / 3)
         while run is None or not run.done():

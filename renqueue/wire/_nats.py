@@ -1,0 +1,648 @@
+"""The one boundary with nats-py: typed handles on a connection, and its errors as ours.
+
+Every other module talks to NATS through the handles here — :class:`Connection`,
+:class:`JetStream`, :class:`KeyValue`, :class:`Message`, :class:`Subscription`,
+:class:`PullSubscription`, :class:`KeyWatcher` — which expose the part of
+nats-py Ren-Queue uses, under nats-py's own names and signatures, and nothing
+else. They are the only place a nats-py exception is caught: each call raises
+a :class:`renqueue.errors.NatsError` instead (``raise ... from`` the original),
+by what a caller can do about it::
+
+    NatsError                     any other NATS failure
+    ├── NatsUnavailableError      the broker did not answer: no responders, no
+    │   │                         stream leader (503 or a "not now" code), a
+    │   │                         reconnect, a full outbound buffer: try again
+    │   ├── NatsTimeoutError      no answer in time (also a TimeoutError); an
+    │   │                         empty fetch
+    │   ├── NatsNoRespondersError nobody listens on a request's subject (for a
+    │   │                         JetStream publish: no stream stores it)
+    │   └── NatsClosedError       the connection is closed: it will not come back
+    ├── NatsNotFoundError         no such message, key, stream, consumer or bucket
+    ├── WrongLastSequenceError    a compare-and-set found its subject moved on
+    └── NatsApiError              JetStream refused the operation (status, err_code)
+
+Data that JetStream returns (publish acks, stored messages, KV entries, stream
+and consumer info) and the configs it takes are nats-py's plain dataclasses,
+re-exported here under the names the rest of the code uses, so nothing else
+imports ``nats``; a test keeps it that way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, TypeVar
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as _Client
+from nats.aio.msg import Msg as _Msg
+from nats.aio.subscription import Subscription as _Subscription
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    ConsumerInfo,
+    DeliverPolicy,
+    PubAck,
+    RawStreamMsg,
+    StreamInfo,
+)
+from nats.js.client import JetStreamContext as _JetStreamContext
+from nats.js.kv import KeyValue as _KeyValue
+
+from ..errors import (
+    ConnectionFailedError,
+    NatsApiError,
+    NatsClosedError,
+    NatsError,
+    NatsNoRespondersError,
+    NatsNotFoundError,
+    NatsTimeoutError,
+    NatsUnavailableError,
+    WrongLastSequenceError,
+)
+
+__all__ = [
+    "NOT_NOW",
+    "WRONG_LAST_SEQUENCE",
+    "AckPolicy",
+    "Connection",
+    "ConsumerConfig",
+    "ConsumerInfo",
+    "DeliverPolicy",
+    "JetStream",
+    "KeyEntry",
+    "KeyValue",
+    "KeyWatcher",
+    "Message",
+    "MessageMetadata",
+    "NatsClient",
+    "PubAck",
+    "PullSubscription",
+    "StoredMessage",
+    "StreamInfo",
+    "Subscription",
+    "translate",
+]
+
+_T = TypeVar("_T")
+
+
+class StoredMessage(msgspec.Struct, frozen=True):
+    """One message stored in a stream, as a direct or API get returns it."""
+
+    seq: int
+    subject: str
+    data: bytes
+    headers: dict[str, str] | None = None
+    #: When the stream stored it (the server's clock).
+    time: datetime.datetime | None = None
+
+    @classmethod
+    def of(cls, raw: RawStreamMsg) -> StoredMessage:
+        return cls(raw.seq or 0, raw.subject or "", raw.data or b"", raw.headers, raw.time)
+
+
+class KeyEntry(msgspec.Struct, frozen=True):
+    """One KV entry (a value: a get never returns a delete marker)."""
+
+    key: str
+    value: bytes
+    revision: int
+    #: ``None`` for a value; ``"DEL"`` or ``"PURGE"`` for a watched delete.
+    operation: str | None = None
+
+    @classmethod
+    def of(cls, entry: _KeyValue.Entry) -> KeyEntry:
+        return cls(entry.key, entry.value or b"", entry.revision or 0, entry.operation)
+
+
+#: nats-py's own client: an application may hand one to :meth:`Connection.of`.
+NatsClient = _Client
+#: A JetStream delivery's metadata: stream and consumer sequence, deliveries, time.
+MessageMetadata = _Msg.Metadata
+
+#: JetStream's "wrong last sequence" errors: a compare-and-set found the
+#: subject (a KV key) moved on. 10164 is what a clustered stream sends.
+WRONG_LAST_SEQUENCE: Final = frozenset({10071, 10164})
+#: JetStream API errors that mean "not now" (nats-server's errors.json),
+#: besides any with the HTTP-like code 503. Every other error is a refusal.
+NOT_NOW: Final = frozenset(
+    {
+        10004,  # incomplete results
+        10005,  # no suitable peers for placement (a node is still joining)
+        10008,  # JetStream system temporarily unavailable (no quorum)
+        10009,  # JetStream cluster can not handle request (no leader)
+        10076,  # JetStream not enabled (not yet)
+        10118,  # stream is offline
+        10119,  # consumer is offline
+        10167,  # too many requests
+        10202,  # cluster member change in progress
+    }
+)
+
+#: JetStream API errors that say "no such thing", whatever their status code.
+_NOT_FOUND: Final = frozenset(
+    {
+        10014,  # consumer not found
+        10037,  # no message found
+        10043,  # sequence not found
+        10059,  # stream not found
+    }
+)
+
+_UNAVAILABLE: Final = (
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.StaleConnectionError,
+    nats.errors.ConnectionDrainingError,
+    nats.js.errors.TooManyStalledMsgsError,
+)
+#: nats-py's other errors, by what they become (in order: the first match wins).
+_BY_TYPE: Final[tuple[tuple[tuple[type[Exception], ...], type[NatsError]], ...]] = (
+    ((nats.errors.TimeoutError,), NatsTimeoutError),  # fetch and flush timeouts too
+    ((nats.errors.ConnectionClosedError,), NatsClosedError),
+    ((nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError), NatsNoRespondersError),
+    (_UNAVAILABLE, NatsUnavailableError),
+)
+
+
+def translate(exc: BaseException) -> BaseException:
+    """``exc`` as a :class:`~renqueue.errors.NatsError` if it is nats-py's, else itself.
+
+    The one mapping from nats-py's exceptions to ours (see the module
+    docstring). The caller raises the result ``from exc``.
+    """
+    if isinstance(exc, NatsError) or not isinstance(exc, nats.errors.Error):
+        return exc
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, nats.js.errors.APIError):
+        return _api_error(exc, text)
+    for kinds, ours in _BY_TYPE:
+        if isinstance(exc, kinds):
+            return ours(text)
+    return NatsError(text)
+
+
+def _api_error(exc: nats.js.errors.APIError, text: str) -> NatsError:
+    # nats-py's KV errors do not always set the API error's fields.
+    status: int | None = getattr(exc, "code", None)
+    err_code: int | None = getattr(exc, "err_code", None)
+    if isinstance(exc, nats.js.errors.KeyWrongLastSequenceError) or (
+        err_code in WRONG_LAST_SEQUENCE
+    ):
+        return WrongLastSequenceError(text)
+    if isinstance(exc, nats.js.errors.NotFoundError) or err_code in _NOT_FOUND:
+        return NatsNotFoundError(text)  # KV keys and buckets too
+    if status == 503 or err_code in NOT_NOW:
+        return NatsUnavailableError(text)
+    description = getattr(exc, "description", None)
+    return NatsApiError(description or text, status=status, err_code=err_code)
+
+
+async def _call(operation: Awaitable[_T]) -> _T:
+    """``await operation``, its nats-py errors translated."""
+    try:
+        return await operation
+    except nats.errors.Error as exc:
+        raise translate(exc) from exc
+
+
+def _translated_future(future: asyncio.Future[PubAck]) -> asyncio.Future[PubAck]:
+    """A future that ends as ``future`` does, with nats-py's errors translated."""
+    out: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
+
+    def relay(done: asyncio.Future[PubAck]) -> None:
+        if out.done():
+            return
+        if done.cancelled():
+            out.cancel()
+        elif (exc := done.exception()) is not None:
+            out.set_exception(translate(exc))
+        else:
+            out.set_result(done.result())
+
+    def cancel_source(mine: asyncio.Future[PubAck]) -> None:
+        if mine.cancelled() and not future.done():
+            future.cancel()
+
+    future.add_done_callback(relay)
+    out.add_done_callback(cancel_source)
+    return out
+
+
+class Message:
+    """One message delivered to a subscription or a pull consumer."""
+
+    __slots__ = ("_msg",)
+
+    def __init__(self, msg: _Msg) -> None:
+        self._msg = msg
+
+    @property
+    def subject(self) -> str:
+        return self._msg.subject
+
+    @property
+    def reply(self) -> str:
+        return self._msg.reply
+
+    @property
+    def data(self) -> bytes:
+        return self._msg.data
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return self._msg.headers
+
+    @property
+    def metadata(self) -> MessageMetadata:
+        """The JetStream delivery's metadata; :class:`NatsError` if it is not one."""
+        try:
+            return self._msg.metadata
+        except nats.errors.Error as exc:
+            raise translate(exc) from exc
+
+    async def ack(self) -> None:
+        await _call(self._msg.ack())
+
+    async def nak(self, delay: float | None = None) -> None:
+        await _call(self._msg.nak(delay=delay))
+
+    async def term(self) -> None:
+        await _call(self._msg.term())
+
+    async def in_progress(self) -> None:
+        await _call(self._msg.in_progress())
+
+    async def respond(self, data: bytes) -> None:
+        await _call(self._msg.respond(data))
+
+
+#: A callback for the messages of a :class:`Subscription`.
+Handler = Callable[[Message], Awaitable[None]]
+
+
+class Subscription:
+    """A core NATS subscription whose messages go to a callback."""
+
+    __slots__ = ("_sub",)
+
+    def __init__(self, sub: _Subscription) -> None:
+        self._sub = sub
+
+    @property
+    def subject(self) -> str:
+        return self._sub.subject
+
+    async def unsubscribe(self) -> None:
+        await _call(self._sub.unsubscribe())
+
+
+class PullSubscription:
+    """A pull consumer's subscription: :meth:`fetch` asks for messages."""
+
+    __slots__ = ("_sub",)
+
+    def __init__(self, sub: _JetStreamContext.PullSubscription) -> None:
+        self._sub = sub
+
+    async def fetch(
+        self,
+        batch: int = 1,
+        timeout: float | None = 5,  # noqa: ASYNC109 - nats-py's own parameter
+        heartbeat: float | None = None,
+    ) -> list[Message]:
+        """Up to ``batch`` messages; :class:`NatsTimeoutError` when none come within ``timeout``."""
+        msgs = await _call(self._sub.fetch(batch, timeout, heartbeat))
+        return [Message(msg) for msg in msgs]
+
+    @property
+    def consumer(self) -> str:
+        """The consumer's name."""
+        name: str = self._sub._consumer  # nats-py keeps it only here
+        return name
+
+    async def consumer_info(self) -> ConsumerInfo:
+        return await _call(self._sub.consumer_info())
+
+    async def unsubscribe(self) -> None:
+        await _call(self._sub.unsubscribe())
+
+
+_STOPPED: Final = KeyEntry("", b"", 0, "STOP")
+
+
+class KeyWatcher:
+    """Updates of watched KV keys (:meth:`KeyValue.watch`)."""
+
+    __slots__ = ("_watcher",)
+
+    def __init__(self, watcher: _KeyValue.KeyWatcher) -> None:
+        self._watcher = watcher
+
+    async def updates(self, timeout: float = 5.0) -> KeyEntry | None:  # noqa: ASYNC109
+        """The next entry: ``None`` once the initial values are delivered (then
+        only later changes come); :class:`NatsTimeoutError` after ``timeout``
+        without one. ``is_stop(entry)`` after :meth:`stop`."""
+        entry = await _call(self._watcher.updates(timeout=timeout))  # type: ignore[no-untyped-call]
+        if entry is None:
+            return None
+        if entry is self._watcher.STOP_ITER:
+            return _STOPPED
+        return KeyEntry.of(entry)
+
+    @staticmethod
+    def is_stop(entry: KeyEntry) -> bool:
+        """Whether ``entry`` is the marker :meth:`updates` returns after :meth:`stop`."""
+        return entry is _STOPPED
+
+    async def stop(self) -> None:
+        await _call(self._watcher.stop())  # type: ignore[no-untyped-call]
+
+
+class KeyValue:
+    """One KV bucket."""
+
+    __slots__ = ("_kv",)
+
+    def __init__(self, kv: _KeyValue) -> None:
+        self._kv = kv
+
+    async def get(self, key: str) -> KeyEntry:
+        """The key's entry; :class:`NatsNotFoundError` if it has none (or was deleted)."""
+        return KeyEntry.of(await _call(self._kv.get(key)))
+
+    async def latest(self, key: str) -> KeyEntry | None:
+        """The key's entry, its delete (or purge) marker if it was deleted
+        (``operation`` says which), or ``None`` if it was never written. A
+        compare-and-set after a delete names the marker's revision."""
+        try:
+            return KeyEntry.of(await self._kv.get(key))
+        except nats.js.errors.KeyNotFoundError as exc:
+            marker = exc.entry
+            if marker is None:
+                return None
+            return KeyEntry(key, b"", marker.revision or 0, marker.operation or exc.op or "DEL")
+        except nats.errors.Error as exc:
+            raise translate(exc) from exc
+
+    async def put(self, key: str, value: bytes) -> int:
+        return await _call(self._kv.put(key, value))
+
+    async def create(self, key: str, value: bytes, msg_ttl: float | None = None) -> int:
+        """Write ``key`` if it has no value; :class:`WrongLastSequenceError` if it has."""
+        return await _call(self._kv.create(key, value, msg_ttl=msg_ttl))
+
+    async def update(self, key: str, value: bytes, last: int | None = None) -> int:
+        """Write ``key`` if its revision is ``last``; :class:`WrongLastSequenceError` if not."""
+        return await _call(self._kv.update(key, value, last=last))
+
+    async def delete(self, key: str, last: int | None = None) -> bool:
+        """Delete ``key`` (if its revision is ``last``; :class:`WrongLastSequenceError` if not)."""
+        return await _call(self._kv.delete(key, last=last))
+
+    async def keys(self) -> list[str]:
+        """Every key with a value; empty for an empty bucket."""
+        try:
+            return await self._kv.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+        except nats.errors.Error as exc:
+            raise translate(exc) from exc
+
+    async def watch(self, keys: str) -> KeyWatcher:
+        return KeyWatcher(await _call(self._kv.watch(keys)))
+
+
+class JetStream:
+    """A JetStream context: publish with acks, read streams, consumers, KV buckets."""
+
+    def __init__(self, js: _JetStreamContext, connection: Connection) -> None:
+        self._js = js
+        #: The connection this context publishes on.
+        self.connection = connection
+
+    async def publish(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - nats-py's own parameter
+        stream: str | None = None,
+        headers: dict[str, str] | None = None,
+        msg_ttl: float | None = None,
+    ) -> PubAck:
+        """Publish and wait for the stream's ack."""
+        return await _call(
+            self._js.publish(
+                subject, payload, timeout=timeout, stream=stream, headers=headers, msg_ttl=msg_ttl
+            )
+        )
+
+    async def publish_async(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        headers: dict[str, str] | None = None,
+    ) -> asyncio.Future[PubAck]:
+        """Publish without waiting; the returned future ends with the ack (or a
+        :class:`NatsError`). Await it, or cancel it to stop waiting."""
+        future = await _call(self._js.publish_async(subject, payload, headers=headers))
+        return _translated_future(future)
+
+    async def get_msg(
+        self,
+        stream_name: str,
+        seq: int | None = None,
+        subject: str | None = None,
+        direct: bool = False,
+        next: bool = False,
+    ) -> StoredMessage:
+        """One stored message; :class:`NatsNotFoundError` if there is none."""
+        return StoredMessage.of(
+            await _call(
+                self._js.get_msg(stream_name, seq=seq, subject=subject, direct=direct, next=next)
+            )
+        )
+
+    async def get_last_msg(
+        self, stream_name: str, subject: str, direct: bool = False
+    ) -> StoredMessage:
+        """The last message stored on ``subject``; :class:`NatsNotFoundError` if none."""
+        return StoredMessage.of(
+            await _call(self._js.get_last_msg(stream_name, subject, direct=direct))
+        )
+
+    async def delete_msg(self, stream_name: str, seq: int) -> bool:
+        return await _call(self._js.delete_msg(stream_name, seq))
+
+    async def stream_info(self, name: str) -> StreamInfo:
+        return await _call(self._js.stream_info(name))
+
+    async def consumer_info(
+        self,
+        stream: str,
+        consumer: str,
+        timeout: float | None = None,  # noqa: ASYNC109 - nats-py's own parameter
+    ) -> ConsumerInfo:
+        info: ConsumerInfo = await _call(self._js.consumer_info(stream, consumer, timeout))
+        return info
+
+    async def add_consumer(
+        self, stream: str, config: ConsumerConfig | None = None, **params: Any
+    ) -> ConsumerInfo:
+        """Create (or update) a consumer; ``params`` are :class:`ConsumerConfig` fields."""
+        return await _call(self._js.add_consumer(stream, config, **params))
+
+    async def delete_consumer(self, stream: str, consumer: str) -> bool:
+        return await _call(self._js.delete_consumer(stream, consumer))
+
+    async def pull_subscribe(
+        self,
+        subject: str,
+        durable: str | None = None,
+        stream: str | None = None,
+        config: ConsumerConfig | None = None,
+    ) -> PullSubscription:
+        """A pull subscription on ``subject`` (creating the consumer ``config`` describes)."""
+        return PullSubscription(
+            await _call(self._js.pull_subscribe(subject, durable, stream, config))
+        )
+
+    async def pull_subscribe_bind(
+        self, durable: str, stream: str, *, pending_msgs_limit: int | None = None
+    ) -> PullSubscription:
+        """A pull subscription on the existing consumer ``durable`` of ``stream``."""
+        if pending_msgs_limit is None:
+            sub = await _call(self._js.pull_subscribe_bind(durable=durable, stream=stream))
+        else:
+            sub = await _call(
+                self._js.pull_subscribe_bind(
+                    durable=durable, stream=stream, pending_msgs_limit=pending_msgs_limit
+                )
+            )
+        return PullSubscription(sub)
+
+    async def key_value(self, bucket: str) -> KeyValue:
+        """The bucket ``bucket``; :class:`NatsNotFoundError` if it does not exist."""
+        return KeyValue(await _call(self._js.key_value(bucket)))
+
+    @property
+    def api_prefix(self) -> str:
+        """The JetStream API subject prefix (``$JS.API``, or a domain's)."""
+        # nats-py exposes no public accessor; the prefix carries the domain.
+        prefix: str = self._js._prefix
+        return prefix
+
+    @property
+    def context(self) -> _JetStreamContext:
+        """nats-py's context, for what the handles do not cover (tests, benchmarks)."""
+        return self._js
+
+
+class Connection:
+    """A connection to NATS (see :func:`renqueue.ops.connect` for how one is opened)."""
+
+    @classmethod
+    def of(cls, nc: Connection | _Client) -> Connection:
+        """``nc`` itself, or nats-py's client ``nc`` wrapped (an application's own)."""
+        return nc if isinstance(nc, Connection) else cls(nc)
+
+    def __init__(self, nc: _Client | None = None) -> None:
+        """Wrap nats-py's ``nc``, or (without one) a client still to be :meth:`open`ed."""
+        self._nc = nc if nc is not None else _Client()
+        self._js: JetStream | None = None
+
+    async def open(self, timeout: float, **options: Any) -> None:  # noqa: ASYNC109
+        """Connect with nats-py's ``options``, the first connect bounded by
+        ``timeout``; :class:`ConnectionFailedError` when no server answers in
+        time (the half-open client is closed). The caller words the error: it
+        knows the URL and what the error callback saw."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._nc.connect(**options)
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            await self._nc.close()
+            raise ConnectionFailedError(str(exc) or type(exc).__name__) from exc
+
+    def jetstream(self, *, timeout: float | None = None) -> JetStream:
+        """This connection's JetStream context; with ``timeout`` (seconds per
+        API request; nats-py's default is 5) a context of its own."""
+        if timeout is not None:
+            return JetStream(self._nc.jetstream(timeout=timeout), self)
+        if self._js is None:
+            self._js = JetStream(self._nc.jetstream(), self)
+        return self._js
+
+    async def publish(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        reply: str = "",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        await _call(self._nc.publish(subject, payload, reply=reply, headers=headers))
+
+    async def subscribe(self, subject: str, cb: Handler, queue: str = "") -> Subscription:
+        """Subscribe ``cb`` to ``subject``; it is called with each :class:`Message`."""
+
+        async def deliver(msg: _Msg) -> None:
+            await cb(Message(msg))
+
+        return Subscription(await _call(self._nc.subscribe(subject, queue=queue, cb=deliver)))
+
+    async def request(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        timeout: float = 0.5,  # noqa: ASYNC109 - nats-py's own parameter
+        headers: dict[str, str] | None = None,
+    ) -> Message:
+        """Publish and wait for one reply; :class:`NatsUnavailableError` (no responders)
+        or :class:`NatsTimeoutError` when none comes."""
+        return Message(
+            await _call(self._nc.request(subject, payload, timeout=timeout, headers=headers))
+        )
+
+    def new_inbox(self) -> str:
+        return self._nc.new_inbox()
+
+    async def flush(self, timeout: int = 10) -> None:  # noqa: ASYNC109
+        await _call(self._nc.flush(timeout))
+
+    async def drain(self) -> None:
+        await _call(self._nc.drain())
+
+    async def close(self) -> None:
+        await _call(self._nc.close())
+
+    @property
+    def is_closed(self) -> bool:
+        return self._nc.is_closed
+
+    @property
+    def is_connected(self) -> bool:
+        return self._nc.is_connected
+
+    @property
+    def reconnects(self) -> int:
+        """How many times this connection has reconnected."""
+        return int(self._nc.stats["reconnects"])
+
+    @property
+    def last_error(self) -> BaseException | None:
+        return self._nc.last_error
+
+    @property
+    def connected_server(self) -> str | None:
+        """``host:port`` of the server connected to, if any."""
+        url = self._nc.connected_url
+        return None if url is None else f"{url.hostname}:{url.port}"
+
+    @property
+    def client(self) -> _Client:
+        """nats-py's client, for what the handles do not cover (tests, benchmarks)."""
+        return self._nc
