@@ -64,12 +64,10 @@ from typing import Any
 
 import msgspec
 from common import RESULTS, ROOT, free_port, machine_info, mock_process, mock_stats, percentile
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
 
 from renqueue import Client
 from renqueue.config import load_config
-from renqueue.errors import RequestFailedError
+from renqueue.errors import NatsNotFoundError, RequestFailedError
 from renqueue.logs import configure_logging
 from renqueue.ops import connect, find_nats_server, provision
 from renqueue.wire import (
@@ -84,9 +82,12 @@ from renqueue.wire import (
     TERMINAL_KINDS,
     TOKEN_DECODER,
     TOKENS_STREAM,
+    AckPolicy,
     Cancelled,
     Coalesced,
     Completed,
+    ConsumerConfig,
+    DeliverPolicy,
     Event,
     Expired,
     Failed,
@@ -334,7 +335,7 @@ async def until_jetstream_answers(nc: Any, *, within: float = 60.0) -> None:
     deadline = time.monotonic() + within
     while True:
         try:
-            await js.account_info()
+            await js.context.account_info()  # nats-py's own: our handles lack it
         except Exception:
             if time.monotonic() > deadline:
                 raise
@@ -820,7 +821,7 @@ async def stored(js: Any, stream: str, subject: str = ">", cap: int = 20000) -> 
     while len(out) < cap:
         try:
             msg = await js.get_msg(stream, seq=seq, subject=subject, next=True)
-        except NotFoundError:
+        except NatsNotFoundError:
             break
         out.append(msg)
         seq = msg.seq + 1

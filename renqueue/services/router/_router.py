@@ -62,7 +62,7 @@ import msgspec
 
 from ... import metrics
 from ..._lifecycle import Lifecycle
-from ..._tasks import Supervisor
+from ..._tasks import Supervisor, cancel_and_wait
 from ...config import Config, parse_duration
 from ...logs import get_logger
 from ...ops._provision import renew_router_consumers, router_consumer_configs
@@ -127,6 +127,9 @@ log = get_logger("router")
 #: Seconds a decision's publishes may take to be acked before the dispatch counts
 #: as failed (``router.ack_wait`` if that is shorter).
 _ACKS_TIMEOUT: Final = 10.0
+#: How long a stop waits for decisions still being published (each is bounded
+#: by ``_ACKS_TIMEOUT`` already; this is the backstop).
+_INFLIGHT_STOP_WAIT: Final = _ACKS_TIMEOUT + 5.0
 
 #: Requests whose failed dispatches a router remembers (oldest forgotten first).
 _FAILURES_KEPT: Final = 10_000
@@ -383,7 +386,11 @@ class Router(Lifecycle):
         if self._own_supervisor:
             await self._supervisor.close()
         if self._inflight:
-            await asyncio.gather(*self._inflight, return_exceptions=True)
+            # Each publish is bounded by its acks' timeout; this bounds the stop
+            # even if one is not. A publish cut short leaves its request unacked:
+            # redelivered, and its dispatch deduplicated by its message id.
+            _done, pending = await asyncio.wait(self._inflight, timeout=_INFLIGHT_STOP_WAIT)
+            await cancel_and_wait(pending)
         # Last: a standby takes over at once, and re-created consumers give
         # it what this router held (see _begin_term).
         try:
@@ -834,21 +841,22 @@ class Router(Lifecycle):
             item.preempted_one = True
 
     def _spawn_publish(self, coro: Any) -> None:
+        """Carry out one decision's publishes in a task of its own, tracked until
+        it ends: :meth:`_stop` waits for it (within ``_INFLIGHT_STOP_WAIT``), and
+        an error it did not handle itself is logged with its traceback."""
         task = asyncio.create_task(coro)
         self._inflight.add(task)
         task.add_done_callback(self._publish_done)
 
     def _publish_done(self, task: asyncio.Task[Any]) -> None:
         self._inflight.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("event publish failed", error=str(task.exception()))
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("a decision's publish failed", exc_info=exc)
 
     def _bind(
         self, item: Held, backend: str, level: str, now: float, *, reason: str = BIND_REASON
     ) -> None:
-        task = asyncio.create_task(self._publish_decision(item, backend, level, now, reason))
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
+        self._spawn_publish(self._publish_decision(item, backend, level, now, reason))
 
     async def _publish_decision(
         self, item: Held, backend: str, level: str, now: float, reason: str = BIND_REASON

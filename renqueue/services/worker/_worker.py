@@ -267,6 +267,10 @@ class Worker(Lifecycle):
     def _run_done(self, task: asyncio.Task[None]) -> None:
         self._running.discard(task)
         self._slot_freed.set()
+        # A run handles its own failures (:meth:`_unexpected`); one that escapes
+        # is a bug, logged here rather than lost with the task.
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("a run ended with an unhandled error", exc_info=exc)
 
     # ------------------------------------------------------------------ one run
 

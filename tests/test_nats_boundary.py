@@ -1,0 +1,152 @@
+"""One boundary with nats-py: only ``wire/_nats.py`` imports it, and its errors become ours.
+
+The mapping is checked twice: as a table over nats-py's exception types (the
+cases a live server cannot be made to produce on demand, such as a stale
+connection), and live, against a real nats-server, for the ones the services
+branch on (a compare-and-set that lost, a missing message or key, nobody
+listening, a closed connection).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import nats.errors
+import nats.js.errors
+import pytest
+
+from renqueue.errors import (
+    NatsApiError,
+    NatsClosedError,
+    NatsError,
+    NatsNoRespondersError,
+    NatsNotFoundError,
+    NatsTimeoutError,
+    NatsUnavailableError,
+    WrongLastSequenceError,
+)
+from renqueue.ops import EmbeddedServer, connect
+from renqueue.wire import Connection, JetStream
+from renqueue.wire._nats import translate
+
+PACKAGE = Path(__file__).resolve().parent.parent / "renqueue"
+BOUNDARY = PACKAGE / "wire" / "_nats.py"
+
+
+def imports_nats(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(
+            alias.name.split(".")[0] == "nats" for alias in node.names
+        ):
+            return True
+        if (
+            isinstance(node, ast.ImportFrom)
+            and not node.level
+            and (node.module or "").split(".")[0] == "nats"
+        ):
+            return True
+    return False
+
+
+def test_only_the_boundary_imports_nats() -> None:
+    importers = {path for path in PACKAGE.rglob("*.py") if imports_nats(path)}
+    assert importers == {BOUNDARY}
+
+
+def api_error(code: int, err_code: int, description: str = "") -> nats.js.errors.APIError:
+    return nats.js.errors.APIError(code=code, err_code=err_code, description=description)
+
+
+@pytest.mark.parametrize(
+    ("theirs", "ours"),
+    [
+        (nats.errors.TimeoutError(), NatsTimeoutError),
+        (nats.errors.ConnectionClosedError(), NatsClosedError),
+        (nats.errors.NoRespondersError(), NatsNoRespondersError),
+        (nats.js.errors.NoStreamResponseError(), NatsNoRespondersError),
+        (nats.errors.ConnectionReconnectingError(), NatsUnavailableError),
+        (nats.errors.OutboundBufferLimitError(), NatsUnavailableError),
+        (nats.errors.StaleConnectionError(), NatsUnavailableError),
+        (nats.errors.ConnectionDrainingError(), NatsUnavailableError),
+        (nats.js.errors.KeyWrongLastSequenceError(), WrongLastSequenceError),
+        (api_error(400, 10071, "wrong last sequence: 3"), WrongLastSequenceError),
+        (api_error(400, 10164, "wrong last sequence"), WrongLastSequenceError),
+        (nats.js.errors.KeyNotFoundError(), NatsNotFoundError),
+        (nats.js.errors.BucketNotFoundError(), NatsNotFoundError),
+        (api_error(404, 10037, "no message found"), NatsNotFoundError),
+        (api_error(404, 10059, "stream not found"), NatsNotFoundError),
+        (api_error(404, 10014, "consumer not found"), NatsNotFoundError),
+        (api_error(503, 10008, "JetStream system temporarily unavailable"), NatsUnavailableError),
+        (api_error(500, 10009, "no leader"), NatsUnavailableError),  # a "not now" code
+        (api_error(503, 0), NatsUnavailableError),  # any 503
+        (nats.errors.Error("something else"), NatsError),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, BaseException) else "",
+)
+def test_each_nats_error_becomes_ours(theirs: BaseException, ours: type[NatsError]) -> None:
+    translated = translate(theirs)
+    assert type(translated) is ours
+
+
+def test_a_refusal_keeps_its_codes() -> None:
+    translated = translate(api_error(400, 10058, "stream name already in use"))
+    assert type(translated) is NatsApiError
+    assert (translated.status, translated.err_code) == (400, 10058)
+    assert "already in use" in str(translated)
+
+
+def test_an_error_not_from_nats_is_left_alone() -> None:
+    error = ValueError("mine")
+    assert translate(error) is error
+    already = NatsTimeoutError("ours")
+    assert translate(already) is already
+
+
+def test_a_timeout_is_also_a_builtin_timeout() -> None:
+    """Callers that wrap a call in ``asyncio.timeout`` catch both the same way."""
+    assert isinstance(translate(nats.errors.TimeoutError()), TimeoutError)
+
+
+async def test_a_lost_compare_and_set_is_a_wrong_last_sequence(isolated_js: JetStream) -> None:
+    await isolated_js.context.create_key_value(bucket="cas")
+    kv = await isolated_js.key_value("cas")
+    first = await kv.create("key", b"one")
+    await kv.update("key", b"two", last=first)
+    with pytest.raises(WrongLastSequenceError) as caught:
+        await kv.update("key", b"three", last=first)
+    assert isinstance(caught.value.__cause__, nats.errors.Error)  # raised from theirs
+    with pytest.raises(WrongLastSequenceError):
+        await kv.create("key", b"again")  # create is a compare-and-set on "no value"
+
+
+async def test_missing_things_are_not_found(isolated_js: JetStream) -> None:
+    await isolated_js.context.add_stream(name="S", subjects=["s.>"])
+    await isolated_js.context.create_key_value(bucket="kv")
+    kv = await isolated_js.key_value("kv")
+    with pytest.raises(NatsNotFoundError):
+        await isolated_js.get_msg("S", seq=42)
+    with pytest.raises(NatsNotFoundError):
+        await isolated_js.stream_info("NO_SUCH_STREAM")
+    with pytest.raises(NatsNotFoundError):
+        await isolated_js.key_value("no-such-bucket")
+    with pytest.raises(NatsNotFoundError):
+        await kv.get("absent")
+    assert await kv.latest("absent") is None
+
+
+async def test_a_publish_no_stream_stores_has_no_responders(isolated_js: JetStream) -> None:
+    with pytest.raises(NatsNoRespondersError):
+        await isolated_js.publish("nobody.stores.this", b"x")
+
+
+async def test_a_request_nobody_answers(isolated_nc: Connection) -> None:
+    with pytest.raises(NatsUnavailableError):  # no responders, or a timeout: both retryable
+        await isolated_nc.request("nobody.listens", b"x", timeout=0.5)
+
+
+async def test_a_closed_connection_says_so(isolated_server: EmbeddedServer) -> None:
+    nc = await connect(isolated_server.url, name="closing")
+    await nc.close()
+    with pytest.raises(NatsClosedError):
+        await nc.publish("any", b"x")
