@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -433,7 +434,11 @@ def rounds(draw: st.DrawFn) -> tuple[list[Waiting], dict[str, BackendView], Plan
     return waiting, views, policy
 
 
-PROPERTIES = settings(max_examples=150, deadline=None)
+#: Examples per property: 80 in `make test` (the suite's time budget);
+#: ``RENQUEUE_PROPERTY_EXAMPLES=2000`` for a thorough run.
+PROPERTIES = settings(
+    max_examples=int(os.environ.get("RENQUEUE_PROPERTY_EXAMPLES", "80")), deadline=None
+)
 
 
 def fits(item: Waiting, view: BackendView, policy: PlanPolicy) -> bool:
