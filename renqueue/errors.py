@@ -258,7 +258,12 @@ class BackendError(RenQueueError):
 
 
 class RateLimitedError(BackendError):
-    """The backend refused for rate or quota reasons; try again after ``retry_after``."""
+    """The backend refused for rate or quota reasons; try again after ``retry_after``.
+
+    ``quota_exhausted``: the provider said the quota is gone for long (a daily
+    quota, or out of credit), so retrying soon is pointless;
+    ``quota_exhausted_until`` is the Unix time it comes back, ``None`` if unknown.
+    """
 
     code = "rate_limited"
     retryable = True
@@ -271,8 +276,12 @@ class RateLimitedError(BackendError):
         retry_after: float | None = None,
         request_id: str | None = None,
         status: int | None = 429,
+        quota_exhausted: bool = False,
+        quota_exhausted_until: float | None = None,
     ) -> None:
         self.retry_after = retry_after
+        self.quota_exhausted = quota_exhausted
+        self.quota_exhausted_until = quota_exhausted_until
         super().__init__(message, backend=backend, request_id=request_id, status=status)
 
 
