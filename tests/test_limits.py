@@ -596,7 +596,19 @@ def test_retry_after_falls_back_to_the_exhausted_quotas_reset() -> None:
     }
     assert parse_limits(headers, now=NOW).retry_after() == 360
     neither = {**headers, "x-ratelimit-remaining-tokens": "9"}
-    assert parse_limits(neither, now=NOW).retry_after() == 360  # the longer, not knowing which
+    # Not knowing which: the tokens (a request may need more than 9), not the
+    # requests, of which 5 are left.
+    assert parse_limits(neither, now=NOW).retry_after() == 360
+    unknown = {**neither, "x-ratelimit-remaining-tokens": "x", "x-ratelimit-reset-requests": "9m"}
+    assert parse_limits(unknown, now=NOW).retry_after() == 360
+
+
+def test_a_429_from_an_unreported_limit_does_not_wait_for_the_daily_reset() -> None:
+    """Cerebras refusing on its per-minute request limit, which it does not report."""
+    limits = parse_limits(CEREBRAS, now=NOW, status=429)
+    assert limits.retry_after() == pytest.approx(11.383, abs=1e-3)  # tokens/minute, not the day
+    only_day = {k: v for k, v in CEREBRAS.items() if "requests-day" in k}
+    assert parse_limits(only_day, now=NOW, status=429).retry_after() is None
 
 
 # ------------------------------------------------------- quota exhaustion

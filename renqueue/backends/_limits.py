@@ -150,14 +150,21 @@ class LearnedLimits(Struct, frozen=True, kw_only=True):
 
         ``retry_at`` when the provider gave one; else the latest reset of the
         windows with nothing remaining; else (a 429 that does not say which
-        quota it hit) the latest reset of any window. ``None`` when nothing
+        quota it hit) the latest reset of the windows that could have refused:
+        not a request window with requests left (a token window with tokens
+        left still can, for a request needing more). ``None`` when nothing
         says: the caller picks its own backoff.
         """
         if self.retry_at is not None:
             return _rounded(self.retry_at - self.at)
         resets = [w.reset_at for w in self.windows if w.remaining == 0 and w.reset_at is not None]
         if not resets:
-            resets = [w.reset_at for w in self.windows if w.reset_at is not None]
+            resets = [
+                w.reset_at
+                for w in self.windows
+                if w.reset_at is not None
+                and not (w.kind == "requests" and w.remaining is not None and w.remaining > 0)
+            ]
         return _rounded(max(resets) - self.at) if resets else None
 
 
