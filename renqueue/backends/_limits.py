@@ -834,6 +834,8 @@ def parse_limits(
     reading = _Reading(now)
     lowered = _lower(headers)
     error = _error_of(_decoded(body)) if status is None or status >= 400 else None
+    if error is None and not any("ratelimit" in name or "retry-after" in name for name in lowered):
+        return reading.result()  # the usual success response of a backend without limits
     _read_retry(lowered, reading)
     _read_quota_error(error, reading)
     auto = style == "auto"
