@@ -22,7 +22,7 @@ The tree, by what a caller can do about it::
     │   ├── NoCapableBackendError   no backend of the route has the tier asked for
     │   └── UnknownPriorityError    no such priority level
     ├── BackendError                a backend call failed; carries backend, request_id
-    │   ├── RateLimitedError        429 / quota; carries retry_after seconds
+    │   ├── RateLimitedError        429 / quota; carries retry_after seconds, quota_exhausted
     │   ├── RetryableBackendError   5xx, timeouts, connection errors, broken streams
     │   ├── FatalBackendError       auth, unknown model: this backend cannot serve
     │   └── BadRequestError         the backend says the request is invalid (4xx)
