@@ -145,6 +145,31 @@ def test_unreadable_fields_are_none_and_the_rest_stands() -> None:
     assert (tokens.limit, tokens.remaining, tokens.reset_at) == (6000, None, None)
 
 
+@pytest.mark.parametrize(
+    "value",
+    [10**400, -(10**400), 2**63, -1, 1.5e300, True, "1" * 400],
+    ids=["huge", "-huge", "2**63", "-1", "1.5e300", "True", "400 digits"],
+)
+def test_a_count_out_of_range_in_a_body_is_none(value: object) -> None:
+    body = {
+        "error": {
+            "details": [
+                {
+                    "@type": "type.googleapis.com/google.rpc.QuotaFailure",
+                    "violations": [
+                        {
+                            "quotaId": "GenerateRequestsPerMinutePerProjectPerModel",
+                            "quotaValue": value,
+                        }
+                    ],
+                }
+            ]
+        }
+    }
+    limits = parse_limits({}, now=NOW, status=429, body=body)
+    assert window(limits, "requests", MINUTE).limit is None
+
+
 def test_no_limit_headers_is_an_empty_reading() -> None:
     limits = parse_limits({"content-type": "application/json"}, now=NOW)
     assert limits.empty
@@ -720,6 +745,7 @@ JSON_LEAF = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(),
+    st.sampled_from([10**400, -(10**400), 2**63, 2**63 - 1, -1]),  # beyond any float or int64
     st.floats(allow_nan=True, allow_infinity=True),
     VALUE_TEXT,
 )
@@ -788,7 +814,11 @@ def test_hostile_bodies_inside_known_shapes(headers: dict[str, str], body: Any, 
                 "details": [
                     {
                         "@type": "type.googleapis.com/google.rpc.QuotaFailure",
-                        "violations": [body, {"quotaId": body, "quotaValue": body}],
+                        "violations": [
+                            body,
+                            {"quotaId": body, "quotaValue": body},
+                            {"quotaId": "GenerateRequestsPerDayPerProject", "quotaValue": body},
+                        ],
                     }
                 ]
             }

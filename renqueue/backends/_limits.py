@@ -180,8 +180,9 @@ def _count(value: object) -> int | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        number: float = value
-    elif isinstance(value, float):
+        # Not through float: an int too large for one would raise there.
+        return value if 0 <= value <= _MAX_COUNT else None
+    if isinstance(value, float):
         number = value
     elif isinstance(value, str):
         text = value.strip()
