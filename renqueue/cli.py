@@ -232,6 +232,8 @@ def _mock_backend(_config: Config, args: argparse.Namespace) -> None:
             failure_rate=args.failure_rate,
             rpm=args.rpm,
             tpm=args.tpm,
+            rpd=args.rpd,
+            limit_style=args.limit_style,
             concurrency=args.concurrency,
             model=args.model,
             seed=args.seed,
@@ -322,6 +324,13 @@ def _add_tool_commands(sub: Any) -> None:
     cmd.add_argument("--failure-rate", type=float, default=0.0)
     cmd.add_argument("--rpm", type=int, default=0, help="requests per minute it allows (0: any)")
     cmd.add_argument("--tpm", type=int, default=0, help="tokens per minute it allows (0: any)")
+    cmd.add_argument("--rpd", type=int, default=0, help="requests per day it allows (0: any)")
+    cmd.add_argument(
+        "--limit-style",
+        default="openai",
+        help="rate-limit header dialect: openai, groq, cerebras, openrouter, "
+        "openrouter-body, anthropic, gemini, ietf",
+    )
     cmd.add_argument("--concurrency", type=int, default=0, help="concurrent requests (0: any)")
     cmd.add_argument("--model", help="accept only this model name (default: any)")
     cmd.add_argument("--seed", type=int, help="seed for reproducible failure draws")

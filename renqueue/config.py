@@ -32,6 +32,7 @@ __all__ = [
     "BackendConfig",
     "Config",
     "LevelConfig",
+    "LimitStyle",
     "LimitsConfig",
     "NatsConfig",
     "Rate",
@@ -51,6 +52,11 @@ DEFAULT_PRIORITIES: Final = ("critical", "high", "normal", "low", "batch")
 _NAME = r"^[A-Za-z0-9_-]{1,64}$"
 Name = Annotated[str, Meta(pattern=_NAME)]
 Duration = Annotated[str, Meta(pattern=r"^\s*\d+(\.\d+)?\s*(ms|s|m|h|d)\s*$")]
+#: The rate-limit header dialect a backend speaks (``renqueue.backends._limits``);
+#: ``auto`` reads every dialect it finds.
+LimitStyle = Literal[
+    "auto", "openai", "groq", "cerebras", "openrouter", "anthropic", "gemini", "ietf"
+]
 InboxPrefix = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*$")]
 
 _DURATION_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -201,6 +207,10 @@ class BackendConfig(_Section, frozen=True, kw_only=True):
     #: A backend whose key is missing is taken out of service at start-up
     #: with a warning, and the rest runs; a required one stops the start-up.
     required: bool = False
+    #: The dialect its rate-limit headers and 429 bodies are read in
+    #: (docs/rate-limits.md). ``auto`` reads every dialect it finds; name
+    #: ``groq`` for Groq, whose request headers count per day.
+    limit_style: LimitStyle = "auto"
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):

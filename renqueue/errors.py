@@ -22,7 +22,7 @@ The tree, by what a caller can do about it::
     │   ├── NoCapableBackendError   no backend of the route has the tier asked for
     │   └── UnknownPriorityError    no such priority level
     ├── BackendError                a backend call failed; carries backend, request_id
-    │   ├── RateLimitedError        429 / quota; carries retry_after seconds
+    │   ├── RateLimitedError        429 / quota; carries retry_after seconds, quota_exhausted
     │   ├── RetryableBackendError   5xx, timeouts, connection errors, broken streams
     │   ├── FatalBackendError       auth, unknown model: this backend cannot serve
     │   └── BadRequestError         the backend says the request is invalid (4xx)
@@ -258,7 +258,12 @@ class BackendError(RenQueueError):
 
 
 class RateLimitedError(BackendError):
-    """The backend refused for rate or quota reasons; try again after ``retry_after``."""
+    """The backend refused for rate or quota reasons; try again after ``retry_after``.
+
+    ``quota_exhausted``: the provider said the quota is gone for long (a daily
+    quota, or out of credit), so retrying soon is pointless;
+    ``quota_exhausted_until`` is the Unix time it comes back, ``None`` if unknown.
+    """
 
     code = "rate_limited"
     retryable = True
@@ -271,8 +276,12 @@ class RateLimitedError(BackendError):
         retry_after: float | None = None,
         request_id: str | None = None,
         status: int | None = 429,
+        quota_exhausted: bool = False,
+        quota_exhausted_until: float | None = None,
     ) -> None:
         self.retry_after = retry_after
+        self.quota_exhausted = quota_exhausted
+        self.quota_exhausted_until = quota_exhausted_until
         super().__init__(message, backend=backend, request_id=request_id, status=status)
 
 

@@ -33,6 +33,11 @@ BACKEND = {"base_url": "http://127.0.0.1:1/v1", "model": "m"}
             "invalid rate 'often'",
         ),
         ({"backends": {"a": {**BACKEND, "timeout": "soon"}}}, "$.backends.a.timeout", "match"),
+        (
+            {"backends": {"a": {**BACKEND, "limit_style": "grok"}}},
+            "$.backends.a.limit_style",
+            "Invalid enum value 'grok'",
+        ),
         ({"backends": {"bad.name": BACKEND}}, "$.backends.bad.name", "invalid name"),
         (
             {"backends": {"a": BACKEND}, "routes": {"r": {"backends": ["a", "zz"]}}},
@@ -96,6 +101,12 @@ def test_durations_and_rates_parse() -> None:
     assert parse_rate("1000/1d").window == 86400
     with pytest.raises(ValueError, match="invalid rate"):
         parse_rate("0/min")
+
+
+def test_limit_style_defaults_to_auto_and_takes_a_dialect() -> None:
+    config = parse_config({"backends": {"a": BACKEND, "g": {**BACKEND, "limit_style": "groq"}}})
+    assert config.backends["a"].limit_style == "auto"
+    assert config.backends["g"].limit_style == "groq"
 
 
 def test_cost_is_per_million_tokens() -> None:

@@ -17,8 +17,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from renqueue.backends import Backend, Delta, OpenAIBackend, RateLimitInfo, make_backend
-from renqueue.backends.openai import parse_reset, parse_retry_after, rate_limit_info
+from renqueue.backends import Backend, Delta, LearnedLimits, OpenAIBackend, make_backend
 from renqueue.config import BackendConfig
 from renqueue.errors import (
     BackendError,
@@ -139,11 +138,14 @@ async def test_rate_limit_headers_are_exposed(mock: MockBackend) -> None:
         assert adapter.last_rate_limit is None
         await collect(adapter, make_request())
         info = adapter.last_rate_limit
-    assert isinstance(info, RateLimitInfo)
-    assert (info.limit_requests, info.remaining_requests) == (10, 9)
-    assert (info.limit_tokens, info.remaining_tokens) == (1000, 994)
-    assert info.reset_requests is not None
-    assert 0 < info.reset_requests <= 6.1
+    assert isinstance(info, LearnedLimits)
+    requests, tokens = info.find("requests"), info.find("tokens")
+    assert requests is not None
+    assert tokens is not None
+    assert (requests.window, requests.limit, requests.remaining) == (60, 10, 9)
+    assert (tokens.window, tokens.limit, tokens.remaining) == (60, 1000, 994)
+    assert requests.reset_at is not None
+    assert 0 < requests.reset_at - info.at <= 6.1
 
 
 # --------------------------------------------------------------- error mapping
@@ -164,7 +166,10 @@ async def test_429_maps_to_rate_limited_with_retry_after(mock: MockBackend) -> N
     assert error.request_id == "req-1"
     assert "Rate limit reached" in str(error)
     assert info is not None
-    assert info.remaining_requests == 0  # the 429's headers are recorded too
+    requests = info.find("requests")
+    assert requests is not None
+    assert requests.remaining == 0  # the 429's headers are recorded too
+    assert not error.quota_exhausted
 
 
 async def test_injected_500_is_retryable_with_provider_message(mock: MockBackend) -> None:
@@ -555,40 +560,6 @@ async def test_retry_after_from_date_or_ratelimit_reset(
     else:
         assert retry_after is not None
         assert low <= retry_after <= high
-
-
-# ----------------------------------------------------------- parsing helpers
-
-
-@pytest.mark.parametrize(
-    ("text", "seconds"),
-    [
-        ("1s", 1.0),
-        ("6m0s", 360.0),
-        ("120ms", 0.12),
-        ("2m59.56s", 179.56),
-        ("1h2m3s", 3723.0),
-        ("7.5", 7.5),
-        ("soon", None),
-        ("", None),
-    ],
-)
-def test_parse_reset(text: str, seconds: float | None) -> None:
-    result = parse_reset(text)
-    assert result == pytest.approx(seconds) if seconds is not None else result is None
-
-
-def test_parse_retry_after_prefers_precise_headers() -> None:
-    assert parse_retry_after({"retry-after-ms": "1500", "retry-after": "2"}) == 1.5
-    assert parse_retry_after({"retry-after": "2"}) == 2.0
-    assert parse_retry_after({}) is None
-
-
-def test_rate_limit_info_absent_without_headers() -> None:
-    assert rate_limit_info({"content-type": "application/json"}) is None
-    info = rate_limit_info({"x-ratelimit-limit-tokens": "6000", "x-ratelimit-reset-tokens": "1s"})
-    assert info is not None
-    assert (info.limit_tokens, info.reset_tokens, info.limit_requests) == (6000, 1.0, None)
 
 
 # ----------------------------------------------------------- lifecycle

@@ -6,16 +6,20 @@ import httpx
 
 from ..config import BackendConfig
 from ..errors import ConfigError
+from ._limits import LearnedLimits, LimitKind, LimitWindow, parse_limits
 from .base import Backend, Delta, Generation
-from .openai import OpenAIBackend, RateLimitInfo
+from .openai import OpenAIBackend
 
 __all__ = [
     "Backend",
     "Delta",
     "Generation",
+    "LearnedLimits",
+    "LimitKind",
+    "LimitWindow",
     "OpenAIBackend",
-    "RateLimitInfo",
     "make_backend",
+    "parse_limits",
 ]
 
 

@@ -15,9 +15,12 @@ What it owns, and why:
   subclass the worker can act on: wait (``RateLimitedError.retry_after``),
   retry (``RetryableBackendError``), stop using this backend
   (``FatalBackendError``) or fail the request (``BadRequestError``).
-- **Rate-limit headers** (``x-ratelimit-*``) are parsed from every response
-  into :attr:`OpenAIBackend.last_rate_limit`, so the limiter can learn the
-  provider's real limits instead of trusting the declared ones.
+- **Rate limits the provider reports** (headers of every response, and the
+  error body of a 429, in the dialect ``config.limit_style`` names: see
+  :mod:`._limits`) are read into :attr:`OpenAIBackend.last_rate_limit`, so the
+  limiter can learn the provider's real limits instead of trusting the
+  declared ones; a 429's :class:`~renqueue.errors.RateLimitedError` carries
+  when to retry and whether the quota is exhausted.
 - **The key stays secret.** It is sent only as ``Authorization: Bearer``, kept
   in an :class:`httpx.Headers` (whose repr masks it) and scrubbed from every
   error message, including provider bodies that echo it back.
@@ -26,11 +29,8 @@ What it owns, and why:
 from __future__ import annotations
 
 import contextlib
-import re
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
+from collections.abc import AsyncIterator, Iterator
 from types import TracebackType
 from typing import Any, Final, Self
 
@@ -48,136 +48,14 @@ from ..errors import (
     RetryableBackendError,
 )
 from ..wire._messages import InferenceRequest, Usage
+from ._limits import LearnedLimits, parse_limits
 from ._sse import ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation
 
-__all__ = ["OpenAIBackend", "RateLimitInfo", "parse_reset", "parse_retry_after", "rate_limit_info"]
+__all__ = ["OpenAIBackend"]
 
 #: Longest provider error text carried into an exception message.
 _DETAIL_LIMIT: Final = 300
-
-_RESET_PART_RE: Final = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
-_RESET_FULL_RE: Final = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|h|m|s))+")
-_RESET_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-#: A bare number this large is a Unix timestamp (seconds), not a duration.
-_EPOCH_SECONDS: Final = 1e9
-_EPOCH_MILLISECONDS: Final = 1e11
-
-
-class RateLimitInfo(Struct, frozen=True, kw_only=True):
-    """The provider's view of our quota, read from one response's ``x-ratelimit-*`` headers.
-
-    ``reset_*`` are seconds from ``at`` (Unix time the response arrived) until
-    that quota is full again. A field is ``None`` when the header was absent or
-    unreadable: providers send different subsets.
-    """
-
-    at: float
-    limit_requests: int | None = None
-    remaining_requests: int | None = None
-    reset_requests: float | None = None
-    limit_tokens: int | None = None
-    remaining_tokens: int | None = None
-    reset_tokens: float | None = None
-
-
-def parse_reset(text: str) -> float | None:
-    """A reset time in seconds: OpenAI's ``"1s"``, ``"6m0s"``, ``"120ms"``, ``"2m59.56s"``.
-
-    A bare number is seconds, unless it is large enough to be a Unix timestamp
-    (seconds or milliseconds, as GitHub and OpenRouter send), which is turned
-    into seconds from now. ``None`` for anything unreadable: a bad header must
-    never fail a request that otherwise succeeded.
-    """
-    value = text.strip()
-    if not value:
-        return None
-    try:
-        number = float(value)
-    except ValueError:
-        pass
-    else:
-        if number >= _EPOCH_MILLISECONDS:
-            number = number / 1000 - time.time()
-        elif number >= _EPOCH_SECONDS:
-            number -= time.time()
-        return max(number, 0.0)
-    if not _RESET_FULL_RE.fullmatch(value):
-        return None
-    return sum(float(amount) * _RESET_UNITS[unit] for amount, unit in _RESET_PART_RE.findall(value))
-
-
-def _int_header(headers: Mapping[str, str], name: str) -> int | None:
-    value = headers.get(name)
-    if value is None:
-        return None
-    try:
-        return int(float(value))
-    except ValueError:
-        return None
-
-
-def _reset_header(headers: Mapping[str, str], name: str) -> float | None:
-    value = headers.get(name)
-    return None if value is None else parse_reset(value)
-
-
-def rate_limit_info(headers: Mapping[str, str], *, at: float | None = None) -> RateLimitInfo | None:
-    """Read the ``x-ratelimit-*`` headers; ``None`` when the response carries none of them."""
-    info = RateLimitInfo(
-        at=time.time() if at is None else at,
-        limit_requests=_int_header(headers, "x-ratelimit-limit-requests"),
-        remaining_requests=_int_header(headers, "x-ratelimit-remaining-requests"),
-        reset_requests=_reset_header(headers, "x-ratelimit-reset-requests"),
-        limit_tokens=_int_header(headers, "x-ratelimit-limit-tokens"),
-        remaining_tokens=_int_header(headers, "x-ratelimit-remaining-tokens"),
-        reset_tokens=_reset_header(headers, "x-ratelimit-reset-tokens"),
-    )
-    if all(value is None for value in msgspec.structs.astuple(info)[1:]):
-        return None
-    return info
-
-
-def parse_retry_after(headers: Mapping[str, str]) -> float | None:
-    """Seconds to wait after a 429, from the most precise header the provider sent.
-
-    In order: ``retry-after-ms`` (OpenAI), ``retry-after`` (seconds or an
-    HTTP-date), then the reset time of whichever ``x-ratelimit-*`` quota is
-    exhausted (the longer one if both or neither say so). ``None`` when
-    nothing says: the caller picks its own backoff.
-    """
-    if (millis := headers.get("retry-after-ms")) is not None:
-        try:
-            return max(float(millis) / 1000, 0.0)
-        except ValueError:
-            pass
-    if (value := headers.get("retry-after")) is not None:
-        value = value.strip()
-        try:
-            return max(float(value), 0.0)
-        except ValueError:
-            pass
-        try:
-            when = parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            when = None
-        if when is not None:
-            if when.tzinfo is None:
-                when = when.replace(tzinfo=UTC)
-            return max((when - datetime.now(UTC)).total_seconds(), 0.0)
-    info = rate_limit_info(headers)
-    if info is None:
-        return None
-    exhausted = [
-        reset
-        for remaining, reset in (
-            (info.remaining_requests, info.reset_requests),
-            (info.remaining_tokens, info.reset_tokens),
-        )
-        if remaining == 0 and reset is not None
-    ]
-    candidates = exhausted or [r for r in (info.reset_requests, info.reset_tokens) if r is not None]
-    return max(candidates) if candidates else None
 
 
 # ----------------------------------------------------------------- wire types
@@ -386,9 +264,9 @@ class OpenAIBackend:
             self._pools = [client]
         self._busy = [0] * len(self._pools)
         self._closed = False
-        #: The latest ``x-ratelimit-*`` reading from this backend (any call,
-        #: including 429s); ``None`` until a response carries those headers.
-        self.last_rate_limit: RateLimitInfo | None = None
+        #: The latest rate-limit reading from this backend (any call,
+        #: including 429s); ``None`` until a response says anything about limits.
+        self.last_rate_limit: LearnedLimits | None = None
 
     @property
     def name(self) -> str:
@@ -476,10 +354,10 @@ class OpenAIBackend:
             headers=self._stream_headers,
             timeout=self._timeout,
         ) as response:
-            self._observe(response)
             if not response.is_success:
                 await response.aread()
                 raise self._status_error(response, request)
+            self._observe(response)
             if "text/event-stream" not in response.headers.get("content-type", ""):
                 # A server that ignored "stream": true and sent one JSON body.
                 generation = self._generation(await response.aread(), request)
@@ -522,9 +400,9 @@ class OpenAIBackend:
                 )
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, request) from exc
-        self._observe(response)
         if not response.is_success:
             raise self._status_error(response, request)
+        self._observe(response)
         return self._generation(response.content, request)
 
     # ------------------------------------------------------------- helpers
@@ -545,10 +423,18 @@ class OpenAIBackend:
             body["priority"] = priority
         return _ENCODER.encode(body)
 
-    def _observe(self, response: httpx.Response) -> None:
-        info = rate_limit_info(response.headers)
-        if info is not None:
-            self.last_rate_limit = info
+    def _observe(self, response: httpx.Response, body: bytes | None = None) -> LearnedLimits:
+        """Read what ``response`` (and its error ``body``) says about our limits."""
+        limits = parse_limits(
+            response.headers,
+            now=time.time(),
+            status=response.status_code,
+            body=body,
+            style=self._config.limit_style,
+        )
+        if not limits.empty:
+            self.last_rate_limit = limits
+        return limits
 
     def _feed(self, state: _StreamState, event: ServerSentEvent, request: InferenceRequest) -> str:
         try:
@@ -595,9 +481,14 @@ class OpenAIBackend:
         status = response.status_code
         message = f"HTTP {status}: {self._redact(_error_detail(response.content))}"
         fields: dict[str, Any] = {"backend": self._name, "request_id": request.id}
+        limits = self._observe(response, response.content)
         if status == 429:
             return RateLimitedError(
-                message, retry_after=parse_retry_after(response.headers), **fields
+                message,
+                retry_after=limits.retry_after(),
+                quota_exhausted=limits.quota_exhausted,
+                quota_exhausted_until=limits.quota_exhausted_until,
+                **fields,
             )
         if status in (408, 409) or status >= 500:
             return RetryableBackendError(message, status=status, **fields)

@@ -17,6 +17,9 @@ that read the broker, ask these functions, and carry out what they answer.
   :class:`FailurePolicy`, answering :class:`Retry`, :class:`RequeueElsewhere`
   or :class:`Fail`; :func:`backoff`.
 - Backend health (``_health``): :func:`is_healthy`.
+- Token estimates for quota reservations, no tokenizer download (``_tokens``):
+  :func:`estimate_text_tokens`, :func:`estimate_prompt_tokens`,
+  :func:`estimate_request_tokens`.
 """
 
 from ._aging import LevelPolicy, aging_bound, effective_rank, pick_key, promotions
@@ -50,14 +53,25 @@ from ._planner import (
 )
 from ._preemption import choose_victim, may_preempt, preempting_rank
 from ._routing import BackendView, NoRoom, capable, choose_backend, hopeless, validate
+from ._tokens import (
+    CHARS_PER_TOKEN,
+    MESSAGE_OVERHEAD_TOKENS,
+    REPLY_OVERHEAD_TOKENS,
+    estimate_prompt_tokens,
+    estimate_request_tokens,
+    estimate_text_tokens,
+)
 
 __all__ = [
     "BIND_REASON",
+    "CHARS_PER_TOKEN",
     "DEADLINE_PASSED",
     "DEFAULT_COOLDOWN",
     "DEFAULT_FAILURE_THRESHOLD",
     "INTERNAL",
+    "MESSAGE_OVERHEAD_TOKENS",
     "PREEMPT_RETRY",
+    "REPLY_OVERHEAD_TOKENS",
     "Action",
     "AskPreemption",
     "BackendView",
@@ -83,6 +97,9 @@ __all__ = [
     "choose_backend",
     "choose_victim",
     "effective_rank",
+    "estimate_prompt_tokens",
+    "estimate_request_tokens",
+    "estimate_text_tokens",
     "hopeless",
     "is_healthy",
     "may_preempt",

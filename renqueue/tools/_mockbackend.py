@@ -2,9 +2,12 @@
 
 It behaves like the providers Ren-Queue routes to, in the ways routing cares
 about: time to first token and token rate, declared rate limits enforced with
-real 429s and OpenAI/Groq-style ``x-ratelimit-*`` headers on every response, a
-concurrency cap, random failures, streaming (SSE with the ``include_usage``
-final chunk and ``data: [DONE]``) and non-streaming answers. The generated text
+real 429s and rate-limit headers on every response in the dialect of the
+provider it stands in for (``limit_style``: OpenAI's ``x-ratelimit-*`` by
+default, Groq, Cerebras, OpenRouter, Anthropic, Gemini or the IETF fields; see
+``_mocklimits``), quota-exhausted 429s on demand, a concurrency cap, random
+failures, streaming (SSE with the ``include_usage`` final chunk and
+``data: [DONE]``) and non-streaming answers. The generated text
 is deterministic (``"tok0 tok1 tok2 ..."``) so tests can assert on content.
 
 Endpoints::
@@ -29,8 +32,8 @@ stream goes out in a single write.
 
 Rate limits are token buckets, as OpenAI describes its own: ``rpm = N`` means
 a bucket of ``N`` requests refilled continuously at ``N / 60`` per second (the
-same for ``tpm`` and tokens); ``x-ratelimit-reset-*`` is the time until the
-bucket is full again. A request is charged, when admitted, one request and
+same for ``tpm`` and tokens, and for ``rpd`` over a day); the reset reported
+is the time until the bucket is full again. A request is charged, when admitted, one request and
 ``prompt_tokens + completion_tokens`` tokens (prompt tokens = prompt characters
 / 4, rounded up; completion tokens = the planned output length). Rejected
 requests (429, 400, busy) are not charged.
@@ -42,7 +45,6 @@ import asyncio
 import contextlib
 import enum
 import itertools
-import math
 import random
 import time
 from collections.abc import Callable
@@ -54,6 +56,14 @@ from aiohttp import web
 from msgspec import Meta, Struct
 
 from ..logs import get_logger
+from ._mocklimits import (
+    MockLimitStyle,
+    Quota,
+    format_reset,
+    limit_headers,
+    quota_exhausted,
+    rate_limited,
+)
 
 __all__ = ["MockBackend", "MockSettings", "MockStats", "format_reset", "run_mock_backend", "serve"]
 
@@ -81,6 +91,15 @@ class MockSettings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     - ``require_api_key``: when set, requests without ``Authorization: Bearer
       <it>`` get 401, whose message echoes the key sent (as some providers
       do), so tests can prove clients scrub keys from errors.
+    - ``rpd``: declared requests per day (a bucket refilled over 24 hours),
+      enforced with 429s like ``rpm``.
+    - ``limit_style``: the provider dialect of the rate-limit headers and 429
+      bodies (``openai``, ``groq``, ``cerebras``, ``openrouter``,
+      ``openrouter-body``, ``anthropic``, ``gemini``, ``ietf``: see
+      :mod:`._mocklimits` and docs/rate-limits.md).
+    - ``quota_exhausted``: every chat request is refused with the dialect's
+      quota-exhausted 429 (OpenAI ``insufficient_quota``, a per-day Gemini
+      quota id, daily counters at 0 until UTC midnight), and not charged.
     """
 
     models: tuple[str, ...] = ()
@@ -95,6 +114,9 @@ class MockSettings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     concurrency: Limit = 0
     busy_status: Literal[429, 503] = 429
     require_api_key: str | None = None
+    rpd: Limit = 0
+    limit_style: MockLimitStyle = "openai"
+    quota_exhausted: bool = False
 
 
 class MockStats(Struct, frozen=True, kw_only=True):
@@ -196,6 +218,8 @@ _BODY_DECODER: Final = msgspec.json.Decoder(_ChatBody)
 _ENCODER: Final = msgspec.json.Encoder()
 #: The window rpm and tpm are counted over, in seconds.
 _WINDOW: Final = 60.0
+#: The window rpd is counted over.
+_DAY: Final = 86400.0
 
 
 def _prompt_tokens(body: _ChatBody) -> int:
@@ -231,20 +255,6 @@ _ensure_tokens(4096)
 def _text(count: int) -> str:
     _ensure_tokens(count)
     return "".join(_TOKENS[:count])
-
-
-def format_reset(seconds: float) -> str:
-    """Seconds in OpenAI's reset format: ``"120ms"``, ``"7.66s"``, ``"6m0s"``, ``"1h2m3s"``."""
-    if seconds < 1:
-        return f"{math.ceil(seconds * 1000)}ms"
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    text = f"{round(secs, 2):g}s"
-    if hours or minutes:
-        text = f"{int(minutes)}m{text}"
-    if hours:
-        text = f"{int(hours)}h{text}"
-    return text
 
 
 class _Bucket:
@@ -309,6 +319,7 @@ class MockBackend:
         self._rng = random.Random()
         self._requests_bucket: _Bucket | None = None
         self._tokens_bucket: _Bucket | None = None
+        self._daily_bucket: _Bucket | None = None
         self._apply(settings or MockSettings())
 
     # ----------------------------------------------------------- lifecycle
@@ -408,6 +419,8 @@ class MockBackend:
             self._requests_bucket = _Bucket(settings.rpm, _WINDOW, now) if settings.rpm else None
         if self._state is _State.UNOPENED or settings.tpm != old.tpm:
             self._tokens_bucket = _Bucket(settings.tpm, _WINDOW, now) if settings.tpm else None
+        if self._state is _State.UNOPENED or settings.rpd != old.rpd:
+            self._daily_bucket = _Bucket(settings.rpd, _DAY, now) if settings.rpd else None
         self._settings = settings
 
     # ----------------------------------------------------------- handlers
@@ -437,15 +450,30 @@ class MockBackend:
         _log.info("mock settings changed", changes=sorted(changes))
         return web.Response(body=_ENCODER.encode(settings), content_type="application/json")
 
+    def _buckets(self) -> list[tuple[str, float, _Bucket]]:
+        """The declared buckets, as (kind, window, bucket)."""
+        return [
+            (kind, window, bucket)
+            for kind, window, bucket in (
+                ("requests", _WINDOW, self._requests_bucket),
+                ("tokens", _WINDOW, self._tokens_bucket),
+                ("requests", _DAY, self._daily_bucket),
+            )
+            if bucket is not None
+        ]
+
+    def _quotas(self) -> list[Quota]:
+        """Every declared bucket as of now (refilled), for the limit headers."""
+        now = time.monotonic()
+        quotas = []
+        for kind, window, bucket in self._buckets():
+            bucket.refill(now)
+            quotas.append(_quota(kind, window, bucket))
+        return quotas
+
     def _limit_headers(self) -> dict[str, str]:
-        """``x-ratelimit-*`` for the configured limits, as of now."""
-        headers: dict[str, str] = {}
-        for kind, bucket in (("requests", self._requests_bucket), ("tokens", self._tokens_bucket)):
-            if bucket is not None:
-                headers[f"x-ratelimit-limit-{kind}"] = str(bucket.capacity)
-                headers[f"x-ratelimit-remaining-{kind}"] = str(int(bucket.level))
-                headers[f"x-ratelimit-reset-{kind}"] = format_reset(bucket.reset())
-        return headers
+        """The rate-limit headers of ``limit_style`` for the declared limits, as of now."""
+        return limit_headers(self._settings.limit_style, self._quotas(), time.time())
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         counters = self._counters
@@ -468,7 +496,8 @@ class MockBackend:
             finish_reason="length" if cap is not None and cap < settings.output_tokens else "stop",
             include_usage=body.stream_options is not None and body.stream_options.include_usage,
         )
-        if (limited := self._take_quota(plan.prompt_tokens + plan.completion_tokens)) is not None:
+        tokens = plan.prompt_tokens + plan.completion_tokens
+        if (limited := self._take_quota(tokens, body.model)) is not None:
             counters.rate_limited += 1
             return limited
         headers = self._limit_headers()
@@ -509,7 +538,8 @@ class MockBackend:
     def _refuse(
         self, request: web.Request, body: _ChatBody, settings: MockSettings
     ) -> web.Response | None:
-        """The 401/404/busy answer for a request that must not run, else ``None``."""
+        """The answer for a request that must not run (401, 404, quota exhausted,
+        busy), else ``None``."""
         if settings.require_api_key is not None:
             sent = request.headers.get("Authorization", "")
             if sent != f"Bearer {settings.require_api_key}":
@@ -528,6 +558,16 @@ class MockBackend:
                 "model_not_found",
             )
         counters = self._counters
+        if settings.quota_exhausted:
+            counters.rate_limited += 1
+            headers, payload = quota_exhausted(
+                settings.limit_style,
+                self._quotas(),
+                daily=settings.rpd,
+                model=body.model,
+                now=time.time(),
+            )
+            return _raw_error(429, payload, headers)
         if settings.concurrency and counters.in_flight >= settings.concurrency:
             counters.busy += 1
             status = settings.busy_status
@@ -542,34 +582,31 @@ class MockBackend:
             )
         return None
 
-    def _take_quota(self, tokens: int) -> web.Response | None:
-        """Charge one request and ``tokens``; a 429 response if either bucket lacks room."""
+    def _take_quota(self, tokens: int, model: str) -> web.Response | None:
+        """Charge one request and ``tokens``; a 429 response if any bucket lacks room."""
         now = time.monotonic()
-        waits: list[tuple[float, str, _Bucket, int]] = []
-        for kind, bucket, need in (
-            ("requests", self._requests_bucket, 1),
-            ("tokens", self._tokens_bucket, tokens),
-        ):
-            if bucket is not None:
-                bucket.refill(now)
-                waits.append((bucket.wait(need), kind, bucket, need))
+        waits: list[tuple[float, str, float, _Bucket, int]] = []
+        for kind, window, bucket in self._buckets():
+            need = tokens if kind == "tokens" else 1
+            bucket.refill(now)
+            waits.append((bucket.wait(need), kind, window, bucket, need))
         blocked = [entry for entry in waits if entry[0] > 0]
         if not blocked:
-            for _, _, bucket, need in waits:
+            for *_, bucket, need in waits:
                 bucket.level -= need
             return None
-        wait, kind, bucket, need = max(blocked, key=lambda entry: entry[0])
-        message = (
-            f"Rate limit reached for {kind} per min: "
-            f"Limit {bucket.capacity}, Remaining {int(bucket.level)}, Requested {need}. "
-            f"Please try again in {format_reset(wait)}."
+        wait, kind, window, bucket, need = max(blocked, key=lambda entry: entry[0])
+        quotas = [_quota(k, w, b) for _, k, w, b, _ in waits]
+        headers, payload = rate_limited(
+            self._settings.limit_style,
+            quotas,
+            _quota(kind, window, bucket),
+            wait=wait,
+            need=need,
+            model=model,
+            now=time.time(),
         )
-        headers = {
-            "retry-after": str(math.ceil(wait)),
-            "retry-after-ms": str(math.ceil(wait * 1000)),
-            **self._limit_headers(),
-        }
-        return _error(429, message, kind, "rate_limit_exceeded", headers)
+        return _raw_error(429, payload, headers)
 
     async def _stream(
         self, request: web.Request, headers: dict[str, str], plan: _Plan
@@ -670,6 +707,20 @@ def _json(payload: Any, status: int = 200) -> web.Response:
     )
 
 
+def _quota(kind: str, window: float, bucket: _Bucket) -> Quota:
+    return Quota(
+        kind="tokens" if kind == "tokens" else "requests",
+        window=window,
+        capacity=bucket.capacity,
+        remaining=int(bucket.level),
+        reset=bucket.reset(),
+    )
+
+
+def _raw_error(status: int, body: bytes, headers: dict[str, str]) -> web.Response:
+    return web.Response(body=body, status=status, headers=headers, content_type="application/json")
+
+
 def _error(
     status: int,
     message: str,
@@ -712,6 +763,8 @@ def run_mock_backend(
     failure_rate: float = 0.0,
     rpm: int = 0,
     tpm: int = 0,
+    rpd: int = 0,
+    limit_style: str = "openai",
     concurrency: int = 0,
     model: str | None = None,
     seed: int | None = None,
@@ -719,7 +772,8 @@ def run_mock_backend(
 ) -> None:
     """Blocking entry point for ``renqueue mock-backend``: one keyword per CLI flag.
 
-    ``rpm``/``tpm`` are per-minute limits (0 = none); ``model`` restricts the
+    ``rpm``/``tpm`` are per-minute limits, ``rpd`` per day (0 = none);
+    ``limit_style`` the header dialect; ``model`` restricts the
     accepted model name (``None`` = any). Returns on Ctrl-C.
     """
     try:
@@ -733,6 +787,8 @@ def run_mock_backend(
                 "seed": seed,
                 "rpm": rpm,
                 "tpm": tpm,
+                "rpd": rpd,
+                "limit_style": limit_style,
                 "concurrency": concurrency,
             },
             MockSettings,

@@ -1,0 +1,65 @@
+"""Token estimates that need no tokenizer download: what to reserve before a call.
+
+A quota is reserved when a request is bound, before the provider has counted
+anything, and reconciled afterwards with the usage it reports. So the estimate
+errs high, never low, and costs nothing to compute:
+
+- text: one token per :data:`CHARS_PER_TOKEN` (4) ASCII characters, rounded
+  up (the usual rule of thumb for English and code), and one token per
+  non-ASCII character (Chinese, Japanese and Korean run at about one token a
+  character; other scripts, such as accented Latin or Cyrillic, at fewer, so
+  they are overestimated);
+- a chat prompt: the text of every message, plus
+  :data:`MESSAGE_OVERHEAD_TOKENS` per message (the role and the chat
+  template's separators) and :data:`REPLY_OVERHEAD_TOKENS` once (the
+  assistant turn the reply is primed with);
+- a request: its prompt, plus ``max_tokens`` (what the provider may generate
+  and, like Cerebras, reserves), or the caller's default when it is unset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Final
+
+from ..wire._messages import ChatMessage, InferenceRequest
+
+__all__ = [
+    "CHARS_PER_TOKEN",
+    "MESSAGE_OVERHEAD_TOKENS",
+    "REPLY_OVERHEAD_TOKENS",
+    "estimate_prompt_tokens",
+    "estimate_request_tokens",
+    "estimate_text_tokens",
+]
+
+#: ASCII characters per token.
+CHARS_PER_TOKEN: Final = 4
+#: Tokens each chat message adds beyond its text (role, separators).
+MESSAGE_OVERHEAD_TOKENS: Final = 4
+#: Tokens a chat prompt adds once (the primed assistant turn).
+REPLY_OVERHEAD_TOKENS: Final = 3
+
+
+def estimate_text_tokens(text: str) -> int:
+    """Tokens in ``text``: ASCII characters / 4 rounded up, plus one per other character."""
+    ascii_chars = len(text) if text.isascii() else len(text.encode("ascii", "ignore"))
+    return -(-ascii_chars // CHARS_PER_TOKEN) + (len(text) - ascii_chars)
+
+
+def estimate_prompt_tokens(messages: Iterable[ChatMessage]) -> int:
+    """Tokens a chat prompt of ``messages`` costs, overheads included (0 for no messages)."""
+    total = 0
+    count = 0
+    for message in messages:
+        total += MESSAGE_OVERHEAD_TOKENS + estimate_text_tokens(message.content)
+        count += 1
+    return total + REPLY_OVERHEAD_TOKENS if count else 0
+
+
+def estimate_request_tokens(request: InferenceRequest, *, default_max_tokens: int) -> int:
+    """Tokens to reserve for ``request``: its prompt plus the most it may generate
+    (``params.max_tokens``, or ``default_max_tokens`` when unset)."""
+    most = request.params.max_tokens
+    completion = most if most is not None else max(default_max_tokens, 0)
+    return estimate_prompt_tokens(request.messages) + completion
