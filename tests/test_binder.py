@@ -28,11 +28,22 @@ from test_restarts import (
 
 from renqueue import Client, Services, parse_config
 from renqueue.config import Config, load_config
+from renqueue.errors import NatsNotFoundError
 from renqueue.ops import EmbeddedServer, connect, provision
 from renqueue.services import Router
 from renqueue.state import Lease
 from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import DISPATCH_STREAM, REQUESTS_STREAM, EventLog, Routed, router_consumer
+from renqueue.wire import (
+    DISPATCH_STREAM,
+    REQUEST_DECODER,
+    REQUESTS_STREAM,
+    Dispatch,
+    EventLog,
+    Routed,
+    encode,
+    router_consumer,
+)
+from renqueue.wire._subjects import dispatch_subject, msg_id
 
 TENANT = "t"
 
@@ -229,8 +240,7 @@ async def test_a_router_judges_its_lease_by_the_buckets_expiry_when_that_is_shor
     long = parse_config({"router": {"lease_ttl": "5s"}})
     nc = await connect(isolated_server.url, name="ttl")
     try:
-        await provision(nc, long)
-        await provision(nc, short)  # the bucket now expires entries after 1 s
+        await provision(nc, short)  # the bucket expires entries after 1 s
         router = Router(nc, nc.jetstream(), long, name="long")
         await router.start()
         try:
@@ -240,3 +250,254 @@ async def test_a_router_judges_its_lease_by_the_buckets_expiry_when_that_is_shor
             await router.stop()
     finally:
         await nc.close()
+
+
+async def test_provisioning_never_shortens_the_lease_bucket_under_a_running_binder(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Review finding: a binder judges its lease by the bucket's ``max_age`` as
+    it read it at start. A process of a new config (``lease_ttl = "1s"``) that
+    provisioned shortened it in place, the server then expired the binder's
+    lease between its renewals, and a second router bound beside it for about
+    a second. Provisioning now keeps the longer ttl (shortening needs every
+    router stopped and the bucket deleted), so the binder's judgement holds."""
+    short = parse_config({"router": {"lease_ttl": "1s"}})
+    long = parse_config({"router": {"lease_ttl": "10s"}})
+    nc = await connect(isolated_server.url, name="ttl")
+    try:
+        js = nc.jetstream()
+        await provision(nc, long)
+        binder = Router(nc, js, long, name="long")
+        await binder.start()
+        try:
+            assert binder.binding
+            report = await provision(nc, short)  # e.g. a worker of the new config starts
+            info = await js.stream_info("KV_rq-leases")
+            assert info.config.max_age == pytest.approx(10.0)
+            leases = next(item for item in report.items if item.name == "rq-leases")
+            assert leases.action.value == "unchanged"
+            # A router of the new config judges by the bucket's (longer) expiry
+            # only when that is shorter than its own: its own 1 s stands.
+            other = Router(nc, js, short, name="short")
+            await other.start()
+            try:
+                assert not other.binding
+                assert binder.binding
+            finally:
+                await other.stop()
+        finally:
+            await binder.stop()
+        # Lengthening is safe and applies in place.
+        await provision(nc, parse_config({"router": {"lease_ttl": "20s"}}))
+        assert (await js.stream_info("KV_rq-leases")).config.max_age == pytest.approx(20.0)
+    finally:
+        await nc.close()
+
+
+def two_backends(url: str, **router: Any) -> Config:
+    return parse_config(
+        {
+            "nats": {"url": url},
+            "backends": {
+                name: {"base_url": "http://127.0.0.1:9", "model": "m", "limits": {"concurrency": 1}}
+                for name in ("a", "b")
+            },
+            "routes": {"chat": {"backends": ["a", "b"]}},
+            "router": {"capacity_refresh": "20ms", **router},
+        }
+    )
+
+
+async def test_a_rebind_logs_the_backend_an_earlier_bind_dispatched_to(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Review finding: a binder stored attempt 1's dispatch on ``a`` and died
+    before its ``routed`` event was stored. The next binder, seeing ``a`` full
+    (it holds that very dispatch), chose ``b``: the dispatch to ``b`` was
+    deduplicated by its per-attempt id, and ``routed(b)`` was logged for a
+    request that sits on ``a``. The decision logged is now the stored one."""
+    config = two_backends(isolated_server.url)
+    nc = await connect(isolated_server.url, name="rebind")
+    try:
+        js = nc.jetstream()
+        await provision(nc, config)
+        async with Client(nc, tenant=TENANT) as client:
+            await client.submit("hello", route="chat", request_id="r1")
+            request = REQUEST_DECODER.decode((await js.get_msg(REQUESTS_STREAM, seq=1)).data)
+            # The dead binder's last act: its dispatch on a, its decision lost.
+            await js.publish(
+                dispatch_subject("a"),
+                encode(Dispatch(request=request, backend="a", attempt=1, routed_at=0.0)),
+                headers={"Nats-Msg-Id": msg_id(TENANT, "r1", "dispatch", 1)},
+            )
+            log = EventLog(js)
+
+            async def routed() -> list[Routed]:
+                return [e for e in await log.history(TENANT, "r1") if isinstance(e, Routed)]
+
+            router = Router(nc, js, config, name="next-binder")
+            await router.start()
+            try:
+                await until(lambda: _truthy(routed()), "the request's decision is logged")
+                # Its message is acked: nothing will bind it again.
+                await until(lambda: _no_pending(js), "the request message is settled")
+            finally:
+                await router.stop()
+            events = await routed()
+            assert [(e.backend, e.attempt) for e in events] == [("a", 1)]
+            assert "earlier bind" in events[0].reason
+            assert (await js.stream_info(DISPATCH_STREAM)).state.messages == 1
+            assert (await js.consumer_info(DISPATCH_STREAM, "worker-a")).num_pending == 1
+            assert (await js.consumer_info(DISPATCH_STREAM, "worker-b")).num_pending == 0
+    finally:
+        await nc.close()
+
+
+async def _truthy(value: Awaitable[Any]) -> bool:
+    return bool(await value)
+
+
+async def _no_pending(js: Any) -> bool:
+    infos = [await js.consumer_info(REQUESTS_STREAM, router_consumer(level)) for level in LEVELS]
+    return all(i.num_pending == 0 and i.num_ack_pending == 0 for i in infos)
+
+
+class SlowDispatchStore:
+    """The router's JetStream, but each dispatch takes ``delay`` to be sent
+    (a busy replicated stream); it counts the binder's capacity reads."""
+
+    def __init__(self, js: Any, delay: float) -> None:
+        self._js = js
+        self._delay = delay
+        self.stored = 0
+        self.reads_after_stored = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+    async def publish_async(self, subject: str, payload: bytes = b"", headers: Any = None) -> Any:
+        if subject.startswith(dispatch_subject("")):
+            await asyncio.sleep(self._delay)  # the store's latency, not a synchronisation
+            future = await self._js.publish_async(subject, payload, headers=headers)
+            future.add_done_callback(lambda _f: setattr(self, "stored", self.stored + 1))
+            return future
+        return await self._js.publish_async(subject, payload, headers=headers)
+
+    async def consumer_info(self, stream: str, name: str) -> Any:
+        info = await self._js.consumer_info(stream, name)
+        if stream == DISPATCH_STREAM and self.stored:
+            self.reads_after_stored += 1
+        return info
+
+
+async def test_a_slow_dispatch_store_never_overfills_a_backend(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Review finding: a capacity read replaced the binder's count of its own
+    dispatches with the broker's, though those dispatches were not stored yet:
+    every read during a slow store freed the backend's whole concurrency again
+    (12 dispatches for 2 slots with a 300 ms store). Unconfirmed dispatches
+    now stay counted until a read that began after their store counts them."""
+    config = parse_config(
+        {
+            "nats": {"url": isolated_server.url},
+            "backends": {
+                "a": {"base_url": "http://127.0.0.1:9", "model": "m", "limits": {"concurrency": 2}}
+            },
+            "routes": {"chat": {"backends": ["a"]}},
+            "router": {"capacity_refresh": "20ms"},
+        }
+    )
+    nc = await connect(isolated_server.url, name="slow-store")
+    try:
+        js = nc.jetstream()
+        await provision(nc, config)
+        async with Client(nc, tenant=TENANT) as client:
+            for n in range(12):
+                await client.submit(f"q{n}", route="chat", request_id=f"r{n}")
+            router = Router(nc, js, config, name="binder")
+            slow = SlowDispatchStore(js, 0.3)
+            router._js = slow  # type: ignore[assignment]
+            router._capacity._js = slow  # type: ignore[assignment]
+            await router.start()
+            try:
+
+                async def many_reads_after_the_stores() -> bool:
+                    return slow.stored >= 2 and slow.reads_after_stored >= 10
+
+                await until(many_reads_after_the_stores, "the binder read the load 10 more times")
+                stored = (await js.stream_info(DISPATCH_STREAM)).state.messages
+            finally:
+                await router.stop()
+        assert stored == 2, f"{stored} dispatches for a backend of concurrency 2"
+    finally:
+        await nc.close()
+
+
+NO_CONSUMER_DELETE = """
+jetstream {}
+authorization {
+  users: [
+    {user: svc, password: svc}
+    {
+      user: nodelete
+      password: nodelete
+      permissions: {
+        publish: {allow: [">"], deny: ["$JS.API.CONSUMER.DELETE.RQ_REQUESTS.>"]}
+        subscribe: {allow: [">"]}
+      }
+    }
+  ]
+}
+"""
+
+
+async def test_a_binder_whose_term_cannot_begin_gives_the_lease_up(tmp_path: Path) -> None:
+    """Review finding: a router that took the lease but could not begin its
+    term (here it may not re-create the router consumers: a permissions file
+    older than the binder) kept renewing the lease, so no router ever bound.
+    After 3 failed beginnings it gives the lease up and sits out."""
+    conf = tmp_path / "server.conf"
+    conf.write_text(NO_CONSUMER_DELETE)
+    async with EmbeddedServer(tmp_path / "nats", port=-1, config_file=conf) as server:
+
+        def url(user: str) -> str:
+            return server.url.replace("nats://", f"nats://{user}:{user}@")
+
+        config = two_backends(url("svc"))
+        svc = await connect(url("svc"), name="svc")
+        denied = await connect(url("nodelete"), name="nodelete")
+        try:
+            js = svc.jetstream()
+            await provision(svc, config)
+            first = Router(svc, js, config, name="first")
+            await first.start()
+            assert first.binding
+            bad = Router(denied, denied.jetstream(), config, name="bad")
+            await bad.start()
+            assert not bad.binding
+            await first.stop()  # gives the lease up: the router that cannot bind takes it
+            lease = await js.key_value("rq-leases")
+
+            async def held_by_bad() -> bool:
+                try:
+                    return (await lease.get("binder")).value.decode().startswith("bad")
+                except NatsNotFoundError:
+                    return False
+
+            await until(held_by_bad, "the router that cannot bind holds the lease")
+            healthy = Router(svc, js, config, name="healthy")
+            await healthy.start()
+            try:
+
+                async def binding() -> bool:
+                    return healthy.binding
+
+                await until(binding, "a router that can bind binds", within=60.0)
+                assert not bad.binding
+            finally:
+                await healthy.stop()
+                await bad.stop()
+        finally:
+            await denied.close()
+            await svc.close()

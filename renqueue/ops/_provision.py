@@ -741,6 +741,8 @@ async def _update_stream(
     api: _JetStreamApi, existing: dict[str, Any], desired: dict[str, Any], *, source: str
 ) -> ProvisionItem:
     name = desired["name"]
+    if name == _LEASE_STREAM:
+        desired = _never_shorter(existing, desired)
     changes = _diff(existing, desired)
     if not changes:
         return ProvisionItem(kind="stream", name=name, action=Action.UNCHANGED)
@@ -757,6 +759,31 @@ async def _update_stream(
     _raise_refused(reply, f"stream {name} ({source})", changes)
     log.info("stream updated", stream=name, changes=changes)
     return ProvisionItem(kind="stream", name=name, action=Action.UPDATED, changes=tuple(changes))
+
+
+def _never_shorter(existing: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
+    """The lease bucket's config, but never with a shorter ``max_age`` than it has.
+
+    A running binder judges its lease valid for ``0.75 x`` the ``max_age`` it
+    read; shortening it under a live binder would let the server expire the
+    lease between that binder's renewals, and a second router would bind
+    beside it. A longer ttl is safe (a binder renewing for the shorter one
+    keeps renewing in time) and slows a take-over only. To shorten it, stop
+    every router and delete the stream ``KV_rq-leases``; the next provision
+    creates it with the configured ttl.
+    """
+    have = existing.get("max_age") or 0
+    want = desired.get("max_age") or 0
+    if have <= want:
+        return desired
+    log.warning(
+        "the lease bucket's ttl is not shortened in place: a running binder judges "
+        "its lease by the longer one; stop every router and delete the stream to shorten it",
+        stream=desired["name"],
+        ttl=have / _NS_PER_SECOND,
+        configured=want / _NS_PER_SECOND,
+    )
+    return {**desired, "max_age": have, "duplicate_window": existing.get("duplicate_window", have)}
 
 
 async def _ensure_consumer(

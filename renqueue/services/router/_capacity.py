@@ -1,11 +1,19 @@
 """What each backend has room for, as the binder counts it.
 
-Free slots are known from the broker: a backend's in-flight count is its
-worker consumer's ``num_pending + num_ack_pending``, refreshed at most every
-``router.capacity_refresh``, plus what the binder dispatched since. Workers
-announce freed slots on ``rq.capacity.<backend>`` (core NATS) so the binder
-wakes without polling. The worker consumer's ``max_ack_pending`` caps
-concurrency at the broker in any case.
+A backend's in-flight count is its worker consumer's ``num_pending +
+num_ack_pending`` as the broker last said (read at most every
+``router.capacity_refresh``), plus the binder's own dispatches the broker
+may not have counted yet: those whose store is not confirmed, and those
+confirmed after that read began. Both stay counted until a read that began
+after their store confirmed replaces them, so a slow store never lets a
+refresh free the same slots twice (over-filling the backend's FIFO, where a
+later critical request would wait behind batch work). Counting a dispatch
+twice for a moment errs the safe way: a slot frees one read later.
+
+Workers announce freed slots on ``rq.capacity.<backend>`` (core NATS): the
+announcement wakes the binder and makes the next read of that backend
+immediate; the count itself comes only from the broker. The worker
+consumer's ``max_ack_pending`` caps concurrency at the broker in any case.
 """
 
 from __future__ import annotations
@@ -18,15 +26,15 @@ from ...policy import BackendView
 from ...wire._nats import JetStream
 from ...wire._subjects import DISPATCH_STREAM, worker_consumer
 
-__all__ = ["Capacity"]
+__all__ = ["Capacity", "Slot"]
 
 
 class Capacity:
-    """Per-backend in-flight estimate: broker truth plus local dispatches since.
+    """Per-backend in-flight count: the broker's word plus what it may not have seen.
 
-    The broker's word is a worker consumer's ``num_pending + num_ack_pending``,
-    read at most every ``refresh`` seconds; between reads the binder adds what
-    it dispatched and subtracts what workers announce as freed.
+    Each dispatch is counted from :meth:`dispatching` until a broker read that
+    began after :meth:`stored` replaces it; :meth:`dropped` (never stored, or
+    deduplicated as an earlier one) stops counting it at once.
     """
 
     def __init__(
@@ -41,36 +49,84 @@ class Capacity:
         self._health = health
         self._config = config
         self._refresh = refresh
+        #: The broker's count at its last read.
         self._known: dict[str, int] = dict.fromkeys(config.backends, 0)
-        self._since: dict[str, int] = dict.fromkeys(config.backends, 0)
+        #: Dispatches on their way: store not yet confirmed.
+        self._unconfirmed: dict[str, int] = dict.fromkeys(config.backends, 0)
+        #: Confirmed since the last read began (that read may have missed them).
+        self._confirmed: dict[str, int] = dict.fromkeys(config.backends, 0)
         self._at: dict[str, float] = dict.fromkeys(config.backends, 0.0)
+
+    def in_flight(self, backend: str) -> int:
+        return self._known[backend] + self._unconfirmed[backend] + self._confirmed[backend]
 
     def views(self) -> dict[str, BackendView]:
         return {
             name: BackendView(
                 name=name,
                 capacity=backend.limits.concurrency,
-                in_flight=self._known[name] + self._since[name],
+                in_flight=self.in_flight(name),
                 tier=backend.tier,
                 healthy=self._health(name),
             )
             for name, backend in self._config.backends.items()
         }
 
-    def dispatched(self, backend: str) -> None:
-        self._since[backend] += 1
+    def dispatching(self, backend: str) -> Slot:
+        """A dispatch to ``backend`` was decided; its store is on its way.
+
+        Settle the slot returned once: :meth:`Slot.stored` when the broker
+        confirmed the dispatch, :meth:`Slot.dropped` when it was not stored
+        (or was a duplicate of an earlier one). Settling again does nothing.
+        """
+        self._unconfirmed[backend] += 1
+        return Slot(self, backend)
+
+    def _settle(self, backend: str, *, stored: bool) -> None:
+        self._unconfirmed[backend] = max(0, self._unconfirmed[backend] - 1)
+        if stored:
+            self._confirmed[backend] += 1
 
     def freed(self, backend: str) -> None:
-        """A worker announced a freed slot: believe it until the next refresh."""
-        if backend in self._known:
-            self._known[backend] = max(0, self._known[backend] - 1)
+        """A worker announced a freed slot: read this backend's count at the next refresh."""
+        if backend in self._at:
+            self._at[backend] = 0.0
 
     async def refresh(self, backends: list[str], *, force: bool = False) -> None:
-        now = time.monotonic()
         for name in backends:
+            now = time.monotonic()
             if not force and now - self._at[name] < self._refresh:
                 continue
-            info = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(name))
+            # Confirmed before this read began: the broker's answer counts them.
+            confirmed, self._confirmed[name] = self._confirmed[name], 0
+            try:
+                info = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(name))
+            except BaseException:
+                self._confirmed[name] += confirmed
+                raise
             self._known[name] = (info.num_pending or 0) + (info.num_ack_pending or 0)
-            self._since[name] = 0
             self._at[name] = now
+
+
+class Slot:
+    """One decided dispatch, counted by :class:`Capacity` until it is settled."""
+
+    __slots__ = ("_capacity", "_settled", "backend")
+
+    def __init__(self, capacity: Capacity, backend: str) -> None:
+        self._capacity = capacity
+        self.backend = backend
+        self._settled = False
+
+    def stored(self) -> None:
+        """The broker confirmed the dispatch: counted until a later read counts it."""
+        self._settle(stored=True)
+
+    def dropped(self) -> None:
+        """The dispatch was not stored, or was a duplicate: no longer counted."""
+        self._settle(stored=False)
+
+    def _settle(self, *, stored: bool) -> None:
+        if not self._settled:
+            self._settled = True
+            self._capacity._settle(self.backend, stored=stored)

@@ -56,7 +56,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 
@@ -64,6 +64,7 @@ from ... import metrics
 from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor, cancel_and_wait
 from ...config import Config, parse_duration
+from ...errors import NatsNotFoundError, RenQueueError
 from ...logs import get_logger
 from ...ops._provision import renew_router_consumers, router_consumer_configs
 from ...policy import (
@@ -95,12 +96,14 @@ from ...wire._messages import (
     Promoted,
     Rejected,
     Routed,
+    Started,
     Submitted,
     encode,
 )
 from ...wire._nats import Connection, JetStream, Message, PubAck, PullSubscription, Subscription
 from ...wire._subjects import (
     BINDER_LEASE,
+    DISPATCH_STREAM,
     FETCH_TIMEOUT,
     LEASE_BUCKET,
     REQUESTS_STREAM,
@@ -115,7 +118,7 @@ from ...wire._subjects import (
     subject_matches,
 )
 from ._admission import Refused, admit, parent_of, subject_token, submitted_at
-from ._capacity import Capacity
+from ._capacity import Capacity, Slot
 from ._hold import BOOST_DECODER, Held, Hold, stored_at
 from ._preemption import ask_preemption
 
@@ -127,6 +130,9 @@ log = get_logger("router")
 #: Seconds a decision's publishes may take to be acked before the dispatch counts
 #: as failed (``router.ack_wait`` if that is shorter).
 _ACKS_TIMEOUT: Final = 10.0
+_T = TypeVar("_T")
+#: The reason of a decision logged again for the dispatch an earlier bind stored.
+_EARLIER_DISPATCH_REASON: Final = "dispatched by an earlier bind of this attempt"
 #: How long a stop waits for decisions still being published (each is bounded
 #: by ``_ACKS_TIMEOUT`` already; this is the backstop).
 _INFLIGHT_STOP_WAIT: Final = _ACKS_TIMEOUT + 5.0
@@ -193,6 +199,9 @@ class Router(Lifecycle):
         )
         #: The lease term whose fetch and dispatch loops run (None: standing by).
         self._term: int | None = None
+        #: The first request-stream sequence no earlier binder can have seen:
+        #: one below it may have been dispatched by one (see _publish_decision).
+        self._term_first_seq = 0
         self._binding_loops: list[str] = []
         self._pull_subs: list[PullSubscription] = []
         self._consumer_configs: list[dict[str, Any]] = []
@@ -241,9 +250,14 @@ class Router(Lifecycle):
         if info.config.max_age:
             self._lease.ttl = min(self._lease.ttl, float(info.config.max_age))
         # One attempt now, so a lone router binds as soon as it has started.
+        # A term that cannot begin yet is the lease loop's to retry (and, if
+        # it never can, to give the lease up): not a reason to fail the start.
         if await self._lease.try_acquire():
             async with self._term_lock:
-                await self._begin_term()
+                try:
+                    await self._begin_term()
+                except RenQueueError as exc:  # JetStream refused or did not answer
+                    log.warning("the binder's term could not begin", error=str(exc))
         self._supervise("lease", self._lease_loop)
         self._supervise("renew", self._renew_loop)
         log.info(
@@ -284,8 +298,9 @@ class Router(Lifecycle):
         A renewal that raises (a timeout, a reconnect) ends the loop for the
         supervisor to restart: the lease stays held, and binding is fenced
         (:meth:`Lease.valid`) until a renewal succeeds again. A binder one of
-        whose binding loops failed 3 times in a row gives the lease up and
-        stays out of the race for ``5 * ttl``, so a healthy router binds.
+        whose binding loops failed 3 times in a row, or whose term failed to
+        begin 3 times in a row, gives the lease up and stays out of the race
+        for ``5 * ttl``, so a healthy router binds.
         """
         ttl = self._lease.ttl
         loop = asyncio.get_running_loop()
@@ -303,10 +318,21 @@ class Router(Lifecycle):
                 if self._supervisor.failures(self._loop_name(name)) >= _GIVE_UP_AFTER_FAILURES
             ]
             if failing and self._term is not None:
-                self._sit_out_until = loop.time() + 5 * ttl
-                async with self._term_lock:
-                    await self._end_term(f"a binding loop keeps failing: {', '.join(failing)}")
-                await self._lease.release()
+                why = f"a binding loop keeps failing: {', '.join(failing)}"
+            elif (
+                self._term is None
+                and self._supervisor.failures(self._loop_name("lease")) >= _GIVE_UP_AFTER_FAILURES
+            ):
+                # Held, but the term cannot begin (its consumers cannot be
+                # re-created): renewing on would keep every router from binding.
+                why = "the binder's term cannot begin"
+            else:
+                continue
+            self._sit_out_until = loop.time() + 5 * ttl
+            async with self._term_lock:
+                await self._end_term(why)
+            await self._lease.release()
+            log.warning("router gave the binder's lease up", router=self._name, reason=why)
 
     async def _begin_term(self) -> None:
         """This router holds the lease: take the router consumers over and bind.
@@ -317,6 +343,10 @@ class Router(Lifecycle):
         """
         await self._end_term(None)  # anything a failed earlier attempt left running
         term = self._lease.term
+        # Read before the consumers are re-created: whatever they deliver from
+        # here down may have been bound by the binder before (its last acts).
+        info = await self._js.stream_info(REQUESTS_STREAM)
+        self._term_first_seq = info.state.last_seq + 1
         await renew_router_consumers(self._nc, self._consumer_configs)
         for level in self._levels:
             psub = await self._js.pull_subscribe_bind(
@@ -792,8 +822,8 @@ class Router(Lifecycle):
                 self._spawn_publish(self._expire(item.msg, item.request, now, reason=action.reason))
             elif isinstance(action, Bind):
                 gone.add(action.ref)
-                self._capacity.dispatched(action.backend)
-                self._bind(item, action.backend, self._levels[item.rank], now, reason=action.reason)
+                slot = self._capacity.dispatching(action.backend)
+                self._bind(item, slot, self._levels[item.rank], now, reason=action.reason)
             elif isinstance(action, AskPreemption):
                 self._maybe_preempt(item, action, now)
             elif isinstance(action, Wait):
@@ -854,14 +884,35 @@ class Router(Lifecycle):
             log.error("a decision's publish failed", exc_info=exc)
 
     def _bind(
-        self, item: Held, backend: str, level: str, now: float, *, reason: str = BIND_REASON
+        self, item: Held, slot: Slot, level: str, now: float, *, reason: str = BIND_REASON
     ) -> None:
-        self._spawn_publish(self._publish_decision(item, backend, level, now, reason))
+        # The term is the deciding round's, not whichever is current when the publish runs.
+        self._spawn_publish(
+            self._publish_decision(item, slot, level, now, reason, term=self._term or 0)
+        )
 
     async def _publish_decision(
-        self, item: Held, backend: str, level: str, now: float, reason: str = BIND_REASON
+        self,
+        item: Held,
+        slot: Slot,
+        level: str,
+        now: float,
+        reason: str = BIND_REASON,
+        *,
+        term: int,
     ) -> None:
+        """Dispatch ``item`` to ``backend`` and log the ``routed`` decision, then ack it.
+
+        Both are published under per-attempt message ids, so a bind repeated
+        for the same attempt stores neither twice. A request that may have
+        been bound before (delivered again, or stored before this term began:
+        the last binder may have dispatched it and died before it logged the
+        decision) waits for its dispatch's ack first: a duplicate means that
+        earlier dispatch stands, and the decision logged is that one's
+        backend, never one the request was not sent to.
+        """
         request = item.request
+        backend = slot.backend
         wait = max(0.0, now - item.submitted)
         attempt = request.requeues + 1  # a preempted request is bound anew
         dispatch = Dispatch(
@@ -881,19 +932,24 @@ class Router(Lifecycle):
             queue_wait=wait,
             reason=reason,
             router=self._lease.holder,
-            term=self._term or 0,
+            term=term,
         )
+        sent: asyncio.Future[PubAck] | None = None
         try:
             sent = await self._js.publish_async(
                 dispatch_subject(backend),
                 encode(dispatch),
                 headers={"Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", attempt)},
             )
-            logged = await self._log.append_async(routed)
-            acks = [ack for ack in (item.logged, sent, logged) if ack is not None]
-            await self._kept_alive(item.msg, asyncio.gather(*acks))
+            await self._log_decision(item, routed, sent, slot)
             await item.msg.ack()
         except Exception as exc:  # noqa: BLE001 - the request goes back to wait, nothing lost
+            if sent is None or not sent.done() or sent.cancelled() or sent.exception() is not None:
+                slot.dropped()  # (stored late after all: the next broker read counts it)
+            elif sent.result().duplicate:
+                slot.dropped()
+            else:
+                slot.stored()
             key = msg_id(request.tenant, request.id)
             failures = self._dispatch_failures.pop(key, 0) + 1
             if (
@@ -920,7 +976,68 @@ class Router(Lifecycle):
         metrics.ROUTED.labels(backend, level).inc()
         metrics.QUEUE_WAIT.labels(level).observe(wait)
 
-    async def _kept_alive(self, msg: Message, acks: Awaitable[object]) -> None:
+    async def _log_decision(
+        self, item: Held, routed: Routed, sent: asyncio.Future[PubAck], slot: Slot
+    ) -> None:
+        """Log ``routed`` once its dispatch (``sent``) is stored; count the slot.
+
+        A request that may have been bound before (delivered again, or stored
+        before this term began) waits for the dispatch's ack before logging:
+        a duplicate means an earlier bind's dispatch stands, and the decision
+        logged names that one's backend.
+        """
+        meta = item.msg.metadata
+        if meta.num_delivered > 1 or meta.sequence.stream < self._term_first_seq:
+            ack = await self._kept_alive(item.msg, sent)
+            if not ack.duplicate:
+                slot.stored()
+            else:
+                slot.dropped()
+                earlier = await self._earlier_dispatch(item.request, routed.attempt, ack.seq)
+                if earlier is None:
+                    await self._kept_alive(item.msg, self._acks(item.logged))
+                    return
+                routed = msgspec.structs.replace(
+                    routed, backend=earlier, reason=_EARLIER_DISPATCH_REASON
+                )
+            logged = await self._log.append_async(routed)
+            await self._kept_alive(item.msg, self._acks(item.logged, logged))
+            return
+        logged = await self._log.append_async(routed)
+        ack, *_ = await self._kept_alive(item.msg, self._acks(sent, item.logged, logged))
+        if ack.duplicate:  # not for a first delivery in this term; never counted twice
+            slot.dropped()
+        else:
+            slot.stored()
+
+    @staticmethod
+    def _acks(*acks: asyncio.Future[PubAck] | None) -> Awaitable[list[PubAck]]:
+        """The acks given (``None`` skipped), awaited together, in their order."""
+        return asyncio.gather(*(ack for ack in acks if ack is not None))
+
+    async def _earlier_dispatch(
+        self, request: InferenceRequest, attempt: int, seq: int
+    ) -> str | None:
+        """The backend an earlier bind of this attempt dispatched to (stored at ``seq``).
+
+        Read from the stored dispatch, or, once a worker took it, from the
+        attempt's ``started`` event. ``None`` when neither says (the run is
+        over and its dispatch gone): that decision is then not logged again.
+        """
+        with contextlib.suppress(NatsNotFoundError):
+            stored = await self._js.get_msg(DISPATCH_STREAM, seq=seq)
+            return stored.subject.removeprefix(dispatch_subject(""))
+        for event in reversed(await self._log.history(request.tenant, request.id, kind="started")):
+            if isinstance(event, Started) and event.attempt == attempt:
+                return event.backend
+        log.warning(
+            "a request was dispatched by an earlier binder and its decision cannot be read back",
+            request_id=request.id,
+            attempt=attempt,
+        )
+        return None
+
+    async def _kept_alive(self, msg: Message, acks: Awaitable[_T]) -> _T:
         """Await ``acks`` (the publishes of a decision) within ``_ACKS_TIMEOUT``
         (or ``router.ack_wait`` if shorter),
         keeping ``msg``'s ack timer alive meanwhile: a slow broker must not let
@@ -941,7 +1058,7 @@ class Router(Lifecycle):
                 if not waiting.done():
                     with contextlib.suppress(Exception):
                         await msg.in_progress()
-            waiting.result()
+            return waiting.result()
         finally:
             if not waiting.done():
                 waiting.cancel()
