@@ -10,6 +10,7 @@ listening, a closed connection).
 from __future__ import annotations
 
 import ast
+import asyncio
 from pathlib import Path
 
 import nats.errors
@@ -28,7 +29,7 @@ from renqueue.errors import (
 )
 from renqueue.ops import EmbeddedServer, connect
 from renqueue.wire import Connection, JetStream
-from renqueue.wire._nats import translate
+from renqueue.wire._nats import STREAM_NOT_FOUND, JetStreamApi, reply_error, translate
 
 PACKAGE = Path(__file__).resolve().parent.parent / "renqueue"
 BOUNDARY = PACKAGE / "wire" / "_nats.py"
@@ -77,6 +78,8 @@ def api_error(code: int, err_code: int, description: str = "") -> nats.js.errors
         (api_error(404, 10037, "no message found"), NatsNotFoundError),
         (api_error(404, 10059, "stream not found"), NatsNotFoundError),
         (api_error(404, 10014, "consumer not found"), NatsNotFoundError),
+        (api_error(500, 10057, "no message found"), NatsNotFoundError),  # a delete of what is gone
+        (api_error(500, 10057, "sequence 7 not found"), NatsNotFoundError),
         (api_error(503, 10008, "JetStream system temporarily unavailable"), NatsUnavailableError),
         (api_error(500, 10009, "no leader"), NatsUnavailableError),  # a "not now" code
         (api_error(503, 0), NatsUnavailableError),  # any 503
@@ -87,6 +90,34 @@ def api_error(code: int, err_code: int, description: str = "") -> nats.js.errors
 def test_each_nats_error_becomes_ours(theirs: BaseException, ours: type[NatsError]) -> None:
     translated = translate(theirs)
     assert type(translated) is ours
+
+
+def test_a_delete_that_failed_for_another_reason_is_a_refusal() -> None:
+    translated = translate(api_error(500, 10057, "stream store failed"))
+    assert type(translated) is NatsApiError
+
+
+async def test_deleting_a_message_that_is_gone_is_not_found(isolated_js: JetStream) -> None:
+    await isolated_js.context.add_stream(name="S", subjects=["s"])
+    stored = await isolated_js.publish("s", b"x")
+    await isolated_js.delete_msg("S", stored.seq)
+    with pytest.raises(NatsNotFoundError):
+        await isolated_js.delete_msg("S", stored.seq)
+
+
+async def test_a_raw_api_request_reads_replies_and_errors(isolated_nc: Connection) -> None:
+    """Provisioning's raw API: a refusal is returned in the reply, for
+    :func:`reply_error`; nobody answering is "not now"."""
+    api = JetStreamApi(isolated_nc)
+    missing = await api.call("STREAM.INFO.NO_SUCH_STREAM")
+    code, description = reply_error(missing) or (0, "")
+    assert code == STREAM_NOT_FOUND
+    assert "not found" in description
+    assert reply_error(await api.call("INFO")) is None
+    elsewhere = JetStreamApi(isolated_nc)
+    elsewhere._prefix = "$JS.nobody.API"
+    with pytest.raises(NatsUnavailableError):
+        await elsewhere.call("INFO")
 
 
 def test_a_refusal_keeps_its_codes() -> None:
@@ -150,3 +181,24 @@ async def test_a_closed_connection_says_so(isolated_server: EmbeddedServer) -> N
     await nc.close()
     with pytest.raises(NatsClosedError):
         await nc.publish("any", b"x")
+
+
+async def test_a_publish_cancelled_while_waiting_for_a_slot_is_cancelled(
+    isolated_nc: Connection,
+) -> None:
+    """Review finding: nats-py turns a cancellation while ``publish_async``
+    waits for a free pending slot into ``TooManyStalledMsgsError``, which we
+    translated into "unavailable, try again": a caller cancelled (a deadline,
+    a shutdown) went on as if the broker had failed."""
+    context = isolated_nc.client.jetstream(publish_async_max_pending=1)
+    js = JetStream(context, isolated_nc)
+    await context.add_stream(name="S", subjects=["s"])
+    slots = context._publish_async_pending_semaphore
+    await slots.acquire()  # one publish whose ack has not come holds the only slot
+    task = asyncio.create_task(js.publish_async("s", b"x"))
+    while not slots._waiters:  # noqa: ASYNC110 - yield until the publish queues for the slot
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled()

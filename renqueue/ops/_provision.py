@@ -63,12 +63,20 @@ from ..config import Config, parse_duration
 from ..errors import (
     ConnectionFailedError,
     NatsClosedError,
-    NatsTimeoutError,
     NatsUnavailableError,
     ProvisionError,
 )
 from ..logs import get_logger
-from ..wire._nats import NOT_NOW, Connection, JetStream
+from ..wire._nats import (
+    CONSUMER_EXISTS,
+    CONSUMER_NOT_FOUND,
+    STREAM_NAME_IN_USE,
+    STREAM_NOT_FOUND,
+    Connection,
+    JetStream,
+    JetStreamApi,
+    reply_error,
+)
 from ..wire._subjects import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
@@ -105,14 +113,6 @@ log = get_logger("provision")
 #: Environment variable naming the directory of stream definitions.
 STREAMS_DIR_ENV: Final = "RENQUEUE_STREAMS_DIR"
 
-_API_PREFIX: Final = "$JS.API"
-_API_TIMEOUT: Final = 5.0
-
-# JetStream API error codes (nats-server's errors.json).
-_ERR_STREAM_NOT_FOUND: Final = 10059
-_ERR_STREAM_NAME_IN_USE: Final = 10058
-_ERR_CONSUMER_NOT_FOUND: Final = 10014
-_ERR_CONSUMER_EXISTS: Final = 10148
 
 # Backoff between attempts while JetStream is unavailable: base * 2**n, capped.
 _RETRY_BASE: Final = 0.2
@@ -272,7 +272,7 @@ async def provision(
     directory = find_streams_dir(streams_dir)
     streams = [(spec, _stream_config(directory, spec, config)) for spec in _STREAMS]
     consumers = _consumer_configs(directory, config)
-    api = _JetStreamApi(js_or_nc, patience=parse_duration(config.nats.startup_wait))
+    api = JetStreamApi(js_or_nc, patience=parse_duration(config.nats.startup_wait))
 
     items: list[ProvisionItem] = []
     for spec, desired in streams:
@@ -323,13 +323,13 @@ async def renew_router_consumers(
     from a binder that lost its lease still acks its message by stream
     sequence: it sends one only after the request's dispatch was stored.
     """
-    api = _JetStreamApi(js_or_nc)
+    api = JetStreamApi(js_or_nc)
 
     async def renew(desired: dict[str, Any]) -> None:
         durable = desired["durable_name"]
         reply = await api.call(f"CONSUMER.DELETE.{REQUESTS_STREAM}.{durable}")
-        error = _error(reply)
-        if error is not None and error[0] != _ERR_CONSUMER_NOT_FOUND:
+        error = reply_error(reply)
+        if error is not None and error[0] != CONSUMER_NOT_FOUND:
             raise ConnectionFailedError(
                 f"cannot delete consumer {REQUESTS_STREAM}/{durable}: {error[1]}"
             )
@@ -340,10 +340,6 @@ async def renew_router_consumers(
 
 
 # -- waiting for JetStream ---------------------------------------------------
-
-
-class _NotNow(ConnectionFailedError):
-    """JetStream cannot answer yet: no reply in time, no responders, or a "not now" error."""
 
 
 async def until_jetstream_answers(
@@ -408,7 +404,7 @@ async def until_jetstream_answers(
 def _unavailable(exc: Exception) -> bool:
     """Whether ``exc`` means JetStream cannot answer *yet* (worth waiting for):
     a closed connection will not answer later."""
-    return isinstance(exc, _NotNow | NatsUnavailableError) and not isinstance(exc, NatsClosedError)
+    return isinstance(exc, NatsUnavailableError) and not isinstance(exc, NatsClosedError)
 
 
 def _permission_denied(nc: Connection) -> str | None:
@@ -633,54 +629,6 @@ def _lease_stream_config(config: Config) -> dict[str, Any]:
 # -- applying ----------------------------------------------------------------
 
 
-class _JetStreamApi:
-    """Raw JetStream API requests over a nats-py client."""
-
-    def __init__(self, js_or_nc: Connection | JetStream, *, patience: float = 0.0) -> None:
-        #: How long :func:`until_jetstream_answers` waits per stream or consumer.
-        self.patience = patience
-        if isinstance(js_or_nc, JetStream):
-            # The prefix carries the JetStream domain, if the context has one.
-            self.nc: Connection = js_or_nc.connection
-            self._prefix = js_or_nc.api_prefix
-        else:
-            self.nc = js_or_nc
-            self._prefix = _API_PREFIX
-
-    async def call(self, operation: str, payload: Mapping[str, Any] | None = None) -> Any:
-        subject = f"{self._prefix}.{operation}"
-        body = b"" if payload is None else json.dumps(payload).encode()
-        try:
-            reply = await self.nc.request(subject, body, timeout=_API_TIMEOUT)
-        except NatsTimeoutError as exc:
-            raise _NotNow(f"JetStream did not answer {subject} within {_API_TIMEOUT:g}s") from exc
-        except NatsClosedError:
-            raise
-        except NatsUnavailableError as exc:
-            raise _NotNow(
-                f"JetStream did not answer {subject} ({exc}): is JetStream enabled "
-                "on this server, and has it started?"
-            ) from exc
-        try:
-            response = json.loads(reply.data)
-        except json.JSONDecodeError as exc:
-            raise ConnectionFailedError(f"JetStream sent a non-JSON reply to {subject}") from exc
-        error = response.get("error") if isinstance(response, dict) else None
-        if isinstance(error, dict) and (
-            error.get("code") == 503 or error.get("err_code") in NOT_NOW
-        ):
-            raise _NotNow(f"JetStream cannot answer {subject} yet: {error.get('description')}")
-        return response
-
-
-def _error(response: Any) -> tuple[int, str] | None:
-    """(err_code, description) of an API error reply, or None on success."""
-    error = response.get("error") if isinstance(response, dict) else None
-    if not error:
-        return None
-    return int(error.get("err_code", 0)), str(error.get("description", error))
-
-
 def _show(field: str, value: Any) -> str:
     if field in _DURATION_FIELDS and isinstance(value, int) and value > 0:
         return f"{value} ({value / _NS_PER_SECOND:g}s)"
@@ -704,7 +652,7 @@ def _diff(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
 
 
 async def _ensure_stream(
-    api: _JetStreamApi, desired: dict[str, Any], *, source: str
+    api: JetStreamApi, desired: dict[str, Any], *, source: str
 ) -> ProvisionItem:
     """Create or update one stream, waiting while JetStream cannot answer."""
     return await until_jetstream_answers(
@@ -716,19 +664,19 @@ async def _ensure_stream(
 
 
 async def _ensure_stream_now(
-    api: _JetStreamApi, desired: dict[str, Any], *, source: str
+    api: JetStreamApi, desired: dict[str, Any], *, source: str
 ) -> ProvisionItem:
     name = desired["name"]
     for _attempt in range(2):  # a second pass only after losing a create race
         info = await api.call(f"STREAM.INFO.{name}")
-        error = _error(info)
-        if error is not None and error[0] == _ERR_STREAM_NOT_FOUND:
+        error = reply_error(info)
+        if error is not None and error[0] == STREAM_NOT_FOUND:
             created = await api.call(f"STREAM.CREATE.{name}", desired)
-            error = _error(created)
+            error = reply_error(created)
             if error is None:
                 log.info("stream created", stream=name)
                 return ProvisionItem(kind="stream", name=name, action=Action.CREATED)
-            if error[0] == _ERR_STREAM_NAME_IN_USE:
+            if error[0] == STREAM_NAME_IN_USE:
                 continue
             raise ProvisionError(f"stream {name} ({source}): NATS refused to create it: {error[1]}")
         if error is not None:
@@ -738,7 +686,7 @@ async def _ensure_stream_now(
 
 
 async def _update_stream(
-    api: _JetStreamApi, existing: dict[str, Any], desired: dict[str, Any], *, source: str
+    api: JetStreamApi, existing: dict[str, Any], desired: dict[str, Any], *, source: str
 ) -> ProvisionItem:
     name = desired["name"]
     if name == _LEASE_STREAM:
@@ -787,7 +735,7 @@ def _never_shorter(existing: dict[str, Any], desired: dict[str, Any]) -> dict[st
 
 
 async def _ensure_consumer(
-    api: _JetStreamApi, stream: str, desired: dict[str, Any], *, source: str
+    api: JetStreamApi, stream: str, desired: dict[str, Any], *, source: str
 ) -> ProvisionItem:
     """Create or update one consumer, waiting while JetStream cannot answer."""
     return await until_jetstream_answers(
@@ -799,21 +747,21 @@ async def _ensure_consumer(
 
 
 async def _ensure_consumer_now(
-    api: _JetStreamApi, stream: str, desired: dict[str, Any], *, source: str
+    api: JetStreamApi, stream: str, desired: dict[str, Any], *, source: str
 ) -> ProvisionItem:
     durable = desired["durable_name"]
     label = f"{stream}/{durable}"
     for _attempt in range(2):  # a second pass only after losing a create race
         info = await api.call(f"CONSUMER.INFO.{stream}.{durable}")
-        error = _error(info)
-        if error is not None and error[0] == _ERR_CONSUMER_NOT_FOUND:
+        error = reply_error(info)
+        if error is not None and error[0] == CONSUMER_NOT_FOUND:
             request = {"stream_name": stream, "config": desired, "action": "create"}
             created = await api.call(f"CONSUMER.CREATE.{stream}.{durable}", request)
-            error = _error(created)
+            error = reply_error(created)
             if error is None:
                 log.info("consumer created", consumer=label)
                 return ProvisionItem(kind="consumer", name=label, action=Action.CREATED)
-            if error[0] == _ERR_CONSUMER_EXISTS:
+            if error[0] == CONSUMER_EXISTS:
                 continue
             raise ProvisionError(
                 f"consumer {label} ({source}): NATS refused to create it: {error[1]}"
@@ -825,7 +773,7 @@ async def _ensure_consumer_now(
 
 
 async def _update_consumer(
-    api: _JetStreamApi,
+    api: JetStreamApi,
     stream: str,
     existing: dict[str, Any],
     desired: dict[str, Any],
@@ -851,7 +799,7 @@ async def _update_consumer(
 
 
 def _raise_refused(reply: Any, what: str, changes: Sequence[str]) -> None:
-    error = _error(reply)
+    error = reply_error(reply)
     if error is not None:
         raise ProvisionError(
             f"{what}: NATS refused the update ({error[1]}); differing fields: {'; '.join(changes)}"

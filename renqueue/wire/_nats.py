@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-from collections.abc import Awaitable, Callable
+import json
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
 
 import msgspec
@@ -65,7 +66,13 @@ from ..errors import (
 )
 
 __all__ = [
+    "API_TIMEOUT",
+    "CONSUMER_EXISTS",
+    "CONSUMER_NOT_FOUND",
     "NOT_NOW",
+    "PUBLISH_STALL_WAIT",
+    "STREAM_NAME_IN_USE",
+    "STREAM_NOT_FOUND",
     "WRONG_LAST_SEQUENCE",
     "AckPolicy",
     "Connection",
@@ -73,6 +80,7 @@ __all__ = [
     "ConsumerInfo",
     "DeliverPolicy",
     "JetStream",
+    "JetStreamApi",
     "KeyEntry",
     "KeyValue",
     "KeyWatcher",
@@ -84,6 +92,7 @@ __all__ = [
     "StoredMessage",
     "StreamInfo",
     "Subscription",
+    "reply_error",
     "translate",
 ]
 
@@ -119,6 +128,10 @@ class KeyEntry(msgspec.Struct, frozen=True):
         return cls(entry.key, entry.value or b"", entry.revision or 0, entry.operation)
 
 
+#: Longest a ``publish_async`` waits for a free slot among the context's
+#: pending publishes (then :class:`~renqueue.errors.NatsUnavailableError`).
+PUBLISH_STALL_WAIT: Final = 5.0
+
 #: nats-py's own client: an application may hand one to :meth:`Connection.of`.
 NatsClient = _Client
 #: A JetStream delivery's metadata: stream and consumer sequence, deliveries, time.
@@ -142,6 +155,14 @@ NOT_NOW: Final = frozenset(
         10202,  # cluster member change in progress
     }
 )
+
+#: JetStream API error codes that the provisioning steps act on.
+STREAM_NOT_FOUND: Final = 10059
+STREAM_NAME_IN_USE: Final = 10058
+CONSUMER_NOT_FOUND: Final = 10014
+CONSUMER_EXISTS: Final = 10148
+#: "delete failed": its description says why (``no message found`` among others).
+_MSG_DELETE_FAILED: Final = 10057
 
 #: JetStream API errors that say "no such thing", whatever their status code.
 _NOT_FOUND: Final = frozenset(
@@ -194,12 +215,22 @@ def _api_error(exc: nats.js.errors.APIError, text: str) -> NatsError:
         err_code in WRONG_LAST_SEQUENCE
     ):
         return WrongLastSequenceError(text)
-    if isinstance(exc, nats.js.errors.NotFoundError) or err_code in _NOT_FOUND:
-        return NatsNotFoundError(text)  # KV keys and buckets too
+    description = getattr(exc, "description", None)
+    if (
+        isinstance(exc, nats.js.errors.NotFoundError)
+        or err_code in _NOT_FOUND
+        or (err_code == _MSG_DELETE_FAILED and _says_gone(str(description)))
+    ):
+        return NatsNotFoundError(text)  # KV keys and buckets too; a delete of what is gone
     if status == 503 or err_code in NOT_NOW:
         return NatsUnavailableError(text)
-    description = getattr(exc, "description", None)
     return NatsApiError(description or text, status=status, err_code=err_code)
+
+
+def _says_gone(description: str) -> bool:
+    """Whether a failed delete's description says the message is not there."""
+    lowered = description.lower()
+    return "no message found" in lowered or "not found" in lowered
 
 
 async def _call(operation: Awaitable[_T]) -> _T:
@@ -449,8 +480,25 @@ class JetStream:
         headers: dict[str, str] | None = None,
     ) -> asyncio.Future[PubAck]:
         """Publish without waiting; the returned future ends with the ack (or a
-        :class:`NatsError`). Await it, or cancel it to stop waiting."""
-        future = await _call(self._js.publish_async(subject, payload, headers=headers))
+        :class:`NatsError`). Await it, or cancel it to stop waiting.
+
+        With too many publishes pending, waits up to :data:`PUBLISH_STALL_WAIT`
+        for a slot (then :class:`~renqueue.errors.NatsUnavailableError`); a
+        caller cancelled meanwhile gets :class:`asyncio.CancelledError`.
+        """
+        try:
+            future = await self._js.publish_async(
+                subject, payload, wait_stall=PUBLISH_STALL_WAIT, headers=headers
+            )
+        except nats.js.errors.TooManyStalledMsgsError as exc:
+            # nats-py turns a cancellation while waiting for a free slot into
+            # this error: a cancelled caller is told it was cancelled.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError from exc
+            raise translate(exc) from exc
+        except nats.errors.Error as exc:
+            raise translate(exc) from exc
         return _translated_future(future)
 
     async def get_msg(
@@ -646,3 +694,69 @@ class Connection:
     def client(self) -> _Client:
         """nats-py's client, for what the handles do not cover (tests, benchmarks)."""
         return self._nc
+
+
+#: How long one raw JetStream API request waits for its reply.
+API_TIMEOUT: Final = 5.0
+
+
+class JetStreamApi:
+    """Raw JetStream API requests (``$JS.API.<operation>``, JSON in and out).
+
+    For what nats-py's context does not expose whole (a stream's or a
+    consumer's config as the server holds it, compared field by field when
+    provisioning). A reply JetStream cannot give *yet* (no answer in time, no
+    responders, a 503 or "not now" API error) raises
+    :class:`~renqueue.errors.NatsUnavailableError`; any other API error is
+    returned in the reply, for :func:`reply_error` to read.
+    """
+
+    def __init__(self, js_or_nc: Connection | JetStream, *, patience: float = 0.0) -> None:
+        #: How long a caller waits per step while JetStream cannot answer.
+        self.patience = patience
+        if isinstance(js_or_nc, JetStream):
+            # The prefix carries the JetStream domain, if the context has one.
+            self.nc: Connection = js_or_nc.connection
+            self._prefix = js_or_nc.api_prefix
+        else:
+            self.nc = js_or_nc
+            self._prefix = "$JS.API"
+
+    async def call(self, operation: str, payload: Mapping[str, Any] | None = None) -> Any:
+        subject = f"{self._prefix}.{operation}"
+        body = b"" if payload is None else json.dumps(payload).encode()
+        try:
+            reply = await self.nc.request(subject, body, timeout=API_TIMEOUT)
+        except NatsTimeoutError as exc:
+            raise NatsTimeoutError(
+                f"JetStream did not answer {subject} within {API_TIMEOUT:g}s"
+            ) from exc
+        except NatsClosedError:
+            raise
+        except NatsUnavailableError as exc:
+            raise NatsUnavailableError(
+                f"JetStream did not answer {subject} ({exc}): is JetStream enabled "
+                "on this server, and has it started?"
+            ) from exc
+        try:
+            response = json.loads(reply.data)
+        except json.JSONDecodeError as exc:
+            raise NatsError(f"JetStream sent a non-JSON reply to {subject}") from exc
+        error = response.get("error") if isinstance(response, dict) else None
+        if isinstance(error, dict) and (
+            error.get("code") == 503 or error.get("err_code") in NOT_NOW
+        ):
+            raise NatsUnavailableError(
+                f"JetStream cannot answer {subject} yet: {error.get('description')}"
+            )
+        return response
+
+
+def reply_error(response: Any) -> tuple[int, str] | None:
+    """``(err_code, description)`` of a raw API reply's error, ``None`` on success."""
+    error = response.get("error") if isinstance(response, dict) else None
+    if not error:
+        return None
+    if not isinstance(error, dict):
+        return 0, str(error)
+    return int(error.get("err_code", 0) or 0), str(error.get("description", error))

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import msgspec
 
-from ...errors import NatsApiError, NatsNotFoundError
+from ...errors import NatsNotFoundError
 from ...logs import get_logger
 from ...wire._eventlog import EventLog
 from ...wire._messages import DISPATCH_DECODER, Dispatch, Stolen, encode
@@ -32,11 +32,6 @@ log = get_logger("worker")
 
 #: Seconds between looks at pool siblings' queues while this worker has room.
 STEAL_INTERVAL: Final = 0.1
-
-#: JetStream's answers to deleting a sequence that is gone: "no message found",
-#: and "sequence N not found" (the message was removed, e.g. acked by its
-#: consumer, between the server's lookup and its erase).
-_GONE: Final = frozenset({10057, 10043})
 
 
 class Thief:
@@ -128,15 +123,10 @@ class Thief:
             log.info("a stolen request was delivered to its replica meanwhile; keeping it",
                      request_id=request.id, sibling=sibling)  # fmt: skip
             return True
-        try:
+        # Gone already: another thief moved it at the same moment (its copy
+        # and ours share the id: one is stored), or its worker acked it.
+        with contextlib.suppress(NatsNotFoundError):
             await self._js.delete_msg(DISPATCH_STREAM, raw.seq)
-        except NatsNotFoundError:
-            # Gone already: another thief moved it at the same moment (its copy
-            # and ours share the id: one is stored), or its worker acked it.
-            pass
-        except NatsApiError as exc:
-            if exc.err_code not in _GONE:  # "delete failed: no message found"
-                raise
         log.info("stole a queued request", request_id=request.id, sibling=sibling)
         return True
 
