@@ -419,6 +419,7 @@ async def test_a_slow_dispatch_store_never_overfills_a_backend(
             slow = SlowDispatchStore(js, 0.3)
             router._js = slow  # type: ignore[assignment]
             router._capacity._js = slow  # type: ignore[assignment]
+            router._dispatcher._js = slow  # type: ignore[assignment]
             await router.start()
             try:
 

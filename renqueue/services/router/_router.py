@@ -22,9 +22,10 @@ given more work than their concurrency, so backend subjects stay short and
 waiting happens where priority applies.
 
 Its parts: the hold (``_hold``), the free slots it counts per backend
-(``_capacity``: broker truth plus its own dispatches since), reading a fetched
-request (``_admission``: validation, the wait measured in server time, the
-parent's priority) and its side of the preemption protocol (``_preemption``).
+(``_capacity``: broker truth plus its own dispatches the broker may not have
+counted yet), reading a fetched request (``_admission``: validation, the wait
+measured in server time, the parent's priority), carrying out a bind
+(``_dispatch``) and its side of the preemption protocol (``_preemption``).
 
 Every loop (one fetch loop per level, the dispatch loop, the keepalive, the
 projection watch) runs under the process's :class:`~renqueue._tasks.Supervisor`:
@@ -55,8 +56,8 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import Any, Final, TypeVar
+from collections.abc import Callable
+from typing import Any, Final
 
 import msgspec
 
@@ -64,11 +65,10 @@ from ... import metrics
 from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor, cancel_and_wait
 from ...config import Config, parse_duration
-from ...errors import NatsNotFoundError, RenQueueError
+from ...errors import RenQueueError
 from ...logs import get_logger
 from ...ops._provision import renew_router_consumers, router_consumer_configs
 from ...policy import (
-    BIND_REASON,
     AskPreemption,
     Bind,
     Expire,
@@ -88,37 +88,29 @@ from ...wire._messages import (
     Cancelled,
     CancelRequested,
     Coalesced,
-    Dispatch,
     Event,
     Expired,
-    Failed,
     InferenceRequest,
     Promoted,
     Rejected,
-    Routed,
-    Started,
     Submitted,
-    encode,
 )
 from ...wire._nats import Connection, JetStream, Message, PubAck, PullSubscription, Subscription
 from ...wire._subjects import (
     BINDER_LEASE,
-    DISPATCH_STREAM,
     FETCH_TIMEOUT,
     LEASE_BUCKET,
     REQUESTS_STREAM,
     SHUTDOWN_NAK_DELAY,
     boost_subject,
     capacity_subject,
-    dispatch_subject,
     misdirected,
-    msg_id,
     router_consumer,
-    router_max_deliveries,
     subject_matches,
 )
 from ._admission import Refused, admit, parent_of, subject_token, submitted_at
-from ._capacity import Capacity, Slot
+from ._capacity import Capacity
+from ._dispatch import ACKS_TIMEOUT, Dispatcher
 from ._hold import BOOST_DECODER, Held, Hold, stored_at
 from ._preemption import ask_preemption
 
@@ -127,18 +119,9 @@ __all__ = ["Router"]
 log = get_logger("router")
 
 
-#: Seconds a decision's publishes may take to be acked before the dispatch counts
-#: as failed (``router.ack_wait`` if that is shorter).
-_ACKS_TIMEOUT: Final = 10.0
-_T = TypeVar("_T")
-#: The reason of a decision logged again for the dispatch an earlier bind stored.
-_EARLIER_DISPATCH_REASON: Final = "dispatched by an earlier bind of this attempt"
 #: How long a stop waits for decisions still being published (each is bounded
-#: by ``_ACKS_TIMEOUT`` already; this is the backstop).
-_INFLIGHT_STOP_WAIT: Final = _ACKS_TIMEOUT + 5.0
-
-#: Requests whose failed dispatches a router remembers (oldest forgotten first).
-_FAILURES_KEPT: Final = 10_000
+#: by ``ACKS_TIMEOUT`` already; this is the backstop).
+_INFLIGHT_STOP_WAIT: Final = ACKS_TIMEOUT + 5.0
 #: A binder one of whose binding loops failed this many times in a row gives the lease up.
 _GIVE_UP_AFTER_FAILURES: Final = 3
 
@@ -165,8 +148,6 @@ class Router(Lifecycle):
         self._job_prefix = f"{name}:job:"
         #: Set while the dispatch loop runs: nothing is fetched while it is down.
         self._dispatching = asyncio.Event()
-        #: Failed dispatches this router saw, per ``<tenant>:<id>``.
-        self._dispatch_failures: dict[str, int] = {}
         self._js = js
         self._config = config
         self._name = name
@@ -184,7 +165,6 @@ class Router(Lifecycle):
             js, config, parse_duration(config.router.capacity_refresh), health=self._healthy
         )
         self._ack_wait = parse_duration(config.router.ack_wait)
-        self._max_deliveries = router_max_deliveries(config.router.max_deliver)
         self._inflight: set[asyncio.Task[None]] = set()
         self._capacity_sub: Subscription | None = None
         self._subs: list[Subscription] = []
@@ -199,9 +179,6 @@ class Router(Lifecycle):
         )
         #: The lease term whose fetch and dispatch loops run (None: standing by).
         self._term: int | None = None
-        #: The first request-stream sequence no earlier binder can have seen:
-        #: one below it may have been dispatched by one (see _publish_decision).
-        self._term_first_seq = 0
         self._binding_loops: list[str] = []
         self._pull_subs: list[PullSubscription] = []
         self._consumer_configs: list[dict[str, Any]] = []
@@ -210,8 +187,20 @@ class Router(Lifecycle):
         self._sit_out_until = 0.0
         #: Terms begin and end one at a time (the lease and renewal loops both end them).
         self._term_lock = asyncio.Lock()
-        self.routed = 0
+        self._dispatcher = Dispatcher(
+            js,
+            self._log,
+            config,
+            holder=self._lease.holder,
+            clock=clock,
+            end_request=self._end,
+        )
         self.rejected = 0
+
+    @property
+    def routed(self) -> int:
+        """Requests this router bound (their decisions stored)."""
+        return self._dispatcher.routed
 
     def _healthy(self, backend: str) -> bool:
         """Health as folded from the log by the projection (healthy until known otherwise)."""
@@ -346,7 +335,7 @@ class Router(Lifecycle):
         # Read before the consumers are re-created: whatever they deliver from
         # here down may have been bound by the binder before (its last acts).
         info = await self._js.stream_info(REQUESTS_STREAM)
-        self._term_first_seq = info.state.last_seq + 1
+        self._dispatcher.term_first_seq = info.state.last_seq + 1
         await renew_router_consumers(self._nc, self._consumer_configs)
         for level in self._levels:
             psub = await self._js.pull_subscribe_bind(
@@ -692,34 +681,6 @@ class Router(Lifecycle):
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
 
-    async def _fail_undeliverable(self, item: Held, exc: Exception) -> None:
-        request = item.request
-        log.error("dispatch failed on the last delivery; request fails", error=str(exc))
-        try:
-            await self._log.dead_letter(
-                "requests",
-                item.msg.data,
-                reason=f"undeliverable: {exc}",
-                source_subject=item.msg.subject,
-                tenant=request.tenant,
-                request_id=request.id,
-            )
-            await self._end(
-                request,
-                Failed(
-                    request_id=request.id,
-                    tenant=request.tenant,
-                    at=self._clock(),
-                    error_type="undeliverable",
-                    reason=f"could not hand the request to a backend: {exc}"[:1000],
-                ),
-            )
-            await item.msg.ack()
-        except Exception:
-            log.exception("could not record the failure", request_id=request.id)
-            with contextlib.suppress(Exception):
-                await item.msg.nak(delay=1.0)
-
     async def _expire(
         self,
         msg: Message,
@@ -823,7 +784,17 @@ class Router(Lifecycle):
             elif isinstance(action, Bind):
                 gone.add(action.ref)
                 slot = self._capacity.dispatching(action.backend)
-                self._bind(item, slot, self._levels[item.rank], now, reason=action.reason)
+                # The term is the deciding round's, not whichever is current when it runs.
+                self._spawn_publish(
+                    self._dispatcher.bind(
+                        item,
+                        slot,
+                        self._levels[item.rank],
+                        now,
+                        action.reason,
+                        term=self._term or 0,
+                    )
+                )
             elif isinstance(action, AskPreemption):
                 self._maybe_preempt(item, action, now)
             elif isinstance(action, Wait):
@@ -882,188 +853,6 @@ class Router(Lifecycle):
         self._inflight.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("a decision's publish failed", exc_info=exc)
-
-    def _bind(
-        self, item: Held, slot: Slot, level: str, now: float, *, reason: str = BIND_REASON
-    ) -> None:
-        # The term is the deciding round's, not whichever is current when the publish runs.
-        self._spawn_publish(
-            self._publish_decision(item, slot, level, now, reason, term=self._term or 0)
-        )
-
-    async def _publish_decision(
-        self,
-        item: Held,
-        slot: Slot,
-        level: str,
-        now: float,
-        reason: str = BIND_REASON,
-        *,
-        term: int,
-    ) -> None:
-        """Dispatch ``item`` to ``backend`` and log the ``routed`` decision, then ack it.
-
-        Both are published under per-attempt message ids, so a bind repeated
-        for the same attempt stores neither twice. A request that may have
-        been bound before (delivered again, or stored before this term began:
-        the last binder may have dispatched it and died before it logged the
-        decision) waits for its dispatch's ack first: a duplicate means that
-        earlier dispatch stands, and the decision logged is that one's
-        backend, never one the request was not sent to.
-        """
-        request = item.request
-        backend = slot.backend
-        wait = max(0.0, now - item.submitted)
-        attempt = request.requeues + 1  # a preempted request is bound anew
-        dispatch = Dispatch(
-            request=request,
-            backend=backend,
-            attempt=attempt,
-            routed_at=now,
-            effective_rank=item.key(now, self._policies)[0],
-        )
-        routed = Routed(
-            request_id=request.id,
-            tenant=request.tenant,
-            at=now,
-            backend=backend,
-            attempt=attempt,
-            priority=level,
-            queue_wait=wait,
-            reason=reason,
-            router=self._lease.holder,
-            term=term,
-        )
-        sent: asyncio.Future[PubAck] | None = None
-        try:
-            sent = await self._js.publish_async(
-                dispatch_subject(backend),
-                encode(dispatch),
-                headers={"Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", attempt)},
-            )
-            await self._log_decision(item, routed, sent, slot)
-            await item.msg.ack()
-        except Exception as exc:  # noqa: BLE001 - the request goes back to wait, nothing lost
-            if sent is None or not sent.done() or sent.cancelled() or sent.exception() is not None:
-                slot.dropped()  # (stored late after all: the next broker read counts it)
-            elif sent.result().duplicate:
-                slot.dropped()
-            else:
-                slot.stored()
-            key = msg_id(request.tenant, request.id)
-            failures = self._dispatch_failures.pop(key, 0) + 1
-            if (
-                failures < self._config.router.max_deliver
-                and item.msg.metadata.num_delivered < self._max_deliveries
-            ):
-                self._dispatch_failures[key] = failures
-                while len(self._dispatch_failures) > _FAILURES_KEPT:
-                    self._dispatch_failures.pop(next(iter(self._dispatch_failures)))
-                log.warning(
-                    "dispatch failed; request returns to its queue",
-                    error=str(exc),
-                    failures=failures,
-                )
-                with contextlib.suppress(Exception):
-                    await item.msg.nak(delay=0.5)
-                return
-            # Out of dispatch attempts (or at the consumer's last delivery):
-            # fail it for the record rather than leave it stranded in the stream.
-            await self._fail_undeliverable(item, exc)
-            return
-        self._dispatch_failures.pop(msg_id(request.tenant, request.id), None)
-        self.routed += 1
-        metrics.ROUTED.labels(backend, level).inc()
-        metrics.QUEUE_WAIT.labels(level).observe(wait)
-
-    async def _log_decision(
-        self, item: Held, routed: Routed, sent: asyncio.Future[PubAck], slot: Slot
-    ) -> None:
-        """Log ``routed`` once its dispatch (``sent``) is stored; count the slot.
-
-        A request that may have been bound before (delivered again, or stored
-        before this term began) waits for the dispatch's ack before logging:
-        a duplicate means an earlier bind's dispatch stands, and the decision
-        logged names that one's backend.
-        """
-        meta = item.msg.metadata
-        if meta.num_delivered > 1 or meta.sequence.stream < self._term_first_seq:
-            ack = await self._kept_alive(item.msg, sent)
-            if not ack.duplicate:
-                slot.stored()
-            else:
-                slot.dropped()
-                earlier = await self._earlier_dispatch(item.request, routed.attempt, ack.seq)
-                if earlier is None:
-                    await self._kept_alive(item.msg, self._acks(item.logged))
-                    return
-                routed = msgspec.structs.replace(
-                    routed, backend=earlier, reason=_EARLIER_DISPATCH_REASON
-                )
-            logged = await self._log.append_async(routed)
-            await self._kept_alive(item.msg, self._acks(item.logged, logged))
-            return
-        logged = await self._log.append_async(routed)
-        ack, *_ = await self._kept_alive(item.msg, self._acks(sent, item.logged, logged))
-        if ack.duplicate:  # not for a first delivery in this term; never counted twice
-            slot.dropped()
-        else:
-            slot.stored()
-
-    @staticmethod
-    def _acks(*acks: asyncio.Future[PubAck] | None) -> Awaitable[list[PubAck]]:
-        """The acks given (``None`` skipped), awaited together, in their order."""
-        return asyncio.gather(*(ack for ack in acks if ack is not None))
-
-    async def _earlier_dispatch(
-        self, request: InferenceRequest, attempt: int, seq: int
-    ) -> str | None:
-        """The backend an earlier bind of this attempt dispatched to (stored at ``seq``).
-
-        Read from the stored dispatch, or, once a worker took it, from the
-        attempt's ``started`` event. ``None`` when neither says (the run is
-        over and its dispatch gone): that decision is then not logged again.
-        """
-        with contextlib.suppress(NatsNotFoundError):
-            stored = await self._js.get_msg(DISPATCH_STREAM, seq=seq)
-            return stored.subject.removeprefix(dispatch_subject(""))
-        for event in reversed(await self._log.history(request.tenant, request.id, kind="started")):
-            if isinstance(event, Started) and event.attempt == attempt:
-                return event.backend
-        log.warning(
-            "a request was dispatched by an earlier binder and its decision cannot be read back",
-            request_id=request.id,
-            attempt=attempt,
-        )
-        return None
-
-    async def _kept_alive(self, msg: Message, acks: Awaitable[_T]) -> _T:
-        """Await ``acks`` (the publishes of a decision) within ``_ACKS_TIMEOUT``
-        (or ``router.ack_wait`` if shorter),
-        keeping ``msg``'s ack timer alive meanwhile: a slow broker must not let
-        the request be redelivered (and bound again) while its decision is
-        still on its way. An ack that never comes (nats-py reports a refused
-        ``publish_async`` only to the error callback) is a failed dispatch."""
-        loop = asyncio.get_running_loop()
-        timeout = min(_ACKS_TIMEOUT, self._ack_wait)
-        deadline = loop.time() + timeout
-        interval = max(0.1, self._ack_wait / 3)
-        waiting = asyncio.ensure_future(acks)
-        try:
-            while not waiting.done():
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise TimeoutError(f"no acks for the decision within {timeout:g} s")
-                await asyncio.wait({waiting}, timeout=min(interval, remaining))
-                if not waiting.done():
-                    with contextlib.suppress(Exception):
-                        await msg.in_progress()
-            return waiting.result()
-        finally:
-            if not waiting.done():
-                waiting.cancel()
-                with contextlib.suppress(BaseException):
-                    await waiting
 
     # ------------------------------------------------------------- keepalive
 
