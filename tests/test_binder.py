@@ -28,9 +28,10 @@ from test_restarts import (
 
 from renqueue import Client, Services, parse_config
 from renqueue.config import Config, load_config
-from renqueue.errors import NatsNotFoundError
+from renqueue.errors import NatsNotFoundError, NatsUnavailableError
 from renqueue.ops import EmbeddedServer, connect, provision
 from renqueue.services import Router
+from renqueue.services.router import _router as router_module
 from renqueue.state import Lease
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import (
@@ -502,3 +503,208 @@ async def test_a_binder_whose_term_cannot_begin_gives_the_lease_up(tmp_path: Pat
         finally:
             await denied.close()
             await svc.close()
+
+
+async def test_earlier_lease_loop_failures_never_make_a_healthy_binder_give_up(
+    isolated_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review finding: the give-up rule read the lease loop's failure count,
+    which NATS blips during a standby's life had raised and nothing lowered.
+    A renewal that came while a slow term was beginning then saw no term and
+    3 failures, and gave the lease up at every take-over. Only failed term
+    beginnings in a row count now."""
+    config = two_backends(isolated_server.url)
+    nc = await connect(isolated_server.url, name="stale")
+    try:
+        js = nc.jetstream()
+        await provision(nc, config)
+        holder = Router(nc, js, config, name="holder")
+        await holder.start()
+        standby = Router(nc, js, config, name="standby")
+        await standby.start()
+        assert holder.binding
+        assert not standby.binding
+        # Its lease loop failed 3 times at some point (a NATS restart, long ago).
+        standby._supervisor._loops[standby._loop_name("lease")].failures = 3
+        real_renew = router_module.renew_router_consumers
+
+        async def slow_renew(*args: Any, **kwargs: Any) -> None:
+            await asyncio.sleep(0.25)  # a replicated cluster's consumer re-creation
+            await real_renew(*args, **kwargs)
+
+        monkeypatch.setattr(router_module, "renew_router_consumers", slow_renew)
+        renewals = 0
+        real_lease_renew = standby._lease.renew
+
+        async def counted() -> bool:
+            nonlocal renewals
+            renewals += 1
+            return await real_lease_renew()
+
+        standby._lease.renew = counted  # type: ignore[method-assign]
+        try:
+            await holder.stop()  # the standby takes over, slowly
+
+            async def binding() -> bool:
+                return standby.binding
+
+            await until(binding, "the standby binds")
+            since = renewals
+
+            async def renewed_often() -> bool:
+                return renewals >= since + 10
+
+            await until(renewed_often, "ten more renewals")
+            assert standby.binding
+            entry = await (await js.key_value("rq-leases")).get("binder")
+            assert entry.value.decode() == standby.holder
+        finally:
+            await standby.stop()
+    finally:
+        await nc.close()
+
+
+class RefusedFirstDispatch:
+    """The router's JetStream, but the first dispatch of ``request_id`` is
+    refused (the dispatch stream had no leader for a moment)."""
+
+    def __init__(self, js: Any, request_id: str) -> None:
+        self._js = js
+        self._id = request_id
+        self.refused = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+    async def publish_async(self, subject: str, payload: bytes = b"", headers: Any = None) -> Any:
+        if not self.refused and (headers or {}).get("Nats-Msg-Id", "").endswith(
+            f":{self._id}:dispatch:1"
+        ):
+            self.refused = True
+            refusal: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            refusal.set_exception(NatsUnavailableError("JetStream system temporarily unavailable"))
+            return refusal
+        return await self._js.publish_async(subject, payload, headers=headers)
+
+
+async def test_a_refused_dispatch_never_leaves_its_decision_logged(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Review finding: the dispatch and the decision were published together;
+    a refused dispatch left ``routed(a)`` stored, the request went to ``b`` on
+    its next delivery, and ``routed(b)`` was dropped as a duplicate of the
+    attempt's decision. The decision is now logged only after its dispatch."""
+    config = two_backends(isolated_server.url)
+    nc = await connect(isolated_server.url, name="refused")
+    try:
+        js = nc.jetstream()
+        await provision(nc, config)
+        log = EventLog(js)
+
+        async def backends(request_id: str) -> list[str]:
+            return [
+                e.backend for e in await log.history(TENANT, request_id) if isinstance(e, Routed)
+            ]
+
+        async with Client(nc, tenant=TENANT) as client:
+            router = Router(nc, js, config, name="binder")
+            refusing = RefusedFirstDispatch(js, "r1")
+            router._dispatcher._js = refusing  # type: ignore[assignment]
+            await router.start()
+            try:
+                await client.submit("one", route="chat", request_id="r1")
+
+                async def refused() -> bool:
+                    return refusing.refused
+
+                await until(refused, "r1's first dispatch is refused")
+                await client.submit("two", route="chat", request_id="r2")  # takes a meanwhile
+
+                async def both_logged() -> bool:
+                    return bool(await backends("r1")) and bool(await backends("r2"))
+
+                await until(both_logged, "both decisions are logged")
+            finally:
+                await router.stop()
+            queued = {
+                name: (await js.consumer_info(DISPATCH_STREAM, f"worker-{name}")).num_pending
+                for name in ("a", "b")
+            }
+            logged = {rid: await backends(rid) for rid in ("r1", "r2")}
+            assert queued == {"a": 1, "b": 1}
+            assert logged == {"r1": ["b"], "r2": ["a"]}
+    finally:
+        await nc.close()
+
+
+class LateStore(SlowDispatchStore):
+    """Each dispatch's ack comes ``delay`` after it was sent (past the
+    router's acks timeout): the store lands after the router gave up waiting."""
+
+    sent = 0
+
+    async def publish_async(self, subject: str, payload: bytes = b"", headers: Any = None) -> Any:
+        if not subject.startswith(dispatch_subject("")):
+            return await self._js.publish_async(subject, payload, headers=headers)
+        ack: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.sent += 1
+
+        async def land() -> None:
+            await asyncio.sleep(self._delay)  # the store's latency, not a synchronisation
+            try:
+                stored = await self._js.publish(subject, payload, headers=headers)
+            except Exception as exc:
+                if not ack.done():
+                    ack.set_exception(exc)
+                return
+            self.stored += 1
+            if not ack.done():  # (the router may have stopped waiting)
+                ack.set_result(stored)
+
+        task = asyncio.create_task(land())
+        self._landing = {*getattr(self, "_landing", set()), task}
+        return ack
+
+
+async def test_a_dispatch_whose_ack_times_out_stays_counted(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Review finding: a dispatch whose ack did not come in time freed its slot
+    at once, though the store could still land: a 2-slot backend got 4."""
+    config = parse_config(
+        {
+            "nats": {"url": isolated_server.url},
+            "backends": {
+                "a": {"base_url": "http://127.0.0.1:9", "model": "m", "limits": {"concurrency": 2}}
+            },
+            "routes": {"chat": {"backends": ["a"]}},
+            "router": {"capacity_refresh": "20ms", "ack_wait": "1s"},
+        }
+    )
+    nc = await connect(isolated_server.url, name="late-store")
+    try:
+        js = nc.jetstream()
+        await provision(nc, config)
+        async with Client(nc, tenant=TENANT) as client:
+            for n in range(12):
+                await client.submit(f"q{n}", route="chat", request_id=f"r{n}")
+            router = Router(nc, js, config, name="binder")
+            late = LateStore(js, 1.5)
+            router._capacity._js = late  # type: ignore[assignment]
+            router._dispatcher._js = late  # type: ignore[assignment]
+            await router.start()
+            try:
+
+                async def settled() -> bool:
+                    # Long after the first stores landed (a slot freed too
+                    # early is re-bound within a read), and every dispatch
+                    # sent meanwhile has landed too.
+                    return late.reads_after_stored >= 60 and late.stored == late.sent
+
+                await until(settled, "60 reads after the first stores, every dispatch landed")
+                stored = (await js.stream_info(DISPATCH_STREAM)).state.messages
+            finally:
+                await router.stop()
+        assert stored == 2, f"{stored} dispatches for a backend of concurrency 2"
+    finally:
+        await nc.close()

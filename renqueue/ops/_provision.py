@@ -720,15 +720,16 @@ def _never_shorter(existing: dict[str, Any], desired: dict[str, Any]) -> dict[st
     every router and delete the stream ``KV_rq-leases``; the next provision
     creates it with the configured ttl.
     """
+    # 0 is "never expires": the longest of all.
     have = existing.get("max_age") or 0
     want = desired.get("max_age") or 0
-    if have <= want:
+    if have != 0 and (want == 0 or have <= want):
         return desired
     log.warning(
         "the lease bucket's ttl is not shortened in place: a running binder judges "
         "its lease by the longer one; stop every router and delete the stream to shorten it",
         stream=desired["name"],
-        ttl=have / _NS_PER_SECOND,
+        ttl=have / _NS_PER_SECOND if have else "never expires",
         configured=want / _NS_PER_SECOND,
     )
     return {**desired, "max_age": have, "duplicate_window": existing.get("duplicate_window", have)}

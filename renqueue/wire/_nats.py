@@ -229,8 +229,7 @@ def _api_error(exc: nats.js.errors.APIError, text: str) -> NatsError:
 
 def _says_gone(description: str) -> bool:
     """Whether a failed delete's description says the message is not there."""
-    lowered = description.lower()
-    return "no message found" in lowered or "not found" in lowered
+    return "no message found" in description.lower()
 
 
 async def _call(operation: Awaitable[_T]) -> _T:

@@ -26,7 +26,17 @@ from ...errors import NatsNotFoundError
 from ...logs import get_logger
 from ...policy import BIND_REASON
 from ...wire._eventlog import EventLog
-from ...wire._messages import Dispatch, Event, Failed, InferenceRequest, Routed, Started, encode
+from ...wire._messages import (
+    Dispatch,
+    Event,
+    Failed,
+    InferenceRequest,
+    Routed,
+    Started,
+    Stolen,
+    encode,
+    is_terminal,
+)
 from ...wire._nats import JetStream, Message, PubAck
 from ...wire._subjects import DISPATCH_STREAM, dispatch_subject, msg_id, router_max_deliveries
 from ._capacity import Slot
@@ -45,6 +55,25 @@ _EARLIER_DISPATCH_REASON: Final = "dispatched by an earlier bind of this attempt
 _FAILURES_KEPT: Final = 10_000
 
 _T = TypeVar("_T")
+
+
+#: How long a dispatch whose ack has not come stays counted as on its way;
+#: then it counts as stored (nats-py never completes the ack of a publish the
+#: server refused without answering).
+_UNANSWERED_GRACE: Final = ACKS_TIMEOUT
+
+
+def _settle_when_answered(slot: Slot, sent: asyncio.Future[PubAck]) -> None:
+    """Keep ``slot`` counted as on its way until ``sent`` is answered (or the grace ends)."""
+
+    def answered(done: asyncio.Future[PubAck]) -> None:
+        if done.cancelled() or done.exception() is not None or done.result().duplicate:
+            slot.dropped()
+        else:
+            slot.stored()
+
+    sent.add_done_callback(answered)
+    asyncio.get_running_loop().call_later(_UNANSWERED_GRACE, slot.stored)
 
 
 class Dispatcher:
@@ -71,9 +100,6 @@ class Dispatcher:
         self._max_deliveries = router_max_deliveries(config.router.max_deliver)
         #: Failed dispatches seen, per ``<tenant>:<id>``.
         self._dispatch_failures: dict[str, int] = {}
-        #: The first request-stream sequence no earlier binder can have seen
-        #: (set as a term begins): one below it may have been bound by one.
-        self.term_first_seq = 0
         #: Requests bound (their decisions stored) by this dispatcher.
         self.routed = 0
 
@@ -87,23 +113,21 @@ class Dispatcher:
         *,
         term: int,
     ) -> None:
-        """Dispatch ``item`` to ``backend`` and log the ``routed`` decision, then ack it.
+        """Dispatch ``item`` to the slot's backend, log the ``routed`` decision, ack it.
 
-        Both are published under per-attempt message ids, so a bind repeated
-        for the same attempt stores neither twice. A request that may have
-        been bound before (delivered again, or stored before this term began:
-        the last binder may have dispatched it and died before it logged the
-        decision) waits for its dispatch's ack first: a duplicate means that
-        earlier dispatch stands, and the decision logged is that one's
-        backend, never one the request was not sent to.
+        The decision is logged only once its dispatch is stored, and both go
+        under per-attempt message ids, so a bind repeated for the same
+        attempt (a redelivery, or a new binder after one that died between
+        the two) stores neither twice. A duplicate dispatch means an earlier
+        bind's dispatch stands: the decision logged names *its* backend,
+        never one the request was not sent to.
         """
         request = item.request
-        backend = slot.backend
-        wait = max(0.0, now - item.submitted)
+        level_wait = max(0.0, now - item.submitted)
         attempt = request.requeues + 1  # a preempted request is bound anew
         dispatch = Dispatch(
             request=request,
-            backend=backend,
+            backend=slot.backend,
             attempt=attempt,
             routed_at=now,
             effective_rank=item.key(now, self._policies)[0],
@@ -112,89 +136,83 @@ class Dispatcher:
             request_id=request.id,
             tenant=request.tenant,
             at=now,
-            backend=backend,
+            backend=slot.backend,
             attempt=attempt,
             priority=level,
-            queue_wait=wait,
+            queue_wait=level_wait,
             reason=reason,
             router=self._holder,
             term=term,
         )
+        stored: bool | None = None  # None: not known (no answer yet)
         sent: asyncio.Future[PubAck] | None = None
         try:
-            sent = await self._js.publish_async(
-                dispatch_subject(backend),
-                encode(dispatch),
-                headers={"Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", attempt)},
-            )
-            await self._log_decision(item, routed, sent, slot)
+            try:
+                sent = await self._js.publish_async(
+                    dispatch_subject(slot.backend),
+                    encode(dispatch),
+                    headers={
+                        "Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", attempt)
+                    },
+                )
+                # Shielded: a timeout stops the wait, not the ack (see finally).
+                ack = await self._kept_alive(item.msg, asyncio.shield(sent))
+            except TimeoutError:
+                raise  # no answer: it may yet be stored
+            except Exception:
+                stored = False  # refused: it will not be
+                raise
+            stored = not ack.duplicate
+            backend: str | None = slot.backend
+            if ack.duplicate:
+                backend = await self._earlier_dispatch(request, attempt, ack.seq)
+                if backend is not None:
+                    routed = msgspec.structs.replace(
+                        routed, backend=backend, reason=_EARLIER_DISPATCH_REASON
+                    )
+            if backend is None:
+                await self._kept_alive(item.msg, self._acks(item.logged))
+            else:
+                logged = await self._log.append_async(routed)
+                await self._kept_alive(item.msg, self._acks(item.logged, logged))
             await item.msg.ack()
         except Exception as exc:  # noqa: BLE001 - the request goes back to wait, nothing lost
-            if sent is None or not sent.done() or sent.cancelled() or sent.exception() is not None:
-                slot.dropped()  # (stored late after all: the next broker read counts it)
-            elif sent.result().duplicate:
-                slot.dropped()
-            else:
-                slot.stored()
-            key = msg_id(request.tenant, request.id)
-            failures = self._dispatch_failures.pop(key, 0) + 1
-            if (
-                failures < self._config.router.max_deliver
-                and item.msg.metadata.num_delivered < self._max_deliveries
-            ):
-                self._dispatch_failures[key] = failures
-                while len(self._dispatch_failures) > _FAILURES_KEPT:
-                    self._dispatch_failures.pop(next(iter(self._dispatch_failures)))
-                log.warning(
-                    "dispatch failed; request returns to its queue",
-                    error=str(exc),
-                    failures=failures,
-                )
-                with contextlib.suppress(Exception):
-                    await item.msg.nak(delay=0.5)
-                return
-            # Out of dispatch attempts (or at the consumer's last delivery):
-            # fail it for the record rather than leave it stranded in the stream.
-            await self._fail_undeliverable(item, exc)
+            await self._dispatch_failed(item, exc)
             return
+        finally:
+            if stored is None and sent is not None and not sent.done():
+                _settle_when_answered(slot, sent)
+            elif stored is False:
+                slot.dropped()  # refused, or a duplicate: not counted
+            else:
+                slot.stored()  # counted until a broker read that began later counts it
         self._dispatch_failures.pop(msg_id(request.tenant, request.id), None)
-        self.routed += 1
-        metrics.ROUTED.labels(backend, level).inc()
-        metrics.QUEUE_WAIT.labels(level).observe(wait)
+        if backend is not None:
+            self.routed += 1
+            metrics.ROUTED.labels(backend, level).inc()
+            metrics.QUEUE_WAIT.labels(level).observe(level_wait)
 
-    async def _log_decision(
-        self, item: Held, routed: Routed, sent: asyncio.Future[PubAck], slot: Slot
-    ) -> None:
-        """Log ``routed`` once its dispatch (``sent``) is stored; count the slot.
-
-        A request that may have been bound before (delivered again, or stored
-        before this term began) waits for the dispatch's ack before logging:
-        a duplicate means an earlier bind's dispatch stands, and the decision
-        logged names that one's backend.
-        """
-        meta = item.msg.metadata
-        if meta.num_delivered > 1 or meta.sequence.stream < self.term_first_seq:
-            ack = await self._kept_alive(item.msg, sent)
-            if not ack.duplicate:
-                slot.stored()
-            else:
-                slot.dropped()
-                earlier = await self._earlier_dispatch(item.request, routed.attempt, ack.seq)
-                if earlier is None:
-                    await self._kept_alive(item.msg, self._acks(item.logged))
-                    return
-                routed = msgspec.structs.replace(
-                    routed, backend=earlier, reason=_EARLIER_DISPATCH_REASON
-                )
-            logged = await self._log.append_async(routed)
-            await self._kept_alive(item.msg, self._acks(item.logged, logged))
+    async def _dispatch_failed(self, item: Held, exc: Exception) -> None:
+        """A bind failed: the request waits again (nak), or, out of dispatch
+        attempts (or at the consumer's last delivery), fails for the record
+        rather than stay stranded in the stream."""
+        request = item.request
+        key = msg_id(request.tenant, request.id)
+        failures = self._dispatch_failures.pop(key, 0) + 1
+        if (
+            failures < self._config.router.max_deliver
+            and item.msg.metadata.num_delivered < self._max_deliveries
+        ):
+            self._dispatch_failures[key] = failures
+            while len(self._dispatch_failures) > _FAILURES_KEPT:
+                self._dispatch_failures.pop(next(iter(self._dispatch_failures)))
+            log.warning(
+                "dispatch failed; request returns to its queue", error=str(exc), failures=failures
+            )
+            with contextlib.suppress(Exception):
+                await item.msg.nak(delay=0.5)
             return
-        logged = await self._log.append_async(routed)
-        ack, *_ = await self._kept_alive(item.msg, self._acks(sent, item.logged, logged))
-        if ack.duplicate:  # not for a first delivery in this term; never counted twice
-            slot.dropped()
-        else:
-            slot.stored()
+        await self._fail_undeliverable(item, exc)
 
     @staticmethod
     def _acks(*acks: asyncio.Future[PubAck] | None) -> Awaitable[list[PubAck]]:
@@ -206,22 +224,29 @@ class Dispatcher:
     ) -> str | None:
         """The backend an earlier bind of this attempt dispatched to (stored at ``seq``).
 
-        Read from the stored dispatch, or, once a worker took it, from the
-        attempt's ``started`` event. ``None`` when neither says (the run is
-        over and its dispatch gone): that decision is then not logged again.
+        Read from the stored dispatch; once a worker has finished with it (its
+        dispatch acked, so gone), from the log: the attempt's ``started`` or
+        ``stolen`` event. ``None`` when the request has ended meanwhile (its
+        decision is then not logged after its end) or the log does not say.
         """
         with contextlib.suppress(NatsNotFoundError):
             stored = await self._js.get_msg(DISPATCH_STREAM, seq=seq)
             return stored.subject.removeprefix(dispatch_subject(""))
-        for event in reversed(await self._log.history(request.tenant, request.id, kind="started")):
+        backend: str | None = None
+        for event in await self._log.history(request.tenant, request.id):
             if isinstance(event, Started) and event.attempt == attempt:
-                return event.backend
-        log.warning(
-            "a request was dispatched by an earlier binder and its decision cannot be read back",
-            request_id=request.id,
-            attempt=attempt,
-        )
-        return None
+                backend = event.backend
+            elif isinstance(event, Stolen) and event.attempt == attempt and backend is None:
+                backend = event.to_backend
+            elif is_terminal(event):
+                return None
+        if backend is None:
+            log.warning(
+                "a request was dispatched by an earlier bind and its backend cannot be read back",
+                request_id=request.id,
+                attempt=attempt,
+            )
+        return backend
 
     async def _kept_alive(self, msg: Message, acks: Awaitable[_T]) -> _T:
         """Await ``acks`` (the publishes of a decision) within ``ACKS_TIMEOUT``

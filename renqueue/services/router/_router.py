@@ -185,6 +185,8 @@ class Router(Lifecycle):
         #: Until when (loop time) this router stays out of the race for the
         #: lease after giving it up.
         self._sit_out_until = 0.0
+        #: Terms that failed to begin in a row (reset when one begins).
+        self._failed_beginnings = 0
         #: Terms begin and end one at a time (the lease and renewal loops both end them).
         self._term_lock = asyncio.Lock()
         self._dispatcher = Dispatcher(
@@ -244,7 +246,7 @@ class Router(Lifecycle):
         if await self._lease.try_acquire():
             async with self._term_lock:
                 try:
-                    await self._begin_term()
+                    await self._begin_term_counted()
                 except RenQueueError as exc:  # JetStream refused or did not answer
                     log.warning("the binder's term could not begin", error=str(exc))
         self._supervise("lease", self._lease_loop)
@@ -278,7 +280,7 @@ class Router(Lifecycle):
             if self._term != self._lease.term and self._lease.valid():
                 async with self._term_lock:
                     if self._term != self._lease.term and self._lease.valid():
-                        await self._begin_term()
+                        await self._begin_term_counted()
             await asyncio.sleep(poll)
 
     async def _renew_loop(self) -> None:
@@ -308,20 +310,27 @@ class Router(Lifecycle):
             ]
             if failing and self._term is not None:
                 why = f"a binding loop keeps failing: {', '.join(failing)}"
-            elif (
-                self._term is None
-                and self._supervisor.failures(self._loop_name("lease")) >= _GIVE_UP_AFTER_FAILURES
-            ):
+            elif self._term is None and self._failed_beginnings >= _GIVE_UP_AFTER_FAILURES:
                 # Held, but the term cannot begin (its consumers cannot be
                 # re-created): renewing on would keep every router from binding.
                 why = "the binder's term cannot begin"
             else:
                 continue
             self._sit_out_until = loop.time() + 5 * ttl
+            self._failed_beginnings = 0
             async with self._term_lock:
                 await self._end_term(why)
             await self._lease.release()
             log.warning("router gave the binder's lease up", router=self._name, reason=why)
+
+    async def _begin_term_counted(self) -> None:
+        """:meth:`_begin_term`, counting failed beginnings in a row (the give-up rule)."""
+        try:
+            await self._begin_term()
+        except Exception:
+            self._failed_beginnings += 1
+            raise
+        self._failed_beginnings = 0
 
     async def _begin_term(self) -> None:
         """This router holds the lease: take the router consumers over and bind.
@@ -332,10 +341,6 @@ class Router(Lifecycle):
         """
         await self._end_term(None)  # anything a failed earlier attempt left running
         term = self._lease.term
-        # Read before the consumers are re-created: whatever they deliver from
-        # here down may have been bound by the binder before (its last acts).
-        info = await self._js.stream_info(REQUESTS_STREAM)
-        self._dispatcher.term_first_seq = info.state.last_seq + 1
         await renew_router_consumers(self._nc, self._consumer_configs)
         for level in self._levels:
             psub = await self._js.pull_subscribe_bind(
