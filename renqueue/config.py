@@ -26,6 +26,7 @@ from msgspec import Meta, Struct
 
 from .errors import ConfigError
 from .policy import FailurePolicy, LevelPolicy, PlanPolicy
+from .policy._quota import Limit, limits_of
 
 __all__ = [
     "DEFAULT_PRIORITIES",
@@ -168,6 +169,9 @@ class LimitsConfig(_Section, frozen=True, kw_only=True):
     concurrency: Annotated[int, Meta(ge=1, le=100_000)] = 4
     requests: list[str] = []
     tokens: list[str] = []
+    #: How windows of a day or longer reset: ``rolling`` (any stretch of the
+    #: window), or at midnight ``utc`` or ``us-pacific`` (as daily free tiers do).
+    daily_reset: Literal["rolling", "utc", "us-pacific"] = "rolling"
 
     def __post_init__(self) -> None:
         for text in (*self.requests, *self.tokens):
@@ -180,6 +184,14 @@ class LimitsConfig(_Section, frozen=True, kw_only=True):
     @property
     def token_rates(self) -> list[Rate]:
         return [parse_rate(text) for text in self.tokens]
+
+    def declared(self) -> tuple[Limit, ...]:
+        """The declared request and token limits, as the quota rules take them."""
+        return limits_of(
+            [(rate.count, rate.window) for rate in self.request_rates],
+            [(rate.count, rate.window) for rate in self.token_rates],
+            self.daily_reset,
+        )
 
 
 class BackendConfig(_Section, frozen=True, kw_only=True):

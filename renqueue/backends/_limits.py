@@ -70,6 +70,7 @@ import msgspec
 from msgspec import Struct
 
 from ..config import LimitStyle
+from ..wire._messages import ReportedLimit
 
 __all__ = [
     "DAY",
@@ -79,6 +80,7 @@ __all__ = [
     "LimitKind",
     "LimitWindow",
     "parse_limits",
+    "reported",
 ]
 
 #: What a quota counts.
@@ -854,3 +856,19 @@ def parse_limits(
     if style == "ietf" or auto:
         _read_ietf(lowered, reading)
     return reading.result()
+
+
+def reported(learned: LearnedLimits | None) -> tuple[ReportedLimit, ...]:
+    """The windows of ``learned`` as they travel in events (nothing for ``None``)."""
+    if learned is None:
+        return ()
+    return tuple(
+        ReportedLimit(
+            kind=window.kind,
+            window=window.window,
+            limit=window.limit,
+            remaining=window.remaining,
+            reset_at=window.reset_at,
+        )
+        for window in learned.windows
+    )

@@ -17,6 +17,12 @@ that read the broker, ask these functions, and carry out what they answer.
   :class:`FailurePolicy`, answering :class:`Retry`, :class:`RequeueElsewhere`
   or :class:`Fail`; :func:`backoff`.
 - Backend health (``_health``): :func:`is_healthy`.
+- Backend quotas (``_quota``, over the spend log of ``_spend``): :class:`Limit` s
+  (:func:`limits_of`, :func:`effective_limits`) judged against a :class:`Quota`
+  (one :class:`SpendLog` per backend, and what its provider said: a
+  :class:`Learned` window, a cooldown) by :func:`check`, answering a
+  :class:`QuotaVerdict` for a :class:`Cost`; :func:`used`, :func:`reserve`,
+  :func:`reconcile`, :func:`learn`, :func:`cool_down`.
 - Token estimates for quota reservations, no tokenizer download (``_tokens``):
   :func:`estimate_text_tokens`, :func:`estimate_prompt_tokens`,
   :func:`estimate_request_tokens`.
@@ -52,7 +58,23 @@ from ._planner import (
     urgency,
 )
 from ._preemption import choose_victim, may_preempt, preempting_rank
+from ._quota import (
+    Cost,
+    Learned,
+    Limit,
+    Quota,
+    QuotaVerdict,
+    check,
+    cool_down,
+    effective_limits,
+    learn,
+    limits_of,
+    reconcile,
+    reserve,
+    used,
+)
 from ._routing import BackendView, NoRoom, capable, choose_backend, hopeless, validate
+from ._spend import SpendLog
 from ._tokens import (
     CHARS_PER_TOKEN,
     MESSAGE_OVERHEAD_TOKENS,
@@ -76,38 +98,52 @@ __all__ = [
     "AskPreemption",
     "BackendView",
     "Bind",
+    "Cost",
     "Expire",
     "Fail",
     "FailureAction",
     "FailurePolicy",
     "FaultRecord",
     "Inherit",
+    "Learned",
     "LevelPolicy",
+    "Limit",
     "NoRoom",
     "PlanPolicy",
     "Promote",
+    "Quota",
+    "QuotaVerdict",
     "RequeueElsewhere",
     "Retry",
+    "SpendLog",
     "Wait",
     "Waiting",
     "after_failure",
     "aging_bound",
     "backoff",
     "capable",
+    "check",
     "choose_backend",
     "choose_victim",
+    "cool_down",
+    "effective_limits",
     "effective_rank",
     "estimate_prompt_tokens",
     "estimate_request_tokens",
     "estimate_text_tokens",
     "hopeless",
     "is_healthy",
+    "learn",
+    "limits_of",
     "may_preempt",
     "pick_key",
     "plan",
     "preempting_rank",
     "promotions",
+    "reconcile",
+    "reserve",
     "retry_after",
     "urgency",
+    "used",
     "validate",
 ]

@@ -20,8 +20,13 @@ The rules, in the order the planner applies them:
    expected call duration ends past the deadline (:func:`hopeless`: a candidate
    with no estimate yet may still make it, so it is never hopeless).
 4. Else :class:`Bind` it to the first candidate of its route, in cascade order,
-   that is healthy, of a tier the request needs and has a free slot
-   (:func:`choose_backend`); the slot is used up for the rest of the round.
+   that is healthy, of a tier the request needs, has a free slot and whose
+   quota has room for it now (one request, and its token estimate: prompt +
+   the most it may generate, :func:`estimate_request_tokens`); the slot and
+   the quota are used up for the rest of the round. A candidate passed over
+   for its quota is named in the bind's reason (``quota:requests/min 30/30,
+   resets in 12 s``): traffic moves down the cascade as a backend nears its
+   limit, and comes back when its window frees.
 5. Else it waits (:class:`Wait`), and if every capable candidate is full and its
    level preempts (:func:`may_preempt`, at :func:`preempting_rank`), it asks
    for a preemptible run's slot (:class:`AskPreemption`), unless a run was
@@ -42,10 +47,16 @@ from msgspec import Struct
 from ..wire._messages import InferenceRequest
 from ._aging import LevelPolicy, effective_rank, pick_key, promotions
 from ._preemption import may_preempt, preempting_rank
-from ._routing import BackendView, NoRoom, capable, choose_backend, hopeless
+from ._quota import Cost, Quota, QuotaVerdict, check, reserve
+from ._routing import BackendView, NoRoom, capable, hopeless
+from ._tokens import estimate_request_tokens
 
 #: Seconds before an urgent request that is still waiting asks for preemption again.
 PREEMPT_RETRY = 2.0
+#: Output tokens a request without ``max_tokens`` is reserved quota for.
+DEFAULT_MAX_TOKENS = 1024
+
+_NO_SPEND = Quota()
 
 #: ``Routed.reason`` of a binding.
 BIND_REASON = "first candidate in cascade order with a free slot"
@@ -63,6 +74,8 @@ class PlanPolicy(Struct, frozen=True, kw_only=True):
     routes: Mapping[str, tuple[str, ...]]
     #: Seconds before a request whose ask found nothing to preempt asks again.
     preempt_retry: float = PREEMPT_RETRY
+    #: Tokens reserved for a request's output when it sets no ``max_tokens``.
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
 
 
 class Waiting(Struct, frozen=True, kw_only=True):
@@ -134,6 +147,8 @@ class Bind(Struct, frozen=True, kw_only=True, tag=True):
     #: The rank it competed at (passed down to backends that take a priority).
     effective_rank: int
     reason: str = BIND_REASON
+    #: Tokens reserved of the backend's token quota (its estimate).
+    reserved_tokens: int = 0
 
 
 class AskPreemption(Struct, frozen=True, kw_only=True, tag=True):
@@ -206,20 +221,68 @@ def plan(
                 )
                 actions.append(Expire(ref=item.ref, reason=reason))
                 continue
-        choice = choose_backend(request, candidates, views)
+        cost = Cost(
+            requests=1,
+            tokens=estimate_request_tokens(request, default_max_tokens=policy.default_max_tokens),
+        )
+        choice, passed = _choose(request, candidates, views, cost, now)
         if isinstance(choice, NoRoom):
-            if choice is NoRoom.FULL:
+            if choice is NoRoom.FULL and not passed:
                 ask = _preemption(item, candidates, views, now, policy)
                 if ask is not None:
                     actions.append(ask)
-            actions.append(Wait(ref=item.ref, backends=tuple(candidates), reason=choice.value))
+            reason = choice.value if not passed else _passed_reason(passed, "no candidate left")
+            actions.append(Wait(ref=item.ref, backends=tuple(candidates), reason=reason))
             continue
         view = views[choice]
-        views[choice] = msgspec.structs.replace(view, in_flight=view.in_flight + 1)
+        # Tokens are reserved where a token limit applies; elsewhere the
+        # call's reported usage is recorded when it ends.
+        if not any(limit.kind == "tokens" for limit in view.limits):
+            cost = Cost(requests=1)
+        views[choice] = msgspec.structs.replace(
+            view,
+            in_flight=view.in_flight + 1,
+            quota=reserve(view.quota or _NO_SPEND, cost, now) if view.limits else view.quota,
+        )
         actions.append(
-            Bind(ref=item.ref, backend=choice, effective_rank=urgency(item, now, levels)[0])
+            Bind(
+                ref=item.ref,
+                backend=choice,
+                effective_rank=urgency(item, now, levels)[0],
+                reason=BIND_REASON if not passed else _passed_reason(passed, f"bound to {choice}"),
+                reserved_tokens=cost.tokens,
+            )
         )
     return actions
+
+
+def _choose(
+    request: InferenceRequest,
+    candidates: Sequence[str],
+    views: Mapping[str, BackendView],
+    cost: Cost,
+    now: float,
+) -> tuple[str | NoRoom, list[tuple[str, QuotaVerdict]]]:
+    """The first capable candidate with a free slot and room in its quota, and the
+    candidates with a free slot passed over for their quota (cascade order)."""
+    able = capable(request, candidates, views)
+    if not able:
+        return NoRoom.NONE_CAPABLE, []
+    passed: list[tuple[str, QuotaVerdict]] = []
+    for view in able:
+        if view.free <= 0:
+            continue
+        if view.limits or view.quota is not None:  # limits, or a provider's cooldown
+            verdict = check(view.quota or _NO_SPEND, view.limits, cost, now)
+            if not verdict.ok:
+                passed.append((view.name, verdict))
+                continue
+        return view.name, passed
+    return NoRoom.FULL, passed
+
+
+def _passed_reason(passed: list[tuple[str, QuotaVerdict]], then: str) -> str:
+    return "; ".join([*(f"{name} {verdict.reason}" for name, verdict in passed), then])
 
 
 def _announcements(

@@ -20,6 +20,7 @@ import msgspec
 from ..errors import MalformedRequestError, NoCapableBackendError, UnknownRouteError
 from ..wire._messages import InferenceRequest
 from ..wire._subjects import msg_id
+from ._quota import Limit, Quota
 
 if TYPE_CHECKING:  # config builds the level policies from this package: no cycle at run time
     from ..config import Config
@@ -42,6 +43,10 @@ class BackendView(msgspec.Struct, frozen=True, kw_only=True):
     tier: int = 1
     #: What a call here is expected to take (seconds); ``None``: not known yet.
     expected_duration: float | None = None
+    #: What its rate limits leave (``None``: nothing spent or reported yet),
+    #: judged against ``limits`` (declared, tightened by what was learned).
+    quota: Quota | None = None
+    limits: tuple[Limit, ...] = ()
 
     @property
     def free(self) -> int:

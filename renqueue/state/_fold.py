@@ -9,11 +9,21 @@ exactly the state that is live (design property 4). The health rule is
 :func:`renqueue.policy.is_healthy`, a pure function of one backend's state and
 a caller-supplied ``now``, so a router applies the cooldown with its own clock.
 
-The state is bounded: counters per backend, per tenant and in total, plus one
-small entry per request that has started and not yet ended, keyed
-``<tenant>:<request id>`` (dropped at its terminal event, and swept after
-:data:`STALE_IN_FLIGHT` seconds of event time so a lost terminal event cannot
-leak an entry forever).
+The state is bounded: counters per backend, per tenant and in total, each
+backend's quota (a spend log of a few hundred slots at most, and what its
+provider last said of its limits), plus one small entry per request that has
+started and not yet ended and one per request whose ``routed`` decision
+reserved quota, both keyed ``<tenant>:<request id>`` (dropped at its terminal
+event, and swept after :data:`STALE_IN_FLIGHT` seconds of event time so a lost
+terminal event cannot leak an entry forever).
+
+Quota, in event time: a ``routed`` decision spends one request and the token
+estimate it reserved; another call for the same decision (a retry, a run on a
+pool sibling that stole it) spends one more request; a ``completed`` call
+reconciles the reservation with the usage reported; a 429 (``rate_limited``)
+starts a cooldown of its ``retry_after``; a failure that says the provider's
+quota is spent takes the backend out until then; and every limit the
+provider reported with an answer or a failure is learned.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from typing import Any, Final
 import msgspec
 from msgspec import Struct
 
+from ..policy._quota import Cost, Quota, cool_down, learn, reconcile, reserve
 from ..wire._messages import (
     Cancelled,
     CancelRequested,
@@ -33,7 +44,9 @@ from ..wire._messages import (
     Expired,
     Failed,
     Rejected,
+    ReportedLimit,
     Retrying,
+    Routed,
     Started,
     Submitted,
     kind_of,
@@ -49,6 +62,7 @@ __all__ = [
     "BackendState",
     "InFlight",
     "ProjectionState",
+    "Reservation",
     "TenantState",
     "decode_state",
     "encode_state",
@@ -58,8 +72,9 @@ __all__ = [
 
 #: Version of the stored state's schema (the ``v`` field of the KV value).
 #: 2: ``in_flight`` is keyed ``<tenant>:<request id>`` (1: by request id alone);
-#: a projector that finds an older state folds the log again from the start.
-STATE_VERSION: Final = 2
+#: 3: backends carry their ``quota`` and the state its open ``reserved`` quota.
+#: A projector that finds an older state folds the log again from the start.
+STATE_VERSION: Final = 3
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
 #: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
@@ -116,6 +131,9 @@ class BackendState(Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: Moving average of completed calls' durations (seconds, weight 0.2 on
     #: the newest): what a deadline check expects a call here to take.
     duration_ewma: float | None = None
+    #: What was sent to it over time, and what its provider said of its
+    #: limits (:class:`renqueue.policy.Quota`): what its rate limits leave.
+    quota: Quota | None = None
 
 
 class TenantState(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -131,6 +149,14 @@ class InFlight(Struct, frozen=True, array_like=True):
 
     backend: str
     since: float
+
+
+class Reservation(Struct, frozen=True, array_like=True):
+    """Quota a ``routed`` decision reserved and no end has reconciled yet."""
+
+    backend: str
+    at: float
+    tokens: int
 
 
 class ProjectionState(Struct, frozen=True, kw_only=True):
@@ -157,6 +183,9 @@ class ProjectionState(Struct, frozen=True, kw_only=True):
     backends: dict[str, BackendState] = {}
     tenants: dict[str, TenantState] = {}
     in_flight: dict[str, InFlight] = {}
+    #: Quota reserved by ``routed`` decisions whose requests have not ended,
+    #: by ``<tenant>:<request id>``.
+    reserved: dict[str, Reservation] = {}
     in_flight_dropped: int = 0
     last_sweep_at: float = 0.0
     mismatched: int = 0
@@ -172,6 +201,7 @@ class ProjectionState(Struct, frozen=True, kw_only=True):
 
 
 _EMPTY_BACKEND: Final = BackendState()
+_EMPTY_QUOTA: Final = Quota()
 _EMPTY_TENANT: Final = TenantState()
 
 _ENCODER: Final = msgspec.json.Encoder()
@@ -247,6 +277,7 @@ class _Builder:
         self._backends = state.backends
         self._tenants = state.tenants
         self._in_flight = state.in_flight
+        self._reserved = state.reserved
         self._copied: set[str] = set()
 
     def _own(self, name: str) -> None:
@@ -257,6 +288,8 @@ class _Builder:
             self._backends = dict(self._backends)
         elif name == "tenants":
             self._tenants = dict(self._tenants)
+        elif name == "reserved":
+            self._reserved = dict(self._reserved)
         else:
             self._in_flight = dict(self._in_flight)
 
@@ -292,20 +325,30 @@ class _Builder:
             self.submitted += 1
             tenant = self._tenants.get(event.tenant, _EMPTY_TENANT)
             self._set_tenant(event.tenant, submitted=tenant.submitted + 1)
+        elif isinstance(event, Routed):
+            self._route(event, at)
         elif isinstance(event, Started):
             self._start(event, at)
         elif isinstance(event, Retrying):
             self._failure(event.backend, event.error_type, at)
+            self._provider_said(event.backend, event.limits, at, event.quota_exhausted_until)
+            if event.error_type == "rate_limited":
+                self._cool_down(event.backend, at + _finite(event.retry_after))
         elif isinstance(event, Completed):
             self._complete(event, at)
         elif isinstance(event, Failed) and event.backend is not None:
             self._failure(event.backend, event.error_type, at)
+            self._provider_said(event.backend, event.limits, at, event.quota_exhausted_until)
         if isinstance(event, Completed | Failed | Rejected | Expired | Cancelled):
             kind = kind_of(event)
             tenant = self._tenants.get(event.tenant, _EMPTY_TENANT)
             self.terminal = _bump(self.terminal, kind)
             self._set_tenant(event.tenant, terminal=_bump(tenant.terminal, kind))
-            self._end(msg_id(event.tenant, event.request_id))
+            key = msg_id(event.tenant, event.request_id)
+            self._end(key)
+            if key in self._reserved:
+                self._own("reserved")
+                del self._reserved[key]
         if self.log_time - self.last_sweep_at >= _SWEEP_EVERY:
             self._sweep()
 
@@ -315,6 +358,13 @@ class _Builder:
         previous = self._in_flight.get(key)
         self._own("in_flight")
         self._in_flight[key] = InFlight(event.backend, at)
+        reservation = self._reserved.get(key)
+        if previous is not None or (
+            reservation is not None and reservation.backend != event.backend
+        ):
+            # Another call than the one its decision reserved: a retry, or a
+            # run on a pool sibling that stole it.
+            self._spend(event.backend, Cost(requests=1), at)
         if previous is None or previous.backend != event.backend:
             if previous is not None:
                 self._leave(previous.backend)
@@ -349,7 +399,52 @@ class _Builder:
             changes["last_fault_at"] = at
         self._set_backend(name, **changes)
 
+    def _quota(self, name: str) -> Quota:
+        return self._backends.get(name, _EMPTY_BACKEND).quota or _EMPTY_QUOTA
+
+    def _spend(self, name: str, cost: Cost, at: float) -> None:
+        self._set_backend(name, quota=reserve(self._quota(name), cost, at))
+
+    def _cool_down(self, name: str, until: float, *, exhausted: bool = False) -> None:
+        self._set_backend(name, quota=cool_down(self._quota(name), until, exhausted=exhausted))
+
+    def _provider_said(
+        self,
+        name: str,
+        limits: tuple[ReportedLimit, ...],
+        at: float,
+        exhausted_until: float | None,
+    ) -> None:
+        if limits:
+            self._set_backend(name, quota=learn(self._quota(name), limits, at))
+        if exhausted_until is not None:
+            self._cool_down(name, _finite(exhausted_until), exhausted=True)
+
+    def _route(self, event: Routed, at: float) -> None:
+        """A decision reserves one request and its token estimate of the backend's quota."""
+        key = msg_id(event.tenant, event.request_id)
+        tokens = max(0, event.reserved_tokens)
+        self._spend(event.backend, Cost(requests=1, tokens=tokens), at)
+        self._own("reserved")
+        self._reserved[key] = Reservation(event.backend, at, tokens)
+
     def _complete(self, event: Completed, at: float) -> None:
+        self._provider_said(event.backend, event.limits, at, None)
+        if event.shared_with is None:  # a coalesced follower made no call of its own
+            key = msg_id(event.tenant, event.request_id)
+            reservation = self._reserved.get(key)
+            used = event.usage.prompt_tokens + event.usage.completion_tokens
+            if reservation is not None and reservation.backend == event.backend:
+                quota = reconcile(
+                    self._quota(event.backend),
+                    reserved=reservation.tokens,
+                    used=used,
+                    reserved_at=reservation.at,
+                    at=at,
+                )
+                self._set_backend(event.backend, quota=quota)
+            else:
+                self._spend(event.backend, Cost(requests=0, tokens=used), at)
         backend = self._backends.get(event.backend, _EMPTY_BACKEND)
         cost = _finite(event.cost)
         self._set_backend(
@@ -373,6 +468,11 @@ class _Builder:
         for key in stale:
             self._end(key)
         self.in_flight_dropped += len(stale)
+        old = [key for key, entry in self._reserved.items() if entry.at < horizon]
+        if old:
+            self._own("reserved")
+            for key in old:
+                del self._reserved[key]
 
     def freeze(self) -> ProjectionState:
         return ProjectionState(
@@ -387,6 +487,7 @@ class _Builder:
             backends=self._backends,
             tenants=self._tenants,
             in_flight=self._in_flight,
+            reserved=self._reserved,
             in_flight_dropped=self.in_flight_dropped,
             last_sweep_at=self.last_sweep_at,
             mismatched=self.mismatched,

@@ -38,6 +38,7 @@ __all__ = [
     "Preempted",
     "Promoted",
     "Rejected",
+    "ReportedLimit",
     "Retrying",
     "Routed",
     "Started",
@@ -129,6 +130,10 @@ class Dispatch(Struct, frozen=True, kw_only=True):
     routed_at: NonNegative = 0.0
     #: The request's level rank after aging when it was bound (0 = most urgent).
     effective_rank: Annotated[int, Meta(ge=0)] | None = None
+    #: Tokens the binder reserved of the backend's token quota for this call
+    #: (prompt estimate + the most it may generate); the worker reports the
+    #: real usage against it.
+    reserved_tokens: Count = 0
 
 
 class TokenChunk(Struct, frozen=True, kw_only=True):
@@ -157,6 +162,23 @@ class TokenChunk(Struct, frozen=True, kw_only=True):
 
 
 # --------------------------------------------------------------------- events
+
+
+class ReportedLimit(Struct, frozen=True, kw_only=True):
+    """One rate-limit window as a provider reported it with a response.
+
+    ``kind``: ``requests``, ``tokens``, ``input_tokens`` or ``output_tokens``;
+    ``window`` in seconds when known (60: per minute, 86400: per day);
+    ``reset_at`` is absolute (Unix seconds, the worker's clock when the
+    response came plus the delay the provider gave), so every process and
+    every replay reads the same moment.
+    """
+
+    kind: str
+    window: float | None = None
+    limit: int | None = None
+    remaining: int | None = None
+    reset_at: float | None = None
 
 
 class _EventBase(Struct, frozen=True, kw_only=True, tag_field="kind"):
@@ -191,6 +213,8 @@ class Routed(_EventBase, frozen=True, kw_only=True, tag="routed"):
     #: which instance decided, for audits. Empty/0 in events from before it.
     router: str = ""
     term: int = 0
+    #: Tokens reserved of the backend's token quota (see ``Dispatch``).
+    reserved_tokens: int = 0
 
 
 class Promoted(_EventBase, frozen=True, kw_only=True, tag="promoted"):
@@ -261,6 +285,10 @@ class Retrying(_EventBase, frozen=True, kw_only=True, tag="retrying"):
     error_type: str
     reason: str
     retry_after: float
+    #: What the provider reported of its rate limits with this failure.
+    limits: tuple[ReportedLimit, ...] = ()
+    #: The provider's quota is spent until then (a daily quota): no call before.
+    quota_exhausted_until: float | None = None
 
 
 class Completed(_EventBase, frozen=True, kw_only=True, tag="completed"):
@@ -277,6 +305,10 @@ class Completed(_EventBase, frozen=True, kw_only=True, tag="completed"):
     duration: float = 0.0
     #: The request whose backend call this one shared (coalescing); its cost is there.
     shared_with: str | None = None
+    #: What the provider reported of its rate limits with this answer.
+    limits: tuple[ReportedLimit, ...] = ()
+    #: Tokens the binder had reserved for this call (``Dispatch.reserved_tokens``).
+    reserved_tokens: int = 0
 
 
 class Failed(_EventBase, frozen=True, kw_only=True, tag="failed"):
@@ -286,6 +318,10 @@ class Failed(_EventBase, frozen=True, kw_only=True, tag="failed"):
     reason: str
     backend: str | None = None
     attempt: int = 0
+    #: What the provider reported of its rate limits with this failure.
+    limits: tuple[ReportedLimit, ...] = ()
+    #: The provider's quota is spent until then (a daily quota): no call before.
+    quota_exhausted_until: float | None = None
 
 
 class Expired(_EventBase, frozen=True, kw_only=True, tag="expired"):

@@ -41,6 +41,7 @@ from ...wire._nats import JetStream, Message, PubAck
 from ...wire._subjects import DISPATCH_STREAM, dispatch_subject, msg_id, router_max_deliveries
 from ._capacity import Slot
 from ._hold import Held
+from ._ledger import Reserved
 
 __all__ = ["ACKS_TIMEOUT", "Dispatcher"]
 
@@ -112,6 +113,7 @@ class Dispatcher:
         reason: str = BIND_REASON,
         *,
         term: int,
+        reserved: Reserved | None = None,
     ) -> None:
         """Dispatch ``item`` to the slot's backend, log the ``routed`` decision, ack it.
 
@@ -131,6 +133,7 @@ class Dispatcher:
             attempt=attempt,
             routed_at=now,
             effective_rank=item.key(now, self._policies)[0],
+            reserved_tokens=0 if reserved is None else reserved.cost.tokens,
         )
         routed = Routed(
             request_id=request.id,
@@ -143,6 +146,7 @@ class Dispatcher:
             reason=reason,
             router=self._holder,
             term=term,
+            reserved_tokens=0 if reserved is None else reserved.cost.tokens,
         )
         stored: bool | None = None  # None: not known (no answer yet)
         sent: asyncio.Future[PubAck] | None = None
@@ -163,23 +167,14 @@ class Dispatcher:
                 stored = False  # refused: it will not be
                 raise
             stored = not ack.duplicate
-            backend: str | None = slot.backend
-            if ack.duplicate:
-                backend = await self._earlier_dispatch(request, attempt, ack.seq)
-                if backend is not None:
-                    routed = msgspec.structs.replace(
-                        routed, backend=backend, reason=_EARLIER_DISPATCH_REASON
-                    )
-            if backend is None:
-                await self._kept_alive(item.msg, self._acks(item.logged))
-            else:
-                logged = await self._log.append_async(routed)
-                await self._kept_alive(item.msg, self._acks(item.logged, logged))
+            backend = await self._log_decision(item, routed, ack, reserved)
             await item.msg.ack()
         except Exception as exc:  # noqa: BLE001 - the request goes back to wait, nothing lost
             await self._dispatch_failed(item, exc)
             return
         finally:
+            if reserved is not None and reserved.seq is None:
+                reserved.dropped()  # no decision logged: nothing reserved
             if stored is None and sent is not None and not sent.done():
                 _settle_when_answered(slot, sent)
             elif stored is False:
@@ -191,6 +186,31 @@ class Dispatcher:
             self.routed += 1
             metrics.ROUTED.labels(backend, level).inc()
             metrics.QUEUE_WAIT.labels(level).observe(level_wait)
+
+    async def _log_decision(
+        self, item: Held, routed: Routed, ack: PubAck, reserved: Reserved | None
+    ) -> str | None:
+        """Log the decision of a stored dispatch (``ack``); the backend it names.
+
+        A duplicate means an earlier bind's dispatch stands: the decision
+        names that one's backend, or is not logged (``None``) when that
+        cannot be read back or the request has ended.
+        """
+        backend: str | None = routed.backend
+        if ack.duplicate:
+            backend = await self._earlier_dispatch(item.request, routed.attempt, ack.seq)
+            if backend is not None:
+                routed = msgspec.structs.replace(
+                    routed, backend=backend, reason=_EARLIER_DISPATCH_REASON
+                )
+        if backend is None:
+            await self._kept_alive(item.msg, self._acks(item.logged))
+            return None
+        logged = await self._log.append_async(routed)
+        *_, decision = await self._kept_alive(item.msg, self._acks(item.logged, logged))
+        if reserved is not None:
+            reserved.logged(backend, decision.seq)
+        return backend
 
     async def _dispatch_failed(self, item: Held, exc: Exception) -> None:
         """A bind failed: the request waits again (nak), or, out of dispatch

@@ -71,6 +71,7 @@ from ...ops._provision import renew_router_consumers, router_consumer_configs
 from ...policy import (
     AskPreemption,
     Bind,
+    Cost,
     Expire,
     Inherit,
     PlanPolicy,
@@ -112,6 +113,7 @@ from ._admission import Refused, admit, parent_of, subject_token, submitted_at
 from ._capacity import Capacity
 from ._dispatch import ACKS_TIMEOUT, Dispatcher
 from ._hold import BOOST_DECODER, Held, Hold, stored_at
+from ._ledger import Ledger
 from ._preemption import ask_preemption
 
 __all__ = ["Router"]
@@ -161,6 +163,7 @@ class Router(Lifecycle):
         self._coalescer = Coalescer(js, clock=clock, ttl=parse_duration(config.router.coalesce_ttl))
         #: Timers that expire coalesced followers at their deadlines.
         self._follower_timers: set[asyncio.TimerHandle] = set()
+        self._ledger = Ledger(config)
         self._capacity = Capacity(
             js, config, parse_duration(config.router.capacity_refresh), health=self._healthy
         )
@@ -771,12 +774,16 @@ class Router(Lifecycle):
             for ref, item in items.items()
         ]
         state = self._state
-        views = {
-            name: msgspec.structs.replace(
-                view, expected_duration=None if state is None else state.expected_duration(name)
+        projected = None if state is None else state.state
+        views = {}
+        for name, view in self._capacity.views().items():
+            quota, limits = self._ledger.quota(name, projected)
+            views[name] = msgspec.structs.replace(
+                view,
+                expected_duration=None if state is None else state.expected_duration(name),
+                quota=quota,
+                limits=limits,
             )
-            for name, view in self._capacity.views().items()
-        }
         waiting: set[str] = set()
         gone: set[int] = set()
         for action in plan(snapshot, views, now, self._plan_policy):
@@ -789,6 +796,9 @@ class Router(Lifecycle):
             elif isinstance(action, Bind):
                 gone.add(action.ref)
                 slot = self._capacity.dispatching(action.backend)
+                reserved = self._ledger.reserving(
+                    action.backend, Cost(requests=1, tokens=action.reserved_tokens), now
+                )
                 # The term is the deciding round's, not whichever is current when it runs.
                 self._spawn_publish(
                     self._dispatcher.bind(
@@ -798,6 +808,7 @@ class Router(Lifecycle):
                         now,
                         action.reason,
                         term=self._term or 0,
+                        reserved=reserved,
                     )
                 )
             elif isinstance(action, AskPreemption):

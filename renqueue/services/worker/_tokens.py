@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable
 
 import msgspec
-from aiolimiter import AsyncLimiter
 
 from ... import metrics
 from ...backends import Backend
+from ...backends._limits import LearnedLimits, reported
 from ...config import BackendConfig
-from ...wire._messages import Completed, Dispatch, TokenChunk, Usage, encode
+from ...wire._messages import Completed, Dispatch, ReportedLimit, TokenChunk, Usage, encode
 from ...wire._nats import JetStream, PubAck
 from ...wire._subjects import token_subject
 
@@ -61,11 +61,11 @@ class Caller:
         self._backend_config = backend_config
         self._backend = backend
         self._clock = clock
-        # Declared request rates, held in this process (a later issue shares
-        # them across processes through the projection).
-        self._limiters = [
-            AsyncLimiter(rate.count, rate.window) for rate in backend_config.limits.request_rates
-        ]
+
+    @property
+    def backend(self) -> Backend:
+        """The adapter this calls."""
+        return self._backend
 
     async def call(
         self,
@@ -92,8 +92,6 @@ class Caller:
         timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
         try:
             async with asyncio.timeout(timeout):
-                for limiter in self._limiters:
-                    await limiter.acquire()
                 stream = self._backend.stream(request, priority=rank)
                 try:
                     async for delta in stream:
@@ -140,4 +138,12 @@ class Caller:
             finish_reason=finish_reason,
             ttft=ttft,
             duration=duration,
+            limits=reported_limits(self._backend),
+            reserved_tokens=dispatch.reserved_tokens,
         )
+
+
+def reported_limits(backend: Backend) -> tuple[ReportedLimit, ...]:
+    """What ``backend``'s provider last said of its rate limits (adapters that read them)."""
+    learned = getattr(backend, "last_rate_limit", None)
+    return reported(learned) if isinstance(learned, LearnedLimits) else ()

@@ -55,7 +55,7 @@ from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor, cancel_and_wait
 from ...backends import Backend
 from ...config import BackendConfig, Config, parse_duration
-from ...errors import BackendError, NatsUnavailableError
+from ...errors import BackendError, NatsUnavailableError, RateLimitedError
 from ...logs import bound_request, get_logger
 from ...policy import RequeueElsewhere, Retry, after_failure, backoff
 from ...state._cancellation import CancelWatch
@@ -98,7 +98,7 @@ from ...wire._subjects import (
 )
 from ._preemption import PREEMPT_GRACE, Preemptible, Run, requeue
 from ._stealing import STEAL_INTERVAL, Thief
-from ._tokens import Caller, Chunks, Expiry, settle
+from ._tokens import Caller, Chunks, Expiry, reported_limits, settle
 
 __all__ = ["Worker"]
 
@@ -589,6 +589,7 @@ class Worker(Lifecycle):
                 error_type=action.error_type,
                 reason=action.reason,
                 delay=action.delay,
+                exhausted_until=_exhausted_until(exc),
             )
             return
         if isinstance(action, RequeueElsewhere):
@@ -617,8 +618,12 @@ class Worker(Lifecycle):
         error_type: str,
         reason: str,
         delay: float,
+        exhausted_until: float | None = None,
     ) -> None:
-        """Record the failed run (``retrying``: what the budget counts), then nak."""
+        """Record the failed run (``retrying``: what the budget counts), then nak.
+
+        What the provider said of its limits goes with it, for every router.
+        """
         request = dispatch.request
         await self._log.append(
             Retrying(
@@ -631,6 +636,8 @@ class Worker(Lifecycle):
                 error_type=error_type,
                 reason=reason,
                 retry_after=delay,
+                limits=reported_limits(self._caller.backend),
+                quota_exhausted_until=exhausted_until,
             )
         )
         await msg.nak(delay=delay)
@@ -663,6 +670,7 @@ class Worker(Lifecycle):
             reason=reason,
             backend=self._backend_name,
             attempt=dispatch.attempt,
+            limits=reported_limits(self._caller.backend),
         )
         await self._finish(msg, request, failed, run, seq=seq)
 
@@ -706,3 +714,10 @@ class Worker(Lifecycle):
                 await msg.in_progress()
             except Exception as exc:  # noqa: BLE001 - the next renewal may get through
                 log.warning("could not renew a running request's lease", error=str(exc))
+
+
+def _exhausted_until(exc: Exception) -> float | None:
+    """When a provider whose quota is spent said it comes back (``None``: not that, or unknown)."""
+    if isinstance(exc, RateLimitedError) and exc.quota_exhausted:
+        return exc.quota_exhausted_until
+    return None

@@ -1,0 +1,72 @@
+"""What the binder has reserved of each backend's quota that the projection may not show yet.
+
+The projection (:mod:`renqueue.state`) folds every ``routed`` decision into
+its backend's quota, a moment after the decision is stored. Between the two,
+the binder counts its own reservations here, as :class:`Capacity` counts its
+own dispatches: a reservation is counted from the moment it is decided until
+the projection has folded the event that logged it (its stream sequence is at
+or below the projection's ``last_seq``), or until it is dropped (its decision
+was not logged). So a round always sees every reservation exactly once, and
+a new binder, whose ledger starts empty, sees them all in the projection.
+"""
+
+from __future__ import annotations
+
+from ...config import Config
+from ...policy import Cost, Limit, Quota, effective_limits, reserve
+from ...state import ProjectionState
+
+__all__ = ["Ledger", "Reserved"]
+
+
+class Reserved:
+    """One decided reservation, counted until the projection folds it or it is dropped."""
+
+    __slots__ = ("_ledger", "at", "backend", "cost", "seq")
+
+    def __init__(self, ledger: Ledger, backend: str, cost: Cost, at: float) -> None:
+        self._ledger = ledger
+        self.backend = backend
+        self.cost = cost
+        self.at = at
+        #: The ``routed`` event's stream sequence, once stored.
+        self.seq: int | None = None
+
+    def logged(self, backend: str, seq: int) -> None:
+        """Its decision was stored at ``seq`` (naming ``backend``)."""
+        self.backend = backend
+        self.seq = seq
+
+    def dropped(self) -> None:
+        """Its decision was not logged: it reserves nothing."""
+        self._ledger.discard(self)
+
+
+class Ledger:
+    """Per-backend quota as the binder decides by: the projection's, plus its own since."""
+
+    def __init__(self, config: Config) -> None:
+        self._declared: dict[str, tuple[Limit, ...]] = {
+            name: backend.limits.declared() for name, backend in config.backends.items()
+        }
+        self._pending: list[Reserved] = []
+
+    def reserving(self, backend: str, cost: Cost, at: float) -> Reserved:
+        reserved = Reserved(self, backend, cost, at)
+        self._pending.append(reserved)
+        return reserved
+
+    def discard(self, reserved: Reserved) -> None:
+        if reserved in self._pending:
+            self._pending.remove(reserved)
+
+    def quota(self, backend: str, state: ProjectionState | None) -> tuple[Quota, tuple[Limit, ...]]:
+        """``backend``'s quota and the limits it is judged by, as of ``state``."""
+        folded = 0 if state is None else state.last_seq
+        self._pending = [r for r in self._pending if r.seq is None or r.seq > folded]
+        quota = (None if state is None else state.backend(backend).quota) or Quota()
+        for reserved in self._pending:
+            if reserved.backend == backend:
+                quota = reserve(quota, reserved.cost, reserved.at)
+        declared = self._declared.get(backend, ())
+        return quota, effective_limits(declared, quota) if declared or quota.learned else ()

@@ -1,0 +1,148 @@
+"""The quota folded from the log (issue #8 item 1): a pure fold of service events.
+
+Each backend's quota is rebuilt from events alone, in event time: decisions
+spend, calls reconcile, 429s pause, what providers report is learned, and
+folding the same events again gives the same state.
+"""
+
+from __future__ import annotations
+
+from renqueue.policy import Cost, Limit, check, used
+from renqueue.state import ProjectionState, fold_many
+from renqueue.wire import Completed, ReportedLimit, Retrying, Routed, Started, Usage
+
+T = 1_800_000_000.0
+PER_MINUTE = Limit(kind="requests", count=3, window=60.0)
+TOKENS = Limit(kind="tokens", count=1000, window=60.0)
+
+
+def routed(rid: str, at: float, tokens: int = 0, backend: str = "free") -> Routed:
+    return Routed(
+        request_id=rid,
+        tenant="t",
+        at=at,
+        backend=backend,
+        attempt=1,
+        priority="normal",
+        queue_wait=0.0,
+        reserved_tokens=tokens,
+    )
+
+
+def started(rid: str, at: float, backend: str = "free", delivery: int = 1) -> Started:
+    return Started(
+        request_id=rid, tenant="t", at=at, backend=backend, attempt=1, delivery=delivery, worker="w"
+    )
+
+
+def completed(rid: str, at: float, used_tokens: int, **fields: object) -> Completed:
+    return Completed(
+        request_id=rid,
+        tenant="t",
+        at=at,
+        backend="free",
+        attempt=1,
+        delivery=1,
+        text="x",
+        usage=Usage(prompt_tokens=used_tokens, completion_tokens=0),
+        cost=0.0,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def quota_of(state: ProjectionState, backend: str = "free"):  # type: ignore[no-untyped-def]
+    quota = state.backend(backend).quota
+    assert quota is not None
+    return quota
+
+
+def test_decisions_spend_and_a_full_window_says_so() -> None:
+    state = fold_many(ProjectionState(), [routed(f"r{n}", T + n) for n in range(3)])
+    quota = quota_of(state)
+    assert used(quota, PER_MINUTE, T + 3) == 3
+    verdict = check(quota, [PER_MINUTE], Cost(requests=1), T + 3)
+    assert not verdict.ok
+    assert verdict.reason.startswith("quota:requests/min 3/3, resets in")
+    # The first decision leaves the window a minute after it was made.
+    assert check(quota, [PER_MINUTE], Cost(requests=1), verdict.until).ok
+    assert verdict.until >= T + 60
+
+
+def test_a_retry_spends_another_request_and_a_reservation_is_reconciled() -> None:
+    events = [
+        routed("r1", T, tokens=600),
+        started("r1", T + 0.1),
+        started("r1", T + 1.0, delivery=2),  # the provider sees a second call
+        completed("r1", T + 2.0, used_tokens=100, reserved_tokens=600),
+    ]
+    quota = quota_of(fold_many(ProjectionState(), events))
+    assert used(quota, PER_MINUTE, T + 2.0) == 2
+    assert used(quota, TOKENS, T + 2.0) == 100  # 600 reserved, 100 used: 500 refunded
+    over = fold_many(
+        ProjectionState(), [*events[:3], completed("r1", T + 2.0, 900, reserved_tokens=600)]
+    )
+    assert used(quota_of(over), TOKENS, T + 2.0) == 900
+
+
+def test_a_run_elsewhere_than_its_decision_spends_where_it_ran() -> None:
+    events = [routed("r1", T, backend="a"), started("r1", T + 0.1, backend="b")]
+    state = fold_many(ProjectionState(), events)
+    assert used(quota_of(state, "a"), PER_MINUTE, T + 1) == 1
+    assert used(quota_of(state, "b"), PER_MINUTE, T + 1) == 1
+
+
+def test_a_429_pauses_and_what_the_provider_reports_is_learned() -> None:
+    retry = Retrying(
+        request_id="r1",
+        tenant="t",
+        at=T,
+        backend="free",
+        attempt=1,
+        delivery=1,
+        error_type="rate_limited",
+        reason="429",
+        retry_after=7.0,
+        limits=(
+            ReportedLimit(
+                kind="requests", window=86_400.0, limit=1000, remaining=0, reset_at=T + 50
+            ),
+        ),
+    )
+    quota = quota_of(fold_many(ProjectionState(), [retry]))
+    assert quota.cooldown_until == T + 7.0
+    blocked = check(quota, [], Cost(requests=1), T + 1)
+    assert not blocked.ok
+    assert blocked.until == T + 50  # the reported window holds longer than the cooldown
+    assert check(quota, [], Cost(requests=1), T + 50).ok
+
+
+def test_a_spent_daily_quota_takes_the_backend_out_until_it_comes_back() -> None:
+    retry = Retrying(
+        request_id="r1",
+        tenant="t",
+        at=T,
+        backend="free",
+        attempt=1,
+        delivery=1,
+        error_type="rate_limited",
+        reason="insufficient_quota",
+        retry_after=30.0,
+        quota_exhausted_until=T + 3600,
+    )
+    quota = quota_of(fold_many(ProjectionState(), [retry]))
+    verdict = check(quota, [], Cost(requests=1), T + 60)
+    assert not verdict.ok
+    assert verdict.until == T + 3600
+    assert "exhausted" in verdict.reason
+
+
+def test_the_fold_is_pure_and_repeatable() -> None:
+    events = [
+        routed("r1", T, 200),
+        started("r1", T + 1),
+        completed("r1", T + 2, 50, reserved_tokens=200),
+    ]
+    first = fold_many(ProjectionState(), events)
+    again = fold_many(ProjectionState(), events)
+    assert first == again
+    assert first.reserved == {}  # ended: its reservation is reconciled and gone
