@@ -356,9 +356,10 @@ def _summary(
             f" {cost[name]:>10.6f} {throttled.get(name, 0):>5}"
         )
     print(
-        "  429s = 'too many requests' answers the provider sent us. Workers pace each\n"
-        "  backend to its declared limits, so a provider sends them only when it is\n"
-        "  stricter than declared; the worker then retries after the wait it asks for."
+        "  429s = 'too many requests' answers the provider sent us. The binding router\n"
+        "  sends each backend no more than its declared limits allow (for every process\n"
+        "  at once), so a provider sends them only when it is stricter than declared;\n"
+        "  the backend then pauses for the wait it asks for."
     )
     print("\n  Latency from submit to result, by priority:")
     print(f"  {'priority':<10} {'done':>5} {'p50 s':>7} {'p95 s':>7}")
