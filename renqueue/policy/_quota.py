@@ -258,7 +258,7 @@ def _fits_at(log: SpendLog, limit: Limit, cost: int, now: float) -> float:
         if excess <= 0:
             break
         excess -= amount
-        now = max(now, expiry - 1e-6)
+        now = max(now, expiry)
     return now
 
 
