@@ -221,9 +221,12 @@ def plan(
                 )
                 actions.append(Expire(ref=item.ref, reason=reason))
                 continue
+        limited = any(name in views and views[name].limits for name in candidates)
         cost = Cost(
             requests=1,
-            tokens=estimate_request_tokens(request, default_max_tokens=policy.default_max_tokens),
+            tokens=estimate_request_tokens(request, default_max_tokens=policy.default_max_tokens)
+            if limited
+            else 0,
         )
         choice, passed = _choose(request, candidates, views, cost, now)
         if isinstance(choice, NoRoom):

@@ -60,13 +60,34 @@ class Ledger:
         if reserved in self._pending:
             self._pending.remove(reserved)
 
-    def quota(self, backend: str, state: ProjectionState | None) -> tuple[Quota, tuple[Limit, ...]]:
-        """``backend``'s quota and the limits it is judged by, as of ``state``."""
+    def prune(self, state: ProjectionState | None) -> None:
+        """Forget reservations the projection has folded (once per round)."""
         folded = 0 if state is None else state.last_seq
         self._pending = [r for r in self._pending if r.seq is None or r.seq > folded]
-        quota = (None if state is None else state.backend(backend).quota) or Quota()
+
+    def quota(
+        self, backend: str, state: ProjectionState | None
+    ) -> tuple[Quota | None, tuple[Limit, ...]]:
+        """``backend``'s quota and the limits it is judged by, as of ``state``.
+
+        ``(None, ())`` for a backend with nothing to judge: no declared limit
+        and nothing its provider said (no learned window, no pause).
+        """
+        projected = None if state is None else state.backend(backend).quota
+        declared = self._declared.get(backend, ())
+        if not declared and (projected is None or not _says_anything(projected)):
+            return None, ()
+        quota = projected or Quota()
         for reserved in self._pending:
             if reserved.backend == backend:
                 quota = reserve(quota, reserved.cost, reserved.at)
-        declared = self._declared.get(backend, ())
-        return quota, effective_limits(declared, quota) if declared or quota.learned else ()
+        return quota, effective_limits(declared, quota)
+
+
+def _says_anything(quota: Quota) -> bool:
+    """Whether a provider's word is in ``quota``: a learned window or a pause."""
+    return (
+        bool(quota.learned)
+        or quota.cooldown_until is not None
+        or (quota.exhausted_until is not None)
+    )

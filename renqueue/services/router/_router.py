@@ -775,6 +775,7 @@ class Router(Lifecycle):
         ]
         state = self._state
         projected = None if state is None else state.state
+        self._ledger.prune(projected)
         views = {}
         for name, view in self._capacity.views().items():
             quota, limits = self._ledger.quota(name, projected)
