@@ -81,6 +81,10 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
 
 
+#: The longest window a declared limit may have (the quota's spend log keeps 49 h).
+_LONGEST_LIMIT_WINDOW: Final = 2 * 86_400.0
+
+
 class Rate(Struct, frozen=True, kw_only=True):
     """``count`` per ``window`` seconds."""
 
@@ -175,7 +179,12 @@ class LimitsConfig(_Section, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         for text in (*self.requests, *self.tokens):
-            parse_rate(text)
+            rate = parse_rate(text)
+            if rate.window > _LONGEST_LIMIT_WINDOW:
+                # The spend log quotas are judged by keeps 49 hours.
+                raise ValueError(
+                    f"invalid rate {text!r}: windows longer than 2 days are not supported"
+                )
 
     @property
     def request_rates(self) -> list[Rate]:

@@ -32,6 +32,16 @@ BACKEND = {"base_url": "http://127.0.0.1:1/v1", "model": "m"}
             "$.backends.a.limits",
             "invalid rate 'often'",
         ),
+        (
+            {"backends": {"a": {**BACKEND, "limits": {"requests": ["1000/7d"]}}}},
+            "$.backends.a.limits",
+            "longer than 2 days",
+        ),
+        (
+            {"backends": {"a": {**BACKEND, "limits": {"daily_reset": "cet"}}}},
+            "$.backends.a.limits.daily_reset",
+            "Invalid enum value 'cet'",
+        ),
         ({"backends": {"a": {**BACKEND, "timeout": "soon"}}}, "$.backends.a.timeout", "match"),
         (
             {"backends": {"a": {**BACKEND, "limit_style": "grok"}}},

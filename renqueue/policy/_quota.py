@@ -273,7 +273,7 @@ def _calendar_fits_at(log: SpendLog, limit: Limit, cost: int, now: float) -> flo
         if _calendar_used(log, limit, start, end) + cost <= limit.count:
             return start
     # Windows much shorter than a slot: the first one past every slot is empty.
-    last = max(slot.end for slot in log.slots)
+    last = max((slot.end for slot in log.slots), default=end)
     start, end = _calendar_window(limit, last)
     return start if start >= last else end
 

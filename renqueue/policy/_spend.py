@@ -27,6 +27,7 @@ Every function is pure: times are the caller's (event times when folding).
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Final, Literal
 
@@ -49,15 +50,16 @@ __all__ = [
 FINE_FOR: Final = 180.0
 #: Spend younger than this keeps 1-minute slots; older, 1-hour slots.
 MEDIUM_FOR: Final = 3 * 3600.0
-#: Spend older than this is forgotten (no limit may declare a longer window).
+#: Spend older than this is forgotten: a longer window cannot be judged.
 KEPT_FOR: Final = 49 * 3600.0
 
 _HOUR: Final = 3600.0
 _RESOLUTIONS: Final = ((FINE_FOR, 1.0), (MEDIUM_FOR, 60.0), (KEPT_FOR, _HOUR))
 
-#: The most slots a log holds (412): slots of a length end less than its age
-#: limit before the newest, and start no later than it, so their starts lie in
-#: a stretch one slot longer than that limit (181 seconds, 181 minutes, 50 hours).
+#: The most slots a log holds (412): a slot of each length ends less than that
+#: length's age limit before the newest and starts no later than the newest, so
+#: the starts lie in a stretch one slot longer than the age limit: 181 seconds,
+#: 181 minutes, 50 hours.
 MAX_SLOTS: Final = sum(math.floor((young + length) / length) for young, length in _RESOLUTIONS)
 
 
@@ -117,21 +119,40 @@ def record(log: SpendLog, at: float, *, requests: int = 0, tokens: int = 0) -> S
     if not math.isfinite(at):
         return log
     newest = max(log.newest, at)
-    merged: dict[tuple[float, float], list[int]] = {}
-    if newest == log.newest:  # nothing ages: only the new spend's slot changes
-        merged = {(slot.start, slot.length): [slot.requests, slot.tokens] for slot in log.slots}
-    else:
+    requests, tokens = max(requests, 0), max(tokens, 0)
+    if any(_ages_out(slot, newest) for slot in log.slots):
+        merged: dict[tuple[float, float], list[int]] = {}
         for slot in log.slots:
             _add(merged, slot.start, slot.end, newest, requests=slot.requests, tokens=slot.tokens)
-    requests, tokens = max(requests, 0), max(tokens, 0)
-    if requests or tokens:
-        _add(merged, at, at, newest, requests=requests, tokens=tokens)
-    return SpendLog(
-        slots=tuple(
+        if requests or tokens:
+            _add(merged, at, at, newest, requests=requests, tokens=tokens)
+        slots = tuple(
             Slot(start, length, r, t) for (start, length), (r, t) in sorted(merged.items())
-        ),
-        newest=newest,
-    )
+        )
+        return SpendLog(slots=slots, newest=newest)
+    # Every slot stays as it is (the common case): only the new spend's slot changes.
+    length = _resolution(newest - at)
+    if length is None or not (requests or tokens):
+        return log if newest == log.newest else SpendLog(slots=log.slots, newest=newest)
+    start = _slot_of(at, length)
+    index = bisect.bisect_left(log.slots, (start, length), key=_key)
+    updated = list(log.slots)
+    if index < len(updated) and _key(updated[index]) == (start, length):
+        slot = updated[index]
+        updated[index] = Slot(start, length, slot.requests + requests, slot.tokens + tokens)
+    else:
+        updated.insert(index, Slot(start, length, requests, tokens))
+    return SpendLog(slots=tuple(updated), newest=newest)
+
+
+def _key(slot: Slot) -> tuple[float, float]:
+    return slot.start, slot.length
+
+
+def _ages_out(slot: Slot, newest: float) -> bool:
+    """Whether a slot's age at ``newest`` calls for a coarser slot, or for none."""
+    length = _resolution(newest - slot.end)
+    return length is None or length > slot.length
 
 
 def _add(
