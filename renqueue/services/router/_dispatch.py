@@ -64,6 +64,18 @@ _T = TypeVar("_T")
 _UNANSWERED_GRACE: Final = ACKS_TIMEOUT
 
 
+def _settle(slot: Slot, sent: asyncio.Future[PubAck] | None, *, backend: str) -> None:
+    """Settle ``slot`` by what became of its dispatch ``sent`` (to ``backend``)."""
+    if sent is None or backend != slot.backend:
+        slot.dropped()  # never sent, or sent elsewhere (the broker counts it there)
+    elif not sent.done():
+        _settle_when_answered(slot, sent)  # no answer yet: it may still be stored
+    elif sent.cancelled() or sent.exception() is not None or sent.result().duplicate:
+        slot.dropped()  # refused, or an earlier dispatch stands
+    else:
+        slot.stored()  # counted until a broker read that began later counts it
+
+
 def _settle_when_answered(slot: Slot, sent: asyncio.Future[PubAck]) -> None:
     """Keep ``slot`` counted as on its way until ``sent`` is answered (or the grace ends)."""
 
@@ -103,6 +115,9 @@ class Dispatcher:
         self._dispatch_failures: dict[str, int] = {}
         #: Requests bound (their decisions stored) by this dispatcher.
         self.routed = 0
+        #: The first request-stream sequence no earlier binder can have seen
+        #: (set as a term begins): one below it may have been bound by one.
+        self.term_first_seq = 0
 
     async def bind(
         self,
@@ -117,12 +132,15 @@ class Dispatcher:
     ) -> None:
         """Dispatch ``item`` to the slot's backend, log the ``routed`` decision, ack it.
 
-        The decision is logged only once its dispatch is stored, and both go
-        under per-attempt message ids, so a bind repeated for the same
-        attempt (a redelivery, or a new binder after one that died between
-        the two) stores neither twice. A duplicate dispatch means an earlier
-        bind's dispatch stands: the decision logged names *its* backend,
-        never one the request was not sent to.
+        Both go under per-attempt message ids, so a bind repeated for the same
+        attempt stores neither twice. A first delivery in this term publishes
+        both at once (the decision right behind the dispatch). A request that
+        may have been bound before (delivered again, or stored before this term
+        began) keeps a decision already logged for its attempt (its dispatch
+        goes to that backend), and otherwise logs its decision only once its
+        dispatch is stored: a duplicate means an earlier bind's dispatch
+        stands, and the decision names that one's backend, never one the
+        request was not sent to.
         """
         request = item.request
         level_wait = max(0.0, now - item.submitted)
@@ -148,26 +166,37 @@ class Dispatcher:
             term=term,
             reserved_tokens=0 if reserved is None else reserved.cost.tokens,
         )
-        stored: bool | None = None  # None: not known (no answer yet)
+        meta = item.msg.metadata
+        # Delivered before, or stored before this term began: an earlier bind
+        # (this router's, or a binder's before it) may have dispatched it or
+        # logged its decision. A first delivery publishes both at once.
+        maybe_bound = meta.num_delivered > 1 or meta.sequence.stream < self.term_first_seq
         sent: asyncio.Future[PubAck] | None = None
+        backend: str | None = None
         try:
-            try:
-                sent = await self._js.publish_async(
-                    dispatch_subject(slot.backend),
-                    encode(dispatch),
-                    headers={
-                        "Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", attempt)
-                    },
+            if maybe_bound:
+                logged_to = await self._logged_backend(request, attempt)
+                if logged_to is not None and logged_to != slot.backend:
+                    # Its decision is in the log: it stands (the dispatch goes there).
+                    dispatch = msgspec.structs.replace(dispatch, backend=logged_to)
+                    routed = msgspec.structs.replace(routed, backend=logged_to)
+            sent = await self._js.publish_async(
+                dispatch_subject(dispatch.backend),
+                encode(dispatch),
+                headers={"Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", attempt)},
+            )
+            shielded = asyncio.shield(sent)  # a timeout stops the wait, not the ack (finally)
+            if maybe_bound:
+                ack = await self._kept_alive(item.msg, shielded)
+                backend = await self._log_decision(item, routed, ack, reserved)
+            else:
+                logged = await self._log.append_async(routed)
+                *_, decision = await self._kept_alive(
+                    item.msg, self._acks(shielded, item.logged, logged)
                 )
-                # Shielded: a timeout stops the wait, not the ack (see finally).
-                ack = await self._kept_alive(item.msg, asyncio.shield(sent))
-            except TimeoutError:
-                raise  # no answer: it may yet be stored
-            except Exception:
-                stored = False  # refused: it will not be
-                raise
-            stored = not ack.duplicate
-            backend = await self._log_decision(item, routed, ack, reserved)
+                backend = routed.backend
+                if reserved is not None:
+                    reserved.logged(backend, decision.seq)
             await item.msg.ack()
         except Exception as exc:  # noqa: BLE001 - the request goes back to wait, nothing lost
             await self._dispatch_failed(item, exc)
@@ -175,12 +204,7 @@ class Dispatcher:
         finally:
             if reserved is not None and reserved.seq is None:
                 reserved.dropped()  # no decision logged: nothing reserved
-            if stored is None and sent is not None and not sent.done():
-                _settle_when_answered(slot, sent)
-            elif stored is False:
-                slot.dropped()  # refused, or a duplicate: not counted
-            else:
-                slot.stored()  # counted until a broker read that began later counts it
+            _settle(slot, sent, backend=dispatch.backend)
         self._dispatch_failures.pop(msg_id(request.tenant, request.id), None)
         if backend is not None:
             self.routed += 1
@@ -238,6 +262,13 @@ class Dispatcher:
     def _acks(*acks: asyncio.Future[PubAck] | None) -> Awaitable[list[PubAck]]:
         """The acks given (``None`` skipped), awaited together, in their order."""
         return asyncio.gather(*(ack for ack in acks if ack is not None))
+
+    async def _logged_backend(self, request: InferenceRequest, attempt: int) -> str | None:
+        """The backend of a ``routed`` decision already logged for this attempt, if any."""
+        for event in reversed(await self._log.history(request.tenant, request.id, kind="routed")):
+            if isinstance(event, Routed) and event.attempt == attempt:
+                return event.backend
+        return None
 
     async def _earlier_dispatch(
         self, request: InferenceRequest, attempt: int, seq: int

@@ -344,6 +344,10 @@ class Router(Lifecycle):
         """
         await self._end_term(None)  # anything a failed earlier attempt left running
         term = self._lease.term
+        # Read before the consumers are re-created: whatever they deliver from
+        # here down may have been bound by the binder before (its last acts).
+        info = await self._js.stream_info(REQUESTS_STREAM)
+        self._dispatcher.term_first_seq = info.state.last_seq + 1
         await renew_router_consumers(self._nc, self._consumer_configs)
         for level in self._levels:
             psub = await self._js.pull_subscribe_bind(
