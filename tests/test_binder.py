@@ -363,6 +363,20 @@ async def _no_pending(js: Any) -> bool:
     return all(i.num_pending == 0 and i.num_ack_pending == 0 for i in infos)
 
 
+def two_slots(url: str, **router: Any) -> Config:
+    """One backend of concurrency 2 and no worker: what is dispatched stays queued."""
+    return parse_config(
+        {
+            "nats": {"url": url},
+            "backends": {
+                "a": {"base_url": "http://127.0.0.1:9", "model": "m", "limits": {"concurrency": 2}}
+            },
+            "routes": {"chat": {"backends": ["a"]}},
+            "router": {"capacity_refresh": "20ms", **router},
+        }
+    )
+
+
 class SlowDispatchStore:
     """The router's JetStream, but each dispatch takes ``delay`` to be sent
     (a busy replicated stream); it counts the binder's capacity reads."""
@@ -399,16 +413,7 @@ async def test_a_slow_dispatch_store_never_overfills_a_backend(
     every read during a slow store freed the backend's whole concurrency again
     (12 dispatches for 2 slots with a 300 ms store). Unconfirmed dispatches
     now stay counted until a read that began after their store counts them."""
-    config = parse_config(
-        {
-            "nats": {"url": isolated_server.url},
-            "backends": {
-                "a": {"base_url": "http://127.0.0.1:9", "model": "m", "limits": {"concurrency": 2}}
-            },
-            "routes": {"chat": {"backends": ["a"]}},
-            "router": {"capacity_refresh": "20ms"},
-        }
-    )
+    config = two_slots(isolated_server.url)
     nc = await connect(isolated_server.url, name="slow-store")
     try:
         js = nc.jetstream()
@@ -674,16 +679,7 @@ async def test_a_dispatch_whose_ack_times_out_stays_counted(
 ) -> None:
     """Review finding: a dispatch whose ack did not come in time freed its slot
     at once, though the store could still land: a 2-slot backend got 4."""
-    config = parse_config(
-        {
-            "nats": {"url": isolated_server.url},
-            "backends": {
-                "a": {"base_url": "http://127.0.0.1:9", "model": "m", "limits": {"concurrency": 2}}
-            },
-            "routes": {"chat": {"backends": ["a"]}},
-            "router": {"capacity_refresh": "20ms", "ack_wait": "1s"},
-        }
-    )
+    config = two_slots(isolated_server.url, ack_wait="1s")
     nc = await connect(isolated_server.url, name="late-store")
     try:
         js = nc.jetstream()

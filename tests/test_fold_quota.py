@@ -50,6 +50,21 @@ def completed(rid: str, at: float, used_tokens: int, **fields: object) -> Comple
     )
 
 
+def rate_limited(reason: str, retry_after: float, **fields: object) -> Retrying:
+    return Retrying(
+        request_id="r1",
+        tenant="t",
+        at=T,
+        backend="free",
+        attempt=1,
+        delivery=1,
+        error_type="rate_limited",
+        reason=reason,
+        retry_after=retry_after,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
 def quota_of(state: ProjectionState, backend: str = "free"):  # type: ignore[no-untyped-def]
     quota = state.backend(backend).quota
     assert quota is not None
@@ -92,16 +107,9 @@ def test_a_run_elsewhere_than_its_decision_spends_where_it_ran() -> None:
 
 
 def test_a_429_pauses_and_what_the_provider_reports_is_learned() -> None:
-    retry = Retrying(
-        request_id="r1",
-        tenant="t",
-        at=T,
-        backend="free",
-        attempt=1,
-        delivery=1,
-        error_type="rate_limited",
-        reason="429",
-        retry_after=7.0,
+    retry = rate_limited(
+        "429",
+        7.0,
         limits=(
             ReportedLimit(
                 kind="requests", window=86_400.0, limit=1000, remaining=0, reset_at=T + 50
@@ -117,16 +125,9 @@ def test_a_429_pauses_and_what_the_provider_reports_is_learned() -> None:
 
 
 def test_a_spent_daily_quota_takes_the_backend_out_until_it_comes_back() -> None:
-    retry = Retrying(
-        request_id="r1",
-        tenant="t",
-        at=T,
-        backend="free",
-        attempt=1,
-        delivery=1,
-        error_type="rate_limited",
-        reason="insufficient_quota",
-        retry_after=30.0,
+    retry = rate_limited(
+        "insufficient_quota",
+        30.0,
         quota_exhausted_until=T + 3600,
     )
     quota = quota_of(fold_many(ProjectionState(), [retry]))
