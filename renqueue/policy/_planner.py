@@ -47,8 +47,8 @@ from msgspec import Struct
 from ..wire._messages import InferenceRequest
 from ._aging import LevelPolicy, effective_rank, pick_key, promotions
 from ._preemption import may_preempt, preempting_rank
-from ._quota import Cost, Quota, QuotaVerdict, check, reserve
-from ._routing import BackendView, NoRoom, capable, hopeless
+from ._quota import Cost, Quota, QuotaVerdict, reserve
+from ._routing import BackendView, NoRoom, capable, choose, hopeless
 from ._tokens import estimate_request_tokens
 
 #: Seconds before an urgent request that is still waiting asks for preemption again.
@@ -228,7 +228,7 @@ def plan(
             if limited
             else 0,
         )
-        choice, passed = _choose(request, candidates, views, cost, now)
+        choice, passed = choose(request, candidates, views, cost, now)
         if isinstance(choice, NoRoom):
             if choice is NoRoom.FULL and not passed:
                 ask = _preemption(item, candidates, views, now, policy)
@@ -257,31 +257,6 @@ def plan(
             )
         )
     return actions
-
-
-def _choose(
-    request: InferenceRequest,
-    candidates: Sequence[str],
-    views: Mapping[str, BackendView],
-    cost: Cost,
-    now: float,
-) -> tuple[str | NoRoom, list[tuple[str, QuotaVerdict]]]:
-    """The first capable candidate with a free slot and room in its quota, and the
-    candidates with a free slot passed over for their quota (cascade order)."""
-    able = capable(request, candidates, views)
-    if not able:
-        return NoRoom.NONE_CAPABLE, []
-    passed: list[tuple[str, QuotaVerdict]] = []
-    for view in able:
-        if view.free <= 0:
-            continue
-        if view.limits or view.quota is not None:  # limits, or a provider's cooldown
-            verdict = check(view.quota or _NO_SPEND, view.limits, cost, now)
-            if not verdict.ok:
-                passed.append((view.name, verdict))
-                continue
-        return view.name, passed
-    return NoRoom.FULL, passed
 
 
 def _passed_reason(passed: list[tuple[str, QuotaVerdict]], then: str) -> str:

@@ -20,10 +20,13 @@ import msgspec
 from ..errors import MalformedRequestError, NoCapableBackendError, UnknownRouteError
 from ..wire._messages import InferenceRequest
 from ..wire._subjects import msg_id
-from ._quota import Limit, Quota
+from ._quota import Cost, Limit, Quota, QuotaVerdict, check
 
 if TYPE_CHECKING:  # config builds the level policies from this package: no cycle at run time
     from ..config import Config
+
+
+_NO_SPEND = Quota()
 
 
 class NoRoom(enum.Enum):
@@ -134,13 +137,34 @@ def choose_backend(
     request: InferenceRequest, candidates: Sequence[str], views: Mapping[str, BackendView]
 ) -> str | NoRoom:
     """The first healthy, capable candidate (cascade order) with a free slot."""
+    return choose(request, candidates, views, None, 0.0)[0]
+
+
+def choose(
+    request: InferenceRequest,
+    candidates: Sequence[str],
+    views: Mapping[str, BackendView],
+    cost: Cost | None,
+    now: float,
+) -> tuple[str | NoRoom, list[tuple[str, QuotaVerdict]]]:
+    """The first capable candidate with a free slot and, unless ``cost`` is
+    ``None``, room in its quota for ``cost`` at ``now``; and the candidates
+    with a free slot passed over for their quota (cascade order)."""
     able = capable(request, candidates, views)
     if not able:
-        return NoRoom.NONE_CAPABLE
+        return NoRoom.NONE_CAPABLE, []
+    passed: list[tuple[str, QuotaVerdict]] = []
     for view in able:
-        if view.free > 0:
-            return view.name
-    return NoRoom.FULL
+        if view.free <= 0:
+            continue
+        # Judged where there are limits, or a provider's cooldown.
+        if cost is not None and (view.limits or view.quota is not None):
+            verdict = check(view.quota or _NO_SPEND, view.limits, cost, now)
+            if not verdict.ok:
+                passed.append((view.name, verdict))
+                continue
+        return view.name, passed
+    return NoRoom.FULL, passed
 
 
 def hopeless(deadline: float, now: float, expected: Sequence[float | None]) -> float | None:

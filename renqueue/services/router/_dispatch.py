@@ -190,13 +190,7 @@ class Dispatcher:
                 ack = await self._kept_alive(item.msg, shielded)
                 backend = await self._log_decision(item, routed, ack, reserved)
             else:
-                logged = await self._log.append_async(routed)
-                *_, decision = await self._kept_alive(
-                    item.msg, self._acks(shielded, item.logged, logged)
-                )
-                backend = routed.backend
-                if reserved is not None:
-                    reserved.logged(backend, decision.seq)
+                backend = await self._append_decision(item, routed, reserved, shielded)
             await item.msg.ack()
         except Exception as exc:  # noqa: BLE001 - the request goes back to wait, nothing lost
             await self._dispatch_failed(item, exc)
@@ -230,11 +224,23 @@ class Dispatcher:
         if backend is None:
             await self._kept_alive(item.msg, self._acks(item.logged))
             return None
+        return await self._append_decision(item, routed, reserved)
+
+    async def _append_decision(
+        self,
+        item: Held,
+        routed: Routed,
+        reserved: Reserved | None,
+        dispatched: Awaitable[PubAck] | None = None,
+    ) -> str:
+        """Publish ``routed`` and await it with the request's ``submitted`` (and,
+        if given, its dispatch's) ack; the reservation is then the decision's."""
         logged = await self._log.append_async(routed)
-        *_, decision = await self._kept_alive(item.msg, self._acks(item.logged, logged))
+        acks = [ack for ack in (dispatched, item.logged, logged) if ack is not None]
+        *_, decision = await self._kept_alive(item.msg, asyncio.gather(*acks))
         if reserved is not None:
-            reserved.logged(backend, decision.seq)
-        return backend
+            reserved.logged(routed.backend, decision.seq)
+        return routed.backend
 
     async def _dispatch_failed(self, item: Held, exc: Exception) -> None:
         """A bind failed: the request waits again (nak), or, out of dispatch
