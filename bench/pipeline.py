@@ -482,7 +482,13 @@ def profile_breakdown(profile: cProfile.Profile, top: int = 15) -> dict[str, Any
 
 
 async def pipeline(
-    mock_url: str, mock_pid: int, plan: Plan, slots: int, *, profile: bool
+    mock_url: str,
+    mock_pid: int,
+    plan: Plan,
+    slots: int,
+    *,
+    profile: bool,
+    profile_out: Path | None = None,
 ) -> dict[str, Any]:
     """Services + Client on the instant mock: closed loops at each level, then one streamed."""
     out: dict[str, Any] = {"backend_slots": slots, "levels": {}, "streamed": {}}
@@ -574,6 +580,8 @@ async def pipeline(
                     profiler.enable()
                     result = await closed_loop(submit_result, top, plan.pipeline_seconds / 2)
                     profiler.disable()
+                    if profile_out is not None:
+                        profiler.dump_stats(profile_out)
                     out["profile"] = {
                         "concurrency": top,
                         "requests": result.completed,
@@ -819,7 +827,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         report["mock"] = await mock_ceiling(mock_url, mock_pid, plan)
         print("3/3 pipeline ...", flush=True)
         report["pipeline"] = await pipeline(
-            mock_url, mock_pid, plan, args.slots, profile=not args.no_profile
+            mock_url,
+            mock_pid,
+            plan,
+            args.slots,
+            profile=not args.no_profile,
+            profile_out=args.profile_out,
         )
     report["analysis"] = analyse(report["broker"], report["mock"], report["pipeline"])
     report["ops_per_request_detail"] = OPS_PER_REQUEST
@@ -834,6 +847,9 @@ def main() -> None:
     parser.add_argument("--levels", default="", help="client concurrency levels, e.g. 1,16,64")
     parser.add_argument(
         "--no-profile", action="store_true", help="skip the cProfile window (attribution only)"
+    )
+    parser.add_argument(
+        "--profile-out", type=Path, default=None, help="also write the cProfile stats here (pstats)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
     args = parser.parse_args()

@@ -76,6 +76,11 @@ class Held(msgspec.Struct, kw_only=True):
         )
 
 
+def _seq(item: Held) -> int:
+    """The stream sequence of the request message ``item`` holds."""
+    return int(item.msg.metadata.sequence.stream)
+
+
 class Hold:
     """The held requests, one bounded queue per level (in level order)."""
 
@@ -85,6 +90,9 @@ class Hold:
         #: Each level's queue, oldest first (read them; change them through the methods).
         self.queues: dict[str, deque[Held]] = {level: deque() for level in levels}
         self._room = {level: asyncio.Event() for level in levels}
+        #: Every held item by its message's stream sequence: membership in O(1)
+        #: (a fetch checks each delivery against the hold).
+        self._by_seq: dict[int, Held] = {}
 
     def __iter__(self) -> Iterator[Held]:
         return (item for queue in self.queues.values() for item in queue)
@@ -100,15 +108,15 @@ class Hold:
 
     def add(self, level: str, item: Held) -> None:
         self.queues[level].append(item)
+        self._by_seq[_seq(item)] = item
 
     def holds(self, item: Held) -> bool:
         """Whether ``item`` still waits here (not bound, ended or handed back)."""
-        return any(item is held for held in self)
+        return self._by_seq.get(_seq(item)) is item
 
     def holds_message(self, msg: Message) -> bool:
         """Whether the stream message ``msg`` is held already (delivered again)."""
-        seq = msg.metadata.sequence.stream
-        return any(item.msg.metadata.sequence.stream == seq for item in self)
+        return msg.metadata.sequence.stream in self._by_seq
 
     def boost(self, tenant: str, boost: Boost) -> bool:
         """Lift the held leader ``boost`` names to its follower's rank; whether it is held."""
@@ -125,6 +133,7 @@ class Hold:
             for item in held:
                 if item.request.tenant == tenant and item.request.id == request_id:
                     held.remove(item)
+                    self._forget(item)
                     self._room[self._levels[item.rank]].set()
                     return item
         return None
@@ -133,7 +142,12 @@ class Hold:
         """Drop the items whose ``id()`` is in ``gone`` (bound or ended in a round)."""
         for level, queue in self.queues.items():
             if gone:
-                kept = [item for item in queue if id(item) not in gone]
+                kept = []
+                for item in queue:
+                    if id(item) in gone:
+                        self._forget(item)
+                    else:
+                        kept.append(item)
                 queue.clear()
                 queue.extend(kept)
             if len(queue) < self._limit:
@@ -146,7 +160,12 @@ class Hold:
             dropped += len(held)
             held.clear()
             self._room[level].set()
+        self._by_seq.clear()
         return dropped
+
+    def _forget(self, item: Held) -> None:
+        if self._by_seq.get(seq := _seq(item)) is item:
+            del self._by_seq[seq]
 
     async def hand_back(self, levels: Iterable[str], why: str | None = None) -> None:
         """Nak the held requests of ``levels`` back to their queue, for any router.
@@ -159,6 +178,8 @@ class Hold:
             items.extend(self.queues[level])
             self.queues[level].clear()
             self._room[level].set()
+        for item in items:
+            self._forget(item)
         if items and why is not None:
             log.warning("held requests handed back", count=len(items), reason=why)
         for item in items:

@@ -12,6 +12,9 @@ a new binder, whose ledger starts empty, sees them all in the projection.
 
 from __future__ import annotations
 
+import heapq
+import itertools
+
 from ...config import Config
 from ...policy import Cost, Limit, Quota, effective_limits, reserve
 from ...state import ProjectionState
@@ -34,8 +37,10 @@ class Reserved:
 
     def logged(self, backend: str, seq: int) -> None:
         """Its decision was stored at ``seq`` (naming ``backend``)."""
+        self._ledger.discard(self)
         self.backend = backend
         self.seq = seq
+        self._ledger.add(self)
 
     def dropped(self) -> None:
         """Its decision was not logged: it reserves nothing."""
@@ -43,27 +48,51 @@ class Reserved:
 
 
 class Ledger:
-    """Per-backend quota as the binder decides by: the projection's, plus its own since."""
+    """Per-backend quota as the binder decides by: the projection's, plus its own since.
+
+    Reservations are kept per backend (a round reads only those of the
+    backends it judges) and, once logged, also in a heap by stream sequence,
+    so forgetting what the projection has folded costs only what it forgets:
+    the projection may lag the log by seconds under load, and the binder
+    decides many times a second.
+    """
 
     def __init__(self, config: Config) -> None:
         self._declared: dict[str, tuple[Limit, ...]] = {
             name: backend.limits.declared() for name, backend in config.backends.items()
         }
-        self._pending: list[Reserved] = []
+        #: Per backend, the reservations counted (insertion-ordered, as a set).
+        self._pending: dict[str, dict[Reserved, None]] = {}
+        #: (seq, tie-breaker, reservation) of the logged ones, smallest seq first.
+        self._logged: list[tuple[int, int, Reserved]] = []
+        self._ties = itertools.count()
+
+    def __len__(self) -> int:
+        return sum(len(pending) for pending in self._pending.values())
 
     def reserving(self, backend: str, cost: Cost, at: float) -> Reserved:
         reserved = Reserved(self, backend, cost, at)
-        self._pending.append(reserved)
+        self.add(reserved)
         return reserved
 
+    def add(self, reserved: Reserved) -> None:
+        self._pending.setdefault(reserved.backend, {})[reserved] = None
+        if reserved.seq is not None:
+            heapq.heappush(self._logged, (reserved.seq, next(self._ties), reserved))
+
     def discard(self, reserved: Reserved) -> None:
-        if reserved in self._pending:
-            self._pending.remove(reserved)
+        """Stop counting ``reserved`` (its heap entry, if any, is skipped when popped)."""
+        pending = self._pending.get(reserved.backend)
+        if pending is not None:
+            pending.pop(reserved, None)
 
     def prune(self, state: ProjectionState | None) -> None:
         """Forget reservations the projection has folded (once per round)."""
         folded = 0 if state is None else state.last_seq
-        self._pending = [r for r in self._pending if r.seq is None or r.seq > folded]
+        while self._logged and self._logged[0][0] <= folded:
+            seq, _, reserved = heapq.heappop(self._logged)
+            if reserved.seq == seq:
+                self.discard(reserved)
 
     def quota(
         self, backend: str, state: ProjectionState | None
@@ -78,9 +107,8 @@ class Ledger:
         if not declared and (projected is None or not _says_anything(projected)):
             return None, ()
         quota = projected or Quota()
-        for reserved in self._pending:
-            if reserved.backend == backend:
-                quota = reserve(quota, reserved.cost, reserved.at)
+        for reserved in self._pending.get(backend, ()):
+            quota = reserve(quota, reserved.cost, reserved.at)
         return quota, effective_limits(declared, quota)
 
 
