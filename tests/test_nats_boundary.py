@@ -202,3 +202,38 @@ async def test_a_publish_cancelled_while_waiting_for_a_slot_is_cancelled(
     with pytest.raises(asyncio.CancelledError):
         await task
     assert task.cancelled()
+
+
+async def test_a_batch_fetch_takes_buffered_messages_without_a_task_each(
+    isolated_js: JetStream,
+) -> None:
+    """nats-py runs each ``next_msg`` in two tasks, even for a message already
+    buffered: a fetch of 200 cost 400 tasks and 200 turns of the event loop.
+    Ours takes what is buffered at once; the messages and their order are the same,
+    and an empty consumer still times out."""
+    await isolated_js.context.add_stream(name="FAST", subjects=["fast.>"])
+    for i in range(200):
+        await isolated_js.publish(f"fast.{i}", str(i).encode())
+    psub = await isolated_js.pull_subscribe("fast.>", durable="reader", stream="FAST")
+    loop = asyncio.get_running_loop()
+    created = 0
+    default = loop.get_task_factory()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal created
+        created += 1
+        if default is not None:
+            return default(loop, coro, **kwargs)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(counting)
+    try:
+        got: list[bytes] = []
+        while len(got) < 200:
+            got.extend(msg.data for msg in await psub.fetch(200, timeout=2.0))
+    finally:
+        loop.set_task_factory(default)
+    assert got == [str(i).encode() for i in range(200)]
+    assert created < 50, f"{created} tasks for 200 messages"
+    with pytest.raises(NatsTimeoutError):
+        await psub.fetch(10, timeout=0.2)

@@ -331,6 +331,34 @@ class Subscription:
         await _call(self._sub.unsubscribe())
 
 
+def _take_buffered_first(sub: _Subscription) -> None:
+    """Make ``sub.next_msg`` return a message already buffered without a task.
+
+    nats-py's ``next_msg`` runs every call in a task of its own, under
+    ``asyncio.wait_for`` (a second task), even when the message is already in
+    the subscription's queue, so a ``fetch(n)`` costs two tasks and at least
+    one turn of the event loop *per message*. In a busy process a turn is
+    long: the projector, fetching 512 events at a time, fell seconds behind
+    the log. A message that is already buffered is taken at once here, with
+    the same bookkeeping as nats-py's own (pending size, ``task_done``);
+    waiting for one that is not goes through nats-py's ``next_msg`` as before
+    (its timeout, its cancellation on unsubscribe). Set per instance: the
+    nats-py class is left as it is.
+    """
+    original = sub.next_msg
+
+    async def next_msg(timeout: float | None = 1.0) -> _Msg:  # noqa: ASYNC109 - nats-py's
+        queue = sub._pending_queue
+        if queue.empty() or sub._conn.is_closed:
+            return await original(timeout)
+        msg: _Msg = queue.get_nowait()
+        sub._pending_size -= len(msg.data)
+        queue.task_done()
+        return msg
+
+    sub.next_msg = next_msg  # type: ignore[method-assign]
+
+
 class PullSubscription:
     """A pull consumer's subscription: :meth:`fetch` asks for messages."""
 
@@ -338,6 +366,7 @@ class PullSubscription:
 
     def __init__(self, sub: _JetStreamContext.PullSubscription) -> None:
         self._sub = sub
+        _take_buffered_first(sub._sub)
 
     async def fetch(
         self,
