@@ -5,7 +5,7 @@ from __future__ import annotations
 from renqueue import parse_config
 from renqueue.policy import Cost
 from renqueue.services.router._ledger import Ledger
-from renqueue.state import ProjectionState
+from renqueue.state import LiveState
 
 CONFIG = parse_config(
     {
@@ -26,14 +26,14 @@ CONFIG = parse_config(
 )
 
 
-def used(ledger: Ledger, backend: str, state: ProjectionState | None = None) -> int:
+def used(ledger: Ledger, backend: str, state: LiveState | None = None) -> int:
     quota, _ = ledger.quota(backend, state)
     assert quota is not None
     return sum(slot.requests for slot in quota.spend.slots)
 
 
-def folded_upto(seq: int) -> ProjectionState:
-    return ProjectionState(last_seq=seq)
+def folded_upto(seq: int) -> LiveState:
+    return LiveState(last_seq=seq)
 
 
 def test_a_reservation_counts_until_the_projection_folds_its_decision() -> None:

@@ -19,19 +19,26 @@ from renqueue.config import parse_config
 from renqueue.ops import EmbeddedServer, connect, provision
 from renqueue.policy import is_healthy
 from renqueue.state import (
+    PROGRESS_KEY,
     STALE_IN_FLIGHT,
     STATE_KEY,
     STATE_VERSION,
     BackendState,
     InFlight,
+    Progress,
     ProjectionState,
     Projector,
     StateView,
+    backend_view_key,
+    decode_backend_view,
+    decode_progress,
     decode_state,
     encode_state,
+    encode_view,
     fold,
     fold_many,
     rebuild,
+    utc_day,
 )
 from renqueue.wire import (
     STATE_BUCKET,
@@ -482,6 +489,11 @@ async def publish(js: JetStream, events: Sequence[Event]) -> None:
             await log.append(event)
 
 
+def progress(seq: int) -> bytes:
+    """A progress mark, as the projector writes it after the backend views."""
+    return encode_view(Progress(last_seq=seq, log_time=T0))
+
+
 async def stored(js: JetStream) -> ProjectionState:
     kv = await js.key_value(STATE_BUCKET)
     return decode_state((await kv.get(STATE_KEY)).value or b"")
@@ -545,7 +557,10 @@ async def test_state_view_follows_the_stored_state_and_judges_health(
         assert view.backend_healthy("b1", T0 + 3 + 30)
         assert view.backend_healthy("b2", T0 + 4)
         assert view.backend_healthy("never-heard-of", T0 + 4)
-        assert view.state == await stored(events_js)
+        checkpoint = await stored(events_js)
+        assert view.state.backends == checkpoint.backends
+        assert view.state.last_seq == checkpoint.last_seq
+        assert view.state.log_time == checkpoint.log_time
 
 
 async def test_a_restarted_projector_resumes_from_the_stored_sequence(
@@ -703,7 +718,7 @@ async def test_a_state_view_whose_watch_went_stale_resumes_and_sees_later_writes
 ) -> None:
     kv = await events_js.key_value(STATE_BUCKET)
     for seq in (1, 2, 3):
-        await kv.put(STATE_KEY, encode_state(ProjectionState(last_seq=seq)))
+        await kv.put(PROGRESS_KEY, progress(seq))
     async with await StateView.open(events_js, check_every=0.1) as view:
         assert view.state.last_seq == 3
         # The bucket is re-created (a re-provision after it was lost): the
@@ -711,12 +726,12 @@ async def test_a_state_view_whose_watch_went_stale_resumes_and_sees_later_writes
         await events_js.context.delete_key_value(STATE_BUCKET)
         await provision(isolated_nc, parse_config({}))
         kv = await events_js.key_value(STATE_BUCKET)
-        await kv.put(STATE_KEY, encode_state(ProjectionState(last_seq=10)))
+        await kv.put(PROGRESS_KEY, progress(10))
         async with asyncio.timeout(10):
             await view.wait_for(10)
         assert view.reopened >= 1
         # And the re-opened watch follows live writes.
-        await kv.put(STATE_KEY, encode_state(ProjectionState(last_seq=11)))
+        await kv.put(PROGRESS_KEY, progress(11))
         async with asyncio.timeout(10):
             await view.wait_for(11)
 
@@ -738,7 +753,7 @@ async def test_a_state_view_sees_writes_made_after_the_server_restarted(
         js = nc.jetstream()
         await provision(nc, parse_config({}))
         kv = await js.key_value(STATE_BUCKET)
-        await kv.put(STATE_KEY, encode_state(ProjectionState(last_seq=1)))
+        await kv.put(PROGRESS_KEY, progress(1))
         async with await StateView.open(js, check_every=0.2) as view:
             assert view.state.last_seq == 1
             await server.stop()
@@ -752,7 +767,7 @@ async def test_a_state_view_sees_writes_made_after_the_server_restarted(
                         if store == "lost":
                             await provision(nc, parse_config({}))
                         bucket = await js.key_value(STATE_BUCKET)
-                        await bucket.put(STATE_KEY, encode_state(ProjectionState(last_seq=2)))
+                        await bucket.put(PROGRESS_KEY, progress(2))
                     except Exception:  # retry until the server answers
                         await asyncio.sleep(0.1)
                     else:
@@ -766,3 +781,102 @@ async def test_a_state_view_sees_writes_made_after_the_server_restarted(
     finally:
         await nc.close()
         await server.stop()
+
+
+# ------------------------------------------------------------ per-backend views
+
+
+async def views(js: JetStream) -> tuple[dict[str, tuple[int, Any]], Any]:
+    """The stored backend views by backend name (revision, view), and the progress mark."""
+    kv = await js.key_value(STATE_BUCKET)
+    found: dict[str, tuple[int, Any]] = {}
+    for key in await kv.keys():
+        if key.startswith("view.backend."):
+            entry = await kv.get(key)
+            found[key.removeprefix("view.backend.")] = (
+                entry.revision,
+                decode_backend_view(entry.value),
+            )
+    return found, decode_progress((await kv.get(PROGRESS_KEY)).value)
+
+
+async def views_cover(js: JetStream, seq: int) -> None:
+    """Until the views' progress mark reaches ``seq`` (a view that waits for it)."""
+    async with await StateView.open(js) as view:
+        await view.wait_for(seq)
+
+
+async def test_each_backend_has_a_view_equal_to_the_checkpoint_and_progress_comes_last(
+    events_js: JetStream, projector: Projector
+) -> None:
+    await publish(events_js, [started("a", "b1"), started("b", "b2"), completed("a", "b1")])
+    async with asyncio.timeout(10):
+        live = await projector.sync()
+        await views_cover(events_js, live.last_seq)
+    found, mark = await views(events_js)
+    assert set(found) == {"b1", "b2"}
+    for name, (_, view) in found.items():
+        assert view.backend == live.backend(name)
+        assert view.last_seq <= mark.last_seq
+    assert mark.log_time == live.log_time
+    # The progress mark is stored after the views it covers.
+    kv = await events_js.key_value(STATE_BUCKET)
+    assert (await kv.get(PROGRESS_KEY)).revision > max(rev for rev, _ in found.values())
+
+
+async def test_only_a_backend_the_log_changed_has_its_view_rewritten(
+    events_js: JetStream, projector: Projector
+) -> None:
+    await publish(events_js, [started("a", "b1"), started("b", "b2")])
+    async with asyncio.timeout(10):
+        first = await projector.sync()
+        await views_cover(events_js, first.last_seq)
+    before, _ = await views(events_js)
+    await publish(events_js, [completed("a", "b1")])
+    async with asyncio.timeout(10):
+        second = await projector.sync()
+        await views_cover(events_js, second.last_seq)
+    after, _ = await views(events_js)
+    assert after["b2"][0] == before["b2"][0]  # untouched: not written again
+    assert after["b1"][0] > before["b1"][0]
+    assert after["b1"][1].backend.calls_completed == 1
+
+
+async def test_a_restarted_projector_repairs_a_tampered_or_deleted_view(
+    events_js: JetStream,
+) -> None:
+    await publish(events_js, [started("a", "b1"), started("b", "b2")])
+    async with Projector(events_js, name="first") as first:
+        async with asyncio.timeout(10):
+            live = await first.sync()
+    kv = await events_js.key_value(STATE_BUCKET)
+    await kv.put(backend_view_key("b1"), b"tampered")
+    await kv.delete(backend_view_key("b2"))
+    async with Projector(events_js, name="second") as second:
+        await publish(events_js, [started("c", "b3")])  # something to flush
+        async with asyncio.timeout(10):
+            await second.sync()
+            await views_cover(events_js, live.last_seq + 1)
+    found, _ = await views(events_js)
+    assert found["b1"][1].backend == live.backend("b1")
+    assert found["b2"][1].backend == live.backend("b2")
+
+
+def test_a_tenants_spend_today_starts_over_each_utc_day_and_ignores_late_days() -> None:
+    day0 = utc_day(T0)
+    next_day = (day0 + 1) * 86400.0 + 5.0
+    state = fold_many(
+        EMPTY,
+        [
+            completed("a", at=T0, cost=1.0),
+            completed("b", at=T0 + 1, cost=2.0),
+            completed("c", at=next_day, cost=0.5),
+            completed("d", at=T0 + 2, cost=4.0),  # late: counts in the total only
+        ],
+    )
+    tenant = state.tenants["t1"]
+    assert tenant.spend == 7.5
+    assert tenant.spend_on(day0 + 1) == 0.5
+    assert tenant.spend_on(day0) == 0.0  # not the latest day: not kept
+    assert tenant.spend_on(day0 + 2) == 0.0
+    assert fold_many(EMPTY, [completed("a", at=T0, cost=1.0)]).tenants["t1"].spend_on(day0) == 1.0

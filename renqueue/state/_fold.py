@@ -68,13 +68,15 @@ __all__ = [
     "encode_state",
     "fold",
     "fold_many",
+    "utc_day",
 ]
 
 #: Version of the stored state's schema (the ``v`` field of the KV value).
 #: 2: ``in_flight`` is keyed ``<tenant>:<request id>`` (1: by request id alone);
-#: 3: backends carry their ``quota`` and the state its open ``reserved`` quota.
+#: 3: backends carry their ``quota`` and the state its open ``reserved`` quota;
+#: 4: tenants carry their spend of the latest UTC day (``day``, ``day_spend``).
 #: A projector that finds an older state folds the log again from the start.
-STATE_VERSION: Final = 3
+STATE_VERSION: Final = 4
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
 #: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
@@ -137,11 +139,27 @@ class BackendState(Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class TenantState(Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One tenant's submitted requests, spend (USD) and outcomes by terminal kind."""
+    """One tenant's submitted requests, spend (USD) and outcomes by terminal kind.
+
+    ``day_spend`` is its spend on UTC day ``day`` (days since 1970-01-01, of
+    event time), the latest day it spent anything: :meth:`spend_on` gives a
+    day's spend, 0 for any later day.
+    """
 
     submitted: int = 0
     spend: float = 0.0
     terminal: dict[str, int] = {}
+    day: int = 0
+    day_spend: float = 0.0
+
+    def spend_on(self, day: int) -> float:
+        """Its spend on UTC day ``day`` (see :func:`utc_day`); 0 unless it is the latest."""
+        return self.day_spend if day == self.day else 0.0
+
+
+def utc_day(at: float) -> int:
+    """The UTC day of Unix time ``at``: days since 1970-01-01."""
+    return math.floor(at / 86400.0)
 
 
 class InFlight(Struct, frozen=True, array_like=True):
@@ -458,7 +476,17 @@ class _Builder:
             duration_ewma=_ewma(backend.duration_ewma, _finite(event.duration)),
         )
         tenant = self._tenants.get(event.tenant, _EMPTY_TENANT)
-        self._set_tenant(event.tenant, spend=tenant.spend + cost)
+        day = utc_day(at)
+        self._set_tenant(
+            event.tenant,
+            spend=tenant.spend + cost,
+            day=max(day, tenant.day),
+            # A completion stamped before the tenant's latest day (a late
+            # event) counts in the total only: that day is over.
+            day_spend=cost
+            if day > tenant.day
+            else tenant.day_spend + (cost if day == tenant.day else 0.0),
+        )
         self.spend += cost
 
     def _sweep(self) -> None:

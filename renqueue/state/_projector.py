@@ -45,7 +45,16 @@ from ..wire._nats import (
     PullSubscription,
 )
 from ..wire._subjects import EVENTS_STREAM, STATE_BUCKET
-from ._fold import STATE_KEY, STATE_VERSION, ProjectionState, _Builder, decode_state, encode_state
+from ._fold import (
+    STATE_KEY,
+    STATE_VERSION,
+    BackendState,
+    ProjectionState,
+    _Builder,
+    decode_state,
+    encode_state,
+)
+from ._view import PROGRESS_KEY, BackendView, Progress, backend_view_key, encode_view
 
 __all__ = ["Projector", "rebuild"]
 
@@ -212,6 +221,9 @@ class Projector(Lifecycle):
         self._stored_seq = 0
         self._last_write = 0.0
         self._psub: PullSubscription | None = None
+        #: Each backend's state as last published in its view (by identity: a
+        #: fold replaces a backend's state when it changes it).
+        self._published: dict[str, BackendState] = {}
         self.writes = 0
         self.conflicts = 0
 
@@ -271,6 +283,7 @@ class Projector(Lifecycle):
 
     async def _load(self) -> None:
         """Adopt the stored state and its revision (a fresh state if there is none)."""
+        self._published = {}
         entry = await self._bucket.latest(STATE_KEY)
         if entry is None or entry.operation is not None:
             # Never written (revision 0), or deleted: then the delete marker's
@@ -365,4 +378,36 @@ class Projector(Lifecycle):
         self._stored_seq = state.last_seq
         self._last_write = self._clock()
         self.writes += 1
+        await self._publish_views(state)
         return True
+
+    async def _publish_views(self, state: ProjectionState) -> None:
+        """Publish the views of the backends ``state`` changed, then its progress.
+
+        Called after ``state`` was stored as the checkpoint, so a view never
+        runs ahead of the checkpoint. The progress mark goes last: a reader
+        that sees it has every view written for the fold up to its sequence.
+        A view that fails to be written is written again at the next flush
+        (this projector's record of what it published moves only on success);
+        a projector that (re)loads the checkpoint publishes every backend anew.
+        """
+        changed = {
+            name: backend
+            for name, backend in state.backends.items()
+            if self._published.get(name) is not backend
+        }
+        kv = self._bucket
+        if changed:
+            await asyncio.gather(
+                *(
+                    kv.put(
+                        backend_view_key(name),
+                        encode_view(BackendView(last_seq=state.last_seq, backend=backend)),
+                    )
+                    for name, backend in changed.items()
+                )
+            )
+            self._published.update(changed)
+        await kv.put(
+            PROGRESS_KEY, encode_view(Progress(last_seq=state.last_seq, log_time=state.log_time))
+        )

@@ -1,19 +1,26 @@
-"""The state view: a reader's live copy of the stored projection.
+"""The state view: a reader's live copy of the projection's per-backend keys.
 
-:class:`StateView` is what readers (routers, workers) hold: it watches the KV
-key and keeps the latest decoded state in memory. A watch that ends or goes
-quiet while the stored value moved on is re-opened from the current value; one
-that cannot be re-opened fails its loop (and, persisting, its process: see
-:mod:`renqueue._tasks`).
+Readers (routers) need each backend's state (health, durations, quota) and how
+far the log is folded, not the whole projection: the projector publishes, after
+each write of its checkpoint (the key ``projection``), one key per backend
+whose state changed (``view.backend.<name>``: :class:`BackendView`) and then
+``view.progress`` (:class:`Progress`: the sequence and log time the views
+reflect). :class:`StateView` watches ``view.>`` and keeps :class:`LiveState`,
+so a reader decodes only what changed, never the whole projection.
+
+A watch that ends or goes quiet while the stored progress moved on is
+re-opened from the current values; one that cannot be re-opened fails its
+loop (and, persisting, its process: see :mod:`renqueue._tasks`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Self
+from typing import Final, Self
 
 import msgspec
+from msgspec import Struct
 
 from .._lifecycle import Lifecycle, State
 from .._tasks import Supervisor
@@ -22,28 +29,107 @@ from ..logs import get_logger
 from ..policy import DEFAULT_COOLDOWN, DEFAULT_FAILURE_THRESHOLD, is_healthy
 from ..wire._nats import JetStream, KeyEntry, KeyValue, KeyWatcher
 from ..wire._subjects import STATE_BUCKET
-from ._fold import STATE_KEY, ProjectionState, decode_state
+from ._fold import STATE_VERSION, BackendState
 
-__all__ = ["StateView"]
+__all__ = [
+    "PROGRESS_KEY",
+    "VIEW_KEYS",
+    "BackendView",
+    "LiveState",
+    "Progress",
+    "StateView",
+    "backend_view_key",
+    "decode_backend_view",
+    "decode_progress",
+    "encode_view",
+]
 
 log = get_logger("projection")
+
+#: The keys the views live under (a KV watch filter): ``view.backend.<name>``
+#: and ``view.progress``.
+VIEW_KEYS: Final = "view.>"
+#: How far the views reflect the log; written after the backends' views.
+PROGRESS_KEY: Final = "view.progress"
+_BACKEND_PREFIX: Final = "view.backend."
+
+
+def backend_view_key(name: str) -> str:
+    """The KV key of backend ``name``'s view (backend names are key-safe: config checks)."""
+    return _BACKEND_PREFIX + name
+
+
+class BackendView(Struct, frozen=True, kw_only=True):
+    """One backend's state as of the log's sequence ``last_seq``."""
+
+    v: int = STATE_VERSION
+    last_seq: int
+    backend: BackendState
+
+
+class Progress(Struct, frozen=True, kw_only=True):
+    """How far the views are folded: every backend view written for a fold up
+    to ``last_seq`` is stored before this. ``log_time`` is the projection's clock."""
+
+    v: int = STATE_VERSION
+    last_seq: int
+    log_time: float
+
+
+class LiveState(Struct, frozen=True, kw_only=True):
+    """What a reader holds: each backend's state and how far the log is folded.
+
+    A backend the log never named has an empty state (healthy, no quota used).
+    Per-tenant counters, in-flight requests and reservations are in the
+    projector's checkpoint (:class:`~renqueue.state.ProjectionState`), which
+    readers do not decode.
+    """
+
+    last_seq: int = 0
+    log_time: float = 0.0
+    backends: dict[str, BackendState] = {}
+
+    def backend(self, name: str) -> BackendState:
+        """The state of ``name``; a backend the log never mentioned has an empty one."""
+        return self.backends.get(name, _EMPTY_BACKEND)
+
+
+_EMPTY_BACKEND: Final = BackendState()
+_ENCODER: Final = msgspec.json.Encoder()
+_BACKEND_VIEW_DECODER: Final = msgspec.json.Decoder(BackendView)
+_PROGRESS_DECODER: Final = msgspec.json.Decoder(Progress)
+
+
+def encode_view(view: BackendView | Progress) -> bytes:
+    return _ENCODER.encode(view)
+
+
+def decode_backend_view(data: bytes) -> BackendView:
+    """Raises ``msgspec.DecodeError`` if ``data`` is not a backend view."""
+    return _BACKEND_VIEW_DECODER.decode(data)
+
+
+def decode_progress(data: bytes) -> Progress:
+    """Raises ``msgspec.DecodeError`` if ``data`` is not a progress mark."""
+    return _PROGRESS_DECODER.decode(data)
 
 
 # ----------------------------------------------------------------- state view
 
 
 class StateView(Lifecycle):
-    """The latest stored projection, kept current by a KV watch.
+    """The latest per-backend views, kept current by a KV watch of ``view.>``.
 
     Open with ``await StateView.open(js)``; close with :meth:`close` (or use it
     as an async context manager). Until a projector has written anything the
-    state is empty, and every backend is healthy.
+    state is empty, and every backend is healthy. :attr:`state` is a
+    :class:`LiveState`, replaced (never changed) on each update.
 
     The watch is followed by a loop under ``supervisor`` (the process's; a
     private one if not given). A watch can end or go quiet while the stored
     value moves on (its consumer lost with a server restart, the bucket
     re-created with sequences starting over): whenever the watch has been
-    silent for ``check_every`` seconds, the view reads the stored revision,
+    silent for ``check_every`` seconds, the view reads the stored progress,
     and if the watch has still not delivered it at the next check, the watch
     is re-opened from the current value (logged). A watch that cannot be
     re-opened fails the loop: the supervisor logs it and retries with
@@ -64,7 +150,8 @@ class StateView(Lifecycle):
         self._name = name
         self.threshold = threshold
         self.cooldown = cooldown
-        self.state = ProjectionState()
+        self.state = LiveState()
+        #: The revision of the latest progress mark taken.
         self.revision = 0
         #: Times the watch was found ended or stale and re-opened.
         self.reopened = 0
@@ -74,7 +161,7 @@ class StateView(Lifecycle):
         self._check_every = check_every
         self._kv: KeyValue | None = None
         self._watcher: KeyWatcher | None = None
-        #: The last entry the watch delivered: (revision, value).
+        #: The last progress entry the watch delivered: (revision, value).
         self._watch_rev = 0
         self._watch_value = b""
         self._behind = False
@@ -132,7 +219,7 @@ class StateView(Lifecycle):
             return True
         return is_healthy(backend, now, threshold=self.threshold, cooldown=self.cooldown)
 
-    async def wait_for(self, seq: int) -> ProjectionState:
+    async def wait_for(self, seq: int) -> LiveState:
         """Wait until the view reflects stream sequence ``seq`` or later.
 
         Bound the wait with ``asyncio.timeout``.
@@ -153,27 +240,49 @@ class StateView(Lifecycle):
         await self._close_watch()
 
     def _take(self, entry: KeyEntry) -> None:
-        if entry.operation is not None:
-            return  # a delete or purge marker: keep what we had
-        try:
-            state = decode_state(entry.value)
-        except msgspec.DecodeError as exc:
-            log.warning("undecodable projection in KV ignored", error=str(exc))
+        state = self.state
+        if entry.key == PROGRESS_KEY:
+            if entry.operation is not None:
+                return  # a delete or purge marker: keep what we had
+            try:
+                progress = decode_progress(entry.value)
+            except msgspec.DecodeError as exc:
+                log.warning("undecodable projection progress in KV ignored", error=str(exc))
+                return
+            self.revision = entry.revision
+            self.state = msgspec.structs.replace(
+                state, last_seq=progress.last_seq, log_time=progress.log_time
+            )
+        elif entry.key.startswith(_BACKEND_PREFIX):
+            name = entry.key[len(_BACKEND_PREFIX) :]
+            backends = dict(state.backends)
+            if entry.operation is not None:
+                backends.pop(name, None)  # deleted: the backend is as never heard of
+            else:
+                try:
+                    backends[name] = decode_backend_view(entry.value).backend
+                except msgspec.DecodeError as exc:
+                    log.warning(
+                        "undecodable backend view in KV ignored", key=entry.key, error=str(exc)
+                    )
+                    return
+            self.state = msgspec.structs.replace(state, backends=backends)
+        else:
             return
-        self.state, self.revision = state, entry.revision
         self._changed.set()
 
     def _seen(self, entry: KeyEntry) -> None:
         """An entry (value or marker) the watch delivered."""
-        self._watch_rev = entry.revision
-        self._watch_value = entry.value
-        self._behind = False
+        if entry.key == PROGRESS_KEY:
+            self._watch_rev = entry.revision
+            self._watch_value = entry.value
+            self._behind = False
         self._take(entry)
 
     async def _open_watch(self) -> KeyWatcher:
         """Open a watch and load the current value (the watch delivers it, then None)."""
         self._kv = await self._js.key_value(STATE_BUCKET)
-        self._watcher = watcher = await self._kv.watch(STATE_KEY)
+        self._watcher = watcher = await self._kv.watch(VIEW_KEYS)
         while (entry := await watcher.updates(timeout=5.0)) is not None:
             self._seen(entry)
         self._behind = False
@@ -193,10 +302,10 @@ class StateView(Lifecycle):
         return await self._open_watch()
 
     async def _stored(self) -> tuple[int, bytes]:
-        """The stored entry (or its delete marker): (revision, value); (0, b"") if none."""
+        """The stored progress (or its delete marker): (revision, value); (0, b"") if none."""
         if self._kv is None:
             return 0, b""
-        entry = await self._kv.latest(STATE_KEY)
+        entry = await self._kv.latest(PROGRESS_KEY)
         return (0, b"") if entry is None else (entry.revision, entry.value)
 
     async def _stale(self) -> bool:

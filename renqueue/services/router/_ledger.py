@@ -17,7 +17,7 @@ import itertools
 
 from ...config import Config
 from ...policy import Cost, Limit, Quota, effective_limits, reserve
-from ...state import ProjectionState
+from ...state import LiveState
 
 __all__ = ["Ledger", "Reserved"]
 
@@ -86,7 +86,7 @@ class Ledger:
         if pending is not None:
             pending.pop(reserved, None)
 
-    def prune(self, state: ProjectionState | None) -> None:
+    def prune(self, state: LiveState | None) -> None:
         """Forget reservations the projection has folded (once per round)."""
         folded = 0 if state is None else state.last_seq
         while self._logged and self._logged[0][0] <= folded:
@@ -95,7 +95,7 @@ class Ledger:
                 self.discard(reserved)
 
     def quota(
-        self, backend: str, state: ProjectionState | None
+        self, backend: str, state: LiveState | None
     ) -> tuple[Quota | None, tuple[Limit, ...]]:
         """``backend``'s quota and the limits it is judged by, as of ``state``.
 
