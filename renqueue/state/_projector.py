@@ -224,6 +224,9 @@ class Projector(Lifecycle):
         #: Each backend's state as last published in its view (by identity: a
         #: fold replaces a backend's state when it changes it).
         self._published: dict[str, BackendState] = {}
+        #: The sequence the published views reflect (behind the checkpoint
+        #: only after a failed view write: the next flush writes them).
+        self._views_seq = 0
         self.writes = 0
         self.conflicts = 0
 
@@ -283,7 +286,7 @@ class Projector(Lifecycle):
 
     async def _load(self) -> None:
         """Adopt the stored state and its revision (a fresh state if there is none)."""
-        self._published = {}
+        self._views_seq = 0
         entry = await self._bucket.latest(STATE_KEY)
         if entry is None or entry.operation is not None:
             # Never written (revision 0), or deleted: then the delete marker's
@@ -329,7 +332,7 @@ class Projector(Lifecycle):
     async def _consume(self, psub: PullSubscription) -> None:
         idle = 0
         while self.status is ProjectorStatus.RUNNING:
-            dirty = self._state.last_seq > self._stored_seq
+            dirty = self._dirty()
             timeout = self._fetch_timeout
             if dirty:
                 due = self._last_write + self._flush_interval - self._clock()
@@ -347,12 +350,18 @@ class Projector(Lifecycle):
                 idle += 1
                 if idle % 5 == 0:
                     await self._check_consumer(psub)
-            if (
-                self._state.last_seq > self._stored_seq
-                and self._clock() - self._last_write >= self._flush_interval
-                and not await self._flush()
-            ):
-                raise _Restart
+            if self._dirty() and self._clock() - self._last_write >= self._flush_interval:
+                if self._state.last_seq > self._stored_seq:
+                    if not await self._flush():
+                        raise _Restart
+                else:  # the checkpoint is written; only its views are behind
+                    await self._publish_views(self._state)
+                    self._last_write = self._clock()
+
+    def _dirty(self) -> bool:
+        """Folded past the checkpoint, or the views are behind it (a view write
+        failed, or this projector has not published since it loaded the state)."""
+        return self._state.last_seq > self._stored_seq or self._views_seq < self._stored_seq
 
     async def _check_consumer(self, psub: PullSubscription) -> None:
         """An idle consumer may have been lost (server restart): make it again if so."""
@@ -382,19 +391,24 @@ class Projector(Lifecycle):
         return True
 
     async def _publish_views(self, state: ProjectionState) -> None:
-        """Publish the views of the backends ``state`` changed, then its progress.
+        """Publish the views of the backends that differ from what this projector
+        last published, then ``state``'s progress.
 
-        Called after ``state`` was stored as the checkpoint, so a view never
-        runs ahead of the checkpoint. The progress mark goes last: a reader
-        that sees it has every view written for the fold up to its sequence.
-        A view that fails to be written is written again at the next flush
-        (this projector's record of what it published moves only on success);
-        a projector that (re)loads the checkpoint publishes every backend anew.
+        Called only for a state stored as the checkpoint, so a view never runs
+        ahead of the checkpoint. The progress mark goes last: a reader that
+        sees it has every view written for the fold up to its sequence. A view
+        that fails to be written is written again at the next flush (what this
+        projector has published moves only on success); a projector that
+        starts publishes every backend anew (repairing a damaged or deleted
+        view), and one that adopts another's checkpoint publishes what differs
+        from its own last views (no checkpoint write: two projectors never
+        trade writes over an idle log).
         """
+        published = self._published
         changed = {
             name: backend
             for name, backend in state.backends.items()
-            if self._published.get(name) is not backend
+            if (previous := published.get(name)) is not backend and previous != backend
         }
         kv = self._bucket
         if changed:
@@ -411,3 +425,4 @@ class Projector(Lifecycle):
         await kv.put(
             PROGRESS_KEY, encode_view(Progress(last_seq=state.last_seq, log_time=state.log_time))
         )
+        self._views_seq = state.last_seq
