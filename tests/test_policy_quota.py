@@ -30,6 +30,7 @@ from renqueue.policy._quota import (
     cool_down,
     effective_limits,
     learn,
+    limit_usage,
     limits_of,
     reconcile,
     reserve,
@@ -979,6 +980,163 @@ def test_a_quota_survives_json() -> None:
     assert Quota().spend == SpendLog()
 
 
+# ------------------------------------------------------- usage, as status shows it
+
+#: (declared, quota, now) -> each limit's (key, count, declared, used, left,
+#: room_at, resets_at, reported_left), in the order ``effective_limits`` gives.
+USAGES = [
+    pytest.param(
+        PER_MIN,
+        Quota(),
+        T,
+        [("requests/min", 30, 30, 0, 30, None, None, None)],
+        id="nothing-spent",
+    ),
+    pytest.param(
+        PER_MIN,
+        spent(times(2, T)),
+        T + 5,
+        [("requests/min", 30, 30, 2, 28, None, T + 61, None)],
+        id="a-second-slot-counts-until-a-window-after-its-end",
+    ),
+    pytest.param(
+        (requests(3, 60.0),),
+        spent([*times(2, T), (T + 10, Cost())]),
+        T + 20,
+        [("requests/min", 3, 3, 3, 0, T + 61, T + 71, None)],
+        id="full-room-when-the-oldest-goes-empty-when-the-newest-goes",
+    ),
+    pytest.param(
+        (requests(3, 60.0),),
+        spent([*times(2, T), (T + 10, Cost())]),
+        T + 61,
+        [("requests/min", 3, 3, 1, 2, None, T + 71, None)],
+        id="the-oldest-slot-stopped-counting",
+    ),
+    pytest.param(
+        (requests(30, 60.0), tokens(1000, 60.0)),
+        spent(times(2, T, Cost(requests=1, tokens=300))),
+        T,
+        [
+            ("requests/min", 30, 30, 2, 28, None, T + 61, None),
+            ("tokens/min", 1000, 1000, 600, 400, None, T + 61, None),
+        ],
+        id="requests-and-tokens-from-one-log",
+    ),
+    pytest.param(
+        TPM,
+        reconcile(
+            spent(times(1, T, Cost(tokens=900))), reserved=900, used=1500, reserved_at=T, at=T
+        ),
+        T,
+        [("tokens/min", 1000, 1000, 1500, 0, T + 61, T + 61, None)],
+        id="overfilled-by-a-reconcile-nothing-left",
+    ),
+    pytest.param(
+        (requests(100, DAY, "utc"),),
+        spent([(utc(2026, 5, 1, 10), Cost()), (utc(2026, 5, 1, 11), Cost())]),
+        utc(2026, 5, 1, 12),
+        [("requests/day", 100, 100, 2, 98, None, utc(2026, 5, 2), None)],
+        id="a-utc-day-resets-at-midnight",
+    ),
+    pytest.param(
+        (requests(2, DAY, "utc"),),
+        spent(times(2, utc(2026, 5, 1, 10))),
+        utc(2026, 5, 1, 12),
+        [("requests/day", 2, 2, 2, 0, utc(2026, 5, 2), utc(2026, 5, 2), None)],
+        id="a-full-utc-day-has-room-at-midnight",
+    ),
+    pytest.param(
+        PER_MIN,
+        learn(spent(times(2, T)), [reported("requests", 60.0, limit=20, remaining=18)], T),
+        T,
+        [("requests/min", 20, 30, 2, 18, None, T + 61, 18)],
+        id="tightened-by-the-provider-keeps-the-declared-count-beside",
+    ),
+    pytest.param(
+        PER_MIN,
+        learn(
+            Quota(),
+            [reported("tokens", 60.0, limit=6000, remaining=0, reset_at=T + 9)],
+            T,
+        ),
+        T,
+        [
+            ("requests/min", 30, 30, 0, 30, None, None, None),
+            ("tokens/min", 6000, None, 0, 6000, None, None, 0),
+        ],
+        id="a-window-only-the-provider-reported-has-no-declared-count",
+    ),
+    pytest.param(
+        (),
+        learn(Quota(), [reported("tokens", 60.0, limit=6000, remaining=0, reset_at=T + 9)], T),
+        T + 9,
+        [("tokens/min", 6000, None, 0, 6000, None, None, None)],
+        id="a-report-past-its-reset-is-not-shown",
+    ),
+    pytest.param(
+        (requests(30, 60.0), requests(20, 60.0)),
+        Quota(),
+        T,
+        [("requests/min", 20, 20, 0, 20, None, None, None)],
+        id="the-tightest-of-two-declared",
+    ),
+    pytest.param((), spent(times(2, T)), T, [], id="no-limits-no-usage"),
+]
+
+
+@pytest.mark.parametrize(("declared", "quota", "now", "expected"), USAGES)
+def test_limit_usage(
+    declared: tuple[Limit, ...],
+    quota: Quota,
+    now: float,
+    expected: list[tuple[str, int, int | None, int, int, float | None, float | None, int | None]],
+) -> None:
+    usages = limit_usage(quota, declared, now)
+    assert [
+        (
+            u.key,
+            u.count,
+            u.declared,
+            u.used,
+            u.left,
+            u.room_at,
+            u.resets_at,
+            u.reported_left,
+        )
+        for u in usages
+    ] == expected
+
+
+def test_limit_usage_names_the_reported_reset_and_the_window() -> None:
+    quota = learn(Quota(), [reported("requests", DAY, limit=50, remaining=3, reset_at=T + 99)], T)
+    (usage,) = limit_usage(quota, (requests(1000, DAY, "us-pacific"),), T)
+    assert (usage.reported_left, usage.reported_reset_at) == (3, T + 99)
+    assert (usage.kind, usage.window, usage.calendar, usage.count) == (
+        "requests",
+        DAY,
+        "us-pacific",
+        50,
+    )
+
+
+def test_usage_left_is_what_check_finds_room_for() -> None:
+    """The usage of a limit says what the binder's check answers: ``left`` fits,
+    one more does not, and at ``room_at`` one fits again."""
+    limit = requests(3, 60.0)
+    quota = spent([*times(2, T), (T + 10, Cost())])
+    for now in (T, T + 30, T + 61, T + 70, T + 71):
+        (usage,) = limit_usage(quota, (limit,), now)
+        assert check(quota, (limit,), Cost(requests=usage.left), now).ok
+        assert not check(quota, (limit,), Cost(requests=usage.left + 1), now).ok
+        if usage.room_at is not None:
+            assert check(quota, (limit,), Cost(), usage.room_at).ok
+            assert not check(quota, (limit,), Cost(), math.nextafter(usage.room_at, 0)).ok
+        if usage.resets_at is not None:
+            assert used(quota, limit, usage.resets_at) == 0
+            assert used(quota, limit, math.nextafter(usage.resets_at, 0)) > 0
+
+
 # -------------------------------------------------------------- properties
 
 #: Examples per property: 80 in `make test` (the suite's time budget);
@@ -1314,3 +1472,44 @@ def test_the_functions_are_pure(
     for call in calls:
         assert call() == call()
         assert (limits, quota, cost, reports) == before
+
+
+@PROPERTIES
+@given(quotas(), st.floats(0.0, 2 * DAY))
+def test_limit_usage_counts_as_check_does(
+    state: tuple[tuple[Limit, ...], Quota, float], wait: float
+) -> None:
+    """For any limit and spend: ``left`` is the largest cost ``check`` lets
+    through (its spend alone: cooldowns and reports set aside), ``room_at``
+    the first moment a cost of one fits once none does, ``resets_at`` the first
+    moment nothing counts."""
+    declared, quota, now = state
+    now += wait
+    spend_only = Quota(spend=quota.spend)
+    for usage in limit_usage(quota, declared, now):
+        limit = Limit(
+            kind=usage.kind, count=usage.count, window=usage.window, calendar=usage.calendar
+        )
+
+        def cost(n: int, kind: str = usage.kind) -> Cost:
+            return Cost(requests=n, tokens=0) if kind == "requests" else Cost(requests=0, tokens=n)
+
+        assert usage.used == used(quota, limit, now)
+        assert usage.left == max(0, usage.count - usage.used)
+        assert check(spend_only, (limit,), cost(usage.left), now).ok
+        assert not check(spend_only, (limit,), cost(usage.left + 1), now).ok
+        if usage.left > 0:
+            assert usage.room_at is None
+        else:
+            assert usage.room_at is not None
+            assert usage.room_at > now
+            assert check(spend_only, (limit,), cost(1), usage.room_at).ok
+            assert not check(
+                spend_only, (limit,), cost(1), math.nextafter(usage.room_at, -math.inf)
+            ).ok
+        if usage.used <= 0:
+            assert usage.resets_at is None
+        else:
+            assert usage.resets_at is not None
+            assert used(quota, limit, usage.resets_at) == 0
+            assert used(quota, limit, math.nextafter(usage.resets_at, -math.inf)) > 0

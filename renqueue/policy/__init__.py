@@ -21,7 +21,8 @@ that read the broker, ask these functions, and carry out what they answer.
   (:func:`limits_of`, :func:`effective_limits`) judged against a :class:`Quota`
   (one :class:`SpendLog` per backend, and what its provider said: a
   :class:`Learned` window, a cooldown) by :func:`check`, answering a
-  :class:`QuotaVerdict` for a :class:`Cost`; :func:`used`, :func:`reserve`,
+  :class:`QuotaVerdict` for a :class:`Cost`; :func:`used`, :func:`limit_usage`
+  (:class:`LimitUsage`), :func:`reserve`,
   :func:`reconcile`, :func:`learn`, :func:`cool_down`.
 - Token estimates for quota reservations, no tokenizer download (``_tokens``):
   :func:`estimate_text_tokens`, :func:`estimate_prompt_tokens`,
@@ -62,12 +63,14 @@ from ._quota import (
     Cost,
     Learned,
     Limit,
+    LimitUsage,
     Quota,
     QuotaVerdict,
     check,
     cool_down,
     effective_limits,
     learn,
+    limit_usage,
     limits_of,
     reconcile,
     reserve,
@@ -108,6 +111,7 @@ __all__ = [
     "Learned",
     "LevelPolicy",
     "Limit",
+    "LimitUsage",
     "NoRoom",
     "PlanPolicy",
     "Promote",
@@ -134,6 +138,7 @@ __all__ = [
     "hopeless",
     "is_healthy",
     "learn",
+    "limit_usage",
     "limits_of",
     "may_preempt",
     "pick_key",

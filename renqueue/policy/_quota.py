@@ -25,6 +25,8 @@ cooldown after a 429 (``retry-after``), a quota exhausted until its reset
 (``insufficient_quota``, a per-day quota id), and learned windows whose
 ``remaining`` it reported. :func:`check` answers whether a cost fits now, and
 if not, from when and why (``quota:requests/min 29/30, resets in 12 s``);
+:func:`limit_usage` says, per limit, what is used and left and when it
+resets, counted the same way (what ``renqueue status`` shows);
 :func:`reserve` spends it; :func:`reconcile` corrects a token reservation
 with the usage the provider reported. Nothing here reads a clock: every
 ``now`` and ``at`` is the caller's (the binder's clock to decide, event times
@@ -55,12 +57,14 @@ __all__ = [
     "Cost",
     "Learned",
     "Limit",
+    "LimitUsage",
     "Quota",
     "QuotaVerdict",
     "check",
     "cool_down",
     "effective_limits",
     "learn",
+    "limit_usage",
     "limits_of",
     "reconcile",
     "reserve",
@@ -143,6 +147,37 @@ class QuotaVerdict(Struct, frozen=True):
 
 
 _OK: Final = QuotaVerdict(True)
+
+
+class LimitUsage(Struct, frozen=True, kw_only=True):
+    """One limit a backend is judged by, and what is spent of it at a moment
+    (:func:`limit_usage`). Times are absolute (Unix seconds)."""
+
+    #: The limit's name: ``requests/min``, ``tokens/day``.
+    key: str
+    kind: Kind
+    window: float
+    calendar: Calendar
+    #: The count judged by: the declared one, tightened to what the provider reported.
+    count: int
+    #: The declared count (the tightest declared under this key); ``None`` for a
+    #: window only the provider reported.
+    declared: int | None
+    #: Spent in the window now, counted as :func:`check` counts it.
+    used: int
+    #: The largest cost that fits now (``count - used``, never below 0).
+    left: int
+    #: When one more request (or token) fits again, if none fits now; ``None``
+    #: while there is room.
+    room_at: float | None
+    #: When nothing spent so far counts any more (the window is full again);
+    #: ``None`` when nothing counts.
+    resets_at: float | None
+    #: What the provider last reported as remaining in this window, while its
+    #: report holds (its reset is still ahead, or unknown); ``None`` otherwise.
+    reported_left: int | None = None
+    #: When the provider said this window resets (with ``reported_left``).
+    reported_reset_at: float | None = None
 
 
 # --------------------------------------------------------------- the windows
@@ -346,6 +381,53 @@ def check(quota: Quota, limits: Iterable[Limit], cost: Cost, now: float) -> Quot
             when = "never fits" if math.isinf(at) else f"resets in {_seconds(at - now)}"
             hold(at, f"quota:{limit.key} {spent}/{limit.count}, {when}")
     return worst
+
+
+def limit_usage(quota: Quota, declared: Iterable[Limit], now: float) -> tuple[LimitUsage, ...]:
+    """Each limit ``quota`` is judged by (:func:`effective_limits` of ``declared``),
+    with what is spent of it at ``now``, as :func:`check` counts.
+
+    ``left`` is exactly the largest cost that :func:`check` finds room for in
+    that window now (a cooldown, an exhausted quota or a reported window at 0
+    still hold a request back: they are the quota's own fields and
+    ``reported_left``); ``room_at`` is when a cost of one fits again once none
+    does, and ``resets_at`` when a cost of the whole count would, that is when
+    the window is empty again. Pure, like :func:`check`: ``now`` is the caller's.
+    """
+    declared = tuple(declared)
+    declared_counts: dict[str, int] = {}
+    for limit in declared:
+        known = declared_counts.get(limit.key)
+        declared_counts[limit.key] = limit.count if known is None else min(known, limit.count)
+    usages: list[LimitUsage] = []
+    for limit in effective_limits(declared, quota):
+        spent = used(quota, limit, now)
+        left = max(0, limit.count - spent)
+        room_at = None if left > 0 else _fits_at(quota.spend, limit, 1, now)
+        resets_at = _fits_at(quota.spend, limit, limit.count, now) if spent > 0 else None
+        learned = quota.learned.get(limit.key)
+        holds = (
+            learned is not None
+            and learned.remaining is not None
+            and (learned.reset_at is None or learned.reset_at > now)
+        )
+        usages.append(
+            LimitUsage(
+                key=limit.key,
+                kind=limit.kind,
+                window=limit.window,
+                calendar=limit.calendar,
+                count=limit.count,
+                declared=declared_counts.get(limit.key),
+                used=spent,
+                left=left,
+                room_at=_finite(room_at),
+                resets_at=_finite(resets_at),
+                reported_left=learned.remaining if holds and learned is not None else None,
+                reported_reset_at=learned.reset_at if holds and learned is not None else None,
+            )
+        )
+    return tuple(usages)
 
 
 def reserve(quota: Quota, cost: Cost, at: float) -> Quota:
