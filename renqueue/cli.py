@@ -9,6 +9,9 @@
     renqueue submit PROMPT      submit one request; --stream prints tokens as they come
     renqueue cancel ID          cancel a request: queued never runs, running is stopped
     renqueue audit ID           one request's timeline from the event log
+    renqueue status             each backend, priority level and tenant now (--watch)
+    renqueue replay             the projection rebuilt from the log (--verify: against
+                                the live one, field by field)
     renqueue schema             JSON Schema of every wire message and event
     renqueue mock-backend       an OpenAI-compatible mock LLM server
     renqueue demo               everything embedded, a mixed workload, a summary
@@ -18,7 +21,9 @@ cancelled, or the cancellation was recorded when not waiting); 2 a Ren-Queue
 error (bad config, NATS unreachable, no such request, ...); 3 the request
 ended, but not as asked (``submit``: failed, expired, cancelled or rejected;
 ``cancel``: it had already ended otherwise); 4 ``--wait`` ran out before the
-request ended (it goes on: follow it with ``renqueue audit``).
+request ended (it goes on: follow it with ``renqueue audit``). ``replay
+--verify``: 0 the live projection equals the log's, 1 it differs, 2 it cannot
+be read.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -38,10 +43,15 @@ from .config import Config, load_config
 from .errors import ConfigError, RenQueueError, RequestFailedError
 from .logs import configure_logging, get_logger
 
+if TYPE_CHECKING:
+    from .state import ProjectionState, Verification
+
 __all__ = ["main"]
 
 #: Exit codes (see the module docstring).
 EXIT_OK, EXIT_ERROR, EXIT_UNSUCCESSFUL, EXIT_WAIT_TIMEOUT = 0, 2, 3, 4
+#: ``replay --verify``: the live projection differs from the log's.
+EXIT_DIFFERENT = 1
 
 
 class _WaitTimeout(RenQueueError):
@@ -207,6 +217,122 @@ async def _audit(config: Config, args: argparse.Namespace) -> None:
         print(f"{when}  {kind:<10} {details}")
 
 
+async def _status(config: Config, args: argparse.Namespace) -> None:
+    from .ops._connection import connect
+    from .state import read_status, render_status
+
+    nc = await connect(_client_url(config), name="renqueue-status", config=config.nats)
+    try:
+        js = nc.jetstream()
+        clear = args.watch and not args.json and sys.stdout.isatty()
+        while True:
+            report = await read_status(js, config)
+            if args.json:
+                print(msgspec.json.encode(report).decode())
+            else:
+                if clear:
+                    print("\x1b[H\x1b[2J", end="")  # cursor home, clear the screen
+                print("\n".join(render_status(report)))
+            if not args.watch:
+                return
+            if not clear and not args.json:
+                print()
+            sys.stdout.flush()
+            await asyncio.sleep(args.interval)
+    finally:
+        await nc.drain()
+
+
+async def _replay(config: Config, args: argparse.Namespace) -> int:
+    from .ops._connection import connect
+    from .state import encode_state, rebuild, verify
+
+    nc = await connect(_client_url(config), name="renqueue-replay", config=config.nats)
+    try:
+        js = nc.jetstream()
+        if not args.verify:
+            state = await rebuild(js)
+            if args.json:
+                print(encode_state(state).decode())
+            else:
+                print("\n".join(_replay_summary(state)))
+            return EXIT_OK
+        found = await verify(js)
+    finally:
+        await nc.drain()
+    if args.json:
+        print(json.dumps({"equal": found.equal, **msgspec.to_builtins(found)}))
+    else:
+        print("\n".join(_verification_lines(found)))
+    return EXIT_OK if found.equal else EXIT_DIFFERENT
+
+
+def _verification_lines(found: Verification) -> list[str]:
+    at = f"{found.events} events, last_seq {found.last_seq}"
+    if found.views_compared:
+        views = f"views: {found.views} backend views compared"
+    elif found.progress_seq is None:
+        views = "views not compared: no progress mark (view.progress) stored"
+    elif found.progress_seq < found.last_seq:
+        views = (
+            f"views not compared: progress {found.progress_seq} behind checkpoint {found.last_seq}"
+        )
+    elif found.progress_seq == found.last_seq:
+        views = "views not compared: the projector kept writing while they were read"
+    else:
+        views = f"views not compared: progress {found.progress_seq}, checkpoint {found.last_seq}"
+    if found.equal:
+        return [f"equal ({at})", views]
+    lines = [
+        f"different: {len(found.differences)} field(s) differ from the log replayed ({at})",
+        views,
+        "",
+    ]
+    width = min(60, max(len(d.path) for d in found.differences))
+    lines.append(f"  {'field':<{width}}  {'live':>12}  rebuilt from the log")
+    lines.extend(
+        f"  {d.path:<{width}}  {_value(d.live):>12}  {_value(d.rebuilt)}" for d in found.differences
+    )
+    return lines
+
+
+def _value(value: Any) -> str:
+    if value is msgspec.UNSET:
+        return "(absent)"
+    return _shorten(json.dumps(value), 80)
+
+
+def _replay_summary(state: ProjectionState) -> list[str]:
+    ended = " ".join(f"{kind}={n}" for kind, n in sorted(state.terminal.items())) or "none"
+    when = (
+        datetime.datetime.fromtimestamp(state.log_time, tz=datetime.UTC).isoformat(
+            timespec="seconds"
+        )
+        if state.log_time
+        else "-"
+    )
+    lines = [
+        f"Replayed {state.events} events (last_seq {state.last_seq}, log time {when});"
+        f" skipped {state.skipped} undecodable, {state.mismatched} disagreeing with their subject",
+        f"  submitted {state.submitted}; ended {ended}; in flight {state.in_flight_count};"
+        f" spend ${state.spend:.6f}",
+        "",
+        f"  {'backend':<16} {'started':>8} {'done':>7} {'failed':>6} {'429s':>5}"
+        f" {'tokens in':>10} {'tokens out':>10} {'spend $':>10} {'in flight':>9}",
+    ]
+    for name, b in sorted(state.backends.items()):
+        lines.append(
+            f"  {name:<16} {b.calls_started:>8} {b.calls_completed:>7} {b.calls_failed:>6}"
+            f" {b.rate_limited:>5} {b.tokens_in:>10} {b.tokens_out:>10} {b.spend:>10.6f}"
+            f" {b.in_flight:>9}"
+        )
+    lines += ["", f"  {'tenant':<16} {'submitted':>9} {'spend $':>10}  ended"]
+    for name, t in sorted(state.tenants.items()):
+        ended = " ".join(f"{kind}={n}" for kind, n in sorted(t.terminal.items())) or "-"
+        lines.append(f"  {name:<16} {t.submitted:>9} {t.spend:>10.6f}  {ended}")
+    return lines
+
+
 def _shorten(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -307,10 +433,39 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument("--json", action="store_true", help="one JSON event per line")
     cmd.set_defaults(run=_audit)
 
+    cmd = sub.add_parser(
+        "status", help="each backend, priority level and tenant now (health, quota, queues)"
+    )
+    cmd.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
+    cmd.add_argument(
+        "--interval", type=_positive, default=2.0, help="seconds between redraws (default 2)"
+    )
+    cmd.add_argument("--json", action="store_true", help="the report as JSON (one per redraw)")
+    cmd.set_defaults(run=_status)
+
+    cmd = sub.add_parser("replay", help="the projection rebuilt from the event log")
+    cmd.add_argument(
+        "--verify",
+        action="store_true",
+        help="compare with the live projection and its views, field by field "
+        "(exit 0 equal, 1 different, 2 cannot read)",
+    )
+    cmd.add_argument(
+        "--json", action="store_true", help="the rebuilt state (or the result) as JSON"
+    )
+    cmd.set_defaults(run=_replay)
+
     sub.add_parser("schema", help="JSON Schema of messages and events").set_defaults(run=_schema)
 
     _add_tool_commands(sub)
     return parser
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def _add_tool_commands(sub: Any) -> None:
@@ -362,7 +517,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         result = args.run(config, args)
         if asyncio.iscoroutine(result):
-            asyncio.run(result)
+            result = asyncio.run(result)
+        if isinstance(result, int):
+            return result
     except RequestFailedError as exc:
         print(f"renqueue: {exc} [{exc.error_type}]", file=sys.stderr)
         return EXIT_UNSUCCESSFUL

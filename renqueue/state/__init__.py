@@ -5,6 +5,11 @@
   (``_projector``) keeps it in the ``rq-state`` KV bucket (the checkpoint, and
   one view per backend); :class:`StateView` (``_view``) is a reader's live copy
   of the views.
+- Checking and showing it: :func:`diff_states` (``_diff``) names every field
+  two projections disagree on; :func:`verify` (``_verify``) compares the
+  checkpoint and the views with a rebuild from the log (``renqueue replay
+  --verify``); :func:`read_status` and :func:`render_status` (``_status``)
+  report each backend, priority level and tenant (``renqueue status``).
 - The binder's lease (``_lease``): :class:`Lease`, at most one holder at a
   time, judged by the server's clock.
 - Coalescing groups (``_coalescing``): :class:`Coalescer`, identical requests
@@ -15,6 +20,7 @@
 
 from ._cancellation import CANCELS, CancelWatch, cancel_of
 from ._coalescing import Coalescer, Group, coalesce_key
+from ._diff import Difference, diff_states, diff_values
 from ._fold import (
     BACKEND_FAULTS,
     STALE_IN_FLIGHT,
@@ -33,6 +39,16 @@ from ._fold import (
 )
 from ._lease import LEASE_MARGIN, Lease
 from ._projector import Projector, rebuild
+from ._status import (
+    BackendStatus,
+    LevelStatus,
+    StatusReport,
+    TenantStatus,
+    backend_status,
+    read_status,
+    render_status,
+)
+from ._verify import Verification, read_checkpoint, verify
 from ._view import (
     PROGRESS_KEY,
     VIEW_KEYS,
@@ -57,28 +73,41 @@ __all__ = [
     "TENANT_WRITTEN_KINDS",
     "VIEW_KEYS",
     "BackendState",
+    "BackendStatus",
     "BackendView",
     "CancelWatch",
     "Coalescer",
+    "Difference",
     "Group",
     "InFlight",
     "Lease",
+    "LevelStatus",
     "LiveState",
     "Progress",
     "ProjectionState",
     "Projector",
     "StateView",
+    "StatusReport",
     "TenantState",
+    "TenantStatus",
+    "Verification",
+    "backend_status",
     "backend_view_key",
     "cancel_of",
     "coalesce_key",
     "decode_backend_view",
     "decode_progress",
     "decode_state",
+    "diff_states",
+    "diff_values",
     "encode_state",
     "encode_view",
     "fold",
     "fold_many",
+    "read_checkpoint",
+    "read_status",
     "rebuild",
+    "render_status",
     "utc_day",
+    "verify",
 ]

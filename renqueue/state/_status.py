@@ -1,0 +1,376 @@
+"""What ``renqueue status`` shows: each backend, priority level and tenant, now.
+
+:func:`read_status` reads it all into one :class:`StatusReport` (the JSON of
+``renqueue status --json``); :func:`render_status` turns a report into the
+lines of text the command prints, with no I/O of its own.
+
+Where each figure comes from:
+
+- per backend, from the config and the projector's checkpoint (the key
+  ``projection`` in ``rq-state``): health (:func:`renqueue.policy.is_healthy`
+  at the reader's clock), requests in flight, the provider's cooldown and
+  exhausted quota, and for each limit it is judged by (declared, tightened by
+  what the provider reported: :func:`renqueue.policy.limit_usage`) what is
+  used and left and when it resets, counted as the binder counts; ``held`` is
+  the binder's reason to pass the backend over for the smallest request now.
+  Its queue depth is its worker consumer's (``worker-<backend>`` on
+  ``RQ_DISPATCH``): dispatches waiting for a worker plus those being run.
+- per priority level: the requests waiting (its router consumer
+  ``router-<level>`` on ``RQ_REQUESTS``: not yet delivered plus held by the
+  binder) and how long the oldest one still stored has waited (its stream
+  timestamp, the server's clock; a request put back by the services counts
+  from when it was put back).
+- per tenant, from the checkpoint: spend today (the UTC day of the reader's
+  clock), total spend, requests submitted and ended by kind.
+
+The checkpoint lags the log by up to a flush (100 ms) when the projector keeps
+up (``events_behind`` says by how much), and it does not hold the reservations
+the binder made since the last event it folded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import math
+import time
+from typing import Final
+
+from msgspec import Struct
+
+from ..config import Config
+from ..errors import NatsNotFoundError
+from ..policy import (
+    Cost,
+    LimitUsage,
+    Quota,
+    check,
+    effective_limits,
+    is_healthy,
+    limit_usage,
+)
+from ..wire._nats import JetStream
+from ..wire._subjects import (
+    DISPATCH_STREAM,
+    EVENTS_STREAM,
+    REQUESTS_STREAM,
+    STATE_BUCKET,
+    requests_of_level,
+    router_consumer,
+    worker_consumer,
+)
+from ._fold import BackendState, ProjectionState, utc_day
+from ._verify import read_checkpoint
+
+__all__ = [
+    "BackendStatus",
+    "LevelStatus",
+    "StatusReport",
+    "TenantStatus",
+    "backend_status",
+    "read_status",
+    "render_status",
+]
+
+#: The smallest request: what ``held`` asks the binder's check about.
+_SMALLEST: Final = Cost(requests=1, tokens=1)
+_EMPTY: Final = BackendState()
+
+
+class BackendStatus(Struct, frozen=True, kw_only=True):
+    """One backend now. Times are absolute (Unix seconds)."""
+
+    name: str
+    #: Whether the config names it (a backend only the log names has no limits here).
+    configured: bool
+    healthy: bool
+    consecutive_failures: int
+    last_error_type: str | None
+    #: Requests whose latest start was here and that have not ended (the projection's).
+    in_flight: int
+    #: Dispatches at its worker consumer: waiting for a worker plus being run;
+    #: ``None`` when it has no consumer.
+    queue_depth: int | None
+    #: Its declared concurrency (the worker consumer's ``max_ack_pending``).
+    concurrency: int | None
+    #: No call before this (a 429's ``retry-after``), if in the future.
+    cooldown_until: float | None
+    #: The provider's quota is spent until this, if in the future.
+    exhausted_until: float | None
+    #: Why the binder would pass it over for the smallest request now; "" if it would not.
+    held: str
+    limits: tuple[LimitUsage, ...]
+    calls_completed: int
+    calls_failed: int
+    rate_limited: int
+    spend: float
+
+
+class LevelStatus(Struct, frozen=True, kw_only=True):
+    """One priority level now."""
+
+    name: str
+    #: Requests at its router consumer: not yet delivered plus held by the
+    #: binder; ``None`` when it has no consumer.
+    waiting: int | None
+    #: When the oldest request still stored at this level was stored (server time).
+    oldest_at: float | None
+    #: How long it has waited, by the reader's clock.
+    oldest_wait: float | None
+
+
+class TenantStatus(Struct, frozen=True, kw_only=True):
+    """One tenant: spend (USD) today and in all, requests submitted and ended."""
+
+    name: str
+    spend_today: float
+    spend: float
+    submitted: int
+    terminal: dict[str, int]
+
+
+class StatusReport(Struct, frozen=True, kw_only=True):
+    """Everything ``renqueue status`` shows, as of ``at`` (the reader's clock)."""
+
+    at: float
+    #: Whether a projector has stored a checkpoint (if not, every count is 0).
+    projected: bool
+    #: The stream sequence the checkpoint reflects, and its log time.
+    last_seq: int
+    log_time: float
+    #: Events stored in the log past the checkpoint.
+    events_behind: int
+    in_flight: int
+    backends: tuple[BackendStatus, ...]
+    levels: tuple[LevelStatus, ...]
+    tenants: tuple[TenantStatus, ...]
+
+
+# -------------------------------------------------------------------- reading
+
+
+async def read_status(js: JetStream, config: Config, *, now: float | None = None) -> StatusReport:
+    """Read the checkpoint, the consumers and the oldest requests into a report.
+
+    ``now`` (default: ``time.time()``) is the clock health, quota windows and
+    waits are judged at. Raises :class:`~renqueue.errors.NatsError` if NATS
+    fails, :class:`~renqueue.errors.RenQueueError` if the stored checkpoint
+    does not decode.
+    """
+    at = time.time() if now is None else now
+    kv = await js.key_value(STATE_BUCKET)
+    read = await read_checkpoint(kv)
+    state = ProjectionState() if read is None else read[0]
+    names = [*config.backends, *sorted(set(state.backends) - set(config.backends))]
+    stream, depths, levels = await asyncio.gather(
+        js.stream_info(EVENTS_STREAM),
+        asyncio.gather(*(_pending(js, DISPATCH_STREAM, worker_consumer(n)) for n in names)),
+        asyncio.gather(*(_level(js, level, at) for level in config.priorities)),
+    )
+    backends = tuple(
+        backend_status(name, state.backend(name), config, depth, at)
+        for name, depth in zip(names, depths, strict=True)
+    )
+    today = utc_day(at)
+    tenants = tuple(
+        TenantStatus(
+            name=name,
+            spend_today=tenant.spend_on(today),
+            spend=tenant.spend,
+            submitted=tenant.submitted,
+            terminal=dict(tenant.terminal),
+        )
+        for name, tenant in sorted(state.tenants.items())
+    )
+    return StatusReport(
+        at=at,
+        projected=read is not None,
+        last_seq=state.last_seq,
+        log_time=state.log_time,
+        events_behind=max(0, int(stream.state.last_seq) - state.last_seq),
+        in_flight=state.in_flight_count,
+        backends=backends,
+        levels=tuple(levels),
+        tenants=tenants,
+    )
+
+
+def backend_status(
+    name: str, state: BackendState, config: Config, queue_depth: int | None, now: float
+) -> BackendStatus:
+    """One backend's status from its folded state and its config, at ``now``. Pure."""
+    backend = config.backends.get(name)
+    declared = () if backend is None else backend.limits.declared()
+    quota = state.quota or Quota()
+    verdict = check(quota, effective_limits(declared, quota), _SMALLEST, now)
+    return BackendStatus(
+        name=name,
+        configured=backend is not None,
+        healthy=is_healthy(state, now),
+        consecutive_failures=state.consecutive_failures,
+        last_error_type=state.last_error_type,
+        in_flight=state.in_flight,
+        queue_depth=queue_depth,
+        concurrency=None if backend is None else backend.limits.concurrency,
+        cooldown_until=_ahead(quota.cooldown_until, now),
+        exhausted_until=_ahead(quota.exhausted_until, now),
+        held="" if verdict.ok else verdict.reason,
+        limits=limit_usage(quota, declared, now),
+        calls_completed=state.calls_completed,
+        calls_failed=state.calls_failed,
+        rate_limited=state.rate_limited,
+        spend=state.spend,
+    )
+
+
+def _ahead(until: float | None, now: float) -> float | None:
+    return until if until is not None and until > now else None
+
+
+async def _pending(js: JetStream, stream: str, consumer: str) -> int | None:
+    """A consumer's messages not yet delivered plus delivered and not acked."""
+    try:
+        info = await js.consumer_info(stream, consumer)
+    except NatsNotFoundError:
+        return None
+    return (info.num_pending or 0) + (info.num_ack_pending or 0)
+
+
+async def _level(js: JetStream, level: str, now: float) -> LevelStatus:
+    waiting = await _pending(js, REQUESTS_STREAM, router_consumer(level))
+    try:
+        oldest = await js.get_msg(
+            REQUESTS_STREAM, seq=1, subject=requests_of_level(level), next=True
+        )
+    except NatsNotFoundError:
+        oldest_at = None
+    else:
+        stamp = oldest.time
+        if stamp is not None and stamp.tzinfo is None:
+            stamp = stamp.replace(tzinfo=datetime.UTC)
+        oldest_at = None if stamp is None else stamp.timestamp()
+    return LevelStatus(
+        name=level,
+        waiting=waiting,
+        oldest_at=oldest_at,
+        oldest_wait=None if oldest_at is None else max(0.0, now - oldest_at),
+    )
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def render_status(report: StatusReport) -> list[str]:
+    """The report as aligned text lines (no trailing newlines). Pure."""
+    now = report.at
+    lines = [
+        f"Ren-Queue status at {_clock(now)}",
+        (
+            f"  projection at seq {report.last_seq} ({report.events_behind} events behind the"
+            f" log), log time {_clock(report.log_time) if report.log_time else '-'};"
+            f" {report.in_flight} in flight"
+            if report.projected
+            else "  no projection stored yet: no projector has run (counts below are 0)"
+        ),
+        "",
+        "Backends",
+        f"  {'backend':<16} {'health':<14} {'in flight':>9} {'queue':>5} {'slots':>5}"
+        f" {'done':>7} {'failed':>6} {'429s':>5} {'spend $':>10}  held",
+    ]
+    for b in report.backends:
+        health = "healthy" if b.healthy else f"unhealthy ({b.consecutive_failures})"
+        lines.append(
+            f"  {b.name:<16} {health:<14} {b.in_flight:>9} {_opt(b.queue_depth):>5}"
+            f" {_opt(b.concurrency):>5} {b.calls_completed:>7} {b.calls_failed:>6}"
+            f" {b.rate_limited:>5} {b.spend:>10.6f}  {b.held or '-'}"
+        )
+    paused = [
+        f"  {b.name}: " + "; ".join(_pauses(b, now)) for b in report.backends if _pauses(b, now)
+    ]
+    if paused:
+        lines += ["", "Paused by the provider", *paused]
+    limited = [(b.name, u) for b in report.backends for u in b.limits]
+    if limited:
+        lines += [
+            "",
+            "Rate limits (the limit judged by: the declared one, or less if the provider said so)",
+            f"  {'backend':<16} {'window':<16} {'used':>9} {'limit':>9} {'left':>9}"
+            f" {'declared':>9}  resets in",
+        ]
+        for name, u in limited:
+            lines.append(
+                f"  {name:<16} {_limit_name(u):<16} {u.used:>9} {u.count:>9} {u.left:>9}"
+                f" {_opt(u.declared):>9}  {_resets(u, now)}"
+            )
+    lines += [
+        "",
+        "Priority levels",
+        f"  {'level':<16} {'waiting':>7}  oldest wait",
+    ]
+    for level in report.levels:
+        wait = "-" if level.oldest_wait is None else _duration(level.oldest_wait)
+        lines.append(f"  {level.name:<16} {_opt(level.waiting):>7}  {wait}")
+    lines += ["", "Tenants"]
+    if not report.tenants:
+        lines.append("  none yet")
+    else:
+        lines.append(
+            f"  {'tenant':<16} {'spend today $':>13} {'spend $':>10} {'submitted':>9}  ended"
+        )
+        for t in report.tenants:
+            ended = " ".join(f"{kind}={count}" for kind, count in sorted(t.terminal.items()))
+            lines.append(
+                f"  {t.name:<16} {t.spend_today:>13.6f} {t.spend:>10.6f} {t.submitted:>9}"
+                f"  {ended or '-'}"
+            )
+    return lines
+
+
+def _pauses(backend: BackendStatus, now: float) -> list[str]:
+    said = []
+    if backend.exhausted_until is not None and backend.exhausted_until > now:
+        said.append(f"quota exhausted, back in {_duration(backend.exhausted_until - now)}")
+    if backend.cooldown_until is not None and backend.cooldown_until > now:
+        said.append(f"rate limited (429), retry in {_duration(backend.cooldown_until - now)}")
+    return said
+
+
+def _limit_name(usage: LimitUsage) -> str:
+    return usage.key if usage.calendar == "rolling" else f"{usage.key} ({usage.calendar})"
+
+
+def _resets(usage: LimitUsage, now: float) -> str:
+    parts = []
+    if usage.resets_at is not None:
+        parts.append(_duration(usage.resets_at - now))
+    if usage.room_at is not None:
+        parts.append(f"room for one more in {_duration(usage.room_at - now)}")
+    if usage.reported_left is not None:
+        reset = (
+            ""
+            if usage.reported_reset_at is None
+            else f", resets in {_duration(usage.reported_reset_at - now)}"
+        )
+        parts.append(f"provider says {usage.reported_left} left{reset}")
+    return "; ".join(parts) or "-"
+
+
+def _opt(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _clock(at: float) -> str:
+    return datetime.datetime.fromtimestamp(at, tz=datetime.UTC).isoformat(timespec="seconds")
+
+
+def _duration(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "never"
+    seconds = max(0.0, seconds)
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{round(seconds)} s"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
