@@ -339,6 +339,9 @@ class WorkerConfig(_Section, frozen=True, kw_only=True):
     restarts do not use up a request's budget. ``retry_delay`` and
     ``max_retry_delay`` shape the backoff between failed runs (doubling from
     the first, capped by the second, jittered: :func:`renqueue.policy.backoff`).
+    ``quota_hold``: how long a backend whose provider says its quota is spent
+    without saying until when (OpenAI ``insufficient_quota``) is left out; the
+    request that got that answer goes back to routing at once.
     """
 
     ack_wait: Duration = "5s"
@@ -347,6 +350,7 @@ class WorkerConfig(_Section, frozen=True, kw_only=True):
     retry_delay: Duration = "1s"
     max_retry_delay: Duration = "30s"
     drain_timeout: Duration = "10s"
+    quota_hold: Duration = "10m"
 
     def __post_init__(self) -> None:
         if self.delivery_limit is not None and self.delivery_limit <= self.max_deliver:
@@ -366,6 +370,7 @@ class WorkerConfig(_Section, frozen=True, kw_only=True):
             budget=self.max_deliver,
             retry_delay=parse_duration(self.retry_delay),
             max_retry_delay=parse_duration(self.max_retry_delay),
+            quota_hold=parse_duration(self.quota_hold),
         )
 
     @property

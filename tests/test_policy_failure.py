@@ -19,6 +19,7 @@ from renqueue.errors import (
 from renqueue.policy import (
     Fail,
     FailurePolicy,
+    RequeueElsewhere,
     Retry,
     after_failure,
     backoff,
@@ -39,6 +40,17 @@ def unavailable() -> RetryableBackendError:
 
 def limited(retry_after: float | None) -> RateLimitedError:
     return RateLimitedError("HTTP 429", backend="b", retry_after=retry_after)
+
+
+def spent(retry_after: float | None = None, until: float | None = None) -> RateLimitedError:
+    """A 429 that says the quota is spent (until ``until``, if it says)."""
+    return RateLimitedError(
+        "HTTP 429", backend="b", retry_after=retry_after,
+        quota_exhausted=True, quota_exhausted_until=until,
+    )  # fmt: skip
+
+
+SPENT = "b: HTTP 429 (quota exhausted: back to routing)"
 
 
 @pytest.mark.parametrize(
@@ -88,6 +100,41 @@ def limited(retry_after: float | None) -> RateLimitedError:
             limited(7.0), 4, 0.5,
             Fail(error_type="rate_limited", reason="b: HTTP 429 (retries exhausted)"),
             id="rate limited on the budget's last run fails, retries exhausted",
+        ),
+        pytest.param(
+            spent(until=1_750_000_000.0), 0, 0.5,
+            RequeueElsewhere(error_type="rate_limited", reason=SPENT, hold=None),
+            id="a spent quota with a known reset goes back to routing; the reset holds the backend",
+        ),
+        pytest.param(
+            spent(retry_after=3600.0, until=1_750_000_000.0), 0, 0.5,
+            RequeueElsewhere(error_type="rate_limited", reason=SPENT, hold=None),
+            id="a spent quota goes elsewhere even with a retry-after: no waiting here for it",
+        ),
+        pytest.param(
+            spent(), 0, 0.5,
+            RequeueElsewhere(error_type="rate_limited", reason=SPENT, hold=600.0),
+            id="insufficient_quota, no reset known: elsewhere, the backend held quota_hold",
+        ),
+        pytest.param(
+            spent(retry_after=5.0), 0, 0.5,
+            RequeueElsewhere(error_type="rate_limited", reason=SPENT, hold=600.0),
+            id="no reset known: a short retry-after does not shorten the hold",
+        ),
+        pytest.param(
+            spent(retry_after=7200.0), 0, 0.5,
+            RequeueElsewhere(error_type="rate_limited", reason=SPENT, hold=7200.0),
+            id="no reset known: a retry-after longer than the hold is honoured",
+        ),
+        pytest.param(
+            spent(until=1_750_000_000.0), 4, 0.5,
+            RequeueElsewhere(error_type="rate_limited", reason=SPENT, hold=None),
+            id="on the budget's last run a spent quota still goes elsewhere: not a failure",
+        ),
+        pytest.param(
+            spent(), 99, 0.5,
+            RequeueElsewhere(error_type="rate_limited", reason=SPENT, hold=600.0),
+            id="past the budget too: a requeue spends no retry",
         ),
         pytest.param(
             FatalBackendError("HTTP 401", backend="b", status=401), 0, 0.5,
@@ -153,8 +200,10 @@ def test_backoff_spreads_runs_that_failed_together() -> None:
 def test_the_config_gives_the_policy_and_refuses_a_cap_below_the_first_step() -> None:
     config = parse_config({"worker": {"max_deliver": 3, "retry_delay": "200ms"}})
     assert config.worker.failure_policy() == FailurePolicy(
-        budget=3, retry_delay=0.2, max_retry_delay=30.0
+        budget=3, retry_delay=0.2, max_retry_delay=30.0, quota_hold=600.0
     )
+    held = parse_config({"worker": {"quota_hold": "1h"}})
+    assert held.worker.failure_policy().quota_hold == 3600.0
     with pytest.raises(ConfigError, match="max_retry_delay") as info:
         parse_config({"worker": {"retry_delay": "2s", "max_retry_delay": "1s"}})
     assert info.value.path == "$.worker"

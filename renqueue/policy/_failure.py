@@ -4,17 +4,25 @@
 same dispatch failed before it (counted from the log's ``retrying`` events)
 and the :class:`FailurePolicy`, and answers one of:
 
+- :class:`RequeueElsewhere`: put the request back to routing, to be bound to
+  another candidate of its route (the fallback down the cascade). For a
+  :class:`~renqueue.errors.RateLimitedError` that says the provider's quota is
+  spent (``quota_exhausted``: OpenAI's ``insufficient_quota``, a per-day quota
+  id, a daily window at 0): no retry here can succeed before the quota comes
+  back, hours away, so the request must not wait for it on this backend.
+  Whatever the budget: the request has not failed, it goes elsewhere, and its
+  next dispatch (a new attempt) starts a budget of its own. ``hold`` says how
+  long this backend is left out when the provider did not say until when
+  (``quota_exhausted_until`` unknown): its ``retry-after`` if longer, else
+  ``quota_hold``.
 - :class:`Retry`: run it again on the same backend after ``delay`` (a
-  ``retrying`` event, then a delayed ``nak``). For a retryable error
+  ``retrying`` event, then a delayed ``nak``). For any other retryable error
   (:class:`~renqueue.errors.RateLimitedError`,
   :class:`~renqueue.errors.RetryableBackendError`) or a worker error
   (``internal``: any exception that is not a :class:`~renqueue.errors.BackendError`),
   while this run is not the budget's last (``failed_runs + 1 < budget``).
 - :class:`Fail`: end the request ``failed`` (with a dead-letter copy): at once
   for a fatal or bad-request error, or once the budget is used up.
-- :class:`RequeueElsewhere`: put the request back to be bound to another
-  candidate of its route (fallback down the cascade). Defined for the fallback
-  that a later issue builds; :func:`after_failure` does not return it yet.
 
 The delay before a retry is the provider's ``retry-after`` when it gives a
 usable one (finite and positive), **not capped**: it names the moment the
@@ -37,7 +45,7 @@ from collections.abc import Callable
 
 from msgspec import Struct
 
-from ..errors import BackendError
+from ..errors import BackendError, RateLimitedError
 
 #: ``error_type`` of a failure that is the worker's, not the backend's.
 INTERNAL = "internal"
@@ -54,6 +62,9 @@ class FailurePolicy(Struct, frozen=True, kw_only=True):
     #: Seconds: the largest backoff (``max_retry_delay``); a provider's
     #: ``retry-after`` is not held to it.
     max_retry_delay: float = 30.0
+    #: Seconds a backend whose provider says its quota is spent, without saying
+    #: until when (OpenAI ``insufficient_quota``), is left out (``quota_hold``).
+    quota_hold: float = 600.0
 
 
 class Retry(Struct, frozen=True, kw_only=True, tag=True):
@@ -66,15 +77,18 @@ class Retry(Struct, frozen=True, kw_only=True, tag=True):
 
 
 class RequeueElsewhere(Struct, frozen=True, kw_only=True, tag=True):
-    """Give the request back to be bound to another candidate of its route.
+    """Put the request back to routing, to be bound to another candidate of its route.
 
-    Not produced yet: the fallback down the cascade is a later issue's; until
-    then a worker that is handed one fails the request with ``error_type``
-    and ``reason``.
+    The worker records a ``retrying`` event that says so (``requeued``, with
+    ``error_type``, ``reason`` and what the provider said of its quota), then
+    puts the request back on its level's requeue subject, keeping its wait.
     """
 
     error_type: str
     reason: str
+    #: Seconds to leave this backend out when the provider did not say until
+    #: when its quota comes back; ``None`` when it did (that time holds it).
+    hold: float | None = None
 
 
 class Fail(Struct, frozen=True, kw_only=True, tag=True):
@@ -124,6 +138,14 @@ def after_failure(
     See the module docstring for the rules.
     """
     failed = failed_runs + 1
+    given = retry_after(error)
+    if isinstance(error, RateLimitedError) and error.quota_exhausted:
+        known = error.quota_exhausted_until is not None
+        return RequeueElsewhere(
+            error_type=error.code,
+            reason=f"{str(error)[:1000]} (quota exhausted: back to routing)",
+            hold=None if known else max(policy.quota_hold, given or 0.0),
+        )
     if isinstance(error, BackendError):
         error_type, reason = error.code, str(error)[:1000]
         if not error.retryable:
@@ -137,6 +159,5 @@ def after_failure(
             return Fail(
                 error_type=error_type, reason=f"worker error on the last allowed run: {name}"
             )
-    given = retry_after(error)
     delay = given if given is not None else backoff(failed, policy, random)
     return Retry(delay=delay, error_type=error_type, reason=reason)

@@ -277,7 +277,13 @@ class Started(_EventBase, frozen=True, kw_only=True, tag="started"):
 
 class Retrying(_EventBase, frozen=True, kw_only=True, tag="retrying"):
     """A run failed transiently (``delivery``: its run number); the request
-    waits ``retry_after`` seconds and runs again."""
+    waits ``retry_after`` seconds and runs again.
+
+    With ``requeued``, the provider said its quota is spent: the request went
+    back to routing instead (its next dispatch is a new attempt, bound to
+    another candidate or held until one has room), and ``retry_after`` is how
+    long this backend is left out.
+    """
 
     backend: str
     attempt: int
@@ -289,6 +295,8 @@ class Retrying(_EventBase, frozen=True, kw_only=True, tag="retrying"):
     limits: tuple[ReportedLimit, ...] = ()
     #: The provider's quota is spent until then (a daily quota): no call before.
     quota_exhausted_until: float | None = None
+    #: The request was put back to routing (a spent quota), not retried here.
+    requeued: bool = False
 
 
 class Completed(_EventBase, frozen=True, kw_only=True, tag="completed"):

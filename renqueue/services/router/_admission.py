@@ -4,8 +4,8 @@ The subject is the authority: the tenant is the subject's, and a rejection is
 recorded under the payload's id, else the message id's, always in the
 subject's tenant. Waiting is measured in server time: a request's wait begins
 at the timestamp the broker gave its message when it was stored (a requeue
-after a preemption keeps the one logged in its ``submitted`` event), never at
-a time a client wrote into the payload.
+after a preemption or a spent quota keeps the one logged in its ``submitted``
+event), never at a time a client wrote into the payload.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from ...wire._messages import (
     Event,
     InferenceRequest,
     Preempted,
+    Retrying,
     Submitted,
 )
 from ...wire._nats import JetStream, Message
 from ...wire._subjects import EVENTS_STREAM, event_subject, is_requeue_subject
 from ._hold import stored_at
 
-__all__ = ["Refused", "admit", "parent_of", "subject_token", "submitted_at"]
+__all__ = ["Arrival", "Refused", "admit", "arrival", "parent_of", "subject_token"]
 
 log = get_logger("router")
 
@@ -72,37 +73,59 @@ def admit(msg: Message, level: str, config: Config) -> InferenceRequest | Refuse
     return request
 
 
-async def submitted_at(js: JetStream, msg: Message, request: InferenceRequest) -> float:
+class Arrival(NamedTuple):
+    """When a fetched request's wait began, and how far the binder's view of
+    the projection must be folded before the request may be bound."""
+
+    #: When its wait began, in server time.
+    submitted: float
+    #: The stream sequence of the ``retrying`` event that put it back for a
+    #: spent quota (0: none): bound only once the view has folded it, so the
+    #: backend that refused it is known to be out.
+    folded_after: int = 0
+
+
+async def arrival(js: JetStream, msg: Message, request: InferenceRequest) -> Arrival:
     """When the request's wait began, in server time (never the payload's clock).
 
     A first submit: when the broker stored it. A request the services put
     back (``requeues > 0``) keeps its original time, the one logged in its
     ``submitted`` event, when the log shows why it was put back: a
-    preemption (a ``preempted`` event of that attempt), or a coalescing
-    group whose leader ended on its own (a ``coalesced`` event: it was a
-    follower). Only the services write those subjects. Anything else counts
-    from its own storing.
+    preemption (a ``preempted`` event of that attempt), a spent quota (a
+    ``retrying`` event of that attempt that says ``requeued``; its stream
+    sequence is ``folded_after``), or a coalescing group whose leader ended on
+    its own (a ``coalesced`` event: it was a follower). Only the services
+    write those subjects. Anything else counts from its own storing.
     """
     stored = stored_at(msg)
     if request.requeues == 0:
-        return stored
+        return Arrival(stored)
 
-    async def logged(kind: str) -> Event | None:
+    async def logged(kind: str) -> tuple[Event | None, int]:
         subject = event_subject(request.tenant, request.id, kind)
         try:
-            return EVENT_DECODER.decode((await js.get_last_msg(EVENTS_STREAM, subject)).data)
+            raw = await js.get_last_msg(EVENTS_STREAM, subject)
+            return EVENT_DECODER.decode(raw.data), raw.seq
         except (NatsNotFoundError, msgspec.DecodeError):
-            return None
+            return None, 0
 
-    first = await logged("submitted")
+    first, _ = await logged("submitted")
     if not isinstance(first, Submitted):
-        return stored
-    preempted = await logged("preempted")
+        return Arrival(stored)
+    preempted, _ = await logged("preempted")
     if isinstance(preempted, Preempted) and preempted.attempt == request.requeues:
-        return min(stored, first.at)
-    if isinstance(await logged("coalesced"), Coalesced):
-        return min(stored, first.at)
-    return stored
+        return Arrival(min(stored, first.at))
+    retrying, seq = await logged("retrying")
+    if (
+        isinstance(retrying, Retrying)
+        and retrying.requeued
+        and retrying.attempt == request.requeues
+    ):
+        return Arrival(min(stored, first.at), folded_after=seq)
+    coalesced, _ = await logged("coalesced")
+    if isinstance(coalesced, Coalesced):
+        return Arrival(min(stored, first.at))
+    return Arrival(stored)
 
 
 async def parent_of(

@@ -109,7 +109,7 @@ from ...wire._subjects import (
     router_consumer,
     subject_matches,
 )
-from ._admission import Refused, admit, parent_of, subject_token, submitted_at
+from ._admission import Refused, admit, arrival, parent_of, subject_token
 from ._capacity import Capacity
 from ._dispatch import ACKS_TIMEOUT, Dispatcher
 from ._hold import BOOST_DECODER, Held, Hold, stored_at
@@ -126,6 +126,10 @@ log = get_logger("router")
 _INFLIGHT_STOP_WAIT: Final = ACKS_TIMEOUT + 5.0
 #: A binder one of whose binding loops failed this many times in a row gives the lease up.
 _GIVE_UP_AFTER_FAILURES: Final = 3
+#: Seconds a request put back for a spent quota waits, at most, for the
+#: binder's view to fold the event that says so (a projector that lags this
+#: much, or none running: it is bound on what the view knows, logged).
+_FOLD_WAIT: Final = 10.0
 
 
 class Router(Lifecycle):
@@ -485,7 +489,8 @@ class Router(Lifecycle):
         request = await self._admit(msg, level, now)
         if request is None:
             return
-        submitted = await submitted_at(self._js, msg, request)
+        arrived = await arrival(self._js, msg, request)
+        submitted = arrived.submitted
         # The log's first word on a request, written by whoever reads it
         # first, so it always precedes its `routed` event (a redelivery
         # writes it again under the same message id: stored once).
@@ -506,6 +511,7 @@ class Router(Lifecycle):
                 touched=now,
                 logged=logged,
                 parent=await parent_of(self._js, request, self._config),
+                fold=(arrived.folded_after, now + _FOLD_WAIT) if arrived.folded_after else None,
             ),
         )
 
@@ -758,9 +764,15 @@ class Router(Lifecycle):
         if not self._lease.valid():
             # The lease may have passed on while the load was read: decide nothing.
             return sorted(wanted)
+        state = self._state
+        projected = None if state is None else state.state
+        folded = 0 if projected is None else projected.last_seq
         # Requests dropped while the refresh was awaited (cancelled, handed
-        # back) are no longer this router's to bind.
+        # back) are no longer this router's to bind; one put back for a spent
+        # quota waits until the view knows that backend is out.
         present = {id(item) for item in self._hold}
+        unfolded = [item for item in held if _unfolded(item, folded, now)]
+        present.difference_update(id(item) for item in unfolded)
         items = {id(item): item for item in held if id(item) in present}
         snapshot = [
             Waiting(
@@ -777,8 +789,6 @@ class Router(Lifecycle):
             )
             for ref, item in items.items()
         ]
-        state = self._state
-        projected = None if state is None else state.state
         self._ledger.prune(projected)
         views = {}
         for name, view in self._capacity.views().items():
@@ -789,7 +799,9 @@ class Router(Lifecycle):
                 quota=quota,
                 limits=limits,
             )
-        waiting: set[str] = set()
+        waiting = {
+            name for item in unfolded for name in self._config.routes[item.request.route].backends
+        }
         gone: set[int] = set()
         for action in plan(snapshot, views, now, self._plan_policy):
             item = items[action.ref]
@@ -898,3 +910,27 @@ class Router(Lifecycle):
                         with contextlib.suppress(Exception):
                             await item.msg.in_progress()
                         item.touched = now
+
+
+def _unfolded(item: Held, folded: int, now: float) -> bool:
+    """Whether ``item`` was put back for a spent quota and the view (folded to
+    stream sequence ``folded``) does not know it yet: it waits, unless its
+    deadline passed (the round expires it) or it waited ``_FOLD_WAIT`` (then
+    it is bound on what the view knows, and that is logged)."""
+    if item.fold is None:
+        return False
+    seq, give_up = item.fold
+    deadline = item.request.deadline
+    if folded >= seq or (deadline is not None and now >= deadline):
+        item.fold = None
+        return False
+    if now >= give_up:
+        item.fold = None
+        log.warning(
+            "the projection has not folded why a request was put back; binding it anyway",
+            request_id=item.request.id,
+            event_seq=seq,
+            folded=folded,
+        )
+        return False
+    return True

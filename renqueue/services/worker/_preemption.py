@@ -34,7 +34,7 @@ from ...wire._subjects import (
     subject_matches,
 )
 
-__all__ = ["PREEMPT_GRACE", "Preemptible", "Run", "requeue"]
+__all__ = ["PREEMPT_GRACE", "Preemptible", "Run", "put_back", "requeue"]
 
 log = get_logger("worker")
 
@@ -142,6 +142,22 @@ async def requeue(
             by=by,
         )
     )
+    await put_back(js, msg, dispatch)
+    metrics.TERMINAL.labels("preempted").inc()
+
+
+async def put_back(js: JetStream, msg: Message, dispatch: Dispatch) -> None:
+    """Put a dispatched request back to routing, then ack its dispatch.
+
+    The copy goes to its level's requeue subject (``rq.req.<level>.<tenant>.requeue``,
+    which only the services may publish to) with ``requeues`` set to this
+    attempt, so its next dispatch is a new attempt under new message ids. It
+    keeps its wait when the log says why it was put back (the event the
+    caller recorded first: ``preempted``, or a ``retrying`` that says
+    ``requeued``). Idempotent: the copy's message id is
+    ``<tenant>:<id>:requeue:<attempt>``.
+    """
+    request = dispatch.request
     again = msgspec.structs.replace(request, requeues=dispatch.attempt)
     # Acked only once a copy is surely stored: a tenant may have taken
     # this message id first (see publish_stored).
@@ -152,4 +168,3 @@ async def requeue(
         msg_id(request.tenant, request.id, "requeue", dispatch.attempt),
     )
     await msg.ack()
-    metrics.TERMINAL.labels("preempted").inc()

@@ -20,7 +20,10 @@ Runs are numbered over the request's life (the ``delivery`` of ``started``,
 run leads to is the failure policy's decision (:func:`renqueue.policy.after_failure`):
 transient failures (rate-limited, server errors, worker errors) are retried
 with a delayed ``nak`` (the provider's ``retry-after``, else a capped, jittered
-backoff) and a ``retrying`` event; the budget, ``worker.max_deliver``
+backoff) and a ``retrying`` event; a provider that says its quota is spent
+(hours away) gets a ``retrying`` event that says ``requeued``, and the request
+goes back to routing for another candidate, keeping its wait (as after a
+preemption), instead of waiting for the reset here; the budget, ``worker.max_deliver``
 failed runs per dispatch, is counted from those events, so redeliveries for
 other reasons (a worker killed or shut down, a broker that does not answer:
 handed back after the same backoff by delivery count) do not use it up. The broker's
@@ -57,7 +60,7 @@ from ...backends import Backend
 from ...config import BackendConfig, Config, parse_duration
 from ...errors import BackendError, NatsUnavailableError, RateLimitedError
 from ...logs import bound_request, get_logger
-from ...policy import RequeueElsewhere, Retry, after_failure, backoff
+from ...policy import RequeueElsewhere, Retry, after_failure, backoff, retry_after
 from ...state._cancellation import CancelWatch
 from ...state._coalescing import Coalescer, coalesce_key
 from ...wire._eventlog import EventLog
@@ -96,7 +99,7 @@ from ...wire._subjects import (
     preempt_subjects,
     worker_consumer,
 )
-from ._preemption import PREEMPT_GRACE, Preemptible, Run, requeue
+from ._preemption import PREEMPT_GRACE, Preemptible, Run, put_back, requeue
 from ._stealing import STEAL_INTERVAL, Thief
 from ._tokens import Caller, Chunks, Expiry, reported_limits, settle
 
@@ -489,7 +492,8 @@ class Worker(Lifecycle):
         self, msg: Message, dispatch: Dispatch, *, first: bool = False
     ) -> bool:
         """On a redelivery: was this dispatch finished (before terminal claims
-        existed), preempted or moved by a worker that died before acking it?
+        existed), preempted, put back for a spent quota, or moved by a worker
+        that died before acking it?
         Then complete that work and ack. ``first``: a first delivery in a pool,
         where only a move matters (a sibling stole this message while it was
         being delivered here: the copy runs, this one is handed over).
@@ -517,6 +521,10 @@ class Worker(Lifecycle):
         for event in events:
             if isinstance(event, Preempted) and event.attempt == dispatch.attempt:
                 await self._requeue(msg, dispatch, event.delivery, event.by)
+                return True
+            if isinstance(event, Retrying) and event.requeued and event.attempt == dispatch.attempt:
+                log.info("request was put back to routing before; putting it back again")
+                await put_back(self._js, msg, dispatch)
                 return True
         move = next((e for e in events if self._thief.stolen_here(e, dispatch, source_seq)), None)
         return isinstance(move, Stolen) and await self._thief.hand_over(msg, dispatch, move, events)
@@ -568,7 +576,8 @@ class Worker(Lifecycle):
         self, msg: Message, dispatch: Dispatch, run: int, chunks: Chunks, exc: Exception
     ) -> None:
         """Carry out what the failure policy decides for a failed run: retry it
-        here after a delay, or fail the request (:func:`renqueue.policy.after_failure`)."""
+        here after a delay, put it back to routing (a spent quota), or fail the
+        request (:func:`renqueue.policy.after_failure`)."""
         action = after_failure(
             exc,
             failed_runs=await self._failed_runs(dispatch),
@@ -593,9 +602,9 @@ class Worker(Lifecycle):
             )
             return
         if isinstance(action, RequeueElsewhere):
-            # Not produced yet: the fallback down the cascade is a later issue's.
-            log.error("no fallback to another backend yet; request fails", reason=action.reason)
-        elif internal:
+            await self._requeue_elsewhere(msg, dispatch, run, action, exc)
+            return
+        if internal:
             log.error("unexpected error on the last allowed run; request fails", exc_info=exc)
         else:
             log.error("request failed", error=str(exc), run=run)
@@ -641,6 +650,60 @@ class Worker(Lifecycle):
             )
         )
         await msg.nak(delay=delay)
+
+    async def _requeue_elsewhere(
+        self,
+        msg: Message,
+        dispatch: Dispatch,
+        run: int,
+        action: RequeueElsewhere,
+        exc: Exception,
+    ) -> None:
+        """The provider's quota is spent: record why, then put the request back
+        to routing, keeping its wait, for another candidate of its route.
+
+        The ``retrying`` event (``requeued``, with what the provider said of
+        its quota and how long this backend is left out) is stored *before*
+        the copy is published: the binder holds a put-back request until its
+        view of the projection has folded that event (see the router's
+        admission), so it never binds it to this backend again on a view that
+        does not know yet. It is a failed run of this attempt only: the next
+        dispatch is a new attempt, with a budget of its own. A redelivery of
+        this dispatch finds the event and puts the request back again without
+        calling the backend (:meth:`_settled_before`).
+        """
+        request = dispatch.request
+        until = _exhausted_until(exc)
+        now = self._clock()
+        # Until the provider's reset when it named one (or its retry-after, if
+        # later), else the policy's hold.
+        if action.hold is not None or until is None:
+            hold = action.hold or 0.0
+        else:
+            hold = max(0.0, until - now, retry_after(exc) or 0.0)
+        log.warning(
+            "backend quota exhausted; the request goes back to routing",
+            error=str(exc),
+            quota_exhausted_until=until,
+            backend_left_out_for=round(hold, 3),
+        )
+        await self._log.append(
+            Retrying(
+                request_id=request.id,
+                tenant=request.tenant,
+                at=now,
+                backend=self._backend_name,
+                attempt=dispatch.attempt,
+                delivery=run,
+                error_type=action.error_type,
+                reason=action.reason,
+                retry_after=hold,
+                limits=reported_limits(self._caller.backend),
+                quota_exhausted_until=until,
+                requeued=True,
+            )
+        )
+        await put_back(self._js, msg, dispatch)
 
     async def _fail(
         self,
