@@ -99,6 +99,7 @@ from ...wire._messages import (
 from ...wire._nats import Connection, JetStream, Message, PubAck, PullSubscription, Subscription
 from ...wire._subjects import (
     BINDER_LEASE,
+    EVENTS_STREAM,
     FETCH_TIMEOUT,
     LEASE_BUCKET,
     REQUESTS_STREAM,
@@ -126,6 +127,10 @@ log = get_logger("router")
 _INFLIGHT_STOP_WAIT: Final = ACKS_TIMEOUT + 5.0
 #: A binder one of whose binding loops failed this many times in a row gives the lease up.
 _GIVE_UP_AFTER_FAILURES: Final = 3
+#: Seconds a new binder waits, at most, for its view of the projection to move
+#: when it lags the log as the term began (no projector writing: it then binds
+#: on what the view knows, logged).
+_CATCH_UP_STALL: Final = 3.0
 #: Seconds a request put back for a spent quota waits, at most, for the
 #: binder's view to fold the event that says so (a projector that lags this
 #: much, or none running: it is bound on what the view knows, logged).
@@ -194,6 +199,10 @@ class Router(Lifecycle):
         self._sit_out_until = 0.0
         #: Terms that failed to begin in a row (reset when one begins).
         self._failed_beginnings = 0
+        #: While a new term's view of the projection lags the log as it stood
+        #: when the term began: (that log sequence, the view's sequence last
+        #: seen, when it last moved: loop time). Nothing is bound meanwhile.
+        self._catch_up: tuple[int, int, float] | None = None
         #: Terms begin and end one at a time (the lease and renewal loops both end them).
         self._term_lock = asyncio.Lock()
         self._dispatcher = Dispatcher(
@@ -352,6 +361,10 @@ class Router(Lifecycle):
         # here down may have been bound by the binder before (its last acts).
         info = await self._js.stream_info(REQUESTS_STREAM)
         self._dispatcher.term_first_seq = info.state.last_seq + 1
+        # Quota: bind only on a view that has folded every decision logged so
+        # far (the previous binder's last ones among them).
+        logged = await self._js.stream_info(EVENTS_STREAM)
+        self._catch_up = (logged.state.last_seq, -1, asyncio.get_running_loop().time())
         await renew_router_consumers(self._nc, self._consumer_configs)
         for level in self._levels:
             psub = await self._js.pull_subscribe_bind(
@@ -378,6 +391,7 @@ class Router(Lifecycle):
                 await psub.unsubscribe()
         self._pull_subs.clear()
         self._dispatching.clear()
+        self._catch_up = None
         dropped = self._hold.clear()
         was = self._term
         self._term = None
@@ -767,6 +781,8 @@ class Router(Lifecycle):
         state = self._state
         projected = None if state is None else state.state
         folded = 0 if projected is None else projected.last_seq
+        if self._catching_up(folded):
+            return sorted(wanted)
         # Requests dropped while the refresh was awaited (cancelled, handed
         # back) are no longer this router's to bind; one put back for a spent
         # quota waits until the view knows that backend is out.
@@ -834,6 +850,37 @@ class Router(Lifecycle):
                 waiting.update(action.backends)
         self._hold.prune(gone)
         return sorted(waiting)
+
+    def _catching_up(self, folded: int) -> bool:
+        """Whether this term still waits for its view of the projection (folded
+        to stream sequence ``folded``) to cover the log as it stood when the
+        term began: a binder that takes over (or starts after a restart) binds
+        nothing before it knows what its predecessor spent of every quota.
+
+        It waits while the view moves, and gives up (logged) once it has not
+        moved for ``_CATCH_UP_STALL`` seconds: no projector is writing. A view
+        with nothing folded at all (no projection was ever written: a new
+        deployment, or routers run without a projector) is not waited for.
+        """
+        if self._catch_up is None:
+            return False
+        target, seen, moved = self._catch_up
+        now = asyncio.get_running_loop().time()
+        if folded >= target or folded == 0:
+            self._catch_up = None
+            return False
+        if folded != seen:
+            self._catch_up = (target, folded, now)
+            return True
+        if now - moved >= _CATCH_UP_STALL:
+            self._catch_up = None
+            log.warning(
+                "the projection lags the log and does not move; binding on what it knows",
+                folded=folded,
+                logged=target,
+            )
+            return False
+        return True
 
     @functools.cached_property
     def _plan_policy(self) -> PlanPolicy:
