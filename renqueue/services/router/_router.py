@@ -781,7 +781,7 @@ class Router(Lifecycle):
         state = self._state
         projected = None if state is None else state.state
         folded = 0 if projected is None else projected.last_seq
-        if self._catching_up(folded):
+        if self._catching_up(folded, written=state is not None and state.revision > 0):
             return sorted(wanted)
         # Requests dropped while the refresh was awaited (cancelled, handed
         # back) are no longer this router's to bind; one put back for a spent
@@ -851,7 +851,7 @@ class Router(Lifecycle):
         self._hold.prune(gone)
         return sorted(waiting)
 
-    def _catching_up(self, folded: int) -> bool:
+    def _catching_up(self, folded: int, *, written: bool) -> bool:
         """Whether this term still waits for its view of the projection (folded
         to stream sequence ``folded``) to cover the log as it stood when the
         term began: a binder that takes over (or starts after a restart) binds
@@ -859,14 +859,14 @@ class Router(Lifecycle):
 
         It waits while the view moves, and gives up (logged) once it has not
         moved for ``_CATCH_UP_STALL`` seconds: no projector is writing. A view
-        with nothing folded at all (no projection was ever written: a new
+        that never had a projection ``written`` (no progress mark read: a new
         deployment, or routers run without a projector) is not waited for.
         """
         if self._catch_up is None:
             return False
         target, seen, moved = self._catch_up
         now = asyncio.get_running_loop().time()
-        if folded >= target or folded == 0:
+        if folded >= target or not written:
             self._catch_up = None
             return False
         if folded != seen:
