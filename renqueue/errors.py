@@ -16,6 +16,8 @@ The tree, by what a caller can do about it::
     │   ├── WrongLastSequenceError  a compare-and-set found its subject moved on
     │   └── NatsApiError            JetStream refused; carries status, err_code
     ├── ServiceFailedError          a service loop cannot go on: the process stops
+    ├── ProjectionVersionError      the stored projection is a newer version's: a
+    │                               newer projector runs; this one must not write
     ├── InvalidRequestError         the request itself is wrong (never retried)
     │   ├── MalformedRequestError   payload does not decode or fails validation
     │   ├── UnknownRouteError       no such route (model group)
@@ -56,6 +58,7 @@ __all__ = [
     "NatsTimeoutError",
     "NatsUnavailableError",
     "NoCapableBackendError",
+    "ProjectionVersionError",
     "ProvisionError",
     "RateLimitedError",
     "RenQueueError",
@@ -175,6 +178,25 @@ class ServiceFailedError(RenQueueError):
     """
 
     code = "service_failed"
+
+
+class ProjectionVersionError(RenQueueError):
+    """The stored projection has a newer schema than this projector folds.
+
+    Overwriting it would make the newer projector fold the log again from the
+    start, and so on in turn: this one stops instead (upgrade every projector,
+    or stop the newer ones).
+    """
+
+    code = "projection_version"
+
+    def __init__(self, stored: int, current: int) -> None:
+        super().__init__(
+            f"the stored projection has schema v{stored}, newer than this version's"
+            f" v{current}: a newer projector runs; stop this one or upgrade it"
+        )
+        self.stored = stored
+        self.current = current
 
 
 class InvalidRequestError(RenQueueError):

@@ -15,8 +15,10 @@ from typing import Any
 
 import msgspec
 import pytest
+from test_binder import until
 
 from renqueue.config import parse_config
+from renqueue.errors import ProjectionVersionError
 from renqueue.ops import EmbeddedServer, connect, provision
 from renqueue.policy import is_healthy
 from renqueue.state import (
@@ -25,6 +27,7 @@ from renqueue.state import (
     STATE_KEY,
     STATE_VERSION,
     BackendState,
+    BackendView,
     InFlight,
     Progress,
     ProjectionState,
@@ -904,3 +907,114 @@ def test_a_tenants_spend_today_starts_over_each_utc_day_and_ignores_late_days() 
     assert tenant.spend_on(day0) == 0.0  # not the latest day: not kept
     assert tenant.spend_on(day0 + 2) == 0.0
     assert fold_many(EMPTY, [completed("a", at=T0, cost=1.0)]).tenants["t1"].spend_on(day0) == 1.0
+
+
+async def test_a_backend_name_that_cannot_be_a_key_is_folded_and_never_stops_the_views(
+    events_js: JetStream, projector: Projector
+) -> None:
+    """A bad name in a service event (a bug, or a forged one) made every view
+    write fail after the checkpoint: the fold loop failed until its process died."""
+    await publish(events_js, [started("a", "b1"), failed("a", "backend_unavailable", "")])
+    await publish(events_js, [started("b", "b2")])
+    last = (await events_js.stream_info("RQ_EVENTS")).state.last_seq
+    async with asyncio.timeout(10):
+        await views_cover(events_js, last)
+    found, _ = await views(events_js)
+    assert set(found) == {"b1", "b2"}
+    assert projector.views_skipped == 1
+    assert projector.state.backend("").calls_failed == 1  # folded all the same
+
+
+async def test_a_refold_from_the_start_never_publishes_views_older_than_the_stored_ones(
+    events_js: JetStream,
+) -> None:
+    events = random_log(707, requests=60)
+    await publish(events_js, events)
+    async with Projector(events_js, name="first") as first:
+        async with asyncio.timeout(10):
+            live = await first.sync()
+            await views_cover(events_js, live.last_seq)
+    kv = await events_js.key_value(STATE_BUCKET)
+    await kv.delete(STATE_KEY)  # the next projector folds the log from its first event
+    watcher = await kv.watch("view.>")
+    seqs: list[int] = []
+    try:
+        while await watcher.updates(timeout=5.0) is not None:
+            pass  # what is stored now
+        async with Projector(events_js, name="second", batch=16, flush_interval=0.0) as second:
+            async with asyncio.timeout(10):
+                await second.sync()
+                while not seqs or seqs[-1] < live.last_seq:
+                    entry = await watcher.updates(timeout=5.0)
+                    if entry is not None and entry.key == PROGRESS_KEY:
+                        seqs.append(decode_progress(entry.value).last_seq)
+    finally:
+        await watcher.stop()
+    assert second.writes > 2  # it did write partial checkpoints on the way
+    assert min(seqs) >= live.last_seq
+
+
+async def test_a_state_view_keeps_the_newer_of_two_views_until_the_log_is_made_again(
+    events_js: JetStream,
+) -> None:
+    kv = await events_js.key_value(STATE_BUCKET)
+
+    async def put(key: str, value: BackendView | Progress) -> None:
+        await kv.put(key, encode_view(value))
+
+    fresh, stale = BackendState(calls_started=9), BackendState(calls_started=1)
+    async with await StateView.open(events_js) as view:
+        await put(backend_view_key("b1"), BackendView(last_seq=9, epoch="e1", backend=fresh))
+        await put(PROGRESS_KEY, Progress(last_seq=9, epoch="e1", log_time=T0))
+        async with asyncio.timeout(10):
+            await view.wait_for(9)
+        # A slower projector's late writes of an older fold: ignored.
+        await put(backend_view_key("b1"), BackendView(last_seq=4, epoch="e1", backend=stale))
+        await put(PROGRESS_KEY, Progress(last_seq=4, epoch="e1", log_time=T0))
+        await kv.delete(backend_view_key("b1"))
+        await put(PROGRESS_KEY, Progress(last_seq=10, epoch="e1", log_time=T0))
+        async with asyncio.timeout(10):
+            await view.wait_for(10)
+        assert view.state.backend("b1") == fresh
+        # The events stream made again: sequences start over, the old views go.
+        await put(backend_view_key("b2"), BackendView(last_seq=1, epoch="e2", backend=stale))
+        await put(PROGRESS_KEY, Progress(last_seq=1, epoch="e2", log_time=T0))
+
+        async def started_over() -> bool:
+            return view.state.last_seq == 1
+
+        await until(started_over, "the view takes the new log's progress")
+        assert set(view.state.backends) == {"b2"}
+
+
+async def test_every_view_is_written_again_within_republish_every(
+    events_js: JetStream,
+) -> None:
+    await publish(events_js, [started("a", "b1")])
+    kv = await events_js.key_value(STATE_BUCKET)
+    async with Projector(events_js, name="p", republish_every=0.2) as p:
+        async with asyncio.timeout(10):
+            live = await p.sync()
+            await views_cover(events_js, live.last_seq)
+        watcher = await kv.watch(backend_view_key("b1"))
+        try:
+            assert await watcher.updates(timeout=5.0) is not None  # the stored view
+            assert await watcher.updates(timeout=5.0) is None
+            await kv.delete(backend_view_key("b1"))
+            async with asyncio.timeout(10):
+                while True:  # the delete marker, then the view written again
+                    entry = await watcher.updates(timeout=5.0)
+                    if entry is not None and entry.operation is None:
+                        break
+        finally:
+            await watcher.stop()
+    assert decode_backend_view(entry.value).backend == live.backend("b1")
+
+
+async def test_a_projector_never_overwrites_a_newer_versions_state(events_js: JetStream) -> None:
+    kv = await events_js.key_value(STATE_BUCKET)
+    newer = ProjectionState(v=STATE_VERSION + 1, last_seq=5)
+    await kv.put(STATE_KEY, encode_state(newer))
+    with pytest.raises(ProjectionVersionError):
+        await Projector(events_js).start()
+    assert decode_state((await kv.get(STATE_KEY)).value) == newer

@@ -20,6 +20,7 @@ from test_binder import until
 from test_cli import run
 
 from renqueue import Client, Services, load_config, parse_config
+from renqueue.errors import NatsNotFoundError
 from renqueue.ops import EmbeddedServer
 from renqueue.policy import LimitUsage, Quota, cool_down, reserve
 from renqueue.policy._quota import Cost
@@ -353,7 +354,10 @@ async def test_status_reports_a_live_workload(
             kv = await js.key_value("rq-state")
 
             async def one_running_two_waiting() -> bool:
-                state = decode_state((await kv.get(STATE_KEY)).value)
+                try:
+                    state = decode_state((await kv.get(STATE_KEY)).value)
+                except NatsNotFoundError:
+                    return False  # the projector has not written its first checkpoint yet
                 return (
                     state.backend("slow").in_flight == 1
                     and await consumer_waiting(js, "router-low") == 2

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import re
 import time
 from collections.abc import Callable, Iterable
 from typing import Final
@@ -28,7 +30,12 @@ import msgspec
 
 from .._lifecycle import Lifecycle, State
 from .._tasks import Supervisor
-from ..errors import NatsError, NatsNotFoundError, WrongLastSequenceError
+from ..errors import (
+    NatsError,
+    NatsNotFoundError,
+    ProjectionVersionError,
+    WrongLastSequenceError,
+)
 from ..logs import get_logger
 from ..wire._eventlog import delete_consumer, subject_agrees
 from ..wire._messages import (
@@ -54,7 +61,14 @@ from ._fold import (
     decode_state,
     encode_state,
 )
-from ._view import PROGRESS_KEY, BackendView, Progress, backend_view_key, encode_view
+from ._view import (
+    PROGRESS_KEY,
+    BackendView,
+    Progress,
+    backend_view_key,
+    decode_progress,
+    encode_view,
+)
 
 __all__ = ["Projector", "rebuild"]
 
@@ -62,6 +76,9 @@ log = get_logger("projection")
 
 # Fetch sizes for the projector and rebuild: one pull returns up to this many.
 _BATCH: Final = 512
+
+#: A backend name that can be a KV key (config's names are all of this shape).
+_VIEW_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _fold_messages(builder: _Builder, msgs: Iterable[Message]) -> None:
@@ -205,6 +222,7 @@ class Projector(Lifecycle):
         batch: int = _BATCH,
         clock: Callable[[], float] = time.monotonic,
         supervisor: Supervisor | None = None,
+        republish_every: float = 30.0,
     ) -> None:
         self._js = js
         self._name = name
@@ -227,6 +245,16 @@ class Projector(Lifecycle):
         #: The sequence the published views reflect (behind the checkpoint
         #: only after a failed view write: the next flush writes them).
         self._views_seq = 0
+        #: Views stored by an earlier fold of this log up to here stand until
+        #: this fold passes it (a refold from the start publishes nothing older).
+        self._views_floor = 0
+        #: The events stream's creation time: what the views' sequences count in.
+        self._epoch = ""
+        self._republish_every = republish_every
+        self._last_full_publish = -math.inf
+        #: Backends whose name cannot be a KV key: folded, never published.
+        self.views_skipped = 0
+        self._unpublishable: set[str] = set()
         self.writes = 0
         self.conflicts = 0
 
@@ -248,6 +276,8 @@ class Projector(Lifecycle):
         provisioned.
         """
         self._kv = await self._js.key_value(STATE_BUCKET)
+        created = (await self._js.stream_info(EVENTS_STREAM)).created
+        self._epoch = "" if created is None else created.isoformat()
         await self._load()
         self._supervisor.spawn(self._loop, self._run)
         log.info("projector started", projector=self._name, after=self._state.last_seq)
@@ -285,8 +315,16 @@ class Projector(Lifecycle):
             await asyncio.sleep(self._flush_interval / 2)
 
     async def _load(self) -> None:
-        """Adopt the stored state and its revision (a fresh state if there is none)."""
+        """Adopt the stored state and its revision (a fresh state if there is none).
+
+        Its views are all published anew at the next flush (the bucket may
+        have been made again under this projector), but none while this fold
+        is behind the views already stored for this log: readers keep the
+        newer ones.
+        """
         self._views_seq = 0
+        self._published = {}
+        self._views_floor = await self._stored_views_seq()
         entry = await self._bucket.latest(STATE_KEY)
         if entry is None or entry.operation is not None:
             # Never written (revision 0), or deleted: then the delete marker's
@@ -302,6 +340,10 @@ class Projector(Lifecycle):
             # truth, so fold it again from the start and overwrite (by CAS).
             log.exception("stored projection undecodable; rebuilding from the log", error=str(exc))
             self._state = ProjectionState()
+        if self._state.v > STATE_VERSION:
+            # A newer version's projector runs: overwriting its state with this
+            # schema would make it refold from the start, and so on in turn.
+            raise ProjectionVersionError(self._state.v, STATE_VERSION)
         if self._state.v < STATE_VERSION:
             # An older schema (v1 keyed in-flight requests by id alone, across
             # tenants): fold the log again rather than guess what it meant.
@@ -312,6 +354,17 @@ class Projector(Lifecycle):
             )
             self._state = ProjectionState()
         self._stored_seq = self._state.last_seq
+
+    async def _stored_views_seq(self) -> int:
+        """The sequence of the stored views, if they count in this log's sequences."""
+        entry = await self._bucket.latest(PROGRESS_KEY)
+        if entry is None or entry.operation is not None:
+            return 0
+        try:
+            progress = decode_progress(entry.value)
+        except msgspec.DecodeError:
+            return 0
+        return progress.last_seq if progress.epoch == self._epoch else 0
 
     async def _release(self) -> None:
         if self._psub is not None:
@@ -360,8 +413,13 @@ class Projector(Lifecycle):
 
     def _dirty(self) -> bool:
         """Folded past the checkpoint, or the views are behind it (a view write
-        failed, or this projector has not published since it loaded the state)."""
-        return self._state.last_seq > self._stored_seq or self._views_seq < self._stored_seq
+        failed, or this projector has not published since it loaded the state),
+        or every view is due to be written again."""
+        return (
+            self._state.last_seq > self._stored_seq
+            or self._views_seq < self._stored_seq
+            or self._clock() - self._last_full_publish >= self._republish_every
+        )
 
     async def _check_consumer(self, psub: PullSubscription) -> None:
         """An idle consumer may have been lost (server restart): make it again if so."""
@@ -402,27 +460,50 @@ class Projector(Lifecycle):
         starts publishes every backend anew (repairing a damaged or deleted
         view), and one that adopts another's checkpoint publishes what differs
         from its own last views (no checkpoint write: two projectors never
-        trade writes over an idle log).
+        trade writes over an idle log). Every ``republish_every`` seconds all
+        views are written again, so one deleted, damaged or overwritten by a
+        slower projector's older write is repaired within that time.
+
+        A fold still behind the views stored for this log (a refold from the
+        start) publishes nothing: they stand until it passes them. A backend
+        whose name cannot be a KV key (only a broken or forged event could
+        name one) is folded but never published, and counted in
+        :attr:`views_skipped`.
         """
+        if state.last_seq < self._views_floor:
+            self._views_seq = state.last_seq
+            return
+        now = self._clock()
+        full = now - self._last_full_publish >= self._republish_every
+        if full:
+            self._published = {}
         published = self._published
-        changed = {
-            name: backend
-            for name, backend in state.backends.items()
-            if (previous := published.get(name)) is not backend and previous != backend
-        }
+        changed: dict[str, BackendState] = {}
+        for name, backend in state.backends.items():
+            if (previous := published.get(name)) is backend or previous == backend:
+                continue
+            if not _VIEW_NAME.fullmatch(name):
+                if name not in self._unpublishable:
+                    self._unpublishable.add(name)
+                    self.views_skipped += 1
+                    log.warning("backend name cannot be a view key; not published", backend=name)
+                continue
+            changed[name] = backend
         kv = self._bucket
+        seq, epoch = state.last_seq, self._epoch
         if changed:
             await asyncio.gather(
                 *(
                     kv.put(
                         backend_view_key(name),
-                        encode_view(BackendView(last_seq=state.last_seq, backend=backend)),
+                        encode_view(BackendView(last_seq=seq, epoch=epoch, backend=backend)),
                     )
                     for name, backend in changed.items()
                 )
             )
             self._published.update(changed)
-        await kv.put(
-            PROGRESS_KEY, encode_view(Progress(last_seq=state.last_seq, log_time=state.log_time))
-        )
+        progress = Progress(last_seq=seq, epoch=epoch, log_time=state.log_time)
+        await kv.put(PROGRESS_KEY, encode_view(progress))
         self._views_seq = state.last_seq
+        if full:
+            self._last_full_publish = now

@@ -60,11 +60,16 @@ def backend_view_key(name: str) -> str:
 
 
 class BackendView(Struct, frozen=True, kw_only=True):
-    """One backend's state as of the log's sequence ``last_seq``."""
+    """One backend's state as of the log's sequence ``last_seq``.
+
+    ``epoch`` names the log the sequence counts in (the events stream's
+    creation time): a reader holding a later view of the same epoch keeps it.
+    """
 
     v: int = STATE_VERSION
     last_seq: int
     backend: BackendState
+    epoch: str = ""
 
 
 class Progress(Struct, frozen=True, kw_only=True):
@@ -74,6 +79,7 @@ class Progress(Struct, frozen=True, kw_only=True):
     v: int = STATE_VERSION
     last_seq: int
     log_time: float
+    epoch: str = ""
 
 
 class LiveState(Struct, frozen=True, kw_only=True):
@@ -167,6 +173,9 @@ class StateView(Lifecycle):
         self._behind = False
         self._broken = False
         self._changed = asyncio.Event()
+        #: The epoch of the progress mark held, and of each backend's view with its sequence.
+        self._epoch = ""
+        self._seqs: dict[str, tuple[str, int]] = {}
 
     @classmethod
     async def open(
@@ -240,33 +249,53 @@ class StateView(Lifecycle):
         await self._close_watch()
 
     def _take(self, entry: KeyEntry) -> None:
+        """Take a watched entry, unless it is older than what is held.
+
+        Views only move forward within an epoch (one events stream): a view
+        or progress mark of a lower sequence (a slower projector's late write,
+        a refold from the start) is ignored. A delete marker keeps what is
+        held (the projector writes every view again within its
+        ``republish_every``). A new epoch (the events stream made again)
+        starts over: what is held of the old one is dropped.
+        """
+        if entry.operation is not None or not entry.key.startswith("view."):
+            return
         state = self.state
         if entry.key == PROGRESS_KEY:
-            if entry.operation is not None:
-                return  # a delete or purge marker: keep what we had
             try:
                 progress = decode_progress(entry.value)
             except msgspec.DecodeError as exc:
                 log.warning("undecodable projection progress in KV ignored", error=str(exc))
                 return
+            if progress.epoch == self._epoch and progress.last_seq < state.last_seq:
+                return
+            if progress.epoch != self._epoch:
+                self._epoch = progress.epoch
+                kept = {
+                    name: backend
+                    for name, backend in state.backends.items()
+                    if self._seqs[name][0] == progress.epoch
+                }
+                self._seqs = {name: self._seqs[name] for name in kept}
+                state = msgspec.structs.replace(state, backends=kept)
             self.revision = entry.revision
             self.state = msgspec.structs.replace(
                 state, last_seq=progress.last_seq, log_time=progress.log_time
             )
         elif entry.key.startswith(_BACKEND_PREFIX):
             name = entry.key[len(_BACKEND_PREFIX) :]
-            backends = dict(state.backends)
-            if entry.operation is not None:
-                backends.pop(name, None)  # deleted: the backend is as never heard of
-            else:
-                try:
-                    backends[name] = decode_backend_view(entry.value).backend
-                except msgspec.DecodeError as exc:
-                    log.warning(
-                        "undecodable backend view in KV ignored", key=entry.key, error=str(exc)
-                    )
-                    return
-            self.state = msgspec.structs.replace(state, backends=backends)
+            try:
+                view = decode_backend_view(entry.value)
+            except msgspec.DecodeError as exc:
+                log.warning("undecodable backend view in KV ignored", key=entry.key, error=str(exc))
+                return
+            held = self._seqs.get(name)
+            if held is not None and held[0] == view.epoch and view.last_seq < held[1]:
+                return
+            self._seqs[name] = (view.epoch, view.last_seq)
+            self.state = msgspec.structs.replace(
+                state, backends={**state.backends, name: view.backend}
+            )
         else:
             return
         self._changed.set()

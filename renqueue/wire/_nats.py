@@ -343,8 +343,11 @@ def _take_buffered_first(sub: _Subscription) -> None:
     the same bookkeeping as nats-py's own (pending size, ``task_done``);
     waiting for one that is not goes through nats-py's ``next_msg`` as before
     (its timeout, its cancellation on unsubscribe). Set per instance: the
-    nats-py class is left as it is.
+    nats-py class is left as it is, and so is a subscription of a nats-py whose
+    internals are not the ones this relies on (``pyproject.toml`` pins 2.16).
     """
+    if not all(hasattr(sub, name) for name in ("_pending_queue", "_pending_size", "_conn")):
+        return
     original = sub.next_msg
 
     async def next_msg(timeout: float | None = 1.0) -> _Msg:  # noqa: ASYNC109 - nats-py's
