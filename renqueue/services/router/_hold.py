@@ -98,6 +98,8 @@ class Hold:
         #: Every held item by its message's stream sequence: membership in O(1)
         #: (a fetch checks each delivery against the hold).
         self._by_seq: dict[int, Held] = {}
+        #: ``id()`` of every held item (an item is held while its id is here).
+        self._ids: set[int] = set()
 
     def __iter__(self) -> Iterator[Held]:
         return (item for queue in self.queues.values() for item in queue)
@@ -114,10 +116,11 @@ class Hold:
     def add(self, level: str, item: Held) -> None:
         self.queues[level].append(item)
         self._by_seq[_seq(item)] = item
+        self._ids.add(id(item))
 
     def holds(self, item: Held) -> bool:
         """Whether ``item`` still waits here (not bound, ended or handed back)."""
-        return self._by_seq.get(_seq(item)) is item
+        return id(item) in self._ids
 
     def holds_message(self, msg: Message) -> bool:
         """Whether the stream message ``msg`` is held already (delivered again)."""
@@ -166,9 +169,11 @@ class Hold:
             held.clear()
             self._room[level].set()
         self._by_seq.clear()
+        self._ids.clear()
         return dropped
 
     def _forget(self, item: Held) -> None:
+        self._ids.discard(id(item))
         if self._by_seq.get(seq := _seq(item)) is item:
             del self._by_seq[seq]
 
