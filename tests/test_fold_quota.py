@@ -7,9 +7,11 @@ folding the same events again gives the same state.
 
 from __future__ import annotations
 
+import msgspec
+
 from renqueue.policy import Cost, Limit, check, used
 from renqueue.state import ProjectionState, fold_many
-from renqueue.wire import Completed, ReportedLimit, Retrying, Routed, Started, Usage
+from renqueue.wire import Completed, Preempted, ReportedLimit, Retrying, Routed, Started, Usage
 
 T = 1_800_000_000.0
 PER_MINUTE = Limit(kind="requests", count=3, window=60.0)
@@ -147,3 +149,39 @@ def test_the_fold_is_pure_and_repeatable() -> None:
     again = fold_many(ProjectionState(), events)
     assert first == again
     assert first.reserved == {}  # ended: its reservation is reconciled and gone
+
+
+def preempted(rid: str, at: float, backend: str = "free") -> Preempted:
+    return Preempted(
+        request_id=rid, tenant="t", at=at, backend=backend, attempt=1, delivery=1, by="urgent"
+    )
+
+
+def test_a_request_put_back_and_bound_elsewhere_spends_one_request_per_call() -> None:
+    """After a put-back (a spent quota, or a preemption) the next decision's
+    first call is the one it reserved: before, the request still counted as in
+    flight on its old backend, so that call was charged twice on the new one."""
+    spent = rate_limited("quota exhausted", 60.0, requeued=True)
+    for put_back in (spent, preempted("r1", T + 0.5)):
+        events = [
+            routed("r1", T, backend="free"),
+            started("r1", T + 0.1, backend="free"),
+            put_back,
+            msgspec.structs.replace(routed("r1", T + 1.0, backend="paid"), attempt=2),
+            started("r1", T + 1.1, backend="paid"),
+        ]
+        state = fold_many(ProjectionState(), events)
+        assert used(quota_of(state, "paid"), PER_MINUTE, T + 2) == 1, put_back
+        assert used(quota_of(state, "free"), PER_MINUTE, T + 2) == 1, put_back
+        assert state.backend("free").in_flight == 0, put_back
+        assert state.backend("paid").in_flight == 1, put_back
+        assert state.in_flight_count == 1, put_back
+
+
+def test_a_put_back_request_leaves_its_backend_at_once() -> None:
+    state = fold_many(
+        ProjectionState(),
+        [routed("r1", T), started("r1", T + 0.1), preempted("r1", T + 0.5)],
+    )
+    assert state.backend("free").in_flight == 0
+    assert state.in_flight_count == 0

@@ -43,6 +43,7 @@ from ..wire._messages import (
     Event,
     Expired,
     Failed,
+    Preempted,
     Rejected,
     ReportedLimit,
     Retrying,
@@ -170,11 +171,16 @@ class InFlight(Struct, frozen=True, array_like=True):
 
 
 class Reservation(Struct, frozen=True, array_like=True):
-    """Quota a ``routed`` decision reserved and no end has reconciled yet."""
+    """Quota a ``routed`` decision reserved and no end has reconciled yet.
+
+    ``started``: its call (the first start on its backend) has begun; any
+    other start of the request is another call, spending one more request.
+    """
 
     backend: str
     at: float
     tokens: int
+    started: bool = False
 
 
 class ProjectionState(Struct, frozen=True, kw_only=True):
@@ -348,10 +354,9 @@ class _Builder:
         elif isinstance(event, Started):
             self._start(event, at)
         elif isinstance(event, Retrying):
-            self._failure(event.backend, event.error_type, at)
-            self._provider_said(event.backend, event.limits, at, event.quota_exhausted_until)
-            if event.error_type == "rate_limited":
-                self._cool_down(event.backend, at + _finite(event.retry_after))
+            self._retrying(event, at)
+        elif isinstance(event, Preempted):  # put back to wait again: it left this backend
+            self._end(msg_id(event.tenant, event.request_id))
         elif isinstance(event, Completed):
             self._complete(event, at)
         elif isinstance(event, Failed) and event.backend is not None:
@@ -377,12 +382,20 @@ class _Builder:
         self._own("in_flight")
         self._in_flight[key] = InFlight(event.backend, at)
         reservation = self._reserved.get(key)
-        if previous is not None or (
-            reservation is not None and reservation.backend != event.backend
+        if (
+            reservation is not None
+            and reservation.backend == event.backend
+            and not reservation.started
         ):
-            # Another call than the one its decision reserved: a retry, or a
-            # run on a pool sibling that stole it.
+            # The call its decision reserved (and spent at the decision).
+            self._own("reserved")
+            self._reserved[key] = msgspec.structs.replace(reservation, started=True)
+        elif previous is not None or reservation is not None:
+            # Another call than the one its decision reserved: a retry, a
+            # redelivery, or a run on a pool sibling that stole it.
             self._spend(event.backend, Cost(requests=1), at)
+        # Else its decision is not folded yet (logged after its dispatch was
+        # stored): the decision spends when it comes.
         if previous is None or previous.backend != event.backend:
             if previous is not None:
                 self._leave(previous.backend)
@@ -393,6 +406,14 @@ class _Builder:
             )
         else:  # a retry or redelivery on the same backend: still one request in flight
             self._set_backend(event.backend, calls_started=backend.calls_started + 1)
+
+    def _retrying(self, event: Retrying, at: float) -> None:
+        if event.requeued:  # put back to be bound again: it left this backend
+            self._end(msg_id(event.tenant, event.request_id))
+        self._failure(event.backend, event.error_type, at)
+        self._provider_said(event.backend, event.limits, at, event.quota_exhausted_until)
+        if event.error_type == "rate_limited":
+            self._cool_down(event.backend, at + _finite(event.retry_after))
 
     def _leave(self, name: str) -> None:
         backend = self._backends.get(name, _EMPTY_BACKEND)
