@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling chaos clean
+.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits chaos clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,12 @@ bench-compare: $(STAMP)
 
 bench-scheduling: $(STAMP)
 	$(BIN)/python bench/scheduling.py
+
+# A burst against mock free tiers (compressed clock) and a paid backend: Ren-Queue against
+# LiteLLM's Router on the same mocks (issue #8). LiteLLM lives only in its own venv,
+# .renqueue/bench-litellm/venv, made on the first run.
+bench-ratelimits: $(STAMP)
+	$(BIN)/python bench/ratelimits.py
 
 # kill -9 routers and workers under load (single node, 3-node cluster, harsh), audit the log.
 chaos: $(STAMP)
