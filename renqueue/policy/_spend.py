@@ -86,6 +86,10 @@ class SpendLog(Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     slots: tuple[Slot, ...] = ()
     newest: float = 0.0
+    #: The ``newest`` time from which a slot may need coarsening or dropping
+    #: (0: not known, look now): a record looks over its slots only then, not
+    #: at every spend (a log of a busy backend holds ~180 one-second slots).
+    ages_at: float = 0.0
 
 
 def _resolution(age: float) -> float | None:
@@ -120,20 +124,27 @@ def record(log: SpendLog, at: float, *, requests: int = 0, tokens: int = 0) -> S
         return log
     newest = max(log.newest, at)
     requests, tokens = max(requests, 0), max(tokens, 0)
-    if any(_ages_out(slot, newest) for slot in log.slots):
-        merged: dict[tuple[float, float], list[int]] = {}
-        for slot in log.slots:
-            _add(merged, slot.start, slot.end, newest, requests=slot.requests, tokens=slot.tokens)
-        if requests or tokens:
-            _add(merged, at, at, newest, requests=requests, tokens=tokens)
-        slots = tuple(
-            Slot(start, length, r, t) for (start, length), (r, t) in sorted(merged.items())
-        )
-        return SpendLog(slots=slots, newest=newest)
+    ages_at = log.ages_at
+    if newest >= ages_at:
+        if any(_ages_out(slot, newest) for slot in log.slots):
+            merged: dict[tuple[float, float], list[int]] = {}
+            for slot in log.slots:
+                _add(
+                    merged, slot.start, slot.end, newest, requests=slot.requests, tokens=slot.tokens
+                )
+            if requests or tokens:
+                _add(merged, at, at, newest, requests=requests, tokens=tokens)
+            slots = tuple(
+                Slot(start, length, r, t) for (start, length), (r, t) in sorted(merged.items())
+            )
+            return SpendLog(slots=slots, newest=newest, ages_at=_ages_at(slots))
+        ages_at = _ages_at(log.slots)  # not known, or earlier than need be (a refund)
     # Every slot stays as it is (the common case): only the new spend's slot changes.
     length = _resolution(newest - at)
     if length is None or not (requests or tokens):
-        return log if newest == log.newest else SpendLog(slots=log.slots, newest=newest)
+        if newest == log.newest and ages_at == log.ages_at:
+            return log
+        return SpendLog(slots=log.slots, newest=newest, ages_at=ages_at)
     start = _slot_of(at, length)
     index = bisect.bisect_left(log.slots, (start, length), key=_key)
     updated = list(log.slots)
@@ -141,8 +152,23 @@ def record(log: SpendLog, at: float, *, requests: int = 0, tokens: int = 0) -> S
         slot = updated[index]
         updated[index] = Slot(start, length, slot.requests + requests, slot.tokens + tokens)
     else:
-        updated.insert(index, Slot(start, length, requests, tokens))
-    return SpendLog(slots=tuple(updated), newest=newest)
+        slot = Slot(start, length, requests, tokens)
+        updated.insert(index, slot)
+        ages_at = min(ages_at, _aging(slot)) if ages_at else _aging(slot)
+    return SpendLog(slots=tuple(updated), newest=newest, ages_at=ages_at)
+
+
+def _aging(slot: Slot) -> float:
+    """The ``newest`` time from which ``slot`` must be coarsened (or dropped)."""
+    for young, length in _RESOLUTIONS:
+        if length == slot.length:
+            return slot.end + young
+    return slot.end  # not a length this log makes: look again at once
+
+
+def _ages_at(slots: tuple[Slot, ...]) -> float:
+    """The earliest :func:`_aging` of ``slots``; 0 (look at any time) for none."""
+    return min((_aging(slot) for slot in slots), default=0.0)
 
 
 def _key(slot: Slot) -> tuple[float, float]:
@@ -218,7 +244,12 @@ def refund_tokens(log: SpendLog, tokens: int, reserved_at: float) -> SpendLog:
         left -= taken
         if not left:
             break
-    return SpendLog(slots=tuple(s for s in slots if s.requests or s.tokens), newest=log.newest)
+    return SpendLog(
+        # A slot gone only makes ``ages_at`` early: the next record looks and corrects it.
+        slots=tuple(s for s in slots if s.requests or s.tokens),
+        newest=log.newest,
+        ages_at=log.ages_at,
+    )
 
 
 def spent(log: SpendLog, kind: Literal["requests", "tokens"], since: float, now: float) -> int:
