@@ -185,3 +185,31 @@ def test_a_put_back_request_leaves_its_backend_at_once() -> None:
     )
     assert state.backend("free").in_flight == 0
     assert state.in_flight_count == 0
+
+
+def test_a_start_logged_before_its_decision_is_its_reserved_call_and_a_retry_still_spends() -> None:
+    """A binder logs a decision only after its dispatch was stored when the
+    request may have been bound before (every request waiting at a take-over),
+    so the worker's ``started`` can precede ``routed``: that call is the one
+    reserved, and a retry after it is another call (before: the retry was the
+    'reserved call' and went uncharged, so a strict provider could see more
+    than the limit)."""
+    events = [
+        started("r1", T + 0.1),
+        routed("r1", T + 0.2),
+        started("r1", T + 1.0, delivery=2),
+        started("r1", T + 2.0, delivery=3),
+    ]
+    assert used(quota_of(fold_many(ProjectionState(), events)), PER_MINUTE, T + 3) == 3
+
+
+def test_a_request_bound_again_after_a_put_back_spends_once_per_call_in_any_order() -> None:
+    spent = rate_limited("quota exhausted", 60.0, requeued=True)
+    second = msgspec.structs.replace(routed("r1", T + 1.0, backend="paid"), attempt=2)
+    start = msgspec.structs.replace(started("r1", T + 1.1, backend="paid"), attempt=2)
+    retry = msgspec.structs.replace(started("r1", T + 1.5, backend="paid", delivery=2), attempt=2)
+    head = [routed("r1", T, backend="free"), started("r1", T + 0.1, backend="free"), spent]
+    for tail in ([second, start, retry], [start, second, retry]):
+        state = fold_many(ProjectionState(), [*head, *tail])
+        assert used(quota_of(state, "paid"), PER_MINUTE, T + 2) == 2, tail
+        assert used(quota_of(state, "free"), PER_MINUTE, T + 2) == 1, tail

@@ -145,8 +145,8 @@ def slots(*changed_slots: Slot) -> BackendState:
             changed(BASE, in_flight={"t1:r.3": InFlight("local", T)}),
             BASE,
             [
-                Difference(path='in_flight["t1:r.3"]', live=["local", T]),
-                Difference(path="in_flight.t1:r3", rebuilt=["local", T]),
+                Difference(path='in_flight["t1:r.3"]', live=["local", T, 0]),
+                Difference(path="in_flight.t1:r3", rebuilt=["local", T, 0]),
             ],
             id="a-key-with-a-dot-is-quoted",
         ),

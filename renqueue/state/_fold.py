@@ -75,9 +75,11 @@ __all__ = [
 #: Version of the stored state's schema (the ``v`` field of the KV value).
 #: 2: ``in_flight`` is keyed ``<tenant>:<request id>`` (1: by request id alone);
 #: 3: backends carry their ``quota`` and the state its open ``reserved`` quota;
-#: 4: tenants carry their spend of the latest UTC day (``day``, ``day_spend``).
+#: 4: tenants carry their spend of the latest UTC day (``day``, ``day_spend``);
+#: 5: reservations and in-flight entries name their attempt (a call is the
+#: reserved one only for its own decision, whichever of the two is logged first).
 #: A projector that finds an older state folds the log again from the start.
-STATE_VERSION: Final = 4
+STATE_VERSION: Final = 5
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
 #: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
@@ -164,23 +166,27 @@ def utc_day(at: float) -> int:
 
 
 class InFlight(Struct, frozen=True, array_like=True):
-    """A request that started and has not ended: the backend of its latest start, and when."""
+    """A request that started and has not ended: the backend of its latest start,
+    when, and the attempt (decision) it ran for."""
 
     backend: str
     since: float
+    attempt: int = 0
 
 
 class Reservation(Struct, frozen=True, array_like=True):
-    """Quota a ``routed`` decision reserved and no end has reconciled yet.
+    """Quota a ``routed`` decision (of ``attempt``) reserved and no end has reconciled yet.
 
-    ``started``: its call (the first start on its backend) has begun; any
-    other start of the request is another call, spending one more request.
+    ``started``: its call (the first start of its attempt on its backend) has
+    begun, before or after the decision was logged; any other start of the
+    request is another call, spending one more request.
     """
 
     backend: str
     at: float
     tokens: int
     started: bool = False
+    attempt: int = 0
 
 
 class ProjectionState(Struct, frozen=True, kw_only=True):
@@ -380,22 +386,26 @@ class _Builder:
         key = msg_id(event.tenant, event.request_id)
         previous = self._in_flight.get(key)
         self._own("in_flight")
-        self._in_flight[key] = InFlight(event.backend, at)
+        self._in_flight[key] = InFlight(event.backend, at, event.attempt)
         reservation = self._reserved.get(key)
+        this_attempt = reservation is not None and reservation.attempt == event.attempt
         if (
             reservation is not None
+            and this_attempt
             and reservation.backend == event.backend
             and not reservation.started
         ):
             # The call its decision reserved (and spent at the decision).
             self._own("reserved")
             self._reserved[key] = msgspec.structs.replace(reservation, started=True)
-        elif previous is not None or reservation is not None:
+        elif previous is not None or this_attempt:
             # Another call than the one its decision reserved: a retry, a
             # redelivery, or a run on a pool sibling that stole it.
             self._spend(event.backend, Cost(requests=1), at)
-        # Else its decision is not folded yet (logged after its dispatch was
-        # stored): the decision spends when it comes.
+        # Else the first call of a decision not folded yet (a binder logs a
+        # decision after its dispatch was stored when the request may have
+        # been bound before): the decision spends when it comes, and knows
+        # its call has begun.
         if previous is None or previous.backend != event.backend:
             if previous is not None:
                 self._leave(previous.backend)
@@ -464,8 +474,16 @@ class _Builder:
         key = msg_id(event.tenant, event.request_id)
         tokens = max(0, event.reserved_tokens)
         self._spend(event.backend, Cost(requests=1, tokens=tokens), at)
+        running = self._in_flight.get(key)
+        begun = (
+            running is not None
+            and running.backend == event.backend
+            and running.attempt == event.attempt
+        )
         self._own("reserved")
-        self._reserved[key] = Reservation(event.backend, at, tokens)
+        self._reserved[key] = Reservation(
+            event.backend, at, tokens, started=begun, attempt=event.attempt
+        )
 
     def _complete(self, event: Completed, at: float) -> None:
         self._provider_said(event.backend, event.limits, at, None)
