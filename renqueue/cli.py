@@ -23,39 +23,81 @@ ended, but not as asked (``submit``: failed, expired, cancelled or rejected;
 ``cancel``: it had already ended otherwise); 4 ``--wait`` ran out before the
 request ended (it goes on: follow it with ``renqueue audit``). ``replay
 --verify``: 0 the live projection equals the log's, 1 it differs, 2 it cannot
-be read.
+be checked (nothing stored, NATS unreachable, the log no longer holds every
+event the projection folded, a replay that stopped short). ``status`` and
+``replay`` end any error they did not expect with 2 and one line on stderr,
+never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
+import functools
 import json
+import math
 import os
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
 from .config import Config, load_config
-from .errors import ConfigError, RenQueueError, RequestFailedError
+from .errors import ConfigError, NatsClosedError, RenQueueError, RequestFailedError
 from .logs import configure_logging, get_logger
 
 if TYPE_CHECKING:
-    from .state import ProjectionState, Verification
+    from .state import StatusReport, Verification
+    from .state._verify import Replayed
+    from .wire import Connection
 
 __all__ = ["main"]
+
+_T = TypeVar("_T")
 
 #: Exit codes (see the module docstring).
 EXIT_OK, EXIT_ERROR, EXIT_UNSUCCESSFUL, EXIT_WAIT_TIMEOUT = 0, 2, 3, 4
 #: ``replay --verify``: the live projection differs from the log's.
 EXIT_DIFFERENT = 1
+#: The shortest ``status --interval`` (seconds): each redraw reads every consumer.
+MIN_INTERVAL = 0.2
 
 
 class _WaitTimeout(RenQueueError):
     """``--wait`` ran out before the request ended."""
+
+
+class _UnexpectedError(RenQueueError):
+    """An error ``status`` or ``replay`` did not expect, as one line (exit 2)."""
+
+
+def _guarded(
+    run: Callable[[Config, argparse.Namespace], Awaitable[_T]],
+) -> Callable[[Config, argparse.Namespace], Awaitable[_T]]:
+    """``run`` with any error that is not a Ren-Queue one turned into one line.
+
+    ``status`` and ``replay`` read what others wrote (a damaged or forged
+    checkpoint, a log cut short): whatever they meet, they end with exit 2 and
+    a line on stderr, never a traceback.
+    """
+
+    @functools.wraps(run)
+    async def guarded(config: Config, args: argparse.Namespace) -> _T:
+        try:
+            return await run(config, args)
+        except RenQueueError:
+            raise
+        except Exception as exc:
+            from .state._status import printable
+
+            raise _UnexpectedError(
+                f"{args.command}: unexpected error: {printable(_one_line(exc))}"
+            ) from exc
+
+    return guarded
 
 
 def _with_nats(config: Config, url: str | None) -> Config:
@@ -218,21 +260,30 @@ async def _audit(config: Config, args: argparse.Namespace) -> None:
 
 
 async def _status(config: Config, args: argparse.Namespace) -> None:
+    """Print the status once, or (``--watch``) every ``--interval`` seconds until Ctrl-C.
+
+    A watch rides out what NATS fails to answer for a while (the server
+    restarting, a timeout): it shows the error in place of that redraw and
+    tries again at the next; only a connection closed for good ends it.
+    """
     from .ops._connection import connect
-    from .state import read_status, render_status
+    from .state import read_status
 
     nc = await connect(_client_url(config), name="renqueue-status", config=config.nats)
     try:
         js = nc.jetstream()
         clear = args.watch and not args.json and sys.stdout.isatty()
         while True:
-            report = await read_status(js, config)
-            if args.json:
-                print(msgspec.json.encode(report).decode())
+            try:
+                report = await read_status(js, config)
+            except NatsClosedError:
+                raise
+            except Exception as exc:
+                if not args.watch or nc.is_closed:
+                    raise
+                _show_status_error(exc, args, clear=clear)
             else:
-                if clear:
-                    print("\x1b[H\x1b[2J", end="")  # cursor home, clear the screen
-                print("\n".join(render_status(report)))
+                _show_status(report, args, clear=clear)
             if not args.watch:
                 return
             if not clear and not args.json:
@@ -240,26 +291,73 @@ async def _status(config: Config, args: argparse.Namespace) -> None:
             sys.stdout.flush()
             await asyncio.sleep(args.interval)
     finally:
-        await nc.drain()
+        await _close(nc)
+
+
+def _show_status(report: StatusReport, args: argparse.Namespace, *, clear: bool) -> None:
+    from .state import render_status
+
+    if args.json:
+        print(msgspec.json.encode(report).decode())
+        return
+    if clear:
+        print("\x1b[H\x1b[2J", end="")  # cursor home, clear the screen
+    print("\n".join(render_status(report)))
+
+
+def _show_status_error(exc: Exception, args: argparse.Namespace, *, clear: bool) -> None:
+    """A watch's redraw that could not read the status: one line (JSON: ``{"at", "error"}``)."""
+    from .state._status import printable
+
+    now = datetime.datetime.now(tz=datetime.UTC)
+    message = printable(_one_line(exc))
+    if args.json:
+        print(json.dumps({"at": now.timestamp(), "error": message}))
+        return
+    if clear:
+        print("\x1b[H\x1b[2J", end="")
+    print(
+        f"Ren-Queue status at {now.isoformat(timespec='seconds')}: cannot read it: {message}"
+        f" (trying again every {args.interval:g} s; Ctrl-C to stop)"
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error as one line: its message, or its type when it has none or is not ours."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, RenQueueError):
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def _close(nc: Connection) -> None:
+    """Drain ``nc``, or close it if it cannot drain (reconnecting, or too slow)."""
+    try:
+        await asyncio.wait_for(nc.drain(), 5.0)
+    except Exception:  # noqa: BLE001 - whatever the connection's state, it ends closed
+        if not nc.is_closed:
+            with contextlib.suppress(Exception):
+                await nc.close()
 
 
 async def _replay(config: Config, args: argparse.Namespace) -> int:
     from .ops._connection import connect
-    from .state import encode_state, rebuild, verify
+    from .state import encode_state, verify
+    from .state._verify import replay_log
 
     nc = await connect(_client_url(config), name="renqueue-replay", config=config.nats)
     try:
         js = nc.jetstream()
         if not args.verify:
-            state = await rebuild(js)
+            replayed = await replay_log(js)
             if args.json:
-                print(encode_state(state).decode())
+                print(encode_state(replayed.state).decode())
             else:
-                print("\n".join(_replay_summary(state)))
+                print("\n".join(_replay_summary(replayed)))
             return EXIT_OK
         found = await verify(js)
     finally:
-        await nc.drain()
+        await _close(nc)
     if args.json:
         print(json.dumps({"equal": found.equal, **msgspec.to_builtins(found)}))
     else:
@@ -268,6 +366,8 @@ async def _replay(config: Config, args: argparse.Namespace) -> int:
 
 
 def _verification_lines(found: Verification) -> list[str]:
+    from .state._status import printable
+
     at = f"{found.events} events, last_seq {found.last_seq}"
     if found.views_compared:
         views = f"views: {found.views} backend views compared"
@@ -288,10 +388,12 @@ def _verification_lines(found: Verification) -> list[str]:
         views,
         "",
     ]
-    width = min(60, max(len(d.path) for d in found.differences))
+    paths = [printable(d.path) for d in found.differences]
+    width = min(60, max(len(path) for path in paths))
     lines.append(f"  {'field':<{width}}  {'live':>12}  rebuilt from the log")
     lines.extend(
-        f"  {d.path:<{width}}  {_value(d.live):>12}  {_value(d.rebuilt)}" for d in found.differences
+        f"  {path:<{width}}  {_value(d.live):>12}  {_value(d.rebuilt)}"
+        for path, d in zip(paths, found.differences, strict=True)
     )
     return lines
 
@@ -302,34 +404,44 @@ def _value(value: Any) -> str:
     return _shorten(json.dumps(value), 80)
 
 
-def _replay_summary(state: ProjectionState) -> list[str]:
-    ended = " ".join(f"{kind}={n}" for kind, n in sorted(state.terminal.items())) or "none"
-    when = (
-        datetime.datetime.fromtimestamp(state.log_time, tz=datetime.UTC).isoformat(
-            timespec="seconds"
-        )
-        if state.log_time
-        else "-"
+def _replay_summary(replayed: Replayed) -> list[str]:
+    from .state._status import clock, printable
+
+    state = replayed.state
+    ended = (
+        " ".join(f"{printable(kind)}={n}" for kind, n in sorted(state.terminal.items())) or "none"
     )
+    when = clock(state.log_time) if state.log_time else "-"
     lines = [
         f"Replayed {state.events} events (last_seq {state.last_seq}, log time {when});"
         f" skipped {state.skipped} undecodable, {state.mismatched} disagreeing with their subject",
         f"  submitted {state.submitted}; ended {ended}; in flight {state.in_flight_count};"
         f" spend ${state.spend:.6f}",
+    ]
+    gone = []
+    if replayed.first_seq > 1:
+        gone.append(
+            f"it starts at sequence {replayed.first_seq} (those before expired, or were purged)"
+        )
+    if replayed.deleted:
+        gone.append(f"{replayed.deleted} after its start were purged")
+    if gone:
+        lines.append(f"  not in this replay: {'; '.join(gone)}")
+    lines += [
         "",
         f"  {'backend':<16} {'started':>8} {'done':>7} {'failed':>6} {'429s':>5}"
         f" {'tokens in':>10} {'tokens out':>10} {'spend $':>10} {'in flight':>9}",
     ]
     for name, b in sorted(state.backends.items()):
         lines.append(
-            f"  {name:<16} {b.calls_started:>8} {b.calls_completed:>7} {b.calls_failed:>6}"
-            f" {b.rate_limited:>5} {b.tokens_in:>10} {b.tokens_out:>10} {b.spend:>10.6f}"
-            f" {b.in_flight:>9}"
+            f"  {printable(name):<16} {b.calls_started:>8} {b.calls_completed:>7}"
+            f" {b.calls_failed:>6} {b.rate_limited:>5} {b.tokens_in:>10} {b.tokens_out:>10}"
+            f" {b.spend:>10.6f} {b.in_flight:>9}"
         )
     lines += ["", f"  {'tenant':<16} {'submitted':>9} {'spend $':>10}  ended"]
     for name, t in sorted(state.tenants.items()):
-        ended = " ".join(f"{kind}={n}" for kind, n in sorted(t.terminal.items())) or "-"
-        lines.append(f"  {name:<16} {t.submitted:>9} {t.spend:>10.6f}  {ended}")
+        ended = " ".join(f"{printable(k)}={n}" for k, n in sorted(t.terminal.items())) or "-"
+        lines.append(f"  {printable(name):<16} {t.submitted:>9} {t.spend:>10.6f}  {ended}")
     return lines
 
 
@@ -438,10 +550,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     cmd.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
     cmd.add_argument(
-        "--interval", type=_positive, default=2.0, help="seconds between redraws (default 2)"
+        "--interval",
+        type=_interval,
+        default=2.0,
+        help=f"seconds between redraws (default 2, at least {MIN_INTERVAL:g})",
     )
     cmd.add_argument("--json", action="store_true", help="the report as JSON (one per redraw)")
-    cmd.set_defaults(run=_status)
+    cmd.set_defaults(run=_guarded(_status))
 
     cmd = sub.add_parser("replay", help="the projection rebuilt from the event log")
     cmd.add_argument(
@@ -453,7 +568,7 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument(
         "--json", action="store_true", help="the rebuilt state (or the result) as JSON"
     )
-    cmd.set_defaults(run=_replay)
+    cmd.set_defaults(run=_guarded(_replay))
 
     sub.add_parser("schema", help="JSON Schema of messages and events").set_defaults(run=_schema)
 
@@ -461,10 +576,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not MIN_INTERVAL <= value < math.inf:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds, at least {MIN_INTERVAL:g}, got {text!r}"
+        )
     return value
 
 

@@ -18,6 +18,7 @@ from test_binder import until
 from test_cli import run
 
 from renqueue import Client, RequestFailedError, Services, load_config
+from renqueue.errors import RenQueueError
 from renqueue.ops import EmbeddedServer, connect
 from renqueue.policy import Learned, Quota, SpendLog
 from renqueue.policy._spend import Slot
@@ -29,6 +30,7 @@ from renqueue.state import (
     InFlight,
     ProjectionState,
     TenantState,
+    _verify,
     backend_view_key,
     decode_backend_view,
     decode_progress,
@@ -37,9 +39,12 @@ from renqueue.state import (
     diff_values,
     encode_state,
     encode_view,
+    rebuild,
+    verify,
 )
+from renqueue.state._verify import replay_log
 from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import KeyValue
+from renqueue.wire import JetStream, KeyValue
 
 T = 1_780_000_020.0
 ABSENT = msgspec.UNSET
@@ -362,3 +367,85 @@ async def tamper_and_verify(config: Path, kv: KeyValue, live: ProjectionState) -
     code, out, err = await replay(config, "--verify")
     assert code == 2
     assert "no projection is stored" in err
+
+
+async def test_replay_verify_says_it_cannot_verify_a_log_cut_short(
+    tmp_path: Path, isolated_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A comparison with a partial replay is not a difference: exit 2 and why."""
+    async with (
+        MockBackend(MockSettings(output_tokens=3)) as free,
+        MockBackend(MockSettings(output_tokens=5)) as paid,
+    ):
+        config = write_config(tmp_path, isolated_server.url, free.url, paid.url, "http://x/v1")
+        async with (
+            Services(load_config(config)) as services,
+            Client(services.nc, tenant="t1") as t1,
+            Client(services.nc, tenant="t2") as t2,
+        ):
+            handles = [await t1.submit(f"f{n}", route="free") for n in range(3)]
+            handles += [await t2.submit(f"p{n}", route="paid") for n in range(2)]
+            await asyncio.gather(*(h.result(timeout=30) for h in handles))
+            assert services.projector is not None
+            live = await services.projector.sync()
+            kv = await services.js.key_value("rq-state")
+            await until(lambda: views_at_checkpoint(kv), "the views are at the checkpoint")
+
+    last = live.last_seq
+    nc = await connect(isolated_server.url, name="cut")
+    try:
+        js = nc.jetstream()
+        kv = await js.key_value("rq-state")
+        assert (await verify(js)).equal
+
+        # A replay that stops short: rebuild gives up when no event comes for
+        # 2 s (a server too slow to answer), here two events before the end.
+        whole = rebuild
+
+        async def slow_server(js: JetStream, *, upto: int | None = None) -> ProjectionState:
+            return await whole(js, upto=(last if upto is None else upto) - 2)
+
+        monkeypatch.setattr(_verify, "rebuild", slow_server)
+        stopped = f"^replay stopped at {last - 2} of {last}"
+        with pytest.raises(RenQueueError, match=f"{stopped}: cannot verify \\(no event came"):
+            await verify(js)
+        with pytest.raises(RenQueueError, match=f"{stopped} \\(no event came"):
+            await replay_log(js)
+        monkeypatch.setattr(_verify, "rebuild", whole)
+
+        # A checkpoint past the log's end (the events stream made again since).
+        original = (await kv.get(STATE_KEY)).value
+        await kv.put(STATE_KEY, encode_state(msgspec.structs.replace(live, last_seq=last + 5)))
+        code, out, err = await replay(config, "--verify")
+        assert (code, out) == (2, ""), err
+        assert f"the log no longer holds events 1..{last + 5}: cannot verify" in err
+        assert f"RQ_EVENTS ends at sequence {last}" in err
+        await kv.put(STATE_KEY, original)
+
+        # One tenant's events purged: the log still starts at 1, with holes.
+        await js.context.purge_stream("RQ_EVENTS", subject="rq.evt.t2.>")
+        holes = (await js.stream_info("RQ_EVENTS")).state
+        assert (holes.first_seq, holes.last_seq) == (1, last)
+        code, out, err = await replay(config, "--verify", "--json")
+        assert (code, out) == (2, ""), err
+        assert f"the log no longer holds events 1..{last}: cannot verify (" in err
+        assert f"({holes.num_deleted} of them were purged)" in err
+
+        # Events gone from the front (max_age, or a purge): it starts later.
+        await js.context.purge_stream("RQ_EVENTS", keep=3)
+        first = (await js.stream_info("RQ_EVENTS")).state.first_seq
+        assert first > 1
+        code, out, err = await replay(config, "--verify")
+        assert (code, out) == (2, ""), err
+        assert (
+            f"the log no longer holds events 1..{last}: cannot verify"
+            f" (RQ_EVENTS now starts at sequence {first}:"
+        ) in err
+        assert "Traceback" not in err
+
+        # A plain replay folds what is left, and says where it starts.
+        code, out, err = await replay(config)
+        assert code == 0, err
+        assert f"  not in this replay: it starts at sequence {first} (those before" in out
+    finally:
+        await nc.close()

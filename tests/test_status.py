@@ -15,26 +15,31 @@ import signal
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 from test_binder import until
 from test_cli import run
 
 from renqueue import Client, Services, load_config, parse_config
 from renqueue.errors import NatsNotFoundError
-from renqueue.ops import EmbeddedServer
-from renqueue.policy import LimitUsage, Quota, cool_down, reserve
+from renqueue.ops import EmbeddedServer, connect, provision
+from renqueue.policy import Learned, LimitUsage, Quota, cool_down, reserve
 from renqueue.policy._quota import Cost
 from renqueue.state import (
     STATE_KEY,
     BackendState,
     BackendStatus,
     LevelStatus,
+    ProjectionState,
     StatusReport,
+    TenantState,
     TenantStatus,
     backend_status,
     decode_state,
+    encode_state,
     render_status,
 )
+from renqueue.state._status import printable
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import JetStream
 
@@ -129,8 +134,8 @@ def spent(n: int, at: float, tokens: int = 0) -> Quota:
 def test_backend_status(
     name: str, state: BackendState, now: float, expected: dict[str, object]
 ) -> None:
-    status = backend_status(name, state, CONFIG, 7, now)
-    assert status.queue_depth == 7
+    status = backend_status(name, state, CONFIG, now, waiting=7, running=2)
+    assert (status.waiting, status.running) == (7, 2)
     for field, value in expected.items():
         if field == "limits_used":
             assert [(u.key, u.used, u.left) for u in status.limits] == value
@@ -171,7 +176,8 @@ REPORT = StatusReport(
             consecutive_failures=0,
             last_error_type="rate_limited",
             in_flight=2,
-            queue_depth=3,
+            waiting=3,
+            running=2,
             concurrency=4,
             cooldown_until=T + 12,
             exhausted_until=None,
@@ -202,7 +208,8 @@ REPORT = StatusReport(
             consecutive_failures=3,
             last_error_type="backend_unavailable",
             in_flight=1,
-            queue_depth=None,
+            waiting=None,
+            running=None,
             concurrency=16,
             cooldown_until=None,
             exhausted_until=None,
@@ -246,15 +253,15 @@ def test_render_status_lines() -> None:
     backends = text.split("Backends\n")[1].split("\n\n")[0].splitlines()
     assert section(text, "Backends") == backends[1:]
     assert backends[0].split() == [
-        *("backend", "health", "in", "flight", "queue", "slots", "done", "failed", "429s"),
-        *("spend", "$", "held"),
+        *("backend", "health", "in", "flight", "waiting", "running", "slots", "done", "failed"),
+        *("429s", "spend", "$", "held"),
     ]
     assert backends[1].split() == [
-        *("groq", "healthy", "2", "3", "4", "120", "4", "3", "0.000000", "rate", "limited"),
+        *("groq", "healthy", "2", "3", "2", "4", "120", "4", "3", "0.000000", "rate", "limited"),
         *("by", "the", "provider,", "retry", "in", "12", "s"),
     ]
     assert backends[2].split() == [
-        *("local", "unhealthy", "(3)", "1", "-", "16", "7", "3", "0", "0.125000", "-"),
+        *("local", "unhealthy", "(3)", "1", "-", "-", "16", "7", "3", "0", "0.125000", "-"),
     ]
     # every row of a table starts its columns at the same place
     assert (
@@ -262,7 +269,10 @@ def test_render_status_lines() -> None:
         == backends[2].index("unhealthy")
         == backends[0].index("health")
     )
-    assert "Paused by the provider\n  groq: rate limited (429), retry in 12 s" in text
+    assert (
+        "Paused by the provider\n"
+        "  groq: 429 from the provider: no call until 2026-05-28T20:27:12+00:00 (in 12 s)\n"
+    ) in text
     limits = text.split("Rate limits")[1].split("\n\n")[0].splitlines()[2:]
     assert limits[0].split() == [
         *("groq", "requests/min", "30", "30", "0", "30", "58", "s;", "room", "for", "one"),
@@ -309,7 +319,7 @@ def test_render_status_before_any_projection() -> None:
 # ------------------------------------------------------------------ the command
 
 
-def write_config(tmp_path: Path, url: str, slow: str, paid: str) -> Path:
+def write_config(tmp_path: Path, url: str, slow: str, paid: str, spent: str) -> Path:
     file = tmp_path / "renqueue.toml"
     file.write_text(
         f'[nats]\nurl = "{url}"\n'
@@ -320,8 +330,10 @@ def write_config(tmp_path: Path, url: str, slow: str, paid: str) -> Path:
         '[backends.slow.limits]\nconcurrency = 1\nrequests = ["100/min"]\n'
         f'[backends.paid]\nbase_url = "{paid}"\nmodel = "m"\n'
         "cost_input_per_mtok = 1000.0\ncost_output_per_mtok = 2000.0\n"
+        f'[backends.spent]\nbase_url = "{spent}"\nmodel = "m"\nlimit_style = "groq"\n'
         '[routes.slow]\nbackends = ["slow"]\n'
         '[routes.paid]\nbackends = ["paid"]\n'
+        '[routes.spent]\nbackends = ["spent"]\n'
     )
     return file
 
@@ -339,42 +351,71 @@ async def test_status_reports_a_live_workload(
     async with (
         MockBackend(MockSettings(ttft=60.0)) as slow,
         MockBackend(MockSettings(output_tokens=5)) as paid,
+        MockBackend(MockSettings(limit_style="groq", quota_exhausted=True)) as spent,
     ):
-        config = write_config(tmp_path, isolated_server.url, slow.url, paid.url)
+        config = write_config(tmp_path, isolated_server.url, slow.url, paid.url, spent.url)
+        # The key is there for every run below to print, were it to: in the
+        # environment they inherit, named by the config they read.
+        key = load_config(config).backends["slow"].api_key()
+        assert key is not None
+        assert key.reveal() == secret
+        code, out, _ = await run("-c", "import os; print(os.environ['RENQUEUE_TEST_STATUS_KEY'])")
+        assert (code, out.strip()) == (0, secret)
         async with (
             Services(load_config(config)) as services,
             Client(services.nc, tenant="t1") as t1,
             Client(services.nc, tenant="t2") as t2,
+            Client(services.nc, tenant="t3") as t3,
         ):
             done = [await t1.submit(f"p{n}", route="paid") for n in range(2)]
             results = await asyncio.gather(*(h.result(timeout=30) for h in done))
             for n in range(3):
                 await t2.submit(f"s{n}", route="slow", priority="low")
+            await t3.submit("out of quota", route="spent", priority="high")
             js = services.js
             kv = await js.key_value("rq-state")
 
-            async def one_running_two_waiting() -> bool:
+            async def one_running_two_waiting_and_a_quota_spent() -> bool:
                 try:
                     state = decode_state((await kv.get(STATE_KEY)).value)
                 except NatsNotFoundError:
                     return False  # the projector has not written its first checkpoint yet
+                quota = state.backend("spent").quota
                 return (
                     state.backend("slow").in_flight == 1
                     and await consumer_waiting(js, "router-low") == 2
+                    and quota is not None
+                    and quota.exhausted_until is not None
                 )
 
-            await until(one_running_two_waiting, "one request runs on slow, two wait")
-            code, out, err = await run("-m", "renqueue", "-c", str(config), "status", "--json")
+            await until(
+                one_running_two_waiting_and_a_quota_spent,
+                "one request runs on slow, two wait, spent's quota is gone",
+            )
+            base = ("-m", "renqueue", "-c", str(config))
+            code, out, err = await run(*base, "status", "--json")
             assert code == 0, err
             report = json.loads(out)
-            code, text, err = await run("-m", "renqueue", "-c", str(config), "status")
-            assert code == 0, err
-            watched = await watch(config, refreshes=2)
+            code, text, text_err = await run(*base, "--log-level", "DEBUG", "status")
+            assert code == 0, text_err
+            watched, watch_err = await watch(config, refreshes=2)
+            printed = [out, err, text, text_err, *map(json.dumps, watched), watch_err]
+            # NATS unreachable: the error run prints what it can on stderr.
+            code, gone_out, gone_err = await run(
+                *base, "--log-level", "DEBUG", "--nats", "nats://127.0.0.1:1", "status"
+            )
+            assert code == 2, gone_err
+            printed += [gone_out, gone_err]
+
+    for output in printed:
+        assert secret not in output
 
     backends = {b["name"]: b for b in report["backends"]}
     slow_status = backends["slow"]
     assert slow_status["healthy"] is True
-    assert (slow_status["in_flight"], slow_status["queue_depth"]) == (1, 1)
+    # One dispatch runs on slow (a worker holds it); none waits at its worker
+    # consumer: the two others wait at their level, to be bound.
+    assert (slow_status["in_flight"], slow_status["waiting"], slow_status["running"]) == (1, 0, 1)
     assert slow_status["concurrency"] == 1
     assert slow_status["held"] == ""
     (requests,) = slow_status["limits"]
@@ -387,6 +428,10 @@ async def test_status_reports_a_live_workload(
     assert report["at"] < requests["resets_at"] <= report["at"] + 61
     assert backends["paid"]["calls_completed"] == 2
     assert backends["paid"]["limits"] == []
+    # Groq's daily request counter at 0: out until the next UTC midnight.
+    midnight = (int(report["at"]) // 86400 + 1) * 86400
+    assert backends["spent"]["exhausted_until"] == pytest.approx(midnight, abs=2)
+    assert backends["spent"]["held"] != ""  # the binder passes it over
 
     levels = {level["name"]: level for level in report["levels"]}
     assert levels["low"]["waiting"] == 2
@@ -406,22 +451,39 @@ async def test_status_reports_a_live_workload(
     assert (tenants["t1"]["submitted"], tenants["t1"]["terminal"]) == (2, {"completed": 2})
 
     rows = {line.split()[0]: line.split() for line in section(text, "Backends")}
-    assert rows["slow"][1:5] == ["healthy", "1", "1", "1"]
+    assert rows["slow"][1:6] == ["healthy", "1", "0", "1", "1"]
     rows = {line.split()[0]: line.split() for line in section(text, "Priority levels")}
     assert rows["low"][1] == "2"
-    assert secret not in out + text
+    # An exhausted quota is named as one, not as a rate limit.
+    pauses = text.split("\nPaused by the provider\n")[1].split("\n\n")[0].splitlines()
+    (spent_pause,) = (line for line in pauses if line.startswith("  spent: "))
+    assert spent_pause.startswith("  spent: quota exhausted until ")
+    assert "429" not in spent_pause
+    assert "rate limited" not in spent_pause
     assert len(watched) == 2
     assert watched[0]["at"] < watched[1]["at"]
 
 
-async def watch(config: Path, refreshes: int) -> list[dict[str, object]]:
-    """``status --watch --json`` for ``refreshes`` redraws, then Ctrl-C (SIGINT)."""
-    proc = await asyncio.create_subprocess_exec(
+async def start_watch(config: Path, *args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "renqueue", "-c", str(config),
-        "status", "--watch", "--interval", "0.2", "--json",
+        "status", "--watch", "--interval", "0.2", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "RENQUEUE_CONFIG": ""},
     )  # fmt: skip
+
+
+async def interrupt(proc: asyncio.subprocess.Process) -> str:
+    """Ctrl-C (SIGINT) to a watch: its exit status must be 130; its stderr."""
+    proc.send_signal(signal.SIGINT)
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 130, err.decode()
+    return err.decode()
+
+
+async def watch(config: Path, refreshes: int) -> tuple[list[dict[str, object]], str]:
+    """``status --watch --json`` for ``refreshes`` redraws, then Ctrl-C: the reports, stderr."""
+    proc = await start_watch(config, "--json")
     assert proc.stdout is not None
     reports = []
     try:
@@ -429,7 +491,226 @@ async def watch(config: Path, refreshes: int) -> list[dict[str, object]]:
             line = await asyncio.wait_for(proc.stdout.readline(), 30)
             reports.append(json.loads(line))
     finally:
-        proc.send_signal(signal.SIGINT)
-        await asyncio.wait_for(proc.wait(), 30)
-    assert proc.returncode == 130
-    return reports
+        err = await interrupt(proc)
+    return reports, err
+
+
+@pytest.mark.parametrize(
+    ("exhausted_until", "cooldown_until", "expected"),
+    [
+        pytest.param(
+            T + 3600,
+            T + 3600.4,
+            "quota exhausted until 2026-05-28T21:27:00+00:00 (in 1.0 h)",
+            id="a-spent-quota-and-the-pause-its-worker-set-are-one",
+        ),
+        pytest.param(
+            None,
+            T + 600,
+            "429 from the provider: no call until 2026-05-28T20:37:00+00:00 (in 600 s)",
+            id="a-cooldown-alone",
+        ),
+        pytest.param(1e300, None, "quota exhausted until far future", id="far-future"),
+    ],
+)
+def test_a_pause_is_named_for_what_the_provider_said(
+    exhausted_until: float | None, cooldown_until: float | None, expected: str
+) -> None:
+    groq = msgspec.structs.replace(
+        REPORT.backends[0], exhausted_until=exhausted_until, cooldown_until=cooldown_until
+    )
+    text = "\n".join(render_status(msgspec.structs.replace(REPORT, backends=(groq,))))
+    assert text.split("\nPaused by the provider\n")[1].split("\n")[0] == f"  groq: {expected}"
+
+
+def test_render_escapes_names_and_survives_times_no_calendar_holds() -> None:
+    odd = msgspec.structs.replace(
+        REPORT.backends[1],
+        name="\x1b[31mred",
+        held="held \x1b]0;title\x07" + "x" * 500,
+        cooldown_until=1e300,
+    )
+    report = msgspec.structs.replace(
+        REPORT,
+        log_time=1e300,
+        backends=(REPORT.backends[0], odd),
+        tenants=(
+            msgspec.structs.replace(REPORT.tenants[0], name="\u202eevil", terminal={"a\nb": 1}),
+        ),
+    )
+    lines = render_status(report)
+    text = "\n".join(lines)
+    assert all(line.isprintable() for line in lines)
+    assert "log time far future" in lines[1]
+    assert "  \\x1b[31mred " in text
+    assert "held \\x1b]0;title\\x07xxx" in text
+    assert max(len(line) for line in lines) < 250
+    assert "  \\x1b[31mred: 429 from the provider: no call until far future" in text
+    assert "  \\u202eevil " in text
+    assert "a\\x0ab=1" in text
+
+
+def test_printable_escapes_only_what_a_terminal_would_act_on() -> None:
+    assert printable("groq-llama 8b ü 模型") == "groq-llama 8b ü 模型"
+    assert printable("a\tb\x1b[2J\u2028\U000e0001") == "a\\x09b\\x1b[2J\\u2028\\U000e0001"
+
+
+# ------------------------------------------------- what a checkpoint may hold
+
+#: Backend names no config allows and nats-py refuses as a consumer's (``a.b``, ``x y``,
+#: ``*``, ``>``), or a terminal would act on; tenants as odd; times no calendar holds.
+ODD_BACKENDS = ("a.b", "x y", "*", ">", "\x1b[31mred", "\u202erev")
+ODD_STATE = ProjectionState(
+    log_time=1e300,
+    backends={
+        **{name: BackendState(calls_started=1, in_flight=1) for name in ODD_BACKENDS},
+        "b": BackendState(
+            quota=Quota(
+                cooldown_until=1e300,
+                exhausted_until=1e300,
+                learned={
+                    "requests/day": Learned(
+                        kind="requests", window=86400.0, limit=10, remaining=0, reset_at=1e300
+                    )
+                },
+            ),
+            consecutive_failures=3,
+            last_fault_at=1e300,
+        ),
+    },
+    tenants={
+        "\x1b[2Jt": TenantState(submitted=1, terminal={"completed": 1}),
+        "\u202eevil": TenantState(),
+    },
+)
+
+
+def odd_config(tmp_path: Path, url: str) -> Path:
+    file = tmp_path / "renqueue.toml"
+    file.write_text(
+        f'[nats]\nurl = "{url}"\n'
+        '[backends.b]\nbase_url = "http://127.0.0.1:1/v1"\nmodel = "m"\n'
+        '[backends.b.limits]\nrequests = ["5/min"]\ndaily_reset = "us-pacific"\n'
+    )
+    return file
+
+
+async def test_status_shows_whatever_a_checkpoint_holds(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    config = odd_config(tmp_path, isolated_server.url)
+    nc = await connect(isolated_server.url, name="forger")
+    try:
+        js = nc.jetstream()
+        await provision(js, load_config(config))
+        await (await js.key_value("rq-state")).put(STATE_KEY, encode_state(ODD_STATE))
+    finally:
+        await nc.close()
+    base = ("-m", "renqueue", "-c", str(config))
+
+    code, text, err = await run(*base, "status")
+    assert code == 0, err
+    assert all(line.isprintable() for line in text.splitlines())
+    assert "log time far future" in text
+    rows = section(text, "Backends")
+    for name in ODD_BACKENDS:
+        (row,) = (row for row in rows if row.startswith(f"  {printable(name)} "))
+        # in flight 1, no consumer: nothing waiting or running shown
+        assert row[len(f"  {printable(name)}") :].split()[1:4] == ["1", "-", "-"], row
+    assert "  b: quota exhausted until far future" in text
+    assert "\\x1b[2Jt" in text
+    assert "\\u202eevil" in text
+
+    code, out, err = await run(*base, "status", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    backends = {b["name"]: b for b in report["backends"]}
+    assert set(backends) == {"b", *ODD_BACKENDS}
+    assert all(
+        (backends[n]["waiting"], backends[n]["running"]) == (None, None) for n in ODD_BACKENDS
+    )
+    assert report["log_time"] == 1e300
+
+    # The replay names them as escaped too (the log is empty: every field differs).
+    code, out, err = await run(*base, "replay", "--verify")
+    assert code == 1, err
+    assert all(line.isprintable() for line in out.splitlines())
+    assert "\\u202erev" in out
+
+
+async def test_an_unexpected_error_is_one_line_and_exit_2(nats_url: str) -> None:
+    """Whatever ``status`` or ``replay`` meets, it ends with 2 and one line on stderr."""
+    script = (
+        "import sys, renqueue.state as state\n"
+        "def boom(*args, **kwargs):\n"
+        "    raise {error}\n"
+        "state.{name} = boom\n"
+        "from renqueue.cli import main\n"
+        "sys.exit(main(['--nats', sys.argv[1], *sys.argv[2:]]))\n"
+    )
+    for name, error, command in [
+        ("read_status", "RuntimeError('boom\\nsecond line')", ["status"]),
+        ("read_status", "OverflowError('timestamp out of range')", ["status", "--json"]),
+        ("verify", "KeyError('x')", ["replay", "--verify"]),
+    ]:
+        code, out, err = await run("-c", script.format(name=name, error=error), nats_url, *command)
+        assert code == 2, (command, out, err)
+        assert "Traceback" not in err
+        (line,) = (line for line in err.splitlines() if "unexpected error" in line)
+        assert line.startswith(f"renqueue: {command[0]}: unexpected error: ")
+        assert out == ""
+    assert line == "renqueue: replay: unexpected error: KeyError: 'x'"
+
+
+@pytest.mark.parametrize("interval", ["0.1", "0", "-1", "nan", "inf", "soon"])
+async def test_a_watch_interval_under_a_fifth_of_a_second_is_refused(interval: str) -> None:
+    code, out, err = await run("-m", "renqueue", "status", "--watch", "--interval", interval)
+    assert code == 2
+    assert "argument --interval: must be a number of seconds, at least 0.2" in err
+    assert out == ""
+
+
+async def test_status_watch_rides_out_a_server_restart(tmp_path: Path) -> None:
+    """A redraw NATS cannot answer shows the error; the watch goes on until Ctrl-C
+    (exit 130, whether NATS is there or not)."""
+    store = tmp_path / "nats"
+    server = EmbeddedServer(store, port=-1)
+    await server.start()
+    try:
+        port = server.port
+        config = odd_config(tmp_path, server.url)
+        nc = await connect(server.url, name="provision")
+        try:
+            await provision(nc.jetstream(), load_config(config))
+        finally:
+            await nc.close()
+        proc = await start_watch(config, "--json")
+        stdout = proc.stdout
+        assert stdout is not None
+        try:
+            first = json.loads(await asyncio.wait_for(stdout.readline(), 30))
+            assert "backends" in first
+            await server.stop()  # the broker goes away, store intact ...
+
+            async def next_report(key: str) -> dict[str, object]:
+                while True:
+                    line = await asyncio.wait_for(stdout.readline(), 30)
+                    assert line, "the watch ended"
+                    report: dict[str, object] = json.loads(line)
+                    if key in report:
+                        return report
+
+            failed = await next_report("error")
+            assert isinstance(failed["error"], str)
+            assert failed["error"]
+            server = EmbeddedServer(store, port=port)
+            await server.start()  # ... and comes back on the same address
+            again = await next_report("backends")
+            assert again["at"] > failed["at"]  # type: ignore[operator]
+            # Gone again: Ctrl-C while it cannot reach NATS still ends it as Ctrl-C.
+            await server.stop()
+            await next_report("error")
+        finally:
+            await interrupt(proc)
+    finally:
+        await server.stop()

@@ -13,8 +13,11 @@ Where each figure comes from:
   what the provider reported: :func:`renqueue.policy.limit_usage`) what is
   used and left and when it resets, counted as the binder counts; ``held`` is
   the binder's reason to pass the backend over for the smallest request now.
-  Its queue depth is its worker consumer's (``worker-<backend>`` on
-  ``RQ_DISPATCH``): dispatches waiting for a worker plus those being run.
+  Its queue is its worker consumer's (``worker-<backend>`` on
+  ``RQ_DISPATCH``), in two counts: ``waiting``, dispatches not yet delivered
+  to a worker, and ``running``, those delivered and not yet acknowledged
+  (being run, or waiting out a retry's delay). A backend whose name cannot
+  name a consumer (only a forged or damaged checkpoint holds one) has neither.
 - per priority level: the requests waiting (its router consumer
   ``router-<level>`` on ``RQ_REQUESTS``: not yet delivered plus held by the
   binder) and how long the oldest one still stored has waited (its stream
@@ -26,6 +29,12 @@ Where each figure comes from:
 The checkpoint lags the log by up to a flush (100 ms) when the projector keeps
 up (``events_behind`` says by how much), and it does not hold the reservations
 the binder made since the last event it folded.
+
+The report holds what the checkpoint holds, names and times as they are; the
+text (:func:`render_status`) shows every name with its non-printable
+characters escaped (:func:`printable`: an escape sequence in a backend's or a
+tenant's name is shown, never sent to the terminal) and a time too far out for
+a calendar as ``far future``.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from typing import Final
 from msgspec import Struct
 
 from ..config import Config
-from ..errors import NatsNotFoundError
+from ..errors import NatsApiError, NatsNotFoundError
 from ..policy import (
     Cost,
     LimitUsage,
@@ -75,6 +84,11 @@ __all__ = [
 #: The smallest request: what ``held`` asks the binder's check about.
 _SMALLEST: Final = Cost(requests=1, tokens=1)
 _EMPTY: Final = BackendState()
+#: The longest ``held`` reason shown in the text (the binder's words, which
+#: hold a duration: a forged time far ahead would make it run on).
+_HELD_WIDTH: Final = 100
+#: Durations from this on are shown as ``far future`` (about 27 years).
+_FAR: Final = 10_000 * 86400.0
 
 
 class BackendStatus(Struct, frozen=True, kw_only=True):
@@ -88,9 +102,13 @@ class BackendStatus(Struct, frozen=True, kw_only=True):
     last_error_type: str | None
     #: Requests whose latest start was here and that have not ended (the projection's).
     in_flight: int
-    #: Dispatches at its worker consumer: waiting for a worker plus being run;
+    #: Dispatches at its worker consumer not yet delivered to a worker
+    #: (``num_pending``); ``None`` when it has no consumer.
+    waiting: int | None
+    #: Dispatches delivered to a worker and not yet acknowledged
+    #: (``num_ack_pending``): being run, or waiting out a retry's delay;
     #: ``None`` when it has no consumer.
-    queue_depth: int | None
+    running: int | None
     #: Its declared concurrency (the worker consumer's ``max_ack_pending``).
     concurrency: int | None
     #: No call before this (a 429's ``retry-after``), if in the future.
@@ -162,14 +180,21 @@ async def read_status(js: JetStream, config: Config, *, now: float | None = None
     read = await read_checkpoint(kv)
     state = ProjectionState() if read is None else read[0]
     names = [*config.backends, *sorted(set(state.backends) - set(config.backends))]
-    stream, depths, levels = await asyncio.gather(
+    stream, queues, levels = await asyncio.gather(
         js.stream_info(EVENTS_STREAM),
         asyncio.gather(*(_pending(js, DISPATCH_STREAM, worker_consumer(n)) for n in names)),
         asyncio.gather(*(_level(js, level, at) for level in config.priorities)),
     )
     backends = tuple(
-        backend_status(name, state.backend(name), config, depth, at)
-        for name, depth in zip(names, depths, strict=True)
+        backend_status(
+            name,
+            state.backend(name),
+            config,
+            at,
+            waiting=None if queue is None else queue[0],
+            running=None if queue is None else queue[1],
+        )
+        for name, queue in zip(names, queues, strict=True)
     )
     today = utc_day(at)
     tenants = tuple(
@@ -196,13 +221,31 @@ async def read_status(js: JetStream, config: Config, *, now: float | None = None
 
 
 def backend_status(
-    name: str, state: BackendState, config: Config, queue_depth: int | None, now: float
+    name: str,
+    state: BackendState,
+    config: Config,
+    now: float,
+    *,
+    waiting: int | None = None,
+    running: int | None = None,
 ) -> BackendStatus:
-    """One backend's status from its folded state and its config, at ``now``. Pure."""
+    """One backend's status from its folded state and its config, at ``now``. Pure.
+
+    ``waiting`` and ``running``: its worker consumer's counts (``None``: no consumer).
+    A quota whose times no calendar holds (a damaged or forged checkpoint) is
+    not judged: ``held`` says so and no limit is listed.
+    """
     backend = config.backends.get(name)
     declared = () if backend is None else backend.limits.declared()
     quota = state.quota or Quota()
-    verdict = check(quota, effective_limits(declared, quota), _SMALLEST, now)
+    limits: tuple[LimitUsage, ...] = ()
+    try:
+        verdict = check(quota, effective_limits(declared, quota), _SMALLEST, now)
+        limits = limit_usage(quota, declared, now)
+    except (OverflowError, ValueError, OSError) as exc:
+        held = f"cannot judge its quota: {exc}"
+    else:
+        held = "" if verdict.ok else verdict.reason
     return BackendStatus(
         name=name,
         configured=backend is not None,
@@ -210,12 +253,13 @@ def backend_status(
         consecutive_failures=state.consecutive_failures,
         last_error_type=state.last_error_type,
         in_flight=state.in_flight,
-        queue_depth=queue_depth,
+        waiting=waiting,
+        running=running,
         concurrency=None if backend is None else backend.limits.concurrency,
         cooldown_until=_ahead(quota.cooldown_until, now),
         exhausted_until=_ahead(quota.exhausted_until, now),
-        held="" if verdict.ok else verdict.reason,
-        limits=limit_usage(quota, declared, now),
+        held=held,
+        limits=limits,
         calls_completed=state.calls_completed,
         calls_failed=state.calls_failed,
         rate_limited=state.rate_limited,
@@ -227,17 +271,24 @@ def _ahead(until: float | None, now: float) -> float | None:
     return until if until is not None and until > now else None
 
 
-async def _pending(js: JetStream, stream: str, consumer: str) -> int | None:
-    """A consumer's messages not yet delivered plus delivered and not acked."""
+async def _pending(js: JetStream, stream: str, consumer: str) -> tuple[int, int] | None:
+    """A consumer's messages not yet delivered, and delivered and not acked;
+    ``None`` when there is no such consumer.
+
+    A name that cannot be a consumer's (a backend named ``a.b`` or ``*`` in a
+    damaged or forged checkpoint: nats-py refuses it with ``ValueError``, the
+    server with an API error) names no consumer either.
+    """
     try:
         info = await js.consumer_info(stream, consumer)
-    except NatsNotFoundError:
+    except (ValueError, NatsNotFoundError, NatsApiError):
         return None
-    return (info.num_pending or 0) + (info.num_ack_pending or 0)
+    return info.num_pending or 0, info.num_ack_pending or 0
 
 
 async def _level(js: JetStream, level: str, now: float) -> LevelStatus:
-    waiting = await _pending(js, REQUESTS_STREAM, router_consumer(level))
+    counts = await _pending(js, REQUESTS_STREAM, router_consumer(level))
+    waiting = None if counts is None else sum(counts)
     try:
         oldest = await js.get_msg(
             REQUESTS_STREAM, seq=1, subject=requests_of_level(level), next=True
@@ -261,31 +312,38 @@ async def _level(js: JetStream, level: str, now: float) -> LevelStatus:
 
 
 def render_status(report: StatusReport) -> list[str]:
-    """The report as aligned text lines (no trailing newlines). Pure."""
+    """The report as aligned text lines (no trailing newlines). Pure.
+
+    Names are shown :func:`printable`; times too far out for a calendar as
+    ``far future``.
+    """
     now = report.at
     lines = [
-        f"Ren-Queue status at {_clock(now)}",
+        f"Ren-Queue status at {clock(now)}",
         (
             f"  projection at seq {report.last_seq} ({report.events_behind} events behind the"
-            f" log), log time {_clock(report.log_time) if report.log_time else '-'};"
+            f" log), log time {clock(report.log_time) if report.log_time else '-'};"
             f" {report.in_flight} in flight"
             if report.projected
             else "  no projection stored yet: no projector has run (counts below are 0)"
         ),
         "",
         "Backends",
-        f"  {'backend':<16} {'health':<14} {'in flight':>9} {'queue':>5} {'slots':>5}"
-        f" {'done':>7} {'failed':>6} {'429s':>5} {'spend $':>10}  held",
+        f"  {'backend':<16} {'health':<14} {'in flight':>9} {'waiting':>7} {'running':>7}"
+        f" {'slots':>5} {'done':>7} {'failed':>6} {'429s':>5} {'spend $':>10}  held",
     ]
     for b in report.backends:
         health = "healthy" if b.healthy else f"unhealthy ({b.consecutive_failures})"
+        held = _shorten(printable(b.held), _HELD_WIDTH) or "-"
         lines.append(
-            f"  {b.name:<16} {health:<14} {b.in_flight:>9} {_opt(b.queue_depth):>5}"
-            f" {_opt(b.concurrency):>5} {b.calls_completed:>7} {b.calls_failed:>6}"
-            f" {b.rate_limited:>5} {b.spend:>10.6f}  {b.held or '-'}"
+            f"  {printable(b.name):<16} {health:<14} {b.in_flight:>9} {_opt(b.waiting):>7}"
+            f" {_opt(b.running):>7} {_opt(b.concurrency):>5} {b.calls_completed:>7}"
+            f" {b.calls_failed:>6} {b.rate_limited:>5} {b.spend:>10.6f}  {held}"
         )
     paused = [
-        f"  {b.name}: " + "; ".join(_pauses(b, now)) for b in report.backends if _pauses(b, now)
+        f"  {printable(b.name)}: " + "; ".join(_pauses(b, now))
+        for b in report.backends
+        if _pauses(b, now)
     ]
     if paused:
         lines += ["", "Paused by the provider", *paused]
@@ -299,8 +357,8 @@ def render_status(report: StatusReport) -> list[str]:
         ]
         for name, u in limited:
             lines.append(
-                f"  {name:<16} {_limit_name(u):<16} {u.used:>9} {u.count:>9} {u.left:>9}"
-                f" {_opt(u.declared):>9}  {_resets(u, now)}"
+                f"  {printable(name):<16} {_limit_name(u):<16} {u.used:>9} {u.count:>9}"
+                f" {u.left:>9} {_opt(u.declared):>9}  {_resets(u, now)}"
             )
     lines += [
         "",
@@ -309,7 +367,7 @@ def render_status(report: StatusReport) -> list[str]:
     ]
     for level in report.levels:
         wait = "-" if level.oldest_wait is None else _duration(level.oldest_wait)
-        lines.append(f"  {level.name:<16} {_opt(level.waiting):>7}  {wait}")
+        lines.append(f"  {printable(level.name):<16} {_opt(level.waiting):>7}  {wait}")
     lines += ["", "Tenants"]
     if not report.tenants:
         lines.append("  none yet")
@@ -318,25 +376,61 @@ def render_status(report: StatusReport) -> list[str]:
             f"  {'tenant':<16} {'spend today $':>13} {'spend $':>10} {'submitted':>9}  ended"
         )
         for t in report.tenants:
-            ended = " ".join(f"{kind}={count}" for kind, count in sorted(t.terminal.items()))
+            ended = " ".join(
+                f"{printable(kind)}={count}" for kind, count in sorted(t.terminal.items())
+            )
             lines.append(
-                f"  {t.name:<16} {t.spend_today:>13.6f} {t.spend:>10.6f} {t.submitted:>9}"
-                f"  {ended or '-'}"
+                f"  {printable(t.name):<16} {t.spend_today:>13.6f} {t.spend:>10.6f}"
+                f" {t.submitted:>9}  {ended or '-'}"
             )
     return lines
 
 
+def printable(text: str) -> str:
+    """``text`` with every non-printable character escaped as Python writes it
+    (``\\x1b``, ``\\u202e``): safe to print to a terminal, one line."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else _escaped(char) for char in text)
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
 def _pauses(backend: BackendStatus, now: float) -> list[str]:
-    said = []
-    if backend.exhausted_until is not None and backend.exhausted_until > now:
-        said.append(f"quota exhausted, back in {_duration(backend.exhausted_until - now)}")
-    if backend.cooldown_until is not None and backend.cooldown_until > now:
-        said.append(f"rate limited (429), retry in {_duration(backend.cooldown_until - now)}")
-    return said
+    """What the provider said holds the backend back, now: one line.
+
+    An exhausted quota is named as such, until the later of its end and any
+    cooldown (a worker that finds a quota spent also pauses the backend
+    until then: one pause). A cooldown alone is a 429's pause: its
+    ``retry-after``, or ``worker.quota_hold`` for an out-of-credit 429 that
+    does not say until when (``insufficient_quota``), which the projection
+    folds as a cooldown: it cannot be told from a rate limit there.
+    """
+    exhausted, cooldown = backend.exhausted_until, backend.cooldown_until
+    if exhausted is not None and exhausted > now:
+        end = exhausted if cooldown is None else max(exhausted, cooldown)
+        return [f"quota exhausted until {_until(end, now)}"]
+    if cooldown is not None and cooldown > now:
+        return [f"429 from the provider: no call until {_until(cooldown, now)}"]
+    return []
+
+
+def _until(at: float, now: float) -> str:
+    if at - now >= _FAR:
+        return "far future"
+    return f"{clock(at)} (in {_duration(at - now)})"
 
 
 def _limit_name(usage: LimitUsage) -> str:
-    return usage.key if usage.calendar == "rolling" else f"{usage.key} ({usage.calendar})"
+    key = printable(usage.key)
+    return key if usage.calendar == "rolling" else f"{key} ({usage.calendar})"
 
 
 def _resets(usage: LimitUsage, now: float) -> str:
@@ -359,14 +453,26 @@ def _opt(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
-def _clock(at: float) -> str:
-    return datetime.datetime.fromtimestamp(at, tz=datetime.UTC).isoformat(timespec="seconds")
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def clock(at: float) -> str:
+    """``at`` as an ISO 8601 UTC time; ``far future`` (``far past``) beyond a calendar's years."""
+    if math.isnan(at):
+        return "-"
+    try:
+        return datetime.datetime.fromtimestamp(at, tz=datetime.UTC).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):
+        return "far future" if at > 0 else "far past"
 
 
 def _duration(seconds: float) -> str:
     if math.isinf(seconds):
         return "never"
     seconds = max(0.0, seconds)
+    if seconds >= _FAR:
+        return "far future"
     if seconds < 10:
         return f"{seconds:.1f} s"
     if seconds < 3600:

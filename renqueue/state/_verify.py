@@ -12,6 +12,14 @@ While a projector flushes, it writes the checkpoint, then the views, then the
 progress mark: a read that finds the progress behind the checkpoint, or sees
 either move while the views are read, reads again a few times before it
 reports the views as not compared.
+
+A comparison is only made with a complete replay: the log must still hold
+every event from sequence 1 to the checkpoint's (events older than
+``RQ_EVENTS``' ``max_age`` expire, a purge removes some or all), and the
+replay must reach the checkpoint's sequence (:func:`rebuild` ends early when
+no event comes for 2 s: a server too slow to answer). Otherwise
+:func:`verify` raises :class:`~renqueue.errors.RenQueueError` saying which,
+rather than report as different what it could not check.
 """
 
 from __future__ import annotations
@@ -22,15 +30,18 @@ from typing import Final
 import msgspec
 from msgspec import Struct
 
-from ..errors import RenQueueError
-from ..wire._nats import JetStream, KeyValue
-from ..wire._subjects import STATE_BUCKET
+from ..errors import NatsNotFoundError, RenQueueError
+from ..wire._nats import JetStream, JetStreamApi, KeyValue, reply_error
+from ..wire._subjects import EVENTS_STREAM, STATE_BUCKET
 from ._diff import Difference, diff_states, diff_values
 from ._fold import STATE_KEY, BackendState, ProjectionState, decode_state
 from ._projector import rebuild
 from ._view import PROGRESS_KEY, Progress, decode_backend_view, decode_progress
 
-__all__ = ["Verification", "read_checkpoint", "verify"]
+__all__ = ["Replayed", "Verification", "read_checkpoint", "replay_log", "verify"]
+
+#: Every event's subject (``rq.evt.<tenant>.<request id>.<kind>``).
+_EVENTS_SUBJECTS: Final = "rq.evt.>"
 
 _VIEW_PREFIX: Final = "view.backend."
 
@@ -107,7 +118,9 @@ async def verify(js: JetStream, *, attempts: int = 10, pause: float = 0.1) -> Ve
     seconds apart, until the views are at the checkpoint's sequence and
     neither moved while they were read. Raises
     :class:`~renqueue.errors.RenQueueError` if no checkpoint is stored or it
-    does not decode, and :class:`~renqueue.errors.NatsError` if NATS fails.
+    does not decode, if the log no longer holds every event up to the
+    checkpoint's sequence, or if the replay stopped before it; and
+    :class:`~renqueue.errors.NatsError` if NATS fails.
     """
     kv = await js.key_value(STATE_BUCKET)
     views: dict[str, BackendState | str] | None = None
@@ -133,7 +146,10 @@ async def verify(js: JetStream, *, attempts: int = 10, pause: float = 0.1) -> Ve
                 break
         if attempt + 1 < attempts:
             await asyncio.sleep(pause)  # the projector is mid-flush: read again
+    await _holds_events_up_to(js, checkpoint.last_seq)
     rebuilt = await rebuild(js, upto=checkpoint.last_seq)
+    if rebuilt.last_seq != checkpoint.last_seq:
+        raise RenQueueError(_stopped(rebuilt.last_seq, checkpoint.last_seq, ": cannot verify"))
     differences = diff_states(checkpoint, rebuilt)
     if views is not None:
         differences.extend(_compare_views(views, rebuilt))
@@ -145,6 +161,76 @@ async def verify(js: JetStream, *, attempts: int = 10, pause: float = 0.1) -> Ve
         views=0 if views is None else len(views),
         progress_seq=None if progress is None else progress.last_seq,
     )
+
+
+class Replayed(Struct, frozen=True, kw_only=True):
+    """What :func:`replay_log` folded: the state, and what the log no longer holds."""
+
+    state: ProjectionState
+    #: The first sequence the log still holds (1 unless events expired or were purged).
+    first_seq: int
+    #: Events deleted after ``first_seq`` (a purge of some subjects).
+    deleted: int
+
+
+async def replay_log(js: JetStream) -> Replayed:
+    """The log folded from its first event to its last now (``renqueue replay``).
+
+    Raises :class:`~renqueue.errors.RenQueueError` if the replay stopped
+    before the last event still stored.
+    """
+    info = await js.stream_info(EVENTS_STREAM)
+    first, last = int(info.state.first_seq), int(info.state.last_seq)
+    state = await rebuild(js, upto=last)
+    if state.last_seq < last:
+        # Stopped early: past an end that was purged (nothing is stored after
+        # where it stopped), or short of events still there.
+        try:
+            after = await js.get_msg(
+                EVENTS_STREAM, seq=state.last_seq + 1, subject=_EVENTS_SUBJECTS, next=True
+            )
+        except NatsNotFoundError:
+            after = None
+        if after is not None and after.seq <= last:
+            raise RenQueueError(_stopped(state.last_seq, last))
+    return Replayed(state=state, first_seq=first, deleted=int(info.state.num_deleted or 0))
+
+
+def _stopped(reached: int, target: int, verdict: str = "") -> str:
+    return (
+        f"replay stopped at {reached} of {target}{verdict} (no event came for 2 s: the server "
+        "too slow to answer, or the events after it gone; try again)"
+    )
+
+
+async def _holds_events_up_to(js: JetStream, upto: int) -> None:
+    """Raise unless ``RQ_EVENTS`` still holds every event from sequence 1 to ``upto``."""
+    if upto <= 0:
+        return
+    info = await js.stream_info(EVENTS_STREAM)
+    first, last = int(info.state.first_seq), int(info.state.last_seq)
+    gone = f"the log no longer holds events 1..{upto}: cannot verify"
+    if first != 1:
+        raise RenQueueError(
+            f"{gone} ({EVENTS_STREAM} now starts at sequence {first}: events older than its "
+            "max_age expire, and a purge removes them)"
+        )
+    if last < upto:
+        raise RenQueueError(
+            f"{gone} ({EVENTS_STREAM} ends at sequence {last}: it was made again since the "
+            "projector wrote its checkpoint)"
+        )
+    if info.state.num_deleted:
+        # A purge of some subjects leaves holes: were any of them folded?
+        reply = await JetStreamApi(js).call(
+            f"STREAM.INFO.{EVENTS_STREAM}", {"deleted_details": True}
+        )
+        error = reply_error(reply)
+        if error is not None:
+            raise RenQueueError(f"cannot read {EVENTS_STREAM}'s deleted events: {error[1]}")
+        holes = sum(1 for seq in reply.get("state", {}).get("deleted") or () if seq <= upto)
+        if holes:
+            raise RenQueueError(f"{gone} ({holes} of them were purged)")
 
 
 def _compare_views(
