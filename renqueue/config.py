@@ -340,8 +340,8 @@ class WorkerConfig(_Section, frozen=True, kw_only=True):
     ``max_retry_delay`` shape the backoff between failed runs (doubling from
     the first, capped by the second, jittered: :func:`renqueue.policy.backoff`).
     ``quota_hold``: how long a backend whose provider says its quota is spent
-    without saying until when (OpenAI ``insufficient_quota``) is left out; the
-    request that got that answer goes back to routing at once.
+    without saying until when (OpenAI ``insufficient_quota``) is left out, at
+    least 1 s; the request that got that answer goes back to routing at once.
     """
 
     ack_wait: Duration = "5s"
@@ -362,6 +362,11 @@ class WorkerConfig(_Section, frozen=True, kw_only=True):
             raise ValueError(
                 f"max_retry_delay ({self.max_retry_delay}) must not be below retry_delay "
                 f"({self.retry_delay}): it caps the backoff that starts there"
+            )
+        if parse_duration(self.quota_hold) < 1.0:
+            raise ValueError(
+                f"quota_hold ({self.quota_hold}) must be at least 1s: a backend whose "
+                "quota is spent would be probed again (and the request put back) that often"
             )
 
     def failure_policy(self) -> FailurePolicy:

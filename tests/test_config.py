@@ -57,6 +57,8 @@ BACKEND = {"base_url": "http://127.0.0.1:1/v1", "model": "m"}
         ({"routes": {"r": {"backends": []}}}, "$.routes.r.backends", "length >= 1"),
         ({"priorities": ["a", "a"], "default_priority": "a"}, "$.priorities", "unique"),
         ({"default_priority": "urgent"}, "$.default_priority", "'urgent'"),
+        ({"worker": {"quota_hold": "500ms"}}, "$.worker", "quota_hold (500ms) must be at least 1s"),
+        ({"worker": {"quota_hold": "0s"}}, "$.worker", "quota_hold (0s) must be at least 1s"),
     ],
 )
 def test_invalid_config_names_the_field(data: dict[str, object], path: str, words: str) -> None:
@@ -64,6 +66,11 @@ def test_invalid_config_names_the_field(data: dict[str, object], path: str, word
         parse_config(data)
     assert info.value.path == path
     assert words in str(info.value)
+
+
+def test_quota_hold_of_a_second_or_more_is_taken() -> None:
+    assert parse_config({"worker": {"quota_hold": "1s"}}).worker.failure_policy().quota_hold == 1.0
+    assert parse_config({}).worker.failure_policy().quota_hold == 600.0
 
 
 def test_example_config_file_is_valid() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from renqueue import parse_config
-from renqueue.policy import Cost
+from renqueue.policy import Cost, Quota, check
 from renqueue.services.router._ledger import Ledger
 from renqueue.state import LiveState
 
@@ -20,14 +20,15 @@ CONFIG = parse_config(
                 "model": "m",
                 "limits": {"requests": ["10/min"]},
             },
+            "open": {"base_url": "http://127.0.0.1:9", "model": "m"},
         },
-        "routes": {"chat": {"backends": ["free", "other"]}},
+        "routes": {"chat": {"backends": ["free", "other", "open"]}},
     }
 )
 
 
 def used(ledger: Ledger, backend: str, state: LiveState | None = None) -> int:
-    quota, _ = ledger.quota(backend, state)
+    quota, _ = ledger.quota(backend, state, now=100.0)
     assert quota is not None
     return sum(slot.requests for slot in quota.spend.slots)
 
@@ -67,7 +68,7 @@ def test_a_decision_logged_for_another_backend_moves_its_reservation() -> None:
     reserved = ledger.reserving("free", Cost(requests=1), 100.0)
     reserved.logged("other", 3)
     assert used(ledger, "other") == 1
-    quota, _ = ledger.quota("free", None)
+    quota, _ = ledger.quota("free", None, now=100.0)
     assert quota is not None
     assert not quota.spend.slots
 
@@ -83,3 +84,32 @@ def test_prune_forgets_out_of_order_sequences_once_each() -> None:
     assert len(ledger) == 3
     ledger.prune(folded_upto(50))
     assert len(ledger) == 0
+
+
+def test_a_pause_judges_a_backend_out_until_it_passes_whatever_the_projection_says() -> None:
+    """A backend whose provider said its quota is spent (read by the binder
+    from a put-back request's ``retrying`` event) is out until then, even one
+    with no limits at all (otherwise not judged) and with a projection that
+    says nothing of it; once the time passes the pause is dropped."""
+    ledger = Ledger(CONFIG)
+    assert ledger.quota("open", None, now=100.0) == (None, ())
+    ledger.pause("open", 160.0)
+    ledger.pause("open", 130.0)  # an earlier end never shortens it
+    quota, limits = ledger.quota("open", folded_upto(10**9), now=100.0)
+    assert quota is not None
+    assert quota.exhausted_until == 160.0
+    verdict = check(quota, limits, Cost(requests=1), 100.0)
+    assert not verdict.ok
+    assert verdict.until == 160.0
+    assert "quota exhausted" in verdict.reason
+    assert ledger.quota("open", None, now=160.0) == (None, ())
+    assert ledger.paused_until("open", 100.0) is None  # dropped once passed
+
+
+def test_a_pause_holds_on_top_of_the_projections_quota() -> None:
+    ledger = Ledger(CONFIG)
+    ledger.pause("free", 500.0)
+    quota, _ = ledger.quota("free", None, now=100.0)
+    assert quota is not None
+    assert quota.exhausted_until == 500.0
+    assert ledger.quota("free", None, now=500.0)[0] == Quota()

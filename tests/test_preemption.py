@@ -20,6 +20,7 @@ from renqueue import Client, Services, parse_config
 from renqueue.config import Config
 from renqueue.ops import EmbeddedServer
 from renqueue.services.router._hold import Held
+from renqueue.services.worker._preemption import Preemptible, Run
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import EventLog, Preempted, Started
 
@@ -188,3 +189,21 @@ async def test_nothing_is_preempted_for_a_request_that_stopped_waiting(tmp_path:
             history = (await histories(client, [batch.id]))[batch.id]
     assert not any(isinstance(event, Preempted) for event in history)
     assert mock.stats().requests == 1
+
+
+async def test_a_run_of_a_request_put_back_the_most_times_is_never_preempted() -> None:
+    """A request put back ``MAX_REQUEUES`` times cannot be put back again (its
+    copy would be rejected at admission as malformed), so its run is never
+    offered as a victim: the urgent request waits for another slot."""
+    policies = parse_config({}).level_policies()
+    batch = parse_config({}).priority_rank("batch")
+    preemptible = Preemptible("b", policies)
+    call = asyncio.create_task(asyncio.Event().wait())
+    try:
+        preemptible.runs["t:often"] = Run(rank=batch, started=0.0, call=call, may_requeue=False)
+        assert preemptible.victim(0) is None
+        preemptible.runs["t:once"] = Run(rank=batch, started=1.0, call=call)
+        assert preemptible.victim(0) == "t:once"
+    finally:
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)

@@ -4,9 +4,11 @@ A provider that answers "quota exhausted" (OpenAI ``insufficient_quota``, a
 daily counter at 0, a Gemini per-day quota id) will not take a call before its
 reset, hours away: the worker records why (a ``retrying`` event that says the
 request was put back, with what the provider said of its quota) and puts the
-request back to routing; the binder, once the projection has folded that
-event, binds it to the next candidate of its route, or holds it while none has
-room. The exhausted backend is not called again until its reset.
+request back to routing; the binder reads that event when it fetches the
+request again, leaves the spent backend out until the time it names (its own
+pause, whatever the projection says: none running, or one that lags), and
+binds the request to the next candidate of its route, or holds it while none
+has room. The exhausted backend is not called again until its reset.
 
 Everything is real: a nats-server per test and mock backends on loopback.
 """
@@ -14,20 +16,38 @@ Everything is real: a nats-server per test and mock backends on loopback.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
 import msgspec
 import pytest
-from test_binder import until
+from test_binder import held, until
 from test_restarts import TENANT
 
 from renqueue import Client, RequestHandle, Services, parse_config
 from renqueue.config import Config
+from renqueue.errors import RequestFailedError, RequestRejectedError
 from renqueue.ops import EmbeddedServer
 from renqueue.state import Projector
 from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import Completed, Event, EventLog, Failed, Retrying, Routed, kind_of
+from renqueue.wire import (
+    DISPATCH_STREAM,
+    MAX_REQUEUES,
+    REQUESTS_STREAM,
+    ChatMessage,
+    Completed,
+    Event,
+    EventLog,
+    Failed,
+    InferenceRequest,
+    Rejected,
+    Retrying,
+    Routed,
+    encode,
+    kind_of,
+)
+from renqueue.wire._subjects import msg_id, request_subject, worker_consumer
 
 FAST = MockSettings(ttft=0.01, output_tokens=2, concurrency=8)
 
@@ -158,13 +178,13 @@ async def test_a_burst_on_an_exhausted_backend_moves_once_and_never_comes_back(
         assert backends in (["paid"], ["free", "paid"]), describe(history)
 
 
-async def test_the_binder_waits_for_the_projection_before_rebinding_a_put_back_request(
+async def test_a_lagging_projection_never_sends_a_put_back_request_to_the_spent_backend(
     isolated_server: EmbeddedServer,
 ) -> None:
     """The projection lags the log (here by up to a second: a slow projector).
-    A request put back for an exhausted quota is not bound again until the
-    binder's view has folded the event that says so: the free tier is called
-    once, not again before the view knew."""
+    A request put back for an exhausted quota is not bound to that backend
+    again on a view that does not know yet: the binder read why it was put
+    back. The free tier is called once."""
     exhausted = MockSettings(ttft=0.01, quota_exhausted=True, limit_style="groq")
     async with MockBackend(exhausted) as free, MockBackend(FAST) as paid:
         config = config_for(isolated_server.url, {"free": free, "paid": paid})
@@ -214,3 +234,201 @@ async def test_a_request_no_candidate_has_quota_for_waits_without_looping(
     attempts = [e.attempt for e in events if isinstance(e, Routed)]
     assert attempts == sorted(set(attempts)), describe(events)
     assert not any(isinstance(e, Failed) for e in events)
+
+
+@pytest.mark.parametrize(
+    "style",
+    [
+        pytest.param("groq", id="groq's daily counter at 0: out until its reset"),
+        pytest.param("openai", id="openai insufficient_quota: out for worker.quota_hold"),
+    ],
+)
+async def test_with_no_projection_a_put_back_request_goes_to_the_idle_fallback_at_once(
+    isolated_server: EmbeddedServer, style: str
+) -> None:
+    """Reproduces the review: routers with no projector (nothing folds the
+    log, so no view ever says the free tier is out). The request put back for
+    the free tier's spent quota went back to it every 10 s and never reached
+    the idle paid backend (4 calls to free, 0 to paid, then expired). The
+    binder reads why the request was put back and leaves the free tier out
+    until then: the request completes on paid at once, and so do later ones."""
+    async with MockBackend(spent(style)) as free, MockBackend(FAST) as paid:
+        config = config_for(isolated_server.url, {"free": free, "paid": paid})
+        async with (
+            Services(config, projector=False) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            log = EventLog(client.js)
+            first = await client.submit("first", route="chat")
+            await results(log, [first], within=5)
+            later = [await client.submit(f"later {n}", route="chat") for n in range(3)]
+            await results(log, later, within=5)
+            events = await log.history(TENANT, first.id)
+    assert free.stats().requests == 1, describe(events)
+    assert paid.stats().completed == 4
+    assert [e.backend for e in events if isinstance(e, Routed)] == ["free", "paid"]
+    routed = [e for e in events if isinstance(e, Routed)]
+    assert routed[1].reason.startswith("free quota exhausted, resets in ")
+
+
+def inversion_config(url: str, free: MockBackend, paid: MockBackend) -> Config:
+    """``chat`` = [free, paid]; ``paid-only`` = [paid]; paid runs one at a time."""
+    return parse_config(
+        {
+            "nats": {"url": url},
+            "backends": {
+                "free": {"base_url": free.url, "model": "m", "limits": {"concurrency": 4}},
+                "paid": {"base_url": paid.url, "model": "m", "limits": {"concurrency": 1}},
+            },
+            "routes": {"chat": {"backends": ["free", "paid"]}, "paid-only": {"backends": ["paid"]}},
+            "router": {"capacity_refresh": "20ms"},
+            "worker": {"retry_delay": "100ms", "max_retry_delay": "200ms"},
+        }
+    )
+
+
+async def test_a_put_back_request_keeps_its_place_before_less_urgent_work(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Reproduces the review: while the binder waited for its view to fold why
+    a request was put back, the request was left out of the round planner's
+    snapshot, so less urgent work took the fallback's slots first (a priority
+    inversion). Here a ``high`` request is put back by the spent free tier
+    while ``normal`` requests wait for the paid backend's one slot (no paid
+    worker yet), and the projection lags (its projector wrote once, and not
+    again until it stops): once paid runs, the ``high`` request is bound there
+    before every ``normal`` request still waiting."""
+    exhausted = MockSettings(ttft=0.01, quota_exhausted=True, limit_style="groq")
+    async with MockBackend(exhausted) as free, MockBackend(FAST) as paid:
+        config = inversion_config(isolated_server.url, free, paid)
+        async with (
+            Services(config, projector=False, backends=["free"]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            js = client.js
+            log = EventLog(js)
+            # Its clock starts an hour on: it writes at its first fold, then
+            # not for an hour (or until it stops).
+            lagging = Projector(js, flush_interval=3600.0, clock=lambda: time.monotonic() + 3600.0)
+            await lagging.start()
+            try:
+                normal = [await client.submit(f"normal {n}", route="paid-only") for n in range(3)]
+                # One is dispatched to paid (its one slot), the others are held.
+                await until(lambda: _held_is(js, 2), "two normal requests wait for paid")
+                urgent = await client.submit("urgent", route="chat", priority="high")
+
+                async def put_back_and_held() -> bool:
+                    retrying = await log.history(TENANT, urgent.id, kind="retrying")
+                    return bool(retrying) and await _held_is(js, 3)
+
+                await until(put_back_and_held, "the urgent request is put back and held again")
+                async with Services(config, routers=0, backends=["paid"], projector=False):
+                    await results(log, normal, within=10)
+                    await lagging.stop()  # its last write: the projection knows now
+                    await results(log, [urgent], within=10)
+            finally:
+                await lagging.stop()
+            histories = {h.id: await log.history(TENANT, h.id) for h in [urgent, *normal]}
+    assert free.stats().requests == 1
+    bound = {
+        request: next(e.at for e in events if isinstance(e, Routed) and e.backend == "paid")
+        for request, events in histories.items()
+    }
+    waited = sorted(bound[h.id] for h in normal)[1:]  # the two held before paid ran
+    assert all(bound[urgent.id] < at for at in waited), describe(histories[urgent.id])
+
+
+async def _held_is(js: Any, count: int) -> bool:
+    return await held(js) == count
+
+
+async def test_a_request_put_back_the_most_times_fails_with_its_reason(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Reproduces the review: a request already put back 1000 times (the most
+    ``requeues`` may say) whose backend's quota is spent was put back once
+    more, as a copy admission rejects: it ended ``rejected`` as ``malformed``.
+    It fails instead, saying why."""
+    exhausted = MockSettings(ttft=0.01, quota_exhausted=True, limit_style="groq")
+    async with MockBackend(exhausted) as free, MockBackend(FAST) as paid:
+        config = config_for(isolated_server.url, {"free": free, "paid": paid})
+        async with (
+            Services(config) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            # As a worker puts a request back for the 1000th time.
+            request = InferenceRequest(
+                id="often",
+                tenant=TENANT,
+                route="chat",
+                messages=[ChatMessage(role="user", content="again")],
+                requeues=MAX_REQUEUES,
+            )
+            await services.js.publish(
+                request_subject("normal", TENANT, requeue=True),
+                encode(request),
+                headers={"Nats-Msg-Id": msg_id(TENANT, "often", "requeue", MAX_REQUEUES)},
+            )
+            with pytest.raises(RequestFailedError) as failed:
+                await client.handle("often").result(timeout=10)
+            events = await EventLog(client.js).history(TENANT, "often")
+    assert not isinstance(failed.value, RequestRejectedError), describe(events)
+    assert failed.value.error_type == "quota_exhausted"
+    (end,) = [e for e in events if isinstance(e, Failed)]
+    assert f"put back {MAX_REQUEUES} times" in end.reason
+    assert "quota exhausted" in end.reason
+    assert end.backend == "free"
+    assert end.quota_exhausted_until is not None
+    assert not any(isinstance(e, Rejected) for e in events)
+    assert free.stats().requests == 1
+    assert paid.stats().requests == 0
+
+
+async def test_a_failed_put_back_is_handed_back_not_counted_as_a_failed_run(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Reproduces the review: when the copy of a request put back for a spent
+    quota could not be published, the worker treated that as a failed run:
+    a second ``retrying`` event for the same attempt (using its budget, and
+    hiding the ``requeued`` one from the binder, which read only the last).
+    Here the requests stream refuses the copy (its size limit lowered) until
+    the dispatch was handed back at least once: the dispatch is redelivered
+    and put back again, with one ``retrying`` event, and the request
+    completes on the paid backend."""
+    exhausted = MockSettings(ttft=0.01, quota_exhausted=True, limit_style="groq")
+    async with MockBackend(exhausted) as free, MockBackend(FAST) as paid:
+        config = config_for(isolated_server.url, {"free": free, "paid": paid})
+        async with (
+            Services(config, backends=["paid"]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            js = services.js
+            log = EventLog(js)
+            info = await js.stream_info(REQUESTS_STREAM)
+            handle = await client.submit("refused once", route="chat")
+
+            async def bound_to_free() -> bool:
+                return bool(await log.history(TENANT, handle.id, kind="routed"))
+
+            # No worker of the free tier yet: its dispatch waits for one.
+            await until(bound_to_free, "the request is bound to the free tier")
+            # Nothing more fits the requests stream: the put-back copy is refused.
+            await js.context.update_stream(dataclasses.replace(info.config, max_msg_size=16))
+            # (Not provisioning: that would put the stream's size limit back.)
+            async with Services(
+                config, routers=0, backends=["free"], projector=False, provision_streams=False
+            ):
+
+                async def handed_back() -> bool:
+                    consumer = await js.consumer_info(DISPATCH_STREAM, worker_consumer("free"))
+                    return consumer.num_redelivered >= 1
+
+                await until(handed_back, "the dispatch is handed back")
+                await js.context.update_stream(info.config)
+                await results(log, [handle], within=10)
+            events = await log.history(TENANT, handle.id)
+    retrying = [e for e in events if isinstance(e, Retrying)]
+    assert len(retrying) == 1, describe(events)
+    assert retrying[0].requeued
+    assert [e.backend for e in events if isinstance(e, Routed)] == ["free", "paid"]
+    assert free.stats().requests == 1

@@ -17,6 +17,7 @@ next binder would send them at once, over the limit.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 import time
@@ -25,6 +26,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from test_restarts import (
     TENANT,
@@ -37,12 +39,13 @@ from test_restarts import (
     workers,
 )
 
-from renqueue import Client, Services
-from renqueue.config import load_config
+from renqueue import Client, Services, parse_config
+from renqueue.config import Config, load_config
 from renqueue.ops import EmbeddedServer
-from renqueue.state import Projector
+from renqueue.state import Projector, StateView
+from renqueue.state._view import PROGRESS_KEY, Progress, encode_view
 from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import EventLog, Routed
+from renqueue.wire import STATE_BUCKET, EventLog, Routed
 
 #: The declared limit: LIMIT requests per WINDOW seconds (a minute's limit on a
 #: compressed clock), longer than a take-over, so a burst would show.
@@ -297,3 +300,144 @@ async def test_a_new_binder_binds_only_once_its_view_has_folded_the_log(
                 await lagging.stop()
             routed = await decisions(js, [*used, *more])
     assert_within_the_limit(mock, routed, 2 * LIMIT)
+
+
+def with_open_backend(config: Config, url: str) -> Config:
+    """``config`` plus backend ``u`` (no limits at all) behind route ``open``."""
+    data = msgspec.to_builtins(config)
+    data["backends"]["u"] = {"base_url": url, "model": "mock", "limits": {"concurrency": 4}}
+    data["routes"]["open"] = {"backends": ["u"]}
+    return parse_config(data)
+
+
+async def test_a_catching_up_binder_binds_at_once_to_backends_it_judges_no_quota_of(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """Reproduces the review: a binder catching up held every bind, also to a
+    backend with no limits at all (nothing to catch up on), until its view
+    caught up or stalled. Only binds to backends its ledger judges wait: the
+    requests for the unlimited backend complete while those for the limited
+    one are still held."""
+    async with (
+        MockBackend(PROVIDER) as mock,
+        MockBackend(MockSettings(ttft=0.01, output_tokens=2)) as unlimited,
+    ):
+        file = limited_config(
+            tmp_path / "rq.toml", nats_url=isolated_server.url, backend_url=mock.url
+        )
+        config = with_open_backend(load_config(file, environ={}), unlimited.url)
+        async with (
+            Services(config, routers=0, backends=["b", "u"]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            js = client.js
+            lagging = Projector(js, flush_interval=3600.0, clock=lambda: time.monotonic() + 3600.0)
+            await lagging.start()
+            try:
+                async with Services(config, backends=[], projector=False):
+                    used = await submit(client, "first", LIMIT)
+                    await await_all(client, used, within=10)
+                more = await submit(client, "after the hand-over", LIMIT)
+                opened = [await client.submit(f"open {n}", route="open") for n in range(3)]
+                async with Services(config, backends=[], projector=False):
+                    await await_all(client, opened, within=10)
+                    held_back = await decisions(js, more)
+                    await lagging.stop()  # its last write: the view catches up
+                    await await_all(client, more, within=20)
+            finally:
+                await lagging.stop()
+            routed = await decisions(js, [*used, *more])
+    assert held_back == [], "bound to the limited backend before the view caught up"
+    assert unlimited.stats().completed == 3
+    assert_within_the_limit(mock, routed, 2 * LIMIT)
+
+
+async def test_a_catching_up_binder_reads_the_stored_projection_when_its_watch_is_stale(
+    tmp_path: Path, isolated_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reproduces the review: a binder whose view had not moved for 3 s bound
+    on it, but a watch can be stale (its consumer lost: StateView re-opens it
+    only after up to two of its 5-s checks) while the stored projection is
+    current. Here the new binder's watch delivers nothing once it has loaded
+    the stored (lagging) projection; the projector then writes it all. On a
+    stall the binder reads what is stored, so it knows the window is used:
+    no 429, no window over the limit."""
+    delivering = True
+    real_seen = StateView._seen
+
+    def seen(view: StateView, entry: Any) -> None:
+        if delivering:
+            real_seen(view, entry)
+
+    monkeypatch.setattr(StateView, "_seen", seen)
+    async with MockBackend(PROVIDER) as mock:
+        file = limited_config(
+            tmp_path / "rq.toml", nats_url=isolated_server.url, backend_url=mock.url
+        )
+        config = load_config(file, environ={})
+        async with (
+            Services(config, routers=0, backends=["b"]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            js = client.js
+            lagging = Projector(js, flush_interval=3600.0, clock=lambda: time.monotonic() + 3600.0)
+            await lagging.start()
+            try:
+                async with Services(config, backends=[], projector=False):
+                    used = await submit(client, "first", LIMIT)
+                    await await_all(client, used, within=10)
+                more = await submit(client, "after the hand-over", LIMIT)
+                async with Services(config, backends=[], projector=False) as binder:
+                    assert binder.routers[0].binding
+                    delivering = False  # its watch goes stale
+                    await lagging.stop()  # stored: everything; the watch does not say so
+                    await await_all(client, more, within=20)
+            finally:
+                await lagging.stop()
+            routed = await decisions(js, [*used, *more])
+    assert_within_the_limit(mock, routed, 2 * LIMIT)
+
+
+async def test_a_catching_up_binder_waits_at_most_ten_seconds_for_a_view_that_keeps_moving(
+    tmp_path: Path, isolated_server: EmbeddedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Reproduces the review: the catch-up had no overall bound, so a view
+    that keeps moving but never reaches the log as the term began (a projector
+    refolding a long backlog) held every bind for as long. Here the log is
+    far ahead of a projection that moves one event every 0.2 s: the binder
+    binds after 10 s, and says so."""
+    caplog.set_level(logging.WARNING, logger="renqueue")
+    async with MockBackend(MockSettings(ttft=0.01, output_tokens=2)) as mock:
+        file = limited_config(
+            tmp_path / "rq.toml", nats_url=isolated_server.url, backend_url=mock.url
+        )
+        config = load_config(file, environ={})
+        async with (
+            Services(config, routers=0, backends=["b"]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            js = client.js
+            kv = await js.key_value(STATE_BUCKET)
+            for n in range(200):  # the log is far ahead of any projection
+                await js.publish(f"rq.evt.filler.f{n}.note", b"{}")
+
+            async def slow_projection() -> None:
+                seq = 0
+                while True:
+                    seq += 1
+                    await kv.put(PROGRESS_KEY, encode_view(Progress(last_seq=seq, log_time=0.0)))
+                    await asyncio.sleep(0.2)  # the pace of this fake projector
+
+            moving = asyncio.create_task(slow_projection())
+            try:
+                handle = await client.submit("waits", route="chat")
+                began = time.monotonic()
+                async with Services(config, backends=[], projector=False):
+                    await await_all(client, [handle], within=20)
+                waited = time.monotonic() - began
+            finally:
+                moving.cancel()
+                await asyncio.gather(moving, return_exceptions=True)
+    gave_up = [r for r in caplog.records if "did not catch up" in r.getMessage()]
+    assert len(gave_up) == 1, [r.getMessage() for r in caplog.records]
+    assert 9.0 <= waited < 15.0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterable
 from typing import Final, Self
 
 import msgspec
@@ -237,6 +238,24 @@ class StateView(Lifecycle):
             self._changed.clear()
             await self._changed.wait()
         return self.state
+
+    async def refresh(self, backends: Iterable[str]) -> None:
+        """Read the stored views directly, not through the watch: the progress
+        mark, then each of ``backends``' views, and take what is newer than
+        what is held.
+
+        For a reader that must not trust a watch that may be stale (it is
+        re-opened only after up to two ``check_every`` of silence). The
+        progress is read first: the projector writes it after the views, so
+        the views read after it are at least as new as it says.
+        """
+        if self._kv is None:
+            return
+        progress = await self._kv.latest(PROGRESS_KEY)
+        views = [await self._kv.latest(backend_view_key(name)) for name in backends]
+        for entry in (*views, progress):
+            if entry is not None:
+                self._take(entry)
 
     async def close(self) -> None:
         """Stop watching. Idempotent (the same as :meth:`stop`)."""

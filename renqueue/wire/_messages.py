@@ -20,6 +20,7 @@ __all__ = [
     "CLAIM_DECODER",
     "DISPATCH_DECODER",
     "EVENT_DECODER",
+    "MAX_REQUEUES",
     "REQUEST_DECODER",
     "SCHEMA_VERSION",
     "TERMINAL_KINDS",
@@ -89,6 +90,11 @@ class Usage(Struct, frozen=True, kw_only=True):
         return self.prompt_tokens + self.completion_tokens
 
 
+#: The most times a request may be put back to routing after it was bound
+#: (``InferenceRequest.requeues``).
+MAX_REQUEUES: Final = 1000
+
+
 class InferenceRequest(Struct, frozen=True, kw_only=True):
     """What a client publishes to ``rq.req.<priority>.<tenant>``.
 
@@ -112,8 +118,10 @@ class InferenceRequest(Struct, frozen=True, kw_only=True):
     #: priority than that parent (same tenant).
     parent_id: RequestId | None = None
     #: Times the request was sent back to wait after it had been bound to a
-    #: backend (preemption); set by workers, not clients.
-    requeues: Annotated[int, Meta(ge=0, le=1000)] = 0
+    #: backend (a preemption, a spent quota); set by workers, not clients. At
+    #: most :data:`MAX_REQUEUES`: a request bound that often is not put back
+    #: again (a spent quota fails it, a run is no longer preemptible).
+    requeues: Annotated[int, Meta(ge=0, le=MAX_REQUEUES)] = 0
     #: Requests of one tenant with the same key share one backend call.
     dedupe_key: RequestId | None = None
     #: Share a call with identical requests (same route, messages and params).

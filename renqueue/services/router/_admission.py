@@ -10,6 +10,7 @@ event), never at a time a client wrote into the payload.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Final, NamedTuple
 
 import msgspec
@@ -32,7 +33,16 @@ from ...wire._nats import JetStream, Message
 from ...wire._subjects import EVENTS_STREAM, event_subject, is_requeue_subject
 from ._hold import stored_at
 
-__all__ = ["Arrival", "Refused", "admit", "arrival", "parent_of", "subject_token"]
+__all__ = [
+    "Arrival",
+    "Pause",
+    "Refused",
+    "admit",
+    "arrival",
+    "parent_of",
+    "pause_of",
+    "subject_token",
+]
 
 log = get_logger("router")
 
@@ -73,16 +83,35 @@ def admit(msg: Message, level: str, config: Config) -> InferenceRequest | Refuse
     return request
 
 
+class Pause(NamedTuple):
+    """A backend whose provider said its quota is spent, and until when (Unix time)."""
+
+    backend: str
+    until: float
+
+
 class Arrival(NamedTuple):
-    """When a fetched request's wait began, and how far the binder's view of
-    the projection must be folded before the request may be bound."""
+    """When a fetched request's wait began, and what its putting back says of
+    the backend it was put back from."""
 
     #: When its wait began, in server time.
     submitted: float
-    #: The stream sequence of the ``retrying`` event that put it back for a
-    #: spent quota (0: none): bound only once the view has folded it, so the
-    #: backend that refused it is known to be out.
-    folded_after: int = 0
+    #: Put back because that backend's quota is spent (a ``retrying`` event of
+    #: its attempt that says ``requeued``): the backend is out until then, and
+    #: the binder binds nothing there before (:meth:`Ledger.pause`). ``None``:
+    #: not put back for a spent quota.
+    paused: Pause | None = None
+
+
+def pause_of(event: Retrying) -> Pause:
+    """Until when the backend that put a request back for a spent quota is out:
+    the reset the provider named (``quota_exhausted_until``), or, if later (or
+    when it named none), the time the worker left it out for (``at +
+    retry_after``: the provider's ``retry-after``, or ``worker.quota_hold``)."""
+    until = event.at + event.retry_after
+    if event.quota_exhausted_until is not None:
+        until = max(until, event.quota_exhausted_until)
+    return Pause(event.backend, until)
 
 
 async def arrival(js: JetStream, msg: Message, request: InferenceRequest) -> Arrival:
@@ -92,10 +121,11 @@ async def arrival(js: JetStream, msg: Message, request: InferenceRequest) -> Arr
     back (``requeues > 0``) keeps its original time, the one logged in its
     ``submitted`` event, when the log shows why it was put back: a
     preemption (a ``preempted`` event of that attempt), a spent quota (a
-    ``retrying`` event of that attempt that says ``requeued``; its stream
-    sequence is ``folded_after``), or a coalescing group whose leader ended on
-    its own (a ``coalesced`` event: it was a follower). Only the services
-    write those subjects. Anything else counts from its own storing.
+    ``retrying`` event of that attempt that says ``requeued``, among all of
+    that attempt's ``retrying`` events: its backend and until when it is out
+    are ``paused``), or a coalescing group whose leader ended on its own (a
+    ``coalesced`` event: it was a follower). Only the services write those
+    subjects. Anything else counts from its own storing.
     """
     stored = stored_at(msg)
     if request.requeues == 0:
@@ -115,17 +145,48 @@ async def arrival(js: JetStream, msg: Message, request: InferenceRequest) -> Arr
     preempted, _ = await logged("preempted")
     if isinstance(preempted, Preempted) and preempted.attempt == request.requeues:
         return Arrival(min(stored, first.at))
-    retrying, seq = await logged("retrying")
-    if (
-        isinstance(retrying, Retrying)
-        and retrying.requeued
-        and retrying.attempt == request.requeues
-    ):
-        return Arrival(min(stored, first.at), folded_after=seq)
+    requeued = await _requeued(js, request, logged)
+    if requeued is not None:
+        return Arrival(min(stored, first.at), paused=pause_of(requeued))
     coalesced, _ = await logged("coalesced")
     if isinstance(coalesced, Coalesced):
         return Arrival(min(stored, first.at))
     return Arrival(stored)
+
+
+async def _requeued(
+    js: JetStream,
+    request: InferenceRequest,
+    logged: Callable[[str], Awaitable[tuple[Event | None, int]]],
+) -> Retrying | None:
+    """The ``retrying`` event that put ``request`` back for a spent quota, of
+    the attempt it was put back from (``requeues``), if the log has one.
+
+    Every ``retrying`` event of that attempt is looked at, not only the last:
+    another may follow the one that says ``requeued``. The last one is read
+    first (one direct get: the usual case); only if it is not that one are
+    the request's ``retrying`` events read in order, up to it.
+    """
+    last, seq = await logged("retrying")
+    if not isinstance(last, Retrying):
+        return None
+    if last.attempt == request.requeues and last.requeued:
+        return last
+    subject = event_subject(request.tenant, request.id, "retrying")
+    start = 1
+    while start <= seq:
+        try:
+            raw = await js.get_msg(EVENTS_STREAM, seq=start, subject=subject, next=True)
+        except NatsNotFoundError:
+            return None
+        start = raw.seq + 1
+        try:
+            event = EVENT_DECODER.decode(raw.data or b"")
+        except msgspec.DecodeError:
+            continue
+        if isinstance(event, Retrying) and event.attempt == request.requeues and event.requeued:
+            return event
+    return None
 
 
 async def parent_of(

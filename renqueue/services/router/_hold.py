@@ -69,11 +69,6 @@ class Held(msgspec.Struct, kw_only=True):
     #: The most urgent (rank, submitted_at) among requests that coalesced onto
     #: this one: the shared call runs at the highest priority of its waiters.
     boost: tuple[int, float] | None = None
-    #: A request put back for a spent quota: the stream sequence of the event
-    #: that says so, which the binder's view must have folded before the
-    #: request is bound, and until when (router clock) it waits for that at
-    #: most. ``None``: nothing to wait for.
-    fold: tuple[int, float] | None = None
 
     def key(self, now: float, policies: list[LevelPolicy]) -> tuple[int, float]:
         return pick_key(

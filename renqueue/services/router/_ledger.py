@@ -8,15 +8,24 @@ the projection has folded the event that logged it (its stream sequence is at
 or below the projection's ``last_seq``), or until it is dropped (its decision
 was not logged). So a round always sees every reservation exactly once, and
 a new binder, whose ledger starts empty, sees them all in the projection.
+
+It also holds the binder's own word that a backend is out (:meth:`Ledger.pause`):
+a request put back because its provider's quota is spent says so in the log
+(a ``retrying`` event with ``requeued``), and the binder reads that event when
+it fetches the request again. From then until the time it names, the backend
+is judged out (:func:`renqueue.policy.cool_down`, ``exhausted``) whatever the
+projection says: no projector running, or one that lags, never sends a
+request back to a backend whose provider just said its quota is spent.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 
 from ...config import Config
-from ...policy import Cost, Limit, Quota, effective_limits, reserve
+from ...policy import Cost, Limit, Quota, cool_down, effective_limits, reserve
 from ...state import LiveState
 
 __all__ = ["Ledger", "Reserved"]
@@ -66,6 +75,9 @@ class Ledger:
         #: (seq, tie-breaker, reservation) of the logged ones, smallest seq first.
         self._logged: list[tuple[int, int, Reserved]] = []
         self._ties = itertools.count()
+        #: Per backend, until when (Unix time) its provider's quota is spent,
+        #: as this binder read it from the log (dropped once passed).
+        self._paused: dict[str, float] = {}
 
     def __len__(self) -> int:
         return sum(len(pending) for pending in self._pending.values())
@@ -94,19 +106,39 @@ class Ledger:
             if reserved.seq == seq:
                 self.discard(reserved)
 
-    def quota(
-        self, backend: str, state: LiveState | None
-    ) -> tuple[Quota | None, tuple[Limit, ...]]:
-        """``backend``'s quota and the limits it is judged by, as of ``state``.
+    def pause(self, backend: str, until: float) -> None:
+        """``backend``'s provider said its quota is spent until ``until`` (Unix
+        time): bind nothing there before then (the later of this and any
+        earlier pause), whatever the projection says."""
+        if math.isfinite(until):
+            self._paused[backend] = max(until, self._paused.get(backend, until))
 
-        ``(None, ())`` for a backend with nothing to judge: no declared limit
-        and nothing its provider said (no learned window, no pause).
+    def paused_until(self, backend: str, now: float) -> float | None:
+        """Until when ``backend`` is paused by :meth:`pause` (``None``: not, or passed)."""
+        until = self._paused.get(backend)
+        if until is not None and until <= now:
+            del self._paused[backend]
+            return None
+        return until
+
+    def quota(
+        self, backend: str, state: LiveState | None, *, now: float
+    ) -> tuple[Quota | None, tuple[Limit, ...]]:
+        """``backend``'s quota and the limits it is judged by, as of ``state``
+        and this binder's own pause of it (:meth:`pause`) at ``now``.
+
+        ``(None, ())`` for a backend with nothing to judge: no declared limit,
+        nothing its provider said (no learned window, no pause) and no pause
+        of this binder's.
         """
         projected = None if state is None else state.backend(backend).quota
         declared = self._declared.get(backend, ())
-        if not declared and (projected is None or not _says_anything(projected)):
+        paused = self.paused_until(backend, now)
+        if not declared and paused is None and (projected is None or not _says_anything(projected)):
             return None, ()
         quota = projected or Quota()
+        if paused is not None:
+            quota = cool_down(quota, paused, exhausted=True)
         for reserved in self._pending.get(backend, ()):
             quota = reserve(quota, reserved.cost, reserved.at)
         return quota, effective_limits(declared, quota)

@@ -127,14 +127,16 @@ log = get_logger("router")
 _INFLIGHT_STOP_WAIT: Final = ACKS_TIMEOUT + 5.0
 #: A binder one of whose binding loops failed this many times in a row gives the lease up.
 _GIVE_UP_AFTER_FAILURES: Final = 3
-#: Seconds a new binder waits, at most, for its view of the projection to move
-#: when it lags the log as the term began (no projector writing: it then binds
-#: on what the view knows, logged).
+#: Seconds without a move of a new binder's view of the projection, while it
+#: lags the log as the term began, before the binder reads the stored progress
+#: itself (the watch may be stale: StateView notices that only after up to two
+#: of its ``check_every``); if that has not moved either, no projector is
+#: writing: it binds on what it knows (logged).
 _CATCH_UP_STALL: Final = 3.0
-#: Seconds a request put back for a spent quota waits, at most, for the
-#: binder's view to fold the event that says so (a projector that lags this
-#: much, or none running: it is bound on what the view knows, logged).
-_FOLD_WAIT: Final = 10.0
+#: Seconds a new binder holds binds to the backends its ledger judges, at most,
+#: waiting for its view to catch up (a projector refolding a long backlog):
+#: past that it binds on what it knows (logged).
+_CATCH_UP_LIMIT: Final = 10.0
 
 
 class Router(Lifecycle):
@@ -201,8 +203,9 @@ class Router(Lifecycle):
         self._failed_beginnings = 0
         #: While a new term's view of the projection lags the log as it stood
         #: when the term began: (that log sequence, the view's sequence last
-        #: seen, when it last moved: loop time). Nothing is bound meanwhile.
-        self._catch_up: tuple[int, int, float] | None = None
+        #: seen, when it last moved, when the term began: loop time). Nothing
+        #: is bound meanwhile to a backend the ledger judges.
+        self._catch_up: tuple[int, int, float, float] | None = None
         #: Terms begin and end one at a time (the lease and renewal loops both end them).
         self._term_lock = asyncio.Lock()
         self._dispatcher = Dispatcher(
@@ -364,7 +367,8 @@ class Router(Lifecycle):
         # Quota: bind only on a view that has folded every decision logged so
         # far (the previous binder's last ones among them).
         logged = await self._js.stream_info(EVENTS_STREAM)
-        self._catch_up = (logged.state.last_seq, -1, asyncio.get_running_loop().time())
+        began = asyncio.get_running_loop().time()
+        self._catch_up = (logged.state.last_seq, -1, began, began)
         await renew_router_consumers(self._nc, self._consumer_configs)
         for level in self._levels:
             psub = await self._js.pull_subscribe_bind(
@@ -505,6 +509,10 @@ class Router(Lifecycle):
             return
         arrived = await arrival(self._js, msg, request)
         submitted = arrived.submitted
+        if arrived.paused is not None:
+            # Put back because that backend's quota is spent: nothing goes
+            # there before it comes back, whatever the projection says.
+            self._ledger.pause(*arrived.paused)
         # The log's first word on a request, written by whoever reads it
         # first, so it always precedes its `routed` event (a redelivery
         # writes it again under the same message id: stored once).
@@ -525,7 +533,6 @@ class Router(Lifecycle):
                 touched=now,
                 logged=logged,
                 parent=await parent_of(self._js, request, self._config),
-                fold=(arrived.folded_after, now + _FOLD_WAIT) if arrived.folded_after else None,
             ),
         )
 
@@ -775,20 +782,17 @@ class Router(Lifecycle):
             name for item in held for name in self._config.routes[item.request.route].backends
         }
         await self._capacity.refresh(sorted(wanted))
+        state = self._state
+        # While a new term's view lags the log, binds to backends the ledger
+        # judges are held (may await a read of the stored projection).
+        catching_up = await self._catching_up(state)
         if not self._lease.valid():
             # The lease may have passed on while the load was read: decide nothing.
             return sorted(wanted)
-        state = self._state
         projected = None if state is None else state.state
-        folded = 0 if projected is None else projected.last_seq
-        if self._catching_up(folded, written=state is not None and state.revision > 0):
-            return sorted(wanted)
         # Requests dropped while the refresh was awaited (cancelled, handed
-        # back) are no longer this router's to bind; one put back for a spent
-        # quota waits until the view knows that backend is out.
+        # back) are no longer this router's to bind.
         present = {id(item) for item in self._hold}
-        unfolded = [item for item in held if _unfolded(item, folded, now)]
-        present.difference_update(id(item) for item in unfolded)
         items = {id(item): item for item in held if id(item) in present}
         snapshot = [
             Waiting(
@@ -807,17 +811,19 @@ class Router(Lifecycle):
         ]
         self._ledger.prune(projected)
         views = {}
+        #: Backends the ledger judges (limits declared or reported, a pause).
+        judged: set[str] = set()
         for name, view in self._capacity.views().items():
-            quota, limits = self._ledger.quota(name, projected)
+            quota, limits = self._ledger.quota(name, projected, now=now)
+            if quota is not None:
+                judged.add(name)
             views[name] = msgspec.structs.replace(
                 view,
                 expected_duration=None if state is None else state.expected_duration(name),
                 quota=quota,
                 limits=limits,
             )
-        waiting = {
-            name for item in unfolded for name in self._config.routes[item.request.route].backends
-        }
+        waiting: set[str] = set()
         gone: set[int] = set()
         for action in plan(snapshot, views, now, self._plan_policy):
             item = items[action.ref]
@@ -826,6 +832,10 @@ class Router(Lifecycle):
             elif isinstance(action, Expire):
                 gone.add(action.ref)
                 self._spawn_publish(self._expire(item.msg, item.request, now, reason=action.reason))
+            elif isinstance(action, Bind) and catching_up and action.backend in judged:
+                # Its quota is judged on a view that may not know yet what the
+                # previous binder spent: it waits (held) for the view.
+                waiting.add(action.backend)
             elif isinstance(action, Bind):
                 gone.add(action.ref)
                 slot = self._capacity.dispatching(action.backend)
@@ -851,36 +861,60 @@ class Router(Lifecycle):
         self._hold.prune(gone)
         return sorted(waiting)
 
-    def _catching_up(self, folded: int, *, written: bool) -> bool:
-        """Whether this term still waits for its view of the projection (folded
-        to stream sequence ``folded``) to cover the log as it stood when the
-        term began: a binder that takes over (or starts after a restart) binds
-        nothing before it knows what its predecessor spent of every quota.
+    async def _catching_up(self, state: StateView | None) -> bool:
+        """Whether this term still waits for its view of the projection to
+        cover the log as it stood when the term began: a binder that takes
+        over (or starts after a restart) binds nothing to a backend its ledger
+        judges (limits declared or reported, a pause) before it knows what its
+        predecessor spent there. Binds to other backends go on meanwhile.
 
-        It waits while the view moves, and gives up (logged) once it has not
-        moved for ``_CATCH_UP_STALL`` seconds: no projector is writing. A view
-        that never had a projection ``written`` (no progress mark read: a new
-        deployment, or routers run without a projector) is not waited for.
+        It waits while the view moves. When it has not moved for
+        ``_CATCH_UP_STALL`` seconds, the stored projection is read directly
+        (its progress, then each backend's view: the watch may be stale), and
+        if that has not moved either, no projector is writing: it binds on
+        what it knows (logged). It waits ``_CATCH_UP_LIMIT`` seconds at most
+        in all (logged). A view that never had a projection written (no
+        progress mark read: a new deployment, or routers that have never
+        had a projector) is not waited for.
         """
-        if self._catch_up is None:
-            return False
-        target, seen, moved = self._catch_up
-        now = asyncio.get_running_loop().time()
-        if folded >= target or not written:
+        if self._catch_up is not None and await self._caught_up(state, *self._catch_up):
             self._catch_up = None
-            return False
-        if folded != seen:
-            self._catch_up = (target, folded, now)
+        return self._catch_up is not None
+
+    async def _caught_up(
+        self, state: StateView | None, target: int, seen: int, moved: float, began: float
+    ) -> bool:
+        """One look at the catch-up (see :meth:`_catching_up`): True once it is over."""
+        if state is None or state.revision == 0 or state.state.last_seq >= target:
             return True
-        if now - moved >= _CATCH_UP_STALL:
-            self._catch_up = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        folded = state.state.last_seq
+        if now - began >= _CATCH_UP_LIMIT:
             log.warning(
-                "the projection lags the log and does not move; binding on what it knows",
+                "the projection did not catch up with the log in time; binding on what it knows",
                 folded=folded,
                 logged=target,
+                waited=round(now - began, 1),
             )
-            return False
-        return True
+            return True
+        if folded == seen and now - moved >= _CATCH_UP_STALL:
+            try:
+                await state.refresh(self._config.backends)
+            except RenQueueError as exc:  # read again next round
+                log.warning("could not read the stored projection", error=str(exc))
+                return False
+            folded = state.state.last_seq
+            if folded == seen:
+                log.warning(
+                    "the projection lags the log and does not move; binding on what it knows",
+                    folded=folded,
+                    logged=target,
+                )
+                return True
+        if folded != seen:
+            self._catch_up = (target, folded, loop.time(), began)
+        return folded >= target
 
     @functools.cached_property
     def _plan_policy(self) -> PlanPolicy:
@@ -957,27 +991,3 @@ class Router(Lifecycle):
                         with contextlib.suppress(Exception):
                             await item.msg.in_progress()
                         item.touched = now
-
-
-def _unfolded(item: Held, folded: int, now: float) -> bool:
-    """Whether ``item`` was put back for a spent quota and the view (folded to
-    stream sequence ``folded``) does not know it yet: it waits, unless its
-    deadline passed (the round expires it) or it waited ``_FOLD_WAIT`` (then
-    it is bound on what the view knows, and that is logged)."""
-    if item.fold is None:
-        return False
-    seq, give_up = item.fold
-    deadline = item.request.deadline
-    if folded >= seq or (deadline is not None and now >= deadline):
-        item.fold = None
-        return False
-    if now >= give_up:
-        item.fold = None
-        log.warning(
-            "the projection has not folded why a request was put back; binding it anyway",
-            request_id=item.request.id,
-            event_seq=seq,
-            folded=folded,
-        )
-        return False
-    return True

@@ -21,7 +21,7 @@ from ... import metrics
 from ...logs import get_logger
 from ...policy import LevelPolicy, choose_victim
 from ...wire._eventlog import EventLog, publish_stored
-from ...wire._messages import Dispatch, Preempted, encode
+from ...wire._messages import MAX_REQUEUES, Dispatch, Preempted, encode
 from ...wire._nats import JetStream, Message
 from ...wire._preemption import ASK_DECODER, CONFIRM_DECODER, Answer, Offer
 from ...wire._subjects import (
@@ -49,6 +49,9 @@ class Run(msgspec.Struct, kw_only=True):
     started: float
     call: asyncio.Task[Any]
     preempted_by: str | None = None
+    #: False for a run of a request put back :data:`MAX_REQUEUES` times
+    #: already: it cannot be put back again, so it is never preempted.
+    may_requeue: bool = True
 
     def is_live(self) -> bool:
         return self.preempted_by is None and not self.call.done()
@@ -108,7 +111,11 @@ class Preemptible:
     def victim(self, rank: int) -> str | None:
         """The key of the run to give up for a request at ``rank``; ``None`` if none may be."""
         return choose_victim(
-            {key: (run.rank, run.started) for key, run in self.runs.items() if run.is_live()},
+            {
+                key: (run.rank, run.started)
+                for key, run in self.runs.items()
+                if run.is_live() and run.may_requeue
+            },
             rank,
             self._policies,
         )
@@ -155,9 +162,15 @@ async def put_back(js: JetStream, msg: Message, dispatch: Dispatch) -> None:
     keeps its wait when the log says why it was put back (the event the
     caller recorded first: ``preempted``, or a ``retrying`` that says
     ``requeued``). Idempotent: the copy's message id is
-    ``<tenant>:<id>:requeue:<attempt>``.
+    ``<tenant>:<id>:requeue:<attempt>``. A request put back
+    :data:`MAX_REQUEUES` times already cannot be (``ValueError``): its
+    callers end it instead.
     """
     request = dispatch.request
+    if dispatch.attempt > MAX_REQUEUES:
+        raise ValueError(
+            f"request {request.id} was put back {MAX_REQUEUES} times already; not again"
+        )
     again = msgspec.structs.replace(request, requeues=dispatch.attempt)
     # Acked only once a copy is surely stored: a tenant may have taken
     # this message id first (see publish_stored).

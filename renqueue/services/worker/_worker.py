@@ -49,7 +49,7 @@ import random
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
@@ -66,6 +66,7 @@ from ...state._coalescing import Coalescer, coalesce_key
 from ...wire._eventlog import EventLog
 from ...wire._messages import (
     DISPATCH_DECODER,
+    MAX_REQUEUES,
     Cancelled,
     CancelRequested,
     Completed,
@@ -106,6 +107,11 @@ from ._tokens import Caller, Chunks, Expiry, reported_limits, settle
 __all__ = ["Worker"]
 
 log = get_logger("worker")
+
+
+#: ``error_type`` of a request that fails because its provider's quota is spent
+#: and it cannot be put back to routing again (put back ``MAX_REQUEUES`` times).
+QUOTA_EXHAUSTED: Final = "quota_exhausted"
 
 
 def _broker_unavailable(exc: BaseException) -> bool:
@@ -375,7 +381,12 @@ class Worker(Lifecycle):
         self._calls[scoped] = call
         # A run is judged at the level it was bound at: one that aged to the top
         # is not preemptible, or aging could never get it through.
-        self._preemptible.runs[scoped] = Run(rank=rank, started=time.monotonic(), call=call)
+        self._preemptible.runs[scoped] = Run(
+            rank=rank,
+            started=time.monotonic(),
+            call=call,
+            may_requeue=dispatch.attempt <= MAX_REQUEUES,
+        )
         # A cancellation read after _refused looked and before the call was
         # registered found nothing to stop: look again, now that it would.
         if self._cancels is not None and self._cancels.is_cancelled(request.tenant, request.id):
@@ -524,7 +535,7 @@ class Worker(Lifecycle):
                 return True
             if isinstance(event, Retrying) and event.requeued and event.attempt == dispatch.attempt:
                 log.info("request was put back to routing before; putting it back again")
-                await put_back(self._js, msg, dispatch)
+                await self._put_back(msg, dispatch)
                 return True
         move = next((e for e in events if self._thief.stolen_here(e, dispatch, source_seq)), None)
         return isinstance(move, Stolen) and await self._thief.hand_over(msg, dispatch, move, events)
@@ -536,11 +547,38 @@ class Worker(Lifecycle):
         return self._config.priority_rank(dispatch.request.priority)
 
     async def _requeue(self, msg: Message, dispatch: Dispatch, run: int, by: str) -> None:
-        """Send a preempted request back to wait (:func:`requeue`)."""
-        await requeue(
-            self._js, self._log, msg, dispatch, run=run, by=by,
-            backend=self._backend_name, at=self._clock(),
-        )  # fmt: skip
+        """Send a preempted request back to wait (:func:`requeue`). If that
+        fails, the dispatch is handed back (see :meth:`_put_back`)."""
+        try:
+            await requeue(
+                self._js, self._log, msg, dispatch, run=run, by=by,
+                backend=self._backend_name, at=self._clock(),
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - not a failed run: handed back
+            await self._put_back_failed(msg, exc)
+
+    async def _put_back(self, msg: Message, dispatch: Dispatch) -> None:
+        """Put a request back to routing (:func:`put_back`), its reason already
+        logged. If that fails (the copy's publish, the ack), the dispatch is
+        handed back with a backoff, not failed: the run did not fail, and the
+        redelivery finds the logged reason and puts it back again
+        (:meth:`_settled_before`, idempotent), without calling the backend."""
+        try:
+            await put_back(self._js, msg, dispatch)
+        except Exception as exc:  # noqa: BLE001 - not a failed run: handed back
+            await self._put_back_failed(msg, exc)
+
+    async def _put_back_failed(self, msg: Message, exc: Exception) -> None:
+        """Hand the dispatch back after the failure policy's backoff (by its
+        delivery count), without :meth:`_after_failure`: no failed run counted."""
+        delay = self._backoff(msg)
+        log.warning(
+            "could not put the request back to routing; handing the dispatch back",
+            error=repr(exc),
+            retry_in=delay,
+        )
+        with contextlib.suppress(Exception):
+            await msg.nak(delay=delay)
 
     def _cancelled(self, request: InferenceRequest, stage: str) -> Cancelled:
         return Cancelled(
@@ -602,7 +640,7 @@ class Worker(Lifecycle):
             )
             return
         if isinstance(action, RequeueElsewhere):
-            await self._requeue_elsewhere(msg, dispatch, run, action, exc)
+            await self._requeue_elsewhere(msg, dispatch, run, action, exc, seq=chunks.seq)
             return
         if internal:
             log.error("unexpected error on the last allowed run; request fails", exc_info=exc)
@@ -658,22 +696,42 @@ class Worker(Lifecycle):
         run: int,
         action: RequeueElsewhere,
         exc: Exception,
+        *,
+        seq: int,
     ) -> None:
         """The provider's quota is spent: record why, then put the request back
         to routing, keeping its wait, for another candidate of its route.
 
         The ``retrying`` event (``requeued``, with what the provider said of
         its quota and how long this backend is left out) is stored *before*
-        the copy is published: the binder holds a put-back request until its
-        view of the projection has folded that event (see the router's
-        admission), so it never binds it to this backend again on a view that
-        does not know yet. It is a failed run of this attempt only: the next
-        dispatch is a new attempt, with a budget of its own. A redelivery of
-        this dispatch finds the event and puts the request back again without
-        calling the backend (:meth:`_settled_before`).
+        the copy is published: the binder reads it when it fetches the copy
+        and binds nothing to this backend until the time it names, whatever
+        its view of the projection says (see the router's admission and
+        ledger). It is a failed run of this attempt only: the next dispatch is
+        a new attempt, with a budget of its own. A put-back that fails is
+        handed back (:meth:`_put_back`); a redelivery of this dispatch finds
+        the event and puts the request back again without calling the backend
+        (:meth:`_settled_before`). A request put back :data:`MAX_REQUEUES`
+        times already cannot be put back again: it fails (``quota_exhausted``).
         """
         request = dispatch.request
         until = _exhausted_until(exc)
+        if dispatch.attempt > MAX_REQUEUES:
+            # Its copy would carry more requeues than admission accepts.
+            log.error("quota exhausted and the request was put back too often; it fails")
+            await self._fail(
+                msg,
+                dispatch,
+                run,
+                seq,
+                error_type=QUOTA_EXHAUSTED,
+                reason=(
+                    f"put back {MAX_REQUEUES} times, the most a request may be, "
+                    f"and its backend's quota is spent: {action.reason}"
+                )[:1000],
+                exhausted_until=until,
+            )
+            return
         now = self._clock()
         # Until the provider's reset when it named one (or its retry-after, if
         # later), else the policy's hold.
@@ -703,7 +761,7 @@ class Worker(Lifecycle):
                 requeued=True,
             )
         )
-        await put_back(self._js, msg, dispatch)
+        await self._put_back(msg, dispatch)
 
     async def _fail(
         self,
@@ -714,6 +772,7 @@ class Worker(Lifecycle):
         *,
         error_type: str,
         reason: str,
+        exhausted_until: float | None = None,
     ) -> None:
         """Fail the request for good: a copy to the dead-letter stream, then ``failed``."""
         request = dispatch.request
@@ -734,6 +793,7 @@ class Worker(Lifecycle):
             backend=self._backend_name,
             attempt=dispatch.attempt,
             limits=reported_limits(self._caller.backend),
+            quota_exhausted_until=exhausted_until,
         )
         await self._finish(msg, request, failed, run, seq=seq)
 
