@@ -1513,3 +1513,16 @@ def test_limit_usage_counts_as_check_does(
             assert usage.resets_at is not None
             assert used(quota, limit, usage.resets_at) == 0
             assert used(quota, limit, math.nextafter(usage.resets_at, -math.inf)) > 0
+
+
+@pytest.mark.parametrize("far", [1e300, -1e300, 1e15])
+def test_a_time_past_the_calendars_range_is_judged_not_raised(far: float) -> None:
+    """A forged or broken event can stamp a spend (and so ``newest``) far past
+    what ``datetime`` holds: a US Pacific day around it raised OverflowError in
+    every binder round (and in ``renqueue status``)."""
+    limit = requests(3, DAY, "us-pacific")
+    quota = Quota(spend=SpendLog(slots=(Slot(far, 3600.0, 3, 0),), newest=far))
+    for now in (far, T):
+        verdict = check(quota, [limit], Cost(requests=1), now)
+        assert isinstance(verdict, QuotaVerdict)
+        assert used(quota, limit, now) >= 0

@@ -216,9 +216,14 @@ def _calendar_window(limit: Limit, at: float) -> tuple[float, float]:
         return _aligned(at, days * _DAY)
     # US Pacific midnights are whole seconds, so the day of ``floor(at)`` is the
     # day of ``at`` (``fromtimestamp`` would round a moment before midnight up to it).
-    date = datetime.datetime.fromtimestamp(math.floor(at), _PACIFIC).date()
-    first = date - datetime.timedelta(days=(date - _EPOCH_DATE).days % days)
-    return _pacific_midnight(first), _pacific_midnight(first + datetime.timedelta(days=days))
+    try:
+        date = datetime.datetime.fromtimestamp(math.floor(at), _PACIFIC).date()
+        first = date - datetime.timedelta(days=(date - _EPOCH_DATE).days % days)
+        return _pacific_midnight(first), _pacific_midnight(first + datetime.timedelta(days=days))
+    except (OverflowError, ValueError, OSError):
+        # A time past the calendar's range (only a forged or broken event
+        # stamps one): whole UTC days there, rather than a binder that raises.
+        return _aligned(at, days * _DAY)
 
 
 def _is_calendar(limit: Limit) -> bool:
