@@ -213,3 +213,15 @@ def test_a_request_bound_again_after_a_put_back_spends_once_per_call_in_any_orde
         state = fold_many(ProjectionState(), [*head, *tail])
         assert used(quota_of(state, "paid"), PER_MINUTE, T + 2) == 2, tail
         assert used(quota_of(state, "free"), PER_MINUTE, T + 2) == 1, tail
+
+
+def test_a_put_back_for_a_spent_quota_marks_the_backend_exhausted_for_its_hold() -> None:
+    """OpenAI's insufficient_quota names no reset: the worker logs its hold as
+    retry_after, and the fold marks the backend exhausted (not merely cooling
+    down) until then, so status and routing reasons say so."""
+    state = fold_many(
+        ProjectionState(),
+        [routed("r1", T), started("r1", T), rate_limited("quota spent", 600.0, requeued=True)],
+    )
+    quota = quota_of(state)
+    assert quota.exhausted_until == T + 600.0

@@ -423,7 +423,11 @@ class _Builder:
         self._failure(event.backend, event.error_type, at)
         self._provider_said(event.backend, event.limits, at, event.quota_exhausted_until)
         if event.error_type == "rate_limited":
-            self._cool_down(event.backend, at + _finite(event.retry_after))
+            # Put back for a spent quota: the backend is out (exhausted) for the
+            # hold its worker logged, whether or not the provider named a reset.
+            self._cool_down(
+                event.backend, at + _finite(event.retry_after), exhausted=event.requeued
+            )
 
     def _leave(self, name: str) -> None:
         backend = self._backends.get(name, _EMPTY_BACKEND)
