@@ -29,7 +29,13 @@ from renqueue.errors import (
 )
 from renqueue.ops import EmbeddedServer, connect
 from renqueue.wire import Connection, JetStream
-from renqueue.wire._nats import STREAM_NOT_FOUND, JetStreamApi, reply_error, translate
+from renqueue.wire._nats import (
+    STREAM_NOT_FOUND,
+    JetStreamApi,
+    PullSubscription,
+    reply_error,
+    translate,
+)
 
 PACKAGE = Path(__file__).resolve().parent.parent / "renqueue"
 BOUNDARY = PACKAGE / "wire" / "_nats.py"
@@ -237,3 +243,18 @@ async def test_a_batch_fetch_takes_buffered_messages_without_a_task_each(
     assert created < 50, f"{created} tasks for 200 messages"
     with pytest.raises(NatsTimeoutError):
         await psub.fetch(10, timeout=0.2)
+
+
+async def test_a_fetch_whose_deadline_passes_inside_nats_py_is_our_timeout() -> None:
+    """nats-py raises the builtin TimeoutError (not its own) when the deadline
+    passes between its no-wait probe and its waiting pull: seen on a loaded CI
+    run of the test above. A table test: that path cannot be hit on demand."""
+
+    class Raising:
+        _sub = object()  # no nats-py internals: the fast path is not installed
+
+        async def fetch(self, *_args: object) -> list[object]:
+            raise TimeoutError
+
+    with pytest.raises(NatsTimeoutError):
+        await PullSubscription(Raising()).fetch(10, timeout=0.2)  # type: ignore[arg-type]

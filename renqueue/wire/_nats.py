@@ -378,7 +378,14 @@ class PullSubscription:
         heartbeat: float | None = None,
     ) -> list[Message]:
         """Up to ``batch`` messages; :class:`NatsTimeoutError` when none come within ``timeout``."""
-        msgs = await _call(self._sub.fetch(batch, timeout, heartbeat))
+        try:
+            msgs = await _call(self._sub.fetch(batch, timeout, heartbeat))
+        except NatsError:
+            raise
+        except TimeoutError as exc:
+            # nats-py raises the builtin one when the deadline passed between its
+            # no-wait probe and its waiting pull (seen under load), its own otherwise.
+            raise NatsTimeoutError(f"no message within {timeout} s") from exc
         return [Message(msg) for msg in msgs]
 
     @property
