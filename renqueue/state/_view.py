@@ -30,7 +30,7 @@ from ..logs import get_logger
 from ..policy import DEFAULT_COOLDOWN, DEFAULT_FAILURE_THRESHOLD, is_healthy
 from ..wire._nats import JetStream, KeyEntry, KeyValue, KeyWatcher
 from ..wire._subjects import STATE_BUCKET
-from ._fold import STATE_VERSION, BackendState
+from ._fold import _EMPTY_BACKEND, STATE_VERSION, BackendState
 
 __all__ = [
     "PROGRESS_KEY",
@@ -101,7 +101,6 @@ class LiveState(Struct, frozen=True, kw_only=True):
         return self.backends.get(name, _EMPTY_BACKEND)
 
 
-_EMPTY_BACKEND: Final = BackendState()
 _ENCODER: Final = msgspec.json.Encoder()
 _BACKEND_VIEW_DECODER: Final = msgspec.json.Decoder(BackendView)
 _PROGRESS_DECODER: Final = msgspec.json.Decoder(Progress)
