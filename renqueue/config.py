@@ -24,8 +24,15 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
-from .errors import ConfigError
-from .policy import FailurePolicy, LevelPolicy, PlanPolicy
+from .errors import ConfigError, FailureClass
+from .policy import (
+    DEFAULT_FALLBACK_ON,
+    Candidate,
+    FailurePolicy,
+    FallbackPolicy,
+    LevelPolicy,
+    PlanPolicy,
+)
 from .policy._quota import Limit, limits_of
 
 __all__ = [
@@ -203,6 +210,46 @@ class LimitsConfig(_Section, frozen=True, kw_only=True):
         )
 
 
+class CircuitConfig(_Section, frozen=True, kw_only=True):
+    """A backend's circuit breaker (``[backends.<name>.circuit]``).
+
+    It opens after ``failures`` backend faults in a row, or when at least
+    ``error_rate`` of at least ``min_calls`` calls ended in a backend fault
+    within the last ``window``; after ``cooloff`` it lets one call through
+    (half-open), which closes it again or opens it for another ``cooloff``.
+    """
+
+    failures: Annotated[int, Meta(ge=1, le=1000)] = 3
+    error_rate: Annotated[float, Meta(gt=0, le=1)] = 0.5
+    min_calls: Annotated[int, Meta(ge=1, le=100_000)] = 10
+    window: Duration = "60s"
+    cooloff: Duration = "30s"
+
+    def __post_init__(self) -> None:
+        window = parse_duration(self.window)
+        if not 1 <= window <= 600:
+            raise ValueError(f"circuit window must be between 1s and 10m, not {self.window!r}")
+        if parse_duration(self.cooloff) <= 0:
+            raise ValueError("circuit cooloff must be positive")
+
+
+class ProbeConfig(_Section, frozen=True, kw_only=True):
+    """An active health check of a backend (``[backends.<name>.probe]``), for
+    local servers: ``GET <path>`` at the server's origin (``/health``: vLLM,
+    TGI, llama.cpp; ``/v1/models``: any OpenAI-compatible server) every
+    ``interval``; a 2xx within ``timeout`` is up."""
+
+    path: str = "/health"
+    interval: Duration = "5s"
+    timeout: Duration = "2s"
+
+    def __post_init__(self) -> None:
+        if not self.path.startswith("/"):
+            raise ValueError(f"probe path must start with '/', not {self.path!r}")
+        if parse_duration(self.interval) < 0.05:
+            raise ValueError("probe interval must be at least 50ms")
+
+
 class BackendConfig(_Section, frozen=True, kw_only=True):
     """One callable endpoint + model + credentials."""
 
@@ -216,8 +263,21 @@ class BackendConfig(_Section, frozen=True, kw_only=True):
     cost_output_per_mtok: Annotated[float, Meta(ge=0)] = 0.0
     tags: list[str] = []
     limits: LimitsConfig = LimitsConfig()
+    #: The longest silence from the backend during a call (between two reads).
     timeout: Duration = "120s"
     connect_timeout: Duration = "5s"
+    #: The longest wait for the first token (from the call's start); unset: ``timeout``.
+    first_token_timeout: Duration | None = None
+    #: The longest a whole call may take; unset: no limit but the request's deadline.
+    total_timeout: Duration | None = None
+    #: The model's context window in tokens (prompt + output), when known: a
+    #: request that failed for its context length falls back only to
+    #: candidates with a larger declared window.
+    context_window: Annotated[int, Meta(ge=1)] | None = None
+    #: When to stop sending it requests for a while (the circuit breaker).
+    circuit: CircuitConfig = CircuitConfig()
+    #: An active health check, for local servers (``/health``, ``/v1/models``).
+    probe: ProbeConfig | None = None
     #: Replicas of one model share a pool name: an idle one takes work
     #: queued on a busy sibling's subject (work stealing).
     pool: Name | None = None
@@ -272,10 +332,38 @@ class BackendConfig(_Section, frozen=True, kw_only=True):
         return None
 
 
+class FallbackConfig(_Section, frozen=True, kw_only=True):
+    """How a route's requests fall back when a backend fails them
+    (``[routes.<name>.fallback]``; see :func:`renqueue.policy.after_failure`)."""
+
+    #: The failure classes that fall back (:class:`renqueue.errors.FailureClass`
+    #: values); unset: all but ``bad_request`` and ``content_filter``; ``[]``:
+    #: never fall back (retry on the bound backend, then fail).
+    on: list[FailureClass] | None = None
+    #: Backends a request may be tried on, the first included.
+    attempts: Annotated[int, Meta(ge=1, le=100)] = 3
+    #: Retries on the same backend of a transient failure before falling back.
+    retries: Annotated[int, Meta(ge=0, le=20)] = 1
+    #: A fallback may go to a lower tier than the backend that failed.
+    downgrade: bool = True
+    #: A fallback may go to a paid backend (within the request's ``max_cost``).
+    paid: bool = True
+
+    def policy(self) -> FallbackPolicy:
+        return FallbackPolicy(
+            on=DEFAULT_FALLBACK_ON if self.on is None else frozenset(self.on),
+            attempts=self.attempts,
+            retries=self.retries,
+            downgrade=self.downgrade,
+            paid=self.paid,
+        )
+
+
 class RouteConfig(_Section, frozen=True, kw_only=True):
     """A model group: candidate backends in cascade order (first = preferred)."""
 
     backends: Annotated[list[Name], Meta(min_length=1)]
+    fallback: FallbackConfig = FallbackConfig()
 
 
 class LevelConfig(_Section, frozen=True, kw_only=True):
@@ -430,6 +518,21 @@ class Config(_Section, frozen=True, kw_only=True):
             self,
             backends={n: b for n, b in self.backends.items() if n not in out},
             routes={n: r for n, r in routes.items() if r.backends},
+        )
+
+    def candidates(self, route: str) -> tuple[Candidate, ...]:
+        """The route's backends in cascade order, as the failure policy sees them."""
+        names = self.routes[route].backends if route in self.routes else []
+        return tuple(self.candidate(name) for name in names if name in self.backends)
+
+    def candidate(self, name: str) -> Candidate:
+        """One backend as the failure policy sees it."""
+        backend = self.backends[name]
+        return Candidate(
+            name=name,
+            tier=backend.tier,
+            context_window=backend.context_window,
+            paid=backend.cost_input_per_mtok > 0 or backend.cost_output_per_mtok > 0,
         )
 
     def priority_rank(self, level: str) -> int:

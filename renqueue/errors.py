@@ -23,7 +23,8 @@ The tree, by what a caller can do about it::
     │   ├── UnknownRouteError       no such route (model group)
     │   ├── NoCapableBackendError   no backend of the route has the tier asked for
     │   └── UnknownPriorityError    no such priority level
-    ├── BackendError                a backend call failed; carries backend, request_id
+    ├── BackendError                a backend call failed; carries backend, request_id,
+    │   │                           and its class (``failure``, a FailureClass)
     │   ├── RateLimitedError        429 / quota; carries retry_after seconds, quota_exhausted
     │   ├── RetryableBackendError   5xx, timeouts, connection errors, broken streams
     │   ├── FatalBackendError       auth, unknown model: this backend cannot serve
@@ -41,12 +42,15 @@ where they occur, with ``raise ... from exc``. Messages never contain secrets.
 
 from __future__ import annotations
 
+import enum
+
 __all__ = [
     "BackendError",
     "BadRequestError",
     "ConfigError",
     "ConnectionFailedError",
     "EmbeddedServerError",
+    "FailureClass",
     "FatalBackendError",
     "InvalidRequestError",
     "MalformedRequestError",
@@ -258,12 +262,55 @@ class UnknownPriorityError(InvalidRequestError):
         )
 
 
+class FailureClass(enum.StrEnum):
+    """What went wrong with a backend call, as the failure policy sees it.
+
+    Adapters classify every failure they raise (``BackendError.failure``);
+    the class, not the exception type, decides what happens next (retry here,
+    fall back down the route, fail: :func:`renqueue.policy.after_failure`).
+    The value is what events carry (``error_class``).
+    """
+
+    #: Connection refused, reset or dropped before an answer began.
+    CONNECT = "connect"
+    #: No connection within ``connect_timeout``.
+    CONNECT_TIMEOUT = "connect_timeout"
+    #: Connected, but no first token within ``first_token_timeout``.
+    FIRST_TOKEN_TIMEOUT = "first_token_timeout"  # noqa: S105 - not a password
+    #: The whole call took longer than ``total_timeout``.
+    TOTAL_TIMEOUT = "total_timeout"
+    #: The backend went silent between tokens for longer than ``timeout``.
+    STALL = "stall"
+    #: 429: too many requests or tokens for now; ``retry_after`` says when.
+    RATE_LIMITED = "rate_limited"
+    #: 429 saying the quota is spent for long (a daily quota, no credit).
+    QUOTA_EXHAUSTED = "quota_exhausted"
+    #: 503 / 529: the backend is overloaded or not ready.
+    OVERLOADED = "overloaded"
+    #: Any other 5xx (and 408, 409).
+    SERVER_ERROR = "server_error"
+    #: The backend says the request is invalid (4xx): no backend will take it.
+    BAD_REQUEST = "bad_request"
+    #: The prompt (plus the requested output) does not fit this model's context.
+    CONTEXT_LENGTH = "context_length"
+    #: The provider's content filter refused the prompt or the answer.
+    CONTENT_FILTER = "content_filter"
+    #: A response or stream that does not parse, or an error sent in-band.
+    MALFORMED = "malformed"
+    #: The call failed after tokens had already been streamed (its cause in the message).
+    BROKEN_STREAM = "broken_stream"
+    #: This backend cannot serve at all (auth, unknown model, misconfiguration).
+    UNAVAILABLE = "unavailable"
+
+
 class BackendError(RenQueueError):
-    """A backend call failed."""
+    """A backend call failed. ``failure`` is its class (see :class:`FailureClass`)."""
 
     code = "backend"
     #: Whether the same request may succeed if tried again (here or elsewhere).
     retryable = False
+    #: The class of a failure raised without one.
+    default_failure = FailureClass.UNAVAILABLE
 
     def __init__(
         self,
@@ -272,10 +319,12 @@ class BackendError(RenQueueError):
         backend: str,
         request_id: str | None = None,
         status: int | None = None,
+        failure: FailureClass | None = None,
     ) -> None:
         self.backend = backend
         self.request_id = request_id
         self.status = status
+        self.failure = failure if failure is not None else self.default_failure
         super().__init__(f"{backend}: {message}")
 
 
@@ -304,7 +353,13 @@ class RateLimitedError(BackendError):
         self.retry_after = retry_after
         self.quota_exhausted = quota_exhausted
         self.quota_exhausted_until = quota_exhausted_until
-        super().__init__(message, backend=backend, request_id=request_id, status=status)
+        super().__init__(
+            message,
+            backend=backend,
+            request_id=request_id,
+            status=status,
+            failure=FailureClass.QUOTA_EXHAUSTED if quota_exhausted else FailureClass.RATE_LIMITED,
+        )
 
 
 class RetryableBackendError(BackendError):
@@ -312,6 +367,7 @@ class RetryableBackendError(BackendError):
 
     code = "backend_unavailable"
     retryable = True
+    default_failure = FailureClass.SERVER_ERROR
 
 
 class FatalBackendError(BackendError):
@@ -324,6 +380,7 @@ class BadRequestError(BackendError):
     """The backend rejected the request itself as invalid."""
 
     code = "backend_bad_request"
+    default_failure = FailureClass.BAD_REQUEST
 
 
 class RequestFailedError(RenQueueError):

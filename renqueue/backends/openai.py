@@ -28,6 +28,7 @@ What it owns, and why:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -43,6 +44,7 @@ from ..errors import (
     BackendError,
     BadRequestError,
     ConfigError,
+    FailureClass,
     FatalBackendError,
     RateLimitedError,
     RetryableBackendError,
@@ -137,6 +139,44 @@ def _error_detail(body: bytes) -> str:
     return text or "(empty body)"
 
 
+#: Error codes and message fragments (lower case) that say the prompt does
+#: not fit the model's context: OpenAI and vLLM ("maximum context length"),
+#: llama.cpp ("exceeds the available context size"), TGI ("must be <= ..."
+#: tokens), Anthropic ("prompt is too long"), Gemini ("exceeds the maximum
+#: number of tokens"), Ollama and others.
+_CONTEXT_CODES: Final = frozenset({"context_length_exceeded", "exceed_context_size_error"})
+_CONTEXT_PHRASES: Final = (
+    "context length",
+    "context_length",
+    "context window",
+    "context size",
+    "prompt is too long",
+    "maximum number of tokens",
+    "too many tokens",
+    "tokens + `max_new_tokens` must be",
+)
+#: Error codes that say a content filter refused the prompt (OpenAI, Azure OpenAI).
+_FILTER_CODES: Final = frozenset({"content_filter", "content_policy_violation"})
+
+
+def _bad_request_class(status: int, body: bytes) -> FailureClass:
+    """The class of a 4xx that blames the request: context length, content filter, or neither."""
+    if status == 413:
+        return FailureClass.CONTEXT_LENGTH
+    code = ""
+    with contextlib.suppress(msgspec.DecodeError):
+        data: Any = msgspec.json.decode(body)
+        error = data.get("error") if isinstance(data, dict) else None
+        if isinstance(error, dict):
+            code = str(error.get("code") or error.get("type") or "")
+    if code in _FILTER_CODES:
+        return FailureClass.CONTENT_FILTER
+    text = body[:4096].decode("utf-8", errors="replace").lower()
+    if code in _CONTEXT_CODES or any(phrase in text for phrase in _CONTEXT_PHRASES):
+        return FailureClass.CONTEXT_LENGTH
+    return FailureClass.BAD_REQUEST
+
+
 def _estimate_prompt_tokens(request: InferenceRequest) -> int:
     """About four characters per token: the usual rule of thumb for English text."""
     chars = sum(len(message.content) for message in request.messages)
@@ -224,6 +264,14 @@ class OpenAIBackend:
         self._url = config.base_url.rstrip("/") + "/chat/completions"
         self._timeout = httpx.Timeout(
             parse_duration(config.timeout), connect=parse_duration(config.connect_timeout)
+        )
+        self._first_token_timeout = (
+            None
+            if config.first_token_timeout is None
+            else parse_duration(config.first_token_timeout)
+        )
+        self._total_timeout = (
+            None if config.total_timeout is None else parse_duration(config.total_timeout)
         )
         key = config.api_key(path=f"$.backends.{name}")
         self._key = key.reveal() if key else ""
@@ -319,20 +367,36 @@ class OpenAIBackend:
         """Yield text deltas as the backend generates them, then one ``Delta`` with usage.
 
         Closing the generator early closes the HTTP response, so the backend
-        sees the disconnect and stops generating.
+        sees the disconnect and stops generating. A failure after text was
+        yielded is :attr:`~renqueue.errors.FailureClass.BROKEN_STREAM`
+        (its cause in the message); a stream that ends without ``[DONE]`` is
+        complete only if it gave a finish reason.
         """
         body = self._body(request, priority, stream=True)
         state = _StreamState()
+        clock = _Clock(self._first_token_timeout, self._total_timeout)
         try:
             with self._pool() as pool:
-                async for delta in self._stream_from(pool, body, state, request):
+                async for delta in self._stream_from(pool, body, state, request, clock):
+                    clock.first_token()
                     yield delta
+            if not state.done and state.finish_reason is None:
+                raise RetryableBackendError(
+                    "stream ended before [DONE]",
+                    backend=self._name,
+                    request_id=request.id,
+                    failure=FailureClass.MALFORMED,
+                )
         except httpx.HTTPError as exc:
-            raise self._transport_error(exc, request) from exc
-        if not state.done:
-            raise RetryableBackendError(
-                "stream ended before [DONE]", backend=self._name, request_id=request.id
-            )
+            error = self._transport_error(exc, request, clock)
+            raise self._after_tokens(error, clock) from exc
+        except TimeoutError as exc:
+            raise self._after_tokens(clock.timed_out(self._name, request), clock) from exc
+        except BackendError as exc:
+            after = self._after_tokens(exc, clock)
+            if after is exc:
+                raise
+            raise after from exc
         yield Delta(
             usage=_usage(state.usage, request, state.deltas), finish_reason=state.finish_reason
         )
@@ -343,24 +407,31 @@ class OpenAIBackend:
         body: bytes,
         state: _StreamState,
         request: InferenceRequest,
+        clock: _Clock,
     ) -> AsyncIterator[Delta]:
         """The SSE parse (:mod:`._sse`). Everything that arrived in one network
         read becomes one :class:`Delta`: a fast backend's burst of tokens costs
-        one publish downstream, and a slow one's single token is not held back."""
-        async with pool.stream(
-            "POST",
-            self._url,
-            content=body,
-            headers=self._stream_headers,
-            timeout=self._timeout,
-        ) as response:
+        one publish downstream, and a slow one's single token is not held back.
+
+        Each wait on the network is bounded by the clock's next deadline (the
+        first token's, else the whole call's): never across a ``yield``, so a
+        slow consumer is not cut off by it."""
+        call = pool.stream(
+            "POST", self._url, content=body, headers=self._stream_headers, timeout=self._timeout
+        )
+        async with clock.bounded():
+            response = await call.__aenter__()
+        try:
             if not response.is_success:
-                await response.aread()
+                async with clock.bounded():
+                    await response.aread()
                 raise self._status_error(response, request)
             self._observe(response)
             if "text/event-stream" not in response.headers.get("content-type", ""):
                 # A server that ignored "stream": true and sent one JSON body.
-                generation = self._generation(await response.aread(), request)
+                async with clock.bounded():
+                    raw = await response.aread()
+                generation = self._generation(raw, request)
                 if generation.text:
                     yield Delta(text=generation.text)
                 state.done = True
@@ -371,8 +442,14 @@ class OpenAIBackend:
                 state.finish_reason = generation.finish_reason
                 return
             decoder = SSEDecoder()
+            pieces = response.aiter_bytes().__aiter__()
             try:
-                async for piece in response.aiter_bytes():
+                while True:
+                    try:
+                        async with clock.bounded():
+                            piece = await anext(pieces)
+                    except StopAsyncIteration:
+                        break
                     text = ""
                     for event in decoder.feed(piece):
                         text += self._feed(state, event, request)
@@ -383,23 +460,32 @@ class OpenAIBackend:
                 last = decoder.finish()
             except SSEError as exc:
                 raise RetryableBackendError(
-                    f"malformed stream: {exc}", backend=self._name, request_id=request.id
+                    f"malformed stream: {exc}",
+                    backend=self._name,
+                    request_id=request.id,
+                    failure=FailureClass.MALFORMED,
                 ) from exc
             if last is not None and last.data == "[DONE]":
                 state.done = True
+        finally:
+            await call.__aexit__(None, None, None)
 
     async def complete(
         self, request: InferenceRequest, *, priority: int | None = None
     ) -> Generation:
-        """The whole answer from one non-streaming call."""
+        """The whole answer from one non-streaming call (bounded by ``total_timeout``)."""
         body = self._body(request, priority, stream=False)
+        clock = _Clock(None, self._total_timeout)
         try:
             with self._pool() as pool:
-                response = await pool.post(
-                    self._url, content=body, headers=self._json_headers, timeout=self._timeout
-                )
+                async with clock.bounded():
+                    response = await pool.post(
+                        self._url, content=body, headers=self._json_headers, timeout=self._timeout
+                    )
         except httpx.HTTPError as exc:
-            raise self._transport_error(exc, request) from exc
+            raise self._transport_error(exc, request, clock) from exc
+        except TimeoutError as exc:
+            raise clock.timed_out(self._name, request) from exc
         if not response.is_success:
             raise self._status_error(response, request)
         self._observe(response)
@@ -444,12 +530,16 @@ class OpenAIBackend:
                 f"malformed stream chunk: {self._redact(str(exc))}",
                 backend=self._name,
                 request_id=request.id,
+                failure=FailureClass.MALFORMED,
             ) from exc
         except LookupError as exc:
+            # An error sent in-band (OpenAI, OpenRouter: ``data: {"error": ...}``):
+            # the server failed while answering.
             raise RetryableBackendError(
                 f"error in stream: {self._redact(_error_detail(str(exc).encode()))}",
                 backend=self._name,
                 request_id=request.id,
+                failure=FailureClass.SERVER_ERROR,
             ) from None  # the LookupError is ours; it adds nothing
 
     def _generation(self, body: bytes, request: InferenceRequest) -> Generation:
@@ -460,10 +550,14 @@ class OpenAIBackend:
                 f"malformed response body: {self._redact(str(exc))}",
                 backend=self._name,
                 request_id=request.id,
+                failure=FailureClass.MALFORMED,
             ) from exc
         if not completion.choices:
             raise RetryableBackendError(
-                "response has no choices", backend=self._name, request_id=request.id
+                "response has no choices",
+                backend=self._name,
+                request_id=request.id,
+                failure=FailureClass.MALFORMED,
             )
         choice = completion.choices[0]
         text = (choice.message.content if choice.message else None) or ""
@@ -490,18 +584,87 @@ class OpenAIBackend:
                 quota_exhausted_until=limits.quota_exhausted_until,
                 **fields,
             )
+        if status in (503, 529):  # overloaded (529: Anthropic's) or not ready yet
+            return RetryableBackendError(
+                message, status=status, failure=FailureClass.OVERLOADED, **fields
+            )
         if status in (408, 409) or status >= 500:
-            return RetryableBackendError(message, status=status, **fields)
+            return RetryableBackendError(
+                message, status=status, failure=FailureClass.SERVER_ERROR, **fields
+            )
         if status in (400, 413, 422):
-            return BadRequestError(message, status=status, **fields)
+            failure = _bad_request_class(status, response.content)
+            return BadRequestError(message, status=status, failure=failure, **fields)
         # 401, 403, 404 and anything else unexpected (402 out of credits, 405,
         # a redirect): this backend's configuration is what's wrong.
-        return FatalBackendError(message, status=status, **fields)
+        return FatalBackendError(message, status=status, failure=FailureClass.UNAVAILABLE, **fields)
 
-    def _transport_error(self, exc: httpx.HTTPError, request: InferenceRequest) -> BackendError:
+    def _transport_error(
+        self, exc: httpx.HTTPError, request: InferenceRequest, clock: _Clock
+    ) -> BackendError:
         detail = self._redact(str(exc))
         message = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
         if isinstance(exc, httpx.UnsupportedProtocol | httpx.LocalProtocolError):
-            return FatalBackendError(message, backend=self._name, request_id=request.id)
-        # Timeouts, connection errors, RemoteProtocolError (a dropped stream).
-        return RetryableBackendError(message, backend=self._name, request_id=request.id)
+            return FatalBackendError(
+                message, backend=self._name, request_id=request.id, failure=FailureClass.UNAVAILABLE
+            )
+        if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+            failure = FailureClass.CONNECT_TIMEOUT
+        elif isinstance(exc, httpx.TimeoutException):  # a silence longer than ``timeout``
+            failure = FailureClass.STALL if clock.began else FailureClass.FIRST_TOKEN_TIMEOUT
+        else:  # refused, reset, dropped (ConnectError, ReadError, RemoteProtocolError, ...)
+            failure = FailureClass.CONNECT
+        return RetryableBackendError(
+            message, backend=self._name, request_id=request.id, failure=failure
+        )
+
+    def _after_tokens(self, error: BackendError, clock: _Clock) -> BackendError:
+        """``error`` as a broken stream when text had already been yielded."""
+        if not clock.began or not error.retryable or isinstance(error, RateLimitedError):
+            return error
+        return RetryableBackendError(
+            f"stream broke after tokens were sent ({error.failure}): "
+            f"{str(error).removeprefix(self._name + ': ')}",
+            backend=self._name,
+            request_id=error.request_id,
+            status=error.status,
+            failure=FailureClass.BROKEN_STREAM,
+        )
+
+
+class _Clock:
+    """The deadlines of one call: the first token's (``first_token_timeout``
+    from the start) and the whole call's (``total_timeout``)."""
+
+    __slots__ = ("_first", "_total", "began")
+
+    def __init__(self, first_token: float | None, total: float | None) -> None:
+        now = asyncio.get_running_loop().time()
+        self._first = None if first_token is None else now + first_token
+        self._total = None if total is None else now + total
+        #: Text was yielded: the first-token deadline no longer applies.
+        self.began = False
+
+    def first_token(self) -> None:
+        self.began = True
+
+    def deadline(self) -> float | None:
+        first = None if self.began else self._first
+        if first is None or self._total is None:
+            return first if self._total is None else self._total
+        return min(first, self._total)
+
+    def bounded(self) -> asyncio.Timeout:
+        """A scope for one wait on the network: it ends at the next deadline."""
+        return asyncio.timeout_at(self.deadline())
+
+    def timed_out(self, backend: str, request: InferenceRequest) -> RetryableBackendError:
+        """The error of a wait cut by :meth:`bounded`."""
+        total = self._total is not None and self._total <= asyncio.get_running_loop().time()
+        failure = FailureClass.TOTAL_TIMEOUT if total else FailureClass.FIRST_TOKEN_TIMEOUT
+        what = (
+            "the call took longer than total_timeout"
+            if total
+            else ("no first token within first_token_timeout")
+        )
+        return RetryableBackendError(what, backend=backend, request_id=request.id, failure=failure)

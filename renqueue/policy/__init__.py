@@ -14,8 +14,10 @@ that read the broker, ask these functions, and carry out what they answer.
 - Preemption (``_preemption``): :func:`may_preempt`, :func:`preempting_rank`,
   :func:`choose_victim`.
 - A worker's failed run (``_failure``): :func:`after_failure` under a
-  :class:`FailurePolicy`, answering :class:`Retry`, :class:`RequeueElsewhere`
-  or :class:`Fail`; :func:`backoff`.
+  :class:`FailurePolicy` and a route's :class:`FallbackPolicy` (over its
+  :class:`Candidate` s, :class:`RouteFacts`), answering :class:`Retry`,
+  :class:`FallBack`, :class:`RequeueElsewhere` or :class:`Fail`;
+  :func:`backoff`, :func:`meets`.
 - Backend health (``_health``): :func:`is_healthy`.
 - Backend quotas (``_quota``, over the spend log of ``_spend``): :class:`Limit` s
   (:func:`limits_of`, :func:`effective_limits`) judged against a :class:`Quota`
@@ -31,14 +33,21 @@ that read the broker, ask these functions, and carry out what they answer.
 
 from ._aging import LevelPolicy, aging_bound, effective_rank, pick_key, promotions
 from ._failure import (
+    DEFAULT_FALLBACK_ON,
     INTERNAL,
+    RETRY_HERE_FIRST,
+    Candidate,
     Fail,
     FailureAction,
     FailurePolicy,
+    FallBack,
+    FallbackPolicy,
     RequeueElsewhere,
     Retry,
+    RouteFacts,
     after_failure,
     backoff,
+    meets,
     retry_after,
 )
 from ._health import DEFAULT_COOLDOWN, DEFAULT_FAILURE_THRESHOLD, FaultRecord, is_healthy
@@ -93,19 +102,24 @@ __all__ = [
     "DEADLINE_PASSED",
     "DEFAULT_COOLDOWN",
     "DEFAULT_FAILURE_THRESHOLD",
+    "DEFAULT_FALLBACK_ON",
     "INTERNAL",
     "MESSAGE_OVERHEAD_TOKENS",
     "PREEMPT_RETRY",
     "REPLY_OVERHEAD_TOKENS",
+    "RETRY_HERE_FIRST",
     "Action",
     "AskPreemption",
     "BackendView",
     "Bind",
+    "Candidate",
     "Cost",
     "Expire",
     "Fail",
     "FailureAction",
     "FailurePolicy",
+    "FallBack",
+    "FallbackPolicy",
     "FaultRecord",
     "Inherit",
     "Learned",
@@ -119,6 +133,7 @@ __all__ = [
     "QuotaVerdict",
     "RequeueElsewhere",
     "Retry",
+    "RouteFacts",
     "SpendLog",
     "Wait",
     "Waiting",
@@ -141,6 +156,7 @@ __all__ = [
     "limit_usage",
     "limits_of",
     "may_preempt",
+    "meets",
     "pick_key",
     "plan",
     "preempting_rank",

@@ -1,28 +1,59 @@
 """The worker's failure policy: what to do after a run failed, as a plain function.
 
 :func:`after_failure` takes the error a run ended with, how many runs of the
-same dispatch failed before it (counted from the log's ``retrying`` events)
-and the :class:`FailurePolicy`, and answers one of:
+same dispatch failed before it (counted from the log's ``retrying`` events),
+the worker's :class:`FailurePolicy`, and, for a request of a route, the
+route's :class:`FallbackPolicy` and what is known of its candidates
+(:class:`RouteFacts`). It answers one of:
 
-- :class:`RequeueElsewhere`: put the request back to routing, to be bound to
-  another candidate of its route (the fallback down the cascade). For a
-  :class:`~renqueue.errors.RateLimitedError` that says the provider's quota is
-  spent (``quota_exhausted``: OpenAI's ``insufficient_quota``, a per-day quota
-  id, a daily window at 0): no retry here can succeed before the quota comes
-  back, hours away, so the request must not wait for it on this backend.
-  Whatever the budget: the request has not failed, it goes elsewhere, and its
-  next dispatch (a new attempt) starts a budget of its own. ``hold`` says how
-  long this backend is left out when the provider did not say until when
-  (``quota_exhausted_until`` unknown): its ``retry-after`` if longer, else
-  ``quota_hold``.
 - :class:`Retry`: run it again on the same backend after ``delay`` (a
-  ``retrying`` event, then a delayed ``nak``). For any other retryable error
-  (:class:`~renqueue.errors.RateLimitedError`,
-  :class:`~renqueue.errors.RetryableBackendError`) or a worker error
-  (``internal``: any exception that is not a :class:`~renqueue.errors.BackendError`),
-  while this run is not the budget's last (``failed_runs + 1 < budget``).
-- :class:`Fail`: end the request ``failed`` (with a dead-letter copy): at once
-  for a fatal or bad-request error, or once the budget is used up.
+  ``retrying`` event, then a delayed ``nak``).
+- :class:`FallBack`: put the request back to routing, to be bound to another
+  candidate of its route (a ``fell_back`` event, then the request on its
+  level's requeue subject, keeping its wait), with the backends it must not
+  go to and the constraints the next candidate must meet (a larger context
+  window, no lower tier, free only).
+- :class:`RequeueElsewhere`: the provider's quota is spent (hours away): put
+  the request back to routing, and this backend is left out for everyone
+  until the quota comes back (``hold`` when the provider did not say until
+  when: its ``retry-after`` if longer, else ``quota_hold``). Not a fallback
+  of the request's: it uses none of its attempts, and its next dispatch starts
+  a budget of its own.
+- :class:`Fail`: end the request ``failed`` (with a dead-letter copy).
+
+The failure's class (:class:`~renqueue.errors.FailureClass`, set by the
+adapter), not its exception type, decides:
+
+1. A spent quota: :class:`RequeueElsewhere`, whatever the budget.
+2. A class the route falls back on (``FallbackPolicy.on``):
+
+   - a transient one of :data:`RETRY_HERE_FIRST` (a refused connection, a
+     timeout before the first token, a silence, a 5xx, a malformed answer)
+     is refallback here first, ``FallbackPolicy.retries`` times, unless the run
+     was a half-open circuit's probe (one probe decides);
+   - then, and at once for the others (overloaded, rate-limited, a backend
+     that cannot serve, a context too long, a stream broken after tokens
+     were sent, a whole call too long), :class:`FallBack`: the failed
+     backend joins ``excluded``; a context-length failure asks for a larger
+     window than the failed backend's; without ``downgrade`` the next
+     candidate's tier may not be lower; without ``paid`` it must be free.
+     When no candidate outside ``excluded`` meets the constraints, the next
+     pass over the route starts (``excluded`` empties): the request waits
+     for one of them to recover (the router skips unhealthy and open
+     backends) rather than fail. A context-length failure with no larger
+     window anywhere fails.
+   - Each fallback uses one of the request's ``FallbackPolicy.attempts``
+     (backends fallback, the first included), except one from a probe: a
+     request that was the probe of a half-open circuit is not charged for
+     the backend's state. With no attempt left: :class:`Fail`.
+3. Any other class: a retryable one (see ``BackendError.retryable``) is
+   refallback here while the budget lasts; a bad request, a content filter or
+   a backend that cannot serve fails at once.
+4. A worker error (``internal``: any exception that is not a
+   :class:`~renqueue.errors.BackendError`) is refallback while the budget lasts.
+
+The budget (``FailurePolicy.budget``, ``worker.max_deliver``) bounds the
+runs of one dispatch whatever the class.
 
 The delay before a retry is the provider's ``retry-after`` when it gives a
 usable one (finite and positive), **not capped**: it names the moment the
@@ -42,10 +73,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Final
 
+import msgspec
 from msgspec import Struct
 
-from ..errors import BackendError, RateLimitedError
+from ..errors import BackendError, FailureClass, RateLimitedError
+from ..wire._messages import Fallback
 
 #: ``error_type`` of a failure that is the worker's, not the backend's.
 INTERNAL = "internal"
@@ -65,6 +99,69 @@ class FailurePolicy(Struct, frozen=True, kw_only=True):
     #: Seconds a backend whose provider says its quota is spent, without saying
     #: until when (OpenAI ``insufficient_quota``), is left out (``quota_hold``).
     quota_hold: float = 600.0
+
+
+#: Transient classes worth a retry on the same backend before falling back.
+RETRY_HERE_FIRST: Final = frozenset(
+    {
+        FailureClass.CONNECT,
+        FailureClass.CONNECT_TIMEOUT,
+        FailureClass.FIRST_TOKEN_TIMEOUT,
+        FailureClass.STALL,
+        FailureClass.SERVER_ERROR,
+        FailureClass.MALFORMED,
+    }
+)
+
+#: The classes a route falls back on unless its ``fallback.on`` says otherwise:
+#: every one but a bad request and a content filter (no backend should be
+#: asked again to take what one refused as invalid or unsafe).
+DEFAULT_FALLBACK_ON: Final = frozenset(FailureClass) - {
+    FailureClass.BAD_REQUEST,
+    FailureClass.CONTENT_FILTER,
+}
+
+
+class FallbackPolicy(Struct, frozen=True, kw_only=True):
+    """A route's fallback rules (``[routes.<name>.fallback]``)."""
+
+    #: The failure classes that send a request down the route.
+    on: frozenset[FailureClass] = DEFAULT_FALLBACK_ON
+    #: Backends a request may be fallback on (the first included); each
+    #: fallback uses one.
+    attempts: int = 3
+    #: Retries on the same backend of a transient failure before falling back.
+    retries: int = 1
+    #: Whether a fallback may go to a lower tier than the backend that failed
+    #: (recorded as a quality downgrade in the routing decision).
+    downgrade: bool = True
+    #: Whether a fallback may go to a paid backend (within the request's ``max_cost``).
+    paid: bool = True
+
+
+class Candidate(Struct, frozen=True, kw_only=True):
+    """What the failure policy knows of one backend of the route."""
+
+    name: str
+    tier: int = 1
+    #: Declared context window in tokens; ``None``: unknown.
+    context_window: int | None = None
+    #: Whether calls there cost money.
+    paid: bool = False
+
+
+class RouteFacts(Struct, frozen=True, kw_only=True):
+    """The route a failed request belongs to, as the failure policy needs it."""
+
+    policy: FallbackPolicy
+    #: Its candidates in cascade order.
+    candidates: tuple[Candidate, ...]
+    #: The backend whose run failed.
+    backend: Candidate
+    #: The request's place in the cascade so far.
+    fallback: Fallback = Fallback()
+    #: The failed run was the probe of a half-open circuit.
+    probe: bool = False
 
 
 class Retry(Struct, frozen=True, kw_only=True, tag=True):
@@ -91,6 +188,21 @@ class RequeueElsewhere(Struct, frozen=True, kw_only=True, tag=True):
     hold: float | None = None
 
 
+class FallBack(Struct, frozen=True, kw_only=True, tag=True):
+    """Put the request back to routing for another candidate of its route.
+
+    The worker records a ``fell_back`` event (the failed backend, the class,
+    the reason, ``fallback``), then puts the request back on its level's requeue
+    subject, keeping its wait, with ``fallback`` as its ``fallback``.
+    """
+
+    error_type: str
+    error_class: str
+    reason: str
+    #: The request's new place in the cascade: where it may not go next.
+    fallback: Fallback
+
+
 class Fail(Struct, frozen=True, kw_only=True, tag=True):
     """End the request ``failed`` (``error_type``, ``reason``), with a dead-letter copy."""
 
@@ -98,7 +210,7 @@ class Fail(Struct, frozen=True, kw_only=True, tag=True):
     reason: str
 
 
-FailureAction = Retry | RequeueElsewhere | Fail
+FailureAction = Retry | FallBack | RequeueElsewhere | Fail
 
 
 def backoff(step: int, policy: FailurePolicy, random: Callable[[], float]) -> float:
@@ -131,11 +243,13 @@ def after_failure(
     failed_runs: int,
     policy: FailurePolicy,
     random: Callable[[], float],
+    route: RouteFacts | None = None,
 ) -> FailureAction:
     """What to do after a run of a dispatch failed with ``error``.
 
     ``failed_runs``: runs of the same dispatch that failed before this one.
-    See the module docstring for the rules.
+    ``route``: the request's route and cascade state; ``None``: no fallback
+    (retry here or fail). See the module docstring for the rules.
     """
     failed = failed_runs + 1
     given = retry_after(error)
@@ -148,7 +262,16 @@ def after_failure(
         )
     if isinstance(error, BackendError):
         error_type, reason = error.code, str(error)[:1000]
-        if not error.retryable:
+        if route is not None and error.failure in route.policy.on:
+            here = (
+                error.failure in RETRY_HERE_FIRST
+                and not route.probe
+                and failed_runs < route.policy.retries
+                and failed < policy.budget
+            )
+            if not here:
+                return _fall_back(error, error_type, reason, route)
+        elif not error.retryable:
             return Fail(error_type=error_type, reason=reason)
         if failed >= policy.budget:
             return Fail(error_type=error_type, reason=reason + " (retries exhausted)")
@@ -161,3 +284,65 @@ def after_failure(
             )
     delay = given if given is not None else backoff(failed, policy, random)
     return Retry(delay=delay, error_type=error_type, reason=reason)
+
+
+def _fall_back(
+    error: BackendError, error_type: str, reason: str, route: RouteFacts
+) -> Fail | FallBack:
+    """The fallback after ``error`` on ``route.backend``, or the failure when none is left."""
+    fallback, failed = route.fallback, route.backend
+    count = fallback.count + (0 if route.probe else 1)
+    if count >= route.policy.attempts:
+        return Fail(
+            error_type=error_type,
+            reason=f"{reason} (fallback {count} backends, the route's fallback.attempts)"[:1000],
+        )
+    min_context = fallback.min_context
+    if error.failure is FailureClass.CONTEXT_LENGTH and failed.context_window is not None:
+        min_context = max(min_context or 0, failed.context_window + 1)
+    min_tier = fallback.min_tier
+    if not route.policy.downgrade:
+        min_tier = max(min_tier or 0, failed.tier)
+    constraints = Fallback(
+        excluded=(),
+        count=count,
+        min_context=min_context,
+        min_tier=min_tier,
+        free_only=fallback.free_only or not route.policy.paid,
+    )
+    able = [c.name for c in route.candidates if meets(c, constraints)]
+    if error.failure is FailureClass.CONTEXT_LENGTH:
+        # Never again where the context did not fit (its window may be unknown).
+        able = [name for name in able if name != failed.name]
+        if not able:
+            return Fail(
+                error_type=error_type,
+                reason=f"{reason} (no candidate of the route has a larger context window)"[:1000],
+            )
+    elif not able:
+        return Fail(
+            error_type=error_type,
+            reason=f"{reason} (no candidate of the route meets the fallback rules)"[:1000],
+        )
+    excluded = tuple(dict.fromkeys((*fallback.excluded, failed.name)))
+    if all(name in excluded for name in able):
+        # Every candidate failed it once: the next pass over the route. It
+        # waits for one to recover (the router skips unhealthy and open ones).
+        excluded = (failed.name,) if error.failure is FailureClass.CONTEXT_LENGTH else ()
+    return FallBack(
+        error_type=error_type,
+        error_class=str(error.failure),
+        reason=reason,
+        fallback=msgspec.structs.replace(constraints, excluded=excluded),
+    )
+
+
+def meets(candidate: Candidate, fallback: Fallback) -> bool:
+    """Whether ``candidate`` meets a fallback's constraints (``excluded`` aside)."""
+    if fallback.min_tier is not None and candidate.tier < fallback.min_tier:
+        return False
+    if fallback.free_only and candidate.paid:
+        return False
+    return fallback.min_context is None or (
+        candidate.context_window is not None and candidate.context_window >= fallback.min_context
+    )

@@ -34,6 +34,8 @@ __all__ = [
     "Event",
     "Expired",
     "Failed",
+    "Fallback",
+    "FellBack",
     "GenerationParams",
     "InferenceRequest",
     "Preempted",
@@ -95,6 +97,23 @@ class Usage(Struct, frozen=True, kw_only=True):
 MAX_REQUEUES: Final = 1000
 
 
+class Fallback(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Where a request stands in its route's cascade after falling back
+    (``InferenceRequest.fallback``; set by workers: see
+    :func:`renqueue.policy.after_failure`)."""
+
+    #: Backends that failed it in this pass over the route: not bound there again.
+    excluded: Annotated[tuple[Name, ...], Meta(max_length=256)] = ()
+    #: Fallbacks so far that used one of the route's ``fallback.attempts``.
+    count: Annotated[int, Meta(ge=0, le=MAX_REQUEUES)] = 0
+    #: The next backend's declared context window must be at least this many tokens.
+    min_context: Annotated[int, Meta(ge=1)] | None = None
+    #: The next backend's tier must be at least this.
+    min_tier: Annotated[int, Meta(ge=0, le=100)] | None = None
+    #: The next backend must be free (the route's ``fallback.paid`` is off).
+    free_only: bool = False
+
+
 class InferenceRequest(Struct, frozen=True, kw_only=True):
     """What a client publishes to ``rq.req.<priority>.<tenant>``.
 
@@ -126,6 +145,9 @@ class InferenceRequest(Struct, frozen=True, kw_only=True):
     dedupe_key: RequestId | None = None
     #: Share a call with identical requests (same route, messages and params).
     coalesce: bool = False
+    #: Its place in its route's cascade after a backend failed it; set by
+    #: workers, with ``requeues``, on the services' requeue subject only.
+    fallback: Fallback | None = None
 
 
 class Dispatch(Struct, frozen=True, kw_only=True):
@@ -142,6 +164,10 @@ class Dispatch(Struct, frozen=True, kw_only=True):
     #: (prompt estimate + the most it may generate); the worker reports the
     #: real usage against it.
     reserved_tokens: Count = 0
+    #: Bound to a backend whose circuit is half-open: this call is the probe
+    #: that closes or opens it again, and a failure here uses none of the
+    #: request's fallback attempts.
+    probe: bool = False
 
 
 class TokenChunk(Struct, frozen=True, kw_only=True):
@@ -305,6 +331,9 @@ class Retrying(_EventBase, frozen=True, kw_only=True, tag="retrying"):
     quota_exhausted_until: float | None = None
     #: The request was put back to routing (a spent quota), not retried here.
     requeued: bool = False
+    #: The failure's class (:class:`renqueue.errors.FailureClass`; ``internal``
+    #: for a worker error; empty in events from before classes).
+    error_class: str = ""
 
 
 class Completed(_EventBase, frozen=True, kw_only=True, tag="completed"):
@@ -338,6 +367,29 @@ class Failed(_EventBase, frozen=True, kw_only=True, tag="failed"):
     limits: tuple[ReportedLimit, ...] = ()
     #: The provider's quota is spent until then (a daily quota): no call before.
     quota_exhausted_until: float | None = None
+    #: The failure's class, when a backend call failed (see ``Retrying``).
+    error_class: str = ""
+
+
+class FellBack(_EventBase, frozen=True, kw_only=True, tag="fell_back"):
+    """A backend failed the request; it goes back to routing for another
+    candidate of its route (its next dispatch is a new attempt), keeping its wait.
+
+    ``fallback`` is where it may go next (its ``InferenceRequest.fallback``);
+    ``probe``: the failed run was a half-open circuit's probe, so this
+    fallback used none of the request's attempts.
+    """
+
+    backend: str
+    attempt: int
+    delivery: int
+    error_type: str
+    error_class: str
+    reason: str
+    fallback: Fallback
+    probe: bool = False
+    #: What the provider reported of its rate limits with this failure.
+    limits: tuple[ReportedLimit, ...] = ()
 
 
 class Expired(_EventBase, frozen=True, kw_only=True, tag="expired"):
@@ -365,6 +417,7 @@ Event = (
     | Coalesced
     | Started
     | Retrying
+    | FellBack
     | Completed
     | Failed
     | Expired
