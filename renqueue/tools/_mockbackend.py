@@ -10,6 +10,24 @@ failures, streaming (SSE with the ``include_usage`` final chunk and
 ``data: [DONE]``) and non-streaming answers. The generated text
 is deterministic (``"tok0 tok1 tok2 ..."``) so tests can assert on content.
 
+Fault injection (``_mockfaults`` has the kinds and their exact wire format):
+the ``faults`` setting scripts faults for chat requests in arrival order
+and/or draws them at random (with ``seed``): ``500``, ``503`` (overloaded),
+``529`` (Anthropic overloaded), ``reset``, ``hang``, ``drip``, ``429``,
+``429_bare`` (no retry-after), ``quota``, ``malformed``, ``break``,
+``no_done``, ``sse_error``, ``context_length``, ``content_filter`` and
+``filtered``; ``down = true`` resets every connection until set back, and
+``context_window = N`` refuses prompts over ``N`` tokens with OpenAI's
+``context_length_exceeded`` 400. For example, at start-up::
+
+    renqueue mock-backend --fault-script 500,ok,reset --fault 503=0.1 --context-window 4096
+
+or at run time (``faults`` is replaced whole, and restarts its script)::
+
+    POST /admin/settings {"faults": {"script": ["break", "ok"], "repeat": true}}
+    POST /admin/settings {"faults": {"random": {"reset": 0.05, "429": 0.1}}, "seed": 1}
+    POST /admin/settings {"down": true}
+
 Endpoints::
 
     POST /v1/chat/completions   the API
@@ -45,9 +63,12 @@ import asyncio
 import contextlib
 import enum
 import itertools
+import math
 import random
+import socket
+import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Annotated, Any, Final, Literal, Self
 
@@ -56,6 +77,17 @@ from aiohttp import web
 from msgspec import Meta, Struct
 
 from ..logs import get_logger
+from ._mockfaults import (
+    ERROR_ANSWERS,
+    STREAM_ONLY,
+    FaultKind,
+    FaultSchedule,
+    FaultSpec,
+    context_length_body,
+    parse_fault_rates,
+    parse_fault_script,
+    stream_error_line,
+)
 from ._mocklimits import (
     MockLimitStyle,
     Quota,
@@ -100,6 +132,13 @@ class MockSettings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     - ``quota_exhausted``: every chat request is refused with the dialect's
       quota-exhausted 429 (OpenAI ``insufficient_quota``, a per-day Gemini
       quota id, daily counters at 0 until UTC midnight), and not charged.
+    - ``faults``: scripted and random faults (:class:`._mockfaults.FaultSpec`;
+      the kinds and their wire formats are in :mod:`._mockfaults`). Setting
+      it at run time replaces it whole and starts its script over.
+    - ``down``: every connection to ``/v1/*`` and ``/health`` is reset, as a
+      backend that is down (``/stats`` and ``/admin/settings`` still answer).
+    - ``context_window``: prompts estimated over this many tokens (characters
+      / 4) get OpenAI's ``context_length_exceeded`` 400; 0 = no limit.
     """
 
     models: tuple[str, ...] = ()
@@ -120,6 +159,9 @@ class MockSettings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     rpd: Limit = 0
     limit_style: MockLimitStyle = "openai"
     quota_exhausted: bool = False
+    faults: FaultSpec = msgspec.field(default_factory=FaultSpec)
+    down: bool = False
+    context_window: Limit = 0
 
 
 class MockStats(Struct, frozen=True, kw_only=True):
@@ -128,7 +170,10 @@ class MockStats(Struct, frozen=True, kw_only=True):
     injected failures; ``disconnects`` counts clients that went away before
     their answer was complete (while sending the request, waiting or
     streaming: a normal event, never logged as an error); ``last_request`` is
-    the last chat request body, as sent.
+    the last chat request body, as sent; ``faults`` counts injected faults by
+    kind (``down`` for connections reset while down), which are counted in
+    none of the other counters but ``requests``, ``streamed`` and
+    ``disconnects``.
     """
 
     requests: int = 0
@@ -143,6 +188,7 @@ class MockStats(Struct, frozen=True, kw_only=True):
     max_in_flight_seen: int = 0
     disconnects: int = 0
     last_request: Any = None
+    faults: dict[str, int] = {}
 
 
 class _Counters:
@@ -208,6 +254,8 @@ class _Plan(Struct, frozen=True, kw_only=True):
     completion_tokens: int
     finish_reason: str
     include_usage: bool
+    #: The fault that shapes this answer (``drip``, ``break``, ...), if any.
+    fault: FaultKind | None = None
 
     def usage(self) -> dict[str, int]:
         return {
@@ -321,6 +369,12 @@ class MockBackend:
         self._requests_bucket: _Bucket | None = None
         self._tokens_bucket: _Bucket | None = None
         self._daily_bucket: _Bucket | None = None
+        self._schedule = FaultSchedule(FaultSpec())
+        #: Whether any fault setting is on: the one check a request pays without.
+        self._faulty = False
+        self._fault_counts: dict[str, int] = {}
+        #: Set on close: hung requests let go of their connections.
+        self._closing = asyncio.Event()
         self._apply(settings or MockSettings())
 
     # ----------------------------------------------------------- lifecycle
@@ -365,6 +419,7 @@ class MockBackend:
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
+        self._closing.set()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -387,7 +442,7 @@ class MockBackend:
         """Change some settings now (validated; ``msgspec.ValidationError`` if invalid)."""
         merged = {**msgspec.structs.asdict(self._settings), **changes}
         settings = msgspec.convert(merged, MockSettings)
-        self._apply(settings)
+        self._apply(settings, restart_faults="faults" in changes)
         return settings
 
     def stats(self) -> MockStats:
@@ -406,11 +461,16 @@ class MockBackend:
             max_in_flight_seen=c.max_in_flight_seen,
             disconnects=c.disconnects,
             last_request=last,
+            faults=dict(self._fault_counts),
         )
 
-    def _apply(self, settings: MockSettings) -> None:
-        """Install settings; new limits start with full buckets, a new seed reseeds."""
+    def _apply(self, settings: MockSettings, *, restart_faults: bool = False) -> None:
+        """Install settings; new limits start with full buckets, a new seed reseeds,
+        new faults start their script over."""
         old = self._settings
+        if restart_faults or settings.faults != old.faults:
+            self._schedule = FaultSchedule(settings.faults)
+        self._faulty = bool(settings.down or settings.context_window or settings.faults.active)
         if settings.seed is not None and (
             settings.seed != old.seed or self._state is _State.UNOPENED
         ):
@@ -432,9 +492,13 @@ class MockBackend:
     # ----------------------------------------------------------- handlers
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self._settings.down:
+            return self._down(request)
         return web.Response(text="ok")
 
     async def _models(self, request: web.Request) -> web.Response:
+        if self._settings.down:
+            return self._down(request)
         names = self._settings.models or ("mock",)
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "renqueue"} for n in names]
         return _json({"object": "list", "data": data})
@@ -484,24 +548,26 @@ class MockBackend:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         counters = self._counters
         counters.requests += 1
+        if self._faulty and self._settings.down:
+            return self._down(request)
         body = await self._read_body(request)
         if isinstance(body, web.Response):
             return body
         settings = self._settings
-        if (refused := self._refuse(request, body, settings)) is not None:
-            return refused
-        cap = body.max_completion_tokens or body.max_tokens
-        plan = _Plan(
-            request_id=f"chatcmpl-mock-{next(self._ids)}",
-            model=body.model,
-            settings=settings,
-            prompt_tokens=_prompt_tokens(body),
-            completion_tokens=settings.output_tokens
-            if cap is None
-            else min(cap, settings.output_tokens),
-            finish_reason="length" if cap is not None and cap < settings.output_tokens else "stop",
-            include_usage=body.stream_options is not None and body.stream_options.include_usage,
-        )
+        if self._faulty and (fault := self._pick_fault(body, settings)) is not None:
+            return await self._inject(request, body, settings, fault)
+        admitted = self._refuse(request, body, settings) or self._admit(body, settings)
+        if isinstance(admitted, web.Response):
+            return admitted
+        return await self._run(request, body.stream, *admitted)
+
+    def _admit(
+        self, body: _ChatBody, settings: MockSettings
+    ) -> tuple[_Plan, dict[str, str]] | web.Response:
+        """Charge the request and plan its answer; or a 429 when a limit refuses
+        it, or the ``failure_rate`` error."""
+        counters = self._counters
+        plan = _plan(f"chatcmpl-mock-{next(self._ids)}", body, settings)
         tokens = plan.prompt_tokens + plan.completion_tokens
         if (limited := self._take_quota(tokens, body.model)) is not None:
             counters.rate_limited += 1
@@ -516,13 +582,22 @@ class MockBackend:
                 "injected_failure",
                 headers,
             )
+        return plan, headers
+
+    async def _run(
+        self, request: web.Request, stream: bool, plan: _Plan, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        """Generate the answer, streamed or not (a faulted non-stream answer its way)."""
+        counters = self._counters
         counters.in_flight += 1
         counters.max_in_flight_seen = max(counters.max_in_flight_seen, counters.in_flight)
         try:
-            if body.stream:
+            if stream:
                 counters.streamed += 1
                 return await self._stream(request, headers, plan)
-            return await self._complete(request, headers, plan)
+            if plan.fault is None or plan.fault == "filtered":
+                return await self._complete(request, headers, plan)
+            return await self._complete_fault(request, headers, plan)
         finally:
             counters.in_flight -= 1
 
@@ -566,14 +641,7 @@ class MockBackend:
         counters = self._counters
         if settings.quota_exhausted:
             counters.rate_limited += 1
-            headers, payload = quota_exhausted(
-                settings.limit_style,
-                self._quotas(),
-                daily=settings.rpd,
-                model=body.model,
-                now=time.time(),
-            )
-            return _raw_error(429, payload, headers)
+            return self._quota_exhausted(settings, body.model)
         if settings.concurrency and counters.in_flight >= settings.concurrency:
             counters.busy += 1
             status = settings.busy_status
@@ -587,6 +655,13 @@ class MockBackend:
                 {"retry-after": "1", **self._limit_headers()},
             )
         return None
+
+    def _quota_exhausted(self, settings: MockSettings, model: str) -> web.Response:
+        """The dialect's quota-exhausted 429."""
+        headers, payload = quota_exhausted(
+            settings.limit_style, self._quotas(), daily=settings.rpd, model=model, now=time.time()
+        )
+        return _raw_error(429, payload, headers)
 
     def _take_quota(self, tokens: int, model: str) -> web.Response | None:
         """Charge one request and ``tokens``; a 429 response if any bucket lacks room."""
@@ -632,9 +707,13 @@ class MockBackend:
         closing = choice + b'{},"finish_reason":"' + plan.finish_reason.encode() + b'"}]}\n\n'
         if plan.include_usage:
             closing += prefix + b',"choices":[],"usage":' + _ENCODER.encode(plan.usage()) + b"}\n\n"
-        closing += b"data: [DONE]\n\n"
         _ensure_tokens(count)
         pieces = _PIECES
+        cut = False
+        if plan.fault is None:
+            closing += b"data: [DONE]\n\n"
+        else:
+            closing, pieces, cut = _faulty_stream(plan, prefix, choice, closing)
         rate = plan.settings.tokens_per_second
         loop = asyncio.get_running_loop()
         try:
@@ -660,13 +739,17 @@ class MockBackend:
                     break
                 batch = []
                 await asyncio.sleep(max(0.0, start + sent / rate - loop.time()))
+            if cut:
+                _close(request)
+                return response
             await response.write_eof()
         except ConnectionError:
             # The client went away (a worker cancelled or preempted the call):
             # an ordinary event, counted, not an error to log. Stop generating.
             counters.disconnects += 1
             return response
-        counters.completed += 1
+        if plan.fault is None:
+            counters.completed += 1
         return response
 
     async def _complete(
@@ -681,30 +764,240 @@ class MockBackend:
             transport = request.transport
             if transport is None or transport.is_closing():
                 return self._gone()
-        payload = {
-            "id": plan.request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": plan.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": _text(count)},
-                    "finish_reason": plan.finish_reason,
-                }
-            ],
-            "usage": plan.usage(),
-        }
         self._counters.tokens_out += count
-        self._counters.completed += 1
-        return web.Response(
-            body=_ENCODER.encode(payload), headers=headers, content_type="application/json"
-        )
+        if plan.fault is None:
+            self._counters.completed += 1
+        return web.Response(body=_answer(plan), headers=headers, content_type="application/json")
 
     def _gone(self) -> web.Response:
         """The answer to a client that disconnected: counted; aiohttp drops it quietly."""
         self._counters.disconnects += 1
-        return web.Response(status=499, reason="Client Closed Request")
+        return _dropped()
+
+    # ----------------------------------------------------------- faults
+
+    def _pick_fault(self, body: _ChatBody, settings: MockSettings) -> FaultKind | None:
+        """The fault this chat request gets (the script's next step, a random draw,
+        or a prompt over ``context_window``), else ``None``."""
+        kind = self._schedule.next(self._rng)
+        if kind == "ok":
+            window = settings.context_window
+            if window and _prompt_tokens(body) > window:
+                return "context_length"
+            return None
+        if kind in STREAM_ONLY and not body.stream:
+            return None
+        return kind
+
+    def _down(self, request: web.Request) -> web.Response:
+        """Reset the connection of a request to a mock that is down."""
+        self._count_fault("down")
+        return _reset(request)
+
+    def _count_fault(self, kind: str) -> None:
+        self._fault_counts[kind] = self._fault_counts.get(kind, 0) + 1
+
+    async def _inject(
+        self, request: web.Request, body: _ChatBody, settings: MockSettings, fault: FaultKind
+    ) -> web.StreamResponse:
+        """Answer a chat request with ``fault`` (see :mod:`._mockfaults`)."""
+        self._count_fault(fault)
+        if fault == "hang":
+            return await self._hang(request)
+        if fault not in _ANSWER_FAULTS:
+            return self._fault_error(request, body, settings, fault)
+        plan = _plan(f"chatcmpl-mock-{next(self._ids)}", body, settings, fault)
+        faults = settings.faults
+        if fault == "drip":
+            pace = msgspec.structs.replace(
+                settings, ttft=faults.drip_gap, tokens_per_second=1 / faults.drip_gap
+            )
+            plan = msgspec.structs.replace(plan, settings=pace)
+        elif fault == "filtered" or (body.stream and fault in ("break", "sse_error")):
+            plan = msgspec.structs.replace(
+                plan,
+                completion_tokens=min(faults.after_tokens, plan.completion_tokens),
+                finish_reason="content_filter" if fault == "filtered" else plan.finish_reason,
+            )
+        return await self._run(request, body.stream, plan, self._limit_headers())
+
+    def _fault_error(
+        self, request: web.Request, body: _ChatBody, settings: MockSettings, fault: FaultKind
+    ) -> web.Response:
+        """The answer of a fault that sends no tokens: an error, or a reset."""
+        if fault == "reset":
+            return _reset(request)
+        if fault == "quota":
+            return self._quota_exhausted(settings, body.model)
+        if fault in ("429", "429_bare"):
+            return self._rate_limited_fault(settings, body.model, bare=fault == "429_bare")
+        if fault == "context_length":
+            payload = context_length_body(settings.context_window, _prompt_tokens(body))
+            return _raw_error(400, payload, self._limit_headers())
+        status, payload = ERROR_ANSWERS[fault]
+        return _raw_error(status, payload, self._limit_headers())
+
+    def _rate_limited_fault(
+        self, settings: MockSettings, model: str, *, bare: bool
+    ) -> web.Response:
+        """The dialect's 429 for a per-minute request bucket empty for ``retry_after``
+        seconds; with a ``retry-after`` header, or (``bare``) without any."""
+        wait = settings.faults.retry_after
+        blocked = Quota(
+            kind="requests", window=60.0, capacity=settings.rpm or 60, remaining=0, reset=wait
+        )
+        headers, payload = rate_limited(
+            settings.limit_style,
+            self._quotas(),
+            blocked,
+            wait=wait,
+            need=1,
+            model=model,
+            now=time.time(),
+        )
+        retry = {"retry-after", "retry-after-ms"}
+        headers = {k: v for k, v in headers.items() if k.lower() not in retry}
+        if not bare:
+            headers["retry-after"] = str(math.ceil(wait))
+            if settings.limit_style == "openai":
+                headers["retry-after-ms"] = str(math.ceil(wait * 1000))
+        return _raw_error(429, payload, headers)
+
+    async def _hang(self, request: web.Request) -> web.Response:
+        """Send nothing until the client goes away, or the mock closes (then drop
+        the connection unanswered)."""
+        closing = self._closing
+        while not closing.is_set():
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                return self._gone()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(closing.wait(), _HANG_POLL)
+        _close(request)
+        return _dropped()
+
+    async def _complete_fault(
+        self, request: web.Request, headers: dict[str, str], plan: _Plan
+    ) -> web.StreamResponse:
+        """A non-streaming ``malformed``, ``break`` or ``drip`` answer."""
+        payload = _answer(plan)
+        half = payload[: len(payload) // 2]
+        if plan.fault == "malformed":
+            return web.Response(body=half, headers=headers, content_type="application/json")
+        response = web.StreamResponse(headers={**headers, "Content-Type": "application/json"})
+        response.content_length = len(payload)
+        try:
+            await response.prepare(request)
+            if plan.fault == "break":
+                await response.write(half)
+                _close(request)
+                return response
+            gap = plan.settings.faults.drip_gap
+            step = -(-len(payload) // max(1, plan.completion_tokens))
+            for offset in range(0, len(payload), step):
+                await asyncio.sleep(gap)
+                await response.write(payload[offset : offset + step])
+            await response.write_eof()
+        except ConnectionError:
+            self._counters.disconnects += 1
+        return response
+
+
+#: How often a hung request looks whether its client is gone, in seconds.
+_HANG_POLL: Final = 0.05
+#: The faults that answer with tokens (the others are errors, a reset or a hang).
+_ANSWER_FAULTS: Final = frozenset(
+    {"drip", "malformed", "break", "no_done", "sse_error", "filtered"}
+)
+
+
+def _plan(
+    request_id: str, body: _ChatBody, settings: MockSettings, fault: FaultKind | None = None
+) -> _Plan:
+    cap = body.max_completion_tokens or body.max_tokens
+    return _Plan(
+        request_id=request_id,
+        model=body.model,
+        settings=settings,
+        prompt_tokens=_prompt_tokens(body),
+        completion_tokens=settings.output_tokens
+        if cap is None
+        else min(cap, settings.output_tokens),
+        finish_reason="length" if cap is not None and cap < settings.output_tokens else "stop",
+        include_usage=body.stream_options is not None and body.stream_options.include_usage,
+        fault=fault,
+    )
+
+
+def _answer(plan: _Plan) -> bytes:
+    """The JSON body of a non-streaming answer."""
+    payload = {
+        "id": plan.request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": plan.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": _text(plan.completion_tokens)},
+                "finish_reason": plan.finish_reason,
+            }
+        ],
+        "usage": plan.usage(),
+    }
+    return _ENCODER.encode(payload)
+
+
+_DONE: Final = b"data: [DONE]\n\n"
+
+
+def _faulty_stream(
+    plan: _Plan, head: bytes, choice: bytes, closing: bytes
+) -> tuple[bytes, list[bytes], bool]:
+    """How a faulted stream differs: its ending (after the tokens), its token
+    pieces, and whether the connection is cut instead of ended."""
+    fault = plan.fault
+    pieces = _PIECES
+    if fault == "break":
+        return b"", pieces, True
+    if fault == "no_done":
+        return closing, pieces, False
+    if fault == "sse_error":
+        openrouter = plan.settings.limit_style in ("openrouter", "openrouter-body")
+        return stream_error_line(openrouter, head), pieces, False
+    if fault == "malformed":
+        # Token ``after_tokens``'s line loses its closing braces: not JSON.
+        count = plan.completion_tokens
+        index = plan.settings.faults.after_tokens
+        if index < count:
+            pieces = _PIECES[:count]
+            good = pieces[index]
+            pieces[index] = good[: good.index(b'"}') + 1] + b"\n\n"
+        else:
+            closing = choice + b'{"content":""\n\n' + closing
+    return closing + _DONE, pieces, False
+
+
+def _dropped() -> web.Response:
+    """The answer to a connection already closed: aiohttp drops it quietly."""
+    return web.Response(status=499, reason="Client Closed Request")
+
+
+def _close(request: web.Request) -> None:
+    """Close the connection (what was written is flushed, then FIN)."""
+    if (transport := request.transport) is not None:
+        transport.close()
+
+
+def _reset(request: web.Request) -> web.Response:
+    """Reset the connection (RST, nothing flushed) and answer nothing."""
+    if (transport := request.transport) is not None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
+    return _dropped()
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:
@@ -774,14 +1067,29 @@ def run_mock_backend(
     concurrency: int = 0,
     model: str | None = None,
     seed: int | None = None,
+    fault_script: str = "",
+    fault_repeat: bool = False,
+    fault_rates: Sequence[str] = (),
+    context_window: int = 0,
+    drip_gap: float | None = None,
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
     """Blocking entry point for ``renqueue mock-backend``: one keyword per CLI flag.
 
     ``rpm``/``tpm`` are per-minute limits, ``rpd`` per day (0 = none);
     ``limit_style`` the header dialect; ``model`` restricts the
-    accepted model name (``None`` = any). Returns on Ctrl-C.
+    accepted model name (``None`` = any); ``fault_script`` is comma-separated
+    fault kinds (``"500,ok,reset"``), ``fault_rates`` ``KIND=PROBABILITY``
+    items (see :mod:`._mockfaults`). Returns on Ctrl-C; ``ValueError`` for a
+    bad option.
     """
+    faults: dict[str, Any] = {
+        "script": parse_fault_script(fault_script),
+        "repeat": fault_repeat,
+        "random": parse_fault_rates(fault_rates),
+    }
+    if drip_gap is not None:
+        faults["drip_gap"] = drip_gap
     try:
         settings = msgspec.convert(
             {
@@ -796,6 +1104,8 @@ def run_mock_backend(
                 "rpd": rpd,
                 "limit_style": limit_style,
                 "concurrency": concurrency,
+                "faults": faults,
+                "context_window": context_window,
             },
             MockSettings,
         )
