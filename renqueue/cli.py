@@ -475,6 +475,11 @@ def _mock_backend(_config: Config, args: argparse.Namespace) -> None:
             concurrency=args.concurrency,
             model=args.model,
             seed=args.seed,
+            fault_script=args.fault_script,
+            fault_repeat=args.fault_repeat,
+            fault_rates=args.fault,
+            context_window=args.context_window,
+            drip_gap=args.drip_gap,
             on_ready=lambda url: print(f"mock backend serving at {url}", flush=True),
         )
     except ValueError as exc:
@@ -609,6 +614,26 @@ def _add_tool_commands(sub: Any) -> None:
     cmd.add_argument("--concurrency", type=int, default=0, help="concurrent requests (0: any)")
     cmd.add_argument("--model", help="accept only this model name (default: any)")
     cmd.add_argument("--seed", type=int, help="seed for reproducible failure draws")
+    cmd.add_argument(
+        "--fault-script",
+        default="",
+        metavar="KINDS",
+        help="faults for chat requests in arrival order, e.g. 500,ok,reset (ok: a normal "
+        "answer); kinds: 500 503 529 reset hang drip 429 429_bare quota malformed break "
+        "no_done sse_error context_length content_filter filtered",
+    )
+    cmd.add_argument("--fault-repeat", action="store_true", help="repeat the fault script forever")
+    cmd.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="KIND=RATE",
+        help="a random fault and its probability, e.g. 503=0.1 (repeatable; seeded by --seed)",
+    )
+    cmd.add_argument(
+        "--context-window", type=int, default=0, help="prompt tokens it accepts (0: any)"
+    )
+    cmd.add_argument("--drip-gap", type=float, help="seconds between drip tokens (default 5)")
     cmd.set_defaults(run=_mock_backend)
 
     cmd = sub.add_parser("demo", help="run everything embedded on a mixed workload")
