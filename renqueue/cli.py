@@ -12,6 +12,9 @@
     renqueue status             each backend, priority level and tenant now (--watch)
     renqueue replay             the projection rebuilt from the log (--verify: against
                                 the live one, field by field)
+    renqueue dlq list|show|requeue|purge
+                                the dead-letter stream: what failed for good, with why
+                                and the request's history; requeue it as a new request
     renqueue schema             JSON Schema of every wire message and event
     renqueue mock-backend       an OpenAI-compatible mock LLM server
     renqueue demo               everything embedded, a mixed workload, a summary
@@ -24,9 +27,12 @@ ended, but not as asked (``submit``: failed, expired, cancelled or rejected;
 request ended (it goes on: follow it with ``renqueue audit``). ``replay
 --verify``: 0 the live projection equals the log's, 1 it differs, 2 it cannot
 be checked (nothing stored, NATS unreachable, the log no longer holds every
-event the projection folded, a replay that stopped short). ``status`` and
-``replay`` end any error they did not expect with 2 and one line on stderr,
-never a traceback.
+event the projection folded, a replay that stopped short). ``dlq``: 0 done
+(``purge`` declined at its prompt: nothing deleted, 0 too), 1 some entries
+failed (no such entry, a poison message cannot be requeued, ...: one line each
+on stderr, the others done), 2 cannot read (NATS unreachable, no dead-letter
+stream, bad arguments). ``status``, ``replay`` and ``dlq`` end any error they
+did not expect with 2 and one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ _T = TypeVar("_T")
 EXIT_OK, EXIT_ERROR, EXIT_UNSUCCESSFUL, EXIT_WAIT_TIMEOUT = 0, 2, 3, 4
 #: ``replay --verify``: the live projection differs from the log's.
 EXIT_DIFFERENT = 1
+#: ``dlq``: some of the entries asked for could not be shown, requeued or purged.
+EXIT_SOME_FAILED = 1
 #: The shortest ``status --interval`` (seconds): each redraw reads every consumer.
 MIN_INTERVAL = 0.2
 
@@ -445,6 +453,309 @@ def _replay_summary(replayed: Replayed) -> list[str]:
     return lines
 
 
+async def _dlq(config: Config, args: argparse.Namespace) -> int:
+    """``renqueue dlq list|show|requeue|purge`` (see :mod:`renqueue.ops._dlq`)."""
+    from .ops._connection import connect
+    from .ops._dlq import DeadLetters
+
+    where = _dlq_filter(args)
+    if getattr(args, "seq", None) and not where.empty:
+        raise ConfigError("give sequences or filters, not both", path="dlq arguments")
+    out = _Output(config)
+    nc = await connect(_client_url(config), name="renqueue-dlq", config=config.nats)
+    try:
+        dead = DeadLetters(nc.jetstream())
+        if args.dlq_command == "list":
+            return await _dlq_list(dead, where, args, out)
+        if args.dlq_command == "show":
+            return await _dlq_show(dead, args, out)
+        if args.dlq_command == "requeue":
+            return await _dlq_requeue(dead, config, where, args, out)
+        return await _dlq_purge(dead, where, args, out)
+    finally:
+        await _close(nc)
+
+
+class _Output:
+    """Lines to stdout and stderr with every configured API key redacted (a
+    reason that echoes one, however it got there, never prints it)."""
+
+    def __init__(self, config: Config) -> None:
+        self._secrets: list[str] = []
+        for backend in config.backends.values():
+            with contextlib.suppress(ConfigError):
+                key = backend.api_key()
+                if key is not None and len(key.reveal()) >= 8:
+                    self._secrets.append(key.reveal())
+
+    def _clean(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "[redacted]")
+        return text
+
+    def line(self, text: str) -> None:
+        print(self._clean(text))
+
+    def json(self, value: object) -> None:
+        print(self._clean(json.dumps(value)))
+
+    def error(self, text: str) -> None:
+        print(self._clean(f"renqueue: {text}"), file=sys.stderr)
+
+
+def _dlq_filter(args: argparse.Namespace) -> Any:
+    from .ops._dlq import DeadLetterFilter
+
+    return DeadLetterFilter(
+        tenant=getattr(args, "tenant", None),
+        reason=getattr(args, "reason", None),
+        stage=getattr(args, "stage", None),
+        since=getattr(args, "since", None),
+        until=getattr(args, "until", None),
+        request_id=getattr(args, "request_id", None),
+    )
+
+
+async def _dlq_list(dead: Any, where: Any, args: argparse.Namespace, out: _Output) -> int:
+    from .ops._dlq import entry_json, render_listing
+
+    listing = await dead.find(where, limit=args.limit)
+    if args.json:
+        for entry in listing.entries:
+            out.json(entry_json(entry))
+        return EXIT_OK
+    for line in render_listing(listing):
+        out.line(line)
+    return EXIT_OK
+
+
+async def _dlq_show(dead: Any, args: argparse.Namespace, out: _Output) -> int:
+    from .ops._dlq import DeadLetterError, entry_json, render_entry
+
+    failed = False
+    for index, seq in enumerate(args.seq):
+        try:
+            entry = await dead.get(seq)
+        except DeadLetterError as exc:
+            out.error(str(exc))
+            failed = True
+            continue
+        entry = entry.with_mark(await dead.requeued_as(entry))
+        history = await dead.history(entry)
+        if args.json:
+            out.json(entry_json(entry, history))
+            continue
+        if index:
+            out.line("")
+        for line in render_entry(entry, history):
+            out.line(line)
+    return EXIT_SOME_FAILED if failed else EXIT_OK
+
+
+async def _dlq_select(
+    dead: Any, where: Any, args: argparse.Namespace, out: _Output
+) -> tuple[list[Any], bool]:
+    """The entries a requeue or purge acts on: by sequence, or every match of
+    the filters (``--all``: every entry); whether some sequence named none."""
+    from .ops._dlq import DeadLetterError
+
+    if args.seq:
+        entries, failed = [], False
+        for seq in dict.fromkeys(args.seq):
+            try:
+                entries.append(await dead.get(seq))
+            except DeadLetterError as exc:
+                out.error(str(exc))
+                failed = True
+        return entries, failed
+    if where.empty and not args.all:
+        raise ConfigError(
+            "name the entries: sequences, a filter (--tenant, --reason, --stage, --since, "
+            "--until, --id), or --all",
+            path="dlq arguments",
+        )
+    return (await dead.find(where, limit=args.limit)).entries, False
+
+
+async def _dlq_requeue(
+    dead: Any, config: Config, where: Any, args: argparse.Namespace, out: _Output
+) -> int:
+    from .ops._dlq import DeadLetterError, clock, printable
+
+    entries, failed = await _dlq_select(dead, where, args, out)
+    keep_budget, budget = args.deadline
+    # Checked as admission will check it, when there is a config to check against.
+    check = config if config.routes else None
+    for entry in entries:
+        try:
+            done = await dead.requeue(entry, budget=budget, keep_budget=keep_budget, config=check)
+        except DeadLetterError as exc:
+            failed = True
+            if args.json:
+                out.json({"seq": entry.seq, "ok": False, "error": str(exc)})
+            out.error(f"dead letter {entry.seq}: {exc}")
+            continue
+        if args.json:
+            out.json({"seq": entry.seq, "ok": True, **msgspec.to_builtins(done)})
+            continue
+        deadline = "no deadline" if done.deadline is None else f"deadline {clock(done.deadline)}"
+        verb = "already requeued" if done.already else "requeued"
+        out.line(
+            printable(
+                f"dead letter {entry.seq}: {verb} as {done.new_id} "
+                f"(tenant {done.tenant}, {deadline})"
+            )
+        )
+    if not entries and not args.json:
+        out.line("no dead letters match")
+    return EXIT_SOME_FAILED if failed else EXIT_OK
+
+
+async def _dlq_purge(dead: Any, where: Any, args: argparse.Namespace, out: _Output) -> int:
+    from .ops._dlq import DeadLetterError
+
+    entries, failed = await _dlq_select(dead, where, args, out)
+    if not entries:
+        if not args.json:
+            out.line("no dead letters match; nothing purged")
+        return EXIT_SOME_FAILED if failed else EXIT_OK
+    if not args.yes:
+        noun = "dead letter" if len(entries) == 1 else "dead letters"
+        print(f"Purge {len(entries)} {noun}? [y/N] ", end="", file=sys.stderr, flush=True)
+        answer = await asyncio.to_thread(sys.stdin.readline)
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing purged", file=sys.stderr)
+            return EXIT_SOME_FAILED if failed else EXIT_OK
+    purged = 0
+    for entry in entries:
+        try:
+            await dead.purge(entry.seq)
+        except DeadLetterError as exc:
+            failed = True
+            out.error(str(exc))
+            continue
+        purged += 1
+        if args.json:
+            out.json({"seq": entry.seq, "purged": True})
+    if not args.json:
+        out.line(f"purged {purged} dead letter{'' if purged == 1 else 's'}")
+    return EXIT_SOME_FAILED if failed else EXIT_OK
+
+
+def _point_in_time(text: str) -> float:
+    """``--since``/``--until``: a duration back from now (``90s``, ``1h``, ``2d``)
+    or an ISO 8601 time (UTC unless it names its offset)."""
+    from .config import parse_duration
+
+    try:
+        return datetime.datetime.now(tz=datetime.UTC).timestamp() - parse_duration(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a duration back from now (30m, 1h, 2d) or an ISO time, got {text!r}"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp()
+
+
+def _new_deadline(text: str) -> tuple[bool, float | None]:
+    """``--deadline``: ``(keep the original's budget, else this many seconds or None)``."""
+    from .config import parse_duration
+
+    if text == "keep":
+        return True, None
+    if text == "none":
+        return False, None
+    try:
+        return False, parse_duration(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be keep, none or a duration (60s, 10m), got {text!r}"
+        ) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number, at least 1, got {text!r}")
+    return value
+
+
+def _add_dlq_command(sub: Any) -> None:
+    dlq = sub.add_parser(
+        "dlq",
+        help="the dead-letter stream: list, show, requeue, purge",
+        description="What failed for good, with why and the request's history. Exit codes: "
+        "0 done, 1 some entries failed, 2 cannot read.",
+    )
+    commands = dlq.add_subparsers(dest="dlq_command", required=True)
+
+    def filters(cmd: argparse.ArgumentParser, *, limit: int | None) -> None:
+        cmd.add_argument("--tenant", help="only this tenant's")
+        cmd.add_argument(
+            "--reason", help="only those whose reason starts with this (its error type first)"
+        )
+        cmd.add_argument("--stage", help="only this stage's (requests, dispatch)")
+        cmd.add_argument("--id", dest="request_id", help="only this request's")
+        cmd.add_argument(
+            "--since",
+            type=_point_in_time,
+            help="stored at or after: a duration back from now (1h) or an ISO time",
+        )
+        cmd.add_argument("--until", type=_point_in_time, help="stored before (as --since)")
+        cmd.add_argument(
+            "--limit",
+            type=_positive,
+            default=limit,
+            help="at most this many, the newest" + (f" (default {limit})" if limit else ""),
+        )
+
+    def seqs(cmd: argparse.ArgumentParser, nargs: str) -> None:
+        cmd.add_argument("seq", type=_positive, nargs=nargs, help="entry (stream sequence)")
+
+    cmd = commands.add_parser("list", help="entries, newest last")
+    filters(cmd, limit=100)
+    cmd.add_argument("--json", action="store_true", help="one JSON object per entry")
+
+    cmd = commands.add_parser("show", help="entries with headers, payload and history")
+    seqs(cmd, "+")
+    cmd.add_argument("--json", action="store_true", help="one JSON object per entry")
+
+    cmd = commands.add_parser(
+        "requeue",
+        help="submit each again as a new request (<id>-dlq<seq>): idempotent, a fresh "
+        "attempt budget",
+    )
+    seqs(cmd, "*")
+    filters(cmd, limit=None)
+    cmd.add_argument("--all", action="store_true", help="every entry")
+    cmd.add_argument(
+        "--deadline",
+        type=_new_deadline,
+        default=(True, None),
+        help="keep (default: the original's budget, counted from now), none, or a "
+        "duration from now (60s)",
+    )
+    cmd.add_argument("--json", action="store_true", help="one JSON object per entry")
+
+    cmd = commands.add_parser("purge", help="delete entries (asks first)")
+    seqs(cmd, "*")
+    filters(cmd, limit=None)
+    cmd.add_argument("--all", action="store_true", help="every entry")
+    cmd.add_argument("--yes", action="store_true", help="do not ask")
+    cmd.add_argument("--json", action="store_true", help="one JSON object per entry purged")
+
+    for cmd in commands.choices.values():
+        cmd.set_defaults(run=_guarded(_dlq))
+
+
 def _shorten(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -576,6 +887,8 @@ def _parser() -> argparse.ArgumentParser:
     cmd.set_defaults(run=_guarded(_replay))
 
     sub.add_parser("schema", help="JSON Schema of messages and events").set_defaults(run=_schema)
+
+    _add_dlq_command(sub)
 
     _add_tool_commands(sub)
     return parser
