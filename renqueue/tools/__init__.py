@@ -3,7 +3,8 @@
 Needs the ``mock`` extra (aiohttp).
 
 - :class:`MockBackend` (``_mockbackend``): an OpenAI-compatible server on
-  loopback with declared limits and real 429s, for the demo, tests and benchmarks.
+  loopback with declared limits and real 429s, for the demo, tests and benchmarks;
+  :class:`FaultSpec` (``_mockfaults``) the faults it injects on demand.
 - :func:`run_demo` (``_demo``): ``renqueue demo``.
 """
 
@@ -16,8 +17,10 @@ from ._mockbackend import (
     run_mock_backend,
     serve,
 )
+from ._mockfaults import FaultSpec
 
 __all__ = [
+    "FaultSpec",
     "MockBackend",
     "MockSettings",
     "MockStats",
