@@ -63,12 +63,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import datetime
 import email.header
 import hashlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Final
 
 import msgspec
@@ -78,6 +79,7 @@ from ..errors import (
     InvalidRequestError,
     NatsError,
     NatsNotFoundError,
+    NatsTimeoutError,
     RenQueueError,
     WrongLastSequenceError,
 )
@@ -95,7 +97,14 @@ from ..wire._messages import (
     encode,
     kind_of,
 )
-from ..wire._nats import JetStream, PubAck, StoredMessage
+from ..wire._nats import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    JetStream,
+    PubAck,
+    StoredMessage,
+)
 from ..wire._subjects import DLQ_STREAM, REQUESTS_STREAM, msg_id, request_subject
 
 __all__ = [
@@ -115,10 +124,17 @@ __all__ = [
     "requeue_subject",
 ]
 
-#: Every subject of the stream; entries are ``rq.dlq.<stage>``, markers
-#: ``rq.dlq.requeued.<seq>``.
-_ALL: Final = "rq.dlq.>"
+#: Entries are stored on ``rq.dlq.<stage>``, requeue markers on ``rq.dlq.requeued.<seq>``.
+_ENTRIES: Final = "rq.dlq.*"
 _MARKER: Final = "requeued"
+_MARKERS: Final = f"rq.dlq.{_MARKER}.*"
+#: Messages per fetch of a scan, and how long a fetch waits for them.
+_BATCH: Final = 256
+_FETCH_TIMEOUT: Final = 2.0
+#: The latest start time a scan asks the server for (in the year 9999).
+_LATEST: Final = 253_000_000_000.0
+#: A scan's consumer left behind (its reader died) goes away this long after.
+_CONSUMER_INACTIVE: Final = 10.0
 _EXPECTED_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
 #: A header value kept is at most this long (the stream allows 64 KiB of headers).
 _HEADER_CAP: Final = 2000
@@ -328,6 +344,34 @@ def _mark_of(stored: StoredMessage) -> tuple[int, RequeueMark] | None:
     return (seq, mark) if mark.dlq_seq == seq else None
 
 
+def _scan_consumer(subject: str, since: float | None) -> ConsumerConfig:
+    """An ephemeral, unacknowledged consumer of ``subject`` from time ``since`` on."""
+    if since is not None and not 0 < since < _LATEST:
+        since = None if since <= 0 or math.isnan(since) else _LATEST
+    return ConsumerConfig(
+        filter_subject=subject,
+        ack_policy=AckPolicy.NONE,
+        deliver_policy=DeliverPolicy.ALL if since is None else DeliverPolicy.BY_START_TIME,
+        # A millisecond early: a float time is coarser than the stored
+        # nanoseconds, and the filter (DeadLetter.matches) is exact anyway.
+        opt_start_time=None
+        if since is None
+        else datetime.datetime.fromtimestamp(since - 0.001, tz=datetime.UTC),
+        inactive_threshold=_CONSUMER_INACTIVE,
+        mem_storage=True,
+        num_replicas=1,
+    )
+
+
+class _Scan:
+    """What a read of the stream met that it could not use."""
+
+    __slots__ = ("unreadable",)
+
+    def __init__(self) -> None:
+        self.unreadable = 0
+
+
 class DeadLetters:
     """List, show, requeue and purge entries of ``RQ_DLQ`` (see the module docstring)."""
 
@@ -342,33 +386,67 @@ class DeadLetters:
 
     # ------------------------------------------------------------------ reading
 
-    async def scan(self) -> tuple[list[DeadLetter], dict[int, RequeueMark], int]:
-        """Every entry and marker, in stream order, one stored message per get:
-        ``(entries, marks by entry seq, unreadable)``. A message nats-py cannot
-        parse is skipped (and counted) instead of ending the scan."""
-        entries: list[DeadLetter] = []
-        marks: dict[int, RequeueMark] = {}
-        unreadable = 0
+    async def _last_seq(self) -> int:
+        try:
+            return (await self._js.stream_info(DLQ_STREAM)).state.last_seq
+        except NatsNotFoundError as exc:
+            raise NatsNotFoundError(f"no dead-letter stream {DLQ_STREAM} ({exc})") from exc
+
+    async def _stored(
+        self, subject: str, last: int, scan: _Scan, *, since: float | None = None
+    ) -> AsyncGenerator[StoredMessage, None]:
+        """Messages stored on ``subject`` up to sequence ``last`` (from time
+        ``since``, if given), in stream order.
+
+        Read in batches through an ephemeral, unacknowledged pull consumer.
+        Whatever that leaves unread (a delivery lost) is read one message per
+        get, and a message nats-py cannot parse even then is skipped and
+        counted (``scan.unreadable``) instead of ending the scan.
+        """
+        config = _scan_consumer(subject, since)
         seq = 1
-        while True:
+        psub = await self._js.pull_subscribe(subject, stream=DLQ_STREAM, config=config)
+        try:
+            pending = (await psub.consumer_info()).num_pending or 0
+            while pending > 0:
+                try:
+                    msgs = await psub.fetch(batch=_BATCH, timeout=_FETCH_TIMEOUT)
+                except NatsTimeoutError:
+                    break  # some went missing: read one by one below
+                for msg in msgs:
+                    meta = msg.metadata
+                    if meta.sequence.stream > last:
+                        return
+                    seq = meta.sequence.stream + 1
+                    pending = meta.num_pending
+                    yield StoredMessage(
+                        meta.sequence.stream, msg.subject, msg.data, msg.headers, meta.timestamp
+                    )
+            if pending <= 0:
+                return
+        finally:
+            name = psub.consumer
+            with contextlib.suppress(NatsError):
+                await psub.unsubscribe()
+            with contextlib.suppress(NatsError, TimeoutError):
+                await asyncio.wait_for(self._js.delete_consumer(DLQ_STREAM, name), 2.0)
+        while seq <= last:
             try:
-                stored = await self._js.get_msg(DLQ_STREAM, seq=seq, subject=_ALL, next=True)
+                stored = await self._js.get_msg(DLQ_STREAM, seq=seq, subject=subject, next=True)
             except NatsNotFoundError:
-                return entries, marks, unreadable
+                return
             except NatsError:
                 raise
             except Exception:  # noqa: BLE001 - nats-py choked on the next message stored
                 # It is the first at or after seq: step over the gap to it, one by one.
                 if await self._unreadable(seq):
-                    unreadable += 1
+                    scan.unreadable += 1
                 seq += 1
                 continue
+            if stored.seq > last:
+                return
             seq = stored.seq + 1
-            entry = _entry_of(stored)
-            if entry is not None:
-                entries.append(entry)
-            elif (marked := _mark_of(stored)) is not None:
-                marks.setdefault(*marked)
+            yield stored
 
     async def _unreadable(self, seq: int) -> bool:
         """Whether message ``seq`` is stored but cannot be read."""
@@ -382,13 +460,35 @@ class DeadLetters:
             return True
         return False
 
+    async def marks(self) -> dict[int, RequeueMark]:
+        """Every requeue marker, by the sequence of its entry."""
+        marks: dict[int, RequeueMark] = {}
+        last = await self._last_seq()
+        async with contextlib.aclosing(self._stored(_MARKERS, last, _Scan())) as stored_msgs:
+            async for stored in stored_msgs:
+                if (marked := _mark_of(stored)) is not None:
+                    marks.setdefault(*marked)
+        return marks
+
     async def find(self, where: DeadLetterFilter, *, limit: int | None = None) -> Listing:
         """The entries that match ``where``: the newest ``limit`` (oldest first)."""
-        entries, marks, unreadable = await self.scan()
-        matched = [e.with_mark(marks.get(e.seq)) for e in entries if e.matches(where)]
-        kept = matched if limit is None else list(collections.deque(matched, maxlen=limit))
+        marks = await self.marks()
+        last = await self._last_seq()
+        scan = _Scan()
+        kept: collections.deque[DeadLetter] = collections.deque(maxlen=limit)
+        matched = scanned = 0
+        reading = self._stored(_ENTRIES, last, scan, since=where.since)
+        async with contextlib.aclosing(reading) as stored_msgs:
+            async for stored in stored_msgs:
+                entry = _entry_of(stored)
+                if entry is None:
+                    continue
+                scanned += 1
+                if entry.matches(where):
+                    matched += 1
+                    kept.append(entry.with_mark(marks.get(entry.seq)))
         return Listing(
-            entries=kept, matched=len(matched), scanned=len(entries), unreadable=unreadable
+            entries=list(kept), matched=matched, scanned=scanned, unreadable=scan.unreadable
         )
 
     async def get(self, seq: int) -> DeadLetter:
