@@ -60,3 +60,9 @@ MISDIRECTED = Counter(
     "or disagrees with their payload (see renqueue.wire), by receiver",
     ["receiver"],
 )
+FALLBACKS = Counter(
+    "renqueue_fallbacks_total",
+    "Requests a backend failed that went back to routing for another candidate, "
+    "by the backend that failed and the failure's class",
+    ["backend", "error_class"],
+)

@@ -45,12 +45,14 @@ from renqueue.wire import (
 TENANT = "t"
 
 
-def make_config(tmp_path: Path, url: str, **worker: Any) -> Config:
+def make_config(
+    tmp_path: Path, url: str, *, fallback: dict[str, Any] | None = None, **worker: Any
+) -> Config:
     return parse_config(
         {
             "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
             "backends": {"b": {"base_url": url, "model": "m", "limits": {"concurrency": 2}}},
-            "routes": {"chat": {"backends": ["b"]}},
+            "routes": {"chat": {"backends": ["b"], "fallback": fallback or {}}},
             "worker": {"retry_delay": "50ms", "drain_timeout": "1s", **worker},
             "router": {"capacity_refresh": "20ms"},
         }
@@ -142,7 +144,8 @@ class FailsMidStream:
 async def test_a_failed_request_ends_with_a_final_chunk_after_its_runs_text(
     tmp_path: Path, slow_mock: MockBackend
 ) -> None:
-    config = make_config(tmp_path, slow_mock.url)
+    # No fallback: it fails where it ran.
+    config = make_config(tmp_path, slow_mock.url, fallback={"on": []})
     async with Services(config, backends=[]) as services:
         worker = Worker(services.nc, services.js, config, "b", FailsMidStream())
         await worker.start()
@@ -208,7 +211,8 @@ async def test_a_request_failing_after_a_preemption_numbers_its_final_chunk_by_r
                 "backends": {
                     "b": {"base_url": mock.url, "model": "m", "limits": {"concurrency": 1}}
                 },
-                "routes": {"chat": {"backends": ["b"]}},
+                # No fallback: the second attempt's runs all on b.
+                "routes": {"chat": {"backends": ["b"], "fallback": {"on": []}}},
                 "worker": {"retry_delay": "50ms", "drain_timeout": "1s", "max_deliver": 2},
                 "router": {"capacity_refresh": "20ms"},
             }

@@ -218,7 +218,8 @@ async def test_the_worker_retries_with_the_capped_backoff_then_fails(tmp_path: P
             {
                 "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
                 "backends": {"b": {"base_url": broken.url, "model": "m"}},
-                "routes": {"chat": {"backends": ["b"]}},
+                # No fallback: every run on the bound backend, as the budget allows.
+                "routes": {"chat": {"backends": ["b"], "fallback": {"on": []}}},
                 "worker": {"max_deliver": 5, "retry_delay": "50ms", "max_retry_delay": "100ms"},
             }
         )

@@ -212,7 +212,7 @@ def write_config(tmp_path: Path, url: str, free: str, paid: str, broken: str) ->
         f'[backends.broken]\nbase_url = "{broken}"\nmodel = "m"\n'
         '[routes.free]\nbackends = ["free"]\n'
         '[routes.paid]\nbackends = ["paid"]\n'
-        '[routes.broken]\nbackends = ["broken"]\n'
+        '[routes.broken]\nbackends = ["broken"]\nfallback = { on = [] }\n'
     )
     return file
 

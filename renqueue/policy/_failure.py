@@ -309,6 +309,7 @@ def _fall_back(
         min_context=min_context,
         min_tier=min_tier,
         free_only=fallback.free_only or not route.policy.paid,
+        from_tier=failed.tier,
     )
     able = [c.name for c in route.candidates if meets(c, constraints)]
     if error.failure is FailureClass.CONTEXT_LENGTH:

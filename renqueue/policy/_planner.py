@@ -49,12 +49,10 @@ from ._aging import LevelPolicy, effective_rank, pick_key, promotions
 from ._preemption import may_preempt, preempting_rank
 from ._quota import Cost, Quota, QuotaVerdict, reserve
 from ._routing import BackendView, NoRoom, capable, choose, hopeless
-from ._tokens import estimate_request_tokens
+from ._tokens import DEFAULT_MAX_TOKENS, estimate_request_tokens
 
 #: Seconds before an urgent request that is still waiting asks for preemption again.
 PREEMPT_RETRY = 2.0
-#: Output tokens a request without ``max_tokens`` is reserved quota for.
-DEFAULT_MAX_TOKENS = 1024
 
 _NO_SPEND = Quota()
 
@@ -149,6 +147,8 @@ class Bind(Struct, frozen=True, kw_only=True, tag=True):
     reason: str = BIND_REASON
     #: Tokens reserved of the backend's token quota (its estimate).
     reserved_tokens: int = 0
+    #: The backend's circuit is half-open: this call is its probe.
+    probe: bool = False
 
 
 class AskPreemption(Struct, frozen=True, kw_only=True, tag=True):
@@ -207,11 +207,7 @@ def plan(
             finish = hopeless(
                 request.deadline,
                 now,
-                [
-                    views[name].expected_duration
-                    for name in candidates
-                    if name in views and views[name].healthy
-                ],
+                [view.expected_duration for view in capable(request, candidates, views)],
             )
             if finish is not None:
                 late = finish - request.deadline
@@ -247,16 +243,35 @@ def plan(
             in_flight=view.in_flight + 1,
             quota=reserve(view.quota or _NO_SPEND, cost, now) if view.limits else view.quota,
         )
+        reason = BIND_REASON if not passed else _passed_reason(passed, f"bound to {choice}")
         actions.append(
             Bind(
                 ref=item.ref,
                 backend=choice,
                 effective_rank=urgency(item, now, levels)[0],
-                reason=BIND_REASON if not passed else _passed_reason(passed, f"bound to {choice}"),
+                reason=_fallback_reason(request, view, reason),
                 reserved_tokens=cost.tokens,
+                probe=view.half_open,
             )
         )
     return actions
+
+
+def _fallback_reason(request: InferenceRequest, view: BackendView, reason: str) -> str:
+    """``reason``, with what a request that fell back was bound under: the
+    backends it left out, a quality downgrade, and a half-open probe."""
+    notes: list[str] = []
+    fallback = request.fallback
+    if fallback is not None:
+        if fallback.excluded:
+            notes.append(f"fell back (not to {', '.join(fallback.excluded)})")
+        else:
+            notes.append("fell back")
+        if fallback.from_tier is not None and view.tier < fallback.from_tier:
+            notes.append(f"quality downgrade: tier {fallback.from_tier} -> {view.tier}")
+    if view.half_open:
+        notes.append(f"probe of {view.name}'s half-open circuit")
+    return "; ".join([reason, *notes]) if notes else reason
 
 
 def _passed_reason(passed: list[tuple[str, QuotaVerdict]], then: str) -> str:

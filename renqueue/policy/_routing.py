@@ -21,6 +21,7 @@ from ..errors import MalformedRequestError, NoCapableBackendError, UnknownRouteE
 from ..wire._messages import InferenceRequest
 from ..wire._subjects import msg_id
 from ._quota import Cost, Limit, Quota, QuotaVerdict, check
+from ._tokens import DEFAULT_MAX_TOKENS, estimate_prompt_tokens
 
 if TYPE_CHECKING:  # config builds the level policies from this package: no cycle at run time
     from ..config import Config
@@ -50,9 +51,23 @@ class BackendView(msgspec.Struct, frozen=True, kw_only=True):
     #: judged against ``limits`` (declared, tightened by what was learned).
     quota: Quota | None = None
     limits: tuple[Limit, ...] = ()
+    #: Its declared context window in tokens (``None``: unknown).
+    context_window: int | None = None
+    #: US dollars per million input and output tokens (0: free).
+    cost_input_per_mtok: float = 0.0
+    cost_output_per_mtok: float = 0.0
+    #: Its circuit is half-open: one call (the probe) at a time decides.
+    half_open: bool = False
+
+    @property
+    def paid(self) -> bool:
+        return self.cost_input_per_mtok > 0 or self.cost_output_per_mtok > 0
 
     @property
     def free(self) -> int:
+        """Slots free now; a half-open backend has one, for its probe, while nothing runs there."""
+        if self.half_open:
+            return 1 if self.in_flight <= 0 and self.capacity > 0 else 0
         return max(0, self.capacity - self.in_flight)
 
 
@@ -75,13 +90,20 @@ def validate(
     by tenant. ``None`` skips that check (a request not read from the stream).
     ``requeue``: it was read from the services' requeue subject (which no
     tenant may publish to); only such a request may carry ``requeues`` (a
-    tenant setting it ran one id many times at once, billed once).
+    tenant setting it ran one id many times at once, billed once), or a
+    ``fallback`` (a tenant could not use it but to keep its own request away
+    from backends; it is the services' word all the same).
     """
     if requeue != (request.requeues > 0):
         raise MalformedRequestError(
             "requeues is set by the services only, on rq.req.<priority>.<tenant>.requeue"
             if request.requeues > 0
             else "a request on the requeue subject must carry requeues > 0",
+            request_id=request.id,
+        )
+    if request.fallback is not None and not requeue:
+        raise MalformedRequestError(
+            "fallback is set by the services only, on rq.req.<priority>.<tenant>.requeue",
             request_id=request.id,
         )
     if message_id is not None and not (
@@ -123,14 +145,50 @@ def validate(
 def capable(
     request: InferenceRequest, candidates: Sequence[str], views: Mapping[str, BackendView]
 ) -> list[BackendView]:
-    """The candidates (cascade order) that are healthy and of a tier the request needs."""
+    """The candidates (cascade order) that are healthy, of a tier the request
+    needs and, for a request that fell back, allowed by its ``fallback``
+    (:func:`allowed_after_fallback`)."""
     return [
         views[name]
         for name in candidates
         if name in views
         and views[name].healthy
         and (request.complexity is None or views[name].tier >= request.complexity)
+        and (request.fallback is None or allowed_after_fallback(request, views[name]))
     ]
+
+
+def allowed_after_fallback(request: InferenceRequest, view: BackendView) -> bool:
+    """Whether a request that fell back may go to ``view``: not a backend that
+    failed it in this pass over its route, a context window as large as it
+    needs, no lower tier or no paid backend when its route says so, and a
+    paid one only if its estimated cost is within the request's ``max_cost``."""
+    fallback = request.fallback
+    if fallback is None:
+        return True
+    if view.name in fallback.excluded:
+        return False
+    if fallback.min_tier is not None and view.tier < fallback.min_tier:
+        return False
+    if fallback.min_context is not None and (
+        view.context_window is None or view.context_window < fallback.min_context
+    ):
+        return False
+    return not view.paid or (not fallback.free_only and within_cost(request, view))
+
+
+def estimated_cost(request: InferenceRequest, view: BackendView) -> float:
+    """US dollars a call of ``request`` may cost at ``view``: its estimated
+    prompt and the most it may generate (``max_tokens``, else
+    :data:`DEFAULT_MAX_TOKENS`)."""
+    prompt = estimate_prompt_tokens(request.messages)
+    output = request.params.max_tokens or DEFAULT_MAX_TOKENS
+    return (prompt * view.cost_input_per_mtok + output * view.cost_output_per_mtok) / 1_000_000
+
+
+def within_cost(request: InferenceRequest, view: BackendView) -> bool:
+    """Whether the estimated cost of ``request`` at ``view`` is within its ``max_cost``."""
+    return request.max_cost is None or estimated_cost(request, view) <= request.max_cost
 
 
 def choose_backend(

@@ -41,6 +41,11 @@ MESSAGE_OVERHEAD_TOKENS: Final = 4
 REPLY_OVERHEAD_TOKENS: Final = 3
 
 
+#: Output tokens a request without ``max_tokens`` is expected to generate at
+#: most (what quota is reserved for, and a cost estimate counts).
+DEFAULT_MAX_TOKENS: Final = 1024
+
+
 def estimate_text_tokens(text: str) -> int:
     """Tokens in ``text``: ASCII characters / 4 rounded up, plus one per other character."""
     ascii_chars = len(text) if text.isascii() else len(text.encode("ascii", "ignore"))

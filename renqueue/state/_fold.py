@@ -43,6 +43,7 @@ from ..wire._messages import (
     Event,
     Expired,
     Failed,
+    FellBack,
     Preempted,
     Rejected,
     ReportedLimit,
@@ -56,6 +57,7 @@ from ..wire._subjects import msg_id
 
 __all__ = [
     "BACKEND_FAULTS",
+    "BACKEND_FAULT_CLASSES",
     "STALE_IN_FLIGHT",
     "STATE_KEY",
     "STATE_VERSION",
@@ -94,6 +96,25 @@ STATE_KEY: Final = "projection"
 #: (``rate_limited``) means the backend is up and busy: the rate limiter's
 #: business, not health's. ``backend_bad_request`` blames the request.
 BACKEND_FAULTS: Final = frozenset({"backend_unavailable", "backend_fatal"})
+
+#: Failure classes (``error_class``, :class:`renqueue.errors.FailureClass`)
+#: that say the backend is at fault; an event with a class is judged by it
+#: (a context too long, a content filter, a bad request, a 429 are not the
+#: backend's health), one without (older events) by :data:`BACKEND_FAULTS`.
+BACKEND_FAULT_CLASSES: Final = frozenset(
+    {
+        "connect",
+        "connect_timeout",
+        "first_token_timeout",
+        "total_timeout",
+        "stall",
+        "overloaded",
+        "server_error",
+        "malformed",
+        "broken_stream",
+        "unavailable",
+    }
+)
 
 #: A started request with no event for this long (event time) is dropped from
 #: the in-flight map and counted in ``in_flight_dropped``. Property 1 says every
@@ -355,19 +376,8 @@ class _Builder:
             self.submitted += 1
             tenant = self._tenants.get(event.tenant, _EMPTY_TENANT)
             self._set_tenant(event.tenant, submitted=tenant.submitted + 1)
-        elif isinstance(event, Routed):
-            self._route(event, at)
-        elif isinstance(event, Started):
-            self._start(event, at)
-        elif isinstance(event, Retrying):
-            self._retrying(event, at)
-        elif isinstance(event, Preempted):  # put back to wait again: it left this backend
-            self._end(msg_id(event.tenant, event.request_id))
-        elif isinstance(event, Completed):
-            self._complete(event, at)
-        elif isinstance(event, Failed) and event.backend is not None:
-            self._failure(event.backend, event.error_type, at)
-            self._provider_said(event.backend, event.limits, at, event.quota_exhausted_until)
+        else:
+            self._on_backend(event, at)
         if isinstance(event, Completed | Failed | Rejected | Expired | Cancelled):
             kind = kind_of(event)
             tenant = self._tenants.get(event.tenant, _EMPTY_TENANT)
@@ -380,6 +390,26 @@ class _Builder:
                 del self._reserved[key]
         if self.log_time - self.last_sweep_at >= _SWEEP_EVERY:
             self._sweep()
+
+    def _on_backend(self, event: Event, at: float) -> None:
+        """An event about a backend call: a decision, a start, a failed run, an end."""
+        if isinstance(event, Routed):
+            self._route(event, at)
+        elif isinstance(event, Started):
+            self._start(event, at)
+        elif isinstance(event, Retrying):
+            self._retrying(event, at)
+        elif isinstance(event, FellBack):  # put back to be bound elsewhere: it left this backend
+            self._end(msg_id(event.tenant, event.request_id))
+            self._failure(event.backend, event.error_type, at, event.error_class)
+            self._provider_said(event.backend, event.limits, at, None)
+        elif isinstance(event, Preempted):  # put back to wait again: it left this backend
+            self._end(msg_id(event.tenant, event.request_id))
+        elif isinstance(event, Completed):
+            self._complete(event, at)
+        elif isinstance(event, Failed) and event.backend is not None:
+            self._failure(event.backend, event.error_type, at, event.error_class)
+            self._provider_said(event.backend, event.limits, at, event.quota_exhausted_until)
 
     def _start(self, event: Started, at: float) -> None:
         backend = self._backends.get(event.backend, _EMPTY_BACKEND)
@@ -420,7 +450,7 @@ class _Builder:
     def _retrying(self, event: Retrying, at: float) -> None:
         if event.requeued:  # put back to be bound again: it left this backend
             self._end(msg_id(event.tenant, event.request_id))
-        self._failure(event.backend, event.error_type, at)
+        self._failure(event.backend, event.error_type, at, event.error_class)
         self._provider_said(event.backend, event.limits, at, event.quota_exhausted_until)
         if event.error_type == "rate_limited":
             # Put back for a spent quota: the backend is out (exhausted) for the
@@ -438,7 +468,7 @@ class _Builder:
             self._own("in_flight")
             self._leave(self._in_flight.pop(key).backend)
 
-    def _failure(self, name: str, error_type: str, at: float) -> None:
+    def _failure(self, name: str, error_type: str, at: float, error_class: str = "") -> None:
         backend = self._backends.get(name, _EMPTY_BACKEND)
         changes: dict[str, Any] = {
             "calls_failed": backend.calls_failed + 1,
@@ -447,7 +477,7 @@ class _Builder:
         }
         if error_type == "rate_limited":
             changes["rate_limited"] = backend.rate_limited + 1
-        if error_type in BACKEND_FAULTS:
+        if error_class in BACKEND_FAULT_CLASSES if error_class else error_type in BACKEND_FAULTS:
             changes["consecutive_failures"] = backend.consecutive_failures + 1
             changes["last_fault_at"] = at
         self._set_backend(name, **changes)

@@ -112,6 +112,9 @@ class Fallback(Struct, frozen=True, kw_only=True, omit_defaults=True):
     min_tier: Annotated[int, Meta(ge=0, le=100)] | None = None
     #: The next backend must be free (the route's ``fallback.paid`` is off).
     free_only: bool = False
+    #: The tier of the backend that failed it last: binding below it is a
+    #: quality downgrade, said in the routing decision's reason.
+    from_tier: Annotated[int, Meta(ge=0, le=100)] | None = None
 
 
 class InferenceRequest(Struct, frozen=True, kw_only=True):

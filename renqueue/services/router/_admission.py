@@ -24,6 +24,7 @@ from ...wire._messages import (
     REQUEST_DECODER,
     Coalesced,
     Event,
+    FellBack,
     InferenceRequest,
     Preempted,
     Retrying,
@@ -120,7 +121,8 @@ async def arrival(js: JetStream, msg: Message, request: InferenceRequest) -> Arr
     A first submit: when the broker stored it. A request the services put
     back (``requeues > 0``) keeps its original time, the one logged in its
     ``submitted`` event, when the log shows why it was put back: a
-    preemption (a ``preempted`` event of that attempt), a spent quota (a
+    preemption (a ``preempted`` event of that attempt), a fallback (the
+    last ``fell_back`` event is of that attempt), a spent quota (a
     ``retrying`` event of that attempt that says ``requeued``, among all of
     that attempt's ``retrying`` events: its backend and until when it is out
     are ``paused``), or a coalescing group whose leader ended on its own (a
@@ -142,16 +144,32 @@ async def arrival(js: JetStream, msg: Message, request: InferenceRequest) -> Arr
     first, _ = await logged("submitted")
     if not isinstance(first, Submitted):
         return Arrival(stored)
+    kept = await _why_put_back(js, request, logged)
+    if kept is None:
+        return Arrival(stored)
+    return Arrival(min(stored, first.at), paused=kept if isinstance(kept, Pause) else None)
+
+
+async def _why_put_back(
+    js: JetStream,
+    request: InferenceRequest,
+    logged: Callable[[str], Awaitable[tuple[Event | None, int]]],
+) -> Pause | bool | None:
+    """Why the log says ``request`` was put back (see :func:`arrival`): the
+    pause of a spent quota, ``True`` for a preemption, a fallback or a
+    coalescing group, ``None`` when it says nothing."""
     preempted, _ = await logged("preempted")
     if isinstance(preempted, Preempted) and preempted.attempt == request.requeues:
-        return Arrival(min(stored, first.at))
+        return True
+    if request.fallback is not None:
+        fell, _ = await logged("fell_back")
+        if isinstance(fell, FellBack) and fell.attempt == request.requeues:
+            return True
     requeued = await _requeued(js, request, logged)
     if requeued is not None:
-        return Arrival(min(stored, first.at), paused=pause_of(requeued))
+        return pause_of(requeued)
     coalesced, _ = await logged("coalesced")
-    if isinstance(coalesced, Coalesced):
-        return Arrival(min(stored, first.at))
-    return Arrival(stored)
+    return True if isinstance(coalesced, Coalesced) else None
 
 
 async def _requeued(

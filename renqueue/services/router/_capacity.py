@@ -68,6 +68,9 @@ class Capacity:
                 in_flight=self.in_flight(name),
                 tier=backend.tier,
                 healthy=self._health(name),
+                context_window=backend.context_window,
+                cost_input_per_mtok=backend.cost_input_per_mtok,
+                cost_output_per_mtok=backend.cost_output_per_mtok,
             )
             for name, backend in self._config.backends.items()
         }

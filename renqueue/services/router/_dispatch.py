@@ -129,8 +129,11 @@ class Dispatcher:
         *,
         term: int,
         reserved: Reserved | None = None,
+        probe: bool = False,
     ) -> None:
         """Dispatch ``item`` to the slot's backend, log the ``routed`` decision, ack it.
+
+        ``probe``: the backend's circuit is half-open and this call is its probe.
 
         Both go under per-attempt message ids, so a bind repeated for the same
         attempt stores neither twice. A first delivery in this term publishes
@@ -152,6 +155,7 @@ class Dispatcher:
             routed_at=now,
             effective_rank=item.key(now, self._policies)[0],
             reserved_tokens=0 if reserved is None else reserved.cost.tokens,
+            probe=probe,
         )
         routed = Routed(
             request_id=request.id,

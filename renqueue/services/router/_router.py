@@ -852,6 +852,7 @@ class Router(Lifecycle):
                         action.reason,
                         term=self._term or 0,
                         reserved=reserved,
+                        probe=action.probe,
                     )
                 )
             elif isinstance(action, AskPreemption):

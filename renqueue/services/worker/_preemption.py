@@ -21,7 +21,7 @@ from ... import metrics
 from ...logs import get_logger
 from ...policy import LevelPolicy, choose_victim
 from ...wire._eventlog import EventLog, publish_stored
-from ...wire._messages import MAX_REQUEUES, Dispatch, Preempted, encode
+from ...wire._messages import MAX_REQUEUES, Dispatch, Fallback, Preempted, encode
 from ...wire._nats import JetStream, Message
 from ...wire._preemption import ASK_DECODER, CONFIRM_DECODER, Answer, Offer
 from ...wire._subjects import (
@@ -153,7 +153,9 @@ async def requeue(
     metrics.TERMINAL.labels("preempted").inc()
 
 
-async def put_back(js: JetStream, msg: Message, dispatch: Dispatch) -> None:
+async def put_back(
+    js: JetStream, msg: Message, dispatch: Dispatch, *, fallback: Fallback | None = None
+) -> None:
     """Put a dispatched request back to routing, then ack its dispatch.
 
     The copy goes to its level's requeue subject (``rq.req.<level>.<tenant>.requeue``,
@@ -164,14 +166,19 @@ async def put_back(js: JetStream, msg: Message, dispatch: Dispatch) -> None:
     ``requeued``). Idempotent: the copy's message id is
     ``<tenant>:<id>:requeue:<attempt>``. A request put back
     :data:`MAX_REQUEUES` times already cannot be (``ValueError``): its
-    callers end it instead.
+    callers end it instead. ``fallback``: its new place in its route's
+    cascade after a backend failed it (else it keeps the one it has).
     """
     request = dispatch.request
     if dispatch.attempt > MAX_REQUEUES:
         raise ValueError(
             f"request {request.id} was put back {MAX_REQUEUES} times already; not again"
         )
-    again = msgspec.structs.replace(request, requeues=dispatch.attempt)
+    again = msgspec.structs.replace(
+        request,
+        requeues=dispatch.attempt,
+        fallback=request.fallback if fallback is None else fallback,
+    )
     # Acked only once a copy is surely stored: a tenant may have taken
     # this message id first (see publish_stored).
     await publish_stored(

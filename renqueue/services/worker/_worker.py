@@ -60,7 +60,16 @@ from ...backends import Backend
 from ...config import BackendConfig, Config, parse_duration
 from ...errors import BackendError, NatsUnavailableError, RateLimitedError
 from ...logs import bound_request, get_logger
-from ...policy import RequeueElsewhere, Retry, after_failure, backoff, retry_after
+from ...policy import (
+    INTERNAL,
+    FallBack,
+    RequeueElsewhere,
+    Retry,
+    RouteFacts,
+    after_failure,
+    backoff,
+    retry_after,
+)
 from ...state._cancellation import CancelWatch
 from ...state._coalescing import Coalescer, coalesce_key
 from ...wire._eventlog import EventLog
@@ -74,6 +83,8 @@ from ...wire._messages import (
     Event,
     Expired,
     Failed,
+    Fallback,
+    FellBack,
     InferenceRequest,
     Preempted,
     Retrying,
@@ -537,6 +548,10 @@ class Worker(Lifecycle):
                 log.info("request was put back to routing before; putting it back again")
                 await self._put_back(msg, dispatch)
                 return True
+            if isinstance(event, FellBack) and event.attempt == dispatch.attempt:
+                log.info("request fell back to routing before; putting it back again")
+                await self._put_back(msg, dispatch, fallback=event.fallback)
+                return True
         move = next((e for e in events if self._thief.stolen_here(e, dispatch, source_seq)), None)
         return isinstance(move, Stolen) and await self._thief.hand_over(msg, dispatch, move, events)
 
@@ -557,14 +572,16 @@ class Worker(Lifecycle):
         except Exception as exc:  # noqa: BLE001 - not a failed run: handed back
             await self._put_back_failed(msg, exc)
 
-    async def _put_back(self, msg: Message, dispatch: Dispatch) -> None:
+    async def _put_back(
+        self, msg: Message, dispatch: Dispatch, *, fallback: Fallback | None = None
+    ) -> None:
         """Put a request back to routing (:func:`put_back`), its reason already
         logged. If that fails (the copy's publish, the ack), the dispatch is
         handed back with a backoff, not failed: the run did not fail, and the
         redelivery finds the logged reason and puts it back again
         (:meth:`_settled_before`, idempotent), without calling the backend."""
         try:
-            await put_back(self._js, msg, dispatch)
+            await put_back(self._js, msg, dispatch, fallback=fallback)
         except Exception as exc:  # noqa: BLE001 - not a failed run: handed back
             await self._put_back_failed(msg, exc)
 
@@ -621,8 +638,10 @@ class Worker(Lifecycle):
             failed_runs=await self._failed_runs(dispatch),
             policy=self._failure_policy,
             random=random.random,
+            route=self._route_facts(dispatch),
         )
         internal = not isinstance(exc, BackendError)
+        error_class = INTERNAL if not isinstance(exc, BackendError) else str(exc.failure)
         if isinstance(action, Retry):
             if internal:
                 log.error("unexpected error; the request will run again",
@@ -637,18 +656,96 @@ class Worker(Lifecycle):
                 reason=action.reason,
                 delay=action.delay,
                 exhausted_until=_exhausted_until(exc),
+                error_class=error_class,
             )
             return
         if isinstance(action, RequeueElsewhere):
             await self._requeue_elsewhere(msg, dispatch, run, action, exc, seq=chunks.seq)
+            return
+        if isinstance(action, FallBack):
+            await self._fall_back(msg, dispatch, run, action, seq=chunks.seq)
             return
         if internal:
             log.error("unexpected error on the last allowed run; request fails", exc_info=exc)
         else:
             log.error("request failed", error=str(exc), run=run)
         await self._fail(
-            msg, dispatch, run, chunks.seq, error_type=action.error_type, reason=action.reason
+            msg,
+            dispatch,
+            run,
+            chunks.seq,
+            error_type=action.error_type,
+            reason=action.reason,
+            error_class=error_class,
         )
+
+    def _route_facts(self, dispatch: Dispatch) -> RouteFacts | None:
+        """The request's route and cascade state for the failure policy
+        (``None``: its route is not in this worker's config: no fallback)."""
+        request = dispatch.request
+        route = self._config.routes.get(request.route)
+        if route is None or self._backend_name not in self._config.backends:
+            return None
+        return RouteFacts(
+            policy=route.fallback.policy(),
+            candidates=self._config.candidates(request.route),
+            backend=self._config.candidate(self._backend_name),
+            fallback=request.fallback or Fallback(),
+            probe=dispatch.probe,
+        )
+
+    async def _fall_back(
+        self, msg: Message, dispatch: Dispatch, run: int, action: FallBack, *, seq: int
+    ) -> None:
+        """The backend failed the request in a way its route falls back on:
+        record why (``fell_back``), then put it back to routing, keeping its
+        wait, with where it may not go next (``InferenceRequest.fallback``).
+
+        As for a spent quota (:meth:`_requeue_elsewhere`): the event is stored
+        before the copy, a redelivery finds it and puts the request back
+        again without a call, and a request put back :data:`MAX_REQUEUES`
+        times already fails instead.
+        """
+        request = dispatch.request
+        if dispatch.attempt > MAX_REQUEUES:
+            log.error("the request fell back too often; it fails")
+            await self._fail(
+                msg,
+                dispatch,
+                run,
+                seq,
+                error_type=action.error_type,
+                reason=f"put back {MAX_REQUEUES} times, the most a request may be: {action.reason}"[
+                    :1000
+                ],
+                error_class=action.error_class,
+            )
+            return
+        log.warning(
+            "backend failed the request; it falls back down its route",
+            error=action.reason,
+            error_class=action.error_class,
+            excluded=list(action.fallback.excluded),
+            probe=dispatch.probe,
+        )
+        await self._log.append(
+            FellBack(
+                request_id=request.id,
+                tenant=request.tenant,
+                at=self._clock(),
+                backend=self._backend_name,
+                attempt=dispatch.attempt,
+                delivery=run,
+                error_type=action.error_type,
+                error_class=action.error_class,
+                reason=action.reason,
+                fallback=action.fallback,
+                probe=dispatch.probe,
+                limits=reported_limits(self._caller.backend),
+            )
+        )
+        metrics.FALLBACKS.labels(self._backend_name, action.error_class).inc()
+        await self._put_back(msg, dispatch, fallback=action.fallback)
 
     async def _failed_runs(self, dispatch: Dispatch) -> int:
         """Runs of this dispatch (attempt) that failed and were retried, from the log."""
@@ -666,6 +763,7 @@ class Worker(Lifecycle):
         reason: str,
         delay: float,
         exhausted_until: float | None = None,
+        error_class: str = "",
     ) -> None:
         """Record the failed run (``retrying``: what the budget counts), then nak.
 
@@ -685,6 +783,7 @@ class Worker(Lifecycle):
                 retry_after=delay,
                 limits=reported_limits(self._caller.backend),
                 quota_exhausted_until=exhausted_until,
+                error_class=error_class,
             )
         )
         await msg.nak(delay=delay)
@@ -773,6 +872,7 @@ class Worker(Lifecycle):
         error_type: str,
         reason: str,
         exhausted_until: float | None = None,
+        error_class: str = "",
     ) -> None:
         """Fail the request for good: a copy to the dead-letter stream, then ``failed``."""
         request = dispatch.request
@@ -794,6 +894,7 @@ class Worker(Lifecycle):
             attempt=dispatch.attempt,
             limits=reported_limits(self._caller.backend),
             quota_exhausted_until=exhausted_until,
+            error_class=error_class,
         )
         await self._finish(msg, request, failed, run, seq=seq)
 
