@@ -629,7 +629,7 @@ async def _dlq_purge(dead: Any, where: Any, args: argparse.Namespace, out: _Outp
     purged = 0
     for entry in entries:
         try:
-            await dead.purge(entry.seq)
+            await dead.purge(entry)
         except DeadLetterError as exc:
             failed = True
             out.error(str(exc))

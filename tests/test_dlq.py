@@ -464,7 +464,7 @@ async def test_hostile_entries_never_crash_the_tool(tmp_path: Path, isolated_ser
         code, out, err = await rq(config, "dlq", "purge", "--all", "--yes")
         assert code == 0, err
         assert "purged 5 dead letters" in out
-        assert (await js.stream_info(DLQ_STREAM)).state.messages == 0
+        assert await entries(js) == []
 
 
 async def test_requeue_refuses_what_admission_would_reject_and_keeps_or_sets_the_deadline(
@@ -496,8 +496,21 @@ async def test_requeue_refuses_what_admission_would_reject_and_keeps_or_sets_the
         again = second.request()
         assert again.metadata == {"requeued_from": unknown.id, "dlq_seq": str(entry.seq)}
         assert 58 < (again.deadline or 0) - second.time < 61
-        with pytest.raises(DeadLetterError, match="dead letter 999"):
+        with pytest.raises(DeadLetterError, match="no dead letter 999"):
             await dead.get(999)
+
+        # A level no stream takes (the config changed since): refused, with or without a config.
+        urgent = msgspec.structs.replace(again, id="urgent-1", priority="urgent", metadata={})
+        await EventLog(js).dead_letter(
+            "requests", encode(urgent), reason="undeliverable: test",
+            source_subject=request_subject("urgent", "t1"), tenant="t1", request_id="urgent-1",
+        )  # fmt: skip
+        [*_, odd] = await entries(js)
+        code, _out, err = await rq(config, "dlq", "requeue", str(odd.seq))
+        assert code == 1
+        assert "no priority level 'urgent' in the config" in err
+        with pytest.raises(DeadLetterError, match="no stream takes priority 'urgent'"):
+            await dead.requeue(odd)
 
 
 def test_a_requeue_id_is_deterministic_and_always_a_valid_request_id() -> None:

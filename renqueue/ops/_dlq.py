@@ -78,6 +78,7 @@ from ..config import Config
 from ..errors import (
     InvalidRequestError,
     NatsError,
+    NatsNoRespondersError,
     NatsNotFoundError,
     NatsTimeoutError,
     RenQueueError,
@@ -363,6 +364,26 @@ def _scan_consumer(subject: str, since: float | None) -> ConsumerConfig:
     )
 
 
+def _admissible(request: InferenceRequest, config: Config, message_id: str, seq: int) -> None:
+    """Refuse (:class:`DeadLetterError`) what admission would reject under ``config``."""
+    if request.priority not in config.priorities:
+        raise DeadLetterError(
+            f"admission would reject it: no priority level {request.priority!r} in the config: "
+            "not requeued",
+            seq=seq,
+        )
+    try:
+        validate(
+            request,
+            level=request.priority,
+            tenant=request.tenant,
+            config=config,
+            message_id=message_id,
+        )
+    except InvalidRequestError as exc:
+        raise DeadLetterError(f"admission would reject it: {exc}: not requeued", seq=seq) from exc
+
+
 class _Scan:
     """What a read of the stream met that it could not use."""
 
@@ -622,16 +643,16 @@ class DeadLetters:
         again = self._again(entry, request, new_id, history, budget, keep_budget=keep_budget)
         header = msg_id(tenant, new_id)
         if config is not None:
-            try:
-                validate(
-                    again, level=again.priority, tenant=tenant, config=config, message_id=header
-                )
-            except InvalidRequestError as exc:
-                raise DeadLetterError(
-                    f"admission would reject it: {exc}: not requeued", seq=seq
-                ) from exc
+            _admissible(again, config, header, seq)
         subject = request_subject(again.priority, tenant)
-        ack = await self._js.publish(subject, encode(again), headers={"Nats-Msg-Id": header})
+        try:
+            ack = await self._js.publish(subject, encode(again), headers={"Nats-Msg-Id": header})
+        except NatsNoRespondersError as exc:
+            raise DeadLetterError(
+                f"no stream takes priority {again.priority!r} (no level of that name): "
+                "not requeued",
+                seq=seq,
+            ) from exc
         if ack.duplicate:
             await self._check_duplicate(seq, ack, subject=subject, tenant=tenant, new_id=new_id)
         mark = await self._store_mark(
@@ -735,20 +756,19 @@ class DeadLetters:
 
     # -------------------------------------------------------------------- purge
 
-    async def purge(self, seq: int) -> None:
-        """Delete entry ``seq`` and its requeue marker; :class:`DeadLetterError`
-        if there is no such entry."""
-        await self.get(seq)  # an entry, not a marker or nothing
+    async def purge(self, entry: DeadLetter) -> None:
+        """Delete ``entry`` (as read by :meth:`find` or :meth:`get`) and, if it
+        was requeued, its marker; :class:`DeadLetterError` if it is gone."""
+        seq = entry.seq
         try:
             await self._js.delete_msg(DLQ_STREAM, seq)
         except NatsNotFoundError as exc:
             raise DeadLetterError(f"no dead letter {seq} (purged meanwhile)", seq=seq) from exc
-        while True:  # its marker (one, but a hand-written second goes too)
-            try:
-                marker = await self._js.get_last_msg(DLQ_STREAM, requeue_subject(seq))
-                await self._js.delete_msg(DLQ_STREAM, marker.seq)
-            except NatsNotFoundError:
-                return
+        if entry.requeued is None:
+            return  # a marker stored since is left (it names a sequence never used again)
+        with contextlib.suppress(NatsNotFoundError):
+            marker = await self._js.get_last_msg(DLQ_STREAM, requeue_subject(seq))
+            await self._js.delete_msg(DLQ_STREAM, marker.seq)
 
 
 # -------------------------------------------------------------------- rendering
