@@ -623,6 +623,8 @@ async def _dlq_purge(dead: Any, where: Any, args: argparse.Namespace, out: _Outp
         noun = "dead letter" if len(entries) == 1 else "dead letters"
         print(f"Purge {len(entries)} {noun}? [y/N] ", end="", file=sys.stderr, flush=True)
         answer = await asyncio.to_thread(sys.stdin.readline)
+        if not sys.stdin.isatty():
+            print(file=sys.stderr)  # the answer was not echoed: end the prompt's line
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing purged", file=sys.stderr)
             return EXIT_SOME_FAILED if failed else EXIT_OK

@@ -513,6 +513,18 @@ async def test_requeue_refuses_what_admission_would_reject_and_keeps_or_sets_the
             await dead.requeue(odd)
 
 
+async def test_a_server_without_the_stream_cannot_be_read_exit_2(
+    tmp_path: Path, isolated_server: Any
+) -> None:
+    path = tmp_path / "rq.toml"
+    write_config(path, nats_url=isolated_server.url, backend_url="http://127.0.0.1:9")
+    for args in (["list"], ["show", "1"], ["requeue", "--all"], ["purge", "1", "--yes"]):
+        code, out, err = await rq(path, "dlq", *args)
+        assert code == 2, (args, out, err)
+        assert f"renqueue: no dead-letter stream {DLQ_STREAM}" in err
+        assert out == ""
+
+
 def test_a_requeue_id_is_deterministic_and_always_a_valid_request_id() -> None:
     long = "a" * 128
     new = requeue_id(long, 123456789)

@@ -517,6 +517,7 @@ class DeadLetters:
         try:
             stored = await self._js.get_msg(DLQ_STREAM, seq=seq)
         except NatsNotFoundError as exc:
+            await self._last_seq()  # no stream at all: that error instead
             raise DeadLetterError(f"no dead letter {seq}", seq=seq) from exc
         except NatsError:
             raise
