@@ -18,7 +18,9 @@ that read the broker, ask these functions, and carry out what they answer.
   :class:`Candidate` s, :class:`RouteFacts`), answering :class:`Retry`,
   :class:`FallBack`, :class:`RequeueElsewhere` or :class:`Fail`;
   :func:`backoff`, :func:`meets`.
-- Backend health (``_health``): :func:`is_healthy`.
+- Backend health (``_health``): the circuit breaker, :func:`next_circuit`
+  (a :class:`Circuit` judged from :class:`CircuitFacts` under
+  :class:`CircuitRules`); the older streak rule :func:`is_healthy`.
 - Backend quotas (``_quota``, over the spend log of ``_spend``): :class:`Limit` s
   (:func:`limits_of`, :func:`effective_limits`) judged against a :class:`Quota`
   (one :class:`SpendLog` per backend, and what its provider said: a
@@ -50,7 +52,18 @@ from ._failure import (
     meets,
     retry_after,
 )
-from ._health import DEFAULT_COOLDOWN, DEFAULT_FAILURE_THRESHOLD, FaultRecord, is_healthy
+from ._health import (
+    CLOSED,
+    DEFAULT_COOLDOWN,
+    DEFAULT_FAILURE_THRESHOLD,
+    Circuit,
+    CircuitFacts,
+    CircuitRules,
+    CircuitState,
+    FaultRecord,
+    is_healthy,
+    next_circuit,
+)
 from ._planner import (
     BIND_REASON,
     DEADLINE_PASSED,
@@ -99,6 +112,7 @@ from ._tokens import (
 __all__ = [
     "BIND_REASON",
     "CHARS_PER_TOKEN",
+    "CLOSED",
     "DEADLINE_PASSED",
     "DEFAULT_COOLDOWN",
     "DEFAULT_FAILURE_THRESHOLD",
@@ -113,6 +127,10 @@ __all__ = [
     "BackendView",
     "Bind",
     "Candidate",
+    "Circuit",
+    "CircuitFacts",
+    "CircuitRules",
+    "CircuitState",
     "Cost",
     "Expire",
     "Fail",
@@ -157,6 +175,7 @@ __all__ = [
     "limits_of",
     "may_preempt",
     "meets",
+    "next_circuit",
     "pick_key",
     "plan",
     "preempting_rank",

@@ -1,14 +1,42 @@
-"""The health rule: whether a backend may be called, from the facts the log folded.
+"""Backend health: the circuit breaker, and the older streak rule, as plain functions.
 
-The facts (a backend's streak of backend faults and the time of the latest)
-are folded from the event log by :func:`renqueue.state.fold`; the verdict
-is this plain function of them and a caller-supplied ``now``, so the state
-stays clock-free and a router applies the cooldown with its own clock.
+A backend's **circuit** is ``closed`` (calls go through), ``open`` (no call is
+bound there) or ``half_open`` (one call at a time, the probe, decides). The
+facts it is judged from are folded from the event log by
+:func:`renqueue.state.fold` (:class:`CircuitFacts`: the streak of backend
+faults, the outcomes of recent calls, the latest active health probe, and the
+circuit's own state as last logged); the rules are the backend's
+``[backends.<name>.circuit]`` (:class:`CircuitRules`). :func:`next_circuit` is
+the one transition function, applied by the binder (the one place that binds,
+so the one place that decides), which logs every change as a ``circuit``
+event; the fold then starts a closed circuit's count afresh.
+
+The transitions, at ``now``:
+
+- ``closed`` -> ``open``: ``failures`` backend faults in a row; or at least
+  ``error_rate`` of at least ``min_calls`` calls in the last ``window``
+  seconds ended in a backend fault; or the active probe (if one is
+  configured) failed since the circuit closed.
+- ``open`` -> ``closed``: the active probe succeeded since it opened (a local
+  server that came back is used again at once).
+- ``open`` -> ``half_open``: ``cooloff`` seconds after it opened, unless the
+  active probe still fails (then the probe decides).
+- ``half_open`` -> ``closed``: a call completed since it became half-open.
+- ``half_open`` -> ``open``: a backend fault since it became half-open, or a
+  failed active probe.
+
+Faults are the classes that blame the backend (refused or dropped
+connections, timeouts, 5xx, overloaded, malformed answers, broken streams, a
+backend that cannot serve); a 429, a bad request, a context too long or a
+content filter say nothing of its health.
 """
 
 from __future__ import annotations
 
-from typing import Final, Protocol
+from collections.abc import Sequence
+from typing import Final, Literal, Protocol
+
+from msgspec import Struct
 
 #: Consecutive backend-fault failures after which a backend is unhealthy.
 DEFAULT_FAILURE_THRESHOLD: Final = 3
@@ -16,9 +44,16 @@ DEFAULT_FAILURE_THRESHOLD: Final = 3
 #: tried again: one more fault re-arms the cooldown, a completion clears it.
 DEFAULT_COOLDOWN: Final = 30.0
 
+#: Seconds per bucket of :attr:`CircuitFacts.outcomes`.
+OUTCOME_BUCKET: Final = 10
+#: Seconds of outcomes the fold keeps (the longest ``window`` a config may set).
+OUTCOME_HORIZON: Final = 600
+
+CircuitState = Literal["closed", "open", "half_open"]
+
 
 class FaultRecord(Protocol):
-    """What the health rule reads of a backend's folded state
+    """What the streak rule reads of a backend's folded state
     (:class:`renqueue.state.BackendState` has it)."""
 
     @property
@@ -28,6 +63,119 @@ class FaultRecord(Protocol):
     def last_fault_at(self) -> float | None: ...
 
 
+class CircuitFacts(FaultRecord, Protocol):
+    """What the circuit breaker reads of a backend's folded state
+    (:class:`renqueue.state.BackendState` has it)."""
+
+    @property
+    def last_completed_at(self) -> float | None: ...
+
+    @property
+    def outcomes(self) -> Sequence[tuple[int, int, int]]:
+        """``(bucket start, calls completed, backend faults)`` per
+        :data:`OUTCOME_BUCKET` seconds, oldest first, since the circuit last closed."""
+        ...
+
+    @property
+    def probe_ok(self) -> bool | None: ...
+
+    @property
+    def probe_at(self) -> float | None: ...
+
+
+class CircuitRules(Struct, frozen=True, kw_only=True):
+    """When a backend's circuit opens and closes (``[backends.<name>.circuit]``)."""
+
+    failures: int = DEFAULT_FAILURE_THRESHOLD
+    error_rate: float = 0.5
+    min_calls: int = 10
+    window: float = 60.0
+    cooloff: float = DEFAULT_COOLDOWN
+    #: An active health probe is configured (``[backends.<name>.probe]``).
+    probed: bool = False
+
+
+class Circuit(Struct, frozen=True, kw_only=True):
+    """A backend's circuit: its state, since when (Unix time), and why."""
+
+    state: CircuitState = "closed"
+    since: float = 0.0
+    reason: str = ""
+
+
+CLOSED: Final = Circuit()
+
+
+def next_circuit(current: Circuit, facts: CircuitFacts, rules: CircuitRules, now: float) -> Circuit:
+    """The circuit at ``now``: ``current`` or the one it moves to (see the module docstring).
+
+    Pure: a new :class:`Circuit` (``since = now``) when the state changes, else ``current``.
+    """
+    probe_failed = (
+        rules.probed
+        and facts.probe_ok is False
+        and facts.probe_at is not None
+        and facts.probe_at >= current.since
+    )
+    if current.state == "closed":
+        reason = _trip(facts, rules, now, probe_failed=probe_failed)
+    elif current.state == "open":
+        return _after_open(current, facts, rules, now)
+    elif probe_failed:
+        reason = "the health probe failed"
+    elif facts.last_fault_at is not None and facts.last_fault_at >= current.since:
+        reason = "the probe call failed"
+    elif facts.last_completed_at is not None and facts.last_completed_at >= current.since:
+        return Circuit(state="closed", since=now, reason="the probe call completed")
+    else:
+        reason = None
+    return current if reason is None else Circuit(state="open", since=now, reason=reason)
+
+
+def _trip(
+    facts: CircuitFacts, rules: CircuitRules, now: float, *, probe_failed: bool
+) -> str | None:
+    """Why a closed circuit opens now, or ``None``."""
+    if probe_failed:
+        return "the health probe failed"
+    if facts.consecutive_failures >= rules.failures:
+        return f"{facts.consecutive_failures} backend faults in a row"
+    calls, faults = _recent(facts.outcomes, now - rules.window)
+    if calls >= rules.min_calls and faults >= rules.error_rate * calls:
+        return f"{faults} of {calls} calls failed in the last {rules.window:g} s"
+    return None
+
+
+def _after_open(current: Circuit, facts: CircuitFacts, rules: CircuitRules, now: float) -> Circuit:
+    """An open circuit at ``now``: closed by a probe that succeeded since it
+    opened, half-open after ``cooloff`` unless the probe still fails, else open."""
+    probed_ok = (
+        rules.probed
+        and facts.probe_ok is True
+        and facts.probe_at is not None
+        and facts.probe_at >= current.since
+    )
+    if probed_ok:
+        return Circuit(state="closed", since=now, reason="the health probe succeeded")
+    if now - current.since >= rules.cooloff and not (rules.probed and facts.probe_ok is False):
+        return Circuit(
+            state="half_open",
+            since=now,
+            reason=f"{rules.cooloff:g} s after it opened: one call decides",
+        )
+    return current
+
+
+def _recent(outcomes: Sequence[tuple[int, int, int]], since: float) -> tuple[int, int]:
+    """Calls and faults in the buckets that end after ``since``."""
+    calls = faults = 0
+    for start, ok, bad in outcomes:
+        if start + OUTCOME_BUCKET > since:
+            calls += ok + bad
+            faults += bad
+    return calls, faults
+
+
 def is_healthy(
     backend: FaultRecord,
     now: float,
@@ -35,12 +183,12 @@ def is_healthy(
     threshold: int = DEFAULT_FAILURE_THRESHOLD,
     cooldown: float = DEFAULT_COOLDOWN,
 ) -> bool:
-    """The health rule: unhealthy after ``threshold`` consecutive backend faults,
-    until a completion or until ``cooldown`` seconds after the latest fault.
+    """The streak rule (before circuits; kept for the projection's own verdict):
+    unhealthy after ``threshold`` consecutive backend faults, until a
+    completion or until ``cooldown`` seconds after the latest fault.
 
     ``now`` is a Unix time on the events' scale (``time.time()`` for a live
-    router; a log time for an audit). After the cooldown the backend is tried
-    again; one more fault makes it unhealthy for another cooldown.
+    router; a log time for an audit).
     """
     if backend.consecutive_failures < threshold or backend.last_fault_at is None:
         return True

@@ -19,7 +19,7 @@ import msgspec
 
 from ..errors import MalformedRequestError, NoCapableBackendError, UnknownRouteError
 from ..wire._messages import InferenceRequest
-from ..wire._subjects import msg_id
+from ..wire._subjects import SYSTEM_TENANT, msg_id
 from ._quota import Cost, Limit, Quota, QuotaVerdict, check
 from ._tokens import DEFAULT_MAX_TOKENS, estimate_prompt_tokens
 
@@ -99,6 +99,11 @@ def validate(
             "requeues is set by the services only, on rq.req.<priority>.<tenant>.requeue"
             if request.requeues > 0
             else "a request on the requeue subject must carry requeues > 0",
+            request_id=request.id,
+        )
+    if tenant == SYSTEM_TENANT:
+        raise MalformedRequestError(
+            f"tenant {SYSTEM_TENANT!r} is reserved for the services' events about backends",
             request_id=request.id,
         )
     if request.fallback is not None and not requeue:

@@ -35,16 +35,19 @@ from typing import Any, Final
 import msgspec
 from msgspec import Struct
 
+from ..policy._health import OUTCOME_BUCKET, OUTCOME_HORIZON
 from ..policy._quota import Cost, Quota, cool_down, learn, reconcile, reserve
 from ..wire._messages import (
     Cancelled,
     CancelRequested,
+    CircuitChanged,
     Completed,
     Event,
     Expired,
     Failed,
     FellBack,
     Preempted,
+    Probed,
     Rejected,
     ReportedLimit,
     Retrying,
@@ -81,7 +84,9 @@ __all__ = [
 #: 5: reservations and in-flight entries name their attempt (a call is the
 #: reserved one only for its own decision, whichever of the two is logged first).
 #: A projector that finds an older state folds the log again from the start.
-STATE_VERSION: Final = 5
+#: 6: backends carry their circuit (state, since, reason), the outcomes of
+#: recent calls and the latest active probe.
+STATE_VERSION: Final = 6
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
 #: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
@@ -160,6 +165,18 @@ class BackendState(Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: What was sent to it over time, and what its provider said of its
     #: limits (:class:`renqueue.policy.Quota`): what its rate limits leave.
     quota: Quota | None = None
+    #: Its circuit breaker as last logged (``circuit`` events): ``closed``,
+    #: ``open`` or ``half_open``, since when (event time) and why.
+    circuit: str = "closed"
+    circuit_at: float = 0.0
+    circuit_reason: str = ""
+    #: ``(bucket start, calls completed, backend faults)`` per 10 s of event
+    #: time, oldest first, over the last 10 minutes and since its circuit
+    #: last closed: the error rate its circuit is judged by.
+    outcomes: tuple[tuple[int, int, int], ...] = ()
+    #: The latest answer of an active health probe (``probed`` events) and when.
+    probe_ok: bool | None = None
+    probe_at: float | None = None
 
 
 class TenantState(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -410,6 +427,39 @@ class _Builder:
         elif isinstance(event, Failed) and event.backend is not None:
             self._failure(event.backend, event.error_type, at, event.error_class)
             self._provider_said(event.backend, event.limits, at, event.quota_exhausted_until)
+        elif isinstance(event, CircuitChanged):
+            changes: dict[str, Any] = {
+                "circuit": event.state,
+                "circuit_at": at,
+                "circuit_reason": event.reason[:500],
+            }
+            if event.state == "closed":  # counted afresh from here
+                changes.update(consecutive_failures=0, outcomes=())
+            self._set_backend(event.backend, **changes)
+        elif isinstance(event, Probed):
+            self._set_backend(event.backend, probe_ok=event.ok, probe_at=at)
+
+    def _outcome(self, name: str, at: float, *, fault: bool) -> tuple[tuple[int, int, int], ...]:
+        """The backend's recent outcomes with one more call (ok or a fault) at ``at``."""
+        outcomes = self._backends.get(name, _EMPTY_BACKEND).outcomes
+        start = int(at // OUTCOME_BUCKET) * OUTCOME_BUCKET
+        kept = [entry for entry in outcomes if entry[0] > start - OUTCOME_HORIZON]
+        if kept and kept[-1][0] == start:
+            _, ok, bad = kept[-1]
+            kept[-1] = (start, ok + (not fault), bad + fault)
+        elif not kept or kept[-1][0] < start:
+            kept.append((start, int(not fault), int(fault)))
+        else:  # a late event: into its own bucket, kept in order
+            kept.append((start, int(not fault), int(fault)))
+            kept.sort()
+            merged: list[tuple[int, int, int]] = []
+            for entry in kept:
+                if merged and merged[-1][0] == entry[0]:
+                    merged[-1] = (entry[0], merged[-1][1] + entry[1], merged[-1][2] + entry[2])
+                else:
+                    merged.append(entry)
+            kept = merged
+        return tuple(kept)
 
     def _start(self, event: Started, at: float) -> None:
         backend = self._backends.get(event.backend, _EMPTY_BACKEND)
@@ -480,6 +530,7 @@ class _Builder:
         if error_class in BACKEND_FAULT_CLASSES if error_class else error_type in BACKEND_FAULTS:
             changes["consecutive_failures"] = backend.consecutive_failures + 1
             changes["last_fault_at"] = at
+            changes["outcomes"] = self._outcome(name, at, fault=True)
         self._set_backend(name, **changes)
 
     def _quota(self, name: str) -> Quota:
@@ -542,6 +593,7 @@ class _Builder:
             event.backend,
             calls_completed=backend.calls_completed + 1,
             consecutive_failures=0,
+            outcomes=self._outcome(event.backend, at, fault=False),
             last_completed_at=at,
             tokens_in=backend.tokens_in + event.usage.prompt_tokens,
             tokens_out=backend.tokens_out + event.usage.completion_tokens,

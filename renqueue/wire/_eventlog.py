@@ -55,8 +55,11 @@ from ._messages import (
     TERMINAL_KINDS,
     TOKEN_DECODER,
     CancelRequested,
+    CircuitChanged,
     Event,
+    FellBack,
     Preempted,
+    Probed,
     Promoted,
     Retrying,
     Routed,
@@ -118,27 +121,33 @@ def msg_id_of(event: Event) -> str | None:
     Tenants may publish into ``RQ_EVENTS`` with any message id, so an id can be
     pre-occupied: nothing that matters may rest on one. Terminal events have
     none: they are published once, by the holder of the request's terminal
-    claim (see the module docstring). ``started`` and ``retrying`` have none:
-    each is published once, by the worker running that run (in a pool, the
-    holder of the run's claim), so a forged id cannot hide a run or a failed
-    run (which the retry budget counts). ``cancel_requested`` has none: it is
-    idempotent, and a tenant publishing the id of another's cancellation first
-    (on its own subject) would drop it.
+    claim (see the module docstring). ``started``, ``retrying`` and
+    ``fell_back`` have none: each is published once, by the worker running
+    that run (in a pool, the holder of the run's claim), so a forged id cannot
+    hide a run or a failed run (which the retry budget counts); nor has
+    ``probed`` (published by a worker when its probe's answer changes). A
+    ``circuit`` change is the binder's, once per change: its time is in its
+    id. ``cancel_requested`` has none: it is idempotent, and a tenant
+    publishing the id of another's cancellation first (on its own subject)
+    would drop it.
     """
     tenant, rid = event.tenant, event.request_id
     if is_terminal(event):
         raise ValueError(f"{kind_of(event)} is terminal: publish it with EventLog.finish")
-    if isinstance(event, Started | Retrying | CancelRequested):
+    if isinstance(event, Started | Retrying | FellBack | Probed | CancelRequested):
         return None
+    parts: tuple[object, ...] = ()
     if isinstance(event, Preempted):
-        return msg_id(tenant, rid, kind_of(event), event.attempt, event.delivery)
-    if isinstance(event, Routed):
-        return msg_id(tenant, rid, "routed", event.attempt)
-    if isinstance(event, Stolen):
-        return msg_id(tenant, rid, "stolen", event.attempt, event.from_seq)
-    if isinstance(event, Promoted):
-        return msg_id(tenant, rid, "promoted", event.to_level)
-    return msg_id(tenant, rid, kind_of(event))
+        parts = (event.attempt, event.delivery)
+    elif isinstance(event, Routed):
+        parts = (event.attempt,)
+    elif isinstance(event, Stolen):
+        parts = (event.attempt, event.from_seq)
+    elif isinstance(event, Promoted):
+        parts = (event.to_level,)
+    elif isinstance(event, CircuitChanged):
+        parts = (repr(event.at),)
+    return msg_id(tenant, rid, kind_of(event), *parts)
 
 
 def _headers(event: Event) -> dict[str, str] | None:

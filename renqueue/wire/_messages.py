@@ -28,6 +28,7 @@ __all__ = [
     "CancelRequested",
     "Cancelled",
     "ChatMessage",
+    "CircuitChanged",
     "Coalesced",
     "Completed",
     "Dispatch",
@@ -39,6 +40,7 @@ __all__ = [
     "GenerationParams",
     "InferenceRequest",
     "Preempted",
+    "Probed",
     "Promoted",
     "Rejected",
     "ReportedLimit",
@@ -339,6 +341,37 @@ class Retrying(_EventBase, frozen=True, kw_only=True, tag="retrying"):
     error_class: str = ""
 
 
+class CircuitChanged(_EventBase, frozen=True, kw_only=True, tag="circuit"):
+    """The binder moved a backend's circuit breaker (``state``: ``closed``,
+    ``open`` or ``half_open``; see :mod:`renqueue.policy`'s health rules).
+
+    About a backend, not a request: ``tenant`` is ``_system`` and
+    ``request_id`` the backend's name (``rq.evt._system.<backend>.circuit``).
+    """
+
+    backend: str
+    state: str
+    previous: str
+    reason: str
+    #: The router that decided (the binder's lease holder) and its term.
+    router: str = ""
+    term: int = 0
+
+
+class Probed(_EventBase, frozen=True, kw_only=True, tag="probed"):
+    """A worker's active health probe of a backend changed its answer (or
+    gave its first): ``ok`` for a 2xx within the probe's timeout.
+
+    About a backend, not a request: ``tenant`` is ``_system`` and
+    ``request_id`` the backend's name (``rq.evt._system.<backend>.probed``).
+    """
+
+    backend: str
+    ok: bool
+    detail: str = ""
+    worker: str = ""
+
+
 class Completed(_EventBase, frozen=True, kw_only=True, tag="completed"):
     """Terminal: the backend produced a full answer."""
 
@@ -421,6 +454,8 @@ Event = (
     | Started
     | Retrying
     | FellBack
+    | CircuitChanged
+    | Probed
     | Completed
     | Failed
     | Expired

@@ -7,6 +7,7 @@ publishing its own requests and reading its own tokens and events::
     rq.req.<priority>.<tenant>.requeue     services only: a request put back (preempted, ...)
     rq.dispatch.<backend>                  routing decisions, one subject per backend
     rq.evt.<tenant>.<request_id>.<kind>    the event log
+    rq.evt._system.<backend>.<kind>        the event log: a backend's circuit and probes
     rq.tok.<tenant>.<request_id>           streamed token chunks
     rq.dlq.<stage>                         dead letters (stage: requests, dispatch)
     rq.capacity.<backend>                  core NATS: a worker freed a slot (not stored)
@@ -55,6 +56,7 @@ __all__ = [
     "ROUTER_DELIVERY_BACKSTOP",
     "SHUTDOWN_NAK_DELAY",
     "STATE_BUCKET",
+    "SYSTEM_TENANT",
     "TERMINAL_BUCKET",
     "TOKENS_STREAM",
     "boost_subject",
@@ -200,6 +202,12 @@ def preempt_subject(backend: str, worker: str = PREEMPT_ASK) -> str:
 def preempt_subjects(backend: str) -> str:
     """What a worker of ``backend`` subscribes to: the asks and its own confirms."""
     return f"rq.preempt.{backend}.*"
+
+
+#: The tenant token of events about a backend rather than a request
+#: (``rq.evt._system.<backend>.<kind>``: ``circuit``, ``probed``), written
+#: by the services only. No tenant may have this name.
+SYSTEM_TENANT: Final = "_system"
 
 
 def event_subject(tenant: str, request_id: str, kind: str) -> str:

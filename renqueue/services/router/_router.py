@@ -71,6 +71,7 @@ from ...ops._provision import renew_router_consumers, router_consumer_configs
 from ...policy import (
     AskPreemption,
     Bind,
+    Circuit,
     Cost,
     Expire,
     Inherit,
@@ -83,11 +84,12 @@ from ...policy import (
 from ...state._cancellation import CancelWatch
 from ...state._coalescing import Coalescer, coalesce_key
 from ...state._lease import Lease
-from ...state._view import StateView
+from ...state._view import LiveState, StateView
 from ...wire._eventlog import EventLog
 from ...wire._messages import (
     Cancelled,
     CancelRequested,
+    CircuitChanged,
     Coalesced,
     Event,
     Expired,
@@ -112,6 +114,7 @@ from ...wire._subjects import (
 )
 from ._admission import Refused, admit, arrival, parent_of, subject_token
 from ._capacity import Capacity
+from ._circuits import Circuits, change_event
 from ._dispatch import ACKS_TIMEOUT, Dispatcher
 from ._hold import BOOST_DECODER, Held, Hold, stored_at
 from ._ledger import Ledger
@@ -175,9 +178,9 @@ class Router(Lifecycle):
         #: Timers that expire coalesced followers at their deadlines.
         self._follower_timers: set[asyncio.TimerHandle] = set()
         self._ledger = Ledger(config)
-        self._capacity = Capacity(
-            js, config, parse_duration(config.router.capacity_refresh), health=self._healthy
-        )
+        self._circuits = Circuits(config)
+        # Health is each backend's circuit (self._circuits), judged in the round.
+        self._capacity = Capacity(js, config, parse_duration(config.router.capacity_refresh))
         self._ack_wait = parse_duration(config.router.ack_wait)
         self._inflight: set[asyncio.Task[None]] = set()
         self._capacity_sub: Subscription | None = None
@@ -222,10 +225,6 @@ class Router(Lifecycle):
     def routed(self) -> int:
         """Requests this router bound (their decisions stored)."""
         return self._dispatcher.routed
-
-    def _healthy(self, backend: str) -> bool:
-        """Health as folded from the log by the projection (healthy until known otherwise)."""
-        return self._state is None or self._state.backend_healthy(backend, self._clock())
 
     @property
     def binding(self) -> bool:
@@ -396,6 +395,7 @@ class Router(Lifecycle):
         self._pull_subs.clear()
         self._dispatching.clear()
         self._catch_up = None
+        self._circuits.forget()
         dropped = self._hold.clear()
         was = self._term
         self._term = None
@@ -817,11 +817,14 @@ class Router(Lifecycle):
             quota, limits = self._ledger.quota(name, projected, now=now)
             if quota is not None:
                 judged.add(name)
+            circuit = self._circuit(name, projected, now)
             views[name] = msgspec.structs.replace(
                 view,
                 expected_duration=None if state is None else state.expected_duration(name),
                 quota=quota,
                 limits=limits,
+                healthy=circuit.state != "open",
+                half_open=circuit.state == "half_open",
             )
         waiting: set[str] = set()
         gone: set[int] = set()
@@ -955,6 +958,25 @@ class Router(Lifecycle):
             self._nc, item.request, rank, backends, waiting=lambda: self._hold.holds(item)
         ):
             item.preempted_one = True
+
+    def _circuit(self, name: str, projected: LiveState | None, now: float) -> Circuit:
+        """Backend ``name``'s circuit this round (:class:`Circuits`); a change is logged."""
+        facts = None if projected is None else projected.backends.get(name)
+        circuit, previous = self._circuits.judge(name, facts, now)
+        if previous is not None:
+            event = change_event(
+                name, circuit, previous, router=self._lease.holder, term=self._term or 0
+            )
+            self._spawn_publish(self._log_circuit(event, circuit))
+        return circuit
+
+    async def _log_circuit(self, event: CircuitChanged, circuit: Circuit) -> None:
+        """Log a circuit change; if that fails, it is decided (and logged) again next round."""
+        try:
+            await self._log.append(event)
+        except Exception as exc:  # noqa: BLE001 - the next round decides it again
+            log.warning("could not log a circuit change", backend=event.backend, error=str(exc))
+            self._circuits.retract(event.backend, circuit)
 
     def _spawn_publish(self, coro: Any) -> None:
         """Carry out one decision's publishes in a task of its own, tracked until
