@@ -461,16 +461,19 @@ def urgency(item: Waiting) -> tuple[int, float]:
 
 
 def doomed(item: Waiting, views: dict[str, BackendView], policy: PlanPolicy) -> bool:
-    """Past its deadline, or no healthy candidate's expected duration fits before it."""
+    """Past its deadline, or no capable candidate's expected duration fits
+    before it (healthy, of the tier it needs: one that cannot serve it does
+    not make it hopeless, nor save it)."""
     deadline = item.request.deadline
     if deadline is None:
         return False
     if deadline <= NOW:
         return True
+    complexity = item.request.complexity or 0
     durations = [
         views[name].expected_duration
         for name in policy.routes.get(item.request.route, ())
-        if name in views and views[name].healthy
+        if name in views and views[name].healthy and views[name].tier >= complexity
     ]
     return bool(durations) and all(d is not None and NOW + d > deadline for d in durations)
 

@@ -29,7 +29,7 @@ adapter), not its exception type, decides:
 
    - a transient one of :data:`RETRY_HERE_FIRST` (a refused connection, a
      timeout before the first token, a silence, a 5xx, a malformed answer)
-     is refallback here first, ``FallbackPolicy.retries`` times, unless the run
+     is retried here first, ``FallbackPolicy.retries`` times, unless the run
      was a half-open circuit's probe (one probe decides);
    - then, and at once for the others (overloaded, rate-limited, a backend
      that cannot serve, a context too long, a stream broken after tokens
@@ -38,19 +38,20 @@ adapter), not its exception type, decides:
      window than the failed backend's; without ``downgrade`` the next
      candidate's tier may not be lower; without ``paid`` it must be free.
      When no candidate outside ``excluded`` meets the constraints, the next
-     pass over the route starts (``excluded`` empties): the request waits
-     for one of them to recover (the router skips unhealthy and open
-     backends) rather than fail. A context-length failure with no larger
+     pass over the route starts (``excluded`` empties) after a backoff
+     (``not_before``, the capped, jittered :func:`backoff` by fallbacks so
+     far): the request waits for one of them to recover (the router skips
+     unhealthy and open backends) rather than fail. A context-length failure with no larger
      window anywhere fails.
    - Each fallback uses one of the request's ``FallbackPolicy.attempts``
-     (backends fallback, the first included), except one from a probe: a
+     (backends tried, the first included), except one from a probe: a
      request that was the probe of a half-open circuit is not charged for
      the backend's state. With no attempt left: :class:`Fail`.
 3. Any other class: a retryable one (see ``BackendError.retryable``) is
-   refallback here while the budget lasts; a bad request, a content filter or
+   retried here while the budget lasts; a bad request, a content filter or
    a backend that cannot serve fails at once.
 4. A worker error (``internal``: any exception that is not a
-   :class:`~renqueue.errors.BackendError`) is refallback while the budget lasts.
+   :class:`~renqueue.errors.BackendError`) is retried while the budget lasts.
 
 The budget (``FailurePolicy.budget``, ``worker.max_deliver``) bounds the
 runs of one dispatch whatever the class.
@@ -127,7 +128,7 @@ class FallbackPolicy(Struct, frozen=True, kw_only=True):
 
     #: The failure classes that send a request down the route.
     on: frozenset[FailureClass] = DEFAULT_FALLBACK_ON
-    #: Backends a request may be fallback on (the first included); each
+    #: Backends a request may be tried on (the first included); each
     #: fallback uses one.
     attempts: int = 3
     #: Retries on the same backend of a transient failure before falling back.
@@ -162,6 +163,8 @@ class RouteFacts(Struct, frozen=True, kw_only=True):
     fallback: Fallback = Fallback()
     #: The failed run was the probe of a half-open circuit.
     probe: bool = False
+    #: When it failed (Unix time): a next pass over the route starts a backoff after.
+    now: float = 0.0
 
 
 class Retry(Struct, frozen=True, kw_only=True, tag=True):
@@ -193,7 +196,7 @@ class FallBack(Struct, frozen=True, kw_only=True, tag=True):
 
     The worker records a ``fell_back`` event (the failed backend, the class,
     the reason, ``fallback``), then puts the request back on its level's requeue
-    subject, keeping its wait, with ``fallback`` as its ``fallback``.
+    subject, keeping its wait, with ``fallback`` as its ``InferenceRequest.fallback``.
     """
 
     error_type: str
@@ -270,7 +273,7 @@ def after_failure(
                 and failed < policy.budget
             )
             if not here:
-                return _fall_back(error, error_type, reason, route)
+                return _fall_back(error, error_type, reason, route, policy=policy, random=random)
         elif not error.retryable:
             return Fail(error_type=error_type, reason=reason)
         if failed >= policy.budget:
@@ -287,7 +290,13 @@ def after_failure(
 
 
 def _fall_back(
-    error: BackendError, error_type: str, reason: str, route: RouteFacts
+    error: BackendError,
+    error_type: str,
+    reason: str,
+    route: RouteFacts,
+    *,
+    policy: FailurePolicy,
+    random: Callable[[], float],
 ) -> Fail | FallBack:
     """The fallback after ``error`` on ``route.backend``, or the failure when none is left."""
     fallback, failed = route.fallback, route.backend
@@ -295,7 +304,7 @@ def _fall_back(
     if count >= route.policy.attempts:
         return Fail(
             error_type=error_type,
-            reason=f"{reason} (fallback {count} backends, the route's fallback.attempts)"[:1000],
+            reason=f"{reason} (tried {count} backends, the route's fallback.attempts)"[:1000],
         )
     min_context = fallback.min_context
     if error.failure is FailureClass.CONTEXT_LENGTH and failed.context_window is not None:
@@ -326,15 +335,18 @@ def _fall_back(
             reason=f"{reason} (no candidate of the route meets the fallback rules)"[:1000],
         )
     excluded = tuple(dict.fromkeys((*fallback.excluded, failed.name)))
+    not_before = None
     if all(name in excluded for name in able):
-        # Every candidate failed it once: the next pass over the route. It
-        # waits for one to recover (the router skips unhealthy and open ones).
+        # Every candidate failed it once: the next pass over the route, after
+        # a backoff. It waits for one to recover (the router skips unhealthy
+        # and open ones), and the failures it saw reach the circuits first.
         excluded = (failed.name,) if error.failure is FailureClass.CONTEXT_LENGTH else ()
+        not_before = route.now + backoff(count, policy, random)
     return FallBack(
         error_type=error_type,
         error_class=str(error.failure),
         reason=reason,
-        fallback=msgspec.structs.replace(constraints, excluded=excluded),
+        fallback=msgspec.structs.replace(constraints, excluded=excluded, not_before=not_before),
     )
 
 

@@ -217,6 +217,14 @@ def plan(
                 )
                 actions.append(Expire(ref=item.ref, reason=reason))
                 continue
+        fallback = request.fallback
+        if fallback is not None and fallback.not_before is not None and now < fallback.not_before:
+            reason = (
+                f"every candidate failed it once: the next pass over its route "
+                f"in {fallback.not_before - now:.1f} s"
+            )
+            actions.append(Wait(ref=item.ref, backends=tuple(candidates), reason=reason))
+            continue
         limited = any(name in views and views[name].limits for name in candidates)
         cost = Cost(
             requests=1,

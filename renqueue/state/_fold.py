@@ -420,6 +420,8 @@ class _Builder:
             self._end(msg_id(event.tenant, event.request_id))
             self._failure(event.backend, event.error_type, at, event.error_class)
             self._provider_said(event.backend, event.limits, at, None)
+            if event.error_type == "rate_limited":  # the provider's retry-after, for everyone
+                self._cool_down(event.backend, at + _finite(event.retry_after))
         elif isinstance(event, Preempted):  # put back to wait again: it left this backend
             self._end(msg_id(event.tenant, event.request_id))
         elif isinstance(event, Completed):

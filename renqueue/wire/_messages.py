@@ -117,6 +117,9 @@ class Fallback(Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: The tier of the backend that failed it last: binding below it is a
     #: quality downgrade, said in the routing decision's reason.
     from_tier: Annotated[int, Meta(ge=0, le=100)] | None = None
+    #: Not bound again before this Unix time: every candidate failed it once
+    #: and it starts the next pass over its route after a backoff.
+    not_before: NonNegative | None = None
 
 
 class InferenceRequest(Struct, frozen=True, kw_only=True):
@@ -426,6 +429,9 @@ class FellBack(_EventBase, frozen=True, kw_only=True, tag="fell_back"):
     probe: bool = False
     #: What the provider reported of its rate limits with this failure.
     limits: tuple[ReportedLimit, ...] = ()
+    #: Seconds the provider asked to wait (a 429's ``retry-after``): the
+    #: backend cools down that long for everyone.
+    retry_after: NonNegative = 0.0
 
 
 class Expired(_EventBase, frozen=True, kw_only=True, tag="expired"):

@@ -124,6 +124,10 @@ __all__ = ["Router"]
 
 log = get_logger("router")
 
+#: Seconds between rounds while nothing waits: each backend's circuit is
+#: judged (and a change logged) at least this often.
+_IDLE_ROUND: Final = 1.0
+
 
 #: How long a stop waits for decisions still being published (each is bounded
 #: by ``ACKS_TIMEOUT`` already; this is the backstop).
@@ -755,9 +759,10 @@ class Router(Lifecycle):
                 await self._lease.until_valid()
                 waiting = await self._dispatch_round()
                 # With requests waiting for room, look again after the refresh
-                # interval even if no worker announces a freed slot.
+                # interval even if no worker announces a freed slot; with none,
+                # every second all the same (circuits move with time).
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), refresh if waiting else None)
+                    await asyncio.wait_for(self._wake.wait(), refresh if waiting else _IDLE_ROUND)
                 self._wake.clear()
         except Exception as exc:
             self._dispatching.clear()

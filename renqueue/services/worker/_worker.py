@@ -112,6 +112,7 @@ from ...wire._subjects import (
     worker_consumer,
 )
 from ._preemption import PREEMPT_GRACE, Preemptible, Run, put_back, requeue
+from ._probe import Prober
 from ._stealing import STEAL_INTERVAL, Thief
 from ._tokens import Caller, Chunks, Expiry, reported_limits, settle
 
@@ -206,6 +207,16 @@ class Worker(Lifecycle):
         if self.siblings:
             self._loops.append(f"{self._name}-steal")
             self._supervisor.spawn(self._loops[-1], self._steal_loop)
+        if self._backend_config.probe is not None:
+            prober = Prober(
+                self._backend_name,
+                self._backend_config,
+                self._log,
+                worker=self._name,
+                clock=self._clock,
+            )
+            self._loops.append(f"{self._name}-probe")
+            self._supervisor.spawn(self._loops[-1], prober.run)
         log.info("worker started", worker=self._name, backend=self._backend_name)
 
     @property
@@ -663,7 +674,7 @@ class Worker(Lifecycle):
             await self._requeue_elsewhere(msg, dispatch, run, action, exc, seq=chunks.seq)
             return
         if isinstance(action, FallBack):
-            await self._fall_back(msg, dispatch, run, action, seq=chunks.seq)
+            await self._fall_back(msg, dispatch, run, action, exc, seq=chunks.seq)
             return
         if internal:
             log.error("unexpected error on the last allowed run; request fails", exc_info=exc)
@@ -692,10 +703,18 @@ class Worker(Lifecycle):
             backend=self._config.candidate(self._backend_name),
             fallback=request.fallback or Fallback(),
             probe=dispatch.probe,
+            now=self._clock(),
         )
 
     async def _fall_back(
-        self, msg: Message, dispatch: Dispatch, run: int, action: FallBack, *, seq: int
+        self,
+        msg: Message,
+        dispatch: Dispatch,
+        run: int,
+        action: FallBack,
+        exc: Exception,
+        *,
+        seq: int,
     ) -> None:
         """The backend failed the request in a way its route falls back on:
         record why (``fell_back``), then put it back to routing, keeping its
@@ -742,6 +761,7 @@ class Worker(Lifecycle):
                 fallback=action.fallback,
                 probe=dispatch.probe,
                 limits=reported_limits(self._caller.backend),
+                retry_after=retry_after(exc) or 0.0,
             )
         )
         metrics.FALLBACKS.labels(self._backend_name, action.error_class).inc()

@@ -1,0 +1,317 @@
+"""Cascading fallback, end to end (issue #9): each fault class leads to its
+documented outcome, the cascade keeps its order, a stream broken after tokens
+restarts on another backend, coalesced calls fall back as one, and every
+request ends exactly once (or is in the dead-letter stream).
+
+Everything is real: a nats-server per test (``isolated_server``) and mock
+backends on loopback with injected faults (``MockSettings.faults``, ``down``,
+``context_window``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from test_quota_exhausted import describe, results
+from test_restarts import TENANT
+
+from renqueue import Client, Services, parse_config
+from renqueue.config import Config
+from renqueue.errors import RequestFailedError
+from renqueue.ops import EmbeddedServer
+from renqueue.tools import FaultSpec, MockBackend, MockSettings
+from renqueue.wire import (
+    DLQ_STREAM,
+    Completed,
+    Event,
+    EventLog,
+    Failed,
+    FellBack,
+    Retrying,
+    Routed,
+)
+
+FAST = MockSettings(ttft=0.01, output_tokens=3)
+
+
+def failing(*script: str, **settings: Any) -> MockSettings:
+    """A mock whose every answer is ``script``'s fault, repeated."""
+    return MockSettings(
+        ttft=0.01, output_tokens=3, faults=FaultSpec(script=script, repeat=True), **settings
+    )
+
+
+def config_for(
+    url: str,
+    route: dict[str, MockBackend],
+    *,
+    backends: dict[str, dict[str, Any]] | None = None,
+    fallback: dict[str, Any] | None = None,
+    **worker: Any,
+) -> Config:
+    """Route ``chat`` over ``route``'s backends in order; ``backends`` adds settings per backend."""
+    extra = backends or {}
+    return parse_config(
+        {
+            "nats": {"url": url},
+            "backends": {
+                name: {
+                    "base_url": mock.url,
+                    "model": "m",
+                    "limits": {"concurrency": 4},
+                    **extra.get(name, {}),
+                }
+                for name, mock in route.items()
+            },
+            "routes": {"chat": {"backends": list(route), "fallback": fallback or {}}},
+            "router": {"capacity_refresh": "20ms"},
+            "worker": {"retry_delay": "50ms", "max_retry_delay": "100ms", **worker},
+        }
+    )
+
+
+def routed(events: list[Event]) -> list[str]:
+    return [e.backend for e in events if isinstance(e, Routed)]
+
+
+def fell_back(events: list[Event]) -> list[tuple[str, str]]:
+    return [(e.backend, e.error_class) for e in events if isinstance(e, FellBack)]
+
+
+async def dead_letters(client: Client) -> int:
+    info = await client.js.stream_info(DLQ_STREAM)
+    return info.state.messages
+
+
+@pytest.mark.parametrize(
+    ("fault", "error_class", "calls"),
+    [
+        # Transient: one retry on the same backend, then down the route.
+        pytest.param("500", "server_error", 2, id="500: retried once, then falls back"),
+        pytest.param("reset", "connect", 2, id="connection reset: retried once, then falls back"),
+        pytest.param("malformed", "malformed", 2, id="malformed stream: retried, then falls back"),
+        # The backend says it cannot take it now: straight down the route.
+        pytest.param("503", "overloaded", 1, id="503 overloaded: falls back at once"),
+        pytest.param("529", "overloaded", 1, id="529 overloaded: falls back at once"),
+        pytest.param("429_bare", "rate_limited", 1, id="429: falls back at once"),
+        pytest.param("break", "broken_stream", 1, id="stream cut after tokens: falls back at once"),
+        # Tokens reach the subscriber one by one here (a token rate), then the error.
+        pytest.param(
+            "sse_error", "broken_stream", 1, id="error in the stream after tokens: falls back"
+        ),
+        # All in one read, before any token was passed on: a server error.
+        pytest.param("sse_error", "server_error", 2, id="error in the stream at once: retried"),
+    ],
+)
+async def test_a_failure_the_route_falls_back_on_is_served_by_the_next_candidate(
+    isolated_server: EmbeddedServer, fault: str, error_class: str, calls: int
+) -> None:
+    """Before, a failing request retried only where it was bound: a route
+    ["down", "local"] with "local" idle failed after 5 tries."""
+    rate = 50.0 if error_class == "broken_stream" and fault == "sse_error" else 0.0
+    async with (
+        MockBackend(failing(fault, tokens_per_second=rate)) as bad,
+        MockBackend(FAST) as good,
+    ):
+        config = config_for(isolated_server.url, {"bad": bad, "good": good})
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            log = EventLog(client.js)
+            handle = await client.submit("hello", route="chat")
+            await results(log, [handle], within=15)
+            result = await handle.result()
+            events = await log.history(TENANT, handle.id)
+    assert result.backend == "good", describe(events)
+    assert routed(events) == ["bad", "good"], describe(events)
+    assert fell_back(events) == [("bad", error_class)], describe(events)
+    [decision] = [e for e in events if isinstance(e, Routed) and e.backend == "good"]
+    assert "fell back (not to bad)" in decision.reason
+    assert bad.stats().faults.get(fault, 0) == calls, bad.stats().faults
+    assert good.stats().completed == 1
+
+
+async def test_the_cascade_keeps_its_order_and_never_goes_back_to_a_backend_that_failed(
+    isolated_server: EmbeddedServer,
+) -> None:
+    async with (
+        MockBackend(failing("500")) as first,
+        MockBackend(failing("503")) as second,
+        MockBackend(FAST) as third,
+    ):
+        config = config_for(isolated_server.url, {"first": first, "second": second, "third": third})
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            log = EventLog(client.js)
+            handle = await client.submit("hello", route="chat")
+            await results(log, [handle], within=15)
+            events = await log.history(TENANT, handle.id)
+    assert routed(events) == ["first", "second", "third"], describe(events)
+    assert fell_back(events) == [("first", "server_error"), ("second", "overloaded")]
+    [last] = [e for e in events if isinstance(e, FellBack) and e.backend == "second"]
+    assert last.fallback.excluded == ("first", "second")
+    assert last.fallback.count == 2
+    # Attempts are the dispatches: each fallback is a new one.
+    assert [e.attempt for e in events if isinstance(e, Routed)] == [1, 2, 3]
+
+
+async def test_a_content_filter_fails_fast_without_a_cascade(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """A refusal of the request itself (a content filter; any plain 400) is
+    not asked of another backend: the request fails at once, dead-lettered."""
+    async with MockBackend(failing("content_filter")) as first, MockBackend(FAST) as second:
+        config = config_for(isolated_server.url, {"first": first, "second": second})
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            log = EventLog(client.js)
+            handle = await client.submit("hello", route="chat")
+            with pytest.raises(RequestFailedError):
+                await handle.result(timeout=15)
+            events = await log.history(TENANT, handle.id)
+            dlq = await dead_letters(client)
+    [failed] = [e for e in events if isinstance(e, Failed)]
+    assert failed.error_class == "content_filter"
+    assert failed.error_type == "backend_bad_request"
+    assert routed(events) == ["first"], describe(events)
+    assert first.stats().requests == 1
+    assert second.stats().requests == 0
+    assert dlq == 1
+
+
+async def test_a_context_too_long_goes_only_to_a_larger_window(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """A context-length 400 on a small model skips a candidate whose declared
+    window is no larger and lands on one that is."""
+    async with (
+        MockBackend(MockSettings(ttft=0.01, output_tokens=3, context_window=20)) as small,
+        MockBackend(MockSettings(ttft=0.01, output_tokens=3, context_window=20)) as same,
+        MockBackend(FAST) as large,
+    ):
+        config = config_for(
+            isolated_server.url,
+            {"small": small, "same": same, "large": large},
+            backends={
+                "small": {"context_window": 20},
+                "same": {"context_window": 20},
+                "large": {"context_window": 100_000},
+            },
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            log = EventLog(client.js)
+            handle = await client.submit("word " * 200, route="chat")
+            await results(log, [handle], within=15)
+            events = await log.history(TENANT, handle.id)
+    assert routed(events) == ["small", "large"], describe(events)
+    assert fell_back(events) == [("small", "context_length")]
+    [event] = [e for e in events if isinstance(e, FellBack)]
+    assert event.fallback.min_context == 21
+    assert same.stats().requests == 0
+    assert small.stats().requests == 1  # never retried where it cannot fit
+
+
+async def test_a_context_too_long_with_no_larger_window_fails_with_the_reason(
+    isolated_server: EmbeddedServer,
+) -> None:
+    async with (
+        MockBackend(MockSettings(ttft=0.01, context_window=20)) as small,
+        MockBackend(MockSettings(ttft=0.01, context_window=20)) as same,
+    ):
+        config = config_for(
+            isolated_server.url,
+            {"small": small, "same": same},
+            backends={"small": {"context_window": 20}, "same": {"context_window": 20}},
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            handle = await client.submit("word " * 200, route="chat")
+            with pytest.raises(RequestFailedError) as info:
+                await handle.result(timeout=15)
+    assert "larger context window" in str(info.value)
+    assert same.stats().requests == 0
+
+
+async def test_a_stream_broken_after_tokens_restarts_on_the_next_backend_never_spliced(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Subscribers see the first backend's tokens, then a chunk marked
+    ``restart`` from the second run: the text they should keep is the second
+    backend's answer alone, which is the result."""
+    broken = MockSettings(
+        ttft=0.01, output_tokens=8, faults=FaultSpec(script=("break",), after_tokens=3)
+    )
+    async with MockBackend(broken) as first, MockBackend(FAST) as second:
+        config = config_for(isolated_server.url, {"first": first, "second": second})
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            handle = await client.submit("hello", route="chat")
+            chunks = [chunk async for chunk in handle.stream(timeout=15)]
+            result = await handle.result(timeout=15)
+    restarts = [index for index, chunk in enumerate(chunks) if chunk.restart]
+    assert len(restarts) == 1, chunks
+    before, after = chunks[: restarts[0]], chunks[restarts[0] :]
+    assert "".join(c.text for c in before), "the first backend's tokens reached the subscriber"
+    assert "".join(c.text for c in after) == result.text
+    assert result.backend == "second"
+    assert {c.delivery for c in before}.isdisjoint({c.delivery for c in after})
+
+
+async def test_attempts_are_bounded_then_the_request_is_dead_lettered(
+    isolated_server: EmbeddedServer,
+) -> None:
+    async with MockBackend(failing("500")) as first, MockBackend(failing("500")) as second:
+        config = config_for(
+            isolated_server.url,
+            {"first": first, "second": second},
+            fallback={"attempts": 2, "retries": 0},
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            log = EventLog(client.js)
+            handle = await client.submit("hello", route="chat")
+            with pytest.raises(RequestFailedError) as info:
+                await handle.result(timeout=15)
+            events = await log.history(TENANT, handle.id)
+            dlq = await dead_letters(client)
+    assert "tried 2 backends" in str(info.value), describe(events)
+    assert routed(events) == ["first", "second"]
+    assert first.stats().requests == 1
+    assert second.stats().requests == 1
+    assert not [e for e in events if isinstance(e, Retrying)]
+    assert sum(isinstance(e, Failed) for e in events) == 1
+    assert dlq == 1
+
+
+async def test_a_route_with_fallback_off_retries_where_it_was_bound(
+    isolated_server: EmbeddedServer,
+) -> None:
+    async with MockBackend(failing("500")) as first, MockBackend(FAST) as second:
+        config = config_for(
+            isolated_server.url,
+            {"first": first, "second": second},
+            fallback={"on": []},
+            max_deliver=3,
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            handle = await client.submit("hello", route="chat")
+            with pytest.raises(RequestFailedError):
+                await handle.result(timeout=15)
+    assert first.stats().requests == 3
+    assert second.stats().requests == 0
+
+
+async def test_coalesced_requests_fall_back_as_one(isolated_server: EmbeddedServer) -> None:
+    """The leader's fallback carries its followers: one call on the next
+    backend answers them all, and each ends once."""
+    slow_failure = MockSettings(
+        ttft=0.3, output_tokens=3, faults=FaultSpec(script=("503",), repeat=True)
+    )
+    async with MockBackend(slow_failure) as first, MockBackend(FAST) as second:
+        config = config_for(isolated_server.url, {"first": first, "second": second})
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            log = EventLog(client.js)
+            handles = [
+                await client.submit("same question", route="chat", coalesce=True) for _ in range(3)
+            ]
+            await results(log, handles, within=15)
+            texts = {(await h.result()).text for h in handles}
+            histories = [await log.history(TENANT, h.id) for h in handles]
+    assert len(texts) == 1
+    assert second.stats().completed == 1, "one call answered every coalesced request"
+    for events in histories:
+        assert sum(isinstance(e, Completed) for e in events) == 1, describe(events)

@@ -1,0 +1,540 @@
+"""The fallback policy and the circuit breaker as plain functions (issue #9):
+tables of what each failure class leads to, properties of the cascade, the
+planner honouring a request's fallback, the fold of the new events."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from renqueue.config import parse_config
+from renqueue.errors import (
+    BackendError,
+    BadRequestError,
+    FailureClass,
+    FatalBackendError,
+    MalformedRequestError,
+    RateLimitedError,
+    RetryableBackendError,
+)
+from renqueue.policy import (
+    CLOSED,
+    DEFAULT_FALLBACK_ON,
+    RETRY_HERE_FIRST,
+    BackendView,
+    Bind,
+    Candidate,
+    Circuit,
+    CircuitRules,
+    Fail,
+    FailurePolicy,
+    FallBack,
+    FallbackPolicy,
+    LevelPolicy,
+    PlanPolicy,
+    RequeueElsewhere,
+    Retry,
+    RouteFacts,
+    Wait,
+    Waiting,
+    after_failure,
+    capable,
+    next_circuit,
+    plan,
+    validate,
+)
+from renqueue.state import BackendState, ProjectionState, fold_many
+from renqueue.wire import (
+    ChatMessage,
+    CircuitChanged,
+    Completed,
+    Fallback,
+    FellBack,
+    InferenceRequest,
+    Probed,
+    Retrying,
+    Usage,
+)
+
+POLICY = FailurePolicy(budget=5, retry_delay=1.0, max_retry_delay=30.0)
+A = Candidate(name="a", tier=2, context_window=100)
+B = Candidate(name="b", tier=1, context_window=1000, paid=True)
+C = Candidate(name="c", tier=2, context_window=50)
+ROUTE = (A, B, C)
+
+
+def half(_: float = 0.0) -> float:
+    return 0.5
+
+
+def error(failure: FailureClass, *, backend: str = "a") -> BackendError:
+    if failure in (FailureClass.RATE_LIMITED, FailureClass.QUOTA_EXHAUSTED):
+        return RateLimitedError(
+            "429", backend=backend, quota_exhausted=failure is FailureClass.QUOTA_EXHAUSTED
+        )
+    if failure in (
+        FailureClass.BAD_REQUEST,
+        FailureClass.CONTEXT_LENGTH,
+        FailureClass.CONTENT_FILTER,
+    ):
+        return BadRequestError("400", backend=backend, failure=failure)
+    if failure is FailureClass.UNAVAILABLE:
+        return FatalBackendError("401", backend=backend, failure=failure)
+    return RetryableBackendError("boom", backend=backend, failure=failure)
+
+
+def facts(
+    backend: Candidate = A,
+    fallback: Fallback | None = None,
+    policy: FallbackPolicy | None = None,
+    *,
+    probe: bool = False,
+) -> RouteFacts:
+    return RouteFacts(
+        policy=policy or FallbackPolicy(),
+        candidates=ROUTE,
+        backend=backend,
+        fallback=fallback or Fallback(),
+        probe=probe,
+        now=1000.0,
+    )
+
+
+# ------------------------------------------------------------------ the table
+
+EXPECTED = {
+    # class: (first failure, after the same-backend retries)
+    FailureClass.CONNECT: (Retry, FallBack),
+    FailureClass.CONNECT_TIMEOUT: (Retry, FallBack),
+    FailureClass.FIRST_TOKEN_TIMEOUT: (Retry, FallBack),
+    FailureClass.STALL: (Retry, FallBack),
+    FailureClass.SERVER_ERROR: (Retry, FallBack),
+    FailureClass.MALFORMED: (Retry, FallBack),
+    FailureClass.TOTAL_TIMEOUT: (FallBack, FallBack),
+    FailureClass.OVERLOADED: (FallBack, FallBack),
+    FailureClass.RATE_LIMITED: (FallBack, FallBack),
+    FailureClass.BROKEN_STREAM: (FallBack, FallBack),
+    FailureClass.UNAVAILABLE: (FallBack, FallBack),
+    FailureClass.CONTEXT_LENGTH: (FallBack, FallBack),
+    FailureClass.QUOTA_EXHAUSTED: (RequeueElsewhere, RequeueElsewhere),
+    FailureClass.BAD_REQUEST: (Fail, Fail),
+    FailureClass.CONTENT_FILTER: (Fail, Fail),
+}
+
+
+def test_every_class_has_a_documented_outcome() -> None:
+    assert set(EXPECTED) == set(FailureClass)
+    assert RETRY_HERE_FIRST <= DEFAULT_FALLBACK_ON
+
+
+@pytest.mark.parametrize("failure", list(FailureClass))
+def test_each_class_leads_to_its_outcome(failure: FailureClass) -> None:
+    first, then = EXPECTED[failure]
+    got = after_failure(error(failure), failed_runs=0, policy=POLICY, random=half, route=facts())
+    assert isinstance(got, first), got
+    later = after_failure(error(failure), failed_runs=1, policy=POLICY, random=half, route=facts())
+    assert isinstance(later, then), later
+
+
+def test_a_fallback_excludes_the_backend_that_failed_and_counts_an_attempt() -> None:
+    got = after_failure(
+        error(FailureClass.OVERLOADED), failed_runs=0, policy=POLICY, random=half, route=facts()
+    )
+    assert isinstance(got, FallBack)
+    assert got.error_class == "overloaded"
+    assert got.fallback.excluded == ("a",)
+    assert got.fallback.count == 1
+    assert got.fallback.from_tier == 2
+    assert got.fallback.not_before is None
+
+
+def test_the_attempts_bound_the_cascade() -> None:
+    route = facts(fallback=Fallback(excluded=("b",), count=2))
+    got = after_failure(
+        error(FailureClass.OVERLOADED), failed_runs=0, policy=POLICY, random=half, route=route
+    )
+    assert isinstance(got, Fail)
+    assert "tried 3 backends" in got.reason
+
+
+def test_a_probe_call_that_fails_uses_no_attempt_and_is_not_retried_here() -> None:
+    route = facts(fallback=Fallback(count=2), probe=True)
+    got = after_failure(
+        error(FailureClass.SERVER_ERROR), failed_runs=0, policy=POLICY, random=half, route=route
+    )
+    assert isinstance(got, FallBack)
+    assert got.fallback.count == 2
+
+
+def test_a_context_too_long_asks_for_a_larger_window_and_never_the_same_backend() -> None:
+    got = after_failure(
+        error(FailureClass.CONTEXT_LENGTH), failed_runs=0, policy=POLICY, random=half, route=facts()
+    )
+    assert isinstance(got, FallBack)
+    assert got.fallback.min_context == 101
+    assert got.fallback.excluded == ("a",)
+    # Only b (1000) is that large; failing there too leaves nothing larger.
+    again = after_failure(
+        error(FailureClass.CONTEXT_LENGTH, backend="b"),
+        failed_runs=0,
+        policy=POLICY,
+        random=half,
+        route=facts(B, got.fallback),
+    )
+    assert isinstance(again, Fail)
+    assert "larger context window" in again.reason
+
+
+def test_without_downgrade_the_tier_may_not_drop_and_without_paid_only_free_ones() -> None:
+    strict = FallbackPolicy(downgrade=False, paid=False)
+    got = after_failure(
+        error(FailureClass.OVERLOADED),
+        failed_runs=0,
+        policy=POLICY,
+        random=half,
+        route=facts(policy=strict),
+    )
+    assert isinstance(got, FallBack)
+    assert got.fallback.min_tier == 2
+    assert got.fallback.free_only
+
+
+def test_when_every_candidate_failed_once_the_next_pass_waits_a_backoff() -> None:
+    route = facts(C, Fallback(excluded=("a", "b"), count=1))
+    got = after_failure(
+        error(FailureClass.OVERLOADED, backend="c"),
+        failed_runs=0,
+        policy=POLICY,
+        random=half,
+        route=route,
+    )
+    assert isinstance(got, FallBack)
+    assert got.fallback.excluded == ()
+    assert got.fallback.not_before == pytest.approx(1000.0 + 1.5)  # step 2: d = 2 s, half jitter
+
+
+def test_a_class_the_route_does_not_fall_back_on_is_retried_here_or_fails() -> None:
+    only_overload = FallbackPolicy(on=frozenset({FailureClass.OVERLOADED}))
+    route = facts(policy=only_overload)
+    retried = after_failure(
+        error(FailureClass.SERVER_ERROR), failed_runs=3, policy=POLICY, random=half, route=route
+    )
+    assert isinstance(retried, Retry)
+    ended = after_failure(
+        error(FailureClass.SERVER_ERROR), failed_runs=4, policy=POLICY, random=half, route=route
+    )
+    assert isinstance(ended, Fail)
+    fatal = after_failure(
+        error(FailureClass.UNAVAILABLE), failed_runs=0, policy=POLICY, random=half, route=route
+    )
+    assert isinstance(fatal, Fail)
+
+
+@given(
+    failure=st.sampled_from(sorted(DEFAULT_FALLBACK_ON - {FailureClass.QUOTA_EXHAUSTED})),
+    failed_runs=st.integers(0, 6),
+    count=st.integers(0, 5),
+    excluded=st.sets(st.sampled_from(["a", "b", "c"])),
+    at=st.sampled_from(ROUTE),
+    probe=st.booleans(),
+    attempts=st.integers(1, 5),
+)
+def test_the_cascade_never_leaves_the_route_never_goes_back_and_always_ends(
+    failure: FailureClass,
+    failed_runs: int,
+    count: int,
+    excluded: set[str],
+    at: Candidate,
+    probe: bool,
+    attempts: int,
+) -> None:
+    route = facts(
+        at,
+        Fallback(excluded=tuple(sorted(excluded - {at.name})), count=count),
+        FallbackPolicy(attempts=attempts),
+        probe=probe,
+    )
+    got = after_failure(error(failure, backend=at.name), failed_runs=failed_runs,
+                        policy=POLICY, random=half, route=route)  # fmt: skip
+    if isinstance(got, FallBack):
+        names = {c.name for c in ROUTE}
+        assert set(got.fallback.excluded) <= names
+        assert got.fallback.count == count + (0 if probe else 1) < attempts
+        if got.fallback.excluded:
+            assert at.name in got.fallback.excluded
+        else:  # a new pass: after a backoff
+            assert got.fallback.not_before is not None
+    elif isinstance(got, Fail):
+        assert (
+            count + (0 if probe else 1) >= attempts
+            or failed_runs + 1 >= POLICY.budget
+            or (failure is FailureClass.CONTEXT_LENGTH)
+        )
+    else:
+        assert isinstance(got, Retry)
+        assert failure in RETRY_HERE_FIRST
+        assert not probe
+        assert failed_runs < 1
+
+
+# ---------------------------------------------------------------- the planner
+
+LEVELS = (LevelPolicy(name="normal", rank=0, age_after=None),)
+
+
+def view(name: str, **fields: object) -> BackendView:
+    return BackendView(**{"name": name, "capacity": 4, "in_flight": 0, **fields})  # type: ignore[arg-type]
+
+
+def request(fallback: Fallback | None = None, **fields: object) -> InferenceRequest:
+    return InferenceRequest(
+        id="r",
+        tenant="t",
+        route="chat",
+        messages=[ChatMessage(role="user", content="hi")],
+        fallback=fallback,
+        requeues=1 if fallback else 0,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+VIEWS = {
+    "a": view("a", tier=2, context_window=100),
+    "b": view("b", tier=1, context_window=1000, cost_input_per_mtok=1.0, cost_output_per_mtok=1.0),
+    "c": view("c", tier=2, context_window=50),
+}
+
+
+@pytest.mark.parametrize(
+    ("fallback", "max_cost", "expected"),
+    [
+        (None, None, ["a", "b", "c"]),
+        (Fallback(excluded=("a",)), None, ["b", "c"]),
+        (Fallback(min_tier=2), None, ["a", "c"]),
+        (Fallback(min_context=101), None, ["b"]),
+        (Fallback(free_only=True), None, ["a", "c"]),
+        # b's estimate: a few prompt tokens + 1024 output tokens at $1/Mtok: about $0.001.
+        (Fallback(), 0.0001, ["a", "c"]),
+        (Fallback(), 0.01, ["a", "b", "c"]),
+    ],
+)
+def test_the_planner_binds_a_fallen_back_request_only_where_its_fallback_allows(
+    fallback: Fallback | None, max_cost: float | None, expected: list[str]
+) -> None:
+    allowed = capable(request(fallback, max_cost=max_cost), ["a", "b", "c"], VIEWS)
+    assert [v.name for v in allowed] == expected
+
+
+def test_a_quality_downgrade_and_the_backends_left_out_are_in_the_reason() -> None:
+    waiting = Waiting(
+        ref=1, request=request(Fallback(excluded=("a", "c"), count=2, from_tier=2)),
+        rank=0, submitted=0.0,
+    )  # fmt: skip
+    policy = PlanPolicy(levels=LEVELS, routes={"chat": ("a", "b", "c")})
+    [bind] = plan([waiting], VIEWS, 10.0, policy)
+    assert isinstance(bind, Bind)
+    assert bind.backend == "b"
+    assert "fell back (not to a, c)" in bind.reason
+    assert "quality downgrade: tier 2 -> 1" in bind.reason
+
+
+def test_a_request_starting_a_new_pass_waits_out_its_backoff() -> None:
+    waiting = Waiting(ref=1, request=request(Fallback(not_before=12.0)), rank=0, submitted=0.0)
+    policy = PlanPolicy(levels=LEVELS, routes={"chat": ("a", "b", "c")})
+    [wait] = plan([waiting], VIEWS, 10.0, policy)
+    assert isinstance(wait, Wait)
+    assert "in 2.0 s" in wait.reason
+    [bind] = plan([waiting], VIEWS, 12.0, policy)
+    assert isinstance(bind, Bind)
+
+
+def test_a_half_open_backend_takes_one_call_its_probe() -> None:
+    views = {"a": view("a", half_open=True)}
+    policy = PlanPolicy(levels=LEVELS, routes={"chat": ("a",)})
+    items = [Waiting(ref=n, request=request(), rank=0, submitted=float(n)) for n in range(3)]
+    actions = plan(items, views, 10.0, policy)
+    binds = [a for a in actions if isinstance(a, Bind)]
+    assert len(binds) == 1
+    assert binds[0].probe
+    assert "probe of a's half-open circuit" in binds[0].reason
+    busy = {"a": view("a", half_open=True, in_flight=1)}
+    assert not [a for a in plan(items, busy, 10.0, policy) if isinstance(a, Bind)]
+
+
+def test_only_the_services_may_set_a_fallback_and_no_tenant_is_called_system() -> None:
+    config = parse_config(
+        {
+            "backends": {"a": {"base_url": "http://127.0.0.1:1", "model": "m"}},
+            "routes": {"chat": {"backends": ["a"]}},
+        }
+    )
+    forged = msgspec.structs.replace(request(Fallback(excluded=("a",))), requeues=0)
+    with pytest.raises(MalformedRequestError, match="fallback is set by the services only"):
+        validate(forged, level="normal", tenant="t", config=config)
+    system = msgspec.structs.replace(request(), tenant="_system")
+    with pytest.raises(MalformedRequestError, match="reserved"):
+        validate(system, level="normal", tenant="_system", config=config)
+
+
+# ------------------------------------------------------------------ the circuit
+
+RULES = CircuitRules(failures=3, error_rate=0.5, min_calls=10, window=60.0, cooloff=30.0)
+
+
+def state(**fields: object) -> BackendState:
+    return BackendState(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("current", "facts_", "rules", "now", "expected", "reason"),
+    [
+        (CLOSED, state(consecutive_failures=2), RULES, 100.0, "closed", ""),
+        (CLOSED, state(consecutive_failures=3), RULES, 100.0, "open", "3 backend faults in a row"),
+        # 5 faults of 10 calls in the window: the error rate trips it.
+        (CLOSED, state(outcomes=((50, 3, 2), (90, 2, 3))), RULES, 100.0, "open", "5 of 10 calls"),
+        # The same, but half of them older than the window: not enough calls.
+        (CLOSED, state(outcomes=((0, 3, 2), (90, 2, 3))), RULES, 100.0, "closed", ""),
+        (
+            CLOSED,
+            state(probe_ok=False, probe_at=50.0),
+            msgspec.structs.replace(RULES, probed=True),
+            100.0,
+            "open",
+            "the health probe failed",
+        ),
+        (Circuit(state="open", since=100.0), state(), RULES, 129.0, "open", ""),
+        (
+            Circuit(state="open", since=100.0),
+            state(),
+            RULES,
+            130.0,
+            "half_open",
+            "one call decides",
+        ),
+        (
+            Circuit(state="open", since=100.0),
+            state(probe_ok=False, probe_at=90.0),
+            msgspec.structs.replace(RULES, probed=True),
+            200.0,
+            "open",
+            "",
+        ),
+        (
+            Circuit(state="open", since=100.0),
+            state(probe_ok=True, probe_at=101.0),
+            msgspec.structs.replace(RULES, probed=True),
+            102.0,
+            "closed",
+            "the health probe succeeded",
+        ),
+        (Circuit(state="half_open", since=130.0), state(), RULES, 140.0, "half_open", ""),
+        (
+            Circuit(state="half_open", since=130.0),
+            state(last_completed_at=131.0),
+            RULES,
+            140.0,
+            "closed",
+            "the probe call completed",
+        ),
+        (
+            Circuit(state="half_open", since=130.0),
+            state(last_fault_at=131.0, consecutive_failures=4),
+            RULES,
+            140.0,
+            "open",
+            "the probe call failed",
+        ),
+    ],
+)
+def test_the_circuit_moves_by_its_rules(
+    current: Circuit,
+    facts_: BackendState,
+    rules: CircuitRules,
+    now: float,
+    expected: str,
+    reason: str,
+) -> None:
+    moved = next_circuit(current, facts_, rules, now)
+    assert moved.state == expected
+    assert reason in moved.reason
+    if moved.state == current.state:
+        assert moved is current
+    else:
+        assert moved.since == now
+
+
+# -------------------------------------------------------------------- the fold
+
+
+def test_the_fold_counts_faults_by_class_keeps_outcomes_and_folds_circuits_and_probes() -> None:
+    base = {"tenant": "t", "attempt": 1, "delivery": 1}
+    events = [
+        FellBack(
+            request_id="r1",
+            at=10.0,
+            backend="a",
+            error_type="backend_unavailable",
+            error_class="connect",
+            reason="x",
+            fallback=Fallback(),
+            **base,
+        ),
+        Retrying(
+            request_id="r2",
+            at=11.0,
+            backend="a",
+            error_type="backend_bad_request",
+            error_class="context_length",
+            reason="x",
+            retry_after=0.0,
+            **base,
+        ),
+        Completed(
+            request_id="r3", at=21.0, backend="a", text="", usage=Usage(), cost=0.0, **base
+        ),
+        FellBack(
+            request_id="r4",
+            at=22.0,
+            backend="a",
+            error_type="backend_unavailable",
+            error_class="overloaded",
+            reason="x",
+            fallback=Fallback(),
+            **base,
+        ),
+        CircuitChanged(
+            request_id="a",
+            tenant="_system",
+            at=30.0,
+            backend="a",
+            state="open",
+            previous="closed",
+            reason="r",
+        ),
+        Probed(request_id="a", tenant="_system", at=31.0, backend="a", ok=False),
+    ]
+    folded = fold_many(ProjectionState(), events).backend("a")
+    assert folded.consecutive_failures == 1  # the context length is not the backend's fault
+    assert folded.outcomes == ((10, 0, 1), (20, 1, 1))
+    assert (folded.circuit, folded.circuit_at) == ("open", 30.0)
+    assert (folded.probe_ok, folded.probe_at) == (False, 31.0)
+    closed = fold_many(
+        ProjectionState(),
+        [
+            *events,
+            CircuitChanged(
+                request_id="a",
+                tenant="_system",
+                at=40.0,
+                backend="a",
+                state="closed",
+                previous="half_open",
+                reason="r",
+            ),
+        ],
+    ).backend("a")
+    assert closed.circuit == "closed"
+    assert closed.outcomes == ()
+    assert closed.consecutive_failures == 0
