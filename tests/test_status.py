@@ -79,17 +79,38 @@ def spent(n: int, at: float, tokens: int = 0) -> Quota:
         ),
         pytest.param(
             "local",
-            BackendState(consecutive_failures=3, last_fault_at=T - 5, in_flight=2),
+            BackendState(
+                consecutive_failures=3,
+                last_fault_at=T - 5,
+                in_flight=2,
+                circuit="open",
+                circuit_at=T - 5,
+                circuit_reason="3 backend faults in a row",
+            ),
             T,
-            {"healthy": False, "consecutive_failures": 3, "in_flight": 2},
-            id="three-faults-within-the-cooldown",
+            {
+                "healthy": False,
+                "consecutive_failures": 3,
+                "in_flight": 2,
+                "circuit": "open",
+                "circuit_since": T - 5,
+                "circuit_reason": "3 backend faults in a row",
+            },
+            id="its-circuit-open",
         ),
         pytest.param(
             "local",
-            BackendState(consecutive_failures=3, last_fault_at=T - 30),
+            BackendState(consecutive_failures=3, last_fault_at=T - 30, circuit="half_open"),
             T,
-            {"healthy": True},
-            id="healthy-again-after-the-cooldown",
+            {"healthy": True, "circuit": "half_open"},
+            id="half-open-takes-its-probe-call",
+        ),
+        pytest.param(
+            "local",
+            BackendState(probe_ok=False, probe_at=T - 1),
+            T,
+            {"healthy": True, "probe_ok": False},
+            id="a-failed-probe-the-binder-has-not-acted-on-yet",
         ),
         pytest.param(
             "groq",
@@ -205,6 +226,9 @@ REPORT = StatusReport(
             name="local",
             configured=True,
             healthy=False,
+            circuit="open",
+            circuit_since=T - 10,
+            circuit_reason="3 backend faults in a row",
             consecutive_failures=3,
             last_error_type="backend_unavailable",
             in_flight=1,
@@ -257,21 +281,21 @@ def test_render_status_lines() -> None:
         *("429s", "spend", "$", "held"),
     ]
     assert backends[1].split() == [
-        *("groq", "healthy", "2", "3", "2", "4", "120", "4", "3", "0.000000", "rate", "limited"),
+        *("groq", "closed", "2", "3", "2", "4", "120", "4", "3", "0.000000", "rate", "limited"),
         *("by", "the", "provider,", "retry", "in", "12", "s"),
     ]
     assert backends[2].split() == [
-        *("local", "unhealthy", "(3)", "1", "-", "-", "16", "7", "3", "0", "0.125000", "-"),
+        *("local", "open", "(3)", "1", "-", "-", "16", "7", "3", "0", "0.125000", "-"),
     ]
     # every row of a table starts its columns at the same place
-    assert (
-        backends[1].index("healthy")
-        == backends[2].index("unhealthy")
-        == backends[0].index("health")
-    )
+    assert backends[1].index("closed") == backends[2].index("open") == backends[0].index("health")
     assert (
         "Paused by the provider\n"
         "  groq: 429 from the provider: no call until 2026-05-28T20:27:12+00:00 (in 12 s)\n"
+    ) in text
+    assert (
+        "Circuit breakers not closed (the binder moves them; circuit events)\n"
+        "  local: open since 2026-05-28T20:26:50+00:00: 3 backend faults in a row\n"
     ) in text
     limits = text.split("Rate limits")[1].split("\n\n")[0].splitlines()[2:]
     assert limits[0].split() == [
@@ -451,7 +475,7 @@ async def test_status_reports_a_live_workload(
     assert (tenants["t1"]["submitted"], tenants["t1"]["terminal"]) == (2, {"completed": 2})
 
     rows = {line.split()[0]: line.split() for line in section(text, "Backends")}
-    assert rows["slow"][1:6] == ["healthy", "1", "0", "1", "1"]
+    assert rows["slow"][1:6] == ["closed", "1", "0", "1", "1"]
     rows = {line.split()[0]: line.split() for line in section(text, "Priority levels")}
     assert rows["low"][1] == "2"
     # An exhausted quota is named as one, not as a rate limit.

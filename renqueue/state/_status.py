@@ -7,11 +7,12 @@ lines of text the command prints, with no I/O of its own.
 Where each figure comes from:
 
 - per backend, from the config and the projector's checkpoint (the key
-  ``projection`` in ``rq-state``): health (:func:`renqueue.policy.is_healthy`
-  at the reader's clock), requests in flight, the provider's cooldown and
-  exhausted quota, and for each limit it is judged by (declared, tightened by
-  what the provider reported: :func:`renqueue.policy.limit_usage`) what is
-  used and left and when it resets, counted as the binder counts; ``held`` is
+  ``projection`` in ``rq-state``): health (its circuit breaker as the binder
+  last logged it, and its active probe's latest answer), requests in flight,
+  the provider's cooldown and exhausted quota, and for each limit it is judged
+  by (declared, tightened by what the provider reported:
+  :func:`renqueue.policy.limit_usage`) what is used and left and when it
+  resets, counted as the binder counts; ``held`` is
   the binder's reason to pass the backend over for the smallest request now.
   Its queue is its worker consumer's (``worker-<backend>`` on
   ``RQ_DISPATCH``), in two counts: ``waiting``, dispatches not yet delivered
@@ -55,7 +56,6 @@ from ..policy import (
     Quota,
     check,
     effective_limits,
-    is_healthy,
     limit_usage,
 )
 from ..wire._nats import JetStream
@@ -97,6 +97,7 @@ class BackendStatus(Struct, frozen=True, kw_only=True):
     name: str
     #: Whether the config names it (a backend only the log names has no limits here).
     configured: bool
+    #: Whether the binder may bind to it: its circuit is not open.
     healthy: bool
     consecutive_failures: int
     last_error_type: str | None
@@ -118,6 +119,13 @@ class BackendStatus(Struct, frozen=True, kw_only=True):
     #: Why the binder would pass it over for the smallest request now; "" if it would not.
     held: str
     limits: tuple[LimitUsage, ...]
+    #: Its circuit breaker as last logged: ``closed``, ``open`` or ``half_open``,
+    #: since when and why (``circuit`` events, written by the binder).
+    circuit: str = "closed"
+    circuit_since: float = 0.0
+    circuit_reason: str = ""
+    #: The latest answer of its active health probe (``None``: none configured or none yet).
+    probe_ok: bool | None = None
     calls_completed: int
     calls_failed: int
     rate_limited: int
@@ -249,7 +257,7 @@ def backend_status(
     return BackendStatus(
         name=name,
         configured=backend is not None,
-        healthy=is_healthy(state, now),
+        healthy=state.circuit != "open",
         consecutive_failures=state.consecutive_failures,
         last_error_type=state.last_error_type,
         in_flight=state.in_flight,
@@ -260,6 +268,10 @@ def backend_status(
         exhausted_until=_ahead(quota.exhausted_until, now),
         held=held,
         limits=limits,
+        circuit=state.circuit,
+        circuit_since=state.circuit_at,
+        circuit_reason=state.circuit_reason,
+        probe_ok=state.probe_ok,
         calls_completed=state.calls_completed,
         calls_failed=state.calls_failed,
         rate_limited=state.rate_limited,
@@ -333,7 +345,9 @@ def render_status(report: StatusReport) -> list[str]:
         f" {'slots':>5} {'done':>7} {'failed':>6} {'429s':>5} {'spend $':>10}  held",
     ]
     for b in report.backends:
-        health = "healthy" if b.healthy else f"unhealthy ({b.consecutive_failures})"
+        health = b.circuit.replace("_", "-")
+        if b.consecutive_failures:
+            health += f" ({b.consecutive_failures})"
         held = _shorten(printable(b.held), _HELD_WIDTH) or "-"
         lines.append(
             f"  {printable(b.name):<16} {health:<14} {b.in_flight:>9} {_opt(b.waiting):>7}"
@@ -347,6 +361,19 @@ def render_status(report: StatusReport) -> list[str]:
     ]
     if paused:
         lines += ["", "Paused by the provider", *paused]
+    circuits = [
+        f"  {printable(b.name)}: {b.circuit.replace('_', '-')} since"
+        f" {clock(b.circuit_since)}: {_shorten(printable(b.circuit_reason), _HELD_WIDTH)}"
+        + ("" if b.probe_ok is None else f" (probe: {'up' if b.probe_ok else 'down'})")
+        for b in report.backends
+        if b.circuit != "closed" or b.probe_ok is False
+    ]
+    if circuits:
+        lines += [
+            "",
+            "Circuit breakers not closed (the binder moves them; circuit events)",
+            *circuits,
+        ]
     limited = [(b.name, u) for b in report.backends for u in b.limits]
     if limited:
         lines += [
