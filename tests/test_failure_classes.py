@@ -96,7 +96,7 @@ async def test_a_stream_with_a_finish_reason_but_no_done_is_complete() -> None:
 
 
 async def test_a_down_backend_is_a_connection_failure() -> None:
-    deltas, error, _ = await call(MockSettings(down=True))
+    _, error, _ = await call(MockSettings(down=True))
     assert error is not None
     assert error.failure is FailureClass.CONNECT
 
@@ -145,6 +145,6 @@ async def test_a_call_longer_than_total_timeout_is_a_total_timeout() -> None:
 
 
 async def test_an_unknown_model_is_unavailable() -> None:
-    deltas, error, _ = await call(MockSettings(models=("other",)))
+    _, error, _ = await call(MockSettings(models=("other",)))
     assert error is not None
     assert error.failure is FailureClass.UNAVAILABLE
