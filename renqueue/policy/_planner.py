@@ -202,7 +202,7 @@ def plan(
         candidates = policy.routes.get(request.route, ())
         if request.deadline is not None:
             if now >= request.deadline:
-                actions.append(Expire(ref=item.ref, reason=DEADLINE_PASSED))
+                actions.append(Expire(ref=item.ref, reason=_why_late(request, candidates, views)))
                 continue
             finish = hopeless(
                 request.deadline,
@@ -280,6 +280,18 @@ def _fallback_reason(request: InferenceRequest, view: BackendView, reason: str) 
     if view.half_open:
         notes.append(f"probe of {view.name}'s half-open circuit")
     return "; ".join([reason, *notes]) if notes else reason
+
+
+def _why_late(
+    request: InferenceRequest, candidates: Sequence[str], views: Mapping[str, BackendView]
+) -> str:
+    """:data:`DEADLINE_PASSED`, and why it waited when no candidate could take it at all."""
+    if capable(request, candidates, views):
+        return DEADLINE_PASSED
+    down = [name for name in candidates if name in views and not views[name].healthy]
+    if down and len(down) == len([name for name in candidates if name in views]):
+        return f"{DEADLINE_PASSED}: every candidate is down (circuit open: {', '.join(down)})"
+    return f"{DEADLINE_PASSED}: {NoRoom.NONE_CAPABLE.value}"
 
 
 def _passed_reason(passed: list[tuple[str, QuotaVerdict]], then: str) -> str:
