@@ -491,9 +491,7 @@ def test_the_fold_counts_faults_by_class_keeps_outcomes_and_folds_circuits_and_p
             retry_after=0.0,
             **base,
         ),
-        Completed(
-            request_id="r3", at=21.0, backend="a", text="", usage=Usage(), cost=0.0, **base
-        ),
+        Completed(request_id="r3", at=21.0, backend="a", text="", usage=Usage(), cost=0.0, **base),
         FellBack(
             request_id="r4",
             at=22.0,
