@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits chaos clean
+.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults chaos clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,12 @@ bench-scheduling: $(STAMP)
 # .renqueue/bench-litellm/venv, made on the first run.
 bench-ratelimits: $(STAMP)
 	$(BIN)/python bench/ratelimits.py
+
+# A workload while one backend fails 30 % of calls, one goes down for a while and one breaks
+# streams mid-way: Ren-Queue against LiteLLM's Router (same fallback order) on the same mocks
+# (issue #9). LiteLLM comes from the same venv as bench-ratelimits'.
+bench-faults: $(STAMP)
+	$(BIN)/python bench/faults.py
 
 # kill -9 routers and workers under load (single node, 3-node cluster, harsh), audit the log.
 chaos: $(STAMP)

@@ -1,17 +1,29 @@
-"""The LiteLLM side of ``bench/ratelimits.py``: one burst through ``litellm.Router``.
+"""The LiteLLM side of ``bench/ratelimits.py`` and ``bench/faults.py``, through ``litellm.Router``.
 
-Run by ``ratelimits.py`` with the Python of the benchmark-only venv that has
+Run by those benchmarks with the Python of the benchmark-only venv that has
 ``litellm`` (``.renqueue/bench-litellm/venv``), never with the project's: LiteLLM is
 not a dependency of Ren-Queue. It imports nothing from ``renqueue`` or ``bench/``.
 
-Reads one JSON object on stdin (the plan ``ratelimits.py`` writes: the mocks'
-URLs, each backend's ``rpm``/``tpm`` as LiteLLM is to be told them, prices, the
-fallback order and the burst itself: prompt and ``max_tokens`` per request), sends
-every request of the burst at once through one ``Router`` with
-``routing_strategy="usage-based-routing-v2"`` and ``fallbacks`` in the cascade order,
-and prints one JSON object on stdout: per request, who served it (the mock echoes
-the model name it was asked for), its usage, LiteLLM's own cost figure, its latency
-or the error it ended with; and the router's settings as LiteLLM reports them.
+Reads one JSON object on stdin (the plan the benchmark writes: the mocks' URLs, each
+backend's ``rpm``/``tpm``/``max_parallel_requests`` as LiteLLM is to be told them,
+prices, the fallback order, the Router's other keyword arguments and the requests:
+prompt and ``max_tokens`` each). Its ``mode`` says what to do with them:
+
+- ``burst`` (``ratelimits.py``, the default): every request at once, not streamed,
+  through one ``Router`` with ``routing_strategy="usage-based-routing-v2"`` and
+  ``fallbacks`` in the cascade order.
+- ``open-loop`` (``faults.py``): the Router is built, ``ready`` is printed on a line
+  of its own, and the workload starts when a line comes back on stdin (so the
+  benchmark can run its fault schedule on the same clock); request ``i`` is sent at
+  its ``at`` seconds from then, streamed (``stream=True``), and must end within
+  ``deadline`` seconds of being sent (else it counts as expired). The default
+  routing strategy (``simple-shuffle``: one deployment per group, so no choice).
+
+It prints one JSON object on stdout: per request, who served it (the mock echoes the
+model name it was asked for), its usage, LiteLLM's own cost figure, its latency or the
+error it ended with (open-loop: also the time of its first token, its text, and the
+retries and fallbacks LiteLLM says it made, from ``x-litellm-attempted-retries`` and
+``x-litellm-attempted-fallbacks``); and the router's settings as LiteLLM reports them.
 
 Nothing here holds a secret: the mocks need no key, so the key passed is a dummy
 (LiteLLM's OpenAI client refuses to start without one), and it is never printed.
@@ -29,6 +41,7 @@ from typing import Any
 
 import litellm
 from litellm import Router
+from litellm.integrations.custom_logger import CustomLogger
 
 #: Not a secret: the mocks accept any key, and LiteLLM's OpenAI client wants one.
 DUMMY_KEY = "sk-bench-no-key"
@@ -107,15 +120,7 @@ async def burst(plan: dict[str, Any]) -> dict[str, Any]:
     return {
         "litellm_version": _version(),
         "router_settings": settings,
-        "model_list": [
-            {
-                "model_name": entry["model_name"],
-                "litellm_params": {
-                    k: v for k, v in entry["litellm_params"].items() if k != "api_key"
-                },
-            }
-            for entry in model_list(plan)
-        ],
+        "model_list": _shown(plan),
         "fallbacks": [{order[0]: order[1:]}],
         "began": began,
         "ended": ended,
@@ -149,14 +154,133 @@ def _version() -> str:
         return "unknown"
 
 
+class FailedCalls(CustomLogger):
+    """Every upstream call that failed, by request (the ``[index]`` its prompt starts with):
+    LiteLLM logs a failure per call it made, a stream broken after tokens included, and none
+    for a deployment it did not call (at its ``max_parallel_requests``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_index: dict[int, list[str]] = {}
+
+    async def async_log_failure_event(
+        self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
+    ) -> None:
+        messages = kwargs.get("messages") or [{}]
+        prompt = str(messages[0].get("content", ""))
+        if not prompt.startswith("["):
+            return
+        index = int(prompt[1 : prompt.index("]")])
+        model = str(kwargs.get("model") or "").removeprefix("openai/")
+        exc = kwargs.get("exception")
+        self.by_index.setdefault(index, []).append(f"{model} {type(exc).__name__}")
+
+
+async def open_loop(plan: dict[str, Any]) -> dict[str, Any]:
+    """Each request at its time, streamed, within its deadline (see the module docstring)."""
+    order: list[str] = plan["fallback_order"]
+    failed_calls = FailedCalls()
+    litellm.callbacks = [failed_calls]
+    fallbacks = [{order[0]: order[1:]}]
+    router = Router(
+        model_list=model_list(plan),
+        fallbacks=fallbacks,
+        timeout=plan["timeout_s"],
+        **plan.get("router_kwargs", {}),
+    )
+    settings = _settings(router)
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    await asyncio.to_thread(sys.stdin.readline)
+    t0 = time.time()
+    deadline: float = plan["deadline"]
+
+    async def one(index: int, item: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(max(0.0, t0 + item["at"] - time.time()))
+        start = time.time()
+        row: dict[str, Any] = {"index": index, "submitted_at": start}
+        seen: dict[str, Any] = {"parts": [], "first": None, "model": None, "finish": None}
+        response: Any = None
+
+        async def call() -> None:
+            nonlocal response
+            response = await router.acompletion(
+                model=order[0],
+                messages=[{"role": "user", "content": item["prompt"]}],
+                max_tokens=item["max_tokens"],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            async for chunk in response:
+                if getattr(chunk, "model", None):
+                    seen["model"] = chunk.model
+                for choice in getattr(chunk, "choices", None) or ():
+                    text = getattr(choice.delta, "content", None)
+                    if text:
+                        seen["first"] = seen["first"] or time.time()
+                        seen["parts"].append(text)
+                    if getattr(choice, "finish_reason", None):
+                        seen["finish"] = choice.finish_reason
+
+        try:
+            await asyncio.wait_for(call(), timeout=deadline)
+        except TimeoutError:
+            row.update(outcome="expired", error="deadline passed", ended_at=time.time())
+        except Exception as exc:  # noqa: BLE001 - every failure is a row of the report
+            row.update(outcome="failed", error=_error_text(exc), ended_at=time.time())
+        else:
+            row.update(outcome="completed", ended_at=time.time())
+        headers = (getattr(response, "_hidden_params", None) or {}).get("additional_headers") or {}
+        row.update(
+            first_token_at=seen["first"],
+            # The mock echoes the model it was asked for: the backend's name.
+            backend=str(seen["model"] or "").removeprefix("openai/") or None,
+            finish_reason=seen["finish"],
+            text="".join(seen["parts"]),
+            attempted_retries=headers.get("x-litellm-attempted-retries"),
+            attempted_fallbacks=headers.get("x-litellm-attempted-fallbacks"),
+        )
+        return row
+
+    cpu = time.process_time()
+    rows = await asyncio.gather(*(one(i, item) for i, item in enumerate(plan["requests"])))
+    cpu = time.process_time() - cpu
+    ended = time.time()
+    await asyncio.sleep(1.0)  # failure callbacks run in tasks of their own
+    for row in rows:
+        row["failed_calls"] = failed_calls.by_index.get(row["index"], [])
+    return {
+        "litellm_version": _version(),
+        "router_settings": settings,
+        "model_list": _shown(plan),
+        "fallbacks": fallbacks,
+        "began": t0,
+        "ended": ended,
+        "cpu_s": cpu,
+        "rows": rows,
+    }
+
+
+def _shown(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The model list as given to the Router, without the (dummy) key."""
+    return [
+        {
+            "model_name": entry["model_name"],
+            "litellm_params": {k: v for k, v in entry["litellm_params"].items() if k != "api_key"},
+        }
+        for entry in model_list(plan)
+    ]
+
+
 def main() -> None:
-    plan = json.load(sys.stdin)
+    plan = json.loads(sys.stdin.readline())
     litellm.suppress_debug_info = True
     litellm.telemetry = False
     logging.getLogger("LiteLLM").setLevel(logging.ERROR)
     logging.getLogger("LiteLLM Router").setLevel(logging.ERROR)
     logging.getLogger("LiteLLM Proxy").setLevel(logging.ERROR)
-    report = asyncio.run(burst(plan))
+    mode = plan.get("mode", "burst")
+    report = asyncio.run(open_loop(plan) if mode == "open-loop" else burst(plan))
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")
 

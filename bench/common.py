@@ -1,5 +1,6 @@
 """What the benchmarks share: results folder, percentiles, machine info, the mock in a
-process of its own (and its counters), free loopback ports."""
+process of its own (and its counters, its settings), free loopback ports, the event log
+read back."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
 from renqueue.ops import find_nats_server
+from renqueue.wire import EVENT_DECODER, EVENTS_STREAM, AckPolicy, ConsumerConfig, DeliverPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -156,6 +159,53 @@ async def mock_stats(url: str) -> dict[str, Any]:
         response.raise_for_status()
         stats: dict[str, Any] = response.json()
     return stats
+
+
+async def mock_settings(url: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """Change settings of a mock started by :func:`mock_process` (``POST /admin/settings``:
+    the fields given, validated by the mock); the settings it now has."""
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        response = await http.post(url.removesuffix("/v1") + "/admin/settings", json=settings)
+        response.raise_for_status()
+        now: dict[str, Any] = response.json()
+    return now
+
+
+async def read_events(js: Any, subject: str) -> list[Any]:
+    """Every event on ``subject`` (a filter such as ``rq.evt.bench.>``) in the log, in order,
+    through an ephemeral pull consumer; messages that do not decode are skipped."""
+    info = await js.stream_info(EVENTS_STREAM)
+    if not info.state.messages:
+        return []
+    last = int(info.state.last_seq)
+    psub = await js.pull_subscribe(
+        subject,
+        stream=EVENTS_STREAM,
+        config=ConsumerConfig(
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.ALL,
+            inactive_threshold=30.0,
+            mem_storage=True,
+            num_replicas=1,
+        ),
+    )
+    events: list[Any] = []
+    try:
+        done = False
+        while not done:
+            try:
+                msgs = await psub.fetch(batch=1000, timeout=2.0)
+            except TimeoutError:
+                break
+            for msg in msgs:
+                with contextlib.suppress(msgspec.DecodeError):
+                    events.append(EVENT_DECODER.decode(msg.data))
+                meta = msg.metadata
+                done = done or meta.num_pending == 0 or meta.sequence.stream >= last
+    finally:
+        with contextlib.suppress(Exception):
+            await psub.unsubscribe()
+    return events
 
 
 def free_port() -> int:
