@@ -8,15 +8,19 @@ side), ``Services`` (router, worker, projector) and a ``Client`` in this process
 
 One route cascades over the four backends, in this order:
 
-- ``flaky``: answers ``500`` to 30 % of calls, at random (seeded);
+- ``flaky``: answers ``500`` to 30 % of calls, at random;
 - ``outage``: healthy, but ``down`` (every connection reset, ``/health`` too) from 25 % to
   60 % of the arrivals, then back up;
 - ``breaker``: 30 % of its streams break after a few tokens (the connection closes: no
-  finish chunk, no ``[DONE]``), at random (seeded);
+  finish chunk, no ``[DONE]``), at random;
 - ``steady``: never faulted, the last resort, with fewer slots (so a fallback to it has a
   cost: it waits for room, or, without a queue, is refused).
 
-The workload (seeded, the same on both sides): ``--requests`` requests (480) at a fixed
+Each mock draws its faults from its own seeded generator, one draw per call in the order
+calls arrive, so the n-th call to ``flaky`` gets the same answer on both sides; which
+request makes the n-th call depends on timing, so runs differ a little (a streak of 500s
+that trips a circuit in one run may not come in the next). The workload (seeded, the same
+on both sides): ``--requests`` requests (480) at a fixed
 ``--rate`` (8 a second), each streamed by its client, with a deadline of ``--deadline``
 seconds (20) from its submit and ``max_tokens`` of 32 to 128. The mocks stream 50-100
 tokens a second after a 80-200 ms first token; every answer is ``max_tokens`` long, its
@@ -429,6 +433,8 @@ def log_figures(
     retrying: Counter[str] = Counter()
     routed: Counter[str] = Counter()
     failed_calls: defaultdict[str, list[str]] = defaultdict(list)
+    #: Calls bound as a half-open circuit's probe, per backend (seconds from t0).
+    probe_calls: defaultdict[str, list[float]] = defaultdict(list)
     terminals: defaultdict[str, list[str]] = defaultdict(list)
     histories: defaultdict[str, list[Any]] = defaultdict(list)
     for event in events:
@@ -445,6 +451,8 @@ def log_figures(
             failed_calls[rid].append(f"{event.backend} {event.error_class or event.error_type}")
         elif isinstance(event, Routed):
             routed[event.backend] += 1
+            if "probe of" in event.reason:
+                probe_calls[event.backend].append(round(event.at - t0, 2))
         if is_terminal(event):
             terminals[rid].append(type(event).__name__)
     circuits: defaultdict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -466,6 +474,7 @@ def log_figures(
         "routed": dict(routed),
         "circuits": dict(circuits),
         "probes": dict(probes),
+        "probe_calls": dict(probe_calls),
         "failed_calls": dict(failed_calls),
         "lost": sorted(rid for rid in ours if not terminals.get(rid)),
         "duplicated": {rid: kinds for rid, kinds in terminals.items() if len(kinds) > 1},
@@ -832,8 +841,14 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"    fell_back by backend {log['fell_back_by_backend'] or 'none'}")
         print(f"    retrying {log['retrying'] or 'none'}; binds {log['routed']}")
         for backend, changes in log["circuits"].items():
-            steps = ", ".join(f"{c['state']} at {c['at']:.1f}s" for c in changes)
+            steps = ", ".join(
+                f"{c['state']} at {c['at']:.1f}s ({_short(c['reason'])})" for c in changes
+            )
+            halves = sum(1 for c in changes if c["state"] == "half_open")
             print(f"    circuit {backend}: {steps}")
+            if halves:
+                calls = log["probe_calls"].get(backend, [])
+                print(f"      {len(calls)} calls bound as its probe in {halves} half-open spells")
         if not log["circuits"]:
             print("    no circuit changed")
         for backend, answers in log["probes"].items():
@@ -855,6 +870,17 @@ def print_report(report: dict[str, Any]) -> None:
             )
 
 
+def _short(reason: str) -> str:
+    """A circuit change's reason, shortened for the table."""
+    return (
+        reason.replace("backend faults in a row", "in a row")
+        .replace(" s after it opened: one call decides", " s cool-off")
+        .replace("calls failed in the last", "failed in")
+        .replace("the health probe", "probe")
+        .replace("the probe call", "probe call")
+    )
+
+
 # ------------------------------------------------------------------------ main
 
 
@@ -864,6 +890,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         rate=args.rate,
         deadline=args.deadline,
         seed=args.seed,
+        circuit_failures=args.circuit_failures,
+        circuit_error_rate=args.circuit_error_rate,
+        circuit_min_calls=args.circuit_min_calls,
         litellm_allowed_fails=args.litellm_allowed_fails,
     )
     if args.outage:
@@ -921,6 +950,21 @@ def main() -> None:
         nargs=2,
         metavar=("FROM", "TO"),
         help="when the outage backend is down, as shares of the arrivals (0.25 0.60)",
+    )
+    parser.add_argument(
+        "--circuit-failures",
+        type=int,
+        default=5,
+        help="Ren-Queue: open a circuit after this many backend faults in a row",
+    )
+    parser.add_argument(
+        "--circuit-error-rate",
+        type=float,
+        default=0.5,
+        help="Ren-Queue: open a circuit at this share of faults over 10 s ...",
+    )
+    parser.add_argument(
+        "--circuit-min-calls", type=int, default=10, help="... of at least this many calls"
     )
     parser.add_argument(
         "--litellm-allowed-fails",
