@@ -315,3 +315,47 @@ async def test_coalesced_requests_fall_back_as_one(isolated_server: EmbeddedServ
     assert second.stats().completed == 1, "one call answered every coalesced request"
     for events in histories:
         assert sum(isinstance(e, Completed) for e in events) == 1, describe(events)
+
+
+async def test_a_429_without_retry_after_cools_the_backend_down_for_everyone(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """A bare 429 still says "not now": the backend is left out for a backoff
+    step, so the requests right after it go straight to the next candidate."""
+    async with MockBackend(failing("429_bare")) as limited, MockBackend(FAST) as good:
+        config = config_for(
+            isolated_server.url,
+            {"limited": limited, "good": good},
+            retry_delay="2s",
+            max_retry_delay="4s",
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            log = EventLog(client.js)
+            for n in range(5):
+                await results(log, [await client.submit(f"q{n}", route="chat")], within=15)
+    assert limited.stats().requests == 1
+    assert good.stats().completed == 5
+
+
+async def test_a_request_no_other_candidate_can_take_goes_back_to_the_one_that_failed_it(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The other candidate is below the request's complexity: after its
+    backoff the request goes back to the backend that failed it once (now
+    answering), instead of waiting forever on one that can never take it."""
+    once = MockSettings(ttft=0.01, output_tokens=3, faults=FaultSpec(script=("503",)))
+    async with MockBackend(once) as big, MockBackend(FAST) as small:
+        config = config_for(
+            isolated_server.url,
+            {"big": big, "small": small},
+            backends={"big": {"tier": 2}, "small": {"tier": 1}},
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            log = EventLog(client.js)
+            handle = await client.submit("hard", route="chat", complexity=2)
+            await results(log, [handle], within=15)
+            events = await log.history(TENANT, handle.id)
+    assert routed(events) == ["big", "big"], describe(events)
+    [back] = [e for e in events if isinstance(e, Routed) and e.attempt == 2]
+    assert "back to big: no other candidate could take it" in back.reason
+    assert small.stats().requests == 0

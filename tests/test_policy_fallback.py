@@ -23,6 +23,7 @@ from renqueue.policy import (
     CLOSED,
     DEFAULT_FALLBACK_ON,
     RETRY_HERE_FIRST,
+    WAIT_HERE_IF_ALONE,
     BackendView,
     Bind,
     Candidate,
@@ -147,7 +148,20 @@ def test_a_fallback_excludes_the_backend_that_failed_and_counts_an_attempt() -> 
     assert got.fallback.excluded == ("a",)
     assert got.fallback.count == 1
     assert got.fallback.from_tier == 2
-    assert got.fallback.not_before is None
+    # The earliest it may go back to a backend that failed it: a backoff on.
+    assert got.fallback.not_before == pytest.approx(1000.0 + 0.75)
+
+
+def test_a_429_falls_back_without_using_an_attempt() -> None:
+    got = after_failure(
+        error(FailureClass.RATE_LIMITED),
+        failed_runs=0,
+        policy=POLICY,
+        random=half,
+        route=facts(fallback=Fallback(count=1)),
+    )
+    assert isinstance(got, FallBack)
+    assert got.fallback.count == 1
 
 
 def test_the_attempts_bound_the_cascade() -> None:
@@ -160,12 +174,13 @@ def test_the_attempts_bound_the_cascade() -> None:
 
 
 def test_a_probe_call_that_fails_uses_no_attempt_and_is_not_retried_here() -> None:
-    route = facts(fallback=Fallback(count=2), probe=True)
+    route = facts(fallback=Fallback(count=1, probes=3), probe=True)
     got = after_failure(
         error(FailureClass.SERVER_ERROR), failed_runs=0, policy=POLICY, random=half, route=route
     )
     assert isinstance(got, FallBack)
-    assert got.fallback.count == 2
+    assert got.fallback.count == 1
+    assert got.fallback.probes == 4
 
 
 def test_a_context_too_long_asks_for_a_larger_window_and_never_the_same_backend() -> None:
@@ -201,18 +216,43 @@ def test_without_downgrade_the_tier_may_not_drop_and_without_paid_only_free_ones
     assert got.fallback.free_only
 
 
-def test_when_every_candidate_failed_once_the_next_pass_waits_a_backoff() -> None:
+def test_every_backend_that_failed_it_stays_excluded() -> None:
     route = facts(C, Fallback(excluded=("a", "b"), count=1))
     got = after_failure(
-        error(FailureClass.OVERLOADED, backend="c"),
+        error(FailureClass.BROKEN_STREAM, backend="c"),
         failed_runs=0,
         policy=POLICY,
         random=half,
         route=route,
     )
     assert isinstance(got, FallBack)
-    assert got.fallback.excluded == ()
+    assert got.fallback.excluded == ("a", "b", "c")
     assert got.fallback.not_before == pytest.approx(1000.0 + 1.5)  # step 2: d = 2 s, half jitter
+
+
+def test_a_candidate_below_the_requests_complexity_does_not_count_as_one_left() -> None:
+    """Only a tier-1 candidate is left besides the failed one, and the request
+    needs tier 2: nothing can take it, so it fails rather than wait for nothing."""
+    route = msgspec.structs.replace(facts(A), candidates=(A, B), complexity=2)
+    got = after_failure(
+        error(FailureClass.CONTEXT_LENGTH), failed_runs=0, policy=POLICY, random=half, route=route
+    )
+    assert isinstance(got, Fail)
+
+
+@pytest.mark.parametrize("failure", [FailureClass.RATE_LIMITED, FailureClass.OVERLOADED])
+def test_not_now_waits_here_when_no_other_candidate_could_take_it(failure: FailureClass) -> None:
+    """A 429 or a 503 on a route of one (or with the others excluded) is
+    retried here after the provider's time, not sent round a new pass."""
+    alone = RouteFacts(policy=FallbackPolicy(), candidates=(A,), backend=A, now=1000.0)
+    got = after_failure(error(failure), failed_runs=0, policy=POLICY, random=half, route=alone)
+    assert isinstance(got, Retry)
+    others_out = facts(fallback=Fallback(excluded=("b", "c")))
+    got = after_failure(error(failure), failed_runs=3, policy=POLICY, random=half, route=others_out)
+    assert isinstance(got, Retry)
+    used_up = after_failure(error(failure), failed_runs=4, policy=POLICY, random=half, route=alone)
+    assert isinstance(used_up, FallBack)  # the budget is spent: the next pass, after a backoff
+    assert used_up.fallback.not_before is not None
 
 
 def test_a_class_the_route_does_not_fall_back_on_is_retried_here_or_fails() -> None:
@@ -258,25 +298,27 @@ def test_the_cascade_never_leaves_the_route_never_goes_back_and_always_ends(
     )
     got = after_failure(error(failure, backend=at.name), failed_runs=failed_runs,
                         policy=POLICY, random=half, route=route)  # fmt: skip
+    free = probe or failure is FailureClass.RATE_LIMITED
     if isinstance(got, FallBack):
         names = {c.name for c in ROUTE}
         assert set(got.fallback.excluded) <= names
-        assert got.fallback.count == count + (0 if probe else 1) < attempts
-        if got.fallback.excluded:
-            assert at.name in got.fallback.excluded
-        else:  # a new pass: after a backoff
-            assert got.fallback.not_before is not None
+        assert got.fallback.count == count + (0 if free else 1) < attempts
+        assert at.name in got.fallback.excluded
+        assert set(route.fallback.excluded) <= set(got.fallback.excluded)
+        assert got.fallback.not_before is not None
+        assert got.fallback.not_before > route.now
     elif isinstance(got, Fail):
         assert (
-            count + (0 if probe else 1) >= attempts
+            count + (0 if free else 1) >= attempts
             or failed_runs + 1 >= POLICY.budget
             or (failure is FailureClass.CONTEXT_LENGTH)
         )
     else:
         assert isinstance(got, Retry)
-        assert failure in RETRY_HERE_FIRST
         assert not probe
-        assert failed_runs < 1
+        assert (failure in RETRY_HERE_FIRST and failed_runs < 1) or (
+            failure in WAIT_HERE_IF_ALONE and failed_runs + 1 < POLICY.budget
+        )
 
 
 # ---------------------------------------------------------------- the planner
@@ -340,14 +382,54 @@ def test_a_quality_downgrade_and_the_backends_left_out_are_in_the_reason() -> No
     assert "quality downgrade: tier 2 -> 1" in bind.reason
 
 
-def test_a_request_starting_a_new_pass_waits_out_its_backoff() -> None:
-    waiting = Waiting(ref=1, request=request(Fallback(not_before=12.0)), rank=0, submitted=0.0)
+def test_excluded_is_a_preference_never_a_rule() -> None:
+    """A request every candidate failed goes back to one of them once its
+    backoff is over; so does one whose only other candidates cannot take it
+    (open, or over its cost cap): it must not wait forever."""
     policy = PlanPolicy(levels=LEVELS, routes={"chat": ("a", "b", "c")})
-    [wait] = plan([waiting], VIEWS, 10.0, policy)
+    all_failed = Waiting(
+        ref=1,
+        request=request(Fallback(excluded=("a", "b", "c"), not_before=12.0)),
+        rank=0,
+        submitted=0.0,
+    )
+    [wait] = plan([all_failed], VIEWS, 10.0, policy)
     assert isinstance(wait, Wait)
     assert "in 2.0 s" in wait.reason
-    [bind] = plan([waiting], VIEWS, 12.0, policy)
+    [bind] = plan([all_failed], VIEWS, 12.0, policy)
     assert isinstance(bind, Bind)
+    assert bind.backend == "a"
+    assert "back to a: no other candidate could take it" in bind.reason
+    b_open = {**VIEWS, "b": msgspec.structs.replace(VIEWS["b"], healthy=False)}
+    only_b_left = Waiting(
+        ref=2,
+        request=request(Fallback(excluded=("a", "c"), not_before=12.0)),
+        rank=0,
+        submitted=0.0,
+    )
+    assert isinstance(plan([only_b_left], b_open, 11.0, policy)[0], Wait)
+    [back] = plan([only_b_left], b_open, 12.0, policy)
+    assert isinstance(back, Bind)
+    assert back.backend == "a"
+    over_cap = Waiting(
+        ref=3,
+        request=request(Fallback(excluded=("a", "c"), not_before=12.0), max_cost=1e-9),
+        rank=0,
+        submitted=0.0,
+    )
+    [cheap] = plan([over_cap], VIEWS, 12.0, policy)
+    assert isinstance(cheap, Bind)
+    assert cheap.backend == "a"
+
+
+def test_a_full_candidate_that_has_not_failed_it_is_waited_for() -> None:
+    policy = PlanPolicy(levels=LEVELS, routes={"chat": ("a", "b")})
+    views = {"a": VIEWS["a"], "b": msgspec.structs.replace(VIEWS["b"], in_flight=4)}
+    item = Waiting(
+        ref=1, request=request(Fallback(excluded=("a",), not_before=0.0)), rank=0, submitted=0.0
+    )
+    [wait] = plan([item], views, 10.0, policy)
+    assert isinstance(wait, Wait)
 
 
 def test_a_half_open_backend_takes_one_call_its_probe() -> None:
@@ -387,6 +469,11 @@ def state(**fields: object) -> BackendState:
     return BackendState(**fields)  # type: ignore[arg-type]
 
 
+PROBED = msgspec.structs.replace(RULES, probed=True)
+OPEN = Circuit(state="open", since=100.0)
+HALF = Circuit(state="half_open", since=130.0)
+
+
 @pytest.mark.parametrize(
     ("current", "facts_", "rules", "now", "expected", "reason"),
     [
@@ -396,55 +483,50 @@ def state(**fields: object) -> BackendState:
         (CLOSED, state(outcomes=((50, 3, 2), (90, 2, 3))), RULES, 100.0, "open", "5 of 10 calls"),
         # The same, but half of them older than the window: not enough calls.
         (CLOSED, state(outcomes=((0, 3, 2), (90, 2, 3))), RULES, 100.0, "closed", ""),
+        (CLOSED, state(probe_ok=False), PROBED, 100.0, "open", "the health probe failed"),
+        (OPEN, state(circuit="open"), RULES, 129.0, "open", ""),
+        (OPEN, state(circuit="open"), RULES, 130.0, "half_open", "one call decides"),
+        # The log does not show it open yet: only the cool-off runs.
+        (OPEN, state(consecutive_failures=9), RULES, 130.0, "half_open", "one call decides"),
+        # The probe still fails: the probe decides, not the cool-off.
+        (OPEN, state(circuit="open", probe_ok=False), PROBED, 200.0, "open", ""),
+        # A probe answer logged after it opened (log order, no clock compared).
         (
-            CLOSED,
-            state(probe_ok=False, probe_at=50.0),
-            msgspec.structs.replace(RULES, probed=True),
-            100.0,
-            "open",
-            "the health probe failed",
-        ),
-        (Circuit(state="open", since=100.0), state(), RULES, 129.0, "open", ""),
-        (
-            Circuit(state="open", since=100.0),
-            state(),
-            RULES,
-            130.0,
-            "half_open",
-            "one call decides",
-        ),
-        (
-            Circuit(state="open", since=100.0),
-            state(probe_ok=False, probe_at=90.0),
-            msgspec.structs.replace(RULES, probed=True),
-            200.0,
-            "open",
-            "",
-        ),
-        (
-            Circuit(state="open", since=100.0),
-            state(probe_ok=True, probe_at=101.0),
-            msgspec.structs.replace(RULES, probed=True),
-            102.0,
+            OPEN,
+            state(circuit="open", probe_ok=True, probe_since_circuit=True),
+            PROBED,
+            101.0,
             "closed",
             "the health probe succeeded",
         ),
-        (Circuit(state="half_open", since=130.0), state(), RULES, 140.0, "half_open", ""),
+        # An old good answer, from before it opened, does not close it.
+        (OPEN, state(circuit="open", probe_ok=True), PROBED, 101.0, "open", ""),
+        (HALF, state(circuit="half_open"), RULES, 140.0, "half_open", ""),
         (
-            Circuit(state="half_open", since=130.0),
-            state(last_completed_at=131.0),
+            HALF,
+            state(circuit="half_open", ok_since_circuit=1),
             RULES,
             140.0,
             "closed",
             "the probe call completed",
         ),
         (
-            Circuit(state="half_open", since=130.0),
-            state(last_fault_at=131.0, consecutive_failures=4),
+            HALF,
+            state(circuit="half_open", faults_since_circuit=1, consecutive_failures=4),
             RULES,
             140.0,
             "open",
             "the probe call failed",
+        ),
+        # Facts of the open circuit before it (the log not caught up): no decision.
+        (HALF, state(circuit="open", ok_since_circuit=3), RULES, 140.0, "half_open", ""),
+        (
+            HALF,
+            state(circuit="half_open", probe_since_circuit=False),
+            PROBED,
+            140.0,
+            "open",
+            "the health probe failed",
         ),
     ],
 )
@@ -518,6 +600,9 @@ def test_the_fold_counts_faults_by_class_keeps_outcomes_and_folds_circuits_and_p
     assert folded.outcomes == ((10, 0, 1), (20, 1, 1))
     assert (folded.circuit, folded.circuit_at) == ("open", 30.0)
     assert (folded.probe_ok, folded.probe_at) == (False, 31.0)
+    # Logged after the circuit event: the probe's answer; before it, the calls.
+    assert (folded.ok_since_circuit, folded.faults_since_circuit) == (0, 0)
+    assert folded.probe_since_circuit is False
     closed = fold_many(
         ProjectionState(),
         [
@@ -536,3 +621,19 @@ def test_the_fold_counts_faults_by_class_keeps_outcomes_and_folds_circuits_and_p
     assert closed.circuit == "closed"
     assert closed.outcomes == ()
     assert closed.consecutive_failures == 0
+
+
+def test_a_half_open_probe_goes_to_a_request_that_failed_as_one_the_fewest_times() -> None:
+    """The oldest request failed as this backend's probe before: the next
+    probe is a younger one's, so one request cannot keep a circuit open."""
+    views = {"a": view("a", half_open=True)}
+    policy = PlanPolicy(levels=LEVELS, routes={"chat": ("a",)})
+    veteran = Waiting(
+        ref=1, request=request(Fallback(excluded=(), probes=1)), rank=0, submitted=0.0
+    )
+    fresh = Waiting(ref=2, request=request(), rank=0, submitted=5.0)
+    binds = [a for a in plan([veteran, fresh], views, 10.0, policy) if isinstance(a, Bind)]
+    assert [b.ref for b in binds] == [2]
+    # Alone, it is the probe again (and is not charged for it).
+    [alone] = [a for a in plan([veteran], views, 10.0, policy) if isinstance(a, Bind)]
+    assert alone.ref == 1

@@ -159,20 +159,26 @@ _CONTEXT_PHRASES: Final = (
 _FILTER_CODES: Final = frozenset({"content_filter", "content_policy_violation"})
 
 
-def _bad_request_class(status: int, body: bytes) -> FailureClass:
-    """The class of a 4xx that blames the request: context length, content filter, or neither."""
-    if status == 413:
-        return FailureClass.CONTEXT_LENGTH
-    code = ""
+def _bad_request_class(body: bytes) -> FailureClass:
+    """The class of a 4xx that blames the request: context length, content
+    filter, or neither. Judged by the error's code and its message only, never
+    by the rest of the body: servers echo the input in validation errors, and
+    a prompt saying "context window" must not send a bad request down the route."""
+    code, message = "", ""
     with contextlib.suppress(msgspec.DecodeError):
         data: Any = msgspec.json.decode(body)
         error = data.get("error") if isinstance(data, dict) else None
         if isinstance(error, dict):
             code = str(error.get("code") or error.get("type") or "")
+            message = str(error.get("message") or "")
+        elif isinstance(error, str):  # Ollama, TGI: {"error": "..."}
+            message = error
+        elif isinstance(data, dict) and isinstance(data.get("message"), str):
+            message = data["message"]  # vLLM: {"object": "error", "message": ...}
     if code in _FILTER_CODES:
         return FailureClass.CONTENT_FILTER
-    text = body[:4096].decode("utf-8", errors="replace").lower()
-    if code in _CONTEXT_CODES or any(phrase in text for phrase in _CONTEXT_PHRASES):
+    lowered = message[:2000].lower()
+    if code in _CONTEXT_CODES or any(phrase in lowered for phrase in _CONTEXT_PHRASES):
         return FailureClass.CONTEXT_LENGTH
     return FailureClass.BAD_REQUEST
 
@@ -593,7 +599,7 @@ class OpenAIBackend:
                 message, status=status, failure=FailureClass.SERVER_ERROR, **fields
             )
         if status in (400, 413, 422):
-            failure = _bad_request_class(status, response.content)
+            failure = _bad_request_class(response.content)
             return BadRequestError(message, status=status, failure=failure, **fields)
         # 401, 403, 404 and anything else unexpected (402 out of credits, 405,
         # a redirect): this backend's configuration is what's wrong.
@@ -620,7 +626,12 @@ class OpenAIBackend:
 
     def _after_tokens(self, error: BackendError, clock: _Clock) -> BackendError:
         """``error`` as a broken stream when text had already been yielded."""
-        if not clock.began or not error.retryable or isinstance(error, RateLimitedError):
+        if (
+            not clock.began
+            or not error.retryable
+            or isinstance(error, RateLimitedError)
+            or error.failure is FailureClass.TOTAL_TIMEOUT  # its length, not a break
+        ):
             return error
         return RetryableBackendError(
             f"stream broke after tokens were sent ({error.failure}): "

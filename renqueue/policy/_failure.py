@@ -31,22 +31,31 @@ adapter), not its exception type, decides:
      timeout before the first token, a silence, a 5xx, a malformed answer)
      is retried here first, ``FallbackPolicy.retries`` times, unless the run
      was a half-open circuit's probe (one probe decides);
+   - an overloaded or rate-limited answer (:data:`WAIT_HERE_IF_ALONE`) is
+     retried here, after the provider's ``retry-after`` (or the backoff),
+     only when no other candidate could take the request (a route of one,
+     or the others excluded): the provider said when to come back;
    - then, and at once for the others (overloaded, rate-limited, a backend
      that cannot serve, a context too long, a stream broken after tokens
      were sent, a whole call too long), :class:`FallBack`: the failed
      backend joins ``excluded``; a context-length failure asks for a larger
      window than the failed backend's; without ``downgrade`` the next
      candidate's tier may not be lower; without ``paid`` it must be free.
-     When no candidate outside ``excluded`` meets the constraints, the next
-     pass over the route starts (``excluded`` empties) after a backoff
-     (``not_before``, the capped, jittered :func:`backoff` by fallbacks so
-     far): the request waits for one of them to recover (the router skips
-     unhealthy and open backends) rather than fail. A context-length failure with no larger
-     window anywhere fails.
+     ``excluded`` is a preference, not a rule: when no other candidate can
+     take the request (down, open, out of quota, over its cost cap), the
+     router binds it to one that failed it again, but not before
+     ``not_before`` (the capped, jittered :func:`backoff` by fallbacks so
+     far): the request waits for a backend to recover rather than fail, and
+     never hammers the ones that failed. A context-length failure with no
+     larger window anywhere fails; so does a failure with no candidate
+     meeting the constraints at all.
    - Each fallback uses one of the request's ``FallbackPolicy.attempts``
-     (backends tried, the first included), except one from a probe: a
-     request that was the probe of a half-open circuit is not charged for
-     the backend's state. With no attempt left: :class:`Fail`.
+     (backends tried, the first included), except after a 429 (the provider
+     said "not now": the backend cools down for everyone, and the request
+     is not charged) and after a failure as a half-open circuit's probe call
+     (the backend's state, not the request's; ``probes`` counts them, and
+     the router gives each probe to a waiting request that has failed as
+     one the fewest times). With no attempt left: :class:`Fail`.
 3. Any other class: a retryable one (see ``BackendError.retryable``) is
    retried here while the budget lasts; a bad request, a content filter or
    a backend that cannot serve fails at once.
@@ -114,6 +123,11 @@ RETRY_HERE_FIRST: Final = frozenset(
     }
 )
 
+#: Classes that say "not now" (a 429, an overloaded server): they fall back at
+#: once, unless no other candidate could take the request, and then it waits
+#: here for the time the provider named (or the backoff), as the budget allows.
+WAIT_HERE_IF_ALONE: Final = frozenset({FailureClass.RATE_LIMITED, FailureClass.OVERLOADED})
+
 #: The classes a route falls back on unless its ``fallback.on`` says otherwise:
 #: every one but a bad request and a content filter (no backend should be
 #: asked again to take what one refused as invalid or unsafe).
@@ -163,8 +177,10 @@ class RouteFacts(Struct, frozen=True, kw_only=True):
     fallback: Fallback = Fallback()
     #: The failed run was the probe of a half-open circuit.
     probe: bool = False
-    #: When it failed (Unix time): a next pass over the route starts a backoff after.
+    #: When it failed (Unix time): a backend that failed it may be tried again a backoff after.
     now: float = 0.0
+    #: The request's ``complexity``: a candidate of a lower tier cannot take it.
+    complexity: int | None = None
 
 
 class Retry(Struct, frozen=True, kw_only=True, tag=True):
@@ -271,6 +287,11 @@ def after_failure(
                 and not route.probe
                 and failed_runs < route.policy.retries
                 and failed < policy.budget
+            ) or (
+                error.failure in WAIT_HERE_IF_ALONE
+                and not route.probe
+                and failed < policy.budget
+                and not _elsewhere(route)
             )
             if not here:
                 return _fall_back(error, error_type, reason, route, policy=policy, random=random)
@@ -300,7 +321,11 @@ def _fall_back(
 ) -> Fail | FallBack:
     """The fallback after ``error`` on ``route.backend``, or the failure when none is left."""
     fallback, failed = route.fallback, route.backend
-    count = fallback.count + (0 if route.probe else 1)
+    # A 429 says "not now", not that the request failed; a failed probe call
+    # is the backend's state (the router gives the next probe to a request
+    # that has failed as one the fewest times: one cannot hold a circuit).
+    free = error.failure is FailureClass.RATE_LIMITED or route.probe
+    count = fallback.count + (0 if free else 1)
     if count >= route.policy.attempts:
         return Fail(
             error_type=error_type,
@@ -313,14 +338,18 @@ def _fall_back(
     if not route.policy.downgrade:
         min_tier = max(min_tier or 0, failed.tier)
     constraints = Fallback(
-        excluded=(),
         count=count,
         min_context=min_context,
         min_tier=min_tier,
         free_only=fallback.free_only or not route.policy.paid,
         from_tier=failed.tier,
+        probes=fallback.probes + (1 if route.probe else 0),
     )
-    able = [c.name for c in route.candidates if meets(c, constraints)]
+    able = [
+        c.name
+        for c in route.candidates
+        if meets(c, constraints) and (route.complexity is None or c.tier >= route.complexity)
+    ]
     if error.failure is FailureClass.CONTEXT_LENGTH:
         # Never again where the context did not fit (its window may be unknown).
         able = [name for name in able if name != failed.name]
@@ -334,19 +363,30 @@ def _fall_back(
             error_type=error_type,
             reason=f"{reason} (no candidate of the route meets the fallback rules)"[:1000],
         )
-    excluded = tuple(dict.fromkeys((*fallback.excluded, failed.name)))
-    not_before = None
-    if all(name in excluded for name in able):
-        # Every candidate failed it once: the next pass over the route, after
-        # a backoff. It waits for one to recover (the router skips unhealthy
-        # and open ones), and the failures it saw reach the circuits first.
-        excluded = (failed.name,) if error.failure is FailureClass.CONTEXT_LENGTH else ()
-        not_before = route.now + backoff(count, policy, random)
+    # Every backend that failed it stays excluded: preferred against, never
+    # ruled out. When no other candidate can take it, the router binds it to
+    # one of them again, but not before ``not_before`` (a backoff by the
+    # fallbacks so far): the failures reach the circuits first, and it waits
+    # for a backend to recover instead of hammering the ones that failed.
     return FallBack(
         error_type=error_type,
         error_class=str(error.failure),
         reason=reason,
-        fallback=msgspec.structs.replace(constraints, excluded=excluded, not_before=not_before),
+        fallback=msgspec.structs.replace(
+            constraints,
+            excluded=tuple(dict.fromkeys((*fallback.excluded, failed.name))),
+            not_before=route.now + backoff(max(count, 1), policy, random),
+        ),
+    )
+
+
+def _elsewhere(route: RouteFacts) -> bool:
+    """Whether a candidate other than the failed backend could take the request
+    next (outside its exclusions, within its constraints)."""
+    fallback = route.fallback
+    return any(
+        c.name != route.backend.name and c.name not in fallback.excluded and meets(c, fallback)
+        for c in route.candidates
     )
 
 

@@ -25,6 +25,12 @@ The transitions, at ``now``:
 - ``half_open`` -> ``open``: a backend fault since it became half-open, or a
   failed active probe.
 
+"Since" is in log order (the fold counts completions, faults and probe
+answers logged after the latest ``circuit`` event), never a comparison of one
+process's clock with another's; and a circuit is judged on those counts only
+once the log shows the binder's latest change (until then they belong to the
+circuit before it).
+
 Faults are the classes that blame the backend (refused or dropped
 connections, timeouts, 5xx, overloaded, malformed answers, broken streams, a
 backend that cannot serve); a 429, a bad request, a context too long or a
@@ -65,10 +71,9 @@ class FaultRecord(Protocol):
 
 class CircuitFacts(FaultRecord, Protocol):
     """What the circuit breaker reads of a backend's folded state
-    (:class:`renqueue.state.BackendState` has it)."""
-
-    @property
-    def last_completed_at(self) -> float | None: ...
+    (:class:`renqueue.state.BackendState` has it). The counts "since the
+    circuit" are of events logged after its latest ``circuit`` event, in log
+    order: no clock is compared with another."""
 
     @property
     def outcomes(self) -> Sequence[tuple[int, int, int]]:
@@ -77,10 +82,25 @@ class CircuitFacts(FaultRecord, Protocol):
         ...
 
     @property
-    def probe_ok(self) -> bool | None: ...
+    def probe_ok(self) -> bool | None:
+        """The latest answer of the active probe (``None``: none)."""
+        ...
 
     @property
-    def probe_at(self) -> float | None: ...
+    def circuit(self) -> str:
+        """The circuit's state as last logged."""
+        ...
+
+    @property
+    def ok_since_circuit(self) -> int: ...
+
+    @property
+    def faults_since_circuit(self) -> int: ...
+
+    @property
+    def probe_since_circuit(self) -> bool | None:
+        """The latest probe answer logged after the latest ``circuit`` event."""
+        ...
 
 
 class CircuitRules(Struct, frozen=True, kw_only=True):
@@ -109,34 +129,34 @@ CLOSED: Final = Circuit()
 def next_circuit(current: Circuit, facts: CircuitFacts, rules: CircuitRules, now: float) -> Circuit:
     """The circuit at ``now``: ``current`` or the one it moves to (see the module docstring).
 
-    Pure: a new :class:`Circuit` (``since = now``) when the state changes, else ``current``.
+    Pure: a new :class:`Circuit` (``since = now``) when the state changes, else
+    ``current``. Facts are judged only once the log shows ``current``'s state
+    (``facts.circuit``): until the binder's own change is folded, the counts
+    it would read belong to the circuit before it. Only the cool-off, on the
+    binder's own clock, runs meanwhile.
     """
-    probe_failed = (
-        rules.probed
-        and facts.probe_ok is False
-        and facts.probe_at is not None
-        and facts.probe_at >= current.since
-    )
+    if facts.circuit != current.state:
+        return _cooled_off(current, facts, rules, now) if current.state == "open" else current
     if current.state == "closed":
-        reason = _trip(facts, rules, now, probe_failed=probe_failed)
+        reason = _trip(facts, rules, now)
     elif current.state == "open":
-        return _after_open(current, facts, rules, now)
-    elif probe_failed:
+        if rules.probed and facts.probe_since_circuit is True:
+            return Circuit(state="closed", since=now, reason="the health probe succeeded")
+        return _cooled_off(current, facts, rules, now)
+    elif rules.probed and facts.probe_since_circuit is False:
         reason = "the health probe failed"
-    elif facts.last_fault_at is not None and facts.last_fault_at >= current.since:
+    elif facts.faults_since_circuit > 0:
         reason = "the probe call failed"
-    elif facts.last_completed_at is not None and facts.last_completed_at >= current.since:
+    elif facts.ok_since_circuit > 0:
         return Circuit(state="closed", since=now, reason="the probe call completed")
     else:
         reason = None
     return current if reason is None else Circuit(state="open", since=now, reason=reason)
 
 
-def _trip(
-    facts: CircuitFacts, rules: CircuitRules, now: float, *, probe_failed: bool
-) -> str | None:
+def _trip(facts: CircuitFacts, rules: CircuitRules, now: float) -> str | None:
     """Why a closed circuit opens now, or ``None``."""
-    if probe_failed:
+    if rules.probed and facts.probe_ok is False:
         return "the health probe failed"
     if facts.consecutive_failures >= rules.failures:
         return f"{facts.consecutive_failures} backend faults in a row"
@@ -146,17 +166,9 @@ def _trip(
     return None
 
 
-def _after_open(current: Circuit, facts: CircuitFacts, rules: CircuitRules, now: float) -> Circuit:
-    """An open circuit at ``now``: closed by a probe that succeeded since it
-    opened, half-open after ``cooloff`` unless the probe still fails, else open."""
-    probed_ok = (
-        rules.probed
-        and facts.probe_ok is True
-        and facts.probe_at is not None
-        and facts.probe_at >= current.since
-    )
-    if probed_ok:
-        return Circuit(state="closed", since=now, reason="the health probe succeeded")
+def _cooled_off(current: Circuit, facts: CircuitFacts, rules: CircuitRules, now: float) -> Circuit:
+    """An open circuit half-open ``cooloff`` after it opened, unless the active
+    probe still fails (then the probe decides)."""
     if now - current.since >= rules.cooloff and not (rules.probed and facts.probe_ok is False):
         return Circuit(
             state="half_open",

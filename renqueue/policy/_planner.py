@@ -196,6 +196,7 @@ def plan(
     levels = policy.levels
     views = dict(backends)
     actions: list[Action] = []
+    floors = _probe_floors(waiting, views, policy)
     for item in sorted(waiting, key=lambda item: urgency(item, now, levels)):
         actions.extend(_announcements(item, now, levels))
         request = item.request
@@ -204,11 +205,10 @@ def plan(
             if now >= request.deadline:
                 actions.append(Expire(ref=item.ref, reason=_why_late(request, candidates, views)))
                 continue
-            finish = hopeless(
-                request.deadline,
-                now,
-                [view.expected_duration for view in capable(request, candidates, views)],
+            able = capable(request, candidates, views) or capable(
+                _unexcluded(request), candidates, views
             )
+            finish = hopeless(request.deadline, now, [view.expected_duration for view in able])
             if finish is not None:
                 late = finish - request.deadline
                 reason = (
@@ -217,14 +217,6 @@ def plan(
                 )
                 actions.append(Expire(ref=item.ref, reason=reason))
                 continue
-        fallback = request.fallback
-        if fallback is not None and fallback.not_before is not None and now < fallback.not_before:
-            reason = (
-                f"every candidate failed it once: the next pass over its route "
-                f"in {fallback.not_before - now:.1f} s"
-            )
-            actions.append(Wait(ref=item.ref, backends=tuple(candidates), reason=reason))
-            continue
         limited = any(name in views and views[name].limits for name in candidates)
         cost = Cost(
             requests=1,
@@ -232,7 +224,26 @@ def plan(
             if limited
             else 0,
         )
-        choice, passed = choose(request, candidates, views, cost, now)
+        seen = _probe_turn(request, candidates, views, floors)
+        choice, passed = choose(request, candidates, seen, cost, now)
+        fallback = request.fallback
+        if (
+            isinstance(choice, NoRoom)
+            and fallback is not None
+            and fallback.excluded
+            and (choice is NoRoom.NONE_CAPABLE or _all_passed(request, candidates, views, passed))
+        ):
+            # No other candidate can take it: back to one that failed it, once
+            # its backoff is over (a preference, never a rule: it must not wait
+            # forever on candidates that cannot serve it).
+            if fallback.not_before is not None and now < fallback.not_before:
+                reason = (
+                    "no candidate that has not failed it can take it; back to one that did"
+                    f" in {fallback.not_before - now:.1f} s"
+                )
+                actions.append(Wait(ref=item.ref, backends=tuple(candidates), reason=reason))
+                continue
+            choice, passed = choose(_unexcluded(request), candidates, seen, cost, now)
         if isinstance(choice, NoRoom):
             if choice is NoRoom.FULL and not passed:
                 ask = _preemption(item, candidates, views, now, policy)
@@ -271,7 +282,9 @@ def _fallback_reason(request: InferenceRequest, view: BackendView, reason: str) 
     notes: list[str] = []
     fallback = request.fallback
     if fallback is not None:
-        if fallback.excluded:
+        if view.name in fallback.excluded:
+            notes.append(f"fell back, and back to {view.name}: no other candidate could take it")
+        elif fallback.excluded:
             notes.append(f"fell back (not to {', '.join(fallback.excluded)})")
         else:
             notes.append("fell back")
@@ -280,6 +293,70 @@ def _fallback_reason(request: InferenceRequest, view: BackendView, reason: str) 
     if view.half_open:
         notes.append(f"probe of {view.name}'s half-open circuit")
     return "; ".join([reason, *notes]) if notes else reason
+
+
+def _probes(request: InferenceRequest) -> int:
+    return 0 if request.fallback is None else request.fallback.probes
+
+
+def _probe_floors(
+    waiting: Sequence[Waiting], views: Mapping[str, BackendView], policy: PlanPolicy
+) -> dict[str, int]:
+    """For each half-open backend, the fewest times a request waiting for it
+    failed as a probe call: its probe goes to one of those."""
+    half_open = {name for name, view in views.items() if view.half_open}
+    floors: dict[str, int] = {}
+    if not half_open:
+        return floors
+    for item in waiting:
+        request = item.request
+        probes = _probes(request)
+        excluded = () if request.fallback is None else request.fallback.excluded
+        for name in policy.routes.get(request.route, ()):
+            if (
+                name in half_open
+                and name not in excluded
+                and (request.complexity is None or views[name].tier >= request.complexity)
+            ):
+                floors[name] = min(floors.get(name, probes), probes)
+    return floors
+
+
+def _probe_turn(
+    request: InferenceRequest,
+    candidates: Sequence[str],
+    views: dict[str, BackendView],
+    floors: Mapping[str, int],
+) -> dict[str, BackendView]:
+    """``views`` as ``request`` may use them: a half-open backend is not its to
+    probe while another waiting request has failed as a probe fewer times (no
+    one request can hold a circuit open by failing as its probe again and again)."""
+    if not floors:
+        return views
+    probes = _probes(request)
+    turn = [name for name in candidates if name in floors and probes > floors[name]]
+    if not turn:
+        return views
+    return {**views, **{name: msgspec.structs.replace(views[name], healthy=False) for name in turn}}
+
+
+def _unexcluded(request: InferenceRequest) -> InferenceRequest:
+    """``request`` with no backend excluded (its other fallback constraints kept)."""
+    fallback = request.fallback
+    if fallback is None or not fallback.excluded:
+        return request
+    return msgspec.structs.replace(request, fallback=msgspec.structs.replace(fallback, excluded=()))
+
+
+def _all_passed(
+    request: InferenceRequest,
+    candidates: Sequence[str],
+    views: Mapping[str, BackendView],
+    passed: list[tuple[str, QuotaVerdict]],
+) -> bool:
+    """Whether every capable candidate was passed over for its quota (none is merely full)."""
+    names = {name for name, _ in passed}
+    return all(view.name in names for view in capable(request, candidates, views))
 
 
 def _why_late(

@@ -104,14 +104,14 @@ BACKEND_FAULTS: Final = frozenset({"backend_unavailable", "backend_fatal"})
 
 #: Failure classes (``error_class``, :class:`renqueue.errors.FailureClass`)
 #: that say the backend is at fault; an event with a class is judged by it
-#: (a context too long, a content filter, a bad request, a 429 are not the
-#: backend's health), one without (older events) by :data:`BACKEND_FAULTS`.
+#: (a context too long, a content filter, a bad request, a 429, or a call
+#: longer than ``total_timeout``, which its length may explain, say nothing
+#: of the backend's health), one without (older events) by :data:`BACKEND_FAULTS`.
 BACKEND_FAULT_CLASSES: Final = frozenset(
     {
         "connect",
         "connect_timeout",
         "first_token_timeout",
-        "total_timeout",
         "stall",
         "overloaded",
         "server_error",
@@ -177,6 +177,12 @@ class BackendState(Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: The latest answer of an active health probe (``probed`` events) and when.
     probe_ok: bool | None = None
     probe_at: float | None = None
+    #: Logged after its latest ``circuit`` event: completed calls, backend
+    #: faults, and the latest probe answer (what a half-open circuit and an
+    #: open one waiting for its probe are judged by, in log order).
+    ok_since_circuit: int = 0
+    faults_since_circuit: int = 0
+    probe_since_circuit: bool | None = None
 
 
 class TenantState(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -434,12 +440,17 @@ class _Builder:
                 "circuit": event.state,
                 "circuit_at": at,
                 "circuit_reason": event.reason[:500],
+                "ok_since_circuit": 0,
+                "faults_since_circuit": 0,
+                "probe_since_circuit": None,
             }
             if event.state == "closed":  # counted afresh from here
                 changes.update(consecutive_failures=0, outcomes=())
             self._set_backend(event.backend, **changes)
         elif isinstance(event, Probed):
-            self._set_backend(event.backend, probe_ok=event.ok, probe_at=at)
+            self._set_backend(
+                event.backend, probe_ok=event.ok, probe_at=at, probe_since_circuit=event.ok
+            )
 
     def _outcome(self, name: str, at: float, *, fault: bool) -> tuple[tuple[int, int, int], ...]:
         """The backend's recent outcomes with one more call (ok or a fault) at ``at``."""
@@ -533,6 +544,7 @@ class _Builder:
             changes["consecutive_failures"] = backend.consecutive_failures + 1
             changes["last_fault_at"] = at
             changes["outcomes"] = self._outcome(name, at, fault=True)
+            changes["faults_since_circuit"] = backend.faults_since_circuit + 1
         self._set_backend(name, **changes)
 
     def _quota(self, name: str) -> Quota:
@@ -596,6 +608,7 @@ class _Builder:
             calls_completed=backend.calls_completed + 1,
             consecutive_failures=0,
             outcomes=self._outcome(event.backend, at, fault=False),
+            ok_since_circuit=backend.ok_since_circuit + 1,
             last_completed_at=at,
             tokens_in=backend.tokens_in + event.usage.prompt_tokens,
             tokens_out=backend.tokens_out + event.usage.completion_tokens,

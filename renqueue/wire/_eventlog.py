@@ -429,8 +429,15 @@ class EventLog:
 
     async def _publish_terminal(self, claim: TerminalClaim, *, check_final: bool) -> None:
         event = claim.event
+        # The first chunk of a run after the first restarts the stream, even
+        # when it is the final one (a run that ended without text): the text of
+        # earlier runs is void, never the answer.
         chunk = TokenChunk(
-            request_id=event.request_id, delivery=claim.delivery, seq=claim.seq, final=True
+            request_id=event.request_id,
+            delivery=claim.delivery,
+            seq=claim.seq,
+            final=True,
+            restart=claim.delivery > 1 and claim.seq == 0,
         )
         subject = token_subject(event.tenant, event.request_id)
 

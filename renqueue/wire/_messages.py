@@ -104,7 +104,8 @@ class Fallback(Struct, frozen=True, kw_only=True, omit_defaults=True):
     (``InferenceRequest.fallback``; set by workers: see
     :func:`renqueue.policy.after_failure`)."""
 
-    #: Backends that failed it in this pass over the route: not bound there again.
+    #: Backends that failed it: not bound there again while another candidate
+    #: can take it (and then not before ``not_before``).
     excluded: Annotated[tuple[Name, ...], Meta(max_length=256)] = ()
     #: Fallbacks so far that used one of the route's ``fallback.attempts``.
     count: Annotated[int, Meta(ge=0, le=MAX_REQUEUES)] = 0
@@ -117,9 +118,12 @@ class Fallback(Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: The tier of the backend that failed it last: binding below it is a
     #: quality downgrade, said in the routing decision's reason.
     from_tier: Annotated[int, Meta(ge=0, le=100)] | None = None
-    #: Not bound again before this Unix time: every candidate failed it once
-    #: and it starts the next pass over its route after a backoff.
+    #: Not bound again to a backend in ``excluded`` before this Unix time (it
+    #: goes back to one only when no other candidate can take it).
     not_before: NonNegative | None = None
+    #: Times it failed as a half-open circuit's probe call (none is charged to
+    #: its attempts; the next probe goes to a request with the fewest).
+    probes: Annotated[int, Meta(ge=0, le=MAX_REQUEUES)] = 0
 
 
 class InferenceRequest(Struct, frozen=True, kw_only=True):

@@ -85,10 +85,12 @@ def admit(msg: Message, level: str, config: Config) -> InferenceRequest | Refuse
 
 
 class Pause(NamedTuple):
-    """A backend whose provider said its quota is spent, and until when (Unix time)."""
+    """A backend whose provider said its quota is spent (or, not ``exhausted``,
+    answered 429: "not now"), and until when (Unix time)."""
 
     backend: str
     until: float
+    exhausted: bool = True
 
 
 class Arrival(NamedTuple):
@@ -156,14 +158,19 @@ async def _why_put_back(
     logged: Callable[[str], Awaitable[tuple[Event | None, int]]],
 ) -> Pause | bool | None:
     """Why the log says ``request`` was put back (see :func:`arrival`): the
-    pause of a spent quota, ``True`` for a preemption, a fallback or a
-    coalescing group, ``None`` when it says nothing."""
+    pause of a spent quota or of a 429 it fell back from, ``True`` for a
+    preemption, another fallback or a coalescing group, ``None`` when it
+    says nothing."""
     preempted, _ = await logged("preempted")
     if isinstance(preempted, Preempted) and preempted.attempt == request.requeues:
         return True
     if request.fallback is not None:
         fell, _ = await logged("fell_back")
         if isinstance(fell, FellBack) and fell.attempt == request.requeues:
+            if fell.error_type == "rate_limited" and fell.retry_after > 0:
+                # A 429: its backend cools down for everyone, from now on,
+                # whether or not the projection has folded it yet.
+                return Pause(fell.backend, fell.at + fell.retry_after, exhausted=False)
             return True
     requeued = await _requeued(js, request, logged)
     if requeued is not None:

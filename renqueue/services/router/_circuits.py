@@ -9,7 +9,9 @@ event (``rq.evt._system.<backend>.circuit``); a binder taking over starts
 from what the log says.
 
 An open backend is left out of the round (it is not healthy); a half-open one
-has one slot, for its probe call (``Dispatch.probe``).
+has one slot, for its probe call (``Dispatch.probe``), and once that call is
+bound no other until its outcome moves the circuit (or ``cooloff`` passes
+without one).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class Circuits:
         self._rules = {name: rules_of(config, name) for name in config.backends}
         #: Changes this binder decided, until the projection shows them (or newer).
         self._mine: dict[str, Circuit] = {}
+        #: When this binder bound the probe call of a half-open circuit, by backend.
+        self._probes: dict[str, float] = {}
 
     def judge(
         self, name: str, facts: BackendState | None, now: float
@@ -74,6 +78,7 @@ class Circuits:
         if moved is current:
             return current, None
         self._mine[name] = moved
+        self._probes.pop(name, None)
         log.warning(
             "circuit breaker changed",
             backend=name,
@@ -82,6 +87,24 @@ class Circuits:
             reason=moved.reason,
         )
         return moved, current
+
+    def probe_bound(self, name: str, now: float) -> None:
+        """The probe call of ``name``'s half-open circuit was bound at ``now``."""
+        self._probes[name] = now
+
+    def probe_pending(self, name: str, now: float) -> bool:
+        """Whether ``name``'s half-open circuit has its probe call out: one call
+        decides, so no other is bound until its outcome moves the circuit, or
+        until ``cooloff`` has passed without one (the probe request may have
+        been cancelled or expired before it ran)."""
+        at = self._probes.get(name)
+        rules = self._rules.get(name)
+        if at is None or rules is None:
+            return False
+        if now - at >= rules.cooloff:
+            del self._probes[name]
+            return False
+        return True
 
     def retract(self, name: str, circuit: Circuit) -> None:
         """Drop this binder's change to ``circuit`` (its event could not be
@@ -92,6 +115,7 @@ class Circuits:
     def forget(self) -> None:
         """Drop this binder's own word (a term ended: the next starts from the log)."""
         self._mine.clear()
+        self._probes.clear()
 
 
 def change_event(

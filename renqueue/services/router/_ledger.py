@@ -77,7 +77,8 @@ class Ledger:
         self._ties = itertools.count()
         #: Per backend, until when (Unix time) its provider's quota is spent,
         #: as this binder read it from the log (dropped once passed).
-        self._paused: dict[str, float] = {}
+        #: Backend -> (until when, whether its quota is spent rather than a 429 pause).
+        self._paused: dict[str, tuple[float, bool]] = {}
 
     def __len__(self) -> int:
         return sum(len(pending) for pending in self._pending.values())
@@ -106,20 +107,22 @@ class Ledger:
             if reserved.seq == seq:
                 self.discard(reserved)
 
-    def pause(self, backend: str, until: float) -> None:
-        """``backend``'s provider said its quota is spent until ``until`` (Unix
-        time): bind nothing there before then (the later of this and any
-        earlier pause), whatever the projection says."""
+    def pause(self, backend: str, until: float, exhausted: bool = True) -> None:
+        """``backend``'s provider said its quota is spent (``exhausted``), or
+        answered 429, until ``until`` (Unix time): bind nothing there before
+        then (the later of this and any earlier pause), whatever the
+        projection says."""
         if math.isfinite(until):
-            self._paused[backend] = max(until, self._paused.get(backend, until))
+            earlier, was = self._paused.get(backend, (until, exhausted))
+            self._paused[backend] = (max(until, earlier), was or exhausted)
 
     def paused_until(self, backend: str, now: float) -> float | None:
         """Until when ``backend`` is paused by :meth:`pause` (``None``: not, or passed)."""
-        until = self._paused.get(backend)
-        if until is not None and until <= now:
+        paused = self._paused.get(backend)
+        if paused is not None and paused[0] <= now:
             del self._paused[backend]
             return None
-        return until
+        return None if paused is None else paused[0]
 
     def quota(
         self, backend: str, state: LiveState | None, *, now: float
@@ -138,7 +141,7 @@ class Ledger:
             return None, ()
         quota = projected or Quota()
         if paused is not None:
-            quota = cool_down(quota, paused, exhausted=True)
+            quota = cool_down(quota, paused, exhausted=self._paused[backend][1])
         for reserved in self._pending.get(backend, ()):
             quota = reserve(quota, reserved.cost, reserved.at)
         return quota, effective_limits(declared, quota)

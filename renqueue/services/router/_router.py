@@ -828,7 +828,8 @@ class Router(Lifecycle):
                 expected_duration=None if state is None else state.expected_duration(name),
                 quota=quota,
                 limits=limits,
-                healthy=circuit.state != "open",
+                healthy=circuit.state != "open"
+                and not (circuit.state == "half_open" and self._circuits.probe_pending(name, now)),
                 half_open=circuit.state == "half_open",
             )
         waiting: set[str] = set()
@@ -847,6 +848,8 @@ class Router(Lifecycle):
             elif isinstance(action, Bind):
                 gone.add(action.ref)
                 slot = self._capacity.dispatching(action.backend)
+                if action.probe:
+                    self._circuits.probe_bound(action.backend, now)
                 reserved = self._ledger.reserving(
                     action.backend, Cost(requests=1, tokens=action.reserved_tokens), now
                 )

@@ -97,6 +97,17 @@ class Prober:
             return False, self._redact(f"{type(exc).__name__}: {exc}")[:300]
         if response.is_success:
             return True, f"HTTP {response.status_code}"
+        if response.status_code in (301, 302, 307, 308, 404, 405):
+            # The server answers, but not at this path: the probe is misconfigured,
+            # and while it fails the backend's circuit stays open.
+            log.error(
+                "health probe path is wrong: the server answered but not there; "
+                "the backend stays out of service until probe.path is fixed",
+                backend=self._backend,
+                path=self._probe.path,
+                status=response.status_code,
+            )
+            return False, f"HTTP {response.status_code} (check probe.path)"
         return False, f"HTTP {response.status_code}"
 
     def _redact(self, text: str) -> str:

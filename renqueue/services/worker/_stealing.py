@@ -104,6 +104,11 @@ class Thief:
         except msgspec.DecodeError:
             return False  # the sibling's worker dead-letters it
         request = dispatch.request
+        fallback = request.fallback
+        if dispatch.probe or (fallback is not None and self._backend_name in fallback.excluded):
+            # A half-open circuit's probe call belongs to that backend; a
+            # request this backend failed is not taken back behind the router's back.
+            return False
         await self._log.append(
             Stolen(
                 request_id=request.id,

@@ -704,6 +704,7 @@ class Worker(Lifecycle):
             fallback=request.fallback or Fallback(),
             probe=dispatch.probe,
             now=self._clock(),
+            complexity=request.complexity,
         )
 
     async def _fall_back(
@@ -761,11 +762,19 @@ class Worker(Lifecycle):
                 fallback=action.fallback,
                 probe=dispatch.probe,
                 limits=reported_limits(self._caller.backend),
-                retry_after=retry_after(exc) or 0.0,
+                retry_after=self._cool_down_for(action, exc),
             )
         )
         metrics.FALLBACKS.labels(self._backend_name, action.error_class).inc()
         await self._put_back(msg, dispatch, fallback=action.fallback)
+
+    def _cool_down_for(self, action: FallBack, exc: Exception) -> float:
+        """How long the backend that answered 429 is left out, for everyone: its
+        ``retry-after``, else the first backoff step (a 429 without one still
+        says "not now")."""
+        if action.error_class != "rate_limited":
+            return 0.0
+        return retry_after(exc) or backoff(1, self._failure_policy, random.random)
 
     async def _failed_runs(self, dispatch: Dispatch) -> int:
         """Runs of this dispatch (attempt) that failed and were retried, from the log."""
