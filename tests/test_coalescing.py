@@ -25,6 +25,7 @@ from renqueue import (
 from renqueue.config import Config
 from renqueue.errors import NatsNotFoundError
 from renqueue.ops import provision
+from renqueue.ops._dlq import DeadLetterFilter, DeadLetters
 from renqueue.services import AdvisoryReader, MaxDeliveries
 from renqueue.state import Coalescer, Group, coalesce_key
 from renqueue.tools import MockBackend, MockSettings
@@ -485,9 +486,13 @@ async def test_a_leader_whose_call_fails_for_good_fails_its_followers_once(
                     shared.append(info.value.error_type)
             for handle in (leader, *followers):
                 assert len(await terminals(client, handle.id)) == 1
+            # Each failed follower has its own dead-letter copy, to requeue.
+            listing = await DeadLetters(client.js).find(DeadLetterFilter(tenant="t"))
     assert failed.value.error_type == "backend_bad_request"
     assert shared == ["shared_call_failed", "shared_call_failed"]
     assert mock.stats().requests == 1
+    dead = {(entry.request_id, entry.error_type) for entry in listing.entries}
+    assert dead >= {(handle.id, "shared_call_failed") for handle in followers}
 
 
 async def test_a_leader_judged_hopeless_at_the_router_lets_its_follower_run_alone(

@@ -455,14 +455,28 @@ class Coalescer:
             and outcome.backend is not None
             and (outcome.error_type != "undeliverable")
         ):
+            reason = f"the call shared with {leader} failed: {outcome.error_type}"
+            request = await self._submitted(tenant, follower)
+            if request is not None:
+                # As for any failed request: a copy an operator can requeue
+                # (renqueue dlq), the follower's own request.
+                await self._log.dead_letter(
+                    "requests",
+                    encode(request),
+                    reason=f"shared_call_failed: {reason}",
+                    source_subject=request_subject(request.priority, tenant),
+                    tenant=tenant,
+                    request_id=follower,
+                )
             await self._log.finish(
                 Failed(
                     request_id=follower,
                     tenant=tenant,
                     at=now,
                     error_type="shared_call_failed",
-                    reason=f"the call shared with {leader} failed: {outcome.error_type}",
+                    reason=reason,
                     backend=outcome.backend,
+                    error_class=outcome.error_class,
                 )
             )
         else:
