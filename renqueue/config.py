@@ -219,7 +219,7 @@ class CircuitConfig(_Section, frozen=True, kw_only=True):
     (half-open), which closes it again or opens it for another ``cooloff``.
     """
 
-    failures: Annotated[int, Meta(ge=1, le=1000)] = 3
+    failures: Annotated[int, Meta(ge=1, le=1000)] = 5
     error_rate: Annotated[float, Meta(gt=0, le=1)] = 0.5
     min_calls: Annotated[int, Meta(ge=1, le=100_000)] = 10
     window: Duration = "60s"

@@ -104,9 +104,15 @@ class CircuitFacts(FaultRecord, Protocol):
 
 
 class CircuitRules(Struct, frozen=True, kw_only=True):
-    """When a backend's circuit opens and closes (``[backends.<name>.circuit]``)."""
+    """When a backend's circuit opens and closes (``[backends.<name>.circuit]``).
 
-    failures: int = DEFAULT_FAILURE_THRESHOLD
+    ``failures`` is 5 by default, not 3: failures come back faster than
+    answers (a 503 at once, a stream cut early), so with a few calls in
+    flight a streak of 3 in log order is common on a backend failing one call
+    in twenty; the error rate over a window catches a steadier decline.
+    """
+
+    failures: int = 5
     error_rate: float = 0.5
     min_calls: int = 10
     window: float = 60.0

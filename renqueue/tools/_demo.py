@@ -23,6 +23,7 @@ from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
 
+from .. import metrics
 from .._client import Client, RequestHandle, Result
 from ..config import Config, parse_config
 from ..errors import RequestFailedError
@@ -34,19 +35,29 @@ from ..wire._messages import (
     Event,
     Expired,
     Failed,
+    FellBack,
     Preempted,
     Retrying,
     Started,
     kind_of,
 )
 from ._mockbackend import MockBackend, MockSettings
+from ._mockfaults import FaultSpec
 
 __all__ = ["demo_config", "run_demo"]
 
 #: name -> (mock settings, backend config without base_url)
 _BACKENDS: dict[str, tuple[MockSettings, dict[str, Any]]] = {
     "local-small": (
-        MockSettings(ttft=0.03, tokens_per_second=80, output_tokens=24),
+        # A flaky local server: about one answer in 30 is a 503, one in 30
+        # breaks mid-stream; those requests fall back down their route.
+        MockSettings(
+            ttft=0.03,
+            tokens_per_second=80,
+            output_tokens=24,
+            seed=7,
+            faults=FaultSpec(random={"503": 0.03, "break": 0.03}, after_tokens=6),
+        ),
         {"tier": 1, "tags": ["local"], "limits": {"concurrency": 8}},
     ),
     "local-large": (
@@ -77,7 +88,7 @@ _BACKENDS: dict[str, tuple[MockSettings, dict[str, Any]]] = {
 
 #: name -> what it stands for, shown at the start.
 _ROLES = {
-    "local-small": "a small model on our own GPU, 8 slots",
+    "local-small": "a small model on our own GPU, 8 slots (flaky: 3 % 503s, 3 % broken streams)",
     "local-large": "a large model on our own GPU, 2 slots",
     "free-api": "a free API tier, 4 slots, 30 requests/min declared (it allows 40)",
     "paid-api": "a paid API, 4 slots, $0.15 / $0.60 per million tokens in / out",
@@ -187,6 +198,8 @@ def _history(events: list[Event]) -> str:
                 steps.append("preempted (its slot went to a more urgent request)")
             case Retrying(error_type=error_type):
                 steps.append(f"call failed ({error_type}), retried")
+            case FellBack(backend=backend, error_class=error_class):
+                steps.append(f"{backend} failed it ({error_class}), fell back")
             case Completed():
                 steps.append("completed")
             case Failed(error_type=error_type):
@@ -322,6 +335,17 @@ class _Progress:
             self._shown = done
 
 
+def _fallbacks() -> Counter[str]:
+    """Fallbacks this process's workers made, by ``backend: class`` (the metric)."""
+    counts: Counter[str] = Counter()
+    for family in metrics.FALLBACKS.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.value:
+                labels = sample.labels
+                counts[f"{labels['backend']} {labels['error_class']}"] += int(sample.value)
+    return counts
+
+
 def _summary(
     config: Config,
     *,
@@ -369,8 +393,13 @@ def _summary(
             f"  {level:<10} {len(values):>5} {_percentile(values, 50):>7.2f}"
             f" {_percentile(values, 95):>7.2f}"
         )
+    fell = _fallbacks()
+    print(
+        f"\n  fallbacks: {sum(fell.values())} requests a backend failed went on down their"
+        " route" + (f" ({', '.join(f'{k} {n}' for k, n in sorted(fell.items()))})" if fell else "")
+    )
     listed = ", ".join(f"{kind} {n}" for kind, n in sorted(failures.items()))
-    print(f"\n  failures: {listed or 'none'}")
+    print(f"  failures: {listed or 'none'}")
     if rejected is not None:
         reason = str(rejected).removeprefix(f"request {rejected.request_id}: ")
         print(f"  +1 to an unknown route -> rejected [{rejected.error_type}]: {reason}")
