@@ -637,3 +637,22 @@ def test_a_half_open_probe_goes_to_a_request_that_failed_as_one_the_fewest_times
     # Alone, it is the probe again (and is not charged for it).
     [alone] = [a for a in plan([veteran], views, 10.0, policy) if isinstance(a, Bind)]
     assert alone.ref == 1
+
+
+def test_a_backend_that_said_the_context_is_too_long_is_never_tried_again() -> None:
+    """With no window declared anywhere, the backends that said "too long"
+    are a rule, not a preference: the request never goes back to them."""
+    blind = tuple(msgspec.structs.replace(c, context_window=None) for c in ROUTE)
+    route = RouteFacts(policy=FallbackPolicy(), candidates=blind, backend=blind[0], now=1000.0)
+    got = after_failure(
+        error(FailureClass.CONTEXT_LENGTH), failed_runs=0, policy=POLICY, random=half, route=route
+    )
+    assert isinstance(got, FallBack)
+    assert got.fallback.too_small == ("a",)
+    views = {name: msgspec.structs.replace(v, context_window=None) for name, v in VIEWS.items()}
+    views["b"] = msgspec.structs.replace(views["b"], healthy=False)
+    views["c"] = msgspec.structs.replace(views["c"], healthy=False)
+    item = Waiting(ref=1, request=request(got.fallback), rank=0, submitted=0.0)
+    policy = PlanPolicy(levels=LEVELS, routes={"chat": ("a", "b", "c")})
+    # b and c are down: the request waits, and never goes back to a.
+    assert all(not isinstance(a, Bind) for a in plan([item], views, 2000.0, policy))

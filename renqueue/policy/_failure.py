@@ -337,7 +337,11 @@ def _fall_back(
     min_tier = fallback.min_tier
     if not route.policy.downgrade:
         min_tier = max(min_tier or 0, failed.tier)
+    too_small = fallback.too_small
+    if error.failure is FailureClass.CONTEXT_LENGTH:
+        too_small = tuple(dict.fromkeys((*too_small, failed.name)))
     constraints = Fallback(
+        too_small=too_small,
         count=count,
         min_context=min_context,
         min_tier=min_tier,
@@ -352,7 +356,7 @@ def _fall_back(
     ]
     if error.failure is FailureClass.CONTEXT_LENGTH:
         # Never again where the context did not fit (its window may be unknown).
-        able = [name for name in able if name != failed.name]
+        able = [name for name in able if name not in too_small]
         if not able:
             return Fail(
                 error_type=error_type,
@@ -392,6 +396,8 @@ def _elsewhere(route: RouteFacts) -> bool:
 
 def meets(candidate: Candidate, fallback: Fallback) -> bool:
     """Whether ``candidate`` meets a fallback's constraints (``excluded`` aside)."""
+    if candidate.name in fallback.too_small:
+        return False
     if fallback.min_tier is not None and candidate.tier < fallback.min_tier:
         return False
     if fallback.free_only and candidate.paid:

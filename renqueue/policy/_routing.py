@@ -171,7 +171,7 @@ def allowed_after_fallback(request: InferenceRequest, view: BackendView) -> bool
     fallback = request.fallback
     if fallback is None:
         return True
-    if view.name in fallback.excluded:
+    if view.name in fallback.excluded or view.name in fallback.too_small:
         return False
     if fallback.min_tier is not None and view.tier < fallback.min_tier:
         return False

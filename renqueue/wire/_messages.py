@@ -124,6 +124,9 @@ class Fallback(Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: Times it failed as a half-open circuit's probe call (none is charged to
     #: its attempts; the next probe goes to a request with the fewest).
     probes: Annotated[int, Meta(ge=0, le=MAX_REQUEUES)] = 0
+    #: Backends that said its context is too long: never bound there again
+    #: (a rule, unlike ``excluded``; needed where the window is not declared).
+    too_small: Annotated[tuple[Name, ...], Meta(max_length=256)] = ()
 
 
 class InferenceRequest(Struct, frozen=True, kw_only=True):
