@@ -210,6 +210,44 @@ async def test_a_publish_cancelled_while_waiting_for_a_slot_is_cancelled(
     assert task.cancelled()
 
 
+async def test_a_publish_with_a_free_slot_starts_no_task_and_its_ack_is_ours(
+    isolated_nc: Connection,
+) -> None:
+    """nats-py bounds its wait for a pending slot with ``asyncio.wait_for``: a
+    task and a timer on every ``publish_async``, slot free or not (five per
+    request). With a slot free ours starts no task; the ack still comes, an
+    error is still ours, and cancelling the future still frees nats-py's slot."""
+    context = isolated_nc.client.jetstream(publish_async_max_pending=2)
+    js = JetStream(context, isolated_nc)
+    await context.add_stream(name="ACKS", subjects=["acks.>"])
+    await (await js.publish_async("acks.warm", b"x"))  # nats-py subscribes its reply inbox once
+    loop = asyncio.get_running_loop()
+    created = 0
+    default = loop.get_task_factory()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal created
+        created += 1
+        if default is not None:
+            return default(loop, coro, **kwargs)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(counting)
+    try:
+        acks = [await js.publish_async(f"acks.{i}", b"x") for i in range(2)]
+    finally:
+        loop.set_task_factory(default)
+    assert created == 0, f"{created} tasks for 2 publishes"
+    assert [ack.stream for ack in await asyncio.gather(*acks)] == ["ACKS", "ACKS"]
+    with pytest.raises(NatsNoRespondersError):
+        await (await js.publish_async("nowhere", b"x"))
+    slots = context._publish_async_pending_semaphore
+    pending = await js.publish_async("acks.cancelled", b"x")
+    pending.cancel()
+    await asyncio.sleep(0)  # nats-py frees the slot in its future's done callback
+    assert slots._value == 2
+
+
 async def test_a_batch_fetch_takes_buffered_messages_without_a_task_each(
     isolated_js: JetStream,
 ) -> None:

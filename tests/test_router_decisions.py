@@ -7,6 +7,7 @@ import pytest
 from renqueue.config import parse_config
 from renqueue.errors import MalformedRequestError, UnknownRouteError
 from renqueue.policy import BackendView, NoRoom, choose_backend, validate
+from renqueue.services.router._capacity import Capacity
 from renqueue.wire import ChatMessage, InferenceRequest
 
 CONFIG = parse_config(
@@ -61,3 +62,43 @@ def test_validate_rejects_mismatched_tenant_level_and_unknown_route() -> None:
         validate(request(), level="high", tenant="t", config=CONFIG)
     with pytest.raises(UnknownRouteError):
         validate(request(route="nope"), level="normal", tenant="t", config=CONFIG)
+
+
+class CountingReads:
+    """Stands in for JetStream's consumer info: a fixed load, reads counted."""
+
+    def __init__(self, load: int) -> None:
+        self.load = load
+        self.reads = 0
+
+    async def consumer_info(self, _stream: str, _consumer: str) -> object:
+        self.reads += 1
+
+        class Info:
+            num_pending = 0
+            num_ack_pending = self.load
+
+        return Info()
+
+
+async def test_a_freed_slot_is_read_at_once_only_when_room_is_short() -> None:
+    """A busy backend announces a freed slot per completed call; a broker read
+    for each put a round trip in front of nearly every round. A freed slot is
+    read at once when the counted room cannot take every held request that may
+    go there (the slot can change a decision), else at the regular refresh."""
+    slots = CONFIG.backends["a"].limits.concurrency
+    broker = CountingReads(load=1)
+    capacity = Capacity(broker, CONFIG, refresh=3600.0)  # type: ignore[arg-type]
+    await capacity.refresh(["a"], demand={"a": 1})  # the first read is always due
+    assert (broker.reads, capacity.in_flight("a")) == (1, 1)
+    capacity.freed("a")
+    broker.load = 0
+    await capacity.refresh(["a"], demand={"a": slots - 1})  # room for all held: no read
+    assert (broker.reads, capacity.in_flight("a")) == (1, 1)
+    await capacity.refresh(["a"], demand={"a": slots})  # short by one: the freed slot matters
+    assert (broker.reads, capacity.in_flight("a")) == (2, 0)
+    await capacity.refresh(["a"], demand={"a": slots + 5})  # read since: nothing announced
+    assert broker.reads == 2
+    capacity.freed("a")
+    await capacity.refresh(["a"])  # no demand given: always read
+    assert broker.reads == 3

@@ -240,27 +240,39 @@ async def _call(operation: Awaitable[_T]) -> _T:
         raise translate(exc) from exc
 
 
-def _translated_future(future: asyncio.Future[PubAck]) -> asyncio.Future[PubAck]:
-    """A future that ends as ``future`` does, with nats-py's errors translated."""
-    out: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
+class _AckFuture(asyncio.Future[PubAck]):
+    """The future :meth:`JetStream.publish_async` returns: it ends as nats-py's
+    (``source``) does, with nats-py's errors translated, and cancelling it
+    cancels ``source`` (nats-py then frees its pending slot).
 
-    def relay(done: asyncio.Future[PubAck]) -> None:
-        if out.done():
+    Cancellation goes through :meth:`cancel` rather than a done callback: a
+    callback costs a turn of the event loop on every publish, and a request
+    makes several."""
+
+    def __init__(self, source: asyncio.Future[PubAck]) -> None:
+        super().__init__(loop=source.get_loop())
+        self._source = source
+        source.add_done_callback(self._relay)
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if not self._source.done():
+            self._source.cancel()
+        return super().cancel(msg)
+
+    def _relay(self, done: asyncio.Future[PubAck]) -> None:
+        if self.done():
             return
         if done.cancelled():
-            out.cancel()
+            super().cancel()
         elif (exc := done.exception()) is not None:
-            out.set_exception(translate(exc))
+            self.set_exception(translate(exc))
         else:
-            out.set_result(done.result())
+            self.set_result(done.result())
 
-    def cancel_source(mine: asyncio.Future[PubAck]) -> None:
-        if mine.cancelled() and not future.done():
-            future.cancel()
 
-    future.add_done_callback(relay)
-    out.add_done_callback(cancel_source)
-    return out
+def _translated_future(future: asyncio.Future[PubAck]) -> asyncio.Future[PubAck]:
+    """A future that ends as ``future`` does, with nats-py's errors translated."""
+    return _AckFuture(future)
 
 
 class Message:
@@ -524,9 +536,14 @@ class JetStream:
         for a slot (then :class:`~renqueue.errors.NatsUnavailableError`); a
         caller cancelled meanwhile gets :class:`asyncio.CancelledError`.
         """
+        # nats-py bounds the wait for a slot with ``asyncio.wait_for``: a task
+        # and a timer per publish, even when a slot is free. Bounded only when
+        # it may have to wait (the semaphore is nats-py's, pinned 2.16).
+        slots = getattr(self._js, "_publish_async_pending_semaphore", None)
+        stall = PUBLISH_STALL_WAIT if slots is None or slots.locked() else None
         try:
             future = await self._js.publish_async(
-                subject, payload, wait_stall=PUBLISH_STALL_WAIT, headers=headers
+                subject, payload, wait_stall=stall, headers=headers
             )
         except nats.js.errors.TooManyStalledMsgsError as exc:
             # nats-py turns a cancellation while waiting for a free slot into

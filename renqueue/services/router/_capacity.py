@@ -12,14 +12,19 @@ twice for a moment errs the safe way: a slot frees one read later.
 
 Workers announce freed slots on ``rq.capacity.<backend>`` (core NATS): the
 announcement wakes the binder and makes the next read of that backend
-immediate; the count itself comes only from the broker. The worker
-consumer's ``max_ack_pending`` caps concurrency at the broker in any case.
+immediate when the slot can matter, that is when the backend's counted room
+cannot take every held request that may go there; the count itself comes
+only from the broker. With room to spare a freed slot changes no decision
+(the count only errs high), and the read waits for ``router.capacity_refresh``:
+a busy backend frees a slot per completed call, and a read per freed slot put
+a broker round trip in front of nearly every round. The worker consumer's
+``max_ack_pending`` caps concurrency at the broker in any case.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ...config import Config
 from ...policy import BackendView
@@ -56,6 +61,8 @@ class Capacity:
         #: Confirmed since the last read began (that read may have missed them).
         self._confirmed: dict[str, int] = dict.fromkeys(config.backends, 0)
         self._at: dict[str, float] = dict.fromkeys(config.backends, 0.0)
+        #: Backends a worker announced a freed slot of since their last read.
+        self._freed: set[str] = set()
 
     def in_flight(self, backend: str) -> int:
         return self._known[backend] + self._unconfirmed[backend] + self._confirmed[backend]
@@ -91,15 +98,31 @@ class Capacity:
             self._confirmed[backend] += 1
 
     def freed(self, backend: str) -> None:
-        """A worker announced a freed slot: read this backend's count at the next refresh."""
+        """A worker announced a freed slot: read this backend's count at the next
+        refresh that it can matter to (see :meth:`refresh`)."""
         if backend in self._at:
-            self._at[backend] = 0.0
+            self._freed.add(backend)
 
-    async def refresh(self, backends: list[str], *, force: bool = False) -> None:
+    async def refresh(
+        self,
+        backends: list[str],
+        *,
+        force: bool = False,
+        demand: Mapping[str, int] | None = None,
+    ) -> None:
+        """Read the broker's count of each of ``backends`` that is due: every
+        ``refresh`` seconds, and at once after a freed slot was announced if
+        its counted room is short of ``demand`` (how many held requests may
+        go there; ``None``: always short)."""
         for name in backends:
             now = time.monotonic()
-            if not force and now - self._at[name] < self._refresh:
+            if not (
+                force
+                or now - self._at[name] >= self._refresh
+                or (name in self._freed and not self._room_for(name, demand))
+            ):
                 continue
+            self._freed.discard(name)
             # Confirmed before this read began: the broker's answer counts them.
             confirmed, self._confirmed[name] = self._confirmed[name], 0
             try:
@@ -109,6 +132,13 @@ class Capacity:
                 raise
             self._known[name] = (info.num_pending or 0) + (info.num_ack_pending or 0)
             self._at[name] = now
+
+    def _room_for(self, name: str, demand: Mapping[str, int] | None) -> bool:
+        """Whether ``name``'s counted room takes every request of ``demand`` there."""
+        if demand is None:
+            return False
+        capacity = self._config.backends[name].limits.concurrency
+        return self.in_flight(name) + demand.get(name, 0) <= capacity
 
 
 class Slot:

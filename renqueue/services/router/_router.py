@@ -783,10 +783,12 @@ class Router(Lifecycle):
         """
         now = self._clock()
         held = list(self._hold)
-        wanted = {
-            name for item in held for name in self._config.routes[item.request.route].backends
-        }
-        await self._capacity.refresh(sorted(wanted))
+        demand: dict[str, int] = {}
+        for item in held:
+            for name in self._config.routes[item.request.route].backends:
+                demand[name] = demand.get(name, 0) + 1
+        wanted = set(demand)
+        await self._capacity.refresh(sorted(wanted), demand=demand)
         state = self._state
         # While a new term's view lags the log, binds to backends the ledger
         # judges are held (may await a read of the stored projection).
