@@ -712,8 +712,10 @@ class Client:
             timeout: Seconds from now until the deadline; overrides ``deadline``.
             deadline: The deadline as a Unix time in seconds. A request not
                 finished by then ends expired. ``None``: no deadline.
-            max_cost: A spend ceiling in US dollars, carried in the request
-                (no router acts on it yet).
+            max_cost: A spend ceiling in US dollars: never bound to a backend
+                whose estimated cost (prompt and ``max_tokens``, or 1024 output
+                tokens, at its prices) is above it; rejected
+                (``over_cost_cap``) when no backend of the route can meet it.
             complexity: The lowest backend tier that can do the job (0-100).
             metadata: Up to 64 string pairs carried along, for your own use.
             parent_id: A request this one is part of: it never runs at a lower

@@ -22,6 +22,7 @@ The tree, by what a caller can do about it::
     │   ├── MalformedRequestError   payload does not decode or fails validation
     │   ├── UnknownRouteError       no such route (model group)
     │   ├── NoCapableBackendError   no backend of the route has the tier asked for
+    │   ├── OverCostCapError        every backend of the route would cost more than max_cost
     │   └── UnknownPriorityError    no such priority level
     ├── BackendError                a backend call failed; carries backend, request_id,
     │   │                           and its class (``failure``, a FailureClass)
@@ -62,6 +63,7 @@ __all__ = [
     "NatsTimeoutError",
     "NatsUnavailableError",
     "NoCapableBackendError",
+    "OverCostCapError",
     "ProjectionVersionError",
     "ProvisionError",
     "RateLimitedError",
@@ -244,6 +246,29 @@ class NoCapableBackendError(InvalidRequestError):
         super().__init__(
             f"complexity {complexity} is above every backend of route {route!r} "
             f"(the highest tier there is {best})",
+            request_id=request_id,
+        )
+
+
+class OverCostCapError(InvalidRequestError):
+    """The request's ``max_cost`` is below the estimated cost of every backend of its route.
+
+    The estimate (prompt characters / 4 and ``max_tokens``, or 1024 output
+    tokens, at each backend's prices) is from the config alone, so it is
+    final: set ``max_tokens``, raise the cap, or add a cheaper backend.
+    """
+
+    code = "over_cost_cap"
+
+    def __init__(
+        self, route: str, max_cost: float, cheapest: float, *, request_id: str | None = None
+    ) -> None:
+        self.route = route
+        self.max_cost = max_cost
+        self.cheapest = cheapest
+        super().__init__(
+            f"max_cost ${max_cost:.6g} is below the estimated cost on every backend of route"
+            f" {route!r} (the cheapest: ${cheapest:.6g}; set max_tokens for a closer estimate)",
             request_id=request_id,
         )
 

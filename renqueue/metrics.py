@@ -66,3 +66,8 @@ FALLBACKS = Counter(
     "by the backend that failed and the failure's class",
     ["backend", "error_class"],
 )
+COST_CAP_OVERRUNS = Counter(
+    "renqueue_cost_cap_overruns_total",
+    "Calls whose real cost exceeded their request's max_cost (bound within it by the estimate)",
+    ["backend"],
+)

@@ -10,16 +10,19 @@ backends on loopback with injected faults (``MockSettings.faults``, ``down``,
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from test_quota_exhausted import describe, results
 from test_restarts import TENANT
 
-from renqueue import Client, Services, parse_config
+from renqueue import Client, Services, metrics, parse_config
+from renqueue.backends import Delta
 from renqueue.config import Config
 from renqueue.errors import RequestFailedError
 from renqueue.ops import EmbeddedServer
+from renqueue.services.worker import Worker
 from renqueue.tools import FaultSpec, MockBackend, MockSettings
 from renqueue.wire import (
     DLQ_STREAM,
@@ -30,6 +33,7 @@ from renqueue.wire import (
     FellBack,
     Retrying,
     Routed,
+    Usage,
 )
 
 FAST = MockSettings(ttft=0.01, output_tokens=3)
@@ -359,3 +363,50 @@ async def test_a_request_no_other_candidate_can_take_goes_back_to_the_one_that_f
     [back] = [e for e in events if isinstance(e, Routed) and e.attempt == 2]
     assert "back to big: no other candidate could take it" in back.reason
     assert small.stats().requests == 0
+
+
+class CountsMore:
+    """A backend whose reported usage is far above the estimate the binder used
+    (a prompt of many tokens in few characters)."""
+
+    name = "pricey"
+
+    async def stream(self, request: Any, *, priority: int | None = None) -> AsyncIterator[Delta]:
+        yield Delta(text="ok")
+        yield Delta(usage=Usage(prompt_tokens=50_000, completion_tokens=2), finish_reason="stop")
+
+    async def complete(self, request: Any, *, priority: int | None = None) -> Any:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_a_call_that_costs_more_than_its_cap_is_said_and_counted(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Bound within its max_cost by the estimate, the real usage says more:
+    the request completes (the call was made), the overrun is counted."""
+    async with MockBackend(FAST) as unused:
+        config = config_for(
+            isolated_server.url,
+            {"pricey": unused},
+            backends={"pricey": {"cost_input_per_mtok": 1.0, "cost_output_per_mtok": 1.0}},
+        )
+        before = _overruns("pricey")
+        async with Services(config, backends=[]) as services:
+            worker = Worker(services.nc, services.js, config, "pricey", CountsMore())
+            await worker.start()
+            try:
+                async with Client(services.nc, tenant=TENANT) as client:
+                    handle = await client.submit("hi", route="chat", max_cost=0.01, max_tokens=2)
+                    result = await handle.result(timeout=15)
+            finally:
+                await worker.stop()
+    assert result.cost == pytest.approx(0.050002)
+    assert _overruns("pricey") == before + 1
+
+
+def _overruns(backend: str) -> float:
+    value = metrics.COST_CAP_OVERRUNS.labels(backend)._value.get()  # type: ignore[attr-defined]
+    return float(value)

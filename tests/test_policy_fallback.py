@@ -16,6 +16,7 @@ from renqueue.errors import (
     FailureClass,
     FatalBackendError,
     MalformedRequestError,
+    OverCostCapError,
     RateLimitedError,
     RetryableBackendError,
 )
@@ -656,3 +657,51 @@ def test_a_backend_that_said_the_context_is_too_long_is_never_tried_again() -> N
     policy = PlanPolicy(levels=LEVELS, routes={"chat": ("a", "b", "c")})
     # b and c are down: the request waits, and never goes back to a.
     assert all(not isinstance(a, Bind) for a in plan([item], views, 2000.0, policy))
+
+
+# ---------------------------------------------------------------- the cost cap
+
+
+def test_no_request_is_bound_where_its_estimated_cost_is_over_its_cap() -> None:
+    """Not only after a fallback: any request with a max_cost (issue #10 item 1)."""
+    assert [v.name for v in capable(request(max_cost=0.0001), ["a", "b", "c"], VIEWS)] == [
+        "a",
+        "c",
+    ]
+    assert [v.name for v in capable(request(max_cost=0.01), ["a", "b", "c"], VIEWS)] == [
+        "a",
+        "b",
+        "c",
+    ]
+
+
+def test_a_cap_no_candidate_can_meet_is_rejected_at_admission() -> None:
+    config = parse_config(
+        {
+            "backends": {
+                "paid": {
+                    "base_url": "http://127.0.0.1:1",
+                    "model": "m",
+                    "cost_input_per_mtok": 10.0,
+                    "cost_output_per_mtok": 30.0,
+                },
+                "free": {"base_url": "http://127.0.0.1:1", "model": "m"},
+            },
+            "routes": {
+                "paid-only": {"backends": ["paid"]},
+                "mixed": {"backends": ["paid", "free"]},
+            },
+        }
+    )
+    capped = msgspec.structs.replace(request(max_cost=0.001), route="paid-only")
+    with pytest.raises(OverCostCapError, match="below the estimated cost") as info:
+        validate(capped, level="normal", tenant="t", config=config)
+    assert info.value.code == "over_cost_cap"
+    # 1024 output tokens at $30/Mtok: about $0.031; with max_tokens=10, well under.
+    tight = msgspec.structs.replace(
+        capped, params=msgspec.structs.replace(capped.params, max_tokens=10)
+    )
+    validate(tight, level="normal", tenant="t", config=config)
+    # A free candidate can always meet it.
+    validate(msgspec.structs.replace(capped, route="mixed"), level="normal", tenant="t",
+             config=config)  # fmt: skip

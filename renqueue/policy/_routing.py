@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ..errors import MalformedRequestError, NoCapableBackendError, UnknownRouteError
+from ..errors import (
+    MalformedRequestError,
+    NoCapableBackendError,
+    OverCostCapError,
+    UnknownRouteError,
+)
 from ..wire._messages import InferenceRequest
 from ..wire._subjects import SYSTEM_TENANT, msg_id
 from ._quota import Cost, Limit, Quota, QuotaVerdict, check
@@ -132,6 +137,17 @@ def validate(
         )
     if request.route not in config.routes:
         raise UnknownRouteError(request.route, request_id=request.id)
+    if request.max_cost is not None:
+        # Likewise a request whose cost cap no candidate can meet.
+        costs = [
+            estimated_cost(request, _priced(config, name))
+            for name in config.routes[request.route].backends
+            if name in config.backends
+        ]
+        if costs and min(costs) > request.max_cost:
+            raise OverCostCapError(
+                request.route, request.max_cost, min(costs), request_id=request.id
+            )
     if request.complexity is not None:
         # Held, a request no backend can ever serve would wait forever and,
         # many of them, fill the level's hold for every tenant.
@@ -151,14 +167,16 @@ def capable(
     request: InferenceRequest, candidates: Sequence[str], views: Mapping[str, BackendView]
 ) -> list[BackendView]:
     """The candidates (cascade order) that are healthy, of a tier the request
-    needs and, for a request that fell back, allowed by its ``fallback``
-    (:func:`allowed_after_fallback`)."""
+    needs, whose estimated cost is within its ``max_cost``
+    (:func:`within_cost`) and, for a request that fell back, allowed by its
+    ``fallback`` (:func:`allowed_after_fallback`)."""
     return [
         views[name]
         for name in candidates
         if name in views
         and views[name].healthy
         and (request.complexity is None or views[name].tier >= request.complexity)
+        and (request.max_cost is None or within_cost(request, views[name]))
         and (request.fallback is None or allowed_after_fallback(request, views[name]))
     ]
 
@@ -166,8 +184,7 @@ def capable(
 def allowed_after_fallback(request: InferenceRequest, view: BackendView) -> bool:
     """Whether a request that fell back may go to ``view``: not a backend that
     failed it in this pass over its route, a context window as large as it
-    needs, no lower tier or no paid backend when its route says so, and a
-    paid one only if its estimated cost is within the request's ``max_cost``."""
+    needs, and no lower tier or no paid backend when its route says so."""
     fallback = request.fallback
     if fallback is None:
         return True
@@ -179,7 +196,19 @@ def allowed_after_fallback(request: InferenceRequest, view: BackendView) -> bool
         view.context_window is None or view.context_window < fallback.min_context
     ):
         return False
-    return not view.paid or (not fallback.free_only and within_cost(request, view))
+    return not (view.paid and fallback.free_only)
+
+
+def _priced(config: Config, name: str) -> BackendView:
+    """Backend ``name`` as far as its prices go (for a cost estimate from the config)."""
+    backend = config.backends[name]
+    return BackendView(
+        name=name,
+        capacity=0,
+        in_flight=0,
+        cost_input_per_mtok=backend.cost_input_per_mtok,
+        cost_output_per_mtok=backend.cost_output_per_mtok,
+    )
 
 
 def estimated_cost(request: InferenceRequest, view: BackendView) -> float:

@@ -20,11 +20,14 @@ from ... import metrics
 from ...backends import Backend
 from ...backends._limits import LearnedLimits, reported
 from ...config import BackendConfig
+from ...logs import get_logger
 from ...wire._messages import Completed, Dispatch, ReportedLimit, TokenChunk, Usage, encode
 from ...wire._nats import JetStream, PubAck
 from ...wire._subjects import token_subject
 
 __all__ = ["Caller", "Chunks", "Expiry", "settle"]
+
+log = get_logger("worker")
 
 
 class Expiry(Exception):
@@ -121,6 +124,17 @@ class Caller:
         duration = time.monotonic() - started
         usage = usage or Usage()
         cost = self._backend_config.cost(usage.prompt_tokens, usage.completion_tokens)
+        if request.max_cost is not None and cost > request.max_cost:
+            # Bound within its cap by the estimate; the real count says more
+            # (a prompt longer in tokens than its characters / 4). Said, counted.
+            metrics.COST_CAP_OVERRUNS.labels(self._backend_name).inc()
+            log.warning(
+                "a call cost more than its request's max_cost",
+                cost=cost,
+                max_cost=request.max_cost,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+            )
         metrics.BACKEND_CALLS.labels(self._backend_name, "completed").inc()
         metrics.BACKEND_LATENCY.labels(self._backend_name).observe(duration)
         metrics.TOKENS.labels(self._backend_name, "input").inc(usage.prompt_tokens)
