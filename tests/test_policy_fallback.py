@@ -484,6 +484,9 @@ HALF = Circuit(state="half_open", since=130.0)
         (CLOSED, state(outcomes=((50, 3, 2), (90, 2, 3))), RULES, 100.0, "open", "5 of 10 calls"),
         # The same, but half of them older than the window: not enough calls.
         (CLOSED, state(outcomes=((0, 3, 2), (90, 2, 3))), RULES, 100.0, "closed", ""),
+        # All within the last 10 s (just after a close: the fast failures first):
+        # not judged until the outcomes span half the window.
+        (CLOSED, state(outcomes=((90, 3, 7),)), RULES, 100.0, "closed", ""),
         (CLOSED, state(probe_ok=False), PROBED, 100.0, "open", "the health probe failed"),
         (OPEN, state(circuit="open"), RULES, 129.0, "open", ""),
         (OPEN, state(circuit="open"), RULES, 130.0, "half_open", "one call decides"),

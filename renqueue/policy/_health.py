@@ -167,7 +167,12 @@ def _trip(facts: CircuitFacts, rules: CircuitRules, now: float) -> str | None:
     if facts.consecutive_failures >= rules.failures:
         return f"{facts.consecutive_failures} backend faults in a row"
     calls, faults = _recent(facts.outcomes, now - rules.window)
-    if calls >= rules.min_calls and faults >= rules.error_rate * calls:
+    # Failures come back faster than answers: just after a close (the counts
+    # start afresh) the first outcomes are mostly the failures of calls that
+    # started with the successes still running. The rate is judged once the
+    # outcomes span half the window.
+    spans = bool(facts.outcomes) and facts.outcomes[0][0] <= now - rules.window / 2
+    if spans and calls >= rules.min_calls and faults >= rules.error_rate * calls:
         return f"{faults} of {calls} calls failed in the last {rules.window:g} s"
     return None
 

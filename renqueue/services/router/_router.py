@@ -70,6 +70,7 @@ from ...logs import get_logger
 from ...ops._provision import renew_router_consumers, router_consumer_configs
 from ...policy import (
     AskPreemption,
+    BackendView,
     Bind,
     Circuit,
     Cost,
@@ -817,23 +818,7 @@ class Router(Lifecycle):
             for ref, item in items.items()
         ]
         self._ledger.prune(projected)
-        views = {}
-        #: Backends the ledger judges (limits declared or reported, a pause).
-        judged: set[str] = set()
-        for name, view in self._capacity.views().items():
-            quota, limits = self._ledger.quota(name, projected, now=now)
-            if quota is not None:
-                judged.add(name)
-            circuit = self._circuit(name, projected, now)
-            views[name] = msgspec.structs.replace(
-                view,
-                expected_duration=None if state is None else state.expected_duration(name),
-                quota=quota,
-                limits=limits,
-                healthy=circuit.state != "open"
-                and not (circuit.state == "half_open" and self._circuits.probe_pending(name, now)),
-                half_open=circuit.state == "half_open",
-            )
+        views, judged = self._views(state, now)
         waiting: set[str] = set()
         gone: set[int] = set()
         for action in plan(snapshot, views, now, self._plan_policy):
@@ -874,6 +859,30 @@ class Router(Lifecycle):
                 waiting.update(action.backends)
         self._hold.prune(gone)
         return sorted(waiting)
+
+    def _views(
+        self, state: StateView | None, now: float
+    ) -> tuple[dict[str, BackendView], set[str]]:
+        """What the round knows of each backend (load, duration, quota, circuit),
+        and the backends the ledger judges (limits declared or reported, a pause)."""
+        projected = None if state is None else state.state
+        views = {}
+        judged: set[str] = set()
+        for name, view in self._capacity.views().items():
+            quota, limits = self._ledger.quota(name, projected, now=now)
+            if quota is not None:
+                judged.add(name)
+            circuit = self._circuit(name, projected, now)
+            views[name] = msgspec.structs.replace(
+                view,
+                expected_duration=None if state is None else state.expected_duration(name),
+                quota=quota,
+                limits=limits,
+                healthy=circuit.state != "open"
+                and not (circuit.state == "half_open" and self._circuits.probe_pending(name, now)),
+                half_open=circuit.state == "half_open",
+            )
+        return views, judged
 
     async def _catching_up(self, state: StateView | None) -> bool:
         """Whether this term still waits for its view of the projection to
