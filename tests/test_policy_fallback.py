@@ -484,9 +484,10 @@ HALF = Circuit(state="half_open", since=130.0)
         (CLOSED, state(outcomes=((50, 3, 2), (90, 2, 3))), RULES, 100.0, "open", "5 of 10 calls"),
         # The same, but half of them older than the window: not enough calls.
         (CLOSED, state(outcomes=((0, 3, 2), (90, 2, 3))), RULES, 100.0, "closed", ""),
-        # All within the last 10 s (just after a close: the fast failures first):
-        # not judged until the outcomes span half the window.
-        (CLOSED, state(outcomes=((90, 3, 7),)), RULES, 100.0, "closed", ""),
+        # Closed 5 s ago (the counts afresh, the fast failures first): the rate
+        # is not judged until it has been closed for half the window.
+        (Circuit(since=95.0), state(outcomes=((90, 3, 7),)), RULES, 100.0, "closed", ""),
+        (Circuit(since=69.0), state(outcomes=((90, 3, 7),)), RULES, 100.0, "open", "7 of 10"),
         (CLOSED, state(probe_ok=False), PROBED, 100.0, "open", "the health probe failed"),
         (OPEN, state(circuit="open"), RULES, 129.0, "open", ""),
         (OPEN, state(circuit="open"), RULES, 130.0, "half_open", "one call decides"),

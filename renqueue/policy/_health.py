@@ -144,7 +144,7 @@ def next_circuit(current: Circuit, facts: CircuitFacts, rules: CircuitRules, now
     if facts.circuit != current.state:
         return _cooled_off(current, facts, rules, now) if current.state == "open" else current
     if current.state == "closed":
-        reason = _trip(facts, rules, now)
+        reason = _trip(facts, rules, now, closed_for=now - current.since)
     elif current.state == "open":
         if rules.probed and facts.probe_since_circuit is True:
             return Circuit(state="closed", since=now, reason="the health probe succeeded")
@@ -160,8 +160,8 @@ def next_circuit(current: Circuit, facts: CircuitFacts, rules: CircuitRules, now
     return current if reason is None else Circuit(state="open", since=now, reason=reason)
 
 
-def _trip(facts: CircuitFacts, rules: CircuitRules, now: float) -> str | None:
-    """Why a closed circuit opens now, or ``None``."""
+def _trip(facts: CircuitFacts, rules: CircuitRules, now: float, *, closed_for: float) -> str | None:
+    """Why a closed circuit opens now (closed for ``closed_for`` seconds), or ``None``."""
     if rules.probed and facts.probe_ok is False:
         return "the health probe failed"
     if facts.consecutive_failures >= rules.failures:
@@ -170,9 +170,9 @@ def _trip(facts: CircuitFacts, rules: CircuitRules, now: float) -> str | None:
     # Failures come back faster than answers: just after a close (the counts
     # start afresh) the first outcomes are mostly the failures of calls that
     # started with the successes still running. The rate is judged once the
-    # outcomes span half the window.
-    spans = bool(facts.outcomes) and facts.outcomes[0][0] <= now - rules.window / 2
-    if spans and calls >= rules.min_calls and faults >= rules.error_rate * calls:
+    # circuit has been closed for half the window.
+    settled = closed_for >= rules.window / 2
+    if settled and calls >= rules.min_calls and faults >= rules.error_rate * calls:
         return f"{faults} of {calls} calls failed in the last {rules.window:g} s"
     return None
 
