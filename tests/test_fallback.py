@@ -20,7 +20,7 @@ from test_restarts import TENANT
 from renqueue import Client, Services, metrics, parse_config
 from renqueue.backends import Delta
 from renqueue.config import Config
-from renqueue.errors import RequestFailedError
+from renqueue.errors import RequestExpiredError, RequestFailedError
 from renqueue.ops import EmbeddedServer
 from renqueue.services.worker import Worker
 from renqueue.tools import FaultSpec, MockBackend, MockSettings
@@ -345,9 +345,15 @@ async def test_a_request_no_other_candidate_can_take_goes_back_to_the_one_that_f
     isolated_server: EmbeddedServer,
 ) -> None:
     """The other candidate is below the request's complexity: after its
-    backoff the request goes back to the backend that failed it once (now
-    answering), instead of waiting forever on one that can never take it."""
-    once = MockSettings(ttft=0.01, output_tokens=3, faults=FaultSpec(script=("503",)))
+    backoff the request goes back to the backend that failed it once (a stream
+    cut mid-way; now answering), instead of waiting forever on one that can
+    never take it."""
+    once = MockSettings(
+        ttft=0.01,
+        output_tokens=6,
+        tokens_per_second=100,
+        faults=FaultSpec(script=("break",), after_tokens=2),
+    )
     async with MockBackend(once) as big, MockBackend(FAST) as small:
         config = config_for(
             isolated_server.url,
@@ -410,3 +416,19 @@ async def test_a_call_that_costs_more_than_its_cap_is_said_and_counted(
 def _overruns(backend: str) -> float:
     value = metrics.COST_CAP_OVERRUNS.labels(backend)._value.get()  # type: ignore[attr-defined]
     return float(value)
+
+
+async def test_a_429_asking_for_a_year_on_a_route_of_one_expires_on_time(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Its retry is never delayed past its deadline: it ends expired on time
+    (it stayed without a terminal event long past it)."""
+    settings = MockSettings(
+        ttft=0.01, faults=FaultSpec(script=("429",), repeat=True, retry_after=3e7)
+    )
+    async with MockBackend(settings) as only:
+        config = config_for(isolated_server.url, {"only": only})
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            handle = await client.submit("hi", route="chat", timeout=2.0)
+            with pytest.raises(RequestExpiredError):
+                await handle.result(timeout=15)

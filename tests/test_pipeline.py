@@ -338,6 +338,18 @@ async def test_router_skips_a_backend_the_log_shows_failing(tmp_path: Path) -> N
             {"broken": (broken.url, 4), "healthy": (healthy.url, 4)},
             worker={"max_deliver": 2, "retry_delay": "50ms"},
         )
+        # Its circuit opens after 3 faults in a row (the default is 5).
+        broken_backend = config.backends["broken"]
+        config = msgspec.structs.replace(
+            config,
+            backends={
+                **config.backends,
+                "broken": msgspec.structs.replace(
+                    broken_backend,
+                    circuit=msgspec.structs.replace(broken_backend.circuit, failures=3),
+                ),
+            },
+        )
         async with Services(config) as services, Client(services.nc, tenant="t1") as client:
             # Each request bound to the broken backend fails there twice (a
             # retry, then it falls back to the healthy one, which answers):

@@ -57,6 +57,7 @@ from renqueue.wire import (
     InferenceRequest,
     Probed,
     Retrying,
+    Routed,
     Usage,
 )
 
@@ -709,3 +710,89 @@ def test_a_cap_no_candidate_can_meet_is_rejected_at_admission() -> None:
     # A free candidate can always meet it.
     validate(msgspec.structs.replace(capped, route="mixed"), level="normal", tenant="t",
              config=config)  # fmt: skip
+
+
+# ------------------------------------------------ second review's regressions
+
+
+def test_a_context_failure_with_only_candidates_over_the_cap_fails_at_once() -> None:
+    """Free small model says too long; the only larger one is over the cost
+    cap: nothing can take it, so it fails (it waited forever)."""
+    small = Candidate(name="small", context_window=8000)
+    big = Candidate(name="big", context_window=128_000, paid=True, cost=0.05)
+    route = RouteFacts(
+        policy=FallbackPolicy(), candidates=(small, big), backend=small, now=1.0, max_cost=0.001
+    )
+    got = after_failure(
+        error(FailureClass.CONTEXT_LENGTH, backend="small"),
+        failed_runs=0,
+        policy=POLICY,
+        random=half,
+        route=route,
+    )
+    assert isinstance(got, Fail)
+    assert "larger context window" in got.reason
+
+
+def test_not_now_waits_here_when_the_others_are_below_its_complexity() -> None:
+    route = msgspec.structs.replace(facts(A), candidates=(A, B), complexity=2)
+    got = after_failure(
+        error(FailureClass.OVERLOADED), failed_runs=0, policy=POLICY, random=half, route=route
+    )
+    assert isinstance(got, Retry)
+
+
+def test_429s_are_free_only_so_many_times() -> None:
+    """Two backends answering 429 cannot pass a request between them forever:
+    past 3 free 429s per allowed attempt, each uses one."""
+    fallback = Fallback(count=0, rate_limited=9)  # 3 x attempts (3) used up
+    got = after_failure(
+        error(FailureClass.RATE_LIMITED),
+        failed_runs=0,
+        policy=POLICY,
+        random=half,
+        route=facts(fallback=fallback),
+    )
+    assert isinstance(got, FallBack)
+    assert got.fallback.count == 1
+    assert got.fallback.rate_limited == 10
+
+
+def test_a_retry_after_of_a_year_waits_here_no_longer_than_quota_hold() -> None:
+    alone = RouteFacts(policy=FallbackPolicy(), candidates=(A,), backend=A, now=1000.0)
+    huge = RateLimitedError("429", backend="a", retry_after=3e7)
+    got = after_failure(huge, failed_runs=0, policy=POLICY, random=half, route=alone)
+    assert isinstance(got, Retry)
+    assert got.delay == POLICY.quota_hold
+
+
+def test_a_request_that_cannot_use_a_half_open_backend_does_not_hold_its_probe() -> None:
+    """The request with no failed probes cannot go to a (over its cost cap):
+    the probe goes to the one that can, though it failed as a probe before."""
+    views = {"a": view("a", half_open=True, cost_input_per_mtok=1.0, cost_output_per_mtok=1.0)}
+    policy = PlanPolicy(levels=LEVELS, routes={"chat": ("a",)})
+    cannot = Waiting(ref=1, request=request(max_cost=1e-9), rank=0, submitted=0.0)
+    can = Waiting(ref=2, request=request(Fallback(probes=1)), rank=0, submitted=5.0)
+    binds = [a for a in plan([cannot, can], views, 10.0, policy) if isinstance(a, Bind)]
+    assert [b.ref for b in binds] == [2]
+
+
+def test_only_the_probe_calls_outcome_decides_a_half_open_circuit() -> None:
+    """A call that began before the circuit opened and ends while it is
+    half-open decides nothing; the probe call's outcome does."""
+    base = {"tenant": "t", "delivery": 1}
+    half_open = CircuitChanged(request_id="a", tenant="_system", at=10.0, backend="a",
+                               state="half_open", previous="open", reason="r")  # fmt: skip
+    probe = Routed(request_id="p", tenant="t", at=11.0, backend="a", attempt=1,
+                   priority="normal", queue_wait=0.0, probe=True)  # fmt: skip
+    old_call = Completed(request_id="old", at=12.0, backend="a", text="", usage=Usage(),
+                         cost=0.0, attempt=1, **base)  # fmt: skip
+    state = fold_many(ProjectionState(), [half_open, probe, old_call]).backend("a")
+    assert state.ok_since_circuit == 0
+    probe_done = Completed(request_id="p", at=13.0, backend="a", text="", usage=Usage(),
+                           cost=0.0, attempt=1, **base)  # fmt: skip
+    state = fold_many(ProjectionState(), [half_open, probe, old_call, probe_done]).backend("a")
+    assert state.ok_since_circuit == 1
+    assert (
+        next_circuit(Circuit(state="half_open", since=10.0), state, RULES, 14.0).state == "closed"
+    )

@@ -671,11 +671,14 @@ class _Clock:
 
     def timed_out(self, backend: str, request: InferenceRequest) -> RetryableBackendError:
         """The error of a wait cut by :meth:`bounded`."""
-        total = self._total is not None and self._total <= asyncio.get_running_loop().time()
+        # Before the first token, the backend said nothing at all in time: a
+        # fault of the backend's, whichever deadline cut the wait. After it,
+        # only the whole call's length (which the request's size may explain).
+        total = self.began
         failure = FailureClass.TOTAL_TIMEOUT if total else FailureClass.FIRST_TOKEN_TIMEOUT
         what = (
             "the call took longer than total_timeout"
             if total
-            else ("no first token within first_token_timeout")
+            else "no first token in time (first_token_timeout or total_timeout)"
         )
         return RetryableBackendError(what, backend=backend, request_id=request.id, failure=failure)

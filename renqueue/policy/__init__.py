@@ -103,6 +103,7 @@ from ._routing import BackendView, NoRoom, capable, choose_backend, hopeless, va
 from ._spend import SpendLog
 from ._tokens import (
     CHARS_PER_TOKEN,
+    DEFAULT_MAX_TOKENS,
     MESSAGE_OVERHEAD_TOKENS,
     REPLY_OVERHEAD_TOKENS,
     estimate_prompt_tokens,
@@ -118,6 +119,7 @@ __all__ = [
     "DEFAULT_COOLDOWN",
     "DEFAULT_FAILURE_THRESHOLD",
     "DEFAULT_FALLBACK_ON",
+    "DEFAULT_MAX_TOKENS",
     "INTERNAL",
     "MESSAGE_OVERHEAD_TOKENS",
     "PREEMPT_RETRY",

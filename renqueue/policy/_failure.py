@@ -123,6 +123,11 @@ RETRY_HERE_FIRST: Final = frozenset(
     }
 )
 
+#: A request's 429 fallbacks use no attempt up to this many per attempt
+#: (``fallback.attempts``); past that each uses one, so two backends answering
+#: 429 to each other's fallbacks cannot pass a request between them forever.
+_FREE_429S: Final = 3
+
 #: Classes that say "not now" (a 429, an overloaded server): they fall back at
 #: once, unless no other candidate could take the request, and then it waits
 #: here for the time the provider named (or the backoff), as the budget allows.
@@ -163,6 +168,8 @@ class Candidate(Struct, frozen=True, kw_only=True):
     context_window: int | None = None
     #: Whether calls there cost money.
     paid: bool = False
+    #: The estimated cost of this request there (US dollars), when known.
+    cost: float | None = None
 
 
 class RouteFacts(Struct, frozen=True, kw_only=True):
@@ -181,6 +188,8 @@ class RouteFacts(Struct, frozen=True, kw_only=True):
     now: float = 0.0
     #: The request's ``complexity``: a candidate of a lower tier cannot take it.
     complexity: int | None = None
+    #: The request's ``max_cost``: a candidate estimated above it cannot take it.
+    max_cost: float | None = None
 
 
 class Retry(Struct, frozen=True, kw_only=True, tag=True):
@@ -307,7 +316,9 @@ def after_failure(
                 error_type=error_type, reason=f"worker error on the last allowed run: {name}"
             )
     delay = given if given is not None else backoff(failed, policy, random)
-    return Retry(delay=delay, error_type=error_type, reason=reason)
+    # A provider's retry-after is not capped by max_retry_delay (it names when
+    # calls are taken again), but nothing waits here longer than quota_hold.
+    return Retry(delay=min(delay, policy.quota_hold), error_type=error_type, reason=reason)
 
 
 def _fall_back(
@@ -324,7 +335,10 @@ def _fall_back(
     # A 429 says "not now", not that the request failed; a failed probe call
     # is the backend's state (the router gives the next probe to a request
     # that has failed as one the fewest times: one cannot hold a circuit).
-    free = error.failure is FailureClass.RATE_LIMITED or route.probe
+    limited = fallback.rate_limited + (1 if error.failure is FailureClass.RATE_LIMITED else 0)
+    free = route.probe or (
+        error.failure is FailureClass.RATE_LIMITED and limited <= _FREE_429S * route.policy.attempts
+    )
     count = fallback.count + (0 if free else 1)
     if count >= route.policy.attempts:
         return Fail(
@@ -348,12 +362,9 @@ def _fall_back(
         free_only=fallback.free_only or not route.policy.paid,
         from_tier=failed.tier,
         probes=fallback.probes + (1 if route.probe else 0),
+        rate_limited=limited,
     )
-    able = [
-        c.name
-        for c in route.candidates
-        if meets(c, constraints) and (route.complexity is None or c.tier >= route.complexity)
-    ]
+    able = [c.name for c in route.candidates if _can_take(c, route, constraints)]
     if error.failure is FailureClass.CONTEXT_LENGTH:
         # Never again where the context did not fit (its window may be unknown).
         able = [name for name in able if name not in too_small]
@@ -389,8 +400,18 @@ def _elsewhere(route: RouteFacts) -> bool:
     next (outside its exclusions, within its constraints)."""
     fallback = route.fallback
     return any(
-        c.name != route.backend.name and c.name not in fallback.excluded and meets(c, fallback)
+        c.name != route.backend.name and c.name not in fallback.excluded and _can_take(c, route)
         for c in route.candidates
+    )
+
+
+def _can_take(candidate: Candidate, route: RouteFacts, fallback: Fallback | None = None) -> bool:
+    """Whether ``candidate`` could take the request at all: its fallback
+    constraints, its complexity, its cost cap (the estimate for this request)."""
+    return (
+        meets(candidate, fallback or route.fallback)
+        and (route.complexity is None or candidate.tier >= route.complexity)
+        and (route.max_cost is None or candidate.cost is None or candidate.cost <= route.max_cost)
     )
 
 

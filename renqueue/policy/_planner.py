@@ -311,13 +311,9 @@ def _probe_floors(
     for item in waiting:
         request = item.request
         probes = _probes(request)
-        excluded = () if request.fallback is None else request.fallback.excluded
         for name in policy.routes.get(request.route, ()):
-            if (
-                name in half_open
-                and name not in excluded
-                and (request.complexity is None or views[name].tier >= request.complexity)
-            ):
+            # Only a request that could be bound there holds the floor down.
+            if name in half_open and capable(request, [name], views):
                 floors[name] = min(floors.get(name, probes), probes)
     return floors
 

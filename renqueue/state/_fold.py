@@ -183,6 +183,11 @@ class BackendState(Struct, frozen=True, kw_only=True, omit_defaults=True):
     ok_since_circuit: int = 0
     faults_since_circuit: int = 0
     probe_since_circuit: bool | None = None
+    #: The probe call of its half-open circuit (``<tenant>:<id>:<attempt>`` of
+    #: a ``routed`` event that says ``probe``): only its outcome is counted in
+    #: ``ok_since_circuit`` / ``faults_since_circuit`` (a call that began
+    #: before the circuit opened decides nothing).
+    probe_call: str = ""
 
 
 class TenantState(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -414,8 +419,29 @@ class _Builder:
         if self.log_time - self.last_sweep_at >= _SWEEP_EVERY:
             self._sweep()
 
+    def _probe_outcome(self, event: Event) -> None:
+        """Count the outcome of a half-open circuit's probe call (only that call's)."""
+        if not isinstance(event, Completed | FellBack | Retrying | Failed) or not event.backend:
+            return
+        backend = self._backends.get(event.backend, _EMPTY_BACKEND)
+        key = f"{msg_id(event.tenant, event.request_id)}:{event.attempt}"
+        if backend.circuit != "half_open" or backend.probe_call != key:
+            return
+        if isinstance(event, Completed):
+            if event.shared_with is None:
+                self._set_backend(event.backend, ok_since_circuit=backend.ok_since_circuit + 1)
+            return
+        error_class = event.error_class
+        if (
+            error_class in BACKEND_FAULT_CLASSES
+            if error_class
+            else event.error_type in BACKEND_FAULTS
+        ):
+            self._set_backend(event.backend, faults_since_circuit=backend.faults_since_circuit + 1)
+
     def _on_backend(self, event: Event, at: float) -> None:
         """An event about a backend call: a decision, a start, a failed run, an end."""
+        self._probe_outcome(event)
         if isinstance(event, Routed):
             self._route(event, at)
         elif isinstance(event, Started):
@@ -446,6 +472,8 @@ class _Builder:
             }
             if event.state == "closed":  # counted afresh from here
                 changes.update(consecutive_failures=0, outcomes=())
+            if event.state != "half_open":  # (a probe's routed may be logged first)
+                changes["probe_call"] = ""
             self._set_backend(event.backend, **changes)
         elif isinstance(event, Probed):
             self._set_backend(
@@ -544,7 +572,6 @@ class _Builder:
             changes["consecutive_failures"] = backend.consecutive_failures + 1
             changes["last_fault_at"] = at
             changes["outcomes"] = self._outcome(name, at, fault=True)
-            changes["faults_since_circuit"] = backend.faults_since_circuit + 1
         self._set_backend(name, **changes)
 
     def _quota(self, name: str) -> Quota:
@@ -583,6 +610,8 @@ class _Builder:
         self._reserved[key] = Reservation(
             event.backend, at, tokens, started=begun, attempt=event.attempt
         )
+        if event.probe:
+            self._set_backend(event.backend, probe_call=f"{key}:{event.attempt}")
 
     def _complete(self, event: Completed, at: float) -> None:
         self._provider_said(event.backend, event.limits, at, None)
@@ -608,7 +637,6 @@ class _Builder:
             calls_completed=backend.calls_completed + 1,
             consecutive_failures=0,
             outcomes=self._outcome(event.backend, at, fault=False),
-            ok_since_circuit=backend.ok_since_circuit + 1,
             last_completed_at=at,
             tokens_in=backend.tokens_in + event.usage.prompt_tokens,
             tokens_out=backend.tokens_out + event.usage.completion_tokens,

@@ -127,6 +127,8 @@ class Fallback(Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: Backends that said its context is too long: never bound there again
     #: (a rule, unlike ``excluded``; needed where the window is not declared).
     too_small: Annotated[tuple[Name, ...], Meta(max_length=256)] = ()
+    #: Its fallbacks after a 429 (free up to 3 per attempt the route allows).
+    rate_limited: Annotated[int, Meta(ge=0, le=MAX_REQUEUES)] = 0
 
 
 class InferenceRequest(Struct, frozen=True, kw_only=True):
@@ -264,6 +266,9 @@ class Routed(_EventBase, frozen=True, kw_only=True, tag="routed"):
     term: int = 0
     #: Tokens reserved of the backend's token quota (see ``Dispatch``).
     reserved_tokens: int = 0
+    #: The call is the probe of the backend's half-open circuit (``Dispatch.probe``):
+    #: its outcome, and no other call's, decides the circuit.
+    probe: bool = False
 
 
 class Promoted(_EventBase, frozen=True, kw_only=True, tag="promoted"):

@@ -169,6 +169,7 @@ class Dispatcher:
             router=self._holder,
             term=term,
             reserved_tokens=0 if reserved is None else reserved.cost.tokens,
+            probe=probe,
         )
         meta = item.msg.metadata
         # Delivered before, or stored before this term began: an earlier bind

@@ -61,6 +61,7 @@ from ...config import BackendConfig, Config, parse_duration
 from ...errors import BackendError, NatsUnavailableError, RateLimitedError
 from ...logs import bound_request, get_logger
 from ...policy import (
+    DEFAULT_MAX_TOKENS,
     INTERNAL,
     FallBack,
     RequeueElsewhere,
@@ -68,6 +69,7 @@ from ...policy import (
     RouteFacts,
     after_failure,
     backoff,
+    estimate_prompt_tokens,
     retry_after,
 )
 from ...state._cancellation import CancelWatch
@@ -653,6 +655,10 @@ class Worker(Lifecycle):
         )
         internal = not isinstance(exc, BackendError)
         error_class = INTERNAL if not isinstance(exc, BackendError) else str(exc.failure)
+        if isinstance(action, Retry) and dispatch.request.deadline is not None:
+            # Never handed back past its deadline: it expires on time instead.
+            left = max(0.0, dispatch.request.deadline - self._clock())
+            action = msgspec.structs.replace(action, delay=min(action.delay, left))
         if isinstance(action, Retry):
             if internal:
                 log.error("unexpected error; the request will run again",
@@ -697,14 +703,23 @@ class Worker(Lifecycle):
         route = self._config.routes.get(request.route)
         if route is None or self._backend_name not in self._config.backends:
             return None
+        candidates = self._config.candidates(request.route)
+        if request.max_cost is not None:
+            prompt = estimate_prompt_tokens(request.messages)
+            output = request.params.max_tokens or DEFAULT_MAX_TOKENS
+            candidates = tuple(
+                msgspec.structs.replace(c, cost=self._config.backends[c.name].cost(prompt, output))
+                for c in candidates
+            )
         return RouteFacts(
             policy=route.fallback.policy(),
-            candidates=self._config.candidates(request.route),
+            candidates=candidates,
             backend=self._config.candidate(self._backend_name),
             fallback=request.fallback or Fallback(),
             probe=dispatch.probe,
             now=self._clock(),
             complexity=request.complexity,
+            max_cost=request.max_cost,
         )
 
     async def _fall_back(
@@ -774,7 +789,10 @@ class Worker(Lifecycle):
         says "not now")."""
         if action.error_class != "rate_limited":
             return 0.0
-        return retry_after(exc) or backoff(1, self._failure_policy, random.random)
+        given = retry_after(exc) or backoff(1, self._failure_policy, random.random)
+        # A retry-after of days is a spent quota by another name: held as one
+        # (quota_hold), never longer, so a hostile header cannot shut it out for a year.
+        return min(given, self._failure_policy.quota_hold)
 
     async def _failed_runs(self, dispatch: Dispatch) -> int:
         """Runs of this dispatch (attempt) that failed and were retried, from the log."""
