@@ -47,6 +47,7 @@ from renqueue.policy import (
     plan,
     validate,
 )
+from renqueue.services.router._circuits import Circuits
 from renqueue.state import BackendState, ProjectionState, fold_many
 from renqueue.wire import (
     ChatMessage,
@@ -796,3 +797,37 @@ def test_only_the_probe_calls_outcome_decides_a_half_open_circuit() -> None:
     assert (
         next_circuit(Circuit(state="half_open", since=10.0), state, RULES, 14.0).state == "closed"
     )
+
+
+def test_a_circuit_change_from_a_binder_whose_term_ended_is_not_folded() -> None:
+    """A binder that lost its lease mid-round logs a change after the new
+    binder's: the log keeps the newer term's word."""
+    newer = CircuitChanged(request_id="a", tenant="_system", at=130.0, backend="a",
+                           state="half_open", previous="open", reason="r", term=2)  # fmt: skip
+    zombie = CircuitChanged(request_id="a", tenant="_system", at=129.0, backend="a",
+                            state="open", previous="closed", reason="r", term=1)  # fmt: skip
+    state = fold_many(ProjectionState(), [newer, zombie]).backend("a")
+    assert (state.circuit, state.circuit_term) == ("half_open", 2)
+
+
+def test_a_binder_keeps_its_own_word_over_an_older_terms_and_yields_to_a_newer() -> None:
+    config = parse_config(
+        {
+            "backends": {"a": {"base_url": "http://127.0.0.1:1", "model": "m"}},
+            "routes": {"chat": {"backends": ["a"]}},
+        }
+    )
+    circuits = Circuits(config)
+    opened = state(consecutive_failures=9)
+    # Term 3 opens it (its own word, not logged yet).
+    moved, _ = circuits.judge("a", opened, 100.0, term=3)
+    assert moved.state == "open"
+    # The log still shows an older term's closed circuit from "later" (another
+    # clock): this binder's word stands.
+    older = state(consecutive_failures=9, circuit="closed", circuit_at=500.0, circuit_term=2)
+    kept, _ = circuits.judge("a", older, 101.0, term=3)
+    assert kept.state == "open"
+    # A newer term logged something: its word is the log's.
+    newer = state(circuit="half_open", circuit_at=50.0, circuit_term=4)
+    yielded, _ = circuits.judge("a", newer, 102.0, term=3)
+    assert yielded.state == "half_open"

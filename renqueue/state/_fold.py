@@ -170,6 +170,9 @@ class BackendState(Struct, frozen=True, kw_only=True, omit_defaults=True):
     circuit: str = "closed"
     circuit_at: float = 0.0
     circuit_reason: str = ""
+    #: The lease term of the binder that logged it: a change logged by a binder
+    #: from an older term than the latest is not folded (it had lost its lease).
+    circuit_term: int = 0
     #: ``(bucket start, calls completed, backend faults)`` per 10 s of event
     #: time, oldest first, over the last 10 minutes and since its circuit
     #: last closed: the error rate its circuit is judged by.
@@ -462,23 +465,30 @@ class _Builder:
             self._failure(event.backend, event.error_type, at, event.error_class)
             self._provider_said(event.backend, event.limits, at, event.quota_exhausted_until)
         elif isinstance(event, CircuitChanged):
-            changes: dict[str, Any] = {
-                "circuit": event.state,
-                "circuit_at": at,
-                "circuit_reason": event.reason[:500],
-                "ok_since_circuit": 0,
-                "faults_since_circuit": 0,
-                "probe_since_circuit": None,
-            }
-            if event.state == "closed":  # counted afresh from here
-                changes.update(consecutive_failures=0, outcomes=())
-            if event.state != "half_open":  # (a probe's routed may be logged first)
-                changes["probe_call"] = ""
-            self._set_backend(event.backend, **changes)
+            self._circuit(event, at)
         elif isinstance(event, Probed):
             self._set_backend(
                 event.backend, probe_ok=event.ok, probe_at=at, probe_since_circuit=event.ok
             )
+
+    def _circuit(self, event: CircuitChanged, at: float) -> None:
+        """The binder moved a backend's circuit: its counts start afresh."""
+        if event.term < self._backends.get(event.backend, _EMPTY_BACKEND).circuit_term:
+            return  # a binder whose term had ended (a newer one decides)
+        changes: dict[str, Any] = {
+            "circuit_term": event.term,
+            "circuit": event.state,
+            "circuit_at": at,
+            "circuit_reason": event.reason[:500],
+            "ok_since_circuit": 0,
+            "faults_since_circuit": 0,
+            "probe_since_circuit": None,
+        }
+        if event.state == "closed":  # counted afresh from here
+            changes.update(consecutive_failures=0, outcomes=())
+        if event.state != "half_open":  # (a probe's routed may be logged first)
+            changes["probe_call"] = ""
+        self._set_backend(event.backend, **changes)
 
     def _outcome(self, name: str, at: float, *, fault: bool) -> tuple[tuple[int, int, int], ...]:
         """The backend's recent outcomes with one more call (ok or a fault) at ``at``."""

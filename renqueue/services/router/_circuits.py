@@ -55,10 +55,12 @@ class Circuits:
         self._probes: dict[str, float] = {}
 
     def judge(
-        self, name: str, facts: BackendState | None, now: float
+        self, name: str, facts: BackendState | None, now: float, *, term: int = 0
     ) -> tuple[Circuit, Circuit | None]:
-        """Backend ``name``'s circuit at ``now``, and the one it was before if it
-        changed (the change to log), else ``None``."""
+        """Backend ``name``'s circuit at ``now`` for the binder of lease ``term``,
+        and the one it was before if it changed (the change to log), else ``None``.
+
+        This binder's own word stands until the log shows it, or a newer term's."""
         rules = self._rules.get(name)
         if rules is None:
             return CLOSED, None
@@ -71,7 +73,11 @@ class Circuits:
             )
         )
         mine = self._mine.get(name)
-        current = mine if mine is not None and mine.since >= folded.since else folded
+        logged_term = 0 if facts is None else facts.circuit_term
+        ours = mine is not None and (
+            logged_term < term or (logged_term == term and mine.since >= folded.since)
+        )
+        current = mine if mine is not None and ours else folded
         if mine is not None and current is folded:
             del self._mine[name]  # the log caught up with (or passed) this binder's word
         moved = next_circuit(current, known, rules, now)

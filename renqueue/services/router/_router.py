@@ -981,7 +981,7 @@ class Router(Lifecycle):
     def _circuit(self, name: str, projected: LiveState | None, now: float) -> Circuit:
         """Backend ``name``'s circuit this round (:class:`Circuits`); a change is logged."""
         facts = None if projected is None else projected.backends.get(name)
-        circuit, previous = self._circuits.judge(name, facts, now)
+        circuit, previous = self._circuits.judge(name, facts, now, term=self._term or 0)
         if previous is not None:
             event = change_event(
                 name, circuit, previous, router=self._lease.holder, term=self._term or 0
