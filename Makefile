@@ -18,14 +18,14 @@ demo: $(STAMP)
 	$(BIN)/renqueue demo
 
 # The suite runs on TEST_WORKERS processes (pytest-xdist; 0 = in this process).
-# Three on two cores: its time is mostly waiting (on servers, mocks, timers), so a
-# third worker fills the idle CPU (measured: 1029 tests in 238 s with 2 workers,
-# 169 s with 3, 136 s with 4 but more contention for timing-sensitive tests), and
-# every test starts its own servers on random ports (a session's shared
-# nats-server is one per worker).
+# Four on two cores: its time is mostly waiting (on servers, mocks, timers), so
+# more workers fill the idle CPU (measured: 1029 tests in 238 s with 2 workers,
+# 169 s with 3; 1214 tests in 180-183 s with 3, 139-147 s with 4, three runs of
+# 4 all green), and every test starts its own servers on random ports (a
+# session's shared nats-server is one per worker).
 # worksteal: an idle worker takes queued tests from a busy one, so a few long
 # tests landing on one worker do not leave the other idle at the end.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 
 test: $(STAMP) lint typecheck
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal
