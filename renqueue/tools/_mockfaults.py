@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -96,25 +96,7 @@ FaultKind = Literal[
     "content_filter",
     "filtered",
 ]
-FAULT_KINDS: Final[tuple[FaultKind, ...]] = (
-    "ok",
-    "500",
-    "503",
-    "529",
-    "reset",
-    "hang",
-    "drip",
-    "429",
-    "429_bare",
-    "quota",
-    "malformed",
-    "break",
-    "no_done",
-    "sse_error",
-    "context_length",
-    "content_filter",
-    "filtered",
-)
+FAULT_KINDS: Final[tuple[FaultKind, ...]] = get_args(FaultKind)
 #: Kinds that only change a stream; a non-streaming request gets a normal answer.
 STREAM_ONLY: Final = frozenset({"no_done", "sse_error"})
 
