@@ -359,11 +359,29 @@ class FallbackConfig(_Section, frozen=True, kw_only=True):
         )
 
 
+class ComplexityConfig(_Section, frozen=True, kw_only=True):
+    """A route's complexity estimator (``[routes.<name>.complexity]``): a request
+    that names no ``complexity`` gets the tier its score reaches
+    (:mod:`renqueue.policy._complexity`)."""
+
+    #: Ascending scores in (0, 1]: reaching the n-th means tier n + 1.
+    thresholds: Annotated[list[Annotated[float, Meta(gt=0, le=1)]], Meta(min_length=1)]
+    #: The scorer: ``heuristic`` (no download; prompt length, requested output,
+    #: code and math markers, conversation depth).
+    estimator: Literal["heuristic"] = "heuristic"
+
+    def __post_init__(self) -> None:
+        if list(self.thresholds) != sorted(self.thresholds):
+            raise ValueError("complexity thresholds must be in ascending order")
+
+
 class RouteConfig(_Section, frozen=True, kw_only=True):
     """A model group: candidate backends in cascade order (first = preferred)."""
 
     backends: Annotated[list[Name], Meta(min_length=1)]
     fallback: FallbackConfig = FallbackConfig()
+    #: Estimate the tier of requests that name none; unset: they need none.
+    complexity: ComplexityConfig | None = None
 
 
 class LevelConfig(_Section, frozen=True, kw_only=True):

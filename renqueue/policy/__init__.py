@@ -28,12 +28,17 @@ that read the broker, ask these functions, and carry out what they answer.
   :class:`QuotaVerdict` for a :class:`Cost`; :func:`used`, :func:`limit_usage`
   (:class:`LimitUsage`), :func:`reserve`,
   :func:`reconcile`, :func:`learn`, :func:`cool_down`.
+- A request's difficulty when it names no tier (``_complexity``): the
+  route's estimator, :func:`estimate_complexity` (a :class:`ComplexityEstimate`
+  with its signals), over :func:`heuristic_score` or a learned :class:`Estimator`.
 - Token estimates for quota reservations, no tokenizer download (``_tokens``):
   :func:`estimate_text_tokens`, :func:`estimate_prompt_tokens`,
   :func:`estimate_request_tokens`.
 """
 
 from ._aging import LevelPolicy, aging_bound, effective_rank, pick_key, promotions
+from ._complexity import Estimator, heuristic_score, tier_of
+from ._complexity import estimate as estimate_complexity
 from ._failure import (
     DEFAULT_FALLBACK_ON,
     INTERNAL,
@@ -136,6 +141,7 @@ __all__ = [
     "CircuitRules",
     "CircuitState",
     "Cost",
+    "Estimator",
     "Expire",
     "Fail",
     "FailureAction",
@@ -169,9 +175,11 @@ __all__ = [
     "cool_down",
     "effective_limits",
     "effective_rank",
+    "estimate_complexity",
     "estimate_prompt_tokens",
     "estimate_request_tokens",
     "estimate_text_tokens",
+    "heuristic_score",
     "hopeless",
     "is_healthy",
     "learn",
@@ -187,6 +195,7 @@ __all__ = [
     "reconcile",
     "reserve",
     "retry_after",
+    "tier_of",
     "urgency",
     "used",
     "validate",

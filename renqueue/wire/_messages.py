@@ -31,6 +31,7 @@ __all__ = [
     "CircuitChanged",
     "Coalesced",
     "Completed",
+    "ComplexityEstimate",
     "Dispatch",
     "Event",
     "Expired",
@@ -252,6 +253,22 @@ class Rejected(_EventBase, frozen=True, kw_only=True, tag="rejected"):
     reason: str
 
 
+class ComplexityEstimate(Struct, frozen=True, kw_only=True):
+    """The tier a request that named none was judged to need, and why (its
+    route's complexity estimator: :mod:`renqueue.policy._complexity`)."""
+
+    tier: int
+    #: The estimator's score in [0, 1] (1: hardest) and its name.
+    score: float
+    estimator: str
+    #: The signals the default estimator reads (recorded whatever scored it).
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    code_markers: int = 0
+    math_markers: int = 0
+    turns: int = 0
+
+
 class Routed(_EventBase, frozen=True, kw_only=True, tag="routed"):
     """A router bound the request to a backend."""
 
@@ -269,6 +286,8 @@ class Routed(_EventBase, frozen=True, kw_only=True, tag="routed"):
     #: The call is the probe of the backend's half-open circuit (``Dispatch.probe``):
     #: its outcome, and no other call's, decides the circuit.
     probe: bool = False
+    #: The tier the route's estimator gave a request that named none (its floor).
+    complexity_estimate: ComplexityEstimate | None = None
 
 
 class Promoted(_EventBase, frozen=True, kw_only=True, tag="promoted"):

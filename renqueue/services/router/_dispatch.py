@@ -170,6 +170,7 @@ class Dispatcher:
             term=term,
             reserved_tokens=0 if reserved is None else reserved.cost.tokens,
             probe=probe,
+            complexity_estimate=item.estimate,
         )
         meta = item.msg.metadata
         # Delivered before, or stored before this term began: an earlier bind

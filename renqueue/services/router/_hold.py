@@ -19,7 +19,7 @@ import msgspec
 
 from ...logs import get_logger
 from ...policy import LevelPolicy, pick_key
-from ...wire._messages import InferenceRequest
+from ...wire._messages import ComplexityEstimate, InferenceRequest
 from ...wire._nats import Message, PubAck
 from ...wire._subjects import SHUTDOWN_NAK_DELAY
 
@@ -69,6 +69,9 @@ class Held(msgspec.Struct, kw_only=True):
     #: The most urgent (rank, submitted_at) among requests that coalesced onto
     #: this one: the shared call runs at the highest priority of its waiters.
     boost: tuple[int, float] | None = None
+    #: The tier its route's estimator gave it (it named none): in ``request.complexity``
+    #: from here on, and in its ``routed`` event.
+    estimate: ComplexityEstimate | None = None
 
     def key(self, now: float, policies: list[LevelPolicy]) -> tuple[int, float]:
         return pick_key(

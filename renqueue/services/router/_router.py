@@ -82,6 +82,7 @@ from ...policy import (
     Waiting,
     plan,
 )
+from ...policy._complexity import estimate as estimate_complexity
 from ...state._cancellation import CancelWatch
 from ...state._coalescing import Coalescer, coalesce_key
 from ...state._lease import Lease
@@ -92,6 +93,7 @@ from ...wire._messages import (
     CancelRequested,
     CircuitChanged,
     Coalesced,
+    ComplexityEstimate,
     Event,
     Expired,
     InferenceRequest,
@@ -528,6 +530,7 @@ class Router(Lifecycle):
             return
         if await self._follows(msg, request, logged, now):
             return
+        request, estimate = self._estimated(request)
         self._hold.add(
             level,
             Held(
@@ -538,8 +541,25 @@ class Router(Lifecycle):
                 touched=now,
                 logged=logged,
                 parent=await parent_of(self._js, request, self._config),
+                estimate=estimate,
             ),
         )
+
+    def _estimated(
+        self, request: InferenceRequest
+    ) -> tuple[InferenceRequest, ComplexityEstimate | None]:
+        """``request`` with the tier its route's estimator gives it, if the route
+        has one and the request named none (its ``submitted`` event keeps its own word)."""
+        rules = self._config.routes[request.route].complexity
+        if rules is None or request.complexity is not None:
+            return request, None
+        tiers = [
+            self._config.backends[name].tier
+            for name in self._config.routes[request.route].backends
+            if name in self._config.backends
+        ]
+        estimate = estimate_complexity(request, rules.thresholds, highest=max(tiers, default=1))
+        return msgspec.structs.replace(request, complexity=estimate.tier), estimate
 
     async def _admit(self, msg: Message, level: str, now: float) -> InferenceRequest | None:
         """Decode and validate one request; reject it (terminally) if it is bad."""

@@ -1,0 +1,121 @@
+"""How hard a request is, when it does not say: the complexity estimator.
+
+A route may ask for one (``[routes.<name>.complexity]``): a request with no
+``complexity`` of its own gets a tier from :func:`estimate`, which the binder
+then treats as the request's capability floor, and the estimate, with the
+signals it was made from, goes into the ``routed`` event for audits.
+
+The default estimator needs no download: a score in ``[0, 1]`` from the
+request alone (:func:`heuristic_score`), weighing
+
+- the prompt's length (estimated tokens, saturating at 4000),
+- the output it asks for (``max_tokens``, saturating at 2000; unset counts as 0),
+- code markers (fenced blocks, ``def``/``class``/``function``/``#include``, braces),
+- math markers (LaTeX commands, ``$...$``, equations, sums and integrals),
+- conversation depth (turns, saturating at 10),
+
+and the route's ``thresholds`` (ascending) map the score to a tier:
+``1 + (thresholds reached)``, never above the route's highest tier. The
+interface (:class:`Estimator`) takes a learned scorer instead (a RouteLLM-style
+model a team trains on its own logged outcomes): anything that maps a request
+to a score in ``[0, 1]``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Final, Protocol
+
+from ..wire._messages import ComplexityEstimate, InferenceRequest
+from ._tokens import estimate_prompt_tokens
+
+__all__ = ["HEURISTIC", "Estimator", "estimate", "heuristic_score", "tier_of"]
+
+_CODE: Final = re.compile(
+    r"```|^\s*(def|class|function|fn|func|public|private|import|#include)\b|[{};]\s*$",
+    re.MULTILINE,
+)
+#: Math: LaTeX commands, inline ``$...$`` spans, equations and symbols (counted apart:
+#: a command inside a span counts too).
+_MATH: Final = (
+    re.compile(
+        r"\\(frac|sum|int|sqrt|lim|prod|partial|infty|pi|cdot|alpha|beta|theta)(?![A-Za-z])"
+    ),
+    re.compile(r"\$[^$\n]+\$"),
+    re.compile(r"[∑∫√∂π≤≥≠]|[=<>]\s*-?\d"),
+)
+
+#: The default estimator's name (``routed.complexity_estimate.estimator``).
+HEURISTIC: Final = "heuristic"
+
+
+class Estimator(Protocol):
+    """Scores a request's difficulty in ``[0, 1]`` (1: the hardest)."""
+
+    name: str
+
+    def __call__(self, request: InferenceRequest) -> float: ...
+
+
+def _saturate(value: float, at: float) -> float:
+    return min(1.0, max(0.0, value / at))
+
+
+def signals(request: InferenceRequest) -> ComplexityEstimate:
+    """What the heuristic reads of ``request`` (tier and score left at 0)."""
+    text = "\n".join(message.content for message in request.messages)
+    return ComplexityEstimate(
+        tier=0,
+        score=0.0,
+        estimator=HEURISTIC,
+        prompt_tokens=estimate_prompt_tokens(request.messages),
+        max_tokens=request.params.max_tokens or 0,
+        code_markers=len(_CODE.findall(text)),
+        math_markers=sum(len(pattern.findall(text)) for pattern in _MATH),
+        turns=len(request.messages),
+    )
+
+
+def heuristic_score(found: ComplexityEstimate) -> float:
+    """The default score of the signals in ``found`` (see the module docstring)."""
+    return round(
+        0.30 * _saturate(found.prompt_tokens, 4000)
+        + 0.20 * _saturate(found.max_tokens, 2000)
+        + 0.20 * _saturate(found.code_markers, 3)
+        + 0.15 * _saturate(found.math_markers, 3)
+        + 0.15 * _saturate(found.turns - 1, 10),
+        4,
+    )
+
+
+def tier_of(score: float, thresholds: Sequence[float], *, highest: int) -> int:
+    """The tier a score reaches: 1 + thresholds at or below it, at most ``highest``."""
+    return max(1, min(highest, 1 + sum(1 for bar in thresholds if score >= bar)))
+
+
+def estimate(
+    request: InferenceRequest,
+    thresholds: Sequence[float],
+    *,
+    highest: int,
+    estimator: Estimator | None = None,
+) -> ComplexityEstimate:
+    """The tier ``request`` needs, with the signals and score it was judged by.
+
+    ``estimator``: a learned scorer instead of :func:`heuristic_score` (the
+    signals are recorded all the same). Pure.
+    """
+    found = signals(request)
+    score = heuristic_score(found) if estimator is None else min(1.0, max(0.0, estimator(request)))
+    name = HEURISTIC if estimator is None else estimator.name
+    return ComplexityEstimate(
+        tier=tier_of(score, thresholds, highest=highest),
+        score=score,
+        estimator=name,
+        prompt_tokens=found.prompt_tokens,
+        max_tokens=found.max_tokens,
+        code_markers=found.code_markers,
+        math_markers=found.math_markers,
+        turns=found.turns,
+    )

@@ -1,0 +1,148 @@
+"""The complexity estimator (issue #10 item 3): a request that names no tier
+gets one from its route's estimator, recorded with its signals in the
+``routed`` event. Pure tables, then end to end on a real nats-server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from test_fallback import FAST, config_for, routed
+from test_quota_exhausted import describe, results
+from test_restarts import TENANT
+
+from renqueue import Client, Services
+from renqueue.config import ConfigError, parse_config
+from renqueue.ops import EmbeddedServer
+from renqueue.policy import estimate_complexity, tier_of
+from renqueue.tools import MockBackend
+from renqueue.wire import (
+    ChatMessage,
+    EventLog,
+    GenerationParams,
+    InferenceRequest,
+    Routed,
+    Submitted,
+)
+
+HARD = (
+    "Prove that the sum converges and implement it:\n"
+    "$\\sum_{n=1}^{\\infty} \\frac{1}{n^2} = \\pi^2/6$\n"
+    "```python\n"
+    "def partial(n):\n"
+    "    return sum(1 / k**2 for k in range(1, n + 1))\n"
+    "```\n"
+    "class Series:\n"
+    "    pass\n" + "Explain every step in detail. " * 120
+)
+
+
+def request(text: str, **params: Any) -> InferenceRequest:
+    return InferenceRequest(
+        id="r",
+        route="chat",
+        messages=[ChatMessage(role="user", content=text)],
+        params=GenerationParams(**params),
+    )
+
+
+@pytest.mark.parametrize(
+    ("score", "expected"),
+    [(0.0, 1), (0.29, 1), (0.3, 2), (0.59, 2), (0.6, 3), (1.0, 3)],
+)
+def test_a_score_reaches_the_tier_of_the_thresholds_it_passes(score: float, expected: int) -> None:
+    assert tier_of(score, [0.3, 0.6], highest=3) == expected
+
+
+def test_a_tier_is_never_above_the_routes_highest() -> None:
+    assert tier_of(1.0, [0.1, 0.2, 0.3], highest=2) == 2
+
+
+def test_the_heuristic_reads_length_output_code_math_and_depth() -> None:
+    easy = estimate_complexity(request("hi"), [0.3, 0.6], highest=3)
+    hard = estimate_complexity(request(HARD, max_tokens=2000), [0.3, 0.6], highest=3)
+    assert easy.tier == 1
+    assert hard.tier == 3
+    assert hard.score > easy.score
+    assert hard.code_markers >= 3
+    assert hard.math_markers >= 2
+    assert hard.max_tokens == 2000
+    assert hard.prompt_tokens > 800
+    # Each signal alone moves the score up.
+    base = estimate_complexity(request("plain words"), [0.5], highest=2).score
+    longer = estimate_complexity(request("plain words " * 2000), [0.5], highest=2).score
+    code = estimate_complexity(request("```\ndef f():\n    return 1\n```"), [0.5], highest=2).score
+    assert longer > base
+    assert code > base
+
+
+def test_a_learned_scorer_plugs_in_and_its_signals_are_still_recorded() -> None:
+    class Learned:
+        name = "routellm-mf"
+
+        def __call__(self, request: InferenceRequest) -> float:
+            return 0.95
+
+    got = estimate_complexity(request("hi"), [0.5], highest=2, estimator=Learned())
+    assert (got.tier, got.score, got.estimator) == (2, 0.95, "routellm-mf")
+    assert got.turns == 1
+
+
+def test_thresholds_must_ascend() -> None:
+    with pytest.raises(ConfigError, match="ascending"):
+        parse_config(
+            {
+                "backends": {"a": {"base_url": "http://127.0.0.1:1", "model": "m"}},
+                "routes": {"chat": {"backends": ["a"], "complexity": {"thresholds": [0.6, 0.3]}}},
+            }
+        )
+
+
+async def test_a_hard_request_skips_the_small_model_and_the_estimate_is_in_its_routed_event(
+    isolated_server: EmbeddedServer,
+) -> None:
+    async with MockBackend(FAST) as small, MockBackend(FAST) as large:
+        config = config_for(
+            isolated_server.url,
+            {"small": small, "large": large},
+            backends={"small": {"tier": 1}, "large": {"tier": 3}},
+        )
+        route = config.routes["chat"]
+        config = parse_config(
+            {
+                "nats": {"url": isolated_server.url},
+                "backends": {
+                    name: {"base_url": b.base_url, "model": "m", "tier": b.tier}
+                    for name, b in config.backends.items()
+                },
+                "routes": {
+                    "chat": {
+                        "backends": list(route.backends),
+                        "complexity": {"thresholds": [0.3, 0.6]},
+                    }
+                },
+                "router": {"capacity_refresh": "20ms"},
+            }
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            log = EventLog(client.js)
+            easy = await client.submit("hi", route="chat")
+            hard = await client.submit(HARD, route="chat", max_tokens=2000)
+            named = await client.submit(HARD, route="chat", complexity=1)
+            await results(log, [easy, hard, named], within=15)
+            easy_events = await log.history(TENANT, easy.id)
+            hard_events = await log.history(TENANT, hard.id)
+            named_events = await log.history(TENANT, named.id)
+    assert routed(easy_events) == ["small"], describe(easy_events)
+    assert routed(hard_events) == ["large"], describe(hard_events)
+    [decision] = [e for e in hard_events if isinstance(e, Routed)]
+    assert decision.complexity_estimate is not None
+    assert decision.complexity_estimate.tier == 3
+    assert decision.complexity_estimate.code_markers >= 3
+    # The log keeps the client's own word (no complexity) in its submitted event.
+    [submitted] = [e for e in hard_events if isinstance(e, Submitted)]
+    assert submitted.request.complexity is None
+    # A request that names its tier is taken at its word, not estimated.
+    [own] = [e for e in named_events if isinstance(e, Routed)]
+    assert own.complexity_estimate is None
+    assert own.backend == "small"
