@@ -146,3 +146,12 @@ async def test_a_hard_request_skips_the_small_model_and_the_estimate_is_in_its_r
     [own] = [e for e in named_events if isinstance(e, Routed)]
     assert own.complexity_estimate is None
     assert own.backend == "small"
+
+
+def test_a_hostile_prompt_is_scanned_in_bounded_time() -> None:
+    """Blank lines by the million, braces and dollars: the markers are looked
+    for in the first 20,000 characters only, with no quadratic pattern."""
+    hostile = "\n" * 1_000_000 + "{ " * 100_000 + "$" * 100_000
+    got = estimate_complexity(request(hostile), [0.3, 0.6], highest=3)
+    assert got.prompt_tokens > 100_000  # its length still counts whole
+    assert got.tier >= 1

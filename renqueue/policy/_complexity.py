@@ -32,10 +32,15 @@ from ._tokens import estimate_prompt_tokens
 
 __all__ = ["HEURISTIC", "Estimator", "estimate", "heuristic_score", "tier_of"]
 
+#: Code: fenced blocks, definitions at the start of a line, lines ending in a brace
+#: or a semicolon. Only spaces and tabs are skipped (never newlines: a prompt of
+#: blank lines must not make a scan quadratic).
 _CODE: Final = re.compile(
-    r"```|^\s*(def|class|function|fn|func|public|private|import|#include)\b|[{};]\s*$",
+    r"```|^[ \t]*(def|class|function|fn|func|public|private|import|#include)\b|[{};][ \t]*$",
     re.MULTILINE,
 )
+#: Characters of the prompt the markers are looked for in (its length counts whole).
+_SCANNED: Final = 20_000
 #: Math: LaTeX commands, inline ``$...$`` spans, equations and symbols (counted apart:
 #: a command inside a span counts too).
 _MATH: Final = (
@@ -64,7 +69,7 @@ def _saturate(value: float, at: float) -> float:
 
 def signals(request: InferenceRequest) -> ComplexityEstimate:
     """What the heuristic reads of ``request`` (tier and score left at 0)."""
-    text = "\n".join(message.content for message in request.messages)
+    text = "\n".join(message.content for message in request.messages)[:_SCANNED]
     return ComplexityEstimate(
         tier=0,
         score=0.0,
