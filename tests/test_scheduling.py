@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from test_binder import until
 
 from renqueue import Client, Config, ConfigError, RequestExpiredError, Services, parse_config
 from renqueue.policy import (
@@ -18,10 +19,12 @@ from renqueue.policy import (
 )
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import (
+    SYSTEM_TENANT,
     Coalesced,
     Dispatch,
     EventLog,
     Preempted,
+    Probed,
     Promoted,
     Routed,
     Started,
@@ -378,3 +381,66 @@ async def test_a_shared_call_runs_at_the_most_urgent_waiters_level(tmp_path: Pat
     # The batch leader ran before the normal request: its follower is "high".
     assert starts["leader"] < starts["other"]
     assert mock.stats().requests == 3
+
+
+async def test_a_replica_that_looks_down_steals_nothing_from_its_busy_sibling(
+    tmp_path: Path,
+) -> None:
+    """replica-b is down (its health probe says so): its slots are free only
+    because nothing can run there, so it takes none of replica-a's queued work
+    (before, it stole it and every stolen request failed there first)."""
+    async with (
+        MockBackend(MockSettings(ttft=0.2, output_tokens=2)) as slow,
+        MockBackend(MockSettings(output_tokens=2, down=True)) as down,
+    ):
+        probe = {"path": "/health", "interval": "100ms", "timeout": "500ms"}
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {
+                    "replica-a": {
+                        "base_url": slow.url,
+                        "model": "m",
+                        "pool": "llama-8b",
+                        "limits": {"concurrency": 1},
+                    },
+                    "replica-b": {
+                        "base_url": down.url,
+                        "model": "m",
+                        "pool": "llama-8b",
+                        "limits": {"concurrency": 1},
+                        "probe": probe,
+                    },
+                },
+                "routes": {"chat": {"backends": ["replica-a", "replica-b"]}},
+            }
+        )
+        async with Services(config) as services, Client(services.nc, tenant="t") as client:
+            log = EventLog(client.js)
+
+            async def probed_down() -> bool:
+                answers = [
+                    e.ok for e in await log.history(SYSTEM_TENANT, "replica-b")
+                    if isinstance(e, Probed)
+                ]  # fmt: skip
+                return answers[-1:] == [False]
+
+            await until(probed_down, "replica-b's probe found it down")
+            handles = []
+            for index in range(4):
+                request = client.build_request(f"job {index}", route="chat")
+                await client.js.publish(
+                    dispatch_subject("replica-a"),
+                    encode(Dispatch(request=request, backend="replica-a")),
+                    headers={"Nats-Msg-Id": msg_id("t", request.id, "dispatch", 1)},
+                )
+                handles.append(client.handle(request.id))
+            results = [await h.result(timeout=20) for h in handles]
+            stolen = [
+                e
+                for handle in handles
+                for e in await log.history("t", handle.id)
+                if isinstance(e, Stolen)
+            ]
+    assert stolen == []
+    assert [r.backend for r in results] == ["replica-a"] * 4

@@ -74,6 +74,7 @@ from ...policy import (
 )
 from ...state._cancellation import CancelWatch
 from ...state._coalescing import Coalescer, coalesce_key
+from ...state._fold import BACKEND_FAULT_CLASSES
 from ...wire._eventlog import EventLog
 from ...wire._messages import (
     DISPATCH_DECODER,
@@ -187,6 +188,11 @@ class Worker(Lifecycle):
         self._unlisten: Callable[[], None] | None = None
         self.completed = 0
         self.failed = 0
+        #: Backend faults in a row in this worker's own calls (a completion resets
+        #: it): past its circuit's ``failures`` it steals no work for its pool.
+        self.faults_in_a_row = 0
+        #: Its active probe, if the backend has one.
+        self._prober: Prober | None = None
 
     @property
     def backend_name(self) -> str:
@@ -210,7 +216,7 @@ class Worker(Lifecycle):
             self._loops.append(f"{self._name}-steal")
             self._supervisor.spawn(self._loops[-1], self._steal_loop)
         if self._backend_config.probe is not None:
-            prober = Prober(
+            prober = self._prober = Prober(
                 self._backend_name,
                 self._backend_config,
                 self._log,
@@ -290,8 +296,19 @@ class Worker(Lifecycle):
             await self.steal()
 
     async def steal(self) -> int:
-        """One round of work stealing (:meth:`Thief.steal`): how many dispatches moved here."""
+        """One round of work stealing (:meth:`Thief.steal`): how many dispatches
+        moved here; none while this backend looks down from here (its own calls
+        failed ``circuit.failures`` times in a row, or its probe says so): its
+        free slots are free because its circuit is open, and a stolen request
+        would only fail here."""
+        if not self.may_steal():
+            return 0
         return await self._thief.steal()
+
+    def may_steal(self) -> bool:
+        """Whether this worker's backend looks well enough to take a sibling's work."""
+        down = self._prober is not None and self._prober.last is False
+        return not down and self.faults_in_a_row < self._backend_config.circuit.failures
 
     async def _steal(self, raw: StoredMessage, sibling: str) -> bool:
         """Move one queued dispatch from ``sibling`` here (:meth:`Thief.steal_one`)."""
@@ -637,6 +654,8 @@ class Worker(Lifecycle):
         pending_acks: list[asyncio.Future[PubAck]],
     ) -> None:
         metrics.BACKEND_CALLS.labels(self._backend_name, exc.code).inc()
+        if str(exc.failure) in BACKEND_FAULT_CLASSES:
+            self.faults_in_a_row += 1
         await settle(pending_acks)
         await self._after_failure(msg, dispatch, run, chunks, exc)
 
@@ -959,6 +978,8 @@ class Worker(Lifecycle):
             metrics.TERMINAL.labels(kind).inc()
             if isinstance(event, Completed):
                 self.completed += 1
+                if event.shared_with is None:
+                    self.faults_in_a_row = 0
                 metrics.COST.labels(self._backend_name).inc(event.cost)
             elif isinstance(event, Failed):
                 self.failed += 1
