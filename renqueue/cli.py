@@ -170,6 +170,8 @@ async def _submit(config: Config, args: argparse.Namespace) -> None:
             request_id=args.id,
             max_tokens=args.max_tokens,
             timeout=args.timeout,
+            max_cost=args.max_cost,
+            complexity=args.complexity,
         )
         print(f"request {handle.id}{' (already submitted)' if handle.duplicate else ''}")
         if args.stream:
@@ -845,6 +847,12 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument("--id", help="request id (idempotency key)")
     cmd.add_argument("--max-tokens", type=int)
     cmd.add_argument("--timeout", type=float, help="deadline, seconds from now")
+    cmd.add_argument(
+        "--max-cost", type=float, help="spend ceiling in US dollars (never bound where over it)"
+    )
+    cmd.add_argument(
+        "--complexity", type=int, help="the lowest backend tier that can do the job (0-100)"
+    )
     cmd.add_argument("--wait", type=float, help="give up waiting for the result after N s")
     cmd.add_argument("--stream", action="store_true", help="print tokens as they come")
     cmd.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -106,6 +106,16 @@ async def test_up_submit_audit_and_example_as_a_user_would(tmp_path: Path) -> No
             kinds = [line.split()[1] for line in out.splitlines()]
             assert kinds == ["submitted", "routed", "started", "completed"]
 
+            # A cost cap and a tier from the command line reach the request: a
+            # tier no backend has is refused at admission, said in one line.
+            code, out, err = await run(
+                "-m", "renqueue", "-c", str(config), "submit", "hello", "--route", "chat",
+                "--max-cost", "0.5", "--complexity", "7", "--wait", "10",
+            )  # fmt: skip
+            assert code != 0
+            assert "no_capable_backend" in out + err or "complexity 7" in out + err, out + err
+            assert "Traceback" not in err
+
             code, out, _ = await run("-m", "renqueue", "-c", str(config), "audit", "nope")
             assert code == 2
             code, out, err = await run_example(url)
