@@ -171,16 +171,21 @@ async def mock_settings(url: str, settings: dict[str, Any]) -> dict[str, Any]:
     return now
 
 
-async def read_events(js: Any, subject: str) -> list[Any]:
-    """Every event on ``subject`` (a filter such as ``rq.evt.bench.>``) in the log, in order,
-    through an ephemeral pull consumer; messages that do not decode are skipped."""
-    info = await js.stream_info(EVENTS_STREAM)
+async def read_stream(js: Any, stream: str, subject: str) -> list[bytes]:
+    """Every message of ``stream`` on ``subject``, in order (one ephemeral pull consumer,
+    no acks)."""
+    return [data for data, _stored in await read_stream_stamped(js, stream, subject)]
+
+
+async def read_stream_stamped(js: Any, stream: str, subject: str) -> list[tuple[bytes, float]]:
+    """As :func:`read_stream`, each message with the server's time of storing it."""
+    info = await js.stream_info(stream)
     if not info.state.messages:
         return []
     last = int(info.state.last_seq)
     psub = await js.pull_subscribe(
         subject,
-        stream=EVENTS_STREAM,
+        stream=stream,
         config=ConsumerConfig(
             ack_policy=AckPolicy.NONE,
             deliver_policy=DeliverPolicy.ALL,
@@ -189,22 +194,34 @@ async def read_events(js: Any, subject: str) -> list[Any]:
             num_replicas=1,
         ),
     )
-    events: list[Any] = []
+    out: list[tuple[bytes, float]] = []
     try:
-        done = False
-        while not done:
+        while True:
             try:
                 msgs = await psub.fetch(batch=1000, timeout=2.0)
-            except TimeoutError:
+            except TimeoutError:  # NatsTimeoutError is one
                 break
+            done = False
             for msg in msgs:
-                with contextlib.suppress(msgspec.DecodeError):
-                    events.append(EVENT_DECODER.decode(msg.data))
+                out.append((msg.data, msg.metadata.timestamp.timestamp()))
                 meta = msg.metadata
-                done = done or meta.num_pending == 0 or meta.sequence.stream >= last
+                if meta.num_pending == 0 or meta.sequence.stream >= last:
+                    done = True
+            if done:
+                break
     finally:
         with contextlib.suppress(Exception):
             await psub.unsubscribe()
+    return out
+
+
+async def read_events(js: Any, subject: str) -> list[Any]:
+    """Every event on ``subject`` (a filter such as ``rq.evt.bench.>``) in the log, in
+    order; messages that do not decode are skipped."""
+    events: list[Any] = []
+    for data in await read_stream(js, EVENTS_STREAM, subject):
+        with contextlib.suppress(msgspec.DecodeError):
+            events.append(EVENT_DECODER.decode(data))
     return events
 
 

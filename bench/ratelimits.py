@@ -76,19 +76,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 from common import RESULTS, ROOT, machine_info, mock_process, mock_stats, percentile
+from common import read_events as read_events_on
 
 from renqueue import Client, Services, parse_config
 from renqueue.config import Config
 from renqueue.logs import configure_logging
 from renqueue.ops import connect
 from renqueue.wire import (
-    EVENT_DECODER,
-    EVENTS_STREAM,
-    AckPolicy,
-    ConsumerConfig,
-    DeliverPolicy,
     Retrying,
     Routed,
     Started,
@@ -271,39 +266,8 @@ def renqueue_config(plan: Plan, urls: dict[str, str], data_dir: str) -> Config:
 
 
 async def read_events(js: Any) -> list[Any]:
-    """Every event of the bench tenant in the log, in order (an ephemeral pull consumer)."""
-    info = await js.stream_info(EVENTS_STREAM)
-    if not info.state.messages:
-        return []
-    last = int(info.state.last_seq)
-    psub = await js.pull_subscribe(
-        f"rq.evt.{TENANT}.>",
-        stream=EVENTS_STREAM,
-        config=ConsumerConfig(
-            ack_policy=AckPolicy.NONE,
-            deliver_policy=DeliverPolicy.ALL,
-            inactive_threshold=30.0,
-            mem_storage=True,
-            num_replicas=1,
-        ),
-    )
-    events: list[Any] = []
-    try:
-        done = False
-        while not done:
-            try:
-                msgs = await psub.fetch(batch=1000, timeout=2.0)
-            except TimeoutError:
-                break
-            for msg in msgs:
-                with contextlib.suppress(msgspec.DecodeError):
-                    events.append(EVENT_DECODER.decode(msg.data))
-                meta = msg.metadata
-                done = done or meta.num_pending == 0 or meta.sequence.stream >= last
-    finally:
-        with contextlib.suppress(Exception):
-            await psub.unsubscribe()
-    return events
+    """Every event of the bench tenant in the log, in order."""
+    return await read_events_on(js, f"rq.evt.{TENANT}.>")
 
 
 async def run_renqueue(plan: Plan, burst: list[dict[str, Any]]) -> dict[str, Any]:

@@ -91,7 +91,16 @@ from chaos import (
     provision_with_retries,
     until_jetstream_answers,
 )
-from common import RESULTS, ROOT, machine_info, mock_process, percentile
+from common import (
+    RESULTS,
+    ROOT,
+    machine_info,
+    mock_process,
+    percentile,
+    read_stream,
+    read_stream_stamped,
+)
+from common import read_events as read_events_on
 
 from renqueue import Client, Services, parse_config
 from renqueue.config import DEFAULT_PRIORITIES, Config, load_config
@@ -104,10 +113,7 @@ from renqueue.wire import (
     REQUEST_DECODER,
     REQUESTS_STREAM,
     TOKENS_STREAM,
-    AckPolicy,
     Completed,
-    ConsumerConfig,
-    DeliverPolicy,
     Dispatch,
     Preempted,
     Promoted,
@@ -415,57 +421,9 @@ class Record:
         return None if self.started_at is None else self.started_at - self.submitted_at
 
 
-async def read_stream(js: Any, stream: str, subject: str) -> list[bytes]:
-    """Every message of ``stream`` on ``subject``, in order (one ephemeral pull consumer,
-    no acks)."""
-    return [data for data, _stored in await read_stream_stamped(js, stream, subject)]
-
-
-async def read_stream_stamped(js: Any, stream: str, subject: str) -> list[tuple[bytes, float]]:
-    """As :func:`read_stream`, each message with the server's time of storing it."""
-    info = await js.stream_info(stream)
-    if not info.state.messages:
-        return []
-    last = int(info.state.last_seq)
-    psub = await js.pull_subscribe(
-        subject,
-        stream=stream,
-        config=ConsumerConfig(
-            ack_policy=AckPolicy.NONE,
-            deliver_policy=DeliverPolicy.ALL,
-            inactive_threshold=30.0,
-            mem_storage=True,
-            num_replicas=1,
-        ),
-    )
-    out: list[tuple[bytes, float]] = []
-    try:
-        while True:
-            try:
-                msgs = await psub.fetch(batch=1000, timeout=2.0)
-            except TimeoutError:  # NatsTimeoutError is one
-                break
-            done = False
-            for msg in msgs:
-                out.append((msg.data, msg.metadata.timestamp.timestamp()))
-                meta = msg.metadata
-                if meta.num_pending == 0 or meta.sequence.stream >= last:
-                    done = True
-            if done:
-                break
-    finally:
-        with contextlib.suppress(Exception):
-            await psub.unsubscribe()
-    return out
-
-
 async def read_events(js: Any) -> list[Any]:
     """Every event of the bench tenant in the log, in order."""
-    events: list[Any] = []
-    for data in await read_stream(js, EVENTS_STREAM, f"rq.evt.{TENANT}.>"):
-        with contextlib.suppress(msgspec.DecodeError):
-            events.append(EVENT_DECODER.decode(data))
-    return events
+    return await read_events_on(js, f"rq.evt.{TENANT}.>")
 
 
 _CHUNK_DECODER = msgspec.json.Decoder(TokenChunk)
