@@ -6,7 +6,8 @@ that read the broker, ask these functions, and carry out what they answer.
 - Aging and pick order (``_aging``): :class:`LevelPolicy`, :func:`promotions`,
   :func:`effective_rank`, :func:`pick_key`, :func:`aging_bound`.
 - One request's routing (``_routing``): :func:`validate`, :func:`capable`,
-  :func:`choose_backend`, :func:`hopeless`, :class:`BackendView`, :class:`NoRoom`.
+  :func:`choose_backend`, :func:`hopeless`, :class:`BackendView`, :class:`NoRoom`;
+  a fallback's constraints, :func:`meets`; a cost estimate, :func:`estimated_cost`.
 - A router's round (``_planner``): :func:`plan` over :class:`Waiting` requests
   and :class:`BackendView` s, under a :class:`PlanPolicy`, answering
   :data:`Action` s: :class:`Promote`, :class:`Inherit`, :class:`Expire`,
@@ -17,7 +18,7 @@ that read the broker, ask these functions, and carry out what they answer.
   :class:`FailurePolicy` and a route's :class:`FallbackPolicy` (over its
   :class:`Candidate` s, :class:`RouteFacts`), answering :class:`Retry`,
   :class:`FallBack`, :class:`RequeueElsewhere` or :class:`Fail`;
-  :func:`backoff`, :func:`meets`.
+  :func:`backoff`.
 - Backend health (``_health``): the circuit breaker, :func:`next_circuit`
   (a :class:`Circuit` judged from :class:`CircuitFacts` under
   :class:`CircuitRules`); the older streak rule :func:`is_healthy`.
@@ -55,7 +56,6 @@ from ._failure import (
     RouteFacts,
     after_failure,
     backoff,
-    meets,
     retry_after,
 )
 from ._health import (
@@ -104,7 +104,16 @@ from ._quota import (
     reserve,
     used,
 )
-from ._routing import BackendView, NoRoom, capable, choose_backend, hopeless, validate
+from ._routing import (
+    BackendView,
+    NoRoom,
+    capable,
+    choose_backend,
+    estimated_cost,
+    hopeless,
+    meets,
+    validate,
+)
 from ._spend import SpendLog
 from ._tokens import (
     CHARS_PER_TOKEN,
@@ -179,6 +188,7 @@ __all__ = [
     "estimate_prompt_tokens",
     "estimate_request_tokens",
     "estimate_text_tokens",
+    "estimated_cost",
     "heuristic_score",
     "hopeless",
     "is_healthy",

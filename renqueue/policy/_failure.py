@@ -90,6 +90,7 @@ from msgspec import Struct
 
 from ..errors import BackendError, FailureClass, RateLimitedError
 from ..wire._messages import Fallback
+from ._routing import meets
 
 #: ``error_type`` of a failure that is the worker's, not the backend's.
 INTERNAL = "internal"
@@ -412,17 +413,4 @@ def _can_take(candidate: Candidate, route: RouteFacts, fallback: Fallback | None
         meets(candidate, fallback or route.fallback)
         and (route.complexity is None or candidate.tier >= route.complexity)
         and (route.max_cost is None or candidate.cost is None or candidate.cost <= route.max_cost)
-    )
-
-
-def meets(candidate: Candidate, fallback: Fallback) -> bool:
-    """Whether ``candidate`` meets a fallback's constraints (``excluded`` aside)."""
-    if candidate.name in fallback.too_small:
-        return False
-    if fallback.min_tier is not None and candidate.tier < fallback.min_tier:
-        return False
-    if fallback.free_only and candidate.paid:
-        return False
-    return fallback.min_context is None or (
-        candidate.context_window is not None and candidate.context_window >= fallback.min_context
     )

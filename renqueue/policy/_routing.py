@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -23,7 +23,7 @@ from ..errors import (
     OverCostCapError,
     UnknownRouteError,
 )
-from ..wire._messages import InferenceRequest
+from ..wire._messages import Fallback, InferenceRequest
 from ..wire._subjects import SYSTEM_TENANT, msg_id
 from ._quota import Cost, Limit, Quota, QuotaVerdict, check
 from ._tokens import DEFAULT_MAX_TOKENS, estimate_prompt_tokens
@@ -40,6 +40,32 @@ class NoRoom(enum.Enum):
 
     FULL = "every capable candidate is at capacity"
     NONE_CAPABLE = "no candidate is healthy and capable"
+
+
+class Priced(Protocol):
+    """What a cost estimate reads of a backend (a config, a view)."""
+
+    @property
+    def cost_input_per_mtok(self) -> float: ...
+
+    @property
+    def cost_output_per_mtok(self) -> float: ...
+
+
+class Traits(Protocol):
+    """What a fallback's constraints read of a backend (a view, a failure-policy candidate)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tier(self) -> int: ...
+
+    @property
+    def context_window(self) -> int | None: ...
+
+    @property
+    def paid(self) -> bool: ...
 
 
 class BackendView(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,7 +166,7 @@ def validate(
     if request.max_cost is not None:
         # Likewise a request whose cost cap no candidate can meet.
         costs = [
-            estimated_cost(request, _priced(config, name))
+            estimated_cost(request, config.backends[name])
             for name in config.routes[request.route].backends
             if name in config.backends
         ]
@@ -186,38 +212,34 @@ def allowed_after_fallback(request: InferenceRequest, view: BackendView) -> bool
     failed it in this pass over its route, a context window as large as it
     needs, and no lower tier or no paid backend when its route says so."""
     fallback = request.fallback
-    if fallback is None:
-        return True
-    if view.name in fallback.excluded or view.name in fallback.too_small:
-        return False
-    if fallback.min_tier is not None and view.tier < fallback.min_tier:
-        return False
-    if fallback.min_context is not None and (
-        view.context_window is None or view.context_window < fallback.min_context
-    ):
-        return False
-    return not (view.paid and fallback.free_only)
+    return fallback is None or (view.name not in fallback.excluded and meets(view, fallback))
 
 
-def _priced(config: Config, name: str) -> BackendView:
-    """Backend ``name`` as far as its prices go (for a cost estimate from the config)."""
-    backend = config.backends[name]
-    return BackendView(
-        name=name,
-        capacity=0,
-        in_flight=0,
-        cost_input_per_mtok=backend.cost_input_per_mtok,
-        cost_output_per_mtok=backend.cost_output_per_mtok,
+def meets(backend: Traits, fallback: Fallback) -> bool:
+    """Whether ``backend`` meets a fallback's constraints (``excluded`` aside):
+    never one that said the context is too long, a tier no lower than
+    ``min_tier``, a declared window of at least ``min_context``, free if
+    ``free_only``."""
+    if backend.name in fallback.too_small:
+        return False
+    if fallback.min_tier is not None and backend.tier < fallback.min_tier:
+        return False
+    if fallback.free_only and backend.paid:
+        return False
+    return fallback.min_context is None or (
+        backend.context_window is not None and backend.context_window >= fallback.min_context
     )
 
 
-def estimated_cost(request: InferenceRequest, view: BackendView) -> float:
-    """US dollars a call of ``request`` may cost at ``view``: its estimated
-    prompt and the most it may generate (``max_tokens``, else
-    :data:`DEFAULT_MAX_TOKENS`)."""
+def estimated_cost(request: InferenceRequest, backend: Priced) -> float:
+    """US dollars a call of ``request`` may cost at ``backend`` (a config or a
+    view): its estimated prompt and the most it may generate (``max_tokens``,
+    else :data:`DEFAULT_MAX_TOKENS`)."""
     prompt = estimate_prompt_tokens(request.messages)
     output = request.params.max_tokens or DEFAULT_MAX_TOKENS
-    return (prompt * view.cost_input_per_mtok + output * view.cost_output_per_mtok) / 1_000_000
+    return (
+        prompt * backend.cost_input_per_mtok + output * backend.cost_output_per_mtok
+    ) / 1_000_000
 
 
 def within_cost(request: InferenceRequest, view: BackendView) -> bool:

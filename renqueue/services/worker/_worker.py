@@ -61,7 +61,6 @@ from ...config import BackendConfig, Config, parse_duration
 from ...errors import BackendError, NatsUnavailableError, RateLimitedError
 from ...logs import bound_request, get_logger
 from ...policy import (
-    DEFAULT_MAX_TOKENS,
     INTERNAL,
     FallBack,
     RequeueElsewhere,
@@ -69,7 +68,7 @@ from ...policy import (
     RouteFacts,
     after_failure,
     backoff,
-    estimate_prompt_tokens,
+    estimated_cost,
     retry_after,
 )
 from ...state._cancellation import CancelWatch
@@ -724,10 +723,10 @@ class Worker(Lifecycle):
             return None
         candidates = self._config.candidates(request.route)
         if request.max_cost is not None:
-            prompt = estimate_prompt_tokens(request.messages)
-            output = request.params.max_tokens or DEFAULT_MAX_TOKENS
             candidates = tuple(
-                msgspec.structs.replace(c, cost=self._config.backends[c.name].cost(prompt, output))
+                msgspec.structs.replace(
+                    c, cost=estimated_cost(request, self._config.backends[c.name])
+                )
                 for c in candidates
             )
         return RouteFacts(
