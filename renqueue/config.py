@@ -538,6 +538,11 @@ class Config(_Section, frozen=True, kw_only=True):
             routes={n: r for n, r in routes.items() if r.backends},
         )
 
+    def highest_tier(self, route: str) -> int:
+        """The highest tier among ``route``'s backends (0 when it has none)."""
+        names = self.routes[route].backends if route in self.routes else []
+        return max((self.backends[name].tier for name in names if name in self.backends), default=0)
+
     def candidates(self, route: str) -> tuple[Candidate, ...]:
         """The route's backends in cascade order, as the failure policy sees them."""
         names = self.routes[route].backends if route in self.routes else []

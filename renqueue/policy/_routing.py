@@ -177,12 +177,7 @@ def validate(
     if request.complexity is not None:
         # Held, a request no backend can ever serve would wait forever and,
         # many of them, fill the level's hold for every tenant.
-        tiers = [
-            config.backends[name].tier
-            for name in config.routes[request.route].backends
-            if name in config.backends
-        ]
-        best = max(tiers, default=0)
+        best = config.highest_tier(request.route)
         if request.complexity > best:
             raise NoCapableBackendError(
                 request.route, request.complexity, best, request_id=request.id

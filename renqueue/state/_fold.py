@@ -74,6 +74,7 @@ __all__ = [
     "encode_state",
     "fold",
     "fold_many",
+    "is_backend_fault",
     "utc_day",
 ]
 
@@ -120,6 +121,13 @@ BACKEND_FAULT_CLASSES: Final = frozenset(
         "unavailable",
     }
 )
+
+
+def is_backend_fault(error_type: str, error_class: str = "") -> bool:
+    """Whether a failure blames the backend: by its class when it has one
+    (:data:`BACKEND_FAULT_CLASSES`), else (older events) by its type (:data:`BACKEND_FAULTS`)."""
+    return error_class in BACKEND_FAULT_CLASSES if error_class else error_type in BACKEND_FAULTS
+
 
 #: A started request with no event for this long (event time) is dropped from
 #: the in-flight map and counted in ``in_flight_dropped``. Property 1 says every
@@ -434,12 +442,7 @@ class _Builder:
             if event.shared_with is None:
                 self._set_backend(event.backend, ok_since_circuit=backend.ok_since_circuit + 1)
             return
-        error_class = event.error_class
-        if (
-            error_class in BACKEND_FAULT_CLASSES
-            if error_class
-            else event.error_type in BACKEND_FAULTS
-        ):
+        if is_backend_fault(event.error_type, event.error_class):
             self._set_backend(event.backend, faults_since_circuit=backend.faults_since_circuit + 1)
 
     def _on_backend(self, event: Event, at: float) -> None:
@@ -578,7 +581,7 @@ class _Builder:
         }
         if error_type == "rate_limited":
             changes["rate_limited"] = backend.rate_limited + 1
-        if error_class in BACKEND_FAULT_CLASSES if error_class else error_type in BACKEND_FAULTS:
+        if is_backend_fault(error_type, error_class):
             changes["consecutive_failures"] = backend.consecutive_failures + 1
             changes["last_fault_at"] = at
             changes["outcomes"] = self._outcome(name, at, fault=True)

@@ -553,12 +553,8 @@ class Router(Lifecycle):
         rules = self._config.routes[request.route].complexity
         if rules is None or request.complexity is not None:
             return request, None
-        tiers = [
-            self._config.backends[name].tier
-            for name in self._config.routes[request.route].backends
-            if name in self._config.backends
-        ]
-        estimate = estimate_complexity(request, rules.thresholds, highest=max(tiers, default=1))
+        highest = max(1, self._config.highest_tier(request.route))
+        estimate = estimate_complexity(request, rules.thresholds, highest=highest)
         return msgspec.structs.replace(request, complexity=estimate.tier), estimate
 
     async def _admit(self, msg: Message, level: str, now: float) -> InferenceRequest | None:

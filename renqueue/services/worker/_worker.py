@@ -73,7 +73,7 @@ from ...policy import (
 )
 from ...state._cancellation import CancelWatch
 from ...state._coalescing import Coalescer, coalesce_key
-from ...state._fold import BACKEND_FAULT_CLASSES
+from ...state._fold import is_backend_fault
 from ...wire._eventlog import EventLog
 from ...wire._messages import (
     DISPATCH_DECODER,
@@ -653,7 +653,7 @@ class Worker(Lifecycle):
         pending_acks: list[asyncio.Future[PubAck]],
     ) -> None:
         metrics.BACKEND_CALLS.labels(self._backend_name, exc.code).inc()
-        if str(exc.failure) in BACKEND_FAULT_CLASSES:
+        if is_backend_fault(exc.code, str(exc.failure)):
             self.faults_in_a_row += 1
         await settle(pending_acks)
         await self._after_failure(msg, dispatch, run, chunks, exc)
