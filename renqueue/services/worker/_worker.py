@@ -768,9 +768,9 @@ class Worker(Lifecycle):
                 run,
                 seq,
                 error_type=action.error_type,
-                reason=f"put back {MAX_REQUEUES} times, the most a request may be: {action.reason}"[
-                    :1000
-                ],
+                reason=(
+                    f"put back {MAX_REQUEUES} times, the most a request may be: {action.reason}"
+                )[:1000],
                 error_class=action.error_class,
             )
             return
