@@ -33,6 +33,7 @@ from .policy import (
     LevelPolicy,
     PlanPolicy,
 )
+from .policy._predict import RouteRules
 from .policy._quota import Limit, limits_of
 
 __all__ = [
@@ -382,6 +383,24 @@ class RouteConfig(_Section, frozen=True, kw_only=True):
     fallback: FallbackConfig = FallbackConfig()
     #: Estimate the tier of requests that name none; unset: they need none.
     complexity: ComplexityConfig | None = None
+    #: ``cheapest``: bind the cheapest candidate predicted to finish before the
+    #: request's deadline (waiting for a free one when it has the time);
+    #: ``cascade``: the first candidate with room, in order.
+    strategy: Literal["cheapest", "cascade"] = "cheapest"
+    #: Among equally cheap candidates in time, prefer the one predicted to
+    #: finish first (off: the cascade's order decides).
+    adapt: bool = False
+    #: With ``adapt``, the share of requests that choose among those by a draw
+    #: from each one's spread (Thompson sampling), to keep estimates fresh.
+    explore: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    #: Standard deviations of caution in a predicted finish time.
+    spread: Annotated[float, Meta(ge=0, le=10)] = 1.0
+
+    def rules(self) -> RouteRules:
+        """How the planner chooses among this route's candidates."""
+        return RouteRules(
+            strategy=self.strategy, adapt=self.adapt, explore=self.explore, spread=self.spread
+        )
 
 
 class LevelConfig(_Section, frozen=True, kw_only=True):
@@ -567,6 +586,7 @@ class Config(_Section, frozen=True, kw_only=True):
         return PlanPolicy(
             levels=tuple(self.level_policies()),
             routes={name: tuple(route.backends) for name, route in self.routes.items()},
+            rules={name: route.rules() for name, route in self.routes.items()},
         )
 
     def level_policies(self) -> list[LevelPolicy]:

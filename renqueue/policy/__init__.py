@@ -32,6 +32,12 @@ that read the broker, ask these functions, and carry out what they answer.
 - A request's difficulty when it names no tier (``_complexity``): the
   route's estimator, :func:`estimate_complexity` (a :class:`ComplexityEstimate`
   with its signals), over :func:`heuristic_score` or a learned :class:`Estimator`.
+- Speed and cost (``_perf``, ``_predict``): a backend's :class:`Perf`
+  (time to first token, token rate, output length with their spread, fault
+  and 429 probability) folded by :func:`learn_call` and :func:`learn_fault`;
+  :func:`predict` answers a :class:`Prediction` (start, finish, cost) of one
+  request on one backend; :func:`service_time`; a route's choice under its
+  :class:`RouteRules`, :func:`choose_in_time` (a :class:`Pick`).
 - Token estimates for quota reservations, no tokenizer download (``_tokens``):
   :func:`estimate_text_tokens`, :func:`estimate_prompt_tokens`,
   :func:`estimate_request_tokens`.
@@ -70,6 +76,7 @@ from ._health import (
     is_healthy,
     next_circuit,
 )
+from ._perf import MIN_SAMPLES, Perf, learn_call, learn_fault
 from ._planner import (
     BIND_REASON,
     DEADLINE_PASSED,
@@ -86,6 +93,7 @@ from ._planner import (
     plan,
     urgency,
 )
+from ._predict import Pick, Prediction, RouteRules, choose_in_time, predict, service_time
 from ._preemption import choose_victim, may_preempt, preempting_rank
 from ._quota import (
     Cost,
@@ -136,6 +144,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "INTERNAL",
     "MESSAGE_OVERHEAD_TOKENS",
+    "MIN_SAMPLES",
     "PREEMPT_RETRY",
     "REPLY_OVERHEAD_TOKENS",
     "RETRY_HERE_FIRST",
@@ -164,13 +173,17 @@ __all__ = [
     "Limit",
     "LimitUsage",
     "NoRoom",
+    "Perf",
+    "Pick",
     "PlanPolicy",
+    "Prediction",
     "Promote",
     "Quota",
     "QuotaVerdict",
     "RequeueElsewhere",
     "Retry",
     "RouteFacts",
+    "RouteRules",
     "SpendLog",
     "Wait",
     "Waiting",
@@ -180,6 +193,7 @@ __all__ = [
     "capable",
     "check",
     "choose_backend",
+    "choose_in_time",
     "choose_victim",
     "cool_down",
     "effective_limits",
@@ -193,6 +207,8 @@ __all__ = [
     "hopeless",
     "is_healthy",
     "learn",
+    "learn_call",
+    "learn_fault",
     "limit_usage",
     "limits_of",
     "may_preempt",
@@ -200,11 +216,13 @@ __all__ = [
     "next_circuit",
     "pick_key",
     "plan",
+    "predict",
     "preempting_rank",
     "promotions",
     "reconcile",
     "reserve",
     "retry_after",
+    "service_time",
     "tier_of",
     "urgency",
     "used",

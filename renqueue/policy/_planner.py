@@ -40,12 +40,14 @@ Every waiting request gets exactly one of :class:`Expire`, :class:`Bind` or
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Final
 
 import msgspec
 from msgspec import Struct
 
 from ..wire._messages import InferenceRequest
 from ._aging import LevelPolicy, effective_rank, pick_key, promotions
+from ._predict import Pick, RouteRules, choose_in_time, service_time
 from ._preemption import may_preempt, preempting_rank
 from ._quota import Cost, Quota, QuotaVerdict, reserve
 from ._routing import BackendView, NoRoom, capable, choose, hopeless
@@ -74,6 +76,9 @@ class PlanPolicy(Struct, frozen=True, kw_only=True):
     preempt_retry: float = PREEMPT_RETRY
     #: Tokens reserved for a request's output when it sets no ``max_tokens``.
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    #: How each route chooses among its candidates (a route not named:
+    #: :class:`RouteRules` ``()``, the cheapest in time).
+    rules: Mapping[str, RouteRules] = {}
 
 
 class Waiting(Struct, frozen=True, kw_only=True):
@@ -201,22 +206,10 @@ def plan(
         actions.extend(_announcements(item, now, levels))
         request = item.request
         candidates = policy.routes.get(request.route, ())
-        if request.deadline is not None:
-            if now >= request.deadline:
-                actions.append(Expire(ref=item.ref, reason=_why_late(request, candidates, views)))
-                continue
-            able = capable(request, candidates, views) or capable(
-                _unexcluded(request), candidates, views
-            )
-            finish = hopeless(request.deadline, now, [view.expected_duration for view in able])
-            if finish is not None:
-                late = finish - request.deadline
-                reason = (
-                    "cannot meet the deadline on any candidate: "
-                    f"the fastest would finish {late:.1f} s late"
-                )
-                actions.append(Expire(ref=item.ref, reason=reason))
-                continue
+        expire = _expiry(item, candidates, views, now)
+        if expire is not None:
+            actions.append(expire)
+            continue
         limited = any(name in views and views[name].limits for name in candidates)
         cost = Cost(
             requests=1,
@@ -225,10 +218,13 @@ def plan(
             else 0,
         )
         seen = _probe_turn(request, candidates, views, floors)
-        choice, passed = choose(request, candidates, seen, cost, now)
+        rules = policy.rules.get(request.route, _CHEAPEST)
+        pick = _pick(request, candidates, seen, cost, now, rules=rules)
+        choice, passed = pick.backend, pick.passed
         fallback = request.fallback
         if (
             isinstance(choice, NoRoom)
+            and pick.wait_for is None
             and fallback is not None
             and fallback.excluded
             and (choice is NoRoom.NONE_CAPABLE or _all_passed(request, candidates, views, passed))
@@ -243,13 +239,25 @@ def plan(
                 )
                 actions.append(Wait(ref=item.ref, backends=tuple(candidates), reason=reason))
                 continue
-            choice, passed = choose(_unexcluded(request), candidates, seen, cost, now)
+            pick = _pick(_unexcluded(request), candidates, seen, cost, now, rules=rules)
+            choice, passed = pick.backend, pick.passed
         if isinstance(choice, NoRoom):
-            if choice is NoRoom.FULL and not passed:
+            full = (
+                choice is NoRoom.FULL
+                and not passed
+                and all(view.free <= 0 for view in capable(request, candidates, seen))
+            )
+            if full:
                 ask = _preemption(item, candidates, views, now, policy)
                 if ask is not None:
                     actions.append(ask)
-            reason = choice.value if not passed else _passed_reason(passed, "no candidate left")
+            if pick.wait_for is not None:
+                # Later requests in the round queue behind it there.
+                waited = views[pick.wait_for]
+                views[pick.wait_for] = msgspec.structs.replace(waited, queued=waited.queued + 1)
+                reason = f"{choice.value}; {pick.reason}" if full else pick.reason
+            else:
+                reason = choice.value if not passed else _passed_reason(passed, "no candidate left")
             actions.append(Wait(ref=item.ref, backends=tuple(candidates), reason=reason))
             continue
         view = views[choice]
@@ -262,7 +270,9 @@ def plan(
             in_flight=view.in_flight + 1,
             quota=reserve(view.quota or _NO_SPEND, cost, now) if view.limits else view.quota,
         )
-        reason = BIND_REASON if not passed else _passed_reason(passed, f"bound to {choice}")
+        reason = pick.reason or (
+            BIND_REASON if not passed else _passed_reason(passed, f"bound to {choice}")
+        )
         actions.append(
             Bind(
                 ref=item.ref,
@@ -274,6 +284,51 @@ def plan(
             )
         )
     return actions
+
+
+_CHEAPEST: Final = RouteRules()
+
+
+def _pick(
+    request: InferenceRequest,
+    candidates: Sequence[str],
+    views: Mapping[str, BackendView],
+    cost: Cost,
+    now: float,
+    *,
+    rules: RouteRules,
+) -> Pick:
+    """The route's choice: the cheapest in time (:func:`choose_in_time`), or
+    the cascade's first candidate with room (:func:`choose`)."""
+    if rules.strategy == "cascade":
+        choice, passed = choose(request, candidates, views, cost, now)
+        return Pick(backend=choice, passed=passed)
+    return choose_in_time(request, candidates, views, cost, now, rules=rules)
+
+
+def _expiry(
+    item: Waiting, candidates: Sequence[str], views: Mapping[str, BackendView], now: float
+) -> Expire | None:
+    """An :class:`Expire` if ``item``'s deadline passed, or if no capable
+    candidate's mean service time (:func:`service_time`, no caution) ends
+    before it (:func:`hopeless`); else ``None``."""
+    request = item.request
+    if request.deadline is None:
+        return None
+    if now >= request.deadline:
+        return Expire(ref=item.ref, reason=_why_late(request, candidates, views))
+    able = capable(request, candidates, views) or capable(_unexcluded(request), candidates, views)
+    finish = hopeless(
+        request.deadline, now, [service_time(request, view, spread=0.0) for view in able]
+    )
+    if finish is None:
+        return None
+    late = finish - request.deadline
+    return Expire(
+        ref=item.ref,
+        reason="cannot meet the deadline on any candidate: "
+        f"the fastest would finish {late:.1f} s late",
+    )
 
 
 def _fallback_reason(request: InferenceRequest, view: BackendView, reason: str) -> str:

@@ -892,6 +892,7 @@ class Router(Lifecycle):
             views[name] = msgspec.structs.replace(
                 view,
                 expected_duration=None if state is None else state.expected_duration(name),
+                perf=None if projected is None else projected.backend(name).perf,
                 quota=quota,
                 limits=limits,
                 healthy=circuit.state != "open"
