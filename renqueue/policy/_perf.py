@@ -19,6 +19,9 @@ from msgspec import Struct
 WEIGHT: Final = 0.2
 #: Completions a backend needs before its model is used.
 MIN_SAMPLES: Final = 5
+#: Seconds of generation below which a call's token rate is not timed (a
+#: clock's resolution would make it any number).
+_MIN_TIMED: Final = 1e-3
 
 
 class Perf(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -83,7 +86,7 @@ def learn_call(
     if timed and ttft is not None:
         ttft_mean, ttft_var = _moved(perf.ttft, perf.ttft_var, ttft, first)
         generating = duration - ttft
-        if output_tokens > 1 and generating > 0:
+        if output_tokens > 1 and generating >= _MIN_TIMED:
             sample = (output_tokens - 1) / generating
             rate, rate_var = _moved(perf.rate, perf.rate_var, sample, perf.rate <= 0)
     return Perf(

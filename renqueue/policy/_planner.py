@@ -252,9 +252,16 @@ def plan(
                 if ask is not None:
                     actions.append(ask)
             if pick.wait_for is not None:
-                # Later requests in the round queue behind it there.
+                # Later requests in the round queue behind it there: for a
+                # slot, and for its quota from when it is predicted to start.
                 waited = views[pick.wait_for]
-                views[pick.wait_for] = msgspec.structs.replace(waited, queued=waited.queued + 1)
+                views[pick.wait_for] = msgspec.structs.replace(
+                    waited,
+                    queued=waited.queued + (1 if waited.free <= 0 else 0),
+                    quota=reserve(waited.quota or _NO_SPEND, cost, pick.wait_start)
+                    if waited.limits
+                    else waited.quota,
+                )
                 reason = f"{choice.value}; {pick.reason}" if full else pick.reason
             else:
                 reason = choice.value if not passed else _passed_reason(passed, "no candidate left")

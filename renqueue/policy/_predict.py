@@ -38,6 +38,9 @@ from ._tokens import DEFAULT_MAX_TOKENS
 #: A token rate is never taken below this share of its mean, however wide its
 #: spread (a rate near 0 would predict an endless call).
 _RATE_FLOOR: Final = 0.25
+#: Below this many tokens per second a learned rate is no model (only a
+#: broken or forged view could hold one).
+_MIN_RATE: Final = 1e-3
 
 _NO_SPEND: Final = Quota()
 
@@ -85,7 +88,7 @@ def service_time(
     """Seconds a call of ``request`` at ``view`` is expected to take once it
     starts, ``spread`` deviations cautious (0: the means); ``None``: not known."""
     perf = view.perf
-    if perf is None or perf.samples < min_samples or perf.rate <= 0:
+    if perf is None or perf.samples < min_samples or not perf.rate >= _MIN_RATE:
         return view.expected_duration
     ttft = perf.ttft + spread * perf.ttft_sd
     rate = max(perf.rate - spread * perf.rate_sd, perf.rate * _RATE_FLOOR)
@@ -130,11 +133,11 @@ def predict(
         if not verdict.ok:
             start = max(start, verdict.until)
             held = verdict.reason
-    if view.free <= 0 or view.queued > 0:
+    if view.free <= 0:
         ahead = max(0, view.in_flight - view.capacity) + 1 + view.queued
         slot = None if mean is None or view.capacity <= 0 else ahead * mean / view.capacity
         start = math.inf if slot is None else max(start, now + slot)
-        held = held or ("every slot taken" if view.free <= 0 else "others wait for it")
+        held = held or "every slot taken"
     finish = None if service is None or math.isinf(start) else start + service
     return Prediction(
         backend=view.name,
@@ -177,6 +180,8 @@ class Pick(Struct, frozen=True, kw_only=True):
     backend: str | NoRoom
     passed: list[tuple[str, QuotaVerdict]]
     wait_for: str | None = None
+    #: When the one waited for is predicted to take it.
+    wait_start: float = 0.0
     reason: str = ""
 
 
@@ -248,7 +253,13 @@ def _in_time(
         why = _why(best, now, deadline, options)
         if best.now:
             return Pick(backend=best.backend, passed=passed, reason=why)
-        return Pick(backend=NoRoom.FULL, passed=passed, wait_for=best.backend, reason=why)
+        return Pick(
+            backend=NoRoom.FULL,
+            passed=passed,
+            wait_for=best.backend,
+            wait_start=best.start,
+            reason=why,
+        )
     known = [option for option in options if option[0].now and option[0].finish is not None]
     if not known:
         return Pick(backend=NoRoom.FULL, passed=passed)

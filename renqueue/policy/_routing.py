@@ -92,8 +92,8 @@ class BackendView(msgspec.Struct, frozen=True, kw_only=True):
     half_open: bool = False
     #: Its learned speed and reliability (``None``: nothing learned yet).
     perf: Perf | None = None
-    #: Requests planned this round to wait for it (a cheaper choice than
-    #: binding elsewhere now): later ones in the round queue behind them.
+    #: Requests planned this round to wait for one of its slots (a cheaper
+    #: choice than binding elsewhere now): later ones queue behind them.
     queued: int = 0
 
     @property
