@@ -234,6 +234,11 @@ class Router(Lifecycle):
         return self._dispatcher.routed
 
     @property
+    def projection(self) -> LiveState | None:
+        """What this router knows of the projection (``None`` before it starts)."""
+        return None if self._state is None else self._state.state
+
+    @property
     def binding(self) -> bool:
         """Whether this router holds the binder's lease and its loops run."""
         return self._term is not None
