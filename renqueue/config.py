@@ -33,6 +33,7 @@ from .policy import (
     LevelPolicy,
     PlanPolicy,
 )
+from .policy._budget import EVERY_TENANT, Budget
 from .policy._predict import RouteRules
 from .policy._quota import Limit, limits_of
 
@@ -403,6 +404,17 @@ class RouteConfig(_Section, frozen=True, kw_only=True):
         )
 
 
+class TenantConfig(_Section, frozen=True, kw_only=True):
+    """A tenant's settings (``[tenants.<name>]``; ``[tenants."*"]``: every
+    tenant not named). See :mod:`renqueue.policy._budget`."""
+
+    #: US dollars per UTC day, judged against the projected spend; unset: no budget.
+    daily_budget: Annotated[float, Meta(ge=0)] | None = None
+    #: Past the budget: ``soft``, free and local backends only; ``hard``, new
+    #: requests are also refused (``budget_exhausted``) until 00:00 UTC.
+    budget: Literal["soft", "hard"] = "soft"
+
+
 class LevelConfig(_Section, frozen=True, kw_only=True):
     """Settings of one priority level (``[levels.<name>]``); unset = the default.
 
@@ -522,6 +534,8 @@ class Config(_Section, frozen=True, kw_only=True):
     levels: dict[Name, LevelConfig] = {}
     backends: dict[Name, BackendConfig] = {}
     routes: dict[Name, RouteConfig] = {}
+    #: Per-tenant settings by name, ``"*"`` for every tenant not named.
+    tenants: dict[str, TenantConfig] = {}
     router: RouterConfig = RouterConfig()
     worker: WorkerConfig = WorkerConfig()
 
@@ -587,7 +601,16 @@ class Config(_Section, frozen=True, kw_only=True):
             levels=tuple(self.level_policies()),
             routes={name: tuple(route.backends) for name, route in self.routes.items()},
             rules={name: route.rules() for name, route in self.routes.items()},
+            budgets=self.budgets(),
         )
+
+    def budgets(self) -> dict[str, Budget]:
+        """Each tenant's daily budget (``"*"``: every tenant not named)."""
+        return {
+            name: Budget(daily=tenant.daily_budget, mode=tenant.budget)
+            for name, tenant in self.tenants.items()
+            if tenant.daily_budget is not None
+        }
 
     def level_policies(self) -> list[LevelPolicy]:
         """Every level's effective settings, most urgent first (defaults filled in)."""
@@ -631,7 +654,14 @@ def parse_config(data: Mapping[str, Any], *, source: str | None = None) -> Confi
     backends = raw.pop("backends", {})
     routes = raw.pop("routes", {})
     levels = raw.pop("levels", {})
-    for section, value in (("backends", backends), ("routes", routes), ("levels", levels)):
+    tenants = raw.pop("tenants", {})
+    sections = (
+        ("backends", backends),
+        ("routes", routes),
+        ("levels", levels),
+        ("tenants", tenants),
+    )
+    for section, value in sections:
         if not isinstance(value, Mapping):
             raise ConfigError("expected a table", path=f"$.{section}", source=source)
     config = _convert(raw, Config, "$", source)
@@ -647,14 +677,22 @@ def parse_config(data: Mapping[str, Any], *, source: str | None = None) -> Confi
         name: _convert(value, LevelConfig, f"$.levels.{name}", source)
         for name, value in levels.items()
     }
+    parsed_tenants = {
+        name: _convert(value, TenantConfig, f"$.tenants.{name}", source)
+        for name, value in tenants.items()
+    }
     config = msgspec.structs.replace(
-        config, backends=parsed_backends, routes=parsed_routes, levels=parsed_levels
+        config,
+        backends=parsed_backends,
+        routes=parsed_routes,
+        levels=parsed_levels,
+        tenants=parsed_tenants,
     )
     _check_references(config, source)
     return config
 
 
-def _check_references(config: Config, source: str | None) -> None:
+def _check_names(config: Config, source: str | None) -> None:
     name_re = re.compile(_NAME)
     for section, names in (("backends", config.backends), ("routes", config.routes)):
         for name in names:
@@ -664,6 +702,17 @@ def _check_references(config: Config, source: str | None) -> None:
                     path=f"$.{section}.{name}",
                     source=source,
                 )
+    for name in config.tenants:
+        if name != EVERY_TENANT and not name_re.fullmatch(name):
+            raise ConfigError(
+                f'invalid tenant {name!r}: a tenant name (letters, digits, - and _) or "*"',
+                path=f"$.tenants.{name}",
+                source=source,
+            )
+
+
+def _check_references(config: Config, source: str | None) -> None:
+    _check_names(config, source)
     if len(set(config.priorities)) != len(config.priorities):
         raise ConfigError("priority levels must be unique", path="$.priorities", source=source)
     for name, level in config.levels.items():

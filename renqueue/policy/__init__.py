@@ -38,12 +38,16 @@ that read the broker, ask these functions, and carry out what they answer.
   :func:`predict` answers a :class:`Prediction` (start, finish, cost) of one
   request on one backend; :func:`service_time`; a route's choice under its
   :class:`RouteRules`, :func:`choose_in_time` (a :class:`Pick`).
+- Tenant budgets per UTC day (``_budget``): a :class:`Budget` per tenant
+  (:func:`budget_of`, :data:`EVERY_TENANT`), :func:`within_budget` (may it
+  go to this backend), :func:`refused` (a hard budget spent), :func:`day_ends`.
 - Token estimates for quota reservations, no tokenizer download (``_tokens``):
   :func:`estimate_text_tokens`, :func:`estimate_prompt_tokens`,
   :func:`estimate_request_tokens`.
 """
 
 from ._aging import LevelPolicy, aging_bound, effective_rank, pick_key, promotions
+from ._budget import EVERY_TENANT, Budget, budget_of, day_ends, refused, within_budget
 from ._complexity import Estimator, heuristic_score, tier_of
 from ._complexity import estimate as estimate_complexity
 from ._failure import (
@@ -142,6 +146,7 @@ __all__ = [
     "DEFAULT_FAILURE_THRESHOLD",
     "DEFAULT_FALLBACK_ON",
     "DEFAULT_MAX_TOKENS",
+    "EVERY_TENANT",
     "INTERNAL",
     "MESSAGE_OVERHEAD_TOKENS",
     "MIN_SAMPLES",
@@ -153,6 +158,7 @@ __all__ = [
     "AskPreemption",
     "BackendView",
     "Bind",
+    "Budget",
     "Candidate",
     "Circuit",
     "CircuitFacts",
@@ -190,12 +196,14 @@ __all__ = [
     "after_failure",
     "aging_bound",
     "backoff",
+    "budget_of",
     "capable",
     "check",
     "choose_backend",
     "choose_in_time",
     "choose_victim",
     "cool_down",
+    "day_ends",
     "effective_limits",
     "effective_rank",
     "estimate_complexity",
@@ -220,6 +228,7 @@ __all__ = [
     "preempting_rank",
     "promotions",
     "reconcile",
+    "refused",
     "reserve",
     "retry_after",
     "service_time",
@@ -227,4 +236,5 @@ __all__ = [
     "urgency",
     "used",
     "validate",
+    "within_budget",
 ]

@@ -40,17 +40,18 @@ Every waiting request gets exactly one of :class:`Expire`, :class:`Bind` or
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Final
+from typing import Final, TypeVar
 
 import msgspec
 from msgspec import Struct
 
 from ..wire._messages import InferenceRequest
 from ._aging import LevelPolicy, effective_rank, pick_key, promotions
+from ._budget import Budget, budget_of, within_budget
 from ._predict import Pick, RouteRules, choose_in_time, service_time
 from ._preemption import may_preempt, preempting_rank
 from ._quota import Cost, Quota, QuotaVerdict, reserve
-from ._routing import BackendView, NoRoom, capable, choose, hopeless
+from ._routing import BackendView, NoRoom, capable, choose, estimated_cost, hopeless
 from ._tokens import DEFAULT_MAX_TOKENS, estimate_request_tokens
 
 #: Seconds before an urgent request that is still waiting asks for preemption again.
@@ -79,6 +80,8 @@ class PlanPolicy(Struct, frozen=True, kw_only=True):
     #: How each route chooses among its candidates (a route not named:
     #: :class:`RouteRules` ``()``, the cheapest in time).
     rules: Mapping[str, RouteRules] = {}
+    #: Tenants' daily budgets (``"*"``: every tenant not named).
+    budgets: Mapping[str, Budget] = {}
 
 
 class Waiting(Struct, frozen=True, kw_only=True):
@@ -191,32 +194,30 @@ def plan(
     backends: Mapping[str, BackendView],
     now: float,
     policy: PlanPolicy,
+    spent: Mapping[str, float] | None = None,
 ) -> list[Action]:
     """The round's decisions for ``waiting`` at ``now`` (see the module docstring).
 
     ``backends`` is the load and health at the start of the round; a binding
-    uses up its slot for the requests after it. Pure: no clock, no I/O, the
-    arguments are not changed.
+    uses up its slot for the requests after it. ``spent``: what each tenant
+    spent today (US dollars), for its budget (:mod:`._budget`). Pure: no
+    clock, no I/O, the arguments are not changed.
     """
     levels = policy.levels
     views = dict(backends)
     actions: list[Action] = []
     floors = _probe_floors(waiting, views, policy)
+    # Today's spend, with what this round's binds are estimated to add.
+    today = dict(spent or {})
     for item in sorted(waiting, key=lambda item: urgency(item, now, levels)):
         actions.extend(_announcements(item, now, levels))
         request = item.request
-        candidates = policy.routes.get(request.route, ())
+        candidates, budget_note = _affordable(request, views, policy, today)
         expire = _expiry(item, candidates, views, now)
         if expire is not None:
-            actions.append(expire)
+            actions.append(_noted(expire, budget_note))
             continue
-        limited = any(name in views and views[name].limits for name in candidates)
-        cost = Cost(
-            requests=1,
-            tokens=estimate_request_tokens(request, default_max_tokens=policy.default_max_tokens)
-            if limited
-            else 0,
-        )
+        cost = _reservation(request, candidates, views, policy)
         seen = _probe_turn(request, candidates, views, floors)
         rules = policy.rules.get(request.route, _CHEAPEST)
         pick = _pick(request, candidates, seen, cost, now, rules=rules)
@@ -237,7 +238,8 @@ def plan(
                     "no candidate that has not failed it can take it; back to one that did"
                     f" in {fallback.not_before - now:.1f} s"
                 )
-                actions.append(Wait(ref=item.ref, backends=tuple(candidates), reason=reason))
+                wait = Wait(ref=item.ref, backends=tuple(candidates), reason=reason)
+                actions.append(_noted(wait, budget_note))
                 continue
             pick = _pick(_unexcluded(request), candidates, seen, cost, now, rules=rules)
             choice, passed = pick.backend, pick.passed
@@ -252,20 +254,12 @@ def plan(
                 if ask is not None:
                     actions.append(ask)
             if pick.wait_for is not None:
-                # Later requests in the round queue behind it there: for a
-                # slot, and for its quota from when it is predicted to start.
-                waited = views[pick.wait_for]
-                views[pick.wait_for] = msgspec.structs.replace(
-                    waited,
-                    queued=waited.queued + (1 if waited.free <= 0 else 0),
-                    quota=reserve(waited.quota or _NO_SPEND, cost, pick.wait_start)
-                    if waited.limits
-                    else waited.quota,
-                )
+                _hold_place(views, pick.wait_for, pick.wait_start, cost)
                 reason = f"{choice.value}; {pick.reason}" if full else pick.reason
             else:
                 reason = choice.value if not passed else _passed_reason(passed, "no candidate left")
-            actions.append(Wait(ref=item.ref, backends=tuple(candidates), reason=reason))
+            wait = Wait(ref=item.ref, backends=tuple(candidates), reason=reason)
+            actions.append(_noted(wait, budget_note))
             continue
         view = views[choice]
         # Tokens are reserved where a token limit applies; elsewhere the
@@ -280,17 +274,85 @@ def plan(
         reason = pick.reason or (
             BIND_REASON if not passed else _passed_reason(passed, f"bound to {choice}")
         )
-        actions.append(
-            Bind(
-                ref=item.ref,
-                backend=choice,
-                effective_rank=urgency(item, now, levels)[0],
-                reason=_fallback_reason(request, view, reason),
-                reserved_tokens=cost.tokens,
-                probe=view.half_open,
-            )
+        bind = Bind(
+            ref=item.ref,
+            backend=choice,
+            effective_rank=urgency(item, now, levels)[0],
+            reason=_fallback_reason(request, view, reason),
+            reserved_tokens=cost.tokens,
+            probe=view.half_open,
         )
+        actions.append(_noted(bind, budget_note))
+        if view.paid and budget_of(request.tenant, policy.budgets) is not None:
+            today[request.tenant] = today.get(request.tenant, 0.0) + estimated_cost(request, view)
     return actions
+
+
+def _reservation(
+    request: InferenceRequest,
+    candidates: Sequence[str],
+    views: Mapping[str, BackendView],
+    policy: PlanPolicy,
+) -> Cost:
+    """What a call of ``request`` is reserved of a quota: one request, and its
+    token estimate where a candidate has limits."""
+    limited = any(name in views and views[name].limits for name in candidates)
+    tokens = (
+        estimate_request_tokens(request, default_max_tokens=policy.default_max_tokens)
+        if limited
+        else 0
+    )
+    return Cost(requests=1, tokens=tokens)
+
+
+def _hold_place(views: dict[str, BackendView], name: str, start: float, cost: Cost) -> None:
+    """A request waits for backend ``name`` from ``start``: later requests in
+    the round queue behind it there, for a slot (if all are taken) and for its
+    quota (reserved from when it is predicted to start)."""
+    view = views[name]
+    views[name] = msgspec.structs.replace(
+        view,
+        queued=view.queued + (1 if view.free <= 0 else 0),
+        quota=reserve(view.quota or _NO_SPEND, cost, start) if view.limits else view.quota,
+    )
+
+
+_Reasoned = TypeVar("_Reasoned", Expire, Wait, Bind)
+
+
+def _noted(action: _Reasoned, note: str) -> _Reasoned:
+    """``action`` with ``note`` added to its reason (none if ``note`` is empty)."""
+    if not note:
+        return action
+    return msgspec.structs.replace(action, reason=f"{action.reason}; {note}")
+
+
+def _affordable(
+    request: InferenceRequest,
+    views: Mapping[str, BackendView],
+    policy: PlanPolicy,
+    spent: Mapping[str, float],
+) -> tuple[list[str], str]:
+    """``request``'s route candidates that its tenant's budget allows
+    (:func:`within_budget`), and a note for its reasons when the budget left
+    some out."""
+    candidates = list(policy.routes.get(request.route, ()))
+    budget = budget_of(request.tenant, policy.budgets)
+    if budget is None:
+        return candidates, ""
+    today = spent.get(request.tenant, 0.0)
+    allowed = [
+        name
+        for name in candidates
+        if name not in views or within_budget(request, views[name], budget, today)
+    ]
+    if len(allowed) == len(candidates):
+        return candidates, ""
+    note = (
+        f"tenant budget ${today:.4f} of ${budget.daily:.4f} spent today:"
+        f" not {', '.join(name for name in candidates if name not in allowed)}"
+    )
+    return allowed, note
 
 
 _CHEAPEST: Final = RouteRules()

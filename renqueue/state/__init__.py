@@ -56,10 +56,14 @@ from ._view import (
     LiveState,
     Progress,
     StateView,
+    TenantSpend,
+    TenantView,
     backend_view_key,
     decode_backend_view,
     decode_progress,
+    decode_tenant_view,
     encode_view,
+    tenant_view_key,
 )
 
 __all__ = [
@@ -88,8 +92,10 @@ __all__ = [
     "Projector",
     "StateView",
     "StatusReport",
+    "TenantSpend",
     "TenantState",
     "TenantStatus",
+    "TenantView",
     "Verification",
     "backend_status",
     "backend_view_key",
@@ -98,6 +104,7 @@ __all__ = [
     "decode_backend_view",
     "decode_progress",
     "decode_state",
+    "decode_tenant_view",
     "diff_states",
     "diff_values",
     "encode_state",
@@ -108,6 +115,7 @@ __all__ = [
     "read_status",
     "rebuild",
     "render_status",
+    "tenant_view_key",
     "utc_day",
     "verify",
 ]

@@ -65,9 +65,12 @@ from ._view import (
     PROGRESS_KEY,
     BackendView,
     Progress,
+    TenantSpend,
+    TenantView,
     backend_view_key,
     decode_progress,
     encode_view,
+    tenant_view_key,
 )
 
 __all__ = ["Projector", "rebuild"]
@@ -242,6 +245,7 @@ class Projector(Lifecycle):
         #: Each backend's state as last published in its view (by identity: a
         #: fold replaces a backend's state when it changes it).
         self._published: dict[str, BackendState] = {}
+        self._published_spends: dict[str, TenantSpend] = {}
         #: The sequence the published views reflect (behind the checkpoint
         #: only after a failed view write: the next flush writes them).
         self._views_seq = 0
@@ -324,6 +328,7 @@ class Projector(Lifecycle):
         """
         self._views_seq = 0
         self._published = {}
+        self._published_spends = {}
         self._views_floor = await self._stored_views_seq()
         entry = await self._bucket.latest(STATE_KEY)
         if entry is None or entry.operation is not None:
@@ -421,6 +426,28 @@ class Projector(Lifecycle):
             or self._clock() - self._last_full_publish >= self._republish_every
         )
 
+    def _changed_spends(self, state: ProjectionState, *, full: bool) -> dict[str, TenantSpend]:
+        """The tenants whose day's spend differs from what this projector last
+        published (every one, on a ``full`` publish): only a spend moves a
+        tenant's view, so a free call writes none."""
+        if full:
+            self._published_spends = {}
+        changed: dict[str, TenantSpend] = {}
+        for name, tenant in state.tenants.items():
+            if tenant.spend <= 0:  # never spent: nothing to budget
+                continue
+            spend = TenantSpend(day=tenant.day, day_spend=tenant.day_spend)
+            if self._published_spends.get(name) == spend:
+                continue
+            if not _VIEW_NAME.fullmatch(name):
+                if name not in self._unpublishable:
+                    self._unpublishable.add(name)
+                    self.views_skipped += 1
+                    log.warning("tenant name cannot be a view key; not published", tenant=name)
+                continue
+            changed[name] = spend
+        return changed
+
     async def _check_consumer(self, psub: PullSubscription) -> None:
         """An idle consumer may have been lost (server restart): make it again if so."""
         try:
@@ -491,7 +518,8 @@ class Projector(Lifecycle):
             changed[name] = backend
         kv = self._bucket
         seq, epoch = state.last_seq, self._epoch
-        if changed:
+        spends = self._changed_spends(state, full=full)
+        if changed or spends:
             await asyncio.gather(
                 *(
                     kv.put(
@@ -499,9 +527,17 @@ class Projector(Lifecycle):
                         encode_view(BackendView(last_seq=seq, epoch=epoch, backend=backend)),
                     )
                     for name, backend in changed.items()
-                )
+                ),
+                *(
+                    kv.put(
+                        tenant_view_key(name),
+                        encode_view(TenantView(last_seq=seq, epoch=epoch, tenant=spend)),
+                    )
+                    for name, spend in spends.items()
+                ),
             )
             self._published.update(changed)
+            self._published_spends.update(spends)
         progress = Progress(last_seq=seq, epoch=epoch, log_time=state.log_time)
         await kv.put(PROGRESS_KEY, encode_view(progress))
         self._views_seq = state.last_seq

@@ -65,7 +65,7 @@ from ... import metrics
 from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor, cancel_and_wait
 from ...config import Config, parse_duration
-from ...errors import RenQueueError
+from ...errors import BudgetExhaustedError, RenQueueError
 from ...logs import get_logger
 from ...ops._provision import renew_router_consumers, router_consumer_configs
 from ...policy import (
@@ -80,11 +80,15 @@ from ...policy import (
     Promote,
     Wait,
     Waiting,
+    budget_of,
+    day_ends,
     plan,
+    refused,
 )
 from ...policy._complexity import estimate as estimate_complexity
 from ...state._cancellation import CancelWatch
 from ...state._coalescing import Coalescer, coalesce_key
+from ...state._fold import utc_day
 from ...state._lease import Lease
 from ...state._view import LiveState, StateView
 from ...wire._eventlog import EventLog
@@ -563,11 +567,22 @@ class Router(Lifecycle):
         return msgspec.structs.replace(request, complexity=estimate.tier), estimate
 
     async def _admit(self, msg: Message, level: str, now: float) -> InferenceRequest | None:
-        """Decode and validate one request; reject it (terminally) if it is bad."""
+        """Decode and validate one request; reject it (terminally) if it is bad,
+        or if it is new and its tenant's hard daily budget is spent."""
         admitted = admit(msg, level, self._config)
         if isinstance(admitted, Refused):
             await self._reject(msg, *admitted)
             return None
+        budget = budget_of(admitted.tenant, self._plan_policy.budgets)
+        projected = None if self._state is None else self._state.state
+        if budget is not None and projected is not None and admitted.requeues == 0:
+            spent = projected.spent(admitted.tenant, utc_day(now))
+            if refused(budget, spent):
+                error = BudgetExhaustedError(
+                    admitted.tenant, budget.daily, spent, day_ends(now), request_id=admitted.id
+                )
+                await self._reject(msg, admitted.id, admitted.tenant, error)
+                return None
         return admitted
 
     async def _settle_on_read(
@@ -842,7 +857,8 @@ class Router(Lifecycle):
         views, judged = self._views(state, now)
         waiting: set[str] = set()
         gone: set[int] = set()
-        for action in plan(snapshot, views, now, self._plan_policy):
+        spent = self._spent_today(projected, snapshot, now)
+        for action in plan(snapshot, views, now, self._plan_policy, spent):
             item = items[action.ref]
             if isinstance(action, Promote | Inherit):
                 self._announce_promotion(item, action)
@@ -964,6 +980,21 @@ class Router(Lifecycle):
     @functools.cached_property
     def _plan_policy(self) -> PlanPolicy:
         return self._config.plan_policy()
+
+    def _spent_today(
+        self, projected: LiveState | None, snapshot: list[Waiting], now: float
+    ) -> dict[str, float]:
+        """What each tenant with a waiting request and a budget spent today (the projection's)."""
+        budgets = self._plan_policy.budgets
+        if not budgets or projected is None:
+            return {}
+        day = utc_day(now)
+        tenants = {item.request.tenant for item in snapshot}
+        return {
+            tenant: projected.spent(tenant, day)
+            for tenant in tenants
+            if budget_of(tenant, budgets) is not None
+        }
 
     def _announce_promotion(self, item: Held, action: Promote | Inherit) -> None:
         """Record a promotion the planner announced: earned by aging (``at`` is
