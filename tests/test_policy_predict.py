@@ -312,6 +312,23 @@ def test_adapt_prefers_the_faster_of_equally_cheap_ones_and_exploring_is_determi
     assert drawn == {"a", "b"}
 
 
+def test_a_backend_that_degrades_gets_less_traffic_before_any_circuit_opens() -> None:
+    """With ``adapt``, faults and 429s make a backend's predicted finish later
+    (the expected time lost to a failed try): traffic moves to an equally
+    cheap one while both are still healthy."""
+    adapt = RouteRules(adapt=True)
+    first, second = view("first", perf=FAST), view("second", perf=FAST)
+    assert pick(request(deadline=NOW + 60), first, second, rules=adapt)[0] == "first"
+    perf = FAST
+    for _ in range(3):
+        perf = learn_fault(perf, fault=True, rate_limited=False)
+    degraded = view("first", perf=perf)
+    assert degraded.healthy
+    assert pick(request(deadline=NOW + 60), degraded, second, rules=adapt)[0] == "second"
+    # A strict cascade keeps its order while both are in time.
+    assert pick(request(deadline=NOW + 60), degraded, second)[0] == "first"
+
+
 def test_a_waiting_request_queues_later_ones_behind_it_in_the_same_round() -> None:
     limits = limits_of([(1, 60.0)], [])
     free = view("free", perf=FAST, limits=limits, quota=reserve(Quota(), ONE, NOW - 50))

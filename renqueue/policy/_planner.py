@@ -48,7 +48,7 @@ from msgspec import Struct
 from ..wire._messages import InferenceRequest
 from ._aging import LevelPolicy, effective_rank, pick_key, promotions
 from ._budget import Budget, budget_of, within_budget
-from ._predict import Pick, RouteRules, choose_in_time, service_time
+from ._predict import Pick, Prediction, RouteRules, choose_in_time, service_time
 from ._preemption import may_preempt, preempting_rank
 from ._quota import Cost, Quota, QuotaVerdict, reserve
 from ._routing import BackendView, NoRoom, capable, choose, estimated_cost, hopeless
@@ -157,6 +157,9 @@ class Bind(Struct, frozen=True, kw_only=True, tag=True):
     reserved_tokens: int = 0
     #: The backend's circuit is half-open: this call is its probe.
     probe: bool = False
+    #: Seconds to its predicted finish (``None``: no model) and its estimated cost.
+    predicted: float | None = None
+    estimated_cost: float = 0.0
 
 
 class AskPreemption(Struct, frozen=True, kw_only=True, tag=True):
@@ -281,6 +284,8 @@ def plan(
             reason=_fallback_reason(request, view, reason),
             reserved_tokens=cost.tokens,
             probe=view.half_open,
+            predicted=_seconds_to(pick.prediction, now),
+            estimated_cost=estimated_cost(request, view),
         )
         actions.append(_noted(bind, budget_note))
         if view.paid and budget_of(request.tenant, policy.budgets) is not None:
@@ -303,6 +308,12 @@ def _reservation(
         else 0
     )
     return Cost(requests=1, tokens=tokens)
+
+
+def _seconds_to(prediction: Prediction | None, now: float) -> float | None:
+    if prediction is None or prediction.finish is None:
+        return None
+    return prediction.finish - now
 
 
 def _hold_place(views: dict[str, BackendView], name: str, start: float, cost: Cost) -> None:

@@ -183,6 +183,8 @@ class Pick(Struct, frozen=True, kw_only=True):
     #: When the one waited for is predicted to take it.
     wait_start: float = 0.0
     reason: str = ""
+    #: The prediction of the one bound or waited for (``None``: the cascade's choice).
+    prediction: Prediction | None = None
 
 
 def choose_in_time(
@@ -226,7 +228,7 @@ def choose_in_time(
             return Pick(backend=NoRoom.FULL, passed=passed)
         best, index = min(startable, key=lambda option: (option[0].cost, option[1]))
         note = "" if index == startable[0][1] else f"cheapest with room: {best.backend}"
-        return Pick(backend=best.backend, passed=passed, reason=note)
+        return Pick(backend=best.backend, passed=passed, reason=note, prediction=best)
     return _in_time(request, request.deadline, options, passed, now=now, rules=rules)
 
 
@@ -252,13 +254,14 @@ def _in_time(
         best, _ = min(in_time, key=lambda option: _rank(option, draw, rules.adapt))
         why = _why(best, now, deadline, options)
         if best.now:
-            return Pick(backend=best.backend, passed=passed, reason=why)
+            return Pick(backend=best.backend, passed=passed, reason=why, prediction=best)
         return Pick(
             backend=NoRoom.FULL,
             passed=passed,
             wait_for=best.backend,
             wait_start=best.start,
             reason=why,
+            prediction=best,
         )
     known = [option for option in options if option[0].now and option[0].finish is not None]
     if not known:
@@ -268,6 +271,7 @@ def _in_time(
     return Pick(
         backend=best.backend,
         passed=passed,
+        prediction=best,
         reason=f"no candidate predicted in time; {best.backend} is the soonest,"
         f" predicted {late:.1f} s late",
     )

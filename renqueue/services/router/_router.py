@@ -888,6 +888,8 @@ class Router(Lifecycle):
                         term=self._term or 0,
                         reserved=reserved,
                         probe=action.probe,
+                        predicted=action.predicted,
+                        estimated_cost=action.estimated_cost,
                     )
                 )
             elif isinstance(action, AskPreemption):
