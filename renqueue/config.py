@@ -369,8 +369,11 @@ class ComplexityConfig(_Section, frozen=True, kw_only=True):
     #: Ascending scores in (0, 1]: reaching the n-th means tier n + 1.
     thresholds: Annotated[list[Annotated[float, Meta(gt=0, le=1)]], Meta(min_length=1)]
     #: The scorer: ``heuristic`` (no download; prompt length, requested output,
-    #: code and math markers, conversation depth).
-    estimator: Literal["heuristic"] = "heuristic"
+    #: code and math markers, conversation depth), or ``module.path:name``, a
+    #: learned one (:func:`renqueue.policy.load_estimator`), loaded at start.
+    estimator: Annotated[str, Meta(pattern=r"^(heuristic|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")] = (
+        "heuristic"
+    )
 
     def __post_init__(self) -> None:
         if list(self.thresholds) != sorted(self.thresholds):

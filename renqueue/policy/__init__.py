@@ -48,7 +48,7 @@ that read the broker, ask these functions, and carry out what they answer.
 
 from ._aging import LevelPolicy, aging_bound, effective_rank, pick_key, promotions
 from ._budget import EVERY_TENANT, Budget, budget_of, day_ends, refused, within_budget
-from ._complexity import Estimator, heuristic_score, tier_of
+from ._complexity import Estimator, heuristic_score, load_estimator, tier_of
 from ._complexity import estimate as estimate_complexity
 from ._failure import (
     DEFAULT_FALLBACK_ON,
@@ -219,6 +219,7 @@ __all__ = [
     "learn_fault",
     "limit_usage",
     "limits_of",
+    "load_estimator",
     "may_preempt",
     "meets",
     "next_circuit",

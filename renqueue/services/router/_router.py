@@ -65,7 +65,7 @@ from ... import metrics
 from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor, cancel_and_wait
 from ...config import Config, parse_duration
-from ...errors import BudgetExhaustedError, RenQueueError
+from ...errors import BudgetExhaustedError, ConfigError, RenQueueError
 from ...logs import get_logger
 from ...ops._provision import renew_router_consumers, router_consumer_configs
 from ...policy import (
@@ -85,6 +85,7 @@ from ...policy import (
     plan,
     refused,
 )
+from ...policy._complexity import Estimator, load_estimator
 from ...policy._complexity import estimate as estimate_complexity
 from ...state._cancellation import CancelWatch
 from ...state._coalescing import Coalescer, coalesce_key
@@ -186,6 +187,7 @@ class Router(Lifecycle):
         self._wake = asyncio.Event()
         self._state: StateView | None = None
         self._coalescer = Coalescer(js, clock=clock, ttl=parse_duration(config.router.coalesce_ttl))
+        self._estimators = _estimators(config)
         #: Timers that expire coalesced followers at their deadlines.
         self._follower_timers: set[asyncio.TimerHandle] = set()
         self._ledger = Ledger(config)
@@ -563,7 +565,12 @@ class Router(Lifecycle):
         if rules is None or request.complexity is not None:
             return request, None
         highest = max(1, self._config.highest_tier(request.route))
-        estimate = estimate_complexity(request, rules.thresholds, highest=highest)
+        estimate = estimate_complexity(
+            request,
+            rules.thresholds,
+            highest=highest,
+            estimator=self._estimators.get(request.route),
+        )
         return msgspec.structs.replace(request, complexity=estimate.tier), estimate
 
     async def _admit(self, msg: Message, level: str, now: float) -> InferenceRequest | None:
@@ -1088,3 +1095,18 @@ class Router(Lifecycle):
                         with contextlib.suppress(Exception):
                             await item.msg.in_progress()
                         item.touched = now
+
+
+def _estimators(config: Config) -> dict[str, Estimator]:
+    """The learned complexity estimators the routes name (the heuristic is the default)."""
+    found: dict[str, Estimator] = {}
+    for name, route in config.routes.items():
+        if route.complexity is None:
+            continue
+        try:
+            estimator = load_estimator(route.complexity.estimator)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(str(exc), path=f"$.routes.{name}.complexity.estimator") from exc
+        if estimator is not None:
+            found[name] = estimator
+    return found
