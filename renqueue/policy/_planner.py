@@ -48,10 +48,10 @@ from msgspec import Struct
 from ..wire._messages import InferenceRequest
 from ._aging import LevelPolicy, effective_rank, pick_key, promotions
 from ._budget import Budget, budget_of, within_budget
-from ._predict import Pick, Prediction, RouteRules, choose_in_time, service_time
+from ._predict import Prediction, RouteRules, choose_in_time, service_time
 from ._preemption import may_preempt, preempting_rank
 from ._quota import Cost, Quota, QuotaVerdict, reserve
-from ._routing import BackendView, NoRoom, capable, choose, estimated_cost, hopeless
+from ._routing import BackendView, NoRoom, capable, estimated_cost, hopeless
 from ._tokens import DEFAULT_MAX_TOKENS, estimate_request_tokens
 
 #: Seconds before an urgent request that is still waiting asks for preemption again.
@@ -223,7 +223,7 @@ def plan(
         cost = _reservation(request, candidates, views, policy)
         seen = _probe_turn(request, candidates, views, floors)
         rules = policy.rules.get(request.route, _CHEAPEST)
-        pick = _pick(request, candidates, seen, cost, now, rules=rules)
+        pick = choose_in_time(request, candidates, seen, cost, now, rules=rules)
         choice, passed = pick.backend, pick.passed
         fallback = request.fallback
         if (
@@ -244,7 +244,7 @@ def plan(
                 wait = Wait(ref=item.ref, backends=tuple(candidates), reason=reason)
                 actions.append(_noted(wait, budget_note))
                 continue
-            pick = _pick(_unexcluded(request), candidates, seen, cost, now, rules=rules)
+            pick = choose_in_time(_unexcluded(request), candidates, seen, cost, now, rules=rules)
             choice, passed = pick.backend, pick.passed
         if isinstance(choice, NoRoom):
             full = (
@@ -367,23 +367,6 @@ def _affordable(
 
 
 _CHEAPEST: Final = RouteRules()
-
-
-def _pick(
-    request: InferenceRequest,
-    candidates: Sequence[str],
-    views: Mapping[str, BackendView],
-    cost: Cost,
-    now: float,
-    *,
-    rules: RouteRules,
-) -> Pick:
-    """The route's choice: the cheapest in time (:func:`choose_in_time`), or
-    the cascade's first candidate with room (:func:`choose`)."""
-    if rules.strategy == "cascade":
-        choice, passed = choose(request, candidates, views, cost, now)
-        return Pick(backend=choice, passed=passed)
-    return choose_in_time(request, candidates, views, cost, now, rules=rules)
 
 
 def _expiry(

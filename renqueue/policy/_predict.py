@@ -32,7 +32,7 @@ from msgspec import Struct
 from ..wire._messages import InferenceRequest
 from ._perf import MIN_SAMPLES, Perf
 from ._quota import Cost, Quota, QuotaVerdict, check
-from ._routing import BackendView, NoRoom, capable, estimated_cost
+from ._routing import BackendView, NoRoom, capable, choose, estimated_cost
 from ._tokens import DEFAULT_MAX_TOKENS
 
 #: A token rate is never taken below this share of its mean, however wide its
@@ -210,7 +210,13 @@ def choose_in_time(
     start is not waited for. When none is predicted in time, the one predicted
     to finish first among those that can start now; when none can start,
     ``NoRoom.FULL``.
+
+    A route whose ``strategy`` is ``cascade`` gets :func:`choose` instead: the
+    first candidate in cascade order with a free slot and room in its quota.
     """
+    if rules.strategy == "cascade":
+        choice, skipped = choose(request, candidates, views, cost, now)
+        return Pick(backend=choice, passed=skipped)
     able = capable(request, candidates, views)
     if not able:
         return Pick(backend=NoRoom.NONE_CAPABLE, passed=[])
