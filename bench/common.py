@@ -344,13 +344,15 @@ async def run_litellm_phase(
     *,
     limit: float,
     on_start: Callable[[float], Coroutine[Any, Any, Any]] | None = None,
+    on_ready: Callable[[], Coroutine[Any, Any, Any]] | None = None,
 ) -> PhaseRun:
     """Run ``bench/_litellm_phase.py`` with LiteLLM's ``python`` on ``payload``.
 
     The phase builds its Router, says ``ready``, and starts the workload when told to;
     ``on_start(t0)`` (a fault schedule, say) runs beside it from then, on the same clock
-    (``t0``: when it was told, within milliseconds of the phase's own). ``limit``: seconds
-    the workload may take before the phase is killed.
+    (``t0``: when it was told, within milliseconds of the phase's own); ``on_ready()`` (a
+    snapshot of the mocks' counters after a warm-up, say) is awaited before it is told.
+    ``limit``: seconds the workload may take before the phase is killed.
     """
     proc = await asyncio.create_subprocess_exec(
         str(python),
@@ -373,6 +375,8 @@ async def run_litellm_phase(
         await proc.stdin.drain()
         ready = await asyncio.wait_for(proc.stdout.readline(), timeout=120)
         if ready.strip() == b"ready":
+            if on_ready is not None:
+                await on_ready()
             t0 = time.time()
             proc.stdin.write(b"go\n")
             await proc.stdin.drain()
