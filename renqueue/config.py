@@ -607,12 +607,14 @@ class Config(_Section, frozen=True, kw_only=True):
             budgets=self.budgets(),
         )
 
-    def budgets(self) -> dict[str, Budget]:
-        """Each tenant's daily budget (``"*"``: every tenant not named)."""
+    def budgets(self) -> dict[str, Budget | None]:
+        """Each named tenant's daily budget (``None``: named with none, so the
+        ``"*"`` one does not apply to it; ``"*"``: every tenant not named)."""
         return {
-            name: Budget(daily=tenant.daily_budget, mode=tenant.budget)
+            name: None
+            if tenant.daily_budget is None
+            else Budget(daily=tenant.daily_budget, mode=tenant.budget)
             for name, tenant in self.tenants.items()
-            if tenant.daily_budget is not None
         }
 
     def level_policies(self) -> list[LevelPolicy]:

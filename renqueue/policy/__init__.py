@@ -47,7 +47,15 @@ that read the broker, ask these functions, and carry out what they answer.
 """
 
 from ._aging import LevelPolicy, aging_bound, effective_rank, pick_key, promotions
-from ._budget import EVERY_TENANT, Budget, budget_of, day_ends, refused, within_budget
+from ._budget import (
+    EVERY_TENANT,
+    Budget,
+    affordable,
+    budget_of,
+    day_ends,
+    refused,
+    within_budget,
+)
 from ._complexity import Estimator, heuristic_score, load_estimator, tier_of
 from ._complexity import estimate as estimate_complexity
 from ._failure import (
@@ -92,6 +100,7 @@ from ._planner import (
     Inherit,
     PlanPolicy,
     Promote,
+    Refuse,
     Wait,
     Waiting,
     plan,
@@ -186,6 +195,7 @@ __all__ = [
     "Promote",
     "Quota",
     "QuotaVerdict",
+    "Refuse",
     "RequeueElsewhere",
     "Retry",
     "RouteFacts",
@@ -193,6 +203,7 @@ __all__ = [
     "SpendLog",
     "Wait",
     "Waiting",
+    "affordable",
     "after_failure",
     "aging_bound",
     "backoff",

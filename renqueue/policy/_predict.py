@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Final
 
+import msgspec
 from msgspec import Struct
 
 from ..wire._messages import InferenceRequest
@@ -98,6 +99,15 @@ def service_time(
     return (ttft + max(0.0, tokens - 1) / rate) * (1 + retry)
 
 
+def typical_call(view: BackendView, *, min_samples: int = MIN_SAMPLES) -> float | None:
+    """Seconds a typical call at ``view`` takes (its mean first token and mean
+    output at its mean rate; else its mean call duration; ``None``: unknown)."""
+    perf = view.perf
+    if perf is None or perf.samples < min_samples or not perf.rate >= _MIN_RATE:
+        return view.expected_duration
+    return perf.ttft + max(0.0, perf.output - 1) / perf.rate
+
+
 def _mean_output(request: InferenceRequest, perf: Perf) -> float:
     """The output a hopeless verdict assumes: the mean length, capped by ``max_tokens``."""
     if request.params.max_tokens is not None:
@@ -120,9 +130,12 @@ def predict(
     A backend with a free slot and room in its quota starts it now. One whose
     quota is short starts when the quota says (its verdict's ``until``); one
     whose slots are all taken starts when enough calls ahead of it end: each
-    of the ``in_flight - capacity + 1 + waiting`` calls ahead takes its mean
-    duration over ``capacity`` slots (unknown without a model: then the start
-    is unknown too, and so is the finish).
+    of the ``in_flight - capacity + 1 + queued`` calls ahead takes a typical
+    call there (:func:`typical_call`) over ``capacity`` slots (unknown without
+    a model: then the start is unknown too, and so is the finish). How long the
+    running calls have already run is not known here: a call that never ends
+    keeps this start a constant ahead, which :func:`choose_in_time`'s
+    ``overdue`` stops believing.
     """
     service = service_time(request, view, spread=spread, min_samples=min_samples)
     mean = service_time(request, view, spread=0.0, min_samples=min_samples)
@@ -135,7 +148,8 @@ def predict(
             held = verdict.reason
     if view.free <= 0:
         ahead = max(0, view.in_flight - view.capacity) + 1 + view.queued
-        slot = None if mean is None or view.capacity <= 0 else ahead * mean / view.capacity
+        typical = typical_call(view, min_samples=min_samples)
+        slot = None if typical is None or view.capacity <= 0 else ahead * typical / view.capacity
         start = math.inf if slot is None else max(start, now + slot)
         held = held or "every slot taken"
     finish = None if service is None or math.isinf(start) else start + service
@@ -195,6 +209,7 @@ def choose_in_time(
     now: float,
     *,
     rules: RouteRules,
+    overdue: Container[str] = frozenset(),
 ) -> Pick:
     """The cheapest capable candidate that can take ``request`` in time.
 
@@ -207,9 +222,13 @@ def choose_in_time(
     then the request waits for it rather than paying (``wait_for``), and is
     planned again next round. A candidate with no model yet that can start now
     is taken to be in time (it must be tried to be learned); one that cannot
-    start is not waited for. When none is predicted in time, the one predicted
-    to finish first among those that can start now; when none can start,
-    ``NoRoom.FULL``.
+    start is not waited for, and neither is one in ``overdue`` (it was waited
+    for and the start it was promised long passed). A cheaper candidate is
+    waited for only while the best one that can start now would still be in
+    time if the wait came to nothing (it started at the promised start
+    instead): the wait never costs the deadline. When none is predicted in
+    time, the one predicted to finish first among those that can start now;
+    when none can start, ``NoRoom.FULL``.
 
     A route whose ``strategy`` is ``cascade`` gets :func:`choose` instead: the
     first candidate in cascade order with a free slot and room in its quota.
@@ -235,7 +254,13 @@ def choose_in_time(
         best, index = min(startable, key=lambda option: (option[0].cost, option[1]))
         note = "" if index == startable[0][1] else f"cheapest with room: {best.backend}"
         return Pick(backend=best.backend, passed=passed, reason=note, prediction=best)
-    return _in_time(request, request.deadline, options, passed, now=now, rules=rules)
+    waitable = [(p, i) for p, i in options if p.now or p.backend not in overdue]
+    pick = _in_time(request, request.deadline, waitable, passed, now=now, rules=rules)
+    given_up = [p.backend for p, _ in options if not p.now and p.backend in overdue]
+    if given_up and pick.reason:
+        note = f"{', '.join(given_up)} not waited for again: the start it promised passed"
+        return msgspec.structs.replace(pick, reason=f"{pick.reason}; {note}")
+    return pick
 
 
 def _in_time(
@@ -257,7 +282,18 @@ def _in_time(
     in_time = [option for option in options if timely(option[0])]
     if in_time:
         draw = _explorer(request, rules)
-        best, _ = min(in_time, key=lambda option: _rank(option, draw, rules.adapt))
+        ranked = sorted(in_time, key=lambda option: _rank(option, draw, rules.adapt))
+        best = ranked[0][0]
+        if not best.now:
+            # The safety net: the best that can start now, started when the
+            # wait is due to end instead, must still be in time.
+            net = next((p for p, _ in ranked if p.now), None)
+            if (
+                net is not None
+                and net.finish is not None
+                and best.start + (net.finish - net.start) > deadline
+            ):
+                best = net
         why = _why(best, now, deadline, options)
         if best.now:
             return Pick(backend=best.backend, passed=passed, reason=why, prediction=best)

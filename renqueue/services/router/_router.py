@@ -78,8 +78,10 @@ from ...policy import (
     Inherit,
     PlanPolicy,
     Promote,
+    Refuse,
     Wait,
     Waiting,
+    affordable,
     budget_of,
     day_ends,
     plan,
@@ -582,15 +584,24 @@ class Router(Lifecycle):
             return None
         budget = budget_of(admitted.tenant, self._plan_policy.budgets)
         projected = None if self._state is None else self._state.state
-        if budget is not None and projected is not None and admitted.requeues == 0:
-            spent = projected.spent(admitted.tenant, utc_day(now))
-            if refused(budget, spent):
-                error = BudgetExhaustedError(
-                    admitted.tenant, budget.daily, spent, day_ends(now), request_id=admitted.id
-                )
-                await self._reject(msg, admitted.id, admitted.tenant, error)
-                return None
-        return admitted
+        if budget is None or projected is None or admitted.requeues > 0:
+            return admitted
+        spent = projected.spent(admitted.tenant, utc_day(now))
+        route = self._config.routes[admitted.route].backends
+        priced = [self._config.backends[name] for name in route]
+        if not refused(budget, spent) and affordable(admitted, priced, budget, spent):
+            return admitted
+        # Only a new request: one admitted before (its `submitted` event is
+        # logged) and handed back by a restart or a lease change is held to
+        # what its budget allows. (Delivery counts do not tell: a consumer
+        # made again counts from 1.)
+        if await self._log.history(admitted.tenant, admitted.id, kind="submitted"):
+            return admitted
+        error = BudgetExhaustedError(
+            admitted.tenant, budget.daily, spent, day_ends(now), request_id=admitted.id
+        )
+        await self._reject(msg, admitted.id, admitted.tenant, error)
+        return None
 
     async def _settle_on_read(
         self,
@@ -857,6 +868,7 @@ class Router(Lifecycle):
                 inherited=item.inherited,
                 preempt_asked=item.preempt_asked,
                 preempted_one=item.preempted_one,
+                waiting_for=item.waiting_for,
             )
             for ref, item in items.items()
         ]
@@ -872,39 +884,55 @@ class Router(Lifecycle):
             elif isinstance(action, Expire):
                 gone.add(action.ref)
                 self._spawn_publish(self._expire(item.msg, item.request, now, reason=action.reason))
+            elif isinstance(action, Refuse):
+                gone.add(action.ref)
+                request = item.request
+                error = BudgetExhaustedError(
+                    request.tenant, action.daily, action.spent, day_ends(now), request_id=request.id
+                )
+                self._spawn_publish(self._reject(item.msg, request.id, request.tenant, error))
             elif isinstance(action, Bind) and catching_up and action.backend in judged:
                 # Its quota is judged on a view that may not know yet what the
                 # previous binder spent: it waits (held) for the view.
                 waiting.add(action.backend)
             elif isinstance(action, Bind):
                 gone.add(action.ref)
-                slot = self._capacity.dispatching(action.backend)
-                if action.probe:
-                    self._circuits.probe_bound(action.backend, now)
-                reserved = self._ledger.reserving(
-                    action.backend, Cost(requests=1, tokens=action.reserved_tokens), now
-                )
-                # The term is the deciding round's, not whichever is current when it runs.
-                self._spawn_publish(
-                    self._dispatcher.bind(
-                        item,
-                        slot,
-                        self._levels[item.rank],
-                        now,
-                        action.reason,
-                        term=self._term or 0,
-                        reserved=reserved,
-                        probe=action.probe,
-                        predicted=action.predicted,
-                        estimated_cost=action.estimated_cost,
-                    )
-                )
+                self._bind(item, action, now)
             elif isinstance(action, AskPreemption):
                 self._maybe_preempt(item, action, now)
             elif isinstance(action, Wait):
                 waiting.update(action.backends)
+                if action.wait_for is not None and (
+                    item.waiting_for is None or item.waiting_for[0] != action.wait_for
+                ):
+                    item.waiting_for = (action.wait_for, action.wait_start)
         self._hold.prune(gone)
         return sorted(waiting)
+
+    def _bind(self, item: Held, action: Bind, now: float) -> None:
+        """Carry out a binding: the slot, the probe, the quota reservation, and
+        the dispatch and decision published in a task."""
+        slot = self._capacity.dispatching(action.backend)
+        if action.probe:
+            self._circuits.probe_bound(action.backend, now)
+        reserved = self._ledger.reserving(
+            action.backend, Cost(requests=1, tokens=action.reserved_tokens), now
+        )
+        # The term is the deciding round's, not whichever is current when it runs.
+        self._spawn_publish(
+            self._dispatcher.bind(
+                item,
+                slot,
+                self._levels[item.rank],
+                now,
+                action.reason,
+                term=self._term or 0,
+                reserved=reserved,
+                probe=action.probe,
+                predicted=action.predicted,
+                estimated_cost=action.estimated_cost,
+            )
+        )
 
     def _views(
         self, state: StateView | None, now: float
