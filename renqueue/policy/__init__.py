@@ -32,11 +32,35 @@ that read the broker, ask these functions, and carry out what they answer.
 - A request's difficulty when it names no tier (``_complexity``): the
   route's estimator, :func:`estimate_complexity` (a :class:`ComplexityEstimate`
   with its signals), over :func:`heuristic_score` or a learned :class:`Estimator`.
+- A/B splits (``_ab``): a request's arm, :func:`assign` (a stable hash of its
+  sticky key, :func:`key_value`, against the arms' weights) and :func:`place`
+  (the split's state and the arms' eligibility applied); what each arm did,
+  :class:`ArmStats` of :class:`Tally` s (:func:`record`, :func:`windowed`,
+  :func:`percentile`); the rollback rule, :func:`judge` over :func:`breach`
+  under :class:`RollbackRules`.
 - Token estimates for quota reservations, no tokenizer download (``_tokens``):
   :func:`estimate_text_tokens`, :func:`estimate_prompt_tokens`,
   :func:`estimate_request_tokens`.
 """
 
+from ._ab import (
+    AB_BUCKET,
+    AB_HORIZON,
+    ArmStats,
+    RollbackRules,
+    SplitPolicy,
+    SplitStatus,
+    Tally,
+    assign,
+    breach,
+    judge,
+    key_value,
+    moved_to,
+    percentile,
+    place,
+    record,
+    windowed,
+)
 from ._aging import LevelPolicy, aging_bound, effective_rank, pick_key, promotions
 from ._complexity import Estimator, heuristic_score, tier_of
 from ._complexity import estimate as estimate_complexity
@@ -126,6 +150,8 @@ from ._tokens import (
 )
 
 __all__ = [
+    "AB_BUCKET",
+    "AB_HORIZON",
     "BIND_REASON",
     "CHARS_PER_TOKEN",
     "CLOSED",
@@ -141,6 +167,7 @@ __all__ = [
     "RETRY_HERE_FIRST",
     "WAIT_HERE_IF_ALONE",
     "Action",
+    "ArmStats",
     "AskPreemption",
     "BackendView",
     "Bind",
@@ -170,13 +197,19 @@ __all__ = [
     "QuotaVerdict",
     "RequeueElsewhere",
     "Retry",
+    "RollbackRules",
     "RouteFacts",
     "SpendLog",
+    "SplitPolicy",
+    "SplitStatus",
+    "Tally",
     "Wait",
     "Waiting",
     "after_failure",
     "aging_bound",
+    "assign",
     "backoff",
+    "breach",
     "capable",
     "check",
     "choose_backend",
@@ -192,21 +225,28 @@ __all__ = [
     "heuristic_score",
     "hopeless",
     "is_healthy",
+    "judge",
+    "key_value",
     "learn",
     "limit_usage",
     "limits_of",
     "may_preempt",
     "meets",
+    "moved_to",
     "next_circuit",
+    "percentile",
     "pick_key",
+    "place",
     "plan",
     "preempting_rank",
     "promotions",
     "reconcile",
+    "record",
     "reserve",
     "retry_after",
     "tier_of",
     "urgency",
     "used",
     "validate",
+    "windowed",
 ]
