@@ -3,8 +3,9 @@
 - The projection: :func:`fold` (``_fold``) turns the event log into
   :class:`ProjectionState`, a pure function of the events; :class:`Projector`
   (``_projector``) keeps it in the ``rq-state`` KV bucket (the checkpoint, and
-  one view per backend); :class:`StateView` (``_view``) is a reader's live copy
-  of the views.
+  one view per backend and per A/B split); :class:`StateView` (``_view``) is a
+  reader's live copy of the views. The A/B part of the fold (``_splits``):
+  each split's :class:`SplitState` and what each arm did.
 - Checking and showing it: :func:`diff_states` (``_diff``) names every field
   two projections disagree on; :func:`verify` (``_verify``) compares the
   checkpoint and the views with a rebuild from the log (``renqueue replay
@@ -39,6 +40,7 @@ from ._fold import (
 )
 from ._lease import LEASE_MARGIN, Lease
 from ._projector import Projector, rebuild
+from ._splits import STALE_ASSIGNED, ArmRequest, Splits, SplitState
 from ._status import (
     BackendStatus,
     LevelStatus,
@@ -55,11 +57,14 @@ from ._view import (
     BackendView,
     LiveState,
     Progress,
+    SplitView,
     StateView,
     backend_view_key,
     decode_backend_view,
     decode_progress,
+    decode_split_view,
     encode_view,
+    split_view_key,
 )
 
 __all__ = [
@@ -67,11 +72,13 @@ __all__ = [
     "CANCELS",
     "LEASE_MARGIN",
     "PROGRESS_KEY",
+    "STALE_ASSIGNED",
     "STALE_IN_FLIGHT",
     "STATE_KEY",
     "STATE_VERSION",
     "TENANT_WRITTEN_KINDS",
     "VIEW_KEYS",
+    "ArmRequest",
     "BackendState",
     "BackendStatus",
     "BackendView",
@@ -86,6 +93,9 @@ __all__ = [
     "Progress",
     "ProjectionState",
     "Projector",
+    "SplitState",
+    "SplitView",
+    "Splits",
     "StateView",
     "StatusReport",
     "TenantState",
@@ -97,6 +107,7 @@ __all__ = [
     "coalesce_key",
     "decode_backend_view",
     "decode_progress",
+    "decode_split_view",
     "decode_state",
     "diff_states",
     "diff_values",
@@ -108,6 +119,7 @@ __all__ = [
     "read_status",
     "rebuild",
     "render_status",
+    "split_view_key",
     "utc_day",
     "verify",
 ]

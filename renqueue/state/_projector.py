@@ -61,13 +61,16 @@ from ._fold import (
     decode_state,
     encode_state,
 )
+from ._splits import SplitState
 from ._view import (
     PROGRESS_KEY,
     BackendView,
     Progress,
+    SplitView,
     backend_view_key,
     decode_progress,
     encode_view,
+    split_view_key,
 )
 
 __all__ = ["Projector", "rebuild"]
@@ -242,6 +245,8 @@ class Projector(Lifecycle):
         #: Each backend's state as last published in its view (by identity: a
         #: fold replaces a backend's state when it changes it).
         self._published: dict[str, BackendState] = {}
+        #: Each A/B split's state as last published in its view (the same way).
+        self._published_splits: dict[str, SplitState] = {}
         #: The sequence the published views reflect (behind the checkpoint
         #: only after a failed view write: the next flush writes them).
         self._views_seq = 0
@@ -324,6 +329,7 @@ class Projector(Lifecycle):
         """
         self._views_seq = 0
         self._published = {}
+        self._published_splits = {}
         self._views_floor = await self._stored_views_seq()
         entry = await self._bucket.latest(STATE_KEY)
         if entry is None or entry.operation is not None:
@@ -449,8 +455,8 @@ class Projector(Lifecycle):
         return True
 
     async def _publish_views(self, state: ProjectionState) -> None:
-        """Publish the views of the backends that differ from what this projector
-        last published, then ``state``'s progress.
+        """Publish the views of the backends and A/B splits that differ from what
+        this projector last published, then ``state``'s progress.
 
         Called only for a state stored as the checkpoint, so a view never runs
         ahead of the checkpoint. The progress mark goes last: a reader that
@@ -477,6 +483,7 @@ class Projector(Lifecycle):
         full = now - self._last_full_publish >= self._republish_every
         if full:
             self._published = {}
+            self._published_splits = {}
         published = self._published
         changed: dict[str, BackendState] = {}
         for name, backend in state.backends.items():
@@ -502,6 +509,24 @@ class Projector(Lifecycle):
                 )
             )
             self._published.update(changed)
+        splits = {
+            name: split
+            for name, split in state.splits.routes.items()
+            if self._published_splits.get(name) is not split
+            and self._published_splits.get(name) != split
+            and _VIEW_NAME.fullmatch(name)
+        }
+        if splits:
+            await asyncio.gather(
+                *(
+                    kv.put(
+                        split_view_key(name),
+                        encode_view(SplitView(last_seq=seq, epoch=epoch, split=split)),
+                    )
+                    for name, split in splits.items()
+                )
+            )
+            self._published_splits.update(splits)
         progress = Progress(last_seq=seq, epoch=epoch, log_time=state.log_time)
         await kv.put(PROGRESS_KEY, encode_view(progress))
         self._views_seq = state.last_seq

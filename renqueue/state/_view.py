@@ -3,8 +3,9 @@
 Readers (routers) need each backend's state (health, durations, quota) and how
 far the log is folded, not the whole projection: the projector publishes, after
 each write of its checkpoint (the key ``projection``), one key per backend
-whose state changed (``view.backend.<name>``: :class:`BackendView`) and then
-``view.progress`` (:class:`Progress`: the sequence and log time the views
+whose state changed (``view.backend.<name>``: :class:`BackendView`), one per
+A/B split whose state changed (``view.split.<route>``: :class:`SplitView`), and
+then ``view.progress`` (:class:`Progress`: the sequence and log time the views
 reflect). :class:`StateView` watches ``view.>`` and keeps :class:`LiveState`,
 so a reader decodes only what changed, never the whole projection.
 
@@ -31,6 +32,7 @@ from ..policy import DEFAULT_COOLDOWN, DEFAULT_FAILURE_THRESHOLD, is_healthy
 from ..wire._nats import JetStream, KeyEntry, KeyValue, KeyWatcher
 from ..wire._subjects import STATE_BUCKET
 from ._fold import _EMPTY_BACKEND, STATE_VERSION, BackendState
+from ._splits import SplitState
 
 __all__ = [
     "PROGRESS_KEY",
@@ -38,11 +40,14 @@ __all__ = [
     "BackendView",
     "LiveState",
     "Progress",
+    "SplitView",
     "StateView",
     "backend_view_key",
     "decode_backend_view",
     "decode_progress",
+    "decode_split_view",
     "encode_view",
+    "split_view_key",
 ]
 
 log = get_logger("projection")
@@ -53,11 +58,17 @@ VIEW_KEYS: Final = "view.>"
 #: How far the views reflect the log; written after the backends' views.
 PROGRESS_KEY: Final = "view.progress"
 _BACKEND_PREFIX: Final = "view.backend."
+_SPLIT_PREFIX: Final = "view.split."
 
 
 def backend_view_key(name: str) -> str:
     """The KV key of backend ``name``'s view (backend names are key-safe: config checks)."""
     return _BACKEND_PREFIX + name
+
+
+def split_view_key(route: str) -> str:
+    """The KV key of the view of route ``route``'s A/B split."""
+    return _SPLIT_PREFIX + route
 
 
 class BackendView(Struct, frozen=True, kw_only=True):
@@ -70,6 +81,15 @@ class BackendView(Struct, frozen=True, kw_only=True):
     v: int = STATE_VERSION
     last_seq: int
     backend: BackendState
+    epoch: str = ""
+
+
+class SplitView(Struct, frozen=True, kw_only=True):
+    """One A/B split's state as of the log's sequence ``last_seq`` (as :class:`BackendView`)."""
+
+    v: int = STATE_VERSION
+    last_seq: int
+    split: SplitState
     epoch: str = ""
 
 
@@ -95,6 +115,8 @@ class LiveState(Struct, frozen=True, kw_only=True):
     last_seq: int = 0
     log_time: float = 0.0
     backends: dict[str, BackendState] = {}
+    #: Each A/B split's state and per-arm figures, by route.
+    splits: dict[str, SplitState] = {}
 
     def backend(self, name: str) -> BackendState:
         """The state of ``name``; a backend the log never mentioned has an empty one."""
@@ -103,16 +125,22 @@ class LiveState(Struct, frozen=True, kw_only=True):
 
 _ENCODER: Final = msgspec.json.Encoder()
 _BACKEND_VIEW_DECODER: Final = msgspec.json.Decoder(BackendView)
+_SPLIT_VIEW_DECODER: Final = msgspec.json.Decoder(SplitView)
 _PROGRESS_DECODER: Final = msgspec.json.Decoder(Progress)
 
 
-def encode_view(view: BackendView | Progress) -> bytes:
+def encode_view(view: BackendView | SplitView | Progress) -> bytes:
     return _ENCODER.encode(view)
 
 
 def decode_backend_view(data: bytes) -> BackendView:
     """Raises ``msgspec.DecodeError`` if ``data`` is not a backend view."""
     return _BACKEND_VIEW_DECODER.decode(data)
+
+
+def decode_split_view(data: bytes) -> SplitView:
+    """Raises ``msgspec.DecodeError`` if ``data`` is not a split's view."""
+    return _SPLIT_VIEW_DECODER.decode(data)
 
 
 def decode_progress(data: bytes) -> Progress:
@@ -176,6 +204,8 @@ class StateView(Lifecycle):
         #: The epoch of the progress mark held, and of each backend's view with its sequence.
         self._epoch = ""
         self._seqs: dict[str, tuple[str, int]] = {}
+        #: The same, of each split's view.
+        self._split_seqs: dict[str, tuple[str, int]] = {}
 
     @classmethod
     async def open(
@@ -295,7 +325,13 @@ class StateView(Lifecycle):
                     if self._seqs[name][0] == progress.epoch
                 }
                 self._seqs = {name: self._seqs[name] for name in kept}
-                state = msgspec.structs.replace(state, backends=kept)
+                splits = {
+                    name: split
+                    for name, split in state.splits.items()
+                    if self._split_seqs[name][0] == progress.epoch
+                }
+                self._split_seqs = {name: self._split_seqs[name] for name in splits}
+                state = msgspec.structs.replace(state, backends=kept, splits=splits)
             self.revision = entry.revision
             self.state = msgspec.structs.replace(
                 state, last_seq=progress.last_seq, log_time=progress.log_time
@@ -313,6 +349,20 @@ class StateView(Lifecycle):
             self._seqs[name] = (view.epoch, view.last_seq)
             self.state = msgspec.structs.replace(
                 state, backends={**state.backends, name: view.backend}
+            )
+        elif entry.key.startswith(_SPLIT_PREFIX):
+            name = entry.key[len(_SPLIT_PREFIX) :]
+            try:
+                split = decode_split_view(entry.value)
+            except msgspec.DecodeError as exc:
+                log.warning("undecodable split view in KV ignored", key=entry.key, error=str(exc))
+                return
+            held = self._split_seqs.get(name)
+            if held is not None and held[0] == split.epoch and split.last_seq < held[1]:
+                return
+            self._split_seqs[name] = (split.epoch, split.last_seq)
+            self.state = msgspec.structs.replace(
+                state, splits={**state.splits, name: split.split}
             )
         else:
             return

@@ -171,6 +171,8 @@ class Dispatcher:
             reserved_tokens=0 if reserved is None else reserved.cost.tokens,
             probe=probe,
             complexity_estimate=item.estimate,
+            split=request.split or "",
+            arm=request.route if request.split is not None else "",
         )
         meta = item.msg.metadata
         # Delivered before, or stored before this term began: an earlier bind
