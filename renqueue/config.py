@@ -49,9 +49,9 @@ __all__ = [
     "NatsConfig",
     "Rate",
     "RetentionConfig",
+    "RollbackConfig",
     "RouteConfig",
     "RouterConfig",
-    "RollbackConfig",
     "Secret",
     "SplitConfig",
     "WorkerConfig",
@@ -431,7 +431,7 @@ class SplitConfig(_Section, frozen=True, kw_only=True):
     reshuffles which keys land where (a new experiment on the same arms).
     """
 
-    arms: Annotated[dict[Name, Annotated[float, Meta(ge=0)]], Meta(min_length=1)]
+    arms: Annotated[dict[Name, float], Meta(min_length=1)]
     control: Name
     key: SplitKey = "tenant"
     salt: Annotated[str, Meta(max_length=64)] = ""
@@ -439,8 +439,9 @@ class SplitConfig(_Section, frozen=True, kw_only=True):
     rollback: RollbackConfig | None = None
 
     def __post_init__(self) -> None:
-        if not all(math.isfinite(weight) for weight in self.arms.values()):
-            raise ValueError("arm weights must be finite")
+        for arm, weight in self.arms.items():
+            if not (math.isfinite(weight) and weight >= 0):
+                raise ValueError(f"arm {arm!r}: a weight is a finite number >= 0, not {weight}")
         if sum(self.arms.values()) <= 0:
             raise ValueError("the arms' weights sum to 0: no arm would get traffic")
         if self.control not in self.arms:

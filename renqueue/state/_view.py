@@ -350,23 +350,25 @@ class StateView(Lifecycle):
             self.state = msgspec.structs.replace(
                 state, backends={**state.backends, name: view.backend}
             )
-        elif entry.key.startswith(_SPLIT_PREFIX):
-            name = entry.key[len(_SPLIT_PREFIX) :]
-            try:
-                split = decode_split_view(entry.value)
-            except msgspec.DecodeError as exc:
-                log.warning("undecodable split view in KV ignored", key=entry.key, error=str(exc))
-                return
-            held = self._split_seqs.get(name)
-            if held is not None and held[0] == split.epoch and split.last_seq < held[1]:
-                return
-            self._split_seqs[name] = (split.epoch, split.last_seq)
-            self.state = msgspec.structs.replace(
-                state, splits={**state.splits, name: split.split}
-            )
-        else:
+        elif not (entry.key.startswith(_SPLIT_PREFIX) and self._take_split(entry)):
             return
         self._changed.set()
+
+    def _take_split(self, entry: KeyEntry) -> bool:
+        """Take a split's view (as :meth:`_take` a backend's); whether it was taken."""
+        name = entry.key[len(_SPLIT_PREFIX) :]
+        try:
+            split = decode_split_view(entry.value)
+        except msgspec.DecodeError as exc:
+            log.warning("undecodable split view in KV ignored", key=entry.key, error=str(exc))
+            return False
+        held = self._split_seqs.get(name)
+        if held is not None and held[0] == split.epoch and split.last_seq < held[1]:
+            return False
+        self._split_seqs[name] = (split.epoch, split.last_seq)
+        state = self.state
+        self.state = msgspec.structs.replace(state, splits={**state.splits, name: split.split})
+        return True
 
     def _seen(self, entry: KeyEntry) -> None:
         """An entry (value or marker) the watch delivered."""
