@@ -128,7 +128,8 @@ def msg_id_of(event: Event) -> str | None:
     hide a run or a failed run (which the retry budget counts); nor has
     ``probed`` (published by a worker when its probe's answer changes). A
     ``circuit`` change is the binder's, once per change: its time is in its
-    id; so is an ``ab`` change's (with its state), the binder's or an operator's. ``cancel_requested`` has none: it is idempotent, and a tenant
+    id; so is an ``ab`` change's (with its state), the binder's or an
+    operator's. ``cancel_requested`` has none: it is idempotent, and a tenant
     publishing the id of another's cancellation first (on its own subject)
     would drop it.
     """
