@@ -768,8 +768,10 @@ def _add_dlq_command(sub: Any) -> None:
 async def _ab(config: Config, args: argparse.Namespace) -> None:
     """``renqueue ab status|promote|rollback|resume`` (see :mod:`renqueue.ops._splits`)."""
     from .ops._connection import connect
-    from .ops._splits import move_split, read_splits, render_splits
+    from .ops._splits import move_split, planned_move, read_splits, render_splits
 
+    if args.ab_command != "status":  # a move the config cannot make fails before connecting
+        planned_move(config, args.route, args.ab_command, getattr(args, "arm", None))
     nc = await connect(_client_url(config), name="renqueue-ab", config=config.nats)
     try:
         js = nc.jetstream()

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from renqueue.config import parse_config
 from renqueue.errors import ConfigError, MalformedRequestError
+from renqueue.ops._splits import render_splits
 from renqueue.policy import (
     AB_BUCKET,
     AB_HORIZON,
@@ -598,3 +599,9 @@ def test_a_client_cannot_choose_its_arm() -> None:
             tenant="acme",
             config=config,
         )
+
+
+def test_ab_status_with_no_splits_says_so() -> None:
+    assert render_splits([]) == [
+        "no A/B splits: no route has an [routes.<name>.ab] section, and the log has none"
+    ]

@@ -43,6 +43,7 @@ __all__ = [
     "Move",
     "SplitReport",
     "move_split",
+    "planned_move",
     "read_splits",
     "render_splits",
 ]
@@ -201,6 +202,26 @@ async def read_splits(
     return [split_report(name, policies.get(name), folded.get(name), at) for name in names]
 
 
+def planned_move(config: Config, route: str, move: Move, arm: str | None = None) -> tuple[str, str]:
+    """The state and arm ``move`` takes ``route``'s split to, by ``config``.
+
+    Raises :class:`RenQueueError` for a route with no split in ``config`` or
+    an arm (``promote``) that is not one of its arms.
+    """
+    policy = _policies(config).get(route)
+    if policy is None:
+        raise RenQueueError(f"route {route!r} has no A/B split in this config")
+    if move == "promote":
+        if arm is None or arm not in policy.names:
+            raise RenQueueError(
+                f"{arm!r} is not an arm of {route!r}'s split (arms: {', '.join(policy.names)})"
+            )
+        return "promoted", arm
+    if move == "rollback":
+        return "rolled_back", policy.control
+    return "live", ""
+
+
 async def move_split(
     js: JetStream,
     config: Config,
@@ -220,19 +241,7 @@ async def move_split(
     Raises :class:`RenQueueError` for a route with no split in ``config`` or
     an arm that is not one of its arms.
     """
-    policy = _policies(config).get(route)
-    if policy is None:
-        raise RenQueueError(f"route {route!r} has no A/B split in this config")
-    if move == "promote":
-        if arm not in policy.names:
-            raise RenQueueError(
-                f"{arm!r} is not an arm of {route!r}'s split (arms: {', '.join(policy.names)})"
-            )
-        state, target = "promoted", arm
-    elif move == "rollback":
-        state, target = "rolled_back", policy.control
-    else:
-        state, target = "live", ""
+    state, target = planned_move(config, route, move, arm)
     checkpoint = await _checkpoint(js)
     current = None if checkpoint is None else checkpoint.splits.routes.get(route)
     previous = "live" if current is None else current.state
