@@ -766,9 +766,9 @@ def _add_dlq_command(sub: Any) -> None:
 
 
 async def _ab(config: Config, args: argparse.Namespace) -> None:
-    """``renqueue ab status|promote|rollback|resume`` (see :mod:`renqueue.ops._splits`)."""
+    """``renqueue ab status|promote|rollback|resume`` (see :mod:`renqueue.state._split_status`)."""
     from .ops._connection import connect
-    from .ops._splits import move_split, planned_move, read_splits, render_splits
+    from .state._split_status import move_split, planned_move, read_splits, render_splits
 
     if args.ab_command != "status":  # a move the config cannot make fails before connecting
         planned_move(config, args.route, args.ab_command, getattr(args, "arm", None))

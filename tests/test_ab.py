@@ -24,9 +24,8 @@ from test_restarts import TENANT
 from renqueue import Client, Config, Services, parse_config
 from renqueue.errors import RequestFailedError
 from renqueue.ops import EmbeddedServer
-from renqueue.ops._splits import move_split, read_splits
 from renqueue.policy import SplitPolicy, assign
-from renqueue.state import rebuild
+from renqueue.state import move_split, read_splits, rebuild
 from renqueue.tools import MockBackend
 from renqueue.wire import (
     SYSTEM_TENANT,

@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 
 from renqueue.config import parse_config
 from renqueue.errors import ConfigError, MalformedRequestError
-from renqueue.ops._splits import render_splits
 from renqueue.policy import (
     AB_BUCKET,
     AB_HORIZON,
@@ -44,7 +43,14 @@ from renqueue.policy import (
     windowed,
 )
 from renqueue.policy._ab import bin_of, bin_value, hash_point, pick
-from renqueue.state import STATE_VERSION, ProjectionState, decode_state, encode_state, fold_many
+from renqueue.state import (
+    STATE_VERSION,
+    ProjectionState,
+    decode_state,
+    encode_state,
+    fold_many,
+    render_splits,
+)
 from renqueue.wire import (
     SYSTEM_TENANT,
     Cancelled,

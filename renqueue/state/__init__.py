@@ -10,7 +10,9 @@
   two projections disagree on; :func:`verify` (``_verify``) compares the
   checkpoint and the views with a rebuild from the log (``renqueue replay
   --verify``); :func:`read_status` and :func:`render_status` (``_status``)
-  report each backend, priority level and tenant (``renqueue status``).
+  report each backend, priority level and tenant (``renqueue status``);
+  :func:`read_splits`, :func:`render_splits` and :func:`move_split`
+  (``_split_status``) report and move A/B splits (``renqueue ab``).
 - The binder's lease (``_lease``): :class:`Lease`, at most one holder at a
   time, judged by the server's clock.
 - Coalescing groups (``_coalescing``): :class:`Coalescer`, identical requests
@@ -40,6 +42,14 @@ from ._fold import (
 )
 from ._lease import LEASE_MARGIN, Lease
 from ._projector import Projector, rebuild
+from ._split_status import (
+    ArmFigures,
+    ArmReport,
+    SplitReport,
+    move_split,
+    read_splits,
+    render_splits,
+)
 from ._splits import STALE_ASSIGNED, ArmRequest, Splits, SplitState
 from ._status import (
     BackendStatus,
@@ -78,6 +88,8 @@ __all__ = [
     "STATE_VERSION",
     "TENANT_WRITTEN_KINDS",
     "VIEW_KEYS",
+    "ArmFigures",
+    "ArmReport",
     "ArmRequest",
     "BackendState",
     "BackendStatus",
@@ -93,6 +105,7 @@ __all__ = [
     "Progress",
     "ProjectionState",
     "Projector",
+    "SplitReport",
     "SplitState",
     "SplitView",
     "Splits",
@@ -115,9 +128,12 @@ __all__ = [
     "encode_view",
     "fold",
     "fold_many",
+    "move_split",
     "read_checkpoint",
+    "read_splits",
     "read_status",
     "rebuild",
+    "render_splits",
     "render_status",
     "split_view_key",
     "utc_day",

@@ -28,14 +28,14 @@ from ..config import Config
 from ..errors import RenQueueError
 from ..policy import ArmStats, Tally, moved_to, percentile, windowed
 from ..policy._ab import SplitPolicy
-from ..state._fold import ProjectionState
-from ..state._splits import SplitState
-from ..state._status import clock, printable
-from ..state._verify import read_checkpoint
 from ..wire._eventlog import EventLog
 from ..wire._messages import SplitChanged
 from ..wire._nats import JetStream
 from ..wire._subjects import STATE_BUCKET, SYSTEM_TENANT
+from ._fold import ProjectionState
+from ._splits import SplitState
+from ._status import clock, printable
+from ._verify import read_checkpoint
 
 __all__ = [
     "ArmFigures",
