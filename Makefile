@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults chaos clean
+.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-ab chaos clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,10 @@ bench-ratelimits: $(STAMP)
 # (issue #9). LiteLLM comes from the same venv as bench-ratelimits'.
 bench-faults: $(STAMP)
 	$(BIN)/python bench/faults.py
+
+# What A/B splits cost the fold and the binder (issue #10 item 5): in process, no NATS.
+bench-ab: $(STAMP)
+	$(BIN)/python bench/ab.py
 
 # kill -9 routers and workers under load (single node, 3-node cluster, harsh), audit the log.
 chaos: $(STAMP)

@@ -51,6 +51,7 @@ __all__ = [
     "HIST_BINS",
     "SPLIT_MODES",
     "ArmStats",
+    "ArmTally",
     "Histogram",
     "RollbackRules",
     "SplitFacts",
@@ -74,8 +75,9 @@ __all__ = [
     "windowed",
 ]
 
-#: Seconds of event time per bucket of :attr:`ArmStats.recent`.
-AB_BUCKET: Final = 10
+#: Seconds of event time per bucket of :attr:`ArmStats.recent` (the shortest
+#: rollback ``window``; 20 buckets over the horizon keep a split's view small).
+AB_BUCKET: Final = 30
 #: Seconds of buckets kept (the longest rollback ``window`` a config may set).
 AB_HORIZON: Final = 600
 
@@ -329,22 +331,87 @@ def tally(tallies: Iterable[Tally]) -> Tally:
     )
 
 
+class _Sums:
+    """A :class:`Tally` being added to."""
+
+    __slots__ = ("completed", "cost", "expired", "failed", "latency", "requests", "ttft")
+
+    def __init__(self, start: Tally = _EMPTY) -> None:
+        self.requests = start.requests
+        self.completed = start.completed
+        self.failed = start.failed
+        self.expired = start.expired
+        self.cost = start.cost
+        self.latency = dict(start.latency)
+        self.ttft = dict(start.ttft)
+
+    def add(self, delta: Tally) -> None:
+        self.requests += delta.requests
+        self.completed += delta.completed
+        self.failed += delta.failed
+        self.expired += delta.expired
+        self.cost += delta.cost
+        for index, n in delta.latency:
+            self.latency[index] = self.latency.get(index, 0) + n
+        for index, n in delta.ttft:
+            self.ttft[index] = self.ttft.get(index, 0) + n
+
+    def freeze(self) -> Tally:
+        return Tally(
+            requests=self.requests,
+            completed=self.completed,
+            failed=self.failed,
+            expired=self.expired,
+            cost=self.cost,
+            latency=tuple(sorted((i, n) for i, n in self.latency.items() if n > 0)),
+            ttft=tuple(sorted((i, n) for i, n in self.ttft.items() if n > 0)),
+        )
+
+
+class ArmTally:
+    """An arm's :class:`ArmStats` being added to, event after event, without a
+    copy per event (the fold's working copy within a batch): :meth:`add` is
+    :func:`record`, :meth:`freeze` the :class:`ArmStats` it adds up to."""
+
+    __slots__ = ("_newest", "_recent", "_total")
+
+    def __init__(self, stats: ArmStats) -> None:
+        self._total = _Sums(stats.total)
+        self._recent = {start: _Sums(seen) for start, seen in stats.recent}
+        self._newest: int | None = stats.recent[-1][0] if stats.recent else None
+
+    def add(self, at: float, delta: Tally) -> None:
+        """Add ``delta``, what happened at event time ``at`` (see :func:`record`)."""
+        self._total.add(delta)
+        start = int(at // AB_BUCKET) * AB_BUCKET if math.isfinite(at) else 0
+        newest = start if self._newest is None else max(self._newest, start)
+        self._newest = newest
+        if start > newest - AB_HORIZON:
+            sums = self._recent.get(start)
+            if sums is None:
+                sums = self._recent[start] = _Sums()
+            sums.add(delta)
+
+    def freeze(self) -> ArmStats:
+        newest = self._newest
+        recent: tuple[tuple[int, Tally], ...] = ()
+        if newest is not None:
+            recent = tuple(
+                (start, sums.freeze())
+                for start, sums in sorted(self._recent.items())
+                if start > newest - AB_HORIZON
+            )
+        return ArmStats(total=self._total.freeze(), recent=recent)
+
+
 def record(stats: ArmStats, at: float, delta: Tally) -> ArmStats:
     """``stats`` with ``delta`` (what happened at event time ``at``) added to
-    its total and to its bucket; buckets older than :data:`AB_HORIZON` before
-    ``at`` are dropped. A late event goes into its own bucket, kept in order."""
-    start = int(at // AB_BUCKET) * AB_BUCKET if math.isfinite(at) else 0
-    newest = max(start, stats.recent[-1][0]) if stats.recent else start
-    kept = [entry for entry in stats.recent if entry[0] > newest - AB_HORIZON]
-    if start > newest - AB_HORIZON:
-        position = len(kept)
-        while position > 0 and kept[position - 1][0] > start:
-            position -= 1
-        if position > 0 and kept[position - 1][0] == start:
-            kept[position - 1] = (start, tally([kept[position - 1][1], delta]))
-        else:
-            kept.insert(position, (start, delta))
-    return ArmStats(total=tally([stats.total, delta]), recent=tuple(kept))
+    its total and to its bucket; buckets :data:`AB_HORIZON` or more older
+    than the newest are dropped (a late event that old counts in the total
+    only). A late event goes into its own bucket, kept in order."""
+    working = ArmTally(stats)
+    working.add(at, delta)
+    return working.freeze()
 
 
 def windowed(stats: ArmStats, now: float, window: float) -> Tally:

@@ -20,7 +20,7 @@ time, so a replay rebuilds it exactly:
   the resumed split is judged afresh.
 
 Bounded: per split, per arm, one total and at most ``AB_HORIZON / AB_BUCKET``
-buckets (:class:`~renqueue.policy.ArmStats`), plus one small entry per request
+(20) buckets (:class:`~renqueue.policy.ArmStats`), plus one small entry per request
 routed on an arm and not yet ended, dropped at its end and swept after
 :data:`STALE_ASSIGNED` seconds of event time.
 """
@@ -33,7 +33,7 @@ from typing import Final
 import msgspec
 from msgspec import Struct
 
-from ..policy._ab import SPLIT_MODES, ArmStats, Tally, bin_of, record
+from ..policy._ab import SPLIT_MODES, ArmStats, ArmTally, Tally, bin_of
 from ..wire._messages import (
     Cancelled,
     Completed,
@@ -98,7 +98,9 @@ def _finite(value: float) -> float:
 
 class SplitsBuilder:
     """:class:`Splits` being folded: copies each map once, then changes the copy
-    (as the fold's own builder does); the input is never changed."""
+    (as the fold's own builder does), and adds each arm's figures up in a
+    working copy (:class:`~renqueue.policy.ArmTally`) frozen once, at
+    :meth:`freeze`; the input is never changed."""
 
     def __init__(self, splits: Splits) -> None:
         self._routes = splits.routes
@@ -106,6 +108,8 @@ class SplitsBuilder:
         self._last_sweep_at = splits.last_sweep_at
         self._routes_own = False
         self._requests_own = False
+        #: Arms whose figures changed, by (split, arm): frozen into ``_routes`` at freeze.
+        self._working: dict[tuple[str, str], ArmTally] = {}
 
     def apply(self, event: Event, at: float, log_time: float) -> None:
         """Fold one event the services wrote (stamped ``at``; the log's clock is ``log_time``)."""
@@ -113,16 +117,30 @@ class SplitsBuilder:
             if event.split and event.arm:
                 self._routed(event, at)
         elif isinstance(event, Completed | Failed | Expired | Cancelled | Rejected):
-            self._ended(event, at)
+            if self._requests or (isinstance(event, Expired) and event.split):
+                self._ended(event, at)
         elif isinstance(event, SplitChanged):
             self._changed(event, at)
         if log_time - self._last_sweep_at >= _SWEEP_EVERY:
             self._sweep(log_time)
 
     def freeze(self) -> Splits:
+        self._settle()
         return Splits(
             routes=self._routes, requests=self._requests, last_sweep_at=self._last_sweep_at
         )
+
+    def _settle(self, route: str | None = None) -> None:
+        """Freeze the working figures (of ``route``'s arms only, if given) into the splits."""
+        done = [key for key in self._working if route is None or key[0] == route]
+        by_split: dict[str, dict[str, ArmStats]] = {}
+        for split, arm in done:
+            by_split.setdefault(split, {})[arm] = self._working.pop((split, arm)).freeze()
+        for split, arms in by_split.items():
+            current = self._routes.get(split, _EMPTY_SPLIT)
+            self._own_routes()[split] = msgspec.structs.replace(
+                current, arms={**current.arms, **arms}
+            )
 
     def _own_routes(self) -> dict[str, SplitState]:
         if not self._routes_own:
@@ -135,11 +153,11 @@ class SplitsBuilder:
         return self._requests
 
     def _count(self, split: str, arm: str, at: float, delta: Tally) -> None:
-        current = self._routes.get(split, _EMPTY_SPLIT)
-        stats = record(current.arms.get(arm, _EMPTY_ARM), at, delta)
-        self._own_routes()[split] = msgspec.structs.replace(
-            current, arms={**current.arms, arm: stats}
-        )
+        working = self._working.get((split, arm))
+        if working is None:
+            current = self._routes.get(split, _EMPTY_SPLIT).arms.get(arm, _EMPTY_ARM)
+            working = self._working[(split, arm)] = ArmTally(current)
+        working.add(at, delta)
 
     def _routed(self, event: Routed, at: float) -> None:
         key = msg_id(event.tenant, event.request_id)
@@ -190,6 +208,7 @@ class SplitsBuilder:
             or (event.state != "live" and not event.arm)
         ):
             return
+        self._settle(event.route)
         current = self._routes.get(event.route, _EMPTY_SPLIT)
         if not event.operator and current.state != "live":
             return  # the binder's rollback of a split an operator moved meanwhile
