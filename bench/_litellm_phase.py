@@ -1,4 +1,5 @@
-"""The LiteLLM side of ``bench/ratelimits.py`` and ``bench/faults.py``, through ``litellm.Router``.
+"""The LiteLLM side of ``bench/ratelimits.py``, ``bench/faults.py`` and ``bench/economics.py``,
+through ``litellm.Router``.
 
 Run by those benchmarks with the Python of the benchmark-only venv that has
 ``litellm`` (``.renqueue/bench-litellm/venv``), never with the project's: LiteLLM is
@@ -7,23 +8,34 @@ not a dependency of Ren-Queue. It imports nothing from ``renqueue`` or ``bench/`
 Reads one JSON object on stdin (the plan the benchmark writes: the mocks' URLs, each
 backend's ``rpm``/``tpm``/``max_parallel_requests`` as LiteLLM is to be told them,
 prices, the fallback order, the Router's other keyword arguments and the requests:
-prompt and ``max_tokens`` each). Its ``mode`` says what to do with them:
+prompt and ``max_tokens`` each). In every mode the Router is built first, ``ready`` is
+printed on a line of its own, and the workload starts when a line comes back on stdin
+(so the benchmark's clock and schedule start with the workload, not with LiteLLM's
+imports). Its ``mode`` says what to do with the requests:
 
 - ``burst`` (``ratelimits.py``, the default): every request at once, not streamed,
   through one ``Router`` with ``routing_strategy="usage-based-routing-v2"`` and
   ``fallbacks`` in the cascade order.
-- ``open-loop`` (``faults.py``): the Router is built, ``ready`` is printed on a line
-  of its own, and the workload starts when a line comes back on stdin (so the
-  benchmark can run its fault schedule on the same clock); request ``i`` is sent at
-  its ``at`` seconds from then, streamed (``stream=True``), and must end within
-  ``deadline`` seconds of being sent (else it counts as expired). The default
-  routing strategy (``simple-shuffle``: one deployment per group, so no choice).
+- ``open-loop`` (``faults.py``): request ``i`` is sent at its ``at`` seconds from the
+  start, streamed (``stream=True``), and must end within ``deadline`` seconds of being
+  sent (else it counts as expired). The default routing strategy (``simple-shuffle``:
+  one deployment per group, so no choice).
+- ``trace`` (``economics.py``): as ``open-loop`` (each request at its ``at``), not
+  streamed, but each request says its own cascade (``models``: the first is the model
+  group asked for, the rest its ``fallbacks``), its ``priority`` (an integer, lower
+  first: LiteLLM's priority scheduler), its ``deadline`` (also the call's ``timeout``)
+  and its ``messages``; the Router's ``routing_strategy`` comes with its other keyword
+  arguments. Before ``ready``, the ``warmup`` calls (``model``, ``messages``,
+  ``max_tokens`` each) are made straight to their model group, a few at a time per group
+  (its ``max_parallel_requests``), so a router that learns from its calls starts with
+  some.
 
 It prints one JSON object on stdout: per request, who served it (the mock echoes the
 model name it was asked for), its usage, LiteLLM's own cost figure, its latency or the
 error it ended with (open-loop: also the time of its first token, its text, and the
 retries and fallbacks LiteLLM says it made, from ``x-litellm-attempted-retries`` and
-``x-litellm-attempted-fallbacks``); and the router's settings as LiteLLM reports them.
+``x-litellm-attempted-fallbacks``; trace: the fallbacks); and the router's settings as
+LiteLLM reports them.
 
 Nothing here holds a secret: the mocks need no key, so the key passed is a dummy
 (LiteLLM's OpenAI client refuses to start without one), and it is never printed.
@@ -85,6 +97,7 @@ async def burst(plan: dict[str, Any]) -> dict[str, Any]:
         **plan.get("router_kwargs", {}),
     )
     settings = _settings(router)
+    await _ready()
 
     async def one(index: int, item: dict[str, Any]) -> dict[str, Any]:
         start = time.time()
@@ -127,6 +140,15 @@ async def burst(plan: dict[str, Any]) -> dict[str, Any]:
         "cpu_s": cpu,
         "rows": rows,
     }
+
+
+async def _ready() -> None:
+    """Say ``ready`` (the Router is built) and wait for the word to start (a line on stdin),
+    so the benchmark's clock and schedule start with the workload, not with LiteLLM's
+    imports and set-up."""
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    await asyncio.to_thread(sys.stdin.readline)
 
 
 def _settings(router: Router) -> dict[str, Any]:
@@ -189,9 +211,7 @@ async def open_loop(plan: dict[str, Any]) -> dict[str, Any]:
         **plan.get("router_kwargs", {}),
     )
     settings = _settings(router)
-    sys.stdout.write("ready\n")
-    sys.stdout.flush()
-    await asyncio.to_thread(sys.stdin.readline)
+    await _ready()
     t0 = time.time()
     deadline: float = plan["deadline"]
 
@@ -261,6 +281,98 @@ async def open_loop(plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+async def trace(plan: dict[str, Any]) -> dict[str, Any]:
+    """Each request at its time, on its own cascade, at its priority, within its deadline
+    (see the module docstring)."""
+    router = Router(
+        model_list=model_list(plan), timeout=plan["timeout_s"], **plan.get("router_kwargs", {})
+    )
+    settings = _settings(router)
+    warmed = await _warm_up(router, plan)
+    await _ready()
+    t0 = time.time()
+
+    async def one(index: int, item: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(max(0.0, t0 + item["at"] - time.time()))
+        start = time.time()
+        row: dict[str, Any] = {"index": index, "submitted_at": start}
+        first, *rest = item["models"]
+        deadline: float = item["deadline"]
+        try:
+            response: Any = await asyncio.wait_for(
+                router.acompletion(
+                    model=first,
+                    messages=item["messages"],
+                    max_tokens=item["max_tokens"],
+                    fallbacks=[{first: rest}] if rest else [],
+                    priority=item["priority"],
+                    timeout=deadline,
+                ),
+                timeout=deadline,
+            )
+        except TimeoutError:
+            row.update(outcome="expired", error="deadline passed", ended_at=time.time())
+            return row
+        except Exception as exc:  # noqa: BLE001 - every failure is a row of the report
+            row.update(outcome="failed", error=_error_text(exc), ended_at=time.time())
+            return row
+        usage = getattr(response, "usage", None)
+        hidden = getattr(response, "_hidden_params", {}) or {}
+        headers = hidden.get("additional_headers") or {}
+        row.update(
+            outcome="completed",
+            ended_at=time.time(),
+            # The mock echoes the model it was asked for: the backend's name.
+            backend=str(response.model).removeprefix("openai/"),
+            prompt_tokens=getattr(usage, "prompt_tokens", 0) or 0,
+            completion_tokens=getattr(usage, "completion_tokens", 0) or 0,
+            litellm_cost=hidden.get("response_cost"),
+            attempted_fallbacks=headers.get("x-litellm-attempted-fallbacks"),
+            prioritized=bool(headers.get("x-litellm-request-prioritization-used")),
+        )
+        return row
+
+    cpu = time.process_time()
+    rows = await asyncio.gather(*(one(i, item) for i, item in enumerate(plan["requests"])))
+    cpu = time.process_time() - cpu
+    return {
+        "litellm_version": _version(),
+        "router_settings": settings,
+        "model_list": _shown(plan),
+        "began": t0,
+        "ended": time.time(),
+        "cpu_s": cpu,
+        "warmup": warmed,
+        "rows": rows,
+    }
+
+
+async def _warm_up(router: Router, plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan's ``warmup`` calls, straight to their model group: how many completed and
+    the errors of the others, per group."""
+    slots = {b["name"]: b.get("max_parallel_requests") or 1 for b in plan["backends"]}
+    gates = {name: asyncio.Semaphore(n) for name, n in slots.items()}
+    done: dict[str, list[str]] = {name: [] for name in slots}
+
+    async def one(item: dict[str, Any]) -> None:
+        async with gates[item["model"]]:
+            try:
+                await router.acompletion(
+                    model=item["model"], messages=item["messages"], max_tokens=item["max_tokens"]
+                )
+            except Exception as exc:  # noqa: BLE001 - reported with the warm-up
+                done[item["model"]].append(_error_text(exc))
+            else:
+                done[item["model"]].append("ok")
+
+    await asyncio.gather(*(one(item) for item in plan.get("warmup", [])))
+    return {
+        name: {"ok": results.count("ok"), "errors": [r for r in results if r != "ok"][:3]}
+        for name, results in done.items()
+        if results
+    }
+
+
 def _shown(plan: dict[str, Any]) -> list[dict[str, Any]]:
     """The model list as given to the Router, without the (dummy) key."""
     return [
@@ -279,8 +391,8 @@ def main() -> None:
     logging.getLogger("LiteLLM").setLevel(logging.ERROR)
     logging.getLogger("LiteLLM Router").setLevel(logging.ERROR)
     logging.getLogger("LiteLLM Proxy").setLevel(logging.ERROR)
-    mode = plan.get("mode", "burst")
-    report = asyncio.run(open_loop(plan) if mode == "open-loop" else burst(plan))
+    modes = {"burst": burst, "open-loop": open_loop, "trace": trace}
+    report = asyncio.run(modes[plan.get("mode", "burst")](plan))
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")
 

@@ -1,19 +1,23 @@
 """What the benchmarks share: results folder, percentiles, machine info, the mock in a
-process of its own (and its counters, its settings), free loopback ports, the event log
-read back."""
+process of its own (and its counters, its settings; a set of them), free loopback ports,
+the event log read back, and the LiteLLM side's venv and subprocess
+(``bench/_litellm_phase.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import importlib.metadata
+import json
 import os
 import platform
 import socket
 import statistics
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,11 @@ from renqueue.wire import EVENT_DECODER, EVENTS_STREAM, AckPolicy, ConsumerConfi
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+#: LiteLLM, pinned: the version the LiteLLM sides of the benchmarks were written and
+#: measured against. It lives only in its own venv (``LITELLM_DIR / "venv"``).
+LITELLM_SPEC = "litellm==1.110.2"
+LITELLM_DIR = ROOT / ".renqueue" / "bench-litellm"
+LITELLM_PHASE = Path(__file__).resolve().parent / "_litellm_phase.py"
 
 
 def percentile(values: Sequence[float], pct: int) -> float:
@@ -171,6 +180,36 @@ async def mock_settings(url: str, settings: dict[str, Any]) -> dict[str, Any]:
     return now
 
 
+@contextlib.asynccontextmanager
+async def mock_fleet(settings: Mapping[str, dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+    """One fresh mock process per name (fresh buckets and fault draws, counters at 0), each
+    given its settings (:func:`mock_settings`): name -> base URL."""
+    async with contextlib.AsyncExitStack() as stack:
+        urls: dict[str, str] = {}
+        for name, each in settings.items():
+            url, _pid = await stack.enter_async_context(
+                mock_process(
+                    ttft=float(each.get("ttft", 0.0)),
+                    output_tokens=int(each.get("output_tokens", 16)),
+                )
+            )
+            urls[name] = url
+        for name, each in settings.items():
+            await mock_settings(urls[name], each)
+        yield urls
+
+
+async def all_mock_stats(urls: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """Each mock's counters (:func:`mock_stats`, without the last request's body): name ->
+    counters."""
+    out = {}
+    for name, url in urls.items():
+        stats = await mock_stats(url)
+        stats.pop("last_request", None)
+        out[name] = stats
+    return out
+
+
 async def read_stream(js: Any, stream: str, subject: str) -> list[bytes]:
     """Every message of ``stream`` on ``subject``, in order (one ephemeral pull consumer,
     no acks)."""
@@ -232,3 +271,129 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
     return port
+
+
+# --------------------------------------------------------------------- LiteLLM
+
+
+def litellm_python(fresh: bool) -> tuple[Path | None, str]:
+    """The Python of the benchmarks' LiteLLM venv, made (and ``LITELLM_SPEC`` installed)
+    if missing; ``(None, why)`` if that fails."""
+    venv = LITELLM_DIR / "venv"
+    python = venv / "bin" / "python"
+    stamp = venv / ".bench-installed"
+    if not fresh and python.exists() and stamp.exists() and stamp.read_text() == LITELLM_SPEC:
+        return python, f"{LITELLM_SPEC} (cached venv)"
+    shown = venv.relative_to(ROOT) if venv.is_relative_to(ROOT) else venv
+    print(f"  making {shown} with {LITELLM_SPEC} ...", flush=True)
+    steps = (
+        [sys.executable, "-m", "venv", "--clear", str(venv)],
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            LITELLM_SPEC,
+        ],
+    )
+    for step in steps:
+        try:
+            done = subprocess.run(step, capture_output=True, text=True, timeout=900, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return None, f"{' '.join(step[:4])}: {type(exc).__name__}: {exc}"[:500]
+        if done.returncode != 0:
+            lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+            tail = " | ".join([ln for ln in lines if not ln.startswith("WARNING")][-4:])
+            return None, f"{' '.join(step[:4])} exited {done.returncode}: {tail}"[:800]
+    stamp.write_text(LITELLM_SPEC)
+    return python, f"{LITELLM_SPEC} (installed now)"
+
+
+def litellm_env() -> dict[str, str]:
+    """A minimal environment: no provider keys or proxies reach LiteLLM; its model price
+    map is its packaged copy (no fetch from the network)."""
+    home = LITELLM_DIR / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "LANG": "C.UTF-8",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "LITELLM_TELEMETRY": "False",
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+        "PYTHONWARNINGS": "ignore",
+    }
+
+
+@dataclass
+class PhaseRun:
+    """What a run of ``bench/_litellm_phase.py`` gave: its report, or why there is none;
+    and what ``on_start`` returned."""
+
+    report: dict[str, Any] | None
+    error: str = ""
+    started: Any = None
+
+
+async def run_litellm_phase(
+    python: Path,
+    payload: dict[str, Any],
+    *,
+    limit: float,
+    on_start: Callable[[float], Coroutine[Any, Any, Any]] | None = None,
+    on_ready: Callable[[], Coroutine[Any, Any, Any]] | None = None,
+) -> PhaseRun:
+    """Run ``bench/_litellm_phase.py`` with LiteLLM's ``python`` on ``payload``.
+
+    The phase builds its Router, says ``ready``, and starts the workload when told to;
+    ``on_start(t0)`` (a fault schedule, say) runs beside it from then, on the same clock
+    (``t0``: when it was told, within milliseconds of the phase's own); ``on_ready()`` (a
+    snapshot of the mocks' counters after a warm-up, say) is awaited before it is told.
+    ``limit``: seconds the workload may take before the phase is killed.
+    """
+    proc = await asyncio.create_subprocess_exec(
+        str(python),
+        str(LITELLM_PHASE),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=litellm_env(),
+        limit=64 * 1024 * 1024,
+    )
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    err_task = asyncio.create_task(proc.stderr.read())
+    out = b""
+    started: Any = None
+    problem = ""
+    try:
+        proc.stdin.write(json.dumps(payload).encode() + b"\n")
+        await proc.stdin.drain()
+        ready = await asyncio.wait_for(proc.stdout.readline(), timeout=120)
+        if ready.strip() == b"ready":
+            if on_ready is not None:
+                await on_ready()
+            t0 = time.time()
+            proc.stdin.write(b"go\n")
+            await proc.stdin.drain()
+            side = asyncio.create_task(on_start(t0)) if on_start is not None else None
+            out = await asyncio.wait_for(proc.stdout.read(), timeout=limit)
+            started = await side if side is not None else None
+        else:
+            problem = f"it did not start (said {ready[:300]!r})"
+    except TimeoutError:
+        problem = f"it did not finish within {limit:g} s"
+    if problem:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    await proc.wait()
+    err = await err_task
+    tail = " | ".join(err.decode(errors="replace").strip().splitlines()[-6:])
+    if problem or proc.returncode != 0:
+        why = problem or f"it exited {proc.returncode}"
+        return PhaseRun(None, f"the LiteLLM phase failed: {why}: {tail}"[:1500], started)
+    return PhaseRun(json.loads(out), "", started)

@@ -78,14 +78,15 @@ import httpx
 from common import (
     RESULTS,
     ROOT,
+    all_mock_stats,
+    litellm_python,
     machine_info,
-    mock_process,
+    mock_fleet,
     mock_settings,
-    mock_stats,
     percentile,
     read_events,
+    run_litellm_phase,
 )
-from ratelimits import PHASE_SCRIPT, _litellm_env, litellm_python
 
 from renqueue import Client, Services, parse_config
 from renqueue.config import Config
@@ -232,15 +233,8 @@ def mock_config(backend: Backend, plan: Plan, index: int) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def mocks(plan: Plan) -> AsyncIterator[dict[str, str]]:
     """A fresh mock process per backend (fresh fault draws, counters at 0): name -> URL."""
-    async with contextlib.AsyncExitStack() as stack:
-        urls: dict[str, str] = {}
-        for backend in plan.backends:
-            url, _pid = await stack.enter_async_context(
-                mock_process(ttft=backend.ttft, output_tokens=plan.output_tokens)
-            )
-            urls[backend.name] = url
-        for index, backend in enumerate(plan.backends):
-            await mock_settings(urls[backend.name], mock_config(backend, plan, index))
+    settings = {b.name: mock_config(b, plan, index) for index, b in enumerate(plan.backends)}
+    async with mock_fleet(settings) as urls:
         yield urls
 
 
@@ -256,15 +250,6 @@ async def outage_schedule(plan: Plan, urls: dict[str, str], t0: float) -> list[d
                 await mock_settings(urls[backend.name], {"down": down})
                 done.append({"backend": backend.name, "down": down, "at": time.time() - t0})
     return done
-
-
-async def all_stats(urls: dict[str, str]) -> dict[str, dict[str, Any]]:
-    out = {}
-    for name, url in urls.items():
-        stats = await mock_stats(url)
-        stats.pop("last_request", None)
-        out[name] = stats
-    return out
 
 
 # ------------------------------------------------------------------- Ren-Queue
@@ -340,7 +325,7 @@ async def run_renqueue(plan: Plan, workload: list[dict[str, Any]]) -> dict[str, 
                 finally:
                     await client.close()
                     await client_nc.drain()
-        stats = await all_stats(urls)
+        stats = await all_mock_stats(urls)
     return {
         "began": t0,
         "ended": ended,
@@ -554,51 +539,16 @@ async def run_litellm(plan: Plan, workload: list[dict[str, Any]], python: Path) 
             "router_kwargs": router_kwargs,
             "requests": workload,
         }
-        proc = await asyncio.create_subprocess_exec(
-            str(python),
-            str(PHASE_SCRIPT),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=_litellm_env(),
-            limit=64 * 1024 * 1024,
-        )
-        assert proc.stdin is not None
-        assert proc.stdout is not None
-        assert proc.stderr is not None
-        err_task = asyncio.create_task(proc.stderr.read())
         limit = plan.span + plan.deadline + 120
-        out = b""
-        outage: list[dict[str, Any]] = []
-        problem = ""
-        try:
-            proc.stdin.write(json.dumps(payload).encode() + b"\n")
-            await proc.stdin.drain()
-            ready = await asyncio.wait_for(proc.stdout.readline(), timeout=120)
-            if ready.strip() == b"ready":
-                t0 = time.time()
-                proc.stdin.write(b"go\n")
-                await proc.stdin.drain()
-                schedule = asyncio.create_task(outage_schedule(plan, urls, t0))
-                out = await asyncio.wait_for(proc.stdout.read(), timeout=limit)
-                outage = await schedule
-            else:
-                problem = f"it did not start (said {ready[:300]!r})"
-        except TimeoutError:
-            problem = "it did not finish in time"
-        if problem:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-        await proc.wait()
-        err = await err_task
-        stats = await all_stats(urls)
-    tail = " | ".join(err.decode(errors="replace").strip().splitlines()[-6:])
-    if problem or proc.returncode != 0:
-        why = problem or f"it exited {proc.returncode}"
-        return {"error": f"the LiteLLM phase failed: {why}: {tail}"[:1500]}
-    report: dict[str, Any] = json.loads(out)
+        phase = await run_litellm_phase(
+            python, payload, limit=limit, on_start=lambda t0: outage_schedule(plan, urls, t0)
+        )
+        stats = await all_mock_stats(urls)
+    if phase.report is None:
+        return {"error": phase.error}
+    report = phase.report
     # The phase's clock starts when it reads "go": its own t0, within milliseconds of ours.
-    report["outage"] = outage
+    report["outage"] = phase.started or []
     report["mocks"] = stats
     report["router_kwargs"] = router_kwargs
     return report

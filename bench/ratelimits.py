@@ -62,10 +62,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -76,7 +73,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import RESULTS, ROOT, machine_info, mock_process, mock_stats, percentile
+from common import (
+    RESULTS,
+    ROOT,
+    all_mock_stats,
+    litellm_python,
+    machine_info,
+    mock_fleet,
+    percentile,
+    run_litellm_phase,
+)
 from common import read_events as read_events_on
 
 from renqueue import Client, Services, parse_config
@@ -91,10 +97,6 @@ from renqueue.wire import (
 
 TENANT = "bench"
 ROUTE = "chat"
-#: LiteLLM, pinned: the version this benchmark was written and measured against.
-LITELLM_SPEC = "litellm==1.110.2"
-LITELLM_DIR = ROOT / ".renqueue" / "bench-litellm"
-PHASE_SCRIPT = Path(__file__).resolve().parent / "_litellm_phase.py"
 #: Words the prompts are made of (about one token each by the 4-characters rule).
 WORDS = ("queue", "token", "limit", "route", "cost", "free", "tier", "wait", "burst", "model")
 
@@ -205,28 +207,8 @@ def mock_settings(tier: Tier, plan: Plan) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def mocks(plan: Plan) -> AsyncIterator[dict[str, str]]:
     """A fresh mock process per tier (fresh buckets, counters at 0): name -> base URL."""
-    async with contextlib.AsyncExitStack() as stack:
-        urls: dict[str, str] = {}
-        for tier in plan.tiers:
-            url, _pid = await stack.enter_async_context(
-                mock_process(ttft=tier.ttft, output_tokens=plan.output_tokens)
-            )
-            urls[tier.name] = url
-        async with httpx.AsyncClient(timeout=10.0) as http:
-            for tier in plan.tiers:
-                base = urls[tier.name].removesuffix("/v1")
-                response = await http.post(f"{base}/admin/settings", json=mock_settings(tier, plan))
-                response.raise_for_status()
+    async with mock_fleet({tier.name: mock_settings(tier, plan) for tier in plan.tiers}) as urls:
         yield urls
-
-
-async def all_stats(urls: dict[str, str]) -> dict[str, dict[str, Any]]:
-    out = {}
-    for name, url in urls.items():
-        stats = await mock_stats(url)
-        stats.pop("last_request", None)
-        out[name] = stats
-    return out
 
 
 # ------------------------------------------------------------------- Ren-Queue
@@ -322,7 +304,7 @@ async def run_renqueue(plan: Plan, burst: list[dict[str, Any]]) -> dict[str, Any
                 finally:
                     await client.close()
                     await client_nc.drain()
-        stats = await all_stats(urls)
+        stats = await all_mock_stats(urls)
     return {
         "began": began,
         "ended": ended,
@@ -384,41 +366,6 @@ def log_figures(events: Sequence[Any], rows: Sequence[dict[str, Any]]) -> dict[s
 # --------------------------------------------------------------------- LiteLLM
 
 
-def litellm_python(fresh: bool) -> tuple[Path | None, str]:
-    """The Python of the benchmark's LiteLLM venv, made (and ``LITELLM_SPEC`` installed)
-    if missing; ``(None, why)`` if that fails."""
-    venv = LITELLM_DIR / "venv"
-    python = venv / "bin" / "python"
-    stamp = venv / ".bench-installed"
-    if not fresh and python.exists() and stamp.exists() and stamp.read_text() == LITELLM_SPEC:
-        return python, f"{LITELLM_SPEC} (cached venv)"
-    shown = venv.relative_to(ROOT) if venv.is_relative_to(ROOT) else venv
-    print(f"  making {shown} with {LITELLM_SPEC} ...", flush=True)
-    steps = (
-        [sys.executable, "-m", "venv", "--clear", str(venv)],
-        [
-            str(python),
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            LITELLM_SPEC,
-        ],
-    )
-    for step in steps:
-        try:
-            done = subprocess.run(step, capture_output=True, text=True, timeout=900, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return None, f"{' '.join(step[:4])}: {type(exc).__name__}: {exc}"[:500]
-        if done.returncode != 0:
-            lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
-            tail = " | ".join([ln for ln in lines if not ln.startswith("WARNING")][-4:])
-            return None, f"{' '.join(step[:4])} exited {done.returncode}: {tail}"[:800]
-    stamp.write_text(LITELLM_SPEC)
-    return python, f"{LITELLM_SPEC} (installed now)"
-
-
 def litellm_backends(plan: Plan, urls: dict[str, str], variant: str) -> list[dict[str, Any]]:
     """The backends as LiteLLM is told them: per real minute, scaled by ``variant``."""
     factor = plan.compression if variant == "same-rate" else 1.0
@@ -435,57 +382,24 @@ def litellm_backends(plan: Plan, urls: dict[str, str], variant: str) -> list[dic
     ]
 
 
-def _litellm_env() -> dict[str, str]:
-    """A minimal environment: no provider keys or proxies reach LiteLLM; its model price
-    map is its packaged copy (no fetch from the network)."""
-    home = LITELLM_DIR / "home"
-    home.mkdir(parents=True, exist_ok=True)
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(home),
-        "LANG": "C.UTF-8",
-        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        "LITELLM_TELEMETRY": "False",
-        "NO_PROXY": "127.0.0.1,localhost",
-        "no_proxy": "127.0.0.1,localhost",
-        "PYTHONWARNINGS": "ignore",
-    }
-
-
 async def run_litellm(
     plan: Plan, burst: list[dict[str, Any]], python: Path, variant: str
 ) -> dict[str, Any]:
     router_kwargs: dict[str, Any] = {} if plan.litellm_retries else {"num_retries": 0}
     async with mocks(plan) as urls:
-        payload = {
+        payload: dict[str, Any] = {
             "backends": litellm_backends(plan, urls, variant),
             "fallback_order": plan.cascade,
             "timeout_s": plan.deadline,
             "router_kwargs": router_kwargs,
             "burst": burst,
         }
-        proc = await asyncio.create_subprocess_exec(
-            str(python),
-            str(PHASE_SCRIPT),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=_litellm_env(),
-        )
         limit = plan.deadline * (4 if plan.litellm_retries else 1) + 60
-        try:
-            out, err = await asyncio.wait_for(
-                proc.communicate(json.dumps(payload).encode()), timeout=limit
-            )
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            return {"error": f"the LiteLLM phase did not finish within {limit:g} s"}
-        stats = await all_stats(urls)
-    if proc.returncode != 0:
-        tail = " | ".join(err.decode(errors="replace").strip().splitlines()[-6:])
-        return {"error": f"the LiteLLM phase exited {proc.returncode}: {tail}"[:1500]}
-    report: dict[str, Any] = json.loads(out)
+        phase = await run_litellm_phase(python, payload, limit=limit)
+        stats = await all_mock_stats(urls)
+    if phase.report is None:
+        return {"error": phase.error}
+    report = phase.report
     report["mocks"] = stats
     report["router_kwargs"] = router_kwargs
     report["declared"] = {

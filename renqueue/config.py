@@ -37,6 +37,8 @@ from .policy import (
     SplitPolicy,
 )
 from .policy._ab import AB_BUCKET, AB_HORIZON
+from .policy._budget import EVERY_TENANT, Budget
+from .policy._predict import RouteRules
 from .policy._quota import Limit, limits_of
 
 __all__ = [
@@ -373,8 +375,11 @@ class ComplexityConfig(_Section, frozen=True, kw_only=True):
     #: Ascending scores in (0, 1]: reaching the n-th means tier n + 1.
     thresholds: Annotated[list[Annotated[float, Meta(gt=0, le=1)]], Meta(min_length=1)]
     #: The scorer: ``heuristic`` (no download; prompt length, requested output,
-    #: code and math markers, conversation depth).
-    estimator: Literal["heuristic"] = "heuristic"
+    #: code and math markers, conversation depth), or ``module.path:name``, a
+    #: learned one (:func:`renqueue.policy.load_estimator`), loaded at start.
+    estimator: Annotated[str, Meta(pattern=r"^(heuristic|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")] = (
+        "heuristic"
+    )
 
     def __post_init__(self) -> None:
         if list(self.thresholds) != sorted(self.thresholds):
@@ -466,8 +471,37 @@ class RouteConfig(_Section, frozen=True, kw_only=True):
     fallback: FallbackConfig = FallbackConfig()
     #: Estimate the tier of requests that name none; unset: they need none.
     complexity: ComplexityConfig | None = None
+    #: ``cheapest``: bind the cheapest candidate predicted to finish before the
+    #: request's deadline (waiting for a free one when it has the time);
+    #: ``cascade``: the first candidate with room, in order.
+    strategy: Literal["cheapest", "cascade"] = "cheapest"
+    #: Among equally cheap candidates in time, prefer the one predicted to
+    #: finish first (off: the cascade's order decides).
+    adapt: bool = False
+    #: With ``adapt``, the share of requests that choose among those by a draw
+    #: from each one's spread (Thompson sampling), to keep estimates fresh.
+    explore: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    #: Standard deviations of caution in a predicted finish time.
+    spread: Annotated[float, Meta(ge=0, le=10)] = 1.0
     #: Split its traffic between routes (arms) by weight; unset: no split.
     ab: SplitConfig | None = None
+
+    def rules(self) -> RouteRules:
+        """How the planner chooses among this route's candidates."""
+        return RouteRules(
+            strategy=self.strategy, adapt=self.adapt, explore=self.explore, spread=self.spread
+        )
+
+
+class TenantConfig(_Section, frozen=True, kw_only=True):
+    """A tenant's settings (``[tenants.<name>]``; ``[tenants."*"]``: every
+    tenant not named). See :mod:`renqueue.policy._budget`."""
+
+    #: US dollars per UTC day, judged against the projected spend; unset: no budget.
+    daily_budget: Annotated[float, Meta(ge=0)] | None = None
+    #: Past the budget: ``soft``, free and local backends only; ``hard``, new
+    #: requests are also refused (``budget_exhausted``) until 00:00 UTC.
+    budget: Literal["soft", "hard"] = "soft"
 
 
 class LevelConfig(_Section, frozen=True, kw_only=True):
@@ -589,6 +623,8 @@ class Config(_Section, frozen=True, kw_only=True):
     levels: dict[Name, LevelConfig] = {}
     backends: dict[Name, BackendConfig] = {}
     routes: dict[Name, RouteConfig] = {}
+    #: Per-tenant settings by name, ``"*"`` for every tenant not named.
+    tenants: dict[str, TenantConfig] = {}
     router: RouterConfig = RouterConfig()
     worker: WorkerConfig = WorkerConfig()
 
@@ -653,7 +689,17 @@ class Config(_Section, frozen=True, kw_only=True):
         return PlanPolicy(
             levels=tuple(self.level_policies()),
             routes={name: tuple(route.backends) for name, route in self.routes.items()},
+            rules={name: route.rules() for name, route in self.routes.items()},
+            budgets=self.budgets(),
         )
+
+    def budgets(self) -> dict[str, Budget]:
+        """Each tenant's daily budget (``"*"``: every tenant not named)."""
+        return {
+            name: Budget(daily=tenant.daily_budget, mode=tenant.budget)
+            for name, tenant in self.tenants.items()
+            if tenant.daily_budget is not None
+        }
 
     def level_policies(self) -> list[LevelPolicy]:
         """Every level's effective settings, most urgent first (defaults filled in)."""
@@ -697,7 +743,14 @@ def parse_config(data: Mapping[str, Any], *, source: str | None = None) -> Confi
     backends = raw.pop("backends", {})
     routes = raw.pop("routes", {})
     levels = raw.pop("levels", {})
-    for section, value in (("backends", backends), ("routes", routes), ("levels", levels)):
+    tenants = raw.pop("tenants", {})
+    sections = (
+        ("backends", backends),
+        ("routes", routes),
+        ("levels", levels),
+        ("tenants", tenants),
+    )
+    for section, value in sections:
         if not isinstance(value, Mapping):
             raise ConfigError("expected a table", path=f"$.{section}", source=source)
     config = _convert(raw, Config, "$", source)
@@ -713,14 +766,22 @@ def parse_config(data: Mapping[str, Any], *, source: str | None = None) -> Confi
         name: _convert(value, LevelConfig, f"$.levels.{name}", source)
         for name, value in levels.items()
     }
+    parsed_tenants = {
+        name: _convert(value, TenantConfig, f"$.tenants.{name}", source)
+        for name, value in tenants.items()
+    }
     config = msgspec.structs.replace(
-        config, backends=parsed_backends, routes=parsed_routes, levels=parsed_levels
+        config,
+        backends=parsed_backends,
+        routes=parsed_routes,
+        levels=parsed_levels,
+        tenants=parsed_tenants,
     )
     _check_references(config, source)
     return config
 
 
-def _check_references(config: Config, source: str | None) -> None:
+def _check_names(config: Config, source: str | None) -> None:
     name_re = re.compile(_NAME)
     for section, names in (("backends", config.backends), ("routes", config.routes)):
         for name in names:
@@ -730,6 +791,17 @@ def _check_references(config: Config, source: str | None) -> None:
                     path=f"$.{section}.{name}",
                     source=source,
                 )
+    for name in config.tenants:
+        if name != EVERY_TENANT and not name_re.fullmatch(name):
+            raise ConfigError(
+                f'invalid tenant {name!r}: a tenant name (letters, digits, - and _) or "*"',
+                path=f"$.tenants.{name}",
+                source=source,
+            )
+
+
+def _check_references(config: Config, source: str | None) -> None:
+    _check_names(config, source)
     if len(set(config.priorities)) != len(config.priorities):
         raise ConfigError("priority levels must be unique", path="$.priorities", source=source)
     for name, level in config.levels.items():

@@ -23,6 +23,7 @@ The tree, by what a caller can do about it::
     │   ├── UnknownRouteError       no such route (model group)
     │   ├── NoCapableBackendError   no backend of the route has the tier asked for
     │   ├── OverCostCapError        every backend of the route would cost more than max_cost
+    │   ├── BudgetExhaustedError    the tenant's hard daily budget is spent (until 00:00 UTC)
     │   └── UnknownPriorityError    no such priority level
     ├── BackendError                a backend call failed; carries backend, request_id,
     │   │                           and its class (``failure``, a FailureClass)
@@ -44,10 +45,12 @@ where they occur, with ``raise ... from exc``. Messages never contain secrets.
 from __future__ import annotations
 
 import enum
+from datetime import UTC, datetime
 
 __all__ = [
     "BackendError",
     "BadRequestError",
+    "BudgetExhaustedError",
     "ConfigError",
     "ConnectionFailedError",
     "EmbeddedServerError",
@@ -269,6 +272,34 @@ class OverCostCapError(InvalidRequestError):
         super().__init__(
             f"max_cost ${max_cost:.6g} is below the estimated cost on every backend of route"
             f" {route!r} (the cheapest: ${cheapest:.6g}; set max_tokens for a closer estimate)",
+            request_id=request_id,
+        )
+
+
+class BudgetExhaustedError(InvalidRequestError):
+    """The tenant's hard daily budget is spent: new requests are refused until
+    the UTC day ends (``resets_at``, Unix time). Unlike the other invalid
+    requests, the same request may be sent again after that."""
+
+    code = "budget_exhausted"
+
+    def __init__(
+        self,
+        tenant: str,
+        daily: float,
+        spent: float,
+        resets_at: float,
+        *,
+        request_id: str | None = None,
+    ) -> None:
+        self.tenant = tenant
+        self.daily = daily
+        self.spent = spent
+        self.resets_at = resets_at
+        when = datetime.fromtimestamp(resets_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        super().__init__(
+            f"tenant {tenant!r} spent ${spent:.6g} of its hard daily budget of ${daily:.6g};"
+            f" new requests are refused until {when}",
             request_id=request_id,
         )
 

@@ -32,6 +32,15 @@ that read the broker, ask these functions, and carry out what they answer.
 - A request's difficulty when it names no tier (``_complexity``): the
   route's estimator, :func:`estimate_complexity` (a :class:`ComplexityEstimate`
   with its signals), over :func:`heuristic_score` or a learned :class:`Estimator`.
+- Speed and cost (``_perf``, ``_predict``): a backend's :class:`Perf`
+  (time to first token, token rate, output length with their spread, fault
+  and 429 probability) folded by :func:`learn_call` and :func:`learn_fault`;
+  :func:`predict` answers a :class:`Prediction` (start, finish, cost) of one
+  request on one backend; :func:`service_time`; a route's choice under its
+  :class:`RouteRules`, :func:`choose_in_time` (a :class:`Pick`).
+- Tenant budgets per UTC day (``_budget``): a :class:`Budget` per tenant
+  (:func:`budget_of`, :data:`EVERY_TENANT`), :func:`within_budget` (may it
+  go to this backend), :func:`refused` (a hard budget spent), :func:`day_ends`.
 - A/B splits (``_ab``): a request's arm, :func:`assign` (a stable hash of its
   sticky key, :func:`key_value`, against the arms' weights) and :func:`place`
   (the split's state and the arms' eligibility applied); what each arm did,
@@ -63,7 +72,8 @@ from ._ab import (
     windowed,
 )
 from ._aging import LevelPolicy, aging_bound, effective_rank, pick_key, promotions
-from ._complexity import Estimator, heuristic_score, tier_of
+from ._budget import EVERY_TENANT, Budget, budget_of, day_ends, refused, within_budget
+from ._complexity import Estimator, heuristic_score, load_estimator, tier_of
 from ._complexity import estimate as estimate_complexity
 from ._failure import (
     DEFAULT_FALLBACK_ON,
@@ -95,6 +105,7 @@ from ._health import (
     is_healthy,
     next_circuit,
 )
+from ._perf import MIN_SAMPLES, Perf, learn_call, learn_fault
 from ._planner import (
     BIND_REASON,
     DEADLINE_PASSED,
@@ -111,6 +122,7 @@ from ._planner import (
     plan,
     urgency,
 )
+from ._predict import Pick, Prediction, RouteRules, choose_in_time, predict, service_time
 from ._preemption import choose_victim, may_preempt, preempting_rank
 from ._quota import (
     Cost,
@@ -161,8 +173,10 @@ __all__ = [
     "DEFAULT_FAILURE_THRESHOLD",
     "DEFAULT_FALLBACK_ON",
     "DEFAULT_MAX_TOKENS",
+    "EVERY_TENANT",
     "INTERNAL",
     "MESSAGE_OVERHEAD_TOKENS",
+    "MIN_SAMPLES",
     "PREEMPT_RETRY",
     "REPLY_OVERHEAD_TOKENS",
     "RETRY_HERE_FIRST",
@@ -173,6 +187,7 @@ __all__ = [
     "AskPreemption",
     "BackendView",
     "Bind",
+    "Budget",
     "Candidate",
     "Circuit",
     "CircuitFacts",
@@ -193,7 +208,10 @@ __all__ = [
     "Limit",
     "LimitUsage",
     "NoRoom",
+    "Perf",
+    "Pick",
     "PlanPolicy",
+    "Prediction",
     "Promote",
     "Quota",
     "QuotaVerdict",
@@ -201,6 +219,7 @@ __all__ = [
     "Retry",
     "RollbackRules",
     "RouteFacts",
+    "RouteRules",
     "SpendLog",
     "SplitPolicy",
     "SplitStatus",
@@ -212,11 +231,14 @@ __all__ = [
     "assign",
     "backoff",
     "breach",
+    "budget_of",
     "capable",
     "check",
     "choose_backend",
+    "choose_in_time",
     "choose_victim",
     "cool_down",
+    "day_ends",
     "effective_limits",
     "effective_rank",
     "estimate_complexity",
@@ -230,8 +252,11 @@ __all__ = [
     "judge",
     "key_value",
     "learn",
+    "learn_call",
+    "learn_fault",
     "limit_usage",
     "limits_of",
+    "load_estimator",
     "may_preempt",
     "meets",
     "moved_to",
@@ -240,15 +265,19 @@ __all__ = [
     "pick_key",
     "place",
     "plan",
+    "predict",
     "preempting_rank",
     "promotions",
     "reconcile",
     "record",
+    "refused",
     "reserve",
     "retry_after",
+    "service_time",
     "tier_of",
     "urgency",
     "used",
     "validate",
     "windowed",
+    "within_budget",
 ]

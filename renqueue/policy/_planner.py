@@ -40,15 +40,18 @@ Every waiting request gets exactly one of :class:`Expire`, :class:`Bind` or
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Final, TypeVar
 
 import msgspec
 from msgspec import Struct
 
 from ..wire._messages import InferenceRequest
 from ._aging import LevelPolicy, effective_rank, pick_key, promotions
+from ._budget import Budget, budget_of, within_budget
+from ._predict import Prediction, RouteRules, choose_in_time, service_time
 from ._preemption import may_preempt, preempting_rank
 from ._quota import Cost, Quota, QuotaVerdict, reserve
-from ._routing import BackendView, NoRoom, capable, choose, hopeless
+from ._routing import BackendView, NoRoom, capable, estimated_cost, hopeless
 from ._tokens import DEFAULT_MAX_TOKENS, estimate_request_tokens
 
 #: Seconds before an urgent request that is still waiting asks for preemption again.
@@ -74,6 +77,11 @@ class PlanPolicy(Struct, frozen=True, kw_only=True):
     preempt_retry: float = PREEMPT_RETRY
     #: Tokens reserved for a request's output when it sets no ``max_tokens``.
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    #: How each route chooses among its candidates (a route not named:
+    #: :class:`RouteRules` ``()``, the cheapest in time).
+    rules: Mapping[str, RouteRules] = {}
+    #: Tenants' daily budgets (``"*"``: every tenant not named).
+    budgets: Mapping[str, Budget] = {}
 
 
 class Waiting(Struct, frozen=True, kw_only=True):
@@ -149,6 +157,9 @@ class Bind(Struct, frozen=True, kw_only=True, tag=True):
     reserved_tokens: int = 0
     #: The backend's circuit is half-open: this call is its probe.
     probe: bool = False
+    #: Seconds to its predicted finish (``None``: no model) and its estimated cost.
+    predicted: float | None = None
+    estimated_cost: float = 0.0
 
 
 class AskPreemption(Struct, frozen=True, kw_only=True, tag=True):
@@ -186,49 +197,38 @@ def plan(
     backends: Mapping[str, BackendView],
     now: float,
     policy: PlanPolicy,
+    spent: Mapping[str, float] | None = None,
 ) -> list[Action]:
     """The round's decisions for ``waiting`` at ``now`` (see the module docstring).
 
     ``backends`` is the load and health at the start of the round; a binding
-    uses up its slot for the requests after it. Pure: no clock, no I/O, the
-    arguments are not changed.
+    uses up its slot for the requests after it. ``spent``: what each tenant
+    spent today (US dollars), for its budget (:mod:`._budget`). Pure: no
+    clock, no I/O, the arguments are not changed.
     """
     levels = policy.levels
     views = dict(backends)
     actions: list[Action] = []
     floors = _probe_floors(waiting, views, policy)
+    # Today's spend, with what this round's binds are estimated to add.
+    today = dict(spent or {})
     for item in sorted(waiting, key=lambda item: urgency(item, now, levels)):
         actions.extend(_announcements(item, now, levels))
         request = item.request
-        candidates = policy.routes.get(request.route, ())
-        if request.deadline is not None:
-            if now >= request.deadline:
-                actions.append(Expire(ref=item.ref, reason=_why_late(request, candidates, views)))
-                continue
-            able = capable(request, candidates, views) or capable(
-                _unexcluded(request), candidates, views
-            )
-            finish = hopeless(request.deadline, now, [view.expected_duration for view in able])
-            if finish is not None:
-                late = finish - request.deadline
-                reason = (
-                    "cannot meet the deadline on any candidate: "
-                    f"the fastest would finish {late:.1f} s late"
-                )
-                actions.append(Expire(ref=item.ref, reason=reason))
-                continue
-        limited = any(name in views and views[name].limits for name in candidates)
-        cost = Cost(
-            requests=1,
-            tokens=estimate_request_tokens(request, default_max_tokens=policy.default_max_tokens)
-            if limited
-            else 0,
-        )
+        candidates, budget_note = _affordable(request, views, policy, today)
+        expire = _expiry(item, candidates, views, now)
+        if expire is not None:
+            actions.append(_noted(expire, budget_note))
+            continue
+        cost = _reservation(request, candidates, views, policy)
         seen = _probe_turn(request, candidates, views, floors)
-        choice, passed = choose(request, candidates, seen, cost, now)
+        rules = policy.rules.get(request.route, _CHEAPEST)
+        pick = choose_in_time(request, candidates, seen, cost, now, rules=rules)
+        choice, passed = pick.backend, pick.passed
         fallback = request.fallback
         if (
             isinstance(choice, NoRoom)
+            and pick.wait_for is None
             and fallback is not None
             and fallback.excluded
             and (choice is NoRoom.NONE_CAPABLE or _all_passed(request, candidates, views, passed))
@@ -241,16 +241,28 @@ def plan(
                     "no candidate that has not failed it can take it; back to one that did"
                     f" in {fallback.not_before - now:.1f} s"
                 )
-                actions.append(Wait(ref=item.ref, backends=tuple(candidates), reason=reason))
+                wait = Wait(ref=item.ref, backends=tuple(candidates), reason=reason)
+                actions.append(_noted(wait, budget_note))
                 continue
-            choice, passed = choose(_unexcluded(request), candidates, seen, cost, now)
+            pick = choose_in_time(_unexcluded(request), candidates, seen, cost, now, rules=rules)
+            choice, passed = pick.backend, pick.passed
         if isinstance(choice, NoRoom):
-            if choice is NoRoom.FULL and not passed:
+            full = (
+                choice is NoRoom.FULL
+                and not passed
+                and all(view.free <= 0 for view in capable(request, candidates, seen))
+            )
+            if full:
                 ask = _preemption(item, candidates, views, now, policy)
                 if ask is not None:
                     actions.append(ask)
-            reason = choice.value if not passed else _passed_reason(passed, "no candidate left")
-            actions.append(Wait(ref=item.ref, backends=tuple(candidates), reason=reason))
+            if pick.wait_for is not None:
+                _hold_place(views, pick.wait_for, pick.wait_start, cost)
+                reason = f"{choice.value}; {pick.reason}" if full else pick.reason
+            else:
+                reason = choice.value if not passed else _passed_reason(passed, "no candidate left")
+            wait = Wait(ref=item.ref, backends=tuple(candidates), reason=reason)
+            actions.append(_noted(wait, budget_note))
             continue
         view = views[choice]
         # Tokens are reserved where a token limit applies; elsewhere the
@@ -262,18 +274,124 @@ def plan(
             in_flight=view.in_flight + 1,
             quota=reserve(view.quota or _NO_SPEND, cost, now) if view.limits else view.quota,
         )
-        reason = BIND_REASON if not passed else _passed_reason(passed, f"bound to {choice}")
-        actions.append(
-            Bind(
-                ref=item.ref,
-                backend=choice,
-                effective_rank=urgency(item, now, levels)[0],
-                reason=_fallback_reason(request, view, reason),
-                reserved_tokens=cost.tokens,
-                probe=view.half_open,
-            )
+        reason = pick.reason or (
+            BIND_REASON if not passed else _passed_reason(passed, f"bound to {choice}")
         )
+        bind = Bind(
+            ref=item.ref,
+            backend=choice,
+            effective_rank=urgency(item, now, levels)[0],
+            reason=_fallback_reason(request, view, reason),
+            reserved_tokens=cost.tokens,
+            probe=view.half_open,
+            predicted=_seconds_to(pick.prediction, now),
+            estimated_cost=estimated_cost(request, view),
+        )
+        actions.append(_noted(bind, budget_note))
+        if view.paid and budget_of(request.tenant, policy.budgets) is not None:
+            today[request.tenant] = today.get(request.tenant, 0.0) + estimated_cost(request, view)
     return actions
+
+
+def _reservation(
+    request: InferenceRequest,
+    candidates: Sequence[str],
+    views: Mapping[str, BackendView],
+    policy: PlanPolicy,
+) -> Cost:
+    """What a call of ``request`` is reserved of a quota: one request, and its
+    token estimate where a candidate has limits."""
+    limited = any(name in views and views[name].limits for name in candidates)
+    tokens = (
+        estimate_request_tokens(request, default_max_tokens=policy.default_max_tokens)
+        if limited
+        else 0
+    )
+    return Cost(requests=1, tokens=tokens)
+
+
+def _seconds_to(prediction: Prediction | None, now: float) -> float | None:
+    if prediction is None or prediction.finish is None:
+        return None
+    return prediction.finish - now
+
+
+def _hold_place(views: dict[str, BackendView], name: str, start: float, cost: Cost) -> None:
+    """A request waits for backend ``name`` from ``start``: later requests in
+    the round queue behind it there, for a slot (if all are taken) and for its
+    quota (reserved from when it is predicted to start)."""
+    view = views[name]
+    views[name] = msgspec.structs.replace(
+        view,
+        queued=view.queued + (1 if view.free <= 0 else 0),
+        quota=reserve(view.quota or _NO_SPEND, cost, start) if view.limits else view.quota,
+    )
+
+
+_Reasoned = TypeVar("_Reasoned", Expire, Wait, Bind)
+
+
+def _noted(action: _Reasoned, note: str) -> _Reasoned:
+    """``action`` with ``note`` added to its reason (none if ``note`` is empty)."""
+    if not note:
+        return action
+    return msgspec.structs.replace(action, reason=f"{action.reason}; {note}")
+
+
+def _affordable(
+    request: InferenceRequest,
+    views: Mapping[str, BackendView],
+    policy: PlanPolicy,
+    spent: Mapping[str, float],
+) -> tuple[list[str], str]:
+    """``request``'s route candidates that its tenant's budget allows
+    (:func:`within_budget`), and a note for its reasons when the budget left
+    some out."""
+    candidates = list(policy.routes.get(request.route, ()))
+    budget = budget_of(request.tenant, policy.budgets)
+    if budget is None:
+        return candidates, ""
+    today = spent.get(request.tenant, 0.0)
+    allowed = [
+        name
+        for name in candidates
+        if name not in views or within_budget(request, views[name], budget, today)
+    ]
+    if len(allowed) == len(candidates):
+        return candidates, ""
+    note = (
+        f"tenant budget ${today:.4f} of ${budget.daily:.4f} spent today:"
+        f" not {', '.join(name for name in candidates if name not in allowed)}"
+    )
+    return allowed, note
+
+
+_CHEAPEST: Final = RouteRules()
+
+
+def _expiry(
+    item: Waiting, candidates: Sequence[str], views: Mapping[str, BackendView], now: float
+) -> Expire | None:
+    """An :class:`Expire` if ``item``'s deadline passed, or if no capable
+    candidate's mean service time (:func:`service_time`, no caution) ends
+    before it (:func:`hopeless`); else ``None``."""
+    request = item.request
+    if request.deadline is None:
+        return None
+    if now >= request.deadline:
+        return Expire(ref=item.ref, reason=_why_late(request, candidates, views))
+    able = capable(request, candidates, views) or capable(_unexcluded(request), candidates, views)
+    finish = hopeless(
+        request.deadline, now, [service_time(request, view, spread=0.0) for view in able]
+    )
+    if finish is None:
+        return None
+    late = finish - request.deadline
+    return Expire(
+        ref=item.ref,
+        reason="cannot meet the deadline on any candidate: "
+        f"the fastest would finish {late:.1f} s late",
+    )
 
 
 def _fallback_reason(request: InferenceRequest, view: BackendView, reason: str) -> str:

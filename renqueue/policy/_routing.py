@@ -25,6 +25,7 @@ from ..errors import (
 )
 from ..wire._messages import Fallback, InferenceRequest
 from ..wire._subjects import SYSTEM_TENANT, msg_id
+from ._perf import Perf
 from ._quota import Cost, Limit, Quota, QuotaVerdict, check
 from ._tokens import DEFAULT_MAX_TOKENS, estimate_prompt_tokens
 
@@ -89,6 +90,11 @@ class BackendView(msgspec.Struct, frozen=True, kw_only=True):
     cost_output_per_mtok: float = 0.0
     #: Its circuit is half-open: one call (the probe) at a time decides.
     half_open: bool = False
+    #: Its learned speed and reliability (``None``: nothing learned yet).
+    perf: Perf | None = None
+    #: Requests planned this round to wait for one of its slots (a cheaper
+    #: choice than binding elsewhere now): later ones queue behind them.
+    queued: int = 0
 
     @property
     def paid(self) -> bool:

@@ -69,12 +69,16 @@ from ._view import (
     Progress,
     SplitView,
     StateView,
+    TenantSpend,
+    TenantView,
     backend_view_key,
     decode_backend_view,
     decode_progress,
     decode_split_view,
+    decode_tenant_view,
     encode_view,
     split_view_key,
+    tenant_view_key,
 )
 
 __all__ = [
@@ -111,8 +115,10 @@ __all__ = [
     "Splits",
     "StateView",
     "StatusReport",
+    "TenantSpend",
     "TenantState",
     "TenantStatus",
+    "TenantView",
     "Verification",
     "backend_status",
     "backend_view_key",
@@ -122,6 +128,7 @@ __all__ = [
     "decode_progress",
     "decode_split_view",
     "decode_state",
+    "decode_tenant_view",
     "diff_states",
     "diff_values",
     "encode_state",
@@ -136,6 +143,7 @@ __all__ = [
     "render_splits",
     "render_status",
     "split_view_key",
+    "tenant_view_key",
     "utc_day",
     "verify",
 ]

@@ -36,6 +36,7 @@ import msgspec
 from msgspec import Struct
 
 from ..policy._health import OUTCOME_BUCKET, OUTCOME_HORIZON
+from ..policy._perf import Perf, learn_call, learn_fault
 from ..policy._quota import Cost, Quota, cool_down, learn, reconcile, reserve
 from ..wire._messages import (
     Cancelled,
@@ -88,8 +89,9 @@ __all__ = [
 #: A projector that finds an older state folds the log again from the start.
 #: 6: backends carry their circuit (state, since, reason), the outcomes of
 #: recent calls and the latest active probe.
-#: 7: the state carries its A/B splits (``splits``: renqueue.state._splits).
-STATE_VERSION: Final = 7
+#: 7: backends carry their performance model (``perf``: renqueue.policy._perf).
+#: 8: the state carries its A/B splits (``splits``: renqueue.state._splits).
+STATE_VERSION: Final = 8
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
 #: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
@@ -172,6 +174,9 @@ class BackendState(Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: Moving average of completed calls' durations (seconds, weight 0.2 on
     #: the newest): what a deadline check expects a call here to take.
     duration_ewma: float | None = None
+    #: Its learned speed (time to first token, token rate, output length, with
+    #: their spread) and how often its calls fail: what the planner predicts by.
+    perf: Perf | None = None
     #: What was sent to it over time, and what its provider said of its
     #: limits (:class:`renqueue.policy.Quota`): what its rate limits leave.
     quota: Quota | None = None
@@ -587,6 +592,11 @@ class _Builder:
         }
         if error_type == "rate_limited":
             changes["rate_limited"] = backend.rate_limited + 1
+        changes["perf"] = learn_fault(
+            backend.perf,
+            fault=is_backend_fault(error_type, error_class),
+            rate_limited=error_type == "rate_limited",
+        )
         if is_backend_fault(error_type, error_class):
             changes["consecutive_failures"] = backend.consecutive_failures + 1
             changes["last_fault_at"] = at
@@ -661,6 +671,14 @@ class _Builder:
             tokens_out=backend.tokens_out + event.usage.completion_tokens,
             spend=backend.spend + cost,
             duration_ewma=_ewma(backend.duration_ewma, _finite(event.duration)),
+            perf=backend.perf
+            if event.shared_with is not None  # a follower's call was its leader's
+            else learn_call(
+                backend.perf,
+                ttft=event.ttft,
+                duration=event.duration,
+                output_tokens=event.usage.completion_tokens,
+            ),
         )
         tenant = self._tenants.get(event.tenant, _EMPTY_TENANT)
         day = utc_day(at)

@@ -67,10 +67,13 @@ from ._view import (
     BackendView,
     Progress,
     SplitView,
+    TenantSpend,
+    TenantView,
     backend_view_key,
     decode_progress,
     encode_view,
     split_view_key,
+    tenant_view_key,
 )
 
 __all__ = ["Projector", "rebuild"]
@@ -245,6 +248,7 @@ class Projector(Lifecycle):
         #: Each backend's state as last published in its view (by identity: a
         #: fold replaces a backend's state when it changes it).
         self._published: dict[str, BackendState] = {}
+        self._published_spends: dict[str, TenantSpend] = {}
         #: Each A/B split's state as last published in its view (the same way).
         self._published_splits: dict[str, SplitState] = {}
         #: The sequence the published views reflect (behind the checkpoint
@@ -329,6 +333,7 @@ class Projector(Lifecycle):
         """
         self._views_seq = 0
         self._published = {}
+        self._published_spends = {}
         self._published_splits = {}
         self._views_floor = await self._stored_views_seq()
         entry = await self._bucket.latest(STATE_KEY)
@@ -427,6 +432,42 @@ class Projector(Lifecycle):
             or self._clock() - self._last_full_publish >= self._republish_every
         )
 
+    def _changed_spends(self, state: ProjectionState, *, full: bool) -> dict[str, TenantSpend]:
+        """The tenants whose day's spend differs from what this projector last
+        published (every one, on a ``full`` publish): only a spend moves a
+        tenant's view, so a free call writes none."""
+        if full:
+            self._published_spends = {}
+        changed: dict[str, TenantSpend] = {}
+        for name, tenant in state.tenants.items():
+            if tenant.spend <= 0:  # never spent: nothing to budget
+                continue
+            spend = TenantSpend(day=tenant.day, day_spend=tenant.day_spend)
+            if self._published_spends.get(name) == spend:
+                continue
+            if not _VIEW_NAME.fullmatch(name):
+                if name not in self._unpublishable:
+                    self._unpublishable.add(name)
+                    self.views_skipped += 1
+                    log.warning("tenant name cannot be a view key; not published", tenant=name)
+                continue
+            changed[name] = spend
+        return changed
+
+    def _changed_splits(self, state: ProjectionState, *, full: bool) -> dict[str, SplitState]:
+        """The A/B splits whose state or figures differ from what this projector
+        last published (every one, on a ``full`` publish)."""
+        if full:
+            self._published_splits = {}
+        published = self._published_splits
+        return {
+            name: split
+            for name, split in state.splits.routes.items()
+            if (previous := published.get(name)) is not split
+            and previous != split
+            and _VIEW_NAME.fullmatch(name)
+        }
+
     async def _check_consumer(self, psub: PullSubscription) -> None:
         """An idle consumer may have been lost (server restart): make it again if so."""
         try:
@@ -483,7 +524,6 @@ class Projector(Lifecycle):
         full = now - self._last_full_publish >= self._republish_every
         if full:
             self._published = {}
-            self._published_splits = {}
         published = self._published
         changed: dict[str, BackendState] = {}
         for name, backend in state.backends.items():
@@ -498,7 +538,9 @@ class Projector(Lifecycle):
             changed[name] = backend
         kv = self._bucket
         seq, epoch = state.last_seq, self._epoch
-        if changed:
+        spends = self._changed_spends(state, full=full)
+        splits = self._changed_splits(state, full=full)
+        if changed or spends or splits:
             await asyncio.gather(
                 *(
                     kv.put(
@@ -506,26 +548,24 @@ class Projector(Lifecycle):
                         encode_view(BackendView(last_seq=seq, epoch=epoch, backend=backend)),
                     )
                     for name, backend in changed.items()
-                )
-            )
-            self._published.update(changed)
-        splits = {
-            name: split
-            for name, split in state.splits.routes.items()
-            if self._published_splits.get(name) is not split
-            and self._published_splits.get(name) != split
-            and _VIEW_NAME.fullmatch(name)
-        }
-        if splits:
-            await asyncio.gather(
+                ),
+                *(
+                    kv.put(
+                        tenant_view_key(name),
+                        encode_view(TenantView(last_seq=seq, epoch=epoch, tenant=spend)),
+                    )
+                    for name, spend in spends.items()
+                ),
                 *(
                     kv.put(
                         split_view_key(name),
                         encode_view(SplitView(last_seq=seq, epoch=epoch, split=split)),
                     )
                     for name, split in splits.items()
-                )
+                ),
             )
+            self._published.update(changed)
+            self._published_spends.update(spends)
             self._published_splits.update(splits)
         progress = Progress(last_seq=seq, epoch=epoch, log_time=state.log_time)
         await kv.put(PROGRESS_KEY, encode_view(progress))

@@ -4,9 +4,9 @@ Readers (routers) need each backend's state (health, durations, quota) and how
 far the log is folded, not the whole projection: the projector publishes, after
 each write of its checkpoint (the key ``projection``), one key per backend
 whose state changed (``view.backend.<name>``: :class:`BackendView`), one per
-A/B split whose state changed (``view.split.<route>``: :class:`SplitView`), and
-then ``view.progress`` (:class:`Progress`: the sequence and log time the views
-reflect). :class:`StateView` watches ``view.>`` and keeps :class:`LiveState`,
+A/B split whose state changed (``view.split.<route>``: :class:`SplitView`),
+and then ``view.progress`` (:class:`Progress`: the sequence and log time the
+views reflect). :class:`StateView` watches ``view.>`` and keeps :class:`LiveState`,
 so a reader decodes only what changed, never the whole projection.
 
 A watch that ends or goes quiet while the stored progress moved on is
@@ -42,22 +42,27 @@ __all__ = [
     "Progress",
     "SplitView",
     "StateView",
+    "TenantSpend",
+    "TenantView",
     "backend_view_key",
     "decode_backend_view",
     "decode_progress",
     "decode_split_view",
+    "decode_tenant_view",
     "encode_view",
     "split_view_key",
+    "tenant_view_key",
 ]
 
 log = get_logger("projection")
 
-#: The keys the views live under (a KV watch filter): ``view.backend.<name>``
-#: and ``view.progress``.
+#: The keys the views live under (a KV watch filter): ``view.backend.<name>``,
+#: ``view.tenant.<name>``, ``view.split.<route>`` and ``view.progress``.
 VIEW_KEYS: Final = "view.>"
 #: How far the views reflect the log; written after the backends' views.
 PROGRESS_KEY: Final = "view.progress"
 _BACKEND_PREFIX: Final = "view.backend."
+_TENANT_PREFIX: Final = "view.tenant."
 _SPLIT_PREFIX: Final = "view.split."
 
 
@@ -66,9 +71,44 @@ def backend_view_key(name: str) -> str:
     return _BACKEND_PREFIX + name
 
 
+def tenant_view_key(name: str) -> str:
+    """The KV key of tenant ``name``'s spend view (tenant names are key-safe: subject tokens)."""
+    return _TENANT_PREFIX + name
+
+
+class TenantSpend(Struct, frozen=True, kw_only=True):
+    """What a tenant spent (USD) on its latest UTC day with any spend
+    (``day``: days since 1970-01-01, of event time)."""
+
+    day: int = 0
+    day_spend: float = 0.0
+
+    def spend_on(self, day: int) -> float:
+        """Its spend on UTC day ``day``: 0 unless it is the latest."""
+        return self.day_spend if day == self.day else 0.0
+
+
 def split_view_key(route: str) -> str:
     """The KV key of the view of route ``route``'s A/B split."""
     return _SPLIT_PREFIX + route
+
+
+class SplitView(Struct, frozen=True, kw_only=True):
+    """One A/B split's state as of the log's sequence ``last_seq`` (see :class:`BackendView`)."""
+
+    v: int = STATE_VERSION
+    last_seq: int
+    split: SplitState
+    epoch: str = ""
+
+
+class TenantView(Struct, frozen=True, kw_only=True):
+    """One tenant's spend as of the log's sequence ``last_seq`` (see :class:`BackendView`)."""
+
+    v: int = STATE_VERSION
+    last_seq: int
+    tenant: TenantSpend
+    epoch: str = ""
 
 
 class BackendView(Struct, frozen=True, kw_only=True):
@@ -84,15 +124,6 @@ class BackendView(Struct, frozen=True, kw_only=True):
     epoch: str = ""
 
 
-class SplitView(Struct, frozen=True, kw_only=True):
-    """One A/B split's state as of the log's sequence ``last_seq`` (as :class:`BackendView`)."""
-
-    v: int = STATE_VERSION
-    last_seq: int
-    split: SplitState
-    epoch: str = ""
-
-
 class Progress(Struct, frozen=True, kw_only=True):
     """How far the views are folded: every backend view written for a fold up
     to ``last_seq`` is stored before this. ``log_time`` is the projection's clock."""
@@ -104,17 +135,19 @@ class Progress(Struct, frozen=True, kw_only=True):
 
 
 class LiveState(Struct, frozen=True, kw_only=True):
-    """What a reader holds: each backend's state and how far the log is folded.
+    """What a reader holds: each backend's state, each tenant's spend, and how
+    far the log is folded.
 
-    A backend the log never named has an empty state (healthy, no quota used).
-    Per-tenant counters, in-flight requests and reservations are in the
-    projector's checkpoint (:class:`~renqueue.state.ProjectionState`), which
-    readers do not decode.
+    A backend the log never named has an empty state (healthy, no quota used);
+    a tenant that never spent has spent nothing. Per-tenant counters,
+    in-flight requests and reservations are in the projector's checkpoint
+    (:class:`~renqueue.state.ProjectionState`), which readers do not decode.
     """
 
     last_seq: int = 0
     log_time: float = 0.0
     backends: dict[str, BackendState] = {}
+    tenants: dict[str, TenantSpend] = {}
     #: Each A/B split's state and per-arm figures, by route.
     splits: dict[str, SplitState] = {}
 
@@ -122,20 +155,31 @@ class LiveState(Struct, frozen=True, kw_only=True):
         """The state of ``name``; a backend the log never mentioned has an empty one."""
         return self.backends.get(name, _EMPTY_BACKEND)
 
+    def spent(self, tenant: str, day: int) -> float:
+        """What ``tenant`` spent (USD) on UTC day ``day`` (:func:`~renqueue.state.utc_day`)."""
+        spend = self.tenants.get(tenant)
+        return 0.0 if spend is None else spend.spend_on(day)
+
 
 _ENCODER: Final = msgspec.json.Encoder()
 _BACKEND_VIEW_DECODER: Final = msgspec.json.Decoder(BackendView)
+_TENANT_VIEW_DECODER: Final = msgspec.json.Decoder(TenantView)
 _SPLIT_VIEW_DECODER: Final = msgspec.json.Decoder(SplitView)
 _PROGRESS_DECODER: Final = msgspec.json.Decoder(Progress)
 
 
-def encode_view(view: BackendView | SplitView | Progress) -> bytes:
+def encode_view(view: BackendView | TenantView | SplitView | Progress) -> bytes:
     return _ENCODER.encode(view)
 
 
 def decode_backend_view(data: bytes) -> BackendView:
     """Raises ``msgspec.DecodeError`` if ``data`` is not a backend view."""
     return _BACKEND_VIEW_DECODER.decode(data)
+
+
+def decode_tenant_view(data: bytes) -> TenantView:
+    """Raises ``msgspec.DecodeError`` if ``data`` is not a tenant view."""
+    return _TENANT_VIEW_DECODER.decode(data)
 
 
 def decode_split_view(data: bytes) -> SplitView:
@@ -201,11 +245,9 @@ class StateView(Lifecycle):
         self._behind = False
         self._broken = False
         self._changed = asyncio.Event()
-        #: The epoch of the progress mark held, and of each backend's view with its sequence.
+        #: The epoch of the progress mark held, and of each view (by key) with its sequence.
         self._epoch = ""
         self._seqs: dict[str, tuple[str, int]] = {}
-        #: The same, of each split's view.
-        self._split_seqs: dict[str, tuple[str, int]] = {}
 
     @classmethod
     async def open(
@@ -268,7 +310,7 @@ class StateView(Lifecycle):
             await self._changed.wait()
         return self.state
 
-    async def refresh(self, backends: Iterable[str]) -> None:
+    async def refresh(self, backends: Iterable[str], tenants: Iterable[str] = ()) -> None:
         """Read the stored views directly, not through the watch: the progress
         mark, then each of ``backends``' views, and take what is newer than
         what is held.
@@ -281,7 +323,8 @@ class StateView(Lifecycle):
         if self._kv is None:
             return
         progress = await self._kv.latest(PROGRESS_KEY)
-        views = [await self._kv.latest(backend_view_key(name)) for name in backends]
+        keys = [*map(backend_view_key, backends), *map(tenant_view_key, tenants)]
+        views = [await self._kv.latest(key) for key in keys]
         for entry in (*views, progress):
             if entry is not None:
                 self._take(entry)
@@ -304,70 +347,81 @@ class StateView(Lifecycle):
         a refold from the start) is ignored. A delete marker keeps what is
         held (the projector writes every view again within its
         ``republish_every``). A new epoch (the events stream made again)
-        starts over: what is held of the old one is dropped.
+        starts over: what is held of the old one is dropped. An entry that
+        does not decode is logged and ignored.
         """
         if entry.operation is not None or not entry.key.startswith("view."):
             return
+        key = entry.key
+        try:
+            if key == PROGRESS_KEY:
+                taken = self._take_progress(decode_progress(entry.value), entry.revision)
+            elif key.startswith(_BACKEND_PREFIX):
+                view = decode_backend_view(entry.value)
+                taken = self._newer(key, view.epoch, view.last_seq)
+                if taken:
+                    backends = {**self.state.backends, key[len(_BACKEND_PREFIX) :]: view.backend}
+                    self.state = msgspec.structs.replace(self.state, backends=backends)
+            elif key.startswith(_TENANT_PREFIX):
+                spend = decode_tenant_view(entry.value)
+                taken = self._newer(key, spend.epoch, spend.last_seq)
+                if taken:
+                    tenants = {**self.state.tenants, key[len(_TENANT_PREFIX) :]: spend.tenant}
+                    self.state = msgspec.structs.replace(self.state, tenants=tenants)
+            elif key.startswith(_SPLIT_PREFIX):
+                split = decode_split_view(entry.value)
+                taken = self._newer(key, split.epoch, split.last_seq)
+                if taken:
+                    splits = {**self.state.splits, key[len(_SPLIT_PREFIX) :]: split.split}
+                    self.state = msgspec.structs.replace(self.state, splits=splits)
+            else:
+                return
+        except msgspec.DecodeError as exc:
+            log.warning("undecodable projection view in KV ignored", key=key, error=str(exc))
+            return
+        if taken:
+            self._changed.set()
+
+    def _take_progress(self, progress: Progress, revision: int) -> bool:
+        """Take a progress mark unless it is older than the one held (see :meth:`_take`)."""
         state = self.state
-        if entry.key == PROGRESS_KEY:
-            try:
-                progress = decode_progress(entry.value)
-            except msgspec.DecodeError as exc:
-                log.warning("undecodable projection progress in KV ignored", error=str(exc))
-                return
-            if progress.epoch == self._epoch and progress.last_seq < state.last_seq:
-                return
-            if progress.epoch != self._epoch:
-                self._epoch = progress.epoch
-                kept = {
+        if progress.epoch == self._epoch and progress.last_seq < state.last_seq:
+            return False
+        if progress.epoch != self._epoch:
+            self._epoch = progress.epoch
+            current = {key for key, (epoch, _) in self._seqs.items() if epoch == progress.epoch}
+            self._seqs = {key: self._seqs[key] for key in current}
+            state = msgspec.structs.replace(
+                state,
+                backends={
                     name: backend
                     for name, backend in state.backends.items()
-                    if self._seqs[name][0] == progress.epoch
-                }
-                self._seqs = {name: self._seqs[name] for name in kept}
-                splits = {
+                    if backend_view_key(name) in current
+                },
+                tenants={
+                    name: spend
+                    for name, spend in state.tenants.items()
+                    if tenant_view_key(name) in current
+                },
+                splits={
                     name: split
                     for name, split in state.splits.items()
-                    if self._split_seqs[name][0] == progress.epoch
-                }
-                self._split_seqs = {name: self._split_seqs[name] for name in splits}
-                state = msgspec.structs.replace(state, backends=kept, splits=splits)
-            self.revision = entry.revision
-            self.state = msgspec.structs.replace(
-                state, last_seq=progress.last_seq, log_time=progress.log_time
+                    if split_view_key(name) in current
+                },
             )
-        elif entry.key.startswith(_BACKEND_PREFIX):
-            name = entry.key[len(_BACKEND_PREFIX) :]
-            try:
-                view = decode_backend_view(entry.value)
-            except msgspec.DecodeError as exc:
-                log.warning("undecodable backend view in KV ignored", key=entry.key, error=str(exc))
-                return
-            held = self._seqs.get(name)
-            if held is not None and held[0] == view.epoch and view.last_seq < held[1]:
-                return
-            self._seqs[name] = (view.epoch, view.last_seq)
-            self.state = msgspec.structs.replace(
-                state, backends={**state.backends, name: view.backend}
-            )
-        elif not (entry.key.startswith(_SPLIT_PREFIX) and self._take_split(entry)):
-            return
-        self._changed.set()
+        self.revision = revision
+        self.state = msgspec.structs.replace(
+            state, last_seq=progress.last_seq, log_time=progress.log_time
+        )
+        return True
 
-    def _take_split(self, entry: KeyEntry) -> bool:
-        """Take a split's view (as :meth:`_take` a backend's); whether it was taken."""
-        name = entry.key[len(_SPLIT_PREFIX) :]
-        try:
-            split = decode_split_view(entry.value)
-        except msgspec.DecodeError as exc:
-            log.warning("undecodable split view in KV ignored", key=entry.key, error=str(exc))
+    def _newer(self, key: str, epoch: str, seq: int) -> bool:
+        """Whether a view under ``key`` of ``epoch`` at ``seq`` is to be taken
+        (not older than the one held of the same epoch); if so, it is held."""
+        held = self._seqs.get(key)
+        if held is not None and held[0] == epoch and seq < held[1]:
             return False
-        held = self._split_seqs.get(name)
-        if held is not None and held[0] == split.epoch and split.last_seq < held[1]:
-            return False
-        self._split_seqs[name] = (split.epoch, split.last_seq)
-        state = self.state
-        self.state = msgspec.structs.replace(state, splits={**state.splits, name: split.split})
+        self._seqs[key] = (epoch, seq)
         return True
 
     def _seen(self, entry: KeyEntry) -> None:

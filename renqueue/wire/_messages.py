@@ -293,6 +293,13 @@ class Routed(_EventBase, frozen=True, kw_only=True, tag="routed"):
     probe: bool = False
     #: The tier the route's estimator gave a request that named none (its floor).
     complexity_estimate: ComplexityEstimate | None = None
+    #: Seconds from this decision to the call's predicted (cautious) finish,
+    #: when the backend has a model (``policy.predict``); for audits of the
+    #: predictions against the ``completed`` event.
+    predicted: float | None = None
+    #: The estimated cost (USD) of the call there, prompt estimate + the most
+    #: it may generate (``policy.estimated_cost``).
+    estimated_cost: float = 0.0
     #: The route the client named and the arm (a route) its A/B split sent
     #: it to; empty when the route has no split.
     split: str = ""

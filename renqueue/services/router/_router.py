@@ -67,7 +67,7 @@ from ... import metrics
 from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor, cancel_and_wait
 from ...config import Config, parse_duration
-from ...errors import RenQueueError
+from ...errors import BudgetExhaustedError, ConfigError, RenQueueError
 from ...logs import get_logger
 from ...ops._provision import renew_router_consumers, router_consumer_configs
 from ...policy import (
@@ -82,11 +82,16 @@ from ...policy import (
     Promote,
     Wait,
     Waiting,
+    budget_of,
+    day_ends,
     plan,
+    refused,
 )
+from ...policy._complexity import Estimator, load_estimator
 from ...policy._complexity import estimate as estimate_complexity
 from ...state._cancellation import CancelWatch
 from ...state._coalescing import Coalescer, coalesce_key
+from ...state._fold import utc_day
 from ...state._lease import Lease
 from ...state._view import LiveState, StateView
 from ...wire._eventlog import EventLog
@@ -186,6 +191,7 @@ class Router(Lifecycle):
         self._wake = asyncio.Event()
         self._state: StateView | None = None
         self._coalescer = Coalescer(js, clock=clock, ttl=parse_duration(config.router.coalesce_ttl))
+        self._estimators = _estimators(config)
         #: Timers that expire coalesced followers at their deadlines.
         self._follower_timers: set[asyncio.TimerHandle] = set()
         self._ledger = Ledger(config)
@@ -238,6 +244,11 @@ class Router(Lifecycle):
     def routed(self) -> int:
         """Requests this router bound (their decisions stored)."""
         return self._dispatcher.routed
+
+    @property
+    def projection(self) -> LiveState | None:
+        """What this router knows of the projection (``None`` before it starts)."""
+        return None if self._state is None else self._state.state
 
     @property
     def binding(self) -> bool:
@@ -562,15 +573,31 @@ class Router(Lifecycle):
         if rules is None or request.complexity is not None:
             return request, None
         highest = max(1, self._config.highest_tier(request.route))
-        estimate = estimate_complexity(request, rules.thresholds, highest=highest)
+        estimate = estimate_complexity(
+            request,
+            rules.thresholds,
+            highest=highest,
+            estimator=self._estimators.get(request.route),
+        )
         return msgspec.structs.replace(request, complexity=estimate.tier), estimate
 
     async def _admit(self, msg: Message, level: str, now: float) -> InferenceRequest | None:
-        """Decode and validate one request; reject it (terminally) if it is bad."""
+        """Decode and validate one request; reject it (terminally) if it is bad,
+        or if it is new and its tenant's hard daily budget is spent."""
         admitted = admit(msg, level, self._config)
         if isinstance(admitted, Refused):
             await self._reject(msg, *admitted)
             return None
+        budget = budget_of(admitted.tenant, self._plan_policy.budgets)
+        projected = None if self._state is None else self._state.state
+        if budget is not None and projected is not None and admitted.requeues == 0:
+            spent = projected.spent(admitted.tenant, utc_day(now))
+            if refused(budget, spent):
+                error = BudgetExhaustedError(
+                    admitted.tenant, budget.daily, spent, day_ends(now), request_id=admitted.id
+                )
+                await self._reject(msg, admitted.id, admitted.tenant, error)
+                return None
         return admitted
 
     async def _settle_on_read(
@@ -853,7 +880,8 @@ class Router(Lifecycle):
         views, judged = self._views(state, now)
         waiting: set[str] = set()
         gone: set[int] = set()
-        for action in plan(snapshot, views, now, self._plan_policy):
+        spent = self._spent_today(projected, snapshot, now)
+        for action in plan(snapshot, views, now, self._plan_policy, spent):
             item = items[action.ref]
             if isinstance(action, Promote | Inherit):
                 self._announce_promotion(item, action)
@@ -883,6 +911,8 @@ class Router(Lifecycle):
                         term=self._term or 0,
                         reserved=reserved,
                         probe=action.probe,
+                        predicted=action.predicted,
+                        estimated_cost=action.estimated_cost,
                     )
                 )
             elif isinstance(action, AskPreemption):
@@ -908,6 +938,7 @@ class Router(Lifecycle):
             views[name] = msgspec.structs.replace(
                 view,
                 expected_duration=None if state is None else state.expected_duration(name),
+                perf=None if projected is None else projected.backend(name).perf,
                 quota=quota,
                 limits=limits,
                 healthy=circuit.state != "open"
@@ -974,6 +1005,21 @@ class Router(Lifecycle):
     @functools.cached_property
     def _plan_policy(self) -> PlanPolicy:
         return self._config.plan_policy()
+
+    def _spent_today(
+        self, projected: LiveState | None, snapshot: list[Waiting], now: float
+    ) -> dict[str, float]:
+        """What each tenant with a waiting request and a budget spent today (the projection's)."""
+        budgets = self._plan_policy.budgets
+        if not budgets or projected is None:
+            return {}
+        day = utc_day(now)
+        tenants = {item.request.tenant for item in snapshot}
+        return {
+            tenant: projected.spent(tenant, day)
+            for tenant in tenants
+            if budget_of(tenant, budgets) is not None
+        }
 
     def _announce_promotion(self, item: Held, action: Promote | Inherit) -> None:
         """Record a promotion the planner announced: earned by aging (``at`` is
@@ -1099,3 +1145,18 @@ class Router(Lifecycle):
                         with contextlib.suppress(Exception):
                             await item.msg.in_progress()
                         item.touched = now
+
+
+def _estimators(config: Config) -> dict[str, Estimator]:
+    """The learned complexity estimators the routes name (the heuristic is the default)."""
+    found: dict[str, Estimator] = {}
+    for name, route in config.routes.items():
+        if route.complexity is None:
+            continue
+        try:
+            estimator = load_estimator(route.complexity.estimator)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(str(exc), path=f"$.routes.{name}.complexity.estimator") from exc
+        if estimator is not None:
+            found[name] = estimator
+    return found

@@ -1,0 +1,64 @@
+"""Tenant budgets per UTC day, from the projected spend.
+
+A tenant's budget (``[tenants.<name>]``, or ``[tenants."*"]`` for every
+tenant not named) is ``daily`` US dollars per UTC day, judged against what the
+log says it spent that day (the projection's ``completed`` costs: calls still
+running are not in it yet, so a day can end a few calls over).
+
+- **soft**: a request may go to a paid backend only while the day's spend plus
+  the request's estimated cost there stays within the budget; past that, its
+  tenant's requests go to free and local backends only, and wait for them
+  within their deadlines.
+- **hard**: as soft, and once the day's spend reaches the budget, new requests
+  are refused at admission (``budget_exhausted``) until the day ends at 00:00
+  UTC. A request already waiting when that happens is held to free backends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final, Literal
+
+from msgspec import Struct
+
+from ..wire._messages import InferenceRequest
+from ._routing import Priced, estimated_cost
+
+#: The ``[tenants]`` key whose budget applies to every tenant not named.
+EVERY_TENANT: Final = "*"
+
+_DAY: Final = 86_400.0
+
+
+class Budget(Struct, frozen=True, kw_only=True):
+    """A tenant's daily budget (US dollars per UTC day) and what happens past it."""
+
+    daily: float
+    mode: Literal["soft", "hard"] = "soft"
+
+
+def budget_of(tenant: str, budgets: Mapping[str, Budget]) -> Budget | None:
+    """``tenant``'s budget: its own, else the one for every tenant, else none."""
+    return budgets.get(tenant) or budgets.get(EVERY_TENANT)
+
+
+def within_budget(
+    request: InferenceRequest, backend: Priced, budget: Budget | None, spent: float
+) -> bool:
+    """Whether ``request`` may go to ``backend`` when its tenant spent ``spent``
+    today: a free backend always; a paid one while the day's spend plus the
+    estimated cost there stays within the budget."""
+    if budget is None:
+        return True
+    cost = estimated_cost(request, backend)
+    return cost <= 0 or spent + cost <= budget.daily
+
+
+def refused(budget: Budget | None, spent: float) -> bool:
+    """Whether a hard budget refuses new requests: the day's spend reached it."""
+    return budget is not None and budget.mode == "hard" and spent >= budget.daily
+
+
+def day_ends(now: float) -> float:
+    """When the UTC day of ``now`` ends (the next 00:00 UTC), as Unix time."""
+    return (now // _DAY + 1) * _DAY
