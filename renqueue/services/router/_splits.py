@@ -28,7 +28,7 @@ import msgspec
 from ... import metrics
 from ...config import Config
 from ...logs import get_logger
-from ...policy import SplitPolicy, SplitStatus, estimated_cost, judge, moved_to, place
+from ...policy import SplitStatus, estimated_cost, judge, moved_to, place
 from ...policy._ab import SplitFacts
 from ...state._view import LiveState
 from ...wire._messages import InferenceRequest, SplitChanged
@@ -167,8 +167,3 @@ class Splitter:
         """Drop this binder's own word (a term ended: the next starts from the log)."""
         self._mine.clear()
         self._judged.clear()
-
-    @property
-    def policies(self) -> dict[str, SplitPolicy]:
-        """Each split route's policy, by route."""
-        return dict(self._splits)
