@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-economics chaos clean
+.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-economics bench-ab chaos clean
 
 setup: $(STAMP)
 
@@ -69,6 +69,10 @@ bench-faults: $(STAMP)
 # About 5 minutes; redraws the committed plot, bench/economics.png.
 bench-economics: $(STAMP)
 	$(BIN)/python bench/economics.py --update-plot
+
+# What A/B splits cost the fold and the binder (issue #10 item 5): in process, no NATS.
+bench-ab: $(STAMP)
+	$(BIN)/python bench/ab.py
 
 # kill -9 routers and workers under load (single node, 3-node cluster, harsh), audit the log.
 chaos: $(STAMP)

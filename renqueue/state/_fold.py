@@ -58,6 +58,7 @@ from ..wire._messages import (
     kind_of,
 )
 from ..wire._subjects import msg_id
+from ._splits import Splits, SplitsBuilder
 
 __all__ = [
     "BACKEND_FAULTS",
@@ -88,7 +89,9 @@ __all__ = [
 #: A projector that finds an older state folds the log again from the start.
 #: 6: backends carry their circuit (state, since, reason), the outcomes of
 #: recent calls and the latest active probe.
-STATE_VERSION: Final = 7
+#: 7: backends carry their performance model (``perf``: renqueue.policy._perf).
+#: 8: the state carries its A/B splits (``splits``: renqueue.state._splits).
+STATE_VERSION: Final = 8
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
 #: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
@@ -283,6 +286,8 @@ class ProjectionState(Struct, frozen=True, kw_only=True):
     in_flight_dropped: int = 0
     last_sweep_at: float = 0.0
     mismatched: int = 0
+    #: A/B splits: each one's state and per-arm figures (:mod:`renqueue.state._splits`).
+    splits: Splits = Splits()
 
     @property
     def in_flight_count(self) -> int:
@@ -373,6 +378,7 @@ class _Builder:
         self._in_flight = state.in_flight
         self._reserved = state.reserved
         self._copied: set[str] = set()
+        self._splits = SplitsBuilder(state.splits)
 
     def _own(self, name: str) -> None:
         if name in self._copied:
@@ -415,6 +421,7 @@ class _Builder:
         if isinstance(event, CancelRequested):
             return  # the tenant's word: counted, never a fact, never the clock
         self.log_time = max(self.log_time, at)
+        self._splits.apply(event, at, self.log_time)
         if isinstance(event, Submitted):
             self.submitted += 1
             tenant = self._tenants.get(event.tenant, _EMPTY_TENANT)
@@ -717,4 +724,5 @@ class _Builder:
             in_flight_dropped=self.in_flight_dropped,
             last_sweep_at=self.last_sweep_at,
             mismatched=self.mismatched,
+            splits=self._splits.freeze(),
         )

@@ -25,7 +25,9 @@ Its parts: the hold (``_hold``), the free slots it counts per backend
 (``_capacity``: broker truth plus its own dispatches the broker may not have
 counted yet), reading a fetched request (``_admission``: validation, the wait
 measured in server time, the parent's priority), carrying out a bind
-(``_dispatch``) and its side of the preemption protocol (``_preemption``).
+(``_dispatch``), its side of the preemption protocol (``_preemption``), and
+A/B splits (``_splits``: a request of a split route is placed on an arm as it
+is read, and a split whose arm breaches its thresholds is rolled back).
 
 Every loop (one fetch loop per level, the dispatch loop, the keepalive, the
 projection watch) runs under the process's :class:`~renqueue._tasks.Supervisor`:
@@ -106,6 +108,7 @@ from ...wire._messages import (
     InferenceRequest,
     Promoted,
     Rejected,
+    SplitChanged,
     Submitted,
 )
 from ...wire._nats import Connection, JetStream, Message, PubAck, PullSubscription, Subscription
@@ -129,6 +132,7 @@ from ._dispatch import ACKS_TIMEOUT, Dispatcher
 from ._hold import BOOST_DECODER, Held, Hold, stored_at
 from ._ledger import Ledger
 from ._preemption import ask_preemption
+from ._splits import Splitter
 
 __all__ = ["Router"]
 
@@ -194,6 +198,8 @@ class Router(Lifecycle):
         self._follower_timers: set[asyncio.TimerHandle] = set()
         self._ledger = Ledger(config)
         self._circuits = Circuits(config)
+        #: A/B splits: each request's arm, and the automatic rollback (``_splits``).
+        self._splitter = Splitter(config)
         # Health is each backend's circuit (self._circuits), judged in the round.
         self._capacity = Capacity(js, config, parse_duration(config.router.capacity_refresh))
         self._ack_wait = parse_duration(config.router.ack_wait)
@@ -416,6 +422,7 @@ class Router(Lifecycle):
         self._dispatching.clear()
         self._catch_up = None
         self._circuits.forget()
+        self._splitter.forget()
         dropped = self._hold.clear()
         was = self._term
         self._term = None
@@ -543,6 +550,7 @@ class Router(Lifecycle):
             return
         if await self._follows(msg, request, logged, now):
             return
+        request = self._splitter.place(request, self._live())
         request, estimate = self._estimated(request)
         self._hold.add(
             level,
@@ -788,7 +796,13 @@ class Router(Lifecycle):
         reason: str = "deadline passed while waiting to be routed",
     ) -> None:
         event = Expired(
-            request_id=request.id, tenant=request.tenant, at=now, stage="queued", reason=reason
+            request_id=request.id,
+            tenant=request.tenant,
+            at=now,
+            stage="queued",
+            reason=reason,
+            split=request.split or "",
+            arm=request.route if request.split is not None else "",
         )
         metrics.TERMINAL.labels("expired").inc()
         try:
@@ -837,6 +851,7 @@ class Router(Lifecycle):
         round happens to be at; it goes to the head of the order next round.
         """
         now = self._clock()
+        self._follow_splits()
         held = list(self._hold)
         demand: dict[str, int] = {}
         for item in held:
@@ -873,6 +888,7 @@ class Router(Lifecycle):
             for ref, item in items.items()
         ]
         self._ledger.prune(projected)
+        self._judge_splits(projected, now)
         views, judged = self._views(state, now)
         waiting: set[str] = set()
         gone: set[int] = set()
@@ -1086,6 +1102,40 @@ class Router(Lifecycle):
         except Exception as exc:  # noqa: BLE001 - the next round decides it again
             log.warning("could not log a circuit change", backend=event.backend, error=str(exc))
             self._circuits.retract(event.backend, circuit)
+
+    def _live(self) -> LiveState | None:
+        """This router's view of the projection, if it has one open."""
+        return None if self._state is None else self._state.state
+
+    def _follow_splits(self) -> None:
+        """Move each held request whose A/B split was rolled back or promoted
+        since it was placed to where the split's traffic goes now (its tier
+        estimated again, by that arm's rules, if it named none)."""
+        if not self._splitter:
+            return
+        live = self._live()
+        for item in self._hold:
+            if not self._splitter.moved(item.request, live):
+                continue
+            request = item.request
+            if item.estimate is not None:
+                request = msgspec.structs.replace(request, complexity=None)
+            item.request, item.estimate = self._estimated(self._splitter.place(request, live))
+
+    def _judge_splits(self, projected: LiveState | None, now: float) -> None:
+        """Roll back each live A/B split one of whose arms breaches its rules (logged)."""
+        for event in self._splitter.judge(
+            projected, now, router=self._lease.holder, term=self._term or 0
+        ):
+            self._spawn_publish(self._log_split(event))
+
+    async def _log_split(self, event: SplitChanged) -> None:
+        """Log a rollback; if that fails, it is decided (and logged) again next round."""
+        try:
+            await self._log.append(event)
+        except Exception as exc:  # noqa: BLE001 - the next round decides it again
+            log.warning("could not log an A/B rollback", route=event.route, error=str(exc))
+            self._splitter.retract(event)
 
     def _spawn_publish(self, coro: Any) -> None:
         """Carry out one decision's publishes in a task of its own, tracked until
