@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -262,6 +263,46 @@ async def read_events(js: Any, subject: str) -> list[Any]:
         with contextlib.suppress(msgspec.DecodeError):
             events.append(EVENT_DECODER.decode(data))
     return events
+
+
+#: The parts of a ``routed`` reason that say what was chosen, not why another was passed
+#: over (the first candidate router's ``bound to X``; the cheapest-in-time planner's head).
+_CHOICE_PARTS = (
+    "first candidate",
+    "bound to",
+    "cheapest in time",
+    "no candidate predicted",
+    "fell back",
+)
+_WINDOW = re.compile(r"\b(?:requests|tokens)/\S+")
+
+
+def reason_notes(reason: str) -> list[tuple[str, str]]:
+    """What a ``routed`` event's reason says of the candidates passed over, as (backend,
+    kind): a window (``requests/6s``, ``tokens/min``, ``requests/day``), ``rate limited``,
+    ``slots full``, ``predicted late`` or the note's first words. Reads both the first
+    candidate router's reasons (``free-a quota:requests/6s 30/30, resets in 1 s; bound to
+    paid``) and the cheapest-in-time planner's (``cheapest in time: paid ...; free-a
+    requests/6s 30/30, resets in 1 s past the deadline; local predicted 9.1 s``)."""
+    notes = []
+    for raw in reason.split(";"):
+        part = raw.strip()
+        if not part or part.startswith(_CHOICE_PARTS) or " is the soonest" in part:
+            continue
+        backend, _, why = part.partition(" ")
+        window = _WINDOW.search(why)
+        if window:
+            kind = window.group(0).rstrip(",")
+        elif "rate limited" in why:
+            kind = "rate limited"
+        elif "predicted" in why:
+            kind = "predicted late"
+        elif "every slot taken" in why:
+            kind = "slots full"
+        else:
+            kind = " ".join(why.split()[:3])
+        notes.append((backend, kind))
+    return notes
 
 
 def free_port() -> int:

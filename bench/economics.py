@@ -732,8 +732,7 @@ def renqueue_log(
         if item is None:
             continue
         if isinstance(event, Routed):
-            # "first candidate in cascade order with a free slot; free-a quota:..." -> its head
-            reasons[event.reason.split(";")[0].split(":")[0].strip()[:80]] += 1
+            reasons[reason_head(event.reason)] += 1
             if event.complexity_estimate is not None and event.request_id not in estimated_ids:
                 estimated_ids.add(event.request_id)
                 same = event.complexity_estimate.tier == item["tier"]
@@ -775,6 +774,24 @@ def renqueue_log(
 
 
 # --------------------------------------------------------------------- LiteLLM
+
+
+def reason_head(reason: str) -> str:
+    """What kind of choice a ``routed`` reason records: ``cheapest in time``, ``no
+    candidate predicted in time``, ``first candidate with room`` (the router before
+    cheapest in time), with ``, after a fallback`` when it says so."""
+    parts = [part.strip() for part in reason.split(";")]
+    head = next(
+        (
+            part.split(":")[0]
+            for part in parts
+            if part.startswith(("cheapest in time", "no candidate predicted"))
+        ),
+        "first candidate with room"
+        if not reason or any(p.startswith(("first candidate", "bound to")) for p in parts)
+        else parts[0][:60],
+    )
+    return head + (", after a fallback" if "fell back" in reason else "")
 
 
 def litellm_backends(plan: Plan, urls: dict[str, str], variant: str) -> list[dict[str, Any]]:
@@ -1084,6 +1101,7 @@ def print_report(report: dict[str, Any]) -> None:
             f"\n  ren-queue, its log: binds {log['routed']}; {log['binds_passing_over_quota']} "
             f"binds passed a candidate over for its quota ({log['passed_over_for']})"
         )
+        print(f"    passed over otherwise {log['passed_over_otherwise']}")
         print(f"    reasons {log['reasons']}")
         print(f"    expired {log['expired'] or 'none'}; preempted {log['preempted']}")
         print(f"    estimator in the routed events vs the bench's: {log['estimates']}")
