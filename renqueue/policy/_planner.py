@@ -321,7 +321,8 @@ class _Round:
             if ask is not None:
                 actions.append(ask)
         if pick.wait_for is not None:
-            _hold_place(self.views, pick.wait_for, pick.wait_start, cost)
+            quota = pick.prediction is not None and pick.prediction.quota_held
+            _hold_place(self.views, pick.wait_for, pick.wait_start, cost if quota else None)
             reason = f"{choice.value}; {pick.reason}" if full else pick.reason
         else:
             reason = choice.value if not passed else _passed_reason(passed, "no candidate left")
@@ -404,15 +405,17 @@ def _seconds_to(prediction: Prediction | None, now: float) -> float | None:
     return prediction.finish - now
 
 
-def _hold_place(views: dict[str, BackendView], name: str, start: float, cost: Cost) -> None:
+def _hold_place(views: dict[str, BackendView], name: str, start: float, cost: Cost | None) -> None:
     """A request waits for backend ``name`` from ``start``: later requests in
-    the round queue behind it there, for a slot (if all are taken) and for its
-    quota (reserved from when it is predicted to start)."""
+    the round queue behind it there, for a slot (if all are taken) and, when
+    its quota is what it waits for (``cost``), for its quota from then."""
     view = views[name]
     views[name] = msgspec.structs.replace(
         view,
         queued=view.queued + (1 if view.free <= 0 else 0),
-        quota=reserve(view.quota or _NO_SPEND, cost, start) if view.limits else view.quota,
+        quota=reserve(view.quota or _NO_SPEND, cost, start)
+        if view.limits and cost is not None
+        else view.quota,
     )
 
 

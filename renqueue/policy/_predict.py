@@ -22,6 +22,7 @@ late: a backend must be tried to be learned.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Container, Mapping, Sequence
@@ -34,7 +35,6 @@ from ..wire._messages import InferenceRequest
 from ._perf import MIN_SAMPLES, Perf
 from ._quota import Cost, Quota, QuotaVerdict, check
 from ._routing import BackendView, NoRoom, capable, choose, estimated_cost
-from ._tokens import DEFAULT_MAX_TOKENS
 
 #: A token rate is never taken below this share of its mean, however wide its
 #: spread (a rate near 0 would predict an endless call).
@@ -58,6 +58,8 @@ class Prediction(Struct, frozen=True, kw_only=True):
     cost: float
     #: Why it cannot start now: ``""`` if it can.
     held: str = ""
+    #: Its quota (not only its slots) holds it back.
+    quota_held: bool = False
     #: The mean service time (no spread, no wait): what an early "hopeless"
     #: verdict is judged by; ``None``: no model yet.
     mean_service: float | None = None
@@ -66,17 +68,6 @@ class Prediction(Struct, frozen=True, kw_only=True):
     def now(self) -> bool:
         """It can start at once."""
         return not self.held
-
-
-def output_tokens(request: InferenceRequest, perf: Perf | None, spread: float) -> float:
-    """The output to plan for: ``max_tokens`` when the request sets it (the
-    most it may generate), else the backend's learned length plus ``spread``
-    deviations, else :data:`DEFAULT_MAX_TOKENS`."""
-    if request.params.max_tokens is not None:
-        return float(request.params.max_tokens)
-    if perf is not None and perf.samples >= MIN_SAMPLES:
-        return perf.output + spread * perf.output_sd
-    return float(DEFAULT_MAX_TOKENS)
 
 
 def service_time(
@@ -88,12 +79,31 @@ def service_time(
 ) -> float | None:
     """Seconds a call of ``request`` at ``view`` is expected to take once it
     starts, ``spread`` deviations cautious (0: the means); ``None``: not known."""
-    perf = view.perf
+    return _service(
+        view.perf, view.expected_duration, request.params.max_tokens, spread, min_samples
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _service(
+    perf: Perf | None,
+    expected: float | None,
+    max_tokens: int | None,
+    spread: float,
+    min_samples: int,
+) -> float | None:
+    """:func:`service_time` of what it reads (cached: a round asks it of every
+    waiting request and candidate, most of them alike)."""
     if perf is None or perf.samples < min_samples or not perf.rate >= _MIN_RATE:
-        return view.expected_duration
+        return expected
     ttft = perf.ttft + spread * perf.ttft_sd
     rate = max(perf.rate - spread * perf.rate_sd, perf.rate * _RATE_FLOOR)
-    tokens = output_tokens(request, perf, spread) if spread > 0 else _mean_output(request, perf)
+    if spread > 0:
+        tokens = (
+            float(max_tokens) if max_tokens is not None else perf.output + spread * perf.output_sd
+        )
+    else:
+        tokens = perf.output if max_tokens is None else min(float(max_tokens), perf.output)
     # A try that fails is time lost before the next: its expected share.
     retry = min(0.9, perf.fault_p + perf.limited_p) if spread > 0 else 0.0
     return (ttft + max(0.0, tokens - 1) / rate) * (1 + retry)
@@ -108,13 +118,6 @@ def typical_call(view: BackendView, *, min_samples: int = MIN_SAMPLES) -> float 
     return perf.ttft + max(0.0, perf.output - 1) / perf.rate
 
 
-def _mean_output(request: InferenceRequest, perf: Perf) -> float:
-    """The output a hopeless verdict assumes: the mean length, capped by ``max_tokens``."""
-    if request.params.max_tokens is not None:
-        return min(float(request.params.max_tokens), perf.output)
-    return perf.output
-
-
 def predict(
     request: InferenceRequest,
     view: BackendView,
@@ -123,9 +126,13 @@ def predict(
     cost: Cost,
     spread: float = 1.0,
     min_samples: int = MIN_SAMPLES,
+    verdict: QuotaVerdict | None = None,
+    price: float | None = None,
 ) -> Prediction:
     """When ``request`` would finish on ``view`` (see the module docstring) and
     what it would cost, if bound now or as soon as the backend has room.
+    ``verdict`` and ``price``: its quota's verdict for ``cost`` at ``now`` and
+    its estimated cost, when the caller has them already.
 
     A backend with a free slot and room in its quota starts it now. One whose
     quota is short starts when the quota says (its verdict's ``until``); one
@@ -141,11 +148,14 @@ def predict(
     mean = service_time(request, view, spread=0.0, min_samples=min_samples)
     start = now
     held = ""
+    quota_held = False
     if view.limits or view.quota is not None:
-        verdict = check(view.quota or _NO_SPEND, view.limits, cost, now)
+        if verdict is None:
+            verdict = check(view.quota or _NO_SPEND, view.limits, cost, now)
         if not verdict.ok:
             start = max(start, verdict.until)
             held = verdict.reason
+            quota_held = True
     if view.free <= 0:
         ahead = max(0, view.in_flight - view.capacity) + 1 + view.queued
         typical = typical_call(view, min_samples=min_samples)
@@ -157,8 +167,9 @@ def predict(
         backend=view.name,
         start=start,
         finish=finish,
-        cost=estimated_cost(request, view),
+        cost=estimated_cost(request, view) if price is None else price,
         held=held,
+        quota_held=quota_held,
         mean_service=mean,
     )
 
@@ -239,20 +250,14 @@ def choose_in_time(
     able = capable(request, candidates, views)
     if not able:
         return Pick(backend=NoRoom.NONE_CAPABLE, passed=[])
-    passed: list[tuple[str, QuotaVerdict]] = []
-    options: list[tuple[Prediction, int]] = []
-    for index, view in enumerate(able):
-        if view.free > 0 and (view.limits or view.quota is not None):
-            verdict = check(view.quota or _NO_SPEND, view.limits, cost, now)
-            if not verdict.ok:
-                passed.append((view.name, verdict))
-        options.append((predict(request, view, now, cost=cost, spread=rules.spread), index))
+    passed, options = _predictions(request, able, cost, now, rules)
     startable = [(p, i) for p, i in options if p.now]
     if request.deadline is None:
         if not startable:
             return Pick(backend=NoRoom.FULL, passed=passed)
         best, index = min(startable, key=lambda option: (option[0].cost, option[1]))
-        note = "" if index == startable[0][1] else f"cheapest with room: {best.backend}"
+        # (dearer candidates were not predicted: no cascade's-first-with-room to compare)
+        note = "" if index == 0 else f"cheapest with room: {best.backend}"
         return Pick(backend=best.backend, passed=passed, reason=note, prediction=best)
     waitable = [(p, i) for p, i in options if p.now or p.backend not in overdue]
     pick = _in_time(request, request.deadline, waitable, passed, now=now, rules=rules)
@@ -261,6 +266,48 @@ def choose_in_time(
         note = f"{', '.join(given_up)} not waited for again: the start it promised passed"
         return msgspec.structs.replace(pick, reason=f"{pick.reason}; {note}")
     return pick
+
+
+def _predictions(
+    request: InferenceRequest,
+    able: Sequence[BackendView],
+    cost: Cost,
+    now: float,
+    rules: RouteRules,
+) -> tuple[list[tuple[str, QuotaVerdict]], list[tuple[Prediction, int]]]:
+    """The predictions (with each candidate's cascade index) the choice needs,
+    and the candidates with a free slot passed over for their quota.
+
+    By price, cheapest first: once a price holds a candidate that can start
+    now and is in time (without a deadline: that can start now), no dearer
+    one can be chosen, nor be the safety net of a wait, so none is predicted
+    (a round predicts for every waiting request, the quota checks are most
+    of its time)."""
+    deadline = request.deadline
+    prices = [estimated_cost(request, view) for view in able]
+    passed: list[tuple[str, QuotaVerdict]] = []
+    options: list[tuple[Prediction, int]] = []
+    for price in sorted(set(prices)):
+        for index, view in enumerate(able):
+            if prices[index] != price:
+                continue
+            verdict = None
+            if view.limits or view.quota is not None:
+                verdict = check(view.quota or _NO_SPEND, view.limits, cost, now)
+                if view.free > 0 and not verdict.ok:
+                    passed.append((view.name, verdict))
+            prediction = predict(
+                request, view, now, cost=cost, spread=rules.spread, verdict=verdict, price=price
+            )
+            options.append((prediction, index))
+        if any(
+            p.now and (deadline is None or (p.finish is None or p.finish <= deadline))
+            for p, _ in options
+        ):
+            break
+    options.sort(key=lambda option: option[1])
+    passed.sort(key=lambda item: [view.name for view in able].index(item[0]))
+    return passed, options
 
 
 def _in_time(
