@@ -13,6 +13,7 @@ import asyncio
 import time
 from typing import Any
 
+import msgspec
 import pytest
 from test_fallback import config_for
 from test_quota_exhausted import describe
@@ -35,12 +36,22 @@ from renqueue.policy import (
     Waiting,
     budget_of,
     day_ends,
+    estimated_cost,
     plan,
     refused,
 )
-from renqueue.state import utc_day
+from renqueue.state import ProjectionState, fold_many, utc_day
 from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import ChatMessage, EventLog, GenerationParams, InferenceRequest, Routed
+from renqueue.wire import (
+    ChatMessage,
+    Completed,
+    EventLog,
+    Failed,
+    GenerationParams,
+    InferenceRequest,
+    Routed,
+    Usage,
+)
 
 NOW = 1_000_000.0
 PRICES = {"cost_input_per_mtok": 2.5, "cost_output_per_mtok": 10.0}
@@ -327,3 +338,71 @@ async def test_a_request_admitted_before_a_hard_budget_ran_out_is_not_refused_wh
             assert (await client.handle(blocker.id).result(timeout=20)).backend == "local"
             events = await log.history(TENANT, held.id)
     assert not [e for e in events if type(e).__name__ == "Rejected"], describe(events)
+
+
+def test_calls_bound_and_not_ended_count_against_the_budget() -> None:
+    """Before: a budget saw completed calls only, and every round bound as many
+    paid calls as had slots (the review measured 2.3x a hard budget spent)."""
+
+    def routed(rid: str, cost: float, tenant: str = "acme") -> Routed:
+        return Routed(
+            request_id=rid,
+            tenant=tenant,
+            at=NOW,
+            backend="paid",
+            attempt=1,
+            priority="normal",
+            queue_wait=0.0,
+            estimated_cost=cost,
+        )
+
+    state = fold_many(
+        ProjectionState(),
+        [routed("a", 0.25), routed("b", 0.5), routed("c", 0.125, tenant="other")],
+    )
+    assert state.tenants["acme"].committed == 0.75
+    assert state.tenants["other"].committed == 0.125
+    # A decision made again for the same request replaces its estimate.
+    state = fold_many(state, [routed("a", 0.0625)])
+    assert state.tenants["acme"].committed == 0.5625
+    done = Completed(
+        request_id="b",
+        tenant="acme",
+        at=NOW + 1,
+        backend="paid",
+        attempt=1,
+        delivery=1,
+        text="x",
+        usage=Usage(prompt_tokens=1, completion_tokens=1),
+        cost=0.4,
+    )
+    failed = Failed(request_id="a", tenant="acme", at=NOW + 1, error_type="x", reason="x")
+    state = fold_many(state, [done, failed])
+    assert state.tenants["acme"].committed == 0.0
+    assert state.tenants["acme"].day_spend == 0.4
+
+
+async def test_requests_submitted_together_do_not_spend_past_a_budget(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """A budget with room for one paid call: of eight requests at once, one is
+    paid (the others go to the free backend), whichever rounds bind them."""
+    fast = MockSettings(ttft=0.2, output_tokens=8)
+    async with MockBackend(fast) as paid, MockBackend(fast) as local:
+        base = config_for(
+            isolated_server.url, {"paid": paid, "local": local}, backends={"paid": PRICES}
+        )
+        one = request(tenant=TENANT)
+        estimate = estimated_cost(
+            msgspec.structs.replace(
+                one,
+                messages=[ChatMessage(role="user", content="hello")],
+                params=GenerationParams(max_tokens=8),
+            ),
+            base.backends["paid"],
+        )
+        soft = with_budget(base, daily_budget=estimate * 1.5)
+        async with Services(soft) as services, Client(services.nc, tenant=TENANT) as client:
+            handles = [await client.submit("hello", route="chat", max_tokens=8) for _ in range(8)]
+            results = [await handle.result(timeout=20) for handle in handles]
+    assert sorted(result.backend for result in results) == ["local"] * 7 + ["paid"]

@@ -91,7 +91,9 @@ __all__ = [
 #: recent calls and the latest active probe.
 #: 7: backends carry their performance model (``perf``: renqueue.policy._perf).
 #: 8: the state carries its A/B splits (``splits``: renqueue.state._splits).
-STATE_VERSION: Final = 8
+#: 9: reservations carry the decision's estimated cost, tenants the sum of
+#: theirs (``committed``: what calls bound and not ended may still spend).
+STATE_VERSION: Final = 9
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
 #: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
@@ -221,6 +223,9 @@ class TenantState(Struct, frozen=True, kw_only=True, omit_defaults=True):
     terminal: dict[str, int] = {}
     day: int = 0
     day_spend: float = 0.0
+    #: The estimated cost (USD) of its calls bound and not ended: what its
+    #: budget counts beside the day's spend.
+    committed: float = 0.0
 
     def spend_on(self, day: int) -> float:
         """Its spend on UTC day ``day`` (see :func:`utc_day`); 0 unless it is the latest."""
@@ -254,6 +259,8 @@ class Reservation(Struct, frozen=True, array_like=True):
     tokens: int
     started: bool = False
     attempt: int = 0
+    #: The decision's estimated cost (``routed.estimated_cost``), in its tenant's ``committed``.
+    cost: float = 0.0
 
 
 class ProjectionState(Struct, frozen=True, kw_only=True):
@@ -398,6 +405,22 @@ class _Builder:
         current = self._backends.get(name, _EMPTY_BACKEND)
         self._backends[name] = msgspec.structs.replace(current, **changes)
 
+    def _release(self, key: str) -> None:
+        """Drop the request's reservation, and its cost from its tenant's ``committed``."""
+        reservation = self._reserved.get(key)
+        if reservation is None:
+            return
+        self._own("reserved")
+        del self._reserved[key]
+        if reservation.cost:
+            self._commit(key.partition(":")[0], -reservation.cost)
+
+    def _commit(self, tenant: str, cost: float) -> None:
+        current = self._tenants.get(tenant, _EMPTY_TENANT)
+        committed = current.committed + cost
+        # Sums of floats drift: what is left of nothing is nothing.
+        self._set_tenant(tenant, committed=committed if committed > 1e-12 else 0.0)
+
     def _set_tenant(self, name: str, **changes: Any) -> None:
         self._own("tenants")
         current = self._tenants.get(name, _EMPTY_TENANT)
@@ -435,9 +458,7 @@ class _Builder:
             self._set_tenant(event.tenant, terminal=_bump(tenant.terminal, kind))
             key = msg_id(event.tenant, event.request_id)
             self._end(key)
-            if key in self._reserved:
-                self._own("reserved")
-                del self._reserved[key]
+            self._release(key)
         if self.log_time - self.last_sweep_at >= _SWEEP_EVERY:
             self._sweep()
 
@@ -635,10 +656,14 @@ class _Builder:
             and running.backend == event.backend
             and running.attempt == event.attempt
         )
+        cost = max(0.0, _finite(event.estimated_cost))
+        self._release(key)
         self._own("reserved")
         self._reserved[key] = Reservation(
-            event.backend, at, tokens, started=begun, attempt=event.attempt
+            event.backend, at, tokens, started=begun, attempt=event.attempt, cost=cost
         )
+        if cost:
+            self._commit(event.tenant, cost)
         if event.probe:
             self._set_backend(event.backend, probe_call=f"{key}:{event.attempt}")
 
@@ -701,11 +726,8 @@ class _Builder:
         for key in stale:
             self._end(key)
         self.in_flight_dropped += len(stale)
-        old = [key for key, entry in self._reserved.items() if entry.at < horizon]
-        if old:
-            self._own("reserved")
-            for key in old:
-                del self._reserved[key]
+        for key in [key for key, entry in self._reserved.items() if entry.at < horizon]:
+            self._release(key)
 
     def freeze(self) -> ProjectionState:
         return ProjectionState(

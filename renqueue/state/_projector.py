@@ -433,16 +433,18 @@ class Projector(Lifecycle):
         )
 
     def _changed_spends(self, state: ProjectionState, *, full: bool) -> dict[str, TenantSpend]:
-        """The tenants whose day's spend differs from what this projector last
-        published (every one, on a ``full`` publish): only a spend moves a
-        tenant's view, so a free call writes none."""
+        """The tenants whose day's spend or committed cost differs from what
+        this projector last published (every one, on a ``full`` publish): only
+        a paid call moves a tenant's view, so a free call writes none."""
         if full:
             self._published_spends = {}
         changed: dict[str, TenantSpend] = {}
         for name, tenant in state.tenants.items():
-            if tenant.spend <= 0:  # never spent: nothing to budget
+            if tenant.spend <= 0 and tenant.committed <= 0:  # nothing to budget
                 continue
-            spend = TenantSpend(day=tenant.day, day_spend=tenant.day_spend)
+            spend = TenantSpend(
+                day=tenant.day, day_spend=tenant.day_spend, committed=tenant.committed
+            )
             if self._published_spends.get(name) == spend:
                 continue
             if not _VIEW_NAME.fullmatch(name):

@@ -82,6 +82,8 @@ class TenantSpend(Struct, frozen=True, kw_only=True):
 
     day: int = 0
     day_spend: float = 0.0
+    #: The estimated cost of its calls bound and not ended (``TenantState.committed``).
+    committed: float = 0.0
 
     def spend_on(self, day: int) -> float:
         """Its spend on UTC day ``day``: 0 unless it is the latest."""
@@ -159,6 +161,11 @@ class LiveState(Struct, frozen=True, kw_only=True):
         """What ``tenant`` spent (USD) on UTC day ``day`` (:func:`~renqueue.state.utc_day`)."""
         spend = self.tenants.get(tenant)
         return 0.0 if spend is None else spend.spend_on(day)
+
+    def committed(self, tenant: str) -> float:
+        """The estimated cost (USD) of ``tenant``'s calls bound and not ended."""
+        spend = self.tenants.get(tenant)
+        return 0.0 if spend is None else spend.committed
 
 
 _ENCODER: Final = msgspec.json.Encoder()

@@ -51,6 +51,7 @@ The decisions are plain functions in :mod:`renqueue.policy` (a round:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import os
@@ -194,6 +195,9 @@ class Router(Lifecycle):
         self._state: StateView | None = None
         self._coalescer = Coalescer(js, clock=clock, ttl=parse_duration(config.router.coalesce_ttl))
         self._estimators = _estimators(config)
+        #: (when, tenant, estimated cost) of this router's paid binds, until
+        #: the projection has folded them (:meth:`_spent`).
+        self._recent_binds: collections.deque[tuple[float, str, float]] = collections.deque()
         #: Timers that expire coalesced followers at their deadlines.
         self._follower_timers: set[asyncio.TimerHandle] = set()
         self._ledger = Ledger(config)
@@ -594,7 +598,7 @@ class Router(Lifecycle):
         projected = None if self._state is None else self._state.state
         if budget is None or projected is None or admitted.requeues > 0:
             return admitted
-        spent = projected.spent(admitted.tenant, utc_day(now))
+        spent = self._spent(projected, admitted.tenant, now)
         route = self._config.routes[admitted.route].backends
         priced = [self._config.backends[name] for name in route]
         if not refused(budget, spent) and affordable(admitted, priced, budget, spent):
@@ -931,6 +935,9 @@ class Router(Lifecycle):
         slot = self._capacity.dispatching(action.backend)
         if action.probe:
             self._circuits.probe_bound(action.backend, now)
+        tenant = item.request.tenant
+        if action.estimated_cost > 0 and budget_of(tenant, self._plan_policy.budgets) is not None:
+            self._recent_binds.append((now, tenant, action.estimated_cost))
         reserved = self._ledger.reserving(
             action.backend, Cost(requests=1, tokens=action.reserved_tokens), now
         )
@@ -1037,17 +1044,28 @@ class Router(Lifecycle):
     def _spent_today(
         self, projected: LiveState | None, snapshot: list[Waiting], now: float
     ) -> dict[str, float]:
-        """What each tenant with a waiting request and a budget spent today (the projection's)."""
+        """What each tenant with a waiting request and a budget has spent
+        today, for its budget (:meth:`_spent`)."""
         budgets = self._plan_policy.budgets
         if not budgets or projected is None:
             return {}
-        day = utc_day(now)
         tenants = {item.request.tenant for item in snapshot}
         return {
-            tenant: projected.spent(tenant, day)
+            tenant: self._spent(projected, tenant, now)
             for tenant in tenants
             if budget_of(tenant, budgets) is not None
         }
+
+    def _spent(self, projected: LiveState, tenant: str, now: float) -> float:
+        """What a budget judges ``tenant`` by: the projection's spend today,
+        the estimated cost of its calls bound and not ended (``committed``),
+        and of this router's paid binds the projection has not folded yet
+        (decided after its log time)."""
+        folded = projected.log_time
+        while self._recent_binds and self._recent_binds[0][0] <= folded:
+            self._recent_binds.popleft()
+        unfolded = sum(cost for at, who, cost in self._recent_binds if who == tenant)
+        return projected.spent(tenant, utc_day(now)) + projected.committed(tenant) + unfolded
 
     def _announce_promotion(self, item: Held, action: Promote | Inherit) -> None:
         """Record a promotion the planner announced: earned by aging (``at`` is
