@@ -518,6 +518,9 @@ class LevelConfig(_Section, frozen=True, kw_only=True):
     promote_to: Name | None = None
     preemptible: bool | None = None
     preempts: bool | None = None
+    #: How long a request at this level with no deadline may wait for a free
+    #: or cheaper backend rather than pay now (unset: it does not wait).
+    patience: Duration | None = None
 
 
 _LEVEL_DEFAULTS: Final = {
@@ -722,6 +725,7 @@ class Config(_Section, frozen=True, kw_only=True):
                         default.preemptible if given.preemptible is None else given.preemptible
                     ),
                     preempts=bool(default.preempts if given.preempts is None else given.preempts),
+                    patience=None if given.patience is None else parse_duration(given.patience),
                 )
             )
         return policies

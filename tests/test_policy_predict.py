@@ -16,6 +16,7 @@ from renqueue.policy import (
     MIN_SAMPLES,
     BackendView,
     Cost,
+    Expire,
     LevelPolicy,
     NoRoom,
     Perf,
@@ -504,3 +505,35 @@ def test_a_promised_start_that_long_passed_is_not_waited_for_again(typical: Perf
     # The overdue backend is still taken if it has room by then.
     freed = view("local", perf=typical)
     assert _round(later, freed, paid, now=action.wait_start + 3.0).backend == "local"  # type: ignore[union-attr]
+
+
+def test_a_patient_level_waits_for_a_free_window_rather_than_paying() -> None:
+    """A batch request with no deadline at a level with ``patience`` waits for
+    a free tier's window to reset (20 s away) rather than paying; past its
+    patience, or with none, it pays at once. It never expires for it."""
+    limits = limits_of([(1, 60.0)], [])
+    free = view("free", perf=FAST, limits=limits, quota=reserve(Quota(), ONE, NOW - 40))
+    paid = view("paid", price=2.5, perf=FAST)
+
+    def decide(patience: float | None, waited: float = 0.0) -> BindAction | Wait:
+        policy = PlanPolicy(
+            levels=(LevelPolicy(name="batch", rank=0, patience=patience),),
+            routes={"chat": ("free", "paid")},
+        )
+        item = WaitingItem(ref=1, request=request(), rank=0, submitted=NOW - waited)
+        [action] = [
+            a
+            for a in plan([item], views(free, paid), NOW, policy)
+            if isinstance(a, BindAction | Wait | Expire)
+        ]
+        assert not isinstance(action, Expire)
+        return action
+
+    waits = decide(patience=600.0)
+    assert isinstance(waits, Wait)
+    assert waits.wait_for == "free"
+    assert isinstance(decide(patience=None), BindAction)
+    assert decide(patience=None).backend == "paid"  # type: ignore[union-attr]
+    impatient = decide(patience=600.0, waited=599.0)
+    assert isinstance(impatient, BindAction)
+    assert impatient.backend == "paid"

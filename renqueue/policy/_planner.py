@@ -268,7 +268,9 @@ class _Round:
         seen = _probe_turn(request, candidates, views, self.floors)
         rules = self.policy.rules.get(request.route, _CHEAPEST)
         overdue = _overdue(item, views, now)
-        pick = choose_in_time(request, candidates, seen, cost, now, rules=rules, overdue=overdue)
+        pick = choose_in_time(
+            _patient(item, self.policy), candidates, seen, cost, now, rules=rules, overdue=overdue
+        )
         fallback = request.fallback
         if (
             isinstance(pick.backend, NoRoom)
@@ -290,7 +292,13 @@ class _Round:
                 )
                 return [_noted(Wait(ref=item.ref, backends=tuple(candidates), reason=reason), note)]
             pick = choose_in_time(
-                _unexcluded(request), candidates, seen, cost, now, rules=rules, overdue=overdue
+                _unexcluded(_patient(item, self.policy)),
+                candidates,
+                seen,
+                cost,
+                now,
+                rules=rules,
+                overdue=overdue,
             )
         if isinstance(pick.backend, NoRoom):
             return self._wait(item, pick, candidates=candidates, seen=seen, cost=cost, note=note)
@@ -367,6 +375,17 @@ class _Round:
             predicted=_seconds_to(pick.prediction, now),
             estimated_cost=price,
         )
+
+
+def _patient(item: Waiting, policy: PlanPolicy) -> InferenceRequest:
+    """``item``'s request as its choice sees it: one with no deadline, at a
+    level with ``patience``, chooses as if it had a deadline that long after
+    its submit (it may wait for a free backend rather than pay now)."""
+    request = item.request
+    patience = policy.levels[item.rank].patience if item.rank < len(policy.levels) else None
+    if request.deadline is not None or patience is None:
+        return request
+    return msgspec.structs.replace(request, deadline=item.submitted + patience)
 
 
 def _overdue(item: Waiting, views: Mapping[str, BackendView], now: float) -> frozenset[str]:
