@@ -3,16 +3,16 @@
 It speaks the OpenAI chat-completions API and, at their own paths, Anthropic
 Messages, Ollama's ``/api/chat``, TGI's ``/generate_stream`` and Gemini's
 ``streamGenerateContent`` (``_mockdialects`` has each wire format; every
-setting and fault below applies to each). It behaves like the providers Ren-
-Queue routes to, in the ways routing cares about: time to first token and
+setting and fault below applies to each). It behaves like the providers
+Ren-Queue routes to, in the ways routing cares about: time to first token and
 token rate, declared rate limits enforced with real 429s and rate-limit
 headers on every response in the dialect of the provider it stands in for
 (``limit_style``: OpenAI's ``x-ratelimit-*`` by default, Groq, Cerebras,
-OpenRouter, Anthropic, Gemini or the IETF fields; see ``_mocklimits``), quota-
-exhausted 429s on demand, a concurrency cap, random failures, streaming (SSE
-with the ``include_usage`` final chunk and ``data: [DONE]``) and non-streaming
-answers. The generated text is deterministic (``"tok0 tok1 tok2 ..."``) so
-tests can assert on content.
+OpenRouter, Anthropic, Gemini or the IETF fields; see ``_mocklimits``),
+quota-exhausted 429s on demand, a concurrency cap, random failures, streaming
+(SSE with the ``include_usage`` final chunk and ``data: [DONE]``) and
+non-streaming answers. The generated text is deterministic (``"tok0 tok1 tok2
+..."``) so tests can assert on content.
 
 Fault injection (``_mockfaults`` has the kinds and their exact wire format):
 the ``faults`` setting scripts faults for chat requests in arrival order
