@@ -24,6 +24,7 @@ from renqueue.backends import (
 from renqueue.config import (
     AnthropicConfig,
     BackendConfig,
+    BaseBackendConfig,
     GeminiConfig,
     OllamaConfig,
     TGIConfig,
@@ -58,7 +59,7 @@ def test_a_config_without_adapter_is_openai_as_before() -> None:
     ],
 )
 def test_each_adapter_has_its_class_and_its_providers_base_url_by_default(
-    adapter: str, cls: type, base_url: str
+    adapter: str, cls: type[BaseBackendConfig], base_url: str
 ) -> None:
     config = backend(adapter=adapter)
     assert type(config) is cls
