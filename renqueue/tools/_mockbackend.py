@@ -625,7 +625,7 @@ class MockBackend:
             if given != settings.require_api_key:
                 # The message echoes the key sent, as some providers do.
                 message = f"Incorrect API key provided: {given}."
-                return _error(dialect, 401, "auth", message)
+                return _error(dialect, dialect.auth_status, "auth", message)
         if dialect.names_model and settings.models and body.model not in settings.models:
             status, payload = dialect.not_found(body.model)
             return _raw_error(status, payload, {})

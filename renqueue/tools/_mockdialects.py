@@ -177,6 +177,8 @@ class Dialect:
     limit_style: ClassVar[MockLimitStyle | None] = None
     #: The header the key travels in (``authorization`` means ``Bearer <key>``).
     key_header: ClassVar[str] = "authorization"
+    #: The status of a request with a wrong key.
+    auth_status: ClassVar[int] = 401
     #: Whether a request names the model (TGI serves one, whatever is asked).
     names_model: ClassVar[bool] = True
     #: The prefix of answer ids.
@@ -764,6 +766,7 @@ class GeminiDialect(Dialect):
     name = "gemini"
     limit_style = "gemini"
     key_header = "x-goog-api-key"
+    auth_status = 400  # with the reason API_KEY_INVALID in its details
     finish_names: ClassVar[Mapping[str, str]] = {
         "stop": "STOP",
         "length": "MAX_TOKENS",
