@@ -7,7 +7,7 @@ only what differs: where a call goes and with which headers
 sends (:meth:`HTTPBackend._payload`), how its stream is read (a
 :class:`StreamParser`), how a whole answer is read
 (:meth:`HTTPBackend._generation`) and, where the status alone misleads, how
-an error body is classified (:meth:`HTTPBackend._classify`). Everything
+an error body names its class (:meth:`HTTPBackend._error_class`). Everything
 else is here, once:
 
 - **One pooled** :class:`httpx.AsyncClient` per adapter, sharded (or one
@@ -37,9 +37,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, ClassVar, Final, Self
+from typing import Any, ClassVar, Final, Self, TypeVar
 
 import httpx
 import msgspec
@@ -54,7 +54,7 @@ from ..errors import (
     RateLimitedError,
     RetryableBackendError,
 )
-from ..wire._messages import InferenceRequest, Usage
+from ..wire._messages import ChatMessage, InferenceRequest, Usage
 from ._limits import LearnedLimits, parse_limits
 from ._sse import MAX_EVENT_BYTES, ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation, ToolCall
@@ -69,13 +69,19 @@ __all__ = [
     "StreamParser",
     "bad_request_class",
     "common_finish",
+    "decoded",
     "error_detail",
     "error_for",
     "estimate_prompt_tokens",
+    "given_params",
+    "named_class",
     "status_class",
+    "system_and_turns",
     "tool_arguments",
     "whole_usage",
 ]
+
+_T = TypeVar("_T")
 
 #: Longest provider error text carried into an exception message.
 _DETAIL_LIMIT: Final = 300
@@ -171,6 +177,27 @@ def bad_request_class(body: bytes) -> FailureClass:
     return FailureClass.BAD_REQUEST
 
 
+def named_class(
+    name: str | None, table: Mapping[str, FailureClass | None], body: bytes
+) -> FailureClass | None:
+    """The class an error's own type (or status) ``name`` has in ``table``;
+    one mapped to ``None`` blames the request, its message saying how
+    (:func:`bad_request_class`). ``None`` for a name the table lacks."""
+    if not name or name not in table:
+        return None
+    failure = table[name]
+    return bad_request_class(body) if failure is None else failure
+
+
+def decoded(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T | None:
+    """``body`` decoded, or ``None`` when it is not of that shape (an error body
+    read for its type: anything may come back with an error status)."""
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError:
+        return None
+
+
 def status_class(status: int, body: bytes) -> FailureClass:
     """The class of an error response by its status (and, for a 4xx that
     blames the request, its error code and message)."""
@@ -227,6 +254,23 @@ def estimate_prompt_tokens(request: InferenceRequest) -> int:
     return -(-chars // 4)
 
 
+def given_params(request: InferenceRequest, names: Mapping[str, str]) -> dict[str, Any]:
+    """The request's parameters that are set, each under the name ``names``
+    gives its field (``{"max_tokens": "num_predict", ...}``)."""
+    params = request.params
+    given = ((name, getattr(params, field)) for field, name in names.items())
+    return {name: value for name, value in given if value is not None}
+
+
+def system_and_turns(
+    messages: Sequence[ChatMessage],
+) -> tuple[str | None, list[ChatMessage]]:
+    """For formats that take the system prompt apart: the system messages'
+    text (joined by blank lines; ``None`` without any) and the other messages."""
+    system = [m.content for m in messages if m.role == "system"]
+    return ("\n\n".join(system) if system else None), [m for m in messages if m.role != "system"]
+
+
 def whole_usage(
     prompt: int | None, completion: int | None, request: InferenceRequest, text: str
 ) -> Usage:
@@ -258,12 +302,17 @@ class FramingError(ValueError):
 
 class InBandError(Exception):
     """The backend reported an error inside a stream (or a 200 body): its
-    text and its class. Raised by parsers; never leaves an adapter."""
+    text, and its class if the parser knows it; else the class its ``body``
+    names (:meth:`HTTPBackend._error_class`), else a server error. Raised by
+    parsers; never leaves an adapter."""
 
-    def __init__(self, detail: str, failure: FailureClass = FailureClass.SERVER_ERROR) -> None:
+    def __init__(
+        self, detail: str, failure: FailureClass | None = None, *, body: bytes = b""
+    ) -> None:
         super().__init__(detail)
         self.detail = detail
         self.failure = failure
+        self.body = body
 
 
 class StreamParser:
@@ -571,9 +620,11 @@ class HTTPBackend:
         or :class:`InBandError`."""
         raise NotImplementedError
 
-    def _classify(self, status: int, body: bytes) -> FailureClass:
-        """The class of an error response (by default, by its status: :func:`status_class`)."""
-        return status_class(status, body)
+    def _error_class(self, body: bytes) -> FailureClass | None:
+        """The class an error body's own type names (Anthropic's ``error.type``,
+        Gemini's ``error.status``, TGI's ``error_type``), where the status alone
+        misleads; ``None``: it names none (the status decides)."""
+        return None
 
     # ------------------------------------------------------------- calls
 
@@ -726,19 +777,9 @@ class HTTPBackend:
                 return ""
             return parser.feed(piece)
         except msgspec.DecodeError as exc:
-            raise RetryableBackendError(
-                f"malformed stream chunk: {self._redact(str(exc))}",
-                backend=self._name,
-                request_id=request.id,
-                failure=FailureClass.MALFORMED,
-            ) from exc
+            raise self._malformed("malformed stream chunk", exc, request) from exc
         except (SSEError, FramingError) as exc:
-            raise RetryableBackendError(
-                f"malformed stream: {exc}",
-                backend=self._name,
-                request_id=request.id,
-                failure=FailureClass.MALFORMED,
-            ) from exc
+            raise self._malformed("malformed stream", exc, request) from exc
         except InBandError as exc:
             # The server failed while answering (or refused in a 200 body).
             raise self._in_band(exc, request) from None  # ours: it adds nothing
@@ -748,18 +789,24 @@ class HTTPBackend:
         try:
             return self._generation(body, request)
         except msgspec.DecodeError as exc:
-            raise RetryableBackendError(
-                f"malformed response body: {self._redact(str(exc))}",
-                backend=self._name,
-                request_id=request.id,
-                failure=FailureClass.MALFORMED,
-            ) from exc
+            raise self._malformed("malformed response body", exc, request) from exc
         except InBandError as exc:
             raise self._in_band(exc, request) from None
 
+    def _malformed(
+        self, what: str, exc: Exception, request: InferenceRequest
+    ) -> RetryableBackendError:
+        return RetryableBackendError(
+            f"{what}: {self._redact(str(exc))}",
+            backend=self._name,
+            request_id=request.id,
+            failure=FailureClass.MALFORMED,
+        )
+
     def _in_band(self, exc: InBandError, request: InferenceRequest) -> BackendError:
+        failure = exc.failure or self._error_class(exc.body) or FailureClass.SERVER_ERROR
         return error_for(
-            exc.failure,
+            failure,
             f"error in stream: {self._redact(exc.detail)}",
             backend=self._name,
             request_id=request.id,
@@ -774,7 +821,7 @@ class HTTPBackend:
         body = response.content
         limits = self._observe(response, body)
         return error_for(
-            self._classify(status, body),
+            self._error_class(body) or status_class(status, body),
             f"HTTP {status}: {self._redact(error_detail(body))}",
             backend=self._name,
             request_id=request.id,

@@ -34,7 +34,6 @@ Azure's output filter is); others pass through.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any, ClassVar, Final
 
@@ -49,10 +48,12 @@ from ._http import (
     HTTPBackend,
     InBandError,
     SSEParser,
-    bad_request_class,
     common_finish,
+    decoded,
     error_detail,
-    status_class,
+    given_params,
+    named_class,
+    system_and_turns,
     tool_arguments,
 )
 from ._sse import ServerSentEvent
@@ -129,6 +130,8 @@ _EVENT_DECODER: Final = msgspec.json.Decoder(_Event)
 _MESSAGE_DECODER: Final = msgspec.json.Decoder(_Message)
 _ERROR_DECODER: Final = msgspec.json.Decoder(_ErrorBody)
 
+#: The request's parameters Anthropic takes as they are, as it names them.
+_PARAM_NAMES: Final = {"top_p": "top_p", "stop": "stop_sequences"}
 _STOP_REASONS: Final = {
     "end_turn": "stop",
     "stop_sequence": "stop",
@@ -138,7 +141,8 @@ _STOP_REASONS: Final = {
     "refusal": "content_filter",
 }
 #: The class of each error type (``invalid_request_error``: by its message).
-_ERROR_CLASSES: Final = {
+_ERROR_CLASSES: Final[dict[str, FailureClass | None]] = {
+    "invalid_request_error": None,
     "overloaded_error": FailureClass.OVERLOADED,
     "rate_limit_error": FailureClass.RATE_LIMITED,
     "api_error": FailureClass.SERVER_ERROR,
@@ -149,21 +153,6 @@ _ERROR_CLASSES: Final = {
     "not_found_error": FailureClass.UNAVAILABLE,
     "billing_error": FailureClass.UNAVAILABLE,
 }
-
-
-def _error_type(body: bytes) -> str:
-    with contextlib.suppress(msgspec.DecodeError):
-        error = _ERROR_DECODER.decode(body).error
-        if error is not None:
-            return error.type
-    return ""
-
-
-def _error_class(kind: str, body: bytes) -> FailureClass | None:
-    """The class an error ``type`` names; ``None`` when it does not say."""
-    if kind == "invalid_request_error":
-        return bad_request_class(body)
-    return _ERROR_CLASSES.get(kind)
 
 
 class _EventParser(SSEParser):
@@ -234,8 +223,7 @@ class _EventParser(SSEParser):
 
     def _error(self, data: _Event, raw: str) -> str:
         body = raw.encode()
-        failure = _error_class(data.error.type if data.error else "", body)
-        raise InBandError(error_detail(body), failure or FailureClass.SERVER_ERROR)
+        raise InBandError(error_detail(body), body=body)
 
     _handlers: ClassVar[dict[str, Callable[[_EventParser, _Event, str], str]]] = {
         "message_start": _message_start,
@@ -283,24 +271,20 @@ class AnthropicBackend(HTTPBackend):
         self, request: InferenceRequest, priority: int | None, *, stream: bool
     ) -> dict[str, Any]:
         params = request.params
-        system = [m.content for m in request.messages if m.role == "system"]
+        system, turns = system_and_turns(request.messages)
         body: dict[str, Any] = {
             "model": self._anthropic.model,
             "max_tokens": params.max_tokens or self._anthropic.max_tokens,
             "messages": [
                 {"role": "assistant" if m.role == "assistant" else "user", "content": m.content}
-                for m in request.messages
-                if m.role != "system"
+                for m in turns
             ],
+            **given_params(request, _PARAM_NAMES),
         }
-        if system:
-            body["system"] = "\n\n".join(system)
+        if system is not None:
+            body["system"] = system
         if params.temperature is not None:
             body["temperature"] = min(params.temperature, 1.0)
-        if params.top_p is not None:
-            body["top_p"] = params.top_p
-        if params.stop:
-            body["stop_sequences"] = params.stop
         if stream:
             body["stream"] = True
         return body
@@ -308,9 +292,7 @@ class AnthropicBackend(HTTPBackend):
     def _generation(self, body: bytes, request: InferenceRequest) -> Generation:
         message = _MESSAGE_DECODER.decode(body)
         if message.type == "error":
-            kind = message.error.type if message.error else ""
-            failure = _error_class(kind, body) or FailureClass.SERVER_ERROR
-            raise InBandError(error_detail(body), failure)
+            raise InBandError(error_detail(body), body=body)
         parser = _EventParser()
         text = ""
         for block in message.content or ():
@@ -330,5 +312,7 @@ class AnthropicBackend(HTTPBackend):
             parser.count_usage(message.usage)
         return parser.whole(text, request)
 
-    def _classify(self, status: int, body: bytes) -> FailureClass:
-        return _error_class(_error_type(body), body) or status_class(status, body)
+    def _error_class(self, body: bytes) -> FailureClass | None:
+        error = decoded(_ERROR_DECODER, body)
+        kind = error.error.type if error is not None and error.error is not None else None
+        return named_class(kind, _ERROR_CLASSES, body)

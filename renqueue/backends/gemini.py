@@ -41,7 +41,6 @@ functions), ``MAX_TOKENS`` ``length``; ``SAFETY``, ``RECITATION``,
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, ClassVar, Final
 from urllib.parse import quote
 
@@ -56,10 +55,12 @@ from ._http import (
     HTTPBackend,
     InBandError,
     SSEParser,
-    bad_request_class,
     common_finish,
+    decoded,
     error_detail,
-    status_class,
+    given_params,
+    named_class,
+    system_and_turns,
     tool_arguments,
 )
 from ._sse import ServerSentEvent
@@ -123,6 +124,14 @@ class _ErrorBody(Struct):
 
 _RESPONSE_DECODER: Final = msgspec.json.Decoder(_Response)
 _ERROR_DECODER: Final = msgspec.json.Decoder(_ErrorBody)
+#: The request's parameters, as ``generationConfig`` names them.
+_CONFIG_NAMES: Final = {
+    "max_tokens": "maxOutputTokens",
+    "temperature": "temperature",
+    "top_p": "topP",
+    "stop": "stopSequences",
+    "seed": "seed",
+}
 _FILTERED: Final = "content_filter"
 _FINISH_REASONS: Final = {
     "STOP": "stop",
@@ -134,8 +143,9 @@ _FINISH_REASONS: Final = {
     "SPII": _FILTERED,
     "IMAGE_SAFETY": _FILTERED,
 }
-#: The class of each error ``status`` (``INVALID_ARGUMENT``: by its details and message).
-_STATUS_CLASSES: Final = {
+#: The class of each error ``status`` (``INVALID_ARGUMENT``: by its message, but a bad key).
+_STATUS_CLASSES: Final[dict[str, FailureClass | None]] = {
+    "INVALID_ARGUMENT": None,
     "RESOURCE_EXHAUSTED": FailureClass.RATE_LIMITED,
     "UNAVAILABLE": FailureClass.OVERLOADED,
     "INTERNAL": FailureClass.SERVER_ERROR,
@@ -145,16 +155,6 @@ _STATUS_CLASSES: Final = {
     "NOT_FOUND": FailureClass.UNAVAILABLE,
     "FAILED_PRECONDITION": FailureClass.UNAVAILABLE,
 }
-
-
-def _error_class(error: _Error | None, body: bytes) -> FailureClass | None:
-    if error is None:
-        return None
-    if error.status == "INVALID_ARGUMENT":
-        if any(detail.reason == "API_KEY_INVALID" for detail in error.details or ()):
-            return FailureClass.UNAVAILABLE
-        return bad_request_class(body)
-    return _STATUS_CLASSES.get(error.status)
 
 
 class _ResponseParser(SSEParser):
@@ -169,8 +169,7 @@ class _ResponseParser(SSEParser):
         """Take one ``GenerateContentResponse`` (a stream's chunk, or a whole answer)."""
         chunk = _RESPONSE_DECODER.decode(data)
         if chunk.error is not None:
-            failure = _error_class(chunk.error, data) or FailureClass.SERVER_ERROR
-            raise InBandError(error_detail(data), failure)
+            raise InBandError(error_detail(data), body=data)
         if chunk.usage_metadata is not None:
             usage = chunk.usage_metadata
             if usage.prompt_token_count is not None:
@@ -230,31 +229,21 @@ class GeminiBackend(HTTPBackend):
     def _payload(
         self, request: InferenceRequest, priority: int | None, *, stream: bool
     ) -> dict[str, Any]:
-        params = request.params
-        system = [m.content for m in request.messages if m.role == "system"]
+        system, turns = system_and_turns(request.messages)
         body: dict[str, Any] = {
             "contents": [
                 {
                     "role": "model" if m.role == "assistant" else "user",
                     "parts": [{"text": m.content}],
                 }
-                for m in request.messages
-                if m.role != "system"
+                for m in turns
             ]
         }
-        if system:
-            body["systemInstruction"] = {"parts": [{"text": "\n\n".join(system)}]}
-        config: dict[str, Any] = {}
-        for key, value in (
-            ("maxOutputTokens", params.max_tokens),
-            ("temperature", params.temperature),
-            ("topP", params.top_p),
-            ("stopSequences", params.stop),
-            ("seed", params.seed),
-            ("topK", self._gemini.top_k),
-        ):
-            if value is not None:
-                config[key] = value
+        if system is not None:
+            body["systemInstruction"] = {"parts": [{"text": system}]}
+        config = given_params(request, _CONFIG_NAMES)
+        if self._gemini.top_k is not None:
+            config["topK"] = self._gemini.top_k
         if config:
             body["generationConfig"] = config
         if self._safety:
@@ -266,8 +255,11 @@ class GeminiBackend(HTTPBackend):
         text = parser.response(body)
         return parser.whole(text, request)
 
-    def _classify(self, status: int, body: bytes) -> FailureClass:
-        error = None
-        with contextlib.suppress(msgspec.DecodeError):
-            error = _ERROR_DECODER.decode(body).error
-        return _error_class(error, body) or status_class(status, body)
+    def _error_class(self, body: bytes) -> FailureClass | None:
+        wrapper = decoded(_ERROR_DECODER, body)
+        error = wrapper.error if wrapper is not None else None
+        if error is None:
+            return None
+        if any(detail.reason == "API_KEY_INVALID" for detail in error.details or ()):
+            return FailureClass.UNAVAILABLE  # a 400 INVALID_ARGUMENT, but the key's fault
+        return named_class(error.status, _STATUS_CLASSES, body)

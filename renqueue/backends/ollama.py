@@ -42,6 +42,7 @@ from ._http import (
     LineParser,
     common_finish,
     error_detail,
+    given_params,
     tool_arguments,
 )
 from .base import Generation, ToolCall
@@ -76,13 +77,13 @@ class _Line(Struct):
 _LINE_DECODER: Final = msgspec.json.Decoder(_Line)
 _DONE_REASONS: Final = {"stop": "stop", "length": "length"}
 #: The request's parameters, as Ollama's option names.
-_OPTION_NAMES: Final = (
-    ("max_tokens", "num_predict"),
-    ("temperature", "temperature"),
-    ("top_p", "top_p"),
-    ("stop", "stop"),
-    ("seed", "seed"),
-)
+_OPTION_NAMES: Final = {
+    "max_tokens": "num_predict",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "stop": "stop",
+    "seed": "seed",
+}
 
 
 class _LineParser(LineParser):
@@ -135,11 +136,7 @@ class OllamaBackend(HTTPBackend):
     def _payload(
         self, request: InferenceRequest, priority: int | None, *, stream: bool
     ) -> dict[str, Any]:
-        options = dict(self._options)
-        for field, option in _OPTION_NAMES:
-            value = getattr(request.params, field)
-            if value is not None:
-                options[option] = value
+        options = {**self._options, **given_params(request, _OPTION_NAMES)}
         body: dict[str, Any] = {
             "model": self._ollama.model,
             "messages": request.messages,

@@ -24,7 +24,14 @@ from msgspec import Struct
 
 from ..config import BackendConfig, LimitStyle
 from ..wire._messages import InferenceRequest
-from ._http import HTTPBackend, InBandError, SSEParser, error_detail, whole_usage
+from ._http import (
+    HTTPBackend,
+    InBandError,
+    SSEParser,
+    error_detail,
+    given_params,
+    whole_usage,
+)
 from ._sse import ServerSentEvent
 from .base import Generation
 
@@ -76,7 +83,8 @@ class _WireCompletion(Struct):
 
 _CHUNK_DECODER: Final = msgspec.json.Decoder(_WireChunk)
 _COMPLETION_DECODER: Final = msgspec.json.Decoder(_WireCompletion)
-_PARAM_FIELDS: Final = ("max_tokens", "temperature", "top_p", "stop", "seed")
+#: The request's parameters, as this format names them: as they are.
+_PARAMS: Final = {name: name for name in ("max_tokens", "temperature", "top_p", "stop", "seed")}
 
 
 class _ChunkParser(SSEParser):
@@ -144,12 +152,11 @@ class OpenAIBackend(HTTPBackend):
     def _payload(
         self, request: InferenceRequest, priority: int | None, *, stream: bool
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self._config.model, "messages": request.messages}
-        params = request.params
-        for field in _PARAM_FIELDS:
-            value = getattr(params, field)
-            if value is not None:
-                body[field] = value
+        body: dict[str, Any] = {
+            "model": self._config.model,
+            "messages": request.messages,
+            **given_params(request, _PARAMS),
+        }
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}

@@ -38,7 +38,6 @@ Finish reasons: ``eos_token`` and ``stop_sequence`` are ``stop``, ``length``
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Final
 
@@ -53,10 +52,11 @@ from ._http import (
     HTTPBackend,
     InBandError,
     SSEParser,
-    bad_request_class,
     common_finish,
+    decoded,
     error_detail,
-    status_class,
+    given_params,
+    named_class,
 )
 from ._sse import ServerSentEvent
 from .base import Generation
@@ -97,18 +97,16 @@ _EVENT_DECODER: Final = msgspec.json.Decoder(_Event)
 _ANSWER_DECODER: Final = msgspec.json.Decoder(_Answer)
 _ERROR_DECODER: Final = msgspec.json.Decoder(_ErrorBody)
 _FINISH_REASONS: Final = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
+#: The request's parameters TGI takes as they are, as it names them (``temperature``
+#: and ``top_p`` have bounds of their own: see ``_payload``).
+_PARAMETER_NAMES: Final = {"max_tokens": "max_new_tokens", "stop": "stop", "seed": "seed"}
 #: The class of each ``error_type`` (``validation``: by its message).
-_ERROR_CLASSES: Final = {
+_ERROR_CLASSES: Final[dict[str, FailureClass | None]] = {
+    "validation": None,
     "overloaded": FailureClass.OVERLOADED,
     "generation": FailureClass.SERVER_ERROR,
     "incomplete_generation": FailureClass.SERVER_ERROR,
 }
-
-
-def _error_class(kind: str | None, body: bytes) -> FailureClass | None:
-    if kind == "validation":
-        return bad_request_class(body)
-    return _ERROR_CLASSES.get(kind or "")
 
 
 # -------------------------------------------------------------- prompt formats
@@ -165,10 +163,8 @@ class _TokenParser(SSEParser):
     def event(self, event: ServerSentEvent) -> str:
         data = _EVENT_DECODER.decode(event.data)
         if data.error is not None or event.event == "error":
-            failure = _error_class(data.error_type, event.data.encode())
-            raise InBandError(
-                error_detail(event.data.encode()), failure or FailureClass.SERVER_ERROR
-            )
+            body = event.data.encode()
+            raise InBandError(error_detail(body), body=body)
         text = ""
         if data.token is not None and not data.token.special:
             text = data.token.text
@@ -201,9 +197,7 @@ class TGIBackend(HTTPBackend):
         self, request: InferenceRequest, priority: int | None, *, stream: bool
     ) -> dict[str, Any]:
         params = request.params
-        parameters = dict(self._parameters)
-        if params.max_tokens is not None:
-            parameters["max_new_tokens"] = params.max_tokens
+        parameters = {**self._parameters, **given_params(request, _PARAMETER_NAMES)}
         if params.temperature == 0:
             parameters.pop("temperature", None)
             parameters["do_sample"] = False
@@ -211,10 +205,6 @@ class TGIBackend(HTTPBackend):
             parameters["temperature"] = params.temperature
         if params.top_p is not None and params.top_p < 1:
             parameters["top_p"] = params.top_p
-        if params.stop:
-            parameters["stop"] = params.stop
-        if params.seed is not None:
-            parameters["seed"] = params.seed
         parameters["details"] = True
         parameters["return_full_text"] = False
         return {
@@ -229,8 +219,6 @@ class TGIBackend(HTTPBackend):
             _count(parser, answer.details)
         return parser.whole(answer.generated_text, request)
 
-    def _classify(self, status: int, body: bytes) -> FailureClass:
-        kind = None
-        with contextlib.suppress(msgspec.DecodeError):
-            kind = _ERROR_DECODER.decode(body).error_type
-        return _error_class(kind, body) or status_class(status, body)
+    def _error_class(self, body: bytes) -> FailureClass | None:
+        error = decoded(_ERROR_DECODER, body)
+        return named_class(error.error_type if error else None, _ERROR_CLASSES, body)

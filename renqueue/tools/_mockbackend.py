@@ -241,30 +241,13 @@ class _Counters:
 
 
 class _Plan(Struct, frozen=True, kw_only=True):
-    """What one admitted request will get."""
+    """What one admitted request will get: what its answer says, in which format."""
 
-    request_id: str
+    reply: Reply
     dialect: Dialect
-    model: str
     settings: MockSettings
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str
-    include_usage: bool
     #: The fault that shapes this answer (``drip``, ``break``, ...), if any.
     fault: FaultKind | None = None
-
-    def reply(self) -> Reply:
-        """What the answer says, for its dialect to write."""
-        return Reply(
-            id=self.request_id,
-            model=self.model,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            finish_reason=self.finish_reason,
-            include_usage=self.include_usage,
-            openrouter=self.settings.limit_style in ("openrouter", "openrouter-body"),
-        )
 
 
 _ENCODER: Final = msgspec.json.Encoder()
@@ -565,7 +548,7 @@ class MockBackend:
         it, or the ``failure_rate`` error."""
         counters = self._counters
         plan = _plan(f"{dialect.id_prefix}{next(self._ids)}", dialect, body, settings)
-        tokens = plan.prompt_tokens + plan.completion_tokens
+        tokens = plan.reply.prompt_tokens + plan.reply.completion_tokens
         if (limited := self._take_quota(dialect, tokens, body.model)) is not None:
             counters.rate_limited += 1
             return limited
@@ -689,13 +672,13 @@ class MockBackend:
         its closing (finish, usage) and end marker (OpenAI: a role chunk, the
         tokens, finish, usage, ``[DONE]``)."""
         counters = self._counters
-        count = plan.completion_tokens
+        count = plan.reply.completion_tokens
         dialect = plan.dialect
         content_type = dialect.content_type
         response = web.StreamResponse(
             headers={**headers, "Content-Type": content_type, "Cache-Control": "no-cache"}
         )
-        frames = dialect.frames(plan.reply())
+        frames = dialect.frames(plan.reply)
         head, tail, opening = frames.head, frames.tail, frames.opening
         pieces = dialect.pieces(count)
         cut = False
@@ -749,7 +732,7 @@ class MockBackend:
     ) -> web.Response:
         """One JSON answer, after the time the whole generation would take."""
         settings = plan.settings
-        count = plan.completion_tokens
+        count = plan.reply.completion_tokens
         rate = settings.tokens_per_second
         if delay := settings.ttft + (count / rate if rate else 0.0):
             await asyncio.sleep(delay)
@@ -759,7 +742,7 @@ class MockBackend:
         self._counters.tokens_out += count
         if plan.fault is None:
             self._counters.completed += 1
-        body = plan.dialect.answer(plan.reply())
+        body = plan.dialect.answer(plan.reply)
         return web.Response(body=body, headers=headers, content_type="application/json")
 
     def _gone(self) -> web.Response:
@@ -812,11 +795,13 @@ class MockBackend:
             )
             plan = msgspec.structs.replace(plan, settings=pace)
         elif fault == "filtered" or (body.stream and fault in ("break", "sse_error")):
-            plan = msgspec.structs.replace(
-                plan,
-                completion_tokens=min(faults.after_tokens, plan.completion_tokens),
-                finish_reason="content_filter" if fault == "filtered" else plan.finish_reason,
+            reply = plan.reply
+            cut = msgspec.structs.replace(
+                reply,
+                completion_tokens=min(faults.after_tokens, reply.completion_tokens),
+                finish_reason="content_filter" if fault == "filtered" else reply.finish_reason,
             )
+            plan = msgspec.structs.replace(plan, reply=cut)
         return await self._run(request, body.stream, plan, self._limit_headers(dialect))
 
     def _fault_error(
@@ -887,7 +872,7 @@ class MockBackend:
         self, request: web.Request, headers: dict[str, str], plan: _Plan
     ) -> web.StreamResponse:
         """A non-streaming ``malformed``, ``break`` or ``drip`` answer."""
-        payload = plan.dialect.answer(plan.reply())
+        payload = plan.dialect.answer(plan.reply)
         half = payload[: len(payload) // 2]
         if plan.fault == "malformed":
             return web.Response(body=half, headers=headers, content_type="application/json")
@@ -900,7 +885,7 @@ class MockBackend:
                 _close(request)
                 return response
             gap = plan.settings.faults.drip_gap
-            step = -(-len(payload) // max(1, plan.completion_tokens))
+            step = -(-len(payload) // max(1, plan.reply.completion_tokens))
             for offset in range(0, len(payload), step):
                 await asyncio.sleep(gap)
                 await response.write(payload[offset : offset + step])
@@ -944,16 +929,19 @@ def _plan(
 ) -> _Plan:
     cap = body.cap
     return _Plan(
-        request_id=request_id,
+        reply=Reply(
+            id=request_id,
+            model=body.model,
+            prompt_tokens=body.prompt_tokens,
+            completion_tokens=settings.output_tokens
+            if cap is None
+            else min(cap, settings.output_tokens),
+            finish_reason="length" if cap is not None and cap < settings.output_tokens else "stop",
+            include_usage=body.include_usage,
+            openrouter=settings.limit_style in ("openrouter", "openrouter-body"),
+        ),
         dialect=dialect,
-        model=body.model,
         settings=settings,
-        prompt_tokens=body.prompt_tokens,
-        completion_tokens=settings.output_tokens
-        if cap is None
-        else min(cap, settings.output_tokens),
-        finish_reason="length" if cap is not None and cap < settings.output_tokens else "stop",
-        include_usage=body.include_usage,
         fault=fault,
     )
 
@@ -963,7 +951,7 @@ def _faulty_stream(plan: _Plan, frames: Frames) -> tuple[bytes, list[bytes], boo
     pieces, and whether the connection is cut instead of ended."""
     fault = plan.fault
     dialect = plan.dialect
-    count = plan.completion_tokens
+    count = plan.reply.completion_tokens
     pieces = dialect.pieces(count)
     closing = frames.closing
     if fault == "break":
@@ -971,7 +959,7 @@ def _faulty_stream(plan: _Plan, frames: Frames) -> tuple[bytes, list[bytes], boo
     if fault == "no_done":
         return closing, pieces, False
     if fault == "sse_error":
-        return dialect.stream_error(plan.reply(), frames), pieces, False
+        return dialect.stream_error(plan.reply, frames), pieces, False
     if fault == "malformed":
         # Token ``after_tokens``'s line is cut after its text: not JSON.
         index = plan.settings.faults.after_tokens
