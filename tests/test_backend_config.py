@@ -225,3 +225,14 @@ def test_the_union_round_trips_through_builtins() -> None:
     assert raw["a"]["adapter"] == "anthropic"
     assert raw["o"]["adapter"] == "openai"
     assert parse_config({"backends": raw}).backends == config.backends
+
+
+async def test_a_gemini_model_may_be_named_as_googles_resource() -> None:
+    built = make_backend("b", backend(adapter="gemini", model="models/gemini-2.0-flash"))
+    assert isinstance(built, GeminiBackend)
+    assert built._urls == (
+        "https://generativelanguage.googleapis.com/v1beta/models/gemini-2.0-flash"
+        ":streamGenerateContent?alt=sse",
+        "https://generativelanguage.googleapis.com/v1beta/models/gemini-2.0-flash:generateContent",
+    )
+    await built.aclose()

@@ -269,8 +269,10 @@ async def test_gemini_body_and_the_key_in_its_header_never_in_the_url(mock: Mock
             },
             "safetySettings": safety,
         }
-        assert backend._url(stream=True).endswith("/models/m:streamGenerateContent?alt=sse")
-        assert KEY not in backend._url(stream=True) + backend._url(stream=False)
+        stream_url, whole_url = backend._urls
+        assert stream_url.endswith("/v1beta/models/m:streamGenerateContent?alt=sse")
+        assert whole_url.endswith("/v1beta/models/m:generateContent")
+        assert KEY not in stream_url + whole_url
         assert backend._stream_headers["x-goog-api-key"] == KEY
         assert_secret_free(RuntimeError(), backend)
 

@@ -3,7 +3,7 @@
 Each wire format (:mod:`.openai`, :mod:`.anthropic`, :mod:`.ollama`,
 :mod:`.tgi`, :mod:`.gemini`) is a subclass of :class:`HTTPBackend` that says
 only what differs: where a call goes and with which headers
-(:meth:`HTTPBackend._url`, :meth:`HTTPBackend._auth_headers`), the body it
+(:attr:`HTTPBackend.paths`, :meth:`HTTPBackend._auth_headers`), the body it
 sends (:meth:`HTTPBackend._payload`), how its stream is read (a
 :class:`StreamParser`), how a whole answer is read
 (:meth:`HTTPBackend._generation`) and, where the status alone misleads, how
@@ -40,6 +40,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Final, Self, TypeVar
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -498,12 +499,17 @@ class HTTPBackend:
     limit_style: LimitStyle = "auto"
     #: The parser of this format's stream.
     parser: ClassVar[type[StreamParser]] = StreamParser
+    #: Where a call goes, after ``base_url``: (streaming, not streaming);
+    #: ``{model}`` stands for the model's name, URL-quoted.
+    paths: ClassVar[tuple[str, str]]
 
     def __init__(
         self, name: str, config: BaseBackendConfig, *, client: httpx.AsyncClient | None = None
     ) -> None:
         self._name = name
         self._config = config
+        base, model = config.base_url.rstrip("/"), quote(config.model, safe="")
+        self._urls = tuple(base + path.format(model=model) for path in self.paths)
         self._timeout = httpx.Timeout(
             parse_duration(config.timeout), connect=parse_duration(config.connect_timeout)
         )
@@ -566,7 +572,7 @@ class HTTPBackend:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(name={self._name!r}, model={self._config.model!r}, "
-            f"url={self._url(stream=True)!r})"
+            f"url={self._urls[0]!r})"
         )
 
     async def __aenter__(self) -> Self:
@@ -600,10 +606,6 @@ class HTTPBackend:
             self._busy[index] -= 1
 
     # ------------------------------------------------- what a format says
-
-    def _url(self, *, stream: bool) -> str:
-        """Where a call goes."""
-        raise NotImplementedError
 
     def _auth_headers(self, key: str) -> dict[str, str]:
         """The headers that carry the key (and the format's own): ``Authorization: Bearer``."""
@@ -689,7 +691,7 @@ class HTTPBackend:
         slow consumer is not cut off by it."""
         call = pool.stream(
             "POST",
-            self._url(stream=True),
+            self._urls[0],
             content=body,
             headers=self._stream_headers,
             timeout=self._timeout,
@@ -735,7 +737,7 @@ class HTTPBackend:
             with self._pool() as pool:
                 async with clock.bounded():
                     response = await pool.post(
-                        self._url(stream=False),
+                        self._urls[1],
                         content=body,
                         headers=self._json_headers,
                         timeout=self._timeout,

@@ -247,17 +247,14 @@ class AnthropicBackend(HTTPBackend):
     """A backend that speaks Anthropic's Messages API (module docstring)."""
 
     parser = _EventParser
+    paths = ("/messages", "/messages")
     limit_style: LimitStyle = "anthropic"
 
     def __init__(
         self, name: str, config: AnthropicConfig, *, client: httpx.AsyncClient | None = None
     ) -> None:
         self._anthropic = config
-        self._messages_url = config.base_url.rstrip("/") + "/messages"
         super().__init__(name, config, client=client)
-
-    def _url(self, *, stream: bool) -> str:
-        return self._messages_url
 
     def _auth_headers(self, key: str) -> dict[str, str]:
         headers = {"anthropic-version": self._anthropic.anthropic_version}

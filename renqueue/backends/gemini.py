@@ -42,7 +42,6 @@ functions), ``MAX_TOKENS`` ``length``; ``SAFETY``, ``RECITATION``,
 from __future__ import annotations
 
 from typing import Any, ClassVar, Final
-from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -207,21 +206,20 @@ class GeminiBackend(HTTPBackend):
     """A backend that speaks the Gemini API (module docstring)."""
 
     parser = _ResponseParser
+    paths = (
+        "/models/{model}:streamGenerateContent?alt=sse",
+        "/models/{model}:generateContent",
+    )
     limit_style: LimitStyle = "gemini"
 
     def __init__(
         self, name: str, config: GeminiConfig, *, client: httpx.AsyncClient | None = None
     ) -> None:
+        # The model may be named as Google's resource ("models/gemini-2.0-flash").
+        config = msgspec.structs.replace(config, model=config.model.removeprefix("models/"))
         self._gemini = config
-        model = quote(config.model.removeprefix("models/"), safe="")
-        base = f"{config.base_url.rstrip('/')}/models/{model}"
-        self._stream_url = base + ":streamGenerateContent?alt=sse"
-        self._generate_url = base + ":generateContent"
         self._safety: list[dict[str, Any]] = msgspec.to_builtins(config.safety_settings)
         super().__init__(name, config, client=client)
-
-    def _url(self, *, stream: bool) -> str:
-        return self._stream_url if stream else self._generate_url
 
     def _auth_headers(self, key: str) -> dict[str, str]:
         return {"x-goog-api-key": key} if key else {}

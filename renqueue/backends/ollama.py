@@ -121,17 +121,14 @@ class OllamaBackend(HTTPBackend):
     """A backend that speaks Ollama's native ``/api/chat`` (module docstring)."""
 
     parser = _LineParser
+    paths = ("/api/chat", "/api/chat")
 
     def __init__(
         self, name: str, config: OllamaConfig, *, client: httpx.AsyncClient | None = None
     ) -> None:
         self._ollama = config
-        self._chat_url = config.base_url.rstrip("/") + "/api/chat"
         self._options: dict[str, Any] = msgspec.to_builtins(config.options)
         super().__init__(name, config, client=client)
-
-    def _url(self, *, stream: bool) -> str:
-        return self._chat_url
 
     def _payload(
         self, request: InferenceRequest, priority: int | None, *, stream: bool

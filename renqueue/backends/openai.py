@@ -132,6 +132,7 @@ class OpenAIBackend(HTTPBackend):
     """
 
     parser = _ChunkParser
+    paths = ("/chat/completions", "/chat/completions")
 
     def __init__(
         self,
@@ -141,13 +142,9 @@ class OpenAIBackend(HTTPBackend):
         client: httpx.AsyncClient | None = None,
         send_priority: bool | None = None,
     ) -> None:
-        self._chat_url = config.base_url.rstrip("/") + "/chat/completions"
         self._send_priority = config.send_priority if send_priority is None else send_priority
         self.limit_style: LimitStyle = config.limit_style
         super().__init__(name, config, client=client)
-
-    def _url(self, *, stream: bool) -> str:
-        return self._chat_url
 
     def _payload(
         self, request: InferenceRequest, priority: int | None, *, stream: bool

@@ -179,19 +179,14 @@ class TGIBackend(HTTPBackend):
     """A backend that speaks TGI's ``/generate_stream`` (module docstring)."""
 
     parser = _TokenParser
+    paths = ("/generate_stream", "/generate")
 
     def __init__(
         self, name: str, config: TGIConfig, *, client: httpx.AsyncClient | None = None
     ) -> None:
         self._tgi = config
-        base = config.base_url.rstrip("/")
-        self._stream_url = base + "/generate_stream"
-        self._generate_url = base + "/generate"
         self._parameters: dict[str, Any] = msgspec.to_builtins(config.parameters)
         super().__init__(name, config, client=client)
-
-    def _url(self, *, stream: bool) -> str:
-        return self._stream_url if stream else self._generate_url
 
     def _payload(
         self, request: InferenceRequest, priority: int | None, *, stream: bool
