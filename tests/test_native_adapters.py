@@ -126,11 +126,13 @@ async def test_complete_returns_the_whole_answer_cut_at_max_tokens(
 
 
 async def test_tokens_arriving_apart_become_deltas_at_once(mock: MockBackend) -> None:
-    mock.update(tokens_per_second=50, output_tokens=5)
+    # 50 ms apart: each read is passed on as it comes, not held for the end (a
+    # loaded machine may read two at once, hence "most", not "all").
+    mock.update(tokens_per_second=20, output_tokens=5)
     for adapter in NATIVE:
         async with adapter_for(mock, adapter) as backend:
             deltas = await stream(backend)
-        assert len([d for d in deltas if d.text]) == 5, adapter
+        assert len([d for d in deltas if d.text]) >= 3, adapter
 
 
 @pytest.mark.parametrize(

@@ -761,3 +761,24 @@ def test_the_status_table_is_what_a_format_without_error_types_gets() -> None:
     assert status_class(400, b'{"error": "the input length exceeds the context length"}') is (
         FailureClass.CONTEXT_LENGTH
     )
+
+
+async def test_nonsense_token_counts_are_estimated_not_carried_into_events(
+    served: str,
+) -> None:
+    # A negative or absurd count would make the completed event fail validation
+    # wherever it is read (usage counts are >= 0): estimated instead.
+    SCENARIOS["ollama-nonsense-usage"] = Recorded(
+        b'{"message":{"content":"abcd"},"done":false}\n'
+        b'{"done":true,"prompt_eval_count":-5,"eval_count":100000000000000000000000}\n',
+        content_type="application/x-ndjson",
+    )
+    raw = {"adapter": "ollama", "base_url": f"{served}/ollama-nonsense-usage", "model": "m"}
+    backend = make_backend("b", parse_config({"backends": {"b": raw}}).backends["b"])
+    try:
+        deltas = [delta async for delta in backend.stream(REQUEST)]
+    finally:
+        await backend.aclose()
+        del SCENARIOS["ollama-nonsense-usage"]
+    # "Hello" is 5 characters: 2 prompt tokens; one text delta: 1 completion token.
+    assert deltas[-1].usage == Usage(prompt_tokens=2, completion_tokens=1)

@@ -272,15 +272,35 @@ def system_and_turns(
     return ("\n\n".join(system) if system else None), [m for m in messages if m.role != "system"]
 
 
+#: The largest token count believed: past it (or below 0) a count is a broken or
+#: hostile server's, and is estimated instead (it would not fit an event's ``usage``).
+_MAX_COUNT: Final = 2**53
+
+
+def _believable(count: int | None) -> int | None:
+    return count if count is not None and 0 <= count <= _MAX_COUNT else None
+
+
+def usage_of(
+    prompt: int | None, completion: int | None, request: InferenceRequest, completion_estimate: int
+) -> Usage:
+    """The usage a provider reported, each count it did not report (or reported
+    as nonsense) estimated: the prompt as its characters / 4, the completion as
+    ``completion_estimate``."""
+    prompt = _believable(prompt)
+    completion = _believable(completion)
+    return Usage(
+        prompt_tokens=prompt if prompt is not None else estimate_prompt_tokens(request),
+        completion_tokens=completion if completion is not None else completion_estimate,
+    )
+
+
 def whole_usage(
     prompt: int | None, completion: int | None, request: InferenceRequest, text: str
 ) -> Usage:
-    """A whole answer's usage as reported, each missing count estimated
-    (the prompt's characters / 4, the answer's characters / 4)."""
-    return Usage(
-        prompt_tokens=prompt if prompt is not None else estimate_prompt_tokens(request),
-        completion_tokens=completion if completion is not None else -(-len(text) // 4),
-    )
+    """A whole answer's usage (:func:`usage_of`), the completion estimated as its
+    characters / 4."""
+    return usage_of(prompt, completion, request, -(-len(text) // 4))
 
 
 def tool_arguments(value: Any) -> str:
@@ -364,15 +384,9 @@ class StreamParser:
         return text
 
     def usage(self, request: InferenceRequest) -> Usage:
-        """The reported usage, each missing count estimated."""
-        return Usage(
-            prompt_tokens=self.prompt_tokens
-            if self.prompt_tokens is not None
-            else estimate_prompt_tokens(request),
-            completion_tokens=self.completion_tokens
-            if self.completion_tokens is not None
-            else self.deltas,
-        )
+        """The reported usage (:func:`usage_of`), the completion estimated as the
+        number of text deltas."""
+        return usage_of(self.prompt_tokens, self.completion_tokens, request, self.deltas)
 
     def whole(self, text: str, request: InferenceRequest) -> Generation:
         """The answer this parser read from one whole body (``text`` its text)."""
