@@ -152,7 +152,7 @@ class MockSettings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     - ``faults``: scripted and random faults (:class:`._mockfaults.FaultSpec`;
       the kinds and their wire formats are in :mod:`._mockfaults`). Setting
       it at run time replaces it whole and starts its script over.
-    - ``down``: every connection to ``/v1/*`` and ``/health`` is reset, as a
+    - ``down``: every connection to a chat path, ``/v1/models`` and ``/health`` is reset, as a
       backend that is down (``/stats`` and ``/admin/settings`` still answer).
     - ``context_window``: prompts estimated over this many tokens (characters
       / 4) get OpenAI's ``context_length_exceeded`` 400; 0 = no limit.
