@@ -782,3 +782,16 @@ async def test_nonsense_token_counts_are_estimated_not_carried_into_events(
         del SCENARIOS["ollama-nonsense-usage"]
     # "Hello" is 5 characters: 2 prompt tokens; one text delta: 1 completion token.
     assert deltas[-1].usage == Usage(prompt_tokens=2, completion_tokens=1)
+
+
+async def test_a_huge_finish_reason_is_cut_before_it_travels_in_an_event(
+    adapter: Callable[[str], HTTPBackend],
+) -> None:
+    SCENARIOS["gemini-huge-reason"] = sse(
+        GEMINI_STREAM.replace('"finishReason": "STOP"', f'"finishReason": "{"Z" * 100_000}"')
+    )
+    try:
+        deltas = await collect(adapter("gemini-huge-reason"))
+    finally:
+        del SCENARIOS["gemini-huge-reason"]
+    assert deltas[-1].finish_reason == "z" * 32  # unknown: passed through, lower case, cut

@@ -79,7 +79,6 @@ __all__ = [
     "status_class",
     "system_and_turns",
     "tool_arguments",
-    "whole_usage",
 ]
 
 _T = TypeVar("_T")
@@ -272,6 +271,8 @@ def system_and_turns(
     return ("\n\n".join(system) if system else None), [m for m in messages if m.role != "system"]
 
 
+#: The longest finish reason passed on (real ones are a word: ``stop``, ``end_turn``).
+_MAX_REASON: Final = 32
 #: The largest token count believed: past it (or below 0) a count is a broken or
 #: hostile server's, and is estimated instead (it would not fit an event's ``usage``).
 _MAX_COUNT: Final = 2**53
@@ -293,14 +294,6 @@ def usage_of(
         prompt_tokens=prompt if prompt is not None else estimate_prompt_tokens(request),
         completion_tokens=completion if completion is not None else completion_estimate,
     )
-
-
-def whole_usage(
-    prompt: int | None, completion: int | None, request: InferenceRequest, text: str
-) -> Usage:
-    """A whole answer's usage (:func:`usage_of`), the completion estimated as its
-    characters / 4."""
-    return usage_of(prompt, completion, request, -(-len(text) // 4))
 
 
 def tool_arguments(value: Any) -> str:
@@ -392,14 +385,21 @@ class StreamParser:
         """The answer this parser read from one whole body (``text`` its text)."""
         return Generation(
             text=text,
-            usage=whole_usage(self.prompt_tokens, self.completion_tokens, request, text),
-            finish_reason=self.finish_reason,
+            # Not reported: the completion as the answer's characters / 4.
+            usage=usage_of(self.prompt_tokens, self.completion_tokens, request, -(-len(text) // 4)),
+            finish_reason=self._reason(),
             tool_calls=tuple(self.tool_calls),
         )
 
     def last(self) -> Delta:
         """The final delta: usage is filled in by the caller."""
-        return Delta(finish_reason=self.finish_reason, tool_calls=tuple(self.tool_calls))
+        return Delta(finish_reason=self._reason(), tool_calls=tuple(self.tool_calls))
+
+    def _reason(self) -> str | None:
+        """The finish reason, a short word: a longer one (a broken or hostile
+        server's) is cut, as it travels in the ``completed`` event."""
+        reason = self.finish_reason
+        return reason if reason is None or len(reason) <= _MAX_REASON else reason[:_MAX_REASON]
 
 
 class SSEParser(StreamParser):
@@ -410,10 +410,8 @@ class SSEParser(StreamParser):
         self._decoder = SSEDecoder()
 
     def feed(self, piece: bytes) -> str:
-        text = ""
-        for event in self._decoder.feed(piece):
-            text += self.event(event)
-        return text
+        read = self.event
+        return "".join([read(event) for event in self._decoder.feed(piece)])
 
     def end(self) -> None:
         last = self._decoder.finish()
