@@ -19,7 +19,7 @@
                                 A/B splits: each arm's figures; move all of a split's
                                 traffic to one arm, back to its control, or split again
     renqueue schema             JSON Schema of every wire message and event
-    renqueue mock-backend       an OpenAI-compatible mock LLM server
+    renqueue mock-backend       a mock LLM server (OpenAI, Anthropic, Ollama, TGI, Gemini APIs)
     renqueue demo               everything embedded, a mixed workload, a summary
 
 Exit codes: 0 done (``submit``: the request completed; ``cancel``: it was
@@ -891,6 +891,8 @@ def _mock_backend(_config: Config, args: argparse.Namespace) -> None:
             fault_rates=args.fault,
             context_window=args.context_window,
             drip_gap=args.drip_gap,
+            # One line, the URL last: scripts read it (bench/common.py). The
+            # other adapters' base URLs are in the log line before it.
             on_ready=lambda url: print(f"mock backend serving at {url}", flush=True),
         )
     except ValueError as exc:
@@ -1015,7 +1017,11 @@ def _interval(text: str) -> float:
 
 def _add_tool_commands(sub: Any) -> None:
     """The mock backend and the demo: tools around Ren-Queue, not part of it."""
-    cmd = sub.add_parser("mock-backend", help="OpenAI-compatible mock LLM server")
+    cmd = sub.add_parser(
+        "mock-backend",
+        help="mock LLM server: the OpenAI API at /v1, Anthropic at /v1/messages, Ollama at "
+        "/api/chat, TGI at /generate_stream, Gemini at /v1beta/models/<m>:streamGenerateContent",
+    )
     cmd.add_argument("--host", default="127.0.0.1")
     cmd.add_argument("--port", type=int, default=8100)
     cmd.add_argument("--ttft", type=float, default=0.05, help="seconds to first token")
