@@ -65,6 +65,7 @@ from ..ops._connection import connect, redact_url
 from ..wire._eventlog import EventLog
 from ..wire._messages import (
     EVENT_DECODER,
+    CancelRequested,
     Cancelled,
     Event,
     Submitted,
@@ -113,6 +114,8 @@ _SSE_HEADERS: Final = {
     "x-accel-buffering": "no",
 }
 _JSON: Final = "application/json"
+#: The request id an answer names (``x-request-id``), once there is one.
+_REQUEST_ID: Final = web.RequestKey("request_id", str)
 _DONE: Final = b"data: [DONE]\n\n"
 
 
@@ -292,7 +295,7 @@ class Gateway(Lifecycle):
         try:
             response = await handler(request)
         except ApiError as exc:
-            response = _error_response(exc, request.get("request_id"))
+            response = _error_response(exc, request.get(_REQUEST_ID))
         except web.HTTPRequestEntityTooLarge:
             response = _error_response(
                 ApiError(
@@ -300,14 +303,14 @@ class Gateway(Lifecycle):
                     f"the body is larger than the gateway's limit of {self._gw.max_body} bytes",
                     code="request_too_large",
                 ),
-                request.get("request_id"),
+                request.get(_REQUEST_ID),
             )
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
             code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status)
             response = _error_response(
-                ApiError(exc.status, exc.reason, code=code), request.get("request_id")
+                ApiError(exc.status, exc.reason, code=code), request.get(_REQUEST_ID)
             )
         except asyncio.CancelledError:
             metrics.CALLS.labels(endpoint, "disconnected").inc()
@@ -316,7 +319,7 @@ class Gateway(Lifecycle):
             log.exception("gateway error", endpoint=endpoint)
             response = _error_response(
                 ApiError(500, "internal error", type="server_error", code="internal_error"),
-                request.get("request_id"),
+                request.get(_REQUEST_ID),
             )
         metrics.CALLS.labels(endpoint, str(response.status)).inc()
         metrics.LATENCY.labels(endpoint).observe(time.perf_counter() - start)
@@ -448,7 +451,7 @@ class Gateway(Lifecycle):
         try:
             retry = request.headers.get("x-stainless-retry-count", "0").strip() not in ("", "0")
             handle = await self._submit(tenant.client, sub, body, key=key, retry=retry)
-            request["request_id"] = handle.id
+            request[_REQUEST_ID] = handle.id
             with bound_request(handle.id, tenant=tenant_name):
                 try:
                     if sub.stream:
@@ -524,9 +527,23 @@ class Gateway(Lifecycle):
         if request_id is None:
             return None
         terminal = await EventLog(self.js).terminal_of(tenant, request_id)
-        if isinstance(terminal, Cancelled) and terminal.reason == DISCONNECTED:
+        if isinstance(terminal, Cancelled) and await self._cancelled_by_disconnect(
+            tenant, request_id
+        ):
             return None
         return request_id
+
+    async def _cancelled_by_disconnect(self, tenant: str, request_id: str) -> bool:
+        try:
+            raw = await self.js.get_last_msg(
+                EVENTS_STREAM, event_subject(tenant, request_id, "cancel_requested"), direct=True
+            )
+        except NatsNotFoundError:
+            return False
+        with contextlib.suppress(msgspec.DecodeError):
+            event = EVENT_DECODER.decode(raw.data or b"")
+            return isinstance(event, CancelRequested) and event.reason == DISCONNECTED
+        return False
 
     def _cancel_later(self, client: Client, request_id: str) -> None:
         """Record a cancellation for a client that went away (a supervised job:
@@ -611,7 +628,7 @@ class Gateway(Lifecycle):
     async def _resume(self, request: web.Request) -> web.StreamResponse:
         tenant_name = self._tenant_of(request)
         request_id = request.match_info["id"]
-        request["request_id"] = request_id
+        request[_REQUEST_ID] = request_id
         after = parse_last_event_id(request.headers.get("Last-Event-ID"))
         include_usage = request.query.get("include_usage", "").lower() in ("1", "true")
         route = await self._route_of(tenant_name, request_id)
@@ -622,7 +639,7 @@ class Gateway(Lifecycle):
     async def _request_state(self, request: web.Request) -> web.Response:
         tenant_name = self._tenant_of(request)
         request_id = request.match_info["id"]
-        request["request_id"] = request_id
+        request[_REQUEST_ID] = request_id
         route = await self._route_of(tenant_name, request_id)
         events = await EventLog(self.js).history(tenant_name, request_id)
         state = _state(request_id, route, events)
@@ -633,7 +650,7 @@ class Gateway(Lifecycle):
     async def _delete(self, request: web.Request) -> web.Response:
         tenant_name = self._tenant_of(request)
         request_id = request.match_info["id"]
-        request["request_id"] = request_id
+        request[_REQUEST_ID] = request_id
         await self._route_of(tenant_name, request_id)
         handle = self._tenant(tenant_name).client.handle(request_id)
         ended = await EventLog(self.js).terminal_of(tenant_name, request_id)
