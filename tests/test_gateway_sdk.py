@@ -23,6 +23,7 @@ import pytest
 from renqueue import Client, RequestCancelledError, Services, parse_config
 from renqueue.config import Config
 from renqueue.gateway import Gateway, digest
+from renqueue.gateway._idempotency import id_for_key
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import EVENT_DECODER, Completed, EventLog, Submitted, Usage
 
@@ -291,10 +292,7 @@ async def test_hostile_bodies_get_400_or_413_and_the_gateway_keeps_serving(stack
         (b'{"model": "chat", "messages": "hello"}', 400),
         (b'{"model": "chat", "messages": [{"role": "user", "content": 5}]}', 400),
         (b'{"model": "chat", "messages": [], "stream": "yes"}', 400),
-        (
-            b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "tenant": "globex"}',
-            400,
-        ),
+        (b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "tenant": "g"}', 400),
         (deep, 400),
         (
             b'{"model": "chat", "messages": [{"role": "user", "content": "'
@@ -499,8 +497,6 @@ async def test_past_the_duplicate_window_a_key_still_joins_through_the_log(
     log and joins it, submitting nothing. Here the request is known to the log
     only (its events written as the services write them), never to the requests
     stream's dedupe: exactly what a key looks like once the window is past."""
-    from renqueue.gateway._idempotency import id_for_key
-
     key = "long-ago-1"
     rid = id_for_key(key)
     assert stack.services.js is not None
@@ -593,12 +589,14 @@ async def test_a_streaming_client_that_disconnects_cancels_unless_it_asked_to_ke
     mock.update(tokens_per_second=20, output_tokens=200)
     cancelled = await cancelled_events(stack, "acme")
     body = {"model": "chat", "messages": MESSAGES, "stream": True}
-    async with stack.http() as http:
-        async with http.stream("POST", "/chat/completions", json=body) as response:
-            rid = response.headers["x-request-id"]
-            async for line in response.aiter_lines():
-                if "tok1" in line:
-                    break
+    async with (
+        stack.http() as http,
+        http.stream("POST", "/chat/completions", json=body) as response,
+    ):
+        rid = response.headers["x-request-id"]
+        async for line in response.aiter_lines():
+            if "tok1" in line:
+                break
     event = await asyncio.wait_for(cancelled.get(), 15)
     assert event.request_id == rid
     async with stack.client() as client:
@@ -659,8 +657,6 @@ async def test_delete_cancels_a_running_request(stack: Stack, mock: MockBackend)
         call = asyncio.create_task(
             http.post("/chat/completions", json=body, headers={"Idempotency-Key": "to-delete"})
         )
-        from renqueue.gateway._idempotency import id_for_key
-
         rid = id_for_key("to-delete")
         for _ in range(400):
             if mock.stats().in_flight:

@@ -159,6 +159,10 @@ _ROLES: Final = {
     "assistant": "assistant",
 }
 MAX_STOP: Final = 16
+#: The headers Ren-Queue's controls come from (read case-insensitively).
+_CONTROLS: Final = frozenset(
+    {"x-priority", "x-deadline", "x-request-timeout", "x-max-cost", "x-keep-alive-on-disconnect"}
+)
 
 
 class Submission(Struct, frozen=True, kw_only=True):
@@ -333,6 +337,7 @@ def translate(
 ) -> Submission:
     """What ``body`` (with Ren-Queue's ``headers``) asks for; ApiError 400 if it
     asks for what the wire cannot carry."""
+    headers = {k.lower(): v for k, v in headers.items() if k.lower() in _CONTROLS}
     _check_neutral(body)
     messages = _messages(body)
     if (

@@ -65,8 +65,8 @@ from ..ops._connection import connect, redact_url
 from ..wire._eventlog import EventLog
 from ..wire._messages import (
     EVENT_DECODER,
-    CancelRequested,
     Cancelled,
+    CancelRequested,
     Event,
     Submitted,
     TokenChunk,
