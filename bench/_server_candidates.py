@@ -12,6 +12,9 @@ finish chunk and ``data: [DONE]``, each written on its own as the gateway writes
     granian --interface asgi --app-dir bench _server_candidates:asgi_app --port PORT
 """
 
+# Each candidate is imported only when it is the one served (the load side has none).
+# ruff: noqa: PLC0415
+
 from __future__ import annotations
 
 import asyncio
@@ -165,7 +168,10 @@ def run_h11(port: int) -> None:
                 return
             body = json.loads(self.body)
             if not body.get("stream"):
-                headers = [("content-type", "application/json"), ("content-length", str(len(COMPLETION)))]
+                headers = [
+                    ("content-type", "application/json"),
+                    ("content-length", str(len(COMPLETION))),
+                ]
                 self.send(h11.Response(status_code=200, headers=headers))
                 self.send(h11.Data(data=COMPLETION))
             else:

@@ -13,7 +13,9 @@ Three sides, each a server in processes of its own, in front of one mock backend
    no database), from the benchmark-only venv ``.renqueue/bench-litellm/venv`` (made on
    first run with ``litellm[proxy]``'s packages; never a dependency of Ren-Queue).
 
-The load client is closed-loop: ``concurrency`` tasks each send a request as soon as
+All three run for the whole benchmark; each cell (a mode and a concurrency level) measures
+the sides back to back, so a shared machine's changing load weighs on them alike. The
+load client is closed-loop: ``concurrency`` tasks each send a request as soon as
 their last one has ended, for ``--seconds`` at each level, after a short warm-up; not
 streamed (a whole ``chat.completion``) and streamed (SSE to ``data: [DONE]``). It runs
 in this process on the same 2 cores as the servers, for every side alike. Added
@@ -123,9 +125,13 @@ async def one_call(
             return end, end
         done = False
         async for line in response.content:
-            if not first and line.startswith(b"data: {") and b'"content":"' in line:
-                if b'"content":""' not in line:
-                    first = time.perf_counter() - start
+            if (
+                not first
+                and line.startswith(b"data: {")
+                and b'"content":"' in line
+                and b'"content":""' not in line
+            ):
+                first = time.perf_counter() - start
             if line.startswith(b"data: [DONE]"):
                 done = True
         if not done:
@@ -332,26 +338,18 @@ def litellm_version(python: Path) -> str:
 
 
 async def measure(
-    side: str, url: str, key: str, args: argparse.Namespace, rows: list[dict[str, Any]]
-) -> None:
-    for stream in (False, True):
-        for level in args.levels:
-            row = await closed_loop(
-                url,
-                key,
-                stream=stream,
-                concurrency=level,
-                seconds=args.seconds,
-                warmup=args.warmup,
-            )
-            row["side"] = side
-            rows.append(row)
-            mode = "stream" if stream else "whole"
-            print(
-                f"  {side:<9} {mode:<6} c={level:<3} {row['rps']:8.1f} req/s  "
-                f"p50 {row['p50_ms']:7.2f} ms  errors {row['errors']}",
-                flush=True,
-            )
+    side: str, url: str, key: str, args: argparse.Namespace, stream: bool, level: int
+) -> dict[str, Any]:
+    row = await closed_loop(
+        url, key, stream=stream, concurrency=level, seconds=args.seconds, warmup=args.warmup
+    )
+    row["side"] = side
+    print(
+        f"  {side:<9} {'stream' if stream else 'whole':<6} c={level:<3} {row['rps']:8.1f} req/s"
+        f"  p50 {row['p50_ms']:7.2f} ms  errors {row['errors']}",
+        flush=True,
+    )
+    return row
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -378,22 +376,35 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             report["machine"]["litellm"] = litellm_version(python)
     with tempfile.TemporaryDirectory(prefix="rq-bench-gateway-") as tmp:
         workdir = Path(tmp)
-        async with mock_process(ttft=0.0, output_tokens=OUTPUT_TOKENS) as (mock_url, _pid):
+        async with contextlib.AsyncExitStack() as stack:
+            mock_url, _pid = await stack.enter_async_context(
+                mock_process(ttft=0.0, output_tokens=OUTPUT_TOKENS)
+            )
+            # Every side runs at once, idle but for the one measured: the sides of a cell
+            # are measured back to back, so a machine whose load changes over the run
+            # (it is shared) weighs on them alike.
+            targets: dict[str, tuple[str, str]] = {}
             if "direct" in args.sides:
-                await measure("direct", mock_url + "/chat/completions", "mock-key", args, rows)
+                targets["direct"] = (mock_url + "/chat/completions", "mock-key")
             if "renqueue" in args.sides:
                 (workdir / "rq").mkdir()
-                async with renqueue_side(mock_url, workdir / "rq") as url:
-                    await measure("renqueue", url, KEY, args, rows)
+                url = await stack.enter_async_context(renqueue_side(mock_url, workdir / "rq"))
+                targets["renqueue"] = (url, KEY)
             if python is not None and "litellm" in args.sides:
                 (workdir / "litellm").mkdir()
                 try:
-                    async with litellm_side(python, mock_url, workdir / "litellm") as url:
-                        await measure("litellm", url, LITELLM_KEY, args, rows)
+                    url = await stack.enter_async_context(
+                        litellm_side(python, mock_url, workdir / "litellm")
+                    )
+                    targets["litellm"] = (url, LITELLM_KEY)
                 except RuntimeError as exc:
                     tail = (workdir / "litellm" / "litellm.log").read_text()[-1500:]
                     report["litellm_missing"] = f"{exc}: {tail}"
                     print(f"  LiteLLM proxy: not run: {exc}")
+            for stream in (False, True):
+                for level in args.levels:
+                    for side, (url, key) in targets.items():
+                        rows.append(await measure(side, url, key, args, stream, level))
             report["mock"] = await mock_stats(mock_url)
             report["mock"].pop("last_request", None)
     report["summary"] = summarize(rows)
@@ -445,8 +456,10 @@ def print_report(report: dict[str, Any]) -> None:
     by = {(r["side"], r["stream"], r["concurrency"]): r for r in rows}
     for row in rows:
         direct = by.get(("direct", row["stream"], row["concurrency"]))
-        added = "" if row["side"] == "direct" or direct is None else (
-            f"{row['p50_ms'] - direct['p50_ms']:+.2f}"
+        added = (
+            ""
+            if row["side"] == "direct" or direct is None
+            else (f"{row['p50_ms'] - direct['p50_ms']:+.2f}")
         )
         ttft = f"{row['ttft_p50_ms']:.2f}" if row["stream"] else ""
         print(

@@ -42,7 +42,7 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import msgspec
@@ -258,7 +258,13 @@ class Gateway(Lifecycle):
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            raise ConfigError(
+                f"the gateway cannot listen on {self.host}:{self.port}: {exc.strerror or exc}",
+                path="$.gateway.port",
+            ) from exc
         self.port = int(self._runner.addresses[0][1])
         log.info("gateway listening", url=self.url, keys=len(self._keys))
 
@@ -404,14 +410,16 @@ class Gateway(Lifecycle):
             raise _no_model(name)
         return web.json_response(model_object(name, self._created))
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        tenant_name = self._tenant_of(request)
-        body = await request.read()
+    def _read_chat(
+        self, body: bytes, headers: Mapping[str, str]
+    ) -> tuple[Submission, str | None, bool]:
+        """The submission a chat body asks for, its idempotency key, and whether
+        to keep it when its client disconnects; ApiError if it cannot be asked."""
         chat = parse_chat(body)
         now = time.time()
         sub = translate(
             chat,
-            request.headers,
+            headers,
             levels=self._config.priorities,
             default_level=self._config.default_priority,
             now=now,
@@ -426,7 +434,7 @@ class Gateway(Lifecycle):
                 code="deadline_exceeded",
                 retry=False,
             )
-        key = request.headers.get("Idempotency-Key")
+        key = headers.get("Idempotency-Key")
         if key is not None and not _KEY_RE.match(key):
             raise ApiError(
                 400,
@@ -434,8 +442,12 @@ class Gateway(Lifecycle):
                 param="Idempotency-Key",
             )
         keep = sub.keep_alive_on_disconnect
-        if keep is None:
-            keep = key is not None
+        return sub, key, key is not None if keep is None else keep
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        tenant_name = self._tenant_of(request)
+        body = await request.read()
+        sub, key, keep = self._read_chat(body, request.headers)
         tenant = self._tenant(tenant_name)
         limit = self._gw.max_in_flight
         if limit and tenant.in_flight >= limit:
@@ -450,7 +462,16 @@ class Gateway(Lifecycle):
         metrics.IN_FLIGHT.inc()
         try:
             retry = request.headers.get("x-stainless-retry-count", "0").strip() not in ("", "0")
-            handle = await self._submit(tenant.client, sub, body, key=key, retry=retry)
+            request_id = id_for_key(key) if key is not None else _new_id()
+            try:
+                handle = await self._submit(
+                    tenant.client, sub, body, request_id, key=key, retry=retry
+                )
+            except asyncio.CancelledError:
+                # Gone while submitting: the publish may have been stored.
+                if not keep and not self._closing:
+                    self._cancel_later(tenant.client, request_id)
+                raise
             request[_REQUEST_ID] = handle.id
             with bound_request(handle.id, tenant=tenant_name):
                 try:
@@ -470,14 +491,20 @@ class Gateway(Lifecycle):
             metrics.IN_FLIGHT.dec()
 
     async def _submit(
-        self, client: Client, sub: Submission, body: bytes, *, key: str | None, retry: bool
+        self,
+        client: Client,
+        sub: Submission,
+        body: bytes,
+        request_id: str,
+        *,
+        key: str | None,
+        retry: bool,
     ) -> RequestHandle:
-        """Submit ``sub``, or join the request a retry of it already made."""
+        """Submit ``sub`` as ``request_id``, or join the request a retry of it already made."""
         tenant = client.tenant
         print_ = fingerprint(tenant, body)
         metadata = sub.metadata
         if key is not None:
-            request_id = id_for_key(key)
             existing = await self._submitted(tenant, request_id)
             if existing is not None:
                 if existing.request.metadata.get(BODY_KEY, print_) != print_:
@@ -490,17 +517,15 @@ class Gateway(Lifecycle):
                 metrics.RETRIES_JOINED.labels("idempotency_key").inc()
                 return client.handle(request_id)
             metadata = {**metadata, BODY_KEY: print_}
-        else:
-            request_id = None
-            if retry and (joined := await self._joinable(tenant, print_)) is not None:
-                metrics.RETRIES_JOINED.labels("sdk_retry").inc()
-                return client.handle(joined)
+        elif retry and (joined := await self._joinable(tenant, print_)) is not None:
+            metrics.RETRIES_JOINED.labels("sdk_retry").inc()
+            return client.handle(joined)
         try:
             built = client.build_request(
                 sub.messages,
                 route=sub.route,
                 priority=sub.priority,
-                request_id=request_id or _new_id(),
+                request_id=request_id,
                 max_tokens=sub.max_tokens,
                 temperature=sub.temperature,
                 top_p=sub.top_p,
