@@ -6,6 +6,9 @@ Three sides, each a server in processes of its own, in front of one mock backend
 (``renqueue mock-backend`` in its own process; answers at once, 16 tokens):
 
 1. **direct**: the load client calls the mock itself: the floor.
+   **client**: Ren-Queue's Python ``Client`` over NATS against the same ``renqueue up``
+   as side 2, no HTTP: what the queue behind the gateway costs by itself, so that
+   "renqueue" minus "client" is the gateway's own share.
 2. **Ren-Queue**: ``renqueue up`` (embedded nats-server, a router, a worker and the
    gateway, as a user runs it) with one backend, the mock; the client calls the gateway
    with an API key.
@@ -61,6 +64,7 @@ from common import (
     percentile,
 )
 
+from renqueue import Client
 from renqueue.gateway import digest
 
 KEY = "rq-bench-gateway-key-0123456789abcdef"
@@ -167,6 +171,61 @@ async def closed_loop(
                     ends.append(end)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return _row(concurrency, stream, seconds, firsts, ends, errors)
+
+
+async def client_loop(
+    nats_url: str, _key: str, *, stream: bool, concurrency: int, seconds: float, warmup: float
+) -> dict[str, Any]:
+    """As :func:`closed_loop`, through Ren-Queue's Python ``Client`` over NATS (no HTTP):
+    what the pipeline behind the gateway costs by itself."""
+    firsts: list[float] = []
+    ends: list[float] = []
+    errors: list[str] = []
+    async with await Client.connect(nats_url, tenant="bench-client") as client:
+        loop = asyncio.get_running_loop()
+        measure_from = loop.time() + warmup
+        stop_at = measure_from + seconds
+
+        async def one() -> tuple[float, float]:
+            start = time.perf_counter()
+            first = 0.0
+            handle = await client.submit(BODY["messages"], route="chat", max_tokens=OUTPUT_TOKENS)
+            if stream:
+                async for chunk in handle.stream():
+                    if not first and chunk.text:
+                        first = time.perf_counter() - start
+            result = await handle.result()
+            if not result.text:
+                raise RuntimeError("empty answer")
+            end = time.perf_counter() - start
+            return first or end, end
+
+        async def worker() -> None:
+            while loop.time() < stop_at:
+                began = loop.time()
+                try:
+                    first, end = await one()
+                except Exception as exc:  # noqa: BLE001 - counted and shown
+                    if began >= measure_from:
+                        errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                    continue
+                if began >= measure_from and loop.time() <= stop_at:
+                    firsts.append(first)
+                    ends.append(end)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return _row(concurrency, stream, seconds, firsts, ends, errors)
+
+
+def _row(
+    concurrency: int,
+    stream: bool,
+    seconds: float,
+    firsts: list[float],
+    ends: list[float],
+    errors: list[str],
+) -> dict[str, Any]:
     out: dict[str, Any] = {
         "concurrency": concurrency,
         "stream": stream,
@@ -211,8 +270,12 @@ async def stop(proc: asyncio.subprocess.Process) -> None:
 
 
 @contextlib.asynccontextmanager
-async def renqueue_side(mock_url: str, workdir: Path) -> AsyncIterator[str]:
-    """``renqueue up`` with the gateway; its chat-completions URL."""
+async def renqueue_side(
+    mock_url: str, workdir: Path, *, split: bool = False
+) -> AsyncIterator[tuple[str, str]]:
+    """``renqueue up`` with the gateway (``split``: ``renqueue up`` without it, and
+    ``renqueue gateway`` in a process of its own); its chat-completions URL and its
+    NATS URL."""
     port = free_port()
     config = workdir / "renqueue.toml"
     config.write_text(
@@ -232,6 +295,7 @@ backends = ["mock"]
 [gateway]
 port = {port}
 keys = [{{ tenant = "bench", sha256 = "{digest(KEY)}" }}]
+enabled = {"false" if split else "true"}
 """
     )
     log = (workdir / "renqueue.log").open("w")
@@ -249,10 +313,25 @@ keys = [{{ tenant = "bench", sha256 = "{digest(KEY)}" }}]
         stderr=log,
         cwd=workdir,
     )
+    gateway: asyncio.subprocess.Process | None = None
     try:
-        await wait_ready(f"http://127.0.0.1:{port}/health", proc, "renqueue up", 60)
-        yield f"http://127.0.0.1:{port}/v1/chat/completions"
+        url_file = workdir / "nats" / "nats.url"
+        if split:
+            for _ in range(600):
+                if url_file.exists() and proc.returncode is None:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)  # provisioning, after the url file is written
+            gateway = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "renqueue", "--log-level", "WARNING", "-c", str(config),
+                "--nats", url_file.read_text().strip(), "gateway",
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, cwd=workdir,
+            )  # fmt: skip
+        await wait_ready(f"http://127.0.0.1:{port}/health", gateway or proc, "the gateway", 60)
+        yield f"http://127.0.0.1:{port}/v1/chat/completions", url_file.read_text().strip()
     finally:
+        if gateway is not None:
+            await stop(gateway)
         await stop(proc)
         log.close()
 
@@ -340,7 +419,8 @@ def litellm_version(python: Path) -> str:
 async def measure(
     side: str, url: str, key: str, args: argparse.Namespace, stream: bool, level: int
 ) -> dict[str, Any]:
-    row = await closed_loop(
+    loop_of = client_loop if side == "client" else closed_loop
+    row = await loop_of(
         url, key, stream=stream, concurrency=level, seconds=args.seconds, warmup=args.warmup
     )
     row["side"] = side
@@ -386,10 +466,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             targets: dict[str, tuple[str, str]] = {}
             if "direct" in args.sides:
                 targets["direct"] = (mock_url + "/chat/completions", "mock-key")
-            if "renqueue" in args.sides:
+            if "renqueue" in args.sides or "client" in args.sides:
                 (workdir / "rq").mkdir()
-                url = await stack.enter_async_context(renqueue_side(mock_url, workdir / "rq"))
-                targets["renqueue"] = (url, KEY)
+                url, nats_url = await stack.enter_async_context(
+                    renqueue_side(mock_url, workdir / "rq", split=args.split_gateway)
+                )
+                if "client" in args.sides:
+                    targets["client"] = (nats_url, "")
+                if "renqueue" in args.sides:
+                    targets["renqueue"] = (url, KEY)
             if python is not None and "litellm" in args.sides:
                 (workdir / "litellm").mkdir()
                 try:
@@ -416,7 +501,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     by = {(r["side"], r["stream"], r["concurrency"]): r for r in rows}
     for (side, stream, level), row in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
-        if side == "direct":
+        if side in ("direct", "client"):
             continue
         direct = by.get(("direct", stream, level))
         other = by.get(("litellm" if side == "renqueue" else "renqueue", stream, level))
@@ -467,6 +552,18 @@ def print_report(report: dict[str, Any]) -> None:
             f"{row['concurrency']:>4} {row['rps']:>9.1f} {row['p50_ms']:>8.2f} "
             f"{row['p99_ms']:>8.2f} {ttft:>9} {added:>10} {row['errors']:>6}"
         )
+    print()
+    for row in rows:
+        if row["side"] != "renqueue":
+            continue
+        client = by.get(("client", row["stream"], row["concurrency"]))
+        if client is not None:
+            mode = "stream" if row["stream"] else "whole"
+            print(
+                f"the gateway's own share, {mode}, concurrency {row['concurrency']}: "
+                f"{row['p50_ms'] - client['p50_ms']:+.2f} ms p50 over the Client, "
+                f"{row['rps'] / client['rps']:.2f}x its requests/s"
+            )
     ratios = [e for e in report["summary"] if "rps_vs_litellm" in e]
     if ratios:
         print()
@@ -489,9 +586,14 @@ def main() -> None:
     parser.add_argument(
         "--sides",
         nargs="+",
-        choices=("direct", "renqueue", "litellm"),
-        default=["direct", "renqueue", "litellm"],
-        help="which sides to run (default: all three)",
+        choices=("direct", "client", "renqueue", "litellm"),
+        default=["direct", "client", "renqueue", "litellm"],
+        help="which sides to run (default: all)",
+    )
+    parser.add_argument(
+        "--split-gateway",
+        action="store_true",
+        help="run the gateway as a process of its own (renqueue gateway) beside renqueue up",
     )
     parser.add_argument("--fresh-litellm", action="store_true", help="remake its venv first")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
