@@ -740,6 +740,24 @@ def _positive(text: str) -> int:
     return value
 
 
+def _add_gateway_command(sub: Any) -> None:
+    cmd = sub.add_parser(
+        "gateway",
+        help="the OpenAI-compatible HTTP gateway (POST /v1/chat/completions, ...)",
+        description="Serve the OpenAI-compatible gateway on [gateway] host:port (see "
+        "docs/gateway.md), joining a running Ren-Queue (--nats or RENQUEUE_NATS_URL). "
+        "`renqueue gateway keygen TENANT` makes an API key.",
+    )
+    cmd.add_argument("--host", help="listen on this address (default: [gateway] host)")
+    cmd.add_argument("--port", type=int, help="listen on this port (default: [gateway] port)")
+    cmd.set_defaults(run=_gateway)
+    keygen = cmd.add_subparsers(dest="gateway_command").add_parser(
+        "keygen", help="make an API key for a tenant; print it and its config entry"
+    )
+    keygen.add_argument("tenant", type=_tenant_name)
+    keygen.set_defaults(run=_keygen)
+
+
 def _add_dlq_command(sub: Any) -> None:
     dlq = sub.add_parser(
         "dlq",
@@ -885,21 +903,7 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
         cmd.set_defaults(run=_up)
 
-    cmd = sub.add_parser(
-        "gateway",
-        help="the OpenAI-compatible HTTP gateway (POST /v1/chat/completions, ...)",
-        description="Serve the OpenAI-compatible gateway on [gateway] host:port (see "
-        "docs/gateway.md), joining a running Ren-Queue (--nats or RENQUEUE_NATS_URL). "
-        "`renqueue gateway keygen TENANT` makes an API key.",
-    )
-    cmd.add_argument("--host", help="listen on this address (default: [gateway] host)")
-    cmd.add_argument("--port", type=int, help="listen on this port (default: [gateway] port)")
-    cmd.set_defaults(run=_gateway)
-    keygen = cmd.add_subparsers(dest="gateway_command").add_parser(
-        "keygen", help="make an API key for a tenant; print it and its config entry"
-    )
-    keygen.add_argument("tenant", type=_tenant_name)
-    keygen.set_defaults(run=_keygen)
+    _add_gateway_command(sub)
 
     sub.add_parser("provision", help="apply streams/ to NATS").set_defaults(run=_provision)
 
