@@ -130,6 +130,13 @@ def test_a_route_names_a_learned_scorer_by_import_path() -> None:
         load_estimator("test_complexity:missing")
     with pytest.raises(TypeError, match="callable with a str 'name'"):
         load_estimator("test_complexity:HARD")
+    # Any callable a module exports is not called to see what it makes.
+    with pytest.raises(TypeError, match="estimator_factory"):
+        load_estimator("builtins:print")
+    assert load_estimator("test_complexity:make_always_hard").name == "always-hard"  # type: ignore[union-attr]
+    # A module that fails as it loads is a clear error too.
+    with pytest.raises(ValueError, match=r"cannot load estimator.*ZeroDivisionError"):
+        load_estimator("_broken_estimator:scorer")
     with pytest.raises(ConfigError, match="estimator"):
         parse_config(
             {
@@ -155,6 +162,13 @@ def test_thresholds_must_ascend() -> None:
 
 
 BROKEN = Broken()
+
+
+def make_always_hard() -> AlwaysHard:
+    return AlwaysHard()
+
+
+make_always_hard.estimator_factory = True  # type: ignore[attr-defined]
 
 
 async def test_a_route_with_a_learned_scorer_routes_by_it(isolated_server: EmbeddedServer) -> None:

@@ -67,22 +67,27 @@ class Estimator(Protocol):
 
 def load_estimator(spec: str) -> Estimator | None:
     """The estimator a route names: ``None`` for :data:`HEURISTIC`, else the
-    object ``module.path:name`` names, called with no arguments if it is a
-    class or a factory without a ``name`` (a scorer the team trained on its own
-    logged outcomes). Raises ``ValueError`` (cannot be loaded) or ``TypeError``
-    (not a scorer) saying why it cannot be used."""
+    object ``module.path:name`` names (a scorer the team trained on its own
+    logged outcomes): one with a ``name``, as it is; a class, or a function
+    marked ``estimator_factory = True``, called with no arguments to make one.
+    It runs in the router's read path: it must be quick (a model loaded once,
+    scored in microseconds to milliseconds). Raises ``ValueError`` (cannot be
+    loaded) or ``TypeError`` (not a scorer) saying why it cannot be used."""
     if spec == HEURISTIC:
         return None
     module_name, _, attribute = spec.partition(":")
     try:
         found = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:  # a module may raise anything as it loads
         raise ValueError(f"cannot load estimator {spec!r}: {type(exc).__name__}: {exc}") from exc
     scorer = found
     if not hasattr(found, "name") or isinstance(found, type):
-        if not callable(found):
+        # Only a class, or a factory that says it is one, is called to make
+        # the scorer: never any callable a module happens to export.
+        if not (isinstance(found, type) or getattr(found, "estimator_factory", False)):
             raise TypeError(
-                f"estimator {spec!r} must be a callable with a str 'name' (or a factory of one)"
+                f"estimator {spec!r} must be a callable with a str 'name', a class"
+                " making one, or a function marked estimator_factory = True"
             )
         try:
             scorer = found()

@@ -175,6 +175,8 @@ class Dispatcher:
             complexity_estimate=item.estimate,
             predicted=predicted,
             estimated_cost=estimated_cost,
+            split=request.split or "",
+            arm=request.route if request.split is not None else "",
         )
         meta = item.msg.metadata
         # Delivered before, or stored before this term began: an earlier bind
