@@ -24,7 +24,7 @@ from renqueue import Client, RequestCancelledError, Services, parse_config
 from renqueue.config import Config
 from renqueue.gateway import Gateway, digest
 from renqueue.gateway._idempotency import id_for_key
-from renqueue.tools import MockBackend, MockSettings
+from renqueue.tools import FaultSpec, MockBackend, MockSettings
 from renqueue.wire import EVENT_DECODER, Completed, EventLog, Submitted, Usage
 
 ACME = "rq-test-acme-key-0123456789abcdef"
@@ -353,6 +353,10 @@ async def test_a_spent_hard_budget_is_a_429_with_retry_after(
         assert stack.services.js is not None
         log = EventLog(stack.services.js)
         assert len(await log.history("acme", rid, kind="rejected")) == 1
+        # Streamed, the same: the status line waits for the first token, so a
+        # request refused before any is a real 429, not a 200 with an error inside.
+        with pytest.raises(openai.RateLimitError):
+            await stack.sdk().chat.completions.create(model="chat", messages=MESSAGES, stream=True)
         # Another tenant is not refused.
         done = await stack.sdk(GLOBEX).chat.completions.create(model="chat", messages=MESSAGES)
         assert done.choices[0].message.content
@@ -688,3 +692,37 @@ async def _events(response: httpx.Response) -> AsyncIterator[dict[str, str]]:
             choices = data["choices"]
             content = choices[0]["delta"].get("content") or "" if choices else ""
             yield {"id": event_id, "content": content}
+
+
+async def test_a_run_restarted_after_text_was_streamed_ends_the_stream_with_an_error(
+    stack: Stack, mock: MockBackend
+) -> None:
+    """OpenAI's stream cannot take text back: a request whose run broke after some
+    tokens and ran again ends the stream with ``stream_restarted``; the request
+    goes on, and a fresh resume streams the run that answered."""
+    mock.update(faults=FaultSpec(script=("break",), after_tokens=3))
+    stream = await stack.sdk().chat.completions.create(model="chat", messages=MESSAGES, stream=True)
+    seen: list[str] = []
+
+    async def read_all() -> None:
+        async for chunk in stream:
+            seen.append(chunk.id)
+
+    with pytest.raises(openai.APIError) as caught:
+        await read_all()
+    assert caught.value.code == "stream_restarted"
+    assert len(seen) >= 2  # the role chunk and text of the first run came first
+    rid = seen[0]
+    async with stack.client() as client:
+        result = await client.handle(rid).result(timeout=15)
+    async with stack.http() as http:
+        resumed = await http.get(f"/requests/{rid}/stream")
+    events = [e for e in resumed.text.split("\n\n") if e.startswith("id: ")]
+    texts = [
+        json.loads(e.split("data: ", 1)[1])["choices"][0]["delta"].get("content") or ""
+        for e in events
+        if not e.startswith("id: usage")
+    ]
+    assert "".join(texts) == result.text
+    assert "stream_restarted" not in resumed.text
+    assert resumed.text.rstrip().endswith("data: [DONE]")
