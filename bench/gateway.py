@@ -269,6 +269,20 @@ async def stop(proc: asyncio.subprocess.Process) -> None:
             await proc.wait()
 
 
+#: Processes whose CPU time is read around each cell of the side named (``/proc``):
+#: ``renqueue up`` (and the gateway's own process with ``--split-gateway``).
+CPU_PIDS: dict[str, dict[str, int]] = {}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.asynccontextmanager
 async def renqueue_side(
     mock_url: str, workdir: Path, *, split: bool = False
@@ -328,6 +342,10 @@ enabled = {"false" if split else "true"}
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, cwd=workdir,
             )  # fmt: skip
         await wait_ready(f"http://127.0.0.1:{port}/health", gateway or proc, "the gateway", 60)
+        pids = {"up": proc.pid}
+        if gateway is not None:
+            pids["gateway"] = gateway.pid
+        CPU_PIDS["renqueue"] = CPU_PIDS["client"] = pids
         yield f"http://127.0.0.1:{port}/v1/chat/completions", url_file.read_text().strip()
     finally:
         if gateway is not None:
@@ -420,13 +438,20 @@ async def measure(
     side: str, url: str, key: str, args: argparse.Namespace, stream: bool, level: int
 ) -> dict[str, Any]:
     loop_of = client_loop if side == "client" else closed_loop
+    pids = CPU_PIDS.get(side, {})
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     row = await loop_of(
         url, key, stream=stream, concurrency=level, seconds=args.seconds, warmup=args.warmup
     )
     row["side"] = side
+    # CPU per request over the whole cell (warm-up included): an estimate.
+    done = max(1.0, row["rps"] * (args.seconds + args.warmup))
+    for name, pid in pids.items():
+        row[f"cpu_ms_per_request_{name}"] = 1000 * (cpu_seconds(pid) - before[name]) / done
+    cpu = "  ".join(f"{name} CPU {row[f'cpu_ms_per_request_{name}']:.2f} ms/req" for name in pids)
     print(
         f"  {side:<9} {'stream' if stream else 'whole':<6} c={level:<3} {row['rps']:8.1f} req/s"
-        f"  p50 {row['p50_ms']:7.2f} ms  errors {row['errors']}",
+        f"  p50 {row['p50_ms']:7.2f} ms  errors {row['errors']}  {cpu}",
         flush=True,
     )
     return row
