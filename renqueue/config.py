@@ -49,6 +49,8 @@ __all__ = [
     "BackendConfig",
     "BaseBackendConfig",
     "Config",
+    "GatewayConfig",
+    "GatewayKey",
     "GeminiConfig",
     "GeminiSafetySetting",
     "LevelConfig",
@@ -762,6 +764,38 @@ class WorkerConfig(_Section, frozen=True, kw_only=True):
         return max(20, 4 * self.max_deliver)
 
 
+class GatewayKey(_Section, frozen=True, kw_only=True):
+    """One API key of the gateway (``[[gateway.keys]]``): the tenant it speaks
+    for, and the SHA-256 of the key (64 hex digits), never the key itself
+    (``renqueue gateway keygen TENANT`` makes a key and prints this entry)."""
+
+    tenant: Name
+    sha256: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+
+
+class GatewayConfig(_Section, frozen=True, kw_only=True):
+    """The OpenAI-compatible HTTP gateway (``renqueue gateway``; ``renqueue up``
+    starts it too when it has API keys, unless ``enabled = false``). See
+    docs/gateway.md."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8080
+    #: API keys by hash; more may come from ``keys_file`` (lines of
+    #: ``sha256:<hex> <tenant>``, read when the gateway starts).
+    keys: list[GatewayKey] = []
+    keys_file: str | None = None
+    #: The largest request body accepted, in bytes (413 beyond).
+    max_body: Annotated[int, Meta(ge=1024, le=64 * 1024 * 1024)] = 4 * 1024 * 1024
+    #: Requests one tenant may have waiting on this gateway process at once
+    #: (429 beyond); 0: no limit.
+    max_in_flight: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    #: How long this process remembers a request's body fingerprint, so that an
+    #: SDK's retry of it (``x-stainless-retry-count`` above 0, no
+    #: ``Idempotency-Key``) joins it; unset: ``nats.duplicate_window``.
+    retry_memory: Duration | None = None
+
+
 class Config(_Section, frozen=True, kw_only=True):
     """The whole configuration (one TOML file)."""
 
@@ -777,6 +811,7 @@ class Config(_Section, frozen=True, kw_only=True):
     tenants: dict[str, TenantConfig] = {}
     router: RouterConfig = RouterConfig()
     worker: WorkerConfig = WorkerConfig()
+    gateway: GatewayConfig = GatewayConfig()
 
     def unusable_backends(self, names: Iterable[str]) -> dict[str, ConfigError]:
         """Of ``names``, the backends whose credentials cannot be read, with why.
