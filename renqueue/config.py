@@ -557,6 +557,9 @@ class RollbackConfig(_Section, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.error_rate is None and self.p95_latency is None and self.p95_ttft is None:
             raise ValueError("give at least one of error_rate, p95_latency, p95_ttft")
+        for name, value in (("p95_latency", self.p95_latency), ("p95_ttft", self.p95_ttft)):
+            if value is not None and parse_duration(value) <= 0:
+                raise ValueError(f"{name} must be above 0 (0 would roll back on any traffic)")
         window = parse_duration(self.window)
         if not AB_BUCKET <= window <= AB_HORIZON:
             raise ValueError(
@@ -596,8 +599,11 @@ class SplitConfig(_Section, frozen=True, kw_only=True):
         for arm, weight in self.arms.items():
             if not (math.isfinite(weight) and weight >= 0):
                 raise ValueError(f"arm {arm!r}: a weight is a finite number >= 0, not {weight}")
-        if sum(self.arms.values()) <= 0:
+        total = sum(self.arms.values())
+        if total <= 0:
             raise ValueError("the arms' weights sum to 0: no arm would get traffic")
+        if not math.isfinite(total):
+            raise ValueError("the arms' weights sum past what a float holds: use smaller ones")
         if self.control not in self.arms:
             raise ValueError(f"control {self.control!r} is not one of the arms")
 

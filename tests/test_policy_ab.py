@@ -47,6 +47,7 @@ from renqueue.policy._ab import bin_of, bin_value, hash_point, pick
 from renqueue.state import (
     STATE_VERSION,
     ProjectionState,
+    decode_split_view,
     decode_state,
     encode_state,
     fold_many,
@@ -362,8 +363,14 @@ def arm(
         pytest.param(arm(8, failed=1), None, id="fewer than min_requests ended"),
         pytest.param(arm(0, failed=9), None, id="9 failures of 9: below min_requests"),
         pytest.param(arm(9, failed=1), None, id="10 %: below the rate"),
-        pytest.param(arm(8, failed=2), "error rate 20% (2 of 10 ended", id="20 %: at the rate"),
-        pytest.param(arm(6, failed=2, expired=2), "2 failed, 2 expired", id="expiries count"),
+        pytest.param(
+            arm(8, failed=2), "error rate 20% (2 of 10 calls failed", id="20 %: at the rate"
+        ),
+        # Expiries are reported, never counted as errors: a tenant's own tight
+        # deadlines must not roll a split back for everyone (latency is judged
+        # by the p95s).
+        pytest.param(arm(6, failed=1, expired=3), None, id="expiries do not count"),
+        pytest.param(arm(8, failed=2, expired=1), "2 of 10 calls failed", id="2 of 10 calls"),
         pytest.param(arm(20, latency=6.0), "p95 latency", id="slow"),
         pytest.param(arm(20, ttft=1.5), "p95 time to first token", id="slow first token"),
         pytest.param(arm(9, latency=60.0), None, id="slow, but too few completed"),
@@ -507,9 +514,34 @@ def test_the_fold_moves_a_split_by_its_ab_events(events: list[Event], state: str
     assert (split.state if split else "live", split.arm if split else "") == (state, arm)
 
 
+def test_a_requests_own_failure_never_counts_against_its_arm() -> None:
+    """Before: a tenant sending prompts too long for the canary's model (or
+    content it filters) rolled the split back for every tenant."""
+    own = Failed(
+        request_id="a",
+        tenant="acme",
+        at=101.0,
+        error_type="backend_bad_request",
+        error_class="context_length",
+        reason="x",
+    )
+    state = fold_many(ProjectionState(), [routed("a", 100.0), own])
+    canary = state.splits.routes["chat"].arms["canary"]
+    assert (canary.total.failed, canary.total.requests) == (0, 1)
+
+
 def test_a_resumed_split_is_judged_afresh_and_keeps_its_totals() -> None:
     events: list[Event] = [routed("a", 100.0)]
-    events.append(Failed(request_id="a", tenant="acme", at=101.0, error_type="x", reason="x"))
+    events.append(
+        Failed(
+            request_id="a",
+            tenant="acme",
+            at=101.0,
+            error_type="backend_unavailable",
+            error_class="server_error",
+            reason="x",
+        )
+    )
     events += [ab("rolled_back", 102.0), ab("live", 103.0, arm="", operator="ops")]
     canary = fold_many(ProjectionState(), events).splits.routes["chat"].arms["canary"]
     assert canary.recent == ()
@@ -642,3 +674,40 @@ def test_ab_status_with_no_splits_says_so() -> None:
     assert render_splits([]) == [
         "no A/B splits: no route has an [routes.<name>.ab] section, and the log has none"
     ]
+
+
+def test_a_damaged_split_view_fails_to_decode_and_a_wild_bin_is_read_as_the_last() -> None:
+    """Before: a histogram bin past the last decoded, and a percentile of it
+    raised OverflowError in the binder's round, every second, for every route."""
+    damaged = b'{"last_seq":1,"split":{"arms":{"canary":{"total":[5,5,0,0,0.0,[[100000,5]],[]]}}}}'
+    with pytest.raises(msgspec.ValidationError):
+        decode_split_view(damaged)
+    assert bin_value(10_000) == bin_value(80)
+
+
+def test_a_bucket_stamped_ahead_is_not_the_last_minutes() -> None:
+    """A fast worker clock put one failure 20 minutes ahead: that bucket is not
+    in "the last 60 s" of now (before: it was, for 20 minutes). (The buckets it
+    pushed out of the horizon stay out: the arm is judged on fewer until the
+    clock catches up; docs/ab-testing.md says so.)"""
+    stats = record(arm(8, failed=2), 2200.0, Tally(requests=1, failed=1))
+    assert windowed(stats, 1030.0, 60.0).failed == 0
+    assert windowed(stats, 2230.0, 60.0).failed == 1
+
+
+def test_weights_and_thresholds_that_cannot_work_are_refused() -> None:
+    def split(**ab: object) -> None:
+        parse_config(
+            {
+                "backends": {"a": {"base_url": "http://127.0.0.1:1", "model": "m"}},
+                "routes": {
+                    "chat": {"backends": ["a"], "ab": {"control": "chat", **ab}},
+                    "canary": {"backends": ["a"]},
+                },
+            }
+        )
+
+    with pytest.raises(ConfigError, match="float holds"):
+        split(arms={"chat": 1e308, "canary": 1e308})
+    with pytest.raises(ConfigError, match="above 0"):
+        split(arms={"chat": 9, "canary": 1}, rollback={"p95_latency": "0s", "min_requests": 5})

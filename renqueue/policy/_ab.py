@@ -26,8 +26,10 @@ percentile is within 9 % (a factor 2^(1/8)) of the value it estimates.
 The rollback rule (:func:`breach`, over every arm but the control:
 :func:`judge`) is applied by the binder, the one router that binds, every
 second: an arm breaches when, over the last ``window`` seconds, at least
-``min_requests`` of its requests ended and their error rate (``failed`` and
-``expired`` over everything that ended) is at least ``error_rate``, or at
+``min_requests`` of its calls ended (completed or failed) and their error rate
+(``failed``: failures the backend is to blame for, never a request's own: a
+bad request, a context too long, a content filter; over completed and
+failed) is at least ``error_rate``, or at
 least ``min_requests`` completed and their p95 latency or time to first token
 is above its threshold. Latencies are what the client saw: from the request's
 submission to its completion, and to its first token.
@@ -38,10 +40,10 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Final, Literal, Protocol
+from typing import Annotated, Final, Literal, Protocol
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from ..wire._messages import InferenceRequest
 
@@ -94,8 +96,12 @@ SplitMode = Literal["live", "rolled_back", "promoted"]
 #: The states, as logged in ``ab`` events.
 SPLIT_MODES: Final = ("live", "rolled_back", "promoted")
 
-#: A sparse histogram: ``(bin, count)`` pairs, by bin, counts above 0.
-Histogram = tuple[tuple[int, int], ...]
+#: A sparse histogram: ``(bin, count)`` pairs, by bin, counts above 0. Bounded
+#: so that a damaged or forged view fails to decode (logged and ignored)
+#: rather than reaching a percentile.
+Histogram = tuple[
+    tuple[Annotated[int, Meta(ge=0, le=HIST_BINS - 1)], Annotated[int, Meta(ge=0)]], ...
+]
 
 
 class RollbackRules(Struct, frozen=True, kw_only=True):
@@ -153,11 +159,11 @@ class Tally(Struct, frozen=True, array_like=True):
     from submission to completion and to the first token, of completed requests.
     """
 
-    requests: int = 0
-    completed: int = 0
-    failed: int = 0
-    expired: int = 0
-    cost: float = 0.0
+    requests: Annotated[int, Meta(ge=0)] = 0
+    completed: Annotated[int, Meta(ge=0)] = 0
+    failed: Annotated[int, Meta(ge=0)] = 0
+    expired: Annotated[int, Meta(ge=0)] = 0
+    cost: Annotated[float, Meta(ge=0)] = 0.0
     latency: Histogram = ()
     ttft: Histogram = ()
 
@@ -287,6 +293,7 @@ def bin_value(index: int) -> float:
     """What bin ``index`` stands for: its geometric middle (the last: its lower edge)."""
     if index <= 0:
         return _HIST_FLOOR / 2
+    index = min(index, HIST_BINS - 1)  # a damaged view's bin is read as the last
     low: float = _HIST_FLOOR * math.pow(2.0, (index - 1) / _STEPS_PER_DOUBLING)
     if index >= HIST_BINS - 1:
         return low
@@ -415,9 +422,16 @@ def record(stats: ArmStats, at: float, delta: Tally) -> ArmStats:
 
 
 def windowed(stats: ArmStats, now: float, window: float) -> Tally:
-    """What the arm's requests did in the buckets that end after ``now - window``."""
+    """What the arm's requests did in the buckets that end after ``now -
+    window`` and begin by ``now`` (one stamped ahead, by a fast clock, is not
+    "the last minutes")."""
     since = now - window
-    return tally([_EMPTY, *(t for start, t in stats.recent if start + AB_BUCKET > since)])
+    return tally(
+        [
+            _EMPTY,
+            *(t for start, t in stats.recent if start + AB_BUCKET > since and start <= now),
+        ]
+    )
 
 
 # ----------------------------------------------------------------- rollback
@@ -427,13 +441,14 @@ def breach(rules: RollbackRules, stats: ArmStats, now: float) -> str | None:
     """Why an arm breaches ``rules`` at ``now`` (see the module docstring), or ``None``."""
     seen = windowed(stats, now, rules.window)
     window = f"in the last {rules.window:g} s"
-    if seen.ended >= rules.min_requests and rules.error_rate is not None:
-        rate = seen.errors / seen.ended
+    calls = seen.completed + seen.failed
+    if calls >= rules.min_requests and rules.error_rate is not None:
+        rate = seen.failed / calls
         if rate >= rules.error_rate:
             return (
-                f"error rate {rate:.0%} ({seen.errors} of {seen.ended} ended: "
-                f"{seen.failed} failed, {seen.expired} expired) {window}, "
-                f"at or above {rules.error_rate:.0%}"
+                f"error rate {rate:.0%} ({seen.failed} of {calls} calls failed by the"
+                f" backend's fault; {seen.expired} expired) {window},"
+                f" at or above {rules.error_rate:.0%}"
             )
     if seen.completed < rules.min_requests:
         return None

@@ -45,6 +45,7 @@ from ..wire._messages import (
     SplitChanged,
 )
 from ..wire._subjects import SYSTEM_TENANT, msg_id
+from ._faults import is_backend_fault
 
 __all__ = ["STALE_ASSIGNED", "ArmRequest", "SplitState", "Splits", "SplitsBuilder"]
 
@@ -192,7 +193,11 @@ class SplitsBuilder:
                 else ((bin_of(_first_token(latency, event.duration, event.ttft)), 1),),
             )
         elif isinstance(event, Failed):
-            delta = Tally(requests=requests, failed=1)
+            # Only a failure the backend is to blame for counts against the
+            # arm: a request's own (bad request, context too long, content
+            # filter) would let one tenant roll a split back for everyone.
+            fault = is_backend_fault(event.error_type, event.error_class)
+            delta = Tally(requests=requests, failed=1 if fault else 0)
         elif isinstance(event, Expired):
             delta = Tally(requests=requests, expired=1)
         else:

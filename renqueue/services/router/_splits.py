@@ -131,7 +131,12 @@ class Splitter:
             folded = None if live is None else live.splits.get(route)
             if folded is None or moved_to(split, self.status(route, live)) is not None:
                 continue
-            found = judge(split, folded.arms, now)
+            try:
+                found = judge(split, folded.arms, now)
+            except (ArithmeticError, ValueError) as exc:
+                # A damaged view must not fail the round for every route.
+                log.warning("A/B split not judged", route=route, error=repr(exc))
+                continue
             if found is None:
                 continue
             arm, why = found
