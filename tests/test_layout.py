@@ -19,6 +19,8 @@ FORBIDDEN = {
     "services": {"tools", "_client", "cli"},
     "_client": {"state", "services", "tools", "backends", "metrics"},
     "config": {"wire", "state", "services", "ops", "tools", "backends", "_client"},
+    # The what-if simulation: the policy, the fold and the wire, never a service.
+    "sim": {"services", "ops", "tools", "backends", "_client", "cli"},
 }
 
 
