@@ -5,7 +5,8 @@ config, in simulated time, on backend models fitted from the log
 - The workload (``_trace``): :func:`trace_of` turns a stretch of the log into a
   :class:`Trace` (its :class:`Arrival` s with what really became of each,
   :class:`Recorded`; the backends' :class:`CallRecord` s and
-  :class:`FailureRecord` s; the state at its start); :func:`read_trace`
+  :class:`FailureRecord` s, :class:`Release` s of slots; the state at its start, the
+  calls then :class:`Busy`); :func:`read_trace`
   (``_log``) reads one from NATS.
 - Backend models (``_models``): :func:`fit_models` gives each backend a
   :class:`BackendModel` (recorded calls and failures, resampled), or one from
@@ -34,6 +35,7 @@ from ._trace import (
     CallRecord,
     FailureRecord,
     Recorded,
+    Release,
     Trace,
     trace_of,
 )
@@ -58,6 +60,7 @@ __all__ = [
     "ModelSpec",
     "Outcome",
     "Recorded",
+    "Release",
     "Simulation",
     "Summary",
     "Trace",

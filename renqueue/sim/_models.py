@@ -1,36 +1,40 @@
 """Backend models fitted from the log: what a simulated call takes, and how it fails.
 
-A :class:`BackendModel` holds a backend's recorded calls and failed runs
-(:class:`~renqueue.sim.CallRecord`, :class:`~renqueue.sim.FailureRecord`) and
-draws new ones from them by resampling (the empirical distribution, no
-assumed shape):
+A :class:`BackendModel` holds a backend's recorded runs, completed
+(:class:`~renqueue.sim.CallRecord`) and failed (:class:`~renqueue.sim.FailureRecord`),
+in time order, and draws new ones by resampling them (their empirical
+distribution, no assumed shape) **near the simulated moment**: a run starting
+at ``t`` is one of the :data:`NEIGHBOURS` recorded runs that started nearest
+to ``t``, drawn whole. So a backend that slowed down or failed for a while in
+the log does so at the same time in the simulation, and a busy machine's
+slower moments stay where they were:
 
-- a completed call is one recorded call drawn whole, so its time to first
-  token and token rate keep their joint spread, stretched to the simulated
-  request's output: ``ttft + generating * (tokens - 1) / (recorded tokens - 1)``;
-  plus the time from a routing decision to the call's start (dispatch, a
-  worker taking it), drawn from the recorded ones;
-- a run fails with the share of the backend's runs that failed for reasons of
-  its own or its provider's (server errors, timeouts, broken streams, 429s;
-  not the failures that were the request's doing, which are replayed per
-  request); the failure is one recorded failure drawn whole (its class, its
-  ``retry-after``, how long into the run it came);
+- a completed call keeps its time to first token and token rate together,
+  stretched to the simulated request's output:
+  ``ttft + generating * (tokens - 1) / (recorded tokens - 1)``;
+- a failed run keeps its class, its ``retry-after`` and how long into the
+  run it came; the share of failures among the neighbours is the failure
+  rate there and then (backend faults and 429s; not the failures that were
+  the request's own doing, which are replayed per request);
+- the time from a routing decision to the call's start (dispatch, a worker
+  taking it) is drawn the same way from the recorded ones;
+- so is the moment a slot is free for the next request after a call ends
+  (the worker acknowledging it, the router noticing, its next round), from
+  the recorded ones (:class:`~renqueue.sim.Release`) counted only where the
+  backend was full under the config the log was recorded with (then the
+  time a slot took to be taken is the services', not a request's choice to
+  wait);
 - an output length, for a request whose real one is not known (it never
-  completed), is a recorded call's;
-- a slot is free for the next request a moment after a call ends (the worker
-  acknowledging it, the router noticing, its next round): that moment is
-  drawn from the recorded ones (:class:`~renqueue.sim.Release`), counted only
-  where the backend was full under the config the log was recorded with
-  (the time a slot took to be taken is then the router's, not a request's
-  choice to wait).
+  completed), is one of the neighbouring calls'.
 
 A backend with no recorded call is modelled by a :class:`ModelSpec` when one is
 given (``[whatif.models.<name>]`` in a what-if file), else by every backend's
-calls pooled (``assumed``, said in the report).
+runs pooled (``assumed``, said in the report).
 """
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Final
@@ -38,10 +42,14 @@ from typing import Annotated, Final
 from msgspec import Meta, Struct
 
 from ..errors import FailureClass, RenQueueError
+from ..policy import DEFAULT_MAX_TOKENS
 from ._trace import CallRecord, FailureRecord, Trace
 
-__all__ = ["BackendModel", "Drawn", "ModelSpec", "fit_models"]
+__all__ = ["NEIGHBOURS", "BackendModel", "Drawn", "ModelSpec", "fit_models"]
 
+#: Recorded runs (and overheads, releases) a draw chooses among: those nearest
+#: in time to the simulated moment.
+NEIGHBOURS: Final = 25
 #: Samples (overheads, releases) a backend needs before its own are drawn
 #: (else every backend's, pooled).
 _OWN_SAMPLES: Final = 5
@@ -80,35 +88,91 @@ class Drawn(Struct, frozen=True, kw_only=True):
         return self.ttft + self.generating
 
 
-class BackendModel(Struct, frozen=True, kw_only=True):
-    """What a backend's calls take and how often they fail (module docstring)."""
+class _Samples:
+    """Values with the times they were recorded at, drawn near a moment."""
 
-    name: str
-    calls: tuple[CallRecord, ...]
-    failures: tuple[FailureRecord, ...] = ()
-    #: Share of runs that fail (drawn from ``failures``).
-    failure_p: float = 0.0
-    overheads: tuple[float, ...] = ()
-    releases: tuple[float, ...] = ()
-    #: Modelled on every backend's calls: it has none of its own in the log.
-    assumed: bool = False
+    __slots__ = ("times", "values")
 
-    def draw(self, rng: random.Random, tokens: int) -> Drawn:
-        """One run producing ``tokens`` output tokens, or its failure."""
-        overhead = rng.choice(self.overheads) if self.overheads else 0.0
-        release = rng.choice(self.releases) if self.releases else 0.0
-        if self.failures and rng.random() < self.failure_p:
-            return Drawn(overhead=overhead, failure=rng.choice(self.failures), release=release)
-        call = rng.choice(self.calls)
-        if call.tokens > 1:
-            generating = call.generating * max(0, tokens - 1) / (call.tokens - 1)
+    def __init__(self, samples: Iterable[tuple[float, float]]) -> None:
+        ordered = sorted(samples)
+        self.times = [at for at, _ in ordered]
+        self.values = [value for _, value in ordered]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def draw(self, rng: random.Random, at: float) -> float:
+        if not self.values:
+            return 0.0
+        return self.values[_near(self.times, at, rng)]
+
+
+def _near(times: Sequence[float], at: float, rng: random.Random) -> int:
+    """The index of one of the :data:`NEIGHBOURS` entries of ``times`` (sorted)
+    nearest to ``at``, at random."""
+    count = len(times)
+    if count <= NEIGHBOURS:
+        return rng.randrange(count)
+    middle = bisect.bisect_left(times, at)
+    first = min(max(0, middle - NEIGHBOURS // 2), count - NEIGHBOURS)
+    return first + rng.randrange(NEIGHBOURS)
+
+
+class BackendModel:
+    """What a backend's calls take and how often they fail (module docstring).
+
+    ``failure_p``, when given, fixes the failure rate (a :class:`ModelSpec`'s);
+    otherwise it is the share of failures among the runs drawn from.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        calls: Sequence[CallRecord] = (),
+        failures: Sequence[FailureRecord] = (),
+        overheads: Iterable[tuple[float, float]] = (),
+        releases: Iterable[tuple[float, float]] = (),
+        failure_p: float | None = None,
+        assumed: bool = False,
+    ) -> None:
+        self.name = name
+        #: Modelled on every backend's runs: it has none of its own in the log.
+        self.assumed = assumed
+        self.failure_p = failure_p
+        runs: list[CallRecord | FailureRecord] = [*calls, *failures]
+        runs.sort(key=lambda run: run.at)
+        self.runs = runs
+        self.run_times = [run.at for run in runs]
+        self.calls = sorted(calls, key=lambda call: call.at)
+        self.call_times = [call.at for call in self.calls]
+        self.failures = tuple(failures)
+        self.overheads = _Samples(overheads)
+        self.releases = _Samples(releases)
+
+    def draw(self, rng: random.Random, tokens: int, at: float) -> Drawn:
+        """One run starting at ``at`` and producing ``tokens`` output tokens, or its failure."""
+        overhead = self.overheads.draw(rng, at)
+        release = self.releases.draw(rng, at)
+        if self.failure_p is not None:
+            if self.failures and rng.random() < self.failure_p:
+                return Drawn(overhead=overhead, failure=rng.choice(self.failures), release=release)
+            run: CallRecord | FailureRecord = self.calls[_near(self.call_times, at, rng)]
         else:
-            generating = call.generating
-        return Drawn(overhead=overhead, ttft=call.ttft, generating=generating, release=release)
+            run = self.runs[_near(self.run_times, at, rng)]
+        if isinstance(run, FailureRecord):
+            return Drawn(overhead=overhead, failure=run, release=release)
+        if run.tokens > 1:
+            generating = run.generating * max(0, tokens - 1) / (run.tokens - 1)
+        else:
+            generating = run.generating
+        return Drawn(overhead=overhead, ttft=run.ttft, generating=generating, release=release)
 
-    def output(self, rng: random.Random) -> int:
-        """An output length of a call of this backend's."""
-        return rng.choice(self.calls).tokens
+    def output(self, rng: random.Random, at: float) -> int:
+        """An output length of a call of this backend's near ``at``."""
+        if not self.calls:
+            return DEFAULT_MAX_TOKENS
+        return self.calls[_near(self.call_times, at, rng)].tokens
 
 
 def _spec_model(name: str, spec: ModelSpec) -> BackendModel:
@@ -121,41 +185,12 @@ def _spec_model(name: str, spec: ModelSpec) -> BackendModel:
         after=spec.ttft,
     )
     return BackendModel(
-        name=name,
+        name,
         calls=(CallRecord(backend=name, ttft=spec.ttft, generating=generating, tokens=tokens),),
-        failures=(failure,) if spec.failure_rate > 0 else (),
+        failures=(failure,),
         failure_p=spec.failure_rate,
-        overheads=(spec.overhead,),
+        overheads=((0.0, spec.overhead),),
     )
-
-
-def _fitted(
-    name: str,
-    calls: Sequence[CallRecord],
-    failures: Sequence[FailureRecord],
-    pooled: _Pooled,
-    releases: Sequence[float],
-    *,
-    assumed: bool = False,
-) -> BackendModel:
-    own = tuple(call.overhead for call in calls if call.overhead is not None)
-    runs = len(calls) + len(failures)
-    return BackendModel(
-        name=name,
-        calls=tuple(calls),
-        failures=tuple(failures),
-        failure_p=len(failures) / runs if runs else 0.0,
-        overheads=own if len(own) >= _OWN_SAMPLES else pooled.overheads,
-        releases=tuple(releases) if len(releases) >= _OWN_SAMPLES else pooled.releases,
-        assumed=assumed,
-    )
-
-
-class _Pooled(Struct, frozen=True):
-    """Every backend's samples, for one with too few of its own."""
-
-    overheads: tuple[float, ...]
-    releases: tuple[float, ...]
 
 
 def fit_models(
@@ -165,41 +200,61 @@ def fit_models(
     *,
     slots: Mapping[str, int] | None = None,
 ) -> dict[str, BackendModel]:
-    """A model for each backend of ``names``: fitted from its calls in
-    ``trace``, else ``given``'s, else every backend's calls pooled (``assumed``).
+    """A model for each backend of ``names``: fitted from its runs in
+    ``trace``, else ``given``'s, else every backend's runs pooled (``assumed``).
 
     ``slots``: each backend's concurrency when the log was recorded (the live
-    config's), to tell a slot taken late because the router was busy from one
-    left free (see the module docstring); ``None``: no release is modelled.
+    config's), to tell a slot taken late because the services were busy from
+    one left free (see the module docstring); ``None``: no release is modelled.
 
     Raises :class:`~renqueue.errors.RenQueueError` when a backend needs the
     pooled model and the trace has no completed call at all.
     """
     given = given or {}
-    by_backend: dict[str, list[CallRecord]] = {}
+    calls: dict[str, list[CallRecord]] = {}
     for call in trace.calls:
-        by_backend.setdefault(call.backend, []).append(call)
-    faults: dict[str, list[FailureRecord]] = {}
+        calls.setdefault(call.backend, []).append(call)
+    failures: dict[str, list[FailureRecord]] = {}
     for failure in trace.failures:
-        faults.setdefault(failure.backend, []).append(failure)
-    released: dict[str, list[float]] = {}
+        failures.setdefault(failure.backend, []).append(failure)
+    overheads: dict[str, list[tuple[float, float]]] = {}
+    for call in trace.calls:
+        if call.overhead is not None:
+            overheads.setdefault(call.backend, []).append((call.at, call.overhead))
+    releases: dict[str, list[tuple[float, float]]] = {}
     for release in trace.releases:
         if slots is not None and release.busy >= slots.get(release.backend, 0) > 0:
-            released.setdefault(release.backend, []).append(release.after)
-    pooled = _Pooled(
-        overheads=tuple(call.overhead for call in trace.calls if call.overhead is not None),
-        releases=tuple(after for afters in released.values() for after in afters),
-    )
+            releases.setdefault(release.backend, []).append((release.at, release.after))
+    every_overhead = [sample for samples in overheads.values() for sample in samples]
+    every_release = [sample for samples in releases.values() for sample in samples]
+
+    def own(samples: dict[str, list[tuple[float, float]]], name: str) -> list[tuple[float, float]]:
+        mine = samples.get(name, [])
+        if len(mine) >= _OWN_SAMPLES:
+            return mine
+        return every_overhead if samples is overheads else every_release
+
     models: dict[str, BackendModel] = {}
     for name in names:
-        calls = by_backend.get(name)
-        own = released.get(name, ())
-        if calls:
-            models[name] = _fitted(name, calls, faults.get(name, ()), pooled, own)
+        if name in calls:
+            models[name] = BackendModel(
+                name,
+                calls=calls[name],
+                failures=failures.get(name, ()),
+                overheads=own(overheads, name),
+                releases=own(releases, name),
+            )
         elif name in given:
             models[name] = _spec_model(name, given[name])
         elif trace.calls:
-            models[name] = _fitted(name, trace.calls, trace.failures, pooled, own, assumed=True)
+            models[name] = BackendModel(
+                name,
+                calls=trace.calls,
+                failures=trace.failures,
+                overheads=every_overhead,
+                releases=every_release,
+                assumed=True,
+            )
         else:
             raise RenQueueError(
                 f"no call completed in the log between the window's warm-up and its end, so "

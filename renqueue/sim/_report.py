@@ -143,7 +143,14 @@ def render(trace: Trace, columns: Sequence[Column], *, seed: int) -> list[str]:
         if kind in ("completed", "expired", "failed") or any(counts):
             rows.append((kind, [str(count) for count in counts]))
     rows.append(("in time, by level", ["" for _ in columns]))
-    names = list(dict.fromkeys(name for column in columns for name in column.summary.levels))
+    names = list(
+        dict.fromkeys(
+            name
+            for column in columns
+            for name, level in column.summary.levels.items()
+            if level.submitted
+        )
+    )
     for name in names:
         cells = []
         for column in columns:

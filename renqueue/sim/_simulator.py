@@ -601,7 +601,7 @@ class _Simulator:
         key = item.arrival.key
         tokens = self.output_tokens(item, model)
         draw = random.Random(f"{self.seed}:{key}:{backend}:{item.attempt}:{item.run}")
-        drawn = model.draw(draw, tokens)
+        drawn = model.draw(draw, tokens, self.now)
         own = item.arrival.refused.get(backend)
         if own is not None:
             drawn = Drawn(overhead=drawn.overhead, failure=own)
@@ -632,7 +632,7 @@ class _Simulator:
         tokens = item.output
         if tokens is None:
             draw = random.Random(f"{self.seed}:{item.arrival.key}:{model.name}:output")
-            tokens = model.output(draw)
+            tokens = model.output(draw, item.arrival.at)
         cap = item.request.params.max_tokens
         return tokens if cap is None else min(tokens, cap)
 

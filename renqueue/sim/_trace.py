@@ -106,6 +106,8 @@ class FailureRecord(Struct, frozen=True, kw_only=True):
 
     backend: str
     error_type: str
+    #: When its run started (or, not known, when it failed).
+    at: float = 0.0
     #: Its :class:`~renqueue.errors.FailureClass` value (empty in old events).
     error_class: str = ""
     #: Seconds from the run's start to the failure (0 when the start is not known).
@@ -137,6 +139,8 @@ class CallRecord(Struct, frozen=True, kw_only=True):
     """One completed call of a backend's: what a drawn call is made of."""
 
     backend: str
+    #: When it started (its end less its duration).
+    at: float = 0.0
     #: Seconds to the first token (the whole call when it was not streamed).
     ttft: float
     #: Seconds after the first token.
@@ -156,6 +160,8 @@ class Release(Struct, frozen=True, kw_only=True):
     backend: str
     after: float
     busy: int
+    #: When the slot freed.
+    at: float = 0.0
 
 
 class Busy(Struct, frozen=True, kw_only=True):
@@ -268,7 +274,7 @@ class _Reader:
             when, busy = freed.popleft()
             after = _time(at - when)
             if after is not None:
-                self.releases.append(Release(backend=backend, after=after, busy=busy))
+                self.releases.append(Release(backend=backend, after=after, busy=busy, at=when))
         if self.bound.get(key) is not None:
             self._leave(key, at)
         self.bound[key] = backend
@@ -308,6 +314,7 @@ class _Reader:
         self.calls.append(
             CallRecord(
                 backend=event.backend,
+                at=event.at - duration,
                 ttft=ttft,
                 generating=duration - ttft,
                 tokens=tokens,
@@ -332,6 +339,7 @@ class _Reader:
         record = FailureRecord(
             backend=backend,
             error_type=event.error_type[:64],
+            at=event.at - (after or 0.0),
             error_class=event.error_class[:64],
             after=after or 0.0,
             retry_after=retry_after or 0.0,
