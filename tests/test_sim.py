@@ -96,10 +96,13 @@ def request(rid: str, **fields: Any) -> InferenceRequest:
 def arrive(rid: str, at: float = 0.0, **fields: Any) -> Arrival:
     """Request ``rid`` arriving ``at`` seconds after T (its deadline, too, relative)."""
     extra = {
-        key: fields.pop(key) for key in ("recorded", "cancelled_at", "refused") if key in fields
+        key: fields.pop(key)
+        for key in ("recorded", "cancelled_at", "refused", "read_at")
+        if key in fields
     }
-    if "cancelled_at" in extra:
-        extra["cancelled_at"] += T
+    for key in ("cancelled_at", "read_at"):
+        if key in extra:
+            extra[key] += T
     if fields.get("deadline") is not None:
         fields["deadline"] += T
     return Arrival(at=T + at, request=request(rid, **fields), **extra)
@@ -175,6 +178,13 @@ CASES = [
         A,
         {"r1": ("completed", 0.2, "a")},
         id="a call takes its time to first token and 0.01 s per token after it",
+    ),
+    pytest.param(
+        ONE_SLOT,
+        [arrive("r1", read_at=0.3)],
+        A,
+        {"r1": ("completed", 0.5, "a")},
+        id="a request is routable when a router read it in the log",
     ),
     pytest.param(
         ONE_SLOT,
@@ -569,6 +579,13 @@ def test_a_call_no_backend_could_have_made_is_not_fitted(bad: dict[str, Any]) ->
     trace = trace_of(events, since=T, until=T + 10)
     assert trace.calls == ()
     assert len(trace.arrivals) == 1
+
+
+def test_a_trace_knows_when_a_router_read_each_request_if_that_could_be() -> None:
+    events: list[Event] = [submitted("r1", 0.0), submitted("r2", 1.0), submitted("r3", 2.0)]
+    read_at = {"t1:r1": T + 0.01, "t1:r2": T + 0.5, "t1:r3": T + 2 + 86_401}  # before it; a day on
+    trace = trace_of(events, since=T, until=T + 10, read_at=read_at)
+    assert [arrival.read_at for arrival in trace.arrivals] == [T + 0.01, None, None]
 
 
 def test_an_event_whose_time_is_no_time_is_dropped() -> None:

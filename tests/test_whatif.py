@@ -3,8 +3,8 @@
 A real workload runs once per module through the real services (``Services``
 and a ``Client`` on an embedded nats-server, three mock backends on
 loopback: a local server with two slots, a free tier with a declared limit
-and 5 % server errors, a paid API with two slots): 300 requests over about
-12 s, every priority level, deadlines from 0.4 s to none. Then:
+and 5 % server errors, a paid API with one slot): 300 requests over about
+24 s, every priority level, deadlines from 0.5 s to none. Then:
 
 - **calibration**: the log's requests simulated under the config that was
   live reproduce the real cost within :data:`COST_ERROR` and each level's
@@ -24,7 +24,9 @@ import asyncio
 import contextlib
 import datetime
 import json
+import os
 import random
+import statistics
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -43,16 +45,19 @@ from renqueue.tools import MockBackend, MockSettings
 #: The largest error of a simulation of the live config, against the recorded
 #: run: cost (relative) and each level's attainment (absolute). Measured on
 #: this workload: see docs/what-if.md ("How close it is").
-COST_ERROR: Final = 0.15
-ATTAINMENT_ERROR: Final = 0.10
+COST_ERROR: Final = 0.10
+ATTAINMENT_ERROR: Final = 0.15
+#: The simulations whose mean is compared (seeds 0-3): one simulation's own
+#: draws move a level's attainment by a few points.
+SEEDS: Final = range(4)
 #: Levels with fewer requests than this are too small to hold to the bound
 #: (one request is more than 5 points of them).
 LEVEL_FLOOR: Final = 20
 
 REQUESTS: Final = 300
-RATE: Final = 25.0
+RATE: Final = 12.5
 #: Each level's deadline, seconds from submission (``None``: none).
-DEADLINES: Final = {"critical": 0.4, "high": 0.8, "normal": 1.5, "low": 4.0, "batch": None}
+DEADLINES: Final = {"critical": 0.5, "high": 1.0, "normal": 2.0, "low": 6.0, "batch": None}
 
 
 def config_text(data_dir: Path, urls: dict[str, str], *, paid: bool = True) -> str:
@@ -63,13 +68,13 @@ def config_text(data_dir: Path, urls: dict[str, str], *, paid: bool = True) -> s
         f'[backends.local]\nbase_url = "{urls["local"]}"\nmodel = "mock"\n'
         "[backends.local.limits]\nconcurrency = 2\n"
         f'[backends.free]\nbase_url = "{urls["free"]}"\nmodel = "mock"\n'
-        '[backends.free.limits]\nconcurrency = 4\nrequests = ["12/5s"]\n'
+        '[backends.free.limits]\nconcurrency = 4\nrequests = ["12/10s"]\n'
     )
     if paid:
         text += (
             f'[backends.paid]\nbase_url = "{urls["paid"]}"\nmodel = "mock"\n'
             "cost_input_per_mtok = 0.5\ncost_output_per_mtok = 2.0\n"
-            "[backends.paid.limits]\nconcurrency = 2\n"
+            "[backends.paid.limits]\nconcurrency = 1\n"
         )
     cascade = '["local", "free", "paid"]' if paid else '["local", "free"]'
     return text + f"[routes.chat]\nbackends = {cascade}\n"
@@ -117,13 +122,13 @@ async def submit_workload(client: Client) -> None:
 async def recording(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Recording]:
     tmp = tmp_path_factory.mktemp("whatif")
     async with (
-        MockBackend(MockSettings(ttft=0.05, tokens_per_second=400, output_tokens=64)) as local,
+        MockBackend(MockSettings(ttft=0.1, tokens_per_second=200, output_tokens=64)) as local,
         MockBackend(
             MockSettings(
-                ttft=0.15, tokens_per_second=200, output_tokens=64, failure_rate=0.05, seed=3
+                ttft=0.3, tokens_per_second=100, output_tokens=64, failure_rate=0.05, seed=3
             )
         ) as free,
-        MockBackend(MockSettings(ttft=0.03, tokens_per_second=2000, output_tokens=64)) as paid,
+        MockBackend(MockSettings(ttft=0.06, tokens_per_second=1000, output_tokens=64)) as paid,
     ):
         urls = {"local": local.url, "free": free.url, "paid": paid.url}
         live = tmp / "live.toml"
@@ -148,15 +153,19 @@ async def recording(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[R
             )
 
 
-def errors(recorded: Summary, simulated: Summary) -> tuple[float, dict[str, float]]:
-    """The relative cost error and each large enough level's attainment error."""
-    cost = abs(simulated.cost - recorded.cost) / recorded.cost
+def errors(recorded: Summary, simulated: list[Summary]) -> tuple[float, dict[str, float]]:
+    """The relative cost error and each large enough level's attainment error
+    of the simulations' mean."""
+    cost = statistics.mean(summary.cost for summary in simulated)
     levels = {
-        name: abs(simulated.levels[name].attainment - level.attainment)
+        name: abs(
+            statistics.mean(summary.levels[name].attainment for summary in simulated)
+            - level.attainment
+        )
         for name, level in recorded.levels.items()
         if level.submitted >= LEVEL_FLOOR
     }
-    return cost, levels
+    return abs(cost - recorded.cost) / recorded.cost, levels
 
 
 async def test_replaying_the_live_config_reproduces_the_real_cost_and_attainment(
@@ -164,24 +173,28 @@ async def test_replaying_the_live_config_reproduces_the_real_cost_and_attainment
 ) -> None:
     trace = recording.trace
     assert len(trace.arrivals) == REQUESTS
-    comparison = compare(trace, [("live", recording.config)], seed=0)
-    recorded, simulated = comparison.summary(0), comparison.summary(1)
+    runs = [compare(trace, [("live", recording.config)], seed=seed) for seed in SEEDS]
+    recorded = runs[0].summary(0)
+    simulated = [run.summary(1) for run in runs]
     cost, levels = errors(recorded, simulated)
     print(  # the measured error, for docs/what-if.md (pytest -s)
-        f"\nrecorded ${recorded.cost:.6f} simulated ${simulated.cost:.6f}: cost error"
-        f" {100 * cost:.1f} %; attainment recorded"
+        f"\nrecorded ${recorded.cost:.6f}, simulated"
+        f" {[round(summary.cost, 6) for summary in simulated]}: cost error {100 * cost:.1f} %;"
+        f" attainment recorded"
         f" { ({n: round(100 * v.attainment, 1) for n, v in recorded.levels.items()}) },"
         f" errors { ({n: round(100 * e, 1) for n, e in levels.items()}) } points;"
-        f" ended {recorded.ended} / {simulated.ended}"
+        f" expired {recorded.ended['expired']} / {[s.ended['expired'] for s in simulated]};"
+        f" load {os.getloadavg()[0]:.1f}"
     )
-    # The workload is one that uses every backend and has work wait.
+    # The workload is one that uses every backend.
     assert recorded.cost > 0
     assert set(recorded.share) == {"local", "free", "paid"}
     assert cost <= COST_ERROR
     assert levels
     assert max(levels.values()) <= ATTAINMENT_ERROR
     for name in recorded.share:
-        assert abs(simulated.share_of(name) - recorded.share_of(name)) <= ATTAINMENT_ERROR
+        share = statistics.mean(summary.share_of(name) for summary in simulated)
+        assert abs(share - recorded.share_of(name)) <= ATTAINMENT_ERROR
 
 
 async def test_without_the_paid_backend_it_costs_less_and_misses_more_deadlines(

@@ -172,10 +172,8 @@ def render(trace: Trace, columns: Sequence[Column], *, seed: int) -> list[str]:
         " " * label + "".join(f"{c.title:>{w}}" for c, w in zip(columns, widths, strict=True))
     )
     for name, cells in rows:
-        lines.append(
-            f"{name:<{label}}"
-            + "".join(f"{cell:>{w}}" for cell, w in zip(cells, widths, strict=True))
-        )
+        cells_text = "".join(f"{cell:>{w}}" for cell, w in zip(cells, widths, strict=True))
+        lines.append(f"{name:<{label}}{cells_text}".rstrip())
     notes = [note for column in columns for note in column.notes]
     if notes:
         lines.append("")

@@ -123,7 +123,7 @@ HORIZON: Final = 2 * 86_400.0
 MAX_ROUNDS: Final = 2_000_000
 
 # Kinds of scheduled happenings, in the order they are handled at one moment.
-_FREE, _END, _RERUN, _CANCEL, _ARRIVE, _WAKE = range(6)
+_FREE, _END, _RERUN, _CANCEL, _ARRIVE, _READ, _WAKE = range(7)
 _DONE, _FAIL, _CUT = "done", "fail", "cut"
 _CHEAPEST: Final = RouteRules()
 _ONE: Final = Cost(requests=1)
@@ -299,6 +299,9 @@ class _Simulator:
             self.in_flight[name] = max(0, self.in_flight[name] - 1)
         elif kind == _ARRIVE:
             self.arrive(self.items[ref])
+        elif kind == _READ:
+            if not self.items[ref].done:
+                self.store(self.items[ref])
         elif kind == _WAKE:
             if self.now >= self.wake_at:
                 self.wake_at = math.inf
@@ -327,7 +330,12 @@ class _Simulator:
         if leader is not None:
             leader.followers.append(item)
             return
-        self.store(item)
+        read_at = item.arrival.read_at
+        if read_at is not None and read_at > self.now:
+            # The services' reading delay, as the log shows it for this request.
+            self.push(read_at, _READ, item.ref)
+        else:
+            self.store(item)
 
     def store(self, item: _Item) -> None:
         """``item`` waits on its level's subject (new, or put back to routing)."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Final
 
 import msgspec
@@ -129,6 +129,9 @@ class Arrival(Struct, frozen=True, kw_only=True):
     cancelled_at: float | None = None
     #: Failures of its own doing (:data:`OWN_FAULTS`), by the backend that answered them.
     refused: dict[str, FailureRecord] = {}
+    #: When a router first read it (its ``submitted`` event's store time);
+    #: ``None``: not known.
+    read_at: float | None = None
 
     @property
     def key(self) -> str:
@@ -370,11 +373,32 @@ class _Reader:
         return tuple(arrivals)
 
 
-def trace_of(events: Iterable[Event], *, since: float, until: float, dropped: int = 0) -> Trace:
+def _read(arrivals: tuple[Arrival, ...], read_at: Mapping[str, float]) -> tuple[Arrival, ...]:
+    """``arrivals`` with when a router read each, where that is a delay it could have had."""
+
+    def read(arrival: Arrival) -> Arrival:
+        at = read_at.get(arrival.key)
+        if at is None or _time(at - arrival.at) is None:
+            return arrival
+        return msgspec.structs.replace(arrival, read_at=at)
+
+    return tuple(read(arrival) for arrival in arrivals)
+
+
+def trace_of(
+    events: Iterable[Event],
+    *,
+    since: float,
+    until: float,
+    dropped: int = 0,
+    read_at: Mapping[str, float] | None = None,
+) -> Trace:
     """The :class:`Trace` of ``events`` (in log order, the warm-up before
     ``since`` included) for the requests submitted in ``[since, until)``.
 
     ``dropped``: messages the reader left out, reported with the trace.
+    ``read_at``: when a router first read each request (by ``<tenant>:<id>``),
+    kept where it is a time after its arrival and within a day of it.
     """
     warm: list[Event] = []
     reader = _Reader(since, until)
@@ -395,7 +419,7 @@ def trace_of(events: Iterable[Event], *, since: float, until: float, dropped: in
     return Trace(
         since=since,
         until=until,
-        arrivals=reader.arrivals(),
+        arrivals=_read(reader.arrivals(), read_at or {}),
         calls=tuple(reader.calls),
         failures=tuple(reader.failures),
         releases=tuple(reader.releases),
