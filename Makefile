@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults chaos clean
+.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-economics bench-ab chaos clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,18 @@ bench-ratelimits: $(STAMP)
 # (issue #9). LiteLLM comes from the same venv as bench-ratelimits'.
 bench-faults: $(STAMP)
 	$(BIN)/python bench/faults.py
+
+# A seeded trace (priorities with deadlines, tiers named or estimated, cost caps, bursts) on
+# mocks shaped like a team's backends (two local servers, Groq- and OpenRouter-like free tiers,
+# a small and a large paid model at real prices): cost against sending everything to the paid
+# models, deadline attainment per level, 429s, Ren-Queue against LiteLLM's Router (issue #10).
+# About 5 minutes; redraws the committed plot, bench/economics.png.
+bench-economics: $(STAMP)
+	$(BIN)/python bench/economics.py --update-plot
+
+# What A/B splits cost the fold and the binder (issue #10 item 5): in process, no NATS.
+bench-ab: $(STAMP)
+	$(BIN)/python bench/ab.py
 
 # kill -9 routers and workers under load (single node, 3-node cluster, harsh), audit the log.
 chaos: $(STAMP)

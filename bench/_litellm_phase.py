@@ -8,29 +8,34 @@ not a dependency of Ren-Queue. It imports nothing from ``renqueue`` or ``bench/`
 Reads one JSON object on stdin (the plan the benchmark writes: the mocks' URLs, each
 backend's ``rpm``/``tpm``/``max_parallel_requests`` as LiteLLM is to be told them,
 prices, the fallback order, the Router's other keyword arguments and the requests:
-prompt and ``max_tokens`` each). Its ``mode`` says what to do with them:
+prompt and ``max_tokens`` each). In every mode the Router is built first, ``ready`` is
+printed on a line of its own, and the workload starts when a line comes back on stdin
+(so the benchmark's clock and schedule start with the workload, not with LiteLLM's
+imports). Its ``mode`` says what to do with the requests:
 
 - ``burst`` (``ratelimits.py``, the default): every request at once, not streamed,
   through one ``Router`` with ``routing_strategy="usage-based-routing-v2"`` and
   ``fallbacks`` in the cascade order.
-- ``open-loop`` (``faults.py``): the Router is built, ``ready`` is printed on a line
-  of its own, and the workload starts when a line comes back on stdin (so the
-  benchmark can run its fault schedule on the same clock); request ``i`` is sent at
-  its ``at`` seconds from then, streamed (``stream=True``), and must end within
-  ``deadline`` seconds of being sent (else it counts as expired). The default
-  routing strategy (``simple-shuffle``: one deployment per group, so no choice).
-- ``trace`` (``economics.py``): as ``open-loop`` (ready, then each request at its
-  ``at``), not streamed, but each request says its own cascade (``models``: the first
-  is the model group asked for, the rest its ``fallbacks``), its ``priority`` (an
-  integer, lower first: LiteLLM's priority scheduler), its ``deadline`` (also the
-  call's ``timeout``) and its ``messages``; the Router's ``routing_strategy`` comes
-  with its other keyword arguments.
+- ``open-loop`` (``faults.py``): request ``i`` is sent at its ``at`` seconds from the
+  start, streamed (``stream=True``), and must end within ``deadline`` seconds of being
+  sent (else it counts as expired). The default routing strategy (``simple-shuffle``:
+  one deployment per group, so no choice).
+- ``trace`` (``economics.py``): as ``open-loop`` (each request at its ``at``), not
+  streamed, but each request says its own cascade (``models``: the first is the model
+  group asked for, the rest its ``fallbacks``), its ``priority`` (an integer, lower
+  first: LiteLLM's priority scheduler), its ``deadline`` (also the call's ``timeout``)
+  and its ``messages``; the Router's ``routing_strategy`` comes with its other keyword
+  arguments. Before ``ready``, the ``warmup`` calls (``model``, ``messages``,
+  ``max_tokens`` each) are made straight to their model group, a few at a time per group
+  (its ``max_parallel_requests``), so a router that learns from its calls starts with
+  some.
 
 It prints one JSON object on stdout: per request, who served it (the mock echoes the
 model name it was asked for), its usage, LiteLLM's own cost figure, its latency or the
-error it ended with (open-loop and trace: also the time of its first token, its text, and the
+error it ended with (open-loop: also the time of its first token, its text, and the
 retries and fallbacks LiteLLM says it made, from ``x-litellm-attempted-retries`` and
-``x-litellm-attempted-fallbacks``); and the router's settings as LiteLLM reports them.
+``x-litellm-attempted-fallbacks``; trace: the fallbacks); and the router's settings as
+LiteLLM reports them.
 
 Nothing here holds a secret: the mocks need no key, so the key passed is a dummy
 (LiteLLM's OpenAI client refuses to start without one), and it is never printed.
@@ -283,6 +288,7 @@ async def trace(plan: dict[str, Any]) -> dict[str, Any]:
         model_list=model_list(plan), timeout=plan["timeout_s"], **plan.get("router_kwargs", {})
     )
     settings = _settings(router)
+    warmed = await _warm_up(router, plan)
     await _ready()
     t0 = time.time()
 
@@ -336,7 +342,34 @@ async def trace(plan: dict[str, Any]) -> dict[str, Any]:
         "began": t0,
         "ended": time.time(),
         "cpu_s": cpu,
+        "warmup": warmed,
         "rows": rows,
+    }
+
+
+async def _warm_up(router: Router, plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan's ``warmup`` calls, straight to their model group: how many completed and
+    the errors of the others, per group."""
+    slots = {b["name"]: b.get("max_parallel_requests") or 1 for b in plan["backends"]}
+    gates = {name: asyncio.Semaphore(n) for name, n in slots.items()}
+    done: dict[str, list[str]] = {name: [] for name in slots}
+
+    async def one(item: dict[str, Any]) -> None:
+        async with gates[item["model"]]:
+            try:
+                await router.acompletion(
+                    model=item["model"], messages=item["messages"], max_tokens=item["max_tokens"]
+                )
+            except Exception as exc:  # noqa: BLE001 - reported with the warm-up
+                done[item["model"]].append(_error_text(exc))
+            else:
+                done[item["model"]].append("ok")
+
+    await asyncio.gather(*(one(item) for item in plan.get("warmup", [])))
+    return {
+        name: {"ok": results.count("ok"), "errors": [r for r in results if r != "ok"][:3]}
+        for name, results in done.items()
+        if results
     }
 
 

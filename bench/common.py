@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -264,6 +265,46 @@ async def read_events(js: Any, subject: str) -> list[Any]:
     return events
 
 
+#: The parts of a ``routed`` reason that say what was chosen, not why another was passed
+#: over (the first candidate router's ``bound to X``; the cheapest-in-time planner's head).
+_CHOICE_PARTS = (
+    "first candidate",
+    "bound to",
+    "cheapest in time",
+    "no candidate predicted",
+    "fell back",
+)
+_WINDOW = re.compile(r"\b(?:requests|tokens)/\S+")
+
+
+def reason_notes(reason: str) -> list[tuple[str, str]]:
+    """What a ``routed`` event's reason says of the candidates passed over, as (backend,
+    kind): a window (``requests/6s``, ``tokens/min``, ``requests/day``), ``rate limited``,
+    ``slots full``, ``predicted late`` or the note's first words. Reads both the first
+    candidate router's reasons (``free-a quota:requests/6s 30/30, resets in 1 s; bound to
+    paid``) and the cheapest-in-time planner's (``cheapest in time: paid ...; free-a
+    requests/6s 30/30, resets in 1 s past the deadline; local predicted 9.1 s``)."""
+    notes = []
+    for raw in reason.split(";"):
+        part = raw.strip()
+        if not part or part.startswith(_CHOICE_PARTS) or " is the soonest" in part:
+            continue
+        backend, _, why = part.partition(" ")
+        window = _WINDOW.search(why)
+        if window:
+            kind = window.group(0).rstrip(",")
+        elif "rate limited" in why:
+            kind = "rate limited"
+        elif "predicted" in why:
+            kind = "predicted late"
+        elif "every slot taken" in why:
+            kind = "slots full"
+        else:
+            kind = " ".join(why.split()[:3])
+        notes.append((backend, kind))
+    return notes
+
+
 def free_port() -> int:
     """A TCP port free on loopback right now (for servers that must know theirs in advance,
     such as the routes of a NATS cluster; another process may take it meanwhile)."""
@@ -344,13 +385,15 @@ async def run_litellm_phase(
     *,
     limit: float,
     on_start: Callable[[float], Coroutine[Any, Any, Any]] | None = None,
+    on_ready: Callable[[], Coroutine[Any, Any, Any]] | None = None,
 ) -> PhaseRun:
     """Run ``bench/_litellm_phase.py`` with LiteLLM's ``python`` on ``payload``.
 
     The phase builds its Router, says ``ready``, and starts the workload when told to;
     ``on_start(t0)`` (a fault schedule, say) runs beside it from then, on the same clock
-    (``t0``: when it was told, within milliseconds of the phase's own). ``limit``: seconds
-    the workload may take before the phase is killed.
+    (``t0``: when it was told, within milliseconds of the phase's own); ``on_ready()`` (a
+    snapshot of the mocks' counters after a warm-up, say) is awaited before it is told.
+    ``limit``: seconds the workload may take before the phase is killed.
     """
     proc = await asyncio.create_subprocess_exec(
         str(python),
@@ -373,6 +416,8 @@ async def run_litellm_phase(
         await proc.stdin.drain()
         ready = await asyncio.wait_for(proc.stdout.readline(), timeout=120)
         if ready.strip() == b"ready":
+            if on_ready is not None:
+                await on_ready()
             t0 = time.time()
             proc.stdin.write(b"go\n")
             await proc.stdin.drain()

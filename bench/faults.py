@@ -321,6 +321,7 @@ async def run_renqueue(plan: Plan, workload: list[dict[str, Any]]) -> dict[str, 
                     await asyncio.sleep(1.0)
                     events = await read_events(services.js, f"rq.evt.{TENANT}.>")
                     system = await read_events(services.js, f"rq.evt.{SYSTEM_TENANT}.>")
+                    assert services.js is not None  # set while Services is open
                     dlq = (await services.js.stream_info(DLQ_STREAM)).state.messages
                 finally:
                     await client.close()

@@ -81,6 +81,7 @@ from common import (
     machine_info,
     mock_fleet,
     percentile,
+    reason_notes,
     run_litellm_phase,
 )
 from common import read_events as read_events_on
@@ -332,6 +333,7 @@ def log_figures(events: Sequence[Any], rows: Sequence[dict[str, Any]]) -> dict[s
     routed: Counter[str] = Counter()
     passed_over = 0
     reasons: Counter[str] = Counter()
+    others: Counter[str] = Counter()
     retrying: Counter[str] = Counter()
     first_start: dict[str, float] = {}
     for event in events:
@@ -339,15 +341,12 @@ def log_figures(events: Sequence[Any], rows: Sequence[dict[str, Any]]) -> dict[s
             continue
         if isinstance(event, Routed):
             routed[event.backend] += 1
-            if "quota" in event.reason or "rate limited" in event.reason:
-                passed_over += 1
-                for raw in event.reason.split(";"):
-                    part = raw.strip()
-                    if part.startswith("bound to"):
-                        continue
-                    # "free-a quota:requests/6s 30/30, resets in 1 s" -> "free-a requests/6s"
-                    words = part.replace("quota:", "").split()
-                    reasons[" ".join(words[:2])] += 1
+            notes = reason_notes(event.reason)
+            quota = [(b, kind) for b, kind in notes if "/" in kind or kind == "rate limited"]
+            passed_over += bool(quota)
+            # "free-a quota:requests/6s 30/30, resets in 1 s" -> "free-a requests/6s"
+            reasons.update(f"{b} {kind}" for b, kind in quota)
+            others.update(f"{b} {kind}" for b, kind in notes if (b, kind) not in quota)
         elif isinstance(event, Retrying):
             retrying[f"{event.backend} {event.error_type}"] += 1
         elif isinstance(event, Started):
@@ -357,6 +356,8 @@ def log_figures(events: Sequence[Any], rows: Sequence[dict[str, Any]]) -> dict[s
         "routed": dict(routed),
         "binds_passing_over_quota": passed_over,
         "passed_over_for": dict(reasons.most_common()),
+        # Candidates passed over for anything else (full, predicted late: the planner's).
+        "passed_over_otherwise": dict(others.most_common()),
         "retrying": dict(retrying),
         "submit_to_started_max_s": max(waits, default=float("nan")),
         "submit_to_started_p95_s": percentile(waits, 95),

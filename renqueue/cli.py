@@ -16,6 +16,9 @@
     renqueue dlq list|show|requeue|purge
                                 the dead-letter stream: what failed for good, with why
                                 and the request's history; requeue it as a new request
+    renqueue ab status|promote|rollback|resume
+                                A/B splits: each arm's figures; move all of a split's
+                                traffic to one arm, back to its control, or split again
     renqueue schema             JSON Schema of every wire message and event
     renqueue mock-backend       an OpenAI-compatible mock LLM server
     renqueue demo               everything embedded, a mixed workload, a summary
@@ -34,8 +37,10 @@ file, NATS unreachable, no request submitted in the window). ``dlq``: 0 done
 (``purge`` declined at its prompt: nothing deleted, 0 too), 1 some entries
 failed (no such entry, a poison message cannot be requeued, ...: one line each
 on stderr, the others done), 2 cannot read (NATS unreachable, no dead-letter
-stream, bad arguments). ``status``, ``replay`` and ``dlq`` end any error they
-did not expect with 2 and one line on stderr, never a traceback.
+stream, bad arguments). ``ab``: 0 done (a split already where it was asked to
+go, too), 2 an error (no such split or arm, NATS unreachable). ``status``,
+``replay``, ``dlq`` and ``ab`` end any error they did not expect with 2 and one
+line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -845,6 +850,97 @@ def _add_dlq_command(sub: Any) -> None:
         cmd.set_defaults(run=_guarded(_dlq))
 
 
+async def _ab(config: Config, args: argparse.Namespace) -> None:
+    """``renqueue ab status|promote|rollback|resume`` (see :mod:`renqueue.state._split_status`)."""
+    from .ops._connection import connect
+    from .state._split_status import move_split, planned_move, read_splits, render_splits
+
+    if args.ab_command != "status":  # a move the config cannot make fails before connecting
+        planned_move(config, args.route, args.ab_command, getattr(args, "arm", None))
+    nc = await connect(_client_url(config), name="renqueue-ab", config=config.nats)
+    try:
+        js = nc.jetstream()
+        if args.ab_command == "status":
+            reports = await read_splits(js, config, args.route)
+            if args.json:
+                print(msgspec.json.encode(reports).decode())
+            else:
+                print("\n".join(render_splits(reports)))
+            return
+        event, shown = await move_split(
+            js,
+            config,
+            args.route,
+            args.ab_command,
+            arm=getattr(args, "arm", None),
+            operator=args.by or _operator(),
+            reason=args.reason,
+        )
+    finally:
+        await _close(nc)
+    from .state._status import printable
+
+    route = printable(args.route)
+    if event is None:
+        where = "live" if shown is None or shown.state == "live" else shown.state
+        arm = "" if shown is None or not shown.arm else f" ({printable(shown.arm)})"
+        print(f"A/B split {route} is {where}{arm} already: nothing logged")
+        return
+    done = {"live": "resumed", "rolled_back": "rolled back", "promoted": "promoted"}[event.state]
+    to = f" to {printable(event.arm)}" if event.arm else ""
+    print(f"A/B split {route} {done}{to} (logged as an ab event, by {printable(event.operator)})")
+    if shown is None:
+        print(
+            "the projection has not shown it yet (is a projector running?): routers follow it "
+            "once it does"
+        )
+
+
+def _operator() -> str:
+    """Who runs the command: ``$USER@host`` (for the ``ab`` event's ``operator``)."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"[:200]
+
+
+def _add_ab_command(sub: Any) -> None:
+    ab = sub.add_parser(
+        "ab",
+        help="A/B splits: status, promote, rollback, resume",
+        description="A route's A/B split ([routes.<name>.ab]): each arm's figures, and an "
+        "operator's move of its traffic, logged as an ab event every router follows. "
+        "Exit codes: 0 done (also when the split is already there), 2 an error.",
+    )
+    commands = ab.add_subparsers(dest="ab_command", required=True)
+    cmd = commands.add_parser("status", help="each split's state and per-arm figures")
+    cmd.add_argument("route", nargs="?", help="only this route's split")
+    cmd.add_argument("--json", action="store_true", help="the reports as JSON")
+
+    def who(cmd: argparse.ArgumentParser) -> None:
+        cmd.add_argument("--reason", default="", help="why (in the event)")
+        cmd.add_argument("--by", help="who (default: $USER@host)")
+
+    cmd = commands.add_parser("promote", help="send all of a split's traffic to one arm")
+    cmd.add_argument("route")
+    cmd.add_argument("arm")
+    who(cmd)
+    cmd = commands.add_parser("rollback", help="send all of a split's traffic to its control")
+    cmd.add_argument("route")
+    who(cmd)
+    cmd = commands.add_parser(
+        "resume", help="split a rolled-back or promoted split's traffic by weight again"
+    )
+    cmd.add_argument("route")
+    who(cmd)
+    for cmd in commands.choices.values():
+        cmd.set_defaults(run=_guarded(_ab))
+
+
 def _shorten(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -974,6 +1070,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("schema", help="JSON Schema of messages and events").set_defaults(run=_schema)
 
     _add_dlq_command(sub)
+    _add_ab_command(sub)
 
     _add_tool_commands(sub)
     return parser

@@ -14,6 +14,7 @@ Environment overrides (applied after the file):
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -32,7 +33,10 @@ from .policy import (
     FallbackPolicy,
     LevelPolicy,
     PlanPolicy,
+    RollbackRules,
+    SplitPolicy,
 )
+from .policy._ab import AB_BUCKET, AB_HORIZON
 from .policy._budget import EVERY_TENANT, Budget
 from .policy._predict import RouteRules
 from .policy._quota import Limit, limits_of
@@ -47,9 +51,11 @@ __all__ = [
     "NatsConfig",
     "Rate",
     "RetentionConfig",
+    "RollbackConfig",
     "RouteConfig",
     "RouterConfig",
     "Secret",
+    "SplitConfig",
     "WorkerConfig",
     "load_config",
     "parse_config",
@@ -369,12 +375,93 @@ class ComplexityConfig(_Section, frozen=True, kw_only=True):
     #: Ascending scores in (0, 1]: reaching the n-th means tier n + 1.
     thresholds: Annotated[list[Annotated[float, Meta(gt=0, le=1)]], Meta(min_length=1)]
     #: The scorer: ``heuristic`` (no download; prompt length, requested output,
-    #: code and math markers, conversation depth).
-    estimator: Literal["heuristic"] = "heuristic"
+    #: code and math markers, conversation depth), or ``module.path:name``, a
+    #: learned one (:func:`renqueue.policy.load_estimator`), loaded at start.
+    estimator: Annotated[str, Meta(pattern=r"^(heuristic|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")] = (
+        "heuristic"
+    )
 
     def __post_init__(self) -> None:
         if list(self.thresholds) != sorted(self.thresholds):
             raise ValueError("complexity thresholds must be in ascending order")
+
+
+#: A split's sticky key: the tenant, or a field of the request's ``metadata``.
+SplitKey = Annotated[str, Meta(pattern=r"^(tenant|metadata\.[^\s]{1,64})$")]
+
+
+class RollbackConfig(_Section, frozen=True, kw_only=True):
+    """When the binder moves all of a split's traffic back to its control arm
+    (``[routes.<name>.ab.rollback]``; :func:`renqueue.policy.breach`): an arm
+    other than the control breaches when, over the last ``window``, at least
+    ``min_requests`` of its requests ended and ``error_rate`` of them failed or
+    expired, or at least ``min_requests`` completed with a p95 latency (or time
+    to first token) above ``p95_latency`` (``p95_ttft``), both measured from
+    the request's submission."""
+
+    error_rate: Annotated[float, Meta(gt=0, le=1)] | None = None
+    p95_latency: Duration | None = None
+    p95_ttft: Duration | None = None
+    min_requests: Annotated[int, Meta(ge=1, le=1_000_000)] = 20
+    window: Duration = "5m"
+
+    def __post_init__(self) -> None:
+        if self.error_rate is None and self.p95_latency is None and self.p95_ttft is None:
+            raise ValueError("give at least one of error_rate, p95_latency, p95_ttft")
+        window = parse_duration(self.window)
+        if not AB_BUCKET <= window <= AB_HORIZON:
+            raise ValueError(
+                f"rollback window must be between {AB_BUCKET}s and {AB_HORIZON // 60}m,"
+                f" not {self.window!r}"
+            )
+
+    def rules(self) -> RollbackRules:
+        return RollbackRules(
+            error_rate=self.error_rate,
+            p95_latency=None if self.p95_latency is None else parse_duration(self.p95_latency),
+            p95_ttft=None if self.p95_ttft is None else parse_duration(self.p95_ttft),
+            min_requests=self.min_requests,
+            window=parse_duration(self.window),
+        )
+
+
+class SplitConfig(_Section, frozen=True, kw_only=True):
+    """A route's A/B split (``[routes.<name>.ab]``; :mod:`renqueue.policy._ab`).
+
+    Each arm is a route's name (the route itself may be one: its own
+    backends), with a weight; ``control`` is the arm all traffic goes back
+    to on a rollback. A request keeps its arm by ``key``: its tenant, or a
+    ``metadata`` field (``"metadata.user"``), hashed with the tenant; a
+    request without that field is placed by its id (not sticky). ``salt``
+    reshuffles which keys land where (a new experiment on the same arms).
+    """
+
+    arms: Annotated[dict[Name, float], Meta(min_length=1)]
+    control: Name
+    key: SplitKey = "tenant"
+    salt: Annotated[str, Meta(max_length=64)] = ""
+    #: Roll back automatically when an arm breaches these; unset: never automatically.
+    rollback: RollbackConfig | None = None
+
+    def __post_init__(self) -> None:
+        for arm, weight in self.arms.items():
+            if not (math.isfinite(weight) and weight >= 0):
+                raise ValueError(f"arm {arm!r}: a weight is a finite number >= 0, not {weight}")
+        if sum(self.arms.values()) <= 0:
+            raise ValueError("the arms' weights sum to 0: no arm would get traffic")
+        if self.control not in self.arms:
+            raise ValueError(f"control {self.control!r} is not one of the arms")
+
+    def policy(self, route: str) -> SplitPolicy:
+        """The split of route ``route``, as the binder applies it."""
+        return SplitPolicy(
+            route=route,
+            arms=tuple(self.arms.items()),
+            control=self.control,
+            key=self.key,
+            salt=self.salt,
+            rollback=None if self.rollback is None else self.rollback.rules(),
+        )
 
 
 class RouteConfig(_Section, frozen=True, kw_only=True):
@@ -396,6 +483,8 @@ class RouteConfig(_Section, frozen=True, kw_only=True):
     explore: Annotated[float, Meta(ge=0, le=1)] = 0.0
     #: Standard deviations of caution in a predicted finish time.
     spread: Annotated[float, Meta(ge=0, le=10)] = 1.0
+    #: Split its traffic between routes (arms) by weight; unset: no split.
+    ab: SplitConfig | None = None
 
     def rules(self) -> RouteRules:
         """How the planner chooses among this route's candidates."""
@@ -429,6 +518,9 @@ class LevelConfig(_Section, frozen=True, kw_only=True):
     promote_to: Name | None = None
     preemptible: bool | None = None
     preempts: bool | None = None
+    #: How long a request at this level with no deadline may wait for a free
+    #: or cheaper backend rather than pay now (unset: it does not wait).
+    patience: Duration | None = None
 
 
 _LEVEL_DEFAULTS: Final = {
@@ -604,12 +696,14 @@ class Config(_Section, frozen=True, kw_only=True):
             budgets=self.budgets(),
         )
 
-    def budgets(self) -> dict[str, Budget]:
-        """Each tenant's daily budget (``"*"``: every tenant not named)."""
+    def budgets(self) -> dict[str, Budget | None]:
+        """Each named tenant's daily budget (``None``: named with none, so the
+        ``"*"`` one does not apply to it; ``"*"``: every tenant not named)."""
         return {
-            name: Budget(daily=tenant.daily_budget, mode=tenant.budget)
+            name: None
+            if tenant.daily_budget is None
+            else Budget(daily=tenant.daily_budget, mode=tenant.budget)
             for name, tenant in self.tenants.items()
-            if tenant.daily_budget is not None
         }
 
     def level_policies(self) -> list[LevelPolicy]:
@@ -631,6 +725,7 @@ class Config(_Section, frozen=True, kw_only=True):
                         default.preemptible if given.preemptible is None else given.preemptible
                     ),
                     preempts=bool(default.preempts if given.preempts is None else given.preempts),
+                    patience=None if given.patience is None else parse_duration(given.patience),
                 )
             )
         return policies
@@ -746,6 +841,26 @@ def _check_references(config: Config, source: str | None) -> None:
                     path=f"$.routes.{route_name}.backends[{index}]",
                     source=source,
                 )
+        _check_split(config, route_name, source)
+
+
+def _check_split(config: Config, route_name: str, source: str | None) -> None:
+    """Each arm of a route's split names a route, and none but the route
+    itself splits again (a request is split once)."""
+    split = config.routes[route_name].ab
+    if split is None:
+        return
+    for arm in split.arms:
+        path = f"$.routes.{route_name}.ab.arms.{arm}"
+        target = config.routes.get(arm)
+        if target is None:
+            raise ConfigError(f"unknown route {arm!r}", path=path, source=source)
+        if arm != route_name and target.ab is not None:
+            raise ConfigError(
+                f"route {arm!r} has an A/B split of its own: an arm must not split again",
+                path=path,
+                source=source,
+            )
 
 
 def load_config(

@@ -71,3 +71,13 @@ COST_CAP_OVERRUNS = Counter(
     "Calls whose real cost exceeded their request's max_cost (bound within it by the estimate)",
     ["backend"],
 )
+AB_PLACED = Counter(
+    "renqueue_ab_placed_total",
+    "Requests of a route with an A/B split placed on one of its arms by the binder",
+    ["route", "arm"],
+)
+AB_ROLLBACKS = Counter(
+    "renqueue_ab_rollbacks_total",
+    "Automatic rollbacks of an A/B split to its control arm, decided by this binder",
+    ["route"],
+)

@@ -13,6 +13,7 @@ import asyncio
 import time
 from typing import Any
 
+import msgspec
 import pytest
 from test_fallback import config_for
 from test_quota_exhausted import describe
@@ -29,17 +30,28 @@ from renqueue.policy import (
     Expire,
     LevelPolicy,
     PlanPolicy,
+    Refuse,
     RouteRules,
     Wait,
     Waiting,
     budget_of,
     day_ends,
+    estimated_cost,
     plan,
     refused,
 )
-from renqueue.state import utc_day
+from renqueue.state import ProjectionState, fold_many, utc_day
 from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import ChatMessage, EventLog, GenerationParams, InferenceRequest, Routed
+from renqueue.wire import (
+    ChatMessage,
+    Completed,
+    EventLog,
+    Failed,
+    GenerationParams,
+    InferenceRequest,
+    Routed,
+    Usage,
+)
 
 NOW = 1_000_000.0
 PRICES = {"cost_input_per_mtok": 2.5, "cost_output_per_mtok": 10.0}
@@ -118,19 +130,32 @@ def test_a_budget_keeps_a_tenant_on_free_backends_once_a_paid_call_would_pass_it
         assert "not paid" in action.reason
 
 
-def test_a_request_only_paid_backends_can_serve_waits_and_says_why() -> None:
+def test_a_request_the_budget_leaves_no_candidate_is_refused_not_held() -> None:
+    """Before: held until midnight (or its deadline), taking a place in its
+    level's hold that every tenant's requests need."""
     only_paid = PlanPolicy(
         levels=(LevelPolicy(name="normal", rank=0),),
         routes={"chat": ("paid",)},
-        budgets={"acme": Budget(daily=0.0)},
+        budgets={"acme": Budget(daily=0.001)},
     )
     views = {"paid": BackendView(name="paid", capacity=4, in_flight=0, **PRICES)}
-    item = Waiting(ref=1, request=request(deadline=NOW + 5), rank=0, submitted=NOW)
-    [wait] = [a for a in plan([item], views, NOW, only_paid, {}) if isinstance(a, Wait)]
-    assert wait.reason.endswith("tenant budget $0.0000 of $0.0000 spent today: not paid")
-    late = Waiting(ref=1, request=request(deadline=NOW - 1), rank=0, submitted=NOW - 10)
-    [expire] = [a for a in plan([late], views, NOW, only_paid, {}) if isinstance(a, Expire)]
-    assert "tenant budget" in expire.reason
+    for fields in ({}, {"deadline": NOW + 5}):
+        item = Waiting(ref=1, request=request(**fields), rank=0, submitted=NOW)
+        [refuse] = [a for a in plan([item], views, NOW, only_paid, {}) if isinstance(a, Refuse)]
+        assert refuse.reason == "tenant budget $0.0000 of $0.0010 spent today: not paid"
+        assert (refuse.daily, refuse.spent) == (0.001, 0.0)
+    # Another tenant's request on the same route is bound.
+    other = Waiting(ref=2, request=request(tenant="globex"), rank=0, submitted=NOW)
+    [bind] = [a for a in plan([other], views, NOW, only_paid, {}) if isinstance(a, Bind)]
+    assert bind.backend == "paid"
+
+
+def test_a_named_tenant_without_a_budget_is_not_under_everyones() -> None:
+    config = parse_config(
+        {"tenants": {"*": {"daily_budget": 0, "budget": "hard"}, "vip": {"budget": "soft"}}}
+    )
+    assert budget_of("vip", config.budgets()) is None
+    assert budget_of("anyone", config.budgets()) == Budget(daily=0.0, mode="hard")
 
 
 def test_a_hard_budget_refuses_once_spent_and_the_day_ends_at_midnight_utc() -> None:
@@ -155,7 +180,11 @@ def test_tenants_config_reads_budgets_and_refuses_bad_ones() -> None:
             }
         }
     )
-    assert config.budgets() == {"*": Budget(daily=1.5), "acme": Budget(daily=10.0, mode="hard")}
+    assert config.budgets() == {
+        "*": Budget(daily=1.5),
+        "acme": Budget(daily=10.0, mode="hard"),
+        "free": None,  # named: "*" is not its budget
+    }
     assert config.plan_policy().budgets == config.budgets()
     for bad, path in [
         ({"acme": {"daily_budget": -1}}, "$.tenants.acme.daily_budget"),
@@ -172,6 +201,14 @@ def test_tenants_config_reads_budgets_and_refuses_bad_ones() -> None:
 
 
 # ---------------------------------------------------------------- end to end
+
+
+async def until_logged(log: EventLog, request_id: str, kind: str, within: float = 15.0) -> None:
+    """Until the log has a ``kind`` event of the request."""
+    give_up = time.monotonic() + within
+    while not await log.history(TENANT, request_id, kind=kind):
+        assert time.monotonic() < give_up, f"no {kind} event of {request_id}"
+        await asyncio.sleep(0.02)
 
 
 async def spent_seen(services: Services, tenant: str, within: float = 20.0) -> float:
@@ -250,3 +287,122 @@ async def test_past_its_budget_a_tenant_goes_free_or_is_refused_and_others_are_n
     assert caught.value.error_type == BudgetExhaustedError.code
     assert "hard daily budget" in str(caught.value)
     assert "T00:00:00Z" in str(caught.value)
+
+
+async def test_a_request_admitted_before_a_hard_budget_ran_out_is_not_refused_when_handed_back(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Before: a held request handed back by a restart (or a lease change) was
+    judged as new at its next delivery, and rejected ``budget_exhausted``."""
+    async with (
+        MockBackend(MockSettings(ttft=0.01, output_tokens=8)) as paid,
+        MockBackend(MockSettings(ttft=1.5, output_tokens=8)) as local,
+    ):
+
+        def config(**tenant: Any) -> Config:
+            return parse_config(
+                {
+                    "nats": {"url": isolated_server.url},
+                    "backends": {
+                        "paid": {"base_url": paid.url, "model": "m", **PRICES},
+                        "local": {
+                            "base_url": local.url,
+                            "model": "m",
+                            "limits": {"concurrency": 1},
+                        },
+                    },
+                    "routes": {"chat": {"backends": ["paid"]}, "slow": {"backends": ["local"]}},
+                    "router": {"capacity_refresh": "20ms"},
+                    "tenants": {TENANT: tenant} if tenant else {},
+                }
+            )
+
+        async with Services(config()) as services, Client(services.nc, tenant=TENANT) as client:
+            log = EventLog(client.js)
+            first = await client.submit("hello", route="chat", max_tokens=8)
+            assert (await first.result(timeout=15)).backend == "paid"
+            spent = await spent_seen(services, TENANT)
+            blocker = await client.submit("block", route="slow", max_tokens=8)
+            held = await client.submit("waiting", route="slow", max_tokens=8)
+            await until_logged(log, held.id, "submitted")
+        # Restarted with a hard budget already spent: the held request comes
+        # back (delivered again) and runs; a new one is refused.
+        hard = config(daily_budget=spent, budget="hard")
+        async with Services(hard) as services, Client(services.nc, tenant=TENANT) as client:
+            log = EventLog(client.js)
+            await spent_seen(services, TENANT)
+            late = await client.submit("hello", route="slow", max_tokens=8)
+            with pytest.raises(RequestRejectedError):
+                await late.result(timeout=15)
+            assert (await client.handle(held.id).result(timeout=20)).backend == "local"
+            assert (await client.handle(blocker.id).result(timeout=20)).backend == "local"
+            events = await log.history(TENANT, held.id)
+    assert not [e for e in events if type(e).__name__ == "Rejected"], describe(events)
+
+
+def test_calls_bound_and_not_ended_count_against_the_budget() -> None:
+    """Before: a budget saw completed calls only, and every round bound as many
+    paid calls as had slots (the review measured 2.3x a hard budget spent)."""
+
+    def routed(rid: str, cost: float, tenant: str = "acme") -> Routed:
+        return Routed(
+            request_id=rid,
+            tenant=tenant,
+            at=NOW,
+            backend="paid",
+            attempt=1,
+            priority="normal",
+            queue_wait=0.0,
+            estimated_cost=cost,
+        )
+
+    state = fold_many(
+        ProjectionState(),
+        [routed("a", 0.25), routed("b", 0.5), routed("c", 0.125, tenant="other")],
+    )
+    assert state.tenants["acme"].committed == 0.75
+    assert state.tenants["other"].committed == 0.125
+    # A decision made again for the same request replaces its estimate.
+    state = fold_many(state, [routed("a", 0.0625)])
+    assert state.tenants["acme"].committed == 0.5625
+    done = Completed(
+        request_id="b",
+        tenant="acme",
+        at=NOW + 1,
+        backend="paid",
+        attempt=1,
+        delivery=1,
+        text="x",
+        usage=Usage(prompt_tokens=1, completion_tokens=1),
+        cost=0.4,
+    )
+    failed = Failed(request_id="a", tenant="acme", at=NOW + 1, error_type="x", reason="x")
+    state = fold_many(state, [done, failed])
+    assert state.tenants["acme"].committed == 0.0
+    assert state.tenants["acme"].day_spend == 0.4
+
+
+async def test_requests_submitted_together_do_not_spend_past_a_budget(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """A budget with room for one paid call: of eight requests at once, one is
+    paid (the others go to the free backend), whichever rounds bind them."""
+    fast = MockSettings(ttft=0.2, output_tokens=8)
+    async with MockBackend(fast) as paid, MockBackend(fast) as local:
+        base = config_for(
+            isolated_server.url, {"paid": paid, "local": local}, backends={"paid": PRICES}
+        )
+        one = request(tenant=TENANT)
+        estimate = estimated_cost(
+            msgspec.structs.replace(
+                one,
+                messages=[ChatMessage(role="user", content="hello")],
+                params=GenerationParams(max_tokens=8),
+            ),
+            base.backends["paid"],
+        )
+        soft = with_budget(base, daily_budget=estimate * 1.5)
+        async with Services(soft) as services, Client(services.nc, tenant=TENANT) as client:
+            handles = [await client.submit("hello", route="chat", max_tokens=8) for _ in range(8)]
+            results = [await handle.result(timeout=20) for handle in handles]
+    assert sorted(result.backend for result in results) == ["local"] * 7 + ["paid"]

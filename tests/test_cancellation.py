@@ -125,11 +125,23 @@ async def test_cancel_before_any_router_reads_it_and_after_it_ended(
     assert slow.stats().requests == 1
 
 
-async def test_cli_cancel(stack: Services) -> None:
+async def until_submitted(client: Client, request_id: str, within: float = 15.0) -> None:
+    """Until the router has read the request (its ``submitted`` event is logged)."""
+    log = EventLog(client.js)
+    give_up = time.monotonic() + within
+    while not await log.history("t", request_id, kind="submitted"):
+        assert time.monotonic() < give_up, f"{request_id} was never read"
+        await asyncio.sleep(0.02)
+
+
+async def test_cli_cancel(stack: Services, slow: MockBackend) -> None:
+    # A minute per answer: "waits" is still waiting when the CLI's cancel lands,
+    # however slowly a process starts on a loaded machine (2 s was not enough).
+    slow.update(output_tokens=1200)
     async with Client(stack.nc, tenant="t") as client:
         busy = await client.submit("slot", route="chat")
         waiting = await client.submit("waits", route="chat")
-        await asyncio.sleep(0.2)
+        await until_submitted(client, waiting.id)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "renqueue", "--nats", stack.url, "cancel", waiting.id,
             "--tenant", "t", "--wait", "10",
@@ -137,7 +149,9 @@ async def test_cli_cancel(stack: Services) -> None:
             env={**os.environ, "RENQUEUE_CONFIG": ""},
         )  # fmt: skip
         out, err = await asyncio.wait_for(proc.communicate(), 30)
-        await busy.result(timeout=10)
+        await busy.cancel()
+        with pytest.raises(RequestCancelledError):
+            await busy.result(timeout=10)
     assert proc.returncode == 0, err  # the request ended cancelled, as asked
     assert b"cancellation requested" in out
     assert b"cancelled" in out

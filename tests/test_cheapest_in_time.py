@@ -71,4 +71,10 @@ async def test_a_free_slow_first_candidate_serves_what_it_can_finish_and_a_paid_
     assert tight_routed.backend == "fast", describe(tight_events)
     assert tight_routed.reason.startswith("cheapest in time: fast $"), tight_routed.reason
     assert "slow predicted" in tight_routed.reason
+    # The numbers are in the event too, for audits of the predictions.
+    assert roomy_routed.predicted is not None
+    assert 0 < roomy_routed.predicted < 10
+    assert roomy_routed.estimated_cost == 0
+    assert tight_routed.predicted is None  # fast had no model yet
+    assert tight_routed.estimated_cost > 0
     assert fast.stats().completed == 1

@@ -128,11 +128,15 @@ async def test_exit_codes_and_scaling_out_without_a_url(tmp_path: Path) -> None:
     """Issue #6 items 23, 27: --wait timeouts, unknown ids and cancel --wait exit
     with the documented codes, one line each; `renqueue router` without --nats
     joins the running server instead of starting a second one on its store."""
-    async with MockBackend(MockSettings(ttft=0.0, tokens_per_second=10, output_tokens=30)) as mock:
+    # A minute per answer: "to-cancel" is still queued or running when the
+    # cancel lands, however slowly a CLI process starts on a loaded machine.
+    async with MockBackend(MockSettings(ttft=0.0, tokens_per_second=10, output_tokens=600)) as mock:
         config = write_config(tmp_path, mock.url)
         async with renqueue_up(config) as (_proc, _url):
             base = ("-m", "renqueue", "-c", str(config))
-            code, _out, err = await run(*base, "submit", "x", "--route", "chat", "--wait", "0.2")
+            code, _out, err = await run(
+                *base, "submit", "x", "--route", "chat", "--id", "slow-x", "--wait", "0.2"
+            )
             assert code == 4, err
             assert "has not ended after 0.2 s" in err
             assert "Traceback" not in err
@@ -146,6 +150,8 @@ async def test_exit_codes_and_scaling_out_without_a_url(tmp_path: Path) -> None:
             code, out, err = await run(*base, "cancel", "to-cancel", "--wait", "10")
             assert code == 0, err
             assert "cancelled" in out
+            code, out, err = await run(*base, "cancel", "slow-x", "--wait", "10")
+            assert code == 0, err
 
             log = tmp_path / "router.log"
             with log.open("wb") as sink:

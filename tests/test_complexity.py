@@ -12,9 +12,9 @@ from test_quota_exhausted import describe, results
 from test_restarts import TENANT
 
 from renqueue import Client, Services
-from renqueue.config import ConfigError, parse_config
+from renqueue.config import Config, ConfigError, parse_config
 from renqueue.ops import EmbeddedServer
-from renqueue.policy import estimate_complexity, tier_of
+from renqueue.policy import estimate_complexity, load_estimator, tier_of
 from renqueue.tools import MockBackend
 from renqueue.wire import (
     ChatMessage,
@@ -88,6 +88,69 @@ def test_a_learned_scorer_plugs_in_and_its_signals_are_still_recorded() -> None:
     assert got.turns == 1
 
 
+class AlwaysHard:
+    """A stand-in for a scorer a team trained on its own logged outcomes."""
+
+    name = "always-hard"
+
+    def __call__(self, request: InferenceRequest) -> float:
+        return 1.0
+
+
+class Broken:
+    name = "broken"
+
+    def __call__(self, request: InferenceRequest) -> float:
+        raise RuntimeError("model file missing")
+
+
+def test_a_scorer_that_fails_or_answers_nonsense_leaves_the_heuristic_to_decide() -> None:
+    class NotANumber:
+        name = "nan"
+
+        def __call__(self, request: InferenceRequest) -> float:
+            return float("nan")
+
+    for scorer, said in ((Broken(), "broken failed: RuntimeError"), (NotANumber(), "nan gave nan")):
+        got = estimate_complexity(request("hi"), [0.5], highest=2, estimator=scorer)
+        assert got.tier == 1
+        assert got.estimator == f"heuristic ({said})"
+
+
+def test_a_route_names_a_learned_scorer_by_import_path() -> None:
+    assert load_estimator("heuristic") is None
+    loaded = load_estimator("test_complexity:AlwaysHard")  # a class: made with no arguments
+    assert loaded is not None
+    assert loaded.name == "always-hard"
+    instance = load_estimator("test_complexity:BROKEN")  # an object with a name: as it is
+    assert instance is BROKEN
+    with pytest.raises(ValueError, match="cannot load estimator"):
+        load_estimator("no_such_module_anywhere:scorer")
+    with pytest.raises(ValueError, match="cannot load estimator"):
+        load_estimator("test_complexity:missing")
+    with pytest.raises(TypeError, match="callable with a str 'name'"):
+        load_estimator("test_complexity:HARD")
+    # Any callable a module exports is not called to see what it makes.
+    with pytest.raises(TypeError, match="estimator_factory"):
+        load_estimator("builtins:print")
+    assert load_estimator("test_complexity:make_always_hard").name == "always-hard"  # type: ignore[union-attr]
+    # A module that fails as it loads is a clear error too.
+    with pytest.raises(ValueError, match=r"cannot load estimator.*ZeroDivisionError"):
+        load_estimator("_broken_estimator:scorer")
+    with pytest.raises(ConfigError, match="estimator"):
+        parse_config(
+            {
+                "backends": {"a": {"base_url": "http://127.0.0.1:1", "model": "m"}},
+                "routes": {
+                    "chat": {
+                        "backends": ["a"],
+                        "complexity": {"thresholds": [0.5], "estimator": "os; rm -rf /"},
+                    }
+                },
+            }
+        )
+
+
 def test_thresholds_must_ascend() -> None:
     with pytest.raises(ConfigError, match="ascending"):
         parse_config(
@@ -96,6 +159,55 @@ def test_thresholds_must_ascend() -> None:
                 "routes": {"chat": {"backends": ["a"], "complexity": {"thresholds": [0.6, 0.3]}}},
             }
         )
+
+
+BROKEN = Broken()
+
+
+def make_always_hard() -> AlwaysHard:
+    return AlwaysHard()
+
+
+make_always_hard.estimator_factory = True  # type: ignore[attr-defined]
+
+
+async def test_a_route_with_a_learned_scorer_routes_by_it(isolated_server: EmbeddedServer) -> None:
+    """A route whose estimator is ``test_complexity:AlwaysHard`` sends even
+    "hi" to the large model; a route naming one that cannot load does not start."""
+    async with MockBackend(FAST) as small, MockBackend(FAST) as large:
+
+        def config(estimator: str) -> Config:
+            return parse_config(
+                {
+                    "nats": {"url": isolated_server.url},
+                    "backends": {
+                        "small": {"base_url": small.url, "model": "m", "tier": 1},
+                        "large": {"base_url": large.url, "model": "m", "tier": 2},
+                    },
+                    "routes": {
+                        "chat": {
+                            "backends": ["small", "large"],
+                            "complexity": {"thresholds": [0.5], "estimator": estimator},
+                        }
+                    },
+                }
+            )
+
+        async with (
+            Services(config("test_complexity:AlwaysHard")) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            log = EventLog(client.js)
+            easy = await client.submit("hi", route="chat")
+            await results(log, [easy], within=15)
+            events = await log.history(TENANT, easy.id)
+        with pytest.raises(ConfigError, match=r"\$\.routes\.chat\.complexity\.estimator"):
+            async with Services(config("test_complexity:nothing_here")):
+                pass
+    [decision] = [e for e in events if isinstance(e, Routed)]
+    assert decision.backend == "large", describe(events)
+    assert decision.complexity_estimate is not None
+    assert decision.complexity_estimate.estimator == "always-hard"
 
 
 async def test_a_hard_request_skips_the_small_model_and_the_estimate_is_in_its_routed_event(

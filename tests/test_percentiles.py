@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -20,6 +21,9 @@ def _bench_percentile() -> Callable[[Sequence[float], int], float]:
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # Registered as it loads, as an import would: a dataclass in it looks its
+    # module up by name (its string annotations are resolved there).
+    sys.modules.setdefault("bench_common", module)
     spec.loader.exec_module(module)
     return module.percentile  # type: ignore[no-any-return]
 

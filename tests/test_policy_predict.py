@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,6 +16,7 @@ from renqueue.policy import (
     MIN_SAMPLES,
     BackendView,
     Cost,
+    Expire,
     LevelPolicy,
     NoRoom,
     Perf,
@@ -259,7 +261,7 @@ def test_no_deadline_means_the_cheapest_that_can_start_now() -> None:
     backend, wait_for, reason = pick(
         request(), view("free", in_flight=1, perf=SLOW), view("paid", price=1.0, perf=FAST)
     )
-    assert (backend, wait_for, reason) == ("paid", None, "")
+    assert (backend, wait_for, reason) == ("paid", None, "cheapest with room: paid")
 
 
 def test_nothing_in_time_binds_the_soonest_that_can_start() -> None:
@@ -310,6 +312,23 @@ def test_adapt_prefers_the_faster_of_equally_cheap_ones_and_exploring_is_determi
         pick(request(deadline=NOW + 600, id=f"r{n}"), *close, rules=explore)[0] for n in range(40)
     }
     assert drawn == {"a", "b"}
+
+
+def test_a_backend_that_degrades_gets_less_traffic_before_any_circuit_opens() -> None:
+    """With ``adapt``, faults and 429s make a backend's predicted finish later
+    (the expected time lost to a failed try): traffic moves to an equally
+    cheap one while both are still healthy."""
+    adapt = RouteRules(adapt=True)
+    first, second = view("first", perf=FAST), view("second", perf=FAST)
+    assert pick(request(deadline=NOW + 60), first, second, rules=adapt)[0] == "first"
+    perf = FAST
+    for _ in range(3):
+        perf = learn_fault(perf, fault=True, rate_limited=False)
+    degraded = view("first", perf=perf)
+    assert degraded.healthy
+    assert pick(request(deadline=NOW + 60), degraded, second, rules=adapt)[0] == "second"
+    # A strict cascade keeps its order while both are in time.
+    assert pick(request(deadline=NOW + 60), degraded, second)[0] == "first"
 
 
 def test_a_waiting_request_queues_later_ones_behind_it_in_the_same_round() -> None:
@@ -430,3 +449,91 @@ def test_escalates_to_the_cheapest_paid_one_in_time_when_no_free_one_is(
         assert chosen in {v.name for v in paid_in_time}
         cheapest = min(predictions[v.name].cost for v in paid_in_time)
         assert predictions[str(chosen)].cost == cheapest
+
+
+def _round(item: WaitingItem, *items: BackendView, now: float = NOW) -> BindAction | Wait:
+    policy = PlanPolicy(
+        levels=(LevelPolicy(name="normal", rank=0),),
+        routes={"chat": tuple(v.name for v in items)},
+    )
+    [action] = [
+        a for a in plan([item], views(*items), now, policy) if isinstance(a, BindAction | Wait)
+    ]
+    return action
+
+
+#: A paid backend that answers in 3 s.
+PAID_3S = Perf(samples=10, ttft=2.0, rate=100.0, output=101.0)
+
+
+def test_a_wait_for_a_cheaper_backend_never_costs_the_deadline() -> None:
+    """The free one is full (a slot frees in ~1.2 s, then 1.2 s more); the paid
+    one takes 3 s. With 5 s to go the request can afford to wait; with 4 s,
+    if the wait came to nothing the paid one would finish late: it pays now."""
+    local = view("local", in_flight=1, perf=FAST)
+    paid = view("paid", price=2.5, perf=PAID_3S)
+    roomy = WaitingItem(ref=1, request=request(deadline=NOW + 5), rank=0, submitted=NOW)
+    action = _round(roomy, local, paid)
+    assert isinstance(action, Wait)
+    assert (action.wait_for, action.wait_start) == ("local", pytest.approx(NOW + 1.2))
+    tight = WaitingItem(ref=1, request=request(deadline=NOW + 4), rank=0, submitted=NOW)
+    action = _round(tight, local, paid)
+    assert isinstance(action, BindAction)
+    assert action.backend == "paid"
+
+
+@pytest.mark.parametrize("typical", [FAST, Perf(samples=10, ttft=0.0, rate=1e6, output=1.0)])
+def test_a_promised_start_that_long_passed_is_not_waited_for_again(typical: Perf) -> None:
+    """Before: a backend whose one slot was taken by a call that never ended
+    was predicted to free "in 1.2 s" every round, and the request waited until
+    it was too late for the paid one (or, with a mean of ~0, expired waiting)."""
+    local = view("local", in_flight=1, perf=typical)
+    paid = view("paid", price=2.5, perf=FAST)
+    first = WaitingItem(ref=1, request=request(deadline=NOW + 60), rank=0, submitted=NOW)
+    action = _round(first, local, paid)
+    assert isinstance(action, Wait)
+    assert action.wait_for == "local"
+    promised = ("local", action.wait_start)
+    # Still within a typical call of the promise (at least a second): it waits.
+    later = msgspec.structs.replace(first, waiting_for=promised)
+    assert isinstance(_round(later, local, paid, now=action.wait_start + 0.5), Wait)
+    # Long past it: it pays, and says why.
+    late = _round(later, local, paid, now=action.wait_start + 3.0)
+    assert isinstance(late, BindAction)
+    assert late.backend == "paid"
+    assert "local not waited for again: the start it promised passed" in late.reason
+    # The overdue backend is still taken if it has room by then.
+    freed = view("local", perf=typical)
+    assert _round(later, freed, paid, now=action.wait_start + 3.0).backend == "local"  # type: ignore[union-attr]
+
+
+def test_a_patient_level_waits_for_a_free_window_rather_than_paying() -> None:
+    """A batch request with no deadline at a level with ``patience`` waits for
+    a free tier's window to reset (20 s away) rather than paying; past its
+    patience, or with none, it pays at once. It never expires for it."""
+    limits = limits_of([(1, 60.0)], [])
+    free = view("free", perf=FAST, limits=limits, quota=reserve(Quota(), ONE, NOW - 40))
+    paid = view("paid", price=2.5, perf=FAST)
+
+    def decide(patience: float | None, waited: float = 0.0) -> BindAction | Wait:
+        policy = PlanPolicy(
+            levels=(LevelPolicy(name="batch", rank=0, patience=patience),),
+            routes={"chat": ("free", "paid")},
+        )
+        item = WaitingItem(ref=1, request=request(), rank=0, submitted=NOW - waited)
+        [action] = [
+            a
+            for a in plan([item], views(free, paid), NOW, policy)
+            if isinstance(a, BindAction | Wait | Expire)
+        ]
+        assert not isinstance(action, Expire)
+        return action
+
+    waits = decide(patience=600.0)
+    assert isinstance(waits, Wait)
+    assert waits.wait_for == "free"
+    assert isinstance(decide(patience=None), BindAction)
+    assert decide(patience=None).backend == "paid"  # type: ignore[union-attr]
+    impatient = decide(patience=600.0, waited=599.0)
+    assert isinstance(impatient, BindAction)
+    assert impatient.backend == "paid"

@@ -23,7 +23,7 @@ from test_cli import run
 from renqueue import Client, Services, load_config, parse_config
 from renqueue.errors import NatsNotFoundError
 from renqueue.ops import EmbeddedServer, connect, provision
-from renqueue.policy import Learned, LimitUsage, Quota, cool_down, reserve
+from renqueue.policy import Budget, Learned, LimitUsage, Perf, Quota, cool_down, reserve
 from renqueue.policy._quota import Cost
 from renqueue.state import (
     STATE_KEY,
@@ -221,6 +221,9 @@ REPORT = StatusReport(
             calls_failed=4,
             rate_limited=3,
             spend=0.0,
+            perf=Perf(
+                samples=120, ttft=0.21, ttft_var=0.0025, rate=98.0, rate_var=16.0, output=120.0
+            ),
         ),
         BackendStatus(
             name="local",
@@ -256,6 +259,7 @@ REPORT = StatusReport(
             spend=1.5,
             submitted=130,
             terminal={"failed": 1, "completed": 127},
+            budget=Budget(daily=5.0, mode="hard"),
         ),
     ),
 )
@@ -311,10 +315,16 @@ def test_render_status_lines() -> None:
         ["critical", "0", "-"],
         ["batch", "42", "95", "s"],
     ]
+    learned = section(text, "Learned from the log")
+    assert [row.split() for row in learned] == [
+        [*("groq", "120", "0.21", "+-", "0.05", "98", "+-", "4"), *("120", "+-", "0", "0%", "0%")]
+    ]
     tenants = text.split("Tenants\n")[1].splitlines()
     assert tenants[1].split() == [
         "acme",
         "0.050000",
+        "5.000000",
+        "hard",
         "1.500000",
         "130",
         "completed=127",

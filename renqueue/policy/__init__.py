@@ -41,14 +41,47 @@ that read the broker, ask these functions, and carry out what they answer.
 - Tenant budgets per UTC day (``_budget``): a :class:`Budget` per tenant
   (:func:`budget_of`, :data:`EVERY_TENANT`), :func:`within_budget` (may it
   go to this backend), :func:`refused` (a hard budget spent), :func:`day_ends`.
+- A/B splits (``_ab``): a request's arm, :func:`assign` (a stable hash of its
+  sticky key, :func:`key_value`, against the arms' weights) and :func:`place`
+  (the split's state and the arms' eligibility applied); what each arm did,
+  :class:`ArmStats` of :class:`Tally` s (:func:`record`, :func:`windowed`,
+  :func:`percentile`); the rollback rule, :func:`judge` over :func:`breach`
+  under :class:`RollbackRules`.
 - Token estimates for quota reservations, no tokenizer download (``_tokens``):
   :func:`estimate_text_tokens`, :func:`estimate_prompt_tokens`,
   :func:`estimate_request_tokens`.
 """
 
+from ._ab import (
+    AB_BUCKET,
+    AB_HORIZON,
+    ArmStats,
+    ArmTally,
+    RollbackRules,
+    SplitPolicy,
+    SplitStatus,
+    Tally,
+    assign,
+    breach,
+    judge,
+    key_value,
+    moved_to,
+    percentile,
+    place,
+    record,
+    windowed,
+)
 from ._aging import LevelPolicy, aging_bound, effective_rank, pick_key, promotions
-from ._budget import EVERY_TENANT, Budget, budget_of, day_ends, refused, within_budget
-from ._complexity import Estimator, heuristic_score, tier_of
+from ._budget import (
+    EVERY_TENANT,
+    Budget,
+    affordable,
+    budget_of,
+    day_ends,
+    refused,
+    within_budget,
+)
+from ._complexity import Estimator, heuristic_score, load_estimator, tier_of
 from ._complexity import estimate as estimate_complexity
 from ._failure import (
     DEFAULT_FALLBACK_ON,
@@ -92,6 +125,7 @@ from ._planner import (
     Inherit,
     PlanPolicy,
     Promote,
+    Refuse,
     Wait,
     Waiting,
     plan,
@@ -138,6 +172,8 @@ from ._tokens import (
 )
 
 __all__ = [
+    "AB_BUCKET",
+    "AB_HORIZON",
     "BIND_REASON",
     "CHARS_PER_TOKEN",
     "CLOSED",
@@ -155,6 +191,8 @@ __all__ = [
     "RETRY_HERE_FIRST",
     "WAIT_HERE_IF_ALONE",
     "Action",
+    "ArmStats",
+    "ArmTally",
     "AskPreemption",
     "BackendView",
     "Bind",
@@ -186,16 +224,24 @@ __all__ = [
     "Promote",
     "Quota",
     "QuotaVerdict",
+    "Refuse",
     "RequeueElsewhere",
     "Retry",
+    "RollbackRules",
     "RouteFacts",
     "RouteRules",
     "SpendLog",
+    "SplitPolicy",
+    "SplitStatus",
+    "Tally",
     "Wait",
     "Waiting",
+    "affordable",
     "after_failure",
     "aging_bound",
+    "assign",
     "backoff",
+    "breach",
     "budget_of",
     "capable",
     "check",
@@ -214,20 +260,27 @@ __all__ = [
     "heuristic_score",
     "hopeless",
     "is_healthy",
+    "judge",
+    "key_value",
     "learn",
     "learn_call",
     "learn_fault",
     "limit_usage",
     "limits_of",
+    "load_estimator",
     "may_preempt",
     "meets",
+    "moved_to",
     "next_circuit",
+    "percentile",
     "pick_key",
+    "place",
     "plan",
     "predict",
     "preempting_rank",
     "promotions",
     "reconcile",
+    "record",
     "refused",
     "reserve",
     "retry_after",
@@ -236,5 +289,6 @@ __all__ = [
     "urgency",
     "used",
     "validate",
+    "windowed",
     "within_budget",
 ]

@@ -36,6 +36,11 @@ class LevelPolicy(Struct, frozen=True, kw_only=True):
     preemptible: bool = False
     #: Requests at this level may preempt preemptible ones.
     preempts: bool = False
+    #: Seconds a request at this level with no deadline may wait for a free or
+    #: cheaper backend rather than pay now (its choice is made as if it had a
+    #: deadline this long after its submit; it never expires for it); ``None``:
+    #: the cheapest that can start now.
+    patience: float | None = None
 
 
 def promotions(

@@ -11,12 +11,17 @@ running are not in it yet, so a day can end a few calls over).
   within their deadlines.
 - **hard**: as soft, and once the day's spend reaches the budget, new requests
   are refused at admission (``budget_exhausted``) until the day ends at 00:00
-  UTC. A request already waiting when that happens is held to free backends.
+  UTC. A request already admitted is held to free backends.
+
+Either way, a request the budget leaves no backend of its route at all (a
+paid-only route) is refused (``budget_exhausted``), at admission or, if the
+budget runs out while it waits, then: it is never held until midnight, taking
+a place in its level's hold that other tenants' requests need.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Final, Literal
 
 from msgspec import Struct
@@ -37,9 +42,12 @@ class Budget(Struct, frozen=True, kw_only=True):
     mode: Literal["soft", "hard"] = "soft"
 
 
-def budget_of(tenant: str, budgets: Mapping[str, Budget]) -> Budget | None:
-    """``tenant``'s budget: its own, else the one for every tenant, else none."""
-    return budgets.get(tenant) or budgets.get(EVERY_TENANT)
+def budget_of(tenant: str, budgets: Mapping[str, Budget | None]) -> Budget | None:
+    """``tenant``'s budget: its own if it is named (``None``: named with no
+    budget), else the one for every tenant, else none."""
+    if tenant in budgets:
+        return budgets[tenant]
+    return budgets.get(EVERY_TENANT)
 
 
 def within_budget(
@@ -57,6 +65,14 @@ def within_budget(
 def refused(budget: Budget | None, spent: float) -> bool:
     """Whether a hard budget refuses new requests: the day's spend reached it."""
     return budget is not None and budget.mode == "hard" and spent >= budget.daily
+
+
+def affordable(
+    request: InferenceRequest, backends: Sequence[Priced], budget: Budget | None, spent: float
+) -> bool:
+    """Whether any of ``backends`` (a route's) may take ``request`` within the
+    budget (:func:`within_budget`); a route with none is always affordable."""
+    return not backends or any(within_budget(request, b, budget, spent) for b in backends)
 
 
 def day_ends(now: float) -> float:

@@ -23,6 +23,8 @@ to a score in ``[0, 1]``.
 
 from __future__ import annotations
 
+import importlib
+import math
 import re
 from collections.abc import Sequence
 from typing import Final, Protocol
@@ -30,7 +32,7 @@ from typing import Final, Protocol
 from ..wire._messages import ComplexityEstimate, InferenceRequest
 from ._tokens import estimate_prompt_tokens
 
-__all__ = ["HEURISTIC", "Estimator", "estimate", "heuristic_score", "tier_of"]
+__all__ = ["HEURISTIC", "Estimator", "estimate", "heuristic_score", "load_estimator", "tier_of"]
 
 #: Code: fenced blocks, definitions at the start of a line, lines ending in a brace
 #: or a semicolon. Only spaces and tabs are skipped (never newlines: a prompt of
@@ -61,6 +63,43 @@ class Estimator(Protocol):
     name: str
 
     def __call__(self, request: InferenceRequest) -> float: ...
+
+
+def load_estimator(spec: str) -> Estimator | None:
+    """The estimator a route names: ``None`` for :data:`HEURISTIC`, else the
+    object ``module.path:name`` names (a scorer the team trained on its own
+    logged outcomes): one with a ``name``, as it is; a class, or a function
+    marked ``estimator_factory = True``, called with no arguments to make one.
+    It runs in the router's read path: it must be quick (a model loaded once,
+    scored in microseconds to milliseconds). Raises ``ValueError`` (cannot be
+    loaded) or ``TypeError`` (not a scorer) saying why it cannot be used."""
+    if spec == HEURISTIC:
+        return None
+    module_name, _, attribute = spec.partition(":")
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except Exception as exc:  # a module may raise anything as it loads
+        raise ValueError(f"cannot load estimator {spec!r}: {type(exc).__name__}: {exc}") from exc
+    scorer = found
+    if not hasattr(found, "name") or isinstance(found, type):
+        # Only a class, or a factory that says it is one, is called to make
+        # the scorer: never any callable a module happens to export.
+        if not (isinstance(found, type) or getattr(found, "estimator_factory", False)):
+            raise TypeError(
+                f"estimator {spec!r} must be a callable with a str 'name', a class"
+                " making one, or a function marked estimator_factory = True"
+            )
+        try:
+            scorer = found()
+        except Exception as exc:
+            raise ValueError(
+                f"cannot make estimator {spec!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+    if not callable(scorer) or not isinstance(getattr(scorer, "name", None), str):
+        raise TypeError(
+            f"estimator {spec!r} must be a callable with a str 'name' (or a factory of one)"
+        )
+    return scorer  # type: ignore[no-any-return]
 
 
 def _saturate(value: float, at: float) -> float:
@@ -112,8 +151,17 @@ def estimate(
     signals are recorded all the same). Pure.
     """
     found = signals(request)
-    score = heuristic_score(found) if estimator is None else min(1.0, max(0.0, estimator(request)))
-    name = HEURISTIC if estimator is None else estimator.name
+    score, name = heuristic_score(found), HEURISTIC
+    if estimator is not None:
+        try:
+            learned = float(estimator(request))
+        except Exception as exc:  # noqa: BLE001 - a user's scorer must not stop the router
+            name = f"{HEURISTIC} ({estimator.name} failed: {type(exc).__name__})"
+        else:
+            if math.isfinite(learned):
+                score, name = min(1.0, max(0.0, learned)), estimator.name
+            else:
+                name = f"{HEURISTIC} ({estimator.name} gave {learned})"
     return ComplexityEstimate(
         tier=tier_of(score, thresholds, highest=highest),
         score=score,

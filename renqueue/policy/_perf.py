@@ -11,9 +11,12 @@ planner predicts with it (:func:`renqueue.policy.predict`).
 from __future__ import annotations
 
 import math
-from typing import Final
+from typing import Annotated, Final
 
-from msgspec import Struct
+from msgspec import Meta, Struct
+
+NonNegative = Annotated[float, Meta(ge=0)]
+Probability = Annotated[float, Meta(ge=0, le=1)]
 
 #: Weight of the newest sample in every moving average and variance.
 WEIGHT: Final = 0.2
@@ -33,28 +36,30 @@ class Perf(Struct, frozen=True, kw_only=True, omit_defaults=True):
     fault" and "this call got a 429" over every call that ended.
     """
 
-    samples: int = 0
-    ttft: float = 0.0
-    ttft_var: float = 0.0
-    rate: float = 0.0
-    rate_var: float = 0.0
+    # Bounded so that a damaged or forged view fails to decode (and is
+    # logged and ignored) rather than reaching a prediction.
+    samples: Annotated[int, Meta(ge=0)] = 0
+    ttft: NonNegative = 0.0
+    ttft_var: NonNegative = 0.0
+    rate: NonNegative = 0.0
+    rate_var: NonNegative = 0.0
     #: Output tokens of a completed call.
-    output: float = 0.0
-    output_var: float = 0.0
-    fault_p: float = 0.0
-    limited_p: float = 0.0
+    output: NonNegative = 0.0
+    output_var: NonNegative = 0.0
+    fault_p: Probability = 0.0
+    limited_p: Probability = 0.0
 
     @property
     def ttft_sd(self) -> float:
-        return math.sqrt(self.ttft_var)
+        return math.sqrt(max(0.0, self.ttft_var))
 
     @property
     def rate_sd(self) -> float:
-        return math.sqrt(self.rate_var)
+        return math.sqrt(max(0.0, self.rate_var))
 
     @property
     def output_sd(self) -> float:
-        return math.sqrt(self.output_var)
+        return math.sqrt(max(0.0, self.output_var))
 
 
 def _moved(mean: float, var: float, sample: float, first: bool) -> tuple[float, float]:

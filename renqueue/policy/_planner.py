@@ -48,10 +48,10 @@ from msgspec import Struct
 from ..wire._messages import InferenceRequest
 from ._aging import LevelPolicy, effective_rank, pick_key, promotions
 from ._budget import Budget, budget_of, within_budget
-from ._predict import Pick, RouteRules, choose_in_time, service_time
+from ._predict import Pick, Prediction, RouteRules, choose_in_time, service_time, typical_call
 from ._preemption import may_preempt, preempting_rank
 from ._quota import Cost, Quota, QuotaVerdict, reserve
-from ._routing import BackendView, NoRoom, capable, choose, estimated_cost, hopeless
+from ._routing import BackendView, NoRoom, capable, estimated_cost, hopeless
 from ._tokens import DEFAULT_MAX_TOKENS, estimate_request_tokens
 
 #: Seconds before an urgent request that is still waiting asks for preemption again.
@@ -80,8 +80,9 @@ class PlanPolicy(Struct, frozen=True, kw_only=True):
     #: How each route chooses among its candidates (a route not named:
     #: :class:`RouteRules` ``()``, the cheapest in time).
     rules: Mapping[str, RouteRules] = {}
-    #: Tenants' daily budgets (``"*"``: every tenant not named).
-    budgets: Mapping[str, Budget] = {}
+    #: Tenants' daily budgets (``"*"``: every tenant not named; ``None``:
+    #: named with no budget).
+    budgets: Mapping[str, Budget | None] = {}
 
 
 class Waiting(Struct, frozen=True, kw_only=True):
@@ -108,6 +109,9 @@ class Waiting(Struct, frozen=True, kw_only=True):
     preempt_asked: float | None = None
     #: A run was preempted for it (or a confirm went unanswered): it never asks again.
     preempted_one: bool = False
+    #: The cheaper backend it was first told to wait for, and the start predicted
+    #: then (``Wait.wait_for``): once that has long passed, it waits no more.
+    waiting_for: tuple[str, float] | None = None
 
 
 class Promote(Struct, frozen=True, kw_only=True, tag=True):
@@ -145,6 +149,17 @@ class Expire(Struct, frozen=True, kw_only=True, tag=True):
     reason: str
 
 
+class Refuse(Struct, frozen=True, kw_only=True, tag=True):
+    """End the request ``rejected`` (``budget_exhausted``): its tenant's budget
+    leaves it no candidate of its route (every one is paid, and over it)."""
+
+    ref: int
+    reason: str
+    #: The tenant's daily budget and what it spent today (with this round's binds).
+    daily: float
+    spent: float
+
+
 class Bind(Struct, frozen=True, kw_only=True, tag=True):
     """Dispatch the request to ``backend`` (a ``routed`` event with ``reason``)."""
 
@@ -157,6 +172,9 @@ class Bind(Struct, frozen=True, kw_only=True, tag=True):
     reserved_tokens: int = 0
     #: The backend's circuit is half-open: this call is its probe.
     probe: bool = False
+    #: Seconds to its predicted finish (``None``: no model) and its estimated cost.
+    predicted: float | None = None
+    estimated_cost: float = 0.0
 
 
 class AskPreemption(Struct, frozen=True, kw_only=True, tag=True):
@@ -173,15 +191,18 @@ class AskPreemption(Struct, frozen=True, kw_only=True, tag=True):
 
 
 class Wait(Struct, frozen=True, kw_only=True, tag=True):
-    """Keep holding the request: no candidate can take it now."""
+    """Keep holding the request: no candidate can take it now, or it waits for
+    a cheaper one (``wait_for``) predicted to start at ``wait_start``."""
 
     ref: int
     #: The backends whose freed slots could change that: its route's candidates.
     backends: tuple[str, ...]
     reason: str
+    wait_for: str | None = None
+    wait_start: float = 0.0
 
 
-Action = Promote | Inherit | Expire | Bind | AskPreemption | Wait
+Action = Promote | Inherit | Expire | Refuse | Bind | AskPreemption | Wait
 
 
 def urgency(item: Waiting, now: float, levels: Sequence[LevelPolicy]) -> tuple[int, float]:
@@ -203,32 +224,63 @@ def plan(
     spent today (US dollars), for its budget (:mod:`._budget`). Pure: no
     clock, no I/O, the arguments are not changed.
     """
-    levels = policy.levels
-    views = dict(backends)
+    round_ = _Round(waiting, backends, now, policy, spent or {})
     actions: list[Action] = []
-    floors = _probe_floors(waiting, views, policy)
-    # Today's spend, with what this round's binds are estimated to add.
-    today = dict(spent or {})
-    for item in sorted(waiting, key=lambda item: urgency(item, now, levels)):
-        actions.extend(_announcements(item, now, levels))
-        request = item.request
-        candidates, budget_note = _affordable(request, views, policy, today)
+    for item in sorted(waiting, key=lambda item: urgency(item, now, policy.levels)):
+        actions.extend(_announcements(item, now, policy.levels))
+        actions.extend(round_.decide(item))
+    return actions
+
+
+class _Round:
+    """One round's state while its requests are decided in order: what is
+    left of each backend (slots, quota, places in line) and of each tenant's
+    budget, as earlier decisions of the round used them."""
+
+    def __init__(
+        self,
+        waiting: Sequence[Waiting],
+        backends: Mapping[str, BackendView],
+        now: float,
+        policy: PlanPolicy,
+        spent: Mapping[str, float],
+    ) -> None:
+        self.views = dict(backends)
+        self.now = now
+        self.policy = policy
+        self.floors = _probe_floors(waiting, self.views, policy)
+        #: Today's spend, with what this round's binds are estimated to add.
+        self.today = dict(spent)
+
+    def decide(self, item: Waiting) -> list[Action]:
+        """``item``'s decision (and a preemption ask before a wait), using up
+        what it takes for the requests after it."""
+        request, views, now = item.request, self.views, self.now
+        candidates, note = _affordable(request, views, self.policy, self.today)
+        budget = budget_of(request.tenant, self.policy.budgets)
+        if not candidates and self.policy.routes.get(request.route) and budget is not None:
+            spent = self.today.get(request.tenant, 0.0)
+            return [Refuse(ref=item.ref, reason=note, daily=budget.daily, spent=spent)]
         expire = _expiry(item, candidates, views, now)
         if expire is not None:
-            actions.append(_noted(expire, budget_note))
-            continue
-        cost = _reservation(request, candidates, views, policy)
-        seen = _probe_turn(request, candidates, views, floors)
-        rules = policy.rules.get(request.route, _CHEAPEST)
-        pick = _pick(request, candidates, seen, cost, now, rules=rules)
-        choice, passed = pick.backend, pick.passed
+            return [_noted(expire, note)]
+        cost = _reservation(request, candidates, views, self.policy)
+        seen = _probe_turn(request, candidates, views, self.floors)
+        rules = self.policy.rules.get(request.route, _CHEAPEST)
+        overdue = _overdue(item, views, now)
+        pick = choose_in_time(
+            _patient(item, self.policy), candidates, seen, cost, now, rules=rules, overdue=overdue
+        )
         fallback = request.fallback
         if (
-            isinstance(choice, NoRoom)
+            isinstance(pick.backend, NoRoom)
             and pick.wait_for is None
             and fallback is not None
             and fallback.excluded
-            and (choice is NoRoom.NONE_CAPABLE or _all_passed(request, candidates, views, passed))
+            and (
+                pick.backend is NoRoom.NONE_CAPABLE
+                or _all_passed(request, candidates, views, pick.passed)
+            )
         ):
             # No other candidate can take it: back to one that failed it, once
             # its backoff is over (a preference, never a rule: it must not wait
@@ -238,54 +290,115 @@ def plan(
                     "no candidate that has not failed it can take it; back to one that did"
                     f" in {fallback.not_before - now:.1f} s"
                 )
-                wait = Wait(ref=item.ref, backends=tuple(candidates), reason=reason)
-                actions.append(_noted(wait, budget_note))
-                continue
-            pick = _pick(_unexcluded(request), candidates, seen, cost, now, rules=rules)
-            choice, passed = pick.backend, pick.passed
-        if isinstance(choice, NoRoom):
-            full = (
-                choice is NoRoom.FULL
-                and not passed
-                and all(view.free <= 0 for view in capable(request, candidates, seen))
+                return [_noted(Wait(ref=item.ref, backends=tuple(candidates), reason=reason), note)]
+            pick = choose_in_time(
+                _unexcluded(_patient(item, self.policy)),
+                candidates,
+                seen,
+                cost,
+                now,
+                rules=rules,
+                overdue=overdue,
             )
-            if full:
-                ask = _preemption(item, candidates, views, now, policy)
-                if ask is not None:
-                    actions.append(ask)
-            if pick.wait_for is not None:
-                _hold_place(views, pick.wait_for, pick.wait_start, cost)
-                reason = f"{choice.value}; {pick.reason}" if full else pick.reason
-            else:
-                reason = choice.value if not passed else _passed_reason(passed, "no candidate left")
-            wait = Wait(ref=item.ref, backends=tuple(candidates), reason=reason)
-            actions.append(_noted(wait, budget_note))
-            continue
-        view = views[choice]
+        if isinstance(pick.backend, NoRoom):
+            return self._wait(item, pick, candidates=candidates, seen=seen, cost=cost, note=note)
+        return [_noted(self._bind(item, pick, pick.backend, cost), note)]
+
+    def _wait(
+        self,
+        item: Waiting,
+        pick: Pick,
+        *,
+        candidates: Sequence[str],
+        seen: Mapping[str, BackendView],
+        cost: Cost,
+        note: str,
+    ) -> list[Action]:
+        """A wait (after a preemption ask, if every capable slot is taken and
+        its level preempts); one waiting for a cheaper candidate holds its place there."""
+        actions: list[Action] = []
+        choice, passed = pick.backend, pick.passed
+        assert isinstance(choice, NoRoom)
+        full = (
+            choice is NoRoom.FULL
+            and not passed
+            and all(view.free <= 0 for view in capable(item.request, candidates, seen))
+        )
+        if full:
+            ask = _preemption(item, candidates, self.views, self.now, self.policy)
+            if ask is not None:
+                actions.append(ask)
+        if pick.wait_for is not None:
+            quota = pick.prediction is not None and pick.prediction.quota_held
+            _hold_place(self.views, pick.wait_for, pick.wait_start, cost if quota else None)
+            reason = f"{choice.value}; {pick.reason}" if full else pick.reason
+        else:
+            reason = choice.value if not passed else _passed_reason(passed, "no candidate left")
+        wait = Wait(
+            ref=item.ref,
+            backends=tuple(candidates),
+            reason=reason,
+            wait_for=pick.wait_for,
+            wait_start=pick.wait_start,
+        )
+        actions.append(_noted(wait, note))
+        return actions
+
+    def _bind(self, item: Waiting, pick: Pick, choice: str, cost: Cost) -> Bind:
+        """Bind ``item`` to ``choice``: its slot, its quota and its tenant's
+        budget are used up for the rest of the round."""
+        request, now = item.request, self.now
+        view = self.views[choice]
         # Tokens are reserved where a token limit applies; elsewhere the
         # call's reported usage is recorded when it ends.
         if not any(limit.kind == "tokens" for limit in view.limits):
             cost = Cost(requests=1)
-        views[choice] = msgspec.structs.replace(
+        self.views[choice] = msgspec.structs.replace(
             view,
             in_flight=view.in_flight + 1,
             quota=reserve(view.quota or _NO_SPEND, cost, now) if view.limits else view.quota,
         )
+        passed = pick.passed
         reason = pick.reason or (
             BIND_REASON if not passed else _passed_reason(passed, f"bound to {choice}")
         )
-        bind = Bind(
+        price = estimated_cost(request, view)
+        if view.paid and budget_of(request.tenant, self.policy.budgets) is not None:
+            self.today[request.tenant] = self.today.get(request.tenant, 0.0) + price
+        return Bind(
             ref=item.ref,
             backend=choice,
-            effective_rank=urgency(item, now, levels)[0],
+            effective_rank=urgency(item, now, self.policy.levels)[0],
             reason=_fallback_reason(request, view, reason),
             reserved_tokens=cost.tokens,
             probe=view.half_open,
+            predicted=_seconds_to(pick.prediction, now),
+            estimated_cost=price,
         )
-        actions.append(_noted(bind, budget_note))
-        if view.paid and budget_of(request.tenant, policy.budgets) is not None:
-            today[request.tenant] = today.get(request.tenant, 0.0) + estimated_cost(request, view)
-    return actions
+
+
+def _patient(item: Waiting, policy: PlanPolicy) -> InferenceRequest:
+    """``item``'s request as its choice sees it: one with no deadline, at a
+    level with ``patience``, chooses as if it had a deadline that long after
+    its submit (it may wait for a free backend rather than pay now)."""
+    request = item.request
+    patience = policy.levels[item.rank].patience if item.rank < len(policy.levels) else None
+    if request.deadline is not None or patience is None:
+        return request
+    return msgspec.structs.replace(request, deadline=item.submitted + patience)
+
+
+def _overdue(item: Waiting, views: Mapping[str, BackendView], now: float) -> frozenset[str]:
+    """The backend ``item`` was waiting for, if the start it was promised has
+    passed by more than a typical call there (at least a second): its
+    predictions were wrong (a call that never ends, a quota that keeps moving),
+    so it is not waited for again; it may still be bound if it has room."""
+    if item.waiting_for is None:
+        return frozenset()
+    name, promised = item.waiting_for
+    view = views.get(name)
+    typical = None if view is None else typical_call(view)
+    return frozenset({name}) if now > promised + max(1.0, typical or 0.0) else frozenset()
 
 
 def _reservation(
@@ -305,15 +418,23 @@ def _reservation(
     return Cost(requests=1, tokens=tokens)
 
 
-def _hold_place(views: dict[str, BackendView], name: str, start: float, cost: Cost) -> None:
+def _seconds_to(prediction: Prediction | None, now: float) -> float | None:
+    if prediction is None or prediction.finish is None:
+        return None
+    return prediction.finish - now
+
+
+def _hold_place(views: dict[str, BackendView], name: str, start: float, cost: Cost | None) -> None:
     """A request waits for backend ``name`` from ``start``: later requests in
-    the round queue behind it there, for a slot (if all are taken) and for its
-    quota (reserved from when it is predicted to start)."""
+    the round queue behind it there, for a slot (if all are taken) and, when
+    its quota is what it waits for (``cost``), for its quota from then."""
     view = views[name]
     views[name] = msgspec.structs.replace(
         view,
         queued=view.queued + (1 if view.free <= 0 else 0),
-        quota=reserve(view.quota or _NO_SPEND, cost, start) if view.limits else view.quota,
+        quota=reserve(view.quota or _NO_SPEND, cost, start)
+        if view.limits and cost is not None
+        else view.quota,
     )
 
 
@@ -356,23 +477,6 @@ def _affordable(
 
 
 _CHEAPEST: Final = RouteRules()
-
-
-def _pick(
-    request: InferenceRequest,
-    candidates: Sequence[str],
-    views: Mapping[str, BackendView],
-    cost: Cost,
-    now: float,
-    *,
-    rules: RouteRules,
-) -> Pick:
-    """The route's choice: the cheapest in time (:func:`choose_in_time`), or
-    the cascade's first candidate with room (:func:`choose`)."""
-    if rules.strategy == "cascade":
-        choice, passed = choose(request, candidates, views, cost, now)
-        return Pick(backend=choice, passed=passed)
-    return choose_in_time(request, candidates, views, cost, now, rules=rules)
 
 
 def _expiry(

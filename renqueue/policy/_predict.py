@@ -22,18 +22,19 @@ late: a backend must be tried to be learned.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Final
 
+import msgspec
 from msgspec import Struct
 
 from ..wire._messages import InferenceRequest
 from ._perf import MIN_SAMPLES, Perf
 from ._quota import Cost, Quota, QuotaVerdict, check
-from ._routing import BackendView, NoRoom, capable, estimated_cost
-from ._tokens import DEFAULT_MAX_TOKENS
+from ._routing import BackendView, NoRoom, capable, choose, estimated_cost
 
 #: A token rate is never taken below this share of its mean, however wide its
 #: spread (a rate near 0 would predict an endless call).
@@ -57,6 +58,8 @@ class Prediction(Struct, frozen=True, kw_only=True):
     cost: float
     #: Why it cannot start now: ``""`` if it can.
     held: str = ""
+    #: Its quota (not only its slots) holds it back.
+    quota_held: bool = False
     #: The mean service time (no spread, no wait): what an early "hopeless"
     #: verdict is judged by; ``None``: no model yet.
     mean_service: float | None = None
@@ -65,17 +68,6 @@ class Prediction(Struct, frozen=True, kw_only=True):
     def now(self) -> bool:
         """It can start at once."""
         return not self.held
-
-
-def output_tokens(request: InferenceRequest, perf: Perf | None, spread: float) -> float:
-    """The output to plan for: ``max_tokens`` when the request sets it (the
-    most it may generate), else the backend's learned length plus ``spread``
-    deviations, else :data:`DEFAULT_MAX_TOKENS`."""
-    if request.params.max_tokens is not None:
-        return float(request.params.max_tokens)
-    if perf is not None and perf.samples >= MIN_SAMPLES:
-        return perf.output + spread * perf.output_sd
-    return float(DEFAULT_MAX_TOKENS)
 
 
 def service_time(
@@ -87,22 +79,43 @@ def service_time(
 ) -> float | None:
     """Seconds a call of ``request`` at ``view`` is expected to take once it
     starts, ``spread`` deviations cautious (0: the means); ``None``: not known."""
-    perf = view.perf
+    return _service(
+        view.perf, view.expected_duration, request.params.max_tokens, spread, min_samples
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _service(
+    perf: Perf | None,
+    expected: float | None,
+    max_tokens: int | None,
+    spread: float,
+    min_samples: int,
+) -> float | None:
+    """:func:`service_time` of what it reads (cached: a round asks it of every
+    waiting request and candidate, most of them alike)."""
     if perf is None or perf.samples < min_samples or not perf.rate >= _MIN_RATE:
-        return view.expected_duration
+        return expected
     ttft = perf.ttft + spread * perf.ttft_sd
     rate = max(perf.rate - spread * perf.rate_sd, perf.rate * _RATE_FLOOR)
-    tokens = output_tokens(request, perf, spread) if spread > 0 else _mean_output(request, perf)
+    if spread > 0:
+        tokens = (
+            float(max_tokens) if max_tokens is not None else perf.output + spread * perf.output_sd
+        )
+    else:
+        tokens = perf.output if max_tokens is None else min(float(max_tokens), perf.output)
     # A try that fails is time lost before the next: its expected share.
     retry = min(0.9, perf.fault_p + perf.limited_p) if spread > 0 else 0.0
     return (ttft + max(0.0, tokens - 1) / rate) * (1 + retry)
 
 
-def _mean_output(request: InferenceRequest, perf: Perf) -> float:
-    """The output a hopeless verdict assumes: the mean length, capped by ``max_tokens``."""
-    if request.params.max_tokens is not None:
-        return min(float(request.params.max_tokens), perf.output)
-    return perf.output
+def typical_call(view: BackendView, *, min_samples: int = MIN_SAMPLES) -> float | None:
+    """Seconds a typical call at ``view`` takes (its mean first token and mean
+    output at its mean rate; else its mean call duration; ``None``: unknown)."""
+    perf = view.perf
+    if perf is None or perf.samples < min_samples or not perf.rate >= _MIN_RATE:
+        return view.expected_duration
+    return perf.ttft + max(0.0, perf.output - 1) / perf.rate
 
 
 def predict(
@@ -113,29 +126,40 @@ def predict(
     cost: Cost,
     spread: float = 1.0,
     min_samples: int = MIN_SAMPLES,
+    verdict: QuotaVerdict | None = None,
+    price: float | None = None,
 ) -> Prediction:
     """When ``request`` would finish on ``view`` (see the module docstring) and
     what it would cost, if bound now or as soon as the backend has room.
+    ``verdict`` and ``price``: its quota's verdict for ``cost`` at ``now`` and
+    its estimated cost, when the caller has them already.
 
     A backend with a free slot and room in its quota starts it now. One whose
     quota is short starts when the quota says (its verdict's ``until``); one
     whose slots are all taken starts when enough calls ahead of it end: each
-    of the ``in_flight - capacity + 1 + waiting`` calls ahead takes its mean
-    duration over ``capacity`` slots (unknown without a model: then the start
-    is unknown too, and so is the finish).
+    of the ``in_flight - capacity + 1 + queued`` calls ahead takes a typical
+    call there (:func:`typical_call`) over ``capacity`` slots (unknown without
+    a model: then the start is unknown too, and so is the finish). How long the
+    running calls have already run is not known here: a call that never ends
+    keeps this start a constant ahead, which :func:`choose_in_time`'s
+    ``overdue`` stops believing.
     """
     service = service_time(request, view, spread=spread, min_samples=min_samples)
     mean = service_time(request, view, spread=0.0, min_samples=min_samples)
     start = now
     held = ""
+    quota_held = False
     if view.limits or view.quota is not None:
-        verdict = check(view.quota or _NO_SPEND, view.limits, cost, now)
+        if verdict is None:
+            verdict = check(view.quota or _NO_SPEND, view.limits, cost, now)
         if not verdict.ok:
             start = max(start, verdict.until)
             held = verdict.reason
+            quota_held = True
     if view.free <= 0:
         ahead = max(0, view.in_flight - view.capacity) + 1 + view.queued
-        slot = None if mean is None or view.capacity <= 0 else ahead * mean / view.capacity
+        typical = typical_call(view, min_samples=min_samples)
+        slot = None if typical is None or view.capacity <= 0 else ahead * typical / view.capacity
         start = math.inf if slot is None else max(start, now + slot)
         held = held or "every slot taken"
     finish = None if service is None or math.isinf(start) else start + service
@@ -143,8 +167,9 @@ def predict(
         backend=view.name,
         start=start,
         finish=finish,
-        cost=estimated_cost(request, view),
+        cost=estimated_cost(request, view) if price is None else price,
         held=held,
+        quota_held=quota_held,
         mean_service=mean,
     )
 
@@ -183,6 +208,8 @@ class Pick(Struct, frozen=True, kw_only=True):
     #: When the one waited for is predicted to take it.
     wait_start: float = 0.0
     reason: str = ""
+    #: The prediction of the one bound or waited for (``None``: the cascade's choice).
+    prediction: Prediction | None = None
 
 
 def choose_in_time(
@@ -193,6 +220,7 @@ def choose_in_time(
     now: float,
     *,
     rules: RouteRules,
+    overdue: Container[str] = frozenset(),
 ) -> Pick:
     """The cheapest capable candidate that can take ``request`` in time.
 
@@ -205,29 +233,81 @@ def choose_in_time(
     then the request waits for it rather than paying (``wait_for``), and is
     planned again next round. A candidate with no model yet that can start now
     is taken to be in time (it must be tried to be learned); one that cannot
-    start is not waited for. When none is predicted in time, the one predicted
-    to finish first among those that can start now; when none can start,
-    ``NoRoom.FULL``.
+    start is not waited for, and neither is one in ``overdue`` (it was waited
+    for and the start it was promised long passed). A cheaper candidate is
+    waited for only while the best one that can start now would still be in
+    time if the wait came to nothing (it started at the promised start
+    instead): the wait never costs the deadline. When none is predicted in
+    time, the one predicted to finish first among those that can start now;
+    when none can start, ``NoRoom.FULL``.
+
+    A route whose ``strategy`` is ``cascade`` gets :func:`choose` instead: the
+    first candidate in cascade order with a free slot and room in its quota.
     """
+    if rules.strategy == "cascade":
+        choice, skipped = choose(request, candidates, views, cost, now)
+        return Pick(backend=choice, passed=skipped)
     able = capable(request, candidates, views)
     if not able:
         return Pick(backend=NoRoom.NONE_CAPABLE, passed=[])
-    passed: list[tuple[str, QuotaVerdict]] = []
-    options: list[tuple[Prediction, int]] = []
-    for index, view in enumerate(able):
-        if view.free > 0 and (view.limits or view.quota is not None):
-            verdict = check(view.quota or _NO_SPEND, view.limits, cost, now)
-            if not verdict.ok:
-                passed.append((view.name, verdict))
-        options.append((predict(request, view, now, cost=cost, spread=rules.spread), index))
+    passed, options = _predictions(request, able, cost, now, rules)
     startable = [(p, i) for p, i in options if p.now]
     if request.deadline is None:
         if not startable:
             return Pick(backend=NoRoom.FULL, passed=passed)
         best, index = min(startable, key=lambda option: (option[0].cost, option[1]))
-        note = "" if index == startable[0][1] else f"cheapest with room: {best.backend}"
-        return Pick(backend=best.backend, passed=passed, reason=note)
-    return _in_time(request, request.deadline, options, passed, now=now, rules=rules)
+        # (dearer candidates were not predicted: no cascade's-first-with-room to compare)
+        note = "" if index == 0 else f"cheapest with room: {best.backend}"
+        return Pick(backend=best.backend, passed=passed, reason=note, prediction=best)
+    waitable = [(p, i) for p, i in options if p.now or p.backend not in overdue]
+    pick = _in_time(request, request.deadline, waitable, passed, now=now, rules=rules)
+    given_up = [p.backend for p, _ in options if not p.now and p.backend in overdue]
+    if given_up and pick.reason:
+        note = f"{', '.join(given_up)} not waited for again: the start it promised passed"
+        return msgspec.structs.replace(pick, reason=f"{pick.reason}; {note}")
+    return pick
+
+
+def _predictions(
+    request: InferenceRequest,
+    able: Sequence[BackendView],
+    cost: Cost,
+    now: float,
+    rules: RouteRules,
+) -> tuple[list[tuple[str, QuotaVerdict]], list[tuple[Prediction, int]]]:
+    """The predictions (with each candidate's cascade index) the choice needs,
+    and the candidates with a free slot passed over for their quota.
+
+    By price, cheapest first: once a price holds a candidate that can start
+    now and is in time (without a deadline: that can start now), no dearer
+    one can be chosen, nor be the safety net of a wait, so none is predicted
+    (a round predicts for every waiting request, the quota checks are most
+    of its time)."""
+    deadline = request.deadline
+    prices = [estimated_cost(request, view) for view in able]
+    passed: list[tuple[str, QuotaVerdict]] = []
+    options: list[tuple[Prediction, int]] = []
+    for price in sorted(set(prices)):
+        for index, view in enumerate(able):
+            if prices[index] != price:
+                continue
+            verdict = None
+            if view.limits or view.quota is not None:
+                verdict = check(view.quota or _NO_SPEND, view.limits, cost, now)
+                if view.free > 0 and not verdict.ok:
+                    passed.append((view.name, verdict))
+            prediction = predict(
+                request, view, now, cost=cost, spread=rules.spread, verdict=verdict, price=price
+            )
+            options.append((prediction, index))
+        if any(
+            p.now and (deadline is None or (p.finish is None or p.finish <= deadline))
+            for p, _ in options
+        ):
+            break
+    options.sort(key=lambda option: option[1])
+    passed.sort(key=lambda item: [view.name for view in able].index(item[0]))
+    return passed, options
 
 
 def _in_time(
@@ -249,16 +329,28 @@ def _in_time(
     in_time = [option for option in options if timely(option[0])]
     if in_time:
         draw = _explorer(request, rules)
-        best, _ = min(in_time, key=lambda option: _rank(option, draw, rules.adapt))
+        ranked = sorted(in_time, key=lambda option: _rank(option, draw, rules.adapt))
+        best = ranked[0][0]
+        if not best.now:
+            # The safety net: the best that can start now, started when the
+            # wait is due to end instead, must still be in time.
+            net = next((p for p, _ in ranked if p.now), None)
+            if (
+                net is not None
+                and net.finish is not None
+                and best.start + (net.finish - net.start) > deadline
+            ):
+                best = net
         why = _why(best, now, deadline, options)
         if best.now:
-            return Pick(backend=best.backend, passed=passed, reason=why)
+            return Pick(backend=best.backend, passed=passed, reason=why, prediction=best)
         return Pick(
             backend=NoRoom.FULL,
             passed=passed,
             wait_for=best.backend,
             wait_start=best.start,
             reason=why,
+            prediction=best,
         )
     known = [option for option in options if option[0].now and option[0].finish is not None]
     if not known:
@@ -268,6 +360,7 @@ def _in_time(
     return Pick(
         backend=best.backend,
         passed=passed,
+        prediction=best,
         reason=f"no candidate predicted in time; {best.backend} is the soonest,"
         f" predicted {late:.1f} s late",
     )

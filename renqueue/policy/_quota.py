@@ -284,6 +284,29 @@ def used(quota: Quota, limit: Limit, now: float) -> int:
     return sum(amount for _expiry, amount in _rolling(quota.spend, limit, now))
 
 
+#: :func:`_live` answers by (log, limit, time): a planning round asks for
+#: every waiting request's cost against the same few logs. Each entry keeps
+#: its log, so the log's id cannot be reused while it is here.
+_LIVE: Final[dict[tuple[int, Limit, float], tuple[SpendLog, list[tuple[float, int]], int]]] = {}
+_LIVE_MAX: Final = 1024
+
+
+def _live(log: SpendLog, limit: Limit, now: float) -> tuple[list[tuple[float, int]], int]:
+    """The slots still counting for a rolling ``limit`` at ``now`` (oldest
+    expiry first) and their total. Pure (a log never changes: it is frozen);
+    remembered for the next cost asked of the same log at the same time."""
+    key = (id(log), limit, now)
+    known = _LIVE.get(key)
+    if known is not None and known[0] is log:
+        return known[1], known[2]
+    live = sorted(_rolling(log, limit, now))
+    total = sum(amount for _expiry, amount in live)
+    if len(_LIVE) >= _LIVE_MAX:
+        _LIVE.clear()
+    _LIVE[key] = (log, live, total)
+    return live, total
+
+
 def _fits_at(log: SpendLog, limit: Limit, cost: int, now: float) -> float:
     """The earliest time from ``now`` at which ``cost`` fits in ``limit``'s window."""
     if cost <= 0:
@@ -292,8 +315,8 @@ def _fits_at(log: SpendLog, limit: Limit, cost: int, now: float) -> float:
         return math.inf  # never: larger than the whole window
     if _is_calendar(limit):
         return _calendar_fits_at(log, limit, cost, now)
-    live = sorted(_rolling(log, limit, now))
-    excess = sum(amount for _expiry, amount in live) + cost - limit.count
+    live, total = _live(log, limit, now)
+    excess = total + cost - limit.count
     for expiry, amount in live:  # oldest first: wait until enough of it has stopped counting
         if excess <= 0:
             break

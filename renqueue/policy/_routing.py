@@ -129,7 +129,8 @@ def validate(
     tenant may publish to); only such a request may carry ``requeues`` (a
     tenant setting it ran one id many times at once, billed once), or a
     ``fallback`` (a tenant could not use it but to keep its own request away
-    from backends; it is the services' word all the same).
+    from backends; it is the services' word all the same) or a ``split`` (its
+    A/B arm, the binder's choice).
     """
     if requeue != (request.requeues > 0):
         raise MalformedRequestError(
@@ -146,6 +147,12 @@ def validate(
     if request.fallback is not None and not requeue:
         raise MalformedRequestError(
             "fallback is set by the services only, on rq.req.<priority>.<tenant>.requeue",
+            request_id=request.id,
+        )
+    if request.split is not None and not requeue:
+        # A client choosing its own arm would skew the experiment.
+        raise MalformedRequestError(
+            "split is set by the services only, on rq.req.<priority>.<tenant>.requeue",
             request_id=request.id,
         )
     if message_id is not None and not (

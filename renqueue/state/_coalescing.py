@@ -118,12 +118,18 @@ _SCAN_BATCH: Final = 256
 
 
 def coalesce_key(request: InferenceRequest) -> str | None:
-    """The group a request belongs to, or ``None`` when it does not coalesce."""
+    """The group a request belongs to, or ``None`` when it does not coalesce.
+
+    By the route the client named (``split``, when an A/B split moved it to
+    an arm): the key stays the same whatever arm the request is on, or is
+    moved to.
+    """
     if request.dedupe_key is not None:
         return request.dedupe_key
     if not request.coalesce:
         return None
-    body = msgspec.json.encode((request.route, request.messages, request.params))
+    route = request.split or request.route
+    body = msgspec.json.encode((route, request.messages, request.params))
     return hashlib.sha256(body).hexdigest()[:40]
 
 

@@ -58,6 +58,7 @@ from ..wire._messages import (
     kind_of,
 )
 from ..wire._subjects import msg_id
+from ._splits import Splits, SplitsBuilder
 
 __all__ = [
     "BACKEND_FAULTS",
@@ -88,7 +89,11 @@ __all__ = [
 #: A projector that finds an older state folds the log again from the start.
 #: 6: backends carry their circuit (state, since, reason), the outcomes of
 #: recent calls and the latest active probe.
-STATE_VERSION: Final = 7
+#: 7: backends carry their performance model (``perf``: renqueue.policy._perf).
+#: 8: the state carries its A/B splits (``splits``: renqueue.state._splits).
+#: 9: reservations carry the decision's estimated cost, tenants the sum of
+#: theirs (``committed``: what calls bound and not ended may still spend).
+STATE_VERSION: Final = 9
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
 #: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
@@ -218,6 +223,9 @@ class TenantState(Struct, frozen=True, kw_only=True, omit_defaults=True):
     terminal: dict[str, int] = {}
     day: int = 0
     day_spend: float = 0.0
+    #: The estimated cost (USD) of its calls bound and not ended: what its
+    #: budget counts beside the day's spend.
+    committed: float = 0.0
 
     def spend_on(self, day: int) -> float:
         """Its spend on UTC day ``day`` (see :func:`utc_day`); 0 unless it is the latest."""
@@ -251,6 +259,8 @@ class Reservation(Struct, frozen=True, array_like=True):
     tokens: int
     started: bool = False
     attempt: int = 0
+    #: The decision's estimated cost (``routed.estimated_cost``), in its tenant's ``committed``.
+    cost: float = 0.0
 
 
 class ProjectionState(Struct, frozen=True, kw_only=True):
@@ -283,6 +293,8 @@ class ProjectionState(Struct, frozen=True, kw_only=True):
     in_flight_dropped: int = 0
     last_sweep_at: float = 0.0
     mismatched: int = 0
+    #: A/B splits: each one's state and per-arm figures (:mod:`renqueue.state._splits`).
+    splits: Splits = Splits()
 
     @property
     def in_flight_count(self) -> int:
@@ -373,6 +385,7 @@ class _Builder:
         self._in_flight = state.in_flight
         self._reserved = state.reserved
         self._copied: set[str] = set()
+        self._splits = SplitsBuilder(state.splits)
 
     def _own(self, name: str) -> None:
         if name in self._copied:
@@ -391,6 +404,22 @@ class _Builder:
         self._own("backends")
         current = self._backends.get(name, _EMPTY_BACKEND)
         self._backends[name] = msgspec.structs.replace(current, **changes)
+
+    def _release(self, key: str) -> None:
+        """Drop the request's reservation, and its cost from its tenant's ``committed``."""
+        reservation = self._reserved.get(key)
+        if reservation is None:
+            return
+        self._own("reserved")
+        del self._reserved[key]
+        if reservation.cost:
+            self._commit(key.partition(":")[0], -reservation.cost)
+
+    def _commit(self, tenant: str, cost: float) -> None:
+        current = self._tenants.get(tenant, _EMPTY_TENANT)
+        committed = current.committed + cost
+        # Sums of floats drift: what is left of nothing is nothing.
+        self._set_tenant(tenant, committed=committed if committed > 1e-12 else 0.0)
 
     def _set_tenant(self, name: str, **changes: Any) -> None:
         self._own("tenants")
@@ -415,6 +444,7 @@ class _Builder:
         if isinstance(event, CancelRequested):
             return  # the tenant's word: counted, never a fact, never the clock
         self.log_time = max(self.log_time, at)
+        self._splits.apply(event, at, self.log_time)
         if isinstance(event, Submitted):
             self.submitted += 1
             tenant = self._tenants.get(event.tenant, _EMPTY_TENANT)
@@ -428,9 +458,7 @@ class _Builder:
             self._set_tenant(event.tenant, terminal=_bump(tenant.terminal, kind))
             key = msg_id(event.tenant, event.request_id)
             self._end(key)
-            if key in self._reserved:
-                self._own("reserved")
-                del self._reserved[key]
+            self._release(key)
         if self.log_time - self.last_sweep_at >= _SWEEP_EVERY:
             self._sweep()
 
@@ -628,10 +656,14 @@ class _Builder:
             and running.backend == event.backend
             and running.attempt == event.attempt
         )
+        cost = max(0.0, _finite(event.estimated_cost))
+        self._release(key)
         self._own("reserved")
         self._reserved[key] = Reservation(
-            event.backend, at, tokens, started=begun, attempt=event.attempt
+            event.backend, at, tokens, started=begun, attempt=event.attempt, cost=cost
         )
+        if cost:
+            self._commit(event.tenant, cost)
         if event.probe:
             self._set_backend(event.backend, probe_call=f"{key}:{event.attempt}")
 
@@ -694,11 +726,8 @@ class _Builder:
         for key in stale:
             self._end(key)
         self.in_flight_dropped += len(stale)
-        old = [key for key, entry in self._reserved.items() if entry.at < horizon]
-        if old:
-            self._own("reserved")
-            for key in old:
-                del self._reserved[key]
+        for key in [key for key, entry in self._reserved.items() if entry.at < horizon]:
+            self._release(key)
 
     def freeze(self) -> ProjectionState:
         return ProjectionState(
@@ -717,4 +746,5 @@ class _Builder:
             in_flight_dropped=self.in_flight_dropped,
             last_sweep_at=self.last_sweep_at,
             mismatched=self.mismatched,
+            splits=self._splits.freeze(),
         )

@@ -61,15 +61,18 @@ from ._fold import (
     decode_state,
     encode_state,
 )
+from ._splits import SplitState
 from ._view import (
     PROGRESS_KEY,
     BackendView,
     Progress,
+    SplitView,
     TenantSpend,
     TenantView,
     backend_view_key,
     decode_progress,
     encode_view,
+    split_view_key,
     tenant_view_key,
 )
 
@@ -246,6 +249,8 @@ class Projector(Lifecycle):
         #: fold replaces a backend's state when it changes it).
         self._published: dict[str, BackendState] = {}
         self._published_spends: dict[str, TenantSpend] = {}
+        #: Each A/B split's state as last published in its view (the same way).
+        self._published_splits: dict[str, SplitState] = {}
         #: The sequence the published views reflect (behind the checkpoint
         #: only after a failed view write: the next flush writes them).
         self._views_seq = 0
@@ -329,6 +334,7 @@ class Projector(Lifecycle):
         self._views_seq = 0
         self._published = {}
         self._published_spends = {}
+        self._published_splits = {}
         self._views_floor = await self._stored_views_seq()
         entry = await self._bucket.latest(STATE_KEY)
         if entry is None or entry.operation is not None:
@@ -427,16 +433,18 @@ class Projector(Lifecycle):
         )
 
     def _changed_spends(self, state: ProjectionState, *, full: bool) -> dict[str, TenantSpend]:
-        """The tenants whose day's spend differs from what this projector last
-        published (every one, on a ``full`` publish): only a spend moves a
-        tenant's view, so a free call writes none."""
+        """The tenants whose day's spend or committed cost differs from what
+        this projector last published (every one, on a ``full`` publish): only
+        a paid call moves a tenant's view, so a free call writes none."""
         if full:
             self._published_spends = {}
         changed: dict[str, TenantSpend] = {}
         for name, tenant in state.tenants.items():
-            if tenant.spend <= 0:  # never spent: nothing to budget
+            if tenant.spend <= 0 and tenant.committed <= 0:  # nothing to budget
                 continue
-            spend = TenantSpend(day=tenant.day, day_spend=tenant.day_spend)
+            spend = TenantSpend(
+                day=tenant.day, day_spend=tenant.day_spend, committed=tenant.committed
+            )
             if self._published_spends.get(name) == spend:
                 continue
             if not _VIEW_NAME.fullmatch(name):
@@ -447,6 +455,20 @@ class Projector(Lifecycle):
                 continue
             changed[name] = spend
         return changed
+
+    def _changed_splits(self, state: ProjectionState, *, full: bool) -> dict[str, SplitState]:
+        """The A/B splits whose state or figures differ from what this projector
+        last published (every one, on a ``full`` publish)."""
+        if full:
+            self._published_splits = {}
+        published = self._published_splits
+        return {
+            name: split
+            for name, split in state.splits.routes.items()
+            if (previous := published.get(name)) is not split
+            and previous != split
+            and _VIEW_NAME.fullmatch(name)
+        }
 
     async def _check_consumer(self, psub: PullSubscription) -> None:
         """An idle consumer may have been lost (server restart): make it again if so."""
@@ -476,8 +498,8 @@ class Projector(Lifecycle):
         return True
 
     async def _publish_views(self, state: ProjectionState) -> None:
-        """Publish the views of the backends that differ from what this projector
-        last published, then ``state``'s progress.
+        """Publish the views of the backends and A/B splits that differ from what
+        this projector last published, then ``state``'s progress.
 
         Called only for a state stored as the checkpoint, so a view never runs
         ahead of the checkpoint. The progress mark goes last: a reader that
@@ -519,7 +541,8 @@ class Projector(Lifecycle):
         kv = self._bucket
         seq, epoch = state.last_seq, self._epoch
         spends = self._changed_spends(state, full=full)
-        if changed or spends:
+        splits = self._changed_splits(state, full=full)
+        if changed or spends or splits:
             await asyncio.gather(
                 *(
                     kv.put(
@@ -535,9 +558,17 @@ class Projector(Lifecycle):
                     )
                     for name, spend in spends.items()
                 ),
+                *(
+                    kv.put(
+                        split_view_key(name),
+                        encode_view(SplitView(last_seq=seq, epoch=epoch, split=split)),
+                    )
+                    for name, split in splits.items()
+                ),
             )
             self._published.update(changed)
             self._published_spends.update(spends)
+            self._published_splits.update(splits)
         progress = Progress(last_seq=seq, epoch=epoch, log_time=state.log_time)
         await kv.put(PROGRESS_KEY, encode_view(progress))
         self._views_seq = state.last_seq

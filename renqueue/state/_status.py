@@ -51,9 +51,12 @@ from msgspec import Struct
 from ..config import Config
 from ..errors import NatsApiError, NatsNotFoundError
 from ..policy import (
+    Budget,
     Cost,
     LimitUsage,
+    Perf,
     Quota,
+    budget_of,
     check,
     effective_limits,
     limit_usage,
@@ -130,6 +133,8 @@ class BackendStatus(Struct, frozen=True, kw_only=True):
     calls_failed: int
     rate_limited: int
     spend: float
+    #: Its speed and reliability as learned from the log (``None``: nothing yet).
+    perf: Perf | None = None
 
 
 class LevelStatus(Struct, frozen=True, kw_only=True):
@@ -153,6 +158,8 @@ class TenantStatus(Struct, frozen=True, kw_only=True):
     spend: float
     submitted: int
     terminal: dict[str, int]
+    #: Its daily budget (USD) and mode (``soft``, ``hard``), if it has one.
+    budget: Budget | None = None
 
 
 class StatusReport(Struct, frozen=True, kw_only=True):
@@ -205,6 +212,7 @@ async def read_status(js: JetStream, config: Config, *, now: float | None = None
         for name, queue in zip(names, queues, strict=True)
     )
     today = utc_day(at)
+    budgets = config.budgets()
     tenants = tuple(
         TenantStatus(
             name=name,
@@ -212,6 +220,7 @@ async def read_status(js: JetStream, config: Config, *, now: float | None = None
             spend=tenant.spend,
             submitted=tenant.submitted,
             terminal=dict(tenant.terminal),
+            budget=budget_of(name, budgets),
         )
         for name, tenant in sorted(state.tenants.items())
     )
@@ -276,6 +285,7 @@ def backend_status(
         calls_failed=state.calls_failed,
         rate_limited=state.rate_limited,
         spend=state.spend,
+        perf=state.perf,
     )
 
 
@@ -374,6 +384,21 @@ def render_status(report: StatusReport) -> list[str]:
             "Circuit breakers not closed (the binder moves them; circuit events)",
             *circuits,
         ]
+    learned = [(b.name, b.perf) for b in report.backends if b.perf is not None and b.perf.samples]
+    if learned:
+        lines += [
+            "",
+            "Learned from the log (mean +- spread; what the binder predicts finish times by)",
+            f"  {'backend':<16} {'calls':>6} {'first token s':>15} {'tokens/s':>15}"
+            f" {'output tok':>15} {'faults':>7} {'429s':>6}",
+        ]
+        lines += [
+            f"  {printable(name):<16} {perf.samples:>6}"
+            f" {_spread(perf.ttft, perf.ttft_sd, 2):>15} {_spread(perf.rate, perf.rate_sd, 0):>15}"
+            f" {_spread(perf.output, perf.output_sd, 0):>15}"
+            f" {perf.fault_p:>7.0%} {perf.limited_p:>6.0%}"
+            for name, perf in learned
+        ]
     limited = [(b.name, u) for b in report.backends for u in b.limits]
     if limited:
         lines += [
@@ -400,14 +425,16 @@ def render_status(report: StatusReport) -> list[str]:
         lines.append("  none yet")
     else:
         lines.append(
-            f"  {'tenant':<16} {'spend today $':>13} {'spend $':>10} {'submitted':>9}  ended"
+            f"  {'tenant':<16} {'spend today $':>13} {'budget/day $':>17} {'spend $':>10}"
+            f" {'submitted':>9}  ended"
         )
         for t in report.tenants:
             ended = " ".join(
                 f"{printable(kind)}={count}" for kind, count in sorted(t.terminal.items())
             )
+            budget = "-" if t.budget is None else f"{t.budget.daily:.6f} {t.budget.mode}"
             lines.append(
-                f"  {printable(t.name):<16} {t.spend_today:>13.6f} {t.spend:>10.6f}"
+                f"  {printable(t.name):<16} {t.spend_today:>13.6f} {budget:>17} {t.spend:>10.6f}"
                 f" {t.submitted:>9}  {ended or '-'}"
             )
     return lines
@@ -474,6 +501,10 @@ def _resets(usage: LimitUsage, now: float) -> str:
         )
         parts.append(f"provider says {usage.reported_left} left{reset}")
     return "; ".join(parts) or "-"
+
+
+def _spread(mean: float, sd: float, digits: int) -> str:
+    return f"{mean:.{digits}f} +- {sd:.{digits}f}"
 
 
 def _opt(value: int | None) -> str:

@@ -3,9 +3,10 @@
 Readers (routers) need each backend's state (health, durations, quota) and how
 far the log is folded, not the whole projection: the projector publishes, after
 each write of its checkpoint (the key ``projection``), one key per backend
-whose state changed (``view.backend.<name>``: :class:`BackendView`) and then
-``view.progress`` (:class:`Progress`: the sequence and log time the views
-reflect). :class:`StateView` watches ``view.>`` and keeps :class:`LiveState`,
+whose state changed (``view.backend.<name>``: :class:`BackendView`), one per
+A/B split whose state changed (``view.split.<route>``: :class:`SplitView`),
+and then ``view.progress`` (:class:`Progress`: the sequence and log time the
+views reflect). :class:`StateView` watches ``view.>`` and keeps :class:`LiveState`,
 so a reader decodes only what changed, never the whole projection.
 
 A watch that ends or goes quiet while the stored progress moved on is
@@ -31,6 +32,7 @@ from ..policy import DEFAULT_COOLDOWN, DEFAULT_FAILURE_THRESHOLD, is_healthy
 from ..wire._nats import JetStream, KeyEntry, KeyValue, KeyWatcher
 from ..wire._subjects import STATE_BUCKET
 from ._fold import _EMPTY_BACKEND, STATE_VERSION, BackendState
+from ._splits import SplitState
 
 __all__ = [
     "PROGRESS_KEY",
@@ -38,26 +40,30 @@ __all__ = [
     "BackendView",
     "LiveState",
     "Progress",
+    "SplitView",
     "StateView",
     "TenantSpend",
     "TenantView",
     "backend_view_key",
     "decode_backend_view",
     "decode_progress",
+    "decode_split_view",
     "decode_tenant_view",
     "encode_view",
+    "split_view_key",
     "tenant_view_key",
 ]
 
 log = get_logger("projection")
 
 #: The keys the views live under (a KV watch filter): ``view.backend.<name>``,
-#: ``view.tenant.<name>`` and ``view.progress``.
+#: ``view.tenant.<name>``, ``view.split.<route>`` and ``view.progress``.
 VIEW_KEYS: Final = "view.>"
 #: How far the views reflect the log; written after the backends' views.
 PROGRESS_KEY: Final = "view.progress"
 _BACKEND_PREFIX: Final = "view.backend."
 _TENANT_PREFIX: Final = "view.tenant."
+_SPLIT_PREFIX: Final = "view.split."
 
 
 def backend_view_key(name: str) -> str:
@@ -76,10 +82,26 @@ class TenantSpend(Struct, frozen=True, kw_only=True):
 
     day: int = 0
     day_spend: float = 0.0
+    #: The estimated cost of its calls bound and not ended (``TenantState.committed``).
+    committed: float = 0.0
 
     def spend_on(self, day: int) -> float:
         """Its spend on UTC day ``day``: 0 unless it is the latest."""
         return self.day_spend if day == self.day else 0.0
+
+
+def split_view_key(route: str) -> str:
+    """The KV key of the view of route ``route``'s A/B split."""
+    return _SPLIT_PREFIX + route
+
+
+class SplitView(Struct, frozen=True, kw_only=True):
+    """One A/B split's state as of the log's sequence ``last_seq`` (see :class:`BackendView`)."""
+
+    v: int = STATE_VERSION
+    last_seq: int
+    split: SplitState
+    epoch: str = ""
 
 
 class TenantView(Struct, frozen=True, kw_only=True):
@@ -128,6 +150,8 @@ class LiveState(Struct, frozen=True, kw_only=True):
     log_time: float = 0.0
     backends: dict[str, BackendState] = {}
     tenants: dict[str, TenantSpend] = {}
+    #: Each A/B split's state and per-arm figures, by route.
+    splits: dict[str, SplitState] = {}
 
     def backend(self, name: str) -> BackendState:
         """The state of ``name``; a backend the log never mentioned has an empty one."""
@@ -138,14 +162,20 @@ class LiveState(Struct, frozen=True, kw_only=True):
         spend = self.tenants.get(tenant)
         return 0.0 if spend is None else spend.spend_on(day)
 
+    def committed(self, tenant: str) -> float:
+        """The estimated cost (USD) of ``tenant``'s calls bound and not ended."""
+        spend = self.tenants.get(tenant)
+        return 0.0 if spend is None else spend.committed
+
 
 _ENCODER: Final = msgspec.json.Encoder()
 _BACKEND_VIEW_DECODER: Final = msgspec.json.Decoder(BackendView)
 _TENANT_VIEW_DECODER: Final = msgspec.json.Decoder(TenantView)
+_SPLIT_VIEW_DECODER: Final = msgspec.json.Decoder(SplitView)
 _PROGRESS_DECODER: Final = msgspec.json.Decoder(Progress)
 
 
-def encode_view(view: BackendView | TenantView | Progress) -> bytes:
+def encode_view(view: BackendView | TenantView | SplitView | Progress) -> bytes:
     return _ENCODER.encode(view)
 
 
@@ -157,6 +187,11 @@ def decode_backend_view(data: bytes) -> BackendView:
 def decode_tenant_view(data: bytes) -> TenantView:
     """Raises ``msgspec.DecodeError`` if ``data`` is not a tenant view."""
     return _TENANT_VIEW_DECODER.decode(data)
+
+
+def decode_split_view(data: bytes) -> SplitView:
+    """Raises ``msgspec.DecodeError`` if ``data`` is not a split's view."""
+    return _SPLIT_VIEW_DECODER.decode(data)
 
 
 def decode_progress(data: bytes) -> Progress:
@@ -340,6 +375,12 @@ class StateView(Lifecycle):
                 if taken:
                     tenants = {**self.state.tenants, key[len(_TENANT_PREFIX) :]: spend.tenant}
                     self.state = msgspec.structs.replace(self.state, tenants=tenants)
+            elif key.startswith(_SPLIT_PREFIX):
+                split = decode_split_view(entry.value)
+                taken = self._newer(key, split.epoch, split.last_seq)
+                if taken:
+                    splits = {**self.state.splits, key[len(_SPLIT_PREFIX) :]: split.split}
+                    self.state = msgspec.structs.replace(self.state, splits=splits)
             else:
                 return
         except msgspec.DecodeError as exc:
@@ -368,6 +409,11 @@ class StateView(Lifecycle):
                     name: spend
                     for name, spend in state.tenants.items()
                     if tenant_view_key(name) in current
+                },
+                splits={
+                    name: split
+                    for name, split in state.splits.items()
+                    if split_view_key(name) in current
                 },
             )
         self.revision = revision

@@ -63,6 +63,7 @@ from ._messages import (
     Promoted,
     Retrying,
     Routed,
+    SplitChanged,
     Started,
     Stolen,
     TerminalClaim,
@@ -127,7 +128,8 @@ def msg_id_of(event: Event) -> str | None:
     hide a run or a failed run (which the retry budget counts); nor has
     ``probed`` (published by a worker when its probe's answer changes). A
     ``circuit`` change is the binder's, once per change: its time is in its
-    id. ``cancel_requested`` has none: it is idempotent, and a tenant
+    id; so is an ``ab`` change's (with its state), the binder's or an
+    operator's. ``cancel_requested`` has none: it is idempotent, and a tenant
     publishing the id of another's cancellation first (on its own subject)
     would drop it.
     """
@@ -147,6 +149,8 @@ def msg_id_of(event: Event) -> str | None:
         parts = (event.to_level,)
     elif isinstance(event, CircuitChanged):
         parts = (repr(event.at),)
+    elif isinstance(event, SplitChanged):
+        parts = (event.state, repr(event.at))
     return msg_id(tenant, rid, kind_of(event), *parts)
 
 

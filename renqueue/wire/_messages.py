@@ -47,6 +47,7 @@ __all__ = [
     "ReportedLimit",
     "Retrying",
     "Routed",
+    "SplitChanged",
     "Started",
     "Stolen",
     "Submitted",
@@ -166,6 +167,10 @@ class InferenceRequest(Struct, frozen=True, kw_only=True):
     #: Its place in its route's cascade after a backend failed it; set by
     #: workers, with ``requeues``, on the services' requeue subject only.
     fallback: Fallback | None = None
+    #: The route the client named, when that route's A/B split sent it to
+    #: ``route`` (one of the split's arms); set by the binder, never by a
+    #: client (a request put back to routing keeps its arm).
+    split: Name | None = None
 
 
 class Dispatch(Struct, frozen=True, kw_only=True):
@@ -288,6 +293,17 @@ class Routed(_EventBase, frozen=True, kw_only=True, tag="routed"):
     probe: bool = False
     #: The tier the route's estimator gave a request that named none (its floor).
     complexity_estimate: ComplexityEstimate | None = None
+    #: Seconds from this decision to the call's predicted (cautious) finish,
+    #: when the backend has a model (``policy.predict``); for audits of the
+    #: predictions against the ``completed`` event.
+    predicted: float | None = None
+    #: The estimated cost (USD) of the call there, prompt estimate + the most
+    #: it may generate (``policy.estimated_cost``).
+    estimated_cost: float = 0.0
+    #: The route the client named and the arm (a route) its A/B split sent
+    #: it to; empty when the route has no split.
+    split: str = ""
+    arm: str = ""
 
 
 class Promoted(_EventBase, frozen=True, kw_only=True, tag="promoted"):
@@ -470,6 +486,34 @@ class Expired(_EventBase, frozen=True, kw_only=True, tag="expired"):
 
     stage: str
     reason: str = ""
+    #: Expired while waiting on an arm of an A/B split (as in ``routed``):
+    #: counted against that arm even if it was never routed.
+    split: str = ""
+    arm: str = ""
+
+
+class SplitChanged(_EventBase, frozen=True, kw_only=True, tag="ab"):
+    """Where an A/B split's traffic goes moved: ``rolled_back`` (all of it to
+    the control arm: the binder when an arm breached the split's rollback
+    thresholds, or an operator), ``promoted`` (all of it to ``arm``: an
+    operator), or ``live`` again (by weight: an operator).
+
+    About a route, not a request: ``tenant`` is ``_system`` and
+    ``request_id`` the route's name (``rq.evt._system.<route>.ab``). The
+    binder's own rollback (``operator`` empty) applies only to a live split.
+    """
+
+    route: str
+    state: str
+    #: Where all of its traffic goes (empty when ``live``).
+    arm: str = ""
+    previous: str = ""
+    reason: str = ""
+    #: The binder that decided (its lease holder) and its term, for an automatic rollback.
+    router: str = ""
+    term: int = 0
+    #: Who asked, for an operator's action (``renqueue ab``).
+    operator: str = ""
 
 
 class Cancelled(_EventBase, frozen=True, kw_only=True, tag="cancelled"):
@@ -493,6 +537,7 @@ Event = (
     | FellBack
     | CircuitChanged
     | Probed
+    | SplitChanged
     | Completed
     | Failed
     | Expired

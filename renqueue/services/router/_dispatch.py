@@ -130,6 +130,8 @@ class Dispatcher:
         term: int,
         reserved: Reserved | None = None,
         probe: bool = False,
+        predicted: float | None = None,
+        estimated_cost: float = 0.0,
     ) -> None:
         """Dispatch ``item`` to the slot's backend, log the ``routed`` decision, ack it.
 
@@ -171,6 +173,10 @@ class Dispatcher:
             reserved_tokens=0 if reserved is None else reserved.cost.tokens,
             probe=probe,
             complexity_estimate=item.estimate,
+            predicted=predicted,
+            estimated_cost=estimated_cost,
+            split=request.split or "",
+            arm=request.route if request.split is not None else "",
         )
         meta = item.msg.metadata
         # Delivered before, or stored before this term began: an earlier bind

@@ -72,6 +72,9 @@ class Held(msgspec.Struct, kw_only=True):
     #: The tier its route's estimator gave it (it named none): in ``request.complexity``
     #: from here on, and in its ``routed`` event.
     estimate: ComplexityEstimate | None = None
+    #: The cheaper backend it was first told to wait for, and the start
+    #: predicted then (see ``policy.Waiting.waiting_for``).
+    waiting_for: tuple[str, float] | None = None
 
     def key(self, now: float, policies: list[LevelPolicy]) -> tuple[int, float]:
         return pick_key(

@@ -25,7 +25,9 @@ Its parts: the hold (``_hold``), the free slots it counts per backend
 (``_capacity``: broker truth plus its own dispatches the broker may not have
 counted yet), reading a fetched request (``_admission``: validation, the wait
 measured in server time, the parent's priority), carrying out a bind
-(``_dispatch``) and its side of the preemption protocol (``_preemption``).
+(``_dispatch``), its side of the preemption protocol (``_preemption``), and
+A/B splits (``_splits``: a request of a split route is placed on an arm as it
+is read, and a split whose arm breaches its thresholds is rolled back).
 
 Every loop (one fetch loop per level, the dispatch loop, the keepalive, the
 projection watch) runs under the process's :class:`~renqueue._tasks.Supervisor`:
@@ -49,6 +51,7 @@ The decisions are plain functions in :mod:`renqueue.policy` (a round:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import os
@@ -65,7 +68,7 @@ from ... import metrics
 from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor, cancel_and_wait
 from ...config import Config, parse_duration
-from ...errors import BudgetExhaustedError, RenQueueError
+from ...errors import BudgetExhaustedError, ConfigError, RenQueueError
 from ...logs import get_logger
 from ...ops._provision import renew_router_consumers, router_consumer_configs
 from ...policy import (
@@ -78,13 +81,16 @@ from ...policy import (
     Inherit,
     PlanPolicy,
     Promote,
+    Refuse,
     Wait,
     Waiting,
+    affordable,
     budget_of,
     day_ends,
     plan,
     refused,
 )
+from ...policy._complexity import Estimator, load_estimator
 from ...policy._complexity import estimate as estimate_complexity
 from ...state._cancellation import CancelWatch
 from ...state._coalescing import Coalescer, coalesce_key
@@ -103,6 +109,7 @@ from ...wire._messages import (
     InferenceRequest,
     Promoted,
     Rejected,
+    SplitChanged,
     Submitted,
 )
 from ...wire._nats import Connection, JetStream, Message, PubAck, PullSubscription, Subscription
@@ -126,6 +133,7 @@ from ._dispatch import ACKS_TIMEOUT, Dispatcher
 from ._hold import BOOST_DECODER, Held, Hold, stored_at
 from ._ledger import Ledger
 from ._preemption import ask_preemption
+from ._splits import Splitter
 
 __all__ = ["Router"]
 
@@ -186,10 +194,16 @@ class Router(Lifecycle):
         self._wake = asyncio.Event()
         self._state: StateView | None = None
         self._coalescer = Coalescer(js, clock=clock, ttl=parse_duration(config.router.coalesce_ttl))
+        self._estimators = _estimators(config)
+        #: (when, tenant, estimated cost) of this router's paid binds, until
+        #: the projection has folded them (:meth:`_spent`).
+        self._recent_binds: collections.deque[tuple[float, str, float]] = collections.deque()
         #: Timers that expire coalesced followers at their deadlines.
         self._follower_timers: set[asyncio.TimerHandle] = set()
         self._ledger = Ledger(config)
         self._circuits = Circuits(config)
+        #: A/B splits: each request's arm, and the automatic rollback (``_splits``).
+        self._splitter = Splitter(config)
         # Health is each backend's circuit (self._circuits), judged in the round.
         self._capacity = Capacity(js, config, parse_duration(config.router.capacity_refresh))
         self._ack_wait = parse_duration(config.router.ack_wait)
@@ -412,6 +426,7 @@ class Router(Lifecycle):
         self._dispatching.clear()
         self._catch_up = None
         self._circuits.forget()
+        self._splitter.forget()
         dropped = self._hold.clear()
         was = self._term
         self._term = None
@@ -539,6 +554,7 @@ class Router(Lifecycle):
             return
         if await self._follows(msg, request, logged, now):
             return
+        request = self._splitter.place(request, self._live())
         request, estimate = self._estimated(request)
         self._hold.add(
             level,
@@ -563,7 +579,12 @@ class Router(Lifecycle):
         if rules is None or request.complexity is not None:
             return request, None
         highest = max(1, self._config.highest_tier(request.route))
-        estimate = estimate_complexity(request, rules.thresholds, highest=highest)
+        estimate = estimate_complexity(
+            request,
+            rules.thresholds,
+            highest=highest,
+            estimator=self._estimators.get(request.route),
+        )
         return msgspec.structs.replace(request, complexity=estimate.tier), estimate
 
     async def _admit(self, msg: Message, level: str, now: float) -> InferenceRequest | None:
@@ -575,15 +596,24 @@ class Router(Lifecycle):
             return None
         budget = budget_of(admitted.tenant, self._plan_policy.budgets)
         projected = None if self._state is None else self._state.state
-        if budget is not None and projected is not None and admitted.requeues == 0:
-            spent = projected.spent(admitted.tenant, utc_day(now))
-            if refused(budget, spent):
-                error = BudgetExhaustedError(
-                    admitted.tenant, budget.daily, spent, day_ends(now), request_id=admitted.id
-                )
-                await self._reject(msg, admitted.id, admitted.tenant, error)
-                return None
-        return admitted
+        if budget is None or projected is None or admitted.requeues > 0:
+            return admitted
+        spent = self._spent(projected, admitted.tenant, now)
+        route = self._config.routes[admitted.route].backends
+        priced = [self._config.backends[name] for name in route]
+        if not refused(budget, spent) and affordable(admitted, priced, budget, spent):
+            return admitted
+        # Only a new request: one admitted before (its `submitted` event is
+        # logged) and handed back by a restart or a lease change is held to
+        # what its budget allows. (Delivery counts do not tell: a consumer
+        # made again counts from 1.)
+        if await self._log.history(admitted.tenant, admitted.id, kind="submitted"):
+            return admitted
+        error = BudgetExhaustedError(
+            admitted.tenant, budget.daily, spent, day_ends(now), request_id=admitted.id
+        )
+        await self._reject(msg, admitted.id, admitted.tenant, error)
+        return None
 
     async def _settle_on_read(
         self,
@@ -770,7 +800,13 @@ class Router(Lifecycle):
         reason: str = "deadline passed while waiting to be routed",
     ) -> None:
         event = Expired(
-            request_id=request.id, tenant=request.tenant, at=now, stage="queued", reason=reason
+            request_id=request.id,
+            tenant=request.tenant,
+            at=now,
+            stage="queued",
+            reason=reason,
+            split=request.split or "",
+            arm=request.route if request.split is not None else "",
         )
         metrics.TERMINAL.labels("expired").inc()
         try:
@@ -819,6 +855,7 @@ class Router(Lifecycle):
         round happens to be at; it goes to the head of the order next round.
         """
         now = self._clock()
+        self._follow_splits()
         held = list(self._hold)
         demand: dict[str, int] = {}
         for item in held:
@@ -850,10 +887,12 @@ class Router(Lifecycle):
                 inherited=item.inherited,
                 preempt_asked=item.preempt_asked,
                 preempted_one=item.preempted_one,
+                waiting_for=item.waiting_for,
             )
             for ref, item in items.items()
         ]
         self._ledger.prune(projected)
+        self._judge_splits(projected, now)
         views, judged = self._views(state, now)
         waiting: set[str] = set()
         gone: set[int] = set()
@@ -865,37 +904,58 @@ class Router(Lifecycle):
             elif isinstance(action, Expire):
                 gone.add(action.ref)
                 self._spawn_publish(self._expire(item.msg, item.request, now, reason=action.reason))
+            elif isinstance(action, Refuse):
+                gone.add(action.ref)
+                request = item.request
+                error = BudgetExhaustedError(
+                    request.tenant, action.daily, action.spent, day_ends(now), request_id=request.id
+                )
+                self._spawn_publish(self._reject(item.msg, request.id, request.tenant, error))
             elif isinstance(action, Bind) and catching_up and action.backend in judged:
                 # Its quota is judged on a view that may not know yet what the
                 # previous binder spent: it waits (held) for the view.
                 waiting.add(action.backend)
             elif isinstance(action, Bind):
                 gone.add(action.ref)
-                slot = self._capacity.dispatching(action.backend)
-                if action.probe:
-                    self._circuits.probe_bound(action.backend, now)
-                reserved = self._ledger.reserving(
-                    action.backend, Cost(requests=1, tokens=action.reserved_tokens), now
-                )
-                # The term is the deciding round's, not whichever is current when it runs.
-                self._spawn_publish(
-                    self._dispatcher.bind(
-                        item,
-                        slot,
-                        self._levels[item.rank],
-                        now,
-                        action.reason,
-                        term=self._term or 0,
-                        reserved=reserved,
-                        probe=action.probe,
-                    )
-                )
+                self._bind(item, action, now)
             elif isinstance(action, AskPreemption):
                 self._maybe_preempt(item, action, now)
             elif isinstance(action, Wait):
                 waiting.update(action.backends)
+                if action.wait_for is not None and (
+                    item.waiting_for is None or item.waiting_for[0] != action.wait_for
+                ):
+                    item.waiting_for = (action.wait_for, action.wait_start)
         self._hold.prune(gone)
         return sorted(waiting)
+
+    def _bind(self, item: Held, action: Bind, now: float) -> None:
+        """Carry out a binding: the slot, the probe, the quota reservation, and
+        the dispatch and decision published in a task."""
+        slot = self._capacity.dispatching(action.backend)
+        if action.probe:
+            self._circuits.probe_bound(action.backend, now)
+        tenant = item.request.tenant
+        if action.estimated_cost > 0 and budget_of(tenant, self._plan_policy.budgets) is not None:
+            self._recent_binds.append((now, tenant, action.estimated_cost))
+        reserved = self._ledger.reserving(
+            action.backend, Cost(requests=1, tokens=action.reserved_tokens), now
+        )
+        # The term is the deciding round's, not whichever is current when it runs.
+        self._spawn_publish(
+            self._dispatcher.bind(
+                item,
+                slot,
+                self._levels[item.rank],
+                now,
+                action.reason,
+                term=self._term or 0,
+                reserved=reserved,
+                probe=action.probe,
+                predicted=action.predicted,
+                estimated_cost=action.estimated_cost,
+            )
+        )
 
     def _views(
         self, state: StateView | None, now: float
@@ -984,17 +1044,28 @@ class Router(Lifecycle):
     def _spent_today(
         self, projected: LiveState | None, snapshot: list[Waiting], now: float
     ) -> dict[str, float]:
-        """What each tenant with a waiting request and a budget spent today (the projection's)."""
+        """What each tenant with a waiting request and a budget has spent
+        today, for its budget (:meth:`_spent`)."""
         budgets = self._plan_policy.budgets
         if not budgets or projected is None:
             return {}
-        day = utc_day(now)
         tenants = {item.request.tenant for item in snapshot}
         return {
-            tenant: projected.spent(tenant, day)
+            tenant: self._spent(projected, tenant, now)
             for tenant in tenants
             if budget_of(tenant, budgets) is not None
         }
+
+    def _spent(self, projected: LiveState, tenant: str, now: float) -> float:
+        """What a budget judges ``tenant`` by: the projection's spend today,
+        the estimated cost of its calls bound and not ended (``committed``),
+        and of this router's paid binds the projection has not folded yet
+        (decided after its log time)."""
+        folded = projected.log_time
+        while self._recent_binds and self._recent_binds[0][0] <= folded:
+            self._recent_binds.popleft()
+        unfolded = sum(cost for at, who, cost in self._recent_binds if who == tenant)
+        return projected.spent(tenant, utc_day(now)) + projected.committed(tenant) + unfolded
 
     def _announce_promotion(self, item: Held, action: Promote | Inherit) -> None:
         """Record a promotion the planner announced: earned by aging (``at`` is
@@ -1050,6 +1121,40 @@ class Router(Lifecycle):
             log.warning("could not log a circuit change", backend=event.backend, error=str(exc))
             self._circuits.retract(event.backend, circuit)
 
+    def _live(self) -> LiveState | None:
+        """This router's view of the projection, if it has one open."""
+        return None if self._state is None else self._state.state
+
+    def _follow_splits(self) -> None:
+        """Move each held request whose A/B split was rolled back or promoted
+        since it was placed to where the split's traffic goes now (its tier
+        estimated again, by that arm's rules, if it named none)."""
+        if not self._splitter:
+            return
+        live = self._live()
+        for item in self._hold:
+            if not self._splitter.moved(item.request, live):
+                continue
+            request = item.request
+            if item.estimate is not None:
+                request = msgspec.structs.replace(request, complexity=None)
+            item.request, item.estimate = self._estimated(self._splitter.place(request, live))
+
+    def _judge_splits(self, projected: LiveState | None, now: float) -> None:
+        """Roll back each live A/B split one of whose arms breaches its rules (logged)."""
+        for event in self._splitter.judge(
+            projected, now, router=self._lease.holder, term=self._term or 0
+        ):
+            self._spawn_publish(self._log_split(event))
+
+    async def _log_split(self, event: SplitChanged) -> None:
+        """Log a rollback; if that fails, it is decided (and logged) again next round."""
+        try:
+            await self._log.append(event)
+        except Exception as exc:  # noqa: BLE001 - the next round decides it again
+            log.warning("could not log an A/B rollback", route=event.route, error=str(exc))
+            self._splitter.retract(event)
+
     def _spawn_publish(self, coro: Any) -> None:
         """Carry out one decision's publishes in a task of its own, tracked until
         it ends: :meth:`_stop` waits for it (within ``_INFLIGHT_STOP_WAIT``), and
@@ -1086,3 +1191,18 @@ class Router(Lifecycle):
                         with contextlib.suppress(Exception):
                             await item.msg.in_progress()
                         item.touched = now
+
+
+def _estimators(config: Config) -> dict[str, Estimator]:
+    """The learned complexity estimators the routes name (the heuristic is the default)."""
+    found: dict[str, Estimator] = {}
+    for name, route in config.routes.items():
+        if route.complexity is None:
+            continue
+        try:
+            estimator = load_estimator(route.complexity.estimator)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(str(exc), path=f"$.routes.{name}.complexity.estimator") from exc
+        if estimator is not None:
+            found[name] = estimator
+    return found

@@ -1,0 +1,241 @@
+"""The A/B part of the fold: each split's state and what each of its arms did.
+
+Folded from the log like the rest of the projection (:func:`renqueue.state.fold`
+calls :class:`SplitsBuilder` for every event the services wrote), in event
+time, so a replay rebuilds it exactly:
+
+- a ``routed`` event that names a split (``split``, ``arm``) counts one request
+  for that arm and remembers the request's arm and when its wait began (its
+  ``at`` less its ``queue_wait``) until it ends; a later decision on another
+  arm (put back, then moved by a rollback) moves it there;
+- the request's terminal event counts its outcome for that arm: ``completed``
+  (its cost, and the seconds from its submission to its completion and to its
+  first token), ``failed``, ``expired``; a ``cancelled`` or ``rejected`` one is
+  the client's doing and counts nothing. An ``expired`` event that names an
+  arm (a request that waited on it and was never routed) counts as a request
+  and an expiry of that arm;
+- an ``ab`` event (``rq.evt._system.<route>.ab`` only) moves the split's
+  state: an operator's always, the binder's automatic rollback only while the
+  split is live. Going ``live`` again empties every arm's recent buckets, so
+  the resumed split is judged afresh.
+
+Bounded: per split, per arm, one total and at most ``AB_HORIZON / AB_BUCKET``
+(20) buckets (:class:`~renqueue.policy.ArmStats`), plus one small entry per request
+routed on an arm and not yet ended, dropped at its end and swept after
+:data:`STALE_ASSIGNED` seconds of event time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+import msgspec
+from msgspec import Struct
+
+from ..policy._ab import SPLIT_MODES, ArmStats, ArmTally, Tally, bin_of
+from ..wire._messages import (
+    Cancelled,
+    Completed,
+    Event,
+    Expired,
+    Failed,
+    Rejected,
+    Routed,
+    SplitChanged,
+)
+from ..wire._subjects import SYSTEM_TENANT, msg_id
+
+__all__ = ["STALE_ASSIGNED", "ArmRequest", "SplitState", "Splits", "SplitsBuilder"]
+
+#: A request on an arm with no terminal event for this long (event time) is
+#: forgotten (as the fold's in-flight entries are): its outcome is never counted.
+STALE_ASSIGNED: Final = 6 * 3600.0
+_SWEEP_EVERY: Final = 60.0
+#: The longest reason kept.
+_REASON_CHARS: Final = 500
+
+
+class ArmRequest(Struct, frozen=True, array_like=True):
+    """A request routed on an arm of a split and not yet ended: the split,
+    the arm, and when its wait began (event time)."""
+
+    split: str
+    arm: str
+    since: float
+
+
+class SplitState(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One split as the log tells it: where its traffic goes (``live``: by
+    weight; ``rolled_back``/``promoted``: all of it to ``arm``), since when,
+    why and by whom (a router's lease holder, or an operator), and what each
+    arm did (:class:`~renqueue.policy.ArmStats`, by arm name)."""
+
+    state: str = "live"
+    arm: str = ""
+    since: float = 0.0
+    reason: str = ""
+    by: str = ""
+    arms: dict[str, ArmStats] = {}
+
+
+class Splits(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Every split the log has named (by route), and the requests on an arm
+    that have not ended (by ``<tenant>:<request id>``)."""
+
+    routes: dict[str, SplitState] = {}
+    requests: dict[str, ArmRequest] = {}
+    last_sweep_at: float = 0.0
+
+
+_EMPTY_SPLIT: Final = SplitState()
+_EMPTY_ARM: Final = ArmStats()
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else 0.0
+
+
+class SplitsBuilder:
+    """:class:`Splits` being folded: copies each map once, then changes the copy
+    (as the fold's own builder does), and adds each arm's figures up in a
+    working copy (:class:`~renqueue.policy.ArmTally`) frozen once, at
+    :meth:`freeze`; the input is never changed."""
+
+    def __init__(self, splits: Splits) -> None:
+        self._routes = splits.routes
+        self._requests = splits.requests
+        self._last_sweep_at = splits.last_sweep_at
+        self._routes_own = False
+        self._requests_own = False
+        #: Arms whose figures changed, by (split, arm): frozen into ``_routes`` at freeze.
+        self._working: dict[tuple[str, str], ArmTally] = {}
+
+    def apply(self, event: Event, at: float, log_time: float) -> None:
+        """Fold one event the services wrote (stamped ``at``; the log's clock is ``log_time``)."""
+        if isinstance(event, Routed):
+            if event.split and event.arm:
+                self._routed(event, at)
+        elif isinstance(event, Completed | Failed | Expired | Cancelled | Rejected):
+            if self._requests or (isinstance(event, Expired) and event.split):
+                self._ended(event, at)
+        elif isinstance(event, SplitChanged):
+            self._changed(event, at)
+        if log_time - self._last_sweep_at >= _SWEEP_EVERY:
+            self._sweep(log_time)
+
+    def freeze(self) -> Splits:
+        self._settle()
+        return Splits(
+            routes=self._routes, requests=self._requests, last_sweep_at=self._last_sweep_at
+        )
+
+    def _settle(self, route: str | None = None) -> None:
+        """Freeze the working figures (of ``route``'s arms only, if given) into the splits."""
+        done = [key for key in self._working if route is None or key[0] == route]
+        by_split: dict[str, dict[str, ArmStats]] = {}
+        for split, arm in done:
+            by_split.setdefault(split, {})[arm] = self._working.pop((split, arm)).freeze()
+        for split, arms in by_split.items():
+            current = self._routes.get(split, _EMPTY_SPLIT)
+            self._own_routes()[split] = msgspec.structs.replace(
+                current, arms={**current.arms, **arms}
+            )
+
+    def _own_routes(self) -> dict[str, SplitState]:
+        if not self._routes_own:
+            self._routes, self._routes_own = dict(self._routes), True
+        return self._routes
+
+    def _own_requests(self) -> dict[str, ArmRequest]:
+        if not self._requests_own:
+            self._requests, self._requests_own = dict(self._requests), True
+        return self._requests
+
+    def _count(self, split: str, arm: str, at: float, delta: Tally) -> None:
+        working = self._working.get((split, arm))
+        if working is None:
+            current = self._routes.get(split, _EMPTY_SPLIT).arms.get(arm, _EMPTY_ARM)
+            working = self._working[(split, arm)] = ArmTally(current)
+        working.add(at, delta)
+
+    def _routed(self, event: Routed, at: float) -> None:
+        key = msg_id(event.tenant, event.request_id)
+        entry = self._requests.get(key)
+        if entry is not None and (entry.split, entry.arm) == (event.split, event.arm):
+            return  # another attempt on the same arm: the same request
+        since = entry.since if entry is not None else at - max(0.0, _finite(event.queue_wait))
+        self._own_requests()[key] = ArmRequest(event.split, event.arm, since)
+        self._count(event.split, event.arm, at, Tally(requests=1))
+
+    def _ended(self, event: Completed | Failed | Expired | Cancelled | Rejected, at: float) -> None:
+        key = msg_id(event.tenant, event.request_id)
+        entry = self._requests.get(key)
+        if entry is not None:
+            del self._own_requests()[key]
+            requests = 0
+        elif isinstance(event, Expired) and event.split and event.arm:
+            entry, requests = ArmRequest(event.split, event.arm, at), 1
+        else:
+            return
+        if isinstance(event, Completed):
+            if event.shared_with is not None:
+                return  # a coalesced follower: its leader's call is counted
+            latency = max(0.0, at - entry.since)
+            delta = Tally(
+                requests=requests,
+                completed=1,
+                cost=_finite(event.cost),
+                latency=((bin_of(latency), 1),),
+                ttft=()
+                if event.ttft is None
+                else ((bin_of(_first_token(latency, event.duration, event.ttft)), 1),),
+            )
+        elif isinstance(event, Failed):
+            delta = Tally(requests=requests, failed=1)
+        elif isinstance(event, Expired):
+            delta = Tally(requests=requests, expired=1)
+        else:
+            return  # cancelled or rejected: the client's doing
+        self._count(entry.split, entry.arm, at, delta)
+
+    def _changed(self, event: SplitChanged, at: float) -> None:
+        """An ``ab`` event: only the services' (tenant ``_system``), about its own route."""
+        if (
+            event.tenant != SYSTEM_TENANT
+            or event.request_id != event.route
+            or event.state not in SPLIT_MODES
+            or (event.state != "live" and not event.arm)
+        ):
+            return
+        self._settle(event.route)
+        current = self._routes.get(event.route, _EMPTY_SPLIT)
+        if not event.operator and current.state != "live":
+            return  # the binder's rollback of a split an operator moved meanwhile
+        arms = current.arms
+        if event.state == "live":  # judged afresh from here
+            arms = {name: ArmStats(total=stats.total) for name, stats in arms.items()}
+        self._own_routes()[event.route] = msgspec.structs.replace(
+            current,
+            state=event.state,
+            arm="" if event.state == "live" else event.arm,
+            since=at,
+            reason=event.reason[:_REASON_CHARS],
+            by=(event.operator or event.router)[:_REASON_CHARS],
+            arms=arms,
+        )
+
+    def _sweep(self, log_time: float) -> None:
+        self._last_sweep_at = log_time
+        horizon = log_time - STALE_ASSIGNED
+        stale = [key for key, entry in self._requests.items() if entry.since < horizon]
+        if stale:
+            requests = self._own_requests()
+            for key in stale:
+                del requests[key]
+
+
+def _first_token(latency: float, duration: float, ttft: float) -> float:
+    """Seconds from submission to the first token: the completing call began
+    ``duration`` before the end, and its first token came ``ttft`` into it."""
+    return max(0.0, latency - max(0.0, _finite(duration)) + max(0.0, _finite(ttft)))
