@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from renqueue import ChatMessage, ConfigError, GenerationParams, InferenceRequest, parse_config
-from renqueue.config import Config
+from renqueue.config import Config, SplitConfig
 from renqueue.errors import FailureClass, RenQueueError
 from renqueue.policy import estimate_prompt_tokens
 from renqueue.sim import (
@@ -332,6 +332,44 @@ def test_a_soft_budget_keeps_a_tenant_off_the_paid_backend() -> None:
     outcomes = ended(run(cfg, [arrive("tight", deadline=1.0)], models, warm=warm))
     # The free one alone cannot make it: expired at once (hopeless), never paid.
     assert outcomes == {"tight": ("expired", 0.0, None)}
+
+
+def test_a_hard_budget_spent_refuses_new_requests() -> None:
+    cfg = config(
+        {"paid": {"limits": {"concurrency": 4}, "cost_output_per_mtok": 1.0}},
+        tenants={"t1": {"daily_budget": 0.00002, "budget": "hard"}},
+    )
+    models = {"paid": model("paid", 0.1)}
+    # Each costs $0.000011 (11 output tokens at $1/M): while the first runs
+    # its estimate counts, once it ended its cost: no room for a second.
+    arrivals = [arrive("r1"), arrive("r2", 0.05), arrive("r3", 1.0)]
+    outcomes = ended(run(cfg, arrivals, models))
+    assert outcomes == {
+        "r1": ("completed", 0.2, "paid"),
+        "r2": ("rejected", 0.05, None),
+        "r3": ("rejected", 1.0, None),
+    }
+
+
+def test_an_a_b_split_sends_each_tenant_to_its_arm() -> None:
+    cfg = config(
+        {"a": {"limits": {"concurrency": 8}}, "b": {"limits": {"concurrency": 8}}},
+        routes={"chat": ["a"], "other": ["b"]},
+    )
+    raw = {"arms": {"chat": 1.0, "other": 1.0}, "control": "chat"}
+    cfg = msgspec.structs.replace(
+        cfg,
+        routes={
+            **cfg.routes,
+            "chat": msgspec.structs.replace(
+                cfg.routes["chat"], ab=msgspec.convert(raw, SplitConfig)
+            ),
+        },
+    )
+    models = {"a": model("a", 0.1), "b": model("b", 0.1)}
+    arrivals = [arrive(f"r{index}", tenant=f"t{index}") for index in range(40)]
+    backends = {outcome.backend for outcome in run(cfg, arrivals, models).values()}
+    assert backends == {"a", "b"}
 
 
 def test_a_call_running_when_the_trace_begins_holds_its_slot_until_it_really_ended() -> None:

@@ -58,6 +58,8 @@ from ..config import Config, parse_duration
 from ..errors import (
     BackendError,
     BadRequestError,
+    BudgetExhaustedError,
+    ConfigError,
     FailureClass,
     FatalBackendError,
     InvalidRequestError,
@@ -75,9 +77,11 @@ from ..policy import (
     Inherit,
     Promote,
     Quota,
+    Refuse,
     RequeueElsewhere,
     Retry,
     RouteFacts,
+    Wait,
     Waiting,
     after_failure,
     check,
@@ -90,7 +94,9 @@ from ..policy import (
     promotions,
     validate,
 )
-from ..policy._budget import budget_of, refused
+from ..policy._ab import SplitPolicy, place
+from ..policy._budget import affordable, budget_of, day_ends, refused
+from ..policy._complexity import Estimator, load_estimator
 from ..policy._predict import RouteRules
 from ..state import ProjectionState, fold, utc_day
 from ..wire._messages import (
@@ -230,6 +236,10 @@ class _Simulator:
         self.seed = seed
         self.max_rounds = max_rounds
         self.policy = config.plan_policy()
+        self.estimators = _estimators(config)
+        self.splits: dict[str, SplitPolicy] = {
+            name: route.ab.policy(name) for name, route in config.routes.items() if route.ab
+        }
         self.failure_policy = config.worker.failure_policy()
         self.gap = max(parse_duration(config.router.capacity_refresh), 1e-3)
         self.state: ProjectionState = trace.prior
@@ -371,10 +381,17 @@ class _Simulator:
             self.end(item, "rejected")
             return False
         budget = budget_of(request.tenant, self.policy.budgets)
-        if refused(budget, self.spent_today(request.tenant)):
+        spent = self.spent_today(request.tenant)
+        priced = [self.config.backends[name] for name in self.config.routes[request.route].backends]
+        if refused(budget, spent) or not affordable(request, priced, budget, spent):
+            assert budget is not None
+            error = BudgetExhaustedError(
+                request.tenant, budget.daily, spent, day_ends(self.now), request_id=request.id
+            )
+            self.fold(_rejected(request, self.now, error))
             self.end(item, "rejected")
             return False
-        request = self.estimated(request)
+        request = self.estimated(self.placed(request))
         item.request = request
         submitted = item.arrival.at
         self.fold(
@@ -429,8 +446,38 @@ class _Simulator:
         if rules is None or request.complexity is not None:
             return request
         highest = max(1, self.config.highest_tier(request.route))
-        estimate = estimate_complexity(request, rules.thresholds, highest=highest)
+        estimate = estimate_complexity(
+            request,
+            rules.thresholds,
+            highest=highest,
+            estimator=self.estimators.get(request.route),
+        )
         return msgspec.structs.replace(request, complexity=estimate.tier)
+
+    def placed(self, request: InferenceRequest) -> InferenceRequest:
+        """``request`` on its A/B split's arm, as the binder places it (a live
+        split: rollbacks are not simulated)."""
+        split = self.splits.get(request.route)
+        if split is None:
+            return request
+        arm = place(split, None, request, lambda route: self.serves(request, route))
+        if arm is None:
+            return request
+        return msgspec.structs.replace(request, route=arm, split=split.route)
+
+    def serves(self, request: InferenceRequest, route: str) -> bool:
+        """Whether ``route`` exists and can serve ``request`` (its complexity
+        and cost cap, as admission checks them)."""
+        config = self.config
+        if route not in config.routes:
+            return False
+        if request.complexity is not None and request.complexity > config.highest_tier(route):
+            return False
+        return request.max_cost is None or any(
+            estimated_cost(request, config.backends[name]) <= request.max_cost
+            for name in config.routes[route].backends
+            if name in config.backends
+        )
 
     def parent_of(self, request: InferenceRequest) -> tuple[int, float] | None:
         if request.parent_id is None:
@@ -444,8 +491,10 @@ class _Simulator:
         return self.config.priority_rank(level), parent.arrival.at
 
     def spent_today(self, tenant: str) -> float:
+        """What a budget judges ``tenant`` by: its spend today and the estimated
+        cost of its calls bound and not ended, as the router counts them."""
         spend = self.state.tenants.get(tenant)
-        return 0.0 if spend is None else spend.spend_on(utc_day(self.now))
+        return 0.0 if spend is None else spend.spend_on(utc_day(self.now)) + spend.committed
 
     # --------------------------------------------------------------- rounds
 
@@ -478,10 +527,33 @@ class _Simulator:
             elif isinstance(action, Expire):
                 self.fold(_expired(item.request, self.now, "queued", action.reason))
                 self.end(item, "expired")
+            elif isinstance(action, Refuse):
+                request = item.request
+                error = BudgetExhaustedError(
+                    request.tenant,
+                    action.daily,
+                    action.spent,
+                    day_ends(self.now),
+                    request_id=request.id,
+                )
+                self.fold(_rejected(request, self.now, error))
+                self.end(item, "rejected")
             elif isinstance(action, Bind):
                 self.bind(item, action)
+            elif isinstance(action, Wait):
+                self.promise(item, waiting, action)
         if self.waiting:
             self.schedule_wake()
+
+    def promise(self, item: _Item, waiting: Waiting, action: Wait) -> None:
+        """Keep a round's promise to wait for a cheaper candidate, as the router
+        keeps it: from the first round that names that candidate."""
+        if action.wait_for is None:
+            return
+        if waiting.waiting_for is None or waiting.waiting_for[0] != action.wait_for:
+            item.waiting = msgspec.structs.replace(
+                waiting, waiting_for=(action.wait_for, action.wait_start)
+            )
 
     def schedule_wake(self) -> None:
         change = self.now if self.admitted else self.next_change()
@@ -586,6 +658,10 @@ class _Simulator:
                 reason=action.reason,
                 reserved_tokens=action.reserved_tokens,
                 probe=action.probe,
+                predicted=action.predicted,
+                estimated_cost=action.estimated_cost,
+                split=request.split or "",
+                arm=request.route if request.split is not None else "",
             )
         )
         self.start_run(item)
@@ -811,7 +887,7 @@ class _Simulator:
         item.backend = None
         waiting = item.waiting
         assert waiting is not None
-        item.waiting = msgspec.structs.replace(waiting, request=request)
+        item.waiting = msgspec.structs.replace(waiting, request=request, waiting_for=None)
         self.store(item)
 
     def leave(self, item: _Item) -> None:
@@ -873,6 +949,22 @@ class _Simulator:
             level=request.priority,
             deadline=request.deadline,
         )
+
+
+def _estimators(config: Config) -> dict[str, Estimator]:
+    """The learned complexity estimators the config's routes name, loaded as
+    the router loads them."""
+    found: dict[str, Estimator] = {}
+    for name, route in config.routes.items():
+        if route.complexity is None:
+            continue
+        try:
+            estimator = load_estimator(route.complexity.estimator)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(str(exc), path=f"$.routes.{name}.complexity.estimator") from exc
+        if estimator is not None:
+            found[name] = estimator
+    return found
 
 
 def _rejected(request: InferenceRequest, at: float, error: InvalidRequestError) -> Rejected:
