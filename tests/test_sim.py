@@ -249,6 +249,16 @@ CASES = [
     ),
     pytest.param(
         ONE_SLOT,
+        [
+            arrive("r1"),
+            arrive("r2", 0.01, recorded=Recorded(kind="cancelled", leader="r1"), cancelled_at=0.1),
+        ],
+        A,
+        {"r1": ("completed", 0.2, "a"), "r2": ("cancelled", 0.1, None)},
+        id="a request sharing a call may still be cancelled before it ends",
+    ),
+    pytest.param(
+        ONE_SLOT,
         [arrive("r1"), arrive("r2")],
         {"a": model("a", 0.1, releases=((T, 0.05),))},
         {"r1": ("completed", 0.2, "a"), "r2": ("completed", 0.45, "a")},
@@ -317,6 +327,25 @@ def test_cheapest_in_time_uses_the_speed_model_of_the_warm_up() -> None:
     # Cold, the free one has no model yet: taken to be in time, it misses.
     cold = ended(run(cfg, arrivals, models))
     assert cold["tight"] == ("expired", 1.0, None)
+
+
+def test_a_patient_level_waits_for_the_free_backend_instead_of_paying() -> None:
+    """A request with no deadline at a level with patience chooses as if it had
+    that deadline: with the free backend's slot taken for 2 s and 10 s of
+    patience, it waits for it; with 1 s, it pays."""
+    backends = {
+        "free": {"limits": {"concurrency": 1}},
+        "paid": {"limits": {"concurrency": 4}, "cost_output_per_mtok": 1.0},
+    }
+    models = {"free": model("free", 2.0), "paid": model("paid", 0.1)}
+    warm = completed_events("free", 2.0) + completed_events("paid", 0.1)
+    arrivals = [arrive("first", deadline=30.0), arrive("batch", 0.01, priority="batch")]
+    for patience, expected in (
+        ("10s", ("completed", 4.2, "free")),
+        ("1s", ("completed", 0.21, "paid")),
+    ):
+        cfg = config(backends, levels={"batch": {"patience": patience}})
+        assert ended(run(cfg, arrivals, models, warm=warm))["batch"] == expected
 
 
 def test_a_soft_budget_keeps_a_tenant_off_the_paid_backend() -> None:

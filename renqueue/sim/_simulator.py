@@ -36,10 +36,11 @@ the calls then running holding their slots until they really ended.
 
 Rounds happen when something arrives or ends, and whenever a waiting
 request's decision may change with time alone: a deadline, an aging
-promotion, a quota window making room, a fallback's backoff ending, the
-moment a candidate stops being predicted in time. Not simulated:
-preemption, circuit breakers, work stealing, and 429s beyond the rates the log
-shows (docs/what-if.md).
+promotion, a quota window making room, a fallback's backoff ending, a promise
+to wait for a backend becoming overdue, the moment a candidate stops being
+predicted in time (against the deadline, or a level's patience). Not
+simulated: preemption, circuit breakers, work stealing, A/B rollbacks, and
+429s beyond the rates the log shows (docs/what-if.md).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ from ..policy import (
 from ..policy._ab import SplitPolicy, place
 from ..policy._budget import affordable, budget_of, day_ends, refused
 from ..policy._complexity import Estimator, load_estimator
-from ..policy._predict import RouteRules
+from ..policy._predict import RouteRules, typical_call
 from ..state import ProjectionState, fold, utc_day
 from ..wire._messages import (
     Cancelled,
@@ -302,9 +303,8 @@ class _Simulator:
         )
 
     def handle(self, kind: int, ref: int, token: int) -> None:
-        if (
-            kind == _FREE
-        ):  # a slot frees: a call's release passed, or one running at the start ended
+        if kind == _FREE:
+            # A slot frees: a call's release passed, or one running at the start ended.
             name = self.names[ref]
             self.in_flight[name] = max(0, self.in_flight[name] - 1)
         elif kind == _ARRIVE:
@@ -610,15 +610,25 @@ class _Simulator:
         now, request, waiting = self.now, item.request, item.waiting
         if waiting is None:
             return math.inf
-        deadline = request.deadline
-        times = [deadline if deadline is not None else math.inf]
+        levels = self.policy.levels
+        times = [math.inf if request.deadline is None else request.deadline]
         fallback = request.fallback
         if fallback is not None and fallback.not_before is not None:
             times.append(fallback.not_before)
         times.extend(
-            waiting.submitted + after
-            for _rank, after in promotions(waiting.rank, math.inf, self.policy.levels)
+            waiting.submitted + after for _rank, after in promotions(waiting.rank, math.inf, levels)
         )
+        if waiting.waiting_for is not None:
+            # The promise to wait for a backend is given up once overdue.
+            name, promised = waiting.waiting_for
+            view = views.get(name)
+            typical = None if view is None else typical_call(view)
+            times.append(math.nextafter(promised + max(1.0, typical or 0.0), math.inf))
+        # What the choice is judged against: the deadline, or the level's patience.
+        patience = levels[waiting.rank].patience if waiting.rank < len(levels) else None
+        deadline = request.deadline
+        if deadline is None and patience is not None:
+            deadline = waiting.submitted + patience
         if deadline is not None:
             spread = self.policy.rules.get(request.route, _CHEAPEST).spread
             for name in self.policy.routes.get(request.route, ()):
@@ -904,7 +914,7 @@ class _Simulator:
 
     def cancel(self, item: _Item) -> None:
         stage = "queued"
-        if item.ref not in self.waiting and not item.stored:
+        if item.backend is not None:
             stage = "running"
             self.leave(item)
         self.fold(
@@ -932,6 +942,8 @@ class _Simulator:
             cost=cost,
         )
         for follower in item.followers:
+            if follower.done:
+                continue  # cancelled before its leader ended
             follower.done = True
             follower.outcome = msgspec.structs.replace(
                 item.outcome,
