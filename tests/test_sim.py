@@ -32,6 +32,7 @@ from renqueue.sim import (
     Recorded,
     Release,
     Trace,
+    compare,
     fit_models,
     load_what_if,
     recorded_outcomes,
@@ -697,6 +698,22 @@ def test_models_are_fitted_per_backend_and_pooled_for_one_the_log_has_not_seen()
     assert models["d"].calls == [CallRecord(backend="d", ttft=1.0, generating=25.5, tokens=256)]
     with pytest.raises(RenQueueError, match="nothing to model backend 'x' on"):
         fit_models(Trace(since=T, until=T + 1), ["x"])
+
+
+def test_a_backend_the_log_never_called_is_simulated_on_pooled_calls_and_said_so() -> None:
+    cfg = config({"new": {}, "a": {}})  # "new" first in the cascade: it is used
+    trace = Trace(
+        since=T,
+        until=T + 10,
+        arrivals=(arrive("r1"),),
+        calls=(CallRecord(backend="a", at=T, ttft=0.1, generating=0.99, tokens=100),),
+    )
+    comparison = compare(trace, [("live", cfg)])
+    assert comparison.summary(1).share == {"new": 1}
+    assert comparison.simulations[0].assumed == ("new",)
+    (note,) = comparison.columns[1].notes
+    assert note.startswith("live: no call of new in the log: it was simulated on every")
+    assert "[whatif.models.new]" in note
 
 
 # ------------------------------------------------------------ summary, report
