@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-economics bench-ab bench-whatif chaos clean
+.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers bench-whatif chaos clean
 
 setup: $(STAMP)
 
@@ -77,6 +77,18 @@ bench-ab: $(STAMP)
 # How long a what-if replay takes to simulate an hour of traffic (issue #10 item 6): no NATS.
 bench-whatif: $(STAMP)
 	$(BIN)/python bench/whatif.py
+
+# Requests/s and added latency through `renqueue gateway` (streamed and not, closed loop at a
+# few concurrency levels) against a direct call to the same mock, and LiteLLM's proxy on the
+# same mock in the same run (issue #11). The proxy runs from the LiteLLM venv above, with the
+# proxy's packages added on the first run.
+bench-gateway: $(STAMP)
+	$(BIN)/python bench/gateway.py
+
+# The gateway's HTTP server, chosen by measurement: the same endpoint on aiohttp, uvicorn,
+# granian and raw h11 (in a venv of their own, .renqueue/bench-servers/venv).
+bench-gateway-servers: $(STAMP)
+	$(BIN)/python bench/gateway_servers.py
 
 # kill -9 routers and workers under load (single node, 3-node cluster, harsh), audit the log.
 chaos: $(STAMP)

@@ -3,6 +3,9 @@
 ::
 
     renqueue up                 embedded NATS (unless --nats) + provision + routers + workers
+                                (+ the gateway, when [gateway] has API keys)
+    renqueue gateway            the OpenAI-compatible HTTP gateway only (scale out);
+                                `gateway keygen TENANT` makes an API key
     renqueue router             router processes only (scale out)
     renqueue worker -b NAME     workers for some backends only (scale out)
     renqueue provision          apply streams/ to NATS, idempotently
@@ -20,7 +23,7 @@
                                 A/B splits: each arm's figures; move all of a split's
                                 traffic to one arm, back to its control, or split again
     renqueue schema             JSON Schema of every wire message and event
-    renqueue mock-backend       an OpenAI-compatible mock LLM server
+    renqueue mock-backend       a mock LLM server (OpenAI, Anthropic, Ollama, TGI, Gemini APIs)
     renqueue demo               everything embedded, a mixed workload, a summary
 
 Exit codes: 0 done (``submit``: the request completed; ``cancel``: it was
@@ -151,7 +154,52 @@ async def _up(config: Config, args: argparse.Namespace) -> None:
         # Scaling out joins a running Ren-Queue; it never starts a second
         # embedded server on the same store.
         config = _with_nats(config, _client_url(config))
-    await run_until_signalled(Services(config, routers=routers, backends=backends))
+    services: Services
+    if args.command == "up" and _gateway_wanted(config):
+        from .gateway._services import ServicesWithGateway
+
+        services = ServicesWithGateway(config, routers=routers, backends=backends)
+    else:
+        services = Services(config, routers=routers, backends=backends)
+    await run_until_signalled(services)
+
+
+def _gateway_wanted(config: Config) -> bool:
+    """``up`` runs the gateway when it is enabled and has API keys to accept."""
+    gateway = config.gateway
+    if not gateway.enabled:
+        return False
+    if gateway.keys or gateway.keys_file:
+        return True
+    get_logger(__name__).info(
+        "gateway not started: [gateway] has no API keys (keys or keys_file;"
+        " `renqueue gateway keygen TENANT` makes one)"
+    )
+    return False
+
+
+async def _gateway(config: Config, args: argparse.Namespace) -> None:
+    from .gateway import run_gateway
+
+    if args.port is not None or args.host is not None:
+        gateway = msgspec.structs.replace(
+            config.gateway,
+            port=config.gateway.port if args.port is None else args.port,
+            host=config.gateway.host if args.host is None else args.host,
+        )
+        config = msgspec.structs.replace(config, gateway=gateway)
+    await run_gateway(config, _client_url(config))
+
+
+def _keygen(_config: Config, args: argparse.Namespace) -> None:
+    from .gateway import digest, new_key
+
+    key = new_key()
+    print(f"API key for tenant {args.tenant} (shown once; give it to the client):")
+    print(f"  {key}")
+    print("Add one of these to the gateway's config (it stores the digest, never the key):")
+    print(f'  [[gateway.keys]]\n  tenant = "{args.tenant}"\n  sha256 = "{digest(key)}"')
+    print(f"  or a line of [gateway] keys_file:  sha256:{digest(key)} {args.tenant}")
 
 
 async def _provision(config: Config, _args: argparse.Namespace) -> None:
@@ -782,6 +830,41 @@ def _positive(text: str) -> int:
     return value
 
 
+def _add_service_commands(sub: Any) -> None:
+    """``up``, ``router``, ``worker`` and ``gateway``: the long-running processes."""
+    for name, text in (
+        ("up", "run embedded NATS (unless --nats), routers, workers (and the gateway)"),
+        ("router", "run router processes only"),
+        ("worker", "run workers only"),
+    ):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--routers", type=int, default=1, help="router loops in this process")
+        cmd.add_argument(
+            "-b", "--backend", action="append", help="serve only this backend (repeatable)"
+        )
+        cmd.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+        cmd.set_defaults(run=_up)
+    _add_gateway_command(sub)
+
+
+def _add_gateway_command(sub: Any) -> None:
+    cmd = sub.add_parser(
+        "gateway",
+        help="the OpenAI-compatible HTTP gateway (POST /v1/chat/completions, ...)",
+        description="Serve the OpenAI-compatible gateway on [gateway] host:port (see "
+        "docs/gateway.md), joining a running Ren-Queue (--nats or RENQUEUE_NATS_URL). "
+        "`renqueue gateway keygen TENANT` makes an API key.",
+    )
+    cmd.add_argument("--host", help="listen on this address (default: [gateway] host)")
+    cmd.add_argument("--port", type=int, help="listen on this port (default: [gateway] port)")
+    cmd.set_defaults(run=_gateway)
+    keygen = cmd.add_subparsers(dest="gateway_command").add_parser(
+        "keygen", help="make an API key for a tenant; print it and its config entry"
+    )
+    keygen.add_argument("tenant", type=_tenant_name)
+    keygen.set_defaults(run=_keygen)
+
+
 def _add_dlq_command(sub: Any) -> None:
     dlq = sub.add_parser(
         "dlq",
@@ -976,6 +1059,8 @@ def _mock_backend(_config: Config, args: argparse.Namespace) -> None:
             fault_rates=args.fault,
             context_window=args.context_window,
             drip_gap=args.drip_gap,
+            # One line, the URL last: scripts read it (bench/common.py). The
+            # other adapters' base URLs are in the log line before it.
             on_ready=lambda url: print(f"mock backend serving at {url}", flush=True),
         )
     except ValueError as exc:
@@ -1005,18 +1090,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    for name, text in (
-        ("up", "run embedded NATS (unless --nats), routers and workers"),
-        ("router", "run router processes only"),
-        ("worker", "run workers only"),
-    ):
-        cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("--routers", type=int, default=1, help="router loops in this process")
-        cmd.add_argument(
-            "-b", "--backend", action="append", help="serve only this backend (repeatable)"
-        )
-        cmd.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-        cmd.set_defaults(run=_up)
+    _add_service_commands(sub)
 
     sub.add_parser("provision", help="apply streams/ to NATS").set_defaults(run=_provision)
 
@@ -1108,6 +1182,16 @@ def _add_replay_command(sub: Any) -> None:
     cmd.set_defaults(run=_guarded(_replay))
 
 
+def _tenant_name(text: str) -> str:
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", text):
+        raise argparse.ArgumentTypeError(
+            f"a tenant name is 1 to 64 letters, digits, - and _, got {text!r}"
+        )
+    return text
+
+
 def _interval(text: str) -> float:
     try:
         value = float(text)
@@ -1122,7 +1206,11 @@ def _interval(text: str) -> float:
 
 def _add_tool_commands(sub: Any) -> None:
     """The mock backend and the demo: tools around Ren-Queue, not part of it."""
-    cmd = sub.add_parser("mock-backend", help="OpenAI-compatible mock LLM server")
+    cmd = sub.add_parser(
+        "mock-backend",
+        help="mock LLM server: the OpenAI API at /v1, Anthropic at /v1/messages, Ollama at "
+        "/api/chat, TGI at /generate_stream, Gemini at /v1beta/models/<m>:streamGenerateContent",
+    )
     cmd.add_argument("--host", default="127.0.0.1")
     cmd.add_argument("--port", type=int, default=8100)
     cmd.add_argument("--ttft", type=float, default=0.05, help="seconds to first token")

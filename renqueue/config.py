@@ -42,13 +42,23 @@ from .policy._predict import RouteRules
 from .policy._quota import Limit, limits_of
 
 __all__ = [
+    "ADAPTERS",
     "DEFAULT_PRIORITIES",
+    "AnthropicConfig",
+    "AnyBackendConfig",
     "BackendConfig",
+    "BaseBackendConfig",
     "Config",
+    "GatewayConfig",
+    "GatewayKey",
+    "GeminiConfig",
+    "GeminiSafetySetting",
     "LevelConfig",
     "LimitStyle",
     "LimitsConfig",
     "NatsConfig",
+    "OllamaConfig",
+    "OllamaOptions",
     "Rate",
     "RetentionConfig",
     "RollbackConfig",
@@ -56,6 +66,8 @@ __all__ = [
     "RouterConfig",
     "Secret",
     "SplitConfig",
+    "TGIConfig",
+    "TGIParameters",
     "WorkerConfig",
     "load_config",
     "parse_config",
@@ -258,10 +270,15 @@ class ProbeConfig(_Section, frozen=True, kw_only=True):
             raise ValueError("probe interval must be at least 50ms")
 
 
-class BackendConfig(_Section, frozen=True, kw_only=True):
-    """One callable endpoint + model + credentials."""
+class BaseBackendConfig(_Section, frozen=True, kw_only=True, tag_field="adapter"):
+    """One callable endpoint + model + credentials: what every adapter's config has.
 
-    adapter: Literal["openai"] = "openai"
+    The ``adapter`` key picks the wire format, and with it the config class
+    (a msgspec tagged union, :data:`AnyBackendConfig`): each adds its own
+    options, so an option of another adapter is an unknown key, an error
+    naming its path. No ``adapter`` key means ``"openai"``.
+    """
+
     base_url: str
     model: str
     api_key_env: str | None = None
@@ -289,17 +306,14 @@ class BackendConfig(_Section, frozen=True, kw_only=True):
     #: Replicas of one model share a pool name: an idle one takes work
     #: queued on a busy sibling's subject (work stealing).
     pool: Name | None = None
-    #: Send the request's effective priority rank as the body's ``priority``
-    #: field (vLLM's priority scheduling: lower runs sooner). Most other
-    #: servers reject unknown fields, hence off by default.
-    send_priority: bool = False
     #: A backend whose key is missing is taken out of service at start-up
     #: with a warning, and the rest runs; a required one stops the start-up.
     required: bool = False
-    #: The dialect its rate-limit headers and 429 bodies are read in
-    #: (docs/rate-limits.md). ``auto`` reads every dialect it finds; name
-    #: ``groq`` for Groq, whose request headers count per day.
-    limit_style: LimitStyle = "auto"
+
+    @property
+    def adapter(self) -> str:
+        """The wire format (the tag of the config's class): ``openai``, ``anthropic``, ..."""
+        return str(self.__struct_config__.tag)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -338,6 +352,141 @@ class BackendConfig(_Section, frozen=True, kw_only=True):
                 raise ConfigError("key file is empty", path=f"{path}.api_key_file")
             return Secret(key)
         return None
+
+
+class BackendConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="openai"):
+    """A backend speaking the OpenAI chat-completions API (``adapter = "openai"``,
+    the default): vLLM, Ollama's ``/v1``, llama.cpp, LM Studio, TGI's Messages
+    API, Groq, OpenRouter, Together, Cerebras, the Hugging Face router, OpenAI."""
+
+    #: Send the request's effective priority rank as the body's ``priority``
+    #: field (vLLM's priority scheduling: lower runs sooner). Most other
+    #: servers reject unknown fields, hence off by default.
+    send_priority: bool = False
+    #: The dialect its rate-limit headers and 429 bodies are read in
+    #: (docs/rate-limits.md). ``auto`` reads every dialect it finds; name
+    #: ``groq`` for Groq, whose request headers count per day.
+    limit_style: LimitStyle = "auto"
+
+
+class AnthropicConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="anthropic"):
+    """A backend speaking Anthropic's Messages API (``adapter = "anthropic"``):
+    ``POST {base_url}/messages``, the key in ``x-api-key``."""
+
+    base_url: str = "https://api.anthropic.com/v1"
+    #: The ``anthropic-version`` header.
+    anthropic_version: Annotated[str, Meta(pattern=r"^[0-9A-Za-z._-]{1,64}$")] = "2023-06-01"
+    #: Output tokens asked for when the request sets no ``max_tokens``
+    #: (the Messages API requires one).
+    max_tokens: Annotated[int, Meta(ge=1, le=1_000_000)] = 4096
+    #: ``anthropic-beta`` header values (beta features), joined with commas.
+    beta: list[Annotated[str, Meta(pattern=r"^[0-9A-Za-z._-]{1,128}$")]] = []
+
+
+class OllamaOptions(_Section, frozen=True, kw_only=True, omit_defaults=True):
+    """Ollama's model ``options`` (its Modelfile parameters) sent with every call;
+    the request's own parameters (``max_tokens`` as ``num_predict``,
+    ``temperature``, ``top_p``, ``stop``, ``seed``) take precedence."""
+
+    num_ctx: Annotated[int, Meta(ge=1)] | None = None
+    num_predict: Annotated[int, Meta(ge=-2)] | None = None
+    num_keep: Annotated[int, Meta(ge=-1)] | None = None
+    num_batch: Annotated[int, Meta(ge=1)] | None = None
+    num_gpu: Annotated[int, Meta(ge=-1)] | None = None
+    num_thread: Annotated[int, Meta(ge=0)] | None = None
+    main_gpu: Annotated[int, Meta(ge=0)] | None = None
+    temperature: Annotated[float, Meta(ge=0)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    typical_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    repeat_last_n: Annotated[int, Meta(ge=-1)] | None = None
+    repeat_penalty: Annotated[float, Meta(ge=0)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    mirostat: Literal[0, 1, 2] | None = None
+    mirostat_tau: Annotated[float, Meta(ge=0)] | None = None
+    mirostat_eta: Annotated[float, Meta(ge=0)] | None = None
+    penalize_newline: bool | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    use_mmap: bool | None = None
+
+
+#: Ollama's ``keep_alive``: a duration (``"5m"``, ``"1h"``, ``"-1m"``) or seconds
+#: (``0`` unloads the model after the call, a negative number keeps it loaded).
+KeepAlive = Annotated[str, Meta(pattern=r"^-?\d+(\.\d+)?(ms|s|m|h)$")] | int
+
+
+class OllamaConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="ollama"):
+    """A backend speaking Ollama's native API (``adapter = "ollama"``):
+    ``POST {base_url}/api/chat``, streamed as JSON lines."""
+
+    base_url: str = "http://127.0.0.1:11434"
+    #: How long the model stays loaded after a call; unset: the server's default (5 min).
+    keep_alive: KeepAlive | None = None
+    options: OllamaOptions = OllamaOptions()
+
+
+class TGIParameters(_Section, frozen=True, kw_only=True, omit_defaults=True):
+    """TGI's generation ``parameters`` sent with every call; the request's own
+    (``max_tokens`` as ``max_new_tokens``, ``temperature``, ``top_p``,
+    ``stop``, ``seed``) take precedence."""
+
+    max_new_tokens: Annotated[int, Meta(ge=1)] | None = None
+    top_k: Annotated[int, Meta(ge=1)] | None = None
+    top_p: Annotated[float, Meta(gt=0, lt=1)] | None = None
+    typical_p: Annotated[float, Meta(gt=0, lt=1)] | None = None
+    temperature: Annotated[float, Meta(gt=0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
+    frequency_penalty: float | None = None
+    do_sample: bool | None = None
+    truncate: Annotated[int, Meta(ge=1)] | None = None
+    watermark: bool | None = None
+
+
+class TGIConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="tgi"):
+    """A backend speaking Hugging Face Text Generation Inference's own API
+    (``adapter = "tgi"``): ``POST {base_url}/generate_stream``, one prompt
+    rendered from the chat in ``prompt_format``. (TGI's Messages API,
+    ``/v1/chat/completions``, is the ``openai`` adapter.)"""
+
+    #: How the chat becomes one prompt: ``chatml`` (``<|im_start|>`` turns),
+    #: ``llama3`` (``<|start_header_id|>`` turns), ``plain`` (the messages'
+    #: text, a blank line apart: base models).
+    prompt_format: Literal["chatml", "llama3", "plain"] = "chatml"
+    parameters: TGIParameters = TGIParameters()
+
+
+class GeminiSafetySetting(_Section, frozen=True, kw_only=True):
+    """One of Gemini's ``safetySettings``: a harm category and its blocking threshold."""
+
+    category: Annotated[str, Meta(pattern=r"^HARM_CATEGORY_[A-Z_]{1,64}$")]
+    threshold: Literal[
+        "HARM_BLOCK_THRESHOLD_UNSPECIFIED",
+        "BLOCK_LOW_AND_ABOVE",
+        "BLOCK_MEDIUM_AND_ABOVE",
+        "BLOCK_ONLY_HIGH",
+        "BLOCK_NONE",
+        "OFF",
+    ]
+
+
+class GeminiConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="gemini"):
+    """A backend speaking the Gemini API (``adapter = "gemini"``):
+    ``POST {base_url}/models/{model}:streamGenerateContent?alt=sse``, the key
+    in ``x-goog-api-key``."""
+
+    base_url: str = "https://generativelanguage.googleapis.com/v1beta"
+    #: ``generationConfig.topK``; unset: the model's default.
+    top_k: Annotated[int, Meta(ge=1)] | None = None
+    safety_settings: list[GeminiSafetySetting] = []
+
+
+#: Every backend config, told apart by ``adapter`` (a msgspec tagged union).
+AnyBackendConfig = BackendConfig | AnthropicConfig | OllamaConfig | TGIConfig | GeminiConfig
+#: The adapters, for messages.
+ADAPTERS: Final = ("openai", "anthropic", "ollama", "tgi", "gemini")
 
 
 class FallbackConfig(_Section, frozen=True, kw_only=True):
@@ -615,6 +764,38 @@ class WorkerConfig(_Section, frozen=True, kw_only=True):
         return max(20, 4 * self.max_deliver)
 
 
+class GatewayKey(_Section, frozen=True, kw_only=True):
+    """One API key of the gateway (``[[gateway.keys]]``): the tenant it speaks
+    for, and the SHA-256 of the key (64 hex digits), never the key itself
+    (``renqueue gateway keygen TENANT`` makes a key and prints this entry)."""
+
+    tenant: Name
+    sha256: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+
+
+class GatewayConfig(_Section, frozen=True, kw_only=True):
+    """The OpenAI-compatible HTTP gateway (``renqueue gateway``; ``renqueue up``
+    starts it too when it has API keys, unless ``enabled = false``). See
+    docs/gateway.md."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8080
+    #: API keys by hash; more may come from ``keys_file`` (lines of
+    #: ``sha256:<hex> <tenant>``, read when the gateway starts).
+    keys: list[GatewayKey] = []
+    keys_file: str | None = None
+    #: The largest request body accepted, in bytes (413 beyond).
+    max_body: Annotated[int, Meta(ge=1024, le=64 * 1024 * 1024)] = 4 * 1024 * 1024
+    #: Requests one tenant may have waiting on this gateway process at once
+    #: (429 beyond); 0: no limit.
+    max_in_flight: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    #: How long this process remembers a request's body fingerprint, so that an
+    #: SDK's retry of it (``x-stainless-retry-count`` above 0, no
+    #: ``Idempotency-Key``) joins it; unset: ``nats.duplicate_window``.
+    retry_memory: Duration | None = None
+
+
 class Config(_Section, frozen=True, kw_only=True):
     """The whole configuration (one TOML file)."""
 
@@ -624,12 +805,13 @@ class Config(_Section, frozen=True, kw_only=True):
     )
     default_priority: Name = "normal"
     levels: dict[Name, LevelConfig] = {}
-    backends: dict[Name, BackendConfig] = {}
+    backends: dict[Name, AnyBackendConfig] = {}
     routes: dict[Name, RouteConfig] = {}
     #: Per-tenant settings by name, ``"*"`` for every tenant not named.
     tenants: dict[str, TenantConfig] = {}
     router: RouterConfig = RouterConfig()
     worker: WorkerConfig = WorkerConfig()
+    gateway: GatewayConfig = GatewayConfig()
 
     def unusable_backends(self, names: Iterable[str]) -> dict[str, ConfigError]:
         """Of ``names``, the backends whose credentials cannot be read, with why.
@@ -743,6 +925,29 @@ def _convert(value: Any, type_: type[_S], path: str, source: str | None) -> _S:
         raise ConfigError(message, path=field, source=source) from exc
 
 
+def _convert_backend(value: Any, path: str, source: str | None) -> AnyBackendConfig:
+    """One backend's table: its ``adapter`` (``"openai"`` when absent) picks its class."""
+    if not isinstance(value, Mapping):
+        raise ConfigError("expected a table", path=path, source=source)
+    adapter = value.get("adapter", "openai")
+    if adapter not in ADAPTERS:
+        raise ConfigError(
+            f"unknown adapter {adapter!r} (one of: {', '.join(ADAPTERS)})",
+            path=f"{path}.adapter",
+            source=source,
+        )
+    try:
+        return _convert({"adapter": adapter, **value}, AnyBackendConfig, path, source)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        if "unknown field" not in str(exc):
+            raise
+        # An option of another adapter: say which adapter this one is.
+        message = str(exc).removeprefix(f"{source}: " if source else "").rpartition(" (at ")[0]
+        raise ConfigError(
+            f"{message}: not an option of adapter {adapter!r}", path=exc.path, source=source
+        ) from exc
+
+
 def parse_config(data: Mapping[str, Any], *, source: str | None = None) -> Config:
     """Validate a config mapping (as read from TOML). Raises :class:`ConfigError`."""
     raw = dict(data)
@@ -761,7 +966,7 @@ def parse_config(data: Mapping[str, Any], *, source: str | None = None) -> Confi
             raise ConfigError("expected a table", path=f"$.{section}", source=source)
     config = _convert(raw, Config, "$", source)
     parsed_backends = {
-        name: _convert(value, BackendConfig, f"$.backends.{name}", source)
+        name: _convert_backend(value, f"$.backends.{name}", source)
         for name, value in backends.items()
     }
     parsed_routes = {

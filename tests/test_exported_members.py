@@ -12,6 +12,7 @@ import renqueue
 
 #: renqueue's subpackages: private modules, re-exported by the package.
 PACKAGES = [
+    "renqueue.gateway",
     "renqueue.ops",
     "renqueue.policy",
     "renqueue.services",
@@ -22,6 +23,8 @@ PACKAGES = [
 
 #: What ``import renqueue`` must not load: the services and what only they need.
 SERVICE_SIDE = [
+    "renqueue.gateway",
+    "aiohttp.web",
     "renqueue.services",
     "renqueue.tools",
     "renqueue.metrics",

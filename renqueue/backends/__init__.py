@@ -1,42 +1,93 @@
-"""Backend adapters: one protocol, one implementation per wire format."""
+"""Backend adapters: one protocol, one implementation per wire format.
+
+=============  ===========================  =========================================
+``adapter``    class                        what it speaks
+=============  ===========================  =========================================
+``openai``     :class:`OpenAIBackend`       ``/chat/completions`` (most servers)
+``anthropic``  :class:`AnthropicBackend`    Anthropic Messages, ``/messages``
+``ollama``     :class:`OllamaBackend`       Ollama's native ``/api/chat`` (JSON lines)
+``tgi``        :class:`TGIBackend`          TGI's ``/generate_stream``
+``gemini``     :class:`GeminiBackend`       Gemini ``:streamGenerateContent``
+=============  ===========================  =========================================
+
+The config's class (a tagged union on ``adapter``,
+:data:`renqueue.config.AnyBackendConfig`) picks the adapter: one table,
+no if-chain.
+"""
 
 from __future__ import annotations
 
-import httpx
+from collections.abc import Callable
+from typing import Final
 
-from ..config import BackendConfig
+import httpx
+import msgspec
+
+from ..config import (
+    AnthropicConfig,
+    BackendConfig,
+    BaseBackendConfig,
+    GeminiConfig,
+    OllamaConfig,
+    TGIConfig,
+)
 from ..errors import ConfigError
+from ._http import HTTPBackend
 from ._limits import LearnedLimits, LimitKind, LimitWindow, parse_limits
-from .base import Backend, Delta, Generation
+from .anthropic import AnthropicBackend
+from .base import Backend, Delta, Generation, ToolCall
+from .gemini import GeminiBackend
+from .ollama import OllamaBackend
 from .openai import OpenAIBackend
+from .tgi import TGIBackend
 
 __all__ = [
+    "AnthropicBackend",
     "Backend",
     "Delta",
+    "GeminiBackend",
     "Generation",
+    "HTTPBackend",
     "LearnedLimits",
     "LimitKind",
     "LimitWindow",
+    "OllamaBackend",
     "OpenAIBackend",
+    "TGIBackend",
+    "ToolCall",
     "make_backend",
     "parse_limits",
 ]
 
+#: The adapter of each config class.
+ADAPTERS: Final[dict[type[BaseBackendConfig], Callable[..., HTTPBackend]]] = {
+    BackendConfig: OpenAIBackend,
+    AnthropicConfig: AnthropicBackend,
+    OllamaConfig: OllamaBackend,
+    TGIConfig: TGIBackend,
+    GeminiConfig: GeminiBackend,
+}
+
 
 def make_backend(
     name: str,
-    config: BackendConfig,
+    config: BaseBackendConfig,
     *,
     client: httpx.AsyncClient | None = None,
-    send_priority: bool = False,
+    send_priority: bool | None = None,
 ) -> Backend:
     """Build the adapter ``config.adapter`` names.
 
     ``client`` shares one connection pool between adapters (never closed by
-    them); ``send_priority`` passes the request's priority rank to backends
-    that schedule by it (vLLM).
+    them); ``send_priority`` overrides an OpenAI-compatible backend's own
+    ``send_priority`` (the request's priority rank, for vLLM).
     """
-    if config.adapter == "openai":
-        return OpenAIBackend(name, config, client=client, send_priority=send_priority)
-    # Unreachable for a validated config; a hand-built one may still carry anything.
-    raise ConfigError(f"unknown adapter {config.adapter!r}", path=f"$.backends.{name}.adapter")
+    adapter = ADAPTERS.get(type(config))
+    if adapter is None:
+        # Unreachable for a validated config; a hand-built one may still carry anything.
+        raise ConfigError(
+            f"unknown adapter {type(config).__name__}", path=f"$.backends.{name}.adapter"
+        )
+    if send_priority is not None and isinstance(config, BackendConfig):
+        config = msgspec.structs.replace(config, send_priority=send_priority)
+    return adapter(name, config, client=client)

@@ -11,21 +11,43 @@ one endpoint + model + credentials, and the response into :class:`Delta` pieces
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Protocol, runtime_checkable
+from typing import Final, Protocol, runtime_checkable
 
 from msgspec import Struct
 
 from ..wire._messages import InferenceRequest, Usage
 
-__all__ = ["Backend", "Delta", "Generation"]
+__all__ = ["FINISH_REASONS", "Backend", "Delta", "Generation", "ToolCall"]
+
+#: The finish reasons adapters map their provider's onto (OpenAI's names):
+#: ``stop`` (the model ended, or a stop sequence), ``length`` (the token
+#: limit), ``tool_calls`` (it asked for tools), ``content_filter`` (a
+#: provider's filter cut or refused the answer). A provider reason with no
+#: counterpart passes through in lower case (Gemini's ``other``, ...).
+FINISH_REASONS: Final = ("stop", "length", "tool_calls", "content_filter")
+
+
+class ToolCall(Struct, frozen=True, kw_only=True):
+    """A tool the model asked to call: ``arguments`` is its JSON text.
+
+    Adapters assemble each call whole (Anthropic streams the arguments in
+    pieces) and hand the calls over on the last :class:`Delta`. The wire
+    format does not carry them yet (issue #11 item 1): the worker drops them.
+    """
+
+    id: str = ""
+    name: str
+    arguments: str = "{}"
 
 
 class Delta(Struct, frozen=True, kw_only=True):
-    """A piece of a streamed answer. The last one carries usage and finish reason."""
+    """A piece of a streamed answer. The last one carries usage, finish reason
+    and the tool calls the model asked for."""
 
     text: str = ""
     usage: Usage | None = None
     finish_reason: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class Generation(Struct, frozen=True, kw_only=True):
@@ -34,6 +56,7 @@ class Generation(Struct, frozen=True, kw_only=True):
     text: str
     usage: Usage
     finish_reason: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @runtime_checkable

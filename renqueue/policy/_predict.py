@@ -256,8 +256,10 @@ def choose_in_time(
         if not startable:
             return Pick(backend=NoRoom.FULL, passed=passed)
         best, index = min(startable, key=lambda option: (option[0].cost, option[1]))
-        # (dearer candidates were not predicted: no cascade's-first-with-room to compare)
-        note = "" if index == 0 else f"cheapest with room: {best.backend}"
+        # Named only when a dearer candidate comes first in the cascade (one
+        # passed over for its quota is named by the caller, as a cascade would).
+        dearer_first = any(estimated_cost(request, view) > best.cost for view in able[:index])
+        note = f"cheapest with room: {best.backend}" if dearer_first else ""
         return Pick(backend=best.backend, passed=passed, reason=note, prediction=best)
     waitable = [(p, i) for p, i in options if p.now or p.backend not in overdue]
     pick = _in_time(request, request.deadline, waitable, passed, now=now, rules=rules)

@@ -197,7 +197,7 @@ class Services(Lifecycle):
         for backend_name in self._backend_names:
             # Each adapter owns connection pools sized to its concurrency.
             backend = self.config.backends[backend_name]
-            adapter = make_backend(backend_name, backend, send_priority=backend.send_priority)
+            adapter = make_backend(backend_name, backend)
             self._adapters.append(adapter)
 
     async def close(self) -> None:

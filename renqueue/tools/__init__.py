@@ -2,8 +2,10 @@
 
 Needs the ``mock`` extra (aiohttp).
 
-- :class:`MockBackend` (``_mockbackend``): an OpenAI-compatible server on
-  loopback with declared limits and real 429s, for the demo, tests and benchmarks;
+- :class:`MockBackend` (``_mockbackend``): a server on loopback speaking the
+  OpenAI API and, at their own paths, Anthropic's, Ollama's, TGI's and Gemini's
+  (``_mockdialects``), with declared limits and real 429s, for the demo, tests
+  and benchmarks;
   :class:`FaultSpec` (``_mockfaults``) the faults it injects on demand.
 - :func:`run_demo` (``_demo``): ``renqueue demo``.
 """

@@ -1,14 +1,18 @@
-"""A mock LLM server speaking the OpenAI chat-completions API, for demos, tests and benchmarks.
+"""A mock LLM server speaking the providers' APIs, for demos, tests and benchmarks.
 
-It behaves like the providers Ren-Queue routes to, in the ways routing cares
-about: time to first token and token rate, declared rate limits enforced with
-real 429s and rate-limit headers on every response in the dialect of the
-provider it stands in for (``limit_style``: OpenAI's ``x-ratelimit-*`` by
-default, Groq, Cerebras, OpenRouter, Anthropic, Gemini or the IETF fields; see
-``_mocklimits``), quota-exhausted 429s on demand, a concurrency cap, random
-failures, streaming (SSE with the ``include_usage`` final chunk and
-``data: [DONE]``) and non-streaming answers. The generated text
-is deterministic (``"tok0 tok1 tok2 ..."``) so tests can assert on content.
+It speaks the OpenAI chat-completions API and, at their own paths, Anthropic
+Messages, Ollama's ``/api/chat``, TGI's ``/generate_stream`` and Gemini's
+``streamGenerateContent`` (``_mockdialects`` has each wire format; every
+setting and fault below applies to each). It behaves like the providers
+Ren-Queue routes to, in the ways routing cares about: time to first token and
+token rate, declared rate limits enforced with real 429s and rate-limit
+headers on every response in the dialect of the provider it stands in for
+(``limit_style``: OpenAI's ``x-ratelimit-*`` by default, Groq, Cerebras,
+OpenRouter, Anthropic, Gemini or the IETF fields; see ``_mocklimits``),
+quota-exhausted 429s on demand, a concurrency cap, random failures, streaming
+(SSE with the ``include_usage`` final chunk and ``data: [DONE]``) and
+non-streaming answers. The generated text is deterministic (``"tok0 tok1 tok2
+..."``) so tests can assert on content.
 
 Fault injection (``_mockfaults`` has the kinds and their exact wire format):
 the ``faults`` setting scripts faults for chat requests in arrival order
@@ -28,9 +32,14 @@ or at run time (``faults`` is replaced whole, and restarts its script)::
     POST /admin/settings {"faults": {"random": {"reset": 0.05, "429": 0.1}}, "seed": 1}
     POST /admin/settings {"down": true}
 
-Endpoints::
+Endpoints (``MockBackend.url_for(adapter)`` is an adapter's ``base_url``)::
 
-    POST /v1/chat/completions   the API
+    POST /v1/chat/completions   the OpenAI API
+    POST /v1/messages           Anthropic Messages (anthropic-ratelimit-* headers)
+    POST /api/chat              Ollama's native chat (JSON lines)
+    POST /generate_stream       TGI (and POST /generate, not streamed)
+    POST /v1beta/models/<m>:streamGenerateContent?alt=sse
+                                Gemini (and :generateContent; 429s as RESOURCE_EXHAUSTED)
     GET  /v1/models             the accepted model names
     GET  /stats                 counters (MockStats as JSON), incl. the last request body
     GET  /admin/settings        current MockSettings
@@ -68,7 +77,7 @@ import random
 import socket
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Annotated, Any, Final, Literal, Self
 
@@ -77,16 +86,24 @@ from aiohttp import web
 from msgspec import Meta, Struct
 
 from ..logs import get_logger
+from ._mockdialects import (
+    DIALECTS,
+    Call,
+    Dialect,
+    ErrorKind,
+    Frames,
+    GeminiDialect,
+    Reply,
+    Target,
+    token_text,
+)
 from ._mockfaults import (
-    ERROR_ANSWERS,
     STREAM_ONLY,
     FaultKind,
     FaultSchedule,
     FaultSpec,
-    context_length_body,
     parse_fault_rates,
     parse_fault_script,
-    stream_error_line,
 )
 from ._mocklimits import (
     MockLimitStyle,
@@ -135,7 +152,7 @@ class MockSettings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     - ``faults``: scripted and random faults (:class:`._mockfaults.FaultSpec`;
       the kinds and their wire formats are in :mod:`._mockfaults`). Setting
       it at run time replaces it whole and starts its script over.
-    - ``down``: every connection to ``/v1/*`` and ``/health`` is reset, as a
+    - ``down``: every connection to a chat path, ``/v1/models`` and ``/health`` is reset, as a
       backend that is down (``/stats`` and ``/admin/settings`` still answer).
     - ``context_window``: prompts estimated over this many tokens (characters
       / 4) get OpenAI's ``context_length_exceeded`` 400; 0 = no limit.
@@ -223,87 +240,20 @@ class _Counters:
     disconnects: int
 
 
-# ------------------------------------------------------------ request shape
-
-
-class _InMessage(Struct):
-    role: str
-    content: str | list[Any] | None = None
-
-
-class _StreamOptions(Struct):
-    include_usage: bool = False
-
-
-class _ChatBody(Struct):
-    model: str
-    messages: Annotated[list[_InMessage], Meta(min_length=1)]
-    stream: bool = False
-    stream_options: _StreamOptions | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
-
-
 class _Plan(Struct, frozen=True, kw_only=True):
-    """What one admitted request will get."""
+    """What one admitted request will get: what its answer says, in which format."""
 
-    request_id: str
-    model: str
+    reply: Reply
+    dialect: Dialect
     settings: MockSettings
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str
-    include_usage: bool
     #: The fault that shapes this answer (``drip``, ``break``, ...), if any.
     fault: FaultKind | None = None
 
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
 
-
-_BODY_DECODER: Final = msgspec.json.Decoder(_ChatBody)
 _ENCODER: Final = msgspec.json.Encoder()
 #: The window rpd is counted over.
 _DAY: Final = 86400.0
-
-
-def _prompt_tokens(body: _ChatBody) -> int:
-    chars = 0
-    for message in body.messages:
-        if isinstance(message.content, str):
-            chars += len(message.content)
-        elif isinstance(message.content, list):
-            for part in message.content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    chars += len(part["text"])
-    return -(-chars // 4)
-
-
-# ------------------------------------------------------------ generated text
-# Token i is "tok<i>", separated by spaces. The SSE piece after the per-request
-# prefix is precomputed per token (tokens need no JSON escaping).
-
-_TOKENS: list[str] = []
-_PIECES: list[bytes] = []
-
-
-def _ensure_tokens(count: int) -> None:
-    for index in range(len(_TOKENS), count):
-        token = f"tok{index}" if index == 0 else f" tok{index}"
-        _TOKENS.append(token)
-        _PIECES.append(b'{"content":"' + token.encode() + b'"},"finish_reason":null}]}\n\n')
-
-
-_ensure_tokens(4096)
-
-
-def _text(count: int) -> str:
-    _ensure_tokens(count)
-    return "".join(_TOKENS[:count])
+_OPENAI: Final = DIALECTS["openai"]
 
 
 class _Bucket:
@@ -327,10 +277,6 @@ class _Bucket:
 
     def reset(self) -> float:
         return (self.capacity - self.level) / self.rate
-
-
-def _error_body(message: str, type_: str, code: str | None) -> bytes:
-    return _ENCODER.encode({"error": {"message": message, "type": type_, "code": code}})
 
 
 class _State(enum.Enum):
@@ -396,7 +342,9 @@ class MockBackend:
         if self._state is not _State.UNOPENED:
             raise RuntimeError(f"cannot start a mock backend that is {self._state.value}")
         app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._chat)
+        for path, dialect, stream in _ROUTES:
+            app.router.add_post(path, self._route(DIALECTS[dialect], Target(stream=stream)))
+        app.router.add_post("/v1beta/models/{target}", self._gemini)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/stats", self._stats)
         app.router.add_get("/admin/settings", self._get_settings)
@@ -433,6 +381,12 @@ class MockBackend:
         """The base URL clients use, ending in ``/v1``."""
         host = f"[{self._host}]" if ":" in self._host else self._host
         return f"http://{host}:{self._port}/v1"
+
+    def url_for(self, adapter: str) -> str:
+        """The ``base_url`` an adapter of this kind uses to reach this mock
+        (``openai``, ``anthropic``, ``ollama``, ``tgi``, ``gemini``)."""
+        origin = self.url.removesuffix("/v1")
+        return origin + _BASE_PATHS[adapter]
 
     @property
     def settings(self) -> MockSettings:
@@ -516,7 +470,7 @@ class MockBackend:
                 raise msgspec.ValidationError("expected a JSON object of settings")
             settings = self.update(**changes)
         except (msgspec.DecodeError, TypeError) as exc:
-            return _error(400, f"invalid settings: {exc}", "invalid_request_error", None)
+            return _error(_OPENAI, 400, "bad_request", f"invalid settings: {exc}")
         _log.info("mock settings changed", changes=sorted(changes))
         return web.Response(body=_ENCODER.encode(settings), content_type="application/json")
 
@@ -541,45 +495,71 @@ class MockBackend:
             quotas.append(_quota(kind, window, bucket))
         return quotas
 
-    def _limit_headers(self) -> dict[str, str]:
-        """The rate-limit headers of ``limit_style`` for the declared limits, as of now."""
-        return limit_headers(self._settings.limit_style, self._quotas(), time.time())
+    def _style(self, dialect: Dialect) -> MockLimitStyle:
+        """The rate-limit dialect of ``dialect``'s answers: its provider's, else ``limit_style``."""
+        return dialect.limit_style or self._settings.limit_style
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    def _limit_headers(self, dialect: Dialect = _OPENAI) -> dict[str, str]:
+        """The rate-limit headers of ``dialect`` for the declared limits, as of now."""
+        return limit_headers(self._style(dialect), self._quotas(), time.time())
+
+    def _route(
+        self, dialect: Dialect, target: Target
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self._chat(request, dialect, target)
+
+        return handle
+
+    async def _gemini(self, request: web.Request) -> web.StreamResponse:
+        """``/v1beta/models/<model>:<method>``: the model and the method from the path."""
+        dialect = DIALECTS["gemini"]
+        target = GeminiDialect.target(request.match_info["target"], request.query.get("alt"))
+        if isinstance(target, str):
+            self._counters.requests += 1
+            self._counters.bad_requests += 1
+            return _error(dialect, 400, "bad_request", target)
+        return await self._chat(request, dialect, target)
+
+    async def _chat(
+        self, request: web.Request, dialect: Dialect, target: Target
+    ) -> web.StreamResponse:
         counters = self._counters
         counters.requests += 1
         if self._faulty and self._settings.down:
             return self._down(request)
-        body = await self._read_body(request)
+        body = await self._read_body(request, dialect, target)
         if isinstance(body, web.Response):
             return body
         settings = self._settings
         if self._faulty and (fault := self._pick_fault(body, settings)) is not None:
-            return await self._inject(request, body, settings, fault)
-        admitted = self._refuse(request, body, settings) or self._admit(body, settings)
+            return await self._inject(request, dialect, body, settings, fault)
+        admitted = self._refuse(request, dialect, body, settings) or self._admit(
+            dialect, body, settings
+        )
         if isinstance(admitted, web.Response):
             return admitted
         return await self._run(request, body.stream, *admitted)
 
     def _admit(
-        self, body: _ChatBody, settings: MockSettings
+        self, dialect: Dialect, body: Call, settings: MockSettings
     ) -> tuple[_Plan, dict[str, str]] | web.Response:
         """Charge the request and plan its answer; or a 429 when a limit refuses
         it, or the ``failure_rate`` error."""
         counters = self._counters
-        plan = _plan(f"chatcmpl-mock-{next(self._ids)}", body, settings)
-        tokens = plan.prompt_tokens + plan.completion_tokens
-        if (limited := self._take_quota(tokens, body.model)) is not None:
+        plan = _plan(f"{dialect.id_prefix}{next(self._ids)}", dialect, body, settings)
+        tokens = plan.reply.prompt_tokens + plan.reply.completion_tokens
+        if (limited := self._take_quota(dialect, tokens, body.model)) is not None:
             counters.rate_limited += 1
             return limited
-        headers = self._limit_headers()
+        headers = self._limit_headers(dialect)
         if settings.failure_rate and self._rng.random() < settings.failure_rate:
             counters.failed += 1
             return _error(
+                dialect,
                 settings.failure_status,
-                "The server had an error while processing your request (injected failure).",
                 "server_error",
-                "injected_failure",
+                "The server had an error while processing your request (injected failure).",
                 headers,
             )
         return plan, headers
@@ -601,7 +581,9 @@ class MockBackend:
         finally:
             counters.in_flight -= 1
 
-    async def _read_body(self, request: web.Request) -> _ChatBody | web.Response:
+    async def _read_body(
+        self, request: web.Request, dialect: Dialect, target: Target
+    ) -> Call | web.Response:
         """The request body, or the answer when it cannot be had (400, or 499 if gone)."""
         try:
             raw = await request.read()
@@ -609,61 +591,55 @@ class MockBackend:
             # The client went away before its request was in: nothing to answer.
             return self._gone()
         try:
-            body = _BODY_DECODER.decode(raw)
+            body = dialect.decode(raw, target)
         except msgspec.DecodeError as exc:
             self._counters.bad_requests += 1
-            return _error(400, f"invalid request body: {exc}", "invalid_request_error", None)
+            return _error(dialect, 400, "bad_request", f"invalid request body: {exc}")
         self._last_request = raw
         return body
 
     def _refuse(
-        self, request: web.Request, body: _ChatBody, settings: MockSettings
+        self, request: web.Request, dialect: Dialect, body: Call, settings: MockSettings
     ) -> web.Response | None:
         """The answer for a request that must not run (401, 404, quota exhausted,
         busy), else ``None``."""
         if settings.require_api_key is not None:
-            sent = request.headers.get("Authorization", "")
-            if sent != f"Bearer {settings.require_api_key}":
-                given = sent.removeprefix("Bearer ")
-                return _error(
-                    401,
-                    f"Incorrect API key provided: {given}.",
-                    "invalid_request_error",
-                    "invalid_api_key",
-                )
-        if settings.models and body.model not in settings.models:
-            return _error(
-                404,
-                f"The model `{body.model}` does not exist or you do not have access to it.",
-                "invalid_request_error",
-                "model_not_found",
-            )
+            given = dialect.key(request.headers)
+            if given != settings.require_api_key:
+                # The message echoes the key sent, as some providers do.
+                message = f"Incorrect API key provided: {given}."
+                return _error(dialect, dialect.auth_status, "auth", message)
+        if dialect.names_model and settings.models and body.model not in settings.models:
+            status, payload = dialect.not_found(body.model)
+            return _raw_error(status, payload, {})
         counters = self._counters
         if settings.quota_exhausted:
             counters.rate_limited += 1
-            return self._quota_exhausted(settings, body.model)
+            return self._quota_exhausted(dialect, settings, body.model)
         if settings.concurrency and counters.in_flight >= settings.concurrency:
             counters.busy += 1
             status = settings.busy_status
             if status == 429:
                 counters.rate_limited += 1
             return _error(
+                dialect,
                 status,
+                "busy",
                 f"Too many concurrent requests (limit {settings.concurrency})",
-                "requests" if status == 429 else "server_error",
-                "concurrency_limit_exceeded",
-                {"retry-after": "1", **self._limit_headers()},
+                {"retry-after": "1", **self._limit_headers(dialect)},
             )
         return None
 
-    def _quota_exhausted(self, settings: MockSettings, model: str) -> web.Response:
+    def _quota_exhausted(
+        self, dialect: Dialect, settings: MockSettings, model: str
+    ) -> web.Response:
         """The dialect's quota-exhausted 429."""
         headers, payload = quota_exhausted(
-            settings.limit_style, self._quotas(), daily=settings.rpd, model=model, now=time.time()
+            self._style(dialect), self._quotas(), daily=settings.rpd, model=model, now=time.time()
         )
         return _raw_error(429, payload, headers)
 
-    def _take_quota(self, tokens: int, model: str) -> web.Response | None:
+    def _take_quota(self, dialect: Dialect, tokens: int, model: str) -> web.Response | None:
         """Charge one request and ``tokens``; a 429 response if any bucket lacks room."""
         now = time.monotonic()
         waits: list[tuple[float, str, float, _Bucket, int]] = []
@@ -679,7 +655,7 @@ class MockBackend:
         wait, kind, window, bucket, need = max(blocked, key=lambda entry: entry[0])
         quotas = [_quota(k, w, b) for _, k, w, b, _ in waits]
         headers, payload = rate_limited(
-            self._settings.limit_style,
+            self._style(dialect),
             quotas,
             _quota(kind, window, bucket),
             wait=wait,
@@ -692,28 +668,24 @@ class MockBackend:
     async def _stream(
         self, request: web.Request, headers: dict[str, str], plan: _Plan
     ) -> web.StreamResponse:
-        """SSE: a role chunk, the tokens at the configured pace, finish, usage, [DONE]."""
+        """The dialect's stream: its opening, the tokens at the configured pace,
+        its closing (finish, usage) and end marker (OpenAI: a role chunk, the
+        tokens, finish, usage, ``[DONE]``)."""
         counters = self._counters
-        count = plan.completion_tokens
+        count = plan.reply.completion_tokens
+        dialect = plan.dialect
+        content_type = dialect.content_type
         response = web.StreamResponse(
-            headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            headers={**headers, "Content-Type": content_type, "Cache-Control": "no-cache"}
         )
-        prefix = (
-            b'data: {"id":"' + plan.request_id.encode() + b'","object":"chat.completion.chunk",'
-            b'"created":' + str(int(time.time())).encode() + b',"model":'
-        ) + _ENCODER.encode(plan.model)
-        choice = prefix + b',"choices":[{"index":0,"delta":'
-        opening = choice + b'{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
-        closing = choice + b'{},"finish_reason":"' + plan.finish_reason.encode() + b'"}]}\n\n'
-        if plan.include_usage:
-            closing += prefix + b',"choices":[],"usage":' + _ENCODER.encode(plan.usage()) + b"}\n\n"
-        _ensure_tokens(count)
-        pieces = _PIECES
+        frames = dialect.frames(plan.reply)
+        head, tail, opening = frames.head, frames.tail, frames.opening
+        pieces = dialect.pieces(count)
         cut = False
         if plan.fault is None:
-            closing += b"data: [DONE]\n\n"
+            closing = frames.closing + frames.done
         else:
-            closing, pieces, cut = _faulty_stream(plan, prefix, choice, closing)
+            closing, pieces, cut = _faulty_stream(plan, frames)
         rate = plan.settings.tokens_per_second
         loop = asyncio.get_running_loop()
         try:
@@ -729,7 +701,10 @@ class MockBackend:
                 # at start + i / rate (all at once when rate is 0).
                 due = count if not rate else min(count, int((loop.time() - start) * rate) + 1)
                 due = max(due, min(sent + 1, count))
-                batch.extend(choice + pieces[index] for index in range(sent, due))
+                if tail:
+                    batch.extend(head + pieces[index] + tail for index in range(sent, due))
+                else:
+                    batch.extend(head + pieces[index] for index in range(sent, due))
                 if due == count:
                     batch.append(closing)
                 await response.write(b"".join(batch))
@@ -757,7 +732,7 @@ class MockBackend:
     ) -> web.Response:
         """One JSON answer, after the time the whole generation would take."""
         settings = plan.settings
-        count = plan.completion_tokens
+        count = plan.reply.completion_tokens
         rate = settings.tokens_per_second
         if delay := settings.ttft + (count / rate if rate else 0.0):
             await asyncio.sleep(delay)
@@ -767,7 +742,8 @@ class MockBackend:
         self._counters.tokens_out += count
         if plan.fault is None:
             self._counters.completed += 1
-        return web.Response(body=_answer(plan), headers=headers, content_type="application/json")
+        body = plan.dialect.answer(plan.reply)
+        return web.Response(body=body, headers=headers, content_type="application/json")
 
     def _gone(self) -> web.Response:
         """The answer to a client that disconnected: counted; aiohttp drops it quietly."""
@@ -776,13 +752,13 @@ class MockBackend:
 
     # ----------------------------------------------------------- faults
 
-    def _pick_fault(self, body: _ChatBody, settings: MockSettings) -> FaultKind | None:
+    def _pick_fault(self, body: Call, settings: MockSettings) -> FaultKind | None:
         """The fault this chat request gets (the script's next step, a random draw,
         or a prompt over ``context_window``), else ``None``."""
         kind = self._schedule.next(self._rng)
         if kind == "ok":
             window = settings.context_window
-            if window and _prompt_tokens(body) > window:
+            if window and body.prompt_tokens > window:
                 return "context_length"
             return None
         if kind in STREAM_ONLY and not body.stream:
@@ -798,15 +774,20 @@ class MockBackend:
         self._fault_counts[kind] = self._fault_counts.get(kind, 0) + 1
 
     async def _inject(
-        self, request: web.Request, body: _ChatBody, settings: MockSettings, fault: FaultKind
+        self,
+        request: web.Request,
+        dialect: Dialect,
+        body: Call,
+        settings: MockSettings,
+        fault: FaultKind,
     ) -> web.StreamResponse:
         """Answer a chat request with ``fault`` (see :mod:`._mockfaults`)."""
         self._count_fault(fault)
         if fault == "hang":
             return await self._hang(request)
         if fault not in _ANSWER_FAULTS:
-            return self._fault_error(request, body, settings, fault)
-        plan = _plan(f"chatcmpl-mock-{next(self._ids)}", body, settings, fault)
+            return self._fault_error(request, dialect, body, settings, fault)
+        plan = _plan(f"{dialect.id_prefix}{next(self._ids)}", dialect, body, settings, fault)
         faults = settings.faults
         if fault == "drip":
             pace = msgspec.structs.replace(
@@ -814,31 +795,41 @@ class MockBackend:
             )
             plan = msgspec.structs.replace(plan, settings=pace)
         elif fault == "filtered" or (body.stream and fault in ("break", "sse_error")):
-            plan = msgspec.structs.replace(
-                plan,
-                completion_tokens=min(faults.after_tokens, plan.completion_tokens),
-                finish_reason="content_filter" if fault == "filtered" else plan.finish_reason,
+            reply = plan.reply
+            cut = msgspec.structs.replace(
+                reply,
+                completion_tokens=min(faults.after_tokens, reply.completion_tokens),
+                finish_reason="content_filter" if fault == "filtered" else reply.finish_reason,
             )
-        return await self._run(request, body.stream, plan, self._limit_headers())
+            plan = msgspec.structs.replace(plan, reply=cut)
+        return await self._run(request, body.stream, plan, self._limit_headers(dialect))
 
     def _fault_error(
-        self, request: web.Request, body: _ChatBody, settings: MockSettings, fault: FaultKind
+        self,
+        request: web.Request,
+        dialect: Dialect,
+        body: Call,
+        settings: MockSettings,
+        fault: FaultKind,
     ) -> web.Response:
         """The answer of a fault that sends no tokens: an error, or a reset."""
         if fault == "reset":
             return _reset(request)
         if fault == "quota":
-            return self._quota_exhausted(settings, body.model)
+            return self._quota_exhausted(dialect, settings, body.model)
         if fault in ("429", "429_bare"):
-            return self._rate_limited_fault(settings, body.model, bare=fault == "429_bare")
-        if fault == "context_length":
-            payload = context_length_body(settings.context_window, _prompt_tokens(body))
-            return _raw_error(400, payload, self._limit_headers())
-        status, payload = ERROR_ANSWERS[fault]
-        return _raw_error(status, payload, self._limit_headers())
+            return self._rate_limited_fault(dialect, settings, body.model, bare=fault == "429_bare")
+        status, payload = dialect.fault(fault, settings.context_window, body.prompt_tokens)
+        if status == 200 and body.stream:  # a refusal in a 200 (Gemini's): one event
+            return web.Response(
+                body=b"data: " + payload + b"\n\n",
+                headers=self._limit_headers(dialect),
+                content_type="text/event-stream",
+            )
+        return _raw_error(status, payload, self._limit_headers(dialect))
 
     def _rate_limited_fault(
-        self, settings: MockSettings, model: str, *, bare: bool
+        self, dialect: Dialect, settings: MockSettings, model: str, *, bare: bool
     ) -> web.Response:
         """The dialect's 429 for a per-minute request bucket empty for ``retry_after``
         seconds; with a ``retry-after`` header, or (``bare``) without any."""
@@ -846,8 +837,9 @@ class MockBackend:
         blocked = Quota(
             kind="requests", window=60.0, capacity=settings.rpm or 60, remaining=0, reset=wait
         )
+        style = self._style(dialect)
         headers, payload = rate_limited(
-            settings.limit_style,
+            style,
             self._quotas(),
             blocked,
             wait=wait,
@@ -859,7 +851,7 @@ class MockBackend:
         headers = {k: v for k, v in headers.items() if k.lower() not in retry}
         if not bare:
             headers["retry-after"] = str(math.ceil(wait))
-            if settings.limit_style == "openai":
+            if style == "openai":
                 headers["retry-after-ms"] = str(math.ceil(wait * 1000))
         return _raw_error(429, payload, headers)
 
@@ -880,7 +872,7 @@ class MockBackend:
         self, request: web.Request, headers: dict[str, str], plan: _Plan
     ) -> web.StreamResponse:
         """A non-streaming ``malformed``, ``break`` or ``drip`` answer."""
-        payload = _answer(plan)
+        payload = plan.dialect.answer(plan.reply)
         half = payload[: len(payload) // 2]
         if plan.fault == "malformed":
             return web.Response(body=half, headers=headers, content_type="application/json")
@@ -893,7 +885,7 @@ class MockBackend:
                 _close(request)
                 return response
             gap = plan.settings.faults.drip_gap
-            step = -(-len(payload) // max(1, plan.completion_tokens))
+            step = -(-len(payload) // max(1, plan.reply.completion_tokens))
             for offset in range(0, len(payload), step):
                 await asyncio.sleep(gap)
                 await response.write(payload[offset : offset + step])
@@ -903,6 +895,23 @@ class MockBackend:
         return response
 
 
+#: The chat endpoints but Gemini's (whose path names the model): path, dialect,
+#: whether it streams (``None``: the body says).
+_ROUTES: Final = (
+    ("/v1/chat/completions", "openai", None),
+    ("/v1/messages", "anthropic", None),
+    ("/api/chat", "ollama", None),
+    ("/generate_stream", "tgi", True),
+    ("/generate", "tgi", False),
+)
+#: What an adapter's ``base_url`` is, after the mock's origin.
+_BASE_PATHS: Final = {
+    "openai": "/v1",
+    "anthropic": "/v1",
+    "ollama": "",
+    "tgi": "",
+    "gemini": "/v1beta",
+}
 #: How often a hung request looks whether its client is gone, in seconds.
 _HANG_POLL: Final = 0.05
 #: The faults that answer with tokens (the others are errors, a reset or a hang).
@@ -912,70 +921,54 @@ _ANSWER_FAULTS: Final = frozenset(
 
 
 def _plan(
-    request_id: str, body: _ChatBody, settings: MockSettings, fault: FaultKind | None = None
+    request_id: str,
+    dialect: Dialect,
+    body: Call,
+    settings: MockSettings,
+    fault: FaultKind | None = None,
 ) -> _Plan:
-    cap = body.max_completion_tokens or body.max_tokens
+    cap = body.cap
     return _Plan(
-        request_id=request_id,
-        model=body.model,
+        reply=Reply(
+            id=request_id,
+            model=body.model,
+            prompt_tokens=body.prompt_tokens,
+            completion_tokens=settings.output_tokens
+            if cap is None
+            else min(cap, settings.output_tokens),
+            finish_reason="length" if cap is not None and cap < settings.output_tokens else "stop",
+            include_usage=body.include_usage,
+            openrouter=settings.limit_style in ("openrouter", "openrouter-body"),
+        ),
+        dialect=dialect,
         settings=settings,
-        prompt_tokens=_prompt_tokens(body),
-        completion_tokens=settings.output_tokens
-        if cap is None
-        else min(cap, settings.output_tokens),
-        finish_reason="length" if cap is not None and cap < settings.output_tokens else "stop",
-        include_usage=body.stream_options is not None and body.stream_options.include_usage,
         fault=fault,
     )
 
 
-def _answer(plan: _Plan) -> bytes:
-    """The JSON body of a non-streaming answer."""
-    payload = {
-        "id": plan.request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": plan.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": _text(plan.completion_tokens)},
-                "finish_reason": plan.finish_reason,
-            }
-        ],
-        "usage": plan.usage(),
-    }
-    return _ENCODER.encode(payload)
-
-
-_DONE: Final = b"data: [DONE]\n\n"
-
-
-def _faulty_stream(
-    plan: _Plan, head: bytes, choice: bytes, closing: bytes
-) -> tuple[bytes, list[bytes], bool]:
+def _faulty_stream(plan: _Plan, frames: Frames) -> tuple[bytes, list[bytes], bool]:
     """How a faulted stream differs: its ending (after the tokens), its token
     pieces, and whether the connection is cut instead of ended."""
     fault = plan.fault
-    pieces = _PIECES
+    dialect = plan.dialect
+    count = plan.reply.completion_tokens
+    pieces = dialect.pieces(count)
+    closing = frames.closing
     if fault == "break":
         return b"", pieces, True
     if fault == "no_done":
         return closing, pieces, False
     if fault == "sse_error":
-        openrouter = plan.settings.limit_style in ("openrouter", "openrouter-body")
-        return stream_error_line(openrouter, head), pieces, False
+        return dialect.stream_error(plan.reply, frames), pieces, False
     if fault == "malformed":
-        # Token ``after_tokens``'s line loses its closing braces: not JSON.
-        count = plan.completion_tokens
+        # Token ``after_tokens``'s line is cut after its text: not JSON.
         index = plan.settings.faults.after_tokens
         if index < count:
-            pieces = _PIECES[:count]
-            good = pieces[index]
-            pieces[index] = good[: good.index(b'"}') + 1] + b"\n\n"
+            pieces = pieces[:count]
+            pieces[index] = dialect.cut(pieces[index], token_text(index))
         else:
-            closing = choice + b'{"content":""\n\n' + closing
-    return closing + _DONE, pieces, False
+            closing = frames.head + b'{"' + dialect.terminator + closing
+    return closing + frames.done, pieces, False
 
 
 def _dropped() -> web.Response:
@@ -1021,14 +1014,14 @@ def _raw_error(status: int, body: bytes, headers: dict[str, str]) -> web.Respons
 
 
 def _error(
+    dialect: Dialect,
     status: int,
+    kind: ErrorKind,
     message: str,
-    type_: str,
-    code: str | None,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     return web.Response(
-        body=_error_body(message, type_, code),
+        body=dialect.error(status, kind, message),
         status=status,
         headers=headers,
         content_type="application/json",
@@ -1042,10 +1035,13 @@ async def serve(
     *,
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
-    """Run a mock backend until cancelled; log its URL and pass it to ``on_ready``."""
+    """Run a mock backend until cancelled; log its URLs and pass the OpenAI one to ``on_ready``."""
     async with MockBackend(settings, host=host, port=port) as mock:
         _log.info(
-            "mock backend listening", url=mock.url, settings=msgspec.to_builtins(mock.settings)
+            "mock backend listening",
+            url=mock.url,
+            base_urls={adapter: mock.url_for(adapter) for adapter in _BASE_PATHS},
+            settings=msgspec.to_builtins(mock.settings),
         )
         if on_ready is not None:
             on_ready(mock.url)

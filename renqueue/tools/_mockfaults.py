@@ -9,8 +9,9 @@ Only chat requests whose body parses take a step of the script (a 400 for a
 bad body does not). A fault comes before every other check (API key, model,
 limits) and is never charged against the rate limits.
 
-The kinds and what each puts on the wire (``after_tokens``, ``drip_gap`` and
-``retry_after`` are fields of :class:`FaultSpec`):
+The kinds and what each puts on the wire in the OpenAI format (the other
+providers' forms of each are :mod:`._mockdialects`'; ``after_tokens``,
+``drip_gap`` and ``retry_after`` are fields of :class:`FaultSpec`):
 
 - ``ok``: a normal answer.
 - ``500``: 500, OpenAI's ``{"error": {"message": "The server had an error while
@@ -60,7 +61,7 @@ response would. ``GET /stats`` counts the faults injected, by kind
 (``faults``).
 
 Two settings of ``MockSettings`` fault a backend without a script:
-``down = true`` resets every connection to ``/v1/*`` and ``/health`` (counted
+``down = true`` resets every connection to a chat path, ``/v1/models`` and ``/health`` (counted
 as ``down``; ``/stats`` and ``/admin/settings`` still answer, so it can be
 brought back up), and ``context_window = N`` answers every prompt estimated
 over ``N`` tokens with the ``context_length`` 400.

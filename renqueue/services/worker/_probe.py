@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import httpx
 
-from ...config import BackendConfig, ProbeConfig, parse_duration
+from ...config import BaseBackendConfig, ProbeConfig, parse_duration
 from ...logs import get_logger
 from ...wire._eventlog import EventLog
 from ...wire._messages import Probed
@@ -32,7 +32,7 @@ __all__ = ["Prober", "probe_url"]
 log = get_logger("worker")
 
 
-def probe_url(config: BackendConfig, probe: ProbeConfig) -> str:
+def probe_url(config: BaseBackendConfig, probe: ProbeConfig) -> str:
     """The probe's URL: ``probe.path`` at the origin of the backend's ``base_url``."""
     return str(httpx.URL(config.base_url).copy_with(raw_path=probe.path.encode(), fragment=None))
 
@@ -43,7 +43,7 @@ class Prober:
     def __init__(
         self,
         backend: str,
-        config: BackendConfig,
+        config: BaseBackendConfig,
         events: EventLog,
         *,
         worker: str,

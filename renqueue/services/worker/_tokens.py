@@ -19,7 +19,7 @@ import msgspec
 from ... import metrics
 from ...backends import Backend
 from ...backends._limits import LearnedLimits, reported
-from ...config import BackendConfig
+from ...config import BaseBackendConfig
 from ...logs import get_logger
 from ...wire._messages import Completed, Dispatch, ReportedLimit, TokenChunk, Usage, encode
 from ...wire._nats import JetStream, PubAck
@@ -54,7 +54,7 @@ class Caller:
         self,
         js: JetStream,
         backend_name: str,
-        backend_config: BackendConfig,
+        backend_config: BaseBackendConfig,
         backend: Backend,
         *,
         clock: Callable[[], float] = time.time,

@@ -57,7 +57,7 @@ from ... import metrics
 from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor, cancel_and_wait
 from ...backends import Backend
-from ...config import BackendConfig, Config, parse_duration
+from ...config import BaseBackendConfig, Config, parse_duration
 from ...errors import BackendError, NatsUnavailableError, RateLimitedError
 from ...logs import bound_request, get_logger
 from ...policy import (
@@ -154,7 +154,7 @@ class Worker(Lifecycle):
         self._js = js
         self._config = config
         self._backend_name = backend_name
-        self._backend_config: BackendConfig = config.backends[backend_name]
+        self._backend_config: BaseBackendConfig = config.backends[backend_name]
         self._name = name or f"{socket.gethostname()}-{os.getpid()}-{backend_name}"
         self._clock = clock
         self._log = EventLog(js)

@@ -1,0 +1,922 @@
+"""What every HTTP adapter shares: pools, the call's clock, the stream loop, the error mapping.
+
+Each wire format (:mod:`.openai`, :mod:`.anthropic`, :mod:`.ollama`,
+:mod:`.tgi`, :mod:`.gemini`) is a subclass of :class:`HTTPBackend` that says
+only what differs: where a call goes and with which headers
+(:attr:`HTTPBackend.paths`, :meth:`HTTPBackend._auth_headers`), the body it
+sends (:meth:`HTTPBackend._payload`), how its stream is read (a
+:class:`StreamParser`), how a whole answer is read
+(:meth:`HTTPBackend._generation`) and, where the status alone misleads, how
+an error body names its class (:meth:`HTTPBackend._error_class`). Everything
+else is here, once:
+
+- **One pooled** :class:`httpx.AsyncClient` per adapter, sharded (or one
+  injected and shared between adapters): connection reuse is most of the
+  per-request cost on a fast local backend.
+- **The call's clock** (:class:`Clock`): a first-token deadline
+  (``first_token_timeout``) and a whole-call deadline (``total_timeout``),
+  each wait on the network bounded by the next one, never across a
+  ``yield``. Everything that arrived in one network read becomes one
+  :class:`~.base.Delta`.
+- **Error mapping at the boundary, once.** Every HTTP status, transport
+  error, broken or malformed stream and in-band error leaves as a
+  :class:`~renqueue.errors.BackendError` whose class
+  (:class:`~renqueue.errors.FailureClass`) the worker acts on
+  (:func:`error_for` builds the exception a class calls for). A failure
+  after text was yielded is a broken stream.
+- **Rate limits the provider reports** (headers of every response, the body
+  of an error) are read in the adapter's dialect (:mod:`._limits`) into
+  :attr:`HTTPBackend.last_rate_limit`.
+- **The key stays secret.** It goes only in the header the provider wants,
+  is scrubbed from every error message (provider bodies may echo it), and
+  the headers' repr masks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any, ClassVar, Final, Self, TypeVar
+from urllib.parse import quote
+
+import httpx
+import msgspec
+
+from ..config import BaseBackendConfig, LimitStyle, parse_duration
+from ..errors import (
+    BackendError,
+    BadRequestError,
+    ConfigError,
+    FailureClass,
+    FatalBackendError,
+    RateLimitedError,
+    RetryableBackendError,
+)
+from ..wire._messages import ChatMessage, InferenceRequest, Usage
+from ._limits import LearnedLimits, parse_limits
+from ._sse import MAX_EVENT_BYTES, ServerSentEvent, SSEDecoder, SSEError
+from .base import Delta, Generation, ToolCall
+
+__all__ = [
+    "Clock",
+    "FramingError",
+    "HTTPBackend",
+    "InBandError",
+    "LineParser",
+    "SSEParser",
+    "StreamParser",
+    "bad_request_class",
+    "common_finish",
+    "decoded",
+    "error_detail",
+    "error_for",
+    "estimate_prompt_tokens",
+    "given_params",
+    "named_class",
+    "status_class",
+    "system_and_turns",
+    "tool_arguments",
+]
+
+_T = TypeVar("_T")
+
+#: Longest provider error text carried into an exception message.
+_DETAIL_LIMIT: Final = 300
+#: Concurrent calls per connection pool (see ``HTTPBackend.__init__``).
+_CALLS_PER_POOL: Final = 8
+_ENCODER: Final = msgspec.json.Encoder()
+
+
+# ------------------------------------------------------------ error bodies
+
+
+def error_detail(body: bytes) -> str:
+    """The provider's error text: JSON ``error.message`` (or a close variant), else the body.
+
+    Reads OpenAI's, Anthropic's and Gemini's ``{"error": {"message": ...}}``,
+    Ollama's and TGI's ``{"error": "..."}``, vLLM's ``{"message": ...}`` and
+    FastAPI's ``{"detail": ...}``; whitespace is collapsed and the text cut
+    to 300 characters.
+    """
+    try:
+        data: Any = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        text = body.decode("utf-8", errors="replace").strip()
+    else:
+        text = ""
+        if isinstance(data, dict):
+            error = data.get("error")
+            if isinstance(error, dict) and isinstance(error.get("message"), str):
+                text = error["message"]
+            elif isinstance(error, str):
+                text = error  # Ollama, TGI: {"error": "model 'x' not found"}
+            elif isinstance(data.get("message"), str):
+                text = data["message"]  # vLLM: {"object": "error", "message": ...}
+            elif isinstance(data.get("detail"), str):
+                text = data["detail"]  # FastAPI-based servers
+        if not text:
+            text = body.decode("utf-8", errors="replace").strip()
+    text = " ".join(text.split())
+    if len(text) > _DETAIL_LIMIT:
+        text = text[: _DETAIL_LIMIT - 3] + "..."
+    return text or "(empty body)"
+
+
+#: Error codes and message fragments (lower case) that say the prompt does
+#: not fit the model's context: OpenAI and vLLM ("maximum context length"),
+#: llama.cpp ("exceeds the available context size"), TGI ("must be <= ..."
+#: tokens), Anthropic ("prompt is too long"), Gemini ("exceeds the maximum
+#: number of tokens"), Ollama ("exceeds the context length") and others.
+_CONTEXT_CODES: Final = frozenset({"context_length_exceeded", "exceed_context_size_error"})
+_CONTEXT_PHRASES: Final = (
+    "context length",
+    "context_length",
+    "context window",
+    "context size",
+    "prompt is too long",
+    "maximum number of tokens",
+    "too many tokens",
+    "tokens + `max_new_tokens` must be",
+)
+#: Error codes that say a content filter refused the prompt (OpenAI, Azure OpenAI).
+_FILTER_CODES: Final = frozenset({"content_filter", "content_policy_violation"})
+#: Message fragments (lower case) that say a content filter refused:
+#: Anthropic's "Output blocked by content filtering policy".
+_FILTER_PHRASES: Final = ("content filtering policy",)
+
+
+def _error_fields(body: bytes) -> tuple[str, str]:
+    """The error's code (or type) and message, and nothing else of the body."""
+    code, message = "", ""
+    with contextlib.suppress(msgspec.DecodeError):
+        data: Any = msgspec.json.decode(body)
+        error = data.get("error") if isinstance(data, dict) else None
+        if isinstance(error, dict):
+            code = str(error.get("code") or error.get("type") or "")
+            message = str(error.get("message") or "")
+        elif isinstance(error, str):  # Ollama, TGI: {"error": "..."}
+            message = error
+        elif isinstance(data, dict) and isinstance(data.get("message"), str):
+            message = data["message"]  # vLLM: {"object": "error", "message": ...}
+    return code, message[:2000].lower()
+
+
+def bad_request_class(body: bytes) -> FailureClass:
+    """The class of a 4xx that blames the request: context length, content
+    filter, or neither. Judged by the error's code and its message only, never
+    by the rest of the body: servers echo the input in validation errors, and
+    a prompt saying "context window" must not send a bad request down the route."""
+    code, message = _error_fields(body)
+    if code in _FILTER_CODES or any(phrase in message for phrase in _FILTER_PHRASES):
+        return FailureClass.CONTENT_FILTER
+    if code in _CONTEXT_CODES or any(phrase in message for phrase in _CONTEXT_PHRASES):
+        return FailureClass.CONTEXT_LENGTH
+    return FailureClass.BAD_REQUEST
+
+
+def named_class(
+    name: str | None, table: Mapping[str, FailureClass | None], body: bytes
+) -> FailureClass | None:
+    """The class an error's own type (or status) ``name`` has in ``table``;
+    one mapped to ``None`` blames the request, its message saying how
+    (:func:`bad_request_class`). ``None`` for a name the table lacks."""
+    if not name or name not in table:
+        return None
+    failure = table[name]
+    return bad_request_class(body) if failure is None else failure
+
+
+def decoded(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T | None:
+    """``body`` decoded, or ``None`` when it is not of that shape (an error body
+    read for its type: anything may come back with an error status)."""
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError:
+        return None
+
+
+def status_class(status: int, body: bytes) -> FailureClass:
+    """The class of an error response by its status (and, for a 4xx that
+    blames the request, its error code and message)."""
+    if status == 429:
+        return FailureClass.RATE_LIMITED
+    if status in (503, 529):  # overloaded (529: Anthropic's) or not ready yet
+        return FailureClass.OVERLOADED
+    if status in (408, 409) or status >= 500:
+        return FailureClass.SERVER_ERROR
+    if status in (400, 413, 422):
+        return bad_request_class(body)
+    # 401, 403, 404 and anything else unexpected (402 out of credits, 405,
+    # a redirect): this backend's configuration is what's wrong.
+    return FailureClass.UNAVAILABLE
+
+
+_BAD_REQUEST_CLASSES: Final = frozenset(
+    {FailureClass.BAD_REQUEST, FailureClass.CONTEXT_LENGTH, FailureClass.CONTENT_FILTER}
+)
+
+
+def error_for(
+    failure: FailureClass,
+    message: str,
+    *,
+    backend: str,
+    request_id: str | None,
+    status: int | None = None,
+    limits: LearnedLimits | None = None,
+) -> BackendError:
+    """The exception a failure class calls for: wait (rate limited), retry,
+    fail the request (it is what is wrong), or stop using this backend."""
+    fields: dict[str, Any] = {"backend": backend, "request_id": request_id, "status": status}
+    if failure in (FailureClass.RATE_LIMITED, FailureClass.QUOTA_EXHAUSTED):
+        if limits is None:
+            return RateLimitedError(message, **fields)
+        return RateLimitedError(
+            message,
+            retry_after=limits.retry_after(),
+            quota_exhausted=limits.quota_exhausted,
+            quota_exhausted_until=limits.quota_exhausted_until,
+            **fields,
+        )
+    if failure in _BAD_REQUEST_CLASSES:
+        return BadRequestError(message, failure=failure, **fields)
+    if failure is FailureClass.UNAVAILABLE:
+        return FatalBackendError(message, failure=failure, **fields)
+    return RetryableBackendError(message, failure=failure, **fields)
+
+
+def estimate_prompt_tokens(request: InferenceRequest) -> int:
+    """About four characters per token: the usual rule of thumb for English text."""
+    chars = sum(len(message.content) for message in request.messages)
+    return -(-chars // 4)
+
+
+def given_params(request: InferenceRequest, names: Mapping[str, str]) -> dict[str, Any]:
+    """The request's parameters that are set, each under the name ``names``
+    gives its field (``{"max_tokens": "num_predict", ...}``)."""
+    params = request.params
+    given = ((name, getattr(params, field)) for field, name in names.items())
+    return {name: value for name, value in given if value is not None}
+
+
+def system_and_turns(
+    messages: Sequence[ChatMessage],
+) -> tuple[str | None, list[ChatMessage]]:
+    """For formats that take the system prompt apart: the system messages'
+    text (joined by blank lines; ``None`` without any) and the other messages."""
+    system = [m.content for m in messages if m.role == "system"]
+    return ("\n\n".join(system) if system else None), [m for m in messages if m.role != "system"]
+
+
+#: The longest finish reason passed on (real ones are a word: ``stop``, ``end_turn``).
+_MAX_REASON: Final = 32
+#: The largest token count believed: past it (or below 0) a count is a broken or
+#: hostile server's, and is estimated instead (it would not fit an event's ``usage``).
+_MAX_COUNT: Final = 2**53
+
+
+def _believable(count: int | None) -> int | None:
+    return count if count is not None and 0 <= count <= _MAX_COUNT else None
+
+
+def usage_of(
+    prompt: int | None, completion: int | None, request: InferenceRequest, completion_estimate: int
+) -> Usage:
+    """The usage a provider reported, each count it did not report (or reported
+    as nonsense) estimated: the prompt as its characters / 4, the completion as
+    ``completion_estimate``."""
+    prompt = _believable(prompt)
+    completion = _believable(completion)
+    return Usage(
+        prompt_tokens=prompt if prompt is not None else estimate_prompt_tokens(request),
+        completion_tokens=completion if completion is not None else completion_estimate,
+    )
+
+
+def tool_arguments(value: Any) -> str:
+    """A tool call's arguments, decoded from a provider's JSON, as JSON text (``{}``: none)."""
+    return "{}" if value is None else _ENCODER.encode(value).decode()
+
+
+def common_finish(reason: str, table: Mapping[str, str]) -> str:
+    """A provider's finish reason as one of :data:`~.base.FINISH_REASONS`, by
+    ``table``; one with no counterpart passes through in lower case."""
+    return table.get(reason) or reason.lower()
+
+
+# ------------------------------------------------------------ stream parsers
+
+
+class FramingError(ValueError):
+    """A stream broke its framing's bound (a line longer than allowed)."""
+
+
+class InBandError(Exception):
+    """The backend reported an error inside a stream (or a 200 body): its
+    text, and its class if the parser knows it; else the class its ``body``
+    names (:meth:`HTTPBackend._error_class`), else a server error. Raised by
+    parsers; never leaves an adapter."""
+
+    def __init__(
+        self, detail: str, failure: FailureClass | None = None, *, body: bytes = b""
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.failure = failure
+        self.body = body
+
+
+class StreamParser:
+    """Folds one streamed body into text, finish reason, usage and tool calls.
+
+    :meth:`feed` takes the bytes of one network read and returns the text
+    they complete; :meth:`end` is called when the body ended. Either raises
+    ``msgspec.DecodeError`` for a chunk that does not parse,
+    :class:`FramingError` / :class:`~._sse.SSEError` for a framing bound
+    broken, :class:`InBandError` for an error the backend sent in-band.
+
+    ``complete`` says the stream reached its end marker (or, where the format
+    has none, a finish reason); ``deltas`` counts chunks with text (about a
+    token each, the completion estimate when no usage is reported).
+    """
+
+    #: The stream's content type: a response with another is a whole JSON answer.
+    content_type: ClassVar[str] = "text/event-stream"
+    #: What a stream that ended without its end marker is called in the error.
+    incomplete: ClassVar[str] = "stream ended before its end"
+
+    def __init__(self) -> None:
+        self.complete = False
+        self.deltas = 0
+        self.finish_reason: str | None = None
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.tool_calls: list[ToolCall] = []
+
+    def feed(self, piece: bytes) -> str:
+        raise NotImplementedError
+
+    def end(self) -> None:
+        """The body ended (a last, unterminated piece may still be read)."""
+
+    def adopt(self, generation: Generation) -> None:
+        """Take a whole answer (a server that ignored the stream flag)."""
+        self.complete = True
+        self.finish_reason = generation.finish_reason
+        self.prompt_tokens = generation.usage.prompt_tokens
+        self.completion_tokens = generation.usage.completion_tokens
+        self.tool_calls = list(generation.tool_calls)
+
+    def counted(self, text: str) -> str:
+        """``text``, counted as one delta if there is any."""
+        if text:
+            self.deltas += 1
+        return text
+
+    def usage(self, request: InferenceRequest) -> Usage:
+        """The reported usage (:func:`usage_of`), the completion estimated as the
+        number of text deltas."""
+        return usage_of(self.prompt_tokens, self.completion_tokens, request, self.deltas)
+
+    def whole(self, text: str, request: InferenceRequest) -> Generation:
+        """The answer this parser read from one whole body (``text`` its text)."""
+        return Generation(
+            text=text,
+            # Not reported: the completion as the answer's characters / 4.
+            usage=usage_of(self.prompt_tokens, self.completion_tokens, request, -(-len(text) // 4)),
+            finish_reason=self._reason(),
+            tool_calls=tuple(self.tool_calls),
+        )
+
+    def last(self) -> Delta:
+        """The final delta: usage is filled in by the caller."""
+        return Delta(finish_reason=self._reason(), tool_calls=tuple(self.tool_calls))
+
+    def _reason(self) -> str | None:
+        """The finish reason, a short word: a longer one (a broken or hostile
+        server's) is cut, as it travels in the ``completed`` event."""
+        reason = self.finish_reason
+        return reason if reason is None or len(reason) <= _MAX_REASON else reason[:_MAX_REASON]
+
+
+class SSEParser(StreamParser):
+    """A stream of server-sent events (:mod:`._sse`); subclasses read each event."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._decoder = SSEDecoder()
+
+    def feed(self, piece: bytes) -> str:
+        read = self.event
+        return "".join([read(event) for event in self._decoder.feed(piece)])
+
+    def end(self) -> None:
+        last = self._decoder.finish()
+        if last is not None:
+            self.unterminated(last)
+
+    def event(self, event: ServerSentEvent) -> str:
+        """Take one event; return the text it adds."""
+        raise NotImplementedError
+
+    def unterminated(self, event: ServerSentEvent) -> None:
+        """An event whose blank line never came: dropped, as the spec says."""
+
+
+class LineParser(StreamParser):
+    """A stream of JSON lines (NDJSON, as Ollama sends); subclasses read each line.
+
+    A line may not exceed 4 MiB (:class:`FramingError`); a last line without
+    its newline is still read (JSON is self-delimiting: a cut one fails to parse).
+    """
+
+    content_type: ClassVar[str] = "application/x-ndjson"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+
+    def feed(self, piece: bytes) -> str:
+        if b"\n" not in piece:
+            self._pending.append(piece)
+            self._pending_bytes += len(piece)
+            if self._pending_bytes > MAX_EVENT_BYTES:
+                raise FramingError(f"JSON line longer than {MAX_EVENT_BYTES} bytes")
+            return ""
+        if self._pending:
+            self._pending.append(piece)
+            piece = b"".join(self._pending)
+        lines = piece.split(b"\n")
+        rest = lines.pop()
+        self._pending = [rest] if rest else []
+        self._pending_bytes = len(rest)
+        text = ""
+        for line in lines:
+            if len(line) > MAX_EVENT_BYTES:
+                raise FramingError(f"JSON line longer than {MAX_EVENT_BYTES} bytes")
+            if line.strip():
+                text += self.line(line)
+        return text
+
+    def end(self) -> None:
+        rest = b"".join(self._pending)
+        self._pending = []
+        if rest.strip():
+            self.line(rest)
+
+    def line(self, line: bytes) -> str:
+        """Take one JSON line; return the text it adds."""
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------ headers
+
+
+class _SecretHeaders(httpx.Headers):
+    """Headers whose repr masks the key, whichever header carries it
+    (httpx masks only ``Authorization``)."""
+
+    secret_names: ClassVar[frozenset[str]] = frozenset(
+        {"authorization", "x-api-key", "x-goog-api-key"}
+    )
+
+    def __repr__(self) -> str:
+        shown = [
+            (name, "[secure]" if name.lower() in self.secret_names else value)
+            for name, value in self.items()
+        ]
+        return f"Headers({shown!r})"
+
+
+# ------------------------------------------------------------------ adapter
+
+
+class HTTPBackend:
+    """A backend reached over HTTP: the base of every adapter (module docstring).
+
+    Safe to share between concurrent calls. ``client`` lets several adapters
+    share one connection pool; an injected client is never closed here.
+
+    Usage: when the backend reports none, it is estimated: prompt tokens as
+    prompt characters / 4, completion tokens as the number of text deltas
+    (streaming, about one token each) or output characters / 4 (not
+    streaming). Estimates are good enough for quota accounting, not billing.
+    """
+
+    #: The rate-limit dialect its responses are read in (:mod:`._limits`).
+    limit_style: LimitStyle = "auto"
+    #: The parser of this format's stream.
+    parser: ClassVar[type[StreamParser]] = StreamParser
+    #: Where a call goes, after ``base_url``: (streaming, not streaming);
+    #: ``{model}`` stands for the model's name, URL-quoted.
+    paths: ClassVar[tuple[str, str]]
+
+    def __init__(
+        self, name: str, config: BaseBackendConfig, *, client: httpx.AsyncClient | None = None
+    ) -> None:
+        self._name = name
+        self._config = config
+        base, model = config.base_url.rstrip("/"), quote(config.model, safe="")
+        self._urls = tuple(base + path.format(model=model) for path in self.paths)
+        self._timeout = httpx.Timeout(
+            parse_duration(config.timeout), connect=parse_duration(config.connect_timeout)
+        )
+        self._first_token_timeout = (
+            None
+            if config.first_token_timeout is None
+            else parse_duration(config.first_token_timeout)
+        )
+        self._total_timeout = (
+            None if config.total_timeout is None else parse_duration(config.total_timeout)
+        )
+        key = config.api_key(path=f"$.backends.{name}")
+        self._key = key.reveal() if key else ""
+        if self._key and not (self._key.isascii() and self._key.isprintable()):
+            # Checked here because httpx/h11 put an illegal header value,
+            # key included, into their exception messages.
+            raise ConfigError(
+                "API key contains characters not allowed in an HTTP header",
+                path=f"$.backends.{name}.{'api_key_env' if config.api_key_env else 'api_key_file'}",
+            )
+        base_headers = {"Content-Type": "application/json", **self._auth_headers(self._key)}
+        self._stream_headers = _SecretHeaders({**base_headers, "Accept": self.parser.content_type})
+        self._json_headers = _SecretHeaders({**base_headers, "Accept": "application/json"})
+        self._owns_client = client is None
+        if client is None:
+            # Several small pools instead of one big one: httpcore rescans
+            # every connection of a pool on each request start and close, so
+            # its cost per call grows with the pool (encode/httpcore#1035; at
+            # 64 concurrent calls, one pool spent ~5 ms of CPU per call, eight
+            # pools ~2 ms: bench/README.md). Each pool has room for its share
+            # of the declared concurrency; the broker, not the pool, bounds load.
+            concurrency = config.limits.concurrency
+            shards = max(1, min(16, -(-concurrency // _CALLS_PER_POOL)))
+            per_pool = -(-concurrency // shards) + 4
+            self._pools = [
+                httpx.AsyncClient(
+                    timeout=self._timeout,
+                    limits=httpx.Limits(
+                        max_connections=per_pool, max_keepalive_connections=per_pool
+                    ),
+                )
+                for _ in range(shards)
+            ]
+        else:
+            self._pools = [client]
+        self._busy = [0] * len(self._pools)
+        self._closed = False
+        #: The latest rate-limit reading from this backend (any call,
+        #: including 429s); ``None`` until a response says anything about limits.
+        self.last_rate_limit: LearnedLimits | None = None
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def config(self) -> BaseBackendConfig:
+        return self._config
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(name={self._name!r}, model={self._config.model!r}, "
+            f"url={self._urls[0]!r})"
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool, unless it was injected. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_client:
+            for pool in self._pools:
+                await pool.aclose()
+
+    @contextlib.contextmanager
+    def _pool(self) -> Iterator[httpx.AsyncClient]:
+        """The least busy connection pool, counted busy for the duration."""
+        index = min(range(len(self._busy)), key=self._busy.__getitem__)
+        self._busy[index] += 1
+        try:
+            yield self._pools[index]
+        finally:
+            self._busy[index] -= 1
+
+    # ------------------------------------------------- what a format says
+
+    def _auth_headers(self, key: str) -> dict[str, str]:
+        """The headers that carry the key (and the format's own): ``Authorization: Bearer``."""
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _payload(
+        self, request: InferenceRequest, priority: int | None, *, stream: bool
+    ) -> dict[str, Any]:
+        """The request body, as JSON-ready builtins."""
+        raise NotImplementedError
+
+    def _generation(self, body: bytes, request: InferenceRequest) -> Generation:
+        """A whole answer from its body; raises ``msgspec.DecodeError`` (malformed)
+        or :class:`InBandError`."""
+        raise NotImplementedError
+
+    def _error_class(self, body: bytes) -> FailureClass | None:
+        """The class an error body's own type names (Anthropic's ``error.type``,
+        Gemini's ``error.status``, TGI's ``error_type``), where the status alone
+        misleads; ``None``: it names none (the status decides)."""
+        return None
+
+    # ------------------------------------------------------------- calls
+
+    async def stream(
+        self, request: InferenceRequest, *, priority: int | None = None
+    ) -> AsyncIterator[Delta]:
+        """Yield text deltas as the backend generates them, then one ``Delta`` with
+        usage, finish reason and tool calls.
+
+        Closing the generator early closes the HTTP response, so the backend
+        sees the disconnect and stops generating. A failure after text was
+        yielded is :attr:`~renqueue.errors.FailureClass.BROKEN_STREAM`
+        (its cause in the message); a stream that ends without its end marker
+        is complete only if it gave a finish reason.
+        """
+        body = self._body(request, priority, stream=True)
+        parser = self.parser()
+        clock = Clock(self._first_token_timeout, self._total_timeout)
+        try:
+            with self._pool() as pool:
+                async for delta in self._stream_from(pool, body, parser, request, clock):
+                    clock.first_token()
+                    yield delta
+            if not parser.complete and parser.finish_reason is None:
+                raise RetryableBackendError(
+                    parser.incomplete,
+                    backend=self._name,
+                    request_id=request.id,
+                    failure=FailureClass.MALFORMED,
+                )
+        except httpx.HTTPError as exc:
+            error = self._transport_error(exc, request, clock)
+            raise self._after_tokens(error, clock) from exc
+        except TimeoutError as exc:
+            raise self._after_tokens(clock.timed_out(self._name, request), clock) from exc
+        except BackendError as exc:
+            after = self._after_tokens(exc, clock)
+            if after is exc:
+                raise
+            raise after from exc
+        last = parser.last()
+        yield Delta(
+            usage=parser.usage(request),
+            finish_reason=last.finish_reason,
+            tool_calls=last.tool_calls,
+        )
+
+    async def _stream_from(
+        self,
+        pool: httpx.AsyncClient,
+        body: bytes,
+        parser: StreamParser,
+        request: InferenceRequest,
+        clock: Clock,
+    ) -> AsyncIterator[Delta]:
+        """Read the stream. Everything that arrived in one network read becomes
+        one :class:`Delta`: a fast backend's burst of tokens costs one publish
+        downstream, and a slow one's single token is not held back.
+
+        Each wait on the network is bounded by the clock's next deadline (the
+        first token's, else the whole call's): never across a ``yield``, so a
+        slow consumer is not cut off by it."""
+        call = pool.stream(
+            "POST",
+            self._urls[0],
+            content=body,
+            headers=self._stream_headers,
+            timeout=self._timeout,
+        )
+        async with clock.bounded():
+            response = await call.__aenter__()
+        try:
+            if not response.is_success:
+                async with clock.bounded():
+                    await response.aread()
+                raise self._status_error(response, request)
+            self._observe(response)
+            if parser.content_type not in response.headers.get("content-type", ""):
+                # A server that ignored the stream flag and sent one JSON body.
+                async with clock.bounded():
+                    raw = await response.aread()
+                generation = self._whole(raw, request)
+                if generation.text:
+                    yield Delta(text=generation.text)
+                parser.adopt(generation)
+                return
+            pieces = response.aiter_bytes().__aiter__()
+            while True:
+                try:
+                    async with clock.bounded():
+                        piece = await anext(pieces)
+                except StopAsyncIteration:
+                    break
+                text = self._feed(parser, piece, request)
+                if text:
+                    yield Delta(text=text)
+            self._feed(parser, None, request)
+        finally:
+            await call.__aexit__(None, None, None)
+
+    async def complete(
+        self, request: InferenceRequest, *, priority: int | None = None
+    ) -> Generation:
+        """The whole answer from one non-streaming call (bounded by ``total_timeout``)."""
+        body = self._body(request, priority, stream=False)
+        clock = Clock(None, self._total_timeout)
+        try:
+            with self._pool() as pool:
+                async with clock.bounded():
+                    response = await pool.post(
+                        self._urls[1],
+                        content=body,
+                        headers=self._json_headers,
+                        timeout=self._timeout,
+                    )
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc, request, clock) from exc
+        except TimeoutError as exc:
+            raise clock.timed_out(self._name, request) from exc
+        if not response.is_success:
+            raise self._status_error(response, request)
+        self._observe(response)
+        return self._whole(response.content, request)
+
+    # ------------------------------------------------------------- helpers
+
+    def _body(self, request: InferenceRequest, priority: int | None, *, stream: bool) -> bytes:
+        if self._closed:
+            raise FatalBackendError("adapter is closed", backend=self._name, request_id=request.id)
+        return _ENCODER.encode(self._payload(request, priority, stream=stream))
+
+    def _observe(self, response: httpx.Response, body: bytes | None = None) -> LearnedLimits:
+        """Read what ``response`` (and its error ``body``) says about our limits."""
+        limits = parse_limits(
+            response.headers,
+            now=time.time(),
+            status=response.status_code,
+            body=body,
+            style=self.limit_style,
+        )
+        if not limits.empty:
+            self.last_rate_limit = limits
+        return limits
+
+    def _feed(self, parser: StreamParser, piece: bytes | None, request: InferenceRequest) -> str:
+        """One read into the parser (``None``: the body ended), its failures translated."""
+        try:
+            if piece is None:
+                parser.end()
+                return ""
+            return parser.feed(piece)
+        except msgspec.DecodeError as exc:
+            raise self._malformed("malformed stream chunk", exc, request) from exc
+        except (SSEError, FramingError) as exc:
+            raise self._malformed("malformed stream", exc, request) from exc
+        except InBandError as exc:
+            # The server failed while answering (or refused in a 200 body).
+            raise self._in_band(exc, request) from None  # ours: it adds nothing
+
+    def _whole(self, body: bytes, request: InferenceRequest) -> Generation:
+        """A whole answer, its failures translated."""
+        try:
+            return self._generation(body, request)
+        except msgspec.DecodeError as exc:
+            raise self._malformed("malformed response body", exc, request) from exc
+        except InBandError as exc:
+            raise self._in_band(exc, request) from None
+
+    def _malformed(
+        self, what: str, exc: Exception, request: InferenceRequest
+    ) -> RetryableBackendError:
+        return RetryableBackendError(
+            f"{what}: {self._redact(str(exc))}",
+            backend=self._name,
+            request_id=request.id,
+            failure=FailureClass.MALFORMED,
+        )
+
+    def _in_band(self, exc: InBandError, request: InferenceRequest) -> BackendError:
+        failure = exc.failure or self._error_class(exc.body) or FailureClass.SERVER_ERROR
+        return error_for(
+            failure,
+            f"error in stream: {self._redact(exc.detail)}",
+            backend=self._name,
+            request_id=request.id,
+        )
+
+    def _redact(self, text: str) -> str:
+        """Scrub the key from text that came from outside (bodies, foreign errors)."""
+        return text.replace(self._key, "***") if self._key else text
+
+    def _status_error(self, response: httpx.Response, request: InferenceRequest) -> BackendError:
+        status = response.status_code
+        body = response.content
+        limits = self._observe(response, body)
+        return error_for(
+            self._error_class(body) or status_class(status, body),
+            f"HTTP {status}: {self._redact(error_detail(body))}",
+            backend=self._name,
+            request_id=request.id,
+            status=status,
+            limits=limits,
+        )
+
+    def _transport_error(
+        self, exc: httpx.HTTPError, request: InferenceRequest, clock: Clock
+    ) -> BackendError:
+        detail = self._redact(str(exc))
+        message = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+        if isinstance(exc, httpx.UnsupportedProtocol | httpx.LocalProtocolError):
+            return FatalBackendError(
+                message, backend=self._name, request_id=request.id, failure=FailureClass.UNAVAILABLE
+            )
+        if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+            failure = FailureClass.CONNECT_TIMEOUT
+        elif isinstance(exc, httpx.TimeoutException):  # a silence longer than ``timeout``
+            failure = FailureClass.STALL if clock.began else FailureClass.FIRST_TOKEN_TIMEOUT
+        else:  # refused, reset, dropped (ConnectError, ReadError, RemoteProtocolError, ...)
+            failure = FailureClass.CONNECT
+        return RetryableBackendError(
+            message, backend=self._name, request_id=request.id, failure=failure
+        )
+
+    def _after_tokens(self, error: BackendError, clock: Clock) -> BackendError:
+        """``error`` as a broken stream when text had already been yielded."""
+        if (
+            not clock.began
+            or not error.retryable
+            or isinstance(error, RateLimitedError)
+            or error.failure is FailureClass.TOTAL_TIMEOUT  # its length, not a break
+        ):
+            return error
+        return RetryableBackendError(
+            f"stream broke after tokens were sent ({error.failure}): "
+            f"{str(error).removeprefix(self._name + ': ')}",
+            backend=self._name,
+            request_id=error.request_id,
+            status=error.status,
+            failure=FailureClass.BROKEN_STREAM,
+        )
+
+
+class Clock:
+    """The deadlines of one call: the first token's (``first_token_timeout``
+    from the start) and the whole call's (``total_timeout``)."""
+
+    __slots__ = ("_first", "_total", "began")
+
+    def __init__(self, first_token: float | None, total: float | None) -> None:
+        now = asyncio.get_running_loop().time()
+        self._first = None if first_token is None else now + first_token
+        self._total = None if total is None else now + total
+        #: Text was yielded: the first-token deadline no longer applies.
+        self.began = False
+
+    def first_token(self) -> None:
+        self.began = True
+
+    def deadline(self) -> float | None:
+        first = None if self.began else self._first
+        if first is None or self._total is None:
+            return first if self._total is None else self._total
+        return min(first, self._total)
+
+    def bounded(self) -> asyncio.Timeout:
+        """A scope for one wait on the network: it ends at the next deadline."""
+        return asyncio.timeout_at(self.deadline())
+
+    def timed_out(self, backend: str, request: InferenceRequest) -> RetryableBackendError:
+        """The error of a wait cut by :meth:`bounded`."""
+        # Before the first token, the backend said nothing at all in time: a
+        # fault of the backend's, whichever deadline cut the wait. After it,
+        # only the whole call's length (which the request's size may explain).
+        total = self.began
+        failure = FailureClass.TOTAL_TIMEOUT if total else FailureClass.FIRST_TOKEN_TIMEOUT
+        what = (
+            "the call took longer than total_timeout"
+            if total
+            else "no first token in time (first_token_timeout or total_timeout)"
+        )
+        return RetryableBackendError(what, backend=backend, request_id=request.id, failure=failure)

@@ -1,0 +1,315 @@
+"""The adapter for Anthropic's Messages API (``adapter = "anthropic"``).
+
+``POST {base_url}/messages`` with the key in ``x-api-key`` and the
+``anthropic-version`` header. The chat maps onto the Messages body: system
+messages become the top-level ``system`` text (joined by blank lines), the
+rest user and assistant turns (a ``tool`` message, which carries no tool-use
+id in the wire format yet, goes as a user turn); ``max_tokens`` is required
+there, so a request without one asks for the config's ``max_tokens``;
+``temperature`` is capped at 1 (Anthropic's range is 0-1); ``stop`` is
+``stop_sequences``; ``seed`` has no counterpart and is not sent.
+
+The stream is server-sent events with ``event:`` lines
+(https://docs.anthropic.com/en/api/messages-streaming): ``message_start``
+(input tokens, cache reads and writes included), ``content_block_start`` /
+``content_block_delta`` / ``content_block_stop`` (``text_delta`` is answer
+text; ``input_json_delta`` pieces assemble a ``tool_use`` block's input;
+thinking is not answer text), ``message_delta`` (``stop_reason``, cumulative
+output tokens), ``message_stop`` (the end), ``ping`` and ``error``.
+
+Errors carry a ``type`` that says more than the status: ``overloaded_error``
+(529) is overloaded, ``rate_limit_error`` (429, with
+``anthropic-ratelimit-*`` headers and ``retry-after``) rate-limited,
+``api_error`` a server error, ``invalid_request_error`` a bad request (a
+context-length one when it says "prompt is too long", a filtered one when
+"content filtering policy"), ``authentication_error``, ``permission_error``,
+``not_found_error`` and ``billing_error`` this backend's configuration. An
+``error`` event mid-stream is classified the same way.
+
+Stop reasons: ``end_turn`` and ``stop_sequence`` are ``stop``,
+``max_tokens`` and ``model_context_window_exceeded`` ``length``,
+``tool_use`` ``tool_calls``, ``refusal`` ``content_filter`` (an answer, as
+Azure's output filter is); others pass through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar, Final
+
+import httpx
+import msgspec
+from msgspec import Struct
+
+from ..config import AnthropicConfig, LimitStyle
+from ..errors import FailureClass
+from ..wire._messages import InferenceRequest
+from ._http import (
+    HTTPBackend,
+    InBandError,
+    SSEParser,
+    common_finish,
+    decoded,
+    error_detail,
+    given_params,
+    named_class,
+    system_and_turns,
+    tool_arguments,
+)
+from ._sse import ServerSentEvent
+from .base import Generation, ToolCall
+
+__all__ = ["AnthropicBackend"]
+
+
+# ----------------------------------------------------------------- wire types
+
+
+class _Usage(Struct):
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+
+    def prompt(self) -> int | None:
+        """Every prompt token: read from the cache, written to it, or neither."""
+        if self.input_tokens is None:
+            return None
+        return (
+            self.input_tokens
+            + (self.cache_creation_input_tokens or 0)
+            + (self.cache_read_input_tokens or 0)
+        )
+
+
+class _Error(Struct):
+    type: str = ""
+    message: str = ""
+
+
+class _Block(Struct):
+    type: str = ""
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+
+
+class _Message(Struct):
+    type: str = ""
+    content: list[_Block] | None = None
+    stop_reason: str | None = None
+    usage: _Usage | None = None
+    error: _Error | None = None
+
+
+class _Delta(Struct):
+    """A ``content_block_delta``'s delta or a ``message_delta``'s: only what we read."""
+
+    type: str | None = None
+    text: str | None = None
+    partial_json: str | None = None
+    stop_reason: str | None = None
+
+
+class _Event(Struct):
+    type: str = ""
+    message: _Message | None = None
+    index: int | None = None
+    content_block: _Block | None = None
+    delta: _Delta | None = None
+    usage: _Usage | None = None
+    error: _Error | None = None
+
+
+class _ErrorBody(Struct):
+    error: _Error | None = None
+
+
+_EVENT_DECODER: Final = msgspec.json.Decoder(_Event)
+_MESSAGE_DECODER: Final = msgspec.json.Decoder(_Message)
+_ERROR_DECODER: Final = msgspec.json.Decoder(_ErrorBody)
+
+#: The request's parameters Anthropic takes as they are, as it names them.
+_PARAM_NAMES: Final = {"top_p": "top_p", "stop": "stop_sequences"}
+_STOP_REASONS: Final = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
+}
+#: The class of each error type (``invalid_request_error``: by its message).
+_ERROR_CLASSES: Final[dict[str, FailureClass | None]] = {
+    "invalid_request_error": None,
+    "overloaded_error": FailureClass.OVERLOADED,
+    "rate_limit_error": FailureClass.RATE_LIMITED,
+    "api_error": FailureClass.SERVER_ERROR,
+    "timeout_error": FailureClass.SERVER_ERROR,
+    "request_too_large": FailureClass.BAD_REQUEST,
+    "authentication_error": FailureClass.UNAVAILABLE,
+    "permission_error": FailureClass.UNAVAILABLE,
+    "not_found_error": FailureClass.UNAVAILABLE,
+    "billing_error": FailureClass.UNAVAILABLE,
+}
+
+
+class _EventParser(SSEParser):
+    """Folds Messages stream events into text, stop reason, usage and tool calls."""
+
+    incomplete: ClassVar[str] = "stream ended before message_stop"
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Tool-use blocks under way: index -> (id, name, input pieces).
+        self._tools: dict[int, tuple[str, str, list[str]]] = {}
+
+    def event(self, event: ServerSentEvent) -> str:
+        data = _EVENT_DECODER.decode(event.data)
+        kind = data.type or event.event
+        if kind == "content_block_delta":  # the most frequent by far
+            return self._block_delta(data)
+        handler = self._handlers.get(kind)
+        if handler is None:
+            return ""  # ping, and event types added after this was written
+        return handler(self, data, event.data)
+
+    def _block_delta(self, data: _Event) -> str:
+        delta = data.delta
+        if delta is None:
+            return ""
+        if delta.type == "text_delta" and delta.text:
+            return self.counted(delta.text)
+        if delta.type == "input_json_delta" and delta.partial_json and data.index is not None:
+            tool = self._tools.get(data.index)
+            if tool is not None:
+                tool[2].append(delta.partial_json)
+        return ""  # thinking, signatures, citations: not answer text
+
+    def _message_start(self, data: _Event, raw: str) -> str:
+        if data.message is not None and data.message.usage is not None:
+            self.count_usage(data.message.usage)
+        return ""
+
+    def _block_start(self, data: _Event, raw: str) -> str:
+        block = data.content_block
+        if block is None:
+            return ""
+        if block.type == "tool_use" and data.index is not None:
+            self._tools[data.index] = (block.id or "", block.name or "", [])
+            return ""
+        return self.counted(block.text or "") if block.type == "text" else ""
+
+    def _block_stop(self, data: _Event, raw: str) -> str:
+        tool = self._tools.pop(data.index, None) if data.index is not None else None
+        if tool is not None:
+            tool_id, name, pieces = tool
+            self.tool_calls.append(
+                ToolCall(id=tool_id, name=name, arguments="".join(pieces) or "{}")
+            )
+        return ""
+
+    def _message_delta(self, data: _Event, raw: str) -> str:
+        if data.delta is not None and data.delta.stop_reason is not None:
+            self.finish_reason = common_finish(data.delta.stop_reason, _STOP_REASONS)
+        if data.usage is not None:
+            self.count_usage(data.usage)
+        return ""
+
+    def _message_stop(self, data: _Event, raw: str) -> str:
+        self.complete = True
+        return ""
+
+    def _error(self, data: _Event, raw: str) -> str:
+        body = raw.encode()
+        raise InBandError(error_detail(body), body=body)
+
+    _handlers: ClassVar[dict[str, Callable[[_EventParser, _Event, str], str]]] = {
+        "message_start": _message_start,
+        "content_block_start": _block_start,
+        "content_block_stop": _block_stop,
+        "message_delta": _message_delta,
+        "message_stop": _message_stop,
+        "error": _error,
+    }
+
+    def count_usage(self, usage: _Usage) -> None:
+        """Take the counts ``usage`` reports (output tokens are cumulative)."""
+        prompt = usage.prompt()
+        if prompt is not None:
+            self.prompt_tokens = prompt
+        if usage.output_tokens is not None:
+            self.completion_tokens = usage.output_tokens
+
+
+class AnthropicBackend(HTTPBackend):
+    """A backend that speaks Anthropic's Messages API (module docstring)."""
+
+    parser = _EventParser
+    paths = ("/messages", "/messages")
+    limit_style: LimitStyle = "anthropic"
+
+    def __init__(
+        self, name: str, config: AnthropicConfig, *, client: httpx.AsyncClient | None = None
+    ) -> None:
+        self._anthropic = config
+        super().__init__(name, config, client=client)
+
+    def _auth_headers(self, key: str) -> dict[str, str]:
+        headers = {"anthropic-version": self._anthropic.anthropic_version}
+        if key:
+            headers["x-api-key"] = key
+        if self._anthropic.beta:
+            headers["anthropic-beta"] = ",".join(self._anthropic.beta)
+        return headers
+
+    def _payload(
+        self, request: InferenceRequest, priority: int | None, *, stream: bool
+    ) -> dict[str, Any]:
+        params = request.params
+        system, turns = system_and_turns(request.messages)
+        body: dict[str, Any] = {
+            "model": self._anthropic.model,
+            "max_tokens": params.max_tokens or self._anthropic.max_tokens,
+            "messages": [
+                {"role": "assistant" if m.role == "assistant" else "user", "content": m.content}
+                for m in turns
+            ],
+            **given_params(request, _PARAM_NAMES),
+        }
+        if system is not None:
+            body["system"] = system
+        if params.temperature is not None:
+            body["temperature"] = min(params.temperature, 1.0)
+        if stream:
+            body["stream"] = True
+        return body
+
+    def _generation(self, body: bytes, request: InferenceRequest) -> Generation:
+        message = _MESSAGE_DECODER.decode(body)
+        if message.type == "error":
+            raise InBandError(error_detail(body), body=body)
+        parser = _EventParser()
+        text = ""
+        for block in message.content or ():
+            if block.type == "text" and block.text:
+                text += block.text
+            elif block.type == "tool_use":
+                parser.tool_calls.append(
+                    ToolCall(
+                        id=block.id or "",
+                        name=block.name or "",
+                        arguments=tool_arguments(block.input),
+                    )
+                )
+        if message.stop_reason is not None:
+            parser.finish_reason = common_finish(message.stop_reason, _STOP_REASONS)
+        if message.usage is not None:
+            parser.count_usage(message.usage)
+        return parser.whole(text, request)
+
+    def _error_class(self, body: bytes) -> FailureClass | None:
+        error = decoded(_ERROR_DECODER, body)
+        kind = error.error.type if error is not None and error.error is not None else None
+        return named_class(kind, _ERROR_CLASSES, body)

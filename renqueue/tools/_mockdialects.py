@@ -1,0 +1,929 @@
+"""The wire formats the mock backend speaks: one :class:`Dialect` per provider API.
+
+One mock serves them all, each at the path its provider uses (the URL an
+adapter's ``base_url`` is: :meth:`MockBackend.url_for
+<renqueue.tools.MockBackend.url_for>`):
+
+==============  ================================================  ==================
+dialect         endpoint                                          ``adapter``
+==============  ================================================  ==================
+``openai``      ``POST /v1/chat/completions``                     ``openai``
+``anthropic``   ``POST /v1/messages``                             ``anthropic``
+``ollama``      ``POST /api/chat``                                ``ollama``
+``tgi``         ``POST /generate_stream``, ``POST /generate``     ``tgi``
+``gemini``      ``POST /v1beta/models/<m>:streamGenerateContent``  ``gemini``
+                (``?alt=sse`` only), ``:generateContent``
+==============  ================================================  ==================
+
+A dialect reads its request body into a :class:`Call` (model, prompt size,
+streamed or not, the output cap) and writes every answer the mock gives in
+its provider's form, written from the providers' documentation and recorded
+streams (the adapters' tests hold the recordings, so a round trip checks
+one against the other):
+
+- a stream: an ``opening``, one piece per token (``head + piece + tail``:
+  the piece is precomputed per token, the head and tail per request), a
+  ``closing`` (finish reason, usage) and its end marker (``done``);
+- a whole answer, and error bodies by kind (:data:`ErrorKind`), including
+  each fault's (``500``, ``503``, ``529``, ``context_length``,
+  ``content_filter``) and an in-band error mid-stream (``sse_error``);
+- its finish reasons, and the header its key travels in.
+
+Rate-limit headers and 429 bodies are :mod:`._mocklimits`': Anthropic's and
+Gemini's dialects use their provider's; OpenAI's, Ollama's and TGI's the
+mock's ``limit_style`` (Ollama and TGI send none of their own).
+
+Simplifications, each harmless to what the adapters read: Ollama's
+durations are fixed numbers; TGI's last event always carries an
+end-of-sequence token (``special: true``), and ``generated_tokens`` does not
+count it; Gemini streams only as ``alt=sse`` (not as a JSON array); tools
+are never called.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Final, Literal, NamedTuple
+from urllib.parse import unquote
+
+import msgspec
+from msgspec import Meta, Struct
+
+from ._mockfaults import ERROR_ANSWERS, context_length_body, stream_error_line
+from ._mocklimits import MockLimitStyle
+
+__all__ = [
+    "DIALECTS",
+    "Call",
+    "Dialect",
+    "ErrorKind",
+    "Frames",
+    "GeminiDialect",
+    "Reply",
+    "Target",
+    "answer_text",
+    "token_text",
+]
+
+_ENCODER: Final = msgspec.json.Encoder()
+
+#: What an error body says went wrong (each dialect names it its provider's way).
+ErrorKind = Literal["bad_request", "auth", "not_found", "server_error", "busy"]
+
+
+# ------------------------------------------------------------ generated text
+# Token i is "tok<i>", separated by spaces: no JSON escaping, so every piece
+# is precomputed per token, once per process.
+
+_TOKENS: list[str] = []
+
+
+def _ensure_tokens(count: int) -> None:
+    for index in range(len(_TOKENS), count):
+        _TOKENS.append(f"tok{index}" if index == 0 else f" tok{index}")
+
+
+_ensure_tokens(4096)
+
+
+def token_text(index: int) -> str:
+    _ensure_tokens(index + 1)
+    return _TOKENS[index]
+
+
+def answer_text(count: int) -> str:
+    """The first ``count`` tokens' text: ``"tok0 tok1 ..."``."""
+    _ensure_tokens(count)
+    return "".join(_TOKENS[:count])
+
+
+def _json(value: Any) -> bytes:
+    return _ENCODER.encode(value)
+
+
+def _prompt_tokens(chars: int) -> int:
+    return -(-chars // 4)
+
+
+def _text_chars(content: object) -> int:
+    """Characters of text in a message's content: a string, or a list of parts with ``text``."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(
+            len(part["text"])
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return 0
+
+
+# ------------------------------------------------------------ common shapes
+
+
+class Call(Struct, frozen=True, kw_only=True):
+    """A chat request as the mock needs it, whatever its format."""
+
+    model: str
+    prompt_tokens: int
+    stream: bool
+    #: The most output tokens the request allows (``max_tokens`` and kin).
+    cap: int | None = None
+    #: Usage in the stream (OpenAI's ``stream_options.include_usage``; others always).
+    include_usage: bool = True
+
+
+class Reply(Struct, frozen=True, kw_only=True):
+    """What one answer says: the facts every format writes its own way."""
+
+    id: str
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    #: ``stop``, ``length`` or ``content_filter`` (each dialect names its own).
+    finish_reason: str
+    include_usage: bool = True
+    #: OpenAI's dialect: mid-stream errors in OpenRouter's form.
+    openrouter: bool = False
+
+
+class Frames(NamedTuple):
+    """The bytes of one stream around its token pieces."""
+
+    head: bytes
+    tail: bytes
+    opening: bytes
+    closing: bytes
+    done: bytes
+
+
+class Target(NamedTuple):
+    """What the path says: the model (Gemini's path names it) and whether it streams."""
+
+    model: str | None = None
+    stream: bool | None = None
+
+
+class Dialect:
+    """One provider's wire format (module docstring). Stateless but for its piece cache."""
+
+    name: ClassVar[str]
+    #: The content type of a stream.
+    content_type: ClassVar[str] = "text/event-stream"
+    #: What ends a line of the stream (an event, for SSE).
+    terminator: ClassVar[bytes] = b"\n\n"
+    #: The rate-limit dialect of its headers and 429s; ``None``: the mock's ``limit_style``.
+    limit_style: ClassVar[MockLimitStyle | None] = None
+    #: The header the key travels in (``authorization`` means ``Bearer <key>``).
+    key_header: ClassVar[str] = "authorization"
+    #: The status of a request with a wrong key.
+    auth_status: ClassVar[int] = 401
+    #: Whether a request names the model (TGI serves one, whatever is asked).
+    names_model: ClassVar[bool] = True
+    #: The prefix of answer ids.
+    id_prefix: ClassVar[str] = "mock-"
+    #: Its finish reasons for ``stop``, ``length`` and ``content_filter``.
+    finish_names: ClassVar[Mapping[str, str]] = {}
+    #: Its error names for each :data:`ErrorKind`.
+    error_names: ClassVar[Mapping[str, str]] = {}
+
+    def __init__(self) -> None:
+        self._pieces: list[bytes] = []
+
+    def decode(self, raw: bytes, target: Target) -> Call:
+        """The request; ``msgspec.DecodeError`` if it is not this format's."""
+        raise NotImplementedError
+
+    def key(self, headers: Mapping[str, str]) -> str:
+        """The key the request sent."""
+        value = headers.get(self.key_header, "")
+        return value.removeprefix("Bearer ") if self.key_header == "authorization" else value
+
+    def pieces(self, count: int) -> list[bytes]:
+        """The token pieces, at least ``count`` of them (a shared cache: do not change it)."""
+        for index in range(len(self._pieces), count):
+            self._pieces.append(self.piece(token_text(index), index))
+        return self._pieces
+
+    def piece(self, text: str, index: int) -> bytes:
+        """One token's bytes between the stream's head and tail."""
+        raise NotImplementedError
+
+    def cut(self, piece: bytes, text: str) -> bytes:
+        """``piece`` cut right after its token's text: not JSON any more."""
+        encoded = text.encode()
+        end = piece.index(encoded) + len(encoded) + 1
+        return piece[:end] + self.terminator
+
+    def frames(self, reply: Reply) -> Frames:
+        raise NotImplementedError
+
+    def answer(self, reply: Reply) -> bytes:
+        """A whole (non-streamed) answer's body."""
+        raise NotImplementedError
+
+    def error(self, status: int, kind: ErrorKind, message: str) -> bytes:
+        """An error body."""
+        raise NotImplementedError
+
+    def fault(self, kind: str, window: int, prompt_tokens: int) -> tuple[int, bytes]:
+        """Status and body of an error fault: ``500``, ``503``, ``529``,
+        ``context_length`` (a prompt over ``window``) or ``content_filter``
+        (the prompt refused; a 200 where the provider refuses in a 200)."""
+        if kind in ("529", "content_filter"):
+            # Anthropic's overload status; Azure's prompt filter (the formats
+            # with a filter of their own override this).
+            return ERROR_ANSWERS[kind]
+        raise NotImplementedError
+
+    def stream_error(self, reply: Reply, frames: Frames) -> bytes:
+        """An error sent in-band, mid-stream."""
+        raise NotImplementedError
+
+    def not_found(self, model: str) -> tuple[int, bytes]:
+        """Status and body for a model it does not serve."""
+        raise NotImplementedError
+
+    def finish(self, reason: str) -> str:
+        return self.finish_names.get(reason, reason)
+
+
+# ------------------------------------------------------------------ OpenAI
+
+
+class _InMessage(Struct):
+    role: str
+    content: str | list[Any] | None = None
+
+
+class _StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class _ChatBody(Struct):
+    model: str
+    messages: Annotated[list[_InMessage], Meta(min_length=1)]
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+
+
+_CHAT_DECODER: Final = msgspec.json.Decoder(_ChatBody)
+
+
+class OpenAIDialect(Dialect):
+    """``/v1/chat/completions``: chunks with ``choices[].delta``, a usage chunk, ``[DONE]``."""
+
+    name = "openai"
+    id_prefix = "chatcmpl-mock-"
+    error_names: ClassVar[Mapping[str, str]] = {
+        "bad_request": "invalid_request_error",
+        "auth": "invalid_request_error",
+        "not_found": "invalid_request_error",
+        "server_error": "server_error",
+    }
+    _codes: ClassVar[Mapping[str, str]] = {
+        "auth": "invalid_api_key",
+        "not_found": "model_not_found",
+        "server_error": "injected_failure",
+        "busy": "concurrency_limit_exceeded",
+    }
+
+    def decode(self, raw: bytes, target: Target) -> Call:
+        body = _CHAT_DECODER.decode(raw)
+        return Call(
+            model=body.model,
+            prompt_tokens=_prompt_tokens(sum(_text_chars(m.content) for m in body.messages)),
+            stream=body.stream,
+            cap=body.max_completion_tokens or body.max_tokens,
+            include_usage=body.stream_options is not None and body.stream_options.include_usage,
+        )
+
+    def piece(self, text: str, index: int) -> bytes:
+        return b'{"content":"' + text.encode() + b'"},"finish_reason":null}]}\n\n'
+
+    def _prefix(self, reply: Reply) -> bytes:
+        return (
+            b'data: {"id":"' + reply.id.encode() + b'","object":"chat.completion.chunk",'
+            b'"created":' + str(int(time.time())).encode() + b',"model":' + _json(reply.model)
+        )
+
+    def frames(self, reply: Reply) -> Frames:
+        prefix = self._prefix(reply)
+        choice = prefix + b',"choices":[{"index":0,"delta":'
+        closing = choice + b'{},"finish_reason":"' + reply.finish_reason.encode() + b'"}]}\n\n'
+        if reply.include_usage:
+            closing += prefix + b',"choices":[],"usage":' + _json(_openai_usage(reply)) + b"}\n\n"
+        return Frames(
+            head=choice,
+            tail=b"",
+            opening=choice + b'{"role":"assistant","content":""},"finish_reason":null}]}\n\n',
+            closing=closing,
+            done=b"data: [DONE]\n\n",
+        )
+
+    def answer(self, reply: Reply) -> bytes:
+        return _json(
+            {
+                "id": reply.id,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": reply.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": answer_text(reply.completion_tokens),
+                        },
+                        "finish_reason": reply.finish_reason,
+                    }
+                ],
+                "usage": _openai_usage(reply),
+            }
+        )
+
+    def error(self, status: int, kind: ErrorKind, message: str) -> bytes:
+        type_ = self.error_names.get(kind) or ("requests" if status == 429 else "server_error")
+        return _json({"error": {"message": message, "type": type_, "code": self._codes.get(kind)}})
+
+    def fault(self, kind: str, window: int, prompt_tokens: int) -> tuple[int, bytes]:
+        if kind == "context_length":
+            return 400, context_length_body(window, prompt_tokens)
+        return ERROR_ANSWERS[kind]
+
+    def stream_error(self, reply: Reply, frames: Frames) -> bytes:
+        return stream_error_line(reply.openrouter, self._prefix(reply))
+
+    def not_found(self, model: str) -> tuple[int, bytes]:
+        message = f"The model `{model}` does not exist or you do not have access to it."
+        return 404, self.error(404, "not_found", message)
+
+
+def _openai_usage(reply: Reply) -> dict[str, int]:
+    return {
+        "prompt_tokens": reply.prompt_tokens,
+        "completion_tokens": reply.completion_tokens,
+        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+    }
+
+
+# --------------------------------------------------------------- Anthropic
+
+
+class _AnthropicMessage(Struct):
+    role: str
+    content: str | list[Any]
+
+
+class _AnthropicBody(Struct):
+    model: str
+    max_tokens: Annotated[int, Meta(ge=1)]
+    messages: Annotated[list[_AnthropicMessage], Meta(min_length=1)]
+    system: str | list[Any] | None = None
+    stream: bool = False
+
+
+_ANTHROPIC_DECODER: Final = msgspec.json.Decoder(_AnthropicBody)
+
+
+class AnthropicDialect(Dialect):
+    """``/v1/messages``: ``event:`` lines, ``message_start`` ... ``message_stop``.
+
+    As recorded in anthropic-sdk-python's tests/lib/streaming/fixtures and
+    https://docs.anthropic.com/en/api/messages-streaming.
+    """
+
+    name = "anthropic"
+    limit_style = "anthropic"
+    key_header = "x-api-key"
+    id_prefix = "msg_mock"
+    finish_names: ClassVar[Mapping[str, str]] = {
+        "stop": "end_turn",
+        "length": "max_tokens",
+        "content_filter": "refusal",
+    }
+    error_names: ClassVar[Mapping[str, str]] = {
+        "bad_request": "invalid_request_error",
+        "auth": "authentication_error",
+        "not_found": "not_found_error",
+        "server_error": "api_error",
+    }
+
+    def decode(self, raw: bytes, target: Target) -> Call:
+        body = _ANTHROPIC_DECODER.decode(raw)
+        chars = _text_chars(body.system) + sum(_text_chars(m.content) for m in body.messages)
+        return Call(
+            model=body.model,
+            prompt_tokens=_prompt_tokens(chars),
+            stream=body.stream,
+            cap=body.max_tokens,
+        )
+
+    def piece(self, text: str, index: int) -> bytes:
+        return (
+            b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"'
+            + text.encode()
+            + b'"}}\n\n'
+        )
+
+    def frames(self, reply: Reply) -> Frames:
+        start = {
+            "type": "message_start",
+            "message": {
+                "id": reply.id,
+                "type": "message",
+                "role": "assistant",
+                "content": [],
+                "model": reply.model,
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 1},
+            },
+        }
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": self.finish(reply.finish_reason), "stop_sequence": None},
+            "usage": {"output_tokens": reply.completion_tokens},
+        }
+        return Frames(
+            head=b"event: content_block_delta\ndata: ",
+            tail=b"",
+            opening=b"event: message_start\ndata: "
+            + _json(start)
+            + b"\n\nevent: content_block_start\ndata: "
+            b'{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}'
+            b'\n\nevent: ping\ndata: {"type": "ping"}\n\n',
+            closing=b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
+            b"event: message_delta\ndata: " + _json(delta) + b"\n\n",
+            done=b'event: message_stop\ndata: {"type":"message_stop"}\n\n',
+        )
+
+    def answer(self, reply: Reply) -> bytes:
+        return _json(
+            {
+                "id": reply.id,
+                "type": "message",
+                "role": "assistant",
+                "model": reply.model,
+                "content": [{"type": "text", "text": answer_text(reply.completion_tokens)}],
+                "stop_reason": self.finish(reply.finish_reason),
+                "stop_sequence": None,
+                "usage": {
+                    "input_tokens": reply.prompt_tokens,
+                    "output_tokens": reply.completion_tokens,
+                },
+            }
+        )
+
+    def _body(self, type_: str, message: str) -> bytes:
+        return _json({"type": "error", "error": {"type": type_, "message": message}})
+
+    def error(self, status: int, kind: ErrorKind, message: str) -> bytes:
+        type_ = self.error_names.get(kind) or (
+            "rate_limit_error" if status == 429 else "overloaded_error"
+        )
+        return self._body(type_, message)
+
+    def fault(self, kind: str, window: int, prompt_tokens: int) -> tuple[int, bytes]:
+        if kind == "500":
+            return 500, self._body("api_error", "Internal server error")
+        if kind == "503":
+            return 503, self._body("overloaded_error", "Overloaded")
+        if kind == "context_length":
+            limit = window or 200_000
+            used = max(prompt_tokens, limit + 1)
+            return 400, self._body(
+                "invalid_request_error", f"prompt is too long: {used} tokens > {limit} maximum"
+            )
+        if kind == "content_filter":
+            return 400, self._body(
+                "invalid_request_error", "Output blocked by content filtering policy"
+            )
+        return super().fault(kind, window, prompt_tokens)
+
+    def stream_error(self, reply: Reply, frames: Frames) -> bytes:
+        return b"event: error\ndata: " + self._body("overloaded_error", "Overloaded") + b"\n\n"
+
+    def not_found(self, model: str) -> tuple[int, bytes]:
+        return 404, self._body("not_found_error", f"model: {model}")
+
+
+# ------------------------------------------------------------------ Ollama
+
+
+class _OllamaOptions(Struct):
+    num_predict: int | None = None
+
+
+class _OllamaBody(Struct):
+    model: str
+    messages: Annotated[list[_InMessage], Meta(min_length=1)]
+    stream: bool = True  # Ollama streams unless told not to
+    options: _OllamaOptions | None = None
+
+
+_OLLAMA_DECODER: Final = msgspec.json.Decoder(_OllamaBody)
+#: The durations (ns) every answer reports.
+_OLLAMA_TIMINGS: Final = {
+    "total_duration": 4883583458,
+    "load_duration": 1334875,
+    "prompt_eval_duration": 342546000,
+    "eval_duration": 4535599000,
+}
+
+
+class OllamaDialect(Dialect):
+    """``/api/chat``: one JSON object per line, the last ``done: true`` with counts.
+
+    As in Ollama's docs/api.md ("Chat Request (Streaming)").
+    """
+
+    name = "ollama"
+    content_type = "application/x-ndjson"
+    terminator = b"\n"
+    finish_names: ClassVar[Mapping[str, str]] = {"content_filter": "stop"}
+
+    def decode(self, raw: bytes, target: Target) -> Call:
+        body = _OLLAMA_DECODER.decode(raw)
+        predict = body.options.num_predict if body.options is not None else None
+        return Call(
+            model=body.model,
+            prompt_tokens=_prompt_tokens(sum(_text_chars(m.content) for m in body.messages)),
+            stream=body.stream,
+            cap=predict if predict is not None and predict > 0 else None,
+        )
+
+    def piece(self, text: str, index: int) -> bytes:
+        return b'"message":{"role":"assistant","content":"' + text.encode() + b'"},"done":false}\n'
+
+    def _head(self, reply: Reply) -> bytes:
+        created = time.strftime("%Y-%m-%dT%H:%M:%S.000000000Z", time.gmtime())
+        return b'{"model":' + _json(reply.model) + b',"created_at":"' + created.encode() + b'",'
+
+    def _final(self, reply: Reply, text: str) -> dict[str, Any]:
+        return {
+            "message": {"role": "assistant", "content": text},
+            "done_reason": self.finish(reply.finish_reason),
+            "done": True,
+            **_OLLAMA_TIMINGS,
+            "prompt_eval_count": reply.prompt_tokens,
+            "eval_count": reply.completion_tokens,
+        }
+
+    def frames(self, reply: Reply) -> Frames:
+        head = self._head(reply)
+        final = _json(self._final(reply, ""))
+        return Frames(head=head, tail=b"", opening=b"", closing=head + final[1:] + b"\n", done=b"")
+
+    def answer(self, reply: Reply) -> bytes:
+        final = _json(self._final(reply, answer_text(reply.completion_tokens)))
+        return self._head(reply) + final[1:]
+
+    def error(self, status: int, kind: ErrorKind, message: str) -> bytes:
+        if kind == "busy" and status == 503:
+            message = "server busy, please try again.  maximum pending requests exceeded"
+        return _json({"error": message})
+
+    def fault(self, kind: str, window: int, prompt_tokens: int) -> tuple[int, bytes]:
+        if kind == "500":
+            return 500, _json({"error": "llama runner process has terminated: exit status 2"})
+        if kind == "503":
+            return 503, self.error(503, "busy", "")
+        if kind == "context_length":
+            return 400, _json({"error": "the input length exceeds the context length"})
+        return super().fault(kind, window, prompt_tokens)
+
+    def stream_error(self, reply: Reply, frames: Frames) -> bytes:
+        return (
+            _json({"error": "an error was encountered while running the model: unexpected EOF"})
+            + b"\n"
+        )
+
+    def not_found(self, model: str) -> tuple[int, bytes]:
+        return 404, _json({"error": f'model "{model}" not found, try pulling it first'})
+
+
+# --------------------------------------------------------------------- TGI
+
+
+class _TGIParameters(Struct):
+    max_new_tokens: Annotated[int, Meta(ge=1)] | None = None
+
+
+class _TGIBody(Struct):
+    inputs: str
+    parameters: _TGIParameters | None = None
+    stream: bool = False
+
+
+_TGI_DECODER: Final = msgspec.json.Decoder(_TGIBody)
+
+
+class TGIDialect(Dialect):
+    """``/generate_stream``: ``data:{"index","token","generated_text","details"}`` events.
+
+    As TGI's router writes them (``data:`` with no space; recorded in TGI's
+    docs and users' transcripts), the last with ``details``.
+    """
+
+    name = "tgi"
+    names_model = False
+    finish_names: ClassVar[Mapping[str, str]] = {
+        "stop": "eos_token",
+        "length": "length",
+        "content_filter": "eos_token",
+    }
+    error_names: ClassVar[Mapping[str, str]] = {
+        "bad_request": "validation",
+        "auth": "authentication",
+        "not_found": "not_found",
+        "server_error": "generation",
+        "busy": "overloaded",
+    }
+
+    def decode(self, raw: bytes, target: Target) -> Call:
+        body = _TGI_DECODER.decode(raw)
+        return Call(
+            model="tgi",
+            prompt_tokens=_prompt_tokens(len(body.inputs)),
+            stream=bool(target.stream),
+            cap=body.parameters.max_new_tokens if body.parameters is not None else None,
+        )
+
+    def piece(self, text: str, index: int) -> bytes:
+        return (
+            b'{"index":%d,"token":{"id":%d,"text":"%s","logprob":-0.25,"special":false},'
+            b'"generated_text":null,"details":null}\n\n' % (index + 1, index + 100, text.encode())
+        )
+
+    def _details(self, reply: Reply) -> dict[str, Any]:
+        return {
+            "finish_reason": self.finish(reply.finish_reason),
+            "generated_tokens": reply.completion_tokens,
+            "prompt_tokens": reply.prompt_tokens,
+            "seed": None,
+        }
+
+    def frames(self, reply: Reply) -> Frames:
+        final = {
+            "index": reply.completion_tokens + 1,
+            "token": {"id": 2, "text": "</s>", "logprob": -0.01, "special": True},
+            "generated_text": answer_text(reply.completion_tokens),
+            "details": self._details(reply),
+        }
+        return Frames(
+            head=b"data:",
+            tail=b"",
+            opening=b"",
+            closing=b"data:" + _json(final) + b"\n\n",
+            done=b"",
+        )
+
+    def answer(self, reply: Reply) -> bytes:
+        return _json(
+            {
+                "generated_text": answer_text(reply.completion_tokens),
+                "details": {**self._details(reply), "prefill": [], "tokens": []},
+            }
+        )
+
+    def error(self, status: int, kind: ErrorKind, message: str) -> bytes:
+        if kind == "busy":
+            message = "Model is overloaded"
+        return _json({"error": message, "error_type": self.error_names.get(kind, "generation")})
+
+    def fault(self, kind: str, window: int, prompt_tokens: int) -> tuple[int, bytes]:
+        if kind == "500":
+            return 500, _json(
+                {"error": "Incomplete generation", "error_type": "incomplete_generation"}
+            )
+        if kind == "503":
+            return 503, self.error(503, "busy", "")
+        if kind == "context_length":
+            limit = window or 4096
+            message = (
+                f"Input validation error: `inputs` tokens + `max_new_tokens` must be <= {limit}. "
+                f"Given: {max(prompt_tokens, limit)} `inputs` tokens and 20 `max_new_tokens`"
+            )
+            return 422, _json({"error": message, "error_type": "validation"})
+        return super().fault(kind, window, prompt_tokens)
+
+    def stream_error(self, reply: Reply, frames: Frames) -> bytes:
+        error = {
+            "error": "Request failed during generation: Server error: CUDA out of memory",
+            "error_type": "generation",
+        }
+        return b"data:" + _json(error) + b"\n\n"
+
+    def not_found(self, model: str) -> tuple[int, bytes]:  # pragma: no cover - names no model
+        return 404, self.error(404, "not_found", f"model {model} not found")
+
+
+# ------------------------------------------------------------------ Gemini
+
+
+class _Part(Struct):
+    text: str | None = None
+
+
+class _Content(Struct):
+    parts: list[_Part] = []
+    role: str | None = None
+
+
+class _GenerationConfig(Struct, rename="camel"):
+    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
+
+
+class _GeminiBody(Struct, rename="camel"):
+    contents: Annotated[list[_Content], Meta(min_length=1)]
+    system_instruction: _Content | None = None
+    generation_config: _GenerationConfig | None = None
+
+
+_GEMINI_DECODER: Final = msgspec.json.Decoder(_GeminiBody)
+_GEMINI_STATUSES: Final = {
+    400: "INVALID_ARGUMENT",
+    404: "NOT_FOUND",
+    429: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+}
+
+
+class GeminiDialect(Dialect):
+    """``/v1beta/models/<m>:streamGenerateContent?alt=sse``: whole
+    ``GenerateContentResponse`` objects, the last with ``finishReason`` and
+    the full ``usageMetadata``; no end marker.
+
+    As recorded in discourse/discourse-ai's spec/lib/completions/endpoints/gemini_spec.rb
+    and https://ai.google.dev/api/generate-content.
+    """
+
+    name = "gemini"
+    limit_style = "gemini"
+    key_header = "x-goog-api-key"
+    auth_status = 400  # with the reason API_KEY_INVALID in its details
+    finish_names: ClassVar[Mapping[str, str]] = {
+        "stop": "STOP",
+        "length": "MAX_TOKENS",
+        "content_filter": "SAFETY",
+    }
+
+    def decode(self, raw: bytes, target: Target) -> Call:
+        body = _GEMINI_DECODER.decode(raw)
+        contents = list(body.contents)
+        if body.system_instruction is not None:
+            contents.append(body.system_instruction)
+        chars = sum(len(part.text or "") for content in contents for part in content.parts)
+        config = body.generation_config
+        return Call(
+            model=target.model or "",
+            prompt_tokens=_prompt_tokens(chars),
+            stream=bool(target.stream),
+            cap=config.max_output_tokens if config is not None else None,
+        )
+
+    def piece(self, text: str, index: int) -> bytes:
+        return (
+            b'{"candidates":[{"content":{"parts":[{"text":"'
+            + text.encode()
+            + b'"}],"role":"model"},"index":0}]'
+        )
+
+    def cut(self, piece: bytes, text: str) -> bytes:
+        # The tail (usage, model, the event's end) follows every piece.
+        return super().cut(piece, text).removesuffix(self.terminator)
+
+    def _usage(self, reply: Reply, *, final: bool) -> dict[str, int]:
+        if not final:  # as Gemini streams them: the output counted only at the end
+            return {"promptTokenCount": reply.prompt_tokens, "totalTokenCount": reply.prompt_tokens}
+        return {
+            "promptTokenCount": reply.prompt_tokens,
+            "candidatesTokenCount": reply.completion_tokens,
+            "totalTokenCount": reply.prompt_tokens + reply.completion_tokens,
+        }
+
+    def _response(self, reply: Reply, text: str) -> dict[str, Any]:
+        return {
+            "candidates": [
+                {
+                    "content": {"parts": [{"text": text}], "role": "model"},
+                    "finishReason": self.finish(reply.finish_reason),
+                    "index": 0,
+                }
+            ],
+            "usageMetadata": self._usage(reply, final=True),
+            "modelVersion": reply.model,
+        }
+
+    def frames(self, reply: Reply) -> Frames:
+        tail = (
+            b',"usageMetadata":'
+            + _json(self._usage(reply, final=False))
+            + b',"modelVersion":'
+            + _json(reply.model)
+            + b"}\n\n"
+        )
+        return Frames(
+            head=b"data: ",
+            tail=tail,
+            opening=b"",
+            closing=b"data: " + _json(self._response(reply, "")) + b"\n\n",
+            done=b"",
+        )
+
+    def answer(self, reply: Reply) -> bytes:
+        return _json(self._response(reply, answer_text(reply.completion_tokens)))
+
+    def _body(self, status: int, message: str, **extra: Any) -> bytes:
+        code = _GEMINI_STATUSES.get(status, "UNKNOWN")
+        return _json({"error": {"code": status, "message": message, "status": code, **extra}})
+
+    def error(self, status: int, kind: ErrorKind, message: str) -> bytes:
+        if kind == "auth":  # Gemini answers a bad key with a 400, the reason in its details
+            details = [
+                {
+                    "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                    "reason": "API_KEY_INVALID",
+                    "domain": "googleapis.com",
+                    "metadata": {"service": "generativelanguage.googleapis.com"},
+                }
+            ]
+            return self._body(
+                400, "API key not valid. Please pass a valid API key.", details=details
+            )
+        if kind == "busy" and status == 503:
+            message = "The model is overloaded. Please try again later."
+        return self._body(status, message)
+
+    def fault(self, kind: str, window: int, prompt_tokens: int) -> tuple[int, bytes]:
+        if kind == "500":
+            message = (
+                "An internal error has occurred. Please retry or report in "
+                "https://developers.generativeai.google/guide/troubleshooting"
+            )
+            return 500, self._body(500, message)
+        if kind == "503":
+            return 503, self.error(503, "busy", "")
+        if kind == "context_length":
+            limit = window or 1_048_576
+            message = (
+                f"The input token count ({max(prompt_tokens, limit + 1)}) exceeds the maximum "
+                f"number of tokens allowed ({limit})."
+            )
+            return 400, self._body(400, message)
+        if kind == "content_filter":  # a blocked prompt is a 200 without candidates
+            feedback = {
+                "promptFeedback": {
+                    "blockReason": "SAFETY",
+                    "safetyRatings": [
+                        {"category": "HARM_CATEGORY_DANGEROUS_CONTENT", "probability": "HIGH"}
+                    ],
+                },
+                "usageMetadata": {
+                    "promptTokenCount": prompt_tokens,
+                    "totalTokenCount": prompt_tokens,
+                },
+            }
+            return 200, _json(feedback)
+        return super().fault(kind, window, prompt_tokens)
+
+    def stream_error(self, reply: Reply, frames: Frames) -> bytes:
+        return b"data: " + self.fault("500", 0, 0)[1] + b"\n\n"
+
+    def not_found(self, model: str) -> tuple[int, bytes]:
+        message = (
+            f"models/{model} is not found for API version v1beta, or is not supported for "
+            "generateContent. Call ListModels to see the list of available models and their "
+            "supported methods."
+        )
+        return 404, self._body(404, message)
+
+    @staticmethod
+    def target(path: str, alt: str | None) -> Target | str:
+        """Model and streaming from ``<model>:<method>``; an error text if it is neither method."""
+        model, _, method = unquote(path).rpartition(":")
+        if method == "generateContent":
+            return Target(model=model, stream=False)
+        if method == "streamGenerateContent":
+            if alt != "sse":
+                return "the mock streams only with ?alt=sse"
+            return Target(model=model, stream=True)
+        return f"unknown method {method!r}: generateContent or streamGenerateContent"
+
+
+#: Every dialect, by name: one instance each (they cache their token pieces).
+DIALECTS: Final[dict[str, Dialect]] = {
+    dialect.name: dialect
+    for dialect in (
+        OpenAIDialect(),
+        AnthropicDialect(),
+        OllamaDialect(),
+        TGIDialect(),
+        GeminiDialect(),
+    )
+}

@@ -1,0 +1,728 @@
+"""The gateway through the official openai SDK, unchanged, and curl: real Services,
+a real nats-server and a mock backend over loopback HTTP.
+
+Each test runs its own stack (Services starts an embedded nats-server on a free
+port) and a gateway on a free port, with two tenants' keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import openai
+import pytest
+
+from renqueue import Client, RequestCancelledError, Services, parse_config
+from renqueue.config import Config
+from renqueue.gateway import Gateway, digest
+from renqueue.gateway._idempotency import id_for_key
+from renqueue.tools import FaultSpec, MockBackend, MockSettings
+from renqueue.wire import EVENT_DECODER, Completed, EventLog, Submitted, Usage
+
+ACME = "rq-test-acme-key-0123456789abcdef"
+GLOBEX = "rq-test-globex-key-0123456789abcdef"
+MESSAGES: list[Any] = [{"role": "user", "content": "hello"}]
+
+
+def make_config(tmp_path: Path, mock: MockBackend, **extra: Any) -> Config:
+    raw: dict[str, Any] = {
+        "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+        "backends": {"b1": {"base_url": mock.url, "model": "mock", "limits": {"concurrency": 8}}},
+        "routes": {"chat": {"backends": ["b1"]}},
+        "worker": {"retry_delay": "100ms", "drain_timeout": "2s"},
+        "router": {"capacity_refresh": "20ms"},
+        "gateway": {
+            "port": 0,
+            "keys": [
+                {"tenant": "acme", "sha256": digest(ACME)},
+                {"tenant": "globex", "sha256": digest(GLOBEX)},
+            ],
+        },
+    }
+    for key, value in extra.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return parse_config(raw)
+
+
+@pytest.fixture
+async def mock() -> AsyncIterator[MockBackend]:
+    settings = MockSettings(ttft=0.0, tokens_per_second=400, output_tokens=8)
+    async with MockBackend(settings) as m:
+        yield m
+
+
+class Stack:
+    def __init__(self, services: Services, gateway: Gateway) -> None:
+        self.services = services
+        self.gateway = gateway
+        self._sdks: list[openai.AsyncOpenAI] = []
+
+    def sdk(self, key: str = ACME, **kwargs: Any) -> openai.AsyncOpenAI:
+        kwargs.setdefault("max_retries", 0)
+        sdk = openai.AsyncOpenAI(base_url=self.gateway.url, api_key=key, **kwargs)
+        self._sdks.append(sdk)
+        return sdk
+
+    async def close(self) -> None:
+        for sdk in self._sdks:
+            await sdk.close()
+
+    def http(self, key: str = ACME) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.gateway.url, headers={"Authorization": f"Bearer {key}"}, timeout=30
+        )
+
+    def client(self, tenant: str = "acme") -> Client:
+        assert self.services.nc is not None
+        return Client(self.services.nc, tenant=tenant)
+
+
+async def start(tmp_path: Path, mock: MockBackend, **extra: Any) -> AsyncIterator[Stack]:
+    config = make_config(tmp_path, mock, **extra)
+    async with Services(config) as services, Gateway(config, url=services.url) as gateway:
+        stack = Stack(services, gateway)
+        try:
+            yield stack
+        finally:
+            await stack.close()
+
+
+@pytest.fixture
+async def stack(tmp_path: Path, mock: MockBackend) -> AsyncIterator[Stack]:
+    async for value in start(tmp_path, mock):
+        yield value
+
+
+async def submitted_count(stack: Stack, tenant: str, request_id: str) -> int:
+    assert stack.services.js is not None
+    events = await EventLog(stack.services.js).history(tenant, request_id, kind="submitted")
+    return len(events)
+
+
+# ------------------------------------------------------------------ the basics
+
+
+async def test_sdk_non_streamed_completion_has_the_request_id_and_usage(
+    stack: Stack, mock: MockBackend
+) -> None:
+    sdk = stack.sdk()
+    raw = await sdk.chat.completions.with_raw_response.create(model="chat", messages=MESSAGES)
+    completion = raw.parse()
+    assert completion.object == "chat.completion"
+    assert raw.headers["x-request-id"] == completion.id
+    assert completion.model == "chat"
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.choices[0].message.content == " ".join(f"tok{i}" for i in range(8))
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == 8
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + 8
+    # The id is the request's: the log has it, under the key's tenant.
+    async with stack.client() as client:
+        result = await client.handle(completion.id).result(timeout=10)
+    assert result.text == completion.choices[0].message.content
+    assert mock.stats().requests == 1
+
+
+async def test_sdk_stream_yields_every_token_then_finish_and_usage(stack: Stack) -> None:
+    sdk = stack.sdk()
+    stream = await sdk.chat.completions.create(
+        model="chat", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == " ".join(f"tok{i}" for i in range(8))
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "stop"
+    assert all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+async def test_raw_sse_has_ids_on_every_chunk_and_ends_with_done(stack: Stack) -> None:
+    body = {"model": "chat", "messages": MESSAGES, "stream": True}
+    async with stack.http() as http:
+        response = await http.post("/chat/completions", json=body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in response.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    ids = [e.split("\n")[0] for e in events[:-1]]
+    assert all(i.startswith("id: ") for i in ids)
+    assert ids[0] == "id: 0"
+    assert ids[-1] == "id: end"
+    first = json.loads(events[1].split("data: ", 1)[1])
+    assert first["id"] == response.headers["x-request-id"]
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+async def test_curl_streams_and_completes(stack: Stack) -> None:
+    async def curl(*args: str) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            "curl",
+            "-sS",
+            "-N",
+            f"{stack.gateway.url}/chat/completions",
+            "-H",
+            f"Authorization: Bearer {ACME}",
+            "-H",
+            "Content-Type: application/json",
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
+        return out.decode()
+
+    whole = json.loads(await curl("-d", json.dumps({"model": "chat", "messages": MESSAGES})))
+    assert whole["choices"][0]["message"]["content"].startswith("tok0")
+    streamed = await curl("-d", json.dumps({"model": "chat", "messages": MESSAGES, "stream": True}))
+    assert streamed.rstrip().endswith("data: [DONE]")
+    assert "tok7" in streamed
+
+
+async def test_models_lists_the_routes_and_retrieve_finds_one(stack: Stack) -> None:
+    sdk = stack.sdk()
+    models = [m.id async for m in sdk.models.list()]
+    assert models == ["chat"]
+    assert (await sdk.models.retrieve("chat")).id == "chat"
+    with pytest.raises(openai.NotFoundError):
+        await sdk.models.retrieve("nope")
+
+
+async def test_health_and_metrics_answer_without_a_key(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.gateway.url.removesuffix("/v1")) as http:
+        health = await http.get("/health")
+        assert health.status_code == 200
+        assert health.json()["status"] == "ok"
+        await stack.sdk().chat.completions.create(model="chat", messages=MESSAGES)
+        metrics = await http.get("/metrics")
+    assert metrics.status_code == 200
+    assert 'renqueue_gateway_requests_total{endpoint="POST /v1/chat/completions"' in metrics.text
+
+
+# --------------------------------------------------------------------- errors
+
+
+async def test_a_wrong_or_missing_key_is_a_401_in_openai_shape(stack: Stack) -> None:
+    with pytest.raises(openai.AuthenticationError) as caught:
+        await stack.sdk("rq-not-a-key").chat.completions.create(model="chat", messages=MESSAGES)
+    assert caught.value.status_code == 401
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "invalid_api_key"
+    assert "rq-not-a-key" not in caught.value.message
+    async with httpx.AsyncClient(base_url=stack.gateway.url) as http:
+        response = await http.post("/chat/completions", json={"model": "chat"})
+    assert response.status_code == 401
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert response.headers["x-request-id"]
+
+
+async def test_an_unknown_model_is_a_404_naming_the_param(stack: Stack) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        await stack.sdk().chat.completions.create(model="gpt-9", messages=MESSAGES)
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["param"] == "model"
+    assert body["code"] == "model_not_found"
+
+
+async def test_what_the_wire_cannot_carry_is_a_400_naming_it(stack: Stack) -> None:
+    sdk = stack.sdk()
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logprobs": True}, "logprobs"),
+        ({"n": 2}, "n"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"extra_body": {"top_k": 5}}, "top_k"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                    }
+                ]
+            },
+            "messages[0].content[0].type",
+        ),
+    ]
+    for extra, param in cases:
+        kwargs: dict[str, Any] = {"model": "chat", "messages": MESSAGES, **extra}
+        with pytest.raises(openai.BadRequestError) as caught:
+            await sdk.chat.completions.create(**kwargs)
+        body = caught.value.body
+        assert isinstance(body, dict)
+        assert body["param"] == param, (extra, body)
+    # Neutral values ask for nothing and pass.
+    done = await sdk.chat.completions.create(
+        model="chat",
+        messages=[{"role": "developer", "content": [{"type": "text", "text": "hi"}]}, *MESSAGES],
+        n=1,
+        presence_penalty=0,
+        tool_choice="none",
+        response_format={"type": "text"},
+        max_completion_tokens=3,
+    )
+    assert done.usage is not None
+    assert done.usage.completion_tokens == 3
+
+
+async def test_hostile_bodies_get_400_or_413_and_the_gateway_keeps_serving(stack: Stack) -> None:
+    deep = b'{"model": "chat", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    bodies: list[tuple[bytes, int]] = [
+        (b"{not json", 400),
+        (b"[]", 400),
+        (b'{"model": 5, "messages": []}', 400),
+        (b'{"model": "chat", "messages": "hello"}', 400),
+        (b'{"model": "chat", "messages": [{"role": "user", "content": 5}]}', 400),
+        (b'{"model": "chat", "messages": [], "stream": "yes"}', 400),
+        (b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "tenant": "g"}', 400),
+        (deep, 400),
+        (
+            b'{"model": "chat", "messages": [{"role": "user", "content": "'
+            + b"x" * (5 << 20)
+            + b'"}]}',
+            413,
+        ),
+        (b"\xff\xfe\x00", 400),
+    ]
+    async with stack.http() as http:
+        for body, status in bodies:
+            response = await http.post(
+                "/chat/completions", content=body, headers={"content-type": "application/json"}
+            )
+            assert response.status_code == status, (body[:60], response.text[:200])
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert "Traceback" not in error["message"]
+        bad_headers = [
+            {"X-Priority": "urgent!"},
+            {"X-Deadline": "tomorrow"},
+            {"X-Request-Timeout": "-1"},
+            {"X-Max-Cost": "nan"},
+            {"X-Keep-Alive-On-Disconnect": "maybe"},
+            {"Idempotency-Key": "x" * 300},
+        ]
+        for headers in bad_headers:
+            response = await http.post(
+                "/chat/completions", json={"model": "chat", "messages": MESSAGES}, headers=headers
+            )
+            assert response.status_code == 400, (headers, response.text)
+        ok = await http.post("/chat/completions", json={"model": "chat", "messages": MESSAGES})
+    assert ok.status_code == 200
+
+
+async def test_a_spent_hard_budget_is_a_429_with_retry_after(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    async for stack in start(
+        tmp_path, mock, tenants={"acme": {"daily_budget": 0, "budget": "hard"}}
+    ):
+        router = stack.services.routers[0]
+        for _ in range(400):  # the router refuses only once it holds the projection
+            if router.projection is not None:
+                break
+            await asyncio.sleep(0.025)
+        with pytest.raises(openai.RateLimitError) as caught:
+            await stack.sdk(max_retries=2).chat.completions.create(model="chat", messages=MESSAGES)
+        response = caught.value.response
+        assert response.headers["x-should-retry"] == "false"
+        retry_after = int(response.headers["retry-after"])
+        assert 0 < retry_after <= 86_400
+        body = caught.value.body
+        assert isinstance(body, dict)
+        assert body["code"] == "budget_exhausted"
+        # Refused once: the SDK did not retry it.
+        rid = response.headers["x-request-id"]
+        assert stack.services.js is not None
+        log = EventLog(stack.services.js)
+        assert len(await log.history("acme", rid, kind="rejected")) == 1
+        # Streamed, the same: the status line waits for the first token, so a
+        # request refused before any is a real 429, not a 200 with an error inside.
+        with pytest.raises(openai.RateLimitError):
+            await stack.sdk().chat.completions.create(model="chat", messages=MESSAGES, stream=True)
+        # Another tenant is not refused.
+        done = await stack.sdk(GLOBEX).chat.completions.create(model="chat", messages=MESSAGES)
+        assert done.choices[0].message.content
+    assert mock.stats().requests == 1
+
+
+async def test_an_expired_deadline_is_a_504(stack: Stack, mock: MockBackend) -> None:
+    mock.update(ttft=30.0)
+    with pytest.raises(openai.InternalServerError) as caught:
+        await stack.sdk(max_retries=2).chat.completions.create(
+            model="chat", messages=MESSAGES, extra_headers={"X-Request-Timeout": "0.3"}
+        )
+    assert caught.value.status_code == 504
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "deadline_exceeded"
+    # A deadline already past submits nothing.
+    async with stack.http() as http:
+        past = await http.post(
+            "/chat/completions",
+            json={"model": "chat", "messages": MESSAGES, "deadline": time.time() - 5},
+        )
+    assert past.status_code == 504
+
+
+async def test_a_tenants_in_flight_limit_is_a_429(tmp_path: Path, mock: MockBackend) -> None:
+    mock.update(ttft=2.0)
+    async for stack in start(tmp_path, mock, gateway={"max_in_flight": 1}):
+        async with stack.http() as http:
+            body = {"model": "chat", "messages": MESSAGES}
+            first = asyncio.create_task(http.post("/chat/completions", json=body))
+            for _ in range(400):
+                if mock.stats().in_flight:
+                    break
+                await asyncio.sleep(0.025)
+            second = await http.post("/chat/completions", json=body)
+            assert second.status_code == 429
+            assert second.headers["retry-after"] == "1"
+            # Another tenant has its own count.
+            other = asyncio.create_task(
+                http.post(
+                    "/chat/completions", json=body, headers={"Authorization": f"Bearer {GLOBEX}"}
+                )
+            )
+            assert (await first).status_code == 200
+            assert (await other).status_code == 200
+
+
+# ----------------------------------------------------------- controls and tenants
+
+
+async def test_priority_deadline_and_cost_come_from_headers_or_body(stack: Stack) -> None:
+    sdk = stack.sdk()
+    deadline = time.time() + 600
+    by_header = await sdk.chat.completions.create(
+        model="chat",
+        messages=MESSAGES,
+        extra_headers={"X-Priority": "high", "X-Deadline": str(deadline), "X-Max-Cost": "0.5"},
+    )
+    by_vllm_field = await sdk.chat.completions.create(
+        model="chat", messages=MESSAGES, extra_body={"priority": -2, "request_timeout": 60}
+    )
+    by_name = await sdk.chat.completions.create(
+        model="chat", messages=MESSAGES, extra_body={"priority": "batch", "max_cost": 1}
+    )
+    assert stack.services.js is not None
+    log = EventLog(stack.services.js)
+
+    async def request_of(rid: str) -> Any:
+        [event] = await log.history("acme", rid, kind="submitted")
+        assert isinstance(event, Submitted)
+        return event.request
+
+    first = await request_of(by_header.id)
+    assert (first.priority, first.deadline, first.max_cost) == ("high", deadline, 0.5)
+    second = await request_of(by_vllm_field.id)
+    assert second.priority == "critical"  # vLLM's -2: two levels above the default
+    assert second.deadline is not None
+    assert second.deadline == pytest.approx(time.time() + 60, abs=10)
+    third = await request_of(by_name.id)
+    assert (third.priority, third.max_cost) == ("batch", 1.0)
+
+
+async def test_the_key_decides_the_tenant_and_ids_are_scoped_by_it(stack: Stack) -> None:
+    done = await stack.sdk().chat.completions.create(
+        model="chat", messages=MESSAGES, extra_headers={"X-Tenant": "globex"}
+    )
+    assert await submitted_count(stack, "acme", done.id) == 1
+    assert await submitted_count(stack, "globex", done.id) == 0
+    async with stack.http(GLOBEX) as theirs:
+        for method, path in (
+            ("GET", f"/requests/{done.id}"),
+            ("GET", f"/requests/{done.id}/stream"),
+            ("DELETE", f"/requests/{done.id}"),
+        ):
+            response = await theirs.request(method, path)
+            assert response.status_code == 404, (method, path)
+            assert "tok0" not in response.text
+    async with stack.http() as mine:
+        state = (await mine.get(f"/requests/{done.id}")).json()
+    assert state["status"] == "completed"
+    assert state["result"]["choices"][0]["message"]["content"] == done.choices[0].message.content
+
+
+# ---------------------------------------------------------------- idempotency
+
+
+async def test_an_idempotency_key_makes_a_resend_join_the_same_request(
+    stack: Stack, mock: MockBackend
+) -> None:
+    sdk = stack.sdk()
+    headers = {"Idempotency-Key": "order-42"}
+    first = await sdk.chat.completions.create(
+        model="chat", messages=MESSAGES, extra_headers=headers
+    )
+    again = await sdk.chat.completions.create(
+        model="chat", messages=MESSAGES, extra_headers=headers
+    )
+    assert again.id == first.id
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert mock.stats().requests == 1
+    assert await submitted_count(stack, "acme", first.id) == 1
+    # Scoped by tenant: the same key from another tenant is its own request.
+    theirs = await stack.sdk(GLOBEX).chat.completions.create(
+        model="chat", messages=MESSAGES, extra_headers=headers
+    )
+    assert await submitted_count(stack, "globex", theirs.id) == 1
+    assert mock.stats().requests == 2
+    # The same key with another body is refused, not answered with the first's text.
+    with pytest.raises(openai.UnprocessableEntityError):
+        await sdk.chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": "other"}], extra_headers=headers
+        )
+
+
+async def test_past_the_duplicate_window_a_key_still_joins_through_the_log(
+    stack: Stack, mock: MockBackend
+) -> None:
+    """Past ``nats.duplicate_window`` JetStream no longer drops a publish with the
+    key's message id: the gateway finds the request's ``submitted`` event in the
+    log and joins it, submitting nothing. Here the request is known to the log
+    only (its events written as the services write them), never to the requests
+    stream's dedupe: exactly what a key looks like once the window is past."""
+    key = "long-ago-1"
+    rid = id_for_key(key)
+    assert stack.services.js is not None
+    log = EventLog(stack.services.js)
+    async with stack.client() as client:
+        request = client.build_request("hello", route="chat", request_id=rid)
+    now = time.time()
+    await log.append(Submitted(request_id=rid, tenant="acme", at=now, request=request))
+    await log.finish(
+        Completed(
+            request_id=rid,
+            tenant="acme",
+            at=now,
+            backend="b1",
+            attempt=1,
+            delivery=1,
+            text="answered long ago",
+            usage=Usage(prompt_tokens=1, completion_tokens=3),
+            cost=0.0,
+            finish_reason="stop",
+        )
+    )
+    joined = await stack.sdk().chat.completions.create(
+        model="chat", messages=MESSAGES, extra_headers={"Idempotency-Key": key}
+    )
+    assert joined.id == rid
+    assert joined.choices[0].message.content == "answered long ago"
+    assert mock.stats().requests == 0
+    assert await submitted_count(stack, "acme", rid) == 1
+
+
+async def test_sdk_retries_after_a_timeout_join_the_request_they_repeat(
+    stack: Stack, mock: MockBackend
+) -> None:
+    """The openai SDK resends the same body (``x-stainless-retry-count`` 1, 2, ...)
+    and no idempotency key. A kept request is joined by its retries."""
+    mock.update(ttft=2.0)
+    sdk = stack.sdk(max_retries=6, timeout=0.7)
+    done = await sdk.chat.completions.create(
+        model="chat",
+        messages=MESSAGES,
+        extra_headers={"X-Keep-Alive-On-Disconnect": "true"},
+    )
+    assert done.choices[0].message.content
+    assert mock.stats().requests == 1
+    assert await submitted_count(stack, "acme", done.id) == 1
+    # With an idempotency key (kept on disconnect by default), the same.
+    keyed = await sdk.chat.completions.create(
+        model="chat",
+        messages=[{"role": "user", "content": "again"}],
+        extra_headers={"Idempotency-Key": "retry-me"},
+    )
+    assert keyed.choices[0].message.content
+    assert mock.stats().requests == 2
+
+
+# ---------------------------------------------------------- disconnect and resume
+
+
+async def cancelled_events(stack: Stack, tenant: str) -> asyncio.Queue[Any]:
+    """Every ``cancel_requested`` event of ``tenant`` from now on (core NATS sees
+    JetStream publishes)."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    assert stack.services.nc is not None
+
+    async def on(msg: Any) -> None:
+        queue.put_nowait(EVENT_DECODER.decode(msg.data))
+
+    await stack.services.nc.subscribe(f"rq.evt.{tenant}.*.cancel_requested", cb=on)
+    return queue
+
+
+async def test_a_client_timeout_disconnects_and_cancels_its_request(
+    stack: Stack, mock: MockBackend
+) -> None:
+    mock.update(ttft=30.0)
+    cancelled = await cancelled_events(stack, "acme")
+    with pytest.raises(openai.APITimeoutError):
+        await stack.sdk(timeout=0.5).chat.completions.create(model="chat", messages=MESSAGES)
+    event = await asyncio.wait_for(cancelled.get(), 15)
+    assert event.reason == "client disconnected"
+    async with stack.client() as client:
+        with pytest.raises(RequestCancelledError):
+            await client.handle(event.request_id).result(timeout=10)
+
+
+async def test_a_streaming_client_that_disconnects_cancels_unless_it_asked_to_keep(
+    stack: Stack, mock: MockBackend
+) -> None:
+    mock.update(tokens_per_second=20, output_tokens=200)
+    cancelled = await cancelled_events(stack, "acme")
+    body = {"model": "chat", "messages": MESSAGES, "stream": True}
+    async with (
+        stack.http() as http,
+        http.stream("POST", "/chat/completions", json=body) as response,
+    ):
+        rid = response.headers["x-request-id"]
+        async for line in response.aiter_lines():
+            if "tok1" in line:
+                break
+    event = await asyncio.wait_for(cancelled.get(), 15)
+    assert event.request_id == rid
+    async with stack.client() as client:
+        with pytest.raises(RequestCancelledError):
+            await client.handle(rid).result(timeout=10)
+        # Kept: the same disconnect leaves it running to the end.
+        async with stack.http() as http:
+            headers = {"X-Keep-Alive-On-Disconnect": "true"}
+            mock.update(tokens_per_second=200, output_tokens=40)
+            async with http.stream(
+                "POST", "/chat/completions", json=body, headers=headers
+            ) as response:
+                kept = response.headers["x-request-id"]
+                async for line in response.aiter_lines():
+                    if "tok1" in line:
+                        break
+        result = await client.handle(kept).result(timeout=15)
+    assert result.usage.completion_tokens == 40
+
+
+async def test_a_lost_stream_resumes_from_last_event_id_without_loss_or_repeat(
+    stack: Stack, mock: MockBackend
+) -> None:
+    mock.update(tokens_per_second=50, output_tokens=30)
+    body = {"model": "chat", "messages": MESSAGES, "stream": True}
+    got: list[str] = []
+    last_id = ""
+    async with stack.http() as http:
+        headers = {"X-Keep-Alive-On-Disconnect": "true"}
+        async with http.stream("POST", "/chat/completions", json=body, headers=headers) as response:
+            rid = response.headers["x-request-id"]
+            async for event in _events(response):
+                last_id = event["id"]
+                got.append(event["content"])
+                if len(got) == 6:
+                    break  # the connection is lost here
+        async with http.stream(
+            "GET", f"/requests/{rid}/stream", headers={"Last-Event-ID": last_id}
+        ) as resumed:
+            assert resumed.status_code == 200
+            rest = [event async for event in _events(resumed)]
+        # From the start, after the request ended: the whole text again.
+        whole = await http.get(f"/requests/{rid}/stream")
+        state = (await http.get(f"/requests/{rid}")).json()
+    text = "".join(got) + "".join(e["content"] for e in rest)
+    assert text == " ".join(f"tok{i}" for i in range(30))
+    assert rest[-1]["id"] == "end"
+    assert state["status"] == "completed"
+    assert state["result"]["choices"][0]["message"]["content"] == text
+    assert whole.text.rstrip().endswith("data: [DONE]")
+    assert mock.stats().requests == 1
+
+
+async def test_delete_cancels_a_running_request(stack: Stack, mock: MockBackend) -> None:
+    mock.update(ttft=30.0)
+    async with stack.http() as http:
+        body = {"model": "chat", "messages": MESSAGES}
+        call = asyncio.create_task(
+            http.post("/chat/completions", json=body, headers={"Idempotency-Key": "to-delete"})
+        )
+        rid = id_for_key("to-delete")
+        for _ in range(400):
+            if mock.stats().in_flight:
+                break
+            await asyncio.sleep(0.025)
+        deleted = await http.delete(f"/requests/{rid}")
+        assert deleted.status_code == 202
+        answer = await call
+        assert answer.status_code == 409
+        assert answer.json()["error"]["code"] == "request_cancelled"
+        again = await http.delete(f"/requests/{rid}")
+        assert again.json()["status"] == "cancelled"
+        missing = await http.delete("/requests/no-such-request")
+        assert missing.status_code == 404
+
+
+async def _events(response: httpx.Response) -> AsyncIterator[dict[str, str]]:
+    """The text chunks of an SSE answer: ``{"id", "content"}`` each (role chunk and
+    [DONE] left out; the finish chunk has content "")."""
+    event_id = ""
+    async for line in response.aiter_lines():
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: ") and line != "data: [DONE]":
+            data = msgspec.json.decode(line[6:])
+            assert "error" not in data, data
+            if event_id == "0":
+                continue
+            choices = data["choices"]
+            content = choices[0]["delta"].get("content") or "" if choices else ""
+            yield {"id": event_id, "content": content}
+
+
+async def test_a_run_restarted_after_text_was_streamed_ends_the_stream_with_an_error(
+    stack: Stack, mock: MockBackend
+) -> None:
+    """OpenAI's stream cannot take text back: a request whose run broke after some
+    tokens and ran again ends the stream with ``stream_restarted``; the request
+    goes on, and a fresh resume streams the run that answered."""
+    mock.update(faults=FaultSpec(script=("break",), after_tokens=3))
+    stream = await stack.sdk().chat.completions.create(model="chat", messages=MESSAGES, stream=True)
+    seen: list[str] = []
+
+    async def read_all() -> None:
+        async for chunk in stream:
+            seen.append(chunk.id)
+
+    with pytest.raises(openai.APIError) as caught:
+        await read_all()
+    assert caught.value.code == "stream_restarted"
+    assert len(seen) >= 2  # the role chunk and text of the first run came first
+    rid = seen[0]
+    async with stack.client() as client:
+        result = await client.handle(rid).result(timeout=15)
+    async with stack.http() as http:
+        resumed = await http.get(f"/requests/{rid}/stream")
+    events = [e for e in resumed.text.split("\n\n") if e.startswith("id: ")]
+    texts = [
+        json.loads(e.split("data: ", 1)[1])["choices"][0]["delta"].get("content") or ""
+        for e in events
+        if not e.startswith("id: usage")
+    ]
+    assert "".join(texts) == result.text
+    assert "stream_restarted" not in resumed.text
+    assert resumed.text.rstrip().endswith("data: [DONE]")
