@@ -267,7 +267,8 @@ async def test_the_command_says_clearly_what_it_cannot_replay(
     bad.write_text('[backends.x]\nbase_url = "http://x"\nmodel = "m"\ncolour = "red"\n')
     code, _, err = await replay(recording, "--what-if", str(bad))
     assert code == 2
-    assert "unknown field `colour` (at $.backends.x)" in err
+    assert "unknown field `colour`" in err
+    assert "(at $.backends.x)" in err
     assert "Traceback" not in err
 
     bad.write_text("[whatif.models.new]\nttft = -1\n")

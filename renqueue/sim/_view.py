@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from ..config import BackendConfig
+from ..config import BaseBackendConfig
 from ..policy import MIN_SAMPLES, BackendView, Limit, Quota, effective_limits
 from ..state import BackendState
 
@@ -26,7 +26,7 @@ _NOTHING: Final = BackendState()
 
 
 def backend_view(
-    name: str, backend: BackendConfig, *, in_flight: int, state: BackendState | None
+    name: str, backend: BaseBackendConfig, *, in_flight: int, state: BackendState | None
 ) -> BackendView:
     """What a round knows of backend ``name`` with ``in_flight`` calls bound to
     it and ``state`` (its projection; ``None``: the log never named it)."""
