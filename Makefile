@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers chaos clean
+.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers bench-whatif chaos clean
 
 setup: $(STAMP)
 
@@ -73,6 +73,10 @@ bench-economics: $(STAMP)
 # What A/B splits cost the fold and the binder (issue #10 item 5): in process, no NATS.
 bench-ab: $(STAMP)
 	$(BIN)/python bench/ab.py
+
+# How long a what-if replay takes to simulate an hour of traffic (issue #10 item 6): no NATS.
+bench-whatif: $(STAMP)
+	$(BIN)/python bench/whatif.py
 
 # Requests/s and added latency through `renqueue gateway` (streamed and not, closed loop at a
 # few concurrency levels) against a direct call to the same mock, and LiteLLM's proxy on the

@@ -14,7 +14,8 @@
     renqueue audit ID           one request's timeline from the event log
     renqueue status             each backend, priority level and tenant now (--watch)
     renqueue replay             the projection rebuilt from the log (--verify: against
-                                the live one, field by field)
+                                the live one, field by field; --what-if FILE: the
+                                recorded requests simulated under this config and FILE)
     renqueue dlq list|show|requeue|purge
                                 the dead-letter stream: what failed for good, with why
                                 and the request's history; requeue it as a new request
@@ -33,7 +34,9 @@ ended, but not as asked (``submit``: failed, expired, cancelled or rejected;
 request ended (it goes on: follow it with ``renqueue audit``). ``replay
 --verify``: 0 the live projection equals the log's, 1 it differs, 2 it cannot
 be checked (nothing stored, NATS unreachable, the log no longer holds every
-event the projection folded, a replay that stopped short). ``dlq``: 0 done
+event the projection folded, a replay that stopped short). ``replay
+--what-if``: 0 the comparison was printed, 2 it cannot be made (a bad what-if
+file, NATS unreachable, no request submitted in the window). ``dlq``: 0 done
 (``purge`` declined at its prompt: nothing deleted, 0 too), 1 some entries
 failed (no such entry, a poison message cannot be requeued, ...: one line each
 on stderr, the others done), 2 cannot read (NATS unreachable, no dead-letter
@@ -408,6 +411,10 @@ async def _replay(config: Config, args: argparse.Namespace) -> int:
     from .state import encode_state, verify
     from .state._verify import replay_log
 
+    if args.what_if is not None:
+        return await _what_if(config, args)
+    if args.since is not None or args.until is not None or args.seed is not None:
+        raise RenQueueError("--since, --until and --seed go with --what-if")
     nc = await connect(_client_url(config), name="renqueue-replay", config=config.nats)
     try:
         js = nc.jetstream()
@@ -426,6 +433,77 @@ async def _replay(config: Config, args: argparse.Namespace) -> int:
     else:
         print("\n".join(_verification_lines(found)))
     return EXIT_OK if found.equal else EXIT_DIFFERENT
+
+
+async def _what_if(config: Config, args: argparse.Namespace) -> int:
+    """``replay --what-if FILE``: the requests submitted in the window, as they
+    really went, and simulated under this config and FILE's (docs/what-if.md)."""
+    from .ops._connection import connect
+    from .sim import compare, load_what_if, read_trace, render
+    from .state._status import printable
+
+    if args.verify:
+        raise RenQueueError("--what-if and --verify do not go together")
+    other = load_what_if(args.what_if)
+    now = datetime.datetime.now(tz=datetime.UTC).timestamp()
+    since = now - 3600.0 if args.since is None else args.since
+    until = now if args.until is None else args.until
+    if until <= since:
+        raise RenQueueError("--until must be after --since")
+    nc = await connect(_client_url(config), name="renqueue-replay", config=config.nats)
+    try:
+        trace = await read_trace(nc.jetstream(), since=since, until=until)
+    finally:
+        await _close(nc)
+    window = f"{_iso(since)} .. {_iso(until)}"
+    if not trace.arrivals:
+        raise RenQueueError(
+            f"no request was submitted between {window} ({trace.events} events read):"
+            " nothing to replay; widen --since/--until"
+        )
+    seed = 0 if args.seed is None else args.seed
+    title = printable(os.path.basename(str(args.what_if)))[:40] or "what-if"
+    comparison = compare(
+        trace,
+        [("this config (sim)", config), (f"{title} (sim)", other.config)],
+        seed=seed,
+        models=other.models,
+    )
+    if args.json:
+        print(msgspec.json.encode(_what_if_json(trace, comparison, seed)).decode())
+    else:
+        print("\n".join(render(trace, comparison.columns, seed=seed)))
+    return EXIT_OK
+
+
+def _what_if_json(trace: Any, comparison: Any, seed: int) -> dict[str, Any]:
+    return {
+        "since": trace.since,
+        "until": trace.until,
+        "seed": seed,
+        "events": trace.events,
+        "dropped": trace.dropped,
+        "columns": [
+            {
+                "title": column.title,
+                "requests": column.summary.requests,
+                "cost": column.summary.cost,
+                "ended": column.summary.ended,
+                "levels": {
+                    name: {**msgspec.to_builtins(level), "attainment": level.attainment}
+                    for name, level in column.summary.levels.items()
+                },
+                "share": {name: column.summary.share_of(name) for name in column.summary.share},
+                "notes": list(column.notes),
+            }
+            for column in comparison.columns
+        ],
+    }
+
+
+def _iso(at: float) -> str:
+    when = datetime.datetime.fromtimestamp(at, tz=datetime.UTC)
+    return when.isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def _verification_lines(found: Verification) -> list[str]:
@@ -733,6 +811,13 @@ def _new_deadline(text: str) -> tuple[bool, float | None]:
         raise argparse.ArgumentTypeError(
             f"must be keep, none or a duration (60s, 10m), got {text!r}"
         ) from None
+
+
+def _seed(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
 
 
 def _positive(text: str) -> int:
@@ -1054,6 +1139,18 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument("--json", action="store_true", help="the report as JSON (one per redraw)")
     cmd.set_defaults(run=_guarded(_status))
 
+    _add_replay_command(sub)
+
+    sub.add_parser("schema", help="JSON Schema of messages and events").set_defaults(run=_schema)
+
+    _add_dlq_command(sub)
+    _add_ab_command(sub)
+
+    _add_tool_commands(sub)
+    return parser
+
+
+def _add_replay_command(sub: Any) -> None:
     cmd = sub.add_parser("replay", help="the projection rebuilt from the event log")
     cmd.add_argument(
         "--verify",
@@ -1064,15 +1161,25 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument(
         "--json", action="store_true", help="the rebuilt state (or the result) as JSON"
     )
+    cmd.add_argument(
+        "--what-if",
+        metavar="FILE",
+        help="simulate the requests submitted in the window under this config and FILE's, "
+        "beside what really happened: cost, deadlines met per level, share per backend",
+    )
+    cmd.add_argument(
+        "--since",
+        type=_point_in_time,
+        help="with --what-if: requests submitted at or after: a duration back from now "
+        "(default 1h) or an ISO time",
+    )
+    cmd.add_argument(
+        "--until", type=_point_in_time, help="with --what-if: submitted before (default: now)"
+    )
+    cmd.add_argument(
+        "--seed", type=_seed, help="with --what-if: seed of the simulated draws (default 0)"
+    )
     cmd.set_defaults(run=_guarded(_replay))
-
-    sub.add_parser("schema", help="JSON Schema of messages and events").set_defaults(run=_schema)
-
-    _add_dlq_command(sub)
-    _add_ab_command(sub)
-
-    _add_tool_commands(sub)
-    return parser
 
 
 def _tenant_name(text: str) -> str:

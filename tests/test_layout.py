@@ -19,6 +19,8 @@ FORBIDDEN = {
     "services": {"tools", "_client", "cli", "gateway"},
     "_client": {"state", "services", "tools", "backends", "metrics", "gateway"},
     "config": {"wire", "state", "services", "ops", "tools", "backends", "_client"},
+    # The what-if simulation: the policy, the fold and the wire, never a service.
+    "sim": {"services", "ops", "tools", "backends", "_client", "cli", "gateway"},
     # The gateway is a client of the queue (it submits through Client) in front of
     # the services; it never calls a backend, nor the tools.
     "gateway": {"tools", "backends", "cli"},
