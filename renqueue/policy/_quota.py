@@ -281,7 +281,7 @@ def used(quota: Quota, limit: Limit, now: float) -> int:
     """What is spent of ``limit`` at ``now`` (0 up to ``count``, or beyond after a reconcile)."""
     if _is_calendar(limit):
         return _calendar_used(quota.spend, limit, *_calendar_window(limit, now))
-    return sum(amount for _expiry, amount in _rolling(quota.spend, limit, now))
+    return _live(quota.spend, limit, now)[1]
 
 
 #: :func:`_live` answers by (log, limit, time): a planning round asks for
