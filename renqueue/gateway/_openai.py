@@ -39,8 +39,8 @@ are (with the default levels: -2 ``critical``, -1 ``high``, 0 ``normal``, 1
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, TypeVar
 
 import msgspec
 from msgspec import Raw, Struct
@@ -55,6 +55,8 @@ __all__ = [
     "parse_chat",
     "translate",
 ]
+
+_T = TypeVar("_T")
 
 _NULL: Final = Raw(b"null")
 _ABSENT: Final = Raw()
@@ -327,6 +329,15 @@ def _flag(text: str, name: str) -> bool:
     raise ApiError(400, f"{name} must be true or false, got {text[:40]!r}", param=name)
 
 
+def _controlled(
+    headers: Mapping[str, str], header: str, value: _T, read: Callable[[str, str], _T]
+) -> _T:
+    """The body's ``value`` of a control, unless ``header`` gives one (headers win),
+    read by ``read`` (which names the header in its error)."""
+    text = _header(headers, header.lower())
+    return value if text is None else read(text, header)
+
+
 def translate(
     body: ChatBody,
     headers: Mapping[str, str],
@@ -362,12 +373,8 @@ def translate(
             priority, levels, default_level, "X-Priority" if priority_text else "priority"
         )
 
-    deadline = body.deadline
-    if (text := _header(headers, "x-deadline")) is not None:
-        deadline = _number(text, "X-Deadline")
-    timeout = body.request_timeout
-    if (text := _header(headers, "x-request-timeout")) is not None:
-        timeout = _number(text, "X-Request-Timeout")
+    deadline = _controlled(headers, "X-Deadline", body.deadline, _number)
+    timeout = _controlled(headers, "X-Request-Timeout", body.request_timeout, _number)
     if timeout is not None:
         if not math.isfinite(timeout) or timeout < 0:
             raise ApiError(400, "request_timeout must be non-negative", param="request_timeout")
@@ -375,13 +382,8 @@ def translate(
     if deadline is not None and not math.isfinite(deadline):
         raise ApiError(400, "deadline must be a finite Unix time", param="deadline")
 
-    max_cost = body.max_cost
-    if (text := _header(headers, "x-max-cost")) is not None:
-        max_cost = _number(text, "X-Max-Cost")
-
-    keep = body.keep_alive_on_disconnect
-    if (text := _header(headers, "x-keep-alive-on-disconnect")) is not None:
-        keep = _flag(text, "X-Keep-Alive-On-Disconnect")
+    max_cost = _controlled(headers, "X-Max-Cost", body.max_cost, _number)
+    keep = _controlled(headers, "X-Keep-Alive-On-Disconnect", body.keep_alive_on_disconnect, _flag)
 
     metadata = dict(body.metadata or {})
     if body.user is not None:
@@ -426,23 +428,21 @@ class _ChunkChoice(Struct, kw_only=True):
     finish_reason: str | None = None
 
 
-class _Chunk(Struct, kw_only=True):
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: None = None
-    choices: list[_ChunkChoice]
-    usage: _Usage | None = None
-
-
 class _PlainChunk(Struct, kw_only=True):
+    """A chunk of a stream that did not ask for usage: no ``usage`` key at all."""
+
     id: str
     object: str = "chat.completion.chunk"
     created: int
     model: str
     system_fingerprint: None = None
     choices: list[_ChunkChoice]
+
+
+class _Chunk(_PlainChunk, kw_only=True):
+    """A chunk of a stream that asked for usage: ``usage`` always there (``null`` but last)."""
+
+    usage: _Usage | None = None
 
 
 class _Message(Struct, kw_only=True):
