@@ -43,7 +43,7 @@ are never called.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, ClassVar, Final, Literal, NamedTuple
 from urllib.parse import unquote
 
@@ -104,6 +104,13 @@ def _json(value: Any) -> bytes:
 
 def _prompt_tokens(chars: int) -> int:
     return -(-chars // 4)
+
+
+def _chat_tokens(
+    messages: Iterable[_InMessage] | Iterable[_AnthropicMessage], system: object = None
+) -> int:
+    """A chat's prompt tokens: its messages' text and its ``system`` (Anthropic's), / 4."""
+    return _prompt_tokens(_text_chars(system) + sum(_text_chars(m.content) for m in messages))
 
 
 def _text_chars(content: object) -> int:
@@ -231,6 +238,8 @@ class Dialect:
         """Status and body of an error fault: ``500``, ``503``, ``529``,
         ``context_length`` (a prompt over ``window``) or ``content_filter``
         (the prompt refused; a 200 where the provider refuses in a 200)."""
+        if kind == "503":
+            return 503, self.error(503, "busy", "")  # the provider's own busy answer
         if kind in ("529", "content_filter"):
             # Anthropic's overload status; Azure's prompt filter (the formats
             # with a filter of their own override this).
@@ -295,7 +304,7 @@ class OpenAIDialect(Dialect):
         body = _CHAT_DECODER.decode(raw)
         return Call(
             model=body.model,
-            prompt_tokens=_prompt_tokens(sum(_text_chars(m.content) for m in body.messages)),
+            prompt_tokens=_chat_tokens(body.messages),
             stream=body.stream,
             cap=body.max_completion_tokens or body.max_tokens,
             include_usage=body.stream_options is not None and body.stream_options.include_usage,
@@ -414,10 +423,9 @@ class AnthropicDialect(Dialect):
 
     def decode(self, raw: bytes, target: Target) -> Call:
         body = _ANTHROPIC_DECODER.decode(raw)
-        chars = _text_chars(body.system) + sum(_text_chars(m.content) for m in body.messages)
         return Call(
             model=body.model,
-            prompt_tokens=_prompt_tokens(chars),
+            prompt_tokens=_chat_tokens(body.messages, body.system),
             stream=body.stream,
             cap=body.max_tokens,
         )
@@ -551,7 +559,7 @@ class OllamaDialect(Dialect):
         predict = body.options.num_predict if body.options is not None else None
         return Call(
             model=body.model,
-            prompt_tokens=_prompt_tokens(sum(_text_chars(m.content) for m in body.messages)),
+            prompt_tokens=_chat_tokens(body.messages),
             stream=body.stream,
             cap=predict if predict is not None and predict > 0 else None,
         )
@@ -590,8 +598,6 @@ class OllamaDialect(Dialect):
     def fault(self, kind: str, window: int, prompt_tokens: int) -> tuple[int, bytes]:
         if kind == "500":
             return 500, _json({"error": "llama runner process has terminated: exit status 2"})
-        if kind == "503":
-            return 503, self.error(503, "busy", "")
         if kind == "context_length":
             return 400, _json({"error": "the input length exceeds the context length"})
         return super().fault(kind, window, prompt_tokens)
@@ -700,8 +706,6 @@ class TGIDialect(Dialect):
             return 500, _json(
                 {"error": "Incomplete generation", "error_type": "incomplete_generation"}
             )
-        if kind == "503":
-            return 503, self.error(503, "busy", "")
         if kind == "context_length":
             limit = window or 4096
             message = (
@@ -867,8 +871,6 @@ class GeminiDialect(Dialect):
                 "https://developers.generativeai.google/guide/troubleshooting"
             )
             return 500, self._body(500, message)
-        if kind == "503":
-            return 503, self.error(503, "busy", "")
         if kind == "context_length":
             limit = window or 1_048_576
             message = (
