@@ -370,6 +370,13 @@ class StreamParser:
         self.completion_tokens = generation.usage.completion_tokens
         self.tool_calls = list(generation.tool_calls)
 
+    def finish_or_tools(self, reason: str, table: Mapping[str, str]) -> None:
+        """Take the finish ``reason`` of a format whose reason does not say the
+        model called tools (Gemini's ``STOP``, Ollama's ``stop``): read by
+        ``table`` (:func:`common_finish`), and ``tool_calls`` when it did."""
+        common = common_finish(reason, table)
+        self.finish_reason = "tool_calls" if common == "stop" and self.tool_calls else common
+
     def counted(self, text: str) -> str:
         """``text``, counted as one delta if there is any."""
         if text:

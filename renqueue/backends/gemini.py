@@ -54,7 +54,6 @@ from ._http import (
     HTTPBackend,
     InBandError,
     SSEParser,
-    common_finish,
     decoded,
     error_detail,
     given_params,
@@ -197,8 +196,7 @@ class _ResponseParser(SSEParser):
                 )
         if candidate.finish_reason is not None:
             self.complete = True
-            reason = common_finish(candidate.finish_reason, _FINISH_REASONS)
-            self.finish_reason = "tool_calls" if reason == "stop" and self.tool_calls else reason
+            self.finish_or_tools(candidate.finish_reason, _FINISH_REASONS)
         return self.counted(text)
 
 

@@ -40,7 +40,6 @@ from ._http import (
     HTTPBackend,
     InBandError,
     LineParser,
-    common_finish,
     error_detail,
     given_params,
     tool_arguments,
@@ -110,8 +109,7 @@ class _LineParser(LineParser):
                 )
         if data.done:
             self.complete = True
-            reason = common_finish(data.done_reason or "stop", _DONE_REASONS)
-            self.finish_reason = "tool_calls" if reason == "stop" and self.tool_calls else reason
+            self.finish_or_tools(data.done_reason or "stop", _DONE_REASONS)
             self.prompt_tokens = data.prompt_eval_count
             self.completion_tokens = data.eval_count
         return self.counted(text)
