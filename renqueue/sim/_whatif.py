@@ -96,7 +96,18 @@ def compare(
     )
     fitted = fit_models(trace, names, models, slots=slots)
     levels = list(dict.fromkeys(level for _, config in configs for level in config.priorities))
-    columns = [Column(title="recorded", summary=summarize(recorded_outcomes(trace), levels))]
+    recorded_summary = summarize(recorded_outcomes(trace), levels)
+    running = recorded_summary.ended.get("unfinished", 0)
+    recorded_notes = (
+        (
+            f"recorded: {running} requests had not ended when the log was read; they count as"
+            " not in time there, while the simulations run them to their end (an --until"
+            " some minutes back compares like with like)",
+        )
+        if running
+        else ()
+    )
+    columns = [Column(title="recorded", summary=recorded_summary, notes=recorded_notes)]
     simulations = []
     for title, config in configs:
         simulation = simulate(trace, config, fitted, seed=seed)
