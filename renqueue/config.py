@@ -20,7 +20,7 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
@@ -29,17 +29,24 @@ from .errors import ConfigError, FailureClass
 from .policy import (
     DEFAULT_FALLBACK_ON,
     Candidate,
+    Estimator,
     FailurePolicy,
     FallbackPolicy,
     LevelPolicy,
     PlanPolicy,
     RollbackRules,
+    RouteFacts,
     SplitPolicy,
+    estimated_cost,
+    load_estimator,
 )
 from .policy._ab import AB_BUCKET, AB_HORIZON
 from .policy._budget import EVERY_TENANT, Budget
 from .policy._predict import RouteRules
 from .policy._quota import Limit, limits_of
+
+if TYPE_CHECKING:  # the wire is a layer above the config: annotations only
+    from .wire._messages import InferenceRequest
 
 __all__ = [
     "ADAPTERS",
@@ -870,6 +877,63 @@ class Config(_Section, frozen=True, kw_only=True):
             context_window=backend.context_window,
             paid=backend.cost_input_per_mtok > 0 or backend.cost_output_per_mtok > 0,
         )
+
+    def serves(self, request: InferenceRequest, route: str) -> bool:
+        """Whether ``route`` exists and can serve ``request`` (its complexity
+        and cost cap, as admission checks them)."""
+        if route not in self.routes:
+            return False
+        if request.complexity is not None and request.complexity > self.highest_tier(route):
+            return False
+        return request.max_cost is None or any(
+            estimated_cost(request, self.backends[name]) <= request.max_cost
+            for name in self.routes[route].backends
+            if name in self.backends
+        )
+
+    def route_facts(
+        self, request: InferenceRequest, backend: str, *, probe: bool, now: float
+    ) -> RouteFacts | None:
+        """``request``'s route and cascade state for the failure policy after a
+        run on ``backend`` failed (``None``: its route or the backend is not in
+        this config: no fallback)."""
+        route = self.routes.get(request.route)
+        if route is None or backend not in self.backends:
+            return None
+        candidates = self.candidates(request.route)
+        if request.max_cost is not None:
+            candidates = tuple(
+                msgspec.structs.replace(c, cost=estimated_cost(request, self.backends[c.name]))
+                for c in candidates
+            )
+        facts = RouteFacts(
+            policy=route.fallback.policy(),
+            candidates=candidates,
+            backend=self.candidate(backend),
+            probe=probe,
+            now=now,
+            complexity=request.complexity,
+            max_cost=request.max_cost,
+        )
+        if request.fallback is None:  # a first run: the default, an empty Fallback
+            return facts
+        return msgspec.structs.replace(facts, fallback=request.fallback)
+
+    def estimators(self) -> dict[str, Estimator]:
+        """The learned complexity estimators the routes name, loaded (the
+        heuristic is the default). Raises :class:`ConfigError` naming the key
+        of one that cannot be used."""
+        found: dict[str, Estimator] = {}
+        for name, route in self.routes.items():
+            if route.complexity is None:
+                continue
+            try:
+                estimator = load_estimator(route.complexity.estimator)
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(str(exc), path=f"$.routes.{name}.complexity.estimator") from exc
+            if estimator is not None:
+                found[name] = estimator
+        return found
 
     def priority_rank(self, level: str) -> int:
         """0 for the most urgent level."""

@@ -364,6 +364,13 @@ def effective_limits(declared: Iterable[Limit], quota: Quota) -> tuple[Limit, ..
     return tuple(limits.values())
 
 
+def says_anything(quota: Quota) -> bool:
+    """Whether a provider's word is in ``quota``: a learned window or a pause."""
+    return (
+        bool(quota.learned) or quota.cooldown_until is not None or quota.exhausted_until is not None
+    )
+
+
 def check(quota: Quota, limits: Iterable[Limit], cost: Cost, now: float) -> QuotaVerdict:
     """Whether ``cost`` fits every limit at ``now``; if not, when it will and why.
 

@@ -60,7 +60,6 @@ from ..errors import (
     BackendError,
     BadRequestError,
     BudgetExhaustedError,
-    ConfigError,
     FailureClass,
     FatalBackendError,
     InvalidRequestError,
@@ -89,7 +88,6 @@ from ..policy import (
     estimate_complexity,
     estimate_prompt_tokens,
     estimate_request_tokens,
-    estimated_cost,
     plan,
     predict,
     promotions,
@@ -97,7 +95,6 @@ from ..policy import (
 )
 from ..policy._ab import SplitPolicy, place
 from ..policy._budget import affordable, budget_of, day_ends, refused
-from ..policy._complexity import Estimator, load_estimator
 from ..policy._predict import RouteRules, typical_call
 from ..state import ProjectionState, fold, utc_day
 from ..wire._messages import (
@@ -237,7 +234,7 @@ class _Simulator:
         self.seed = seed
         self.max_rounds = max_rounds
         self.policy = config.plan_policy()
-        self.estimators = _estimators(config)
+        self.estimators = config.estimators()
         self.splits: dict[str, SplitPolicy] = {
             name: route.ab.policy(name) for name, route in config.routes.items() if route.ab
         }
@@ -460,24 +457,10 @@ class _Simulator:
         split = self.splits.get(request.route)
         if split is None:
             return request
-        arm = place(split, None, request, lambda route: self.serves(request, route))
+        arm = place(split, None, request, lambda route: self.config.serves(request, route))
         if arm is None:
             return request
         return msgspec.structs.replace(request, route=arm, split=split.route)
-
-    def serves(self, request: InferenceRequest, route: str) -> bool:
-        """Whether ``route`` exists and can serve ``request`` (its complexity
-        and cost cap, as admission checks them)."""
-        config = self.config
-        if route not in config.routes:
-            return False
-        if request.complexity is not None and request.complexity > config.highest_tier(route):
-            return False
-        return request.max_cost is None or any(
-            estimated_cost(request, config.backends[name]) <= request.max_cost
-            for name in config.routes[route].backends
-            if name in config.backends
-        )
 
     def parent_of(self, request: InferenceRequest) -> tuple[int, float] | None:
         if request.parent_id is None:
@@ -866,27 +849,9 @@ class _Simulator:
 
     def route_facts(self, item: _Item) -> RouteFacts | None:
         """The request's route and cascade state, as a worker gives them to the failure policy."""
-        request, backend = item.request, item.backend
-        route = self.config.routes.get(request.route)
-        if route is None or backend is None or backend not in self.config.backends:
+        if item.backend is None:
             return None
-        candidates = self.config.candidates(request.route)
-        if request.max_cost is not None:
-            candidates = tuple(
-                msgspec.structs.replace(
-                    c, cost=estimated_cost(request, self.config.backends[c.name])
-                )
-                for c in candidates
-            )
-        return RouteFacts(
-            policy=route.fallback.policy(),
-            candidates=candidates,
-            backend=self.config.candidate(backend),
-            fallback=request.fallback or Fallback(),
-            now=self.now,
-            complexity=request.complexity,
-            max_cost=request.max_cost,
-        )
+        return self.config.route_facts(item.request, item.backend, probe=False, now=self.now)
 
     def requeue(self, item: _Item, fallback: Fallback | None) -> None:
         """Back to routing, keeping its wait (a fallback, a spent quota)."""
@@ -961,22 +926,6 @@ class _Simulator:
             level=request.priority,
             deadline=request.deadline,
         )
-
-
-def _estimators(config: Config) -> dict[str, Estimator]:
-    """The learned complexity estimators the config's routes name, loaded as
-    the router loads them."""
-    found: dict[str, Estimator] = {}
-    for name, route in config.routes.items():
-        if route.complexity is None:
-            continue
-        try:
-            estimator = load_estimator(route.complexity.estimator)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(str(exc), path=f"$.routes.{name}.complexity.estimator") from exc
-        if estimator is not None:
-            found[name] = estimator
-    return found
 
 
 def _rejected(request: InferenceRequest, at: float, error: InvalidRequestError) -> Rejected:

@@ -18,6 +18,7 @@ from typing import Final
 
 from ..config import BaseBackendConfig
 from ..policy import MIN_SAMPLES, BackendView, Limit, Quota, effective_limits
+from ..policy._quota import says_anything
 from ..state import BackendState
 
 __all__ = ["backend_view"]
@@ -34,7 +35,7 @@ def backend_view(
     declared = backend.limits.declared()
     quota: Quota | None = state.quota
     limits: tuple[Limit, ...] = ()
-    if not declared and (quota is None or not _says_anything(quota)):
+    if not declared and (quota is None or not says_anything(quota)):
         quota = None
     else:
         quota = quota or Quota()
@@ -51,11 +52,4 @@ def backend_view(
         perf=state.perf,
         quota=quota,
         limits=limits,
-    )
-
-
-def _says_anything(quota: Quota) -> bool:
-    """Whether a provider's word is in ``quota``: a learned window or a pause."""
-    return (
-        bool(quota.learned) or quota.cooldown_until is not None or quota.exhausted_until is not None
     )

@@ -26,6 +26,7 @@ import math
 
 from ...config import Config
 from ...policy import Cost, Limit, Quota, cool_down, effective_limits, reserve
+from ...policy._quota import says_anything
 from ...state import LiveState
 
 __all__ = ["Ledger", "Reserved"]
@@ -137,7 +138,7 @@ class Ledger:
         projected = None if state is None else state.backend(backend).quota
         declared = self._declared.get(backend, ())
         paused = self.paused_until(backend, now)
-        if not declared and paused is None and (projected is None or not _says_anything(projected)):
+        if not declared and paused is None and (projected is None or not says_anything(projected)):
             return None, ()
         quota = projected or Quota()
         if paused is not None:
@@ -145,12 +146,3 @@ class Ledger:
         for reserved in self._pending.get(backend, ()):
             quota = reserve(quota, reserved.cost, reserved.at)
         return quota, effective_limits(declared, quota)
-
-
-def _says_anything(quota: Quota) -> bool:
-    """Whether a provider's word is in ``quota``: a learned window or a pause."""
-    return (
-        bool(quota.learned)
-        or quota.cooldown_until is not None
-        or (quota.exhausted_until is not None)
-    )

@@ -68,7 +68,7 @@ from ... import metrics
 from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor, cancel_and_wait
 from ...config import Config, parse_duration
-from ...errors import BudgetExhaustedError, ConfigError, RenQueueError
+from ...errors import BudgetExhaustedError, RenQueueError
 from ...logs import get_logger
 from ...ops._provision import renew_router_consumers, router_consumer_configs
 from ...policy import (
@@ -90,7 +90,6 @@ from ...policy import (
     plan,
     refused,
 )
-from ...policy._complexity import Estimator, load_estimator
 from ...policy._complexity import estimate as estimate_complexity
 from ...state._cancellation import CancelWatch
 from ...state._coalescing import Coalescer, coalesce_key
@@ -194,7 +193,7 @@ class Router(Lifecycle):
         self._wake = asyncio.Event()
         self._state: StateView | None = None
         self._coalescer = Coalescer(js, clock=clock, ttl=parse_duration(config.router.coalesce_ttl))
-        self._estimators = _estimators(config)
+        self._estimators = config.estimators()
         #: (when, tenant, estimated cost) of this router's paid binds, until
         #: the projection has folded them (:meth:`_spent`).
         self._recent_binds: collections.deque[tuple[float, str, float]] = collections.deque()
@@ -1191,18 +1190,3 @@ class Router(Lifecycle):
                         with contextlib.suppress(Exception):
                             await item.msg.in_progress()
                         item.touched = now
-
-
-def _estimators(config: Config) -> dict[str, Estimator]:
-    """The learned complexity estimators the routes name (the heuristic is the default)."""
-    found: dict[str, Estimator] = {}
-    for name, route in config.routes.items():
-        if route.complexity is None:
-            continue
-        try:
-            estimator = load_estimator(route.complexity.estimator)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(str(exc), path=f"$.routes.{name}.complexity.estimator") from exc
-        if estimator is not None:
-            found[name] = estimator
-    return found

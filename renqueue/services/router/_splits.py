@@ -28,7 +28,7 @@ import msgspec
 from ... import metrics
 from ...config import Config
 from ...logs import get_logger
-from ...policy import SplitStatus, estimated_cost, judge, moved_to, place
+from ...policy import SplitStatus, judge, moved_to, place
 from ...policy._ab import SplitFacts
 from ...state._view import LiveState
 from ...wire._messages import InferenceRequest, SplitChanged
@@ -83,7 +83,7 @@ class Splitter:
             split,
             self.status(name, live),
             request,
-            lambda route: self._serves(request, route),
+            lambda route: self._config.serves(request, route),
             current=current if current in split.names else None,
         )
         if arm is None:
@@ -101,22 +101,6 @@ class Splitter:
             return False
         target = moved_to(split, self.status(split.route, live))
         return target is not None and target != request.route
-
-    def _serves(self, request: InferenceRequest, route: str) -> bool:
-        """Whether route ``route`` exists and can serve ``request`` (its
-        ``complexity`` and ``max_cost``, as admission checks them)."""
-        config = self._config
-        if route not in config.routes:
-            return False
-        if request.complexity is not None and request.complexity > config.highest_tier(route):
-            return False
-        if request.max_cost is None:
-            return True
-        return any(
-            estimated_cost(request, config.backends[name]) <= request.max_cost
-            for name in config.routes[route].backends
-            if name in config.backends
-        )
 
     def judge(
         self, live: LiveState | None, now: float, *, router: str, term: int

@@ -68,7 +68,6 @@ from ...policy import (
     RouteFacts,
     after_failure,
     backoff,
-    estimated_cost,
     retry_after,
 )
 from ...state._cancellation import CancelWatch
@@ -717,27 +716,8 @@ class Worker(Lifecycle):
     def _route_facts(self, dispatch: Dispatch) -> RouteFacts | None:
         """The request's route and cascade state for the failure policy
         (``None``: its route is not in this worker's config: no fallback)."""
-        request = dispatch.request
-        route = self._config.routes.get(request.route)
-        if route is None or self._backend_name not in self._config.backends:
-            return None
-        candidates = self._config.candidates(request.route)
-        if request.max_cost is not None:
-            candidates = tuple(
-                msgspec.structs.replace(
-                    c, cost=estimated_cost(request, self._config.backends[c.name])
-                )
-                for c in candidates
-            )
-        return RouteFacts(
-            policy=route.fallback.policy(),
-            candidates=candidates,
-            backend=self._config.candidate(self._backend_name),
-            fallback=request.fallback or Fallback(),
-            probe=dispatch.probe,
-            now=self._clock(),
-            complexity=request.complexity,
-            max_cost=request.max_cost,
+        return self._config.route_facts(
+            dispatch.request, self._backend_name, probe=dispatch.probe, now=self._clock()
         )
 
     async def _fall_back(
