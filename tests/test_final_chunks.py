@@ -32,6 +32,7 @@ from renqueue.errors import FatalBackendError
 from renqueue.services import Worker
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import (
+    SCHEMA_VERSION,
     TOKEN_DECODER,
     TOKENS_STREAM,
     EventLog,
@@ -176,20 +177,32 @@ async def test_every_chunk_carries_v_delivery_and_seq_on_the_wire(
     for chunk in chunks:
         assert {"v", "request_id", "delivery", "seq"} <= chunk.keys(), chunk
     assert chunks[0] == {
-        "v": 1,
+        "v": SCHEMA_VERSION,
         "request_id": handle.id,
         "delivery": 1,
         "seq": 0,
         "text": chunks[0]["text"],
         "restart": False,
         "final": False,
+        "tool_calls": [],
+        "finish_reason": None,
+        "usage": None,
     }
 
 
 def test_chunks_written_by_earlier_versions_still_decode() -> None:
-    """Earlier versions left fields at their defaults out; readers fill them in."""
+    """Earlier versions left fields at their defaults out; readers fill them in
+    (a chunk without ``v`` reads as the current version: every version-1 field
+    decodes under it)."""
     old = TOKEN_DECODER.decode(b'{"request_id": "r", "text": "hi"}')
-    assert (old.v, old.delivery, old.seq, old.restart, old.final) == (1, 1, 0, False, False)
+    assert (old.v, old.delivery, old.seq, old.restart, old.final) == (
+        SCHEMA_VERSION,
+        1,
+        0,
+        False,
+        False,
+    )
+    assert (old.tool_calls, old.finish_reason, old.usage) == ((), None, None)
     final = TOKEN_DECODER.decode(b'{"v": 1, "request_id": "r", "seq": 3, "final": true}')
     assert (final.delivery, final.seq, final.text, final.final) == (1, 3, "", True)
 

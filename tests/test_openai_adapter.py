@@ -27,6 +27,7 @@ from renqueue.errors import (
     RateLimitedError,
     RetryableBackendError,
 )
+from renqueue.policy import MESSAGE_OVERHEAD_TOKENS, REPLY_OVERHEAD_TOKENS, estimate_input_tokens
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import ChatMessage, GenerationParams, InferenceRequest, Usage
 
@@ -446,10 +447,13 @@ async def test_events_that_arrive_in_one_read_become_one_delta(
     scripted_backend: Callable[[str], OpenAIBackend],
 ) -> None:
     # The worker publishes one chunk per delta: a burst costs one publish.
-    deltas = await collect(scripted_backend("burst"), make_request())
+    request = make_request()
+    deltas = await collect(scripted_backend("burst"), request)
     assert [d.text for d in deltas if d.text] == ["abcde"]
     # Each event still counts as a token where the backend reports no usage.
-    assert deltas[-1].usage == Usage(prompt_tokens=2, completion_tokens=5)
+    assert deltas[-1].usage == Usage(
+        prompt_tokens=estimate_input_tokens(request), completion_tokens=5
+    )
 
 
 async def test_cr_only_line_endings_stream(
@@ -462,8 +466,11 @@ async def test_cr_only_line_endings_stream(
 
 async def test_missing_usage_is_estimated(scripted_backend: Callable[[str], OpenAIBackend]) -> None:
     deltas = await collect(scripted_backend("no-usage"), make_request(content="x" * 40))
-    # 40 prompt chars / 4; one completion token per content delta.
-    assert deltas[-1].usage == Usage(prompt_tokens=10, completion_tokens=3)
+    # 40 prompt chars / 4 plus the chat's overheads (the router's own
+    # estimate); one completion token per content delta.
+    assert deltas[-1].usage == Usage(
+        prompt_tokens=10 + MESSAGE_OVERHEAD_TOKENS + REPLY_OVERHEAD_TOKENS, completion_tokens=3
+    )
     assert deltas[-1].finish_reason is None
 
 

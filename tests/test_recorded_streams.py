@@ -21,6 +21,7 @@ from renqueue.backends import Delta, HTTPBackend, ToolCall, make_backend
 from renqueue.backends._http import status_class
 from renqueue.config import parse_config
 from renqueue.errors import BackendError, FailureClass, RateLimitedError
+from renqueue.policy import estimate_input_tokens
 from renqueue.wire import ChatMessage, InferenceRequest, Usage
 
 REQUEST = InferenceRequest(
@@ -598,7 +599,9 @@ async def test_tgi_stream_takes_the_last_tokens_text_and_its_details(
     assert text(deltas) == " country in the"
     assert deltas[-1].finish_reason == "length"
     # generated_tokens; no prompt count in this version's details: estimated.
-    assert deltas[-1].usage == Usage(prompt_tokens=2, completion_tokens=5)
+    assert deltas[-1].usage == Usage(
+        prompt_tokens=estimate_input_tokens(REQUEST), completion_tokens=5
+    )
 
 
 async def test_tgi_generate_answer(adapter: Callable[[str], HTTPBackend]) -> None:
@@ -780,8 +783,10 @@ async def test_nonsense_token_counts_are_estimated_not_carried_into_events(
     finally:
         await backend.aclose()
         del SCENARIOS["ollama-nonsense-usage"]
-    # "Hello" is 5 characters: 2 prompt tokens; one text delta: 1 completion token.
-    assert deltas[-1].usage == Usage(prompt_tokens=2, completion_tokens=1)
+    # The prompt as the router estimates it; one text delta: 1 completion token.
+    assert deltas[-1].usage == Usage(
+        prompt_tokens=estimate_input_tokens(REQUEST), completion_tokens=1
+    )
 
 
 async def test_a_huge_finish_reason_is_cut_before_it_travels_in_an_event(

@@ -55,6 +55,7 @@ from ..errors import (
     RateLimitedError,
     RetryableBackendError,
 )
+from ..policy._tokens import estimate_input_tokens
 from ..wire._messages import ChatMessage, InferenceRequest, Usage
 from ._limits import LearnedLimits, parse_limits
 from ._sse import MAX_EVENT_BYTES, ServerSentEvent, SSEDecoder, SSEError
@@ -73,7 +74,6 @@ __all__ = [
     "decoded",
     "error_detail",
     "error_for",
-    "estimate_prompt_tokens",
     "given_params",
     "named_class",
     "status_class",
@@ -248,12 +248,6 @@ def error_for(
     return RetryableBackendError(message, failure=failure, **fields)
 
 
-def estimate_prompt_tokens(request: InferenceRequest) -> int:
-    """About four characters per token: the usual rule of thumb for English text."""
-    chars = sum(len(message.content) for message in request.messages)
-    return -(-chars // 4)
-
-
 def given_params(request: InferenceRequest, names: Mapping[str, str]) -> dict[str, Any]:
     """The request's parameters that are set, each under the name ``names``
     gives its field (``{"max_tokens": "num_predict", ...}``)."""
@@ -267,7 +261,7 @@ def system_and_turns(
 ) -> tuple[str | None, list[ChatMessage]]:
     """For formats that take the system prompt apart: the system messages'
     text (joined by blank lines; ``None`` without any) and the other messages."""
-    system = [m.content for m in messages if m.role == "system"]
+    system = [m.text for m in messages if m.role == "system"]
     return ("\n\n".join(system) if system else None), [m for m in messages if m.role != "system"]
 
 
@@ -291,7 +285,7 @@ def usage_of(
     prompt = _believable(prompt)
     completion = _believable(completion)
     return Usage(
-        prompt_tokens=prompt if prompt is not None else estimate_prompt_tokens(request),
+        prompt_tokens=prompt if prompt is not None else estimate_input_tokens(request),
         completion_tokens=completion if completion is not None else completion_estimate,
     )
 

@@ -273,7 +273,7 @@ class AnthropicBackend(HTTPBackend):
             "model": self._anthropic.model,
             "max_tokens": params.max_tokens or self._anthropic.max_tokens,
             "messages": [
-                {"role": "assistant" if m.role == "assistant" else "user", "content": m.content}
+                {"role": "assistant" if m.role == "assistant" else "user", "content": m.text}
                 for m in turns
             ],
             **given_params(request, _PARAM_NAMES),

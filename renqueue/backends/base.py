@@ -15,7 +15,7 @@ from typing import Final, Protocol, runtime_checkable
 
 from msgspec import Struct
 
-from ..wire._messages import InferenceRequest, Usage
+from ..wire._messages import InferenceRequest, ToolCall, Usage
 
 __all__ = ["FINISH_REASONS", "Backend", "Delta", "Generation", "ToolCall"]
 
@@ -25,19 +25,6 @@ __all__ = ["FINISH_REASONS", "Backend", "Delta", "Generation", "ToolCall"]
 #: provider's filter cut or refused the answer). A provider reason with no
 #: counterpart passes through in lower case (Gemini's ``other``, ...).
 FINISH_REASONS: Final = ("stop", "length", "tool_calls", "content_filter")
-
-
-class ToolCall(Struct, frozen=True, kw_only=True):
-    """A tool the model asked to call: ``arguments`` is its JSON text.
-
-    Adapters assemble each call whole (Anthropic streams the arguments in
-    pieces) and hand the calls over on the last :class:`Delta`. The wire
-    format does not carry them yet (issue #11 item 1): the worker drops them.
-    """
-
-    id: str = ""
-    name: str
-    arguments: str = "{}"
 
 
 class Delta(Struct, frozen=True, kw_only=True):

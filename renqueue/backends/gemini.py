@@ -230,7 +230,7 @@ class GeminiBackend(HTTPBackend):
             "contents": [
                 {
                     "role": "model" if m.role == "assistant" else "user",
-                    "parts": [{"text": m.content}],
+                    "parts": [{"text": m.text}],
                 }
                 for m in turns
             ]

@@ -113,7 +113,7 @@ _ERROR_CLASSES: Final[dict[str, FailureClass | None]] = {
 
 
 def _chatml(messages: Sequence[ChatMessage]) -> str:
-    turns = [f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages]
+    turns = [f"<|im_start|>{m.role}\n{m.text}<|im_end|>\n" for m in messages]
     return "".join(turns) + "<|im_start|>assistant\n"
 
 
@@ -123,14 +123,13 @@ def _llama3(messages: Sequence[ChatMessage]) -> str:
 
     # Llama 3 calls a tool's answer "ipython".
     turns = [
-        header("ipython" if m.role == "tool" else m.role) + m.content + "<|eot_id|>"
-        for m in messages
+        header("ipython" if m.role == "tool" else m.role) + m.text + "<|eot_id|>" for m in messages
     ]
     return "".join(turns) + header("assistant")
 
 
 def _plain(messages: Sequence[ChatMessage]) -> str:
-    return "\n\n".join(m.content for m in messages)
+    return "\n\n".join(m.text for m in messages)
 
 
 _FORMATS: Final[dict[str, Callable[[Sequence[ChatMessage]], str]]] = {

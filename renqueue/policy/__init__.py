@@ -48,7 +48,7 @@ that read the broker, ask these functions, and carry out what they answer.
   :func:`percentile`); the rollback rule, :func:`judge` over :func:`breach`
   under :class:`RollbackRules`.
 - Token estimates for quota reservations, no tokenizer download (``_tokens``):
-  :func:`estimate_text_tokens`, :func:`estimate_prompt_tokens`,
+  :func:`estimate_text_tokens`, :func:`estimate_prompt_tokens`, :func:`estimate_input_tokens`,
   :func:`estimate_request_tokens`.
 """
 
@@ -166,6 +166,7 @@ from ._tokens import (
     DEFAULT_MAX_TOKENS,
     MESSAGE_OVERHEAD_TOKENS,
     REPLY_OVERHEAD_TOKENS,
+    estimate_input_tokens,
     estimate_prompt_tokens,
     estimate_request_tokens,
     estimate_text_tokens,
@@ -253,6 +254,7 @@ __all__ = [
     "effective_limits",
     "effective_rank",
     "estimate_complexity",
+    "estimate_input_tokens",
     "estimate_prompt_tokens",
     "estimate_request_tokens",
     "estimate_text_tokens",

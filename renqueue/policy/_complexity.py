@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Final, Protocol
 
 from ..wire._messages import ComplexityEstimate, InferenceRequest
-from ._tokens import estimate_prompt_tokens
+from ._tokens import estimate_input_tokens
 
 __all__ = ["HEURISTIC", "Estimator", "estimate", "heuristic_score", "load_estimator", "tier_of"]
 
@@ -108,12 +108,12 @@ def _saturate(value: float, at: float) -> float:
 
 def signals(request: InferenceRequest) -> ComplexityEstimate:
     """What the heuristic reads of ``request`` (tier and score left at 0)."""
-    text = "\n".join(message.content for message in request.messages)[:_SCANNED]
+    text = "\n".join(message.text for message in request.messages)[:_SCANNED]
     return ComplexityEstimate(
         tier=0,
         score=0.0,
         estimator=HEURISTIC,
-        prompt_tokens=estimate_prompt_tokens(request.messages),
+        prompt_tokens=estimate_input_tokens(request),
         max_tokens=request.params.max_tokens or 0,
         code_markers=len(_CODE.findall(text)),
         math_markers=sum(len(pattern.findall(text)) for pattern in _MATH),

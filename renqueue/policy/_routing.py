@@ -27,7 +27,7 @@ from ..wire._messages import Fallback, InferenceRequest
 from ..wire._subjects import SYSTEM_TENANT, msg_id
 from ._perf import Perf
 from ._quota import Cost, Limit, Quota, QuotaVerdict, check
-from ._tokens import DEFAULT_MAX_TOKENS, estimate_prompt_tokens
+from ._tokens import DEFAULT_MAX_TOKENS, estimate_input_tokens
 
 if TYPE_CHECKING:  # config builds the level policies from this package: no cycle at run time
     from ..config import Config
@@ -243,7 +243,7 @@ def estimated_cost(request: InferenceRequest, backend: Priced) -> float:
     """US dollars a call of ``request`` may cost at ``backend`` (a config or a
     view): its estimated prompt and the most it may generate (``max_tokens``,
     else :data:`DEFAULT_MAX_TOKENS`)."""
-    prompt = estimate_prompt_tokens(request.messages)
+    prompt = estimate_input_tokens(request)
     output = request.params.max_tokens or DEFAULT_MAX_TOKENS
     return (
         prompt * backend.cost_input_per_mtok + output * backend.cost_output_per_mtok

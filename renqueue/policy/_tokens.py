@@ -9,25 +9,31 @@ errs high, never low, and costs nothing to compute:
   non-ASCII character (Chinese, Japanese and Korean run at about one token a
   character; other scripts, such as accented Latin or Cyrillic, at fewer, so
   they are overestimated);
-- a chat prompt: the text of every message, plus
+- a chat prompt: the text of every message (its text parts, the names and
+  arguments of its tool calls), :data:`IMAGE_TOKENS` per image, plus
   :data:`MESSAGE_OVERHEAD_TOKENS` per message (the role and the chat
-  template's separators) and :data:`REPLY_OVERHEAD_TOKENS` once (the
-  assistant turn the reply is primed with);
+  template's separators), :data:`REPLY_OVERHEAD_TOKENS` once (the
+  assistant turn the reply is primed with), and the tools offered (their
+  JSON, which providers put into the prompt);
 - a request: its prompt, plus ``max_tokens`` (what the provider may generate
   and, like Cerebras, reserves), or the caller's default when it is unset.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Final
 
-from ..wire._messages import ChatMessage, InferenceRequest
+import msgspec
+
+from ..wire._messages import ChatMessage, InferenceRequest, Tool
 
 __all__ = [
     "CHARS_PER_TOKEN",
+    "IMAGE_TOKENS",
     "MESSAGE_OVERHEAD_TOKENS",
     "REPLY_OVERHEAD_TOKENS",
+    "estimate_input_tokens",
     "estimate_prompt_tokens",
     "estimate_request_tokens",
     "estimate_text_tokens",
@@ -39,6 +45,10 @@ CHARS_PER_TOKEN: Final = 4
 MESSAGE_OVERHEAD_TOKENS: Final = 4
 #: Tokens a chat prompt adds once (the primed assistant turn).
 REPLY_OVERHEAD_TOKENS: Final = 3
+#: Tokens an image costs: OpenAI's count for a 1024 x 1024 image at ``high``
+#: detail (765; ``low`` is 85), about what Claude and Gemini count for one of
+#: that size (Gemini: 258 per 768 x 768 tile).
+IMAGE_TOKENS: Final = 765
 
 
 #: Output tokens a request without ``max_tokens`` is expected to generate at
@@ -52,14 +62,25 @@ def estimate_text_tokens(text: str) -> int:
     return -(-ascii_chars // CHARS_PER_TOKEN) + (len(text) - ascii_chars)
 
 
-def estimate_prompt_tokens(messages: Iterable[ChatMessage]) -> int:
-    """Tokens a chat prompt of ``messages`` costs, overheads included (0 for no messages)."""
+def estimate_prompt_tokens(messages: Iterable[ChatMessage], tools: Sequence[Tool] = ()) -> int:
+    """Tokens a chat prompt of ``messages`` (offering ``tools``) costs,
+    overheads included (0 for no messages)."""
     total = 0
     count = 0
     for message in messages:
-        total += MESSAGE_OVERHEAD_TOKENS + estimate_text_tokens(message.content)
+        total += MESSAGE_OVERHEAD_TOKENS + estimate_text_tokens(message.text)
+        total += IMAGE_TOKENS * len(message.images)
+        for call in message.tool_calls:
+            total += estimate_text_tokens(call.name) + estimate_text_tokens(call.arguments)
         count += 1
+    if tools:
+        total += estimate_text_tokens(msgspec.json.encode(tools).decode())
     return total + REPLY_OVERHEAD_TOKENS if count else 0
+
+
+def estimate_input_tokens(request: InferenceRequest) -> int:
+    """Tokens ``request``'s prompt costs: its messages and the tools it offers."""
+    return estimate_prompt_tokens(request.messages, request.params.tools)
 
 
 def estimate_request_tokens(request: InferenceRequest, *, default_max_tokens: int) -> int:
@@ -67,4 +88,4 @@ def estimate_request_tokens(request: InferenceRequest, *, default_max_tokens: in
     (``params.max_tokens``, or ``default_max_tokens`` when unset)."""
     most = request.params.max_tokens
     completion = most if most is not None else max(default_max_tokens, 0)
-    return estimate_prompt_tokens(request.messages) + completion
+    return estimate_input_tokens(request) + completion

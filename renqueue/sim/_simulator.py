@@ -86,7 +86,7 @@ from ..policy import (
     after_failure,
     check,
     estimate_complexity,
-    estimate_prompt_tokens,
+    estimate_input_tokens,
     estimate_request_tokens,
     plan,
     predict,
@@ -732,9 +732,7 @@ class _Simulator:
         assert backend is not None
         model = self.models[backend]
         output = self.output_tokens(item, model)
-        prompt = (
-            item.prompt if item.prompt is not None else estimate_prompt_tokens(request.messages)
-        )
+        prompt = item.prompt if item.prompt is not None else estimate_input_tokens(request)
         # The worker's own formula, with this config's prices.
         cost = self.config.backends[backend].cost(prompt, output)
         self.fold(

@@ -93,6 +93,7 @@ from ..wire._messages import (
     Submitted,
     TokenChunk,
     encode,
+    tool_call_deltas,
 )
 from ..wire._nats import AckPolicy, ConsumerConfig, DeliverPolicy, JetStream, KeyValue
 from ..wire._subjects import (
@@ -448,14 +449,20 @@ class Coalescer:
             copy = msgspec.structs.replace(
                 outcome, request_id=follower, tenant=tenant, at=now, cost=0.0, shared_with=leader
             )
-            if outcome.text:
-                chunk = TokenChunk(request_id=follower, seq=0, text=outcome.text)
+            shared = bool(outcome.text or outcome.tool_calls)
+            if shared:
+                chunk = TokenChunk(
+                    request_id=follower,
+                    seq=0,
+                    text=outcome.text,
+                    tool_calls=tool_call_deltas(outcome.tool_calls, 0),
+                )
                 await self._js.publish(
                     token_subject(tenant, follower),
                     encode(chunk),
                     headers={"Nats-Msg-Id": msg_id(tenant, follower, "shared")},
                 )
-            await self._log.finish(copy, seq=1 if outcome.text else 0)
+            await self._log.finish(copy, seq=1 if shared else 0)
         elif (
             isinstance(outcome, Failed)
             and outcome.backend is not None

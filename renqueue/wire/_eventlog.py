@@ -56,6 +56,7 @@ from ._messages import (
     TOKEN_DECODER,
     CancelRequested,
     CircuitChanged,
+    Completed,
     Event,
     FellBack,
     Preempted,
@@ -436,12 +437,15 @@ class EventLog:
         # The first chunk of a run after the first restarts the stream, even
         # when it is the final one (a run that ended without text): the text of
         # earlier runs is void, never the answer.
+        completed = event if isinstance(event, Completed) else None
         chunk = TokenChunk(
             request_id=event.request_id,
             delivery=claim.delivery,
             seq=claim.seq,
             final=True,
             restart=claim.delivery > 1 and claim.seq == 0,
+            finish_reason=None if completed is None else completed.finish_reason,
+            usage=None if completed is None else completed.usage,
         )
         subject = token_subject(event.tenant, event.request_id)
 

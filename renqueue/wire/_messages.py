@@ -11,7 +11,8 @@ reusable decoder (:data:`EVENT_DECODER`).
 
 from __future__ import annotations
 
-from typing import Annotated, Final, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -32,6 +33,7 @@ __all__ = [
     "Coalesced",
     "Completed",
     "ComplexityEstimate",
+    "ContentPart",
     "Dispatch",
     "Event",
     "Expired",
@@ -39,12 +41,17 @@ __all__ = [
     "Fallback",
     "FellBack",
     "GenerationParams",
+    "ImagePart",
+    "ImageURL",
     "InferenceRequest",
+    "JsonSchema",
+    "NamedTool",
     "Preempted",
     "Probed",
     "Promoted",
     "Rejected",
     "ReportedLimit",
+    "ResponseFormat",
     "Retrying",
     "Routed",
     "SplitChanged",
@@ -52,14 +59,23 @@ __all__ = [
     "Stolen",
     "Submitted",
     "TerminalClaim",
+    "TextPart",
     "TokenChunk",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
     "Usage",
     "encode",
     "is_terminal",
     "kind_of",
+    "tool_call_deltas",
 ]
 
-SCHEMA_VERSION: Final = 1
+#: 2: messages with content parts, names, tool calls and tool results;
+#: tools, response formats, penalties, logprobs, ``user`` and pass-through
+#: parameters; chunks with tool-call deltas, finish reason and usage. Every
+#: version-1 message decodes as version 2 (the new fields have defaults).
+SCHEMA_VERSION: Final = 2
 
 #: Ids and names become NATS subject tokens: no dots, spaces or wildcards.
 RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
@@ -68,21 +84,168 @@ NonNegative = Annotated[float, Meta(ge=0)]
 Count = Annotated[int, Meta(ge=0)]
 
 
-class ChatMessage(Struct, frozen=True, kw_only=True):
-    """One chat turn, as in the OpenAI chat-completions API."""
+class ToolCall(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A tool the model asked to call (in an assistant message, an answer, and
+    the ``completed`` event): ``arguments`` is the JSON text of its arguments,
+    as the model wrote it (it may not parse: models err)."""
+
+    #: The provider's id for the call; a ``tool`` message answers it by this id.
+    id: Annotated[str, Meta(max_length=256)] = ""
+    name: Annotated[str, Meta(max_length=256)]
+    arguments: Annotated[str, Meta(max_length=1_000_000)] = "{}"
+
+
+class ToolCallDelta(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A piece of a tool call in a token chunk, as in OpenAI's stream: the
+    first piece of call ``index`` carries its ``id`` and ``name``; the
+    ``arguments`` of all its pieces, joined in order, are its arguments."""
+
+    index: Annotated[int, Meta(ge=0, le=1024)] = 0
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+def tool_call_deltas(calls: Sequence[ToolCall], first: int) -> tuple[ToolCallDelta, ...]:
+    """Whole tool calls as stream pieces, numbered from ``first`` (the calls
+    streamed before them): one piece each, with its id, name and arguments."""
+    return tuple(
+        ToolCallDelta(index=first + offset, id=call.id, name=call.name, arguments=call.arguments)
+        for offset, call in enumerate(calls)
+    )
+
+
+class TextPart(Struct, frozen=True, kw_only=True, tag_field="type", tag="text"):
+    """Text in a message's content parts."""
+
+    text: Annotated[str, Meta(max_length=1_000_000)]
+
+
+class ImageURL(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    #: An ``https://`` URL or a ``data:image/...;base64,`` URL.
+    url: Annotated[str, Meta(min_length=1, max_length=20_000_000)]
+    #: OpenAI's ``detail``: ``auto``, ``low`` or ``high``.
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(Struct, frozen=True, kw_only=True, tag_field="type", tag="image_url"):
+    """An image in a message's content parts (a model with vision reads it)."""
+
+    image_url: ImageURL
+
+
+#: One part of a message's content, tagged by ``type`` as in OpenAI's API.
+ContentPart = TextPart | ImagePart
+
+
+class ChatMessage(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One chat turn, as in the OpenAI chat-completions API.
+
+    ``content`` is a string or a list of parts (text and images). An
+    assistant turn may carry the ``tool_calls`` the model made (its content
+    may then be empty); a ``tool`` turn answers one of them by
+    ``tool_call_id`` with the tool's result in ``content``. Messages written
+    before schema version 2 (a role and string content) decode unchanged.
+    """
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: Annotated[str, Meta(max_length=1_000_000)]
+    content: (
+        Annotated[str, Meta(max_length=1_000_000)]
+        | Annotated[list[ContentPart], Meta(max_length=1024)]
+    ) = ""
+    #: A participant's name (OpenAI's ``name``).
+    name: Annotated[str, Meta(max_length=256)] | None = None
+    tool_calls: Annotated[tuple[ToolCall, ...], Meta(max_length=1024)] = ()
+    tool_call_id: Annotated[str, Meta(max_length=256)] | None = None
+
+    @property
+    def text(self) -> str:
+        """Its text: the content, or its text parts joined by newlines (as
+        vLLM's chat templates join them)."""
+        content = self.content
+        if isinstance(content, str):
+            return content
+        return "\n".join(part.text for part in content if isinstance(part, TextPart))
+
+    @property
+    def images(self) -> tuple[ImageURL, ...]:
+        """The images among its content parts."""
+        content = self.content
+        if isinstance(content, str):
+            return ()
+        return tuple(part.image_url for part in content if isinstance(part, ImagePart))
+
+
+#: Tool and function names, as OpenAI allows them.
+ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+
+
+class Tool(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A function the model may call (OpenAI's ``{"type": "function",
+    "function": {...}}``, flattened: functions are the only kind)."""
+
+    name: ToolName
+    description: Annotated[str, Meta(max_length=100_000)] = ""
+    #: The JSON Schema of its arguments.
+    parameters: dict[str, Any] = {}
+    #: Ask the provider to keep the arguments to the schema exactly.
+    strict: bool | None = None
+
+
+class NamedTool(Struct, frozen=True, kw_only=True):
+    """``tool_choice`` naming the one function the model must call."""
+
+    name: ToolName
+
+
+class JsonSchema(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The schema a ``json_schema`` response format holds the answer to."""
+
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    schema: dict[str, Any] = {}
+    description: Annotated[str, Meta(max_length=100_000)] = ""
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What the answer must be: ``text``, any JSON object (``json_object``),
+    or JSON that fits ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
 
 
 class GenerationParams(Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Sampling parameters passed through to the backend. ``None`` = backend default."""
+    """Sampling parameters passed through to the backend. ``None`` = backend default.
+
+    Each adapter translates what its provider has a counterpart for; what a
+    backend cannot do at all (tools, images, a JSON schema, logprobs) is a
+    feature the router matches (``policy.needs``), never dropped. ``extra``
+    holds parameters Ren-Queue does not know (vLLM's ``top_k``,
+    ``repetition_penalty``, ...): OpenAI-compatible backends get them in the
+    body as they are (never over a field the adapter sets); native adapters
+    take the ones they document and leave the rest.
+    """
 
     max_tokens: Annotated[int, Meta(ge=1, le=1_000_000)] | None = None
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     stop: Annotated[list[str], Meta(max_length=16)] | None = None
     seed: int | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    #: Return each token's log probability (and the ``top_logprobs`` likeliest).
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[tuple[Tool, ...], Meta(max_length=128)] = ()
+    #: ``none``, ``auto``, ``required``, or the one tool to call.
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool | None = None
+    #: The end user, as the provider's abuse monitoring asks for it.
+    user: Annotated[str, Meta(max_length=256)] | None = None
+    #: Parameters passed through as they are (see above).
+    extra: Annotated[dict[str, Any], Meta(max_length=64)] = {}
 
 
 class Usage(Struct, frozen=True, kw_only=True):
@@ -216,6 +379,14 @@ class TokenChunk(Struct, frozen=True, kw_only=True):
     text: str = ""
     restart: bool = False
     final: bool = False
+    #: Pieces of the tool calls the model makes (schema 2; its ``text`` may be empty).
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    #: On the final chunk of a completed request (schema 2): why the answer
+    #: ended (``stop``, ``length``, ``tool_calls``, ``content_filter``, ...)
+    #: and the tokens it counted. ``None`` on other chunks, and on the final
+    #: chunk of a request that did not complete.
+    finish_reason: str | None = None
+    usage: Usage | None = None
 
 
 # --------------------------------------------------------------------- events
@@ -440,6 +611,8 @@ class Completed(_EventBase, frozen=True, kw_only=True, tag="completed"):
     limits: tuple[ReportedLimit, ...] = ()
     #: Tokens the binder had reserved for this call (``Dispatch.reserved_tokens``).
     reserved_tokens: int = 0
+    #: The tools the model asked to call (schema 2), whole.
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class Failed(_EventBase, frozen=True, kw_only=True, tag="failed"):

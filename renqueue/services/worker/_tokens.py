@@ -21,7 +21,16 @@ from ...backends import Backend
 from ...backends._limits import LearnedLimits, reported
 from ...config import BaseBackendConfig
 from ...logs import get_logger
-from ...wire._messages import Completed, Dispatch, ReportedLimit, TokenChunk, Usage, encode
+from ...wire._messages import (
+    Completed,
+    Dispatch,
+    ReportedLimit,
+    TokenChunk,
+    ToolCall,
+    Usage,
+    encode,
+    tool_call_deltas,
+)
 from ...wire._nats import JetStream, PubAck
 from ...wire._subjects import token_subject
 
@@ -90,6 +99,7 @@ class Caller:
         started = time.monotonic()
         ttft: float | None = None
         parts: list[str] = []
+        calls: list[ToolCall] = []
         usage: Usage | None = None
         finish_reason: str | None = None
         timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
@@ -98,7 +108,7 @@ class Caller:
                 stream = self._backend.stream(request, priority=rank)
                 try:
                     async for delta in stream:
-                        if delta.text:
+                        if delta.text or delta.tool_calls:
                             if ttft is None:
                                 ttft = time.monotonic() - started
                             chunk = TokenChunk(
@@ -107,12 +117,14 @@ class Caller:
                                 seq=chunks.seq,
                                 text=delta.text,
                                 restart=run > 1 and chunks.seq == 0,
+                                tool_calls=tool_call_deltas(delta.tool_calls, len(calls)),
                             )
                             pending_acks.append(
                                 await self._js.publish_async(subject, encode(chunk))
                             )
                             chunks.seq += 1
                             parts.append(delta.text)
+                            calls.extend(delta.tool_calls)
                         if delta.usage is not None:
                             usage = delta.usage
                         if delta.finish_reason is not None:
@@ -154,6 +166,7 @@ class Caller:
             duration=duration,
             limits=reported_limits(self._backend),
             reserved_tokens=dispatch.reserved_tokens,
+            tool_calls=tuple(calls),
         )
 
 
