@@ -33,6 +33,7 @@ from .errors import (
     TokensExpiredError,
     UnknownPriorityError,
     UnknownRouteError,
+    UnsupportedFeatureError,
 )
 from .wire._messages import (
     ChatMessage,
@@ -47,9 +48,11 @@ from .wire._messages import (
     ResponseFormat,
     TextPart,
     TokenChunk,
+    TokenLogprob,
     Tool,
     ToolCall,
     ToolCallDelta,
+    TopLogprob,
     Usage,
 )
 
@@ -99,12 +102,15 @@ __all__ = [
     "Services",
     "TextPart",
     "TokenChunk",
+    "TokenLogprob",
     "TokensExpiredError",
     "Tool",
     "ToolCall",
     "ToolCallDelta",
+    "TopLogprob",
     "UnknownPriorityError",
     "UnknownRouteError",
+    "UnsupportedFeatureError",
     "Usage",
     "load_config",
     "parse_config",

@@ -20,18 +20,20 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Final, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
 
 from .errors import ConfigError, FailureClass
 from .policy import (
+    ALL_FEATURES,
     DEFAULT_FALLBACK_ON,
     Candidate,
     Estimator,
     FailurePolicy,
     FallbackPolicy,
+    Feature,
     LevelPolicy,
     PlanPolicy,
     RollbackRules,
@@ -39,6 +41,7 @@ from .policy import (
     SplitPolicy,
     estimated_cost,
     load_estimator,
+    needs,
 )
 from .policy._ab import AB_BUCKET, AB_HORIZON
 from .policy._budget import EVERY_TENANT, Budget
@@ -316,6 +319,19 @@ class BaseBackendConfig(_Section, frozen=True, kw_only=True, tag_field="adapter"
     #: A backend whose key is missing is taken out of service at start-up
     #: with a warning, and the rest runs; a required one stops the start-up.
     required: bool = False
+    #: What the model can do beyond text (``tools``, ``vision``, ``json``,
+    #: ``json_schema``, ``logprobs``): requests that need a feature are routed
+    #: only to backends that have it. Unset: all its adapter can translate
+    #: (:attr:`ADAPTER_FEATURES`); narrow it for a model that lacks some
+    #: (a text-only local model: ``features = ["tools"]``).
+    features: list[Feature] | None = None
+    #: What the adapter can translate to its provider's wire format.
+    ADAPTER_FEATURES: ClassVar[frozenset[str]] = ALL_FEATURES
+
+    @property
+    def supports(self) -> frozenset[str]:
+        """The features requests may need of it (``features``, else its adapter's)."""
+        return self.ADAPTER_FEATURES if self.features is None else frozenset(self.features)
 
     @property
     def adapter(self) -> str:
@@ -323,6 +339,13 @@ class BaseBackendConfig(_Section, frozen=True, kw_only=True, tag_field="adapter"
         return str(self.__struct_config__.tag)
 
     def __post_init__(self) -> None:
+        if self.features is not None:
+            beyond = [f for f in self.features if f not in self.ADAPTER_FEATURES]
+            if beyond:
+                raise ValueError(
+                    f"the {self.adapter} adapter cannot send {', '.join(beyond)} "
+                    f"(it can: {', '.join(sorted(self.ADAPTER_FEATURES)) or 'none of them'})"
+                )
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
         if self.api_key_env is not None and self.api_key_file is not None:
@@ -380,6 +403,8 @@ class AnthropicConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="anthrop
     """A backend speaking Anthropic's Messages API (``adapter = "anthropic"``):
     ``POST {base_url}/messages``, the key in ``x-api-key``."""
 
+    ADAPTER_FEATURES: ClassVar[frozenset[str]] = frozenset({"tools", "vision"})
+
     base_url: str = "https://api.anthropic.com/v1"
     #: The ``anthropic-version`` header.
     anthropic_version: Annotated[str, Meta(pattern=r"^[0-9A-Za-z._-]{1,64}$")] = "2023-06-01"
@@ -429,6 +454,10 @@ class OllamaConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="ollama"):
     """A backend speaking Ollama's native API (``adapter = "ollama"``):
     ``POST {base_url}/api/chat``, streamed as JSON lines."""
 
+    ADAPTER_FEATURES: ClassVar[frozenset[str]] = frozenset(
+        {"tools", "vision", "json", "json_schema"}
+    )
+
     base_url: str = "http://127.0.0.1:11434"
     #: How long the model stays loaded after a call; unset: the server's default (5 min).
     keep_alive: KeepAlive | None = None
@@ -458,6 +487,8 @@ class TGIConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="tgi"):
     rendered from the chat in ``prompt_format``. (TGI's Messages API,
     ``/v1/chat/completions``, is the ``openai`` adapter.)"""
 
+    ADAPTER_FEATURES: ClassVar[frozenset[str]] = frozenset({"json", "json_schema"})
+
     #: How the chat becomes one prompt: ``chatml`` (``<|im_start|>`` turns),
     #: ``llama3`` (``<|start_header_id|>`` turns), ``plain`` (the messages'
     #: text, a blank line apart: base models).
@@ -483,6 +514,10 @@ class GeminiConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="gemini"):
     """A backend speaking the Gemini API (``adapter = "gemini"``):
     ``POST {base_url}/models/{model}:streamGenerateContent?alt=sse``, the key
     in ``x-goog-api-key``."""
+
+    ADAPTER_FEATURES: ClassVar[frozenset[str]] = frozenset(
+        {"tools", "vision", "json", "json_schema"}
+    )
 
     base_url: str = "https://generativelanguage.googleapis.com/v1beta"
     #: ``generationConfig.topK``; unset: the model's default.
@@ -876,6 +911,7 @@ class Config(_Section, frozen=True, kw_only=True):
             tier=backend.tier,
             context_window=backend.context_window,
             paid=backend.cost_input_per_mtok > 0 or backend.cost_output_per_mtok > 0,
+            features=backend.supports,
         )
 
     def serves(self, request: InferenceRequest, route: str) -> bool:
@@ -884,6 +920,13 @@ class Config(_Section, frozen=True, kw_only=True):
         if route not in self.routes:
             return False
         if request.complexity is not None and request.complexity > self.highest_tier(route):
+            return False
+        need = needs(request)
+        if need and not any(
+            need <= self.backends[name].supports
+            for name in self.routes[route].backends
+            if name in self.backends
+        ):
             return False
         return request.max_cost is None or any(
             estimated_cost(request, self.backends[name]) <= request.max_cost
@@ -914,6 +957,7 @@ class Config(_Section, frozen=True, kw_only=True):
             now=now,
             complexity=request.complexity,
             max_cost=request.max_cost,
+            needs=needs(request),
         )
         if request.fallback is None:  # a first run: the default, an empty Fallback
             return facts

@@ -80,6 +80,7 @@ __all__ = [
     "TokensExpiredError",
     "UnknownPriorityError",
     "UnknownRouteError",
+    "UnsupportedFeatureError",
     "WrongLastSequenceError",
 ]
 
@@ -249,6 +250,25 @@ class NoCapableBackendError(InvalidRequestError):
         super().__init__(
             f"complexity {complexity} is above every backend of route {route!r} "
             f"(the highest tier there is {best})",
+            request_id=request_id,
+        )
+
+
+class UnsupportedFeatureError(InvalidRequestError):
+    """The request needs what no backend of its route can do (tools, images,
+    a JSON schema, logprobs: ``policy.needs``, each backend's ``features``).
+
+    Decided from the config alone, so it is final: waiting would never help.
+    """
+
+    code = "unsupported_feature"
+
+    def __init__(self, route: str, features: list[str], *, request_id: str | None = None) -> None:
+        self.route = route
+        self.features = features
+        super().__init__(
+            f"no backend of route {route!r} supports {', '.join(features)} "
+            "(each backend's features in the config)",
             request_id=request_id,
         )
 

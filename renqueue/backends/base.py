@@ -15,7 +15,7 @@ from typing import Final, Protocol, runtime_checkable
 
 from msgspec import Struct
 
-from ..wire._messages import InferenceRequest, ToolCall, Usage
+from ..wire._messages import InferenceRequest, TokenLogprob, ToolCall, Usage
 
 __all__ = ["FINISH_REASONS", "Backend", "Delta", "Generation", "ToolCall"]
 
@@ -35,6 +35,8 @@ class Delta(Struct, frozen=True, kw_only=True):
     usage: Usage | None = None
     finish_reason: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
+    #: The log probabilities of this piece's tokens (a request that asked for them).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Generation(Struct, frozen=True, kw_only=True):
@@ -44,6 +46,7 @@ class Generation(Struct, frozen=True, kw_only=True):
     usage: Usage
     finish_reason: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @runtime_checkable

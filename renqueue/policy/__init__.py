@@ -101,6 +101,7 @@ from ._failure import (
     backoff,
     retry_after,
 )
+from ._features import ALL_FEATURES, FEATURES, Feature, missing, needs
 from ._health import (
     CLOSED,
     DEFAULT_COOLDOWN,
@@ -175,6 +176,7 @@ from ._tokens import (
 __all__ = [
     "AB_BUCKET",
     "AB_HORIZON",
+    "ALL_FEATURES",
     "BIND_REASON",
     "CHARS_PER_TOKEN",
     "CLOSED",
@@ -184,6 +186,7 @@ __all__ = [
     "DEFAULT_FALLBACK_ON",
     "DEFAULT_MAX_TOKENS",
     "EVERY_TENANT",
+    "FEATURES",
     "INTERNAL",
     "MESSAGE_OVERHEAD_TOKENS",
     "MIN_SAMPLES",
@@ -212,6 +215,7 @@ __all__ = [
     "FallBack",
     "FallbackPolicy",
     "FaultRecord",
+    "Feature",
     "Inherit",
     "Learned",
     "LevelPolicy",
@@ -272,7 +276,9 @@ __all__ = [
     "load_estimator",
     "may_preempt",
     "meets",
+    "missing",
     "moved_to",
+    "needs",
     "next_circuit",
     "percentile",
     "pick_key",

@@ -90,6 +90,7 @@ from msgspec import Struct
 
 from ..errors import BackendError, FailureClass, RateLimitedError
 from ..wire._messages import Fallback
+from ._features import ALL_FEATURES
 from ._routing import meets
 
 #: ``error_type`` of a failure that is the worker's, not the backend's.
@@ -171,6 +172,8 @@ class Candidate(Struct, frozen=True, kw_only=True):
     paid: bool = False
     #: The estimated cost of this request there (US dollars), when known.
     cost: float | None = None
+    #: What it can do beyond text (``policy.needs``).
+    features: frozenset[str] = ALL_FEATURES
 
 
 class RouteFacts(Struct, frozen=True, kw_only=True):
@@ -191,6 +194,9 @@ class RouteFacts(Struct, frozen=True, kw_only=True):
     complexity: int | None = None
     #: The request's ``max_cost``: a candidate estimated above it cannot take it.
     max_cost: float | None = None
+    #: What the request needs of a backend (``policy.needs``): a candidate
+    #: without it cannot take it.
+    needs: frozenset[str] = frozenset()
 
 
 class Retry(Struct, frozen=True, kw_only=True, tag=True):
@@ -408,9 +414,11 @@ def _elsewhere(route: RouteFacts) -> bool:
 
 def _can_take(candidate: Candidate, route: RouteFacts, fallback: Fallback | None = None) -> bool:
     """Whether ``candidate`` could take the request at all: its fallback
-    constraints, its complexity, its cost cap (the estimate for this request)."""
+    constraints, its complexity, its cost cap (the estimate for this request),
+    the features it needs."""
     return (
         meets(candidate, fallback or route.fallback)
+        and route.needs <= candidate.features
         and (route.complexity is None or candidate.tier >= route.complexity)
         and (route.max_cost is None or candidate.cost is None or candidate.cost <= route.max_cost)
     )

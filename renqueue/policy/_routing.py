@@ -22,9 +22,11 @@ from ..errors import (
     NoCapableBackendError,
     OverCostCapError,
     UnknownRouteError,
+    UnsupportedFeatureError,
 )
-from ..wire._messages import Fallback, InferenceRequest
+from ..wire._messages import SCHEMA_VERSION, Fallback, InferenceRequest
 from ..wire._subjects import SYSTEM_TENANT, msg_id
+from ._features import ALL_FEATURES, missing, needs
 from ._perf import Perf
 from ._quota import Cost, Limit, Quota, QuotaVerdict, check
 from ._tokens import DEFAULT_MAX_TOKENS, estimate_input_tokens
@@ -95,6 +97,8 @@ class BackendView(msgspec.Struct, frozen=True, kw_only=True):
     #: Requests planned this round to wait for one of its slots (a cheaper
     #: choice than binding elsewhere now): later ones queue behind them.
     queued: int = 0
+    #: What it can do beyond text (``policy.needs``).
+    features: frozenset[str] = ALL_FEATURES
 
     @property
     def paid(self) -> bool:
@@ -130,8 +134,15 @@ def validate(
     tenant setting it ran one id many times at once, billed once), or a
     ``fallback`` (a tenant could not use it but to keep its own request away
     from backends; it is the services' word all the same) or a ``split`` (its
-    A/B arm, the binder's choice).
+    A/B arm, the binder's choice). A request of a newer schema version than
+    this code's is refused: its new fields would be dropped unread.
     """
+    if request.v > SCHEMA_VERSION:
+        raise MalformedRequestError(
+            f"schema version {request.v} is newer than this service's ({SCHEMA_VERSION}): "
+            "upgrade the services before the clients",
+            request_id=request.id,
+        )
     if requeue != (request.requeues > 0):
         raise MalformedRequestError(
             "requeues is set by the services only, on rq.req.<priority>.<tenant>.requeue"
@@ -176,8 +187,15 @@ def validate(
         )
     if request.route not in config.routes:
         raise UnknownRouteError(request.route, request_id=request.id)
+    _check_servable(request, config)
+
+
+def _check_servable(request: InferenceRequest, config: Config) -> None:
+    """Raise if no backend of its route could ever serve ``request``: its cost
+    cap, the features it needs, its complexity (decided from the config
+    alone, so final)."""
     if request.max_cost is not None:
-        # Likewise a request whose cost cap no candidate can meet.
+        # A request whose cost cap no candidate can meet (held, it would wait forever).
         costs = [
             estimated_cost(request, config.backends[name])
             for name in config.routes[request.route].backends
@@ -187,6 +205,7 @@ def validate(
             raise OverCostCapError(
                 request.route, request.max_cost, min(costs), request_id=request.id
             )
+    _check_features(request, config)
     if request.complexity is not None:
         # Held, a request no backend can ever serve would wait forever and,
         # many of them, fill the level's hold for every tenant.
@@ -197,22 +216,49 @@ def validate(
             )
 
 
+def _check_features(request: InferenceRequest, config: Config) -> None:
+    """Raise :class:`UnsupportedFeatureError` if no backend of its route has
+    every feature ``request`` needs."""
+    need = needs(request)
+    if need:
+        # As for complexity: held, it would wait forever.
+        served = [
+            config.backends[name].supports
+            for name in config.routes[request.route].backends
+            if name in config.backends
+        ]
+        if not any(need <= has for has in served):
+            # The features no backend has; else (each has some) all of them together.
+            lacking = missing(need, frozenset().union(*served)) or missing(need, ())
+            raise UnsupportedFeatureError(request.route, lacking, request_id=request.id)
+
+
 def capable(
     request: InferenceRequest, candidates: Sequence[str], views: Mapping[str, BackendView]
 ) -> list[BackendView]:
     """The candidates (cascade order) that are healthy, of a tier the request
-    needs, whose estimated cost is within its ``max_cost``
-    (:func:`within_cost`) and, for a request that fell back, allowed by its
-    ``fallback`` (:func:`allowed_after_fallback`)."""
-    return [
-        views[name]
-        for name in candidates
-        if name in views
-        and views[name].healthy
-        and (request.complexity is None or views[name].tier >= request.complexity)
-        and (request.max_cost is None or within_cost(request, views[name]))
-        and (request.fallback is None or allowed_after_fallback(request, views[name]))
-    ]
+    needs, with the features it needs (:func:`needs`), whose estimated cost is
+    within its ``max_cost`` (:func:`within_cost`) and, for a request that fell
+    back, allowed by its ``fallback`` (:func:`allowed_after_fallback`)."""
+    need: frozenset[str] | None = None
+    able = []
+    for name in candidates:
+        view = views.get(name)
+        if (
+            view is None
+            or not view.healthy
+            or (request.complexity is not None and view.tier < request.complexity)
+            or (request.max_cost is not None and not within_cost(request, view))
+            or (request.fallback is not None and not allowed_after_fallback(request, view))
+        ):
+            continue
+        if view.features is not ALL_FEATURES:
+            if need is None:
+                need = needs(request)  # once, and only where a backend lacks some
+            if not need <= view.features:
+                continue
+        able.append(view)
+    return able
 
 
 def allowed_after_fallback(request: InferenceRequest, view: BackendView) -> bool:

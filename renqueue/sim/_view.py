@@ -48,6 +48,7 @@ def backend_view(
         context_window=backend.context_window,
         cost_input_per_mtok=backend.cost_input_per_mtok,
         cost_output_per_mtok=backend.cost_output_per_mtok,
+        features=backend.supports,
         expected_duration=state.duration_ewma if state.calls_completed >= MIN_SAMPLES else None,
         perf=state.perf,
         quota=quota,

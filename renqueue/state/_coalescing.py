@@ -456,6 +456,7 @@ class Coalescer:
                     seq=0,
                     text=outcome.text,
                     tool_calls=tool_call_deltas(outcome.tool_calls, 0),
+                    logprobs=outcome.logprobs,
                 )
                 await self._js.publish(
                     token_subject(tenant, follower),

@@ -61,9 +61,11 @@ __all__ = [
     "TerminalClaim",
     "TextPart",
     "TokenChunk",
+    "TokenLogprob",
     "Tool",
     "ToolCall",
     "ToolCallDelta",
+    "TopLogprob",
     "Usage",
     "encode",
     "is_terminal",
@@ -113,6 +115,25 @@ def tool_call_deltas(calls: Sequence[ToolCall], first: int) -> tuple[ToolCallDel
         ToolCallDelta(index=first + offset, id=call.id, name=call.name, arguments=call.arguments)
         for offset, call in enumerate(calls)
     )
+
+
+class TopLogprob(Struct, frozen=True, kw_only=True):
+    """One of the likeliest tokens at a position, and its log probability."""
+
+    token: str
+    logprob: float
+    #: The token's UTF-8 bytes (a token may be part of a character).
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(Struct, frozen=True, kw_only=True):
+    """A generated token's log probability (when the request asked for
+    ``logprobs``), with the ``top_logprobs`` likeliest at its position."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: tuple[TopLogprob, ...] = ()
 
 
 class TextPart(Struct, frozen=True, kw_only=True, tag_field="type", tag="text"):
@@ -387,6 +408,8 @@ class TokenChunk(Struct, frozen=True, kw_only=True):
     #: chunk of a request that did not complete.
     finish_reason: str | None = None
     usage: Usage | None = None
+    #: The log probabilities of this chunk's tokens (a request that asked for them).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 # --------------------------------------------------------------------- events
@@ -613,6 +636,8 @@ class Completed(_EventBase, frozen=True, kw_only=True, tag="completed"):
     reserved_tokens: int = 0
     #: The tools the model asked to call (schema 2), whole.
     tool_calls: tuple[ToolCall, ...] = ()
+    #: The answer's tokens' log probabilities, when the request asked for them.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Failed(_EventBase, frozen=True, kw_only=True, tag="failed"):

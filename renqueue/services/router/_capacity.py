@@ -78,6 +78,7 @@ class Capacity:
                 context_window=backend.context_window,
                 cost_input_per_mtok=backend.cost_input_per_mtok,
                 cost_output_per_mtok=backend.cost_output_per_mtok,
+                features=backend.supports,
             )
             for name, backend in self._config.backends.items()
         }

@@ -26,6 +26,7 @@ from ...wire._messages import (
     Dispatch,
     ReportedLimit,
     TokenChunk,
+    TokenLogprob,
     ToolCall,
     Usage,
     encode,
@@ -100,6 +101,7 @@ class Caller:
         ttft: float | None = None
         parts: list[str] = []
         calls: list[ToolCall] = []
+        logprobs: list[TokenLogprob] = []
         usage: Usage | None = None
         finish_reason: str | None = None
         timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
@@ -108,7 +110,7 @@ class Caller:
                 stream = self._backend.stream(request, priority=rank)
                 try:
                     async for delta in stream:
-                        if delta.text or delta.tool_calls:
+                        if delta.text or delta.tool_calls or delta.logprobs:
                             if ttft is None:
                                 ttft = time.monotonic() - started
                             chunk = TokenChunk(
@@ -118,6 +120,7 @@ class Caller:
                                 text=delta.text,
                                 restart=run > 1 and chunks.seq == 0,
                                 tool_calls=tool_call_deltas(delta.tool_calls, len(calls)),
+                                logprobs=delta.logprobs,
                             )
                             pending_acks.append(
                                 await self._js.publish_async(subject, encode(chunk))
@@ -125,6 +128,7 @@ class Caller:
                             chunks.seq += 1
                             parts.append(delta.text)
                             calls.extend(delta.tool_calls)
+                            logprobs.extend(delta.logprobs)
                         if delta.usage is not None:
                             usage = delta.usage
                         if delta.finish_reason is not None:
@@ -167,6 +171,7 @@ class Caller:
             limits=reported_limits(self._backend),
             reserved_tokens=dispatch.reserved_tokens,
             tool_calls=tuple(calls),
+            logprobs=tuple(logprobs),
         )
 
 
