@@ -23,5 +23,9 @@ WORKDIR /var/lib/renqueue
 # its store here; mount a volume on /var/lib/renqueue to keep it.
 ENV RENQUEUE_CONFIG=/etc/renqueue/renqueue.toml \
     RENQUEUE_DATA_DIR=/var/lib/renqueue/data
+# The OpenAI-compatible gateway (`[gateway]`, docs/gateway.md), which
+# `renqueue up` starts when it has API keys: set `host = "0.0.0.0"` there to
+# reach it from outside the container (its default is loopback only).
+EXPOSE 8080
 ENTRYPOINT ["renqueue"]
 CMD ["up"]
