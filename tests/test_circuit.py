@@ -11,15 +11,18 @@ Everything is real: a nats-server per test and mock backends on loopback.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
+from aiohttp import web
 from test_binder import until
 from test_fallback import FAST, config_for, failing, routed
 from test_quota_exhausted import describe, results
 from test_restarts import TENANT
 
 from renqueue import Client, Services
+from renqueue.config import parse_config
 from renqueue.errors import RequestExpiredError
 from renqueue.ops import EmbeddedServer
 from renqueue.tools import MockBackend, MockSettings
@@ -236,3 +239,48 @@ async def test_an_active_probe_opens_the_circuit_before_any_request_fails_and_cl
     assert states(events)[-2:] == ["open", "closed"], [e.reason for e in events]
     assert events[-2].reason == "the health probe failed"
     assert events[-1].reason == "the health probe succeeded"
+
+
+async def test_a_health_probe_carries_the_key_as_its_backends_format_does(
+    isolated_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An Anthropic backend's probe sends ``x-api-key`` (and its version
+    header), never a Bearer token the server would not read."""
+    monkeypatch.setenv("PROBE_TEST_KEY", "sk-ant-probe-secret")
+    seen: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+
+    async def health(request: web.Request) -> web.Response:
+        seen.put_nowait(dict(request.headers))
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        config = parse_config(
+            {
+                "nats": {"url": isolated_server.url},
+                "backends": {
+                    "claude": {
+                        "adapter": "anthropic",
+                        "base_url": f"http://127.0.0.1:{port}/v1",
+                        "model": "m",
+                        "api_key_env": "PROBE_TEST_KEY",
+                        "probe": {"path": "/health", "interval": "100ms"},
+                    }
+                },
+                "routes": {"chat": {"backends": ["claude"]}},
+            }
+        )
+        async with Services(config):
+            headers = await asyncio.wait_for(seen.get(), timeout=15)
+    finally:
+        await runner.cleanup()
+    lowered = {k.lower(): v for k, v in headers.items()}
+    assert lowered.get("x-api-key") == "sk-ant-probe-secret"
+    assert "authorization" not in lowered
+    assert lowered.get("anthropic-version")

@@ -618,6 +618,11 @@ class HTTPBackend:
         finally:
             self._busy[index] -= 1
 
+    def auth_headers(self) -> httpx.Headers:
+        """The headers that carry its key, in its format (what a health probe
+        of the same server sends); their repr masks the key."""
+        return _SecretHeaders(self._auth_headers(self._key))
+
     # ------------------------------------------------- what a format says
 
     def _auth_headers(self, key: str) -> dict[str, str]:

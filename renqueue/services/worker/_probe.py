@@ -17,7 +17,7 @@ for it on a server started with ``--api-key``) and never appears in the event.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import httpx
 
@@ -48,6 +48,7 @@ class Prober:
         *,
         worker: str,
         clock: Callable[[], float],
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         assert config.probe is not None
         self._backend = backend
@@ -57,7 +58,9 @@ class Prober:
         self._timeout = parse_duration(config.probe.timeout)
         key = config.api_key(path=f"$.backends.{backend}")
         self._key = key.reveal() if key else ""
-        self._headers = httpx.Headers({"Authorization": f"Bearer {self._key}"} if self._key else {})
+        # The key as the backend's own format carries it (Anthropic's
+        # x-api-key, Gemini's x-goog-api-key, Bearer for the rest).
+        self._headers = httpx.Headers(headers or {})
         self._events = events
         self._worker = worker
         self._clock = clock

@@ -48,7 +48,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import msgspec
@@ -56,7 +56,7 @@ import msgspec
 from ... import metrics
 from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor, cancel_and_wait
-from ...backends import Backend
+from ...backends import Backend, HTTPBackend
 from ...config import BaseBackendConfig, Config, parse_duration
 from ...errors import BackendError, NatsUnavailableError, RateLimitedError
 from ...logs import bound_request, get_logger
@@ -220,6 +220,7 @@ class Worker(Lifecycle):
                 self._log,
                 worker=self._name,
                 clock=self._clock,
+                headers=self._auth_headers(),
             )
             self._loops.append(f"{self._name}-probe")
             self._supervisor.spawn(self._loops[-1], prober.run)
@@ -712,6 +713,11 @@ class Worker(Lifecycle):
             reason=action.reason,
             error_class=error_class,
         )
+
+    def _auth_headers(self) -> Mapping[str, str] | None:
+        """The headers carrying its backend's key, for a health probe of it."""
+        backend = self._caller.backend
+        return backend.auth_headers() if isinstance(backend, HTTPBackend) else None
 
     def _route_facts(self, dispatch: Dispatch) -> RouteFacts | None:
         """The request's route and cascade state for the failure policy
