@@ -117,6 +117,12 @@ def test_schema_command_prints_json_schema_for_every_message() -> None:
     for name in ("InferenceRequest", "Dispatch", "TokenChunk", "Completed", "Rejected"):
         assert name in defs
     assert defs["InferenceRequest"]["properties"]["id"]["pattern"]
+    # Version 2's types, and the widened content of a message.
+    for name in ("TextPart", "ImagePart", "ToolCall", "ToolCallDelta", "Tool", "TokenLogprob"):
+        assert name in defs
+    content = defs["ChatMessage"]["properties"]["content"]
+    assert {"string", "array"} <= {option.get("type") for option in content["anyOf"]}
+    assert "tool_calls" in defs["TokenChunk"]["properties"]
 
 
 # ------------------------------------------------------------ schema version 2
