@@ -187,6 +187,7 @@ async def test_every_chunk_carries_v_delivery_and_seq_on_the_wire(
         "tool_calls": [],
         "finish_reason": None,
         "usage": None,
+        "logprobs": [],
     }
 
 
