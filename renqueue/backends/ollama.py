@@ -120,7 +120,6 @@ OPTION_EXTRAS: Final = frozenset(
         "main_gpu",
         "num_thread",
         "use_mmap",
-        "numa",
         "top_k",
         "min_p",
         "typical_p",
@@ -130,7 +129,6 @@ OPTION_EXTRAS: Final = frozenset(
         "mirostat",
         "mirostat_tau",
         "mirostat_eta",
-        "tfs_z",
     }
 )
 _JSON_DECODER: Final = msgspec.json.Decoder()
