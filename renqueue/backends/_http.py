@@ -35,6 +35,8 @@ else is here, once:
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -56,7 +58,7 @@ from ..errors import (
     RetryableBackendError,
 )
 from ..policy._tokens import estimate_input_tokens
-from ..wire._messages import ChatMessage, InferenceRequest, Usage
+from ..wire._messages import ChatMessage, InferenceRequest, TokenLogprob, Usage
 from ._limits import LearnedLimits, parse_limits
 from ._sse import MAX_EVENT_BYTES, ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation, ToolCall
@@ -69,8 +71,10 @@ __all__ = [
     "LineParser",
     "SSEParser",
     "StreamParser",
+    "ToolCallPieces",
     "bad_request_class",
     "common_finish",
+    "data_url_base64",
     "decoded",
     "error_detail",
     "error_for",
@@ -301,11 +305,110 @@ def common_finish(reason: str, table: Mapping[str, str]) -> str:
     return table.get(reason) or reason.lower()
 
 
+def data_url_base64(url: str) -> tuple[str, str]:
+    """The media type and base64 text of a ``data:image/...;base64,`` URL, for
+    formats that take an image's bytes (Ollama, Anthropic, Gemini) rather than
+    its URL. ``ValueError`` for anything else: an ``https`` URL (adapters do
+    not fetch URLs), another media type or encoding, or text that is not base64."""
+    head, comma, data = url.partition(",")
+    if not head.startswith("data:"):
+        raise ValueError("image is not a data: URL (this backend takes image bytes, not URLs)")
+    media_type, _, encoding = head.removeprefix("data:").partition(";")
+    if not comma or encoding != "base64" or not media_type.startswith("image/"):
+        raise ValueError("image data URL is not data:image/<type>;base64,<data>")
+    try:
+        base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("image data URL holds no valid base64") from None
+    return media_type, data
+
+
 # ------------------------------------------------------------ stream parsers
 
 
 class FramingError(ValueError):
-    """A stream broke its framing's bound (a line longer than allowed)."""
+    """A stream broke its framing's bound (a line longer than allowed), or
+    what it assembles broke one (:class:`ToolCallPieces`)."""
+
+
+#: The most tool calls one answer may make, and the most characters their
+#: arguments may hold together: past them, a backend is broken or hostile
+#: (the calls travel in the ``completed`` event).
+MAX_TOOL_CALLS: Final = 128
+MAX_TOOL_ARGUMENTS: Final = 1_000_000
+#: The longest tool-call id and name kept (the wire's bound).
+_MAX_TOOL_NAME: Final = 256
+#: The most token log probabilities kept of one answer: the rest are dropped
+#: (they travel in chunks and in the ``completed`` event, whose size is bounded).
+MAX_LOGPROBS: Final = 8192
+
+
+class ToolCallPieces:
+    """Tool calls streamed in pieces (OpenAI's ``delta.tool_calls``), assembled.
+
+    Each piece names its call by ``index``: the first piece of a call brings
+    its ``id`` and ``name``, every piece a piece of its ``arguments`` text.
+    A piece without an index (servers that leave it out) starts a new call
+    when it brings an id not seen yet, else continues the last one. An id or
+    name given again is kept as first given (some servers repeat them in
+    every piece). Bounded: :data:`MAX_TOOL_CALLS` calls, and
+    :data:`MAX_TOOL_ARGUMENTS` characters of arguments in all; past either,
+    :class:`FramingError`.
+    """
+
+    __slots__ = ("_calls", "_chars", "_last")
+
+    def __init__(self) -> None:
+        self._calls: dict[int, _PendingCall] = {}
+        self._chars = 0
+        self._last = -1
+
+    def __bool__(self) -> bool:
+        return bool(self._calls)
+
+    def add(self, index: int | None, call_id: str, name: str, arguments: str) -> None:
+        """Take one piece."""
+        if index is None:
+            known = any(call.id == call_id for call in self._calls.values())
+            index = len(self._calls) if (call_id and not known) or self._last < 0 else self._last
+        call = self._calls.get(index)
+        if call is None:
+            if len(self._calls) >= MAX_TOOL_CALLS:
+                raise FramingError(f"more than {MAX_TOOL_CALLS} tool calls")
+            call = self._calls[index] = _PendingCall()
+        self._last = index
+        if call_id and not call.id:
+            call.id = call_id[:_MAX_TOOL_NAME]
+        if name and not call.name:
+            call.name = name[:_MAX_TOOL_NAME]
+        if arguments:
+            self._chars += len(arguments)
+            if self._chars > MAX_TOOL_ARGUMENTS:
+                raise FramingError(f"tool call arguments longer than {MAX_TOOL_ARGUMENTS}")
+            call.arguments.append(arguments)
+
+    def whole(self) -> list[ToolCall]:
+        """The calls, in index order; :class:`FramingError` for one that never got a name."""
+        calls = []
+        for index in sorted(self._calls):
+            call = self._calls[index]
+            if not call.name:
+                raise FramingError(f"tool call {index} has no name")
+            calls.append(
+                ToolCall(id=call.id, name=call.name, arguments="".join(call.arguments) or "{}")
+            )
+        return calls
+
+
+class _PendingCall:
+    """A tool call being assembled (:class:`ToolCallPieces`)."""
+
+    __slots__ = ("arguments", "id", "name")
+
+    def __init__(self) -> None:
+        self.id = ""
+        self.name = ""
+        self.arguments: list[str] = []
 
 
 class InBandError(Exception):
@@ -349,9 +452,28 @@ class StreamParser:
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
         self.tool_calls: list[ToolCall] = []
+        #: Log probabilities read and not yet handed over (:meth:`take_logprobs`).
+        self.logprobs: list[TokenLogprob] = []
+        self._logprobs_kept = 0
 
     def feed(self, piece: bytes) -> str:
         raise NotImplementedError
+
+    def add_logprobs(self, logprobs: Sequence[TokenLogprob]) -> None:
+        """Keep ``logprobs``, up to :data:`MAX_LOGPROBS` for the whole answer."""
+        room = MAX_LOGPROBS - self._logprobs_kept
+        if room > 0 and logprobs:
+            kept = logprobs[:room]
+            self.logprobs.extend(kept)
+            self._logprobs_kept += len(kept)
+
+    def take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The log probabilities read since the last call (they go with its delta)."""
+        if not self.logprobs:
+            return ()
+        taken = tuple(self.logprobs)
+        self.logprobs = []
+        return taken
 
     def end(self) -> None:
         """The body ended (a last, unterminated piece may still be read)."""
@@ -390,6 +512,7 @@ class StreamParser:
             usage=usage_of(self.prompt_tokens, self.completion_tokens, request, -(-len(text) // 4)),
             finish_reason=self._reason(),
             tool_calls=tuple(self.tool_calls),
+            logprobs=self.take_logprobs(),
         )
 
     def last(self) -> Delta:
@@ -625,6 +748,12 @@ class HTTPBackend:
 
     # ------------------------------------------------- what a format says
 
+    def _untranslatable(self, request: InferenceRequest, what: str) -> BadRequestError:
+        """The error for a request this format cannot carry (never sent, never dropped)."""
+        return BadRequestError(
+            f"{what} (adapter {type(self).__name__})", backend=self._name, request_id=request.id
+        )
+
     def _auth_headers(self, key: str) -> dict[str, str]:
         """The headers that carry the key (and the format's own): ``Authorization: Bearer``."""
         return {"Authorization": f"Bearer {key}"} if key else {}
@@ -727,8 +856,8 @@ class HTTPBackend:
                 async with clock.bounded():
                     raw = await response.aread()
                 generation = self._whole(raw, request)
-                if generation.text:
-                    yield Delta(text=generation.text)
+                if generation.text or generation.logprobs:
+                    yield Delta(text=generation.text, logprobs=generation.logprobs)
                 parser.adopt(generation)
                 return
             pieces = response.aiter_bytes().__aiter__()
@@ -739,7 +868,9 @@ class HTTPBackend:
                 except StopAsyncIteration:
                     break
                 text = self._feed(parser, piece, request)
-                if text:
+                if parser.logprobs:
+                    yield Delta(text=text, logprobs=parser.take_logprobs())
+                elif text:
                     yield Delta(text=text)
             self._feed(parser, None, request)
         finally:
@@ -808,7 +939,7 @@ class HTTPBackend:
         """A whole answer, its failures translated."""
         try:
             return self._generation(body, request)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, FramingError) as exc:
             raise self._malformed("malformed response body", exc, request) from exc
         except InBandError as exc:
             raise self._in_band(exc, request) from None

@@ -6,11 +6,33 @@ long the model stays loaded) and the model ``options`` (``num_ctx``, the
 context it is loaded with, ...) exist only here, and the native stream
 reports its token counts without asking.
 
-The body is the chat as it is (system, user, assistant and tool messages),
-``stream``, ``keep_alive`` and ``options``: the config's options, with the
-request's parameters over them (``max_tokens`` as ``num_predict``,
-``temperature``, ``top_p``, ``stop``, ``seed``). A key, when configured
-(Ollama behind a proxy, or ollama.com), goes as ``Authorization: Bearer``.
+The body is the chat (system, user, assistant and tool messages, each
+message's text as ``content``), ``stream``, ``keep_alive``, ``options``,
+``tools`` and ``format``:
+
+- images go in a message's ``images`` list as base64: only ``data:`` URLs
+  can be sent (the adapter does not fetch ``https`` URLs: such a request is
+  refused, ``BadRequestError``);
+- an assistant's tool calls as ``tool_calls: [{"function": {"name",
+  "arguments"}}]``, the arguments an object (their JSON text parsed: text
+  that does not parse is refused); a tool message as role ``tool`` with
+  ``tool_name``, the name of the call it answers (found by its
+  ``tool_call_id`` among the assistant's calls), when known;
+- ``tools`` as ``[{"type": "function", "function": {...}}]``. Ollama has no
+  ``tool_choice``: ``none`` sends no tools, a named tool sends that tool
+  alone; ``required`` sends them all (the model is asked, not forced, to
+  call one);
+- ``response_format`` ``json_object`` as ``"format": "json"``,
+  ``json_schema`` as ``"format": <the schema>``;
+- ``options``: the config's, the request's parameters over them
+  (``max_tokens`` as ``num_predict``, ``temperature``, ``top_p``, ``stop``,
+  ``seed``, ``presence_penalty``, ``frequency_penalty``) and the request's
+  ``extra`` parameters Ollama documents as options (``top_k``, ``min_p``,
+  ``repeat_penalty``, ``num_ctx``, ...: :data:`OPTION_EXTRAS`); other extra
+  parameters are left out.
+
+A key, when configured (Ollama behind a proxy, or ollama.com), goes as
+``Authorization: Bearer``.
 
 The stream is one JSON object per line (``application/x-ndjson``): each has
 ``message.content`` (answer text; ``message.thinking`` is not) and
@@ -23,7 +45,8 @@ its status (a 400 saying the input "exceeds the context length" is a
 context-length failure). A non-streaming answer is one such object.
 
 ``done_reason``: ``stop`` (``tool_calls`` when the model called tools),
-``length``; others (``load``, ``unload``) pass through.
+``length``; others (``load``, ``unload``) pass through. Ollama has no log
+probabilities here.
 """
 
 from __future__ import annotations
@@ -35,18 +58,19 @@ import msgspec
 from msgspec import Struct
 
 from ..config import OllamaConfig
-from ..wire._messages import InferenceRequest
+from ..wire._messages import ChatMessage, InferenceRequest, NamedTool
 from ._http import (
     HTTPBackend,
     InBandError,
     LineParser,
+    data_url_base64,
     error_detail,
     given_params,
     tool_arguments,
 )
 from .base import Generation, ToolCall
 
-__all__ = ["OllamaBackend"]
+__all__ = ["OPTION_EXTRAS", "OllamaBackend"]
 
 
 class _Function(Struct):
@@ -82,7 +106,32 @@ _OPTION_NAMES: Final = {
     "top_p": "top_p",
     "stop": "stop",
     "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
 }
+#: The ``extra`` parameters that go into ``options``: the model options
+#: Ollama documents (docs/modelfile.md, docs/api.md). Others are left out.
+OPTION_EXTRAS: Final = frozenset(
+    {
+        "num_keep",
+        "num_ctx",
+        "num_batch",
+        "num_gpu",
+        "main_gpu",
+        "num_thread",
+        "use_mmap",
+        "top_k",
+        "min_p",
+        "typical_p",
+        "repeat_last_n",
+        "repeat_penalty",
+        "penalize_newline",
+        "mirostat",
+        "mirostat_tau",
+        "mirostat_eta",
+    }
+)
+_JSON_DECODER: Final = msgspec.json.Decoder()
 
 
 class _LineParser(LineParser):
@@ -131,17 +180,67 @@ class OllamaBackend(HTTPBackend):
     def _payload(
         self, request: InferenceRequest, priority: int | None, *, stream: bool
     ) -> dict[str, Any]:
-        options = {**self._options, **given_params(request, _OPTION_NAMES)}
+        params = request.params
+        extra = {name: value for name, value in params.extra.items() if name in OPTION_EXTRAS}
+        options = {**self._options, **extra, **given_params(request, _OPTION_NAMES)}
         body: dict[str, Any] = {
             "model": self._ollama.model,
-            "messages": request.messages,
+            "messages": self._messages(request),
             "stream": stream,
         }
+        if params.tools and params.tool_choice != "none":
+            choice = params.tool_choice
+            offered = [
+                tool
+                for tool in params.tools
+                if not isinstance(choice, NamedTool) or tool.name == choice.name
+            ]
+            body["tools"] = [
+                {"type": "function", "function": msgspec.to_builtins(tool)} for tool in offered
+            ]
+        response_format = params.response_format
+        if response_format is not None and response_format.type == "json_object":
+            body["format"] = "json"
+        elif response_format is not None and response_format.type == "json_schema":
+            schema = response_format.json_schema
+            body["format"] = schema.schema if schema is not None else {}
         if options:
             body["options"] = options
         if self._ollama.keep_alive is not None:
             body["keep_alive"] = self._ollama.keep_alive
         return body
+
+    def _messages(self, request: InferenceRequest) -> list[dict[str, Any]]:
+        """The chat in Ollama's shape (module docstring)."""
+        names = {call.id: call.name for m in request.messages for call in m.tool_calls if call.id}
+        return [self._message(request, message, names) for message in request.messages]
+
+    def _message(
+        self, request: InferenceRequest, message: ChatMessage, names: dict[str, str]
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": message.role, "content": message.text}
+        images = []
+        for image in message.images:
+            try:
+                images.append(data_url_base64(image.url)[1])
+            except ValueError as exc:
+                raise self._untranslatable(request, f"Ollama image: {exc}") from None
+        if images:
+            out["images"] = images
+        calls = []
+        for call in message.tool_calls:
+            try:
+                arguments = _JSON_DECODER.decode(call.arguments)
+            except msgspec.DecodeError:
+                raise self._untranslatable(
+                    request, f"tool call {call.name!r}: its arguments are not JSON"
+                ) from None
+            calls.append({"function": {"name": call.name, "arguments": arguments}})
+        if calls:
+            out["tool_calls"] = calls
+        if message.role == "tool" and message.tool_call_id in names:
+            out["tool_name"] = names[message.tool_call_id]
+        return out
 
     def _generation(self, body: bytes, request: InferenceRequest) -> Generation:
         parser = _LineParser()

@@ -6,28 +6,49 @@ Cerebras, the Hugging Face router (``https://router.huggingface.co/v1``) and
 OpenAI itself all answer ``POST {base_url}/chat/completions``. So this one
 adapter, given a :class:`~renqueue.config.BackendConfig`, is most backends.
 
-The format's own parts are here: the body (``stream_options.include_usage``
-for usage in a stream, vLLM's ``priority`` on request), the SSE chunks
-(``choices[].delta.content``, ``finish_reason``, a usage-only chunk, ``data:
-[DONE]``, in-band ``{"error": ...}``), the key as ``Authorization: Bearer``
-and the rate-limit dialect ``config.limit_style`` names. The pools, the
-clock, the error mapping and the secret-keeping are :mod:`._http`'s.
+The format's own parts are here: the body (the request's messages in
+OpenAI's shape: content parts, ``name``, an assistant's ``tool_calls`` as
+``{"id", "type": "function", "function": {"name", "arguments"}}``, a tool
+message's ``tool_call_id``; every parameter it has a field for; ``tools``
+and ``tool_choice`` in their ``function`` wrapping; the request's ``extra``
+parameters as they are, never over a field set here;
+``stream_options.include_usage`` for usage in a stream, vLLM's ``priority``
+on request), the SSE chunks (``choices[].delta.content``, tool calls in
+pieces in ``delta.tool_calls``, ``logprobs.content``, ``finish_reason``, a
+usage-only chunk, ``data: [DONE]``, in-band ``{"error": ...}``), the key as
+``Authorization: Bearer`` and the rate-limit dialect ``config.limit_style``
+names. The pools, the clock, the error mapping and the secret-keeping are
+:mod:`._http`'s.
+
+What a backend sends is bounded where it is read: tool calls and their
+arguments (:class:`~._http.ToolCallPieces`), a log probability's token,
+bytes and alternatives (past the wire's bounds: a malformed answer), and
+the log probabilities kept of an answer (:data:`~._http.MAX_LOGPROBS`).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Final
+from collections.abc import Sequence
+from typing import Annotated, Any, ClassVar, Final
 
 import httpx
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from ..config import BackendConfig, LimitStyle
-from ..wire._messages import InferenceRequest
+from ..wire._messages import (
+    ChatMessage,
+    GenerationParams,
+    InferenceRequest,
+    NamedTool,
+    TokenLogprob,
+    TopLogprob,
+)
 from ._http import (
     HTTPBackend,
     InBandError,
     SSEParser,
+    ToolCallPieces,
     error_detail,
     given_params,
 )
@@ -39,7 +60,11 @@ __all__ = ["OpenAIBackend"]
 
 # ----------------------------------------------------------------- wire types
 # Only the fields we read; msgspec skips the rest. Loose types (``| None``)
-# because "OpenAI-compatible" servers differ in what they leave out or null.
+# because "OpenAI-compatible" servers differ in what they leave out or null;
+# bounds (``Meta``) where what is read is kept: past them, an answer is malformed.
+
+_Short = Annotated[str, Meta(max_length=1024)]
+_Bytes = Annotated[list[Annotated[int, Meta(ge=0, le=255)]], Meta(max_length=1024)]
 
 
 class _WireUsage(Struct):
@@ -51,13 +76,46 @@ class _WireError(Struct):
     message: str = ""
 
 
+class _WireFunction(Struct):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _WireToolCall(Struct):
+    index: Annotated[int, Meta(ge=0, le=1_000_000)] | None = None
+    id: str | None = None
+    function: _WireFunction | None = None
+
+
+class _WireTop(Struct):
+    token: _Short = ""
+    logprob: float = 0.0
+    bytes: _Bytes | None = None
+
+
+class _WireLogprob(Struct):
+    token: _Short = ""
+    logprob: float = 0.0
+    bytes: _Bytes | None = None
+    top_logprobs: Annotated[list[_WireTop], Meta(max_length=20)] | None = None
+
+
+class _WireLogprobs(Struct):
+    content: list[_WireLogprob] | None = None
+
+
+_ToolCalls = Annotated[list[_WireToolCall], Meta(max_length=128)]
+
+
 class _WireDelta(Struct):
     content: str | None = None
+    tool_calls: _ToolCalls | None = None
 
 
 class _WireChunkChoice(Struct):
     delta: _WireDelta | None = None
     finish_reason: str | None = None
+    logprobs: _WireLogprobs | None = None
 
 
 class _WireChunk(Struct):
@@ -68,11 +126,13 @@ class _WireChunk(Struct):
 
 class _WireMessage(Struct):
     content: str | None = None
+    tool_calls: _ToolCalls | None = None
 
 
 class _WireChoice(Struct):
     message: _WireMessage | None = None
     finish_reason: str | None = None
+    logprobs: _WireLogprobs | None = None
 
 
 class _WireCompletion(Struct):
@@ -82,14 +142,64 @@ class _WireCompletion(Struct):
 
 _CHUNK_DECODER: Final = msgspec.json.Decoder(_WireChunk)
 _COMPLETION_DECODER: Final = msgspec.json.Decoder(_WireCompletion)
-#: The request's parameters, as this format names them: as they are.
-_PARAMS: Final = {name: name for name in ("max_tokens", "temperature", "top_p", "stop", "seed")}
+#: The request's parameters this format has a field for, as they are.
+_PARAMS: Final = {
+    name: name
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "logprobs",
+        "top_logprobs",
+        "parallel_tool_calls",
+        "user",
+    )
+}
+#: Body fields an ``extra`` parameter never replaces: the ones set here and
+#: every parameter Ren-Queue knows (set or not: an unset one stays unset).
+_RESERVED: Final = frozenset(
+    {"model", "messages", "stream", "stream_options", "priority", "tools", "tool_choice"}
+    | (set(GenerationParams.__struct_fields__) - {"extra"})
+)
+
+
+def _logprobs(wire: _WireLogprobs | None) -> list[TokenLogprob]:
+    if wire is None or not wire.content:
+        return []
+    return [
+        TokenLogprob(
+            token=item.token,
+            logprob=item.logprob,
+            bytes=item.bytes,
+            top_logprobs=tuple(
+                TopLogprob(token=top.token, logprob=top.logprob, bytes=top.bytes)
+                for top in item.top_logprobs or ()
+            ),
+        )
+        for item in wire.content
+    ]
+
+
+def _add_calls(pieces: ToolCallPieces, calls: Sequence[_WireToolCall]) -> None:
+    for call in calls:
+        function = call.function or _WireFunction()
+        pieces.add(call.index, call.id or "", function.name or "", function.arguments or "")
 
 
 class _ChunkParser(SSEParser):
-    """Folds chat-completion chunks into text, finish reason and usage."""
+    """Folds chat-completion chunks into text, finish reason, usage, tool
+    calls (assembled from their pieces, whole when the stream ends) and log
+    probabilities."""
 
     incomplete: ClassVar[str] = "stream ended before [DONE]"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces = ToolCallPieces()
 
     def event(self, event: ServerSentEvent) -> str:
         data = event.data
@@ -110,16 +220,72 @@ class _ChunkParser(SSEParser):
         for choice in chunk.choices or ():
             if choice.finish_reason is not None:
                 self.finish_reason = choice.finish_reason
-            if choice.delta is not None and choice.delta.content:
-                text += choice.delta.content
+            delta = choice.delta
+            if delta is not None:
+                if delta.content:
+                    text += delta.content
+                if delta.tool_calls:
+                    _add_calls(self.pieces, delta.tool_calls)
+            if choice.logprobs is not None:
+                self.add_logprobs(_logprobs(choice.logprobs))
         if text:  # (self.counted, inlined: once per token on the hottest path)
             self.deltas += 1
         return text
+
+    def end(self) -> None:
+        super().end()
+        if self.pieces:
+            self.tool_calls = self.pieces.whole()
 
     def unterminated(self, event: ServerSentEvent) -> None:
         # Servers that close right after a bare [DONE], without its blank line.
         if event.data == "[DONE]":
             self.complete = True
+
+
+# -------------------------------------------------------------------- body
+
+
+def _message(message: ChatMessage) -> dict[str, Any]:
+    """One message in OpenAI's shape."""
+    out: dict[str, Any] = {"role": message.role}
+    content = message.content
+    if isinstance(content, str):
+        # An assistant turn that only calls tools has no content: null, as OpenAI writes it.
+        out["content"] = None if not content and message.tool_calls else content
+    else:
+        out["content"] = msgspec.to_builtins(content)
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _tools_and_format(params: GenerationParams) -> dict[str, Any]:
+    """``tools``, ``tool_choice`` and ``response_format``, as OpenAI wraps them."""
+    out: dict[str, Any] = {}
+    if params.tools:
+        out["tools"] = [
+            {"type": "function", "function": msgspec.to_builtins(tool)} for tool in params.tools
+        ]
+    choice = params.tool_choice
+    if isinstance(choice, NamedTool):
+        out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    elif choice is not None:
+        out["tool_choice"] = choice
+    if params.response_format is not None:
+        out["response_format"] = msgspec.to_builtins(params.response_format)
+    return out
 
 
 class OpenAIBackend(HTTPBackend):
@@ -150,11 +316,14 @@ class OpenAIBackend(HTTPBackend):
     def _payload(
         self, request: InferenceRequest, priority: int | None, *, stream: bool
     ) -> dict[str, Any]:
+        params = request.params
         body: dict[str, Any] = {
-            "model": self._config.model,
-            "messages": request.messages,
-            **given_params(request, _PARAMS),
+            name: value for name, value in params.extra.items() if name not in _RESERVED
         }
+        body["model"] = self._config.model
+        body["messages"] = [_message(message) for message in request.messages]
+        body.update(given_params(request, _PARAMS))
+        body.update(_tools_and_format(params))
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
@@ -172,4 +341,13 @@ class OpenAIBackend(HTTPBackend):
         if completion.usage is not None:
             parser.prompt_tokens = completion.usage.prompt_tokens
             parser.completion_tokens = completion.usage.completion_tokens
-        return parser.whole((choice.message.content if choice.message else None) or "", request)
+        message = choice.message or _WireMessage()
+        if message.tool_calls:
+            for position, call in enumerate(message.tool_calls):
+                function = call.function or _WireFunction()
+                parser.pieces.add(
+                    position, call.id or "", function.name or "", function.arguments or ""
+                )
+            parser.tool_calls = parser.pieces.whole()
+        parser.add_logprobs(_logprobs(choice.logprobs))
+        return parser.whole(message.content or "", request)

@@ -16,8 +16,16 @@ blank line apart), ending where the assistant's turn begins. ``parameters``
 are the config's, the request's over them: ``max_tokens`` as
 ``max_new_tokens``, ``temperature`` (TGI refuses 0: greedy decoding,
 ``do_sample = false``, is sent instead), ``top_p`` (below 1 only, as TGI
-requires), ``stop``, ``seed``; always ``details = true`` (the finish reason
-and token counts) and ``return_full_text = false``. A key, when configured
+requires), ``stop``, ``seed``, ``frequency_penalty``; a ``response_format``
+as a ``grammar`` (``json_schema``: ``{"type": "json", "value": <the
+schema>}``; ``json_object``: the same with the schema ``{"type":
+"object"}``, any object); the request's ``extra`` parameters TGI documents
+(``top_k``, ``repetition_penalty``, ``typical_p``, ``truncate``, ...:
+:data:`PARAMETER_EXTRAS`; others are left out); always ``details = true``
+(the finish reason and token counts) and ``return_full_text = false``.
+Tools, tool calls and tool messages, images and log probabilities have no
+counterpart here: a request with any is refused (``BadRequestError``; the
+router sends none, as the adapter's features say). A key, when configured
 (Inference Endpoints), goes as ``Authorization: Bearer``.
 
 The stream is server-sent events, one per token: ``{"index", "token":
@@ -61,7 +69,7 @@ from ._http import (
 from ._sse import ServerSentEvent
 from .base import Generation
 
-__all__ = ["TGIBackend", "render_prompt"]
+__all__ = ["PARAMETER_EXTRAS", "TGIBackend", "render_prompt"]
 
 
 class _Token(Struct):
@@ -99,7 +107,28 @@ _ERROR_DECODER: Final = msgspec.json.Decoder(_ErrorBody)
 _FINISH_REASONS: Final = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
 #: The request's parameters TGI takes as they are, as it names them (``temperature``
 #: and ``top_p`` have bounds of their own: see ``_payload``).
-_PARAMETER_NAMES: Final = {"max_tokens": "max_new_tokens", "stop": "stop", "seed": "seed"}
+_PARAMETER_NAMES: Final = {
+    "max_tokens": "max_new_tokens",
+    "stop": "stop",
+    "seed": "seed",
+    "frequency_penalty": "frequency_penalty",
+}
+#: The ``extra`` parameters that go into ``parameters``: the ones TGI
+#: documents for ``/generate`` that Ren-Queue has no field of its own for.
+PARAMETER_EXTRAS: Final = frozenset(
+    {
+        "top_k",
+        "typical_p",
+        "repetition_penalty",
+        "truncate",
+        "watermark",
+        "top_n_tokens",
+        "decoder_input_details",
+        "adapter_id",
+    }
+)
+#: ``json_object``'s grammar: any JSON object.
+_ANY_OBJECT: Final = {"type": "object"}
 #: The class of each ``error_type`` (``validation``: by its message).
 _ERROR_CLASSES: Final[dict[str, FailureClass | None]] = {
     "validation": None,
@@ -140,7 +169,16 @@ _FORMATS: Final[dict[str, Callable[[Sequence[ChatMessage]], str]]] = {
 
 
 def render_prompt(messages: Sequence[ChatMessage], prompt_format: str) -> str:
-    """The chat as one prompt in ``prompt_format`` (``chatml``, ``llama3``, ``plain``)."""
+    """The chat as one prompt in ``prompt_format`` (``chatml``, ``llama3``, ``plain``).
+
+    ``ValueError`` for what a prompt cannot hold: images, an assistant's
+    tool calls, a tool message answering one (by ``tool_call_id``; one
+    without is text, llama3's ``ipython`` turn)."""
+    for message in messages:
+        if message.images:
+            raise ValueError("a prompt cannot hold images")
+        if message.tool_calls or message.tool_call_id is not None:
+            raise ValueError("a prompt cannot hold tool calls or the results that answer them")
     return _FORMATS[prompt_format](messages)
 
 
@@ -191,7 +229,14 @@ class TGIBackend(HTTPBackend):
         self, request: InferenceRequest, priority: int | None, *, stream: bool
     ) -> dict[str, Any]:
         params = request.params
-        parameters = {**self._parameters, **given_params(request, _PARAMETER_NAMES)}
+        if params.tools or params.logprobs or params.top_logprobs:
+            raise self._untranslatable(request, "TGI's /generate has no tools or log probabilities")
+        try:
+            inputs = render_prompt(request.messages, self._tgi.prompt_format)
+        except ValueError as exc:
+            raise self._untranslatable(request, str(exc)) from None
+        extra = {name: value for name, value in params.extra.items() if name in PARAMETER_EXTRAS}
+        parameters = {**self._parameters, **extra, **given_params(request, _PARAMETER_NAMES)}
         if params.temperature == 0:
             parameters.pop("temperature", None)
             parameters["do_sample"] = False
@@ -199,12 +244,16 @@ class TGIBackend(HTTPBackend):
             parameters["temperature"] = params.temperature
         if params.top_p is not None and params.top_p < 1:
             parameters["top_p"] = params.top_p
+        response_format = params.response_format
+        if response_format is not None and response_format.type == "json_object":
+            parameters["grammar"] = {"type": "json", "value": _ANY_OBJECT}
+        elif response_format is not None and response_format.type == "json_schema":
+            schema = response_format.json_schema
+            value = schema.schema if schema is not None and schema.schema else _ANY_OBJECT
+            parameters["grammar"] = {"type": "json", "value": value}
         parameters["details"] = True
         parameters["return_full_text"] = False
-        return {
-            "inputs": render_prompt(request.messages, self._tgi.prompt_format),
-            "parameters": parameters,
-        }
+        return {"inputs": inputs, "parameters": parameters}
 
     def _generation(self, body: bytes, request: InferenceRequest) -> Generation:
         answer = _ANSWER_DECODER.decode(body)

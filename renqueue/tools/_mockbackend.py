@@ -14,6 +14,18 @@ quota-exhausted 429s on demand, a concurrency cap, random failures, streaming
 non-streaming answers. The generated text is deterministic (``"tok0 tok1 tok2
 ..."``) so tests can assert on content.
 
+Tool calls: an OpenAI or Ollama request that offers tools gets a tool call
+instead of (OpenAI) or after (Ollama) its text when it asks for one:
+``tool_choice`` naming a tool calls that one, ``"required"`` the first
+tool, and otherwise a last user message saying ``call <name>`` calls the
+tool of that name (``tool_choice: "none"`` never calls one). The call's
+arguments are ``{"text": "tok0 tok1 ..."}`` (the answer's tokens, streamed
+in pieces, one per token: ``_mockdialects.tool_arguments``) and its finish
+reason ``tool_calls``. OpenAI requests with ``logprobs`` get log
+probabilities (``top_logprobs`` alternatives each). The request's tools,
+tool calls, tool results, images and response format are checked against
+the provider's schema: a wrong shape gets the provider's 400.
+
 Fault injection (``_mockfaults`` has the kinds and their exact wire format):
 the ``faults`` setting scripts faults for chat requests in arrival order
 and/or draws them at random (with ``seed``): ``500``, ``503`` (overloaded),
@@ -680,7 +692,7 @@ class MockBackend:
         )
         frames = dialect.frames(plan.reply)
         head, tail, opening = frames.head, frames.tail, frames.opening
-        pieces = dialect.pieces(count)
+        pieces = dialect.pieces_for(plan.reply, count)
         cut = False
         if plan.fault is None:
             closing = frames.closing + frames.done
@@ -928,6 +940,7 @@ def _plan(
     fault: FaultKind | None = None,
 ) -> _Plan:
     cap = body.cap
+    cut = cap is not None and cap < settings.output_tokens
     return _Plan(
         reply=Reply(
             id=request_id,
@@ -936,9 +949,11 @@ def _plan(
             completion_tokens=settings.output_tokens
             if cap is None
             else min(cap, settings.output_tokens),
-            finish_reason="length" if cap is not None and cap < settings.output_tokens else "stop",
+            finish_reason="length" if cut else "stop" if body.tool is None else "tool_calls",
             include_usage=body.include_usage,
             openrouter=settings.limit_style in ("openrouter", "openrouter-body"),
+            tool=body.tool,
+            logprobs=body.logprobs,
         ),
         dialect=dialect,
         settings=settings,
@@ -952,7 +967,7 @@ def _faulty_stream(plan: _Plan, frames: Frames) -> tuple[bytes, list[bytes], boo
     fault = plan.fault
     dialect = plan.dialect
     count = plan.reply.completion_tokens
-    pieces = dialect.pieces(count)
+    pieces = dialect.pieces_for(plan.reply, count)
     closing = frames.closing
     if fault == "break":
         return b"", pieces, True

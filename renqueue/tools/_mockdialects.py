@@ -36,12 +36,23 @@ mock's ``limit_style`` (Ollama and TGI send none of their own).
 Simplifications, each harmless to what the adapters read: Ollama's
 durations are fixed numbers; TGI's last event always carries an
 end-of-sequence token (``special: true``), and ``generated_tokens`` does not
-count it; Gemini streams only as ``alt=sse`` (not as a JSON array); tools
-are never called.
+count it; Gemini streams only as ``alt=sse`` (not as a JSON array).
+
+Tools: OpenAI's and Ollama's dialects check the tools, tool calls, tool
+results, images and response formats a request sends, and answer with a
+tool call when the request asks for one (:func:`tool_to_call`): its
+arguments are ``{"text": "tok0 tok1 ..."}``, the answer's tokens, streamed
+in pieces one token each (OpenAI's ``delta.tool_calls``; Ollama sends the
+call whole after the text). OpenAI's returns log probabilities when asked
+(``logprobs``, ``top_logprobs``): every token ``-0.25``, its alternatives
+the token itself, then ``alt1`` (``-1.5``), ``alt2`` (``-2.75``), ....
+Other dialects never call tools.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, ClassVar, Final, Literal, NamedTuple
@@ -64,6 +75,8 @@ __all__ = [
     "Target",
     "answer_text",
     "token_text",
+    "tool_arguments",
+    "tool_to_call",
 ]
 
 _ENCODER: Final = msgspec.json.Encoder()
@@ -139,6 +152,11 @@ class Call(Struct, frozen=True, kw_only=True):
     cap: int | None = None
     #: Usage in the stream (OpenAI's ``stream_options.include_usage``; others always).
     include_usage: bool = True
+    #: The tool the answer calls (:func:`tool_to_call`); ``None``: it answers in text.
+    tool: str | None = None
+    #: Log probabilities asked for: the number of likeliest alternatives per
+    #: token (OpenAI's ``top_logprobs``); ``None``: not asked.
+    logprobs: int | None = None
 
 
 class Reply(Struct, frozen=True, kw_only=True):
@@ -153,6 +171,10 @@ class Reply(Struct, frozen=True, kw_only=True):
     include_usage: bool = True
     #: OpenAI's dialect: mid-stream errors in OpenRouter's form.
     openrouter: bool = False
+    #: As in :class:`Call`: the tool called (with ``finish_reason``
+    #: ``tool_calls``), and the alternatives per token of log probabilities.
+    tool: str | None = None
+    logprobs: int | None = None
 
 
 class Frames(NamedTuple):
@@ -217,6 +239,11 @@ class Dialect:
         """One token's bytes between the stream's head and tail."""
         raise NotImplementedError
 
+    def pieces_for(self, reply: Reply, count: int) -> list[bytes]:
+        """The token pieces of ``reply``: :meth:`pieces`, unless the dialect
+        streams a tool call's arguments or log probabilities its own way."""
+        return self.pieces(count)
+
     def cut(self, piece: bytes, text: str) -> bytes:
         """``piece`` cut right after its token's text: not JSON any more."""
         encoded = text.encode()
@@ -266,24 +293,155 @@ class _InMessage(Struct):
     content: str | list[Any] | None = None
 
 
+def tool_to_call(tools: list[str], choice: object, last_user: str) -> str | None:
+    """The tool a mock answer calls, of the request's ``tools`` (their names):
+    the one ``choice`` (its ``tool_choice``) names; the first when it is
+    ``required``; else one the last user message asks for by ``call <name>``;
+    else none (and none when ``choice`` is ``none``)."""
+    if not tools or choice == "none":
+        return None
+    if isinstance(choice, str) and choice in tools:  # a named tool, already unwrapped
+        return choice
+    if choice == "required":
+        return tools[0]
+    return next((name for name in tools if f"call {name}" in last_user), None)
+
+
+def tool_arguments(count: int) -> str:
+    """A mock tool call's arguments: the answer's ``count`` tokens, as JSON text."""
+    return _json({"text": answer_text(count)}).decode()
+
+
+def _argument_pieces(count: int) -> list[str]:
+    """:func:`tool_arguments` in pieces, one per token: the first opens the
+    object, the closing ``"}`` is the dialect's to send last."""
+    return [('{"text":"' if index == 0 else "") + token_text(index) for index in range(count)]
+
+
+class _TextIn(Struct, tag_field="type", tag="text"):
+    text: str
+
+
+class _ImageURLIn(Struct, forbid_unknown_fields=True):
+    url: Annotated[str, Meta(min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class _ImageIn(Struct, tag_field="type", tag="image_url"):
+    image_url: _ImageURLIn
+
+
+class _FunctionCallIn(Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1)]
+    arguments: str
+
+
+class _ToolCallIn(Struct, forbid_unknown_fields=True):
+    id: str
+    type: Literal["function"]
+    function: _FunctionCallIn
+
+
+class _OpenAIMessage(Struct, forbid_unknown_fields=True):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[_TextIn | _ImageIn] | None = None
+    name: str | None = None
+    tool_calls: list[_ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class _FunctionIn(Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _ToolIn(Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: _FunctionIn
+
+
+class _NameIn(Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class _NamedChoiceIn(Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: _NameIn
+
+
+class _JsonSchemaIn(Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1)]
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class _ResponseFormatIn(Struct, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchemaIn | None = None
+
+
 class _StreamOptions(Struct):
     include_usage: bool = False
 
 
 class _ChatBody(Struct):
     model: str
-    messages: Annotated[list[_InMessage], Meta(min_length=1)]
+    messages: Annotated[list[_OpenAIMessage], Meta(min_length=1)]
     stream: bool = False
     stream_options: _StreamOptions | None = None
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    response_format: _ResponseFormatIn | None = None
+    tools: list[_ToolIn] | None = None
+    tool_choice: Literal["none", "auto", "required"] | _NamedChoiceIn | None = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
 
 
 _CHAT_DECODER: Final = msgspec.json.Decoder(_ChatBody)
 
 
+def _openai_checked(body: _ChatBody) -> None:
+    """What OpenAI refuses that its schema alone does not say (a 400 each)."""
+    if body.tool_choice is not None and not body.tools:
+        raise msgspec.ValidationError("tool_choice is only allowed when tools are specified")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise msgspec.ValidationError("logprobs must be true when top_logprobs is given")
+    format_ = body.response_format
+    if format_ is not None and (format_.type == "json_schema") != (format_.json_schema is not None):
+        raise msgspec.ValidationError("response_format.json_schema goes with type json_schema")
+    names = {tool.function.name for tool in body.tools or ()}
+    choice = body.tool_choice
+    if isinstance(choice, _NamedChoiceIn) and choice.function.name not in names:
+        raise msgspec.ValidationError(f"tool_choice names no tool: {choice.function.name}")
+    for message in body.messages:
+        if message.tool_calls and message.role != "assistant":
+            raise msgspec.ValidationError("only assistant messages carry tool_calls")
+        if message.role == "tool" and not message.tool_call_id:
+            raise msgspec.ValidationError("a tool message needs its tool_call_id")
+
+
+def _openai_text(content: str | list[_TextIn | _ImageIn] | None) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.text) for part in content or () if isinstance(part, _TextIn))
+
+
 class OpenAIDialect(Dialect):
-    """``/v1/chat/completions``: chunks with ``choices[].delta``, a usage chunk, ``[DONE]``."""
+    """``/v1/chat/completions``: chunks with ``choices[].delta``, a usage chunk, ``[DONE]``.
+
+    A tool call streams as OpenAI streams one: a first piece with the call's
+    ``id``, ``type`` and ``function.name`` (arguments empty), then pieces
+    of ``function.arguments`` alone, by ``index``, then finish reason
+    ``tool_calls``.
+    """
 
     name = "openai"
     id_prefix = "chatcmpl-mock-"
@@ -300,18 +458,53 @@ class OpenAIDialect(Dialect):
         "busy": "concurrency_limit_exceeded",
     }
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._tool_pieces: list[bytes] = []
+        self._logprob_pieces: dict[int, list[bytes]] = {}
+
     def decode(self, raw: bytes, target: Target) -> Call:
         body = _CHAT_DECODER.decode(raw)
+        _openai_checked(body)
+        choice = body.tool_choice
+        users = [m for m in body.messages if m.role == "user"]
+        tool = tool_to_call(
+            [tool.function.name for tool in body.tools or ()],
+            choice.function.name if isinstance(choice, _NamedChoiceIn) else choice,
+            _openai_last_text(users[-1].content) if users else "",
+        )
         return Call(
             model=body.model,
-            prompt_tokens=_chat_tokens(body.messages),
+            prompt_tokens=_prompt_tokens(sum(_openai_text(m.content) for m in body.messages)),
             stream=body.stream,
             cap=body.max_completion_tokens or body.max_tokens,
             include_usage=body.stream_options is not None and body.stream_options.include_usage,
+            tool=tool,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         )
 
     def piece(self, text: str, index: int) -> bytes:
         return b'{"content":"' + text.encode() + b'"},"finish_reason":null}]}\n\n'
+
+    def pieces_for(self, reply: Reply, count: int) -> list[bytes]:
+        if reply.tool is not None:
+            pieces = self._tool_pieces
+            for text in _argument_pieces(count)[len(pieces) :]:
+                pieces.append(_json(_tool_delta(arguments=text)) + b',"finish_reason":null}]}\n\n')
+            return pieces
+        if reply.logprobs is not None:
+            pieces = self._logprob_pieces.setdefault(reply.logprobs, [])
+            for index in range(len(pieces), count):
+                text = token_text(index)
+                pieces.append(
+                    b'{"content":'
+                    + _json(text)
+                    + b'},"logprobs":'
+                    + _json({"content": [_logprob(text, reply.logprobs)]})
+                    + b',"finish_reason":null}]}\n\n'
+                )
+            return pieces
+        return self.pieces(count)
 
     def _prefix(self, reply: Reply) -> bytes:
         return (
@@ -323,33 +516,70 @@ class OpenAIDialect(Dialect):
         prefix = self._prefix(reply)
         choice = prefix + b',"choices":[{"index":0,"delta":'
         closing = choice + b'{},"finish_reason":"' + reply.finish_reason.encode() + b'"}]}\n\n'
+        opening = choice + b'{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+        if reply.tool is not None:
+            first = _tool_delta(call_id=_call_id(reply), name=reply.tool, arguments="")
+            opening = (
+                choice
+                + b'{"role":"assistant","content":null},"finish_reason":null}]}\n\n'
+                + choice
+                + _json(first)
+                + b',"finish_reason":null}]}\n\n'
+            )
+            # The arguments' closing piece (an empty answer: all of them).
+            last = '"}' if reply.completion_tokens else tool_arguments(0)
+            closing = (
+                choice
+                + _json(_tool_delta(arguments=last))
+                + b',"finish_reason":null}]}\n\n'
+                + closing
+            )
         if reply.include_usage:
             closing += prefix + b',"choices":[],"usage":' + _json(_openai_usage(reply)) + b"}\n\n"
         return Frames(
             head=choice,
             tail=b"",
-            opening=choice + b'{"role":"assistant","content":""},"finish_reason":null}]}\n\n',
+            opening=opening,
             closing=closing,
             done=b"data: [DONE]\n\n",
         )
 
     def answer(self, reply: Reply) -> bytes:
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": answer_text(reply.completion_tokens),
+        }
+        if reply.tool is not None:
+            message["content"] = None
+            message["tool_calls"] = [
+                {
+                    "id": _call_id(reply),
+                    "type": "function",
+                    "function": {
+                        "name": reply.tool,
+                        "arguments": tool_arguments(reply.completion_tokens),
+                    },
+                }
+            ]
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "finish_reason": reply.finish_reason,
+        }
+        if reply.logprobs is not None and reply.tool is None:
+            choice["logprobs"] = {
+                "content": [
+                    _logprob(token_text(index), reply.logprobs)
+                    for index in range(reply.completion_tokens)
+                ]
+            }
         return _json(
             {
                 "id": reply.id,
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": reply.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {
-                            "role": "assistant",
-                            "content": answer_text(reply.completion_tokens),
-                        },
-                        "finish_reason": reply.finish_reason,
-                    }
-                ],
+                "choices": [choice],
                 "usage": _openai_usage(reply),
             }
         )
@@ -369,6 +599,44 @@ class OpenAIDialect(Dialect):
     def not_found(self, model: str) -> tuple[int, bytes]:
         message = f"The model `{model}` does not exist or you do not have access to it."
         return 404, self.error(404, "not_found", message)
+
+
+def _openai_last_text(content: str | list[_TextIn | _ImageIn] | None) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n".join(part.text for part in content or () if isinstance(part, _TextIn))
+
+
+def _call_id(reply: Reply) -> str:
+    return "call_" + reply.id.rpartition("-")[2]
+
+
+def _tool_delta(*, call_id: str = "", name: str = "", arguments: str) -> dict[str, Any]:
+    """A ``delta`` with one piece of tool call 0: the first (id, type, name) or a later one."""
+    function: dict[str, str] = {"arguments": arguments}
+    call: dict[str, Any] = {"index": 0, "function": function}
+    if call_id:
+        call.update(id=call_id, type="function")
+        function["name"] = name
+    return {"tool_calls": [call]}
+
+
+def _logprob(token: str, top: int) -> dict[str, Any]:
+    """A token's log probability as OpenAI writes it, with ``top`` alternatives."""
+    encoded = list(token.encode())
+    return {
+        "token": token,
+        "logprob": -0.25,
+        "bytes": encoded,
+        "top_logprobs": [
+            {
+                "token": token if rank == 0 else f"alt{rank}",
+                "logprob": -0.25 - 1.25 * rank,
+                "bytes": encoded if rank == 0 else list(f"alt{rank}".encode()),
+            }
+            for rank in range(top)
+        ],
+    }
 
 
 def _openai_usage(reply: Reply) -> dict[str, int]:
@@ -524,16 +792,54 @@ class AnthropicDialect(Dialect):
 
 class _OllamaOptions(Struct):
     num_predict: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+
+
+class _OllamaFunctionIn(Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1)]
+    #: An object, not JSON text (unlike OpenAI's).
+    arguments: dict[str, Any]
+
+
+class _OllamaToolCallIn(Struct, forbid_unknown_fields=True):
+    function: _OllamaFunctionIn
+
+
+class _OllamaMessage(Struct, forbid_unknown_fields=True):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    #: Base64 image bytes (no URLs, no data: prefix).
+    images: list[str] | None = None
+    tool_calls: list[_OllamaToolCallIn] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None
 
 
 class _OllamaBody(Struct):
     model: str
-    messages: Annotated[list[_InMessage], Meta(min_length=1)]
+    messages: Annotated[list[_OllamaMessage], Meta(min_length=1)]
     stream: bool = True  # Ollama streams unless told not to
     options: _OllamaOptions | None = None
+    tools: list[_ToolIn] | None = None
+    #: ``"json"`` or a JSON schema.
+    format: Literal["json"] | dict[str, Any] | None = None
 
 
 _OLLAMA_DECODER: Final = msgspec.json.Decoder(_OllamaBody)
+
+
+def _ollama_checked(body: _OllamaBody) -> None:
+    """Images must be bare base64 (Ollama reads no URLs)."""
+    for message in body.messages:
+        for image in message.images or ():
+            try:
+                base64.b64decode(image, validate=True)
+            except (binascii.Error, ValueError):
+                raise msgspec.ValidationError("an image is not base64 (no URLs here)") from None
+
+
 #: The durations (ns) every answer reports.
 _OLLAMA_TIMINGS: Final = {
     "total_duration": 4883583458,
@@ -552,16 +858,24 @@ class OllamaDialect(Dialect):
     name = "ollama"
     content_type = "application/x-ndjson"
     terminator = b"\n"
-    finish_names: ClassVar[Mapping[str, str]] = {"content_filter": "stop"}
+    finish_names: ClassVar[Mapping[str, str]] = {"content_filter": "stop", "tool_calls": "stop"}
 
     def decode(self, raw: bytes, target: Target) -> Call:
         body = _OLLAMA_DECODER.decode(raw)
+        _ollama_checked(body)
         predict = body.options.num_predict if body.options is not None else None
+        users = [m for m in body.messages if m.role == "user"]
         return Call(
             model=body.model,
-            prompt_tokens=_chat_tokens(body.messages),
+            prompt_tokens=_prompt_tokens(sum(len(m.content) for m in body.messages)),
             stream=body.stream,
             cap=predict if predict is not None and predict > 0 else None,
+            # Ollama has no tool_choice: only a request for a tool calls one.
+            tool=tool_to_call(
+                [tool.function.name for tool in body.tools or ()],
+                None,
+                users[-1].content if users else "",
+            ),
         )
 
     def piece(self, text: str, index: int) -> bytes:
@@ -581,14 +895,24 @@ class OllamaDialect(Dialect):
             "eval_count": reply.completion_tokens,
         }
 
+    def _tool_calls(self, reply: Reply) -> list[dict[str, Any]]:
+        arguments = {"text": answer_text(reply.completion_tokens)}
+        return [{"function": {"name": reply.tool, "arguments": arguments}}]
+
     def frames(self, reply: Reply) -> Frames:
         head = self._head(reply)
         final = _json(self._final(reply, ""))
-        return Frames(head=head, tail=b"", opening=b"", closing=head + final[1:] + b"\n", done=b"")
+        closing = head + final[1:] + b"\n"
+        if reply.tool is not None:  # the call comes whole, in a line of its own, after the text
+            message = {"role": "assistant", "content": "", "tool_calls": self._tool_calls(reply)}
+            closing = head + _json({"message": message, "done": False})[1:] + b"\n" + closing
+        return Frames(head=head, tail=b"", opening=b"", closing=closing, done=b"")
 
     def answer(self, reply: Reply) -> bytes:
-        final = _json(self._final(reply, answer_text(reply.completion_tokens)))
-        return self._head(reply) + final[1:]
+        final = self._final(reply, answer_text(reply.completion_tokens))
+        if reply.tool is not None:
+            final["message"]["tool_calls"] = self._tool_calls(reply)
+        return self._head(reply) + _json(final)[1:]
 
     def error(self, status: int, kind: ErrorKind, message: str) -> bytes:
         if kind == "busy" and status == 503:
@@ -615,8 +939,19 @@ class OllamaDialect(Dialect):
 # --------------------------------------------------------------------- TGI
 
 
+class _TGIGrammar(Struct, forbid_unknown_fields=True):
+    type: Literal["json", "regex"]
+    #: A JSON schema (``json``) or a regular expression (``regex``).
+    value: dict[str, Any] | str
+
+
 class _TGIParameters(Struct):
     max_new_tokens: Annotated[int, Meta(ge=1)] | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
+    top_k: Annotated[int, Meta(gt=0)] | None = None
+    typical_p: Annotated[float, Meta(gt=0, lt=1)] | None = None
+    grammar: _TGIGrammar | None = None
 
 
 class _TGIBody(Struct):
