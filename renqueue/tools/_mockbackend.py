@@ -939,6 +939,7 @@ def _plan(
             finish_reason="length" if cap is not None and cap < settings.output_tokens else "stop",
             include_usage=body.include_usage,
             openrouter=settings.limit_style in ("openrouter", "openrouter-body"),
+            tool=body.tool,
         ),
         dialect=dialect,
         settings=settings,
