@@ -601,6 +601,7 @@ class AnthropicDialect(Dialect):
         "stop": "end_turn",
         "length": "max_tokens",
         "content_filter": "refusal",
+        "tool_calls": "tool_use",
     }
     error_names: ClassVar[Mapping[str, str]] = {
         "bad_request": "invalid_request_error",
@@ -1148,6 +1149,7 @@ class GeminiDialect(Dialect):
         "stop": "STOP",
         "length": "MAX_TOKENS",
         "content_filter": "SAFETY",
+        "tool_calls": "STOP",  # Gemini says STOP after function calls too
     }
 
     def decode(self, raw: bytes, target: Target) -> Call:
