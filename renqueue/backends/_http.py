@@ -38,10 +38,11 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, ClassVar, Final, Self, TypeVar
+from typing import Any, ClassVar, Final, NamedTuple, Self, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -67,11 +68,13 @@ __all__ = [
     "Clock",
     "FramingError",
     "HTTPBackend",
+    "ImageSource",
     "InBandError",
     "LineParser",
     "SSEParser",
     "StreamParser",
     "ToolCallPieces",
+    "arguments_object",
     "bad_request_class",
     "common_finish",
     "data_url_base64",
@@ -79,6 +82,7 @@ __all__ = [
     "error_detail",
     "error_for",
     "given_params",
+    "image_source",
     "named_class",
     "status_class",
     "system_and_turns",
@@ -1057,3 +1061,56 @@ class Clock:
             else "no first token in time (first_token_timeout or total_timeout)"
         )
         return RetryableBackendError(what, backend=backend, request_id=request.id, failure=failure)
+
+
+# ------------------------------------------------ native request translation
+# What the native adapters (Anthropic, Gemini, ...) share when they turn a
+# request's images and tool calls into their provider's shapes.
+
+#: ``data:<image type>;base64,<data>``: the only data URL an image may be.
+_DATA_IMAGE = re.compile(r"data:(image/[A-Za-z0-9][A-Za-z0-9.+-]{0,126});base64,", re.ASCII)
+
+
+class ImageSource(NamedTuple):
+    """An image part's URL, read: inline bytes (``media_type`` and the base64
+    ``data``) or a remote ``url``."""
+
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+def image_source(url: str) -> ImageSource:
+    """What an image part's URL is: a base64 ``data:image/...`` URL (its media
+    type in lower case, its data checked to be base64) or an ``http(s)://``
+    URL; ``ValueError`` (saying why, never quoting the data) for anything else."""
+    if url.startswith(("https://", "http://")):
+        return ImageSource(url=url)
+    match = _DATA_IMAGE.match(url)
+    if match is None:
+        if url.startswith("data:"):
+            raise ValueError("an image data URL must be data:image/<type>;base64,<data>")
+        raise ValueError("an image URL must be https:// or a data:image/...;base64 URL")
+    data = url[match.end() :]
+    try:
+        if not data or not base64.b64decode(data, validate=True):
+            raise ValueError("an image data URL holds no data")
+    except binascii.Error as exc:
+        raise ValueError("an image data URL's data is not valid base64") from exc
+    return ImageSource(media_type=match.group(1).lower(), data=data)
+
+
+def arguments_object(call: ToolCall) -> dict[str, Any]:
+    """A tool call's arguments as the JSON object providers with native tool
+    calls take (``{}`` for none); ``ValueError`` when they are not one (a
+    model's broken JSON handed back in a later turn)."""
+    if not call.arguments.strip():
+        return {}
+    try:
+        value = msgspec.json.decode(call.arguments)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"the arguments of tool call {call.name!r} are not valid JSON") from exc
+    if not isinstance(value, dict):
+        # ValueError, as for bad JSON: the caller treats both as a bad request.
+        raise ValueError(f"the arguments of tool call {call.name!r} are not a JSON object")  # noqa: TRY004
+    return value

@@ -3,11 +3,28 @@
 ``POST {base_url}/messages`` with the key in ``x-api-key`` and the
 ``anthropic-version`` header. The chat maps onto the Messages body: system
 messages become the top-level ``system`` text (joined by blank lines), the
-rest user and assistant turns (a ``tool`` message, which carries no tool-use
-id in the wire format yet, goes as a user turn); ``max_tokens`` is required
-there, so a request without one asks for the config's ``max_tokens``;
-``temperature`` is capped at 1 (Anthropic's range is 0-1); ``stop`` is
-``stop_sequences``; ``seed`` has no counterpart and is not sent.
+rest user and assistant turns, alternating as Anthropic requires (messages of
+one role in a row become one turn). Content parts become content blocks:
+text, and images as ``base64`` sources (``data:`` URLs of JPEG, PNG, GIF or
+WebP) or ``url`` sources (``https://``). An assistant's tool calls become
+``tool_use`` blocks (``input``: the arguments, which must be a JSON object);
+a ``tool`` message a ``tool_result`` block in a user turn, before any text
+there. A message's ``name`` has no counterpart and is dropped.
+
+Parameters: ``max_tokens`` is required there, so a request without one asks
+for the config's ``max_tokens``; ``temperature`` is capped at 1 (Anthropic's
+range is 0-1); ``stop`` is ``stop_sequences``; ``tools`` are ``{name,
+description, input_schema}`` (an empty object schema for a tool without
+parameters); ``tool_choice`` ``auto``, ``required``, a named tool and
+``none`` are ``{"type": "auto"}``, ``{"type": "any"}``, ``{"type": "tool",
+"name"}`` and ``{"type": "none"}``, with ``disable_parallel_tool_use`` when
+``parallel_tool_calls`` is false; ``user`` is ``metadata.user_id``; of
+``extra`` only ``top_k`` is sent. ``seed`` and the penalties have no
+counterpart and are not sent. A JSON response format and log probabilities
+Anthropic cannot give: asked for (the router sends no such request here),
+they are a bad request, as are unparseable tool-call arguments, a malformed
+image URL or a tool message without its ``tool_call_id``; none of these is
+sent.
 
 The stream is server-sent events with ``event:`` lines
 (https://docs.anthropic.com/en/api/messages-streaming): ``message_start``
@@ -34,7 +51,7 @@ Azure's output filter is); others pass through.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Final
 
 import httpx
@@ -42,16 +59,25 @@ import msgspec
 from msgspec import Struct
 
 from ..config import AnthropicConfig, LimitStyle
-from ..errors import FailureClass
-from ..wire._messages import InferenceRequest
+from ..errors import BadRequestError, FailureClass
+from ..wire._messages import (
+    ChatMessage,
+    GenerationParams,
+    InferenceRequest,
+    NamedTool,
+    TextPart,
+    Tool,
+)
 from ._http import (
     HTTPBackend,
     InBandError,
     SSEParser,
+    arguments_object,
     common_finish,
     decoded,
     error_detail,
     given_params,
+    image_source,
     named_class,
     system_and_turns,
     tool_arguments,
@@ -132,6 +158,8 @@ _ERROR_DECODER: Final = msgspec.json.Decoder(_ErrorBody)
 
 #: The request's parameters Anthropic takes as they are, as it names them.
 _PARAM_NAMES: Final = {"top_p": "top_p", "stop": "stop_sequences"}
+#: The image types the Messages API takes inline.
+_IMAGE_TYPES: Final = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
 _STOP_REASONS: Final = {
     "end_turn": "stop",
     "stop_sequence": "stop",
@@ -153,6 +181,133 @@ _ERROR_CLASSES: Final[dict[str, FailureClass | None]] = {
     "not_found_error": FailureClass.UNAVAILABLE,
     "billing_error": FailureClass.UNAVAILABLE,
 }
+
+
+# --------------------------------------------------------- request translation
+
+
+def _refuse_unsupported(params: GenerationParams) -> None:
+    """Features the Messages API lacks (the router sends none here: a request
+    asking for one is refused, not half done)."""
+    fmt = params.response_format
+    if fmt is not None and fmt.type != "text":
+        raise ValueError(f"Anthropic has no response_format {fmt.type}")
+    if params.logprobs or params.top_logprobs:
+        raise ValueError("Anthropic returns no log probabilities")
+
+
+def _turns(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """The chat as Messages turns: user and assistant alternating (a ``tool``
+    message is a ``tool_result`` in a user turn; turns of one role in a row
+    become one), each turn's content a string when it is one text block."""
+    turns: list[dict[str, Any]] = []
+    for message in messages:
+        role = "assistant" if message.role == "assistant" else "user"
+        blocks = _blocks(message)
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"].extend(blocks)
+        else:
+            turns.append({"role": role, "content": blocks})
+    for turn in turns:
+        blocks = [b for b in turn["content"] if b["type"] != "text" or b["text"]]
+        # Anthropic wants a user turn's tool results before anything else in it.
+        blocks.sort(key=lambda block: block["type"] != "tool_result")
+        if not blocks or (len(blocks) == 1 and blocks[0]["type"] == "text"):
+            turn["content"] = blocks[0]["text"] if blocks else ""
+        else:
+            turn["content"] = blocks
+    return turns
+
+
+def _blocks(message: ChatMessage) -> list[dict[str, Any]]:
+    """One message's content blocks (its ``name`` has no counterpart: dropped)."""
+    if message.role == "tool":
+        if not message.tool_call_id:
+            raise ValueError("a tool message must name the tool call it answers (tool_call_id)")
+        result: dict[str, Any] = {"type": "tool_result", "tool_use_id": message.tool_call_id}
+        content = _content(message)
+        if content:
+            result["content"] = (
+                content[0]["text"]
+                if len(content) == 1 and content[0]["type"] == "text"
+                else content
+            )
+        return [result]
+    if message.role == "assistant" and message.images:
+        raise ValueError("an assistant message cannot hold images")
+    blocks = _content(message)
+    for call in message.tool_calls:
+        blocks.append(
+            {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments_object(call)}
+        )
+    return blocks
+
+
+def _content(message: ChatMessage) -> list[dict[str, Any]]:
+    """A message's text and images as content blocks, in their order."""
+    content = message.content
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    blocks: list[dict[str, Any]] = []
+    for part in content:
+        if isinstance(part, TextPart):
+            blocks.append({"type": "text", "text": part.text})
+            continue
+        source = image_source(part.image_url.url)
+        if source.url is not None:
+            blocks.append({"type": "image", "source": {"type": "url", "url": source.url}})
+        else:
+            if source.media_type not in _IMAGE_TYPES:
+                raise ValueError(
+                    f"Anthropic takes images as {', '.join(sorted(_IMAGE_TYPES))}, "
+                    f"not {source.media_type}"
+                )
+            blocks.append(
+                {
+                    "type": "image",
+                    "source": {
+                        "type": "base64",
+                        "media_type": source.media_type,
+                        "data": source.data,
+                    },
+                }
+            )
+    return blocks
+
+
+def _tool(tool: Tool) -> dict[str, Any]:
+    """A tool as Anthropic declares one (its arguments' schema an object's, as required)."""
+    declared: dict[str, Any] = {
+        "name": tool.name,
+        "input_schema": tool.parameters or {"type": "object", "properties": {}},
+    }
+    if tool.description:
+        declared["description"] = tool.description
+    return declared
+
+
+def _tool_choice(params: GenerationParams) -> dict[str, Any] | None:
+    """``tool_choice`` (with ``disable_parallel_tool_use``) in Anthropic's shape."""
+    choice = params.tool_choice
+    if not params.tools:
+        if choice in ("required",) or isinstance(choice, NamedTool):
+            raise ValueError("tool_choice asks for a tool call, but the request offers no tools")
+        return None
+    if isinstance(choice, NamedTool):
+        if all(tool.name != choice.name for tool in params.tools):
+            raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
+        shape: dict[str, Any] = {"type": "tool", "name": choice.name}
+    elif choice == "none":
+        return {"type": "none"}  # no calls: nothing to say about parallel ones
+    elif choice == "required":
+        shape = {"type": "any"}
+    elif choice == "auto" or params.parallel_tool_calls is False:
+        shape = {"type": "auto"}
+    else:
+        return None
+    if params.parallel_tool_calls is False:
+        shape["disable_parallel_tool_use"] = True
+    return shape
 
 
 class _EventParser(SSEParser):
@@ -267,21 +422,44 @@ class AnthropicBackend(HTTPBackend):
     def _payload(
         self, request: InferenceRequest, priority: int | None, *, stream: bool
     ) -> dict[str, Any]:
+        try:
+            return self._body_of(request, stream=stream)
+        except ValueError as exc:
+            raise BadRequestError(
+                f"cannot send this request to Anthropic: {exc}",
+                backend=self.name,
+                request_id=request.id,
+            ) from None  # ours, and its cause may quote the request
+
+    def _body_of(self, request: InferenceRequest, *, stream: bool) -> dict[str, Any]:
+        """The Messages body; ``ValueError`` for what Anthropic cannot be asked."""
         params = request.params
+        _refuse_unsupported(params)
         system, turns = system_and_turns(request.messages)
+        if any(m.images for m in request.messages if m.role == "system"):
+            raise ValueError("a system message cannot hold images")
         body: dict[str, Any] = {
             "model": self._anthropic.model,
             "max_tokens": params.max_tokens or self._anthropic.max_tokens,
-            "messages": [
-                {"role": "assistant" if m.role == "assistant" else "user", "content": m.text}
-                for m in turns
-            ],
+            "messages": _turns(turns),
             **given_params(request, _PARAM_NAMES),
         }
         if system is not None:
             body["system"] = system
         if params.temperature is not None:
             body["temperature"] = min(params.temperature, 1.0)
+        top_k = params.extra.get("top_k")
+        if top_k is not None:
+            if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+                raise ValueError("top_k must be a whole number of at least 0")
+            body["top_k"] = top_k
+        if params.tools:
+            body["tools"] = [_tool(tool) for tool in params.tools]
+        choice = _tool_choice(params)
+        if choice is not None:
+            body["tool_choice"] = choice
+        if params.user is not None:
+            body["metadata"] = {"user_id": params.user}
         if stream:
             body["stream"] = True
         return body

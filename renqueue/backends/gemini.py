@@ -5,17 +5,38 @@ and ``:generateContent`` (not), with the key in ``x-goog-api-key`` (never in
 the URL's ``?key=``, where it would reach logs), as
 https://ai.google.dev/api/generate-content documents them.
 
-The chat maps onto ``contents``: user (and ``tool``, which carries no
-function name in the wire format yet) turns as ``user``, assistant turns as
-``model``, system messages as ``systemInstruction`` (joined by blank
-lines); the parameters onto ``generationConfig`` (``maxOutputTokens``,
-``temperature``, ``topP``, ``stopSequences``, ``seed``, and the config's
-``topK``), with the config's ``safetySettings``.
+The chat maps onto ``contents``: user turns as ``user``, assistant turns as
+``model`` (turns of one role in a row merged), system messages as
+``systemInstruction`` (joined by blank lines). Content parts become parts:
+text, images as ``inlineData`` (``data:`` URLs) or ``fileData`` (``https://``
+URLs, the MIME type guessed from the extension, JPEG if it says nothing). An
+assistant's tool calls are ``functionCall`` parts (``args``: the arguments
+as a JSON object; the first of a turn carries Google's documented stand-in
+``thoughtSignature``, as the real one is not kept and Gemini 3 refuses a
+replayed call without one); a ``tool`` message is a ``functionResponse``
+part in a user turn, named after the earlier call whose id it answers, its
+text under ``response.output`` (as JSON when it parses). A message's
+``name`` has no counterpart and is dropped.
+
+The parameters go in ``generationConfig`` (``maxOutputTokens``,
+``temperature``, ``topP``, ``stopSequences``, ``seed``, ``presencePenalty``,
+``frequencyPenalty``, ``topK`` from ``extra``'s ``top_k`` or the config;
+the rest of ``extra`` is left out), a JSON response format as
+``responseMimeType`` (and ``responseJsonSchema``), with the config's
+``safetySettings``. ``tools`` are ``functionDeclarations`` whose
+``parametersJsonSchema`` is the tool's JSON Schema as given; ``tool_choice``
+is ``toolConfig.functionCallingConfig`` (``AUTO``, ``ANY``, ``NONE``; a
+named tool ``ANY`` with ``allowedFunctionNames``). ``user`` and
+``parallel_tool_calls`` have no counterpart and are not sent. Log
+probabilities are not asked for (a bad request), nor is anything this
+adapter cannot translate (unparseable tool-call arguments, a malformed image
+URL, a tool message answering no earlier call).
 
 The stream is server-sent events, each a whole ``GenerateContentResponse``
 (no end marker): ``candidates[0].content.parts[].text`` is answer text
 (parts marked ``thought`` are not), ``functionCall`` parts are tool calls
-(whole, ``args`` an object), ``finishReason`` ends it, ``usageMetadata``
+(whole, ``args`` an object; one without an ``id`` gets ``call_<n>``, its
+place among the answer's calls), ``finishReason`` ends it, ``usageMetadata``
 (``promptTokenCount``, ``candidatesTokenCount`` plus ``thoughtsTokenCount``
 as output) counts. A prompt the safety filters block comes back as a 200
 with ``promptFeedback.blockReason`` and no candidates: a content-filter
@@ -41,22 +62,34 @@ functions), ``MAX_TOKENS`` ``length``; ``SAFETY``, ``RECITATION``,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import PurePosixPath
 from typing import Any, ClassVar, Final
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
 from msgspec import Struct, field
 
 from ..config import GeminiConfig, LimitStyle
-from ..errors import FailureClass
-from ..wire._messages import InferenceRequest
+from ..errors import BadRequestError, FailureClass
+from ..wire._messages import (
+    ChatMessage,
+    GenerationParams,
+    InferenceRequest,
+    NamedTool,
+    TextPart,
+    Tool,
+)
 from ._http import (
     HTTPBackend,
     InBandError,
     SSEParser,
+    arguments_object,
     decoded,
     error_detail,
     given_params,
+    image_source,
     named_class,
     system_and_turns,
     tool_arguments,
@@ -129,6 +162,8 @@ _CONFIG_NAMES: Final = {
     "top_p": "topP",
     "stop": "stopSequences",
     "seed": "seed",
+    "presence_penalty": "presencePenalty",
+    "frequency_penalty": "frequencyPenalty",
 }
 _FILTERED: Final = "content_filter"
 _FINISH_REASONS: Final = {
@@ -153,6 +188,130 @@ _STATUS_CLASSES: Final[dict[str, FailureClass | None]] = {
     "NOT_FOUND": FailureClass.UNAVAILABLE,
     "FAILED_PRECONDITION": FailureClass.UNAVAILABLE,
 }
+
+
+# --------------------------------------------------------- request translation
+
+#: What an image URL's extension says its type is (Gemini wants one for a
+#: ``fileData`` URL; JPEG when the extension says nothing).
+_IMAGE_TYPES: Final = {
+    ".png": "image/png",
+    ".jpg": "image/jpeg",
+    ".jpeg": "image/jpeg",
+    ".webp": "image/webp",
+    ".heic": "image/heic",
+    ".heif": "image/heif",
+    ".gif": "image/gif",
+}
+#: Google's documented stand-in for a function call's ``thoughtSignature``
+#: when the real one was not kept (Gemini 3 refuses replayed calls without one).
+_NO_SIGNATURE: Final = "skip_thought_signature_validator"
+
+
+def _contents(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """The chat as ``contents``: ``user`` and ``model`` turns, turns of one role
+    in a row merged (all of a model turn's calls answered in one user turn, as
+    Gemini counts them), a ``tool`` message a ``functionResponse`` part."""
+    contents: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        role = "model" if message.role == "assistant" else "user"
+        if message.role == "tool":
+            parts = [_function_response(message, messages[:index])]
+        else:
+            parts = _parts(message)
+        if contents and contents[-1]["role"] == role:
+            contents[-1]["parts"].extend(parts)
+        else:
+            contents.append({"role": role, "parts": parts})
+    for content in contents:
+        parts = [p for p in content["parts"] if p.get("text") != ""]
+        content["parts"] = parts or [{"text": ""}]
+    return contents
+
+
+def _parts(message: ChatMessage) -> list[dict[str, Any]]:
+    """A user or model message's parts: text, images, function calls (its
+    ``name`` has no counterpart: dropped)."""
+    content = message.content
+    parts: list[dict[str, Any]] = []
+    for part in [TextPart(text=content)] if isinstance(content, str) else content:
+        if isinstance(part, TextPart):
+            parts.append({"text": part.text})
+            continue
+        source = image_source(part.image_url.url)
+        if source.url is not None:
+            mime = _IMAGE_TYPES.get(PurePosixPath(urlsplit(source.url).path).suffix.lower())
+            parts.append({"fileData": {"mimeType": mime or "image/jpeg", "fileUri": source.url}})
+        else:
+            parts.append({"inlineData": {"mimeType": source.media_type, "data": source.data}})
+    for index, call in enumerate(message.tool_calls):
+        function_call: dict[str, Any] = {"name": call.name, "args": arguments_object(call)}
+        if call.id:
+            function_call["id"] = call.id
+        call_part: dict[str, Any] = {"functionCall": function_call}
+        if index == 0:  # Gemini signs a turn's first call
+            call_part["thoughtSignature"] = _NO_SIGNATURE
+        parts.append(call_part)
+    return parts
+
+
+def _function_response(message: ChatMessage, earlier: Sequence[ChatMessage]) -> dict[str, Any]:
+    """A tool message as a ``functionResponse`` part: the name of the call it
+    answers (the latest with its id), the result under ``output`` (its JSON
+    value when the text is JSON, else the text), as Gemini documents it."""
+    call_id = message.tool_call_id
+    if not call_id:
+        raise ValueError("a tool message must name the tool call it answers (tool_call_id)")
+    name = next((c.name for m in reversed(earlier) for c in m.tool_calls if c.id == call_id), None)
+    if name is None:
+        raise ValueError(f"tool message answers {call_id!r}, which no earlier tool call is")
+    if message.images:
+        raise ValueError("Gemini takes a function's response as JSON, without images")
+    text = message.text
+    try:
+        output: Any = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        output = text
+    return {"functionResponse": {"id": call_id, "name": name, "response": {"output": output}}}
+
+
+def _declaration(tool: Tool) -> dict[str, Any]:
+    """A function declaration, its parameters' schema as JSON Schema (what
+    OpenAI clients write), not Gemini's OpenAPI subset."""
+    declared: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        declared["description"] = tool.description
+    if tool.parameters:
+        declared["parametersJsonSchema"] = tool.parameters
+    return declared
+
+
+def _tool_config(params: GenerationParams) -> dict[str, Any] | None:
+    """``functionCallingConfig`` for the request's ``tool_choice`` (``parallel_tool_calls``
+    has no counterpart)."""
+    choice = params.tool_choice
+    if not params.tools:
+        if choice == "required" or isinstance(choice, NamedTool):
+            raise ValueError("tool_choice asks for a tool call, but the request offers no tools")
+        return None
+    if isinstance(choice, NamedTool):
+        if all(tool.name != choice.name for tool in params.tools):
+            raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
+        return {"mode": "ANY", "allowedFunctionNames": [choice.name]}
+    modes = {"auto": "AUTO", "required": "ANY", "none": "NONE"}
+    return None if choice is None else {"mode": modes[choice]}
+
+
+def _response_format(params: GenerationParams) -> dict[str, Any]:
+    """The ``generationConfig`` fields of the response format."""
+    fmt = params.response_format
+    if fmt is None or fmt.type == "text":
+        return {}
+    if fmt.type == "json_object":
+        return {"responseMimeType": "application/json"}
+    if fmt.json_schema is None:
+        raise ValueError("response_format json_schema needs its json_schema")
+    return {"responseMimeType": "application/json", "responseJsonSchema": fmt.json_schema.schema}
 
 
 class _ResponseParser(SSEParser):
@@ -191,8 +350,11 @@ class _ResponseParser(SSEParser):
                 text += part.text
             if part.function_call is not None:
                 call = part.function_call
+                # Gemini may give no id: one that stays the same for this
+                # answer, which the tool message then names.
+                call_id = call.id or f"call_{len(self.tool_calls)}"
                 self.tool_calls.append(
-                    ToolCall(id=call.id or "", name=call.name, arguments=tool_arguments(call.args))
+                    ToolCall(id=call_id, name=call.name, arguments=tool_arguments(call.args))
                 )
         if candidate.finish_reason is not None:
             self.complete = True
@@ -225,21 +387,38 @@ class GeminiBackend(HTTPBackend):
     def _payload(
         self, request: InferenceRequest, priority: int | None, *, stream: bool
     ) -> dict[str, Any]:
+        try:
+            return self._body_of(request)
+        except ValueError as exc:
+            raise BadRequestError(
+                f"cannot send this request to Gemini: {exc}",
+                backend=self.name,
+                request_id=request.id,
+            ) from None  # ours, and its cause may quote the request
+
+    def _body_of(self, request: InferenceRequest) -> dict[str, Any]:
+        """The ``GenerateContentRequest``; ``ValueError`` for what Gemini cannot be asked."""
+        params = request.params
+        if params.logprobs or params.top_logprobs:
+            raise ValueError("this adapter does not ask Gemini for log probabilities")
         system, turns = system_and_turns(request.messages)
-        body: dict[str, Any] = {
-            "contents": [
-                {
-                    "role": "model" if m.role == "assistant" else "user",
-                    "parts": [{"text": m.text}],
-                }
-                for m in turns
-            ]
-        }
+        if any(m.images for m in request.messages if m.role == "system"):
+            raise ValueError("a system message cannot hold images")
+        body: dict[str, Any] = {"contents": _contents(turns)}
         if system is not None:
             body["systemInstruction"] = {"parts": [{"text": system}]}
+        if params.tools:
+            body["tools"] = [{"functionDeclarations": [_declaration(t) for t in params.tools]}]
+        tool_config = _tool_config(params)
+        if tool_config is not None:
+            body["toolConfig"] = {"functionCallingConfig": tool_config}
         config = given_params(request, _CONFIG_NAMES)
-        if self._gemini.top_k is not None:
-            config["topK"] = self._gemini.top_k
+        top_k = params.extra.get("top_k", self._gemini.top_k)
+        if top_k is not None:
+            if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+                raise ValueError("top_k must be a whole number of at least 1")
+            config["topK"] = top_k
+        config.update(_response_format(params))
         if config:
             body["generationConfig"] = config
         if self._safety:

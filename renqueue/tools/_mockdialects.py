@@ -46,7 +46,16 @@ in pieces one token each (OpenAI's ``delta.tool_calls``; Ollama sends the
 call whole after the text). OpenAI's returns log probabilities when asked
 (``logprobs``, ``top_logprobs``): every token ``-0.25``, its alternatives
 the token itself, then ``alt1`` (``-1.5``), ``alt2`` (``-2.75``), ....
-Other dialects never call tools.
+
+Tool calls (Anthropic's and Gemini's dialects): a request is checked as its
+provider checks it (roles, tool results against the calls they answer,
+base64, schemas; a refusal is the provider's 400, its message prefixed
+``invalid request body:``), and the answer calls a tool after its text when
+the request offers tools and forces one (Anthropic ``tool_choice`` ``any``
+or ``tool``, Gemini mode ``ANY``) or its last user message says ``call
+<tool name>`` (never when the choice is none): :func:`called_tool`, with the
+arguments :data:`MOCK_TOOL_ARGUMENTS`. Gemini's calls carry no id, as the
+Gemini API's do not.
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Final, Literal, NamedTuple
 from urllib.parse import unquote
 
@@ -650,9 +659,77 @@ def _openai_usage(reply: Reply) -> dict[str, int]:
 # --------------------------------------------------------------- Anthropic
 
 
+#: The arguments of every tool call the mock makes.
+MOCK_TOOL_ARGUMENTS: Final = {"query": "mock"}
+
+
+def called_tool(tools: Sequence[str], forced: str | None, last_user_text: str) -> str | None:
+    """The tool a mock answer calls, if any: with tools offered, the one the
+    request forces (``forced``: a tool's name, or ``""`` for any tool, which
+    is the first), else the one the last user message asks for as ``call
+    <name>``; ``None`` (an answer of text only) otherwise. A request whose
+    tool choice is none offers no tools here."""
+    if not tools:
+        return None
+    if forced is not None:
+        return forced or tools[0]
+    return next((name for name in tools if f"call {name}" in last_user_text), None)
+
+
+def _base64_ok(data: str) -> bool:
+    try:
+        return bool(binascii.a2b_base64(data, strict_mode=True))
+    except binascii.Error:
+        return False
+
+
+class _AnthropicText(Struct, tag_field="type", tag="text"):
+    text: str
+
+
+class _AnthropicBase64(Struct, tag_field="type", tag="base64"):
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class _AnthropicURL(Struct, tag_field="type", tag="url"):
+    url: str
+
+
+class _AnthropicImage(Struct, tag_field="type", tag="image"):
+    source: _AnthropicBase64 | _AnthropicURL
+
+
+class _AnthropicToolUse(Struct, tag_field="type", tag="tool_use"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class _AnthropicToolResult(Struct, tag_field="type", tag="tool_result"):
+    tool_use_id: str
+    content: str | list[_AnthropicText | _AnthropicImage] = ""
+    is_error: bool = False
+
+
+_AnthropicBlock = _AnthropicText | _AnthropicImage | _AnthropicToolUse | _AnthropicToolResult
+
+
 class _AnthropicMessage(Struct):
-    role: str
-    content: str | list[Any]
+    role: Literal["user", "assistant"]
+    content: str | list[_AnthropicBlock]
+
+
+class _AnthropicTool(Struct):
+    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
+    input_schema: dict[str, Any]
+    description: str | None = None
+
+
+class _AnthropicToolChoice(Struct):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class _AnthropicBody(Struct):
@@ -661,9 +738,115 @@ class _AnthropicBody(Struct):
     messages: Annotated[list[_AnthropicMessage], Meta(min_length=1)]
     system: str | list[Any] | None = None
     stream: bool = False
+    tools: list[_AnthropicTool] = []
+    tool_choice: _AnthropicToolChoice | None = None
 
 
 _ANTHROPIC_DECODER: Final = msgspec.json.Decoder(_AnthropicBody)
+
+
+def _anthropic_blocks(message: _AnthropicMessage) -> list[_AnthropicBlock]:
+    content = message.content
+    return [_AnthropicText(text=content)] if isinstance(content, str) else content
+
+
+def _anthropic_check(body: _AnthropicBody) -> None:
+    """What the Messages API refuses (``msgspec.ValidationError``, its words):
+    roles that do not alternate, a ``tool_result`` without its ``tool_use`` in
+    the message before, a ``tool_use`` unanswered in the message after, empty
+    text, an image that is not base64, a tool schema that is not an object's."""
+    previous_uses: set[str] = set()
+    for index, message in enumerate(body.messages):
+        if index and message.role == body.messages[index - 1].role:
+            raise msgspec.ValidationError(
+                'messages: roles must alternate between "user" and "assistant", '
+                f'but found multiple "{message.role}" roles in a row'
+            )
+        last = index == len(body.messages) - 1
+        if not message.content and not (last and message.role == "assistant"):
+            raise msgspec.ValidationError(
+                f"messages.{index}: all messages must have non-empty content except for the "
+                "optional final assistant message"
+            )
+        blocks = _anthropic_blocks(message) if message.content else []
+        results = {b.tool_use_id for b in blocks if isinstance(b, _AnthropicToolResult)}
+        if index and (missing := previous_uses - results):
+            raise msgspec.ValidationError(
+                f"messages.{index}: `tool_use` ids were found without `tool_result` blocks "
+                f"immediately after: {', '.join(sorted(missing))}. Each `tool_use` block must "
+                "have a corresponding `tool_result` block in the next message."
+            )
+        for number, block in enumerate(blocks):
+            where = f"messages.{index}.content.{number}"
+            _anthropic_check_block(block, where, previous_uses)
+        previous_uses = {b.id for b in blocks if isinstance(b, _AnthropicToolUse)}
+    for number, tool in enumerate(body.tools):
+        if tool.input_schema.get("type") != "object":
+            raise msgspec.ValidationError(
+                f"tools.{number}.input_schema.type: Input should be 'object'"
+            )
+    choice = body.tool_choice
+    if (
+        choice is not None
+        and choice.type == "tool"
+        and choice.name not in {tool.name for tool in body.tools}
+    ):
+        raise msgspec.ValidationError(f"tool_choice.name: tool {choice.name!r} not found")
+
+
+def _anthropic_check_block(block: _AnthropicBlock, where: str, uses: set[str]) -> None:
+    if isinstance(block, _AnthropicToolResult):
+        if block.tool_use_id not in uses:
+            raise msgspec.ValidationError(
+                f"{where}: unexpected `tool_use_id` found in `tool_result` blocks: "
+                f"{block.tool_use_id}. Each `tool_result` block must have a corresponding "
+                "`tool_use` block in the previous message."
+            )
+        inner = [] if isinstance(block.content, str) else block.content
+        for number, part in enumerate(inner):
+            _anthropic_check_block(part, f"{where}.content.{number}", uses)
+    elif isinstance(block, _AnthropicText) and not block.text:
+        raise msgspec.ValidationError(f"{where}.text: text content blocks must be non-empty")
+    elif (
+        isinstance(block, _AnthropicImage)
+        and isinstance(block.source, _AnthropicBase64)
+        and not _base64_ok(block.source.data)
+    ):
+        raise msgspec.ValidationError(f"{where}.image.source.base64: invalid base64 data")
+
+
+def _anthropic_chars(body: _AnthropicBody) -> int:
+    """The characters of text a Messages request holds (tool results' text too)."""
+    chars = _text_chars(body.system)
+    for message in body.messages:
+        for block in _anthropic_blocks(message):
+            if isinstance(block, _AnthropicText):
+                chars += len(block.text)
+            elif isinstance(block, _AnthropicToolResult):
+                content = block.content
+                chars += (
+                    len(content)
+                    if isinstance(content, str)
+                    else sum(len(p.text) for p in content if isinstance(p, _AnthropicText))
+                )
+    return chars
+
+
+def _anthropic_tool(body: _AnthropicBody) -> str | None:
+    """The tool the answer calls (:func:`called_tool`)."""
+    choice = body.tool_choice
+    if choice is not None and choice.type == "none":
+        return None
+    forced = None
+    if choice is not None and choice.type in ("any", "tool"):
+        forced = choice.name or ""
+    last_user = next((m for m in reversed(body.messages) if m.role == "user"), None)
+    text = ""
+    if last_user is not None:
+        text = " ".join(
+            b.text for b in _anthropic_blocks(last_user) if isinstance(b, _AnthropicText)
+        )
+    return called_tool([tool.name for tool in body.tools], forced, text)
 
 
 class AnthropicDialect(Dialect):
@@ -681,6 +864,7 @@ class AnthropicDialect(Dialect):
         "stop": "end_turn",
         "length": "max_tokens",
         "content_filter": "refusal",
+        "tool_calls": "tool_use",
     }
     error_names: ClassVar[Mapping[str, str]] = {
         "bad_request": "invalid_request_error",
@@ -691,11 +875,13 @@ class AnthropicDialect(Dialect):
 
     def decode(self, raw: bytes, target: Target) -> Call:
         body = _ANTHROPIC_DECODER.decode(raw)
+        _anthropic_check(body)
         return Call(
             model=body.model,
-            prompt_tokens=_chat_tokens(body.messages, body.system),
+            prompt_tokens=_prompt_tokens(_anthropic_chars(body)),
             stream=body.stream,
             cap=body.max_tokens,
+            tool=_anthropic_tool(body),
         )
 
     def piece(self, text: str, index: int) -> bytes:
@@ -721,7 +907,7 @@ class AnthropicDialect(Dialect):
         }
         delta = {
             "type": "message_delta",
-            "delta": {"stop_reason": self.finish(reply.finish_reason), "stop_sequence": None},
+            "delta": {"stop_reason": self._stop(reply), "stop_sequence": None},
             "usage": {"output_tokens": reply.completion_tokens},
         }
         return Frames(
@@ -733,9 +919,45 @@ class AnthropicDialect(Dialect):
             b'{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}'
             b'\n\nevent: ping\ndata: {"type": "ping"}\n\n',
             closing=b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
-            b"event: message_delta\ndata: " + _json(delta) + b"\n\n",
+            + self._tool_events(reply)
+            + b"event: message_delta\ndata: "
+            + _json(delta)
+            + b"\n\n",
             done=b'event: message_stop\ndata: {"type":"message_stop"}\n\n',
         )
+
+    def _stop(self, reply: Reply) -> str:
+        return "tool_use" if reply.tool is not None else self.finish(reply.finish_reason)
+
+    def _tool_use(self, reply: Reply, arguments: Any) -> dict[str, Any]:
+        return {
+            "type": "tool_use",
+            "id": f"toolu_{reply.id}",
+            "name": reply.tool,
+            "input": arguments,
+        }
+
+    def _tool_events(self, reply: Reply) -> bytes:
+        """A ``tool_use`` block after the text (block 1): its input in two JSON pieces."""
+        if reply.tool is None:
+            return b""
+        start = {
+            "type": "content_block_start",
+            "index": 1,
+            "content_block": self._tool_use(reply, {}),
+        }
+        arguments = _json(MOCK_TOOL_ARGUMENTS).decode()
+        half = len(arguments) // 2
+        events = [b"event: content_block_start\ndata: " + _json(start)]
+        for piece in (arguments[:half], arguments[half:]):
+            delta = {
+                "type": "content_block_delta",
+                "index": 1,
+                "delta": {"type": "input_json_delta", "partial_json": piece},
+            }
+            events.append(b"event: content_block_delta\ndata: " + _json(delta))
+        events.append(b'event: content_block_stop\ndata: {"type":"content_block_stop","index":1}')
+        return b"\n\n".join(events) + b"\n\n"
 
     def answer(self, reply: Reply) -> bytes:
         return _json(
@@ -744,8 +966,11 @@ class AnthropicDialect(Dialect):
                 "type": "message",
                 "role": "assistant",
                 "model": reply.model,
-                "content": [{"type": "text", "text": answer_text(reply.completion_tokens)}],
-                "stop_reason": self.finish(reply.finish_reason),
+                "content": [
+                    {"type": "text", "text": answer_text(reply.completion_tokens)},
+                    *([] if reply.tool is None else [self._tool_use(reply, MOCK_TOOL_ARGUMENTS)]),
+                ],
+                "stop_reason": self._stop(reply),
                 "stop_sequence": None,
                 "usage": {
                     "input_tokens": reply.prompt_tokens,
@@ -1064,8 +1289,35 @@ class TGIDialect(Dialect):
 # ------------------------------------------------------------------ Gemini
 
 
-class _Part(Struct):
+class _Blob(Struct, rename="camel"):
+    mime_type: str
+    data: str
+
+
+class _FileData(Struct, rename="camel"):
+    mime_type: str
+    file_uri: str
+
+
+class _FunctionCall(Struct):
+    name: str
+    args: dict[str, Any] = {}
+    id: str | None = None
+
+
+class _FunctionResponse(Struct):
+    name: str
+    response: dict[str, Any]
+    id: str | None = None
+
+
+class _Part(Struct, rename="camel"):
     text: str | None = None
+    inline_data: _Blob | None = None
+    file_data: _FileData | None = None
+    function_call: _FunctionCall | None = None
+    function_response: _FunctionResponse | None = None
+    thought_signature: str | None = None
 
 
 class _Content(Struct):
@@ -1075,12 +1327,129 @@ class _Content(Struct):
 
 class _GenerationConfig(Struct, rename="camel"):
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
+    response_mime_type: Literal["text/plain", "application/json", "text/x.enum"] | None = None
+    response_schema: dict[str, Any] | None = None
+    response_json_schema: dict[str, Any] | None = None
+
+
+class _FunctionDeclaration(Struct, rename="camel"):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    parameters_json_schema: dict[str, Any] | None = None
+
+
+class _Tool(Struct, rename="camel"):
+    function_declarations: list[_FunctionDeclaration] = []
+
+
+class _CallingConfig(Struct, rename="camel"):
+    mode: Literal["MODE_UNSPECIFIED", "AUTO", "ANY", "NONE", "VALIDATED"] = "AUTO"
+    allowed_function_names: list[str] = []
+
+
+class _ToolConfig(Struct, rename="camel"):
+    function_calling_config: _CallingConfig | None = None
 
 
 class _GeminiBody(Struct, rename="camel"):
     contents: Annotated[list[_Content], Meta(min_length=1)]
     system_instruction: _Content | None = None
     generation_config: _GenerationConfig | None = None
+    tools: list[_Tool] = []
+    tool_config: _ToolConfig | None = None
+
+
+#: A function's name as Gemini allows it.
+_GEMINI_NAME: Final = frozenset(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:-"
+)
+
+
+def _gemini_check(body: _GeminiBody) -> None:
+    """What the Gemini API refuses (``msgspec.ValidationError``, its words): a
+    role other than user and model, a part with no data or two, bytes that
+    are not base64, a function call turn after a model turn, function
+    responses not as many as the calls they answer, a bad function name or
+    both kinds of parameter schema, ``responseJsonSchema`` with
+    ``responseSchema`` or without ``responseMimeType`` JSON."""
+    calls = 0
+    for index, content in enumerate(body.contents):
+        if content.role not in ("user", "model"):
+            raise msgspec.ValidationError("Please use a valid role: user, model.")
+        for number, part in enumerate(content.parts):
+            _gemini_check_part(part, f"contents[{index}].parts[{number}]")
+        responses = sum(p.function_response is not None for p in content.parts)
+        if calls and responses != calls:
+            raise msgspec.ValidationError(
+                "Please ensure that the number of function response parts is equal to the "
+                "number of function call parts of the function call turn."
+            )
+        has_calls = any(p.function_call is not None for p in content.parts)
+        if has_calls and index and body.contents[index - 1].role == "model":
+            raise msgspec.ValidationError(
+                "Please ensure that function call turn comes immediately after a user turn "
+                "or after a function response turn."
+            )
+        calls = sum(p.function_call is not None for p in content.parts)
+    for number, tool in enumerate(body.tools):
+        for which, declared in enumerate(tool.function_declarations):
+            where = f"tools[{number}].function_declarations[{which}]"
+            name = declared.name
+            if not name or len(name) > 64 or not set(name) <= _GEMINI_NAME or name[0].isdigit():
+                raise msgspec.ValidationError(
+                    f"* GenerateContentRequest.{where}.name: Invalid function name. Must start "
+                    "with a letter or an underscore. Must be alphameric (a-z, A-Z, 0-9), "
+                    "underscores (_), dots (.), colons (:), or dashes (-), with a maximum "
+                    "length of 64."
+                )
+            if declared.parameters is not None and declared.parameters_json_schema is not None:
+                raise msgspec.ValidationError(
+                    f"{where}: parameters and parameters_json_schema are mutually exclusive"
+                )
+    config = body.generation_config
+    if config is not None and config.response_json_schema is not None:
+        if config.response_schema is not None:
+            raise msgspec.ValidationError(
+                "response_schema and response_json_schema are mutually exclusive"
+            )
+        if config.response_mime_type != "application/json":
+            raise msgspec.ValidationError(
+                "response_json_schema requires response_mime_type application/json"
+            )
+
+
+def _gemini_check_part(part: _Part, where: str) -> None:
+    kinds = (
+        part.text,
+        part.inline_data,
+        part.file_data,
+        part.function_call,
+        part.function_response,
+    )
+    if sum(kind is not None for kind in kinds) != 1:
+        raise msgspec.ValidationError(
+            f"Invalid value at '{where}' (oneof data): a part must hold exactly one kind of data"
+        )
+    if part.inline_data is not None and not _base64_ok(part.inline_data.data):
+        raise msgspec.ValidationError(
+            f"Invalid value at '{where}.inline_data.data' (TYPE_BYTES), Base64 decoding failed"
+        )
+
+
+def _gemini_tool(body: _GeminiBody) -> str | None:
+    """The tool the answer calls (:func:`called_tool`)."""
+    declared = [d.name for tool in body.tools for d in tool.function_declarations]
+    calling = body.tool_config.function_calling_config if body.tool_config else None
+    mode = calling.mode if calling is not None else "AUTO"
+    if mode == "NONE":
+        return None
+    forced = None
+    if mode == "ANY" and calling is not None:
+        forced = calling.allowed_function_names[0] if calling.allowed_function_names else ""
+    last_user = next((c for c in reversed(body.contents) if c.role == "user"), None)
+    text = " ".join(p.text or "" for p in last_user.parts) if last_user is not None else ""
+    return called_tool(declared, forced, text)
 
 
 _GEMINI_DECODER: Final = msgspec.json.Decoder(_GeminiBody)
@@ -1110,10 +1479,12 @@ class GeminiDialect(Dialect):
         "stop": "STOP",
         "length": "MAX_TOKENS",
         "content_filter": "SAFETY",
+        "tool_calls": "STOP",  # Gemini says STOP after function calls too
     }
 
     def decode(self, raw: bytes, target: Target) -> Call:
         body = _GEMINI_DECODER.decode(raw)
+        _gemini_check(body)
         contents = list(body.contents)
         if body.system_instruction is not None:
             contents.append(body.system_instruction)
@@ -1124,6 +1495,7 @@ class GeminiDialect(Dialect):
             prompt_tokens=_prompt_tokens(chars),
             stream=bool(target.stream),
             cap=config.max_output_tokens if config is not None else None,
+            tool=_gemini_tool(body),
         )
 
     def piece(self, text: str, index: int) -> bytes:
@@ -1147,10 +1519,13 @@ class GeminiDialect(Dialect):
         }
 
     def _response(self, reply: Reply, text: str) -> dict[str, Any]:
+        parts: list[dict[str, Any]] = [{"text": text}]
+        if reply.tool is not None:  # as the Gemini API sends them: no id
+            parts.append({"functionCall": {"name": reply.tool, "args": MOCK_TOOL_ARGUMENTS}})
         return {
             "candidates": [
                 {
-                    "content": {"parts": [{"text": text}], "role": "model"},
+                    "content": {"parts": parts, "role": "model"},
                     "finishReason": self.finish(reply.finish_reason),
                     "index": 0,
                 }
