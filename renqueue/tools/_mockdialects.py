@@ -53,7 +53,7 @@ base64, schemas; a refusal is the provider's 400, its message prefixed
 ``invalid request body:``), and the answer calls a tool after its text when
 the request offers tools and forces one (Anthropic ``tool_choice`` ``any``
 or ``tool``, Gemini mode ``ANY``) or its last user message says ``call
-<tool name>`` (never when the choice is none): :func:`called_tool`, with the
+<tool name>`` (never when the choice is none): :func:`tool_to_call`, with the
 arguments :data:`MOCK_TOOL_ARGUMENTS`. Gemini's calls carry no id, as the
 Gemini API's do not.
 """
@@ -63,7 +63,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, ClassVar, Final, Literal, NamedTuple
 from urllib.parse import unquote
 
@@ -663,19 +663,6 @@ def _openai_usage(reply: Reply) -> dict[str, int]:
 MOCK_TOOL_ARGUMENTS: Final = {"query": "mock"}
 
 
-def called_tool(tools: Sequence[str], forced: str | None, last_user_text: str) -> str | None:
-    """The tool a mock answer calls, if any: with tools offered, the one the
-    request forces (``forced``: a tool's name, or ``""`` for any tool, which
-    is the first), else the one the last user message asks for as ``call
-    <name>``; ``None`` (an answer of text only) otherwise. A request whose
-    tool choice is none offers no tools here."""
-    if not tools:
-        return None
-    if forced is not None:
-        return forced or tools[0]
-    return next((name for name in tools if f"call {name}" in last_user_text), None)
-
-
 def _base64_ok(data: str) -> bool:
     try:
         return bool(binascii.a2b_base64(data, strict_mode=True))
@@ -833,20 +820,20 @@ def _anthropic_chars(body: _AnthropicBody) -> int:
 
 
 def _anthropic_tool(body: _AnthropicBody) -> str | None:
-    """The tool the answer calls (:func:`called_tool`)."""
+    """The tool the answer calls (:func:`tool_to_call`)."""
     choice = body.tool_choice
     if choice is not None and choice.type == "none":
         return None
     forced = None
     if choice is not None and choice.type in ("any", "tool"):
-        forced = choice.name or ""
+        forced = choice.name or "required"
     last_user = next((m for m in reversed(body.messages) if m.role == "user"), None)
     text = ""
     if last_user is not None:
         text = " ".join(
             b.text for b in _anthropic_blocks(last_user) if isinstance(b, _AnthropicText)
         )
-    return called_tool([tool.name for tool in body.tools], forced, text)
+    return tool_to_call([tool.name for tool in body.tools], forced, text)
 
 
 class AnthropicDialect(Dialect):
@@ -1438,7 +1425,7 @@ def _gemini_check_part(part: _Part, where: str) -> None:
 
 
 def _gemini_tool(body: _GeminiBody) -> str | None:
-    """The tool the answer calls (:func:`called_tool`)."""
+    """The tool the answer calls (:func:`tool_to_call`)."""
     declared = [d.name for tool in body.tools for d in tool.function_declarations]
     calling = body.tool_config.function_calling_config if body.tool_config else None
     mode = calling.mode if calling is not None else "AUTO"
@@ -1446,10 +1433,11 @@ def _gemini_tool(body: _GeminiBody) -> str | None:
         return None
     forced = None
     if mode == "ANY" and calling is not None:
-        forced = calling.allowed_function_names[0] if calling.allowed_function_names else ""
+        names = calling.allowed_function_names
+        forced = names[0] if names else "required"
     last_user = next((c for c in reversed(body.contents) if c.role == "user"), None)
     text = " ".join(p.text or "" for p in last_user.parts) if last_user is not None else ""
-    return called_tool(declared, forced, text)
+    return tool_to_call(declared, forced, text)
 
 
 _GEMINI_DECODER: Final = msgspec.json.Decoder(_GeminiBody)
