@@ -82,6 +82,8 @@ from .wire._messages import (
     InferenceRequest,
     Rejected,
     TokenChunk,
+    TokenLogprob,
+    ToolCall,
     Usage,
     encode,
     is_terminal,
@@ -153,6 +155,18 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str | None = None
     ttft: float | None = None
     duration: float = 0.0
+    #: The tools the model asked to call (its ``text`` may then be empty).
+    tool_calls: tuple[ToolCall, ...] = ()
+    #: The answer's tokens' log probabilities, when the request asked for them.
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+def _params(base: GenerationParams | None, **given: Any) -> GenerationParams:
+    """``base`` (or the defaults) with the parameters ``given`` (not ``None``) in place."""
+    changes = {name: value for name, value in given.items() if value is not None}
+    if base is None:
+        return GenerationParams(**changes)
+    return msgspec.structs.replace(base, **changes) if changes else base
 
 
 def _raise_for(event: Event) -> Result:
@@ -167,6 +181,8 @@ def _raise_for(event: Event) -> Result:
             finish_reason=event.finish_reason,
             ttft=event.ttft,
             duration=event.duration,
+            tool_calls=event.tool_calls,
+            logprobs=event.logprobs,
         )
     rid = event.request_id
     if isinstance(event, Rejected):
@@ -603,7 +619,7 @@ class Client:
 
     def build_request(
         self,
-        prompt: str | Iterable[ChatMessage | Mapping[str, str]],
+        prompt: str | Iterable[ChatMessage | Mapping[str, Any]],
         *,
         route: str,
         priority: str = "normal",
@@ -614,6 +630,7 @@ class Client:
         top_p: float | None = None,
         stop: list[str] | None = None,
         seed: int | None = None,
+        params: GenerationParams | None = None,
         timeout: float | None = None,
         deadline: float | None = None,
         max_cost: float | None = None,
@@ -643,7 +660,8 @@ class Client:
             "route": route,
             "messages": messages,
             "params": msgspec.to_builtins(
-                GenerationParams(
+                _params(
+                    params,
                     max_tokens=max_tokens,
                     temperature=temperature,
                     top_p=top_p,
@@ -669,7 +687,7 @@ class Client:
 
     async def submit(
         self,
-        prompt: str | Iterable[ChatMessage | Mapping[str, str]],
+        prompt: str | Iterable[ChatMessage | Mapping[str, Any]],
         *,
         route: str,
         priority: str = "normal",
@@ -680,6 +698,7 @@ class Client:
         top_p: float | None = None,
         stop: list[str] | None = None,
         seed: int | None = None,
+        params: GenerationParams | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - sets the request's deadline
         deadline: float | None = None,
         max_cost: float | None = None,
@@ -697,7 +716,8 @@ class Client:
 
         Args:
             prompt: The user's message, or the whole conversation as
-                :class:`ChatMessage` objects or ``{"role", "content"}`` mappings.
+                :class:`ChatMessage` objects (content parts, tool calls and
+                tool results included) or mappings of their fields.
             route: The model group to run on (a ``[routes.<name>]`` of the config).
             priority: A level name from the config (``critical``, ``high``,
                 ``normal``, ``low``, ``batch`` by default).
@@ -709,6 +729,11 @@ class Client:
             top_p: Nucleus sampling (backend default if ``None``).
             stop: Stop sequences (backend default if ``None``).
             seed: Sampling seed, for backends that take one.
+            params: Every generation parameter the wire carries (tools,
+                ``tool_choice``, ``response_format``, penalties, logprobs,
+                ``user``, pass-through ``extra``, ...); ``max_tokens``,
+                ``temperature``, ``top_p``, ``stop`` and ``seed`` given
+                as arguments too replace its own.
             timeout: Seconds from now until the deadline; overrides ``deadline``.
             deadline: The deadline as a Unix time in seconds. A request not
                 finished by then ends expired. ``None``: no deadline.
@@ -740,6 +765,7 @@ class Client:
             top_p=top_p,
             stop=stop,
             seed=seed,
+            params=params,
             timeout=timeout,
             deadline=deadline,
             max_cost=max_cost,

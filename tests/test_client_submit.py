@@ -7,7 +7,17 @@ import inspect
 import pytest
 
 from renqueue import Client
-from renqueue.wire import Connection
+from renqueue.errors import MalformedRequestError
+from renqueue.wire import (
+    ChatMessage,
+    Connection,
+    GenerationParams,
+    ImagePart,
+    ImageURL,
+    TextPart,
+    Tool,
+    ToolCall,
+)
 
 
 async def test_a_misspelt_option_is_a_type_error_at_the_call(nc: Connection) -> None:
@@ -35,3 +45,30 @@ def test_every_option_of_submit_is_documented() -> None:
     doc = inspect.getdoc(Client.submit) or ""
     for name in list(inspect.signature(Client.submit).parameters)[1:]:
         assert f"    {name}: " in doc, name
+
+
+async def test_params_carry_the_whole_chat_format_and_arguments_replace_theirs(
+    nc: Connection,
+) -> None:
+    client = Client(nc, tenant="acme")
+    tool = Tool(name="get_weather", parameters={"type": "object"})
+    params = GenerationParams(
+        tools=(tool,), tool_choice="required", temperature=0.1, extra={"top_k": 5}
+    )
+    messages = [
+        ChatMessage(
+            role="user",
+            content=[TextPart(text="see"), ImagePart(image_url=ImageURL(url="https://x/y.png"))],
+        ),
+        ChatMessage(role="assistant", tool_calls=(ToolCall(id="c", name="get_weather"),)),
+        {"role": "tool", "tool_call_id": "c", "content": "sunny"},
+    ]
+    request = client.build_request(messages, route="chat", params=params, temperature=0.7)
+    assert request.params == GenerationParams(
+        tools=(tool,), tool_choice="required", temperature=0.7, extra={"top_k": 5}
+    )
+    assert request.messages[1].tool_calls[0].name == "get_weather"
+    assert request.messages[2] == ChatMessage(role="tool", tool_call_id="c", content="sunny")
+    # The wire's bounds hold for params as for arguments.
+    with pytest.raises(MalformedRequestError):
+        client.build_request("hi", route="chat", params=GenerationParams(top_logprobs=99))

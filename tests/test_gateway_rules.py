@@ -7,17 +7,58 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessageFunctionToolCall,
+)
 
 from renqueue import ConfigError, parse_config
-from renqueue.errors import MalformedRequestError, NatsApiError, NatsTimeoutError
+from renqueue.errors import (
+    MalformedRequestError,
+    NatsApiError,
+    NatsTimeoutError,
+    UnsupportedFeatureError,
+)
 from renqueue.gateway import ApiError, KeyStore, digest, new_key
-from renqueue.gateway._errors import from_error, from_terminal
+from renqueue.gateway._errors import features_named, from_error, from_terminal
 from renqueue.gateway._idempotency import RetryMemory, fingerprint, id_for_key
-from renqueue.gateway._openai import chunk_bytes, completion_bytes, parse_chat, translate
+from renqueue.gateway._openai import (
+    ToolCallPieces,
+    chunk_bytes,
+    completion_bytes,
+    finish_reason,
+    parse_chat,
+    translate,
+)
 from renqueue.gateway._server import parse_last_event_id
+from renqueue.policy import needs
 from renqueue.policy._budget import day_ends
-from renqueue.wire import Cancelled, Expired, Failed, Rejected
+from renqueue.wire import (
+    REQUEST_DECODER,
+    Cancelled,
+    ChatMessage,
+    Expired,
+    Failed,
+    GenerationParams,
+    ImagePart,
+    ImageURL,
+    InferenceRequest,
+    JsonSchema,
+    NamedTool,
+    Rejected,
+    ResponseFormat,
+    TextPart,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    TopLogprob,
+    encode,
+)
 
 LEVELS = ["critical", "high", "normal", "low", "batch"]
 NOW = 1_800_000_000.0
@@ -62,53 +103,214 @@ def test_what_the_wire_carries_is_translated() -> None:
         }
     )
     assert sub.messages == [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "a\nb"},
-        {"role": "assistant", "content": "ok"},
+        ChatMessage(role="system", content="be brief"),
+        ChatMessage(role="user", content="a\nb"),
+        ChatMessage(role="assistant", content="ok"),
     ]
-    assert (sub.max_tokens, sub.temperature, sub.top_p, sub.stop, sub.seed) == (
+    params = sub.params
+    assert (params.max_tokens, params.temperature, params.top_p, params.stop, params.seed) == (
         7,
         0.5,
         0.9,
         ["END"],
         3,
     )
+    # The user is the provider's (params) and stays in metadata (an A/B split may key on it).
+    assert params.user == "u-1"
     assert sub.metadata == {"team": "x", "user": "u-1"}
     assert sub.stream
     assert sub.include_usage
     assert sub.priority == "normal"
 
 
+TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "strict": True,
+    },
+}
+
+
+def nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        value = {"type": "object", "properties": {"x": value}}
+    return value
+
+
+def user(content: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}]}
+
+
+def assistant_calls(tool_calls: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "assistant", "content": None, "tool_calls": tool_calls}]}
+
+
+IMAGE = "data:image/png;base64,iVBORw0KGgo="
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"tools": [{"type": "function"}]}, "tools"),
+        # Tools: functions only, each whole, named as the wire allows.
+        ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        ({"tools": [{**TOOL, "extra": 1}]}, "tools[0].extra"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "x": 1}}]},
+            "tools[0].function.x",
+        ),
+        ({"tools": [TOOL] * 129}, "tools"),
+        ({"tools": [TOOL] * 10_000}, "tools"),
+        ({"tools": "get_weather"}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": nested(80)}}]},
+            "tools[0].function.parameters",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-        ({"logprobs": True}, "logprobs"),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+            "tool_choice.function.name",
+        ),
+        ({"tools": [TOOL], "tool_choice": {"type": "allowed_tools"}}, "tool_choice.type"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": {"name": "f"}}, "function_call"),
+        # Response formats.
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "no spaces"}}},
+            "response_format.json_schema.name",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "deep", "schema": nested(80)},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "grammar"}}, "response_format.type"),
+        ({"response_format": {"type": "json_object", "other": 1}}, "response_format.other"),
+        # Sampling, logprobs, user: the wire's bounds.
         ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"user": "u" * 300}, "user"),
+        # Fields still not carried, and Ren-Queue's own.
         ({"n": 3}, "n"),
-        ({"frequency_penalty": 1.0}, "frequency_penalty"),
         ({"logit_bias": {"5": 1}}, "logit_bias"),
         ({"audio": {"voice": "x"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"store": True}, "store"),
-        ({"top_k": 3}, "top_k"),
         ({"tenant": "other"}, "tenant"),
-        ({"messages": [{"role": "tool", "content": "r", "tool_call_id": "c"}]}, "messages[0].role"),
-        ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
+        ({"complexity": 50}, "complexity"),
+        ({f"p{i}": i for i in range(65)}, "p64"),
+        ({"vendor": nested(80)}, "vendor"),
+        # Messages: roles and what each carries.
+        ({"messages": [{"role": "tool", "content": "r"}]}, "messages[0].tool_call_id"),
         (
-            {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
-            "messages[0].tool_calls",
+            {"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
+            "messages[0].tool_call_id",
         ),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-            "messages[0].content[0].type",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "x",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{}"},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages[0].tool_calls",
+        ),
+        ({"messages": [{"role": "function", "content": "r", "name": "f"}]}, "messages[0].role"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "x", "name": "n" * 300}]}, "messages[0].name"),
+        ({"messages": [{"role": "user", "content": "x", "foo": 1}]}, "messages[0].foo"),
+        (
+            {"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]},
+            "messages[0].refusal",
         ),
         ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        # Hostile tool calls.
+        (assistant_calls("call it"), "messages[0].tool_calls"),
+        (assistant_calls([5]), "messages[0].tool_calls[0]"),
+        (
+            assistant_calls(
+                [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]
+            ),
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            assistant_calls([{"id": "c", "type": "function", "function": {"name": "f"}}]),
+            "messages[0].tool_calls[0].function",
+        ),
+        (assistant_calls([{"id": "c", "type": "function"}]), "messages[0].tool_calls[0].function"),
+        (
+            assistant_calls([{"id": "c", "type": "custom", "custom": {"name": "f", "input": ""}}]),
+            "messages[0].tool_calls[0].type",
+        ),
+        (
+            assistant_calls(
+                [{"id": "c", "type": "function", "function": {"name": "f" * 300, "arguments": ""}}]
+            ),
+            "messages[0].tool_calls[0].function.name",
+        ),
+        # Content parts: text and images only, each whole.
+        (
+            user([{"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}}]),
+            "messages[0].content[0].type",
+        ),
+        (user([{"type": "file", "file": {"file_id": "f"}}]), "messages[0].content[0].type"),
+        (user([{"type": "refusal", "refusal": "no"}]), "messages[0].content[0].type"),
+        (user([{"type": "video_url"}]), "messages[0].content[0].type"),
+        (user([{"type": "text"}]), "messages[0].content[0].text"),
+        (user([{"type": "text", "text": "a", "foo": 1}]), "messages[0].content[0].foo"),
+        (
+            user([{"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}]),
+            "messages[0].content[0].cache_control",
+        ),
+        (user([{"type": "image_url"}]), "messages[0].content[0].image_url"),
+        (user([{"type": "image_url", "image_url": {}}]), "messages[0].content[0].image_url"),
+        (
+            user([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]),
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            user([{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]),
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            user([{"type": "image_url", "image_url": {"url": IMAGE, "detail": "ultra"}}]),
+            "messages[0].content[0].image_url.detail",
+        ),
+        (
+            user([{"type": "image_url", "image_url": {"url": IMAGE, "size": 3}}]),
+            "messages[0].content[0].image_url.size",
+        ),
+        (user([5]), "messages[0].content[0]"),
         ({"max_tokens": "many"}, "max_tokens"),
         ({"stop": [str(i) for i in range(17)]}, "stop"),
         ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
@@ -120,6 +322,130 @@ def test_what_the_wire_cannot_carry_is_refused_naming_the_field(
     assert refused(body).param == param
 
 
+def test_every_chat_field_the_wire_carries_reaches_it() -> None:
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    sub = submit(
+        {
+            "messages": [
+                {"role": "system", "content": "be brief", "name": "rules"},
+                {
+                    "role": "user",
+                    "name": "ana",
+                    "content": [
+                        {"type": "text", "text": "what is this?"},
+                        {"type": "image_url", "image_url": {"url": IMAGE, "detail": "low"}},
+                        {"type": "image_url", "image_url": "https://example.com/a.png"},
+                    ],
+                },
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            ],
+            "tools": [TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "parallel_tool_calls": False,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "answer",
+                    "schema": {"type": "object"},
+                    "description": "d",
+                    "strict": True,
+                },
+            },
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "user": "u-1",
+        }
+    )
+    assert sub.messages == [
+        ChatMessage(role="system", content="be brief", name="rules"),
+        ChatMessage(
+            role="user",
+            name="ana",
+            content=[
+                TextPart(text="what is this?"),
+                ImagePart(image_url=ImageURL(url=IMAGE, detail="low")),
+                ImagePart(image_url=ImageURL(url="https://example.com/a.png")),
+            ],
+        ),
+        ChatMessage(
+            role="assistant",
+            content="",
+            tool_calls=(ToolCall(id="call_1", name="get_weather", arguments='{"city": "Oslo"}'),),
+        ),
+        ChatMessage(role="tool", content="sunny", tool_call_id="call_1"),
+    ]
+    assert sub.params == GenerationParams(
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        logprobs=True,
+        top_logprobs=3,
+        response_format=ResponseFormat(
+            type="json_schema",
+            json_schema=JsonSchema(
+                name="answer", schema={"type": "object"}, description="d", strict=True
+            ),
+        ),
+        tools=(
+            Tool(
+                name="get_weather",
+                description="the weather in a city",
+                parameters={"type": "object", "properties": {"city": {"type": "string"}}},
+                strict=True,
+            ),
+        ),
+        tool_choice=NamedTool(name="get_weather"),
+        parallel_tool_calls=False,
+        user="u-1",
+    )
+    # What the router reads of it: these features, so only backends with them.
+    request = InferenceRequest(id="r", route="chat", messages=sub.messages, params=sub.params)
+    assert needs(request) == {"tools", "vision", "json_schema", "logprobs"}
+    # And it survives the wire: encoded and decoded, it is the same request.
+    assert REQUEST_DECODER.decode(encode(request)) == request
+    json_object = submit({"response_format": {"type": "json_object"}}).params.response_format
+    assert json_object == ResponseFormat(type="json_object")
+    assert submit({"tools": [TOOL], "tool_choice": "required"}).params.tool_choice == "required"
+
+
+def test_unknown_top_level_parameters_pass_through_as_they_are() -> None:
+    sub = submit(
+        {
+            "top_k": 20,
+            "min_p": 0.05,
+            "repetition_penalty": 1.1,
+            "guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            "chat_template_kwargs": {"enable_thinking": False},
+            "ignored": None,
+            # Known fields and Ren-Queue's controls are read, never passed through.
+            "temperature": 0.2,
+            "priority": "high",
+            "max_cost": 1.0,
+            "request_timeout": 5,
+            "keep_alive_on_disconnect": True,
+            "metadata": {"a": "b"},
+        }
+    )
+    assert sub.params.extra == {
+        "top_k": 20,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    assert sub.params.temperature == 0.2
+    assert sub.priority == "high"
+    # 64 pass, as the wire allows.
+    assert len(submit({f"p{i}": i for i in range(64)}).params.extra) == 64
+    assert submit({}).params.extra == {}
+
+
 def test_neutral_values_ask_for_nothing_and_pass() -> None:
     sub = submit(
         {
@@ -127,18 +453,43 @@ def test_neutral_values_ask_for_nothing_and_pass() -> None:
             "presence_penalty": 0,
             "frequency_penalty": 0.0,
             "logprobs": False,
+            "top_logprobs": 0,
             "tools": [],
             "tool_choice": "none",
             "parallel_tool_calls": True,
             "response_format": {"type": "text"},
             "logit_bias": {},
             "modalities": ["text"],
+            "functions": [],
+            "function_call": "auto",
             "store": False,
             "service_tier": "auto",
             "temperature": None,
         }
     )
     assert sub.route == "chat"
+    # Carried as nothing: an adapter with no counterpart must not refuse them.
+    assert sub.params == GenerationParams()
+    assert submit({"tool_choice": "auto"}).params.tool_choice is None
+
+
+def test_a_text_only_parts_list_is_one_string_as_vllm_joins_it() -> None:
+    sub = submit(user([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]))
+    assert sub.messages[0].content == "a\nb"
+    # A tool result's parts too; an assistant turn with text and calls keeps both.
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    sub = submit(
+        {
+            "messages": [
+                {"role": "assistant", "content": "let me look", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "42"}]},
+            ]
+        }
+    )
+    assert sub.messages[0] == ChatMessage(
+        role="assistant", content="let me look", tool_calls=(ToolCall(id="c", name="f"),)
+    )
+    assert sub.messages[1].content == "42"
 
 
 def test_malformed_and_hostile_bodies_are_400s_not_crashes() -> None:
@@ -216,6 +567,159 @@ def test_chunks_and_completions_have_openais_shape() -> None:
     assert whole["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
 
 
+def test_streamed_tool_calls_have_openais_pieces() -> None:
+    pieces = ToolCallPieces("chatcmpl-1")
+    first = [ToolCallDelta(index=0, id="call_a", name="f", arguments='{"x"')]
+    assert [msgspec.to_builtins(p) for p in pieces.pieces(first)] == [
+        {
+            "index": 0,
+            "id": "call_a",
+            "type": "function",
+            "function": {"name": "f", "arguments": '{"x"'},
+        }
+    ]
+    # Later pieces of the same call: arguments alone; a second call begins with its id.
+    later = [
+        ToolCallDelta(index=0, arguments=": 1}"),
+        ToolCallDelta(index=1, name="g", arguments="{}"),
+    ]
+    assert [msgspec.to_builtins(p) for p in pieces.pieces(later)] == [
+        {"index": 0, "function": {"arguments": ": 1}"}},
+        # A backend that gives no id: one made from the request, the same every time.
+        {
+            "index": 1,
+            "id": "call_chatcmpl-1_1",
+            "type": "function",
+            "function": {"name": "g", "arguments": "{}"},
+        },
+    ]
+    # A resumed stream notes the pieces the client had; a new run begins anew.
+    resumed = ToolCallPieces("chatcmpl-1")
+    resumed.seen(first)
+    assert msgspec.to_builtins(resumed.pieces(later)[0]) == {
+        "index": 0,
+        "function": {"arguments": ": 1}"},
+    }
+    resumed.restart()
+    assert msgspec.to_builtins(resumed.pieces(first)[0])["id"] == "call_a"
+
+
+def test_streamed_chunks_parse_with_the_sdks_types_and_accumulate() -> None:
+    """The chunks of a tool call, read by the openai SDK's own stream state."""
+    pieces = ToolCallPieces("r1")
+    logprob = TokenLogprob(
+        token="hi",
+        logprob=-0.25,
+        bytes=[104, 105],
+        top_logprobs=(TopLogprob(token="hi", logprob=-0.25, bytes=[104, 105]),),
+    )
+    raw = [
+        chunk_bytes("r1", "chat", 5, role="assistant", content=""),
+        chunk_bytes("r1", "chat", 5, content="hi", logprobs=[logprob]),
+        chunk_bytes(
+            "r1",
+            "chat",
+            5,
+            tool_calls=pieces.pieces([ToolCallDelta(index=0, id="c1", name="f", arguments="")]),
+        ),
+        chunk_bytes("r1", "chat", 5, tool_calls=pieces.pieces([ToolCallDelta(arguments='{"a"')])),
+        chunk_bytes("r1", "chat", 5, tool_calls=pieces.pieces([ToolCallDelta(arguments=": 1}")])),
+        chunk_bytes("r1", "chat", 5, finish=finish_reason("stop", tool_calls=True)),
+    ]
+    with_logprobs = json.loads(raw[1])["choices"][0]["logprobs"]
+    assert with_logprobs == {
+        "content": [
+            {
+                "token": "hi",
+                "logprob": -0.25,
+                "bytes": [104, 105],
+                "top_logprobs": [{"token": "hi", "logprob": -0.25, "bytes": [104, 105]}],
+            }
+        ],
+        "refusal": None,
+    }
+    state: ChatCompletionStreamState = ChatCompletionStreamState()
+    for data in raw:
+        state.handle_chunk(ChatCompletionChunk.model_validate_json(data))
+    final = state.get_final_completion()
+    message = final.choices[0].message
+    assert message.content == "hi"
+    assert message.tool_calls is not None
+    call = message.tool_calls[0]
+    assert isinstance(call, ChatCompletionMessageFunctionToolCall)
+    assert (call.id, call.function.name, call.function.arguments) == ("c1", "f", '{"a": 1}')
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert final.choices[0].logprobs is not None
+    assert final.choices[0].logprobs.content is not None
+    assert final.choices[0].logprobs.content[0].token == "hi"
+
+
+def test_an_answer_of_tool_calls_and_the_turn_that_sends_it_back() -> None:
+    calls = (
+        ToolCall(id="call_9", name="get_weather", arguments='{"city": "Oslo"}'),
+        ToolCall(name="f"),
+    )
+    data = completion_bytes(
+        "r1",
+        "chat",
+        5,
+        text="",
+        finish="stop",
+        prompt_tokens=2,
+        completion_tokens=3,
+        tool_calls=calls,
+    )
+    completion = ChatCompletion.model_validate_json(data)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    # No text: content null, as OpenAI's.
+    assert json.loads(data)["choices"][0]["message"]["content"] is None
+    assert choice.message.tool_calls is not None
+    assert [(c.id, c.type) for c in choice.message.tool_calls] == [
+        ("call_9", "function"),
+        ("call_r1_1", "function"),
+    ]
+    # The client appends the message as the SDK serialises it, then the tool's answer.
+    turn = choice.message.model_dump(exclude_unset=True, mode="json")
+    sub = submit(
+        {
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                turn,
+                {"role": "tool", "tool_call_id": "call_9", "content": "sunny"},
+                {"role": "tool", "tool_call_id": "call_r1_1", "content": "ok"},
+            ]
+        }
+    )
+    assert sub.messages[1] == ChatMessage(
+        role="assistant",
+        content="",
+        tool_calls=(calls[0], ToolCall(id="call_r1_1", name="f", arguments="{}")),
+    )
+    assert sub.messages[2].tool_call_id == "call_9"
+    # A plain answer has no tool_calls key; logprobs when there are some.
+    plain = json.loads(
+        completion_bytes(
+            "r1",
+            "chat",
+            5,
+            text="x",
+            finish="length",
+            prompt_tokens=1,
+            completion_tokens=1,
+            logprobs=[TokenLogprob(token="x", logprob=-1.0)],
+        )
+    )
+    assert "tool_calls" not in plain["choices"][0]["message"]
+    assert plain["choices"][0]["finish_reason"] == "length"
+    assert plain["choices"][0]["logprobs"]["content"][0] == {
+        "token": "x",
+        "logprob": -1.0,
+        "bytes": None,
+        "top_logprobs": [],
+    }
+
+
 # --------------------------------------------------------------------- errors
 
 
@@ -247,6 +751,26 @@ def test_terminal_events_map_to_statuses() -> None:
     for error_class, status in failed.items():
         event = Failed(**base, error_type="x", reason="y", error_class=error_class)
         assert from_terminal(event, now=NOW).status == status, error_class
+
+
+def test_a_feature_no_backend_has_is_a_400_naming_it() -> None:
+    reason = str(UnsupportedFeatureError("chat", ["vision", "logprobs"]))
+    event = Rejected(
+        request_id="r", tenant="t", at=NOW, error_type="unsupported_feature", reason=reason
+    )
+    error = from_terminal(event, now=NOW)
+    assert (error.status, error.code, error.param) == (400, "unsupported_feature", "messages")
+    assert "vision" in error.message
+    assert error.headers()["x-should-retry"] == "false"
+    assert features_named(reason) == ["vision", "logprobs"]
+    for feature, param in (
+        ("tools", "tools"),
+        ("json", "response_format"),
+        ("json_schema", "response_format"),
+        ("logprobs", "logprobs"),
+    ):
+        raised = from_error(UnsupportedFeatureError("chat", [feature]))
+        assert (raised.status, raised.param) == (400, param)
 
 
 def test_exceptions_map_to_statuses_without_details() -> None:

@@ -8,6 +8,7 @@ port) and a gateway on a free port, with two tenants' keys.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
 import time
@@ -19,6 +20,7 @@ import httpx
 import msgspec
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageFunctionToolCall, ParsedFunctionToolCall
 
 from renqueue import Client, RequestCancelledError, Services, parse_config
 from renqueue.config import Config
@@ -213,6 +215,271 @@ async def test_health_and_metrics_answer_without_a_key(stack: Stack) -> None:
     assert 'renqueue_gateway_requests_total{endpoint="POST /v1/chat/completions"' in metrics.text
 
 
+# ------------------------------------------------------- the full chat format
+# The mock (its OpenAI dialect) calls a tool when the last user message says
+# ``call <name>`` or tool_choice names one: arguments ``{"text": "tok0 ..."}``.
+
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+ASK_TOOL: list[Any] = [{"role": "user", "content": "call get_weather for Oslo"}]
+PNG = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n a picture").decode()
+
+
+def tool_result(call_id: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": "sunny, 21 C"}
+
+
+async def test_sdk_tool_calling_round_trip_not_streamed(stack: Stack, mock: MockBackend) -> None:
+    sdk = stack.sdk()
+    completion = await sdk.chat.completions.create(model="chat", messages=ASK_TOOL, tools=[WEATHER])
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert choice.message.tool_calls is not None
+    call = choice.message.tool_calls[0]
+    assert isinstance(call, ChatCompletionMessageFunctionToolCall)
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"text": " ".join(f"tok{i}" for i in range(8))}
+    sent = mock.stats().last_request
+    assert sent["tools"][0]["function"]["name"] == "get_weather"
+    assert sent["tools"][0]["function"]["parameters"] == WEATHER["function"]["parameters"]
+    # The SDK's own message goes back as it is, with the tool's result.
+    answer = await sdk.chat.completions.create(
+        model="chat",
+        messages=[*ASK_TOOL, choice.message, tool_result(call.id)],  # type: ignore[list-item]
+        tools=[WEATHER],
+        tool_choice="none",
+    )
+    assert answer.choices[0].message.content == " ".join(f"tok{i}" for i in range(8))
+    assert answer.choices[0].finish_reason == "stop"
+    sent = mock.stats().last_request
+    assert sent["messages"][1]["tool_calls"][0]["id"] == call.id
+    assert sent["messages"][1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert sent["messages"][2]["role"] == "tool"
+    assert sent["messages"][2]["tool_call_id"] == call.id
+    assert sent["tool_choice"] == "none"
+    # The request's state has the tool calls too.
+    async with stack.http() as http:
+        state = (await http.get(f"/requests/{completion.id}")).json()
+    message = state["result"]["choices"][0]["message"]
+    assert message["tool_calls"][0]["id"] == call.id
+    assert message["content"] is None
+
+
+async def test_sdk_tool_calling_round_trip_streamed(stack: Stack, mock: MockBackend) -> None:
+    sdk = stack.sdk()
+    # The SDK's stream helper accumulates the tool call's pieces.
+    async with sdk.chat.completions.stream(
+        model="chat", messages=ASK_TOOL, tools=[WEATHER]
+    ) as stream:
+        async for _ in stream:
+            pass
+        final = await stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls is not None
+    call = choice.message.tool_calls[0]
+    assert isinstance(call, ParsedFunctionToolCall)
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["text"].startswith("tok0")
+    # Raw chunks: the first piece of the call has id, type and name; later ones do not.
+    stream_ = await sdk.chat.completions.create(
+        model="chat", messages=ASK_TOOL, tools=[WEATHER], stream=True
+    )
+    pieces = [
+        piece
+        async for chunk in stream_
+        if chunk.choices
+        for piece in chunk.choices[0].delta.tool_calls or ()
+    ]
+    assert pieces[0].id
+    assert pieces[0].type == "function"
+    assert pieces[0].function is not None
+    assert pieces[0].function.name == "get_weather"
+    assert all(p.id is None and p.type is None for p in pieces[1:])
+    # The result goes back, streamed: text this time.
+    text = []
+    stream_ = await sdk.chat.completions.create(
+        model="chat",
+        messages=[
+            *ASK_TOOL,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": call.function.arguments},
+                    }
+                ],
+            },
+            tool_result(call.id),
+        ],
+        tools=[WEATHER],
+        tool_choice="none",
+        stream=True,
+    )
+    async for chunk in stream_:
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+    assert "".join(text).startswith("tok0")
+    assert mock.stats().last_request["messages"][2]["tool_call_id"] == call.id
+
+
+async def test_a_resumed_stream_carries_the_tool_calls(stack: Stack) -> None:
+    body = {"model": "chat", "messages": ASK_TOOL, "tools": [WEATHER], "stream": True}
+    async with stack.http() as http:
+        first = await http.post("/chat/completions", json=body)
+        rid = first.headers["x-request-id"]
+        again = await http.get(f"/requests/{rid}/stream")
+        # After the role chunk: everything but it, the first piece included.
+        after_role = await http.get(f"/requests/{rid}/stream", headers={"Last-Event-ID": "0"})
+
+    def data(text: str) -> list[dict[str, Any]]:
+        return [
+            json.loads(event.split("data: ", 1)[1])
+            for event in text.split("\n\n")
+            if "data: {" in event
+        ]
+
+    def calls(text: str) -> list[Any]:
+        return [
+            piece
+            for chunk in data(text)
+            for piece in chunk["choices"][0]["delta"].get("tool_calls", ())
+        ]
+
+    assert calls(again.text) == calls(first.text)
+    assert calls(after_role.text) == calls(first.text)
+    assert calls(first.text)[0]["function"]["name"] == "get_weather"
+    assert data(again.text)[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_images_reach_the_backend(stack: Stack, mock: MockBackend) -> None:
+    content: list[Any] = [
+        {"type": "text", "text": "what is it?"},
+        {"type": "image_url", "image_url": {"url": PNG, "detail": "low"}},
+    ]
+    done = await stack.sdk().chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": content}]
+    )
+    assert done.choices[0].message.content
+    sent = mock.stats().last_request["messages"][0]
+    assert sent["content"] == content
+
+
+async def test_a_json_schema_and_unknown_params_reach_the_backend(
+    stack: Stack, mock: MockBackend
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    format_: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "place", "schema": schema, "strict": True},
+    }
+    await stack.sdk().chat.completions.create(
+        model="chat",
+        messages=MESSAGES,
+        response_format=format_,
+        presence_penalty=0.5,
+        user="end-user-7",
+        extra_body={"top_k": 5, "repetition_penalty": 1.1, "min_p": None, "priority": "high"},
+    )
+    sent = mock.stats().last_request
+    assert sent["response_format"] == format_
+    assert sent["presence_penalty"] == 0.5
+    assert sent["user"] == "end-user-7"
+    assert (sent["top_k"], sent["repetition_penalty"]) == (5, 1.1)
+    # Ren-Queue's controls and nulls are not the backend's.
+    assert "priority" not in sent
+    assert "min_p" not in sent
+
+
+async def test_logprobs_come_back_streamed_and_not(stack: Stack) -> None:
+    sdk = stack.sdk()
+    done = await sdk.chat.completions.create(
+        model="chat", messages=MESSAGES, logprobs=True, top_logprobs=2
+    )
+    logprobs = done.choices[0].logprobs
+    assert logprobs is not None
+    assert logprobs.content is not None
+    assert [item.token for item in logprobs.content] == [
+        f"tok{i}" if i == 0 else f" tok{i}" for i in range(8)
+    ]
+    assert len(logprobs.content[0].top_logprobs) == 2
+    stream = await sdk.chat.completions.create(
+        model="chat", messages=MESSAGES, logprobs=True, top_logprobs=1, stream=True
+    )
+    tokens = [
+        item.token
+        async for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for item in chunk.choices[0].logprobs.content or ()
+    ]
+    assert "".join(tokens) == " ".join(f"tok{i}" for i in range(8))
+
+
+async def test_a_feature_no_backend_of_the_route_has_is_a_400_naming_it(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    text_only = {"base_url": mock.url, "model": "mock", "features": ["tools"]}
+    async for stack in start(tmp_path, mock, backends={"b1": text_only}):
+        image: list[Any] = [{"type": "image_url", "image_url": {"url": PNG}}]
+        with pytest.raises(openai.BadRequestError) as caught:
+            await stack.sdk().chat.completions.create(
+                model="chat", messages=[{"role": "user", "content": image}]
+            )
+        body = caught.value.body
+        assert isinstance(body, dict)
+        assert (body["code"], body["param"]) == ("unsupported_feature", "messages")
+        assert "vision" in body["message"]
+        with pytest.raises(openai.BadRequestError) as streamed:
+            await stack.sdk().chat.completions.create(
+                model="chat", messages=MESSAGES, logprobs=True, stream=True
+            )
+        assert isinstance(streamed.value.body, dict)
+        assert streamed.value.body["param"] == "logprobs"
+        # What the backend has passes.
+        done = await stack.sdk().chat.completions.create(
+            model="chat", messages=ASK_TOOL, tools=[WEATHER]
+        )
+        assert done.choices[0].finish_reason == "tool_calls"
+        assert mock.stats().requests == 1
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+async def test_curl_gets_a_tool_call(stack: Stack) -> None:
+    body = json.dumps({"model": "chat", "messages": ASK_TOOL, "tools": [WEATHER]})
+    proc = await asyncio.create_subprocess_exec(
+        "curl",
+        "-sS",
+        f"{stack.gateway.url}/chat/completions",
+        "-H",
+        f"Authorization: Bearer {ACME}",
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        body,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    message = json.loads(out)["choices"][0]["message"]
+    assert message["content"] is None
+    assert message["tool_calls"][0]["type"] == "function"
+    assert message["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
 # --------------------------------------------------------------------- errors
 
 
@@ -241,15 +508,27 @@ async def test_an_unknown_model_is_a_404_naming_the_param(stack: Stack) -> None:
     assert body["code"] == "model_not_found"
 
 
-async def test_what_the_wire_cannot_carry_is_a_400_naming_it(stack: Stack) -> None:
+async def test_what_the_gateway_cannot_carry_is_a_400_naming_it(stack: Stack) -> None:
     sdk = stack.sdk()
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logprobs": True}, "logprobs"),
+        ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools[0].type"),
         ({"n": 2}, "n"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"extra_body": {"top_k": 5}}, "top_k"),
+        ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+        ({"extra_body": {"tenant": "globex"}}, "tenant"),
+        ({"extra_body": {f"p{i}": i for i in range(65)}}, "p64"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[0].type",
+        ),
         (
             {
                 "messages": [
@@ -259,7 +538,7 @@ async def test_what_the_wire_cannot_carry_is_a_400_naming_it(stack: Stack) -> No
                     }
                 ]
             },
-            "messages[0].content[0].type",
+            "messages[0].content[0].image_url.url",
         ),
     ]
     for extra, param in cases:

@@ -33,8 +33,10 @@ from ..errors import (
     RenQueueError,
     UnknownPriorityError,
     UnknownRouteError,
+    UnsupportedFeatureError,
 )
 from ..policy._budget import day_ends
+from ..policy._features import ALL_FEATURES
 from ..wire._messages import Cancelled, Event, Expired, Failed, Rejected
 
 __all__ = ["ApiError", "from_error", "from_terminal"]
@@ -49,6 +51,14 @@ _UNAVAILABLE: Final = frozenset(
 )
 _BAD_REQUEST: Final = frozenset({"bad_request", "context_length", "content_filter"})
 _CODES: Final = {"context_length": "context_length_exceeded", "content_filter": "content_filter"}
+#: The body field that asks for each feature (``policy.needs``).
+_FEATURE_PARAMS: Final = {
+    "tools": "tools",
+    "vision": "messages",
+    "json": "response_format",
+    "json_schema": "response_format",
+    "logprobs": "logprobs",
+}
 
 
 class ApiError(Exception):
@@ -136,6 +146,8 @@ def _rejected(event: Rejected, *, now: float) -> ApiError:
         )
     if kind == "unknown_route":
         return ApiError(404, message, code="model_not_found", param="model", retry=False)
+    if kind == UnsupportedFeatureError.code:
+        return _unsupported_feature(message, features_named(event.reason))
     param = {"unknown_priority": "priority", "over_cost_cap": "max_cost"}.get(kind)
     return ApiError(400, message, code=kind, param=param, retry=False)
 
@@ -160,6 +172,8 @@ def from_error(  # noqa: PLR0911 - one answer per kind of error, in one place
         return ApiError(404, str(exc), code="model_not_found", param=route_param)
     if isinstance(exc, UnknownPriorityError):
         return ApiError(400, str(exc), code="unknown_priority", param="priority")
+    if isinstance(exc, UnsupportedFeatureError):
+        return _unsupported_feature(str(exc), exc.features)
     if isinstance(exc, MalformedRequestError):
         return ApiError(400, _first_line(str(exc)), param=_param_of(str(exc)))
     if isinstance(exc, InvalidRequestError):
@@ -184,6 +198,21 @@ def from_error(  # noqa: PLR0911 - one answer per kind of error, in one place
     if isinstance(exc, RenQueueError):
         return ApiError(500, "internal error", type=SERVER, code="internal_error")
     return ApiError(500, "internal error", type=SERVER, code="internal_error")
+
+
+def _unsupported_feature(message: str, features: list[str]) -> ApiError:
+    """A request needing what no backend of its route can do: a 400 whose
+    ``param`` is the field asking for the first such feature."""
+    param = _FEATURE_PARAMS.get(features[0]) if features else None
+    return ApiError(400, message, code=UnsupportedFeatureError.code, param=param, retry=False)
+
+
+def features_named(reason: str) -> list[str]:
+    """The features an ``unsupported_feature`` rejection's reason names
+    (:class:`UnsupportedFeatureError`'s message: ``... supports tools, vision (...)``)."""
+    _, _, tail = reason.partition(" supports ")
+    listed = tail.partition(" (")[0]
+    return [name for name in listed.split(", ") if name in ALL_FEATURES]
 
 
 #: nats-server's JSStreamStoreFailedF: a publish over the stream's limits.

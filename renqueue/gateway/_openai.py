@@ -5,16 +5,33 @@ request's outcome becomes a ``chat.completion`` (or its
 ``chat.completion.chunk`` stream). All of it is pure: bytes and headers in,
 values or bytes out, so every rule here is unit-tested without a server.
 
-What the wire carries today (``renqueue.wire.ChatMessage``,
-``GenerationParams``): messages with a role and string content; ``max_tokens``
-(or ``max_completion_tokens``), ``temperature``, ``top_p``, ``stop``,
-``seed``. A body that asks for more (tools, image parts, ``response_format``,
-penalties, logprobs, ...) is answered 400 naming the field, never silently
-stripped: the answer would not be what was asked for. Fields sent at their
-neutral value (``n: 1``, ``presence_penalty: 0``, ``tool_choice: "none"``,
-``response_format: {"type": "text"}``, ...) ask for nothing and are accepted.
-Unknown fields are refused too (``forbid_unknown_fields``). To widen the
-format, add the field to :class:`ChatBody` and carry it in :func:`translate`.
+What the wire carries (``renqueue.wire.ChatMessage``, ``GenerationParams``)
+is translated: messages of every role (``developer`` is ``system``) with
+string content or text and ``image_url`` parts, ``name``, an assistant's
+``tool_calls`` (OpenAI's nested ``function`` flattened) and a tool result's
+``tool_call_id``; ``max_tokens`` (or ``max_completion_tokens``),
+``temperature``, ``top_p``, ``stop``, ``seed``, the penalties, ``logprobs``
+and ``top_logprobs``, ``response_format``, ``tools`` (functions),
+``tool_choice``, ``parallel_tool_calls`` and ``user``.
+
+A top-level field the gateway does not know (vLLM's ``top_k``, ``min_p``,
+``repetition_penalty``, a provider's own) is passed through as it is, in
+``params.extra`` (at most :data:`MAX_EXTRA`; a ``null`` one asks for
+nothing and is left out): an OpenAI-compatible backend gets it in its body.
+Ren-Queue's own fields never go there: its controls (below) are read, and a
+field that names something only Ren-Queue's Python client sets
+(:data:`_RESERVED`: ``tenant``, ``complexity``, ...) is refused. Inside
+messages, parts, tools and formats, unknown fields are refused, naming the
+field (``forbid_unknown_fields``): their meaning would be dropped.
+
+Known fields the wire does not carry (``n``, ``audio``, ``modalities``,
+``prediction``, ``logit_bias``, ``functions``, ...) are answered 400 naming
+the field, unless sent at their neutral value (``n: 1``,
+``modalities: ["text"]``, ``functions: []``, ...), which asks for nothing:
+the answer would not be what was asked for. ``functions`` and
+``function_call`` (OpenAI's deprecated form of tools) stay refused: an
+answer could only come back as ``tool_calls``, which a client using them
+does not read.
 
 Ren-Queue's own controls come from headers, or from body fields of the same
 meaning (the SDKs' ``extra_body``); a header wins over the body:
@@ -45,11 +62,21 @@ from typing import Any, Final, TypeVar
 import msgspec
 from msgspec import Raw, Struct
 
+from ..wire._messages import (
+    ChatMessage,
+    GenerationParams,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+)
 from ._errors import ApiError
 
 __all__ = [
+    "MAX_EXTRA",
+    "Chat",
     "ChatBody",
     "Submission",
+    "ToolCallPieces",
     "chunk_bytes",
     "completion_bytes",
     "parse_chat",
@@ -58,7 +85,6 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-_NULL: Final = Raw(b"null")
 _ABSENT: Final = Raw()
 
 
@@ -66,25 +92,79 @@ class _Strict(Struct, kw_only=True, forbid_unknown_fields=True):
     """Unknown fields are errors: a field we do not carry is never dropped silently."""
 
 
+class ImageUrlBody(_Strict, kw_only=True):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(_Strict, kw_only=True):
     type: str
     text: str | None = None
-    image_url: Raw = _ABSENT
+    #: OpenAI's object; a bare URL string is taken too (as LiteLLM and vLLM take it).
+    image_url: ImageUrlBody | str | None = None
     input_audio: Raw = _ABSENT
     file: Raw = _ABSENT
     refusal: Raw = _ABSENT
     cache_control: Raw = _ABSENT
 
 
+class FunctionCallBody(_Strict, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCallBody(_Strict, kw_only=True):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCallBody | None = None
+    custom: Raw = _ABSENT
+
+
 class BodyMessage(_Strict, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: Raw = _ABSENT
+    tool_calls: list[ToolCallBody] | None = None
     tool_call_id: str | None = None
     function_call: Raw = _ABSENT
     refusal: str | None = None
     audio: Raw = _ABSENT
+
+
+class FunctionBody(_Strict, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolBody(_Strict, kw_only=True):
+    type: str
+    function: FunctionBody | None = None
+    custom: Raw = _ABSENT
+
+
+class NameBody(_Strict, kw_only=True):
+    name: str
+
+
+class ToolChoiceBody(_Strict, kw_only=True):
+    type: str
+    function: NameBody | None = None
+    custom: Raw = _ABSENT
+    allowed_tools: Raw = _ABSENT
+
+
+class JsonSchemaBody(_Strict, kw_only=True):
+    name: str
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormatBody(_Strict, kw_only=True):
+    type: str
+    json_schema: JsonSchemaBody | None = None
 
 
 class StreamOptions(_Strict, kw_only=True):
@@ -92,8 +172,9 @@ class StreamOptions(_Strict, kw_only=True):
     include_obfuscation: bool | None = None
 
 
-class ChatBody(_Strict, kw_only=True):
-    """A ``POST /v1/chat/completions`` body, as far as the gateway reads it."""
+class ChatBody(Struct, kw_only=True):
+    """A ``POST /v1/chat/completions`` body, as far as the gateway reads it
+    (its other top-level fields are :attr:`Chat.extra`)."""
 
     model: str
     messages: list[BodyMessage]
@@ -105,20 +186,20 @@ class ChatBody(_Strict, kw_only=True):
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    n: int | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
-    # Not carried yet: accepted at their neutral value only.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: Raw = _ABSENT
-    tool_choice: Raw = _ABSENT
+    tools: list[ToolBody] | None = None
+    tool_choice: str | ToolChoiceBody | None = None
     parallel_tool_calls: bool | None = None
+    response_format: ResponseFormatBody | None = None
+    # Not carried: accepted at their neutral value only.
+    n: int | None = None
     functions: Raw = _ABSENT
     function_call: Raw = _ABSENT
-    response_format: Raw = _ABSENT
     logit_bias: Raw = _ABSENT
     store: bool | None = None
     modalities: Raw = _ABSENT
@@ -136,15 +217,22 @@ class ChatBody(_Strict, kw_only=True):
     keep_alive_on_disconnect: bool | None = None
 
 
+class Chat(Struct, frozen=True, kw_only=True):
+    """A parsed body: the fields the gateway knows, and the others, as sent."""
+
+    body: ChatBody
+    #: Top-level fields it does not know (``null`` ones left out), passed through.
+    extra: dict[str, Any] = {}
+
+
 _DECODER: Final = msgspec.json.Decoder(ChatBody)
+_FIELDS: Final = msgspec.json.Decoder(dict[str, Raw])
+_KNOWN: Final = frozenset(ChatBody.__struct_fields__)
 
 #: Raw fields and the values that ask for nothing (JSON, as sent, spaces removed).
 _NEUTRAL: Final[dict[str, frozenset[bytes]]] = {
-    "tools": frozenset({b"[]"}),
-    "tool_choice": frozenset({b'"none"', b'"auto"'}),
     "functions": frozenset({b"[]"}),
     "function_call": frozenset({b'"none"', b'"auto"'}),
-    "response_format": frozenset({b'{"type":"text"}'}),
     "logit_bias": frozenset({b"{}"}),
     "modalities": frozenset({b'["text"]'}),
     "service_tier": frozenset({b'"auto"', b'"default"'}),
@@ -159,8 +247,24 @@ _ROLES: Final = {
     "developer": "system",
     "user": "user",
     "assistant": "assistant",
+    "tool": "tool",
 }
+#: Fields only Ren-Queue's Python client sets: a body naming one expects an
+#: effect the gateway does not give (the key alone names the tenant).
+_RESERVED: Final = frozenset(
+    {"tenant", "request_id", "complexity", "parent_id", "dedupe_key", "coalesce"}
+)
 MAX_STOP: Final = 16
+#: Unknown parameters passed through, at most (the wire's bound on ``extra``).
+MAX_EXTRA: Final = 64
+#: The wire's bounds on tools and messages.
+MAX_TOOLS: Final = 128
+MAX_MESSAGES: Final = 10_000
+#: Nesting of a JSON schema or a passed-through value, at most: deeper, a
+#: schema is no schema a model follows, and the Python that walks it
+#: (adapters translating schemas) must not hit the recursion limit.
+MAX_DEPTH: Final = 64
+_MAX_KEY: Final = 256
 #: The headers Ren-Queue's controls come from (read case-insensitively).
 _CONTROLS: Final = frozenset(
     {"x-priority", "x-deadline", "x-request-timeout", "x-max-cost", "x-keep-alive-on-disconnect"}
@@ -171,12 +275,8 @@ class Submission(Struct, frozen=True, kw_only=True):
     """What a chat-completions call asks Ren-Queue for (before a request id exists)."""
 
     route: str
-    messages: list[dict[str, str]]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: list[str] | None = None
-    seed: int | None = None
+    messages: list[ChatMessage]
+    params: GenerationParams = GenerationParams()
     priority: str
     deadline: float | None = None
     max_cost: float | None = None
@@ -187,22 +287,75 @@ class Submission(Struct, frozen=True, kw_only=True):
     keep_alive_on_disconnect: bool | None = None
 
 
-def parse_chat(body: bytes) -> ChatBody:
+def parse_chat(body: bytes) -> Chat:
     """Decode a body; :class:`ApiError` 400 naming the field for anything malformed."""
     try:
-        return _DECODER.decode(body)
+        fields = _FIELDS.decode(body)
+        chat = Chat(body=_DECODER.decode(body), extra=_extra(fields))
     except msgspec.ValidationError as exc:
         raise _invalid(exc) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
         raise ApiError(400, "the body is nested too deeply", code="invalid_json") from None
+    return chat
 
 
-def _invalid(exc: msgspec.ValidationError) -> ApiError:
+def _extra(fields: dict[str, Raw]) -> dict[str, Any]:
+    """The top-level fields the gateway does not know, to pass through."""
+    unknown = [name for name in fields if name not in _KNOWN]
+    if not unknown:
+        return {}
+    for name in unknown:
+        if name in _RESERVED:
+            raise ApiError(
+                400,
+                f"{name!r} is set by Ren-Queue's Python client, not through the gateway"
+                " (the API key alone names the tenant)",
+                param=name,
+                code="unsupported_parameter",
+            )
+        if not name or len(name) > _MAX_KEY:
+            raise ApiError(400, f"a parameter name must be 1 to {_MAX_KEY} characters")
+    if len(unknown) > MAX_EXTRA:
+        raise ApiError(
+            400,
+            f"at most {MAX_EXTRA} parameters the gateway does not know are passed"
+            f" through; this body has {len(unknown)}",
+            param=unknown[MAX_EXTRA],
+            code="too_many_parameters",
+        )
+    extra: dict[str, Any] = {}
+    for name in unknown:
+        value = msgspec.json.decode(fields[name])
+        if value is None:
+            continue  # null asks for nothing, as the SDKs' NOT_GIVEN
+        _bounded(value, name)
+        extra[name] = value
+    return extra
+
+
+def _bounded(value: Any, param: str) -> None:
+    """ApiError 400 if ``value`` nests deeper than :data:`MAX_DEPTH` (walked without recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth >= MAX_DEPTH:
+            raise ApiError(400, f"{param} is nested deeper than {MAX_DEPTH} levels", param=param)
+        stack.extend((child, depth + 1) for child in children)
+
+
+def _invalid(exc: msgspec.ValidationError, where: str = "") -> ApiError:
     text = str(exc)
-    message, sep, where = text.partition(" - at `$")
-    param = where.rstrip("`").lstrip(".") if sep else None
+    message, sep, at = text.partition(" - at `$")
+    param = where + at.rstrip("`") if sep else where
+    param = param.lstrip(".")
     if message.startswith("Object contains unknown field"):
         field = message.split("`")[1] if "`" in message else "?"
         param = f"{param}.{field}" if param else field
@@ -212,13 +365,45 @@ def _invalid(exc: msgspec.ValidationError) -> ApiError:
     return ApiError(400, message, param=param or None)
 
 
+#: Wire paths (flat tool calls and tools) as the chat API names them.
+_API_PATHS: Final = (
+    (".name", ".function.name"),
+    (".arguments", ".function.arguments"),
+    (".parameters", ".function.parameters"),
+    (".description", ".function.description"),
+    (".strict", ".function.strict"),
+)
+
+
+def _convert(raw: Any, type_: type[_T], where: str) -> _T:
+    """``raw`` as the wire type, every constraint checked; ApiError 400 naming
+    the field as the chat API names it."""
+    try:
+        return msgspec.convert(raw, type_)
+    except msgspec.ValidationError as exc:
+        error = _invalid(exc, where)
+        param = error.param or ""
+        if "tool_calls[" in param or param.startswith(("tools[", "tool_choice")):
+            for wire, api in _API_PATHS:
+                if param.endswith(wire) and not param.endswith(api):
+                    fixed = param[: -len(wire)] + api
+                    error.message = error.message.replace(param, fixed)
+                    error.param = fixed
+                    break
+        raise error from None
+
+
 def _unsupported(param: str, what: str) -> ApiError:
     return ApiError(
         400,
-        f"{what} is not supported by this gateway yet ({param})",
+        f"not supported by this gateway: {what} ({param})",
         param=param,
         code="unsupported_parameter",
     )
+
+
+def _required(param: str) -> ApiError:
+    return ApiError(400, f"{param} is required", param=param)
 
 
 def _check_neutral(body: ChatBody) -> None:
@@ -230,60 +415,236 @@ def _check_neutral(body: ChatBody) -> None:
         compact = msgspec.json.encode(msgspec.json.decode(value))
         if compact not in allowed:
             raise _unsupported(field, f"{field!r}")
-    plain: tuple[tuple[str, Any, Any], ...] = (
-        ("n", body.n, 1),
-        ("presence_penalty", body.presence_penalty, 0),
-        ("frequency_penalty", body.frequency_penalty, 0),
-        ("logprobs", body.logprobs, False),
-        ("top_logprobs", body.top_logprobs, 0),
-        ("store", body.store, False),
-    )
+    plain: tuple[tuple[str, Any, Any], ...] = (("n", body.n, 1), ("store", body.store, False))
     for field, value, neutral in plain:
         if value is not None and value != neutral:
             raise _unsupported(field, f"{field}={value!r}")
 
 
-def _messages(body: ChatBody) -> list[dict[str, str]]:
-    if not body.messages:
+def _messages(messages: list[BodyMessage]) -> list[ChatMessage]:
+    if not messages:
         raise ApiError(400, "messages must not be empty", param="messages")
-    out: list[dict[str, str]] = []
-    for index, message in enumerate(body.messages):
-        where = f"messages[{index}]"
-        role = _ROLES.get(message.role)
-        if role is None:
-            what = "tool results" if message.role == "tool" else f"role {message.role!r}"
-            raise _unsupported(f"{where}.role", what)
-        for field in ("tool_calls", "function_call", "audio"):
-            value = bytes(getattr(message, field))
-            if value and value != b"null":
-                raise _unsupported(f"{where}.{field}", field)
-        if message.name is not None:
-            raise _unsupported(f"{where}.name", "message names")
-        if message.tool_call_id is not None:
-            raise _unsupported(f"{where}.tool_call_id", "tool results")
-        if message.refusal is not None:
-            raise _unsupported(f"{where}.refusal", "refusals")
-        out.append({"role": role, "content": _content(message.content, where)})
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(400, f"at most {MAX_MESSAGES} messages", param="messages")
+    return [_message(message, f"messages[{index}]") for index, message in enumerate(messages)]
+
+
+def _message(message: BodyMessage, where: str) -> ChatMessage:
+    role = _role(message, where)
+    calls = [
+        _tool_call(call, f"{where}.tool_calls[{index}]")
+        for index, call in enumerate(message.tool_calls or ())
+    ]
+    content: Any = message.content
+    if content is None:
+        if not calls:
+            raise _required(f"{where}.content")
+        content = ""
+    elif not isinstance(content, str):
+        content = _parts(content, where)
+    raw: dict[str, Any] = {"role": role, "content": content}
+    if message.name is not None:
+        raw["name"] = message.name
+    if calls:
+        raw["tool_calls"] = calls
+    if message.tool_call_id is not None:
+        raw["tool_call_id"] = message.tool_call_id
+    return _convert(raw, ChatMessage, where)
+
+
+def _role(message: BodyMessage, where: str) -> str:
+    """The wire's role of ``message``; ApiError 400 for what its role cannot carry."""
+    role = _ROLES.get(message.role)
+    if role is None:
+        raise _unsupported(f"{where}.role", f"role {message.role[:32]!r}")
+    for field in ("function_call", "audio"):
+        value = bytes(getattr(message, field))
+        if value and value != b"null":
+            raise _unsupported(f"{where}.{field}", field)
+    if message.refusal is not None:
+        raise _unsupported(f"{where}.refusal", "refusals")
+    if message.tool_calls and role != "assistant":
+        raise ApiError(
+            400, f"only assistant messages carry tool_calls ({where})", param=f"{where}.tool_calls"
+        )
+    if message.tool_call_id is not None and role != "tool":
+        raise ApiError(
+            400,
+            f"only tool messages carry a tool_call_id ({where})",
+            param=f"{where}.tool_call_id",
+        )
+    if role == "tool" and not message.tool_call_id:
+        raise ApiError(
+            400,
+            f"a tool message needs the tool_call_id it answers ({where})",
+            param=f"{where}.tool_call_id",
+        )
+    return role
+
+
+def _tool_call(call: ToolCallBody, at: str) -> dict[str, str]:
+    if call.type != "function":
+        raise _unsupported(f"{at}.type", f"tool calls of type {call.type[:32]!r}")
+    if call.function is None:
+        raise _required(f"{at}.function")
+    return {"id": call.id or "", "name": call.function.name, "arguments": call.function.arguments}
+
+
+def _parts(parts: list[ContentPart], where: str) -> str | list[dict[str, Any]]:
+    """Content parts as the wire's; text alone is joined by newlines, as
+    vLLM's chat templates join it (the same answer, and one string)."""
+    out: list[dict[str, Any]] = []
+    for index, part in enumerate(parts):
+        at = f"{where}.content[{index}]"
+        if bytes(part.cache_control):
+            raise _unsupported(f"{at}.cache_control", "cache_control")
+        if part.type == "text":
+            if part.text is None:
+                raise _required(f"{at}.text")
+            out.append({"type": "text", "text": part.text})
+        elif part.type == "image_url":
+            out.append({"type": "image_url", "image_url": _image(part.image_url, at)})
+        else:
+            raise _unsupported(f"{at}.type", f"content parts of type {part.type[:32]!r}")
+    if all(part["type"] == "text" for part in out):
+        return "\n".join(part["text"] for part in out)
     return out
 
 
-def _content(content: str | list[ContentPart] | None, where: str) -> str:
-    if content is None:
-        raise ApiError(400, f"{where}.content is required", param=f"{where}.content")
-    if isinstance(content, str):
-        return content
-    texts = []
-    for index, part in enumerate(content):
-        at = f"{where}.content[{index}]"
-        if part.type != "text":
-            raise _unsupported(f"{at}.type", f"content parts of type {part.type!r}")
-        if part.text is None:
-            raise ApiError(400, f"{at}.text is required", param=f"{at}.text")
-        if bytes(part.cache_control):
-            raise _unsupported(f"{at}.cache_control", "cache_control")
-        texts.append(part.text)
-    # Text parts are joined by newlines, as vLLM's chat templates join them.
-    return "\n".join(texts)
+def _image(image: ImageUrlBody | str | None, at: str) -> dict[str, Any]:
+    if image is None:
+        raise _required(f"{at}.image_url")
+    url, detail = (image, None) if isinstance(image, str) else (image.url, image.detail)
+    if not (url.startswith("https://") or (url.startswith("data:image/") and ";base64," in url)):
+        raise ApiError(
+            400,
+            f"an image is an https:// URL or a data:image/...;base64, URL ({at}.image_url.url)",
+            param=f"{at}.image_url.url",
+            code="invalid_image_url",
+        )
+    return {"url": url} if detail is None else {"url": url, "detail": detail}
+
+
+def _tools(tools: list[ToolBody] | None) -> list[dict[str, Any]]:
+    if not tools:
+        return []
+    if len(tools) > MAX_TOOLS:
+        raise ApiError(400, f"at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
+    out: list[dict[str, Any]] = []
+    for index, tool in enumerate(tools):
+        at = f"tools[{index}]"
+        if tool.type != "function":
+            raise _unsupported(f"{at}.type", f"tools of type {tool.type[:32]!r}")
+        if tool.function is None:
+            raise _required(f"{at}.function")
+        function = tool.function
+        raw: dict[str, Any] = {"name": function.name}
+        if function.description:
+            raw["description"] = function.description
+        if function.parameters:
+            _bounded(function.parameters, f"{at}.function.parameters")
+            raw["parameters"] = function.parameters
+        if function.strict is not None:
+            raw["strict"] = function.strict
+        out.append(raw)
+    return out
+
+
+def _tool_choice(
+    choice: str | ToolChoiceBody | None, tools: list[dict[str, Any]]
+) -> str | dict[str, str] | None:
+    """The wire's ``tool_choice``; ``None`` without tools when it asks for nothing."""
+    if choice is None:
+        return None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise ApiError(
+                400,
+                f"tool_choice is none, auto, required or a function, not {choice[:32]!r}",
+                param="tool_choice",
+            )
+        if not tools:
+            if choice == "required":
+                raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
+            return None  # none and auto ask for nothing without tools
+        return choice
+    if choice.type != "function":
+        raise _unsupported("tool_choice.type", f"tool_choice of type {choice.type[:32]!r}")
+    if choice.function is None:
+        raise _required("tool_choice.function")
+    name = choice.function.name
+    if name not in {tool["name"] for tool in tools}:
+        raise ApiError(
+            400,
+            f"tool_choice names {name[:64]!r}, which is not among tools",
+            param="tool_choice.function.name",
+        )
+    return {"name": name}
+
+
+def _response_format(format_: ResponseFormatBody | None) -> dict[str, Any] | None:
+    if format_ is None or format_.type == "text":
+        return None  # text asks for nothing
+    if format_.type == "json_object":
+        return {"type": "json_object"}
+    if format_.type != "json_schema":
+        raise _unsupported("response_format.type", f"response_format {format_.type[:32]!r}")
+    schema = format_.json_schema
+    if schema is None:
+        raise _required("response_format.json_schema")
+    raw: dict[str, Any] = {"name": schema.name}
+    if schema.schema:
+        _bounded(schema.schema, "response_format.json_schema.schema")
+        raw["schema"] = schema.schema
+    if schema.description:
+        raw["description"] = schema.description
+    if schema.strict is not None:
+        raw["strict"] = schema.strict
+    return {"type": "json_schema", "json_schema": raw}
+
+
+def _params(body: ChatBody, extra: dict[str, Any]) -> GenerationParams:
+    """The wire's parameters. Values that ask for nothing (a penalty of 0,
+    ``logprobs: false``) are left out: an adapter that has no counterpart
+    for them must not refuse a request for them."""
+    if (
+        body.max_tokens is not None
+        and body.max_completion_tokens is not None
+        and body.max_tokens != body.max_completion_tokens
+    ):
+        raise ApiError(
+            400,
+            "max_tokens and max_completion_tokens disagree; give one",
+            param="max_completion_tokens",
+        )
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    if stop is not None and len(stop) > MAX_STOP:
+        raise ApiError(400, f"at most {MAX_STOP} stop sequences", param="stop")
+    top = body.top_logprobs or None
+    if top is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    tools = _tools(body.tools)
+    raw: dict[str, Any] = {
+        "max_tokens": body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "stop": stop,
+        "seed": body.seed,
+        "presence_penalty": body.presence_penalty or None,
+        "frequency_penalty": body.frequency_penalty or None,
+        "logprobs": True if body.logprobs else None,
+        "top_logprobs": top,
+        "response_format": _response_format(body.response_format),
+        "tool_choice": _tool_choice(body.tool_choice, tools),
+        "parallel_tool_calls": body.parallel_tool_calls if tools else None,
+        "user": body.user,
+    }
+    raw = {name: value for name, value in raw.items() if value is not None}
+    if tools:
+        raw["tools"] = tools
+    if extra:
+        raw["extra"] = extra
+    return _convert(raw, GenerationParams, "")
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:
@@ -339,31 +700,20 @@ def _controlled(
 
 
 def translate(
-    body: ChatBody,
+    chat: Chat,
     headers: Mapping[str, str],
     *,
     levels: Sequence[str],
     default_level: str,
     now: float,
 ) -> Submission:
-    """What ``body`` (with Ren-Queue's ``headers``) asks for; ApiError 400 if it
+    """What ``chat`` (with Ren-Queue's ``headers``) asks for; ApiError 400 if it
     asks for what the wire cannot carry."""
+    body = chat.body
     headers = {k.lower(): v for k, v in headers.items() if k.lower() in _CONTROLS}
     _check_neutral(body)
-    messages = _messages(body)
-    if (
-        body.max_tokens is not None
-        and body.max_completion_tokens is not None
-        and body.max_tokens != body.max_completion_tokens
-    ):
-        raise ApiError(
-            400,
-            "max_tokens and max_completion_tokens disagree; give one",
-            param="max_completion_tokens",
-        )
-    stop = [body.stop] if isinstance(body.stop, str) else body.stop
-    if stop is not None and len(stop) > MAX_STOP:
-        raise ApiError(400, f"at most {MAX_STOP} stop sequences", param="stop")
+    messages = _messages(body.messages)
+    params = _params(body, chat.extra)
 
     priority_text = _header(headers, "x-priority")
     priority: int | str | None = priority_text if priority_text else body.priority
@@ -387,16 +737,13 @@ def translate(
 
     metadata = dict(body.metadata or {})
     if body.user is not None:
+        # Also in params.user; an A/B split may key on metadata.user.
         metadata["user"] = body.user
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     return Submission(
         route=body.model,
         messages=messages,
-        max_tokens=body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        stop=stop,
-        seed=body.seed,
+        params=params,
         priority=level,
         deadline=deadline,
         max_cost=max_cost,
@@ -416,15 +763,38 @@ class _Usage(Struct, kw_only=True):
     total_tokens: int
 
 
+class _FunctionPiece(Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str
+
+
+class _ToolCallPiece(Struct, kw_only=True, omit_defaults=True):
+    """One piece of ``delta.tool_calls``: ``id``, ``type`` and the name only
+    on the first piece of its ``index``, as OpenAI streams them."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: _FunctionPiece
+
+
 class _Delta(Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[_ToolCallPiece] | None = None
+
+
+class _Logprobs(Struct, kw_only=True):
+    """``choices[0].logprobs``: the wire's token log probabilities are OpenAI's shape."""
+
+    content: list[TokenLogprob]
+    refusal: None = None
 
 
 class _ChunkChoice(Struct, kw_only=True):
     index: int = 0
     delta: _Delta
-    logprobs: None = None
+    logprobs: _Logprobs | None = None
     finish_reason: str | None = None
 
 
@@ -445,16 +815,33 @@ class _Chunk(_PlainChunk, kw_only=True):
     usage: _Usage | None = None
 
 
+class _Function(Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class _ToolCall(Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: _Function
+
+
 class _Message(Struct, kw_only=True):
     role: str = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+
+
+class _ToolMessage(_Message, kw_only=True):
+    """An answer with tool calls (a plain answer has no ``tool_calls`` key, as OpenAI's)."""
+
+    tool_calls: list[_ToolCall]
 
 
 class _Choice(Struct, kw_only=True):
     index: int = 0
     message: _Message
-    logprobs: None = None
+    logprobs: _Logprobs | None = None
     finish_reason: str
 
 
@@ -472,8 +859,11 @@ _ENCODER: Final = msgspec.json.Encoder()
 _FINISH: Final = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
 
 
-def finish_reason(reason: str | None) -> str:
-    """A backend's finish reason as OpenAI names them (``stop`` when unknown)."""
+def finish_reason(reason: str | None, *, tool_calls: bool = False) -> str:
+    """A backend's finish reason as OpenAI names them (``stop`` when unknown;
+    ``tool_calls`` for an answer that called tools and stopped)."""
+    if tool_calls and reason in (None, "stop"):
+        return "tool_calls"
     return reason if reason is not None and reason in _FINISH else "stop"
 
 
@@ -483,6 +873,54 @@ def usage(prompt: int, completion: int) -> _Usage:
     )
 
 
+def call_id(request_id: str, index: int, given: str) -> str:
+    """A tool call's id: the backend's, else one made from the request and the
+    call's place (some providers give none; a ``tool`` message must name it),
+    the same whenever the answer is read again."""
+    return given or f"call_{request_id}_{index}"
+
+
+class ToolCallPieces:
+    """A stream's ``delta.tool_calls`` in OpenAI's shape: the first piece of
+    each call carries its ``id``, ``type`` and name, later pieces only
+    ``arguments``. Remembers which calls have begun (a resumed stream notes
+    the pieces it skips)."""
+
+    __slots__ = ("_begun", "_request_id")
+
+    def __init__(self, request_id: str) -> None:
+        self._request_id = request_id
+        self._begun: set[int] = set()
+
+    def seen(self, deltas: Sequence[ToolCallDelta]) -> None:
+        self._begun.update(delta.index for delta in deltas)
+
+    def restart(self) -> None:
+        """A new run: its calls begin anew."""
+        self._begun.clear()
+
+    def pieces(self, deltas: Sequence[ToolCallDelta]) -> list[_ToolCallPiece]:
+        out = []
+        for delta in deltas:
+            if delta.index in self._begun:
+                out.append(
+                    _ToolCallPiece(
+                        index=delta.index, function=_FunctionPiece(arguments=delta.arguments)
+                    )
+                )
+                continue
+            self._begun.add(delta.index)
+            out.append(
+                _ToolCallPiece(
+                    index=delta.index,
+                    id=call_id(self._request_id, delta.index, delta.id),
+                    type="function",
+                    function=_FunctionPiece(name=delta.name, arguments=delta.arguments),
+                )
+            )
+        return out
+
+
 def chunk_bytes(
     request_id: str,
     model: str,
@@ -490,18 +928,25 @@ def chunk_bytes(
     *,
     role: str | None = None,
     content: str | None = None,
+    tool_calls: list[_ToolCallPiece] | None = None,
+    logprobs: Sequence[TokenLogprob] = (),
     finish: str | None = None,
     with_usage: bool = False,
     final_usage: _Usage | None = None,
 ) -> bytes:
     """One ``chat.completion.chunk`` as JSON. ``with_usage``: the stream asked for
     usage (``stream_options.include_usage``): every chunk has ``"usage": null``,
-    and the last, with ``final_usage`` and no choices, carries the counts."""
+    and the last, with ``final_usage`` and no choices, carries the counts.
+    ``tool_calls``: pieces from :class:`ToolCallPieces`."""
     if final_usage is not None:
         return _ENCODER.encode(
             _Chunk(id=request_id, created=created, model=model, choices=[], usage=final_usage)
         )
-    choice = _ChunkChoice(delta=_Delta(role=role, content=content), finish_reason=finish)
+    choice = _ChunkChoice(
+        delta=_Delta(role=role, content=content, tool_calls=tool_calls or None),
+        logprobs=_Logprobs(content=list(logprobs)) if logprobs else None,
+        finish_reason=finish,
+    )
     if with_usage:
         return _ENCODER.encode(
             _Chunk(id=request_id, created=created, model=model, choices=[choice])
@@ -520,14 +965,34 @@ def completion_bytes(
     finish: str | None,
     prompt_tokens: int,
     completion_tokens: int,
+    tool_calls: Sequence[ToolCall] = (),
+    logprobs: Sequence[TokenLogprob] = (),
 ) -> bytes:
-    """A whole ``chat.completion`` as JSON."""
+    """A whole ``chat.completion`` as JSON (``content`` null for an answer of
+    tool calls alone, as OpenAI's)."""
+    message: _Message
+    if tool_calls:
+        calls = [
+            _ToolCall(
+                id=call_id(request_id, index, call.id),
+                function=_Function(name=call.name, arguments=call.arguments),
+            )
+            for index, call in enumerate(tool_calls)
+        ]
+        message = _ToolMessage(content=text or None, tool_calls=calls)
+    else:
+        message = _Message(content=text)
+    choice = _Choice(
+        message=message,
+        logprobs=_Logprobs(content=list(logprobs)) if logprobs else None,
+        finish_reason=finish_reason(finish, tool_calls=bool(tool_calls)),
+    )
     return _ENCODER.encode(
         _Completion(
             id=request_id,
             created=created,
             model=model,
-            choices=[_Choice(message=_Message(content=text), finish_reason=finish_reason(finish))],
+            choices=[choice],
             usage=usage(prompt_tokens, completion_tokens),
         )
     )

@@ -67,6 +67,7 @@ from ..wire._messages import (
     EVENT_DECODER,
     Cancelled,
     CancelRequested,
+    Completed,
     Event,
     Submitted,
     TokenChunk,
@@ -81,6 +82,7 @@ from ._idempotency import MAX_KEY_LENGTH, RetryMemory, fingerprint, id_for_key
 from ._keys import KeyStore
 from ._openai import (
     Submission,
+    ToolCallPieces,
     chunk_bytes,
     completion_bytes,
     finish_reason,
@@ -526,11 +528,7 @@ class Gateway(Lifecycle):
                 route=sub.route,
                 priority=sub.priority,
                 request_id=request_id,
-                max_tokens=sub.max_tokens,
-                temperature=sub.temperature,
-                top_p=sub.top_p,
-                stop=sub.stop,
-                seed=sub.seed,
+                params=sub.params,
                 deadline=sub.deadline,
                 max_cost=sub.max_cost,
                 metadata=metadata,
@@ -599,6 +597,8 @@ class Gateway(Lifecycle):
             finish=result.finish_reason,
             prompt_tokens=result.usage.prompt_tokens,
             completion_tokens=result.usage.completion_tokens,
+            tool_calls=result.tool_calls,
+            logprobs=result.logprobs,
         )
         response = web.Response(body=body, content_type=_JSON)
         response.headers["x-request-id"] = handle.id
@@ -702,6 +702,7 @@ class _Sse:
         self.created = int(time.time())
         self.response: web.StreamResponse | None = None
         self.text_sent = after.stage not in {"start", "role"}
+        self.tool_calls = ToolCallPieces(request_id)
 
     def _chunk(self, **fields: Any) -> bytes:
         return chunk_bytes(
@@ -722,17 +723,30 @@ class _Sse:
         if after.stage in {"end", "usage"}:
             return True
         if after.stage == "text" and chunk.delivery == after.delivery and chunk.seq <= after.seq:
+            if chunk.restart:
+                self.tool_calls.restart()
+            self.tool_calls.seen(chunk.tool_calls)  # the client has their first pieces
             return True
-        if chunk.restart and self.text_sent:
-            await self._write(_restarted(self.request_id))
-            return False
-        await self._write(self._chunk(content=chunk.text), f"{chunk.delivery}.{chunk.seq}")
+        if chunk.restart:
+            if self.text_sent:
+                await self._write(_restarted(self.request_id))
+                return False
+            self.tool_calls.restart()
+        pieces = self.tool_calls.pieces(chunk.tool_calls)
+        data = self._chunk(
+            # A piece of tool calls alone has no content, as OpenAI's.
+            content=chunk.text if chunk.text or not pieces else None,
+            tool_calls=pieces,
+            logprobs=chunk.logprobs,
+        )
+        await self._write(data, f"{chunk.delivery}.{chunk.seq}")
         self.text_sent = True
         return True
 
     async def end(self, result: Result) -> None:
         if self.after.stage not in {"end", "usage"}:
-            await self._write(self._chunk(finish=finish_reason(result.finish_reason)), "end")
+            finish = finish_reason(result.finish_reason, tool_calls=bool(result.tool_calls))
+            await self._write(self._chunk(finish=finish), "end")
         if self.include_usage and self.after.stage != "usage":
             counts = usage(result.usage.prompt_tokens, result.usage.completion_tokens)
             await self._write(self._chunk(final_usage=counts), "usage")
@@ -839,19 +853,20 @@ def _state(request_id: str, route: str, events: list[Event]) -> dict[str, Any]:
             out["deadline"] = event.request.deadline
         if is_terminal(event):
             status = kind
-            if kind == "completed":
-                result = msgspec.to_builtins(event)
-                out["backend"] = result["backend"]
-                out["cost"] = result["cost"]
+            if isinstance(event, Completed):
+                out["backend"] = event.backend
+                out["cost"] = event.cost
                 out["result"] = msgspec.json.decode(
                     completion_bytes(
                         request_id,
                         route,
                         int(event.at),
-                        text=result["text"],
-                        finish=result.get("finish_reason"),
-                        prompt_tokens=result["usage"]["prompt_tokens"],
-                        completion_tokens=result["usage"]["completion_tokens"],
+                        text=event.text,
+                        finish=event.finish_reason,
+                        prompt_tokens=event.usage.prompt_tokens,
+                        completion_tokens=event.usage.completion_tokens,
+                        tool_calls=event.tool_calls,
+                        logprobs=event.logprobs,
                     )
                 )
             else:
