@@ -21,13 +21,22 @@ import msgspec
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageFunctionToolCall, ParsedFunctionToolCall
+from test_binder import until
 
 from renqueue import Client, RequestCancelledError, Services, parse_config
 from renqueue.config import Config
 from renqueue.gateway import Gateway, digest
 from renqueue.gateway._idempotency import id_for_key
 from renqueue.tools import FaultSpec, MockBackend, MockSettings
-from renqueue.wire import EVENT_DECODER, Completed, EventLog, Submitted, Usage
+from renqueue.wire import (
+    EVENT_DECODER,
+    SYSTEM_TENANT,
+    CircuitChanged,
+    Completed,
+    EventLog,
+    Submitted,
+    Usage,
+)
 
 ACME = "rq-test-acme-key-0123456789abcdef"
 GLOBEX = "rq-test-globex-key-0123456789abcdef"
@@ -660,6 +669,41 @@ async def test_an_expired_deadline_is_a_504(stack: Stack, mock: MockBackend) -> 
             json={"model": "chat", "messages": MESSAGES, "deadline": time.time() - 5},
         )
     assert past.status_code == 504
+
+
+async def test_a_route_whose_backends_are_all_down_is_a_503_not_a_504(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """Nothing could serve the route (its one backend's circuit open, from a
+    failed health probe): the expiry is the route's fault, not slowness."""
+    mock.update(down=True)
+    probe = {"path": "/health", "interval": "100ms", "timeout": "500ms"}
+    backend = {
+        "b1": {
+            "base_url": mock.url,
+            "model": "mock",
+            "probe": probe,
+            "circuit": {"cooloff": "60s"},
+        }
+    }
+    async for stack in start(tmp_path, mock, backends=backend):
+        async with stack.client() as client:
+
+            async def opened() -> bool:
+                events = await EventLog(client.js).history(SYSTEM_TENANT, "b1")
+                states = [e.state for e in events if isinstance(e, CircuitChanged)]
+                return states[-1:] == ["open"]
+
+            await until(opened, "the circuit of b1 opened")
+        with pytest.raises(openai.InternalServerError) as caught:
+            await stack.sdk().chat.completions.create(
+                model="chat", messages=MESSAGES, extra_headers={"X-Request-Timeout": "0.5"}
+            )
+    assert caught.value.status_code == 503
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "no_backend_available"
+    assert "every candidate is down" in body["message"]
 
 
 async def test_a_tenants_in_flight_limit_is_a_429(tmp_path: Path, mock: MockBackend) -> None:

@@ -37,6 +37,7 @@ from ..errors import (
 )
 from ..policy._budget import day_ends
 from ..policy._features import ALL_FEATURES
+from ..policy._planner import nothing_could_serve
 from ..wire._messages import Cancelled, Event, Expired, Failed, Rejected
 
 __all__ = ["ApiError", "from_error", "from_terminal"]
@@ -110,6 +111,15 @@ def from_terminal(event: Event, *, now: float) -> ApiError:
     rid = event.request_id
     if isinstance(event, Rejected):
         return _rejected(event, now=now)
+    if isinstance(event, Expired) and nothing_could_serve(event.reason):
+        # Not slow: nothing could serve the route (every backend down).
+        return ApiError(
+            503,
+            f"request {rid} expired: {event.reason}",
+            type=SERVER,
+            code="no_backend_available",
+            retry=False,
+        )
     if isinstance(event, Expired):
         return ApiError(
             504,

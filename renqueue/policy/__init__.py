@@ -129,6 +129,7 @@ from ._planner import (
     Refuse,
     Wait,
     Waiting,
+    nothing_could_serve,
     plan,
     urgency,
 )
@@ -280,6 +281,7 @@ __all__ = [
     "moved_to",
     "needs",
     "next_circuit",
+    "nothing_could_serve",
     "percentile",
     "pick_key",
     "place",

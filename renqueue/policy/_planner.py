@@ -595,6 +595,15 @@ def _why_late(
     return f"{DEADLINE_PASSED}: {NoRoom.NONE_CAPABLE.value}"
 
 
+def nothing_could_serve(reason: str) -> bool:
+    """Whether an expiry's ``reason`` (:func:`_why_late`) says that no candidate
+    of its route could take it at all while it waited (all down, or none
+    healthy and capable), rather than that they were busy or out of quota."""
+    return reason.startswith(f"{DEADLINE_PASSED}: ") and (
+        "every candidate is down" in reason or NoRoom.NONE_CAPABLE.value in reason
+    )
+
+
 def _passed_reason(passed: list[tuple[str, QuotaVerdict]], then: str) -> str:
     return "; ".join([*(f"{name} {verdict.reason}" for name, verdict in passed), then])
 
