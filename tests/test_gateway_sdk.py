@@ -30,6 +30,7 @@ from renqueue.gateway._idempotency import id_for_key
 from renqueue.tools import FaultSpec, MockBackend, MockSettings
 from renqueue.wire import (
     EVENT_DECODER,
+    STATE_BUCKET,
     SYSTEM_TENANT,
     CircuitChanged,
     Completed,
@@ -878,6 +879,37 @@ async def test_sdk_retries_after_a_timeout_join_the_request_they_repeat(
     )
     assert keyed.choices[0].message.content
     assert mock.stats().requests == 2
+
+
+async def test_an_sdk_retry_reaching_another_gateway_process_joins_the_request(
+    stack: Stack, mock: MockBackend, tmp_path: Path
+) -> None:
+    """Gateways behind a load balancer: the first try went to one, its SDK
+    retry (same body, ``x-stainless-retry-count`` 1, no key) to another. The
+    retry joins the request the first try made: one request, one call."""
+    mock.update(ttft=1.0)
+    config = make_config(tmp_path, mock)
+    body = {"model": "chat", "messages": [{"role": "user", "content": "one call only"}]}
+    async with Gateway(config, url=stack.services.url) as other, stack.http() as first_http:
+        first = asyncio.create_task(first_http.post("/chat/completions", json=body))
+
+        async def shared() -> bool:
+            assert stack.services.js is not None
+            kv = await stack.services.js.key_value(STATE_BUCKET)
+            return any(key.startswith("gw.acme.") for key in await kv.keys())
+
+        await until(shared, "the first try's fingerprint was shared")
+        async with httpx.AsyncClient(
+            base_url=other.url,
+            headers={"Authorization": f"Bearer {ACME}", "x-stainless-retry-count": "1"},
+            timeout=30,
+        ) as retry_http:
+            retried = await retry_http.post("/chat/completions", json=body)
+        answered = await first
+    assert answered.status_code == retried.status_code == 200, retried.text
+    assert answered.json()["id"] == retried.json()["id"]
+    assert await submitted_count(stack, "acme", answered.json()["id"]) == 1
+    assert mock.stats().requests == 1
 
 
 # ---------------------------------------------------------- disconnect and resume

@@ -19,11 +19,15 @@ Two ways a retry is recognised:
   body with ``x-stainless-retry-count`` above 0 and no idempotency key
   (the openai Python SDK sets none). Each gateway process remembers, for
   ``[gateway] retry_memory``, the fingerprint (tenant and body bytes) of the
-  requests it submitted; a retry whose fingerprint it remembers joins that
-  request. First tries are never joined, however alike: only a retry says it
-  repeats something. A retry that reaches another gateway process, or comes
-  after the memory, is a new request: send ``Idempotency-Key`` where that
-  matters.
+  requests it submitted, and shares it with every other gateway process
+  through the ``rq-state`` bucket (:func:`shared_key`, each entry living as
+  long as the memory, by its ``Nats-TTL``); a retry whose fingerprint this
+  process or the bucket remembers joins that request. First tries are never
+  joined, however alike: only a retry says it repeats something. The shared
+  entry is written in the background, so a retry that reaches another process
+  within moments of the first try (before the write lands, typically a
+  millisecond) is a new request; so is one that comes after the memory. Send
+  ``Idempotency-Key`` where that matters.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Final
 
-__all__ = ["RetryMemory", "fingerprint", "id_for_key"]
+__all__ = ["RetryMemory", "fingerprint", "id_for_key", "shared_key"]
 
 #: The longest idempotency key accepted (Stripe's limit).
 MAX_KEY_LENGTH: Final = 255
@@ -54,6 +58,11 @@ def fingerprint(tenant: str, body: bytes) -> str:
     return hashlib.sha256(tenant.encode() + b"\0" + body).hexdigest()
 
 
+def shared_key(tenant: str, print_: str) -> str:
+    """Where a fingerprint's request id is shared in the ``rq-state`` bucket."""
+    return f"gw.{tenant}.{print_[:48]}"
+
+
 class RetryMemory:
     """Fingerprint -> request id, for ``ttl`` seconds, at most ``size`` entries."""
 
@@ -71,6 +80,11 @@ class RetryMemory:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def ttl(self) -> float:
+        """Seconds a fingerprint is remembered."""
+        return self._ttl
 
     def remember(self, print_: str, request_id: str) -> None:
         self._entries[print_] = (self._clock() + self._ttl, request_id)

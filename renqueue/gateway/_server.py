@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 import signal
 import time
@@ -74,11 +75,11 @@ from ..wire._messages import (
     is_terminal,
     kind_of,
 )
-from ..wire._nats import Connection, JetStream
-from ..wire._subjects import EVENTS_STREAM, event_subject
+from ..wire._nats import Connection, JetStream, KeyValue
+from ..wire._subjects import EVENTS_STREAM, STATE_BUCKET, event_subject
 from . import _metrics as metrics
 from ._errors import ApiError, from_error, from_terminal
-from ._idempotency import MAX_KEY_LENGTH, RetryMemory, fingerprint, id_for_key
+from ._idempotency import MAX_KEY_LENGTH, RetryMemory, fingerprint, id_for_key, shared_key
 from ._keys import KeyStore
 from ._openai import (
     Submission,
@@ -209,6 +210,7 @@ class Gateway(Lifecycle):
         self._tenants: dict[str, _Tenant] = {}
         window = self._gw.retry_memory or config.nats.duplicate_window
         self._memory = RetryMemory(parse_duration(window))
+        self._state: KeyValue | None = None
         self._recent: dict[tuple[str, str], str] = {}
         self._runner: web.AppRunner | None = None
         self._closing = False
@@ -541,12 +543,37 @@ class Gateway(Lifecycle):
         self._remember_recent(tenant, handle.id, sub.route)
         if key is None:
             self._memory.remember(print_, handle.id)
+            self._share(tenant, print_, handle.id)
         return handle
+
+    def _share(self, tenant: str, print_: str, request_id: str) -> None:
+        """Tell every gateway process which request this body made (a
+        supervised background job: the answer does not wait for it)."""
+        name = shared_key(tenant, print_)
+        headers = {"Nats-TTL": str(max(1, math.ceil(self._memory.ttl)))}
+
+        async def put() -> None:
+            await self.js.publish(
+                f"$KV.{STATE_BUCKET}.{name}", request_id.encode(), headers=headers
+            )
+
+        self._supervisor.spawn_job(f"share-{name}", put)
+
+    async def _shared(self, tenant: str, print_: str) -> str | None:
+        """The request another gateway process made of this body, if it shared it."""
+        if self._state is None:
+            self._state = await self.js.key_value(STATE_BUCKET)
+        try:
+            entry = await self._state.get(shared_key(tenant, print_))
+        except NatsNotFoundError:
+            return None
+        request_id = entry.value.decode("utf-8", "replace")
+        return request_id if _ID_RE.match(request_id) else None
 
     async def _joinable(self, tenant: str, print_: str) -> str | None:
         """The request an SDK retry repeats, if this process remembers it and it
         was not cancelled because its client went away (that one is retried anew)."""
-        request_id = self._memory.recall(print_)
+        request_id = self._memory.recall(print_) or await self._shared(tenant, print_)
         if request_id is None:
             return None
         terminal = await EventLog(self.js).terminal_of(tenant, request_id)
