@@ -500,7 +500,11 @@ class RequestHandle:
         return _raise_for(event)
 
     async def _read_terminal(self) -> Event:
-        """Poll the request's own events: for requests not followed from their submit."""
+        """For a request not followed from its submit: through this client's
+        event tap when it is the client's tenant's (at once), else by polling
+        the request's own events."""
+        if self.tenant == self._client.tenant:
+            return await self._client._follow_terminal(self.id)
         lookup = functools.partial(EventLog(self._client.js).terminal_of, self.tenant, self.id)
         delay = 0.05
         while True:
@@ -807,6 +811,26 @@ class Client:
         return RequestHandle(
             self, request.id, request.tenant, duplicate=duplicate, waiter=waiter.future
         )
+
+    async def _follow_terminal(self, request_id: str) -> Event:
+        """The terminal event of this tenant's request ``request_id``, submitted
+        earlier or elsewhere: from the log if it has ended, else from the tap
+        when it does (the waiter is registered before the log is read, so an
+        end between the two is not missed)."""
+        await self._ensure_tap()
+        waiter = self._waiters.get(request_id)
+        if waiter is None:
+            future = asyncio.get_running_loop().create_future()
+            waiter = self._waiters[request_id] = _Waiter(future)
+        waiter.holders += 1
+        try:
+            lookup = functools.partial(EventLog(self.js).terminal_of, self.tenant, request_id)
+            ended = await _retrying(self.nc, "looking up a result", lookup, request_id=request_id)
+            if ended is not None:
+                return ended
+            return await asyncio.shield(waiter.future)
+        finally:
+            self._release(request_id, waiter)
 
     def _release(self, request_id: str, waiter: _Waiter) -> None:
         """A submit gives up its hold on ``waiter``; the last one drops it."""

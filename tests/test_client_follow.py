@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from test_binder import until
 
 from renqueue import Client, Services, TokensExpiredError, UnknownPriorityError, parse_config
 from renqueue._client import _TokenFollower
@@ -184,6 +185,41 @@ async def test_a_resubmit_while_the_first_handle_waits_resolves_both(tmp_path: P
             two = await second.result(timeout=10)
     assert one.text == two.text
     assert mock.stats().requests == 1
+
+
+async def test_a_handle_on_a_request_submitted_elsewhere_waits_on_the_tap_not_a_poll(
+    tmp_path: Path,
+) -> None:
+    """The gateway joins requests other processes made (idempotency keys, SDK
+    retries): ``client.handle(id).result()`` follows them through the
+    client's event tap, so the result comes when the request ends rather
+    than at the next poll; a handle on a request that has ended reads it from
+    the log."""
+    async with MockBackend(MockSettings(ttft=0.0, tokens_per_second=20, output_tokens=10)) as mock:
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {"b": {"base_url": mock.url, "model": "m"}},
+                "routes": {"chat": {"backends": ["b"]}},
+            }
+        )
+        async with (
+            Services(config) as services,
+            Client(services.nc, tenant="t") as elsewhere,
+            Client(services.nc, tenant="t") as joining,
+        ):
+            submitted = await elsewhere.submit("slow", route="chat")
+            waiting = asyncio.create_task(joining.handle(submitted.id).result(timeout=15))
+
+            async def on_the_tap() -> bool:
+                return submitted.id in joining._waiters
+
+            await until(on_the_tap, "the joining handle waits on its client's tap")
+            joined = await waiting
+            ended = await joining.handle(submitted.id).result(timeout=15)
+            assert not joining._waiters  # nothing held once the results are in
+            original = await submitted.result(timeout=15)
+    assert joined.text == ended.text == original.text
 
 
 async def test_a_submit_to_an_unconfigured_level_fails_clearly_after_its_grace(

@@ -273,7 +273,8 @@ async def test_a_claim_whose_event_is_missing_is_published_by_the_next_run(
                     client.nc, client.js, TOKENS_STREAM, token_subject(TENANT, request.id)
                 )
                 return [TOKEN_DECODER.decode(data) for _, data in raws] == [
-                    TokenChunk(request_id=request.id, delivery=1, seq=0, final=True)
+                    # Closed with the claimed answer's finish reason and usage.
+                    TokenChunk(request_id=request.id, delivery=1, seq=0, final=True, usage=Usage())
                 ]
 
             await until(closed, "the claim's final chunk is stored", within=5)
