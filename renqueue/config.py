@@ -397,13 +397,17 @@ class BackendConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="openai"):
     #: (docs/rate-limits.md). ``auto`` reads every dialect it finds; name
     #: ``groq`` for Groq, whose request headers count per day.
     limit_style: LimitStyle = "auto"
+    #: The pass-through parameters (a request's ``params.extra``, e.g. vLLM's
+    #: ``top_k``) it is sent; others are left out. Unset: every one not
+    #: reserved (``RESERVED_EXTRA``, refused at admission).
+    extra_params: list[Annotated[str, Meta(max_length=128)]] | None = None
 
 
 class AnthropicConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="anthropic"):
     """A backend speaking Anthropic's Messages API (``adapter = "anthropic"``):
     ``POST {base_url}/messages``, the key in ``x-api-key``."""
 
-    ADAPTER_FEATURES: ClassVar[frozenset[str]] = frozenset({"tools", "vision"})
+    ADAPTER_FEATURES: ClassVar[frozenset[str]] = frozenset({"tools", "vision", "image_urls"})
 
     base_url: str = "https://api.anthropic.com/v1"
     #: The ``anthropic-version`` header.
@@ -516,7 +520,7 @@ class GeminiConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="gemini"):
     in ``x-goog-api-key``."""
 
     ADAPTER_FEATURES: ClassVar[frozenset[str]] = frozenset(
-        {"tools", "vision", "json", "json_schema"}
+        {"tools", "vision", "image_urls", "json", "json_schema"}
     )
 
     base_url: str = "https://generativelanguage.googleapis.com/v1beta"

@@ -60,7 +60,9 @@ async def test_params_carry_the_whole_chat_format_and_arguments_replace_theirs(
             role="user",
             content=[TextPart(text="see"), ImagePart(image_url=ImageURL(url="https://x/y.png"))],
         ),
-        ChatMessage(role="assistant", tool_calls=(ToolCall(id="c", name="get_weather"),)),
+        ChatMessage(
+            role="assistant", content="", tool_calls=(ToolCall(id="c", name="get_weather"),)
+        ),
         {"role": "tool", "tool_call_id": "c", "content": "sunny"},
     ]
     request = client.build_request(messages, route="chat", params=params, temperature=0.7)

@@ -68,7 +68,7 @@ def request(*messages: ChatMessage, **params: Any) -> InferenceRequest:
         (request(tools=(TOOL,)), {"tools"}),
         (
             request(
-                ChatMessage(role="assistant", tool_calls=(ToolCall(id="c", name="f"),)),
+                ChatMessage(role="assistant", content="", tool_calls=(ToolCall(id="c", name="f"),)),
                 ChatMessage(role="tool", tool_call_id="c", content="12"),
             ),
             {"tools"},
@@ -83,7 +83,7 @@ def request(*messages: ChatMessage, **params: Any) -> InferenceRequest:
                     ],
                 )
             ),
-            {"vision"},
+            {"vision", "image_urls"},
         ),
         (request(ChatMessage(role="user", content=[TextPart(text="only text")])), set()),
         (request(response_format=ResponseFormat(type="text")), set()),
@@ -134,7 +134,7 @@ def test_a_backend_cannot_declare_what_its_adapter_cannot_send() -> None:
         parse_config(raw)
     raw["backends"]["a"].pop("features")
     config = parse_config(raw)
-    assert config.backends["a"].supports == {"tools", "vision"}
+    assert config.backends["a"].supports == {"tools", "vision", "image_urls"}
 
 
 def config_of(**backends: dict[str, Any]) -> Any:

@@ -406,7 +406,7 @@ def test_every_chat_field_the_wire_carries_reaches_it() -> None:
     )
     # What the router reads of it: these features, so only backends with them.
     request = InferenceRequest(id="r", route="chat", messages=sub.messages, params=sub.params)
-    assert needs(request) == {"tools", "vision", "json_schema", "logprobs"}
+    assert needs(request) == {"tools", "vision", "image_urls", "json_schema", "logprobs"}
     # And it survives the wire: encoded and decoded, it is the same request.
     assert REQUEST_DECODER.decode(encode(request)) == request
     json_object = submit({"response_format": {"type": "json_object"}}).params.response_format

@@ -190,6 +190,7 @@ def test_every_version_2_field_round_trips() -> None:
             },
             {
                 "role": "assistant",
+                "content": "",
                 "tool_calls": [{"id": "call_1", "name": "look", "arguments": '{"at": "image"}'}],
             },
             {"role": "tool", "tool_call_id": "call_1", "content": "a cat"},
@@ -257,14 +258,18 @@ def test_every_version_2_field_round_trips() -> None:
                 {
                     "role": "user",
                     "content": [
-                        {"type": "image_url", "image_url": {"url": "x", "detail": "ultra"}}
+                        {"type": "image_url", "image_url": {"url": "https://x", "detail": "ultra"}}
                     ],
                 }
             ],
             {},
             "detail",
         ),
-        ([{"role": "assistant", "tool_calls": [{"id": "c"}]}], {}, "$.messages[0].tool_calls[0]"),
+        (
+            [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}],
+            {},
+            "$.messages[0].tool_calls[0]",
+        ),
         ([{"role": "user", "content": 7}], {}, "$.messages[0].content"),
         (
             [{"role": "user", "content": "x"}],

@@ -23,12 +23,14 @@ from renqueue.wire import (
     Coalesced,
     Dispatch,
     EventLog,
+    GenerationParams,
     Preempted,
     Probed,
     Promoted,
     Routed,
     Started,
     Stolen,
+    Tool,
     dispatch_subject,
     encode,
     msg_id,
@@ -328,6 +330,52 @@ async def test_an_idle_replica_steals_work_queued_on_a_busy_sibling(tmp_path: Pa
     assert len(stolen) == by_backend.count("replica-b")
     assert {(e.from_backend, e.to_backend) for e in stolen} == {("replica-a", "replica-b")}
     assert slow.stats().requests + fast.stats().requests == 5
+
+
+async def test_a_replica_without_a_feature_steals_no_request_that_needs_it(
+    tmp_path: Path,
+) -> None:
+    """A pool's replicas may differ in what they can do (a text-only build):
+    requests with tools queued on the replica that has them stay there."""
+    async with (
+        MockBackend(MockSettings(ttft=0.3, output_tokens=2)) as slow,
+        MockBackend(MockSettings(output_tokens=2)) as fast,
+    ):
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {
+                    "replica-a": {
+                        "base_url": slow.url,
+                        "model": "m",
+                        "pool": "llama-8b",
+                        "limits": {"concurrency": 1},
+                    },
+                    "replica-b": {
+                        "base_url": fast.url,
+                        "model": "m",
+                        "pool": "llama-8b",
+                        "limits": {"concurrency": 1},
+                        "features": [],
+                    },
+                },
+                "routes": {"chat": {"backends": ["replica-a", "replica-b"]}},
+            }
+        )
+        tools = GenerationParams(tools=(Tool(name="lookup", parameters={"type": "object"}),))
+        async with Services(config) as services, Client(services.nc, tenant="t") as client:
+            handles = []
+            for index in range(4):
+                request = client.build_request(f"job {index}", route="chat", params=tools)
+                await client.js.publish(
+                    dispatch_subject("replica-a"),
+                    encode(Dispatch(request=request, backend="replica-a")),
+                    headers={"Nats-Msg-Id": msg_id("t", request.id, "dispatch", 1)},
+                )
+                handles.append(client.handle(request.id))
+            results = [await h.result(timeout=20) for h in handles]
+    assert [r.backend for r in results] == ["replica-a"] * 4
+    assert fast.stats().requests == 0
 
 
 async def test_identical_requests_share_one_backend_call(tmp_path: Path) -> None:

@@ -242,6 +242,7 @@ async def test_anthropic_answers_with_a_tool_call_when_the_user_asks_for_it(
                 user("x"),
                 ChatMessage(
                     role="assistant",
+                    content="",
                     tool_calls=(ToolCall(id="t", name="f", arguments='{"a": '),),
                 ),
             ),
@@ -251,7 +252,9 @@ async def test_anthropic_answers_with_a_tool_call_when_the_user_asks_for_it(
             request(
                 user("x"),
                 ChatMessage(
-                    role="assistant", tool_calls=(ToolCall(id="t", name="f", arguments="[1]"),)
+                    role="assistant",
+                    content="",
+                    tool_calls=(ToolCall(id="t", name="f", arguments="[1]"),),
                 ),
             ),
             "not a JSON object",
@@ -420,7 +423,7 @@ async def test_gemini_tool_round_trip(mock: MockBackend, stream: bool) -> None:
         # The second: the call and its result go back; the answer is text.
         second = request(
             *first.messages,
-            ChatMessage(role="assistant", tool_calls=calls),
+            ChatMessage(role="assistant", content="", tool_calls=calls),
             ChatMessage(role="tool", tool_call_id="call_0", content='{"temp": 21}'),
             tools=(WEATHER,),
         )
@@ -463,7 +466,7 @@ async def test_gemini_answers_each_parallel_call_in_one_turn(mock: MockBackend) 
     )
     req = request(
         user("two things"),
-        ChatMessage(role="assistant", tool_calls=calls),
+        ChatMessage(role="assistant", content="", tool_calls=calls),
         ChatMessage(role="tool", tool_call_id="b", content="noon"),
         ChatMessage(role="tool", tool_call_id="a", content="rain"),
     )
@@ -494,7 +497,9 @@ async def test_gemini_answers_each_parallel_call_in_one_turn(mock: MockBackend) 
             request(
                 user(),
                 ChatMessage(
-                    role="assistant", tool_calls=(ToolCall(id="t", name="f", arguments="{"),)
+                    role="assistant",
+                    content="",
+                    tool_calls=(ToolCall(id="t", name="f", arguments="{"),),
                 ),
             ),
             "not valid JSON",
@@ -521,7 +526,7 @@ async def test_the_gemini_mock_counts_function_responses(mock: MockBackend) -> N
     calls = (ToolCall(id="a", name="f", arguments="{}"), ToolCall(id="b", name="f", arguments="{}"))
     req = request(
         user(),
-        ChatMessage(role="assistant", tool_calls=calls),
+        ChatMessage(role="assistant", content="", tool_calls=calls),
         ChatMessage(role="tool", tool_call_id="a", content="1"),
     )
     async with adapter_for(mock, "gemini") as backend:

@@ -58,7 +58,7 @@ CHAT = [
             ImagePart(image_url=ImageURL(url=PNG, detail="low")),
         ],
     ),
-    ChatMessage(role="assistant", tool_calls=(CALL,)),
+    ChatMessage(role="assistant", content="", tool_calls=(CALL,)),
     ChatMessage(role="tool", tool_call_id="call_1", content="sunny"),
 ]
 
@@ -494,7 +494,11 @@ async def test_ollama_json_schema_is_its_format(mock: MockBackend) -> None:
             "data:image/<type>;base64",
         ),
         (
-            ChatMessage(role="assistant", tool_calls=(ToolCall(name="f", arguments="{not json"),)),
+            ChatMessage(
+                role="assistant",
+                content="",
+                tool_calls=(ToolCall(name="f", arguments="{not json"),),
+            ),
             "not JSON",
         ),
     ],

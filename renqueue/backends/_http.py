@@ -111,7 +111,7 @@ def error_detail(body: bytes) -> str:
     """
     try:
         data: Any = msgspec.json.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         text = body.decode("utf-8", errors="replace").strip()
     else:
         text = ""
@@ -202,7 +202,7 @@ def decoded(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T | None:
     read for its type: anything may come back with an error status)."""
     try:
         return decoder.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
 
 
@@ -931,7 +931,7 @@ class HTTPBackend:
                 parser.end()
                 return ""
             return parser.feed(piece)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # deep JSON: RecursionError
             raise self._malformed("malformed stream chunk", exc, request) from exc
         except (SSEError, FramingError) as exc:
             raise self._malformed("malformed stream", exc, request) from exc
@@ -943,7 +943,7 @@ class HTTPBackend:
         """A whole answer, its failures translated."""
         try:
             return self._generation(body, request)
-        except (msgspec.DecodeError, FramingError) as exc:
+        except (msgspec.DecodeError, RecursionError, FramingError) as exc:
             raise self._malformed("malformed response body", exc, request) from exc
         except InBandError as exc:
             raise self._in_band(exc, request) from None
@@ -1108,7 +1108,7 @@ def arguments_object(call: ToolCall) -> dict[str, Any]:
         return {}
     try:
         value = msgspec.json.decode(call.arguments)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise ValueError(f"the arguments of tool call {call.name!r} are not valid JSON") from exc
     if not isinstance(value, dict):
         # ValueError, as for bad JSON: the caller treats both as a bad request.

@@ -399,7 +399,7 @@ def _decoded(body: object) -> object:
     if isinstance(body, bytes | bytearray | memoryview | str):
         try:
             return msgspec.json.decode(body)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # JSON nested too deeply
             return None
     return body
 

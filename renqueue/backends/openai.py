@@ -37,6 +37,7 @@ from msgspec import Meta, Struct
 
 from ..config import BackendConfig, LimitStyle
 from ..wire._messages import (
+    RESERVED_EXTRA,
     ChatMessage,
     GenerationParams,
     InferenceRequest,
@@ -164,6 +165,7 @@ _PARAMS: Final = {
 _RESERVED: Final = frozenset(
     {"model", "messages", "stream", "stream_options", "priority", "tools", "tool_choice"}
     | (set(GenerationParams.__struct_fields__) - {"extra"})
+    | RESERVED_EXTRA  # refused at admission; never sent, whoever built the request
 )
 
 
@@ -311,18 +313,24 @@ class OpenAIBackend(HTTPBackend):
     ) -> None:
         self._send_priority = config.send_priority if send_priority is None else send_priority
         self.limit_style: LimitStyle = config.limit_style
+        self._extra_params = None if config.extra_params is None else frozenset(config.extra_params)
         super().__init__(name, config, client=client)
 
     def _payload(
         self, request: InferenceRequest, priority: int | None, *, stream: bool
     ) -> dict[str, Any]:
         params = request.params
+        allowed = self._extra_params
         body: dict[str, Any] = {
-            name: value for name, value in params.extra.items() if name not in _RESERVED
+            name: value
+            for name, value in params.extra.items()
+            if name not in _RESERVED and (allowed is None or name in allowed)
         }
         body["model"] = self._config.model
         body["messages"] = [_message(message) for message in request.messages]
         body.update(given_params(request, _PARAMS))
+        if params.top_logprobs and not params.logprobs:
+            body["logprobs"] = True  # OpenAI and vLLM refuse top_logprobs without it
         body.update(_tools_and_format(params))
         if stream:
             body["stream"] = True

@@ -10,7 +10,11 @@ that would drop it silently or refuse it:
 feature                   a request needs it when it has
 ========================  ==================================================
 ``tools``                 tools, or messages with tool calls or tool results
+                          (a ``tool`` turn with a ``tool_call_id``; one
+                          without, as version 1 wrote them, is plain text)
 ``vision``                image content parts
+``image_urls``            image parts by ``https://`` URL (not ``data:``): the
+                          backend fetches them, from wherever it runs
 ``json``                  ``response_format`` ``json_object``
 ``json_schema``           ``response_format`` ``json_schema``
 ``logprobs``              ``logprobs: true`` (or ``top_logprobs`` above 0)
@@ -26,9 +30,16 @@ from ..wire._messages import InferenceRequest
 
 __all__ = ["ALL_FEATURES", "FEATURES", "Feature", "missing", "needs"]
 
-Feature = Literal["tools", "vision", "json", "json_schema", "logprobs"]
+Feature = Literal["tools", "vision", "image_urls", "json", "json_schema", "logprobs"]
 #: Every feature, in the order the docs list them.
-FEATURES: Final[tuple[Feature, ...]] = ("tools", "vision", "json", "json_schema", "logprobs")
+FEATURES: Final[tuple[Feature, ...]] = (
+    "tools",
+    "vision",
+    "image_urls",
+    "json",
+    "json_schema",
+    "logprobs",
+)
 ALL_FEATURES: Final = frozenset(FEATURES)
 _NOTHING: Final[frozenset[str]] = frozenset()
 
@@ -44,10 +55,14 @@ def needs(request: InferenceRequest) -> frozenset[str]:
     if params.response_format is not None and params.response_format.type != "text":
         found.add("json" if params.response_format.type == "json_object" else "json_schema")
     for message in request.messages:
-        if message.tool_calls or message.role == "tool":
+        if message.tool_calls or message.tool_call_id is not None:
             found.add("tools")
-        if not isinstance(message.content, str) and message.images:
-            found.add("vision")
+        if not isinstance(message.content, str):
+            images = message.images
+            if images:
+                found.add("vision")
+            if any(not image.url.startswith("data:") for image in images):
+                found.add("image_urls")
     return frozenset(found) if found else _NOTHING
 
 

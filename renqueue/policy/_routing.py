@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 import msgspec
 
@@ -24,7 +24,15 @@ from ..errors import (
     UnknownRouteError,
     UnsupportedFeatureError,
 )
-from ..wire._messages import SCHEMA_VERSION, Fallback, InferenceRequest
+from ..wire._messages import (
+    MAX_JSON_DEPTH,
+    RESERVED_EXTRA,
+    SCHEMA_VERSION,
+    Fallback,
+    GenerationParams,
+    InferenceRequest,
+    too_deep,
+)
 from ..wire._subjects import SYSTEM_TENANT, msg_id
 from ._features import ALL_FEATURES, missing, needs
 from ._perf import Perf
@@ -185,9 +193,45 @@ def validate(
             f"priority {request.priority!r} does not match subject level {level!r}",
             request_id=request.id,
         )
+    _check_params(request)
     if request.route not in config.routes:
         raise UnknownRouteError(request.route, request_id=request.id)
     _check_servable(request, config)
+
+
+_PARAM_FIELDS: Final = frozenset(GenerationParams.__struct_fields__)
+
+
+def _check_params(request: InferenceRequest) -> None:
+    """Raise :class:`MalformedRequestError` for pass-through parameters that
+    would act behind the router's back (:data:`RESERVED_EXTRA`) or that are
+    Ren-Queue's own fields, and for free-form JSON nested past
+    :data:`MAX_JSON_DEPTH` (adapters and providers recurse into it)."""
+    params = request.params
+    reserved = sorted(key for key in params.extra if key in RESERVED_EXTRA)
+    if reserved:
+        raise MalformedRequestError(
+            f"params.extra may not set {', '.join(reserved)[:200]}: it would change the "
+            "call's cost, model or what the provider keeps behind the router",
+            request_id=request.id,
+        )
+    known = sorted(key for key in params.extra if key in _PARAM_FIELDS)
+    if known:
+        raise MalformedRequestError(
+            f"give {', '.join(known)[:200]} as params fields, not in params.extra",
+            request_id=request.id,
+        )
+    schema = params.response_format.json_schema if params.response_format else None
+    nested = [
+        ("params.extra", params.extra),
+        *((f"params.tools[{i}].parameters", t.parameters) for i, t in enumerate(params.tools)),
+        ("params.response_format.json_schema.schema", schema.schema if schema else None),
+    ]
+    for where, value in nested:
+        if too_deep(value):
+            raise MalformedRequestError(
+                f"{where} is nested deeper than {MAX_JSON_DEPTH} levels", request_id=request.id
+            )
 
 
 def _check_servable(request: InferenceRequest, config: Config) -> None:

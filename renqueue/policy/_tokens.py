@@ -2,7 +2,8 @@
 
 A quota is reserved when a request is bound, before the provider has counted
 anything, and reconciled afterwards with the usage it reports. So the estimate
-errs high, never low, and costs nothing to compute:
+errs high (text; an image's size is not known before the call, so its count
+is a rough figure, :data:`IMAGE_TOKENS`) and costs nothing to compute:
 
 - text: one token per :data:`CHARS_PER_TOKEN` (4) ASCII characters, rounded
   up (the usual rule of thumb for English and code), and one token per
@@ -45,10 +46,13 @@ CHARS_PER_TOKEN: Final = 4
 MESSAGE_OVERHEAD_TOKENS: Final = 4
 #: Tokens a chat prompt adds once (the primed assistant turn).
 REPLY_OVERHEAD_TOKENS: Final = 3
-#: Tokens an image costs: OpenAI's count for a 1024 x 1024 image at ``high``
-#: detail (765; ``low`` is 85), about what Claude and Gemini count for one of
-#: that size (Gemini: 258 per 768 x 768 tile).
-IMAGE_TOKENS: Final = 765
+#: Tokens an image is counted as: about what Claude counts for a
+#: 1.15-megapixel image (its largest before it scales down, ~1,600), above
+#: OpenAI's ``high`` detail for 2048 x 2048 (1,105) and Gemini's 258 per
+#: 768 x 768 tile for 1536 x 1536 (1,032). Some local vision models count
+#: more for large images (Qwen2.5-VL on vLLM up to ~16k): there the estimate
+#: is low, as it is for any image whose size is not known before the call.
+IMAGE_TOKENS: Final = 1600
 
 
 #: Output tokens a request without ``max_tokens`` is expected to generate at
@@ -74,8 +78,27 @@ def estimate_prompt_tokens(messages: Iterable[ChatMessage], tools: Sequence[Tool
             total += estimate_text_tokens(call.name) + estimate_text_tokens(call.arguments)
         count += 1
     if tools:
-        total += estimate_text_tokens(msgspec.json.encode(tools).decode())
+        total += _tools_tokens(tools)
     return total + REPLY_OVERHEAD_TOKENS if count else 0
+
+
+#: Tools' token counts by the tuple they are (a request keeps its tools'
+#: tuple through every copy of it): a planning round estimates each waiting
+#: request many times, and encoding a large tool list each time would cost
+#: the round milliseconds. Each entry keeps its tuple, so its id is not reused.
+_TOOLS_SEEN: dict[int, tuple[Sequence[Tool], int]] = {}
+_TOOLS_SEEN_MAX: Final = 4096
+
+
+def _tools_tokens(tools: Sequence[Tool]) -> int:
+    seen = _TOOLS_SEEN.get(id(tools))
+    if seen is not None and seen[0] is tools:
+        return seen[1]
+    count = estimate_text_tokens(msgspec.json.encode(tools).decode())
+    if len(_TOOLS_SEEN) >= _TOOLS_SEEN_MAX:
+        _TOOLS_SEEN.pop(next(iter(_TOOLS_SEEN)))
+    _TOOLS_SEEN[id(tools)] = (tools, count)
+    return count
 
 
 def estimate_input_tokens(request: InferenceRequest) -> int:

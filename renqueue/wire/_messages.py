@@ -11,8 +11,8 @@ reusable decoder (:data:`EVENT_DECODER`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Annotated, Any, Final, Literal
+from collections.abc import Iterable, Sequence
+from typing import Annotated, Any, Final, Generic, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
@@ -21,8 +21,10 @@ __all__ = [
     "CLAIM_DECODER",
     "DISPATCH_DECODER",
     "EVENT_DECODER",
+    "MAX_JSON_DEPTH",
     "MAX_REQUEUES",
     "REQUEST_DECODER",
+    "RESERVED_EXTRA",
     "SCHEMA_VERSION",
     "TERMINAL_KINDS",
     "TOKEN_DECODER",
@@ -34,6 +36,7 @@ __all__ = [
     "Completed",
     "ComplexityEstimate",
     "ContentPart",
+    "Decoder",
     "Dispatch",
     "Event",
     "Expired",
@@ -70,6 +73,7 @@ __all__ = [
     "encode",
     "is_terminal",
     "kind_of",
+    "too_deep",
     "tool_call_deltas",
 ]
 
@@ -143,8 +147,12 @@ class TextPart(Struct, frozen=True, kw_only=True, tag_field="type", tag="text"):
 
 
 class ImageURL(Struct, frozen=True, kw_only=True, omit_defaults=True):
-    #: An ``https://`` URL or a ``data:image/...;base64,`` URL.
-    url: Annotated[str, Meta(min_length=1, max_length=20_000_000)]
+    #: An ``https://`` URL or a ``data:image/...;base64,`` URL (no other
+    #: scheme: a backend that fetches URLs fetches them from inside the
+    #: operator's network, so ``http://``, ``file://`` and the like are refused).
+    url: Annotated[
+        str, Meta(min_length=1, max_length=20_000_000, pattern=r"^(https://|data:image/)")
+    ]
     #: OpenAI's ``detail``: ``auto``, ``low`` or ``high``.
     detail: Literal["auto", "low", "high"] | None = None
 
@@ -170,10 +178,12 @@ class ChatMessage(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """
 
     role: Literal["system", "user", "assistant", "tool"]
+    #: Always written, ``""`` when an assistant turn has only tool calls (a
+    #: version-1 reader requires it, and a message keeps its bytes).
     content: (
         Annotated[str, Meta(max_length=1_000_000)]
         | Annotated[list[ContentPart], Meta(max_length=1024)]
-    ) = ""
+    )
     #: A participant's name (OpenAI's ``name``).
     name: Annotated[str, Meta(max_length=256)] | None = None
     tool_calls: Annotated[tuple[ToolCall, ...], Meta(max_length=1024)] = ()
@@ -198,7 +208,7 @@ class ChatMessage(Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 #: Tool and function names, as OpenAI allows them.
-ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 
 
 class Tool(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -234,6 +244,59 @@ class ResponseFormat(Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
+
+
+#: Keys ``GenerationParams.extra`` may not hold: fields the adapters set
+#: themselves, and parameters that would change what a call costs, which
+#: model answers, or what the provider keeps, behind the router's back
+#: (``n`` choices, ``max_completion_tokens`` over the ``max_tokens`` a cost
+#: estimate and a quota reservation were made for, OpenRouter's ``models``
+#: and ``provider`` routing, ``store``, a server-side ``chat_template``,
+#: ``ignore_eos`` and ``min_tokens``, reasoning budgets, ...). A request
+#: carrying one is rejected ``malformed``, naming it.
+RESERVED_EXTRA: Final = frozenset(
+    {
+        # set by the adapters, or by Ren-Queue
+        "model",
+        "messages",
+        "prompt",
+        "stream",
+        "stream_options",
+        "priority",
+        "metadata",
+        # more calls, more output or another model than the request was priced for
+        "n",
+        "best_of",
+        "max_completion_tokens",
+        "max_new_tokens",
+        "num_predict",
+        "min_tokens",
+        "ignore_eos",
+        "echo",
+        "models",
+        "route",
+        "provider",
+        "transforms",
+        "plugins",
+        "reasoning",
+        "reasoning_effort",
+        "thinking",
+        "service_tier",
+        "prediction",
+        "modalities",
+        "audio",
+        "web_search_options",
+        # kept or run by the provider on the operator's account or server
+        "store",
+        "chat_template",
+        "chat_template_kwargs",
+        "adapter_id",
+        "lora_request",
+        # the deprecated function-calling fields (tools are carried)
+        "functions",
+        "function_call",
+    }
+)
 
 
 class GenerationParams(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -772,11 +835,58 @@ def kind_of(event: Event) -> str:
     return str(type(event).__struct_config__.tag)
 
 
-EVENT_DECODER: Final = msgspec.json.Decoder(Event)
-REQUEST_DECODER: Final = msgspec.json.Decoder(InferenceRequest)
-DISPATCH_DECODER: Final = msgspec.json.Decoder(Dispatch)
-TOKEN_DECODER: Final = msgspec.json.Decoder(TokenChunk)
-CLAIM_DECODER: Final = msgspec.json.Decoder(TerminalClaim)
+_T = TypeVar("_T")
+
+
+class Decoder(Generic[_T]):
+    """A JSON decoder of one wire type whose every failure is a
+    :class:`msgspec.DecodeError` (a :class:`msgspec.ValidationError` for a
+    value of the wrong shape): JSON nested past the interpreter's recursion
+    limit (``extra``, a tool's schema: about 1000 levels) raises
+    ``RecursionError`` inside msgspec, which no reader of a hostile payload
+    expects, and which would take down the loop that read it."""
+
+    __slots__ = ("_decoder",)
+
+    def __init__(self, type_: type[_T] | Any) -> None:
+        self._decoder: msgspec.json.Decoder[_T] = msgspec.json.Decoder(type_)
+
+    def decode(self, data: bytes | bytearray | memoryview | str) -> _T:
+        try:
+            return self._decoder.decode(data)
+        except RecursionError:
+            raise msgspec.DecodeError("JSON is nested too deeply") from None
+
+
+EVENT_DECODER: Final[Decoder[Event]] = Decoder(Event)
+REQUEST_DECODER: Final[Decoder[InferenceRequest]] = Decoder(InferenceRequest)
+DISPATCH_DECODER: Final[Decoder[Dispatch]] = Decoder(Dispatch)
+TOKEN_DECODER: Final[Decoder[TokenChunk]] = Decoder(TokenChunk)
+CLAIM_DECODER: Final[Decoder[TerminalClaim]] = Decoder(TerminalClaim)
+
+#: The deepest nesting of free-form JSON (``extra`` values, tool and response
+#: schemas) a request may carry; real JSON Schemas stay within a dozen.
+MAX_JSON_DEPTH: Final = 64
+
+
+def too_deep(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether decoded JSON ``value`` nests deeper than ``limit`` (walked
+    without recursion, so any depth is safe to ask about)."""
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Iterable[object] = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth >= limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 _ENCODER: Final = msgspec.json.Encoder()
 
 

@@ -21,6 +21,7 @@ import msgspec
 
 from ...errors import NatsNotFoundError
 from ...logs import get_logger
+from ...policy import ALL_FEATURES, needs
 from ...wire._eventlog import EventLog
 from ...wire._messages import DISPATCH_DECODER, Dispatch, Stolen, encode
 from ...wire._nats import JetStream, Message, StoredMessage
@@ -46,8 +47,12 @@ class Thief:
         *,
         slots: int,
         clock: Callable[[], float] = time.time,
+        supports: frozenset[str] = ALL_FEATURES,
     ) -> None:
         self._js = js
+        #: What this backend can do (its config's ``supports``): a request
+        #: needing more stays with its sibling, which the router chose for it.
+        self._supports = supports
         self._log = events
         self._backend_name = backend_name
         self._siblings = siblings
@@ -109,6 +114,8 @@ class Thief:
             # A half-open circuit's probe call belongs to that backend; a
             # request this backend failed is not taken back behind the router's back.
             return False
+        if not needs(request) <= self._supports:
+            return False  # tools, images, ... this replica's model lacks
         await self._log.append(
             Stolen(
                 request_id=request.id,

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Final
 
 import msgspec
 
@@ -20,10 +21,12 @@ from ... import metrics
 from ...backends import Backend
 from ...backends._limits import LearnedLimits, reported
 from ...config import BaseBackendConfig
+from ...errors import FailureClass, RetryableBackendError
 from ...logs import get_logger
 from ...wire._messages import (
     Completed,
     Dispatch,
+    InferenceRequest,
     ReportedLimit,
     TokenChunk,
     TokenLogprob,
@@ -75,6 +78,34 @@ class Caller:
         self._backend = backend
         self._clock = clock
 
+    def _checked_calls(
+        self, request: InferenceRequest, calls: Sequence[ToolCall], before: int
+    ) -> tuple[ToolCall, ...]:
+        """``calls`` as the wire can carry them, each without an id given a
+        unique one (``call_<request id>_<index>``: Ollama's and Gemini's have
+        none, and a later turn answers a call by its id); a backend's answer
+        past the wire's bounds fails as malformed, never as an event no
+        reader can decode."""
+        if before + len(calls) > MAX_TOOL_CALLS:
+            raise self._malformed(request, f"more than {MAX_TOOL_CALLS} tool calls")
+        out = []
+        for index, call in enumerate(calls, start=before):
+            if not call.name or len(call.name) > 256 or len(call.id) > 256:
+                raise self._malformed(request, "a tool call without a name, or too long a name")
+            if len(call.arguments) > 1_000_000:
+                raise self._malformed(request, "a tool call's arguments over 1,000,000 characters")
+            named = call.id or f"call_{request.id}_{index}"
+            out.append(call if named == call.id else msgspec.structs.replace(call, id=named))
+        return tuple(out)
+
+    def _malformed(self, request: InferenceRequest, what: str) -> RetryableBackendError:
+        return RetryableBackendError(
+            f"malformed answer: {what}",
+            backend=self._backend_name,
+            request_id=request.id,
+            failure=FailureClass.MALFORMED,
+        )
+
     @property
     def backend(self) -> Backend:
         """The adapter this calls."""
@@ -102,6 +133,7 @@ class Caller:
         parts: list[str] = []
         calls: list[ToolCall] = []
         logprobs: list[TokenLogprob] = []
+        kept_logprobs = 0  # bytes of them the completed event carries
         usage: Usage | None = None
         finish_reason: str | None = None
         timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
@@ -113,13 +145,14 @@ class Caller:
                         if delta.text or delta.tool_calls or delta.logprobs:
                             if ttft is None:
                                 ttft = time.monotonic() - started
+                            new_calls = self._checked_calls(request, delta.tool_calls, len(calls))
                             chunk = TokenChunk(
                                 request_id=request.id,
                                 delivery=run,
                                 seq=chunks.seq,
                                 text=delta.text,
                                 restart=run > 1 and chunks.seq == 0,
-                                tool_calls=tool_call_deltas(delta.tool_calls, len(calls)),
+                                tool_calls=tool_call_deltas(new_calls, len(calls)),
                                 logprobs=delta.logprobs,
                             )
                             pending_acks.append(
@@ -127,8 +160,8 @@ class Caller:
                             )
                             chunks.seq += 1
                             parts.append(delta.text)
-                            calls.extend(delta.tool_calls)
-                            logprobs.extend(delta.logprobs)
+                            calls.extend(new_calls)
+                            kept_logprobs = _keep_logprobs(logprobs, delta.logprobs, kept_logprobs)
                         if delta.usage is not None:
                             usage = delta.usage
                         if delta.finish_reason is not None:
@@ -173,6 +206,26 @@ class Caller:
             tool_calls=tuple(calls),
             logprobs=tuple(logprobs),
         )
+
+
+#: The most tool calls one answer may make (OpenAI allows 128 tools).
+MAX_TOOL_CALLS: Final = 128
+#: Bytes of log probabilities the ``completed`` event carries at most (the
+#: token chunks carry them all): the event, and the terminal claim holding
+#: it, must stay well within the broker's largest message (1 MB by default).
+LOGPROBS_BUDGET: Final = 256 * 1024
+
+
+def _keep_logprobs(kept: list[TokenLogprob], new: Sequence[TokenLogprob], size: int) -> int:
+    """Add ``new`` to ``kept`` while their size (about their JSON's) stays
+    within :data:`LOGPROBS_BUDGET`; the size of ``kept`` after."""
+    for item in new:
+        grown = size + 48 + len(item.token) + sum(48 + len(top.token) for top in item.top_logprobs)
+        if grown > LOGPROBS_BUDGET:
+            return size
+        kept.append(item)
+        size = grown
+    return size
 
 
 def reported_limits(backend: Backend) -> tuple[ReportedLimit, ...]:

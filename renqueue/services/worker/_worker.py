@@ -172,7 +172,13 @@ class Worker(Lifecycle):
         self._policies = config.level_policies()
         self._preemptible = Preemptible(backend_name, self._policies)
         self._thief = Thief(
-            js, self._log, backend_name, self.siblings, slots=self._slots, clock=clock
+            js,
+            self._log,
+            backend_name,
+            self.siblings,
+            slots=self._slots,
+            clock=clock,
+            supports=self._backend_config.supports,
         )
         self._preempt_sub: Subscription | None = None
         self._cancels = cancels

@@ -1,0 +1,211 @@
+"""Hostile version-2 requests and answers (the review of issue #11 item 1):
+nesting that overflows a decoder, pass-through parameters that act behind
+the router, image URLs a backend would fetch inside the operator's network,
+tool calls and log probabilities a backend sends past the wire's bounds, and
+what version 1 wrote that must still mean what it meant. Pure rules first,
+then end to end on a real nats-server with loopback backends."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+from aiohttp import web
+from test_fallback import FAST
+from test_restarts import TENANT
+
+from renqueue import Client, RequestFailedError, RequestRejectedError, Services, parse_config
+from renqueue.errors import MalformedRequestError
+from renqueue.ops import EmbeddedServer
+from renqueue.policy import needs, validate
+from renqueue.services.worker._tokens import LOGPROBS_BUDGET, _keep_logprobs
+from renqueue.tools import MockBackend
+from renqueue.wire import (
+    REQUEST_DECODER,
+    ChatMessage,
+    GenerationParams,
+    InferenceRequest,
+    TokenLogprob,
+    TopLogprob,
+    encode,
+    msg_id,
+    request_subject,
+)
+
+
+def config_of(backend: str = "http://127.0.0.1:1", nats_url: str | None = None) -> Any:
+    return parse_config(
+        {
+            **({"nats": {"url": nats_url}} if nats_url else {}),
+            "backends": {"b": {"base_url": backend, "model": "m"}},
+            "routes": {"chat": {"backends": ["b"]}},
+        }
+    )
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def raw_request(request_id: str, extra: bytes) -> bytes:
+    return (
+        b'{"id":"' + request_id.encode() + b'","tenant":"' + TENANT.encode() + b'",'
+        b'"route":"chat","messages":[{"role":"user","content":"hi"}],'
+        b'"params":{"extra":{"deep":' + extra + b"}}}"
+    )
+
+
+def test_json_nested_past_the_recursion_limit_is_a_decode_error_not_a_crash() -> None:
+    with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
+        REQUEST_DECODER.decode(raw_request("r", nested(5000)))
+
+
+def test_free_form_json_deeper_than_64_levels_is_refused_at_admission() -> None:
+    request = REQUEST_DECODER.decode(raw_request("r", nested(100)))
+    with pytest.raises(MalformedRequestError, match=r"params\.extra is nested deeper than 64"):
+        validate(request, level="normal", tenant=TENANT, config=config_of())
+    shallow = REQUEST_DECODER.decode(raw_request("r", nested(10)))
+    validate(shallow, level="normal", tenant=TENANT, config=config_of())
+
+
+@pytest.mark.parametrize(
+    "key", ["n", "max_completion_tokens", "models", "provider", "store", "chat_template", "model"]
+)
+def test_pass_through_parameters_that_act_behind_the_router_are_refused(key: str) -> None:
+    request = InferenceRequest(
+        id="r",
+        tenant=TENANT,
+        route="chat",
+        messages=[ChatMessage(role="user", content="hi")],
+        params=GenerationParams(extra={key: 2, "top_k": 40}),
+    )
+    with pytest.raises(MalformedRequestError, match=f"may not set {key}"):
+        validate(request, level="normal", tenant=TENANT, config=config_of())
+    known = msgspec.structs.replace(request, params=GenerationParams(extra={"temperature": 1}))
+    with pytest.raises(MalformedRequestError, match="as params fields"):
+        validate(known, level="normal", tenant=TENANT, config=config_of())
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://169.254.169.254/latest/meta-data",
+        "file:///etc/shadow",
+        "ftp://x/y.png",
+        "data:text/html,<b>",
+    ],
+)
+def test_only_https_and_data_image_urls_reach_the_wire(url: str) -> None:
+    body = {
+        "id": "r",
+        "route": "chat",
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}
+        ],
+    }
+    with pytest.raises(msgspec.ValidationError, match=r"image_url\.url"):
+        REQUEST_DECODER.decode(json.dumps(body))
+
+
+def test_a_version_1_tool_turn_is_text_and_needs_no_tools() -> None:
+    """Version 1 wrote ``{"role": "tool", "content": ...}`` without an id: a
+    TGI-only route took it; it must still."""
+    request = REQUEST_DECODER.decode(
+        b'{"v":1,"id":"r","route":"chat","messages":[{"role":"user","content":"q"},'
+        b'{"role":"tool","content":"42"}]}'
+    )
+    assert needs(request) == frozenset()
+
+
+def test_an_assistant_turn_of_tool_calls_keeps_its_empty_content_on_the_wire() -> None:
+    raw = b'{"role":"assistant","content":""}'
+    request = REQUEST_DECODER.decode(b'{"id":"r","route":"chat","messages":[' + raw + b"]}")
+    assert raw in encode(request)
+    with pytest.raises(msgspec.ValidationError, match="content"):
+        REQUEST_DECODER.decode(b'{"id":"r","route":"chat","messages":[{"role":"user"}]}')
+
+
+def test_the_completed_event_keeps_log_probabilities_within_its_budget() -> None:
+    token = TokenLogprob(
+        token="tok",
+        logprob=-0.1,
+        top_logprobs=tuple(TopLogprob(token=f"alt{i}", logprob=-1.0) for i in range(20)),
+    )
+    kept: list[TokenLogprob] = []
+    size = 0
+    for _ in range(8192):
+        size = _keep_logprobs(kept, [token], size)
+    assert 0 < len(kept) < 8192
+    encoded = len(msgspec.json.encode(kept))
+    assert encoded <= LOGPROBS_BUDGET * 1.1, encoded
+
+
+@pytest.fixture
+async def hostile_ollama() -> AsyncIterator[str]:
+    """An Ollama-shaped server whose answer calls a tool with a 300-character name."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        call = {"function": {"name": "x" * 300, "arguments": {}}}
+        lines = [
+            {"message": {"role": "assistant", "content": "", "tool_calls": [call]}, "done": False},
+            {"message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "stop"},
+        ]
+        body = b"".join(msgspec.json.encode(line) + b"\n" for line in lines)
+        return web.Response(body=body, content_type="application/x-ndjson")
+
+    app = web.Application()
+    app.router.add_post("/api/chat", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_tool_call_past_the_wires_bounds_fails_the_call_not_the_reader(
+    isolated_server: EmbeddedServer, hostile_ollama: str
+) -> None:
+    """Before, the worker wrote a ``completed`` event no reader could decode
+    (a name over 256 characters), and the client waited for ever."""
+    config = parse_config(
+        {
+            "nats": {"url": isolated_server.url},
+            "backends": {"b": {"adapter": "ollama", "base_url": hostile_ollama, "model": "m"}},
+            "routes": {"chat": {"backends": ["b"]}},
+            "worker": {"retry_delay": "10ms", "max_retry_delay": "20ms"},
+        }
+    )
+    async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+        handle = await client.submit("call something", route="chat")
+        with pytest.raises(RequestFailedError, match="malformed answer"):
+            await handle.result(timeout=20)
+
+
+async def test_a_request_nested_too_deeply_is_rejected_and_its_level_keeps_flowing(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Before, the decoder's RecursionError crashed the level's fetch loop over
+    and over: every tenant's requests at that level waited."""
+    async with MockBackend(FAST) as mock:
+        config = config_of(mock.url, nats_url=isolated_server.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            for index in range(5):
+                request_id = f"deep-{index}"
+                await client.js.publish(
+                    request_subject("normal", TENANT),
+                    raw_request(request_id, nested(5000)),
+                    headers={"Nats-Msg-Id": msg_id(TENANT, request_id)},
+                )
+            normal = await client.submit("after them", route="chat")
+            result = await normal.result(timeout=20)
+            with pytest.raises(RequestRejectedError, match="nested too deeply"):
+                await client.handle("deep-0").result(timeout=20)
+    assert result.text
