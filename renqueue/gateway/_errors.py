@@ -56,6 +56,7 @@ _CODES: Final = {"context_length": "context_length_exceeded", "content_filter": 
 _FEATURE_PARAMS: Final = {
     "tools": "tools",
     "vision": "messages",
+    "image_urls": "messages",
     "json": "response_format",
     "json_schema": "response_format",
     "logprobs": "logprobs",
