@@ -703,6 +703,11 @@ class TenantConfig(_Section, frozen=True, kw_only=True):
     #: Past the budget: ``soft``, free and local backends only; ``hard``, new
     #: requests are also refused (``budget_exhausted``) until 00:00 UTC.
     budget: Literal["soft", "hard"] = "soft"
+    #: The most urgent level its requests may be submitted at (a level name);
+    #: a more urgent one is rejected ``priority_not_allowed``. Unset: any.
+    #: (Aging and inheritance from its own parents may still raise a request
+    #: above it while it waits.)
+    max_priority: Name | None = None
 
 
 class LevelConfig(_Section, frozen=True, kw_only=True):
@@ -983,6 +988,11 @@ class Config(_Section, frozen=True, kw_only=True):
                 found[name] = estimator
         return found
 
+    def tenant(self, name: str) -> TenantConfig | None:
+        """``name``'s settings: its own section, else ``[tenants."*"]``, else none."""
+        found = self.tenants.get(name)
+        return found if found is not None else self.tenants.get(EVERY_TENANT)
+
     def priority_rank(self, level: str) -> int:
         """0 for the most urgent level."""
         return self.priorities.index(level)
@@ -1131,6 +1141,13 @@ def _check_names(config: Config, source: str | None) -> None:
 
 def _check_references(config: Config, source: str | None) -> None:
     _check_names(config, source)
+    for name, tenant in config.tenants.items():
+        if tenant.max_priority is not None and tenant.max_priority not in config.priorities:
+            raise ConfigError(
+                f"{tenant.max_priority!r} is not one of the priority levels",
+                path=f"$.tenants.{name}.max_priority",
+                source=source,
+            )
     if len(set(config.priorities)) != len(config.priorities):
         raise ConfigError("priority levels must be unique", path="$.priorities", source=source)
     for name, level in config.levels.items():

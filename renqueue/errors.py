@@ -63,10 +63,12 @@ __all__ = [
     "NatsError",
     "NatsNoRespondersError",
     "NatsNotFoundError",
+    "NatsPayloadTooLargeError",
     "NatsTimeoutError",
     "NatsUnavailableError",
     "NoCapableBackendError",
     "OverCostCapError",
+    "PriorityNotAllowedError",
     "ProjectionVersionError",
     "ProvisionError",
     "RateLimitedError",
@@ -180,6 +182,13 @@ class NatsApiError(NatsError):
         super().__init__(f"{message} (status {status}, err_code {err_code})")
 
 
+class NatsPayloadTooLargeError(NatsError):
+    """A message over the server's ``max_payload`` (1 MB by default; the
+    embedded server's is 8 MB): refused before it was sent, so never stored."""
+
+    code = "nats_payload_too_large"
+
+
 class ServiceFailedError(RenQueueError):
     """A background loop of a service cannot go on; the process shuts down.
 
@@ -269,6 +278,20 @@ class UnsupportedFeatureError(InvalidRequestError):
         super().__init__(
             f"no backend of route {route!r} supports {', '.join(features)} "
             "(each backend's features in the config)",
+            request_id=request_id,
+        )
+
+
+class PriorityNotAllowedError(InvalidRequestError):
+    """The request's level is more urgent than its tenant's ``max_priority``."""
+
+    code = "priority_not_allowed"
+
+    def __init__(
+        self, tenant: str, level: str, allowed: str, *, request_id: str | None = None
+    ) -> None:
+        super().__init__(
+            f"tenant {tenant!r} may submit at {allowed!r} or less urgent, not {level!r}",
             request_id=request_id,
         )
 

@@ -1081,3 +1081,163 @@ async def test_a_run_restarted_after_text_was_streamed_ends_the_stream_with_an_e
     assert "".join(texts) == result.text
     assert "stream_restarted" not in resumed.text
     assert resumed.text.rstrip().endswith("data: [DONE]")
+
+
+# ------------------------------------------------------ review findings (issue #11)
+
+
+async def test_a_retry_right_after_a_disconnect_runs_anew_not_into_the_cancel(
+    stack: Stack, mock: MockBackend
+) -> None:
+    """The first try's client went away (its request is being cancelled); the
+    SDK's retry comes at once. It must not join the request being cancelled
+    and get a 409 it would not retry."""
+    mock.update(ttft=3.0)
+    body = {"model": "chat", "messages": [{"role": "user", "content": "retry-race"}]}
+    async with stack.http() as http:
+        first = asyncio.create_task(http.post("/chat/completions", json=body))
+
+        async def running() -> bool:
+            return mock.stats().in_flight > 0
+
+        await until(running, "the first try reached the backend")
+        first.cancel()  # the SDK's time-out: the connection closes
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        mock.update(ttft=0.0)
+        retried = await http.post(
+            "/chat/completions", json=body, headers={"x-stainless-retry-count": "1"}
+        )
+    assert retried.status_code == 200, retried.text
+
+
+async def test_a_lost_publish_ack_and_the_sdks_retry_make_one_request(
+    stack: Stack, mock: MockBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publish was stored but its ack was lost (a 503 the SDK retries):
+    the retry joins the stored request instead of making (and paying for) a
+    second one."""
+    real = Client._publish
+    published: list[str] = []
+
+    async def ack_lost_once(self: Client, request: Any) -> bool:
+        duplicate = await real(self, request)
+        published.append(request.id)
+        if len(published) == 1:
+            raise TimeoutError("ack lost")
+        return duplicate
+
+    monkeypatch.setattr(Client, "_publish", ack_lost_once)
+    done = await stack.sdk(max_retries=2).chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "stored once"}]
+    )
+    assert done.id == published[0], published
+    assert await submitted_count(stack, "acme", published[0]) == 1
+
+
+async def test_an_idempotency_key_resent_at_once_with_another_body_is_a_422(
+    stack: Stack, mock: MockBackend
+) -> None:
+    mock.update(ttft=1.0)
+    headers = {"Idempotency-Key": "same-key"}
+    async with stack.http() as http:
+        one, other = await asyncio.gather(
+            http.post(
+                "/chat/completions",
+                json={"model": "chat", "messages": [{"role": "user", "content": "A"}]},
+                headers=headers,
+            ),
+            http.post(
+                "/chat/completions",
+                json={"model": "chat", "messages": [{"role": "user", "content": "B"}]},
+                headers=headers,
+            ),
+        )
+    assert sorted([one.status_code, other.status_code]) == [200, 422], (one.text, other.text)
+
+
+async def test_resumed_streams_count_against_the_in_flight_limit(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    mock.update(ttft=5.0)
+    async for stack in start(tmp_path, mock, gateway={"max_in_flight": 1}):
+        async with stack.http() as http:
+            body = {"model": "chat", "messages": MESSAGES}
+            first = asyncio.create_task(
+                http.post(
+                    "/chat/completions", json=body, headers={"X-Keep-Alive-On-Disconnect": "true"}
+                )
+            )
+
+            async def running() -> bool:
+                return mock.stats().in_flight > 0
+
+            await until(running, "the request reached the backend")
+            [(_tenant, request_id)] = list(stack.gateway._recent)
+            resumed = await http.get(f"/requests/{request_id}/stream")
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+    assert resumed.status_code == 429
+    assert resumed.json()["error"]["code"] == "too_many_in_flight"
+
+
+async def test_a_body_over_the_brokers_largest_message_is_a_413_not_retried(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    image = "data:image/png;base64," + base64.b64encode(b"\0" * (7 << 20)).decode()
+    body = {
+        "model": "chat",
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}
+        ],
+    }
+    async for stack in start(tmp_path, mock, gateway={"max_body": 16 << 20}):
+        async with stack.http() as http:
+            answer = await http.post("/chat/completions", json=body)
+    assert answer.status_code == 413, answer.text
+    assert answer.headers["x-should-retry"] == "false"
+    assert mock.stats().requests == 0
+
+
+async def test_metadata_leaves_room_for_the_gateways_own_entries(stack: Stack) -> None:
+    many = {f"k{i}": "v" for i in range(62)}
+    async with stack.http() as http:
+        keyed = await http.post(
+            "/chat/completions",
+            json={"model": "chat", "messages": MESSAGES, "metadata": many, "user": "u1"},
+            headers={"Idempotency-Key": "md-1"},
+        )
+        over = await http.post(
+            "/chat/completions",
+            json={"model": "chat", "messages": MESSAGES, "metadata": {**many, "a": "1"}},
+        )
+        ours = await http.post(
+            "/chat/completions",
+            json={"model": "chat", "messages": MESSAGES, "metadata": {"rq_body_sha256": "x"}},
+        )
+    assert keyed.status_code == 200, keyed.text
+    assert over.status_code == 400
+    assert over.json()["error"]["param"] == "metadata"
+    assert ours.status_code == 400
+
+
+async def test_a_tenant_cannot_submit_above_its_max_priority(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    async for stack in start(tmp_path, mock, tenants={"acme": {"max_priority": "normal"}}):
+        sdk = stack.sdk()
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            await sdk.chat.completions.create(
+                model="chat", messages=MESSAGES, extra_headers={"X-Priority": "critical"}
+            )
+        allowed = await sdk.chat.completions.create(
+            model="chat", messages=MESSAGES, extra_headers={"X-Priority": "low"}
+        )
+        other = await stack.sdk(GLOBEX).chat.completions.create(
+            model="chat", messages=MESSAGES, extra_headers={"X-Priority": "critical"}
+        )
+    assert caught.value.status_code == 403
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert allowed.choices[0].message.content
+    assert other.choices[0].message.content

@@ -210,7 +210,7 @@ async def test_wrong_key_is_fatal_and_the_key_never_shows(mock: MockBackend) -> 
         with pytest.raises(FatalBackendError) as caught:
             await adapter.complete(make_request())
         assert caught.value.status == 401
-        assert "Incorrect API key provided: ***" in str(caught.value)
+        assert "Incorrect API key provided: [redacted]" in str(caught.value)
         assert_secret_free(caught.value, adapter)
         assert "SECRET123" not in repr(adapter._stream_headers)
 

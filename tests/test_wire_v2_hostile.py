@@ -18,6 +18,7 @@ from test_fallback import FAST
 from test_restarts import TENANT
 
 from renqueue import Client, RequestFailedError, RequestRejectedError, Services, parse_config
+from renqueue.backends._http import error_detail
 from renqueue.errors import MalformedRequestError
 from renqueue.ops import EmbeddedServer
 from renqueue.policy import needs, validate
@@ -209,3 +210,22 @@ async def test_a_request_nested_too_deeply_is_rejected_and_its_level_keeps_flowi
             with pytest.raises(RequestRejectedError, match="nested too deeply"):
                 await client.handle("deep-0").result(timeout=20)
     assert result.text
+
+
+@pytest.mark.parametrize(
+    ("body", "secret"),
+    [
+        (
+            b'{"error":{"message":"Incorrect API key provided: sk-proj-****abcd. See docs."}}',
+            "abcd",
+        ),
+        (b'{"error":{"message":"API key not valid: AIzaSyD-abcdef12345"}}', "AIzaSy"),
+        (b'{"detail":"Authorization: Bearer hf_abcdefghijk refused"}', "hf_abc"),
+    ],
+)
+def test_a_providers_error_text_loses_anything_key_like(body: bytes, secret: str) -> None:
+    """Error text reaches events tenants read and the gateway's answers: not
+    even the masked tail of the operator's key goes with it."""
+    text = error_detail(body)
+    assert secret not in text
+    assert "[redacted]" in text

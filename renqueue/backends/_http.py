@@ -127,10 +127,19 @@ def error_detail(body: bytes) -> str:
                 text = data["detail"]  # FastAPI-based servers
         if not text:
             text = body.decode("utf-8", errors="replace").strip()
-    text = " ".join(text.split())
+    text = _KEYLIKE.sub("[redacted]", " ".join(text.split()))
     if len(text) > _DETAIL_LIMIT:
         text = text[: _DETAIL_LIMIT - 3] + "..."
     return text or "(empty body)"
+
+
+#: What looks like an API key, whole or masked (OpenAI's "Incorrect API key
+#: provided: sk-proj-****abcd"): a provider's error text goes into events
+#: tenants read and into the gateway's answers, and must not carry even the
+#: tail of the operator's key.
+_KEYLIKE: Final = re.compile(
+    r"\b(?:sk-|sk_|gsk_|hf_|xai-|pplx-|csk-|AIza|ya29\.|Bearer\s+)[A-Za-z0-9_\-*.…]{4,}"
+)
 
 
 #: Error codes and message fragments (lower case) that say the prompt does

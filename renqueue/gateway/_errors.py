@@ -29,6 +29,7 @@ from ..errors import (
     InvalidRequestError,
     MalformedRequestError,
     NatsApiError,
+    NatsPayloadTooLargeError,
     NatsUnavailableError,
     RenQueueError,
     UnknownPriorityError,
@@ -157,6 +158,8 @@ def _rejected(event: Rejected, *, now: float) -> ApiError:
         )
     if kind == "unknown_route":
         return ApiError(404, message, code="model_not_found", param="model", retry=False)
+    if kind == "priority_not_allowed":
+        return ApiError(403, message, code=kind, param="priority", retry=False)
     if kind == UnsupportedFeatureError.code:
         return _unsupported_feature(message, features_named(event.reason))
     param = {"unknown_priority": "priority", "over_cost_cap": "max_cost"}.get(kind)
@@ -197,6 +200,14 @@ def from_error(  # noqa: PLR0911 - one answer per kind of error, in one place
             type="rate_limit_error",
             code="queue_full",
             retry_after=1.0,
+        )
+    if isinstance(exc, NatsPayloadTooLargeError):
+        return ApiError(
+            413,
+            "the request is larger than the queue's largest message (its images, most "
+            "likely: send them by https URL, or smaller)",
+            code="request_too_large",
+            retry=False,
         )
     if isinstance(exc, NatsUnavailableError | TimeoutError):
         return ApiError(

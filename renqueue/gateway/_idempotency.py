@@ -91,6 +91,9 @@ class RetryMemory:
         self._entries.move_to_end(print_)
         self._forget()
 
+    def forget(self, print_: str) -> None:
+        self._entries.pop(print_, None)
+
     def recall(self, print_: str) -> str | None:
         self._forget()
         entry = self._entries.get(print_)

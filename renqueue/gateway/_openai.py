@@ -255,6 +255,9 @@ _RESERVED: Final = frozenset(
     {"tenant", "request_id", "complexity", "parent_id", "dedupe_key", "coalesce"}
 )
 MAX_STOP: Final = 16
+#: Metadata entries a body may carry: the wire's 64, less the two the gateway
+#: may add (``user``, and the body's fingerprint under an idempotency key).
+MAX_METADATA: Final = 62
 #: Unknown parameters passed through, at most (the wire's bound on ``extra``).
 MAX_EXTRA: Final = 64
 #: The wire's bounds on tools and messages.
@@ -736,6 +739,20 @@ def translate(
     keep = _controlled(headers, "X-Keep-Alive-On-Disconnect", body.keep_alive_on_disconnect, _flag)
 
     metadata = dict(body.metadata or {})
+    if len(metadata) > MAX_METADATA:
+        raise ApiError(
+            400,
+            f"at most {MAX_METADATA} metadata entries (the gateway adds user and the "
+            "body's fingerprint to a request's 64)",
+            param="metadata",
+        )
+    reserved = sorted(name for name in metadata if name.startswith("rq_"))
+    if reserved:
+        raise ApiError(
+            400,
+            f"metadata key {reserved[0]!r} is the gateway's (keys starting rq_)",
+            param=f"metadata.{reserved[0]}",
+        )
     if body.user is not None:
         # Also in params.user; an A/B split may key on metadata.user.
         metadata["user"] = body.user

@@ -37,6 +37,7 @@ that shuts down cancels nothing: its requests go on and can be resumed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 import re
@@ -56,17 +57,21 @@ from .._tasks import Supervisor, cancel_and_wait
 from ..config import Config, parse_duration
 from ..errors import (
     ConfigError,
+    InvalidRequestError,
+    NatsApiError,
     NatsNotFoundError,
+    NatsPayloadTooLargeError,
+    NatsUnavailableError,
     RequestFailedError,
     ServiceFailedError,
     TokensExpiredError,
+    UnknownPriorityError,
 )
 from ..logs import bound_request, get_logger
 from ..ops._connection import connect, redact_url
 from ..wire._eventlog import EventLog
 from ..wire._messages import (
     EVENT_DECODER,
-    Cancelled,
     CancelRequested,
     Completed,
     Event,
@@ -110,6 +115,8 @@ SHUTDOWN_GRACE: Final = 5.0
 #: that they can be followed before a router has logged them.
 _RECENT: Final = 10_000
 _ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+#: ``<run>.<seq>``, ASCII digits only (``str.isdigit`` takes "²", which ``int`` refuses).
+_EVENT_ID_RE: Final = re.compile(r"[0-9]{1,11}\.[0-9]{1,11}")
 _KEY_RE: Final = re.compile(rf"^[\x21-\x7e]{{1,{MAX_KEY_LENGTH}}}$")
 _SSE_HEADERS: Final = {
     "content-type": "text/event-stream; charset=utf-8",
@@ -149,13 +156,32 @@ def parse_last_event_id(text: str | None) -> _After:
         return _After("role")
     if value in ("end", "usage"):
         return _After(value)
-    run, dot, seq = value.partition(".")
-    if dot and run.isdigit() and seq.isdigit() and len(value) <= 24:
+    if _EVENT_ID_RE.fullmatch(value):
+        run, _, seq = value.partition(".")
         return _After("text", int(run), int(seq))
     raise ApiError(
         400,
         "Last-Event-ID must be an id this gateway sent (0, <run>.<seq>, end or usage)",
         param="Last-Event-ID",
+    )
+
+
+def _key_reused() -> ApiError:
+    return ApiError(
+        422,
+        "this Idempotency-Key was used with another body",
+        param="Idempotency-Key",
+        code="idempotency_key_reused",
+    )
+
+
+def _maybe_stored(exc: BaseException) -> bool:
+    """Whether a submit that raised ``exc`` may still have stored its request
+    (a lost ack, a dropped connection), rather than surely not (refused before
+    the publish, no stream, a full queue)."""
+    # Refused before the publish; or the server answered (no stream, full): not stored.
+    return not isinstance(
+        exc, InvalidRequestError | UnknownPriorityError | NatsApiError | NatsPayloadTooLargeError
     )
 
 
@@ -211,6 +237,8 @@ class Gateway(Lifecycle):
         window = self._gw.retry_memory or config.nats.duplicate_window
         self._memory = RetryMemory(parse_duration(window))
         self._state: KeyValue | None = None
+        #: Calls of this process following each request, by (tenant, id).
+        self._following: collections.Counter[tuple[str, str]] = collections.Counter()
         self._recent: dict[tuple[str, str], str] = {}
         self._runner: web.AppRunner | None = None
         self._closing = False
@@ -325,6 +353,10 @@ class Gateway(Lifecycle):
         except asyncio.CancelledError:
             metrics.CALLS.labels(endpoint, "disconnected").inc()
             raise
+        except (NatsUnavailableError, TimeoutError) as exc:
+            # A lookup while NATS reconnects or a leader is elected: try again.
+            log.warning("NATS not reachable for a gateway call", endpoint=endpoint, error=str(exc))
+            response = _error_response(from_error(exc), request.get(_REQUEST_ID))
         except Exception:
             log.exception("gateway error", endpoint=endpoint)
             response = _error_response(
@@ -357,6 +389,22 @@ class Gateway(Lifecycle):
                 raise RuntimeError("the gateway is not running")
             tenant = self._tenants[name] = _Tenant(Client(self._nc, tenant=name))
         return tenant
+
+    def _take_slot(self, tenant: _Tenant) -> None:
+        """Count one more call of ``tenant`` in flight (give it back with
+        ``tenant.in_flight -= 1; metrics.IN_FLIGHT.dec()``); 429 past
+        ``max_in_flight``. Resumed streams count too: each holds a subscription."""
+        limit = self._gw.max_in_flight
+        if limit and tenant.in_flight >= limit:
+            raise ApiError(
+                429,
+                f"too many requests in flight for this tenant on this gateway (limit {limit})",
+                type="rate_limit_error",
+                code="too_many_in_flight",
+                retry_after=1.0,
+            )
+        tenant.in_flight += 1
+        metrics.IN_FLIGHT.inc()
 
     def _remember_recent(self, tenant: str, request_id: str, route: str) -> None:
         self._recent[(tenant, request_id)] = route
@@ -453,29 +501,23 @@ class Gateway(Lifecycle):
         body = await request.read()
         sub, key, keep = self._read_chat(body, request.headers)
         tenant = self._tenant(tenant_name)
-        limit = self._gw.max_in_flight
-        if limit and tenant.in_flight >= limit:
-            raise ApiError(
-                429,
-                f"too many requests in flight for this tenant on this gateway (limit {limit})",
-                type="rate_limit_error",
-                code="too_many_in_flight",
-                retry_after=1.0,
-            )
-        tenant.in_flight += 1
-        metrics.IN_FLIGHT.inc()
+        self._take_slot(tenant)
+        print_ = fingerprint(tenant_name, body)
+        following: tuple[str, str] | None = None
         try:
             retry = request.headers.get("x-stainless-retry-count", "0").strip() not in ("", "0")
             request_id = id_for_key(key) if key is not None else _new_id()
             try:
                 handle = await self._submit(
-                    tenant.client, sub, body, request_id, key=key, retry=retry
+                    tenant.client, sub, print_, request_id, key=key, retry=retry
                 )
             except asyncio.CancelledError:
                 # Gone while submitting: the publish may have been stored.
                 if not keep and not self._closing:
-                    self._cancel_later(tenant.client, request_id)
+                    self._cancel_later(tenant.client, request_id, print_)
                 raise
+            following = (tenant_name, handle.id)
+            self._following[following] += 1
             request[_REQUEST_ID] = handle.id
             with bound_request(handle.id, tenant=tenant_name):
                 try:
@@ -484,13 +526,17 @@ class Gateway(Lifecycle):
                     return await self._complete(handle, sub.route)
                 except asyncio.CancelledError:
                     if not keep and not self._closing:
-                        self._cancel_later(tenant.client, handle.id)
+                        self._cancel_later(tenant.client, handle.id, print_)
                     raise
                 except _ClientGone as gone:
                     if not keep and not self._closing:
-                        self._cancel_later(tenant.client, handle.id)
+                        self._cancel_later(tenant.client, handle.id, print_)
                     return gone.response
         finally:
+            if following is not None:
+                self._following[following] -= 1
+                if self._following[following] <= 0:
+                    del self._following[following]
             tenant.in_flight -= 1
             metrics.IN_FLIGHT.dec()
 
@@ -498,32 +544,32 @@ class Gateway(Lifecycle):
         self,
         client: Client,
         sub: Submission,
-        body: bytes,
+        print_: str,
         request_id: str,
         *,
         key: str | None,
         retry: bool,
     ) -> RequestHandle:
-        """Submit ``sub`` as ``request_id``, or join the request a retry of it already made."""
+        """Submit ``sub`` (its body's fingerprint ``print_``) as ``request_id``,
+        or join the request a retry of it already made."""
         tenant = client.tenant
-        print_ = fingerprint(tenant, body)
         metadata = sub.metadata
         if key is not None:
             existing = await self._submitted(tenant, request_id)
             if existing is not None:
                 if existing.request.metadata.get(BODY_KEY, print_) != print_:
-                    raise ApiError(
-                        422,
-                        "this Idempotency-Key was used with another body",
-                        param="Idempotency-Key",
-                        code="idempotency_key_reused",
-                    )
+                    raise _key_reused()
                 metrics.RETRIES_JOINED.labels("idempotency_key").inc()
                 return client.handle(request_id)
             metadata = {**metadata, BODY_KEY: print_}
         elif retry and (joined := await self._joinable(tenant, print_)) is not None:
             metrics.RETRIES_JOINED.labels("sdk_retry").inc()
             return client.handle(joined)
+        if key is None:
+            # Before the publish: one whose ack is lost may still be stored,
+            # and the SDK's retry of it must join it, not make a second.
+            self._memory.remember(print_, request_id)
+            self._share(tenant, print_, request_id)
         try:
             built = client.build_request(
                 sub.messages,
@@ -537,14 +583,44 @@ class Gateway(Lifecycle):
             )
             handle = await client.submit_request(built)
         except Exception as exc:
-            raise from_error(exc) from exc
+            answer = from_error(exc)
+            if key is None and not _maybe_stored(exc):
+                self._forget(tenant, print_, request_id)
+            raise answer from exc
         if handle.duplicate and key is not None:
+            await self._same_body(tenant, request_id, print_)
             metrics.RETRIES_JOINED.labels("idempotency_key").inc()
         self._remember_recent(tenant, handle.id, sub.route)
-        if key is None:
-            self._memory.remember(print_, handle.id)
-            self._share(tenant, print_, handle.id)
         return handle
+
+    async def _same_body(self, tenant: str, request_id: str, print_: str) -> None:
+        """A keyed submit that was a duplicate: 422 if the request under that
+        key has another body (its ``submitted`` event may be a moment behind
+        the first publish: waited for briefly, then the key is trusted)."""
+        delay = 0.05
+        for _ in range(6):
+            existing = await self._submitted(tenant, request_id)
+            if existing is not None:
+                if existing.request.metadata.get(BODY_KEY, print_) != print_:
+                    raise _key_reused()
+                return
+            await asyncio.sleep(delay)
+            delay *= 2
+
+    def _forget(self, tenant: str, print_: str, request_id: str) -> None:
+        """Retries of this body no longer join ``request_id`` (it was never
+        stored, or its client went away and it is being cancelled)."""
+        if self._memory.recall(print_) != request_id:
+            return  # a newer request of the same body: its own
+        self._memory.forget(print_)
+        name = shared_key(tenant, print_)
+
+        async def delete() -> None:
+            if self._state is None:
+                self._state = await self.js.key_value(STATE_BUCKET)
+            await self._state.delete(name)
+
+        self._supervisor.spawn_job(f"forget-{name}", delete)
 
     def _share(self, tenant: str, print_: str, request_id: str) -> None:
         """Tell every gateway process which request this body made (a
@@ -576,11 +652,8 @@ class Gateway(Lifecycle):
         request_id = self._memory.recall(print_) or await self._shared(tenant, print_)
         if request_id is None:
             return None
-        terminal = await EventLog(self.js).terminal_of(tenant, request_id)
-        if isinstance(terminal, Cancelled) and await self._cancelled_by_disconnect(
-            tenant, request_id
-        ):
-            return None
+        if await self._cancelled_by_disconnect(tenant, request_id):
+            return None  # being cancelled, or cancelled: this retry runs anew
         return request_id
 
     async def _cancelled_by_disconnect(self, tenant: str, request_id: str) -> bool:
@@ -595,9 +668,17 @@ class Gateway(Lifecycle):
             return isinstance(event, CancelRequested) and event.reason == DISCONNECTED
         return False
 
-    def _cancel_later(self, client: Client, request_id: str) -> None:
+    def _cancel_later(self, client: Client, request_id: str, print_: str) -> None:
         """Record a cancellation for a client that went away (a supervised job:
-        the handler that asks is itself being cancelled)."""
+        the handler that asks is itself being cancelled), unless another call
+        in this process still follows the request (an SDK retry that joined
+        it); retries of its body no longer join it."""
+        if self._following.get((client.tenant, request_id), 0) > 1:
+            log.info(
+                "client disconnected; a retry still follows its request", request_id=request_id
+            )
+            return
+        self._forget(client.tenant, print_, request_id)
         handle = client.handle(request_id)
         log.info("client disconnected; cancelling its request", request_id=request_id)
         self._supervisor.spawn_job(
@@ -684,9 +765,15 @@ class Gateway(Lifecycle):
         after = parse_last_event_id(request.headers.get("Last-Event-ID"))
         include_usage = request.query.get("include_usage", "").lower() in ("1", "true")
         route = await self._route_of(tenant_name, request_id)
-        handle = self._tenant(tenant_name).client.handle(request_id)
-        with bound_request(request_id, tenant=tenant_name):
-            return await self._stream(request, handle, route, include_usage, after)
+        tenant = self._tenant(tenant_name)
+        self._take_slot(tenant)
+        try:
+            handle = tenant.client.handle(request_id)
+            with bound_request(request_id, tenant=tenant_name):
+                return await self._stream(request, handle, route, include_usage, after)
+        finally:
+            tenant.in_flight -= 1
+            metrics.IN_FLIGHT.dec()
 
     async def _request_state(self, request: web.Request) -> web.Response:
         tenant_name = self._tenant_of(request)

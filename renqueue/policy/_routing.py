@@ -21,6 +21,7 @@ from ..errors import (
     MalformedRequestError,
     NoCapableBackendError,
     OverCostCapError,
+    PriorityNotAllowedError,
     UnknownRouteError,
     UnsupportedFeatureError,
 )
@@ -193,6 +194,10 @@ def validate(
             f"priority {request.priority!r} does not match subject level {level!r}",
             request_id=request.id,
         )
+    settings = config.tenant(tenant)
+    most = settings.max_priority if settings is not None else None
+    if most is not None and config.priority_rank(level) < config.priority_rank(most):
+        raise PriorityNotAllowedError(tenant, level, most, request_id=request.id)
     _check_params(request)
     if request.route not in config.routes:
         raise UnknownRouteError(request.route, request_id=request.id)

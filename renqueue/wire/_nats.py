@@ -60,6 +60,7 @@ from ..errors import (
     NatsError,
     NatsNoRespondersError,
     NatsNotFoundError,
+    NatsPayloadTooLargeError,
     NatsTimeoutError,
     NatsUnavailableError,
     WrongLastSequenceError,
@@ -184,6 +185,7 @@ _UNAVAILABLE: Final = (
 #: nats-py's other errors, by what they become (in order: the first match wins).
 _BY_TYPE: Final[tuple[tuple[tuple[type[Exception], ...], type[NatsError]], ...]] = (
     ((nats.errors.TimeoutError,), NatsTimeoutError),  # fetch and flush timeouts too
+    ((nats.errors.MaxPayloadError,), NatsPayloadTooLargeError),
     ((nats.errors.ConnectionClosedError,), NatsClosedError),
     ((nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError), NatsNoRespondersError),
     (_UNAVAILABLE, NatsUnavailableError),
