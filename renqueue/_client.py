@@ -200,6 +200,9 @@ def _raise_for(event: Event) -> Result:
     raise TypeError(f"not a terminal event: {event!r}")
 
 
+#: Live chunks a token follower holds for a reader that is not reading.
+_LIVE_CHUNKS: Final = 4096
+
 class _TokenFollower:
     """Every chunk of one request, in order, once: stored ones, then live ones.
 
@@ -246,7 +249,10 @@ class _TokenFollower:
         self._tenant = tenant
         self._request_id = request_id
         self._subject = token_subject(tenant, request_id)
-        self._live: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        #: Live chunks not yet taken; bounded, so that a reader that stops
+        #: reading holds at most this many (those past it are dropped, and read
+        #: from the store when it reads on: a gap, or silence, sends it there).
+        self._live: asyncio.Queue[TokenChunk] = asyncio.Queue(maxsize=_LIVE_CHUNKS)
         #: Chunks received and not yet handed out, by (run, seq).
         self._pending: dict[tuple[int, int], TokenChunk] = {}
         self._final: TokenChunk | None = None
@@ -289,7 +295,8 @@ class _TokenFollower:
         with contextlib.suppress(msgspec.DecodeError):
             chunk = TOKEN_DECODER.decode(msg.data)
             if chunk.request_id == self._request_id:
-                self._live.put_nowait(chunk)
+                with contextlib.suppress(asyncio.QueueFull):
+                    self._live.put_nowait(chunk)
 
     async def _read_store(self) -> None:
         """Read what the store has after the cursor; a transient failure (a

@@ -222,6 +222,37 @@ async def test_a_handle_on_a_request_submitted_elsewhere_waits_on_the_tap_not_a_
     assert joined.text == ended.text == original.text
 
 
+async def test_a_reader_that_stops_reading_holds_a_bounded_queue_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream whose reader stops (a slow HTTP client behind the gateway)
+    keeps at most its bound of live chunks; the rest come from the store when
+    it reads on, in order, none lost."""
+    monkeypatch.setattr("renqueue._client._LIVE_CHUNKS", 64)
+    async with MockBackend(
+        MockSettings(ttft=0.0, tokens_per_second=20_000, output_tokens=600)
+    ) as mock:
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {"b": {"base_url": mock.url, "model": "m"}},
+                "routes": {"chat": {"backends": ["b"]}},
+            }
+        )
+        async with Services(config) as services, Client(services.nc, tenant="t") as client:
+            handle = await client.submit("long", route="chat")
+            follower = _TokenFollower(client, "t", handle.id)
+            await follower.start()
+            result = await handle.result(timeout=20)  # ended while nobody read
+            held = follower._live.qsize()
+            texts = []
+            while not (chunk := await follower.next()).final:
+                texts.append(chunk.text)
+            await follower.close()
+    assert held <= 64
+    assert "".join(texts) == result.text
+
+
 async def test_a_submit_to_an_unconfigured_level_fails_clearly_after_its_grace(
     streams: tuple[Connection, Connection],
 ) -> None:
