@@ -72,11 +72,15 @@ def estimate_prompt_tokens(messages: Iterable[ChatMessage], tools: Sequence[Tool
     total = 0
     count = 0
     for message in messages:
+        count += 1
+        content = message.content
+        if isinstance(content, str) and not message.tool_calls:  # the common case, fast
+            total += MESSAGE_OVERHEAD_TOKENS + estimate_text_tokens(content)
+            continue
         total += MESSAGE_OVERHEAD_TOKENS + estimate_text_tokens(message.text)
         total += IMAGE_TOKENS * len(message.images)
         for call in message.tool_calls:
             total += estimate_text_tokens(call.name) + estimate_text_tokens(call.arguments)
-        count += 1
     if tools:
         total += _tools_tokens(tools)
     return total + REPLY_OVERHEAD_TOKENS if count else 0
