@@ -8,13 +8,24 @@ from hypothesis import strategies as st
 
 from renqueue.policy import (
     CHARS_PER_TOKEN,
+    IMAGE_TOKENS,
     MESSAGE_OVERHEAD_TOKENS,
     REPLY_OVERHEAD_TOKENS,
+    estimate_input_tokens,
     estimate_prompt_tokens,
     estimate_request_tokens,
     estimate_text_tokens,
 )
-from renqueue.wire import ChatMessage, GenerationParams, InferenceRequest
+from renqueue.wire import (
+    ChatMessage,
+    GenerationParams,
+    ImagePart,
+    ImageURL,
+    InferenceRequest,
+    TextPart,
+    Tool,
+    ToolCall,
+)
 
 
 @pytest.mark.parametrize(
@@ -72,3 +83,28 @@ def test_prompt_estimate_is_the_sum_of_its_messages(texts: list[str]) -> None:
     messages = [ChatMessage(role="user", content=text) for text in texts]
     expected = sum(MESSAGE_OVERHEAD_TOKENS + estimate_text_tokens(t) for t in texts)
     assert estimate_prompt_tokens(messages) == (expected + REPLY_OVERHEAD_TOKENS if texts else 0)
+
+
+def test_images_tool_calls_and_tools_count_in_a_prompt() -> None:
+    plain = [ChatMessage(role="user", content="abcd")]
+    base = estimate_prompt_tokens(plain)
+    image = [
+        ChatMessage(
+            role="user",
+            content=[TextPart(text="abcd"), ImagePart(image_url=ImageURL(url="https://x/a.png"))],
+        )
+    ]
+    assert estimate_prompt_tokens(image) == base + IMAGE_TOKENS
+    call = ChatMessage(
+        role="assistant", content="", tool_calls=(ToolCall(id="c", name="abcd", arguments="{}"),)
+    )
+    assert estimate_prompt_tokens([*plain, call]) > estimate_prompt_tokens(
+        [*plain, ChatMessage(role="assistant", content="")]
+    )
+    tools = (Tool(name="lookup", description="x" * 400),)
+    request = InferenceRequest(
+        id="r", route="chat", messages=plain, params=GenerationParams(tools=tools)
+    )
+    with_tools = estimate_input_tokens(request)
+    assert with_tools >= base + 100  # the tools' JSON, 400+ characters
+    assert estimate_input_tokens(request) == with_tools  # cached: the same count

@@ -166,6 +166,7 @@ from ._spend import SpendLog
 from ._tokens import (
     CHARS_PER_TOKEN,
     DEFAULT_MAX_TOKENS,
+    IMAGE_TOKENS,
     MESSAGE_OVERHEAD_TOKENS,
     REPLY_OVERHEAD_TOKENS,
     estimate_input_tokens,
@@ -188,6 +189,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "EVERY_TENANT",
     "FEATURES",
+    "IMAGE_TOKENS",
     "INTERNAL",
     "MESSAGE_OVERHEAD_TOKENS",
     "MIN_SAMPLES",
