@@ -203,6 +203,7 @@ def _raise_for(event: Event) -> Result:
 #: Live chunks a token follower holds for a reader that is not reading.
 _LIVE_CHUNKS: Final = 4096
 
+
 class _TokenFollower:
     """Every chunk of one request, in order, once: stored ones, then live ones.
 

@@ -217,6 +217,25 @@ async def test_ollama_body_merges_the_requests_parameters_over_the_configs_optio
     }
 
 
+async def test_a_tenants_extras_never_override_the_operators_ollama_and_tgi_settings(
+    mock: MockBackend,
+) -> None:
+    """Before, a tenant's ``num_ctx`` or ``num_gpu`` won over the config's (a
+    model reload, maybe out of memory, for every tenant), and ``adapter_id``
+    picked another LoRA on TGI."""
+    hostile = {"num_ctx": 131072, "num_gpu": 0, "top_k": 99, "min_p": 0.1, "adapter_id": "x"}
+    fields = {"options": {"num_ctx": 4096, "top_k": 5}}
+    async with adapter_for(mock, "ollama", **fields) as backend:
+        await backend.complete(make_request(extra=hostile))
+    assert mock.stats().last_request["options"] == {"num_ctx": 4096, "top_k": 5, "min_p": 0.1}
+    async with adapter_for(mock, "tgi", parameters={"top_k": 10}) as backend:
+        await backend.complete(make_request(extra={**hostile, "truncate": 5}))
+    parameters = mock.stats().last_request["parameters"]
+    assert parameters["top_k"] == 10
+    assert "adapter_id" not in parameters
+    assert "truncate" not in parameters
+
+
 @pytest.mark.parametrize(
     ("prompt_format", "inputs"),
     [

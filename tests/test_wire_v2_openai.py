@@ -415,6 +415,95 @@ async def test_hostile_tool_calls_and_logprobs_are_a_malformed_answer(
     assert error.retryable
 
 
+def anthropic_events(*events: dict[str, Any]) -> str:
+    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events)
+
+
+def anthropic_tools(count: int, pieces: int, piece: str) -> str:
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 1}}}
+    events: list[dict[str, Any]] = [start]
+    for index in range(count):
+        events.append(
+            {
+                "type": "content_block_start",
+                "index": index,
+                "content_block": {"type": "tool_use", "id": f"t{index}", "name": "f", "input": {}},
+            }
+        )
+        events += [
+            {
+                "type": "content_block_delta",
+                "index": index,
+                "delta": {"type": "input_json_delta", "partial_json": piece},
+            }
+        ] * pieces
+        events.append({"type": "content_block_stop", "index": index})
+    events.append({"type": "message_stop"})
+    return anthropic_events(*events)
+
+
+def ollama_lines(*lines: dict[str, Any]) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = "".join(json.dumps(line) + "\n" for line in lines)
+        return web.Response(text=body, content_type="application/x-ndjson")
+
+    return handler
+
+
+NATIVE: dict[str, tuple[str, Handler]] = {
+    # 200 calls, each small: past the count.
+    "anthropic-many-calls": ("anthropic", sse(lambda: anthropic_tools(200, 1, "{}"))),
+    # One call whose input streams in 3 x 500 kB pieces: past the size while it streams.
+    "anthropic-huge-input": ("anthropic", sse(lambda: anthropic_tools(1, 3, "x" * 500_000))),
+    "ollama-many-calls": (
+        "ollama",
+        ollama_lines(
+            {
+                "message": {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"function": {"name": "f", "arguments": {}}}] * 200,
+                },
+                "done": False,
+            },
+            {"message": {"role": "assistant", "content": ""}, "done": True},
+        ),
+    ),
+}
+
+
+@pytest.fixture
+async def native_scripted() -> AsyncIterator[str]:
+    async def dispatch(request: web.Request) -> web.StreamResponse:
+        return await NATIVE[request.match_info["scenario"]][1](request)
+
+    app = web.Application()
+    app.router.add_post("/{scenario}/v1/messages", dispatch)
+    app.router.add_post("/{scenario}/api/chat", dispatch)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("scenario", sorted(NATIVE))
+async def test_native_adapters_bound_the_tool_calls_a_backend_sends(
+    native_scripted: str, scenario: str
+) -> None:
+    """Before, Anthropic's, Gemini's and Ollama's parsers kept any number of
+    calls and any amount of arguments: a hostile server filled the worker."""
+    kind = NATIVE[scenario][0]
+    path = "/v1" if kind == "anthropic" else ""
+    async with adapter_for(f"{native_scripted}/{scenario}{path}", kind) as backend:
+        error = await stream_error(backend, request_of())
+    assert error.failure is FailureClass.MALFORMED, error
+    assert error.retryable
+
+
 # ------------------------------------------------------------------ Ollama
 
 

@@ -465,12 +465,37 @@ class StreamParser:
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
         self.tool_calls: list[ToolCall] = []
+        #: Characters of tool-call arguments read so far (all calls).
+        self.tool_chars = 0
         #: Log probabilities read and not yet handed over (:meth:`take_logprobs`).
         self.logprobs: list[TokenLogprob] = []
         self._logprobs_kept = 0
 
     def feed(self, piece: bytes) -> str:
         raise NotImplementedError
+
+    def count_tool_chars(self, arguments: str) -> None:
+        """Count ``arguments`` (a call's, or a piece of one) against
+        :data:`MAX_TOOL_ARGUMENTS`: :class:`FramingError` past it, before a
+        hostile server's stream can fill the worker's memory."""
+        self.tool_chars += len(arguments)
+        if self.tool_chars > MAX_TOOL_ARGUMENTS:
+            raise FramingError(f"tool call arguments longer than {MAX_TOOL_ARGUMENTS}")
+
+    def add_tool_call(self, call_id: str, name: str, arguments: str) -> None:
+        """Keep one whole tool call; :class:`FramingError` past
+        :data:`MAX_TOOL_CALLS` calls or :data:`MAX_TOOL_ARGUMENTS` characters
+        of arguments in all, or for a call without a name."""
+        if len(self.tool_calls) >= MAX_TOOL_CALLS:
+            raise FramingError(f"more than {MAX_TOOL_CALLS} tool calls")
+        if not name:
+            raise FramingError(f"tool call {len(self.tool_calls)} has no name")
+        self.count_tool_chars(arguments)
+        self.tool_calls.append(
+            ToolCall(
+                id=call_id[:_MAX_TOOL_NAME], name=name[:_MAX_TOOL_NAME], arguments=arguments or "{}"
+            )
+        )
 
     def add_logprobs(self, logprobs: Sequence[TokenLogprob]) -> None:
         """Keep ``logprobs``, up to :data:`MAX_LOGPROBS` for the whole answer."""
@@ -1091,9 +1116,9 @@ class ImageSource(NamedTuple):
 
 def image_source(url: str) -> ImageSource:
     """What an image part's URL is: a base64 ``data:image/...`` URL (its media
-    type in lower case, its data checked to be base64) or an ``http(s)://``
+    type in lower case, its data checked to be base64) or an ``https://``
     URL; ``ValueError`` (saying why, never quoting the data) for anything else."""
-    if url.startswith(("https://", "http://")):
+    if url.startswith("https://"):
         return ImageSource(url=url)
     match = _DATA_IMAGE.match(url)
     if match is None:

@@ -69,6 +69,8 @@ from ..wire._messages import (
     Tool,
 )
 from ._http import (
+    MAX_TOOL_CALLS,
+    FramingError,
     HTTPBackend,
     InBandError,
     SSEParser,
@@ -83,7 +85,7 @@ from ._http import (
     tool_arguments,
 )
 from ._sse import ServerSentEvent
-from .base import Generation, ToolCall
+from .base import Generation
 
 __all__ = ["AnthropicBackend"]
 
@@ -221,6 +223,8 @@ def _turns(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 
 def _blocks(message: ChatMessage) -> list[dict[str, Any]]:
     """One message's content blocks (its ``name`` has no counterpart: dropped)."""
+    if message.role == "tool" and message.tool_call_id is None:
+        return _content(message)  # version 1's tool turn: text in a user turn, as it was
     if message.role == "tool":
         if not message.tool_call_id:
             raise ValueError("a tool message must name the tool call it answers (tool_call_id)")
@@ -339,6 +343,7 @@ class _EventParser(SSEParser):
         if delta.type == "input_json_delta" and delta.partial_json and data.index is not None:
             tool = self._tools.get(data.index)
             if tool is not None:
+                self.count_tool_chars(delta.partial_json)  # bounded while it streams
                 tool[2].append(delta.partial_json)
         return ""  # thinking, signatures, citations: not answer text
 
@@ -352,6 +357,8 @@ class _EventParser(SSEParser):
         if block is None:
             return ""
         if block.type == "tool_use" and data.index is not None:
+            if len(self._tools) + len(self.tool_calls) >= MAX_TOOL_CALLS:
+                raise FramingError(f"more than {MAX_TOOL_CALLS} tool calls")
             self._tools[data.index] = (block.id or "", block.name or "", [])
             return ""
         return self.counted(block.text or "") if block.type == "text" else ""
@@ -360,9 +367,8 @@ class _EventParser(SSEParser):
         tool = self._tools.pop(data.index, None) if data.index is not None else None
         if tool is not None:
             tool_id, name, pieces = tool
-            self.tool_calls.append(
-                ToolCall(id=tool_id, name=name, arguments="".join(pieces) or "{}")
-            )
+            self.tool_chars -= sum(map(len, pieces))  # counted as they came
+            self.add_tool_call(tool_id, name, "".join(pieces))
         return ""
 
     def _message_delta(self, data: _Event, raw: str) -> str:
@@ -474,13 +480,7 @@ class AnthropicBackend(HTTPBackend):
             if block.type == "text" and block.text:
                 text += block.text
             elif block.type == "tool_use":
-                parser.tool_calls.append(
-                    ToolCall(
-                        id=block.id or "",
-                        name=block.name or "",
-                        arguments=tool_arguments(block.input),
-                    )
-                )
+                parser.add_tool_call(block.id or "", block.name or "", tool_arguments(block.input))
         if message.stop_reason is not None:
             parser.finish_reason = common_finish(message.stop_reason, _STOP_REASONS)
         if message.usage is not None:

@@ -35,8 +35,9 @@ URL, a tool message answering no earlier call).
 The stream is server-sent events, each a whole ``GenerateContentResponse``
 (no end marker): ``candidates[0].content.parts[].text`` is answer text
 (parts marked ``thought`` are not), ``functionCall`` parts are tool calls
-(whole, ``args`` an object; one without an ``id`` gets ``call_<n>``, its
-place among the answer's calls), ``finishReason`` ends it, ``usageMetadata``
+(whole, ``args`` an object; one without an ``id`` is named
+``call_<request id>_<n>`` by the worker, ``n`` its place among the answer's
+calls), ``finishReason`` ends it, ``usageMetadata``
 (``promptTokenCount``, ``candidatesTokenCount`` plus ``thoughtsTokenCount``
 as output) counts. A prompt the safety filters block comes back as a 200
 with ``promptFeedback.blockReason`` and no candidates: a content-filter
@@ -95,7 +96,7 @@ from ._http import (
     tool_arguments,
 )
 from ._sse import ServerSentEvent
-from .base import Generation, ToolCall
+from .base import Generation
 
 __all__ = ["GeminiBackend"]
 
@@ -211,11 +212,12 @@ _NO_SIGNATURE: Final = "skip_thought_signature_validator"
 def _contents(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """The chat as ``contents``: ``user`` and ``model`` turns, turns of one role
     in a row merged (all of a model turn's calls answered in one user turn, as
-    Gemini counts them), a ``tool`` message a ``functionResponse`` part."""
+    Gemini counts them), a ``tool`` message a ``functionResponse`` part (one
+    without a ``tool_call_id``, as version 1 wrote them, is user text)."""
     contents: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         role = "model" if message.role == "assistant" else "user"
-        if message.role == "tool":
+        if message.role == "tool" and message.tool_call_id is not None:
             parts = [_function_response(message, messages[:index])]
         else:
             parts = _parts(message)
@@ -350,12 +352,10 @@ class _ResponseParser(SSEParser):
                 text += part.text
             if part.function_call is not None:
                 call = part.function_call
-                # Gemini may give no id: one that stays the same for this
-                # answer, which the tool message then names.
-                call_id = call.id or f"call_{len(self.tool_calls)}"
-                self.tool_calls.append(
-                    ToolCall(id=call_id, name=call.name, arguments=tool_arguments(call.args))
-                )
+                # Gemini may give no id: the worker names it
+                # call_<request id>_<index>, unique across a conversation,
+                # and a later tool message answers it by that id.
+                self.add_tool_call(call.id or "", call.name, tool_arguments(call.args))
         if candidate.finish_reason is not None:
             self.complete = True
             self.finish_or_tools(candidate.finish_reason, _FINISH_REASONS)

@@ -27,9 +27,10 @@ message's text as ``content``), ``stream``, ``keep_alive``, ``options``,
 - ``options``: the config's, the request's parameters over them
   (``max_tokens`` as ``num_predict``, ``temperature``, ``top_p``, ``stop``,
   ``seed``, ``presence_penalty``, ``frequency_penalty``) and the request's
-  ``extra`` parameters Ollama documents as options (``top_k``, ``min_p``,
-  ``repeat_penalty``, ``num_ctx``, ...: :data:`OPTION_EXTRAS`); other extra
-  parameters are left out.
+  ``extra`` parameters Ollama documents as sampling options (``top_k``,
+  ``min_p``, ``repeat_penalty``, ...: :data:`OPTION_EXTRAS`), under the
+  config's; other extra parameters (the load-time ``num_ctx``, ``num_gpu``,
+  ... among them) are left out.
 
 A key, when configured (Ollama behind a proxy, or ollama.com), goes as
 ``Authorization: Bearer``.
@@ -68,7 +69,7 @@ from ._http import (
     given_params,
     tool_arguments,
 )
-from .base import Generation, ToolCall
+from .base import Generation
 
 __all__ = ["OPTION_EXTRAS", "OllamaBackend"]
 
@@ -109,17 +110,13 @@ _OPTION_NAMES: Final = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
-#: The ``extra`` parameters that go into ``options``: the model options
-#: Ollama documents (docs/modelfile.md, docs/api.md). Others are left out.
+#: The ``extra`` parameters that go into ``options``: the sampling options
+#: Ollama documents (docs/modelfile.md, docs/api.md). Others are left out,
+#: the load-time ones above all (``num_ctx``, ``num_gpu``, ``num_thread``,
+#: ...): a tenant's value would reload the model, for every tenant, with a
+#: context or placement the operator did not choose.
 OPTION_EXTRAS: Final = frozenset(
     {
-        "num_keep",
-        "num_ctx",
-        "num_batch",
-        "num_gpu",
-        "main_gpu",
-        "num_thread",
-        "use_mmap",
         "top_k",
         "min_p",
         "typical_p",
@@ -149,13 +146,7 @@ class _LineParser(LineParser):
             text = message.content or ""
             for call in message.tool_calls or ():
                 function = call.function or _Function()
-                self.tool_calls.append(
-                    ToolCall(
-                        id=call.id or "",
-                        name=function.name,
-                        arguments=tool_arguments(function.arguments),
-                    )
-                )
+                self.add_tool_call(call.id or "", function.name, tool_arguments(function.arguments))
         if data.done:
             self.complete = True
             self.finish_or_tools(data.done_reason or "stop", _DONE_REASONS)
@@ -182,7 +173,9 @@ class OllamaBackend(HTTPBackend):
     ) -> dict[str, Any]:
         params = request.params
         extra = {name: value for name, value in params.extra.items() if name in OPTION_EXTRAS}
-        options = {**self._options, **extra, **given_params(request, _OPTION_NAMES)}
+        # The operator's options over a tenant's extras; the request's own
+        # parameters (max_tokens, temperature, ...) over both.
+        options = {**extra, **self._options, **given_params(request, _OPTION_NAMES)}
         body: dict[str, Any] = {
             "model": self._ollama.model,
             "messages": self._messages(request),

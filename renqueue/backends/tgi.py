@@ -20,8 +20,9 @@ requires), ``stop``, ``seed``, ``frequency_penalty``; a ``response_format``
 as a ``grammar`` (``json_schema``: ``{"type": "json", "value": <the
 schema>}``; ``json_object``: the same with the schema ``{"type":
 "object"}``, any object); the request's ``extra`` parameters TGI documents
-(``top_k``, ``repetition_penalty``, ``typical_p``, ``truncate``, ...:
-:data:`PARAMETER_EXTRAS`; others are left out); always ``details = true``
+(``top_k``, ``repetition_penalty``, ``typical_p``, ...:
+:data:`PARAMETER_EXTRAS`, under the config's; others, ``adapter_id`` and
+``truncate`` among them, are left out); always ``details = true``
 (the finish reason and token counts) and ``return_full_text = false``.
 Tools, tool calls and tool messages, images and log probabilities have no
 counterpart here: a request with any is refused (``BadRequestError``; the
@@ -114,17 +115,16 @@ _PARAMETER_NAMES: Final = {
     "frequency_penalty": "frequency_penalty",
 }
 #: The ``extra`` parameters that go into ``parameters``: the ones TGI
-#: documents for ``/generate`` that Ren-Queue has no field of its own for.
+#: documents for ``/generate`` that Ren-Queue has no field of its own for,
+#: but ``adapter_id`` (another LoRA than the operator's) and ``truncate``.
 PARAMETER_EXTRAS: Final = frozenset(
     {
         "top_k",
         "typical_p",
         "repetition_penalty",
-        "truncate",
         "watermark",
         "top_n_tokens",
         "decoder_input_details",
-        "adapter_id",
     }
 )
 #: ``json_object``'s grammar: any JSON object.
@@ -236,7 +236,8 @@ class TGIBackend(HTTPBackend):
         except ValueError as exc:
             raise self._untranslatable(request, str(exc)) from None
         extra = {name: value for name, value in params.extra.items() if name in PARAMETER_EXTRAS}
-        parameters = {**self._parameters, **extra, **given_params(request, _PARAMETER_NAMES)}
+        # The operator's parameters over a tenant's extras; the request's own over both.
+        parameters = {**extra, **self._parameters, **given_params(request, _PARAMETER_NAMES)}
         if params.temperature == 0:
             parameters.pop("temperature", None)
             parameters["do_sample"] = False
