@@ -15,6 +15,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from _loopback import serve
 from aiohttp import web
 from test_binder import until
 from test_fallback import FAST, config_for, failing, routed
@@ -255,19 +256,14 @@ async def test_a_health_probe_carries_the_key_as_its_backends_format_does(
 
     app = web.Application()
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with serve(app) as origin:
         config = parse_config(
             {
                 "nats": {"url": isolated_server.url},
                 "backends": {
                     "claude": {
                         "adapter": "anthropic",
-                        "base_url": f"http://127.0.0.1:{port}/v1",
+                        "base_url": f"{origin}/v1",
                         "model": "m",
                         "api_key_env": "PROBE_TEST_KEY",
                         "probe": {"path": "/health", "interval": "100ms"},
@@ -278,8 +274,6 @@ async def test_a_health_probe_carries_the_key_as_its_backends_format_does(
         )
         async with Services(config):
             headers = await asyncio.wait_for(seen.get(), timeout=15)
-    finally:
-        await runner.cleanup()
     lowered = {k.lower(): v for k, v in headers.items()}
     assert lowered.get("x-api-key") == "sk-ant-probe-secret"
     assert "authorization" not in lowered

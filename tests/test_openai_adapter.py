@@ -15,6 +15,7 @@ from email.utils import format_datetime
 
 import httpx
 import pytest
+from _loopback import serve
 from aiohttp import web
 
 from renqueue.backends import Backend, Delta, LearnedLimits, OpenAIBackend, make_backend
@@ -406,15 +407,8 @@ async def scripted() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/{scenario}/v1/chat/completions", dispatch)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve(app) as origin:
+        yield origin
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from _loopback import serve
 from aiohttp import web
 
 from renqueue.backends import Delta, HTTPBackend, ToolCall, make_backend
@@ -480,14 +481,8 @@ async def served() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/{scenario}/{rest:.*}", answer)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serve(app) as origin:
+        yield origin
 
 
 BASE_PATHS = {"anthropic": "/v1", "ollama": "", "tgi": "", "gemini": "/v1beta"}

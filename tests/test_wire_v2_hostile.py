@@ -13,16 +13,17 @@ from typing import Any
 
 import msgspec
 import pytest
+from _loopback import serve
 from aiohttp import web
 from test_fallback import FAST
 from test_restarts import TENANT
 
 from renqueue import Client, RequestFailedError, RequestRejectedError, Services, parse_config
 from renqueue.backends._http import error_detail
-from renqueue.errors import MalformedRequestError
+from renqueue.errors import MalformedRequestError, RetryableBackendError
 from renqueue.ops import EmbeddedServer
 from renqueue.policy import needs, validate
-from renqueue.services.worker._tokens import LOGPROBS_BUDGET, _keep_logprobs
+from renqueue.services.worker._tokens import LOGPROBS_BUDGET, Caller, _keep_logprobs
 from renqueue.tools import MockBackend
 from renqueue.wire import (
     REQUEST_DECODER,
@@ -30,6 +31,7 @@ from renqueue.wire import (
     GenerationParams,
     InferenceRequest,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     encode,
     msg_id,
@@ -146,13 +148,16 @@ def test_the_completed_event_keeps_log_probabilities_within_its_budget() -> None
 
 @pytest.fixture
 async def hostile_ollama() -> AsyncIterator[str]:
-    """An Ollama-shaped server whose answer calls a tool with a 300-character name."""
+    """An Ollama-shaped server whose answer makes 200 tool calls."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         await request.read()
-        call = {"function": {"name": "x" * 300, "arguments": {}}}
+        call = {"function": {"name": "lookup", "arguments": {}}}
         lines = [
-            {"message": {"role": "assistant", "content": "", "tool_calls": [call]}, "done": False},
+            {
+                "message": {"role": "assistant", "content": "", "tool_calls": [call] * 200},
+                "done": False,
+            },
             {"message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "stop"},
         ]
         body = b"".join(msgspec.json.encode(line) + b"\n" for line in lines)
@@ -160,22 +165,16 @@ async def hostile_ollama() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/api/chat", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve(app) as origin:
+        yield origin
 
 
 async def test_a_tool_call_past_the_wires_bounds_fails_the_call_not_the_reader(
     isolated_server: EmbeddedServer, hostile_ollama: str
 ) -> None:
     """Before, the worker wrote a ``completed`` event no reader could decode
-    (a name over 256 characters), and the client waited for ever."""
+    (over 1024 calls, or a name over 256 characters), and the client waited
+    for ever; now the call fails as malformed, and the request with it."""
     config = parse_config(
         {
             "nats": {"url": isolated_server.url},
@@ -186,7 +185,7 @@ async def test_a_tool_call_past_the_wires_bounds_fails_the_call_not_the_reader(
     )
     async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
         handle = await client.submit("call something", route="chat")
-        with pytest.raises(RequestFailedError, match="malformed answer"):
+        with pytest.raises(RequestFailedError, match="more than 128 tool calls"):
             await handle.result(timeout=20)
 
 
@@ -229,3 +228,26 @@ def test_a_providers_error_text_loses_anything_key_like(body: bytes, secret: str
     text = error_detail(body)
     assert secret not in text
     assert "[redacted]" in text
+
+
+def test_the_worker_names_id_less_tool_calls_and_refuses_what_the_wire_cannot_carry() -> None:
+    """The last guard, whatever an adapter hands over: an event every reader
+    can decode, and ids unique across a conversation."""
+    caller = Caller(
+        None,  # type: ignore[arg-type]  # no publish in this check
+        "b",
+        config_of().backends["b"],
+        None,  # type: ignore[arg-type]
+    )
+    request = InferenceRequest(
+        id="req-7", route="chat", messages=[ChatMessage(role="user", content="hi")]
+    )
+    named = caller._checked_calls(
+        request, [ToolCall(name="f"), ToolCall(id="given", name="g")], before=2
+    )
+    assert [c.id for c in named] == ["call_req-7_2", "given"]
+    for bad in (ToolCall(name="f" * 300), ToolCall(id="i" * 300, name="f"), ToolCall(name="")):
+        with pytest.raises(RetryableBackendError, match="malformed answer"):
+            caller._checked_calls(request, [bad], before=0)
+    with pytest.raises(RetryableBackendError, match="more than 128 tool calls"):
+        caller._checked_calls(request, [ToolCall(name="f")] * 2, before=127)

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _loopback import serve
 from aiohttp import web
 
 from renqueue import Client, Services, parse_config
@@ -368,14 +369,8 @@ async def scripted() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/{scenario}/chat/completions", dispatch)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serve(app) as origin:
+        yield origin
 
 
 async def test_tool_call_pieces_without_index_start_a_call_by_a_new_id(scripted: str) -> None:
@@ -480,14 +475,8 @@ async def native_scripted() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/{scenario}/v1/messages", dispatch)
     app.router.add_post("/{scenario}/api/chat", dispatch)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serve(app) as origin:
+        yield origin
 
 
 @pytest.mark.parametrize("scenario", sorted(NATIVE))
