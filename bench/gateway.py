@@ -377,6 +377,9 @@ general_settings:
     log = (workdir / "litellm.log").open("w")
     cli = python.parent / "litellm"
     proc = await asyncio.create_subprocess_exec(
+        # Run by the venv's Python, not by the script's shebang: a venv made
+        # at another path (a moved checkout) keeps the old path there.
+        str(python),
         str(cli),
         "--config",
         str(config),
