@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import msgspec
 from msgspec import Raw, Struct
@@ -68,15 +68,18 @@ from ..wire._messages import (
     TokenLogprob,
     ToolCall,
     ToolCallDelta,
+    Usage,
 )
 from ._errors import ApiError
 
 __all__ = [
     "MAX_EXTRA",
+    "Answer",
     "Chat",
     "ChatBody",
     "Submission",
     "ToolCallPieces",
+    "answer_bytes",
     "chunk_bytes",
     "completion_bytes",
     "parse_chat",
@@ -970,6 +973,37 @@ def chunk_bytes(
         )
     return _ENCODER.encode(
         _PlainChunk(id=request_id, created=created, model=model, choices=[choice])
+    )
+
+
+class Answer(Protocol):
+    """What a whole answer is read from: a :class:`~renqueue.Result` or a
+    ``completed`` event."""
+
+    @property
+    def text(self) -> str: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def usage(self) -> Usage: ...
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]: ...
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...]: ...
+
+
+def answer_bytes(request_id: str, model: str, created: int, answer: Answer) -> bytes:
+    """:func:`completion_bytes` of a result or a ``completed`` event."""
+    return completion_bytes(
+        request_id,
+        model,
+        created,
+        text=answer.text,
+        finish=answer.finish_reason,
+        prompt_tokens=answer.usage.prompt_tokens,
+        completion_tokens=answer.usage.completion_tokens,
+        tool_calls=answer.tool_calls,
+        logprobs=answer.logprobs,
     )
 
 

@@ -89,8 +89,8 @@ from ._keys import KeyStore
 from ._openai import (
     Submission,
     ToolCallPieces,
+    answer_bytes,
     chunk_bytes,
-    completion_bytes,
     finish_reason,
     model_list,
     model_object,
@@ -697,17 +697,7 @@ class Gateway(Lifecycle):
 
     async def _complete(self, handle: RequestHandle, route: str) -> web.Response:
         result = await self._outcome(handle)
-        body = completion_bytes(
-            handle.id,
-            route,
-            int(time.time()),
-            text=result.text,
-            finish=result.finish_reason,
-            prompt_tokens=result.usage.prompt_tokens,
-            completion_tokens=result.usage.completion_tokens,
-            tool_calls=result.tool_calls,
-            logprobs=result.logprobs,
-        )
+        body = answer_bytes(handle.id, route, int(time.time()), result)
         response = web.Response(body=body, content_type=_JSON)
         response.headers["x-request-id"] = handle.id
         response.headers["x-renqueue-backend"] = result.backend
@@ -971,17 +961,7 @@ def _state(request_id: str, route: str, events: list[Event]) -> dict[str, Any]:
                 out["backend"] = event.backend
                 out["cost"] = event.cost
                 out["result"] = msgspec.json.decode(
-                    completion_bytes(
-                        request_id,
-                        route,
-                        int(event.at),
-                        text=event.text,
-                        finish=event.finish_reason,
-                        prompt_tokens=event.usage.prompt_tokens,
-                        completion_tokens=event.usage.completion_tokens,
-                        tool_calls=event.tool_calls,
-                        logprobs=event.logprobs,
-                    )
+                    answer_bytes(request_id, route, int(event.at), event)
                 )
             else:
                 error = from_terminal(event, now=time.time())
