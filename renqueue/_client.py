@@ -56,6 +56,7 @@ from .errors import (
     NatsClosedError,
     NatsError,
     NatsNoRespondersError,
+    NatsPayloadTooLargeError,
     NatsUnavailableError,
     RequestCancelledError,
     RequestExpiredError,
@@ -88,6 +89,7 @@ from .wire._messages import (
     encode,
     is_terminal,
     kind_of,
+    request_limit,
 )
 from .wire._nats import (
     AckPolicy,
@@ -855,6 +857,15 @@ class Client:
         is idempotent) for :attr:`no_stream_grace` seconds before it is taken
         to mean an unknown level.
         """
+        data = encode(request)
+        limit = request_limit(self.nc.max_payload)
+        if len(data) > limit:
+            # Refused here: over the broker's limit the server would close
+            # this connection, and every request on it would wait.
+            raise NatsPayloadTooLargeError(
+                f"request {request.id} is {len(data)} bytes, over the {limit} the broker "
+                "takes (its max_payload less the services' headroom)"
+            )
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.no_stream_grace
         delay = 0.05
@@ -862,7 +873,7 @@ class Client:
             try:
                 ack = await self.js.publish(
                     request_subject(request.priority, request.tenant),
-                    encode(request),
+                    data,
                     headers={"Nats-Msg-Id": msg_id(request.tenant, request.id)},
                 )
             except NatsNoRespondersError as exc:

@@ -1241,3 +1241,62 @@ async def test_a_tenant_cannot_submit_above_its_max_priority(
     assert caught.value.response.headers["x-should-retry"] == "false"
     assert allowed.choices[0].message.content
     assert other.choices[0].message.content
+
+
+async def test_a_body_just_under_the_brokers_limit_is_a_413_and_the_gateway_keeps_serving(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """nats-server closes a connection that sends a message over its
+    max_payload (headers counted), and the services' own messages carrying a
+    request are bigger than it: one tenant's request just under the limit
+    once cut every tenant off the queue."""
+    padding = "A" * (8 * 1024 * 1024 - 3000)  # the embedded broker's 8 MiB, less a little
+    image = f"data:image/png;base64,{padding}"
+    body = {
+        "model": "chat",
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}
+        ],
+    }
+    async for stack in start(tmp_path, mock, gateway={"max_body": 16 << 20}):
+        async with stack.http() as http:
+            answer = await http.post("/chat/completions", json=body)
+            after = await http.post(
+                "/chat/completions", json={"model": "chat", "messages": MESSAGES}
+            )
+    assert answer.status_code == 413, answer.text
+    assert after.status_code == 200, after.text
+
+
+async def test_a_retry_after_a_publish_that_never_stored_runs_under_the_same_id(
+    stack: Stack, mock: MockBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first publish failed before anything was stored; the SDK's retry
+    finds its fingerprint and publishes again under that id, rather than
+    joining a request that does not exist and waiting for ever."""
+    real = Client._publish
+    tried: list[str] = []
+
+    async def lost_once(self: Client, request: Any) -> bool:
+        tried.append(request.id)
+        if len(tried) == 1:
+            raise TimeoutError("no ack, and nothing stored")
+        return await real(self, request)
+
+    monkeypatch.setattr(Client, "_publish", lost_once)
+    done = await stack.sdk(max_retries=2, timeout=15).chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "never stored"}]
+    )
+    assert tried[0] == tried[1] == done.id
+    assert await submitted_count(stack, "acme", done.id) == 1
+
+
+async def test_a_plain_call_of_a_tenant_capped_below_the_default_level_runs_at_its_cap(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    async for stack in start(tmp_path, mock, tenants={"acme": {"max_priority": "low"}}):
+        done = await stack.sdk().chat.completions.create(model="chat", messages=MESSAGES)
+        submitted = await EventLog(stack.services.js).history("acme", done.id, kind="submitted")  # type: ignore[arg-type]
+    assert done.choices[0].message.content
+    assert isinstance(submitted[0], Submitted)
+    assert submitted[0].request.priority == "low"

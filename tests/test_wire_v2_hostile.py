@@ -27,6 +27,7 @@ from renqueue.services.worker._tokens import LOGPROBS_BUDGET, Caller, _keep_logp
 from renqueue.tools import MockBackend
 from renqueue.wire import (
     REQUEST_DECODER,
+    REQUEST_HEADROOM,
     ChatMessage,
     GenerationParams,
     InferenceRequest,
@@ -251,3 +252,25 @@ def test_the_worker_names_id_less_tool_calls_and_refuses_what_the_wire_cannot_ca
             caller._checked_calls(request, [bad], before=0)
     with pytest.raises(RetryableBackendError, match="more than 128 tool calls"):
         caller._checked_calls(request, [ToolCall(name="f")] * 2, before=127)
+
+
+async def test_the_router_rejects_a_request_too_big_for_its_own_messages(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Published around the client, a request within the headroom of the
+    broker's limit is rejected, not carried into messages nats-server would
+    refuse (closing the services' connection)."""
+    async with MockBackend(FAST) as mock:
+        config = config_of(mock.url, nats_url=isolated_server.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            size = client.nc.max_payload - REQUEST_HEADROOM // 2
+            data = raw_request("too-big", b'"' + b"x" * size + b'"')
+            await client.js.publish(
+                request_subject("normal", TENANT),
+                data[: client.nc.max_payload - 512],
+                headers={"Nats-Msg-Id": msg_id(TENANT, "too-big")},
+            )
+            with pytest.raises(RequestRejectedError, match="largest message"):
+                await client.handle("too-big").result(timeout=20)
+            after = await client.submit("still served", route="chat")
+            assert (await after.result(timeout=20)).text

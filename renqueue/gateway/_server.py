@@ -66,6 +66,7 @@ from ..errors import (
     ServiceFailedError,
     TokensExpiredError,
     UnknownPriorityError,
+    WrongLastSequenceError,
 )
 from ..logs import bound_request, get_logger
 from ..ops._connection import connect, redact_url
@@ -390,6 +391,18 @@ class Gateway(Lifecycle):
             tenant = self._tenants[name] = _Tenant(Client(self._nc, tenant=name))
         return tenant
 
+    def _default_level(self, tenant: str) -> str:
+        """The level of a call that names none: the config's default, or the
+        tenant's ``max_priority`` when that is less urgent (a plain SDK call
+        is never refused for a priority it did not ask for)."""
+        config = self._config
+        default = config.default_priority
+        settings = config.tenant(tenant)
+        most = settings.max_priority if settings is not None else None
+        if most is not None and config.priority_rank(most) > config.priority_rank(default):
+            return most
+        return default
+
     def _take_slot(self, tenant: _Tenant) -> None:
         """Count one more call of ``tenant`` in flight (give it back with
         ``tenant.in_flight -= 1; metrics.IN_FLIGHT.dec()``); 429 past
@@ -463,7 +476,7 @@ class Gateway(Lifecycle):
         return web.json_response(model_object(name, self._created))
 
     def _read_chat(
-        self, body: bytes, headers: Mapping[str, str]
+        self, body: bytes, headers: Mapping[str, str], tenant: str
     ) -> tuple[Submission, str | None, bool]:
         """The submission a chat body asks for, its idempotency key, and whether
         to keep it when its client disconnects; ApiError if it cannot be asked."""
@@ -473,7 +486,7 @@ class Gateway(Lifecycle):
             chat,
             headers,
             levels=self._config.priorities,
-            default_level=self._config.default_priority,
+            default_level=self._default_level(tenant),
             now=now,
         )
         if sub.route not in self._config.routes:
@@ -499,7 +512,7 @@ class Gateway(Lifecycle):
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         tenant_name = self._tenant_of(request)
         body = await request.read()
-        sub, key, keep = self._read_chat(body, request.headers)
+        sub, key, keep = self._read_chat(body, request.headers, tenant_name)
         tenant = self._tenant(tenant_name)
         self._take_slot(tenant)
         print_ = fingerprint(tenant_name, body)
@@ -514,7 +527,7 @@ class Gateway(Lifecycle):
             except asyncio.CancelledError:
                 # Gone while submitting: the publish may have been stored.
                 if not keep and not self._closing:
-                    self._cancel_later(tenant.client, request_id, print_)
+                    self._cancel_later(tenant.client, request_id, print_, following=False)
                 raise
             following = (tenant_name, handle.id)
             self._following[following] += 1
@@ -563,8 +576,10 @@ class Gateway(Lifecycle):
                 return client.handle(request_id)
             metadata = {**metadata, BODY_KEY: print_}
         elif retry and (joined := await self._joinable(tenant, print_)) is not None:
+            # Published again under the id the first try used: a duplicate if
+            # that one was stored (joined), stored now if its publish was lost.
             metrics.RETRIES_JOINED.labels("sdk_retry").inc()
-            return client.handle(joined)
+            request_id = joined
         if key is None:
             # Before the publish: one whose ack is lost may still be stored,
             # and the SDK's retry of it must join it, not make a second.
@@ -618,7 +633,11 @@ class Gateway(Lifecycle):
         async def delete() -> None:
             if self._state is None:
                 self._state = await self.js.key_value(STATE_BUCKET)
-            await self._state.delete(name)
+            entry = await self._state.latest(name)
+            # Only ours: another process may have shared the same body since.
+            if entry is not None and entry.value == request_id.encode():
+                with contextlib.suppress(WrongLastSequenceError):
+                    await self._state.delete(name, last=entry.revision)
 
         self._supervisor.spawn_job(f"forget-{name}", delete)
 
@@ -668,12 +687,15 @@ class Gateway(Lifecycle):
             return isinstance(event, CancelRequested) and event.reason == DISCONNECTED
         return False
 
-    def _cancel_later(self, client: Client, request_id: str, print_: str) -> None:
+    def _cancel_later(
+        self, client: Client, request_id: str, print_: str, *, following: bool = True
+    ) -> None:
         """Record a cancellation for a client that went away (a supervised job:
         the handler that asks is itself being cancelled), unless another call
         in this process still follows the request (an SDK retry that joined
         it); retries of its body no longer join it."""
-        if self._following.get((client.tenant, request_id), 0) > 1:
+        others = self._following.get((client.tenant, request_id), 0) - (1 if following else 0)
+        if others > 0:
             log.info(
                 "client disconnected; a retry still follows its request", request_id=request_id
             )

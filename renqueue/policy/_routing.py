@@ -196,7 +196,11 @@ def validate(
         )
     settings = config.tenant(tenant)
     most = settings.max_priority if settings is not None else None
-    if most is not None and config.priority_rank(level) < config.priority_rank(most):
+    if (
+        most is not None
+        and not requeue  # put back by the services at the level it was allowed
+        and config.priority_rank(level) < config.priority_rank(most)
+    ):
         raise PriorityNotAllowedError(tenant, level, most, request_id=request.id)
     _check_params(request)
     if request.route not in config.routes:

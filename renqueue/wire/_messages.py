@@ -24,6 +24,7 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_REQUEUES",
     "REQUEST_DECODER",
+    "REQUEST_HEADROOM",
     "RESERVED_EXTRA",
     "SCHEMA_VERSION",
     "TERMINAL_KINDS",
@@ -73,6 +74,7 @@ __all__ = [
     "encode",
     "is_terminal",
     "kind_of",
+    "request_limit",
     "too_deep",
     "tool_call_deltas",
 ]
@@ -252,8 +254,9 @@ class ResponseFormat(Struct, frozen=True, kw_only=True, omit_defaults=True):
 #: (``n`` choices, ``max_completion_tokens`` over the ``max_tokens`` a cost
 #: estimate and a quota reservation were made for, OpenRouter's ``models``
 #: and ``provider`` routing, ``store``, a server-side ``chat_template``,
-#: ``ignore_eos`` and ``min_tokens``, reasoning budgets, ...). A request
-#: carrying one is rejected ``malformed``, naming it.
+#: reasoning budgets, ...). Parameters that stay within ``max_tokens``
+#: (vLLM's ``min_tokens``, ``ignore_eos``, ``chat_template_kwargs``) pass.
+#: A request carrying a reserved one is rejected ``malformed``, naming it.
 RESERVED_EXTRA: Final = frozenset(
     {
         # set by the adapters, or by Ren-Queue
@@ -270,8 +273,6 @@ RESERVED_EXTRA: Final = frozenset(
         "max_completion_tokens",
         "max_new_tokens",
         "num_predict",
-        "min_tokens",
-        "ignore_eos",
         "echo",
         "models",
         "route",
@@ -280,7 +281,6 @@ RESERVED_EXTRA: Final = frozenset(
         "plugins",
         "reasoning",
         "reasoning_effort",
-        "thinking",
         "service_tier",
         "prediction",
         "modalities",
@@ -289,7 +289,6 @@ RESERVED_EXTRA: Final = frozenset(
         # kept or run by the provider on the operator's account or server
         "store",
         "chat_template",
-        "chat_template_kwargs",
         "adapter_id",
         "lora_request",
         # the deprecated function-calling fields (tools are carried)
@@ -863,6 +862,20 @@ REQUEST_DECODER: Final[Decoder[InferenceRequest]] = Decoder(InferenceRequest)
 DISPATCH_DECODER: Final[Decoder[Dispatch]] = Decoder(Dispatch)
 TOKEN_DECODER: Final[Decoder[TokenChunk]] = Decoder(TokenChunk)
 CLAIM_DECODER: Final[Decoder[TerminalClaim]] = Decoder(TerminalClaim)
+
+#: Bytes a request must stay under the broker's ``max_payload`` by: the
+#: services write it again inside messages of their own (its ``submitted``
+#: event, its dispatch, a requeue) with headers and fields around it, and a
+#: message over ``max_payload`` makes nats-server close the connection that
+#: sent it, for every request on it. Clients refuse a bigger request before
+#: publishing it; the router rejects one published anyway.
+REQUEST_HEADROOM: Final = 64 * 1024
+
+
+def request_limit(max_payload: int) -> int:
+    """The largest encoded request a broker of ``max_payload`` bytes takes."""
+    return max(1024, max_payload - REQUEST_HEADROOM)
+
 
 #: The deepest nesting of free-form JSON (``extra`` values, tool and response
 #: schemas) a request may carry; real JSON Schemas stay within a dozen.

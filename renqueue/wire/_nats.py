@@ -673,6 +673,11 @@ class Connection:
             await self._nc.close()
             raise ConnectionFailedError(str(exc) or type(exc).__name__) from exc
 
+    @property
+    def max_payload(self) -> int:
+        """The server's largest message (headers and payload), in bytes."""
+        return int(self._nc.max_payload)
+
     def jetstream(self, *, timeout: float | None = None) -> JetStream:
         """This connection's JetStream context; with ``timeout`` (seconds per
         API request; nats-py's default is 5) a context of its own."""

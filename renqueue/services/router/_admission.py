@@ -58,8 +58,13 @@ class Refused(NamedTuple):
     error: InvalidRequestError
 
 
-def admit(msg: Message, level: str, config: Config) -> InferenceRequest | Refused:
-    """Decode and validate one request fetched from ``level``'s subject."""
+def admit(
+    msg: Message, level: str, config: Config, *, max_bytes: int | None = None
+) -> InferenceRequest | Refused:
+    """Decode and validate one request fetched from ``level``'s subject; one
+    over ``max_bytes`` (:func:`~renqueue.wire.request_limit` of the broker's
+    ``max_payload``) is refused: the services' own messages carrying it
+    would be over the broker's limit."""
     tenant = subject_token(msg.subject, 3)
     header = str((msg.headers or {}).get("Nats-Msg-Id", ""))
     # The id to record a rejection under: the payload's, else the header's
@@ -67,6 +72,12 @@ def admit(msg: Message, level: str, config: Config) -> InferenceRequest | Refuse
     scope, _, rest = header.partition(":")
     header_id = rest.partition(":")[0] if scope == tenant else ""
     request_id = header_id if _is_id(header_id) else f"invalid-{msg.metadata.sequence.stream}"
+    if max_bytes is not None and len(msg.data) > max_bytes:
+        too_big = MalformedRequestError(
+            f"the request is {len(msg.data)} bytes, over the {max_bytes} the broker's "
+            "largest message leaves for it (send images by https URL, or smaller)"
+        )
+        return Refused(request_id, tenant, too_big)
     try:
         request = REQUEST_DECODER.decode(msg.data)
         request_id = request.id

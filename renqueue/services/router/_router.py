@@ -110,6 +110,7 @@ from ...wire._messages import (
     Rejected,
     SplitChanged,
     Submitted,
+    request_limit,
 )
 from ...wire._nats import Connection, JetStream, Message, PubAck, PullSubscription, Subscription
 from ...wire._subjects import (
@@ -589,7 +590,7 @@ class Router(Lifecycle):
     async def _admit(self, msg: Message, level: str, now: float) -> InferenceRequest | None:
         """Decode and validate one request; reject it (terminally) if it is bad,
         or if it is new and its tenant's hard daily budget is spent."""
-        admitted = admit(msg, level, self._config)
+        admitted = admit(msg, level, self._config, max_bytes=request_limit(self._nc.max_payload))
         if isinstance(admitted, Refused):
             await self._reject(msg, *admitted)
             return None
