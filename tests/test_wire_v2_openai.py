@@ -563,7 +563,7 @@ async def test_ollama_json_schema_is_its_format(mock: MockBackend) -> None:
             ChatMessage(
                 role="user", content=[ImagePart(image_url=ImageURL(url="data:image/png;base64,%%"))]
             ),
-            "no valid base64",
+            "not valid base64",
         ),
         (
             ChatMessage(

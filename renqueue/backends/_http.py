@@ -77,7 +77,6 @@ __all__ = [
     "arguments_object",
     "bad_request_class",
     "common_finish",
-    "data_url_base64",
     "decoded",
     "error_detail",
     "error_for",
@@ -316,24 +315,6 @@ def common_finish(reason: str, table: Mapping[str, str]) -> str:
     """A provider's finish reason as one of :data:`~.base.FINISH_REASONS`, by
     ``table``; one with no counterpart passes through in lower case."""
     return table.get(reason) or reason.lower()
-
-
-def data_url_base64(url: str) -> tuple[str, str]:
-    """The media type and base64 text of a ``data:image/...;base64,`` URL, for
-    formats that take an image's bytes (Ollama, Anthropic, Gemini) rather than
-    its URL. ``ValueError`` for anything else: an ``https`` URL (adapters do
-    not fetch URLs), another media type or encoding, or text that is not base64."""
-    head, comma, data = url.partition(",")
-    if not head.startswith("data:"):
-        raise ValueError("image is not a data: URL (this backend takes image bytes, not URLs)")
-    media_type, _, encoding = head.removeprefix("data:").partition(";")
-    if not comma or encoding != "base64" or not media_type.startswith("image/"):
-        raise ValueError("image data URL is not data:image/<type>;base64,<data>")
-    try:
-        base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError("image data URL holds no valid base64") from None
-    return media_type, data
 
 
 # ------------------------------------------------------------ stream parsers

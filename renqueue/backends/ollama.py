@@ -64,9 +64,9 @@ from ._http import (
     HTTPBackend,
     InBandError,
     LineParser,
-    data_url_base64,
     error_detail,
     given_params,
+    image_source,
     tool_arguments,
 )
 from .base import Generation
@@ -215,9 +215,15 @@ class OllamaBackend(HTTPBackend):
         images = []
         for image in message.images:
             try:
-                images.append(data_url_base64(image.url)[1])
+                source = image_source(image.url)
             except ValueError as exc:
                 raise self._untranslatable(request, f"Ollama image: {exc}") from None
+            if source.data is None:
+                raise self._untranslatable(
+                    request,
+                    "Ollama image: not a data: URL (this backend takes image bytes, not URLs)",
+                )
+            images.append(source.data)
         if images:
             out["images"] = images
         calls = []
