@@ -360,6 +360,13 @@ class ToolCallPieces:
     def __bool__(self) -> bool:
         return bool(self._calls)
 
+    def __contains__(self, index: object) -> bool:
+        return index in self._calls
+
+    def append(self, call_id: str, name: str, arguments: str) -> None:
+        """Take one whole call (formats that send calls whole), after the others."""
+        self.add(max(self._calls, default=-1) + 1, call_id, name, arguments)
+
     def add(self, index: int | None, call_id: str, name: str, arguments: str) -> None:
         """Take one piece."""
         if index is None:
@@ -445,9 +452,10 @@ class StreamParser:
         self.finish_reason: str | None = None
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
+        #: The tool calls read, whole or in pieces (bounded), and, once the
+        #: answer is read (:meth:`assemble_tools`), as whole calls.
+        self.tool_pieces = ToolCallPieces()
         self.tool_calls: list[ToolCall] = []
-        #: Characters of tool-call arguments read so far (all calls).
-        self.tool_chars = 0
         #: Log probabilities read and not yet handed over (:meth:`take_logprobs`).
         self.logprobs: list[TokenLogprob] = []
         self._logprobs_kept = 0
@@ -455,28 +463,15 @@ class StreamParser:
     def feed(self, piece: bytes) -> str:
         raise NotImplementedError
 
-    def count_tool_chars(self, arguments: str) -> None:
-        """Count ``arguments`` (a call's, or a piece of one) against
-        :data:`MAX_TOOL_ARGUMENTS`: :class:`FramingError` past it, before a
-        hostile server's stream can fill the worker's memory."""
-        self.tool_chars += len(arguments)
-        if self.tool_chars > MAX_TOOL_ARGUMENTS:
-            raise FramingError(f"tool call arguments longer than {MAX_TOOL_ARGUMENTS}")
-
     def add_tool_call(self, call_id: str, name: str, arguments: str) -> None:
-        """Keep one whole tool call; :class:`FramingError` past
-        :data:`MAX_TOOL_CALLS` calls or :data:`MAX_TOOL_ARGUMENTS` characters
-        of arguments in all, or for a call without a name."""
-        if len(self.tool_calls) >= MAX_TOOL_CALLS:
-            raise FramingError(f"more than {MAX_TOOL_CALLS} tool calls")
-        if not name:
-            raise FramingError(f"tool call {len(self.tool_calls)} has no name")
-        self.count_tool_chars(arguments)
-        self.tool_calls.append(
-            ToolCall(
-                id=call_id[:_MAX_TOOL_NAME], name=name[:_MAX_TOOL_NAME], arguments=arguments or "{}"
-            )
-        )
+        """Keep one whole tool call, within :class:`ToolCallPieces`' bounds."""
+        self.tool_pieces.append(call_id, name, arguments)
+
+    def assemble_tools(self) -> None:
+        """The answer is read: its tool calls, whole (:class:`FramingError`
+        for one without a name)."""
+        if self.tool_pieces:
+            self.tool_calls = self.tool_pieces.whole()
 
     def add_logprobs(self, logprobs: Sequence[TokenLogprob]) -> None:
         """Keep ``logprobs``, up to :data:`MAX_LOGPROBS` for the whole answer."""
@@ -510,7 +505,8 @@ class StreamParser:
         model called tools (Gemini's ``STOP``, Ollama's ``stop``): read by
         ``table`` (:func:`common_finish`), and ``tool_calls`` when it did."""
         common = common_finish(reason, table)
-        self.finish_reason = "tool_calls" if common == "stop" and self.tool_calls else common
+        called = bool(self.tool_pieces or self.tool_calls)
+        self.finish_reason = "tool_calls" if common == "stop" and called else common
 
     def counted(self, text: str) -> str:
         """``text``, counted as one delta if there is any."""
@@ -525,6 +521,7 @@ class StreamParser:
 
     def whole(self, text: str, request: InferenceRequest) -> Generation:
         """The answer this parser read from one whole body (``text`` its text)."""
+        self.assemble_tools()
         return Generation(
             text=text,
             # Not reported: the completion as the answer's characters / 4.
@@ -944,6 +941,7 @@ class HTTPBackend:
         try:
             if piece is None:
                 parser.end()
+                parser.assemble_tools()
                 return ""
             return parser.feed(piece)
         except (msgspec.DecodeError, RecursionError) as exc:  # deep JSON: RecursionError

@@ -69,8 +69,6 @@ from ..wire._messages import (
     Tool,
 )
 from ._http import (
-    MAX_TOOL_CALLS,
-    FramingError,
     HTTPBackend,
     InBandError,
     SSEParser,
@@ -319,11 +317,6 @@ class _EventParser(SSEParser):
 
     incomplete: ClassVar[str] = "stream ended before message_stop"
 
-    def __init__(self) -> None:
-        super().__init__()
-        #: Tool-use blocks under way: index -> (id, name, input pieces).
-        self._tools: dict[int, tuple[str, str, list[str]]] = {}
-
     def event(self, event: ServerSentEvent) -> str:
         data = _EVENT_DECODER.decode(event.data)
         kind = data.type or event.event
@@ -340,11 +333,13 @@ class _EventParser(SSEParser):
             return ""
         if delta.type == "text_delta" and delta.text:
             return self.counted(delta.text)
-        if delta.type == "input_json_delta" and delta.partial_json and data.index is not None:
-            tool = self._tools.get(data.index)
-            if tool is not None:
-                self.count_tool_chars(delta.partial_json)  # bounded while it streams
-                tool[2].append(delta.partial_json)
+        if (
+            delta.type == "input_json_delta"
+            and delta.partial_json
+            and data.index is not None
+            and data.index in self.tool_pieces
+        ):
+            self.tool_pieces.add(data.index, "", "", delta.partial_json)  # bounded as it streams
         return ""  # thinking, signatures, citations: not answer text
 
     def _message_start(self, data: _Event, raw: str) -> str:
@@ -357,19 +352,9 @@ class _EventParser(SSEParser):
         if block is None:
             return ""
         if block.type == "tool_use" and data.index is not None:
-            if len(self._tools) + len(self.tool_calls) >= MAX_TOOL_CALLS:
-                raise FramingError(f"more than {MAX_TOOL_CALLS} tool calls")
-            self._tools[data.index] = (block.id or "", block.name or "", [])
+            self.tool_pieces.add(data.index, block.id or "", block.name or "", "")
             return ""
         return self.counted(block.text or "") if block.type == "text" else ""
-
-    def _block_stop(self, data: _Event, raw: str) -> str:
-        tool = self._tools.pop(data.index, None) if data.index is not None else None
-        if tool is not None:
-            tool_id, name, pieces = tool
-            self.tool_chars -= sum(map(len, pieces))  # counted as they came
-            self.add_tool_call(tool_id, name, "".join(pieces))
-        return ""
 
     def _message_delta(self, data: _Event, raw: str) -> str:
         if data.delta is not None and data.delta.stop_reason is not None:
@@ -389,7 +374,6 @@ class _EventParser(SSEParser):
     _handlers: ClassVar[dict[str, Callable[[_EventParser, _Event, str], str]]] = {
         "message_start": _message_start,
         "content_block_start": _block_start,
-        "content_block_stop": _block_stop,
         "message_delta": _message_delta,
         "message_stop": _message_stop,
         "error": _error,

@@ -199,10 +199,6 @@ class _ChunkParser(SSEParser):
 
     incomplete: ClassVar[str] = "stream ended before [DONE]"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.pieces = ToolCallPieces()
-
     def event(self, event: ServerSentEvent) -> str:
         data = event.data
         if event.event == "error":
@@ -227,17 +223,12 @@ class _ChunkParser(SSEParser):
                 if delta.content:
                     text += delta.content
                 if delta.tool_calls:
-                    _add_calls(self.pieces, delta.tool_calls)
+                    _add_calls(self.tool_pieces, delta.tool_calls)
             if choice.logprobs is not None:
                 self.add_logprobs(_logprobs(choice.logprobs))
         if text:  # (self.counted, inlined: once per token on the hottest path)
             self.deltas += 1
         return text
-
-    def end(self) -> None:
-        super().end()
-        if self.pieces:
-            self.tool_calls = self.pieces.whole()
 
     def unterminated(self, event: ServerSentEvent) -> None:
         # Servers that close right after a bare [DONE], without its blank line.
@@ -353,9 +344,8 @@ class OpenAIBackend(HTTPBackend):
         if message.tool_calls:
             for position, call in enumerate(message.tool_calls):
                 function = call.function or _WireFunction()
-                parser.pieces.add(
+                parser.tool_pieces.add(
                     position, call.id or "", function.name or "", function.arguments or ""
                 )
-            parser.tool_calls = parser.pieces.whole()
         parser.add_logprobs(_logprobs(choice.logprobs))
         return parser.whole(message.content or "", request)
