@@ -19,6 +19,7 @@ import msgspec
 
 from ... import metrics
 from ...backends import Backend
+from ...backends._http import MAX_TOOL_CALLS
 from ...backends._limits import LearnedLimits, reported
 from ...config import BaseBackendConfig
 from ...errors import FailureClass, RetryableBackendError
@@ -208,8 +209,6 @@ class Caller:
         )
 
 
-#: The most tool calls one answer may make (OpenAI allows 128 tools).
-MAX_TOOL_CALLS: Final = 128
 #: Bytes of log probabilities the ``completed`` event carries at most (the
 #: token chunks carry them all): the event, and the terminal claim holding
 #: it, must stay well within the broker's largest message (1 MB by default).
