@@ -988,10 +988,12 @@ class Config(_Section, frozen=True, kw_only=True):
                 found[name] = estimator
         return found
 
-    def tenant(self, name: str) -> TenantConfig | None:
-        """``name``'s settings: its own section, else ``[tenants."*"]``, else none."""
-        found = self.tenants.get(name)
-        return found if found is not None else self.tenants.get(EVERY_TENANT)
+    def max_priority_of(self, tenant: str) -> str | None:
+        """The most urgent level ``tenant`` may submit at (its own section's
+        ``max_priority``, else ``[tenants."*"]``'s); ``None``: any."""
+        found = self.tenants.get(tenant)
+        settings = found if found is not None else self.tenants.get(EVERY_TENANT)
+        return None if settings is None else settings.max_priority
 
     def priority_rank(self, level: str) -> int:
         """0 for the most urgent level."""

@@ -397,8 +397,7 @@ class Gateway(Lifecycle):
         is never refused for a priority it did not ask for)."""
         config = self._config
         default = config.default_priority
-        settings = config.tenant(tenant)
-        most = settings.max_priority if settings is not None else None
+        most = config.max_priority_of(tenant)
         if most is not None and config.priority_rank(most) > config.priority_rank(default):
             return most
         return default

@@ -194,8 +194,7 @@ def validate(
             f"priority {request.priority!r} does not match subject level {level!r}",
             request_id=request.id,
         )
-    settings = config.tenant(tenant)
-    most = settings.max_priority if settings is not None else None
+    most = config.max_priority_of(tenant)
     if (
         most is not None
         and not requeue  # put back by the services at the level it was allowed
