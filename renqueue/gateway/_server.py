@@ -44,7 +44,7 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, Final
 
 import msgspec
@@ -402,9 +402,9 @@ class Gateway(Lifecycle):
             return most
         return default
 
-    def _take_slot(self, tenant: _Tenant) -> None:
-        """Count one more call of ``tenant`` in flight (give it back with
-        ``tenant.in_flight -= 1; metrics.IN_FLIGHT.dec()``); 429 past
+    @contextlib.contextmanager
+    def _slot(self, tenant: _Tenant) -> Iterator[None]:
+        """One more call of ``tenant`` in flight for the block; 429 past
         ``max_in_flight``. Resumed streams count too: each holds a subscription."""
         limit = self._gw.max_in_flight
         if limit and tenant.in_flight >= limit:
@@ -417,6 +417,11 @@ class Gateway(Lifecycle):
             )
         tenant.in_flight += 1
         metrics.IN_FLIGHT.inc()
+        try:
+            yield
+        finally:
+            tenant.in_flight -= 1
+            metrics.IN_FLIGHT.dec()
 
     def _remember_recent(self, tenant: str, request_id: str, route: str) -> None:
         self._recent[(tenant, request_id)] = route
@@ -513,44 +518,42 @@ class Gateway(Lifecycle):
         body = await request.read()
         sub, key, keep = self._read_chat(body, request.headers, tenant_name)
         tenant = self._tenant(tenant_name)
-        self._take_slot(tenant)
-        print_ = fingerprint(tenant_name, body)
-        following: tuple[str, str] | None = None
-        try:
-            retry = request.headers.get("x-stainless-retry-count", "0").strip() not in ("", "0")
-            request_id = id_for_key(key) if key is not None else _new_id()
+        with self._slot(tenant):
+            print_ = fingerprint(tenant_name, body)
+            following: tuple[str, str] | None = None
             try:
-                handle = await self._submit(
-                    tenant.client, sub, print_, request_id, key=key, retry=retry
-                )
-            except asyncio.CancelledError:
-                # Gone while submitting: the publish may have been stored.
-                if not keep and not self._closing:
-                    self._cancel_later(tenant.client, request_id, print_, following=False)
-                raise
-            following = (tenant_name, handle.id)
-            self._following[following] += 1
-            request[_REQUEST_ID] = handle.id
-            with bound_request(handle.id, tenant=tenant_name):
+                retry = request.headers.get("x-stainless-retry-count", "0").strip() not in ("", "0")
+                request_id = id_for_key(key) if key is not None else _new_id()
                 try:
-                    if sub.stream:
-                        return await self._stream(request, handle, sub.route, sub.include_usage)
-                    return await self._complete(handle, sub.route)
+                    handle = await self._submit(
+                        tenant.client, sub, print_, request_id, key=key, retry=retry
+                    )
                 except asyncio.CancelledError:
+                    # Gone while submitting: the publish may have been stored.
                     if not keep and not self._closing:
-                        self._cancel_later(tenant.client, handle.id, print_)
+                        self._cancel_later(tenant.client, request_id, print_, following=False)
                     raise
-                except _ClientGone as gone:
-                    if not keep and not self._closing:
-                        self._cancel_later(tenant.client, handle.id, print_)
-                    return gone.response
-        finally:
-            if following is not None:
-                self._following[following] -= 1
-                if self._following[following] <= 0:
-                    del self._following[following]
-            tenant.in_flight -= 1
-            metrics.IN_FLIGHT.dec()
+                following = (tenant_name, handle.id)
+                self._following[following] += 1
+                request[_REQUEST_ID] = handle.id
+                with bound_request(handle.id, tenant=tenant_name):
+                    try:
+                        if sub.stream:
+                            return await self._stream(request, handle, sub.route, sub.include_usage)
+                        return await self._complete(handle, sub.route)
+                    except asyncio.CancelledError:
+                        if not keep and not self._closing:
+                            self._cancel_later(tenant.client, handle.id, print_)
+                        raise
+                    except _ClientGone as gone:
+                        if not keep and not self._closing:
+                            self._cancel_later(tenant.client, handle.id, print_)
+                        return gone.response
+            finally:
+                if following is not None:
+                    self._following[following] -= 1
+                    if self._following[following] <= 0:
+                        del self._following[following]
 
     async def _submit(
         self,
@@ -777,14 +780,9 @@ class Gateway(Lifecycle):
         include_usage = request.query.get("include_usage", "").lower() in ("1", "true")
         route = await self._route_of(tenant_name, request_id)
         tenant = self._tenant(tenant_name)
-        self._take_slot(tenant)
-        try:
-            handle = tenant.client.handle(request_id)
-            with bound_request(request_id, tenant=tenant_name):
-                return await self._stream(request, handle, route, include_usage, after)
-        finally:
-            tenant.in_flight -= 1
-            metrics.IN_FLIGHT.dec()
+        handle = tenant.client.handle(request_id)
+        with self._slot(tenant), bound_request(request_id, tenant=tenant_name):
+            return await self._stream(request, handle, route, include_usage, after)
 
     async def _request_state(self, request: web.Request) -> web.Response:
         tenant_name = self._tenant_of(request)
