@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -573,7 +574,7 @@ class Client:
         self._tap_name = ""
         self._tap_inbox = ""
         self._tap_cseq = 0  # consumer sequence of the last tap delivery
-        self._tap_seen = 0.0  # loop time of the last tap message or heartbeat
+        self._tap_seen = -math.inf  # loop time of the last tap message or heartbeat; never
         self._tap_wake = asyncio.Event()  # a gap was seen: sweep the waiters
         self._tap_watch: asyncio.Task[None] | None = None
         self._tap_lock = asyncio.Lock()

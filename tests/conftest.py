@@ -11,11 +11,18 @@ Measured here (2 cores, shared with other suites): a start takes ~32 ms (median
 of 40; ~23 ms when readiness was read from the log, ~10 ms of the difference
 the /healthz probe) and a stop 2-90 ms (more with streams to flush), so
 per-test servers cost little.
+
+Every async test and fixture runs on a :class:`FreshBootLoop`: an event loop
+whose clock starts at zero, as a machine's does at boot (issue #25). Code that
+takes a loop time of 0.0 for "long ago" misbehaves in the suite on every
+machine, not only on one that booted a few minutes before the run.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -23,6 +30,27 @@ import pytest_asyncio
 
 from renqueue.ops import EmbeddedServer, connect
 from renqueue.wire import Connection, JetStream
+
+
+class FreshBootLoop(asyncio.SelectorEventLoop):
+    """An event loop whose ``time()`` starts at zero when it is made, as on a
+    machine that has just booted (asyncio's own reads ``time.monotonic()``:
+    seconds since the boot). Everything the loop schedules reads this clock,
+    so timers, timeouts and ``loop.time()`` stay consistent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._boot = time.monotonic()
+
+    def time(self) -> float:
+        return time.monotonic() - self._boot
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Every async test and fixture runs on a :class:`FreshBootLoop`."""
+    return {"fresh-boot": FreshBootLoop}
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

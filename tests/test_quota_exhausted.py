@@ -307,9 +307,9 @@ async def test_a_put_back_request_keeps_its_place_before_less_urgent_work(
         ):
             js = client.js
             log = EventLog(js)
-            # Its clock starts an hour on: it writes at its first fold, then
+            # It writes at its first fold, then
             # not for an hour (or until it stops).
-            lagging = Projector(js, flush_interval=3600.0, clock=lambda: time.monotonic() + 3600.0)
+            lagging = Projector(js, flush_interval=3600.0)
             await lagging.start()
             try:
                 normal = [await client.submit(f"normal {n}", route="paid-only") for n in range(3)]

@@ -279,9 +279,9 @@ async def test_a_new_binder_binds_only_once_its_view_has_folded_the_log(
             Client(services.nc, tenant=TENANT) as client,
         ):
             js = client.js
-            # Its clock starts an hour on: it writes at its first fold, then
+            # It writes at its first fold, then
             # not for an hour (or until it stops).
-            lagging = Projector(js, flush_interval=3600.0, clock=lambda: time.monotonic() + 3600.0)
+            lagging = Projector(js, flush_interval=3600.0)
             await lagging.start()
             try:
                 async with Services(config, backends=[], projector=False):
@@ -331,7 +331,7 @@ async def test_a_catching_up_binder_binds_at_once_to_backends_it_judges_no_quota
             Client(services.nc, tenant=TENANT) as client,
         ):
             js = client.js
-            lagging = Projector(js, flush_interval=3600.0, clock=lambda: time.monotonic() + 3600.0)
+            lagging = Projector(js, flush_interval=3600.0)
             await lagging.start()
             try:
                 async with Services(config, backends=[], projector=False):
@@ -380,7 +380,7 @@ async def test_a_catching_up_binder_reads_the_stored_projection_when_its_watch_i
             Client(services.nc, tenant=TENANT) as client,
         ):
             js = client.js
-            lagging = Projector(js, flush_interval=3600.0, clock=lambda: time.monotonic() + 3600.0)
+            lagging = Projector(js, flush_interval=3600.0)
             await lagging.start()
             try:
                 async with Services(config, backends=[], projector=False):

@@ -85,10 +85,14 @@ async def test_a_freed_slot_is_read_at_once_only_when_room_is_short() -> None:
     """A busy backend announces a freed slot per completed call; a broker read
     for each put a round trip in front of nearly every round. A freed slot is
     read at once when the counted room cannot take every held request that may
-    go there (the slot can change a decision), else at the regular refresh."""
+    go there (the slot can change a decision), else at the regular refresh.
+
+    On a clock that starts at 0, as a machine's does at boot: the first read
+    is due at once all the same (issue #25: "never read" was 0.0, "just now"
+    for the first ``refresh`` seconds after a boot)."""
     slots = CONFIG.backends["a"].limits.concurrency
     broker = CountingReads(load=1)
-    capacity = Capacity(broker, CONFIG, refresh=3600.0)  # type: ignore[arg-type]
+    capacity = Capacity(broker, CONFIG, refresh=3600.0, clock=lambda: 0.0)  # type: ignore[arg-type]
     await capacity.refresh(["a"], demand={"a": 1})  # the first read is always due
     assert (broker.reads, capacity.in_flight("a")) == (1, 1)
     capacity.freed("a")

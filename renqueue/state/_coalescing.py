@@ -66,6 +66,7 @@ import contextlib
 import datetime
 import hashlib
 import math
+import time
 import uuid
 from collections.abc import Callable
 from typing import Final
@@ -173,7 +174,9 @@ def _ttl_header(ttl: float) -> dict[str, str]:
 class Coalescer:
     """Joining groups, and giving every follower its outcome when its leader ends."""
 
-    def __init__(self, js: JetStream, *, clock: Callable[[], float], ttl: float = 0.0) -> None:
+    def __init__(
+        self, js: JetStream, *, clock: Callable[[], float] = time.time, ttl: float = 0.0
+    ) -> None:
         self._js = js
         self._log = EventLog(js)
         self._clock = clock

@@ -28,6 +28,7 @@ valid for what is left of its ttl, so the caller retries.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from typing import Final
@@ -67,7 +68,7 @@ class Lease:
         self._kv: KeyValue | None = None
         self._revision: int | None = None
         self._term: int | None = None
-        self._valid_until = 0.0
+        self._valid_until = -math.inf  # ``clock`` time; never held
         #: Set by every successful write: wakes :meth:`until_valid`.
         self._renewed = asyncio.Event()
 
@@ -165,4 +166,4 @@ class Lease:
     def _lost(self) -> None:
         self._revision = None
         self._term = None
-        self._valid_until = 0.0
+        self._valid_until = -math.inf

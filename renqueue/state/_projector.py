@@ -243,7 +243,7 @@ class Projector(Lifecycle):
         self._state = ProjectionState()
         self._revision = 0
         self._stored_seq = 0
-        self._last_write = 0.0
+        self._last_write = -math.inf  # ``clock`` time of the last checkpoint write; never
         self._psub: PullSubscription | None = None
         #: Each backend's state as last published in its view (by identity: a
         #: fold replaces a backend's state when it changes it).

@@ -23,6 +23,7 @@ a broker round trip in front of nearly every round. The worker consumer's
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 
@@ -49,8 +50,10 @@ class Capacity:
         refresh: float,
         *,
         health: Callable[[str], bool] = lambda _name: True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._js = js
+        self._clock = clock
         self._health = health
         self._config = config
         self._refresh = refresh
@@ -60,7 +63,9 @@ class Capacity:
         self._unconfirmed: dict[str, int] = dict.fromkeys(config.backends, 0)
         #: Confirmed since the last read began (that read may have missed them).
         self._confirmed: dict[str, int] = dict.fromkeys(config.backends, 0)
-        self._at: dict[str, float] = dict.fromkeys(config.backends, 0.0)
+        #: When each backend's count was last read (``clock`` time); never: -inf
+        #: (a monotonic clock starts near 0 at boot: 0.0 would be "just now").
+        self._at: dict[str, float] = dict.fromkeys(config.backends, -math.inf)
         #: Backends a worker announced a freed slot of since their last read.
         self._freed: set[str] = set()
 
@@ -116,7 +121,7 @@ class Capacity:
         its counted room is short of ``demand`` (how many held requests may
         go there; ``None``: always short)."""
         for name in backends:
-            now = time.monotonic()
+            now = self._clock()
             if not (
                 force
                 or now - self._at[name] >= self._refresh

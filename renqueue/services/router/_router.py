@@ -54,6 +54,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import math
 import os
 import socket
 import time
@@ -226,7 +227,7 @@ class Router(Lifecycle):
         self._consumer_configs: list[dict[str, Any]] = []
         #: Until when (loop time) this router stays out of the race for the
         #: lease after giving it up.
-        self._sit_out_until = 0.0
+        self._sit_out_until = -math.inf  # loop time; never sat out
         #: Terms that failed to begin in a row (reset when one begins).
         self._failed_beginnings = 0
         #: While a new term's view of the projection lags the log as it stood
