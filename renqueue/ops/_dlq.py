@@ -227,9 +227,22 @@ class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
             and (where.until is None or self.time < where.until)
         )
 
+    @property
+    def original_size(self) -> int | None:
+        """The size in bytes of the message this entry is an excerpt of (a
+        message too big to copy whole); ``None`` for a whole copy."""
+        size = self.headers.get("Rq-Original-Size", "")
+        return int(size) if size.isascii() and size.isdigit() else None
+
     def decoded(self) -> InferenceRequest | Dispatch:
         """The payload as the stage's message; :class:`DeadLetterError` if it is
-        not one (a poison message)."""
+        not one (a poison message, or an excerpt of one too big to keep)."""
+        if self.original_size is not None:
+            raise DeadLetterError(
+                f"the payload is an excerpt: the first {len(self.payload)} bytes of a "
+                f"{self.original_size}-byte message, too big to keep whole",
+                seq=self.seq,
+            )
         decoder = DISPATCH_DECODER if self.stage == "dispatch" else REQUEST_DECODER
         try:
             return decoder.decode(self.payload)

@@ -183,6 +183,7 @@ class AdvisoryReader(Lifecycle):
                     stored.data or b"",
                     reason=f"undeliverable: {reason}",
                     source_subject=stored.subject,
+                    source_seq=stored.seq,
                     tenant=about.tenant,
                     request_id=about.request_id,
                 )

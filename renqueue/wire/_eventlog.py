@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import uuid
 from typing import Final
 
@@ -81,6 +82,7 @@ from ._nats import (
     Message,
     PubAck,
     StoredMessage,
+    wire_size,
 )
 from ._subjects import (
     EVENTS_STREAM,
@@ -98,6 +100,7 @@ from ._subjects import (
 )
 
 __all__ = [
+    "DLQ_EXCERPT",
     "EventLog",
     "delete_consumer",
     "msg_id_of",
@@ -108,6 +111,12 @@ __all__ = [
 ]
 
 _MSG_ID: Final = "Nats-Msg-Id"
+
+#: Bytes of a message a dead letter keeps when a whole copy, with the
+#: services' headers, would be over the broker's ``max_payload`` (a request
+#: refused as too big, published around the client): one message too big
+#: makes nats-server close the connection that sent it.
+DLQ_EXCERPT: Final = 4096
 _EXPECTED_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
 _CLAIMS_STREAM: Final = f"KV_{TERMINAL_BUCKET}"
 #: A replay consumer left behind (its reader died) goes away this long after.
@@ -498,20 +507,33 @@ class EventLog:
         source_subject: str,
         tenant: str,
         request_id: str,
+        source_seq: int | None = None,
     ) -> None:
-        """Keep a copy of a message that cannot be processed, with why."""
-        await self._js.publish(
-            dlq_subject(stage),
-            payload,
-            timeout=self._timeout,
-            headers={
-                _MSG_ID: msg_id(tenant, request_id, "dlq", stage),
-                "Rq-Tenant": tenant,
-                "Rq-Reason": reason[:500],
-                "Rq-Source-Subject": source_subject,
-                "Rq-Request-Id": request_id,
-            },
-        )
+        """Keep a copy of a message that cannot be processed, with why.
+
+        A message whose whole copy would be over the broker's ``max_payload``
+        with these headers (only a request within a few hundred bytes of the
+        limit, refused as too big: whatever the services admit leaves
+        :data:`~renqueue.wire.REQUEST_HEADROOM`) is kept as an excerpt: its
+        first :data:`DLQ_EXCERPT` bytes, with headers ``Rq-Original-Size``
+        (bytes), ``Rq-Original-Sha256`` and, given ``source_seq``,
+        ``Rq-Original-Seq`` (its sequence in the stream it came from).
+        Whatever a message's size, its dead letter fits the broker's limit.
+        """
+        headers = {
+            _MSG_ID: msg_id(tenant, request_id, "dlq", stage),
+            "Rq-Tenant": tenant,
+            "Rq-Reason": reason[:500],
+            "Rq-Source-Subject": source_subject,
+            "Rq-Request-Id": request_id,
+        }
+        if wire_size(payload, headers) > self._js.connection.max_payload:
+            headers["Rq-Original-Size"] = str(len(payload))
+            headers["Rq-Original-Sha256"] = hashlib.sha256(payload).hexdigest()
+            if source_seq is not None:
+                headers["Rq-Original-Seq"] = str(source_seq)
+            payload = payload[:DLQ_EXCERPT]
+        await self._js.publish(dlq_subject(stage), payload, timeout=self._timeout, headers=headers)
 
     async def history(self, tenant: str, request_id: str, *, kind: str = "*") -> list[Event]:
         """All events of one request (of one ``kind``, if given), in log order,

@@ -95,6 +95,7 @@ __all__ = [
     "Subscription",
     "reply_error",
     "translate",
+    "wire_size",
 ]
 
 _T = TypeVar("_T")
@@ -190,6 +191,32 @@ _BY_TYPE: Final[tuple[tuple[tuple[type[Exception], ...], type[NatsError]], ...]]
     ((nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError), NatsNoRespondersError),
     (_UNAVAILABLE, NatsUnavailableError),
 )
+
+
+def wire_size(payload: bytes, headers: Mapping[str, str] | None = None) -> int:
+    """Bytes a message counts against the server's ``max_payload``: its payload
+    and its headers as nats-py writes them (``NATS/1.0``, ``Key: value`` lines,
+    each ended by CRLF, and a blank line). An upper bound: nats-py trims values."""
+    if not headers:
+        return len(payload)
+    lines = sum(len(key.encode()) + len(str(value).encode()) + 4 for key, value in headers.items())
+    return len(payload) + len(b"NATS/1.0\r\n") + lines + 2
+
+
+def _refuse_oversized(
+    connection: Connection, payload: bytes, headers: Mapping[str, str] | None
+) -> None:
+    """Raise :class:`NatsPayloadTooLargeError` for a message over the server's
+    ``max_payload``, headers counted. nats-py checks the payload alone; the
+    server counts both and closes the connection of a client that sends more
+    (``maximum payload exceeded``), after which nats-py does not reconnect:
+    one oversized message would cut every loop of the process off."""
+    size = wire_size(payload, headers)
+    if size > connection.max_payload:
+        raise NatsPayloadTooLargeError(
+            f"a message of {size} bytes (headers included) is over the server's "
+            f"max_payload of {connection.max_payload}"
+        )
 
 
 def translate(exc: BaseException) -> BaseException:
@@ -449,10 +476,17 @@ class KeyWatcher:
 class KeyValue:
     """One KV bucket."""
 
-    __slots__ = ("_kv",)
+    __slots__ = ("_connection", "_kv")
 
-    def __init__(self, kv: _KeyValue) -> None:
+    #: The most a KV write's headers can be (an expected revision, a TTL).
+    _HEADERS: Final = {"Nats-Expected-Last-Subject-Sequence": "1" * 20, "Nats-TTL": "1" * 20}
+
+    def __init__(self, kv: _KeyValue, connection: Connection) -> None:
         self._kv = kv
+        self._connection = connection
+
+    def _fits(self, value: bytes) -> None:
+        _refuse_oversized(self._connection, value, self._HEADERS)
 
     async def get(self, key: str) -> KeyEntry:
         """The key's entry; :class:`NatsNotFoundError` if it has none (or was deleted)."""
@@ -473,14 +507,17 @@ class KeyValue:
             raise translate(exc) from exc
 
     async def put(self, key: str, value: bytes) -> int:
+        self._fits(value)
         return await _call(self._kv.put(key, value))
 
     async def create(self, key: str, value: bytes, msg_ttl: float | None = None) -> int:
         """Write ``key`` if it has no value; :class:`WrongLastSequenceError` if it has."""
+        self._fits(value)
         return await _call(self._kv.create(key, value, msg_ttl=msg_ttl))
 
     async def update(self, key: str, value: bytes, last: int | None = None) -> int:
         """Write ``key`` if its revision is ``last``; :class:`WrongLastSequenceError` if not."""
+        self._fits(value)
         return await _call(self._kv.update(key, value, last=last))
 
     async def delete(self, key: str, last: int | None = None) -> bool:
@@ -519,6 +556,10 @@ class JetStream:
         msg_ttl: float | None = None,
     ) -> PubAck:
         """Publish and wait for the stream's ack."""
+        extra = {"Nats-Expected-Stream": stream} if stream else {}
+        if msg_ttl is not None:
+            extra["Nats-TTL"] = str(int(msg_ttl))
+        _refuse_oversized(self.connection, payload, {**(headers or {}), **extra})
         return await _call(
             self._js.publish(
                 subject, payload, timeout=timeout, stream=stream, headers=headers, msg_ttl=msg_ttl
@@ -541,6 +582,7 @@ class JetStream:
         # nats-py bounds the wait for a slot with ``asyncio.wait_for``: a task
         # and a timer per publish, even when a slot is free. Bounded only when
         # it may have to wait (the semaphore is nats-py's, pinned 2.16).
+        _refuse_oversized(self.connection, payload, headers)
         slots = getattr(self._js, "_publish_async_pending_semaphore", None)
         stall = PUBLISH_STALL_WAIT if slots is None or slots.locked() else None
         try:
@@ -633,7 +675,7 @@ class JetStream:
 
     async def key_value(self, bucket: str) -> KeyValue:
         """The bucket ``bucket``; :class:`NatsNotFoundError` if it does not exist."""
-        return KeyValue(await _call(self._js.key_value(bucket)))
+        return KeyValue(await _call(self._js.key_value(bucket)), self.connection)
 
     @property
     def api_prefix(self) -> str:
@@ -694,6 +736,9 @@ class Connection:
         reply: str = "",
         headers: dict[str, str] | None = None,
     ) -> None:
+        """Publish (core NATS: no ack). :class:`NatsPayloadTooLargeError` for a
+        message over the server's ``max_payload``, headers counted."""
+        _refuse_oversized(self, payload, headers)
         await _call(self._nc.publish(subject, payload, reply=reply, headers=headers))
 
     async def subscribe(self, subject: str, cb: Handler, queue: str = "") -> Subscription:
@@ -713,6 +758,7 @@ class Connection:
     ) -> Message:
         """Publish and wait for one reply; :class:`NatsUnavailableError` (no responders)
         or :class:`NatsTimeoutError` when none comes."""
+        _refuse_oversized(self, payload, headers)
         return Message(
             await _call(self._nc.request(subject, payload, timeout=timeout, headers=headers))
         )

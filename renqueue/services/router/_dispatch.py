@@ -354,6 +354,7 @@ class Dispatcher:
                 item.msg.data,
                 reason=f"undeliverable: {exc}",
                 source_subject=item.msg.subject,
+                source_seq=item.msg.metadata.sequence.stream,
                 tenant=request.tenant,
                 request_id=request.id,
             )

@@ -775,6 +775,7 @@ class Router(Lifecycle):
                 msg.data,
                 reason=f"{code}: {error}",
                 source_subject=msg.subject,
+                source_seq=msg.metadata.sequence.stream,
                 tenant=tenant,
                 request_id=request_id,
             )

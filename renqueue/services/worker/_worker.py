@@ -404,6 +404,7 @@ class Worker(Lifecycle):
             msg.data,
             reason=f"malformed: {reason}",
             source_subject=msg.subject,
+            source_seq=msg.metadata.sequence.stream,
             tenant="unknown",
             request_id=f"dispatch-{seq}",
         )
@@ -938,6 +939,7 @@ class Worker(Lifecycle):
             msg.data,
             reason=f"{error_type}: {reason}",
             source_subject=msg.subject,
+            source_seq=msg.metadata.sequence.stream,
             tenant=request.tenant,
             request_id=request.id,
         )

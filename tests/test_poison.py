@@ -1,0 +1,195 @@
+"""No input can stop the system (issue #29).
+
+One request published with nats-py whose payload was just under the broker's
+``max_payload`` was rejected by the router; its dead-letter copy, with the
+headers the router adds, was over the limit, nats-server closed the services'
+connection, nats-py did not reconnect, and ``renqueue up`` exited 50 s later,
+and again after every restart on the same store (the message was never
+acked). Here: requests of every size around the limits, through the router,
+the worker and the dead-letter stream, each ended once, with the services
+serving a good request after each, and again after a restart on the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from test_fallback import FAST
+from test_restarts import TENANT
+from test_wire_v2_hostile import config_of, raw_request
+
+from renqueue import Client, RequestFailedError, RequestRejectedError, Services
+from renqueue.errors import NatsPayloadTooLargeError
+from renqueue.ops import EmbeddedServer, connect, provision
+from renqueue.ops._dlq import DeadLetter, DeadLetterError, DeadLetterFilter, DeadLetters
+from renqueue.tools import MockBackend
+from renqueue.wire import (
+    REQUEST_HEADROOM,
+    Connection,
+    JetStream,
+    is_terminal,
+    kind_of,
+    msg_id,
+    request_subject,
+)
+from renqueue.wire._eventlog import DLQ_EXCERPT
+from renqueue.wire._messages import request_limit
+from renqueue.wire._nats import wire_size
+
+#: The bytes the hostile request's ``Nats-Msg-Id`` header takes.
+HEADER = wire_size(b"", {"Nats-Msg-Id": msg_id(TENANT, "too-big")})
+
+
+def hostile(request_id: str, size: int) -> bytes:
+    """A request payload of exactly ``size`` bytes (a long user message)."""
+    empty = raw_request(request_id, b'""')
+    return raw_request(request_id, b'"' + b"x" * (size - len(empty)) + b'"')
+
+
+async def publish_around_the_client(nc: Connection, request_id: str, total: int) -> bytes:
+    """Publish a request whose payload and ``Nats-Msg-Id`` header take ``total``
+    bytes of the broker's ``max_payload``, as a hostile client with nats-py can."""
+    headers = {"Nats-Msg-Id": msg_id(TENANT, request_id)}
+    data = hostile(request_id, total - wire_size(b"", headers))
+    assert wire_size(data, headers) == total
+    await nc.jetstream().publish(request_subject("normal", TENANT), data, headers=headers)
+    return data
+
+
+async def dead_letters(js: JetStream) -> list[DeadLetter]:
+    return (await DeadLetters(js).find(DeadLetterFilter())).entries
+
+
+async def terminals(client: Client, request_id: str) -> list[str]:
+    return [kind_of(e) for e in await client.handle(request_id).events() if is_terminal(e)]
+
+
+@pytest.mark.parametrize(
+    "room",
+    [
+        pytest.param(0, id="max_payload exactly"),
+        pytest.param(1, id="max_payload minus 1"),
+        pytest.param(300, id="room for a whole dead letter"),
+        pytest.param(REQUEST_HEADROOM - 1 - HEADER, id="request_limit plus 1"),
+    ],
+)
+async def test_a_request_too_big_to_admit_is_rejected_and_its_dead_letter_fits(
+    isolated_server: EmbeddedServer, room: int
+) -> None:
+    """Refused as too big, whatever its size up to the broker's own limit: one
+    ``rejected`` event, a dead letter that fits (a whole copy when it does, an
+    excerpt with the original's size, digest and sequence when it does not),
+    and the services serve on over the same connection."""
+    async with MockBackend(FAST) as mock:
+        config = config_of(mock.url, nats_url=isolated_server.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            nc = services.nc
+            assert nc is not None
+            limit = nc.max_payload
+            total = limit - room
+            data = await publish_around_the_client(client.nc, "too-big", total)
+            with pytest.raises(RequestRejectedError, match="largest message"):
+                await client.handle("too-big").result(timeout=20)
+            assert await terminals(client, "too-big") == ["rejected"]
+
+            dlq = DeadLetters(client.js)
+            [entry] = await dead_letters(client.js)
+            assert entry.request_id == "too-big"
+            assert wire_size(entry.payload, entry.headers) <= limit
+            stored_seq = int(entry.headers.get("Rq-Original-Seq", "0"))
+            whole = wire_size(data, entry.headers) <= limit
+            if whole:
+                assert entry.payload == data
+                assert entry.original_size is None
+            else:
+                assert entry.payload == data[:DLQ_EXCERPT]
+                assert entry.original_size == len(data)
+                assert entry.headers["Rq-Original-Sha256"] == hashlib.sha256(data).hexdigest()
+                assert stored_seq >= 1
+                with pytest.raises(DeadLetterError, match="excerpt"):
+                    await dlq.requeue(entry)
+
+            after = await client.submit("still served", route="chat")
+            assert (await after.result(timeout=20)).text
+            assert nc.is_connected
+            assert services.supervisor.reason is None
+
+
+async def test_a_request_at_the_limit_the_services_admit_runs_and_its_dead_letter_is_whole(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The largest request admitted (``request_limit``) goes through the router
+    and the worker; the mock refuses a body that large (aiohttp's 1 MB), the
+    worker fails it for good, and its dispatch's dead letter is the whole
+    dispatch: a request the services admit always leaves room for their own."""
+    async with MockBackend(FAST) as mock:
+        config = config_of(mock.url, nats_url=isolated_server.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            size = request_limit(client.nc.max_payload)
+            data = hostile("largest", size)
+            await client.js.publish(
+                request_subject("normal", TENANT),
+                data,
+                headers={"Nats-Msg-Id": msg_id(TENANT, "largest")},
+            )
+            with pytest.raises(RequestFailedError):
+                await client.handle("largest").result(timeout=30)
+            assert await terminals(client, "largest") == ["failed"]
+            [entry] = await dead_letters(client.js)
+            assert entry.stage == "dispatch"
+            assert entry.original_size is None
+            assert entry.request().id == "largest"
+            after = await client.submit("still served", route="chat")
+            assert (await after.result(timeout=20)).text
+
+
+async def test_a_message_over_max_payload_with_its_headers_is_refused_before_it_is_sent(
+    isolated_nc: Connection,
+) -> None:
+    """nats-py checks the payload alone; the server counts the headers too and
+    closes the connection that sends more. Ours refuses it first, typed, and
+    the connection stays open."""
+    limit = isolated_nc.max_payload
+    js = isolated_nc.jetstream()
+    headers = {"Nats-Msg-Id": "t:x"}
+    payload = b"x" * (limit - wire_size(b"", headers) + 1)
+    with pytest.raises(NatsPayloadTooLargeError, match="headers included"):
+        await isolated_nc.publish("anything", payload, headers=headers)
+    with pytest.raises(NatsPayloadTooLargeError):
+        await js.publish("anything", payload, headers=headers)
+    with pytest.raises(NatsPayloadTooLargeError):
+        await js.publish_async("anything", payload, headers=headers)
+    with pytest.raises(NatsPayloadTooLargeError):
+        await isolated_nc.request("anything", payload, headers=headers)
+    await isolated_nc.flush()
+    assert isolated_nc.is_connected
+
+
+async def test_services_restarted_on_a_store_holding_a_hostile_request_come_up_and_serve(
+    tmp_path: Path,
+) -> None:
+    """The hostile request of the issue, stored while no service runs: the
+    services started on that store end it and serve, then start again on the
+    same store and serve."""
+    store = tmp_path / "nats"
+    async with MockBackend(FAST) as mock, EmbeddedServer(store, port=-1) as server:
+        nc = await connect(server.url, name="hostile")
+        try:
+            config = config_of(mock.url, nats_url=server.url)
+            await provision(nc, config)
+            await publish_around_the_client(nc, "poison", nc.max_payload)
+        finally:
+            await nc.close()
+        for run in ("first", "second"):
+            async with (
+                Services(config) as services,
+                Client(services.nc, tenant=TENANT) as client,
+            ):
+                with pytest.raises(RequestRejectedError):
+                    await client.handle("poison").result(timeout=20)
+                assert await terminals(client, "poison") == ["rejected"]
+                good = await client.submit(f"served on the {run} start", route="chat")
+                assert (await good.result(timeout=20)).text
+                assert services.supervisor.reason is None
