@@ -202,6 +202,10 @@ class NatsConfig(_Section, frozen=True, kw_only=True):
     #: electing its leaders, nodes still joining) before it exits with an
     #: error; each start-up step waits this long at most. ``"0s"``: forever.
     startup_wait: Duration = "0s"
+    #: How long a running service stays up while it cannot reach any NATS
+    #: server (nats-py reconnecting, or a new connection failing) before it
+    #: exits, saying why, for its process supervisor to restart it. ``"0s"``: forever.
+    patience: Duration = "5m"
 
 
 class LimitsConfig(_Section, frozen=True, kw_only=True):

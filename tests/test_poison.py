@@ -16,6 +16,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from test_binder import until
 from test_fallback import FAST
 from test_restarts import TENANT
 from test_wire_v2_hostile import config_of, raw_request
@@ -193,3 +194,35 @@ async def test_services_restarted_on_a_store_holding_a_hostile_request_come_up_a
                 good = await client.submit(f"served on the {run} start", route="chat")
                 assert (await good.result(timeout=20)).text
                 assert services.supervisor.reason is None
+
+
+async def test_services_carry_on_when_the_server_closes_their_connection(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """nats-server closes a connection after a protocol error (here: a subject
+    past its 4 KB control line) and nats-py does not reconnect after that. The
+    services start again on a new connection, and serve."""
+    async with MockBackend(FAST) as mock:
+        config = config_of(mock.url, nats_url=isolated_server.url)
+        client_nc = await connect(isolated_server.url, name="client")
+        try:
+            async with Services(config) as services, Client(client_nc, tenant=TENANT) as client:
+                before = await client.submit("before", route="chat")
+                assert (await before.result(timeout=20)).text
+                closed = services.nc
+                assert closed is not None
+                await closed.publish("x" * 5000)  # -ERR 'Maximum Control Line Exceeded'
+
+                async def restarted() -> bool:
+                    return services.reconnects == 1
+
+                await until(restarted, "the services run on a new connection")
+                assert closed.is_closed
+                assert services.nc is not closed
+                assert services.nc is not None
+                assert services.nc.is_connected
+                after = await client.submit("after", route="chat")
+                assert (await after.result(timeout=20)).text
+                assert services.supervisor.reason is None
+        finally:
+            await client_nc.close()

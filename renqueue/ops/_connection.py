@@ -105,7 +105,14 @@ async def connect(
         bound.info("nats reconnected")
 
     async def on_closed() -> None:
-        bound.info("nats connection closed")
+        if client.closed_by_server():
+            error = client.last_error
+            bound.error(
+                "nats closed the connection; it will not reconnect by itself",
+                error=_describe(error) if error is not None else None,
+            )
+        else:
+            bound.info("nats connection closed")
 
     options: dict[str, Any] = {
         "servers": [one.strip() for one in url.split(",") if one.strip()],

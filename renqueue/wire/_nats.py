@@ -702,6 +702,12 @@ class Connection:
         """Wrap nats-py's ``nc``, or (without one) a client still to be :meth:`open`ed."""
         self._nc = nc if nc is not None else _Client()
         self._js: JetStream | None = None
+        #: Set when the connection ends without :meth:`close` or :meth:`drain`:
+        #: the server closed it (nats-py does not reconnect after a protocol
+        #: error such as ``maximum payload exceeded``). Call :meth:`closed_by_server`
+        #: from nats-py's ``closed_cb`` (see :func:`renqueue.ops.connect`).
+        self.lost = asyncio.Event()
+        self._closing = False
 
     async def open(self, timeout: float, **options: Any) -> None:  # noqa: ASYNC109
         """Connect with nats-py's ``options``, the first connect bounded by
@@ -712,6 +718,7 @@ class Connection:
             async with asyncio.timeout(timeout):
                 await self._nc.connect(**options)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
+            self._closing = True
             await self._nc.close()
             raise ConnectionFailedError(str(exc) or type(exc).__name__) from exc
 
@@ -770,10 +777,20 @@ class Connection:
         await _call(self._nc.flush(timeout))
 
     async def drain(self) -> None:
+        self._closing = True
         await _call(self._nc.drain())
 
     async def close(self) -> None:
+        self._closing = True
         await _call(self._nc.close())
+
+    def closed_by_server(self) -> bool:
+        """Called when nats-py reports the connection closed: sets :attr:`lost`
+        (and returns True) unless this side closed it."""
+        if self._closing:
+            return False
+        self.lost.set()
+        return True
 
     @property
     def is_closed(self) -> bool:
