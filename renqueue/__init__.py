@@ -33,6 +33,7 @@ from .errors import (
     TokensExpiredError,
     UnknownPriorityError,
     UnknownRouteError,
+    UnprocessableRequestError,
     UnsupportedFeatureError,
 )
 from .wire._messages import (
@@ -110,6 +111,7 @@ __all__ = [
     "TopLogprob",
     "UnknownPriorityError",
     "UnknownRouteError",
+    "UnprocessableRequestError",
     "UnsupportedFeatureError",
     "Usage",
     "load_config",

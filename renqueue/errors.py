@@ -24,7 +24,8 @@ The tree, by what a caller can do about it::
     │   ├── NoCapableBackendError   no backend of the route has the tier asked for
     │   ├── OverCostCapError        every backend of the route would cost more than max_cost
     │   ├── BudgetExhaustedError    the tenant's hard daily budget is spent (until 00:00 UTC)
-    │   └── UnknownPriorityError    no such priority level
+    │   ├── UnknownPriorityError    no such priority level
+    │   └── UnprocessableRequestError  the services failed on it again and again: ended
     ├── BackendError                a backend call failed; carries backend, request_id,
     │   │                           and its class (``failure``, a FailureClass)
     │   ├── RateLimitedError        429 / quota; carries retry_after seconds, quota_exhausted
@@ -82,6 +83,7 @@ __all__ = [
     "TokensExpiredError",
     "UnknownPriorityError",
     "UnknownRouteError",
+    "UnprocessableRequestError",
     "UnsupportedFeatureError",
     "WrongLastSequenceError",
 ]
@@ -261,6 +263,14 @@ class NoCapableBackendError(InvalidRequestError):
             f"(the highest tier there is {best})",
             request_id=request_id,
         )
+
+
+class UnprocessableRequestError(InvalidRequestError):
+    """Handling the request failed again and again for a reason other than
+    the broker (a bug it triggers): it is ended (rejected, with a dead letter)
+    instead of stopping the loop that reads its level on every delivery."""
+
+    code = "unprocessable"
 
 
 class UnsupportedFeatureError(InvalidRequestError):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_binder import until
@@ -25,10 +26,12 @@ from renqueue import Client, RequestFailedError, RequestRejectedError, Services
 from renqueue.errors import NatsPayloadTooLargeError
 from renqueue.ops import EmbeddedServer, connect, provision
 from renqueue.ops._dlq import DeadLetter, DeadLetterError, DeadLetterFilter, DeadLetters
+from renqueue.services.router._router import Router
 from renqueue.tools import MockBackend
 from renqueue.wire import (
     REQUEST_HEADROOM,
     Connection,
+    InferenceRequest,
     JetStream,
     is_terminal,
     kind_of,
@@ -226,3 +229,39 @@ async def test_services_carry_on_when_the_server_closes_their_connection(
                 assert services.supervisor.reason is None
         finally:
             await client_nc.close()
+
+
+async def test_a_request_the_router_fails_on_every_time_is_ended_and_its_level_serves_on(
+    isolated_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that triggers a bug in the router (here: its tier estimate
+    raises for it, standing in for any bug we do not know of yet) used to end
+    its level's fetch loop on every delivery, until the supervisor gave up and
+    the process exited, and again after every restart. Now it is delivered
+    again twice, then rejected as ``unprocessable`` with a dead letter, and
+    the level serves on."""
+    estimated = Router._estimated
+
+    def buggy(self: Router, request: InferenceRequest) -> Any:
+        if request.id.startswith("bug"):
+            raise RuntimeError("a bug this request triggers")
+        return estimated(self, request)
+
+    monkeypatch.setattr(Router, "_estimated", buggy)
+    async with MockBackend(FAST) as mock:
+        config = config_of(mock.url, nats_url=isolated_server.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            bug = await client.submit("trips the router", route="chat", request_id="bug-1")
+            good = await client.submit("beside it", route="chat")
+            assert (await good.result(timeout=20)).text
+            with pytest.raises(RequestRejectedError, match=r"failed on it 3 times") as caught:
+                await bug.result(timeout=30)
+            assert caught.value.error_type == "unprocessable"
+            assert await terminals(client, "bug-1") == ["rejected"]
+            [entry] = await dead_letters(client.js)
+            assert entry.request_id == "bug-1"
+            assert entry.error_type == "unprocessable"
+            assert entry.request().id == "bug-1"  # a whole copy: requeue it once fixed
+            after = await client.submit("after it", route="chat")
+            assert (await after.result(timeout=20)).text
+            assert services.supervisor.reason is None

@@ -42,6 +42,7 @@ __all__ = [
     "arrival",
     "parent_of",
     "pause_of",
+    "rejection_id",
     "subject_token",
 ]
 
@@ -65,13 +66,8 @@ def admit(
     over ``max_bytes`` (:func:`~renqueue.wire.request_limit` of the broker's
     ``max_payload``) is refused: the services' own messages carrying it
     would be over the broker's limit."""
-    tenant = subject_token(msg.subject, 3)
+    request_id, tenant = rejection_id(msg)
     header = str((msg.headers or {}).get("Nats-Msg-Id", ""))
-    # The id to record a rejection under: the payload's, else the header's
-    # (``<tenant>:<id>``), always in the subject's tenant.
-    scope, _, rest = header.partition(":")
-    header_id = rest.partition(":")[0] if scope == tenant else ""
-    request_id = header_id if _is_id(header_id) else f"invalid-{msg.metadata.sequence.stream}"
     if max_bytes is not None and len(msg.data) > max_bytes:
         too_big = MalformedRequestError(
             f"the request is {len(msg.data)} bytes, over the {max_bytes} the broker's "
@@ -93,6 +89,19 @@ def admit(
         error = exc if isinstance(exc, InvalidRequestError) else MalformedRequestError(str(exc))
         return Refused(request_id, tenant, error)
     return request
+
+
+def rejection_id(msg: Message) -> tuple[str, str]:
+    """``(request id, tenant)`` to record a rejection of ``msg`` under before
+    its payload is read: the tenant is the subject's, the id the
+    ``Nats-Msg-Id`` header's (``<tenant>:<id>``), else ``invalid-<stream seq>``.
+    A payload that decodes names the id instead (see :func:`admit`)."""
+    tenant = subject_token(msg.subject, 3)
+    header = str((msg.headers or {}).get("Nats-Msg-Id", ""))
+    scope, _, rest = header.partition(":")
+    header_id = rest.partition(":")[0] if scope == tenant else ""
+    request_id = header_id if _is_id(header_id) else f"invalid-{msg.metadata.sequence.stream}"
+    return request_id, tenant
 
 
 class Pause(NamedTuple):

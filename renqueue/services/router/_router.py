@@ -69,7 +69,12 @@ from ... import metrics
 from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor, cancel_and_wait
 from ...config import Config, parse_duration
-from ...errors import BudgetExhaustedError, RenQueueError
+from ...errors import (
+    BudgetExhaustedError,
+    NatsUnavailableError,
+    RenQueueError,
+    UnprocessableRequestError,
+)
 from ...logs import get_logger
 from ...ops._provision import renew_router_consumers, router_consumer_configs
 from ...policy import (
@@ -99,6 +104,7 @@ from ...state._lease import Lease
 from ...state._view import LiveState, StateView
 from ...wire._eventlog import EventLog
 from ...wire._messages import (
+    REQUEST_DECODER,
     Cancelled,
     CancelRequested,
     CircuitChanged,
@@ -127,7 +133,7 @@ from ...wire._subjects import (
     router_consumer,
     subject_matches,
 )
-from ._admission import Refused, admit, arrival, parent_of, subject_token
+from ._admission import Refused, admit, arrival, parent_of, rejection_id, subject_token
 from ._capacity import Capacity
 from ._circuits import Circuits, change_event
 from ._dispatch import ACKS_TIMEOUT, Dispatcher
@@ -136,7 +142,11 @@ from ._ledger import Ledger
 from ._preemption import ask_preemption
 from ._splits import Splitter
 
-__all__ = ["Router"]
+__all__ = ["UNTAKEABLE_AFTER", "Router"]
+
+#: Deliveries of a request whose taking fails (not for the broker's sake)
+#: before it is rejected as ``unprocessable``.
+UNTAKEABLE_AFTER: Final = 3
 
 log = get_logger("router")
 
@@ -518,7 +528,12 @@ class Router(Lifecycle):
             pending = deque(msgs)
             try:
                 while pending:
-                    await self._take(pending[0], level, rank, now)
+                    try:
+                        await self._take(pending[0], level, rank, now)
+                    except NatsUnavailableError:
+                        raise  # the broker's fault, not the request's: the loop restarts
+                    except Exception as exc:  # noqa: BLE001 - one request must never stop a level
+                        await self._untakeable(pending[0], exc)
                     pending.popleft()
             except BaseException:
                 # Failed or stopped mid-batch: what was not taken goes back now,
@@ -529,6 +544,41 @@ class Router(Lifecycle):
                 raise
             finally:
                 self._wake.set()
+
+    async def _untakeable(self, msg: Message, exc: Exception) -> None:
+        """Taking ``msg`` failed for a reason other than the broker (a bug the
+        request triggers): it is delivered again after a pause, and on its
+        :data:`UNTAKEABLE_AFTER`-th delivery ended, rejected as
+        ``unprocessable`` with a dead letter, so it can never stop its level's
+        loop, the process, or the process after a restart."""
+        delivered = int(msg.metadata.num_delivered)
+        request_id, tenant = rejection_id(msg)
+        with contextlib.suppress(msgspec.DecodeError):
+            request_id = REQUEST_DECODER.decode(msg.data).id
+        if delivered < UNTAKEABLE_AFTER:
+            log.exception(
+                "could not take a request; it will be delivered again",
+                request_id=request_id,
+                tenant=tenant,
+                delivered=delivered,
+                error=repr(exc),
+            )
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=float(delivered))
+            return
+        log.exception(
+            "could not take a request on any of its deliveries; rejecting it",
+            request_id=request_id,
+            tenant=tenant,
+            delivered=delivered,
+            error=repr(exc),
+        )
+        error = UnprocessableRequestError(
+            f"the router failed on it {delivered} times ({type(exc).__name__}); "
+            "ended so that it stops no one else's request",
+            request_id=request_id,
+        )
+        await self._reject(msg, request_id, tenant, error)
 
     async def _take(self, msg: Message, level: str, rank: int, now: float) -> None:
         """Admit one fetched request: log it, settle it, or hold it for dispatch."""
