@@ -12,6 +12,7 @@ serving a good request after each, and again after a restart on the store.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 from test_binder import until
 from test_fallback import FAST
 from test_restarts import TENANT
-from test_wire_v2_hostile import config_of, raw_request
+from test_wire_v2_hostile import config_of, nested, raw_request
 
 from renqueue import Client, RequestFailedError, RequestRejectedError, Services
 from renqueue.errors import NatsPayloadTooLargeError
@@ -31,8 +32,11 @@ from renqueue.tools import MockBackend
 from renqueue.wire import (
     REQUEST_HEADROOM,
     Connection,
+    EventLog,
     InferenceRequest,
     JetStream,
+    Started,
+    dispatch_subject,
     is_terminal,
     kind_of,
     msg_id,
@@ -171,32 +175,56 @@ async def test_a_message_over_max_payload_with_its_headers_is_refused_before_it_
     assert isolated_nc.is_connected
 
 
-async def test_services_restarted_on_a_store_holding_a_hostile_request_come_up_and_serve(
+async def publish_every_past_crasher(nc: Connection) -> None:
+    """One of each message that has ever stopped a loop of the services."""
+    js = nc.jetstream()
+    # Issue #29: a request at the broker's own limit (its dead letter was over it).
+    await publish_around_the_client(nc, "poison", nc.max_payload)
+    # Issue #11 review: JSON nested past the decoder's recursion limit (it
+    # ended a level's fetch loop, for every tenant).
+    await js.publish(
+        request_subject("normal", TENANT),
+        raw_request("deep", nested(5000)),
+        headers={"Nats-Msg-Id": msg_id(TENANT, "deep")},
+    )
+    # Projection views: a backend name that cannot be a KV key (the fold loop
+    # failed after every checkpoint until the process died).
+    forged = Started(request_id="forged", tenant=TENANT, at=1.0, backend="", attempt=1,
+                     delivery=1, worker="w")  # fmt: skip
+    await EventLog(js).append(forged)
+    # A dispatch that is not one (the worker's poison path).
+    await js.publish(dispatch_subject("b"), b"\xff not a dispatch")
+
+
+async def test_services_restarted_on_a_store_holding_every_past_crasher_come_up_and_serve(
     tmp_path: Path,
 ) -> None:
-    """The hostile request of the issue, stored while no service runs: the
-    services started on that store end it and serve, then start again on the
-    same store and serve."""
+    """Every message that ever stopped a loop, stored while no service runs:
+    the services started on that store end each, and serve; started again on
+    the same store, they serve again."""
     store = tmp_path / "nats"
     async with MockBackend(FAST) as mock, EmbeddedServer(store, port=-1) as server:
+        config = config_of(mock.url, nats_url=server.url)
         nc = await connect(server.url, name="hostile")
         try:
-            config = config_of(mock.url, nats_url=server.url)
             await provision(nc, config)
-            await publish_around_the_client(nc, "poison", nc.max_payload)
+            await publish_every_past_crasher(nc)
         finally:
             await nc.close()
         for run in ("first", "second"):
-            async with (
-                Services(config) as services,
-                Client(services.nc, tenant=TENANT) as client,
-            ):
-                with pytest.raises(RequestRejectedError):
-                    await client.handle("poison").result(timeout=20)
-                assert await terminals(client, "poison") == ["rejected"]
+            async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+                for rejected in ("poison", "deep"):
+                    with pytest.raises(RequestRejectedError):
+                        await client.handle(rejected).result(timeout=20)
+                    assert await terminals(client, rejected) == ["rejected"]
                 good = await client.submit(f"served on the {run} start", route="chat")
                 assert (await good.result(timeout=20)).text
+                assert services.projector is not None
+                async with asyncio.timeout(20):
+                    await services.projector.sync()
                 assert services.supervisor.reason is None
+                stages = sorted(e.stage for e in await dead_letters(client.js))
+                assert stages == ["dispatch", "requests", "requests"]
 
 
 async def test_services_carry_on_when_the_server_closes_their_connection(
