@@ -21,6 +21,7 @@ machine, not only on one that booted a few minutes before the run.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -30,6 +31,16 @@ import pytest_asyncio
 
 from renqueue.ops import EmbeddedServer, connect
 from renqueue.wire import Connection, JetStream
+
+
+# A suite started in the background of a script (``make test &``, nohup, some
+# CI runners) inherits SIGINT ignored, and so would every process a test
+# starts: a `renqueue` child sent SIGINT (Ctrl-C) by a test would then never
+# stop, and the test time out (issue #25: 4 tests failed so, every run, only
+# when the suite ran in the background). An ignored SIGINT is inherited across
+# exec, a handler is not: restore Python's own.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class FreshBootLoop(asyncio.SelectorEventLoop):
