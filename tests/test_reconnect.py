@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from renqueue import Client, Services, parse_config
+from renqueue.errors import NatsTimeoutError, NatsUnavailableError
+from renqueue.logs import EVENT_ATTRIBUTE
 from renqueue.ops import EmbeddedServer
+from renqueue.services.worker._tokens import settle
 from renqueue.tools import MockBackend, MockSettings
+from renqueue.wire import Connection, is_terminal, kind_of
 
 
 async def test_services_reconnect_after_the_server_restarts(tmp_path: Path) -> None:
@@ -48,3 +58,148 @@ async def test_services_reconnect_after_the_server_restarts(tmp_path: Path) -> N
             await server.stop()
     assert before.backend == after.backend == "b"
     assert msgspec.structs.asdict(after.usage)["completion_tokens"] == 4
+
+
+class LogWatch(logging.Handler):
+    """Records ``renqueue`` log lines and lets a test wait for one: the event
+    that matters, not a sleep."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self._changed = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self._changed.set()
+
+    async def wait_for(self, message: str) -> logging.LogRecord:
+        while True:
+            found = [r for r in self.records if r.getMessage().startswith(message)]
+            if found:
+                return found[0]
+            self._changed.clear()
+            await self._changed.wait()
+
+
+@pytest.fixture
+def log_watch() -> Iterator[LogWatch]:
+    watch = LogWatch()
+    logger = logging.getLogger("renqueue")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(watch)
+    try:
+        yield watch
+    finally:
+        logger.removeHandler(watch)
+        logger.setLevel(level)
+
+
+def kill_9(server: EmbeddedServer) -> None:
+    """``kill -9`` the server: no goodbye to its clients, nothing flushed."""
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGKILL)
+
+
+async def test_a_run_whose_broker_is_killed_mid_stream_is_handed_back_at_once(
+    tmp_path: Path, log_watch: LogWatch
+) -> None:
+    """Issue #29: a request streaming when nats-server was killed with
+    ``kill -9`` waited 30 s for its chunks' acks before it ran again. The
+    run now gives up waiting as soon as it sees the connection down: the
+    server stays down here until the worker says so, then comes back on the
+    same store, and the request completes once, its second run whole."""
+    store = tmp_path / "nats"
+    server = EmbeddedServer(store, port=-1)
+    await server.start()
+    port = server.port
+    # 20 tokens over about 2 s: the run is still streaming when the server dies.
+    async with MockBackend(MockSettings(output_tokens=20, tokens_per_second=10)) as mock:
+        config = parse_config(
+            {
+                "nats": {"url": server.url},
+                "backends": {"b": {"base_url": mock.url, "model": "m"}},
+                "routes": {"chat": {"backends": ["b"]}},
+            }
+        )
+        try:
+            async with Services(config) as services, Client(services.nc, tenant="t") as client:
+                handle = await client.submit("long", route="chat", request_id="killed-mid-run")
+                chunks = handle.stream(timeout=10)
+                first = await anext(chunks)
+                await chunks.aclose()
+                assert first.delivery == 1
+                loop = asyncio.get_running_loop()
+                kill_9(server)
+                killed = loop.time()
+                await server.close()  # reaps it; the store is as the kill left it
+
+                # The run ends its wait for the lost acks once it sees the
+                # connection down, not 30 s later (2 s of stream left, then at once).
+                handed_back = await asyncio.wait_for(
+                    log_watch.wait_for("the broker did not answer mid-run"), 15
+                )
+                stalled = loop.time() - killed
+                error = getattr(handed_back, EVENT_ATTRIBUTE)["error"]
+                assert "NatsUnavailableError" in error, error
+                assert "connection to the broker is down" in error, error
+
+                server = EmbeddedServer(store, port=port)
+                await server.start()
+                result = await handle.result(timeout=60)
+                events = await handle.events()
+        finally:
+            await server.stop()
+    assert stalled < 15, stalled
+    assert result.text == " ".join(f"tok{n}" for n in range(20))
+    kinds = [kind_of(event) for event in events]
+    assert kinds.count("completed") == 1, kinds
+    assert sum(is_terminal(event) for event in events) == 1, kinds
+    assert kinds.count("started") == 2, kinds  # the killed run, then the one that finished
+
+
+async def stopped(pid: int) -> None:
+    """Wait until every thread of ``pid`` is stopped: a SIGSTOP reaches a Go
+    program's threads a moment after ``kill`` returns, and one still running
+    may answer a publish sent meanwhile."""
+
+    def states() -> set[str]:
+        found = set()
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            with contextlib.suppress(OSError):  # a thread that just ended
+                found.add(stat.read_text().rpartition(")")[2].split()[0])
+        return found
+
+    while states() - {"T", "t"}:  # noqa: ASYNC110 - no event says a process stopped
+        await asyncio.sleep(0.01)
+
+
+async def test_a_runs_wait_for_its_acks_is_bounded_by_the_connection(
+    isolated_server: EmbeddedServer, isolated_nc: Connection
+) -> None:
+    """The two ways a run's wait for its acks ends early (issue #29): a broker
+    that keeps the connection but never answers (frozen here) is given
+    ``within`` seconds; a connection that goes down is given up at once."""
+    js = isolated_nc.jetstream()
+    await js.context.add_stream(name="S", subjects=["s"])
+    await settle([await js.publish_async("s", b"stored")], isolated_nc)  # answered: no error
+    assert isolated_server.pid is not None
+    pid = isolated_server.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await stopped(pid)
+        pending = [await js.publish_async("s", b"never acked")]
+        with pytest.raises(NatsTimeoutError, match="1 of 1 publishes unacknowledged after"):
+            await settle(pending, isolated_nc, within=0.5)
+        assert pending[0].cancelled()  # given up: nats-py's pending slot is freed
+
+        pending = [await js.publish_async("s", b"lost with the server")]
+        waiting = asyncio.create_task(settle(pending, isolated_nc, within=600))
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(NatsUnavailableError, match="connection to the broker is down") as lost:
+            await asyncio.wait_for(waiting, 15)  # not the 600 s it was given
+        assert not isinstance(lost.value, NatsTimeoutError)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
