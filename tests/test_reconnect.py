@@ -16,7 +16,7 @@ import pytest
 from renqueue import Client, Services, parse_config
 from renqueue.errors import NatsTimeoutError, NatsUnavailableError
 from renqueue.logs import EVENT_ATTRIBUTE
-from renqueue.ops import EmbeddedServer
+from renqueue.ops import EmbeddedServer, connect, provision
 from renqueue.services.worker._tokens import settle
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import Connection, is_terminal, kind_of
@@ -203,3 +203,103 @@ async def test_a_runs_wait_for_its_acks_is_bounded_by_the_connection(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
+
+
+async def test_a_submit_made_while_the_server_is_down_is_stored_once_when_it_is_back(
+    tmp_path: Path, log_watch: LogWatch
+) -> None:
+    """Issue #29: a submit whose publish got no answer raised NatsTimeoutError
+    after 5 s and every caller had to retry it. The client publishes again
+    under the same id: the server is stopped, the submit begins, the server
+    comes back on the same store once the client has had to retry, and the
+    submit returns a handle on a request stored once, not a duplicate of
+    someone else's, which completes."""
+    store = tmp_path / "nats"
+    server = EmbeddedServer(store, port=-1)
+    await server.start()
+    port = server.port
+    async with MockBackend(MockSettings(output_tokens=4)) as mock:
+        config = parse_config(
+            {
+                "nats": {"url": server.url},
+                "backends": {"b": {"base_url": mock.url, "model": "m"}},
+                "routes": {"chat": {"backends": ["b"]}},
+            }
+        )
+        try:
+            async with Services(config) as services, Client(services.nc, tenant="t") as client:
+                await (await client.submit("warm", route="chat")).result(timeout=10)  # tap on
+                await server.stop()
+                submitting = asyncio.create_task(
+                    client.submit("while down", route="chat", request_id="in-the-outage")
+                )
+                retried = await asyncio.wait_for(
+                    log_watch.wait_for("the broker did not answer a submit"), 15
+                )
+                assert not submitting.done()
+                server = EmbeddedServer(store, port=port)
+                await server.start()
+                handle = await asyncio.wait_for(submitting, 30)
+                result = await handle.result(timeout=30)
+                events = await handle.events()
+                # A resubmit by the caller is a duplicate, as ever.
+                again = await client.submit("while down", route="chat", request_id="in-the-outage")
+        finally:
+            await server.stop()
+    fields = getattr(retried, EVENT_ATTRIBUTE)
+    assert fields["request_id"] == "in-the-outage"
+    assert "NatsTimeoutError" in fields["error"]
+    # Stored once whatever number of tries reached the server. nats-py keeps
+    # what is published while it reconnects and sends it once it has: the
+    # first try is stored then, and the retry that finds it is no duplicate of
+    # anybody's (it is said the retry found it).
+    assert not handle.duplicate
+    assert handle.found_on_retry
+    assert again.duplicate
+    assert not again.found_on_retry
+    assert result.usage.completion_tokens == 4
+    kinds = [kind_of(event) for event in events]
+    assert kinds.count("submitted") == 1, kinds
+    assert kinds.count("completed") == 1, kinds
+
+
+@pytest.mark.parametrize("bound", ["deadline", "patience"])
+async def test_a_submit_gives_up_at_its_deadline_or_the_clients_patience(
+    tmp_path: Path, log_watch: LogWatch, bound: str
+) -> None:
+    """The retries of a publish nobody answers end with the request's
+    deadline (or, without one, the client's patience): the last error is
+    raised then, not sooner (the first try alone waits 5 s) and not later
+    than a try past the bound."""
+    server = EmbeddedServer(tmp_path / "nats", port=-1)
+    await server.start()
+    nc = await connect(server.url, name="test-deadline")
+    try:
+        config = parse_config(
+            {
+                "backends": {"b": {"base_url": "http://127.0.0.1:9/v1", "model": "m"}},
+                "routes": {"chat": {"backends": ["b"]}},
+            }
+        )
+        await provision(nc, config)
+        client = Client(nc, tenant="t")
+        # The bound that is not under test is out of the way.
+        client.submit_patience = 8.0 if bound == "patience" else 600.0
+        await client.submit("before", route="chat")  # stored: the client follows events
+        await server.stop()  # the connection stays open, reconnecting
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        timeout = 8.0 if bound == "deadline" else None  # else submit_patience
+        with pytest.raises(NatsTimeoutError):
+            await client.submit("late", route="chat", timeout=timeout)
+        took = loop.time() - began
+    finally:
+        # nats-py's close of a connection that is reconnecting raises this.
+        with contextlib.suppress(ConnectionResetError):
+            await nc.close()
+        await server.stop()
+    retries = [
+        r for r in log_watch.records if r.getMessage().startswith("the broker did not answer")
+    ]
+    assert retries, "retried at least once after the first try's 5 s"
+    assert 5.0 <= took < 8.0 + 5.0, took  # past the first try; bounded by the deadline
