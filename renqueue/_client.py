@@ -10,7 +10,10 @@
 
 Submits are idempotent: the request id is the JetStream message id, so a
 resubmit with the same id (after a timeout, say) creates nothing new and the
-returned handle follows the original request.
+returned handle follows the original request. A submit whose publish gets no
+answer (the broker restarting, a connection lost) publishes again itself,
+under the same id, until the request's deadline (30 s without one,
+:attr:`Client.submit_patience`); only then does the caller get the error.
 
 Results come from the event log. One consumer per client (the *tap*) follows
 the tenant's events from the moment of the first submit and resolves waiting
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import functools
 import math
 import time
@@ -123,6 +127,23 @@ _TRANSIENT: Final = (TimeoutError, NatsUnavailableError)
 #: A transient failure of a read is retried after this, doubling up to _RETRY_MAX.
 _RETRY_FIRST: Final = 0.1
 _RETRY_MAX: Final = 2.0
+#: Longest one try of a submit's publish waits for its ack (nats-py's default
+#: for a JetStream request); a retry waits no longer than the time left.
+_PUBLISH_WAIT: Final = 5.0
+
+
+class _Published(enum.Enum):
+    """What a submit's publish found (:meth:`Client._publish`)."""
+
+    #: This submit stored the request.
+    STORED = "stored"
+    #: The request was stored before this submit (a resubmit of its id).
+    DUPLICATE = "duplicate"
+    #: A retry found the request stored after a try whose answer was lost:
+    #: stored by that try, all but surely (the broker took it and its ack
+    #: went missing), or by a resubmit of the same id at the same moment,
+    #: which nothing on the wire tells apart.
+    FOUND_ON_RETRY = "found_on_retry"
 
 
 async def _retrying(
@@ -437,6 +458,7 @@ class RequestHandle:
         tenant: str,
         *,
         duplicate: bool = False,
+        found_on_retry: bool = False,
         waiter: asyncio.Future[Event] | None = None,
     ) -> None:
         self._client = client
@@ -445,6 +467,12 @@ class RequestHandle:
         self.tenant = tenant
         #: True when the submit found the request already in the queue (a resubmit).
         self.duplicate = duplicate
+        #: True when the submit published again after a try whose answer was
+        #: lost, and the broker had the request by then: stored by that try,
+        #: all but surely, so ``duplicate`` is False; a resubmit of the same id
+        #: at the same moment would look the same (the gateway checks the body
+        #: under an ``Idempotency-Key`` then, as for a duplicate).
+        self.found_on_retry = found_on_retry
 
     def __repr__(self) -> str:
         return f"RequestHandle(id={self.id!r}, tenant={self.tenant!r})"
@@ -558,6 +586,10 @@ class Client:
     #: Seconds a submit that finds no stream (a cluster electing a leader, or a
     #: level that is not configured) is retried before UnknownPriorityError.
     no_stream_grace: float = 3.0
+    #: Seconds a submit of a request without a deadline keeps publishing it
+    #: again while the broker does not answer (a request with a deadline: until
+    #: its deadline). Then the last error is raised.
+    submit_patience: float = 30.0
 
     def __init__(
         self,
@@ -765,9 +797,20 @@ class Client:
             coalesce: Share a call with identical requests (same route,
                 messages and parameters).
 
+        A publish the broker does not answer (a restart, a lost connection)
+        is sent again under the same id, with a capped backoff, until the
+        deadline (without one, for :attr:`submit_patience` seconds): the
+        duplicate window makes that safe, and a retry that finds its first
+        try stored is not a duplicate (``handle.found_on_retry`` says so).
+
         Raises:
             MalformedRequestError: A parameter fails validation (the field is named).
             UnknownPriorityError: No stream takes ``priority``.
+            NatsPayloadTooLargeError: The request is over what the broker takes.
+            NatsUnavailableError: The broker did not answer until the deadline
+                (or :attr:`submit_patience`): the last try's error, often a
+                :class:`NatsTimeoutError`. The request may have been stored
+                all the same; submit it again with the same id to find out.
         """
         request = self.build_request(
             prompt,
@@ -793,11 +836,11 @@ class Client:
         return await self.submit_request(request)
 
     async def submit_request(self, request: InferenceRequest) -> RequestHandle:
-        """Submit a built request. Idempotent on ``request.id``."""
+        """Submit a built request. Idempotent on ``request.id``; retried as
+        :meth:`submit` says."""
         if request.tenant != self.tenant:
             # Not on this client's tap: the handle reads the request's own events.
-            duplicate = await self._publish(request)
-            return RequestHandle(self, request.id, request.tenant, duplicate=duplicate)
+            return self._handle_on(request, await self._publish(request))
         await self._ensure_tap()
         # A handle or a submit of this client may already wait for this id (a
         # resubmit): they share one waiter, held until none of them needs it.
@@ -807,20 +850,37 @@ class Client:
             waiter = self._waiters[request.id] = _Waiter(future)
         waiter.holders += 1
         try:
-            duplicate = await self._publish(request)
+            published = await self._publish(request)
         except BaseException:
             self._release(request.id, waiter)
             raise
-        if not duplicate:
+        if published is _Published.STORED:
             waiter.stored = True
         elif not waiter.stored:
             # Stored before this client followed events (by another client,
-            # or a publish whose ack was lost): it may have ended already,
+            # or a publish whose ack was lost), or found by a retry (by this
+            # submit's lost try, after the tap followed, or by a resubmit at
+            # the same moment, maybe before): it may have ended already,
             # unseen by the tap. The handle reads the request's own events.
             self._release(request.id, waiter)
-            return RequestHandle(self, request.id, request.tenant, duplicate=True)
+            return self._handle_on(request, published)
+        return self._handle_on(request, published, waiter=waiter.future)
+
+    def _handle_on(
+        self,
+        request: InferenceRequest,
+        published: _Published,
+        *,
+        waiter: asyncio.Future[Event] | None = None,
+    ) -> RequestHandle:
+        """The handle a submit of ``request`` returns, saying what its publish found."""
         return RequestHandle(
-            self, request.id, request.tenant, duplicate=duplicate, waiter=waiter.future
+            self,
+            request.id,
+            request.tenant,
+            duplicate=published is _Published.DUPLICATE,
+            found_on_retry=published is _Published.FOUND_ON_RETRY,
+            waiter=waiter,
         )
 
     async def _follow_terminal(self, request_id: str) -> Event:
@@ -849,14 +909,24 @@ class Client:
         if waiter.holders <= 0 and self._waiters.get(request_id) is waiter:
             del self._waiters[request_id]
 
-    async def _publish(self, request: InferenceRequest) -> bool:
-        """Publish ``request``; True if JetStream already had it (a resubmit).
+    async def _publish(self, request: InferenceRequest) -> _Published:
+        """Publish ``request``: stored now, stored before (a resubmit), or
+        found stored by a retry.
 
         "No responders" means no stream listens on the subject: the level is
         not configured, or, for a few seconds, a cluster is electing the
         stream's leader. So it is retried with the same message id (a publish
         is idempotent) for :attr:`no_stream_grace` seconds before it is taken
         to mean an unknown level.
+
+        A publish the broker does not answer (no ack in time, a reconnect, a
+        full outbound buffer, a 503) is retried with the same message id,
+        after a capped backoff, while the request's deadline allows (without
+        one, for :attr:`submit_patience` seconds); then the last error is
+        raised. A closed connection, and every other error (a request over
+        the broker's limit, a refusal), is raised at once. A try that timed
+        out may have been stored (its ack lost): a retry the broker reports
+        as a duplicate then found that try, not someone else's request.
         """
         data = encode(request)
         limit = request_limit(self.nc.max_payload)
@@ -868,22 +938,53 @@ class Client:
                 "takes (its max_payload less the services' headroom)"
             )
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.no_stream_grace
-        delay = 0.05
+        subject = request_subject(request.priority, request.tenant)
+        headers = {"Nats-Msg-Id": msg_id(request.tenant, request.id)}
+        if request.deadline is None:
+            patience = self.submit_patience
+        else:
+            patience = request.deadline - time.time()
+        give_up = loop.time() + patience
+        no_stream_until: float | None = None
+        no_stream_delay = 0.05
+        delay = _RETRY_FIRST
+        wait: float | None = None  # the first try waits as long as nats-py does
+        maybe_stored = False  # an earlier try may be stored, its ack lost
         while True:
             try:
-                ack = await self.js.publish(
-                    request_subject(request.priority, request.tenant),
-                    data,
-                    headers={"Nats-Msg-Id": msg_id(request.tenant, request.id)},
-                )
+                ack = await self.js.publish(subject, data, headers=headers, timeout=wait)
             except NatsNoRespondersError as exc:
-                if loop.time() + delay > give_up:
+                now = loop.time()
+                if no_stream_until is None:
+                    no_stream_until = now + self.no_stream_grace
+                if now + no_stream_delay > no_stream_until:
                     raise UnknownPriorityError(request.priority, request_id=request.id) from exc
-                await asyncio.sleep(delay)
-                delay = min(0.5, delay * 2)
+                await asyncio.sleep(no_stream_delay)
+                no_stream_delay = min(0.5, no_stream_delay * 2)
                 continue
-            return bool(ack.duplicate)
+            except NatsClosedError:
+                raise
+            except _TRANSIENT as exc:
+                if self.nc.is_closed:
+                    raise
+                maybe_stored = maybe_stored or isinstance(exc, TimeoutError)
+                left = give_up - loop.time()
+                if left <= delay:
+                    raise  # the deadline (or the patience) allows no other try
+                log.warning(
+                    "the broker did not answer a submit; publishing it again under the same id",
+                    request_id=request.id,
+                    error=repr(exc),
+                    retry_in=delay,
+                )
+                await asyncio.sleep(delay)
+                wait = min(_PUBLISH_WAIT, left - delay)
+                delay = min(_RETRY_MAX, delay * 2)
+                no_stream_until = None
+                continue
+            if not ack.duplicate:
+                return _Published.STORED
+            return _Published.FOUND_ON_RETRY if maybe_stored else _Published.DUPLICATE
 
     def handle(self, request_id: str) -> RequestHandle:
         """A handle for a request submitted earlier or elsewhere."""

@@ -7,7 +7,11 @@ silence while their work was kept alive:
 
 - A loop that raises is logged (with the traceback) and started again after a
   capped, jittered backoff: a broker hiccup, a reconnect or a timed-out API
-  call costs a pause, never the loop.
+  call costs a pause, never the loop. A transient broker fault (a
+  :class:`~renqueue.errors.NatsUnavailableError` other than a closed
+  connection: no answer in time, no responders, a 503 while a restarted
+  server recovers its streams) is expected on every broker restart: it is a
+  warning, without a traceback, and restarted the same way.
 - A loop that keeps failing (``give_up_after`` consecutive failures with no
   healthy stretch in between), or raises :class:`Fatal`, cannot go on: the
   supervisor records why and sets :attr:`Supervisor.failed`. The process
@@ -37,6 +41,7 @@ import random
 from collections.abc import Callable, Collection, Coroutine
 from typing import Any, Final
 
+from .errors import NatsClosedError, NatsUnavailableError
 from .logs import get_logger
 
 __all__ = ["Fatal", "Supervisor", "cancel_and_wait"]
@@ -50,6 +55,13 @@ HEALTHY_AFTER: Final = 30.0
 
 class Fatal(Exception):
     """Raised by a supervised loop that cannot go on: the process must stop."""
+
+
+def _transient(exc: Exception) -> bool:
+    """Whether ``exc`` is a broker fault that passes by itself: the broker did
+    not answer, for now. A closed connection does not come back by itself;
+    anything else may be a bug, whose traceback is wanted."""
+    return isinstance(exc, NatsUnavailableError) and not isinstance(exc, NatsClosedError)
 
 
 class _Loop:
@@ -197,13 +209,16 @@ class Supervisor:
                     return
                 delay = min(self._max, self._base * 2 ** (loop.failures - 1))
                 delay *= random.uniform(0.5, 1.0)
-                log.exception(
-                    "background loop failed; restarting",
-                    supervisor=self._name,
-                    loop=loop.name,
-                    failures=loop.failures,
-                    retry_in=round(delay, 3),
-                )
+                fields = {
+                    "supervisor": self._name,
+                    "loop": loop.name,
+                    "failures": loop.failures,
+                    "retry_in": round(delay, 3),
+                }
+                if _transient(exc):
+                    log.warning("background loop failed; restarting", error=repr(exc), **fields)
+                else:
+                    log.exception("background loop failed; restarting", **fields)
                 await asyncio.sleep(delay)
                 continue
             loop.running = False

@@ -25,6 +25,7 @@ from test_binder import until
 
 from renqueue import Client, RequestCancelledError, Services, parse_config
 from renqueue.config import Config
+from renqueue.errors import NatsTimeoutError
 from renqueue.gateway import Gateway, digest
 from renqueue.gateway._idempotency import id_for_key
 from renqueue.tools import FaultSpec, MockBackend, MockSettings
@@ -35,6 +36,7 @@ from renqueue.wire import (
     CircuitChanged,
     Completed,
     EventLog,
+    JetStream,
     Submitted,
     Usage,
 )
@@ -1154,6 +1156,40 @@ async def test_an_idempotency_key_resent_at_once_with_another_body_is_a_422(
             ),
         )
     assert sorted([one.status_code, other.status_code]) == [200, 422], (one.text, other.text)
+
+
+async def test_a_keyed_submit_whose_retry_finds_another_body_under_its_key_is_a_422(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #29: the Client publishes a submit again when its ack is lost, and
+    a retry that finds the request stored is no duplicate (it found its own
+    first try, all but surely). A resend of the key with another body stored
+    at that moment looks the same on the wire, so the gateway checks the body
+    then as for a duplicate: here the other body won, and this call is a 422,
+    not that body's answer."""
+    real = JetStream.publish
+    raced: list[str] = []
+
+    async def another_body_first(
+        self: JetStream, subject: str, payload: bytes = b"", **kwargs: Any
+    ) -> Any:
+        if subject.startswith("rq.req.") and not raced:
+            raced.append(subject)
+            other = msgspec.json.decode(payload)
+            other["messages"] = [{"role": "user", "content": "B"}]
+            other["metadata"]["rq_body_sha256"] = "0" * 64  # another body's fingerprint
+            await real(self, subject, msgspec.json.encode(other), **kwargs)
+            raise NatsTimeoutError("nats: timeout")  # and this try's own ack is lost
+        return await real(self, subject, payload, **kwargs)
+
+    monkeypatch.setattr(JetStream, "publish", another_body_first)
+    with pytest.raises(openai.UnprocessableEntityError):
+        await stack.sdk().chat.completions.create(
+            model="chat",
+            messages=[{"role": "user", "content": "A"}],
+            extra_headers={"Idempotency-Key": "raced"},
+        )
+    assert raced
 
 
 async def test_resumed_streams_count_against_the_in_flight_limit(

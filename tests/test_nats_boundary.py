@@ -16,6 +16,7 @@ from pathlib import Path
 import nats.errors
 import nats.js.errors
 import pytest
+from nats.aio.msg import Msg
 
 from renqueue.errors import (
     NatsApiError,
@@ -95,6 +96,22 @@ def api_error(code: int, err_code: int, description: str = "") -> nats.js.errors
 def test_each_nats_error_becomes_ours(theirs: BaseException, ours: type[NatsError]) -> None:
     translated = translate(theirs)
     assert type(translated) is ours
+
+
+def test_a_503_status_on_a_fetch_is_unavailable_not_a_refusal() -> None:
+    """Issue #29: a pull's reply with status 503 (a restarting server) is
+    raised by nats-py as ServiceUnavailableError with no code; every loop that
+    fetched logged it as an API error, with a traceback, on every restart."""
+    reply = Msg(_client=None, subject="_INBOX.x", headers={"Status": "503"})
+    with pytest.raises(nats.js.errors.ServiceUnavailableError) as raised:
+        nats.js.errors.APIError.from_msg(reply)  # what nats-py's fetch calls on it
+    assert raised.value.code is None
+    translated = translate(raised.value)
+    assert type(translated) is NatsUnavailableError
+    # With a code, as an API reply's error body makes it, the same.
+    with pytest.raises(nats.js.errors.ServiceUnavailableError) as raised:
+        nats.js.errors.APIError.from_error({"code": 503, "description": "unavailable"})
+    assert type(translate(raised.value)) is NatsUnavailableError
 
 
 def test_a_delete_that_failed_for_another_reason_is_a_refusal() -> None:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import pytest
 
 from renqueue._tasks import Fatal, Supervisor, cancel_and_wait
+from renqueue.errors import NatsClosedError, NatsTimeoutError, NatsUnavailableError
+from renqueue.logs import EVENT_ATTRIBUTE
 
 
 async def test_a_loop_that_swallows_one_cancellation_is_still_stopped() -> None:
@@ -59,6 +64,48 @@ async def test_a_failing_loop_is_restarted_and_logged_not_lost() -> None:
     assert not supervisor.failed.is_set()
     await supervisor.close()
     assert not supervisor.healthy()
+
+
+async def test_a_transient_broker_fault_is_a_warning_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue #29: every broker restart made the fetching loops log a 503 or a
+    timeout at error level with a traceback. A transient broker fault is a
+    warning naming the error; anything else (a bug, a closed connection that
+    will not come back) keeps its traceback. Both are restarted alike."""
+    caplog.set_level(logging.WARNING, logger="renqueue")
+    failures: list[Exception] = [
+        NatsUnavailableError("nats: ServiceUnavailableError: code=None"),
+        NatsTimeoutError("nats: timeout"),
+        RuntimeError("a bug"),
+        NatsClosedError("nats: connection closed"),
+    ]
+    running = asyncio.Event()
+
+    async def through_a_restart() -> None:
+        if failures:
+            raise failures.pop(0)
+        running.set()
+        await asyncio.Event().wait()
+
+    supervisor = Supervisor("test", base_backoff=0.001, max_backoff=0.01)
+    supervisor.spawn("fetch", through_a_restart)
+    await asyncio.wait_for(running.wait(), 5)
+    await supervisor.close()
+    records = [r for r in caplog.records if r.getMessage().startswith("background loop failed")]
+    assert [(r.levelno, r.exc_info is not None) for r in records] == [
+        (logging.WARNING, False),
+        (logging.WARNING, False),
+        (logging.ERROR, True),
+        (logging.ERROR, True),
+    ]
+    fields = [getattr(r, EVENT_ATTRIBUTE) for r in records]
+    assert "ServiceUnavailableError" in fields[0]["error"]
+    assert "NatsTimeoutError" in fields[1]["error"]
+    assert [f["failures"] for f in fields] == [1, 2, 3, 4]
+    assert all(f["loop"] == "fetch" for f in fields)
+    assert isinstance(records[2].exc_info[1], RuntimeError)
+    assert isinstance(records[3].exc_info[1], NatsClosedError)
 
 
 async def test_a_loop_that_keeps_failing_fails_the_supervisor() -> None:

@@ -604,9 +604,13 @@ class Gateway(Lifecycle):
             if key is None and not _maybe_stored(exc):
                 self._forget(tenant, print_, request_id)
             raise answer from exc
-        if handle.duplicate and key is not None:
+        if key is not None and (handle.duplicate or handle.found_on_retry):
+            # A retry of the publish that found the request stored found, all
+            # but surely, its own lost first try; but a resend of the key with
+            # another body at the same moment looks the same: checked too.
             await self._same_body(tenant, request_id, print_)
-            metrics.RETRIES_JOINED.labels("idempotency_key").inc()
+            if handle.duplicate:
+                metrics.RETRIES_JOINED.labels("idempotency_key").inc()
         self._remember_recent(tenant, handle.id, sub.route)
         return handle
 

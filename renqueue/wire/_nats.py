@@ -10,8 +10,9 @@ by what a caller can do about it::
 
     NatsError                     any other NATS failure
     ├── NatsUnavailableError      the broker did not answer: no responders, no
-    │   │                         stream leader (503 or a "not now" code), a
-    │   │                         reconnect, a full outbound buffer: try again
+    │   │                         stream leader (a 503, with or without a
+    │   │                         code, or a "not now" code), a reconnect, a
+    │   │                         full outbound buffer: try again
     │   ├── NatsTimeoutError      no answer in time (also a TimeoutError); an
     │   │                         empty fetch
     │   ├── NatsNoRespondersError nobody listens on a request's subject (for a
@@ -251,7 +252,14 @@ def _api_error(exc: nats.js.errors.APIError, text: str) -> NatsError:
         or (err_code == _MSG_DELETE_FAILED and _says_gone(str(description)))
     ):
         return NatsNotFoundError(text)  # KV keys and buckets too; a delete of what is gone
-    if status == 503 or err_code in NOT_NOW:
+    if (
+        isinstance(exc, nats.js.errors.ServiceUnavailableError)
+        or status == 503
+        or err_code in NOT_NOW
+    ):
+        # A 503 status on a pull's reply (a restarting server, a consumer
+        # without a leader) comes as nats-py's ServiceUnavailableError without
+        # a code: it is the same "not now" as a 503 API error.
         return NatsUnavailableError(text)
     return NatsApiError(description or text, status=status, err_code=err_code)
 

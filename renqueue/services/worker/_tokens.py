@@ -6,6 +6,14 @@ that run (``seq``); the first chunk of a run after the first is marked
 published without awaiting their acks one by one: the run awaits them all
 (:func:`settle`) before its terminal event, so the log never records an
 outcome whose tokens are not stored.
+
+That wait is bounded by the connection, not by a fixed time: an ack of a
+publish sent before the connection dropped never comes (the server that
+would send it is gone, or answered a connection that is), so the run gives
+up at once while the connection is down, and after :data:`ACK_WAIT` while it
+is up; either way the run is handed back and runs again. It used to wait
+30 s, and a server killed with ``kill -9`` mid-run cost every running
+request that long (issue #29).
 """
 
 from __future__ import annotations
@@ -22,7 +30,12 @@ from ...backends import Backend
 from ...backends._http import MAX_TOOL_CALLS
 from ...backends._limits import LearnedLimits, reported
 from ...config import BaseBackendConfig
-from ...errors import FailureClass, RetryableBackendError
+from ...errors import (
+    FailureClass,
+    NatsTimeoutError,
+    NatsUnavailableError,
+    RetryableBackendError,
+)
 from ...logs import get_logger
 from ...wire._messages import (
     Completed,
@@ -36,10 +49,10 @@ from ...wire._messages import (
     encode,
     tool_call_deltas,
 )
-from ...wire._nats import JetStream, PubAck
+from ...wire._nats import Connection, JetStream, PubAck
 from ...wire._subjects import token_subject
 
-__all__ = ["Caller", "Chunks", "Expiry", "settle"]
+__all__ = ["ACK_WAIT", "Caller", "Chunks", "Expiry", "settle"]
 
 log = get_logger("worker")
 
@@ -54,11 +67,50 @@ class Chunks(msgspec.Struct):
     seq: int = 0
 
 
-async def settle(pending_acks: list[asyncio.Future[PubAck]]) -> None:
-    """Wait until every token chunk and event published so far is stored."""
-    if pending_acks:
-        await asyncio.wait_for(asyncio.gather(*pending_acks), timeout=30.0)
-        pending_acks.clear()
+#: Longest a run waits for the acks of what it published while the connection
+#: is up (nats-py's own wait for a JetStream answer): a broker that stores
+#: and acks answers within milliseconds, so an ack this late is lost.
+ACK_WAIT: Final = 5.0
+#: How often that wait looks at the connection's state.
+ACK_POLL: Final = 0.1
+
+
+async def settle(
+    pending_acks: list[asyncio.Future[PubAck]], nc: Connection, *, within: float = ACK_WAIT
+) -> None:
+    """Wait until every token chunk and event published so far is stored.
+
+    Raises :class:`~renqueue.errors.NatsUnavailableError` at once if the
+    connection is (or goes) down with acks pending, and
+    :class:`~renqueue.errors.NatsTimeoutError` if they are not all in within
+    ``within`` seconds; a failed publish raises its own error. The acks still
+    pending are then cancelled: the run is handed back, not finished.
+    """
+    if not pending_acks:
+        return
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + within
+    acks = asyncio.gather(*pending_acks)
+    try:
+        while True:
+            left = give_up - loop.time()
+            done, _ = await asyncio.wait({acks}, timeout=max(0.0, min(ACK_POLL, left)))
+            if done:
+                acks.result()  # the first failed publish's error, if any
+                break
+            missing = sum(not ack.done() for ack in pending_acks)
+            if not nc.is_connected:
+                raise NatsUnavailableError(
+                    f"the connection to the broker is down with {missing} of "
+                    f"{len(pending_acks)} publishes unacknowledged"
+                )
+            if left <= 0:
+                raise NatsTimeoutError(
+                    f"{missing} of {len(pending_acks)} publishes unacknowledged after {within:g} s"
+                )
+    finally:
+        acks.cancel()  # a no-op once done; else the pending acks are given up
+    pending_acks.clear()
 
 
 class Caller:

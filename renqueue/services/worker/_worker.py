@@ -444,7 +444,7 @@ class Worker(Lifecycle):
             this = asyncio.current_task()
             if not (call.cancelled() and this is not None and not this.cancelling()):
                 raise  # shutdown: the message is nak'ed by _handle
-            await settle(pending_acks)
+            await settle(pending_acks, self._nc)
             preempted_by = self._preemptible.runs[scoped].preempted_by
             if preempted_by is not None:
                 # The HTTP stream is closed; give the backend a moment to see
@@ -459,7 +459,7 @@ class Worker(Lifecycle):
             await self._backend_failed(msg, dispatch, run, chunks, exc, pending_acks=pending_acks)
             return
         except Expiry:
-            await settle(pending_acks)
+            await settle(pending_acks, self._nc)
             await self._finish(
                 msg,
                 request,
@@ -478,7 +478,7 @@ class Worker(Lifecycle):
             self._calls.pop(scoped, None)
             self._preemptible.runs.pop(scoped, None)
             call.cancel()
-        await settle(pending_acks)
+        await settle(pending_acks, self._nc)
         await self._finish(msg, request, outcome, run, seq=chunks.seq)
 
     async def _refused(self, msg: Message, dispatch: Dispatch, delivery: int, run: int) -> bool:
@@ -662,7 +662,7 @@ class Worker(Lifecycle):
         metrics.BACKEND_CALLS.labels(self._backend_name, exc.code).inc()
         if is_backend_fault(exc.code, str(exc.failure)):
             self.faults_in_a_row += 1
-        await settle(pending_acks)
+        await settle(pending_acks, self._nc)
         await self._after_failure(msg, dispatch, run, chunks, exc)
 
     async def _after_failure(
