@@ -32,7 +32,6 @@ import pytest_asyncio
 from renqueue.ops import EmbeddedServer, connect
 from renqueue.wire import Connection, JetStream
 
-
 # A suite started in the background of a script (``make test &``, nohup, some
 # CI runners) inherits SIGINT ignored, and so would every process a test
 # starts: a `renqueue` child sent SIGINT (Ctrl-C) by a test would then never
