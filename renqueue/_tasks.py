@@ -13,7 +13,10 @@ silence while their work was kept alive:
   server recovers its streams) is expected on every broker restart: it is a
   warning, without a traceback, and restarted the same way.
 - A loop that keeps failing (``give_up_after`` consecutive failures with no
-  healthy stretch in between), or raises :class:`Fatal`, cannot go on: the
+  healthy stretch in between, transient broker faults not counted: a broker
+  that does not answer is waited for, and how long a process may go without
+  NATS is ``nats.patience``, watched by ``Services``), or raises
+  :class:`Fatal`, cannot go on: the
   supervisor records why and sets :attr:`Supervisor.failed`. The process
   (``renqueue up``/``router``/``worker``) then shuts down and exits non-zero,
   so a process supervisor (systemd, Kubernetes) restarts it, and every message
@@ -71,6 +74,11 @@ class _Loop:
         self.name = name
         self.task: asyncio.Task[None] | None = None
         self.failures = 0
+        #: Of ``failures``, those not the broker's passing fault: only these
+        #: give up. A broker that does not answer is waited for (with the
+        #: backoff) however long; how long a process may go without NATS
+        #: is ``nats.patience``, decided by the services (``Services``).
+        self.faults = 0
         self.running = False
         self.error: str | None = None
 
@@ -202,9 +210,11 @@ class Supervisor:
             except Exception as exc:
                 loop.running = False
                 if event_loop.time() - began >= HEALTHY_AFTER:
-                    loop.failures = 0
+                    loop.failures = loop.faults = 0
                 loop.failures += 1
-                if loop.failures >= self._give_up_after:
+                if not _transient(exc):
+                    loop.faults += 1
+                if loop.faults >= self._give_up_after:
                     self._fail(loop, f"failed {loop.failures} times in a row; last: {exc!r}")
                     return
                 delay = min(self._max, self._base * 2 ** (loop.failures - 1))

@@ -181,3 +181,25 @@ async def test_a_job_is_retried_until_it_succeeds_then_forgotten() -> None:
     assert tries == 2
     assert not supervisor.failed.is_set()
     await supervisor.close()
+
+
+async def test_a_broker_that_does_not_answer_is_waited_for_however_often_a_loop_fails() -> None:
+    """Transient broker faults do not count toward giving up: a NATS outage
+    longer than ``give_up_after`` backoffs must not stop a process (how long
+    it may go without NATS is ``nats.patience``). A bug still does."""
+    runs = 0
+    recovered = asyncio.Event()
+
+    async def outage() -> None:
+        nonlocal runs
+        runs += 1
+        if runs <= 12:
+            raise NatsTimeoutError("the broker did not answer")
+        recovered.set()
+
+    supervisor = Supervisor("test", base_backoff=0.001, max_backoff=0.001, give_up_after=4)
+    supervisor.spawn("fetch", outage)
+    await asyncio.wait_for(recovered.wait(), 5)
+    assert not supervisor.failed.is_set()
+    assert runs == 13
+    await supervisor.close()
