@@ -23,10 +23,11 @@ from test_fallback import FAST
 from test_restarts import TENANT
 from test_wire_v2_hostile import config_of, nested, raw_request
 
-from renqueue import Client, RequestFailedError, RequestRejectedError, Services
-from renqueue.errors import NatsPayloadTooLargeError
+from renqueue import Client, RequestFailedError, RequestRejectedError, Services, parse_config
+from renqueue.errors import NatsPayloadTooLargeError, ServiceFailedError
 from renqueue.ops import EmbeddedServer, connect, provision
 from renqueue.ops._dlq import DeadLetter, DeadLetterError, DeadLetterFilter, DeadLetters
+from renqueue.services import run_until_signalled
 from renqueue.services.router._router import Router
 from renqueue.tools import MockBackend
 from renqueue.wire import (
@@ -293,3 +294,30 @@ async def test_a_request_the_router_fails_on_every_time_is_ended_and_its_level_s
             after = await client.submit("after it", route="chat")
             assert (await after.result(timeout=20)).text
             assert services.supervisor.reason is None
+
+
+async def test_a_process_without_nats_past_its_patience_exits_saying_why(tmp_path: Path) -> None:
+    """With no server to reach (nats-py reconnecting all the while) the
+    services stay up for ``nats.patience``, then stop, saying so."""
+    async with MockBackend(FAST) as mock:
+        server = EmbeddedServer(tmp_path / "nats", port=-1)
+        await server.start()
+        try:
+            config = parse_config(
+                {
+                    "nats": {"url": server.url, "patience": "2s"},
+                    "backends": {"b": {"base_url": mock.url, "model": "m"}},
+                    "routes": {"chat": {"backends": ["b"]}},
+                }
+            )
+            services = Services(config)
+            running = asyncio.create_task(run_until_signalled(services))
+
+            async def up() -> bool:
+                return bool(services.routers) or running.done()
+
+            await until(up, "the services run")
+        finally:
+            await server.stop()
+        with pytest.raises(ServiceFailedError, match=r"cannot reach NATS .* nats\.patience \(2s\)"):
+            await asyncio.wait_for(running, 30)
