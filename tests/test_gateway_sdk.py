@@ -1336,3 +1336,28 @@ async def test_a_plain_call_of_a_tenant_capped_below_the_default_level_runs_at_i
     assert done.choices[0].message.content
     assert isinstance(submitted[0], Submitted)
     assert submitted[0].request.priority == "low"
+
+
+async def test_the_gateway_carries_on_when_the_server_closes_its_connection(stack: Stack) -> None:
+    """nats-server closes a connection after a protocol error and nats-py does
+    not reconnect after that (issue #29): the gateway moves onto a new
+    connection, and an SDK call made after it completes."""
+    sdk = stack.sdk()
+    first = await sdk.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "a"}]
+    )
+    assert first.choices[0].message.content
+    closed = stack.gateway.js.connection
+    assert closed is not None
+    await closed.publish("x" * 5000)  # -ERR 'Maximum Control Line Exceeded'
+
+    async def renewed() -> bool:
+        return stack.gateway.keeper is not None and stack.gateway.keeper.renewals == 1
+
+    await until(renewed, "the gateway runs on a new connection")
+    assert closed.is_closed
+    after = await sdk.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "b"}]
+    )
+    assert after.choices[0].message.content
+    assert stack.gateway.supervisor.reason is None

@@ -69,7 +69,7 @@ from ..errors import (
     WrongLastSequenceError,
 )
 from ..logs import bound_request, get_logger
-from ..ops._connection import connect, redact_url
+from ..ops._connection import ConnectionKeeper, connect, redact_url
 from ..wire._eventlog import EventLog
 from ..wire._messages import (
     EVENT_DECODER,
@@ -243,6 +243,9 @@ class Gateway(Lifecycle):
         self._recent: dict[tuple[str, str], str] = {}
         self._runner: web.AppRunner | None = None
         self._closing = False
+        #: Keeps a connection of the gateway's own live (None on a given one).
+        self.keeper: ConnectionKeeper | None = None
+        self._keeper_loop = f"{name}-nats-connection"
         self._created = int(time.time())
         self._routes = sorted(config.routes)
 
@@ -274,6 +277,14 @@ class Gateway(Lifecycle):
         if self._nc is None:
             assert self._url is not None
             self._nc = await connect(self._url, name=self._name, config=self._config.nats)
+            self.keeper = ConnectionKeeper(
+                url=self._url,
+                name=self._name,
+                config=self._config.nats,
+                current=lambda: self._nc,
+                renew=self._renew,
+            )
+            self._supervisor.spawn(self._keeper_loop, self.keeper.run)
         app = web.Application(client_max_size=self._gw.max_body, middlewares=[self._answer])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -301,8 +312,23 @@ class Gateway(Lifecycle):
         self.port = int(self._runner.addresses[0][1])
         log.info("gateway listening", url=self.url, keys=len(self._keys))
 
+    async def _renew(self, new: Connection) -> None:
+        """The server closed the gateway's connection (see
+        :class:`~renqueue.ops.ConnectionKeeper`): each tenant's client, bound to
+        it, is closed, and the next call of each tenant makes one on ``new``.
+        Calls under way on the old one end in an error (an SDK retries them:
+        a retry under the same body or key joins the stored request)."""
+        old = list(self._tenants.values())
+        self._tenants.clear()
+        self._state = None
+        self._nc = new
+        for tenant in old:
+            with contextlib.suppress(Exception):
+                await tenant.client.close()
+
     async def _stop(self) -> None:
         self._closing = True
+        await self._supervisor.stop(self._keeper_loop)
         if self._runner is not None:
             await self._runner.cleanup()
         for tenant in list(self._tenants.values()):

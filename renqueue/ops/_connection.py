@@ -14,17 +14,22 @@ error, so a wrong URL fails clearly instead of hanging.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import math
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
+from .._tasks import Fatal
 from ..config import Config, NatsConfig, parse_duration
 from ..errors import ConnectionFailedError
 from ..logs import get_logger
 from ..wire._nats import Connection
 from ._embedded import url_file
 
-__all__ = ["connect", "redact_url", "resolve_nats_url"]
+__all__ = ["ConnectionKeeper", "connect", "redact_url", "resolve_nats_url"]
 
 log = get_logger("connection")
 
@@ -150,3 +155,96 @@ def _describe(exc: BaseException) -> str:
     if "@" in text:
         text = " ".join(redact_url(word) if "://" in word else word for word in text.split(" "))
     return f"{type(exc).__name__}: {text}"
+
+
+class ConnectionKeeper:
+    """Keeps a component on a live NATS connection: run :meth:`run` as a
+    supervised loop.
+
+    nats-py reconnects by itself after a dropped connection or a server
+    restart, but not after the server *closed* the connection (a protocol
+    error: ``maximum payload exceeded``, ``Maximum Control Line Exceeded``,
+    ...). Then ``renew(new)`` is called with a new connection (opened for up
+    to ``patience`` seconds): the component moves what ran on the old one
+    onto it. A renewal that fails part of the way is owed, and done again
+    when the loop restarts. A connection that stays down (nats-py
+    reconnecting) longer than ``patience`` raises :class:`~renqueue._tasks.Fatal`
+    saying so: the process stops, for its supervisor to restart it.
+    """
+
+    #: Seconds between looks at the connection.
+    EVERY: Final = 1.0
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        name: str,
+        config: NatsConfig,
+        current: Callable[[], Connection | None],
+        renew: Callable[[Connection], Awaitable[None]],
+    ) -> None:
+        self._url = url
+        self._name = name
+        self._config = config
+        self._current = current
+        self._renew = renew
+        self._owed = False
+        #: Times a new connection was opened and the component moved onto it.
+        self.renewals = 0
+
+    @property
+    def _patience(self) -> float:
+        return parse_duration(self._config.patience) or math.inf
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        down_since: float | None = None
+        while True:
+            nc = self._current()
+            if nc is None:
+                raise Fatal(f"{self._name} has no connection to keep")
+            if not self._owed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(nc.lost.wait(), self.EVERY)
+            if nc.lost.is_set() or self._owed:
+                await self._renewed(nc)
+                down_since = None
+            elif nc.is_connected:
+                down_since = None
+            elif down_since is None:
+                down_since = loop.time()
+            elif loop.time() - down_since > self._patience:
+                raise Fatal(
+                    f"cannot reach NATS at {redact_url(self._url)} for longer than "
+                    f"nats.patience ({self._config.patience})"
+                )
+
+    async def _renewed(self, old: Connection) -> None:
+        log.warning("moving onto a new NATS connection", nats_name=self._name)
+        self._owed = True
+        if not old.is_closed:
+            with contextlib.suppress(Exception):
+                await old.close()
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self._patience
+        while True:
+            try:
+                new = await connect(self._url, name=self._name, config=self._config)
+                break
+            except ConnectionFailedError as exc:
+                if loop.time() >= give_up:
+                    raise Fatal(
+                        f"cannot reconnect to NATS within nats.patience "
+                        f"({self._config.patience}): {exc}"
+                    ) from exc
+                log.warning("reconnecting to NATS failed; trying again", error=str(exc))
+        try:
+            await self._renew(new)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await new.close()
+            raise
+        self._owed = False
+        self.renewals += 1
+        log.info("running on a new NATS connection", nats_name=self._name)

@@ -16,21 +16,19 @@ routers' state, retry while JetStream cannot answer, logging each attempt (see
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import math
 import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final, Protocol, TypeVar
 
 from .._lifecycle import Lifecycle, State
-from .._tasks import Fatal, Supervisor, cancel_and_wait
+from .._tasks import Supervisor, cancel_and_wait
 from ..backends import Backend, make_backend
 from ..config import Config, parse_duration
-from ..errors import ConnectionFailedError, ServiceFailedError
+from ..errors import ServiceFailedError
 from ..logs import get_logger
-from ..ops._connection import connect, redact_url
+from ..ops._connection import ConnectionKeeper, connect, redact_url
 from ..ops._embedded import EmbeddedServer
 from ..ops._provision import provision, until_jetstream_answers
 from ..state._cancellation import CancelWatch
@@ -46,8 +44,6 @@ log = get_logger("service")
 
 #: The loop that keeps the services on a live connection.
 _WATCH: Final = "nats-connection"
-#: Seconds between its looks at the connection.
-_WATCH_EVERY: Final = 1.0
 
 
 class _Startable(Protocol):
@@ -96,9 +92,8 @@ class Services(Lifecycle):
         #: Owns every background loop of this process; ``failed`` is set when one
         #: cannot go on, and the process must then stop (see :mod:`renqueue._tasks`).
         self.supervisor = Supervisor(name)
-        #: Times the services were started again on a new connection.
-        self.reconnects = 0
-        self._restart_owed = False
+        #: Keeps the services on a live connection (see :meth:`_renew`).
+        self.keeper: ConnectionKeeper | None = None
 
     @property
     def state(self) -> State:
@@ -127,7 +122,14 @@ class Services(Lifecycle):
         if self._provision:
             await provision(nc, self.config)
         await self._start_components()
-        self.supervisor.spawn(_WATCH, self._watch_connection)
+        self.keeper = ConnectionKeeper(
+            url=self.url,
+            name=self._name,
+            config=self.config.nats,
+            current=lambda: self.nc,
+            renew=self._renew,
+        )
+        self.supervisor.spawn(_WATCH, self.keeper.run)
 
     async def _start_components(self) -> None:
         """Start what runs on the connection (:attr:`nc`), in order."""
@@ -245,70 +247,15 @@ class Services(Lifecycle):
         self.routers, self.workers = [], []
         self.advisories = self.projector = self.cancels = None
 
-    async def _watch_connection(self) -> None:
-        """Keep the services on a live connection (a supervised loop).
-
-        nats-py reconnects by itself after a dropped connection or a server
-        restart, but not after the server *closed* it (a protocol error such
-        as ``maximum payload exceeded``, which no publish of ours can cause:
-        each is checked first). Then every component is stopped and started
-        again on a new connection, rebuilding what it needs from the log and
-        the projection, as a restarted process would. A connection that
-        stays down (nats-py still reconnecting) longer than
-        ``nats.patience`` stops the process, saying why.
-        """
-        patience = parse_duration(self.config.nats.patience) or math.inf
-        loop = asyncio.get_running_loop()
-        down_since: float | None = None
-        while True:
-            nc = self.nc
-            if nc is None:
-                raise Fatal("the services have no connection")
-            if not self._restart_owed:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(nc.lost.wait(), _WATCH_EVERY)
-            if nc.lost.is_set() or self._restart_owed:
-                await self._reconnect(patience)
-                down_since = None
-            elif nc.is_connected:
-                down_since = None
-            elif down_since is None:
-                down_since = loop.time()
-            elif loop.time() - down_since > patience:
-                raise Fatal(
-                    f"cannot reach NATS at {redact_url(self.url)} for longer than "
-                    f"nats.patience ({self.config.nats.patience})"
-                )
-
-    async def _reconnect(self, patience: float) -> None:
-        """Stop the components on the closed connection, connect anew (for up
-        to ``patience`` seconds) and start them again on the new one. One
-        that fails part of the way is owed: the loop, restarted, does it all
-        again."""
-        log.warning("restarting the services on a new connection")
-        self._restart_owed = True
+    async def _renew(self, new: Connection) -> None:
+        """The server closed the connection (see :class:`ConnectionKeeper`):
+        stop every component on it and start them again on ``new``, each
+        rebuilding what it needs from the log and the projection, as a
+        restarted process would (a worker's runs in flight run again: their
+        messages were never acked)."""
         await self._stop_components()
-        if self.nc is not None and not self.nc.is_closed:
-            with contextlib.suppress(Exception):
-                await self.nc.close()
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + patience
-        while True:
-            try:
-                nc = await connect(self.url, name=self._name, config=self.config.nats)
-                break
-            except ConnectionFailedError as exc:
-                if loop.time() >= give_up:
-                    raise Fatal(
-                        f"cannot reconnect to NATS within nats.patience "
-                        f"({self.config.nats.patience}): {exc}"
-                    ) from exc
-                log.warning("reconnecting to NATS failed; trying again", error=str(exc))
-        self.nc, self.js = nc, nc.jetstream()
+        self.nc, self.js = new, new.jetstream()
         await self._start_components()
-        self._restart_owed = False
-        self.reconnects += 1
-        log.info("services running again on a new connection")
 
     async def _stop_services(self) -> None:
         """Everything but the embedded server, in order."""
