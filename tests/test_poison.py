@@ -23,7 +23,7 @@ from test_fallback import FAST
 from test_restarts import TENANT
 from test_wire_v2_hostile import config_of, nested, raw_request
 
-from renqueue import Client, RequestFailedError, RequestRejectedError, Services, parse_config
+from renqueue import Client, RequestFailedError, RequestRejectedError, Services
 from renqueue.errors import NatsPayloadTooLargeError, ServiceFailedError
 from renqueue.ops import EmbeddedServer, connect, provision
 from renqueue.ops._dlq import DeadLetter, DeadLetterError, DeadLetterFilter, DeadLetters
@@ -303,13 +303,7 @@ async def test_a_process_without_nats_past_its_patience_exits_saying_why(tmp_pat
         server = EmbeddedServer(tmp_path / "nats", port=-1)
         await server.start()
         try:
-            config = parse_config(
-                {
-                    "nats": {"url": server.url, "patience": "2s"},
-                    "backends": {"b": {"base_url": mock.url, "model": "m"}},
-                    "routes": {"chat": {"backends": ["b"]}},
-                }
-            )
+            config = config_of(mock.url, nats_url=server.url, patience="2s")
             services = Services(config)
             running = asyncio.create_task(run_until_signalled(services))
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from test_wire_v2_hostile import config_of
 
 from renqueue import Client, Services, parse_config
 from renqueue.errors import NatsTimeoutError, NatsUnavailableError
@@ -28,13 +29,7 @@ async def test_services_reconnect_after_the_server_restarts(tmp_path: Path) -> N
     await server.start()
     port = server.port
     async with MockBackend(MockSettings(output_tokens=4)) as mock:
-        config = parse_config(
-            {
-                "nats": {"url": server.url},
-                "backends": {"b": {"base_url": mock.url, "model": "m"}},
-                "routes": {"chat": {"backends": ["b"]}},
-            }
-        )
+        config = config_of(mock.url, nats_url=server.url)
         try:
             async with Services(config) as services, Client(services.nc, tenant="t") as client:
                 before = await (await client.submit("one", route="chat")).result(timeout=10)
@@ -116,13 +111,7 @@ async def test_a_run_whose_broker_is_killed_mid_stream_is_handed_back_at_once(
     port = server.port
     # 20 tokens over about 2 s: the run is still streaming when the server dies.
     async with MockBackend(MockSettings(output_tokens=20, tokens_per_second=10)) as mock:
-        config = parse_config(
-            {
-                "nats": {"url": server.url},
-                "backends": {"b": {"base_url": mock.url, "model": "m"}},
-                "routes": {"chat": {"backends": ["b"]}},
-            }
-        )
+        config = config_of(mock.url, nats_url=server.url)
         try:
             async with Services(config) as services, Client(services.nc, tenant="t") as client:
                 handle = await client.submit("long", route="chat", request_id="killed-mid-run")
@@ -219,13 +208,7 @@ async def test_a_submit_made_while_the_server_is_down_is_stored_once_when_it_is_
     await server.start()
     port = server.port
     async with MockBackend(MockSettings(output_tokens=4)) as mock:
-        config = parse_config(
-            {
-                "nats": {"url": server.url},
-                "backends": {"b": {"base_url": mock.url, "model": "m"}},
-                "routes": {"chat": {"backends": ["b"]}},
-            }
-        )
+        config = config_of(mock.url, nats_url=server.url)
         try:
             async with Services(config) as services, Client(services.nc, tenant="t") as client:
                 await (await client.submit("warm", route="chat")).result(timeout=10)  # tap on

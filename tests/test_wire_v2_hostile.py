@@ -40,10 +40,11 @@ from renqueue.wire import (
 )
 
 
-def config_of(backend: str = "http://127.0.0.1:1", nats_url: str | None = None) -> Any:
+def config_of(backend: str = "http://127.0.0.1:1", nats_url: str | None = None, **nats: str) -> Any:
+    """One backend ``b`` at ``backend``, route ``chat``; ``nats`` settings besides the URL."""
     return parse_config(
         {
-            **({"nats": {"url": nats_url}} if nats_url else {}),
+            **({"nats": {"url": nats_url, **nats}} if nats_url else {}),
             "backends": {"b": {"base_url": backend, "model": "m"}},
             "routes": {"chat": {"backends": ["b"]}},
         }

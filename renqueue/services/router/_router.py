@@ -555,24 +555,13 @@ class Router(Lifecycle):
         request_id, tenant = rejection_id(msg)
         with contextlib.suppress(msgspec.DecodeError):
             request_id = REQUEST_DECODER.decode(msg.data).id
+        bound = log.bind(request_id=request_id, tenant=tenant, delivered=delivered, error=repr(exc))
         if delivered < UNTAKEABLE_AFTER:
-            log.exception(
-                "could not take a request; it will be delivered again",
-                request_id=request_id,
-                tenant=tenant,
-                delivered=delivered,
-                error=repr(exc),
-            )
+            bound.exception("could not take a request; it will be delivered again")
             with contextlib.suppress(Exception):
                 await msg.nak(delay=float(delivered))
             return
-        log.exception(
-            "could not take a request on any of its deliveries; rejecting it",
-            request_id=request_id,
-            tenant=tenant,
-            delivered=delivered,
-            error=repr(exc),
-        )
+        bound.exception("could not take a request on any of its deliveries; rejecting it")
         error = UnprocessableRequestError(
             f"the router failed on it {delivered} times ({type(exc).__name__}); "
             "ended so that it stops no one else's request",
