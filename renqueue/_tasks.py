@@ -13,10 +13,11 @@ silence while their work was kept alive:
   server recovers its streams) is expected on every broker restart: it is a
   warning, without a traceback, and restarted the same way.
 - A loop that keeps failing (``give_up_after`` consecutive failures with no
-  healthy stretch in between, transient broker faults not counted: a broker
-  that does not answer is waited for, and how long a process may go without
-  NATS is ``nats.patience``, watched by ``Services``), or raises
-  :class:`Fatal`, cannot go on: the
+  healthy stretch in between, not counting the broker's faults: no answer, a
+  closed connection; or failing for the broker's sake alone for longer than
+  ``broker_patience``, a process's ``nats.patience``: a NATS outage is waited
+  out that long, and a closed connection is replaced meanwhile by the
+  services' ``ConnectionKeeper``), or raises :class:`Fatal`, cannot go on: the
   supervisor records why and sets :attr:`Supervisor.failed`. The process
   (``renqueue up``/``router``/``worker``) then shuts down and exits non-zero,
   so a process supervisor (systemd, Kubernetes) restarts it, and every message
@@ -74,11 +75,12 @@ class _Loop:
         self.name = name
         self.task: asyncio.Task[None] | None = None
         self.failures = 0
-        #: Of ``failures``, those not the broker's passing fault: only these
-        #: give up. A broker that does not answer is waited for (with the
-        #: backoff) however long; how long a process may go without NATS
-        #: is ``nats.patience``, decided by the services (``Services``).
+        #: Of ``failures``, those not the broker's (no answer, a closed
+        #: connection): ``give_up_after`` of these give up. A broker that does
+        #: not answer is waited for up to ``broker_patience`` seconds instead.
         self.faults = 0
+        #: When the current streak of failures began (loop time); None: none.
+        self.failing_since: float | None = None
         self.running = False
         self.error: str | None = None
 
@@ -99,11 +101,15 @@ class Supervisor:
         base_backoff: float = 0.1,
         max_backoff: float = 5.0,
         give_up_after: int = 20,
+        broker_patience: float = 300.0,
     ) -> None:
         self._name = name
         self._base = base_backoff
         self._max = max_backoff
         self._give_up_after = give_up_after
+        #: How long a loop may fail for the broker's sake alone (no answer, a
+        #: closed connection) before it gives up: the process's ``nats.patience``.
+        self.broker_patience = broker_patience
         self._loops: dict[str, _Loop] = {}
         self._jobs: dict[str, _Loop] = {}
         #: Set once a loop cannot go on; :attr:`reason` says which and why.
@@ -209,13 +215,24 @@ class Supervisor:
                 return
             except Exception as exc:
                 loop.running = False
-                if event_loop.time() - began >= HEALTHY_AFTER:
+                now = event_loop.time()
+                if now - began >= HEALTHY_AFTER:
                     loop.failures = loop.faults = 0
+                    loop.failing_since = None
                 loop.failures += 1
-                if not _transient(exc):
+                if loop.failing_since is None:
+                    loop.failing_since = now
+                if not isinstance(exc, NatsUnavailableError):
                     loop.faults += 1
                 if loop.faults >= self._give_up_after:
                     self._fail(loop, f"failed {loop.failures} times in a row; last: {exc!r}")
+                    return
+                if now - loop.failing_since > self.broker_patience:
+                    self._fail(
+                        loop,
+                        f"failed for {now - loop.failing_since:.0f} s "
+                        f"({loop.failures} times in a row); last: {exc!r}",
+                    )
                     return
                 delay = min(self._max, self._base * 2 ** (loop.failures - 1))
                 delay *= random.uniform(0.5, 1.0)

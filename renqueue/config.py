@@ -203,8 +203,9 @@ class NatsConfig(_Section, frozen=True, kw_only=True):
     #: error; each start-up step waits this long at most. ``"0s"``: forever.
     startup_wait: Duration = "0s"
     #: How long a running service stays up while it cannot reach any NATS
-    #: server (nats-py reconnecting, or a new connection failing) before it
-    #: exits, saying why, for its process supervisor to restart it. ``"0s"``: forever.
+    #: server (nats-py reconnecting, or a new connection failing), or one of
+    #: its loops gets no answer on a live one, before it exits, saying why,
+    #: for its process supervisor to restart it. ``"0s"``: forever.
     patience: Duration = "5m"
 
 

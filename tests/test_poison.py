@@ -31,6 +31,7 @@ from renqueue.services import run_until_signalled
 from renqueue.services.router._router import Router
 from renqueue.tools import MockBackend
 from renqueue.wire import (
+    REQUEST_DECODER,
     REQUEST_HEADROOM,
     Connection,
     EventLog,
@@ -38,6 +39,7 @@ from renqueue.wire import (
     JetStream,
     Started,
     dispatch_subject,
+    encode,
     is_terminal,
     kind_of,
     msg_id,
@@ -129,7 +131,8 @@ async def test_a_request_too_big_to_admit_is_rejected_and_its_dead_letter_fits(
 async def test_a_request_at_the_limit_the_services_admit_runs_and_its_dead_letter_is_whole(
     isolated_server: EmbeddedServer,
 ) -> None:
-    """The largest request admitted (``request_limit``) goes through the router
+    """The largest request admitted (``request_limit``, as the services encode
+    it) goes through the router
     and the worker; the mock refuses a body that large (aiohttp's 1 MB), the
     worker fails it for good, and its dispatch's dead letter is the whole
     dispatch: a request the services admit always leaves room for their own."""
@@ -137,7 +140,9 @@ async def test_a_request_at_the_limit_the_services_admit_runs_and_its_dead_lette
         config = config_of(mock.url, nats_url=isolated_server.url)
         async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
             size = request_limit(client.nc.max_payload)
-            data = hostile("largest", size)
+            # The largest the services admit, as they write it (defaults spelled out).
+            grown = len(encode(REQUEST_DECODER.decode(hostile("largest", size)))) - size
+            data = hostile("largest", size - grown)
             await client.js.publish(
                 request_subject("normal", TENANT),
                 data,

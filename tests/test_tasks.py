@@ -203,3 +203,22 @@ async def test_a_broker_that_does_not_answer_is_waited_for_however_often_a_loop_
     assert not supervisor.failed.is_set()
     assert runs == 13
     await supervisor.close()
+
+
+async def test_a_loop_failing_for_the_brokers_sake_alone_gives_up_after_the_patience() -> None:
+    """A loop that never gets an answer on a live connection (a deleted
+    bucket, a lost permission) is not kept alive forever: past the process's
+    patience it gives up, and says how long it tried."""
+
+    async def never_answered() -> None:
+        raise NatsTimeoutError("the broker did not answer")
+
+    supervisor = Supervisor(
+        "test", base_backoff=0.001, max_backoff=0.01, give_up_after=4, broker_patience=0.2
+    )
+    supervisor.spawn("renew", never_answered)
+    await asyncio.wait_for(supervisor.failed.wait(), 5)
+    assert supervisor.reason is not None
+    assert "renew" in supervisor.reason
+    assert "failed for 0 s" in supervisor.reason
+    await supervisor.close()

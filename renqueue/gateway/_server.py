@@ -228,7 +228,9 @@ class Gateway(Lifecycle):
         self._url = url
         self._nc: Connection | None = nc
         self._owns_nc = nc is None
-        self._supervisor = supervisor or Supervisor(name)
+        self._supervisor = supervisor or Supervisor(
+            name, broker_patience=parse_duration(config.nats.patience) or math.inf
+        )
         self._owns_supervisor = supervisor is None
         self._name = name
         self.host = self._gw.host if host is None else host
@@ -732,12 +734,16 @@ class Gateway(Lifecycle):
                 "client disconnected; a retry still follows its request", request_id=request_id
             )
             return
-        self._forget(client.tenant, print_, request_id)
-        handle = client.handle(request_id)
+        tenant = client.tenant
+        self._forget(tenant, print_, request_id)
         log.info("client disconnected; cancelling its request", request_id=request_id)
-        self._supervisor.spawn_job(
-            f"cancel-{client.tenant}:{request_id}", lambda: handle.cancel(DISCONNECTED)
-        )
+
+        async def cancel() -> None:
+            # The tenant's client of the moment: the gateway may have moved
+            # onto a new connection since (see _renew).
+            await self._tenant(tenant).client.handle(request_id).cancel(DISCONNECTED)
+
+        self._supervisor.spawn_job(f"cancel-{tenant}:{request_id}", cancel)
 
     async def _outcome(self, handle: RequestHandle) -> Result:
         """The request's result; its terminal event's error if it did not complete."""

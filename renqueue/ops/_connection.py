@@ -164,12 +164,13 @@ class ConnectionKeeper:
     nats-py reconnects by itself after a dropped connection or a server
     restart, but not after the server *closed* the connection (a protocol
     error: ``maximum payload exceeded``, ``Maximum Control Line Exceeded``,
-    ...). Then ``renew(new)`` is called with a new connection (opened for up
-    to ``patience`` seconds): the component moves what ran on the old one
-    onto it. A renewal that fails part of the way is owed, and done again
-    when the loop restarts. A connection that stays down (nats-py
-    reconnecting) longer than ``patience`` raises :class:`~renqueue._tasks.Fatal`
-    saying so: the process stops, for its supervisor to restart it.
+    ...). Then ``renew(new)`` is called with a new connection: the component
+    moves what ran on the old one onto it. Opening it and the renewal take
+    ``nats.patience`` at most, or the process stops. A renewal that fails
+    part of the way is owed, and done again when the loop restarts. A
+    connection that stays down (nats-py reconnecting) longer than
+    ``patience`` raises :class:`~renqueue._tasks.Fatal` saying so: the
+    process stops, for its supervisor to restart it.
     """
 
     #: Seconds between looks at the connection.
@@ -239,11 +240,18 @@ class ConnectionKeeper:
                         f"({self._config.patience}): {exc}"
                     ) from exc
                 log.warning("reconnecting to NATS failed; trying again", error=str(exc))
+        left = give_up - loop.time()
         try:
-            await self._renew(new)
-        except BaseException:
+            async with asyncio.timeout(None if math.isinf(left) else max(left, 0.0)):
+                await self._renew(new)
+        except BaseException as exc:
             with contextlib.suppress(Exception):
                 await new.close()
+            if isinstance(exc, TimeoutError):
+                raise Fatal(
+                    f"could not start again on a new NATS connection within nats.patience "
+                    f"({self._config.patience})"
+                ) from exc
             raise
         self._owed = False
         self.renewals += 1

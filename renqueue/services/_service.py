@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -91,7 +92,9 @@ class Services(Lifecycle):
         self._adapters: list[Backend] = []
         #: Owns every background loop of this process; ``failed`` is set when one
         #: cannot go on, and the process must then stop (see :mod:`renqueue._tasks`).
-        self.supervisor = Supervisor(name)
+        self.supervisor = Supervisor(
+            name, broker_patience=parse_duration(config.nats.patience) or math.inf
+        )
         #: Keeps the services on a live connection (see :meth:`_renew`).
         self.keeper: ConnectionKeeper | None = None
 
@@ -253,6 +256,8 @@ class Services(Lifecycle):
         rebuilding what it needs from the log and the projection, as a
         restarted process would (a worker's runs in flight run again: their
         messages were never acked)."""
+        for worker in self.workers:
+            worker.abandon_runs()
         await self._stop_components()
         self.nc, self.js = new, new.jetstream()
         await self._start_components()

@@ -29,6 +29,7 @@ from ...wire._messages import (
     Preempted,
     Retrying,
     Submitted,
+    encode,
 )
 from ...wire._nats import JetStream, Message
 from ...wire._subjects import EVENTS_STREAM, event_subject, is_requeue_subject
@@ -49,6 +50,12 @@ __all__ = [
 log = get_logger("router")
 
 _ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+#: The most a request's JSON grows when the services encode it again (a
+#: 3-byte number such as ``9e9`` takes at most ~24): requests smaller than
+#: ``max_bytes`` over this are not encoded again to check.
+_MOST_GROWTH: Final = 8
 
 
 class Refused(NamedTuple):
@@ -77,6 +84,16 @@ def admit(
     try:
         request = REQUEST_DECODER.decode(msg.data)
         request_id = request.id
+        if max_bytes is not None and len(msg.data) > max_bytes // _MOST_GROWTH:
+            # Numbers re-encode longer than a client may write them (``9e15``:
+            # ``9000000000000000.0``): what the services write must fit too.
+            size = len(encode(request))
+            if size > max_bytes:
+                raise MalformedRequestError(
+                    f"the request is {size} bytes as the services write it, over the "
+                    f"{max_bytes} the broker's largest message leaves for it (write "
+                    "numbers out in full, send images by https URL, or send less)"
+                )
         validate(
             request,
             level=level,

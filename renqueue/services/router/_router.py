@@ -71,7 +71,8 @@ from ..._tasks import Supervisor, cancel_and_wait
 from ...config import Config, parse_duration
 from ...errors import (
     BudgetExhaustedError,
-    NatsUnavailableError,
+    NatsError,
+    NatsPayloadTooLargeError,
     RenQueueError,
     UnprocessableRequestError,
 )
@@ -144,9 +145,11 @@ from ._splits import Splitter
 
 __all__ = ["UNTAKEABLE_AFTER", "Router"]
 
-#: Deliveries of a request whose taking fails (not for the broker's sake)
-#: before it is rejected as ``unprocessable``.
+#: Failures to take a request (not for the broker's sake) before it is
+#: rejected as ``unprocessable``; delivered again 2 s, then 4 s after each.
 UNTAKEABLE_AFTER: Final = 3
+#: Requests whose failures to take are counted, at most (the oldest forgotten).
+_TAKE_FAILURES_KEPT: Final = 1024
 
 log = get_logger("router")
 
@@ -211,6 +214,8 @@ class Router(Lifecycle):
         self._recent_binds: collections.deque[tuple[float, str, float]] = collections.deque()
         #: Timers that expire coalesced followers at their deadlines.
         self._follower_timers: set[asyncio.TimerHandle] = set()
+        #: Failures to take each request (by stream sequence) so far: see _untakeable.
+        self._take_failures: dict[int, int] = {}
         self._ledger = Ledger(config)
         self._circuits = Circuits(config)
         #: A/B splits: each request's arm, and the automatic rollback (``_splits``).
@@ -462,14 +467,16 @@ class Router(Lifecycle):
         if self._unlisten is not None:
             self._unlisten()
             self._unlisten = None
+        # Before any await: a timer that fired later would spawn a job on a
+        # connection about to be left (a restart on a new one).
+        for timer in self._follower_timers:
+            timer.cancel()
+        self._follower_timers.clear()
         # Jobs cut short leave their follower in its group: its leader's hand-out ends it.
         await self._supervisor.stop(*self._loops, *self._supervisor.jobs(self._job_prefix))
         self._loops.clear()
         async with self._term_lock:
             await self._end_term(None)
-        for timer in self._follower_timers:
-            timer.cancel()
-        self._follower_timers.clear()
         # Unsubscribe, or a pull that expires after the fetch task is gone
         # leaves a status message no one reads, and draining NATS waits on it.
         for sub in self._subs:
@@ -528,12 +535,17 @@ class Router(Lifecycle):
             pending = deque(msgs)
             try:
                 while pending:
+                    head = pending[0]
                     try:
-                        await self._take(pending[0], level, rank, now)
-                    except NatsUnavailableError:
-                        raise  # the broker's fault, not the request's: the loop restarts
+                        await self._take(head, level, rank, now)
+                    except NatsPayloadTooLargeError as exc:  # this request's, not the broker's
+                        await self._untakeable(head, exc)
+                    except NatsError:
+                        raise  # the broker's: the loop restarts (and the batch goes back)
                     except Exception as exc:  # noqa: BLE001 - one request must never stop a level
-                        await self._untakeable(pending[0], exc)
+                        await self._untakeable(head, exc)
+                    else:
+                        self._take_failures.pop(head.metadata.sequence.stream, None)
                     pending.popleft()
             except BaseException:
                 # Failed or stopped mid-batch: what was not taken goes back now,
@@ -547,27 +559,35 @@ class Router(Lifecycle):
 
     async def _untakeable(self, msg: Message, exc: Exception) -> None:
         """Taking ``msg`` failed for a reason other than the broker (a bug the
-        request triggers): it is delivered again after a pause, and on its
-        :data:`UNTAKEABLE_AFTER`-th delivery ended, rejected as
-        ``unprocessable`` with a dead letter, so it can never stop its level's
-        loop, the process, or the process after a restart."""
-        delivered = int(msg.metadata.num_delivered)
+        request triggers): it is delivered again after a pause, and after
+        :data:`UNTAKEABLE_AFTER` failures (counted by this router, whatever
+        its deliveries in between) ended, rejected as ``unprocessable`` with a
+        dead letter, so it can never stop its level's loop, the process, or
+        the process after a restart."""
+        seq = msg.metadata.sequence.stream
+        failures = self._take_failures.pop(seq, 0) + 1
         request_id, tenant = rejection_id(msg)
+        request = None
         with contextlib.suppress(msgspec.DecodeError):
-            request_id = REQUEST_DECODER.decode(msg.data).id
-        bound = log.bind(request_id=request_id, tenant=tenant, delivered=delivered, error=repr(exc))
-        if delivered < UNTAKEABLE_AFTER:
+            request = REQUEST_DECODER.decode(msg.data)
+            request_id = request.id
+        bound = log.bind(request_id=request_id, tenant=tenant, failures=failures, error=repr(exc))
+        if failures < UNTAKEABLE_AFTER:
             bound.exception("could not take a request; it will be delivered again")
+            while len(self._take_failures) >= _TAKE_FAILURES_KEPT:
+                del self._take_failures[next(iter(self._take_failures))]
+            self._take_failures[seq] = failures
             with contextlib.suppress(Exception):
-                await msg.nak(delay=float(delivered))
+                await msg.nak(delay=2.0**failures)
             return
-        bound.exception("could not take a request on any of its deliveries; rejecting it")
+        bound.exception("could not take a request, again and again; rejecting it")
         error = UnprocessableRequestError(
-            f"the router failed on it {delivered} times ({type(exc).__name__}); "
+            f"the router failed on it {failures} times ({type(exc).__name__}); "
             "ended so that it stops no one else's request",
             request_id=request_id,
         )
-        await self._reject(msg, request_id, tenant, error)
+        valid = request is not None and request.tenant == tenant
+        await self._reject(msg, request_id, tenant, error, request=request if valid else None)
 
     async def _take(self, msg: Message, level: str, rank: int, now: float) -> None:
         """Admit one fetched request: log it, settle it, or hold it for dispatch."""
@@ -802,7 +822,18 @@ class Router(Lifecycle):
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
 
-    async def _reject(self, msg: Message, request_id: str, tenant: str, error: Exception) -> None:
+    async def _reject(
+        self,
+        msg: Message,
+        request_id: str,
+        tenant: str,
+        error: Exception,
+        *,
+        request: InferenceRequest | None = None,
+    ) -> None:
+        """Dead-letter ``msg`` and end its request ``rejected``. Given the
+        decoded ``request`` (one taken before, that may lead a coalescing
+        group), its followers get their outcome first, as :meth:`_end` does."""
         code = getattr(error, "code", "malformed")
         self.rejected += 1
         metrics.REJECTED.labels(code).inc()
@@ -825,7 +856,10 @@ class Router(Lifecycle):
                 error_type=code,
                 reason=str(error)[:1000],
             )
-            await self._log.finish(event)
+            if request is None:
+                await self._log.finish(event)
+            else:
+                await self._end(request, event)
             await msg.ack()
         except Exception as exc:
             log.exception("could not record rejection", request_id=request_id, error=str(exc))
@@ -951,7 +985,9 @@ class Router(Lifecycle):
                 error = BudgetExhaustedError(
                     request.tenant, action.daily, action.spent, day_ends(now), request_id=request.id
                 )
-                self._spawn_publish(self._reject(item.msg, request.id, request.tenant, error))
+                self._spawn_publish(
+                    self._reject(item.msg, request.id, request.tenant, error, request=request)
+                )
             elif isinstance(action, Bind) and catching_up and action.backend in judged:
                 # Its quota is judged on a view that may not know yet what the
                 # previous binder spent: it waits (held) for the view.

@@ -58,7 +58,12 @@ from ..._lifecycle import Lifecycle
 from ..._tasks import Supervisor, cancel_and_wait
 from ...backends import Backend, HTTPBackend
 from ...config import BaseBackendConfig, Config, parse_duration
-from ...errors import BackendError, NatsUnavailableError, RateLimitedError
+from ...errors import (
+    BackendError,
+    NatsPayloadTooLargeError,
+    NatsUnavailableError,
+    RateLimitedError,
+)
 from ...logs import bound_request, get_logger
 from ...policy import (
     INTERNAL,
@@ -241,6 +246,12 @@ class Worker(Lifecycle):
             for name, backend in self._config.backends.items()
             if pool is not None and backend.pool == pool and name != self._backend_name
         ]
+
+    def abandon_runs(self) -> None:
+        """Its connection is gone: no run in flight can be acked or stream on,
+        so :meth:`stop` cancels them at once instead of waiting up to
+        ``worker.drain_timeout`` (the broker delivers them again)."""
+        self._drain_timeout = 0.0
 
     async def _stop(self) -> None:
         """Stop fetching, let in-flight runs finish within the bound, nak the rest."""
@@ -670,7 +681,25 @@ class Worker(Lifecycle):
     ) -> None:
         """Carry out what the failure policy decides for a failed run: retry it
         here after a delay, put it back to routing (a spent quota), or fail the
-        request (:func:`renqueue.policy.after_failure`)."""
+        request (:func:`renqueue.policy.after_failure`).
+
+        A run whose answer, as the services write it, is over the broker's
+        ``max_payload`` fails at once: running it again would pay the backend
+        for the same answer, which would not fit either."""
+        if isinstance(exc, NatsPayloadTooLargeError):
+            log.error(
+                "the answer is over the broker's largest message; request fails", error=str(exc)
+            )
+            await self._fail(
+                msg,
+                dispatch,
+                run,
+                chunks.seq,
+                error_type="answer_too_large",
+                reason=f"its answer was streamed, but is too big to record whole: {exc}",
+                error_class=INTERNAL,
+            )
+            return
         action = after_failure(
             exc,
             failed_runs=await self._failed_runs(dispatch),
