@@ -12,8 +12,8 @@ Submits are idempotent: the request id is the JetStream message id, so a
 resubmit with the same id (after a timeout, say) creates nothing new and the
 returned handle follows the original request. A submit whose publish gets no
 answer (the broker restarting, a connection lost) publishes again itself,
-under the same id, until the request's deadline (30 s without one,
-:attr:`Client.submit_patience`); only then does the caller get the error.
+under the same id, for :attr:`Client.submit_patience` (30 s) or until the
+request's deadline if sooner; only then does the caller get the error.
 
 Results come from the event log. One consumer per client (the *tap*) follows
 the tenant's events from the moment of the first submit and resolves waiting
@@ -586,9 +586,10 @@ class Client:
     #: Seconds a submit that finds no stream (a cluster electing a leader, or a
     #: level that is not configured) is retried before UnknownPriorityError.
     no_stream_grace: float = 3.0
-    #: Seconds a submit of a request without a deadline keeps publishing it
-    #: again while the broker does not answer (a request with a deadline: until
-    #: its deadline). Then the last error is raised.
+    #: Seconds a submit keeps publishing a request again while the broker does
+    #: not answer (less if its deadline comes first); then the last error is
+    #: raised. Keep it well inside ``nats.duplicate_window`` (10 minutes): a
+    #: retry past the window would store a second copy of a stored request.
     submit_patience: float = 30.0
 
     def __init__(
@@ -798,17 +799,17 @@ class Client:
                 messages and parameters).
 
         A publish the broker does not answer (a restart, a lost connection)
-        is sent again under the same id, with a capped backoff, until the
-        deadline (without one, for :attr:`submit_patience` seconds): the
-        duplicate window makes that safe, and a retry that finds its first
+        is sent again under the same id, with a capped backoff, for
+        :attr:`submit_patience` seconds or until the deadline if sooner: the
+        duplicate window (far longer) makes that safe, and a retry that finds its first
         try stored is not a duplicate (``handle.found_on_retry`` says so).
 
         Raises:
             MalformedRequestError: A parameter fails validation (the field is named).
             UnknownPriorityError: No stream takes ``priority``.
             NatsPayloadTooLargeError: The request is over what the broker takes.
-            NatsUnavailableError: The broker did not answer until the deadline
-                (or :attr:`submit_patience`): the last try's error, often a
+            NatsUnavailableError: The broker did not answer for
+                :attr:`submit_patience` (or until the deadline): the last try's error, often a
                 :class:`NatsTimeoutError`. The request may have been stored
                 all the same; submit it again with the same id to find out.
         """
@@ -921,8 +922,9 @@ class Client:
 
         A publish the broker does not answer (no ack in time, a reconnect, a
         full outbound buffer, a 503) is retried with the same message id,
-        after a capped backoff, while the request's deadline allows (without
-        one, for :attr:`submit_patience` seconds); then the last error is
+        after a capped backoff, for :attr:`submit_patience` seconds or until
+        the request's deadline if sooner (never past the broker's duplicate
+        window, which would store a second copy); then the last error is
         raised. A closed connection, and every other error (a request over
         the broker's limit, a refusal), is raised at once. A try that timed
         out may have been stored (its ack lost): a retry the broker reports
@@ -940,10 +942,9 @@ class Client:
         loop = asyncio.get_running_loop()
         subject = request_subject(request.priority, request.tenant)
         headers = {"Nats-Msg-Id": msg_id(request.tenant, request.id)}
-        if request.deadline is None:
-            patience = self.submit_patience
-        else:
-            patience = request.deadline - time.time()
+        patience = self.submit_patience
+        if request.deadline is not None:
+            patience = min(patience, request.deadline - time.time())
         give_up = loop.time() + patience
         no_stream_until: float | None = None
         no_stream_delay = 0.05

@@ -313,3 +313,30 @@ async def test_a_fetch_whose_deadline_passes_inside_nats_py_is_our_timeout() -> 
 
     with pytest.raises(NatsTimeoutError):
         await PullSubscription(Raising()).fetch(10, timeout=0.2)  # type: ignore[arg-type]
+
+
+async def test_a_connect_cancelled_midway_leaves_no_half_open_client() -> None:
+    """A shutdown during a (re)connect cancels it: the client is closed, not
+    left trying in the background (the review of issue #29)."""
+    accepted = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()  # a peer that never says INFO: the connect waits
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    connection = Connection()
+    try:
+        opening = asyncio.create_task(
+            connection.open(30.0, servers=[f"nats://127.0.0.1:{port}"], connect_timeout=30)
+        )
+        await asyncio.wait_for(accepted.wait(), 10)
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        assert connection.is_closed
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -31,6 +31,7 @@ imports ``nats``; a test keeps it that way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 from collections.abc import Awaitable, Callable, Mapping
@@ -729,6 +730,12 @@ class Connection:
             self._closing = True
             await self._nc.close()
             raise ConnectionFailedError(str(exc) or type(exc).__name__) from exc
+        except asyncio.CancelledError:
+            # Cancelled while connecting (a shutdown): no half-open client is left.
+            self._closing = True
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._nc.close())
+            raise
 
     @property
     def max_payload(self) -> int:
