@@ -440,11 +440,21 @@ class StateView(Lifecycle):
         self._take(entry)
 
     async def _open_watch(self) -> KeyWatcher:
-        """Open a watch and load the current value (the watch delivers it, then None)."""
+        """Open a watch and load the current value (the watch delivers it, then None).
+
+        nats-py may put its "no more values" marker ahead of values already
+        on their way (it asks the consumer how many are pending, and counts
+        those its subscription has taken: a value in between is neither), so
+        the watch is read on until it has delivered the progress stored now.
+        """
         self._kv = await self._js.key_value(STATE_BUCKET)
         self._watcher = watcher = await self._kv.watch(VIEW_KEYS)
         while (entry := await watcher.updates(timeout=5.0)) is not None:
             self._seen(entry)
+        stored, _ = await self._stored()
+        while self._watch_rev < stored:
+            if (entry := await watcher.updates(timeout=5.0)) is not None:
+                self._seen(entry)
         self._behind = False
         self._broken = False
         return watcher
