@@ -24,6 +24,7 @@ from test_restarts import TENANT
 from test_wire_v2_hostile import config_of, nested, raw_request
 
 from renqueue import Client, RequestFailedError, RequestRejectedError, Services
+from renqueue.config import Config
 from renqueue.errors import NatsPayloadTooLargeError, ServiceFailedError
 from renqueue.ops import EmbeddedServer, connect, provision
 from renqueue.ops._dlq import DeadLetter, DeadLetterError, DeadLetterFilter, DeadLetters
@@ -67,6 +68,19 @@ async def publish_around_the_client(nc: Connection, request_id: str, total: int)
     assert wire_size(data, headers) == total
     await nc.jetstream().publish(request_subject("normal", TENANT), data, headers=headers)
     return data
+
+
+async def run_in_background(config: Config) -> tuple[Services, asyncio.Task[None]]:
+    """New services run as ``renqueue up`` runs them (until a signal, or until
+    a loop cannot go on: the task then raises), once they run."""
+    services = Services(config)
+    running = asyncio.create_task(run_until_signalled(services))
+
+    async def up() -> bool:
+        return bool(services.routers) or running.done()
+
+    await until(up, "the services run")
+    return services, running
 
 
 async def dead_letters(js: JetStream) -> list[DeadLetter]:
@@ -309,13 +323,7 @@ async def test_a_process_without_nats_past_its_patience_exits_saying_why(tmp_pat
         await server.start()
         try:
             config = config_of(mock.url, nats_url=server.url, patience="2s")
-            services = Services(config)
-            running = asyncio.create_task(run_until_signalled(services))
-
-            async def up() -> bool:
-                return bool(services.routers) or running.done()
-
-            await until(up, "the services run")
+            _services, running = await run_in_background(config)
         finally:
             await server.stop()
         with pytest.raises(ServiceFailedError, match=r"cannot reach NATS .* nats\.patience \(2s\)"):

@@ -19,6 +19,7 @@ import openai
 import pytest
 from test_binder import until
 from test_gateway_sdk import MESSAGES, start
+from test_poison import run_in_background
 from test_restarts import TENANT
 from test_wire_v2_hostile import config_of
 
@@ -26,7 +27,6 @@ from renqueue import Client, RequestFailedError, RequestRejectedError, Services,
 from renqueue.errors import ServiceFailedError
 from renqueue.gateway import Gateway
 from renqueue.ops import EmbeddedServer
-from renqueue.services import run_until_signalled
 from renqueue.services.router._router import Router
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import (
@@ -150,13 +150,7 @@ async def test_a_server_lost_while_the_services_start_again_still_exits_after_pa
     try:
         async with MockBackend(FAST) as mock:
             config = config_of(mock.url, nats_url=server.url, patience="2s")
-            services = Services(config)
-            running = asyncio.create_task(run_until_signalled(services))
-
-            async def up() -> bool:
-                return bool(services.routers) or running.done()
-
-            await until(up, "the services run")
+            services, running = await run_in_background(config)
             assert services.nc is not None
             await services.nc.publish("x" * 5000)  # the server closes the connection
             with pytest.raises(ServiceFailedError, match="patience"):
