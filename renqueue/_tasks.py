@@ -14,10 +14,11 @@ silence while their work was kept alive:
   warning, without a traceback, and restarted the same way.
 - A loop that keeps failing (``give_up_after`` consecutive failures with no
   healthy stretch in between, not counting the broker's faults: no answer, a
-  closed connection; or failing for the broker's sake alone for longer than
-  ``broker_patience``, a process's ``nats.patience``: a NATS outage is waited
-  out that long, and a closed connection is replaced meanwhile by the
-  services' ``ConnectionKeeper``), or raises :class:`Fatal`, cannot go on: the
+  closed connection; or failing for the broker's sake alone, with no run of
+  ``PROGRESS_AFTER`` seconds in between, for longer than ``broker_patience``,
+  a process's ``nats.patience``: a NATS outage is waited out that long, and a
+  closed connection is replaced meanwhile by the services'
+  ``ConnectionKeeper``), or raises :class:`Fatal`, cannot go on: the
   supervisor records why and sets :attr:`Supervisor.failed`. The process
   (``renqueue up``/``router``/``worker``) then shuts down and exits non-zero,
   so a process supervisor (systemd, Kubernetes) restarts it, and every message
@@ -55,6 +56,9 @@ log = get_logger("tasks")
 #: A loop that has run this long since its last failure is healthy again: its
 #: failure count and backoff start over.
 HEALTHY_AFTER: Final = 30.0
+#: A run that lasted this long ends a streak of broker faults: the broker
+#: answered it for a while (longer than any one call waits for an answer).
+PROGRESS_AFTER: Final = 10.0
 
 
 class Fatal(Exception):
@@ -79,7 +83,8 @@ class _Loop:
         #: connection): ``give_up_after`` of these give up. A broker that does
         #: not answer is waited for up to ``broker_patience`` seconds instead.
         self.faults = 0
-        #: When the current streak of failures began (loop time); None: none.
+        #: When the current streak of failures began (loop time), reset by a
+        #: run of ``PROGRESS_AFTER`` seconds; None: none.
         self.failing_since: float | None = None
         self.running = False
         self.error: str | None = None
@@ -218,7 +223,8 @@ class Supervisor:
                 now = event_loop.time()
                 if now - began >= HEALTHY_AFTER:
                     loop.failures = loop.faults = 0
-                    loop.failing_since = None
+                if now - began >= PROGRESS_AFTER:
+                    loop.failing_since = None  # it ran a while: not one long outage
                 loop.failures += 1
                 if loop.failing_since is None:
                     loop.failing_since = now
@@ -227,7 +233,7 @@ class Supervisor:
                 if loop.faults >= self._give_up_after:
                     self._fail(loop, f"failed {loop.failures} times in a row; last: {exc!r}")
                     return
-                if now - loop.failing_since > self.broker_patience:
+                if loop.faults == 0 and now - loop.failing_since > self.broker_patience:
                     self._fail(
                         loop,
                         f"failed for {now - loop.failing_since:.0f} s "

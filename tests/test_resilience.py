@@ -23,13 +23,16 @@ from test_poison import run_in_background
 from test_restarts import TENANT
 from test_wire_v2_hostile import config_of
 
+import renqueue._tasks as tasks
 from renqueue import Client, RequestFailedError, RequestRejectedError, Services, parse_config
-from renqueue.errors import ServiceFailedError
+from renqueue._tasks import Supervisor
+from renqueue.errors import NatsTimeoutError, ServiceFailedError
 from renqueue.gateway import Gateway
-from renqueue.ops import EmbeddedServer
+from renqueue.ops import EmbeddedServer, _connection
 from renqueue.services.router._router import Router
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import (
+    Connection,
     GenerationParams,
     InferenceRequest,
     Message,
@@ -287,3 +290,79 @@ async def test_a_client_gone_while_the_gateway_moves_connections_is_cancelled_on
             assert keeper is not None
             assert keeper.renewals == 1
             assert stack.gateway.supervisor.reason is None
+
+
+async def test_a_loop_that_works_between_passing_timeouts_is_not_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A loop on a slow but live broker works a while, then one call times out,
+    and again: never down for long. Its streak of broker faults was reset only
+    by a run of ``HEALTHY_AFTER`` (30 s), so runs of 25 s between timeouts
+    made one streak, and after ``nats.patience`` the process was stopped
+    (scaled down here: runs of 0.1 s, patience 0.3 s)."""
+    monkeypatch.setattr(tasks, "PROGRESS_AFTER", 0.05)
+    runs = 0
+    enough = asyncio.Event()
+
+    async def busy() -> None:
+        nonlocal runs
+        runs += 1
+        if runs >= 10:  # a second of runs: three times the patience
+            enough.set()
+            return
+        await asyncio.sleep(0.1)  # the loop's work: it routes, for a while
+        raise NatsTimeoutError("nats: timeout")  # then one slow ack
+
+    supervisor = Supervisor(
+        "test", base_backoff=0.001, max_backoff=0.01, give_up_after=20, broker_patience=0.3
+    )
+    supervisor.spawn("dispatch", busy)
+    try:
+        await asyncio.wait_for(enough.wait(), 10)
+        assert supervisor.reason is None
+    finally:
+        await supervisor.close()
+
+
+async def test_an_outage_after_a_closed_connection_shorter_than_patience_is_ridden_out(
+    isolated_server: EmbeddedServer, isolated_nc: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server closes the services' connection; the new one takes most of
+    the patience to open (3 s of 4: an outage), and starting again on it
+    takes a while (1.5 s: a projector catching up, say). NATS was never out
+    of reach for longer than the patience, but the renewal had only what was
+    left of it after connecting, and the process was stopped."""
+    real_connect = _connection.connect
+
+    async def connect_after_an_outage(url: str, **options: Any) -> Connection:
+        await asyncio.sleep(3.0)  # the outage, as the keeper lives it
+        return await real_connect(url, **options)
+
+    start_components = Services._start_components
+    calls = 0
+
+    async def slow_start(self: Services) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the restart on the new connection
+            await asyncio.sleep(1.5)
+        await start_components(self)
+
+    monkeypatch.setattr(_connection, "connect", connect_after_an_outage)
+    monkeypatch.setattr(Services, "_start_components", slow_start)
+    async with MockBackend(FAST) as mock:
+        config = config_of(mock.url, nats_url=isolated_server.url, patience="4s")
+        async with Services(config) as services, Client(isolated_nc, tenant=TENANT) as client:
+            assert services.nc is not None
+            await services.nc.publish("x" * 5000)  # the server closes the connection
+
+            async def renewed() -> bool:
+                keeper = services.keeper
+                return (keeper is not None and keeper.renewals == 1) or bool(
+                    services.supervisor.reason
+                )
+
+            await until(renewed, "the services run on a new connection")
+            assert services.supervisor.reason is None
+            served = await client.submit("after the outage", route="chat")
+            assert (await served.result(timeout=20)).text

@@ -165,8 +165,8 @@ class ConnectionKeeper:
     restart, but not after the server *closed* the connection (a protocol
     error: ``maximum payload exceeded``, ``Maximum Control Line Exceeded``,
     ...). Then ``renew(new)`` is called with a new connection: the component
-    moves what ran on the old one onto it. Opening it and the renewal take
-    ``nats.patience`` at most, or the process stops. A renewal that fails
+    moves what ran on the old one onto it. Opening it, and then the renewal,
+    take ``nats.patience`` at most each, or the process stops. A renewal that fails
     part of the way is owed, and done again when the loop restarts. A
     connection that stays down (nats-py reconnecting) longer than
     ``patience`` raises :class:`~renqueue._tasks.Fatal` saying so: the
@@ -240,9 +240,10 @@ class ConnectionKeeper:
                         f"({self._config.patience}): {exc}"
                     ) from exc
                 log.warning("reconnecting to NATS failed; trying again", error=str(exc))
-        left = give_up - loop.time()
+        # The renewal has the whole patience of its own: the outage is over.
+        patience = self._patience
         try:
-            async with asyncio.timeout(None if math.isinf(left) else max(left, 0.0)):
+            async with asyncio.timeout(None if math.isinf(patience) else patience):
                 await self._renew(new)
         except BaseException as exc:
             with contextlib.suppress(Exception):

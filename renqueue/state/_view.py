@@ -448,6 +448,9 @@ class StateView(Lifecycle):
         the watch is read on until it has delivered the progress stored now.
         """
         self._kv = await self._js.key_value(STATE_BUCKET)
+        # What an earlier watch saw says nothing of this one's (a bucket made
+        # again counts its revisions from 1).
+        self._watch_rev, self._watch_value = 0, b""
         self._watcher = watcher = await self._kv.watch(VIEW_KEYS)
         while (entry := await watcher.updates(timeout=5.0)) is not None:
             self._seen(entry)

@@ -566,6 +566,8 @@ class Router(Lifecycle):
         the process after a restart."""
         seq = msg.metadata.sequence.stream
         failures = self._take_failures.pop(seq, 0) + 1
+        while len(self._take_failures) >= _TAKE_FAILURES_KEPT:
+            del self._take_failures[next(iter(self._take_failures))]
         request_id, tenant = rejection_id(msg)
         request = None
         with contextlib.suppress(msgspec.DecodeError):
@@ -574,8 +576,6 @@ class Router(Lifecycle):
         bound = log.bind(request_id=request_id, tenant=tenant, failures=failures, error=repr(exc))
         if failures < UNTAKEABLE_AFTER:
             bound.exception("could not take a request; it will be delivered again")
-            while len(self._take_failures) >= _TAKE_FAILURES_KEPT:
-                del self._take_failures[next(iter(self._take_failures))]
             self._take_failures[seq] = failures
             with contextlib.suppress(Exception):
                 await msg.nak(delay=2.0**failures)
@@ -587,7 +587,10 @@ class Router(Lifecycle):
             request_id=request_id,
         )
         valid = request is not None and request.tenant == tenant
-        await self._reject(msg, request_id, tenant, error, request=request if valid else None)
+        if not await self._reject(
+            msg, request_id, tenant, error, request=request if valid else None
+        ):
+            self._take_failures[seq] = failures  # not recorded: rejected at its next failure
 
     async def _take(self, msg: Message, level: str, rank: int, now: float) -> None:
         """Admit one fetched request: log it, settle it, or hold it for dispatch."""
@@ -830,10 +833,14 @@ class Router(Lifecycle):
         error: Exception,
         *,
         request: InferenceRequest | None = None,
-    ) -> None:
-        """Dead-letter ``msg`` and end its request ``rejected``. Given the
-        decoded ``request`` (one taken before, that may lead a coalescing
-        group), its followers get their outcome first, as :meth:`_end` does."""
+    ) -> bool:
+        """Dead-letter ``msg`` and end its request ``rejected``; False when that
+        could not be recorded (``msg`` is delivered again). Given the decoded
+        ``request`` (one taken before, that may lead a coalescing group), its
+        followers get their outcome first, as :meth:`_end` does; if that
+        raises for a reason other than the broker (the request's own bug), the
+        request is ended all the same and the followers are left to their
+        deadlines or the advisory reader."""
         code = getattr(error, "code", "malformed")
         self.rejected += 1
         metrics.REJECTED.labels(code).inc()
@@ -859,12 +866,22 @@ class Router(Lifecycle):
             if request is None:
                 await self._log.finish(event)
             else:
-                await self._end(request, event)
+                try:
+                    await self._end(request, event)
+                except NatsError:
+                    raise
+                except Exception:
+                    log.exception(
+                        "could not hand the rejection to followers", request_id=request_id
+                    )
+                    await self._log.finish(event)
             await msg.ack()
         except Exception as exc:
             log.exception("could not record rejection", request_id=request_id, error=str(exc))
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
+            return False
+        return True
 
     async def _expire(
         self,

@@ -270,7 +270,12 @@ class Worker(Lifecycle):
                 await self._sub.unsubscribe()
             self._sub = None
         if self._running:
-            _done, pending = await asyncio.wait(self._running, timeout=self._drain_timeout)
+            try:
+                _done, pending = await asyncio.wait(self._running, timeout=self._drain_timeout)
+            finally:
+                # A stop cut short (cancelled) leaves no run calling its backend.
+                for run in self._running:
+                    run.cancel()
             # Each run naks its message when cancelled. A run can swallow a
             # cancellation (see renqueue._tasks): cancel until every one has ended.
             await cancel_and_wait(pending)
