@@ -28,14 +28,17 @@ from renqueue import Client, RequestFailedError, RequestRejectedError, Services,
 from renqueue._tasks import Supervisor
 from renqueue.errors import NatsTimeoutError, ServiceFailedError
 from renqueue.gateway import Gateway
-from renqueue.ops import EmbeddedServer, _connection
+from renqueue.ops import EmbeddedServer, _connection, connect, provision
 from renqueue.services.router._router import Router
+from renqueue.state import StateView
 from renqueue.tools import MockBackend, MockSettings
 from renqueue.wire import (
     Connection,
+    EventLog,
     GenerationParams,
     InferenceRequest,
     Message,
+    Rejected,
     is_terminal,
     kind_of,
     msg_id,
@@ -366,3 +369,68 @@ async def test_an_outage_after_a_closed_connection_shorter_than_patience_is_ridd
             assert services.supervisor.reason is None
             served = await client.submit("after the outage", route="chat")
             assert (await served.result(timeout=20)).text
+
+
+SMALL_CONFIG = """\
+max_payload: 256KB
+http: "127.0.0.1:-1"
+jetstream { max_memory_store: 256MB }
+"""
+
+
+async def test_a_projection_grown_past_max_payload_keeps_its_views_up_and_stops_nothing(
+    tmp_path: Path,
+) -> None:
+    """The checkpoint holds every tenant ever seen: 2,000 tenants' rejections
+    on a 256 KB broker (~7,000 on a stock 1 MB one; without NATS auth anyone
+    can make a tenant). Its write was refused, the fold loop failed on every
+    try, and the process stopped, and again after every restart. Now the
+    views are kept up, the checkpoint is tried again later, and requests are
+    served. (Bounding the state itself is issue #30's.)"""
+    conf = tmp_path / "small.conf"
+    conf.write_text(SMALL_CONFIG)
+    async with (
+        MockBackend(FAST) as mock,
+        EmbeddedServer(tmp_path / "nats", port=-1, config_file=conf) as server,
+    ):
+        config = config_of(mock.url, nats_url=server.url)
+        nc = await connect(server.url, name="hostile")
+        try:
+            await provision(nc, config)
+            log = EventLog(nc.jetstream())
+            await asyncio.gather(
+                *(
+                    log.finish(
+                        Rejected(
+                            request_id="r",
+                            tenant=f"t{index:05d}" + "x" * 94,
+                            at=1.0,
+                            error_type="malformed",
+                            reason="junk",
+                        )
+                    )
+                    for index in range(2000)
+                )
+            )
+        finally:
+            await nc.close()
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            projector = services.projector
+            assert projector is not None
+
+            async def refused() -> bool:
+                return projector.oversized >= 1
+
+            await until(refused, "the checkpoint write is refused as too big")
+            good = await client.submit("served", route="chat")
+            assert (await good.result(timeout=20)).text
+
+            async def folded() -> bool:  # its events are in the views all the same
+                view = await StateView.open(client.js)
+                try:
+                    return view.state.backends.get("b") is not None
+                finally:
+                    await view.close()
+
+            await until(folded, "the views show the request's backend")
+            assert services.supervisor.reason is None

@@ -33,6 +33,7 @@ from .._tasks import Supervisor
 from ..errors import (
     NatsError,
     NatsNotFoundError,
+    NatsPayloadTooLargeError,
     ProjectionVersionError,
     WrongLastSequenceError,
 )
@@ -82,6 +83,8 @@ log = get_logger("projection")
 
 # Fetch sizes for the projector and rebuild: one pull returns up to this many.
 _BATCH: Final = 512
+#: Seconds between tries of a checkpoint over the broker's ``max_payload``.
+_OVERSIZED_PAUSE: Final = 30.0
 
 #: A backend name that can be a KV key (config's names are all of this shape).
 _VIEW_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -266,6 +269,11 @@ class Projector(Lifecycle):
         self._unpublishable: set[str] = set()
         self.writes = 0
         self.conflicts = 0
+        #: Checkpoint writes refused as over the broker's ``max_payload``; while
+        #: the state is that big, the checkpoint is tried every
+        #: ``_OVERSIZED_PAUSE`` seconds and the views are kept up meanwhile.
+        self.oversized = 0
+        self._oversized_until: float | None = None
 
     @property
     def _bucket(self) -> KeyValue:
@@ -415,10 +423,13 @@ class Projector(Lifecycle):
                 if idle % 5 == 0:
                     await self._check_consumer(psub)
             if self._dirty() and self._clock() - self._last_write >= self._flush_interval:
-                if self._state.last_seq > self._stored_seq:
+                oversized = (
+                    self._oversized_until is not None and self._clock() < self._oversized_until
+                )
+                if self._state.last_seq > self._stored_seq and not oversized:
                     if not await self._flush():
                         raise _Restart
-                else:  # the checkpoint is written; only its views are behind
+                else:  # the checkpoint is written (or too big for now); the views are behind
                     await self._publish_views(self._state)
                     self._last_write = self._clock()
 
@@ -491,6 +502,25 @@ class Projector(Lifecycle):
             await self._load()
             self._last_write = self._clock()
             return False
+        except NatsPayloadTooLargeError as exc:
+            # The state outgrew the broker's largest message (more tenants or
+            # requests in flight than it holds): the views, each small, are kept
+            # up (a restarted projector refolds from the last checkpoint and
+            # publishes nothing older than them), the checkpoint is tried again
+            # later. Failing the loop would stop the process, and again after
+            # every restart.
+            self.oversized += 1
+            self._oversized_until = self._clock() + _OVERSIZED_PAUSE
+            log.error(  # noqa: TRY400 - a known condition: its traceback says nothing more
+                "the projection is too big to store as one checkpoint; keeping its views up",
+                projector=self._name,
+                error=str(exc),
+                retry_in=_OVERSIZED_PAUSE,
+            )
+            await self._publish_views(state)
+            self._last_write = self._clock()
+            return True
+        self._oversized_until = None
         self._stored_seq = state.last_seq
         self._last_write = self._clock()
         self.writes += 1
