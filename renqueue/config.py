@@ -208,6 +208,11 @@ class NatsConfig(_Section, frozen=True, kw_only=True):
     #: for its process supervisor to restart it. ``"0s"``: forever.
     patience: Duration = "5m"
 
+    @property
+    def patience_seconds(self) -> float:
+        """``patience`` in seconds; ``math.inf`` for ``"0s"`` (forever)."""
+        return parse_duration(self.patience) or math.inf
+
 
 class LimitsConfig(_Section, frozen=True, kw_only=True):
     """Declared limits of one backend: concurrent requests, and counts per window."""

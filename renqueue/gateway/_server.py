@@ -229,7 +229,7 @@ class Gateway(Lifecycle):
         self._nc: Connection | None = nc
         self._owns_nc = nc is None
         self._supervisor = supervisor or Supervisor(
-            name, broker_patience=parse_duration(config.nats.patience) or math.inf
+            name, broker_patience=config.nats.patience_seconds
         )
         self._owns_supervisor = supervisor is None
         self._name = name

@@ -194,10 +194,6 @@ class ConnectionKeeper:
         #: Times a new connection was opened and the component moved onto it.
         self.renewals = 0
 
-    @property
-    def _patience(self) -> float:
-        return parse_duration(self._config.patience) or math.inf
-
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         down_since: float | None = None
@@ -215,7 +211,7 @@ class ConnectionKeeper:
                 down_since = None
             elif down_since is None:
                 down_since = loop.time()
-            elif loop.time() - down_since > self._patience:
+            elif loop.time() - down_since > self._config.patience_seconds:
                 raise Fatal(
                     f"cannot reach NATS at {redact_url(self._url)} for longer than "
                     f"nats.patience ({self._config.patience})"
@@ -228,7 +224,7 @@ class ConnectionKeeper:
             with contextlib.suppress(Exception):
                 await old.close()
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + self._patience
+        give_up = loop.time() + self._config.patience_seconds
         while True:
             try:
                 new = await connect(self._url, name=self._name, config=self._config)
@@ -241,7 +237,7 @@ class ConnectionKeeper:
                     ) from exc
                 log.warning("reconnecting to NATS failed; trying again", error=str(exc))
         # The renewal has the whole patience of its own: the outage is over.
-        patience = self._patience
+        patience = self._config.patience_seconds
         try:
             async with asyncio.timeout(None if math.isinf(patience) else patience):
                 await self._renew(new)

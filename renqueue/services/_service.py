@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
 import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -92,9 +91,7 @@ class Services(Lifecycle):
         self._adapters: list[Backend] = []
         #: Owns every background loop of this process; ``failed`` is set when one
         #: cannot go on, and the process must then stop (see :mod:`renqueue._tasks`).
-        self.supervisor = Supervisor(
-            name, broker_patience=parse_duration(config.nats.patience) or math.inf
-        )
+        self.supervisor = Supervisor(name, broker_patience=config.nats.patience_seconds)
         #: Keeps the services on a live connection (see :meth:`_renew`).
         self.keeper: ConnectionKeeper | None = None
 
