@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,25 @@ async def run_in_background(config: Config) -> tuple[Services, asyncio.Task[None
 
     await until(up, "the services run")
     return services, running
+
+
+def trip_the_router(
+    monkeypatch: pytest.MonkeyPatch, trips: Callable[[InferenceRequest], bool]
+) -> asyncio.Event:
+    """Make the router's tier estimate raise for each request ``trips`` picks:
+    a bug a request triggers, standing in for any we do not know of yet.
+    The event returned is set the first time it trips."""
+    estimated = Router._estimated
+    tripped = asyncio.Event()
+
+    def buggy(self: Router, request: InferenceRequest) -> Any:
+        if trips(request):
+            tripped.set()
+            raise RuntimeError("a bug this request triggers")
+        return estimated(self, request)
+
+    monkeypatch.setattr(Router, "_estimated", buggy)
+    return tripped
 
 
 async def dead_letters(js: JetStream) -> list[DeadLetter]:
@@ -288,14 +308,7 @@ async def test_a_request_the_router_fails_on_every_time_is_ended_and_its_level_s
     the process exited, and again after every restart. Now it is delivered
     again twice, then rejected as ``unprocessable`` with a dead letter, and
     the level serves on."""
-    estimated = Router._estimated
-
-    def buggy(self: Router, request: InferenceRequest) -> Any:
-        if request.id.startswith("bug"):
-            raise RuntimeError("a bug this request triggers")
-        return estimated(self, request)
-
-    monkeypatch.setattr(Router, "_estimated", buggy)
+    trip_the_router(monkeypatch, lambda request: request.id.startswith("bug"))
     async with MockBackend(FAST) as mock:
         config = config_of(mock.url, nats_url=isolated_server.url)
         async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:

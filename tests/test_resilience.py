@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ import openai
 import pytest
 from test_binder import until
 from test_gateway_sdk import MESSAGES, start
-from test_poison import run_in_background
+from test_poison import run_in_background, trip_the_router
 from test_restarts import TENANT
 from test_wire_v2_hostile import config_of
 
@@ -36,7 +38,6 @@ from renqueue.wire import (
     Connection,
     EventLog,
     GenerationParams,
-    InferenceRequest,
     Message,
     Rejected,
     is_terminal,
@@ -59,6 +60,24 @@ def one_mb_server(tmp_path: Path) -> EmbeddedServer:
     conf = tmp_path / "one-mb.conf"
     conf.write_text(ONE_MB_CONFIG)
     return EmbeddedServer(tmp_path / "nats", port=-1, config_file=conf)
+
+
+def before_starting_again(
+    monkeypatch: pytest.MonkeyPatch, then: Callable[[], Awaitable[object]]
+) -> None:
+    """Await ``then()`` before the services start their components the second
+    time: on the new connection, after the server closed the first."""
+    start_components = Services._start_components
+    calls = 0
+
+    async def start(self: Services) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            await then()
+        await start_components(self)
+
+    monkeypatch.setattr(Services, "_start_components", start)
 
 
 async def terminals(client: Client, request_id: str) -> list[str]:
@@ -141,17 +160,7 @@ async def test_a_server_lost_while_the_services_start_again_still_exits_after_pa
     whole renewal, or the process neither serves nor exits."""
     server = EmbeddedServer(tmp_path / "nats", port=-1)
     await server.start()
-    start_components = Services._start_components
-    calls = 0
-
-    async def start_components_while_the_server_dies(self: Services) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 2:  # the restart on a new connection
-            await server.stop()
-        await start_components(self)
-
-    monkeypatch.setattr(Services, "_start_components", start_components_while_the_server_dies)
+    before_starting_again(monkeypatch, server.stop)
     running: asyncio.Task[None] | None = None
     try:
         async with MockBackend(FAST) as mock:
@@ -209,16 +218,7 @@ async def test_a_coalescing_leader_ended_as_unprocessable_does_not_strand_its_fo
     """A leader joins its group before the router's bug trips on it; ended
     with ``rejected`` (no ``leader_ended``) its followers waited for a
     hand-out that never came: without a deadline, forever."""
-    estimated = Router._estimated
-    leader_taken = asyncio.Event()
-
-    def buggy(self: Router, request: InferenceRequest) -> Any:
-        if request.id == "leader":
-            leader_taken.set()
-            raise RuntimeError("a bug this request triggers")
-        return estimated(self, request)
-
-    monkeypatch.setattr(Router, "_estimated", buggy)
+    leader_taken = trip_the_router(monkeypatch, lambda request: request.id == "leader")
     async with MockBackend(FAST) as mock:
         config = config_of(mock.url, nats_url=isolated_server.url)
         async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
@@ -341,18 +341,9 @@ async def test_an_outage_after_a_closed_connection_shorter_than_patience_is_ridd
         await asyncio.sleep(3.0)  # the outage, as the keeper lives it
         return await real_connect(url, **options)
 
-    start_components = Services._start_components
-    calls = 0
-
-    async def slow_start(self: Services) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 2:  # the restart on the new connection
-            await asyncio.sleep(1.5)
-        await start_components(self)
-
     monkeypatch.setattr(_connection, "connect", connect_after_an_outage)
-    monkeypatch.setattr(Services, "_start_components", slow_start)
+    # A projector catching up, say.
+    before_starting_again(monkeypatch, functools.partial(asyncio.sleep, 1.5))
     async with MockBackend(FAST) as mock:
         config = config_of(mock.url, nats_url=isolated_server.url, patience="4s")
         async with Services(config) as services, Client(isolated_nc, tenant=TENANT) as client:
