@@ -22,9 +22,10 @@ from typing import Any
 from common import RESULTS, machine_info
 
 from renqueue.config import parse_config
+from renqueue.coordination import SplitView, encode_view
 from renqueue.policy import assign, judge
-from renqueue.state import ProjectionState, SplitView, encode_state, encode_view, fold_many
-from renqueue.wire import ChatMessage, Completed, Event, InferenceRequest, Routed, Started, Usage
+from renqueue.schema import ChatMessage, Completed, Event, InferenceRequest, Routed, Started, Usage
+from renqueue.state import ProjectionState, encode_state, fold_many
 
 BATCH = 512
 

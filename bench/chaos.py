@@ -66,11 +66,18 @@ import msgspec
 from common import RESULTS, ROOT, free_port, machine_info, mock_process, mock_stats, percentile
 
 from renqueue import Client
+from renqueue.broker import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    connect,
+    find_nats_server,
+    provision,
+)
 from renqueue.config import load_config
 from renqueue.errors import NatsNotFoundError, RequestFailedError
 from renqueue.logs import configure_logging
-from renqueue.ops import connect, find_nats_server, provision
-from renqueue.wire import (
+from renqueue.schema import (
     ADVISORIES_STREAM,
     DISPATCH_DECODER,
     DISPATCH_STREAM,
@@ -82,12 +89,9 @@ from renqueue.wire import (
     TERMINAL_KINDS,
     TOKEN_DECODER,
     TOKENS_STREAM,
-    AckPolicy,
     Cancelled,
     Coalesced,
     Completed,
-    ConsumerConfig,
-    DeliverPolicy,
     Event,
     Expired,
     Failed,

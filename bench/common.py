@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from renqueue.ops import find_nats_server
-from renqueue.wire import EVENT_DECODER, EVENTS_STREAM, AckPolicy, ConsumerConfig, DeliverPolicy
+from renqueue.broker import AckPolicy, ConsumerConfig, DeliverPolicy, find_nats_server
+from renqueue.schema import EVENT_DECODER, EVENTS_STREAM
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -114,12 +114,12 @@ from faults import describe
 from ratelimits import log_figures
 
 from renqueue import Client, Services, parse_config
+from renqueue.broker import connect
 from renqueue.config import DEFAULT_PRIORITIES, Config
 from renqueue.errors import RequestExpiredError, RequestFailedError, RequestRejectedError
 from renqueue.logs import configure_logging
-from renqueue.ops import connect
 from renqueue.policy import estimate_complexity, estimated_cost
-from renqueue.wire import (
+from renqueue.schema import (
     ChatMessage,
     Expired,
     GenerationParams,

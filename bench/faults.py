@@ -89,11 +89,11 @@ from common import (
 )
 
 from renqueue import Client, Services, parse_config
+from renqueue.broker import connect
 from renqueue.config import Config
 from renqueue.errors import RequestExpiredError, RequestFailedError
 from renqueue.logs import configure_logging
-from renqueue.ops import connect
-from renqueue.wire import (
+from renqueue.schema import (
     DLQ_STREAM,
     SYSTEM_TENANT,
     CircuitChanged,

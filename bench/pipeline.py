@@ -47,11 +47,12 @@ from common import RESULTS, ROOT, machine_info, mock_process, package_version, p
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 
 from renqueue import Client, Services, parse_config
-from renqueue.backends import Backend, make_backend
+from renqueue.backends import make_backend
+from renqueue.backends.base import Backend
+from renqueue.broker import EmbeddedServer, connect
 from renqueue.config import Config
 from renqueue.logs import configure_logging
-from renqueue.ops import EmbeddedServer, connect
-from renqueue.wire import (
+from renqueue.schema import (
     DISPATCH_STREAM,
     EVENTS_STREAM,
     REQUEST_DECODER,

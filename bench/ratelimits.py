@@ -87,14 +87,10 @@ from common import (
 from common import read_events as read_events_on
 
 from renqueue import Client, Services, parse_config
+from renqueue.broker import connect
 from renqueue.config import Config
 from renqueue.logs import configure_logging
-from renqueue.ops import connect
-from renqueue.wire import (
-    Retrying,
-    Routed,
-    Started,
-)
+from renqueue.schema import Retrying, Routed, Started
 
 TENANT = "bench"
 ROUTE = "chat"

@@ -103,11 +103,11 @@ from common import (
 from common import read_events as read_events_on
 
 from renqueue import Client, Services, parse_config
+from renqueue.broker import connect
 from renqueue.config import DEFAULT_PRIORITIES, Config, load_config
 from renqueue.logs import configure_logging
-from renqueue.ops import connect
 from renqueue.policy import LevelPolicy, aging_bound, effective_rank
-from renqueue.wire import (
+from renqueue.schema import (
     EVENT_DECODER,
     EVENTS_STREAM,
     REQUEST_DECODER,

@@ -9,7 +9,7 @@ prometheus_client) is imported when it is first named.
 import importlib
 import typing
 
-from ._client import Client, RequestHandle, Result
+from .client import Client, RequestHandle, Result
 from .config import BackendConfig, Config, RouteConfig, load_config, parse_config
 from .errors import (
     BackendError,
@@ -36,7 +36,7 @@ from .errors import (
     UnprocessableRequestError,
     UnsupportedFeatureError,
 )
-from .wire._messages import (
+from .schema import (
     ChatMessage,
     ContentPart,
     Event,

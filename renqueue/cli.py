@@ -67,9 +67,8 @@ from .errors import ConfigError, NatsClosedError, RenQueueError, RequestFailedEr
 from .logs import configure_logging, get_logger
 
 if TYPE_CHECKING:
-    from .state import StatusReport, Verification
-    from .state._verify import Replayed
-    from .wire import Connection
+    from .broker import Connection
+    from .coordination import Replayed, StatusReport, Verification
 
 __all__ = ["main"]
 
@@ -110,7 +109,7 @@ def _guarded(
         except RenQueueError:
             raise
         except Exception as exc:
-            from .state._status import printable
+            from .coordination import printable
 
             raise _UnexpectedError(
                 f"{args.command}: unexpected error: {printable(_one_line(exc))}"
@@ -126,7 +125,7 @@ def _with_nats(config: Config, url: str | None) -> Config:
 
 
 def _client_url(config: Config) -> str:
-    from .ops._connection import resolve_nats_url
+    from .broker import resolve_nats_url
 
     url = resolve_nats_url(config)
     if url is None:
@@ -138,7 +137,7 @@ def _client_url(config: Config) -> str:
 
 
 async def _up(config: Config, args: argparse.Namespace) -> None:
-    from .services._service import Services, run_until_signalled
+    from .services import Services, run_until_signalled
 
     if args.metrics_port:
         from prometheus_client import start_http_server
@@ -156,7 +155,7 @@ async def _up(config: Config, args: argparse.Namespace) -> None:
         config = _with_nats(config, _client_url(config))
     services: Services
     if args.command == "up" and _gateway_wanted(config):
-        from .gateway._services import ServicesWithGateway
+        from .process import ServicesWithGateway
 
         services = ServicesWithGateway(config, routers=routers, backends=backends)
     else:
@@ -203,8 +202,7 @@ def _keygen(_config: Config, args: argparse.Namespace) -> None:
 
 
 async def _provision(config: Config, _args: argparse.Namespace) -> None:
-    from .ops._connection import connect
-    from .ops._provision import provision
+    from .broker import connect, provision
 
     nc = await connect(_client_url(config), name="renqueue-provision", config=config.nats)
     try:
@@ -215,7 +213,7 @@ async def _provision(config: Config, _args: argparse.Namespace) -> None:
 
 
 async def _submit(config: Config, args: argparse.Namespace) -> None:
-    from ._client import Client
+    from .client import Client
 
     client = await Client.connect(_client_url(config), tenant=args.tenant, name="renqueue-cli")
     async with client:
@@ -250,7 +248,7 @@ async def _submit(config: Config, args: argparse.Namespace) -> None:
 
 
 async def _cancel(config: Config, args: argparse.Namespace) -> None:
-    from ._client import Client
+    from .client import Client
     from .errors import RequestCancelledError
 
     client = await Client.connect(_client_url(config), tenant=args.tenant, name="renqueue-cli")
@@ -291,8 +289,7 @@ async def _wait(handle: Any, wait: float | None) -> Any:
 
 
 async def _audit(config: Config, args: argparse.Namespace) -> None:
-    from .ops._connection import connect
-    from .wire._eventlog import EventLog
+    from .broker import EventLog, connect
 
     nc = await connect(_client_url(config), name="renqueue-audit", config=config.nats)
     try:
@@ -332,8 +329,8 @@ async def _status(config: Config, args: argparse.Namespace) -> None:
     restarting, a timeout): it shows the error in place of that redraw and
     tries again at the next; only a connection closed for good ends it.
     """
-    from .ops._connection import connect
-    from .state import read_status
+    from .broker import connect
+    from .coordination import read_status
 
     nc = await connect(_client_url(config), name="renqueue-status", config=config.nats)
     try:
@@ -361,7 +358,7 @@ async def _status(config: Config, args: argparse.Namespace) -> None:
 
 
 def _show_status(report: StatusReport, args: argparse.Namespace, *, clear: bool) -> None:
-    from .state import render_status
+    from .coordination import render_status
 
     if args.json:
         print(msgspec.json.encode(report).decode())
@@ -373,7 +370,7 @@ def _show_status(report: StatusReport, args: argparse.Namespace, *, clear: bool)
 
 def _show_status_error(exc: Exception, args: argparse.Namespace, *, clear: bool) -> None:
     """A watch's redraw that could not read the status: one line (JSON: ``{"at", "error"}``)."""
-    from .state._status import printable
+    from .coordination import printable
 
     now = datetime.datetime.now(tz=datetime.UTC)
     message = printable(_one_line(exc))
@@ -407,9 +404,9 @@ async def _close(nc: Connection) -> None:
 
 
 async def _replay(config: Config, args: argparse.Namespace) -> int:
-    from .ops._connection import connect
-    from .state import encode_state, verify
-    from .state._verify import replay_log
+    from .broker import connect
+    from .coordination import replay_log, verify
+    from .state import encode_state
 
     if args.what_if is not None:
         return await _what_if(config, args)
@@ -438,9 +435,9 @@ async def _replay(config: Config, args: argparse.Namespace) -> int:
 async def _what_if(config: Config, args: argparse.Namespace) -> int:
     """``replay --what-if FILE``: the requests submitted in the window, as they
     really went, and simulated under this config and FILE's (docs/what-if.md)."""
-    from .ops._connection import connect
-    from .sim import compare, load_what_if, read_trace, render
-    from .state._status import printable
+    from .broker import connect
+    from .coordination import printable, read_trace
+    from .sim import compare, load_what_if, render
 
     if args.verify:
         raise RenQueueError("--what-if and --verify do not go together")
@@ -507,7 +504,7 @@ def _iso(at: float) -> str:
 
 
 def _verification_lines(found: Verification) -> list[str]:
-    from .state._status import printable
+    from .coordination import printable
 
     at = f"{found.events} events, last_seq {found.last_seq}"
     if found.views_compared:
@@ -546,7 +543,7 @@ def _value(value: Any) -> str:
 
 
 def _replay_summary(replayed: Replayed) -> list[str]:
-    from .state._status import clock, printable
+    from .coordination import clock, printable
 
     state = replayed.state
     ended = (
@@ -587,9 +584,8 @@ def _replay_summary(replayed: Replayed) -> list[str]:
 
 
 async def _dlq(config: Config, args: argparse.Namespace) -> int:
-    """``renqueue dlq list|show|requeue|purge`` (see :mod:`renqueue.ops._dlq`)."""
-    from .ops._connection import connect
-    from .ops._dlq import DeadLetters
+    """``renqueue dlq list|show|requeue|purge`` (see :mod:`renqueue.broker._dlq`)."""
+    from .broker import DeadLetters, connect
 
     where = _dlq_filter(args)
     if getattr(args, "seq", None) and not where.empty:
@@ -637,7 +633,7 @@ class _Output:
 
 
 def _dlq_filter(args: argparse.Namespace) -> Any:
-    from .ops._dlq import DeadLetterFilter
+    from .broker import DeadLetterFilter
 
     return DeadLetterFilter(
         tenant=getattr(args, "tenant", None),
@@ -650,7 +646,7 @@ def _dlq_filter(args: argparse.Namespace) -> Any:
 
 
 async def _dlq_list(dead: Any, where: Any, args: argparse.Namespace, out: _Output) -> int:
-    from .ops._dlq import entry_json, render_listing
+    from .broker import entry_json, render_listing
 
     listing = await dead.find(where, limit=args.limit)
     if args.json:
@@ -663,7 +659,7 @@ async def _dlq_list(dead: Any, where: Any, args: argparse.Namespace, out: _Outpu
 
 
 async def _dlq_show(dead: Any, args: argparse.Namespace, out: _Output) -> int:
-    from .ops._dlq import DeadLetterError, entry_json, render_entry
+    from .broker import DeadLetterError, entry_json, render_entry
 
     failed = False
     for index, seq in enumerate(args.seq):
@@ -690,7 +686,7 @@ async def _dlq_select(
 ) -> tuple[list[Any], bool]:
     """The entries a requeue or purge acts on: by sequence, or every match of
     the filters (``--all``: every entry); whether some sequence named none."""
-    from .ops._dlq import DeadLetterError
+    from .broker import DeadLetterError
 
     if args.seq:
         entries, failed = [], False
@@ -713,7 +709,7 @@ async def _dlq_select(
 async def _dlq_requeue(
     dead: Any, config: Config, where: Any, args: argparse.Namespace, out: _Output
 ) -> int:
-    from .ops._dlq import DeadLetterError, clock, printable
+    from .broker import DeadLetterError, clock, printable
 
     entries, failed = await _dlq_select(dead, where, args, out)
     keep_budget, budget = args.deadline
@@ -745,7 +741,7 @@ async def _dlq_requeue(
 
 
 async def _dlq_purge(dead: Any, where: Any, args: argparse.Namespace, out: _Output) -> int:
-    from .ops._dlq import DeadLetterError
+    from .broker import DeadLetterError
 
     entries, failed = await _dlq_select(dead, where, args, out)
     if not entries:
@@ -934,9 +930,9 @@ def _add_dlq_command(sub: Any) -> None:
 
 
 async def _ab(config: Config, args: argparse.Namespace) -> None:
-    """``renqueue ab status|promote|rollback|resume`` (see :mod:`renqueue.state._split_status`)."""
-    from .ops._connection import connect
-    from .state._split_status import move_split, planned_move, read_splits, render_splits
+    """``renqueue ab status|promote|rollback|resume`` (see :mod:`renqueue.coordination`)."""
+    from .broker import connect
+    from .coordination import move_split, planned_move, read_splits, render_splits
 
     if args.ab_command != "status":  # a move the config cannot make fails before connecting
         planned_move(config, args.route, args.ab_command, getattr(args, "arm", None))
@@ -961,7 +957,7 @@ async def _ab(config: Config, args: argparse.Namespace) -> None:
         )
     finally:
         await _close(nc)
-    from .state._status import printable
+    from .coordination import printable
 
     route = printable(args.route)
     if event is None:
@@ -1029,7 +1025,7 @@ def _shorten(text: str, limit: int = 60) -> str:
 
 
 def _schema(_config: Config, _args: argparse.Namespace) -> None:
-    from .wire import Dispatch, Event, InferenceRequest, TokenChunk
+    from .schema import Dispatch, Event, InferenceRequest, TokenChunk
 
     types: list[Any] = [InferenceRequest, Dispatch, TokenChunk, Event]
     (_schemas, components) = msgspec.json.schema_components(types)
@@ -1037,7 +1033,7 @@ def _schema(_config: Config, _args: argparse.Namespace) -> None:
 
 
 def _mock_backend(_config: Config, args: argparse.Namespace) -> None:
-    from .tools._mockbackend import run_mock_backend
+    from .mock import run_mock_backend
 
     try:
         run_mock_backend(
@@ -1068,7 +1064,7 @@ def _mock_backend(_config: Config, args: argparse.Namespace) -> None:
 
 
 async def _demo(config: Config, args: argparse.Namespace) -> None:
-    from .tools._demo import run_demo
+    from .demo import run_demo
 
     ok = await run_demo(requests=args.requests)
     if not ok:

@@ -27,29 +27,32 @@ from msgspec import Meta, Struct
 
 from .errors import ConfigError, FailureClass
 from .policy import (
+    AB_BUCKET,
+    AB_HORIZON,
     ALL_FEATURES,
     DEFAULT_FALLBACK_ON,
+    EVERY_TENANT,
+    Budget,
     Candidate,
     Estimator,
     FailurePolicy,
     FallbackPolicy,
     Feature,
     LevelPolicy,
+    Limit,
     PlanPolicy,
     RollbackRules,
     RouteFacts,
+    RouteRules,
     SplitPolicy,
     estimated_cost,
+    limits_of,
     load_estimator,
     needs,
 )
-from .policy._ab import AB_BUCKET, AB_HORIZON
-from .policy._budget import EVERY_TENANT, Budget
-from .policy._predict import RouteRules
-from .policy._quota import Limit, limits_of
 
 if TYPE_CHECKING:  # the wire is a layer above the config: annotations only
-    from .wire._messages import InferenceRequest
+    from .schema import InferenceRequest
 
 __all__ = [
     "ADAPTERS",
@@ -759,7 +762,7 @@ class RouterConfig(_Section, frozen=True, kw_only=True):
     #: A coalescing group expires this long after its last change (a join, a
     #: follower leaving, its leader ending); ``"0s"``: never.
     coalesce_ttl: Duration = "1h"
-    #: The binder's lease (renqueue.state._lease): a dead binder's standby takes
+    #: The binder's lease (renqueue.coordination._lease): a dead binder's standby takes
     #: over about this long (plus ~0.3 s of server expiry) after it died.
     lease_ttl: Duration = "1s"
 

@@ -7,7 +7,7 @@ The tree, by what a caller can do about it::
     ├── ProvisionError              a stream/consumer change NATS cannot apply in place
     ├── EmbeddedServerError         the embedded nats-server did not start
     ├── ConnectionFailedError       NATS unreachable / JetStream not answering
-    ├── NatsError                   a NATS operation failed (translated in renqueue.wire)
+    ├── NatsError                   a NATS operation failed (translated in renqueue.schema)
     │   ├── NatsUnavailableError    the broker did not answer; try again
     │   │   ├── NatsTimeoutError    no answer in time (also a TimeoutError)
     │   │   ├── NatsNoRespondersError  no one subscribes to a request's subject
@@ -128,7 +128,7 @@ class ConnectionFailedError(RenQueueError):
 
 class NatsError(RenQueueError):
     """A NATS or JetStream operation failed (nats-py's error, translated once,
-    in ``renqueue.wire``; the original is the ``__cause__``)."""
+    in ``renqueue.schema``; the original is the ``__cause__``)."""
 
     code = "nats"
 

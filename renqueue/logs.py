@@ -19,7 +19,7 @@ The request id is bound through contextvars (``bound_request``), so every line
 logged while a request is handled carries it. Secrets never reach a log line:
 config values that hold credentials are :class:`~renqueue.config.Secret` and
 print as ``***``; NATS URLs are logged through
-:func:`renqueue.ops.redact_url`.
+:func:`renqueue.broker.redact_url`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import IO, Any, Final
 
 import structlog
 
-__all__ = ["EVENT_ATTRIBUTE", "bound_request", "configure_logging", "get_logger"]
+__all__ = ["EVENT_ATTRIBUTE", "bound_request", "configure_logging", "get_logger", "misdirected"]
 
 #: The stdlib logger every Ren-Queue component logs under (``renqueue.<component>``).
 ROOT_LOGGER: Final = "renqueue"
@@ -180,3 +180,20 @@ def bound_request(request_id: str, **fields: Any) -> Iterator[None]:
     """Bind ``request_id`` (and more) to every log line inside the block."""
     with structlog.contextvars.bound_contextvars(request_id=request_id, **fields):
         yield
+
+
+def misdirected(receiver: str, subject: str, **fields: object) -> None:
+    """Drop a message that ``receiver`` must not act on: count it and say so.
+
+    ``receiver`` is a fixed name (``tap``, ``tokens``, ``events``, ``read``,
+    ``boost``, ``capacity``, ``preempt``, ``offers``): never an id. The count is
+    ``renqueue_misdirected_messages_total`` (:data:`renqueue.metrics.MISDIRECTED`).
+    """
+    # Imported here: the metrics load prometheus_client, which a client process
+    # (`import renqueue`) then loads only once it drops a message.
+    from .metrics import MISDIRECTED  # noqa: PLC0415
+
+    MISDIRECTED.labels(receiver).inc()
+    get_logger("security").warning(
+        "message on an unexpected subject dropped", receiver=receiver, subject=subject, **fields
+    )

@@ -57,7 +57,7 @@ DUPLICATES_DROPPED = Counter(
 MISDIRECTED = Counter(
     "renqueue_misdirected_messages_total",
     "Messages dropped because their subject is not one the receiver subscribed for, "
-    "or disagrees with their payload (see renqueue.wire), by receiver",
+    "or disagrees with their payload (see renqueue.schema), by receiver",
     ["receiver"],
 )
 FALLBACKS = Counter(

@@ -3,7 +3,7 @@
 The chain is server -> connection -> JetStream, as in nats.py's own test suite.
 Servers listen on a random port (``port=-1``) with a temporary store, and are
 declared ready by their own ports file and ``/healthz`` endpoint
-(:class:`renqueue.ops.EmbeddedServer`).
+(:class:`renqueue.broker.EmbeddedServer`).
 
 Streams are global to a server, so tests that provision or assert on stream
 state should use ``isolated_server`` / ``isolated_nc``: a server of their own.
@@ -29,8 +29,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from renqueue.ops import EmbeddedServer, connect
-from renqueue.wire import Connection, JetStream
+from renqueue.broker import Connection, EmbeddedServer, JetStream, connect
 
 # A suite started in the background of a script (``make test &``, nohup, some
 # CI runners) inherits SIGINT ignored, and so would every process a test

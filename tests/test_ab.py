@@ -22,16 +22,15 @@ from test_fallback import FAST, failing
 from test_restarts import TENANT
 
 from renqueue import Client, Config, Services, parse_config
+from renqueue.broker import EmbeddedServer, EventLog
+from renqueue.coordination import move_split, read_splits, rebuild
 from renqueue.errors import RequestFailedError
-from renqueue.ops import EmbeddedServer
+from renqueue.mock import MockBackend
 from renqueue.policy import SplitPolicy, assign
-from renqueue.state import move_split, read_splits, rebuild
-from renqueue.tools import MockBackend
-from renqueue.wire import (
+from renqueue.schema import (
     SYSTEM_TENANT,
     ChatMessage,
     Event,
-    EventLog,
     InferenceRequest,
     Routed,
     SplitChanged,

@@ -13,14 +13,12 @@ from typing import Any
 import msgspec
 import pytest
 
-from renqueue.backends import (
-    AnthropicBackend,
-    GeminiBackend,
-    OllamaBackend,
-    OpenAIBackend,
-    TGIBackend,
-    make_backend,
-)
+from renqueue.backends import make_backend
+from renqueue.backends.anthropic import AnthropicBackend
+from renqueue.backends.gemini import GeminiBackend
+from renqueue.backends.ollama import OllamaBackend
+from renqueue.backends.openai import OpenAIBackend
+from renqueue.backends.tgi import TGIBackend
 from renqueue.config import (
     AnthropicConfig,
     BackendConfig,

@@ -1,7 +1,7 @@
 """One binding order across all routers (issue #7 item 1).
 
 Exactly one router binds at a time: the holder of the binder's lease
-(:mod:`renqueue.state._lease`). These tests pin what that buys: with several routers
+(:mod:`renqueue.coordination._lease`). These tests pin what that buys: with several routers
 the order is global (a critical request never waits behind batch work another
 router bound), a dead binder's standby takes over, and what the dead one held
 is delivered to the new binder at once, not after ``router.ack_wait``.
@@ -27,24 +27,23 @@ from test_restarts import (
 )
 
 from renqueue import Client, Services, parse_config
+from renqueue.broker import EmbeddedServer, EventLog, connect, provision
 from renqueue.config import Config, load_config
+from renqueue.coordination import Lease
 from renqueue.errors import NatsNotFoundError, NatsUnavailableError
-from renqueue.ops import EmbeddedServer, connect, provision
-from renqueue.services import Router
-from renqueue.services.router import _router as router_module
-from renqueue.state import Lease
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import (
     DISPATCH_STREAM,
     REQUEST_DECODER,
     REQUESTS_STREAM,
     Dispatch,
-    EventLog,
     Routed,
     encode,
     router_consumer,
 )
-from renqueue.wire._subjects import dispatch_subject, msg_id
+from renqueue.schema._subjects import dispatch_subject, msg_id
+from renqueue.services.router import Router
+from renqueue.services.router import _router as router_module
 
 TENANT = "t"
 

@@ -20,9 +20,10 @@ from test_quota_exhausted import describe
 from test_restarts import TENANT
 
 from renqueue import Client, Services
+from renqueue.broker import EmbeddedServer, EventLog
 from renqueue.config import Config, parse_config
 from renqueue.errors import BudgetExhaustedError, ConfigError, RequestRejectedError
-from renqueue.ops import EmbeddedServer
+from renqueue.mock import MockBackend, MockSettings
 from renqueue.policy import (
     BackendView,
     Bind,
@@ -40,18 +41,16 @@ from renqueue.policy import (
     plan,
     refused,
 )
-from renqueue.state import ProjectionState, fold_many, utc_day
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
+from renqueue.schema import (
     ChatMessage,
     Completed,
-    EventLog,
     Failed,
     GenerationParams,
     InferenceRequest,
     Routed,
     Usage,
 )
+from renqueue.state import ProjectionState, fold_many, utc_day
 
 NOW = 1_000_000.0
 PRICES = {"cost_input_per_mtok": 2.5, "cost_output_per_mtok": 10.0}

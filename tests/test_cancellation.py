@@ -14,18 +14,10 @@ import msgspec
 import pytest
 
 from renqueue import Client, RequestCancelledError, RequestExpiredError, Services, parse_config
-from renqueue.ops import provision
-from renqueue.state import CancelWatch
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
-    Cancelled,
-    CancelRequested,
-    EventLog,
-    Expired,
-    Started,
-    encode,
-    event_subject,
-)
+from renqueue.broker import EventLog, provision
+from renqueue.coordination import CancelWatch
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import Cancelled, CancelRequested, Expired, Started, encode, event_subject
 
 
 @pytest.fixture

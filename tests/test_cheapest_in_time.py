@@ -17,10 +17,10 @@ from test_quota_exhausted import describe, results
 from test_restarts import TENANT
 
 from renqueue import Client, Services
-from renqueue.ops import EmbeddedServer
+from renqueue.broker import EmbeddedServer, EventLog
+from renqueue.mock import MockBackend, MockSettings
 from renqueue.policy import MIN_SAMPLES
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import EventLog, Routed
+from renqueue.schema import Routed
 
 #: A free local model: first token after 0.2 s, then 20 tokens per second.
 SLOW = MockSettings(ttft=0.2, tokens_per_second=20.0, output_tokens=12)

@@ -23,19 +23,11 @@ from test_quota_exhausted import describe, results
 from test_restarts import TENANT
 
 from renqueue import Client, Services
+from renqueue.broker import EmbeddedServer, EventLog
 from renqueue.config import parse_config
 from renqueue.errors import RequestExpiredError
-from renqueue.ops import EmbeddedServer
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
-    SYSTEM_TENANT,
-    CircuitChanged,
-    EventLog,
-    FellBack,
-    Probed,
-    Routed,
-    is_terminal,
-)
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import SYSTEM_TENANT, CircuitChanged, FellBack, Probed, Routed, is_terminal
 
 
 async def circuit_events(log: EventLog, backend: str) -> list[CircuitChanged]:

@@ -15,10 +15,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from renqueue import Client
-from renqueue.ops import EmbeddedServer
-from renqueue.tools import MockBackend, MockSettings, run_demo
-from renqueue.tools import _demo as demo
+from renqueue import Client, demo
+from renqueue.broker import EmbeddedServer
+from renqueue.demo import run_demo
+from renqueue.mock import MockBackend, MockSettings
 
 ROOT = Path(__file__).parents[1]
 

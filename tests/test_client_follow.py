@@ -20,17 +20,15 @@ import pytest
 from test_binder import until
 
 from renqueue import Client, Services, TokensExpiredError, UnknownPriorityError, parse_config
-from renqueue._client import _TokenFollower
+from renqueue.broker import Connection, EmbeddedServer, EventLog, provision
+from renqueue.client import _TokenFollower
 from renqueue.errors import NatsTimeoutError
-from renqueue.ops import EmbeddedServer, provision
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import (
     EVENTS_STREAM,
     Cancelled,
     Completed,
-    Connection,
     Event,
-    EventLog,
     TokenChunk,
     Usage,
     encode,
@@ -228,7 +226,7 @@ async def test_a_reader_that_stops_reading_holds_a_bounded_queue_and_loses_nothi
     """A stream whose reader stops (a slow HTTP client behind the gateway)
     keeps at most its bound of live chunks; the rest come from the store when
     it reads on, in order, none lost."""
-    monkeypatch.setattr("renqueue._client._LIVE_CHUNKS", 64)
+    monkeypatch.setattr("renqueue.client._LIVE_CHUNKS", 64)
     async with MockBackend(
         MockSettings(ttft=0.0, tokens_per_second=20_000, output_tokens=600)
     ) as mock:

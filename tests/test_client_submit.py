@@ -7,10 +7,10 @@ import inspect
 import pytest
 
 from renqueue import Client
+from renqueue.broker import Connection
 from renqueue.errors import MalformedRequestError
-from renqueue.wire import (
+from renqueue.schema import (
     ChatMessage,
-    Connection,
     GenerationParams,
     ImagePart,
     ImageURL,

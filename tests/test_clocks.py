@@ -23,9 +23,9 @@ from _clock_sentinels import find, find_in_source
 from test_binder import until
 from test_projection import events_js, publish, started, stored
 
+from renqueue.broker import JetStream
+from renqueue.coordination import Lease, Projector
 from renqueue.errors import NatsNotFoundError
-from renqueue.state import Lease, Projector
-from renqueue.wire import JetStream
 
 __all__ = ["events_js"]  # a fixture, used by name
 

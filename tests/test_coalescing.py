@@ -22,23 +22,20 @@ from renqueue import (
     Services,
     parse_config,
 )
+from renqueue.broker import Connection, EventLog, provision
+from renqueue.broker._dlq import DeadLetterFilter, DeadLetters
 from renqueue.config import Config
+from renqueue.coordination import Coalescer, Group, coalesce_key
 from renqueue.errors import NatsNotFoundError
-from renqueue.ops import provision
-from renqueue.ops._dlq import DeadLetterFilter, DeadLetters
-from renqueue.services import AdvisoryReader, MaxDeliveries
-from renqueue.state import Coalescer, Group, coalesce_key
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import (
     REQUEST_DECODER,
     REQUESTS_STREAM,
     STATE_BUCKET,
     Cancelled,
     Coalesced,
     Completed,
-    Connection,
     Event,
-    EventLog,
     Expired,
     Failed,
     InferenceRequest,
@@ -47,6 +44,7 @@ from renqueue.wire import (
     is_terminal,
     request_subject,
 )
+from renqueue.services import AdvisoryReader, MaxDeliveries
 
 
 @pytest.fixture

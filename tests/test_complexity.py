@@ -12,18 +12,11 @@ from test_quota_exhausted import describe, results
 from test_restarts import TENANT
 
 from renqueue import Client, Services
+from renqueue.broker import EmbeddedServer, EventLog
 from renqueue.config import Config, ConfigError, parse_config
-from renqueue.ops import EmbeddedServer
+from renqueue.mock import MockBackend
 from renqueue.policy import estimate_complexity, load_estimator, tier_of
-from renqueue.tools import MockBackend
-from renqueue.wire import (
-    ChatMessage,
-    EventLog,
-    GenerationParams,
-    InferenceRequest,
-    Routed,
-    Submitted,
-)
+from renqueue.schema import ChatMessage, GenerationParams, InferenceRequest, Routed, Submitted
 
 HARD = (
     "Prove that the sum converges and implement it:\n"

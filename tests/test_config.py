@@ -9,7 +9,7 @@ import pytest
 from renqueue import Client, Services
 from renqueue.config import load_config, parse_config, parse_duration, parse_rate
 from renqueue.errors import ConfigError
-from renqueue.tools import MockBackend, MockSettings
+from renqueue.mock import MockBackend, MockSettings
 
 BACKEND = {"base_url": "http://127.0.0.1:1/v1", "model": "m"}
 

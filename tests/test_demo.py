@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from renqueue import Client, Services, parse_config
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.tools._demo import _RESTART_LEGEND, _stream_live
+from renqueue.demo import _RESTART_LEGEND, _stream_live
+from renqueue.mock import MockBackend, MockSettings
 
 
 async def test_a_restarted_stream_is_marked_explained_once_and_its_history_shown(

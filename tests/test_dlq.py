@@ -22,9 +22,8 @@ import msgspec
 import pytest
 
 from renqueue import Client, RequestFailedError, RequestRejectedError, Services, load_config
-from renqueue.config import Config
-from renqueue.errors import NatsTimeoutError
-from renqueue.ops._dlq import (
+from renqueue.broker import EventLog
+from renqueue.broker._dlq import (
     DeadLetter,
     DeadLetterError,
     DeadLetterFilter,
@@ -32,12 +31,13 @@ from renqueue.ops._dlq import (
     requeue_id,
     requeue_subject,
 )
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
+from renqueue.config import Config
+from renqueue.errors import NatsTimeoutError
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import (
     DISPATCH_STREAM,
     DLQ_STREAM,
     Dispatch,
-    EventLog,
     InferenceRequest,
     Submitted,
     dispatch_subject,

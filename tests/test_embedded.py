@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from renqueue.broker import EmbeddedServer, ServerState, connect, resolve_nats_url, url_file
 from renqueue.config import parse_config
 from renqueue.errors import ConnectionFailedError, EmbeddedServerError
-from renqueue.ops import EmbeddedServer, ServerState, connect, resolve_nats_url, url_file
 
 REPO = Path(__file__).resolve().parents[1]
 

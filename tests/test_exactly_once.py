@@ -28,10 +28,11 @@ import msgspec
 import pytest
 
 from renqueue import Client, RequestFailedError, Services, load_config
+from renqueue.broker import EventLog, read_subject
 from renqueue.config import Config
 from renqueue.errors import NatsTimeoutError
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import (
     DISPATCH_DECODER,
     DISPATCH_STREAM,
     DLQ_STREAM,
@@ -42,7 +43,6 @@ from renqueue.wire import (
     TOKENS_STREAM,
     Completed,
     Dispatch,
-    EventLog,
     Started,
     Submitted,
     TerminalClaim,
@@ -54,7 +54,6 @@ from renqueue.wire import (
     is_terminal,
     kind_of,
     msg_id,
-    read_subject,
     request_subject,
     router_consumer,
     terminal_key,

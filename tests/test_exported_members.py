@@ -13,12 +13,12 @@ import renqueue
 #: renqueue's subpackages: private modules, re-exported by the package.
 PACKAGES = [
     "renqueue.gateway",
-    "renqueue.ops",
+    "renqueue.broker",
     "renqueue.policy",
     "renqueue.services",
     "renqueue.state",
-    "renqueue.tools",
-    "renqueue.wire",
+    "renqueue.mock",
+    "renqueue.schema",
 ]
 
 #: What ``import renqueue`` must not load: the services and what only they need.
@@ -26,7 +26,7 @@ SERVICE_SIDE = [
     "renqueue.gateway",
     "aiohttp.web",
     "renqueue.services",
-    "renqueue.tools",
+    "renqueue.mock",
     "renqueue.metrics",
     "renqueue.backends",
     "prometheus_client",

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from renqueue.backends import Delta, OpenAIBackend
+from renqueue.backends.base import Delta
+from renqueue.backends.openai import OpenAIBackend
 from renqueue.config import BackendConfig
 from renqueue.errors import BackendError, FailureClass
-from renqueue.tools import FaultSpec, MockBackend, MockSettings
-from renqueue.wire import ChatMessage, InferenceRequest
+from renqueue.mock import FaultSpec, MockBackend, MockSettings
+from renqueue.schema import ChatMessage, InferenceRequest
 
 REQUEST = InferenceRequest(
     id="req-1", route="chat", messages=[ChatMessage(role="user", content="hello there")]

@@ -18,23 +18,13 @@ from test_quota_exhausted import describe, results
 from test_restarts import TENANT
 
 from renqueue import Client, Services, metrics, parse_config
-from renqueue.backends import Delta
+from renqueue.backends.base import Delta
+from renqueue.broker import EmbeddedServer, EventLog
 from renqueue.config import Config
 from renqueue.errors import RequestExpiredError, RequestFailedError
-from renqueue.ops import EmbeddedServer
+from renqueue.mock import FaultSpec, MockBackend, MockSettings
+from renqueue.schema import DLQ_STREAM, Completed, Event, Failed, FellBack, Retrying, Routed, Usage
 from renqueue.services.worker import Worker
-from renqueue.tools import FaultSpec, MockBackend, MockSettings
-from renqueue.wire import (
-    DLQ_STREAM,
-    Completed,
-    Event,
-    EventLog,
-    Failed,
-    FellBack,
-    Retrying,
-    Routed,
-    Usage,
-)
 
 FAST = MockSettings(ttft=0.01, output_tokens=3)
 

@@ -14,6 +14,7 @@ from test_quota_exhausted import describe, results
 from test_restarts import TENANT
 
 from renqueue import Client, Services
+from renqueue.broker import EmbeddedServer, EventLog
 from renqueue.config import ConfigError, parse_config
 from renqueue.errors import (
     FailureClass,
@@ -21,7 +22,7 @@ from renqueue.errors import (
     RetryableBackendError,
     UnsupportedFeatureError,
 )
-from renqueue.ops import EmbeddedServer
+from renqueue.mock import MockBackend
 from renqueue.policy import (
     ALL_FEATURES,
     BackendView,
@@ -32,11 +33,9 @@ from renqueue.policy import (
     needs,
     validate,
 )
-from renqueue.tools import MockBackend
-from renqueue.wire import (
+from renqueue.schema import (
     SCHEMA_VERSION,
     ChatMessage,
-    EventLog,
     GenerationParams,
     ImagePart,
     ImageURL,

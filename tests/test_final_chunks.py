@@ -27,21 +27,20 @@ from renqueue import (
     parse_config,
 )
 from renqueue.backends.base import Delta
+from renqueue.broker import EventLog, read_subject
 from renqueue.config import Config
 from renqueue.errors import FatalBackendError
-from renqueue.services import Worker
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import (
     SCHEMA_VERSION,
     TOKEN_DECODER,
     TOKENS_STREAM,
-    EventLog,
     Preempted,
     Retrying,
     Started,
-    read_subject,
     token_subject,
 )
+from renqueue.services.worker import Worker
 
 TENANT = "t"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import msgspec
 
 from renqueue.policy import Cost, Limit, check, used
+from renqueue.schema import Completed, Preempted, ReportedLimit, Retrying, Routed, Started, Usage
 from renqueue.state import ProjectionState, fold_many
-from renqueue.wire import Completed, Preempted, ReportedLimit, Retrying, Routed, Started, Usage
 
 T = 1_800_000_000.0
 PER_MINUTE = Limit(kind="requests", count=3, window=60.0)

@@ -18,7 +18,7 @@ import pytest
 from renqueue import Services, parse_config
 from renqueue.cli import main
 from renqueue.gateway import digest
-from renqueue.tools import MockBackend, MockSettings
+from renqueue.mock import MockBackend, MockSettings
 
 KEY = "rq-cli-test-key-0123456789abcdef"
 

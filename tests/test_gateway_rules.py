@@ -37,7 +37,7 @@ from renqueue.gateway._openai import (
 from renqueue.gateway._server import parse_last_event_id
 from renqueue.policy import needs
 from renqueue.policy._budget import day_ends
-from renqueue.wire import (
+from renqueue.schema import (
     REQUEST_DECODER,
     Cancelled,
     ChatMessage,

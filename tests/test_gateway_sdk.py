@@ -24,19 +24,18 @@ from openai.types.chat import ChatCompletionMessageFunctionToolCall, ParsedFunct
 from test_binder import until
 
 from renqueue import Client, RequestCancelledError, Services, parse_config
+from renqueue.broker import EventLog, JetStream
 from renqueue.config import Config
 from renqueue.errors import NatsTimeoutError
 from renqueue.gateway import Gateway, digest
 from renqueue.gateway._idempotency import id_for_key
-from renqueue.tools import FaultSpec, MockBackend, MockSettings
-from renqueue.wire import (
+from renqueue.mock import FaultSpec, MockBackend, MockSettings
+from renqueue.schema import (
     EVENT_DECODER,
     STATE_BUCKET,
     SYSTEM_TENANT,
     CircuitChanged,
     Completed,
-    EventLog,
-    JetStream,
     Submitted,
     Usage,
 )

@@ -1,4 +1,8 @@
-"""The layers import downwards only: the folder a module is in says what it may use."""
+"""The house's layout holds: each folder is pure or I/O, as its name says, the
+layers import downwards only, and packages are entered by their front.
+
+docs/architecture.md has the map this test enforces.
+"""
 
 import ast
 from pathlib import Path
@@ -7,79 +11,222 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "renqueue"
 
-#: What each part of renqueue must not import (at run time; type-only imports
-#: under ``if TYPE_CHECKING:`` do not count). A part is a subpackage or a
-#: top-level module, named as in ``renqueue/``.
-FORBIDDEN = {
-    "wire": {"policy", "state", "services", "ops", "tools", "backends", "_client", "config"},
-    "policy": {"state", "services", "ops", "tools", "backends", "_client"},
-    "state": {"services", "ops", "tools", "backends", "_client"},
-    "ops": {"state", "services", "tools", "backends", "_client"},
-    "backends": {"state", "services", "ops", "tools", "_client"},
-    "services": {"tools", "_client", "cli", "gateway"},
-    "_client": {"state", "services", "tools", "backends", "metrics", "gateway"},
-    "config": {"wire", "state", "services", "ops", "tools", "backends", "_client"},
-    # The what-if simulation: the policy, the fold and the wire, never a service.
-    "sim": {"services", "ops", "tools", "backends", "_client", "cli", "gateway"},
-    # The gateway is a client of the queue (it submits through Client) in front of
-    # the services; it never calls a backend, nor the tools.
-    "gateway": {"tools", "backends", "cli"},
+#: Pure parts: plain data and functions of (state, input). No NATS, no HTTP,
+#: no clock, no task; none of the I/O parts below.
+PURE = {"errors", "schema", "policy", "state", "sim", "config"}
+
+#: Modules from outside renqueue a pure part must not import.
+IO_MODULES = {
+    "asyncio",
+    "time",
+    "socket",
+    "subprocess",
+    "threading",
+    "nats",
+    "httpx",
+    "aiohttp",
+    "structlog",
+    "prometheus_client",
 }
+
+#: What each part may import of renqueue, at run time (type-only imports under
+#: ``if TYPE_CHECKING:`` do not count). A part is a subpackage or a top-level
+#: module, named as in ``renqueue/``.
+ALLOWED = {
+    # pure
+    "errors": set(),
+    "schema": {"errors"},
+    "policy": {"errors", "schema"},
+    "config": {"errors", "schema", "policy"},
+    "state": {"errors", "schema", "policy", "config"},
+    "sim": {"errors", "schema", "policy", "config", "state"},
+    # observability
+    "logs": {"metrics"},
+    "metrics": set(),
+    # I/O
+    "tasks": {"errors", "logs"},
+    "lifecycle": {"errors", "logs", "tasks"},
+    "broker": {"errors", "schema", "policy", "config", "logs", "metrics", "tasks"},
+    "coordination": {
+        "errors",
+        "schema",
+        "policy",
+        "config",
+        "state",
+        "sim",
+        "logs",
+        "metrics",
+        "tasks",
+        "lifecycle",
+        "broker",
+    },
+    "backends": {"errors", "schema", "policy", "config", "logs", "metrics", "tasks"},
+    "client": {"errors", "schema", "config", "logs", "tasks", "broker"},
+    "services": {
+        "errors",
+        "schema",
+        "policy",
+        "config",
+        "state",
+        "logs",
+        "metrics",
+        "tasks",
+        "lifecycle",
+        "broker",
+        "coordination",
+        "backends",
+    },
+    # The gateway is a client of the queue (it submits through Client) in front
+    # of the services; it never calls a backend, and the process it runs in is
+    # assembled elsewhere (``process``).
+    "gateway": {
+        "errors",
+        "schema",
+        "policy",
+        "config",
+        "logs",
+        "metrics",
+        "tasks",
+        "lifecycle",
+        "broker",
+        "coordination",
+        "client",
+    },
+    "process": {"config", "services", "gateway"},
+    "mock": {"errors", "schema", "logs", "backends"},
+}
+
+#: Entry points that assemble everything: they may import any part.
+TOP = {"cli", "demo", "__main__", "__init__"}
 
 
 def part_of(path: Path) -> str:
     return path.relative_to(PACKAGE).with_suffix("").parts[0]
 
 
-def runtime_imports(path: Path) -> set[str]:
-    """The renqueue parts ``path`` imports, outside ``if TYPE_CHECKING:`` blocks."""
-    tree = ast.parse(path.read_text())
-    module = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    package = module[:-1]  # a module's package; an __init__'s is its own
-    found: set[str] = set()
+def module_of(path: Path) -> tuple[str, ...]:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return parts[:-1] if parts[-1] == "__init__" else parts
 
-    def visit(node: ast.AST) -> None:
+
+def imports(path: Path) -> list[tuple[tuple[str, ...], bool]]:
+    """Every module ``path`` imports, absolute, each with whether it is at run time."""
+    return imports_of(path.read_text(), module_of(path), package=path.name == "__init__.py")
+
+
+def imports_of(
+    source: str, module: tuple[str, ...], *, package: bool = False
+) -> list[tuple[tuple[str, ...], bool]]:
+    tree = ast.parse(source)
+    package_of = module if package else module[:-1]
+    found: list[tuple[tuple[str, ...], bool]] = []
+
+    def visit(node: ast.AST, runtime: bool) -> None:
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                visit(child, False)
             for child in node.orelse:
-                visit(child)
+                visit(child, runtime)
             return
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[: len(package) - node.level + 1]
-                target = [*base, *(node.module.split(".") if node.module else [])]
+                base = package_of[: len(package_of) - node.level + 1]
+                target = (*base, *(node.module.split(".") if node.module else []))
             else:
-                target = (node.module or "").split(".")
-            if target[0] == "renqueue":
-                if len(target) > 1:
-                    found.add(target[1])
-                else:
-                    found.update(alias.name for alias in node.names)
+                target = tuple((node.module or "").split("."))
+            if target == ("renqueue",):
+                found.extend(((*target, alias.name), runtime) for alias in node.names)
+            else:
+                found.append((target, runtime))
         elif isinstance(node, ast.Import):
-            for alias in node.names:
-                parts = alias.name.split(".")
-                if parts[0] == "renqueue" and len(parts) > 1:
-                    found.add(parts[1])
+            found.extend((tuple(alias.name.split(".")), runtime) for alias in node.names)
         for child in ast.iter_child_nodes(node):
-            visit(child)
+            visit(child, runtime)
 
-    visit(tree)
+    visit(tree, True)
     return found
 
 
-MODULES = sorted(
-    path for path in PACKAGE.rglob("*.py") if part_of(path) in FORBIDDEN or path.stem in FORBIDDEN
-)
+def runtime_imports(path: Path) -> set[str]:
+    """The renqueue parts ``path`` imports at run time."""
+    return {
+        target[1]
+        for target, runtime in imports(path)
+        if runtime and target[0] == "renqueue" and len(target) > 1
+    }
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda path: str(path.relative_to(PACKAGE)))
-def test_a_module_imports_no_layer_above_its_own(path: Path) -> None:
+def _name(path: Path) -> str:
+    return str(path.relative_to(PACKAGE))
+
+
+MODULES = sorted(path for path in PACKAGE.rglob("*.py") if "_streams" not in path.parts)
+LAYERED = [path for path in MODULES if part_of(path) not in TOP]
+
+
+def test_every_part_has_a_place_in_the_layout() -> None:
+    parts = {part_of(path) for path in MODULES}
+    assert parts - TOP <= set(ALLOWED), "a new part needs its place in ALLOWED"
+
+
+@pytest.mark.parametrize("path", LAYERED, ids=_name)
+def test_a_module_imports_only_the_layers_below_its_own(path: Path) -> None:
     part = part_of(path)
-    assert not runtime_imports(path) & FORBIDDEN[part]
+    assert runtime_imports(path) - {part} <= ALLOWED[part]
 
 
-def test_the_check_sees_the_imports_it_is_about() -> None:
-    """A router imports the state it reads: the check would catch the reverse."""
-    assert {"state", "wire", "policy"} <= runtime_imports(
+@pytest.mark.parametrize("path", [path for path in MODULES if part_of(path) in PURE], ids=_name)
+def test_a_pure_module_does_no_io(path: Path) -> None:
+    """No NATS, HTTP, clock, task or log, even behind ``if TYPE_CHECKING``."""
+    outside = {target[0] for target, _ in imports(path) if target[0] != "renqueue"}
+    assert not outside & IO_MODULES
+
+
+def test_the_pure_parts_import_no_io_part() -> None:
+    for part in PURE:
+        assert not ALLOWED[part] - PURE, part
+
+
+#: Cross-package imports of a private module that are allowed: none.
+PRIVATE_ALLOWED: set[tuple[str, str]] = set()
+
+
+def private_reaches(path: Path) -> set[str]:
+    """Private modules of another package that ``path`` imports."""
+    return reaches_of(imports(path), module_of(path))
+
+
+def reaches_of(found: list[tuple[tuple[str, ...], bool]], module: tuple[str, ...]) -> set[str]:
+    reaches = set()
+    for target, _ in found:
+        if target[0] != "renqueue":
+            continue
+        for index, piece in enumerate(target[1:], start=1):
+            if piece.startswith("_") and not piece.startswith("__"):
+                owner = target[:index]  # the package whose front was passed by
+                if module[: len(owner)] != owner:
+                    reaches.add(".".join(target))
+                break
+    return reaches
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_a_package_is_entered_by_its_front(path: Path) -> None:
+    reaches = {(str(path.relative_to(PACKAGE)), target) for target in private_reaches(path)}
+    assert reaches <= PRIVATE_ALLOWED
+
+
+def test_the_checks_see_what_they_are_about() -> None:
+    """A router imports the state it reads; a private reach would be caught."""
+    assert {"coordination", "schema", "policy"} <= runtime_imports(
         PACKAGE / "services" / "router" / "_router.py"
     )
-    assert "state" in runtime_imports(PACKAGE / "services" / "worker" / "_worker.py")
+    assert "coordination" in runtime_imports(PACKAGE / "services" / "worker" / "_worker.py")
+    assert private_reaches(PACKAGE / "services" / "router" / "_router.py") == set()
+    # The reach the check is for: a gateway module naming the broker's insides;
+    # the broker's own modules may.
+    source = "from ..broker._nats import Connection\nfrom ._server import Gateway\n"
+    gateway = ("renqueue", "gateway", "_probe")
+    assert reaches_of(imports_of(source, gateway), gateway) == {"renqueue.broker._nats"}
+    broker = ("renqueue", "broker", "_probe")
+    assert reaches_of(imports_of("from ._nats import Connection\n", broker), broker) == set()

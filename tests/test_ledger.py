@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from renqueue import parse_config
+from renqueue.coordination import LiveState
 from renqueue.policy import Cost, Quota, check
 from renqueue.services.router._ledger import Ledger
-from renqueue.state import LiveState
 
 CONFIG = parse_config(
     {

@@ -10,15 +10,16 @@ from typing import Any
 import pytest
 
 from renqueue import Services, parse_config
-from renqueue._lifecycle import Lifecycle, State
 from renqueue.backends import make_backend
+from renqueue.broker import Connection, EmbeddedServer
 from renqueue.config import Config
+from renqueue.coordination import Projector, StateView
+from renqueue.coordination._cancellation import CancelWatch
 from renqueue.errors import NatsNotFoundError
-from renqueue.ops import EmbeddedServer
-from renqueue.services import AdvisoryReader, Router, Worker
-from renqueue.state import Projector, StateView
-from renqueue.state._cancellation import CancelWatch
-from renqueue.wire import Connection
+from renqueue.lifecycle import Lifecycle, State
+from renqueue.services import AdvisoryReader
+from renqueue.services.router import Router
+from renqueue.services.worker import Worker
 
 
 def make_config(url: str) -> Config:

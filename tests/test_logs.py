@@ -17,7 +17,7 @@ import structlog
 
 from renqueue import Services, parse_config
 from renqueue.logs import configure_logging, get_logger
-from renqueue.tools import MockBackend, MockSettings
+from renqueue.mock import MockBackend, MockSettings
 
 PROGRAM = textwrap.dedent(
     """

@@ -9,7 +9,8 @@ import sys
 import msgspec
 import pytest
 
-from renqueue.wire import (
+from renqueue.broker import msg_id_of
+from renqueue.schema import (
     EVENT_DECODER,
     REQUEST_DECODER,
     SCHEMA_VERSION,
@@ -27,7 +28,6 @@ from renqueue.wire import (
     Usage,
     encode,
     is_terminal,
-    msg_id_of,
 )
 
 VALID = {

@@ -15,7 +15,7 @@ import httpx
 import msgspec
 import pytest
 
-from renqueue.tools import MockBackend, MockSettings, format_reset, serve
+from renqueue.mock import MockBackend, MockSettings, format_reset, serve
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "12345678"}]}  # 2 prompt tokens
 

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from renqueue.tools import MockBackend, MockSettings
+from renqueue.mock import MockBackend, MockSettings
 
 ANTHROPIC = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
 OLLAMA = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -14,7 +14,7 @@ import httpx
 import msgspec
 import pytest
 
-from renqueue.tools import FaultSpec, MockBackend, MockSettings
+from renqueue.mock import FaultSpec, MockBackend, MockSettings
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "12345678"}]}  # 2 prompt tokens
 STREAM = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}

@@ -1,6 +1,6 @@
 """Round trips: the mock speaks each provider's rate-limit dialect, the parsers read it back.
 
-The mock writes its formats (renqueue/tools/_mocklimits.py) from the providers'
+The mock writes its formats (renqueue/mock/_rate_limits.py) from the providers'
 docs independently of the parsers (renqueue/backends/_limits.py), so each
 round trip checks one against the other: the limit, remaining and reset the
 mock's buckets hold are what the parser reports.
@@ -17,13 +17,14 @@ from zoneinfo import ZoneInfo
 import httpx
 import pytest
 
-from renqueue.backends import LearnedLimits, LimitWindow, OpenAIBackend, parse_limits
+from renqueue.backends import LearnedLimits, LimitWindow, parse_limits
 from renqueue.backends._limits import DAY, MINUTE
+from renqueue.backends.openai import OpenAIBackend
 from renqueue.config import BackendConfig
 from renqueue.errors import RateLimitedError
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.tools._mocklimits import MOCK_LIMIT_STYLES
-from renqueue.wire import ChatMessage, InferenceRequest
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.mock._rate_limits import MOCK_LIMIT_STYLES
+from renqueue.schema import ChatMessage, InferenceRequest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "12345678"}]}  # 2 prompt tokens
 

@@ -17,12 +17,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from renqueue.backends import Delta, HTTPBackend, make_backend
+from renqueue.backends import HTTPBackend, make_backend
+from renqueue.backends.base import Delta
 from renqueue.backends.tgi import render_prompt
 from renqueue.config import parse_config
 from renqueue.errors import BackendError, FailureClass, RateLimitedError
-from renqueue.tools import FaultSpec, MockBackend, MockSettings
-from renqueue.wire import ChatMessage, GenerationParams, InferenceRequest, Usage
+from renqueue.mock import FaultSpec, MockBackend, MockSettings
+from renqueue.schema import ChatMessage, GenerationParams, InferenceRequest, Usage
 
 KEY = "sk-native-SECRET456"
 KEY_ENV = "RQ_TEST_NATIVE_KEY"

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from renqueue import Client, Services, parse_config
+from renqueue.broker import EventLog
 from renqueue.config import Config
-from renqueue.tools import FaultSpec, MockBackend, MockSettings
-from renqueue.wire import EventLog, FellBack
+from renqueue.mock import FaultSpec, MockBackend, MockSettings
+from renqueue.schema import FellBack
 
 KEY_ENV = "RQ_TEST_PIPELINE_KEY"
 

@@ -18,6 +18,14 @@ import nats.js.errors
 import pytest
 from nats.aio.msg import Msg
 
+from renqueue.broker import Connection, EmbeddedServer, JetStream, connect
+from renqueue.broker._nats import (
+    STREAM_NOT_FOUND,
+    JetStreamApi,
+    PullSubscription,
+    reply_error,
+    translate,
+)
 from renqueue.errors import (
     NatsApiError,
     NatsClosedError,
@@ -27,15 +35,6 @@ from renqueue.errors import (
     NatsTimeoutError,
     NatsUnavailableError,
     WrongLastSequenceError,
-)
-from renqueue.ops import EmbeddedServer, connect
-from renqueue.wire import Connection, JetStream
-from renqueue.wire._nats import (
-    STREAM_NOT_FOUND,
-    JetStreamApi,
-    PullSubscription,
-    reply_error,
-    translate,
 )
 
 PACKAGE = Path(__file__).resolve().parent.parent / "renqueue"

@@ -18,7 +18,9 @@ import pytest
 from _loopback import serve
 from aiohttp import web
 
-from renqueue.backends import Backend, Delta, LearnedLimits, OpenAIBackend, make_backend
+from renqueue.backends import LearnedLimits, make_backend
+from renqueue.backends.base import Backend, Delta
+from renqueue.backends.openai import OpenAIBackend
 from renqueue.config import BackendConfig
 from renqueue.errors import (
     BackendError,
@@ -28,9 +30,9 @@ from renqueue.errors import (
     RateLimitedError,
     RetryableBackendError,
 )
+from renqueue.mock import MockBackend, MockSettings
 from renqueue.policy import MESSAGE_OVERHEAD_TOKENS, REPLY_OVERHEAD_TOKENS, estimate_input_tokens
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import ChatMessage, GenerationParams, InferenceRequest, Usage
+from renqueue.schema import ChatMessage, GenerationParams, InferenceRequest, Usage
 
 KEY = "sk-test-SECRET123"
 KEY_ENV = "RQ_TEST_OPENAI_KEY"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from renqueue.ops import EmbeddedServer
+from renqueue.broker import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +84,7 @@ async def test_an_installed_wheel_finds_its_stream_definitions(
     env = _bare_env(PYTHONPATH=str(site))
     code, out = await _run(
         sys.executable, "-c",
-        "import renqueue, renqueue.ops as p; print(renqueue.__file__); "
+        "import renqueue, renqueue.broker as p; print(renqueue.__file__); "
         "print(p.find_streams_dir())",
         cwd=cwd, env=env, limit=30,
     )  # fmt: skip

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from renqueue.tools._demo import _percentile
+from renqueue.demo import _percentile
 
 REPO = Path(__file__).resolve().parents[1]
 

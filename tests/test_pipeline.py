@@ -26,18 +26,11 @@ from renqueue import (
     Services,
     parse_config,
 )
+from renqueue.broker import EventLog
 from renqueue.config import Config
-from renqueue.services import Worker
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
-    DLQ_STREAM,
-    Completed,
-    EventLog,
-    Rejected,
-    Started,
-    msg_id,
-    request_subject,
-)
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import DLQ_STREAM, Completed, Rejected, Started, msg_id, request_subject
+from renqueue.services.worker import Worker
 
 
 def make_config(tmp_path: Path, backends: dict[str, tuple[str, int]], **extra: Any) -> Config:

@@ -25,20 +25,17 @@ from test_restarts import TENANT
 from test_wire_v2_hostile import config_of, nested, raw_request
 
 from renqueue import Client, RequestFailedError, RequestRejectedError, Services
+from renqueue.broker import Connection, EmbeddedServer, EventLog, JetStream, connect, provision
+from renqueue.broker._dlq import DeadLetter, DeadLetterError, DeadLetterFilter, DeadLetters
+from renqueue.broker._eventlog import DLQ_EXCERPT
+from renqueue.broker._nats import wire_size
 from renqueue.config import Config
 from renqueue.errors import NatsPayloadTooLargeError, ServiceFailedError
-from renqueue.ops import EmbeddedServer, connect, provision
-from renqueue.ops._dlq import DeadLetter, DeadLetterError, DeadLetterFilter, DeadLetters
-from renqueue.services import run_until_signalled
-from renqueue.services.router._router import Router
-from renqueue.tools import MockBackend
-from renqueue.wire import (
+from renqueue.mock import MockBackend
+from renqueue.schema import (
     REQUEST_DECODER,
     REQUEST_HEADROOM,
-    Connection,
-    EventLog,
     InferenceRequest,
-    JetStream,
     Started,
     dispatch_subject,
     encode,
@@ -47,9 +44,9 @@ from renqueue.wire import (
     msg_id,
     request_subject,
 )
-from renqueue.wire._eventlog import DLQ_EXCERPT
-from renqueue.wire._messages import request_limit
-from renqueue.wire._nats import wire_size
+from renqueue.schema._messages import request_limit
+from renqueue.services import run_until_signalled
+from renqueue.services.router._router import Router
 
 #: The bytes the hostile request's ``Nats-Msg-Id`` header takes.
 HEADER = wire_size(b"", {"Nats-Msg-Id": msg_id(TENANT, "too-big")})

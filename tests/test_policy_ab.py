@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from renqueue.config import parse_config
+from renqueue.coordination import decode_split_view, render_splits
 from renqueue.errors import ConfigError, MalformedRequestError
 from renqueue.policy import (
     AB_BUCKET,
@@ -44,16 +45,7 @@ from renqueue.policy import (
     windowed,
 )
 from renqueue.policy._ab import bin_of, bin_value, hash_point, pick
-from renqueue.state import (
-    STATE_VERSION,
-    ProjectionState,
-    decode_split_view,
-    decode_state,
-    encode_state,
-    fold_many,
-    render_splits,
-)
-from renqueue.wire import (
+from renqueue.schema import (
     SYSTEM_TENANT,
     Cancelled,
     ChatMessage,
@@ -66,6 +58,7 @@ from renqueue.wire import (
     SplitChanged,
     Usage,
 )
+from renqueue.state import STATE_VERSION, ProjectionState, decode_state, encode_state, fold_many
 
 SPLIT = SplitPolicy(route="chat", arms=(("chat", 90.0), ("canary", 10.0)), control="chat")
 

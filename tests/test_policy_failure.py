@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from renqueue import Client, RequestFailedError, Services, parse_config
+from renqueue.broker import EventLog
 from renqueue.errors import (
     BadRequestError,
     ConfigError,
@@ -16,16 +17,9 @@ from renqueue.errors import (
     RateLimitedError,
     RetryableBackendError,
 )
-from renqueue.policy import (
-    Fail,
-    FailurePolicy,
-    RequeueElsewhere,
-    Retry,
-    after_failure,
-    backoff,
-)
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import EventLog, Retrying
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.policy import Fail, FailurePolicy, RequeueElsewhere, Retry, after_failure, backoff
+from renqueue.schema import Retrying
 
 POLICY = FailurePolicy(budget=5, retry_delay=1.0, max_retry_delay=30.0)
 

@@ -47,9 +47,7 @@ from renqueue.policy import (
     plan,
     validate,
 )
-from renqueue.services.router._circuits import Circuits
-from renqueue.state import BackendState, ProjectionState, fold_many
-from renqueue.wire import (
+from renqueue.schema import (
     ChatMessage,
     CircuitChanged,
     Completed,
@@ -61,6 +59,8 @@ from renqueue.wire import (
     Routed,
     Usage,
 )
+from renqueue.services.router._circuits import Circuits
+from renqueue.state import BackendState, ProjectionState, fold_many
 
 POLICY = FailurePolicy(budget=5, retry_delay=1.0, max_retry_delay=30.0)
 A = Candidate(name="a", tier=2, context_window=100)

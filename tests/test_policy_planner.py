@@ -31,7 +31,7 @@ from renqueue.policy import (
     effective_rank,
     plan,
 )
-from renqueue.wire import ChatMessage, InferenceRequest
+from renqueue.schema import ChatMessage, InferenceRequest
 
 NOW = 1_000.0
 

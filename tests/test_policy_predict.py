@@ -36,7 +36,7 @@ from renqueue.policy import (
 )
 from renqueue.policy import Bind as BindAction
 from renqueue.policy import Waiting as WaitingItem
-from renqueue.wire import ChatMessage, GenerationParams, InferenceRequest
+from renqueue.schema import ChatMessage, GenerationParams, InferenceRequest
 
 NOW = 1_000.0
 ONE = Cost(requests=1)

@@ -37,7 +37,7 @@ from renqueue.policy._quota import (
     used,
 )
 from renqueue.policy._spend import KEPT_FOR, MAX_SLOTS, Slot, SpendLog
-from renqueue.wire._messages import ReportedLimit
+from renqueue.schema._messages import ReportedLimit
 
 DAY = 86_400.0
 UTC = datetime.UTC

@@ -16,7 +16,7 @@ from renqueue.policy import (
     estimate_request_tokens,
     estimate_text_tokens,
 )
-from renqueue.wire import (
+from renqueue.schema import (
     ChatMessage,
     GenerationParams,
     ImagePart,

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 
 from renqueue import Client, Services, parse_config
+from renqueue.broker import EmbeddedServer, EventLog
 from renqueue.config import Config
-from renqueue.ops import EmbeddedServer
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import Preempted, Started
 from renqueue.services.router._hold import Held
-from renqueue.services.worker._preemption import Preemptible, Run
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import EventLog, Preempted, Started
+from renqueue.services.worker._yielding import Preemptible, Run
 
 TENANT = "t"
 AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"

@@ -17,46 +17,32 @@ import msgspec
 import pytest
 from test_binder import until
 
+from renqueue.broker import Connection, EmbeddedServer, EventLog, JetStream, connect, provision
 from renqueue.config import parse_config
-from renqueue.errors import ProjectionVersionError
-from renqueue.ops import EmbeddedServer, connect, provision
-from renqueue.policy import is_healthy
-from renqueue.state import (
+from renqueue.coordination import (
     PROGRESS_KEY,
-    STALE_IN_FLIGHT,
-    STATE_KEY,
-    STATE_VERSION,
-    BackendState,
     BackendView,
-    InFlight,
     Progress,
-    ProjectionState,
     Projector,
     StateView,
     backend_view_key,
     decode_backend_view,
     decode_progress,
-    decode_state,
-    encode_state,
     encode_view,
-    fold,
-    fold_many,
     rebuild,
-    utc_day,
 )
-from renqueue.wire import (
+from renqueue.errors import ProjectionVersionError
+from renqueue.policy import is_healthy
+from renqueue.schema import (
     STATE_BUCKET,
     Cancelled,
     CancelRequested,
     ChatMessage,
     Completed,
-    Connection,
     Event,
-    EventLog,
     Expired,
     Failed,
     InferenceRequest,
-    JetStream,
     Rejected,
     Retrying,
     Routed,
@@ -66,6 +52,19 @@ from renqueue.wire import (
     encode,
     event_subject,
     is_terminal,
+)
+from renqueue.state import (
+    STALE_IN_FLIGHT,
+    STATE_KEY,
+    STATE_VERSION,
+    BackendState,
+    InFlight,
+    ProjectionState,
+    decode_state,
+    encode_state,
+    fold,
+    fold_many,
+    utc_day,
 )
 
 T0 = 1_700_000_000.0

@@ -10,10 +10,17 @@ from typing import Any
 
 import pytest
 
+from renqueue.broker import (
+    STREAMS_DIR_ENV,
+    Action,
+    Connection,
+    JetStream,
+    find_streams_dir,
+    provision,
+)
 from renqueue.config import Config, parse_config
 from renqueue.errors import NatsTimeoutError, ProvisionError
-from renqueue.ops import STREAMS_DIR_ENV, Action, find_streams_dir, provision
-from renqueue.wire import (
+from renqueue.schema import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
     DISPATCH_STREAM,
@@ -24,8 +31,6 @@ from renqueue.wire import (
     STATE_BUCKET,
     TERMINAL_BUCKET,
     TOKENS_STREAM,
-    Connection,
-    JetStream,
     dispatch_subject,
     requests_of_level,
     router_consumer,

@@ -26,19 +26,18 @@ from test_binder import held, until
 from test_restarts import TENANT
 
 from renqueue import Client, RequestHandle, Services, parse_config
+from renqueue.broker import EmbeddedServer, EventLog
 from renqueue.config import Config
+from renqueue.coordination import Projector
 from renqueue.errors import RequestFailedError, RequestRejectedError
-from renqueue.ops import EmbeddedServer
-from renqueue.state import Projector
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import (
     DISPATCH_STREAM,
     MAX_REQUEUES,
     REQUESTS_STREAM,
     ChatMessage,
     Completed,
     Event,
-    EventLog,
     Failed,
     InferenceRequest,
     Rejected,
@@ -47,7 +46,7 @@ from renqueue.wire import (
     encode,
     kind_of,
 )
-from renqueue.wire._subjects import msg_id, request_subject, worker_consumer
+from renqueue.schema._subjects import msg_id, request_subject, worker_consumer
 
 FAST = MockSettings(ttft=0.01, output_tokens=2, concurrency=8)
 

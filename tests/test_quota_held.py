@@ -15,12 +15,12 @@ from test_binder import until
 from test_restarts import TENANT
 
 from renqueue import Client, Services, parse_config
+from renqueue.broker import EmbeddedServer, EventLog
 from renqueue.config import Config
-from renqueue.ops import EmbeddedServer
+from renqueue.coordination import rebuild
+from renqueue.mock import MockBackend, MockSettings
 from renqueue.policy import Cost, Quota, check
-from renqueue.state import rebuild
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import EventLog, Routed
+from renqueue.schema import Routed
 
 #: The free tier: 4 requests per 2 seconds (a minute's limit on a compressed clock).
 FREE = MockSettings(ttft=0.01, output_tokens=2, concurrency=16, rpm=4, rate_window=2.0)

@@ -40,12 +40,12 @@ from test_restarts import (
 )
 
 from renqueue import Client, Services, parse_config
+from renqueue.broker import EmbeddedServer, EventLog
 from renqueue.config import Config, load_config
-from renqueue.ops import EmbeddedServer
-from renqueue.state import Projector, StateView
-from renqueue.state._view import PROGRESS_KEY, Progress, encode_view
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import STATE_BUCKET, EventLog, Routed
+from renqueue.coordination import Projector, StateView
+from renqueue.coordination._view import PROGRESS_KEY, Progress, encode_view
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import STATE_BUCKET, Routed
 
 #: The declared limit: LIMIT requests per WINDOW seconds (a minute's limit on a
 #: compressed clock), longer than a take-over, so a burst would show.

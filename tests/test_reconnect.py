@@ -15,12 +15,12 @@ import pytest
 from test_wire_v2_hostile import config_of
 
 from renqueue import Client, Services, parse_config
+from renqueue.broker import Connection, EmbeddedServer, connect, provision
 from renqueue.errors import NatsTimeoutError, NatsUnavailableError
 from renqueue.logs import EVENT_ATTRIBUTE
-from renqueue.ops import EmbeddedServer, connect, provision
-from renqueue.services.worker._tokens import settle
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import Connection, is_terminal, kind_of
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import is_terminal, kind_of
+from renqueue.services.worker._call import settle
 
 
 async def test_services_reconnect_after_the_server_restarts(tmp_path: Path) -> None:

@@ -18,12 +18,13 @@ import pytest
 from _loopback import serve
 from aiohttp import web
 
-from renqueue.backends import Delta, HTTPBackend, ToolCall, make_backend
+from renqueue.backends import HTTPBackend, make_backend
 from renqueue.backends._http import status_class
+from renqueue.backends.base import Delta, ToolCall
 from renqueue.config import parse_config
 from renqueue.errors import BackendError, FailureClass, RateLimitedError
 from renqueue.policy import estimate_input_tokens
-from renqueue.wire import ChatMessage, InferenceRequest, Usage
+from renqueue.schema import ChatMessage, InferenceRequest, Usage
 
 REQUEST = InferenceRequest(
     id="req-1", route="chat", messages=[ChatMessage(role="user", content="Hello")]

@@ -18,33 +18,34 @@ from test_binder import until
 from test_cli import run
 
 from renqueue import Client, RequestFailedError, Services, load_config
+from renqueue.broker import EmbeddedServer, JetStream, KeyValue, connect
+from renqueue.coordination import (
+    PROGRESS_KEY,
+    _verify,
+    backend_view_key,
+    decode_backend_view,
+    decode_progress,
+    encode_view,
+    rebuild,
+    verify,
+)
+from renqueue.coordination._verify import replay_log
 from renqueue.errors import RenQueueError
-from renqueue.ops import EmbeddedServer, connect
+from renqueue.mock import MockBackend, MockSettings
 from renqueue.policy import Learned, Quota, SpendLog
 from renqueue.policy._spend import Slot
 from renqueue.state import (
-    PROGRESS_KEY,
     STATE_KEY,
     BackendState,
     Difference,
     InFlight,
     ProjectionState,
     TenantState,
-    _verify,
-    backend_view_key,
-    decode_backend_view,
-    decode_progress,
     decode_state,
     diff_states,
     diff_values,
     encode_state,
-    encode_view,
-    rebuild,
-    verify,
 )
-from renqueue.state._verify import replay_log
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import JetStream, KeyValue
 
 T = 1_780_000_020.0
 ABSENT = msgspec.UNSET

@@ -25,26 +25,31 @@ from test_poison import run_in_background, trip_the_router
 from test_restarts import TENANT
 from test_wire_v2_hostile import config_of
 
-import renqueue._tasks as tasks
+import renqueue.tasks as tasks
 from renqueue import Client, RequestFailedError, RequestRejectedError, Services, parse_config
-from renqueue._tasks import Supervisor
+from renqueue.broker import (
+    Connection,
+    EmbeddedServer,
+    EventLog,
+    Message,
+    _connection,
+    connect,
+    provision,
+)
+from renqueue.coordination import StateView
 from renqueue.errors import NatsTimeoutError, ServiceFailedError
 from renqueue.gateway import Gateway
-from renqueue.ops import EmbeddedServer, _connection, connect, provision
-from renqueue.services.router._router import Router
-from renqueue.state import StateView
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
-    Connection,
-    EventLog,
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import (
     GenerationParams,
-    Message,
     Rejected,
     is_terminal,
     kind_of,
     msg_id,
     request_subject,
 )
+from renqueue.services.router._router import Router
+from renqueue.tasks import Supervisor
 
 FAST = MockSettings(ttft=0.01, output_tokens=3)
 

@@ -26,21 +26,19 @@ from typing import Any
 import pytest
 
 from renqueue import Client, Services
+from renqueue.broker import Connection, EmbeddedServer, EventLog, connect
 from renqueue.config import Config, load_config
 from renqueue.errors import RequestCancelledError
-from renqueue.ops import EmbeddedServer, connect
+from renqueue.mock import MockBackend, MockSettings
 from renqueue.policy import promotions
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
+from renqueue.schema import (
     DISPATCH_STREAM,
     DLQ_STREAM,
     REQUESTS_STREAM,
     Cancelled,
     Coalesced,
     Completed,
-    Connection,
     Event,
-    EventLog,
     Preempted,
     Promoted,
     Retrying,

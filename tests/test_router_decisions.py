@@ -7,8 +7,8 @@ import pytest
 from renqueue.config import parse_config
 from renqueue.errors import MalformedRequestError, UnknownRouteError
 from renqueue.policy import BackendView, NoRoom, choose_backend, validate
+from renqueue.schema import ChatMessage, InferenceRequest
 from renqueue.services.router._capacity import Capacity
-from renqueue.wire import ChatMessage, InferenceRequest
 
 CONFIG = parse_config(
     {

@@ -18,23 +18,23 @@ from typing import Any
 import pytest
 
 from renqueue import Client, Services, parse_config
-from renqueue._tasks import Supervisor
+from renqueue.broker import EmbeddedServer, EventLog, connect
 from renqueue.config import Config
 from renqueue.errors import NatsUnavailableError, RequestFailedError, ServiceFailedError
 from renqueue.logs import EVENT_ATTRIBUTE
-from renqueue.ops import EmbeddedServer, connect
-from renqueue.services import Router, run_until_signalled
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import (
     DISPATCH_STREAM,
     DLQ_STREAM,
     REQUESTS_STREAM,
-    EventLog,
     Routed,
     kind_of,
     router_consumer,
     worker_consumer,
 )
+from renqueue.services import run_until_signalled
+from renqueue.services.router import Router
+from renqueue.tasks import Supervisor
 
 TENANT = "t"
 

@@ -9,20 +9,13 @@ import pytest
 from test_binder import until
 
 from renqueue import Client, Config, ConfigError, RequestExpiredError, Services, parse_config
-from renqueue.policy import (
-    LevelPolicy,
-    aging_bound,
-    effective_rank,
-    hopeless,
-    pick_key,
-    promotions,
-)
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
+from renqueue.broker import EventLog
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.policy import LevelPolicy, aging_bound, effective_rank, hopeless, pick_key, promotions
+from renqueue.schema import (
     SYSTEM_TENANT,
     Coalesced,
     Dispatch,
-    EventLog,
     GenerationParams,
     Preempted,
     Probed,

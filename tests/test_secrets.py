@@ -24,10 +24,9 @@ from pathlib import Path
 import httpx
 
 from renqueue import Client, RequestFailedError
+from renqueue.broker import Connection, EmbeddedServer
 from renqueue.errors import NatsError
-from renqueue.ops import EmbeddedServer
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import Connection
+from renqueue.mock import MockBackend, MockSettings
 
 AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"
 NATS_PASSWORD = "natsPW4d1e0c6b5a"

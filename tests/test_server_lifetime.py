@@ -22,7 +22,7 @@ from typing import IO
 
 import pytest
 
-from renqueue.ops import find_nats_server
+from renqueue.broker import find_nats_server
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc; Linux only")
 

@@ -18,12 +18,12 @@ import msgspec
 import pytest
 
 from renqueue import Client, RequestCancelledError, Services, parse_config
+from renqueue.broker import EventLog
 from renqueue.config import Config
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import (
     REQUESTS_STREAM,
     Coalesced,
-    EventLog,
     Preempted,
     Routed,
     Started,

@@ -20,6 +20,21 @@ from renqueue import ChatMessage, ConfigError, GenerationParams, InferenceReques
 from renqueue.config import Config, SplitConfig
 from renqueue.errors import FailureClass, RenQueueError
 from renqueue.policy import estimate_prompt_tokens
+from renqueue.schema import (
+    Cancelled,
+    Coalesced,
+    Completed,
+    Event,
+    Expired,
+    Failed,
+    FellBack,
+    Retrying,
+    Routed,
+    Started,
+    Submitted,
+    Usage,
+)
+from renqueue.schema._messages import Fallback
 from renqueue.sim import (
     Arrival,
     BackendModel,
@@ -42,21 +57,6 @@ from renqueue.sim import (
     trace_of,
 )
 from renqueue.state import fold_many
-from renqueue.wire import (
-    Cancelled,
-    Coalesced,
-    Completed,
-    Event,
-    Expired,
-    Failed,
-    FellBack,
-    Retrying,
-    Routed,
-    Started,
-    Submitted,
-    Usage,
-)
-from renqueue.wire._messages import Fallback
 
 T = 1_780_000_000.0
 PROMPT = [ChatMessage(role="user", content="x" * 400)]  # 100 tokens estimated (+ overhead)

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 from renqueue import Client
+from renqueue.broker import EmbeddedServer, connect, provision
 from renqueue.config import parse_config
 from renqueue.errors import ConnectionFailedError
-from renqueue.ops import EmbeddedServer, connect, provision
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import REQUESTS_STREAM
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import REQUESTS_STREAM
 
 RETRYING = "jetstream unavailable; retrying"
 

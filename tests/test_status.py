@@ -21,27 +21,28 @@ from test_binder import until
 from test_cli import run
 
 from renqueue import Client, Services, load_config, parse_config
+from renqueue.broker import EmbeddedServer, JetStream, connect, provision
+from renqueue.coordination import (
+    BackendStatus,
+    LevelStatus,
+    StatusReport,
+    TenantStatus,
+    backend_status,
+    render_status,
+)
+from renqueue.coordination._status import printable
 from renqueue.errors import NatsNotFoundError
-from renqueue.ops import EmbeddedServer, connect, provision
+from renqueue.mock import MockBackend, MockSettings
 from renqueue.policy import Budget, Learned, LimitUsage, Perf, Quota, cool_down, reserve
 from renqueue.policy._quota import Cost
 from renqueue.state import (
     STATE_KEY,
     BackendState,
-    BackendStatus,
-    LevelStatus,
     ProjectionState,
-    StatusReport,
     TenantState,
-    TenantStatus,
-    backend_status,
     decode_state,
     encode_state,
-    render_status,
 )
-from renqueue.state._status import printable
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import JetStream
 
 T = 1_780_000_020.0
 

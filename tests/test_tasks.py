@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from renqueue._tasks import Fatal, Supervisor, cancel_and_wait
 from renqueue.errors import NatsClosedError, NatsTimeoutError, NatsUnavailableError
 from renqueue.logs import EVENT_ATTRIBUTE
+from renqueue.tasks import Fatal, Supervisor, cancel_and_wait
 
 
 async def test_a_loop_that_swallows_one_cancellation_is_still_stopped() -> None:

@@ -21,19 +21,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from renqueue import Client, RequestCancelledError, Services, parse_config
+from renqueue.broker import AckPolicy, Connection, DeliverPolicy, EmbeddedServer, EventLog
 from renqueue.errors import NatsNotFoundError
-from renqueue.ops import EmbeddedServer
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
-    EVENTS_STREAM,
-    TOKENS_STREAM,
-    AckPolicy,
-    Completed,
-    Connection,
-    DeliverPolicy,
-    EventLog,
-    request_subject,
-)
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import EVENTS_STREAM, TOKENS_STREAM, Completed, request_subject
 
 AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"
 PASSWORDS = {

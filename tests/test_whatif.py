@@ -39,8 +39,9 @@ from test_cli import run
 
 from renqueue import Client, RequestFailedError, Services, load_config
 from renqueue.config import Config
-from renqueue.sim import Summary, Trace, compare, load_what_if, read_trace
-from renqueue.tools import MockBackend, MockSettings
+from renqueue.coordination import read_trace
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.sim import Summary, Trace, compare, load_what_if
 
 #: The largest error of a simulation of the live config, against the recorded
 #: run: cost (relative) and each level's attainment (absolute). Measured on

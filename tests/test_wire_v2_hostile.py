@@ -20,12 +20,11 @@ from test_restarts import TENANT
 
 from renqueue import Client, RequestFailedError, RequestRejectedError, Services, parse_config
 from renqueue.backends._http import error_detail
+from renqueue.broker import EmbeddedServer
 from renqueue.errors import MalformedRequestError, RetryableBackendError
-from renqueue.ops import EmbeddedServer
+from renqueue.mock import MockBackend
 from renqueue.policy import needs, validate
-from renqueue.services.worker._tokens import LOGPROBS_BUDGET, Caller, _keep_logprobs
-from renqueue.tools import MockBackend
-from renqueue.wire import (
+from renqueue.schema import (
     REQUEST_DECODER,
     REQUEST_HEADROOM,
     ChatMessage,
@@ -38,6 +37,7 @@ from renqueue.wire import (
     msg_id,
     request_subject,
 )
+from renqueue.services.worker._call import LOGPROBS_BUDGET, Caller, _keep_logprobs
 
 
 def config_of(backend: str = "http://127.0.0.1:1", nats_url: str | None = None, **nats: str) -> Any:

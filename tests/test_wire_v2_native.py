@@ -22,18 +22,13 @@ from test_native_pipeline import KEY_ENV as PIPELINE_KEY_ENV
 from test_native_pipeline import config_for
 
 from renqueue import Client, Services
-from renqueue.backends import Delta, HTTPBackend, ToolCall
+from renqueue.backends import HTTPBackend
+from renqueue.backends.base import Delta, ToolCall
+from renqueue.broker import EventLog
 from renqueue.errors import BadRequestError, FailureClass
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
-    ChatMessage,
-    Completed,
-    EventLog,
-    GenerationParams,
-    InferenceRequest,
-    TokenChunk,
-)
-from renqueue.wire._messages import (
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import ChatMessage, Completed, GenerationParams, InferenceRequest, TokenChunk
+from renqueue.schema._messages import (
     ImagePart,
     ImageURL,
     JsonSchema,

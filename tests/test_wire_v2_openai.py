@@ -18,19 +18,14 @@ from _loopback import serve
 from aiohttp import web
 
 from renqueue import Client, Services, parse_config
-from renqueue.backends import Delta, HTTPBackend, make_backend
+from renqueue.backends import HTTPBackend, make_backend
 from renqueue.backends._http import MAX_TOOL_ARGUMENTS
+from renqueue.backends.base import Delta
+from renqueue.broker import EventLog
 from renqueue.errors import BackendError, BadRequestError, FailureClass
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
-    ChatMessage,
-    Completed,
-    EventLog,
-    GenerationParams,
-    InferenceRequest,
-    TokenChunk,
-)
-from renqueue.wire._messages import (
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import ChatMessage, Completed, GenerationParams, InferenceRequest, TokenChunk
+from renqueue.schema._messages import (
     ImagePart,
     ImageURL,
     JsonSchema,

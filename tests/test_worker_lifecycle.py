@@ -22,14 +22,13 @@ import pytest
 from renqueue import Client, Services, load_config, parse_config
 from renqueue.backends import make_backend
 from renqueue.backends.base import Delta
+from renqueue.broker import EventLog
 from renqueue.config import Config, WorkerConfig, parse_duration
 from renqueue.errors import NatsNoRespondersError, NatsNotFoundError
-from renqueue.services import Worker
-from renqueue.tools import MockBackend, MockSettings
-from renqueue.wire import (
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import (
     DISPATCH_STREAM,
     Dispatch,
-    EventLog,
     Started,
     Stolen,
     dispatch_subject,
@@ -38,6 +37,7 @@ from renqueue.wire import (
     msg_id,
     worker_consumer,
 )
+from renqueue.services.worker import Worker
 
 TENANT = "t"
 
@@ -123,7 +123,7 @@ async def test_a_killed_workers_request_is_run_again_within_a_few_default_leases
 
 class SwallowsOneCancellation:
     """A backend whose stream swallows the first cancellation (as nats-py's fetch
-    can on Python 3.11, see renqueue._tasks), then waits on."""
+    can on Python 3.11, see renqueue.tasks), then waits on."""
 
     name = "b"
 

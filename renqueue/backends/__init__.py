@@ -32,8 +32,8 @@ from ..config import (
     TGIConfig,
 )
 from ..errors import ConfigError
-from ._http import HTTPBackend
-from ._limits import LearnedLimits, LimitKind, LimitWindow, parse_limits
+from ._http import MAX_TOOL_CALLS, HTTPBackend
+from ._limits import LearnedLimits, LimitKind, LimitWindow, parse_limits, reported
 from .anthropic import AnthropicBackend
 from .base import Backend, Delta, Generation, ToolCall
 from .gemini import GeminiBackend
@@ -42,6 +42,7 @@ from .openai import OpenAIBackend
 from .tgi import TGIBackend
 
 __all__ = [
+    "MAX_TOOL_CALLS",
     "AnthropicBackend",
     "Backend",
     "Delta",
@@ -55,8 +56,8 @@ __all__ = [
     "OpenAIBackend",
     "TGIBackend",
     "ToolCall",
-    "make_backend",
     "parse_limits",
+    "reported",
 ]
 
 #: The adapter of each config class.

@@ -58,8 +58,8 @@ from ..errors import (
     RateLimitedError,
     RetryableBackendError,
 )
-from ..policy._tokens import estimate_input_tokens
-from ..wire._messages import ChatMessage, InferenceRequest, TokenLogprob, Usage
+from ..policy import estimate_input_tokens
+from ..schema import ChatMessage, InferenceRequest, TokenLogprob, Usage
 from ._limits import LearnedLimits, parse_limits
 from ._sse import MAX_EVENT_BYTES, ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation, ToolCall

@@ -70,7 +70,7 @@ import msgspec
 from msgspec import Struct
 
 from ..config import LimitStyle
-from ..wire._messages import ReportedLimit
+from ..schema import ReportedLimit
 
 __all__ = [
     "DAY",

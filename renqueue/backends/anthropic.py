@@ -60,14 +60,7 @@ from msgspec import Struct
 
 from ..config import AnthropicConfig, LimitStyle
 from ..errors import BadRequestError, FailureClass
-from ..wire._messages import (
-    ChatMessage,
-    GenerationParams,
-    InferenceRequest,
-    NamedTool,
-    TextPart,
-    Tool,
-)
+from ..schema import ChatMessage, GenerationParams, InferenceRequest, NamedTool, TextPart, Tool
 from ._http import (
     HTTPBackend,
     InBandError,

@@ -1,6 +1,6 @@
 """The protocol every backend adapter implements.
 
-An adapter turns an :class:`~renqueue.wire.InferenceRequest` into a call to
+An adapter turns an :class:`~renqueue.schema.InferenceRequest` into a call to
 one endpoint + model + credentials, and the response into :class:`Delta` pieces
 (streaming) or one :class:`Generation`. Every failure leaves an adapter as a
 :class:`~renqueue.errors.BackendError` subclass: rate-limited (with
@@ -15,7 +15,7 @@ from typing import Final, Protocol, runtime_checkable
 
 from msgspec import Struct
 
-from ..wire._messages import InferenceRequest, TokenLogprob, ToolCall, Usage
+from ..schema import InferenceRequest, TokenLogprob, ToolCall, Usage
 
 __all__ = ["FINISH_REASONS", "Backend", "Delta", "Generation", "ToolCall"]
 

@@ -74,14 +74,7 @@ from msgspec import Struct, field
 
 from ..config import GeminiConfig, LimitStyle
 from ..errors import BadRequestError, FailureClass
-from ..wire._messages import (
-    ChatMessage,
-    GenerationParams,
-    InferenceRequest,
-    NamedTool,
-    TextPart,
-    Tool,
-)
+from ..schema import ChatMessage, GenerationParams, InferenceRequest, NamedTool, TextPart, Tool
 from ._http import (
     HTTPBackend,
     InBandError,

@@ -59,7 +59,7 @@ import msgspec
 from msgspec import Struct
 
 from ..config import OllamaConfig
-from ..wire._messages import ChatMessage, InferenceRequest, NamedTool
+from ..schema import ChatMessage, InferenceRequest, NamedTool
 from ._http import (
     HTTPBackend,
     InBandError,

@@ -36,7 +36,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from ..config import BackendConfig, LimitStyle
-from ..wire._messages import (
+from ..schema import (
     RESERVED_EXTRA,
     ChatMessage,
     GenerationParams,
@@ -45,14 +45,7 @@ from ..wire._messages import (
     TokenLogprob,
     TopLogprob,
 )
-from ._http import (
-    HTTPBackend,
-    InBandError,
-    SSEParser,
-    ToolCallPieces,
-    error_detail,
-    given_params,
-)
+from ._http import HTTPBackend, InBandError, SSEParser, ToolCallPieces, error_detail, given_params
 from ._sse import ServerSentEvent
 from .base import Generation
 

@@ -56,7 +56,7 @@ from msgspec import Struct
 
 from ..config import TGIConfig
 from ..errors import FailureClass
-from ..wire._messages import ChatMessage, InferenceRequest
+from ..schema import ChatMessage, InferenceRequest
 from ._http import (
     HTTPBackend,
     InBandError,

@@ -8,4 +8,11 @@ from ._errors import ApiError
 from ._keys import KeyStore, digest, new_key
 from ._server import Gateway, run_gateway
 
-__all__ = ["ApiError", "Gateway", "KeyStore", "digest", "new_key", "run_gateway"]
+__all__ = [
+    "ApiError",
+    "Gateway",
+    "KeyStore",
+    "digest",
+    "new_key",
+    "run_gateway",
+]

@@ -36,10 +36,8 @@ from ..errors import (
     UnknownRouteError,
     UnsupportedFeatureError,
 )
-from ..policy._budget import day_ends
-from ..policy._features import ALL_FEATURES
-from ..policy._planner import nothing_could_serve
-from ..wire._messages import Cancelled, Event, Expired, Failed, Rejected
+from ..policy import ALL_FEATURES, day_ends, nothing_could_serve
+from ..schema import Cancelled, Event, Expired, Failed, Rejected
 
 __all__ = ["ApiError", "from_error", "from_terminal"]
 

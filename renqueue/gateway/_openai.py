@@ -5,7 +5,7 @@ request's outcome becomes a ``chat.completion`` (or its
 ``chat.completion.chunk`` stream). All of it is pure: bytes and headers in,
 values or bytes out, so every rule here is unit-tested without a server.
 
-What the wire carries (``renqueue.wire.ChatMessage``, ``GenerationParams``)
+What the wire carries (``renqueue.schema.ChatMessage``, ``GenerationParams``)
 is translated: messages of every role (``developer`` is ``system``) with
 string content or text and ``image_url`` parts, ``name``, an assistant's
 ``tool_calls`` (OpenAI's nested ``function`` flattened) and a tool result's
@@ -62,14 +62,7 @@ from typing import Any, Final, Protocol, TypeVar
 import msgspec
 from msgspec import Raw, Struct
 
-from ..wire._messages import (
-    ChatMessage,
-    GenerationParams,
-    TokenLogprob,
-    ToolCall,
-    ToolCallDelta,
-    Usage,
-)
+from ..schema import ChatMessage, GenerationParams, TokenLogprob, ToolCall, ToolCallDelta, Usage
 from ._errors import ApiError
 
 __all__ = [

@@ -51,9 +51,16 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .._client import Client, RequestHandle, Result
-from .._lifecycle import Lifecycle
-from .._tasks import Supervisor, cancel_and_wait
+from ..broker import (
+    Connection,
+    ConnectionKeeper,
+    EventLog,
+    JetStream,
+    KeyValue,
+    connect,
+    redact_url,
+)
+from ..client import Client, RequestHandle, Result
 from ..config import Config, parse_duration
 from ..errors import (
     ConfigError,
@@ -68,21 +75,22 @@ from ..errors import (
     UnknownPriorityError,
     WrongLastSequenceError,
 )
+from ..lifecycle import Lifecycle
 from ..logs import bound_request, get_logger
-from ..ops._connection import ConnectionKeeper, connect, redact_url
-from ..wire._eventlog import EventLog
-from ..wire._messages import (
+from ..schema import (
     EVENT_DECODER,
+    EVENTS_STREAM,
+    STATE_BUCKET,
     CancelRequested,
     Completed,
     Event,
     Submitted,
     TokenChunk,
+    event_subject,
     is_terminal,
     kind_of,
 )
-from ..wire._nats import Connection, JetStream, KeyValue
-from ..wire._subjects import EVENTS_STREAM, STATE_BUCKET, event_subject
+from ..tasks import Supervisor, cancel_and_wait
 from . import _metrics as metrics
 from ._errors import ApiError, from_error, from_terminal
 from ._idempotency import MAX_KEY_LENGTH, RetryMemory, fingerprint, id_for_key, shared_key
@@ -316,7 +324,7 @@ class Gateway(Lifecycle):
 
     async def _renew(self, new: Connection) -> None:
         """The server closed the gateway's connection (see
-        :class:`~renqueue.ops.ConnectionKeeper`): each tenant's client, bound to
+        :class:`~renqueue.broker.ConnectionKeeper`): each tenant's client, bound to
         it, is closed, and the next call of each tenant makes one on ``new``.
         Calls under way on the old one end in an error (an SDK retries them:
         a retry under the same body or key joins the stored request)."""

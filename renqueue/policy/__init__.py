@@ -55,13 +55,16 @@ that read the broker, ask these functions, and carry out what they answer.
 from ._ab import (
     AB_BUCKET,
     AB_HORIZON,
+    SPLIT_MODES,
     ArmStats,
     ArmTally,
     RollbackRules,
+    SplitFacts,
     SplitPolicy,
     SplitStatus,
     Tally,
     assign,
+    bin_of,
     breach,
     judge,
     key_value,
@@ -72,16 +75,13 @@ from ._ab import (
     windowed,
 )
 from ._aging import LevelPolicy, aging_bound, effective_rank, pick_key, promotions
-from ._budget import (
-    EVERY_TENANT,
-    Budget,
-    affordable,
-    budget_of,
-    day_ends,
-    refused,
-    within_budget,
+from ._budget import EVERY_TENANT, Budget, affordable, budget_of, day_ends, refused, within_budget
+from ._complexity import (
+    Estimator,
+    heuristic_score,
+    load_estimator,
+    tier_of,
 )
-from ._complexity import Estimator, heuristic_score, load_estimator, tier_of
 from ._complexity import estimate as estimate_complexity
 from ._failure import (
     DEFAULT_FALLBACK_ON,
@@ -106,6 +106,8 @@ from ._health import (
     CLOSED,
     DEFAULT_COOLDOWN,
     DEFAULT_FAILURE_THRESHOLD,
+    OUTCOME_BUCKET,
+    OUTCOME_HORIZON,
     Circuit,
     CircuitFacts,
     CircuitRules,
@@ -133,7 +135,15 @@ from ._planner import (
     plan,
     urgency,
 )
-from ._predict import Pick, Prediction, RouteRules, choose_in_time, predict, service_time
+from ._predict import (
+    Pick,
+    Prediction,
+    RouteRules,
+    choose_in_time,
+    predict,
+    service_time,
+    typical_call,
+)
 from ._preemption import choose_victim, may_preempt, preempting_rank
 from ._quota import (
     Cost,
@@ -150,6 +160,7 @@ from ._quota import (
     limits_of,
     reconcile,
     reserve,
+    says_anything,
     used,
 )
 from ._routing import (
@@ -193,9 +204,12 @@ __all__ = [
     "INTERNAL",
     "MESSAGE_OVERHEAD_TOKENS",
     "MIN_SAMPLES",
+    "OUTCOME_BUCKET",
+    "OUTCOME_HORIZON",
     "PREEMPT_RETRY",
     "REPLY_OVERHEAD_TOKENS",
     "RETRY_HERE_FIRST",
+    "SPLIT_MODES",
     "WAIT_HERE_IF_ALONE",
     "Action",
     "ArmStats",
@@ -239,6 +253,7 @@ __all__ = [
     "RouteFacts",
     "RouteRules",
     "SpendLog",
+    "SplitFacts",
     "SplitPolicy",
     "SplitStatus",
     "Tally",
@@ -249,6 +264,7 @@ __all__ = [
     "aging_bound",
     "assign",
     "backoff",
+    "bin_of",
     "breach",
     "budget_of",
     "capable",
@@ -296,8 +312,10 @@ __all__ = [
     "refused",
     "reserve",
     "retry_after",
+    "says_anything",
     "service_time",
     "tier_of",
+    "typical_call",
     "urgency",
     "used",
     "validate",

@@ -45,7 +45,7 @@ from typing import Annotated, Final, Literal, Protocol
 import msgspec
 from msgspec import Meta, Struct
 
-from ..wire._messages import InferenceRequest
+from ..schema import InferenceRequest
 
 __all__ = [
     "AB_BUCKET",

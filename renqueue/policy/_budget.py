@@ -26,7 +26,7 @@ from typing import Final, Literal
 
 from msgspec import Struct
 
-from ..wire._messages import InferenceRequest
+from ..schema import InferenceRequest
 from ._routing import Priced, estimated_cost
 
 #: The ``[tenants]`` key whose budget applies to every tenant not named.

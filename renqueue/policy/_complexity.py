@@ -29,7 +29,7 @@ import re
 from collections.abc import Sequence
 from typing import Final, Protocol
 
-from ..wire._messages import ComplexityEstimate, InferenceRequest
+from ..schema import ComplexityEstimate, InferenceRequest
 from ._tokens import estimate_input_tokens
 
 __all__ = ["HEURISTIC", "Estimator", "estimate", "heuristic_score", "load_estimator", "tier_of"]

@@ -89,7 +89,7 @@ import msgspec
 from msgspec import Struct
 
 from ..errors import BackendError, FailureClass, RateLimitedError
-from ..wire._messages import Fallback
+from ..schema import Fallback
 from ._features import ALL_FEATURES
 from ._routing import meets
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Final, Literal
 
-from ..wire._messages import InferenceRequest
+from ..schema import InferenceRequest
 
 __all__ = ["ALL_FEATURES", "FEATURES", "Feature", "missing", "needs"]
 

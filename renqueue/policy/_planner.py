@@ -45,7 +45,7 @@ from typing import Final, TypeVar
 import msgspec
 from msgspec import Struct
 
-from ..wire._messages import InferenceRequest
+from ..schema import InferenceRequest
 from ._aging import LevelPolicy, effective_rank, pick_key, promotions
 from ._budget import Budget, budget_of, within_budget
 from ._predict import Pick, Prediction, RouteRules, choose_in_time, service_time, typical_call

@@ -31,7 +31,7 @@ from typing import Final
 import msgspec
 from msgspec import Struct
 
-from ..wire._messages import InferenceRequest
+from ..schema import InferenceRequest
 from ._perf import MIN_SAMPLES, Perf
 from ._quota import Cost, Quota, QuotaVerdict, check
 from ._routing import BackendView, NoRoom, capable, choose, estimated_cost

@@ -1,7 +1,7 @@
 """Who may preempt whom: plain functions of levels and runs.
 
 The protocol that carries these decisions out (ask, offer, confirm, over core
-NATS) is :mod:`renqueue.wire._preemption`; the router asks when the round planner
+NATS) is :mod:`renqueue.schema._offers`; the router asks when the round planner
 (:func:`renqueue.policy.plan`) says so, and the worker holding the runs
 answers with :func:`choose_victim`.
 """

@@ -49,7 +49,7 @@ from zoneinfo import ZoneInfo
 import msgspec
 from msgspec import Struct
 
-from ..wire._messages import ReportedLimit
+from ..schema import ReportedLimit
 from ._spend import Slot, SpendLog, record, refund_tokens
 
 __all__ = [

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import Final, Protocol
 
 import msgspec
 
@@ -25,24 +25,21 @@ from ..errors import (
     UnknownRouteError,
     UnsupportedFeatureError,
 )
-from ..wire._messages import (
+from ..schema import (
     MAX_JSON_DEPTH,
     RESERVED_EXTRA,
     SCHEMA_VERSION,
+    SYSTEM_TENANT,
     Fallback,
     GenerationParams,
     InferenceRequest,
+    msg_id,
     too_deep,
 )
-from ..wire._subjects import SYSTEM_TENANT, msg_id
 from ._features import ALL_FEATURES, missing, needs
 from ._perf import Perf
 from ._quota import Cost, Limit, Quota, QuotaVerdict, check
 from ._tokens import DEFAULT_MAX_TOKENS, estimate_input_tokens
-
-if TYPE_CHECKING:  # config builds the level policies from this package: no cycle at run time
-    from ..config import Config
-
 
 _NO_SPEND = Quota()
 
@@ -62,6 +59,37 @@ class Priced(Protocol):
 
     @property
     def cost_output_per_mtok(self) -> float: ...
+
+
+class Offered(Priced, Protocol):
+    """What admission reads of a configured backend: its price and features."""
+
+    @property
+    def supports(self) -> frozenset[str]: ...
+
+
+class Served(Protocol):
+    """What admission reads of a configured route: its backends."""
+
+    @property
+    def backends(self) -> Sequence[str]: ...
+
+
+class Catalog(Protocol):
+    """What admission reads of the config (:class:`renqueue.config.Config` is
+    one): this package never imports the config, which is built from it."""
+
+    @property
+    def backends(self) -> Mapping[str, Offered]: ...
+
+    @property
+    def routes(self) -> Mapping[str, Served]: ...
+
+    def highest_tier(self, route: str) -> int: ...
+
+    def max_priority_of(self, tenant: str) -> str | None: ...
+
+    def priority_rank(self, level: str) -> int: ...
 
 
 class Traits(Protocol):
@@ -126,7 +154,7 @@ def validate(
     *,
     level: str,
     tenant: str,
-    config: Config,
+    config: Catalog,
     message_id: str | None = None,
     requeue: bool = False,
 ) -> None:
@@ -136,7 +164,7 @@ def validate(
     rejected (a tenant must not be able to speak for another). ``message_id``
     is the publish's ``Nats-Msg-Id``: it must be ``<tenant>:<id>`` (a requeue
     by the services: ``<tenant>:<id>:requeue:...``, see
-    :func:`renqueue.wire.publish_stored`), so that deduplication is scoped
+    :func:`renqueue.schema.publish_stored`), so that deduplication is scoped
     by tenant. ``None`` skips that check (a request not read from the stream).
     ``requeue``: it was read from the services' requeue subject (which no
     tenant may publish to); only such a request may carry ``requeues`` (a
@@ -242,7 +270,7 @@ def _check_params(request: InferenceRequest) -> None:
             )
 
 
-def _check_servable(request: InferenceRequest, config: Config) -> None:
+def _check_servable(request: InferenceRequest, config: Catalog) -> None:
     """Raise if no backend of its route could ever serve ``request``: its cost
     cap, the features it needs, its complexity (decided from the config
     alone, so final)."""
@@ -268,7 +296,7 @@ def _check_servable(request: InferenceRequest, config: Config) -> None:
             )
 
 
-def _check_features(request: InferenceRequest, config: Config) -> None:
+def _check_features(request: InferenceRequest, config: Catalog) -> None:
     """Raise :class:`UnsupportedFeatureError` if no backend of its route has
     every feature ``request`` needs."""
     need = needs(request)

@@ -27,7 +27,7 @@ from typing import Final
 
 import msgspec
 
-from ..wire._messages import ChatMessage, InferenceRequest, Tool
+from ..schema import ChatMessage, InferenceRequest, Tool
 
 __all__ = [
     "CHARS_PER_TOKEN",

@@ -40,22 +40,25 @@ from typing import Final
 
 import msgspec
 
-from .._lifecycle import Lifecycle
-from .._tasks import Supervisor
+from ..broker import EventLog, JetStream, Message, StoredMessage
+from ..coordination import Coalescer, coalesce_key
 from ..errors import NatsNotFoundError
+from ..lifecycle import Lifecycle
 from ..logs import bound_request, get_logger
-from ..state._coalescing import Coalescer, coalesce_key
-from ..wire._eventlog import EventLog
-from ..wire._messages import DISPATCH_DECODER, REQUEST_DECODER, Event, Failed, InferenceRequest
-from ..wire._nats import JetStream, Message, StoredMessage
-from ..wire._subjects import (
+from ..schema import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
+    DISPATCH_DECODER,
     DISPATCH_STREAM,
     FETCH_TIMEOUT,
+    REQUEST_DECODER,
     REQUESTS_STREAM,
+    Event,
+    Failed,
+    InferenceRequest,
     msg_id,
 )
+from ..tasks import Supervisor
 
 __all__ = ["AdvisoryReader", "MaxDeliveries"]
 

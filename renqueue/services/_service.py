@@ -9,7 +9,7 @@ and nak the rest, drain the NATS connection, stop the embedded server.
 Start-up joining a cluster that is electing its leaders (or whose nodes are
 still coming up) waits for it: provisioning, and opening the projector's and
 routers' state, retry while JetStream cannot answer, logging each attempt (see
-:func:`renqueue.ops.until_jetstream_answers`), for up to
+:func:`renqueue.broker.until_jetstream_answers`), for up to
 ``nats.startup_wait`` (default: forever). A signal stops the wait.
 """
 
@@ -22,21 +22,27 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final, Protocol, TypeVar
 
-from .._lifecycle import Lifecycle, State
-from .._tasks import Supervisor, cancel_and_wait
-from ..backends import Backend, make_backend
+from ..backends import make_backend
+from ..backends.base import Backend
+from ..broker import (
+    Connection,
+    ConnectionKeeper,
+    EmbeddedServer,
+    JetStream,
+    connect,
+    provision,
+    redact_url,
+    until_jetstream_answers,
+)
 from ..config import Config, parse_duration
+from ..coordination import CancelWatch, Projector
 from ..errors import ServiceFailedError
+from ..lifecycle import Lifecycle, State
 from ..logs import get_logger
-from ..ops._connection import ConnectionKeeper, connect, redact_url
-from ..ops._embedded import EmbeddedServer
-from ..ops._provision import provision, until_jetstream_answers
-from ..state._cancellation import CancelWatch
-from ..state._projector import Projector
-from ..wire._nats import Connection, JetStream
+from ..tasks import Supervisor, cancel_and_wait
 from ._advisories import AdvisoryReader
-from .router._router import Router
-from .worker._worker import Worker
+from .router import Router
+from .worker import Worker
 
 __all__ = ["Services", "State", "run_until_signalled"]
 
@@ -90,7 +96,7 @@ class Services(Lifecycle):
         self.workers: list[Worker] = []
         self._adapters: list[Backend] = []
         #: Owns every background loop of this process; ``failed`` is set when one
-        #: cannot go on, and the process must then stop (see :mod:`renqueue._tasks`).
+        #: cannot go on, and the process must then stop (see :mod:`renqueue.tasks`).
         self.supervisor = Supervisor(name, broker_patience=config.nats.patience_seconds)
         #: Keeps the services on a live connection (see :meth:`_renew`).
         self.keeper: ConnectionKeeper | None = None

@@ -7,14 +7,14 @@ config, in simulated time, on backend models fitted from the log
   :class:`Recorded`; the backends' :class:`CallRecord` s and
   :class:`FailureRecord` s, :class:`Release` s of slots; the state at its start, the
   calls then :class:`Busy`); :func:`read_trace`
-  (``_log``) reads one from NATS.
+  (:mod:`renqueue.coordination`) reads one from NATS.
 - Backend models (``_models``): :func:`fit_models` gives each backend a
   :class:`BackendModel` (recorded calls and failures, resampled), or one from
   a :class:`ModelSpec`.
 - The simulation (``_simulator``): :func:`simulate`, a discrete-event
   simulation over :func:`renqueue.policy.plan` and the live fold, answering a
   :class:`Simulation` (each request's :class:`Outcome`); a round's views are
-  built by :func:`backend_view` (``_view``) as the router builds its own.
+  built by :func:`backend_view` (``_backends``) as the router builds its own.
 - The report (``_report``, ``_whatif``): :func:`summarize` (a
   :class:`Summary`: cost, attainment per :class:`Level`, share per backend),
   :func:`recorded_outcomes`; :func:`compare` puts the recorded run and each
@@ -23,7 +23,7 @@ config, in simulated time, on backend models fitted from the log
   (a :class:`WhatIfFile`).
 """
 
-from ._log import read_events, read_trace
+from ._backends import backend_view
 from ._models import BackendModel, Drawn, ModelSpec, fit_models
 from ._report import ENDINGS, Column, Level, Summary, recorded_outcomes, render, summarize
 from ._simulator import HORIZON, MAX_ROUNDS, Outcome, Simulation, simulate
@@ -39,7 +39,6 @@ from ._trace import (
     Trace,
     trace_of,
 )
-from ._view import backend_view
 from ._whatif import Comparison, WhatIfFile, compare, load_what_if
 
 __all__ = [
@@ -69,8 +68,6 @@ __all__ = [
     "compare",
     "fit_models",
     "load_what_if",
-    "read_events",
-    "read_trace",
     "recorded_outcomes",
     "render",
     "simulate",

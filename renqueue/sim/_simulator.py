@@ -81,23 +81,27 @@ from ..policy import (
     RequeueElsewhere,
     Retry,
     RouteFacts,
+    RouteRules,
+    SplitPolicy,
     Wait,
     Waiting,
+    affordable,
     after_failure,
+    budget_of,
     check,
+    day_ends,
     estimate_complexity,
     estimate_input_tokens,
     estimate_request_tokens,
+    place,
     plan,
     predict,
     promotions,
+    refused,
+    typical_call,
     validate,
 )
-from ..policy._ab import SplitPolicy, place
-from ..policy._budget import affordable, budget_of, day_ends, refused
-from ..policy._predict import RouteRules, typical_call
-from ..state import ProjectionState, fold, utc_day
-from ..wire._messages import (
+from ..schema import (
     Cancelled,
     Completed,
     Event,
@@ -113,9 +117,10 @@ from ..wire._messages import (
     Submitted,
     Usage,
 )
+from ..state import ProjectionState, fold, utc_day
+from ._backends import backend_view
 from ._models import BackendModel, Drawn
 from ._trace import UNFINISHED, Arrival, FailureRecord, Trace
-from ._view import backend_view
 
 __all__ = ["Outcome", "Simulation", "simulate"]
 

@@ -38,8 +38,7 @@ import msgspec
 from msgspec import Struct
 
 from ..errors import FailureClass
-from ..state import ProjectionState, fold_many
-from ..wire._messages import (
+from ..schema import (
     Cancelled,
     Coalesced,
     Completed,
@@ -56,8 +55,9 @@ from ..wire._messages import (
     Submitted,
     is_terminal,
     kind_of,
+    msg_id,
 )
-from ..wire._subjects import msg_id
+from ..state import ProjectionState, fold_many
 
 __all__ = [
     "UNFINISHED",

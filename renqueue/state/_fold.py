@@ -35,10 +35,20 @@ from typing import Any, Final
 import msgspec
 from msgspec import Struct
 
-from ..policy._health import OUTCOME_BUCKET, OUTCOME_HORIZON
-from ..policy._perf import Perf, learn_call, learn_fault
-from ..policy._quota import Cost, Quota, cool_down, learn, reconcile, reserve
-from ..wire._messages import (
+from ..policy import (
+    OUTCOME_BUCKET,
+    OUTCOME_HORIZON,
+    Cost,
+    Perf,
+    Quota,
+    cool_down,
+    learn,
+    learn_call,
+    learn_fault,
+    reconcile,
+    reserve,
+)
+from ..schema import (
     Cancelled,
     CancelRequested,
     CircuitChanged,
@@ -56,8 +66,8 @@ from ..wire._messages import (
     Started,
     Submitted,
     kind_of,
+    msg_id,
 )
-from ..wire._subjects import msg_id
 from ._faults import BACKEND_FAULT_CLASSES, BACKEND_FAULTS, is_backend_fault
 from ._splits import Splits, SplitsBuilder
 
@@ -272,10 +282,10 @@ class ProjectionState(Struct, frozen=True, kw_only=True):
 
     def backend(self, name: str) -> BackendState:
         """The state of ``name``; a backend the log never mentioned has an empty one."""
-        return self.backends.get(name, _EMPTY_BACKEND)
+        return self.backends.get(name, EMPTY_BACKEND)
 
 
-_EMPTY_BACKEND: Final = BackendState()
+EMPTY_BACKEND: Final = BackendState()
 _EMPTY_QUOTA: Final = Quota()
 _EMPTY_TENANT: Final = TenantState()
 
@@ -302,14 +312,14 @@ def fold(state: ProjectionState, event: Event, *, seq: int | None = None) -> Pro
     ``seq`` is the event's stream sequence, recorded as ``last_seq``; leave it
     out when folding events that are not read from the stream (tests, tools).
     """
-    builder = _Builder(state)
+    builder = Folding(state)
     builder.apply(event, seq)
     return builder.freeze()
 
 
 def fold_many(state: ProjectionState, events: Iterable[Event]) -> ProjectionState:
     """Fold ``events`` in order; equal to folding them one by one, but copies once."""
-    builder = _Builder(state)
+    builder = Folding(state)
     for event in events:
         builder.apply(event, None)
     return builder.freeze()
@@ -329,7 +339,7 @@ def _bump(counts: dict[str, int], key: str) -> dict[str, int]:
     return {**counts, key: counts.get(key, 0) + 1}
 
 
-class _Builder:
+class Folding:
     """A state being folded: copies what it changes once, then mutates the copies.
 
     Folding a batch with it costs one copy of each touched map per batch, not
@@ -371,7 +381,7 @@ class _Builder:
 
     def _set_backend(self, name: str, **changes: Any) -> None:
         self._own("backends")
-        current = self._backends.get(name, _EMPTY_BACKEND)
+        current = self._backends.get(name, EMPTY_BACKEND)
         self._backends[name] = msgspec.structs.replace(current, **changes)
 
     def _release(self, key: str) -> None:
@@ -435,7 +445,7 @@ class _Builder:
         """Count the outcome of a half-open circuit's probe call (only that call's)."""
         if not isinstance(event, Completed | FellBack | Retrying | Failed) or not event.backend:
             return
-        backend = self._backends.get(event.backend, _EMPTY_BACKEND)
+        backend = self._backends.get(event.backend, EMPTY_BACKEND)
         key = f"{msg_id(event.tenant, event.request_id)}:{event.attempt}"
         if backend.circuit != "half_open" or backend.probe_call != key:
             return
@@ -477,7 +487,7 @@ class _Builder:
 
     def _circuit(self, event: CircuitChanged, at: float) -> None:
         """The binder moved a backend's circuit: its counts start afresh."""
-        if event.term < self._backends.get(event.backend, _EMPTY_BACKEND).circuit_term:
+        if event.term < self._backends.get(event.backend, EMPTY_BACKEND).circuit_term:
             return  # a binder whose term had ended (a newer one decides)
         changes: dict[str, Any] = {
             "circuit_term": event.term,
@@ -496,7 +506,7 @@ class _Builder:
 
     def _outcome(self, name: str, at: float, *, fault: bool) -> tuple[tuple[int, int, int], ...]:
         """The backend's recent outcomes with one more call (ok or a fault) at ``at``."""
-        outcomes = self._backends.get(name, _EMPTY_BACKEND).outcomes
+        outcomes = self._backends.get(name, EMPTY_BACKEND).outcomes
         start = int(at // OUTCOME_BUCKET) * OUTCOME_BUCKET
         kept = [entry for entry in outcomes if entry[0] > start - OUTCOME_HORIZON]
         if kept and kept[-1][0] == start:
@@ -517,7 +527,7 @@ class _Builder:
         return tuple(kept)
 
     def _start(self, event: Started, at: float) -> None:
-        backend = self._backends.get(event.backend, _EMPTY_BACKEND)
+        backend = self._backends.get(event.backend, EMPTY_BACKEND)
         key = msg_id(event.tenant, event.request_id)
         previous = self._in_flight.get(key)
         self._own("in_flight")
@@ -565,7 +575,7 @@ class _Builder:
             )
 
     def _leave(self, name: str) -> None:
-        backend = self._backends.get(name, _EMPTY_BACKEND)
+        backend = self._backends.get(name, EMPTY_BACKEND)
         self._set_backend(name, in_flight=max(0, backend.in_flight - 1))
 
     def _end(self, key: str) -> None:
@@ -574,7 +584,7 @@ class _Builder:
             self._leave(self._in_flight.pop(key).backend)
 
     def _failure(self, name: str, error_type: str, at: float, error_class: str = "") -> None:
-        backend = self._backends.get(name, _EMPTY_BACKEND)
+        backend = self._backends.get(name, EMPTY_BACKEND)
         changes: dict[str, Any] = {
             "calls_failed": backend.calls_failed + 1,
             "last_failure_at": at,
@@ -594,7 +604,7 @@ class _Builder:
         self._set_backend(name, **changes)
 
     def _quota(self, name: str) -> Quota:
-        return self._backends.get(name, _EMPTY_BACKEND).quota or _EMPTY_QUOTA
+        return self._backends.get(name, EMPTY_BACKEND).quota or _EMPTY_QUOTA
 
     def _spend(self, name: str, cost: Cost, at: float) -> None:
         self._set_backend(name, quota=reserve(self._quota(name), cost, at))
@@ -653,7 +663,7 @@ class _Builder:
                 self._set_backend(event.backend, quota=quota)
             else:
                 self._spend(event.backend, Cost(requests=0, tokens=used), at)
-        backend = self._backends.get(event.backend, _EMPTY_BACKEND)
+        backend = self._backends.get(event.backend, EMPTY_BACKEND)
         cost = _finite(event.cost)
         self._set_backend(
             event.backend,

@@ -33,8 +33,9 @@ from typing import Final
 import msgspec
 from msgspec import Struct
 
-from ..policy._ab import SPLIT_MODES, ArmStats, ArmTally, Tally, bin_of
-from ..wire._messages import (
+from ..policy import SPLIT_MODES, ArmStats, ArmTally, Tally, bin_of
+from ..schema import (
+    SYSTEM_TENANT,
     Cancelled,
     Completed,
     Event,
@@ -43,8 +44,8 @@ from ..wire._messages import (
     Rejected,
     Routed,
     SplitChanged,
+    msg_id,
 )
-from ..wire._subjects import SYSTEM_TENANT, msg_id
 from ._faults import is_backend_fault
 
 __all__ = ["STALE_ASSIGNED", "ArmRequest", "SplitState", "Splits", "SplitsBuilder"]

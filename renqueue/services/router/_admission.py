@@ -15,12 +15,14 @@ from typing import Final, NamedTuple
 
 import msgspec
 
+from ...broker import JetStream, Message
 from ...config import Config
 from ...errors import InvalidRequestError, MalformedRequestError, NatsNotFoundError
 from ...logs import get_logger
 from ...policy import validate
-from ...wire._messages import (
+from ...schema import (
     EVENT_DECODER,
+    EVENTS_STREAM,
     REQUEST_DECODER,
     Coalesced,
     Event,
@@ -30,9 +32,9 @@ from ...wire._messages import (
     Retrying,
     Submitted,
     encode,
+    event_subject,
+    is_requeue_subject,
 )
-from ...wire._nats import JetStream, Message
-from ...wire._subjects import EVENTS_STREAM, event_subject, is_requeue_subject
 from ._hold import stored_at
 
 __all__ = [
@@ -70,7 +72,7 @@ def admit(
     msg: Message, level: str, config: Config, *, max_bytes: int | None = None
 ) -> InferenceRequest | Refused:
     """Decode and validate one request fetched from ``level``'s subject; one
-    over ``max_bytes`` (:func:`~renqueue.wire.request_limit` of the broker's
+    over ``max_bytes`` (:func:`~renqueue.schema.request_limit` of the broker's
     ``max_payload``) is refused: the services' own messages carrying it
     would be over the broker's limit."""
     request_id, tenant = rejection_id(msg)

@@ -27,10 +27,10 @@ import math
 import time
 from collections.abc import Callable, Mapping
 
+from ...broker import JetStream
 from ...config import Config
 from ...policy import BackendView
-from ...wire._nats import JetStream
-from ...wire._subjects import DISPATCH_STREAM, worker_consumer
+from ...schema import DISPATCH_STREAM, worker_consumer
 
 __all__ = ["Capacity", "Slot"]
 

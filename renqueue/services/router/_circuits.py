@@ -19,9 +19,8 @@ from __future__ import annotations
 from ...config import Config, parse_duration
 from ...logs import get_logger
 from ...policy import CLOSED, Circuit, CircuitRules, CircuitState, next_circuit
+from ...schema import SYSTEM_TENANT, CircuitChanged
 from ...state import BackendState
-from ...wire._messages import CircuitChanged
-from ...wire._subjects import SYSTEM_TENANT
 
 __all__ = ["Circuits", "change_event", "rules_of"]
 

@@ -1,7 +1,7 @@
 """Carrying out a bind: the dispatch, the ``routed`` decision, the request's ack.
 
 A :class:`Dispatcher` turns one :class:`~renqueue.policy.Bind` the round
-planner decided into its publishes: the :class:`~renqueue.wire.Dispatch` on
+planner decided into its publishes: the :class:`~renqueue.schema.Dispatch` on
 the backend's subject and the ``routed`` event, both under per-attempt
 message ids (so a bind repeated for the same attempt stores neither twice),
 then acks the request's message. It keeps the request's ack timer alive
@@ -21,12 +21,13 @@ from typing import Final, TypeVar
 import msgspec
 
 from ... import metrics
+from ...broker import EventLog, JetStream, Message, PubAck
 from ...config import Config, parse_duration
 from ...errors import NatsNotFoundError
 from ...logs import get_logger
 from ...policy import BIND_REASON
-from ...wire._eventlog import EventLog
-from ...wire._messages import (
+from ...schema import (
+    DISPATCH_STREAM,
     Dispatch,
     Event,
     Failed,
@@ -34,11 +35,12 @@ from ...wire._messages import (
     Routed,
     Started,
     Stolen,
+    dispatch_subject,
     encode,
     is_terminal,
+    msg_id,
+    router_max_deliveries,
 )
-from ...wire._nats import JetStream, Message, PubAck
-from ...wire._subjects import DISPATCH_STREAM, dispatch_subject, msg_id, router_max_deliveries
 from ._capacity import Slot
 from ._hold import Held
 from ._ledger import Reserved

@@ -17,11 +17,10 @@ from typing import Annotated, Final
 
 import msgspec
 
+from ...broker import Message, PubAck
 from ...logs import get_logger
 from ...policy import LevelPolicy, pick_key
-from ...wire._messages import ComplexityEstimate, InferenceRequest
-from ...wire._nats import Message, PubAck
-from ...wire._subjects import SHUTDOWN_NAK_DELAY
+from ...schema import SHUTDOWN_NAK_DELAY, ComplexityEstimate, InferenceRequest
 
 __all__ = ["BOOST_DECODER", "Boost", "Held", "Hold", "stored_at"]
 

@@ -25,9 +25,8 @@ import itertools
 import math
 
 from ...config import Config
-from ...policy import Cost, Limit, Quota, cool_down, effective_limits, reserve
-from ...policy._quota import says_anything
-from ...state import LiveState
+from ...coordination import LiveState
+from ...policy import Cost, Limit, Quota, cool_down, effective_limits, reserve, says_anything
 
 __all__ = ["Ledger", "Reserved"]
 

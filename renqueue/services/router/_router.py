@@ -2,7 +2,7 @@
 
 Requests wait in the priority subjects (``rq.req.<level>.<tenant>``), one
 durable pull consumer per level. Exactly one router binds at a time: the
-holder of the binder's lease (:mod:`renqueue.state._lease`, a key in the
+holder of the binder's lease (:mod:`renqueue.coordination._lease`, a key in the
 ``rq-leases`` KV bucket that the server expires ``router.lease_ttl`` after its
 last renewal). It is the one place that decides what is committed to each
 backend, so the binding order is global, whatever number of routers run; the
@@ -25,12 +25,12 @@ Its parts: the hold (``_hold``), the free slots it counts per backend
 (``_capacity``: broker truth plus its own dispatches the broker may not have
 counted yet), reading a fetched request (``_admission``: validation, the wait
 measured in server time, the parent's priority), carrying out a bind
-(``_dispatch``), its side of the preemption protocol (``_preemption``), and
-A/B splits (``_splits``: a request of a split route is placed on an arm as it
+(``_dispatch``), its side of the preemption protocol (``_asking``), and
+A/B splits (``_splitter``: a request of a split route is placed on an arm as it
 is read, and a split whose arm breaches its thresholds is rolled back).
 
 Every loop (one fetch loop per level, the dispatch loop, the keepalive, the
-projection watch) runs under the process's :class:`~renqueue._tasks.Supervisor`:
+projection watch) runs under the process's :class:`~renqueue.tasks.Supervisor`:
 a failed JetStream call is logged and the loop started again after a capped
 backoff, and a loop that keeps failing takes the process down. Requests are
 kept alive only for loops that run: when the dispatch loop fails, every held
@@ -41,7 +41,7 @@ dead-letter copy) after ``router.max_deliver`` *failed dispatches* seen by a
 router, not after that many deliveries: hand-backs (graceful restarts, a
 failed dispatch loop) are deliveries too, and must not use up its budget. The
 router consumers' own ``max_deliver`` is a backstop far above it
-(:func:`renqueue.wire.router_max_deliveries`).
+(:func:`renqueue.schema.router_max_deliveries`).
 
 The decisions are plain functions in :mod:`renqueue.policy` (a round:
 :func:`~renqueue.policy.plan`; admission: :func:`~renqueue.policy.validate`);
@@ -66,9 +66,19 @@ from typing import Any, Final
 import msgspec
 
 from ... import metrics
-from ..._lifecycle import Lifecycle
-from ..._tasks import Supervisor, cancel_and_wait
+from ...broker import (
+    Connection,
+    EventLog,
+    JetStream,
+    Message,
+    PubAck,
+    PullSubscription,
+    Subscription,
+    renew_router_consumers,
+    router_consumer_configs,
+)
 from ...config import Config, parse_duration
+from ...coordination import CancelWatch, Coalescer, Lease, LiveState, StateView, coalesce_key
 from ...errors import (
     BudgetExhaustedError,
     NatsError,
@@ -76,8 +86,8 @@ from ...errors import (
     RenQueueError,
     UnprocessableRequestError,
 )
-from ...logs import get_logger
-from ...ops._provision import renew_router_consumers, router_consumer_configs
+from ...lifecycle import Lifecycle
+from ...logs import get_logger, misdirected
 from ...policy import (
     AskPreemption,
     BackendView,
@@ -94,18 +104,18 @@ from ...policy import (
     affordable,
     budget_of,
     day_ends,
+    estimate_complexity,
     plan,
     refused,
 )
-from ...policy._complexity import estimate as estimate_complexity
-from ...state._cancellation import CancelWatch
-from ...state._coalescing import Coalescer, coalesce_key
-from ...state._fold import utc_day
-from ...state._lease import Lease
-from ...state._view import LiveState, StateView
-from ...wire._eventlog import EventLog
-from ...wire._messages import (
+from ...schema import (
+    BINDER_LEASE,
+    EVENTS_STREAM,
+    FETCH_TIMEOUT,
+    LEASE_BUCKET,
     REQUEST_DECODER,
+    REQUESTS_STREAM,
+    SHUTDOWN_NAK_DELAY,
     Cancelled,
     CancelRequested,
     CircuitChanged,
@@ -118,30 +128,22 @@ from ...wire._messages import (
     Rejected,
     SplitChanged,
     Submitted,
-    request_limit,
-)
-from ...wire._nats import Connection, JetStream, Message, PubAck, PullSubscription, Subscription
-from ...wire._subjects import (
-    BINDER_LEASE,
-    EVENTS_STREAM,
-    FETCH_TIMEOUT,
-    LEASE_BUCKET,
-    REQUESTS_STREAM,
-    SHUTDOWN_NAK_DELAY,
     boost_subject,
     capacity_subject,
-    misdirected,
+    request_limit,
     router_consumer,
     subject_matches,
 )
+from ...state import utc_day
+from ...tasks import Supervisor, cancel_and_wait
 from ._admission import Refused, admit, arrival, parent_of, rejection_id, subject_token
+from ._asking import ask_preemption
 from ._capacity import Capacity
 from ._circuits import Circuits, change_event
 from ._dispatch import ACKS_TIMEOUT, Dispatcher
 from ._hold import BOOST_DECODER, Held, Hold, stored_at
 from ._ledger import Ledger
-from ._preemption import ask_preemption
-from ._splits import Splitter
+from ._splitter import Splitter
 
 __all__ = ["UNTAKEABLE_AFTER", "Router"]
 
@@ -218,7 +220,7 @@ class Router(Lifecycle):
         self._take_failures: dict[int, int] = {}
         self._ledger = Ledger(config)
         self._circuits = Circuits(config)
-        #: A/B splits: each request's arm, and the automatic rollback (``_splits``).
+        #: A/B splits: each request's arm, and the automatic rollback (``_splitter``).
         self._splitter = Splitter(config)
         # Health is each backend's circuit (self._circuits), judged in the round.
         self._capacity = Capacity(js, config, parse_duration(config.router.capacity_refresh))

@@ -21,11 +21,10 @@ from collections.abc import Callable, Mapping
 
 import httpx
 
+from ...broker import EventLog
 from ...config import BaseBackendConfig, ProbeConfig, parse_duration
 from ...logs import get_logger
-from ...wire._eventlog import EventLog
-from ...wire._messages import Probed
-from ...wire._subjects import SYSTEM_TENANT
+from ...schema import SYSTEM_TENANT, Probed
 
 __all__ = ["Prober", "probe_url"]
 

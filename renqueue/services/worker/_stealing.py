@@ -19,13 +19,20 @@ from typing import Any, Final
 
 import msgspec
 
+from ...broker import EventLog, JetStream, Message, StoredMessage
 from ...errors import NatsNotFoundError
 from ...logs import get_logger
 from ...policy import ALL_FEATURES, needs
-from ...wire._eventlog import EventLog
-from ...wire._messages import DISPATCH_DECODER, Dispatch, Stolen, encode
-from ...wire._nats import JetStream, Message, StoredMessage
-from ...wire._subjects import DISPATCH_STREAM, dispatch_subject, msg_id, worker_consumer
+from ...schema import (
+    DISPATCH_DECODER,
+    DISPATCH_STREAM,
+    Dispatch,
+    Stolen,
+    dispatch_subject,
+    encode,
+    msg_id,
+    worker_consumer,
+)
 
 __all__ = ["STEAL_INTERVAL", "Thief"]
 

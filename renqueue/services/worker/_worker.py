@@ -11,7 +11,7 @@ short lease (``worker.ack_wait``, a few seconds) renewed with ``in_progress()``
 every third of it for as long as its run is alive, in every phase of the run;
 if the worker dies, the lease runs out and the request is redelivered within
 ``ack_wait`` and run again. The new run streams a ``restart`` chunk first.
-Every run checks the request's terminal claim (:mod:`renqueue.wire._eventlog`)
+Every run checks the request's terminal claim (:mod:`renqueue.broker._eventlog`)
 before it calls the backend, and the terminal event is written only by whoever
 creates the claim, so a request ends once however often it is delivered.
 
@@ -33,11 +33,11 @@ backstop far above it; a message that reaches it ends ``failed`` as
 failure: the request is nak'ed back to the queue at once.
 
 The fetch loop and the work-stealing loop run under the process's
-:class:`~renqueue._tasks.Supervisor`.
+:class:`~renqueue.tasks.Supervisor`.
 
-Its parts: the backend call and its token stream (``_tokens``), work stealing
+Its parts: the backend call and its token stream (``_call``), work stealing
 between replicas of a pool (``_stealing``) and its side of the preemption
-protocol (``_preemption``).
+protocol (``_yielding``).
 """
 
 from __future__ import annotations
@@ -54,16 +54,22 @@ from typing import Any, Final
 import msgspec
 
 from ... import metrics
-from ..._lifecycle import Lifecycle
-from ..._tasks import Supervisor, cancel_and_wait
-from ...backends import Backend, HTTPBackend
-from ...config import BaseBackendConfig, Config, parse_duration
-from ...errors import (
-    BackendError,
-    NatsPayloadTooLargeError,
-    NatsUnavailableError,
-    RateLimitedError,
+from ...backends import HTTPBackend
+from ...backends.base import Backend
+from ...broker import (
+    Connection,
+    EventLog,
+    JetStream,
+    Message,
+    PubAck,
+    PullSubscription,
+    StoredMessage,
+    Subscription,
 )
+from ...config import BaseBackendConfig, Config, parse_duration
+from ...coordination import CancelWatch, Coalescer, coalesce_key
+from ...errors import BackendError, NatsPayloadTooLargeError, NatsUnavailableError, RateLimitedError
+from ...lifecycle import Lifecycle
 from ...logs import bound_request, get_logger
 from ...policy import (
     INTERNAL,
@@ -75,13 +81,12 @@ from ...policy import (
     backoff,
     retry_after,
 )
-from ...state._cancellation import CancelWatch
-from ...state._coalescing import Coalescer, coalesce_key
-from ...state._fold import is_backend_fault
-from ...wire._eventlog import EventLog
-from ...wire._messages import (
+from ...schema import (
     DISPATCH_DECODER,
+    DISPATCH_STREAM,
+    FETCH_TIMEOUT,
     MAX_REQUEUES,
+    SHUTDOWN_NAK_DELAY,
     Cancelled,
     CancelRequested,
     Completed,
@@ -96,31 +101,19 @@ from ...wire._messages import (
     Retrying,
     Started,
     Stolen,
+    capacity_subject,
     is_terminal,
     kind_of,
-)
-from ...wire._nats import (
-    Connection,
-    JetStream,
-    Message,
-    PubAck,
-    PullSubscription,
-    StoredMessage,
-    Subscription,
-)
-from ...wire._subjects import (
-    DISPATCH_STREAM,
-    FETCH_TIMEOUT,
-    SHUTDOWN_NAK_DELAY,
-    capacity_subject,
     msg_id,
     preempt_subjects,
     worker_consumer,
 )
-from ._preemption import PREEMPT_GRACE, Preemptible, Run, put_back, requeue
+from ...state import is_backend_fault
+from ...tasks import Supervisor, cancel_and_wait
+from ._call import Caller, Chunks, Expiry, reported_limits, settle
 from ._probe import Prober
 from ._stealing import STEAL_INTERVAL, Thief
-from ._tokens import Caller, Chunks, Expiry, reported_limits, settle
+from ._yielding import PREEMPT_GRACE, Preemptible, Run, put_back, requeue
 
 __all__ = ["Worker"]
 
@@ -212,7 +205,7 @@ class Worker(Lifecycle):
             self._unlisten = self._cancels.listen(self._on_cancel_requested)
         # Every worker of the backend hears each preemption ask (no queue
         # group: the run to preempt may be in any of them) and offers; the
-        # router confirms one, on this worker's own subject (renqueue.wire._preemption).
+        # router confirms one, on this worker's own subject (renqueue.schema._offers).
         self._preempt_sub = await self._nc.subscribe(
             preempt_subjects(self._backend_name), cb=self._preemptible.on_message
         )
@@ -277,7 +270,7 @@ class Worker(Lifecycle):
                 for run in self._running:
                     run.cancel()
             # Each run naks its message when cancelled. A run can swallow a
-            # cancellation (see renqueue._tasks): cancel until every one has ended.
+            # cancellation (see renqueue.tasks): cancel until every one has ended.
             await cancel_and_wait(pending)
         if self._own_supervisor:
             await self._supervisor.close()

@@ -1,0 +1,902 @@
+"""The one boundary with nats-py: typed handles on a connection, and its errors as ours.
+
+Every other module talks to NATS through the handles here — :class:`Connection`,
+:class:`JetStream`, :class:`KeyValue`, :class:`Message`, :class:`Subscription`,
+:class:`PullSubscription`, :class:`KeyWatcher` — which expose the part of
+nats-py Ren-Queue uses, under nats-py's own names and signatures, and nothing
+else. They are the only place a nats-py exception is caught: each call raises
+a :class:`renqueue.errors.NatsError` instead (``raise ... from`` the original),
+by what a caller can do about it::
+
+    NatsError                     any other NATS failure
+    ├── NatsUnavailableError      the broker did not answer: no responders, no
+    │   │                         stream leader (a 503, with or without a
+    │   │                         code, or a "not now" code), a reconnect, a
+    │   │                         full outbound buffer: try again
+    │   ├── NatsTimeoutError      no answer in time (also a TimeoutError); an
+    │   │                         empty fetch
+    │   ├── NatsNoRespondersError nobody listens on a request's subject (for a
+    │   │                         JetStream publish: no stream stores it)
+    │   └── NatsClosedError       the connection is closed: it will not come back
+    ├── NatsNotFoundError         no such message, key, stream, consumer or bucket
+    ├── WrongLastSequenceError    a compare-and-set found its subject moved on
+    └── NatsApiError              JetStream refused the operation (status, err_code)
+
+Data that JetStream returns (publish acks, stored messages, KV entries, stream
+and consumer info) and the configs it takes are nats-py's plain dataclasses,
+re-exported here under the names the rest of the code uses, so nothing else
+imports ``nats``; a test keeps it that way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final, TypeVar
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as _Client
+from nats.aio.msg import Msg as _Msg
+from nats.aio.subscription import Subscription as _Subscription
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    ConsumerInfo,
+    DeliverPolicy,
+    PubAck,
+    RawStreamMsg,
+    StreamInfo,
+)
+from nats.js.client import JetStreamContext as _JetStreamContext
+from nats.js.kv import KeyValue as _KeyValue
+
+from ..errors import (
+    ConnectionFailedError,
+    NatsApiError,
+    NatsClosedError,
+    NatsError,
+    NatsNoRespondersError,
+    NatsNotFoundError,
+    NatsPayloadTooLargeError,
+    NatsTimeoutError,
+    NatsUnavailableError,
+    WrongLastSequenceError,
+)
+
+__all__ = [
+    "API_TIMEOUT",
+    "CONSUMER_EXISTS",
+    "CONSUMER_NOT_FOUND",
+    "NOT_NOW",
+    "PUBLISH_STALL_WAIT",
+    "STREAM_NAME_IN_USE",
+    "STREAM_NOT_FOUND",
+    "WRONG_LAST_SEQUENCE",
+    "AckPolicy",
+    "Connection",
+    "ConsumerConfig",
+    "ConsumerInfo",
+    "DeliverPolicy",
+    "JetStream",
+    "JetStreamApi",
+    "KeyEntry",
+    "KeyValue",
+    "KeyWatcher",
+    "Message",
+    "MessageMetadata",
+    "NatsClient",
+    "PubAck",
+    "PullSubscription",
+    "StoredMessage",
+    "StreamInfo",
+    "Subscription",
+    "reply_error",
+    "translate",
+    "wire_size",
+]
+
+_T = TypeVar("_T")
+
+
+class StoredMessage(msgspec.Struct, frozen=True):
+    """One message stored in a stream, as a direct or API get returns it."""
+
+    seq: int
+    subject: str
+    data: bytes
+    headers: dict[str, str] | None = None
+    #: When the stream stored it (the server's clock).
+    time: datetime.datetime | None = None
+
+    @classmethod
+    def of(cls, raw: RawStreamMsg) -> StoredMessage:
+        return cls(raw.seq or 0, raw.subject or "", raw.data or b"", raw.headers, raw.time)
+
+
+class KeyEntry(msgspec.Struct, frozen=True):
+    """One KV entry (a value: a get never returns a delete marker)."""
+
+    key: str
+    value: bytes
+    revision: int
+    #: ``None`` for a value; ``"DEL"`` or ``"PURGE"`` for a watched delete.
+    operation: str | None = None
+
+    @classmethod
+    def of(cls, entry: _KeyValue.Entry) -> KeyEntry:
+        return cls(entry.key, entry.value or b"", entry.revision or 0, entry.operation)
+
+
+#: Longest a ``publish_async`` waits for a free slot among the context's
+#: pending publishes (then :class:`~renqueue.errors.NatsUnavailableError`).
+PUBLISH_STALL_WAIT: Final = 5.0
+
+#: nats-py's own client: an application may hand one to :meth:`Connection.of`.
+NatsClient = _Client
+#: A JetStream delivery's metadata: stream and consumer sequence, deliveries, time.
+MessageMetadata = _Msg.Metadata
+
+#: JetStream's "wrong last sequence" errors: a compare-and-set found the
+#: subject (a KV key) moved on. 10164 is what a clustered stream sends.
+WRONG_LAST_SEQUENCE: Final = frozenset({10071, 10164})
+#: JetStream API errors that mean "not now" (nats-server's errors.json),
+#: besides any with the HTTP-like code 503. Every other error is a refusal.
+NOT_NOW: Final = frozenset(
+    {
+        10004,  # incomplete results
+        10005,  # no suitable peers for placement (a node is still joining)
+        10008,  # JetStream system temporarily unavailable (no quorum)
+        10009,  # JetStream cluster can not handle request (no leader)
+        10076,  # JetStream not enabled (not yet)
+        10118,  # stream is offline
+        10119,  # consumer is offline
+        10167,  # too many requests
+        10202,  # cluster member change in progress
+    }
+)
+
+#: JetStream API error codes that the provisioning steps act on.
+STREAM_NOT_FOUND: Final = 10059
+STREAM_NAME_IN_USE: Final = 10058
+CONSUMER_NOT_FOUND: Final = 10014
+CONSUMER_EXISTS: Final = 10148
+#: "delete failed": its description says why (``no message found`` among others).
+_MSG_DELETE_FAILED: Final = 10057
+
+#: JetStream API errors that say "no such thing", whatever their status code.
+_NOT_FOUND: Final = frozenset(
+    {
+        10014,  # consumer not found
+        10037,  # no message found
+        10043,  # sequence not found
+        10059,  # stream not found
+    }
+)
+
+_UNAVAILABLE: Final = (
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.StaleConnectionError,
+    nats.errors.ConnectionDrainingError,
+    nats.js.errors.TooManyStalledMsgsError,
+)
+#: nats-py's other errors, by what they become (in order: the first match wins).
+_BY_TYPE: Final[tuple[tuple[tuple[type[Exception], ...], type[NatsError]], ...]] = (
+    ((nats.errors.TimeoutError,), NatsTimeoutError),  # fetch and flush timeouts too
+    ((nats.errors.MaxPayloadError,), NatsPayloadTooLargeError),
+    ((nats.errors.ConnectionClosedError,), NatsClosedError),
+    ((nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError), NatsNoRespondersError),
+    (_UNAVAILABLE, NatsUnavailableError),
+)
+
+
+def wire_size(payload: bytes, headers: Mapping[str, str] | None = None) -> int:
+    """Bytes a message counts against the server's ``max_payload``: its payload
+    and its headers as nats-py writes them (``NATS/1.0``, ``Key: value`` lines,
+    each ended by CRLF, and a blank line). An upper bound: nats-py trims values."""
+    if not headers:
+        return len(payload)
+    lines = sum(len(key.encode()) + len(str(value).encode()) + 4 for key, value in headers.items())
+    return len(payload) + len(b"NATS/1.0\r\n") + lines + 2
+
+
+def _refuse_oversized(
+    connection: Connection, payload: bytes, headers: Mapping[str, str] | None
+) -> None:
+    """Raise :class:`NatsPayloadTooLargeError` for a message over the server's
+    ``max_payload``, headers counted. nats-py checks the payload alone; the
+    server counts both and closes the connection of a client that sends more
+    (``maximum payload exceeded``), after which nats-py does not reconnect:
+    one oversized message would cut every loop of the process off."""
+    size = wire_size(payload, headers)
+    if size > connection.max_payload:
+        raise NatsPayloadTooLargeError(
+            f"a message of {size} bytes (headers included) is over the server's "
+            f"max_payload of {connection.max_payload}"
+        )
+
+
+def translate(exc: BaseException) -> BaseException:
+    """``exc`` as a :class:`~renqueue.errors.NatsError` if it is nats-py's, else itself.
+
+    The one mapping from nats-py's exceptions to ours (see the module
+    docstring). The caller raises the result ``from exc``.
+    """
+    if isinstance(exc, NatsError) or not isinstance(exc, nats.errors.Error):
+        return exc
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, nats.js.errors.APIError):
+        return _api_error(exc, text)
+    for kinds, ours in _BY_TYPE:
+        if isinstance(exc, kinds):
+            return ours(text)
+    return NatsError(text)
+
+
+def _api_error(exc: nats.js.errors.APIError, text: str) -> NatsError:
+    # nats-py's KV errors do not always set the API error's fields.
+    status: int | None = getattr(exc, "code", None)
+    err_code: int | None = getattr(exc, "err_code", None)
+    if isinstance(exc, nats.js.errors.KeyWrongLastSequenceError) or (
+        err_code in WRONG_LAST_SEQUENCE
+    ):
+        return WrongLastSequenceError(text)
+    description = getattr(exc, "description", None)
+    if (
+        isinstance(exc, nats.js.errors.NotFoundError)
+        or err_code in _NOT_FOUND
+        or (err_code == _MSG_DELETE_FAILED and _says_gone(str(description)))
+    ):
+        return NatsNotFoundError(text)  # KV keys and buckets too; a delete of what is gone
+    if (
+        isinstance(exc, nats.js.errors.ServiceUnavailableError)
+        or status == 503
+        or err_code in NOT_NOW
+    ):
+        # A 503 status on a pull's reply (a restarting server, a consumer
+        # without a leader) comes as nats-py's ServiceUnavailableError without
+        # a code: it is the same "not now" as a 503 API error.
+        return NatsUnavailableError(text)
+    return NatsApiError(description or text, status=status, err_code=err_code)
+
+
+def _says_gone(description: str) -> bool:
+    """Whether a failed delete's description says the message is not there."""
+    return "no message found" in description.lower()
+
+
+async def _call(operation: Awaitable[_T]) -> _T:
+    """``await operation``, its nats-py errors translated."""
+    try:
+        return await operation
+    except nats.errors.Error as exc:
+        raise translate(exc) from exc
+
+
+class _AckFuture(asyncio.Future[PubAck]):
+    """The future :meth:`JetStream.publish_async` returns: it ends as nats-py's
+    (``source``) does, with nats-py's errors translated, and cancelling it
+    cancels ``source`` (nats-py then frees its pending slot).
+
+    Cancellation goes through :meth:`cancel` rather than a done callback: a
+    callback costs a turn of the event loop on every publish, and a request
+    makes several."""
+
+    def __init__(self, source: asyncio.Future[PubAck]) -> None:
+        super().__init__(loop=source.get_loop())
+        self._source = source
+        source.add_done_callback(self._relay)
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if not self._source.done():
+            self._source.cancel()
+        return super().cancel(msg)
+
+    def _relay(self, done: asyncio.Future[PubAck]) -> None:
+        if self.done():
+            return
+        if done.cancelled():
+            super().cancel()
+        elif (exc := done.exception()) is not None:
+            self.set_exception(translate(exc))
+        else:
+            self.set_result(done.result())
+
+
+def _translated_future(future: asyncio.Future[PubAck]) -> asyncio.Future[PubAck]:
+    """A future that ends as ``future`` does, with nats-py's errors translated."""
+    return _AckFuture(future)
+
+
+class Message:
+    """One message delivered to a subscription or a pull consumer."""
+
+    __slots__ = ("_msg",)
+
+    def __init__(self, msg: _Msg) -> None:
+        self._msg = msg
+
+    @property
+    def subject(self) -> str:
+        return self._msg.subject
+
+    @property
+    def reply(self) -> str:
+        return self._msg.reply
+
+    @property
+    def data(self) -> bytes:
+        return self._msg.data
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return self._msg.headers
+
+    @property
+    def metadata(self) -> MessageMetadata:
+        """The JetStream delivery's metadata; :class:`NatsError` if it is not one."""
+        try:
+            return self._msg.metadata
+        except nats.errors.Error as exc:
+            raise translate(exc) from exc
+
+    async def ack(self) -> None:
+        await _call(self._msg.ack())
+
+    async def nak(self, delay: float | None = None) -> None:
+        await _call(self._msg.nak(delay=delay))
+
+    async def term(self) -> None:
+        await _call(self._msg.term())
+
+    async def in_progress(self) -> None:
+        await _call(self._msg.in_progress())
+
+    async def respond(self, data: bytes) -> None:
+        await _call(self._msg.respond(data))
+
+
+#: A callback for the messages of a :class:`Subscription`.
+Handler = Callable[[Message], Awaitable[None]]
+
+
+class Subscription:
+    """A core NATS subscription whose messages go to a callback."""
+
+    __slots__ = ("_sub",)
+
+    def __init__(self, sub: _Subscription) -> None:
+        self._sub = sub
+
+    @property
+    def subject(self) -> str:
+        return self._sub.subject
+
+    async def unsubscribe(self) -> None:
+        await _call(self._sub.unsubscribe())
+
+
+def _take_buffered_first(sub: _Subscription) -> None:
+    """Make ``sub.next_msg`` return a message already buffered without a task.
+
+    nats-py's ``next_msg`` runs every call in a task of its own, under
+    ``asyncio.wait_for`` (a second task), even when the message is already in
+    the subscription's queue, so a ``fetch(n)`` costs two tasks and at least
+    one turn of the event loop *per message*. In a busy process a turn is
+    long: the projector, fetching 512 events at a time, fell seconds behind
+    the log. A message that is already buffered is taken at once here, with
+    the same bookkeeping as nats-py's own (pending size, ``task_done``);
+    waiting for one that is not goes through nats-py's ``next_msg`` as before
+    (its timeout, its cancellation on unsubscribe). Set per instance: the
+    nats-py class is left as it is, and so is a subscription of a nats-py whose
+    internals are not the ones this relies on (``pyproject.toml`` pins 2.16).
+    """
+    if not all(hasattr(sub, name) for name in ("_pending_queue", "_pending_size", "_conn")):
+        return
+    original = sub.next_msg
+
+    async def next_msg(timeout: float | None = 1.0) -> _Msg:  # noqa: ASYNC109 - nats-py's
+        queue = sub._pending_queue
+        if queue.empty() or sub._conn.is_closed:
+            return await original(timeout)
+        msg: _Msg = queue.get_nowait()
+        sub._pending_size -= len(msg.data)
+        queue.task_done()
+        return msg
+
+    sub.next_msg = next_msg  # type: ignore[method-assign]
+
+
+class PullSubscription:
+    """A pull consumer's subscription: :meth:`fetch` asks for messages."""
+
+    __slots__ = ("_sub",)
+
+    def __init__(self, sub: _JetStreamContext.PullSubscription) -> None:
+        self._sub = sub
+        _take_buffered_first(sub._sub)
+
+    async def fetch(
+        self,
+        batch: int = 1,
+        timeout: float | None = 5,  # noqa: ASYNC109 - nats-py's own parameter
+        heartbeat: float | None = None,
+    ) -> list[Message]:
+        """Up to ``batch`` messages; :class:`NatsTimeoutError` when none come within ``timeout``."""
+        try:
+            msgs = await _call(self._sub.fetch(batch, timeout, heartbeat))
+        except NatsError:
+            raise
+        except TimeoutError as exc:
+            # nats-py raises the builtin one when the deadline passed between its
+            # no-wait probe and its waiting pull (seen under load), its own otherwise.
+            raise NatsTimeoutError(f"no message within {timeout} s") from exc
+        return [Message(msg) for msg in msgs]
+
+    @property
+    def consumer(self) -> str:
+        """The consumer's name."""
+        name: str = self._sub._consumer  # nats-py keeps it only here
+        return name
+
+    async def consumer_info(self) -> ConsumerInfo:
+        return await _call(self._sub.consumer_info())
+
+    async def unsubscribe(self) -> None:
+        await _call(self._sub.unsubscribe())
+
+
+_STOPPED: Final = KeyEntry("", b"", 0, "STOP")
+
+
+class KeyWatcher:
+    """Updates of watched KV keys (:meth:`KeyValue.watch`)."""
+
+    __slots__ = ("_watcher",)
+
+    def __init__(self, watcher: _KeyValue.KeyWatcher) -> None:
+        self._watcher = watcher
+
+    async def updates(self, timeout: float = 5.0) -> KeyEntry | None:  # noqa: ASYNC109
+        """The next entry: ``None`` once the initial values are delivered (then
+        only later changes come); :class:`NatsTimeoutError` after ``timeout``
+        without one. ``is_stop(entry)`` after :meth:`stop`."""
+        entry = await _call(self._watcher.updates(timeout=timeout))  # type: ignore[no-untyped-call]
+        if entry is None:
+            return None
+        if entry is self._watcher.STOP_ITER:
+            return _STOPPED
+        return KeyEntry.of(entry)
+
+    @staticmethod
+    def is_stop(entry: KeyEntry) -> bool:
+        """Whether ``entry`` is the marker :meth:`updates` returns after :meth:`stop`."""
+        return entry is _STOPPED
+
+    async def stop(self) -> None:
+        await _call(self._watcher.stop())  # type: ignore[no-untyped-call]
+
+
+class KeyValue:
+    """One KV bucket."""
+
+    __slots__ = ("_connection", "_kv")
+
+    #: The most a KV write's headers can be (an expected revision, a TTL).
+    _HEADERS: Final = {"Nats-Expected-Last-Subject-Sequence": "1" * 20, "Nats-TTL": "1" * 20}
+
+    def __init__(self, kv: _KeyValue, connection: Connection) -> None:
+        self._kv = kv
+        self._connection = connection
+
+    def _fits(self, value: bytes) -> None:
+        _refuse_oversized(self._connection, value, self._HEADERS)
+
+    async def get(self, key: str) -> KeyEntry:
+        """The key's entry; :class:`NatsNotFoundError` if it has none (or was deleted)."""
+        return KeyEntry.of(await _call(self._kv.get(key)))
+
+    async def latest(self, key: str) -> KeyEntry | None:
+        """The key's entry, its delete (or purge) marker if it was deleted
+        (``operation`` says which), or ``None`` if it was never written. A
+        compare-and-set after a delete names the marker's revision."""
+        try:
+            return KeyEntry.of(await self._kv.get(key))
+        except nats.js.errors.KeyNotFoundError as exc:
+            marker = exc.entry
+            if marker is None:
+                return None
+            return KeyEntry(key, b"", marker.revision or 0, marker.operation or exc.op or "DEL")
+        except nats.errors.Error as exc:
+            raise translate(exc) from exc
+
+    async def put(self, key: str, value: bytes) -> int:
+        self._fits(value)
+        return await _call(self._kv.put(key, value))
+
+    async def create(self, key: str, value: bytes, msg_ttl: float | None = None) -> int:
+        """Write ``key`` if it has no value; :class:`WrongLastSequenceError` if it has."""
+        self._fits(value)
+        return await _call(self._kv.create(key, value, msg_ttl=msg_ttl))
+
+    async def update(self, key: str, value: bytes, last: int | None = None) -> int:
+        """Write ``key`` if its revision is ``last``; :class:`WrongLastSequenceError` if not."""
+        self._fits(value)
+        return await _call(self._kv.update(key, value, last=last))
+
+    async def delete(self, key: str, last: int | None = None) -> bool:
+        """Delete ``key`` (if its revision is ``last``; :class:`WrongLastSequenceError` if not)."""
+        return await _call(self._kv.delete(key, last=last))
+
+    async def keys(self) -> list[str]:
+        """Every key with a value; empty for an empty bucket."""
+        try:
+            return await self._kv.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+        except nats.errors.Error as exc:
+            raise translate(exc) from exc
+
+    async def watch(self, keys: str) -> KeyWatcher:
+        return KeyWatcher(await _call(self._kv.watch(keys)))
+
+
+class JetStream:
+    """A JetStream context: publish with acks, read streams, consumers, KV buckets."""
+
+    def __init__(self, js: _JetStreamContext, connection: Connection) -> None:
+        self._js = js
+        #: The connection this context publishes on.
+        self.connection = connection
+
+    async def publish(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - nats-py's own parameter
+        stream: str | None = None,
+        headers: dict[str, str] | None = None,
+        msg_ttl: float | None = None,
+    ) -> PubAck:
+        """Publish and wait for the stream's ack."""
+        extra = {"Nats-Expected-Stream": stream} if stream else {}
+        if msg_ttl is not None:
+            extra["Nats-TTL"] = str(int(msg_ttl))
+        _refuse_oversized(self.connection, payload, {**(headers or {}), **extra})
+        return await _call(
+            self._js.publish(
+                subject, payload, timeout=timeout, stream=stream, headers=headers, msg_ttl=msg_ttl
+            )
+        )
+
+    async def publish_async(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        headers: dict[str, str] | None = None,
+    ) -> asyncio.Future[PubAck]:
+        """Publish without waiting; the returned future ends with the ack (or a
+        :class:`NatsError`). Await it, or cancel it to stop waiting.
+
+        With too many publishes pending, waits up to :data:`PUBLISH_STALL_WAIT`
+        for a slot (then :class:`~renqueue.errors.NatsUnavailableError`); a
+        caller cancelled meanwhile gets :class:`asyncio.CancelledError`.
+        """
+        # nats-py bounds the wait for a slot with ``asyncio.wait_for``: a task
+        # and a timer per publish, even when a slot is free. Bounded only when
+        # it may have to wait (the semaphore is nats-py's, pinned 2.16).
+        _refuse_oversized(self.connection, payload, headers)
+        slots = getattr(self._js, "_publish_async_pending_semaphore", None)
+        stall = PUBLISH_STALL_WAIT if slots is None or slots.locked() else None
+        try:
+            future = await self._js.publish_async(
+                subject, payload, wait_stall=stall, headers=headers
+            )
+        except nats.js.errors.TooManyStalledMsgsError as exc:
+            # nats-py turns a cancellation while waiting for a free slot into
+            # this error: a cancelled caller is told it was cancelled.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError from exc
+            raise translate(exc) from exc
+        except nats.errors.Error as exc:
+            raise translate(exc) from exc
+        return _translated_future(future)
+
+    async def get_msg(
+        self,
+        stream_name: str,
+        seq: int | None = None,
+        subject: str | None = None,
+        direct: bool = False,
+        next: bool = False,
+    ) -> StoredMessage:
+        """One stored message; :class:`NatsNotFoundError` if there is none."""
+        return StoredMessage.of(
+            await _call(
+                self._js.get_msg(stream_name, seq=seq, subject=subject, direct=direct, next=next)
+            )
+        )
+
+    async def get_last_msg(
+        self, stream_name: str, subject: str, direct: bool = False
+    ) -> StoredMessage:
+        """The last message stored on ``subject``; :class:`NatsNotFoundError` if none."""
+        return StoredMessage.of(
+            await _call(self._js.get_last_msg(stream_name, subject, direct=direct))
+        )
+
+    async def delete_msg(self, stream_name: str, seq: int) -> bool:
+        return await _call(self._js.delete_msg(stream_name, seq))
+
+    async def stream_info(self, name: str) -> StreamInfo:
+        return await _call(self._js.stream_info(name))
+
+    async def consumer_info(
+        self,
+        stream: str,
+        consumer: str,
+        timeout: float | None = None,  # noqa: ASYNC109 - nats-py's own parameter
+    ) -> ConsumerInfo:
+        info: ConsumerInfo = await _call(self._js.consumer_info(stream, consumer, timeout))
+        return info
+
+    async def add_consumer(
+        self, stream: str, config: ConsumerConfig | None = None, **params: Any
+    ) -> ConsumerInfo:
+        """Create (or update) a consumer; ``params`` are :class:`ConsumerConfig` fields."""
+        return await _call(self._js.add_consumer(stream, config, **params))
+
+    async def delete_consumer(self, stream: str, consumer: str) -> bool:
+        return await _call(self._js.delete_consumer(stream, consumer))
+
+    async def pull_subscribe(
+        self,
+        subject: str,
+        durable: str | None = None,
+        stream: str | None = None,
+        config: ConsumerConfig | None = None,
+    ) -> PullSubscription:
+        """A pull subscription on ``subject`` (creating the consumer ``config`` describes)."""
+        return PullSubscription(
+            await _call(self._js.pull_subscribe(subject, durable, stream, config))
+        )
+
+    async def pull_subscribe_bind(
+        self, durable: str, stream: str, *, pending_msgs_limit: int | None = None
+    ) -> PullSubscription:
+        """A pull subscription on the existing consumer ``durable`` of ``stream``."""
+        if pending_msgs_limit is None:
+            sub = await _call(self._js.pull_subscribe_bind(durable=durable, stream=stream))
+        else:
+            sub = await _call(
+                self._js.pull_subscribe_bind(
+                    durable=durable, stream=stream, pending_msgs_limit=pending_msgs_limit
+                )
+            )
+        return PullSubscription(sub)
+
+    async def key_value(self, bucket: str) -> KeyValue:
+        """The bucket ``bucket``; :class:`NatsNotFoundError` if it does not exist."""
+        return KeyValue(await _call(self._js.key_value(bucket)), self.connection)
+
+    @property
+    def api_prefix(self) -> str:
+        """The JetStream API subject prefix (``$JS.API``, or a domain's)."""
+        # nats-py exposes no public accessor; the prefix carries the domain.
+        prefix: str = self._js._prefix
+        return prefix
+
+    @property
+    def context(self) -> _JetStreamContext:
+        """nats-py's context, for what the handles do not cover (tests, benchmarks)."""
+        return self._js
+
+
+class Connection:
+    """A connection to NATS (see :func:`renqueue.broker.connect` for how one is opened)."""
+
+    @classmethod
+    def of(cls, nc: Connection | _Client) -> Connection:
+        """``nc`` itself, or nats-py's client ``nc`` wrapped (an application's own)."""
+        return nc if isinstance(nc, Connection) else cls(nc)
+
+    def __init__(self, nc: _Client | None = None) -> None:
+        """Wrap nats-py's ``nc``, or (without one) a client still to be :meth:`open`ed."""
+        self._nc = nc if nc is not None else _Client()
+        self._js: JetStream | None = None
+        #: Set when the connection ends without :meth:`close` or :meth:`drain`:
+        #: the server closed it (nats-py does not reconnect after a protocol
+        #: error such as ``maximum payload exceeded``). Call :meth:`closed_by_server`
+        #: from nats-py's ``closed_cb`` (see :func:`renqueue.broker.connect`).
+        self.lost = asyncio.Event()
+        self._closing = False
+
+    async def open(self, timeout: float, **options: Any) -> None:  # noqa: ASYNC109
+        """Connect with nats-py's ``options``, the first connect bounded by
+        ``timeout``; :class:`ConnectionFailedError` when no server answers in
+        time (the half-open client is closed). The caller words the error: it
+        knows the URL and what the error callback saw."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._nc.connect(**options)
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            self._closing = True
+            await self._nc.close()
+            raise ConnectionFailedError(str(exc) or type(exc).__name__) from exc
+        except asyncio.CancelledError:
+            # Cancelled while connecting (a shutdown): no half-open client is left.
+            self._closing = True
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._nc.close())
+            raise
+
+    @property
+    def max_payload(self) -> int:
+        """The server's largest message (headers and payload), in bytes."""
+        return int(self._nc.max_payload)
+
+    def jetstream(self, *, timeout: float | None = None) -> JetStream:
+        """This connection's JetStream context; with ``timeout`` (seconds per
+        API request; nats-py's default is 5) a context of its own."""
+        if timeout is not None:
+            return JetStream(self._nc.jetstream(timeout=timeout), self)
+        if self._js is None:
+            self._js = JetStream(self._nc.jetstream(), self)
+        return self._js
+
+    async def publish(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        reply: str = "",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """Publish (core NATS: no ack). :class:`NatsPayloadTooLargeError` for a
+        message over the server's ``max_payload``, headers counted."""
+        _refuse_oversized(self, payload, headers)
+        await _call(self._nc.publish(subject, payload, reply=reply, headers=headers))
+
+    async def subscribe(self, subject: str, cb: Handler, queue: str = "") -> Subscription:
+        """Subscribe ``cb`` to ``subject``; it is called with each :class:`Message`."""
+
+        async def deliver(msg: _Msg) -> None:
+            await cb(Message(msg))
+
+        return Subscription(await _call(self._nc.subscribe(subject, queue=queue, cb=deliver)))
+
+    async def request(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        timeout: float = 0.5,  # noqa: ASYNC109 - nats-py's own parameter
+        headers: dict[str, str] | None = None,
+    ) -> Message:
+        """Publish and wait for one reply; :class:`NatsUnavailableError` (no responders)
+        or :class:`NatsTimeoutError` when none comes."""
+        _refuse_oversized(self, payload, headers)
+        return Message(
+            await _call(self._nc.request(subject, payload, timeout=timeout, headers=headers))
+        )
+
+    def new_inbox(self) -> str:
+        return self._nc.new_inbox()
+
+    async def flush(self, timeout: int = 10) -> None:  # noqa: ASYNC109
+        await _call(self._nc.flush(timeout))
+
+    async def drain(self) -> None:
+        self._closing = True
+        await _call(self._nc.drain())
+
+    async def close(self) -> None:
+        self._closing = True
+        await _call(self._nc.close())
+
+    def closed_by_server(self) -> bool:
+        """Called when nats-py reports the connection closed: sets :attr:`lost`
+        (and returns True) unless this side closed it."""
+        if self._closing:
+            return False
+        self.lost.set()
+        return True
+
+    @property
+    def is_closed(self) -> bool:
+        return self._nc.is_closed
+
+    @property
+    def is_connected(self) -> bool:
+        return self._nc.is_connected
+
+    @property
+    def reconnects(self) -> int:
+        """How many times this connection has reconnected."""
+        return int(self._nc.stats["reconnects"])
+
+    @property
+    def last_error(self) -> BaseException | None:
+        return self._nc.last_error
+
+    @property
+    def connected_server(self) -> str | None:
+        """``host:port`` of the server connected to, if any."""
+        url = self._nc.connected_url
+        return None if url is None else f"{url.hostname}:{url.port}"
+
+    @property
+    def client(self) -> _Client:
+        """nats-py's client, for what the handles do not cover (tests, benchmarks)."""
+        return self._nc
+
+
+#: How long one raw JetStream API request waits for its reply.
+API_TIMEOUT: Final = 5.0
+
+
+class JetStreamApi:
+    """Raw JetStream API requests (``$JS.API.<operation>``, JSON in and out).
+
+    For what nats-py's context does not expose whole (a stream's or a
+    consumer's config as the server holds it, compared field by field when
+    provisioning). A reply JetStream cannot give *yet* (no answer in time, no
+    responders, a 503 or "not now" API error) raises
+    :class:`~renqueue.errors.NatsUnavailableError`; any other API error is
+    returned in the reply, for :func:`reply_error` to read.
+    """
+
+    def __init__(self, js_or_nc: Connection | JetStream, *, patience: float = 0.0) -> None:
+        #: How long a caller waits per step while JetStream cannot answer.
+        self.patience = patience
+        if isinstance(js_or_nc, JetStream):
+            # The prefix carries the JetStream domain, if the context has one.
+            self.nc: Connection = js_or_nc.connection
+            self._prefix = js_or_nc.api_prefix
+        else:
+            self.nc = js_or_nc
+            self._prefix = "$JS.API"
+
+    async def call(self, operation: str, payload: Mapping[str, Any] | None = None) -> Any:
+        subject = f"{self._prefix}.{operation}"
+        body = b"" if payload is None else json.dumps(payload).encode()
+        try:
+            reply = await self.nc.request(subject, body, timeout=API_TIMEOUT)
+        except NatsTimeoutError as exc:
+            raise NatsTimeoutError(
+                f"JetStream did not answer {subject} within {API_TIMEOUT:g}s"
+            ) from exc
+        except NatsClosedError:
+            raise
+        except NatsUnavailableError as exc:
+            raise NatsUnavailableError(
+                f"JetStream did not answer {subject} ({exc}): is JetStream enabled "
+                "on this server, and has it started?"
+            ) from exc
+        try:
+            response = json.loads(reply.data)
+        except json.JSONDecodeError as exc:
+            raise NatsError(f"JetStream sent a non-JSON reply to {subject}") from exc
+        error = response.get("error") if isinstance(response, dict) else None
+        if isinstance(error, dict) and (
+            error.get("code") == 503 or error.get("err_code") in NOT_NOW
+        ):
+            raise NatsUnavailableError(
+                f"JetStream cannot answer {subject} yet: {error.get('description')}"
+            )
+        return response
+
+
+def reply_error(response: Any) -> tuple[int, str] | None:
+    """``(err_code, description)`` of a raw API reply's error, ``None`` on success."""
+    error = response.get("error") if isinstance(response, dict) else None
+    if not error:
+        return None
+    if not isinstance(error, dict):
+        return 0, str(error)
+    return int(error.get("err_code", 0) or 0), str(error.get("description", error))

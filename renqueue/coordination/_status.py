@@ -1,0 +1,540 @@
+"""What ``renqueue status`` shows: each backend, priority level and tenant, now.
+
+:func:`read_status` reads it all into one :class:`StatusReport` (the JSON of
+``renqueue status --json``); :func:`render_status` turns a report into the
+lines of text the command prints, with no I/O of its own.
+
+Where each figure comes from:
+
+- per backend, from the config and the projector's checkpoint (the key
+  ``projection`` in ``rq-state``): health (its circuit breaker as the binder
+  last logged it, and its active probe's latest answer), requests in flight,
+  the provider's cooldown and exhausted quota, and for each limit it is judged
+  by (declared, tightened by what the provider reported:
+  :func:`renqueue.policy.limit_usage`) what is used and left and when it
+  resets, counted as the binder counts; ``held`` is
+  the binder's reason to pass the backend over for the smallest request now.
+  Its queue is its worker consumer's (``worker-<backend>`` on
+  ``RQ_DISPATCH``), in two counts: ``waiting``, dispatches not yet delivered
+  to a worker, and ``running``, those delivered and not yet acknowledged
+  (being run, or waiting out a retry's delay). A backend whose name cannot
+  name a consumer (only a forged or damaged checkpoint holds one) has neither.
+- per priority level: the requests waiting (its router consumer
+  ``router-<level>`` on ``RQ_REQUESTS``: not yet delivered plus held by the
+  binder) and how long the oldest one still stored has waited (its stream
+  timestamp, the server's clock; a request put back by the services counts
+  from when it was put back).
+- per tenant, from the checkpoint: spend today (the UTC day of the reader's
+  clock), total spend, requests submitted and ended by kind.
+
+The checkpoint lags the log by up to a flush (100 ms) when the projector keeps
+up (``events_behind`` says by how much), and it does not hold the reservations
+the binder made since the last event it folded.
+
+The report holds what the checkpoint holds, names and times as they are; the
+text (:func:`render_status`) shows every name with its non-printable
+characters escaped (:func:`printable`: an escape sequence in a backend's or a
+tenant's name is shown, never sent to the terminal) and a time too far out for
+a calendar as ``far future``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import math
+import time
+from typing import Final
+
+from msgspec import Struct
+
+from ..broker import JetStream
+from ..config import Config
+from ..errors import NatsApiError, NatsNotFoundError
+from ..policy import (
+    Budget,
+    Cost,
+    LimitUsage,
+    Perf,
+    Quota,
+    budget_of,
+    check,
+    effective_limits,
+    limit_usage,
+)
+from ..schema import (
+    DISPATCH_STREAM,
+    EVENTS_STREAM,
+    REQUESTS_STREAM,
+    STATE_BUCKET,
+    requests_of_level,
+    router_consumer,
+    worker_consumer,
+)
+from ..state import BackendState, ProjectionState, utc_day
+from ._verify import read_checkpoint
+
+__all__ = [
+    "BackendStatus",
+    "LevelStatus",
+    "StatusReport",
+    "TenantStatus",
+    "backend_status",
+    "read_status",
+    "render_status",
+]
+
+#: The smallest request: what ``held`` asks the binder's check about.
+_SMALLEST: Final = Cost(requests=1, tokens=1)
+_EMPTY: Final = BackendState()
+#: The longest ``held`` reason shown in the text (the binder's words, which
+#: hold a duration: a forged time far ahead would make it run on).
+_HELD_WIDTH: Final = 100
+#: Durations from this on are shown as ``far future`` (about 27 years).
+_FAR: Final = 10_000 * 86400.0
+
+
+class BackendStatus(Struct, frozen=True, kw_only=True):
+    """One backend now. Times are absolute (Unix seconds)."""
+
+    name: str
+    #: Whether the config names it (a backend only the log names has no limits here).
+    configured: bool
+    #: Whether the binder may bind to it: its circuit is not open.
+    healthy: bool
+    consecutive_failures: int
+    last_error_type: str | None
+    #: Requests whose latest start was here and that have not ended (the projection's).
+    in_flight: int
+    #: Dispatches at its worker consumer not yet delivered to a worker
+    #: (``num_pending``); ``None`` when it has no consumer.
+    waiting: int | None
+    #: Dispatches delivered to a worker and not yet acknowledged
+    #: (``num_ack_pending``): being run, or waiting out a retry's delay;
+    #: ``None`` when it has no consumer.
+    running: int | None
+    #: Its declared concurrency (the worker consumer's ``max_ack_pending``).
+    concurrency: int | None
+    #: No call before this (a 429's ``retry-after``), if in the future.
+    cooldown_until: float | None
+    #: The provider's quota is spent until this, if in the future.
+    exhausted_until: float | None
+    #: Why the binder would pass it over for the smallest request now; "" if it would not.
+    held: str
+    limits: tuple[LimitUsage, ...]
+    #: Its circuit breaker as last logged: ``closed``, ``open`` or ``half_open``,
+    #: since when and why (``circuit`` events, written by the binder).
+    circuit: str = "closed"
+    circuit_since: float = 0.0
+    circuit_reason: str = ""
+    #: The latest answer of its active health probe (``None``: none configured or none yet).
+    probe_ok: bool | None = None
+    calls_completed: int
+    calls_failed: int
+    rate_limited: int
+    spend: float
+    #: Its speed and reliability as learned from the log (``None``: nothing yet).
+    perf: Perf | None = None
+
+
+class LevelStatus(Struct, frozen=True, kw_only=True):
+    """One priority level now."""
+
+    name: str
+    #: Requests at its router consumer: not yet delivered plus held by the
+    #: binder; ``None`` when it has no consumer.
+    waiting: int | None
+    #: When the oldest request still stored at this level was stored (server time).
+    oldest_at: float | None
+    #: How long it has waited, by the reader's clock.
+    oldest_wait: float | None
+
+
+class TenantStatus(Struct, frozen=True, kw_only=True):
+    """One tenant: spend (USD) today and in all, requests submitted and ended."""
+
+    name: str
+    spend_today: float
+    spend: float
+    submitted: int
+    terminal: dict[str, int]
+    #: Its daily budget (USD) and mode (``soft``, ``hard``), if it has one.
+    budget: Budget | None = None
+
+
+class StatusReport(Struct, frozen=True, kw_only=True):
+    """Everything ``renqueue status`` shows, as of ``at`` (the reader's clock)."""
+
+    at: float
+    #: Whether a projector has stored a checkpoint (if not, every count is 0).
+    projected: bool
+    #: The stream sequence the checkpoint reflects, and its log time.
+    last_seq: int
+    log_time: float
+    #: Events stored in the log past the checkpoint.
+    events_behind: int
+    in_flight: int
+    backends: tuple[BackendStatus, ...]
+    levels: tuple[LevelStatus, ...]
+    tenants: tuple[TenantStatus, ...]
+
+
+# -------------------------------------------------------------------- reading
+
+
+async def read_status(js: JetStream, config: Config, *, now: float | None = None) -> StatusReport:
+    """Read the checkpoint, the consumers and the oldest requests into a report.
+
+    ``now`` (default: ``time.time()``) is the clock health, quota windows and
+    waits are judged at. Raises :class:`~renqueue.errors.NatsError` if NATS
+    fails, :class:`~renqueue.errors.RenQueueError` if the stored checkpoint
+    does not decode.
+    """
+    at = time.time() if now is None else now
+    kv = await js.key_value(STATE_BUCKET)
+    read = await read_checkpoint(kv)
+    state = ProjectionState() if read is None else read[0]
+    names = [*config.backends, *sorted(set(state.backends) - set(config.backends))]
+    stream, queues, levels = await asyncio.gather(
+        js.stream_info(EVENTS_STREAM),
+        asyncio.gather(*(_pending(js, DISPATCH_STREAM, worker_consumer(n)) for n in names)),
+        asyncio.gather(*(_level(js, level, at) for level in config.priorities)),
+    )
+    backends = tuple(
+        backend_status(
+            name,
+            state.backend(name),
+            config,
+            at,
+            waiting=None if queue is None else queue[0],
+            running=None if queue is None else queue[1],
+        )
+        for name, queue in zip(names, queues, strict=True)
+    )
+    today = utc_day(at)
+    budgets = config.budgets()
+    tenants = tuple(
+        TenantStatus(
+            name=name,
+            spend_today=tenant.spend_on(today),
+            spend=tenant.spend,
+            submitted=tenant.submitted,
+            terminal=dict(tenant.terminal),
+            budget=budget_of(name, budgets),
+        )
+        for name, tenant in sorted(state.tenants.items())
+    )
+    return StatusReport(
+        at=at,
+        projected=read is not None,
+        last_seq=state.last_seq,
+        log_time=state.log_time,
+        events_behind=max(0, int(stream.state.last_seq) - state.last_seq),
+        in_flight=state.in_flight_count,
+        backends=backends,
+        levels=tuple(levels),
+        tenants=tenants,
+    )
+
+
+def backend_status(
+    name: str,
+    state: BackendState,
+    config: Config,
+    now: float,
+    *,
+    waiting: int | None = None,
+    running: int | None = None,
+) -> BackendStatus:
+    """One backend's status from its folded state and its config, at ``now``. Pure.
+
+    ``waiting`` and ``running``: its worker consumer's counts (``None``: no consumer).
+    A quota whose times no calendar holds (a damaged or forged checkpoint) is
+    not judged: ``held`` says so and no limit is listed.
+    """
+    backend = config.backends.get(name)
+    declared = () if backend is None else backend.limits.declared()
+    quota = state.quota or Quota()
+    limits: tuple[LimitUsage, ...] = ()
+    try:
+        verdict = check(quota, effective_limits(declared, quota), _SMALLEST, now)
+        limits = limit_usage(quota, declared, now)
+    except (OverflowError, ValueError, OSError) as exc:
+        held = f"cannot judge its quota: {exc}"
+    else:
+        held = "" if verdict.ok else verdict.reason
+    return BackendStatus(
+        name=name,
+        configured=backend is not None,
+        healthy=state.circuit != "open",
+        consecutive_failures=state.consecutive_failures,
+        last_error_type=state.last_error_type,
+        in_flight=state.in_flight,
+        waiting=waiting,
+        running=running,
+        concurrency=None if backend is None else backend.limits.concurrency,
+        cooldown_until=_ahead(quota.cooldown_until, now),
+        exhausted_until=_ahead(quota.exhausted_until, now),
+        held=held,
+        limits=limits,
+        circuit=state.circuit,
+        circuit_since=state.circuit_at,
+        circuit_reason=state.circuit_reason,
+        probe_ok=state.probe_ok,
+        calls_completed=state.calls_completed,
+        calls_failed=state.calls_failed,
+        rate_limited=state.rate_limited,
+        spend=state.spend,
+        perf=state.perf,
+    )
+
+
+def _ahead(until: float | None, now: float) -> float | None:
+    return until if until is not None and until > now else None
+
+
+async def _pending(js: JetStream, stream: str, consumer: str) -> tuple[int, int] | None:
+    """A consumer's messages not yet delivered, and delivered and not acked;
+    ``None`` when there is no such consumer.
+
+    A name that cannot be a consumer's (a backend named ``a.b`` or ``*`` in a
+    damaged or forged checkpoint: nats-py refuses it with ``ValueError``, the
+    server with an API error) names no consumer either.
+    """
+    try:
+        info = await js.consumer_info(stream, consumer)
+    except (ValueError, NatsNotFoundError, NatsApiError):
+        return None
+    return info.num_pending or 0, info.num_ack_pending or 0
+
+
+async def _level(js: JetStream, level: str, now: float) -> LevelStatus:
+    counts = await _pending(js, REQUESTS_STREAM, router_consumer(level))
+    waiting = None if counts is None else sum(counts)
+    try:
+        oldest = await js.get_msg(
+            REQUESTS_STREAM, seq=1, subject=requests_of_level(level), next=True
+        )
+    except NatsNotFoundError:
+        oldest_at = None
+    else:
+        stamp = oldest.time
+        if stamp is not None and stamp.tzinfo is None:
+            stamp = stamp.replace(tzinfo=datetime.UTC)
+        oldest_at = None if stamp is None else stamp.timestamp()
+    return LevelStatus(
+        name=level,
+        waiting=waiting,
+        oldest_at=oldest_at,
+        oldest_wait=None if oldest_at is None else max(0.0, now - oldest_at),
+    )
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def render_status(report: StatusReport) -> list[str]:
+    """The report as aligned text lines (no trailing newlines). Pure.
+
+    Names are shown :func:`printable`; times too far out for a calendar as
+    ``far future``.
+    """
+    now = report.at
+    lines = [
+        f"Ren-Queue status at {clock(now)}",
+        (
+            f"  projection at seq {report.last_seq} ({report.events_behind} events behind the"
+            f" log), log time {clock(report.log_time) if report.log_time else '-'};"
+            f" {report.in_flight} in flight"
+            if report.projected
+            else "  no projection stored yet: no projector has run (counts below are 0)"
+        ),
+        "",
+        "Backends",
+        f"  {'backend':<16} {'health':<14} {'in flight':>9} {'waiting':>7} {'running':>7}"
+        f" {'slots':>5} {'done':>7} {'failed':>6} {'429s':>5} {'spend $':>10}  held",
+    ]
+    for b in report.backends:
+        health = b.circuit.replace("_", "-")
+        if b.consecutive_failures:
+            health += f" ({b.consecutive_failures})"
+        held = _shorten(printable(b.held), _HELD_WIDTH) or "-"
+        lines.append(
+            f"  {printable(b.name):<16} {health:<14} {b.in_flight:>9} {_opt(b.waiting):>7}"
+            f" {_opt(b.running):>7} {_opt(b.concurrency):>5} {b.calls_completed:>7}"
+            f" {b.calls_failed:>6} {b.rate_limited:>5} {b.spend:>10.6f}  {held}"
+        )
+    paused = [
+        f"  {printable(b.name)}: " + "; ".join(_pauses(b, now))
+        for b in report.backends
+        if _pauses(b, now)
+    ]
+    if paused:
+        lines += ["", "Paused by the provider", *paused]
+    circuits = [
+        f"  {printable(b.name)}: {b.circuit.replace('_', '-')} since"
+        f" {clock(b.circuit_since)}: {_shorten(printable(b.circuit_reason), _HELD_WIDTH)}"
+        + ("" if b.probe_ok is None else f" (probe: {'up' if b.probe_ok else 'down'})")
+        for b in report.backends
+        if b.circuit != "closed" or b.probe_ok is False
+    ]
+    if circuits:
+        lines += [
+            "",
+            "Circuit breakers not closed (the binder moves them; circuit events)",
+            *circuits,
+        ]
+    learned = [(b.name, b.perf) for b in report.backends if b.perf is not None and b.perf.samples]
+    if learned:
+        lines += [
+            "",
+            "Learned from the log (mean +- spread; what the binder predicts finish times by)",
+            f"  {'backend':<16} {'calls':>6} {'first token s':>15} {'tokens/s':>15}"
+            f" {'output tok':>15} {'faults':>7} {'429s':>6}",
+        ]
+        lines += [
+            f"  {printable(name):<16} {perf.samples:>6}"
+            f" {_spread(perf.ttft, perf.ttft_sd, 2):>15} {_spread(perf.rate, perf.rate_sd, 0):>15}"
+            f" {_spread(perf.output, perf.output_sd, 0):>15}"
+            f" {perf.fault_p:>7.0%} {perf.limited_p:>6.0%}"
+            for name, perf in learned
+        ]
+    limited = [(b.name, u) for b in report.backends for u in b.limits]
+    if limited:
+        lines += [
+            "",
+            "Rate limits (the limit judged by: the declared one, or less if the provider said so)",
+            f"  {'backend':<16} {'window':<16} {'used':>9} {'limit':>9} {'left':>9}"
+            f" {'declared':>9}  resets in",
+        ]
+        for name, u in limited:
+            lines.append(
+                f"  {printable(name):<16} {_limit_name(u):<16} {u.used:>9} {u.count:>9}"
+                f" {u.left:>9} {_opt(u.declared):>9}  {_resets(u, now)}"
+            )
+    lines += [
+        "",
+        "Priority levels",
+        f"  {'level':<16} {'waiting':>7}  oldest wait",
+    ]
+    for level in report.levels:
+        wait = "-" if level.oldest_wait is None else _duration(level.oldest_wait)
+        lines.append(f"  {printable(level.name):<16} {_opt(level.waiting):>7}  {wait}")
+    lines += ["", "Tenants"]
+    if not report.tenants:
+        lines.append("  none yet")
+    else:
+        lines.append(
+            f"  {'tenant':<16} {'spend today $':>13} {'budget/day $':>17} {'spend $':>10}"
+            f" {'submitted':>9}  ended"
+        )
+        for t in report.tenants:
+            ended = " ".join(
+                f"{printable(kind)}={count}" for kind, count in sorted(t.terminal.items())
+            )
+            budget = "-" if t.budget is None else f"{t.budget.daily:.6f} {t.budget.mode}"
+            lines.append(
+                f"  {printable(t.name):<16} {t.spend_today:>13.6f} {budget:>17} {t.spend:>10.6f}"
+                f" {t.submitted:>9}  {ended or '-'}"
+            )
+    return lines
+
+
+def printable(text: str) -> str:
+    """``text`` with every non-printable character escaped as Python writes it
+    (``\\x1b``, ``\\u202e``): safe to print to a terminal, one line."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else _escaped(char) for char in text)
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def _pauses(backend: BackendStatus, now: float) -> list[str]:
+    """What the provider said holds the backend back, now: one line.
+
+    An exhausted quota is named as such, until the later of its end and any
+    cooldown (a worker that finds a quota spent also pauses the backend
+    until then: one pause). A cooldown alone is a 429's pause: its
+    ``retry-after``, or ``worker.quota_hold`` for an out-of-credit 429 that
+    does not say until when (``insufficient_quota``), which the projection
+    folds as a cooldown: it cannot be told from a rate limit there.
+    """
+    exhausted, cooldown = backend.exhausted_until, backend.cooldown_until
+    if exhausted is not None and exhausted > now:
+        end = exhausted if cooldown is None else max(exhausted, cooldown)
+        return [f"quota exhausted until {_until(end, now)}"]
+    if cooldown is not None and cooldown > now:
+        return [f"429 from the provider: no call until {_until(cooldown, now)}"]
+    return []
+
+
+def _until(at: float, now: float) -> str:
+    if at - now >= _FAR:
+        return "far future"
+    return f"{clock(at)} (in {_duration(at - now)})"
+
+
+def _limit_name(usage: LimitUsage) -> str:
+    key = printable(usage.key)
+    return key if usage.calendar == "rolling" else f"{key} ({usage.calendar})"
+
+
+def _resets(usage: LimitUsage, now: float) -> str:
+    parts = []
+    if usage.resets_at is not None:
+        parts.append(_duration(usage.resets_at - now))
+    if usage.room_at is not None:
+        parts.append(f"room for one more in {_duration(usage.room_at - now)}")
+    if usage.reported_left is not None:
+        reset = (
+            ""
+            if usage.reported_reset_at is None
+            else f", resets in {_duration(usage.reported_reset_at - now)}"
+        )
+        parts.append(f"provider says {usage.reported_left} left{reset}")
+    return "; ".join(parts) or "-"
+
+
+def _spread(mean: float, sd: float, digits: int) -> str:
+    return f"{mean:.{digits}f} +- {sd:.{digits}f}"
+
+
+def _opt(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def clock(at: float) -> str:
+    """``at`` as an ISO 8601 UTC time; ``far future`` (``far past``) beyond a calendar's years."""
+    if math.isnan(at):
+        return "-"
+    try:
+        return datetime.datetime.fromtimestamp(at, tz=datetime.UTC).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):
+        return "far future" if at > 0 else "far past"
+
+
+def _duration(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "never"
+    seconds = max(0.0, seconds)
+    if seconds >= _FAR:
+        return "far future"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{round(seconds)} s"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"

@@ -1,0 +1,22 @@
+"""Mock LLM backends for the demo, tests and benchmarks. I/O.
+
+Needs the ``mock`` extra (aiohttp).
+
+- :class:`MockBackend` (``_server``): a server on loopback speaking the
+  OpenAI API and, at their own paths, Anthropic's, Ollama's, TGI's and Gemini's
+  (``_dialects``), with declared limits and real 429s (``_rate_limits``);
+  :class:`FaultSpec` (``_fault_injection``) the faults it injects on demand.
+"""
+
+from ._fault_injection import FaultSpec
+from ._server import MockBackend, MockSettings, MockStats, format_reset, run_mock_backend, serve
+
+__all__ = [
+    "FaultSpec",
+    "MockBackend",
+    "MockSettings",
+    "MockStats",
+    "format_reset",
+    "run_mock_backend",
+    "serve",
+]

@@ -1,0 +1,239 @@
+"""NATS subjects and stream names: the one place that spells them.
+
+Subjects carry the tenant, so NATS permissions alone can confine a tenant to
+publishing its own requests and reading its own tokens and events::
+
+    rq.req.<priority>.<tenant>             requests, one subject per priority level
+    rq.req.<priority>.<tenant>.requeue     services only: a request put back (preempted, ...)
+    rq.dispatch.<backend>                  routing decisions, one subject per backend
+    rq.evt.<tenant>.<request_id>.<kind>    the event log
+    rq.evt._system.<backend>.<kind>        the event log: a backend's circuit and probes
+    rq.tok.<tenant>.<request_id>           streamed token chunks
+    rq.dlq.<stage>                         dead letters (stage: requests, dispatch)
+    rq.capacity.<backend>                  core NATS: a worker freed a slot (not stored)
+    rq.preempt.<backend>.ask               core NATS: an urgent request asks all workers for offers
+    rq.preempt.<backend>.<worker token>    core NATS request: the chosen worker, told to preempt
+    rq.boost.<tenant>                      core NATS: lift a coalescing leader to a follower's level
+    $JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>
+                                           the server: a message ran out of deliveries
+                                           (captured in RQ_ADVISORIES)
+
+A tenant's permissions (``nats/auth.conf``): publish ``rq.req.*.<tenant>`` and
+``rq.evt.<tenant>.*.cancel_requested``; subscribe ``rq.tok.<tenant>.>``; and
+JetStream API subjects that carry the tenant: named single-filter consumers
+and last-by-subject direct gets under ``rq.evt.<tenant>.`` / ``rq.tok.<tenant>.``.
+
+A tenant may not publish to any other subject, but it can make the server
+*deliver* to any subject: a push consumer's ``deliver_subject`` is in the
+request body, which no permission checks. What arrives that way keeps the
+subject it was stored under (one of the tenant's own ``rq.evt.<tenant>.…``
+or ``rq.tok.<tenant>.…``), with a payload the services wrote or, on
+``cancel_requested``, the tenant wrote; idle heartbeats and flow-control
+messages of such a consumer arrive with the deliver subject itself and an
+empty body. So every receiver of a core subscription checks that
+``msg.subject`` is one it subscribed for (:func:`subject_matches`) and drops
+(logs and counts, :func:`renqueue.logs.misdirected`) anything else.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "ADVISORIES_CONSUMER",
+    "ADVISORIES_STREAM",
+    "BINDER_LEASE",
+    "DISPATCH_STREAM",
+    "DLQ_STREAM",
+    "EVENTS_STREAM",
+    "FETCH_TIMEOUT",
+    "LEASE_BUCKET",
+    "PREEMPT_ASK",
+    "REQUESTS_STREAM",
+    "REQUEUE_SUFFIX",
+    "ROUTER_DELIVERY_BACKSTOP",
+    "SHUTDOWN_NAK_DELAY",
+    "STATE_BUCKET",
+    "SYSTEM_TENANT",
+    "TERMINAL_BUCKET",
+    "TOKENS_STREAM",
+    "boost_subject",
+    "capacity_subject",
+    "dispatch_subject",
+    "dlq_subject",
+    "event_subject",
+    "events_of_request",
+    "is_requeue_subject",
+    "max_deliveries_advisory",
+    "msg_id",
+    "preempt_subject",
+    "preempt_subjects",
+    "request_subject",
+    "requests_of_level",
+    "router_consumer",
+    "router_max_deliveries",
+    "run_claim_key",
+    "subject_matches",
+    "terminal_key",
+    "token_subject",
+    "worker_consumer",
+]
+
+REQUESTS_STREAM: Final = "RQ_REQUESTS"
+DISPATCH_STREAM: Final = "RQ_DISPATCH"
+EVENTS_STREAM: Final = "RQ_EVENTS"
+TOKENS_STREAM: Final = "RQ_TOKENS"
+DLQ_STREAM: Final = "RQ_DLQ"
+ADVISORIES_STREAM: Final = "RQ_ADVISORIES"
+STATE_BUCKET: Final = "rq-state"
+#: Claims only services can write: a request's one terminal outcome, a pool run.
+TERMINAL_BUCKET: Final = "rq-terminal"
+#: Leases (renqueue.coordination._lease): entries expire router.lease_ttl after their last write.
+LEASE_BUCKET: Final = "rq-leases"
+#: The key of the binder's lease: the one router that binds requests to backends.
+BINDER_LEASE: Final = "binder"
+#: The durable consumer on RQ_ADVISORIES that ends requests out of deliveries.
+ADVISORIES_CONSUMER: Final = "advisories"
+
+
+#: Seconds a pull (fetch) waits at the server. Kept short: a waiting pull whose
+#: client went away still receives messages until it expires (DESIGN.md).
+FETCH_TIMEOUT: Final = 1.0
+
+#: Delay of the naks given at shutdown: past the expiry of any pull the
+#: stopping process left at the server, so the message is not redelivered into
+#: it (where it would sit out a whole ack_wait).
+SHUTDOWN_NAK_DELAY: Final = FETCH_TIMEOUT + 0.5
+
+#: The router consumers' ``max_deliver`` is ``router.max_deliver`` times this.
+#: ``router.max_deliver`` counts *failed dispatches* of a request; deliveries
+#: also go up with every hand-back (a router's graceful stop naks what it
+#: holds), so the broker's own limit is only a backstop, far above it.
+ROUTER_DELIVERY_BACKSTOP: Final = 20
+
+#: The last token of the subject preemption asks are published to.
+PREEMPT_ASK: Final = "ask"
+
+
+def router_max_deliveries(max_deliver: int) -> int:
+    """The router consumers' ``max_deliver`` for a ``router.max_deliver`` of ``max_deliver``."""
+    return max_deliver * ROUTER_DELIVERY_BACKSTOP
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether ``subject`` is one that ``pattern`` (NATS wildcards: ``*`` one
+    token, ``>`` one or more at the end) subscribes to."""
+    want = pattern.split(".")
+    have = subject.split(".")
+    for index, part in enumerate(want):
+        if part == ">":
+            return len(have) > index
+        if index >= len(have) or part not in ("*", have[index]):
+            return False
+    return len(have) == len(want)
+
+
+#: Last token of the services' requeue subject, ``rq.req.<priority>.<tenant>.requeue``.
+REQUEUE_SUFFIX = "requeue"
+
+
+def request_subject(priority: str, tenant: str, *, requeue: bool = False) -> str:
+    """Where a request waits; ``requeue``: the services' own subject for putting
+    one back (a preemption, a coalesced follower left to run alone), which no
+    tenant may publish to, so only a request read there may carry ``requeues``."""
+    subject = f"rq.req.{priority}.{tenant}"
+    return f"{subject}.{REQUEUE_SUFFIX}" if requeue else subject
+
+
+def is_requeue_subject(subject: str) -> bool:
+    """True for ``rq.req.<priority>.<tenant>.requeue`` (published by services only)."""
+    parts = subject.split(".")
+    return len(parts) == 5 and parts[4] == REQUEUE_SUFFIX
+
+
+def requests_of_level(priority: str) -> str:
+    return f"rq.req.{priority}.>"
+
+
+def dispatch_subject(backend: str) -> str:
+    return f"rq.dispatch.{backend}"
+
+
+def capacity_subject(backend: str) -> str:
+    """Core NATS (not stored): a worker freed a slot of ``backend``."""
+    return f"rq.capacity.{backend}"
+
+
+def boost_subject(tenant: str) -> str:
+    """Core NATS: a coalesced follower lifts its leader to its level, if more urgent."""
+    return f"rq.boost.{tenant}"
+
+
+def preempt_subject(backend: str, worker: str = PREEMPT_ASK) -> str:
+    """Core NATS: a router asks every worker of ``backend`` for a preemption offer
+    (``worker`` left out), or tells the one worker whose token is ``worker`` to
+    preempt (see :mod:`renqueue.schema._offers`)."""
+    return f"rq.preempt.{backend}.{worker}"
+
+
+def preempt_subjects(backend: str) -> str:
+    """What a worker of ``backend`` subscribes to: the asks and its own confirms."""
+    return f"rq.preempt.{backend}.*"
+
+
+#: The tenant token of events about a backend rather than a request
+#: (``rq.evt._system.<backend>.<kind>``: ``circuit``, ``probed``), written
+#: by the services only. No tenant may have this name.
+SYSTEM_TENANT: Final = "_system"
+
+
+def event_subject(tenant: str, request_id: str, kind: str) -> str:
+    return f"rq.evt.{tenant}.{request_id}.{kind}"
+
+
+def events_of_request(tenant: str, request_id: str) -> str:
+    return f"rq.evt.{tenant}.{request_id}.*"
+
+
+def token_subject(tenant: str, request_id: str) -> str:
+    return f"rq.tok.{tenant}.{request_id}"
+
+
+def dlq_subject(stage: str) -> str:
+    return f"rq.dlq.{stage}"
+
+
+def msg_id(tenant: str, request_id: str, *parts: object) -> str:
+    """A JetStream message id (``Nats-Msg-Id``) for something about one request.
+
+    Deduplication is per stream, across every tenant, so each id starts with
+    the tenant: ``<tenant>:<request_id>[:<part>...]``. Tenant and request id
+    cannot contain ``:``, so ids of different tenants never collide. A client
+    submits with ``msg_id(tenant, request_id)``.
+    """
+    return ":".join((tenant, request_id, *map(str, parts)))
+
+
+def terminal_key(tenant: str, request_id: str) -> str:
+    """Key of a request's terminal claim in the ``rq-terminal`` bucket."""
+    return f"{tenant}.{request_id}"
+
+
+def run_claim_key(tenant: str, request_id: str, attempt: int, run: int) -> str:
+    """Key of the claim on one run of a pooled request (``rq-terminal`` bucket):
+    when a dispatch is stolen while its sibling's worker takes it too, the
+    worker that creates the key runs it."""
+    return f"{tenant}.{request_id}.run.{attempt}.{run}"
+
+
+def max_deliveries_advisory(stream: str, consumer: str = "*") -> str:
+    """The server's advisory that a message of ``stream`` ran out of deliveries."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
+
+
+def router_consumer(priority: str) -> str:
+    return f"router-{priority}"
+
+
+def worker_consumer(backend: str) -> str:
+    return f"worker-{backend}"

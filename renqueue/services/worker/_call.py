@@ -1,0 +1,279 @@
+"""One backend call, its answer streamed to the request's token subject.
+
+Each chunk carries the run that produced it (``delivery``) and its place in
+that run (``seq``); the first chunk of a run after the first is marked
+``restart``: what an earlier run streamed is void. The chunks are
+published without awaiting their acks one by one: the run awaits them all
+(:func:`settle`) before its terminal event, so the log never records an
+outcome whose tokens are not stored.
+
+That wait is bounded by the connection, not by a fixed time: an ack of a
+publish sent before the connection dropped never comes (the server that
+would send it is gone, or answered a connection that is), so the run gives
+up at once while the connection is down, and after :data:`ACK_WAIT` while it
+is up; either way the run is handed back and runs again. It used to wait
+30 s, and a server killed with ``kill -9`` mid-run cost every running
+request that long (issue #29).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import msgspec
+
+from ... import metrics
+from ...backends import MAX_TOOL_CALLS, LearnedLimits, reported
+from ...backends.base import Backend
+from ...broker import Connection, JetStream, PubAck
+from ...config import BaseBackendConfig
+from ...errors import FailureClass, NatsTimeoutError, NatsUnavailableError, RetryableBackendError
+from ...logs import get_logger
+from ...schema import (
+    Completed,
+    Dispatch,
+    InferenceRequest,
+    ReportedLimit,
+    TokenChunk,
+    TokenLogprob,
+    ToolCall,
+    Usage,
+    encode,
+    token_subject,
+    tool_call_deltas,
+)
+
+__all__ = ["ACK_WAIT", "Caller", "Chunks", "Expiry", "settle"]
+
+log = get_logger("worker")
+
+
+class Expiry(Exception):
+    """The request's deadline passed during the backend call."""
+
+
+class Chunks(msgspec.Struct):
+    """The token chunks a run has streamed so far: the next chunk's ``seq``."""
+
+    seq: int = 0
+
+
+#: Longest a run waits for the acks of what it published while the connection
+#: is up (nats-py's own wait for a JetStream answer): a broker that stores
+#: and acks answers within milliseconds, so an ack this late is lost.
+ACK_WAIT: Final = 5.0
+#: How often that wait looks at the connection's state.
+ACK_POLL: Final = 0.1
+
+
+async def settle(
+    pending_acks: list[asyncio.Future[PubAck]], nc: Connection, *, within: float = ACK_WAIT
+) -> None:
+    """Wait until every token chunk and event published so far is stored.
+
+    Raises :class:`~renqueue.errors.NatsUnavailableError` at once if the
+    connection is (or goes) down with acks pending, and
+    :class:`~renqueue.errors.NatsTimeoutError` if they are not all in within
+    ``within`` seconds; a failed publish raises its own error. The acks still
+    pending are then cancelled: the run is handed back, not finished.
+    """
+    if not pending_acks:
+        return
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + within
+    acks = asyncio.gather(*pending_acks)
+    try:
+        while True:
+            left = give_up - loop.time()
+            done, _ = await asyncio.wait({acks}, timeout=max(0.0, min(ACK_POLL, left)))
+            if done:
+                acks.result()  # the first failed publish's error, if any
+                break
+            missing = sum(not ack.done() for ack in pending_acks)
+            if not nc.is_connected:
+                raise NatsUnavailableError(
+                    f"the connection to the broker is down with {missing} of "
+                    f"{len(pending_acks)} publishes unacknowledged"
+                )
+            if left <= 0:
+                raise NatsTimeoutError(
+                    f"{missing} of {len(pending_acks)} publishes unacknowledged after {within:g} s"
+                )
+    finally:
+        acks.cancel()  # a no-op once done; else the pending acks are given up
+    pending_acks.clear()
+
+
+class Caller:
+    """Calls one backend, within its declared request rates, and streams the answer."""
+
+    def __init__(
+        self,
+        js: JetStream,
+        backend_name: str,
+        backend_config: BaseBackendConfig,
+        backend: Backend,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._js = js
+        self._backend_name = backend_name
+        self._backend_config = backend_config
+        self._backend = backend
+        self._clock = clock
+
+    def _checked_calls(
+        self, request: InferenceRequest, calls: Sequence[ToolCall], before: int
+    ) -> tuple[ToolCall, ...]:
+        """``calls`` as the wire can carry them, each without an id given a
+        unique one (``call_<request id>_<index>``: Ollama's and Gemini's have
+        none, and a later turn answers a call by its id); a backend's answer
+        past the wire's bounds fails as malformed, never as an event no
+        reader can decode."""
+        if before + len(calls) > MAX_TOOL_CALLS:
+            raise self._malformed(request, f"more than {MAX_TOOL_CALLS} tool calls")
+        out = []
+        for index, call in enumerate(calls, start=before):
+            if not call.name or len(call.name) > 256 or len(call.id) > 256:
+                raise self._malformed(request, "a tool call without a name, or too long a name")
+            if len(call.arguments) > 1_000_000:
+                raise self._malformed(request, "a tool call's arguments over 1,000,000 characters")
+            named = call.id or f"call_{request.id}_{index}"
+            out.append(call if named == call.id else msgspec.structs.replace(call, id=named))
+        return tuple(out)
+
+    def _malformed(self, request: InferenceRequest, what: str) -> RetryableBackendError:
+        return RetryableBackendError(
+            f"malformed answer: {what}",
+            backend=self._backend_name,
+            request_id=request.id,
+            failure=FailureClass.MALFORMED,
+        )
+
+    @property
+    def backend(self) -> Backend:
+        """The adapter this calls."""
+        return self._backend
+
+    async def call(
+        self,
+        dispatch: Dispatch,
+        run: int,
+        pending_acks: list[asyncio.Future[PubAck]],
+        chunks: Chunks,
+        *,
+        rank: int,
+    ) -> Completed:
+        """Stream the backend's answer to the token subject (counting in ``chunks``).
+
+        ``rank`` is the priority passed down to backends that schedule by it.
+        Raises :class:`Expiry` when the request's deadline passes first, and
+        the backend's :class:`~renqueue.BackendError` when the call fails.
+        """
+        request = dispatch.request
+        subject = token_subject(request.tenant, request.id)
+        started = time.monotonic()
+        ttft: float | None = None
+        parts: list[str] = []
+        calls: list[ToolCall] = []
+        logprobs: list[TokenLogprob] = []
+        kept_logprobs = 0  # bytes of them the completed event carries
+        usage: Usage | None = None
+        finish_reason: str | None = None
+        timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
+        try:
+            async with asyncio.timeout(timeout):
+                stream = self._backend.stream(request, priority=rank)
+                try:
+                    async for delta in stream:
+                        if delta.text or delta.tool_calls or delta.logprobs:
+                            if ttft is None:
+                                ttft = time.monotonic() - started
+                            new_calls = self._checked_calls(request, delta.tool_calls, len(calls))
+                            chunk = TokenChunk(
+                                request_id=request.id,
+                                delivery=run,
+                                seq=chunks.seq,
+                                text=delta.text,
+                                restart=run > 1 and chunks.seq == 0,
+                                tool_calls=tool_call_deltas(new_calls, len(calls)),
+                                logprobs=delta.logprobs,
+                            )
+                            pending_acks.append(
+                                await self._js.publish_async(subject, encode(chunk))
+                            )
+                            chunks.seq += 1
+                            parts.append(delta.text)
+                            calls.extend(new_calls)
+                            kept_logprobs = _keep_logprobs(logprobs, delta.logprobs, kept_logprobs)
+                        if delta.usage is not None:
+                            usage = delta.usage
+                        if delta.finish_reason is not None:
+                            finish_reason = delta.finish_reason
+                finally:
+                    await stream.aclose()  # type: ignore[attr-defined]
+        except TimeoutError as exc:
+            raise Expiry from exc
+        duration = time.monotonic() - started
+        usage = usage or Usage()
+        cost = self._backend_config.cost(usage.prompt_tokens, usage.completion_tokens)
+        if request.max_cost is not None and cost > request.max_cost:
+            # Bound within its cap by the estimate; the real count says more
+            # (a prompt longer in tokens than its characters / 4). Said, counted.
+            metrics.COST_CAP_OVERRUNS.labels(self._backend_name).inc()
+            log.warning(
+                "a call cost more than its request's max_cost",
+                cost=cost,
+                max_cost=request.max_cost,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+            )
+        metrics.BACKEND_CALLS.labels(self._backend_name, "completed").inc()
+        metrics.BACKEND_LATENCY.labels(self._backend_name).observe(duration)
+        metrics.TOKENS.labels(self._backend_name, "input").inc(usage.prompt_tokens)
+        metrics.TOKENS.labels(self._backend_name, "output").inc(usage.completion_tokens)
+        return Completed(
+            request_id=request.id,
+            tenant=request.tenant,
+            at=self._clock(),
+            backend=self._backend_name,
+            attempt=dispatch.attempt,
+            delivery=run,
+            text="".join(parts),
+            usage=usage,
+            cost=cost,
+            finish_reason=finish_reason,
+            ttft=ttft,
+            duration=duration,
+            limits=reported_limits(self._backend),
+            reserved_tokens=dispatch.reserved_tokens,
+            tool_calls=tuple(calls),
+            logprobs=tuple(logprobs),
+        )
+
+
+#: Bytes of log probabilities the ``completed`` event carries at most (the
+#: token chunks carry them all): the event, and the terminal claim holding
+#: it, must stay well within the broker's largest message (1 MB by default).
+LOGPROBS_BUDGET: Final = 256 * 1024
+
+
+def _keep_logprobs(kept: list[TokenLogprob], new: Sequence[TokenLogprob], size: int) -> int:
+    """Add ``new`` to ``kept`` while their size (about their JSON's) stays
+    within :data:`LOGPROBS_BUDGET`; the size of ``kept`` after."""
+    for item in new:
+        grown = size + 48 + len(item.token) + sum(48 + len(top.token) for top in item.top_logprobs)
+        if grown > LOGPROBS_BUDGET:
+            return size
+        kept.append(item)
+        size = grown
+    return size
+
+
+def reported_limits(backend: Backend) -> tuple[ReportedLimit, ...]:
+    """What ``backend``'s provider last said of its rate limits (adapters that read them)."""
+    learned = getattr(backend, "last_rate_limit", None)
+    return reported(learned) if isinstance(learned, LearnedLimits) else ()

@@ -1,0 +1,195 @@
+"""The worker's side of the preemption protocol (:mod:`renqueue.schema._offers`).
+
+Every worker of a backend hears each ask (the run to preempt may be in any of
+them) and offers its best victim, or stays silent; the router confirms one
+offer, on that worker's own subject, and only that worker preempts. A run is
+judged at the level it was bound at: one that aged to the top is not
+preemptible, or aging could never get it through. A preempted request goes
+back to wait on its priority subject, keeping its submit time (:func:`requeue`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, Final
+
+import msgspec
+
+from ... import metrics
+from ...broker import EventLog, JetStream, Message, publish_stored
+from ...logs import get_logger, misdirected
+from ...policy import LevelPolicy, choose_victim
+from ...schema import (
+    ASK_DECODER,
+    CONFIRM_DECODER,
+    MAX_REQUEUES,
+    PREEMPT_ASK,
+    Answer,
+    Dispatch,
+    Fallback,
+    Offer,
+    Preempted,
+    encode,
+    msg_id,
+    preempt_subject,
+    preempt_subjects,
+    request_subject,
+    subject_matches,
+)
+
+__all__ = ["PREEMPT_GRACE", "Preemptible", "Run", "put_back", "requeue"]
+
+log = get_logger("worker")
+
+#: Seconds between closing a preempted call and releasing its slot.
+PREEMPT_GRACE: Final = 0.1
+
+
+class Run(msgspec.Struct, kw_only=True):
+    """A backend call in progress, as preemption sees it."""
+
+    rank: int
+    started: float
+    call: asyncio.Task[Any]
+    preempted_by: str | None = None
+    #: False for a run of a request put back :data:`MAX_REQUEUES` times
+    #: already: it cannot be put back again, so it is never preempted.
+    may_requeue: bool = True
+
+    def is_live(self) -> bool:
+        return self.preempted_by is None and not self.call.done()
+
+
+class Preemptible:
+    """The runs of one worker that a router may preempt, by request (``<tenant>:<id>``)."""
+
+    def __init__(self, backend_name: str, policies: list[LevelPolicy]) -> None:
+        self._backend_name = backend_name
+        self._policies = policies
+        #: This worker's own token: confirms come on ``rq.preempt.<backend>.<token>``.
+        self.token = uuid.uuid4().hex
+        self.runs: dict[str, Run] = {}
+
+    async def on_message(self, msg: Message) -> None:
+        """A router needs a slot for an urgent request: on an ask, offer this
+        worker's best victim (or stay silent); on a confirm addressed to this
+        worker, preempt it (cancel its call) and answer which run it was."""
+        if not subject_matches(preempt_subjects(self._backend_name), msg.subject):
+            # A tenant's push consumer delivering here: its messages keep their own subjects.
+            misdirected("preempt", msg.subject)
+            return
+        token = msg.subject.rsplit(".", 1)[-1]
+        if token == PREEMPT_ASK:
+            try:
+                ask = ASK_DECODER.decode(msg.data)
+            except msgspec.DecodeError:
+                return
+            victim = self.victim(ask.rank)
+            if victim is None or not msg.reply:
+                return
+            run = self.runs[victim]
+            offer = Offer(
+                backend=self._backend_name,
+                confirm=preempt_subject(self._backend_name, self.token),
+                rank=run.rank,
+                running=max(0.0, time.monotonic() - run.started),
+            )
+            await msg.respond(encode(offer))
+            return
+        if token != self.token:
+            return  # a confirm for another worker of this backend
+        try:
+            confirm = CONFIRM_DECODER.decode(msg.data)
+        except msgspec.DecodeError:
+            await msg.respond(encode(Answer()))
+            return
+        victim = self.victim(confirm.rank)
+        if victim is not None:
+            run = self.runs[victim]
+            run.preempted_by = confirm.by
+            run.call.cancel()
+            log.info("preempting a run", request_id=str(victim), by=confirm.by)
+        await msg.respond(encode(Answer(preempted=None if victim is None else str(victim))))
+
+    def victim(self, rank: int) -> str | None:
+        """The key of the run to give up for a request at ``rank``; ``None`` if none may be."""
+        return choose_victim(
+            {
+                key: (run.rank, run.started)
+                for key, run in self.runs.items()
+                if run.is_live() and run.may_requeue
+            },
+            rank,
+            self._policies,
+        )
+
+
+async def requeue(
+    js: JetStream,
+    events: EventLog,
+    msg: Message,
+    dispatch: Dispatch,
+    *,
+    run: int,
+    by: str,
+    backend: str,
+    at: float,
+) -> None:
+    """Send a preempted request back to wait, keeping its submit time (aging credit).
+
+    In this order, each step idempotent: the ``preempted`` event (so a
+    redelivery knows), the request back on its priority subject, the ack.
+    """
+    request = dispatch.request
+    await events.append(
+        Preempted(
+            request_id=request.id,
+            tenant=request.tenant,
+            at=at,
+            backend=backend,
+            attempt=dispatch.attempt,
+            delivery=run,
+            by=by,
+        )
+    )
+    await put_back(js, msg, dispatch)
+    metrics.TERMINAL.labels("preempted").inc()
+
+
+async def put_back(
+    js: JetStream, msg: Message, dispatch: Dispatch, *, fallback: Fallback | None = None
+) -> None:
+    """Put a dispatched request back to routing, then ack its dispatch.
+
+    The copy goes to its level's requeue subject (``rq.req.<level>.<tenant>.requeue``,
+    which only the services may publish to) with ``requeues`` set to this
+    attempt, so its next dispatch is a new attempt under new message ids. It
+    keeps its wait when the log says why it was put back (the event the
+    caller recorded first: ``preempted``, or a ``retrying`` that says
+    ``requeued``). Idempotent: the copy's message id is
+    ``<tenant>:<id>:requeue:<attempt>``. A request put back
+    :data:`MAX_REQUEUES` times already cannot be (``ValueError``): its
+    callers end it instead. ``fallback``: its new place in its route's
+    cascade after a backend failed it (else it keeps the one it has).
+    """
+    request = dispatch.request
+    if dispatch.attempt > MAX_REQUEUES:
+        raise ValueError(
+            f"request {request.id} was put back {MAX_REQUEUES} times already; not again"
+        )
+    again = msgspec.structs.replace(
+        request,
+        requeues=dispatch.attempt,
+        fallback=request.fallback if fallback is None else fallback,
+    )
+    # Acked only once a copy is surely stored: a tenant may have taken
+    # this message id first (see publish_stored).
+    await publish_stored(
+        js,
+        request_subject(request.priority, request.tenant, requeue=True),
+        encode(again),
+        msg_id(request.tenant, request.id, "requeue", dispatch.attempt),
+    )
+    await msg.ack()
