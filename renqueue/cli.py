@@ -65,6 +65,7 @@ import msgspec
 from .config import Config, load_config
 from .errors import ConfigError, NatsClosedError, RenQueueError, RequestFailedError
 from .logs import configure_logging, get_logger
+from .text import shorten
 
 if TYPE_CHECKING:
     from .broker import Connection
@@ -109,7 +110,7 @@ def _guarded(
         except RenQueueError:
             raise
         except Exception as exc:
-            from .coordination import printable
+            from .text import printable
 
             raise _UnexpectedError(
                 f"{args.command}: unexpected error: {printable(_one_line(exc))}"
@@ -317,7 +318,7 @@ async def _audit(config: Config, args: argparse.Namespace) -> None:
                 "messages": len(request["messages"]),
             }
         if kind == "completed":
-            data["text"] = _shorten(data["text"])
+            data["text"] = shorten(data["text"], 60)
         details = " ".join(f"{k}={v}" for k, v in data.items() if v not in (None, ""))
         print(f"{when}  {kind:<10} {details}")
 
@@ -370,7 +371,7 @@ def _show_status(report: StatusReport, args: argparse.Namespace, *, clear: bool)
 
 def _show_status_error(exc: Exception, args: argparse.Namespace, *, clear: bool) -> None:
     """A watch's redraw that could not read the status: one line (JSON: ``{"at", "error"}``)."""
-    from .coordination import printable
+    from .text import printable
 
     now = datetime.datetime.now(tz=datetime.UTC)
     message = printable(_one_line(exc))
@@ -436,8 +437,9 @@ async def _what_if(config: Config, args: argparse.Namespace) -> int:
     """``replay --what-if FILE``: the requests submitted in the window, as they
     really went, and simulated under this config and FILE's (docs/what-if.md)."""
     from .broker import connect
-    from .coordination import printable, read_trace
+    from .coordination import read_trace
     from .sim import compare, load_what_if, render
+    from .text import printable
 
     if args.verify:
         raise RenQueueError("--what-if and --verify do not go together")
@@ -504,7 +506,7 @@ def _iso(at: float) -> str:
 
 
 def _verification_lines(found: Verification) -> list[str]:
-    from .coordination import printable
+    from .text import printable
 
     at = f"{found.events} events, last_seq {found.last_seq}"
     if found.views_compared:
@@ -539,11 +541,11 @@ def _verification_lines(found: Verification) -> list[str]:
 def _value(value: Any) -> str:
     if value is msgspec.UNSET:
         return "(absent)"
-    return _shorten(json.dumps(value), 80)
+    return shorten(json.dumps(value), 80)
 
 
 def _replay_summary(replayed: Replayed) -> list[str]:
-    from .coordination import clock, printable
+    from .text import clock, printable
 
     state = replayed.state
     ended = (
@@ -709,7 +711,8 @@ async def _dlq_select(
 async def _dlq_requeue(
     dead: Any, config: Config, where: Any, args: argparse.Namespace, out: _Output
 ) -> int:
-    from .broker import DeadLetterError, clock, printable
+    from .broker import DeadLetterError
+    from .text import clock, printable
 
     entries, failed = await _dlq_select(dead, where, args, out)
     keep_budget, budget = args.deadline
@@ -957,7 +960,7 @@ async def _ab(config: Config, args: argparse.Namespace) -> None:
         )
     finally:
         await _close(nc)
-    from .coordination import printable
+    from .text import printable
 
     route = printable(args.route)
     if event is None:
@@ -1018,10 +1021,6 @@ def _add_ab_command(sub: Any) -> None:
     who(cmd)
     for cmd in commands.choices.values():
         cmd.set_defaults(run=_guarded(_ab))
-
-
-def _shorten(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _schema(_config: Config, _args: argparse.Namespace) -> None:

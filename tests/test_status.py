@@ -30,7 +30,6 @@ from renqueue.coordination import (
     backend_status,
     render_status,
 )
-from renqueue.coordination._status import printable
 from renqueue.errors import NatsNotFoundError
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.policy import Budget, Learned, LimitUsage, Perf, Quota, cool_down, reserve
@@ -43,6 +42,7 @@ from renqueue.state import (
     decode_state,
     encode_state,
 )
+from renqueue.text import printable
 
 T = 1_780_000_020.0
 

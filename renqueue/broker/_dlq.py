@@ -101,7 +101,8 @@ from ..schema import (
     msg_id,
     request_subject,
 )
-from ._eventlog import EventLog
+from ..text import clock, printable, shorten
+from ._eventlog import EventLog, submitted_of
 from ._nats import AckPolicy, ConsumerConfig, DeliverPolicy, JetStream, PubAck, StoredMessage
 
 __all__ = [
@@ -580,10 +581,7 @@ class DeadLetters:
         )
 
     async def _submitted(self, tenant: str, request_id: str) -> Submitted | None:
-        for event in await self._log.history(tenant, request_id, kind="submitted"):
-            if isinstance(event, Submitted):
-                return event
-        return None
+        return await submitted_of(self._js, tenant, request_id)
 
     # ------------------------------------------------------------------ requeue
 
@@ -784,37 +782,6 @@ class DeadLetters:
 # -------------------------------------------------------------------- rendering
 
 
-def printable(text: str) -> str:
-    """``text`` with every non-printable character escaped as Python writes it
-    (``\\x1b``, ``\\u202e``): safe to print to a terminal, on one line."""
-    if text.isprintable():
-        return text
-    out = []
-    for char in text:
-        if char.isprintable():
-            out.append(char)
-            continue
-        code = ord(char)
-        out.append(
-            f"\\x{code:02x}"
-            if code < 0x100
-            else f"\\u{code:04x}"
-            if code < 0x10000
-            else f"\\U{code:08x}"
-        )
-    return "".join(out)
-
-
-def clock(at: float) -> str:
-    """``at`` as an ISO 8601 UTC time to the second; ``-`` when unknown."""
-    if not at or not math.isfinite(at):
-        return "-"
-    try:
-        return datetime.datetime.fromtimestamp(at, tz=datetime.UTC).isoformat(timespec="seconds")
-    except (OverflowError, ValueError, OSError):
-        return "far future" if at > 0 else "far past"
-
-
 def describe_event(event: Event) -> str:
     """One line for an event of a request's history (escaped)."""
     data = msgspec.to_builtins(event)
@@ -833,10 +800,6 @@ def describe_event(event: Event) -> str:
         data["text"] = text if len(text) <= 60 else text[:57] + "..."
     details = " ".join(f"{k}={v}" for k, v in data.items() if v not in (None, "", [], ()))
     return printable(f"{kind_of(event):<16} {details}")
-
-
-def shorten(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def payload_preview(payload: bytes, limit: int = 200) -> str:

@@ -72,6 +72,7 @@ from ..schema import (
     SplitChanged,
     Started,
     Stolen,
+    Submitted,
     TerminalClaim,
     TokenChunk,
     dlq_subject,
@@ -323,6 +324,26 @@ def subject_agrees(subject: str, event: Event) -> bool:
         and parts[3] == event.request_id
         and parts[4] == kind_of(event)
     )
+
+
+async def submitted_of(js: JetStream, tenant: str, request_id: str) -> Submitted | None:
+    """The ``submitted`` event of ``tenant``'s request ``request_id``, if one is stored.
+
+    The one lookup of a request's submit: one direct get of the last message on
+    its ``submitted`` subject. A request is submitted once within the
+    requests stream's duplicate window; one submitted again under the same id
+    after it has a second ``submitted`` event, and this is the newer. A payload
+    that disagrees with its subject (another tenant's, another id) is no answer.
+    """
+    subject = event_subject(tenant, request_id, "submitted")
+    try:
+        raw = await js.get_last_msg(EVENTS_STREAM, subject, direct=True)
+        event = EVENT_DECODER.decode(raw.data or b"")
+    except (NatsNotFoundError, msgspec.DecodeError):
+        return None
+    if not isinstance(event, Submitted) or not subject_agrees(subject, event):
+        return None
+    return event
 
 
 def _decode_events(raws: list[tuple[int, str, bytes]]) -> list[Event]:

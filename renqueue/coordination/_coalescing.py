@@ -83,6 +83,7 @@ from ..broker import (
     delete_consumer,
     publish_stored,
     subject_agrees,
+    submitted_of,
 )
 from ..errors import NatsError, NatsNotFoundError, WrongLastSequenceError
 from ..logs import get_logger
@@ -90,18 +91,18 @@ from ..schema import (
     EVENT_DECODER,
     EVENTS_STREAM,
     STATE_BUCKET,
-    Cancelled,
     Coalesced,
     Completed,
     Event,
-    Expired,
     Failed,
     InferenceRequest,
     Preempted,
-    Submitted,
     TokenChunk,
+    cancelled,
     encode,
     event_subject,
+    expired,
+    failed,
     msg_id,
     request_subject,
     token_subject,
@@ -362,7 +363,7 @@ class Coalescer:
         """
         if group.ttl <= 0 or group.created <= 0:
             return True  # never expires: nothing can have been lost
-        submitted = await self._submitted_event(tenant, leader)
+        submitted = await submitted_of(self._js, tenant, leader)
         return submitted is not None and group.created - submitted.at < group.ttl / 2
 
     async def _followers_in_log(self, tenant: str, leader: str) -> list[str]:
@@ -374,7 +375,7 @@ class Coalescer:
         docs/architecture.md) has none found. The tenant's newest coalesced
         event says, in one direct get, whether there is anything to read.
         """
-        submitted = await self._submitted_event(tenant, leader)
+        submitted = await submitted_of(self._js, tenant, leader)
         if submitted is None:
             return []
         since = submitted.at - _CLOCK_SLACK
@@ -442,9 +443,9 @@ class Coalescer:
         if isinstance(outcome, Completed):
             if deadline is not None and now >= deadline:
                 await self._log.finish(
-                    Expired(
-                        request_id=follower,
-                        tenant=tenant,
+                    expired(
+                        follower,
+                        tenant,
                         at=now,
                         stage="queued",
                         reason=f"deadline passed while sharing the call of {leader}",
@@ -488,9 +489,9 @@ class Coalescer:
                     request_id=follower,
                 )
             await self._log.finish(
-                Failed(
-                    request_id=follower,
-                    tenant=tenant,
+                failed(
+                    follower,
+                    tenant,
                     at=now,
                     error_type="shared_call_failed",
                     reason=reason,
@@ -510,9 +511,9 @@ class Coalescer:
             # first); if it does, end it rather than leave it waiting.
             kind = type(outcome).__name__.lower()
             await self._log.finish(
-                Failed(
-                    request_id=follower,
-                    tenant=tenant,
+                failed(
+                    follower,
+                    tenant,
                     at=self._clock(),
                     error_type=f"shared_call_{kind}",
                     reason=f"the call shared with {leader} ended {kind}",
@@ -545,19 +546,8 @@ class Coalescer:
         return event.attempt if isinstance(event, Preempted) else 0
 
     async def _submitted(self, tenant: str, request_id: str) -> InferenceRequest | None:
-        event = await self._submitted_event(tenant, request_id)
+        event = await submitted_of(self._js, tenant, request_id)
         return None if event is None else event.request
-
-    async def _submitted_event(self, tenant: str, request_id: str) -> Submitted | None:
-        subject = event_subject(tenant, request_id, "submitted")
-        try:
-            raw = await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
-            event = EVENT_DECODER.decode(raw.data or b"")
-        except (NatsNotFoundError, msgspec.DecodeError):
-            return None
-        if not isinstance(event, Submitted) or event.request.id != request_id:
-            return None
-        return event
 
     # ------------------------------------------------------ follower's own end
 
@@ -573,9 +563,9 @@ class Coalescer:
         except NatsNotFoundError:
             return False
         await self._log.finish(
-            Cancelled(
-                request_id=request_id,
-                tenant=tenant,
+            cancelled(
+                request_id,
+                tenant,
                 at=self._clock(),
                 stage="queued",
                 reason="cancelled by request while sharing another request's call",
@@ -590,9 +580,9 @@ class Coalescer:
     async def follower_expired(self, request: InferenceRequest, key: str) -> None:
         """End a coalesced follower whose deadline passed while it waited."""
         await self._log.finish(
-            Expired(
-                request_id=request.id,
-                tenant=request.tenant,
+            expired(
+                request.id,
+                request.tenant,
                 at=self._clock(),
                 stage="queued",
                 reason="deadline passed while sharing another request's call",

@@ -30,7 +30,7 @@ from ..errors import RenQueueError
 from ..policy import ArmStats, SplitPolicy, Tally, moved_to, percentile, windowed
 from ..schema import STATE_BUCKET, SYSTEM_TENANT, SplitChanged
 from ..state import ProjectionState, SplitState
-from ._status import clock, printable
+from ..text import clock, printable
 from ._verify import read_checkpoint
 
 __all__ = [

@@ -72,6 +72,7 @@ from ..schema import (
     worker_consumer,
 )
 from ..state import BackendState, ProjectionState, utc_day
+from ..text import clock, printable, shorten
 from ._verify import read_checkpoint
 
 __all__ = [
@@ -358,7 +359,7 @@ def render_status(report: StatusReport) -> list[str]:
         health = b.circuit.replace("_", "-")
         if b.consecutive_failures:
             health += f" ({b.consecutive_failures})"
-        held = _shorten(printable(b.held), _HELD_WIDTH) or "-"
+        held = shorten(printable(b.held), _HELD_WIDTH) or "-"
         lines.append(
             f"  {printable(b.name):<16} {health:<14} {b.in_flight:>9} {_opt(b.waiting):>7}"
             f" {_opt(b.running):>7} {_opt(b.concurrency):>5} {b.calls_completed:>7}"
@@ -373,7 +374,7 @@ def render_status(report: StatusReport) -> list[str]:
         lines += ["", "Paused by the provider", *paused]
     circuits = [
         f"  {printable(b.name)}: {b.circuit.replace('_', '-')} since"
-        f" {clock(b.circuit_since)}: {_shorten(printable(b.circuit_reason), _HELD_WIDTH)}"
+        f" {clock(b.circuit_since)}: {shorten(printable(b.circuit_reason), _HELD_WIDTH)}"
         + ("" if b.probe_ok is None else f" (probe: {'up' if b.probe_ok else 'down'})")
         for b in report.backends
         if b.circuit != "closed" or b.probe_ok is False
@@ -440,23 +441,6 @@ def render_status(report: StatusReport) -> list[str]:
     return lines
 
 
-def printable(text: str) -> str:
-    """``text`` with every non-printable character escaped as Python writes it
-    (``\\x1b``, ``\\u202e``): safe to print to a terminal, one line."""
-    if text.isprintable():
-        return text
-    return "".join(char if char.isprintable() else _escaped(char) for char in text)
-
-
-def _escaped(char: str) -> str:
-    code = ord(char)
-    if code < 0x100:
-        return f"\\x{code:02x}"
-    if code < 0x10000:
-        return f"\\u{code:04x}"
-    return f"\\U{code:08x}"
-
-
 def _pauses(backend: BackendStatus, now: float) -> list[str]:
     """What the provider said holds the backend back, now: one line.
 
@@ -509,20 +493,6 @@ def _spread(mean: float, sd: float, digits: int) -> str:
 
 def _opt(value: int | None) -> str:
     return "-" if value is None else str(value)
-
-
-def _shorten(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def clock(at: float) -> str:
-    """``at`` as an ISO 8601 UTC time; ``far future`` (``far past``) beyond a calendar's years."""
-    if math.isnan(at):
-        return "-"
-    try:
-        return datetime.datetime.fromtimestamp(at, tz=datetime.UTC).isoformat(timespec="seconds")
-    except (OverflowError, ValueError, OSError):
-        return "far future" if at > 0 else "far past"
 
 
 def _duration(seconds: float) -> str:

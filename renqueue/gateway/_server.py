@@ -59,6 +59,7 @@ from ..broker import (
     KeyValue,
     connect,
     redact_url,
+    submitted_of,
 )
 from ..client import Client, RequestHandle, Result
 from ..config import Config, parse_duration
@@ -464,20 +465,6 @@ class Gateway(Lifecycle):
         while len(self._recent) > _RECENT:
             del self._recent[next(iter(self._recent))]
 
-    async def _submitted(self, tenant: str, request_id: str) -> Submitted | None:
-        """The request's ``submitted`` event, if a router logged one."""
-        try:
-            raw = await self.js.get_last_msg(
-                EVENTS_STREAM, event_subject(tenant, request_id, "submitted"), direct=True
-            )
-        except NatsNotFoundError:
-            return None
-        with contextlib.suppress(msgspec.DecodeError):
-            event = EVENT_DECODER.decode(raw.data or b"")
-            if isinstance(event, Submitted) and event.tenant == tenant:
-                return event
-        return None
-
     async def _route_of(self, tenant: str, request_id: str) -> str:
         """The route of one of the tenant's requests; 404 if the tenant has none by that id."""
         if not _ID_RE.match(request_id):
@@ -485,7 +472,7 @@ class Gateway(Lifecycle):
         route = self._recent.get((tenant, request_id))
         if route is not None:
             return route
-        submitted = await self._submitted(tenant, request_id)
+        submitted = await submitted_of(self.js, tenant, request_id)
         if submitted is None:
             raise _no_such(request_id)
         return submitted.request.route
@@ -606,7 +593,7 @@ class Gateway(Lifecycle):
         tenant = client.tenant
         metadata = sub.metadata
         if key is not None:
-            existing = await self._submitted(tenant, request_id)
+            existing = await submitted_of(self.js, tenant, request_id)
             if existing is not None:
                 if existing.request.metadata.get(BODY_KEY, print_) != print_:
                     raise _key_reused()
@@ -656,7 +643,7 @@ class Gateway(Lifecycle):
         the first publish: waited for briefly, then the key is trusted)."""
         delay = 0.05
         for _ in range(6):
-            existing = await self._submitted(tenant, request_id)
+            existing = await submitted_of(self.js, tenant, request_id)
             if existing is not None:
                 if existing.request.metadata.get(BODY_KEY, print_) != print_:
                     raise _key_reused()

@@ -3,6 +3,9 @@
 - Messages and events (``_messages``): every payload, a frozen ``msgspec.Struct``
   carrying a schema version; events are one tagged union, :data:`Event`.
 - Subjects and stream names (``_subjects``): the one place that spells them.
+- One constructor per event (``_runs``): a run's events from its
+  :class:`Run`, a request's endings from :func:`failed`, :func:`expired`,
+  :func:`cancelled`, :func:`rejected`.
 - The preemption protocol's messages (``_offers``): :class:`Ask`,
   :class:`Offer`, :class:`Confirm`, :class:`Answer`.
 
@@ -81,6 +84,7 @@ from ._offers import (
     Confirm,
     Offer,
 )
+from ._runs import Run, cancelled, expired, failed, rejected
 from ._subjects import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
@@ -188,6 +192,7 @@ __all__ = [
     "ResponseFormat",
     "Retrying",
     "Routed",
+    "Run",
     "SplitChanged",
     "Started",
     "Stolen",
@@ -202,12 +207,15 @@ __all__ = [
     "TopLogprob",
     "Usage",
     "boost_subject",
+    "cancelled",
     "capacity_subject",
     "dispatch_subject",
     "dlq_subject",
     "encode",
     "event_subject",
     "events_of_request",
+    "expired",
+    "failed",
     "is_requeue_subject",
     "is_terminal",
     "kind_of",
@@ -215,6 +223,7 @@ __all__ = [
     "msg_id",
     "preempt_subject",
     "preempt_subjects",
+    "rejected",
     "request_limit",
     "request_subject",
     "requests_of_level",

@@ -54,10 +54,10 @@ from ..schema import (
     REQUEST_DECODER,
     REQUESTS_STREAM,
     Event,
-    Failed,
     InferenceRequest,
     msg_id,
 )
+from ..schema import failed as failed_for_good
 from ..tasks import Supervisor
 
 __all__ = ["AdvisoryReader", "MaxDeliveries"]
@@ -190,9 +190,9 @@ class AdvisoryReader(Lifecycle):
                     tenant=about.tenant,
                     request_id=about.request_id,
                 )
-                failed = Failed(
-                    request_id=about.request_id,
-                    tenant=about.tenant,
+                failed = failed_for_good(
+                    about.request_id,
+                    about.tenant,
                     at=at,
                     error_type="undeliverable",
                     reason=f"the request ran out of deliveries: {reason}",

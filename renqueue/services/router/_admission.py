@@ -15,7 +15,7 @@ from typing import Final, NamedTuple
 
 import msgspec
 
-from ...broker import JetStream, Message
+from ...broker import JetStream, Message, submitted_of
 from ...config import Config
 from ...errors import InvalidRequestError, MalformedRequestError, NatsNotFoundError
 from ...logs import get_logger
@@ -263,16 +263,12 @@ async def parent_of(
     """
     if request.parent_id is None:
         return None
-    subject = event_subject(request.tenant, request.parent_id, "submitted")
     try:
-        raw = await js.get_last_msg(EVENTS_STREAM, subject)
-        parent = EVENT_DECODER.decode(raw.data)
-    except (NatsNotFoundError, msgspec.DecodeError):
-        return None
+        parent = await submitted_of(js, request.tenant, request.parent_id)
     except Exception as exc:  # noqa: BLE001 - inheritance is best effort, routing is not
         log.warning("parent lookup failed", parent_id=request.parent_id, error=str(exc))
         return None
-    if not isinstance(parent, Submitted) or parent.request.priority not in config.priorities:
+    if parent is None or parent.request.priority not in config.priorities:
         return None
     return (config.priority_rank(parent.request.priority), parent.at)
 

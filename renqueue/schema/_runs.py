@@ -1,0 +1,253 @@
+"""One constructor per event: a run's events from its :class:`Run`, a
+request's endings from the request.
+
+The worker, the router, the coalescer and the what-if simulator all record
+the same events; each builds them here, so the fields an event carries are
+spelled once and a new field reaches every writer at the same time.
+"""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+from ._messages import (
+    Cancelled,
+    Completed,
+    Dispatch,
+    Expired,
+    Failed,
+    Fallback,
+    FellBack,
+    Preempted,
+    Rejected,
+    ReportedLimit,
+    Retrying,
+    Started,
+    TokenLogprob,
+    ToolCall,
+    Usage,
+)
+
+__all__ = ["Run", "cancelled", "expired", "failed", "rejected"]
+
+
+class Run(Struct, frozen=True, kw_only=True):
+    """One run of a request: its dispatch's ``attempt`` on ``backend``, the
+    ``delivery``-th time it was delivered. The facts every event of a run
+    carries, which make it one the fold, the audit and the client can place."""
+
+    request_id: str
+    tenant: str
+    backend: str
+    attempt: int
+    delivery: int
+
+    @classmethod
+    def of(cls, dispatch: Dispatch, delivery: int, *, backend: str | None = None) -> Run:
+        """The run of ``dispatch`` at its ``delivery``-th delivery."""
+        request = dispatch.request
+        return cls(
+            request_id=request.id,
+            tenant=request.tenant,
+            backend=dispatch.backend if backend is None else backend,
+            attempt=dispatch.attempt,
+            delivery=delivery,
+        )
+
+    def started(self, *, at: float, worker: str) -> Started:
+        return Started(
+            request_id=self.request_id,
+            tenant=self.tenant,
+            at=at,
+            backend=self.backend,
+            attempt=self.attempt,
+            delivery=self.delivery,
+            worker=worker,
+        )
+
+    def preempted(self, *, at: float, by: str) -> Preempted:
+        return Preempted(
+            request_id=self.request_id,
+            tenant=self.tenant,
+            at=at,
+            backend=self.backend,
+            attempt=self.attempt,
+            delivery=self.delivery,
+            by=by,
+        )
+
+    def retrying(
+        self,
+        *,
+        at: float,
+        error_type: str,
+        reason: str,
+        retry_after: float,
+        error_class: str = "",
+        limits: tuple[ReportedLimit, ...] = (),
+        quota_exhausted_until: float | None = None,
+        requeued: bool = False,
+    ) -> Retrying:
+        return Retrying(
+            request_id=self.request_id,
+            tenant=self.tenant,
+            at=at,
+            backend=self.backend,
+            attempt=self.attempt,
+            delivery=self.delivery,
+            error_type=error_type,
+            reason=reason,
+            retry_after=retry_after,
+            limits=limits,
+            quota_exhausted_until=quota_exhausted_until,
+            requeued=requeued,
+            error_class=error_class,
+        )
+
+    def fell_back(
+        self,
+        *,
+        at: float,
+        error_type: str,
+        error_class: str,
+        reason: str,
+        fallback: Fallback,
+        probe: bool = False,
+        limits: tuple[ReportedLimit, ...] = (),
+        retry_after: float = 0.0,
+    ) -> FellBack:
+        return FellBack(
+            request_id=self.request_id,
+            tenant=self.tenant,
+            at=at,
+            backend=self.backend,
+            attempt=self.attempt,
+            delivery=self.delivery,
+            error_type=error_type,
+            error_class=error_class,
+            reason=reason,
+            fallback=fallback,
+            probe=probe,
+            limits=limits,
+            retry_after=retry_after,
+        )
+
+    def completed(
+        self,
+        *,
+        at: float,
+        text: str,
+        usage: Usage,
+        cost: float,
+        finish_reason: str | None = None,
+        ttft: float | None = None,
+        duration: float = 0.0,
+        limits: tuple[ReportedLimit, ...] = (),
+        reserved_tokens: int = 0,
+        tool_calls: tuple[ToolCall, ...] = (),
+        logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> Completed:
+        return Completed(
+            request_id=self.request_id,
+            tenant=self.tenant,
+            at=at,
+            backend=self.backend,
+            attempt=self.attempt,
+            delivery=self.delivery,
+            text=text,
+            usage=usage,
+            cost=cost,
+            finish_reason=finish_reason,
+            ttft=ttft,
+            duration=duration,
+            limits=limits,
+            reserved_tokens=reserved_tokens,
+            tool_calls=tool_calls,
+            logprobs=logprobs,
+        )
+
+    def failed(
+        self,
+        *,
+        at: float,
+        error_type: str,
+        reason: str,
+        error_class: str = "",
+        limits: tuple[ReportedLimit, ...] = (),
+        quota_exhausted_until: float | None = None,
+    ) -> Failed:
+        """The run's request failed, for good, on this run's backend."""
+        return Failed(
+            request_id=self.request_id,
+            tenant=self.tenant,
+            at=at,
+            error_type=error_type,
+            reason=reason,
+            backend=self.backend,
+            attempt=self.attempt,
+            limits=limits,
+            quota_exhausted_until=quota_exhausted_until,
+            error_class=error_class,
+        )
+
+
+def failed(
+    request_id: str,
+    tenant: str,
+    *,
+    at: float,
+    error_type: str,
+    reason: str,
+    error_class: str = "",
+    backend: str | None = None,
+    attempt: int = 0,
+) -> Failed:
+    """A request failed for good outside a run (out of deliveries, no backend
+    left, its coalescing leader failed)."""
+    return Failed(
+        request_id=request_id,
+        tenant=tenant,
+        at=at,
+        error_type=error_type,
+        reason=reason,
+        backend=backend,
+        attempt=attempt,
+        error_class=error_class,
+    )
+
+
+def expired(
+    request_id: str,
+    tenant: str,
+    *,
+    at: float,
+    stage: str,
+    reason: str = "",
+    split: str = "",
+    arm: str = "",
+) -> Expired:
+    """A request's deadline passed at ``stage`` (``queued``, ``running``, ...)."""
+    return Expired(
+        request_id=request_id,
+        tenant=tenant,
+        at=at,
+        stage=stage,
+        reason=reason,
+        split=split,
+        arm=arm,
+    )
+
+
+def cancelled(
+    request_id: str, tenant: str, *, at: float, stage: str, reason: str = ""
+) -> Cancelled:
+    """A request was cancelled at ``stage``."""
+    return Cancelled(request_id=request_id, tenant=tenant, at=at, stage=stage, reason=reason)
+
+
+def rejected(request_id: str, tenant: str, *, at: float, error_type: str, reason: str) -> Rejected:
+    """A request was refused at admission: ``request_id`` and ``tenant`` are
+    what its subject and header said, the body may not have been readable."""
+    return Rejected(
+        request_id=request_id, tenant=tenant, at=at, error_type=error_type, reason=reason
+    )

@@ -1,0 +1,46 @@
+"""Text for a terminal: escaped, shortened, times as people read them. Pure.
+
+``renqueue status``, ``audit``, ``dlq`` and ``ab`` print what tenants wrote
+(ids, reasons, payloads): each string goes through :func:`printable` first,
+so no escape sequence or bidirectional control reaches the terminal.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+
+__all__ = ["clock", "printable", "shorten"]
+
+
+def printable(text: str) -> str:
+    """``text`` with every non-printable character escaped as Python writes it
+    (``\\x1b``, ``\\u202e``): safe to print to a terminal, on one line."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else _escaped(char) for char in text)
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text``, cut to ``limit`` characters with ``...`` if it is longer."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def clock(at: float) -> str:
+    """``at`` (Unix seconds) as an ISO 8601 UTC time to the second; ``-`` for
+    NaN, ``far future`` (``far past``) beyond a calendar's years."""
+    if math.isnan(at):
+        return "-"
+    try:
+        return datetime.datetime.fromtimestamp(at, tz=datetime.UTC).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):
+        return "far future" if at > 0 else "far past"
