@@ -14,11 +14,15 @@ import renqueue
 PACKAGES = [
     "renqueue.gateway",
     "renqueue.broker",
+    "renqueue.coordination",
     "renqueue.policy",
     "renqueue.services",
     "renqueue.state",
     "renqueue.mock",
     "renqueue.schema",
+    "renqueue.services.router",
+    "renqueue.services.worker",
+    "renqueue.sim",
 ]
 
 #: What ``import renqueue`` must not load: the services and what only they need.
@@ -88,7 +92,7 @@ def imported_by(code: str) -> list[str]:
 
 
 def test_import_renqueue_gives_the_client_api_without_loading_the_services() -> None:
-    assert imported_by("import renqueue\nfrom renqueue import Client, load_config, wire") == []
+    assert imported_by("import renqueue\nfrom renqueue import Client, load_config, schema") == []
 
 
 def test_the_client_needs_no_aiohttp() -> None:

@@ -1,4 +1,4 @@
-"""One boundary with nats-py: only ``wire/_nats.py`` imports it, and its errors become ours.
+"""One boundary with nats-py: only ``broker/_nats.py`` imports it, and its errors become ours.
 
 The mapping is checked twice: as a table over nats-py's exception types (the
 cases a live server cannot be made to produce on demand, such as a stale
@@ -38,7 +38,7 @@ from renqueue.errors import (
 )
 
 PACKAGE = Path(__file__).resolve().parent.parent / "renqueue"
-BOUNDARY = PACKAGE / "wire" / "_nats.py"
+BOUNDARY = PACKAGE / "broker" / "_nats.py"
 
 
 def imports_nats(path: Path) -> bool:

@@ -676,7 +676,7 @@ async def test_status_shows_whatever_a_checkpoint_holds(
 async def test_an_unexpected_error_is_one_line_and_exit_2(nats_url: str) -> None:
     """Whatever ``status`` or ``replay`` meets, it ends with 2 and one line on stderr."""
     script = (
-        "import sys, renqueue.state as state\n"
+        "import sys, renqueue.coordination as state\n"
         "def boom(*args, **kwargs):\n"
         "    raise {error}\n"
         "state.{name} = boom\n"
