@@ -227,9 +227,9 @@ async def test_a_cancel_that_lands_while_a_run_starts_is_not_missed(
     seen = asyncio.Event()
     watch.listen(lambda _event: seen.set())
 
-    async def start_then_cancel(msg: Any, dispatch: Any, run: int) -> Any:
-        acks = await start(msg, dispatch, run)
-        request = dispatch.request
+    async def start_then_cancel(delivery: Any) -> Any:
+        acks = await start(delivery)
+        request = delivery.dispatch.request
         await EventLog(stack.js).append(
             CancelRequested(request_id=request.id, tenant=request.tenant, at=time.time())
         )

@@ -5,7 +5,8 @@
 - Subjects and stream names (``_subjects``): the one place that spells them.
 - One constructor per event (``_runs``): a run's events from its
   :class:`Run`, a request's endings from :func:`failed`, :func:`expired`,
-  :func:`cancelled`, :func:`rejected`.
+  :func:`cancelled`, :func:`rejected`; a move between replicas from
+  :func:`stolen`, a backend's health probe from :func:`probed`.
 - The preemption protocol's messages (``_offers``): :class:`Ask`,
   :class:`Offer`, :class:`Confirm`, :class:`Answer`.
 
@@ -84,7 +85,7 @@ from ._offers import (
     Confirm,
     Offer,
 )
-from ._runs import Run, cancelled, expired, failed, rejected
+from ._runs import Run, cancelled, expired, failed, probed, rejected, stolen
 from ._subjects import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
@@ -223,6 +224,7 @@ __all__ = [
     "msg_id",
     "preempt_subject",
     "preempt_subjects",
+    "probed",
     "rejected",
     "request_limit",
     "request_subject",
@@ -230,6 +232,7 @@ __all__ = [
     "router_consumer",
     "router_max_deliveries",
     "run_claim_key",
+    "stolen",
     "subject_matches",
     "terminal_key",
     "token_subject",

@@ -19,16 +19,19 @@ from ._messages import (
     Fallback,
     FellBack,
     Preempted,
+    Probed,
     Rejected,
     ReportedLimit,
     Retrying,
     Started,
+    Stolen,
     TokenLogprob,
     ToolCall,
     Usage,
 )
+from ._subjects import SYSTEM_TENANT
 
-__all__ = ["Run", "cancelled", "expired", "failed", "rejected"]
+__all__ = ["Run", "cancelled", "expired", "failed", "probed", "rejected", "stolen"]
 
 
 class Run(Struct, frozen=True, kw_only=True):
@@ -250,4 +253,35 @@ def rejected(request_id: str, tenant: str, *, at: float, error_type: str, reason
     what its subject and header said, the body may not have been readable."""
     return Rejected(
         request_id=request_id, tenant=tenant, at=at, error_type=error_type, reason=reason
+    )
+
+
+def stolen(
+    dispatch: Dispatch, *, at: float, from_backend: str, to_backend: str, from_seq: int
+) -> Stolen:
+    """An idle replica moved ``dispatch`` (queued at ``from_seq`` for
+    ``from_backend``, a busy sibling in its pool) to ``to_backend``."""
+    request = dispatch.request
+    return Stolen(
+        request_id=request.id,
+        tenant=request.tenant,
+        at=at,
+        from_backend=from_backend,
+        to_backend=to_backend,
+        attempt=dispatch.attempt,
+        from_seq=from_seq,
+    )
+
+
+def probed(backend: str, *, at: float, ok: bool, detail: str, worker: str) -> Probed:
+    """A worker's health probe of ``backend`` changed its answer (or gave its
+    first): an event about the backend, under the system tenant."""
+    return Probed(
+        request_id=backend,
+        tenant=SYSTEM_TENANT,
+        at=at,
+        backend=backend,
+        ok=ok,
+        detail=detail,
+        worker=worker,
     )

@@ -37,6 +37,7 @@ from ...schema import (
     Dispatch,
     InferenceRequest,
     ReportedLimit,
+    Run,
     TokenChunk,
     TokenLogprob,
     ToolCall,
@@ -174,51 +175,15 @@ class Caller:
         the backend's :class:`~renqueue.BackendError` when the call fails.
         """
         request = dispatch.request
-        subject = token_subject(request.tenant, request.id)
-        started = time.monotonic()
-        ttft: float | None = None
-        parts: list[str] = []
-        calls: list[ToolCall] = []
-        logprobs: list[TokenLogprob] = []
-        kept_logprobs = 0  # bytes of them the completed event carries
-        usage: Usage | None = None
-        finish_reason: str | None = None
+        answer = _Answer(started=time.monotonic())
         timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
         try:
             async with asyncio.timeout(timeout):
-                stream = self._backend.stream(request, priority=rank)
-                try:
-                    async for delta in stream:
-                        if delta.text or delta.tool_calls or delta.logprobs:
-                            if ttft is None:
-                                ttft = time.monotonic() - started
-                            new_calls = self._checked_calls(request, delta.tool_calls, len(calls))
-                            chunk = TokenChunk(
-                                request_id=request.id,
-                                delivery=run,
-                                seq=chunks.seq,
-                                text=delta.text,
-                                restart=run > 1 and chunks.seq == 0,
-                                tool_calls=tool_call_deltas(new_calls, len(calls)),
-                                logprobs=delta.logprobs,
-                            )
-                            pending_acks.append(
-                                await self._js.publish_async(subject, encode(chunk))
-                            )
-                            chunks.seq += 1
-                            parts.append(delta.text)
-                            calls.extend(new_calls)
-                            kept_logprobs = _keep_logprobs(logprobs, delta.logprobs, kept_logprobs)
-                        if delta.usage is not None:
-                            usage = delta.usage
-                        if delta.finish_reason is not None:
-                            finish_reason = delta.finish_reason
-                finally:
-                    await stream.aclose()  # type: ignore[attr-defined]
+                await self._stream(request, run, pending_acks, chunks, answer, rank=rank)
         except TimeoutError as exc:
             raise Expiry from exc
-        duration = time.monotonic() - started
-        usage = usage or Usage()
+        duration = time.monotonic() - answer.started
+        usage = answer.usage or Usage()
         cost = self._backend_config.cost(usage.prompt_tokens, usage.completion_tokens)
         if request.max_cost is not None and cost > request.max_cost:
             # Bound within its cap by the estimate; the real count says more
@@ -235,24 +200,77 @@ class Caller:
         metrics.BACKEND_LATENCY.labels(self._backend_name).observe(duration)
         metrics.TOKENS.labels(self._backend_name, "input").inc(usage.prompt_tokens)
         metrics.TOKENS.labels(self._backend_name, "output").inc(usage.completion_tokens)
-        return Completed(
-            request_id=request.id,
-            tenant=request.tenant,
+        return Run.of(dispatch, run, backend=self._backend_name).completed(
             at=self._clock(),
-            backend=self._backend_name,
-            attempt=dispatch.attempt,
-            delivery=run,
-            text="".join(parts),
+            text="".join(answer.parts),
             usage=usage,
             cost=cost,
-            finish_reason=finish_reason,
-            ttft=ttft,
+            finish_reason=answer.finish_reason,
+            ttft=answer.ttft,
             duration=duration,
             limits=reported_limits(self._backend),
             reserved_tokens=dispatch.reserved_tokens,
-            tool_calls=tuple(calls),
-            logprobs=tuple(logprobs),
+            tool_calls=tuple(answer.calls),
+            logprobs=tuple(answer.logprobs),
         )
+
+    async def _stream(
+        self,
+        request: InferenceRequest,
+        run: int,
+        pending_acks: list[asyncio.Future[PubAck]],
+        chunks: Chunks,
+        answer: _Answer,
+        *,
+        rank: int,
+    ) -> None:
+        """Read the backend's stream into ``answer``, each delta with text,
+        tool calls or log probabilities published as the run's next chunk."""
+        subject = token_subject(request.tenant, request.id)
+        stream = self._backend.stream(request, priority=rank)
+        try:
+            async for delta in stream:
+                if delta.text or delta.tool_calls or delta.logprobs:
+                    if answer.ttft is None:
+                        answer.ttft = time.monotonic() - answer.started
+                    new_calls = self._checked_calls(request, delta.tool_calls, len(answer.calls))
+                    chunk = TokenChunk(
+                        request_id=request.id,
+                        delivery=run,
+                        seq=chunks.seq,
+                        text=delta.text,
+                        restart=run > 1 and chunks.seq == 0,
+                        tool_calls=tool_call_deltas(new_calls, len(answer.calls)),
+                        logprobs=delta.logprobs,
+                    )
+                    pending_acks.append(await self._js.publish_async(subject, encode(chunk)))
+                    chunks.seq += 1
+                    answer.parts.append(delta.text)
+                    answer.calls.extend(new_calls)
+                    answer.kept_logprobs = _keep_logprobs(
+                        answer.logprobs, delta.logprobs, answer.kept_logprobs
+                    )
+                if delta.usage is not None:
+                    answer.usage = delta.usage
+                if delta.finish_reason is not None:
+                    answer.finish_reason = delta.finish_reason
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+class _Answer(msgspec.Struct, kw_only=True):
+    """What a call has answered so far, for its ``completed`` event."""
+
+    #: When the call started (``time.monotonic()``).
+    started: float
+    ttft: float | None = None
+    parts: list[str] = msgspec.field(default_factory=list)
+    calls: list[ToolCall] = msgspec.field(default_factory=list)
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+    #: Bytes of ``logprobs`` (the completed event carries them within a budget).
+    kept_logprobs: int = 0
+    usage: Usage | None = None
+    finish_reason: str | None = None
 
 
 #: Bytes of log probabilities the ``completed`` event carries at most (the

@@ -24,7 +24,7 @@ import httpx
 from ...broker import EventLog
 from ...config import BaseBackendConfig, ProbeConfig, parse_duration
 from ...logs import get_logger
-from ...schema import SYSTEM_TENANT, Probed
+from ...schema import probed
 
 __all__ = ["Prober", "probe_url"]
 
@@ -73,11 +73,9 @@ class Prober:
                 ok, detail = await self.probe(client)
                 if ok != self.last:
                     await self._events.append(
-                        Probed(
-                            request_id=self._backend,
-                            tenant=SYSTEM_TENANT,
+                        probed(
+                            self._backend,
                             at=self._clock(),
-                            backend=self._backend,
                             ok=ok,
                             detail=detail,
                             worker=self._worker,

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import msgspec
 
-from ...broker import EventLog, JetStream, Message, StoredMessage
+from ...broker import EventLog, JetStream, StoredMessage
 from ...errors import NatsNotFoundError
 from ...logs import get_logger
 from ...policy import ALL_FEATURES, needs
@@ -31,8 +31,10 @@ from ...schema import (
     dispatch_subject,
     encode,
     msg_id,
+    stolen,
     worker_consumer,
 )
+from ._delivery import Delivery
 
 __all__ = ["STEAL_INTERVAL", "Thief"]
 
@@ -106,9 +108,9 @@ class Thief:
         it were deleted and that run's worker died, nothing would deliver the
         request again (the copy's run steps back, see below). So a delivered
         original stays, and both runs claim the same run (``claim_run``): the
-        second steps back (see the worker's ``_start``), one call. A worker delivered an
+        second steps back (see the worker's ``_start_run``), one call. A worker delivered an
         original after its ``stolen`` event was logged hands it over to the
-        copy instead (the worker's ``_settled_before``), so the original deleted in the
+        copy instead (the worker's :class:`~._gate.Gate`), so the original deleted in the
         moment between the look and the delete never runs.
         """
         try:
@@ -124,13 +126,11 @@ class Thief:
         if not needs(request) <= self._supports:
             return False  # tools, images, ... this replica's model lacks
         await self._log.append(
-            Stolen(
-                request_id=request.id,
-                tenant=request.tenant,
+            stolen(
+                dispatch,
                 at=self._clock(),
                 from_backend=sibling,
                 to_backend=self._backend_name,
-                attempt=dispatch.attempt,
                 from_seq=raw.seq,
             )
         )
@@ -155,7 +155,7 @@ class Thief:
         """Store a copy of the dispatch at stream sequence ``source_seq`` on
         ``to_backend``'s subject. When the copy is stored (now or before):
         its stream sequence and whether it is still there (gone: it was run,
-        moved on, or stepped back, see the worker's ``_settled_before``), so the source may
+        moved on, or stepped back, see the worker's :class:`~._gate.Gate`), so the source may
         be removed; ``None`` when it is not stored and the source must stay.
 
         The copy's message id names the source message (``stolen:<attempt>:<seq>``),
@@ -197,17 +197,16 @@ class Thief:
         )
         return None
 
-    async def hand_over(
-        self, msg: Message, dispatch: Dispatch, move: Stolen, events: list[Any]
-    ) -> bool:
-        """Finish a thief's ``move`` of this message and ack it, if the copy can
-        still run; False (keep and run this message) otherwise."""
-        moved = await self.move(dispatch, move.to_backend, int(msg.metadata.sequence.stream))
+    async def hand_over(self, delivery: Delivery, move: Stolen, events: list[Any]) -> bool:
+        """Finish a thief's ``move`` of this delivery's message and be done
+        with it, if the copy can still run; False (keep and run this message)
+        otherwise."""
+        moved = await self.move(delivery.dispatch, move.to_backend, delivery.stream_seq)
         if moved is None:
             return False  # the copy is not stored: keep this message
         copy_seq, stored = moved
         if stored or any(isinstance(e, Stolen) and e.from_seq == copy_seq for e in events):
-            await msg.ack()
+            await delivery.done()
             return True
         log.info("a stolen copy stepped back and its run is gone; running the original")
         return False

@@ -17,27 +17,26 @@ creates the claim, so a request ends once however often it is delivered.
 
 Runs are numbered over the request's life (the ``delivery`` of ``started``,
 ``retrying``, ``preempted``, ``completed`` and of token chunks). What a failed
-run leads to is the failure policy's decision (:func:`renqueue.policy.after_failure`):
-transient failures (rate-limited, server errors, worker errors) are retried
-with a delayed ``nak`` (the provider's ``retry-after``, else a capped, jittered
-backoff) and a ``retrying`` event; a provider that says its quota is spent
-(hours away) gets a ``retrying`` event that says ``requeued``, and the request
-goes back to routing for another candidate, keeping its wait (as after a
-preemption), instead of waiting for the reset here; the budget, ``worker.max_deliver``
-failed runs per dispatch, is counted from those events, so redeliveries for
-other reasons (a worker killed or shut down, a broker that does not answer:
-handed back after the same backoff by delivery count) do not use it up. The broker's
-own limit (the consumer's ``max_deliver`` = ``worker.delivery_limit``) is a
-backstop far above it; a message that reaches it ends ``failed`` as
-``undeliverable`` (:mod:`renqueue.services._advisories`). Cancellation (shutdown) is not
-failure: the request is nak'ed back to the queue at once.
+run leads to is the failure policy's decision, carried out by ``_failures``:
+retried here, put back to routing for another candidate, or failed, within a
+budget of failed runs per dispatch that redeliveries for other reasons (a
+worker killed or shut down, a broker that does not answer) do not use up. The
+broker's own limit (the consumer's ``max_deliver`` = ``worker.delivery_limit``)
+is a backstop far above it; a message that reaches it ends ``failed`` as
+``undeliverable`` (:mod:`renqueue.services._advisories`). Cancellation (shutdown)
+is not failure: the request is handed back to the queue at once.
 
 The fetch loop and the work-stealing loop run under the process's
 :class:`~renqueue.tasks.Supervisor`.
 
-Its parts: the backend call and its token stream (``_call``), work stealing
-between replicas of a pool (``_stealing``) and its side of the preemption
-protocol (``_yielding``).
+Its parts: :class:`Worker` is the loop that composes them. One delivered
+message and every answer the broker gets for it (ack, nak, term, in-progress)
+is a :class:`~._delivery.Delivery` (``_delivery``); what it must pass before
+its backend call is the ``_gate``; how it ends, recorded then answered, is
+``_outcomes``; what a failed run leads to is ``_failures``; the backend call
+and its token stream is ``_call``; work stealing between replicas of a pool
+is ``_stealing``; its side of the preemption protocol is ``_yielding``; the
+backend's health probe is ``_probe``.
 """
 
 from __future__ import annotations
@@ -45,11 +44,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import socket
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Final
 
 import msgspec
 
@@ -67,68 +64,38 @@ from ...broker import (
     Subscription,
 )
 from ...config import BaseBackendConfig, Config, parse_duration
-from ...coordination import CancelWatch, Coalescer, coalesce_key
-from ...errors import BackendError, NatsPayloadTooLargeError, NatsUnavailableError, RateLimitedError
+from ...coordination import CancelWatch
+from ...errors import BackendError
 from ...lifecycle import Lifecycle
 from ...logs import bound_request, get_logger
-from ...policy import (
-    INTERNAL,
-    FallBack,
-    RequeueElsewhere,
-    Retry,
-    RouteFacts,
-    after_failure,
-    backoff,
-    retry_after,
-)
+from ...policy import RouteFacts
 from ...schema import (
-    DISPATCH_DECODER,
     DISPATCH_STREAM,
     FETCH_TIMEOUT,
     MAX_REQUEUES,
     SHUTDOWN_NAK_DELAY,
-    Cancelled,
     CancelRequested,
     Completed,
     Dispatch,
-    Event,
-    Expired,
-    Failed,
-    Fallback,
-    FellBack,
-    InferenceRequest,
-    Preempted,
-    Retrying,
-    Started,
-    Stolen,
     capacity_subject,
-    is_terminal,
-    kind_of,
     msg_id,
     preempt_subjects,
     worker_consumer,
 )
 from ...state import is_backend_fault
 from ...tasks import Supervisor, cancel_and_wait
-from ._call import Caller, Chunks, Expiry, reported_limits, settle
+from ._call import Caller, Expiry, settle
+from ._delivery import Delivery
+from ._failures import Failures
+from ._gate import Gate
+from ._outcomes import Outcomes
 from ._probe import Prober
 from ._stealing import STEAL_INTERVAL, Thief
-from ._yielding import PREEMPT_GRACE, Preemptible, Run, put_back, requeue
+from ._yielding import PREEMPT_GRACE, Preemptible, Run
 
 __all__ = ["Worker"]
 
 log = get_logger("worker")
-
-
-#: ``error_type`` of a request that fails because its provider's quota is spent
-#: and it cannot be put back to routing again (put back ``MAX_REQUEUES`` times).
-QUOTA_EXHAUSTED: Final = "quota_exhausted"
-
-
-def _broker_unavailable(exc: BaseException) -> bool:
-    """Whether ``exc`` says the broker did not answer (no stream leader, a
-    reconnect, a timeout), rather than that something is wrong with the run."""
-    return isinstance(exc, NatsUnavailableError | TimeoutError)
 
 
 class Worker(Lifecycle):
@@ -159,16 +126,28 @@ class Worker(Lifecycle):
         self._ack_wait = parse_duration(config.worker.ack_wait)
         #: Run numbers of one attempt stay below this: the broker's delivery limit.
         self._stride = config.worker.deliveries
-        #: How a failed run is retried or ended (:func:`renqueue.policy.after_failure`).
-        self._failure_policy = config.worker.failure_policy()
         self._drain_timeout = parse_duration(config.worker.drain_timeout)
         self._caller = Caller(js, backend_name, self._backend_config, backend, clock=clock)
+        #: How a failed run is retried or ended (:func:`renqueue.policy.after_failure`).
+        policy = config.worker.failure_policy()
+        #: How a delivery ends, recorded then answered; what it counts.
+        self._outcomes = Outcomes(
+            js, self._log, backend_name, backend=backend, policy=policy, clock=clock
+        )
+        #: What a failed run leads to.
+        self._failures = Failures(
+            self._log,
+            self._outcomes,
+            backend_name,
+            backend=backend,
+            policy=policy,
+            route=self._route_facts,
+            clock=clock,
+        )
         self._running: set[asyncio.Task[None]] = set()
-        # Both keyed by msg_id(tenant, request id): ids are scoped by tenant.
+        # Keyed by msg_id(tenant, request id): ids are scoped by tenant.
         self._calls: dict[str, asyncio.Task[Completed]] = {}
-        self._coalescer = Coalescer(js, clock=clock)
-        self._policies = config.level_policies()
-        self._preemptible = Preemptible(backend_name, self._policies)
+        self._preemptible = Preemptible(backend_name, config.level_policies())
         self._thief = Thief(
             js,
             self._log,
@@ -177,6 +156,16 @@ class Worker(Lifecycle):
             slots=self._slots,
             clock=clock,
             supports=self._backend_config.supports,
+        )
+        #: Ends, without a call, a delivery that must not run.
+        self._gate = Gate(
+            self._log,
+            self._outcomes,
+            self._thief,
+            backend_name,
+            pooled=self._backend_config.pool is not None,
+            cancels=cancels,
+            clock=clock,
         )
         self._preempt_sub: Subscription | None = None
         self._cancels = cancels
@@ -188,17 +177,28 @@ class Worker(Lifecycle):
         self._sub: PullSubscription | None = None
         #: Removes this worker's cancel listener (set while it is registered).
         self._unlisten: Callable[[], None] | None = None
-        self.completed = 0
-        self.failed = 0
-        #: Backend faults in a row in this worker's own calls (a completion resets
-        #: it): past its circuit's ``failures`` it steals no work for its pool.
-        self.faults_in_a_row = 0
         #: Its active probe, if the backend has one.
         self._prober: Prober | None = None
 
     @property
     def backend_name(self) -> str:
         return self._backend_name
+
+    @property
+    def completed(self) -> int:
+        """Requests this worker completed."""
+        return self._outcomes.completed
+
+    @property
+    def failed(self) -> int:
+        """Requests this worker failed for good."""
+        return self._outcomes.failed
+
+    @property
+    def faults_in_a_row(self) -> int:
+        """Backend faults in a row in this worker's own calls (a completion resets
+        it): past its circuit's ``failures`` it steals no work for its pool."""
+        return self._outcomes.faults_in_a_row
 
     async def _start(self) -> None:
         if self._cancels is not None:
@@ -331,7 +331,7 @@ class Worker(Lifecycle):
     def _run_done(self, task: asyncio.Task[None]) -> None:
         self._running.discard(task)
         self._slot_freed.set()
-        # A run handles its own failures (:meth:`_unexpected`); one that escapes
+        # A run handles its own failures (:meth:`Failures.unexpected`); one that escapes
         # is a bug, logged here rather than lost with the task.
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("a run ended with an unhandled error", exc_info=exc)
@@ -339,99 +339,49 @@ class Worker(Lifecycle):
     # ------------------------------------------------------------------ one run
 
     async def _handle(self, msg: Message) -> None:
-        """One delivery, from fetch to ack or nak. Its lease is renewed for as
+        """One delivery, from fetch to its answer. Its lease is renewed for as
         long as this task is alive, whatever phase it is in."""
-        keepalive = asyncio.create_task(self._keep_alive(msg, asyncio.current_task()))
+        delivery = Delivery(msg, ack_wait=self._ack_wait)
+        keepalive = asyncio.create_task(delivery.keep_alive(asyncio.current_task()))
         try:
-            await self._handle_leased(msg)
+            await self._handle_leased(delivery)
         finally:
             keepalive.cancel()
             await asyncio.wait([keepalive])
 
-    async def _handle_leased(self, msg: Message) -> None:
+    async def _handle_leased(self, delivery: Delivery) -> None:
         try:
-            dispatch = DISPATCH_DECODER.decode(msg.data)
+            request = delivery.open(backend=self._backend_name, stride=self._stride).request
         except msgspec.DecodeError as exc:
-            await self._poison(msg, str(exc))
+            await self._outcomes.poison(delivery, str(exc))
             return
-        request = dispatch.request
-        # Runs are numbered over the request's whole life: redeliveries of this
-        # dispatch, and dispatches after a preemption (a higher attempt).
-        run = (dispatch.attempt - 1) * self._stride + int(msg.metadata.num_delivered)
-        chunks = Chunks()
         with bound_request(request.id, backend=self._backend_name):
             metrics.IN_FLIGHT.labels(self._backend_name).inc()
             try:
-                await self._run(msg, dispatch, run, chunks)
+                await self._run(delivery)
             except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await msg.nak(delay=SHUTDOWN_NAK_DELAY)
+                await self._outcomes.hand_back(delivery, after=SHUTDOWN_NAK_DELAY)
                 raise
             except Exception as exc:  # noqa: BLE001 - one request must never kill the worker
-                await self._unexpected(msg, dispatch, run, chunks, exc)
+                await self._failures.unexpected(delivery, exc)
             finally:
                 metrics.IN_FLIGHT.labels(self._backend_name).dec()
                 with contextlib.suppress(Exception):
                     await self._nc.publish(capacity_subject(self._backend_name), b"")
 
-    async def _unexpected(
-        self, msg: Message, dispatch: Dispatch, run: int, chunks: Chunks, exc: Exception
-    ) -> None:
-        """A bug mid-run: a failed run like any other, retried within the
-        budget, then the request fails; if not even that can be recorded, the
-        message is left for redelivery (the broker's delivery limit is the
-        backstop). A broker that does not answer (a stream leader election, a
-        reconnect) is not the request's failure: the run is handed back with a
-        backoff that grows with its deliveries, and no retry is counted."""
-        if _broker_unavailable(exc):
-            delay = self._backoff(msg)
-            log.warning("the broker did not answer mid-run; the request will run again",
-                        error=repr(exc), retry_in=delay)  # fmt: skip
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=delay)
-            return
-        try:
-            await self._after_failure(msg, dispatch, run, chunks, exc)
-        except Exception:
-            log.exception("could not record the failed run; leaving the request for redelivery")
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=self._backoff(msg))
-
-    def _backoff(self, msg: Message) -> float:
-        """Delay before a message handed back for the broker's sake is delivered
-        again: the failure policy's backoff (doubling from ``retry_delay``,
-        capped at ``max_retry_delay``, jittered) by the delivery count, so the
-        delivery limit spans minutes of broker trouble, not seconds."""
-        delivered = max(1, int(msg.metadata.num_delivered))
-        return backoff(delivered, self._failure_policy, random.random)
-
-    async def _poison(self, msg: Message, reason: str) -> None:
-        seq = msg.metadata.sequence.stream
-        log.error("undecodable dispatch message sent to dead letters", seq=seq, reason=reason)
-        await self._log.dead_letter(
-            "dispatch",
-            msg.data,
-            reason=f"malformed: {reason}",
-            source_subject=msg.subject,
-            source_seq=msg.metadata.sequence.stream,
-            tenant="unknown",
-            request_id=f"dispatch-{seq}",
-        )
-        await msg.term()
-
-    async def _run(self, msg: Message, dispatch: Dispatch, run: int, chunks: Chunks) -> None:
+    async def _run(self, delivery: Delivery) -> None:
+        dispatch = delivery.dispatch
         request = dispatch.request
-        delivery = int(msg.metadata.num_delivered)
-        if await self._refused(msg, dispatch, delivery, run):
+        if await self._gate.refuses(delivery):
             return
-        pending_acks = await self._start_run(msg, dispatch, run)
+        pending_acks = await self._start_run(delivery)
         if pending_acks is None:
             return
         # The call runs as a task of its own, so a cancellation or preemption
         # can stop it (closing the backend's HTTP stream) without stopping this run.
         rank = self._rank_of(dispatch)
         call = asyncio.create_task(
-            self._caller.call(dispatch, run, pending_acks, chunks, rank=rank)
+            self._caller.call(dispatch, delivery.number, pending_acks, delivery.chunks, rank=rank)
         )
         scoped = msg_id(request.tenant, request.id)
         self._calls[scoped] = call
@@ -443,7 +393,7 @@ class Worker(Lifecycle):
             call=call,
             may_requeue=dispatch.attempt <= MAX_REQUEUES,
         )
-        # A cancellation read after _refused looked and before the call was
+        # A cancellation read after the gate looked and before the call was
         # registered found nothing to stop: look again, now that it would.
         if self._cancels is not None and self._cancels.is_cancelled(request.tenant, request.id):
             call.cancel()
@@ -452,35 +402,20 @@ class Worker(Lifecycle):
         except asyncio.CancelledError:
             this = asyncio.current_task()
             if not (call.cancelled() and this is not None and not this.cancelling()):
-                raise  # shutdown: the message is nak'ed by _handle
+                raise  # shutdown: the delivery is handed back by _handle_leased
             await settle(pending_acks, self._nc)
-            preempted_by = self._preemptible.runs[scoped].preempted_by
-            if preempted_by is not None:
-                # The HTTP stream is closed; give the backend a moment to see
-                # the disconnect before its slot goes to the urgent request.
-                await asyncio.sleep(PREEMPT_GRACE)
-                await self._requeue(msg, dispatch, run, preempted_by)
-            else:
-                cancelled = self._cancelled(request, "running")
-                await self._finish(msg, request, cancelled, run, seq=chunks.seq)
+            await self._call_stopped(delivery, self._preemptible.runs[scoped].preempted_by)
             return
         except BackendError as exc:
-            await self._backend_failed(msg, dispatch, run, chunks, exc, pending_acks=pending_acks)
+            await self._backend_failed(delivery, exc, pending_acks=pending_acks)
             return
         except Expiry:
             await settle(pending_acks, self._nc)
-            await self._finish(
-                msg,
-                request,
-                Expired(
-                    request_id=request.id,
-                    tenant=request.tenant,
-                    at=self._clock(),
-                    stage="running",
-                    reason="deadline passed during generation",
-                ),
-                run,
-                seq=chunks.seq,
+            await self._outcomes.expire(
+                delivery,
+                at=self._clock(),
+                stage="running",
+                reason="deadline passed during generation",
             )
             return
         finally:
@@ -488,168 +423,41 @@ class Worker(Lifecycle):
             self._preemptible.runs.pop(scoped, None)
             call.cancel()
         await settle(pending_acks, self._nc)
-        await self._finish(msg, request, outcome, run, seq=chunks.seq)
+        await self._outcomes.finish(delivery, outcome)
 
-    async def _refused(self, msg: Message, dispatch: Dispatch, delivery: int, run: int) -> bool:
-        """Settle, without calling the backend, a dispatch that must not run:
-        already ended (checked on every delivery: a zombie's or a second
-        dispatch's run finds the terminal claim), finished or moved by a worker
-        that died before acking it, past its deadline, or cancelled."""
-        request = dispatch.request
-        claim = await self._log.claim_of(request.tenant, request.id)
-        if claim is not None:
-            log.info("request already ended; dropping this run", ended=kind_of(claim.event))
-            metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
-            # Whoever ended it may not have handed out to its followers (a crash
-            # after the claim, an ender that skipped it): idempotent, so again.
-            await self._hand_out(request, claim.event)
-            await self._log.settle(claim)  # its event may not be in the log yet
-            await msg.ack()
-            return True
-        pooled = self._backend_config.pool is not None
-        if (delivery > 1 or pooled) and await self._settled_before(
-            msg, dispatch, first=delivery == 1
-        ):
-            return True
-        now = self._clock()
-        if request.deadline is not None and now >= request.deadline:
-            expired = Expired(
-                request_id=request.id,
-                tenant=request.tenant,
-                at=now,
-                stage="queued",
-                reason="deadline passed before the backend call",
-            )
-            await self._finish(msg, request, expired, run)
-            return True
-        if self._cancels is not None and await self._cancels.was_cancelled(
-            request.tenant, request.id, since=dispatch.routed_at
-        ):
-            await self._finish(msg, request, self._cancelled(request, "queued"), run)
-            return True
-        return False
+    async def _call_stopped(self, delivery: Delivery, preempted_by: str | None) -> None:
+        """Its call was stopped: preempted for the request ``preempted_by``,
+        else cancelled by request."""
+        if preempted_by is not None:
+            # The HTTP stream is closed; give the backend a moment to see
+            # the disconnect before its slot goes to the urgent request.
+            await asyncio.sleep(PREEMPT_GRACE)
+            await self._outcomes.requeue(delivery, delivery.number, preempted_by)
+        else:
+            await self._outcomes.cancel(delivery, stage="running")
 
-    async def _start_run(
-        self, msg: Message, dispatch: Dispatch, run: int
-    ) -> list[asyncio.Future[PubAck]] | None:
+    async def _start_run(self, delivery: Delivery) -> list[asyncio.Future[PubAck]] | None:
         """Record ``started``; the pending acks to wait for, or ``None`` to step back."""
+        dispatch = delivery.dispatch
         request = dispatch.request
         # In a pool, a queued dispatch may be stolen by a sibling while it is
         # delivered here: both copies are then the same run of the same
         # attempt, and the claim on that run (a KV create only services can
         # make) decides which one calls the backend; the other steps back.
         if self._backend_config.pool is not None and not await self._log.claim_run(
-            request.tenant, request.id, dispatch.attempt, run
+            request.tenant, request.id, dispatch.attempt, delivery.number
         ):
             log.info("another replica runs this request; dropping it")
-            await msg.ack()
+            await delivery.done()
             return None
-        started = Started(
-            request_id=request.id,
-            tenant=request.tenant,
-            at=self._clock(),
-            backend=self._backend_name,
-            attempt=dispatch.attempt,
-            delivery=run,
-            worker=self._name,
-        )
+        started = delivery.run.started(at=self._clock(), worker=self._name)
         return [await self._log.append_async(started)]
-
-    async def _settled_before(
-        self, msg: Message, dispatch: Dispatch, *, first: bool = False
-    ) -> bool:
-        """On a redelivery: was this dispatch finished (before terminal claims
-        existed), preempted, put back for a spent quota, or moved by a worker
-        that died before acking it?
-        Then complete that work and ack. ``first``: a first delivery in a pool,
-        where only a move matters (a sibling stole this message while it was
-        being delivered here: the copy runs, this one is handed over).
-
-        A move is handed over only while its copy can still run (it is
-        stored, or was moved on). A copy gone without an outcome stepped back
-        for a run of this very message (the run claim, see ``_start_run``), and
-        that run's worker died: this message is then the request's only
-        lease, and it runs.
-        """
-        request = dispatch.request
-        source_seq = int(msg.metadata.sequence.stream)
-        if first:
-            stolen = await self._log.history(request.tenant, request.id, kind="stolen")
-            if not any(self._thief.stolen_here(event, dispatch, source_seq) for event in stolen):
-                return False
-        events = await self._log.history(request.tenant, request.id)
-        ended = [event for event in events if is_terminal(event)]
-        if ended:
-            log.info("redelivered request already finished; dropping")
-            metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
-            await self._hand_out(request, ended[0])
-            await msg.ack()
-            return True
-        for event in events:
-            if isinstance(event, Preempted) and event.attempt == dispatch.attempt:
-                await self._requeue(msg, dispatch, event.delivery, event.by)
-                return True
-            if isinstance(event, Retrying) and event.requeued and event.attempt == dispatch.attempt:
-                log.info("request was put back to routing before; putting it back again")
-                await self._put_back(msg, dispatch)
-                return True
-            if isinstance(event, FellBack) and event.attempt == dispatch.attempt:
-                log.info("request fell back to routing before; putting it back again")
-                await self._put_back(msg, dispatch, fallback=event.fallback)
-                return True
-        move = next((e for e in events if self._thief.stolen_here(e, dispatch, source_seq)), None)
-        return isinstance(move, Stolen) and await self._thief.hand_over(msg, dispatch, move, events)
 
     def _rank_of(self, dispatch: Dispatch) -> int:
         """The priority passed down to the backend: the effective one when bound."""
         if dispatch.effective_rank is not None:
             return dispatch.effective_rank
         return self._config.priority_rank(dispatch.request.priority)
-
-    async def _requeue(self, msg: Message, dispatch: Dispatch, run: int, by: str) -> None:
-        """Send a preempted request back to wait (:func:`requeue`). If that
-        fails, the dispatch is handed back (see :meth:`_put_back`)."""
-        try:
-            await requeue(
-                self._js, self._log, msg, dispatch, run=run, by=by,
-                backend=self._backend_name, at=self._clock(),
-            )  # fmt: skip
-        except Exception as exc:  # noqa: BLE001 - not a failed run: handed back
-            await self._put_back_failed(msg, exc)
-
-    async def _put_back(
-        self, msg: Message, dispatch: Dispatch, *, fallback: Fallback | None = None
-    ) -> None:
-        """Put a request back to routing (:func:`put_back`), its reason already
-        logged. If that fails (the copy's publish, the ack), the dispatch is
-        handed back with a backoff, not failed: the run did not fail, and the
-        redelivery finds the logged reason and puts it back again
-        (:meth:`_settled_before`, idempotent), without calling the backend."""
-        try:
-            await put_back(self._js, msg, dispatch, fallback=fallback)
-        except Exception as exc:  # noqa: BLE001 - not a failed run: handed back
-            await self._put_back_failed(msg, exc)
-
-    async def _put_back_failed(self, msg: Message, exc: Exception) -> None:
-        """Hand the dispatch back after the failure policy's backoff (by its
-        delivery count), without :meth:`_after_failure`: no failed run counted."""
-        delay = self._backoff(msg)
-        log.warning(
-            "could not put the request back to routing; handing the dispatch back",
-            error=repr(exc),
-            retry_in=delay,
-        )
-        with contextlib.suppress(Exception):
-            await msg.nak(delay=delay)
-
-    def _cancelled(self, request: InferenceRequest, stage: str) -> Cancelled:
-        return Cancelled(
-            request_id=request.id,
-            tenant=request.tenant,
-            at=self._clock(),
-            stage=stage,
-            reason="cancelled by request",
-        )
 
     def _on_cancel_requested(self, event: CancelRequested) -> None:
         # The watch passes only events that agree with their subject's tenant.
@@ -660,93 +468,18 @@ class Worker(Lifecycle):
 
     async def _backend_failed(
         self,
-        msg: Message,
-        dispatch: Dispatch,
-        run: int,
-        chunks: Chunks,
+        delivery: Delivery,
         exc: BackendError,
         *,
         pending_acks: list[asyncio.Future[PubAck]],
     ) -> None:
+        """The backend failed the call: count it, wait for what the run
+        published to be stored, then let the failure handler decide."""
         metrics.BACKEND_CALLS.labels(self._backend_name, exc.code).inc()
         if is_backend_fault(exc.code, str(exc.failure)):
-            self.faults_in_a_row += 1
+            self._outcomes.faults_in_a_row += 1
         await settle(pending_acks, self._nc)
-        await self._after_failure(msg, dispatch, run, chunks, exc)
-
-    async def _after_failure(
-        self, msg: Message, dispatch: Dispatch, run: int, chunks: Chunks, exc: Exception
-    ) -> None:
-        """Carry out what the failure policy decides for a failed run: retry it
-        here after a delay, put it back to routing (a spent quota), or fail the
-        request (:func:`renqueue.policy.after_failure`).
-
-        A run whose answer, as the services write it, is over the broker's
-        ``max_payload`` fails at once: running it again would pay the backend
-        for the same answer, which would not fit either."""
-        if isinstance(exc, NatsPayloadTooLargeError):
-            log.error(
-                "the answer is over the broker's largest message; request fails", error=str(exc)
-            )
-            await self._fail(
-                msg,
-                dispatch,
-                run,
-                chunks.seq,
-                error_type="answer_too_large",
-                reason=f"its answer was streamed, but is too big to record whole: {exc}",
-                error_class=INTERNAL,
-            )
-            return
-        action = after_failure(
-            exc,
-            failed_runs=await self._failed_runs(dispatch),
-            policy=self._failure_policy,
-            random=random.random,
-            route=self._route_facts(dispatch),
-        )
-        internal = not isinstance(exc, BackendError)
-        error_class = INTERNAL if not isinstance(exc, BackendError) else str(exc.failure)
-        if isinstance(action, Retry) and dispatch.request.deadline is not None:
-            # Never handed back past its deadline: it expires on time instead.
-            left = max(0.0, dispatch.request.deadline - self._clock())
-            action = msgspec.structs.replace(action, delay=min(action.delay, left))
-        if isinstance(action, Retry):
-            if internal:
-                log.error("unexpected error; the request will run again",
-                          exc_info=exc, delay=action.delay)  # fmt: skip
-            else:
-                log.warning("backend call failed; will retry", error=str(exc), delay=action.delay)
-            await self._retry(
-                msg,
-                dispatch,
-                run,
-                error_type=action.error_type,
-                reason=action.reason,
-                delay=action.delay,
-                exhausted_until=_exhausted_until(exc),
-                error_class=error_class,
-            )
-            return
-        if isinstance(action, RequeueElsewhere):
-            await self._requeue_elsewhere(msg, dispatch, run, action, exc, seq=chunks.seq)
-            return
-        if isinstance(action, FallBack):
-            await self._fall_back(msg, dispatch, run, action, exc, seq=chunks.seq)
-            return
-        if internal:
-            log.error("unexpected error on the last allowed run; request fails", exc_info=exc)
-        else:
-            log.error("request failed", error=str(exc), run=run)
-        await self._fail(
-            msg,
-            dispatch,
-            run,
-            chunks.seq,
-            error_type=action.error_type,
-            reason=action.reason,
-            error_class=error_class,
-        )
+        await self._failures.after(delivery, exc)
 
     def _auth_headers(self) -> Mapping[str, str] | None:
         """The headers carrying its backend's key, for a health probe of it."""
@@ -759,277 +492,3 @@ class Worker(Lifecycle):
         return self._config.route_facts(
             dispatch.request, self._backend_name, probe=dispatch.probe, now=self._clock()
         )
-
-    async def _fall_back(
-        self,
-        msg: Message,
-        dispatch: Dispatch,
-        run: int,
-        action: FallBack,
-        exc: Exception,
-        *,
-        seq: int,
-    ) -> None:
-        """The backend failed the request in a way its route falls back on:
-        record why (``fell_back``), then put it back to routing, keeping its
-        wait, with where it may not go next (``InferenceRequest.fallback``).
-
-        As for a spent quota (:meth:`_requeue_elsewhere`): the event is stored
-        before the copy, a redelivery finds it and puts the request back
-        again without a call, and a request put back :data:`MAX_REQUEUES`
-        times already fails instead.
-        """
-        request = dispatch.request
-        if dispatch.attempt > MAX_REQUEUES:
-            log.error("the request fell back too often; it fails")
-            await self._fail(
-                msg,
-                dispatch,
-                run,
-                seq,
-                error_type=action.error_type,
-                reason=(
-                    f"put back {MAX_REQUEUES} times, the most a request may be: {action.reason}"
-                )[:1000],
-                error_class=action.error_class,
-            )
-            return
-        log.warning(
-            "backend failed the request; it falls back down its route",
-            error=action.reason,
-            error_class=action.error_class,
-            excluded=list(action.fallback.excluded),
-            probe=dispatch.probe,
-        )
-        await self._log.append(
-            FellBack(
-                request_id=request.id,
-                tenant=request.tenant,
-                at=self._clock(),
-                backend=self._backend_name,
-                attempt=dispatch.attempt,
-                delivery=run,
-                error_type=action.error_type,
-                error_class=action.error_class,
-                reason=action.reason,
-                fallback=action.fallback,
-                probe=dispatch.probe,
-                limits=reported_limits(self._caller.backend),
-                retry_after=self._cool_down_for(action, exc),
-            )
-        )
-        metrics.FALLBACKS.labels(self._backend_name, action.error_class).inc()
-        await self._put_back(msg, dispatch, fallback=action.fallback)
-
-    def _cool_down_for(self, action: FallBack, exc: Exception) -> float:
-        """How long the backend that answered 429 is left out, for everyone: its
-        ``retry-after``, else the first backoff step (a 429 without one still
-        says "not now")."""
-        if action.error_class != "rate_limited":
-            return 0.0
-        given = retry_after(exc) or backoff(1, self._failure_policy, random.random)
-        # A retry-after of days is a spent quota by another name: held as one
-        # (quota_hold), never longer, so a hostile header cannot shut it out for a year.
-        return min(given, self._failure_policy.quota_hold)
-
-    async def _failed_runs(self, dispatch: Dispatch) -> int:
-        """Runs of this dispatch (attempt) that failed and were retried, from the log."""
-        request = dispatch.request
-        retries = await self._log.history(request.tenant, request.id, kind="retrying")
-        return sum(1 for e in retries if isinstance(e, Retrying) and e.attempt == dispatch.attempt)
-
-    async def _retry(
-        self,
-        msg: Message,
-        dispatch: Dispatch,
-        run: int,
-        *,
-        error_type: str,
-        reason: str,
-        delay: float,
-        exhausted_until: float | None = None,
-        error_class: str = "",
-    ) -> None:
-        """Record the failed run (``retrying``: what the budget counts), then nak.
-
-        What the provider said of its limits goes with it, for every router.
-        """
-        request = dispatch.request
-        await self._log.append(
-            Retrying(
-                request_id=request.id,
-                tenant=request.tenant,
-                at=self._clock(),
-                backend=self._backend_name,
-                attempt=dispatch.attempt,
-                delivery=run,
-                error_type=error_type,
-                reason=reason,
-                retry_after=delay,
-                limits=reported_limits(self._caller.backend),
-                quota_exhausted_until=exhausted_until,
-                error_class=error_class,
-            )
-        )
-        await msg.nak(delay=delay)
-
-    async def _requeue_elsewhere(
-        self,
-        msg: Message,
-        dispatch: Dispatch,
-        run: int,
-        action: RequeueElsewhere,
-        exc: Exception,
-        *,
-        seq: int,
-    ) -> None:
-        """The provider's quota is spent: record why, then put the request back
-        to routing, keeping its wait, for another candidate of its route.
-
-        The ``retrying`` event (``requeued``, with what the provider said of
-        its quota and how long this backend is left out) is stored *before*
-        the copy is published: the binder reads it when it fetches the copy
-        and binds nothing to this backend until the time it names, whatever
-        its view of the projection says (see the router's admission and
-        ledger). It is a failed run of this attempt only: the next dispatch is
-        a new attempt, with a budget of its own. A put-back that fails is
-        handed back (:meth:`_put_back`); a redelivery of this dispatch finds
-        the event and puts the request back again without calling the backend
-        (:meth:`_settled_before`). A request put back :data:`MAX_REQUEUES`
-        times already cannot be put back again: it fails (``quota_exhausted``).
-        """
-        request = dispatch.request
-        until = _exhausted_until(exc)
-        if dispatch.attempt > MAX_REQUEUES:
-            # Its copy would carry more requeues than admission accepts.
-            log.error("quota exhausted and the request was put back too often; it fails")
-            await self._fail(
-                msg,
-                dispatch,
-                run,
-                seq,
-                error_type=QUOTA_EXHAUSTED,
-                reason=(
-                    f"put back {MAX_REQUEUES} times, the most a request may be, "
-                    f"and its backend's quota is spent: {action.reason}"
-                )[:1000],
-                exhausted_until=until,
-            )
-            return
-        now = self._clock()
-        # Until the provider's reset when it named one (or its retry-after, if
-        # later), else the policy's hold.
-        if action.hold is not None or until is None:
-            hold = action.hold or 0.0
-        else:
-            hold = max(0.0, until - now, retry_after(exc) or 0.0)
-        log.warning(
-            "backend quota exhausted; the request goes back to routing",
-            error=str(exc),
-            quota_exhausted_until=until,
-            backend_left_out_for=round(hold, 3),
-        )
-        await self._log.append(
-            Retrying(
-                request_id=request.id,
-                tenant=request.tenant,
-                at=now,
-                backend=self._backend_name,
-                attempt=dispatch.attempt,
-                delivery=run,
-                error_type=action.error_type,
-                reason=action.reason,
-                retry_after=hold,
-                limits=reported_limits(self._caller.backend),
-                quota_exhausted_until=until,
-                requeued=True,
-            )
-        )
-        await self._put_back(msg, dispatch)
-
-    async def _fail(
-        self,
-        msg: Message,
-        dispatch: Dispatch,
-        run: int,
-        seq: int,
-        *,
-        error_type: str,
-        reason: str,
-        exhausted_until: float | None = None,
-        error_class: str = "",
-    ) -> None:
-        """Fail the request for good: a copy to the dead-letter stream, then ``failed``."""
-        request = dispatch.request
-        await self._log.dead_letter(
-            "dispatch",
-            msg.data,
-            reason=f"{error_type}: {reason}",
-            source_subject=msg.subject,
-            source_seq=msg.metadata.sequence.stream,
-            tenant=request.tenant,
-            request_id=request.id,
-        )
-        failed = Failed(
-            request_id=request.id,
-            tenant=request.tenant,
-            at=self._clock(),
-            error_type=error_type,
-            reason=reason,
-            backend=self._backend_name,
-            attempt=dispatch.attempt,
-            limits=reported_limits(self._caller.backend),
-            quota_exhausted_until=exhausted_until,
-            error_class=error_class,
-        )
-        await self._finish(msg, request, failed, run, seq=seq)
-
-    async def _finish(
-        self, msg: Message, request: InferenceRequest, event: Event, run: int, *, seq: int = 0
-    ) -> None:
-        """Record the terminal event, its final chunk at ``(run, seq)`` (the run's
-        next chunk), then ack: a crash in between means a redelivery that finds
-        the terminal claim and drops the run. Followers sharing this request's
-        call get their outcome first, so a crash cannot strand them."""
-        await self._hand_out(request, event)
-        first = await self._log.finish(event, delivery=run, seq=seq)
-        kind = type(event).__name__.lower()
-        if first:
-            metrics.TERMINAL.labels(kind).inc()
-            if isinstance(event, Completed):
-                self.completed += 1
-                if event.shared_with is None:
-                    self.faults_in_a_row = 0
-                metrics.COST.labels(self._backend_name).inc(event.cost)
-            elif isinstance(event, Failed):
-                self.failed += 1
-        else:
-            log.warning("duplicate terminal event dropped", kind=kind)
-            metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
-        await msg.ack()
-
-    async def _hand_out(self, request: InferenceRequest, event: Event) -> None:
-        """If ``request`` leads a coalescing group, give its followers their
-        outcome from ``event`` (its terminal event). Idempotent."""
-        key = coalesce_key(request)
-        if key is not None:
-            await self._coalescer.leader_ended(request.tenant, request.id, key, event)
-
-    async def _keep_alive(self, msg: Message, run: asyncio.Task[Any] | None) -> None:
-        """Renew ``msg``'s lease every third of ``ack_wait`` while ``run`` is alive."""
-        interval = max(0.1, self._ack_wait / 3)
-        while run is None or not run.done():
-            await asyncio.sleep(interval)
-            if run is not None and run.done():
-                return
-            try:
-                await msg.in_progress()
-            except Exception as exc:  # noqa: BLE001 - the next renewal may get through
-                log.warning("could not renew a running request's lease", error=str(exc))
-
-
-def _exhausted_until(exc: Exception) -> float | None:
-    """When a provider whose quota is spent said it comes back (``None``: not that, or unknown)."""
-    if isinstance(exc, RateLimitedError) and exc.quota_exhausted:
-        return exc.quota_exhausted_until
-    return None

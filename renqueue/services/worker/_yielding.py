@@ -27,10 +27,8 @@ from ...schema import (
     MAX_REQUEUES,
     PREEMPT_ASK,
     Answer,
-    Dispatch,
     Fallback,
     Offer,
-    Preempted,
     encode,
     msg_id,
     preempt_subject,
@@ -38,6 +36,8 @@ from ...schema import (
     request_subject,
     subject_matches,
 )
+from ...schema import Run as Recorded  # its events; ``Run`` here is a call as preemption sees it
+from ._delivery import Delivery
 
 __all__ = ["PREEMPT_GRACE", "Preemptible", "Run", "put_back", "requeue"]
 
@@ -129,8 +129,7 @@ class Preemptible:
 async def requeue(
     js: JetStream,
     events: EventLog,
-    msg: Message,
-    dispatch: Dispatch,
+    delivery: Delivery,
     *,
     run: int,
     by: str,
@@ -139,29 +138,18 @@ async def requeue(
 ) -> None:
     """Send a preempted request back to wait, keeping its submit time (aging credit).
 
-    In this order, each step idempotent: the ``preempted`` event (so a
-    redelivery knows), the request back on its priority subject, the ack.
+    In this order, each step idempotent: the ``preempted`` event of run
+    number ``run`` (so a redelivery knows), the request back on its priority
+    subject, the delivery done.
     """
-    request = dispatch.request
-    await events.append(
-        Preempted(
-            request_id=request.id,
-            tenant=request.tenant,
-            at=at,
-            backend=backend,
-            attempt=dispatch.attempt,
-            delivery=run,
-            by=by,
-        )
-    )
-    await put_back(js, msg, dispatch)
+    preempted = Recorded.of(delivery.dispatch, run, backend=backend).preempted(at=at, by=by)
+    await events.append(preempted)
+    await put_back(js, delivery, fallback=None)
     metrics.TERMINAL.labels("preempted").inc()
 
 
-async def put_back(
-    js: JetStream, msg: Message, dispatch: Dispatch, *, fallback: Fallback | None = None
-) -> None:
-    """Put a dispatched request back to routing, then ack its dispatch.
+async def put_back(js: JetStream, delivery: Delivery, *, fallback: Fallback | None = None) -> None:
+    """Put a dispatched request back to routing, then be done with its delivery.
 
     The copy goes to its level's requeue subject (``rq.req.<level>.<tenant>.requeue``,
     which only the services may publish to) with ``requeues`` set to this
@@ -174,6 +162,7 @@ async def put_back(
     callers end it instead. ``fallback``: its new place in its route's
     cascade after a backend failed it (else it keeps the one it has).
     """
+    dispatch = delivery.dispatch
     request = dispatch.request
     if dispatch.attempt > MAX_REQUEUES:
         raise ValueError(
@@ -192,4 +181,4 @@ async def put_back(
         encode(again),
         msg_id(request.tenant, request.id, "requeue", dispatch.attempt),
     )
-    await msg.ack()
+    await delivery.done()

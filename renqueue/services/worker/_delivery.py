@@ -1,0 +1,113 @@
+"""One delivered dispatch message, and the one answer the broker gets for it.
+
+A :class:`Delivery` is a worker's hold on one message of the dispatch stream,
+from fetch to answer. It renews the message's lease for as long as the run
+that holds it is alive (:meth:`Delivery.keep_alive`), and every answer the
+worker gives the broker for the message goes through it, named for what it
+means:
+
+- :meth:`~Delivery.done` (``ack``): the message's work is over and in the log
+  (an outcome, a put-back to routing, a hand-over to a stolen copy, a step back);
+- :meth:`~Delivery.hand_back` (``nak`` with a delay): deliver it again, to this
+  worker or another of its backend, after that many seconds;
+- :meth:`~Delivery.give_up` (``term``): never deliver it again (it is not a dispatch);
+- :meth:`~Delivery.still_working` (``in_progress``): its run is alive; renew the lease.
+
+Once opened (:meth:`Delivery.open`) it also carries what the run of the
+dispatch is: the dispatch, the run's number over the request's life, the
+:class:`~renqueue.schema.Run` its events are built from, and the token
+chunks it streamed so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ...broker import Message
+from ...logs import get_logger
+from ...schema import DISPATCH_DECODER, Dispatch, Run
+from ._call import Chunks
+
+__all__ = ["Delivery"]
+
+log = get_logger("worker")
+
+
+class Delivery:
+    """One message of a backend's dispatch consumer, from fetch to its answer."""
+
+    #: The dispatch it carries (set by :meth:`open`).
+    dispatch: Dispatch
+    #: Its run's number over the request's whole life: the ``delivery`` of
+    #: the run's events and token chunks.
+    number: int
+    #: The run its events are built from (``delivery.run.started(...)``).
+    run: Run
+    #: The token chunks its run streamed so far.
+    chunks: Chunks
+
+    def __init__(self, msg: Message, *, ack_wait: float) -> None:
+        self._msg = msg
+        #: Its lease is renewed every third of the consumer's ``ack_wait``.
+        self._renew_every = max(0.1, ack_wait / 3)
+
+    def open(self, *, backend: str, stride: int) -> Dispatch:
+        """Decode the dispatch it carries and number its run on ``backend``;
+        :class:`msgspec.DecodeError` if it is not a dispatch (poison).
+
+        Runs are numbered over the request's whole life: redeliveries of this
+        dispatch, and dispatches after a preemption (a higher attempt), each
+        attempt ``stride`` numbers (the broker's delivery limit) above the last.
+        """
+        dispatch = self.dispatch = DISPATCH_DECODER.decode(self._msg.data)
+        self.number = (dispatch.attempt - 1) * stride + self.delivered
+        self.run = Run.of(dispatch, self.number, backend=backend)
+        self.chunks = Chunks()
+        return dispatch
+
+    @property
+    def data(self) -> bytes:
+        """The message as stored."""
+        return self._msg.data
+
+    @property
+    def subject(self) -> str:
+        return self._msg.subject
+
+    @property
+    def stream_seq(self) -> int:
+        """Its sequence in the dispatch stream."""
+        return int(self._msg.metadata.sequence.stream)
+
+    @property
+    def delivered(self) -> int:
+        """How many times the broker has delivered it (this time included)."""
+        return int(self._msg.metadata.num_delivered)
+
+    async def done(self) -> None:
+        """Its work is over and recorded: the broker forgets it (``ack``)."""
+        await self._msg.ack()
+
+    async def hand_back(self, *, after: float) -> None:
+        """Deliver it again after ``after`` seconds (``nak`` with a delay)."""
+        await self._msg.nak(delay=after)
+
+    async def give_up(self) -> None:
+        """Never deliver it again (``term``): it cannot be run by anyone."""
+        await self._msg.term()
+
+    async def still_working(self) -> None:
+        """Its run is alive: renew its lease (``in_progress``)."""
+        await self._msg.in_progress()
+
+    async def keep_alive(self, run: asyncio.Task[Any] | None) -> None:
+        """Renew the lease every third of ``ack_wait`` while ``run`` is alive."""
+        while run is None or not run.done():
+            await asyncio.sleep(self._renew_every)
+            if run is not None and run.done():
+                return
+            try:
+                await self.still_working()
+            except Exception as exc:  # noqa: BLE001 - the next renewal may get through
+                log.warning("could not renew a running request's lease", error=str(exc))

@@ -1,0 +1,205 @@
+"""How a delivery ends: recorded in the log first, then its message answered.
+
+Each end is written so that a crash between its steps is harmless: what the
+log says comes first, and a redelivery that finds it completes the rest.
+
+- :meth:`Outcomes.finish`: the request's terminal event (``completed``,
+  ``failed``, ``expired``, ``cancelled``) and its final chunk, its coalesced
+  followers served, then the delivery done;
+- :meth:`Outcomes.fail`: a copy to the dead-letter stream, then ``failed``;
+  :meth:`Outcomes.expire`, :meth:`Outcomes.cancel`: ``expired``, ``cancelled``;
+- :meth:`Outcomes.put_back`: back to routing, its reason already logged (a
+  spent quota, a fallback); :meth:`Outcomes.requeue`: back to wait, preempted;
+- :meth:`Outcomes.hand_back`: none of these (the broker did not answer, a
+  put-back failed): delivered again after the failure policy's backoff by
+  its delivery count, no failed run counted;
+- :meth:`Outcomes.poison`: not a dispatch at all: dead-lettered, given up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Callable
+
+from ... import metrics
+from ...backends.base import Backend
+from ...broker import EventLog, JetStream
+from ...coordination import Coalescer, coalesce_key
+from ...logs import get_logger
+from ...policy import FailurePolicy, backoff
+from ...schema import Completed, Event, Failed, Fallback, InferenceRequest, cancelled, expired
+from ._call import reported_limits
+from ._delivery import Delivery
+from ._yielding import put_back, requeue
+
+__all__ = ["Outcomes"]
+
+log = get_logger("worker")
+
+
+class Outcomes:
+    """Ends the deliveries of one backend's worker, and counts how they ended."""
+
+    def __init__(
+        self,
+        js: JetStream,
+        events: EventLog,
+        backend_name: str,
+        *,
+        backend: Backend,
+        policy: FailurePolicy,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._js = js
+        self._events = events
+        #: Hands a coalescing group's leader's outcome to its followers.
+        self._coalescer = Coalescer(js, clock=clock)
+        self._backend_name = backend_name
+        self._backend = backend
+        self._policy = policy
+        self._clock = clock
+        self.completed = 0
+        self.failed = 0
+        #: Backend faults in a row in this worker's own calls (a completion resets
+        #: it): past its circuit's ``failures`` it steals no work for its pool.
+        self.faults_in_a_row = 0
+
+    async def finish(self, delivery: Delivery, event: Event) -> None:
+        """Record the terminal event, its final chunk at the run's next
+        ``(run, seq)``, then be done: a crash in between means a redelivery
+        that finds the terminal claim and drops the run. Followers sharing
+        this request's call get their outcome first, so a crash cannot strand
+        them."""
+        await self.hand_out(delivery.dispatch.request, event)
+        first = await self._events.finish(event, delivery=delivery.number, seq=delivery.chunks.seq)
+        kind = type(event).__name__.lower()
+        if first:
+            metrics.TERMINAL.labels(kind).inc()
+            if isinstance(event, Completed):
+                self.completed += 1
+                if event.shared_with is None:
+                    self.faults_in_a_row = 0
+                metrics.COST.labels(self._backend_name).inc(event.cost)
+            elif isinstance(event, Failed):
+                self.failed += 1
+        else:
+            log.warning("duplicate terminal event dropped", kind=kind)
+            metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
+        await delivery.done()
+
+    async def fail(
+        self,
+        delivery: Delivery,
+        *,
+        error_type: str,
+        reason: str,
+        exhausted_until: float | None = None,
+        error_class: str = "",
+    ) -> None:
+        """Fail the request for good: a copy to the dead-letter stream, then ``failed``."""
+        request = delivery.dispatch.request
+        await self._events.dead_letter(
+            "dispatch",
+            delivery.data,
+            reason=f"{error_type}: {reason}",
+            source_subject=delivery.subject,
+            source_seq=delivery.stream_seq,
+            tenant=request.tenant,
+            request_id=request.id,
+        )
+        failed = delivery.run.failed(
+            at=self._clock(),
+            error_type=error_type,
+            reason=reason,
+            error_class=error_class,
+            limits=reported_limits(self._backend),
+            quota_exhausted_until=exhausted_until,
+        )
+        await self.finish(delivery, failed)
+
+    async def expire(self, delivery: Delivery, *, at: float, stage: str, reason: str) -> None:
+        """End the request ``expired`` at ``stage``: its deadline passed (at ``at``)."""
+        request = delivery.dispatch.request
+        ended = expired(request.id, request.tenant, at=at, stage=stage, reason=reason)
+        await self.finish(delivery, ended)
+
+    async def cancel(self, delivery: Delivery, *, stage: str) -> None:
+        """End the request ``cancelled`` at ``stage``, as its tenant asked."""
+        request = delivery.dispatch.request
+        ended = cancelled(
+            request.id, request.tenant, at=self._clock(), stage=stage, reason="cancelled by request"
+        )
+        await self.finish(delivery, ended)
+
+    async def hand_out(self, request: InferenceRequest, event: Event) -> None:
+        """If ``request`` leads a coalescing group, give its followers their
+        outcome from ``event`` (its terminal event). Idempotent."""
+        key = coalesce_key(request)
+        if key is not None:
+            await self._coalescer.leader_ended(request.tenant, request.id, key, event)
+
+    async def requeue(self, delivery: Delivery, run: int, by: str) -> None:
+        """Send a preempted request back to wait (:func:`requeue`), its run
+        ``run`` preempted ``by`` a request. If that fails, the dispatch is
+        handed back (see :meth:`put_back`)."""
+        try:
+            await requeue(
+                self._js, self._events, delivery, run=run, by=by,
+                backend=self._backend_name, at=self._clock(),
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - not a failed run: handed back
+            await self._put_back_failed(delivery, exc)
+
+    async def put_back(self, delivery: Delivery, *, fallback: Fallback | None = None) -> None:
+        """Put a request back to routing (:func:`put_back`), its reason already
+        logged. If that fails (the copy's publish, the ack), the dispatch is
+        handed back with a backoff, not failed: the run did not fail, and the
+        redelivery finds the logged reason and puts it back again (the
+        :class:`~._gate.Gate`, idempotent), without calling the backend."""
+        try:
+            await put_back(self._js, delivery, fallback=fallback)
+        except Exception as exc:  # noqa: BLE001 - not a failed run: handed back
+            await self._put_back_failed(delivery, exc)
+
+    async def _put_back_failed(self, delivery: Delivery, exc: Exception) -> None:
+        """Hand the dispatch back after the failure policy's backoff (by its
+        delivery count), no failed run counted."""
+        delay = self.backoff(delivery)
+        log.warning(
+            "could not put the request back to routing; handing the dispatch back",
+            error=repr(exc),
+            retry_in=delay,
+        )
+        await self.hand_back(delivery, after=delay)
+
+    def backoff(self, delivery: Delivery) -> float:
+        """Delay before a message handed back for the broker's sake is delivered
+        again: the failure policy's backoff (doubling from ``retry_delay``,
+        capped at ``max_retry_delay``, jittered) by the delivery count, so the
+        delivery limit spans minutes of broker trouble, not seconds."""
+        return backoff(max(1, delivery.delivered), self._policy, random.random)
+
+    async def hand_back(self, delivery: Delivery, *, after: float | None = None) -> None:
+        """Have ``delivery`` delivered again after ``after`` seconds (else
+        :meth:`backoff`), whatever the broker answers: if it does not take
+        the hand-back either, the lease runs out and redelivers it."""
+        with contextlib.suppress(Exception):
+            await delivery.hand_back(after=self.backoff(delivery) if after is None else after)
+
+    async def poison(self, delivery: Delivery, reason: str) -> None:
+        """A message that is not a dispatch: a copy to the dead-letter stream,
+        then given up (no worker could run it)."""
+        seq = delivery.stream_seq
+        log.error("undecodable dispatch message sent to dead letters", seq=seq, reason=reason)
+        await self._events.dead_letter(
+            "dispatch",
+            delivery.data,
+            reason=f"malformed: {reason}",
+            source_subject=delivery.subject,
+            source_seq=seq,
+            tenant="unknown",
+            request_id=f"dispatch-{seq}",
+        )
+        await delivery.give_up()
