@@ -5,7 +5,7 @@
 - Subjects and stream names (``_subjects``): the one place that spells them.
 - One constructor per event (``_runs``): a run's events from its
   :class:`Run`, a request's endings from :func:`failed`, :func:`expired`,
-  :func:`cancelled`, :func:`rejected`.
+  :func:`cancelled`, :func:`rejected`, and a binding's :func:`routed`.
 - The preemption protocol's messages (``_offers``): :class:`Ask`,
   :class:`Offer`, :class:`Confirm`, :class:`Answer`.
 
@@ -84,7 +84,7 @@ from ._offers import (
     Confirm,
     Offer,
 )
-from ._runs import Run, cancelled, expired, failed, rejected
+from ._runs import Run, cancelled, expired, failed, rejected, routed
 from ._subjects import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
@@ -227,6 +227,7 @@ __all__ = [
     "request_limit",
     "request_subject",
     "requests_of_level",
+    "routed",
     "router_consumer",
     "router_max_deliveries",
     "run_claim_key",

@@ -1,5 +1,5 @@
 """One constructor per event: a run's events from its :class:`Run`, a
-request's endings from the request.
+request's endings (and its binding, :func:`routed`) from the request.
 
 The worker, the router, the coalescer and the what-if simulator all record
 the same events; each builds them here, so the fields an event carries are
@@ -13,22 +13,25 @@ from msgspec import Struct
 from ._messages import (
     Cancelled,
     Completed,
+    ComplexityEstimate,
     Dispatch,
     Expired,
     Failed,
     Fallback,
     FellBack,
+    InferenceRequest,
     Preempted,
     Rejected,
     ReportedLimit,
     Retrying,
+    Routed,
     Started,
     TokenLogprob,
     ToolCall,
     Usage,
 )
 
-__all__ = ["Run", "cancelled", "expired", "failed", "rejected"]
+__all__ = ["Run", "cancelled", "expired", "failed", "rejected", "routed"]
 
 
 class Run(Struct, frozen=True, kw_only=True):
@@ -250,4 +253,45 @@ def rejected(request_id: str, tenant: str, *, at: float, error_type: str, reason
     what its subject and header said, the body may not have been readable."""
     return Rejected(
         request_id=request_id, tenant=tenant, at=at, error_type=error_type, reason=reason
+    )
+
+
+def routed(
+    request: InferenceRequest,
+    *,
+    at: float,
+    backend: str,
+    attempt: int,
+    priority: str,
+    queue_wait: float,
+    reason: str = "",
+    router: str = "",
+    term: int = 0,
+    reserved_tokens: int = 0,
+    probe: bool = False,
+    complexity_estimate: ComplexityEstimate | None = None,
+    predicted: float | None = None,
+    estimated_cost: float = 0.0,
+) -> Routed:
+    """``request`` was bound to ``backend`` for its ``attempt``-th dispatch,
+    from level ``priority`` after waiting ``queue_wait``; its A/B split and
+    arm are read from the request (``split`` is the route it named)."""
+    return Routed(
+        request_id=request.id,
+        tenant=request.tenant,
+        at=at,
+        backend=backend,
+        attempt=attempt,
+        priority=priority,
+        queue_wait=queue_wait,
+        reason=reason,
+        router=router,
+        term=term,
+        reserved_tokens=reserved_tokens,
+        probe=probe,
+        complexity_estimate=complexity_estimate,
+        predicted=predicted,
+        estimated_cost=estimated_cost,
+        split=request.split or "",
+        arm=request.route if request.split is not None else "",
     )

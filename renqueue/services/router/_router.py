@@ -116,20 +116,20 @@ from ...schema import (
     REQUEST_DECODER,
     REQUESTS_STREAM,
     SHUTDOWN_NAK_DELAY,
-    Cancelled,
     CancelRequested,
     CircuitChanged,
     Coalesced,
     ComplexityEstimate,
     Event,
-    Expired,
     InferenceRequest,
     Promoted,
-    Rejected,
     SplitChanged,
     Submitted,
     boost_subject,
+    cancelled,
     capacity_subject,
+    expired,
+    rejected,
     request_limit,
     router_consumer,
     subject_matches,
@@ -811,9 +811,9 @@ class Router(Lifecycle):
         await self._log.finish(event)
 
     async def _cancel(self, msg: Message, request: InferenceRequest) -> None:
-        event = Cancelled(
-            request_id=request.id,
-            tenant=request.tenant,
+        event = cancelled(
+            request.id,
+            request.tenant,
             at=self._clock(),
             stage="queued",
             reason="cancelled by request before it was routed",
@@ -858,9 +858,9 @@ class Router(Lifecycle):
                 tenant=tenant,
                 request_id=request_id,
             )
-            event = Rejected(
-                request_id=request_id,
-                tenant=tenant,
+            event = rejected(
+                request_id,
+                tenant,
                 at=self._clock(),
                 error_type=code,
                 reason=str(error)[:1000],
@@ -893,9 +893,9 @@ class Router(Lifecycle):
         *,
         reason: str = "deadline passed while waiting to be routed",
     ) -> None:
-        event = Expired(
-            request_id=request.id,
-            tenant=request.tenant,
+        event = expired(
+            request.id,
+            request.tenant,
             at=now,
             stage="queued",
             reason=reason,
