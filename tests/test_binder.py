@@ -43,7 +43,7 @@ from renqueue.schema import (
 )
 from renqueue.schema._subjects import dispatch_subject, msg_id
 from renqueue.services.router import Router
-from renqueue.services.router import _router as router_module
+from renqueue.services.router import _term as term_module
 
 TENANT = "t"
 
@@ -423,8 +423,8 @@ async def test_a_slow_dispatch_store_never_overfills_a_backend(
             router = Router(nc, js, config, name="binder")
             slow = SlowDispatchStore(js, 0.3)
             router._js = slow  # type: ignore[assignment]
-            router._capacity._js = slow  # type: ignore[assignment]
-            router._dispatcher._js = slow  # type: ignore[assignment]
+            router._round._capacity._js = slow  # type: ignore[assignment]
+            router._round._dispatcher._js = slow  # type: ignore[assignment]
             await router.start()
             try:
 
@@ -530,13 +530,13 @@ async def test_earlier_lease_loop_failures_never_make_a_healthy_binder_give_up(
         assert not standby.binding
         # Its lease loop failed 3 times at some point (a NATS restart, long ago).
         standby._supervisor._loops[standby._loop_name("lease")].failures = 3
-        real_renew = router_module.renew_router_consumers
+        real_renew = term_module.renew_router_consumers
 
         async def slow_renew(*args: Any, **kwargs: Any) -> None:
             await asyncio.sleep(0.25)  # a replicated cluster's consumer re-creation
             await real_renew(*args, **kwargs)
 
-        monkeypatch.setattr(router_module, "renew_router_consumers", slow_renew)
+        monkeypatch.setattr(term_module, "renew_router_consumers", slow_renew)
         renewals = 0
         real_lease_renew = standby._lease.renew
 
@@ -615,7 +615,7 @@ async def test_a_refused_dispatch_never_leaves_its_decision_logged(
         async with Client(nc, tenant=TENANT) as client:
             router = Router(nc, js, config, name="binder")
             refusing = RefusedFirstDispatch(js, "r1")
-            router._dispatcher._js = refusing  # type: ignore[assignment]
+            router._round._dispatcher._js = refusing  # type: ignore[assignment]
             await router.start()
             try:
                 await client.submit("one", route="chat", request_id="r1")
@@ -688,8 +688,8 @@ async def test_a_dispatch_whose_ack_times_out_stays_counted(
                 await client.submit(f"q{n}", route="chat", request_id=f"r{n}")
             router = Router(nc, js, config, name="binder")
             late = LateStore(js, 1.5)
-            router._capacity._js = late  # type: ignore[assignment]
-            router._dispatcher._js = late  # type: ignore[assignment]
+            router._round._capacity._js = late  # type: ignore[assignment]
+            router._round._dispatcher._js = late  # type: ignore[assignment]
             await router.start()
             try:
 

@@ -224,7 +224,7 @@ def test_a_package_is_entered_by_its_front(path: Path) -> None:
 def test_the_checks_see_what_they_are_about() -> None:
     """A router imports the state it reads; a private reach would be caught."""
     assert {"coordination", "schema", "policy"} <= runtime_imports(
-        PACKAGE / "services" / "router" / "_router.py"
+        PACKAGE / "services" / "router" / "_round.py"
     )
     assert "coordination" in runtime_imports(PACKAGE / "services" / "worker" / "_worker.py")
     assert private_reaches(PACKAGE / "services" / "router" / "_router.py") == set()

@@ -46,7 +46,7 @@ from renqueue.schema import (
 )
 from renqueue.schema._messages import request_limit
 from renqueue.services import run_until_signalled
-from renqueue.services.router._router import Router
+from renqueue.services.router._placement import Placement
 
 #: The bytes the hostile request's ``Nats-Msg-Id`` header takes.
 HEADER = wire_size(b"", {"Nats-Msg-Id": msg_id(TENANT, "too-big")})
@@ -87,16 +87,16 @@ def trip_the_router(
     """Make the router's tier estimate raise for each request ``trips`` picks:
     a bug a request triggers, standing in for any we do not know of yet.
     The event returned is set the first time it trips."""
-    estimated = Router._estimated
+    estimated = Placement._estimated
     tripped = asyncio.Event()
 
-    def buggy(self: Router, request: InferenceRequest) -> Any:
+    def buggy(self: Placement, request: InferenceRequest) -> Any:
         if trips(request):
             tripped.set()
             raise RuntimeError("a bug this request triggers")
         return estimated(self, request)
 
-    monkeypatch.setattr(Router, "_estimated", buggy)
+    monkeypatch.setattr(Placement, "_estimated", buggy)
     return tripped
 
 

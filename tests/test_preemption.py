@@ -176,7 +176,7 @@ async def test_nothing_is_preempted_for_a_request_that_stopped_waiting(tmp_path:
             batch = await client.submit("long", route="chat", priority="batch")
             await until_started(client, batch.id)
             urgent = client.build_request("urgent", route="chat", priority="critical")
-            now = services.routers[0]._clock()
+            now = services.routers[0]._round._clock()
             gone = Held(
                 msg=None,
                 request=urgent,
@@ -184,7 +184,7 @@ async def test_nothing_is_preempted_for_a_request_that_stopped_waiting(tmp_path:
                 submitted=now,
                 touched=now,
             )  # held by no router
-            await services.routers[0]._ask_preemption(gone, gone.rank, ["b"])
+            await services.routers[0]._round._ask_preemption(gone, gone.rank, ["b"])
             await batch.result(timeout=20)
             history = (await histories(client, [batch.id]))[batch.id]
     assert not any(isinstance(event, Preempted) for event in history)

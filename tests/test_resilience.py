@@ -48,7 +48,7 @@ from renqueue.schema import (
     msg_id,
     request_subject,
 )
-from renqueue.services.router._router import Router
+from renqueue.services.router._intake import Intake
 from renqueue.tasks import Supervisor
 
 FAST = MockSettings(ttft=0.01, output_tokens=3)
@@ -134,10 +134,10 @@ async def test_one_failure_after_hand_backs_is_not_three_failures(
     """The router counted a message's deliveries, not its failures: a request
     handed back twice (each a nak, each a delivery) that then failed once was
     rejected at once as failing 3 times."""
-    take = Router._take
+    take = Intake._take
     failed: list[int] = []
 
-    async def flaky(self: Router, msg: Message, level: str, rank: int, now: float) -> None:
+    async def flaky(self: Intake, msg: Message, level: str, rank: int, now: float) -> None:
         if b'"handed-back"' in msg.data:
             if msg.metadata.num_delivered < 3:
                 await msg.nak(delay=0.1)  # a hand-back
@@ -147,7 +147,7 @@ async def test_one_failure_after_hand_backs_is_not_three_failures(
                 raise RuntimeError("a one-off fault, on one delivery")
         await take(self, msg, level, rank, now)
 
-    monkeypatch.setattr(Router, "_take", flaky)
+    monkeypatch.setattr(Intake, "_take", flaky)
     async with MockBackend(FAST) as mock:
         config = config_of(mock.url, nats_url=isolated_server.url)
         async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:

@@ -5,8 +5,8 @@
 - Subjects and stream names (``_subjects``): the one place that spells them.
 - One constructor per event (``_runs``): a run's events from its
   :class:`Run`, a request's endings from :func:`failed`, :func:`expired`,
-  :func:`cancelled`, :func:`rejected`; a move between replicas from
-  :func:`stolen`, a backend's health probe from :func:`probed`.
+  :func:`cancelled`, :func:`rejected`; a binding from :func:`routed`, a move
+  between replicas from :func:`stolen`, a backend's health probe from :func:`probed`.
 - The preemption protocol's messages (``_offers``): :class:`Ask`,
   :class:`Offer`, :class:`Confirm`, :class:`Answer`.
 
@@ -85,7 +85,7 @@ from ._offers import (
     Confirm,
     Offer,
 )
-from ._runs import Run, cancelled, expired, failed, probed, rejected, stolen
+from ._runs import Run, cancelled, expired, failed, probed, rejected, routed, stolen
 from ._subjects import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
@@ -229,6 +229,7 @@ __all__ = [
     "request_limit",
     "request_subject",
     "requests_of_level",
+    "routed",
     "router_consumer",
     "router_max_deliveries",
     "run_claim_key",

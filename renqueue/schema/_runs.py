@@ -1,5 +1,5 @@
 """One constructor per event: a run's events from its :class:`Run`, a
-request's endings from the request.
+request's endings (and its binding, :func:`routed`) from the request.
 
 The worker, the router, the coalescer and the what-if simulator all record
 the same events; each builds them here, so the fields an event carries are
@@ -13,16 +13,19 @@ from msgspec import Struct
 from ._messages import (
     Cancelled,
     Completed,
+    ComplexityEstimate,
     Dispatch,
     Expired,
     Failed,
     Fallback,
     FellBack,
+    InferenceRequest,
     Preempted,
     Probed,
     Rejected,
     ReportedLimit,
     Retrying,
+    Routed,
     Started,
     Stolen,
     TokenLogprob,
@@ -31,7 +34,7 @@ from ._messages import (
 )
 from ._subjects import SYSTEM_TENANT
 
-__all__ = ["Run", "cancelled", "expired", "failed", "probed", "rejected", "stolen"]
+__all__ = ["Run", "cancelled", "expired", "failed", "probed", "rejected", "routed", "stolen"]
 
 
 class Run(Struct, frozen=True, kw_only=True):
@@ -284,4 +287,45 @@ def probed(backend: str, *, at: float, ok: bool, detail: str, worker: str) -> Pr
         ok=ok,
         detail=detail,
         worker=worker,
+    )
+
+
+def routed(
+    request: InferenceRequest,
+    *,
+    at: float,
+    backend: str,
+    attempt: int,
+    priority: str,
+    queue_wait: float,
+    reason: str = "",
+    router: str = "",
+    term: int = 0,
+    reserved_tokens: int = 0,
+    probe: bool = False,
+    complexity_estimate: ComplexityEstimate | None = None,
+    predicted: float | None = None,
+    estimated_cost: float = 0.0,
+) -> Routed:
+    """``request`` was bound to ``backend`` for its ``attempt``-th dispatch,
+    from level ``priority`` after waiting ``queue_wait``; its A/B split and
+    arm are read from the request (``split`` is the route it named)."""
+    return Routed(
+        request_id=request.id,
+        tenant=request.tenant,
+        at=at,
+        backend=backend,
+        attempt=attempt,
+        priority=priority,
+        queue_wait=queue_wait,
+        reason=reason,
+        router=router,
+        term=term,
+        reserved_tokens=reserved_tokens,
+        probe=probe,
+        complexity_estimate=complexity_estimate,
+        predicted=predicted,
+        estimated_cost=estimated_cost,
+        split=request.split or "",
+        arm=request.route if request.split is not None else "",
     )

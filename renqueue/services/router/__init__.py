@@ -1,11 +1,13 @@
 """The router: binds waiting requests to backends, late, in priority order.
 
-:class:`Router` (``_router``) is the loop around the binder's lease; it
-composes its parts, each a module of plain classes and functions: the hold of
-fetched requests (``_hold``), the free slots per backend (``_capacity``),
-reading a fetched request (``_admission``), carrying out a bind
-(``_dispatch``: the dispatch, the decision, the ack) and asking for a
-preemption (``_asking``).
+:class:`Router` (``_router``) is the loop that composes its stages, each a
+module of plain classes and functions: the binder's lease and term
+(``_term``), the intake of requests into the hold (``_intake``, over
+``_hold``, ``_admission``, ``_placement``, ``_spending``), and the round that
+plans and carries out the binds (``_round``, over ``_capacity``, ``_ledger``,
+``_circuits``, ``_catch_up``, ``_dispatch``: the dispatch, the decision, the
+ack, and ``_asking``: asking for a preemption). What they share is in
+``_parts``; how a request ends here is ``_endings``.
 """
 
 from ._router import Router

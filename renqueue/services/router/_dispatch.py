@@ -30,15 +30,16 @@ from ...schema import (
     DISPATCH_STREAM,
     Dispatch,
     Event,
-    Failed,
     InferenceRequest,
     Routed,
     Started,
     Stolen,
     dispatch_subject,
     encode,
+    failed,
     is_terminal,
     msg_id,
+    routed,
     router_max_deliveries,
 )
 from ._capacity import Slot
@@ -138,48 +139,58 @@ class Dispatcher:
         """Dispatch ``item`` to the slot's backend, log the ``routed`` decision, ack it.
 
         ``probe``: the backend's circuit is half-open and this call is its probe.
-
         Both go under per-attempt message ids, so a bind repeated for the same
-        attempt stores neither twice. A first delivery in this term publishes
-        both at once (the decision right behind the dispatch). A request that
-        may have been bound before (delivered again, or stored before this term
-        began) keeps a decision already logged for its attempt (its dispatch
-        goes to that backend), and otherwise logs its decision only once its
-        dispatch is stored: a duplicate means an earlier bind's dispatch
-        stands, and the decision names that one's backend, never one the
-        request was not sent to.
+        attempt stores neither twice (:meth:`_send`).
         """
         request = item.request
-        level_wait = max(0.0, now - item.submitted)
         attempt = request.requeues + 1  # a preempted request is bound anew
+        tokens = 0 if reserved is None else reserved.cost.tokens
         dispatch = Dispatch(
             request=request,
             backend=slot.backend,
             attempt=attempt,
             routed_at=now,
             effective_rank=item.key(now, self._policies)[0],
-            reserved_tokens=0 if reserved is None else reserved.cost.tokens,
+            reserved_tokens=tokens,
             probe=probe,
         )
-        routed = Routed(
-            request_id=request.id,
-            tenant=request.tenant,
+        decision = routed(
+            request,
             at=now,
             backend=slot.backend,
             attempt=attempt,
             priority=level,
-            queue_wait=level_wait,
+            queue_wait=max(0.0, now - item.submitted),
             reason=reason,
             router=self._holder,
             term=term,
-            reserved_tokens=0 if reserved is None else reserved.cost.tokens,
+            reserved_tokens=tokens,
             probe=probe,
             complexity_estimate=item.estimate,
             predicted=predicted,
             estimated_cost=estimated_cost,
-            split=request.split or "",
-            arm=request.route if request.split is not None else "",
         )
+        await self._send(item, slot, dispatch, decision, reserved)
+
+    async def _send(
+        self,
+        item: Held,
+        slot: Slot,
+        dispatch: Dispatch,
+        decision: Routed,
+        reserved: Reserved | None,
+    ) -> None:
+        """Publish ``dispatch`` and its ``decision``, then ack the request.
+
+        A first delivery in this term publishes both at once (the decision
+        right behind the dispatch). A request that may have been bound before
+        (delivered again, or stored before this term began) keeps a decision
+        already logged for its attempt (its dispatch goes to that backend),
+        and otherwise logs its decision only once its dispatch is stored: a
+        duplicate means an earlier bind's dispatch stands, and the decision
+        names that one's backend, never one the request was not sent to.
+        """
+        request = item.request
         meta = item.msg.metadata
         # Delivered before, or stored before this term began: an earlier bind
         # (this router's, or a binder's before it) may have dispatched it or
@@ -189,22 +200,24 @@ class Dispatcher:
         backend: str | None = None
         try:
             if maybe_bound:
-                logged_to = await self._logged_backend(request, attempt)
+                logged_to = await self._logged_backend(request, dispatch.attempt)
                 if logged_to is not None and logged_to != slot.backend:
                     # Its decision is in the log: it stands (the dispatch goes there).
                     dispatch = msgspec.structs.replace(dispatch, backend=logged_to)
-                    routed = msgspec.structs.replace(routed, backend=logged_to)
+                    decision = msgspec.structs.replace(decision, backend=logged_to)
             sent = await self._js.publish_async(
                 dispatch_subject(dispatch.backend),
                 encode(dispatch),
-                headers={"Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", attempt)},
+                headers={
+                    "Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", dispatch.attempt)
+                },
             )
             shielded = asyncio.shield(sent)  # a timeout stops the wait, not the ack (finally)
             if maybe_bound:
                 ack = await self._kept_alive(item.msg, shielded)
-                backend = await self._log_decision(item, routed, ack, reserved)
+                backend = await self._log_decision(item, decision, ack, reserved)
             else:
-                backend = await self._append_decision(item, routed, reserved, shielded)
+                backend = await self._append_decision(item, decision, reserved, shielded)
             await item.msg.ack()
         except Exception as exc:  # noqa: BLE001 - the request goes back to wait, nothing lost
             await self._dispatch_failed(item, exc)
@@ -216,8 +229,8 @@ class Dispatcher:
         self._dispatch_failures.pop(msg_id(request.tenant, request.id), None)
         if backend is not None:
             self.routed += 1
-            metrics.ROUTED.labels(backend, level).inc()
-            metrics.QUEUE_WAIT.labels(level).observe(level_wait)
+            metrics.ROUTED.labels(backend, decision.priority).inc()
+            metrics.QUEUE_WAIT.labels(decision.priority).observe(decision.queue_wait)
 
     async def _log_decision(
         self, item: Held, routed: Routed, ack: PubAck, reserved: Reserved | None
@@ -362,9 +375,9 @@ class Dispatcher:
             )
             await self._end_request(
                 request,
-                Failed(
-                    request_id=request.id,
-                    tenant=request.tenant,
+                failed(
+                    request.id,
+                    request.tenant,
                     at=self._clock(),
                     error_type="undeliverable",
                     reason=f"could not hand the request to a backend: {exc}"[:1000],

@@ -1,0 +1,149 @@
+"""How a request ends at the router: expired or cancelled while it waits, or rejected.
+
+:class:`Endings` records a request's terminal event (built by the
+constructors of :mod:`renqueue.schema`) and then acks its message. A
+coalescing leader's followers get their outcome first (:meth:`Endings.end`),
+so a crash in between cannot strand them; a rejected request is also
+dead-lettered. An ending that cannot be recorded naks the message: the
+request is delivered again, and ended then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+from ... import metrics
+from ...broker import EventLog, Message
+from ...coordination import Coalescer, coalesce_key
+from ...errors import NatsError
+from ...logs import get_logger
+from ...schema import Event, InferenceRequest, cancelled, expired, rejected
+
+__all__ = ["Endings"]
+
+log = get_logger("router")
+
+
+class Endings:
+    """Records how requests end at this router (see the module docstring)."""
+
+    def __init__(
+        self, events: EventLog, coalescer: Coalescer, *, clock: Callable[[], float]
+    ) -> None:
+        self._log = events
+        self._coalescer = coalescer
+        self._clock = clock
+        #: Requests this router rejected.
+        self.rejected = 0
+
+    async def end(self, request: InferenceRequest, event: Event) -> None:
+        """Record a request's terminal event; a coalescing leader's followers
+        get their outcome first (so a crash in between cannot strand them)."""
+        key = coalesce_key(request)
+        if key is not None:
+            await self._coalescer.leader_ended(request.tenant, request.id, key, event)
+        await self._log.finish(event)
+
+    async def cancel(self, msg: Message, request: InferenceRequest) -> None:
+        """End a request cancelled before it was routed."""
+        event = cancelled(
+            request.id,
+            request.tenant,
+            at=self._clock(),
+            stage="queued",
+            reason="cancelled by request before it was routed",
+        )
+        metrics.TERMINAL.labels("cancelled").inc()
+        try:
+            await self.end(request, event)
+            await msg.ack()
+        except Exception:
+            log.exception("could not record cancellation", request_id=request.id)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
+
+    async def reject(
+        self,
+        msg: Message,
+        request_id: str,
+        tenant: str,
+        error: Exception,
+        *,
+        request: InferenceRequest | None = None,
+    ) -> bool:
+        """Dead-letter ``msg`` and end its request ``rejected``; False when that
+        could not be recorded (``msg`` is delivered again). Given the decoded
+        ``request`` (one taken before, that may lead a coalescing group), its
+        followers get their outcome first, as :meth:`end` does; if that
+        raises for a reason other than the broker (the request's own bug), the
+        request is ended all the same and the followers are left to their
+        deadlines or the advisory reader."""
+        code = getattr(error, "code", "malformed")
+        self.rejected += 1
+        metrics.REJECTED.labels(code).inc()
+        metrics.TERMINAL.labels("rejected").inc()
+        log.warning("request rejected", request_id=request_id, error_type=code, reason=str(error))
+        try:
+            await self._log.dead_letter(
+                "requests",
+                msg.data,
+                reason=f"{code}: {error}",
+                source_subject=msg.subject,
+                source_seq=msg.metadata.sequence.stream,
+                tenant=tenant,
+                request_id=request_id,
+            )
+            event = rejected(
+                request_id,
+                tenant,
+                at=self._clock(),
+                error_type=code,
+                reason=str(error)[:1000],
+            )
+            if request is None:
+                await self._log.finish(event)
+            else:
+                try:
+                    await self.end(request, event)
+                except NatsError:
+                    raise
+                except Exception:
+                    log.exception(
+                        "could not hand the rejection to followers", request_id=request_id
+                    )
+                    await self._log.finish(event)
+            await msg.ack()
+        except Exception as exc:
+            log.exception("could not record rejection", request_id=request_id, error=str(exc))
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
+            return False
+        return True
+
+    async def expire(
+        self,
+        msg: Message,
+        request: InferenceRequest,
+        now: float,
+        *,
+        reason: str = "deadline passed while waiting to be routed",
+    ) -> None:
+        """End a request whose deadline passed while it waited to be routed."""
+        event = expired(
+            request.id,
+            request.tenant,
+            at=now,
+            stage="queued",
+            reason=reason,
+            split=request.split or "",
+            arm=request.route if request.split is not None else "",
+        )
+        metrics.TERMINAL.labels("expired").inc()
+        try:
+            await self.end(request, event)
+            await msg.ack()
+        except Exception as exc:
+            log.exception("could not record expiry", request_id=request.id, error=str(exc))
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)

@@ -1,0 +1,381 @@
+"""The intake: fetching requests from the level subjects and admitting them to the hold.
+
+While a term runs, one long-poll fetch loop per level (:meth:`Intake.fetch_loop`)
+feeds the hold, bounded per level so batch work can never crowd out a
+critical fetch, and only while the dispatch loop runs to bind what it holds
+and the lease is valid. Each request fetched is read (``_admission``:
+validation, the wait measured in server time, the parent's priority) and
+checked against its tenant's hard daily budget; its ``submitted`` event, the
+log's first word on it, is written; then it is settled at once if it is
+already past its deadline or cancelled, joins a coalescing group if it
+follows another's call, or is placed (its A/B arm and tier, ``_placement``)
+and held for the round.
+
+A request the router fails on for a reason other than the broker (a bug it
+triggers) is delivered again after a pause, and after
+:data:`UNTAKEABLE_AFTER` failures rejected as ``unprocessable`` with a dead
+letter, so it can never stop its level's loop, the process, or the process
+after a restart.
+
+It also takes the words about held requests: a cancellation drops one at once
+(:meth:`Intake.on_cancel_requested`), and a boost lifts a coalescing leader
+to its follower's level (:meth:`Intake.on_boost`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Final
+
+import msgspec
+
+from ...broker import Message, PubAck, PullSubscription
+from ...coordination import CancelWatch, Coalescer, coalesce_key
+from ...errors import (
+    BudgetExhaustedError,
+    NatsError,
+    NatsPayloadTooLargeError,
+    UnprocessableRequestError,
+)
+from ...logs import get_logger, misdirected
+from ...policy import affordable, day_ends, refused
+from ...schema import (
+    FETCH_TIMEOUT,
+    REQUEST_DECODER,
+    SHUTDOWN_NAK_DELAY,
+    CancelRequested,
+    Coalesced,
+    InferenceRequest,
+    Submitted,
+    boost_subject,
+    request_limit,
+    subject_matches,
+)
+from ...tasks import Supervisor
+from ._admission import Refused, admit, arrival, parent_of, rejection_id, subject_token
+from ._hold import BOOST_DECODER, Held, stored_at
+from ._parts import Parts
+
+__all__ = ["UNTAKEABLE_AFTER", "Intake"]
+
+#: Failures to take a request (not for the broker's sake) before it is
+#: rejected as ``unprocessable``; delivered again 2 s, then 4 s after each.
+UNTAKEABLE_AFTER: Final = 3
+#: Requests whose failures to take are counted, at most (the oldest forgotten).
+_TAKE_FAILURES_KEPT: Final = 1024
+
+log = get_logger("router")
+
+
+class Intake:
+    """Fetches and admits requests into the hold (see the module docstring)."""
+
+    def __init__(
+        self,
+        parts: Parts,
+        *,
+        name: str,
+        supervisor: Supervisor,
+        coalescer: Coalescer,
+        cancels: CancelWatch | None,
+    ) -> None:
+        self._parts = parts
+        self._nc = parts.nc
+        self._js = parts.js
+        self._config = parts.config
+        self._clock = parts.clock
+        self._log = parts.log
+        self._hold = parts.hold
+        self._endings = parts.endings
+        self._supervisor = supervisor
+        self._coalescer = coalescer
+        self._cancels = cancels
+        #: The prefix of the names of this router's one-off jobs (under the supervisor).
+        self.job_prefix = f"{name}:job:"
+        #: Timers that expire coalesced followers at their deadlines.
+        self._follower_timers: set[asyncio.TimerHandle] = set()
+        #: Failures to take each request (by stream sequence) so far: see _untakeable.
+        self._take_failures: dict[int, int] = {}
+
+    def stop_timers(self) -> None:
+        """Cancel the followers' deadline timers (the router stops): one that
+        fired later would spawn a job on a connection about to be left."""
+        for timer in self._follower_timers:
+            timer.cancel()
+        self._follower_timers.clear()
+
+    async def fetch_loop(self, level: str, psub: PullSubscription) -> None:
+        """Fetch level ``level`` into the hold. A failed call (a pull, the
+        ``submitted`` publish) ends the loop for the supervisor to restart;
+        the rest of the batch is handed back first."""
+        batch = self._config.router.fetch_batch
+        rank = self._config.priority_rank(level)
+        while True:
+            # Nothing is taken while no dispatch loop runs to bind it, nor
+            # while the lease may be another router's.
+            await self._parts.dispatching.wait()
+            await self._parts.lease.until_valid()
+            room = self._hold.room(level)
+            if room <= 0:
+                await self._hold.wait_for_room(level)
+                continue
+            try:
+                msgs = await psub.fetch(batch=min(room, batch), timeout=FETCH_TIMEOUT)
+            except TimeoutError:
+                continue
+            now = self._clock()
+            pending = deque(msgs)
+            try:
+                while pending:
+                    head = pending[0]
+                    try:
+                        await self._take(head, level, rank, now)
+                    except NatsPayloadTooLargeError as exc:  # this request's, not the broker's
+                        await self._untakeable(head, exc)
+                    except NatsError:
+                        raise  # the broker's: the loop restarts (and the batch goes back)
+                    except Exception as exc:  # noqa: BLE001 - one request must never stop a level
+                        await self._untakeable(head, exc)
+                    else:
+                        self._take_failures.pop(head.metadata.sequence.stream, None)
+                    pending.popleft()
+            except BaseException:
+                # Failed or stopped mid-batch: what was not taken goes back now,
+                # not after a whole ack_wait.
+                for msg in pending:
+                    with contextlib.suppress(Exception):
+                        await msg.nak(delay=SHUTDOWN_NAK_DELAY)
+                raise
+            finally:
+                self._parts.wake.set()
+
+    async def _untakeable(self, msg: Message, exc: Exception) -> None:
+        """Taking ``msg`` failed for a reason other than the broker (a bug the
+        request triggers): it is delivered again after a pause, and after
+        :data:`UNTAKEABLE_AFTER` failures (counted by this router, whatever
+        its deliveries in between) ended, rejected as ``unprocessable`` with a
+        dead letter, so it can never stop its level's loop, the process, or
+        the process after a restart."""
+        seq = msg.metadata.sequence.stream
+        failures = self._take_failures.pop(seq, 0) + 1
+        while len(self._take_failures) >= _TAKE_FAILURES_KEPT:
+            del self._take_failures[next(iter(self._take_failures))]
+        request_id, tenant = rejection_id(msg)
+        request = None
+        with contextlib.suppress(msgspec.DecodeError):
+            request = REQUEST_DECODER.decode(msg.data)
+            request_id = request.id
+        bound = log.bind(request_id=request_id, tenant=tenant, failures=failures, error=repr(exc))
+        if failures < UNTAKEABLE_AFTER:
+            bound.exception("could not take a request; it will be delivered again")
+            self._take_failures[seq] = failures
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=2.0**failures)
+            return
+        bound.exception("could not take a request, again and again; rejecting it")
+        error = UnprocessableRequestError(
+            f"the router failed on it {failures} times ({type(exc).__name__}); "
+            "ended so that it stops no one else's request",
+            request_id=request_id,
+        )
+        valid = request is not None and request.tenant == tenant
+        if not await self._endings.reject(
+            msg, request_id, tenant, error, request=request if valid else None
+        ):
+            self._take_failures[seq] = failures  # not recorded: rejected at its next failure
+
+    async def _take(self, msg: Message, level: str, rank: int, now: float) -> None:
+        """Admit one fetched request: log it, settle it, or hold it for dispatch."""
+        if self._hold.holds_message(msg):
+            # Delivered again while held (a nak from a router that lost the
+            # lease, an ack timer that ran out): the held one stands for it.
+            return
+        request = await self._admit(msg, level, now)
+        if request is None:
+            return
+        arrived = await arrival(self._js, msg, request)
+        submitted = arrived.submitted
+        if arrived.paused is not None:
+            # Put back because that backend's quota is spent: nothing goes
+            # there before it comes back, whatever the projection says.
+            self._parts.ledger.pause(*arrived.paused)
+        # The log's first word on a request, written by whoever reads it
+        # first, so it always precedes its `routed` event (a redelivery
+        # writes it again under the same message id: stored once).
+        logged = await self._log.append_async(
+            Submitted(request_id=request.id, tenant=request.tenant, at=submitted, request=request)
+        )
+        if await self._settle_on_read(msg, request, logged, now, since=submitted):
+            return
+        if await self._follows(msg, request, logged, now):
+            return
+        request, estimate = self._parts.placement.place(request, self._parts.live())
+        self._hold.add(
+            level,
+            Held(
+                msg=msg,
+                request=request,
+                rank=rank,
+                submitted=submitted,
+                touched=now,
+                logged=logged,
+                parent=await parent_of(self._js, request, self._config),
+                estimate=estimate,
+            ),
+        )
+
+    async def _admit(self, msg: Message, level: str, now: float) -> InferenceRequest | None:
+        """Decode and validate one request; reject it (terminally) if it is bad,
+        or if it is new and its tenant's hard daily budget is spent."""
+        admitted = admit(msg, level, self._config, max_bytes=request_limit(self._nc.max_payload))
+        if isinstance(admitted, Refused):
+            await self._endings.reject(msg, *admitted)
+            return None
+        spending = self._parts.spending
+        budget = spending.budget(admitted.tenant)
+        projected = self._parts.live()
+        if budget is None or projected is None or admitted.requeues > 0:
+            return admitted
+        spent = spending.spent(projected, admitted.tenant, now)
+        route = self._config.routes[admitted.route].backends
+        priced = [self._config.backends[name] for name in route]
+        if not refused(budget, spent) and affordable(admitted, priced, budget, spent):
+            return admitted
+        # Only a new request: one admitted before (its `submitted` event is
+        # logged) and handed back by a restart or a lease change is held to
+        # what its budget allows. (Delivery counts do not tell: a consumer
+        # made again counts from 1.)
+        if await self._log.history(admitted.tenant, admitted.id, kind="submitted"):
+            return admitted
+        error = BudgetExhaustedError(
+            admitted.tenant, budget.daily, spent, day_ends(now), request_id=admitted.id
+        )
+        await self._endings.reject(msg, admitted.id, admitted.tenant, error)
+        return None
+
+    async def _settle_on_read(
+        self,
+        msg: Message,
+        request: InferenceRequest,
+        logged: asyncio.Future[PubAck],
+        now: float,
+        *,
+        since: float,
+    ) -> bool:
+        """End a request that is already past its deadline or cancelled when read.
+
+        After its ``submitted`` event, so the log still starts with it.
+        ``since``: when its wait began (server time); a cancellation older
+        than what the watch holds is looked up in the log.
+        """
+        expired = request.deadline is not None and now >= request.deadline
+        cancelled = self._cancels is not None and await self._cancels.was_cancelled(
+            request.tenant, request.id, since=since
+        )
+        if not (expired or cancelled):
+            return False
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(logged, 10.0)
+        if expired:
+            await self._endings.expire(msg, request, now)
+        else:
+            await self._endings.cancel(msg, request)
+        return True
+
+    async def _follows(
+        self, msg: Message, request: InferenceRequest, logged: asyncio.Future[PubAck], now: float
+    ) -> bool:
+        """Join the request's coalescing group; True if it follows another's call."""
+        key = coalesce_key(request)
+        if key is None:
+            return False
+        try:
+            leader = await self._coalescer.join(request, key)
+        except Exception as exc:  # noqa: BLE001 - coalescing is an optimisation
+            log.warning("coalescing failed; the request runs alone", error=str(exc))
+            return False
+        if leader is None:
+            return False
+        try:
+            await asyncio.wait_for(logged, 10.0)
+            await self._log.append(
+                Coalesced(request_id=request.id, tenant=request.tenant, at=now, leader=leader)
+            )
+            await msg.ack()
+            # A cancellation read after _settle_on_read looked, and before the
+            # `coalesced` event above was stored, found the request neither
+            # held nor a follower: look again, now that it is one.
+            if self._cancels is not None and self._cancels.is_cancelled(request.tenant, request.id):
+                self._end_follower_cancelled(request.tenant, request.id)
+            self._expire_follower_at_deadline(request, key)
+            # Whichever router holds the leader lifts it to this follower's level.
+            boost = {"leader": leader, "rank": self._config.priority_rank(request.priority)}
+            await self._nc.publish(
+                boost_subject(request.tenant),
+                msgspec.json.encode({**boost, "submitted": stored_at(msg)}),
+            )
+        except Exception as exc:  # noqa: BLE001 - redelivered; join() knows it already
+            log.warning("could not record coalescing; will retry", error=str(exc))
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=0.5)
+        return True
+
+    def _expire_follower_at_deadline(self, request: InferenceRequest, key: str) -> None:
+        """A follower waits on another request's call, held by no router: this
+        router ends it at its deadline (if it dies, the hand-out does, late)."""
+        if request.deadline is None:
+            return
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, request.deadline - self._clock())
+
+        def fire() -> None:
+            self._follower_timers.discard(handle)
+            self._spawn_job(
+                f"follower-expired-{request.tenant}:{request.id}",
+                functools.partial(self._coalescer.follower_expired, request, key),
+            )
+
+        handle = loop.call_later(delay, fire)
+        self._follower_timers.add(handle)
+
+    async def on_boost(self, msg: Message) -> None:
+        """A coalescing follower's word: lift its leader, if held here, to its level."""
+        if not subject_matches(boost_subject("*"), msg.subject):
+            misdirected("boost", msg.subject)  # delivered by a tenant's consumer
+            return
+        try:
+            boost = BOOST_DECODER.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if self._hold.boost(subject_token(msg.subject, 2), boost):
+            self._parts.wake.set()
+
+    def on_cancel_requested(self, event: CancelRequested) -> None:
+        """Drop a held request at once; later reads check the watch on admission.
+
+        The watch passes only events whose tenant and id are their subject's,
+        and the match is on both: a tenant never cancels another's request. A
+        request held nowhere may be a coalesced follower: it ends on its own.
+        """
+        item = self._hold.remove_request(event.tenant, event.request_id)
+        if item is not None:
+            self._parts.inflight.spawn(self._endings.cancel(item.msg, item.request))
+            return
+        self._end_follower_cancelled(event.tenant, event.request_id)
+
+    def _end_follower_cancelled(self, tenant: str, request_id: str) -> None:
+        """End a cancelled coalesced follower (if it is one), retried until done."""
+
+        async def end() -> None:
+            await self._coalescer.follower_cancelled(tenant, request_id)
+
+        self._spawn_job(f"follower-cancelled-{tenant}:{request_id}", end)
+
+    def _spawn_job(self, what: str, factory: Callable[[], Any]) -> None:
+        """Run idempotent one-off work under the supervisor: retried with a
+        capped backoff until it succeeds (see :meth:`Supervisor.spawn_job`)."""
+        self._supervisor.spawn_job(f"{self.job_prefix}{what}", factory)
