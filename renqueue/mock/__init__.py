@@ -4,7 +4,7 @@ Needs the ``mock`` extra (aiohttp).
 
 - :class:`MockBackend` (``_server``): a server on loopback speaking the
   OpenAI API and, at their own paths, Anthropic's, Ollama's, TGI's and Gemini's
-  (``_dialects``), with declared limits and real 429s (``_rate_limits``);
+  (``dialects``, one module per provider), with declared limits and real 429s (``_rate_limits``);
   :class:`FaultSpec` (``_fault_injection``) the faults it injects on demand.
 """
 

@@ -10,8 +10,9 @@ bad body does not). A fault comes before every other check (API key, model,
 limits) and is never charged against the rate limits.
 
 The kinds and what each puts on the wire in the OpenAI format (the other
-providers' forms of each are :mod:`._mockdialects`'; ``after_tokens``,
-``drip_gap`` and ``retry_after`` are fields of :class:`FaultSpec`):
+providers' forms of each are in :mod:`.dialects`, one module each;
+``after_tokens``, ``drip_gap`` and ``retry_after`` are fields of
+:class:`FaultSpec`):
 
 - ``ok``: a normal answer.
 - ``500``: 500, OpenAI's ``{"error": {"message": "The server had an error while

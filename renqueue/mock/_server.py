@@ -2,7 +2,7 @@
 
 It speaks the OpenAI chat-completions API and, at their own paths, Anthropic
 Messages, Ollama's ``/api/chat``, TGI's ``/generate_stream`` and Gemini's
-``streamGenerateContent`` (``_dialects`` has each wire format; every
+``streamGenerateContent`` (``dialects`` has each wire format; every
 setting and fault below applies to each). It behaves like the providers
 Ren-Queue routes to, in the ways routing cares about: time to first token and
 token rate, declared rate limits enforced with real 429s and rate-limit
@@ -20,7 +20,7 @@ instead of (OpenAI) or after (Ollama) its text when it asks for one:
 tool, and otherwise a last user message saying ``call <name>`` calls the
 tool of that name (``tool_choice: "none"`` never calls one). The call's
 arguments are ``{"text": "tok0 tok1 ..."}`` (the answer's tokens, streamed
-in pieces, one per token: ``_dialects.tool_arguments``) and its finish
+in pieces, one per token: ``dialects.tool_arguments``) and its finish
 reason ``tool_calls``. OpenAI requests with ``logprobs`` get log
 probabilities (``top_logprobs`` alternatives each). The request's tools,
 tool calls, tool results, images and response format are checked against
@@ -98,17 +98,6 @@ from aiohttp import web
 from msgspec import Meta, Struct
 
 from ..logs import get_logger
-from ._dialects import (
-    DIALECTS,
-    Call,
-    Dialect,
-    ErrorKind,
-    Frames,
-    GeminiDialect,
-    Reply,
-    Target,
-    token_text,
-)
 from ._fault_injection import (
     STREAM_ONLY,
     FaultKind,
@@ -124,6 +113,17 @@ from ._rate_limits import (
     limit_headers,
     quota_exhausted,
     rate_limited,
+)
+from .dialects import (
+    DIALECTS,
+    Call,
+    Dialect,
+    ErrorKind,
+    Frames,
+    GeminiDialect,
+    Reply,
+    Target,
+    token_text,
 )
 
 __all__ = ["MockBackend", "MockSettings", "MockStats", "format_reset", "run_mock_backend", "serve"]
