@@ -61,21 +61,21 @@ Endpoints (``MockBackend.url_for(adapter)`` is an adapter's ``base_url``)::
 Why aiohttp: its server is a mature asyncio HTTP/1.1 server whose
 ``StreamResponse`` writes SSE from a plain coroutine, with keep-alive and low
 per-request overhead (a C HTTP parser), so one process outruns the pipeline it
-feeds. It is the optional ``mock`` extra and imported only here; nothing else
-in Ren-Queue depends on it.
+feeds. It is the optional ``mock`` extra and imported only by the mock;
+nothing else in Ren-Queue depends on it.
 
-Speed matters (a benchmark must measure the pipeline, not this server): the
-SSE chunk bytes for each token are built once per process, a request only
-glues a per-request prefix to them, and an instant (``tokens_per_second=0``)
-stream goes out in a single write.
+The parts: :class:`MockBackend` here (the server's lifecycle, its settings and
+admin endpoints, and each chat request's way in: its body, key and model, a
+fault, the limits); :class:`~._settings.MockSettings` and ``MockStats``
+(``_settings``); the declared limits' token buckets (``_buckets``); the
+answers, written at the configured pace (``_answers``); each provider's wire
+format (``dialects``).
 
-Rate limits are token buckets, as OpenAI describes its own: ``rpm = N`` means
-a bucket of ``N`` requests refilled continuously at ``N / 60`` per second (the
-same for ``tpm`` and tokens, and for ``rpd`` over a day); the reset reported
-is the time until the bucket is full again. A request is charged, when admitted, one request and
-``prompt_tokens + completion_tokens`` tokens (prompt tokens = prompt characters
-/ 4, rounded up; completion tokens = the planned output length). Rejected
-requests (429, 400, busy) are not charged.
+Rate limits are token buckets, as OpenAI describes its own (``_buckets``). A
+request is charged, when admitted, one request and ``prompt_tokens +
+completion_tokens`` tokens (prompt tokens = prompt characters / 4, rounded
+up; completion tokens = the planned output length). Rejected requests (429,
+400, busy) are not charged.
 """
 
 from __future__ import annotations
@@ -84,20 +84,17 @@ import asyncio
 import contextlib
 import enum
 import itertools
-import math
 import random
-import socket
-import struct
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Annotated, Any, Final, Literal, Self
+from typing import Any, Final, Self
 
 import msgspec
 from aiohttp import web
-from msgspec import Meta, Struct
 
 from ..logs import get_logger
+from ._answers import Answers, Plan, error_response, plan_answer, raw_error, reset
+from ._buckets import DeclaredLimits
 from ._fault_injection import (
     STREAM_ONLY,
     FaultKind,
@@ -106,189 +103,16 @@ from ._fault_injection import (
     parse_fault_rates,
     parse_fault_script,
 )
-from ._rate_limits import (
-    MockLimitStyle,
-    Quota,
-    format_reset,
-    limit_headers,
-    quota_exhausted,
-    rate_limited,
-)
-from .dialects import (
-    DIALECTS,
-    Call,
-    Dialect,
-    ErrorKind,
-    Frames,
-    GeminiDialect,
-    Reply,
-    Target,
-    token_text,
-)
+from ._rate_limits import MockLimitStyle, format_reset
+from ._settings import Counters, MockSettings, MockStats
+from .dialects import DIALECTS, Call, Dialect, GeminiDialect, Target
 
 __all__ = ["MockBackend", "MockSettings", "MockStats", "format_reset", "run_mock_backend", "serve"]
 
 _log = get_logger("mock-backend")
 
-Seconds = Annotated[float, Meta(ge=0)]
-Limit = Annotated[int, Meta(ge=0)]
-
-
-class MockSettings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How the mock behaves. Zero means "off" / "unlimited" for limits and rates.
-
-    - ``models``: names accepted (others get 404 ``model_not_found``); empty = any.
-    - ``ttft``: seconds before the first token.
-    - ``tokens_per_second``: generation speed; 0 = all tokens at once.
-    - ``output_tokens``: answer length; a request's ``max_tokens`` (or
-      ``max_completion_tokens``) caps it, and then ``finish_reason`` is ``"length"``.
-    - ``failure_rate``: share of admitted requests answered ``failure_status``
-      (500) with an OpenAI-style error body.
-    - ``seed``: seeds the failure draws, for reproducible runs.
-    - ``rpm`` / ``tpm``: declared requests and tokens per minute, enforced with
-      429s (see the module docstring).
-    - ``concurrency``: requests generating at once; beyond it,
-      ``busy_status`` (429 like a provider, or 503 like an overloaded server).
-    - ``require_api_key``: when set, requests without ``Authorization: Bearer
-      <it>`` get 401, whose message echoes the key sent (as some providers
-      do), so tests can prove clients scrub keys from errors.
-    - ``rpd``: declared requests per day (a bucket refilled over 24 hours),
-      enforced with 429s like ``rpm``.
-    - ``limit_style``: the provider dialect of the rate-limit headers and 429
-      bodies (``openai``, ``groq``, ``cerebras``, ``openrouter``,
-      ``openrouter-body``, ``anthropic``, ``gemini``, ``ietf``: see
-      :mod:`._mocklimits` and docs/rate-limits.md).
-    - ``quota_exhausted``: every chat request is refused with the dialect's
-      quota-exhausted 429 (OpenAI ``insufficient_quota``, a per-day Gemini
-      quota id, daily counters at 0 until UTC midnight), and not charged.
-    - ``faults``: scripted and random faults (:class:`._mockfaults.FaultSpec`;
-      the kinds and their wire formats are in :mod:`._mockfaults`). Setting
-      it at run time replaces it whole and starts its script over.
-    - ``down``: every connection to a chat path, ``/v1/models`` and ``/health`` is reset, as a
-      backend that is down (``/stats`` and ``/admin/settings`` still answer).
-    - ``context_window``: prompts estimated over this many tokens (characters
-      / 4) get OpenAI's ``context_length_exceeded`` 400; 0 = no limit.
-    """
-
-    models: tuple[str, ...] = ()
-    ttft: Seconds = 0.0
-    tokens_per_second: Seconds = 0.0
-    output_tokens: Annotated[int, Meta(ge=0, le=1_000_000)] = 16
-    failure_rate: Annotated[float, Meta(ge=0, le=1)] = 0.0
-    failure_status: Annotated[int, Meta(ge=400, le=599)] = 500
-    seed: int | None = None
-    rpm: Limit = 0
-    tpm: Limit = 0
-    #: The window ``rpm`` and ``tpm`` count over, in seconds (60: per minute;
-    #: shorter compresses the clock, as tests and benchmarks do).
-    rate_window: Annotated[float, Meta(gt=0)] = 60.0
-    concurrency: Limit = 0
-    busy_status: Literal[429, 503] = 429
-    require_api_key: str | None = None
-    rpd: Limit = 0
-    limit_style: MockLimitStyle = "openai"
-    quota_exhausted: bool = False
-    faults: FaultSpec = msgspec.field(default_factory=FaultSpec)
-    down: bool = False
-    context_window: Limit = 0
-
-
-class MockStats(Struct, frozen=True, kw_only=True):
-    """Counters since start. ``rate_limited`` counts every 429 (rate or busy);
-    ``busy`` counts concurrency rejections (429 or 503); ``failed`` counts
-    injected failures; ``disconnects`` counts clients that went away before
-    their answer was complete (while sending the request, waiting or
-    streaming: a normal event, never logged as an error); ``last_request`` is
-    the last chat request body, as sent; ``faults`` counts injected faults by
-    kind (``down`` for connections reset while down), which are counted in
-    none of the other counters but ``requests``, ``streamed`` and
-    ``disconnects``.
-    """
-
-    requests: int = 0
-    streamed: int = 0
-    completed: int = 0
-    failed: int = 0
-    rate_limited: int = 0
-    busy: int = 0
-    bad_requests: int = 0
-    tokens_out: int = 0
-    in_flight: int = 0
-    max_in_flight_seen: int = 0
-    disconnects: int = 0
-    last_request: Any = None
-    faults: dict[str, int] = {}
-
-
-class _Counters:
-    __slots__ = (
-        "bad_requests",
-        "busy",
-        "completed",
-        "disconnects",
-        "failed",
-        "in_flight",
-        "max_in_flight_seen",
-        "rate_limited",
-        "requests",
-        "streamed",
-        "tokens_out",
-    )
-
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
-
-    requests: int
-    streamed: int
-    completed: int
-    failed: int
-    rate_limited: int
-    busy: int
-    bad_requests: int
-    tokens_out: int
-    in_flight: int
-    max_in_flight_seen: int
-    disconnects: int
-
-
-class _Plan(Struct, frozen=True, kw_only=True):
-    """What one admitted request will get: what its answer says, in which format."""
-
-    reply: Reply
-    dialect: Dialect
-    settings: MockSettings
-    #: The fault that shapes this answer (``drip``, ``break``, ...), if any.
-    fault: FaultKind | None = None
-
-
 _ENCODER: Final = msgspec.json.Encoder()
-#: The window rpd is counted over.
-_DAY: Final = 86400.0
 _OPENAI: Final = DIALECTS["openai"]
-
-
-class _Bucket:
-    """A token bucket: ``capacity`` per ``window`` seconds, refilled continuously."""
-
-    __slots__ = ("capacity", "level", "rate", "updated")
-
-    def __init__(self, capacity: int, window: float, now: float) -> None:
-        self.capacity = capacity
-        self.rate = capacity / window
-        self.level = float(capacity)
-        self.updated = now
-
-    def refill(self, now: float) -> None:
-        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
-        self.updated = now
-
-    def wait(self, need: int) -> float:
-        """Seconds until ``need`` fits (0 if it fits now)."""
-        return 0.0 if self.level >= need else (need - self.level) / self.rate
-
-    def reset(self) -> float:
-        return (self.capacity - self.level) / self.rate
 
 
 class _State(enum.Enum):
@@ -319,20 +143,19 @@ class MockBackend:
         self._shutdown_timeout = shutdown_timeout
         self._state = _State.UNOPENED
         self._runner: web.AppRunner | None = None
-        self._counters = _Counters()
+        self._counters = Counters()
         self._last_request: bytes | None = None
         self._ids = itertools.count()
         self._settings = MockSettings()
         self._rng = random.Random()
-        self._requests_bucket: _Bucket | None = None
-        self._tokens_bucket: _Bucket | None = None
-        self._daily_bucket: _Bucket | None = None
+        self._limits = DeclaredLimits()
         self._schedule = FaultSchedule(FaultSpec())
         #: Whether any fault setting is on: the one check a request pays without.
         self._faulty = False
         self._fault_counts: dict[str, int] = {}
         #: Set on close: hung requests let go of their connections.
         self._closing = asyncio.Event()
+        self._answers = Answers(self._counters, self._closing)
         self._apply(settings or MockSettings())
 
     # ----------------------------------------------------------- lifecycle
@@ -412,23 +235,8 @@ class MockBackend:
         return settings
 
     def stats(self) -> MockStats:
-        c = self._counters
         last = msgspec.json.decode(self._last_request) if self._last_request else None
-        return MockStats(
-            requests=c.requests,
-            streamed=c.streamed,
-            completed=c.completed,
-            failed=c.failed,
-            rate_limited=c.rate_limited,
-            busy=c.busy,
-            bad_requests=c.bad_requests,
-            tokens_out=c.tokens_out,
-            in_flight=c.in_flight,
-            max_in_flight_seen=c.max_in_flight_seen,
-            disconnects=c.disconnects,
-            last_request=last,
-            faults=dict(self._fault_counts),
-        )
+        return self._counters.stats(last_request=last, faults=dict(self._fault_counts))
 
     def _apply(self, settings: MockSettings, *, restart_faults: bool = False) -> None:
         """Install settings; new limits start with full buckets, a new seed reseeds,
@@ -441,18 +249,7 @@ class MockBackend:
             settings.seed != old.seed or self._state is _State.UNOPENED
         ):
             self._rng.seed(settings.seed)
-        now = time.monotonic()
-        window_changed = settings.rate_window != old.rate_window
-        if self._state is _State.UNOPENED or settings.rpm != old.rpm or window_changed:
-            self._requests_bucket = (
-                _Bucket(settings.rpm, settings.rate_window, now) if settings.rpm else None
-            )
-        if self._state is _State.UNOPENED or settings.tpm != old.tpm or window_changed:
-            self._tokens_bucket = (
-                _Bucket(settings.tpm, settings.rate_window, now) if settings.tpm else None
-            )
-        if self._state is _State.UNOPENED or settings.rpd != old.rpd:
-            self._daily_bucket = _Bucket(settings.rpd, _DAY, now) if settings.rpd else None
+        self._limits.apply(settings, old, fresh=self._state is _State.UNOPENED)
         self._settings = settings
 
     # ----------------------------------------------------------- handlers
@@ -482,30 +279,9 @@ class MockBackend:
                 raise msgspec.ValidationError("expected a JSON object of settings")
             settings = self.update(**changes)
         except (msgspec.DecodeError, TypeError) as exc:
-            return _error(_OPENAI, 400, "bad_request", f"invalid settings: {exc}")
+            return error_response(_OPENAI, 400, "bad_request", f"invalid settings: {exc}")
         _log.info("mock settings changed", changes=sorted(changes))
         return web.Response(body=_ENCODER.encode(settings), content_type="application/json")
-
-    def _buckets(self) -> list[tuple[str, float, _Bucket]]:
-        """The declared buckets, as (kind, window, bucket)."""
-        return [
-            (kind, window, bucket)
-            for kind, window, bucket in (
-                ("requests", self._settings.rate_window, self._requests_bucket),
-                ("tokens", self._settings.rate_window, self._tokens_bucket),
-                ("requests", _DAY, self._daily_bucket),
-            )
-            if bucket is not None
-        ]
-
-    def _quotas(self) -> list[Quota]:
-        """Every declared bucket as of now (refilled), for the limit headers."""
-        now = time.monotonic()
-        quotas = []
-        for kind, window, bucket in self._buckets():
-            bucket.refill(now)
-            quotas.append(_quota(kind, window, bucket))
-        return quotas
 
     def _style(self, dialect: Dialect) -> MockLimitStyle:
         """The rate-limit dialect of ``dialect``'s answers: its provider's, else ``limit_style``."""
@@ -513,7 +289,7 @@ class MockBackend:
 
     def _limit_headers(self, dialect: Dialect = _OPENAI) -> dict[str, str]:
         """The rate-limit headers of ``dialect`` for the declared limits, as of now."""
-        return limit_headers(self._style(dialect), self._quotas(), time.time())
+        return self._limits.headers(self._style(dialect))
 
     def _route(
         self, dialect: Dialect, target: Target
@@ -530,7 +306,7 @@ class MockBackend:
         if isinstance(target, str):
             self._counters.requests += 1
             self._counters.bad_requests += 1
-            return _error(dialect, 400, "bad_request", target)
+            return error_response(dialect, 400, "bad_request", target)
         return await self._chat(request, dialect, target)
 
     async def _chat(
@@ -551,15 +327,15 @@ class MockBackend:
         )
         if isinstance(admitted, web.Response):
             return admitted
-        return await self._run(request, body.stream, *admitted)
+        return await self._answers.run(request, body.stream, *admitted)
 
     def _admit(
         self, dialect: Dialect, body: Call, settings: MockSettings
-    ) -> tuple[_Plan, dict[str, str]] | web.Response:
+    ) -> tuple[Plan, dict[str, str]] | web.Response:
         """Charge the request and plan its answer; or a 429 when a limit refuses
         it, or the ``failure_rate`` error."""
         counters = self._counters
-        plan = _plan(f"{dialect.id_prefix}{next(self._ids)}", dialect, body, settings)
+        plan = plan_answer(f"{dialect.id_prefix}{next(self._ids)}", dialect, body, settings)
         tokens = plan.reply.prompt_tokens + plan.reply.completion_tokens
         if (limited := self._take_quota(dialect, tokens, body.model)) is not None:
             counters.rate_limited += 1
@@ -567,7 +343,7 @@ class MockBackend:
         headers = self._limit_headers(dialect)
         if settings.failure_rate and self._rng.random() < settings.failure_rate:
             counters.failed += 1
-            return _error(
+            return error_response(
                 dialect,
                 settings.failure_status,
                 "server_error",
@@ -575,23 +351,6 @@ class MockBackend:
                 headers,
             )
         return plan, headers
-
-    async def _run(
-        self, request: web.Request, stream: bool, plan: _Plan, headers: dict[str, str]
-    ) -> web.StreamResponse:
-        """Generate the answer, streamed or not (a faulted non-stream answer its way)."""
-        counters = self._counters
-        counters.in_flight += 1
-        counters.max_in_flight_seen = max(counters.max_in_flight_seen, counters.in_flight)
-        try:
-            if stream:
-                counters.streamed += 1
-                return await self._stream(request, headers, plan)
-            if plan.fault is None or plan.fault == "filtered":
-                return await self._complete(request, headers, plan)
-            return await self._complete_fault(request, headers, plan)
-        finally:
-            counters.in_flight -= 1
 
     async def _read_body(
         self, request: web.Request, dialect: Dialect, target: Target
@@ -601,12 +360,12 @@ class MockBackend:
             raw = await request.read()
         except ConnectionError:
             # The client went away before its request was in: nothing to answer.
-            return self._gone()
+            return self._answers.gone()
         try:
             body = dialect.decode(raw, target)
         except msgspec.DecodeError as exc:
             self._counters.bad_requests += 1
-            return _error(dialect, 400, "bad_request", f"invalid request body: {exc}")
+            return error_response(dialect, 400, "bad_request", f"invalid request body: {exc}")
         self._last_request = raw
         return body
 
@@ -620,10 +379,10 @@ class MockBackend:
             if given != settings.require_api_key:
                 # The message echoes the key sent, as some providers do.
                 message = f"Incorrect API key provided: {given}."
-                return _error(dialect, dialect.auth_status, "auth", message)
+                return error_response(dialect, dialect.auth_status, "auth", message)
         if dialect.names_model and settings.models and body.model not in settings.models:
             status, payload = dialect.not_found(body.model)
-            return _raw_error(status, payload, {})
+            return raw_error(status, payload, {})
         counters = self._counters
         if settings.quota_exhausted:
             counters.rate_limited += 1
@@ -633,7 +392,7 @@ class MockBackend:
             status = settings.busy_status
             if status == 429:
                 counters.rate_limited += 1
-            return _error(
+            return error_response(
                 dialect,
                 status,
                 "busy",
@@ -646,121 +405,18 @@ class MockBackend:
         self, dialect: Dialect, settings: MockSettings, model: str
     ) -> web.Response:
         """The dialect's quota-exhausted 429."""
-        headers, payload = quota_exhausted(
-            self._style(dialect), self._quotas(), daily=settings.rpd, model=model, now=time.time()
+        headers, payload = self._limits.exhausted(
+            self._style(dialect), daily=settings.rpd, model=model
         )
-        return _raw_error(429, payload, headers)
+        return raw_error(429, payload, headers)
 
     def _take_quota(self, dialect: Dialect, tokens: int, model: str) -> web.Response | None:
         """Charge one request and ``tokens``; a 429 response if any bucket lacks room."""
-        now = time.monotonic()
-        waits: list[tuple[float, str, float, _Bucket, int]] = []
-        for kind, window, bucket in self._buckets():
-            need = tokens if kind == "tokens" else 1
-            bucket.refill(now)
-            waits.append((bucket.wait(need), kind, window, bucket, need))
-        blocked = [entry for entry in waits if entry[0] > 0]
-        if not blocked:
-            for *_, bucket, need in waits:
-                bucket.level -= need
+        limited = self._limits.take(self._style(dialect), tokens, model)
+        if limited is None:
             return None
-        wait, kind, window, bucket, need = max(blocked, key=lambda entry: entry[0])
-        quotas = [_quota(k, w, b) for _, k, w, b, _ in waits]
-        headers, payload = rate_limited(
-            self._style(dialect),
-            quotas,
-            _quota(kind, window, bucket),
-            wait=wait,
-            need=need,
-            model=model,
-            now=time.time(),
-        )
-        return _raw_error(429, payload, headers)
-
-    async def _stream(
-        self, request: web.Request, headers: dict[str, str], plan: _Plan
-    ) -> web.StreamResponse:
-        """The dialect's stream: its opening, the tokens at the configured pace,
-        its closing (finish, usage) and end marker (OpenAI: a role chunk, the
-        tokens, finish, usage, ``[DONE]``)."""
-        counters = self._counters
-        count = plan.reply.completion_tokens
-        dialect = plan.dialect
-        content_type = dialect.content_type
-        response = web.StreamResponse(
-            headers={**headers, "Content-Type": content_type, "Cache-Control": "no-cache"}
-        )
-        frames = dialect.frames(plan.reply)
-        head, tail, opening = frames.head, frames.tail, frames.opening
-        pieces = dialect.pieces_for(plan.reply, count)
-        cut = False
-        if plan.fault is None:
-            closing = frames.closing + frames.done
-        else:
-            closing, pieces, cut = _faulty_stream(plan, frames)
-        rate = plan.settings.tokens_per_second
-        loop = asyncio.get_running_loop()
-        try:
-            # Sending the headers fails too if the client is already gone.
-            await response.prepare(request)
-            if plan.settings.ttft:
-                await asyncio.sleep(plan.settings.ttft)
-            start = loop.time()
-            sent = 0
-            batch = [opening]
-            while True:
-                # Everything due by now goes out in one write: token i is due
-                # at start + i / rate (all at once when rate is 0).
-                due = count if not rate else min(count, int((loop.time() - start) * rate) + 1)
-                due = max(due, min(sent + 1, count))
-                if tail:
-                    batch.extend(head + pieces[index] + tail for index in range(sent, due))
-                else:
-                    batch.extend(head + pieces[index] for index in range(sent, due))
-                if due == count:
-                    batch.append(closing)
-                await response.write(b"".join(batch))
-                counters.tokens_out += due - sent
-                sent = due
-                if sent == count:
-                    break
-                batch = []
-                await asyncio.sleep(max(0.0, start + sent / rate - loop.time()))
-            if cut:
-                _close(request)
-                return response
-            await response.write_eof()
-        except ConnectionError:
-            # The client went away (a worker cancelled or preempted the call):
-            # an ordinary event, counted, not an error to log. Stop generating.
-            counters.disconnects += 1
-            return response
-        if plan.fault is None:
-            counters.completed += 1
-        return response
-
-    async def _complete(
-        self, request: web.Request, headers: dict[str, str], plan: _Plan
-    ) -> web.Response:
-        """One JSON answer, after the time the whole generation would take."""
-        settings = plan.settings
-        count = plan.reply.completion_tokens
-        rate = settings.tokens_per_second
-        if delay := settings.ttft + (count / rate if rate else 0.0):
-            await asyncio.sleep(delay)
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                return self._gone()
-        self._counters.tokens_out += count
-        if plan.fault is None:
-            self._counters.completed += 1
-        body = plan.dialect.answer(plan.reply)
-        return web.Response(body=body, headers=headers, content_type="application/json")
-
-    def _gone(self) -> web.Response:
-        """The answer to a client that disconnected: counted; aiohttp drops it quietly."""
-        self._counters.disconnects += 1
-        return _dropped()
+        headers, payload = limited
+        return raw_error(429, payload, headers)
 
     # ----------------------------------------------------------- faults
 
@@ -780,7 +436,7 @@ class MockBackend:
     def _down(self, request: web.Request) -> web.Response:
         """Reset the connection of a request to a mock that is down."""
         self._count_fault("down")
-        return _reset(request)
+        return reset(request)
 
     def _count_fault(self, kind: str) -> None:
         self._fault_counts[kind] = self._fault_counts.get(kind, 0) + 1
@@ -793,13 +449,13 @@ class MockBackend:
         settings: MockSettings,
         fault: FaultKind,
     ) -> web.StreamResponse:
-        """Answer a chat request with ``fault`` (see :mod:`._mockfaults`)."""
+        """Answer a chat request with ``fault`` (see :mod:`._fault_injection`)."""
         self._count_fault(fault)
         if fault == "hang":
-            return await self._hang(request)
+            return await self._answers.hang(request)
         if fault not in _ANSWER_FAULTS:
             return self._fault_error(request, dialect, body, settings, fault)
-        plan = _plan(f"{dialect.id_prefix}{next(self._ids)}", dialect, body, settings, fault)
+        plan = plan_answer(f"{dialect.id_prefix}{next(self._ids)}", dialect, body, settings, fault)
         faults = settings.faults
         if fault == "drip":
             pace = msgspec.structs.replace(
@@ -814,7 +470,7 @@ class MockBackend:
                 finish_reason="content_filter" if fault == "filtered" else reply.finish_reason,
             )
             plan = msgspec.structs.replace(plan, reply=cut)
-        return await self._run(request, body.stream, plan, self._limit_headers(dialect))
+        return await self._answers.run(request, body.stream, plan, self._limit_headers(dialect))
 
     def _fault_error(
         self,
@@ -826,7 +482,7 @@ class MockBackend:
     ) -> web.Response:
         """The answer of a fault that sends no tokens: an error, or a reset."""
         if fault == "reset":
-            return _reset(request)
+            return reset(request)
         if fault == "quota":
             return self._quota_exhausted(dialect, settings, body.model)
         if fault in ("429", "429_bare"):
@@ -838,73 +494,21 @@ class MockBackend:
                 headers=self._limit_headers(dialect),
                 content_type="text/event-stream",
             )
-        return _raw_error(status, payload, self._limit_headers(dialect))
+        return raw_error(status, payload, self._limit_headers(dialect))
 
     def _rate_limited_fault(
         self, dialect: Dialect, settings: MockSettings, model: str, *, bare: bool
     ) -> web.Response:
         """The dialect's 429 for a per-minute request bucket empty for ``retry_after``
         seconds; with a ``retry-after`` header, or (``bare``) without any."""
-        wait = settings.faults.retry_after
-        blocked = Quota(
-            kind="requests", window=60.0, capacity=settings.rpm or 60, remaining=0, reset=wait
-        )
-        style = self._style(dialect)
-        headers, payload = rate_limited(
-            style,
-            self._quotas(),
-            blocked,
-            wait=wait,
-            need=1,
+        headers, payload = self._limits.refused_for(
+            self._style(dialect),
+            wait=settings.faults.retry_after,
+            capacity=settings.rpm or 60,
             model=model,
-            now=time.time(),
+            bare=bare,
         )
-        retry = {"retry-after", "retry-after-ms"}
-        headers = {k: v for k, v in headers.items() if k.lower() not in retry}
-        if not bare:
-            headers["retry-after"] = str(math.ceil(wait))
-            if style == "openai":
-                headers["retry-after-ms"] = str(math.ceil(wait * 1000))
-        return _raw_error(429, payload, headers)
-
-    async def _hang(self, request: web.Request) -> web.Response:
-        """Send nothing until the client goes away, or the mock closes (then drop
-        the connection unanswered)."""
-        closing = self._closing
-        while not closing.is_set():
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                return self._gone()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(closing.wait(), _HANG_POLL)
-        _close(request)
-        return _dropped()
-
-    async def _complete_fault(
-        self, request: web.Request, headers: dict[str, str], plan: _Plan
-    ) -> web.StreamResponse:
-        """A non-streaming ``malformed``, ``break`` or ``drip`` answer."""
-        payload = plan.dialect.answer(plan.reply)
-        half = payload[: len(payload) // 2]
-        if plan.fault == "malformed":
-            return web.Response(body=half, headers=headers, content_type="application/json")
-        response = web.StreamResponse(headers={**headers, "Content-Type": "application/json"})
-        response.content_length = len(payload)
-        try:
-            await response.prepare(request)
-            if plan.fault == "break":
-                await response.write(half)
-                _close(request)
-                return response
-            gap = plan.settings.faults.drip_gap
-            step = -(-len(payload) // max(1, plan.reply.completion_tokens))
-            for offset in range(0, len(payload), step):
-                await asyncio.sleep(gap)
-                await response.write(payload[offset : offset + step])
-            await response.write_eof()
-        except ConnectionError:
-            self._counters.disconnects += 1
-        return response
+        return raw_error(429, payload, headers)
 
 
 #: The chat endpoints but Gemini's (whose path names the model): path, dialect,
@@ -924,122 +528,15 @@ _BASE_PATHS: Final = {
     "tgi": "",
     "gemini": "/v1beta",
 }
-#: How often a hung request looks whether its client is gone, in seconds.
-_HANG_POLL: Final = 0.05
 #: The faults that answer with tokens (the others are errors, a reset or a hang).
 _ANSWER_FAULTS: Final = frozenset(
     {"drip", "malformed", "break", "no_done", "sse_error", "filtered"}
 )
 
 
-def _plan(
-    request_id: str,
-    dialect: Dialect,
-    body: Call,
-    settings: MockSettings,
-    fault: FaultKind | None = None,
-) -> _Plan:
-    cap = body.cap
-    cut = cap is not None and cap < settings.output_tokens
-    return _Plan(
-        reply=Reply(
-            id=request_id,
-            model=body.model,
-            prompt_tokens=body.prompt_tokens,
-            completion_tokens=settings.output_tokens
-            if cap is None
-            else min(cap, settings.output_tokens),
-            finish_reason="length" if cut else "stop" if body.tool is None else "tool_calls",
-            include_usage=body.include_usage,
-            openrouter=settings.limit_style in ("openrouter", "openrouter-body"),
-            tool=body.tool,
-            logprobs=body.logprobs,
-        ),
-        dialect=dialect,
-        settings=settings,
-        fault=fault,
-    )
-
-
-def _faulty_stream(plan: _Plan, frames: Frames) -> tuple[bytes, list[bytes], bool]:
-    """How a faulted stream differs: its ending (after the tokens), its token
-    pieces, and whether the connection is cut instead of ended."""
-    fault = plan.fault
-    dialect = plan.dialect
-    count = plan.reply.completion_tokens
-    pieces = dialect.pieces_for(plan.reply, count)
-    closing = frames.closing
-    if fault == "break":
-        return b"", pieces, True
-    if fault == "no_done":
-        return closing, pieces, False
-    if fault == "sse_error":
-        return dialect.stream_error(plan.reply, frames), pieces, False
-    if fault == "malformed":
-        # Token ``after_tokens``'s line is cut after its text: not JSON.
-        index = plan.settings.faults.after_tokens
-        if index < count:
-            pieces = pieces[:count]
-            pieces[index] = dialect.cut(pieces[index], token_text(index))
-        else:
-            closing = frames.head + b'{"' + dialect.terminator + closing
-    return closing + frames.done, pieces, False
-
-
-def _dropped() -> web.Response:
-    """The answer to a connection already closed: aiohttp drops it quietly."""
-    return web.Response(status=499, reason="Client Closed Request")
-
-
-def _close(request: web.Request) -> None:
-    """Close the connection (what was written is flushed, then FIN)."""
-    if (transport := request.transport) is not None:
-        transport.close()
-
-
-def _reset(request: web.Request) -> web.Response:
-    """Reset the connection (RST, nothing flushed) and answer nothing."""
-    if (transport := request.transport) is not None:
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        transport.abort()
-    return _dropped()
-
-
 def _json(payload: Any, status: int = 200) -> web.Response:
     return web.Response(
         body=_ENCODER.encode(payload), status=status, content_type="application/json"
-    )
-
-
-def _quota(kind: str, window: float, bucket: _Bucket) -> Quota:
-    return Quota(
-        kind="tokens" if kind == "tokens" else "requests",
-        window=window,
-        capacity=bucket.capacity,
-        remaining=int(bucket.level),
-        reset=bucket.reset(),
-    )
-
-
-def _raw_error(status: int, body: bytes, headers: dict[str, str]) -> web.Response:
-    return web.Response(body=body, status=status, headers=headers, content_type="application/json")
-
-
-def _error(
-    dialect: Dialect,
-    status: int,
-    kind: ErrorKind,
-    message: str,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
-    return web.Response(
-        body=dialect.error(status, kind, message),
-        status=status,
-        headers=headers,
-        content_type="application/json",
     )
 
 
@@ -1091,7 +588,7 @@ def run_mock_backend(
     ``limit_style`` the header dialect; ``model`` restricts the
     accepted model name (``None`` = any); ``fault_script`` is comma-separated
     fault kinds (``"500,ok,reset"``), ``fault_rates`` ``KIND=PROBABILITY``
-    items (see :mod:`._mockfaults`). Returns on Ctrl-C; ``ValueError`` for a
+    items (see :mod:`._fault_injection`). Returns on Ctrl-C; ``ValueError`` for a
     bad option.
     """
     faults: dict[str, Any] = {
