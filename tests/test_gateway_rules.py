@@ -24,6 +24,7 @@ from renqueue.errors import (
     UnsupportedFeatureError,
 )
 from renqueue.gateway import ApiError, KeyStore, digest, new_key
+from renqueue.gateway._answers import parse_last_event_id
 from renqueue.gateway._errors import features_named, from_error, from_terminal
 from renqueue.gateway._idempotency import RetryMemory, fingerprint, id_for_key
 from renqueue.gateway._openai import (
@@ -34,7 +35,6 @@ from renqueue.gateway._openai import (
     parse_chat,
     translate,
 )
-from renqueue.gateway._server import parse_last_event_id
 from renqueue.policy import needs
 from renqueue.policy._budget import day_ends
 from renqueue.schema import (

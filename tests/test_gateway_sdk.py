@@ -1208,7 +1208,7 @@ async def test_resumed_streams_count_against_the_in_flight_limit(
                 return mock.stats().in_flight > 0
 
             await until(running, "the request reached the backend")
-            [(_tenant, request_id)] = list(stack.gateway._recent)
+            [(_tenant, request_id)] = list(stack.gateway._submissions._recent)
             resumed = await http.get(f"/requests/{request_id}/stream")
             first.cancel()
             with pytest.raises(asyncio.CancelledError):

@@ -1,0 +1,368 @@
+"""What a chat call submits, and the retries that join it (the I/O around :mod:`._idempotency`).
+
+:class:`Submissions` reads a chat body into a submission (:mod:`._openai`),
+submits it through the tenant's :class:`~renqueue.Client`, or joins the
+request a retry of it already made: by its ``Idempotency-Key`` (the id is
+derived from it, and a key sent again with another body is refused), or,
+for an SDK's own retry without a key, by the body's fingerprint, which this
+process remembers and shares with every other gateway process through the
+``rq-state`` bucket. It also cancels the request of a client that went
+away, as a supervised job, unless another call of this process still
+follows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import math
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from typing import Final
+
+import msgspec
+
+from ..broker import JetStream, KeyValue, submitted_of
+from ..client import Client, RequestHandle
+from ..config import Config, parse_duration
+from ..errors import (
+    InvalidRequestError,
+    NatsApiError,
+    NatsNotFoundError,
+    NatsPayloadTooLargeError,
+    UnknownPriorityError,
+    WrongLastSequenceError,
+)
+from ..logs import get_logger
+from ..schema import EVENT_DECODER, EVENTS_STREAM, STATE_BUCKET, CancelRequested, event_subject
+from ..tasks import Supervisor
+from . import _metrics as metrics
+from ._errors import ApiError, from_error
+from ._idempotency import MAX_KEY_LENGTH, RetryMemory, shared_key
+from ._openai import Submission, parse_chat, translate
+
+__all__ = ["BODY_KEY", "DISCONNECTED", "ID_RE", "Submissions", "new_id", "no_model"]
+
+log = get_logger("gateway")
+
+#: Why a request is cancelled when its client goes away (a retry after it
+#: submits anew rather than join a request cancelled under it).
+DISCONNECTED: Final = "client disconnected"
+#: The request metadata entry holding the body's fingerprint, for requests
+#: with an idempotency key: a key sent again with another body is refused.
+BODY_KEY: Final = "rq_body_sha256"
+#: A request id as the gateway takes it from a path or the ``rq-state`` bucket.
+ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+#: Requests this process submitted lately, by (tenant, id): their route, so
+#: that they can be followed before a router has logged them.
+_RECENT: Final = 10_000
+_KEY_RE: Final = re.compile(rf"^[\x21-\x7e]{{1,{MAX_KEY_LENGTH}}}$")
+
+
+def new_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex
+
+
+def no_model(route: str) -> ApiError:
+    return ApiError(
+        404,
+        f"the model {route[:64]!r} does not exist: it must name a route (GET /v1/models)",
+        code="model_not_found",
+        param="model",
+    )
+
+
+def _key_reused() -> ApiError:
+    return ApiError(
+        422,
+        "this Idempotency-Key was used with another body",
+        param="Idempotency-Key",
+        code="idempotency_key_reused",
+    )
+
+
+def _maybe_stored(exc: BaseException) -> bool:
+    """Whether a submit that raised ``exc`` may still have stored its request
+    (a lost ack, a dropped connection), rather than surely not (refused before
+    the publish, no stream, a full queue)."""
+    # Refused before the publish; or the server answered (no stream, full): not stored.
+    return not isinstance(
+        exc, InvalidRequestError | UnknownPriorityError | NatsApiError | NatsPayloadTooLargeError
+    )
+
+
+class Submissions:
+    """Submits chat calls, joins their retries, cancels those whose client went away.
+
+    ``js`` gives the gateway's JetStream of the moment (its connection may be
+    renewed: then :meth:`renew`); ``client_of`` the tenant's client on it.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        js: Callable[[], JetStream],
+        client_of: Callable[[str], Client],
+        supervisor: Supervisor,
+    ) -> None:
+        self._config = config
+        self._js = js
+        self._client_of = client_of
+        self._supervisor = supervisor
+        window = config.gateway.retry_memory or config.nats.duplicate_window
+        self._memory = RetryMemory(parse_duration(window))
+        self._state: KeyValue | None = None
+        #: Calls of this process following each request, by (tenant, id).
+        self._following: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._recent: dict[tuple[str, str], str] = {}
+
+    def renew(self) -> None:
+        """The gateway's connection was renewed: the bucket is opened again on the new one."""
+        self._state = None
+
+    async def _bucket(self) -> KeyValue:
+        if self._state is None:
+            self._state = await self._js().key_value(STATE_BUCKET)
+        return self._state
+
+    # ------------------------------------------------------------ reading
+
+    def _default_level(self, tenant: str) -> str:
+        """The level of a call that names none: the config's default, or the
+        tenant's ``max_priority`` when that is less urgent (a plain SDK call
+        is never refused for a priority it did not ask for)."""
+        config = self._config
+        default = config.default_priority
+        most = config.max_priority_of(tenant)
+        if most is not None and config.priority_rank(most) > config.priority_rank(default):
+            return most
+        return default
+
+    def read(
+        self, body: bytes, headers: Mapping[str, str], tenant: str
+    ) -> tuple[Submission, str | None, bool]:
+        """The submission a chat body asks for, its idempotency key, and whether
+        to keep it when its client disconnects; ApiError if it cannot be asked."""
+        chat = parse_chat(body)
+        now = time.time()
+        sub = translate(
+            chat,
+            headers,
+            levels=self._config.priorities,
+            default_level=self._default_level(tenant),
+            now=now,
+        )
+        if sub.route not in self._config.routes:
+            raise no_model(sub.route)
+        if sub.deadline is not None and sub.deadline <= now:
+            raise ApiError(
+                504,
+                "the request's deadline has already passed; nothing was submitted",
+                type="server_error",
+                code="deadline_exceeded",
+                retry=False,
+            )
+        key = headers.get("Idempotency-Key")
+        if key is not None and not _KEY_RE.match(key):
+            raise ApiError(
+                400,
+                f"Idempotency-Key must be 1 to {MAX_KEY_LENGTH} printable ASCII characters",
+                param="Idempotency-Key",
+            )
+        keep = sub.keep_alive_on_disconnect
+        return sub, key, key is not None if keep is None else keep
+
+    # ------------------------------------------------------------ following
+
+    def recent_route(self, tenant: str, request_id: str) -> str | None:
+        """The route of a request this process submitted lately (before a router
+        may have logged it), if it is one."""
+        return self._recent.get((tenant, request_id))
+
+    def _remember_recent(self, tenant: str, request_id: str, route: str) -> None:
+        self._recent[(tenant, request_id)] = route
+        while len(self._recent) > _RECENT:
+            del self._recent[next(iter(self._recent))]
+
+    @contextlib.contextmanager
+    def following(self, tenant: str, request_id: str) -> Iterator[None]:
+        """One more call of this process follows the request, for the block."""
+        key = (tenant, request_id)
+        self._following[key] += 1
+        try:
+            yield
+        finally:
+            self._following[key] -= 1
+            if self._following[key] <= 0:
+                del self._following[key]
+
+    # ------------------------------------------------------------ submitting
+
+    async def submit(
+        self,
+        client: Client,
+        sub: Submission,
+        print_: str,
+        request_id: str,
+        *,
+        key: str | None,
+        retry: bool,
+    ) -> RequestHandle:
+        """Submit ``sub`` (its body's fingerprint ``print_``) as ``request_id``,
+        or join the request a retry of it already made."""
+        tenant = client.tenant
+        metadata = sub.metadata
+        js = self._js()
+        if key is not None:
+            existing = await submitted_of(js, tenant, request_id)
+            if existing is not None:
+                if existing.request.metadata.get(BODY_KEY, print_) != print_:
+                    raise _key_reused()
+                metrics.RETRIES_JOINED.labels("idempotency_key").inc()
+                return client.handle(request_id)
+            metadata = {**metadata, BODY_KEY: print_}
+        elif retry and (joined := await self._joinable(tenant, print_)) is not None:
+            # Published again under the id the first try used: a duplicate if
+            # that one was stored (joined), stored now if its publish was lost.
+            metrics.RETRIES_JOINED.labels("sdk_retry").inc()
+            request_id = joined
+        if key is None:
+            # Before the publish: one whose ack is lost may still be stored,
+            # and the SDK's retry of it must join it, not make a second.
+            self._memory.remember(print_, request_id)
+            self._share(tenant, print_, request_id)
+        try:
+            built = client.build_request(
+                sub.messages,
+                route=sub.route,
+                priority=sub.priority,
+                request_id=request_id,
+                params=sub.params,
+                deadline=sub.deadline,
+                max_cost=sub.max_cost,
+                metadata=metadata,
+            )
+            handle = await client.submit_request(built)
+        except Exception as exc:
+            answer = from_error(exc)
+            if key is None and not _maybe_stored(exc):
+                self._forget(tenant, print_, request_id)
+            raise answer from exc
+        if key is not None and (handle.duplicate or handle.found_on_retry):
+            # A retry of the publish that found the request stored found, all
+            # but surely, its own lost first try; but a resend of the key with
+            # another body at the same moment looks the same: checked too.
+            await self._same_body(tenant, request_id, print_)
+            if handle.duplicate:
+                metrics.RETRIES_JOINED.labels("idempotency_key").inc()
+        self._remember_recent(tenant, handle.id, sub.route)
+        return handle
+
+    async def _same_body(self, tenant: str, request_id: str, print_: str) -> None:
+        """A keyed submit that was a duplicate: 422 if the request under that
+        key has another body (its ``submitted`` event may be a moment behind
+        the first publish: waited for briefly, then the key is trusted)."""
+        delay = 0.05
+        for _ in range(6):
+            existing = await submitted_of(self._js(), tenant, request_id)
+            if existing is not None:
+                if existing.request.metadata.get(BODY_KEY, print_) != print_:
+                    raise _key_reused()
+                return
+            await asyncio.sleep(delay)
+            delay *= 2
+
+    # ------------------------------------------------------------ remembering
+
+    def _forget(self, tenant: str, print_: str, request_id: str) -> None:
+        """Retries of this body no longer join ``request_id`` (it was never
+        stored, or its client went away and it is being cancelled)."""
+        if self._memory.recall(print_) != request_id:
+            return  # a newer request of the same body: its own
+        self._memory.forget(print_)
+        name = shared_key(tenant, print_)
+
+        async def delete() -> None:
+            state = await self._bucket()
+            entry = await state.latest(name)
+            # Only ours: another process may have shared the same body since.
+            if entry is not None and entry.value == request_id.encode():
+                with contextlib.suppress(WrongLastSequenceError):
+                    await state.delete(name, last=entry.revision)
+
+        self._supervisor.spawn_job(f"forget-{name}", delete)
+
+    def _share(self, tenant: str, print_: str, request_id: str) -> None:
+        """Tell every gateway process which request this body made (a
+        supervised background job: the answer does not wait for it)."""
+        name = shared_key(tenant, print_)
+        headers = {"Nats-TTL": str(max(1, math.ceil(self._memory.ttl)))}
+
+        async def put() -> None:
+            await self._js().publish(
+                f"$KV.{STATE_BUCKET}.{name}", request_id.encode(), headers=headers
+            )
+
+        self._supervisor.spawn_job(f"share-{name}", put)
+
+    async def _shared(self, tenant: str, print_: str) -> str | None:
+        """The request another gateway process made of this body, if it shared it."""
+        state = await self._bucket()
+        try:
+            entry = await state.get(shared_key(tenant, print_))
+        except NatsNotFoundError:
+            return None
+        request_id = entry.value.decode("utf-8", "replace")
+        return request_id if ID_RE.match(request_id) else None
+
+    async def _joinable(self, tenant: str, print_: str) -> str | None:
+        """The request an SDK retry repeats, if this process remembers it and it
+        was not cancelled because its client went away (that one is retried anew)."""
+        request_id = self._memory.recall(print_) or await self._shared(tenant, print_)
+        if request_id is None:
+            return None
+        if await self._cancelled_by_disconnect(tenant, request_id):
+            return None  # being cancelled, or cancelled: this retry runs anew
+        return request_id
+
+    async def _cancelled_by_disconnect(self, tenant: str, request_id: str) -> bool:
+        try:
+            raw = await self._js().get_last_msg(
+                EVENTS_STREAM, event_subject(tenant, request_id, "cancel_requested"), direct=True
+            )
+        except NatsNotFoundError:
+            return False
+        with contextlib.suppress(msgspec.DecodeError):
+            event = EVENT_DECODER.decode(raw.data or b"")
+            return isinstance(event, CancelRequested) and event.reason == DISCONNECTED
+        return False
+
+    # ------------------------------------------------------------ cancelling
+
+    def cancel_later(
+        self, client: Client, request_id: str, print_: str, *, following: bool = True
+    ) -> None:
+        """Record a cancellation for a client that went away (a supervised job:
+        the handler that asks is itself being cancelled), unless another call
+        in this process still follows the request (an SDK retry that joined
+        it); retries of its body no longer join it."""
+        others = self._following.get((client.tenant, request_id), 0) - (1 if following else 0)
+        if others > 0:
+            log.info(
+                "client disconnected; a retry still follows its request", request_id=request_id
+            )
+            return
+        tenant = client.tenant
+        self._forget(tenant, print_, request_id)
+        log.info("client disconnected; cancelling its request", request_id=request_id)
+
+        async def cancel() -> None:
+            # The tenant's client of the moment: the gateway may have moved
+            # onto a new connection since (see Gateway._renew).
+            await self._client_of(tenant).handle(request_id).cancel(DISCONNECTED)
+
+        self._supervisor.spawn_job(f"cancel-{tenant}:{request_id}", cancel)
