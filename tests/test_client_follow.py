@@ -21,7 +21,7 @@ from test_binder import until
 
 from renqueue import Client, Services, TokensExpiredError, UnknownPriorityError, parse_config
 from renqueue.broker import Connection, EmbeddedServer, EventLog, provision
-from renqueue.client import _TokenFollower
+from renqueue.client._tokens import TokenFollower
 from renqueue.errors import NatsTimeoutError
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import (
@@ -40,7 +40,7 @@ from renqueue.schema import (
 
 @pytest.fixture
 async def quiet_follower(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_TokenFollower, "IDLE", 0.2, raising=False)
+    monkeypatch.setattr(TokenFollower, "IDLE", 0.2, raising=False)
 
 
 @pytest.fixture
@@ -210,12 +210,12 @@ async def test_a_handle_on_a_request_submitted_elsewhere_waits_on_the_tap_not_a_
             waiting = asyncio.create_task(joining.handle(submitted.id).result(timeout=15))
 
             async def on_the_tap() -> bool:
-                return submitted.id in joining._waiters
+                return submitted.id in joining._tap._waiters
 
             await until(on_the_tap, "the joining handle waits on its client's tap")
             joined = await waiting
             ended = await joining.handle(submitted.id).result(timeout=15)
-            assert not joining._waiters  # nothing held once the results are in
+            assert not joining._tap._waiters  # nothing held once the results are in
             original = await submitted.result(timeout=15)
     assert joined.text == ended.text == original.text
 
@@ -226,7 +226,7 @@ async def test_a_reader_that_stops_reading_holds_a_bounded_queue_and_loses_nothi
     """A stream whose reader stops (a slow HTTP client behind the gateway)
     keeps at most its bound of live chunks; the rest come from the store when
     it reads on, in order, none lost."""
-    monkeypatch.setattr("renqueue.client._LIVE_CHUNKS", 64)
+    monkeypatch.setattr("renqueue.client._tokens.LIVE_CHUNKS", 64)
     async with MockBackend(
         MockSettings(ttft=0.0, tokens_per_second=20_000, output_tokens=600)
     ) as mock:
@@ -239,7 +239,7 @@ async def test_a_reader_that_stops_reading_holds_a_bounded_queue_and_loses_nothi
         )
         async with Services(config) as services, Client(services.nc, tenant="t") as client:
             handle = await client.submit("long", route="chat")
-            follower = _TokenFollower(client, "t", handle.id)
+            follower = TokenFollower(client, "t", handle.id)
             await follower.start()
             result = await handle.result(timeout=20)  # ended while nobody read
             held = follower._live.qsize()

@@ -288,10 +288,10 @@ async def test_tap_deleted_by_the_server_is_recreated_and_nothing_is_missed(
         # three silent heartbeats): only the log can resolve it.
         stack.mock.update(ttft=0.3)
         handle = await acme.submit("while the tap is gone", route="chat")
-        await stack.services.js.delete_consumer(EVENTS_STREAM, acme._tap_name)
+        await stack.services.js.delete_consumer(EVENTS_STREAM, acme._tap.name)
         result = await handle.result(timeout=10)
         assert result.text
-        info = await stack.services.js.consumer_info(EVENTS_STREAM, acme._tap_name)
+        info = await stack.services.js.consumer_info(EVENTS_STREAM, acme._tap.name)
         assert info.config.filter_subject == "rq.evt.acme.*.*"
         # The new tap resolves the next request live.
         stack.mock.update(ttft=0.0)
@@ -302,7 +302,7 @@ async def test_tap_deleted_by_the_server_is_recreated_and_nothing_is_missed(
         assert time.monotonic() - started < 3
     # Closing deleted the tap.
     with pytest.raises(NatsNotFoundError):
-        await stack.services.js.consumer_info(EVENTS_STREAM, acme._tap_name)
+        await stack.services.js.consumer_info(EVENTS_STREAM, acme._tap.name)
     events = await EventLog(stack.services.js).history("acme", handle.id)
     assert sum(isinstance(e, Completed) for e in events) == 1
 
@@ -310,7 +310,7 @@ async def test_tap_deleted_by_the_server_is_recreated_and_nothing_is_missed(
 async def test_a_lost_tap_delivery_shows_as_a_gap_and_the_log_resolves_it(stack: Stack) -> None:
     acme = await tenant_client(stack, "acme")
     acme.tap_heartbeat = 0.3
-    on_tap = acme._on_tap
+    on_tap = acme._tap._on_message
     dropped: list[bytes] = []
 
     async def lossy(msg: Any) -> None:
@@ -320,7 +320,7 @@ async def test_a_lost_tap_delivery_shows_as_a_gap_and_the_log_resolves_it(stack:
             return
         await on_tap(msg)
 
-    acme._on_tap = lossy  # type: ignore[method-assign]
+    acme._tap._on_message = lossy  # type: ignore[method-assign]
     try:
         handle = await acme.submit("lost", route="chat")
         result = await handle.result(timeout=5)
@@ -492,7 +492,7 @@ async def test_a_forged_result_on_the_cancel_subject_resolves_nothing(stack: Sta
             )
 
             async def tap_has_it() -> bool:
-                info = await stack.services.js.consumer_info(EVENTS_STREAM, acme._tap_name)
+                info = await stack.services.js.consumer_info(EVENTS_STREAM, acme._tap.name)
                 return info.delivered.stream_seq >= ack.seq
 
             await until(tap_has_it, "the tap to deliver the forged event")

@@ -1,0 +1,279 @@
+"""The client's event tap: one consumer following the tenant's events, which
+resolves the handles waiting for their request's end.
+
+A named push consumer on RQ_EVENTS with the one filter rq.evt.<tenant>.*.*:
+its create subject names the filter, so a tenant's permissions allow it (an
+unnamed or ordered consumer's create subject does not, and cannot be allowed
+without exposing every tenant). Push, not pull: a pull needs
+$JS.API.CONSUMER.MSG.NEXT.<stream>.<name>, which no permission can confine to
+a tenant's own consumers, and a callback cannot swallow a cancellation the
+way a pending fetch can. Deliveries are unacknowledged; each carries its
+consumer sequence and each idle heartbeat the last one sent, so a loss (slow
+consumer, reconnect) shows as a gap, and silence as a consumer that is gone
+(deleted after a long disconnect, or a server restart). On either, the tap
+is re-created (a no-op if it still exists) and the pending waiters are
+checked against the log: nothing is missed.
+
+Every delivery is taken on its subject's word, never its payload's: an event
+is accepted only if the tap's own consumer delivered it and its subject
+``rq.evt.<tenant>.<request_id>.<kind>`` agrees with its payload; anything
+else is dropped and counted (``renqueue_misdirected_messages_total``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import math
+import uuid
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from ..broker import (
+    AckPolicy,
+    DeliverPolicy,
+    EventLog,
+    Message,
+    Subscription,
+    delete_consumer,
+    subject_agrees,
+)
+from ..errors import NatsError
+from ..logs import get_logger, misdirected
+from ..schema import EVENT_DECODER, EVENTS_STREAM, Event, event_subject, is_terminal, kind_of
+from ._retries import retrying
+
+if TYPE_CHECKING:
+    from ._client import Client
+
+__all__ = ["EventTap", "Waiter"]
+
+log = get_logger("client")
+
+
+class Waiter:
+    """The future of one request's terminal event, shared by every handle of
+    this client that follows it through the tap.
+
+    ``holders`` counts the submits of the request still being published and
+    the handles given the future: it is dropped only when none is left, so a
+    submit whose publish raised, or was a duplicate, never takes it from a
+    resubmit that shares it. ``stored``: a submit of this client stored the
+    request (a publish that was no duplicate), after the tap was following
+    events, so the tap (or a sweep of the log) sees its end.
+    """
+
+    __slots__ = ("future", "holders", "stored")
+
+    def __init__(self, future: asyncio.Future[Event]) -> None:
+        self.future = future
+        self.holders = 0
+        self.stored = False
+
+
+class EventTap:
+    """The tap of one client (module docstring), and the waiters it resolves.
+
+    It reads the client's connection, tenant and ``tap_heartbeat`` /
+    ``tap_inactive_threshold`` as they are at each use.
+    """
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        #: The consumer's name (made when the tap is first needed).
+        self.name = ""
+        self._inbox = ""
+        self._sub: Subscription | None = None
+        self._cseq = 0  # consumer sequence of the last delivery
+        self._seen = -math.inf  # loop time of the last message or heartbeat; never
+        self._wake = asyncio.Event()  # a gap was seen: sweep the waiters
+        self._watch: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._waiters: dict[str, Waiter] = {}
+        self._closed = False
+
+    async def close(self) -> None:
+        """Stop following: the watch, the consumer, and every waiter still waiting."""
+        self._closed = True
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
+            await asyncio.wait({watch}, timeout=1.0)
+        nc = self._client.nc
+        if self._sub is not None:
+            with contextlib.suppress(NatsError):
+                await self._sub.unsubscribe()
+            self._sub = None
+            if not nc.is_closed:
+                await delete_consumer(self._client.js, EVENTS_STREAM, self.name)
+        for waiter in self._waiters.values():
+            waiter.future.cancel()
+
+    # ------------------------------------------------------------- waiters
+
+    def hold(self, request_id: str) -> Waiter:
+        """The waiter of ``request_id`` (made if there is none), held once more."""
+        waiter = self._waiters.get(request_id)
+        if waiter is None:
+            future = asyncio.get_running_loop().create_future()
+            waiter = self._waiters[request_id] = Waiter(future)
+        waiter.holders += 1
+        return waiter
+
+    def release(self, request_id: str, waiter: Waiter) -> None:
+        """A submit gives up its hold on ``waiter``; the last one drops it."""
+        waiter.holders -= 1
+        if waiter.holders <= 0 and self._waiters.get(request_id) is waiter:
+            del self._waiters[request_id]
+
+    async def follow(self, request_id: str) -> Event:
+        """The terminal event of this tenant's request ``request_id``, submitted
+        earlier or elsewhere: from the log if it has ended, else from the tap
+        when it does (the waiter is registered before the log is read, so an
+        end between the two is not missed)."""
+        await self.ensure()
+        waiter = self.hold(request_id)
+        client = self._client
+        try:
+            lookup = functools.partial(EventLog(client.js).terminal_of, client.tenant, request_id)
+            ended = await retrying(client.nc, "looking up a result", lookup, request_id=request_id)
+            if ended is not None:
+                return ended
+            return await asyncio.shield(waiter.future)
+        finally:
+            self.release(request_id, waiter)
+
+    # ------------------------------------------------------------- the consumer
+
+    async def ensure(self) -> None:
+        async with self._lock:
+            if self._sub is not None:
+                return
+            if self._closed:
+                raise RuntimeError("client is closed")
+            self.name = f"rq-tap-{self._client.tenant}-{uuid.uuid4().hex[:16]}"
+            self._inbox = self._client.nc.new_inbox()
+            sub = await self._client.nc.subscribe(self._inbox, cb=self._on_message)
+            try:
+                await self._create()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+                raise
+            self._sub = sub
+            self._watch = asyncio.create_task(self._watch_loop(), name=f"renqueue-tap-{self.name}")
+
+    async def _create(self) -> None:
+        """Create the tap consumer; with the same name and config, a no-op if it exists."""
+        info = await self._client.js.add_consumer(
+            EVENTS_STREAM,
+            name=self.name,
+            filter_subject=event_subject(self._client.tenant, "*", "*"),
+            deliver_subject=self._inbox,
+            deliver_policy=DeliverPolicy.NEW,
+            ack_policy=AckPolicy.NONE,
+            idle_heartbeat=self._client.tap_heartbeat,
+            inactive_threshold=self._client.tap_inactive_threshold,
+            mem_storage=True,
+            num_replicas=1,
+        )
+        delivered = info.delivered.consumer_seq if info.delivered is not None else 0
+        self._cseq = delivered or 0
+        self._seen = asyncio.get_running_loop().time()
+
+    async def _watch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        reconnects = self._client.nc.reconnects
+        # A sweep of the log is owed (a gap or a re-created tap) until one succeeds.
+        owed = False
+        while not self._closed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), min(1.0, self._client.tap_heartbeat))
+            if self._client.nc.is_closed:
+                return  # closed under this client (not by it): nothing to follow
+            gap = self._wake.is_set()
+            self._wake.clear()
+            # After a reconnect the server may have lost the (in-memory) tap:
+            # don't wait for three missed heartbeats to find out.
+            reconnected = self._client.nc.is_connected and self._client.nc.reconnects != reconnects
+            if reconnected:
+                reconnects = self._client.nc.reconnects
+            silent = reconnected or loop.time() - self._seen > 3 * self._client.tap_heartbeat
+            owed = owed or gap or silent
+            if not owed:
+                continue
+            try:
+                if silent:
+                    async with self._lock:
+                        await self._create()
+                    log.info("event tap re-created", consumer=self.name)
+                # What the tap missed is only in the log: a sweep that fails
+                # (a direct get timing out while a node is down) is owed still,
+                # though the re-created tap's heartbeats say all is well.
+                await self._sweep()
+                owed = False
+            except Exception as exc:  # noqa: BLE001 - retried at the next beat
+                log.warning("event tap recovery failed; retrying", error=str(exc))
+
+    async def _sweep(self) -> None:
+        """Resolve waiters whose terminal event the tap may have missed, from the log."""
+        events = EventLog(self._client.js)
+        limit = asyncio.Semaphore(32)
+
+        async def check(request_id: str) -> None:
+            async with limit:
+                event = await events.terminal_of(self._client.tenant, request_id)
+            if event is not None:
+                self._resolve(event)
+
+        results = await asyncio.gather(
+            *(check(rid) for rid in list(self._waiters)), return_exceptions=True
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+
+    async def _on_message(self, msg: Message) -> None:
+        self._seen = asyncio.get_running_loop().time()
+        headers = msg.headers
+        if headers and headers.get("Status"):
+            # An idle heartbeat carries the last consumer sequence sent.
+            last = headers.get("Nats-Last-Consumer")
+            if last is not None and last.isdigit() and int(last) > self._cseq:
+                self._cseq = int(last)
+                self._wake.set()
+            return
+        try:
+            meta = msg.metadata
+        except Exception:  # noqa: BLE001 - not a JetStream delivery: not ours
+            misdirected("tap", msg.subject)
+            return
+        if meta.stream != EVENTS_STREAM or meta.consumer != self.name:
+            # Another consumer delivering to this inbox (its name is in the
+            # delivery's reply subject, which the server sets).
+            misdirected("tap", msg.subject, consumer=meta.consumer)
+            return
+        cseq = meta.sequence.consumer
+        if cseq != self._cseq + 1:
+            self._wake.set()
+        self._cseq = cseq
+        try:
+            event = EVENT_DECODER.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        # The subject is the authority: a payload must be what its subject
+        # says (kind, tenant, request id). Tenants may publish only on
+        # rq.evt.<tenant>.*.cancel_requested, so a terminal event that agrees
+        # with its subject was written by the services.
+        if event.tenant != self._client.tenant or not subject_agrees(msg.subject, event):
+            misdirected("tap", msg.subject, kind=kind_of(event))
+            return
+        if is_terminal(event):
+            self._resolve(event)
+
+    def _resolve(self, event: Event) -> None:
+        waiter = self._waiters.pop(event.request_id, None)
+        if waiter is not None and not waiter.future.done():
+            waiter.future.set_result(event)
