@@ -5,8 +5,8 @@ this package keeps it in NATS and coordinates over it.
 
 - The projection: :class:`Projector` (``_projector``) folds the event log into
   the ``rq-state`` KV bucket (the checkpoint, and one view per backend, tenant
-  and A/B split); :class:`StateView` (``_view``) is a reader's live copy of
-  the views.
+  and A/B split, written by ``_view_publisher``); :class:`StateView`
+  (``_view``) is a reader's live copy of the views.
 - Checking and showing it: :func:`verify` (``_verify``) compares the
   checkpoint and the views with a rebuild from the log (``renqueue replay
   --verify``); :func:`read_status` and :func:`render_status` (``_status``)

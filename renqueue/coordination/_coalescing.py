@@ -57,46 +57,35 @@ follows whom; the log is: each follower's ``coalesced`` event names its
 leader. A leader's hand-out that finds no group of its own (it expired while
 the leader waited, or a newcomer replaced it once it was closed), or one it
 created again after the first expired, looks its followers up in the log
-(:meth:`Coalescer._followers_in_log`), so each still ends exactly once.
+(:func:`~._coalescing_log.followers_in_log`), so each still ends exactly once.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import hashlib
 import math
 import time
-import uuid
 from collections.abc import Callable
 from typing import Final
 
 import msgspec
 
 from ..broker import (
-    AckPolicy,
-    ConsumerConfig,
-    DeliverPolicy,
     EventLog,
     JetStream,
     KeyValue,
-    delete_consumer,
     publish_stored,
-    subject_agrees,
     submitted_of,
 )
-from ..errors import NatsError, NatsNotFoundError, WrongLastSequenceError
+from ..errors import NatsNotFoundError, WrongLastSequenceError
 from ..logs import get_logger
 from ..schema import (
-    EVENT_DECODER,
     EVENTS_STREAM,
     STATE_BUCKET,
-    Coalesced,
     Completed,
     Event,
     Failed,
     InferenceRequest,
-    Preempted,
     TokenChunk,
     cancelled,
     encode,
@@ -108,18 +97,13 @@ from ..schema import (
     token_subject,
     tool_call_deltas,
 )
+from ._coalescing_log import followers_in_log, preempted_attempt
 
 __all__ = ["Coalescer", "Group", "coalesce_key"]
 
 log = get_logger("coalescing")
 
 _TRIES: Final = 8
-#: Seconds subtracted from a leader's submit time (the requests stream's clock)
-#: when its followers are looked up in the log (the events stream's clock: on
-#: a cluster, another node's).
-_CLOCK_SLACK: Final = 60.0
-#: Coalesced events read per fetch when followers are looked up in the log.
-_SCAN_BATCH: Final = 256
 
 
 def coalesce_key(request: InferenceRequest) -> str | None:
@@ -296,7 +280,7 @@ class Coalescer:
         if group is None or not await self._complete(tenant, leader, group):
             # The group may have expired (or been replaced) while the leader
             # waited: its followers are in the log, each by its `coalesced`.
-            for follower in await self._followers_in_log(tenant, leader):
+            for follower in await followers_in_log(self._js, tenant, leader):
                 if follower not in followers:
                     request = await self._submitted(tenant, follower)
                     followers[follower] = None if request is None else request.deadline
@@ -365,70 +349,6 @@ class Coalescer:
             return True  # never expires: nothing can have been lost
         submitted = await submitted_of(self._js, tenant, leader)
         return submitted is not None and group.created - submitted.at < group.ttl / 2
-
-    async def _followers_in_log(self, tenant: str, leader: str) -> list[str]:
-        """The requests whose latest ``coalesced`` event names ``leader`` and
-        which have not moved on since (routed, or coalesced with another).
-
-        Read from the leader's submit time on: no one joins a leader before
-        it is read. A leader with no ``submitted`` event (a tenant hid it, see
-        docs/architecture.md) has none found. The tenant's newest coalesced
-        event says, in one direct get, whether there is anything to read.
-        """
-        submitted = await submitted_of(self._js, tenant, leader)
-        if submitted is None:
-            return []
-        since = submitted.at - _CLOCK_SLACK
-        subject = event_subject(tenant, "*", "coalesced")
-        try:
-            newest = await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
-        except NatsNotFoundError:
-            return []
-        if newest.time is not None and newest.time.timestamp() < since:
-            return []
-        latest: dict[str, tuple[str, int]] = {}
-        start = datetime.datetime.fromtimestamp(since, tz=datetime.UTC)
-        name = f"rq-co-{tenant}-{uuid.uuid4().hex}"
-        sub = await self._js.pull_subscribe(
-            subject,
-            stream=EVENTS_STREAM,
-            config=ConsumerConfig(
-                name=name,
-                ack_policy=AckPolicy.NONE,
-                deliver_policy=DeliverPolicy.BY_START_TIME,
-                opt_start_time=start,
-                inactive_threshold=10.0,
-                mem_storage=True,
-                num_replicas=1,
-            ),
-        )
-        try:
-            info = await sub.consumer_info()
-            pending = int(info.num_pending or 0)
-            while pending > 0:
-                for msg in await sub.fetch(batch=_SCAN_BATCH, timeout=5.0):
-                    meta = msg.metadata
-                    pending = int(meta.num_pending)
-                    with contextlib.suppress(msgspec.DecodeError):
-                        event = EVENT_DECODER.decode(msg.data)
-                        if isinstance(event, Coalesced) and subject_agrees(msg.subject, event):
-                            latest[event.request_id] = (event.leader, meta.sequence.stream)
-        finally:
-            with contextlib.suppress(NatsError):
-                await sub.unsubscribe()
-            await delete_consumer(self._js, EVENTS_STREAM, name)
-        followers = []
-        for follower, (named, seq) in latest.items():
-            if named != leader or follower == leader:
-                continue
-            routed = event_subject(tenant, follower, "routed")
-            try:
-                moved = (await self._js.get_last_msg(EVENTS_STREAM, routed, direct=True)).seq
-            except NatsNotFoundError:
-                moved = 0
-            if (moved or 0) < seq:
-                followers.append(follower)
-        return followers
 
     async def _settle(
         self, tenant: str, leader: str, follower: str, deadline: float | None, outcome: Event
@@ -523,7 +443,8 @@ class Coalescer:
         # A routing attempt of its own that no earlier one used: it may have
         # been preempted (and dispatched again) before it joined, and a reused
         # attempt's dispatch message id would be dropped as a duplicate.
-        requeues = max(request.requeues, await self._preempted_attempt(tenant, follower)) + 1
+        preempted = await preempted_attempt(self._js, tenant, follower)
+        requeues = max(request.requeues, preempted) + 1
         again = msgspec.structs.replace(request, requeues=requeues)
         # The group forgets it after this: a copy must surely be stored (a
         # tenant may have taken this message id first, see publish_stored).
@@ -534,16 +455,6 @@ class Coalescer:
             msg_id(tenant, follower, "requeue", "leader", leader),
         )
         log.info("coalesced request runs on its own", request_id=follower, leader=leader)
-
-    async def _preempted_attempt(self, tenant: str, request_id: str) -> int:
-        """The attempt of the request's latest ``preempted`` event; 0 if none."""
-        subject = event_subject(tenant, request_id, "preempted")
-        try:
-            raw = await self._js.get_last_msg(EVENTS_STREAM, subject, direct=True)
-            event = EVENT_DECODER.decode(raw.data or b"")
-        except (NatsNotFoundError, msgspec.DecodeError):
-            return 0
-        return event.attempt if isinstance(event, Preempted) else 0
 
     async def _submitted(self, tenant: str, request_id: str) -> InferenceRequest | None:
         event = await submitted_of(self._js, tenant, request_id)

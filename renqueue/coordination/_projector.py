@@ -3,9 +3,11 @@
 :class:`Projector` is the service around :func:`~renqueue.state.fold`: it reads
 ``RQ_EVENTS`` in order, folds in batches, and writes the state to the KV bucket
 ``rq-state`` under the key :data:`~renqueue.state.STATE_KEY` with
-compare-and-set, at most every ``flush_interval``. :func:`rebuild` replays the
-stream into a fresh state, for audits and to check the live state against the
-log.
+compare-and-set, at most every ``flush_interval``, and after each write the
+views that changed (:class:`~._view_publisher.ViewPublisher`: one small entry
+per backend, tenant and A/B split, which routers read). :func:`rebuild`
+replays the stream into a fresh state, for audits and to check the live state
+against the log.
 
 Where stream messages are decoded (``_fold_messages``, shared by the projector
 and :func:`rebuild`), the subject is the authority: a message whose payload
@@ -21,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import re
 import time
 from collections.abc import Callable, Iterable
 from typing import Final
@@ -52,27 +53,13 @@ from ..schema import EVENT_DECODER, EVENTS_STREAM, STATE_BUCKET, kind_of
 from ..state import (
     STATE_KEY,
     STATE_VERSION,
-    BackendState,
     Folding,
     ProjectionState,
-    SplitState,
     decode_state,
     encode_state,
 )
 from ..tasks import Supervisor
-from ._view import (
-    PROGRESS_KEY,
-    BackendView,
-    Progress,
-    SplitView,
-    TenantSpend,
-    TenantView,
-    backend_view_key,
-    decode_progress,
-    encode_view,
-    split_view_key,
-    tenant_view_key,
-)
+from ._view_publisher import ViewPublisher
 
 __all__ = ["Projector", "rebuild"]
 
@@ -82,9 +69,6 @@ log = get_logger("projection")
 _BATCH: Final = 512
 #: Seconds between tries of a checkpoint over the broker's ``max_payload``.
 _OVERSIZED_PAUSE: Final = 30.0
-
-#: A backend name that can be a KV key (config's names are all of this shape).
-_VIEW_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _fold_messages(builder: Folding, msgs: Iterable[Message]) -> None:
@@ -245,25 +229,8 @@ class Projector(Lifecycle):
         self._stored_seq = 0
         self._last_write = -math.inf  # ``clock`` time of the last checkpoint write; never
         self._psub: PullSubscription | None = None
-        #: Each backend's state as last published in its view (by identity: a
-        #: fold replaces a backend's state when it changes it).
-        self._published: dict[str, BackendState] = {}
-        self._published_spends: dict[str, TenantSpend] = {}
-        #: Each A/B split's state as last published in its view (the same way).
-        self._published_splits: dict[str, SplitState] = {}
-        #: The sequence the published views reflect (behind the checkpoint
-        #: only after a failed view write: the next flush writes them).
-        self._views_seq = 0
-        #: Views stored by an earlier fold of this log up to here stand until
-        #: this fold passes it (a refold from the start publishes nothing older).
-        self._views_floor = 0
-        #: The events stream's creation time: what the views' sequences count in.
-        self._epoch = ""
-        self._republish_every = republish_every
-        self._last_full_publish = -math.inf
-        #: Backends whose name cannot be a KV key: folded, never published.
-        self.views_skipped = 0
-        self._unpublishable: set[str] = set()
+        #: The views, published after each checkpoint write.
+        self._views = ViewPublisher(clock=clock, republish_every=republish_every)
         self.writes = 0
         self.conflicts = 0
         #: Checkpoint writes refused as over the broker's ``max_payload``; while
@@ -279,6 +246,11 @@ class Projector(Lifecycle):
         return self._kv
 
     @property
+    def views_skipped(self) -> int:
+        """Backends and tenants whose name cannot be a KV key: folded, never published."""
+        return self._views.views_skipped
+
+    @property
     def state(self) -> ProjectionState:
         """The state folded so far (may be ahead of the stored one by one flush)."""
         return self._state
@@ -291,7 +263,7 @@ class Projector(Lifecycle):
         """
         self._kv = await self._js.key_value(STATE_BUCKET)
         created = (await self._js.stream_info(EVENTS_STREAM)).created
-        self._epoch = "" if created is None else created.isoformat()
+        self._views.open(self._kv, "" if created is None else created.isoformat())
         await self._load()
         self._supervisor.spawn(self._loop, self._run)
         log.info("projector started", projector=self._name, after=self._state.last_seq)
@@ -336,11 +308,7 @@ class Projector(Lifecycle):
         is behind the views already stored for this log: readers keep the
         newer ones.
         """
-        self._views_seq = 0
-        self._published = {}
-        self._published_spends = {}
-        self._published_splits = {}
-        self._views_floor = await self._stored_views_seq()
+        await self._views.reset()
         entry = await self._bucket.latest(STATE_KEY)
         if entry is None or entry.operation is not None:
             # Never written (revision 0), or deleted: then the delete marker's
@@ -370,17 +338,6 @@ class Projector(Lifecycle):
             )
             self._state = ProjectionState()
         self._stored_seq = self._state.last_seq
-
-    async def _stored_views_seq(self) -> int:
-        """The sequence of the stored views, if they count in this log's sequences."""
-        entry = await self._bucket.latest(PROGRESS_KEY)
-        if entry is None or entry.operation is not None:
-            return 0
-        try:
-            progress = decode_progress(entry.value)
-        except msgspec.DecodeError:
-            return 0
-        return progress.last_seq if progress.epoch == self._epoch else 0
 
     async def _release(self) -> None:
         if self._psub is not None:
@@ -427,56 +384,14 @@ class Projector(Lifecycle):
                     if not await self._flush():
                         raise _Restart
                 else:  # the checkpoint is written (or too big for now); the views are behind
-                    await self._publish_views(self._state)
+                    await self._views.publish(self._state)
                     self._last_write = self._clock()
 
     def _dirty(self) -> bool:
         """Folded past the checkpoint, or the views are behind it (a view write
         failed, or this projector has not published since it loaded the state),
         or every view is due to be written again."""
-        return (
-            self._state.last_seq > self._stored_seq
-            or self._views_seq < self._stored_seq
-            or self._clock() - self._last_full_publish >= self._republish_every
-        )
-
-    def _changed_spends(self, state: ProjectionState, *, full: bool) -> dict[str, TenantSpend]:
-        """The tenants whose day's spend or committed cost differs from what
-        this projector last published (every one, on a ``full`` publish): only
-        a paid call moves a tenant's view, so a free call writes none."""
-        if full:
-            self._published_spends = {}
-        changed: dict[str, TenantSpend] = {}
-        for name, tenant in state.tenants.items():
-            if tenant.spend <= 0 and tenant.committed <= 0:  # nothing to budget
-                continue
-            spend = TenantSpend(
-                day=tenant.day, day_spend=tenant.day_spend, committed=tenant.committed
-            )
-            if self._published_spends.get(name) == spend:
-                continue
-            if not _VIEW_NAME.fullmatch(name):
-                if name not in self._unpublishable:
-                    self._unpublishable.add(name)
-                    self.views_skipped += 1
-                    log.warning("tenant name cannot be a view key; not published", tenant=name)
-                continue
-            changed[name] = spend
-        return changed
-
-    def _changed_splits(self, state: ProjectionState, *, full: bool) -> dict[str, SplitState]:
-        """The A/B splits whose state or figures differ from what this projector
-        last published (every one, on a ``full`` publish)."""
-        if full:
-            self._published_splits = {}
-        published = self._published_splits
-        return {
-            name: split
-            for name, split in state.splits.routes.items()
-            if (previous := published.get(name)) is not split
-            and previous != split
-            and _VIEW_NAME.fullmatch(name)
-        }
+        return self._state.last_seq > self._stored_seq or self._views.behind(self._stored_seq)
 
     async def _check_consumer(self, psub: PullSubscription) -> None:
         """An idle consumer may have been lost (server restart): make it again if so."""
@@ -514,90 +429,12 @@ class Projector(Lifecycle):
                 error=str(exc),
                 retry_in=_OVERSIZED_PAUSE,
             )
-            await self._publish_views(state)
+            await self._views.publish(state)
             self._last_write = self._clock()
             return True
         self._oversized_until = None
         self._stored_seq = state.last_seq
         self._last_write = self._clock()
         self.writes += 1
-        await self._publish_views(state)
+        await self._views.publish(state)
         return True
-
-    async def _publish_views(self, state: ProjectionState) -> None:
-        """Publish the views of the backends and A/B splits that differ from what
-        this projector last published, then ``state``'s progress.
-
-        Called only for a state stored as the checkpoint, so a view never runs
-        ahead of the checkpoint. The progress mark goes last: a reader that
-        sees it has every view written for the fold up to its sequence. A view
-        that fails to be written is written again at the next flush (what this
-        projector has published moves only on success); a projector that
-        starts publishes every backend anew (repairing a damaged or deleted
-        view), and one that adopts another's checkpoint publishes what differs
-        from its own last views (no checkpoint write: two projectors never
-        trade writes over an idle log). Every ``republish_every`` seconds all
-        views are written again, so one deleted, damaged or overwritten by a
-        slower projector's older write is repaired within that time.
-
-        A fold still behind the views stored for this log (a refold from the
-        start) publishes nothing: they stand until it passes them. A backend
-        whose name cannot be a KV key (only a broken or forged event could
-        name one) is folded but never published, and counted in
-        :attr:`views_skipped`.
-        """
-        if state.last_seq < self._views_floor:
-            self._views_seq = state.last_seq
-            return
-        now = self._clock()
-        full = now - self._last_full_publish >= self._republish_every
-        if full:
-            self._published = {}
-        published = self._published
-        changed: dict[str, BackendState] = {}
-        for name, backend in state.backends.items():
-            if (previous := published.get(name)) is backend or previous == backend:
-                continue
-            if not _VIEW_NAME.fullmatch(name):
-                if name not in self._unpublishable:
-                    self._unpublishable.add(name)
-                    self.views_skipped += 1
-                    log.warning("backend name cannot be a view key; not published", backend=name)
-                continue
-            changed[name] = backend
-        kv = self._bucket
-        seq, epoch = state.last_seq, self._epoch
-        spends = self._changed_spends(state, full=full)
-        splits = self._changed_splits(state, full=full)
-        if changed or spends or splits:
-            await asyncio.gather(
-                *(
-                    kv.put(
-                        backend_view_key(name),
-                        encode_view(BackendView(last_seq=seq, epoch=epoch, backend=backend)),
-                    )
-                    for name, backend in changed.items()
-                ),
-                *(
-                    kv.put(
-                        tenant_view_key(name),
-                        encode_view(TenantView(last_seq=seq, epoch=epoch, tenant=spend)),
-                    )
-                    for name, spend in spends.items()
-                ),
-                *(
-                    kv.put(
-                        split_view_key(name),
-                        encode_view(SplitView(last_seq=seq, epoch=epoch, split=split)),
-                    )
-                    for name, split in splits.items()
-                ),
-            )
-            self._published.update(changed)
-            self._published_spends.update(spends)
-            self._published_splits.update(splits)
-        progress = Progress(last_seq=seq, epoch=epoch, log_time=state.log_time)
-        await kv.put(PROGRESS_KEY, encode_view(progress))
-        self._views_seq = state.last_seq
-        if full:
-            self._last_full_publish = now

@@ -44,6 +44,7 @@ import asyncio
 import datetime
 import math
 import time
+from collections.abc import Sequence
 from typing import Final
 
 from msgspec import Struct
@@ -338,7 +339,8 @@ def render_status(report: StatusReport) -> list[str]:
     """The report as aligned text lines (no trailing newlines). Pure.
 
     Names are shown :func:`printable`; times too far out for a calendar as
-    ``far future``.
+    ``far future``. A section with nothing to say (no pause, no open circuit,
+    nothing learned, no limit) is left out.
     """
     now = report.at
     lines = [
@@ -350,12 +352,28 @@ def render_status(report: StatusReport) -> list[str]:
             if report.projected
             else "  no projection stored yet: no projector has run (counts below are 0)"
         ),
-        "",
+    ]
+    for section in (
+        _backend_lines(report.backends),
+        _pause_lines(report.backends, now),
+        _circuit_lines(report.backends),
+        _learned_lines(report.backends),
+        _limit_lines(report.backends, now),
+        _level_lines(report.levels),
+        _tenant_lines(report.tenants),
+    ):
+        if section:
+            lines += ["", *section]
+    return lines
+
+
+def _backend_lines(backends: Sequence[BackendStatus]) -> list[str]:
+    lines = [
         "Backends",
         f"  {'backend':<16} {'health':<14} {'in flight':>9} {'waiting':>7} {'running':>7}"
         f" {'slots':>5} {'done':>7} {'failed':>6} {'429s':>5} {'spend $':>10}  held",
     ]
-    for b in report.backends:
+    for b in backends:
         health = b.circuit.replace("_", "-")
         if b.consecutive_failures:
             health += f" ({b.consecutive_failures})"
@@ -365,79 +383,86 @@ def render_status(report: StatusReport) -> list[str]:
             f" {_opt(b.running):>7} {_opt(b.concurrency):>5} {b.calls_completed:>7}"
             f" {b.calls_failed:>6} {b.rate_limited:>5} {b.spend:>10.6f}  {held}"
         )
+    return lines
+
+
+def _pause_lines(backends: Sequence[BackendStatus], now: float) -> list[str]:
     paused = [
-        f"  {printable(b.name)}: " + "; ".join(_pauses(b, now))
-        for b in report.backends
-        if _pauses(b, now)
+        f"  {printable(b.name)}: " + "; ".join(_pauses(b, now)) for b in backends if _pauses(b, now)
     ]
-    if paused:
-        lines += ["", "Paused by the provider", *paused]
+    return ["Paused by the provider", *paused] if paused else []
+
+
+def _circuit_lines(backends: Sequence[BackendStatus]) -> list[str]:
     circuits = [
         f"  {printable(b.name)}: {b.circuit.replace('_', '-')} since"
         f" {clock(b.circuit_since)}: {shorten(printable(b.circuit_reason), _HELD_WIDTH)}"
         + ("" if b.probe_ok is None else f" (probe: {'up' if b.probe_ok else 'down'})")
-        for b in report.backends
+        for b in backends
         if b.circuit != "closed" or b.probe_ok is False
     ]
-    if circuits:
-        lines += [
-            "",
-            "Circuit breakers not closed (the binder moves them; circuit events)",
-            *circuits,
-        ]
-    learned = [(b.name, b.perf) for b in report.backends if b.perf is not None and b.perf.samples]
-    if learned:
-        lines += [
-            "",
-            "Learned from the log (mean +- spread; what the binder predicts finish times by)",
-            f"  {'backend':<16} {'calls':>6} {'first token s':>15} {'tokens/s':>15}"
-            f" {'output tok':>15} {'faults':>7} {'429s':>6}",
-        ]
-        lines += [
+    if not circuits:
+        return []
+    return ["Circuit breakers not closed (the binder moves them; circuit events)", *circuits]
+
+
+def _learned_lines(backends: Sequence[BackendStatus]) -> list[str]:
+    learned = [(b.name, b.perf) for b in backends if b.perf is not None and b.perf.samples]
+    if not learned:
+        return []
+    return [
+        "Learned from the log (mean +- spread; what the binder predicts finish times by)",
+        f"  {'backend':<16} {'calls':>6} {'first token s':>15} {'tokens/s':>15}"
+        f" {'output tok':>15} {'faults':>7} {'429s':>6}",
+        *(
             f"  {printable(name):<16} {perf.samples:>6}"
             f" {_spread(perf.ttft, perf.ttft_sd, 2):>15} {_spread(perf.rate, perf.rate_sd, 0):>15}"
             f" {_spread(perf.output, perf.output_sd, 0):>15}"
             f" {perf.fault_p:>7.0%} {perf.limited_p:>6.0%}"
             for name, perf in learned
-        ]
-    limited = [(b.name, u) for b in report.backends for u in b.limits]
-    if limited:
-        lines += [
-            "",
-            "Rate limits (the limit judged by: the declared one, or less if the provider said so)",
-            f"  {'backend':<16} {'window':<16} {'used':>9} {'limit':>9} {'left':>9}"
-            f" {'declared':>9}  resets in",
-        ]
-        for name, u in limited:
-            lines.append(
-                f"  {printable(name):<16} {_limit_name(u):<16} {u.used:>9} {u.count:>9}"
-                f" {u.left:>9} {_opt(u.declared):>9}  {_resets(u, now)}"
-            )
-    lines += [
-        "",
-        "Priority levels",
-        f"  {'level':<16} {'waiting':>7}  oldest wait",
+        ),
     ]
-    for level in report.levels:
+
+
+def _limit_lines(backends: Sequence[BackendStatus], now: float) -> list[str]:
+    limited = [(b.name, u) for b in backends for u in b.limits]
+    if not limited:
+        return []
+    return [
+        "Rate limits (the limit judged by: the declared one, or less if the provider said so)",
+        f"  {'backend':<16} {'window':<16} {'used':>9} {'limit':>9} {'left':>9}"
+        f" {'declared':>9}  resets in",
+        *(
+            f"  {printable(name):<16} {_limit_name(u):<16} {u.used:>9} {u.count:>9}"
+            f" {u.left:>9} {_opt(u.declared):>9}  {_resets(u, now)}"
+            for name, u in limited
+        ),
+    ]
+
+
+def _level_lines(levels: Sequence[LevelStatus]) -> list[str]:
+    lines = ["Priority levels", f"  {'level':<16} {'waiting':>7}  oldest wait"]
+    for level in levels:
         wait = "-" if level.oldest_wait is None else _duration(level.oldest_wait)
         lines.append(f"  {printable(level.name):<16} {_opt(level.waiting):>7}  {wait}")
-    lines += ["", "Tenants"]
-    if not report.tenants:
-        lines.append("  none yet")
-    else:
+    return lines
+
+
+def _tenant_lines(tenants: Sequence[TenantStatus]) -> list[str]:
+    if not tenants:
+        return ["Tenants", "  none yet"]
+    lines = [
+        "Tenants",
+        f"  {'tenant':<16} {'spend today $':>13} {'budget/day $':>17} {'spend $':>10}"
+        f" {'submitted':>9}  ended",
+    ]
+    for t in tenants:
+        ended = " ".join(f"{printable(kind)}={count}" for kind, count in sorted(t.terminal.items()))
+        budget = "-" if t.budget is None else f"{t.budget.daily:.6f} {t.budget.mode}"
         lines.append(
-            f"  {'tenant':<16} {'spend today $':>13} {'budget/day $':>17} {'spend $':>10}"
-            f" {'submitted':>9}  ended"
+            f"  {printable(t.name):<16} {t.spend_today:>13.6f} {budget:>17} {t.spend:>10.6f}"
+            f" {t.submitted:>9}  {ended or '-'}"
         )
-        for t in report.tenants:
-            ended = " ".join(
-                f"{printable(kind)}={count}" for kind, count in sorted(t.terminal.items())
-            )
-            budget = "-" if t.budget is None else f"{t.budget.daily:.6f} {t.budget.mode}"
-            lines.append(
-                f"  {printable(t.name):<16} {t.spend_today:>13.6f} {budget:>17} {t.spend:>10.6f}"
-                f" {t.submitted:>9}  {ended or '-'}"
-            )
     return lines
 
 
