@@ -282,6 +282,34 @@ class Requeued(msgspec.Struct, frozen=True, kw_only=True):
     already: bool
 
 
+def _mark(
+    seq: int, request: InferenceRequest, new_id: str, deadline: float | None, *, at: float
+) -> RequeueMark:
+    """The marker of entry ``seq``'s requeue of ``request`` as ``new_id``."""
+    return RequeueMark(
+        dlq_seq=seq,
+        tenant=request.tenant,
+        request_id=request.id,
+        new_id=new_id,
+        deadline=deadline,
+        at=at,
+    )
+
+
+def _requeued(
+    seq: int, request: InferenceRequest, new_id: str, deadline: float | None, *, already: bool
+) -> Requeued:
+    """The outcome of requeuing entry ``seq`` (``request``) as ``new_id``."""
+    return Requeued(
+        seq=seq,
+        tenant=request.tenant,
+        request_id=request.id,
+        new_id=new_id,
+        deadline=deadline,
+        already=already,
+    )
+
+
 def requeue_id(request_id: str, seq: int) -> str:
     """The id a requeue of entry ``seq`` of request ``request_id`` gets:
     ``<id>-dlq<seq>``, or, when that is longer than 128 characters, the id cut
@@ -612,14 +640,7 @@ class DeadLetters:
         new_id = requeue_id(request.id, seq)
         done = entry.requeued or await self.mark(seq)
         if done is not None:
-            return Requeued(
-                seq=seq,
-                tenant=tenant,
-                request_id=request.id,
-                new_id=done.new_id,
-                deadline=done.deadline,
-                already=True,
-            )
+            return _requeued(seq, request, done.new_id, done.deadline, already=True)
         history = await self._log.history(tenant, request.id)
         for event in history:
             if isinstance(event, Completed | Cancelled):
@@ -631,27 +652,23 @@ class DeadLetters:
         logged = await self._submitted(tenant, new_id)
         if logged is not None:  # requeued by a run that died before its marker
             mark = await self._store_mark(
-                RequeueMark(
-                    dlq_seq=seq,
-                    tenant=tenant,
-                    request_id=request.id,
-                    new_id=new_id,
-                    deadline=logged.request.deadline,
-                    at=logged.at,
-                )
+                _mark(seq, request, new_id, logged.request.deadline, at=logged.at)
             )
-            return Requeued(
-                seq=seq,
-                tenant=tenant,
-                request_id=request.id,
-                new_id=new_id,
-                deadline=mark.deadline,
-                already=True,
-            )
+            return _requeued(seq, request, new_id, mark.deadline, already=True)
         again = self._again(entry, request, new_id, history, budget, keep_budget=keep_budget)
         header = msg_id(tenant, new_id)
         if config is not None:
             _admissible(again, config, header, seq)
+        duplicate = await self._publish_again(again, header, seq, new_id)
+        mark = await self._store_mark(_mark(seq, request, new_id, again.deadline, at=self._now()))
+        return _requeued(seq, request, new_id, mark.deadline, already=duplicate)
+
+    async def _publish_again(
+        self, again: InferenceRequest, header: str, seq: int, new_id: str
+    ) -> bool:
+        """Publish the new request (message id ``header``); whether it was a
+        duplicate (a requeue of the same entry already stored it)."""
+        tenant = again.tenant
         subject = request_subject(again.priority, tenant)
         try:
             ack = await self._js.publish(subject, encode(again), headers={"Nats-Msg-Id": header})
@@ -663,24 +680,7 @@ class DeadLetters:
             ) from exc
         if ack.duplicate:
             await self._check_duplicate(seq, ack, subject=subject, tenant=tenant, new_id=new_id)
-        mark = await self._store_mark(
-            RequeueMark(
-                dlq_seq=seq,
-                tenant=tenant,
-                request_id=request.id,
-                new_id=new_id,
-                deadline=again.deadline,
-                at=self._now(),
-            )
-        )
-        return Requeued(
-            seq=seq,
-            tenant=tenant,
-            request_id=request.id,
-            new_id=new_id,
-            deadline=mark.deadline,
-            already=bool(ack.duplicate),
-        )
+        return bool(ack.duplicate)
 
     def _again(
         self,

@@ -93,6 +93,7 @@ from ._nats import (
     DeliverPolicy,
     JetStream,
     Message,
+    MessageMetadata,
     PubAck,
     StoredMessage,
     wire_size,
@@ -259,6 +260,24 @@ async def read_messages(
             misdirected("read", last.subject or "", expected=subject)
             return []
         return [(last.seq, last.subject, last.data or b"")]
+    return await _replay(
+        nc, js, stream, subject, start=start, last=last.seq, name=name, timeout=timeout
+    )
+
+
+async def _replay(
+    nc: Connection,
+    js: JetStream,
+    stream: str,
+    subject: str,
+    *,
+    start: int,
+    last: int,
+    name: str,
+    timeout: float,  # noqa: ASYNC109 - a bound on silence between messages
+) -> list[tuple[int, str, bytes]]:
+    """:func:`read_messages`' replay of ``subject`` from ``start`` to ``last``
+    by a consumer of its own, deleted after."""
     received: asyncio.Queue[Message] = asyncio.Queue()
 
     async def on_msg(msg: Message) -> None:
@@ -288,26 +307,34 @@ async def read_messages(
             msg = await asyncio.wait_for(received.get(), timeout)
             if msg.headers and msg.headers.get("Status"):
                 continue  # a status message (heartbeat), not stored data
-            try:
-                meta = msg.metadata
-            except NatsError:  # not a JetStream delivery
-                misdirected("read", msg.subject, expected=subject)
-                continue
-            if (
-                meta.stream != stream
-                or meta.consumer != consumer
-                or not subject_matches(subject, msg.subject)
-            ):
+            meta = _delivered(msg, stream, consumer, subject)
+            if meta is None:
                 misdirected("read", msg.subject, expected=subject)
                 continue
             out.append((meta.sequence.stream, msg.subject, msg.data))
-            pending = 0 if meta.sequence.stream >= last.seq else meta.num_pending
+            pending = 0 if meta.sequence.stream >= last else meta.num_pending
         return out
     finally:
         with contextlib.suppress(NatsError):
             await sub.unsubscribe()
         if created:
             await delete_consumer(js, stream, consumer)
+
+
+def _delivered(msg: Message, stream: str, consumer: str, subject: str) -> MessageMetadata | None:
+    """The delivery's metadata, if ``consumer`` of ``stream`` delivered it and it
+    was stored on ``subject``; ``None`` for anything else on the inbox."""
+    try:
+        meta = msg.metadata
+    except NatsError:  # not a JetStream delivery
+        return None
+    if (
+        meta.stream != stream
+        or meta.consumer != consumer
+        or not subject_matches(subject, msg.subject)
+    ):
+        return None
+    return meta
 
 
 def subject_agrees(subject: str, event: Event) -> bool:

@@ -174,6 +174,24 @@ def validate(
     A/B arm, the binder's choice). A request of a newer schema version than
     this code's is refused: its new fields would be dropped unread.
     """
+    _check_services_fields(request, tenant, requeue=requeue)
+    _check_subject(request, level=level, tenant=tenant, message_id=message_id, requeue=requeue)
+    most = config.max_priority_of(tenant)
+    if (
+        most is not None
+        and not requeue  # put back by the services at the level it was allowed
+        and config.priority_rank(level) < config.priority_rank(most)
+    ):
+        raise PriorityNotAllowedError(tenant, level, most, request_id=request.id)
+    _check_params(request)
+    if request.route not in config.routes:
+        raise UnknownRouteError(request.route, request_id=request.id)
+    _check_servable(request, config)
+
+
+def _check_services_fields(request: InferenceRequest, tenant: str, *, requeue: bool) -> None:
+    """What only the services may set (on the requeue subject), and what this
+    code must be new enough to read."""
     if request.v > SCHEMA_VERSION:
         raise MalformedRequestError(
             f"schema version {request.v} is newer than this service's ({SCHEMA_VERSION}): "
@@ -203,6 +221,17 @@ def validate(
             "split is set by the services only, on rq.req.<priority>.<tenant>.requeue",
             request_id=request.id,
         )
+
+
+def _check_subject(
+    request: InferenceRequest,
+    *,
+    level: str,
+    tenant: str,
+    message_id: str | None,
+    requeue: bool,
+) -> None:
+    """The request is what its subject and message id say: their tenant and level."""
     if message_id is not None and not (
         message_id == msg_id(tenant, request.id)
         or (requeue and message_id.startswith(msg_id(tenant, request.id, "requeue")))
@@ -222,17 +251,6 @@ def validate(
             f"priority {request.priority!r} does not match subject level {level!r}",
             request_id=request.id,
         )
-    most = config.max_priority_of(tenant)
-    if (
-        most is not None
-        and not requeue  # put back by the services at the level it was allowed
-        and config.priority_rank(level) < config.priority_rank(most)
-    ):
-        raise PriorityNotAllowedError(tenant, level, most, request_id=request.id)
-    _check_params(request)
-    if request.route not in config.routes:
-        raise UnknownRouteError(request.route, request_id=request.id)
-    _check_servable(request, config)
 
 
 _PARAM_FIELDS: Final = frozenset(GenerationParams.__struct_fields__)
