@@ -363,7 +363,7 @@ async def mock_ceiling(mock_url: str, mock_pid: int, plan: Plan) -> dict[str, An
         try:
             yield call
         finally:
-            await adapter.aclose()
+            await adapter.close()
 
     @contextlib.asynccontextmanager
     async def aiohttp_call() -> AsyncIterator[Callable[[LoopResult], Awaitable[float]]]:

@@ -1,19 +1,19 @@
-"""The one lifecycle of every long-lived component: start once, stop once.
+"""The one lifecycle of every long-lived component: start once, close once.
 
 Router, worker, projector, state view, cancel watch, advisory reader and
 :class:`~renqueue.services.Services` all subclass :class:`Lifecycle`:
 
-- ``UNOPENED`` -> :meth:`Lifecycle.start` -> ``RUNNING`` -> :meth:`Lifecycle.stop`
+- ``UNOPENED`` -> :meth:`Lifecycle.start` -> ``RUNNING`` -> :meth:`Lifecycle.close`
   -> ``DRAINING`` -> ``CLOSED``. A component is started at most once: a second
   start, or a start after a stop, raises :class:`RuntimeError` naming it.
 - A start that fails (or is cancelled) stops what it got to open, so the
   component ends ``CLOSED`` and the error propagates.
-- :meth:`Lifecycle.stop` is idempotent: the component's ``_stop`` runs once; a
+- :meth:`Lifecycle.close` is idempotent: the component's ``_close`` runs once; a
   stop while another is under way waits for it. Stopping a component never
   started just marks it ``CLOSED``.
 - ``async with component:`` starts it and stops it on exit.
 
-Subclasses implement ``_start`` and ``_stop``; ``_stop`` must cope with a
+Subclasses implement ``_start`` and ``_close``; ``_close`` must cope with a
 ``_start`` that got only part of the way.
 """
 
@@ -62,11 +62,11 @@ class Lifecycle:
         try:
             await self._start()
         except BaseException:
-            await self.stop()
+            await self.close()
             raise
 
-    async def stop(self) -> None:
-        """Stop: ``RUNNING`` -> ``DRAINING`` -> ``CLOSED``, running ``_stop`` once. Idempotent."""
+    async def close(self) -> None:
+        """Stop: ``RUNNING`` -> ``DRAINING`` -> ``CLOSED``, running ``_close`` once. Idempotent."""
         if self._status is State.UNOPENED:
             self._status = State.CLOSED
             return
@@ -79,7 +79,7 @@ class Lifecycle:
         self._status = State.DRAINING
         self._stopped = asyncio.Event()
         try:
-            await self._stop()
+            await self._close()
         finally:
             self._status = State.CLOSED
             self._stopped.set()
@@ -94,10 +94,10 @@ class Lifecycle:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.stop()
+        await self.close()
 
     async def _start(self) -> None:
         """Open what the component needs; called once, by :meth:`start`."""
 
-    async def _stop(self) -> None:
-        """Close what ``_start`` opened (maybe only part of it); called once, by :meth:`stop`."""
+    async def _close(self) -> None:
+        """Close what ``_start`` opened (maybe only part of it); called once, by :meth:`close`."""

@@ -43,9 +43,9 @@ class ServicesWithGateway(Services):
         )
         await self.gateway.start()
 
-    async def _stop(self) -> None:
+    async def _close(self) -> None:
         try:
             if self.gateway is not None:
-                await self.gateway.stop()
+                await self.gateway.close()
         finally:
-            await super()._stop()
+            await super()._close()

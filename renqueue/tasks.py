@@ -176,11 +176,11 @@ class Supervisor:
         loop = self._loops.get(name)
         return 0 if loop is None else loop.failures
 
-    async def stop(self, *names: str) -> None:
+    async def cancel(self, *names: str) -> None:
         """Cancel the named loops (or jobs) and wait until they have ended; forget them.
 
         For a service that stops before the rest of its process (a router's
-        ``stop()`` ends its loops before handing its held requests back).
+        ``close()`` ends its loops before handing its held requests back).
         Unknown names are ignored; a stopped loop is not healthy.
         """
         loops = [self._loops.pop(name) for name in names if name in self._loops]

@@ -207,7 +207,7 @@ async def test_make_backend_builds_the_adapter_the_config_class_names(
 ) -> None:
     built = make_backend("b", backend(**fields))
     assert type(built) is cls
-    await built.aclose()
+    await built.close()
 
 
 def test_the_union_round_trips_through_builtins() -> None:
@@ -233,4 +233,4 @@ async def test_a_gemini_model_may_be_named_as_googles_resource() -> None:
         ":streamGenerateContent?alt=sse",
         "https://generativelanguage.googleapis.com/v1beta/models/gemini-2.0-flash:generateContent",
     )
-    await built.aclose()
+    await built.close()

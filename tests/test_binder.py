@@ -247,7 +247,7 @@ async def test_a_router_judges_its_lease_by_the_buckets_expiry_when_that_is_shor
             assert router.binding
             assert router.lease_ttl == pytest.approx(1.0)
         finally:
-            await router.stop()
+            await router.close()
     finally:
         await nc.close()
 
@@ -284,9 +284,9 @@ async def test_provisioning_never_shortens_the_lease_bucket_under_a_running_bind
                 assert not other.binding
                 assert binder.binding
             finally:
-                await other.stop()
+                await other.close()
         finally:
-            await binder.stop()
+            await binder.close()
         # Lengthening is safe and applies in place.
         await provision(nc, parse_config({"router": {"lease_ttl": "20s"}}))
         assert (await js.stream_info("KV_rq-leases")).config.max_age == pytest.approx(20.0)
@@ -342,7 +342,7 @@ async def test_a_rebind_logs_the_backend_an_earlier_bind_dispatched_to(
                 # Its message is acked: nothing will bind it again.
                 await until(lambda: _no_pending(js), "the request message is settled")
             finally:
-                await router.stop()
+                await router.close()
             events = await routed()
             assert [(e.backend, e.attempt) for e in events] == [("a", 1)]
             assert "earlier bind" in events[0].reason
@@ -434,7 +434,7 @@ async def test_a_slow_dispatch_store_never_overfills_a_backend(
                 await until(many_reads_after_the_stores, "the binder read the load 10 more times")
                 stored = (await js.stream_info(DISPATCH_STREAM)).state.messages
             finally:
-                await router.stop()
+                await router.close()
         assert stored == 2, f"{stored} dispatches for a backend of concurrency 2"
     finally:
         await nc.close()
@@ -482,7 +482,7 @@ async def test_a_binder_whose_term_cannot_begin_gives_the_lease_up(tmp_path: Pat
             bad = Router(denied, denied.jetstream(), config, name="bad")
             await bad.start()
             assert not bad.binding
-            await first.stop()  # gives the lease up: the router that cannot bind takes it
+            await first.close()  # gives the lease up: the router that cannot bind takes it
             lease = await js.key_value("rq-leases")
 
             async def held_by_bad() -> bool:
@@ -502,8 +502,8 @@ async def test_a_binder_whose_term_cannot_begin_gives_the_lease_up(tmp_path: Pat
                 await until(binding, "a router that can bind binds", within=60.0)
                 assert not bad.binding
             finally:
-                await healthy.stop()
-                await bad.stop()
+                await healthy.close()
+                await bad.close()
         finally:
             await denied.close()
             await svc.close()
@@ -547,7 +547,7 @@ async def test_earlier_lease_loop_failures_never_make_a_healthy_binder_give_up(
 
         standby._lease.renew = counted  # type: ignore[method-assign]
         try:
-            await holder.stop()  # the standby takes over, slowly
+            await holder.close()  # the standby takes over, slowly
 
             async def binding() -> bool:
                 return standby.binding
@@ -563,7 +563,7 @@ async def test_earlier_lease_loop_failures_never_make_a_healthy_binder_give_up(
             entry = await (await js.key_value("rq-leases")).get("binder")
             assert entry.value.decode() == standby.holder
         finally:
-            await standby.stop()
+            await standby.close()
     finally:
         await nc.close()
 
@@ -632,7 +632,7 @@ async def test_a_refused_dispatch_never_leaves_its_decision_logged(
 
                 await until(both_dispatched, "both requests are dispatched and settled")
             finally:
-                await router.stop()
+                await router.close()
             queued = {
                 name: (await js.consumer_info(DISPATCH_STREAM, f"worker-{name}")).num_pending
                 for name in ("a", "b")
@@ -702,7 +702,7 @@ async def test_a_dispatch_whose_ack_times_out_stays_counted(
                 await until(settled, "60 reads after the first stores, every dispatch landed")
                 stored = (await js.stream_info(DISPATCH_STREAM)).state.messages
             finally:
-                await router.stop()
+                await router.close()
         assert stored == 2, f"{stored} dispatches for a backend of concurrency 2"
     finally:
         await nc.close()

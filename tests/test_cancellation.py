@@ -211,7 +211,7 @@ async def test_the_watch_starts_at_once_when_every_cancellation_is_past_its_hori
         assert await watch.was_cancelled("t", "old-one", since=time.time())
         assert not await watch.was_cancelled("other", "old-one", since=time.time())
     finally:
-        await watch.stop()
+        await watch.close()
 
 
 async def test_a_cancel_that_lands_while_a_run_starts_is_not_missed(
@@ -275,7 +275,7 @@ async def test_a_flood_of_cancellations_stays_bounded_and_forgotten_ones_are_sti
         assert not await watch.was_cancelled("t", "someone-else", since=before)
         assert len(watch) == 50
     finally:
-        await watch.stop()
+        await watch.close()
 
 
 async def test_another_tenant_cannot_drop_a_cancellation_by_taking_its_message_id(

@@ -409,7 +409,7 @@ async def test_a_stream_rides_out_a_server_restart_and_ends_from_the_store(
             assert (await anext(stream)).text == "a"
             rest = asyncio.create_task(anext(stream, None))
             caplog.set_level(logging.WARNING, logger="renqueue.client")
-            await server.stop()  # the store is kept on disk
+            await server.close()  # the store is kept on disk
             for _ in range(1500):
                 if rest.done() or any("stored tokens failed" in r.message for r in caplog.records):
                     break
@@ -427,4 +427,4 @@ async def test_a_stream_rides_out_a_server_restart_and_ends_from_the_store(
     finally:
         await deaf.close()
         await loud.close()
-        await server.stop()
+        await server.close()

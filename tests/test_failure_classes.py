@@ -38,7 +38,7 @@ async def call(
         except BackendError as exc:
             return deltas, exc, mock
         finally:
-            await backend.aclose()
+            await backend.close()
     return deltas, None, mock
 
 
@@ -109,7 +109,7 @@ async def test_a_refused_connection_is_a_connection_failure() -> None:
     with pytest.raises(BackendError) as info:
         async for _ in backend.stream(REQUEST):
             pass
-    await backend.aclose()
+    await backend.close()
     assert info.value.failure is FailureClass.CONNECT
 
 

@@ -374,7 +374,7 @@ class CountsMore:
     async def complete(self, request: Any, *, priority: int | None = None) -> Any:
         raise NotImplementedError
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         return None
 
 
@@ -398,7 +398,7 @@ async def test_a_call_that_costs_more_than_its_cap_is_said_and_counted(
                     handle = await client.submit("hi", route="chat", max_cost=0.01, max_tokens=2)
                     result = await handle.result(timeout=15)
             finally:
-                await worker.stop()
+                await worker.close()
     assert result.cost == pytest.approx(0.050002)
     assert _overruns("pricey") == before + 1
 

@@ -137,7 +137,7 @@ class FailsMidStream:
     async def complete(self, request: Any, *, priority: int | None = None) -> Any:
         raise FatalBackendError("the model went away", backend="b")
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         return None
 
 
@@ -157,7 +157,7 @@ async def test_a_failed_request_ends_with_a_final_chunk_after_its_runs_text(
                 chunks = await stored_chunks(client, handle.id)
                 events = await EventLog(client.js).history(TENANT, handle.id)
         finally:
-            await worker.stop()
+            await worker.close()
     assert info.value.error_type == "backend_fatal"
     [started] = [e for e in events if isinstance(e, Started)]
     assert_final_follows_the_text(chunks, run=started.delivery)

@@ -71,9 +71,9 @@ async def test_starting_twice_raises_and_stopping_twice_is_fine(stack: Services,
     assert component.status is State.RUNNING
     with pytest.raises(RuntimeError, match=r"cannot start .*: it is running"):
         await component.start()
-    await component.stop()
+    await component.close()
     assert component.status is State.CLOSED
-    await component.stop()
+    await component.close()
     assert component.status is State.CLOSED
     with pytest.raises(RuntimeError, match="it is closed"):
         await component.start()
@@ -90,7 +90,7 @@ async def test_async_with_starts_and_stops(stack: Services, kind: str) -> None:
 
 async def test_stop_of_an_unopened_component_just_closes_it(stack: Services) -> None:
     component = _router(stack)
-    await component.stop()
+    await component.close()
     assert component.status is State.CLOSED
     with pytest.raises(RuntimeError):
         await component.start()
@@ -106,7 +106,7 @@ async def test_services_start_twice_raises_and_close_is_idempotent(
             await services.start()
     assert services.state is State.CLOSED
     await services.close()
-    await services.stop()
+    await services.close()
     assert services.status is State.CLOSED
 
 
@@ -153,7 +153,7 @@ async def test_a_failed_start_ends_closed_and_stops_again_quietly(
     with pytest.raises(NatsNotFoundError):  # the rq-state bucket
         await component.start()
     assert component.status is State.CLOSED
-    await component.stop()
+    await component.close()
     assert component.status is State.CLOSED
 
 
@@ -165,14 +165,14 @@ async def test_a_failing_start_is_stopped_once() -> None:
             calls.append("start")
             raise OSError("no")
 
-        async def _stop(self) -> None:
+        async def _close(self) -> None:
             calls.append("stop")
 
     broken = Broken()
     with pytest.raises(OSError, match="no"):
         async with broken:
             pytest.fail("the body runs only after a start")
-    await broken.stop()
+    await broken.close()
     assert calls == ["start", "stop"]
     assert broken.status is State.CLOSED
 

@@ -354,8 +354,8 @@ async def test_serve_runs_until_cancelled(client: httpx.AsyncClient) -> None:
 async def test_close_is_idempotent_and_restart_is_refused() -> None:
     mock = MockBackend()
     await mock.start()
-    await mock.aclose()
-    await mock.aclose()
+    await mock.close()
+    await mock.close()
     with pytest.raises(RuntimeError):
         await mock.start()
 

@@ -242,7 +242,7 @@ async def test_hang_does_not_block_shutdown_or_leak_tasks() -> None:
         await until(lambda: mock.stats().faults.get("hang") == 2, "both requests hang")
         loop = asyncio.get_running_loop()
         started = loop.time()
-        await mock.aclose()
+        await mock.close()
         closed_in = loop.time() - started
         results = await asyncio.gather(*hung, return_exceptions=True)
     # Far below shutdown_timeout: the hung handlers let go at once.

@@ -425,7 +425,7 @@ async def scripted_backend(scripted: str) -> AsyncIterator[Callable[[str], OpenA
 
     yield build
     for adapter in adapters:
-        await adapter.aclose()
+        await adapter.close()
     await client.aclose()
 
 
@@ -575,20 +575,20 @@ async def test_make_backend_builds_an_openai_adapter(mock: MockBackend) -> None:
     assert backend.name == "mock"
     await backend.complete(make_request(), priority=1)
     assert mock.stats().last_request["priority"] == 1
-    await backend.aclose()
+    await backend.close()
 
 
 async def test_aclose_is_idempotent_and_spares_an_injected_client(mock: MockBackend) -> None:
     async with httpx.AsyncClient() as client:
         adapter = OpenAIBackend("mock", config_for(mock.url), client=client)
-        await adapter.aclose()
-        await adapter.aclose()
+        await adapter.close()
+        await adapter.close()
         assert not client.is_closed
         with pytest.raises(FatalBackendError):
             await adapter.complete(make_request())
     own = OpenAIBackend("mock", config_for(mock.url))
-    await own.aclose()
-    await own.aclose()
+    await own.close()
+    await own.close()
     assert all(pool.is_closed for pool in own._pools)
 
 
@@ -606,5 +606,5 @@ async def test_tokens_arriving_apart_are_not_held_back() -> None:
     async with MockBackend(MockSettings(tokens_per_second=50, output_tokens=5)) as paced:
         adapter = OpenAIBackend("paced", config_for(paced.url))
         deltas = await collect(adapter, make_request())
-        await adapter.aclose()
+        await adapter.close()
     assert len([d for d in deltas if d.text]) == 5

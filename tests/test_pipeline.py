@@ -371,7 +371,7 @@ class BrokenBackend:
     async def complete(self, request: Any, *, priority: int | None = None) -> Any:
         raise RuntimeError("adapter bug")
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         return None
 
 
@@ -391,7 +391,7 @@ async def test_a_worker_bug_fails_the_request_on_its_last_delivery_not_never(
                     await handle.result(timeout=10)
                 events = await EventLog(client.js).history("t1", handle.id)
         finally:
-            await worker.stop()
+            await worker.close()
     assert info.value.error_type == "internal"
     assert [e.delivery for e in events if isinstance(e, Started)] == [1, 2]
 

@@ -335,6 +335,6 @@ async def test_a_process_without_nats_past_its_patience_exits_saying_why(tmp_pat
             config = config_of(mock.url, nats_url=server.url, patience="2s")
             _services, running = await run_in_background(config)
         finally:
-            await server.stop()
+            await server.close()
         with pytest.raises(ServiceFailedError, match=r"cannot reach NATS .* nats\.patience \(2s\)"):
             await asyncio.wait_for(running, 30)

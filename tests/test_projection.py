@@ -609,7 +609,7 @@ async def test_two_projectors_at_once_never_clobber_the_stored_state(
                 live = await p1.sync()
             assert p1.writes + p2.writes > 2
     finally:
-        await watcher.stop()
+        await watcher.close()
         recorder.cancel()
         with pytest.raises(asyncio.CancelledError):
             await recorder
@@ -759,7 +759,7 @@ async def test_a_state_view_sees_writes_made_after_the_server_restarted(
         await kv.put(PROGRESS_KEY, progress(1))
         async with await StateView.open(js, check_every=0.2) as view:
             assert view.state.last_seq == 1
-            await server.stop()
+            await server.close()
             server = EmbeddedServer(tmp_path / ("nats" if store == "kept" else "nats-2"), port=port)
             await server.start()  # back on the same address
 
@@ -783,7 +783,7 @@ async def test_a_state_view_sees_writes_made_after_the_server_restarted(
                 assert view.reopened >= 1
     finally:
         await nc.close()
-        await server.stop()
+        await server.close()
 
 
 # ------------------------------------------------------------ per-backend views
@@ -868,7 +868,7 @@ async def test_a_restarted_projector_repairs_a_tampered_or_deleted_view(
                             view = decode_backend_view(entry.value)
                             repaired[entry.key.removeprefix("view.backend.")] = view.backend
     finally:
-        await watcher.stop()
+        await watcher.close()
     assert repaired["b2"] == live.backend("b2")
     assert (await kv.get(STATE_KEY)).revision == kv_before  # the checkpoint was not rewritten
 
@@ -948,7 +948,7 @@ async def test_a_refold_from_the_start_never_publishes_views_older_than_the_stor
                     if entry is not None and entry.key == PROGRESS_KEY:
                         seqs.append(decode_progress(entry.value).last_seq)
     finally:
-        await watcher.stop()
+        await watcher.close()
     assert second.writes > 2  # it did write partial checkpoints on the way
     assert min(seqs) >= live.last_seq
 
@@ -1006,7 +1006,7 @@ async def test_every_view_is_written_again_within_republish_every(
                     if entry is not None and entry.operation is None:
                         break
         finally:
-            await watcher.stop()
+            await watcher.close()
     assert decode_backend_view(entry.value).backend == live.backend("b1")
 
 

@@ -323,10 +323,10 @@ async def test_a_put_back_request_keeps_its_place_before_less_urgent_work(
                 await until(put_back_and_held, "the urgent request is put back and held again")
                 async with Services(config, routers=0, backends=["paid"], projector=False):
                     await results(log, normal, within=10)
-                    await lagging.stop()  # its last write: the projection knows now
+                    await lagging.close()  # its last write: the projection knows now
                     await results(log, [urgent], within=10)
             finally:
-                await lagging.stop()
+                await lagging.close()
             histories = {h.id: await log.history(TENANT, h.id) for h in [urgent, *normal]}
     assert free.stats().requests == 1
     bound = {

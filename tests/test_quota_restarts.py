@@ -294,10 +294,10 @@ async def test_a_new_binder_binds_only_once_its_view_has_folded_the_log(
                         return await held(js) == LIMIT or bool(await decisions(js, more))
 
                     await until(held_or_bound, "the new binder holds (or bound) the requests")
-                    await lagging.stop()  # its last write: the view catches up
+                    await lagging.close()  # its last write: the view catches up
                     await await_all(client, more, within=20)
             finally:
-                await lagging.stop()
+                await lagging.close()
             routed = await decisions(js, [*used, *more])
     assert_within_the_limit(mock, routed, 2 * LIMIT)
 
@@ -342,10 +342,10 @@ async def test_a_catching_up_binder_binds_at_once_to_backends_it_judges_no_quota
                 async with Services(config, backends=[], projector=False):
                     await await_all(client, opened, within=10)
                     held_back = await decisions(js, more)
-                    await lagging.stop()  # its last write: the view catches up
+                    await lagging.close()  # its last write: the view catches up
                     await await_all(client, more, within=20)
             finally:
-                await lagging.stop()
+                await lagging.close()
             routed = await decisions(js, [*used, *more])
     assert held_back == [], "bound to the limited backend before the view caught up"
     assert unlimited.stats().completed == 3
@@ -390,10 +390,10 @@ async def test_a_catching_up_binder_reads_the_stored_projection_when_its_watch_i
                 async with Services(config, backends=[], projector=False) as binder:
                     assert binder.routers[0].binding
                     delivering = False  # its watch goes stale
-                    await lagging.stop()  # stored: everything; the watch does not say so
+                    await lagging.close()  # stored: everything; the watch does not say so
                     await await_all(client, more, within=20)
             finally:
-                await lagging.stop()
+                await lagging.close()
             routed = await decisions(js, [*used, *more])
     assert_within_the_limit(mock, routed, 2 * LIMIT)
 

@@ -34,7 +34,7 @@ async def test_services_reconnect_after_the_server_restarts(tmp_path: Path) -> N
             async with Services(config) as services, Client(services.nc, tenant="t") as client:
                 before = await (await client.submit("one", route="chat")).result(timeout=10)
 
-                await server.stop()  # the broker goes away, store intact ...
+                await server.close()  # the broker goes away, store intact ...
                 await asyncio.sleep(1.0)
                 server = EmbeddedServer(store, port=port)
                 await server.start()  # ... and comes back on the same address
@@ -50,7 +50,7 @@ async def test_services_reconnect_after_the_server_restarts(tmp_path: Path) -> N
                 assert handle is not None
                 after = await handle.result(timeout=10)
         finally:
-            await server.stop()
+            await server.close()
     assert before.backend == after.backend == "b"
     assert msgspec.structs.asdict(after.usage)["completion_tokens"] == 4
 
@@ -139,7 +139,7 @@ async def test_a_run_whose_broker_is_killed_mid_stream_is_handed_back_at_once(
                 result = await handle.result(timeout=60)
                 events = await handle.events()
         finally:
-            await server.stop()
+            await server.close()
     assert stalled < 15, stalled
     assert result.text == " ".join(f"tok{n}" for n in range(20))
     kinds = [kind_of(event) for event in events]
@@ -212,7 +212,7 @@ async def test_a_submit_made_while_the_server_is_down_is_stored_once_when_it_is_
         try:
             async with Services(config) as services, Client(services.nc, tenant="t") as client:
                 await (await client.submit("warm", route="chat")).result(timeout=10)  # tap on
-                await server.stop()
+                await server.close()
                 submitting = asyncio.create_task(
                     client.submit("while down", route="chat", request_id="in-the-outage")
                 )
@@ -228,7 +228,7 @@ async def test_a_submit_made_while_the_server_is_down_is_stored_once_when_it_is_
                 # A resubmit by the caller is a duplicate, as ever.
                 again = await client.submit("while down", route="chat", request_id="in-the-outage")
         finally:
-            await server.stop()
+            await server.close()
     fields = getattr(retried, EVENT_ATTRIBUTE)
     assert fields["request_id"] == "in-the-outage"
     assert "NatsTimeoutError" in fields["error"]
@@ -271,7 +271,7 @@ async def test_a_submit_gives_up_at_its_deadline_or_the_clients_patience(
         # The bound that is not under test is out of the way.
         client.submit_patience = 8.0 if bound == "patience" else 600.0
         await client.submit("before", route="chat")  # stored: the client follows events
-        await server.stop()  # the connection stays open, reconnecting
+        await server.close()  # the connection stays open, reconnecting
         loop = asyncio.get_running_loop()
         began = loop.time()
         timeout = 8.0 if bound == "deadline" else 3600.0  # else submit_patience
@@ -282,7 +282,7 @@ async def test_a_submit_gives_up_at_its_deadline_or_the_clients_patience(
         # nats-py's close of a connection that is reconnecting raises this.
         with contextlib.suppress(ConnectionResetError):
             await nc.close()
-        await server.stop()
+        await server.close()
     retries = [
         r for r in log_watch.records if r.getMessage().startswith("the broker did not answer")
     ]

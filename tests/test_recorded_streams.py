@@ -504,7 +504,7 @@ async def adapter(served: str) -> AsyncIterator[Callable[[str], HTTPBackend]]:
 
     yield build
     for backend in built:
-        await backend.aclose()
+        await backend.close()
 
 
 async def collect(backend: HTTPBackend) -> list[Delta]:
@@ -777,7 +777,7 @@ async def test_nonsense_token_counts_are_estimated_not_carried_into_events(
     try:
         deltas = [delta async for delta in backend.stream(REQUEST)]
     finally:
-        await backend.aclose()
+        await backend.close()
         del SCENARIOS["ollama-nonsense-usage"]
     # The prompt as the router estimates it; one text delta: 1 completion token.
     assert deltas[-1].usage == Usage(

@@ -180,7 +180,7 @@ async def test_a_server_lost_while_the_services_start_again_still_exits_after_pa
             running.cancel()
             with contextlib.suppress(BaseException):
                 await running
-        await server.stop()
+        await server.close()
 
 
 async def test_loops_failing_on_the_closed_connection_while_workers_drain_do_not_end_the_process(

@@ -137,7 +137,7 @@ class RouterProcess:
         """SIGTERM (a graceful stop); the exit code.
 
         Seen failing here (rarely when idle, often under a flood of requests):
-        ``Router.stop()`` cancels its fetch loops once and awaits them, and a
+        ``Router.close()`` cancels its fetch loops once and awaits them, and a
         cancellation that races a delivered message is swallowed inside
         nats-py's ``fetch`` on Python 3.11, so the loop runs on and the
         process never exits.

@@ -129,7 +129,7 @@ async def test_a_router_whose_dispatch_rounds_fail_hands_its_requests_to_another
                 try:
                     results = await asyncio.gather(*(h.result(timeout=20) for h in handles))
                 finally:
-                    await healthy.stop()
+                    await healthy.close()
                 log = EventLog(services.js)
                 for handle in handles:
                     routed = [
@@ -138,7 +138,7 @@ async def test_a_router_whose_dispatch_rounds_fail_hands_its_requests_to_another
                     assert len(routed) == 1
         finally:
             if blind is not None:
-                await blind.stop()
+                await blind.close()
             await blind_nc.close()
     assert [r.backend for r in results] == ["b"] * 4
     assert blind.routed == 0
@@ -220,7 +220,7 @@ async def test_graceful_router_restarts_do_not_use_up_a_waiting_requests_deliver
 
                     await until(delivered, f"router {n} was delivered the waiting request")
                 finally:
-                    await router.stop()  # graceful: hands it back with a nak
+                    await router.close()  # graceful: hands it back with a nak
                 seen += 1
             assert seen > config.router.max_deliver
             last = Router(services.nc, js, config, name="router-last")
@@ -230,7 +230,7 @@ async def test_graceful_router_restarts_do_not_use_up_a_waiting_requests_deliver
                     for handle in (*blockers, waiting):
                         await handle.result(timeout=20)
             finally:
-                await last.stop()
+                await last.close()
             kinds = [kind_of(e) for e in await EventLog(js).history(TENANT, waiting.id)]
     assert kinds.count("routed") == 1
     assert "failed" not in kinds
@@ -316,7 +316,7 @@ async def test_a_fetch_loop_whose_submitted_publish_raises_is_logged_and_restart
                 ]
                 results = await asyncio.gather(*(h.result(timeout=30) for h in handles))
             finally:
-                await router.stop()
+                await router.close()
             log = EventLog(services.js)
             kinds = [[kind_of(e) for e in await log.history(TENANT, h.id)] for h in handles]
     assert refusing.refusals == 0

@@ -725,7 +725,7 @@ async def test_status_watch_rides_out_a_server_restart(tmp_path: Path) -> None:
         try:
             first = json.loads(await asyncio.wait_for(stdout.readline(), 30))
             assert "backends" in first
-            await server.stop()  # the broker goes away, store intact ...
+            await server.close()  # the broker goes away, store intact ...
 
             async def next_report(key: str) -> dict[str, object]:
                 while True:
@@ -743,9 +743,9 @@ async def test_status_watch_rides_out_a_server_restart(tmp_path: Path) -> None:
             again = await next_report("backends")
             assert again["at"] > failed["at"]  # type: ignore[operator]
             # Gone again: Ctrl-C while it cannot reach NATS still ends it as Ctrl-C.
-            await server.stop()
+            await server.close()
             await next_report("error")
         finally:
             await interrupt(proc)
     finally:
-        await server.stop()
+        await server.close()

@@ -147,7 +147,7 @@ async def test_stopping_some_loops_leaves_the_others_running() -> None:
     supervisor.spawn("a", forever)
     supervisor.spawn("b", forever)
     await asyncio.sleep(0)
-    await asyncio.wait_for(supervisor.stop("a", "unknown"), 5)
+    await asyncio.wait_for(supervisor.cancel("a", "unknown"), 5)
     assert supervisor.healthy("b")
     assert supervisor.healthy()  # "a" is forgotten, not counted as down
     supervisor.spawn("a", forever)  # the name may be used again

@@ -2,7 +2,7 @@
 
 - A killed worker's requests come back in seconds: the lease (``ack_wait``)
   is short and renewed while the run is alive.
-- ``Worker.stop()`` ends even when a run swallows a cancellation.
+- ``Worker.close()`` ends even when a run swallows a cancellation.
 - Work moved between replicas of a pool more than once is never lost.
 """
 
@@ -147,7 +147,7 @@ class SwallowsOneCancellation:
     async def complete(self, request: Any, *, priority: int | None = None) -> Any:
         raise NotImplementedError
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         return None
 
 
@@ -173,7 +173,7 @@ async def test_stop_ends_even_when_a_run_swallows_a_cancellation(tmp_path: Path)
             async with Client(services.nc, tenant=TENANT) as client:
                 handle = await client.submit("x", route="chat")
                 await asyncio.wait_for(stubborn.calling.wait(), 10)
-                await asyncio.wait_for(worker.stop(), 10)
+                await asyncio.wait_for(worker.close(), 10)
                 assert stubborn.swallowed == 1
                 # The run was handed back (nak): a healthy worker completes it.
                 adapter = make_backend("b", config.backends["b"])
@@ -182,8 +182,8 @@ async def test_stop_ends_even_when_a_run_swallows_a_cancellation(tmp_path: Path)
                 try:
                     await handle.result(timeout=10)
                 finally:
-                    await healthy.stop()
-                    await adapter.aclose()
+                    await healthy.close()
+                    await adapter.close()
                 runs = await started_runs(services.js, handle.id)
     assert [(run.worker, run.delivery) for run in runs] == [("stubborn", 1), ("healthy", 2)]
 
@@ -261,9 +261,9 @@ async def test_work_moved_around_a_pool_twice_within_the_window_is_never_lost(
             try:
                 result = await handle.result(timeout=10)
             finally:
-                await worker.stop()
+                await worker.close()
                 for adapter in adapters.values():
-                    await adapter.aclose()
+                    await adapter.close()
             moves = [
                 e for e in await EventLog(js).history(TENANT, request.id) if isinstance(e, Stolen)
             ]
@@ -307,7 +307,7 @@ async def test_a_steal_whose_source_was_taken_meanwhile_is_no_error(tmp_path: Pa
             try:
                 assert await thief._steal(raw, "replica-a") is True
             finally:
-                await adapter.aclose()
+                await adapter.close()
             # The copy is stored on the thief's subject (its run claim decides
             # which of the two runs calls the backend).
             assert await queued(js) == [dispatch_subject("replica-b")]
@@ -362,10 +362,10 @@ async def test_a_stolen_request_whose_original_was_delivered_and_whose_worker_di
             try:
                 result = await client.handle(request.id).result(timeout=15)
             finally:
-                await thief.stop()
-                await owner.stop()
+                await thief.close()
+                await owner.close()
                 for adapter in adapters.values():
-                    await adapter.aclose()
+                    await adapter.close()
             runs = await started_runs(js, request.id)
     assert result.backend == "replica-a"
     assert [(run.worker, run.delivery) for run in runs] == [("a", 2)]
@@ -390,7 +390,7 @@ class BrokerSilentTwice:
     async def complete(self, request: Any, *, priority: int | None = None) -> Any:
         raise NotImplementedError
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         return None
 
 
@@ -417,7 +417,7 @@ async def test_a_broker_that_does_not_answer_does_not_use_up_the_retry_budget(
                     handle = await client.submit("x", route="chat")
                     result = await handle.result(timeout=10)
             finally:
-                await worker.stop()
+                await worker.close()
             retries = [
                 e
                 for e in await EventLog(services.js).history(TENANT, handle.id)

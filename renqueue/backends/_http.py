@@ -736,9 +736,9 @@ class HTTPBackend:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.aclose()
+        await self.close()
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         """Close the connection pool, unless it was injected. Idempotent."""
         if self._closed:
             return

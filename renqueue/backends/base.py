@@ -68,6 +68,6 @@ class Backend(Protocol):
         """The whole answer in one response."""
         ...
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         """Release connections. Idempotent."""
         ...

@@ -334,10 +334,6 @@ class EmbeddedServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
 
-    async def stop(self) -> None:
-        """Same as :meth:`close`."""
-        await self.close()
-
     # -- internals ----------------------------------------------------------
 
     def _argv(self, binary: Path, config_file: Path) -> list[str]:

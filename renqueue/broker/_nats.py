@@ -465,7 +465,7 @@ class KeyWatcher:
     async def updates(self, timeout: float = 5.0) -> KeyEntry | None:  # noqa: ASYNC109
         """The next entry: ``None`` once the initial values are delivered (then
         only later changes come); :class:`NatsTimeoutError` after ``timeout``
-        without one. ``is_stop(entry)`` after :meth:`stop`."""
+        without one. ``is_stop(entry)`` after :meth:`close`."""
         entry = await _call(self._watcher.updates(timeout=timeout))  # type: ignore[no-untyped-call]
         if entry is None:
             return None
@@ -475,10 +475,10 @@ class KeyWatcher:
 
     @staticmethod
     def is_stop(entry: KeyEntry) -> bool:
-        """Whether ``entry`` is the marker :meth:`updates` returns after :meth:`stop`."""
+        """Whether ``entry`` is the marker :meth:`updates` returns after :meth:`close`."""
         return entry is _STOPPED
 
-    async def stop(self) -> None:
+    async def close(self) -> None:
         await _call(self._watcher.stop())  # type: ignore[no-untyped-call]
 
 

@@ -185,9 +185,9 @@ class CancelWatch(Lifecycle):
         if not self.caught_up:
             log.warning("cancellations still loading; continuing", waited=_CATCH_UP)
 
-    async def _stop(self) -> None:
+    async def _close(self) -> None:
         """Stop the loop (and the private supervisor)."""
-        await self._supervisor.stop(LOOP)
+        await self._supervisor.cancel(LOOP)
         if self._own_supervisor:
             await self._supervisor.close()
 

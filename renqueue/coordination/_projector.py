@@ -268,11 +268,11 @@ class Projector(Lifecycle):
         self._supervisor.spawn(self._loop, self._run)
         log.info("projector started", projector=self._name, after=self._state.last_seq)
 
-    async def _stop(self) -> None:
+    async def _close(self) -> None:
         """Stop reading, write what was folded (best effort), drop the consumer."""
-        # The loop also checks the status; stop() repeats the cancel, which
+        # The loop also checks the status; close() repeats the cancel, which
         # nats-py's fetch can swallow (see renqueue.tasks).
-        await self._supervisor.stop(self._loop)
+        await self._supervisor.cancel(self._loop)
         if self._own_supervisor:
             await self._supervisor.close()
         if self._state.last_seq > self._stored_seq:

@@ -335,12 +335,8 @@ class StateView(Lifecycle):
             if entry is not None:
                 self._take(entry)
 
-    async def close(self) -> None:
-        """Stop watching. Idempotent (the same as :meth:`stop`)."""
-        await self.stop()
-
-    async def _stop(self) -> None:
-        await self._supervisor.stop(self._loop)
+    async def _close(self) -> None:
+        await self._supervisor.cancel(self._loop)
         if self._own_supervisor:
             await self._supervisor.close()
         await self._close_watch()
@@ -465,7 +461,7 @@ class StateView(Lifecycle):
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             with contextlib.suppress(NatsError):
-                await watcher.stop()
+                await watcher.close()
 
     async def _reopen(self, why: str) -> KeyWatcher:
         log.warning("projection watch re-opened", reason=why, revision=self._watch_rev)

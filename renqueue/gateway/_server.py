@@ -222,9 +222,9 @@ class Gateway(Lifecycle):
             with contextlib.suppress(Exception):
                 await tenant.client.close()
 
-    async def _stop(self) -> None:
+    async def _close(self) -> None:
         self._closing = True
-        await self._supervisor.stop(self._keeper_loop)
+        await self._supervisor.cancel(self._keeper_loop)
         if self._runner is not None:
             await self._runner.cleanup()
         for tenant in list(self._tenants.values()):
@@ -492,7 +492,7 @@ async def run_gateway(config: Config, url: str) -> None:
         finally:
             await cancel_and_wait([signalled, failed])
     finally:
-        await gateway.stop()
+        await gateway.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     if gateway.supervisor.failed.is_set():

@@ -170,7 +170,7 @@ class MockBackend:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.aclose()
+        await self.close()
 
     async def start(self) -> None:
         """Bind and start serving."""
@@ -197,7 +197,7 @@ class MockBackend:
         self._port = int(runner.addresses[0][1])
         self._state = _State.RUNNING
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         """Stop serving (in-flight streams get ``shutdown_timeout`` to end). Idempotent."""
         if self._state is _State.CLOSED:
             return

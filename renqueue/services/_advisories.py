@@ -112,8 +112,8 @@ class AdvisoryReader(Lifecycle):
     async def _start(self) -> None:
         self._supervisor.spawn(self._loop, self._read)
 
-    async def _stop(self) -> None:
-        await self._supervisor.stop(self._loop)
+    async def _close(self) -> None:
+        await self._supervisor.cancel(self._loop)
         if self._own_supervisor:
             await self._supervisor.close()
 

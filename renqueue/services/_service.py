@@ -54,7 +54,7 @@ _WATCH: Final = "nats-connection"
 
 class _Startable(Protocol):
     async def start(self) -> None: ...
-    async def stop(self) -> None: ...
+    async def close(self) -> None: ...
 
 
 _S = TypeVar("_S", bound=_Startable)
@@ -226,30 +226,26 @@ class Services(Lifecycle):
             adapter = make_backend(backend_name, backend)
             self._adapters.append(adapter)
 
-    async def close(self) -> None:
-        """Stop in the fixed order. Idempotent (the same as :meth:`stop`)."""
-        await self.stop()
-
-    async def _stop(self) -> None:
+    async def _close(self) -> None:
         """The embedded server is stopped whatever happens before (an error, a
         cancellation): it never outlives us."""
         try:
-            await self._stop_services()
+            await self._close_services()
         finally:
             if self.server is not None:
-                await self.server.stop()
+                await self.server.close()
 
-    async def _stop_components(self) -> None:
+    async def _close_components(self) -> None:
         """Stop what runs on the connection, in order, and forget it."""
         for router in self.routers:
-            await router.stop()
-        await asyncio.gather(*(worker.stop() for worker in self.workers), return_exceptions=True)
+            await router.close()
+        await asyncio.gather(*(worker.close() for worker in self.workers), return_exceptions=True)
         if self.advisories is not None:
-            await self.advisories.stop()
+            await self.advisories.close()
         if self.projector is not None:
-            await self.projector.stop()  # after the workers: their last events get folded
+            await self.projector.close()  # after the workers: their last events get folded
         if self.cancels is not None:
-            await self.cancels.stop()
+            await self.cancels.close()
         self.routers, self.workers = [], []
         self.advisories = self.projector = self.cancels = None
 
@@ -261,16 +257,16 @@ class Services(Lifecycle):
         messages were never acked)."""
         for worker in self.workers:
             worker.abandon_runs()
-        await self._stop_components()
+        await self._close_components()
         self.nc, self.js = new, new.jetstream()
         await self._start_components()
 
-    async def _stop_services(self) -> None:
+    async def _close_services(self) -> None:
         """Everything but the embedded server, in order."""
-        await self.supervisor.stop(_WATCH)
-        await self._stop_components()
+        await self.supervisor.cancel(_WATCH)
+        await self._close_components()
         for adapter in self._adapters:
-            await adapter.aclose()
+            await adapter.close()
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await self.nc.drain()

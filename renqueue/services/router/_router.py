@@ -216,7 +216,7 @@ class Router(Lifecycle):
         self._loops.append(name)
         self._supervisor.spawn(name, factory)
 
-    async def _stop(self) -> None:
+    async def _close(self) -> None:
         """Stop taking work, let in-flight dispatches land, give the lease up."""
         if self._unlisten is not None:
             self._unlisten()
@@ -225,9 +225,9 @@ class Router(Lifecycle):
         # connection about to be left (a restart on a new one).
         self._intake.stop_timers()
         # Jobs cut short leave their follower in its group: its leader's hand-out ends it.
-        await self._supervisor.stop(*self._loops, *self._supervisor.jobs(self._intake.job_prefix))
+        await self._supervisor.cancel(*self._loops, *self._supervisor.jobs(self._intake.job_prefix))
         self._loops.clear()
-        await self._term.stop()
+        await self._term.close()
         # Unsubscribe, or a pull that expires after the fetch task is gone
         # leaves a status message no one reads, and draining NATS waits on it.
         for sub in self._subs:

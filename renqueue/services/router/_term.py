@@ -106,7 +106,7 @@ class Term:
                 except RenQueueError as exc:  # JetStream refused or did not answer
                     log.warning("the binder's term could not begin", error=str(exc))
 
-    async def stop(self) -> None:
+    async def close(self) -> None:
         """End the term, if one runs (the router stops)."""
         async with self._lock:
             await self._end(None)
@@ -213,7 +213,7 @@ class Term:
         next binder's fresh consumers deliver it, and a nak from here would
         only deliver it to that binder twice)."""
         names, self._binding_loops = self._binding_loops, []
-        await self._supervisor.stop(*(loop_name(self._name, name) for name in names))
+        await self._supervisor.cancel(*(loop_name(self._name, name) for name in names))
         for psub in self._pull_subs:
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()

@@ -99,7 +99,7 @@ log = get_logger("worker")
 
 
 class Worker(Lifecycle):
-    """Serves one backend. ``start()``, then ``stop()`` to drain."""
+    """Serves one backend. ``start()``, then ``close()`` to drain."""
 
     def __init__(
         self,
@@ -242,16 +242,16 @@ class Worker(Lifecycle):
 
     def abandon_runs(self) -> None:
         """Its connection is gone: no run in flight can be acked or stream on,
-        so :meth:`stop` cancels them at once instead of waiting up to
+        so :meth:`close` cancels them at once instead of waiting up to
         ``worker.drain_timeout`` (the broker delivers them again)."""
         self._drain_timeout = 0.0
 
-    async def _stop(self) -> None:
+    async def _close(self) -> None:
         """Stop fetching, let in-flight runs finish within the bound, nak the rest."""
         if self._unlisten is not None:
             self._unlisten()
             self._unlisten = None
-        await self._supervisor.stop(*self._loops)
+        await self._supervisor.cancel(*self._loops)
         self._loops.clear()
         if self._preempt_sub is not None:
             with contextlib.suppress(Exception):
