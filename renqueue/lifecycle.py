@@ -24,7 +24,7 @@ import enum
 from types import TracebackType
 from typing import Self
 
-__all__ = ["Lifecycle", "State"]
+__all__ = ["Closing", "Lifecycle", "Starting", "State"]
 
 
 class State(enum.Enum):
@@ -34,7 +34,38 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
-class Lifecycle:
+class Closing:
+    """Something open once made, closed by ``await it.close()`` or at the end
+    of ``async with it:`` (a client, a backend adapter)."""
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class Starting(Closing):
+    """Something started by ``await it.start()`` and closed by ``close()``:
+    ``async with it:`` does both (a server, a component)."""
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+
+class Lifecycle(Starting):
     """Base of every long-lived component (see the module docstring)."""
 
     _status: State = State.UNOPENED
@@ -83,18 +114,6 @@ class Lifecycle:
         finally:
             self._status = State.CLOSED
             self._stopped.set()
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def _start(self) -> None:
         """Open what the component needs; called once, by :meth:`start`."""

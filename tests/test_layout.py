@@ -47,7 +47,7 @@ ALLOWED = {
     # I/O
     "tasks": {"errors", "logs"},
     "lifecycle": {"errors", "logs", "tasks"},
-    "broker": {"errors", "schema", "policy", "config", "logs", "metrics", "tasks"},
+    "broker": {"errors", "schema", "policy", "config", "logs", "metrics", "tasks", "lifecycle"},
     "coordination": {
         "errors",
         "schema",
@@ -61,8 +61,8 @@ ALLOWED = {
         "lifecycle",
         "broker",
     },
-    "backends": {"errors", "schema", "policy", "config", "logs", "metrics", "tasks"},
-    "client": {"errors", "schema", "config", "logs", "tasks", "broker"},
+    "backends": {"errors", "schema", "policy", "config", "logs", "metrics", "tasks", "lifecycle"},
+    "client": {"errors", "schema", "config", "logs", "tasks", "lifecycle", "broker"},
     "services": {
         "errors",
         "schema",
@@ -94,7 +94,7 @@ ALLOWED = {
         "client",
     },
     "process": {"config", "services", "gateway"},
-    "mock": {"errors", "schema", "logs", "backends"},
+    "mock": {"errors", "schema", "logs", "lifecycle", "backends"},
 }
 
 #: Pure leaves every part may import: the errors and text for people.

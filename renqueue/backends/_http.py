@@ -41,8 +41,7 @@ import contextlib
 import re
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from types import TracebackType
-from typing import Any, ClassVar, Final, NamedTuple, Self, TypeVar
+from typing import Any, ClassVar, Final, NamedTuple, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -58,6 +57,7 @@ from ..errors import (
     RateLimitedError,
     RetryableBackendError,
 )
+from ..lifecycle import Closing
 from ..policy import estimate_input_tokens
 from ..schema import ChatMessage, InferenceRequest, TokenLogprob, Usage
 from ._limits import LearnedLimits, parse_limits
@@ -635,7 +635,7 @@ class _SecretHeaders(httpx.Headers):
 # ------------------------------------------------------------------ adapter
 
 
-class HTTPBackend:
+class HTTPBackend(Closing):
     """A backend reached over HTTP: the base of every adapter (module docstring).
 
     Safe to share between concurrent calls. ``client`` lets several adapters
@@ -726,17 +726,6 @@ class HTTPBackend:
             f"{type(self).__name__}(name={self._name!r}, model={self._config.model!r}, "
             f"url={self._urls[0]!r})"
         )
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Close the connection pool, unless it was injected. Idempotent."""

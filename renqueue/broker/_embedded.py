@@ -66,13 +66,13 @@ import sysconfig
 from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING, Final, Self, TypeVar
+from typing import TYPE_CHECKING, Final, TypeVar
 from urllib.parse import urlsplit
 
 import msgspec
 
 from ..errors import EmbeddedServerError
+from ..lifecycle import Starting
 from ..logs import get_logger
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ def find_nats_server() -> Path:
     )
 
 
-class EmbeddedServer:
+class EmbeddedServer(Starting):
     """A ``nats-server`` child process with JetStream, as an async context manager.
 
     ``port=-1`` asks the server for a random free port; :attr:`url` and
@@ -258,18 +258,6 @@ class EmbeddedServer:
         return list(self._log_tail)
 
     # -- lifecycle ----------------------------------------------------------
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def start(self) -> None:
         """Start the server and wait until it accepts clients.

@@ -11,7 +11,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from types import TracebackType
 from typing import Any, Self
 
 import msgspec
@@ -19,6 +18,7 @@ import msgspec
 from ..broker import Connection, NatsClient, connect
 from ..config import NatsConfig
 from ..errors import MalformedRequestError
+from ..lifecycle import Closing
 from ..schema import REQUEST_DECODER, ChatMessage, Event, GenerationParams, InferenceRequest
 from ._handle import RequestHandle
 from ._retries import Published, publish
@@ -35,7 +35,7 @@ def _params(base: GenerationParams | None, **given: Any) -> GenerationParams:
     return msgspec.structs.replace(base, **changes) if changes else base
 
 
-class Client:
+class Client(Closing):
     """Submits requests for one tenant. Create with :meth:`connect` or from an open connection."""
 
     #: Idle heartbeat of the event tap; three missed ones mean it is gone.
@@ -85,17 +85,6 @@ class Client:
         return cls(
             await connect(url, name=name, config=config), tenant=tenant, owns_connection=True
         )
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Stop following events; close the connection if this client opened it. Idempotent."""

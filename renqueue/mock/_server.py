@@ -86,12 +86,12 @@ import enum
 import itertools
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, Final
 
 import msgspec
 from aiohttp import web
 
+from ..lifecycle import Starting
 from ..logs import get_logger
 from ._answers import Answers, Plan, error_response, plan_answer, raw_error, reset
 from ._buckets import DeclaredLimits
@@ -121,7 +121,7 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-class MockBackend:
+class MockBackend(Starting):
     """The mock server, as an async context manager on ``host:port`` (0 = any free port).
 
     ``url`` is the OpenAI base URL (ending in ``/v1``); ``stats()`` and
@@ -159,18 +159,6 @@ class MockBackend:
         self._apply(settings or MockSettings())
 
     # ----------------------------------------------------------- lifecycle
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def start(self) -> None:
         """Bind and start serving."""
