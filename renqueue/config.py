@@ -45,6 +45,7 @@ from .policy import (
     RouteFacts,
     RouteRules,
     SplitPolicy,
+    estimate_complexity,
     estimated_cost,
     limits_of,
     load_estimator,
@@ -52,7 +53,7 @@ from .policy import (
 )
 
 if TYPE_CHECKING:  # the wire is a layer above the config: annotations only
-    from .schema import InferenceRequest
+    from .schema import ComplexityEstimate, InferenceRequest
 
 __all__ = [
     "ADAPTERS",
@@ -984,6 +985,25 @@ class Config(_Section, frozen=True, kw_only=True):
         if request.fallback is None:  # a first run: the default, an empty Fallback
             return facts
         return msgspec.structs.replace(facts, fallback=request.fallback)
+
+    def estimated(
+        self, request: InferenceRequest, estimators: Mapping[str, Estimator]
+    ) -> tuple[InferenceRequest, ComplexityEstimate | None]:
+        """``request`` with the tier its route's estimator gives it (one of
+        ``estimators``, :meth:`estimators`; else the heuristic), and that
+        estimate; unchanged (``None``) when its route has no complexity rules
+        or it named its own tier (its ``submitted`` event keeps its own word)."""
+        rules = self.routes[request.route].complexity
+        if rules is None or request.complexity is not None:
+            return request, None
+        highest = max(1, self.highest_tier(request.route))
+        estimate = estimate_complexity(
+            request,
+            rules.thresholds,
+            highest=highest,
+            estimator=estimators.get(request.route),
+        )
+        return msgspec.structs.replace(request, complexity=estimate.tier), estimate
 
     def estimators(self) -> dict[str, Estimator]:
         """The learned complexity estimators the routes name, loaded (the

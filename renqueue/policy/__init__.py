@@ -11,14 +11,21 @@ that read the broker, ask these functions, and carry out what they answer.
 - A router's round (``_planner``): :func:`plan` over :class:`Waiting` requests
   and :class:`BackendView` s, under a :class:`PlanPolicy`, answering
   :data:`Action` s: :class:`Promote`, :class:`Inherit`, :class:`Expire`,
-  :class:`Bind`, :class:`AskPreemption`, :class:`Wait`.
+  :class:`Bind`, :class:`AskPreemption`, :class:`Wait` (the promise it
+  keeps: :func:`promise`).
 - Preemption (``_preemption``): :func:`may_preempt`, :func:`preempting_rank`,
   :func:`choose_victim`.
 - A worker's failed run (``_failure``): :func:`after_failure` under a
   :class:`FailurePolicy` and a route's :class:`FallbackPolicy` (over its
   :class:`Candidate` s, :class:`RouteFacts`), answering :class:`Retry`,
   :class:`FallBack`, :class:`RequeueElsewhere` or :class:`Fail`;
-  :func:`backoff`.
+  :func:`backoff`; what its events say of it: :func:`error_class_of`,
+  :func:`exhausted_until`, :func:`left_out_for` (a spent quota),
+  :func:`cool_down_for` (a 429), :func:`put_back_refused` (put back too often).
+- A request's other endings, as the router and the worker record them
+  (``_endings``): :func:`past_deadline`, :func:`expired_waiting`,
+  :func:`expired_before_call`, :func:`expired_running`,
+  :func:`cancelled_waiting`, :func:`cancelled_at_worker`, :func:`rejection`.
 - Backend health (``_health``): the circuit breaker, :func:`next_circuit`
   (a :class:`Circuit` judged from :class:`CircuitFacts` under
   :class:`CircuitRules`); the older streak rule :func:`is_healthy`.
@@ -40,10 +47,12 @@ that read the broker, ask these functions, and carry out what they answer.
   :class:`RouteRules`, :func:`choose_in_time` (a :class:`Pick`).
 - Tenant budgets per UTC day (``_budget``): a :class:`Budget` per tenant
   (:func:`budget_of`, :data:`EVERY_TENANT`), :func:`within_budget` (may it
-  go to this backend), :func:`refused` (a hard budget spent), :func:`day_ends`.
+  go to this backend), :func:`refused` (a hard budget spent), :func:`day_ends`;
+  the refusal, :func:`over_budget` (at admission), :func:`budget_exhausted`.
 - A/B splits (``_ab``): a request's arm, :func:`assign` (a stable hash of its
   sticky key, :func:`key_value`, against the arms' weights) and :func:`place`
-  (the split's state and the arms' eligibility applied); what each arm did,
+  (the split's state and the arms' eligibility applied), :func:`on_arm` (the
+  request placed there); what each arm did,
   :class:`ArmStats` of :class:`Tally` s (:func:`record`, :func:`windowed`,
   :func:`percentile`); the rollback rule, :func:`judge` over :func:`breach`
   under :class:`RollbackRules`.
@@ -69,13 +78,24 @@ from ._ab import (
     judge,
     key_value,
     moved_to,
+    on_arm,
     percentile,
     place,
     record,
     windowed,
 )
 from ._aging import LevelPolicy, aging_bound, effective_rank, pick_key, promotions
-from ._budget import EVERY_TENANT, Budget, affordable, budget_of, day_ends, refused, within_budget
+from ._budget import (
+    EVERY_TENANT,
+    Budget,
+    affordable,
+    budget_exhausted,
+    budget_of,
+    day_ends,
+    over_budget,
+    refused,
+    within_budget,
+)
 from ._complexity import (
     Estimator,
     heuristic_score,
@@ -83,9 +103,19 @@ from ._complexity import (
     tier_of,
 )
 from ._complexity import estimate as estimate_complexity
+from ._endings import (
+    cancelled_at_worker,
+    cancelled_waiting,
+    expired_before_call,
+    expired_running,
+    expired_waiting,
+    past_deadline,
+    rejection,
+)
 from ._failure import (
     DEFAULT_FALLBACK_ON,
     INTERNAL,
+    QUOTA_EXHAUSTED,
     RETRY_HERE_FIRST,
     WAIT_HERE_IF_ALONE,
     Candidate,
@@ -99,6 +129,11 @@ from ._failure import (
     RouteFacts,
     after_failure,
     backoff,
+    cool_down_for,
+    error_class_of,
+    exhausted_until,
+    left_out_for,
+    put_back_refused,
     retry_after,
 )
 from ._features import ALL_FEATURES, FEATURES, Feature, missing, needs
@@ -133,6 +168,7 @@ from ._planner import (
     Waiting,
     nothing_could_serve,
     plan,
+    promise,
     urgency,
 )
 from ._predict import (
@@ -207,6 +243,7 @@ __all__ = [
     "OUTCOME_BUCKET",
     "OUTCOME_HORIZON",
     "PREEMPT_RETRY",
+    "QUOTA_EXHAUSTED",
     "REPLY_OVERHEAD_TOKENS",
     "RETRY_HERE_FIRST",
     "SPLIT_MODES",
@@ -266,22 +303,31 @@ __all__ = [
     "backoff",
     "bin_of",
     "breach",
+    "budget_exhausted",
     "budget_of",
+    "cancelled_at_worker",
+    "cancelled_waiting",
     "capable",
     "check",
     "choose_backend",
     "choose_in_time",
     "choose_victim",
     "cool_down",
+    "cool_down_for",
     "day_ends",
     "effective_limits",
     "effective_rank",
+    "error_class_of",
     "estimate_complexity",
     "estimate_input_tokens",
     "estimate_prompt_tokens",
     "estimate_request_tokens",
     "estimate_text_tokens",
     "estimated_cost",
+    "exhausted_until",
+    "expired_before_call",
+    "expired_running",
+    "expired_waiting",
     "heuristic_score",
     "hopeless",
     "is_healthy",
@@ -290,6 +336,7 @@ __all__ = [
     "learn",
     "learn_call",
     "learn_fault",
+    "left_out_for",
     "limit_usage",
     "limits_of",
     "load_estimator",
@@ -300,16 +347,22 @@ __all__ = [
     "needs",
     "next_circuit",
     "nothing_could_serve",
+    "on_arm",
+    "over_budget",
+    "past_deadline",
     "percentile",
     "pick_key",
     "place",
     "plan",
     "predict",
     "preempting_rank",
+    "promise",
     "promotions",
+    "put_back_refused",
     "reconcile",
     "record",
     "refused",
+    "rejection",
     "reserve",
     "retry_after",
     "says_anything",

@@ -276,6 +276,36 @@ def place(
     return split.control if serves(split.control) else None
 
 
+def on_arm(
+    splits: Mapping[str, SplitPolicy],
+    status: Callable[[str], SplitFacts | None],
+    request: InferenceRequest,
+    serves: Callable[[str], bool],
+) -> InferenceRequest:
+    """``request`` on the arm it goes to now (:func:`place`): ``route`` the
+    arm's, ``split`` the route it named. The same request when its route has
+    no split in ``splits`` (or one no longer there), or it is on that arm
+    already; on the route it named (``split`` ``None``) when no arm can
+    serve it. ``status``: where each split (by route) sends its traffic now.
+
+    A request put back to routing on an arm keeps it, unless its split was
+    moved since.
+    """
+    name = request.split if request.split is not None else request.route
+    split = splits.get(name)
+    if split is None:
+        return request
+    current = request.route if request.split is not None else None
+    arm = place(
+        split, status(name), request, serves, current=current if current in split.names else None
+    )
+    if arm is None:
+        return msgspec.structs.replace(request, route=name, split=None)
+    if request.split == name and request.route == arm:
+        return request
+    return msgspec.structs.replace(request, route=arm, split=name)
+
+
 # ---------------------------------------------------------------- histograms
 
 

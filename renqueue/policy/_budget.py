@@ -17,6 +17,10 @@ Either way, a request the budget leaves no backend of its route at all (a
 paid-only route) is refused (``budget_exhausted``), at admission or, if the
 budget runs out while it waits, then: it is never held until midnight, taking
 a place in its level's hold that other tenants' requests need.
+
+Both refusals are one :class:`~renqueue.errors.BudgetExhaustedError`, made by
+:func:`over_budget` (at admission) and :func:`budget_exhausted` (a round's
+``Refuse``), for the router and the what-if simulator alike.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Final, Literal
 
 from msgspec import Struct
 
+from ..errors import BudgetExhaustedError
 from ..schema import InferenceRequest
 from ._routing import Priced, estimated_cost
 
@@ -78,3 +83,29 @@ def affordable(
 def day_ends(now: float) -> float:
     """When the UTC day of ``now`` ends (the next 00:00 UTC), as Unix time."""
     return (now // _DAY + 1) * _DAY
+
+
+def budget_exhausted(
+    request: InferenceRequest, daily: float, spent: float, now: float
+) -> BudgetExhaustedError:
+    """Why ``request`` is refused: its tenant spent ``spent`` of its ``daily``
+    budget (until the UTC day of ``now`` ends)."""
+    return BudgetExhaustedError(request.tenant, daily, spent, day_ends(now), request_id=request.id)
+
+
+def over_budget(
+    request: InferenceRequest,
+    backends: Sequence[Priced],
+    budget: Budget | None,
+    spent: float,
+    now: float,
+) -> BudgetExhaustedError | None:
+    """Why a new ``request`` is refused at admission when its tenant spent
+    ``spent`` today (``None``: it is not): its hard budget is spent
+    (:func:`refused`), or its budget leaves none of its route's ``backends``
+    (:func:`affordable`)."""
+    if budget is None or (
+        not refused(budget, spent) and affordable(request, backends, budget, spent)
+    ):
+        return None
+    return budget_exhausted(request, budget.daily, spent, now)

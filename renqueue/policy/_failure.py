@@ -63,7 +63,8 @@ adapter), not its exception type, decides:
    :class:`~renqueue.errors.BackendError`) is retried while the budget lasts.
 
 The budget (``FailurePolicy.budget``, ``worker.max_deliver``) bounds the
-runs of one dispatch whatever the class.
+runs of one dispatch whatever the class. A retry is never later than the
+request's deadline (``deadline``): it expires on time instead.
 
 The delay before a retry is the provider's ``retry-after`` when it gives a
 usable one (finite and positive), **not capped**: it names the moment the
@@ -77,6 +78,13 @@ runs failed together (a backend outage) do not come back together.
 
 The random source is a parameter (a function returning a float in ``[0, 1)``,
 ``random.random`` in the worker), so the policy is deterministic under test.
+
+What the worker records of the answer, the what-if simulator records too,
+from the same functions: the failure's class (:func:`error_class_of`), when a
+spent quota comes back (:func:`exhausted_until`), how long a backend whose
+quota is spent is left out (:func:`left_out_for`), how long one that answered
+429 cools down (:func:`cool_down_for`), and the failure of a request that was
+put back to routing too often to be put back again (:func:`put_back_refused`).
 """
 
 from __future__ import annotations
@@ -89,12 +97,15 @@ import msgspec
 from msgspec import Struct
 
 from ..errors import BackendError, FailureClass, RateLimitedError
-from ..schema import Fallback
+from ..schema import MAX_REQUEUES, Fallback
 from ._features import ALL_FEATURES
 from ._routing import meets
 
 #: ``error_type`` of a failure that is the worker's, not the backend's.
 INTERNAL = "internal"
+#: ``error_type`` of a request that fails because its provider's quota is spent
+#: and it cannot be put back to routing again (put back ``MAX_REQUEUES`` times).
+QUOTA_EXHAUSTED: Final = "quota_exhausted"
 
 
 class FailurePolicy(Struct, frozen=True, kw_only=True):
@@ -279,13 +290,34 @@ def after_failure(
     policy: FailurePolicy,
     random: Callable[[], float],
     route: RouteFacts | None = None,
+    deadline: float | None = None,
+    now: float = 0.0,
 ) -> FailureAction:
     """What to do after a run of a dispatch failed with ``error``.
 
     ``failed_runs``: runs of the same dispatch that failed before this one.
     ``route``: the request's route and cascade state; ``None``: no fallback
-    (retry here or fail). See the module docstring for the rules.
+    (retry here or fail). ``deadline``: the request's (Unix time), judged at
+    ``now``: a retry is never handed back past it. See the module docstring
+    for the rules.
     """
+    action = _decide(error, failed_runs=failed_runs, policy=policy, random=random, route=route)
+    if isinstance(action, Retry) and deadline is not None:
+        # Never handed back past its deadline: it expires on time instead.
+        left = max(0.0, deadline - now)
+        action = msgspec.structs.replace(action, delay=min(action.delay, left))
+    return action
+
+
+def _decide(
+    error: BaseException,
+    *,
+    failed_runs: int,
+    policy: FailurePolicy,
+    random: Callable[[], float],
+    route: RouteFacts | None,
+) -> FailureAction:
+    """:func:`after_failure`, its deadline aside."""
     failed = failed_runs + 1
     given = retry_after(error)
     if isinstance(error, RateLimitedError) and error.quota_exhausted:
@@ -421,4 +453,64 @@ def _can_take(candidate: Candidate, route: RouteFacts, fallback: Fallback | None
         and route.needs <= candidate.features
         and (route.complexity is None or candidate.tier >= route.complexity)
         and (route.max_cost is None or candidate.cost is None or candidate.cost <= route.max_cost)
+    )
+
+
+def error_class_of(error: BaseException) -> str:
+    """The ``error_class`` a failed run's events carry: the adapter's
+    :class:`~renqueue.errors.FailureClass`, or :data:`INTERNAL` for a worker error."""
+    return str(error.failure) if isinstance(error, BackendError) else INTERNAL
+
+
+def exhausted_until(error: BaseException) -> float | None:
+    """When a provider whose quota is spent said it comes back (``None``: not that, or unknown)."""
+    if isinstance(error, RateLimitedError) and error.quota_exhausted:
+        return error.quota_exhausted_until
+    return None
+
+
+def left_out_for(action: RequeueElsewhere, error: BaseException, now: float) -> float:
+    """Seconds the backend whose quota is spent is left out, for everyone (the
+    ``retry_after`` of the ``retrying`` event that puts the request back):
+    until the provider's reset when it named one (or its ``retry-after``, if
+    later), else the policy's hold (``action.hold``)."""
+    until = exhausted_until(error)
+    if action.hold is not None or until is None:
+        return action.hold or 0.0
+    return max(0.0, until - now, retry_after(error) or 0.0)
+
+
+def cool_down_for(
+    action: FallBack, error: BaseException, policy: FailurePolicy, random: Callable[[], float]
+) -> float:
+    """How long a backend that answered 429 is left out, for everyone (the
+    ``retry_after`` of its ``fell_back`` event; 0 for any other class): its
+    ``retry-after``, else the first backoff step (a 429 without one still
+    says "not now")."""
+    if action.error_class != "rate_limited":
+        return 0.0
+    given = retry_after(error) or backoff(1, policy, random)
+    # A retry-after of days is a spent quota by another name: held as one
+    # (quota_hold), never longer, so a hostile header cannot shut it out for a year.
+    return min(given, policy.quota_hold)
+
+
+def put_back_refused(action: FallBack | RequeueElsewhere, attempt: int) -> Fail | None:
+    """The failure of a request whose dispatch ``attempt`` was put back to
+    routing :data:`~renqueue.schema.MAX_REQUEUES` times already, so that it
+    cannot be again (its copy would carry more requeues than admission
+    accepts); ``None``: it may be put back."""
+    if attempt <= MAX_REQUEUES:
+        return None
+    if isinstance(action, RequeueElsewhere):
+        return Fail(
+            error_type=QUOTA_EXHAUSTED,
+            reason=(
+                f"put back {MAX_REQUEUES} times, the most a request may be, "
+                f"and its backend's quota is spent: {action.reason}"
+            )[:1000],
+        )
+    return Fail(
+        error_type=action.error_type,
+        reason=f"put back {MAX_REQUEUES} times, the most a request may be: {action.reason}"[:1000],
     )

@@ -205,6 +205,16 @@ class Wait(Struct, frozen=True, kw_only=True, tag=True):
 Action = Promote | Inherit | Expire | Refuse | Bind | AskPreemption | Wait
 
 
+def promise(kept: tuple[str, float] | None, action: Wait) -> tuple[str, float] | None:
+    """The promise to wait for a backend a router keeps for a request
+    (:attr:`Waiting.waiting_for`) after a round answered ``action``: from the
+    first round that names that backend (``kept`` stands while rounds name
+    it, and when they name none)."""
+    if action.wait_for is None or (kept is not None and kept[0] == action.wait_for):
+        return kept
+    return (action.wait_for, action.wait_start)
+
+
 def urgency(item: Waiting, now: float, levels: Sequence[LevelPolicy]) -> tuple[int, float]:
     """The sort key of a waiting request: (effective rank, submit time); smaller first."""
     return pick_key(item.rank, item.submitted, now, levels, parent=item.parent, boost=item.boost)

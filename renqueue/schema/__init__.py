@@ -5,8 +5,10 @@
 - Subjects and stream names (``_subjects``): the one place that spells them.
 - One constructor per event (``_runs``): a run's events from its
   :class:`Run`, a request's endings from :func:`failed`, :func:`expired`,
-  :func:`cancelled`, :func:`rejected`; a binding from :func:`routed`, a move
-  between replicas from :func:`stolen`, a backend's health probe from :func:`probed`.
+  :func:`cancelled`, :func:`rejected`; its first word from :func:`submitted`,
+  a binding from :func:`routed` (the A/B arm its events carry: :func:`arm_of`),
+  a move between replicas from :func:`stolen`, a backend's health probe from
+  :func:`probed`.
 - The preemption protocol's messages (``_offers``): :class:`Ask`,
   :class:`Offer`, :class:`Confirm`, :class:`Answer`.
 
@@ -85,7 +87,18 @@ from ._offers import (
     Confirm,
     Offer,
 )
-from ._runs import Run, cancelled, expired, failed, probed, rejected, routed, stolen
+from ._runs import (
+    Run,
+    arm_of,
+    cancelled,
+    expired,
+    failed,
+    probed,
+    rejected,
+    routed,
+    stolen,
+    submitted,
+)
 from ._subjects import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
@@ -207,6 +220,7 @@ __all__ = [
     "ToolCallDelta",
     "TopLogprob",
     "Usage",
+    "arm_of",
     "boost_subject",
     "cancelled",
     "capacity_subject",
@@ -235,6 +249,7 @@ __all__ = [
     "run_claim_key",
     "stolen",
     "subject_matches",
+    "submitted",
     "terminal_key",
     "token_subject",
     "too_deep",

@@ -28,13 +28,25 @@ from ._messages import (
     Routed,
     Started,
     Stolen,
+    Submitted,
     TokenLogprob,
     ToolCall,
     Usage,
 )
 from ._subjects import SYSTEM_TENANT
 
-__all__ = ["Run", "cancelled", "expired", "failed", "probed", "rejected", "routed", "stolen"]
+__all__ = [
+    "Run",
+    "arm_of",
+    "cancelled",
+    "expired",
+    "failed",
+    "probed",
+    "rejected",
+    "routed",
+    "stolen",
+    "submitted",
+]
 
 
 class Run(Struct, frozen=True, kw_only=True):
@@ -309,7 +321,8 @@ def routed(
 ) -> Routed:
     """``request`` was bound to ``backend`` for its ``attempt``-th dispatch,
     from level ``priority`` after waiting ``queue_wait``; its A/B split and
-    arm are read from the request (``split`` is the route it named)."""
+    arm are read from the request (:func:`arm_of`)."""
+    split, arm = arm_of(request)
     return Routed(
         request_id=request.id,
         tenant=request.tenant,
@@ -326,6 +339,20 @@ def routed(
         complexity_estimate=complexity_estimate,
         predicted=predicted,
         estimated_cost=estimated_cost,
-        split=request.split or "",
-        arm=request.route if request.split is not None else "",
+        split=split,
+        arm=arm,
     )
+
+
+def submitted(request: InferenceRequest, *, at: float) -> Submitted:
+    """The log's first word on ``request``: its wait began ``at`` (server time)."""
+    return Submitted(request_id=request.id, tenant=request.tenant, at=at, request=request)
+
+
+def arm_of(request: InferenceRequest) -> tuple[str, str]:
+    """``(split, arm)`` as a request's events carry them: the route its client
+    named and the arm (a route) its A/B split placed it on; empty when its
+    route has no split."""
+    if request.split is None:
+        return "", ""
+    return request.split, request.route

@@ -1,10 +1,11 @@
 """How a request ends at the router: expired or cancelled while it waits, or rejected.
 
-:class:`Endings` records a request's terminal event (built by the
-constructors of :mod:`renqueue.schema`) and then acks its message. A
-coalescing leader's followers get their outcome first (:meth:`Endings.end`),
-so a crash in between cannot strand them; a rejected request is also
-dead-lettered. An ending that cannot be recorded naks the message: the
+:class:`Endings` records a request's terminal event (built by
+:func:`renqueue.policy.expired_waiting`, :func:`~renqueue.policy.cancelled_waiting`
+and :func:`~renqueue.policy.rejection`, which the what-if simulator calls too)
+and then acks its message. A coalescing leader's followers get their outcome
+first (:meth:`Endings.end`), so a crash in between cannot strand them; a
+rejected request is also dead-lettered. An ending that cannot be recorded naks the message: the
 request is delivered again, and ended then.
 """
 
@@ -18,7 +19,8 @@ from ...broker import EventLog, Message
 from ...coordination import Coalescer, coalesce_key
 from ...errors import NatsError
 from ...logs import get_logger
-from ...schema import Event, InferenceRequest, cancelled, expired, rejected
+from ...policy import DEADLINE_PASSED, cancelled_waiting, expired_waiting, rejection
+from ...schema import Event, InferenceRequest
 
 __all__ = ["Endings"]
 
@@ -47,13 +49,7 @@ class Endings:
 
     async def cancel(self, msg: Message, request: InferenceRequest) -> None:
         """End a request cancelled before it was routed."""
-        event = cancelled(
-            request.id,
-            request.tenant,
-            at=self._clock(),
-            stage="queued",
-            reason="cancelled by request before it was routed",
-        )
+        event = cancelled_waiting(request, self._clock())
         metrics.TERMINAL.labels("cancelled").inc()
         try:
             await self.end(request, event)
@@ -94,13 +90,7 @@ class Endings:
                 tenant=tenant,
                 request_id=request_id,
             )
-            event = rejected(
-                request_id,
-                tenant,
-                at=self._clock(),
-                error_type=code,
-                reason=str(error)[:1000],
-            )
+            event = rejection(request_id, tenant, self._clock(), error)
             if request is None:
                 await self._log.finish(event)
             else:
@@ -127,18 +117,10 @@ class Endings:
         request: InferenceRequest,
         now: float,
         *,
-        reason: str = "deadline passed while waiting to be routed",
+        reason: str = DEADLINE_PASSED,
     ) -> None:
         """End a request whose deadline passed while it waited to be routed."""
-        event = expired(
-            request.id,
-            request.tenant,
-            at=now,
-            stage="queued",
-            reason=reason,
-            split=request.split or "",
-            arm=request.route if request.split is not None else "",
-        )
+        event = expired_waiting(request, now, reason)
         metrics.TERMINAL.labels("expired").inc()
         try:
             await self.end(request, event)

@@ -33,16 +33,16 @@ from typing import Any, Final
 
 import msgspec
 
+from ... import schema
 from ...broker import Message, PubAck, PullSubscription
 from ...coordination import CancelWatch, Coalescer, coalesce_key
 from ...errors import (
-    BudgetExhaustedError,
     NatsError,
     NatsPayloadTooLargeError,
     UnprocessableRequestError,
 )
 from ...logs import get_logger, misdirected
-from ...policy import affordable, day_ends, refused
+from ...policy import over_budget, past_deadline
 from ...schema import (
     FETCH_TIMEOUT,
     REQUEST_DECODER,
@@ -50,7 +50,6 @@ from ...schema import (
     CancelRequested,
     Coalesced,
     InferenceRequest,
-    Submitted,
     boost_subject,
     request_limit,
     subject_matches,
@@ -206,9 +205,7 @@ class Intake:
         # The log's first word on a request, written by whoever reads it
         # first, so it always precedes its `routed` event (a redelivery
         # writes it again under the same message id: stored once).
-        logged = await self._log.append_async(
-            Submitted(request_id=request.id, tenant=request.tenant, at=submitted, request=request)
-        )
+        logged = await self._log.append_async(schema.submitted(request, at=submitted))
         if await self._settle_on_read(msg, request, logged, now, since=submitted):
             return
         if await self._follows(msg, request, logged, now):
@@ -243,7 +240,8 @@ class Intake:
         spent = spending.spent(projected, admitted.tenant, now)
         route = self._config.routes[admitted.route].backends
         priced = [self._config.backends[name] for name in route]
-        if not refused(budget, spent) and affordable(admitted, priced, budget, spent):
+        error = over_budget(admitted, priced, budget, spent, now)
+        if error is None:
             return admitted
         # Only a new request: one admitted before (its `submitted` event is
         # logged) and handed back by a restart or a lease change is held to
@@ -251,9 +249,6 @@ class Intake:
         # made again counts from 1.)
         if await self._log.history(admitted.tenant, admitted.id, kind="submitted"):
             return admitted
-        error = BudgetExhaustedError(
-            admitted.tenant, budget.daily, spent, day_ends(now), request_id=admitted.id
-        )
         await self._endings.reject(msg, admitted.id, admitted.tenant, error)
         return None
 
@@ -272,7 +267,7 @@ class Intake:
         ``since``: when its wait began (server time); a cancellation older
         than what the watch holds is looked up in the log.
         """
-        expired = request.deadline is not None and now >= request.deadline
+        expired = past_deadline(request, now)
         cancelled = self._cancels is not None and await self._cancels.was_cancelled(
             request.tenant, request.id, since=since
         )

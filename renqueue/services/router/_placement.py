@@ -16,7 +16,6 @@ import msgspec
 
 from ...config import Config
 from ...coordination import LiveState
-from ...policy import estimate_complexity
 from ...schema import ComplexityEstimate, InferenceRequest
 from ._hold import Held
 from ._splitter import Splitter
@@ -58,14 +57,4 @@ class Placement:
     ) -> tuple[InferenceRequest, ComplexityEstimate | None]:
         """``request`` with the tier its route's estimator gives it, if the route
         has one and the request named none (its ``submitted`` event keeps its own word)."""
-        rules = self._config.routes[request.route].complexity
-        if rules is None or request.complexity is not None:
-            return request, None
-        highest = max(1, self._config.highest_tier(request.route))
-        estimate = estimate_complexity(
-            request,
-            rules.thresholds,
-            highest=highest,
-            estimator=self._estimators.get(request.route),
-        )
-        return msgspec.structs.replace(request, complexity=estimate.tier), estimate
+        return self._config.estimated(request, self._estimators)

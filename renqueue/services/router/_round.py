@@ -38,7 +38,6 @@ import msgspec
 from ...broker import Message
 from ...config import parse_duration
 from ...coordination import LiveState, StateView
-from ...errors import BudgetExhaustedError
 from ...logs import get_logger, misdirected
 from ...policy import (
     Action,
@@ -54,8 +53,9 @@ from ...policy import (
     Refuse,
     Wait,
     Waiting,
-    day_ends,
+    budget_exhausted,
     plan,
+    promise,
 )
 from ...schema import (
     EVENTS_STREAM,
@@ -268,9 +268,7 @@ class Round:
             elif isinstance(action, Refuse):
                 gone.add(action.ref)
                 request = item.request
-                error = BudgetExhaustedError(
-                    request.tenant, action.daily, action.spent, day_ends(now), request_id=request.id
-                )
+                error = budget_exhausted(request, action.daily, action.spent, now)
                 self._inflight.spawn(
                     self._endings.reject(
                         item.msg, request.id, request.tenant, error, request=request
@@ -287,10 +285,7 @@ class Round:
                 self._maybe_preempt(item, action, now)
             elif isinstance(action, Wait):
                 waiting.update(action.backends)
-                if action.wait_for is not None and (
-                    item.waiting_for is None or item.waiting_for[0] != action.wait_for
-                ):
-                    item.waiting_for = (action.wait_for, action.wait_start)
+                item.waiting_for = promise(item.waiting_for, action)
         return waiting, gone
 
     def _bind(self, item: Held, action: Bind, now: float, term: int) -> None:

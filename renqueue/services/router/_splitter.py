@@ -23,13 +23,11 @@ from __future__ import annotations
 
 from typing import Final
 
-import msgspec
-
 from ... import metrics
 from ...config import Config
 from ...coordination import LiveState
 from ...logs import get_logger
-from ...policy import SplitFacts, SplitStatus, judge, moved_to, place
+from ...policy import SplitFacts, SplitStatus, judge, moved_to, on_arm
 from ...schema import SYSTEM_TENANT, InferenceRequest, SplitChanged
 
 __all__ = ["JUDGE_EVERY", "Splitter"]
@@ -72,25 +70,15 @@ class Splitter:
     def place(self, request: InferenceRequest, live: LiveState | None) -> InferenceRequest:
         """``request`` on the arm it goes to now (unchanged when it is on it
         already, or its route has no split)."""
-        name = request.split if request.split is not None else request.route
-        split = self._splits.get(name)
-        if split is None:
-            return request  # no split (or one the config no longer has): as it is
-        current = request.route if request.split is not None else None
-        arm = place(
-            split,
-            self.status(name, live),
+        placed = on_arm(
+            self._splits,
+            lambda name: self.status(name, live),
             request,
             lambda route: self._config.serves(request, route),
-            current=current if current in split.names else None,
         )
-        if arm is None:
-            # No arm can serve it: the route it named, which admission found can.
-            return msgspec.structs.replace(request, route=name, split=None)
-        if request.split == name and request.route == arm:
-            return request
-        metrics.AB_PLACED.labels(name, arm).inc()
-        return msgspec.structs.replace(request, route=arm, split=name)
+        if placed is not request and placed.split is not None:
+            metrics.AB_PLACED.labels(placed.split, placed.route).inc()
+        return placed
 
     def moved(self, request: InferenceRequest, live: LiveState | None) -> bool:
         """Whether ``request``, on an arm, must move: its split now sends it elsewhere."""

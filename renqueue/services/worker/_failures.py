@@ -24,14 +24,11 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from typing import Final
-
-import msgspec
 
 from ... import metrics
 from ...backends.base import Backend
 from ...broker import EventLog
-from ...errors import BackendError, NatsPayloadTooLargeError, NatsUnavailableError, RateLimitedError
+from ...errors import BackendError, NatsPayloadTooLargeError, NatsUnavailableError
 from ...logs import get_logger
 from ...policy import (
     INTERNAL,
@@ -42,22 +39,20 @@ from ...policy import (
     Retry,
     RouteFacts,
     after_failure,
-    backoff,
-    retry_after,
+    cool_down_for,
+    error_class_of,
+    exhausted_until,
+    left_out_for,
+    put_back_refused,
 )
-from ...schema import MAX_REQUEUES, Dispatch, Retrying
+from ...schema import Dispatch, Retrying
 from ._call import reported_limits
 from ._delivery import Delivery
 from ._outcomes import Outcomes
 
-__all__ = ["QUOTA_EXHAUSTED", "Failures"]
+__all__ = ["Failures"]
 
 log = get_logger("worker")
-
-
-#: ``error_type`` of a request that fails because its provider's quota is spent
-#: and it cannot be put back to routing again (put back ``MAX_REQUEUES`` times).
-QUOTA_EXHAUSTED: Final = "quota_exhausted"
 
 
 class Failures:
@@ -143,24 +138,22 @@ class Failures:
                 delivery,
                 error_type=action.error_type,
                 reason=action.reason,
-                error_class=_error_class(exc),
+                error_class=error_class_of(exc),
             )
 
     async def _decide(self, dispatch: Dispatch, exc: Exception) -> FailureAction:
         """The failure policy's action for a run of ``dispatch`` that failed
         with ``exc``; a retry is never handed back past the request's deadline
         (it expires on time instead)."""
-        action = after_failure(
+        return after_failure(
             exc,
             failed_runs=await self._failed_runs(dispatch),
             policy=self._policy,
             random=random.random,
             route=self._route(dispatch),
+            deadline=dispatch.request.deadline,
+            now=self._clock(),
         )
-        if isinstance(action, Retry) and dispatch.request.deadline is not None:
-            left = max(0.0, dispatch.request.deadline - self._clock())
-            action = msgspec.structs.replace(action, delay=min(action.delay, left))
-        return action
 
     async def _failed_runs(self, dispatch: Dispatch) -> int:
         """Runs of this dispatch (attempt) that failed and were retried, from the log."""
@@ -179,9 +172,9 @@ class Failures:
             error_type=action.error_type,
             reason=action.reason,
             retry_after=action.delay,
-            error_class=_error_class(exc),
+            error_class=error_class_of(exc),
             limits=reported_limits(self._backend),
-            quota_exhausted_until=_exhausted_until(exc),
+            quota_exhausted_until=exhausted_until(exc),
         )
         await self._events.append(retrying)
         await delivery.hand_back(after=action.delay)
@@ -205,27 +198,20 @@ class Failures:
         :data:`MAX_REQUEUES` times already cannot be put back again: it fails
         (``quota_exhausted``).
         """
-        until = _exhausted_until(exc)
-        if delivery.dispatch.attempt > MAX_REQUEUES:
+        until = exhausted_until(exc)
+        refused = put_back_refused(action, delivery.dispatch.attempt)
+        if refused is not None:
             # Its copy would carry more requeues than admission accepts.
             log.error("quota exhausted and the request was put back too often; it fails")
             await self._outcomes.fail(
                 delivery,
-                error_type=QUOTA_EXHAUSTED,
-                reason=(
-                    f"put back {MAX_REQUEUES} times, the most a request may be, "
-                    f"and its backend's quota is spent: {action.reason}"
-                )[:1000],
+                error_type=refused.error_type,
+                reason=refused.reason,
                 exhausted_until=until,
             )
             return
         now = self._clock()
-        # Until the provider's reset when it named one (or its retry-after, if
-        # later), else the policy's hold.
-        if action.hold is not None or until is None:
-            hold = action.hold or 0.0
-        else:
-            hold = max(0.0, until - now, retry_after(exc) or 0.0)
+        hold = left_out_for(action, exc, now)
         log.warning(
             "backend quota exhausted; the request goes back to routing",
             error=str(exc),
@@ -255,14 +241,13 @@ class Failures:
         times already fails instead.
         """
         dispatch = delivery.dispatch
-        if dispatch.attempt > MAX_REQUEUES:
+        refused = put_back_refused(action, dispatch.attempt)
+        if refused is not None:
             log.error("the request fell back too often; it fails")
             await self._outcomes.fail(
                 delivery,
-                error_type=action.error_type,
-                reason=(
-                    f"put back {MAX_REQUEUES} times, the most a request may be: {action.reason}"
-                )[:1000],
+                error_type=refused.error_type,
+                reason=refused.reason,
                 error_class=action.error_class,
             )
             return
@@ -281,37 +266,14 @@ class Failures:
             fallback=action.fallback,
             probe=dispatch.probe,
             limits=reported_limits(self._backend),
-            retry_after=self._cool_down_for(action, exc),
+            retry_after=cool_down_for(action, exc, self._policy, random.random),
         )
         await self._events.append(fell_back)
         metrics.FALLBACKS.labels(self._backend_name, action.error_class).inc()
         await self._outcomes.put_back(delivery, fallback=action.fallback)
-
-    def _cool_down_for(self, action: FallBack, exc: Exception) -> float:
-        """How long the backend that answered 429 is left out, for everyone: its
-        ``retry-after``, else the first backoff step (a 429 without one still
-        says "not now")."""
-        if action.error_class != "rate_limited":
-            return 0.0
-        given = retry_after(exc) or backoff(1, self._policy, random.random)
-        # A retry-after of days is a spent quota by another name: held as one
-        # (quota_hold), never longer, so a hostile header cannot shut it out for a year.
-        return min(given, self._policy.quota_hold)
 
 
 def _broker_unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` says the broker did not answer (no stream leader, a
     reconnect, a timeout), rather than that something is wrong with the run."""
     return isinstance(exc, NatsUnavailableError | TimeoutError)
-
-
-def _error_class(exc: Exception) -> str:
-    """The failure class a failed run's events carry: the backend's, else ``internal``."""
-    return str(exc.failure) if isinstance(exc, BackendError) else INTERNAL
-
-
-def _exhausted_until(exc: Exception) -> float | None:
-    """When a provider whose quota is spent said it comes back (``None``: not that, or unknown)."""
-    if isinstance(exc, RateLimitedError) and exc.quota_exhausted:
-        return exc.quota_exhausted_until
-    return None

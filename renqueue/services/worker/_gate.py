@@ -18,6 +18,7 @@ from ... import metrics
 from ...broker import EventLog
 from ...coordination import CancelWatch
 from ...logs import get_logger
+from ...policy import expired_before_call, past_deadline
 from ...schema import FellBack, Preempted, Retrying, Stolen, is_terminal, kind_of
 from ._delivery import Delivery
 from ._outcomes import Outcomes
@@ -72,10 +73,8 @@ class Gate:
         if (not first or self._pooled) and await self._settled_before(delivery, first=first):
             return True
         now = self._clock()
-        if request.deadline is not None and now >= request.deadline:
-            await self._outcomes.expire(
-                delivery, at=now, stage="queued", reason="deadline passed before the backend call"
-            )
+        if past_deadline(request, now):
+            await self._outcomes.finish(delivery, expired_before_call(request, now))
             return True
         if self._cancels is not None and await self._cancels.was_cancelled(
             request.tenant, request.id, since=dispatch.routed_at

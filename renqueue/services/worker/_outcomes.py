@@ -4,10 +4,11 @@ Each end is written so that a crash between its steps is harmless: what the
 log says comes first, and a redelivery that finds it completes the rest.
 
 - :meth:`Outcomes.finish`: the request's terminal event (``completed``,
-  ``failed``, ``expired``, ``cancelled``) and its final chunk, its coalesced
-  followers served, then the delivery done;
+  ``failed``, ``expired``: :func:`renqueue.policy.expired_before_call`,
+  :func:`~renqueue.policy.expired_running`; ``cancelled``) and its final
+  chunk, its coalesced followers served, then the delivery done;
 - :meth:`Outcomes.fail`: a copy to the dead-letter stream, then ``failed``;
-  :meth:`Outcomes.expire`, :meth:`Outcomes.cancel`: ``expired``, ``cancelled``;
+  :meth:`Outcomes.cancel`: ``cancelled``;
 - :meth:`Outcomes.put_back`: back to routing, its reason already logged (a
   spent quota, a fallback); :meth:`Outcomes.requeue`: back to wait, preempted;
 - :meth:`Outcomes.hand_back`: none of these (the broker did not answer, a
@@ -28,8 +29,8 @@ from ...backends.base import Backend
 from ...broker import EventLog, JetStream
 from ...coordination import Coalescer, coalesce_key
 from ...logs import get_logger
-from ...policy import FailurePolicy, backoff
-from ...schema import Completed, Event, Failed, Fallback, InferenceRequest, cancelled, expired
+from ...policy import FailurePolicy, backoff, cancelled_at_worker
+from ...schema import Completed, Event, Failed, Fallback, InferenceRequest
 from ._call import reported_limits
 from ._delivery import Delivery
 from ._yielding import put_back, requeue
@@ -119,18 +120,9 @@ class Outcomes:
         )
         await self.finish(delivery, failed)
 
-    async def expire(self, delivery: Delivery, *, at: float, stage: str, reason: str) -> None:
-        """End the request ``expired`` at ``stage``: its deadline passed (at ``at``)."""
-        request = delivery.dispatch.request
-        ended = expired(request.id, request.tenant, at=at, stage=stage, reason=reason)
-        await self.finish(delivery, ended)
-
     async def cancel(self, delivery: Delivery, *, stage: str) -> None:
         """End the request ``cancelled`` at ``stage``, as its tenant asked."""
-        request = delivery.dispatch.request
-        ended = cancelled(
-            request.id, request.tenant, at=self._clock(), stage=stage, reason="cancelled by request"
-        )
+        ended = cancelled_at_worker(delivery.dispatch.request, self._clock(), stage)
         await self.finish(delivery, ended)
 
     async def hand_out(self, request: InferenceRequest, event: Event) -> None:

@@ -68,7 +68,7 @@ from ...coordination import CancelWatch
 from ...errors import BackendError
 from ...lifecycle import Lifecycle
 from ...logs import bound_request, get_logger
-from ...policy import RouteFacts
+from ...policy import RouteFacts, expired_running
 from ...schema import (
     DISPATCH_STREAM,
     FETCH_TIMEOUT,
@@ -411,12 +411,7 @@ class Worker(Lifecycle):
             return
         except Expiry:
             await settle(pending_acks, self._nc)
-            await self._outcomes.expire(
-                delivery,
-                at=self._clock(),
-                stage="running",
-                reason="deadline passed during generation",
-            )
+            await self._outcomes.finish(delivery, expired_running(request, self._clock()))
             return
         finally:
             self._calls.pop(scoped, None)
