@@ -13,8 +13,13 @@ config, in simulated time, on backend models fitted from the log
   a :class:`ModelSpec`.
 - The simulation (``_simulator``): :func:`simulate`, a discrete-event
   simulation over :func:`renqueue.policy.plan` and the live fold, answering a
-  :class:`Simulation` (each request's :class:`Outcome`); a round's views are
-  built by :func:`backend_view` (``_backends``) as the router builds its own.
+  :class:`Simulation` (each request's :class:`Outcome`, ``_outcomes``). Its
+  parts share one world (``_world``: time, the requests, the projection): the
+  router's intake (``_arrivals``), its rounds (``_rounds``; a round's views are
+  built by :func:`backend_view`, ``_backends``, as the router builds its own)
+  and the workers' runs (``_calls``). They follow the services' own rules
+  (:mod:`renqueue.policy`) and build the services' own events
+  (:mod:`renqueue.schema`), never copies of them.
 - The report (``_report``, ``_whatif``): :func:`summarize` (a
   :class:`Summary`: cost, attainment per :class:`Level`, share per backend),
   :func:`recorded_outcomes`; :func:`compare` puts the recorded run and each

@@ -17,7 +17,7 @@ from typing import Final
 
 from msgspec import Struct
 
-from ._simulator import Outcome
+from ._outcomes import Outcome
 from ._trace import Trace
 
 __all__ = ["ENDINGS", "Column", "Level", "Summary", "recorded_outcomes", "render", "summarize"]

@@ -23,8 +23,9 @@ from msgspec import Struct
 from ..config import Config, parse_config
 from ..errors import ConfigError
 from ._models import ModelSpec, fit_models
+from ._outcomes import Simulation
 from ._report import Column, Summary, recorded_outcomes, summarize
-from ._simulator import Simulation, simulate
+from ._simulator import simulate
 from ._trace import Trace
 
 __all__ = ["Comparison", "WhatIfFile", "compare", "load_what_if"]
