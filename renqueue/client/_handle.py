@@ -21,7 +21,6 @@ from ..errors import (
 )
 from ..schema import (
     Cancelled,
-    CancelRequested,
     Completed,
     Event,
     Expired,
@@ -31,6 +30,7 @@ from ..schema import (
     TokenLogprob,
     ToolCall,
     Usage,
+    cancel_requested,
 )
 from ._retries import retrying
 from ._tokens import TokenFollower
@@ -162,9 +162,7 @@ class RequestHandle:
         raises :class:`RequestCancelledError`. A request that already ended is
         not changed. Idempotent.
         """
-        event = CancelRequested(
-            request_id=self.id, tenant=self.tenant, at=time.time(), reason=reason[:500]
-        )
+        event = cancel_requested(self.id, self.tenant, at=time.time(), reason=reason[:500])
         await EventLog(self._client.js, nc=self._client.nc).append(event)
 
     async def result(

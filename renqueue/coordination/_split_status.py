@@ -28,7 +28,7 @@ from ..broker import EventLog, JetStream
 from ..config import Config
 from ..errors import RenQueueError
 from ..policy import ArmStats, SplitPolicy, Tally, moved_to, percentile, windowed
-from ..schema import STATE_BUCKET, SYSTEM_TENANT, SplitChanged
+from ..schema import STATE_BUCKET, SplitChanged, split_changed
 from ..state import ProjectionState, SplitState
 from ..text import clock, printable
 from ._verify import read_checkpoint
@@ -244,11 +244,9 @@ async def move_split(
     if previous == state and (current is None or current.arm == target):
         return None, current
     at = time.time() if now is None else now
-    event = SplitChanged(
-        request_id=route,
-        tenant=SYSTEM_TENANT,
+    event = split_changed(
+        route,
         at=at,
-        route=route,
         state=state,
         arm=target,
         previous=previous,

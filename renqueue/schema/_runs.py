@@ -12,6 +12,9 @@ from msgspec import Struct
 
 from ._messages import (
     Cancelled,
+    CancelRequested,
+    CircuitChanged,
+    Coalesced,
     Completed,
     ComplexityEstimate,
     Dispatch,
@@ -22,10 +25,12 @@ from ._messages import (
     InferenceRequest,
     Preempted,
     Probed,
+    Promoted,
     Rejected,
     ReportedLimit,
     Retrying,
     Routed,
+    SplitChanged,
     Started,
     Stolen,
     Submitted,
@@ -38,12 +43,17 @@ from ._subjects import SYSTEM_TENANT
 __all__ = [
     "Run",
     "arm_of",
+    "cancel_requested",
     "cancelled",
+    "circuit_changed",
+    "coalesced",
     "expired",
     "failed",
     "probed",
+    "promoted",
     "rejected",
     "routed",
+    "split_changed",
     "stolen",
     "submitted",
 ]
@@ -356,3 +366,91 @@ def arm_of(request: InferenceRequest) -> tuple[str, str]:
     if request.split is None:
         return "", ""
     return request.split, request.route
+
+
+def promoted(
+    request_id: str,
+    tenant: str,
+    *,
+    at: float,
+    from_level: str,
+    to_level: str,
+    waited: float,
+    reason: str = "",
+) -> Promoted:
+    """A waiting request moved up from ``from_level`` to ``to_level``."""
+    return Promoted(
+        request_id=request_id,
+        tenant=tenant,
+        at=at,
+        from_level=from_level,
+        to_level=to_level,
+        waited=waited,
+        reason=reason,
+    )
+
+
+def coalesced(request_id: str, tenant: str, *, at: float, leader: str) -> Coalesced:
+    """A request joined ``leader``'s call instead of making its own."""
+    return Coalesced(request_id=request_id, tenant=tenant, at=at, leader=leader)
+
+
+def cancel_requested(
+    request_id: str, tenant: str, *, at: float, reason: str = ""
+) -> CancelRequested:
+    """A tenant asked to cancel its request (the one event a tenant writes)."""
+    return CancelRequested(request_id=request_id, tenant=tenant, at=at, reason=reason)
+
+
+def circuit_changed(
+    backend: str,
+    *,
+    at: float,
+    state: str,
+    previous: str,
+    reason: str,
+    router: str = "",
+    term: int = 0,
+) -> CircuitChanged:
+    """``backend``'s circuit moved from ``previous`` to ``state``: an event about
+    the backend, under the system tenant."""
+    return CircuitChanged(
+        request_id=backend,
+        tenant=SYSTEM_TENANT,
+        at=at,
+        backend=backend,
+        state=state,
+        previous=previous,
+        reason=reason,
+        router=router,
+        term=term,
+    )
+
+
+def split_changed(
+    route: str,
+    *,
+    at: float,
+    state: str,
+    arm: str,
+    previous: str,
+    reason: str,
+    router: str = "",
+    term: int = 0,
+    operator: str = "",
+) -> SplitChanged:
+    """``route``'s A/B split moved from ``previous`` to ``state`` (by the binder,
+    or by ``operator``): an event about the route, under the system tenant."""
+    return SplitChanged(
+        request_id=route,
+        tenant=SYSTEM_TENANT,
+        at=at,
+        route=route,
+        state=state,
+        arm=arm,
+        previous=previous,
+        reason=reason,
+        router=router,
+        term=term,
+        operator=operator,
+    )

@@ -19,7 +19,7 @@ from __future__ import annotations
 from ...config import Config, parse_duration
 from ...logs import get_logger
 from ...policy import CLOSED, Circuit, CircuitRules, CircuitState, next_circuit
-from ...schema import SYSTEM_TENANT, CircuitChanged
+from ...schema import CircuitChanged, circuit_changed
 from ...state import BackendState
 
 __all__ = ["Circuits", "change_event", "rules_of"]
@@ -127,11 +127,9 @@ def change_event(
     name: str, moved: Circuit, previous: Circuit, *, router: str, term: int
 ) -> CircuitChanged:
     """The ``circuit`` event of a change of backend ``name``'s circuit."""
-    return CircuitChanged(
-        request_id=name,
-        tenant=SYSTEM_TENANT,
+    return circuit_changed(
+        name,
         at=moved.since,
-        backend=name,
         state=moved.state,
         previous=previous.state,
         reason=moved.reason,

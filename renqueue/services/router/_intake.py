@@ -48,9 +48,9 @@ from ...schema import (
     REQUEST_DECODER,
     SHUTDOWN_NAK_DELAY,
     CancelRequested,
-    Coalesced,
     InferenceRequest,
     boost_subject,
+    coalesced,
     request_limit,
     subject_matches,
 )
@@ -297,9 +297,7 @@ class Intake:
             return False
         try:
             await asyncio.wait_for(logged, 10.0)
-            await self._log.append(
-                Coalesced(request_id=request.id, tenant=request.tenant, at=now, leader=leader)
-            )
+            await self._log.append(coalesced(request.id, request.tenant, at=now, leader=leader))
             await msg.ack()
             # A cancellation read after _settle_on_read looked, and before the
             # `coalesced` event above was stored, found the request neither

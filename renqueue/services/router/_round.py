@@ -61,9 +61,9 @@ from ...schema import (
     EVENTS_STREAM,
     REQUESTS_STREAM,
     CircuitChanged,
-    Promoted,
     SplitChanged,
     capacity_subject,
+    promoted,
     subject_matches,
 )
 from ._asking import ask_preemption
@@ -343,9 +343,9 @@ class Round:
         """Record a promotion the planner announced: earned by aging (``at`` is
         when it was earned; message ids dedupe repeats) or inherited from the
         request's parent."""
-        event = Promoted(
-            request_id=item.request.id,
-            tenant=item.request.tenant,
+        event = promoted(
+            item.request.id,
+            item.request.tenant,
             at=action.at,
             from_level=action.from_level,
             to_level=action.to_level,

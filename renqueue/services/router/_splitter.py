@@ -28,7 +28,7 @@ from ...config import Config
 from ...coordination import LiveState
 from ...logs import get_logger
 from ...policy import SplitFacts, SplitStatus, judge, moved_to, on_arm
-from ...schema import SYSTEM_TENANT, InferenceRequest, SplitChanged
+from ...schema import InferenceRequest, SplitChanged, split_changed
 
 __all__ = ["JUDGE_EVERY", "Splitter"]
 
@@ -115,11 +115,9 @@ class Splitter:
             metrics.AB_ROLLBACKS.labels(route).inc()
             log.warning("A/B split rolled back", route=route, arm=arm, reason=reason)
             changes.append(
-                SplitChanged(
-                    request_id=route,
-                    tenant=SYSTEM_TENANT,
+                split_changed(
+                    route,
                     at=now,
-                    route=route,
                     state="rolled_back",
                     arm=split.control,
                     previous=folded.state,
