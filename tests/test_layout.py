@@ -26,6 +26,7 @@ IO_MODULES = {
     "httpx",
     "aiohttp",
     "structlog",
+    "logging",
     "prometheus_client",
 }
 
@@ -142,6 +143,12 @@ def imports_of(
                 found.extend(((*target, alias.name), runtime) for alias in node.names)
             else:
                 found.append((target, runtime))
+                # ``from ..broker import _nats``: the private module is a name here.
+                found.extend(
+                    ((*target, alias.name), runtime)
+                    for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                )
         elif isinstance(node, ast.Import):
             found.extend((tuple(alias.name.split(".")), runtime) for alias in node.names)
         for child in ast.iter_child_nodes(node):
@@ -233,5 +240,34 @@ def test_the_checks_see_what_they_are_about() -> None:
     source = "from ..broker._nats import Connection\nfrom ._server import Gateway\n"
     gateway = ("renqueue", "gateway", "_probe")
     assert reaches_of(imports_of(source, gateway), gateway) == {"renqueue.broker._nats"}
+    by_name = "from ..broker import _nats\n"
+    assert reaches_of(imports_of(by_name, gateway), gateway) == {"renqueue.broker._nats"}
     broker = ("renqueue", "broker", "_probe")
     assert reaches_of(imports_of("from ._nats import Connection\n", broker), broker) == set()
+
+
+def event_builds(path: Path) -> list[str]:
+    """Calls in ``path`` that build an event by its class (``Failed(...)``)."""
+    from renqueue.schema import Event  # noqa: PLC0415
+
+    kinds = {kind.__name__ for kind in Event.__args__}
+    return [
+        f"{node.func.id} at line {node.lineno}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in kinds
+    ]
+
+
+#: Where events are built field by field: their one constructor each.
+CONSTRUCTORS = {PACKAGE / "schema" / "_runs.py"}
+
+
+@pytest.mark.parametrize("path", [path for path in MODULES if path not in CONSTRUCTORS], ids=_name)
+def test_an_event_is_built_only_by_its_constructor(path: Path) -> None:
+    """Router, worker, coalescer and simulator build events through
+    ``schema/_runs.py``, so an event's fields are spelled once."""
+    assert event_builds(path) == []
+
+
+def test_the_event_check_sees_a_build() -> None:
+    assert event_builds(PACKAGE / "schema" / "_runs.py")

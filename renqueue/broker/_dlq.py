@@ -13,7 +13,7 @@ Headers: ``Rq-Tenant``, ``Rq-Request-Id``, ``Rq-Reason`` (``<error_type>: <text>
 ``Rq-Source-Subject``, ``Nats-Msg-Id``. An entry is addressed by its stream
 sequence; its time is when the stream stored it (the server's clock). The
 request's full history is its events in ``RQ_EVENTS``
-(:meth:`~renqueue.schema.EventLog.history`).
+(:meth:`~renqueue.broker.EventLog.history`).
 
 Requeue. A request ends exactly once (its terminal claim), so a dead-lettered
 request never runs again under its own id: :meth:`DeadLetters.requeue`
@@ -609,7 +609,8 @@ class DeadLetters:
         )
 
     async def _submitted(self, tenant: str, request_id: str) -> Submitted | None:
-        return await submitted_of(self._js, tenant, request_id)
+        """The requeued request's first ``submitted`` event, as its history starts."""
+        return await submitted_of(self._js, tenant, request_id, first=True)
 
     # ------------------------------------------------------------------ requeue
 

@@ -34,7 +34,7 @@ not the one read is dropped (only what the reader's own consumer delivered,
 on the subjects it asked for, is kept), and an event whose payload disagrees
 with its subject ``rq.evt.<tenant>.<request_id>.<kind>`` (kind, tenant or
 request id: :func:`subject_agrees`) is dropped and counted
-(:func:`renqueue.schema.misdirected`). Tenants may publish only on their
+(:func:`renqueue.logs.misdirected`). Tenants may publish only on their
 ``cancel_requested`` subjects, so a terminal event (or any other service
 fact) read here was written by the services.
 """
@@ -353,20 +353,44 @@ def subject_agrees(subject: str, event: Event) -> bool:
     )
 
 
-async def submitted_of(js: JetStream, tenant: str, request_id: str) -> Submitted | None:
+async def submitted_of(
+    js: JetStream, tenant: str, request_id: str, *, first: bool = False, direct: bool = True
+) -> Submitted | None:
     """The ``submitted`` event of ``tenant``'s request ``request_id``, if one is stored.
 
-    The one lookup of a request's submit: one direct get of the last message on
-    its ``submitted`` subject. A request is submitted once within the
-    requests stream's duplicate window; one submitted again under the same id
-    after it has a second ``submitted`` event, and this is the newer. A payload
-    that disagrees with its subject (another tenant's, another id) is no answer.
+    The one lookup of a request's submit. A request is submitted once within
+    the requests stream's duplicate window; one submitted again under the same
+    id after it has a second ``submitted`` event. By default this is the newer
+    (one get of the last message on the subject, ``direct``: any replica may
+    answer, a lagging one may not know it yet; ``direct=False`` asks the
+    stream's leader). ``first=True`` reads the older, as the request's history
+    does (the DLQ's requeue marks). A payload that disagrees with its subject
+    (another tenant's, another id) is no answer.
     """
     subject = event_subject(tenant, request_id, "submitted")
+    if first:
+        seq = 1
+        while True:
+            try:
+                raw = await js.get_msg(EVENTS_STREAM, seq=seq, subject=subject, next=True)
+            except NatsNotFoundError:
+                return None
+            found = _submitted_in(subject, raw.data or b"")
+            if found is not None:
+                return found
+            seq = raw.seq + 1
     try:
-        raw = await js.get_last_msg(EVENTS_STREAM, subject, direct=True)
-        event = EVENT_DECODER.decode(raw.data or b"")
-    except (NatsNotFoundError, msgspec.DecodeError):
+        raw = await js.get_last_msg(EVENTS_STREAM, subject, direct=direct)
+    except NatsNotFoundError:
+        return None
+    return _submitted_in(subject, raw.data or b"")
+
+
+def _submitted_in(subject: str, data: bytes) -> Submitted | None:
+    """``data`` as the ``submitted`` event its ``subject`` says it is, else None."""
+    try:
+        event = EVENT_DECODER.decode(data)
+    except msgspec.DecodeError:
         return None
     if not isinstance(event, Submitted) or not subject_agrees(subject, event):
         return None

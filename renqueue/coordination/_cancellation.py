@@ -45,7 +45,7 @@ cancellation read, and what it covers then starts just after the newest one
 it forgot: a request older than that is looked up in the log, as above.
 
 The ``cancelled`` event is terminal and goes through the request's terminal
-claim (:meth:`renqueue.schema.EventLog.finish`), so a cancellation that
+claim (:meth:`renqueue.broker.EventLog.finish`), so a cancellation that
 races a completion leaves exactly one of them.
 """
 

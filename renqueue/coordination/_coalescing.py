@@ -36,7 +36,7 @@ failure or a crash in between leaves it in the group, where the hand-out
 finds its claim and skips it; the router runs both as supervised jobs
 (:meth:`renqueue.tasks.Supervisor.spawn_job`), retried with a capped
 backoff until they succeed. The terminal claim in
-:meth:`renqueue.schema.EventLog.finish` makes sure only one of these
+:meth:`renqueue.broker.EventLog.finish` makes sure only one of these
 outcomes is ever recorded for a follower.
 
 The group lives in the ``rq-state`` KV bucket under ``co.<tenant>.<key>``,

@@ -164,7 +164,7 @@ def validate(
     rejected (a tenant must not be able to speak for another). ``message_id``
     is the publish's ``Nats-Msg-Id``: it must be ``<tenant>:<id>`` (a requeue
     by the services: ``<tenant>:<id>:requeue:...``, see
-    :func:`renqueue.schema.publish_stored`), so that deduplication is scoped
+    :func:`renqueue.broker.publish_stored`), so that deduplication is scoped
     by tenant. ``None`` skips that check (a request not read from the stream).
     ``requeue``: it was read from the services' requeue subject (which no
     tenant may publish to); only such a request may carry ``requeues`` (a

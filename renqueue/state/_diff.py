@@ -1,7 +1,7 @@
 """Differences between two projections, field by field.
 
 :func:`diff_states` compares a live projection (the checkpoint in KV) with one
-rebuilt from the log (:func:`~renqueue.state.rebuild`): design property 4 says
+rebuilt from the log (:func:`~renqueue.coordination.rebuild`): design property 4 says
 they are equal at the same sequence, so every :class:`Difference` is a fact
 the fold did not produce, or an event the replay could not see. Each names a
 leaf by its dotted path, the way an operator would look it up in the JSON

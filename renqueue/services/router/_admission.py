@@ -264,7 +264,7 @@ async def parent_of(
     if request.parent_id is None:
         return None
     try:
-        parent = await submitted_of(js, request.tenant, request.parent_id)
+        parent = await submitted_of(js, request.tenant, request.parent_id, direct=False)
     except Exception as exc:  # noqa: BLE001 - inheritance is best effort, routing is not
         log.warning("parent lookup failed", parent_id=request.parent_id, error=str(exc))
         return None
