@@ -609,7 +609,7 @@ async def test_two_projectors_at_once_never_clobber_the_stored_state(
                 live = await p1.sync()
             assert p1.writes + p2.writes > 2
     finally:
-        await watcher.close()
+        await watcher.stop()  # nats-py's own watcher
         recorder.cancel()
         with pytest.raises(asyncio.CancelledError):
             await recorder

@@ -165,7 +165,7 @@ async def test_a_server_lost_while_the_services_start_again_still_exits_after_pa
     whole renewal, or the process neither serves nor exits."""
     server = EmbeddedServer(tmp_path / "nats", port=-1)
     await server.start()
-    before_starting_again(monkeypatch, server.stop)
+    before_starting_again(monkeypatch, server.close)
     running: asyncio.Task[None] | None = None
     try:
         async with MockBackend(FAST) as mock:
