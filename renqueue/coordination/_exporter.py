@@ -359,8 +359,18 @@ async def run_exporter(config: Config, url: str, *, host: str, port: int) -> Non
     metrics = ClusterMetrics(config)
     registry = CollectorRegistry(auto_describe=True)
     registry.register(metrics)
+    try:  # the port first: a port it cannot have fails at once, NATS or not
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise ConfigError(
+            f"the exporter cannot listen on {host}:{port}: {exc.strerror or exc}", path="--port"
+        ) from exc
     supervisor = Supervisor("exporter", broker_patience=config.nats.patience_seconds)
-    nc = await connect(url, name="renqueue-exporter", config=config.nats)
+    try:
+        nc = await connect(url, name="renqueue-exporter", config=config.nats)
+    except BaseException:
+        await asyncio.to_thread(_stop_server, server, thread)
+        raise
     exporter = Exporter(nc.jetstream(), metrics, supervisor=supervisor)
 
     async def renew(new: Connection) -> None:
@@ -372,17 +382,9 @@ async def run_exporter(config: Config, url: str, *, host: str, port: int) -> Non
     keeper = ConnectionKeeper(
         url=url, name="renqueue-exporter", config=config.nats, current=lambda: nc, renew=renew
     )
-    server: WSGIServer | None = None
     try:
         await exporter.start()
         supervisor.spawn("nats-connection", keeper.run)
-        try:
-            server, thread = start_http_server(port, addr=host, registry=registry)
-        except OSError as exc:
-            raise ConfigError(
-                f"the exporter cannot listen on {host}:{port}: {exc.strerror or exc}",
-                path="--port",
-            ) from exc
         log.info(
             "exporter serving the cluster's metrics",
             address=f"http://{host}:{server.server_port}/metrics",
@@ -390,8 +392,7 @@ async def run_exporter(config: Config, url: str, *, host: str, port: int) -> Non
         )
         await _until_signalled(supervisor)
     finally:
-        if server is not None:
-            await asyncio.to_thread(_stop_server, server, thread)
+        await asyncio.to_thread(_stop_server, server, thread)
         await exporter.close()
         await supervisor.close()
         await nc.close()
