@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from test_binder import until
@@ -26,11 +27,25 @@ from test_fallback import FAST, config_for, failing
 from renqueue import Client, Services, parse_config
 from renqueue.broker import EmbeddedServer, EventLog, JetStream, connect, provision
 from renqueue.config import Config
-from renqueue.coordination import ClusterMetrics, Exporter, Projector
+from renqueue.coordination import (
+    ArmFigures,
+    ArmReport,
+    ClusterMetrics,
+    ClusterReading,
+    Exporter,
+    Projector,
+    SplitReport,
+    StatusReport,
+    backend_status,
+    cluster_families,
+)
 from renqueue.mock import MockBackend, MockSettings
+from renqueue.policy import LimitUsage
 from renqueue.schema import CancelRequested, Routed, request_subject
+from renqueue.state import BackendState
 
 TENANT = "acme"
+T = 1_780_000_020.0
 
 
 class Scrape:
@@ -361,3 +376,66 @@ async def test_a_scrape_on_the_event_loop_never_waits(isolated_server: EmbeddedS
             assert second("renqueue_exporter_up") == 1
     finally:
         await nc.close()
+
+
+def test_a_reading_as_families_names_every_label_it_promised() -> None:
+    """Pure: A/B arms and split states, budgets of tenants that spent nothing,
+    one series per window and unit, no reset while nothing counts."""
+    config = parse_config(
+        {
+            "backends": {"b": {"base_url": "http://127.0.0.1:1/v1", "model": "m"}},
+            "tenants": {"quiet": {"daily_budget": 1.0}, "*": {"daily_budget": 9.0}},
+        }
+    )
+    figures = ArmFigures(
+        requests=7, completed=5, failed=2, expired=0, error_rate=2 / 7, latency_p50=None,
+        latency_p95=None, ttft_p50=None, ttft_p95=None, cost=0.25,
+    )  # fmt: skip
+    split = SplitReport(
+        route="chat", configured=True, state="rolled_back", arm="a", since=T, reason="errors",
+        by="binder", control="a", key="tenant", window=300.0,
+        arms=(ArmReport(arm="b", weight=0.5, control=False, window=figures, total=figures),),
+    )  # fmt: skip
+    window = LimitUsage(
+        key="requests/min", kind="requests", window=60.0, calendar="rolling", count=10,
+        declared=10, used=0, left=10, room_at=None, resets_at=None,
+    )  # fmt: skip
+    status = StatusReport(
+        at=T, projected=True, last_seq=9, log_time=T, events_behind=0, in_flight=0,
+        backends=(
+            msgspec.structs.replace(
+                backend_status("b", BackendState(), config, T), limits=(window, window)
+            ),
+        ),
+        levels=(), tenants=(),
+    )  # fmt: skip
+    reading = ClusterReading(
+        at=T, status=status, splits=(split,), dlq_messages=3, binder=None, lag_seconds=0.0
+    )
+    families = {f.name: f for f in cluster_families(reading, config, up=True, term=4, out={"b"})}
+
+    def value(name: str, **labels: str) -> float | None:
+        family = families[name.removesuffix("_total")]
+        found = [s.value for s in family.samples if s.labels == labels]
+        return found[0] if found else None
+
+    assert value("renqueue_ab_arm_requests_total", route="chat", arm="b") == 7
+    assert value("renqueue_ab_arm_failures_total", route="chat", arm="b") == 2
+    assert value("renqueue_ab_arm_cost_dollars_total", route="chat", arm="b") == 0.25
+    states = {s.labels["state"]: s.value for s in families["renqueue_ab_split_state"].samples}
+    assert states == {"live": 0, "promoted": 0, "rolled_back": 1}
+    assert value("renqueue_tenant_budget_dollars", tenant="quiet", kind="soft") == 1.0
+    assert value("renqueue_tenant_spend_today_dollars", tenant="quiet") == 0
+    assert "*" not in {
+        s.labels.get("tenant") for s in families["renqueue_tenant_budget_dollars"].samples
+    }
+    assert len(families["renqueue_backend_quota_limit"].samples) == 1
+    assert families["renqueue_backend_quota_reset_timestamp_seconds"].samples == []
+    assert (
+        value("renqueue_backend_quota_remaining_ratio", backend="b", window="min", unit="requests")
+        == 1
+    )
+    assert value("renqueue_backend_up", backend="b") == 0  # out of service here
+    assert value("renqueue_binder_term") == 4
+    assert value("renqueue_binder_present") == 0
+    assert value("renqueue_dlq_messages") == 3
