@@ -6,6 +6,7 @@
                                 (+ the gateway, when [gateway] has API keys)
     renqueue gateway            the OpenAI-compatible HTTP gateway only (scale out);
                                 `gateway keygen TENANT` makes an API key
+    renqueue exporter --port P  the cluster-wide Prometheus metrics, one scrape target
     renqueue router             router processes only (scale out)
     renqueue worker -b NAME     workers for some backends only (scale out)
     renqueue provision          apply streams/ to NATS, idempotently
@@ -140,16 +141,22 @@ def _client_url(config: Config) -> str:
 async def _up(config: Config, args: argparse.Namespace) -> None:
     from .services import Services, run_until_signalled
 
-    if args.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(args.metrics_port, addr="127.0.0.1")
     backends = None if args.backend is None else args.backend
     routers = args.routers
     if args.command == "router":
         backends = []
     elif args.command == "worker":
         routers = 0
+    cluster = None
+    if args.metrics_port:
+        from prometheus_client import REGISTRY, start_http_server
+
+        if routers > 0:  # it runs the projector: the cluster-wide series too (issue 27)
+            from .coordination import ClusterMetrics
+
+            cluster = ClusterMetrics(config)
+            REGISTRY.register(cluster)
+        start_http_server(args.metrics_port, addr="127.0.0.1")
     if args.command != "up" and not config.nats.url:
         # Scaling out joins a running Ren-Queue; it never starts a second
         # embedded server on the same store.
@@ -158,9 +165,11 @@ async def _up(config: Config, args: argparse.Namespace) -> None:
     if args.command == "up" and _gateway_wanted(config):
         from .process import ServicesWithGateway
 
-        services = ServicesWithGateway(config, routers=routers, backends=backends)
+        services = ServicesWithGateway(
+            config, routers=routers, backends=backends, cluster_metrics=cluster
+        )
     else:
-        services = Services(config, routers=routers, backends=backends)
+        services = Services(config, routers=routers, backends=backends, cluster_metrics=cluster)
     await run_until_signalled(services)
 
 
@@ -189,6 +198,12 @@ async def _gateway(config: Config, args: argparse.Namespace) -> None:
         )
         config = msgspec.structs.replace(config, gateway=gateway)
     await run_gateway(config, _client_url(config))
+
+
+async def _exporter(config: Config, args: argparse.Namespace) -> None:
+    from .coordination import run_exporter
+
+    await run_exporter(config, _client_url(config), host=args.host, port=args.port)
 
 
 def _keygen(_config: Config, args: argparse.Namespace) -> None:
@@ -844,6 +859,16 @@ def _add_service_commands(sub: Any) -> None:
         cmd.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
         cmd.set_defaults(run=_up)
     _add_gateway_command(sub)
+    cmd = sub.add_parser(
+        "exporter",
+        help="serve the cluster-wide Prometheus metrics (one scrape target for the cluster)",
+        description="Serve what the projection and the broker know of the whole cluster "
+        "(docs/metrics.md) on http://HOST:PORT/metrics, joining a running Ren-Queue "
+        "(--nats or RENQUEUE_NATS_URL).",
+    )
+    cmd.add_argument("--port", type=int, required=True, help="listen on this port")
+    cmd.add_argument("--host", default="127.0.0.1", help="listen on this address (127.0.0.1)")
+    cmd.set_defaults(run=_exporter)
 
 
 def _add_gateway_command(sub: Any) -> None:

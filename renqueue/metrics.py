@@ -35,8 +35,12 @@ QUEUE_WAIT = Histogram(
     ["priority"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
+#: This process's workers' calls (the cluster's are ``renqueue_backend_calls_total``,
+#: from the exporter: docs/metrics.md).
 BACKEND_CALLS = Counter(
-    "renqueue_backend_calls_total", "Backend calls by outcome", ["backend", "outcome"]
+    "renqueue_worker_calls_total",
+    "Backend calls made by this process's workers, by outcome (completed, or the error's code)",
+    ["backend", "outcome"],
 )
 BACKEND_LATENCY = Histogram(
     "renqueue_backend_call_seconds",

@@ -9,10 +9,14 @@ services' supervisor: a gateway job that cannot go on stops the process.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .config import Config
 from .gateway import Gateway
 from .services import Services
+
+if TYPE_CHECKING:
+    from .coordination import ClusterMetrics
 
 __all__ = ["ServicesWithGateway"]
 
@@ -27,8 +31,11 @@ class ServicesWithGateway(Services):
         routers: int = 1,
         backends: Sequence[str] | None = None,
         port: int | None = None,
+        cluster_metrics: ClusterMetrics | None = None,
     ) -> None:
-        super().__init__(config, routers=routers, backends=backends)
+        super().__init__(
+            config, routers=routers, backends=backends, cluster_metrics=cluster_metrics
+        )
         self._gateway_port = port
         self.gateway: Gateway | None = None
 

@@ -29,7 +29,7 @@ from test_restarts import (
 from renqueue import Client, Services, parse_config
 from renqueue.broker import EmbeddedServer, EventLog, connect, provision
 from renqueue.config import Config, load_config
-from renqueue.coordination import Lease
+from renqueue.coordination import Lease, LeaseHolder, read_lease
 from renqueue.errors import NatsNotFoundError, NatsUnavailableError
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import (
@@ -226,6 +226,38 @@ async def test_a_lease_has_one_holder_expires_with_its_holder_and_can_be_given_u
         assert await a.try_acquire()
         entry = await (await js.key_value("rq-leases")).get("role")
         assert entry.value == b"a"
+    finally:
+        await nc.close()
+
+
+async def test_the_lease_names_its_holder_and_term_for_anyone_to_read(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The term is the revision of the create that began it, renewals move the
+    revision on: the entry names its term, and a restarted loop of the same
+    holder adopts the term it had."""
+    nc = await connect(isolated_server.url, name="lease")
+    try:
+        js = nc.jetstream()
+        await provision(nc, parse_config({"router": {"lease_ttl": "5s"}}))
+        assert await read_lease(js, "role") is None
+        a = Lease(js, "role", "a@host:1:abc", ttl=5.0)
+        assert await a.try_acquire()
+        term = a.term
+        assert term is not None
+        assert await read_lease(js, "role") == LeaseHolder(holder="a@host:1:abc", term=term)
+        for _ in range(3):
+            assert await a.renew()
+        entry = await (await js.key_value("rq-leases")).get("role")
+        assert entry.revision == term + 3
+        assert await read_lease(js, "role") == LeaseHolder(holder="a@host:1:abc", term=term)
+        restarted = Lease(js, "role", "a@host:1:abc", ttl=5.0)
+        assert await restarted.try_acquire()
+        assert restarted.term == term
+        other = Lease(js, "role", "b", ttl=5.0)
+        assert not await other.try_acquire()
+        await restarted.release()
+        assert await read_lease(js, "role") is None
     finally:
         await nc.close()
 
@@ -560,8 +592,9 @@ async def test_earlier_lease_loop_failures_never_make_a_healthy_binder_give_up(
 
             await until(renewed_often, "ten more renewals")
             assert standby.binding
-            entry = await (await js.key_value("rq-leases")).get("binder")
-            assert entry.value.decode() == standby.holder
+            holder_now = await read_lease(js, "binder")
+            assert holder_now is not None
+            assert holder_now.holder == standby.holder
         finally:
             await standby.close()
     finally:

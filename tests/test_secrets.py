@@ -179,7 +179,7 @@ async def test_no_secret_reaches_logs_events_metrics_or_errors(
 
                 async with httpx.AsyncClient() as http:
                     metrics = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
-                assert "renqueue_backend_calls_total" in metrics
+                assert "renqueue_worker_calls_total" in metrics
                 code, audit = await run_cli(
                     "-c", str(config), "--nats", service_url, "audit", failing.id, env=env
                 )

@@ -15,8 +15,15 @@ this package keeps it in NATS and coordinates over it.
   (``_split_status``) report and move A/B splits (``renqueue ab``);
   :func:`read_trace` (``_trace_reader``) reads a stretch of the log as a
   what-if :class:`renqueue.sim.Trace`.
+- Cluster-wide metrics: :func:`read_cluster` (``_cluster``) reads the whole
+  cluster at one moment (the checkpoint, the consumers, the DLQ, the binder's
+  lease, the projection's lag) and :func:`cluster_families` turns it into the
+  Prometheus families of :data:`CLUSTER_SERIES`; :class:`ClusterMetrics` (a
+  Prometheus collector), :class:`Exporter` (what feeds it on a connection,
+  with a tail of completed calls) and :func:`run_exporter` (``renqueue
+  exporter``) are in ``_exporter``.
 - The binder's lease (``_lease``): :class:`Lease`, at most one holder at a
-  time, judged by the server's clock.
+  time, judged by the server's clock; :func:`read_lease`, who holds it now.
 - Coalescing groups (``_coalescing``): :class:`Coalescer`, identical requests
   sharing one backend call, groups changed only by compare-and-set.
 - The cancellation watch (``_cancellation``): :class:`CancelWatch`, which
@@ -24,8 +31,11 @@ this package keeps it in NATS and coordinates over it.
 """
 
 from ._cancellation import CANCELS, CancelWatch, cancel_of
+from ._cluster import SERIES as CLUSTER_SERIES
+from ._cluster import ClusterReading, Series, cluster_families, out_of_service, read_cluster
 from ._coalescing import Coalescer, Group, coalesce_key
-from ._lease import LEASE_MARGIN, Lease
+from ._exporter import ClusterMetrics, Exporter, run_exporter
+from ._lease import LEASE_MARGIN, Lease, LeaseHolder, read_lease
 from ._projector import Projector, rebuild
 from ._split_status import (
     ArmFigures,
@@ -35,6 +45,7 @@ from ._split_status import (
     planned_move,
     read_splits,
     render_splits,
+    splits_of,
 )
 from ._status import (
     BackendStatus,
@@ -44,6 +55,7 @@ from ._status import (
     backend_status,
     read_status,
     render_status,
+    status_of,
 )
 from ._trace_reader import read_events, read_trace
 from ._verify import Replayed, Verification, read_checkpoint, replay_log, verify
@@ -69,6 +81,7 @@ from ._view import (
 
 __all__ = [
     "CANCELS",
+    "CLUSTER_SERIES",
     "LEASE_MARGIN",
     "PROGRESS_KEY",
     "VIEW_KEYS",
@@ -77,14 +90,19 @@ __all__ = [
     "BackendStatus",
     "BackendView",
     "CancelWatch",
+    "ClusterMetrics",
+    "ClusterReading",
     "Coalescer",
+    "Exporter",
     "Group",
     "Lease",
+    "LeaseHolder",
     "LevelStatus",
     "LiveState",
     "Progress",
     "Projector",
     "Replayed",
+    "Series",
     "SplitReport",
     "SplitView",
     "StateView",
@@ -96,6 +114,7 @@ __all__ = [
     "backend_status",
     "backend_view_key",
     "cancel_of",
+    "cluster_families",
     "coalesce_key",
     "decode_backend_view",
     "decode_progress",
@@ -103,9 +122,12 @@ __all__ = [
     "decode_tenant_view",
     "encode_view",
     "move_split",
+    "out_of_service",
     "planned_move",
     "read_checkpoint",
+    "read_cluster",
     "read_events",
+    "read_lease",
     "read_splits",
     "read_status",
     "read_trace",
@@ -113,7 +135,10 @@ __all__ = [
     "render_splits",
     "render_status",
     "replay_log",
+    "run_exporter",
     "split_view_key",
+    "splits_of",
+    "status_of",
     "tenant_view_key",
     "verify",
 ]

@@ -18,6 +18,11 @@ a holder paused *between* its validity check and the act it guards (a
 checks sit right before each act, and what the binder guards is bounded by
 the broker anyway (a backend consumer's ``max_ack_pending``).
 
+The entry's value names its holder and, from the first renewal on, its term
+(``<holder>\n<term>``): the revision of the create that began the term,
+which renewals move on. So anyone can tell who holds the lease and since which
+term (:func:`read_lease`): the create's own entry has its term as its revision.
+
 A renewal that fails because the key moved on (another holder, or the entry
 expired: compare-and-set on a stale revision) ends the lease: :meth:`renew`
 returns False and the holder must stop. A renewal that fails for any other
@@ -33,15 +38,50 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from ..broker import JetStream, KeyValue
+from msgspec import Struct
+
+from ..broker import JetStream, KeyEntry, KeyValue
 from ..errors import NatsNotFoundError, WrongLastSequenceError
 from ..schema import LEASE_BUCKET
 
-__all__ = ["LEASE_MARGIN", "Lease"]
+__all__ = ["LEASE_MARGIN", "Lease", "LeaseHolder", "read_lease"]
 
 #: The share of the ttl a holder gives up, for the time between its validity
 #: check and the act it guards, and for the server's write being stored late.
 LEASE_MARGIN: Final = 0.25
+
+
+class LeaseHolder(Struct, frozen=True, kw_only=True):
+    """Who holds a lease now, and since which term (the revision its create was stored at)."""
+
+    holder: str
+    term: int
+
+
+def _value(holder: str, term: int | None) -> bytes:
+    return holder.encode() if term is None else f"{holder}\n{term}".encode()
+
+
+def holder_of(entry: KeyEntry) -> LeaseHolder:
+    """The holder and term a lease's entry names. Pure.
+
+    A value with no term is the create's (or an older version's renewal): its
+    revision is the term.
+    """
+    text = entry.value.decode(errors="replace")
+    holder, _, term = text.rpartition("\n")
+    if holder and term.isdigit():
+        return LeaseHolder(holder=holder, term=int(term))
+    return LeaseHolder(holder=text, term=entry.revision)
+
+
+async def read_lease(js: JetStream, key: str) -> LeaseHolder | None:
+    """Who holds the lease ``key`` now (``None``: no one: it expired or was given up)."""
+    try:
+        entry = await (await js.key_value(LEASE_BUCKET)).get(key)
+    except NatsNotFoundError:
+        return None
+    return holder_of(entry)
 
 
 class Lease:
@@ -121,11 +161,12 @@ class Lease:
             entry = await kv.get(self.key)
         except NatsNotFoundError:
             return False  # expired in between: the next attempt creates it
-        if entry.value != self.holder.encode():
+        owner = holder_of(entry)
+        if owner.holder != self.holder:
             return False
         self._revision = entry.revision
         if self._term is None:
-            self._term = entry.revision
+            self._term = owner.term
         return await self.renew()
 
     async def renew(self) -> bool:
@@ -135,7 +176,9 @@ class Lease:
         kv = await self._bucket()
         sent = self._clock()
         try:
-            revision = await kv.update(self.key, self.holder.encode(), last=self._revision)
+            revision = await kv.update(
+                self.key, _value(self.holder, self._term), last=self._revision
+            )
         except WrongLastSequenceError:
             self._lost()
             return False

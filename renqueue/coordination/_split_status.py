@@ -42,6 +42,7 @@ __all__ = [
     "planned_move",
     "read_splits",
     "render_splits",
+    "splits_of",
 ]
 
 #: The window figures are reported over for a split with no rollback rules.
@@ -187,15 +188,21 @@ async def read_splits(
     (default: ``time.time()``). Raises :class:`RenQueueError` for a ``route``
     that neither knows, or a checkpoint that does not decode."""
     at = time.time() if now is None else now
-    state = await _checkpoint(js)
+    reports = splits_of(config, await _checkpoint(js), at)
+    if route is None:
+        return reports
+    chosen = [report for report in reports if report.route == route]
+    if not chosen:
+        raise RenQueueError(f"route {route!r} has no A/B split (in the config or the log)")
+    return chosen
+
+
+def splits_of(config: Config, state: ProjectionState | None, now: float) -> list[SplitReport]:
+    """Every split the config or a checkpoint (``None``: none stored) knows, at ``now``. Pure."""
     folded = {} if state is None else state.splits.routes
     policies = _policies(config)
     names = [*policies, *sorted(set(folded) - set(policies))]
-    if route is not None:
-        if route not in names:
-            raise RenQueueError(f"route {route!r} has no A/B split (in the config or the log)")
-        names = [route]
-    return [split_report(name, policies.get(name), folded.get(name), at) for name in names]
+    return [split_report(name, policies.get(name), folded.get(name), now) for name in names]
 
 
 def planned_move(config: Config, route: str, move: Move, arm: str | None = None) -> tuple[str, str]:

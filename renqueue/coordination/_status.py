@@ -55,6 +55,7 @@ from ..errors import NatsApiError, NatsNotFoundError
 from ..policy import (
     Budget,
     Cost,
+    Learned,
     LimitUsage,
     Perf,
     Quota,
@@ -84,6 +85,7 @@ __all__ = [
     "backend_status",
     "read_status",
     "render_status",
+    "status_of",
 ]
 
 #: The smallest request: what ``held`` asks the binder's check about.
@@ -137,6 +139,10 @@ class BackendStatus(Struct, frozen=True, kw_only=True):
     spend: float
     #: Its speed and reliability as learned from the log (``None``: nothing yet).
     perf: Perf | None = None
+    #: Failures that blamed the backend, ever (``calls_failed`` counts every failure).
+    faults: int = 0
+    #: The windows its provider reported (limit, remaining, reset), by limit key.
+    learned: dict[str, Learned] = {}
 
 
 class LevelStatus(Struct, frozen=True, kw_only=True):
@@ -193,9 +199,16 @@ async def read_status(js: JetStream, config: Config, *, now: float | None = None
     does not decode.
     """
     at = time.time() if now is None else now
-    kv = await js.key_value(STATE_BUCKET)
-    read = await read_checkpoint(kv)
-    state = ProjectionState() if read is None else read[0]
+    read = await read_checkpoint(await js.key_value(STATE_BUCKET))
+    return await status_of(js, config, None if read is None else read[0], at)
+
+
+async def status_of(
+    js: JetStream, config: Config, checkpoint: ProjectionState | None, at: float
+) -> StatusReport:
+    """:func:`read_status` of a checkpoint already read (``None``: none stored):
+    the consumers and the oldest requests are read here."""
+    state = ProjectionState() if checkpoint is None else checkpoint
     names = [*config.backends, *sorted(set(state.backends) - set(config.backends))]
     stream, queues, levels = await asyncio.gather(
         js.stream_info(EVENTS_STREAM),
@@ -228,7 +241,7 @@ async def read_status(js: JetStream, config: Config, *, now: float | None = None
     )
     return StatusReport(
         at=at,
-        projected=read is not None,
+        projected=checkpoint is not None,
         last_seq=state.last_seq,
         log_time=state.log_time,
         events_behind=max(0, int(stream.state.last_seq) - state.last_seq),
@@ -288,6 +301,8 @@ def backend_status(
         rate_limited=state.rate_limited,
         spend=state.spend,
         perf=state.perf,
+        faults=state.faults,
+        learned=dict(quota.learned),
     )
 
 

@@ -35,7 +35,7 @@ from ..broker import (
     until_jetstream_answers,
 )
 from ..config import Config, parse_duration
-from ..coordination import CancelWatch, Projector
+from ..coordination import CancelWatch, ClusterMetrics, Exporter, Projector
 from ..errors import ServiceFailedError
 from ..lifecycle import Lifecycle, State
 from ..logs import get_logger
@@ -65,6 +65,7 @@ class Services(Lifecycle):
 
     ``backends=None`` runs a worker for every configured backend; ``[]`` none.
     ``projector=None`` runs the projection service when routers run here.
+    ``cluster_metrics``: fed with the cluster-wide series where the projector runs.
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class Services(Lifecycle):
         provision_streams: bool = True,
         projector: bool | None = None,
         name: str = "renqueue",
+        cluster_metrics: ClusterMetrics | None = None,
     ) -> None:
         self.config = config
         self._router_count = routers
@@ -89,6 +91,9 @@ class Services(Lifecycle):
         self.nc: Connection | None = None
         self.js: JetStream | None = None
         self.projector: Projector | None = None
+        #: Fed by :attr:`exporter` where the projector runs (``renqueue up --metrics-port``).
+        self._cluster_metrics = cluster_metrics
+        self.exporter: Exporter | None = None
         self.cancels: CancelWatch | None = None
         #: Ends requests that ran out of deliveries; runs wherever routers or workers do.
         self.advisories: AdvisoryReader | None = None
@@ -154,6 +159,11 @@ class Services(Lifecycle):
                     supervisor=self.supervisor,
                 ),
             )
+        if self.projector is not None and self._cluster_metrics is not None:
+            self.exporter = Exporter(
+                js, self._cluster_metrics, supervisor=self.supervisor, name=f"{self._name}-exporter"
+            )
+            await self.exporter.start()
         for index in range(self._router_count):
             router = await self._start_waiting(
                 f"router {index}",
@@ -242,12 +252,15 @@ class Services(Lifecycle):
         await asyncio.gather(*(worker.close() for worker in self.workers), return_exceptions=True)
         if self.advisories is not None:
             await self.advisories.close()
+        if self.exporter is not None:
+            await self.exporter.close()
         if self.projector is not None:
             await self.projector.close()  # after the workers: their last events get folded
         if self.cancels is not None:
             await self.cancels.close()
         self.routers, self.workers = [], []
         self.advisories = self.projector = self.cancels = None
+        self.exporter = None
 
     async def _renew(self, new: Connection) -> None:
         """The server closed the connection (see :class:`ConnectionKeeper`):

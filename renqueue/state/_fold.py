@@ -104,7 +104,8 @@ __all__ = [
 #: 8: the state carries its A/B splits (``splits``: renqueue.state._splits).
 #: 9: reservations carry the decision's estimated cost, tenants the sum of
 #: theirs (``committed``: what calls bound and not ended may still spend).
-STATE_VERSION: Final = 9
+#: 10: backends count every failure that blamed them (``faults``).
+STATE_VERSION: Final = 10
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
 #: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
@@ -131,9 +132,10 @@ class BackendState(Struct, frozen=True, kw_only=True, omit_defaults=True):
     ``calls_failed`` counts every call that ended in a ``retrying`` or
     ``failed`` event naming this backend, whatever the error type;
     ``rate_limited`` is the part of those that were 429s. The health fields
-    count only :data:`BACKEND_FAULTS`: ``consecutive_failures`` is the streak
-    since the last completion and ``last_fault_at`` the event time of its
-    latest member, from which the cooldown runs. ``last_failure_at`` and
+    count only :data:`BACKEND_FAULTS`: ``faults`` counts them all,
+    ``consecutive_failures`` is the streak since the last completion and
+    ``last_fault_at`` the event time of its latest member, from which the
+    cooldown runs. ``last_failure_at`` and
     ``last_error_type`` describe the latest failure of any type, for operators.
     ``in_flight`` counts requests whose latest start was on this backend and
     that have not ended.
@@ -144,6 +146,8 @@ class BackendState(Struct, frozen=True, kw_only=True, omit_defaults=True):
     calls_failed: int = 0
     rate_limited: int = 0
     consecutive_failures: int = 0
+    #: Every failure that blamed the backend (:data:`BACKEND_FAULTS`), ever.
+    faults: int = 0
     last_fault_at: float | None = None
     last_failure_at: float | None = None
     last_error_type: str | None = None
@@ -599,6 +603,7 @@ class Folding:
         )
         if is_backend_fault(error_type, error_class):
             changes["consecutive_failures"] = backend.consecutive_failures + 1
+            changes["faults"] = backend.faults + 1
             changes["last_fault_at"] = at
             changes["outcomes"] = self._outcome(name, at, fault=True)
         self._set_backend(name, **changes)
