@@ -15,6 +15,8 @@
   records exactly one.
 - Dead letters (``_dlq``): :class:`DeadLetters`, listing, showing and requeueing
   ``RQ_DLQ``.
+- Trace context (``_trace``): the ``traceparent`` header of a message
+  (:func:`trace_of`) and each hop's span under it (:func:`next_hop`).
 """
 
 from ._connection import ConnectionKeeper, connect, redact_url, resolve_nats_url
@@ -79,6 +81,7 @@ from ._provision import (
     router_consumer_configs,
     until_jetstream_answers,
 )
+from ._trace import next_hop, trace_headers, trace_of
 
 __all__ = [
     "LOCK_FILE_NAME",
@@ -120,6 +123,7 @@ __all__ = [
     "find_nats_server",
     "find_streams_dir",
     "msg_id_of",
+    "next_hop",
     "provision",
     "publish_stored",
     "read_messages",
@@ -133,6 +137,8 @@ __all__ = [
     "router_consumer_configs",
     "subject_agrees",
     "submitted_of",
+    "trace_headers",
+    "trace_of",
     "translate",
     "until_jetstream_answers",
     "url_file",

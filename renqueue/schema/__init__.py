@@ -9,6 +9,8 @@
   between replicas from :func:`stolen`, a backend's health probe from :func:`probed`.
 - The preemption protocol's messages (``_offers``): :class:`Ask`,
   :class:`Offer`, :class:`Confirm`, :class:`Answer`.
+- The W3C trace context a request carries (``_trace``): :class:`TraceParent`,
+  :func:`parse_traceparent`.
 
 The broker I/O that carries them is :mod:`renqueue.broker`.
 """
@@ -125,6 +127,7 @@ from ._subjects import (
     token_subject,
     worker_consumer,
 )
+from ._trace import MAX_TRACEPARENT, TRACEPARENT, TraceParent, parse_traceparent
 
 __all__ = [
     "ADVISORIES_CONSUMER",
@@ -144,6 +147,7 @@ __all__ = [
     "LEASE_BUCKET",
     "MAX_JSON_DEPTH",
     "MAX_REQUEUES",
+    "MAX_TRACEPARENT",
     "OFFER_DECODER",
     "OFFER_WINDOW",
     "PREEMPT_ASK",
@@ -161,6 +165,7 @@ __all__ = [
     "TERMINAL_KINDS",
     "TOKENS_STREAM",
     "TOKEN_DECODER",
+    "TRACEPARENT",
     "Answer",
     "Ask",
     "CancelRequested",
@@ -206,6 +211,7 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "TopLogprob",
+    "TraceParent",
     "Usage",
     "boost_subject",
     "cancelled",
@@ -222,6 +228,7 @@ __all__ = [
     "kind_of",
     "max_deliveries_advisory",
     "msg_id",
+    "parse_traceparent",
     "preempt_subject",
     "preempt_subjects",
     "probed",

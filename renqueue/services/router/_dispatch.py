@@ -21,7 +21,7 @@ from typing import Final, TypeVar
 import msgspec
 
 from ... import metrics
-from ...broker import EventLog, JetStream, Message, PubAck
+from ...broker import EventLog, JetStream, Message, PubAck, next_hop, trace_headers
 from ...config import Config, parse_duration
 from ...errors import NatsNotFoundError
 from ...logs import get_logger
@@ -209,7 +209,9 @@ class Dispatcher:
                 dispatch_subject(dispatch.backend),
                 encode(dispatch),
                 headers={
-                    "Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", dispatch.attempt)
+                    "Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", dispatch.attempt),
+                    # The binding is the router's span in the request's trace.
+                    **trace_headers(next_hop(item.trace)),
                 },
             )
             shielded = asyncio.shield(sent)  # a timeout stops the wait, not the ack (finally)

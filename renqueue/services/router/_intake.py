@@ -33,7 +33,7 @@ from typing import Any, Final
 
 import msgspec
 
-from ...broker import Message, PubAck, PullSubscription
+from ...broker import Message, PubAck, PullSubscription, next_hop, trace_of
 from ...coordination import CancelWatch, Coalescer, coalesce_key
 from ...errors import (
     BudgetExhaustedError,
@@ -206,8 +206,18 @@ class Intake:
         # The log's first word on a request, written by whoever reads it
         # first, so it always precedes its `routed` event (a redelivery
         # writes it again under the same message id: stored once).
+        # Its trace: the one it was published in (a valid ``traceparent``
+        # header), else the one logged when it was first read (a copy put
+        # back without one), else a new one, begun here.
+        trace = trace_of(msg.headers) or arrived.trace or next_hop(None)
         logged = await self._log.append_async(
-            Submitted(request_id=request.id, tenant=request.tenant, at=submitted, request=request)
+            Submitted(
+                request_id=request.id,
+                tenant=request.tenant,
+                at=submitted,
+                request=request,
+                traceparent=trace.header,
+            )
         )
         if await self._settle_on_read(msg, request, logged, now, since=submitted):
             return
@@ -225,6 +235,7 @@ class Intake:
                 logged=logged,
                 parent=await parent_of(self._js, request, self._config),
                 estimate=estimate,
+                trace=trace,
             ),
         )
 

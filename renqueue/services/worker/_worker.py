@@ -381,7 +381,14 @@ class Worker(Lifecycle):
         # can stop it (closing the backend's HTTP stream) without stopping this run.
         rank = self._rank_of(dispatch)
         call = asyncio.create_task(
-            self._caller.call(dispatch, delivery.number, pending_acks, delivery.chunks, rank=rank)
+            self._caller.call(
+                dispatch,
+                delivery.number,
+                pending_acks,
+                delivery.chunks,
+                rank=rank,
+                trace=delivery.trace,
+            )
         )
         scoped = msg_id(request.tenant, request.id)
         self._calls[scoped] = call

@@ -18,7 +18,7 @@ from typing import Any, Final
 import msgspec
 
 from ... import metrics
-from ...broker import EventLog, JetStream, Message, publish_stored
+from ...broker import EventLog, JetStream, Message, next_hop, publish_stored, trace_headers
 from ...logs import get_logger, misdirected
 from ...policy import LevelPolicy, choose_victim
 from ...schema import (
@@ -180,5 +180,7 @@ async def put_back(js: JetStream, delivery: Delivery, *, fallback: Fallback | No
         request_subject(request.priority, request.tenant, requeue=True),
         encode(again),
         msg_id(request.tenant, request.id, "requeue", dispatch.attempt),
+        # Put back in the same trace, under this worker's span.
+        headers=trace_headers(next_hop(delivery.trace)),
     )
     await delivery.done()
