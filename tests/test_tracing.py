@@ -10,15 +10,22 @@ its trace. Real Services, a real nats-server and mock backends on loopback.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+from test_binder import until
 from test_fallback import FAST, config_for, failing
 from test_gateway_sdk import MESSAGES, Stack, start
 
-from renqueue import Client, Services
-from renqueue.broker import EmbeddedServer, EventLog, next_hop, trace_of
+from renqueue import Client, Services, export_spans
+from renqueue.broker import EmbeddedServer, EventLog, hop, next_hop, trace_of
 from renqueue.cli import main
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import FellBack, Submitted, TraceParent, parse_traceparent
@@ -214,3 +221,133 @@ def test_a_message_header_is_read_only_when_valid() -> None:
     assert trace_of({"traceparent": GIVEN.upper()}) is None
     assert trace_of({"Nats-Msg-Id": "acme:x"}) is None
     assert trace_of(None) is None
+
+
+# ------------------------------------------------------------------ OpenTelemetry
+
+
+@pytest.fixture
+def exported() -> Iterator[InMemorySpanExporter]:
+    """Every hop of this process exported to an in-memory exporter, for the test."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    export_spans(provider)
+    try:
+        yield exporter
+    finally:
+        export_spans(enabled=False)
+        provider.shutdown()
+
+
+def spans_named(exporter: InMemorySpanExporter) -> dict[str, list[ReadableSpan]]:
+    named: dict[str, list[ReadableSpan]] = {}
+    for span in exporter.get_finished_spans():
+        named.setdefault(span.name, []).append(span)
+    return named
+
+
+def ids(span: ReadableSpan) -> tuple[str, str]:
+    assert span.context is not None
+    return f"{span.context.trace_id:032x}", f"{span.context.span_id:016x}"
+
+
+def parent_id(span: ReadableSpan) -> str:
+    assert span.parent is not None
+    return f"{span.parent.span_id:016x}"
+
+
+async def test_each_hop_is_an_exported_span_whose_ids_are_the_ones_sent_on(
+    stack: Stack, mock: MockBackend, exported: InMemorySpanExporter
+) -> None:
+    async with stack.client() as client:
+        handle = await client.submit("hello", route="chat", traceparent=GIVEN)
+        await handle.result(timeout=10)
+
+    async def all_ended() -> bool:
+        return {"renqueue.submit", "renqueue.bind", "renqueue.backend_call"} <= set(
+            spans_named(exported)
+        )
+
+    await until(all_ended, "the three hops' spans ended")
+    named = spans_named(exported)
+    [submit], [bind], [call] = (
+        named["renqueue.submit"],
+        named["renqueue.bind"],
+        named["renqueue.backend_call"],
+    )
+    # One trace, the caller's; each hop the child of the one before.
+    assert {ids(span)[0] for span in (submit, bind, call)} == {TRACE_ID}
+    assert parent_id(submit) == "00f067aa0ba902b7"
+    assert parent_id(bind) == ids(submit)[1]
+    assert parent_id(call) == ids(bind)[1]
+    # What was sent on is what was exported: the handle's header, the backend's.
+    assert handle.traceparent == f"00-{TRACE_ID}-{ids(submit)[1]}-01"
+    [received] = traced(mock)
+    assert received.parent_id == ids(call)[1]
+    assert (submit.kind, bind.kind, call.kind) == (
+        SpanKind.PRODUCER,
+        SpanKind.PRODUCER,
+        SpanKind.CLIENT,
+    )
+    assert call.attributes is not None
+    assert call.attributes["renqueue.request_id"] == handle.id
+    assert call.attributes["renqueue.backend"] == "b1"
+    # Nothing of the prompt or the answer leaves the process in a span.
+    for span in (submit, bind, call):
+        assert "hello" not in repr(dict(span.attributes or {}))
+
+
+async def test_a_failed_backend_call_is_an_error_span_naming_only_the_error_type(
+    isolated_server: EmbeddedServer, exported: InMemorySpanExporter
+) -> None:
+    async with MockBackend(failing("503")) as bad, MockBackend(FAST) as good:
+        config = config_for(isolated_server.url, {"bad": bad, "good": good})
+        async with Services(config) as services, Client(services.nc, tenant="acme") as client:
+            handle = await client.submit("hello", route="chat")
+            await handle.result(timeout=15)
+
+            async def two_calls() -> bool:
+                return len(spans_named(exported).get("renqueue.backend_call", [])) == 2
+
+            await until(two_calls, "both backend calls' spans ended")
+    named = spans_named(exported)
+    failed, served = sorted(
+        named["renqueue.backend_call"],
+        key=lambda span: span.attributes["renqueue.backend"] != "bad",
+    )
+    assert failed.status.status_code is StatusCode.ERROR
+    assert failed.attributes is not None
+    assert failed.attributes["error.type"] == "RetryableBackendError"
+    assert not failed.events  # no exception message or traceback
+    assert served.status.status_code is StatusCode.UNSET
+    # The put back is a hop of the same trace, and the second bind its child.
+    [put_back] = named["renqueue.put_back"]
+    second_bind = next(s for s in named["renqueue.bind"] if parent_id(s) == ids(put_back)[1])
+    assert {ids(s)[0] for s in (failed, served, put_back, second_bind)} == {
+        ids(named["renqueue.submit"][0])[0]
+    }
+
+
+def test_nothing_imports_opentelemetry_unless_spans_are_exported() -> None:
+    code = (
+        "import sys, renqueue, renqueue.services, renqueue.gateway, renqueue.mock, renqueue.cli\n"
+        "assert not [m for m in sys.modules if m.startswith('opentelemetry')], 'imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_export_example_in_the_docs_runs() -> None:
+    text = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    section = text.split("## Tracing", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict[str, object] = {}
+    exec(compile(example, "docs/architecture.md", "exec"), scope)
+    provider = scope["provider"]
+    assert isinstance(provider, TracerProvider)
+    try:
+        with hop("renqueue.submit", GIVEN) as trace:
+            assert trace.trace_id == TRACE_ID
+    finally:
+        export_spans(enabled=False)
+        provider.shutdown()

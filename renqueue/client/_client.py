@@ -16,7 +16,7 @@ from typing import Any, Self
 
 import msgspec
 
-from ..broker import Connection, NatsClient, connect, next_hop
+from ..broker import Connection, NatsClient, connect, hop
 from ..config import NatsConfig
 from ..errors import MalformedRequestError
 from ..schema import (
@@ -282,7 +282,17 @@ class Client:
         says so).
         """
         # The submit is a hop of its own: its span, under the caller's trace.
-        trace = next_hop(traceparent)
+        attributes: dict[str, str | int] = {
+            "renqueue.request_id": request.id,
+            "renqueue.tenant": request.tenant,
+            "renqueue.route": request.route,
+            "renqueue.priority": request.priority,
+        }
+        with hop("renqueue.submit", traceparent, kind="producer", attributes=attributes) as trace:
+            return await self._submit_in(request, trace)
+
+    async def _submit_in(self, request: InferenceRequest, trace: TraceParent) -> RequestHandle:
+        """:meth:`submit_request`, in its hop's ``trace``."""
         if request.tenant != self.tenant:
             # Not on this client's tap: the handle reads the request's own events.
             return self._handle_on(request, await self._publish(request, trace), trace)

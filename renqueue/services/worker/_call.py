@@ -28,7 +28,7 @@ import msgspec
 from ... import metrics
 from ...backends import MAX_TOOL_CALLS, LearnedLimits, reported
 from ...backends.base import Backend
-from ...broker import Connection, JetStream, PubAck, next_hop
+from ...broker import Connection, JetStream, PubAck, hop
 from ...config import BaseBackendConfig
 from ...errors import FailureClass, NatsTimeoutError, NatsUnavailableError, RetryableBackendError
 from ...logs import get_logger
@@ -181,13 +181,21 @@ class Caller:
         request = dispatch.request
         answer = _Answer(started=time.monotonic())
         timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
-        try:
-            async with asyncio.timeout(timeout):
-                await self._stream(
-                    request, run, pending_acks, chunks, answer, rank=rank, trace=next_hop(trace)
-                )
-        except TimeoutError as exc:
-            raise Expiry from exc
+        attributes: dict[str, str | int] = {
+            "renqueue.request_id": request.id,
+            "renqueue.tenant": request.tenant,
+            "renqueue.backend": self._backend_name,
+            "renqueue.attempt": dispatch.attempt,
+            "renqueue.run": run,
+        }
+        with hop("renqueue.backend_call", trace, kind="client", attributes=attributes) as sent:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._stream(
+                        request, run, pending_acks, chunks, answer, rank=rank, trace=sent
+                    )
+            except TimeoutError as exc:
+                raise Expiry from exc
         duration = time.monotonic() - answer.started
         usage = answer.usage or Usage()
         cost = self._backend_config.cost(usage.prompt_tokens, usage.completion_tokens)
