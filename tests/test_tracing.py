@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -28,7 +30,17 @@ from renqueue import Client, Services, export_spans
 from renqueue.broker import EmbeddedServer, EventLog, hop, next_hop, trace_of
 from renqueue.cli import main
 from renqueue.mock import MockBackend, MockSettings
-from renqueue.schema import FellBack, Submitted, TraceParent, parse_traceparent
+from renqueue.schema import (
+    EVENT_DECODER,
+    FellBack,
+    InferenceRequest,
+    Submitted,
+    TraceParent,
+    encode,
+    msg_id,
+    parse_traceparent,
+    request_subject,
+)
 
 GIVEN = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -351,3 +363,51 @@ def test_the_export_example_in_the_docs_runs() -> None:
     finally:
         export_spans(enabled=False)
         provider.shutdown()
+
+
+async def test_a_copy_put_back_without_a_header_runs_in_the_trace_its_submit_logged(
+    stack: Stack, mock: MockBackend
+) -> None:
+    """A request the services put back with no ``traceparent`` (written before
+    tracing, or by a path that does not carry one) keeps the trace its first
+    ``submitted`` event logged rather than starting a new one."""
+    async with stack.client() as client:
+        request = client.build_request("hello", route="chat")
+        log = EventLog(client.js)
+        await log.append(
+            Submitted(
+                request_id=request.id,
+                tenant=request.tenant,
+                at=time.time(),
+                request=request,
+                traceparent=GIVEN,
+            )
+        )
+        again = msgspec.structs.replace(request, requeues=1)
+        await client.js.publish(
+            request_subject(request.priority, request.tenant, requeue=True),
+            encode(again),
+            headers={"Nats-Msg-Id": msg_id(request.tenant, request.id, "requeue", 1)},
+        )
+        await client.handle(request.id).result(timeout=10)
+    [call] = traced(mock)
+    assert call.trace_id == TRACE_ID
+
+
+def test_a_submitted_event_from_before_tracing_still_decodes() -> None:
+    request = msgspec.convert(
+        {
+            "id": "r1",
+            "tenant": "acme",
+            "route": "chat",
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        InferenceRequest,
+    )
+    event = Submitted(request_id="r1", tenant="acme", at=1.0, request=request, traceparent=GIVEN)
+    old = msgspec.json.decode(encode(event))
+    del old["traceparent"]
+    decoded = EVENT_DECODER.decode(msgspec.json.encode(old))
+    assert isinstance(decoded, Submitted)
+    assert decoded.traceparent is None
+    assert EVENT_DECODER.decode(encode(event)) == event
