@@ -10,6 +10,7 @@ its trace. Real Services, a real nats-server and mock backends on loopback.
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from test_gateway_sdk import MESSAGES, Stack, start
 from renqueue import Client, Services, export_spans
 from renqueue.broker import EmbeddedServer, EventLog, hop, next_hop, trace_of
 from renqueue.cli import main
+from renqueue.logs import EVENT_ATTRIBUTE
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import (
     EVENT_DECODER,
@@ -213,7 +215,10 @@ async def test_the_client_carries_a_given_trace_or_starts_one(
     assert [call.trace_id for call in traced(mock)] == [trace.trace_id for trace in sent if trace]
 
 
-async def test_a_request_that_falls_back_keeps_its_trace(isolated_server: EmbeddedServer) -> None:
+async def test_a_request_that_falls_back_keeps_its_trace(
+    isolated_server: EmbeddedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="renqueue.worker")
     async with MockBackend(failing("503")) as bad, MockBackend(FAST) as good:
         config = config_for(isolated_server.url, {"bad": bad, "good": good})
         async with Services(config) as services, Client(services.nc, tenant="acme") as client:
@@ -226,6 +231,14 @@ async def test_a_request_that_falls_back_keeps_its_trace(isolated_server: Embedd
     [second] = traced(good)
     assert first.trace_id == second.trace_id == TRACE_ID
     assert first.parent_id != second.parent_id
+    # The worker's log lines about the request carry its trace id.
+    lines = [
+        getattr(record, EVENT_ATTRIBUTE)
+        for record in caplog.records
+        if getattr(record, EVENT_ATTRIBUTE, {}).get("request_id") == handle.id
+    ]
+    assert lines
+    assert {line.get("trace_id") for line in lines} == {TRACE_ID}
 
 
 def test_a_message_header_is_read_only_when_valid() -> None:

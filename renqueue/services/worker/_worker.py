@@ -355,7 +355,8 @@ class Worker(Lifecycle):
         except msgspec.DecodeError as exc:
             await self._outcomes.poison(delivery, str(exc))
             return
-        with bound_request(request.id, backend=self._backend_name):
+        trace_id = delivery.trace.trace_id  # its log lines join the request's trace
+        with bound_request(request.id, backend=self._backend_name, trace_id=trace_id):
             metrics.IN_FLIGHT.labels(self._backend_name).inc()
             try:
                 await self._run(delivery)
