@@ -9,6 +9,7 @@ prometheus_client) is imported when it is first named.
 import importlib
 import typing
 
+from .broker import export_spans
 from .client import Client, RequestHandle, Result
 from .config import BackendConfig, Config, RouteConfig, load_config, parse_config
 from .errors import (
@@ -114,6 +115,7 @@ __all__ = [
     "UnprocessableRequestError",
     "UnsupportedFeatureError",
     "Usage",
+    "export_spans",
     "load_config",
     "parse_config",
 ]

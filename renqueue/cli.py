@@ -306,6 +306,7 @@ async def _wait(handle: Any, wait: float | None) -> Any:
 
 async def _audit(config: Config, args: argparse.Namespace) -> None:
     from .broker import EventLog, connect
+    from .schema import parse_traceparent
 
     nc = await connect(_client_url(config), name="renqueue-audit", config=config.nats)
     try:
@@ -327,10 +328,12 @@ async def _audit(config: Config, args: argparse.Namespace) -> None:
             data.pop(key, None)
         if kind == "submitted":
             request = data.pop("request")
+            trace = parse_traceparent(data.get("traceparent"))
             data = {
                 "route": request["route"],
                 "priority": request["priority"],
                 "messages": len(request["messages"]),
+                "trace": None if trace is None else trace.trace_id,
             }
         if kind == "completed":
             data["text"] = shorten(data["text"], 60)

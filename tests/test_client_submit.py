@@ -35,6 +35,9 @@ async def test_a_misspelt_option_is_a_type_error_at_the_call(nc: Connection) -> 
 def test_submit_and_build_request_take_the_same_options() -> None:
     submit = list(inspect.signature(Client.submit).parameters.values())
     build = list(inspect.signature(Client.build_request).parameters.values())
+    # Besides the request's options, submit takes what its publish carries: the trace.
+    *submit, trace = submit
+    assert trace.name == "traceparent"
     assert submit == build
     options = submit[2:]
     assert options

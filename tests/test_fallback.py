@@ -367,11 +367,15 @@ class CountsMore:
 
     name = "pricey"
 
-    async def stream(self, request: Any, *, priority: int | None = None) -> AsyncIterator[Delta]:
+    async def stream(
+        self, request: Any, *, priority: int | None = None, traceparent: str | None = None
+    ) -> AsyncIterator[Delta]:
         yield Delta(text="ok")
         yield Delta(usage=Usage(prompt_tokens=50_000, completion_tokens=2), finish_reason="stop")
 
-    async def complete(self, request: Any, *, priority: int | None = None) -> Any:
+    async def complete(
+        self, request: Any, *, priority: int | None = None, traceparent: str | None = None
+    ) -> Any:
         raise NotImplementedError
 
     async def close(self) -> None:

@@ -129,12 +129,16 @@ class FailsMidStream:
 
     name = "b"
 
-    async def stream(self, request: Any, *, priority: int | None = None) -> AsyncIterator[Delta]:
+    async def stream(
+        self, request: Any, *, priority: int | None = None, traceparent: str | None = None
+    ) -> AsyncIterator[Delta]:
         for index in range(3):
             yield Delta(text=f"piece {index} ")
         raise FatalBackendError("the model went away", backend="b")
 
-    async def complete(self, request: Any, *, priority: int | None = None) -> Any:
+    async def complete(
+        self, request: Any, *, priority: int | None = None, traceparent: str | None = None
+    ) -> Any:
         raise FatalBackendError("the model went away", backend="b")
 
     async def close(self) -> None:

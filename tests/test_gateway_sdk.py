@@ -1121,8 +1121,8 @@ async def test_a_lost_publish_ack_and_the_sdks_retry_make_one_request(
     real = Client._publish
     published: list[str] = []
 
-    async def ack_lost_once(self: Client, request: Any) -> bool:
-        duplicate = await real(self, request)
+    async def ack_lost_once(self: Client, request: Any, trace: Any) -> bool:
+        duplicate = await real(self, request, trace)
         published.append(request.id)
         if len(published) == 1:
             raise TimeoutError("ack lost")
@@ -1312,11 +1312,11 @@ async def test_a_retry_after_a_publish_that_never_stored_runs_under_the_same_id(
     real = Client._publish
     tried: list[str] = []
 
-    async def lost_once(self: Client, request: Any) -> bool:
+    async def lost_once(self: Client, request: Any, trace: Any) -> bool:
         tried.append(request.id)
         if len(tried) == 1:
             raise TimeoutError("no ack, and nothing stored")
-        return await real(self, request)
+        return await real(self, request, trace)
 
     monkeypatch.setattr(Client, "_publish", lost_once)
     done = await stack.sdk(max_retries=2, timeout=15).chat.completions.create(

@@ -364,11 +364,15 @@ class BrokenBackend:
 
     name = "b1"
 
-    async def stream(self, request: Any, *, priority: int | None = None) -> AsyncIterator[Any]:
+    async def stream(
+        self, request: Any, *, priority: int | None = None, traceparent: str | None = None
+    ) -> AsyncIterator[Any]:
         raise RuntimeError("adapter bug")
         yield  # an async generator, as the protocol asks
 
-    async def complete(self, request: Any, *, priority: int | None = None) -> Any:
+    async def complete(
+        self, request: Any, *, priority: int | None = None, traceparent: str | None = None
+    ) -> Any:
         raise RuntimeError("adapter bug")
 
     async def close(self) -> None:

@@ -131,7 +131,9 @@ class SwallowsOneCancellation:
         self.calling = asyncio.Event()
         self.swallowed = 0
 
-    async def stream(self, request: Any, *, priority: int | None = None) -> AsyncIterator[Delta]:
+    async def stream(
+        self, request: Any, *, priority: int | None = None, traceparent: str | None = None
+    ) -> AsyncIterator[Delta]:
         self.calling.set()
         while True:
             try:
@@ -144,7 +146,9 @@ class SwallowsOneCancellation:
                 raise
         yield Delta()  # an async generator, as the protocol asks
 
-    async def complete(self, request: Any, *, priority: int | None = None) -> Any:
+    async def complete(
+        self, request: Any, *, priority: int | None = None, traceparent: str | None = None
+    ) -> Any:
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -381,13 +385,17 @@ class BrokerSilentTwice:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def stream(self, request: Any, *, priority: int | None = None) -> AsyncIterator[Delta]:
+    async def stream(
+        self, request: Any, *, priority: int | None = None, traceparent: str | None = None
+    ) -> AsyncIterator[Delta]:
         self.calls += 1
         if self.calls <= 2:
             raise NatsNoRespondersError("nats: no response from stream")
         yield Delta(text="answered")
 
-    async def complete(self, request: Any, *, priority: int | None = None) -> Any:
+    async def complete(
+        self, request: Any, *, priority: int | None = None, traceparent: str | None = None
+    ) -> Any:
         raise NotImplementedError
 
     async def close(self) -> None:

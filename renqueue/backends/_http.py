@@ -59,7 +59,14 @@ from ..errors import (
 )
 from ..lifecycle import Closing
 from ..policy import estimate_input_tokens
-from ..schema import ChatMessage, InferenceRequest, TokenLogprob, Usage
+from ..schema import (
+    TRACEPARENT,
+    ChatMessage,
+    InferenceRequest,
+    TokenLogprob,
+    Usage,
+    parse_traceparent,
+)
 from ._limits import LearnedLimits, parse_limits
 from ._sse import MAX_EVENT_BYTES, ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation, ToolCall
@@ -632,6 +639,17 @@ class _SecretHeaders(httpx.Headers):
         return f"Headers({shown!r})"
 
 
+def _traced(headers: httpx.Headers, traceparent: str | None) -> httpx.Headers:
+    """``headers`` with a ``traceparent`` header, when ``traceparent`` is a
+    valid one (written anew from its parts); else ``headers`` as they are."""
+    trace = parse_traceparent(traceparent)
+    if trace is None:
+        return headers
+    traced = _SecretHeaders(headers)
+    traced[TRACEPARENT] = trace.header
+    return traced
+
+
 # ------------------------------------------------------------------ adapter
 
 
@@ -783,7 +801,11 @@ class HTTPBackend(Closing):
     # ------------------------------------------------------------- calls
 
     async def stream(
-        self, request: InferenceRequest, *, priority: int | None = None
+        self,
+        request: InferenceRequest,
+        *,
+        priority: int | None = None,
+        traceparent: str | None = None,
     ) -> AsyncIterator[Delta]:
         """Yield text deltas as the backend generates them, then one ``Delta`` with
         usage, finish reason and tool calls.
@@ -792,14 +814,18 @@ class HTTPBackend(Closing):
         sees the disconnect and stops generating. A failure after text was
         yielded is :attr:`~renqueue.errors.FailureClass.BROKEN_STREAM`
         (its cause in the message); a stream that ends without its end marker
-        is complete only if it gave a finish reason.
+        is complete only if it gave a finish reason. ``traceparent`` goes
+        out as that header if it is a valid W3C one (never as given).
         """
         body = self._body(request, priority, stream=True)
         parser = self.parser()
         clock = Clock(self._first_token_timeout, self._total_timeout)
+        headers = _traced(self._stream_headers, traceparent)
         try:
             with self._pool() as pool:
-                async for delta in self._stream_from(pool, body, parser, request, clock):
+                async for delta in self._stream_from(
+                    pool, body, parser, request, clock, headers=headers
+                ):
                     clock.first_token()
                     yield delta
             if not parser.complete and parser.finish_reason is None:
@@ -833,6 +859,8 @@ class HTTPBackend(Closing):
         parser: StreamParser,
         request: InferenceRequest,
         clock: Clock,
+        *,
+        headers: httpx.Headers,
     ) -> AsyncIterator[Delta]:
         """Read the stream. Everything that arrived in one network read becomes
         one :class:`Delta`: a fast backend's burst of tokens costs one publish
@@ -845,7 +873,7 @@ class HTTPBackend(Closing):
             "POST",
             self._urls[0],
             content=body,
-            headers=self._stream_headers,
+            headers=headers,
             timeout=self._timeout,
         )
         async with clock.bounded():
@@ -882,9 +910,14 @@ class HTTPBackend(Closing):
             await call.__aexit__(None, None, None)
 
     async def complete(
-        self, request: InferenceRequest, *, priority: int | None = None
+        self,
+        request: InferenceRequest,
+        *,
+        priority: int | None = None,
+        traceparent: str | None = None,
     ) -> Generation:
-        """The whole answer from one non-streaming call (bounded by ``total_timeout``)."""
+        """The whole answer from one non-streaming call (bounded by ``total_timeout``;
+        ``traceparent`` as for :meth:`stream`)."""
         body = self._body(request, priority, stream=False)
         clock = Clock(None, self._total_timeout)
         try:
@@ -893,7 +926,7 @@ class HTTPBackend(Closing):
                     response = await pool.post(
                         self._urls[1],
                         content=body,
-                        headers=self._json_headers,
+                        headers=_traced(self._json_headers, traceparent),
                         timeout=self._timeout,
                     )
         except httpx.HTTPError as exc:

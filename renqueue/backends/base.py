@@ -57,15 +57,27 @@ class Backend(Protocol):
     def name(self) -> str: ...
 
     def stream(
-        self, request: InferenceRequest, *, priority: int | None = None
+        self,
+        request: InferenceRequest,
+        *,
+        priority: int | None = None,
+        traceparent: str | None = None,
     ) -> AsyncIterator[Delta]:
-        """Yield the answer as it is generated. Closing the iterator aborts the call."""
+        """Yield the answer as it is generated. Closing the iterator aborts the call.
+
+        ``traceparent``: the W3C trace context of the call (the caller's span
+        for it), sent on as the ``traceparent`` header if it is a valid one.
+        """
         ...
 
     async def complete(
-        self, request: InferenceRequest, *, priority: int | None = None
+        self,
+        request: InferenceRequest,
+        *,
+        priority: int | None = None,
+        traceparent: str | None = None,
     ) -> Generation:
-        """The whole answer in one response."""
+        """The whole answer in one response (``traceparent`` as for :meth:`stream`)."""
         ...
 
     async def close(self) -> None:

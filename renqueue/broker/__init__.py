@@ -15,6 +15,10 @@
   records exactly one.
 - Dead letters (``_dlq``): :class:`DeadLetters`, listing, showing and requeueing
   ``RQ_DLQ``.
+- Trace context (``_trace``): the ``traceparent`` header of a message
+  (:func:`trace_of`) and each hop's span under it (:func:`next_hop`,
+  :func:`hop`), exported through OpenTelemetry once :func:`export_spans` is
+  called (``_otel``, the ``otel`` extra).
 """
 
 from ._connection import ConnectionKeeper, connect, redact_url, resolve_nats_url
@@ -79,6 +83,7 @@ from ._provision import (
     router_consumer_configs,
     until_jetstream_answers,
 )
+from ._trace import SpanKind, export_spans, hop, next_hop, trace_headers, trace_of
 
 __all__ = [
     "LOCK_FILE_NAME",
@@ -111,15 +116,19 @@ __all__ = [
     "PubAck",
     "PullSubscription",
     "ServerState",
+    "SpanKind",
     "StoredMessage",
     "StreamInfo",
     "Subscription",
     "connect",
     "delete_consumer",
     "entry_json",
+    "export_spans",
     "find_nats_server",
     "find_streams_dir",
+    "hop",
     "msg_id_of",
+    "next_hop",
     "provision",
     "publish_stored",
     "read_messages",
@@ -133,6 +142,8 @@ __all__ = [
     "router_consumer_configs",
     "subject_agrees",
     "submitted_of",
+    "trace_headers",
+    "trace_of",
     "translate",
     "until_jetstream_answers",
     "url_file",

@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import hashlib
 import uuid
+from collections.abc import Mapping
 from typing import Final
 
 import msgspec
@@ -169,8 +170,16 @@ def _headers(event: Event) -> dict[str, str] | None:
     return None if message_id is None else {_MSG_ID: message_id}
 
 
-async def publish_stored(js: JetStream, subject: str, payload: bytes, message_id: str) -> None:
-    """Publish ``payload`` on ``subject`` so that a copy is surely stored.
+async def publish_stored(
+    js: JetStream,
+    subject: str,
+    payload: bytes,
+    message_id: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> None:
+    """Publish ``payload`` on ``subject`` (with ``headers`` besides its
+    message id) so that a copy is surely stored.
 
     For a message whose source is acked (or deleted) once it is published: a
     requeue. ``message_id`` makes a retried publish store it once, but
@@ -184,7 +193,7 @@ async def publish_stored(js: JetStream, subject: str, payload: bytes, message_id
     is then stored twice, and may run twice; the terminal claim keeps one
     outcome (and the dispatch's own message id usually drops the second).
     """
-    ack = await js.publish(subject, payload, headers={_MSG_ID: message_id})
+    ack = await js.publish(subject, payload, headers={**(headers or {}), _MSG_ID: message_id})
     if not ack.duplicate:
         return
     stored = None
@@ -193,7 +202,8 @@ async def publish_stored(js: JetStream, subject: str, payload: bytes, message_id
             stored = await js.get_msg(ack.stream, seq=ack.seq)
     if stored is not None and stored.subject == subject and stored.data == payload:
         return  # ours, from an earlier try, still waiting to be read
-    await js.publish(subject, payload, headers={_MSG_ID: f"{message_id}:{uuid.uuid4().hex}"})
+    again = {**(headers or {}), _MSG_ID: f"{message_id}:{uuid.uuid4().hex}"}
+    await js.publish(subject, payload, headers=again)
 
 
 async def delete_consumer(js: JetStream, stream: str, name: str) -> None:

@@ -15,11 +15,18 @@ from typing import Any, Self
 
 import msgspec
 
-from ..broker import Connection, NatsClient, connect
+from ..broker import Connection, NatsClient, connect, hop
 from ..config import NatsConfig
 from ..errors import MalformedRequestError
 from ..lifecycle import Closing
-from ..schema import REQUEST_DECODER, ChatMessage, Event, GenerationParams, InferenceRequest
+from ..schema import (
+    REQUEST_DECODER,
+    ChatMessage,
+    Event,
+    GenerationParams,
+    InferenceRequest,
+    TraceParent,
+)
 from ._handle import RequestHandle
 from ._retries import Published, publish
 from ._tap import EventTap
@@ -185,6 +192,7 @@ class Client(Closing):
         parent_id: str | None = None,
         dedupe_key: str | None = None,
         coalesce: bool = False,
+        traceparent: str | None = None,
     ) -> RequestHandle:
         """Submit a request; the handle streams its tokens and waits for its result.
 
@@ -227,6 +235,11 @@ class Client(Closing):
                 backend call.
             coalesce: Share a call with identical requests (same route,
                 messages and parameters).
+            traceparent: A W3C ``traceparent`` (``00-<trace id>-<parent
+                id>-<flags>``) to carry the request in: its trace id goes
+                on, under a span of the submit's own. ``None``, or one that
+                is not valid (dropped, never an error): a new trace. The
+                handle's ``traceparent`` is what was sent.
 
         Raises:
             MalformedRequestError: A parameter fails validation (the field is named).
@@ -242,11 +255,13 @@ class Client(Closing):
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
             params=params, timeout=timeout, deadline=deadline, max_cost=max_cost,
             complexity=complexity, metadata=metadata, parent_id=parent_id, dedupe_key=dedupe_key,
-            coalesce=coalesce))  # fmt: skip
+            coalesce=coalesce), traceparent=traceparent)  # fmt: skip
 
-    async def submit_request(self, request: InferenceRequest) -> RequestHandle:
+    async def submit_request(
+        self, request: InferenceRequest, *, traceparent: str | None = None
+    ) -> RequestHandle:
         """Submit a built request. Idempotent on ``request.id``; raises as
-        :meth:`submit` says.
+        :meth:`submit` says (``traceparent`` too).
 
         A publish the broker does not answer (a restart, a lost connection)
         is sent again under the same id, with a capped backoff, for
@@ -255,15 +270,27 @@ class Client(Closing):
         its first try stored is not a duplicate (``handle.found_on_retry``
         says so).
         """
+        # The submit is a hop of its own: its span, under the caller's trace.
+        attributes: dict[str, str | int] = {
+            "renqueue.request_id": request.id,
+            "renqueue.tenant": request.tenant,
+            "renqueue.route": request.route,
+            "renqueue.priority": request.priority,
+        }
+        with hop("renqueue.submit", traceparent, kind="producer", attributes=attributes) as trace:
+            return await self._submit_in(request, trace)
+
+    async def _submit_in(self, request: InferenceRequest, trace: TraceParent) -> RequestHandle:
+        """:meth:`submit_request`, in its hop's ``trace``."""
         if request.tenant != self.tenant:
             # Not on this client's tap: the handle reads the request's own events.
-            return self._handle_on(request, await self._publish(request))
+            return self._handle_on(request, await self._publish(request, trace), trace)
         await self._tap.ensure()
         # A handle or a submit of this client may already wait for this id (a
         # resubmit): they share one waiter, held until none of them needs it.
         waiter = self._tap.hold(request.id)
         try:
-            published = await self._publish(request)
+            published = await self._publish(request, trace)
         except BaseException:
             self._tap.release(request.id, waiter)
             raise
@@ -276,18 +303,19 @@ class Client(Closing):
             # the same moment, maybe before): it may have ended already,
             # unseen by the tap. The handle reads the request's own events.
             self._tap.release(request.id, waiter)
-            return self._handle_on(request, published)
-        return self._handle_on(request, published, waiter=waiter.future)
+            return self._handle_on(request, published, trace)
+        return self._handle_on(request, published, trace, waiter=waiter.future)
 
-    async def _publish(self, request: InferenceRequest) -> Published:
+    async def _publish(self, request: InferenceRequest, trace: TraceParent) -> Published:
         """The one publish of a submit: stored now, stored before (a resubmit),
         or found stored by a retry (:func:`._retries.publish`)."""
-        return await publish(self, request)
+        return await publish(self, request, trace=trace)
 
     def _handle_on(
         self,
         request: InferenceRequest,
         published: Published,
+        trace: TraceParent,
         *,
         waiter: asyncio.Future[Event] | None = None,
     ) -> RequestHandle:
@@ -299,6 +327,7 @@ class Client(Closing):
             duplicate=published is Published.DUPLICATE,
             found_on_retry=published is Published.FOUND_ON_RETRY,
             waiter=waiter,
+            traceparent=trace.header,
         )
 
     def handle(self, request_id: str) -> RequestHandle:

@@ -101,6 +101,7 @@ class RequestHandle:
         duplicate: bool = False,
         found_on_retry: bool = False,
         waiter: asyncio.Future[Event] | None = None,
+        traceparent: str | None = None,
     ) -> None:
         self._client = client
         self._waiter = waiter
@@ -114,6 +115,10 @@ class RequestHandle:
         #: at the same moment would look the same (the gateway checks the body
         #: under an ``Idempotency-Key`` then, as for a duplicate).
         self.found_on_retry = found_on_retry
+        #: The W3C ``traceparent`` header the submit published the request
+        #: with (its ``trace_id`` names the request's trace); ``None`` for a
+        #: handle not made by a submit (:meth:`Client.handle`).
+        self.traceparent = traceparent
 
     def __repr__(self) -> str:
         return f"RequestHandle(id={self.id!r}, tenant={self.tenant!r})"

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from ..broker import Connection
+from ..broker import Connection, trace_headers
 from ..errors import (
     NatsClosedError,
     NatsNoRespondersError,
@@ -25,7 +25,14 @@ from ..errors import (
     UnknownPriorityError,
 )
 from ..logs import get_logger
-from ..schema import InferenceRequest, encode, msg_id, request_limit, request_subject
+from ..schema import (
+    InferenceRequest,
+    TraceParent,
+    encode,
+    msg_id,
+    request_limit,
+    request_subject,
+)
 
 if TYPE_CHECKING:
     from ._client import Client
@@ -82,9 +89,11 @@ async def retrying(nc: Connection, what: str, read: Callable[[], Awaitable[T]], 
             delay = min(_RETRY_MAX, delay * 2)
 
 
-async def publish(client: Client, request: InferenceRequest) -> Published:
+async def publish(
+    client: Client, request: InferenceRequest, *, trace: TraceParent | None = None
+) -> Published:
     """Publish ``request``: stored now, stored before (a resubmit), or
-    found stored by a retry.
+    found stored by a retry. ``trace``: the ``traceparent`` header it carries.
 
     "No responders" means no stream listens on the subject: the level is
     not configured, or, for a few seconds, a cluster is electing the
@@ -114,6 +123,8 @@ async def publish(client: Client, request: InferenceRequest) -> Published:
     loop = asyncio.get_running_loop()
     subject = request_subject(request.priority, request.tenant)
     headers = {"Nats-Msg-Id": msg_id(request.tenant, request.id)}
+    if trace is not None:
+        headers.update(trace_headers(trace))
     patience = client.submit_patience
     if request.deadline is not None:
         patience = min(patience, request.deadline - time.time())

@@ -44,7 +44,11 @@ header                          body field                    meaning
 ``X-Request-Timeout``           ``request_timeout``           seconds from now
 ``X-Max-Cost``                  ``max_cost``                  US dollars
 ``X-Keep-Alive-On-Disconnect``  ``keep_alive_on_disconnect``  ``true``: keep it running
+``traceparent``                 (none)                        the W3C trace to carry it in
 ==============================  ============================  ==========================
+
+A ``traceparent`` that is not a valid W3C one is dropped (the request starts
+a trace of its own), never an error.
 
 An integer priority is vLLM's: lower runs sooner and 0 is the default. It
 counts levels from ``default_priority``: 0 is that level, -1 the next more
@@ -62,7 +66,16 @@ from typing import Any, Final, Protocol, TypeVar
 import msgspec
 from msgspec import Raw, Struct
 
-from ..schema import ChatMessage, GenerationParams, TokenLogprob, ToolCall, ToolCallDelta, Usage
+from ..schema import (
+    TRACEPARENT,
+    ChatMessage,
+    GenerationParams,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+    parse_traceparent,
+)
 from ._errors import ApiError
 
 __all__ = [
@@ -266,7 +279,14 @@ MAX_DEPTH: Final = 64
 _MAX_KEY: Final = 256
 #: The headers Ren-Queue's controls come from (read case-insensitively).
 _CONTROLS: Final = frozenset(
-    {"x-priority", "x-deadline", "x-request-timeout", "x-max-cost", "x-keep-alive-on-disconnect"}
+    {
+        "x-priority",
+        "x-deadline",
+        "x-request-timeout",
+        "x-max-cost",
+        "x-keep-alive-on-disconnect",
+        TRACEPARENT,
+    }
 )
 
 
@@ -284,6 +304,10 @@ class Submission(Struct, frozen=True, kw_only=True):
     include_usage: bool = False
     #: ``None``: the gateway's default (keep it if it has an idempotency key).
     keep_alive_on_disconnect: bool | None = None
+    #: The caller's W3C ``traceparent`` header, if it is a valid one (as
+    #: :func:`~renqueue.schema.parse_traceparent` writes it); ``None``
+    #: otherwise: a malformed one is dropped, never an error.
+    traceparent: str | None = None
 
 
 def parse_chat(body: bytes) -> Chat:
@@ -733,6 +757,7 @@ def translate(
 
     max_cost = _controlled(headers, "X-Max-Cost", body.max_cost, _number)
     keep = _controlled(headers, "X-Keep-Alive-On-Disconnect", body.keep_alive_on_disconnect, _flag)
+    trace = parse_traceparent(headers.get(TRACEPARENT))
 
     metadata = dict(body.metadata or {})
     if len(metadata) > MAX_METADATA:
@@ -764,6 +789,7 @@ def translate(
         stream=bool(body.stream),
         include_usage=include_usage,
         keep_alive_on_disconnect=keep,
+        traceparent=None if trace is None else trace.header,
     )
 
 

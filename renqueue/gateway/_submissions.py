@@ -246,7 +246,7 @@ class Submissions:
                 max_cost=sub.max_cost,
                 metadata=metadata,
             )
-            handle = await client.submit_request(built)
+            handle = await client.submit_request(built, traceparent=sub.traceparent)
         except Exception as exc:
             answer = from_error(exc)
             if key is None and not _maybe_stored(exc):

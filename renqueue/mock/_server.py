@@ -54,6 +54,7 @@ Endpoints (``MockBackend.url_for(adapter)`` is an adapter's ``base_url``)::
                                 Gemini (and :generateContent; 429s as RESOURCE_EXHAUSTED)
     GET  /v1/models             the accepted model names
     GET  /stats                 counters (MockStats as JSON), incl. the last request body
+                                and the last requests' traceparent headers
     GET  /admin/settings        current MockSettings
     POST /admin/settings        change settings at runtime (a partial JSON object)
     GET  /health                200 "ok"
@@ -85,6 +86,7 @@ import contextlib
 import enum
 import itertools
 import random
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
@@ -104,7 +106,7 @@ from ._fault_injection import (
     parse_fault_script,
 )
 from ._rate_limits import MockLimitStyle, format_reset
-from ._settings import Counters, MockSettings, MockStats
+from ._settings import TRACEPARENTS_KEPT, Counters, MockSettings, MockStats
 from .dialects import DIALECTS, Call, Dialect, GeminiDialect, Target
 
 __all__ = ["MockBackend", "MockSettings", "MockStats", "format_reset", "run_mock_backend", "serve"]
@@ -145,6 +147,8 @@ class MockBackend(Starting):
         self._runner: web.AppRunner | None = None
         self._counters = Counters()
         self._last_request: bytes | None = None
+        #: The ``traceparent`` header of each of the last chat requests.
+        self._traceparents: deque[str | None] = deque(maxlen=TRACEPARENTS_KEPT)
         self._ids = itertools.count()
         self._settings = MockSettings()
         self._rng = random.Random()
@@ -224,7 +228,11 @@ class MockBackend(Starting):
 
     def stats(self) -> MockStats:
         last = msgspec.json.decode(self._last_request) if self._last_request else None
-        return self._counters.stats(last_request=last, faults=dict(self._fault_counts))
+        return self._counters.stats(
+            last_request=last,
+            faults=dict(self._fault_counts),
+            traceparents=list(self._traceparents),
+        )
 
     def _apply(self, settings: MockSettings, *, restart_faults: bool = False) -> None:
         """Install settings; new limits start with full buckets, a new seed reseeds,
@@ -355,6 +363,7 @@ class MockBackend(Starting):
             self._counters.bad_requests += 1
             return error_response(dialect, 400, "bad_request", f"invalid request body: {exc}")
         self._last_request = raw
+        self._traceparents.append(request.headers.get("traceparent"))
         return body
 
     def _refuse(

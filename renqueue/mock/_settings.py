@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -13,7 +13,7 @@ from msgspec import Meta, Struct
 from ._fault_injection import FaultSpec
 from ._rate_limits import MockLimitStyle
 
-__all__ = ["Counters", "MockSettings", "MockStats"]
+__all__ = ["TRACEPARENTS_KEPT", "Counters", "MockSettings", "MockStats"]
 
 Seconds = Annotated[float, Meta(ge=0)]
 Limit = Annotated[int, Meta(ge=0)]
@@ -78,6 +78,10 @@ class MockSettings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     context_window: Limit = 0
 
 
+#: Chat requests whose ``traceparent`` header :class:`MockStats` keeps (the last ones).
+TRACEPARENTS_KEPT: Final = 1000
+
+
 class MockStats(Struct, frozen=True, kw_only=True):
     """Counters since start. ``rate_limited`` counts every 429 (rate or busy);
     ``busy`` counts concurrency rejections (429 or 503); ``failed`` counts
@@ -87,7 +91,9 @@ class MockStats(Struct, frozen=True, kw_only=True):
     the last chat request body, as sent; ``faults`` counts injected faults by
     kind (``down`` for connections reset while down), which are counted in
     none of the other counters but ``requests``, ``streamed`` and
-    ``disconnects``.
+    ``disconnects``; ``traceparents`` is the ``traceparent`` header of each of
+    the last :data:`TRACEPARENTS_KEPT` chat requests, in arrival order
+    (``None``: it had none).
     """
 
     requests: int = 0
@@ -103,6 +109,7 @@ class MockStats(Struct, frozen=True, kw_only=True):
     disconnects: int = 0
     last_request: Any = None
     faults: dict[str, int] = {}
+    traceparents: list[str | None] = []
 
 
 class Counters:
@@ -138,8 +145,15 @@ class Counters:
     max_in_flight_seen: int
     disconnects: int
 
-    def stats(self, *, last_request: Any, faults: dict[str, int]) -> MockStats:
-        """The counters as :class:`MockStats`, with the last request and the faults counted."""
+    def stats(
+        self,
+        *,
+        last_request: Any,
+        faults: dict[str, int],
+        traceparents: list[str | None] | None = None,
+    ) -> MockStats:
+        """The counters as :class:`MockStats`, with the last request, the faults
+        counted and the last requests' ``traceparent`` headers."""
         return MockStats(
             requests=self.requests,
             streamed=self.streamed,
@@ -154,4 +168,5 @@ class Counters:
             disconnects=self.disconnects,
             last_request=last_request,
             faults=faults,
+            traceparents=traceparents or [],
         )

@@ -11,6 +11,8 @@
   :func:`probed`.
 - The preemption protocol's messages (``_offers``): :class:`Ask`,
   :class:`Offer`, :class:`Confirm`, :class:`Answer`.
+- The W3C trace context a request carries (``_trace``): :class:`TraceParent`,
+  :func:`parse_traceparent`.
 
 The broker I/O that carries them is :mod:`renqueue.broker`.
 """
@@ -143,6 +145,7 @@ from ._subjects import (
     token_subject,
     worker_consumer,
 )
+from ._trace import MAX_TRACEPARENT, TRACEPARENT, TraceParent, parse_traceparent
 
 __all__ = [
     "ADVISORIES_CONSUMER",
@@ -162,6 +165,7 @@ __all__ = [
     "LEASE_BUCKET",
     "MAX_JSON_DEPTH",
     "MAX_REQUEUES",
+    "MAX_TRACEPARENT",
     "OFFER_DECODER",
     "OFFER_WINDOW",
     "PREEMPT_ASK",
@@ -179,6 +183,7 @@ __all__ = [
     "TERMINAL_KINDS",
     "TOKENS_STREAM",
     "TOKEN_DECODER",
+    "TRACEPARENT",
     "Answer",
     "Ask",
     "CancelRequested",
@@ -224,6 +229,7 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "TopLogprob",
+    "TraceParent",
     "Usage",
     "arm_of",
     "boost_subject",
@@ -244,6 +250,7 @@ __all__ = [
     "kind_of",
     "max_deliveries_advisory",
     "msg_id",
+    "parse_traceparent",
     "preempt_subject",
     "preempt_subjects",
     "probed",

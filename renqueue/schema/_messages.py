@@ -505,6 +505,11 @@ class Submitted(_EventBase, frozen=True, kw_only=True, tag="submitted"):
     """A client submitted a request (the full request, for audit and replay)."""
 
     request: InferenceRequest
+    #: The W3C ``traceparent`` the request arrived with (the submitting hop's
+    #: span under the request's trace id), as the router validated it; a
+    #: new trace's when it came with none or a malformed one. ``None`` in
+    #: events from before tracing.
+    traceparent: str | None = None
 
 
 class Rejected(_EventBase, frozen=True, kw_only=True, tag="rejected"):

@@ -354,9 +354,16 @@ def routed(
     )
 
 
-def submitted(request: InferenceRequest, *, at: float) -> Submitted:
-    """The log's first word on ``request``: its wait began ``at`` (server time)."""
-    return Submitted(request_id=request.id, tenant=request.tenant, at=at, request=request)
+def submitted(request: InferenceRequest, *, at: float, traceparent: str | None = None) -> Submitted:
+    """The log's first word on ``request``: its wait began ``at`` (server time),
+    in the trace ``traceparent`` names (W3C, as the router sent it on)."""
+    return Submitted(
+        request_id=request.id,
+        tenant=request.tenant,
+        at=at,
+        request=request,
+        traceparent=traceparent,
+    )
 
 
 def arm_of(request: InferenceRequest) -> tuple[str, str]:

@@ -31,9 +31,11 @@ from ...schema import (
     Preempted,
     Retrying,
     Submitted,
+    TraceParent,
     encode,
     event_subject,
     is_requeue_subject,
+    parse_traceparent,
 )
 from ._hold import stored_at
 
@@ -143,6 +145,9 @@ class Arrival(NamedTuple):
     #: the binder binds nothing there before (:meth:`Ledger.pause`). ``None``:
     #: not put back for a spent quota.
     paused: Pause | None = None
+    #: A request put back: the trace its first ``submitted`` event logged
+    #: (for a copy that came back without a ``traceparent`` header).
+    trace: TraceParent | None = None
 
 
 def pause_of(event: Retrying) -> Pause:
@@ -185,10 +190,12 @@ async def arrival(js: JetStream, msg: Message, request: InferenceRequest) -> Arr
     first, _ = await logged("submitted")
     if not isinstance(first, Submitted):
         return Arrival(stored)
+    trace = parse_traceparent(first.traceparent)
     kept = await _why_put_back(js, request, logged)
     if kept is None:
-        return Arrival(stored)
-    return Arrival(min(stored, first.at), paused=kept if isinstance(kept, Pause) else None)
+        return Arrival(stored, trace=trace)
+    paused = kept if isinstance(kept, Pause) else None
+    return Arrival(min(stored, first.at), paused=paused, trace=trace)
 
 
 async def _why_put_back(

@@ -21,7 +21,7 @@ from typing import Final, TypeVar
 import msgspec
 
 from ... import metrics
-from ...broker import EventLog, JetStream, Message, PubAck
+from ...broker import EventLog, JetStream, Message, PubAck, hop, trace_headers
 from ...config import Config, parse_duration
 from ...errors import NatsNotFoundError
 from ...logs import get_logger
@@ -34,6 +34,7 @@ from ...schema import (
     Routed,
     Started,
     Stolen,
+    TraceParent,
     dispatch_subject,
     encode,
     failed,
@@ -170,7 +171,16 @@ class Dispatcher:
             predicted=predicted,
             estimated_cost=estimated_cost,
         )
-        await self._send(item, slot, dispatch, decision, reserved)
+        attributes: dict[str, str | int] = {
+            "renqueue.request_id": request.id,
+            "renqueue.tenant": request.tenant,
+            "renqueue.backend": slot.backend,
+            "renqueue.attempt": attempt,
+            "renqueue.priority": level,
+        }
+        # The binding is the router's span in the request's trace.
+        with hop("renqueue.bind", item.trace, kind="producer", attributes=attributes) as trace:
+            await self._send(item, slot, dispatch, decision, reserved, trace=trace)
 
     async def _send(
         self,
@@ -179,6 +189,8 @@ class Dispatcher:
         dispatch: Dispatch,
         decision: Routed,
         reserved: Reserved | None,
+        *,
+        trace: TraceParent,
     ) -> None:
         """Publish ``dispatch`` and its ``decision``, then ack the request.
 
@@ -209,7 +221,8 @@ class Dispatcher:
                 dispatch_subject(dispatch.backend),
                 encode(dispatch),
                 headers={
-                    "Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", dispatch.attempt)
+                    "Nats-Msg-Id": msg_id(request.tenant, request.id, "dispatch", dispatch.attempt),
+                    **trace_headers(trace),
                 },
             )
             shielded = asyncio.shield(sent)  # a timeout stops the wait, not the ack (finally)

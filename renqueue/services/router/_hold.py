@@ -20,7 +20,7 @@ import msgspec
 from ...broker import Message, PubAck
 from ...logs import get_logger
 from ...policy import LevelPolicy, pick_key
-from ...schema import SHUTDOWN_NAK_DELAY, ComplexityEstimate, InferenceRequest
+from ...schema import SHUTDOWN_NAK_DELAY, ComplexityEstimate, InferenceRequest, TraceParent
 
 __all__ = ["BOOST_DECODER", "Boost", "Held", "Hold", "stored_at"]
 
@@ -74,6 +74,9 @@ class Held(msgspec.Struct, kw_only=True):
     #: The cheaper backend it was first told to wait for, and the start
     #: predicted then (see ``policy.Waiting.waiting_for``).
     waiting_for: tuple[str, float] | None = None
+    #: The trace it arrived in (the submitting hop's span): its dispatch is
+    #: sent under a span of the router's own in the same trace.
+    trace: TraceParent | None = None
 
     def key(self, now: float, policies: list[LevelPolicy]) -> tuple[int, float]:
         return pick_key(

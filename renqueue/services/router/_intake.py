@@ -34,7 +34,7 @@ from typing import Any, Final
 import msgspec
 
 from ... import schema
-from ...broker import Message, PubAck, PullSubscription
+from ...broker import Message, PubAck, PullSubscription, next_hop, trace_of
 from ...coordination import CancelWatch, Coalescer, coalesce_key
 from ...errors import (
     NatsError,
@@ -205,7 +205,13 @@ class Intake:
         # The log's first word on a request, written by whoever reads it
         # first, so it always precedes its `routed` event (a redelivery
         # writes it again under the same message id: stored once).
-        logged = await self._log.append_async(schema.submitted(request, at=submitted))
+        # Its trace: the one it was published in (a valid ``traceparent``
+        # header), else the one logged when it was first read (a copy put
+        # back without one), else a new one, begun here.
+        trace = trace_of(msg.headers) or arrived.trace or next_hop(None)
+        logged = await self._log.append_async(
+            schema.submitted(request, at=submitted, traceparent=trace.header)
+        )
         if await self._settle_on_read(msg, request, logged, now, since=submitted):
             return
         if await self._follows(msg, request, logged, now):
@@ -222,6 +228,7 @@ class Intake:
                 logged=logged,
                 parent=await parent_of(self._js, request, self._config),
                 estimate=estimate,
+                trace=trace,
             ),
         )
 

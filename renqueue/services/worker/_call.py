@@ -28,7 +28,7 @@ import msgspec
 from ... import metrics
 from ...backends import MAX_TOOL_CALLS, LearnedLimits, reported
 from ...backends.base import Backend
-from ...broker import Connection, JetStream, PubAck
+from ...broker import Connection, JetStream, PubAck, hop
 from ...config import BaseBackendConfig
 from ...errors import FailureClass, NatsTimeoutError, NatsUnavailableError, RetryableBackendError
 from ...logs import get_logger
@@ -41,6 +41,7 @@ from ...schema import (
     TokenChunk,
     TokenLogprob,
     ToolCall,
+    TraceParent,
     Usage,
     encode,
     token_subject,
@@ -167,21 +168,34 @@ class Caller:
         chunks: Chunks,
         *,
         rank: int,
+        trace: TraceParent | None = None,
     ) -> Completed:
         """Stream the backend's answer to the token subject (counting in ``chunks``).
 
-        ``rank`` is the priority passed down to backends that schedule by it.
+        ``rank`` is the priority passed down to backends that schedule by it;
+        the call goes out in ``trace`` (a new one if ``None``), under a span
+        of its own (its ``traceparent`` header).
         Raises :class:`Expiry` when the request's deadline passes first, and
         the backend's :class:`~renqueue.BackendError` when the call fails.
         """
         request = dispatch.request
         answer = _Answer(started=time.monotonic())
         timeout = None if request.deadline is None else max(0.0, request.deadline - self._clock())
-        try:
-            async with asyncio.timeout(timeout):
-                await self._stream(request, run, pending_acks, chunks, answer, rank=rank)
-        except TimeoutError as exc:
-            raise Expiry from exc
+        attributes: dict[str, str | int] = {
+            "renqueue.request_id": request.id,
+            "renqueue.tenant": request.tenant,
+            "renqueue.backend": self._backend_name,
+            "renqueue.attempt": dispatch.attempt,
+            "renqueue.run": run,
+        }
+        with hop("renqueue.backend_call", trace, kind="client", attributes=attributes) as sent:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._stream(
+                        request, run, pending_acks, chunks, answer, rank=rank, trace=sent
+                    )
+            except TimeoutError as exc:
+                raise Expiry from exc
         duration = time.monotonic() - answer.started
         usage = answer.usage or Usage()
         cost = self._backend_config.cost(usage.prompt_tokens, usage.completion_tokens)
@@ -223,11 +237,12 @@ class Caller:
         answer: _Answer,
         *,
         rank: int,
+        trace: TraceParent,
     ) -> None:
         """Read the backend's stream into ``answer``, each delta with text,
         tool calls or log probabilities published as the run's next chunk."""
         subject = token_subject(request.tenant, request.id)
-        stream = self._backend.stream(request, priority=rank)
+        stream = self._backend.stream(request, priority=rank, traceparent=trace.header)
         try:
             async for delta in stream:
                 if delta.text or delta.tool_calls or delta.logprobs:

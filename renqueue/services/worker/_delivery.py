@@ -24,9 +24,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ...broker import Message
+from ...broker import Message, next_hop, trace_of
 from ...logs import get_logger
-from ...schema import DISPATCH_DECODER, Dispatch, Run
+from ...schema import DISPATCH_DECODER, Dispatch, Run, TraceParent
 from ._call import Chunks
 
 __all__ = ["Delivery"]
@@ -46,6 +46,9 @@ class Delivery:
     run: Run
     #: The token chunks its run streamed so far.
     chunks: Chunks
+    #: The trace it came in (the router's span; a new trace when its
+    #: ``traceparent`` header is missing or not valid).
+    trace: TraceParent
 
     def __init__(self, msg: Message, *, ack_wait: float) -> None:
         self._msg = msg
@@ -64,6 +67,7 @@ class Delivery:
         self.number = (dispatch.attempt - 1) * stride + self.delivered
         self.run = Run.of(dispatch, self.number, backend=backend)
         self.chunks = Chunks()
+        self.trace = trace_of(self._msg.headers) or next_hop(None)
         return dispatch
 
     @property

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import msgspec
 
-from ...broker import EventLog, JetStream, StoredMessage
+from ...broker import EventLog, JetStream, StoredMessage, trace_headers, trace_of
 from ...errors import NatsNotFoundError
 from ...logs import get_logger
 from ...policy import ALL_FEATURES, needs
@@ -28,6 +28,7 @@ from ...schema import (
     DISPATCH_STREAM,
     Dispatch,
     Stolen,
+    TraceParent,
     dispatch_subject,
     encode,
     msg_id,
@@ -134,7 +135,7 @@ class Thief:
                 from_seq=raw.seq,
             )
         )
-        if await self.move(dispatch, self._backend_name, raw.seq) is None:
+        if await self.move(dispatch, self._backend_name, raw.seq, trace_of(raw.headers)) is None:
             return False
         sibling_consumer = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(sibling))
         delivered = sibling_consumer.delivered
@@ -150,7 +151,11 @@ class Thief:
         return True
 
     async def move(
-        self, dispatch: Dispatch, to_backend: str, source_seq: int
+        self,
+        dispatch: Dispatch,
+        to_backend: str,
+        source_seq: int,
+        trace: TraceParent | None = None,
     ) -> tuple[int, bool] | None:
         """Store a copy of the dispatch at stream sequence ``source_seq`` on
         ``to_backend``'s subject. When the copy is stored (now or before):
@@ -161,7 +166,8 @@ class Thief:
         The copy's message id names the source message (``stolen:<attempt>:<seq>``),
         so each move has its own id (A -> B -> A moves twice, under two ids) and
         a duplicate can only be a copy of this very source: an earlier try of
-        this move, or another thief moving it at the same moment.
+        this move, or another thief moving it at the same moment. The copy
+        keeps the source's ``trace`` (the router's span: it is the same dispatch).
         """
         request = dispatch.request
         moved = msgspec.structs.replace(dispatch, backend=to_backend)
@@ -171,7 +177,8 @@ class Thief:
             headers={
                 "Nats-Msg-Id": msg_id(
                     request.tenant, request.id, "stolen", dispatch.attempt, source_seq
-                )
+                ),
+                **({} if trace is None else trace_headers(trace)),
             },
         )
         if not ack.duplicate:
@@ -201,7 +208,9 @@ class Thief:
         """Finish a thief's ``move`` of this delivery's message and be done
         with it, if the copy can still run; False (keep and run this message)
         otherwise."""
-        moved = await self.move(delivery.dispatch, move.to_backend, delivery.stream_seq)
+        moved = await self.move(
+            delivery.dispatch, move.to_backend, delivery.stream_seq, delivery.trace
+        )
         if moved is None:
             return False  # the copy is not stored: keep this message
         copy_seq, stored = moved

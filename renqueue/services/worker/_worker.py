@@ -355,7 +355,8 @@ class Worker(Lifecycle):
         except msgspec.DecodeError as exc:
             await self._outcomes.poison(delivery, str(exc))
             return
-        with bound_request(request.id, backend=self._backend_name):
+        trace_id = delivery.trace.trace_id  # its log lines join the request's trace
+        with bound_request(request.id, backend=self._backend_name, trace_id=trace_id):
             metrics.IN_FLIGHT.labels(self._backend_name).inc()
             try:
                 await self._run(delivery)
@@ -381,7 +382,14 @@ class Worker(Lifecycle):
         # can stop it (closing the backend's HTTP stream) without stopping this run.
         rank = self._rank_of(dispatch)
         call = asyncio.create_task(
-            self._caller.call(dispatch, delivery.number, pending_acks, delivery.chunks, rank=rank)
+            self._caller.call(
+                dispatch,
+                delivery.number,
+                pending_acks,
+                delivery.chunks,
+                rank=rank,
+                trace=delivery.trace,
+            )
         )
         scoped = msg_id(request.tenant, request.id)
         self._calls[scoped] = call

@@ -18,7 +18,7 @@ from typing import Any, Final
 import msgspec
 
 from ... import metrics
-from ...broker import EventLog, JetStream, Message, publish_stored
+from ...broker import EventLog, JetStream, Message, hop, publish_stored, trace_headers
 from ...logs import get_logger, misdirected
 from ...policy import LevelPolicy, choose_victim
 from ...schema import (
@@ -175,10 +175,18 @@ async def put_back(js: JetStream, delivery: Delivery, *, fallback: Fallback | No
     )
     # Acked only once a copy is surely stored: a tenant may have taken
     # this message id first (see publish_stored).
-    await publish_stored(
-        js,
-        request_subject(request.priority, request.tenant, requeue=True),
-        encode(again),
-        msg_id(request.tenant, request.id, "requeue", dispatch.attempt),
-    )
+    attributes: dict[str, str | int] = {
+        "renqueue.request_id": request.id,
+        "renqueue.tenant": request.tenant,
+        "renqueue.attempt": dispatch.attempt,
+    }
+    # Put back in the same trace, under this worker's span.
+    with hop("renqueue.put_back", delivery.trace, kind="producer", attributes=attributes) as trace:
+        await publish_stored(
+            js,
+            request_subject(request.priority, request.tenant, requeue=True),
+            encode(again),
+            msg_id(request.tenant, request.id, "requeue", dispatch.attempt),
+            headers=trace_headers(trace),
+        )
     await delivery.done()
