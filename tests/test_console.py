@@ -238,7 +238,11 @@ async def test_the_event_stream_delivers_new_events_and_resumes(stack: Stack) ->
         completed = mine[-1]
         assert completed["tenant"] == "acme"
         assert completed["backend"] == "b1"
-        assert "hello" not in json.dumps(mine)  # the prompt never goes to the browser
+        # Neither the prompt nor the answer goes to the browser: the answer's length does.
+        assert "hello" not in json.dumps(mine)
+        assert "tok0" not in json.dumps(mine)
+        assert "text=" in completed["line"]
+        assert "characters" in completed["line"]
         seqs = [e["seq"] for e in events if "seq" in e]
         assert seqs == sorted(seqs)
         assert len(seqs) == len(set(seqs))
@@ -321,6 +325,21 @@ async def test_curl_reads_the_console_api_as_the_docs_show(stack: Stack) -> None
         assert process.returncode == 0, path
         return json.loads(out)
 
+    # The event stream: curl prints events as they come (-N); the first is enough.
+    streaming = await asyncio.create_subprocess_exec(
+        "curl", "-sN", f"{base}/console/api/events", "-H", f"Authorization: Bearer {ADMIN}",
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert streaming.stdout is not None
+        line = b""
+        while not line.startswith(b"data: "):
+            line = await asyncio.wait_for(streaming.stdout.readline(), 20)
+            assert line, "curl's event stream ended"
+        assert json.loads(line[6:])["request_id"] == request_id
+    finally:
+        streaming.kill()
+        await streaming.wait()
     snapshot = await curl("/console/api/status")
     assert {"status", "aging", "splits", "dlq", "feed"} <= set(snapshot)
     timeline = await curl(f"/console/api/requests/{request_id}")

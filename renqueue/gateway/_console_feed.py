@@ -77,9 +77,7 @@ def summary(seq: int, event: Event) -> dict[str, object]:
         details = {k: v for k, v in data.items() if k not in _OWN}
         if isinstance(event, Completed):
             details["text"] = f"{len(event.text)} characters"
-    line = " ".join(
-        f"{key}={_short(value)}" for key, value in details.items() if value not in (None, "", [])
-    )
+    line = " ".join(f"{key}={_short(value)}" for key, value in details.items() if _said(value))
     return {
         "seq": seq,
         "at": event.at,
@@ -91,7 +89,14 @@ def summary(seq: int, event: Event) -> dict[str, object]:
     }
 
 
+def _said(value: object) -> bool:
+    """Whether a field says anything (not null, empty or an empty list)."""
+    return value is not None and not (isinstance(value, (str, list, tuple, dict)) and not value)
+
+
 def _short(value: object) -> str:
+    if isinstance(value, float):
+        value = round(value, 4)
     text = value if isinstance(value, str) else msgspec.json.encode(value).decode()
     return text if len(text) <= _FIELD_WIDTH else text[: _FIELD_WIDTH - 3] + "..."
 

@@ -79,10 +79,13 @@ function bar(node, ratio, label, warnAt = 0.7, badAt = 0.9) {
   setText(node.lastChild, label);
 }
 
-function tag(node, text, kind) {
-  setText(node, text);
+// A coloured label inside ``td`` (one <span>, made once).
+function tag(td, text, kind) {
+  let span = td.firstChild;
+  if (!span) { span = el("span"); td.append(span); }
+  setText(span, text);
   const cls = "tag " + kind;
-  if (node.className !== cls) node.className = cls;
+  if (span.className !== cls) span.className = cls;
 }
 
 // Keep one <tr> per key in ``tbody``: made by ``make(key)`` once, filled by
@@ -213,7 +216,7 @@ function drawQuota(td, b) {
   let grid = td.firstChild;
   if (!grid) { grid = el("div", "quota"); td.append(grid); }
   const wanted = b.limits.length * 3;
-  while (grid.childNodes.length < wanted) grid.append(el("span"), el("div"), el("span"));
+  while (grid.childNodes.length < wanted) grid.append(el("span"), el("div"), el("span", "reset"));
   while (grid.childNodes.length > wanted) grid.lastChild.remove();
   b.limits.forEach((u, i) => {
     const [name, barNode, reset] = [grid.childNodes[3 * i], grid.childNodes[3 * i + 1], grid.childNodes[3 * i + 2]];
@@ -479,8 +482,11 @@ function details(e) {
   const skip = new Set(["kind", "at", "backend", "to_backend"]);
   const parts = [];
   for (const [key, value] of Object.entries(e)) {
-    if (skip.has(key) || value === null || value === "" || (Array.isArray(value) && !value.length)) continue;
-    parts.push(key + "=" + (typeof value === "object" ? JSON.stringify(value) : value));
+    if (skip.has(key) || value === null || value === "") continue;
+    if (typeof value === "object" && !Object.keys(value).length) continue;
+    const shown = typeof value === "object" ? JSON.stringify(value)
+      : typeof value === "number" && !Number.isInteger(value) ? +value.toFixed(4) : value;
+    parts.push(key + "=" + shown);
   }
   return parts.join("  ");
 }
