@@ -104,7 +104,7 @@ def config_of(tmp_path: Path, mock: MockBackend) -> Config:
                 "chat-paid": {"backends": ["openai-paid"]},
             },
             "tenants": {
-                "acme": {"daily_budget": 1.0, "budget": "soft"},
+                "acme": {"daily_budget": 3.0, "budget": "soft"},
                 "globex": {"daily_budget": 5.0, "budget": "hard"},
             },
             "worker": {"retry_delay": "100ms", "drain_timeout": "2s"},
