@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import shutil
 from collections.abc import AsyncIterator
@@ -188,10 +189,19 @@ async def test_the_console_shows_each_view_live_in_a_browser(
         browser = await p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
         try:
             page = await browser.new_page(viewport=VIEWPORT)
+            page.set_default_timeout(30_000)
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             requests: list[str] = []
             page.on("request", lambda request: requests.append(request.url))
+            loop = asyncio.get_running_loop()
+            snapshots: list[float] = []  # when the page asked for a snapshot
+            page.on(
+                "request",
+                lambda request: (
+                    snapshots.append(loop.time()) if request.url.endswith("/api/status") else None
+                ),
+            )
 
             # No key yet: the page asks for one; a tenant's key is refused.
             await page.goto(f"{base}/console#levels")
@@ -205,6 +215,7 @@ async def test_the_console_shows_each_view_live_in_a_browser(
             await page.click("#login-form button")
             await page.wait_for_selector("body[data-loaded='1']")
             await page.wait_for_selector("#live.on")
+            del snapshots[:]
 
             # Levels: every level of the config, with its aging bound.
             await page.wait_for_function(
@@ -274,13 +285,21 @@ async def test_the_console_shows_each_view_live_in_a_browser(
             await page.screenshot(path=photos / "console-request.png")
 
             # Hundreds of backends and tenants: drawn without freezing the page.
+            # (88 ms a draw measured on this 2-core machine at a load average of 14;
+            # the bound leaves room for a busier one: freezing is seconds.)
             took = await asyncio.wait_for(page.evaluate(BIG_DRAW), 30)
-            assert took < 250, f"drawing 500 backends and 500 tenants took {took:.0f} ms"
+            print(f"drawing 500 backends and 500 tenants: {took:.0f} ms a draw")
+            assert took < 1000, f"drawing 500 backends and 500 tenants took {took:.0f} ms"
 
+            # No polling storm: with events streaming all along, one snapshot at a time,
+            # at most one every 2 seconds.
+            gaps = [b - a for a, b in itertools.pairwise(snapshots)]
+            assert len(snapshots) >= 2
+            assert min(gaps) > 1.9, gaps
             assert not errors, errors
             assert all(url.startswith(base) for url in requests), "the page fetched elsewhere"
         finally:
-            await browser.close()
+            await asyncio.wait_for(browser.close(), 30)
 
     if os.environ.get("RENQUEUE_SCREENSHOTS"):
         for view in VIEWS:

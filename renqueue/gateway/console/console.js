@@ -20,6 +20,8 @@ const state = {
   lastFetch: 0,
   fetching: false,
   timer: null,
+  timerDue: 0,
+  dirty: false,          // events came since the last snapshot was asked for
   pending: [],           // events not yet drawn
   drawScheduled: false,
   kinds: new Map(),      // event kind -> count since the page opened
@@ -342,16 +344,24 @@ function tick() {
 
 // ------------------------------------------------------------------ the snapshot
 
+// Fetch the snapshot in ``delay`` ms, but never sooner than REFRESH_MS after the last
+// fetch; a fetch already planned for sooner stands.
 function refreshSoon(delay) {
-  const due = Math.max(0, state.lastFetch + REFRESH_MS - Date.now(), delay || 0);
-  if (state.timer !== null) return;
-  state.timer = setTimeout(() => { state.timer = null; refresh(); }, due);
+  const wait = Math.max(0, state.lastFetch + REFRESH_MS - Date.now(), delay || 0);
+  const due = Date.now() + wait;
+  if (state.timer !== null) {
+    if (state.timerDue <= due) return;
+    clearTimeout(state.timer);
+  }
+  state.timerDue = due;
+  state.timer = setTimeout(() => { state.timer = null; refresh(); }, wait);
 }
 
 async function refresh() {
   if (state.fetching || !state.authorized) return;
   if (document.hidden) { refreshSoon(IDLE_REFRESH_MS); return; }
   state.fetching = true;
+  state.dirty = false;
   state.lastFetch = Date.now();
   try {
     const response = await fetch("/console/api/status", { credentials: "same-origin" });
@@ -366,7 +376,7 @@ async function refresh() {
     setText($("updated"), "fetch failed: " + err.message);
   } finally {
     state.fetching = false;
-    refreshSoon(IDLE_REFRESH_MS);
+    refreshSoon(state.dirty ? 0 : IDLE_REFRESH_MS);
   }
 }
 
@@ -381,7 +391,7 @@ function connect() {
     $("live").className = "pill off"; setText($("live"), "reconnecting");
     if (source.readyState === EventSource.CLOSED) setTimeout(probeKey, 2000);
   };
-  source.addEventListener("gap", () => refreshSoon(0));
+  source.addEventListener("gap", () => { state.dirty = true; refreshSoon(0); });
   source.onmessage = (message) => {
     state.pending.push(JSON.parse(message.data));
     if (!state.drawScheduled) {
@@ -421,6 +431,7 @@ function drawEvents() {
     (key) => { const d = el("div", "card"); d.dataset.kind = key; d.append(el("b"), el("span")); return d; },
     (d, k) => { setText(d.firstChild, k[1]); setText(d.lastChild, k[0]); });
   if (touchesRequest) reloadRequestSoon();
+  state.dirty = true;
   refreshSoon(0);
 }
 
