@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 from test_binder import until
 from test_dlq import poison
@@ -26,8 +27,10 @@ from renqueue.cli import main
 from renqueue.coordination import read_status
 from renqueue.errors import ConfigError
 from renqueue.gateway import digest
+from renqueue.gateway._console_feed import EventFeed
 from renqueue.mock import MockBackend
-from renqueue.schema import EVENTS_STREAM, kind_of
+from renqueue.schema import EVENTS_STREAM, Expired, event_subject, kind_of
+from renqueue.tasks import Supervisor
 
 ADMIN = "rq-test-admin-key-0123456789abcdef0123"
 
@@ -344,3 +347,32 @@ async def test_curl_reads_the_console_api_as_the_docs_show(stack: Stack) -> None
     assert {"status", "aging", "splits", "dlq", "feed"} <= set(snapshot)
     timeline = await curl(f"/console/api/requests/{request_id}")
     assert timeline["events"][0]["kind"] == "submitted"
+
+
+def expired(request_id: str) -> tuple[str, bytes]:
+    event = Expired(request_id=request_id, tenant="acme", at=1.0, stage="queued", reason="late")
+    return event_subject("acme", request_id, "expired"), msgspec.json.encode(event)
+
+
+def test_a_feed_that_no_longer_keeps_what_a_console_missed_says_so() -> None:
+    """Pure: the ring of the latest events, and the gap a reconnecting console is told of."""
+    feed = EventFeed(lambda: pytest.fail("no NATS here"), Supervisor("test"), backlog=3)
+    for seq in range(1, 6):
+        feed._take(seq, *expired(f"r{seq}"))
+    # A payload that disagrees with its subject is no fact: not shown.
+    subject, _ = expired("r6")
+    feed._take(6, subject, expired("r7")[1])
+    assert [seq for seq, _ in feed.recent()] == [3, 4, 5]
+    assert feed.since(1) is None  # 2 is gone: the console is told of a gap
+    assert [seq for seq, _ in feed.since(2) or []] == [3, 4, 5]
+    assert feed.since(6) == []
+    line = msgspec.json.decode(feed.recent()[0][1])
+    assert line == {
+        "seq": 3,
+        "at": 1.0,
+        "kind": "expired",
+        "tenant": "acme",
+        "request_id": "r3",
+        "backend": None,
+        "line": "stage=queued reason=late",
+    }
