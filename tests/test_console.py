@@ -376,3 +376,23 @@ def test_a_feed_that_no_longer_keeps_what_a_console_missed_says_so() -> None:
         "backend": None,
         "line": "stage=queued reason=late",
     }
+
+
+async def test_a_gateway_that_stops_ends_the_consoles_streams_at_once(stack: Stack) -> None:
+    feed = stack.gateway.console.feed
+    loop = asyncio.get_running_loop()
+    async with console(stack) as client, client.stream("GET", "/console/api/events") as response:
+
+        async def tailing() -> bool:
+            return feed.subscribers == 1 and feed.consumer is not None
+
+        await until(tailing, "the console subscribed")
+        began = loop.time()
+        await stack.gateway.close()
+        took = loop.time() - began
+        # The stream ends (not cut off after the gateway's 5 s grace for answers).
+        async for _ in response.aiter_lines():
+            pass
+    assert took < 2.0, took
+    assert feed.subscribers == 0
+    assert feed.consumer is None
