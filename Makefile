@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers bench-whatif chaos clean
+.PHONY: browser screenshots setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers bench-whatif chaos clean
 
 setup: $(STAMP)
 
@@ -27,7 +27,7 @@ demo: $(STAMP)
 # tests landing on one worker do not leave the other idle at the end.
 TEST_WORKERS ?= 4
 
-test: $(STAMP) lint typecheck
+test: $(STAMP) lint typecheck browser
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(STAMP)
@@ -96,3 +96,14 @@ chaos: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .renqueue .mypy_cache .ruff_cache .pytest_cache
+
+# The console's browser test (tests/test_console_browser.py) drives Debian's chromium with
+# Playwright (Playwright's own browser download is not used). Installed only when missing.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+# The console's photos in docs/img/ (README, docs/gateway.md): the browser test under load,
+# saving each view.
+screenshots: $(STAMP) browser
+	RENQUEUE_SCREENSHOTS=docs/img $(BIN)/pytest -q -p no:cacheprovider tests/test_console_browser.py

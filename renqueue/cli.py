@@ -209,7 +209,15 @@ async def _exporter(config: Config, args: argparse.Namespace) -> None:
 def _keygen(_config: Config, args: argparse.Namespace) -> None:
     from .gateway import digest, new_key
 
+    if args.admin == (args.tenant is not None):
+        raise RenQueueError("give a TENANT, or --admin for the console's admin key (not both)")
     key = new_key()
+    if args.admin:
+        print("Admin key for the console (shown once; it opens /console, for no tenant):")
+        print(f"  {key}")
+        print("Add its digest to the gateway's config (it stores the digest, never the key):")
+        print(f'  [gateway]\n  admin_keys = ["{digest(key)}"]')
+        return
     print(f"API key for tenant {args.tenant} (shown once; give it to the client):")
     print(f"  {key}")
     print("Add one of these to the gateway's config (it stores the digest, never the key):")
@@ -886,9 +894,14 @@ def _add_gateway_command(sub: Any) -> None:
     cmd.add_argument("--port", type=int, help="listen on this port (default: [gateway] port)")
     cmd.set_defaults(run=_gateway)
     keygen = cmd.add_subparsers(dest="gateway_command").add_parser(
-        "keygen", help="make an API key for a tenant; print it and its config entry"
+        "keygen",
+        help="make an API key for a tenant (or --admin: for the console); print it and its"
+        " config entry",
     )
-    keygen.add_argument("tenant", type=_tenant_name)
+    keygen.add_argument("tenant", type=_tenant_name, nargs="?")
+    keygen.add_argument(
+        "--admin", action="store_true", help="an admin key, for the web console (/console)"
+    )
     keygen.set_defaults(run=_keygen)
 
 

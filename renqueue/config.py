@@ -865,6 +865,10 @@ class GatewayConfig(_Section, frozen=True, kw_only=True):
     #: SDK's retry of it (``x-stainless-retry-count`` above 0, no
     #: ``Idempotency-Key``) joins it; unset: ``nats.duplicate_window``.
     retry_memory: Duration | None = None
+    #: The SHA-256 digests (64 hex digits) of the admin keys, which open the web
+    #: console (``/console``; ``renqueue gateway keygen --admin`` makes one). No
+    #: admin key: no console. An admin key speaks for no tenant.
+    admin_keys: list[Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]] = []
 
 
 class Config(_Section, frozen=True, kw_only=True):

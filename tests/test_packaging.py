@@ -80,6 +80,9 @@ async def test_an_installed_wheel_finds_its_stream_definitions(
     packages = {p.parent.relative_to(ROOT) for p in (ROOT / "renqueue").rglob("__init__.py")}
     missing = [str(p) for p in packages if not (site / p / "__init__.py").is_file()]
     assert not missing, f"packages missing from the wheel: {missing}"
+    # The gateway's web console is package data, read when a gateway starts.
+    for name in ("index.html", "console.js", "console.css"):
+        assert (site / "renqueue" / "gateway" / "console" / name).is_file(), name
 
     env = _bare_env(PYTHONPATH=str(site))
     code, out = await _run(

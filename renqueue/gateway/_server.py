@@ -23,7 +23,9 @@ Endpoints (docs/gateway.md has the details):
   or after ``Last-Event-ID``; ``GET /v1/requests/{id}``: its state and
   result; ``DELETE /v1/requests/{id}``: cancel it;
 - ``GET /v1/models`` (the routes), ``GET /v1/models/{model}``, ``GET /health``,
-  ``GET /metrics``.
+  ``GET /metrics``;
+- the web console, ``/console`` and ``/console/api/...``, behind an admin key
+  (:mod:`._console`).
 
 A streamed answer's status line waits for the request's first token, so a
 request refused or expired before it streamed anything gets its real status
@@ -68,6 +70,7 @@ from ..schema import kind_of
 from ..tasks import Supervisor, cancel_and_wait
 from . import _metrics as metrics
 from ._answers import Answers, ClientGone, parse_last_event_id, request_state
+from ._console import Console
 from ._errors import ApiError, from_error
 from ._idempotency import fingerprint, id_for_key
 from ._keys import KeyStore
@@ -137,6 +140,14 @@ class Gateway(Lifecycle):
             supervisor=self._supervisor,
         )
         self._answers = Answers(lambda: self.js)
+        #: The web console (``/console``), on when ``[gateway] admin_keys`` has a key.
+        self.console = Console(
+            config,
+            js=lambda: self.js,
+            keys=lambda: self._keys,
+            supervisor=self._supervisor,
+            name=name,
+        )
         self._runner: web.AppRunner | None = None
         self._closing = False
         #: Keeps a connection of the gateway's own live (None on a given one).
@@ -190,6 +201,7 @@ class Gateway(Lifecycle):
         app.router.add_delete("/v1/requests/{id}", self._delete)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        self.console.mount(app)
         self._runner = web.AppRunner(
             app,
             handler_cancellation=True,
@@ -206,7 +218,9 @@ class Gateway(Lifecycle):
                 path="$.gateway.port",
             ) from exc
         self.port = int(self._runner.addresses[0][1])
-        log.info("gateway listening", url=self.url, keys=len(self._keys))
+        log.info(
+            "gateway listening", url=self.url, keys=len(self._keys), console=self.console.enabled
+        )
 
     async def _renew(self, new: Connection) -> None:
         """The server closed the gateway's connection (see
@@ -225,6 +239,7 @@ class Gateway(Lifecycle):
     async def _close(self) -> None:
         self._closing = True
         await self._supervisor.cancel(self._keeper_loop)
+        self.console.close()
         if self._runner is not None:
             await self._runner.cleanup()
         for tenant in list(self._tenants.values()):

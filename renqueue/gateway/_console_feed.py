@@ -1,0 +1,275 @@
+"""The console's live feed: one tail of the event log shared by every open console.
+
+:class:`EventFeed` reads ``RQ_EVENTS`` through one ephemeral, unacknowledged
+pull consumer (as the projector does), whatever the number of browsers
+watching: each event is decoded and encoded for the browser once, kept in a
+ring of the latest ``backlog`` events, and handed to every subscriber's queue.
+The tail runs only while a console is open: the first subscriber starts it
+(from the last ``backlog`` events of the log, so a console opens on the recent
+past), the last one to leave stops it and deletes its consumer.
+
+A subscriber that reconnects names the last event it got (SSE's
+``Last-Event-ID``, the event's stream sequence); :meth:`EventFeed.since`
+gives what came after it from the ring, or says that the ring no longer
+reaches back that far (a *gap*: the page then reloads its snapshot). A
+subscriber too slow to take what comes (its queue full) is closed, never
+waited for: the feed keeps pace with the log, and the browser reconnects from
+where it was.
+
+:func:`summary` is what the browser gets of an event: its sequence, time,
+kind, tenant, request, backend and a short line of its other fields; never a
+prompt, and the answer's text only as its length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Callable
+from typing import Final
+
+import msgspec
+
+from ..broker import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    JetStream,
+    PullSubscription,
+    delete_consumer,
+    subject_agrees,
+)
+from ..errors import NatsError, NatsNotFoundError
+from ..logs import get_logger
+from ..schema import EVENT_DECODER, EVENTS_STREAM, Completed, Event, Submitted, kind_of
+from ..tasks import Supervisor
+
+__all__ = ["EventFeed", "Subscriber", "summary"]
+
+log = get_logger("gateway.console")
+
+#: Events kept for consoles that open or reconnect.
+BACKLOG: Final = 500
+#: Frames a subscriber may have waiting before it is dropped as too slow.
+QUEUE_SIZE: Final = 2000
+#: The longest value of one field shown in an event's line.
+_FIELD_WIDTH: Final = 160
+_BATCH: Final = 256
+#: Fields every summary carries on their own (not in its line).
+_OWN: Final = frozenset({"kind", "v", "request_id", "tenant", "at", "backend"})
+
+
+def summary(seq: int, event: Event) -> dict[str, object]:
+    """What a console shows of ``event`` (stored at ``seq``): JSON-ready. Pure."""
+    data = msgspec.to_builtins(event)
+    backend = data.get("backend") or data.get("to_backend")
+    if isinstance(event, Submitted):
+        request = event.request
+        details: dict[str, object] = {
+            "route": request.route,
+            "priority": request.priority,
+            "messages": len(request.messages),
+        }
+        if request.deadline is not None:
+            details["deadline"] = request.deadline
+    else:
+        details = {k: v for k, v in data.items() if k not in _OWN}
+        if isinstance(event, Completed):
+            details["text"] = f"{len(event.text)} characters"
+    line = " ".join(f"{key}={_short(value)}" for key, value in details.items() if _said(value))
+    return {
+        "seq": seq,
+        "at": event.at,
+        "kind": kind_of(event),
+        "tenant": event.tenant,
+        "request_id": event.request_id,
+        "backend": backend if isinstance(backend, str) else None,
+        "line": line,
+    }
+
+
+def _said(value: object) -> bool:
+    """Whether a field says anything (not null, empty or an empty list)."""
+    return value is not None and not (isinstance(value, (str, list, tuple, dict)) and not value)
+
+
+def _short(value: object) -> str:
+    if isinstance(value, float):
+        value = round(value, 4)
+    text = value if isinstance(value, str) else msgspec.json.encode(value).decode()
+    return text if len(text) <= _FIELD_WIDTH else text[: _FIELD_WIDTH - 3] + "..."
+
+
+def frame(seq: int, data: bytes) -> bytes:
+    """One server-sent event: its id is the event's stream sequence."""
+    return b"id: %d\ndata: %s\n\n" % (seq, data)
+
+
+class Subscriber:
+    """One open console's queue of frames; ``closed`` once it fell behind."""
+
+    __slots__ = ("closed", "queue")
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue(QUEUE_SIZE)
+        self.closed = False
+
+    def put(self, item: tuple[int, bytes]) -> None:
+        if self.closed:
+            return
+        try:
+            self.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            self.end()
+
+    def end(self) -> None:
+        """No more frames: the reader stops at this marker (room is made for it)."""
+        self.closed = True
+        if self.queue.full():
+            with contextlib.suppress(asyncio.QueueEmpty):
+                self.queue.get_nowait()
+        self.queue.put_nowait(None)
+
+
+class EventFeed:
+    """The shared tail (see the module's docstring). ``js`` gives the current
+    JetStream context (the gateway's connection may be renewed)."""
+
+    def __init__(
+        self,
+        js: Callable[[], JetStream],
+        supervisor: Supervisor,
+        *,
+        backlog: int = BACKLOG,
+        name: str = "console-feed",
+        fetch_timeout: float = 1.0,
+    ) -> None:
+        self._js = js
+        self._supervisor = supervisor
+        self._name = name
+        self._fetch_timeout = fetch_timeout
+        self._backlog = backlog
+        self._ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=backlog)
+        self._subscribers: set[Subscriber] = set()
+        self._lock = asyncio.Lock()
+        self._running = False
+        #: The newest sequence no longer kept (events up to it are gone from the ring).
+        self._forgotten = 0
+        #: The stream sequence of the last event read (0: none yet).
+        self.last_seq = 0
+        #: Events handed to subscribers since the feed was made.
+        self.delivered = 0
+        #: The tail's consumer on ``RQ_EVENTS`` while it has one, and how many it made.
+        self.consumer: str | None = None
+        self.consumers_made = 0
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subscribers)
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    async def subscribe(self) -> Subscriber:
+        """A new subscriber; starts the tail if it is the first."""
+        subscriber = Subscriber()
+        async with self._lock:
+            self._subscribers.add(subscriber)
+            if not self._running:
+                self._running = True
+                self._supervisor.spawn(self._name, self._run)
+        return subscriber
+
+    async def unsubscribe(self, subscriber: Subscriber) -> None:
+        """Forget ``subscriber``; stops the tail if it was the last."""
+        async with self._lock:
+            self._subscribers.discard(subscriber)
+            if self._running and not self._subscribers:
+                self._running = False
+                await self._supervisor.cancel(self._name)
+
+    def since(self, seq: int) -> list[tuple[int, bytes]] | None:
+        """The events kept after ``seq``; ``None`` if some after it are no longer kept."""
+        if seq < self._forgotten:
+            return None
+        return [(s, data) for s, data in self._ring if s > seq]
+
+    def recent(self) -> list[tuple[int, bytes]]:
+        return list(self._ring)
+
+    async def _run(self) -> None:
+        js = self._js()
+        start = await self._start_seq(js)
+        psub = await _tail_consumer(js, start)
+        self.consumer = psub.consumer
+        self.consumers_made += 1
+        try:
+            idle = 0
+            while True:
+                try:
+                    msgs = await psub.fetch(_BATCH, timeout=self._fetch_timeout)
+                except TimeoutError:
+                    msgs = []
+                if not msgs:
+                    idle += 1
+                    if idle % 5 == 0:
+                        await psub.consumer_info()  # lost (a server restart): raises, restarts
+                    continue
+                idle = 0
+                for msg in msgs:
+                    self._take(int(msg.metadata.sequence.stream), msg.subject, msg.data)
+        finally:
+            with contextlib.suppress(NatsError):
+                await psub.unsubscribe()
+            await delete_consumer(js, EVENTS_STREAM, psub.consumer)
+            self.consumer = None
+
+    async def _start_seq(self, js: JetStream) -> int:
+        """Where the tail starts: after the last event read, if the ring still
+        joins up with it, else the last ``backlog`` events of the log."""
+        info = await js.stream_info(EVENTS_STREAM)
+        last = int(info.state.last_seq)
+        if self.last_seq and last - self.last_seq <= self._backlog:
+            return self.last_seq + 1
+        start = max(1, last - self._backlog + 1)
+        # What lies before ``start`` is not read: a console that saw less is told.
+        self._forgotten = max(self._forgotten, start - 1)
+        return start
+
+    def _take(self, seq: int, subject: str, data: bytes) -> None:
+        if seq <= self.last_seq:
+            return
+        self.last_seq = seq
+        try:
+            event = EVENT_DECODER.decode(data)
+        except msgspec.DecodeError:
+            return  # not an event of ours: nothing to show
+        if not subject_agrees(subject, event):
+            return  # a payload that disagrees with its subject is no fact
+        encoded = msgspec.json.encode(summary(seq, event))
+        if len(self._ring) == self._backlog:
+            self._forgotten = self._ring[0][0]
+        self._ring.append((seq, encoded))
+        item = (seq, frame(seq, encoded))
+        self.delivered += 1
+        for subscriber in list(self._subscribers):
+            subscriber.put(item)
+
+
+async def _tail_consumer(js: JetStream, start: int) -> PullSubscription:
+    """An ephemeral, unacknowledged pull consumer on ``RQ_EVENTS`` from ``start``."""
+    config = ConsumerConfig(
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=start,
+        ack_policy=AckPolicy.NONE,
+        inactive_threshold=30.0,
+        mem_storage=True,
+        num_replicas=1,
+    )
+    try:
+        return await js.pull_subscribe("rq.evt.>", stream=EVENTS_STREAM, config=config)
+    except NatsNotFoundError:
+        log.warning("no event log to tail yet (RQ_EVENTS): is Ren-Queue provisioned?")
+        raise
