@@ -96,3 +96,21 @@ chaos: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .renqueue .mypy_cache .ruff_cache .pytest_cache
+
+# The whole stack without containers (issue 27): docker-compose.yml's services as processes on
+# loopback (3 NATS nodes, mock backends, router, worker, gateway, exporter; Prometheus if its
+# binary is installed), in the foreground; Ctrl-C stops them all. See docs/operations.md.
+# STACK_ARGS: e.g. --scale worker=2, --skip prometheus, --free-ports.
+STACK_ARGS ?=
+stack: $(STAMP)
+	$(BIN)/python deploy/stack.py $(STACK_ARGS)
+
+# A compose tool for `docker compose config` in the suite (tests/test_stack.py): the Docker
+# CLI's compose plugin if present, else Debian's docker-compose (installed when missing; it
+# needs no Docker daemon to read and check the file).
+compose-tool:
+	@docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null 2>&1 \
+	  || { apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose; }
+
+test: compose-tool
+.PHONY: stack compose-tool

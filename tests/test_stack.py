@@ -1,0 +1,175 @@
+"""The whole stack in one command: docker-compose.yml, and ``make stack`` (deploy/stack.py).
+
+There is no Docker daemon in the test environment, so compose's file is checked by the
+compose tool itself (``docker compose config``, or Debian's ``docker-compose config``:
+``make compose-tool`` installs it), and the services it declares are run as processes by
+deploy/stack.py, the program behind ``make stack``: three clustered nats-server nodes,
+the mock backends, a router, two workers, the gateway (and the exporter and Prometheus
+where this checkout has them), on free ports. A request through the gateway must be
+answered, and Ctrl-C must stop every process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+#: The stack's one API key (deploy/renqueue.toml publishes it for `curl` on a laptop).
+DEMO_KEY = "rq-stack-demo-key"
+
+
+def compose_command() -> list[str]:
+    """``docker compose`` if the plugin is there, else Debian's ``docker-compose``."""
+    docker = shutil.which("docker")
+    if docker is not None:
+        probe = subprocess.run(
+            [docker, "compose", "version"], capture_output=True, check=False, timeout=30
+        )
+        if probe.returncode == 0:
+            return [docker, "compose"]
+    legacy = shutil.which("docker-compose")
+    if legacy is None:
+        pytest.fail("neither `docker compose` nor `docker-compose` is installed: make compose-tool")
+    return [legacy]
+
+
+def test_docker_compose_config_accepts_the_compose_file() -> None:
+    run = subprocess.run(
+        [*compose_command(), "-f", str(COMPOSE), "config", "-q"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+
+
+def test_compose_runs_the_whole_stack_on_the_committed_config() -> None:
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    assert {
+        "nats-1", "nats-2", "nats-3", "router", "worker", "gateway", "exporter",
+        "mock-local", "mock-free", "mock-paid", "prometheus", "grafana",
+    } <= set(services)  # fmt: skip
+    for name in ("router", "worker", "gateway", "exporter", "mock-local"):
+        assert services[name]["build"] == "."
+        assert "./deploy/renqueue.toml:/etc/renqueue/renqueue.toml:ro" in services[name]["volumes"]
+    # Scaled services must hold no port of their own (host networking).
+    for name in ("router", "worker"):
+        assert not any("port" in arg for arg in services[name]["command"])
+    assert "./deploy/prometheus:/etc/prometheus:ro" in services["prometheus"]["volumes"]
+    grafana = services["grafana"]["volumes"]
+    assert "./deploy/grafana/provisioning:/etc/grafana/provisioning:ro" in grafana
+    assert "./deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro" in grafana
+    # The mocks listen where deploy/renqueue.toml's backends call them.
+    config = (ROOT / "deploy" / "renqueue.toml").read_text()
+    for name in ("mock-local", "mock-free", "mock-paid"):
+        port = services[name]["command"][services[name]["command"].index("--port") + 1]
+        assert f"http://127.0.0.1:{port}/v1" in config
+
+
+def test_every_file_compose_mounts_is_in_the_checkout() -> None:
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    missing = [
+        f"{name}: {volume}"
+        for name, service in services.items()
+        for volume in service.get("volumes", [])
+        if volume.startswith(".") and not (ROOT / volume.split(":")[0]).exists()
+    ]
+    if missing and all("deploy/prometheus" in m or "deploy/grafana" in m for m in missing):
+        pytest.skip(f"Prometheus's and Grafana's files are not in this checkout yet: {missing}")
+    assert not missing
+
+
+# ------------------------------------------------------------------------- make stack
+
+
+def has_command(name: str) -> bool:
+    """Whether this checkout's ``renqueue`` has the subcommand ``name``."""
+    run = subprocess.run(
+        [sys.executable, "-m", "renqueue", name, "--help"],
+        capture_output=True,
+        check=False,
+        timeout=60,
+    )
+    return run.returncode == 0
+
+
+async def start_stack(workdir: Path, *args: str) -> tuple[asyncio.subprocess.Process, Any]:
+    """deploy/stack.py on free ports; the process and its ``stack ready`` report."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / "deploy" / "stack.py"), "--free-ports",
+        "--workdir", str(workdir), *args,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("RENQUEUE_")},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    said: list[str] = []
+    while True:
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 90)).decode()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            pytest.fail("the stack was not ready within 90 s:\n" + "".join(said))
+        if not line:
+            await proc.wait()
+            pytest.fail(f"the stack exited ({proc.returncode}):\n" + "".join(said))
+        said.append(line)
+        if line.startswith("stack ready "):
+            return proc, json.loads(line.removeprefix("stack ready "))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_make_stack_answers_through_the_gateway_and_ctrl_c_stops_every_process(
+    tmp_path: Path,
+) -> None:
+    skip = [] if has_command("exporter") else ["--skip", "exporter"]
+    proc, ready = await start_stack(tmp_path, "--scale", "worker=2", *skip)
+    try:
+        pids = ready["pids"]
+        expected = {"nats-1", "nats-2", "nats-3", "router", "worker-1", "worker-2", "gateway"}
+        assert expected <= set(pids)
+        gateway = f"http://127.0.0.1:{ready['ports']['8080']}"
+        async with httpx.AsyncClient(timeout=30) as http:
+            reply = await http.post(
+                f"{gateway}/v1/chat/completions",
+                headers={"Authorization": f"Bearer {DEMO_KEY}"},
+                json={"model": "chat-small", "messages": [{"role": "user", "content": "hello"}]},
+            )
+            assert reply.status_code == 200, reply.text
+            body = reply.json()
+            assert body["choices"][0]["message"]["content"].startswith("tok0")
+            assert body["usage"]["completion_tokens"] > 0
+            if "exporter" in pids:
+                metrics = await http.get(f"http://127.0.0.1:{ready['ports']['9464']}/metrics")
+                assert "renqueue_binder_term" in metrics.text
+            if "prometheus" in pids:
+                prometheus = f"http://127.0.0.1:{ready['ports']['9090']}"
+                assert (await http.get(f"{prometheus}/-/ready")).status_code == 200
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGINT)  # Ctrl-C
+        code = await asyncio.wait_for(proc.wait(), 60)
+    assert code == 0
+    assert [name for name, pid in pids.items() if alive(pid)] == []
