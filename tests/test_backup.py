@@ -34,6 +34,12 @@ BACKUP = "tar -C STORE_DIR -czf BACKUP jetstream"
 RESTORE = "mkdir -p STORE_DIR && tar -C STORE_DIR -xzf BACKUP"
 
 
+def test_the_docs_show_these_commands() -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    assert f"    {BACKUP}\n" in doc
+    assert f"    {RESTORE}\n" in doc
+
+
 async def test_a_copy_of_the_store_restores_every_stream_and_the_projection(
     tmp_path: Path,
 ) -> None:

@@ -27,8 +27,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
-#: The stack's one API key (deploy/renqueue.toml publishes it for `curl` on a laptop).
-DEMO_KEY = "rq-stack-demo-key"
+OPERATIONS = ROOT / "docs" / "operations.md"
 
 
 def compose_command() -> list[str]:
@@ -72,7 +71,7 @@ def test_compose_runs_the_whole_stack_on_the_committed_config() -> None:
     assert "./deploy/prometheus:/etc/prometheus:ro" in services["prometheus"]["volumes"]
     grafana = services["grafana"]["volumes"]
     assert "./deploy/grafana/provisioning:/etc/grafana/provisioning:ro" in grafana
-    assert "./deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro" in grafana
+    assert "./deploy/grafana/dashboards:/etc/grafana/dashboards/renqueue:ro" in grafana
     # The mocks listen where deploy/renqueue.toml's backends call them.
     config = (ROOT / "deploy" / "renqueue.toml").read_text()
     for name in ("mock-local", "mock-free", "mock-paid"):
@@ -133,6 +132,27 @@ async def start_stack(workdir: Path, *args: str) -> tuple[asyncio.subprocess.Pro
             return proc, json.loads(line.removeprefix("stack ready "))
 
 
+def doc_command(start: str, *, port: str = "8080", config: Path | None = None) -> str:
+    """The command of docs/operations.md that begins with ``start``, for this stack."""
+    lines = [line.strip() for line in OPERATIONS.read_text().splitlines() if start in line.strip()]
+    assert lines, f"docs/operations.md shows no command starting {start!r}"
+    command = lines[0].removeprefix("- ").strip("`").split("`")[0]
+    command = command.replace("127.0.0.1:8080", f"127.0.0.1:{port}")
+    if config is not None:
+        command = command.replace("deploy/renqueue.toml", str(config))
+    return command
+
+
+async def shell(command: str) -> str:
+    """Run ``command`` with sh; its stdout (the test fails on a non-zero exit)."""
+    proc = await asyncio.create_subprocess_exec(
+        "sh", "-c", command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, f"{command}\n{err.decode()}"
+    return out.decode()
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -150,17 +170,17 @@ async def test_make_stack_answers_through_the_gateway_and_ctrl_c_stops_every_pro
         pids = ready["pids"]
         expected = {"nats-1", "nats-2", "nats-3", "router", "worker-1", "worker-2", "gateway"}
         assert expected <= set(pids)
-        gateway = f"http://127.0.0.1:{ready['ports']['8080']}"
+        # The docs' own commands, with the stack's ports and config in.
+        port = str(ready["ports"]["8080"])
+        body = json.loads(await shell(doc_command("curl -s http://127.0.0.1:8080", port=port)))
+        assert "choices" in body, body
+        assert body["choices"][0]["message"]["content"].startswith("tok0")
+        assert body["usage"]["completion_tokens"] > 0
+        config = Path(ready["workdir"]) / "mounts" / "router" / "deploy" / "renqueue.toml"
+        status = await shell(f"{sys.executable} -m " + doc_command("renqueue -c", config=config))
+        assert "local" in status
+        assert "paid" in status
         async with httpx.AsyncClient(timeout=30) as http:
-            reply = await http.post(
-                f"{gateway}/v1/chat/completions",
-                headers={"Authorization": f"Bearer {DEMO_KEY}"},
-                json={"model": "chat-small", "messages": [{"role": "user", "content": "hello"}]},
-            )
-            assert reply.status_code == 200, reply.text
-            body = reply.json()
-            assert body["choices"][0]["message"]["content"].startswith("tok0")
-            assert body["usage"]["completion_tokens"] > 0
             if "exporter" in pids:
                 metrics = await http.get(f"http://127.0.0.1:{ready['ports']['9464']}/metrics")
                 assert "renqueue_binder_term" in metrics.text
