@@ -12,6 +12,7 @@ answered, and Ctrl-C must stop every process.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -193,3 +194,54 @@ async def test_make_stack_answers_through_the_gateway_and_ctrl_c_stops_every_pro
         code = await asyncio.wait_for(proc.wait(), 60)
     assert code == 0
     assert [name for name, pid in pids.items() if alive(pid)] == []
+
+
+def load_stack_module() -> Any:
+    spec = importlib.util.spec_from_file_location("renqueue_stack", ROOT / "deploy" / "stack.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_stack_runs_each_compose_service_with_its_command_and_moved_ports(
+    tmp_path: Path,
+) -> None:
+    stack = load_stack_module()
+    ports = stack.Ports(free=True)
+    plan = stack.plan(
+        yaml.safe_load(COMPOSE.read_text()),
+        compose_dir=ROOT,
+        workdir=tmp_path,
+        ports=ports,
+        scale={"worker": 3},
+        skip={"prometheus"},
+    )
+    ports.release()
+    by_name = {process.name: process for process in plan.processes}
+    assert {"worker-1", "worker-2", "worker-3"} <= set(by_name)
+    assert plan.left_out["prometheus"] == "--skip"
+    assert "runs only in its container" in plan.left_out["grafana"]
+    # A Ren-Queue service: `python -m renqueue` and its command, its config a copy with
+    # every port moved (the mocks', the NATS nodes', the gateway's) the same way.
+    gateway = by_name["gateway"]
+    assert gateway.argv[1:] == ["-m", "renqueue", "gateway"]
+    config = Path(gateway.env["RENQUEUE_CONFIG"])
+    assert config.is_relative_to(tmp_path)
+    text = config.read_text()
+    assert f"port = {ports.moved[8080]}" in text
+    assert f"nats://127.0.0.1:{ports.moved[4222]}" in text
+    mock = by_name["mock-local"]
+    assert mock.argv[mock.argv.index("--port") + 1] == str(ports.moved[9101])
+    assert f"http://127.0.0.1:{ports.moved[9101]}/v1" in text
+    # A NATS node: the wheel's nats-server on its config (ports moved), in its data volume.
+    node = by_name["nats-2"]
+    assert Path(node.argv[0]).name == "nats-server"
+    node_config = Path(node.argv[-1]).read_text()
+    assert f"port: {ports.moved[4223]}" in node_config
+    assert f"listen: 127.0.0.1:{ports.moved[6223]}" in node_config
+    assert f"nats-route://127.0.0.1:{ports.moved[6224]}" in node_config
+    assert node.cwd == tmp_path / "volumes" / "nats-2-data"
+    assert len(set(ports.moved.values())) == len(ports.moved)
