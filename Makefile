@@ -31,8 +31,8 @@ test: $(STAMP) lint typecheck
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(STAMP)
-	$(BIN)/ruff check renqueue tests bench examples
-	$(BIN)/ruff format --check renqueue tests bench examples
+	$(BIN)/ruff check renqueue tests bench examples deploy
+	$(BIN)/ruff format --check renqueue tests bench examples deploy
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
