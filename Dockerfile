@@ -5,16 +5,17 @@
 #   docker run --network host -e RENQUEUE_NATS_URL=nats://127.0.0.1:4222 \
 #     -v $PWD/renqueue.toml:/etc/renqueue/renqueue.toml:ro renqueue
 #
-# A plain `pip install .`: the wheel carries the stream definitions of
-# streams/ (as renqueue/_streams), so the installed command finds them without
-# this checkout. To run other definitions, mount a directory and point
-# RENQUEUE_STREAMS_DIR at it.
+# `pip install .[mock]`: the package and the mock LLM backend (`renqueue
+# mock-backend`, which docker-compose.yml's stack runs). The wheel carries the
+# stream definitions of streams/ (as renqueue/_streams), so the installed
+# command finds them without this checkout. To run other definitions, mount a
+# directory and point RENQUEUE_STREAMS_DIR at it.
 FROM python:3.11-slim
 
 COPY pyproject.toml README.md /src/
 COPY renqueue /src/renqueue
 COPY streams /src/streams
-RUN pip install --no-cache-dir /src && rm -rf /src \
+RUN pip install --no-cache-dir "/src[mock]" && rm -rf /src \
     && useradd --system --create-home --home-dir /var/lib/renqueue renqueue
 
 USER renqueue

@@ -31,8 +31,8 @@ test: $(STAMP) lint typecheck browser
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(STAMP)
-	$(BIN)/ruff check renqueue tests bench examples
-	$(BIN)/ruff format --check renqueue tests bench examples
+	$(BIN)/ruff check renqueue tests bench examples deploy
+	$(BIN)/ruff format --check renqueue tests bench examples deploy
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -107,3 +107,21 @@ browser:
 # saving each view.
 screenshots: $(STAMP) browser
 	RENQUEUE_SCREENSHOTS=docs/img $(BIN)/pytest -q -p no:cacheprovider tests/test_console_browser.py
+
+# The whole stack without containers (issue 27): docker-compose.yml's services as processes on
+# loopback (3 NATS nodes, mock backends, router, worker, gateway, exporter; Prometheus if its
+# binary is installed), in the foreground; Ctrl-C stops them all. See docs/operations.md.
+# STACK_ARGS: e.g. --scale worker=2, --skip prometheus, --free-ports.
+STACK_ARGS ?=
+stack: $(STAMP)
+	$(BIN)/python deploy/stack.py $(STACK_ARGS)
+
+# A compose tool for `docker compose config` in the suite (tests/test_stack.py): the Docker
+# CLI's compose plugin if present, else Debian's docker-compose (installed when missing; it
+# needs no Docker daemon to read and check the file).
+compose-tool:
+	@docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null 2>&1 \
+	  || { apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose; }
+
+test: compose-tool
+.PHONY: stack compose-tool

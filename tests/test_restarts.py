@@ -99,26 +99,31 @@ def child_env() -> dict[str, str]:
 
 
 class RouterProcess:
-    """``renqueue router`` in a process of its own, logging JSON lines to a file."""
+    """``renqueue router`` in a process of its own, logging JSON lines to a file
+    (``role="worker"``, ``args=("-b", NAME)``: ``renqueue worker -b NAME``)."""
 
-    def __init__(self, config: Path, log: Path) -> None:
+    def __init__(
+        self, config: Path, log: Path, *, role: str = "router", args: tuple[str, ...] = ()
+    ) -> None:
         self.config = config
         self.log = log
+        self.role = role
+        self.args = args
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self, *, within: float = 20.0) -> None:
         with self.log.open("wb") as out:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "renqueue", "-c", str(self.config), "--log-json",
-                "router",
+                self.role, *self.args,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                 stderr=out, env=child_env(),
             )  # fmt: skip
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
-        while "router started" not in self.text():
+        while f"{self.role} started" not in self.text():
             if self.proc.returncode is not None or loop.time() > deadline:
-                pytest.fail(f"router process did not start; its log:\n{self.text()[-3000:]}")
+                pytest.fail(f"{self.role} process did not start; its log:\n{self.text()[-3000:]}")
             await asyncio.sleep(0.02)
 
     def text(self) -> str:
@@ -147,7 +152,7 @@ class RouterProcess:
             return await asyncio.wait_for(self.proc.wait(), within)  # type: ignore[union-attr]
         except TimeoutError:
             pytest.fail(
-                f"router process did not stop within {within} s of SIGTERM; its log:\n"
+                f"{self.role} process did not stop within {within} s of SIGTERM; its log:\n"
                 + self.text()[-4000:]
             )
 
