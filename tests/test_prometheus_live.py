@@ -146,7 +146,8 @@ class StandInCollector(Collector):
             add("renqueue_backend_rate_limited_total", {"backend": b.name}, b.rate_limited)
             add("renqueue_backend_spend_dollars_total", {"backend": b.name}, b.spend)
             for limit in b.limits:
-                labels = {"backend": b.name, "window": f"{limit.window:g}s", "unit": limit.kind}
+                window = limit.key.partition("/")[2]
+                labels = {"backend": b.name, "window": window, "unit": limit.kind}
                 add("renqueue_backend_quota_used", labels, limit.used)
                 add("renqueue_backend_quota_limit", labels, limit.count)
                 ratio = limit.left / limit.count if limit.count else 0.0
