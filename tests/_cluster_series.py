@@ -1,50 +1,18 @@
-"""The cluster-wide series of issue 27's metrics contract: what the exporter
-(`renqueue exporter`) serves, and all that deploy/prometheus/rules.yml and
-deploy/grafana/dashboards/ may read.
+"""The cluster-wide series, as tests of deploy/ read them: each one's type and
+label names, from the exporter's own list (:data:`renqueue.coordination.CLUSTER_SERIES`,
+which tests/test_metrics_docs.py checks against docs/metrics.md and a scrape).
 
-Each series: its type and its label names. Histograms are named without their
-``_bucket``/``_sum``/``_count`` suffixes. docs/metrics.md is the contract for
-readers; this table is the same list for the tests of deploy/ (and what the
-stand-in exporter of tests/test_prometheus_live.py serves).
+Histograms are named without their ``_bucket``/``_sum``/``_count`` suffixes.
 """
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Final
 
-Kind = Literal["gauge", "counter", "histogram"]
+from renqueue.coordination import CLUSTER_SERIES as _EXPORTED
 
-CLUSTER_SERIES: Final[dict[str, tuple[Kind, frozenset[str]]]] = {
-    name: (kind, frozenset(labels))
-    for name, kind, labels in [
-        ("renqueue_level_waiting_requests", "gauge", ["level"]),
-        ("renqueue_level_oldest_wait_seconds", "gauge", ["level"]),
-        ("renqueue_level_aging_bound_seconds", "gauge", ["level"]),
-        ("renqueue_backend_up", "gauge", ["backend"]),
-        ("renqueue_backend_circuit_state", "gauge", ["backend", "state"]),
-        ("renqueue_backend_slots_in_use", "gauge", ["backend"]),
-        ("renqueue_backend_slots_limit", "gauge", ["backend"]),
-        ("renqueue_backend_quota_used", "gauge", ["backend", "window", "unit"]),
-        ("renqueue_backend_quota_limit", "gauge", ["backend", "window", "unit"]),
-        ("renqueue_backend_quota_remaining_ratio", "gauge", ["backend", "window", "unit"]),
-        ("renqueue_backend_quota_reset_timestamp_seconds", "gauge", ["backend", "window", "unit"]),
-        ("renqueue_backend_learned_limit", "gauge", ["backend", "window", "unit"]),
-        ("renqueue_backend_calls_total", "counter", ["backend", "outcome"]),
-        ("renqueue_backend_faults_total", "counter", ["backend"]),
-        ("renqueue_backend_rate_limited_total", "counter", ["backend"]),
-        ("renqueue_backend_spend_dollars_total", "counter", ["backend"]),
-        ("renqueue_backend_ttft_seconds", "histogram", ["backend"]),
-        ("renqueue_backend_duration_seconds", "histogram", ["backend"]),
-        ("renqueue_tenant_spend_today_dollars", "gauge", ["tenant"]),
-        ("renqueue_tenant_budget_dollars", "gauge", ["tenant", "kind"]),
-        ("renqueue_dlq_messages", "gauge", []),
-        ("renqueue_ab_arm_requests_total", "counter", ["route", "arm"]),
-        ("renqueue_ab_arm_failures_total", "counter", ["route", "arm"]),
-        ("renqueue_binder_term", "gauge", []),
-        ("renqueue_binder_present", "gauge", []),
-        ("renqueue_projection_lag_events", "gauge", []),
-        ("renqueue_projection_lag_seconds", "gauge", []),
-    ]
+CLUSTER_SERIES: Final[dict[str, tuple[str, frozenset[str]]]] = {
+    series.name: (series.kind, frozenset(series.labels)) for series in _EXPORTED
 }
 
 #: Series every Prometheus makes of its own for each target.
@@ -54,7 +22,7 @@ _HISTOGRAM_PARTS: Final = ("_bucket", "_sum", "_count")
 
 
 def series_of(sample_name: str) -> str | None:
-    """The contract series a sample name belongs to (a histogram's ``_bucket``
+    """The cluster series a sample name belongs to (a histogram's ``_bucket``
     is its histogram's); ``None`` when it is none of them."""
     if sample_name in CLUSTER_SERIES:
         return sample_name
@@ -66,7 +34,7 @@ def series_of(sample_name: str) -> str | None:
 
 
 def labels_of(sample_name: str) -> frozenset[str]:
-    """The label names a sample of the contract (or Prometheus's ``up``) may carry."""
+    """The label names a sample of the cluster series (or Prometheus's ``up``) may carry."""
     if sample_name in SCRAPE_SERIES:
         return SCRAPE_SERIES[sample_name]
     series = series_of(sample_name)

@@ -4,11 +4,10 @@ and alert rules (a copy whose only change is shorter ``for:`` waits): its HTTP
 API answers the key cluster series, every dashboard query, and an alert that
 fires when a backend is taken down.
 
-The cluster series come from ``renqueue exporter`` when this checkout has the
-command (issue 27 part A), else from a stand-in here that serves the contract's
-series it can read from ``read_status`` (tests/_cluster_series.py lists them
-all). Everything else is real: a nats-server, the services in this process,
-mock backends on loopback.
+The cluster series come from ``renqueue exporter`` in a process of its own; the
+per-process series from this process's registry, as ``--metrics-port`` serves
+them. Everything is real: a nats-server, the services in this process, mock
+backends on loopback.
 """
 
 from __future__ import annotations
@@ -20,28 +19,23 @@ import os
 import re
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import prometheus_client
 import yaml
-from _cluster_series import CLUSTER_SERIES
 from _loopback import serve
 from _prometheus import GRAFANA_DIR, PROMETHEUS_DIR, alert_rules, load_yaml, prometheus
 from aiohttp import web
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 from test_binder import until
 from test_restarts import TENANT
 
 from renqueue import Client, Services
-from renqueue.broker import EmbeddedServer, JetStream
-from renqueue.config import Config, load_config
-from renqueue.coordination import StatusReport, read_status
+from renqueue.broker import EmbeddedServer
+from renqueue.config import load_config
 from renqueue.mock import MockBackend, MockSettings
-from renqueue.schema import DLQ_STREAM
 
 #: How often the test's Prometheus scrapes and evaluates the rules.
 INTERVAL = "500ms"
@@ -69,17 +63,7 @@ def write_config(tmp_path: Path, nats_url: str, flaky: MockBackend, steady: Mock
     return file
 
 
-# ------------------------------------------------------------------ the cluster series
-
-
-async def has_exporter_command() -> bool:
-    """Whether this checkout has ``renqueue exporter`` (issue 27 part A)."""
-    probe = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "renqueue", "exporter", "--help",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "RENQUEUE_CONFIG": ""},
-    )  # fmt: skip
-    return await asyncio.wait_for(probe.wait(), 60) == 0
+# --------------------------------------------------------------------- what is scraped
 
 
 @contextlib.asynccontextmanager
@@ -105,93 +89,6 @@ async def exporter_process(config: Path, tmp_path: Path) -> AsyncIterator[str]:
         if proc.returncode is None:
             proc.terminate()
             await asyncio.wait_for(proc.wait(), 30)
-
-
-class StandInCollector(Collector):
-    """The contract's series that one :class:`StatusReport` holds (a stand-in
-    for ``renqueue exporter`` until a checkout has it)."""
-
-    def __init__(self, report: StatusReport, config: Config, dead_letters: int) -> None:
-        self._report, self._config, self._dead_letters = report, config, dead_letters
-
-    def collect(self) -> Iterator[Metric]:
-        report = self._report
-        family: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
-
-        def add(name: str, labels: dict[str, str], value: float) -> None:
-            kind, names = CLUSTER_SERIES[name]
-            assert set(labels) == names, (name, labels)
-            if name not in family:
-                maker = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-                family[name] = maker(name.removesuffix("_total"), name, labels=sorted(names))
-            family[name].add_metric([labels[n] for n in sorted(names)], value)
-
-        bounds = {level.name: level.age_after for level in self._config.level_policies()}
-        for level in report.levels:
-            add("renqueue_level_waiting_requests", {"level": level.name}, level.waiting or 0)
-            wait = level.oldest_wait or 0.0
-            add("renqueue_level_oldest_wait_seconds", {"level": level.name}, wait)
-            bound = bounds.get(level.name)
-            age = float("inf") if bound is None else bound
-            add("renqueue_level_aging_bound_seconds", {"level": level.name}, age)
-        for b in report.backends:
-            add("renqueue_backend_up", {"backend": b.name}, 1 if b.healthy else 0)
-            for state in ("closed", "open", "half_open"):
-                on = 1 if b.circuit == state else 0
-                add("renqueue_backend_circuit_state", {"backend": b.name, "state": state}, on)
-            add("renqueue_backend_slots_in_use", {"backend": b.name}, b.running or 0)
-            add("renqueue_backend_slots_limit", {"backend": b.name}, b.concurrency or 0)
-            for outcome, count in (("completed", b.calls_completed), ("failed", b.calls_failed)):
-                add("renqueue_backend_calls_total", {"backend": b.name, "outcome": outcome}, count)
-            add("renqueue_backend_rate_limited_total", {"backend": b.name}, b.rate_limited)
-            add("renqueue_backend_spend_dollars_total", {"backend": b.name}, b.spend)
-            for limit in b.limits:
-                window = limit.key.partition("/")[2]
-                labels = {"backend": b.name, "window": window, "unit": limit.kind}
-                add("renqueue_backend_quota_used", labels, limit.used)
-                add("renqueue_backend_quota_limit", labels, limit.count)
-                ratio = limit.left / limit.count if limit.count else 0.0
-                add("renqueue_backend_quota_remaining_ratio", labels, ratio)
-                reset = limit.resets_at or report.at
-                add("renqueue_backend_quota_reset_timestamp_seconds", labels, reset)
-        for tenant in report.tenants:
-            add("renqueue_tenant_spend_today_dollars", {"tenant": tenant.name}, tenant.spend_today)
-        add("renqueue_dlq_messages", {}, self._dead_letters)
-        add("renqueue_projection_lag_events", {}, report.events_behind)
-        yield from family.values()
-
-
-@contextlib.asynccontextmanager
-async def stand_in_exporter(js: JetStream, config: Config) -> AsyncIterator[str]:
-    """Serve the stand-in's series, read afresh at each scrape; its ``host:port``."""
-
-    async def metrics(_request: web.Request) -> web.Response:
-        report = await read_status(js, config)
-        dead_letters = (await js.stream_info(DLQ_STREAM)).state.messages
-        registry = prometheus_client.CollectorRegistry(auto_describe=False)
-        registry.register(StandInCollector(report, config, dead_letters))
-        return web.Response(
-            body=prometheus_client.generate_latest(registry),
-            headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST},
-        )
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    async with serve(app) as origin:
-        yield origin.removeprefix("http://")
-
-
-@contextlib.asynccontextmanager
-async def cluster_exporter(
-    file: Path, config: Config, js: JetStream, tmp_path: Path
-) -> AsyncIterator[str]:
-    """The cluster series' scrape target (``host:port``)."""
-    if await has_exporter_command():
-        async with exporter_process(file, tmp_path) as address:
-            yield address
-    else:
-        async with stand_in_exporter(js, config) as address:
-            yield address
 
 
 @contextlib.asynccontextmanager
@@ -308,7 +205,7 @@ async def test_prometheus_scrapes_the_cluster_and_fires_an_alert_when_a_backend_
         async with (
             Services(config) as services,
             Client(services.nc, tenant=TENANT) as client,
-            cluster_exporter(file, config, client.js, tmp_path) as exporter,
+            exporter_process(file, tmp_path) as exporter,
             process_metrics() as processes,
             prometheus(prometheus_config(tmp_path, exporter, processes), tmp_path / "tsdb") as url,
             httpx.AsyncClient(base_url=url, timeout=5) as http,
@@ -344,6 +241,11 @@ async def test_prometheus_scrapes_the_cluster_and_fires_an_alert_when_a_backend_
             assert quota == {"flaky": 100000}
             assert await api.values("renqueue_dlq_messages", "") == {"": 0}
             assert await api.query("renqueue_projection_lag_events")
+            assert await api.values("renqueue_exporter_up", "") == {"": 1}
+            assert await api.values("renqueue_binder_present", "") == {"": 1}
+            # The histograms, from completed events in the log whichever process ran them.
+            ttft = await api.values("renqueue_backend_ttft_seconds_count > 0", "backend")
+            assert "flaky" in ttft
             # This process's own series, from the per-process job.
             routed = await api.values('sum by (job) (renqueue_routed_total{job!=""})', "job")
             assert routed.get("renqueue-processes", 0) > 0
@@ -382,6 +284,9 @@ async def test_prometheus_scrapes_the_cluster_and_fires_an_alert_when_a_backend_
                 "Backend flaky: circuit open, requests go elsewhere"
             )
             assert await api.values("renqueue_backend_up", "backend") == {"flaky": 0, "steady": 1}
+            faults = await api.values("renqueue_backend_faults_total", "backend")
+            assert faults["flaky"] >= CIRCUIT_FAILURES
+            assert faults.get("steady", 0) == 0
             # Requests go on completing on steady meanwhile.
             before = completed[0]
 
