@@ -27,7 +27,7 @@ demo: $(STAMP)
 # tests landing on one worker do not leave the other idle at the end.
 TEST_WORKERS ?= 4
 
-test: $(STAMP) lint typecheck browser
+test: $(STAMP) tools compose-tool browser lint typecheck
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(STAMP)
@@ -123,5 +123,28 @@ compose-tool:
 	@docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null 2>&1 \
 	  || { apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose; }
 
-test: compose-tool
 .PHONY: stack compose-tool
+
+# Prometheus's own tools, which the suite runs on deploy/prometheus/ (promtool check config,
+# check rules, test rules; a real Prometheus scraping a running Ren-Queue): Debian's
+# `prometheus` package, installed only when missing. Only its binaries are used: the
+# package's own service, if apt started one, is stopped and disabled (it would hold :9090).
+# Where apt-get is not available this stops with a message saying what to install.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+.PHONY: tools
+tools:
+	@if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then \
+		:; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		echo "make tools: installing Debian's prometheus package (promtool, prometheus) for the suite"; \
+		$(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus && \
+		{ ! command -v systemctl >/dev/null 2>&1 || \
+			$(SUDO) systemctl disable --now prometheus >/dev/null 2>&1 || true; }; \
+	else \
+		echo "make tools: promtool and prometheus are missing and apt-get is not available." >&2; \
+		echo "  Install Prometheus 2.x (https://prometheus.io/download/) so both are on PATH:" >&2; \
+		echo "  the suite's tests of deploy/prometheus/ fail without them." >&2; \
+		exit 1; \
+	fi
