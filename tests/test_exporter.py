@@ -287,11 +287,18 @@ async def test_quota_and_call_histograms_whichever_process_ran_the_calls(
                         await (await client.submit(f"r{n}", route="chat")).result(timeout=20)
 
                     async def three_spent() -> bool:
+                        # The quota counts a request once it is routed; the calls
+                        # once its completion is folded, which may come later.
                         s = await scrape(registry)
                         labels = {"backend": "b", "window": "min", "unit": "requests"}
-                        return s("renqueue_backend_quota_used", **labels) == 3
+                        return (
+                            s("renqueue_backend_quota_used", **labels) == 3
+                            and s("renqueue_backend_calls_total", backend="b", outcome="completed")
+                            == 3
+                            and s("renqueue_backend_ttft_seconds_count", backend="b") == 2
+                        )
 
-                    await until(three_spent, "three requests spent of b's window")
+                    await until(three_spent, "three requests spent of b's window and folded")
                     s = await scrape(registry)
         finally:
             await nc.close()
