@@ -57,6 +57,7 @@ from renqueue.state import (
     STALE_IN_FLIGHT,
     STATE_KEY,
     STATE_VERSION,
+    UPGRADED_IN_PLACE,
     BackendState,
     InFlight,
     ProjectionState,
@@ -714,6 +715,28 @@ async def test_a_stored_state_of_the_old_schema_is_rebuilt_from_the_log(
     assert live.v == STATE_VERSION
     assert live == await rebuild(events_js)
     assert set(live.in_flight) == {"t2:b"}
+
+
+async def test_a_stored_state_of_a_compatible_older_version_is_kept_not_refolded(
+    events_js: JetStream,
+) -> None:
+    """Version 9 lacks only fields with defaults (``faults``): the projector
+    keeps what it folded (a refold would lose what is past the log's
+    max_age), marks it current and folds on from its sequence."""
+    await publish(events_js, [started("a")])
+    last = (await events_js.stream_info("RQ_EVENTS")).state.last_seq
+    kv = await events_js.key_value(STATE_BUCKET)
+    # A spend the log does not hold any more: a refold would lose it.
+    kept = ProjectionState(v=9, last_seq=last, events=1, spend=7.5)
+    await kv.put(STATE_KEY, encode_state(kept))
+    async with Projector(events_js) as fresh:
+        await publish(events_js, [completed("a")])
+        async with asyncio.timeout(10):
+            live = await fresh.sync()
+    assert 9 in UPGRADED_IN_PLACE
+    assert live.v == STATE_VERSION
+    assert live.spend >= 7.5
+    assert live.events == 2
 
 
 async def test_a_state_view_whose_watch_went_stale_resumes_and_sees_later_writes(

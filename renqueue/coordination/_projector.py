@@ -53,6 +53,7 @@ from ..schema import EVENT_DECODER, EVENTS_STREAM, STATE_BUCKET, kind_of
 from ..state import (
     STATE_KEY,
     STATE_VERSION,
+    UPGRADED_IN_PLACE,
     Folding,
     ProjectionState,
     decode_state,
@@ -328,7 +329,16 @@ class Projector(Lifecycle):
             # A newer version's projector runs: overwriting its state with this
             # schema would make it refold from the start, and so on in turn.
             raise ProjectionVersionError(self._state.v, STATE_VERSION)
-        if self._state.v < STATE_VERSION:
+        if self._state.v in UPGRADED_IN_PLACE:
+            # Only fields with defaults were added since: keep what was folded
+            # (the log past its max_age is not there to fold again).
+            log.info(
+                "stored projection upgraded in place",
+                stored=self._state.v,
+                current=STATE_VERSION,
+            )
+            self._state = msgspec.structs.replace(self._state, v=STATE_VERSION)
+        elif self._state.v < STATE_VERSION:
             # An older schema (v1 keyed in-flight requests by id alone, across
             # tenants): fold the log again rather than guess what it meant.
             log.warning(

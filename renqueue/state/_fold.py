@@ -78,6 +78,7 @@ __all__ = [
     "STATE_KEY",
     "STATE_VERSION",
     "TENANT_WRITTEN_KINDS",
+    "UPGRADED_IN_PLACE",
     "BackendState",
     "InFlight",
     "ProjectionState",
@@ -106,6 +107,12 @@ __all__ = [
 #: theirs (``committed``: what calls bound and not ended may still spend).
 #: 10: backends count every failure that blamed them (``faults``).
 STATE_VERSION: Final = 10
+
+#: Older versions a projector takes as they are stored, only marking them
+#: current: every version since added fields with defaults and changed no
+#: meaning (10's ``faults`` count from the upgrade on). Older than these, it
+#: folds the log again (what is past the log's ``max_age`` is then lost).
+UPGRADED_IN_PLACE: Final = frozenset({9})
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
 #: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
