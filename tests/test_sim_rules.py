@@ -171,11 +171,15 @@ class Raises:
     def __init__(self, error: Exception) -> None:
         self.error = error
 
-    async def stream(self, request: Any, *, priority: int | None = None) -> AsyncIterator[Any]:
+    async def stream(
+        self, request: Any, *, priority: int | None = None, traceparent: str | None = None
+    ) -> AsyncIterator[Any]:
         raise self.error
         yield  # an async generator, as the protocol asks
 
-    async def complete(self, request: Any, *, priority: int | None = None) -> Any:
+    async def complete(
+        self, request: Any, *, priority: int | None = None, traceparent: str | None = None
+    ) -> Any:
         raise self.error
 
     async def aclose(self) -> None:
