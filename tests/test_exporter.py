@@ -39,9 +39,10 @@ from renqueue.coordination import (
     backend_status,
     cluster_families,
 )
+from renqueue.coordination._exporter import COMPLETIONS
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.policy import LimitUsage
-from renqueue.schema import CancelRequested, Routed, request_subject
+from renqueue.schema import EVENTS_STREAM, CancelRequested, Routed, request_subject
 from renqueue.state import BackendState
 
 TENANT = "acme"
@@ -446,3 +447,37 @@ def test_a_reading_as_families_names_every_label_it_promised() -> None:
     assert value("renqueue_binder_term") == 4
     assert value("renqueue_binder_present") == 0
     assert value("renqueue_dlq_messages") == 3
+
+
+async def test_the_histograms_go_on_after_the_tail_s_consumer_is_lost(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """A server that loses the tail's consumer (the node holding it restarted)
+    answers its fetches with nothing: the tail notices, and starts again where
+    it was, so the histograms never silently freeze."""
+    async with MockBackend(MockSettings(output_tokens=2)) as mock:
+        config = one_backend(isolated_server.url, mock)
+        nc = await connect(isolated_server.url, name="test-exporter")
+        try:
+            js = nc.jetstream()
+            async with (
+                Services(config, name="all") as services,
+                Client(services.nc, tenant=TENANT) as client,
+                exporting(js, config) as (registry, _),
+            ):
+                tails = [
+                    info.name
+                    for info in await js.context.consumers_info(EVENTS_STREAM)
+                    if info.config.filter_subject == COMPLETIONS
+                ]
+                assert len(tails) == 1
+                await js.delete_consumer(EVENTS_STREAM, tails[0])
+                await (await client.submit("after", route="chat")).result(timeout=20)
+
+                async def counted() -> bool:
+                    s = await scrape(registry)
+                    return s("renqueue_backend_ttft_seconds_count", backend="b") == 1
+
+                await until(counted, "the completion after the loss in the histogram")
+        finally:
+            await nc.close()

@@ -80,6 +80,8 @@ TTFT_BUCKETS: Final = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
 DURATION_BUCKETS: Final = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 #: Messages fetched at once by the tail.
 _BATCH: Final = 256
+#: Empty fetches in a row after which the tail checks its consumer still exists.
+_IDLE_CHECK: Final = 5
 #: The tail's consumer goes away this long after its process stopped asking.
 _INACTIVE: Final = 30.0
 #: How long :meth:`Exporter.start` waits for the tail to be in place.
@@ -278,7 +280,7 @@ class Exporter(Lifecycle):
         self._own_supervisor = supervisor is None
         self._supervisor = supervisor or Supervisor(name)
         self._loop_name = f"{LOOP}-{name}"
-        #: Stream sequence to resume the tail from after a failure (0: the newest on).
+        #: Stream sequence the tail resumes from after a failure (0: not started yet).
         self._next_seq = 0
         self._tailing = asyncio.Event()
 
@@ -307,12 +309,13 @@ class Exporter(Lifecycle):
             await self._supervisor.close()
 
     async def _subscribe(self) -> PullSubscription:
-        if self._next_seq:
-            config = ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._next_seq
-            )
-        else:
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
+        if not self._next_seq:
+            # The newest on, but as a sequence: a tail started again after a
+            # failure resumes there, not at whatever is newest by then.
+            self._next_seq = (await self._js.stream_info(EVENTS_STREAM)).state.last_seq + 1
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._next_seq
+        )
         config.ack_policy = AckPolicy.NONE
         config.inactive_threshold = _INACTIVE
         config.mem_storage = True
@@ -325,11 +328,19 @@ class Exporter(Lifecycle):
         psub = await self._subscribe()
         self._tailing.set()
         try:
+            idle = 0
             while True:
                 try:
                     msgs = await psub.fetch(batch=_BATCH, timeout=FETCH_TIMEOUT)
                 except TimeoutError:
+                    # A fetch from a consumer the server lost (a restart of the
+                    # node holding it) times out too: look now and then, and
+                    # raise if it is gone, to be started again where it was.
+                    idle += 1
+                    if idle % _IDLE_CHECK == 0:
+                        await psub.consumer_info()
                     continue
+                idle = 0
                 for msg in msgs:
                     self._take(msg)
                     self._next_seq = msg.metadata.sequence.stream + 1
