@@ -97,18 +97,24 @@ chaos: $(STAMP)
 clean:
 	rm -rf $(VENV) .renqueue .mypy_cache .ruff_cache .pytest_cache
 
+# System packages the suite needs (chromium, docker-compose, prometheus) come from Debian,
+# each installed only when missing, never asking: as root, or through sudo (which would
+# reset the environment: hence `env`).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+APT := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get -y -q
+
 # The console's browser test (tests/test_console_browser.py) drives Debian's chromium with
 # Playwright (Playwright's own browser download is not used). Installed only when missing.
 browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+		{ $(APT) update && $(APT) install chromium; }
 
 # The console's photos in docs/img/ (README, docs/gateway.md): the browser test under load,
 # saving each view.
 screenshots: $(STAMP) browser
 	RENQUEUE_SCREENSHOTS=docs/img $(BIN)/pytest -q -p no:cacheprovider tests/test_console_browser.py
 
-# The whole stack without containers (issue 27): docker-compose.yml's services as processes on
+# The whole stack without containers: docker-compose.yml's services as processes on
 # loopback (3 NATS nodes, mock backends, router, worker, gateway, exporter; Prometheus if its
 # binary is installed), in the foreground; Ctrl-C stops them all. See docs/operations.md.
 # STACK_ARGS: e.g. --scale worker=2, --skip prometheus, --free-ports.
@@ -121,7 +127,7 @@ stack: $(STAMP)
 # needs no Docker daemon to read and check the file).
 compose-tool:
 	@docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null 2>&1 \
-	  || { apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose; }
+	  || { $(APT) update && $(APT) install --no-install-recommends docker-compose; }
 
 .PHONY: stack compose-tool
 
@@ -130,7 +136,6 @@ compose-tool:
 # `prometheus` package, installed only when missing. Only its binaries are used: the
 # package's own service, if apt started one, is stopped and disabled (it would hold :9090).
 # Where apt-get is not available this stops with a message saying what to install.
-SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: tools
 tools:
@@ -138,10 +143,11 @@ tools:
 		:; \
 	elif command -v apt-get >/dev/null 2>&1; then \
 		echo "make tools: installing Debian's prometheus package (promtool, prometheus) for the suite"; \
-		$(SUDO) apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus && \
+		$(APT) update && $(APT) install --no-install-recommends prometheus && \
 		{ ! command -v systemctl >/dev/null 2>&1 || \
-			$(SUDO) systemctl disable --now prometheus >/dev/null 2>&1 || true; }; \
+			$(SUDO) systemctl disable --now prometheus >/dev/null 2>&1 || true; } && \
+		{ ! command -v service >/dev/null 2>&1 || \
+			$(SUDO) service prometheus stop >/dev/null 2>&1 || true; }; \
 	else \
 		echo "make tools: promtool and prometheus are missing and apt-get is not available." >&2; \
 		echo "  Install Prometheus 2.x (https://prometheus.io/download/) so both are on PATH:" >&2; \
