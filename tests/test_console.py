@@ -12,7 +12,7 @@ import re
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import msgspec
@@ -27,9 +27,26 @@ from renqueue.cli import main
 from renqueue.coordination import read_status
 from renqueue.errors import ConfigError
 from renqueue.gateway import digest
-from renqueue.gateway._console_feed import EventFeed
+from renqueue.gateway._console_feed import SHOWN, TEXT_SHOWN, EventFeed
 from renqueue.mock import MockBackend
-from renqueue.schema import EVENTS_STREAM, Expired, event_subject, kind_of
+from renqueue.schema import (
+    EVENTS_STREAM,
+    ChatMessage,
+    Completed,
+    Event,
+    Expired,
+    GenerationParams,
+    InferenceRequest,
+    Submitted,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    TopLogprob,
+    Usage,
+    encode,
+    event_subject,
+    kind_of,
+)
 from renqueue.tasks import Supervisor
 
 ADMIN = "rq-test-admin-key-0123456789abcdef0123"
@@ -396,3 +413,89 @@ async def test_a_gateway_that_stops_ends_the_consoles_streams_at_once(stack: Sta
     assert took < 2.0, took
     assert feed.subscribers == 0
     assert feed.consumer is None
+
+
+SECRET_PROMPT = "the-secret-prompt-7f3a"
+SECRET_TOKEN = "tok-secret-9c1e"
+SECRET_ARGUMENT = "arg-secret-44d2"
+
+
+def leaky_events(request_id: str) -> list[Event]:
+    """A request whose prompt, tool-call arguments and token log probabilities are
+    secrets: none of them may reach a console."""
+    request = InferenceRequest(
+        id=request_id,
+        tenant="acme",
+        route="chat",
+        messages=[ChatMessage(role="user", content=SECRET_PROMPT)],
+        params=GenerationParams(tools=(Tool(name="lookup", description=SECRET_PROMPT),)),
+        metadata={"note": SECRET_PROMPT},
+    )
+    token = TokenLogprob(
+        token=SECRET_TOKEN, logprob=-0.5, top_logprobs=(TopLogprob(token=SECRET_TOKEN, logprob=-1),)
+    )
+    call = ToolCall(id="call-1", name="lookup", arguments=json.dumps({"q": SECRET_ARGUMENT}))
+    return [
+        Submitted(request_id=request_id, tenant="acme", at=1.0, request=request),
+        Completed(
+            request_id=request_id,
+            tenant="acme",
+            at=2.0,
+            backend="b1",
+            attempt=1,
+            delivery=1,
+            text=SECRET_TOKEN * 40,
+            usage=Usage(prompt_tokens=5, completion_tokens=3),
+            cost=0.0,
+            tool_calls=(call, call),
+            logprobs=(token, token, token),
+        ),
+    ]
+
+
+def test_every_kind_of_event_has_an_allow_list_of_what_a_console_shows() -> None:
+    kinds = {member.__struct_config__.tag for member in get_args(Event)}
+    assert set(SHOWN) == kinds
+    for member in get_args(Event):
+        fields = set(member.__struct_fields__)
+        assert set(SHOWN[member.__struct_config__.tag]) <= fields, member
+
+
+async def test_the_console_never_shows_a_prompt_tool_arguments_or_tokens(stack: Stack) -> None:
+    assert stack.services.js is not None
+    js = stack.services.js
+    request_id = "leaky-1"
+    async with console(stack) as client, client.stream("GET", "/console/api/events") as response:
+        for event in leaky_events(request_id):
+            await js.publish(event_subject("acme", request_id, kind_of(event)), encode(event))
+        live = await read_events(
+            response,
+            lambda got: any(
+                e.get("request_id") == request_id and e.get("kind") == "completed" for e in got
+            ),
+        )
+        timeline = await client.get(f"/console/api/requests/{request_id}")
+    mine = [e for e in live if e.get("request_id") == request_id]
+    assert [e["kind"] for e in mine] == ["submitted", "completed"]
+    completed = mine[-1]["line"]
+    assert "tool_calls=2" in completed
+    assert "logprobs=3" in completed
+    assert f"text={40 * len(SECRET_TOKEN)} characters" in completed
+    assert timeline.status_code == 200
+    events = timeline.json()["events"]
+    assert events[0]["request"] == {
+        "route": "chat",
+        "priority": "normal",
+        "messages": 1,
+        "deadline": None,
+        "max_cost": None,
+    }
+    assert events[1]["tool_calls"] == 2
+    assert events[1]["logprobs"] == 3
+    assert len(events[1]["text"]) == 200
+    for shown_text in (json.dumps(mine), timeline.text):
+        for secret in (SECRET_PROMPT, SECRET_ARGUMENT, "lookup"):
+            assert secret not in shown_text
+    # The answer's text: its length live, its first 200 characters in a timeline only.
+    assert SECRET_TOKEN not in json.dumps(mine)
+    assert timeline.text.count(SECRET_TOKEN) == (TEXT_SHOWN - 3) // len(SECRET_TOKEN)

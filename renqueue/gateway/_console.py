@@ -45,9 +45,9 @@ from ..broker import DeadLetterFilter, DeadLetters, EventLog, JetStream
 from ..config import Config
 from ..coordination import read_splits, read_status
 from ..errors import NatsError
-from ..schema import DLQ_STREAM, Completed, Event, Submitted, kind_of
+from ..schema import DLQ_STREAM, Event, kind_of
 from ..tasks import Supervisor
-from ._console_feed import EventFeed, Subscriber
+from ._console_feed import EventFeed, Subscriber, shown
 from ._errors import ApiError
 from ._keys import MAX_KEY_LENGTH, KeyStore, digest
 from ._submissions import ID_RE
@@ -63,8 +63,6 @@ KEEPALIVE: Final = 15.0
 #: The cookie the page's key is kept in, and for how long (seconds).
 COOKIE: Final = "rq_console"
 COOKIE_AGE: Final = 12 * 3600
-#: The longest completion text a timeline shows.
-_TEXT_SHOWN: Final = 200
 _STATIC: Final = {
     "console.js": "application/javascript",
     "console.css": "text/css",
@@ -85,24 +83,10 @@ def _asset(name: str) -> bytes:
 
 
 def timeline_entry(event: Event) -> dict[str, object]:
-    """One event of a request's timeline: what ``renqueue audit --json`` prints of
-    it, the request's messages as their count and the answer shortened. Pure."""
-    data: dict[str, object] = msgspec.to_builtins(event)
-    for key in ("v", "request_id", "tenant"):
-        data.pop(key, None)
-    if isinstance(event, Submitted):
-        request = event.request
-        data["request"] = {
-            "route": request.route,
-            "priority": request.priority,
-            "messages": len(request.messages),
-            "deadline": request.deadline,
-            "max_cost": request.max_cost,
-        }
-    if isinstance(event, Completed) and len(event.text) > _TEXT_SHOWN:
-        data["text"] = event.text[: _TEXT_SHOWN - 3] + "..."
-    data["kind"] = kind_of(event)
-    return data
+    """One event of a request's timeline: its time, kind and the fields a console
+    may show of it (:func:`~._console_feed.shown`: never the prompt, the answer
+    cut at 200 characters, its tool calls and log probabilities counted). Pure."""
+    return {"at": event.at, **shown(event, live=False), "kind": kind_of(event)}
 
 
 class Console:

@@ -42,10 +42,17 @@ from ..broker import (
 )
 from ..errors import NatsError, NatsNotFoundError
 from ..logs import get_logger
-from ..schema import EVENT_DECODER, EVENTS_STREAM, Completed, Event, Submitted, kind_of
+from ..schema import (
+    EVENT_DECODER,
+    EVENTS_STREAM,
+    Event,
+    InferenceRequest,
+    Submitted,
+    kind_of,
+)
 from ..tasks import Supervisor
 
-__all__ = ["EventFeed", "Subscriber", "summary"]
+__all__ = ["SHOWN", "EventFeed", "Subscriber", "shown", "summary"]
 
 log = get_logger("gateway.console")
 
@@ -56,27 +63,96 @@ QUEUE_SIZE: Final = 2000
 #: The longest value of one field shown in an event's line.
 _FIELD_WIDTH: Final = 160
 _BATCH: Final = 256
-#: Fields every summary carries on their own (not in its line).
-_OWN: Final = frozenset({"kind", "v", "request_id", "tenant", "at", "backend"})
+#: What a console shows of each kind of event besides its kind, tenant, request
+#: and time: an allow-list, so a field not named here (one a later schema adds)
+#: is never shown. A ``submitted`` event's request is shown as its route,
+#: priority, message count, deadline and cost cap (never its messages, tools,
+#: parameters or metadata); a completion's ``text`` as its length (live) or its
+#: first :data:`TEXT_SHOWN` characters (a timeline), its ``tool_calls`` and
+#: ``logprobs`` as how many there are (never their arguments or tokens).
+SHOWN: Final[dict[str, tuple[str, ...]]] = {
+    "submitted": ("request", "traceparent"),
+    "rejected": ("error_type", "reason"),
+    "routed": (
+        "backend", "attempt", "priority", "queue_wait", "reason", "router", "term",
+        "reserved_tokens", "probe", "complexity_estimate", "predicted", "estimated_cost",
+        "split", "arm",
+    ),
+    "promoted": ("from_level", "to_level", "waited", "reason"),
+    "cancel_requested": ("reason",),
+    "preempted": ("backend", "attempt", "delivery", "by"),
+    "stolen": ("from_backend", "to_backend", "attempt", "from_seq"),
+    "coalesced": ("leader",),
+    "started": ("backend", "attempt", "delivery", "worker"),
+    "retrying": (
+        "backend", "attempt", "delivery", "error_type", "error_class", "reason",
+        "retry_after", "limits", "quota_exhausted_until", "requeued",
+    ),
+    "fell_back": (
+        "backend", "attempt", "delivery", "error_type", "error_class", "reason", "fallback",
+        "probe", "limits", "retry_after",
+    ),
+    "circuit": ("backend", "state", "previous", "reason", "router", "term"),
+    "probed": ("backend", "ok", "detail", "worker"),
+    "ab": ("route", "state", "arm", "previous", "reason", "router", "term", "operator"),
+    "completed": (
+        "backend", "attempt", "delivery", "text", "usage", "cost", "finish_reason", "ttft",
+        "duration", "shared_with", "limits", "reserved_tokens", "tool_calls", "logprobs",
+    ),
+    "failed": (
+        "error_type", "error_class", "reason", "backend", "attempt", "limits",
+        "quota_exhausted_until",
+    ),
+    "expired": ("stage", "reason", "split", "arm"),
+    "cancelled": ("stage", "reason"),
+}  # fmt: skip
+#: The longest completion text a timeline shows, and the longest other string.
+TEXT_SHOWN: Final = 200
+STRING_SHOWN: Final = 300
+#: Fields shown only as how many items they hold.
+_COUNTED: Final = frozenset({"tool_calls", "logprobs"})
+
+
+def shown(event: Event, *, live: bool) -> dict[str, object]:
+    """The fields of ``event`` a console may show (:data:`SHOWN`), JSON-ready:
+    a completion's text as its length when ``live`` (the event stream), else cut
+    at :data:`TEXT_SHOWN` characters (a timeline); other strings cut at
+    :data:`STRING_SHOWN`. Pure."""
+    out: dict[str, object] = {}
+    for name in SHOWN.get(kind_of(event), ()):
+        value = getattr(event, name, None)
+        if name in _COUNTED and isinstance(value, tuple):
+            out[name] = len(value)
+        elif isinstance(value, InferenceRequest):
+            out[name] = {
+                "route": value.route,
+                "priority": value.priority,
+                "messages": len(value.messages),
+                "deadline": value.deadline,
+                "max_cost": value.max_cost,
+            }
+        elif name == "text" and isinstance(value, str):
+            out[name] = f"{len(value)} characters" if live else _cut(value, TEXT_SHOWN)
+        elif isinstance(value, str):
+            out[name] = _cut(value, STRING_SHOWN)
+        else:
+            out[name] = msgspec.to_builtins(value)
+    return out
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def summary(seq: int, event: Event) -> dict[str, object]:
     """What a console shows of ``event`` (stored at ``seq``): JSON-ready. Pure."""
-    data = msgspec.to_builtins(event)
-    backend = data.get("backend") or data.get("to_backend")
-    if isinstance(event, Submitted):
-        request = event.request
-        details: dict[str, object] = {
-            "route": request.route,
-            "priority": request.priority,
-            "messages": len(request.messages),
-        }
-        if request.deadline is not None:
-            details["deadline"] = request.deadline
-    else:
-        details = {k: v for k, v in data.items() if k not in _OWN}
-        if isinstance(event, Completed):
-            details["text"] = f"{len(event.text)} characters"
+    details = shown(event, live=True)
+    if isinstance(event, Submitted):  # the request's figures, in the line itself
+        request = details.pop("request")
+        details.pop("traceparent", None)
+        if isinstance(request, dict):
+            details.update((k, v) for k, v in request.items() if k != "max_cost")
+    backend = details.pop("backend", None) or details.get("to_backend")
     line = " ".join(f"{key}={_short(value)}" for key, value in details.items() if _said(value))
     return {
         "seq": seq,
