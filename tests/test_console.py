@@ -499,3 +499,18 @@ async def test_the_console_never_shows_a_prompt_tool_arguments_or_tokens(stack: 
     # The answer's text: its length live, its first 200 characters in a timeline only.
     assert SECRET_TOKEN not in json.dumps(mine)
     assert timeline.text.count(SECRET_TOKEN) == (TEXT_SHOWN - 3) // len(SECRET_TOKEN)
+
+
+async def test_a_last_event_id_that_is_not_ascii_digits_is_ignored(stack: Stack) -> None:
+    (request_id,) = await complete(stack, 1)
+    async with console(stack) as client:
+        for junk in ("²", "١٢", "12x", "-1", "9" * 20):
+            async with client.stream(
+                "GET", "/console/api/events", headers={"Last-Event-ID": junk.encode()}
+            ) as response:
+                assert response.status_code == 200, junk
+                # Ignored: the stream starts on the recent past, as with no id.
+                events = await read_events(
+                    response, lambda got: any(e.get("request_id") == request_id for e in got)
+                )
+            assert events[0]["seq"] == 1, junk

@@ -369,9 +369,12 @@ class Console:
 
 
 def _last_event_id(value: str | None) -> int | None:
-    if value is None or not value.strip().isdigit() or len(value.strip()) > 19:
+    """The sequence a reconnecting console names; ``None`` (not named) for
+    anything but 1-19 ASCII digits (``str.isdigit`` also takes ``²``)."""
+    text = (value or "").strip()
+    if not text or len(text) > 19 or not (text.isascii() and text.isdigit()):
         return None
-    return int(value.strip())
+    return int(text)
 
 
 def _no_key() -> ApiError:
