@@ -27,6 +27,7 @@ from renqueue.cli import main
 from renqueue.coordination import read_status
 from renqueue.errors import ConfigError
 from renqueue.gateway import digest
+from renqueue.gateway._console import COOKIE, SESSION_AGE, Sessions
 from renqueue.gateway._console_feed import SHOWN, TEXT_SHOWN, EventFeed
 from renqueue.mock import MockBackend
 from renqueue.schema import (
@@ -514,3 +515,61 @@ async def test_a_last_event_id_that_is_not_ascii_digits_is_ignored(stack: Stack)
                     response, lambda got: any(e.get("request_id") == request_id for e in got)
                 )
             assert events[0]["seq"] == 1, junk
+
+
+async def test_a_login_is_a_session_token_never_the_key(stack: Stack) -> None:
+    now = [1000.0]
+    stack.gateway.console.sessions = Sessions(clock=lambda: now[0])
+    async with console(stack, None) as page, console(stack, None) as copy:
+        logged = await page.post("/console/login", json={"key": ADMIN})
+        assert logged.status_code == 204
+        token = page.cookies[COOKIE]
+        assert ADMIN not in logged.headers["set-cookie"]
+        assert digest(ADMIN) not in logged.headers["set-cookie"]
+        assert len(token) >= 32
+        # On loopback over plain HTTP the cookie is not Secure (else no browser keeps it).
+        assert "secure" not in logged.headers["set-cookie"].lower()
+        assert (await page.get("/console/api/status")).status_code == 200
+        # Logging out ends the session in the gateway: a copy of the cookie stops working.
+        copy.cookies.set(COOKIE, token)
+        assert (await copy.get("/console/api/status")).status_code == 200
+        assert (await page.post("/console/logout")).status_code == 204
+        ended = await copy.get("/console/api/status")
+        assert ended.status_code == 401
+        assert ended.json()["error"]["code"] == "invalid_api_key"
+        # A session lasts SESSION_AGE; then it is refused (the clock is the test's).
+        assert (await page.post("/console/login", data={"key": ADMIN})).status_code == 204
+        assert (await page.get("/console/api/status")).status_code == 200
+        now[0] += SESSION_AGE - 1
+        assert (await page.get("/console/api/status")).status_code == 200
+        now[0] += 1
+        assert (await page.get("/console/api/status")).status_code == 401
+        assert len(stack.gateway.console.sessions) == 0
+
+
+async def test_a_login_from_another_site_is_refused_and_a_remote_cookie_is_secure(
+    stack: Stack,
+) -> None:
+    base = f"http://{stack.gateway.host}:{stack.gateway.port}"
+    async with console(stack, None) as page:
+        for origin in ("https://evil.example", "null", f"http://evil.example:{stack.gateway.port}"):
+            refused = await page.post(
+                "/console/login", json={"key": ADMIN}, headers={"Origin": origin}
+            )
+            assert refused.status_code == 403, origin
+            assert refused.json()["error"]["code"] == "cross_origin"
+            assert "set-cookie" not in refused.headers
+        own = await page.post("/console/login", json={"key": ADMIN}, headers={"Origin": base})
+        assert own.status_code == 204
+        # Another site cannot log the page out either: the session goes on.
+        out = await page.post("/console/logout", headers={"Origin": "https://evil.example"})
+        assert out.status_code == 403
+        assert (await page.get("/console/api/status")).status_code == 200
+        # Reached by another name than loopback, the gateway is behind TLS: Secure.
+        remote = await page.post(
+            "/console/login",
+            json={"key": ADMIN},
+            headers={"Host": "console.example.com", "Origin": "https://console.example.com"},
+        )
+        assert remote.status_code == 204
+        assert "secure" in remote.headers["set-cookie"].lower()
