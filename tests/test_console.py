@@ -22,7 +22,7 @@ from test_dlq import poison
 from test_gateway_sdk import ACME, MESSAGES, Stack, mock, start  # noqa: F401 - fixture
 
 from renqueue import parse_config
-from renqueue.broker import EventLog
+from renqueue.broker import EventLog, provision
 from renqueue.cli import main
 from renqueue.coordination import read_status
 from renqueue.errors import ConfigError
@@ -216,11 +216,12 @@ async def test_a_timeline_is_the_requests_history(stack: Stack) -> None:
 
 
 async def read_events(
-    response: httpx.Response, wanted: Any, within: float = 20.0
+    response: httpx.Response | AsyncIterator[str], wanted: Any, within: float = 20.0
 ) -> list[dict[str, Any]]:
-    """Data of the stream's events until ``wanted(events)`` holds."""
+    """Data of the stream's events until ``wanted(events)`` holds (from a response,
+    or from its lines, to read on where an earlier call stopped)."""
     events: list[dict[str, Any]] = []
-    lines = response.aiter_lines()
+    lines = response.aiter_lines() if isinstance(response, httpx.Response) else response
 
     async def read() -> None:
         event_type = "message"
@@ -573,3 +574,64 @@ async def test_a_login_from_another_site_is_refused_and_a_remote_cookie_is_secur
         )
         assert remote.status_code == 204
         assert "secure" in remote.headers["set-cookie"].lower()
+
+
+async def test_a_failing_feed_tells_the_consoles_and_never_stops_the_gateway(
+    stack: Stack,
+) -> None:
+    """RQ_EVENTS deleted under an open console: the feed says so and retries on
+    its own; the tenants' API goes on; once the log is provisioned again the
+    console's stream goes on, from the new log's start."""
+    assert stack.services.js is not None
+    js = stack.services.js
+    gateway = stack.gateway
+    feed = gateway.console.feed
+    async with (
+        console(stack) as client,
+        stack.http() as tenant,
+        client.stream("GET", "/console/api/events") as response,
+    ):
+
+        async def tailing() -> bool:
+            return feed.consumer is not None
+
+        await until(tailing, "the console's feed tails the log")
+        lines = response.aiter_lines()
+        (request_id,) = await complete(stack, 1)
+        before = await read_events(
+            lines,
+            lambda got: any(
+                e.get("request_id") == request_id and e.get("kind") == "completed" for e in got
+            ),
+        )
+        await js.context.delete_stream(EVENTS_STREAM)
+        # Told at once it is down, then why (the stream is missing) as it retries.
+        told = await read_events(
+            lines,
+            lambda got: got[-1]["type"] == "error" and "RQ_EVENTS" in got[-1]["reason"],
+            within=30,
+        )
+        assert "is Ren-Queue provisioned?" in told[-1]["reason"]
+
+        # The feed failed, and went on failing on its own: the gateway did not count it.
+        async def retried() -> bool:
+            return feed.failures >= 2
+
+        await until(retried, "the feed fails again, and retries again")
+        assert gateway.supervisor.failures("renqueue-gateway-console-feed") == 0
+        assert not gateway.supervisor.failed.is_set()
+        assert (await tenant.get("/models")).status_code == 200
+        # Provisioned again: the feed is back, and reads the new log from its start.
+        await provision(js, stack.services.config)
+        back = await read_events(lines, lambda got: got[-1]["type"] == "gap", within=30)
+        assert back[-1]["reason"]
+        subject, payload = expired("after-reprovision")
+        await js.publish(subject, payload)
+        after = await read_events(
+            lines, lambda got: any(e.get("request_id") == "after-reprovision" for e in got)
+        )
+    # The new log's sequences start over: its first event is read all the same.
+    (event,) = [e for e in after if e.get("request_id") == "after-reprovision"]
+    assert event["seq"] < max(e["seq"] for e in before if "seq" in e)
+    assert feed.down is None
+    assert not gateway.supervisor.failed.is_set()

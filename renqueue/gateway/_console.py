@@ -55,7 +55,7 @@ from ..coordination import read_splits, read_status
 from ..errors import NatsError
 from ..schema import DLQ_STREAM, Event, kind_of
 from ..tasks import Supervisor
-from ._console_feed import EventFeed, Subscriber, shown
+from ._console_feed import NOTICE, RESTART, EventFeed, Subscriber, shown
 from ._errors import ApiError
 from ._keys import MAX_KEY_LENGTH, KeyStore, digest
 from ._submissions import ID_RE
@@ -383,10 +383,15 @@ class Console:
             await response.prepare(request)
             kept = self.feed.recent() if last is None else self.feed.since(last)
             head = b"retry: 2000\n\n"
+            sent = last or 0
             if kept is None:  # some events after ``last`` are no longer kept
                 head += b"event: gap\ndata: {}\n\n"
                 kept = self.feed.recent()
-            sent = last or 0
+                sent = 0
+            if self.feed.down is not None:
+                head += b"event: error\ndata: %s\n\n" % msgspec.json.encode(
+                    {"reason": self.feed.down}
+                )
             chunks = [head]
             for seq, data in kept:
                 if seq > sent:
@@ -422,7 +427,10 @@ class Console:
                     ended = True
                     break
                 seq, frame = item
-                if seq > sent:
+                if seq <= NOTICE:  # a notice; after RESTART, the log's sequences start over
+                    chunks.append(frame)
+                    sent = 0 if seq == RESTART else sent
+                elif seq > sent:
                     chunks.append(frame)
                     sent = seq
             if chunks:
