@@ -17,7 +17,9 @@ admin_keys`` names at least one key:
   open or fifty;
 - ``GET /console/api/events``: the event log as server-sent events, from the
   one shared tail (:class:`~._console_feed.EventFeed`), resumable by
-  ``Last-Event-ID``; an ``event: gap`` says some were missed;
+  ``Last-Event-ID`` (anything but ASCII digits is ignored); an ``event: gap``
+  says some were missed (reload the snapshot), an ``event: error`` that the
+  tail is down (it retries on its own);
 - ``GET /console/api/requests/{id}`` (``?tenant=``): a request's timeline,
   every event the log holds of it (what ``renqueue audit`` prints);
 - ``POST /console/login`` (the key, as a form field or JSON ``{"key": ...}``)
