@@ -12,7 +12,7 @@ import re
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import msgspec
@@ -22,14 +22,32 @@ from test_dlq import poison
 from test_gateway_sdk import ACME, MESSAGES, Stack, mock, start  # noqa: F401 - fixture
 
 from renqueue import parse_config
-from renqueue.broker import EventLog
+from renqueue.broker import EventLog, provision
 from renqueue.cli import main
 from renqueue.coordination import read_status
 from renqueue.errors import ConfigError
 from renqueue.gateway import digest
-from renqueue.gateway._console_feed import EventFeed
+from renqueue.gateway._console import COOKIE, SESSION_AGE, Sessions
+from renqueue.gateway._console_feed import SHOWN, TEXT_SHOWN, EventFeed
 from renqueue.mock import MockBackend
-from renqueue.schema import EVENTS_STREAM, Expired, event_subject, kind_of
+from renqueue.schema import (
+    EVENTS_STREAM,
+    ChatMessage,
+    Completed,
+    Event,
+    Expired,
+    GenerationParams,
+    InferenceRequest,
+    Submitted,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    TopLogprob,
+    Usage,
+    encode,
+    event_subject,
+    kind_of,
+)
 from renqueue.tasks import Supervisor
 
 ADMIN = "rq-test-admin-key-0123456789abcdef0123"
@@ -198,11 +216,12 @@ async def test_a_timeline_is_the_requests_history(stack: Stack) -> None:
 
 
 async def read_events(
-    response: httpx.Response, wanted: Any, within: float = 20.0
+    response: httpx.Response | AsyncIterator[str], wanted: Any, within: float = 20.0
 ) -> list[dict[str, Any]]:
-    """Data of the stream's events until ``wanted(events)`` holds."""
+    """Data of the stream's events until ``wanted(events)`` holds (from a response,
+    or from its lines, to read on where an earlier call stopped)."""
     events: list[dict[str, Any]] = []
-    lines = response.aiter_lines()
+    lines = response.aiter_lines() if isinstance(response, httpx.Response) else response
 
     async def read() -> None:
         event_type = "message"
@@ -396,3 +415,223 @@ async def test_a_gateway_that_stops_ends_the_consoles_streams_at_once(stack: Sta
     assert took < 2.0, took
     assert feed.subscribers == 0
     assert feed.consumer is None
+
+
+SECRET_PROMPT = "the-secret-prompt-7f3a"
+SECRET_TOKEN = "tok-secret-9c1e"
+SECRET_ARGUMENT = "arg-secret-44d2"
+
+
+def leaky_events(request_id: str) -> list[Event]:
+    """A request whose prompt, tool-call arguments and token log probabilities are
+    secrets: none of them may reach a console."""
+    request = InferenceRequest(
+        id=request_id,
+        tenant="acme",
+        route="chat",
+        messages=[ChatMessage(role="user", content=SECRET_PROMPT)],
+        params=GenerationParams(tools=(Tool(name="lookup", description=SECRET_PROMPT),)),
+        metadata={"note": SECRET_PROMPT},
+    )
+    token = TokenLogprob(
+        token=SECRET_TOKEN, logprob=-0.5, top_logprobs=(TopLogprob(token=SECRET_TOKEN, logprob=-1),)
+    )
+    call = ToolCall(id="call-1", name="lookup", arguments=json.dumps({"q": SECRET_ARGUMENT}))
+    return [
+        Submitted(request_id=request_id, tenant="acme", at=1.0, request=request),
+        Completed(
+            request_id=request_id,
+            tenant="acme",
+            at=2.0,
+            backend="b1",
+            attempt=1,
+            delivery=1,
+            text=SECRET_TOKEN * 40,
+            usage=Usage(prompt_tokens=5, completion_tokens=3),
+            cost=0.0,
+            tool_calls=(call, call),
+            logprobs=(token, token, token),
+        ),
+    ]
+
+
+def test_every_kind_of_event_has_an_allow_list_of_what_a_console_shows() -> None:
+    kinds = {member.__struct_config__.tag for member in get_args(Event)}
+    assert set(SHOWN) == kinds
+    for member in get_args(Event):
+        fields = set(member.__struct_fields__)
+        assert set(SHOWN[member.__struct_config__.tag]) <= fields, member
+
+
+async def test_the_console_never_shows_a_prompt_tool_arguments_or_tokens(stack: Stack) -> None:
+    assert stack.services.js is not None
+    js = stack.services.js
+    request_id = "leaky-1"
+    async with console(stack) as client, client.stream("GET", "/console/api/events") as response:
+        for event in leaky_events(request_id):
+            await js.publish(event_subject("acme", request_id, kind_of(event)), encode(event))
+        live = await read_events(
+            response,
+            lambda got: any(
+                e.get("request_id") == request_id and e.get("kind") == "completed" for e in got
+            ),
+        )
+        timeline = await client.get(f"/console/api/requests/{request_id}")
+    mine = [e for e in live if e.get("request_id") == request_id]
+    assert [e["kind"] for e in mine] == ["submitted", "completed"]
+    completed = mine[-1]["line"]
+    assert "tool_calls=2" in completed
+    assert "logprobs=3" in completed
+    assert f"text={40 * len(SECRET_TOKEN)} characters" in completed
+    assert timeline.status_code == 200
+    events = timeline.json()["events"]
+    assert events[0]["request"] == {
+        "route": "chat",
+        "priority": "normal",
+        "messages": 1,
+        "deadline": None,
+        "max_cost": None,
+    }
+    assert events[1]["tool_calls"] == 2
+    assert events[1]["logprobs"] == 3
+    assert len(events[1]["text"]) == 200
+    for shown_text in (json.dumps(mine), timeline.text):
+        for secret in (SECRET_PROMPT, SECRET_ARGUMENT, "lookup"):
+            assert secret not in shown_text
+    # The answer's text: its length live, its first 200 characters in a timeline only.
+    assert SECRET_TOKEN not in json.dumps(mine)
+    assert timeline.text.count(SECRET_TOKEN) == (TEXT_SHOWN - 3) // len(SECRET_TOKEN)
+
+
+async def test_a_last_event_id_that_is_not_ascii_digits_is_ignored(stack: Stack) -> None:
+    (request_id,) = await complete(stack, 1)
+    async with console(stack) as client:
+        for junk in ("²", "١٢", "12x", "-1", "9" * 20):
+            async with client.stream(
+                "GET", "/console/api/events", headers={"Last-Event-ID": junk.encode()}
+            ) as response:
+                assert response.status_code == 200, junk
+                # Ignored: the stream starts on the recent past, as with no id.
+                events = await read_events(
+                    response, lambda got: any(e.get("request_id") == request_id for e in got)
+                )
+            assert events[0]["seq"] == 1, junk
+
+
+async def test_a_login_is_a_session_token_never_the_key(stack: Stack) -> None:
+    now = [1000.0]
+    stack.gateway.console.sessions = Sessions(clock=lambda: now[0])
+    async with console(stack, None) as page, console(stack, None) as copy:
+        logged = await page.post("/console/login", json={"key": ADMIN})
+        assert logged.status_code == 204
+        token = page.cookies[COOKIE]
+        assert ADMIN not in logged.headers["set-cookie"]
+        assert digest(ADMIN) not in logged.headers["set-cookie"]
+        assert len(token) >= 32
+        # On loopback over plain HTTP the cookie is not Secure (else no browser keeps it).
+        assert "secure" not in logged.headers["set-cookie"].lower()
+        assert (await page.get("/console/api/status")).status_code == 200
+        # Logging out ends the session in the gateway: a copy of the cookie stops working.
+        copy.cookies.set(COOKIE, token)
+        assert (await copy.get("/console/api/status")).status_code == 200
+        assert (await page.post("/console/logout")).status_code == 204
+        ended = await copy.get("/console/api/status")
+        assert ended.status_code == 401
+        assert ended.json()["error"]["code"] == "invalid_api_key"
+        # A session lasts SESSION_AGE; then it is refused (the clock is the test's).
+        assert (await page.post("/console/login", data={"key": ADMIN})).status_code == 204
+        assert (await page.get("/console/api/status")).status_code == 200
+        now[0] += SESSION_AGE - 1
+        assert (await page.get("/console/api/status")).status_code == 200
+        now[0] += 1
+        assert (await page.get("/console/api/status")).status_code == 401
+        assert len(stack.gateway.console.sessions) == 0
+
+
+async def test_a_login_from_another_site_is_refused_and_a_remote_cookie_is_secure(
+    stack: Stack,
+) -> None:
+    base = f"http://{stack.gateway.host}:{stack.gateway.port}"
+    async with console(stack, None) as page:
+        for origin in ("https://evil.example", "null", f"http://evil.example:{stack.gateway.port}"):
+            refused = await page.post(
+                "/console/login", json={"key": ADMIN}, headers={"Origin": origin}
+            )
+            assert refused.status_code == 403, origin
+            assert refused.json()["error"]["code"] == "cross_origin"
+            assert "set-cookie" not in refused.headers
+        own = await page.post("/console/login", json={"key": ADMIN}, headers={"Origin": base})
+        assert own.status_code == 204
+        # Another site cannot log the page out either: the session goes on.
+        out = await page.post("/console/logout", headers={"Origin": "https://evil.example"})
+        assert out.status_code == 403
+        assert (await page.get("/console/api/status")).status_code == 200
+        # Reached by another name than loopback, the gateway is behind TLS: Secure.
+        remote = await page.post(
+            "/console/login",
+            json={"key": ADMIN},
+            headers={"Host": "console.example.com", "Origin": "https://console.example.com"},
+        )
+        assert remote.status_code == 204
+        assert "secure" in remote.headers["set-cookie"].lower()
+
+
+async def test_a_failing_feed_tells_the_consoles_and_never_stops_the_gateway(
+    stack: Stack,
+) -> None:
+    """RQ_EVENTS deleted under an open console: the feed says so and retries on
+    its own; the tenants' API goes on; once the log is provisioned again the
+    console's stream goes on, from the new log's start."""
+    assert stack.services.js is not None
+    js = stack.services.js
+    gateway = stack.gateway
+    feed = gateway.console.feed
+    async with (
+        console(stack) as client,
+        stack.http() as tenant,
+        client.stream("GET", "/console/api/events") as response,
+    ):
+
+        async def tailing() -> bool:
+            return feed.consumer is not None
+
+        await until(tailing, "the console's feed tails the log")
+        lines = response.aiter_lines()
+        (request_id,) = await complete(stack, 1)
+        before = await read_events(
+            lines,
+            lambda got: any(
+                e.get("request_id") == request_id and e.get("kind") == "completed" for e in got
+            ),
+        )
+        await js.context.delete_stream(EVENTS_STREAM)
+        # Told at once it is down, then why (the stream is missing) as it retries.
+        told = await read_events(
+            lines,
+            lambda got: got[-1]["type"] == "error" and "RQ_EVENTS" in got[-1]["reason"],
+            within=30,
+        )
+        assert "is Ren-Queue provisioned?" in told[-1]["reason"]
+
+        # The feed failed, and went on failing on its own: the gateway did not count it.
+        async def retried() -> bool:
+            return feed.failures >= 2
+
+        await until(retried, "the feed fails again, and retries again")
+        assert gateway.supervisor.failures("renqueue-gateway-console-feed") == 0
+        assert not gateway.supervisor.failed.is_set()
+        assert (await tenant.get("/models")).status_code == 200
+        # Provisioned again: the feed is back, and reads the new log from its start.
+        await provision(js, stack.services.config)
+        back = await read_events(lines, lambda got: got[-1]["type"] == "gap", within=30)
+        assert back[-1]["reason"]
+        subject, payload = expired("after-reprovision")
+        await js.publish(subject, payload)
+        after = await read_events(
+            lines, lambda got: any(e.get("request_id") == "after-reprovision" for e in got)
+        )
+    # The new log's sequences start over: its first event is read all the same.
+    (event,) = [e for e in after if e.get("request_id") == "after-reprovision"]
+    assert event["seq"] < max(e["seq"] for e in before if "seq" in e)
+    assert feed.down is None
+    assert not gateway.supervisor.failed.is_set()

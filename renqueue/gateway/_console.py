@@ -17,13 +17,20 @@ admin_keys`` names at least one key:
   open or fifty;
 - ``GET /console/api/events``: the event log as server-sent events, from the
   one shared tail (:class:`~._console_feed.EventFeed`), resumable by
-  ``Last-Event-ID``; an ``event: gap`` says some were missed;
+  ``Last-Event-ID`` (anything but ASCII digits is ignored); an ``event: gap``
+  says some were missed (reload the snapshot), an ``event: error`` that the
+  tail is down (it retries on its own);
 - ``GET /console/api/requests/{id}`` (``?tenant=``): a request's timeline,
   every event the log holds of it (what ``renqueue audit`` prints);
 - ``POST /console/login`` (the key, as a form field or JSON ``{"key": ...}``)
-  and ``POST /console/logout``: the key in an HttpOnly, ``SameSite=Strict``
-  cookie for the page (an ``EventSource`` cannot send a header); the API also
-  takes ``Authorization: Bearer <admin key>``.
+  and ``POST /console/logout``: a session for the page (an ``EventSource``
+  cannot send a header): a random token (:class:`Sessions`, kept in this
+  process for :data:`SESSION_AGE`, forgotten on logout), never the key, in an
+  HttpOnly, ``SameSite=Strict`` cookie, ``Secure`` unless the page was asked
+  for over plain HTTP on a loopback host (a gateway reached by any other
+  name is meant to be behind TLS). Either refuses (403) a request whose
+  ``Origin`` is another site's. The API also takes ``Authorization: Bearer
+  <admin key>``.
 
 An admin key is stored as its SHA-256 like a tenant's key (:mod:`._keys`),
 and never logged or echoed. No key is a 401, a tenant's key a 403: it speaks
@@ -33,10 +40,13 @@ for a tenant, and the console shows every tenant.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import secrets
 import time
 from collections.abc import Callable
 from importlib import resources
 from typing import Final
+from urllib.parse import urlsplit
 
 import msgspec
 from aiohttp import web
@@ -45,14 +55,14 @@ from ..broker import DeadLetterFilter, DeadLetters, EventLog, JetStream
 from ..config import Config
 from ..coordination import read_splits, read_status
 from ..errors import NatsError
-from ..schema import DLQ_STREAM, Completed, Event, Submitted, kind_of
+from ..schema import DLQ_STREAM, Event, kind_of
 from ..tasks import Supervisor
-from ._console_feed import EventFeed, Subscriber
+from ._console_feed import NOTICE, RESTART, EventFeed, Subscriber, shown
 from ._errors import ApiError
 from ._keys import MAX_KEY_LENGTH, KeyStore, digest
 from ._submissions import ID_RE
 
-__all__ = ["SNAPSHOT_TTL", "Console", "timeline_entry"]
+__all__ = ["SESSION_AGE", "SNAPSHOT_TTL", "Console", "Sessions", "timeline_entry"]
 
 #: Seconds a status snapshot is reused for every console.
 SNAPSHOT_TTL: Final = 1.0
@@ -60,11 +70,9 @@ SNAPSHOT_TTL: Final = 1.0
 DLQ_SHOWN: Final = 50
 #: Seconds between keep-alive comments on a quiet event stream.
 KEEPALIVE: Final = 15.0
-#: The cookie the page's key is kept in, and for how long (seconds).
+#: The cookie the page's session token is kept in, and how long a session lasts (seconds).
 COOKIE: Final = "rq_console"
-COOKIE_AGE: Final = 12 * 3600
-#: The longest completion text a timeline shows.
-_TEXT_SHOWN: Final = 200
+SESSION_AGE: Final = 12 * 3600
 _STATIC: Final = {
     "console.js": "application/javascript",
     "console.css": "text/css",
@@ -85,24 +93,52 @@ def _asset(name: str) -> bytes:
 
 
 def timeline_entry(event: Event) -> dict[str, object]:
-    """One event of a request's timeline: what ``renqueue audit --json`` prints of
-    it, the request's messages as their count and the answer shortened. Pure."""
-    data: dict[str, object] = msgspec.to_builtins(event)
-    for key in ("v", "request_id", "tenant"):
-        data.pop(key, None)
-    if isinstance(event, Submitted):
-        request = event.request
-        data["request"] = {
-            "route": request.route,
-            "priority": request.priority,
-            "messages": len(request.messages),
-            "deadline": request.deadline,
-            "max_cost": request.max_cost,
-        }
-    if isinstance(event, Completed) and len(event.text) > _TEXT_SHOWN:
-        data["text"] = event.text[: _TEXT_SHOWN - 3] + "..."
-    data["kind"] = kind_of(event)
-    return data
+    """One event of a request's timeline: its time, kind and the fields a console
+    may show of it (:func:`~._console_feed.shown`: never the prompt, the answer
+    cut at 200 characters, its tool calls and log probabilities counted). Pure."""
+    return {"at": event.at, **shown(event, live=False), "kind": kind_of(event)}
+
+
+class Sessions:
+    """The console's logged-in pages: a random token per login, valid in this
+    process for ``age`` seconds by ``clock`` (injectable), until logout. Kept as
+    their SHA-256 (like keys); a gateway that restarts forgets them (log in again)."""
+
+    def __init__(
+        self, *, age: float = SESSION_AGE, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._age = age
+        self._clock = clock
+        self._expiry: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def open(self) -> str:
+        """A new session's token (the expired ones are forgotten meanwhile)."""
+        now = self._clock()
+        for stale in [d for d, until in self._expiry.items() if until <= now]:
+            del self._expiry[stale]
+        token = secrets.token_urlsafe(32)
+        self._expiry[digest(token)] = now + self._age
+        return token
+
+    def valid(self, token: str) -> bool:
+        if not token or len(token) > MAX_KEY_LENGTH:
+            return False
+        key = digest(token)
+        until = self._expiry.get(key)
+        if until is None:
+            return False
+        if until <= self._clock():
+            del self._expiry[key]
+            return False
+        return True
+
+    def close(self, token: str) -> None:
+        """Forget ``token``'s session (logout): a copy of the cookie stops working."""
+        if token and len(token) <= MAX_KEY_LENGTH:
+            self._expiry.pop(digest(token), None)
 
 
 class Console:
@@ -131,6 +167,8 @@ class Console:
         self._closing = False
         self._streams: set[Subscriber] = set()
         self._pages = {name: _asset(name) for name in ("index.html", *_STATIC)}
+        #: The pages logged in (their cookies' tokens).
+        self.sessions = Sessions()
 
     @property
     def enabled(self) -> bool:
@@ -170,8 +208,8 @@ class Console:
         raise ApiError(401, "incorrect admin key provided", code="invalid_api_key")
 
     def _admin(self, request: web.Request) -> None:
-        """The request's admin key (``Authorization: Bearer`` or the page's cookie)
-        is checked; 404 while the console is off."""
+        """The request's admin key (``Authorization: Bearer``) or the page's
+        session (its cookie) is checked; 404 while the console is off."""
         if not self.enabled:
             raise _off()
         auth = request.headers.get("Authorization", "")
@@ -179,7 +217,15 @@ class Console:
         if scheme.lower() == "bearer" and key.strip():
             self._check(key.strip())
             return
-        self._check(request.cookies.get(COOKIE, ""))
+        token = request.cookies.get(COOKIE, "")
+        if not token:
+            raise _no_key()
+        if not self.sessions.valid(token):
+            raise ApiError(
+                401,
+                "the console's session has ended (logged out or expired): log in again",
+                code="invalid_api_key",
+            )
 
     # ------------------------------------------------------------ the page
 
@@ -202,6 +248,7 @@ class Console:
     async def _login(self, request: web.Request) -> web.Response:
         if not self.enabled:
             raise _off()
+        _same_origin(request)
         key = ""
         if request.content_type == "application/json":
             try:
@@ -218,16 +265,18 @@ class Console:
         response = web.Response(status=204)
         response.set_cookie(
             COOKIE,
-            key,
-            max_age=COOKIE_AGE,
+            self.sessions.open(),
+            max_age=SESSION_AGE,
             path="/console",
             httponly=True,
             samesite="Strict",
-            secure=request.secure,
+            secure=request.secure or not _loopback(request.url.host),
         )
         return response
 
-    async def _logout(self, _request: web.Request) -> web.Response:
+    async def _logout(self, request: web.Request) -> web.Response:
+        _same_origin(request)
+        self.sessions.close(request.cookies.get(COOKIE, ""))
         response = web.Response(status=204)
         response.del_cookie(COOKIE, path="/console")
         return response
@@ -336,10 +385,15 @@ class Console:
             await response.prepare(request)
             kept = self.feed.recent() if last is None else self.feed.since(last)
             head = b"retry: 2000\n\n"
+            sent = last or 0
             if kept is None:  # some events after ``last`` are no longer kept
                 head += b"event: gap\ndata: {}\n\n"
                 kept = self.feed.recent()
-            sent = last or 0
+                sent = 0
+            if self.feed.down is not None:
+                head += b"event: error\ndata: %s\n\n" % msgspec.json.encode(
+                    {"reason": self.feed.down}
+                )
             chunks = [head]
             for seq, data in kept:
                 if seq > sent:
@@ -375,7 +429,10 @@ class Console:
                     ended = True
                     break
                 seq, frame = item
-                if seq > sent:
+                if seq <= NOTICE:  # a notice; after RESTART, the log's sequences start over
+                    chunks.append(frame)
+                    sent = 0 if seq == RESTART else sent
+                elif seq > sent:
                     chunks.append(frame)
                     sent = seq
             if chunks:
@@ -385,9 +442,39 @@ class Console:
 
 
 def _last_event_id(value: str | None) -> int | None:
-    if value is None or not value.strip().isdigit() or len(value.strip()) > 19:
+    """The sequence a reconnecting console names; ``None`` (not named) for
+    anything but 1-19 ASCII digits (``str.isdigit`` also takes ``²``)."""
+    text = (value or "").strip()
+    if not text or len(text) > 19 or not (text.isascii() and text.isdigit()):
         return None
-    return int(value.strip())
+    return int(text)
+
+
+def _same_origin(request: web.Request) -> None:
+    """A 403 for a request another site's page sent (its ``Origin`` names
+    another host than the one asked); none without an ``Origin`` (a script)."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return
+    if urlsplit(origin.strip()).netloc.lower() != request.host.lower():
+        raise ApiError(
+            403,
+            "a login or logout from another site's page is refused",
+            type="permission_error",
+            code="cross_origin",
+        )
+
+
+def _loopback(host: str | None) -> bool:
+    """Whether ``host`` (the name the page was asked for by) is this machine."""
+    if not host:
+        return False
+    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _no_key() -> ApiError:

@@ -8,6 +8,15 @@ The tail runs only while a console is open: the first subscriber starts it
 (from the last ``backlog`` events of the log, so a console opens on the recent
 past), the last one to leave stops it and deletes its consumer.
 
+The tail's failures are its own: whatever goes wrong (the broker away,
+``RQ_EVENTS`` missing or replaced), it is logged, every console is told (an
+``event: error`` with the reason), and the tail starts again after a capped
+backoff, for as long as a console is open. It never raises into the gateway's
+supervisor, so an admin's open page cannot make the gateway give up and stop
+serving the tenants. When it is back, consoles get an ``event: gap`` (reload
+the snapshot); a log that was replaced (re-provisioned: its sequences start
+over) is read from its start.
+
 A subscriber that reconnects names the last event it got (SSE's
 ``Last-Event-ID``, the event's stream sequence); :meth:`EventFeed.since`
 gives what came after it from the ring, or says that the ring no longer
@@ -42,41 +51,126 @@ from ..broker import (
 )
 from ..errors import NatsError, NatsNotFoundError
 from ..logs import get_logger
-from ..schema import EVENT_DECODER, EVENTS_STREAM, Completed, Event, Submitted, kind_of
+from ..schema import (
+    EVENT_DECODER,
+    EVENTS_STREAM,
+    Event,
+    InferenceRequest,
+    Submitted,
+    kind_of,
+)
 from ..tasks import Supervisor
 
-__all__ = ["EventFeed", "Subscriber", "summary"]
+__all__ = ["SHOWN", "EventFeed", "Subscriber", "shown", "summary"]
 
 log = get_logger("gateway.console")
 
 #: Events kept for consoles that open or reconnect.
 BACKLOG: Final = 500
+#: Seconds the tail waits before starting again after a failure: doubled per
+#: failure in a row, up to the most; a run of ``_HEALTHY`` seconds starts over.
+RETRY_BASE: Final = 0.2
+RETRY_MAX: Final = 5.0
+_HEALTHY: Final = 30.0
+#: A queued frame's sequence that says it is a notice, written whatever the
+#: subscriber got (:data:`NOTICE`), or that the log started over (:data:`RESTART`).
+NOTICE: Final = 0
+RESTART: Final = -1
 #: Frames a subscriber may have waiting before it is dropped as too slow.
 QUEUE_SIZE: Final = 2000
 #: The longest value of one field shown in an event's line.
 _FIELD_WIDTH: Final = 160
 _BATCH: Final = 256
-#: Fields every summary carries on their own (not in its line).
-_OWN: Final = frozenset({"kind", "v", "request_id", "tenant", "at", "backend"})
+#: What a console shows of each kind of event besides its kind, tenant, request
+#: and time: an allow-list, so a field not named here (one a later schema adds)
+#: is never shown. A ``submitted`` event's request is shown as its route,
+#: priority, message count, deadline and cost cap (never its messages, tools,
+#: parameters or metadata); a completion's ``text`` as its length (live) or its
+#: first :data:`TEXT_SHOWN` characters (a timeline), its ``tool_calls`` and
+#: ``logprobs`` as how many there are (never their arguments or tokens).
+SHOWN: Final[dict[str, tuple[str, ...]]] = {
+    "submitted": ("request", "traceparent"),
+    "rejected": ("error_type", "reason"),
+    "routed": (
+        "backend", "attempt", "priority", "queue_wait", "reason", "router", "term",
+        "reserved_tokens", "probe", "complexity_estimate", "predicted", "estimated_cost",
+        "split", "arm",
+    ),
+    "promoted": ("from_level", "to_level", "waited", "reason"),
+    "cancel_requested": ("reason",),
+    "preempted": ("backend", "attempt", "delivery", "by"),
+    "stolen": ("from_backend", "to_backend", "attempt", "from_seq"),
+    "coalesced": ("leader",),
+    "started": ("backend", "attempt", "delivery", "worker"),
+    "retrying": (
+        "backend", "attempt", "delivery", "error_type", "error_class", "reason",
+        "retry_after", "limits", "quota_exhausted_until", "requeued",
+    ),
+    "fell_back": (
+        "backend", "attempt", "delivery", "error_type", "error_class", "reason", "fallback",
+        "probe", "limits", "retry_after",
+    ),
+    "circuit": ("backend", "state", "previous", "reason", "router", "term"),
+    "probed": ("backend", "ok", "detail", "worker"),
+    "ab": ("route", "state", "arm", "previous", "reason", "router", "term", "operator"),
+    "completed": (
+        "backend", "attempt", "delivery", "text", "usage", "cost", "finish_reason", "ttft",
+        "duration", "shared_with", "limits", "reserved_tokens", "tool_calls", "logprobs",
+    ),
+    "failed": (
+        "error_type", "error_class", "reason", "backend", "attempt", "limits",
+        "quota_exhausted_until",
+    ),
+    "expired": ("stage", "reason", "split", "arm"),
+    "cancelled": ("stage", "reason"),
+}  # fmt: skip
+#: The longest completion text a timeline shows, and the longest other string.
+TEXT_SHOWN: Final = 200
+STRING_SHOWN: Final = 300
+#: Fields shown only as how many items they hold.
+_COUNTED: Final = frozenset({"tool_calls", "logprobs"})
+
+
+def shown(event: Event, *, live: bool) -> dict[str, object]:
+    """The fields of ``event`` a console may show (:data:`SHOWN`), JSON-ready:
+    a completion's text as its length when ``live`` (the event stream), else cut
+    at :data:`TEXT_SHOWN` characters (a timeline); other strings cut at
+    :data:`STRING_SHOWN`. Pure."""
+    out: dict[str, object] = {}
+    for name in SHOWN.get(kind_of(event), ()):
+        value = getattr(event, name, None)
+        if name in _COUNTED and isinstance(value, tuple):
+            out[name] = len(value)
+        elif isinstance(value, InferenceRequest):
+            out[name] = {
+                "route": value.route,
+                "priority": value.priority,
+                "messages": len(value.messages),
+                "deadline": value.deadline,
+                "max_cost": value.max_cost,
+            }
+        elif name == "text" and isinstance(value, str):
+            out[name] = f"{len(value)} characters" if live else _cut(value, TEXT_SHOWN)
+        elif isinstance(value, str):
+            out[name] = _cut(value, STRING_SHOWN)
+        else:
+            out[name] = msgspec.to_builtins(value)
+    return out
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def summary(seq: int, event: Event) -> dict[str, object]:
     """What a console shows of ``event`` (stored at ``seq``): JSON-ready. Pure."""
-    data = msgspec.to_builtins(event)
-    backend = data.get("backend") or data.get("to_backend")
-    if isinstance(event, Submitted):
-        request = event.request
-        details: dict[str, object] = {
-            "route": request.route,
-            "priority": request.priority,
-            "messages": len(request.messages),
-        }
-        if request.deadline is not None:
-            details["deadline"] = request.deadline
-    else:
-        details = {k: v for k, v in data.items() if k not in _OWN}
-        if isinstance(event, Completed):
-            details["text"] = f"{len(event.text)} characters"
+    details = shown(event, live=True)
+    if isinstance(event, Submitted):  # the request's figures, in the line itself
+        request = details.pop("request")
+        details.pop("traceparent", None)
+        if isinstance(request, dict):
+            details.update((k, v) for k, v in request.items() if k != "max_cost")
+    backend = details.pop("backend", None) or details.get("to_backend")
     line = " ".join(f"{key}={_short(value)}" for key, value in details.items() if _said(value))
     return {
         "seq": seq,
@@ -144,12 +238,16 @@ class EventFeed:
         backlog: int = BACKLOG,
         name: str = "console-feed",
         fetch_timeout: float = 1.0,
+        retry_max: float = RETRY_MAX,
     ) -> None:
         self._js = js
         self._supervisor = supervisor
         self._name = name
         self._fetch_timeout = fetch_timeout
         self._backlog = backlog
+        self._retry_max = retry_max
+        #: The log's creation time as last seen (a new one: it was replaced).
+        self._log_created: object = None
         self._ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=backlog)
         self._subscribers: set[Subscriber] = set()
         self._lock = asyncio.Lock()
@@ -163,6 +261,9 @@ class EventFeed:
         #: The tail's consumer on ``RQ_EVENTS`` while it has one, and how many it made.
         self.consumer: str | None = None
         self.consumers_made = 0
+        #: Why the tail is down (``None`` while it runs), and its failures so far.
+        self.down: str | None = None
+        self.failures = 0
 
     @property
     def subscribers(self) -> int:
@@ -192,19 +293,52 @@ class EventFeed:
 
     def since(self, seq: int) -> list[tuple[int, bytes]] | None:
         """The events kept after ``seq``; ``None`` if some after it are no longer kept."""
-        if seq < self._forgotten:
-            return None
+        if seq < self._forgotten or (self.last_seq and seq > self.last_seq):
+            return None  # some are gone, or it names events of a log since replaced
         return [(s, data) for s, data in self._ring if s > seq]
 
     def recent(self) -> list[tuple[int, bytes]]:
         return list(self._ring)
 
     async def _run(self) -> None:
+        """The tail, started again after each failure (see the module's docstring)."""
+        loop = asyncio.get_running_loop()
+        failures = 0
+        while True:
+            began = loop.time()
+            try:
+                await self._tail()
+            except Exception as exc:  # every failure is the feed's own, never the gateway's
+                if loop.time() - began >= _HEALTHY:
+                    failures = 0
+                failures += 1
+                self.failures += 1
+                delay = min(self._retry_max, RETRY_BASE * 2 ** (failures - 1))
+                self.down = _reason(exc)
+                fields = {"failures": failures, "retry_in": round(delay, 3), "reason": self.down}
+                if isinstance(exc, NatsError):
+                    log.warning("console feed failed; starting again", **fields)
+                else:
+                    log.exception("console feed failed; starting again", **fields)
+                self._tell(NOTICE, "error", {"reason": self.down, "retry_in": round(delay, 3)})
+                await asyncio.sleep(delay)
+
+    def _tell(self, seq: int, event: str, data: dict[str, object]) -> None:
+        """Hand every subscriber a notice (``event: <event>``)."""
+        item = (seq, b"event: %s\ndata: %s\n\n" % (event.encode(), msgspec.json.encode(data)))
+        for subscriber in list(self._subscribers):
+            subscriber.put(item)
+
+    async def _tail(self) -> None:
         js = self._js()
         start = await self._start_seq(js)
         psub = await _tail_consumer(js, start)
         self.consumer = psub.consumer
         self.consumers_made += 1
+        if self.down is not None:
+            log.info("console feed is back", was=self.down)
+            self.down = None
+            self._tell(NOTICE, "gap", {"reason": "the event log's tail is back"})
         try:
             idle = 0
             while True:
@@ -231,6 +365,13 @@ class EventFeed:
         joins up with it, else the last ``backlog`` events of the log."""
         info = await js.stream_info(EVENTS_STREAM)
         last = int(info.state.last_seq)
+        replaced = self._log_created is not None and info.created != self._log_created
+        self._log_created = info.created
+        if replaced or last < self.last_seq:  # re-provisioned: its sequences start over
+            log.warning("the event log was replaced: the console feed reads it from its start")
+            self._ring.clear()
+            self.last_seq = self._forgotten = 0
+            self._tell(RESTART, "gap", {"reason": "the event log was replaced"})
         if self.last_seq and last - self.last_seq <= self._backlog:
             return self.last_seq + 1
         start = max(1, last - self._backlog + 1)
@@ -258,6 +399,13 @@ class EventFeed:
             subscriber.put(item)
 
 
+def _reason(exc: Exception) -> str:
+    """What a console is told of a failure (no traceback)."""
+    if isinstance(exc, NatsNotFoundError):
+        return f"the event log ({EVENTS_STREAM}) is missing: is Ren-Queue provisioned? ({exc})"
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
 async def _tail_consumer(js: JetStream, start: int) -> PullSubscription:
     """An ephemeral, unacknowledged pull consumer on ``RQ_EVENTS`` from ``start``."""
     config = ConsumerConfig(
@@ -268,8 +416,4 @@ async def _tail_consumer(js: JetStream, start: int) -> PullSubscription:
         mem_storage=True,
         num_replicas=1,
     )
-    try:
-        return await js.pull_subscribe("rq.evt.>", stream=EVENTS_STREAM, config=config)
-    except NatsNotFoundError:
-        log.warning("no event log to tail yet (RQ_EVENTS): is Ren-Queue provisioned?")
-        raise
+    return await js.pull_subscribe("rq.evt.>", stream=EVENTS_STREAM, config=config)

@@ -387,11 +387,19 @@ function connect() {
   const source = new EventSource("/console/api/events");
   state.source = source;
   source.onopen = () => { $("live").className = "pill on"; setText($("live"), "live"); };
-  source.onerror = () => {
+  source.onerror = (event) => {
+    if (event.data) {  // the gateway says its tail of the event log is down (and retries)
+      $("live").className = "pill off"; setText($("live"), "feed down");
+      $("live").title = JSON.parse(event.data).reason || "";
+      return;
+    }
     $("live").className = "pill off"; setText($("live"), "reconnecting");
     if (source.readyState === EventSource.CLOSED) setTimeout(probeKey, 2000);
   };
-  source.addEventListener("gap", () => { state.dirty = true; refreshSoon(0); });
+  source.addEventListener("gap", () => {
+    $("live").className = "pill on"; setText($("live"), "live"); $("live").title = "the event stream";
+    state.dirty = true; refreshSoon(0);
+  });
   source.onmessage = (message) => {
     state.pending.push(JSON.parse(message.data));
     if (!state.drawScheduled) {
