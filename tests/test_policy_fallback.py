@@ -173,7 +173,19 @@ def test_the_attempts_bound_the_cascade() -> None:
         error(FailureClass.OVERLOADED), failed_runs=0, policy=POLICY, random=half, route=route
     )
     assert isinstance(got, Fail)
-    assert "tried 3 backends" in got.reason
+    assert "3 attempts, the route's fallback.attempts, used on 2 backends: b, a" in got.reason
+
+
+def test_a_request_that_used_its_attempts_on_one_backend_says_so() -> None:
+    # A route whose other candidates could not take it binds it to the one that
+    # failed it again: three attempts on one backend, not "3 backends".
+    route = facts(fallback=Fallback(excluded=("a",), count=2))
+    got = after_failure(
+        error(FailureClass.SERVER_ERROR), failed_runs=1, policy=POLICY, random=half, route=route
+    )
+    assert isinstance(got, Fail)
+    assert got.reason.endswith("(3 attempts, the route's fallback.attempts, used on 1 backend: a)")
+    assert "backends" not in got.reason
 
 
 def test_a_probe_call_that_fails_uses_no_attempt_and_is_not_retried_here() -> None:

@@ -141,6 +141,9 @@ RETRY_HERE_FIRST: Final = frozenset(
 #: 429 to each other's fallbacks cannot pass a request between them forever.
 _FREE_429S: Final = 3
 
+#: The most backend names a failure's reason lists.
+_NAMES_SHOWN: Final = 5
+
 #: Classes that say "not now" (a 429, an overloaded server): they fall back at
 #: once, unless no other candidate could take the request, and then it waits
 #: here for the time the provider named (or the backoff), as the budget allows.
@@ -380,10 +383,8 @@ def _fall_back(
     )
     count = fallback.count + (0 if free else 1)
     if count >= route.policy.attempts:
-        return Fail(
-            error_type=error_type,
-            reason=f"{reason} (tried {count} backends, the route's fallback.attempts)"[:1000],
-        )
+        tried = tuple(dict.fromkeys((*fallback.excluded, failed.name)))
+        return Fail(error_type=error_type, reason=f"{reason} ({_used_up(count, tried)})"[:1000])
     min_context = fallback.min_context
     if error.failure is FailureClass.CONTEXT_LENGTH and failed.context_window is not None:
         min_context = max(min_context or 0, failed.context_window + 1)
@@ -432,6 +433,16 @@ def _fall_back(
             not_before=route.now + backoff(max(count, 1), policy, random),
         ),
     )
+
+
+def _used_up(count: int, tried: tuple[str, ...]) -> str:
+    """What a request that used all its attempts was tried on, truthfully: its
+    charged attempts, and the distinct backends they ran on (one backend may
+    take several, when no other candidate could)."""
+    shown = ", ".join(tried[:_NAMES_SHOWN]) + (", ..." if len(tried) > _NAMES_SHOWN else "")
+    backends = "1 backend" if len(tried) == 1 else f"{len(tried)} backends"
+    attempts = "1 attempt" if count == 1 else f"{count} attempts"
+    return f"{attempts}, the route's fallback.attempts, used on {backends}: {shown}"
 
 
 def _elsewhere(route: RouteFacts) -> bool:
