@@ -14,6 +14,7 @@ Environment overrides (applied after the file):
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -1083,13 +1084,102 @@ class Config(_Section, frozen=True, kw_only=True):
 _S = TypeVar("_S")
 
 
-def _convert(value: Any, type_: type[_S], path: str, source: str | None) -> _S:
+#: msgspec's words for a key no field has.
+_UNKNOWN_FIELD: Final = re.compile(r"^Object contains unknown field `(?P<key>.*)`$", re.DOTALL)
+#: One step of msgspec's error path: ``.field``, ``[0]`` (a list), ``[...]`` (a table's value).
+_PATH_STEP: Final = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
+
+
+def _convert(
+    value: Any, type_: type[_S], path: str, source: str | None, *, unknown_note: str = ""
+) -> _S:
+    """``value`` as ``type_``, or a :class:`ConfigError` at the offending field's path.
+
+    An unknown key's error says "did you mean" when a known key of that table
+    (or one below it) is close (:func:`_did_you_mean`), else ``unknown_note``.
+    """
     try:
         return msgspec.convert(value, type_, strict=True)
     except msgspec.ValidationError as exc:
         message, _, where = str(exc).partition(" - at `")
-        field = path + where.rstrip("`")[1:] if where else path
+        where = where.rstrip("`")
+        field = path + where[1:] if where else path
+        unknown = _UNKNOWN_FIELD.match(message)
+        if unknown is not None:
+            hint = _did_you_mean(unknown["key"], _tables_at(type_, value, where or "$"))
+            message += hint or unknown_note
         raise ConfigError(message, path=field, source=source) from exc
+
+
+def _did_you_mean(key: str, tables: list[msgspec.inspect.StructType]) -> str:
+    """``; did you mean `<the closest known key>`?``, or "" when none is close.
+
+    The keys of ``tables`` first, then those one table down (``limits.concurrency``
+    for a ``concurency`` put in a backend's own table)."""
+    here = sorted({f.encode_name for table in tables for f in table.fields})
+    close = difflib.get_close_matches(key, here, n=1)
+    if close:
+        return f"; did you mean `{close[0]}`?"
+    below = {
+        f"{f.encode_name}.{g.encode_name}": g.encode_name
+        for table in tables
+        for f in table.fields
+        for inner in _members(f.type, None)
+        if isinstance(inner, msgspec.inspect.StructType)
+        for g in inner.fields
+    }
+    close = difflib.get_close_matches(key, sorted(set(below.values())), n=1)
+    if close:
+        return f"; did you mean `{min(k for k, v in below.items() if v == close[0])}`?"
+    return ""
+
+
+def _tables_at(type_: Any, value: Any, where: str) -> list[msgspec.inspect.StructType]:
+    """The tables (structs) ``where`` (msgspec's error path, from ``$``) names in
+    ``type_``, walking ``value`` alongside to pick a tagged union's member."""
+    found: list[tuple[msgspec.inspect.Type, Any]] = [(msgspec.inspect.type_info(type_), value)]
+    for name, index in _PATH_STEP.findall(where):
+        steps: list[tuple[msgspec.inspect.Type, Any]] = []
+        for info, here in found:
+            for one in _members(info, here):
+                if name and isinstance(one, msgspec.inspect.StructType):
+                    inner = here.get(name) if isinstance(here, Mapping) else None
+                    steps += [(f.type, inner) for f in one.fields if f.encode_name == name]
+                elif index == "..." and isinstance(one, msgspec.inspect.DictType):
+                    steps.append((one.value_type, None))
+                elif index.isdigit() and isinstance(
+                    one, msgspec.inspect.ListType | msgspec.inspect.VarTupleType
+                ):
+                    items = here if isinstance(here, list) else []
+                    steps.append(
+                        (one.item_type, items[int(index)] if int(index) < len(items) else None)
+                    )
+        found = steps
+    return [
+        one
+        for info, here in found
+        for one in _members(info, here)
+        if isinstance(one, msgspec.inspect.StructType)
+    ]
+
+
+def _members(info: msgspec.inspect.Type, value: Any) -> list[msgspec.inspect.Type]:
+    """``info`` without its metadata, a union as its members (a tagged union's
+    member named by ``value``'s tag only, when it names one)."""
+    while isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
+    if not isinstance(info, msgspec.inspect.UnionType):
+        return [info]
+    members = [m.type if isinstance(m, msgspec.inspect.Metadata) else m for m in info.types]
+    tagged: list[msgspec.inspect.Type] = [
+        m
+        for m in members
+        if isinstance(m, msgspec.inspect.StructType)
+        and m.tag_field is not None
+        and isinstance(value, Mapping)
+        and value.get(m.tag_field) == m.tag
+    ]
+    return tagged or members
 
 
 def _convert_backend(value: Any, path: str, source: str | None) -> AnyBackendConfig:
@@ -1103,16 +1193,14 @@ def _convert_backend(value: Any, path: str, source: str | None) -> AnyBackendCon
             path=f"{path}.adapter",
             source=source,
         )
-    try:
-        return _convert({"adapter": adapter, **value}, AnyBackendConfig, path, source)  # type: ignore[arg-type]
-    except ConfigError as exc:
-        if "unknown field" not in str(exc):
-            raise
-        # An option of another adapter: say which adapter this one is.
-        message = str(exc).removeprefix(f"{source}: " if source else "").rpartition(" (at ")[0]
-        raise ConfigError(
-            f"{message}: not an option of adapter {adapter!r}", path=exc.path, source=source
-        ) from exc
+    # An unknown key may be an option of another adapter: say which adapter this one is.
+    return _convert(
+        {"adapter": adapter, **value},
+        AnyBackendConfig,  # type: ignore[arg-type]
+        path,
+        source,
+        unknown_note=f": not an option of adapter {adapter!r}",
+    )
 
 
 def parse_config(data: Mapping[str, Any], *, source: str | None = None) -> Config:

@@ -68,6 +68,70 @@ def test_invalid_config_names_the_field(data: dict[str, object], path: str, word
     assert words in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("data", "path", "hint"),
+    [
+        ({"nats": {"prot": 1}}, "$.nats", "did you mean `port`?"),
+        ({"routr": {}}, "$", "did you mean `router`?"),
+        (
+            {"backends": {"a": {**BACKEND, "limits": {"concurency": 2}}}},
+            "$.backends.a.limits",
+            "did you mean `concurrency`?",
+        ),
+        # Put one table too high: the key it belongs under is named.
+        ({"backends": {"a": {**BACKEND, "concurency": 2}}}, "$.backends.a", "`limits.concurrency`"),
+        (
+            {"backends": {"a": {**BACKEND, "adapter": "ollama", "optons": {}}}},
+            "$.backends.a",
+            "did you mean `options`?",
+        ),
+        (
+            {"backends": {"a": BACKEND}, "routes": {"r": {"backends": ["a"], "fallbak": {}}}},
+            "$.routes.r",
+            "did you mean `fallback`?",
+        ),
+        (
+            {
+                "backends": {"a": BACKEND},
+                "routes": {"r": {"backends": ["a"], "fallback": {"attemps": 2}}},
+            },
+            "$.routes.r.fallback",
+            "did you mean `attempts`?",
+        ),
+        ({"gateway": {"keys": [{"tenant": "t", "sha265": "x"}]}}, "$.gateway.keys[0]", "`sha256`"),
+        ({"tenants": {"*": {"budgte": 1}}}, "$.tenants.*", "did you mean `budget`?"),
+    ],
+)
+def test_an_unknown_key_suggests_the_closest_known_one(
+    data: dict[str, object], path: str, hint: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert info.value.path == path
+    assert "unknown field" in str(info.value)
+    assert hint in str(info.value)
+
+
+def test_an_unknown_key_like_no_known_one_gets_no_guess() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"router": {"zzzzzz": 1}})
+    assert "did you mean" not in str(info.value)
+
+
+def test_the_documented_typo_error_is_what_a_typo_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("renqueue.toml").write_text(
+        '[backends.groq]\nbase_url = "http://127.0.0.1:1/v1"\nmodel = "m"\n'
+        "[backends.groq.limits]\nconcurency = 4\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(Path("renqueue.toml"), environ={})
+    docs = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    assert f"renqueue: {info.value}\n" in docs
+
+
 def test_quota_hold_of_a_second_or_more_is_taken() -> None:
     assert parse_config({"worker": {"quota_hold": "1s"}}).worker.failure_policy().quota_hold == 1.0
     assert parse_config({}).worker.failure_policy().quota_hold == 600.0
