@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from renqueue.broker import EmbeddedServer, ServerState, connect, resolve_nats_url, url_file
+from renqueue.broker._embedded import _REMOVED, LOCK_FILE_NAME, _DataDirLock
 from renqueue.config import parse_config
 from renqueue.errors import ConnectionFailedError, EmbeddedServerError
 
@@ -119,6 +120,39 @@ async def test_url_file_is_written_while_running_and_removed_on_stop(tmp_path: P
     async with EmbeddedServer(tmp_path, port=-1) as server:
         assert url_file(tmp_path).read_text().strip() == server.url
     assert not url_file(tmp_path).exists()
+
+
+async def test_the_lock_file_is_removed_on_stop_and_an_empty_one_is_taken(
+    tmp_path: Path,
+) -> None:
+    lock = tmp_path / LOCK_FILE_NAME
+    lock.write_text("")  # left by a run that stopped before it recorded a pid
+    async with EmbeddedServer(tmp_path, port=-1) as server:
+        assert lock.read_text().split() == [str(server.pid)]
+    assert not lock.exists()
+
+
+def test_a_lock_file_removed_by_its_holder_is_not_taken_but_made_anew(tmp_path: Path) -> None:
+    # A start that opened the file before its holder removed it must not lock the
+    # removed file: another start could lock the new one at the same time.
+    first = _DataDirLock.acquire(tmp_path)
+    opened_before = os.open(tmp_path / LOCK_FILE_NAME, os.O_RDWR)
+    first.release()
+    late = _DataDirLock(tmp_path / LOCK_FILE_NAME, opened_before)
+    try:
+        assert late._take(tmp_path) == _REMOVED
+    finally:
+        late.close()
+    second = _DataDirLock.acquire(tmp_path)
+    try:
+        third = os.open(tmp_path / LOCK_FILE_NAME, os.O_RDWR)
+        assert os.fstat(third).st_ino == os.fstat(second.fd).st_ino
+        os.close(third)
+        with pytest.raises(EmbeddedServerError, match="in use by another process"):
+            _DataDirLock.acquire(tmp_path)
+    finally:
+        second.release()
+    assert not (tmp_path / LOCK_FILE_NAME).exists()
 
 
 async def test_runs_with_the_repo_embedded_config(tmp_path: Path) -> None:

@@ -47,7 +47,8 @@ on the same data dir is refused with one plain line naming the pid (two
 servers on one JetStream store would corrupt it; nats-server does not stop
 it): "a nats-server from an earlier run is still running, pid N", or, while
 the ``renqueue`` that owns it runs, that one's pid too. A lock left by a
-server that is gone is taken over.
+server that is gone (a dead pid, or an empty file) is taken over, and a
+server stopped here removes it.
 """
 
 from __future__ import annotations
@@ -97,6 +98,11 @@ URL_FILE_NAME: Final = "nats.url"
 CONFIG_FILE_NAME: Final = "nats-server.conf"
 #: Name of the lock file, inside the data dir, holding the running server's pid.
 LOCK_FILE_NAME: Final = "nats-server.pid"
+#: Starts over on a fresh lock file at most this many times (each one removed by
+#: its holder between our open and our lock).
+_LOCK_TRIES: Final = 10
+#: What :meth:`_DataDirLock._take` says when the file it locked was removed.
+_REMOVED: Final = "removed"
 
 # prctl(2) option: the signal the kernel sends a process when its parent dies.
 _PR_SET_PDEATHSIG: Final = 1
@@ -593,8 +599,11 @@ class _DataDirLock:
 
     The lock is held while any process holding the open file lives: the one
     that started the server and the server (which inherits the descriptor).
-    The file is never removed (removing a lock file races with a process
-    about to lock it); an empty or dead pid in it means no server.
+    An empty file or a dead pid in it means no server. Once the server is gone
+    the file is removed, while still locked: a process that opened it before
+    and locks it after finds that the path no longer names what it locked
+    (another inode, or none) and starts over on a fresh file, so two starts
+    never both hold the lock.
     """
 
     def __init__(self, path: Path, fd: int) -> None:
@@ -605,24 +614,31 @@ class _DataDirLock:
     def acquire(cls, data_dir: Path) -> _DataDirLock:
         """Lock ``data_dir``, or raise EmbeddedServerError saying who holds it."""
         path = data_dir / LOCK_FILE_NAME
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise EmbeddedServerError(f"cannot open {path}: {exc.strerror}") from exc
-        lock = cls(path, fd)
-        try:
-            refusal = lock._take(data_dir)
-        except BaseException:
+        for _ in range(_LOCK_TRIES):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                raise EmbeddedServerError(f"cannot open {path}: {exc.strerror}") from exc
+            lock = cls(path, fd)
+            try:
+                refusal = lock._take(data_dir)
+            except BaseException:
+                lock.close()
+                raise
+            if refusal is None:
+                return lock
             lock.close()
-            raise
-        if refusal is not None:
-            lock.close()
-            raise EmbeddedServerError(refusal)
-        return lock
+            if refusal != _REMOVED:
+                raise EmbeddedServerError(refusal)
+        raise EmbeddedServerError(
+            f"cannot lock {path}: it was removed and created again {_LOCK_TRIES} times"
+        )
 
     def _take(self, data_dir: Path) -> str | None:
         """Lock and clear the file; or, when a server holds the data dir, why not."""
         held = not self._try_flock()
+        if not held and not self._still_named():
+            return _REMOVED  # its holder removed it after use: lock the new one
         pid = self._recorded_pid()
         serving = pid is not None and _serves(pid, data_dir)
         if held or serving:
@@ -645,6 +661,14 @@ class _DataDirLock:
             raise EmbeddedServerError(f"cannot lock {self.path}: {exc.strerror}") from exc
         return True
 
+    def _still_named(self) -> bool:
+        """Whether the path still names the file this descriptor holds."""
+        try:
+            named, held = os.stat(self.path), os.fstat(self.fd)
+        except OSError:
+            return False
+        return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
     def _recorded_pid(self) -> int | None:
         try:
             text = os.pread(self.fd, 64, 0).decode("ascii", "replace").strip()
@@ -662,9 +686,13 @@ class _DataDirLock:
             raise EmbeddedServerError(f"cannot write {self.path}: {exc.strerror}") from exc
 
     def release(self) -> None:
-        """The server is gone: clear the pid and unlock."""
-        with contextlib.suppress(EmbeddedServerError):
-            self.record(None)
+        """The server is gone: remove the file (still locked: see the class) and unlock."""
+        try:
+            if self._still_named():
+                self.path.unlink()
+        except OSError:
+            with contextlib.suppress(EmbeddedServerError):
+                self.record(None)  # cannot remove it: leave it empty, which means no server
         self.close()
 
     def close(self) -> None:
