@@ -1010,6 +1010,39 @@ async def test_a_lost_stream_resumes_from_last_event_id_without_loss_or_repeat(
     assert mock.stats().requests == 1
 
 
+def _created(text: str) -> set[int]:
+    """The ``created`` of every chunk of an SSE answer."""
+    return {
+        json.loads(event.split("data: ", 1)[1])["created"]
+        for event in text.split("\n\n")
+        if "data: {" in event
+    }
+
+
+async def test_every_chunk_of_every_stream_of_a_request_has_its_creation_time(
+    stack: Stack, mock: MockBackend
+) -> None:
+    mock.update(output_tokens=5)
+    # Made an hour ago (by its submitted_at): a resume now still says then.
+    async with stack.client() as client:
+        built = client.build_request(MESSAGES, route="chat")
+        made = built.submitted_at - 3600
+        handle = await client.submit_request(msgspec.structs.replace(built, submitted_at=made))
+        await handle.result(timeout=15)
+    body = {"model": "chat", "messages": MESSAGES, "stream": True}
+    async with stack.http() as http:
+        whole = await http.get(f"/requests/{handle.id}/stream")
+        resumed = await http.get(f"/requests/{handle.id}/stream", headers={"Last-Event-ID": "0"})
+        state = (await http.get(f"/requests/{handle.id}")).json()
+        # Through the gateway: the first stream, its resume, and the request agree.
+        streamed = await http.post("/chat/completions", json=body)
+        rid = streamed.headers["x-request-id"]
+        again = await http.get(f"/requests/{rid}/stream", headers={"Last-Event-ID": "0"})
+        submitted = (await http.get(f"/requests/{rid}")).json()
+    assert _created(whole.text) == _created(resumed.text) == {int(made)} == {state["created"]}
+    assert _created(streamed.text) == _created(again.text) == {submitted["created"]}
+
+
 async def test_delete_cancels_a_running_request(stack: Stack, mock: MockBackend) -> None:
     mock.update(ttft=30.0)
     async with stack.http() as http:

@@ -98,9 +98,10 @@ class Answers:
                 raise ApiError(500, str(exc), type="server_error", code=exc.error_type) from None
             raise from_terminal(event, now=time.time()) from None
 
-    async def complete(self, handle: RequestHandle, route: str) -> web.Response:
+    async def complete(self, handle: RequestHandle, route: str, created: int) -> web.Response:
+        """The whole answer; ``created``: when the request was made (Unix seconds)."""
         result = await self.outcome(handle)
-        body = answer_bytes(handle.id, route, int(time.time()), result)
+        body = answer_bytes(handle.id, route, created, result)
         response = web.Response(body=body, content_type=_JSON)
         response.headers["x-request-id"] = handle.id
         response.headers["x-renqueue-backend"] = result.backend
@@ -111,11 +112,16 @@ class Answers:
         request: web.Request,
         handle: RequestHandle,
         route: str,
+        *,
+        created: int,
         include_usage: bool,
         after: _After | None = None,
     ) -> web.StreamResponse:
-        """Stream ``handle`` as chat.completion.chunks, from after ``after``."""
-        sse = _Sse(handle.id, route, include_usage, after or _After("start"))
+        """Stream ``handle`` as chat.completion.chunks, from after ``after``.
+
+        ``created``: when the request was made (Unix seconds), the same in
+        every chunk of every stream of it, resumed or not."""
+        sse = _Sse(handle.id, route, created, include_usage, after or _After("start"))
         chunks = _Chunks(handle)
         try:
             # The status line waits for the first chunk (or the end): a request
@@ -156,12 +162,14 @@ class _Sse:
     """One streamed answer: what was sent, and what comes next (see
     :func:`parse_last_event_id` for the event ids)."""
 
-    def __init__(self, request_id: str, route: str, include_usage: bool, after: _After) -> None:
+    def __init__(
+        self, request_id: str, route: str, created: int, include_usage: bool, after: _After
+    ) -> None:
         self.request_id = request_id
         self.route = route
         self.include_usage = include_usage
         self.after = after
-        self.created = int(time.time())
+        self.created = created
         self.response: web.StreamResponse | None = None
         self.text_sent = after.stage not in {"start", "role"}
         self.tool_calls = ToolCallPieces(request_id)

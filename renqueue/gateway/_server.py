@@ -75,7 +75,7 @@ from ._errors import ApiError, from_error
 from ._idempotency import fingerprint, id_for_key
 from ._keys import KeyStore
 from ._openai import model_list, model_object
-from ._submissions import ID_RE, Submissions, new_id, no_model
+from ._submissions import ID_RE, Origin, Submissions, new_id, no_model
 
 __all__ = ["Gateway", "run_gateway"]
 
@@ -351,15 +351,21 @@ class Gateway(Lifecycle):
 
     async def _route_of(self, tenant: str, request_id: str) -> str:
         """The route of one of the tenant's requests; 404 if the tenant has none by that id."""
+        return (await self._origin_of(tenant, request_id)).route
+
+    async def _origin_of(self, tenant: str, request_id: str) -> Origin:
+        """The route and creation of one of the tenant's requests; 404 if the
+        tenant has none by that id."""
         if not ID_RE.match(request_id):
             raise _no_such(request_id)
-        route = self._submissions.recent_route(tenant, request_id)
-        if route is not None:
-            return route
+        origin = self._submissions.recent(tenant, request_id)
+        if origin is not None:
+            return origin
         submitted = await submitted_of(self.js, tenant, request_id)
         if submitted is None:
             raise _no_such(request_id)
-        return submitted.request.route
+        request = submitted.request
+        return Origin(request.route, int(request.submitted_at))
 
     # ------------------------------------------------------------ endpoints
 
@@ -407,6 +413,8 @@ class Gateway(Lifecycle):
                     )
                 raise
             request[_REQUEST_ID] = handle.id
+            origin = self._submissions.recent(tenant_name, handle.id)
+            created = int(time.time()) if origin is None else origin.created
             with (
                 self._submissions.following(tenant_name, handle.id),
                 bound_request(handle.id, tenant=tenant_name),
@@ -414,9 +422,13 @@ class Gateway(Lifecycle):
                 try:
                     if sub.stream:
                         return await self._answers.stream(
-                            request, handle, sub.route, sub.include_usage
+                            request,
+                            handle,
+                            sub.route,
+                            created=created,
+                            include_usage=sub.include_usage,
                         )
-                    return await self._answers.complete(handle, sub.route)
+                    return await self._answers.complete(handle, sub.route, created)
                 except asyncio.CancelledError:
                     if not keep and not self._closing:
                         self._submissions.cancel_later(tenant.client, handle.id, print_)
@@ -432,11 +444,13 @@ class Gateway(Lifecycle):
         request[_REQUEST_ID] = request_id
         after = parse_last_event_id(request.headers.get("Last-Event-ID"))
         include_usage = request.query.get("include_usage", "").lower() in ("1", "true")
-        route = await self._route_of(tenant_name, request_id)
+        route, created = await self._origin_of(tenant_name, request_id)
         tenant = self._tenant(tenant_name)
         handle = tenant.client.handle(request_id)
         with self._slot(tenant), bound_request(request_id, tenant=tenant_name):
-            return await self._answers.stream(request, handle, route, include_usage, after)
+            return await self._answers.stream(
+                request, handle, route, created=created, include_usage=include_usage, after=after
+            )
 
     async def _request_state(self, request: web.Request) -> web.Response:
         tenant_name = self._tenant_of(request)

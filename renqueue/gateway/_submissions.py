@@ -21,7 +21,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from typing import Final
+from typing import Final, NamedTuple
 
 import msgspec
 
@@ -60,6 +60,14 @@ ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 #: that they can be followed before a router has logged them.
 _RECENT: Final = 10_000
 _KEY_RE: Final = re.compile(rf"^[\x21-\x7e]{{1,{MAX_KEY_LENGTH}}}$")
+
+
+class Origin(NamedTuple):
+    """A request's route, and when it was made (its ``submitted_at``, whole
+    seconds): the ``created`` of every answer and chunk of it, resumed or not."""
+
+    route: str
+    created: int
 
 
 def new_id() -> str:
@@ -118,7 +126,7 @@ class Submissions:
         self._state: KeyValue | None = None
         #: Calls of this process following each request, by (tenant, id).
         self._following: collections.Counter[tuple[str, str]] = collections.Counter()
-        self._recent: dict[tuple[str, str], str] = {}
+        self._recent: dict[tuple[str, str], Origin] = {}
 
     def renew(self) -> None:
         """The gateway's connection was renewed: the bucket is opened again on the new one."""
@@ -178,13 +186,13 @@ class Submissions:
 
     # ------------------------------------------------------------ following
 
-    def recent_route(self, tenant: str, request_id: str) -> str | None:
-        """The route of a request this process submitted lately (before a router
-        may have logged it), if it is one."""
+    def recent(self, tenant: str, request_id: str) -> Origin | None:
+        """The route and creation of a request this process submitted lately
+        (before a router may have logged it), if it is one."""
         return self._recent.get((tenant, request_id))
 
-    def _remember_recent(self, tenant: str, request_id: str, route: str) -> None:
-        self._recent[(tenant, request_id)] = route
+    def _remember_recent(self, tenant: str, request_id: str, origin: Origin) -> None:
+        self._recent.setdefault((tenant, request_id), origin)
         while len(self._recent) > _RECENT:
             del self._recent[next(iter(self._recent))]
 
@@ -223,6 +231,8 @@ class Submissions:
                 if existing.request.metadata.get(BODY_KEY, print_) != print_:
                     raise _key_reused()
                 metrics.RETRIES_JOINED.labels("idempotency_key").inc()
+                created = int(existing.request.submitted_at)
+                self._remember_recent(tenant, request_id, Origin(sub.route, created))
                 return client.handle(request_id)
             metadata = {**metadata, BODY_KEY: print_}
         elif retry and (joined := await self._joinable(tenant, print_)) is not None:
@@ -259,8 +269,22 @@ class Submissions:
             await self._same_body(tenant, request_id, print_)
             if handle.duplicate:
                 metrics.RETRIES_JOINED.labels("idempotency_key").inc()
-        self._remember_recent(tenant, handle.id, sub.route)
+        created = int(built.submitted_at)
+        if handle.duplicate or handle.found_on_retry:
+            # The stored request is an earlier try's: its creation, if known.
+            created = await self._created_of_stored(tenant, handle.id, created)
+        self._remember_recent(tenant, handle.id, Origin(sub.route, created))
         return handle
+
+    async def _created_of_stored(self, tenant: str, request_id: str, built: int) -> int:
+        """When the stored request ``request_id`` was made (an earlier try of a
+        retry that joined it): remembered here, or its ``submitted`` event;
+        ``built`` (this try's) when neither has it yet."""
+        known = self.recent(tenant, request_id)
+        if known is not None:
+            return known.created
+        stored = await submitted_of(self._js(), tenant, request_id)
+        return built if stored is None else int(stored.request.submitted_at)
 
     async def _same_body(self, tenant: str, request_id: str, print_: str) -> None:
         """A keyed submit that was a duplicate: 422 if the request under that
