@@ -28,12 +28,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from ..broker import JetStream
 from ..config import Config
-from ..errors import ConfigError, NatsNotFoundError
+from ..errors import NatsNotFoundError
 from ..policy import EVERY_TENANT
 from ..schema import BINDER_LEASE, DLQ_STREAM, EVENTS_STREAM, STATE_BUCKET
 from ._lease import LeaseHolder, read_lease
 from ._split_status import SplitReport, splits_of
-from ._status import BackendStatus, StatusReport, status_of
+from ._status import BackendStatus, StatusReport, out_of_service_here, status_of
 from ._verify import read_checkpoint
 
 __all__ = [
@@ -215,13 +215,7 @@ async def _lag(js: JetStream, status: StatusReport, now: float) -> float:
 def out_of_service(config: Config) -> frozenset[str]:
     """The configured backends whose API key cannot be read here (as ``renqueue up``
     takes them out of service)."""
-    out = set()
-    for name, backend in config.backends.items():
-        try:
-            backend.api_key(path=f"$.backends.{name}")
-        except ConfigError:
-            out.add(name)
-    return frozenset(out)
+    return frozenset(out_of_service_here(config))
 
 
 # ---------------------------------------------------------------- the families

@@ -8,7 +8,9 @@ Where each figure comes from:
 
 - per backend, from the config and the projector's checkpoint (the key
   ``projection`` in ``rq-state``): health (its circuit breaker as the binder
-  last logged it, and its active probe's latest answer), requests in flight,
+  last logged it, and its active probe's latest answer; ``out: no API key``
+  when its key cannot be read where the status is read, as ``renqueue up``
+  takes such a backend out of service there), requests in flight,
   the provider's cooldown and exhausted quota, and for each limit it is judged
   by (declared, tightened by what the provider reported:
   :func:`renqueue.policy.limit_usage`) what is used and left and when it
@@ -51,7 +53,7 @@ from msgspec import Struct
 
 from ..broker import JetStream
 from ..config import Config
-from ..errors import NatsApiError, NatsNotFoundError
+from ..errors import ConfigError, NatsApiError, NatsNotFoundError
 from ..policy import (
     Budget,
     Cost,
@@ -83,6 +85,7 @@ __all__ = [
     "StatusReport",
     "TenantStatus",
     "backend_status",
+    "out_of_service_here",
     "read_status",
     "render_status",
     "status_of",
@@ -104,7 +107,8 @@ class BackendStatus(Struct, frozen=True, kw_only=True):
     name: str
     #: Whether the config names it (a backend only the log names has no limits here).
     configured: bool
-    #: Whether the binder may bind to it: its circuit is not open.
+    #: Whether the binder may bind to it: its circuit is not open, and it is
+    #: not out of service (``out``).
     healthy: bool
     consecutive_failures: int
     last_error_type: str | None
@@ -143,6 +147,10 @@ class BackendStatus(Struct, frozen=True, kw_only=True):
     faults: int = 0
     #: The windows its provider reported (limit, remaining, reset), by limit key.
     learned: dict[str, Learned] = {}
+    #: Why it is out of service where the status was read ("" if it is not):
+    #: its API key cannot be read there (``renqueue up`` takes it out of every
+    #: route and runs no worker for it).
+    out: str = ""
 
 
 class LevelStatus(Struct, frozen=True, kw_only=True):
@@ -210,6 +218,7 @@ async def status_of(
     the consumers and the oldest requests are read here."""
     state = ProjectionState() if checkpoint is None else checkpoint
     names = [*config.backends, *sorted(set(state.backends) - set(config.backends))]
+    out = out_of_service_here(config)
     stream, queues, levels = await asyncio.gather(
         js.stream_info(EVENTS_STREAM),
         asyncio.gather(*(_pending(js, DISPATCH_STREAM, worker_consumer(n)) for n in names)),
@@ -223,6 +232,7 @@ async def status_of(
             at,
             waiting=None if queue is None else queue[0],
             running=None if queue is None else queue[1],
+            out=out.get(name, ""),
         )
         for name, queue in zip(names, queues, strict=True)
     )
@@ -260,10 +270,12 @@ def backend_status(
     *,
     waiting: int | None = None,
     running: int | None = None,
+    out: str = "",
 ) -> BackendStatus:
     """One backend's status from its folded state and its config, at ``now``. Pure.
 
     ``waiting`` and ``running``: its worker consumer's counts (``None``: no consumer).
+    ``out``: why it is out of service here ("" if it is not: :func:`out_of_service_here`).
     A quota whose times no calendar holds (a damaged or forged checkpoint) is
     not judged: ``held`` says so and no limit is listed.
     """
@@ -281,7 +293,7 @@ def backend_status(
     return BackendStatus(
         name=name,
         configured=backend is not None,
-        healthy=state.circuit != "open",
+        healthy=state.circuit != "open" and not out,
         consecutive_failures=state.consecutive_failures,
         last_error_type=state.last_error_type,
         in_flight=state.in_flight,
@@ -303,7 +315,20 @@ def backend_status(
         perf=state.perf,
         faults=state.faults,
         learned=dict(quota.learned),
+        out=out,
     )
+
+
+def out_of_service_here(config: Config) -> dict[str, str]:
+    """The configured backends whose API key cannot be read here, each with why
+    (``no API key: ...``): ``renqueue up`` takes them out of service."""
+    out = {}
+    for name, backend in config.backends.items():
+        try:
+            backend.api_key(path=f"$.backends.{name}")
+        except ConfigError as exc:
+            out[name] = f"no API key: {exc}"
+    return out
 
 
 def _ahead(until: float | None, now: float) -> float | None:
@@ -370,6 +395,7 @@ def render_status(report: StatusReport) -> list[str]:
     ]
     for section in (
         _backend_lines(report.backends),
+        _out_lines(report.backends),
         _pause_lines(report.backends, now),
         _circuit_lines(report.backends),
         _learned_lines(report.backends),
@@ -385,20 +411,32 @@ def render_status(report: StatusReport) -> list[str]:
 def _backend_lines(backends: Sequence[BackendStatus]) -> list[str]:
     lines = [
         "Backends",
-        f"  {'backend':<16} {'health':<14} {'in flight':>9} {'waiting':>7} {'running':>7}"
+        f"  {'backend':<16} {'health':<15} {'in flight':>9} {'waiting':>7} {'running':>7}"
         f" {'slots':>5} {'done':>7} {'failed':>6} {'429s':>5} {'spend $':>10}  held",
     ]
     for b in backends:
         health = b.circuit.replace("_", "-")
         if b.consecutive_failures:
             health += f" ({b.consecutive_failures})"
+        if b.out:
+            health = "out: no API key"
         held = shorten(printable(b.held), _HELD_WIDTH) or "-"
         lines.append(
-            f"  {printable(b.name):<16} {health:<14} {b.in_flight:>9} {_opt(b.waiting):>7}"
+            f"  {printable(b.name):<16} {health:<15} {b.in_flight:>9} {_opt(b.waiting):>7}"
             f" {_opt(b.running):>7} {_opt(b.concurrency):>5} {b.calls_completed:>7}"
             f" {b.calls_failed:>6} {b.rate_limited:>5} {b.spend:>10.6f}  {held}"
         )
     return lines
+
+
+def _out_lines(backends: Sequence[BackendStatus]) -> list[str]:
+    out = [f"  {printable(b.name)}: {printable(b.out)}" for b in backends if b.out]
+    if not out:
+        return []
+    return [
+        "Out of service here (set the key and restart: renqueue up runs no worker for it)",
+        *out,
+    ]
 
 
 def _pause_lines(backends: Sequence[BackendStatus], now: float) -> list[str]:

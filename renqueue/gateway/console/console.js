@@ -195,8 +195,9 @@ function drawBackends(s) {
       const c = tr.cells_;
       setText(c[0], b.name);
       const up = b.healthy && b.probe_ok !== false;
-      tag(c[1], up ? (b.held ? "held" : "up") : "down", up ? (b.held ? "warn" : "ok") : "bad");
-      c[1].title = b.held || b.last_error_type || "";
+      tag(c[1], up ? (b.held ? "held" : "up") : b.out ? "out: no API key" : "down",
+        up ? (b.held ? "warn" : "ok") : "bad");
+      c[1].title = b.out || b.held || b.last_error_type || "";
       const circuit = b.circuit.replace("_", "-");
       tag(c[2], circuit + (b.consecutive_failures ? " (" + b.consecutive_failures + ")" : ""),
         b.circuit === "closed" ? "ok" : b.circuit === "open" ? "bad" : "warn");
