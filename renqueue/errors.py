@@ -330,9 +330,12 @@ class OverCostCapError(InvalidRequestError):
 
 
 class BudgetExhaustedError(InvalidRequestError):
-    """The tenant's hard daily budget is spent: new requests are refused until
-    the UTC day ends (``resets_at``, Unix time). Unlike the other invalid
-    requests, the same request may be sent again after that."""
+    """The tenant's daily budget refuses the request until the UTC day ends
+    (``resets_at``, Unix time): its hard budget is spent (``cost`` is
+    ``None``), or what is left of its budget, soft or hard (``mode``), is
+    less than the request would cost (``cost``: its cheapest estimate) on
+    every backend of its route (all paid). Unlike the other invalid requests,
+    the same request may be sent again after that, or a smaller one now."""
 
     code = "budget_exhausted"
 
@@ -344,17 +347,36 @@ class BudgetExhaustedError(InvalidRequestError):
         resets_at: float,
         *,
         request_id: str | None = None,
+        mode: str = "hard",
+        cost: float | None = None,
     ) -> None:
         self.tenant = tenant
         self.daily = daily
         self.spent = spent
         self.resets_at = resets_at
+        self.mode = mode
+        self.cost = cost
         when = datetime.fromtimestamp(resets_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        super().__init__(
-            f"tenant {tenant!r} spent ${spent:.6g} of its hard daily budget of ${daily:.6g};"
-            f" new requests are refused until {when}",
-            request_id=request_id,
-        )
+        if cost is None:
+            message = (
+                f"tenant {tenant!r} spent {_dollars(spent)} of its {mode} daily budget of"
+                f" {_dollars(daily)}; new requests are refused until {when}"
+            )
+        else:
+            message = (
+                f"tenant {tenant!r} has {_dollars(max(0.0, daily - spent))} left of its {mode}"
+                f" daily budget of {_dollars(daily)} ({_dollars(spent)} spent today), and this"
+                f" request would cost up to {_dollars(cost)} on the cheapest backend of its"
+                f" route (all paid): ask for fewer tokens (max_tokens), or send it after {when}"
+            )
+        super().__init__(message, request_id=request_id)
+
+
+def _dollars(amount: float) -> str:
+    """US dollars for a person: cents from a cent on, else four significant digits."""
+    if amount >= 0.01:
+        return f"${amount:,.2f}"
+    return f"${amount:.4g}"
 
 
 class UnknownPriorityError(InvalidRequestError):

@@ -10,7 +10,9 @@ the log's, not a process's).
 from __future__ import annotations
 
 import asyncio
+import datetime
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -35,9 +37,11 @@ from renqueue.policy import (
     RouteRules,
     Wait,
     Waiting,
+    budget_exhausted,
     budget_of,
     day_ends,
     estimated_cost,
+    over_budget,
     plan,
     refused,
 )
@@ -147,6 +151,61 @@ def test_a_request_the_budget_leaves_no_candidate_is_refused_not_held() -> None:
     other = Waiting(ref=2, request=request(tenant="globex"), rank=0, submitted=NOW)
     [bind] = [a for a in plan([other], views, NOW, only_paid, {}) if isinstance(a, Bind)]
     assert bind.backend == "paid"
+
+
+def test_a_soft_budget_refusal_says_what_is_left_and_what_the_request_would_cost() -> None:
+    """Before: "spent $0.61605 of its hard daily budget of $1; new requests are
+    refused" for a soft budget with $0.38 left and a request that did not fit."""
+    paid = BackendView(name="paid", capacity=4, in_flight=0, **PRICES)
+    big = msgspec.structs.replace(
+        request(), params=GenerationParams(max_tokens=50_000)
+    )  # ~$0.50 at $10/M out
+    cost = estimated_cost(big, paid)
+    assert cost > 1.0 - 0.61605
+    error = over_budget(big, [paid], Budget(daily=1.0), 0.61605, NOW)
+    assert error is not None
+    assert (error.mode, error.cost, error.spent, error.daily) == ("soft", cost, 0.61605, 1.0)
+    message = str(error)
+    assert "hard" not in message
+    assert "has $0.38 left of its soft daily budget of $1.00 ($0.62 spent today)" in message
+    assert f"would cost up to ${cost:,.2f} on the cheapest backend of its route (all paid)" in (
+        message
+    )
+    assert "max_tokens" in message
+    # One that fits what is left is taken; a spent hard budget says so.
+    assert over_budget(request(), [paid], Budget(daily=1.0), 0.61605, NOW) is None
+    spent = over_budget(request(), [paid], Budget(daily=1.0, mode="hard"), 1.2, NOW)
+    assert spent is not None
+    assert spent.cost is None
+    assert "spent $1.20 of its hard daily budget of $1.00; new requests are refused" in str(spent)
+
+
+def test_the_documented_soft_budget_refusal_is_what_the_error_says() -> None:
+    midnight = datetime.datetime(2026, 5, 29, tzinfo=datetime.UTC).timestamp()
+    error = BudgetExhaustedError("acme", 1.0, 0.62, midnight, mode="soft", cost=0.5)
+    docs = (Path(__file__).parents[1] / "docs" / "routing.md").read_text()
+    assert f"`{error}`" in " ".join(docs.split())
+
+
+def test_a_round_refusal_carries_the_budget_mode_and_the_cost() -> None:
+    only_paid = PlanPolicy(
+        levels=(LevelPolicy(name="normal", rank=0),),
+        routes={"chat": ("paid",)},
+        budgets={"acme": Budget(daily=1.0)},
+    )
+    paid = BackendView(name="paid", capacity=4, in_flight=0, **PRICES)
+    big = msgspec.structs.replace(request(), params=GenerationParams(max_tokens=50_000))
+    item = Waiting(ref=1, request=big, rank=0, submitted=NOW)
+    [refuse] = [
+        a
+        for a in plan([item], {"paid": paid}, NOW, only_paid, {"acme": 0.7})
+        if isinstance(a, Refuse)
+    ]
+    assert (refuse.mode, refuse.cost) == ("soft", estimated_cost(big, paid))
+    error = budget_exhausted(
+        big, refuse.daily, refuse.spent, NOW, mode=refuse.mode, cost=refuse.cost
+    )
+    assert "$0.30 left of its soft daily budget of $1.00" in str(error)
 
 
 def test_a_named_tenant_without_a_budget_is_not_under_everyones() -> None:

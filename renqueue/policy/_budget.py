@@ -86,11 +86,26 @@ def day_ends(now: float) -> float:
 
 
 def budget_exhausted(
-    request: InferenceRequest, daily: float, spent: float, now: float
+    request: InferenceRequest,
+    daily: float,
+    spent: float,
+    now: float,
+    *,
+    mode: Literal["soft", "hard"] = "hard",
+    cost: float | None = None,
 ) -> BudgetExhaustedError:
     """Why ``request`` is refused: its tenant spent ``spent`` of its ``daily``
-    budget (until the UTC day of ``now`` ends)."""
-    return BudgetExhaustedError(request.tenant, daily, spent, day_ends(now), request_id=request.id)
+    budget (``mode``), until the UTC day of ``now`` ends; ``cost``: what the
+    request would cost at the cheapest backend of its route, when that is why
+    (``None``: a hard budget spent)."""
+    return BudgetExhaustedError(
+        request.tenant, daily, spent, day_ends(now), request_id=request.id, mode=mode, cost=cost
+    )
+
+
+def cheapest(request: InferenceRequest, backends: Sequence[Priced]) -> float | None:
+    """The lowest estimated cost of ``request`` on ``backends`` (``None``: none)."""
+    return min((estimated_cost(request, b) for b in backends), default=None)
 
 
 def over_budget(
@@ -102,10 +117,15 @@ def over_budget(
 ) -> BudgetExhaustedError | None:
     """Why a new ``request`` is refused at admission when its tenant spent
     ``spent`` today (``None``: it is not): its hard budget is spent
-    (:func:`refused`), or its budget leaves none of its route's ``backends``
-    (:func:`affordable`)."""
-    if budget is None or (
-        not refused(budget, spent) and affordable(request, backends, budget, spent)
-    ):
+    (:func:`refused`), or its budget, soft or hard, leaves none of its
+    route's ``backends`` (:func:`affordable`: every one is paid and would
+    cost more than is left), which the error says with the cheapest cost."""
+    if budget is None:
         return None
-    return budget_exhausted(request, budget.daily, spent, now)
+    if refused(budget, spent):
+        return budget_exhausted(request, budget.daily, spent, now)
+    if affordable(request, backends, budget, spent):
+        return None
+    return budget_exhausted(
+        request, budget.daily, spent, now, mode=budget.mode, cost=cheapest(request, backends)
+    )

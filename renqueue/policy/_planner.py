@@ -40,14 +40,14 @@ Every waiting request gets exactly one of :class:`Expire`, :class:`Bind` or
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Final, TypeVar
+from typing import Final, Literal, TypeVar
 
 import msgspec
 from msgspec import Struct
 
 from ..schema import InferenceRequest
 from ._aging import LevelPolicy, effective_rank, pick_key, promotions
-from ._budget import Budget, budget_of, within_budget
+from ._budget import Budget, budget_of, cheapest, within_budget
 from ._predict import Pick, Prediction, RouteRules, choose_in_time, service_time, typical_call
 from ._preemption import may_preempt, preempting_rank
 from ._quota import Cost, Quota, QuotaVerdict, reserve
@@ -158,6 +158,10 @@ class Refuse(Struct, frozen=True, kw_only=True, tag=True):
     #: The tenant's daily budget and what it spent today (with this round's binds).
     daily: float
     spent: float
+    #: The budget's mode, and what the request would cost at the cheapest
+    #: candidate of its route (``None``: unknown).
+    mode: Literal["soft", "hard"] = "soft"
+    cost: float | None = None
 
 
 class Bind(Struct, frozen=True, kw_only=True, tag=True):
@@ -270,7 +274,17 @@ class _Round:
         budget = budget_of(request.tenant, self.policy.budgets)
         if not candidates and self.policy.routes.get(request.route) and budget is not None:
             spent = self.today.get(request.tenant, 0.0)
-            return [Refuse(ref=item.ref, reason=note, daily=budget.daily, spent=spent)]
+            priced = [views[n] for n in self.policy.routes[request.route] if n in views]
+            return [
+                Refuse(
+                    ref=item.ref,
+                    reason=note,
+                    daily=budget.daily,
+                    spent=spent,
+                    mode=budget.mode,
+                    cost=cheapest(request, priced),
+                )
+            ]
         expire = _expiry(item, candidates, views, now)
         if expire is not None:
             return [_noted(expire, note)]

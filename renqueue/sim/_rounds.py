@@ -103,7 +103,14 @@ class Rounds:
                 self.arrivals.end(item, "expired")
             elif isinstance(action, Refuse):
                 request = item.request
-                error = budget_exhausted(request, action.daily, action.spent, world.now)
+                error = budget_exhausted(
+                    request,
+                    action.daily,
+                    action.spent,
+                    world.now,
+                    mode=action.mode,
+                    cost=action.cost,
+                )
                 world.fold(rejection(request.id, request.tenant, world.now, error))
                 self.arrivals.end(item, "rejected")
             elif isinstance(action, Bind):

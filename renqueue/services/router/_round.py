@@ -268,7 +268,9 @@ class Round:
             elif isinstance(action, Refuse):
                 gone.add(action.ref)
                 request = item.request
-                error = budget_exhausted(request, action.daily, action.spent, now)
+                error = budget_exhausted(
+                    request, action.daily, action.spent, now, mode=action.mode, cost=action.cost
+                )
                 self._inflight.spawn(
                     self._endings.reject(
                         item.msg, request.id, request.tenant, error, request=request
