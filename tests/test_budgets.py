@@ -464,3 +464,31 @@ async def test_requests_submitted_together_do_not_spend_past_a_budget(
             handles = [await client.submit("hello", route="chat", max_tokens=8) for _ in range(8)]
             results = [await handle.result(timeout=20) for handle in handles]
     assert sorted(result.backend for result in results) == ["local"] * 7 + ["paid"]
+
+
+async def test_a_soft_budget_refuses_a_request_that_cannot_fit_and_says_why(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """A paid-only route, a soft budget with less left than the request would
+    cost: refused `budget_exhausted`, its reason naming the soft budget, what is
+    left and the cost (it said "hard daily budget" before)."""
+    async with MockBackend(MockSettings(ttft=0.01, output_tokens=8)) as paid:
+        config = parse_config(
+            {
+                "nats": {"url": isolated_server.url},
+                "backends": {"paid": {"base_url": paid.url, "model": "m", **PRICES}},
+                "routes": {"chat": {"backends": ["paid"]}},
+                "router": {"capacity_refresh": "20ms"},
+                "tenants": {TENANT: {"daily_budget": 0.0001}},
+            }
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            handle = await client.submit("hello", route="chat", max_tokens=100)
+            with pytest.raises(RequestRejectedError) as caught:
+                await handle.result(timeout=15)
+    assert caught.value.error_type == BudgetExhaustedError.code
+    reason = str(caught.value)
+    assert "left of its soft daily budget of $0.0001" in reason
+    assert "would cost up to $" in reason
+    assert "hard" not in reason
+    assert paid.stats().requests == 0
