@@ -108,9 +108,18 @@ async def test_the_page_lists_every_series_a_running_stack_exports(tmp_path: Pat
                 )  # fmt: skip
             await until_logged(exporter_log, "exporter serving the cluster's metrics", exporter)
             await completion(f"http://127.0.0.1:{gateway_port}")
+            # The completion is in the cluster series once the projector folded
+            # it (a reading serves scrapes for a second): scrape until both show it.
+            done = 'renqueue_backend_calls_total{backend="mock",outcome="completed"} 1.0'
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
             async with httpx.AsyncClient(timeout=10) as http:
-                by_up = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
-                by_exporter = (await http.get(f"http://127.0.0.1:{exporter_port}/metrics")).text
+                while True:
+                    by_up = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+                    by_exporter = (await http.get(f"http://127.0.0.1:{exporter_port}/metrics")).text
+                    if (done in by_up and done in by_exporter) or loop.time() > deadline:
+                        break
+                    await asyncio.sleep(0.2)  # poll interval: a reading lasts max_age (1 s)
         finally:
             if exporter is not None:
                 assert await stop(exporter) == 0, exporter_log.read_text()[-3000:]
