@@ -94,7 +94,7 @@ def mock_backend(ctx: click.Context, /, **options: Any) -> None:
         raise ConfigError(str(exc), path="mock-backend options") from exc
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            raise click.UsageError(
+            raise RenQueueError(
                 f"cannot listen on {host}:{port}: the port is in use (another mock backend, "
                 "or the model server itself?); pick another with --port"
             ) from None
