@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_cli import renqueue_up, run, until_logged, write_config
 
-from renqueue import load_config
+from renqueue import cli, load_config
 from renqueue.broker import EmbeddedServer
 from renqueue.cli import main
 from renqueue.mock import MockBackend, MockSettings
@@ -305,3 +305,31 @@ async def test_init_then_up_mocks_then_submit_and_status(tmp_path: Path) -> None
             proc.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(proc.wait(), 30)
     assert code == 0, log.read_text()[-3000:]
+
+
+CLI_DOC = ROOT / "docs" / "cli.md"
+
+
+def test_the_documented_exit_codes_are_the_codes() -> None:
+    table = dict(re.findall(r"^\| (\d) \| (.+) \|$", CLI_DOC.read_text(), re.MULTILINE))
+    assert set(table) == {"0", "2", "3", "4"}
+    assert cli.EXIT_OK == 0
+    assert cli.EXIT_ERROR == 2
+    assert "usage or config" in table["2"]
+    assert cli.EXIT_UNSUCCESSFUL == 3
+    assert "failed" in table["3"]
+    assert cli.EXIT_UNREACHABLE == cli.EXIT_WAIT_TIMEOUT == 4
+    assert "NATS could not be reached" in table["4"]
+    assert "--wait" in table["4"]
+
+
+def test_the_commands_docs_cli_shows_are_the_ones_the_quickstart_test_runs() -> None:
+    """docs/cli.md's first-run commands, each run by
+    test_init_then_up_mocks_then_submit_and_status (with the test's -c and --nats)."""
+    block = CLI_DOC.read_text().split("```sh\n")[1].split("```")[0]
+    assert block.splitlines() == [
+        "renqueue init",
+        "renqueue up --mocks",
+        'renqueue submit "hello" --wait 30',
+        "renqueue status",
+    ]

@@ -40,5 +40,19 @@ the projections differ, ``dlq`` 1 when some entries failed.
 from __future__ import annotations
 
 from ._app import main
+from ._common import (
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    EXIT_UNSUCCESSFUL,
+    EXIT_WAIT_TIMEOUT,
+)
 
-__all__ = ["main"]
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_OK",
+    "EXIT_UNREACHABLE",
+    "EXIT_UNSUCCESSFUL",
+    "EXIT_WAIT_TIMEOUT",
+    "main",
+]
