@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import click
 import msgspec
@@ -63,17 +63,23 @@ def timeline(events: Sequence[Event], *, header: bool, offsets: bool = True) -> 
     from rich.table import Table
 
     first = events[0].at
-    table = Table(box=None, pad_edge=False, show_edge=False, show_header=header)
-    table.add_column("time", no_wrap=True)
-    if offsets:
-        table.add_column("+s", justify="right", no_wrap=True)
-    table.add_column("event", no_wrap=True)
-    table.add_column("details", no_wrap=True, overflow="ellipsis")
+    rows = []
     for event in events:
         data = msgspec.to_builtins(event)
         kind = data["kind"]
         since = [f"{event.at - first:.3f}"] if offsets else []
-        table.add_row(local_time(event.at), *since, kind, details(kind, data))
+        rows.append([local_time(event.at), *since, kind, details(kind, data)])
+    titles = ["time", *(["+s"] if offsets else []), "event", "details"]
+    # The short columns keep their width; the details are cut to what is left.
+    widths = [max(len(row[n]) for row in [titles, *rows]) for n in range(len(titles) - 1)]
+    left = max(20, TABLE_WIDTH - 2 * len(widths) - sum(widths) - 2)
+    table = Table(box=None, pad_edge=False, show_edge=False, show_header=header)
+    for title, width in zip(titles, widths, strict=False):
+        justify: Literal["left", "right"] = "right" if title == "+s" else "left"
+        table.add_column(title, no_wrap=True, min_width=width, justify=justify)
+    table.add_column("details", no_wrap=True, overflow="ellipsis", max_width=left)
+    for row in rows:
+        table.add_row(*row)
     out = console(width=TABLE_WIDTH)
     with out.capture() as captured:
         out.print(table)

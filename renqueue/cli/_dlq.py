@@ -207,7 +207,7 @@ async def _dlq_show(dead: Any, args: Any, out: Output) -> int:
         if not history:
             out.line("history: no events logged for this request")
             continue
-        out.line(f"history ({len(history)} events, local time):")
+        out.line(f"history ({len(history)} events):")
         for line in timeline(history, header=False, offsets=False).splitlines():
             out.line(f"  {line.rstrip()}")
     return EXIT_SOME_FAILED if failed else EXIT_OK
