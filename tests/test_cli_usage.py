@@ -333,3 +333,16 @@ def test_the_commands_docs_cli_shows_are_the_ones_the_quickstart_test_runs() -> 
         'renqueue submit "hello" --wait 30',
         "renqueue status",
     ]
+
+
+async def test_up_mocks_on_a_busy_port_says_so_in_one_line(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        config = write_config(tmp_path, f"http://127.0.0.1:{port}/v1")
+        code, _out, err = await run("-m", "renqueue", "-c", str(config), "up", "--mocks")
+    assert code == 2, err
+    [line] = [line for line in err.splitlines() if line.startswith("renqueue: ")]
+    assert line.startswith(f"renqueue: --mocks: cannot serve a mock for mock on 127.0.0.1:{port}")
+    assert "Traceback" not in err

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import click
 
 from ..config import Config
+from ..errors import RenQueueError
 from ..logs import get_logger
 from ._app import cli, command, setup
 from ._common import client_url, with_nats
@@ -187,7 +188,13 @@ async def _mock_backends(config: Config) -> AsyncIterator[None]:
     async with contextlib.AsyncExitStack() as stack:
         for port, names in sorted(ports.items()):
             settings = MockSettings(ttft=0.05, tokens_per_second=200.0, output_tokens=24)
-            mock = await stack.enter_async_context(MockBackend(settings, port=port))
+            try:
+                mock = await stack.enter_async_context(MockBackend(settings, port=port))
+            except OSError as exc:
+                raise RenQueueError(
+                    f"--mocks: cannot serve a mock for {', '.join(names)} on 127.0.0.1:{port}: "
+                    f"{exc.strerror} (is the model server itself running? then drop --mocks)"
+                ) from None
             log.info("mock backend serving", url=mock.url, backends=names)
         yield
 
