@@ -346,3 +346,21 @@ async def test_up_mocks_on_a_busy_port_says_so_in_one_line(tmp_path: Path) -> No
     [line] = [line for line in err.splitlines() if line.startswith("renqueue: ")]
     assert line.startswith(f"renqueue: --mocks: cannot serve a mock for mock on 127.0.0.1:{port}")
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["status"], ["audit", "x"], ["cancel", "x"], ["dlq", "list"], ["replay"], ["ab", "status"]],
+    ids=" ".join,
+)
+async def test_a_client_command_that_cannot_reach_nats_exits_4_in_one_line(
+    tmp_path: Path, command: list[str]
+) -> None:
+    config = write_config(tmp_path, "http://127.0.0.1:1/v1")
+    code, out, err = await run(
+        "-m", "renqueue", *command, "-c", str(config), "--nats", "nats://127.0.0.1:1"
+    )  # fmt: skip
+    assert code == 4, err
+    assert out == ""
+    [line] = err.strip().splitlines()
+    assert "cannot connect to NATS at nats://127.0.0.1:1" in line
