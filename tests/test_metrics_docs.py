@@ -108,18 +108,16 @@ async def test_the_page_lists_every_series_a_running_stack_exports(tmp_path: Pat
                 )  # fmt: skip
             await until_logged(exporter_log, "exporter serving the cluster's metrics", exporter)
             await completion(f"http://127.0.0.1:{gateway_port}")
-            # The completion is in the cluster series once the projector folded
-            # it (a reading serves scrapes for a second): scrape until both show it.
-            done = 'renqueue_backend_calls_total{backend="mock",outcome="completed"} 1.0'
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 20
-            async with httpx.AsyncClient(timeout=10) as http:
+            # The completion is folded and stored by the projector, then read
+            # by each exporter (at most once a second): wait until both show it.
+            folded = 'renqueue_backend_calls_total{backend="mock",outcome="completed"} 1.0'
+            async with httpx.AsyncClient(timeout=10) as http, asyncio.timeout(30):
                 while True:
                     by_up = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
                     by_exporter = (await http.get(f"http://127.0.0.1:{exporter_port}/metrics")).text
-                    if (done in by_up and done in by_exporter) or loop.time() > deadline:
+                    if folded in by_up and folded in by_exporter:
                         break
-                    await asyncio.sleep(0.2)  # poll interval: a reading lasts max_age (1 s)
+                    await asyncio.sleep(0.2)  # polling the condition, with a deadline
         finally:
             if exporter is not None:
                 assert await stop(exporter) == 0, exporter_log.read_text()[-3000:]
