@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -101,10 +102,23 @@ async def test_up_submit_audit_and_example_as_a_user_would(tmp_path: Path) -> No
             assert result["backend"] == "mock"
             assert result["usage"]["completion_tokens"] == 6
 
+            code, out, err = await run(
+                "-m", "renqueue", "audit", "cli-req-1", "--json", "-c", str(config)
+            )  # fmt: skip
+            assert code == 0, err
+            kinds = [json.loads(line)["kind"] for line in out.splitlines()]
+            assert kinds == ["submitted", "routed", "started", "completed"]
+            # For a person: a timeline table, one row per event, rounded
+            # numbers, no Python reprs, no long lines, and no log lines.
             code, out, err = await run("-m", "renqueue", "-c", str(config), "audit", "cli-req-1")
             assert code == 0, err
-            kinds = [line.split()[1] for line in out.splitlines()]
-            assert kinds == ["submitted", "routed", "started", "completed"]
+            assert err == ""
+            rows = [line.split() for line in out.splitlines()]
+            assert [row[2] for row in rows if len(row) > 2 and row[2] in kinds] == kinds
+            assert not re.search(r"\d\.\d{4,}", out), out
+            assert "{'" not in out, out
+            assert "('" not in out, out
+            assert max(map(len, out.splitlines())) <= 120, out
 
             # A cost cap and a tier from the command line reach the request: a
             # tier no backend has is refused at admission, said in one line.

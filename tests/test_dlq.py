@@ -12,6 +12,7 @@ import asyncio
 import datetime
 import json
 import os
+import re
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -194,6 +195,11 @@ async def test_list_filters_by_tenant_reason_stage_and_time_and_show_gives_reaso
         assert "requeued   no" in out
         history = out[out.index("history (4 events):") :].splitlines()[1:]
         assert [line.split()[1] for line in history] == ["submitted", "routed", "started", "failed"]
+        # The history for a person (issue 28 item 11): rounded numbers, no
+        # Python reprs, no lines wider than the table.
+        assert not re.search(r"\d\.\d{4,}", "\n".join(history)), history
+        assert not [line for line in history if "{'" in line or "('" in line], history
+        assert max(map(len, history)) <= 122, history
         code, out, err = await rq(config, "dlq", "show", "--json", str(third.seq))
         assert code == 0, err
         [shown] = lines_json(out)

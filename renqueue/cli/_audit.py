@@ -1,0 +1,108 @@
+"""``audit``: one request's timeline from the event log, as a table."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import click
+import msgspec
+
+from ..config import Config
+from ..errors import RenQueueError
+from ._app import cli, command, globals_of, setup
+from ._common import TABLE_WIDTH, client_url, close, console, local_time, rounded
+
+if TYPE_CHECKING:
+    from ..schema import Event
+
+#: Fields every event has, shown in their own columns or not at all.
+_COMMON = ("v", "kind", "request_id", "tenant", "at")
+
+
+@command(
+    cli,
+    "audit",
+    short_help="One request's timeline from the event log.",
+    epilog="Example: renqueue audit req-42 --tenant acme",
+)
+@click.argument("request_id")
+@click.option("--tenant", help="Tenant the request is for (default: any).")
+@click.pass_context
+def audit(ctx: click.Context, request_id: str, tenant: str | None) -> None:
+    """Every event of REQUEST_ID, in log order: when (local time), what, and
+    its details; --json prints one event per line, as logged."""
+    config = setup(ctx)
+    asyncio.run(_audit(config, request_id, tenant, as_json=globals_of(ctx).json))
+
+
+async def _audit(config: Config, request_id: str, tenant: str | None, *, as_json: bool) -> None:
+    from ..broker import EventLog, connect
+
+    nc = await connect(client_url(config), name="renqueue-audit", config=config.nats)
+    try:
+        events = await EventLog(nc.jetstream()).history(tenant or "*", request_id)
+    finally:
+        await close(nc)
+    if not events:
+        raise RenQueueError(f"no events for request {request_id}")
+    if as_json:
+        for event in events:
+            print(json.dumps(msgspec.to_builtins(event)))
+        return
+    first = local_time(events[0].at, date=True)
+    print(f"request {request_id}, first event {first}")
+    print(timeline(events, header=True))
+
+
+def timeline(events: Sequence[Event], *, header: bool, offsets: bool = True) -> str:
+    """Events as a table, one line each: local time, seconds since the first,
+    the event and its details (cut to the width; ``--json`` has them all)."""
+    from rich.table import Table
+
+    first = events[0].at
+    rows = []
+    for event in events:
+        data = msgspec.to_builtins(event)
+        kind = data["kind"]
+        since = [f"{event.at - first:.3f}"] if offsets else []
+        rows.append([local_time(event.at), *since, kind, details(kind, data)])
+    titles = ["time", *(["+s"] if offsets else []), "event", "details"]
+    # The short columns keep their width; the details are cut to what is left.
+    widths = [max(len(row[n]) for row in [titles, *rows]) for n in range(len(titles) - 1)]
+    left = max(20, TABLE_WIDTH - 2 * len(widths) - sum(widths) - 2)
+    table = Table(box=None, pad_edge=False, show_edge=False, show_header=header)
+    for title, width in zip(titles, widths, strict=False):
+        justify: Literal["left", "right"] = "right" if title == "+s" else "left"
+        table.add_column(title, no_wrap=True, min_width=width, justify=justify)
+    table.add_column("details", no_wrap=True, overflow="ellipsis", max_width=left)
+    for row in rows:
+        table.add_row(*row)
+    out = console(width=TABLE_WIDTH)
+    with out.capture() as captured:
+        out.print(table)
+    return captured.get().rstrip("\n")
+
+
+def details(kind: str, data: dict[str, Any]) -> str:
+    """An event's fields for a person: rounded, no Python reprs, long text shortened."""
+    from ..schema import parse_traceparent
+    from ..text import shorten
+
+    data = {k: v for k, v in data.items() if k not in _COMMON}
+    if kind == "submitted":
+        request = data.pop("request")
+        trace = parse_traceparent(data.get("traceparent"))
+        data = {
+            "route": request["route"],
+            "priority": request["priority"],
+            "messages": len(request["messages"]),
+            "trace": None if trace is None else trace.trace_id,
+        }
+    if kind == "completed" and isinstance(data.get("text"), str):
+        data["text"] = shorten(data["text"], 60)
+    return "  ".join(
+        f"{key}={rounded(value)}" for key, value in data.items() if value not in (None, "", [], {})
+    )

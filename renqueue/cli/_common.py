@@ -1,0 +1,268 @@
+"""What the commands share: exit codes, the NATS URL, closing, one-line errors,
+redacted output, Rich consoles and the option types."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import math
+import sys
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+import msgspec
+
+from ..config import Config
+from ..errors import ConfigError, ConnectionFailedError, RenQueueError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from ..broker import Connection
+
+_T = TypeVar("_T")
+
+#: Exit codes (docs/cli.md): done, usage or config, the request failed or was
+#: rejected, NATS unreachable or ``--wait`` ran out.
+EXIT_OK, EXIT_ERROR, EXIT_UNSUCCESSFUL, EXIT_WAIT_TIMEOUT = 0, 2, 3, 4
+#: Also 4: NATS cannot be reached (or was lost) within the command's bound.
+EXIT_UNREACHABLE = 4
+#: ``replay --verify``: the live projection differs from the log's.
+EXIT_DIFFERENT = 1
+#: ``dlq``: some of the entries asked for could not be shown, requeued or purged.
+EXIT_SOME_FAILED = 1
+#: The shortest ``status --interval`` (seconds): each redraw reads every consumer.
+MIN_INTERVAL = 0.2
+
+
+class WaitTimeout(RenQueueError):
+    """``--wait`` ran out before the request ended (exit 4)."""
+
+
+class Unreachable(ConnectionFailedError):
+    """NATS could not be reached, or the connection was lost, within ``--wait`` (exit 4)."""
+
+
+class UnexpectedError(RenQueueError):
+    """An error a reading command did not expect, as one line (exit 2)."""
+
+
+async def guarded(command: str, run: Awaitable[_T]) -> _T:
+    """``run`` with any error that is not a Ren-Queue one turned into one line.
+
+    ``status``, ``replay``, ``dlq`` and ``ab`` read what others wrote (a damaged
+    or forged checkpoint, a log cut short): whatever they meet, they end with
+    exit 2 and a line on stderr, never a traceback.
+    """
+    try:
+        return await run
+    except RenQueueError:
+        raise
+    except Exception as exc:
+        from ..text import printable
+
+        raise UnexpectedError(f"{command}: unexpected error: {printable(one_line(exc))}") from exc
+
+
+def with_nats(config: Config, url: str | None) -> Config:
+    if url:
+        return msgspec.structs.replace(config, nats=msgspec.structs.replace(config.nats, url=url))
+    return config
+
+
+def client_url(config: Config) -> str:
+    from ..broker import resolve_nats_url
+
+    url = resolve_nats_url(config)
+    if url is None:
+        raise ConfigError(
+            "no NATS URL: give --nats or RENQUEUE_NATS_URL, or start `renqueue up` first",
+            path="$.nats.url",
+        )
+    return url
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as one line: its message, or its type when it has none or is not ours."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, RenQueueError):
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+async def close(nc: Connection) -> None:
+    """Drain ``nc``, or close it if it cannot drain (reconnecting, or too slow)."""
+    try:
+        await asyncio.wait_for(nc.drain(), 5.0)
+    except Exception:  # noqa: BLE001 - whatever the connection's state, it ends closed
+        if not nc.is_closed:
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+
+#: A table's width when the output is not a terminal (a file, a pipe, a test).
+TABLE_WIDTH = 120
+
+
+def console(*, width: int | None = None) -> Console:
+    """A Rich console on stdout: the terminal's width, or ``width``, or
+    :data:`TABLE_WIDTH` when piped; no colours guessed from the text."""
+    from rich.console import Console
+
+    if width is None and not sys.stdout.isatty():
+        width = TABLE_WIDTH
+    return Console(file=sys.stdout, width=width, highlight=False, soft_wrap=False)
+
+
+def local_time(at: float, *, date: bool = False) -> str:
+    """``at`` (Unix seconds) in the local time zone, to the millisecond."""
+    when = datetime.datetime.fromtimestamp(at).astimezone()
+    text = when.strftime("%H:%M:%S.") + f"{when.microsecond // 1000:03d}"
+    return f"{when:%Y-%m-%d} {text} {when:%Z}" if date else text
+
+
+def rounded(value: Any) -> str:
+    """A value for a person: floats rounded, sequences and mappings spelled
+    out without Python's quotes and brackets, long text shortened."""
+    from ..text import printable, shorten
+
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3f}".rstrip("0").rstrip(".") if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return "; ".join(f"{k}: {rounded(v)}" for k, v in value.items() if v not in (None, "", []))
+    if isinstance(value, list | tuple):
+        return ", ".join(rounded(v) for v in value) or "-"
+    return shorten(printable(str(value)), 80)
+
+
+class Output:
+    """Lines to stdout and stderr with every configured API key redacted (a
+    reason that echoes one, however it got there, never prints it)."""
+
+    def __init__(self, config: Config) -> None:
+        self._secrets: list[str] = []
+        for backend in config.backends.values():
+            with contextlib.suppress(ConfigError):
+                key = backend.api_key()
+                if key is not None and len(key.reveal()) >= 8:
+                    self._secrets.append(key.reveal())
+
+    def clean(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "[redacted]")
+        return text
+
+    def line(self, text: str) -> None:
+        print(self.clean(text))
+
+    def json(self, value: object) -> None:
+        print(self.clean(json.dumps(value)))
+
+    def error(self, text: str) -> None:
+        print(self.clean(f"renqueue: {text}"), file=sys.stderr)
+
+
+# ------------------------------------------------------------------ option types
+
+
+class PointInTime(click.ParamType[float]):
+    """``--since``/``--until``: a duration back from now (``90s``, ``1h``, ``2d``)
+    or an ISO 8601 time (UTC unless it names its offset)."""
+
+    name = "WHEN"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, float):
+            return value
+        from ..config import parse_duration
+
+        try:
+            return datetime.datetime.now(tz=datetime.UTC).timestamp() - parse_duration(value)
+        except ValueError:
+            pass
+        try:
+            when = datetime.datetime.fromisoformat(value)
+        except ValueError:
+            self.fail(
+                f"must be a duration back from now (30m, 1h, 2d) or an ISO time, got {value!r}",
+                param,
+                ctx,
+            )
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        return when.timestamp()
+
+
+class NewDeadline(click.ParamType[tuple[bool, float | None]]):
+    """``--deadline``: ``(keep the original's budget, else this many seconds or None)``."""
+
+    name = "keep|none|DURATION"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, tuple):
+            return value
+        from ..config import parse_duration
+
+        if value == "keep":
+            return True, None
+        if value == "none":
+            return False, None
+        try:
+            return False, parse_duration(value)
+        except ValueError:
+            self.fail(f"must be keep, none or a duration (60s, 10m), got {value!r}", param, ctx)
+
+
+class TenantName(click.ParamType[str]):
+    name = "TENANT"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        import re
+
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value):
+            self.fail(
+                f"a tenant name is 1 to 64 letters, digits, - and _, got {value!r}", param, ctx
+            )
+        return value
+
+
+POSITIVE = click.IntRange(min=1)
+
+
+class Interval(click.ParamType[float]):
+    """``status --interval``: seconds, at least :data:`MIN_INTERVAL`, finite."""
+
+    name = "SECONDS"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = math.nan
+        if not MIN_INTERVAL <= seconds < math.inf:
+            self.fail(
+                f"must be a number of seconds, at least {MIN_INTERVAL:g}, got {value!r}",
+                param,
+                ctx,
+            )
+        return seconds
+
+
+INTERVAL = Interval()
+
+
+async def close_client(client: Any) -> None:
+    """Close a :class:`~renqueue.Client` within 5 s (a lost server cannot hold the command)."""
+    try:
+        await asyncio.wait_for(client.close(), 5.0)
+    except Exception:  # noqa: BLE001 - whatever the connection's state, it ends closed
+        if not client.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await client.nc.close()

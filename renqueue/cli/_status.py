@@ -1,0 +1,106 @@
+"""``status``: each backend, priority level and tenant now."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import sys
+from typing import TYPE_CHECKING
+
+import click
+import msgspec
+
+from ..config import Config
+from ..errors import NatsClosedError
+from ._app import cli, command, globals_of, setup
+from ._common import INTERVAL, MIN_INTERVAL, client_url, close, guarded, one_line
+
+if TYPE_CHECKING:
+    from ..coordination import StatusReport
+
+
+@command(
+    cli,
+    "status",
+    short_help="Each backend, priority level and tenant now: health, quota, queues.",
+    epilog="Example: renqueue status --watch --interval 1",
+)
+@click.option("--watch", is_flag=True, help="Redraw until Ctrl-C.")
+@click.option(
+    "--interval",
+    type=INTERVAL,
+    default=2.0,
+    help=f"Seconds between redraws (at least {MIN_INTERVAL:g}).",
+)
+@click.pass_context
+def status(ctx: click.Context, watch: bool, interval: float) -> None:
+    """Each backend (health, load, quota), priority level (waiting, oldest)
+    and tenant (spend) now, once or (--watch) redrawn; --json prints the
+    report as one JSON document (one per line with --watch)."""
+    config = setup(ctx)
+    run = _status(config, watch=watch, interval=interval, as_json=globals_of(ctx).json)
+    asyncio.run(guarded("status", run))
+
+
+async def _status(config: Config, *, watch: bool, interval: float, as_json: bool) -> None:
+    """Print the status once, or (``watch``) every ``interval`` seconds until Ctrl-C.
+
+    A watch rides out what NATS fails to answer for a while (the server
+    restarting, a timeout): it shows the error in place of that redraw and
+    tries again at the next; only a connection closed for good ends it.
+    """
+    from ..broker import connect
+    from ..coordination import read_status
+
+    nc = await connect(client_url(config), name="renqueue-status", config=config.nats)
+    try:
+        js = nc.jetstream()
+        clear = watch and not as_json and sys.stdout.isatty()
+        while True:
+            try:
+                report = await read_status(js, config)
+            except NatsClosedError:
+                raise
+            except Exception as exc:
+                if not watch or nc.is_closed:
+                    raise
+                _show_error(exc, interval, as_json=as_json, clear=clear)
+            else:
+                _show(report, as_json=as_json, clear=clear)
+            if not watch:
+                return
+            if not clear and not as_json:
+                print()
+            sys.stdout.flush()
+            await asyncio.sleep(interval)
+    finally:
+        await close(nc)
+
+
+def _show(report: StatusReport, *, as_json: bool, clear: bool) -> None:
+    from ..coordination import render_status
+
+    if as_json:
+        print(msgspec.json.encode(report).decode())
+        return
+    if clear:
+        print("\x1b[H\x1b[2J", end="")  # cursor home, clear the screen
+    print("\n".join(render_status(report)))
+
+
+def _show_error(exc: Exception, interval: float, *, as_json: bool, clear: bool) -> None:
+    """A watch's redraw that could not read the status: one line (JSON: ``{"at", "error"}``)."""
+    from ..text import printable
+
+    now = datetime.datetime.now(tz=datetime.UTC)
+    message = printable(one_line(exc))
+    if as_json:
+        print(json.dumps({"at": now.timestamp(), "error": message}))
+        return
+    if clear:
+        print("\x1b[H\x1b[2J", end="")
+    print(
+        f"Ren-Queue status at {now.isoformat(timespec='seconds')}: cannot read it: {message}"
+        f" (trying again every {interval:g} s; Ctrl-C to stop)"
+    )

@@ -1,0 +1,355 @@
+"""``submit`` and ``cancel``: one request, from the command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+
+from ..config import Config
+from ..errors import (
+    ConfigError,
+    NatsUnavailableError,
+    RenQueueError,
+    RequestCancelledError,
+    RequestFailedError,
+)
+from ._app import cli, command, globals_of, setup
+from ._common import Unreachable, WaitTimeout, client_url, close_client
+
+
+def _param(text: str) -> tuple[str, Any]:
+    """``--param k=v``: the value as JSON when it reads as JSON, else as text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise click.BadParameter(f"must be KEY=VALUE, got {text!r}", param_hint="--param")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+@command(
+    cli,
+    "submit",
+    short_help="Submit one request and print its answer.",
+    epilog='Examples: renqueue submit "hello" --wait 30; echo hi | renqueue submit - --stream; '
+    "renqueue submit -f prompt.txt --system 'Be brief.' --param temperature=0.2",
+)
+@click.argument("prompt", required=False)
+@click.option(
+    "-f",
+    "--file",
+    "prompt_file",
+    type=click.Path(dir_okay=False, path_type=Path, allow_dash=True),
+    help="Read the prompt from this file (- : stdin). PROMPT '-' reads stdin too.",
+)
+@click.option("--system", help="A system message before the prompt.")
+@click.option(
+    "--messages",
+    "messages_file",
+    type=click.Path(dir_okay=False, path_type=Path, allow_dash=True),
+    help="A JSON file with the whole conversation: a list of {role, content} messages.",
+)
+@click.option(
+    "--param",
+    "params",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help='A generation parameter (temperature=0.2, stop=["\\n"], top_k=40); repeatable.',
+)
+@click.option("--route", help="Route (model group) to run on (default: the config's first).")
+@click.option("--priority", help="Priority level (default: the config's default_priority).")
+@click.option("--tenant", default="default", help="Tenant the request is for.")
+@click.option("--id", "request_id", help="Request id, the idempotency key (default: random).")
+@click.option("--max-tokens", type=click.IntRange(min=1), help="Answer length cap (tokens).")
+@click.option("--timeout", type=float, help="Deadline, seconds from now (default: none).")
+@click.option(
+    "--max-cost", type=float, help="Spend ceiling in US dollars (never bound where over it)."
+)
+@click.option(
+    "--complexity",
+    type=click.IntRange(0, 100),
+    help="The lowest backend tier that can do the job (0-100).",
+)
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Bound on the whole command in seconds, connecting included (default: no bound).",
+)
+@click.option("--stream", is_flag=True, help="Print tokens as they come.")
+@click.pass_context
+def submit(ctx: click.Context, /, **options: Any) -> None:
+    """Submit one request and wait for its answer: the prompt from PROMPT, a
+    file (-f), or stdin (-), or a whole conversation (--messages). An unknown
+    route or level is refused before anything is sent."""
+    config = setup(ctx)
+    options["json"] = globals_of(ctx).json
+    messages = _messages(options)
+    route, priority = _checked(config, options["route"], options["priority"])
+    params = dict(_param(text) for text in options["params"])
+    generation = _generation(params, options["max_tokens"])
+    request = {
+        "prompt": messages,
+        "route": route,
+        "priority": priority,
+        "request_id": options["request_id"],
+        "system": options["system"] if isinstance(messages, str) else None,
+        "max_tokens": None if generation else options["max_tokens"],
+        "params": generation,
+        "timeout": options["timeout"],
+        "max_cost": options["max_cost"],
+        "complexity": options["complexity"],
+    }
+    progress: dict[str, Any] = {}
+    run = _submit(config, options, request, progress)
+    asyncio.run(_bounded(run, options["wait"], progress))
+
+
+def _messages(options: dict[str, Any]) -> str | list[dict[str, Any]]:
+    """The prompt as text, or the conversation (``--messages``, ``--system``)."""
+    prompt, file, messages_file = (
+        options["prompt"],
+        options["prompt_file"],
+        options["messages_file"],
+    )
+    given = sum(x is not None for x in (prompt, file, messages_file))
+    if given != 1:
+        raise click.UsageError("give one of PROMPT, -f FILE (or - for stdin), --messages FILE")
+    if messages_file is not None:
+        text = _read(messages_file)
+        try:
+            conversation = json.loads(text)
+        except ValueError as exc:
+            raise click.BadParameter(f"not JSON: {exc}", param_hint="--messages") from None
+        if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
+            raise click.BadParameter(
+                "must be a JSON list of {role, content} objects", param_hint="--messages"
+            )
+        if options["system"]:
+            conversation = [{"role": "system", "content": options["system"]}, *conversation]
+        return conversation
+    text = _read(file if file is not None else Path(prompt)) if prompt in (None, "-") else prompt
+    if not text.strip():
+        raise click.UsageError("the prompt is empty")
+    return text
+
+
+def _read(path: Path) -> str:
+    if str(path) == "-":
+        return sys.stdin.read()
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _checked(config: Config, route: str | None, priority: str | None) -> tuple[str, str]:
+    """The route and level, checked against the config before anything is sent."""
+    routes = list(config.routes)
+    if route is None:
+        if not routes:
+            raise ConfigError(
+                "no route given and the config has none: give --route, or -c a config "
+                "with [routes.<name>]",
+                path="$.routes",
+            )
+        route = routes[0]
+    elif routes and route not in config.routes:
+        raise ConfigError(
+            f"no route {route!r}; the config's routes: {', '.join(routes)}", path="$.routes"
+        )
+    level = priority or config.default_priority
+    if level not in config.priorities:
+        raise ConfigError(
+            f"no priority level {level!r}; the config's levels: {', '.join(config.priorities)}",
+            path="$.priorities",
+        )
+    return route, level
+
+
+async def _bounded(run: Any, wait: float | None, progress: dict[str, Any]) -> None:
+    """``run`` within ``wait`` seconds, whatever it waits on: connecting, the
+    submit, the tokens, the result, a connection lost on the way."""
+    if wait is None:
+        await run
+        return
+    try:
+        async with asyncio.timeout(wait):
+            await run
+    except TimeoutError as exc:
+        request_id = progress.get("id")
+        if request_id is None:
+            raise Unreachable(
+                f"could not submit within {wait:g} s (the --wait bound): NATS at "
+                f"{progress.get('url')} did not answer"
+            ) from exc
+        if progress.get("lost"):
+            raise Unreachable(
+                f"lost NATS at {progress.get('url')} while waiting for request {request_id}; "
+                f"gave up after {wait:g} s (the --wait bound)"
+            ) from exc
+        raise WaitTimeout(
+            f"request {request_id} has not ended after {wait:g} s; it goes on "
+            f"(follow it with `renqueue audit {request_id}`)"
+        ) from exc
+
+
+def _generation(params: dict[str, Any], max_tokens: int | None) -> Any:
+    """``--param`` items as the request's parameters (unknown ones in ``extra``)."""
+    from ..schema import GenerationParams
+
+    if not params:
+        return None
+    if max_tokens is not None:
+        params.setdefault("max_tokens", max_tokens)
+    known = set(GenerationParams.__struct_fields__)
+    fields: dict[str, Any] = {k: v for k, v in params.items() if k in known}
+    extra = {k: v for k, v in params.items() if k not in known}
+    if extra:
+        fields["extra"] = extra
+    try:
+        return msgspec.convert(fields, GenerationParams)
+    except msgspec.ValidationError as exc:
+        raise click.BadParameter(str(exc), param_hint="--param") from None
+
+
+async def _submit(
+    config: Config, options: dict[str, Any], request: dict[str, Any], progress: dict[str, Any]
+) -> None:
+    """Submit and follow the request; ``progress`` says how far it got (the
+    URL, the connection, the request's id) for a ``--wait`` that runs out."""
+    from ..client import Client
+
+    url = progress["url"] = client_url(config)
+    try:
+        client = await Client.connect(url, tenant=options["tenant"], name="renqueue-cli")
+    except RenQueueError as exc:
+        raise Unreachable(f"cannot reach NATS at {url}: {exc}") from exc
+    try:
+        handle = await client.submit(**request)
+        progress["id"] = handle.id
+        result = await _follow(handle, stream=options["stream"], as_json=options["json"])
+    except NatsUnavailableError as exc:
+        raise Unreachable(f"lost NATS at {url}: {exc}") from exc
+    except asyncio.CancelledError:
+        # --wait ran out: say whether the connection was there at that moment.
+        progress["lost"] = not client.nc.is_connected
+        raise
+    finally:
+        await close_client(client)
+    if options["json"]:
+        print(json.dumps(msgspec.to_builtins(result)))
+        return
+    if not options["stream"]:
+        print(result.text)
+    print(
+        f"-- backend={result.backend} tokens={result.usage.prompt_tokens}+"
+        f"{result.usage.completion_tokens} cost=${result.cost:.6f} "
+        f"duration={result.duration:.3f}s"
+    )
+
+
+async def _follow(handle: Any, *, stream: bool, as_json: bool) -> Any:
+    """The request's tokens (``stream``: printed as they come), then its result."""
+    if not as_json:
+        again = " (already submitted)" if handle.duplicate else ""
+        print(f"request {handle.id}{again}", file=sys.stderr, flush=True)
+    if stream:
+        async for chunk in handle.stream():
+            if as_json:
+                print(json.dumps(msgspec.to_builtins(chunk)), flush=True)
+                continue
+            if chunk.restart:
+                print("\n[restarted]", flush=True)
+            print(chunk.text, end="", flush=True)
+        if not as_json:
+            print()
+    return await handle.result()
+
+
+#: The events that end a request.
+_TERMINAL = frozenset({"completed", "failed", "expired", "cancelled", "rejected"})
+
+
+@command(
+    cli,
+    "cancel",
+    short_help="Cancel a request: a queued one never runs, a running one is stopped.",
+    epilog="Example: renqueue cancel req-42 --wait 10",
+)
+@click.argument("request_id")
+@click.option("--tenant", default="default", help="Tenant the request is for.")
+@click.option("--reason", default="", help="Why (kept in the cancelled event).")
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Wait up to this many seconds for the request to end (default: do not wait).",
+)
+@click.pass_context
+def cancel(
+    ctx: click.Context, request_id: str, tenant: str, reason: str, wait: float | None
+) -> None:
+    """Cancel REQUEST_ID. Exit 0 when it is cancelled (or the cancellation is
+    recorded, without --wait), 3 when it had already ended otherwise."""
+    config = setup(ctx)
+    asyncio.run(_cancel(config, request_id, tenant, reason, wait))
+
+
+async def _cancel(
+    config: Config, request_id: str, tenant: str, reason: str, wait: float | None
+) -> None:
+    from ..client import Client
+    from ..schema import kind_of
+
+    url = client_url(config)
+    client = await Client.connect(url, tenant=tenant, name="renqueue-cli")
+    try:
+        handle = client.handle(request_id)
+        known = await handle.events()
+        ended = next((event for event in reversed(known) if kind_of(event) in _TERMINAL), None)
+        if ended is not None:
+            kind = kind_of(ended)
+            if kind == "cancelled":
+                print(f"request {handle.id} was already cancelled")
+                return
+            backend = getattr(ended, "backend", None)
+            where = f" on {backend}" if backend else ""
+            raise RequestFailedError(
+                f"it had already {kind}{where}: nothing to cancel",
+                request_id=handle.id,
+                error_type=kind,
+            )
+        await handle.cancel(reason)
+        if not known:
+            raise RenQueueError(
+                f"no request {handle.id} is known for tenant {tenant!r} (no events): it was "
+                "never submitted, or no router has read it yet; the cancellation is recorded "
+                "and applies if it arrives"
+            )
+        print(f"cancellation requested for {handle.id}")
+        if wait is None:
+            return
+        try:
+            async with asyncio.timeout(wait):
+                result = await handle.result()
+        except TimeoutError as exc:
+            raise WaitTimeout(
+                f"request {handle.id} has not ended after {wait:g} s; it goes on "
+                f"(follow it with `renqueue audit {handle.id}`)"
+            ) from exc
+        except RequestCancelledError:
+            print(f"request {handle.id} cancelled")
+            return
+        raise RequestFailedError(
+            f"already ended: completed on {result.backend} before the cancellation",
+            request_id=handle.id,
+            error_type="completed",
+        )
+    finally:
+        await close_client(client)
