@@ -5,7 +5,8 @@ copied here, and run one by one in a fresh directory, as a user in a shell would
 directory and the environment carry from one command to the next. ``renqueue up
 --mocks`` runs in the background (the README's "one terminal") until the gateway
 answers; the openai SDK block runs in Python, curl with the system's curl; Ctrl-C is a
-SIGINT, after which ``up`` must exit 0.
+SIGINT, after which ``up`` must exit 0. Before that, the Python client example of "Use
+it from an app" runs against the same Ren-Queue.
 
 The one step the README gives in words, not as a command, is done the way it says: the
 ``[[gateway.keys]]`` entry ``renqueue gateway keygen`` prints goes at the end of
@@ -203,6 +204,8 @@ def wait_until_serving(port: int, proc: subprocess.Popen[bytes], log: Path) -> N
 
 @pytest.mark.timeout(300)
 def test_the_readme_quickstart_runs_as_written(tmp_path: Path) -> None:
+    """Every command of the quickstart, then the client example, exits 0 and says something;
+    Ctrl-C stops ``up`` with 0."""
     if shutil.which("curl") is None:
         pytest.fail(
             "the quickstart calls the gateway with curl: install curl (apt-get install curl)"
@@ -242,6 +245,11 @@ def test_the_readme_quickstart_runs_as_written(tmp_path: Path) -> None:
                 elif line.startswith("renqueue status"):
                     assert re.search(r"\w", done.stdout), "status printed nothing"
         assert up is not None, "the quickstart never starts `renqueue up`"
+        # The README's Python client example, against the same running Ren-Queue.
+        for language, body in fenced_blocks(README.read_text(), "## Use it from an app"):
+            if language == "python":
+                done = session.python(body)
+                assert "tokens, $" in done.stdout, done.stdout
         # Ctrl-C in its terminal.
         up.send_signal(signal.SIGINT)
         code = up.wait(timeout=60)
