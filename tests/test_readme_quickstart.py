@@ -69,8 +69,10 @@ def fenced_blocks(text: str, heading: str) -> list[tuple[str, str]]:
 
 
 def commands(body: str) -> list[str]:
-    """A shell block's commands: its lines without comments or blanks."""
-    return [line for line in body.splitlines() if line.strip() and not line.startswith("#")]
+    """A shell block's commands: its lines without comments or blanks, a line ending in
+    a backslash joined to the next, as the shell joins them."""
+    joined = body.replace("\\\n", " ")
+    return [line for line in joined.splitlines() if line.strip() and not line.startswith("#")]
 
 
 def test_the_quickstart_is_in_fenced_blocks() -> None:
