@@ -1,4 +1,4 @@
-"""Economics benchmark (issue #10): what a seeded day-in-the-life trace costs, and how many
+"""Economics benchmark: what a seeded day-in-the-life trace costs, and how many
 requests meet their deadline, through Ren-Queue and through LiteLLM's Router, on mock
 backends shaped like a team's real set.
 
@@ -79,7 +79,8 @@ reasons, expiries by stage, and whether its estimator agreed with the bench's.
 Results: a table on stdout, JSON in ``bench/results/economics-<UTC>.json`` and
 ``economics-latest.json``, a plot (matplotlib, a dev extra) in
 ``bench/results/economics-<UTC>.png`` and ``economics-latest.png``; ``--update-plot``
-also copies it to ``bench/economics.png`` (committed).
+also copies it to ``bench/economics.png`` (committed). ``--plot-from JSON`` draws the plot
+again from a saved report without running anything (``--update-plot`` applies).
 """
 
 from __future__ import annotations
@@ -1119,7 +1120,7 @@ def print_report(report: dict[str, Any]) -> None:
             )
             print(f"\n  litellm {name}: {declared} per real minute; {lit['router_settings']}")
             print(f"    warm-up (not counted): {lit.get('warmup') or 'none'}")
-    print("\n  targets (issue #10; reported, not asserted):")
+    print("\n  targets (reported, not asserted):")
     for name, verdict in report["targets"].items():
         print(f"    {name}: {verdict}")
 
@@ -1258,7 +1259,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     if any(left):
         limits.legend(fontsize=8)
     fig.suptitle(
-        f"Economics (issue #10): {summary['requests']} requests over {summary['span_s']:.0f} s, "
+        f"Economics: {summary['requests']} requests over {summary['span_s']:.0f} s, "
         f"seed {report['plan']['seed']}, {report['label']}  "
         f"({report['timestamp']})",
         fontsize=11,
@@ -1320,6 +1321,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def replot(saved: Path, *, update: bool) -> None:
+    """The plot of a saved report, drawn again (a changed title or layout, no new run)."""
+    report = json.loads(saved.read_text())
+    picture = saved.with_suffix(".png")
+    plot(report, picture)
+    print(f"  plot: {picture}")
+    if update:
+        shutil.copyfile(picture, ROOT / "bench" / "economics.png")
+        print("  plot copied to bench/economics.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=300, help="requests in the trace")
@@ -1359,7 +1371,17 @@ def main() -> None:
         "commit; say which when running a copy with no .git, as compare.py does)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write JSON and plot")
+    parser.add_argument(
+        "--plot-from",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: draw the plot again from a saved report (e.g. "
+        "bench/results/economics-latest.json), beside it as .png",
+    )
     args = parser.parse_args()
+    if args.plot_from is not None:
+        replot(args.plot_from, update=args.update_plot)
+        return
     if args.quick:
         args.requests = 40
     # The services log every 429 and expiry they meet as a warning: many lines here.
