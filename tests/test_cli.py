@@ -166,6 +166,10 @@ async def test_exit_codes_and_scaling_out_without_a_url(tmp_path: Path) -> None:
             assert "cancelled" in out
             code, out, err = await run(*base, "cancel", "slow-x", "--wait", "10")
             assert code == 0, err
+            # --json: one document, nothing else on stdout.
+            code, out, err = await run(*base, "cancel", "slow-x", "--json")
+            assert code == 0, err
+            assert json.loads(out) == {"id": "slow-x", "state": "already_cancelled"}
 
             log = tmp_path / "router.log"
             with log.open("wb") as sink:

@@ -298,11 +298,31 @@ def cancel(
     """Cancel REQUEST_ID. Exit 0 when it is cancelled (or the cancellation is
     recorded, without --wait), 3 when it had already ended otherwise."""
     config = setup(ctx)
-    asyncio.run(_cancel(config, request_id, tenant, reason, wait))
+    say = _said(request_id, as_json=globals_of(ctx).json)
+    asyncio.run(_cancel(config, request_id, tenant, reason=reason, wait=wait, say=say))
+
+
+def _said(request_id: str, *, as_json: bool) -> Any:
+    """How ``cancel`` says where the request is: a line, or (--json) one document
+    ``{"id": ..., "state": ...}`` (``already_cancelled``, ``requested``, ``cancelled``)."""
+
+    def say(state: str, text: str) -> None:
+        if as_json:
+            print(json.dumps({"id": request_id, "state": state}))
+        else:
+            print(text)
+
+    return say
 
 
 async def _cancel(
-    config: Config, request_id: str, tenant: str, reason: str, wait: float | None
+    config: Config,
+    request_id: str,
+    tenant: str,
+    *,
+    reason: str,
+    wait: float | None,
+    say: Any,
 ) -> None:
     from ..client import Client
     from ..schema import kind_of
@@ -316,7 +336,7 @@ async def _cancel(
         if ended is not None:
             kind = kind_of(ended)
             if kind == "cancelled":
-                print(f"request {handle.id} was already cancelled")
+                say("already_cancelled", f"request {handle.id} was already cancelled")
                 return
             backend = getattr(ended, "backend", None)
             where = f" on {backend}" if backend else ""
@@ -332,8 +352,8 @@ async def _cancel(
                 "never submitted, or no router has read it yet; the cancellation is recorded "
                 "and applies if it arrives"
             )
-        print(f"cancellation requested for {handle.id}")
         if wait is None:
+            say("requested", f"cancellation requested for {handle.id}")
             return
         try:
             async with asyncio.timeout(wait):
@@ -344,7 +364,7 @@ async def _cancel(
                 f"(follow it with `renqueue audit {handle.id}`)"
             ) from exc
         except RequestCancelledError:
-            print(f"request {handle.id} cancelled")
+            say("cancelled", f"request {handle.id} cancelled")
             return
         raise RequestFailedError(
             f"already ended: completed on {result.backend} before the cancellation",
