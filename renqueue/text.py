@@ -36,11 +36,13 @@ def shorten(text: str, limit: int) -> str:
 
 
 def clock(at: float) -> str:
-    """``at`` (Unix seconds) as an ISO 8601 UTC time to the second; ``-`` for
-    NaN, ``far future`` (``far past``) beyond a calendar's years."""
+    """``at`` (Unix seconds) as an ISO 8601 time to the second in the local time
+    zone, with its offset (``2026-12-07T05:31:07+01:00``); ``-`` for NaN, ``far
+    future`` (``far past``) beyond a calendar's years."""
     if math.isnan(at):
         return "-"
     try:
-        return datetime.datetime.fromtimestamp(at, tz=datetime.UTC).isoformat(timespec="seconds")
+        moment = datetime.datetime.fromtimestamp(at, tz=datetime.UTC).astimezone()
+        return moment.isoformat(timespec="seconds")
     except (OverflowError, ValueError, OSError):
         return "far future" if at > 0 else "far past"

@@ -750,3 +750,22 @@ async def test_status_watch_rides_out_a_server_restart(tmp_path: Path) -> None:
             await interrupt(proc)
     finally:
         await server.close()
+
+
+def test_times_are_shown_in_the_local_time_zone_with_its_offset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """People read status, audit and the DLQ in their own time zone."""
+    import time  # noqa: PLC0415
+
+    from renqueue.text import clock  # noqa: PLC0415
+
+    monkeypatch.setenv("TZ", "Asia/Kolkata")
+    time.tzset()
+    try:
+        assert clock(0.0) == "1970-01-01T05:30:00+05:30"
+        assert clock(float("nan")) == "-"
+        assert clock(float("inf")) == "far future"
+    finally:
+        monkeypatch.undo()
+        time.tzset()
