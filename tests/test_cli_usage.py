@@ -364,3 +364,11 @@ async def test_a_client_command_that_cannot_reach_nats_exits_4_in_one_line(
     assert out == ""
     [line] = err.strip().splitlines()
     assert "cannot connect to NATS at nats://127.0.0.1:1" in line
+
+
+async def test_init_into_a_missing_directory_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    code, _out, err = await run("-m", "renqueue", "init", str(tmp_path / "nowhere" / "x.toml"))
+    assert code == 2, err
+    assert "cannot write" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "nowhere").exists()

@@ -10,7 +10,7 @@ import json
 import math
 import sys
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import click
 import msgspec
@@ -258,11 +258,18 @@ class Interval(click.ParamType[float]):
 INTERVAL = Interval()
 
 
+#: The most a command waits for its connection to close: a server that hangs
+#: (stopped, not gone) would hold a flush for ever, and ``--wait`` bounds all.
+CLOSE_WITHIN: Final = 1.0
+
+
 async def close_client(client: Any) -> None:
-    """Close a :class:`~renqueue.Client` within 5 s (a lost server cannot hold the command)."""
+    """Close a :class:`~renqueue.Client` within :data:`CLOSE_WITHIN` seconds,
+    then its connection within half that: a lost or hung server cannot hold
+    the command (what it sent is acked already; the process ends next)."""
     try:
-        await asyncio.wait_for(client.close(), 5.0)
+        await asyncio.wait_for(client.close(), CLOSE_WITHIN)
     except Exception:  # noqa: BLE001 - whatever the connection's state, it ends closed
         if not client.nc.is_closed:
             with contextlib.suppress(Exception):
-                await client.nc.close()
+                await asyncio.wait_for(client.nc.close(), CLOSE_WITHIN / 2)

@@ -114,7 +114,10 @@ def init(ctx: click.Context, path: Path, force: bool) -> None:
     setup(ctx, config=False)
     if path.exists() and not force:
         raise click.UsageError(f"{path} exists; give --force to overwrite it")
-    path.write_text(STARTER)
+    try:
+        path.write_text(STARTER)
+    except OSError as exc:
+        raise click.UsageError(f"cannot write {path}: {exc.strerror or exc}") from exc
     load_config(str(path))  # the starter always loads; a test pins it too
     click.echo(f"wrote {path}; next: `renqueue up --mocks`, then in another terminal")
     click.echo('`renqueue submit "hello" --wait 30` and `renqueue status`')
