@@ -306,11 +306,11 @@ def _said(request_id: str, *, as_json: bool) -> Any:
     """How ``cancel`` says where the request is: a line, or (--json) one document
     ``{"id": ..., "state": ...}`` (``already_cancelled``, ``requested``, ``cancelled``)."""
 
-    def say(state: str, text: str) -> None:
-        if as_json:
-            print(json.dumps({"id": request_id, "state": state}))
-        else:
+    def say(state: str, text: str, *, last: bool = True) -> None:
+        if not as_json:
             print(text)
+        elif last:
+            print(json.dumps({"id": request_id, "state": state}))
 
     return say
 
@@ -352,8 +352,9 @@ async def _cancel(
                 "never submitted, or no router has read it yet; the cancellation is recorded "
                 "and applies if it arrives"
             )
+        # A person sees the request asked for at once; --json, only how it ended.
+        say("requested", f"cancellation requested for {handle.id}", last=wait is None)
         if wait is None:
-            say("requested", f"cancellation requested for {handle.id}")
             return
         try:
             async with asyncio.timeout(wait):
