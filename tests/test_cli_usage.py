@@ -227,6 +227,37 @@ async def test_wait_bounds_the_whole_command_when_nats_goes_away(tmp_path: Path)
     assert "4 s" in lines[0]
 
 
+async def test_wait_bounds_the_whole_command_when_nats_hangs(tmp_path: Path) -> None:
+    """A server that stops answering (SIGSTOP: a hung process, a dropped link)
+    rather than closing: --wait still bounds the command, its close included."""
+    config = write_config(tmp_path, "http://127.0.0.1:1/v1")
+    async with EmbeddedServer(tmp_path / "nats", port=-1) as server:
+        assert server.pid is not None
+        base = ("-m", "renqueue", "-c", str(config), "--nats", server.url)
+        code, _out, err = await run(*base, "provision")
+        assert code == 0, err
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, *base, "submit", "long", "--stream", "--wait", "4",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "RENQUEUE_CONFIG": ""},
+        )  # fmt: skip
+        assert proc.stderr is not None
+        first = await asyncio.wait_for(proc.stderr.readline(), 30)
+        assert first.startswith(b"request "), first
+        loop = asyncio.get_running_loop()
+        hung_at = loop.time()
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            _out, rest = await asyncio.wait_for(proc.communicate(), 30)
+            took = loop.time() - hung_at
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+    assert proc.returncode == 4, rest
+    # The 4 s bound began before the hang; closing may take at most 1.5 s more
+    # (and a loaded machine some seconds): not the ~20 s a hung close took.
+    assert took < 4 + 1.5 + 5, (took, rest)
+
+
 async def test_mock_backend_on_a_busy_port_says_so_in_one_line() -> None:
     """Issue 28 item 7."""
     with socket.socket() as sock:
