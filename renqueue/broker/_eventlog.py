@@ -379,16 +379,8 @@ async def submitted_of(
     """
     subject = event_subject(tenant, request_id, "submitted")
     if first:
-        seq = 1
-        while True:
-            try:
-                raw = await js.get_msg(EVENTS_STREAM, seq=seq, subject=subject, next=True)
-            except NatsNotFoundError:
-                return None
-            found = _submitted_in(subject, raw.data or b"")
-            if found is not None:
-                return found
-            seq = raw.seq + 1
+        history = await EventLog(js).history(tenant, request_id, kind="submitted")
+        return next((event for event in history if isinstance(event, Submitted)), None)
     try:
         raw = await js.get_last_msg(EVENTS_STREAM, subject, direct=direct)
     except NatsNotFoundError:
