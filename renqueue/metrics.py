@@ -10,6 +10,7 @@ __all__ = [
     "BINDING",
     "COST",
     "DUPLICATES_DROPPED",
+    "ENDED_RESUBMITS",
     "IN_FLIGHT",
     "MISDIRECTED",
     "QUEUE_WAIT",
@@ -57,6 +58,11 @@ DUPLICATES_DROPPED = Counter(
     "renqueue_duplicate_completions_total",
     "Completions dropped because the request already had a terminal event",
     ["backend"],
+)
+ENDED_RESUBMITS = Counter(
+    "renqueue_ended_resubmits_total",
+    "Requests a router did not admit because their id had already ended, by level",
+    ["priority"],
 )
 MISDIRECTED = Counter(
     "renqueue_misdirected_messages_total",

@@ -158,6 +158,34 @@ async def test_a_second_dispatch_after_the_duplicate_window_neither_calls_nor_en
     assert sum(isinstance(e, Started) for e in events) == 1
 
 
+async def test_a_resubmit_after_the_duplicate_window_is_not_routed_again(
+    tmp_path: Path, isolated_server: Any
+) -> None:
+    """Issue 30: past the duplicate window a resubmit is stored again; it used
+    to get a second ``submitted`` and ``routed`` event and a dispatch the
+    worker dropped. A request id that ended is not admitted again."""
+    async with MockBackend(MockSettings(output_tokens=4)) as mock:
+        config = write_config(
+            tmp_path / "rq.toml", nats_url=isolated_server.url, backend_url=mock.url
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            js = services.js
+            handle = await client.submit("once", route="chat")
+            await handle.result(timeout=10)
+            await window_passed(js)
+            again = await client.submit("once", route="chat", request_id=handle.id)
+            assert not again.duplicate  # stored: out of the window
+
+            async def read() -> bool:
+                info = await js.stream_info(REQUESTS_STREAM)
+                return info.state.messages == 0  # a work queue: acked once read
+
+            await until(read, "a router read the resubmit")
+            events = await histories(js, handle.id)
+    assert [kind_of(e) for e in events] == ["submitted", "routed", "started", "completed"]
+    assert mock.stats().requests == 1
+
+
 class WorkerProcess:
     """``renqueue worker -b b`` in a process of its own (to freeze and resume)."""
 

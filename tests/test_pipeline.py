@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from prometheus_client import REGISTRY
+from test_dlq import until
 
 from renqueue import (
     Client,
@@ -419,3 +421,49 @@ async def test_requests_no_backend_can_serve_are_rejected_not_held(
                 await handle.result(timeout=10)
             assert info.value.error_type == "no_capable_backend"
     assert mock.stats().requests == 1
+
+
+async def test_a_rejected_request_sent_again_under_its_id_is_refused_not_routed(
+    client: Client, mock: MockBackend
+) -> None:
+    """Issue 30: a request rejected for its old-style ``Nats-Msg-Id`` (no tenant)
+    and sent again with the right header was stored (another message id),
+    admitted and routed, and the worker then dropped it ("request already
+    ended"): a routing decision and a backend slot spent on nothing, while the
+    client only ever saw the rejection. A request id has one outcome: the
+    router now refuses the copy at admission, with a dead letter that says so."""
+    request = client.build_request("hi", route="chat", request_id="fixed-header")
+    data = msgspec.json.encode(request)
+    subject = request_subject("normal", "t1")
+    await client.js.publish(subject, data, headers={"Nats-Msg-Id": request.id})
+    with pytest.raises(RequestRejectedError, match="Nats-Msg-Id"):
+        await client.handle(request.id).result(timeout=10)
+    refused = REGISTRY.get_sample_value("renqueue_ended_resubmits_total", {"priority": "normal"})
+
+    ack = await client.js.publish(subject, data, headers={"Nats-Msg-Id": msg_id("t1", request.id)})
+    assert not ack.duplicate  # another message id: stored
+    log = EventLog(client.js)
+
+    async def read() -> bool:
+        # Whichever comes first: the refusal's dead letter, or a routing decision.
+        dead = await client.js.get_last_msg(DLQ_STREAM, "rq.dlq.requests")
+        reason = (dead.headers or {}).get("Rq-Reason", "")
+        return reason.startswith("already_ended") or bool(
+            await log.history("t1", request.id, kind="routed")
+        )
+
+    await until(read, "the router read the copy sent again")
+    assert await kinds(client, request.id) == ["rejected"]  # not submitted, not routed
+    dead = await client.js.get_last_msg(DLQ_STREAM, "rq.dlq.requests")
+    headers = dead.headers or {}
+    assert headers["Rq-Reason"].startswith(
+        "already_ended: request fixed-header already ended (rejected)"
+    )
+    assert headers["Rq-Request-Id"] == request.id
+    assert headers["Nats-Msg-Id"] == f"t1:fixed-header:dlq:requests:again-{ack.seq}"
+    assert dead.data == data
+    after = REGISTRY.get_sample_value("renqueue_ended_resubmits_total", {"priority": "normal"})
+    assert (after or 0) == (refused or 0) + 1
+    with pytest.raises(RequestRejectedError, match="Nats-Msg-Id"):  # the one outcome stands
+        await client.handle(request.id).result(timeout=10)
+    assert mock.stats().requests == 0

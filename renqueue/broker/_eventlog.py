@@ -580,8 +580,15 @@ class EventLog:
         tenant: str,
         request_id: str,
         source_seq: int | None = None,
+        copy: str | None = None,
     ) -> None:
         """Keep a copy of a message that cannot be processed, with why.
+
+        Its ``Nats-Msg-Id`` is ``<tenant>:<request_id>:dlq:<stage>`` (a copy
+        recorded again, after a redelivery, is stored once within ``RQ_DLQ``'s
+        duplicate window), or, given ``copy``, ``...:<stage>:<copy>``: a copy of
+        another message under the same request id (a resubmit refused because
+        the request had already ended), kept beside the first one's.
 
         A message whose whole copy would be over the broker's ``max_payload``
         with these headers (only a request within a few hundred bytes of the
@@ -593,7 +600,7 @@ class EventLog:
         Whatever a message's size, its dead letter fits the broker's limit.
         """
         headers = {
-            _MSG_ID: msg_id(tenant, request_id, "dlq", stage),
+            _MSG_ID: msg_id(tenant, request_id, "dlq", stage, *([] if copy is None else [copy])),
             "Rq-Tenant": tenant,
             "Rq-Reason": reason[:500],
             "Rq-Source-Subject": source_subject,

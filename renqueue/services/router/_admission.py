@@ -45,6 +45,7 @@ __all__ = [
     "Refused",
     "admit",
     "arrival",
+    "claimed_id",
     "parent_of",
     "pause_of",
     "rejection_id",
@@ -118,11 +119,21 @@ def rejection_id(msg: Message) -> tuple[str, str]:
     ``Nats-Msg-Id`` header's (``<tenant>:<id>``), else ``invalid-<stream seq>``.
     A payload that decodes names the id instead (see :func:`admit`)."""
     tenant = subject_token(msg.subject, 3)
+    claimed = claimed_id(msg)
+    request_id = f"invalid-{msg.metadata.sequence.stream}" if claimed is None else claimed[1]
+    return request_id, tenant
+
+
+def claimed_id(msg: Message) -> tuple[str, str] | None:
+    """``(tenant, request id)`` that ``msg``'s ``Nats-Msg-Id`` names, if it names
+    one in the subject's tenant (``<tenant>:<id>``, or a requeue's
+    ``<tenant>:<id>:requeue:...``): an admitted request's own, since admission
+    requires it. ``None`` when it names none (such a request is rejected)."""
+    tenant = subject_token(msg.subject, 3)
     header = str((msg.headers or {}).get("Nats-Msg-Id", ""))
     scope, _, rest = header.partition(":")
-    header_id = rest.partition(":")[0] if scope == tenant else ""
-    request_id = header_id if _is_id(header_id) else f"invalid-{msg.metadata.sequence.stream}"
-    return request_id, tenant
+    request_id = rest.partition(":")[0]
+    return (tenant, request_id) if scope == tenant and _is_id(request_id) else None
 
 
 class Pause(NamedTuple):

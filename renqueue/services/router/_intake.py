@@ -5,8 +5,12 @@ feeds the hold, bounded per level so batch work can never crowd out a
 critical fetch, and only while the dispatch loop runs to bind what it holds
 and the lease is valid. Each request fetched is read (``_admission``:
 validation, the wait measured in server time, the parent's priority) and
-checked against its tenant's hard daily budget; its ``submitted`` event, the
-log's first word on it, is written; then it is settled at once if it is
+checked against its tenant's hard daily budget; a request whose id already
+ended (its terminal claim is taken: a resubmit past the duplicate window, or
+under another message id) is not admitted again (:meth:`Intake._ended`: the
+one place this is decided; the worker's gate still drops a run of a request
+that ended after it was routed); its ``submitted`` event, the log's first
+word on it, is written; then it is settled at once if it is
 already past its deadline or cancelled, joins a coalescing group if it
 follows another's call, or is placed (its A/B arm and tier, ``_placement``)
 and held for the round.
@@ -33,7 +37,7 @@ from typing import Any, Final
 
 import msgspec
 
-from ... import schema
+from ... import metrics, schema
 from ...broker import Message, PubAck, PullSubscription, next_hop, trace_of
 from ...coordination import CancelWatch, Coalescer, coalesce_key
 from ...errors import (
@@ -49,13 +53,24 @@ from ...schema import (
     SHUTDOWN_NAK_DELAY,
     CancelRequested,
     InferenceRequest,
+    TerminalClaim,
     boost_subject,
     coalesced,
+    is_requeue_subject,
+    kind_of,
     request_limit,
     subject_matches,
 )
 from ...tasks import Supervisor
-from ._admission import Refused, admit, arrival, parent_of, rejection_id, subject_token
+from ._admission import (
+    Refused,
+    admit,
+    arrival,
+    claimed_id,
+    parent_of,
+    rejection_id,
+    subject_token,
+)
 from ._hold import BOOST_DECODER, Held, stored_at
 from ._parts import Parts
 
@@ -66,6 +81,10 @@ __all__ = ["UNTAKEABLE_AFTER", "Intake"]
 UNTAKEABLE_AFTER: Final = 3
 #: Requests whose failures to take are counted, at most (the oldest forgotten).
 _TAKE_FAILURES_KEPT: Final = 1024
+
+#: The terminal claims of a fetched batch's requests, looked up together:
+#: ``(tenant, request id)`` -> the claim, or ``None`` when it has none.
+Claims = dict[tuple[str, str], TerminalClaim | None]
 
 log = get_logger("router")
 
@@ -129,10 +148,11 @@ class Intake:
             now = self._clock()
             pending = deque(msgs)
             try:
+                claims = await self._claims_of(msgs)
                 while pending:
                     head = pending[0]
                     try:
-                        await self._take(head, level, rank, now)
+                        await self._take(head, level, rank, now, claims)
                     except NatsPayloadTooLargeError as exc:  # this request's, not the broker's
                         await self._untakeable(head, exc)
                     except NatsError:
@@ -187,13 +207,30 @@ class Intake:
         ):
             self._take_failures[seq] = failures  # not recorded: rejected at its next failure
 
-    async def _take(self, msg: Message, level: str, rank: int, now: float) -> None:
+    async def _claims_of(self, msgs: list[Message]) -> Claims:
+        """The terminal claims of a batch's requests, all looked up at once (one
+        round trip for the batch, not one per request), under the id their
+        ``Nats-Msg-Id`` names: an admitted request's own (see :func:`claimed_id`)."""
+        keys = sorted({key for msg in msgs if (key := claimed_id(msg)) is not None})
+        found = await asyncio.gather(*(self._claim_of(*key) for key in keys))
+        return dict(zip(keys, found, strict=True))
+
+    async def _claim_of(self, tenant: str, request_id: str) -> TerminalClaim | None:
+        try:
+            return await self._log.claim_of(tenant, request_id)
+        except msgspec.DecodeError:  # only the services write claims: a bug, not the request's
+            log.exception("a terminal claim does not decode", request_id=request_id)
+            return None
+
+    async def _take(
+        self, msg: Message, level: str, rank: int, now: float, claims: Claims | None = None
+    ) -> None:
         """Admit one fetched request: log it, settle it, or hold it for dispatch."""
         if self._hold.holds_message(msg):
             # Delivered again while held (a nak from a router that lost the
             # lease, an ack timer that ran out): the held one stands for it.
             return
-        request = await self._admit(msg, level, now)
+        request = await self._admit(msg, level, now, claims or {})
         if request is None:
             return
         arrived = await arrival(self._js, msg, request)
@@ -232,12 +269,17 @@ class Intake:
             ),
         )
 
-    async def _admit(self, msg: Message, level: str, now: float) -> InferenceRequest | None:
+    async def _admit(
+        self, msg: Message, level: str, now: float, claims: Claims
+    ) -> InferenceRequest | None:
         """Decode and validate one request; reject it (terminally) if it is bad,
-        or if it is new and its tenant's hard daily budget is spent."""
+        or if it is new and its tenant's hard daily budget is spent; drop it if
+        it already ended (:meth:`_ended`)."""
         admitted = admit(msg, level, self._config, max_bytes=request_limit(self._nc.max_payload))
         if isinstance(admitted, Refused):
             await self._endings.reject(msg, *admitted)
+            return None
+        if await self._ended(msg, admitted, level, claims):
             return None
         spending = self._parts.spending
         budget = spending.budget(admitted.tenant)
@@ -258,6 +300,59 @@ class Intake:
             return admitted
         await self._endings.reject(msg, admitted.id, admitted.tenant, error)
         return None
+
+    async def _ended(
+        self, msg: Message, request: InferenceRequest, level: str, claims: Claims
+    ) -> bool:
+        """Whether ``request`` already ended: then it is not admitted (never
+        logged, routed or run again) and its message is acked.
+
+        A request id has one outcome. A copy read after it (a resubmit past
+        the duplicate window, or under another ``Nats-Msg-Id``, say after a
+        rejection for the header) would only be dropped by the worker (its
+        gate), a routing decision and a backend slot spent on nothing. A
+        client's copy is dead-lettered (``already_ended: ...``, beside the
+        first outcome's own dead letter, if any), so it can be found and
+        requeued under a new id; a services' requeue of it is just dropped.
+        The claim's event is made sure of in the log (its writer may have
+        stopped between the claim and the event).
+        """
+        key = (request.tenant, request.id)
+        claim = claims[key] if key in claims else await self._claim_of(*key)
+        if claim is None:
+            return False
+        ended = kind_of(claim.event)
+        metrics.ENDED_RESUBMITS.labels(level).inc()
+        log.warning(
+            "request already ended; not admitting it again",
+            request_id=request.id,
+            tenant=request.tenant,
+            ended=ended,
+        )
+        seq = msg.metadata.sequence.stream
+        try:
+            await self._log.settle(claim)
+            if request.requeues == 0 and not is_requeue_subject(msg.subject):
+                await self._log.dead_letter(
+                    "requests",
+                    msg.data,
+                    reason=(
+                        f"already_ended: request {request.id} already ended ({ended}) before "
+                        "this copy was read; a request id has one outcome, so this copy was "
+                        "not run: submit it under a new id"
+                    ),
+                    source_subject=msg.subject,
+                    source_seq=seq,
+                    tenant=request.tenant,
+                    request_id=request.id,
+                    copy=f"again-{seq}",
+                )
+            await msg.ack()
+        except Exception as exc:  # noqa: BLE001 - delivered again, and refused then
+            log.warning("could not refuse an ended request; will retry", error=str(exc))
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
+        return True
 
     async def _settle_on_read(
         self,
