@@ -89,6 +89,7 @@ from ..schema import (
     TokenChunk,
     cancelled,
     encode,
+    error_type_of,
     event_subject,
     expired,
     failed,
@@ -435,7 +436,7 @@ class Coalescer:
                     follower,
                     tenant,
                     at=self._clock(),
-                    error_type=f"shared_call_{kind}",
+                    error_type=error_type_of(f"shared_call_{kind}"),
                     reason=f"the call shared with {leader} ended {kind}",
                 )
             )

@@ -18,6 +18,7 @@ from ..schema import (
     Rejected,
     arm_of,
     cancelled,
+    error_type_of,
     expired,
     rejected,
 )
@@ -82,5 +83,5 @@ def rejection(request_id: str, tenant: str, at: float, error: Exception) -> Reje
     """The router refuses a request (recorded under ``request_id`` and
     ``tenant``) for ``error``: its ``code`` (``malformed`` if it has none),
     its message."""
-    code = getattr(error, "code", "malformed")
+    code = error_type_of(getattr(error, "code", "malformed"))
     return rejected(request_id, tenant, at=at, error_type=code, reason=str(error)[:1000])

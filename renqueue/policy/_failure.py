@@ -97,12 +97,12 @@ import msgspec
 from msgspec import Struct
 
 from ..errors import BackendError, FailureClass, RateLimitedError
-from ..schema import MAX_REQUEUES, Fallback
+from ..schema import MAX_REQUEUES, ErrorType, Fallback, error_type_of
 from ._features import ALL_FEATURES
 from ._routing import meets
 
 #: ``error_type`` of a failure that is the worker's, not the backend's.
-INTERNAL = "internal"
+INTERNAL: Final[ErrorType] = "internal"
 #: ``error_type`` of a request that fails because its provider's quota is spent
 #: and it cannot be put back to routing again (put back ``MAX_REQUEUES`` times).
 QUOTA_EXHAUSTED: Final = "quota_exhausted"
@@ -218,7 +218,7 @@ class Retry(Struct, frozen=True, kw_only=True, tag=True):
 
     delay: float
     #: The ``retrying`` event's ``error_type`` and ``reason``.
-    error_type: str
+    error_type: ErrorType
     reason: str
 
 
@@ -230,7 +230,7 @@ class RequeueElsewhere(Struct, frozen=True, kw_only=True, tag=True):
     puts the request back on its level's requeue subject, keeping its wait.
     """
 
-    error_type: str
+    error_type: ErrorType
     reason: str
     #: Seconds to leave this backend out when the provider did not say until
     #: when its quota comes back; ``None`` when it did (that time holds it).
@@ -245,7 +245,7 @@ class FallBack(Struct, frozen=True, kw_only=True, tag=True):
     subject, keeping its wait, with ``fallback`` as its ``InferenceRequest.fallback``.
     """
 
-    error_type: str
+    error_type: ErrorType
     error_class: str
     reason: str
     #: The request's new place in the cascade: where it may not go next.
@@ -255,7 +255,7 @@ class FallBack(Struct, frozen=True, kw_only=True, tag=True):
 class Fail(Struct, frozen=True, kw_only=True, tag=True):
     """End the request ``failed`` (``error_type``, ``reason``), with a dead-letter copy."""
 
-    error_type: str
+    error_type: ErrorType
     reason: str
 
 
@@ -326,12 +326,12 @@ def _decide(
     if isinstance(error, RateLimitedError) and error.quota_exhausted:
         known = error.quota_exhausted_until is not None
         return RequeueElsewhere(
-            error_type=error.code,
+            error_type=error_type_of(error.code),
             reason=f"{str(error)[:1000]} (quota exhausted: back to routing)",
             hold=None if known else max(policy.quota_hold, given or 0.0),
         )
     if isinstance(error, BackendError):
-        error_type, reason = error.code, str(error)[:1000]
+        error_type, reason = error_type_of(error.code), str(error)[:1000]
         if route is not None and error.failure in route.policy.on:
             here = (
                 error.failure in RETRY_HERE_FIRST
@@ -365,7 +365,7 @@ def _decide(
 
 def _fall_back(
     error: BackendError,
-    error_type: str,
+    error_type: ErrorType,
     reason: str,
     route: RouteFacts,
     *,

@@ -12,7 +12,7 @@ reusable decoder (:data:`EVENT_DECODER`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Annotated, Any, Final, Generic, Literal, TypeVar
+from typing import Annotated, Any, Final, Generic, Literal, TypeVar, cast, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -20,6 +20,7 @@ from msgspec import Meta, Struct
 __all__ = [
     "CLAIM_DECODER",
     "DISPATCH_DECODER",
+    "ERROR_TYPES",
     "EVENT_DECODER",
     "MAX_JSON_DEPTH",
     "MAX_REQUEUES",
@@ -39,6 +40,7 @@ __all__ = [
     "ContentPart",
     "Decoder",
     "Dispatch",
+    "ErrorType",
     "Event",
     "Expired",
     "Failed",
@@ -72,6 +74,7 @@ __all__ = [
     "TopLogprob",
     "Usage",
     "encode",
+    "error_type_of",
     "is_terminal",
     "kind_of",
     "request_limit",
@@ -510,6 +513,45 @@ class Submitted(_EventBase, frozen=True, kw_only=True, tag="submitted"):
     #: new trace's when it came with none or a malformed one. ``None`` in
     #: events from before tracing.
     traceparent: str | None = None
+
+
+#: Every ``error_type`` the services write (``rejected``, ``failed``,
+#: ``retrying`` and ``fell_back`` events): the event constructors take only
+#: these (see :func:`error_type_of`). On the wire the field stays a string:
+#: a reader must accept one it does not know (written by a newer version).
+ErrorType = Literal[
+    # rejected: the request cannot be served as it is
+    "malformed",
+    "unknown_route",
+    "no_capable_backend",
+    "unsupported_feature",
+    "priority_not_allowed",
+    "over_cost_cap",
+    "budget_exhausted",
+    "unprocessable",
+    # failed (and retrying, fell_back): its runs did not end well
+    "rate_limited",
+    "quota_exhausted",
+    "backend_unavailable",
+    "backend_fatal",
+    "backend_bad_request",
+    "internal",
+    "answer_too_large",
+    "undeliverable",
+    # failed: a coalesced follower, by how its leader's call ended
+    "shared_call_failed",
+    "shared_call_cancelled",
+    "shared_call_expired",
+    "shared_call_rejected",
+]
+ERROR_TYPES: Final[frozenset[str]] = frozenset(get_args(ErrorType))
+
+
+def error_type_of(code: str) -> ErrorType:
+    """``code`` (an error's :attr:`~renqueue.errors.RenQueueError.code`) as an
+    ``error_type``; one that is none (a bug: every request and backend error's
+    code is one, tests/test_wire_docs.py checks) is ``internal``."""
+    return cast("ErrorType", code) if code in ERROR_TYPES else "internal"
 
 
 class Rejected(_EventBase, frozen=True, kw_only=True, tag="rejected"):

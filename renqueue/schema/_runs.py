@@ -18,6 +18,7 @@ from ._messages import (
     Completed,
     ComplexityEstimate,
     Dispatch,
+    ErrorType,
     Expired,
     Failed,
     Fallback,
@@ -108,7 +109,7 @@ class Run(Struct, frozen=True, kw_only=True):
         self,
         *,
         at: float,
-        error_type: str,
+        error_type: ErrorType,
         reason: str,
         retry_after: float,
         error_class: str = "",
@@ -136,7 +137,7 @@ class Run(Struct, frozen=True, kw_only=True):
         self,
         *,
         at: float,
-        error_type: str,
+        error_type: ErrorType,
         error_class: str,
         reason: str,
         fallback: Fallback,
@@ -198,7 +199,7 @@ class Run(Struct, frozen=True, kw_only=True):
         self,
         *,
         at: float,
-        error_type: str,
+        error_type: ErrorType,
         reason: str,
         error_class: str = "",
         limits: tuple[ReportedLimit, ...] = (),
@@ -224,7 +225,7 @@ def failed(
     tenant: str,
     *,
     at: float,
-    error_type: str,
+    error_type: ErrorType,
     reason: str,
     error_class: str = "",
     backend: str | None = None,
@@ -273,7 +274,9 @@ def cancelled(
     return Cancelled(request_id=request_id, tenant=tenant, at=at, stage=stage, reason=reason)
 
 
-def rejected(request_id: str, tenant: str, *, at: float, error_type: str, reason: str) -> Rejected:
+def rejected(
+    request_id: str, tenant: str, *, at: float, error_type: ErrorType, reason: str
+) -> Rejected:
     """A request was refused at admission: ``request_id`` and ``tenant`` are
     what its subject and header said, the body may not have been readable."""
     return Rejected(

@@ -30,7 +30,7 @@ from ...broker import EventLog, JetStream
 from ...coordination import Coalescer, coalesce_key
 from ...logs import get_logger
 from ...policy import FailurePolicy, backoff, cancelled_at_worker
-from ...schema import Completed, Event, Failed, Fallback, InferenceRequest
+from ...schema import Completed, ErrorType, Event, Failed, Fallback, InferenceRequest
 from ._call import reported_limits
 from ._delivery import Delivery
 from ._yielding import put_back, requeue
@@ -94,7 +94,7 @@ class Outcomes:
         self,
         delivery: Delivery,
         *,
-        error_type: str,
+        error_type: ErrorType,
         reason: str,
         exhausted_until: float | None = None,
         error_class: str = "",
