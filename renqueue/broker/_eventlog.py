@@ -91,6 +91,7 @@ from ..schema import (
 from ._nats import (
     AckPolicy,
     Connection,
+    ConsumerInfo,
     DeliverPolicy,
     JetStream,
     Message,
@@ -312,8 +313,9 @@ async def _replay(
         )
         created = True
         out: list[tuple[int, str, bytes]] = []
-        pending = info.num_pending or 0
-        while pending > 0:
+        if not _anything_to_deliver(info):
+            return out  # the message at `last` is gone since the get (aged out)
+        while True:
             msg = await asyncio.wait_for(received.get(), timeout)
             if msg.headers and msg.headers.get("Status"):
                 continue  # a status message (heartbeat), not stored data
@@ -322,13 +324,23 @@ async def _replay(
                 misdirected("read", msg.subject, expected=subject)
                 continue
             out.append((meta.sequence.stream, msg.subject, msg.data))
-            pending = 0 if meta.sequence.stream >= last else meta.num_pending
-        return out
+            if meta.sequence.stream >= last or meta.num_pending == 0:
+                return out
     finally:
         with contextlib.suppress(NatsError):
             await sub.unsubscribe()
         if created:
             await delete_consumer(js, stream, consumer)
+
+
+def _anything_to_deliver(info: ConsumerInfo) -> bool:
+    """Whether a push consumer just created will deliver anything, from its
+    create response: messages pending, or some already delivered (deliveries
+    begin as soon as it exists, and may be counted out of ``num_pending``
+    before the response is written). Only a consumer with neither has
+    nothing to deliver: its ``num_pending: 0`` alone does not say so."""
+    delivered = info.delivered.consumer_seq if info.delivered is not None else 0
+    return bool(info.num_pending) or bool(delivered)
 
 
 def _delivered(msg: Message, stream: str, consumer: str, subject: str) -> MessageMetadata | None:
