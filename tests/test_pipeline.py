@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.errors
+import nats.js.errors
 import pytest
+from nats.aio.client import Client as NatsClient
 from prometheus_client import REGISTRY
 from test_dlq import until
 
@@ -467,3 +470,48 @@ async def test_a_rejected_request_sent_again_under_its_id_is_refused_not_routed(
     with pytest.raises(RequestRejectedError, match="Nats-Msg-Id"):  # the one outcome stands
         await client.handle(request.id).result(timeout=10)
     assert mock.stats().requests == 0
+
+
+async def test_a_rejection_is_named_by_the_payload_id_else_the_header_id_else_the_sequence(
+    client: Client,
+) -> None:
+    """Issue 30 (docs/wire-format.md, *Which request a rejection names*): the
+    payload's id when the payload decodes; else the id of a ``Nats-Msg-Id`` of
+    the subject's tenant; else ``invalid-<its RQ_REQUESTS sequence>``. Its dead
+    letter's ``Nats-Msg-Id`` is ``<tenant>:<id>:dlq:requests``."""
+    js, subject = client.js, request_subject("normal", "t1")
+    decodes = client.build_request("hi", route="chat", request_id="named-in-body")
+    await js.publish(subject, msgspec.json.encode(decodes), headers={"Nats-Msg-Id": "t1:hdr-1"})
+    broken = {**msgspec.to_builtins(decodes), "id": "not-read", "messages": "not a list"}
+    await js.publish(subject, msgspec.json.encode(broken), headers={"Nats-Msg-Id": "t1:hdr-2"})
+    ack = await js.publish(subject, b"{not json", headers={"Nats-Msg-Id": "other:hdr-3"})
+
+    for request_id in ("named-in-body", "hdr-2", f"invalid-{ack.seq}"):
+        with pytest.raises(RequestRejectedError) as info:
+            await client.handle(request_id).result(timeout=10)
+        assert info.value.error_type == "malformed"
+    # A request rejected when read has no `submitted` event: its log is the rejection.
+    assert await kinds(client, "named-in-body") == ["rejected"]
+    log = EventLog(js)
+    for unnamed in ("hdr-1", "not-read", "hdr-3"):
+        assert await log.history("t1", unnamed) == []
+    dead = await js.get_last_msg(DLQ_STREAM, "rq.dlq.requests")
+    assert dead.data == b"{not json"
+    assert (dead.headers or {})["Nats-Msg-Id"] == f"t1:invalid-{ack.seq}:dlq:requests"
+
+
+async def test_a_level_not_configured_gets_no_responders_status_503(stack: Services) -> None:
+    """docs/wire-format.md: no stream listens on an unconfigured level's subject,
+    so a JetStream publish there gets the server's 503 "no responders"; nats.py
+    names it ``NoStreamResponseError`` (``js.publish``) and ``NoRespondersError``
+    (a plain request), nats.js ``JetStreamNotEnabled`` (code 503)."""
+    nc = NatsClient()
+    await nc.connect(stack.url)
+    try:
+        subject = request_subject("urgent", "t1")
+        with pytest.raises(nats.js.errors.NoStreamResponseError):
+            await nc.jetstream().publish(subject, b"{}", headers={"Nats-Msg-Id": "t1:x"})
+        with pytest.raises(nats.errors.NoRespondersError):
+            await nc.request(subject, b"{}", timeout=5)
+    finally:
+        await nc.close()
