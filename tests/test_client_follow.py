@@ -11,16 +11,19 @@ subscription on that connection, as a chunk lost to a reconnect would.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
+from nats.js.api import ConsumerConfig, ConsumerInfo, SequenceInfo
 from test_binder import until
 
 from renqueue import Client, Services, TokensExpiredError, UnknownPriorityError, parse_config
 from renqueue.broker import Connection, EmbeddedServer, EventLog, provision
+from renqueue.broker._eventlog import _anything_to_deliver
 from renqueue.client._tokens import TokenFollower
 from renqueue.errors import NatsTimeoutError
 from renqueue.mock import MockBackend, MockSettings
@@ -428,3 +431,24 @@ async def test_a_stream_rides_out_a_server_restart_and_ends_from_the_store(
         await deaf.close()
         await loud.close()
         await server.close()
+
+
+def test_a_replay_does_not_stop_on_a_create_response_that_counts_deliveries_out() -> None:
+    """Issue 30: deliveries begin as soon as a push consumer exists, and a
+    create response may count them out of ``num_pending``; its ``0`` alone was
+    read as "nothing to wait for". Only nothing pending and nothing delivered
+    says so (docs/wire-format.md, *Following tokens*)."""
+
+    def created(pending: int, delivered: int) -> ConsumerInfo:
+        return ConsumerInfo(
+            name="c",
+            stream_name="RQ_TOKENS",
+            config=ConsumerConfig(),
+            created=datetime.datetime.now(datetime.UTC),
+            delivered=SequenceInfo(consumer_seq=delivered, stream_seq=40 + delivered),
+            num_pending=pending,
+        )
+
+    assert _anything_to_deliver(created(pending=0, delivered=3))  # on their way already
+    assert _anything_to_deliver(created(pending=2, delivered=0))
+    assert not _anything_to_deliver(created(pending=0, delivered=0))  # aged out since the get
