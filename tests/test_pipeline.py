@@ -31,7 +31,7 @@ from renqueue import (
     Services,
     parse_config,
 )
-from renqueue.broker import EventLog
+from renqueue.broker import DeadLetters, EventLog
 from renqueue.config import Config
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import DLQ_STREAM, Completed, Rejected, Started, msg_id, request_subject
@@ -470,6 +470,10 @@ async def test_a_rejected_request_sent_again_under_its_id_is_refused_not_routed(
     with pytest.raises(RequestRejectedError, match="Nats-Msg-Id"):  # the one outcome stands
         await client.handle(request.id).result(timeout=10)
     assert mock.stats().requests == 0
+    # The dead letter is how the corrected request runs: requeued, under a new id.
+    dead_letters = DeadLetters(client.js)
+    again = await dead_letters.requeue(await dead_letters.get(dead.seq))
+    assert (await client.handle(again.new_id).result(timeout=10)).backend == "b1"
 
 
 async def test_a_rejection_is_named_by_the_payload_id_else_the_header_id_else_the_sequence(
