@@ -313,9 +313,11 @@ class Intake:
         gate), a routing decision and a backend slot spent on nothing. A
         client's copy is dead-lettered (``already_ended: ...``, beside the
         first outcome's own dead letter, if any), so it can be found and
-        requeued under a new id; a services' requeue of it is just dropped.
-        The claim's event is made sure of in the log (its writer may have
-        stopped between the claim and the event).
+        requeued under a new id; a services' requeue of it is just dropped,
+        and so is a message delivered again (most likely the very message
+        that ended it, whose router stopped before acking it). The claim's
+        event is made sure of in the log (its writer may have stopped
+        between the claim and the event).
         """
         key = (request.tenant, request.id)
         claim = claims[key] if key in claims else await self._claim_of(*key)
@@ -332,7 +334,8 @@ class Intake:
         seq = msg.metadata.sequence.stream
         try:
             await self._log.settle(claim)
-            if request.requeues == 0 and not is_requeue_subject(msg.subject):
+            first = msg.metadata.num_delivered <= 1
+            if first and request.requeues == 0 and not is_requeue_subject(msg.subject):
                 await self._log.dead_letter(
                     "requests",
                     msg.data,
