@@ -238,3 +238,12 @@ def test_the_tenant_permission_table_grants_what_auth_conf_grants() -> None:
         verb = cell.split()[0]
         listed[verb] |= set(re.findall(r"`([^`]+)`", cell))
     assert listed == auth_grants("acme")
+
+
+def test_the_dead_letters_duplicate_window_is_what_the_docs_say() -> None:
+    """The DLQ copy's ``Nats-Msg-Id`` is deduplicated within RQ_DLQ's own
+    window (the stream definition's; ``nats.duplicate_window`` does not apply)."""
+    window = json.loads((ROOT / "streams" / "dlq.json").read_text())["duplicate_window"]
+    assert window == 120 * 10**9  # nanoseconds
+    assert "duplicate window of 2 minutes" in " ".join(WIRE.read_text().split())
+    assert "2-minute duplicate window" in (ROOT / "docs" / "dead-letters.md").read_text()
