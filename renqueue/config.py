@@ -1349,7 +1349,8 @@ def load_config(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"not valid TOML: {exc}", source=source) from exc
         except UnicodeDecodeError as exc:
-            raise ConfigError(f"not UTF-8 (byte {exc.start}): TOML is UTF-8", source=source) from exc
+            why = f"not UTF-8 (byte {exc.start}): TOML is UTF-8"
+            raise ConfigError(why, source=source) from exc
         except RecursionError as exc:
             # tomllib parses nested arrays and inline tables by recursion.
             raise ConfigError("not valid TOML: nested too deeply", source=source) from exc
