@@ -98,14 +98,15 @@ from renqueue.coordination import cancel_of
 from renqueue.errors import ConfigError
 from renqueue.gateway import digest
 from renqueue.schema import (
+    DISPATCH_STREAM,
     EVENT_DECODER,
     EVENTS_STREAM,
-    DISPATCH_STREAM,
     REQUESTS_STREAM,
     TERMINAL_KINDS,
     kind_of,
 )
 
+HERE = Path(__file__).resolve()
 AUTH_CONF = ROOT / "nats" / "auth.conf"
 PASSWORDS = {
     "RQ_SERVICE_PASSWORD": "fuzz-service-" + uuid.uuid4().hex,
@@ -1432,7 +1433,7 @@ class Child:
 async def start_child(name: str, argv: list[str], out: Path, env: dict[str, str]) -> Child:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
-        str(Path(__file__).resolve()),
+        str(HERE),
         "_child",
         name,
         "--out",
