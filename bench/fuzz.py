@@ -1339,7 +1339,10 @@ async def http_child(args: argparse.Namespace) -> dict[str, Any]:
             except asyncio.QueueEmpty:
                 return
             await pace.next()
-            results.append(await fire(shot))
+            began = time.monotonic()
+            result = await fire(shot)
+            result["seconds"] = round(time.monotonic() - began, 3)
+            results.append(result)
 
     await asyncio.gather(*(worker() for _ in range(mode.concurrency)))
     return {"results": results, "elapsed": time.monotonic() - started}
@@ -1975,6 +1978,13 @@ async def run(
             http_examples.append(r)
         if r["outcome"] == "typed" and r.get("code") is None:
             null_codes[f"{r['category']}:{r['status']}"] += 1
+    seconds: dict[str, list[float]] = {}
+    for r in http_report["results"]:
+        seconds.setdefault(r["category"], []).append(r.get("seconds", 0.0))
+    http_seconds = {
+        k: {"p50": round(percentile(v, 50), 3), "max": round(max(v), 3)}
+        for k, v in sorted(seconds.items())
+    }
     http_bad = sum(
         http_outcomes[k] for k in ("server_error", "no_answer", "garbled", "connect_failed")
     )
@@ -2040,6 +2050,7 @@ async def run(
             "outcomes": dict(http_outcomes),
             "by_category": {k: dict(v) for k, v in sorted(http_by_category.items())},
             "typed_with_null_code": dict(null_codes),
+            "seconds_by_category": http_seconds,
             "examples": http_examples,
             "elapsed_s": round(http_report["elapsed"], 1),
         },
@@ -2118,6 +2129,7 @@ def main() -> None:
         help="hostile NATS messages and HTTP requests per second, each (0: as fast as they go)",
     )
     parser.add_argument("--no-save", action="store_true", help="do not write bench/results/")
+    parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = parser.parse_args()
     mode = MODES["short" if args.short else "full"]
     report = asyncio.run(
@@ -2131,6 +2143,8 @@ def main() -> None:
         )
     )
     print_report(report)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2, default=str))
     if not args.no_save:
         RESULTS.mkdir(parents=True, exist_ok=True)
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
