@@ -119,6 +119,9 @@ EVIL = "globex"
 ROUTE = "chat"
 BACKEND = "b1"
 LEVELS = DEFAULT_PRIORITIES
+#: How long a hostile HTTP request (not a slow sender) may wait for its answer: one that
+#: passes as valid is queued like any other, behind whatever backlog there is.
+ANSWER_BOUND = 120.0
 #: The gateway's body limit here (its default, 4 MiB).
 MAX_BODY = 4 * 1024 * 1024
 
@@ -414,6 +417,8 @@ class Part:
     api: bool = False
     #: Seconds to wait for the publish ack (a refused publish has none).
     timeout: float = 20.0
+    #: Which bend of its category (the forged field, the absurd value, the header form).
+    variant: str = ""
 
 
 def _ids_of(payload: bytes, header: str | None) -> list[str]:
@@ -436,8 +441,10 @@ def _request_part(
     header: str | None,
     *,
     subject: str | None = None,
+    variant: str = "",
 ) -> Part:
     return Part(
+        variant=variant[:80],
         category=category,
         kind="request",
         subject=subject or f"rq.req.{level}.{EVIL}",
@@ -553,7 +560,8 @@ def nats_plan(count: int, seed: int, mode: Mode) -> list[list[Part]]:
                     f"{EVIL}:*",
                 ]
             )
-            chain.append(_request_part("bad_header", _json_bytes(base), lvl, form))
+            shown = "none" if form is None else form.replace(rid, "<id>")
+            chain.append(_request_part("bad_header", _json_bytes(base), lvl, form, variant=shown))
         elif pick == "forged":
             forged = rng.choice(
                 [
@@ -575,7 +583,9 @@ def nats_plan(count: int, seed: int, mode: Mode) -> list[list[Part]]:
             )
             body = {**base, **forged}
             header = header_for(body["id"] if isinstance(body["id"], str) else rid)
-            chain.append(_request_part("forged", _json_bytes(body), lvl, header))
+            chain.append(
+                _request_part("forged", _json_bytes(body), lvl, header, variant=str(forged))
+            )
         elif pick == "absurd":
             absurd = rng.choice(
                 [
@@ -599,7 +609,12 @@ def nats_plan(count: int, seed: int, mode: Mode) -> list[list[Part]]:
                 ]
             )
             data = _expand_big(_json_bytes({**base, **absurd}), budget)
-            chain.append(_request_part("absurd", data, lvl, header_for(rid)))
+            shown = (
+                str(absurd).replace(_big(5_000_000), "<5 MB>").replace(_big(1_000_000), "<1 MB>")
+            )
+            if len(shown) > 80:
+                shown = shown[:60] + "... (" + str(len(shown)) + " chars)"
+            chain.append(_request_part("absurd", data, lvl, header_for(rid), variant=shown))
         elif pick == "replay":
             # The same stored message again (a duplicate id: never stored twice), then
             # the same body without the header (stored again, rejected again).
@@ -1209,6 +1224,7 @@ async def nats_child(args: argparse.Namespace) -> dict[str, Any]:
             "subject": part.subject,
             "size": len(part.payload),
             "ids": part.ids,
+            "variant": part.variant,
         }
         try:
             if part.api:
@@ -1317,7 +1333,8 @@ async def http_child(args: argparse.Namespace) -> dict[str, Any]:
                 except (ConnectionError, OSError):
                     pass
                 try:
-                    answer = await asyncio.wait_for(_read_all(reader), 15.0)
+                    # A valid request waits its turn in the queue, behind the backlog.
+                    answer = await asyncio.wait_for(_read_all(reader), ANSWER_BOUND)
                 except TimeoutError:
                     out["outcome"] = "no_answer"
                     return out
@@ -1790,6 +1807,7 @@ async def audit_nats(stack: Stack, nats_report: dict[str, Any]) -> dict[str, Any
     stored_requests = 0
     admitted_ids: set[str] = set()
     admitted_examples: dict[str, list[str]] = {}
+    variants: dict[str, Counter[str]] = {}
     valid_cancels = 0
     bad_cancels = 0
     for result in nats_report["results"]:
@@ -1812,6 +1830,9 @@ async def audit_nats(stack: Stack, nats_report: dict[str, Any]) -> dict[str, Any
                 if len(ends) > 1:
                     twice[ended] = ends
                 verdict = "ended:" + ends[0]
+                if result.get("variant"):
+                    key = f"{category}: {result['variant']}"
+                    variants.setdefault(key, Counter())[ends[0].rstrip(":")] += 1
                 if ends[0].startswith("rejected"):
                     stored_rejected += 1
                 else:
@@ -1845,6 +1866,7 @@ async def audit_nats(stack: Stack, nats_report: dict[str, Any]) -> dict[str, Any
         "stored_and_rejected": stored_rejected,
         "admitted_and_ended": len(admitted_ids),
         "admitted_examples": admitted_examples,
+        "outcome_by_variant": {k: dict(v) for k, v in sorted(variants.items())},
         "valid_cancels": valid_cancels,
         "dropped_cancels": bad_cancels,
     }
@@ -1926,10 +1948,12 @@ async def run(
                     ),
                 )  # fmt: skip
                 # Baseline: the good workload alone.
+                load = {"baseline_start": os.getloadavg()[0]}
                 baseline = await good_workload(
                     client, mode.rate, count=mode.baseline, until=None, result_wait=60.0
                 )
                 before = await scrape(s.metrics_port)
+                load["fuzz_start"] = os.getloadavg()[0]
                 fuzz_t0 = time.monotonic()
                 done = asyncio.Event()
                 good_task = asyncio.create_task(
@@ -1944,6 +1968,7 @@ async def run(
                 hostile_seconds = time.monotonic() - fuzz_t0
                 done.set()
                 fuzzed = await good_task
+                load["fuzz_end"] = os.getloadavg()[0]
                 fuzz_seconds = time.monotonic() - fuzz_t0
             finally:
                 await client.close()
@@ -2030,6 +2055,7 @@ async def run(
         },
         "verdicts": verdicts,
         "ok": all(v == 0 for v in verdicts.values()),
+        "loadavg_1min": {k: round(v, 2) for k, v in load.items()},
         "latency": {
             "baseline": base_sum,
             "fuzz": fuzz_sum,
@@ -2092,6 +2118,7 @@ def print_report(report: dict[str, Any]) -> None:
         f"p95 {b['p95_ms']} -> {f['p95_ms']} ms (x{lat['p95_ratio']}); "
         f"{b['completed']} alone + {f['completed']} under fuzz completed"
     )
+    print(f"  1-minute load average (2 cores shared): {report['loadavg_1min']}")
     n = report["nats"]
     print(f"  NATS outcomes: {n['outcomes']}")
     print(
@@ -2101,9 +2128,15 @@ def print_report(report: dict[str, Any]) -> None:
         f"{n['dropped_as_ended']:g}; left in RQ_REQUESTS {n['left_in_requests_stream']}; "
         f"cancellations valid {n['valid_cancels']}, dropped {n['dropped_cancels']}"
     )
-    if n["admitted_examples"]:
-        admitted = {k: len(x) for k, x in n["admitted_examples"].items()}
-        print(f"    admitted (ended other than rejected), examples by category: {admitted}")
+    admitted = {
+        variant: outcomes
+        for variant, outcomes in n["outcome_by_variant"].items()
+        if any(not outcome.startswith("rejected") for outcome in outcomes)
+    }
+    if admitted:
+        print("    admitted (ended other than rejected), by what was bent:")
+        for variant, outcomes in admitted.items():
+            print(f"      {variant}: {outcomes}")
     print(f"  HTTP outcomes: {report['http']['outcomes']}")
     if report["http"]["typed_with_null_code"]:
         print(f"    OpenAI-shaped errors with code null: {report['http']['typed_with_null_code']}")
