@@ -198,6 +198,9 @@ def _valid_request(request_id: str, level: str, rng: random.Random) -> dict[str,
 _BIG = re.compile(rb'"\\u0000BIG:(\d+)"')
 
 
+_BIG_SHOWN = re.compile(r'"\\u0000BIG:(\d+)"')
+
+
 def _big(size: int) -> str:
     return f"\x00BIG:{size}"
 
@@ -444,7 +447,7 @@ def _request_part(
     variant: str = "",
 ) -> Part:
     return Part(
-        variant=variant[:80],
+        variant=variant[:140],
         category=category,
         kind="request",
         subject=subject or f"rq.req.{level}.{EVIL}",
@@ -609,11 +612,11 @@ def nats_plan(count: int, seed: int, mode: Mode) -> list[list[Part]]:
                 ]
             )
             data = _expand_big(_json_bytes({**base, **absurd}), budget)
-            shown = (
-                str(absurd).replace(_big(5_000_000), "<5 MB>").replace(_big(1_000_000), "<1 MB>")
-            )
+            shown = _BIG_SHOWN.sub(lambda m: f'"<{int(m[1]) // 10**6} MB>"', json.dumps(absurd))
             if len(shown) > 80:
                 shown = shown[:60] + "... (" + str(len(shown)) + " chars)"
+            if b"big, past the budget" in data:
+                shown += " (sent small: the budget of big payloads was spent)"
             chain.append(_request_part("absurd", data, lvl, header_for(rid), variant=shown))
         elif pick == "replay":
             # The same stored message again (a duplicate id: never stored twice), then
