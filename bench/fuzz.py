@@ -1727,7 +1727,7 @@ def latency_summary(good: Good) -> dict[str, Any]:
         "submitted": good.submitted,
         "completed": len(good.latencies),
         "failed": len(good.failed),
-        "lost": len(good.lost),
+        "not_ended_within_wait": len(good.lost),
         "p50_ms": round(percentile(good.latencies, 50) * 1000, 1),
         "p95_ms": round(percentile(good.latencies, 95) * 1000, 1),
         "p99_ms": round(percentile(good.latencies, 99) * 1000, 1),
@@ -1775,7 +1775,11 @@ async def read_stream_subjects(js: Any, stream: str, subject: str) -> list[tuple
     return out
 
 
-async def audit_nats(stack: Stack, nats_report: dict[str, Any]) -> dict[str, Any]:
+async def audit_nats(
+    stack: Stack, nats_report: dict[str, Any], waited: list[str]
+) -> dict[str, Any]:
+    """The hostile requests' outcomes from the log, and how the good requests whose
+    client gave up waiting (``waited``) ended, once the work queues have drained."""
     import nats  # noqa: PLC0415
 
     nc = await nats.connect(stack.service_url, inbox_prefix=b"_INBOX_renqueue", name="fuzz-audit")
@@ -1793,6 +1797,14 @@ async def audit_nats(stack: Stack, nats_report: dict[str, Any]) -> dict[str, Any
                 break
             await asyncio.sleep(0.2)
         events = await read_stream_subjects(js, EVENTS_STREAM, f"rq.evt.{EVIL}.>")
+        late: dict[str, str] = {}
+        for request_id in waited:
+            late[request_id] = "none"
+            for kind in TERMINAL_KINDS:
+                with contextlib.suppress(Exception):  # not found: not this one
+                    await js.get_last_msg(EVENTS_STREAM, f"rq.evt.{GOOD}.{request_id}.{kind}")
+                    late[request_id] = kind
+                    break
     finally:
         await nc.close()
     terminals: dict[str, list[str]] = {}
@@ -1873,6 +1885,7 @@ async def audit_nats(stack: Stack, nats_report: dict[str, Any]) -> dict[str, Any
         "admitted_and_ended": len(admitted_ids),
         "admitted_examples": admitted_examples,
         "outcome_by_variant": {k: dict(v) for k, v in sorted(variants.items())},
+        "good_late": late,
         "valid_cancels": valid_cancels,
         "dropped_cancels": bad_cancels,
     }
@@ -1919,6 +1932,7 @@ async def run(
     config_count: int,
     seed: int,
     rate: float,
+    good_wait: float = 120.0,
 ) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="rq-fuzz-"))
     t0 = time.monotonic()
@@ -1956,7 +1970,7 @@ async def run(
                 # Baseline: the good workload alone.
                 load = {"baseline_start": os.getloadavg()[0]}
                 baseline = await good_workload(
-                    client, mode.rate, count=mode.baseline, until=None, result_wait=60.0
+                    client, mode.rate, count=mode.baseline, until=None, result_wait=good_wait
                 )
                 before = await scrape(s.metrics_port)
                 load["fuzz_start"] = os.getloadavg()[0]
@@ -1964,7 +1978,7 @@ async def run(
                 done = asyncio.Event()
                 good_task = asyncio.create_task(
                     good_workload(
-                        client, mode.rate, count=mode.baseline, until=done, result_wait=120.0
+                        client, mode.rate, count=mode.baseline, until=done, result_wait=good_wait
                     )
                 )
                 nats_child_, http_child_, config_child_ = children
@@ -1979,7 +1993,7 @@ async def run(
             finally:
                 await client.close()
             nats_report, http_report, config_report = reports
-            audit = await audit_nats(s, nats_report)
+            audit = await audit_nats(s, nats_report, baseline.lost + fuzzed.lost)
             after = await settled_scrape(s.metrics_port, before, audit["dropped_cancels"])
             rejected = metric_delta(before, after, "renqueue_rejected_total")
             misdirected = metric_delta(before, after, "renqueue_misdirected_messages_total")
@@ -2022,7 +2036,9 @@ async def run(
     crashes = (
         (0 if up_alive else 1) + findings["failed_loop_count"] + findings["gateway_error_count"]
     )
-    good_bad = len(fuzzed.failed) + len(fuzzed.lost) + len(baseline.failed) + len(baseline.lost)
+    # A request the client gave up on (120 s) counts unless the log has it completed.
+    late_not_completed = sum(1 for kind in audit["good_late"].values() if kind != "completed")
+    good_bad = len(fuzzed.failed) + len(baseline.failed) + late_not_completed
     audit["dropped_as_ended"] = sum(duplicates.values())
     accounted = (
         audit["rejected_metric_delta"] + audit["dropped_as_ended"] + audit["admitted_and_ended"]
@@ -2124,6 +2140,9 @@ def print_report(report: dict[str, Any]) -> None:
         f"p95 {b['p95_ms']} -> {f['p95_ms']} ms (x{lat['p95_ratio']}); "
         f"{b['completed']} alone + {f['completed']} under fuzz completed"
     )
+    late = Counter(report["nats"]["good_late"].values())
+    if late:
+        print(f"  good requests waited for past --good-wait, as they ended: {dict(late)}")
     print(f"  1-minute load average (2 cores shared): {report['loadavg_1min']}")
     n = report["nats"]
     print(f"  NATS outcomes: {n['outcomes']}")
@@ -2162,6 +2181,12 @@ def main() -> None:
     parser.add_argument("--configs", type=int, default=None, help="malformed config files")
     parser.add_argument("--seed", type=int, default=30)
     parser.add_argument(
+        "--good-wait",
+        type=float,
+        default=120.0,
+        help="seconds the good client waits for each result before it looks in the log",
+    )
+    parser.add_argument(
         "--rate",
         type=float,
         default=None,
@@ -2179,6 +2204,7 @@ def main() -> None:
             config_count=args.configs if args.configs is not None else mode.configs,
             seed=args.seed,
             rate=args.rate if args.rate is not None else mode.hostile_rate,
+            good_wait=args.good_wait,
         )
     )
     print_report(report)
