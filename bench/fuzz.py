@@ -51,7 +51,7 @@ It prints and checks:
 - **config files** that raised anything but ``ConfigError``: must be 0;
 - the good workload's **latency** p50/p95 with the fuzz against the baseline (ratio).
 
-Run with ``make fuzz`` (about 7 minutes at 50/s each), or ``python bench/fuzz.py --short``
+Run with ``make fuzz`` (7-13 minutes at 50/s each here), or ``python bench/fuzz.py --short``
 (about 30 s; ``tests/test_fuzz.py`` runs it); bench/README.md has the results. JSON:
 ``bench/results/fuzz-latest.json`` (and a timestamped copy). Exit status 1 if a verdict
 fails.
