@@ -742,7 +742,7 @@ def nats_plan(count: int, seed: int, mode: Mode) -> list[list[Part]]:
                     )
                 ]
             subject, data = rng.choice(options)
-            chain.append(Part("api", "api", subject, data, api=True, timeout=3.0))
+            chain.append(Part("api", "api", subject, data, api=True, timeout=15.0))
         elif pick == "refused_subject":
             # Subjects the tenant may not publish to: the server refuses them.
             subject = rng.choice(
