@@ -1345,9 +1345,15 @@ def load_config(
     source = str(file)
     if file.exists():
         try:
-            data = tomllib.loads(file.read_text())
+            data = tomllib.loads(file.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"not valid TOML: {exc}", source=source) from exc
+        except UnicodeDecodeError as exc:
+            why = f"not UTF-8 (byte {exc.start}): TOML is UTF-8"
+            raise ConfigError(why, source=source) from exc
+        except RecursionError as exc:
+            # tomllib parses nested arrays and inline tables by recursion.
+            raise ConfigError("not valid TOML: nested too deeply", source=source) from exc
         except OSError as exc:
             raise ConfigError(f"cannot read: {exc.strerror}", source=source) from exc
     elif candidate:

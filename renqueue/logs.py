@@ -186,7 +186,8 @@ def misdirected(receiver: str, subject: str, **fields: object) -> None:
     """Drop a message that ``receiver`` must not act on: count it and say so.
 
     ``receiver`` is a fixed name (``tap``, ``tokens``, ``events``, ``read``,
-    ``boost``, ``capacity``, ``preempt``, ``offers``): never an id. The count is
+    ``boost``, ``capacity``, ``preempt``, ``offers``, ``cancels``,
+    ``projection``): never an id. The count is
     ``renqueue_misdirected_messages_total`` (:data:`renqueue.metrics.MISDIRECTED`).
     """
     # Imported here: the metrics load prometheus_client, which a client process

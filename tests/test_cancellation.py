@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from prometheus_client import REGISTRY
 
 from renqueue import Client, RequestCancelledError, RequestExpiredError, Services, parse_config
 from renqueue.broker import EventLog, provision
@@ -37,6 +38,12 @@ async def stack(tmp_path: Path, slow: MockBackend) -> AsyncIterator[Services]:
     )
     async with Services(config) as services:
         yield services
+
+
+def dropped(receiver: str) -> float:
+    """This process's ``renqueue_misdirected_messages_total`` for ``receiver``."""
+    value = REGISTRY.get_sample_value("renqueue_misdirected_messages_total", {"receiver": receiver})
+    return value or 0.0
 
 
 async def cancelled_event(client: Client, request_id: str) -> Cancelled:
@@ -274,6 +281,49 @@ async def test_a_flood_of_cancellations_stays_bounded_and_forgotten_ones_are_sti
         assert await watch.was_cancelled("t", "victim", since=before)
         assert not await watch.was_cancelled("t", "someone-else", since=before)
         assert len(watch) == 50
+    finally:
+        await watch.close()
+
+
+async def test_a_cancellation_that_disagrees_with_its_subject_is_dropped_and_counted(
+    isolated_nc: Any,
+) -> None:
+    """A tenant may publish anything on its own cancel_requested subjects: what is
+    no cancellation of what its subject names is counted, not only logged
+    (``renqueue_misdirected_messages_total{receiver="cancels"}``; bench/fuzz.py
+    accounts every hostile message by it)."""
+    js = isolated_nc.jetstream()
+    await provision(isolated_nc, parse_config({"routes": {}, "backends": {}}))
+    before = dropped("cancels")
+    bad = [
+        b"not json",
+        b"[1, 2",
+        encode(CancelRequested(request_id="other", tenant="t", at=time.time())),
+        encode(CancelRequested(request_id="x", tenant="someone-else", at=time.time())),
+        encode(
+            Started(
+                request_id="x",
+                tenant="t",
+                at=time.time(),
+                backend="b",
+                attempt=1,
+                delivery=1,
+                worker="w",
+            )
+        ),
+    ]
+    for payload in bad:
+        await js.publish(event_subject("t", "x", "cancel_requested"), payload)
+    await js.publish(
+        event_subject("t", "x", "cancel_requested"),
+        encode(CancelRequested(request_id="x", tenant="t", at=time.time())),
+    )
+    watch = CancelWatch(js)
+    try:
+        await asyncio.wait_for(watch.start(), 10)
+        assert watch.caught_up
+        assert watch.is_cancelled("t", "x")
+        assert dropped("cancels") - before == len(bad)
     finally:
         await watch.close()
 

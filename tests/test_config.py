@@ -160,6 +160,26 @@ def test_bad_toml_and_missing_file_fail_with_the_file_name(tmp_path: Path) -> No
         load_config(tmp_path / "absent.toml", environ={})
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "says"),
+    [
+        # tomllib parses by recursion: nesting past Python's limit was a RecursionError
+        # (found by bench/fuzz.py's malformed configs).
+        ("arrays.toml", b"a = " + b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+        ("tables.toml", b"a = " + b"{b = " * 5000 + b"1" + b"}" * 5000, "nested too deeply"),
+        # Not UTF-8: read_text's UnicodeDecodeError (a ValueError, not an OSError) escaped.
+        ("latin1.toml", b'[nats]\nurl = "caf\xe9"\n', "not UTF-8"),
+    ],
+)
+def test_a_config_file_too_deep_or_not_utf8_is_a_config_error(
+    tmp_path: Path, name: str, content: bytes, says: str
+) -> None:
+    file = tmp_path / name
+    file.write_bytes(content)
+    with pytest.raises(ConfigError, match=rf"{name.replace('.', chr(92) + '.')}: .*{says}"):
+        load_config(file, environ={})
+
+
 def test_api_key_comes_from_env_and_never_prints(monkeypatch: pytest.MonkeyPatch) -> None:
     config = parse_config({"backends": {"a": {**BACKEND, "api_key_env": "RQ_TEST_KEY"}}})
     monkeypatch.setenv("RQ_TEST_KEY", "sk-live-SECRET")

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from prometheus_client import REGISTRY
 from test_binder import until
 
 from renqueue.broker import Connection, EmbeddedServer, EventLog, JetStream, connect, provision
@@ -72,6 +73,12 @@ T0 = 1_700_000_000.0
 EMPTY = ProjectionState()
 
 # ------------------------------------------------------------------ builders
+
+
+def dropped(receiver: str) -> float:
+    """This process's ``renqueue_misdirected_messages_total`` for ``receiver``."""
+    value = REGISTRY.get_sample_value("renqueue_misdirected_messages_total", {"receiver": receiver})
+    return value or 0.0
 
 
 def submitted(rid: str, *, tenant: str = "t1", at: float = T0) -> Submitted:
@@ -674,6 +681,7 @@ async def test_deleting_the_stored_state_makes_the_next_projector_refold_the_log
 async def test_a_payload_that_disagrees_with_its_subject_is_counted_never_folded(
     events_js: JetStream, projector: Projector
 ) -> None:
+    before = dropped("projection")
     # What a tenant can do with its permissions: any payload on its own
     # cancel_requested subject. And misfiled payloads on service subjects.
     forged_failure = encode(failed("x", "backend_unavailable", "b1", tenant="t1"))
@@ -690,6 +698,7 @@ async def test_a_payload_that_disagrees_with_its_subject_is_counted_never_folded
         live = await projector.sync()
 
     assert live.mismatched == 7
+    assert dropped("projection") - before == 7  # counted where it is scraped, too
     assert live.events == 2
     assert live.backend("b1").consecutive_failures == 0
     assert live.backend("b1").calls_failed == 0

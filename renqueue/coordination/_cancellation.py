@@ -73,7 +73,7 @@ from ..broker import (
 )
 from ..errors import NatsError, NatsNotFoundError
 from ..lifecycle import Lifecycle
-from ..logs import get_logger
+from ..logs import get_logger, misdirected
 from ..schema import EVENT_DECODER, EVENTS_STREAM, FETCH_TIMEOUT, CancelRequested, event_subject
 from ..tasks import Supervisor, cancel_and_wait
 
@@ -289,8 +289,9 @@ class CancelWatch(Lifecycle):
     def _take(self, msg: Message) -> None:
         event = cancel_of(msg.subject, msg.data)
         if event is None:
-            log.warning("ignoring a cancellation whose payload disagrees with its subject",
-                        subject=msg.subject)  # fmt: skip
+            # Not a cancellation of what its subject names (another tenant's, another
+            # kind, not JSON): a tenant's word, dropped and counted.
+            misdirected("cancels", msg.subject)
             return
         self._remember((event.tenant, event.request_id), _seconds(msg.metadata.timestamp))
         for callback in list(self._listeners):  # a listener may unlisten

@@ -29,6 +29,7 @@ from typing import Final
 
 import msgspec
 
+from .. import metrics
 from ..broker import (
     AckPolicy,
     ConsumerConfig,
@@ -381,6 +382,11 @@ class Projector(Lifecycle):
                 idle = 0
                 builder = Folding(self._state)
                 _fold_messages(builder, msgs)
+                dropped = (builder.skipped - self._state.skipped) + (
+                    builder.mismatched - self._state.mismatched
+                )
+                if dropped > 0:  # a tenant's cancel_requested subjects carry any payload
+                    metrics.MISDIRECTED.labels("projection").inc(dropped)
                 self._state = builder.freeze()
             else:
                 idle += 1
