@@ -129,7 +129,7 @@ class _Server(web.Server):
 class _Connection(web.RequestHandler):
     """One client connection: aiohttp's protocol with a header deadline and typed refusals."""
 
-    __slots__ = ("_armed_at", "_got_bytes", "_header_timeout", "_header_timer", "_open")
+    __slots__ = ("_armed_at", "_got_bytes", "_header_timeout", "_header_timer", "_open", "_started")
 
     def __init__(self, manager: web.Server, *, header_timeout: float, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -139,6 +139,8 @@ class _Connection(web.RequestHandler):
         self._armed_at = 0
         self._got_bytes = False
         self._open = False
+        #: Requests whose handling began (the rest of ``_request_count`` never got a turn).
+        self._started = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -158,6 +160,25 @@ class _Connection(web.RequestHandler):
             self._open = False
             metrics.CONNECTIONS.dec()
         super().connection_lost(exc)
+
+    async def start(self) -> None:
+        try:
+            await super().start()
+        finally:
+            # Requests read whole but never handled: the connection was lost
+            # (or the gateway stopped) before their turn came.
+            unanswered = self._request_count - self._started
+            if unanswered > 0:
+                metrics.DROPPED.labels("disconnected").inc(unanswered)
+
+    async def _handle_request(
+        self,
+        request: web.BaseRequest,
+        start_time: float | None,
+        request_handler: Any,
+    ) -> tuple[web.StreamResponse, bool]:
+        self._started += 1  # from here on the middleware or handle_error counts it
+        return await super()._handle_request(request, start_time, request_handler)
 
     def data_received(self, data: bytes) -> None:
         if data:

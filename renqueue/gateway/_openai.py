@@ -387,14 +387,14 @@ def _invalid(exc: msgspec.ValidationError, where: str = "") -> ApiError:
     param = where + at.rstrip("`") if sep else where
     param = param.lstrip(".")
     code = validation_code(message)
-    if message.startswith(("Object contains unknown field", "Object missing required field")):
-        # The field is named in the message, not in the path: name it in both.
-        field = message.split("`")[1] if "`" in message else "?"
+    field = message.split("`")[1] if "`" in message else "?"
+    if code == "unknown_parameter":
         param = f"{param}.{field}" if param else field
-        if code == "unknown_parameter":
-            message = f"unsupported parameter: {param}"
-        else:
-            message = f"{param} is required"
+        message = f"unsupported parameter: {param}"
+    elif code == "missing_required_parameter" and not param:
+        # A top-level field: the message names it, the path is the body's root.
+        param = field
+        message = f"{field} is required"
     else:
         message = f"{message} (at {param})" if param else message
     return ApiError(400, message, param=param or None, code=code)
