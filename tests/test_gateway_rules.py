@@ -919,6 +919,11 @@ def test_no_4xx_has_a_null_code() -> None:
     assert reason_of(None) == "other"
 
 
+def _parse_and_translate(body: dict[str, Any]) -> Any:
+    chat = parse_chat(json.dumps(body).encode())
+    return translate(chat, {}, levels=LEVELS, default_level="normal", now=NOW)
+
+
 @pytest.mark.parametrize(
     ("body", "code", "param"),
     [
@@ -945,7 +950,6 @@ def test_no_4xx_has_a_null_code() -> None:
 )
 def test_validation_errors_have_openais_codes(body: dict[str, Any], code: str, param: str) -> None:
     with pytest.raises(ApiError) as caught:
-        chat = parse_chat(json.dumps(body).encode())
-        translate(chat, {}, levels=LEVELS, default_level="normal", now=NOW)
+        _parse_and_translate(body)
     error = caught.value
     assert (error.status, error.code, error.param) == (400, code, param), error.message
