@@ -7,6 +7,9 @@ OpenAI-shaped error (:mod:`._errors`). The HTTP and NATS work is in three
 parts: :class:`Gateway` here (its lifecycle, the keys, the tenants' clients
 and the endpoints), what a chat call submits and the retries that join it
 (:mod:`._submissions`), and the answers, whole or streamed (:mod:`._answers`).
+The connections under them have limits of their own (:mod:`._connections`:
+header, body and idle time-outs, typed refusals of what is not HTTP); one
+API key has at most ``max_in_flight_per_key`` calls in progress here.
 
 One NATS connection serves every tenant: it is a service connection (the
 whole ``rq.*`` tree, as routers and workers have), and one
