@@ -380,3 +380,19 @@ async def test_the_sdk_reads_a_code_in_every_400_and_404(gateway: Gateway) -> No
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}
             assert error["code"] in ("not_found", "method_not_allowed"), (verb, path)
+
+
+async def test_the_consoles_login_form_has_the_body_deadline_too(nats_url: str) -> None:
+    admin = "rq-test-admin-key-0123456789abcdef0123"
+    async for gateway in serve(nats_url, admin_keys=[digest(admin)], **FAST):
+        before = rejected("body_timeout")
+        for content_type in ("application/x-www-form-urlencoded", "application/json"):
+            raw = await exchange(
+                gateway.port,
+                (
+                    "POST /console/login HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    f"Content-Type: {content_type}\r\nContent-Length: 200\r\n\r\nkey="
+                ).encode(),
+            )
+            assert error_of(raw) == (408, "body_timeout")
+        assert rejected("body_timeout") == before + 2
