@@ -875,6 +875,9 @@ class GatewayConfig(_Section, frozen=True, kw_only=True):
     #: A connection with no request in progress is closed after this long:
     #: one opened and never used, or kept alive between requests.
     idle_timeout: Duration = "75s"
+    #: A client that takes none of its answer for this long (the connection's
+    #: send buffer full all the while) is dropped, its call as a disconnect.
+    send_timeout: Duration = "60s"
     #: How long this process remembers a request's body fingerprint, so that an
     #: SDK's retry of it (``x-stainless-retry-count`` above 0, no
     #: ``Idempotency-Key``) joins it; unset: ``nats.duplicate_window``.
@@ -885,7 +888,7 @@ class GatewayConfig(_Section, frozen=True, kw_only=True):
     admin_keys: list[Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]] = []
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout", "body_timeout", "idle_timeout"):
+        for name in ("header_timeout", "body_timeout", "idle_timeout", "send_timeout"):
             seconds = parse_duration(getattr(self, name))
             if not 0.05 <= seconds <= 3600:
                 raise ValueError(f"gateway {name} must be between 50ms and 1h, not {seconds}s")

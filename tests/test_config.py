@@ -233,7 +233,8 @@ def test_the_gateways_time_outs_have_defaults_and_bounds() -> None:
     assert parse_config({}).gateway.max_in_flight_per_key == 256
     given = {"header_timeout": "2s", "body_timeout": "500ms", "idle_timeout": "1m"}
     assert parse_config({"gateway": given}).gateway.timeouts == (2.0, 0.5, 60.0)
-    for name in ("header_timeout", "body_timeout", "idle_timeout"):
+    assert parse_config({}).gateway.send_timeout == "60s"
+    for name in ("header_timeout", "body_timeout", "idle_timeout", "send_timeout"):
         for value in ("0s", "2h"):
             with pytest.raises(ConfigError, match=f"gateway {name} must be between"):
                 parse_config({"gateway": {name: value}})

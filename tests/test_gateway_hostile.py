@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 from prometheus_client import REGISTRY
@@ -396,3 +397,37 @@ async def test_the_consoles_login_form_has_the_body_deadline_too(nats_url: str) 
             )
             assert error_of(raw) == (408, "body_timeout")
         assert rejected("body_timeout") == before + 2
+
+
+async def test_a_client_that_stops_reading_its_answer_is_dropped(nats_url: str) -> None:
+    # Many routes: /v1/models is an answer of about 200 KB.
+    routes = {f"route-{index:05d}": {"backends": ["b1"]} for index in range(2000)}
+    config = make_config(nats_url, send_timeout="1s")
+    config = parse_config(
+        {**msgspec.to_builtins(config), "routes": routes, "nats": {"url": nats_url}}
+    )
+    async with Gateway(config, url=nats_url) as gateway:
+        before = dropped("slow_reader")
+        loop = asyncio.get_running_loop()
+        with socket.socket() as sock:
+            # Small buffers at both ends, so the answer fills them at once.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", gateway.port))
+            await until(functools.partial(connections, gateway, 1), "the connection is accepted")
+            assert gateway._runner is not None
+            server_side = gateway._runner.server.connections[0].transport  # type: ignore[union-attr]
+            assert server_side is not None
+            server_side.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDBUF, 4096
+            )
+            await loop.sock_sendall(sock, head(extra="\r\n"))
+            # Never read: the gateway gives up on it, and serves others meanwhile.
+            assert await models(gateway) == 200
+            await until(lambda: _above(dropped, "slow_reader", before), "the reader is dropped")
+            await until(functools.partial(connections, gateway, 0), "its connection is gone")
+
+
+async def connections(gateway: Gateway, expected: int) -> bool:
+    server = gateway._runner.server if gateway._runner else None
+    return server is not None and len(server.connections) == expected

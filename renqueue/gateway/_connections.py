@@ -19,7 +19,12 @@ through :class:`_Connection`, aiohttp's protocol with what is missing:
   connections that ended without a request (``renqueue_gateway_dropped_total``)
   and of the open connections (``renqueue_gateway_connections``);
 - **a prompt close after a 408**: a client too slow to send its request is not
-  given aiohttp's lingering time (10 s) to send the rest.
+  given aiohttp's lingering time (10 s) to send the rest;
+- **a send deadline**: a client that stops reading its answer (the
+  connection's send buffer stays full for ``[gateway] send_timeout``) has its
+  connection dropped, and its call ends as a disconnect; without it a handler
+  would wait on the full buffer for as long as the client keeps the
+  connection open.
 
 The body's deadline (``[gateway] body_timeout``) is the handler's: it reads
 the body (:meth:`Gateway._read_body`).
@@ -88,7 +93,13 @@ class GatewayRunner(web.AppRunner):
     """An :class:`aiohttp.web.AppRunner` whose connections are :class:`_Connection`."""
 
     def __init__(
-        self, app: web.Application, *, header_timeout: float, idle_timeout: float, **kwargs: Any
+        self,
+        app: web.Application,
+        *,
+        header_timeout: float,
+        idle_timeout: float,
+        send_timeout: float,
+        **kwargs: Any,
     ) -> None:
         super().__init__(
             app,
@@ -99,7 +110,7 @@ class GatewayRunner(web.AppRunner):
             lingering_time=LINGERING,
             **kwargs,
         )
-        self._header_timeout = header_timeout
+        self._timeouts = (header_timeout, send_timeout)
 
     async def _make_server(self) -> web.Server:
         made = await super()._make_server()
@@ -108,7 +119,7 @@ class GatewayRunner(web.AppRunner):
             request_factory=made.request_factory,
             handler_cancellation=made.handler_cancellation,
             loop=made._loop,
-            header_timeout=self._header_timeout,
+            timeouts=self._timeouts,
             **made._kwargs,
         )
 
@@ -116,24 +127,37 @@ class GatewayRunner(web.AppRunner):
 class _Server(web.Server):
     """aiohttp's server, making :class:`_Connection` protocols."""
 
-    def __init__(self, handler: Any, *, header_timeout: float, **kwargs: Any) -> None:
+    def __init__(self, handler: Any, *, timeouts: tuple[float, float], **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
-        self._header_timeout = header_timeout
+        self._timeouts = timeouts
 
     def __call__(self) -> web.RequestHandler:
-        return _Connection(
-            self, header_timeout=self._header_timeout, loop=self._loop, **self._kwargs
-        )
+        return _Connection(self, timeouts=self._timeouts, loop=self._loop, **self._kwargs)
 
 
 class _Connection(web.RequestHandler):
     """One client connection: aiohttp's protocol with a header deadline and typed refusals."""
 
-    __slots__ = ("_armed_at", "_got_bytes", "_header_timeout", "_header_timer", "_open", "_started")
+    __slots__ = (
+        "_armed_at",
+        "_got_bytes",
+        "_header_timeout",
+        "_header_timer",
+        "_open",
+        "_send_timeout",
+        "_send_timer",
+        "_started",
+        "stalled",
+    )
 
-    def __init__(self, manager: web.Server, *, header_timeout: float, **kwargs: Any) -> None:
+    def __init__(
+        self, manager: web.Server, *, timeouts: tuple[float, float], **kwargs: Any
+    ) -> None:
         super().__init__(manager, **kwargs)
-        self._header_timeout = header_timeout
+        self._header_timeout, self._send_timeout = timeouts
+        self._send_timer: asyncio.TimerHandle | None = None
+        #: Dropped because the client stopped reading its answer (``send_timeout``).
+        self.stalled = False
         self._header_timer: asyncio.TimerHandle | None = None
         #: The connection's request count when the header timer was armed.
         self._armed_at = 0
@@ -148,6 +172,9 @@ class _Connection(web.RequestHandler):
         metrics.CONNECTIONS.inc()
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         if self._header_timer is not None:
             # Gone in the middle of a request's headers (a half-closed or
             # dropped connection).
@@ -160,6 +187,31 @@ class _Connection(web.RequestHandler):
             self._open = False
             metrics.CONNECTIONS.dec()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        # The send buffer is full: the client has until the deadline to take some.
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self._loop.call_later(self._send_timeout, self._not_reading)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _not_reading(self) -> None:
+        """The send buffer stayed full for ``send_timeout``: drop the connection
+        (what it holds is never read); its call ends as a disconnect."""
+        self._send_timer = None
+        transport = self.transport
+        if transport is None or not self.writing_paused:
+            return
+        self.stalled = True
+        log.debug("client not reading its answer; dropping it", timeout=self._send_timeout)
+        if self._current_request is None:
+            metrics.DROPPED.labels("slow_reader").inc()  # no call to count it
+        transport.abort()
 
     async def start(self) -> None:
         try:

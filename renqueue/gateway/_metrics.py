@@ -45,7 +45,8 @@ REJECTED = Counter(
 DROPPED = Counter(
     "renqueue_gateway_dropped_total",
     "Calls and connections that ended without an answer, by why: disconnected (the client "
-    "went away, or the gateway stopped, during a call), incomplete_request (closed in the "
+    "went away, or the gateway stopped, during a call), slow_reader (dropped by send_timeout: "
+    "it stopped reading its answer), incomplete_request (closed in the "
     "middle of a request's headers), no_request (closed without sending a byte)",
     ["reason"],
 )

@@ -64,7 +64,7 @@ from ..broker import (
     submitted_of,
 )
 from ..client import Client
-from ..config import Config
+from ..config import Config, parse_duration
 from ..errors import ConfigError, NatsUnavailableError, ServiceFailedError
 from ..lifecycle import Lifecycle
 from ..logs import bound_request, get_logger
@@ -214,6 +214,7 @@ class Gateway(Lifecycle):
             app,
             header_timeout=header_timeout,
             idle_timeout=idle_timeout,
+            send_timeout=parse_duration(self._gw.send_timeout),
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=SHUTDOWN_GRACE,
@@ -294,7 +295,8 @@ class Gateway(Lifecycle):
             error = ApiError(exc.status, exc.reason, code=code)
         except asyncio.CancelledError:
             metrics.CALLS.labels(endpoint, "disconnected").inc()
-            metrics.DROPPED.labels("disconnected").inc()
+            stalled = getattr(request.protocol, "stalled", False)
+            metrics.DROPPED.labels("slow_reader" if stalled else "disconnected").inc()
             raise
         except ConnectionError:
             # The client went away while its body was read or its answer written.
