@@ -875,8 +875,9 @@ class GatewayConfig(_Section, frozen=True, kw_only=True):
     #: A connection with no request in progress is closed after this long:
     #: one opened and never used, or kept alive between requests.
     idle_timeout: Duration = "75s"
-    #: A client that takes none of its answer for this long (the connection's
-    #: send buffer full all the while) is dropped, its call as a disconnect.
+    #: A client that lets the connection's send buffer stay full this long (it
+    #: stopped reading its answer, or reads a trickle) is dropped, its call as
+    #: a disconnect.
     send_timeout: Duration = "60s"
     #: How long this process remembers a request's body fingerprint, so that an
     #: SDK's retry of it (``x-stainless-retry-count`` above 0, no
