@@ -230,18 +230,27 @@ class _Connection(web.RequestHandler):
         request_handler: Any,
     ) -> tuple[web.StreamResponse, bool]:
         self._started += 1  # from here on the middleware or handle_error counts it
-        return await super()._handle_request(request, start_time, request_handler)
+        done = await super()._handle_request(request, start_time, request_handler)
+        if done[0].status == 408:
+            # Too slow to send its request (answered): closed now, without
+            # aiohttp's lingering for the rest of its body.
+            self.force_close()
+        return done
 
     def data_received(self, data: bytes) -> None:
-        if data:
-            self._got_bytes = True
-            if self._header_timer is None and self._awaiting_request():
-                # The first bytes of a request: its headers have until the deadline.
-                self._armed_at = self._request_count
-                self._header_timer = self._loop.call_later(self._header_timeout, self._too_slow)
+        count = self._request_count
+        awaiting = self._header_timer is None and self._awaiting_request()
         super().data_received(data)
-        if self._header_timer is not None and self._request_count != self._armed_at:
+        if not data:
+            return
+        self._got_bytes = True
+        if self._request_count != count:
             self._disarm()  # the headers are in (or refused as malformed)
+        elif awaiting and not self._force_close:
+            # The first bytes of a request, not its whole head (a whole one in a
+            # packet, the usual case, costs no timer): the rest has until the deadline.
+            self._armed_at = count
+            self._header_timer = self._loop.call_later(self._header_timeout, self._too_slow)
 
     def _awaiting_request(self) -> bool:
         """Waiting for a request's headers: no request in progress or queued."""
@@ -300,15 +309,6 @@ class _Connection(web.RequestHandler):
         response = error_response(error)
         response.force_close()
         return response
-
-    async def finish_response(
-        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
-    ) -> tuple[web.StreamResponse, bool]:
-        done = await super().finish_response(request, resp, start_time)
-        if resp.status == 408:
-            # Too slow to send its request: closed now, no lingering for the rest.
-            self.force_close()
-        return done
 
 
 def _refused(exc: BaseException | None) -> ApiError:

@@ -282,8 +282,12 @@ class Gateway(Lifecycle):
         endpoint = _endpoint(request)
         error: ApiError | None = None
         try:
-            with self._key_slot(request):
+            sha = self._take_place(request)
+            try:
                 response = await handler(request)
+            finally:
+                if sha is not None:
+                    self._give_place(sha)
         except ApiError as exc:
             error = exc
         except web.HTTPRequestEntityTooLarge:
@@ -293,15 +297,12 @@ class Gateway(Lifecycle):
                 raise
             code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status)
             error = ApiError(exc.status, exc.reason, code=code)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ConnectionError):
+            # The client went away (or the gateway is stopping): cancelled, or
+            # met while its body was read or its answer written.
             metrics.CALLS.labels(endpoint, "disconnected").inc()
             stalled = getattr(request.protocol, "stalled", False)
             metrics.DROPPED.labels("slow_reader" if stalled else "disconnected").inc()
-            raise
-        except ConnectionError:
-            # The client went away while its body was read or its answer written.
-            metrics.CALLS.labels(endpoint, "disconnected").inc()
-            metrics.DROPPED.labels("disconnected").inc()
             raise
         except (NatsUnavailableError, TimeoutError) as exc:
             # A lookup while NATS reconnects or a leader is elected: try again.
@@ -328,17 +329,16 @@ class Gateway(Lifecycle):
             retry=False,
         )
 
-    @contextlib.contextmanager
-    def _key_slot(self, request: web.Request) -> Iterator[None]:
-        """The call's API key, looked up once (``_tenant_of`` reads it), holds
-        one of its ``max_in_flight_per_key`` places for the call; 429 past it.
-        A call without a known key holds nothing (it is a 401 at once)."""
+    def _take_place(self, request: web.Request) -> str | None:
+        """The call's API key, looked up once (``_tenant_of`` reads it), takes
+        one of its ``max_in_flight_per_key`` places (429 past them); its digest,
+        for :meth:`_give_place` when the call ends. A call without a known key
+        takes none (it is a 401 at once)."""
         auth = request.headers.get("Authorization", "")
         scheme, _, key = auth.partition(" ")
         found = self._keys.lookup(key.strip()) if scheme.lower() == "bearer" else None
         if found is None:
-            yield
-            return
+            return None
         request[_KEY] = found
         sha = found[0]
         limit = self._gw.max_in_flight_per_key
@@ -352,14 +352,14 @@ class Gateway(Lifecycle):
                 retry_after=1.0,
             )
         self._key_calls[sha] = held + 1
-        try:
-            yield
-        finally:
-            left = self._key_calls[sha] - 1
-            if left:
-                self._key_calls[sha] = left
-            else:
-                del self._key_calls[sha]
+        return sha
+
+    def _give_place(self, sha: str) -> None:
+        left = self._key_calls[sha] - 1
+        if left:
+            self._key_calls[sha] = left
+        else:
+            del self._key_calls[sha]
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The request's body, whole: 413 over ``max_body`` (at once when its
