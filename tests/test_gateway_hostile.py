@@ -77,6 +77,11 @@ def dropped(reason: str) -> float:
     return count("renqueue_gateway_dropped_total", reason)
 
 
+def answers(endpoint: str, status: int) -> float:
+    labels = {"endpoint": endpoint, "status": str(status)}
+    return REGISTRY.get_sample_value("renqueue_gateway_requests_total", labels) or 0.0
+
+
 def open_connections() -> float:
     return REGISTRY.get_sample_value("renqueue_gateway_connections") or 0.0
 
@@ -220,8 +225,10 @@ async def test_header_floods_and_broken_http_get_typed_answers(gateway: Gateway)
     ]
     for data, status, code in cases:
         before = rejected(code)
+        answered = answers("unmatched", status)
         assert error_of(await exchange(gateway.port, data)) == (status, code), data[:40]
         assert rejected(code) == before + 1, data[:40]
+        assert answers("unmatched", status) == answered + 1, data[:40]
     assert await models(gateway) == 200
 
 

@@ -45,7 +45,14 @@ from ..logs import get_logger
 from . import _metrics as metrics
 from ._errors import ApiError, reason_of
 
-__all__ = ["MAX_FIELD_SIZE", "MAX_HEADERS", "GatewayRunner", "body_deadline", "error_response"]
+__all__ = [
+    "MAX_FIELD_SIZE",
+    "MAX_HEADERS",
+    "UNROUTED",
+    "GatewayRunner",
+    "body_deadline",
+    "error_response",
+]
 
 log = get_logger("gateway")
 
@@ -53,6 +60,9 @@ log = get_logger("gateway")
 #: and each header line at most 8190 bytes, at most 128 headers.
 MAX_FIELD_SIZE: Final = 8190
 MAX_HEADERS: Final = 128
+#: The endpoint label of an answer given before a request reached a route
+#: (``renqueue_gateway_requests_total``), as for a path no route matches.
+UNROUTED: Final = "unmatched"
 #: Seconds a client that sent too much gets to read the answer before its
 #: connection is closed (aiohttp's default ``lingering_time``, stated here).
 LINGERING: Final = 10.0
@@ -277,6 +287,7 @@ class _Connection(web.RequestHandler):
             retry=False,
         )
         metrics.REJECTED.labels(error.code).inc()
+        metrics.CALLS.labels(UNROUTED, "408").inc()
         log.debug("request headers too slow; closing the connection", timeout=self._header_timeout)
         transport.write(_raw(error))
         self.force_close()
@@ -296,6 +307,7 @@ class _Connection(web.RequestHandler):
         elif status < 500:
             error = _refused(exc)
             metrics.REJECTED.labels(reason_of(error.code)).inc()
+            metrics.CALLS.labels(UNROUTED, str(error.status)).inc()
             log.debug("request refused by the HTTP parser", code=error.code, status=error.status)
         else:
             if exc is not None:

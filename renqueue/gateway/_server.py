@@ -72,7 +72,7 @@ from ..schema import kind_of
 from ..tasks import Supervisor, cancel_and_wait
 from . import _metrics as metrics
 from ._answers import Answers, ClientGone, parse_last_event_id, request_state
-from ._connections import GatewayRunner, body_deadline, error_response
+from ._connections import UNROUTED, GatewayRunner, body_deadline, error_response
 from ._console import Console
 from ._errors import ApiError, from_error, reason_of
 from ._idempotency import fingerprint, id_for_key
@@ -559,7 +559,7 @@ def _endpoint(request: web.Request) -> str:
     route = getattr(info, "route", None)
     resource = getattr(route, "resource", None)
     canonical = getattr(resource, "canonical", None)
-    return f"{request.method} {canonical}" if canonical else "unmatched"
+    return f"{request.method} {canonical}" if canonical else UNROUTED
 
 
 async def run_gateway(config: Config, url: str) -> None:
