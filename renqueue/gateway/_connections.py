@@ -1,8 +1,8 @@
 """The gateway's HTTP connections: the limits aiohttp does not set by itself.
 
 aiohttp closes a connection that stays idle (no request in progress) for its
-``keepalive_timeout``, counted from the connection's start and from the end of
-each answer; the gateway sets it from ``[gateway] idle_timeout``. It has no
+``keepalive_timeout``, counted from the end of each answer (and, here, from
+the connection's start); the gateway sets it from ``[gateway] idle_timeout``. It has no
 limit on the time a client takes to send a request's headers once it has
 begun, so a client sending them a byte at a time (slowloris) would hold a
 connection until the idle limit. :class:`GatewayRunner` serves the app
@@ -178,6 +178,13 @@ class _Connection(web.RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        if self._keepalive_handle is None and self._keepalive_timeout > 0:
+            # The idle limit from the connection's start, so that one that never
+            # sends a byte is closed too (aiohttp arms it itself since
+            # aio-libs/aiohttp#13681; not before).
+            close_time = self._loop.time() + self._keepalive_timeout
+            self._next_keepalive_close_time = close_time
+            self._keepalive_handle = self._loop.call_at(close_time, self._process_keepalive)
         self._open = True
         metrics.CONNECTIONS.inc()
 
