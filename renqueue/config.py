@@ -862,6 +862,23 @@ class GatewayConfig(_Section, frozen=True, kw_only=True):
     #: Requests one tenant may have waiting on this gateway process at once
     #: (429 beyond); 0: no limit.
     max_in_flight: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    #: Calls one API key may have in progress on this gateway process at once,
+    #: whatever the endpoint, a body still being sent included (429
+    #: ``key_in_flight_limit`` beyond); 0: no limit.
+    max_in_flight_per_key: Annotated[int, Meta(ge=0, le=1_000_000)] = 256
+    #: From a request's first byte to the end of its headers (408
+    #: ``header_timeout`` and the connection closed beyond): slowloris.
+    header_timeout: Duration = "10s"
+    #: From a request's headers to the end of its body (408 ``body_timeout``
+    #: and the connection closed beyond): a body sent a byte at a time.
+    body_timeout: Duration = "30s"
+    #: A connection with no request in progress is closed after this long:
+    #: one opened and never used, or kept alive between requests.
+    idle_timeout: Duration = "75s"
+    #: A client that lets the connection's send buffer stay full this long (it
+    #: stopped reading its answer, or reads a trickle) is dropped, its call as
+    #: a disconnect.
+    send_timeout: Duration = "60s"
     #: How long this process remembers a request's body fingerprint, so that an
     #: SDK's retry of it (``x-stainless-retry-count`` above 0, no
     #: ``Idempotency-Key``) joins it; unset: ``nats.duplicate_window``.
@@ -870,6 +887,21 @@ class GatewayConfig(_Section, frozen=True, kw_only=True):
     #: console (``/console``; ``renqueue gateway keygen --admin`` makes one). No
     #: admin key: no console. An admin key speaks for no tenant.
     admin_keys: list[Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]] = []
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout", "body_timeout", "idle_timeout", "send_timeout"):
+            seconds = parse_duration(getattr(self, name))
+            if not 0.05 <= seconds <= 3600:
+                raise ValueError(f"gateway {name} must be between 50ms and 1h, not {seconds}s")
+
+    @property
+    def timeouts(self) -> tuple[float, float, float]:
+        """``header_timeout``, ``body_timeout`` and ``idle_timeout`` in seconds."""
+        return (
+            parse_duration(self.header_timeout),
+            parse_duration(self.body_timeout),
+            parse_duration(self.idle_timeout),
+        )
 
 
 class Config(_Section, frozen=True, kw_only=True):

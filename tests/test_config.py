@@ -246,3 +246,15 @@ async def test_a_backend_without_its_key_is_taken_out_and_the_rest_runs(
                 parse_config({**raw, "nats": {"data_dir": str(tmp_path / "n2")}})
             ).start()
         assert not (tmp_path / "n2").exists()  # nothing was started
+
+
+def test_the_gateways_time_outs_have_defaults_and_bounds() -> None:
+    assert parse_config({}).gateway.timeouts == (10.0, 30.0, 75.0)
+    assert parse_config({}).gateway.max_in_flight_per_key == 256
+    given = {"header_timeout": "2s", "body_timeout": "500ms", "idle_timeout": "1m"}
+    assert parse_config({"gateway": given}).gateway.timeouts == (2.0, 0.5, 60.0)
+    assert parse_config({}).gateway.send_timeout == "60s"
+    for name in ("header_timeout", "body_timeout", "idle_timeout", "send_timeout"):
+        for value in ("0s", "2h"):
+            with pytest.raises(ConfigError, match=f"gateway {name} must be between"):
+                parse_config({"gateway": {name: value}})

@@ -3,6 +3,7 @@ headers, error mapping, API keys, retry memory, resume ids."""
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,14 @@ from renqueue.errors import (
 )
 from renqueue.gateway import ApiError, KeyStore, digest, new_key
 from renqueue.gateway._answers import parse_last_event_id
-from renqueue.gateway._errors import features_named, from_error, from_terminal
+from renqueue.gateway._errors import (
+    CODES,
+    STATUS_CODES,
+    features_named,
+    from_error,
+    from_terminal,
+    reason_of,
+)
 from renqueue.gateway._idempotency import RetryMemory, fingerprint, id_for_key
 from renqueue.gateway._openai import (
     ToolCallPieces,
@@ -74,6 +82,7 @@ def refused(body: dict[str, Any], headers: dict[str, str] | None = None) -> ApiE
     with pytest.raises(ApiError) as caught:
         submit(body, headers)
     assert caught.value.status == 400
+    assert caught.value.code, caught.value.message  # every 400 says which it is
     return caught.value
 
 
@@ -872,3 +881,75 @@ def test_last_event_ids_parse_or_are_refused() -> None:
     for bad in ("x", "1.", ".1", "1.2.3", "9" * 30 + ".1", "\u00b2.1", "1.\u0663"):
         with pytest.raises(ApiError):
             parse_last_event_id(bad)
+
+
+# ------------------------------------------------------------------ error codes
+
+GATEWAY = Path(__file__).resolve().parents[1] / "renqueue" / "gateway"
+
+
+def _codes_in_source() -> dict[str, str]:
+    """Every ``code="..."`` the gateway's sources pass, with where."""
+    found: dict[str, str] = {}
+    for path in sorted(GATEWAY.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            literal = isinstance(node, ast.keyword) and isinstance(node.value, ast.Constant)
+            if literal and node.arg == "code" and isinstance(node.value.value, str):
+                found[node.value.value] = f"{path.name}:{node.value.lineno}"
+    return found
+
+
+def test_every_code_the_gateway_answers_with_is_known_and_documented() -> None:
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "gateway.md").read_text()
+    in_source = _codes_in_source()
+    assert "header_timeout" in in_source  # the walk finds them
+    for code, where in in_source.items():
+        assert code in CODES, f"{code} ({where}) is not in _errors.CODES: its metric label is other"
+    for code in sorted(CODES):
+        assert f"`{code}`" in docs, f"{code} is not in docs/gateway.md"
+
+
+def test_no_4xx_has_a_null_code() -> None:
+    for status in (400, 401, 403, 404, 405, 408, 409, 410, 413, 422, 429, 431):
+        assert ApiError(status, "x").code == STATUS_CODES[status]
+        assert msgspec.json.decode(ApiError(status, "x").body())["error"]["code"]
+    assert reason_of("header_timeout") == "header_timeout"
+    assert reason_of("no such code, from an event") == "other"
+    assert reason_of(None) == "other"
+
+
+def _parse_and_translate(body: dict[str, Any]) -> Any:
+    chat = parse_chat(json.dumps(body).encode())
+    return translate(chat, {}, levels=LEVELS, default_level="normal", now=NOW)
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ({"model": "chat"}, "missing_required_parameter", "messages"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "missing_required_parameter", "model"),
+        (
+            {"model": "chat", "messages": [{"role": "user", "content": "x" * 1_000_001}]},
+            "string_above_max_length",
+            "messages[0].content",
+        ),
+        ({"model": "chat", "messages": "hello"}, "invalid_type", "messages"),
+        ({"model": "chat", "messages": []}, "array_below_min_length", "messages"),
+        (
+            {"model": "chat", "messages": [{"role": "user", "content": "x", "foo": 1}]},
+            "unknown_parameter",
+            "messages[0].foo",
+        ),
+        (
+            {"model": "chat", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 17},
+            "array_above_max_length",
+            "stop",
+        ),
+    ],
+)
+def test_validation_errors_have_openais_codes(body: dict[str, Any], code: str, param: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        _parse_and_translate(body)
+    error = caught.value
+    assert (error.status, error.code, error.param) == (400, code, param), error.message

@@ -601,6 +601,7 @@ async def test_hostile_bodies_get_400_or_413_and_the_gateway_keeps_serving(stack
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}
             assert "Traceback" not in error["message"]
+            assert error["code"], error  # never null: a client can tell one refusal from another
         bad_headers = [
             {"X-Priority": "urgent!"},
             {"X-Deadline": "tomorrow"},

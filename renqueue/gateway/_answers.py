@@ -72,6 +72,7 @@ def parse_last_event_id(text: str | None) -> _After:
         400,
         "Last-Event-ID must be an id this gateway sent (0, <run>.<seq>, end or usage)",
         param="Last-Event-ID",
+        code="invalid_header",
     )
 
 

@@ -57,6 +57,7 @@ from ..coordination import read_splits, read_status
 from ..errors import NatsError
 from ..schema import DLQ_STREAM, Event, kind_of
 from ..tasks import Supervisor
+from ._connections import body_deadline
 from ._console_feed import NOTICE, RESTART, EventFeed, Subscriber, shown
 from ._errors import ApiError
 from ._keys import MAX_KEY_LENGTH, KeyStore, digest
@@ -157,6 +158,7 @@ class Console:
         self._js = js
         self._keys = keys
         self._admins = frozenset(config.gateway.admin_keys)
+        self._body_timeout = config.gateway.timeouts[1]
         self.feed = EventFeed(js, supervisor, name=f"{name}-console-feed")
         self._snapshot: tuple[float, bytes] | None = None
         #: The dead letters as last read, and the stream's (last seq, count) then.
@@ -251,14 +253,17 @@ class Console:
         _same_origin(request)
         key = ""
         if request.content_type == "application/json":
+            async with body_deadline(self._body_timeout):
+                raw = await request.read()
             try:
-                body = msgspec.json.decode(await request.read())
+                body = msgspec.json.decode(raw)
             except msgspec.DecodeError as exc:
                 raise ApiError(400, "the body is not JSON", code="invalid_json") from exc
             if isinstance(body, dict) and isinstance(body.get("key"), str):
                 key = body["key"].strip()
         else:
-            form = await request.post()
+            async with body_deadline(self._body_timeout):
+                form = await request.post()
             value = form.get("key")
             key = value.strip() if isinstance(value, str) else ""
         self._check(key)

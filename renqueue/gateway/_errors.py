@@ -39,7 +39,7 @@ from ..errors import (
 from ..policy import ALL_FEATURES, day_ends, nothing_could_serve
 from ..schema import Cancelled, Event, Expired, Failed, Rejected
 
-__all__ = ["ApiError", "from_error", "from_terminal"]
+__all__ = ["ApiError", "from_error", "from_terminal", "reason_of", "validation_code"]
 
 INVALID: Final = "invalid_request_error"
 SERVER: Final = "server_error"
@@ -62,8 +62,96 @@ _FEATURE_PARAMS: Final = {
 }
 
 
+#: The code of an answer whose raiser gave none, by status: no answer's
+#: ``code`` is null, so a client can always tell one refusal from another.
+STATUS_CODES: Final = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    409: "conflict",
+    410: "gone",
+    413: "request_too_large",
+    422: "unprocessable_entity",
+    429: "rate_limit_exceeded",
+    431: "headers_too_large",
+    500: "internal_error",
+    502: "backend_error",
+    503: "unavailable",
+    504: "deadline_exceeded",
+}
+
+#: Every ``code`` the gateway itself answers with (docs/gateway.md's table has
+#: each): the label values of ``renqueue_gateway_rejected_total``. A code from
+#: elsewhere (a rejection's ``error_type``) outside this set is counted as
+#: ``other``, so the label stays bounded whatever an event says.
+CODES: Final = frozenset(
+    {
+        *STATUS_CODES.values(),
+        # Validation of a body (msgspec's messages, as OpenAI names them).
+        "invalid_json",
+        "missing_required_parameter",
+        "unknown_parameter",
+        "unsupported_parameter",
+        "invalid_type",
+        "invalid_value",
+        "string_above_max_length",
+        "string_below_min_length",
+        "array_above_max_length",
+        "array_below_min_length",
+        "object_above_max_size",
+        "integer_above_max_value",
+        "integer_below_min_value",
+        "decimal_above_max_value",
+        "decimal_below_min_value",
+        "too_many_parameters",
+        "invalid_image_url",
+        "invalid_header",
+        "invalid_id",
+        "invalid_tenant",
+        # Rejections (the router's, the gateway's own check before it).
+        "unknown_priority",
+        "priority_not_allowed",
+        "over_cost_cap",
+        "no_capable_backend",
+        "unsupported_feature",
+        "malformed",
+        "budget_exhausted",
+        "context_length_exceeded",
+        "content_filter",
+        "model_not_found",
+        "request_not_found",
+        "request_cancelled",
+        "stream_expired",
+        "stream_restarted",
+        "idempotency_key_reused",
+        "too_many_in_flight",
+        "key_in_flight_limit",
+        "queue_full",
+        "no_backend_available",
+        # The HTTP layer: a request that never got as far as a handler.
+        "header_timeout",
+        "body_timeout",
+        "malformed_http",
+        "malformed_body",
+        # The console.
+        "admin_key_required",
+        "console_disabled",
+        "cross_origin",
+    }
+)
+
+
+def reason_of(code: str | None) -> str:
+    """``code`` as a bounded metric label: itself if the gateway knows it, else ``other``."""
+    return code if code in CODES else "other"
+
+
 class ApiError(Exception):
-    """A failure as the HTTP answer it becomes."""
+    """A failure as the HTTP answer it becomes. Without a ``code`` it gets its
+    status's (:data:`STATUS_CODES`): never null."""
 
     def __init__(
         self,
@@ -80,7 +168,7 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.type = type
-        self.code = code
+        self.code: str = code if code is not None else STATUS_CODES.get(status, "error")
         self.param = param
         self.retry_after = retry_after
         self.retry = retry
@@ -187,7 +275,8 @@ def from_error(  # noqa: PLR0911 - one answer per kind of error, in one place
     if isinstance(exc, UnsupportedFeatureError):
         return _unsupported_feature(str(exc), exc.features)
     if isinstance(exc, MalformedRequestError):
-        return ApiError(400, _first_line(str(exc)), param=_param_of(str(exc)))
+        line = _first_line(str(exc))
+        return ApiError(400, line, param=_param_of(str(exc)), code=validation_code(line))
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, str(exc), code=exc.code)
     if isinstance(exc, NatsApiError) and exc.err_code == _STORE_FAILED:
@@ -237,6 +326,35 @@ def features_named(reason: str) -> list[str]:
 
 #: nats-server's JSStreamStoreFailedF: a publish over the stream's limits.
 _STORE_FAILED: Final = 10077
+
+
+#: msgspec's validation messages, by how they start, and the OpenAI code of each.
+_VALIDATION: Final = (
+    ("Object missing required field", "missing_required_parameter"),
+    ("Object contains unknown field", "unknown_parameter"),
+    ("Expected `str` of length <=", "string_above_max_length"),
+    ("Expected `str` of length >=", "string_below_min_length"),
+    ("Expected `array` of length <=", "array_above_max_length"),
+    ("Expected `array` of length >=", "array_below_min_length"),
+    ("Expected `object` of length <=", "object_above_max_size"),
+    ("Expected `int` <=", "integer_above_max_value"),
+    ("Expected `int` <", "integer_above_max_value"),
+    ("Expected `int` >=", "integer_below_min_value"),
+    ("Expected `int` >", "integer_below_min_value"),
+    ("Expected `float` <", "decimal_above_max_value"),
+    ("Expected `float` >", "decimal_below_min_value"),
+)
+
+
+def validation_code(message: str) -> str:
+    """The OpenAI-style ``code`` of a msgspec validation message
+    (``Expected `str` of length <= 1000000 - at `$.messages[0].content```)."""
+    for start, code in _VALIDATION:
+        if message.startswith(start):
+            return code
+    if message.startswith("Expected `") and ", got `" in message:
+        return "invalid_type"
+    return "invalid_value"
 
 
 def _first_line(text: str) -> str:

@@ -57,9 +57,16 @@ class KeyStore:
 
     def tenant_of(self, key: str) -> str | None:
         """The tenant ``key`` speaks for; ``None`` for an unknown key."""
+        found = self.lookup(key)
+        return None if found is None else found[1]
+
+    def lookup(self, key: str) -> tuple[str, str] | None:
+        """``key``'s digest and the tenant it speaks for; ``None`` for an unknown key."""
         if not key or len(key) > MAX_KEY_LENGTH:
             return None
-        return self._tenants.get(digest(key))
+        sha = digest(key)
+        tenant = self._tenants.get(sha)
+        return None if tenant is None else (sha, tenant)
 
     @property
     def tenants(self) -> frozenset[str]:

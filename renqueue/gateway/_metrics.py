@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-__all__ = ["CALLS", "IN_FLIGHT", "LATENCY", "RETRIES_JOINED"]
+__all__ = [
+    "CALLS",
+    "CONNECTIONS",
+    "DROPPED",
+    "IN_FLIGHT",
+    "LATENCY",
+    "REJECTED",
+    "RETRIES_JOINED",
+]
 
 CALLS = Counter(
     "renqueue_gateway_requests_total",
@@ -27,3 +35,19 @@ RETRIES_JOINED = Counter(
     "they were recognised (idempotency_key, sdk_retry)",
     ["how"],
 )
+REJECTED = Counter(
+    "renqueue_gateway_rejected_total",
+    "Requests the gateway refused with a 4xx answer, by its error code (docs/gateway.md's "
+    "table; a code it does not know is counted as other), the HTTP parser's refusals and "
+    "header time-outs included",
+    ["reason"],
+)
+DROPPED = Counter(
+    "renqueue_gateway_dropped_total",
+    "Calls and connections that ended without an answer, by why: disconnected (the client "
+    "went away, or the gateway stopped, during a call), slow_reader (dropped by send_timeout: "
+    "it stopped reading its answer), incomplete_request (closed in the "
+    "middle of a request's headers), no_request (closed without sending a byte)",
+    ["reason"],
+)
+CONNECTIONS = Gauge("renqueue_gateway_connections", "HTTP connections open to this gateway process")

@@ -76,7 +76,7 @@ from ..schema import (
     Usage,
     parse_traceparent,
 )
-from ._errors import ApiError
+from ._errors import ApiError, validation_code
 
 __all__ = [
     "MAX_EXTRA",
@@ -339,7 +339,9 @@ def _extra(fields: dict[str, Raw]) -> dict[str, Any]:
                 code="unsupported_parameter",
             )
         if not name or len(name) > _MAX_KEY:
-            raise ApiError(400, f"a parameter name must be 1 to {_MAX_KEY} characters")
+            raise ApiError(
+                400, f"a parameter name must be 1 to {_MAX_KEY} characters", code="invalid_value"
+            )
     if len(unknown) > MAX_EXTRA:
         raise ApiError(
             400,
@@ -370,7 +372,12 @@ def _bounded(value: Any, param: str) -> None:
         else:
             continue
         if depth >= MAX_DEPTH:
-            raise ApiError(400, f"{param} is nested deeper than {MAX_DEPTH} levels", param=param)
+            raise ApiError(
+                400,
+                f"{param} is nested deeper than {MAX_DEPTH} levels",
+                param=param,
+                code="invalid_value",
+            )
         stack.extend((child, depth + 1) for child in children)
 
 
@@ -379,13 +386,18 @@ def _invalid(exc: msgspec.ValidationError, where: str = "") -> ApiError:
     message, sep, at = text.partition(" - at `$")
     param = where + at.rstrip("`") if sep else where
     param = param.lstrip(".")
-    if message.startswith("Object contains unknown field"):
-        field = message.split("`")[1] if "`" in message else "?"
+    code = validation_code(message)
+    field = message.split("`")[1] if "`" in message else "?"
+    if code == "unknown_parameter":
         param = f"{param}.{field}" if param else field
         message = f"unsupported parameter: {param}"
+    elif code == "missing_required_parameter" and not param:
+        # A top-level field: the message names it, the path is the body's root.
+        param = field
+        message = f"{field} is required"
     else:
         message = f"{message} (at {param})" if param else message
-    return ApiError(400, message, param=param or None)
+    return ApiError(400, message, param=param or None, code=code)
 
 
 #: Wire paths (flat tool calls and tools) as the chat API names them.
@@ -426,7 +438,7 @@ def _unsupported(param: str, what: str) -> ApiError:
 
 
 def _required(param: str) -> ApiError:
-    return ApiError(400, f"{param} is required", param=param)
+    return ApiError(400, f"{param} is required", param=param, code="missing_required_parameter")
 
 
 def _check_neutral(body: ChatBody) -> None:
@@ -446,9 +458,13 @@ def _check_neutral(body: ChatBody) -> None:
 
 def _messages(messages: list[BodyMessage]) -> list[ChatMessage]:
     if not messages:
-        raise ApiError(400, "messages must not be empty", param="messages")
+        raise ApiError(
+            400, "messages must not be empty", param="messages", code="array_below_min_length"
+        )
     if len(messages) > MAX_MESSAGES:
-        raise ApiError(400, f"at most {MAX_MESSAGES} messages", param="messages")
+        raise ApiError(
+            400, f"at most {MAX_MESSAGES} messages", param="messages", code="array_above_max_length"
+        )
     return [_message(message, f"messages[{index}]") for index, message in enumerate(messages)]
 
 
@@ -488,19 +504,24 @@ def _role(message: BodyMessage, where: str) -> str:
         raise _unsupported(f"{where}.refusal", "refusals")
     if message.tool_calls and role != "assistant":
         raise ApiError(
-            400, f"only assistant messages carry tool_calls ({where})", param=f"{where}.tool_calls"
+            400,
+            f"only assistant messages carry tool_calls ({where})",
+            param=f"{where}.tool_calls",
+            code="invalid_value",
         )
     if message.tool_call_id is not None and role != "tool":
         raise ApiError(
             400,
             f"only tool messages carry a tool_call_id ({where})",
             param=f"{where}.tool_call_id",
+            code="invalid_value",
         )
     if role == "tool" and not message.tool_call_id:
         raise ApiError(
             400,
             f"a tool message needs the tool_call_id it answers ({where})",
             param=f"{where}.tool_call_id",
+            code="missing_required_parameter",
         )
     return role
 
@@ -552,7 +573,12 @@ def _tools(tools: list[ToolBody] | None) -> list[dict[str, Any]]:
     if not tools:
         return []
     if len(tools) > MAX_TOOLS:
-        raise ApiError(400, f"at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
+        raise ApiError(
+            400,
+            f"at most {MAX_TOOLS} tools, got {len(tools)}",
+            param="tools",
+            code="array_above_max_length",
+        )
     out: list[dict[str, Any]] = []
     for index, tool in enumerate(tools):
         at = f"tools[{index}]"
@@ -585,10 +611,16 @@ def _tool_choice(
                 400,
                 f"tool_choice is none, auto, required or a function, not {choice[:32]!r}",
                 param="tool_choice",
+                code="invalid_value",
             )
         if not tools:
             if choice == "required":
-                raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
+                raise ApiError(
+                    400,
+                    "tool_choice 'required' needs tools",
+                    param="tool_choice",
+                    code="invalid_value",
+                )
             return None  # none and auto ask for nothing without tools
         return choice
     if choice.type != "function":
@@ -601,6 +633,7 @@ def _tool_choice(
             400,
             f"tool_choice names {name[:64]!r}, which is not among tools",
             param="tool_choice.function.name",
+            code="invalid_value",
         )
     return {"name": name}
 
@@ -639,13 +672,18 @@ def _params(body: ChatBody, extra: dict[str, Any]) -> GenerationParams:
             400,
             "max_tokens and max_completion_tokens disagree; give one",
             param="max_completion_tokens",
+            code="invalid_value",
         )
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     if stop is not None and len(stop) > MAX_STOP:
-        raise ApiError(400, f"at most {MAX_STOP} stop sequences", param="stop")
+        raise ApiError(
+            400, f"at most {MAX_STOP} stop sequences", param="stop", code="array_above_max_length"
+        )
     top = body.top_logprobs or None
     if top is not None and not body.logprobs:
-        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        raise ApiError(
+            400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
+        )
     tools = _tools(body.tools)
     raw: dict[str, Any] = {
         "max_tokens": body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
@@ -681,7 +719,12 @@ def _number(text: str, name: str) -> float:
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value < 0:
-        raise ApiError(400, f"{name} must be a non-negative number, got {text[:40]!r}", param=name)
+        raise ApiError(
+            400,
+            f"{name} must be a non-negative number, got {text[:40]!r}",
+            param=name,
+            code="invalid_value",
+        )
     return value
 
 
@@ -710,7 +753,9 @@ def _flag(text: str, name: str) -> bool:
         return True
     if lowered in ("false", "0", "no"):
         return False
-    raise ApiError(400, f"{name} must be true or false, got {text[:40]!r}", param=name)
+    raise ApiError(
+        400, f"{name} must be true or false, got {text[:40]!r}", param=name, code="invalid_value"
+    )
 
 
 def _controlled(
@@ -750,10 +795,17 @@ def translate(
     timeout = _controlled(headers, "X-Request-Timeout", body.request_timeout, _number)
     if timeout is not None:
         if not math.isfinite(timeout) or timeout < 0:
-            raise ApiError(400, "request_timeout must be non-negative", param="request_timeout")
+            raise ApiError(
+                400,
+                "request_timeout must be non-negative",
+                param="request_timeout",
+                code="invalid_value",
+            )
         deadline = now + timeout if deadline is None else min(deadline, now + timeout)
     if deadline is not None and not math.isfinite(deadline):
-        raise ApiError(400, "deadline must be a finite Unix time", param="deadline")
+        raise ApiError(
+            400, "deadline must be a finite Unix time", param="deadline", code="invalid_value"
+        )
 
     max_cost = _controlled(headers, "X-Max-Cost", body.max_cost, _number)
     keep = _controlled(headers, "X-Keep-Alive-On-Disconnect", body.keep_alive_on_disconnect, _flag)
@@ -766,6 +818,7 @@ def translate(
             f"at most {MAX_METADATA} metadata entries (the gateway adds user and the "
             "body's fingerprint to a request's 64)",
             param="metadata",
+            code="object_above_max_size",
         )
     reserved = sorted(name for name in metadata if name.startswith("rq_"))
     if reserved:
@@ -773,6 +826,7 @@ def translate(
             400,
             f"metadata key {reserved[0]!r} is the gateway's (keys starting rq_)",
             param=f"metadata.{reserved[0]}",
+            code="invalid_value",
         )
     if body.user is not None:
         # Also in params.user; an A/B split may key on metadata.user.

@@ -7,6 +7,9 @@ OpenAI-shaped error (:mod:`._errors`). The HTTP and NATS work is in three
 parts: :class:`Gateway` here (its lifecycle, the keys, the tenants' clients
 and the endpoints), what a chat call submits and the retries that join it
 (:mod:`._submissions`), and the answers, whole or streamed (:mod:`._answers`).
+The connections under them have limits of their own (:mod:`._connections`:
+header, body and idle time-outs, typed refusals of what is not HTTP); one
+API key has at most ``max_in_flight_per_key`` calls in progress here.
 
 One NATS connection serves every tenant: it is a service connection (the
 whole ``rq.*`` tree, as routers and workers have), and one
@@ -44,7 +47,6 @@ import asyncio
 import contextlib
 import signal
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Final
 
@@ -62,7 +64,7 @@ from ..broker import (
     submitted_of,
 )
 from ..client import Client
-from ..config import Config
+from ..config import Config, parse_duration
 from ..errors import ConfigError, NatsUnavailableError, ServiceFailedError
 from ..lifecycle import Lifecycle
 from ..logs import bound_request, get_logger
@@ -70,8 +72,9 @@ from ..schema import kind_of
 from ..tasks import Supervisor, cancel_and_wait
 from . import _metrics as metrics
 from ._answers import Answers, ClientGone, parse_last_event_id, request_state
+from ._connections import UNROUTED, GatewayRunner, body_deadline, error_response
 from ._console import Console
-from ._errors import ApiError, from_error
+from ._errors import ApiError, from_error, reason_of
 from ._idempotency import fingerprint, id_for_key
 from ._keys import KeyStore
 from ._openai import model_list, model_object
@@ -86,6 +89,8 @@ SHUTDOWN_GRACE: Final = 5.0
 _JSON: Final = "application/json"
 #: The request id an answer names (``x-request-id``), once there is one.
 _REQUEST_ID: Final = web.RequestKey("request_id", str)
+#: The digest of the call's API key and its tenant, when it is a known key.
+_KEY: Final = web.RequestKey("api_key", tuple[str, str])
 
 
 class _Tenant:
@@ -150,6 +155,8 @@ class Gateway(Lifecycle):
         )
         self._runner: web.AppRunner | None = None
         self._closing = False
+        #: Calls in progress by API key digest (``max_in_flight_per_key``); no zeros kept.
+        self._key_calls: dict[str, int] = {}
         #: Keeps a connection of the gateway's own live (None on a given one).
         self.keeper: ConnectionKeeper | None = None
         self._keeper_loop = f"{name}-nats-connection"
@@ -202,8 +209,12 @@ class Gateway(Lifecycle):
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         self.console.mount(app)
-        self._runner = web.AppRunner(
+        header_timeout, _, idle_timeout = self._gw.timeouts
+        self._runner = GatewayRunner(
             app,
+            header_timeout=header_timeout,
+            idle_timeout=idle_timeout,
+            send_timeout=parse_duration(self._gw.send_timeout),
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=SHUTDOWN_GRACE,
@@ -265,45 +276,100 @@ class Gateway(Lifecycle):
         request: web.Request,
         handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
     ) -> web.StreamResponse:
-        """Every answer: OpenAI-shaped errors, an ``x-request-id``, metrics."""
+        """Every answer: OpenAI-shaped errors, an ``x-request-id``, metrics, and
+        the cap on one key's calls in progress."""
         start = time.perf_counter()
         endpoint = _endpoint(request)
+        error: ApiError | None = None
         try:
-            response = await handler(request)
+            sha = self._take_place(request)
+            try:
+                response = await handler(request)
+            finally:
+                if sha is not None:
+                    self._give_place(sha)
         except ApiError as exc:
-            response = _error_response(exc, request.get(_REQUEST_ID))
+            error = exc
         except web.HTTPRequestEntityTooLarge:
-            response = _error_response(
-                ApiError(
-                    413,
-                    f"the body is larger than the gateway's limit of {self._gw.max_body} bytes",
-                    code="request_too_large",
-                ),
-                request.get(_REQUEST_ID),
-            )
+            error = self._too_large()
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
             code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status)
-            response = _error_response(
-                ApiError(exc.status, exc.reason, code=code), request.get(_REQUEST_ID)
-            )
-        except asyncio.CancelledError:
+            error = ApiError(exc.status, exc.reason, code=code)
+        except (asyncio.CancelledError, ConnectionError):
+            # The client went away (or the gateway is stopping): cancelled, or
+            # met while its body was read or its answer written.
             metrics.CALLS.labels(endpoint, "disconnected").inc()
+            stalled = getattr(request.protocol, "stalled", False)
+            metrics.DROPPED.labels("slow_reader" if stalled else "disconnected").inc()
             raise
         except (NatsUnavailableError, TimeoutError) as exc:
             # A lookup while NATS reconnects or a leader is elected: try again.
             log.warning("NATS not reachable for a gateway call", endpoint=endpoint, error=str(exc))
-            response = _error_response(from_error(exc), request.get(_REQUEST_ID))
+            error = from_error(exc)
         except Exception:
             log.exception("gateway error", endpoint=endpoint)
-            response = _error_response(
-                ApiError(500, "internal error", type="server_error", code="internal_error"),
-                request.get(_REQUEST_ID),
-            )
+            error = ApiError(500, "internal error", type="server_error", code="internal_error")
+        if error is not None:
+            response = error_response(error, request.get(_REQUEST_ID))
+            if error.status == 408:
+                response.force_close()
+        if 400 <= response.status < 500:
+            metrics.REJECTED.labels(reason_of(error.code if error else None)).inc()
         metrics.CALLS.labels(endpoint, str(response.status)).inc()
         metrics.LATENCY.labels(endpoint).observe(time.perf_counter() - start)
         return response
+
+    def _too_large(self) -> ApiError:
+        return ApiError(
+            413,
+            f"the body is larger than the gateway's limit of {self._gw.max_body} bytes",
+            code="request_too_large",
+            retry=False,
+        )
+
+    def _take_place(self, request: web.Request) -> str | None:
+        """The call's API key, looked up once (``_tenant_of`` reads it), takes
+        one of its ``max_in_flight_per_key`` places (429 past them); its digest,
+        for :meth:`_give_place` when the call ends. A call without a known key
+        takes none (it is a 401 at once)."""
+        auth = request.headers.get("Authorization", "")
+        scheme, _, key = auth.partition(" ")
+        found = self._keys.lookup(key.strip()) if scheme.lower() == "bearer" else None
+        if found is None:
+            return None
+        request[_KEY] = found
+        sha = found[0]
+        limit = self._gw.max_in_flight_per_key
+        held = self._key_calls.get(sha, 0)
+        if limit and held >= limit:
+            raise ApiError(
+                429,
+                f"too many calls in progress with this API key on this gateway (limit {limit})",
+                type="rate_limit_error",
+                code="key_in_flight_limit",
+                retry_after=1.0,
+            )
+        self._key_calls[sha] = held + 1
+        return sha
+
+    def _give_place(self, sha: str) -> None:
+        left = self._key_calls[sha] - 1
+        if left:
+            self._key_calls[sha] = left
+        else:
+            del self._key_calls[sha]
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request's body, whole: 413 over ``max_body`` (at once when its
+        ``Content-Length`` says so), 408 when it does not arrive within
+        ``body_timeout`` of its headers, 400 when its framing is broken."""
+        length = request.content_length
+        if length is not None and length > self._gw.max_body:
+            raise self._too_large()
+        async with body_deadline(self._gw.timeouts[1]):
+            return await request.read()
 
     def _tenant_of(self, request: web.Request) -> str:
         """The tenant of the request's API key; 401 without a known one."""
@@ -315,10 +381,10 @@ class Gateway(Lifecycle):
                 "no API key given: send it as 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
-        tenant = self._keys.tenant_of(key.strip())
-        if tenant is None:
+        found: tuple[str, str] | None = request.get(_KEY)
+        if found is None:
             raise ApiError(401, "incorrect API key provided", code="invalid_api_key")
-        return tenant
+        return found[1]
 
     def _tenant(self, name: str) -> _Tenant:
         tenant = self._tenants.get(name)
@@ -394,7 +460,7 @@ class Gateway(Lifecycle):
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         tenant_name = self._tenant_of(request)
-        body = await request.read()
+        body = await self._read_body(request)
         sub, key, keep = self._submissions.read(body, request.headers, tenant_name)
         tenant = self._tenant(tenant_name)
         with self._slot(tenant):
@@ -487,20 +553,13 @@ def _no_such(request_id: str) -> ApiError:
     )
 
 
-def _error_response(exc: ApiError, request_id: str | None) -> web.Response:
-    response = web.Response(status=exc.status, body=exc.body(), content_type=_JSON)
-    response.headers.update(exc.headers())
-    response.headers["x-request-id"] = request_id or ("req-" + uuid.uuid4().hex)
-    return response
-
-
 def _endpoint(request: web.Request) -> str:
     """The endpoint's route pattern (bounded label values), not the raw path."""
     info = request.match_info
     route = getattr(info, "route", None)
     resource = getattr(route, "resource", None)
     canonical = getattr(resource, "canonical", None)
-    return f"{request.method} {canonical}" if canonical else "unmatched"
+    return f"{request.method} {canonical}" if canonical else UNROUTED
 
 
 async def run_gateway(config: Config, url: str) -> None:

@@ -180,6 +180,7 @@ class Submissions:
                 400,
                 f"Idempotency-Key must be 1 to {MAX_KEY_LENGTH} printable ASCII characters",
                 param="Idempotency-Key",
+                code="invalid_header",
             )
         keep = sub.keep_alive_on_disconnect
         return sub, key, key is not None if keep is None else keep
