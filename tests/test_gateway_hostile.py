@@ -232,6 +232,21 @@ async def test_header_floods_and_broken_http_get_typed_answers(gateway: Gateway)
     assert await models(gateway) == 200
 
 
+async def test_an_authorization_header_sent_twice_is_refused_not_guessed(
+    gateway: Gateway,
+) -> None:
+    """Two keys in one request: which one speaks would be a guess (the first
+    one did), so it is a 400 ``invalid_header`` whichever key comes first."""
+    for first, second in ((ACME, "rq-not-a-key"), ("rq-not-a-key", ACME), (ACME, GLOBEX)):
+        for path, method in (("/v1/models", "GET"), ("/v1/chat/completions", "POST")):
+            before = rejected("invalid_header")
+            extra = f"Authorization: Bearer {second}\r\nContent-Length: 0\r\n\r\n"
+            raw = await exchange(gateway.port, head(path, method=method, key=first, extra=extra))
+            assert error_of(raw) == (400, "invalid_header"), (path, raw[:200])
+            assert rejected("invalid_header") == before + 1
+    assert await models(gateway) == 200
+
+
 async def test_bad_json_and_bodies_over_max_body_get_typed_answers(nats_url: str) -> None:
     async for gateway in serve(nats_url, max_body=2048):
         chat = "/v1/chat/completions"

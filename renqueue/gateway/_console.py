@@ -59,7 +59,7 @@ from ..schema import DLQ_STREAM, Event, kind_of
 from ..tasks import Supervisor
 from ._connections import body_deadline
 from ._console_feed import NOTICE, RESTART, EventFeed, Subscriber, shown
-from ._errors import ApiError
+from ._errors import ApiError, bearer_key
 from ._keys import MAX_KEY_LENGTH, KeyStore, digest
 from ._submissions import ID_RE
 
@@ -214,10 +214,9 @@ class Console:
         session (its cookie) is checked; 404 while the console is off."""
         if not self.enabled:
             raise _off()
-        auth = request.headers.get("Authorization", "")
-        scheme, _, key = auth.partition(" ")
-        if scheme.lower() == "bearer" and key.strip():
-            self._check(key.strip())
+        key = bearer_key(request.headers.getall("Authorization", []))
+        if key is not None:
+            self._check(key)
             return
         token = request.cookies.get(COOKIE, "")
         if not token:

@@ -194,6 +194,21 @@ class ApiError(Exception):
         return out
 
 
+def bearer_key(values: list[str]) -> str | None:
+    """The key of a request's ``Authorization: Bearer <key>`` header (its
+    values, ``headers.getall``), or None without one; 400 ``invalid_header``
+    when it is sent more than once, since which one would speak is a guess."""
+    if len(values) > 1:
+        raise ApiError(
+            400,
+            "the Authorization header is sent more than once: send one",
+            code="invalid_header",
+            param="Authorization",
+        )
+    scheme, _, key = (values[0] if values else "").partition(" ")
+    return (key.strip() or None) if scheme.lower() == "bearer" else None
+
+
 def from_terminal(event: Event, *, now: float) -> ApiError:
     """The answer for a request that ended other than completed."""
     rid = event.request_id

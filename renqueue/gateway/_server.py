@@ -74,7 +74,7 @@ from . import _metrics as metrics
 from ._answers import Answers, ClientGone, parse_last_event_id, request_state
 from ._connections import UNROUTED, GatewayRunner, body_deadline, error_response
 from ._console import Console
-from ._errors import ApiError, from_error, reason_of
+from ._errors import ApiError, bearer_key, from_error, reason_of
 from ._idempotency import fingerprint, id_for_key
 from ._keys import KeyStore
 from ._openai import model_list, model_object
@@ -334,9 +334,8 @@ class Gateway(Lifecycle):
         one of its ``max_in_flight_per_key`` places (429 past them); its digest,
         for :meth:`_give_place` when the call ends. A call without a known key
         takes none (it is a 401 at once)."""
-        auth = request.headers.get("Authorization", "")
-        scheme, _, key = auth.partition(" ")
-        found = self._keys.lookup(key.strip()) if scheme.lower() == "bearer" else None
+        key = bearer_key(request.headers.getall("Authorization", []))
+        found = None if key is None else self._keys.lookup(key)
         if found is None:
             return None
         request[_KEY] = found
@@ -373,9 +372,7 @@ class Gateway(Lifecycle):
 
     def _tenant_of(self, request: web.Request) -> str:
         """The tenant of the request's API key; 401 without a known one."""
-        auth = request.headers.get("Authorization", "")
-        scheme, _, key = auth.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        if bearer_key(request.headers.getall("Authorization", [])) is None:
             raise ApiError(
                 401,
                 "no API key given: send it as 'Authorization: Bearer <key>'",
