@@ -22,6 +22,7 @@ from ..errors import (
     NatsNoRespondersError,
     NatsPayloadTooLargeError,
     NatsUnavailableError,
+    StoreFullError,
     UnknownPriorityError,
 )
 from ..logs import get_logger
@@ -106,8 +107,10 @@ async def publish(
     after a capped backoff, for :attr:`Client.submit_patience` seconds or until
     the request's deadline if sooner (never past the broker's duplicate
     window, which would store a second copy); then the last error is
-    raised. A closed connection, and every other error (a request over
-    the broker's limit, a refusal), is raised at once. A try that timed
+    raised. A closed connection, a full store (:class:`StoreFullError`:
+    the requests stream at its ``max_bytes``, or the server's store full;
+    nothing was stored), and every other error (a request over the
+    broker's limit, a refusal), is raised at once. A try that timed
     out may have been stored (its ack lost): a retry the broker reports
     as a duplicate then found that try, not someone else's request.
     """
@@ -146,7 +149,8 @@ async def publish(
             await asyncio.sleep(no_stream_delay)
             no_stream_delay = min(0.5, no_stream_delay * 2)
             continue
-        except NatsClosedError:
+        except (NatsClosedError, StoreFullError):
+            # A full store does not empty within a submit's patience: say so now.
             raise
         except TRANSIENT as exc:
             if client.nc.is_closed:

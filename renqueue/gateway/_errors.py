@@ -28,10 +28,11 @@ import msgspec
 from ..errors import (
     InvalidRequestError,
     MalformedRequestError,
-    NatsApiError,
     NatsPayloadTooLargeError,
     NatsUnavailableError,
+    OutOfRangeError,
     RenQueueError,
+    StoreFullError,
     UnknownPriorityError,
     UnknownRouteError,
     UnsupportedFeatureError,
@@ -161,6 +162,10 @@ def _rejected(event: Rejected, *, now: float) -> ApiError:
     if kind == UnsupportedFeatureError.code:
         return _unsupported_feature(message, features_named(event.reason))
     param = {"unknown_priority": "priority", "over_cost_cap": "max_cost"}.get(kind)
+    if kind == OutOfRangeError.code:
+        # Its reason begins with the field (``params.stop[0]: ...``): the chat API's name.
+        field = event.reason.partition(": ")[0].removeprefix("params.")
+        param = field.partition("[")[0] or None
     return ApiError(400, message, code=kind, param=param, retry=False)
 
 
@@ -190,14 +195,15 @@ def from_error(  # noqa: PLR0911 - one answer per kind of error, in one place
         return ApiError(400, _first_line(str(exc)), param=_param_of(str(exc)))
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, str(exc), code=exc.code)
-    if isinstance(exc, NatsApiError) and exc.err_code == _STORE_FAILED:
-        # The requests stream is full (max_msgs or max_bytes, discard new): a queue limit.
+    if isinstance(exc, StoreFullError):
+        # The requests stream is at its max_bytes (discard new), or the server's
+        # store is full: nothing was stored; it passes as room comes back.
         return ApiError(
-            429,
-            "the request queue is full; try again shortly",
-            type="rate_limit_error",
-            code="queue_full",
-            retry_after=1.0,
+            503,
+            "the queue's store is full (nothing was stored); try again later",
+            type=SERVER,
+            code="store_full",
+            retry_after=_STORE_FULL_RETRY,
         )
     if isinstance(exc, NatsPayloadTooLargeError):
         return ApiError(
@@ -235,8 +241,9 @@ def features_named(reason: str) -> list[str]:
     return [name for name in listed.split(", ") if name in ALL_FEATURES]
 
 
-#: nats-server's JSStreamStoreFailedF: a publish over the stream's limits.
-_STORE_FAILED: Final = 10077
+#: Seconds a ``store_full`` answer asks a client to wait (room comes back as
+#: waiting work is done or old data ages out, not within a second).
+_STORE_FULL_RETRY: Final = 5.0
 
 
 def _first_line(text: str) -> str:
