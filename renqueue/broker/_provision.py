@@ -219,11 +219,12 @@ _STREAMS: Final = (
     _StreamSpec("advisories.json", ADVISORIES_STREAM, None, dedupe=False, store="advisories"),
 )
 
-#: Each stream and bucket, with its key in ``STORE_SHARES`` (the leases' has none).
+#: The streams of every stream and bucket provisioned, each with a ``max_bytes``.
 STORES: Final = (
-    *((spec.name, spec.store) for spec in _STREAMS),
-    (_TERMINAL_STREAM, "claims"),
-    (_KV_STREAM, "state"),
+    *(spec.name for spec in _STREAMS),
+    _TERMINAL_STREAM,
+    _KV_STREAM,
+    _LEASE_STREAM,
 )
 
 
