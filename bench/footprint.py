@@ -2,11 +2,12 @@
 the storage sizing rule of docs/operations.md#storage is written from.
 
 Runs ``--requests`` chat requests (a short prompt, ``--output-tokens`` streamed
-tokens from the mock backend at ``--tokens-per-second``) through the embedded server and the services, in
-one process, waits for every one to end, and prints each store's bytes per
-request (its growth over the run, divided by the requests): the work queues
-(``RQ_REQUESTS``, ``RQ_DISPATCH``) are empty again by then, the event log, the
-tokens and the terminal claims keep what each request left. Writes
+tokens from the mock backend at ``--tokens-per-second``) through the embedded
+server and the services, in one process, waits for every one to end, and
+prints each store's bytes per request (its growth over the run, divided by the
+requests): the work queues (``RQ_REQUESTS``, ``RQ_DISPATCH``) are empty again by
+then, the event log, the tokens and the terminal claims keep what each request
+left. Writes
 ``bench/results/footprint-latest.json``.
 
     .venv/bin/python bench/footprint.py --requests 2000

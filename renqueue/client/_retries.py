@@ -90,7 +90,7 @@ async def retrying(nc: Connection, what: str, read: Callable[[], Awaitable[T]], 
             delay = min(_RETRY_MAX, delay * 2)
 
 
-async def publish(
+async def publish(  # noqa: PLR0912 - one branch per way a try ends, in one loop
     client: Client, request: InferenceRequest, *, trace: TraceParent | None = None
 ) -> Published:
     """Publish ``request``: stored now, stored before (a resubmit), or
@@ -149,9 +149,11 @@ async def publish(
             await asyncio.sleep(no_stream_delay)
             no_stream_delay = min(0.5, no_stream_delay * 2)
             continue
-        except (NatsClosedError, StoreFullError):
-            # A full store does not empty within a submit's patience: say so now.
+        except NatsClosedError:
             raise
+        except StoreFullError as exc:
+            # A full store does not empty within a submit's patience: say so now.
+            raise _not_stored(request, exc) from exc
         except TRANSIENT as exc:
             if client.nc.is_closed:
                 raise
@@ -173,3 +175,12 @@ async def publish(
         if not ack.duplicate:
             return Published.STORED
         return Published.FOUND_ON_RETRY if maybe_stored else Published.DUPLICATE
+
+
+def _not_stored(request: InferenceRequest, full: StoreFullError) -> StoreFullError:
+    """``full`` as a submitter reads it: which request, and what to do."""
+    return StoreFullError(
+        f"request {request.id} was not stored: the queue's store is full ({full}); send it "
+        "again once there is room (`renqueue status` shows each store against its limit)",
+        err_code=full.err_code,
+    )
