@@ -33,8 +33,10 @@ from renqueue.config import LEASE_BYTES, STORE_SHARES, Config
 from renqueue.coordination import read_status, render_status
 from renqueue.coordination._cancellation import cancel_of
 from renqueue.errors import ConfigError, OutOfRangeError, StoreFullError
-from renqueue.gateway import Gateway, digest
+from renqueue.gateway import ApiError, Gateway, digest
 from renqueue.gateway._errors import from_terminal
+from renqueue.gateway._openai import parse_chat
+from renqueue.gateway._openai import translate as translate_chat
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.policy import validate
 from renqueue.schema import (
@@ -56,6 +58,7 @@ from renqueue.schema import (
 )
 
 TENANT = "t"
+HI = {"role": "user", "content": "hi"}
 FAST = MockSettings(ttft=0.0, output_tokens=3)
 
 
@@ -117,7 +120,7 @@ def test_a_store_may_be_sized_on_its_own_and_sizes_that_do_not_fit_fail_at_load(
         ({"params": {"seed": -(2**63) - 1}}, r"params\.seed"),
         ({"deadline": 1e300}, "deadline"),
         ({"deadline": time.time() + 31 * 86400}, "deadline"),
-        ({"metadata": {f"k{i}": "v" * 200 for i in range(60)}}, "metadata"),
+        ({"metadata": {f"k{i}": "v" * 300 for i in range(60)}}, "metadata"),
     ],
 )
 def test_fields_past_their_bounds_are_rejected_out_of_range(
@@ -140,7 +143,7 @@ def test_fields_at_their_bounds_pass() -> None:
     request = request_of(
         params=GenerationParams(stop=["x" * 500] * 16, seed=2**63 - 1),
         deadline=time.time() + 29 * 86400,
-        metadata={"k": "v" * 8000},
+        metadata={f"k{i}": "v" * 510 for i in range(30)},  # more than OpenAI's 16 x 576
     )
     validate(request, level="normal", tenant=TENANT, config=config_of(), now=time.time())
     validate(msgspec.structs.replace(request, v=1, params=GenerationParams(seed=-(2**63))),
@@ -157,6 +160,18 @@ def test_an_out_of_range_rejection_names_the_field_to_an_openai_client() -> None
     )
     answer = from_terminal(event, now=0.0)
     assert (answer.status, answer.code, answer.param) == (400, "out_of_range", "stop")
+
+
+def test_the_gateway_refuses_metadata_over_its_bound_before_submitting() -> None:
+    body = {"model": "chat", "messages": [HI], "metadata": {f"k{i}": "v" * 500 for i in range(40)}}
+    chat = parse_chat(json.dumps(body).encode())
+    with pytest.raises(ApiError) as caught:
+        translate_chat(chat, {}, levels=["normal"], default_level="normal", now=0.0)
+    assert (caught.value.status, caught.value.code, caught.value.param) == (
+        400,
+        "out_of_range",
+        "metadata",
+    )
 
 
 def test_a_cancellation_over_its_bound_is_no_cancellation() -> None:

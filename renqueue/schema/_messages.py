@@ -904,7 +904,7 @@ SEED_MAX: Final = 2**63 - 1
 #: Seconds a ``deadline`` may lie past the moment the broker stored the request.
 MAX_DEADLINE_AHEAD: Final = 30 * 86400.0
 #: UTF-8 bytes of a request's ``metadata``, keys and values together.
-MAX_METADATA_BYTES: Final = 8192
+MAX_METADATA_BYTES: Final = 16_384
 #: Bytes of a ``cancel_requested`` event (its JSON): a bigger one is no cancellation.
 MAX_CANCEL_BYTES: Final = 4096
 #: Characters of a cancellation's ``reason``.
