@@ -239,6 +239,24 @@ async def publish_until_full(js: JetStream, tenant: str, count: int = 200) -> in
     return stored
 
 
+async def test_an_asynchronous_publish_to_a_full_stream_ends_with_store_full(
+    isolated_server: EmbeddedServer, isolated_nc: Connection
+) -> None:
+    """nats-py 2.16 raised a JetStream error inside its ack handler: the
+    future of a ``publish_async`` to a full stream waited out its timeout
+    (the router's "no acks for the decision within 10 s", the worker's "1 of
+    2 publishes unacknowledged after 5 s"), as if the broker were gone."""
+    await provision(isolated_nc, config_of(isolated_server.url, requests={"max_bytes": 8 * 1024}))
+    js = isolated_nc.jetstream()
+    assert await publish_until_full(js, TENANT) > 0
+    ack = await js.publish_async(
+        request_subject("normal", TENANT), b"x" * 1000, headers={"Nats-Msg-Id": "t:one-more"}
+    )
+    with pytest.raises(StoreFullError) as caught:
+        await ack
+    assert caught.value.err_code == 10077
+
+
 async def fill(
     client: Client, prefix: str, size: int = 900, limit: int = 2000
 ) -> tuple[list[str], StoreFullError]:

@@ -324,6 +324,29 @@ def _translated_future(future: asyncio.Future[PubAck]) -> asyncio.Future[PubAck]
     return _AckFuture(future)
 
 
+class _Context(_JetStreamContext):
+    """nats-py's JetStream context, with its asynchronous acks' errors delivered.
+
+    nats-py 2.16 reads a ``publish_async`` ack that is a JetStream error with
+    ``APIError.from_error``, which raises instead of returning: the error
+    escaped its reply handler to the connection's error callback, and the
+    publish's future went on waiting for its timeout. A stream at its byte
+    limit (``store_full``), a wrong expected sequence: each publish waited out
+    its ack timeout, as if the broker did not answer. Here the error ends the
+    future, as nats-py means it to.
+    """
+
+    async def _handle_async_reply(self, msg: _Msg) -> None:
+        try:
+            await super()._handle_async_reply(msg)
+        except nats.js.errors.APIError as exc:
+            # The token is the reply subject's tail, as nats-py reads it.
+            token = msg.subject[len(self._async_reply_prefix or b"") :]
+            future = self._publish_async_futures.get(token)
+            if future is not None and not future.done():
+                future.set_exception(exc)
+
+
 class Message:
     """One message delivered to a subscription or a pull consumer."""
 
@@ -757,9 +780,9 @@ class Connection:
         """This connection's JetStream context; with ``timeout`` (seconds per
         API request; nats-py's default is 5) a context of its own."""
         if timeout is not None:
-            return JetStream(self._nc.jetstream(timeout=timeout), self)
+            return JetStream(_Context(self._nc, timeout=timeout), self)
         if self._js is None:
-            self._js = JetStream(self._nc.jetstream(), self)
+            self._js = JetStream(_Context(self._nc), self)
         return self._js
 
     async def publish(
