@@ -301,6 +301,33 @@ async def test_a_full_requests_stream_refuses_submits_loses_nothing_and_recovers
                 assert [kind_of(e) for e in ends] == ["completed"]
 
 
+async def test_requests_wait_for_room_in_a_full_dispatch_queue_and_none_fails(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """A backend's dispatch queue at its byte limit: a bind refused
+    ``store_full`` is no failed dispatch. Before, each refusal counted
+    against ``router.max_deliver`` and waiting requests ended
+    ``undeliverable`` after ten of them (a few seconds)."""
+    slow = MockSettings(ttft=0.4, output_tokens=2)
+    async with MockBackend(slow) as mock:
+        config = parse_config(
+            {
+                "nats": {"url": isolated_server.url, "dispatch": {"max_bytes": 3 * 1024}},
+                "backends": {
+                    "b": {"base_url": mock.url, "model": "m", "limits": {"concurrency": 8}}
+                },
+                "routes": {"chat": {"backends": ["b"]}},
+                "router": {"capacity_refresh": "20ms", "max_deliver": 3},
+            }
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            handles = [
+                await client.submit("y" * 600, route="chat", request_id=f"d-{i}") for i in range(12)
+            ]
+            results = [await handle.result(timeout=60) for handle in handles]
+    assert all(result.text for result in results)
+
+
 async def test_a_stream_at_its_limit_takes_requests_again_once_the_limit_is_raised(
     isolated_server: EmbeddedServer, isolated_nc: Connection
 ) -> None:
