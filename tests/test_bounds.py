@@ -16,6 +16,7 @@ import httpx
 import msgspec
 import nats.js.errors
 import pytest
+from test_binder import until
 
 from renqueue import Client, RequestRejectedError, Services, parse_config
 from renqueue.broker import (
@@ -326,6 +327,39 @@ async def test_requests_wait_for_room_in_a_full_dispatch_queue_and_none_fails(
             ]
             results = [await handle.result(timeout=60) for handle in handles]
     assert all(result.text for result in results)
+
+
+async def test_a_full_event_log_stops_work_without_losing_it_until_its_limit_is_raised(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The event log refuses new events when full (``discard: new``): the
+    services wait instead of dropping the events of requests under way.
+    Once its limit is raised (provisioned again), every request submitted
+    meanwhile ends, once each."""
+    async with MockBackend(FAST) as mock:
+        small = config_of(isolated_server.url, mock.url, events={"max_bytes": 24 * 1024})
+        async with Services(small) as services, Client(services.nc, tenant=TENANT) as client:
+            handles = [
+                await client.submit("z" * 300, route="chat", request_id=f"e-{i}") for i in range(40)
+            ]
+            js = client.js
+
+            async def log_full() -> bool:
+                info = await js.stream_info(EVENTS_STREAM)
+                return (info.state.bytes or 0) > 20 * 1024
+
+            await until(log_full, "the event log is nearly full")
+            ended = [h.id for h in handles if any(is_terminal(e) for e in await h.events())]
+            assert len(ended) < len(handles), "every request ended in 24 KB of events"
+            raised = config_of(isolated_server.url, mock.url, events={"max_bytes": "8MB"})
+            assert services.nc is not None
+            await provision(services.nc, raised)
+            results = [await h.result(timeout=60) for h in handles]
+            assert all(result.text for result in results)
+            log = EventLog(js)
+            for handle in handles:
+                ends = [e for e in await log.history(TENANT, handle.id) if is_terminal(e)]
+                assert [kind_of(e) for e in ends] == ["completed"]
 
 
 async def test_a_stream_at_its_limit_takes_requests_again_once_the_limit_is_raised(
