@@ -59,10 +59,14 @@ if TYPE_CHECKING:  # the wire is a layer above the config: annotations only
 __all__ = [
     "ADAPTERS",
     "DEFAULT_PRIORITIES",
+    "LEASE_BYTES",
+    "STORE_SHARES",
     "AnthropicConfig",
     "AnyBackendConfig",
     "BackendConfig",
     "BaseBackendConfig",
+    "BucketConfig",
+    "ByteSize",
     "Config",
     "GatewayConfig",
     "GatewayKey",
@@ -88,6 +92,7 @@ __all__ = [
     "parse_config",
     "parse_duration",
     "parse_rate",
+    "parse_size",
 ]
 
 DEFAULT_PRIORITIES: Final = ("critical", "high", "normal", "low", "batch")
@@ -172,15 +177,62 @@ class _Section(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Base of every config section: unknown keys are errors (typos fail loudly)."""
 
 
+_SIZE_UNITS: Final = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+_SIZE_RE: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+#: A size in bytes: a number, or text with a unit as nats-server reads it
+#: (``"512MB"``, ``"16GB"``, ``"1.5G"``; K, M, G and T are powers of 1024).
+ByteSize = Annotated[int, Meta(ge=-1)] | Annotated[str, Meta(pattern=_SIZE_RE.pattern)]
+
+
+def parse_size(value: int | str) -> int:
+    """``16GB`` -> bytes (powers of 1024, as nats-server counts); an int is bytes."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE_RE.match(value)
+    if match is None:
+        raise ValueError(f"invalid size {value!r}: use a number of bytes or e.g. 512MB, 16GB")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
 class RetentionConfig(_Section, frozen=True, kw_only=True):
-    """Limits of one stream. ``max_age = "0s"`` and ``max_bytes = -1`` mean unlimited."""
+    """Limits of one stream. ``max_age = "0s"`` means no age limit.
+
+    ``max_bytes``: a size (bytes, or ``"512MB"``); unset: the stream's share
+    of ``nats.max_file_store`` (:data:`STORE_SHARES`); ``-1``: no limit of its
+    own (only the server's store bounds it).
+    """
 
     max_age: Duration = "0s"
-    max_bytes: int = -1
+    max_bytes: ByteSize | None = None
 
     @property
     def max_age_seconds(self) -> float:
         return parse_duration(self.max_age)
+
+
+class BucketConfig(_Section, frozen=True, kw_only=True):
+    """The byte limit of a KV bucket or a stream with no age setting of its own
+    (``max_bytes`` as in :class:`RetentionConfig`)."""
+
+    max_bytes: ByteSize | None = None
+
+
+#: Each store's default ``max_bytes``, as a share of ``nats.max_file_store``
+#: (by its ``[nats.<name>]`` table): sized by what a request leaves in each at
+#: the default ages (docs/operations.md#storage). They add up to 97 %; the
+#: leases' bucket takes :data:`LEASE_BYTES` besides.
+STORE_SHARES: Final = {
+    "requests": 0.10,
+    "dispatch": 0.05,
+    "events": 0.40,
+    "tokens": 0.15,
+    "dlq": 0.10,
+    "claims": 0.12,
+    "state": 0.03,
+    "advisories": 0.02,
+}
+#: The leases' bucket (``rq-leases``): one small key per binder.
+LEASE_BYTES: Final = 32 * 1024
 
 
 class NatsConfig(_Section, frozen=True, kw_only=True):
@@ -192,11 +244,23 @@ class NatsConfig(_Section, frozen=True, kw_only=True):
     port: Annotated[int, Meta(ge=-1, le=65535)] = 4222
     replicas: Annotated[int, Meta(ge=1, le=5)] = 1
     duplicate_window: Duration = "10m"
+    #: The JetStream store's size: the embedded server's ``max_file_store``
+    #: (an external server's should be at least this), and what each store's
+    #: default ``max_bytes`` is a share of (:data:`STORE_SHARES`).
+    max_file_store: ByteSize = "16GB"
+    #: ``renqueue status`` warns when a store is this full (a fraction).
+    store_warn: Annotated[float, Meta(gt=0, le=1)] = 0.8
     requests: RetentionConfig = RetentionConfig()
     dispatch: RetentionConfig = RetentionConfig()
     events: RetentionConfig = RetentionConfig(max_age="30d")
     tokens: RetentionConfig = RetentionConfig(max_age="1h")
     dlq: RetentionConfig = RetentionConfig(max_age="30d")
+    #: The terminal claims' bucket (``rq-terminal``; its age is ``events.max_age``).
+    claims: BucketConfig = BucketConfig()
+    #: The projection's bucket (``rq-state``).
+    state: BucketConfig = BucketConfig()
+    #: The captured max-deliveries advisories (``RQ_ADVISORIES``).
+    advisories: BucketConfig = BucketConfig()
     credentials_file: str | None = None
     ping_interval: Duration = "10s"
     #: Inbox prefix of this connection's replies. Under per-user permissions
@@ -217,6 +281,29 @@ class NatsConfig(_Section, frozen=True, kw_only=True):
     def patience_seconds(self) -> float:
         """``patience`` in seconds; ``math.inf`` for ``"0s"`` (forever)."""
         return parse_duration(self.patience) or math.inf
+
+    @property
+    def store_bytes(self) -> int:
+        """``max_file_store`` in bytes."""
+        return parse_size(self.max_file_store)
+
+    def max_bytes(self, store: str) -> int:
+        """The ``max_bytes`` of ``store`` (a key of :data:`STORE_SHARES`): its
+        own setting, else its share of ``max_file_store``; -1: no limit."""
+        limits: RetentionConfig | BucketConfig = getattr(self, store)
+        if limits.max_bytes is not None:
+            return parse_size(limits.max_bytes)
+        return max(1, int(self.store_bytes * STORE_SHARES[store]))
+
+    def __post_init__(self) -> None:
+        if self.store_bytes < 1024 * 1024:
+            raise ValueError(f"max_file_store must be at least 1MB, not {self.max_file_store!r}")
+        reserved = LEASE_BYTES + sum(max(0, self.max_bytes(s)) for s in STORE_SHARES)
+        if reserved > self.store_bytes:
+            raise ValueError(
+                f"the stores' max_bytes add up to {reserved} bytes, over max_file_store "
+                f"({self.max_file_store}): JetStream would refuse to create them"
+            )
 
 
 class LimitsConfig(_Section, frozen=True, kw_only=True):

@@ -11,7 +11,8 @@ The tree, by what a caller can do about it::
     │   ├── NatsUnavailableError    the broker did not answer; try again
     │   │   ├── NatsTimeoutError    no answer in time (also a TimeoutError)
     │   │   ├── NatsNoRespondersError  no one subscribes to a request's subject
-    │   │   └── NatsClosedError     the connection is closed for good
+    │   │   ├── NatsClosedError     the connection is closed for good
+    │   │   └── StoreFullError      a stream's max_bytes or the server's store is full
     │   ├── NatsNotFoundError       no such message, key, stream, consumer or bucket
     │   ├── WrongLastSequenceError  a compare-and-set found its subject moved on
     │   └── NatsApiError            JetStream refused; carries status, err_code
@@ -25,6 +26,7 @@ The tree, by what a caller can do about it::
     │   ├── OverCostCapError        every backend of the route would cost more than max_cost
     │   ├── BudgetExhaustedError    the tenant's hard daily budget is spent (until 00:00 UTC)
     │   ├── UnknownPriorityError    no such priority level
+    │   ├── OutOfRangeError         a field past its bound (stop, seed, deadline, v, metadata)
     │   └── UnprocessableRequestError  the services failed on it again and again: ended
     ├── BackendError                a backend call failed; carries backend, request_id,
     │   │                           and its class (``failure``, a FailureClass)
@@ -68,6 +70,7 @@ __all__ = [
     "NatsTimeoutError",
     "NatsUnavailableError",
     "NoCapableBackendError",
+    "OutOfRangeError",
     "OverCostCapError",
     "PriorityNotAllowedError",
     "ProjectionVersionError",
@@ -80,6 +83,7 @@ __all__ = [
     "RequestRejectedError",
     "RetryableBackendError",
     "ServiceFailedError",
+    "StoreFullError",
     "TokensExpiredError",
     "UnknownPriorityError",
     "UnknownRouteError",
@@ -157,6 +161,21 @@ class NatsClosedError(NatsUnavailableError):
     """The connection is closed: it will not come back by itself."""
 
     code = "nats_closed"
+
+
+class StoreFullError(NatsUnavailableError):
+    """JetStream refused to store a message: the stream is at its ``max_bytes``
+    (``discard: new``: ``RQ_REQUESTS``, ``RQ_DISPATCH``, ``RQ_EVENTS``, the
+    buckets) or the server's file store is full (its ``max_file_store``).
+    Nothing was stored. It passes when room comes back (a limit raised, old
+    data aged out, waiting work done): the services wait for it; a submit
+    raises it at once (docs/operations.md#storage)."""
+
+    code = "store_full"
+
+    def __init__(self, message: str, *, err_code: int | None = None) -> None:
+        self.err_code = err_code
+        super().__init__(message)
 
 
 class NatsNotFoundError(NatsError):
@@ -391,6 +410,18 @@ class UnknownPriorityError(InvalidRequestError):
             "or the NATS cluster did not answer in time)",
             request_id=request_id,
         )
+
+
+class OutOfRangeError(InvalidRequestError):
+    """A field is past the bound admission holds it to (``field`` names it:
+    ``params.stop``, ``params.seed``, ``deadline``, ``v``, ``metadata``, a
+    cancellation's ``reason``), however well-formed: see docs/wire-format.md."""
+
+    code = "out_of_range"
+
+    def __init__(self, field: str, message: str, *, request_id: str | None = None) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}", request_id=request_id)
 
 
 class FailureClass(enum.StrEnum):

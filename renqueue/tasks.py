@@ -18,7 +18,10 @@ silence while their work was kept alive:
   ``PROGRESS_AFTER`` seconds in between, for longer than ``broker_patience``,
   a process's ``nats.patience``: a NATS outage is waited out that long, and a
   closed connection is replaced meanwhile by the services'
-  ``ConnectionKeeper``), or raises :class:`Fatal`, cannot go on: the
+  ``ConnectionKeeper``; a full store, :class:`~renqueue.errors.StoreFullError`,
+  is waited out however long it lasts: room comes back as work is done, old
+  data ages out or a limit is raised, and a restart would not bring it), or
+  raises :class:`Fatal`, cannot go on: the
   supervisor records why and sets :attr:`Supervisor.failed`. The process
   (``renqueue up``/``router``/``worker``) then shuts down and exits non-zero,
   so a process supervisor (systemd, Kubernetes) restarts it, and every message
@@ -46,7 +49,7 @@ import random
 from collections.abc import Callable, Collection, Coroutine
 from typing import Any, Final
 
-from .errors import NatsClosedError, NatsUnavailableError
+from .errors import NatsClosedError, NatsUnavailableError, StoreFullError
 from .logs import get_logger
 
 __all__ = ["Fatal", "Supervisor", "cancel_and_wait"]
@@ -233,7 +236,11 @@ class Supervisor:
                 if loop.faults >= self._give_up_after:
                     self._fail(loop, f"failed {loop.failures} times in a row; last: {exc!r}")
                     return
-                if loop.faults == 0 and now - loop.failing_since > self.broker_patience:
+                if (
+                    loop.faults == 0
+                    and now - loop.failing_since > self.broker_patience
+                    and not isinstance(exc, StoreFullError)  # room comes back; a restart won't
+                ):
                     self._fail(
                         loop,
                         f"failed for {now - loop.failing_since:.0f} s "

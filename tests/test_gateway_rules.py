@@ -20,8 +20,8 @@ from openai.types.chat import (
 from renqueue import ConfigError, parse_config
 from renqueue.errors import (
     MalformedRequestError,
-    NatsApiError,
     NatsTimeoutError,
+    StoreFullError,
     UnsupportedFeatureError,
 )
 from renqueue.gateway import ApiError, KeyStore, digest, new_key
@@ -784,8 +784,9 @@ def test_a_feature_no_backend_has_is_a_400_naming_it() -> None:
 
 def test_exceptions_map_to_statuses_without_details() -> None:
     assert from_error(NatsTimeoutError("slow")).status == 503
-    full = from_error(NatsApiError("maximum messages exceeded", status=503, err_code=10077))
-    assert (full.status, full.retry_after) == (429, 1.0)
+    full = from_error(StoreFullError("maximum bytes exceeded", err_code=10077))
+    assert (full.status, full.code, full.type) == (503, "store_full", "server_error")
+    assert full.retry_after is not None
     assert (
         from_error(MalformedRequestError("Expected `float` - at `$.params.top_p`")).param == "top_p"
     )

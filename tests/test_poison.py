@@ -27,7 +27,7 @@ from test_wire_v2_hostile import config_of, nested, raw_request
 from renqueue import Client, RequestFailedError, RequestRejectedError, Services
 from renqueue.broker import Connection, EmbeddedServer, EventLog, JetStream, connect, provision
 from renqueue.broker._dlq import DeadLetter, DeadLetterError, DeadLetterFilter, DeadLetters
-from renqueue.broker._eventlog import DLQ_EXCERPT
+from renqueue.broker._eventlog import DLQ_HOSTILE_EXCERPT
 from renqueue.broker._nats import wire_size
 from renqueue.config import Config
 from renqueue.errors import NatsPayloadTooLargeError, ServiceFailedError
@@ -121,9 +121,10 @@ async def test_a_request_too_big_to_admit_is_rejected_and_its_dead_letter_fits(
     isolated_server: EmbeddedServer, room: int
 ) -> None:
     """Refused as too big, whatever its size up to the broker's own limit: one
-    ``rejected`` event, a dead letter that fits (a whole copy when it does, an
-    excerpt with the original's size, digest and sequence when it does not),
-    and the services serve on over the same connection."""
+    ``rejected`` event, a dead letter that fits (an excerpt with the
+    original's size, digest and sequence: a request rejected for its own
+    content is never kept whole), and the services serve on over the same
+    connection."""
     async with MockBackend(FAST) as mock:
         config = config_of(mock.url, nats_url=isolated_server.url)
         async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
@@ -141,17 +142,13 @@ async def test_a_request_too_big_to_admit_is_rejected_and_its_dead_letter_fits(
             assert entry.request_id == "too-big"
             assert wire_size(entry.payload, entry.headers) <= limit
             stored_seq = int(entry.headers.get("Rq-Original-Seq", "0"))
-            whole = wire_size(data, entry.headers) <= limit
-            if whole:
-                assert entry.payload == data
-                assert entry.original_size is None
-            else:
-                assert entry.payload == data[:DLQ_EXCERPT]
-                assert entry.original_size == len(data)
-                assert entry.headers["Rq-Original-Sha256"] == hashlib.sha256(data).hexdigest()
-                assert stored_seq >= 1
-                with pytest.raises(DeadLetterError, match="excerpt"):
-                    await dlq.requeue(entry)
+            # Rejected for its own content (malformed): an excerpt, whatever its size.
+            assert entry.payload == data[:DLQ_HOSTILE_EXCERPT]
+            assert entry.original_size == len(data)
+            assert entry.headers["Rq-Original-Sha256"] == hashlib.sha256(data).hexdigest()
+            assert stored_seq >= 1
+            with pytest.raises(DeadLetterError, match="excerpt"):
+                await dlq.requeue(entry)
 
             after = await client.submit("still served", route="chat")
             assert (await after.result(timeout=20)).text

@@ -7,7 +7,12 @@ import logging
 
 import pytest
 
-from renqueue.errors import NatsClosedError, NatsTimeoutError, NatsUnavailableError
+from renqueue.errors import (
+    NatsClosedError,
+    NatsTimeoutError,
+    NatsUnavailableError,
+    StoreFullError,
+)
 from renqueue.logs import EVENT_ATTRIBUTE
 from renqueue.tasks import Fatal, Supervisor, cancel_and_wait
 
@@ -221,4 +226,29 @@ async def test_a_loop_failing_for_the_brokers_sake_alone_gives_up_after_the_pati
     assert supervisor.reason is not None
     assert "renew" in supervisor.reason
     assert "failed for 0 s" in supervisor.reason
+    await supervisor.close()
+
+
+async def test_a_loop_refused_by_a_full_store_waits_past_the_patience() -> None:
+    """A full store (a stream at its byte limit) is not an outage: room comes
+    back as work is done or a limit is raised, and a process that stopped for
+    it would come back to the same store. Such a loop keeps trying, however
+    long it lasts (before, it gave up after ``nats.patience``, 5 minutes, and
+    took its process down)."""
+    attempts = 0
+    answered = asyncio.Event()
+
+    async def full_then_room() -> None:
+        nonlocal attempts
+        attempts += 1
+        if attempts < 60:
+            raise StoreFullError("maximum bytes exceeded", err_code=10077)
+        answered.set()
+
+    supervisor = Supervisor(
+        "test", base_backoff=0.001, max_backoff=0.01, give_up_after=4, broker_patience=0.05
+    )
+    supervisor.spawn("fold", full_then_room)
+    await asyncio.wait_for(answered.wait(), 10)
+    assert not supervisor.failed.is_set(), supervisor.reason
     await supervisor.close()

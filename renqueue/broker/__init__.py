@@ -39,6 +39,7 @@ from ._embedded import (
     url_file,
 )
 from ._eventlog import (
+    DLQ_HOSTILE_EXCERPT,
     EventLog,
     delete_consumer,
     msg_id_of,
@@ -73,6 +74,7 @@ from ._nats import (
     translate,
 )
 from ._provision import (
+    STORES,
     STREAMS_DIR_ENV,
     Action,
     ProvisionItem,
@@ -86,8 +88,10 @@ from ._provision import (
 from ._trace import SpanKind, export_spans, hop, next_hop, trace_headers, trace_of
 
 __all__ = [
+    "DLQ_HOSTILE_EXCERPT",
     "LOCK_FILE_NAME",
     "NOT_NOW",
+    "STORES",
     "STREAMS_DIR_ENV",
     "URL_FILE_NAME",
     "WRONG_LAST_SEQUENCE",

@@ -402,7 +402,9 @@ def _scan_consumer(subject: str, since: float | None) -> ConsumerConfig:
     )
 
 
-def _admissible(request: InferenceRequest, config: Config, message_id: str, seq: int) -> None:
+def _admissible(
+    request: InferenceRequest, config: Config, message_id: str, seq: int, *, now: float
+) -> None:
     """Refuse (:class:`DeadLetterError`) what admission would reject under ``config``."""
     if request.priority not in config.priorities:
         raise DeadLetterError(
@@ -417,6 +419,7 @@ def _admissible(request: InferenceRequest, config: Config, message_id: str, seq:
             tenant=request.tenant,
             config=config,
             message_id=message_id,
+            now=now,
         )
     except InvalidRequestError as exc:
         raise DeadLetterError(f"admission would reject it: {exc}: not requeued", seq=seq) from exc
@@ -659,7 +662,7 @@ class DeadLetters:
         again = self._again(entry, request, new_id, history, budget, keep_budget=keep_budget)
         header = msg_id(tenant, new_id)
         if config is not None:
-            _admissible(again, config, header, seq)
+            _admissible(again, config, header, seq, now=self._now())
         duplicate = await self._publish_again(again, header, seq, new_id)
         mark = await self._store_mark(_mark(seq, request, new_id, again.deadline, at=self._now()))
         return _requeued(seq, request, new_id, mark.deadline, already=duplicate)

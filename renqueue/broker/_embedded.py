@@ -132,11 +132,15 @@ write_deadline: "10s"
 http: "127.0.0.1:-1"
 jetstream {
   # The store dir is given on the command line (-sd). Ren-Queue's streams use
-  # file storage, so memory is only for the server's own bookkeeping; the file
-  # store is bounded per stream by [nats.<stream>] max_bytes in renqueue.toml.
+  # file storage, so memory is only for the server's own bookkeeping. The file
+  # store is capped by nats.max_file_store in renqueue.toml, and each stream
+  # and bucket by its max_bytes (a share of it): see docs/operations.md#storage.
   max_memory_store: 256MB
+  max_file_store: {max_file_store}
 }
 """
+#: The embedded server's ``max_file_store`` when none is given (``nats.max_file_store``'s default).
+DEFAULT_FILE_STORE: Final = 16 * 1024**3
 
 
 class _PortsFile(msgspec.Struct):
@@ -198,7 +202,9 @@ class EmbeddedServer(Starting):
     ``binary`` overrides :func:`find_nats_server`. ``start_timeout`` bounds the
     wait for readiness (the ports file, then ``/healthz``; recovering a large
     store takes a while); ``stop_timeout`` bounds the graceful stop before
-    SIGKILL.
+    SIGKILL. ``max_file_store`` (bytes) caps its JetStream file store, in
+    the generated config (``nats.max_file_store``; a given ``config_file``
+    sets its own).
     """
 
     def __init__(
@@ -211,8 +217,10 @@ class EmbeddedServer(Starting):
         binary: Path | None = None,
         start_timeout: float = 30.0,
         stop_timeout: float = 10.0,
+        max_file_store: int = DEFAULT_FILE_STORE,
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.max_file_store = max_file_store
         self.host = host
         self.requested_port = port
         self.config_file = config_file
@@ -363,7 +371,9 @@ class EmbeddedServer(Starting):
             config_file = self.config_file
             if config_file is None:
                 config_file = self.data_dir / CONFIG_FILE_NAME
-                config_file.write_text(_GENERATED_CONFIG)
+                config_file.write_text(
+                    _GENERATED_CONFIG.replace("{max_file_store}", str(self.max_file_store))
+                )
         except OSError as exc:
             raise EmbeddedServerError(
                 f"cannot prepare data dir {self.data_dir}: {exc.strerror}"

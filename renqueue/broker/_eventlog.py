@@ -103,6 +103,7 @@ from ._nats import (
 
 __all__ = [
     "DLQ_EXCERPT",
+    "DLQ_HOSTILE_EXCERPT",
     "EventLog",
     "delete_consumer",
     "msg_id_of",
@@ -119,6 +120,11 @@ _MSG_ID: Final = "Nats-Msg-Id"
 #: refused as too big, published around the client): one message too big
 #: makes nats-server close the connection that sent it.
 DLQ_EXCERPT: Final = 4096
+#: Bytes of a request a dead letter keeps when the request was rejected for
+#: its own content (``malformed``, ``out_of_range``: sending it again cannot
+#: help, so nothing needs it whole): a hostile tenant's rejections cost the
+#: dead-letter stream about this much each, however big they were.
+DLQ_HOSTILE_EXCERPT: Final = 2048
 _EXPECTED_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
 _CLAIMS_STREAM: Final = f"KV_{TERMINAL_BUCKET}"
 #: A replay consumer left behind (its reader died) goes away this long after.
@@ -593,6 +599,7 @@ class EventLog:
         request_id: str,
         source_seq: int | None = None,
         copy: str | None = None,
+        keep: int | None = None,
     ) -> None:
         """Keep a copy of a message that cannot be processed, with why.
 
@@ -610,6 +617,8 @@ class EventLog:
         (bytes), ``Rq-Original-Sha256`` and, given ``source_seq``,
         ``Rq-Original-Seq`` (its sequence in the stream it came from).
         Whatever a message's size, its dead letter fits the broker's limit.
+        Given ``keep`` (bytes), a message longer than that is kept as an
+        excerpt of that many bytes, with the same headers, whatever its size.
         """
         headers = {
             _MSG_ID: msg_id(tenant, request_id, "dlq", stage, *([] if copy is None else [copy])),
@@ -618,12 +627,17 @@ class EventLog:
             "Rq-Source-Subject": source_subject,
             "Rq-Request-Id": request_id,
         }
-        if wire_size(payload, headers) > self._js.connection.max_payload:
+        excerpt = None
+        if keep is not None and len(payload) > keep:
+            excerpt = keep
+        elif wire_size(payload, headers) > self._js.connection.max_payload:
+            excerpt = DLQ_EXCERPT
+        if excerpt is not None:
             headers["Rq-Original-Size"] = str(len(payload))
             headers["Rq-Original-Sha256"] = hashlib.sha256(payload).hexdigest()
             if source_seq is not None:
                 headers["Rq-Original-Seq"] = str(source_seq)
-            payload = payload[:DLQ_EXCERPT]
+            payload = payload[:excerpt]
         await self._js.publish(dlq_subject(stage), payload, timeout=self._timeout, headers=headers)
 
     async def history(self, tenant: str, request_id: str, *, kind: str = "*") -> list[Event]:

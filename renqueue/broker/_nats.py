@@ -17,7 +17,9 @@ by what a caller can do about it::
     │   │                         empty fetch
     │   ├── NatsNoRespondersError nobody listens on a request's subject (for a
     │   │                         JetStream publish: no stream stores it)
-    │   └── NatsClosedError       the connection is closed: it will not come back
+    │   ├── NatsClosedError       the connection is closed: it will not come back
+    │   └── StoreFullError        a stream at its max_bytes (discard new), or the
+    │                             server's store full: nothing stored
     ├── NatsNotFoundError         no such message, key, stream, consumer or bucket
     ├── WrongLastSequenceError    a compare-and-set found its subject moved on
     └── NatsApiError              JetStream refused the operation (status, err_code)
@@ -65,6 +67,7 @@ from ..errors import (
     NatsPayloadTooLargeError,
     NatsTimeoutError,
     NatsUnavailableError,
+    StoreFullError,
     WrongLastSequenceError,
 )
 
@@ -74,6 +77,7 @@ __all__ = [
     "CONSUMER_NOT_FOUND",
     "NOT_NOW",
     "PUBLISH_STALL_WAIT",
+    "STORE_FULL",
     "STREAM_NAME_IN_USE",
     "STREAM_NOT_FOUND",
     "WRONG_LAST_SEQUENCE",
@@ -159,6 +163,11 @@ NOT_NOW: Final = frozenset(
         10202,  # cluster member change in progress
     }
 )
+
+#: JetStream's "no room" errors (both with status 503): 10077, a stream's
+#: limit with ``discard: new`` ("maximum bytes exceeded"; also its messages
+#: limit), and 10023, the server's or account's store ("insufficient resources").
+STORE_FULL: Final = frozenset({10077, 10023})
 
 #: JetStream API error codes that the provisioning steps act on.
 STREAM_NOT_FOUND: Final = 10059
@@ -253,6 +262,8 @@ def _api_error(exc: nats.js.errors.APIError, text: str) -> NatsError:
         or (err_code == _MSG_DELETE_FAILED and _says_gone(str(description)))
     ):
         return NatsNotFoundError(text)  # KV keys and buckets too; a delete of what is gone
+    if err_code in STORE_FULL:
+        return StoreFullError(str(description or text), err_code=err_code)
     if (
         isinstance(exc, nats.js.errors.ServiceUnavailableError)
         or status == 503
@@ -311,6 +322,29 @@ class _AckFuture(asyncio.Future[PubAck]):
 def _translated_future(future: asyncio.Future[PubAck]) -> asyncio.Future[PubAck]:
     """A future that ends as ``future`` does, with nats-py's errors translated."""
     return _AckFuture(future)
+
+
+class _Context(_JetStreamContext):
+    """nats-py's JetStream context, with its asynchronous acks' errors delivered.
+
+    nats-py 2.16 reads a ``publish_async`` ack that is a JetStream error with
+    ``APIError.from_error``, which raises instead of returning: the error
+    escaped its reply handler to the connection's error callback, and the
+    publish's future went on waiting for its timeout. A stream at its byte
+    limit (``store_full``), a wrong expected sequence: each publish waited out
+    its ack timeout, as if the broker did not answer. Here the error ends the
+    future, as nats-py means it to.
+    """
+
+    async def _handle_async_reply(self, msg: _Msg) -> None:
+        try:
+            await super()._handle_async_reply(msg)
+        except nats.js.errors.APIError as exc:
+            # The token is the reply subject's tail, as nats-py reads it.
+            token = msg.subject[len(self._async_reply_prefix or b"") :]
+            future = self._publish_async_futures.get(token)
+            if future is not None and not future.done():
+                future.set_exception(exc)
 
 
 class Message:
@@ -746,9 +780,9 @@ class Connection:
         """This connection's JetStream context; with ``timeout`` (seconds per
         API request; nats-py's default is 5) a context of its own."""
         if timeout is not None:
-            return JetStream(self._nc.jetstream(timeout=timeout), self)
+            return JetStream(_Context(self._nc, timeout=timeout), self)
         if self._js is None:
-            self._js = JetStream(self._nc.jetstream(), self)
+            self._js = JetStream(_Context(self._nc), self)
         return self._js
 
     async def publish(

@@ -33,7 +33,9 @@ NATS permissions violation.
 
 Values from the config override the files at provision time (see
 ``streams/README.md``): ``num_replicas`` from ``nats.replicas``; ``max_age``
-and ``max_bytes`` from ``nats.<stream>``; ``duplicate_window`` from
+from ``nats.<stream>``; ``max_bytes`` of every stream and bucket from
+``nats.<store>.max_bytes``, else its share of ``nats.max_file_store``
+(:meth:`renqueue.config.NatsConfig.max_bytes`); ``duplicate_window`` from
 ``nats.duplicate_window`` on the requests, dispatch and events streams; the
 request subjects from ``priorities``; the consumers from ``priorities``,
 ``backends``, ``router`` and ``worker``.
@@ -59,7 +61,7 @@ from typing import Any, Final, Literal, TypeVar
 
 import msgspec
 
-from ..config import Config, parse_duration
+from ..config import LEASE_BYTES, Config, parse_duration
 from ..errors import ConnectionFailedError, NatsClosedError, NatsUnavailableError, ProvisionError
 from ..logs import get_logger
 from ..schema import (
@@ -92,6 +94,7 @@ from ._nats import (
 )
 
 __all__ = [
+    "STORES",
     "STREAMS_DIR_ENV",
     "Action",
     "ProvisionItem",
@@ -203,15 +206,25 @@ class _StreamSpec(msgspec.Struct, frozen=True):
     retention: str | None
     #: Whether nats.duplicate_window applies (streams written with Nats-Msg-Id).
     dedupe: bool
+    #: Its key in ``STORE_SHARES``: where its ``max_bytes`` comes from.
+    store: str
 
 
 _STREAMS: Final = (
-    _StreamSpec("requests.json", REQUESTS_STREAM, "requests", dedupe=True),
-    _StreamSpec("dispatch.json", DISPATCH_STREAM, "dispatch", dedupe=True),
-    _StreamSpec("events.json", EVENTS_STREAM, "events", dedupe=True),
-    _StreamSpec("tokens.json", TOKENS_STREAM, "tokens", dedupe=False),
-    _StreamSpec("dlq.json", DLQ_STREAM, "dlq", dedupe=False),
-    _StreamSpec("advisories.json", ADVISORIES_STREAM, None, dedupe=False),
+    _StreamSpec("requests.json", REQUESTS_STREAM, "requests", dedupe=True, store="requests"),
+    _StreamSpec("dispatch.json", DISPATCH_STREAM, "dispatch", dedupe=True, store="dispatch"),
+    _StreamSpec("events.json", EVENTS_STREAM, "events", dedupe=True, store="events"),
+    _StreamSpec("tokens.json", TOKENS_STREAM, "tokens", dedupe=False, store="tokens"),
+    _StreamSpec("dlq.json", DLQ_STREAM, "dlq", dedupe=False, store="dlq"),
+    _StreamSpec("advisories.json", ADVISORIES_STREAM, None, dedupe=False, store="advisories"),
+)
+
+#: The streams of every stream and bucket provisioned, each with a ``max_bytes``.
+STORES: Final = (
+    *(spec.name for spec in _STREAMS),
+    _TERMINAL_STREAM,
+    _KV_STREAM,
+    _LEASE_STREAM,
 )
 
 
@@ -449,7 +462,7 @@ def _stream_config(directory: Path, spec: _StreamSpec, config: Config) -> dict[s
     if spec.retention is not None:
         retention = getattr(nats_config, spec.retention)
         desired["max_age"] = _ns(retention.max_age)
-        desired["max_bytes"] = retention.max_bytes
+    desired["max_bytes"] = nats_config.max_bytes(spec.store)
     if spec.dedupe:
         desired["duplicate_window"] = _ns(nats_config.duplicate_window)
         max_age = desired.get("max_age", 0)
@@ -572,6 +585,7 @@ def _kv_stream_config(config: Config) -> dict[str, Any]:
         "deny_delete": True,
         "duplicate_window": 120 * _NS_PER_SECOND,
         "num_replicas": config.nats.replicas,
+        "max_bytes": config.nats.max_bytes("state"),
     }
 
 
@@ -596,6 +610,7 @@ def _terminal_stream_config(config: Config) -> dict[str, Any]:
         "duplicate_window": min(120 * _NS_PER_SECOND, _ns(config.nats.events.max_age))
         or 120 * _NS_PER_SECOND,
         "num_replicas": config.nats.replicas,
+        "max_bytes": config.nats.max_bytes("claims"),
     }
 
 
@@ -618,6 +633,7 @@ def _lease_stream_config(config: Config) -> dict[str, Any]:
         "deny_delete": True,
         "duplicate_window": ttl,
         "num_replicas": config.nats.replicas,
+        "max_bytes": LEASE_BYTES,
     }
 
 

@@ -19,6 +19,10 @@ from ._common import INTERVAL, MIN_INTERVAL, client_url, close, guarded, one_lin
 if TYPE_CHECKING:
     from ..coordination import StatusReport
 
+#: The words of a store's warning line (``render_status``), shown in yellow on a terminal.
+_NEAR = "  near limit: "
+_YELLOW = "\x1b[33m%s\x1b[0m"
+
 
 @command(
     cli,
@@ -35,8 +39,9 @@ if TYPE_CHECKING:
 )
 @click.pass_context
 def status(ctx: click.Context, watch: bool, interval: float) -> None:
-    """Each backend (health, load, quota), priority level (waiting, oldest)
-    and tenant (spend) now, once or (--watch) redrawn; --json prints the
+    """Each backend (health, load, quota), priority level (waiting, oldest),
+    tenant (spend) and store (bytes against its limit, a "near limit" line
+    past nats.store_warn) now, once or (--watch) redrawn; --json prints the
     report as one JSON document (one per line with --watch)."""
     config = setup(ctx)
     run = _status(config, watch=watch, interval=interval, as_json=globals_of(ctx).json)
@@ -86,7 +91,11 @@ def _show(report: StatusReport, *, as_json: bool, clear: bool) -> None:
         return
     if clear:
         print("\x1b[H\x1b[2J", end="")  # cursor home, clear the screen
-    print("\n".join(render_status(report)))
+    lines = render_status(report)
+    if sys.stdout.isatty():
+        # A store near its limit stands out: yellow on a terminal.
+        lines = [_YELLOW % line if _NEAR in line else line for line in lines]
+    print("\n".join(lines))
 
 
 def _show_error(exc: Exception, interval: float, *, as_json: bool, clear: bool) -> None:

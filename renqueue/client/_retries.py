@@ -22,6 +22,7 @@ from ..errors import (
     NatsNoRespondersError,
     NatsPayloadTooLargeError,
     NatsUnavailableError,
+    StoreFullError,
     UnknownPriorityError,
 )
 from ..logs import get_logger
@@ -89,7 +90,7 @@ async def retrying(nc: Connection, what: str, read: Callable[[], Awaitable[T]], 
             delay = min(_RETRY_MAX, delay * 2)
 
 
-async def publish(
+async def publish(  # noqa: PLR0912 - one branch per way a try ends, in one loop
     client: Client, request: InferenceRequest, *, trace: TraceParent | None = None
 ) -> Published:
     """Publish ``request``: stored now, stored before (a resubmit), or
@@ -106,8 +107,10 @@ async def publish(
     after a capped backoff, for :attr:`Client.submit_patience` seconds or until
     the request's deadline if sooner (never past the broker's duplicate
     window, which would store a second copy); then the last error is
-    raised. A closed connection, and every other error (a request over
-    the broker's limit, a refusal), is raised at once. A try that timed
+    raised. A closed connection, a full store (:class:`StoreFullError`:
+    the requests stream at its ``max_bytes``, or the server's store full;
+    nothing was stored), and every other error (a request over the
+    broker's limit, a refusal), is raised at once. A try that timed
     out may have been stored (its ack lost): a retry the broker reports
     as a duplicate then found that try, not someone else's request.
     """
@@ -148,6 +151,9 @@ async def publish(
             continue
         except NatsClosedError:
             raise
+        except StoreFullError as exc:
+            # A full store does not empty within a submit's patience: say so now.
+            raise _not_stored(request, exc) from exc
         except TRANSIENT as exc:
             if client.nc.is_closed:
                 raise
@@ -169,3 +175,12 @@ async def publish(
         if not ack.duplicate:
             return Published.STORED
         return Published.FOUND_ON_RETRY if maybe_stored else Published.DUPLICATE
+
+
+def _not_stored(request: InferenceRequest, full: StoreFullError) -> StoreFullError:
+    """``full`` as a submitter reads it: which request, and what to do."""
+    return StoreFullError(
+        f"request {request.id} was not stored: the queue's store is full ({full}); send it "
+        "again once there is room (`renqueue status` shows each store against its limit)",
+        err_code=full.err_code,
+    )

@@ -74,7 +74,15 @@ from ..broker import (
 from ..errors import NatsError, NatsNotFoundError
 from ..lifecycle import Lifecycle
 from ..logs import get_logger, misdirected
-from ..schema import EVENT_DECODER, EVENTS_STREAM, FETCH_TIMEOUT, CancelRequested, event_subject
+from ..schema import (
+    EVENT_DECODER,
+    EVENTS_STREAM,
+    FETCH_TIMEOUT,
+    MAX_CANCEL_BYTES,
+    MAX_REASON_LENGTH,
+    CancelRequested,
+    event_subject,
+)
 from ..tasks import Supervisor, cancel_and_wait
 
 __all__ = ["CANCELS", "CancelWatch", "cancel_of"]
@@ -106,18 +114,27 @@ def cancel_of(subject: str, data: bytes) -> CancelRequested | None:
 
     The subject (``rq.evt.<tenant>.<request_id>.cancel_requested``) is the
     authority; a payload naming another tenant or request, or not a
-    ``cancel_requested`` event at all, is no cancellation.
+    ``cancel_requested`` event at all, is no cancellation. Nor is one over
+    :data:`~renqueue.schema.MAX_CANCEL_BYTES`, or whose ``reason`` is over
+    :data:`~renqueue.schema.MAX_REASON_LENGTH` characters, so no ``cancelled``
+    event ever copies it. The watch counts each message this refuses, once
+    (``renqueue_misdirected_messages_total{receiver="cancels"}``).
     """
     parts = subject.split(".")
     if len(parts) != 5 or parts[:2] != ["rq", "evt"] or parts[4] != "cancel_requested":
+        return None
+    if len(data) > MAX_CANCEL_BYTES:
         return None
     try:
         event = EVENT_DECODER.decode(data)
     except msgspec.DecodeError:
         return None
-    if not isinstance(event, CancelRequested):
+    if not isinstance(event, CancelRequested) or (event.tenant, event.request_id) != (
+        parts[2],
+        parts[3],
+    ):
         return None
-    if (event.tenant, event.request_id) != (parts[2], parts[3]):
+    if len(event.reason) > MAX_REASON_LENGTH:
         return None
     return event
 
@@ -290,7 +307,7 @@ class CancelWatch(Lifecycle):
         event = cancel_of(msg.subject, msg.data)
         if event is None:
             # Not a cancellation of what its subject names (another tenant's, another
-            # kind, not JSON): a tenant's word, dropped and counted.
+            # kind, not JSON, over its size bound): a tenant's word, dropped and counted.
             misdirected("cancels", msg.subject)
             return
         self._remember((event.tenant, event.request_id), _seconds(msg.metadata.timestamp))

@@ -28,6 +28,13 @@ Where each figure comes from:
   from when it was put back).
 - per tenant, from the checkpoint: spend today (the UTC day of the reader's
   clock), total spend, requests submitted and ended by kind.
+- per store (each stream, and each KV bucket's stream ``KV_<bucket>``), from
+  its stream info: bytes and messages against its ``max_bytes`` as the server
+  holds it, and what it does when full (``discard``); and the account's
+  stored bytes against ``nats.max_file_store`` (the server's own cap is not
+  readable over NATS; an account limit, where there is one, is used
+  instead). A store at ``nats.store_warn`` (80 %) of its limit or more is
+  named in ``near_limit`` and gets a ``near limit`` line.
 
 The checkpoint lags the log by up to a flush (100 ms) when the projector keeps
 up (``events_behind`` says by how much), and it does not hold the reservations
@@ -51,7 +58,7 @@ from typing import Final
 
 from msgspec import Struct
 
-from ..broker import JetStream
+from ..broker import STORES, JetStream, JetStreamApi
 from ..config import Config
 from ..errors import ConfigError, NatsApiError, NatsNotFoundError
 from ..policy import (
@@ -83,6 +90,7 @@ __all__ = [
     "BackendStatus",
     "LevelStatus",
     "StatusReport",
+    "StoreStatus",
     "TenantStatus",
     "backend_status",
     "out_of_service_here",
@@ -178,6 +186,21 @@ class TenantStatus(Struct, frozen=True, kw_only=True):
     budget: Budget | None = None
 
 
+class StoreStatus(Struct, frozen=True, kw_only=True):
+    """One stream (a KV bucket's too: ``KV_<bucket>``) against its byte limit."""
+
+    name: str
+    bytes: int
+    messages: int
+    #: Its ``max_bytes`` as the server holds it; -1: none of its own.
+    max_bytes: int
+    #: ``new``: when full, a write is refused (nothing is dropped); ``old``:
+    #: the oldest messages make room.
+    discard: str
+    #: At least ``nats.store_warn`` of its limit is used.
+    near_limit: bool
+
+
 class StatusReport(Struct, frozen=True, kw_only=True):
     """Everything ``renqueue status`` shows, as of ``at`` (the reader's clock)."""
 
@@ -193,6 +216,17 @@ class StatusReport(Struct, frozen=True, kw_only=True):
     backends: tuple[BackendStatus, ...]
     levels: tuple[LevelStatus, ...]
     tenants: tuple[TenantStatus, ...]
+    #: Each stream and bucket against its ``max_bytes``.
+    stores: tuple[StoreStatus, ...] = ()
+    #: Bytes the JetStream account stores, in all, and the cap they count
+    #: against (``nats.max_file_store``, or the account's own limit if it has one).
+    store_used: int = 0
+    store_limit: int = -1
+    #: The fraction of a limit past which a store is near it (``nats.store_warn``).
+    store_warn: float = 0.8
+    #: What is near its limit: stream names, and ``store`` for the whole store.
+    #: Empty when nothing is.
+    near_limit: tuple[str, ...] = ()
 
 
 # -------------------------------------------------------------------- reading
@@ -219,10 +253,11 @@ async def status_of(
     state = ProjectionState() if checkpoint is None else checkpoint
     names = [*config.backends, *sorted(set(state.backends) - set(config.backends))]
     out = out_of_service_here(config)
-    stream, queues, levels = await asyncio.gather(
+    stream, queues, levels, (stores, used, cap) = await asyncio.gather(
         js.stream_info(EVENTS_STREAM),
         asyncio.gather(*(_pending(js, DISPATCH_STREAM, worker_consumer(n)) for n in names)),
         asyncio.gather(*(_level(js, level, at) for level in config.priorities)),
+        _stores(js, config),
     )
     backends = tuple(
         backend_status(
@@ -259,7 +294,51 @@ async def status_of(
         backends=backends,
         levels=tuple(levels),
         tenants=tenants,
+        stores=stores,
+        store_used=used,
+        store_limit=cap,
+        store_warn=config.nats.store_warn,
+        near_limit=(
+            *(s.name for s in stores if s.near_limit),
+            *(("store",) if _near(used, cap, config.nats.store_warn) else ()),
+        ),
     )
+
+
+async def _stores(js: JetStream, config: Config) -> tuple[tuple[StoreStatus, ...], int, int]:
+    """Every provisioned stream against its limit; the account's stored bytes, and its cap."""
+    warn = config.nats.store_warn
+
+    async def one(name: str) -> StoreStatus | None:
+        try:
+            info = await js.stream_info(name)
+        except NatsNotFoundError:
+            return None
+        limit = int(info.config.max_bytes or -1)
+        used = int(info.state.bytes or 0)
+        discard = info.config.discard
+        return StoreStatus(
+            name=name,
+            bytes=used,
+            messages=int(info.state.messages or 0),
+            max_bytes=limit,
+            discard=str(getattr(discard, "value", discard) or "old"),
+            near_limit=_near(used, limit, warn),
+        )
+
+    found, account = await asyncio.gather(
+        asyncio.gather(*(one(name) for name in STORES)), JetStreamApi(js).call("INFO")
+    )
+    used = int(account.get("storage", 0)) if isinstance(account, dict) else 0
+    limits = account.get("limits", {}) if isinstance(account, dict) else {}
+    cap = int(limits.get("max_storage", -1) or -1)
+    if cap <= 0:
+        cap = config.nats.store_bytes
+    return tuple(s for s in found if s is not None), used, cap
+
+
+def _near(used: int, limit: int, warn: float) -> bool:
+    return limit > 0 and used >= warn * limit
 
 
 def backend_status(
@@ -402,6 +481,7 @@ def render_status(report: StatusReport) -> list[str]:
         _limit_lines(report.backends, now),
         _level_lines(report.levels),
         _tenant_lines(report.tenants),
+        _store_lines(report),
     ):
         if section:
             lines += ["", *section]
@@ -517,6 +597,56 @@ def _tenant_lines(tenants: Sequence[TenantStatus]) -> list[str]:
             f" {t.submitted:>9}  {ended or '-'}"
         )
     return lines
+
+
+def _store_lines(report: StatusReport) -> list[str]:
+    """Each store's bytes against its limit, and a ``near limit`` line per store
+    past ``store_warn`` of it (what to do in docs/operations.md#storage)."""
+    if not report.stores:
+        return []
+    whole = (
+        f"{_size(report.store_used)} of {_size(report.store_limit)}"
+        f" ({_share(report.store_used, report.store_limit)})"
+    )
+    lines = [
+        f"Storage ({whole} of the server's store used)",
+        f"  {'stream':<16} {'bytes':>10} {'limit':>10} {'full':>5} {'messages':>9}  when full",
+        *(
+            f"  {printable(s.name):<16} {_size(s.bytes):>10} {_size(s.max_bytes):>10}"
+            f" {_share(s.bytes, s.max_bytes):>5} {s.messages:>9}"
+            f"  {'refuses new' if s.discard == 'new' else 'drops oldest'}"
+            for s in report.stores
+        ),
+    ]
+    warn = f"{report.store_warn:.0%}"
+    for s in report.stores:
+        if s.near_limit:
+            lines.append(
+                f"  near limit: {printable(s.name)} is {_share(s.bytes, s.max_bytes)} full"
+                f" (over {warn}); see docs/operations.md#storage"
+            )
+    if "store" in report.near_limit:
+        lines.append(
+            f"  near limit: the server's store is {_share(report.store_used, report.store_limit)}"
+            f" full (over {warn}); see docs/operations.md#storage"
+        )
+    return lines
+
+
+def _size(count: int) -> str:
+    """Bytes for a person: ``-`` for no limit, else B, KiB, MiB, GiB or TiB."""
+    if count < 0:
+        return "-"
+    size = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _share(used: int, limit: int) -> str:
+    return "-" if limit <= 0 else f"{used / limit:.0%}"
 
 
 def _pauses(backend: BackendStatus, now: float) -> list[str]:

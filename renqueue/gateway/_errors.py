@@ -28,10 +28,11 @@ import msgspec
 from ..errors import (
     InvalidRequestError,
     MalformedRequestError,
-    NatsApiError,
     NatsPayloadTooLargeError,
     NatsUnavailableError,
+    OutOfRangeError,
     RenQueueError,
+    StoreFullError,
     UnknownPriorityError,
     UnknownRouteError,
     UnsupportedFeatureError,
@@ -129,7 +130,8 @@ CODES: Final = frozenset(
         "idempotency_key_reused",
         "too_many_in_flight",
         "key_in_flight_limit",
-        "queue_full",
+        "store_full",
+        "out_of_range",
         "no_backend_available",
         # The HTTP layer: a request that never got as far as a handler.
         "header_timeout",
@@ -264,6 +266,10 @@ def _rejected(event: Rejected, *, now: float) -> ApiError:
     if kind == UnsupportedFeatureError.code:
         return _unsupported_feature(message, features_named(event.reason))
     param = {"unknown_priority": "priority", "over_cost_cap": "max_cost"}.get(kind)
+    if kind == OutOfRangeError.code:
+        # Its reason begins with the field (``params.stop[0]: ...``): the chat API's name.
+        field = event.reason.partition(": ")[0].removeprefix("params.")
+        param = field.partition("[")[0] or None
     return ApiError(400, message, code=kind, param=param, retry=False)
 
 
@@ -294,14 +300,15 @@ def from_error(  # noqa: PLR0911 - one answer per kind of error, in one place
         return ApiError(400, line, param=_param_of(str(exc)), code=validation_code(line))
     if isinstance(exc, InvalidRequestError):
         return ApiError(400, str(exc), code=exc.code)
-    if isinstance(exc, NatsApiError) and exc.err_code == _STORE_FAILED:
-        # The requests stream is full (max_msgs or max_bytes, discard new): a queue limit.
+    if isinstance(exc, StoreFullError):
+        # The requests stream is at its max_bytes (discard new), or the server's
+        # store is full: nothing was stored; it passes as room comes back.
         return ApiError(
-            429,
-            "the request queue is full; try again shortly",
-            type="rate_limit_error",
-            code="queue_full",
-            retry_after=1.0,
+            503,
+            "the queue's store is full (nothing was stored); try again later",
+            type=SERVER,
+            code="store_full",
+            retry_after=_STORE_FULL_RETRY,
         )
     if isinstance(exc, NatsPayloadTooLargeError):
         return ApiError(
@@ -339,8 +346,9 @@ def features_named(reason: str) -> list[str]:
     return [name for name in listed.split(", ") if name in ALL_FEATURES]
 
 
-#: nats-server's JSStreamStoreFailedF: a publish over the stream's limits.
-_STORE_FAILED: Final = 10077
+#: Seconds a ``store_full`` answer asks a client to wait (room comes back as
+#: waiting work is done or old data ages out, not within a second).
+_STORE_FULL_RETRY: Final = 5.0
 
 
 #: msgspec's validation messages, by how they start, and the OpenAI code of each.

@@ -67,6 +67,7 @@ import msgspec
 from msgspec import Raw, Struct
 
 from ..schema import (
+    MAX_METADATA_BYTES,
     TRACEPARENT,
     ChatMessage,
     GenerationParams,
@@ -819,6 +820,15 @@ def translate(
             "body's fingerprint to a request's 64)",
             param="metadata",
             code="object_above_max_size",
+        )
+    size = sum(len(key.encode()) + len(value.encode()) for key, value in metadata.items())
+    if size > MAX_METADATA_BYTES:
+        raise ApiError(
+            400,
+            f"metadata: {size} bytes of keys and values, over the {MAX_METADATA_BYTES} a "
+            "request may carry",
+            code="out_of_range",
+            param="metadata",
         )
     reserved = sorted(name for name in metadata if name.startswith("rq_"))
     if reserved:

@@ -33,6 +33,7 @@ from ..errors import (
     NatsApiError,
     NatsNotFoundError,
     NatsPayloadTooLargeError,
+    StoreFullError,
     UnknownPriorityError,
     WrongLastSequenceError,
 )
@@ -98,7 +99,12 @@ def _maybe_stored(exc: BaseException) -> bool:
     the publish, no stream, a full queue)."""
     # Refused before the publish; or the server answered (no stream, full): not stored.
     return not isinstance(
-        exc, InvalidRequestError | UnknownPriorityError | NatsApiError | NatsPayloadTooLargeError
+        exc,
+        InvalidRequestError
+        | UnknownPriorityError
+        | NatsApiError
+        | NatsPayloadTooLargeError
+        | StoreFullError,
     )
 
 

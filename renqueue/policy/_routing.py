@@ -12,6 +12,7 @@ everything a router holds.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from typing import Final, Protocol
 
@@ -20,15 +21,22 @@ import msgspec
 from ..errors import (
     MalformedRequestError,
     NoCapableBackendError,
+    OutOfRangeError,
     OverCostCapError,
     PriorityNotAllowedError,
     UnknownRouteError,
     UnsupportedFeatureError,
 )
 from ..schema import (
+    MAX_DEADLINE_AHEAD,
     MAX_JSON_DEPTH,
+    MAX_METADATA_BYTES,
+    MAX_STOP_LENGTH,
+    OLDEST_VERSION,
     RESERVED_EXTRA,
     SCHEMA_VERSION,
+    SEED_MAX,
+    SEED_MIN,
     SYSTEM_TENANT,
     Fallback,
     GenerationParams,
@@ -157,6 +165,7 @@ def validate(
     config: Catalog,
     message_id: str | None = None,
     requeue: bool = False,
+    now: float | None = None,
 ) -> None:
     """Check a decoded request against where it was published and the config.
 
@@ -172,9 +181,13 @@ def validate(
     ``fallback`` (a tenant could not use it but to keep its own request away
     from backends; it is the services' word all the same) or a ``split`` (its
     A/B arm, the binder's choice). A request of a newer schema version than
-    this code's is refused: its new fields would be dropped unread.
+    this code's is refused: its new fields would be dropped unread. Fields
+    past admission's bounds (:func:`check_bounds`; ``now``, the broker's time
+    of the request, bounds how far ahead its deadline may be) are refused
+    :class:`OutOfRangeError`.
     """
     _check_services_fields(request, tenant, requeue=requeue)
+    check_bounds(request, now=now)
     _check_subject(request, level=level, tenant=tenant, message_id=message_id, requeue=requeue)
     most = config.max_priority_of(tenant)
     if (
@@ -187,6 +200,61 @@ def validate(
     if request.route not in config.routes:
         raise UnknownRouteError(request.route, request_id=request.id)
     _check_servable(request, config)
+
+
+#: The latest deadline any request may carry, whatever ``now`` (1 Jan 3000 UTC):
+#: past it a time is no calendar's.
+_LATEST_DEADLINE: Final = 32_503_680_000.0
+
+
+def check_bounds(request: InferenceRequest, *, now: float | None = None) -> None:
+    """Raise :class:`OutOfRangeError` for a field past admission's bounds
+    (docs/wire-format.md, "Bounds"): its schema version ``v`` below
+    :data:`~renqueue.schema.OLDEST_VERSION`; a ``params.stop`` sequence that is
+    empty or over :data:`~renqueue.schema.MAX_STOP_LENGTH` characters; a
+    ``params.seed`` outside a signed 64-bit integer; a ``deadline`` that is
+    not a finite time, or further than
+    :data:`~renqueue.schema.MAX_DEADLINE_AHEAD` past ``now`` (when given);
+    ``metadata`` over :data:`~renqueue.schema.MAX_METADATA_BYTES` (keys and
+    values, UTF-8). A stop string of megabytes is never sent to a backend."""
+    rid = request.id
+    if request.v < OLDEST_VERSION:
+        raise OutOfRangeError(
+            "v",
+            f"schema version {request.v} does not exist (1 to {SCHEMA_VERSION})",
+            request_id=rid,
+        )
+    params = request.params
+    for index, stop in enumerate(params.stop or ()):
+        if not 0 < len(stop) <= MAX_STOP_LENGTH:
+            raise OutOfRangeError(
+                f"params.stop[{index}]",
+                f"a stop sequence has 1 to {MAX_STOP_LENGTH} characters, this one {len(stop)}",
+                request_id=rid,
+            )
+    if params.seed is not None and not SEED_MIN <= params.seed <= SEED_MAX:
+        raise OutOfRangeError(
+            "params.seed", "a seed is a signed 64-bit integer (-2^63 to 2^63-1)", request_id=rid
+        )
+    deadline = request.deadline
+    if deadline is not None:
+        latest = _LATEST_DEADLINE
+        if now is not None:
+            latest = min(latest, now + MAX_DEADLINE_AHEAD)
+        if not math.isfinite(deadline) or deadline > latest:
+            raise OutOfRangeError(
+                "deadline",
+                f"a deadline is a Unix time at most {MAX_DEADLINE_AHEAD / 86400:g} days ahead"
+                f" of the submit, not {deadline:.6g}",
+                request_id=rid,
+            )
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in request.metadata.items())
+    if size > MAX_METADATA_BYTES:
+        raise OutOfRangeError(
+            "metadata",
+            f"{size} bytes of keys and values, over the {MAX_METADATA_BYTES} it may carry",
+            request_id=rid,
+        )
 
 
 def _check_services_fields(request: InferenceRequest, tenant: str, *, requeue: bool) -> None:

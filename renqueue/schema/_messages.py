@@ -22,12 +22,20 @@ __all__ = [
     "DISPATCH_DECODER",
     "ERROR_TYPES",
     "EVENT_DECODER",
+    "MAX_CANCEL_BYTES",
+    "MAX_DEADLINE_AHEAD",
     "MAX_JSON_DEPTH",
+    "MAX_METADATA_BYTES",
+    "MAX_REASON_LENGTH",
     "MAX_REQUEUES",
+    "MAX_STOP_LENGTH",
+    "OLDEST_VERSION",
     "REQUEST_DECODER",
     "REQUEST_HEADROOM",
     "RESERVED_EXTRA",
     "SCHEMA_VERSION",
+    "SEED_MAX",
+    "SEED_MIN",
     "TERMINAL_KINDS",
     "TOKEN_DECODER",
     "CancelRequested",
@@ -922,6 +930,27 @@ REQUEST_HEADROOM: Final = 64 * 1024
 def request_limit(max_payload: int) -> int:
     """The largest encoded request a broker of ``max_payload`` bytes takes."""
     return max(1024, max_payload - REQUEST_HEADROOM)
+
+
+#: Admission's bounds on fields a request may carry (docs/wire-format.md,
+#: "Bounds"); past one it is rejected ``out_of_range``
+#: (:class:`renqueue.errors.OutOfRangeError`). They are checked at admission,
+#: not by the types: events stored before them must still decode.
+#: The schema versions a request may carry (newer: ``malformed``).
+OLDEST_VERSION: Final = 1
+#: Characters in one ``params.stop`` sequence (at most 16 of them, by the type).
+MAX_STOP_LENGTH: Final = 500
+#: ``params.seed``: a signed 64-bit integer, what providers take.
+SEED_MIN: Final = -(2**63)
+SEED_MAX: Final = 2**63 - 1
+#: Seconds a ``deadline`` may lie past the moment the broker stored the request.
+MAX_DEADLINE_AHEAD: Final = 30 * 86400.0
+#: UTF-8 bytes of a request's ``metadata``, keys and values together.
+MAX_METADATA_BYTES: Final = 16_384
+#: Bytes of a ``cancel_requested`` event (its JSON): a bigger one is no cancellation.
+MAX_CANCEL_BYTES: Final = 4096
+#: Characters of a cancellation's ``reason``.
+MAX_REASON_LENGTH: Final = 1000
 
 
 #: The deepest nesting of free-form JSON (``extra`` values, tool and response

@@ -125,7 +125,12 @@ class Services(Lifecycle):
         self._check()
         if not self.config.nats.url:
             nats = self.config.nats
-            self.server = EmbeddedServer(Path(nats.data_dir), host=nats.host, port=nats.port)
+            self.server = EmbeddedServer(
+                Path(nats.data_dir),
+                host=nats.host,
+                port=nats.port,
+                max_file_store=nats.store_bytes,
+            )
             await self.server.start()
             log.info("embedded nats-server started", url=self.server.url)
         self.nc = nc = await connect(self.url, name=self._name, config=self.config.nats)

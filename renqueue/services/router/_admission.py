@@ -106,6 +106,7 @@ def admit(
             config=config,
             message_id=header,
             requeue=is_requeue_subject(msg.subject),
+            now=stored_at(msg),
         )
     except (msgspec.DecodeError, InvalidRequestError) as exc:
         error = exc if isinstance(exc, InvalidRequestError) else MalformedRequestError(str(exc))

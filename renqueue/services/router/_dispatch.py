@@ -8,7 +8,11 @@ then acks the request's message. It keeps the request's ack timer alive
 while the acks are on their way, settles the capacity :class:`Slot` the
 round counted, and owns the budget of failed dispatches: a request whose
 dispatch fails goes back to wait (nak), and after ``router.max_deliver``
-failed dispatches it fails ``undeliverable`` with a dead-letter copy.
+failed dispatches it fails ``undeliverable`` with a dead-letter copy. A
+dispatch refused because a store is full (``StoreFullError``: the backend's
+dispatch queue or the event log at its byte limit) is not a failed dispatch:
+the request waits :data:`STORE_FULL_DELAY` and is bound again, until the
+consumer's delivery backstop (``router.max_deliver`` x 20 deliveries).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import msgspec
 from ... import metrics
 from ...broker import EventLog, JetStream, Message, PubAck, hop, trace_headers
 from ...config import Config, parse_duration
-from ...errors import NatsNotFoundError
+from ...errors import NatsNotFoundError, StoreFullError
 from ...logs import get_logger
 from ...policy import BIND_REASON
 from ...schema import (
@@ -47,7 +51,7 @@ from ._capacity import Slot
 from ._hold import Held
 from ._ledger import Reserved
 
-__all__ = ["ACKS_TIMEOUT", "Dispatcher"]
+__all__ = ["ACKS_TIMEOUT", "STORE_FULL_DELAY", "Dispatcher"]
 
 log = get_logger("router")
 
@@ -58,6 +62,10 @@ ACKS_TIMEOUT: Final = 10.0
 _EARLIER_DISPATCH_REASON: Final = "dispatched by an earlier bind of this attempt"
 #: Requests whose failed dispatches a router remembers (oldest forgotten first).
 _FAILURES_KEPT: Final = 10_000
+#: A bind refused because a store is full (the backend's dispatch queue, the
+#: event log) is tried again this much later, and is no failed dispatch: room
+#: comes back as work is done, and the request must not fail for waiting.
+STORE_FULL_DELAY: Final = 5.0
 
 _T = TypeVar("_T")
 
@@ -287,6 +295,14 @@ class Dispatcher:
         attempts (or at the consumer's last delivery), fails for the record
         rather than stay stranded in the stream."""
         request = item.request
+        if (
+            isinstance(exc, StoreFullError)
+            and item.msg.metadata.num_delivered < self._max_deliveries
+        ):
+            log.warning("dispatch refused: a store is full; the request waits", error=str(exc))
+            with contextlib.suppress(Exception):
+                await item.msg.nak(delay=STORE_FULL_DELAY)
+            return
         key = msg_id(request.tenant, request.id)
         failures = self._dispatch_failures.pop(key, 0) + 1
         if (

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Final
 
 from ... import metrics
-from ...broker import EventLog, Message
+from ...broker import DLQ_HOSTILE_EXCERPT, EventLog, Message
 from ...coordination import Coalescer, coalesce_key
-from ...errors import NatsError
+from ...errors import MalformedRequestError, NatsError, OutOfRangeError
 from ...logs import get_logger
 from ...policy import DEADLINE_PASSED, cancelled_waiting, expired_waiting, rejection
 from ...schema import Event, InferenceRequest
@@ -25,6 +26,10 @@ from ...schema import Event, InferenceRequest
 __all__ = ["Endings"]
 
 log = get_logger("router")
+
+#: Rejections for the request's own content: sending it again cannot help,
+#: so its dead letter keeps an excerpt (``DLQ_HOSTILE_EXCERPT`` bytes), not the body.
+_OWN_CONTENT: Final = frozenset({MalformedRequestError.code, OutOfRangeError.code})
 
 
 class Endings:
@@ -89,6 +94,7 @@ class Endings:
                 source_seq=msg.metadata.sequence.stream,
                 tenant=tenant,
                 request_id=request_id,
+                keep=DLQ_HOSTILE_EXCERPT if code in _OWN_CONTENT else None,
             )
             event = rejection(request_id, tenant, self._clock(), error)
             if request is None:
