@@ -537,6 +537,7 @@ ErrorType = Literal[
     "over_cost_cap",
     "budget_exhausted",
     "unprocessable",
+    "out_of_range",
     # failed (and retrying, fell_back): its runs did not end well
     "rate_limited",
     "quota_exhausted",
