@@ -11,7 +11,7 @@ import msgspec
 
 from ..config import Config
 from ._app import CONTEXT, cli, command, global_options, globals_of, setup
-from ._common import client_url, close, guarded
+from ._common import close, guarded, reach
 
 
 @cli.group(
@@ -80,12 +80,11 @@ def resume(ctx: click.Context, /, **options: Any) -> None:
 
 async def _ab(config: Config, args: Any) -> None:
     """``renqueue ab status|promote|rollback|resume`` (see :mod:`renqueue.coordination`)."""
-    from ..broker import connect
     from ..coordination import move_split, planned_move, read_splits, render_splits
 
     if args.ab_command != "status":  # a move the config cannot make fails before connecting
         planned_move(config, args.route, args.ab_command, getattr(args, "arm", None))
-    nc = await connect(client_url(config), name="renqueue-ab", config=config.nats)
+    nc = await reach(config, "renqueue-ab")
     try:
         js = nc.jetstream()
         if args.ab_command == "status":

@@ -13,7 +13,7 @@ import msgspec
 from ..config import Config
 from ..errors import RenQueueError
 from ._app import cli, command, globals_of, setup
-from ._common import TABLE_WIDTH, client_url, close, console, local_time, rounded
+from ._common import TABLE_WIDTH, close, console, local_time, reach, rounded
 
 if TYPE_CHECKING:
     from ..schema import Event
@@ -39,9 +39,9 @@ def audit(ctx: click.Context, request_id: str, tenant: str | None) -> None:
 
 
 async def _audit(config: Config, request_id: str, tenant: str | None, *, as_json: bool) -> None:
-    from ..broker import EventLog, connect
+    from ..broker import EventLog
 
-    nc = await connect(client_url(config), name="renqueue-audit", config=config.nats)
+    nc = await reach(config, "renqueue-audit")
     try:
         events = await EventLog(nc.jetstream()).history(tenant or "*", request_id)
     finally:

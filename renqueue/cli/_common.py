@@ -20,6 +20,8 @@ from ..errors import ConfigError, ConnectionFailedError, RenQueueError
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Column, Table
+    from rich.text import Text
 
     from ..broker import Connection
 
@@ -85,6 +87,14 @@ def client_url(config: Config) -> str:
     return url
 
 
+async def reach(config: Config, name: str) -> Connection:
+    """A client command's connection: at once a one-line error (exit 4) when
+    nothing listens at the URL, rather than retrying it for the connect bound."""
+    from ..broker import connect
+
+    return await connect(client_url(config), name=name, config=config.nats, refused_is_final=True)
+
+
 def one_line(exc: BaseException) -> str:
     """An error as one line: its message, or its type when it has none or is not ours."""
     text = " ".join(str(exc).split())
@@ -103,18 +113,60 @@ async def close(nc: Connection) -> None:
                 await nc.close()
 
 
-#: A table's width when the output is not a terminal (a file, a pipe, a test).
+#: A table's width when the output is not a terminal (a file, a pipe, a test)
+#: and ``$COLUMNS`` does not say.
 TABLE_WIDTH = 120
 
 
 def console(*, width: int | None = None) -> Console:
-    """A Rich console on stdout: the terminal's width, or ``width``, or
-    :data:`TABLE_WIDTH` when piped; no colours guessed from the text."""
+    """A Rich console on stdout: ``width``, else ``$COLUMNS``, else the terminal's
+    width, else :data:`TABLE_WIDTH` when piped; no markup or colours guessed
+    from the text (a name in brackets is a name)."""
+    import os
+
     from rich.console import Console
 
-    if width is None and not sys.stdout.isatty():
+    if width is None and not os.environ.get("COLUMNS", "").isdigit() and not sys.stdout.isatty():
         width = TABLE_WIDTH
-    return Console(file=sys.stdout, width=width, highlight=False, soft_wrap=False)
+
+    class PipeAware(Console):
+        def on_broken_pipe(self) -> None:
+            # Rich would exit 1 here; ``main`` ends a closed pipe as it does for print.
+            raise BrokenPipeError
+
+    return PipeAware(
+        file=sys.stdout, width=width, highlight=False, soft_wrap=False, markup=False, emoji=False
+    )
+
+
+def table(*columns: Column | str, title: str | None = None) -> Table:
+    """A table for a person: no box, a header, a space between columns."""
+    from rich.table import Table
+
+    return Table(
+        *columns,
+        box=None,
+        pad_edge=False,
+        show_edge=False,
+        title=title,
+        title_justify="left",
+        title_style="",
+        header_style="",
+        padding=(0, 1, 0, 0),
+    )
+
+
+def indented(renderable: Any, by: int = 2) -> Any:
+    from rich.padding import Padding
+
+    return Padding(renderable, (0, 0, 0, by))
+
+
+def text(value: str) -> Text:
+    """A cell as it is (no markup read in it)."""
+    from rich.text import Text
+
+    return Text(value)
 
 
 def local_time(at: float, *, date: bool = False) -> str:

@@ -23,9 +23,9 @@ from ._common import (
     NewDeadline,
     Output,
     PointInTime,
-    client_url,
     close,
     guarded,
+    reach,
 )
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -137,13 +137,13 @@ def purge(ctx: click.Context, /, **options: Any) -> int:
 
 async def _dlq(config: Config, args: Any) -> int:
     """``renqueue dlq list|show|requeue|purge`` (see :mod:`renqueue.broker._dlq`)."""
-    from ..broker import DeadLetters, connect
+    from ..broker import DeadLetters
 
     where = _dlq_filter(args)
     if getattr(args, "seq", None) and not where.empty:
         raise ConfigError("give sequences or filters, not both", path="dlq arguments")
     out = Output(config)
-    nc = await connect(client_url(config), name="renqueue-dlq", config=config.nats)
+    nc = await reach(config, "renqueue-dlq")
     try:
         dead = DeadLetters(nc.jetstream())
         if args.dlq_command == "list":

@@ -17,7 +17,7 @@ from ..config import Config
 from ..errors import RenQueueError
 from ..text import shorten
 from ._app import cli, command, globals_of, setup
-from ._common import EXIT_DIFFERENT, EXIT_OK, PointInTime, client_url, close, guarded
+from ._common import EXIT_DIFFERENT, EXIT_OK, PointInTime, close, guarded, reach
 
 if TYPE_CHECKING:
     from ..coordination import Replayed, Verification
@@ -62,7 +62,6 @@ def replay(ctx: click.Context, /, **options: Any) -> int:
 
 
 async def _replay(config: Config, args: Any) -> int:
-    from ..broker import connect
     from ..coordination import replay_log, verify
     from ..state import encode_state
 
@@ -70,7 +69,7 @@ async def _replay(config: Config, args: Any) -> int:
         return await _what_if(config, args)
     if args.since is not None or args.until is not None or args.seed is not None:
         raise RenQueueError("--since, --until and --seed go with --what-if")
-    nc = await connect(client_url(config), name="renqueue-replay", config=config.nats)
+    nc = await reach(config, "renqueue-replay")
     try:
         js = nc.jetstream()
         if not args.verify:
@@ -93,7 +92,6 @@ async def _replay(config: Config, args: Any) -> int:
 async def _what_if(config: Config, args: Any) -> int:
     """``replay --what-if FILE``: the requests submitted in the window, as they
     really went, and simulated under this config and FILE's (docs/what-if.md)."""
-    from ..broker import connect
     from ..coordination import read_trace
     from ..sim import compare, load_what_if, render
     from ..text import printable
@@ -106,7 +104,7 @@ async def _what_if(config: Config, args: Any) -> int:
     until = now if args.until is None else args.until
     if until <= since:
         raise RenQueueError("--until must be after --since")
-    nc = await connect(client_url(config), name="renqueue-replay", config=config.nats)
+    nc = await reach(config, "renqueue-replay")
     try:
         trace = await read_trace(nc.jetstream(), since=since, until=until)
     finally:

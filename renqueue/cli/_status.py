@@ -6,7 +6,7 @@ import asyncio
 import datetime
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 import msgspec
@@ -14,7 +14,18 @@ import msgspec
 from ..config import Config
 from ..errors import NatsClosedError
 from ._app import cli, command, globals_of, setup
-from ._common import INTERVAL, MIN_INTERVAL, client_url, close, guarded, one_line
+from ._common import (
+    INTERVAL,
+    MIN_INTERVAL,
+    close,
+    console,
+    guarded,
+    indented,
+    one_line,
+    reach,
+    table,
+    text,
+)
 
 if TYPE_CHECKING:
     from ..coordination import StatusReport
@@ -50,10 +61,9 @@ async def _status(config: Config, *, watch: bool, interval: float, as_json: bool
     restarting, a timeout): it shows the error in place of that redraw and
     tries again at the next; only a connection closed for good ends it.
     """
-    from ..broker import connect
     from ..coordination import read_status
 
-    nc = await connect(client_url(config), name="renqueue-status", config=config.nats)
+    nc = await reach(config, "renqueue-status")
     try:
         js = nc.jetstream()
         clear = watch and not as_json and sys.stdout.isatty()
@@ -79,14 +89,55 @@ async def _status(config: Config, *, watch: bool, interval: float, as_json: bool
 
 
 def _show(report: StatusReport, *, as_json: bool, clear: bool) -> None:
-    from ..coordination import render_status
-
     if as_json:
         print(msgspec.json.encode(report).decode())
         return
     if clear:
         print("\x1b[H\x1b[2J", end="")  # cursor home, clear the screen
-    print("\n".join(render_status(report)))
+    out = console()
+    for renderable in status_tables(report):
+        out.print(renderable)
+
+
+def status_tables(report: StatusReport) -> list[Any]:
+    """The status as Rich renderables: its heading, then each section (a
+    heading line and an indented table; the last column wraps)."""
+    from rich.table import Column
+
+    from ..coordination import status_heading, status_sections
+
+    first, *rest = status_heading(report)
+    shown: list[Any] = [text(first), *(indented(text(line.strip())) for line in rest)]
+    for section in status_sections(report):
+        shown += [text(""), text(section.title)]
+        if not section.columns:
+            grid = table(Column(no_wrap=True), Column(overflow="fold"))
+            grid.show_header = False
+            for name, what in section.rows:
+                grid.add_row(text(f"{name}:"), text(what))
+            shown.append(indented(grid))
+            continue
+        if not section.rows:
+            shown.append(text("  none yet"))
+            continue
+        # Names and numbers keep their line (a heading may wrap); text folds.
+        longest = [max(len(row[n]) for row in section.rows) for n in range(len(section.columns))]
+        columns = [
+            Column(
+                title,
+                justify="right" if right else "left",
+                overflow="fold",
+                min_width=min(24, max(longest[n], *map(len, title.split())))
+                if right or n == 0
+                else min(len(title), 12),
+            )
+            for n, (title, right) in enumerate(zip(section.columns, section.numeric, strict=True))
+        ]
+        grid = table(*columns)
+        for row in section.rows:
+            grid.add_row(*(text(cell) for cell in row))
+        shown.append(indented(grid))
+    return shown
 
 
 def _show_error(exc: Exception, interval: float, *, as_json: bool, clear: bool) -> None:

@@ -14,13 +14,14 @@ import msgspec
 from ..config import Config
 from ..errors import (
     ConfigError,
+    ConnectionFailedError,
     NatsUnavailableError,
     RenQueueError,
     RequestCancelledError,
     RequestFailedError,
 )
 from ._app import cli, command, globals_of, setup
-from ._common import Unreachable, WaitTimeout, client_url, close_client
+from ._common import Unreachable, WaitTimeout, client_url, close_client, reach
 
 
 def _param(text: str) -> tuple[str, Any]:
@@ -226,11 +227,12 @@ async def _submit(
     URL, the connection, the request's id) for a ``--wait`` that runs out."""
     from ..client import Client
 
-    url = progress["url"] = client_url(config)
+    progress["url"] = url = client_url(config)
     try:
-        client = await Client.connect(url, tenant=options["tenant"], name="renqueue-cli")
-    except RenQueueError as exc:
-        raise Unreachable(f"cannot reach NATS at {url}: {exc}") from exc
+        nc = await reach(config, "renqueue-cli")
+    except ConnectionFailedError as exc:
+        raise Unreachable(str(exc)) from exc
+    client = Client(nc, tenant=options["tenant"], owns_connection=True)
     try:
         handle = await client.submit(**request)
         progress["id"] = handle.id
@@ -327,8 +329,7 @@ async def _cancel(
     from ..client import Client
     from ..schema import kind_of
 
-    url = client_url(config)
-    client = await Client.connect(url, tenant=tenant, name="renqueue-cli")
+    client = Client(await reach(config, "renqueue-cli"), tenant=tenant, owns_connection=True)
     try:
         handle = client.handle(request_id)
         known = await handle.events()

@@ -51,11 +51,15 @@ from ._status import (
     BackendStatus,
     LevelStatus,
     StatusReport,
+    StatusSection,
     TenantStatus,
     backend_status,
+    health_of,
     read_status,
     render_status,
+    status_heading,
     status_of,
+    status_sections,
 )
 from ._trace_reader import read_events, read_trace
 from ._verify import Replayed, Verification, read_checkpoint, replay_log, verify
@@ -107,6 +111,7 @@ __all__ = [
     "SplitView",
     "StateView",
     "StatusReport",
+    "StatusSection",
     "TenantSpend",
     "TenantStatus",
     "TenantView",
@@ -121,6 +126,7 @@ __all__ = [
     "decode_split_view",
     "decode_tenant_view",
     "encode_view",
+    "health_of",
     "move_split",
     "out_of_service",
     "planned_move",
@@ -138,7 +144,9 @@ __all__ = [
     "run_exporter",
     "split_view_key",
     "splits_of",
+    "status_heading",
     "status_of",
+    "status_sections",
     "tenant_view_key",
     "verify",
 ]
