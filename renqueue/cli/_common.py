@@ -9,7 +9,7 @@ import datetime
 import json
 import math
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import click
@@ -156,6 +156,37 @@ def table(*columns: Column | str, title: str | None = None) -> Table:
     )
 
 
+def fitted(
+    titles: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    numeric: Sequence[bool],
+    width: int,
+    *,
+    keep: Sequence[bool] = (),
+) -> list[int]:
+    """Column widths for a table ``width`` wide (one space between columns):
+    numbers, the first column and those ``keep`` says whole (a name longer
+    than 32 folds); the other text columns wrap, the last taking what is left."""
+    count = len(titles)
+    natural = [max([len(titles[n]), *(len(row[n]) for row in rows)]) for n in range(count)]
+    whole = [
+        n == 0 or (n < len(numeric) and numeric[n]) or (n < len(keep) and keep[n])
+        for n in range(count)
+    ]
+    widths = [min(natural[n], 32) if whole[n] else natural[n] for n in range(count)]
+    left = width - (count - 1) - sum(w for w, fixed in zip(widths, whole, strict=True) if fixed)
+    # The last column (the reason, the details) is the one to read: the other
+    # text columns take what they need up to 16 (each at least 8), it the rest.
+    flexible = sorted((n for n in range(count - 1) if not whole[n]), key=natural.__getitem__)
+    for index, n in enumerate(flexible):
+        share = left // (len(flexible) - index + 1)
+        widths[n] = max(8, min(natural[n], 16, share))
+        left -= widths[n]
+    if not whole[count - 1]:
+        widths[count - 1] = max(8, min(natural[count - 1], left))
+    return widths
+
+
 def indented(renderable: Any, by: int = 2) -> Any:
     from rich.padding import Padding
 
@@ -169,16 +200,19 @@ def text(value: str) -> Text:
     return Text(value)
 
 
-def local_time(at: float, *, date: bool = False) -> str:
-    """``at`` (Unix seconds) in the local time zone, to the millisecond."""
+def local_time(at: float, *, date: bool = False, zone: bool = True) -> str:
+    """``at`` (Unix seconds) in the local time zone, to the millisecond; with
+    ``date``, the day first and (``zone``) the zone's name after."""
     when = datetime.datetime.fromtimestamp(at).astimezone()
-    text = when.strftime("%H:%M:%S.") + f"{when.microsecond // 1000:03d}"
-    return f"{when:%Y-%m-%d} {text} {when:%Z}" if date else text
+    clock = when.strftime("%H:%M:%S.") + f"{when.microsecond // 1000:03d}"
+    if not date:
+        return clock
+    return f"{when:%Y-%m-%d} {clock}" + (f" {when:%Z}" if zone else "")
 
 
-def rounded(value: Any) -> str:
+def rounded(value: Any, *, limit: int = 80) -> str:
     """A value for a person: floats rounded, sequences and mappings spelled
-    out without Python's quotes and brackets, long text shortened."""
+    out without Python's quotes and brackets, text past ``limit`` shortened."""
     from ..text import printable, shorten
 
     if isinstance(value, bool):
@@ -186,10 +220,12 @@ def rounded(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3f}".rstrip("0").rstrip(".") if math.isfinite(value) else str(value)
     if isinstance(value, dict):
-        return "; ".join(f"{k}: {rounded(v)}" for k, v in value.items() if v not in (None, "", []))
+        return "; ".join(
+            f"{k}: {rounded(v, limit=limit)}" for k, v in value.items() if v not in (None, "", [])
+        )
     if isinstance(value, list | tuple):
-        return ", ".join(rounded(v) for v in value) or "-"
-    return shorten(printable(str(value)), 80)
+        return ", ".join(rounded(v, limit=limit) for v in value) or "-"
+    return shorten(printable(" ".join(str(value).split())), limit)
 
 
 class Output:

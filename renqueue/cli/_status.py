@@ -19,6 +19,7 @@ from ._common import (
     MIN_INTERVAL,
     close,
     console,
+    fitted,
     guarded,
     indented,
     one_line,
@@ -95,13 +96,14 @@ def _show(report: StatusReport, *, as_json: bool, clear: bool) -> None:
     if clear:
         print("\x1b[H\x1b[2J", end="")  # cursor home, clear the screen
     out = console()
-    for renderable in status_tables(report):
+    for renderable in status_tables(report, out.width):
         out.print(renderable)
 
 
-def status_tables(report: StatusReport) -> list[Any]:
-    """The status as Rich renderables: its heading, then each section (a
-    heading line and an indented table; the last column wraps)."""
+def status_tables(report: StatusReport, width: int) -> list[Any]:
+    """The status as Rich renderables ``width`` columns wide at most: its
+    heading, then each section (a heading line and an indented table whose
+    text columns wrap; names and numbers keep their line)."""
     from rich.table import Column
 
     from ..coordination import status_heading, status_sections
@@ -120,18 +122,10 @@ def status_tables(report: StatusReport) -> list[Any]:
         if not section.rows:
             shown.append(text("  none yet"))
             continue
-        # Names and numbers keep their line (a heading may wrap); text folds.
-        longest = [max(len(row[n]) for row in section.rows) for n in range(len(section.columns))]
+        widths = fitted(section.columns, section.rows, section.numeric, width - 2)
         columns = [
-            Column(
-                title,
-                justify="right" if right else "left",
-                overflow="fold",
-                min_width=min(24, max(longest[n], *map(len, title.split())))
-                if right or n == 0
-                else min(len(title), 12),
-            )
-            for n, (title, right) in enumerate(zip(section.columns, section.numeric, strict=True))
+            Column(title, justify="right" if right else "left", overflow="fold", width=w)
+            for title, right, w in zip(section.columns, section.numeric, widths, strict=True)
         ]
         grid = table(*columns)
         for row in section.rows:
