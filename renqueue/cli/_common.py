@@ -32,6 +32,8 @@ _T = TypeVar("_T")
 EXIT_OK, EXIT_ERROR, EXIT_UNSUCCESSFUL, EXIT_WAIT_TIMEOUT = 0, 2, 3, 4
 #: Also 4: NATS cannot be reached (or was lost) within the command's bound.
 EXIT_UNREACHABLE = 4
+#: stdout's reader went away (a closed pipe): as a process SIGPIPE ended (128 + 13).
+EXIT_PIPE_CLOSED = 141
 #: ``replay --verify``: the live projection differs from the log's.
 EXIT_DIFFERENT = 1
 #: ``dlq``: some of the entries asked for could not be shown, requeued or purged.
@@ -61,7 +63,7 @@ async def guarded(command: str, run: Awaitable[_T]) -> _T:
     """
     try:
         return await run
-    except RenQueueError:
+    except (RenQueueError, BrokenPipeError):
         raise
     except Exception as exc:
         from ..text import printable
