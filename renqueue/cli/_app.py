@@ -20,6 +20,7 @@ from ._common import (
     EXIT_UNREACHABLE,
     EXIT_UNSUCCESSFUL,
     EXIT_WAIT_TIMEOUT,
+    NoSuchRequest,
     WaitTimeout,
     with_nats,
 )
@@ -244,6 +245,8 @@ def _report(exc: RenQueueError, *, client: bool) -> int:
         print(f"renqueue: {exc} [{exc.error_type}]", file=sys.stderr)
         return EXIT_UNSUCCESSFUL
     print(f"renqueue: {exc}", file=sys.stderr)
+    if isinstance(exc, NoSuchRequest):
+        return EXIT_UNSUCCESSFUL
     if isinstance(exc, WaitTimeout):
         return EXIT_WAIT_TIMEOUT
     if client and isinstance(exc, ConnectionFailedError):

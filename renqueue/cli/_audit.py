@@ -11,9 +11,8 @@ import click
 import msgspec
 
 from ..config import Config
-from ..errors import RenQueueError
 from ._app import cli, command, globals_of, setup
-from ._common import close, console, fitted, local_time, reach, rounded, table, text
+from ._common import NoSuchRequest, close, console, fitted, local_time, reach, rounded, table, text
 
 if TYPE_CHECKING:
     from ..schema import Event
@@ -47,7 +46,12 @@ async def _audit(config: Config, request_id: str, tenant: str | None, *, as_json
     finally:
         await close(nc)
     if not events:
-        raise RenQueueError(f"no events for request {request_id}")
+        whose = "any tenant" if tenant is None else f"tenant {tenant!r}"
+        raise NoSuchRequest(
+            f"no request {request_id} is known for {whose}: no event names it",
+            request_id=request_id,
+            tenant=tenant,
+        )
     if as_json:
         for event in events:
             print(json.dumps(msgspec.to_builtins(event)))

@@ -50,6 +50,16 @@ class Unreachable(ConnectionFailedError):
     """NATS could not be reached, or the connection was lost, within ``--wait`` (exit 4)."""
 
 
+class NoSuchRequest(RenQueueError):
+    """``cancel`` or ``audit`` of an id no ``submitted`` event names for the
+    tenant (exit 3, as a request that did not succeed): nothing is recorded."""
+
+    def __init__(self, message: str, *, request_id: str, tenant: str | None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.tenant = tenant
+
+
 class UnexpectedError(RenQueueError):
     """An error a reading command did not expect, as one line (exit 2)."""
 
