@@ -15,11 +15,13 @@ from ..errors import ConnectionFailedError, RenQueueError, RequestFailedError
 from ..logs import configure_logging, get_logger
 from ._common import (
     EXIT_ERROR,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_PIPE_CLOSED,
     EXIT_UNREACHABLE,
     EXIT_UNSUCCESSFUL,
     EXIT_WAIT_TIMEOUT,
+    Interrupted,
     NoSuchRequest,
     WaitTimeout,
     with_nats,
@@ -221,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         exc.show()
         return EXIT_ERROR
     except (click.Abort, KeyboardInterrupt):
-        return 130
+        print("renqueue: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except RenQueueError as exc:
         return _report(exc, client=opts.client)
     return result if isinstance(result, int) else EXIT_OK
@@ -247,6 +250,8 @@ def _report(exc: RenQueueError, *, client: bool) -> int:
     print(f"renqueue: {exc}", file=sys.stderr)
     if isinstance(exc, NoSuchRequest):
         return EXIT_UNSUCCESSFUL
+    if isinstance(exc, Interrupted):
+        return EXIT_INTERRUPTED
     if isinstance(exc, WaitTimeout):
         return EXIT_WAIT_TIMEOUT
     if client and isinstance(exc, ConnectionFailedError):

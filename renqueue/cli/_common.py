@@ -32,6 +32,8 @@ _T = TypeVar("_T")
 EXIT_OK, EXIT_ERROR, EXIT_UNSUCCESSFUL, EXIT_WAIT_TIMEOUT = 0, 2, 3, 4
 #: Also 4: NATS cannot be reached (or was lost) within the command's bound.
 EXIT_UNREACHABLE = 4
+#: Ctrl-C (SIGINT), as a shell reports a process it ended (128 + 2).
+EXIT_INTERRUPTED = 130
 #: stdout's reader went away (a closed pipe): as a process SIGPIPE ended (128 + 13).
 EXIT_PIPE_CLOSED = 141
 #: ``replay --verify``: the live projection differs from the log's.
@@ -48,6 +50,10 @@ class WaitTimeout(RenQueueError):
 
 class Unreachable(ConnectionFailedError):
     """NATS could not be reached, or the connection was lost, within ``--wait`` (exit 4)."""
+
+
+class Interrupted(RenQueueError):
+    """Ctrl-C (SIGINT): the command stopped where it was (exit 130)."""
 
 
 class NoSuchRequest(RenQueueError):

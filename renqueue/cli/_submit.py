@@ -21,7 +21,15 @@ from ..errors import (
     RequestFailedError,
 )
 from ._app import cli, command, globals_of, setup
-from ._common import NoSuchRequest, Unreachable, WaitTimeout, client_url, close_client, reach
+from ._common import (
+    Interrupted,
+    NoSuchRequest,
+    Unreachable,
+    WaitTimeout,
+    client_url,
+    close_client,
+    reach,
+)
 
 
 def _param(text: str) -> tuple[str, Any]:
@@ -110,7 +118,16 @@ def submit(ctx: click.Context, /, **options: Any) -> None:
     }
     progress: dict[str, Any] = {}
     run = _submit(config, options, request, progress)
-    asyncio.run(_bounded(run, options["wait"], progress))
+    try:
+        asyncio.run(_bounded(run, options["wait"], progress))
+    except KeyboardInterrupt:
+        request_id = progress.get("id")
+        if request_id is None:
+            raise Interrupted("interrupted before the request was submitted") from None
+        raise Interrupted(
+            f"interrupted; request {request_id} goes on (follow it with "
+            f"`renqueue audit {request_id}`, or `renqueue cancel {request_id}`)"
+        ) from None
 
 
 def _messages(options: dict[str, Any]) -> str | list[dict[str, Any]]:
