@@ -381,7 +381,10 @@ async def test_up_mocks_on_a_busy_port_says_so_in_one_line(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     "command",
-    [["status"], ["audit", "x"], ["cancel", "x"], ["dlq", "list"], ["replay"], ["ab", "status"]],
+    [
+        *(["status"], ["audit", "x"], ["cancel", "x"], ["dlq", "list"], ["replay"]),
+        *(["ab", "status"], ["submit", "hi", "--route", "chat"]),
+    ],
     ids=" ".join,
 )
 async def test_a_client_command_that_cannot_reach_nats_exits_4_in_one_line(
@@ -394,7 +397,11 @@ async def test_a_client_command_that_cannot_reach_nats_exits_4_in_one_line(
     assert code == 4, err
     assert out == ""
     [line] = err.strip().splitlines()
-    assert "cannot connect to NATS at nats://127.0.0.1:1" in line
+    # Refused is an answer: said at once (not after the 5 s connect bound), with what to do.
+    assert line == (
+        "renqueue: cannot reach NATS at nats://127.0.0.1:1 (connection refused): "
+        "is `renqueue up` running?"
+    )
 
 
 async def test_init_into_a_missing_directory_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -186,22 +186,28 @@ def fitted(
     numbers, the first column and those ``keep`` says whole (a name longer
     than 32 folds); the other text columns wrap, the last taking what is left."""
     count = len(titles)
-    natural = [max([len(titles[n]), *(len(row[n]) for row in rows)]) for n in range(count)]
+    natural = [
+        max([len(titles[n]), *(len(line) for row in rows for line in row[n].split("\n"))])
+        for n in range(count)
+    ]
     whole = [
         n == 0 or (n < len(numeric) and numeric[n]) or (n < len(keep) and keep[n])
         for n in range(count)
     ]
     widths = [min(natural[n], 32) if whole[n] else natural[n] for n in range(count)]
     left = width - (count - 1) - sum(w for w, fixed in zip(widths, whole, strict=True) if fixed)
-    # The last column (the reason, the details) is the one to read: the other
-    # text columns take what they need up to 16 (each at least 8), it the rest.
-    flexible = sorted((n for n in range(count - 1) if not whole[n]), key=natural.__getitem__)
-    for index, n in enumerate(flexible):
-        share = left // (len(flexible) - index + 1)
-        widths[n] = max(8, min(natural[n], 16, share))
+    # The last column (the reason, the details) is the one to read: it gets
+    # what it holds, or at least 24, and the other text columns what is left
+    # (each at least 8, a short one what it needs, the long ones the rest).
+    last = count - 1
+    others = sorted((n for n in range(last) if not whole[n]), key=natural.__getitem__)
+    if not whole[last]:
+        left -= min(natural[last], 24)
+    for index, n in enumerate(others):
+        widths[n] = max(8, min(natural[n], left // (len(others) - index)))
         left -= widths[n]
-    if not whole[count - 1]:
-        widths[count - 1] = max(8, min(natural[count - 1], left))
+    if not whole[last]:
+        widths[last] = max(8, min(natural[last], left + min(natural[last], 24)))
     return widths
 
 

@@ -252,7 +252,7 @@ async def _dlq_list(
     if not listing.entries:
         out.line(summary)
         return EXIT_OK
-    titles = ("seq", "stored", "stage", "tenant", "request", "requeued", "reason")
+    titles = ("seq", "stored", "stage", "tenant", "request", "reason")
     rows = [
         (
             str(e.seq),
@@ -260,8 +260,8 @@ async def _dlq_list(
             _whole(e.stage, 16),
             _whole(e.tenant, 64),
             _whole(e.request_id, 256),
-            "-" if e.requeued is None else _whole(e.requeued.new_id, 256),
-            out.clean(_whole(e.reason)),
+            out.clean(_whole(e.reason))
+            + ("" if e.requeued is None else f"\nrequeued as {_whole(e.requeued.new_id, 256)}"),
         )
         for e in listing.entries
     ]
