@@ -349,9 +349,16 @@ def test_the_documented_exit_codes_are_the_codes() -> None:
     assert "usage or config" in table["2"]
     assert cli.EXIT_UNSUCCESSFUL == 3
     assert "failed" in table["3"]
+    assert "no such request" in table["3"]
     assert cli.EXIT_UNREACHABLE == cli.EXIT_WAIT_TIMEOUT == 4
     assert "NATS could not be reached" in table["4"]
     assert "--wait" in table["4"]
+    besides = CLI_DOC.read_text().split("Besides these:")[1]
+    assert cli.EXIT_INTERRUPTED == 130
+    assert "Ctrl-C exits 130" in besides
+    assert cli.EXIT_PIPE_CLOSED == 141
+    assert "closed pipe" in besides
+    assert "with 141" in besides
 
 
 def test_the_commands_docs_cli_shows_are_the_ones_the_quickstart_test_runs() -> None:
