@@ -224,14 +224,12 @@ def text(value: str) -> Text:
     return Text(value)
 
 
-def local_time(at: float, *, date: bool = False, zone: bool = True) -> str:
+def local_time(at: float, *, date: bool = False) -> str:
     """``at`` (Unix seconds) in the local time zone, to the millisecond; with
-    ``date``, the day first and (``zone``) the zone's name after."""
+    ``date``, the day first and the zone's name after."""
     when = datetime.datetime.fromtimestamp(at).astimezone()
     clock = when.strftime("%H:%M:%S.") + f"{when.microsecond // 1000:03d}"
-    if not date:
-        return clock
-    return f"{when:%Y-%m-%d} {clock}" + (f" {when:%Z}" if zone else "")
+    return f"{when:%Y-%m-%d} {clock} {when:%Z}" if date else clock
 
 
 def rounded(value: Any, *, limit: int = 80) -> str:

@@ -1,8 +1,9 @@
 """What ``renqueue status`` shows: each backend, priority level and tenant, now.
 
 :func:`read_status` reads it all into one :class:`StatusReport` (the JSON of
-``renqueue status --json``); :func:`render_status` turns a report into the
-lines of text the command prints, with no I/O of its own.
+``renqueue status --json``); :func:`status_sections` turns a report into the
+sections a person reads (the command draws them as tables, :func:`render_status`
+as aligned text lines), with no I/O of its own.
 
 Where each figure comes from:
 
