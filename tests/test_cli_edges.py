@@ -19,7 +19,8 @@ from test_cli import renqueue_up, run, write_config
 
 from renqueue import Client
 from renqueue.broker import EmbeddedServer, EventLog, connect
-from renqueue.errors import RequestRejectedError
+from renqueue.broker._connection import _refused as refused
+from renqueue.errors import ConnectionFailedError, RequestRejectedError
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import MAX_TEXT
 
@@ -278,3 +279,19 @@ async def test_ctrl_c_ends_a_waiting_submit_promptly_while_nats_hangs(tmp_path: 
     assert len(lines) == 1, lines
     assert "Traceback" not in rest.decode()
     assert "interrupted" in lines[0]
+
+
+async def test_a_refused_connection_is_final_for_a_command_not_for_a_service() -> None:
+    """Nothing listens: a command (refused_is_final) says so at once, naming
+    the refusal; a service keeps trying for its connect bound (NATS may be
+    starting beside it), then names the last error."""
+    with pytest.raises(ConnectionFailedError, match=r"\(connection refused\): is `renqueue up`"):
+        await connect("nats://127.0.0.1:1", name="test", refused_is_final=True)
+    with pytest.raises(ConnectionFailedError, match=r"within 0\.5s: ConnectionRefusedError"):
+        await connect("nats://127.0.0.1:1", name="test", timeout=0.5)
+    # A name with an IPv6 and an IPv4 address fails with asyncio's "Multiple
+    # exceptions": refused only when every one of them was.
+    both = "[Errno 111] Connect call failed ('::1', 1, 0, 0), [Errno 111] Connect call failed"
+    assert refused(OSError(f"Multiple exceptions: {both} ('127.0.0.1', 1)"))
+    assert not refused(OSError("Multiple exceptions: [Errno 111] a, [Errno 101] b"))
+    assert not refused(TimeoutError())

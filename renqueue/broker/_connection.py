@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import math
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Final
@@ -107,7 +109,7 @@ async def connect(
 
     async def on_error(exc: Exception) -> None:
         last_error[:] = [exc]
-        if isinstance(exc, ConnectionRefusedError) and not client.is_connected:
+        if _refused(exc) and not client.is_connected:
             refused.add(str(exc))  # names the address: one per server refused
             if len(refused) >= len(servers):
                 all_refused.set()
@@ -165,6 +167,19 @@ async def connect(
         ) from exc
     bound.info("nats connected", server=client.connected_server)
     return client
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc`` says nothing listens at the address: a refused
+    connection, or (a name with several addresses, IPv6 and IPv4) asyncio's
+    ``Multiple exceptions`` of which every one was refused."""
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    text = str(exc)
+    if type(exc) is not OSError or not text.startswith("Multiple exceptions:"):
+        return False
+    codes = re.findall(r"\[Errno (\d+)\]", text)
+    return bool(codes) and all(int(code) == errno.ECONNREFUSED for code in codes)
 
 
 async def _open_unless_refused(
