@@ -15,6 +15,7 @@ from ..config import Config
 from ..errors import NatsClosedError
 from ._app import cli, command, globals_of, setup
 from ._common import (
+    EXIT_INTERRUPTED,
     INTERVAL,
     MIN_INTERVAL,
     close,
@@ -52,7 +53,13 @@ def status(ctx: click.Context, watch: bool, interval: float) -> None:
     report as one JSON document (one per line with --watch)."""
     config = setup(ctx)
     run = _status(config, watch=watch, interval=interval, as_json=globals_of(ctx).json)
-    asyncio.run(guarded("status", run))
+    try:
+        asyncio.run(guarded("status", run))
+    except KeyboardInterrupt:
+        if not watch:
+            raise
+        # Ctrl-C is how a watch ends: 130 as for any Ctrl-C, without a word.
+        raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
 
 
 async def _status(config: Config, *, watch: bool, interval: float, as_json: bool) -> None:
