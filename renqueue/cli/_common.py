@@ -157,6 +157,17 @@ def console(*, width: int | None = None) -> Console:
     )
 
 
+def emit(*renderables: Any, indent: int = 0) -> None:
+    """Print Rich renderables on stdout (:func:`console`), each line without
+    the spaces Rich pads it with, ``indent`` spaces in."""
+    out = console()
+    with out.capture() as captured:
+        for renderable in renderables:
+            out.print(indented(renderable, indent) if indent else renderable)
+    for line in captured.get().splitlines():
+        print(line.rstrip())
+
+
 def table(*columns: Column | str, title: str | None = None) -> Table:
     """A table for a person: no box, a header, a space between columns."""
     from rich.table import Table

@@ -25,9 +25,9 @@ from ._common import (
     PointInTime,
     close,
     console,
+    emit,
     fitted,
     guarded,
-    indented,
     local_time,
     reach,
     table,
@@ -303,10 +303,7 @@ def _print_table(
     grid.show_header = header
     for row in rows:
         grid.add_row(*(text(cell) for cell in row))
-    with shown.capture() as captured:
-        shown.print(indented(grid, indent) if indent else grid)
-    for line in captured.get().splitlines():
-        print(line.rstrip())
+    emit(grid, indent=indent)
 
 
 async def _dlq_show(dead: DeadLetters, seqs: Sequence[int], out: Output, *, as_json: bool) -> int:

@@ -20,6 +20,7 @@ from ._common import (
     MIN_INTERVAL,
     close,
     console,
+    emit,
     fitted,
     guarded,
     indented,
@@ -102,9 +103,7 @@ def _show(report: StatusReport, *, as_json: bool, clear: bool) -> None:
         return
     if clear:
         print("\x1b[H\x1b[2J", end="")  # cursor home, clear the screen
-    out = console()
-    for renderable in status_tables(report, out.width):
-        out.print(renderable)
+    emit(*status_tables(report, console().width))
 
 
 def status_tables(report: StatusReport, width: int) -> list[Any]:
