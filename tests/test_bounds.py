@@ -31,7 +31,7 @@ from renqueue.broker import (
     translate,
 )
 from renqueue.config import LEASE_BYTES, STORE_SHARES, Config
-from renqueue.coordination import read_status, render_status
+from renqueue.coordination import NEAR_LIMIT, read_status, render_status
 from renqueue.coordination._cancellation import cancel_of
 from renqueue.errors import ConfigError, OutOfRangeError, StoreFullError
 from renqueue.gateway import ApiError, Gateway, digest
@@ -492,7 +492,7 @@ async def test_status_shows_each_store_against_its_limit_and_warns_near_it(
     report = await read_status(js, config)
     assert report.near_limit == ()
     assert {s.name for s in report.stores} == set(STORES)
-    assert not any("near limit" in line for line in render_status(report))
+    assert NEAR_LIMIT not in render_status(report)
     assert await publish_until_full(js, TENANT, count=28) == 28  # 28 KB of the 32: past 80 %
     report = await read_status(js, config)
     assert report.near_limit == (REQUESTS_STREAM,)
@@ -502,5 +502,7 @@ async def test_status_shows_each_store_against_its_limit_and_warns_near_it(
     assert report.store_used >= requests.bytes
     assert report.store_limit == config.nats.store_bytes
     lines = render_status(report)
-    assert any(line.startswith("  near limit: RQ_REQUESTS is ") for line in lines), lines
+    near = lines[lines.index(NEAR_LIMIT) + 1 :]
+    assert near[0].startswith("  RQ_REQUESTS: "), lines
+    assert near[0].endswith("full (over 80%)"), lines
     assert msgspec.json.decode(msgspec.json.encode(report))["near_limit"] == [REQUESTS_STREAM]

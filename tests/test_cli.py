@@ -131,7 +131,7 @@ async def test_up_submit_audit_and_example_as_a_user_would(tmp_path: Path) -> No
             assert "Traceback" not in err
 
             code, out, _ = await run("-m", "renqueue", "-c", str(config), "audit", "nope")
-            assert code == 2
+            assert code == 3
             code, out, err = await run_example(url)
             assert code == 0, err
             assert "-- mock:" in out
@@ -155,7 +155,7 @@ async def test_exit_codes_and_scaling_out_without_a_url(tmp_path: Path) -> None:
             assert "has not ended after 0.2 s" in err
             assert "Traceback" not in err
             code, _out, err = await run(*base, "cancel", "never-submitted")
-            assert code == 2, err
+            assert code == 3, err
             assert "no request never-submitted is known" in err
             code, out, err = await run(
                 *base, "submit", "y", "--route", "chat", "--id", "to-cancel", "--wait", "0.1"

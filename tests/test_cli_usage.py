@@ -349,9 +349,16 @@ def test_the_documented_exit_codes_are_the_codes() -> None:
     assert "usage or config" in table["2"]
     assert cli.EXIT_UNSUCCESSFUL == 3
     assert "failed" in table["3"]
+    assert "no such request" in table["3"]
     assert cli.EXIT_UNREACHABLE == cli.EXIT_WAIT_TIMEOUT == 4
     assert "NATS could not be reached" in table["4"]
     assert "--wait" in table["4"]
+    besides = CLI_DOC.read_text().split("Besides these:")[1]
+    assert cli.EXIT_INTERRUPTED == 130
+    assert "Ctrl-C exits 130" in besides
+    assert cli.EXIT_PIPE_CLOSED == 141
+    assert "closed pipe" in besides
+    assert "with 141" in besides
 
 
 def test_the_commands_docs_cli_shows_are_the_ones_the_quickstart_test_runs() -> None:
@@ -381,7 +388,10 @@ async def test_up_mocks_on_a_busy_port_says_so_in_one_line(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     "command",
-    [["status"], ["audit", "x"], ["cancel", "x"], ["dlq", "list"], ["replay"], ["ab", "status"]],
+    [
+        *(["status"], ["audit", "x"], ["cancel", "x"], ["dlq", "list"], ["replay"]),
+        *(["ab", "status"], ["submit", "hi", "--route", "chat"]),
+    ],
     ids=" ".join,
 )
 async def test_a_client_command_that_cannot_reach_nats_exits_4_in_one_line(
@@ -394,7 +404,11 @@ async def test_a_client_command_that_cannot_reach_nats_exits_4_in_one_line(
     assert code == 4, err
     assert out == ""
     [line] = err.strip().splitlines()
-    assert "cannot connect to NATS at nats://127.0.0.1:1" in line
+    # Refused is an answer: said at once (not after the 5 s connect bound), with what to do.
+    assert line == (
+        "renqueue: cannot reach NATS at nats://127.0.0.1:1 (connection refused): "
+        "is `renqueue up` running?"
+    )
 
 
 async def test_init_into_a_missing_directory_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -86,7 +86,7 @@ async def test_status_and_exporter_show_a_keyless_backend_out_of_service(
     local_row = next(row for row in rows if row.split()[0] == "local")
     assert cloud_row.split()[1:4] == ["out:", "no", "API"]
     assert "closed" not in cloud_row
-    assert local_row.split()[1] == "closed"
+    assert local_row.split()[1] == "ok"
     assert f"  cloud: no API key: environment variable {KEY} is not set" in text
 
     # The exporter agrees, from the status alone (no `out` passed to it).

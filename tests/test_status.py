@@ -283,17 +283,21 @@ def test_render_status_lines() -> None:
     assert section(text, "Backends") == backends[1:]
     assert backends[0].split() == [
         *("backend", "health", "in", "flight", "waiting", "running", "slots", "done", "failed"),
-        *("429s", "spend", "$", "held"),
+        *("429s", "spend", "$"),
     ]
     assert backends[1].split() == [
-        *("groq", "closed", "2", "3", "2", "4", "120", "4", "3", "0.000000", "rate", "limited"),
-        *("by", "the", "provider,", "retry", "in", "12", "s"),
+        *("groq", "ok", "2", "3", "2", "4", "120", "4", "3", "0.000000"),
     ]
     assert backends[2].split() == [
-        *("local", "open", "(3)", "1", "-", "-", "16", "7", "3", "0", "0.125000", "-"),
+        *("local", "open", "(3)", "1", "-", "-", "16", "7", "3", "0", "0.125000"),
     ]
+    # Why the binder passes a backend over: a section of its own, in words.
+    assert (
+        "Held back (why the binder would pass it over for the smallest request now)\n"
+        "  groq: rate limited by the provider, retry in 12 s\n"
+    ) in text
     # every row of a table starts its columns at the same place
-    assert backends[1].index("closed") == backends[2].index("open") == backends[0].index("health")
+    assert backends[1].index("ok ") == backends[2].index("open") == backends[0].index("health")
     assert (
         "Paused by the provider\n"
         "  groq: 429 from the provider: no call until 2026-05-28T20:27:12+00:00 (in 12 s)\n"
@@ -486,7 +490,7 @@ async def test_status_reports_a_live_workload(
     assert (tenants["t1"]["submitted"], tenants["t1"]["terminal"]) == (2, {"completed": 2})
 
     rows = {line.split()[0]: line.split() for line in section(text, "Backends")}
-    assert rows["slow"][1:6] == ["closed", "1", "0", "1", "1"]
+    assert rows["slow"][1:6] == ["ok", "1", "0", "1", "1"]
     rows = {line.split()[0]: line.split() for line in section(text, "Priority levels")}
     assert rows["low"][1] == "2"
     # An exhausted quota is named as one, not as a rate limit.

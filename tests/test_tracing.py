@@ -10,6 +10,7 @@ its trace. Real Services, a real nats-server and mock backends on loopback.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import subprocess
 import sys
@@ -165,8 +166,12 @@ async def test_a_traceparent_given_to_the_gateway_reaches_the_backend_and_the_au
     monkeypatch.setenv("RENQUEUE_CONFIG", "")
     assert stack.services.url is not None
     assert await asyncio.to_thread(audit, stack.services.url, request_id) == 0
-    [line] = [line for line in capsys.readouterr().out.splitlines() if " submitted " in line]
-    assert f"trace={TRACE_ID}" in line
+    lines = capsys.readouterr().out.splitlines()
+    [first] = [n for n, line in enumerate(lines) if " submitted " in line]
+    # The event's row, and the lines its details wrap onto (they start blank).
+    wrapped = itertools.takewhile(lambda line: line.startswith(" "), lines[first + 1 :])
+    row = [lines[first], *wrapped]
+    assert f"trace={TRACE_ID}" in " ".join(row)
 
 
 async def test_a_malformed_traceparent_at_the_gateway_is_replaced_not_forwarded(

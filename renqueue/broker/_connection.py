@@ -9,14 +9,18 @@ quickly, and pings often enough to notice a dead peer within seconds.
 Reconnecting forever has a catch at the *first* connect: nats-py then retries
 an unreachable server forever too. :func:`connect` bounds the first attempt
 with ``timeout`` and raises :class:`ConnectionFailedError` naming the last
-error, so a wrong URL fails clearly instead of hanging.
+error, so a wrong URL fails clearly instead of hanging. A command line
+(``refused_is_final``) does not wait even that long for a port nothing listens
+on: a refused connection is an answer, and it fails at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import math
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Final
@@ -79,6 +83,7 @@ async def connect(
     config: NatsConfig | None = None,
     timeout: float = 5.0,  # noqa: ASYNC109 - bounds only the first connect, not the client's life
     inbox_prefix: str | None = None,
+    refused_is_final: bool = False,
 ) -> Connection:
     """Connect to ``url`` (comma-separated for a cluster) as connection ``name``.
 
@@ -88,16 +93,26 @@ async def connect(
     subscriptions per user, otherwise JetStream acks are denied (see
     ``nats/auth.conf``). Credentials go in the URL (``nats://user:pass@host``)
     or in ``config.credentials_file``.
-    Raises :class:`ConnectionFailedError` when no server answers in time.
+    Raises :class:`ConnectionFailedError` when no server answers in time, or
+    (``refused_is_final``: a command a person waits on) at once when every
+    server of ``url`` refused the connection: nothing listens on the port
+    (a service keeps trying for ``timeout``, as NATS may be starting beside it).
     """
     nats_config = config if config is not None else NatsConfig()
     shown = redact_url(url)
     bound = log.bind(nats_name=name, url=shown)
     last_error: list[BaseException] = []
     client = Connection()
+    servers = [one.strip() for one in url.split(",") if one.strip()]
+    refused: set[str] = set()
+    all_refused = asyncio.Event()
 
     async def on_error(exc: Exception) -> None:
         last_error[:] = [exc]
+        if _refused(exc) and not client.is_connected:
+            refused.add(str(exc))  # names the address: one per server refused
+            if len(refused) >= len(servers):
+                all_refused.set()
         bound.warning("nats error", error=_describe(exc))
 
     async def on_disconnect() -> None:
@@ -120,7 +135,7 @@ async def connect(
             bound.info("nats connection closed")
 
     options: dict[str, Any] = {
-        "servers": [one.strip() for one in url.split(",") if one.strip()],
+        "servers": servers,
         "name": name,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": RECONNECT_TIME_WAIT,
@@ -139,14 +154,58 @@ async def connect(
         options["inbox_prefix"] = inbox_prefix
 
     try:
-        await client.open(timeout, **options)
+        if refused_is_final:
+            await _open_unless_refused(client, timeout, options, all_refused, shown)
+        else:
+            await client.open(timeout, **options)
     except ConnectionFailedError as exc:
+        if refused_is_final and all_refused.is_set():
+            raise
         cause = last_error[0] if last_error else (exc.__cause__ or exc)
         raise ConnectionFailedError(
             f"cannot connect to NATS at {shown} within {timeout:g}s: {_describe(cause)}"
         ) from exc
     bound.info("nats connected", server=client.connected_server)
     return client
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc`` says nothing listens at the address: a refused
+    connection, or (a name with several addresses, IPv6 and IPv4) asyncio's
+    ``Multiple exceptions`` of which every one was refused."""
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    text = str(exc)
+    if type(exc) is not OSError or not text.startswith("Multiple exceptions:"):
+        return False
+    codes = re.findall(r"\[Errno (\d+)\]", text)
+    return bool(codes) and all(int(code) == errno.ECONNREFUSED for code in codes)
+
+
+async def _open_unless_refused(
+    client: Connection,
+    timeout: float,  # noqa: ASYNC109 - bounds the first connect, as connect's own
+    options: dict[str, Any],
+    all_refused: asyncio.Event,
+    shown: str,
+) -> None:
+    """``client.open``, given up as soon as every server has refused (``all_refused``)."""
+    opening = asyncio.ensure_future(client.open(timeout, **options))
+    refusal = asyncio.ensure_future(all_refused.wait())
+    try:
+        await asyncio.wait({opening, refusal}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        refusal.cancel()
+        if not opening.done():
+            opening.cancel()  # open() closes its half-open client when cancelled
+            with contextlib.suppress(asyncio.CancelledError, ConnectionFailedError):
+                await opening
+    if not opening.cancelled():
+        opening.result()
+        return
+    raise ConnectionFailedError(
+        f"cannot reach NATS at {shown} (connection refused): is `renqueue up` running?"
+    )
 
 
 def _describe(exc: BaseException) -> str:

@@ -114,6 +114,7 @@ __all__ = [
     "RequeueMark",
     "Requeued",
     "describe_event",
+    "entry_fields",
     "entry_json",
     "printable",
     "render_entry",
@@ -838,16 +839,23 @@ def _requeued_text(entry: DeadLetter) -> str:
     return printable(f"as {mark.new_id} at {clock(mark.at)} ({deadline})")
 
 
+def entry_fields(entry: DeadLetter) -> list[tuple[str, str]]:
+    """An entry's fields for a person, escaped, in the order ``show`` gives them."""
+    return [
+        ("tenant", printable(entry.tenant)),
+        ("request", printable(entry.request_id)),
+        ("reason", printable(entry.reason)),
+        ("from", printable(entry.source_subject)),
+        ("requeued", _requeued_text(entry)),
+        ("payload", _describe_payload(entry)),
+    ]
+
+
 def render_entry(entry: DeadLetter, history: Sequence[Event]) -> list[str]:
     """``show``: one entry, its reason, headers and payload, and the request's history."""
     lines = [
         f"dead letter {entry.seq} on {printable(entry.subject)}, stored {clock(entry.time)}",
-        f"  tenant     {printable(entry.tenant)}",
-        f"  request    {printable(entry.request_id)}",
-        f"  reason     {printable(entry.reason)}",
-        f"  from       {printable(entry.source_subject)}",
-        f"  requeued   {_requeued_text(entry)}",
-        f"  payload    {_describe_payload(entry)}",
+        *(f"  {key:<10} {value}" for key, value in entry_fields(entry)),
         "  headers",
     ]
     lines += [f"    {printable(k)}: {printable(v)}" for k, v in sorted(entry.headers.items())]

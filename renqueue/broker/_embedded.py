@@ -303,6 +303,14 @@ class EmbeddedServer(Starting):
             monitoring=self._monitoring_url,
         )
 
+    async def exited(self) -> int:
+        """Wait until the server process ends, for whatever reason (killed,
+        crashed, or stopped by :meth:`close`); its exit status (negative: the
+        signal that ended it)."""
+        if self._process is None:
+            raise EmbeddedServerError("embedded nats-server was never started")
+        return await self._process.wait()
+
     async def close(self) -> None:
         """Stop the server: SIGTERM, wait ``stop_timeout``, then SIGKILL. Idempotent.
 

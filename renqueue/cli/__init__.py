@@ -31,10 +31,11 @@ tables and timelines (``audit``, ``dlq show``).
     renqueue demo               everything embedded, a mixed workload, a summary
 
 Exit codes (docs/cli.md): 0 done; 2 usage or config error (an unknown route
-or level, a bad option, no such request); 3 the request failed, expired, was
-cancelled or rejected (``cancel``: it had already ended otherwise); 4 NATS
-unreachable or lost, or ``--wait`` ran out. ``replay --verify`` exits 1 when
-the projections differ, ``dlq`` 1 when some entries failed.
+or level, a bad option, a prompt over the limit); 3 the request failed,
+expired, was cancelled or rejected (``cancel``: it had already ended
+otherwise), or no such request (``cancel``, ``audit``); 4 NATS unreachable or
+lost, or ``--wait`` ran out. ``replay --verify`` exits 1 when the projections
+differ, ``dlq`` 1 when some entries failed; Ctrl-C 130; a closed stdout 141.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ from __future__ import annotations
 from ._app import main
 from ._common import (
     EXIT_ERROR,
+    EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_PIPE_CLOSED,
     EXIT_UNREACHABLE,
     EXIT_UNSUCCESSFUL,
     EXIT_WAIT_TIMEOUT,
@@ -50,7 +53,9 @@ from ._common import (
 
 __all__ = [
     "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "EXIT_PIPE_CLOSED",
     "EXIT_UNREACHABLE",
     "EXIT_UNSUCCESSFUL",
     "EXIT_WAIT_TIMEOUT",

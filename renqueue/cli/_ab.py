@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
-from typing import Any
+import dataclasses
+from typing import Any, Literal
 
 import click
 import msgspec
 
 from ..config import Config
 from ._app import CONTEXT, cli, command, global_options, globals_of, setup
-from ._common import client_url, close, guarded
+from ._common import close, guarded, reach
 
 
 @cli.group(
@@ -32,10 +32,8 @@ def _who(f: Any) -> Any:
     return click.option("--reason", default="", help="Why (kept in the event).")(f)
 
 
-def _run(ctx: click.Context, command_name: str, **options: Any) -> None:
-    config = setup(ctx)
-    args = SimpleNamespace(json=globals_of(ctx).json, ab_command=command_name, **options)
-    asyncio.run(guarded("ab", _ab(config, args)))
+def _json(ctx: click.Context) -> bool:
+    return globals_of(ctx).json
 
 
 @command(ab, "status", short_help="Each split's state and per-arm figures.",
@@ -44,7 +42,8 @@ def _run(ctx: click.Context, command_name: str, **options: Any) -> None:
 @click.pass_context
 def status(ctx: click.Context, route: str | None) -> None:
     """Each split (or ROUTE's): its state and each arm's figures."""
-    _run(ctx, "status", route=route)
+    config = setup(ctx)
+    asyncio.run(guarded("ab", _status(config, route, as_json=_json(ctx))))
 
 
 @command(ab, "promote", short_help="Send all of a split's traffic to one arm.",
@@ -53,9 +52,9 @@ def status(ctx: click.Context, route: str | None) -> None:
 @click.argument("arm")
 @_who
 @click.pass_context
-def promote(ctx: click.Context, /, **options: Any) -> None:
+def promote(ctx: click.Context, route: str, arm: str, by: str | None, reason: str) -> None:
     """Send all of ROUTE's traffic to ARM."""
-    _run(ctx, "promote", **options)
+    _move(ctx, _Move(route=route, action="promote", arm=arm, by=by, reason=reason))
 
 
 @command(ab, "rollback", short_help="Send all of a split's traffic to its control.",
@@ -63,9 +62,9 @@ def promote(ctx: click.Context, /, **options: Any) -> None:
 @click.argument("route")
 @_who
 @click.pass_context
-def rollback(ctx: click.Context, /, **options: Any) -> None:
+def rollback(ctx: click.Context, route: str, by: str | None, reason: str) -> None:
     """Send all of ROUTE's traffic to its control arm."""
-    _run(ctx, "rollback", **options)
+    _move(ctx, _Move(route=route, action="rollback", arm=None, by=by, reason=reason))
 
 
 @command(ab, "resume", short_help="Split a rolled-back or promoted split by weight again.",
@@ -73,42 +72,65 @@ def rollback(ctx: click.Context, /, **options: Any) -> None:
 @click.argument("route")
 @_who
 @click.pass_context
-def resume(ctx: click.Context, /, **options: Any) -> None:
+def resume(ctx: click.Context, route: str, by: str | None, reason: str) -> None:
     """Split ROUTE's traffic by its arms' weights again."""
-    _run(ctx, "resume", **options)
+    _move(ctx, _Move(route=route, action="resume", arm=None, by=by, reason=reason))
 
 
-async def _ab(config: Config, args: Any) -> None:
-    """``renqueue ab status|promote|rollback|resume`` (see :mod:`renqueue.coordination`)."""
-    from ..broker import connect
-    from ..coordination import move_split, planned_move, read_splits, render_splits
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Move:
+    """An operator's move of a split's traffic, as asked on the command line."""
 
-    if args.ab_command != "status":  # a move the config cannot make fails before connecting
-        planned_move(config, args.route, args.ab_command, getattr(args, "arm", None))
-    nc = await connect(client_url(config), name="renqueue-ab", config=config.nats)
+    route: str
+    action: Literal["promote", "rollback", "resume"]
+    arm: str | None
+    by: str | None
+    reason: str
+
+
+async def _status(config: Config, route: str | None, *, as_json: bool) -> None:
+    """``renqueue ab status`` (see :mod:`renqueue.coordination`)."""
+    from ..coordination import read_splits, render_splits
+
+    nc = await reach(config, "renqueue-ab")
     try:
-        js = nc.jetstream()
-        if args.ab_command == "status":
-            reports = await read_splits(js, config, args.route)
-            if args.json:
-                print(msgspec.json.encode(reports).decode())
-            else:
-                print("\n".join(render_splits(reports)))
-            return
+        reports = await read_splits(nc.jetstream(), config, route)
+    finally:
+        await close(nc)
+    if as_json:
+        print(msgspec.json.encode(reports).decode())
+    else:
+        print("\n".join(render_splits(reports)))
+
+
+def _move(ctx: click.Context, move: _Move) -> None:
+    from ..coordination import planned_move
+
+    config = setup(ctx)
+    # A move the config cannot make fails before connecting.
+    planned_move(config, move.route, move.action, move.arm)
+    asyncio.run(guarded("ab", _moved(config, move)))
+
+
+async def _moved(config: Config, move: _Move) -> None:
+    """``renqueue ab promote|rollback|resume`` (see :mod:`renqueue.coordination`)."""
+    from ..coordination import move_split
+    from ..text import printable
+
+    nc = await reach(config, "renqueue-ab")
+    try:
         event, shown = await move_split(
-            js,
+            nc.jetstream(),
             config,
-            args.route,
-            args.ab_command,
-            arm=getattr(args, "arm", None),
-            operator=args.by or _operator(),
-            reason=args.reason,
+            move.route,
+            move.action,
+            arm=move.arm,
+            operator=move.by or _operator(),
+            reason=move.reason,
         )
     finally:
         await close(nc)
-    from ..text import printable
-
-    route = printable(args.route)
+    route = printable(move.route)
     if event is None:
         where = "live" if shown is None or shown.state == "live" else shown.state
         arm = "" if shown is None or not shown.arm else f" ({printable(shown.arm)})"

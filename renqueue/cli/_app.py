@@ -15,10 +15,14 @@ from ..errors import ConnectionFailedError, RenQueueError, RequestFailedError
 from ..logs import configure_logging, get_logger
 from ._common import (
     EXIT_ERROR,
+    EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_PIPE_CLOSED,
     EXIT_UNREACHABLE,
     EXIT_UNSUCCESSFUL,
     EXIT_WAIT_TIMEOUT,
+    Interrupted,
+    NoSuchRequest,
     WaitTimeout,
     with_nats,
 )
@@ -174,10 +178,23 @@ def _has_config_file(path: str | None) -> bool:
     return bool(path or os.environ.get("RENQUEUE_CONFIG")) or os.path.exists("renqueue.toml")
 
 
+class _Root(click.Group):
+    """The root group: a closed stdout ends a command quietly (see :func:`_pipe_closed`)
+    before Click's own handling of it (exit 1) can."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            raise click.exceptions.Exit(_pipe_closed()) from None
+
+
 @click.group(
+    cls=_Root,
     context_settings=CONTEXT,
     epilog="Exit codes: 0 done; 2 usage or config error; 3 the request failed or was "
-    "rejected; 4 NATS unreachable, or --wait ran out. docs/cli.md has each command's.",
+    "rejected, or is unknown; 4 NATS unreachable, or --wait ran out; 141 stdout closed. "
+    "docs/cli.md has each command's.",
 )
 @click.version_option(package_name="renqueue", prog_name="renqueue", message="%(prog)s %(version)s")
 @global_options
@@ -197,16 +214,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = Globals()
     try:
         result = cli.main(args=args, prog_name="renqueue", standalone_mode=False, obj=opts)
+        sys.stdout.flush()  # a closed pipe shows here, not as a warning at exit
+    except BrokenPipeError:
+        return _pipe_closed()
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except click.ClickException as exc:
         exc.show()
         return EXIT_ERROR
     except (click.Abort, KeyboardInterrupt):
-        return 130
+        print("renqueue: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except RenQueueError as exc:
         return _report(exc, client=opts.client)
     return result if isinstance(result, int) else EXIT_OK
+
+
+def _pipe_closed() -> int:
+    """The reader of stdout went away (``renqueue status --json | head -c 100``):
+    say nothing, as ``cat`` and ``git`` do, and exit as a process ended by
+    SIGPIPE reports (128 + 13), with stdout pointed at /dev/null so that
+    Python's own flush at exit does not complain (the Python docs' recipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_PIPE_CLOSED
 
 
 def _report(exc: RenQueueError, *, client: bool) -> int:
@@ -216,6 +248,10 @@ def _report(exc: RenQueueError, *, client: bool) -> int:
         print(f"renqueue: {exc} [{exc.error_type}]", file=sys.stderr)
         return EXIT_UNSUCCESSFUL
     print(f"renqueue: {exc}", file=sys.stderr)
+    if isinstance(exc, NoSuchRequest):
+        return EXIT_UNSUCCESSFUL
+    if isinstance(exc, Interrupted):
+        return EXIT_INTERRUPTED
     if isinstance(exc, WaitTimeout):
         return EXIT_WAIT_TIMEOUT
     if client and isinstance(exc, ConnectionFailedError):

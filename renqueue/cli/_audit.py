@@ -5,15 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import click
 import msgspec
 
 from ..config import Config
-from ..errors import RenQueueError
 from ._app import cli, command, globals_of, setup
-from ._common import TABLE_WIDTH, client_url, close, console, local_time, rounded
+from ._common import NoSuchRequest, close, console, fitted, local_time, reach, rounded, table, text
 
 if TYPE_CHECKING:
     from ..schema import Event
@@ -39,15 +38,20 @@ def audit(ctx: click.Context, request_id: str, tenant: str | None) -> None:
 
 
 async def _audit(config: Config, request_id: str, tenant: str | None, *, as_json: bool) -> None:
-    from ..broker import EventLog, connect
+    from ..broker import EventLog
 
-    nc = await connect(client_url(config), name="renqueue-audit", config=config.nats)
+    nc = await reach(config, "renqueue-audit")
     try:
         events = await EventLog(nc.jetstream()).history(tenant or "*", request_id)
     finally:
         await close(nc)
     if not events:
-        raise RenQueueError(f"no events for request {request_id}")
+        whose = "any tenant" if tenant is None else f"tenant {tenant!r}"
+        raise NoSuchRequest(
+            f"no request {request_id} is known for {whose}: no event names it",
+            request_id=request_id,
+            tenant=tenant,
+        )
     if as_json:
         for event in events:
             print(json.dumps(msgspec.to_builtins(event)))
@@ -57,10 +61,13 @@ async def _audit(config: Config, request_id: str, tenant: str | None, *, as_json
     print(timeline(events, header=True))
 
 
-def timeline(events: Sequence[Event], *, header: bool, offsets: bool = True) -> str:
-    """Events as a table, one line each: local time, seconds since the first,
-    the event and its details (cut to the width; ``--json`` has them all)."""
-    from rich.table import Table
+def timeline(
+    events: Sequence[Event], *, header: bool, offsets: bool = True, indent: int = 0
+) -> str:
+    """Events as a table that fits the terminal (less ``indent``): local time,
+    seconds since the first, the event, and its details, which wrap: never
+    cut (a hostile field is shortened past 2,000 characters; ``--json`` has all)."""
+    from rich.table import Column
 
     first = events[0].at
     rows = []
@@ -70,20 +77,21 @@ def timeline(events: Sequence[Event], *, header: bool, offsets: bool = True) -> 
         since = [f"{event.at - first:.3f}"] if offsets else []
         rows.append([local_time(event.at), *since, kind, details(kind, data)])
     titles = ["time", *(["+s"] if offsets else []), "event", "details"]
-    # The short columns keep their width; the details are cut to what is left.
-    widths = [max(len(row[n]) for row in [titles, *rows]) for n in range(len(titles) - 1)]
-    left = max(20, TABLE_WIDTH - 2 * len(widths) - sum(widths) - 2)
-    table = Table(box=None, pad_edge=False, show_edge=False, show_header=header)
-    for title, width in zip(titles, widths, strict=False):
-        justify: Literal["left", "right"] = "right" if title == "+s" else "left"
-        table.add_column(title, no_wrap=True, min_width=width, justify=justify)
-    table.add_column("details", no_wrap=True, overflow="ellipsis", max_width=left)
+    out = console()
+    numeric = [title == "+s" for title in titles]
+    widths = fitted(titles, rows, numeric, out.width - indent, keep=[True] * (len(titles) - 1))
+    grid = table(
+        *(
+            Column(title, justify="right" if right else "left", overflow="fold", width=width)
+            for title, right, width in zip(titles, numeric, widths, strict=True)
+        )
+    )
+    grid.show_header = header
     for row in rows:
-        table.add_row(*row)
-    out = console(width=TABLE_WIDTH)
+        grid.add_row(*(text(cell) for cell in row))
     with out.capture() as captured:
-        out.print(table)
-    return captured.get().rstrip("\n")
+        out.print(grid, width=out.width - indent)
+    return "\n".join(line.rstrip() for line in captured.get().splitlines())
 
 
 def details(kind: str, data: dict[str, Any]) -> str:
@@ -104,5 +112,7 @@ def details(kind: str, data: dict[str, Any]) -> str:
     if kind == "completed" and isinstance(data.get("text"), str):
         data["text"] = shorten(data["text"], 60)
     return "  ".join(
-        f"{key}={rounded(value)}" for key, value in data.items() if value not in (None, "", [], {})
+        f"{key}={rounded(value, limit=2000)}"
+        for key, value in data.items()
+        if value not in (None, "", [], {})
     )

@@ -9,7 +9,7 @@ import datetime
 import json
 import math
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import click
@@ -20,6 +20,8 @@ from ..errors import ConfigError, ConnectionFailedError, RenQueueError
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Column, Table
+    from rich.text import Text
 
     from ..broker import Connection
 
@@ -30,6 +32,10 @@ _T = TypeVar("_T")
 EXIT_OK, EXIT_ERROR, EXIT_UNSUCCESSFUL, EXIT_WAIT_TIMEOUT = 0, 2, 3, 4
 #: Also 4: NATS cannot be reached (or was lost) within the command's bound.
 EXIT_UNREACHABLE = 4
+#: Ctrl-C (SIGINT), as a shell reports a process it ended (128 + 2).
+EXIT_INTERRUPTED = 130
+#: stdout's reader went away (a closed pipe): as a process SIGPIPE ended (128 + 13).
+EXIT_PIPE_CLOSED = 141
 #: ``replay --verify``: the live projection differs from the log's.
 EXIT_DIFFERENT = 1
 #: ``dlq``: some of the entries asked for could not be shown, requeued or purged.
@@ -46,6 +52,20 @@ class Unreachable(ConnectionFailedError):
     """NATS could not be reached, or the connection was lost, within ``--wait`` (exit 4)."""
 
 
+class Interrupted(RenQueueError):
+    """Ctrl-C (SIGINT): the command stopped where it was (exit 130)."""
+
+
+class NoSuchRequest(RenQueueError):
+    """``cancel`` or ``audit`` of an id no ``submitted`` event names for the
+    tenant (exit 3, as a request that did not succeed): nothing is recorded."""
+
+    def __init__(self, message: str, *, request_id: str, tenant: str | None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.tenant = tenant
+
+
 class UnexpectedError(RenQueueError):
     """An error a reading command did not expect, as one line (exit 2)."""
 
@@ -59,7 +79,7 @@ async def guarded(command: str, run: Awaitable[_T]) -> _T:
     """
     try:
         return await run
-    except RenQueueError:
+    except (RenQueueError, BrokenPipeError):
         raise
     except Exception as exc:
         from ..text import printable
@@ -85,6 +105,14 @@ def client_url(config: Config) -> str:
     return url
 
 
+async def reach(config: Config, name: str) -> Connection:
+    """A client command's connection: at once a one-line error (exit 4) when
+    nothing listens at the URL, rather than retrying it for the connect bound."""
+    from ..broker import connect
+
+    return await connect(client_url(config), name=name, config=config.nats, refused_is_final=True)
+
+
 def one_line(exc: BaseException) -> str:
     """An error as one line: its message, or its type when it has none or is not ours."""
     text = " ".join(str(exc).split())
@@ -103,30 +131,121 @@ async def close(nc: Connection) -> None:
                 await nc.close()
 
 
-#: A table's width when the output is not a terminal (a file, a pipe, a test).
+#: A table's width when the output is not a terminal (a file, a pipe, a test)
+#: and ``$COLUMNS`` does not say.
 TABLE_WIDTH = 120
 
 
 def console(*, width: int | None = None) -> Console:
-    """A Rich console on stdout: the terminal's width, or ``width``, or
-    :data:`TABLE_WIDTH` when piped; no colours guessed from the text."""
+    """A Rich console on stdout: ``width``, else ``$COLUMNS``, else the terminal's
+    width, else :data:`TABLE_WIDTH` when piped; no markup or colours guessed
+    from the text (a name in brackets is a name)."""
+    import os
+
     from rich.console import Console
 
-    if width is None and not sys.stdout.isatty():
+    if width is None and not os.environ.get("COLUMNS", "").isdigit() and not sys.stdout.isatty():
         width = TABLE_WIDTH
-    return Console(file=sys.stdout, width=width, highlight=False, soft_wrap=False)
+
+    class PipeAware(Console):
+        def on_broken_pipe(self) -> None:
+            # Rich would exit 1 here; ``main`` ends a closed pipe as it does for print.
+            raise BrokenPipeError
+
+    return PipeAware(
+        file=sys.stdout, width=width, highlight=False, soft_wrap=False, markup=False, emoji=False
+    )
+
+
+def emit(*renderables: Any, indent: int = 0) -> None:
+    """Print Rich renderables on stdout (:func:`console`), each line without
+    the spaces Rich pads it with, ``indent`` spaces in."""
+    out = console()
+    with out.capture() as captured:
+        for renderable in renderables:
+            out.print(indented(renderable, indent) if indent else renderable)
+    for line in captured.get().splitlines():
+        print(line.rstrip())
+
+
+def table(*columns: Column | str, title: str | None = None) -> Table:
+    """A table for a person: no box, a header, a space between columns."""
+    from rich.table import Table
+
+    return Table(
+        *columns,
+        box=None,
+        pad_edge=False,
+        show_edge=False,
+        title=title,
+        title_justify="left",
+        title_style="",
+        header_style="",
+        padding=(0, 1, 0, 0),
+    )
+
+
+def fitted(
+    titles: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    numeric: Sequence[bool],
+    width: int,
+    *,
+    keep: Sequence[bool] = (),
+) -> list[int]:
+    """Column widths for a table ``width`` wide (one space between columns):
+    numbers, the first column and those ``keep`` says whole (a name longer
+    than 32 folds); the other text columns wrap, the last taking what is left."""
+    count = len(titles)
+    natural = [
+        max([len(titles[n]), *(len(line) for row in rows for line in row[n].split("\n"))])
+        for n in range(count)
+    ]
+    whole = [
+        n == 0 or (n < len(numeric) and numeric[n]) or (n < len(keep) and keep[n])
+        for n in range(count)
+    ]
+    widths = [min(natural[n], 32) if whole[n] else natural[n] for n in range(count)]
+    left = width - (count - 1) - sum(w for w, fixed in zip(widths, whole, strict=True) if fixed)
+    # The last column (the reason, the details) is the one to read: it gets
+    # what it holds, or at least 24, and the other text columns what is left
+    # (each at least 8, a short one what it needs, the long ones the rest).
+    last = count - 1
+    others = sorted((n for n in range(last) if not whole[n]), key=natural.__getitem__)
+    if not whole[last]:
+        left -= min(natural[last], 24)
+    for index, n in enumerate(others):
+        widths[n] = max(8, min(natural[n], left // (len(others) - index)))
+        left -= widths[n]
+    if not whole[last]:
+        widths[last] = max(8, min(natural[last], left + min(natural[last], 24)))
+    return widths
+
+
+def indented(renderable: Any, by: int = 2) -> Any:
+    from rich.padding import Padding
+
+    return Padding(renderable, (0, 0, 0, by))
+
+
+def text(value: str) -> Text:
+    """A cell as it is (no markup read in it)."""
+    from rich.text import Text
+
+    return Text(value)
 
 
 def local_time(at: float, *, date: bool = False) -> str:
-    """``at`` (Unix seconds) in the local time zone, to the millisecond."""
+    """``at`` (Unix seconds) in the local time zone, to the millisecond; with
+    ``date``, the day first and the zone's name after."""
     when = datetime.datetime.fromtimestamp(at).astimezone()
-    text = when.strftime("%H:%M:%S.") + f"{when.microsecond // 1000:03d}"
-    return f"{when:%Y-%m-%d} {text} {when:%Z}" if date else text
+    clock = when.strftime("%H:%M:%S.") + f"{when.microsecond // 1000:03d}"
+    return f"{when:%Y-%m-%d} {clock} {when:%Z}" if date else clock
 
 
-def rounded(value: Any) -> str:
+def rounded(value: Any, *, limit: int = 80) -> str:
     """A value for a person: floats rounded, sequences and mappings spelled
-    out without Python's quotes and brackets, long text shortened."""
+    out without Python's quotes and brackets, text past ``limit`` shortened."""
     from ..text import printable, shorten
 
     if isinstance(value, bool):
@@ -134,10 +253,12 @@ def rounded(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3f}".rstrip("0").rstrip(".") if math.isfinite(value) else str(value)
     if isinstance(value, dict):
-        return "; ".join(f"{k}: {rounded(v)}" for k, v in value.items() if v not in (None, "", []))
+        return "; ".join(
+            f"{k}: {rounded(v, limit=limit)}" for k, v in value.items() if v not in (None, "", [])
+        )
     if isinstance(value, list | tuple):
-        return ", ".join(rounded(v) for v in value) or "-"
-    return shorten(printable(str(value)), 80)
+        return ", ".join(rounded(v, limit=limit) for v in value) or "-"
+    return shorten(printable(" ".join(str(value).split())), limit)
 
 
 class Output:

@@ -4,10 +4,10 @@ request's history; requeue it as a new request, or purge it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
-from collections.abc import Callable
-from types import SimpleNamespace
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 import msgspec
@@ -23,10 +23,19 @@ from ._common import (
     NewDeadline,
     Output,
     PointInTime,
-    client_url,
     close,
+    console,
+    emit,
+    fitted,
     guarded,
+    local_time,
+    reach,
+    table,
+    text,
 )
+
+if TYPE_CHECKING:
+    from ..broker import DeadLetterFilter, DeadLetters
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -74,29 +83,66 @@ def _filters(*, limit: int | None) -> Callable[[_F], _F]:
     return add
 
 
-def _run(ctx: click.Context, command_name: str, **options: Any) -> int:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Where:
+    """The filters every ``dlq`` command but ``show`` takes."""
+
+    tenant: str | None = None
+    reason: str | None = None
+    stage: str | None = None
+    request_id: str | None = None
+    since: float | None = None
+    until: float | None = None
+
+    def filter(self) -> DeadLetterFilter:
+        from ..broker import DeadLetterFilter
+
+        return DeadLetterFilter(
+            tenant=self.tenant,
+            reason=self.reason,
+            stage=self.stage,
+            since=self.since,
+            until=self.until,
+            request_id=self.request_id,
+        )
+
+
+def _run(ctx: click.Context, run: Callable[[Config, DeadLetters, Output], Awaitable[int]]) -> int:
+    """Connect, run one ``dlq`` command's body on the dead letters, close."""
     config = setup(ctx)
-    options.setdefault("seq", ())
-    args = SimpleNamespace(json=globals_of(ctx).json, dlq_command=command_name, **options)
-    return asyncio.run(guarded("dlq", _dlq(config, args)))
+
+    async def body() -> int:
+        from ..broker import DeadLetters
+
+        nc = await reach(config, "renqueue-dlq")
+        try:
+            return await run(config, DeadLetters(nc.jetstream()), Output(config))
+        finally:
+            await close(nc)
+
+    return asyncio.run(guarded("dlq", body()))
 
 
 @command(dlq, "list", short_help="Entries, newest last.", epilog="Example: renqueue dlq list")
 @_filters(limit=100)
 @click.pass_context
-def list_(ctx: click.Context, /, **options: Any) -> int:
-    """The entries that match the filters, newest last (--json: one per line)."""
-    return _run(ctx, "list", **options)
+def list_(ctx: click.Context, /, limit: int, **where: Any) -> int:
+    """The entries that match the filters, newest last: a table whose reasons
+    wrap, never cut (--json: one per line)."""
+    as_json = globals_of(ctx).json
+    found = Where(**where).filter()
+    return _run(ctx, lambda _c, dead, out: _dlq_list(dead, found, limit, out, as_json=as_json))
 
 
 @command(dlq, "show", short_help="Entries with headers, payload and history.",
          epilog="Example: renqueue dlq show 12")  # fmt: skip
 @click.argument("seq", type=POSITIVE, nargs=-1, required=True)
 @click.pass_context
-def show(ctx: click.Context, /, **options: Any) -> int:
+def show(ctx: click.Context, seq: tuple[int, ...]) -> int:
     """Each entry SEQ (a stream sequence): why, headers, payload, and the
     request's history as a timeline."""
-    return _run(ctx, "show", **options)
+    as_json = globals_of(ctx).json
+    return _run(ctx, lambda _c, dead, out: _dlq_show(dead, seq, out, as_json=as_json))
 
 
 @command(
@@ -115,11 +161,23 @@ def show(ctx: click.Context, /, **options: Any) -> int:
     help="keep (the original's budget, counted from now), none, or a duration from now (60s).",
 )
 @click.pass_context
-def requeue(ctx: click.Context, /, **options: Any) -> int:
+def requeue(
+    ctx: click.Context,
+    /,
+    seq: tuple[int, ...],
+    limit: int | None,
+    all_: bool,
+    deadline: tuple[bool, float | None],
+    **where: Any,
+) -> int:
     """Submit the entries (by SEQ, or every match of the filters) again as new
     requests, with a fresh attempt budget."""
-    options["all"] = options.pop("all_")
-    return _run(ctx, "requeue", **options)
+    as_json = globals_of(ctx).json
+    pick = _Pick(seq=seq, where=_checked(seq, Where(**where)), limit=limit, all=all_)
+    return _run(
+        ctx,
+        lambda config, dead, out: _dlq_requeue(dead, config, pick, deadline, out, as_json=as_json),
+    )
 
 
 @command(dlq, "purge", short_help="Delete entries (asks first).",
@@ -129,65 +187,131 @@ def requeue(ctx: click.Context, /, **options: Any) -> int:
 @click.option("--all", "all_", is_flag=True, help="Every entry.")
 @click.option("--yes", is_flag=True, help="Do not ask.")
 @click.pass_context
-def purge(ctx: click.Context, /, **options: Any) -> int:
+def purge(
+    ctx: click.Context,
+    /,
+    seq: tuple[int, ...],
+    limit: int | None,
+    all_: bool,
+    yes: bool,
+    **where: Any,
+) -> int:
     """Delete the entries (by SEQ, or every match of the filters)."""
-    options["all"] = options.pop("all_")
-    return _run(ctx, "purge", **options)
+    as_json = globals_of(ctx).json
+    pick = _Pick(seq=seq, where=_checked(seq, Where(**where)), limit=limit, all=all_)
+    return _run(ctx, lambda _c, dead, out: _dlq_purge(dead, pick, out, yes=yes, as_json=as_json))
 
 
-async def _dlq(config: Config, args: Any) -> int:
-    """``renqueue dlq list|show|requeue|purge`` (see :mod:`renqueue.broker._dlq`)."""
-    from ..broker import DeadLetters, connect
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Pick:
+    """What a requeue or purge acts on: sequences, or the filters' matches."""
 
-    where = _dlq_filter(args)
-    if getattr(args, "seq", None) and not where.empty:
+    seq: tuple[int, ...]
+    where: DeadLetterFilter
+    limit: int | None
+    all: bool
+
+
+def _checked(seq: tuple[int, ...], where: Where) -> DeadLetterFilter:
+    found = where.filter()
+    if seq and not found.empty:
         raise ConfigError("give sequences or filters, not both", path="dlq arguments")
-    out = Output(config)
-    nc = await connect(client_url(config), name="renqueue-dlq", config=config.nats)
-    try:
-        dead = DeadLetters(nc.jetstream())
-        if args.dlq_command == "list":
-            return await _dlq_list(dead, where, args, out)
-        if args.dlq_command == "show":
-            return await _dlq_show(dead, args, out)
-        if args.dlq_command == "requeue":
-            return await _dlq_requeue(dead, config, where, args, out)
-        return await _dlq_purge(dead, where, args, out)
-    finally:
-        await close(nc)
+    return found
 
 
-def _dlq_filter(args: Any) -> Any:
-    from ..broker import DeadLetterFilter
-
-    return DeadLetterFilter(
-        tenant=getattr(args, "tenant", None),
-        reason=getattr(args, "reason", None),
-        stage=getattr(args, "stage", None),
-        since=getattr(args, "since", None),
-        until=getattr(args, "until", None),
-        request_id=getattr(args, "request_id", None),
-    )
+#: The longest reason a table shows (a hostile one may be megabytes); --json has it all.
+_REASON_SHOWN = 2000
 
 
-async def _dlq_list(dead: Any, where: Any, args: Any, out: Output) -> int:
-    from ..broker import entry_json, render_listing
+def _whole(value: str, limit: int = _REASON_SHOWN) -> str:
+    """``value`` escaped, its whitespace runs made one space, cut only past ``limit``."""
+    from ..text import printable
 
-    listing = await dead.find(where, limit=args.limit)
-    if args.json:
+    flat = " ".join(printable(value).split())
+    if len(flat) <= limit:
+        return flat
+    return f"{flat[:limit]}... ({len(flat) - limit} more characters: --json has them)"
+
+
+async def _dlq_list(
+    dead: DeadLetters, where: DeadLetterFilter, limit: int, out: Output, *, as_json: bool
+) -> int:
+    from ..broker import entry_json
+
+    listing = await dead.find(where, limit=limit)
+    if as_json:
         for entry in listing.entries:
             out.json(entry_json(entry))
         return EXIT_OK
-    for line in render_listing(listing):
-        out.line(line)
+    shown = len(listing.entries)
+    summary = f"{listing.matched} of {listing.scanned} dead letters match"
+    if shown < listing.matched:
+        summary += f"; the newest {shown} shown (--limit)"
+    if listing.unreadable:
+        summary += f"; {listing.unreadable} unreadable, skipped"
+    if not listing.entries:
+        out.line(summary)
+        return EXIT_OK
+    titles = ("seq", "stored", "stage", "tenant", "request", "reason")
+    rows = [
+        (
+            str(e.seq),
+            _stored(e.time),
+            _whole(e.stage, 16),
+            _whole(e.tenant, 64),
+            _whole(e.request_id, 256),
+            out.clean(_whole(e.reason))
+            + ("" if e.requeued is None else f"\nrequeued as {_whole(e.requeued.new_id, 256)}"),
+        )
+        for e in listing.entries
+    ]
+    _print_table(titles, rows, numeric=(True,), keep=(True, True, True))
+    out.line(summary)
     return EXIT_OK
 
 
-async def _dlq_show(dead: Any, args: Any, out: Output) -> int:
-    from ..broker import DeadLetterError, entry_json, render_entry
+def _stored(at: float) -> str:
+    """When an entry was stored, short (local time, to the second)."""
+    import datetime
+
+    if not at:
+        return "-"
+    return f"{datetime.datetime.fromtimestamp(at).astimezone():%m-%d %H:%M:%S}"
+
+
+def _print_table(
+    titles: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    numeric: Sequence[bool] = (),
+    keep: Sequence[bool] = (),
+    header: bool = True,
+    indent: int = 0,
+) -> None:
+    """Rows as a table that fits the terminal: names and numbers whole, text wrapped."""
+    from rich.table import Column
+
+    shown = console()
+    right = [n < len(numeric) and numeric[n] for n in range(len(titles))]
+    widths = fitted(titles, rows, right, shown.width - indent, keep=keep)
+    grid = table(
+        *(
+            Column(title, justify="right" if r else "left", overflow="fold", width=w)
+            for title, r, w in zip(titles, right, widths, strict=True)
+        )
+    )
+    grid.show_header = header
+    for row in rows:
+        grid.add_row(*(text(cell) for cell in row))
+    emit(grid, indent=indent)
+
+
+async def _dlq_show(dead: DeadLetters, seqs: Sequence[int], out: Output, *, as_json: bool) -> int:
+    from ..broker import DeadLetterError, entry_fields, entry_json
+    from ..text import printable
 
     failed = False
-    for index, seq in enumerate(args.seq):
+    for index, seq in enumerate(seqs):
         try:
             entry = await dead.get(seq)
         except DeadLetterError as exc:
@@ -196,52 +320,67 @@ async def _dlq_show(dead: Any, args: Any, out: Output) -> int:
             continue
         entry = entry.with_mark(await dead.requeued_as(entry))
         history = await dead.history(entry)
-        if args.json:
+        if as_json:
             out.json(entry_json(entry, history))
             continue
         if index:
             out.line("")
-        for line in render_entry(entry, ()):
-            if not line.startswith("history: no events"):
-                out.line(line)
+        stored = local_time(entry.time, date=True) if entry.time else "-"
+        out.line(f"dead letter {entry.seq} on {printable(entry.subject)}, stored {stored}")
+        fields = [(key, out.clean(_whole(value))) for key, value in entry_fields(entry)]
+        _print_table(("", ""), fields, header=False, indent=2)
+        out.line("  headers")
+        headers = [
+            (f"{printable(k)}:", out.clean(_whole(v))) for k, v in sorted(entry.headers.items())
+        ]
+        if headers:
+            _print_table(("", ""), headers, header=False, indent=4)
         if not history:
             out.line("history: no events logged for this request")
             continue
         out.line(f"history ({len(history)} events):")
-        for line in timeline(history, header=False, offsets=False).splitlines():
+        for line in timeline(history, header=False, offsets=False, indent=2).splitlines():
             out.line(f"  {line.rstrip()}")
     return EXIT_SOME_FAILED if failed else EXIT_OK
 
 
-async def _dlq_select(dead: Any, where: Any, args: Any, out: Output) -> tuple[list[Any], bool]:
+async def _dlq_select(dead: DeadLetters, pick: _Pick, out: Output) -> tuple[list[Any], bool]:
     """The entries a requeue or purge acts on: by sequence, or every match of
     the filters (``--all``: every entry); whether some sequence named none."""
     from ..broker import DeadLetterError
 
-    if args.seq:
+    if pick.seq:
         entries, failed = [], False
-        for seq in dict.fromkeys(args.seq):
+        for seq in dict.fromkeys(pick.seq):
             try:
                 entries.append(await dead.get(seq))
             except DeadLetterError as exc:
                 out.error(str(exc))
                 failed = True
         return entries, failed
-    if where.empty and not args.all:
+    if pick.where.empty and not pick.all:
         raise ConfigError(
             "name the entries: sequences, a filter (--tenant, --reason, --stage, --since, "
             "--until, --id), or --all",
             path="dlq arguments",
         )
-    return (await dead.find(where, limit=args.limit)).entries, False
+    return (await dead.find(pick.where, limit=pick.limit)).entries, False
 
 
-async def _dlq_requeue(dead: Any, config: Config, where: Any, args: Any, out: Output) -> int:
+async def _dlq_requeue(
+    dead: DeadLetters,
+    config: Config,
+    pick: _Pick,
+    deadline: tuple[bool, float | None],
+    out: Output,
+    *,
+    as_json: bool,
+) -> int:
     from ..broker import DeadLetterError
     from ..text import clock, printable
 
-    entries, failed = await _dlq_select(dead, where, args, out)
-    keep_budget, budget = args.deadline
+    entries, failed = await _dlq_select(dead, pick, out)
+    keep_budget, budget = deadline
     # Checked as admission will check it, when there is a config to check against.
     check = config if config.routes else None
     for entry in entries:
@@ -249,35 +388,36 @@ async def _dlq_requeue(dead: Any, config: Config, where: Any, args: Any, out: Ou
             done = await dead.requeue(entry, budget=budget, keep_budget=keep_budget, config=check)
         except DeadLetterError as exc:
             failed = True
-            if args.json:
+            if as_json:
                 out.json({"seq": entry.seq, "ok": False, "error": str(exc)})
             out.error(f"dead letter {entry.seq}: {exc}")
             continue
-        if args.json:
+        if as_json:
             out.json({"seq": entry.seq, "ok": True, **msgspec.to_builtins(done)})
             continue
-        deadline = "no deadline" if done.deadline is None else f"deadline {clock(done.deadline)}"
+        ends = "no deadline" if done.deadline is None else f"deadline {clock(done.deadline)}"
         verb = "already requeued" if done.already else "requeued"
         out.line(
             printable(
-                f"dead letter {entry.seq}: {verb} as {done.new_id} "
-                f"(tenant {done.tenant}, {deadline})"
+                f"dead letter {entry.seq}: {verb} as {done.new_id} (tenant {done.tenant}, {ends})"
             )
         )
-    if not entries and not args.json:
+    if not entries and not as_json:
         out.line("no dead letters match")
     return EXIT_SOME_FAILED if failed else EXIT_OK
 
 
-async def _dlq_purge(dead: Any, where: Any, args: Any, out: Output) -> int:
+async def _dlq_purge(
+    dead: DeadLetters, pick: _Pick, out: Output, *, yes: bool, as_json: bool
+) -> int:
     from ..broker import DeadLetterError
 
-    entries, failed = await _dlq_select(dead, where, args, out)
+    entries, failed = await _dlq_select(dead, pick, out)
     if not entries:
-        if not args.json:
+        if not as_json:
             out.line("no dead letters match; nothing purged")
         return EXIT_SOME_FAILED if failed else EXIT_OK
-    if not args.yes:
+    if not yes:
         noun = "dead letter" if len(entries) == 1 else "dead letters"
         print(f"Purge {len(entries)} {noun}? [y/N] ", end="", file=sys.stderr, flush=True)
         answer = await asyncio.to_thread(sys.stdin.readline)
@@ -295,8 +435,8 @@ async def _dlq_purge(dead: Any, where: Any, args: Any, out: Output) -> int:
             out.error(str(exc))
             continue
         purged += 1
-        if args.json:
+        if as_json:
             out.json({"seq": entry.seq, "purged": True})
-    if not args.json:
+    if not as_json:
         out.line(f"purged {purged} dead letter{'' if purged == 1 else 's'}")
     return EXIT_SOME_FAILED if failed else EXIT_OK

@@ -4,10 +4,10 @@ live one (``--verify``), or simulated under another config (``--what-if``)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -17,7 +17,7 @@ from ..config import Config
 from ..errors import RenQueueError
 from ..text import shorten
 from ._app import cli, command, globals_of, setup
-from ._common import EXIT_DIFFERENT, EXIT_OK, PointInTime, client_url, close, guarded
+from ._common import EXIT_DIFFERENT, EXIT_OK, PointInTime, close, guarded, reach
 
 if TYPE_CHECKING:
     from ..coordination import Replayed, Verification
@@ -52,80 +52,96 @@ if TYPE_CHECKING:
 )
 @click.option("--seed", type=int, help="With --what-if: seed of the simulated draws (default: 0).")
 @click.pass_context
-def replay(ctx: click.Context, /, **options: Any) -> int:
+def replay(
+    ctx: click.Context,
+    *,
+    verify: bool,
+    what_if: str | None,
+    since: float | None,
+    until: float | None,
+    seed: int | None,
+) -> int:
     """Rebuild the projection from the event log and print its summary; --verify
     compares it with the live one; --what-if FILE replays the recorded requests
     through the policy under this config and FILE's (docs/what-if.md)."""
     config = setup(ctx)
-    args = SimpleNamespace(json=globals_of(ctx).json, **options)
-    return asyncio.run(guarded("replay", _replay(config, args)))
+    as_json = globals_of(ctx).json
+    if what_if is not None:
+        if verify:
+            raise RenQueueError("--what-if and --verify do not go together")
+        window = _Window(since=since, until=until, seed=seed)
+        return asyncio.run(guarded("replay", _what_if(config, what_if, window, as_json=as_json)))
+    if since is not None or until is not None or seed is not None:
+        raise RenQueueError("--since, --until and --seed go with --what-if")
+    return asyncio.run(guarded("replay", _replay(config, verify=verify, as_json=as_json)))
 
 
-async def _replay(config: Config, args: Any) -> int:
-    from ..broker import connect
-    from ..coordination import replay_log, verify
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Window:
+    """``--what-if``'s window (default: the last hour) and the seed of its draws."""
+
+    since: float | None
+    until: float | None
+    seed: int | None
+
+
+async def _replay(config: Config, *, verify: bool, as_json: bool) -> int:
+    from ..coordination import replay_log
+    from ..coordination import verify as verify_log
     from ..state import encode_state
 
-    if args.what_if is not None:
-        return await _what_if(config, args)
-    if args.since is not None or args.until is not None or args.seed is not None:
-        raise RenQueueError("--since, --until and --seed go with --what-if")
-    nc = await connect(client_url(config), name="renqueue-replay", config=config.nats)
+    nc = await reach(config, "renqueue-replay")
     try:
         js = nc.jetstream()
-        if not args.verify:
+        if not verify:
             replayed = await replay_log(js)
-            if args.json:
+            if as_json:
                 print(encode_state(replayed.state).decode())
             else:
                 print("\n".join(_replay_summary(replayed)))
             return EXIT_OK
-        found = await verify(js)
+        found = await verify_log(js)
     finally:
         await close(nc)
-    if args.json:
+    if as_json:
         print(json.dumps({"equal": found.equal, **msgspec.to_builtins(found)}))
     else:
         print("\n".join(_verification_lines(found)))
     return EXIT_OK if found.equal else EXIT_DIFFERENT
 
 
-async def _what_if(config: Config, args: Any) -> int:
+async def _what_if(config: Config, what_if: str, window: _Window, *, as_json: bool) -> int:
     """``replay --what-if FILE``: the requests submitted in the window, as they
     really went, and simulated under this config and FILE's (docs/what-if.md)."""
-    from ..broker import connect
     from ..coordination import read_trace
     from ..sim import compare, load_what_if, render
     from ..text import printable
 
-    if args.verify:
-        raise RenQueueError("--what-if and --verify do not go together")
-    other = load_what_if(args.what_if)
+    other = load_what_if(what_if)
     now = datetime.datetime.now(tz=datetime.UTC).timestamp()
-    since = now - 3600.0 if args.since is None else args.since
-    until = now if args.until is None else args.until
+    since = now - 3600.0 if window.since is None else window.since
+    until = now if window.until is None else window.until
     if until <= since:
         raise RenQueueError("--until must be after --since")
-    nc = await connect(client_url(config), name="renqueue-replay", config=config.nats)
+    nc = await reach(config, "renqueue-replay")
     try:
         trace = await read_trace(nc.jetstream(), since=since, until=until)
     finally:
         await close(nc)
-    window = f"{_iso(since)} .. {_iso(until)}"
     if not trace.arrivals:
         raise RenQueueError(
-            f"no request was submitted between {window} ({trace.events} events read):"
-            " nothing to replay; widen --since/--until"
+            f"no request was submitted between {_iso(since)} .. {_iso(until)}"
+            f" ({trace.events} events read): nothing to replay; widen --since/--until"
         )
-    seed = 0 if args.seed is None else args.seed
-    title = printable(os.path.basename(str(args.what_if)))[:40] or "what-if"
+    seed = 0 if window.seed is None else window.seed
+    title = printable(os.path.basename(what_if))[:40] or "what-if"
     comparison = compare(
         trace,
         [("this config (sim)", config), (f"{title} (sim)", other.config)],
         seed=seed,
         models=other.models,
     )
-    if args.json:
+    if as_json:
         print(msgspec.json.encode(_what_if_json(trace, comparison, seed)).decode())
     else:
         print("\n".join(render(trace, comparison.columns, seed=seed)))

@@ -6,7 +6,7 @@ import asyncio
 import datetime
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 import msgspec
@@ -14,14 +14,24 @@ import msgspec
 from ..config import Config
 from ..errors import NatsClosedError
 from ._app import cli, command, globals_of, setup
-from ._common import INTERVAL, MIN_INTERVAL, client_url, close, guarded, one_line
+from ._common import (
+    EXIT_INTERRUPTED,
+    INTERVAL,
+    MIN_INTERVAL,
+    close,
+    console,
+    emit,
+    fitted,
+    guarded,
+    indented,
+    one_line,
+    reach,
+    table,
+    text,
+)
 
 if TYPE_CHECKING:
     from ..coordination import StatusReport
-
-#: The words of a store's warning line (``render_status``), shown in yellow on a terminal.
-_NEAR = "  near limit: "
-_YELLOW = "\x1b[33m%s\x1b[0m"
 
 
 @command(
@@ -39,13 +49,18 @@ _YELLOW = "\x1b[33m%s\x1b[0m"
 )
 @click.pass_context
 def status(ctx: click.Context, watch: bool, interval: float) -> None:
-    """Each backend (health, load, quota), priority level (waiting, oldest),
-    tenant (spend) and store (bytes against its limit, a "near limit" line
-    past nats.store_warn) now, once or (--watch) redrawn; --json prints the
+    """Each backend (health, load, quota), priority level (waiting, oldest)
+    and tenant (spend) now, once or (--watch) redrawn; --json prints the
     report as one JSON document (one per line with --watch)."""
     config = setup(ctx)
     run = _status(config, watch=watch, interval=interval, as_json=globals_of(ctx).json)
-    asyncio.run(guarded("status", run))
+    try:
+        asyncio.run(guarded("status", run))
+    except KeyboardInterrupt:
+        if not watch:
+            raise
+        # Ctrl-C is how a watch ends: 130 as for any Ctrl-C, without a word.
+        raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
 
 
 async def _status(config: Config, *, watch: bool, interval: float, as_json: bool) -> None:
@@ -55,10 +70,9 @@ async def _status(config: Config, *, watch: bool, interval: float, as_json: bool
     restarting, a timeout): it shows the error in place of that redraw and
     tries again at the next; only a connection closed for good ends it.
     """
-    from ..broker import connect
     from ..coordination import read_status
 
-    nc = await connect(client_url(config), name="renqueue-status", config=config.nats)
+    nc = await reach(config, "renqueue-status")
     try:
         js = nc.jetstream()
         clear = watch and not as_json and sys.stdout.isatty()
@@ -84,18 +98,49 @@ async def _status(config: Config, *, watch: bool, interval: float, as_json: bool
 
 
 def _show(report: StatusReport, *, as_json: bool, clear: bool) -> None:
-    from ..coordination import render_status
-
     if as_json:
         print(msgspec.json.encode(report).decode())
         return
     if clear:
         print("\x1b[H\x1b[2J", end="")  # cursor home, clear the screen
-    lines = render_status(report)
-    if sys.stdout.isatty():
-        # A store near its limit stands out: yellow on a terminal.
-        lines = [_YELLOW % line if _NEAR in line else line for line in lines]
-    print("\n".join(lines))
+    emit(*status_tables(report, console().width))
+
+
+def status_tables(report: StatusReport, width: int) -> list[Any]:
+    """The status as Rich renderables ``width`` columns wide at most: its
+    heading, then each section (a heading line and an indented table whose
+    text columns wrap; names and numbers keep their line)."""
+    from rich.table import Column
+
+    from ..coordination import NEAR_LIMIT, status_heading, status_sections
+
+    first, *rest = status_heading(report)
+    shown: list[Any] = [text(first), *(indented(text(line.strip())) for line in rest)]
+    for section in status_sections(report):
+        title = text(section.title)
+        if section.title == NEAR_LIMIT:
+            title.stylize("yellow")  # a store near its limit stands out
+        shown += [text(""), title]
+        if not section.columns:
+            grid = table(Column(no_wrap=True), Column(overflow="fold"))
+            grid.show_header = False
+            for name, what in section.rows:
+                grid.add_row(text(f"{name}:"), text(what))
+            shown.append(indented(grid))
+            continue
+        if not section.rows:
+            shown.append(text("  none yet"))
+            continue
+        widths = fitted(section.columns, section.rows, section.numeric, width - 2)
+        columns = [
+            Column(title, justify="right" if right else "left", overflow="fold", width=w)
+            for title, right, w in zip(section.columns, section.numeric, widths, strict=True)
+        ]
+        grid = table(*columns)
+        for row in section.rows:
+            grid.add_row(*(text(cell) for cell in row))
+        shown.append(indented(grid))
+    return shown
 
 
 def _show_error(exc: Exception, interval: float, *, as_json: bool, clear: bool) -> None:

@@ -14,13 +14,22 @@ import msgspec
 from ..config import Config
 from ..errors import (
     ConfigError,
+    ConnectionFailedError,
     NatsUnavailableError,
     RenQueueError,
     RequestCancelledError,
     RequestFailedError,
 )
 from ._app import cli, command, globals_of, setup
-from ._common import Unreachable, WaitTimeout, client_url, close_client
+from ._common import (
+    Interrupted,
+    NoSuchRequest,
+    Unreachable,
+    WaitTimeout,
+    client_url,
+    close_client,
+    reach,
+)
 
 
 def _param(text: str) -> tuple[str, Any]:
@@ -91,6 +100,7 @@ def submit(ctx: click.Context, /, **options: Any) -> None:
     config = setup(ctx)
     options["json"] = globals_of(ctx).json
     messages = _messages(options)
+    _within_limits(messages, options["system"])
     route, priority = _checked(config, options["route"], options["priority"])
     params = dict(_param(text) for text in options["params"])
     generation = _generation(params, options["max_tokens"])
@@ -108,7 +118,16 @@ def submit(ctx: click.Context, /, **options: Any) -> None:
     }
     progress: dict[str, Any] = {}
     run = _submit(config, options, request, progress)
-    asyncio.run(_bounded(run, options["wait"], progress))
+    try:
+        asyncio.run(_bounded(run, options["wait"], progress))
+    except KeyboardInterrupt:
+        request_id = progress.get("id")
+        if request_id is None:
+            raise Interrupted("interrupted before the request was submitted") from None
+        raise Interrupted(
+            f"interrupted; request {request_id} goes on (follow it with "
+            f"`renqueue audit {request_id}`, or `renqueue cancel {request_id}`)"
+        ) from None
 
 
 def _messages(options: dict[str, Any]) -> str | list[dict[str, Any]]:
@@ -134,10 +153,42 @@ def _messages(options: dict[str, Any]) -> str | list[dict[str, Any]]:
         if options["system"]:
             conversation = [{"role": "system", "content": options["system"]}, *conversation]
         return conversation
-    text = _read(file if file is not None else Path(prompt)) if prompt in (None, "-") else prompt
+    if prompt in (None, "-"):
+        # As the shell's $(...) does: a file's (or stdin's) last newline ends
+        # the file, it is not part of the prompt. Only one: the rest is text.
+        text = _read(file if file is not None else Path(prompt)).removesuffix("\n")
+        text = text.removesuffix("\r")
+    else:
+        text = prompt
     if not text.strip():
         raise click.UsageError("the prompt is empty")
     return text
+
+
+def _within_limits(messages: str | list[dict[str, Any]], system: str | None) -> None:
+    """Refuse, before connecting, a message longer than a request may carry
+    (:data:`renqueue.schema.MAX_TEXT` characters), in one line with the limit."""
+    from ..schema import MAX_TEXT
+
+    if isinstance(messages, str):
+        texts = [("the prompt", messages), ("--system", system or "")]
+    else:
+        texts = [
+            (f"--messages item {n}", m["content"])
+            for n, m in enumerate(messages, 1)
+            if isinstance(m.get("content"), str)
+        ]
+    for what, body in texts:
+        if len(body) > MAX_TEXT:
+            raise PromptTooLarge(
+                f"{what} is {len(body):,} characters, over the {MAX_TEXT:,} a message may "
+                "have (and a whole request must fit the broker's max_payload, 8 MB for the "
+                "server `renqueue up` starts): shorten it, or split it into several requests"
+            )
+
+
+class PromptTooLarge(RenQueueError):
+    """A message longer than a request may carry (exit 2, nothing sent)."""
 
 
 def _read(path: Path) -> str:
@@ -226,11 +277,12 @@ async def _submit(
     URL, the connection, the request's id) for a ``--wait`` that runs out."""
     from ..client import Client
 
-    url = progress["url"] = client_url(config)
+    progress["url"] = url = client_url(config)
     try:
-        client = await Client.connect(url, tenant=options["tenant"], name="renqueue-cli")
-    except RenQueueError as exc:
-        raise Unreachable(f"cannot reach NATS at {url}: {exc}") from exc
+        nc = await reach(config, "renqueue-cli")
+    except ConnectionFailedError as exc:
+        raise Unreachable(str(exc)) from exc
+    client = Client(nc, tenant=options["tenant"], owns_connection=True)
     try:
         handle = await client.submit(**request)
         progress["id"] = handle.id
@@ -324,13 +376,25 @@ async def _cancel(
     wait: float | None,
     say: Any,
 ) -> None:
+    from ..broker import submitted_of
     from ..client import Client
     from ..schema import kind_of
 
-    url = client_url(config)
-    client = await Client.connect(url, tenant=tenant, name="renqueue-cli")
+    client = Client(await reach(config, "renqueue-cli"), tenant=tenant, owns_connection=True)
     try:
         handle = client.handle(request_id)
+        if await submitted_of(client.js, tenant, handle.id) is None:
+            # Refused, nothing recorded: a cancellation of an id never
+            # submitted would wait in the log for a request that may never
+            # come. One submitted a moment ago that no router has logged yet
+            # is refused too (say so): it can be cancelled once it is.
+            raise NoSuchRequest(
+                f"no request {handle.id} is known for tenant {tenant!r}: it was never "
+                "submitted (check the id and --tenant), or it was submitted a moment ago and "
+                "no router has logged it yet (try again)",
+                request_id=handle.id,
+                tenant=tenant,
+            )
         known = await handle.events()
         ended = next((event for event in reversed(known) if kind_of(event) in _TERMINAL), None)
         if ended is not None:
@@ -346,12 +410,6 @@ async def _cancel(
                 error_type=kind,
             )
         await handle.cancel(reason)
-        if not known:
-            raise RenQueueError(
-                f"no request {handle.id} is known for tenant {tenant!r} (no events): it was "
-                "never submitted, or no router has read it yet; the cancellation is recorded "
-                "and applies if it arrives"
-            )
         # A person sees the request asked for at once; --json, only how it ended.
         say("requested", f"cancellation requested for {handle.id}", last=wait is None)
         if wait is None:

@@ -48,15 +48,20 @@ from ._split_status import (
     splits_of,
 )
 from ._status import (
+    NEAR_LIMIT,
     BackendStatus,
     LevelStatus,
     StatusReport,
+    StatusSection,
     StoreStatus,
     TenantStatus,
     backend_status,
+    health_of,
     read_status,
     render_status,
+    status_heading,
     status_of,
+    status_sections,
 )
 from ._trace_reader import read_events, read_trace
 from ._verify import Replayed, Verification, read_checkpoint, replay_log, verify
@@ -84,6 +89,7 @@ __all__ = [
     "CANCELS",
     "CLUSTER_SERIES",
     "LEASE_MARGIN",
+    "NEAR_LIMIT",
     "PROGRESS_KEY",
     "VIEW_KEYS",
     "ArmFigures",
@@ -108,6 +114,7 @@ __all__ = [
     "SplitView",
     "StateView",
     "StatusReport",
+    "StatusSection",
     "StoreStatus",
     "TenantSpend",
     "TenantStatus",
@@ -123,6 +130,7 @@ __all__ = [
     "decode_split_view",
     "decode_tenant_view",
     "encode_view",
+    "health_of",
     "move_split",
     "out_of_service",
     "planned_move",
@@ -140,7 +148,9 @@ __all__ = [
     "run_exporter",
     "split_view_key",
     "splits_of",
+    "status_heading",
     "status_of",
+    "status_sections",
     "tenant_view_key",
     "verify",
 ]

@@ -1,8 +1,9 @@
 """What ``renqueue status`` shows: each backend, priority level and tenant, now.
 
 :func:`read_status` reads it all into one :class:`StatusReport` (the JSON of
-``renqueue status --json``); :func:`render_status` turns a report into the
-lines of text the command prints, with no I/O of its own.
+``renqueue status --json``); :func:`status_sections` turns a report into the
+sections a person reads (the command draws them as tables, :func:`render_status`
+as aligned text lines), with no I/O of its own.
 
 Where each figure comes from:
 
@@ -87,16 +88,21 @@ from ..text import clock, printable, shorten
 from ._verify import read_checkpoint
 
 __all__ = [
+    "NEAR_LIMIT",
     "BackendStatus",
     "LevelStatus",
     "StatusReport",
+    "StatusSection",
     "StoreStatus",
     "TenantStatus",
     "backend_status",
+    "health_of",
     "out_of_service_here",
     "read_status",
     "render_status",
+    "status_heading",
     "status_of",
+    "status_sections",
 ]
 
 #: The smallest request: what ``held`` asks the binder's check about.
@@ -454,16 +460,77 @@ async def _level(js: JetStream, level: str, now: float) -> LevelStatus:
 # ------------------------------------------------------------------ rendering
 
 
-def render_status(report: StatusReport) -> list[str]:
-    """The report as aligned text lines (no trailing newlines). Pure.
+class StatusSection(Struct, frozen=True, kw_only=True):
+    """One section of the status for a person: a table (``columns`` and
+    ``rows`` of text cells, names escaped) or, without ``columns``, notes
+    (``rows`` of ``(name, what)``). The text (:func:`render_status`) and the
+    command line's tables draw the same sections."""
 
-    Names are shown :func:`printable`; times too far out for a calendar as
-    ``far future``. A section with nothing to say (no pause, no open circuit,
-    nothing learned, no limit) is left out.
-    """
+    title: str
+    #: Column headings; empty for notes.
+    columns: tuple[str, ...] = ()
+    #: Which columns hold numbers (aligned right).
+    numeric: tuple[bool, ...] = ()
+    rows: tuple[tuple[str, ...], ...] = ()
+
+
+def health_of(backend: BackendStatus) -> str:
+    """A backend's health in words a person reads: ``ok`` (its circuit closed),
+    ``ok, probe down``, ``open``, ``half-open`` (one trial call), ``out: no API
+    key``; then how many faults in a row, when there are some. ``--json`` keeps
+    the fields this is made of: ``circuit``, ``probe_ok``, ``out``, ``healthy``."""
+    if backend.out:
+        return "out: no API key"
+    word = {"closed": "ok", "half_open": "half-open"}.get(backend.circuit, backend.circuit)
+    word = printable(word)
+    if backend.probe_ok is False and backend.circuit == "closed":
+        word += ", probe down"
+    if backend.consecutive_failures:
+        word += f" ({backend.consecutive_failures})"
+    return word
+
+
+def status_sections(report: StatusReport) -> list[StatusSection]:
+    """The report as sections for a person (no I/O). Names are shown
+    :func:`printable`; times too far out for a calendar as ``far future``. A
+    section with nothing to say (no pause, no open circuit, nothing learned,
+    no limit) is left out."""
     now = report.at
-    lines = [
-        f"Ren-Queue status at {clock(now)}",
+    found = [
+        _backend_section(report.backends),
+        _notes(
+            "Out of service here (set the key and restart: renqueue up runs no worker for it)",
+            [(b.name, b.out) for b in report.backends if b.out],
+        ),
+        _notes(
+            "Held back (why the binder would pass it over for the smallest request now)",
+            [(b.name, shorten(printable(b.held), _HELD_WIDTH)) for b in report.backends if b.held],
+        ),
+        _notes(
+            "Paused by the provider",
+            [(b.name, "; ".join(_pauses(b, now))) for b in report.backends if _pauses(b, now)],
+        ),
+        _notes(
+            "Circuit breakers not closed (the binder moves them; circuit events)",
+            [
+                (b.name, _circuit_text(b))
+                for b in report.backends
+                if b.circuit != "closed" or b.probe_ok is False
+            ],
+        ),
+        _learned_section(report.backends),
+        _limit_section(report.backends, now),
+        _level_section(report.levels),
+        _tenant_section(report.tenants),
+        *_store_sections(report),
+    ]
+    return [section for section in found if section is not None]
+
+
+def status_heading(report: StatusReport) -> list[str]:
+    """The status's first lines: when, and how far the projection is behind."""
+    return [
+        f"Ren-Queue status at {clock(report.at)}",
         (
             f"  projection at seq {report.last_seq} ({report.events_behind} events behind the"
             f" log), log time {clock(report.log_time) if report.log_time else '-'};"
@@ -472,181 +539,151 @@ def render_status(report: StatusReport) -> list[str]:
             else "  no projection stored yet: no projector has run (counts below are 0)"
         ),
     ]
-    for section in (
-        _backend_lines(report.backends),
-        _out_lines(report.backends),
-        _pause_lines(report.backends, now),
-        _circuit_lines(report.backends),
-        _learned_lines(report.backends),
-        _limit_lines(report.backends, now),
-        _level_lines(report.levels),
-        _tenant_lines(report.tenants),
-        _store_lines(report),
-    ):
-        if section:
-            lines += ["", *section]
+
+
+def render_status(report: StatusReport) -> list[str]:
+    """The report as aligned text lines (no trailing newlines). Pure: the
+    sections of :func:`status_sections`, each a heading and its rows."""
+    lines = status_heading(report)
+    for section in status_sections(report):
+        lines += ["", section.title]
+        if not section.columns:
+            lines += [f"  {name}: {what}" for name, what in section.rows]
+            continue
+        if not section.rows:
+            lines.append("  none yet")
+            continue
+        table = [section.columns, *section.rows]
+        widths = [max(len(row[n]) for row in table) for n in range(len(section.columns))]
+        for row in table:
+            cells = [
+                cell.rjust(width) if right else cell.ljust(width)
+                for cell, width, right in zip(row[:-1], widths, section.numeric, strict=False)
+            ]
+            lines.append("  " + " ".join([*cells, row[-1]]).rstrip())
     return lines
 
 
-def _backend_lines(backends: Sequence[BackendStatus]) -> list[str]:
-    lines = [
-        "Backends",
-        f"  {'backend':<16} {'health':<15} {'in flight':>9} {'waiting':>7} {'running':>7}"
-        f" {'slots':>5} {'done':>7} {'failed':>6} {'429s':>5} {'spend $':>10}  held",
-    ]
-    for b in backends:
-        health = b.circuit.replace("_", "-")
-        if b.consecutive_failures:
-            health += f" ({b.consecutive_failures})"
-        if b.out:
-            health = "out: no API key"
-        held = shorten(printable(b.held), _HELD_WIDTH) or "-"
-        lines.append(
-            f"  {printable(b.name):<16} {health:<15} {b.in_flight:>9} {_opt(b.waiting):>7}"
-            f" {_opt(b.running):>7} {_opt(b.concurrency):>5} {b.calls_completed:>7}"
-            f" {b.calls_failed:>6} {b.rate_limited:>5} {b.spend:>10.6f}  {held}"
-        )
-    return lines
+def _notes(title: str, notes: Sequence[tuple[str, str]]) -> StatusSection | None:
+    if not notes:
+        return None
+    return StatusSection(title=title, rows=tuple((printable(n), what) for n, what in notes))
 
 
-def _out_lines(backends: Sequence[BackendStatus]) -> list[str]:
-    out = [f"  {printable(b.name)}: {printable(b.out)}" for b in backends if b.out]
-    if not out:
-        return []
-    return [
-        "Out of service here (set the key and restart: renqueue up runs no worker for it)",
-        *out,
-    ]
-
-
-def _pause_lines(backends: Sequence[BackendStatus], now: float) -> list[str]:
-    paused = [
-        f"  {printable(b.name)}: " + "; ".join(_pauses(b, now)) for b in backends if _pauses(b, now)
-    ]
-    return ["Paused by the provider", *paused] if paused else []
-
-
-def _circuit_lines(backends: Sequence[BackendStatus]) -> list[str]:
-    circuits = [
-        f"  {printable(b.name)}: {b.circuit.replace('_', '-')} since"
+def _circuit_text(b: BackendStatus) -> str:
+    return (
+        f"{b.circuit.replace('_', '-')} since"
         f" {clock(b.circuit_since)}: {shorten(printable(b.circuit_reason), _HELD_WIDTH)}"
         + ("" if b.probe_ok is None else f" (probe: {'up' if b.probe_ok else 'down'})")
-        for b in backends
-        if b.circuit != "closed" or b.probe_ok is False
-    ]
-    if not circuits:
-        return []
-    return ["Circuit breakers not closed (the binder moves them; circuit events)", *circuits]
+    )
 
 
-def _learned_lines(backends: Sequence[BackendStatus]) -> list[str]:
+def _backend_section(backends: Sequence[BackendStatus]) -> StatusSection:
+    return StatusSection(
+        title="Backends",
+        columns=(
+            *("backend", "health", "in flight", "waiting", "running", "slots", "done"),
+            *("failed", "429s", "spend $"),
+        ),
+        numeric=(False, False, *([True] * 8)),
+        rows=tuple(
+            (
+                printable(b.name),
+                health_of(b),
+                str(b.in_flight),
+                _opt(b.waiting),
+                _opt(b.running),
+                _opt(b.concurrency),
+                str(b.calls_completed),
+                str(b.calls_failed),
+                str(b.rate_limited),
+                f"{b.spend:.6f}",
+            )
+            for b in backends
+        ),
+    )
+
+
+def _learned_section(backends: Sequence[BackendStatus]) -> StatusSection | None:
     learned = [(b.name, b.perf) for b in backends if b.perf is not None and b.perf.samples]
     if not learned:
-        return []
-    return [
-        "Learned from the log (mean +- spread; what the binder predicts finish times by)",
-        f"  {'backend':<16} {'calls':>6} {'first token s':>15} {'tokens/s':>15}"
-        f" {'output tok':>15} {'faults':>7} {'429s':>6}",
-        *(
-            f"  {printable(name):<16} {perf.samples:>6}"
-            f" {_spread(perf.ttft, perf.ttft_sd, 2):>15} {_spread(perf.rate, perf.rate_sd, 0):>15}"
-            f" {_spread(perf.output, perf.output_sd, 0):>15}"
-            f" {perf.fault_p:>7.0%} {perf.limited_p:>6.0%}"
+        return None
+    return StatusSection(
+        title="Learned from the log (mean +- spread; what the binder predicts finish times by)",
+        columns=("backend", "calls", "first token s", "tokens/s", "output tok", "faults", "429s"),
+        numeric=(False, *([True] * 6)),
+        rows=tuple(
+            (
+                printable(name),
+                str(perf.samples),
+                _spread(perf.ttft, perf.ttft_sd, 2),
+                _spread(perf.rate, perf.rate_sd, 0),
+                _spread(perf.output, perf.output_sd, 0),
+                f"{perf.fault_p:.0%}",
+                f"{perf.limited_p:.0%}",
+            )
             for name, perf in learned
         ),
-    ]
+    )
 
 
-def _limit_lines(backends: Sequence[BackendStatus], now: float) -> list[str]:
+def _limit_section(backends: Sequence[BackendStatus], now: float) -> StatusSection | None:
     limited = [(b.name, u) for b in backends for u in b.limits]
     if not limited:
-        return []
-    return [
-        "Rate limits (the limit judged by: the declared one, or less if the provider said so)",
-        f"  {'backend':<16} {'window':<16} {'used':>9} {'limit':>9} {'left':>9}"
-        f" {'declared':>9}  resets in",
-        *(
-            f"  {printable(name):<16} {_limit_name(u):<16} {u.used:>9} {u.count:>9}"
-            f" {u.left:>9} {_opt(u.declared):>9}  {_resets(u, now)}"
+        return None
+    return StatusSection(
+        title="Rate limits (the limit judged by: the declared one, "
+        "or less if the provider said so)",
+        columns=("backend", "window", "used", "limit", "left", "declared", "resets in"),
+        numeric=(False, False, True, True, True, True, False),
+        rows=tuple(
+            (
+                printable(name),
+                _limit_name(u),
+                str(u.used),
+                str(u.count),
+                str(u.left),
+                _opt(u.declared),
+                _resets(u, now),
+            )
             for name, u in limited
         ),
-    ]
-
-
-def _level_lines(levels: Sequence[LevelStatus]) -> list[str]:
-    lines = ["Priority levels", f"  {'level':<16} {'waiting':>7}  oldest wait"]
-    for level in levels:
-        wait = "-" if level.oldest_wait is None else _duration(level.oldest_wait)
-        lines.append(f"  {printable(level.name):<16} {_opt(level.waiting):>7}  {wait}")
-    return lines
-
-
-def _tenant_lines(tenants: Sequence[TenantStatus]) -> list[str]:
-    if not tenants:
-        return ["Tenants", "  none yet"]
-    lines = [
-        "Tenants",
-        f"  {'tenant':<16} {'spend today $':>13} {'budget/day $':>17} {'spend $':>10}"
-        f" {'submitted':>9}  ended",
-    ]
-    for t in tenants:
-        ended = " ".join(f"{printable(kind)}={count}" for kind, count in sorted(t.terminal.items()))
-        budget = "-" if t.budget is None else f"{t.budget.daily:.6f} {t.budget.mode}"
-        lines.append(
-            f"  {printable(t.name):<16} {t.spend_today:>13.6f} {budget:>17} {t.spend:>10.6f}"
-            f" {t.submitted:>9}  {ended or '-'}"
-        )
-    return lines
-
-
-def _store_lines(report: StatusReport) -> list[str]:
-    """Each store's bytes against its limit, and a ``near limit`` line per store
-    past ``store_warn`` of it (what to do in docs/operations.md#storage)."""
-    if not report.stores:
-        return []
-    whole = (
-        f"{_size(report.store_used)} of {_size(report.store_limit)}"
-        f" ({_share(report.store_used, report.store_limit)})"
     )
-    lines = [
-        f"Storage ({whole} of the server's store used)",
-        f"  {'stream':<16} {'bytes':>10} {'limit':>10} {'full':>5} {'messages':>9}  when full",
-        *(
-            f"  {printable(s.name):<16} {_size(s.bytes):>10} {_size(s.max_bytes):>10}"
-            f" {_share(s.bytes, s.max_bytes):>5} {s.messages:>9}"
-            f"  {'refuses new' if s.discard == 'new' else 'drops oldest'}"
-            for s in report.stores
-        ),
-    ]
-    warn = f"{report.store_warn:.0%}"
-    for s in report.stores:
-        if s.near_limit:
-            lines.append(
-                f"  near limit: {printable(s.name)} is {_share(s.bytes, s.max_bytes)} full"
-                f" (over {warn}); see docs/operations.md#storage"
+
+
+def _level_section(levels: Sequence[LevelStatus]) -> StatusSection:
+    return StatusSection(
+        title="Priority levels",
+        columns=("level", "waiting", "oldest wait"),
+        numeric=(False, True, False),
+        rows=tuple(
+            (
+                printable(level.name),
+                _opt(level.waiting),
+                "-" if level.oldest_wait is None else _duration(level.oldest_wait),
             )
-    if "store" in report.near_limit:
-        lines.append(
-            f"  near limit: the server's store is {_share(report.store_used, report.store_limit)}"
-            f" full (over {warn}); see docs/operations.md#storage"
-        )
-    return lines
+            for level in levels
+        ),
+    )
 
 
-def _size(count: int) -> str:
-    """Bytes for a person: ``-`` for no limit, else B, KiB, MiB, GiB or TiB."""
-    if count < 0:
-        return "-"
-    size = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
-def _share(used: int, limit: int) -> str:
-    return "-" if limit <= 0 else f"{used / limit:.0%}"
+def _tenant_section(tenants: Sequence[TenantStatus]) -> StatusSection:
+    return StatusSection(
+        title="Tenants",
+        columns=("tenant", "spend today $", "budget/day $", "spend $", "submitted", "ended"),
+        numeric=(False, True, True, True, True, False),
+        rows=tuple(
+            (
+                printable(t.name),
+                f"{t.spend_today:.6f}",
+                "-" if t.budget is None else f"{t.budget.daily:.6f} {t.budget.mode}",
+                f"{t.spend:.6f}",
+                str(t.submitted),
+                " ".join(f"{printable(k)}={n}" for k, n in sorted(t.terminal.items())) or "-",
+            )
+            for t in tenants
+        ),
+    )
 
 
 def _pauses(backend: BackendStatus, now: float) -> list[str]:
@@ -716,3 +753,64 @@ def _duration(seconds: float) -> str:
     if seconds < 48 * 3600:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds / 86400:.1f} d"
+
+
+#: The title of the status's warnings (the command line shows it in yellow).
+NEAR_LIMIT: Final = "Near limit (what to do: docs/operations.md#storage)"
+
+
+def _store_sections(report: StatusReport) -> list[StatusSection]:
+    """Each store's bytes against its limit; then, for each store past
+    ``store_warn`` of its limit (and the server's store as a whole), a
+    ``near limit`` note."""
+    if not report.stores:
+        return []
+    whole = (
+        f"{_size(report.store_used)} of {_size(report.store_limit)}"
+        f" ({_share(report.store_used, report.store_limit)})"
+    )
+    sections = [
+        StatusSection(
+            title=f"Storage ({whole} of the server's store used)",
+            columns=("stream", "bytes", "limit", "full", "messages", "when full"),
+            numeric=(False, True, True, True, True, False),
+            rows=tuple(
+                (
+                    printable(s.name),
+                    _size(s.bytes),
+                    _size(s.max_bytes),
+                    _share(s.bytes, s.max_bytes),
+                    str(s.messages),
+                    "refuses new" if s.discard == "new" else "drops oldest",
+                )
+                for s in report.stores
+            ),
+        )
+    ]
+    warn = f"{report.store_warn:.0%}"
+    near = [
+        (s.name, f"{_share(s.bytes, s.max_bytes)} full (over {warn})")
+        for s in report.stores
+        if s.near_limit
+    ]
+    if "store" in report.near_limit:
+        whole_share = _share(report.store_used, report.store_limit)
+        near.append(("the server's store", f"{whole_share} full (over {warn})"))
+    note = _notes(NEAR_LIMIT, near)
+    return sections if note is None else [*sections, note]
+
+
+def _size(count: int) -> str:
+    """Bytes for a person: ``-`` for no limit, else B, KiB, MiB, GiB or TiB."""
+    if count < 0:
+        return "-"
+    size = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _share(used: int, limit: int) -> str:
+    return "-" if limit <= 0 else f"{used / limit:.0%}"

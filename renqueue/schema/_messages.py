@@ -29,6 +29,7 @@ __all__ = [
     "MAX_REASON_LENGTH",
     "MAX_REQUEUES",
     "MAX_STOP_LENGTH",
+    "MAX_TEXT",
     "OLDEST_VERSION",
     "REQUEST_DECODER",
     "REQUEST_HEADROOM",
@@ -90,6 +91,10 @@ __all__ = [
     "tool_call_deltas",
 ]
 
+#: The most characters a message's text (a prompt, an answer, a tool call's
+#: arguments) may have; a whole request must also fit the broker's max_payload.
+MAX_TEXT: Final = 1_000_000
+
 #: 2: messages with content parts, names, tool calls and tool results;
 #: tools, response formats, penalties, logprobs, ``user`` and pass-through
 #: parameters; chunks with tool-call deltas, finish reason and usage. Every
@@ -111,7 +116,7 @@ class ToolCall(Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: The provider's id for the call; a ``tool`` message answers it by this id.
     id: Annotated[str, Meta(max_length=256)] = ""
     name: Annotated[str, Meta(max_length=256)]
-    arguments: Annotated[str, Meta(max_length=1_000_000)] = "{}"
+    arguments: Annotated[str, Meta(max_length=MAX_TEXT)] = "{}"
 
 
 class ToolCallDelta(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -156,7 +161,7 @@ class TokenLogprob(Struct, frozen=True, kw_only=True):
 class TextPart(Struct, frozen=True, kw_only=True, tag_field="type", tag="text"):
     """Text in a message's content parts."""
 
-    text: Annotated[str, Meta(max_length=1_000_000)]
+    text: Annotated[str, Meta(max_length=MAX_TEXT)]
 
 
 class ImageURL(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -194,7 +199,7 @@ class ChatMessage(Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: Always written, ``""`` when an assistant turn has only tool calls (a
     #: version-1 reader requires it, and a message keeps its bytes).
     content: (
-        Annotated[str, Meta(max_length=1_000_000)]
+        Annotated[str, Meta(max_length=MAX_TEXT)]
         | Annotated[list[ContentPart], Meta(max_length=1024)]
     )
     #: A participant's name (OpenAI's ``name``).

@@ -39,7 +39,7 @@ from ..coordination import CancelWatch, ClusterMetrics, Exporter, Projector
 from ..errors import ServiceFailedError
 from ..lifecycle import Lifecycle, State
 from ..logs import get_logger
-from ..tasks import Supervisor, cancel_and_wait
+from ..tasks import Fatal, Supervisor, cancel_and_wait
 from ._advisories import AdvisoryReader
 from .router import Router
 from .worker import Worker
@@ -50,6 +50,8 @@ log = get_logger("service")
 
 #: The loop that keeps the services on a live connection.
 _WATCH: Final = "nats-connection"
+#: The loop that stops the services when their embedded nats-server ends.
+_SERVER: Final = "embedded-nats-server"
 
 
 class _Startable(Protocol):
@@ -133,6 +135,7 @@ class Services(Lifecycle):
             )
             await self.server.start()
             log.info("embedded nats-server started", url=self.server.url)
+            self.supervisor.spawn(_SERVER, functools.partial(_outlive_not, self.server))
         self.nc = nc = await connect(self.url, name=self._name, config=self.config.nats)
         self.js = nc.jetstream()
         if self._provision:
@@ -291,6 +294,20 @@ class Services(Lifecycle):
             except Exception as exc:  # noqa: BLE001 - shutting down regardless
                 log.warning("nats drain failed", error=str(exc))
         await self.supervisor.close()
+
+
+async def _outlive_not(server: EmbeddedServer) -> None:
+    """Fail the services (the process stops, non-zero) when their embedded
+    nats-server ends: nothing else would bring it back, and every connection
+    would retry a dead port for ever. Cancelled first on a shutdown, which
+    stops the server after every other service."""
+    pid = server.pid
+    status = await server.exited()
+    how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
+    raise Fatal(
+        f"the embedded nats-server (pid {pid}) {how}: nothing can run without it; "
+        "start `renqueue up` again"
+    )
 
 
 async def run_until_signalled(services: Services) -> None:
