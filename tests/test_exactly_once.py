@@ -28,7 +28,7 @@ import msgspec
 import pytest
 
 from renqueue import Client, RequestFailedError, Services, load_config
-from renqueue.broker import EventLog, read_subject
+from renqueue.broker import EventLog, connect, provision, read_subject
 from renqueue.config import Config
 from renqueue.errors import NatsTimeoutError
 from renqueue.mock import MockBackend, MockSettings
@@ -522,3 +522,43 @@ async def test_followers_of_a_leader_that_runs_out_of_deliveries_run_on_their_ow
     # The follower was routed on its own (its own dispatch), once its leader failed.
     assert taken == [leader.id, leader.id, follower.id, follower.id]
     assert [kind_of(e) for e in events if is_terminal(e)] == ["failed"]
+
+
+async def test_a_copy_in_the_batch_of_the_message_that_ended_its_id_is_not_routed(
+    tmp_path: Path, isolated_server: Any
+) -> None:
+    """Review of issue 30's fix: the terminal claims of a fetched batch are
+    looked up once, before any of it is taken. A request rejected for its
+    old-style ``Nats-Msg-Id`` and sent again with the right header, both read
+    in one fetch, found no claim in that lookup (the first was rejected after
+    it): the copy was admitted, routed and dropped by the worker. A claim this
+    router writes after the lookup is seen by the copies read after it."""
+    async with MockBackend(MockSettings(output_tokens=4)) as mock:
+        config = write_config(
+            tmp_path / "rq.toml", nats_url=isolated_server.url, backend_url=mock.url
+        )
+        nc = await connect(isolated_server.url, name="before-the-router")
+        try:
+            await provision(nc, config)
+            js = nc.jetstream()
+            request = Client(nc, tenant=TENANT).build_request(
+                "hi", route="chat", request_id="same-batch"
+            )
+            data, subject = msgspec.json.encode(request), request_subject("normal", TENANT)
+            await js.publish(subject, data, headers={"Nats-Msg-Id": request.id})  # no tenant
+            await js.publish(subject, data, headers={"Nats-Msg-Id": msg_id(TENANT, request.id)})
+        finally:
+            await nc.close()
+        async with Services(config) as services:
+            js = services.js
+
+            async def read() -> bool:
+                info = await js.stream_info(REQUESTS_STREAM)
+                return info.state.messages == 0  # a work queue: acked once read
+
+            await until(read, "a router read both copies")
+            events = await histories(js, request.id)
+            dead = await js.get_last_msg(DLQ_STREAM, dlq_subject("requests"))
+    assert [kind_of(e) for e in events] == ["rejected"], describe(events)
+    assert (dead.headers or {})["Rq-Reason"].startswith("already_ended"), dead.headers
+    assert mock.stats().requests == 0

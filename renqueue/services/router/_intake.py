@@ -33,7 +33,7 @@ import contextlib
 import functools
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import msgspec
 
@@ -82,9 +82,17 @@ UNTAKEABLE_AFTER: Final = 3
 #: Requests whose failures to take are counted, at most (the oldest forgotten).
 _TAKE_FAILURES_KEPT: Final = 1024
 
-#: The terminal claims of a fetched batch's requests, looked up together:
-#: ``(tenant, request id)`` -> the claim, or ``None`` when it has none.
-Claims = dict[tuple[str, str], TerminalClaim | None]
+
+class Claims(NamedTuple):
+    """The terminal claims of a fetched batch's requests, looked up together."""
+
+    #: ``(tenant, request id)`` -> the claim, or ``None`` when it had none.
+    found: dict[tuple[str, str], TerminalClaim | None]
+    #: :meth:`Endings.mark` before the lookup: a request this router ended
+    #: since (another copy in the batch, rejected or expired when read) is
+    #: looked up again.
+    mark: int
+
 
 log = get_logger("router")
 
@@ -211,9 +219,19 @@ class Intake:
         """The terminal claims of a batch's requests, all looked up at once (one
         round trip for the batch, not one per request), under the id their
         ``Nats-Msg-Id`` names: an admitted request's own (see :func:`claimed_id`)."""
+        mark = self._endings.mark()
         keys = sorted({key for msg in msgs if (key := claimed_id(msg)) is not None})
         found = await asyncio.gather(*(self._claim_of(*key) for key in keys))
-        return dict(zip(keys, found, strict=True))
+        return Claims(dict(zip(keys, found, strict=True)), mark)
+
+    async def _claim_now(self, key: tuple[str, str], claims: Claims | None) -> TerminalClaim | None:
+        """The terminal claim of ``key``: the batch's lookup's, unless it found
+        none and this router has ended the request since (then looked up again)."""
+        if claims is not None and key in claims.found:
+            found = claims.found[key]  # a claim, once made, stays
+            if found is not None or not self._endings.ended_since(*key, claims.mark):
+                return found
+        return await self._claim_of(*key)
 
     async def _claim_of(self, tenant: str, request_id: str) -> TerminalClaim | None:
         try:
@@ -230,7 +248,7 @@ class Intake:
             # Delivered again while held (a nak from a router that lost the
             # lease, an ack timer that ran out): the held one stands for it.
             return
-        request = await self._admit(msg, level, now, claims or {})
+        request = await self._admit(msg, level, now, claims)
         if request is None:
             return
         arrived = await arrival(self._js, msg, request)
@@ -270,7 +288,7 @@ class Intake:
         )
 
     async def _admit(
-        self, msg: Message, level: str, now: float, claims: Claims
+        self, msg: Message, level: str, now: float, claims: Claims | None
     ) -> InferenceRequest | None:
         """Decode and validate one request; reject it (terminally) if it is bad,
         or if it is new and its tenant's hard daily budget is spent; drop it if
@@ -302,7 +320,7 @@ class Intake:
         return None
 
     async def _ended(
-        self, msg: Message, request: InferenceRequest, level: str, claims: Claims
+        self, msg: Message, request: InferenceRequest, level: str, claims: Claims | None
     ) -> bool:
         """Whether ``request`` already ended: then it is not admitted (never
         logged, routed or run again) and its message is acked.
@@ -320,7 +338,7 @@ class Intake:
         between the claim and the event).
         """
         key = (request.tenant, request.id)
-        claim = claims[key] if key in claims else await self._claim_of(*key)
+        claim = await self._claim_now(key, claims)
         if claim is None:
             return False
         ended = kind_of(claim.event)
