@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -32,6 +33,7 @@ from renqueue.broker import EventLog, connect, provision, read_subject
 from renqueue.config import Config
 from renqueue.errors import NatsTimeoutError
 from renqueue.mock import MockBackend, MockSettings
+from renqueue.policy import expired_waiting
 from renqueue.schema import (
     DISPATCH_DECODER,
     DISPATCH_STREAM,
@@ -560,5 +562,51 @@ async def test_a_copy_in_the_batch_of_the_message_that_ended_its_id_is_not_route
             events = await histories(js, request.id)
             dead = await js.get_last_msg(DLQ_STREAM, dlq_subject("requests"))
     assert [kind_of(e) for e in events] == ["rejected"], describe(events)
-    assert (dead.headers or {})["Rq-Reason"].startswith("already_ended"), dead.headers
+    # Its one dead letter is the rejection's: the copy was sent before the
+    # request ended, so it is dropped without one of its own (see the test below).
+    assert (dead.headers or {})["Rq-Reason"].startswith("malformed"), dead.headers
+    assert dead.seq == 1
+    assert mock.stats().requests == 0
+
+
+async def test_the_message_that_ended_a_request_read_again_by_a_new_binder_is_no_dead_letter(
+    tmp_path: Path, isolated_server: Any
+) -> None:
+    """Review of issue 30's fix: a router that ended a request when it read it
+    (expired here) and stopped before acking its message leaves the message to
+    the next binder, which re-creates the router consumers
+    (``renew_router_consumers``): the message comes again as delivery 1. It
+    is the message that ended the request, not a resubmit: acked without an
+    ``already_ended`` dead letter (docs/wire-format.md, *One outcome per
+    request id*), which ``renqueue dlq requeue`` would have run again."""
+    async with MockBackend(MockSettings(output_tokens=4)) as mock:
+        config = write_config(
+            tmp_path / "rq.toml", nats_url=isolated_server.url, backend_url=mock.url
+        )
+        nc = await connect(isolated_server.url, name="the-router-that-stopped")
+        try:
+            await provision(nc, config)
+            js = nc.jetstream()
+            request = Client(nc, tenant=TENANT).build_request(
+                "hi", route="chat", request_id="ended-then-stopped"
+            )
+            subject = request_subject("normal", TENANT)
+            headers = {"Nats-Msg-Id": msg_id(TENANT, request.id)}
+            await js.publish(subject, msgspec.json.encode(request), headers=headers)
+            # What that router recorded before it stopped: the outcome, no ack.
+            assert await EventLog(js).finish(expired_waiting(request, time.time()))
+        finally:
+            await nc.close()
+        async with Services(config) as services:
+            js = services.js
+
+            async def read() -> bool:
+                info = await js.stream_info(REQUESTS_STREAM)
+                return info.state.messages == 0  # a work queue: acked once read
+
+            await until(read, "the new binder read the message")
+            events = await histories(js, request.id)
+            dead = (await js.stream_info(DLQ_STREAM)).state.messages
+    assert [kind_of(e) for e in events] == ["expired"], describe(events)
+    assert dead == 0
     assert mock.stats().requests == 0

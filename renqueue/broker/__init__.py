@@ -40,6 +40,7 @@ from ._embedded import (
 )
 from ._eventlog import (
     EventLog,
+    StoredClaim,
     delete_consumer,
     msg_id_of,
     publish_stored,
@@ -117,6 +118,7 @@ __all__ = [
     "PullSubscription",
     "ServerState",
     "SpanKind",
+    "StoredClaim",
     "StoredMessage",
     "StreamInfo",
     "Subscription",

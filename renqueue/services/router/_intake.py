@@ -38,7 +38,7 @@ from typing import Any, Final, NamedTuple
 import msgspec
 
 from ... import metrics, schema
-from ...broker import Message, PubAck, PullSubscription, next_hop, trace_of
+from ...broker import Message, PubAck, PullSubscription, StoredClaim, next_hop, trace_of
 from ...coordination import CancelWatch, Coalescer, coalesce_key
 from ...errors import (
     NatsError,
@@ -53,7 +53,6 @@ from ...schema import (
     SHUTDOWN_NAK_DELAY,
     CancelRequested,
     InferenceRequest,
-    TerminalClaim,
     boost_subject,
     coalesced,
     is_requeue_subject,
@@ -87,7 +86,7 @@ class Claims(NamedTuple):
     """The terminal claims of a fetched batch's requests, looked up together."""
 
     #: ``(tenant, request id)`` -> the claim, or ``None`` when it had none.
-    found: dict[tuple[str, str], TerminalClaim | None]
+    found: dict[tuple[str, str], StoredClaim | None]
     #: :meth:`Endings.mark` before the lookup: a request this router ended
     #: since (another copy in the batch, rejected or expired when read) is
     #: looked up again.
@@ -224,7 +223,7 @@ class Intake:
         found = await asyncio.gather(*(self._claim_of(*key) for key in keys))
         return Claims(dict(zip(keys, found, strict=True)), mark)
 
-    async def _claim_now(self, key: tuple[str, str], claims: Claims | None) -> TerminalClaim | None:
+    async def _claim_now(self, key: tuple[str, str], claims: Claims | None) -> StoredClaim | None:
         """The terminal claim of ``key``: the batch's lookup's, unless it found
         none and this router has ended the request since (then looked up again)."""
         if claims is not None and key in claims.found:
@@ -233,9 +232,9 @@ class Intake:
                 return found
         return await self._claim_of(*key)
 
-    async def _claim_of(self, tenant: str, request_id: str) -> TerminalClaim | None:
+    async def _claim_of(self, tenant: str, request_id: str) -> StoredClaim | None:
         try:
-            return await self._log.claim_of(tenant, request_id)
+            return await self._log.stored_claim(tenant, request_id)
         except msgspec.DecodeError:  # only the services write claims: a bug, not the request's
             log.exception("a terminal claim does not decode", request_id=request_id)
             return None
@@ -329,18 +328,20 @@ class Intake:
         the duplicate window, or under another ``Nats-Msg-Id``, say after a
         rejection for the header) would only be dropped by the worker (its
         gate), a routing decision and a backend slot spent on nothing. A
-        client's copy is dead-lettered (``already_ended: ...``, beside the
-        first outcome's own dead letter, if any), so it can be found and
-        requeued under a new id; a services' requeue of it is just dropped,
-        and so is a message delivered again (most likely the very message
-        that ended it, whose router stopped before acking it). The claim's
+        client's copy sent after it ended is dead-lettered (``already_ended:
+        ...``, beside the first outcome's own dead letter, if any), so it can
+        be found and requeued under a new id; anything else is just dropped
+        (:func:`_resubmitted`): a services' requeue of it, a copy sent while
+        it was under way, the very message that ended it delivered again
+        (its router stopped before acking it). The claim's
         event is made sure of in the log (its writer may have stopped
         between the claim and the event).
         """
         key = (request.tenant, request.id)
-        claim = await self._claim_now(key, claims)
-        if claim is None:
+        stored = await self._claim_now(key, claims)
+        if stored is None:
             return False
+        claim = stored.claim
         ended = kind_of(claim.event)
         metrics.ENDED_RESUBMITS.labels(level).inc()
         log.warning(
@@ -352,8 +353,7 @@ class Intake:
         seq = msg.metadata.sequence.stream
         try:
             await self._log.settle(claim)
-            first = msg.metadata.num_delivered <= 1
-            if first and request.requeues == 0 and not is_requeue_subject(msg.subject):
+            if _resubmitted(msg, request, stored):
                 await self._log.dead_letter(
                     "requests",
                     msg.data,
@@ -495,3 +495,23 @@ class Intake:
         """Run idempotent one-off work under the supervisor: retried with a
         capped backoff until it succeeds (see :meth:`Supervisor.spawn_job`)."""
         self._supervisor.spawn_job(f"{self.job_prefix}{what}", factory)
+
+
+def _resubmitted(msg: Message, request: InferenceRequest, stored: StoredClaim) -> bool:
+    """Whether ``msg``, a request whose terminal claim is ``stored``, is a
+    client's copy sent after it ended (one to dead-letter), not the message
+    that ended it delivered again nor a services' requeue of it.
+
+    Stored after the claim (the server's clocks), and delivered once: a router
+    that ended a request when it read it and stopped before acking leaves its
+    message to the next binder, which makes the consumers again
+    (``renew_router_consumers``), so its delivery count starts at 1 again; its
+    message was stored before the claim. A copy stored before the request
+    ended (sent while it was under way) is dropped too: the id's outcome is
+    the one its client waits for.
+    """
+    if request.requeues > 0 or is_requeue_subject(msg.subject):
+        return False
+    if msg.metadata.num_delivered > 1:
+        return False
+    return stored.stored is None or stored_at(msg) > stored.stored
