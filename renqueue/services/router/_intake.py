@@ -216,7 +216,8 @@ class Intake:
 
     async def _claims_of(self, msgs: list[Message]) -> Claims:
         """The terminal claims of a batch's requests, all looked up at once (one
-        round trip for the batch, not one per request), under the id their
+        direct get per request id, sent together: the batch waits for the
+        slowest, not for each in turn), under the id their
         ``Nats-Msg-Id`` names: an admitted request's own (see :func:`claimed_id`)."""
         mark = self._endings.mark()
         keys = sorted({key for msg in msgs if (key := claimed_id(msg)) is not None})
