@@ -28,8 +28,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from renqueue import Client, RequestFailedError, Services, load_config
-from renqueue.broker import EventLog, connect, provision, read_subject
+from renqueue import Client, RequestFailedError, RequestRejectedError, Services, load_config
+from renqueue.broker import EventLog, JetStreamApi, connect, provision, read_subject, reply_error
 from renqueue.config import Config
 from renqueue.errors import NatsTimeoutError
 from renqueue.mock import MockBackend, MockSettings
@@ -609,4 +609,46 @@ async def test_the_message_that_ended_a_request_read_again_by_a_new_binder_is_no
             dead = (await js.stream_info(DLQ_STREAM)).state.messages
     assert [kind_of(e) for e in events] == ["expired"], describe(events)
     assert dead == 0
+    assert mock.stats().requests == 0
+
+
+async def test_a_refused_copy_whose_dead_letter_failed_gets_it_when_delivered_again(
+    tmp_path: Path, isolated_server: Any
+) -> None:
+    """Review of issue 30's fix: the ``already_ended`` dead letter was written
+    on a copy's first delivery only; one that failed (the DLQ stream
+    unreachable) naks the copy, and its next delivery was acked without one,
+    so the copy docs/wire-format.md promises in ``RQ_DLQ`` was never kept."""
+    async with MockBackend(MockSettings(output_tokens=4)) as mock:
+        config = write_config(
+            tmp_path / "rq.toml", nats_url=isolated_server.url, backend_url=mock.url
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            js = services.js
+            request = client.build_request("hi", route="chat", request_id="dlq-away")
+            data, subject = msgspec.json.encode(request), request_subject("normal", TENANT)
+            await js.publish(subject, data, headers={"Nats-Msg-Id": request.id})  # no tenant
+            with pytest.raises(RequestRejectedError):
+                await client.handle(request.id).result(timeout=10)
+            # The dead letters cannot be written now.
+            assert reply_error(await JetStreamApi(js).call(f"STREAM.DELETE.{DLQ_STREAM}")) is None
+            await js.publish(subject, data, headers={"Nats-Msg-Id": msg_id(TENANT, request.id)})
+
+            async def tried_twice() -> bool:
+                info = await js.consumer_info(REQUESTS_STREAM, router_consumer("normal"))
+                return info.num_redelivered > 0
+
+            await until(tried_twice, "the copy was refused and delivered again")
+            await provision(services.nc, config)  # the DLQ stream back
+
+            async def read() -> bool:
+                info = await js.stream_info(REQUESTS_STREAM)
+                return info.state.messages == 0  # a work queue: acked once read
+
+            await until(read, "a router refused the copy")
+            dead = await js.get_last_msg(DLQ_STREAM, dlq_subject("requests"))
+            events = await histories(js, request.id)
+    assert (dead.headers or {})["Rq-Reason"].startswith("already_ended"), dead.headers
+    assert dead.data == data
+    assert [kind_of(e) for e in events] == ["rejected"], describe(events)
     assert mock.stats().requests == 0

@@ -503,16 +503,16 @@ def _resubmitted(msg: Message, request: InferenceRequest, stored: StoredClaim) -
     client's copy sent after it ended (one to dead-letter), not the message
     that ended it delivered again nor a services' requeue of it.
 
-    Stored after the claim (the server's clocks), and delivered once: a router
-    that ended a request when it read it and stopped before acking leaves its
-    message to the next binder, which makes the consumers again
+    Stored after the claim (the server's clocks), whatever its delivery count:
+    a router that ended a request when it read it and stopped before acking
+    leaves its message to the next binder, which makes the consumers again
     (``renew_router_consumers``), so its delivery count starts at 1 again; its
-    message was stored before the claim. A copy stored before the request
-    ended (sent while it was under way) is dropped too: the id's outcome is
-    the one its client waits for.
+    message was stored before the claim. And a copy whose dead letter could
+    not be written is delivered again, and dead-lettered then (stored once
+    within ``RQ_DLQ``'s duplicate window: its message id names the copy's
+    sequence). A copy stored before the request ended (sent while it was
+    under way) is dropped too: the id's outcome is the one its client waits for.
     """
     if request.requeues > 0 or is_requeue_subject(msg.subject):
-        return False
-    if msg.metadata.num_delivered > 1:
         return False
     return stored.stored is None or stored_at(msg) > stored.stored
