@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -27,11 +28,12 @@ from typing import Any
 import msgspec
 import pytest
 
-from renqueue import Client, RequestFailedError, Services, load_config
-from renqueue.broker import EventLog, read_subject
+from renqueue import Client, RequestFailedError, RequestRejectedError, Services, load_config
+from renqueue.broker import EventLog, JetStreamApi, connect, provision, read_subject, reply_error
 from renqueue.config import Config
 from renqueue.errors import NatsTimeoutError
 from renqueue.mock import MockBackend, MockSettings
+from renqueue.policy import expired_waiting
 from renqueue.schema import (
     DISPATCH_DECODER,
     DISPATCH_STREAM,
@@ -522,3 +524,131 @@ async def test_followers_of_a_leader_that_runs_out_of_deliveries_run_on_their_ow
     # The follower was routed on its own (its own dispatch), once its leader failed.
     assert taken == [leader.id, leader.id, follower.id, follower.id]
     assert [kind_of(e) for e in events if is_terminal(e)] == ["failed"]
+
+
+async def test_a_copy_in_the_batch_of_the_message_that_ended_its_id_is_not_routed(
+    tmp_path: Path, isolated_server: Any
+) -> None:
+    """Review of issue 30's fix: the terminal claims of a fetched batch are
+    looked up once, before any of it is taken. A request rejected for its
+    old-style ``Nats-Msg-Id`` and sent again with the right header, both read
+    in one fetch, found no claim in that lookup (the first was rejected after
+    it): the copy was admitted, routed and dropped by the worker. A claim this
+    router writes after the lookup is seen by the copies read after it."""
+    async with MockBackend(MockSettings(output_tokens=4)) as mock:
+        config = write_config(
+            tmp_path / "rq.toml", nats_url=isolated_server.url, backend_url=mock.url
+        )
+        nc = await connect(isolated_server.url, name="before-the-router")
+        try:
+            await provision(nc, config)
+            js = nc.jetstream()
+            request = Client(nc, tenant=TENANT).build_request(
+                "hi", route="chat", request_id="same-batch"
+            )
+            data, subject = msgspec.json.encode(request), request_subject("normal", TENANT)
+            await js.publish(subject, data, headers={"Nats-Msg-Id": request.id})  # no tenant
+            await js.publish(subject, data, headers={"Nats-Msg-Id": msg_id(TENANT, request.id)})
+        finally:
+            await nc.close()
+        async with Services(config) as services:
+            js = services.js
+
+            async def read() -> bool:
+                info = await js.stream_info(REQUESTS_STREAM)
+                return info.state.messages == 0  # a work queue: acked once read
+
+            await until(read, "a router read both copies")
+            events = await histories(js, request.id)
+            dead = await js.get_last_msg(DLQ_STREAM, dlq_subject("requests"))
+    assert [kind_of(e) for e in events] == ["rejected"], describe(events)
+    # Its one dead letter is the rejection's: the copy was sent before the
+    # request ended, so it is dropped without one of its own (see the test below).
+    assert (dead.headers or {})["Rq-Reason"].startswith("malformed"), dead.headers
+    assert dead.seq == 1
+    assert mock.stats().requests == 0
+
+
+async def test_the_message_that_ended_a_request_read_again_by_a_new_binder_is_no_dead_letter(
+    tmp_path: Path, isolated_server: Any
+) -> None:
+    """Review of issue 30's fix: a router that ended a request when it read it
+    (expired here) and stopped before acking its message leaves the message to
+    the next binder, which re-creates the router consumers
+    (``renew_router_consumers``): the message comes again as delivery 1. It
+    is the message that ended the request, not a resubmit: acked without an
+    ``already_ended`` dead letter (docs/wire-format.md, *One outcome per
+    request id*), which ``renqueue dlq requeue`` would have run again."""
+    async with MockBackend(MockSettings(output_tokens=4)) as mock:
+        config = write_config(
+            tmp_path / "rq.toml", nats_url=isolated_server.url, backend_url=mock.url
+        )
+        nc = await connect(isolated_server.url, name="the-router-that-stopped")
+        try:
+            await provision(nc, config)
+            js = nc.jetstream()
+            request = Client(nc, tenant=TENANT).build_request(
+                "hi", route="chat", request_id="ended-then-stopped"
+            )
+            subject = request_subject("normal", TENANT)
+            headers = {"Nats-Msg-Id": msg_id(TENANT, request.id)}
+            await js.publish(subject, msgspec.json.encode(request), headers=headers)
+            # What that router recorded before it stopped: the outcome, no ack.
+            assert await EventLog(js).finish(expired_waiting(request, time.time()))
+        finally:
+            await nc.close()
+        async with Services(config) as services:
+            js = services.js
+
+            async def read() -> bool:
+                info = await js.stream_info(REQUESTS_STREAM)
+                return info.state.messages == 0  # a work queue: acked once read
+
+            await until(read, "the new binder read the message")
+            events = await histories(js, request.id)
+            dead = (await js.stream_info(DLQ_STREAM)).state.messages
+    assert [kind_of(e) for e in events] == ["expired"], describe(events)
+    assert dead == 0
+    assert mock.stats().requests == 0
+
+
+async def test_a_refused_copy_whose_dead_letter_failed_gets_it_when_delivered_again(
+    tmp_path: Path, isolated_server: Any
+) -> None:
+    """Review of issue 30's fix: the ``already_ended`` dead letter was written
+    on a copy's first delivery only; one that failed (the DLQ stream
+    unreachable) naks the copy, and its next delivery was acked without one,
+    so the copy docs/wire-format.md promises in ``RQ_DLQ`` was never kept."""
+    async with MockBackend(MockSettings(output_tokens=4)) as mock:
+        config = write_config(
+            tmp_path / "rq.toml", nats_url=isolated_server.url, backend_url=mock.url
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            js = services.js
+            request = client.build_request("hi", route="chat", request_id="dlq-away")
+            data, subject = msgspec.json.encode(request), request_subject("normal", TENANT)
+            await js.publish(subject, data, headers={"Nats-Msg-Id": request.id})  # no tenant
+            with pytest.raises(RequestRejectedError):
+                await client.handle(request.id).result(timeout=10)
+            # The dead letters cannot be written now.
+            assert reply_error(await JetStreamApi(js).call(f"STREAM.DELETE.{DLQ_STREAM}")) is None
+            await js.publish(subject, data, headers={"Nats-Msg-Id": msg_id(TENANT, request.id)})
+
+            async def tried_twice() -> bool:
+                info = await js.consumer_info(REQUESTS_STREAM, router_consumer("normal"))
+                return info.num_redelivered > 0
+
+            await until(tried_twice, "the copy was refused and delivered again")
+            await provision(services.nc, config)  # the DLQ stream back
+
+            async def read() -> bool:
+                info = await js.stream_info(REQUESTS_STREAM)
+                return info.state.messages == 0  # a work queue: acked once read
+
+            await until(read, "a router refused the copy")
+            dead = await js.get_last_msg(DLQ_STREAM, dlq_subject("requests"))
+            events = await histories(js, request.id)
+    assert (dead.headers or {})["Rq-Reason"].startswith("already_ended"), dead.headers
+    assert dead.data == data
+    assert [kind_of(e) for e in events] == ["rejected"], describe(events)
+    assert mock.stats().requests == 0

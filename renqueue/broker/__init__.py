@@ -42,6 +42,7 @@ from ._embedded import (
 from ._eventlog import (
     DLQ_HOSTILE_EXCERPT,
     EventLog,
+    StoredClaim,
     delete_consumer,
     msg_id_of,
     publish_stored,
@@ -122,6 +123,7 @@ __all__ = [
     "PullSubscription",
     "ServerState",
     "SpanKind",
+    "StoredClaim",
     "StoredMessage",
     "StreamInfo",
     "Subscription",

@@ -46,7 +46,7 @@ import contextlib
 import hashlib
 import uuid
 from collections.abc import Mapping
-from typing import Final
+from typing import Final, NamedTuple
 
 import msgspec
 
@@ -105,6 +105,7 @@ __all__ = [
     "DLQ_EXCERPT",
     "DLQ_HOSTILE_EXCERPT",
     "EventLog",
+    "StoredClaim",
     "delete_consumer",
     "msg_id_of",
     "publish_stored",
@@ -131,6 +132,15 @@ _CLAIMS_STREAM: Final = f"KV_{TERMINAL_BUCKET}"
 _REPLAY_INACTIVE: Final = 10.0
 #: Bound on deleting a consumer: closing never waits longer than this.
 _DELETE_TIMEOUT: Final = 1.0
+
+
+class StoredClaim(NamedTuple):
+    """A request's terminal claim, as :meth:`EventLog.stored_claim` reads it."""
+
+    claim: TerminalClaim
+    #: When the claim was stored (the server's clock, Unix seconds); ``None``
+    #: if the server did not say.
+    stored: float | None
 
 
 def msg_id_of(event: Event) -> str | None:
@@ -499,12 +509,19 @@ class EventLog:
 
     async def claim_of(self, tenant: str, request_id: str) -> TerminalClaim | None:
         """The request's terminal claim, if it has one (one direct get)."""
+        stored = await self.stored_claim(tenant, request_id)
+        return None if stored is None else stored.claim
+
+    async def stored_claim(self, tenant: str, request_id: str) -> StoredClaim | None:
+        """The request's terminal claim and when it was stored, if it has one
+        (one direct get)."""
         subject = f"$KV.{TERMINAL_BUCKET}.{terminal_key(tenant, request_id)}"
         try:
             raw = await self._js.get_msg(_CLAIMS_STREAM, subject=subject, direct=True)
         except NatsNotFoundError:
             return None
-        return CLAIM_DECODER.decode(raw.data or b"")
+        stored = None if raw.time is None else raw.time.timestamp()
+        return StoredClaim(CLAIM_DECODER.decode(raw.data or b""), stored)
 
     async def settle(self, claim: TerminalClaim) -> None:
         """Make sure a claimed outcome is in the log: publish its event if it is

@@ -12,6 +12,7 @@ request is delivered again, and ended then.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Final
 
@@ -31,6 +32,9 @@ log = get_logger("router")
 #: so its dead letter keeps an excerpt (``DLQ_HOSTILE_EXCERPT`` bytes), not the body.
 _OWN_CONTENT: Final = frozenset({MalformedRequestError.code, OutOfRangeError.code})
 
+#: Requests whose endings :class:`Endings` remembers (see :meth:`Endings.ended_since`).
+_ENDED_KEPT: Final = 4096
+
 
 class Endings:
     """Records how requests end at this router (see the module docstring)."""
@@ -43,10 +47,37 @@ class Endings:
         self._clock = clock
         #: Requests this router rejected.
         self.rejected = 0
+        #: How many endings this router has begun to record (see :meth:`mark`).
+        self._ends = 0
+        #: The requests ended most recently, each with its ending's number.
+        self._recent: OrderedDict[tuple[str, str], int] = OrderedDict()
+        #: The number of the latest ending forgotten (``_recent`` is bounded).
+        self._forgotten = 0
+
+    def mark(self) -> int:
+        """A mark of the endings so far, for :meth:`ended_since`."""
+        return self._ends
+
+    def ended_since(self, tenant: str, request_id: str, mark: int) -> bool:
+        """Whether this router began to record an ending of ``(tenant,
+        request_id)`` after :meth:`mark` returned ``mark`` (True also when it
+        cannot tell: it forgot an ending made since). A terminal claim looked
+        up before ``mark`` may then be there now."""
+        ended = self._recent.get((tenant, request_id))
+        return (ended is not None and ended > mark) or self._forgotten > mark
+
+    def _ending(self, tenant: str, request_id: str) -> None:
+        """Note that the ending of ``(tenant, request_id)`` is about to be recorded."""
+        self._ends += 1
+        self._recent[(tenant, request_id)] = self._ends
+        self._recent.move_to_end((tenant, request_id))
+        while len(self._recent) > _ENDED_KEPT:
+            _, self._forgotten = self._recent.popitem(last=False)
 
     async def end(self, request: InferenceRequest, event: Event) -> None:
         """Record a request's terminal event; a coalescing leader's followers
         get their outcome first (so a crash in between cannot strand them)."""
+        self._ending(request.tenant, request.id)
         key = coalesce_key(request)
         if key is not None:
             await self._coalescer.leader_ended(request.tenant, request.id, key, event)
@@ -81,6 +112,7 @@ class Endings:
         request is ended all the same and the followers are left to their
         deadlines or the advisory reader."""
         code = getattr(error, "code", "malformed")
+        self._ending(tenant, request_id)
         self.rejected += 1
         metrics.REJECTED.labels(code).inc()
         metrics.TERMINAL.labels("rejected").inc()

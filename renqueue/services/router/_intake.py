@@ -33,12 +33,12 @@ import contextlib
 import functools
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import msgspec
 
 from ... import metrics, schema
-from ...broker import Message, PubAck, PullSubscription, next_hop, trace_of
+from ...broker import Message, PubAck, PullSubscription, StoredClaim, next_hop, trace_of
 from ...coordination import CancelWatch, Coalescer, coalesce_key
 from ...errors import (
     NatsError,
@@ -53,7 +53,6 @@ from ...schema import (
     SHUTDOWN_NAK_DELAY,
     CancelRequested,
     InferenceRequest,
-    TerminalClaim,
     boost_subject,
     coalesced,
     is_requeue_subject,
@@ -82,9 +81,17 @@ UNTAKEABLE_AFTER: Final = 3
 #: Requests whose failures to take are counted, at most (the oldest forgotten).
 _TAKE_FAILURES_KEPT: Final = 1024
 
-#: The terminal claims of a fetched batch's requests, looked up together:
-#: ``(tenant, request id)`` -> the claim, or ``None`` when it has none.
-Claims = dict[tuple[str, str], TerminalClaim | None]
+
+class Claims(NamedTuple):
+    """The terminal claims of a fetched batch's requests, looked up together."""
+
+    #: ``(tenant, request id)`` -> the claim, or ``None`` when it had none.
+    found: dict[tuple[str, str], StoredClaim | None]
+    #: :meth:`Endings.mark` before the lookup: a request this router ended
+    #: since (another copy in the batch, rejected or expired when read) is
+    #: looked up again.
+    mark: int
+
 
 log = get_logger("router")
 
@@ -209,15 +216,26 @@ class Intake:
 
     async def _claims_of(self, msgs: list[Message]) -> Claims:
         """The terminal claims of a batch's requests, all looked up at once (one
-        round trip for the batch, not one per request), under the id their
+        direct get per request id, sent together: the batch waits for the
+        slowest, not for each in turn), under the id their
         ``Nats-Msg-Id`` names: an admitted request's own (see :func:`claimed_id`)."""
+        mark = self._endings.mark()
         keys = sorted({key for msg in msgs if (key := claimed_id(msg)) is not None})
         found = await asyncio.gather(*(self._claim_of(*key) for key in keys))
-        return dict(zip(keys, found, strict=True))
+        return Claims(dict(zip(keys, found, strict=True)), mark)
 
-    async def _claim_of(self, tenant: str, request_id: str) -> TerminalClaim | None:
+    async def _claim_now(self, key: tuple[str, str], claims: Claims | None) -> StoredClaim | None:
+        """The terminal claim of ``key``: the batch's lookup's, unless it found
+        none and this router has ended the request since (then looked up again)."""
+        if claims is not None and key in claims.found:
+            found = claims.found[key]  # a claim, once made, stays
+            if found is not None or not self._endings.ended_since(*key, claims.mark):
+                return found
+        return await self._claim_of(*key)
+
+    async def _claim_of(self, tenant: str, request_id: str) -> StoredClaim | None:
         try:
-            return await self._log.claim_of(tenant, request_id)
+            return await self._log.stored_claim(tenant, request_id)
         except msgspec.DecodeError:  # only the services write claims: a bug, not the request's
             log.exception("a terminal claim does not decode", request_id=request_id)
             return None
@@ -230,7 +248,7 @@ class Intake:
             # Delivered again while held (a nak from a router that lost the
             # lease, an ack timer that ran out): the held one stands for it.
             return
-        request = await self._admit(msg, level, now, claims or {})
+        request = await self._admit(msg, level, now, claims)
         if request is None:
             return
         arrived = await arrival(self._js, msg, request)
@@ -270,7 +288,7 @@ class Intake:
         )
 
     async def _admit(
-        self, msg: Message, level: str, now: float, claims: Claims
+        self, msg: Message, level: str, now: float, claims: Claims | None
     ) -> InferenceRequest | None:
         """Decode and validate one request; reject it (terminally) if it is bad,
         or if it is new and its tenant's hard daily budget is spent; drop it if
@@ -302,7 +320,7 @@ class Intake:
         return None
 
     async def _ended(
-        self, msg: Message, request: InferenceRequest, level: str, claims: Claims
+        self, msg: Message, request: InferenceRequest, level: str, claims: Claims | None
     ) -> bool:
         """Whether ``request`` already ended: then it is not admitted (never
         logged, routed or run again) and its message is acked.
@@ -311,18 +329,20 @@ class Intake:
         the duplicate window, or under another ``Nats-Msg-Id``, say after a
         rejection for the header) would only be dropped by the worker (its
         gate), a routing decision and a backend slot spent on nothing. A
-        client's copy is dead-lettered (``already_ended: ...``, beside the
-        first outcome's own dead letter, if any), so it can be found and
-        requeued under a new id; a services' requeue of it is just dropped,
-        and so is a message delivered again (most likely the very message
-        that ended it, whose router stopped before acking it). The claim's
+        client's copy sent after it ended is dead-lettered (``already_ended:
+        ...``, beside the first outcome's own dead letter, if any), so it can
+        be found and requeued under a new id; anything else is just dropped
+        (:func:`_resubmitted`): a services' requeue of it, a copy sent while
+        it was under way, the very message that ended it delivered again
+        (its router stopped before acking it). The claim's
         event is made sure of in the log (its writer may have stopped
         between the claim and the event).
         """
         key = (request.tenant, request.id)
-        claim = claims[key] if key in claims else await self._claim_of(*key)
-        if claim is None:
+        stored = await self._claim_now(key, claims)
+        if stored is None:
             return False
+        claim = stored.claim
         ended = kind_of(claim.event)
         metrics.ENDED_RESUBMITS.labels(level).inc()
         log.warning(
@@ -334,8 +354,7 @@ class Intake:
         seq = msg.metadata.sequence.stream
         try:
             await self._log.settle(claim)
-            first = msg.metadata.num_delivered <= 1
-            if first and request.requeues == 0 and not is_requeue_subject(msg.subject):
+            if _resubmitted(msg, request, stored):
                 await self._log.dead_letter(
                     "requests",
                     msg.data,
@@ -477,3 +496,23 @@ class Intake:
         """Run idempotent one-off work under the supervisor: retried with a
         capped backoff until it succeeds (see :meth:`Supervisor.spawn_job`)."""
         self._supervisor.spawn_job(f"{self.job_prefix}{what}", factory)
+
+
+def _resubmitted(msg: Message, request: InferenceRequest, stored: StoredClaim) -> bool:
+    """Whether ``msg``, a request whose terminal claim is ``stored``, is a
+    client's copy sent after it ended (one to dead-letter), not the message
+    that ended it delivered again nor a services' requeue of it.
+
+    Stored after the claim (the server's clocks), whatever its delivery count:
+    a router that ended a request when it read it and stopped before acking
+    leaves its message to the next binder, which makes the consumers again
+    (``renew_router_consumers``), so its delivery count starts at 1 again; its
+    message was stored before the claim. And a copy whose dead letter could
+    not be written is delivered again, and dead-lettered then (stored once
+    within ``RQ_DLQ``'s duplicate window: its message id names the copy's
+    sequence). A copy stored before the request ended (sent while it was
+    under way) is dropped too: the id's outcome is the one its client waits for.
+    """
+    if request.requeues > 0 or is_requeue_subject(msg.subject):
+        return False
+    return stored.stored is None or stored_at(msg) > stored.stored
