@@ -312,18 +312,24 @@ async def test_worker_killed_mid_stream_is_redelivered_and_completes_once(
 async def test_subscriber_joining_mid_stream_gets_stored_then_live_chunks_once(
     client: Client, mock: MockBackend
 ) -> None:
+    """A second subscriber, joining after the first has read a few chunks,
+    gets every chunk once: the stored ones, then the live ones, no gap, no
+    repeat. How many chunks the answer's 16 tokens make depends on the
+    machine's pace (the worker sends what has arrived as one chunk), so the
+    test counts them rather than expecting 16."""
     mock.update(tokens_per_second=40, output_tokens=16)  # ~0.4 s of generation
     handle = await client.submit("hello", route="chat")
     first = handle.stream(timeout=10)
-    await anext(first)
-    await asyncio.sleep(0.15)  # a few more chunks are stored before the second subscriber
+    early = [await anext(first) for _ in range(3)]  # chunks are stored: join now
     late = [chunk async for chunk in handle.stream(timeout=10)]
-    early = [chunk async for chunk in first]
+    early += [chunk async for chunk in first]
     result = await handle.result(timeout=10)
 
-    assert [c.seq for c in late] == list(range(16))
+    assert [c.seq for c in late] == list(range(len(late)))
+    assert [c.seq for c in early] == [c.seq for c in late]
     assert "".join(c.text for c in late) == result.text
-    assert [c.seq for c in early] == list(range(1, 16))
+    assert "".join(c.text for c in early) == result.text
+    assert len(late) > 3
 
 
 async def test_router_skips_a_backend_the_log_shows_failing(tmp_path: Path) -> None:
