@@ -1085,7 +1085,7 @@ def main() -> None:
     parser.add_argument(
         "--real-requests", type=int, default=8, help="--real: requests per level per round (8)"
     )
-    parser.add_argument("--real-rounds", type=int, default=4, help="--real: rounds (4)")
+    parser.add_argument("--real-rounds", type=int, default=2, help="--real: rounds (2)")
     args = parser.parse_args()
     configure_logging(level="WARNING")
     if args.real:
