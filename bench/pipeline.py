@@ -826,7 +826,7 @@ async def run_real(args: argparse.Namespace) -> dict[str, Any]:
     per_level = args.real_requests
     rounds = args.real_rounds
     tokens = REAL_TOKENS
-    model, made = await asyncio.to_thread(ensure_model, ROOT / DEFAULT_VENV)
+    model, made = await asyncio.to_thread(ensure_model, args.real_venv)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     report: dict[str, Any] = {
         "benchmark": "pipeline-real",
@@ -1086,6 +1086,12 @@ def main() -> None:
         "--real-requests", type=int, default=8, help="--real: requests per level per round (8)"
     )
     parser.add_argument("--real-rounds", type=int, default=2, help="--real: rounds (2)")
+    parser.add_argument(
+        "--real-venv",
+        type=Path,
+        default=ROOT / DEFAULT_VENV,
+        help="--real: the server's venv, made if missing (.renqueue/real-venv)",
+    )
     args = parser.parse_args()
     configure_logging(level="WARNING")
     if args.real:
