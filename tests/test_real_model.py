@@ -68,7 +68,7 @@ SHOWN = VENV.relative_to(ROOT) if VENV.is_relative_to(ROOT) else VENV
 pytestmark = pytest.mark.skipif(
     MODEL is None,
     reason=f"no cached real-model venv at {SHOWN}"
-    " (`make test-real` makes it: pip builds llama-cpp-python, about 20 minutes once)",
+    " (`make test-real` makes it: pip builds llama-cpp-python, 16 minutes or more, once)",
 )
 
 #: A prompt the model answers at length when its end of turn is held back.

@@ -118,7 +118,7 @@ def mock_backend(ctx: click.Context, /, **options: Any) -> None:
     "--real",
     is_flag=True,
     help="A real model as the local tier: llama-cpp-python's server on SmolLM2-135M, in a"
-    " venv of its own made on first use (about 20 minutes: pip builds it from source).",
+    " venv of its own made on first use (pip builds it from source: 16 minutes or more).",
 )
 @click.option(
     "--venv",
