@@ -459,20 +459,25 @@ async def test_the_learned_speed_model_converges_to_the_servers_real_rate(
     isolated_server: EmbeddedServer, llama: LlamaServer
 ) -> None:
     """After a few calls, the speed the router plans with (learned from the log) is the
-    rate the server streams at, measured by calling it directly: within a factor of
-    1.5 either way on a shared machine (timings vary; the model is what is checked)."""
+    rate the server streams at, measured by calling it directly before and after: within
+    a factor of 2 either way (a shared machine's load moves the rate between calls, and
+    ``make test`` runs other servers beside this one; the model is what is checked: an
+    unlearned one has no rate at all)."""
     tokens = 24
     body = {
         "messages": [{"role": "user", "content": LONG_PROMPT}],
         "max_tokens": tokens,
         "min_tokens": tokens,
     }
-    rates = []
-    async with httpx.AsyncClient(timeout=60.0) as http:
-        for _ in range(3):
-            _text, _chunks, times = await direct_stream(http, llama, body)
-            rates.append((len(times) - 1) / (times[-1] - times[0]))
-    direct_rate = statistics.median(rates)
+    rates: list[float] = []
+
+    async def measure_directly() -> None:
+        async with httpx.AsyncClient(timeout=60.0) as http:
+            for _ in range(2):
+                _text, _chunks, times = await direct_stream(http, llama, body)
+                rates.append((len(times) - 1) / (times[-1] - times[0]))
+
+    await measure_directly()
     config = config_of(isolated_server.url, local(llama))
     async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
         for _ in range(MIN_SAMPLES + 2):
@@ -486,9 +491,11 @@ async def test_the_learned_speed_model_converges_to_the_servers_real_rate(
                 if perf is not None and perf.samples >= MIN_SAMPLES + 2:
                     break
                 await asyncio.sleep(0.05)
+    await measure_directly()
+    direct_rate = statistics.median(rates)
     assert perf.output == pytest.approx(tokens)
     assert 0 < perf.ttft < 10
-    assert direct_rate / 1.5 < perf.rate < direct_rate * 1.5, (perf.rate, rates)
+    assert direct_rate / 2 < perf.rate < direct_rate * 2, (perf.rate, rates)
 
 
 # ------------------------------------------------------------------ the demo
