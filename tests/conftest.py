@@ -109,3 +109,25 @@ async def isolated_nc(isolated_server: EmbeddedServer) -> AsyncIterator[Connecti
 @pytest.fixture
 def isolated_js(isolated_nc: Connection) -> JetStream:
     return isolated_nc.jetstream()
+
+
+#: The real model's tests (issue #32): skipped, with the reason, without its cached venv.
+REAL_MODEL_TESTS = "tests/test_real_model.py"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Says so when the real model's tests were skipped, and why (never silently: a
+    plain ``pytest -q`` prints no skip reasons)."""
+    skipped = [
+        report
+        for report in terminalreporter.stats.get("skipped", [])
+        if getattr(report, "nodeid", "").startswith(REAL_MODEL_TESTS)
+    ]
+    if not skipped:
+        return
+    longrepr = skipped[0].longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    terminalreporter.write_line(
+        f"{REAL_MODEL_TESTS}: {len(skipped)} tests skipped: {reason.removeprefix('Skipped: ')}",
+        yellow=True,
+    )

@@ -96,6 +96,8 @@ ALLOWED = {
     },
     "process": {"config", "services", "gateway"},
     "mock": {"errors", "schema", "logs", "lifecycle", "backends"},
+    # A real model server in a venv of its own (issue #32): a process, not a part of the queue.
+    "llamacpp": {"errors", "lifecycle"},
 }
 
 #: Pure leaves every part may import: the errors and text for people.

