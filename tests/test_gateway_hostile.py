@@ -453,3 +453,33 @@ async def test_a_client_that_stops_reading_its_answer_is_dropped(nats_url: str) 
 async def connections(gateway: Gateway, expected: int) -> bool:
     server = gateway._runner.server if gateway._runner else None
     return server is not None and len(server.connections) == expected
+
+
+async def test_a_connection_closed_with_its_answers_unread_is_dropped_after_send_timeout(
+    nats_url: str,
+) -> None:
+    """Answers under aiohttp's 64 KiB high-water mark left unread: the idle
+    limit closes the connection, and asyncio's close waits for them to be
+    sent: for ever, to a client that never reads (a zero window, its probes
+    acknowledged). Its fd, its handler and the connection gauge were held for
+    good; the client has ``send_timeout`` to take them, then it is dropped."""
+    async for gateway in serve(nats_url, idle_timeout="1s", send_timeout="1s"):
+        before = dropped("slow_reader")
+        loop = asyncio.get_running_loop()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", gateway.port))
+            await until(functools.partial(connections, gateway, 1), "the connection is accepted")
+            assert gateway._runner is not None
+            server_side = gateway._runner.server.connections[0].transport  # type: ignore[union-attr]
+            assert server_side is not None
+            server_side.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDBUF, 4096
+            )
+            # ~40 KB of pipelined answers: more than both kernel buffers hold,
+            # less than makes aiohttp pause writing (what send_timeout watched).
+            await loop.sock_sendall(sock, b"GET /health HTTP/1.1\r\nHost: g\r\n\r\n" * 200)
+            await until(functools.partial(connections, gateway, 0), "its connection is gone")
+            assert dropped("slow_reader") == before + 1
+

@@ -24,7 +24,13 @@ through :class:`_Connection`, aiohttp's protocol with what is missing:
   connection's send buffer stays full for ``[gateway] send_timeout``) has its
   connection dropped, and its call ends as a disconnect; without it a handler
   would wait on the full buffer for as long as the client keeps the
-  connection open.
+  connection open;
+- **a close deadline**: a connection closed (by the idle limit, after a
+  408, at shutdown) with answers still unsent gives the client the same
+  ``send_timeout`` to take them, then it is dropped: asyncio's close waits
+  for a write buffer to empty, for ever to a client that never reads, and
+  a buffer under aiohttp's high-water mark (64 KiB) never pauses writing, so
+  the send deadline above is not armed for it.
 
 The body's deadline (``[gateway] body_timeout``) is the handler's: it reads
 the body (:meth:`Gateway._read_body`).
@@ -150,6 +156,7 @@ class _Connection(web.RequestHandler):
 
     __slots__ = (
         "_armed_at",
+        "_close_timer",
         "_got_bytes",
         "_header_timeout",
         "_header_timer",
@@ -157,6 +164,7 @@ class _Connection(web.RequestHandler):
         "_send_timeout",
         "_send_timer",
         "_started",
+        "_transport",
         "stalled",
     )
 
@@ -166,6 +174,10 @@ class _Connection(web.RequestHandler):
         super().__init__(manager, **kwargs)
         self._header_timeout, self._send_timeout = timeouts
         self._send_timer: asyncio.TimerHandle | None = None
+        #: Aborts a closed connection whose answers the client does not take.
+        self._close_timer: asyncio.TimerHandle | None = None
+        #: The connection's transport, kept after aiohttp lets go of it on a close.
+        self._transport: asyncio.Transport | None = None
         #: Dropped because the client stopped reading its answer (``send_timeout``).
         self.stalled = False
         self._header_timer: asyncio.TimerHandle | None = None
@@ -178,6 +190,8 @@ class _Connection(web.RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
         if self._keepalive_handle is None and self._keepalive_timeout > 0:
             # The idle limit from the connection's start, so that one that never
             # sends a byte is closed too (aiohttp arms it itself since
@@ -189,9 +203,11 @@ class _Connection(web.RequestHandler):
         metrics.CONNECTIONS.inc()
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
+        self._transport = None  # before aiohttp's own force_close below
+        for timer in (self._send_timer, self._close_timer):
+            if timer is not None:
+                timer.cancel()
+        self._send_timer = self._close_timer = None
         if self._header_timer is not None:
             # Gone in the middle of a request's headers (a half-closed or
             # dropped connection).
@@ -230,10 +246,39 @@ class _Connection(web.RequestHandler):
             metrics.DROPPED.labels("slow_reader").inc()  # no call to count it
         transport.abort()
 
+    def force_close(self) -> None:
+        super().force_close()
+        self._abort_later()
+
+    def _abort_later(self) -> None:
+        """The connection is closing: if answers are still unsent, the client
+        has ``send_timeout`` to take them before the connection is dropped."""
+        transport = self._transport
+        if (
+            transport is None
+            or self._close_timer is not None
+            or not transport.is_closing()
+            or not transport.get_write_buffer_size()
+        ):
+            return
+        self._close_timer = self._loop.call_later(self._send_timeout, self._unsent)
+
+    def _unsent(self) -> None:
+        self._close_timer = None
+        transport = self._transport
+        if transport is None:
+            return
+        log.debug("connection closed with its answers unread; dropping it")
+        metrics.DROPPED.labels("slow_reader").inc()
+        transport.abort()
+
     async def start(self) -> None:
         try:
             await super().start()
         finally:
+            # aiohttp closes the transport itself at the end of a connection
+            # that was not force-closed (no keep-alive, a close asked for).
+            self._abort_later()
             # Requests read whole but never handled: the connection was lost
             # (or the gateway stopped) before their turn came.
             unanswered = self._request_count - self._started
