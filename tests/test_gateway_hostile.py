@@ -483,3 +483,12 @@ async def test_a_connection_closed_with_its_answers_unread_is_dropped_after_send
             await until(functools.partial(connections, gateway, 0), "its connection is gone")
             assert dropped("slow_reader") == before + 1
 
+
+async def test_a_refusal_of_the_http_parser_never_echoes_the_api_key(gateway: Gateway) -> None:
+    """aiohttp's parser quotes the line it refused in its message; a bad byte
+    in the Authorization line sent the key back in the answer's body (and on
+    to whatever logs a client's errors)."""
+    for bad in ("\x01", "\x7f", " \x00"):
+        raw = await exchange(gateway.port, head(key=ACME + bad, extra="\r\n"))
+        assert error_of(raw) == (400, "malformed_http"), raw[:300]
+        assert b"acme-key" not in raw, raw

@@ -100,7 +100,7 @@ async def body_deadline(seconds: float) -> AsyncIterator[None]:
     except HttpProcessingError as exc:
         raise ApiError(
             400,
-            f"the request's body is not valid HTTP/1.1: {str(exc.message)[:200]}",
+            f"the request's body is not valid HTTP/1.1: {_reason(exc)}",
             code="malformed_body",
         ) from None
 
@@ -377,16 +377,25 @@ class _Connection(web.RequestHandler):
 
 def _refused(exc: BaseException | None) -> ApiError:
     """The answer to a request aiohttp's parser refused."""
-    text = exc.message if isinstance(exc, HttpProcessingError) else ""
-    if isinstance(exc, LineTooLong) or "Too many headers" in str(text):
+    text = _reason(exc) if isinstance(exc, HttpProcessingError) else ""
+    if isinstance(exc, LineTooLong) or "Too many headers" in text:
         return ApiError(
             431,
             f"the request's head is too large: a line or header over {MAX_FIELD_SIZE} bytes,"
             f" or more than {MAX_HEADERS} headers",
             code="headers_too_large",
         )
-    detail = str(text)[:200] if text else "unreadable request"
+    detail = text or "unreadable request"
     return ApiError(400, f"not a valid HTTP/1.1 request: {detail}", code="malformed_http")
+
+
+def _reason(exc: HttpProcessingError) -> str:
+    """What aiohttp's parser says is wrong, without what it quotes: its
+    messages quote the refused line (``Invalid header value char:`` then the
+    bytes, an ``Authorization`` line and its key included), which must not
+    go back in an answer a client may log."""
+    first = str(exc.message).split("\n", 1)[0].split(":", 1)[0]
+    return first.split("'", 1)[0].split('"', 1)[0].strip()[:200]
 
 
 _REASONS: Final = {408: "Request Timeout"}
