@@ -33,7 +33,11 @@ through :class:`_Connection`, aiohttp's protocol with what is missing:
   the send deadline above is not armed for it.
 
 The body's deadline (``[gateway] body_timeout``) is the handler's: it reads
-the body (:meth:`Gateway._read_body`).
+the body (:meth:`Gateway._read_body`). A body whose framing breaks while it
+is read (a bad chunk in a later packet) is refused by aiohttp's parser as if
+it were the next request; the connection gives the error to the body being
+read instead (a 400 ``malformed_body`` at once, not a wait for the deadline)
+and is closed after the answer.
 """
 
 from __future__ import annotations
@@ -156,6 +160,7 @@ class _Connection(web.RequestHandler):
 
     __slots__ = (
         "_armed_at",
+        "_broken",
         "_close_timer",
         "_got_bytes",
         "_header_timeout",
@@ -187,6 +192,8 @@ class _Connection(web.RequestHandler):
         self._open = False
         #: Requests whose handling began (the rest of ``_request_count`` never got a turn).
         self._started = 0
+        #: The body being read broke its framing: closed after the answer.
+        self._broken = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -293,9 +300,9 @@ class _Connection(web.RequestHandler):
     ) -> tuple[web.StreamResponse, bool]:
         self._started += 1  # from here on the middleware or handle_error counts it
         done = await super()._handle_request(request, start_time, request_handler)
-        if done[0].status == 408:
-            # Too slow to send its request (answered): closed now, without
-            # aiohttp's lingering for the rest of its body.
+        if done[0].status == 408 or self._broken:
+            # Too slow to send its request, or its body broken (answered):
+            # closed now, without aiohttp's lingering for the rest of its body.
             self.force_close()
         return done
 
@@ -308,11 +315,29 @@ class _Connection(web.RequestHandler):
         self._got_bytes = True
         if self._request_count != count:
             self._disarm()  # the headers are in (or refused as malformed)
+            self._body_broken()
         elif awaiting and not self._force_close:
             # The first bytes of a request, not its whole head (a whole one in a
             # packet, the usual case, costs no timer): the rest has until the deadline.
             self._armed_at = count
             self._header_timer = self._loop.call_later(self._header_timeout, self._too_slow)
+
+    def _body_broken(self) -> None:
+        """The parser refused what came while a handler reads a body: the
+        refusal is the body's (its chunks), not a next request's; given to
+        the body, whose reader answers 400 ``malformed_body``."""
+        request = self._current_request
+        if request is None or request.content.is_eof() or len(self._messages) != 1:
+            return
+        message, _ = self._messages[-1]
+        exc = getattr(message, "exc", None)  # aiohttp's _ErrInfo
+        if not isinstance(exc, HttpProcessingError):
+            return
+        self._messages.pop()
+        self._request_count -= 1
+        self._broken = True
+        request.content.set_exception(exc)
+        self.close()  # nothing more is read from it
 
     def _awaiting_request(self) -> bool:
         """Waiting for a request's headers: no request in progress or queued."""
