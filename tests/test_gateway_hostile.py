@@ -539,3 +539,19 @@ async def test_a_pipelined_requests_head_left_unfinished_gets_the_header_deadlin
     assert raw.startswith(b"HTTP/1.1 200 "), raw[:200]
     assert b"header_timeout" in raw, raw[-300:]
     assert rejected("header_timeout") == before + 1
+
+
+async def test_answered_requests_on_a_kept_alive_connection_count_as_no_drop(
+    gateway: Gateway,
+) -> None:
+    """The drop counts lean on aiohttp internals (``_handle_request``,
+    ``_request_count``, ``_waiter``): renamed in an aiohttp upgrade, every
+    answered request would silently count as ``disconnected``. Three
+    requests on one connection, all answered: no drop of any kind."""
+    reasons = ("disconnected", "slow_reader", "incomplete_request", "no_request")
+    before = {reason: dropped(reason) for reason in reasons}
+    first = head(extra="\r\n").replace(b"Connection: close\r\n", b"")
+    raw = await exchange(gateway.port, first * 2 + head(extra="\r\n"))
+    assert raw.count(b"HTTP/1.1 200 OK") == 3, raw[:300]
+    await until(functools.partial(connections, gateway, 0), "the connection is gone")
+    assert {reason: dropped(reason) for reason in reasons} == before
