@@ -555,3 +555,19 @@ async def test_answered_requests_on_a_kept_alive_connection_count_as_no_drop(
     assert raw.count(b"HTTP/1.1 200 OK") == 3, raw[:300]
     await until(functools.partial(connections, gateway, 0), "the connection is gone")
     assert {reason: dropped(reason) for reason in reasons} == before
+
+
+async def test_a_body_that_does_not_decompress_is_a_400_malformed_body(
+    gateway: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """aiohttp decompresses a body by its Content-Encoding and gives a failure
+    to the reader as its RequestPayloadError, not an HttpProcessingError."""
+    before = rejected("malformed_body")
+    chat = "/v1/chat/completions"
+    for encoding in ("gzip", "deflate"):
+        body = b"\x1f\x8b\x08\x00 this is not what it says"
+        extra = f"Content-Encoding: {encoding}\r\nContent-Length: {len(body)}\r\n\r\n"
+        raw = await exchange(gateway.port, head(chat, method="POST", extra=extra) + body)
+        assert error_of(raw) == (400, "malformed_body"), (encoding, raw[:300])
+    assert rejected("malformed_body") == before + 2
+    assert "gateway error" not in caplog.text

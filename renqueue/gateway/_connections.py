@@ -90,7 +90,8 @@ def error_response(error: ApiError, request_id: str | None = None) -> web.Respon
 async def body_deadline(seconds: float) -> AsyncIterator[None]:
     """Around the reading of a request's body: 408 ``body_timeout`` when it has
     not all arrived within ``seconds``, 400 ``malformed_body`` when its
-    framing is broken (a bad chunk, a length it does not have)."""
+    framing is broken (a bad chunk, a length it does not have) or it does not
+    decompress by its ``Content-Encoding`` (aiohttp's RequestPayloadError)."""
     try:
         async with asyncio.timeout(seconds):
             yield
@@ -101,7 +102,7 @@ async def body_deadline(seconds: float) -> AsyncIterator[None]:
             code="body_timeout",
             retry=False,
         ) from None
-    except HttpProcessingError as exc:
+    except (HttpProcessingError, web.RequestPayloadError) as exc:
         raise ApiError(
             400,
             f"the request's body is not valid HTTP/1.1: {_reason(exc)}",
@@ -414,12 +415,13 @@ def _refused(exc: BaseException | None) -> ApiError:
     return ApiError(400, f"not a valid HTTP/1.1 request: {detail}", code="malformed_http")
 
 
-def _reason(exc: HttpProcessingError) -> str:
+def _reason(exc: HttpProcessingError | web.RequestPayloadError) -> str:
     """What aiohttp's parser says is wrong, without what it quotes: its
     messages quote the refused line (``Invalid header value char:`` then the
     bytes, an ``Authorization`` line and its key included), which must not
     go back in an answer a client may log."""
-    first = str(exc.message).split("\n", 1)[0].split(":", 1)[0]
+    text = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
+    first = str(text).split("\n", 1)[0].split(":", 1)[0]
     return first.split("'", 1)[0].split('"', 1)[0].strip()[:200]
 
 
