@@ -62,6 +62,7 @@ __all__ = [
     "GatewayRunner",
     "body_deadline",
     "error_response",
+    "plain_body",
 ]
 
 log = get_logger("gateway")
@@ -84,6 +85,23 @@ def error_response(error: ApiError, request_id: str | None = None) -> web.Respon
     response.headers.update(error.headers())
     response.headers["x-request-id"] = request_id or ("req-" + uuid.uuid4().hex)
     return response
+
+
+def plain_body(request: web.BaseRequest) -> None:
+    """415 ``unsupported_content_encoding`` for a body sent compressed: the
+    gateway does not decompress (``auto_decompress=False``). aiohttp would,
+    in its parser, before any handler could refuse: a 4 MB gzip of zeros is
+    4 GB to inflate, and the event loop stalled for the 10 s aiohttp spends
+    reading (inflating) an unread body after any answer, a 401 included."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(
+            415,
+            "the body is compressed (Content-Encoding): send it uncompressed",
+            code="unsupported_content_encoding",
+            param="Content-Encoding",
+            retry=False,
+        )
 
 
 @contextlib.asynccontextmanager
@@ -129,6 +147,8 @@ class GatewayRunner(web.AppRunner):
             max_field_size=MAX_FIELD_SIZE,
             max_headers=MAX_HEADERS,
             lingering_time=LINGERING,
+            # Bodies as sent: a compressed one is refused (plain_body), never inflated.
+            auto_decompress=False,
             **kwargs,
         )
         self._timeouts = (header_timeout, send_timeout)
