@@ -24,10 +24,20 @@ through :class:`_Connection`, aiohttp's protocol with what is missing:
   connection's send buffer stays full for ``[gateway] send_timeout``) has its
   connection dropped, and its call ends as a disconnect; without it a handler
   would wait on the full buffer for as long as the client keeps the
-  connection open.
+  connection open;
+- **a close deadline**: a connection closed (by the idle limit, after a
+  408, at shutdown) with answers still unsent gives the client the same
+  ``send_timeout`` to take them, then it is dropped: asyncio's close waits
+  for a write buffer to empty, for ever to a client that never reads, and
+  a buffer under aiohttp's high-water mark (64 KiB) never pauses writing, so
+  the send deadline above is not armed for it.
 
 The body's deadline (``[gateway] body_timeout``) is the handler's: it reads
-the body (:meth:`Gateway._read_body`).
+the body (:meth:`Gateway._read_body`). A body whose framing breaks while it
+is read (a bad chunk in a later packet) is refused by aiohttp's parser as if
+it were the next request; the connection gives the error to the body being
+read instead (a 400 ``malformed_body`` at once, not a wait for the deadline)
+and is closed after the answer.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ __all__ = [
     "GatewayRunner",
     "body_deadline",
     "error_response",
+    "plain_body",
 ]
 
 log = get_logger("gateway")
@@ -76,11 +87,29 @@ def error_response(error: ApiError, request_id: str | None = None) -> web.Respon
     return response
 
 
+def plain_body(request: web.BaseRequest) -> None:
+    """415 ``unsupported_content_encoding`` for a body sent compressed: the
+    gateway does not decompress (``auto_decompress=False``). aiohttp would,
+    in its parser, before any handler could refuse: a 4 MB gzip of zeros is
+    4 GB to inflate, and the event loop stalled for the 10 s aiohttp spends
+    reading (inflating) an unread body after any answer, a 401 included."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(
+            415,
+            "the body is compressed (Content-Encoding): send it uncompressed",
+            code="unsupported_content_encoding",
+            param="Content-Encoding",
+            retry=False,
+        )
+
+
 @contextlib.asynccontextmanager
 async def body_deadline(seconds: float) -> AsyncIterator[None]:
     """Around the reading of a request's body: 408 ``body_timeout`` when it has
     not all arrived within ``seconds``, 400 ``malformed_body`` when its
-    framing is broken (a bad chunk, a length it does not have)."""
+    framing is broken (a bad chunk, a length it does not have) or it does not
+    decompress by its ``Content-Encoding`` (aiohttp's RequestPayloadError)."""
     try:
         async with asyncio.timeout(seconds):
             yield
@@ -91,10 +120,10 @@ async def body_deadline(seconds: float) -> AsyncIterator[None]:
             code="body_timeout",
             retry=False,
         ) from None
-    except HttpProcessingError as exc:
+    except (HttpProcessingError, web.RequestPayloadError) as exc:
         raise ApiError(
             400,
-            f"the request's body is not valid HTTP/1.1: {str(exc.message)[:200]}",
+            f"the request's body is not valid HTTP/1.1: {_reason(exc)}",
             code="malformed_body",
         ) from None
 
@@ -118,6 +147,8 @@ class GatewayRunner(web.AppRunner):
             max_field_size=MAX_FIELD_SIZE,
             max_headers=MAX_HEADERS,
             lingering_time=LINGERING,
+            # Bodies as sent: a compressed one is refused (plain_body), never inflated.
+            auto_decompress=False,
             **kwargs,
         )
         self._timeouts = (header_timeout, send_timeout)
@@ -150,6 +181,8 @@ class _Connection(web.RequestHandler):
 
     __slots__ = (
         "_armed_at",
+        "_broken",
+        "_close_timer",
         "_got_bytes",
         "_header_timeout",
         "_header_timer",
@@ -157,6 +190,7 @@ class _Connection(web.RequestHandler):
         "_send_timeout",
         "_send_timer",
         "_started",
+        "_transport",
         "stalled",
     )
 
@@ -166,6 +200,10 @@ class _Connection(web.RequestHandler):
         super().__init__(manager, **kwargs)
         self._header_timeout, self._send_timeout = timeouts
         self._send_timer: asyncio.TimerHandle | None = None
+        #: Aborts a closed connection whose answers the client does not take.
+        self._close_timer: asyncio.TimerHandle | None = None
+        #: The connection's transport, kept after aiohttp lets go of it on a close.
+        self._transport: asyncio.Transport | None = None
         #: Dropped because the client stopped reading its answer (``send_timeout``).
         self.stalled = False
         self._header_timer: asyncio.TimerHandle | None = None
@@ -175,9 +213,13 @@ class _Connection(web.RequestHandler):
         self._open = False
         #: Requests whose handling began (the rest of ``_request_count`` never got a turn).
         self._started = 0
+        #: The body being read broke its framing: closed after the answer.
+        self._broken = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
         if self._keepalive_handle is None and self._keepalive_timeout > 0:
             # The idle limit from the connection's start, so that one that never
             # sends a byte is closed too (aiohttp arms it itself since
@@ -189,9 +231,11 @@ class _Connection(web.RequestHandler):
         metrics.CONNECTIONS.inc()
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
+        self._transport = None  # before aiohttp's own force_close below
+        for timer in (self._send_timer, self._close_timer):
+            if timer is not None:
+                timer.cancel()
+        self._send_timer = self._close_timer = None
         if self._header_timer is not None:
             # Gone in the middle of a request's headers (a half-closed or
             # dropped connection).
@@ -230,10 +274,39 @@ class _Connection(web.RequestHandler):
             metrics.DROPPED.labels("slow_reader").inc()  # no call to count it
         transport.abort()
 
+    def force_close(self) -> None:
+        super().force_close()
+        self._abort_later()
+
+    def _abort_later(self) -> None:
+        """The connection is closing: if answers are still unsent, the client
+        has ``send_timeout`` to take them before the connection is dropped."""
+        transport = self._transport
+        if (
+            transport is None
+            or self._close_timer is not None
+            or not transport.is_closing()
+            or not transport.get_write_buffer_size()
+        ):
+            return
+        self._close_timer = self._loop.call_later(self._send_timeout, self._unsent)
+
+    def _unsent(self) -> None:
+        self._close_timer = None
+        transport = self._transport
+        if transport is None:
+            return
+        log.debug("connection closed with its answers unread; dropping it")
+        metrics.DROPPED.labels("slow_reader").inc()
+        transport.abort()
+
     async def start(self) -> None:
         try:
             await super().start()
         finally:
+            # aiohttp closes the transport itself at the end of a connection
+            # that was not force-closed (no keep-alive, a close asked for).
+            self._abort_later()
             # Requests read whole but never handled: the connection was lost
             # (or the gateway stopped) before their turn came.
             unanswered = self._request_count - self._started
@@ -248,9 +321,9 @@ class _Connection(web.RequestHandler):
     ) -> tuple[web.StreamResponse, bool]:
         self._started += 1  # from here on the middleware or handle_error counts it
         done = await super()._handle_request(request, start_time, request_handler)
-        if done[0].status == 408:
-            # Too slow to send its request (answered): closed now, without
-            # aiohttp's lingering for the rest of its body.
+        if done[0].status == 408 or self._broken:
+            # Too slow to send its request, or its body broken (answered):
+            # closed now, without aiohttp's lingering for the rest of its body.
             self.force_close()
         return done
 
@@ -263,11 +336,29 @@ class _Connection(web.RequestHandler):
         self._got_bytes = True
         if self._request_count != count:
             self._disarm()  # the headers are in (or refused as malformed)
+            self._body_broken()
         elif awaiting and not self._force_close:
             # The first bytes of a request, not its whole head (a whole one in a
             # packet, the usual case, costs no timer): the rest has until the deadline.
             self._armed_at = count
             self._header_timer = self._loop.call_later(self._header_timeout, self._too_slow)
+
+    def _body_broken(self) -> None:
+        """The parser refused what came while a handler reads a body: the
+        refusal is the body's (its chunks), not a next request's; given to
+        the body, whose reader answers 400 ``malformed_body``."""
+        request = self._current_request
+        if request is None or request.content.is_eof() or len(self._messages) != 1:
+            return
+        message, _ = self._messages[-1]
+        exc = getattr(message, "exc", None)  # aiohttp's _ErrInfo
+        if not isinstance(exc, HttpProcessingError):
+            return
+        self._messages.pop()
+        self._request_count -= 1
+        self._broken = True
+        request.content.set_exception(exc)
+        self.close()  # nothing more is read from it
 
     def _awaiting_request(self) -> bool:
         """Waiting for a request's headers: no request in progress or queued."""
@@ -332,16 +423,26 @@ class _Connection(web.RequestHandler):
 
 def _refused(exc: BaseException | None) -> ApiError:
     """The answer to a request aiohttp's parser refused."""
-    text = exc.message if isinstance(exc, HttpProcessingError) else ""
-    if isinstance(exc, LineTooLong) or "Too many headers" in str(text):
+    text = _reason(exc) if isinstance(exc, HttpProcessingError) else ""
+    if isinstance(exc, LineTooLong) or "Too many headers" in text:
         return ApiError(
             431,
             f"the request's head is too large: a line or header over {MAX_FIELD_SIZE} bytes,"
             f" or more than {MAX_HEADERS} headers",
             code="headers_too_large",
         )
-    detail = str(text)[:200] if text else "unreadable request"
+    detail = text or "unreadable request"
     return ApiError(400, f"not a valid HTTP/1.1 request: {detail}", code="malformed_http")
+
+
+def _reason(exc: HttpProcessingError | web.RequestPayloadError) -> str:
+    """What aiohttp's parser says is wrong, without what it quotes: its
+    messages quote the refused line (``Invalid header value char:`` then the
+    bytes, an ``Authorization`` line and its key included), which must not
+    go back in an answer a client may log."""
+    text = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
+    first = str(text).split("\n", 1)[0].split(":", 1)[0]
+    return first.split("'", 1)[0].split('"', 1)[0].strip()[:200]
 
 
 _REASONS: Final = {408: "Request Timeout"}

@@ -57,7 +57,7 @@ from ..coordination import read_splits, read_status
 from ..errors import NatsError
 from ..schema import DLQ_STREAM, Event, kind_of
 from ..tasks import Supervisor
-from ._connections import body_deadline
+from ._connections import body_deadline, plain_body
 from ._console_feed import NOTICE, RESTART, EventFeed, Subscriber, shown
 from ._errors import ApiError, bearer_key
 from ._keys import MAX_KEY_LENGTH, KeyStore, digest
@@ -251,6 +251,7 @@ class Console:
             raise _off()
         _same_origin(request)
         key = ""
+        plain_body(request)
         if request.content_type == "application/json":
             async with body_deadline(self._body_timeout):
                 raw = await request.read()

@@ -138,6 +138,7 @@ CODES: Final = frozenset(
         "body_timeout",
         "malformed_http",
         "malformed_body",
+        "unsupported_content_encoding",
         # The console.
         "admin_key_required",
         "console_disabled",

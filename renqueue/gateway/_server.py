@@ -72,7 +72,7 @@ from ..schema import kind_of
 from ..tasks import Supervisor, cancel_and_wait
 from . import _metrics as metrics
 from ._answers import Answers, ClientGone, parse_last_event_id, request_state
-from ._connections import UNROUTED, GatewayRunner, body_deadline, error_response
+from ._connections import UNROUTED, GatewayRunner, body_deadline, error_response, plain_body
 from ._console import Console
 from ._errors import ApiError, bearer_key, from_error, reason_of
 from ._idempotency import fingerprint, id_for_key
@@ -361,9 +361,11 @@ class Gateway(Lifecycle):
             del self._key_calls[sha]
 
     async def _read_body(self, request: web.Request) -> bytes:
-        """The request's body, whole: 413 over ``max_body`` (at once when its
-        ``Content-Length`` says so), 408 when it does not arrive within
-        ``body_timeout`` of its headers, 400 when its framing is broken."""
+        """The request's body, whole: 415 when compressed, 413 over
+        ``max_body`` (at once when its ``Content-Length`` says so), 408 when it
+        does not arrive within ``body_timeout`` of its headers, 400 when its
+        framing is broken."""
+        plain_body(request)
         length = request.content_length
         if length is not None and length > self._gw.max_body:
             raise self._too_large()
