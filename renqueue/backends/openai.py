@@ -191,6 +191,7 @@ class _ChunkParser(SSEParser):
     probabilities."""
 
     incomplete: ClassVar[str] = "stream ended before [DONE]"
+    unreasoned: ClassVar[str | None] = "stream ended with [DONE] but no finish_reason"
 
     def event(self, event: ServerSentEvent) -> str:
         data = event.data
