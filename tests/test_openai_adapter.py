@@ -377,6 +377,14 @@ def openai_error(message: str) -> dict[str, object]:
 # lower bound below however long the suite takes to reach the test.
 HTTP_DATE = format_datetime(datetime.now(UTC) + timedelta(hours=1), usegmt=True)
 
+
+async def empty_finish_done(request: web.Request) -> web.StreamResponse:
+    """Tokens whose ``finish_reason`` is ``""`` (not ``null``), then a bare ``[DONE]``:
+    an empty finish reason is none."""
+    chunk = 'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":""}]}\n\n'
+    return await sse(request, chunk % "Once" + chunk % " upon" + "data: [DONE]\n\n")
+
+
 SCENARIOS: dict[str, Handler] = {
     "odd": odd_stream,
     "cr-only": cr_only,
@@ -387,6 +395,7 @@ SCENARIOS: dict[str, Handler] = {
     "no-usage": no_usage,
     "done-without-finish": done_without_finish,
     "empty-done": empty_done,
+    "empty-finish-done": empty_finish_done,
     "truncated": truncated,
     "garbage": garbage,
     "error-event": error_event,
@@ -533,6 +542,7 @@ async def test_broken_streams_are_retryable(
     [
         # Tokens were passed on before the bare [DONE]: the stream broke mid-way.
         ("done-without-finish", ["Once upon"], FailureClass.BROKEN_STREAM),
+        ("empty-finish-done", ["Once upon"], FailureClass.BROKEN_STREAM),
         # Nothing was passed on: a malformed answer, retried like one.
         ("empty-done", [], FailureClass.MALFORMED),
     ],
