@@ -96,6 +96,29 @@ async def test_a_stream_with_a_finish_reason_but_no_done_is_complete() -> None:
     assert "".join(d.text for d in deltas)
 
 
+@pytest.mark.parametrize(
+    ("after_tokens", "expected"),
+    [(3, FailureClass.BROKEN_STREAM), (0, FailureClass.MALFORMED)],
+)
+async def test_a_bare_done_without_a_finish_reason_is_a_broken_stream(
+    after_tokens: int, expected: FailureClass
+) -> None:
+    """llama-cpp-python's server cuts a running stream short with a bare ``[DONE]``
+    (``no_finish``): a truncated answer, never a complete one."""
+    settings = MockSettings(
+        ttft=0.0,
+        output_tokens=8,
+        tokens_per_second=100,
+        faults=FaultSpec(script=("no_finish",), after_tokens=after_tokens),
+    )
+    deltas, error, _ = await call(settings)
+    assert error is not None, deltas
+    assert error.failure is expected
+    assert error.retryable
+    assert "stream ended with [DONE] but no finish_reason" in str(error)
+    assert "".join(d.text for d in deltas) == " ".join(f"tok{i}" for i in range(after_tokens))
+
+
 async def test_a_down_backend_is_a_connection_failure() -> None:
     _, error, _ = await call(MockSettings(down=True))
     assert error is not None

@@ -90,6 +90,10 @@ async def dead_letters(client: Client) -> int:
         pytest.param("529", "overloaded", 1, id="529 overloaded: falls back at once"),
         pytest.param("429_bare", "rate_limited", 1, id="429: falls back at once"),
         pytest.param("break", "broken_stream", 1, id="stream cut after tokens: falls back at once"),
+        # llama-cpp-python's server cutting a stream short: a bare [DONE], no finish_reason.
+        pytest.param(
+            "no_finish", "broken_stream", 1, id="[DONE] without a finish_reason: falls back"
+        ),
         # Tokens reach the subscriber one by one here (a token rate), then the error.
         pytest.param(
             "sse_error", "broken_stream", 1, id="error in the stream after tokens: falls back"
@@ -244,6 +248,61 @@ async def test_a_stream_broken_after_tokens_restarts_on_the_next_backend_never_s
     assert "".join(c.text for c in after) == result.text
     assert result.backend == "second"
     assert {c.delivery for c in before}.isdisjoint({c.delivery for c in after})
+
+
+async def test_a_stream_cut_short_with_a_bare_done_is_never_a_completed_answer(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """llama-cpp-python's server ends a running stream with a bare ``[DONE]`` and no
+    ``finish_reason`` when a second call takes its one slot (docs/backends.md, "Tried
+    with a real server"); the mock's ``no_finish`` does the same. Before, that was
+    taken for a whole answer: ``completed`` with the three tokens that came. Now it is
+    a broken stream: the request falls back, subscribers get a ``restart`` chunk, and
+    it completes with the healthy backend's whole answer."""
+    cut = MockSettings(
+        ttft=0.01, output_tokens=8, faults=FaultSpec(script=("no_finish",), after_tokens=3)
+    )
+    whole = MockSettings(ttft=0.01, output_tokens=8)
+    async with MockBackend(cut) as first, MockBackend(whole) as second:
+        config = config_for(isolated_server.url, {"first": first, "second": second})
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            log = EventLog(client.js)
+            handle = await client.submit("hello", route="chat")
+            chunks = [chunk async for chunk in handle.stream(timeout=15)]
+            result = await handle.result(timeout=15)
+            events = await log.history(TENANT, handle.id)
+    assert fell_back(events) == [("first", "broken_stream")], describe(events)
+    [completed] = [e for e in events if isinstance(e, Completed)]
+    assert completed.backend == result.backend == "second"
+    assert completed.text == result.text == " ".join(f"tok{i}" for i in range(8))
+    assert completed.finish_reason == "stop"
+    restarts = [index for index, chunk in enumerate(chunks) if chunk.restart]
+    assert len(restarts) == 1, chunks
+    assert "".join(c.text for c in chunks[: restarts[0]]) == "tok0 tok1 tok2"
+    assert "".join(c.text for c in chunks[restarts[0] :]) == result.text
+    assert first.stats().faults == {"no_finish": 1}
+
+
+async def test_a_backend_that_always_cuts_its_streams_short_fails_the_request_typed(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """With no healthy backend, a request whose every stream ends in a bare ``[DONE]``
+    fails (``broken_stream``, dead-lettered): never completed with the truncated text."""
+    async with MockBackend(failing("no_finish")) as only:
+        config = config_for(
+            isolated_server.url, {"only": only}, fallback={"attempts": 2, "retries": 0}
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            log = EventLog(client.js)
+            handle = await client.submit("hello", route="chat")
+            with pytest.raises(RequestFailedError):
+                await handle.result(timeout=15)
+            events = await log.history(TENANT, handle.id)
+    assert not [e for e in events if isinstance(e, Completed)], describe(events)
+    [failed] = [e for e in events if isinstance(e, Failed)]
+    assert failed.error_class == "broken_stream", describe(events)
+    assert "stream ended with [DONE] but no finish_reason" in failed.reason
+    assert only.stats().faults == {"no_finish": 2}
 
 
 async def test_attempts_are_bounded_then_the_request_is_dead_lettered(

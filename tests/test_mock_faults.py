@@ -322,6 +322,27 @@ async def test_no_done_ends_cleanly_with_finish_and_usage_but_no_done(
     assert stats.faults == {"no_done": 1}
 
 
+async def test_no_finish_ends_with_a_bare_done_as_llama_cpp_cuts_a_stream(
+    client: httpx.AsyncClient,
+) -> None:
+    """As llama-cpp-python's server ends a running stream when a second call takes
+    its one slot: ``after_tokens`` tokens, then ``data: [DONE]``; no chunk carries a
+    ``finish_reason``, no usage chunk, and the body ends cleanly."""
+    settings = faulty("no_finish", "no_finish", output_tokens=6, after_tokens=2)
+    async with MockBackend(settings) as mock:
+        _response, payloads, error = await sse(client, chat_url(mock))
+        plain = await client.post(chat_url(mock), json=CHAT)  # not a stream: a normal answer
+        stats = mock.stats()
+    assert error is None
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * len(chunks)
+    assert not any("usage" in c for c in chunks)
+    assert text_of(payloads) == "tok0 tok1"
+    assert plain.json()["choices"][0]["finish_reason"] == "stop"
+    assert stats.faults == {"no_finish": 1}
+
+
 @pytest.mark.parametrize("style", ["openai", "openrouter"])
 async def test_sse_error_sends_an_error_event_mid_stream_then_ends(
     client: httpx.AsyncClient, style: str

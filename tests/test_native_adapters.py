@@ -457,6 +457,21 @@ async def test_a_failure_after_tokens_is_a_broken_stream(
 
 
 @pytest.mark.parametrize("adapter", NATIVE)
+async def test_a_stream_that_ends_without_its_finish_is_a_broken_stream(
+    mock: MockBackend, adapter: str
+) -> None:
+    # no_finish: tokens, then the end marker without the finish before it
+    # (Anthropic: message_stop, no message_delta), or a clean end without the
+    # finish where the finish is the end marker (Ollama, TGI, Gemini).
+    mock.update(output_tokens=8, tokens_per_second=100, **faults("no_finish", after_tokens=3))
+    async with adapter_for(mock, adapter) as backend:
+        deltas, error = await failed(backend)
+    assert "".join(d.text for d in deltas) == "tok0 tok1 tok2"
+    assert error.failure is FailureClass.BROKEN_STREAM
+    assert error.retryable
+
+
+@pytest.mark.parametrize("adapter", NATIVE)
 async def test_a_stream_without_its_end_marker_but_with_a_finish_is_complete(
     mock: MockBackend, adapter: str
 ) -> None:

@@ -26,6 +26,7 @@ from renqueue.errors import (
     BackendError,
     BadRequestError,
     ConfigError,
+    FailureClass,
     FatalBackendError,
     RateLimitedError,
     RetryableBackendError,
@@ -254,6 +255,8 @@ async def test_closing_the_stream_early_stops_the_backend(mock: MockBackend) -> 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CHUNK = 'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n'
+#: The last chunk every OpenAI-compatible server sends before ``[DONE]`` when an answer is whole.
+FINISH = 'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
 
 
 async def sse(request: web.Request, body: str) -> web.StreamResponse:
@@ -280,7 +283,7 @@ async def odd_stream(request: web.Request) -> web.StreamResponse:
 
 async def cr_only(request: web.Request) -> web.StreamResponse:
     """Old-Mac line endings (CR alone), which a split on LF would never end."""
-    body = CHUNK % "Hel" + CHUNK % "lo" + "data: [DONE]\n\n"
+    body = CHUNK % "Hel" + CHUNK % "lo" + FINISH + "data: [DONE]\n\n"
     return await sse(request, body.replace("\n", "\r"))
 
 
@@ -306,11 +309,24 @@ async def unterminated_chunk(request: web.Request) -> web.StreamResponse:
 
 async def burst(request: web.Request) -> web.StreamResponse:
     """Five token events, in one write: one network read on the other side."""
-    return await sse(request, "".join(CHUNK % t for t in "abcde") + "data: [DONE]\n\n")
+    return await sse(request, "".join(CHUNK % t for t in "abcde") + FINISH + "data: [DONE]\n\n")
 
 
 async def no_usage(request: web.Request) -> web.StreamResponse:
-    return await sse(request, CHUNK % "a" + CHUNK % "b" + CHUNK % "c" + "data: [DONE]\n\n")
+    body = CHUNK % "a" + CHUNK % "b" + CHUNK % "c" + FINISH + "data: [DONE]\n\n"
+    return await sse(request, body)
+
+
+async def done_without_finish(request: web.Request) -> web.StreamResponse:
+    """llama-cpp-python's server cutting a stream short (a second call took its one
+    slot): tokens, then a bare ``[DONE]``; no chunk carries a ``finish_reason``."""
+    return await sse(request, CHUNK % "Once" + CHUNK % " upon" + "data: [DONE]\n\n")
+
+
+async def empty_done(request: web.Request) -> web.StreamResponse:
+    """The same, cut before its first token: the role chunk, then ``[DONE]``."""
+    role = 'data: {"choices":[{"index":0,"delta":{"role":"assistant"},"finish_reason":null}]}\n\n'
+    return await sse(request, role + "data: [DONE]\n\n")
 
 
 async def truncated(request: web.Request) -> web.StreamResponse:
@@ -361,6 +377,14 @@ def openai_error(message: str) -> dict[str, object]:
 # lower bound below however long the suite takes to reach the test.
 HTTP_DATE = format_datetime(datetime.now(UTC) + timedelta(hours=1), usegmt=True)
 
+
+async def empty_finish_done(request: web.Request) -> web.StreamResponse:
+    """Tokens whose ``finish_reason`` is ``""`` (not ``null``), then a bare ``[DONE]``:
+    an empty finish reason is none."""
+    chunk = 'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":""}]}\n\n'
+    return await sse(request, chunk % "Once" + chunk % " upon" + "data: [DONE]\n\n")
+
+
 SCENARIOS: dict[str, Handler] = {
     "odd": odd_stream,
     "cr-only": cr_only,
@@ -369,6 +393,9 @@ SCENARIOS: dict[str, Handler] = {
     "huge-line": huge_line,
     "unterminated": unterminated_chunk,
     "no-usage": no_usage,
+    "done-without-finish": done_without_finish,
+    "empty-done": empty_done,
+    "empty-finish-done": empty_finish_done,
     "truncated": truncated,
     "garbage": garbage,
     "error-event": error_event,
@@ -467,7 +494,7 @@ async def test_missing_usage_is_estimated(scripted_backend: Callable[[str], Open
     assert deltas[-1].usage == Usage(
         prompt_tokens=10 + MESSAGE_OVERHEAD_TOKENS + REPLY_OVERHEAD_TOKENS, completion_tokens=3
     )
-    assert deltas[-1].finish_reason is None
+    assert deltas[-1].finish_reason == "stop"
 
 
 async def test_json_answer_to_a_stream_request_is_accepted(
@@ -508,6 +535,40 @@ async def test_broken_streams_are_retryable(
     # What came before the break was passed on; an unterminated event was not.
     assert texts in ([], ["x"], ["partial"], ["a"])
     assert_secret_free(caught.value, adapter)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "texts", "failure"),
+    [
+        # Tokens were passed on before the bare [DONE]: the stream broke mid-way.
+        ("done-without-finish", ["Once upon"], FailureClass.BROKEN_STREAM),
+        ("empty-finish-done", ["Once upon"], FailureClass.BROKEN_STREAM),
+        # Nothing was passed on: a malformed answer, retried like one.
+        ("empty-done", [], FailureClass.MALFORMED),
+    ],
+)
+async def test_done_without_a_finish_reason_is_a_broken_stream_not_an_answer(
+    scripted_backend: Callable[[str], OpenAIBackend],
+    scenario: str,
+    texts: list[str],
+    failure: FailureClass,
+) -> None:
+    """llama-cpp-python's server ends a stream it cuts short (its one slot taken by
+    another call) with a bare ``[DONE]``: no chunk carries a ``finish_reason``. That
+    is a truncated answer, never a whole one: a retryable error of the class the
+    worker retries or falls back on, as for a stream broken mid-way."""
+    adapter = scripted_backend(scenario)
+    seen: list[str] = []
+
+    async def consume() -> None:
+        async for delta in adapter.stream(make_request()):
+            seen.append(delta.text)
+
+    with pytest.raises(RetryableBackendError) as caught:
+        await consume()
+    assert "stream ended with [DONE] but no finish_reason" in str(caught.value)
+    assert caught.value.failure is failure
+    assert [text for text in seen if text] == texts
 
 
 @pytest.mark.parametrize(

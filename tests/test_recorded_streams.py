@@ -357,6 +357,11 @@ SCENARIOS: dict[str, Recorded] = {
     "anthropic-500-overloaded": body(anthropic_error("overloaded_error", "Overloaded"), 500),
     "anthropic-echo": body(anthropic_error("invalid_request_error", "messages: bad role"), 400),
     "anthropic-cut": sse(ANTHROPIC_BASIC.split("event: message_delta", maxsplit=1)[0]),
+    # Its end marker, but the message_delta with its stop_reason left out: cut short.
+    "anthropic-stop-without-reason": sse(
+        ANTHROPIC_BASIC.split("event: message_delta", maxsplit=1)[0]
+        + 'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+    ),
     "anthropic-bad-json": sse(
         ANTHROPIC_BASIC.replace('"text":"!"}}', '"text":"!"')  # one event cut short
     ),
@@ -725,6 +730,7 @@ async def test_errors_sent_in_band(
     ("scenario", "fragment"),
     [
         ("anthropic-cut", "before message_stop"),  # no message_delta, no message_stop
+        ("anthropic-stop-without-reason", "message_stop but no stop_reason"),
         ("anthropic-bad-json", "malformed stream chunk"),
         ("anthropic-huge", "line longer than"),
         ("ollama-cut", "before its done line"),

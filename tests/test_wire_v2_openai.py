@@ -316,6 +316,7 @@ SCENARIOS: dict[str, Handler] = {
     "repeated-id": sse(
         chunk(calls({"index": 0, "id": "a", "function": {"name": "f", "arguments": "{"}}))
         + chunk(calls({"index": 0, "id": "a", "function": {"name": "f", "arguments": "}"}}))
+        + chunk({}, "tool_calls")
         + "data: [DONE]\n\n"
     ),
     "nameless": sse(

@@ -446,15 +446,25 @@ class StreamParser:
     ``complete`` says the stream reached its end marker (or, where the format
     has none, a finish reason); ``deltas`` counts chunks with text (about a
     token each, the completion estimate when no usage is reported).
+    :meth:`unfinished` says whether what was read is a whole answer.
     """
 
     #: The stream's content type: a response with another is a whole JSON answer.
     content_type: ClassVar[str] = "text/event-stream"
     #: What a stream that ended without its end marker is called in the error.
     incomplete: ClassVar[str] = "stream ended before its end"
+    #: What a stream that reached its end marker without a finish reason is
+    #: called in the error, in a format whose end marker is not its finish
+    #: (OpenAI's ``[DONE]``, Anthropic's ``message_stop``: llama-cpp-python's
+    #: server ends a stream it cuts short with a bare ``[DONE]``); ``None``
+    #: where the end marker is the finish (Ollama's ``done``, TGI's final event,
+    #: Gemini's ``finishReason``).
+    unreasoned: ClassVar[str | None] = None
 
     def __init__(self) -> None:
         self.complete = False
+        #: A whole JSON answer came instead of a stream (:meth:`adopt`).
+        self.adopted = False
         self.deltas = 0
         self.finish_reason: str | None = None
         self.prompt_tokens: int | None = None
@@ -502,6 +512,7 @@ class StreamParser:
     def adopt(self, generation: Generation) -> None:
         """Take a whole answer (a server that ignored the stream flag)."""
         self.complete = True
+        self.adopted = True
         self.finish_reason = generation.finish_reason
         self.prompt_tokens = generation.usage.prompt_tokens
         self.completion_tokens = generation.usage.completion_tokens
@@ -514,6 +525,21 @@ class StreamParser:
         common = common_finish(reason, table)
         called = bool(self.tool_pieces or self.tool_calls)
         self.finish_reason = "tool_calls" if common == "stop" and called else common
+
+    def unfinished(self) -> str | None:
+        """Why the stream read is not a whole answer (the error's message), or
+        ``None`` when it is: a stream is whole when it gave a finish reason,
+        with or without its end marker after it (some servers close right
+        after the last chunk), or when it reached an end marker that is the
+        format's finish (:attr:`unreasoned` ``None``). An end marker with no
+        finish reason before it is a stream cut short, not an answer: the
+        failure of a stream broken mid-way. A whole JSON answer taken instead
+        of a stream is judged as :meth:`HTTPBackend.complete` judges it."""
+        if self.finish_reason is not None or self.adopted:
+            return None
+        if not self.complete:
+            return self.incomplete
+        return self.unreasoned
 
     def counted(self, text: str) -> str:
         """``text``, counted as one delta if there is any."""
@@ -813,8 +839,10 @@ class HTTPBackend(Closing):
         Closing the generator early closes the HTTP response, so the backend
         sees the disconnect and stops generating. A failure after text was
         yielded is :attr:`~renqueue.errors.FailureClass.BROKEN_STREAM`
-        (its cause in the message); a stream that ends without its end marker
-        is complete only if it gave a finish reason. ``traceparent`` goes
+        (its cause in the message). A stream is a whole answer only if it
+        gave a finish reason (:meth:`StreamParser.unfinished`): one that ends
+        without it, at its end marker (a bare ``[DONE]``) or as the connection
+        closes, is a broken stream, never a short answer. ``traceparent`` goes
         out as that header if it is a valid W3C one (never as given).
         """
         body = self._body(request, priority, stream=True)
@@ -828,9 +856,10 @@ class HTTPBackend(Closing):
                 ):
                     clock.first_token()
                     yield delta
-            if not parser.complete and parser.finish_reason is None:
+            unfinished = parser.unfinished()
+            if unfinished is not None:
                 raise RetryableBackendError(
-                    parser.incomplete,
+                    unfinished,
                     backend=self._name,
                     request_id=request.id,
                     failure=FailureClass.MALFORMED,

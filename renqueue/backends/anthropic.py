@@ -309,6 +309,7 @@ class _EventParser(SSEParser):
     """Folds Messages stream events into text, stop reason, usage and tool calls."""
 
     incomplete: ClassVar[str] = "stream ended before message_stop"
+    unreasoned: ClassVar[str | None] = "stream ended with message_stop but no stop_reason"
 
     def event(self, event: ServerSentEvent) -> str:
         data = _EVENT_DECODER.decode(event.data)

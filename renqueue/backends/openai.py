@@ -20,6 +20,11 @@ usage-only chunk, ``data: [DONE]``, in-band ``{"error": ...}``), the key as
 names. The pools, the clock, the error mapping and the secret-keeping are
 :mod:`._http`'s.
 
+A stream is an answer only if a chunk carried a ``finish_reason``: a
+``data: [DONE]`` without one (llama-cpp-python's server ends a running stream
+so when a second call takes its one slot) is a stream cut short, a broken
+stream (:meth:`~._http.StreamParser.unfinished`), never a short answer.
+
 What a backend sends is bounded where it is read: tool calls and their
 arguments (:class:`~._http.ToolCallPieces`), a log probability's token,
 bytes and alternatives (past the wire's bounds: a malformed answer), and
@@ -191,6 +196,7 @@ class _ChunkParser(SSEParser):
     probabilities."""
 
     incomplete: ClassVar[str] = "stream ended before [DONE]"
+    unreasoned: ClassVar[str | None] = "stream ended with [DONE] but no finish_reason"
 
     def event(self, event: ServerSentEvent) -> str:
         data = event.data
@@ -209,7 +215,7 @@ class _ChunkParser(SSEParser):
             self.completion_tokens = chunk.usage.completion_tokens
         text = ""
         for choice in chunk.choices or ():
-            if choice.finish_reason is not None:
+            if choice.finish_reason:  # some servers send "" on every chunk: not a finish
                 self.finish_reason = choice.finish_reason
             delta = choice.delta
             if delta is not None:

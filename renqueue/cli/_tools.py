@@ -62,8 +62,8 @@ def schema(ctx: click.Context) -> None:
     default="",
     metavar="KINDS",
     help="Faults for chat requests in arrival order, e.g. 500,ok,reset (ok: a normal answer); "
-    "kinds: 500 503 529 reset hang drip 429 429_bare quota malformed break no_done sse_error "
-    "context_length content_filter filtered.",
+    "kinds: 500 503 529 reset hang drip 429 429_bare quota malformed break no_done no_finish "
+    "sse_error context_length content_filter filtered.",
 )
 @click.option("--fault-repeat", is_flag=True, help="Repeat the fault script forever.")
 @click.option(

@@ -250,6 +250,9 @@ def _faulty_stream(plan: Plan, frames: Frames) -> tuple[bytes, list[bytes], bool
         return b"", pieces, True
     if fault == "no_done":
         return closing, pieces, False
+    if fault == "no_finish":
+        # The end marker alone (OpenAI's bare [DONE]): no finish reason, no usage.
+        return frames.done, pieces, False
     if fault == "sse_error":
         return dialect.stream_error(plan.reply, frames), pieces, False
     if fault == "malformed":

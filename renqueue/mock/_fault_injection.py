@@ -41,6 +41,14 @@ providers' forms of each are in :mod:`.dialects`, one module each;
   headers and half the body, then closed.
 - ``no_done``: stream, a normal stream (finish chunk, usage) without
   ``data: [DONE]``; a non-streaming request is answered normally.
+- ``no_finish``: stream, ``after_tokens`` tokens, then ``data: [DONE]`` and a
+  clean end: no chunk carries a ``finish_reason``, and no usage chunk comes,
+  as llama-cpp-python's server ends a running stream when a second call takes
+  its one slot (docs/backends.md, "Tried with a real server"). In the other
+  dialects: their end marker without the finish before it (Anthropic's
+  ``message_stop`` with no ``message_delta``), or, where the end marker is the
+  finish (Ollama's ``done``, TGI's final event, Gemini's ``finishReason``), a
+  clean end without it. A non-streaming request is answered normally.
 - ``sse_error``: stream, ``after_tokens`` tokens, then ``data: {"error": {...}}``
   (OpenAI's server_error; in the ``openrouter`` dialects OpenRouter's chunk
   with ``"error": {"code": "server_error", ...}`` and ``finish_reason:
@@ -93,6 +101,7 @@ FaultKind = Literal[
     "malformed",
     "break",
     "no_done",
+    "no_finish",
     "sse_error",
     "context_length",
     "content_filter",
@@ -100,7 +109,7 @@ FaultKind = Literal[
 ]
 FAULT_KINDS: Final[tuple[FaultKind, ...]] = get_args(FaultKind)
 #: Kinds that only change a stream; a non-streaming request gets a normal answer.
-STREAM_ONLY: Final = frozenset({"no_done", "sse_error"})
+STREAM_ONLY: Final = frozenset({"no_done", "no_finish", "sse_error"})
 
 Probability = Annotated[float, Meta(ge=0, le=1)]
 
@@ -114,8 +123,8 @@ class FaultSpec(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     - ``random``: kind -> probability, drawn per request (with the mock's
       ``seed``) once the script is done; the probabilities add up to at most 1,
       the rest are normal answers.
-    - ``after_tokens``: tokens streamed before ``break``, ``sse_error``,
-      ``malformed`` or ``filtered`` strike.
+    - ``after_tokens``: tokens streamed before ``break``, ``no_finish``,
+      ``sse_error``, ``malformed`` or ``filtered`` strike.
     - ``drip_gap``: seconds between the tokens of a ``drip``.
     - ``retry_after``: seconds the ``429`` fault asks to wait.
     """

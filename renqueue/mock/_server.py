@@ -31,7 +31,7 @@ the ``faults`` setting scripts faults for chat requests in arrival order
 and/or draws them at random (with ``seed``): ``500``, ``503`` (overloaded),
 ``529`` (Anthropic overloaded), ``reset``, ``hang``, ``drip``, ``429``,
 ``429_bare`` (no retry-after), ``quota``, ``malformed``, ``break``,
-``no_done``, ``sse_error``, ``context_length``, ``content_filter`` and
+``no_done``, ``no_finish``, ``sse_error``, ``context_length``, ``content_filter`` and
 ``filtered``; ``down = true`` resets every connection until set back, and
 ``context_window = N`` refuses prompts over ``N`` tokens with OpenAI's
 ``context_length_exceeded`` 400. For example, at start-up::
@@ -459,7 +459,7 @@ class MockBackend(Starting):
                 settings, ttft=faults.drip_gap, tokens_per_second=1 / faults.drip_gap
             )
             plan = msgspec.structs.replace(plan, settings=pace)
-        elif fault == "filtered" or (body.stream and fault in ("break", "sse_error")):
+        elif fault == "filtered" or (body.stream and fault in ("break", "no_finish", "sse_error")):
             reply = plan.reply
             cut = msgspec.structs.replace(
                 reply,
@@ -527,7 +527,7 @@ _BASE_PATHS: Final = {
 }
 #: The faults that answer with tokens (the others are errors, a reset or a hang).
 _ANSWER_FAULTS: Final = frozenset(
-    {"drip", "malformed", "break", "no_done", "sse_error", "filtered"}
+    {"drip", "malformed", "break", "no_done", "no_finish", "sse_error", "filtered"}
 )
 
 
