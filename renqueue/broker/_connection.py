@@ -98,6 +98,7 @@ async def connect(
 
     async def on_error(exc: Exception) -> None:
         last_error[:] = [exc]
+        client.attempt_failed()
         bound.warning("nats error", error=_describe(exc))
 
     async def on_disconnect() -> None:
