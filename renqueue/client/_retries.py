@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from ..broker import Connection, trace_headers
+from ..broker import Connection, JetStreamApi, reply_error, trace_headers
 from ..errors import (
     NatsClosedError,
     NatsNoRespondersError,
@@ -53,6 +53,8 @@ _RETRY_MAX: Final = 2.0
 #: Longest one try of a submit's publish waits for its ack (nats-py's default
 #: for a JetStream request); a retry waits no longer than the time left.
 _PUBLISH_WAIT: Final = 5.0
+#: A publish that found no stream is tried again after 50 ms, doubling up to this.
+_NO_STREAM_DELAY_MAX: Final = 0.5
 
 
 class Published(enum.Enum):
@@ -98,8 +100,11 @@ async def publish(
     "No responders" means no stream listens on the subject: the level is
     not configured, or, for a few seconds, a cluster is electing the
     stream's leader. So it is retried with the same message id (a publish
-    is idempotent) for :attr:`Client.no_stream_grace` seconds before it is taken
-    to mean an unknown level.
+    is idempotent) for :attr:`Client.no_stream_grace` seconds; then JetStream
+    is asked whether a stream takes the subject. Only "no" means an unknown
+    level; a stream without a leader, or a JetStream that cannot answer yet
+    (a whole cluster starting again: it takes longer than the grace), is a
+    broker that does not answer, retried as below.
 
     A publish the broker does not answer (no ack in time, a reconnect, a
     full outbound buffer, a 503) is retried with the same message id,
@@ -142,9 +147,10 @@ async def publish(
             if no_stream_until is None:
                 no_stream_until = now + client.no_stream_grace
             if now + no_stream_delay > no_stream_until:
-                raise UnknownPriorityError(request.priority, request_id=request.id) from exc
+                await _no_stream(client, request, subject, exc, left=give_up - now)
+                no_stream_until = loop.time() + client.no_stream_grace
             await asyncio.sleep(no_stream_delay)
-            no_stream_delay = min(0.5, no_stream_delay * 2)
+            no_stream_delay = min(_NO_STREAM_DELAY_MAX, no_stream_delay * 2)
             continue
         except NatsClosedError:
             raise
@@ -169,3 +175,47 @@ async def publish(
         if not ack.duplicate:
             return Published.STORED
         return Published.FOUND_ON_RETRY if maybe_stored else Published.DUPLICATE
+
+
+async def _no_stream(
+    client: Client,
+    request: InferenceRequest,
+    subject: str,
+    exc: NatsNoRespondersError,
+    *,
+    left: float,
+) -> None:
+    """A submit found no stream for longer than the grace: raise
+    :class:`UnknownPriorityError` if JetStream says no stream takes the level,
+    :class:`NatsUnavailableError` if the time is up; else (a stream without a
+    leader, or a JetStream that cannot answer yet) return, to publish again."""
+    if await _no_stream_takes(client, subject, within=left):
+        raise UnknownPriorityError(request.priority, request_id=request.id) from exc
+    if left <= _NO_STREAM_DELAY_MAX:
+        raise NatsUnavailableError(
+            f"no stream leader took request {request.id} on {subject} in time: the broker"
+            " is not answering (is a cluster starting again?)"
+        ) from exc
+    log.warning(
+        "a stream takes this level but does not answer yet; publishing again",
+        request_id=request.id,
+        subject=subject,
+    )
+
+
+async def _no_stream_takes(client: Client, subject: str, *, within: float) -> bool:
+    """Whether JetStream says that no stream takes ``subject``; ``False`` when it
+    names one, or cannot answer within ``within`` seconds (no meta leader: a
+    cluster starting again)."""
+    api = JetStreamApi(client.js)
+    try:
+        async with asyncio.timeout(max(0.1, within)):
+            response = await api.call("STREAM.NAMES", {"subject": subject})
+    except NatsClosedError:
+        raise
+    except TRANSIENT:
+        return False
+    if reply_error(response) is not None:
+        return False
+    streams = response.get("streams") if isinstance(response, dict) else None
+    return not streams
