@@ -469,10 +469,14 @@ class Fleet:
         routers: int = ROUTERS,
         backends: Sequence[Backend] = BACKENDS,
         config_for: Callable[[Slot], Awaitable[Path]] | None = None,
+        launcher: Sequence[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         """``routers`` router processes and ``backends``' workers. ``config_for``, if
         given, is awaited before each spawn (the slot's ``generation`` already counts
-        it) and names the config file that process gets; else ``config_file``."""
+        it) and names the config file that process gets; else ``config_file``.
+        ``launcher``: the command before the CLI's arguments (``python -m renqueue``);
+        ``env``: variables added to each process's environment."""
         self.config_file = config_file
         self.url = url
         self.logs = logs
@@ -481,9 +485,11 @@ class Fleet:
         self.slots = [Slot("router", None, i) for i in range(routers)]
         for backend in backends:
             self.slots += [Slot("worker", backend.name, i) for i in range(backend.workers)]
+        self.launcher = list(launcher or [sys.executable, "-m", "renqueue"])
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("RENQUEUE_")},
             "PYTHONUNBUFFERED": "1",
+            **(env or {}),
         }
         self.stopping = False
         self.killed_pids: set[int] = set()
@@ -513,8 +519,7 @@ class Fleet:
         slot.log = self.logs / f"{slot.name}-{slot.generation:03d}.log"
         config_file = self.config_file if self.config_for is None else await self.config_for(slot)
         argv = [
-            sys.executable, "-m", "renqueue", "-c", str(config_file), "--nats", self.url,
-            "--log-json", slot.role,
+            *self.launcher, "-c", str(config_file), "--nats", self.url, "--log-json", slot.role,
         ]  # fmt: skip
         if slot.backend is not None:
             argv += ["-b", slot.backend]
@@ -1442,6 +1447,7 @@ async def rolling_report(js: Any, tracks: list[Track], fleet: Fleet) -> dict[str
     late: list[dict[str, Any]] = []
     expired_in_window: Counter[str] = Counter()
     expired_during = expired_outside = 0
+    expired_examples: list[dict[str, Any]] = []
     completed_in_time = 0
     for track in deadlined:
         deadline = track.request.deadline if track.request is not None else None
@@ -1465,6 +1471,15 @@ async def rolling_report(js: Any, tracks: list[Track], fleet: Fleet) -> dict[str
         if isinstance(end.event, Completed) and over <= 0:
             completed_in_time += 1
         if isinstance(end.event, Expired):
+            if len(expired_examples) < 4:
+                expired_examples.append(
+                    {
+                        "id": track.id,
+                        "level": track.level,
+                        "timeout_s": round(deadline - (track.submit_at or deadline), 2),
+                        "events": describe(events.get(track.id, []), track.submit_at),
+                    }
+                )
             start = track.submit_at or deadline
             roles = {role for lo, hi, role in windows if lo <= deadline and hi >= start}
             if roles:
@@ -1497,6 +1512,19 @@ async def rolling_report(js: Any, tracks: list[Track], fleet: Fleet) -> dict[str
         "ended_over_deadline_by_1s": len(late),
         "overshoot_max_s": max(overshoot, default=float("nan")),
         "late_examples": late[:3],
+        "expired_examples": expired_examples,
+        "timeline": [
+            {
+                "slot": r["slot"],
+                "t": r["t"],
+                "term_to_exit_s": round(r["exited_at"] - r["term_at"], 2),
+                "exit_to_ready_s": None
+                if r["ready_at"] is None
+                else round(r["ready_at"] - r["exited_at"], 2),
+                "exit_code": r["exit_code"],
+            }
+            for r in restarts
+        ],
     }
 
 
@@ -1856,6 +1884,18 @@ def print_report(report: dict[str, Any]) -> None:
             f" outside {r['expired_outside_restarts']}); ended >1 s after the deadline"
             f" {r['ended_over_deadline_by_1s']} (max overshoot {r['overshoot_max_s']:.2f}s)"
         )
+        print(
+            "  restarts: "
+            + "; ".join(
+                f"{x['slot']} at {x['t']}s stop {x['term_to_exit_s']}s ready"
+                f" {x['exit_to_ready_s']}s"
+                for x in r["timeline"]
+            )
+        )
+        for example in r["expired_examples"][:3]:
+            print(f"  expired: {example['id']} {example['level']} timeout {example['timeout_s']}s")
+            for line in example["events"]:
+                print(f"      {line}")
         for example in r["late_examples"][:2]:
             print(f"  late: {example['id']} {example['kind']} +{example['over_s']}s")
             for line in example["events"]:
