@@ -8,7 +8,8 @@ processes of their own, one route ``chat`` cascading over them: ``alpha`` and ``
 (8 slots each, one pool) and ``gamma`` (12 slots, 2 % injected failures, two workers).
 ``beta`` flaps: it is taken down (every connection reset) for ``--flap-down`` seconds
 every ``--flap-every`` seconds, so its circuit opens and requests fall back to the
-others.
+others. ``--deployment up`` runs one ``renqueue up`` joined to the server instead (the
+same components in one process).
 
 Load: ``--rate`` (50) requests a second, open loop, through one ``renqueue.Client``, over
 the five levels; a quarter streamed to the end by a follower, 3 % cancelled 0.05-1.5 s
@@ -148,7 +149,73 @@ def proc_sample(pid: int) -> dict[str, float] | None:
     }
 
 
-def processes(fleet: Fleet, node: NatsNode, mocks: dict[str, int]) -> dict[str, int]:
+@dataclass
+class UpSlot:
+    name: str
+    proc: asyncio.subprocess.Process | None = None
+
+
+class UpFleet:
+    """``--deployment up``: ``renqueue up`` joined to the server (routers, workers and the
+    projector in one process), in place of chaos.py's :class:`Fleet`."""
+
+    def __init__(
+        self,
+        config_file: Path,
+        url: str,
+        logs: Path,
+        *,
+        launcher: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.config_file, self.url, self.log = config_file, url, logs / "up.log"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.launcher = launcher or [sys.executable, "-m", "renqueue"]
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("RENQUEUE_")},
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+        self.slots = [UpSlot("renqueue-up")]
+        self.self_exits: list[dict[str, Any]] = []
+        self._stopping = False
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self, *, within: float = 120.0) -> None:
+        with self.log.open("wb") as out:
+            proc = await asyncio.create_subprocess_exec(
+                *self.launcher, "-c", str(self.config_file), "--nats", self.url,
+                "--log-json", "up",
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, env=self.env,
+            )  # fmt: skip
+        self.slots[0].proc = proc
+        deadline = time.monotonic() + within
+        while b"running; Ctrl-C to stop" not in self.log.read_bytes():
+            if proc.returncode is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"renqueue up did not start: {self.log.read_text()[-2000:]}")
+            await asyncio.sleep(0.2)
+        self._watch = asyncio.create_task(self._watched(proc))
+
+    async def _watched(self, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        if not self._stopping:
+            self.self_exits.append({"slot": "renqueue-up", "exit_code": code})
+
+    async def stop(self) -> None:
+        self._stopping = True
+        proc = self.slots[0].proc
+        if proc is not None and proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 15.0)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        if self._watch is not None:
+            await self._watch
+
+
+def processes(fleet: Any, node: NatsNode, mocks: dict[str, int]) -> dict[str, int]:
     """Name -> pid of every process of the deployment, and of this harness."""
     out = {slot.name: slot.proc.pid for slot in fleet.slots if slot.proc is not None}
     if node.proc is not None:
@@ -362,7 +429,7 @@ def slope_mb_per_hour(points: list[tuple[float, float]]) -> float:
 
 def snapshot_all(pids: dict[str, int]) -> None:
     for name, pid in pids.items():
-        if name.startswith(("router", "worker")):
+        if name.startswith(("router", "worker", "renqueue-up")):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR2)
 
@@ -408,6 +475,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "flap": {"backend": FLAPPING, "every_s": args.flap_every, "down_s": args.flap_down},
         "seed": args.seed,
         "tracemalloc": args.tracemalloc,
+        "deployment": args.deployment,
         "machine": machine_info(),
         "loadavg_start": os.getloadavg(),
         "workdir": str(workdir) if args.keep else None,
@@ -455,14 +523,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 snaps.mkdir()
                 launcher = [sys.executable, str(Path(__file__).with_name("_traced.py"))]
                 env = {"SOAK_TRACEMALLOC_DIR": str(snaps)}
-            fleet = Fleet(
-                config_file,
-                node.url,
-                workdir / "logs",
-                backends=BACKENDS,
-                launcher=launcher,
-                env=env,
-            )
+            fleet: Fleet | UpFleet
+            if args.deployment == "up":
+                fleet = UpFleet(config_file, node.url, workdir / "logs", launcher=launcher, env=env)
+            else:
+                fleet = Fleet(
+                    config_file,
+                    node.url,
+                    workdir / "logs",
+                    backends=BACKENDS,
+                    launcher=launcher,
+                    env=env,
+                )
             stack.push_async_callback(fleet.stop)
             await fleet.start()
 
@@ -520,7 +592,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     rss = sum(
                         p["rss_mb"]
                         for n, p in sample["procs"].items()
-                        if p and n.startswith(("router", "worker"))
+                        if p and n.startswith(("router", "worker", "renqueue-up"))
                     )
                     print(
                         f"   t={sample['t']:>6.0f}s submitted {sample['submitted']} ({rates}/s)"
@@ -704,7 +776,8 @@ def print_report(report: dict[str, Any]) -> None:
         return
     s = report["summary"]
     print(
-        f"\nsoak: {report['minutes']:g} min at {report['rate']:g} req/s planned; achieved"
+        f"\nsoak ({report['deployment']}): {report['minutes']:g} min at {report['rate']:g} req/s"
+        " planned; achieved"
         f" {report['achieved_rate']} req/s ({report['submitted']} submitted, {report['acked']}"
         f" acked, most behind schedule {report['behind_max_s']}s); load average"
         f" {report['loadavg_start'][0]:.2f} at the start, {report['loadavg_end'][0]:.2f} at"
@@ -758,6 +831,17 @@ def print_report(report: dict[str, Any]) -> None:
             print(f"      {line}")
 
 
+async def stoppable(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`run`, cancelled (its clean-up run: no service or server left behind) on
+    SIGTERM or SIGINT, even where the shell started it with SIGINT ignored."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, task.cancel)
+    return await run(args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
     parser.add_argument("--minutes", type=float, default=60.0, help="arrival time (60)")
@@ -770,6 +854,13 @@ def main() -> None:
     parser.add_argument("--flap-down", type=float, default=30.0, help="seconds (30)")
     parser.add_argument("--tail", type=float, default=300.0, help="bound on the tail (300 s)")
     parser.add_argument("--tracemalloc", action="store_true", help="trace the services")
+    parser.add_argument(
+        "--deployment",
+        choices=["processes", "up"],
+        default="processes",
+        help="routers and workers as separate processes (chaos.py's Fleet), or one"
+        " `renqueue up` joined to the server",
+    )
     parser.add_argument("--top", type=int, default=8, help="tracemalloc lines per process")
     parser.add_argument("--seed", type=int, default=30)
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, store)")
@@ -777,7 +868,10 @@ def main() -> None:
     args = parser.parse_args()
     configure_logging(level="ERROR")
     try:
-        report = asyncio.run(run(args))
+        report = asyncio.run(stoppable(args))
+    except asyncio.CancelledError:
+        print("soak: stopped by a signal (the JSON holds the samples taken)")
+        sys.exit(1)
     except Exception:  # noqa: BLE001 - printed; the exit status says it
         import traceback  # noqa: PLC0415
 
