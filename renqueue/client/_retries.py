@@ -26,12 +26,14 @@ from ..errors import (
 )
 from ..logs import get_logger
 from ..schema import (
+    REQUESTS_STREAM,
     InferenceRequest,
     TraceParent,
     encode,
     msg_id,
     request_limit,
     request_subject,
+    subject_matches,
 )
 
 if TYPE_CHECKING:
@@ -101,10 +103,11 @@ async def publish(
     not configured, or, for a few seconds, a cluster is electing the
     stream's leader. So it is retried with the same message id (a publish
     is idempotent) for :attr:`Client.no_stream_grace` seconds; then JetStream
-    is asked whether a stream takes the subject. Only "no" means an unknown
-    level; a stream without a leader, or a JetStream that cannot answer yet
-    (a whole cluster starting again: it takes longer than the grace), is a
-    broker that does not answer, retried as below.
+    is asked for the requests stream's subjects. Only a stream that answers
+    without this level means an unknown level; a stream that lists it (no
+    leader yet), is not found, or does not answer (a whole cluster starting
+    again: longer than the grace) is a broker that does not answer, retried as
+    below.
 
     A publish the broker does not answer (no ack in time, a reconnect, a
     full outbound buffer, a 503) is retried with the same message id,
@@ -193,8 +196,9 @@ async def _no_stream(
         raise UnknownPriorityError(request.priority, request_id=request.id) from exc
     if left <= _NO_STREAM_DELAY_MAX:
         raise NatsUnavailableError(
-            f"no stream leader took request {request.id} on {subject} in time: the broker"
-            " is not answering (is a cluster starting again?)"
+            f"no stream took request {request.id} on {subject} in time: the broker is not"
+            f" answering (is a cluster starting again?), or {REQUESTS_STREAM} is not"
+            " provisioned"
         ) from exc
     log.warning(
         "a stream takes this level but does not answer yet; publishing again",
@@ -204,18 +208,23 @@ async def _no_stream(
 
 
 async def _no_stream_takes(client: Client, subject: str, *, within: float) -> bool:
-    """Whether JetStream says that no stream takes ``subject``; ``False`` when it
-    names one, or cannot answer within ``within`` seconds (no meta leader: a
-    cluster starting again)."""
+    """Whether JetStream says that no stream takes ``subject``: the requests stream
+    answers with its configuration and none of its subjects matches. ``False`` when one
+    does (its leader is being elected), when the stream is not found or JetStream
+    cannot answer within ``within`` seconds: a cluster starting again answers that
+    way for a while (its stream list comes back empty too, so that list is not asked)."""
     api = JetStreamApi(client.js)
     try:
         async with asyncio.timeout(max(0.1, within)):
-            response = await api.call("STREAM.NAMES", {"subject": subject})
+            response = await api.call(f"STREAM.INFO.{REQUESTS_STREAM}")
     except NatsClosedError:
         raise
     except TRANSIENT:
         return False
     if reply_error(response) is not None:
         return False
-    streams = response.get("streams") if isinstance(response, dict) else None
-    return not streams
+    config = response.get("config") if isinstance(response, dict) else None
+    patterns = config.get("subjects") if isinstance(config, dict) else None
+    if not isinstance(patterns, list):
+        return False
+    return not any(isinstance(p, str) and subject_matches(p, subject) for p in patterns)
