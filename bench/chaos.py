@@ -152,6 +152,9 @@ class Setting:
     #: Restart every router and worker one at a time (SIGTERM, wait for the exit, start
     #: again, wait until ready, next) for as long as the arrivals last.
     rolling: bool = False
+    #: A control run: the setting's load and config without its faults (``--control``);
+    #: its deadlines are audited as ``rolling``'s are, for comparison.
+    control: bool = False
     #: Share of plain requests given a deadline, and the range of their timeouts (seconds).
     deadline_share: float = 0.04
     deadline_range: tuple[float, float] = (1.0, 4.0)
@@ -1766,7 +1769,7 @@ async def run_setting(
             result["node_chaos"] = node_record
             if setting.nats_outage is not None:
                 result["outage"] = await outage_report(js, tracks, fleet, outage)
-            if setting.rolling:
+            if setting.rolling or setting.control:
                 result["rolling"] = await rolling_report(js, tracks, fleet)
             report.update(result)
     finally:
@@ -1977,6 +1980,12 @@ def main() -> None:
         help="seconds between kills (the setting's: 1, harsh 0.5); on a machine where a"
         " service takes longer than ~6 kill intervals to start, the fleet is mostly down",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="the same load and config without the setting's faults (no kills, no NATS"
+        " outage, no rolling restart): what the faults add, e.g. to the deadline misses",
+    )
     parser.add_argument("--seed", type=int, default=6)
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, stores)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
@@ -1990,6 +1999,17 @@ def main() -> None:
         setting = SETTINGS[name]
         if args.kill_every is not None:
             setting = dataclasses.replace(setting, kill_every=args.kill_every)
+        if args.control:
+            setting = dataclasses.replace(
+                setting,
+                name=f"{setting.name}-control",
+                kill_every=0.0,
+                kill_node=False,
+                nats_outage=None,
+                rolling=False,
+                control=True,
+                about=f"control for {setting.name}: its load and config, no faults",
+            )
         plan = plan_for(setting, quick=args.quick, requests=args.requests, rate=args.rate)
         try:
             report = asyncio.run(
