@@ -2026,7 +2026,7 @@ def main() -> None:
         ok = passed(report)
         failed |= not ok
         print(summary_line(report) + f" -> {'OK' if ok else 'FAIL'}")
-    path = args.out / f"chaos-{names[-1]}-latest.json"
+    path = args.out / f"chaos-{reports[-1].get('setting', names[-1])}-latest.json"
     print(f"JSON: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     sys.exit(1 if failed else 0)
 
