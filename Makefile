@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: browser screenshots setup demo demo-real real-venv test test-real lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers bench-whatif bench-real chaos fuzz clean
+.PHONY: browser screenshots setup demo demo-real real-venv test test-real lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers bench-whatif bench-real chaos fuzz soak clean
 
 setup: $(STAMP)
 
@@ -111,7 +111,9 @@ bench-gateway: $(STAMP)
 bench-gateway-servers: $(STAMP)
 	$(BIN)/python bench/gateway_servers.py
 
-# kill -9 routers and workers under load (single node, 3-node cluster, harsh), audit the log.
+# kill -9 routers and workers under load (single node, 3-node cluster, harsh), the whole
+# NATS cluster stopped or killed and started again (cluster-stop, cluster-kill9), a rolling
+# restart of every service (rolling); audit the log.
 chaos: $(STAMP)
 	$(BIN)/python bench/chaos.py --setting all
 
@@ -124,6 +126,13 @@ chaos: $(STAMP)
 FUZZ_ARGS ?=
 fuzz: $(STAMP)
 	$(BIN)/python bench/fuzz.py $(FUZZ_ARGS)
+
+# An hour at 50 req/s (mixed, a backend flapping) on the separate-process deployment: RSS,
+# fds, stream sizes and KV keys from the warm-up to the end, nothing lost. SOAK_ARGS: e.g.
+# --minutes 10, --rate 25, --tracemalloc.
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(BIN)/python bench/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .renqueue .mypy_cache .ruff_cache .pytest_cache

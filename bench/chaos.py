@@ -146,6 +146,18 @@ class Setting:
     kill_node: bool = False
     #: The worker consumer's ``max_deliver`` (``worker.delivery_limit``); None: the default.
     worker_delivery_limit: int | None = None
+    #: The whole NATS cluster lost mid-run: ``"stop"`` (SIGTERM every node) or ``"kill9"``
+    #: (SIGKILL every node at once); started again on the same stores. None: no outage.
+    nats_outage: str | None = None
+    #: Restart every router and worker one at a time (SIGTERM, wait for the exit, start
+    #: again, wait until ready, next) for as long as the arrivals last.
+    rolling: bool = False
+    #: A control run: the setting's load and config without its faults (``--control``);
+    #: its deadlines are audited as ``rolling``'s are, for comparison.
+    control: bool = False
+    #: Share of plain requests given a deadline, and the range of their timeouts (seconds).
+    deadline_share: float = 0.04
+    deadline_range: tuple[float, float] = (1.0, 4.0)
     about: str = ""
 
 
@@ -191,7 +203,59 @@ SETTINGS = {
             " delivery_limit 2, a kill every ~0.5 s"
         ),
     ),
+    "cluster-stop": Setting(
+        name="cluster-stop",
+        nodes=3,
+        router_ack_wait=30.0,
+        worker_ack_wait=5.0,
+        router_max_deliver=10,
+        worker_max_deliver=5,
+        kill_every=0.0,
+        tokens_per_second=40.0,
+        nats_outage="stop",
+        about=(
+            "3-node cluster, R3 streams, every node stopped (SIGTERM) mid-run and started"
+            " again on its store; no service is killed or restarted"
+        ),
+    ),
+    "cluster-kill9": Setting(
+        name="cluster-kill9",
+        nodes=3,
+        router_ack_wait=30.0,
+        worker_ack_wait=5.0,
+        router_max_deliver=10,
+        worker_max_deliver=5,
+        kill_every=0.0,
+        tokens_per_second=40.0,
+        nats_outage="kill9",
+        about=(
+            "3-node cluster, R3 streams, every node killed (kill -9) at once mid-run and"
+            " started again on its store; no service is killed or restarted"
+        ),
+    ),
+    "rolling": Setting(
+        name="rolling",
+        nodes=1,
+        router_ack_wait=30.0,
+        worker_ack_wait=5.0,
+        router_max_deliver=10,
+        worker_max_deliver=5,
+        kill_every=0.0,
+        tokens_per_second=40.0,
+        rolling=True,
+        deadline_share=0.25,
+        deadline_range=(4.0, 12.0),
+        about=(
+            "one nats-server, every router and worker restarted one at a time (SIGTERM, exit,"
+            " start, ready, next) while the arrivals last; a quarter of the requests carry a"
+            " 4-12 s deadline"
+        ),
+    ),
 }
+
+#: Settings that must run without a single service restart (the services ride out a NATS
+#: outage by themselves).
+NO_RESTARTS = frozenset(name for name, s in SETTINGS.items() if s.nats_outage)
 
 
 @dataclass(frozen=True)
@@ -204,7 +268,9 @@ class Plan:
 def plan_for(setting: Setting, *, quick: bool, requests: int | None, rate: float | None) -> Plan:
     ack_wait = max(setting.router_ack_wait, setting.worker_ack_wait)
     if quick:
-        return Plan(requests=requests or 150, rate=rate or 10.0, tail=max(30.0, ack_wait + 20.0))
+        # A rolling pass over six processes takes ~30-60 s here: enough arrivals to cover it.
+        count = requests or (400 if setting.rolling else 150)
+        return Plan(requests=count, rate=rate or 10.0, tail=max(30.0, ack_wait + 20.0))
     return Plan(requests=requests or 1000, rate=rate or 15.0, tail=max(60.0, 3 * ack_wait + 30.0))
 
 
@@ -406,10 +472,14 @@ class Fleet:
         routers: int = ROUTERS,
         backends: Sequence[Backend] = BACKENDS,
         config_for: Callable[[Slot], Awaitable[Path]] | None = None,
+        launcher: Sequence[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         """``routers`` router processes and ``backends``' workers. ``config_for``, if
         given, is awaited before each spawn (the slot's ``generation`` already counts
-        it) and names the config file that process gets; else ``config_file``."""
+        it) and names the config file that process gets; else ``config_file``.
+        ``launcher``: the command before the CLI's arguments (``python -m renqueue``);
+        ``env``: variables added to each process's environment."""
         self.config_file = config_file
         self.url = url
         self.logs = logs
@@ -418,13 +488,17 @@ class Fleet:
         self.slots = [Slot("router", None, i) for i in range(routers)]
         for backend in backends:
             self.slots += [Slot("worker", backend.name, i) for i in range(backend.workers)]
+        self.launcher = list(launcher or [sys.executable, "-m", "renqueue"])
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("RENQUEUE_")},
             "PYTHONUNBUFFERED": "1",
+            **(env or {}),
         }
         self.stopping = False
         self.killed_pids: set[int] = set()
         self.kills: list[dict[str, Any]] = []
+        #: Graceful restarts (:meth:`restart`): SIGTERM, exit, a new process, ready.
+        self.restarts: list[dict[str, Any]] = []
         self.self_exits: list[dict[str, Any]] = []
         self.spawned = 0
         #: Wall-clock time each process (by its log file) was spawned.
@@ -448,8 +522,7 @@ class Fleet:
         slot.log = self.logs / f"{slot.name}-{slot.generation:03d}.log"
         config_file = self.config_file if self.config_for is None else await self.config_for(slot)
         argv = [
-            sys.executable, "-m", "renqueue", "-c", str(config_file), "--nats", self.url,
-            "--log-json", slot.role,
+            *self.launcher, "-c", str(config_file), "--nats", self.url, "--log-json", slot.role,
         ]  # fmt: skip
         if slot.backend is not None:
             argv += ["-b", slot.backend]
@@ -510,6 +583,34 @@ class Fleet:
         )
         await self._spawn(slot)
 
+    async def restart(self, slot: Slot, *, within: float = 60.0) -> None:
+        """Stop ``slot``'s process as an operator would (SIGTERM, wait for it to exit,
+        ``kill -9`` after ``within``), start a new one and wait until it is ready."""
+        proc = slot.proc
+        if proc is None or proc.returncode is not None:
+            return
+        self.killed_pids.add(proc.pid)  # its exit is ours, not its own
+        record: dict[str, Any] = {"slot": slot.name, "role": slot.role}
+        record["term_at"] = time.time()
+        record["t"] = round(time.monotonic() - self._t0, 2)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            code = await asyncio.wait_for(proc.wait(), within)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            code = await proc.wait()
+            record["forced"] = True
+        record["exit_code"] = code
+        record["exited_at"] = time.time()
+        await self._spawn(slot)
+        deadline = time.monotonic() + within
+        while not slot.is_ready() and time.monotonic() < deadline:  # noqa: ASYNC110 - a log
+            await asyncio.sleep(0.1)
+        record["ready_at"] = time.time() if slot.is_ready() else None
+        self.restarts.append(record)
+
     async def stop(self) -> None:
         self.stopping = True
         procs = [slot.proc for slot in self.slots if slot.alive]
@@ -564,6 +665,48 @@ async def node_chaos(
     record["restarted"] = {"node": node.name, "t": round(loop.time() - t0, 2)}
 
 
+async def cluster_outage(
+    nodes: list[NatsNode],
+    how: str,
+    *,
+    down_at: float,
+    up_at: float,
+    t0: float,
+    record: dict[str, Any],
+) -> None:
+    """Lose every NATS node at ``down_at`` (``how``: ``stop`` = SIGTERM each, ``kill9`` =
+    SIGKILL all at once) and start them all again, on their stores, at ``up_at``."""
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, t0 + down_at - loop.time()))
+    record["down_at"] = time.time()
+    if how == "kill9":
+        await asyncio.gather(*(node.kill() for node in nodes))
+    else:
+        await asyncio.gather(*(node.stop() for node in nodes))
+    record["down"] = {"how": how, "t": round(loop.time() - t0, 2), "nodes": len(nodes)}
+    await asyncio.sleep(max(0.0, t0 + up_at - loop.time()))
+    await asyncio.gather(*(node.start(within=60.0) for node in nodes))
+    record["up_at"] = time.time()
+    record["up"] = {"t": round(loop.time() - t0, 2)}
+
+
+async def rolling_restarts(
+    fleet: Fleet, stop: asyncio.Event, *, start_after: float, pause: float = 1.0
+) -> None:
+    """Restart every router and worker, one at a time, in passes, until ``stop``."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), start_after)
+    passes = 0
+    while passes == 0 or not stop.is_set():
+        for slot in list(fleet.slots):
+            if stop.is_set() and passes > 0:
+                return
+            await fleet.restart(slot)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), pause)
+        passes += 1
+
+
 # ---------------------------------------------------------------------- workload
 
 
@@ -596,7 +739,15 @@ class Track:
     stream_error: str | None = None
 
 
-def make_workload(count: int, rate: float, rng: random.Random, run: str) -> list[Track]:
+def make_workload(
+    count: int,
+    rate: float,
+    rng: random.Random,
+    run: str,
+    *,
+    deadline_share: float = 0.04,
+    deadline_range: tuple[float, float] = (1.0, 4.0),
+) -> list[Track]:
     tracks: list[Track] = []
     groups = 0
     while len(tracks) < count:
@@ -628,8 +779,8 @@ def make_workload(count: int, rate: float, rng: random.Random, run: str) -> list
         options: dict[str, Any] = {"route": ROUTE, "max_tokens": rng.randint(4, 16)}
         if rng.random() < 0.005:
             options["route"] = "no-such-route"
-        if rng.random() < 0.04:
-            options["timeout"] = rng.uniform(1.0, 4.0)
+        if rng.random() < deadline_share:
+            options["timeout"] = rng.uniform(*deadline_range)
         index = len(tracks)
         tracks.append(
             Track(
@@ -1196,6 +1347,190 @@ def latency_phases(tracks: list[Track], events: dict[str, list[Logged]]) -> dict
     }
 
 
+def _pid_of(name: str) -> int | None:
+    """The pid in a worker's name (``host-PID-backend``) or a router's holder
+    (``name@host:PID:nonce``)."""
+    for part in name.replace(":", "-").split("-"):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
+def _log_has(path: Path | None, words: str, after: float) -> bool:
+    """Whether the JSON log at ``path`` has ``words`` in an entry stamped after ``after``."""
+    if path is None or not path.exists():
+        return False
+    for line in path.read_text(errors="replace").splitlines():
+        if words not in line:
+            continue
+        try:
+            stamp = json.loads(line).get("timestamp", "")
+            at = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+        except (ValueError, AttributeError):
+            continue
+        if at >= after:
+            return True
+    return False
+
+
+async def outage_report(
+    js: Any, tracks: list[Track], fleet: Fleet, outage: dict[str, Any]
+) -> dict[str, Any]:
+    """What the loss of the whole cluster did: service restarts (must be 0), which
+    processes logged the reconnect, which ran or routed requests afterwards, and the
+    requests submitted while it was down."""
+    events = await read_events(js)
+    down_at = outage.get("down_at", float("inf"))
+    up_at = outage.get("up_at", float("inf"))
+    after_pids: set[int] = set()
+    first_end_after_up = float("inf")
+    for history in events.values():
+        for item in history:
+            if item.at < up_at:
+                continue
+            event = item.event
+            pid = None
+            if isinstance(event, Started):
+                pid = _pid_of(event.worker)
+            elif isinstance(event, Routed):
+                pid = _pid_of(event.router)
+            if pid is not None:
+                after_pids.add(pid)
+            if kind_of(event) in TERMINAL_KINDS and item.at < first_end_after_up:
+                first_end_after_up = item.at
+    processes = []
+    for slot in fleet.slots:
+        pid = slot.proc.pid if slot.proc is not None else None
+        processes.append(
+            {
+                "slot": slot.name,
+                "generation": slot.generation,
+                "alive": slot.alive,
+                "logged_disconnect": _log_has(slot.log, "nats disconnected", down_at - 1.0),
+                "logged_reconnect": _log_has(slot.log, "nats reconnected", down_at),
+                "moved_to_new_connection": _log_has(
+                    slot.log, "running on a new NATS connection", down_at
+                ),
+                "worked_after": pid in after_pids,
+            }
+        )
+    during = [
+        t
+        for t in tracks
+        if t.acked and t.submit_at is not None and down_at - 1.0 <= t.submit_at <= up_at
+    ]
+    return {
+        "down": outage.get("down"),
+        "up": outage.get("up"),
+        "down_seconds": round(up_at - down_at, 2) if up_at < float("inf") else None,
+        "service_restarts": len(fleet.self_exits) + len(fleet.kills),
+        "processes": processes,
+        "reconnected": sum(1 for p in processes if p["logged_reconnect"]),
+        "worked_after": sum(1 for p in processes if p["worked_after"]),
+        "first_terminal_after_up_s": round(first_end_after_up - up_at, 2)
+        if first_end_after_up < float("inf")
+        else None,
+        "submitted_around_outage": len(during),
+        "submitted_around_outage_ended": sum(1 for t in during if terminals(events.get(t.id, []))),
+    }
+
+
+async def rolling_report(js: Any, tracks: list[Track], fleet: Fleet) -> dict[str, Any]:
+    """The rolling restart: each restart's stop and start times, and every request with
+    a deadline against it (ended later than its deadline; expired while a restart was
+    under way, by the role restarting)."""
+    events = await read_events(js)
+    restarts = fleet.restarts
+    windows = [
+        (r["term_at"], r["ready_at"] if r["ready_at"] is not None else float("inf"), r["role"])
+        for r in restarts
+    ]
+    deadlined = [t for t in tracks if t.acked and t.request is not None and t.request.deadline]
+    overshoot: list[float] = []
+    late: list[dict[str, Any]] = []
+    expired_in_window: Counter[str] = Counter()
+    expired_during = expired_outside = 0
+    expired_examples: list[dict[str, Any]] = []
+    completed_in_time = 0
+    for track in deadlined:
+        deadline = track.request.deadline if track.request is not None else None
+        if deadline is None:
+            continue
+        ends = terminals(events.get(track.id, []))
+        if not ends:
+            continue
+        end = ends[0]
+        over = end.at - deadline
+        overshoot.append(over)
+        if over > 1.0:
+            late.append(
+                {
+                    "id": track.id,
+                    "kind": kind_of(end.event),
+                    "over_s": round(over, 2),
+                    "events": describe(events.get(track.id, []), track.submit_at),
+                }
+            )
+        if isinstance(end.event, Completed) and over <= 0:
+            completed_in_time += 1
+        if isinstance(end.event, Expired):
+            if len(expired_examples) < 4:
+                expired_examples.append(
+                    {
+                        "id": track.id,
+                        "level": track.level,
+                        "timeout_s": round(deadline - (track.submit_at or deadline), 2),
+                        "events": describe(events.get(track.id, []), track.submit_at),
+                    }
+                )
+            start = track.submit_at or deadline
+            roles = {role for lo, hi, role in windows if lo <= deadline and hi >= start}
+            if roles:
+                expired_during += 1
+                for role in roles:
+                    expired_in_window[role] += 1
+            else:
+                expired_outside += 1
+    stop_s = [r["exited_at"] - r["term_at"] for r in restarts]
+    ready_s = [r["ready_at"] - r["exited_at"] for r in restarts if r["ready_at"] is not None]
+    return {
+        "restarts": len(restarts),
+        "restarts_by_role": dict(Counter(r["role"] for r in restarts)),
+        "passes": len(restarts) / max(1, len(fleet.slots)),
+        "exit_codes": dict(Counter(str(r["exit_code"]) for r in restarts)),
+        "forced": sum(1 for r in restarts if r.get("forced")),
+        "never_ready": sum(1 for r in restarts if r["ready_at"] is None),
+        "term_to_exit": {"p50": percentile(stop_s, 50), "max": max(stop_s, default=float("nan"))},
+        "exit_to_ready": {
+            "p50": percentile(ready_s, 50),
+            "max": max(ready_s, default=float("nan")),
+        },
+        "self_exits": len(fleet.self_exits),
+        "with_deadline": len(deadlined),
+        "completed_by_deadline": completed_in_time,
+        "expired": expired_during + expired_outside,
+        "expired_while_restarting": expired_during,
+        "expired_while_restarting_by_role": dict(expired_in_window),
+        "expired_outside_restarts": expired_outside,
+        "ended_over_deadline_by_1s": len(late),
+        "overshoot_max_s": max(overshoot, default=float("nan")),
+        "late_examples": late[:3],
+        "expired_examples": expired_examples,
+        "timeline": [
+            {
+                "slot": r["slot"],
+                "t": r["t"],
+                "term_to_exit_s": round(r["exited_at"] - r["term_at"], 2),
+                "exit_to_ready_s": None
+                if r["ready_at"] is None
+                else round(r["ready_at"] - r["exited_at"], 2),
+                "exit_code": r["exit_code"],
+            }
+            for r in restarts
+        ],
+    }
+
+
 async def final_chunk_stored(js: Any, request_id: str) -> bool:
     try:
         last = await js.get_last_msg(TOKENS_STREAM, token_subject(TENANT, request_id))
@@ -1358,7 +1693,14 @@ async def run_setting(
             await nc.subscribe(f"rq.evt.{TENANT}.*.*", cb=on_event)
 
             run_tag = f"{setting.name[:1]}{stamp[-7:-1]}"
-            tracks = make_workload(plan.requests, plan.rate, rng, run_tag)
+            tracks = make_workload(
+                plan.requests,
+                plan.rate,
+                rng,
+                run_tag,
+                deadline_share=setting.deadline_share,
+                deadline_range=setting.deadline_range,
+            )
             client_nc = await connect(url, name="chaos-client", config=config.nats)
             stack.push_async_callback(client_nc.close)
             client = Client(client_nc, tenant=TENANT)
@@ -1370,8 +1712,28 @@ async def run_setting(
             window = tracks[-1].at
             killer = asyncio.create_task(
                 kill_loop(fleet, random.Random(seed + 100), setting.kill_every, stop_kills)
+                if setting.kill_every > 0
+                else stop_kills.wait()
             )
-            node_task = None
+            node_task: asyncio.Task[None] | None = None
+            outage: dict[str, Any] = {}
+            if setting.nats_outage is not None:
+                down_at = window / 3
+                node_task = asyncio.create_task(
+                    cluster_outage(
+                        nodes,
+                        setting.nats_outage,
+                        down_at=down_at,
+                        up_at=down_at + min(20.0, window / 3),
+                        t0=t0,
+                        record=outage,
+                    )
+                )
+            roller: asyncio.Task[None] | None = None
+            if setting.rolling:
+                roller = asyncio.create_task(
+                    rolling_restarts(fleet, stop_kills, start_after=0.5 + window / 10)
+                )
             if setting.kill_node:
                 node_task = asyncio.create_task(
                     node_chaos(
@@ -1396,6 +1758,8 @@ async def run_setting(
                 await killer
                 if node_task is not None:
                     await node_task
+                if roller is not None:
+                    await roller
             tail = await wait_for_tail(js, tracks, live, driver, plan.tail)
             await driver.close()
             await client.close()
@@ -1403,6 +1767,10 @@ async def run_setting(
             result["arrival_seconds"] = round(arrivals, 2)
             result["tail_seconds"] = round(tail, 2)
             result["node_chaos"] = node_record
+            if setting.nats_outage is not None:
+                result["outage"] = await outage_report(js, tracks, fleet, outage)
+            if setting.rolling or setting.control:
+                result["rolling"] = await rolling_report(js, tracks, fleet)
             report.update(result)
     finally:
         report["total_seconds"] = round(time.monotonic() - started, 1)
@@ -1493,6 +1861,48 @@ def print_report(report: dict[str, Any]) -> None:
         f"{c['disagree_with_log']}"
     )
     print(f"  left: {report['left']}; runs per request {report['runs_per_request']}")
+    if "outage" in report:
+        o = report["outage"]
+        print(
+            f"  nats outage: {o['down']} -> up {o['up']} ({o['down_seconds']}s down); service"
+            f" restarts {o['service_restarts']}; reconnected (logged) {o['reconnected']}/"
+            f"{len(o['processes'])}; ran or routed requests afterwards {o['worked_after']}/"
+            f"{len(o['processes'])}; first terminal {o['first_terminal_after_up_s']}s after up;"
+            f" submitted around the outage {o['submitted_around_outage']}, ended"
+            f" {o['submitted_around_outage_ended']}"
+        )
+    if "rolling" in report:
+        r = report["rolling"]
+        print(
+            f"  rolling: {r['restarts']} restarts {r['restarts_by_role']} ({r['passes']:.1f}"
+            f" passes), exit codes {r['exit_codes']}, forced {r['forced']}, never ready"
+            f" {r['never_ready']}, SIGTERM->exit p50 {_seconds(r['term_to_exit']['p50'])} max"
+            f" {_seconds(r['term_to_exit']['max'])}, exit->ready p50"
+            f" {_seconds(r['exit_to_ready']['p50'])} max {_seconds(r['exit_to_ready']['max'])}"
+        )
+        print(
+            f"  deadlines: {r['with_deadline']} requests with one; completed in time"
+            f" {r['completed_by_deadline']}, expired {r['expired']} (while a restart was under"
+            f" way {r['expired_while_restarting']} {r['expired_while_restarting_by_role']},"
+            f" outside {r['expired_outside_restarts']}); ended >1 s after the deadline"
+            f" {r['ended_over_deadline_by_1s']} (max overshoot {r['overshoot_max_s']:.2f}s)"
+        )
+        print(
+            "  restarts: "
+            + "; ".join(
+                f"{x['slot']} at {x['t']}s stop {x['term_to_exit_s']}s ready"
+                f" {x['exit_to_ready_s']}s"
+                for x in r["timeline"]
+            )
+        )
+        for example in r["expired_examples"][:3]:
+            print(f"  expired: {example['id']} {example['level']} timeout {example['timeout_s']}s")
+            for line in example["events"]:
+                print(f"      {line}")
+        for example in r["late_examples"][:2]:
+            print(f"  late: {example['id']} {example['kind']} +{example['over_s']}s")
+            for line in example["events"]:
+                print(f"      {line}")
     if p["log_problems"]:
         top = list(p["log_problems"].items())[:6]
         print("  service logs: " + "; ".join(f"{n}x {text}" for text, n in top))
@@ -1516,14 +1926,46 @@ def summary_line(report: dict[str, Any]) -> str:
     roles = p["kills_by_role"]
     node = report.get("node_chaos") or {}
     lat = report["latency"]
+    extra = ""
+    if "outage" in report:
+        o = report["outage"]
+        down = o["down"] or {"nodes": 0, "how": "-"}
+        extra = (
+            f", nats nodes lost {down['nodes']} ({down['how']},"
+            f" {o['down_seconds']}s), service restarts {o['service_restarts']}, reconnected"
+            f" {o['reconnected']}/{len(o['processes'])}, stranded handles"
+            f" {report['client']['stranded_handles']}"
+        )
+    if "rolling" in report:
+        r = report["rolling"]
+        extra = (
+            f", rolling restarts {r['restarts']} (forced {r['forced']}), deadline requests"
+            f" {r['with_deadline']}: expired {r['expired']} ({r['expired_while_restarting']}"
+            f" during a restart), ended >1 s past deadline {r['ended_over_deadline_by_1s']}"
+        )
     return (
         f"chaos {name}: requests {report['submitted']}, kills {p['kills']} "
         f"(router {roles.get('router', 0)}, worker {roles.get('worker', 0)}, "
         f"nats node {1 if 'killed' in node else 0}), lost {report['lost']}, "
         f"duplicated {report['duplicated']}, outcomes {report['terminal_kinds']}, "
         f"extra backend calls {report['backend']['extra_calls']}, latency p50/p95/p99 "
-        f"{_seconds(lat['p50'])}/{_seconds(lat['p95'])}/{_seconds(lat['p99'])}"
+        f"{_seconds(lat['p50'])}/{_seconds(lat['p95'])}/{_seconds(lat['p99'])}" + extra
     )
+
+
+def passed(report: dict[str, Any]) -> bool:
+    """0 lost and 0 duplicated; after a NATS outage also no service restart and every
+    client handle resolved; in a rolling restart no request ended >1 s past its deadline."""
+    ok = report.get("lost") == 0 and report.get("duplicated") == 0
+    if ok and "outage" in report:
+        ok = (
+            report["outage"]["service_restarts"] == 0
+            and report["client"]["stranded_handles"] == 0
+            and report["client"]["stranded_resubmit_handles"] == 0
+        )
+    if ok and "rolling" in report:
+        ok = report["rolling"]["ended_over_deadline_by_1s"] == 0
+    return bool(ok)
 
 
 def main() -> None:
@@ -1538,6 +1980,12 @@ def main() -> None:
         help="seconds between kills (the setting's: 1, harsh 0.5); on a machine where a"
         " service takes longer than ~6 kill intervals to start, the fleet is mostly down",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="the same load and config without the setting's faults (no kills, no NATS"
+        " outage, no rolling restart): what the faults add, e.g. to the deadline misses",
+    )
     parser.add_argument("--seed", type=int, default=6)
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, stores)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
@@ -1551,6 +1999,17 @@ def main() -> None:
         setting = SETTINGS[name]
         if args.kill_every is not None:
             setting = dataclasses.replace(setting, kill_every=args.kill_every)
+        if args.control:
+            setting = dataclasses.replace(
+                setting,
+                name=f"{setting.name}-control",
+                kill_every=0.0,
+                kill_node=False,
+                nats_outage=None,
+                rolling=False,
+                control=True,
+                about=f"control for {setting.name}: its load and config, no faults",
+            )
         plan = plan_for(setting, quick=args.quick, requests=args.requests, rate=args.rate)
         try:
             report = asyncio.run(
@@ -1564,10 +2023,10 @@ def main() -> None:
     print()
     failed = False
     for report in reports:
-        ok = report.get("lost") == 0 and report.get("duplicated") == 0
+        ok = passed(report)
         failed |= not ok
         print(summary_line(report) + f" -> {'OK' if ok else 'FAIL'}")
-    path = args.out / f"chaos-{names[-1]}-latest.json"
+    path = args.out / f"chaos-{reports[-1].get('setting', names[-1])}-latest.json"
     print(f"JSON: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     sys.exit(1 if failed else 0)
 

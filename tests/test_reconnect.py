@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -288,3 +290,41 @@ async def test_a_submit_gives_up_at_its_deadline_or_the_clients_patience(
     ]
     assert retries, "retried at least once after the first try's 5 s"
     assert 5.0 <= took < 8.0 + 5.0, took  # past the first try; bounded by the deadline
+
+
+async def test_a_failed_reconnect_attempt_leaves_no_socket_open(tmp_path: Path) -> None:
+    """While its server is down, a connection tries every URL it has; one node accepts
+    the TCP connection but hangs up before its INFO (a node shutting down or starting,
+    as through a whole-cluster restart). nats-py reuses its transport and overwrites
+    the attempt's stream writer, leaving that socket open until garbage collection.
+    Every failed attempt's socket must be closed when it fails."""
+    hung_up = 0
+    enough = asyncio.Event()
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal hung_up
+        writer.close()
+        await writer.wait_closed()
+        hung_up += 1
+        if hung_up >= 6:
+            enough.set()
+
+    fake = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    fake_url = f"nats://127.0.0.1:{fake.sockets[0].getsockname()[1]}"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            async with EmbeddedServer(tmp_path / "nats", port=-1) as server:
+                nc = await connect(f"{server.url},{fake_url}", name="test", timeout=10)
+            try:
+                hung_up = 0
+                enough.clear()
+                await asyncio.wait_for(enough.wait(), 30)  # reconnect attempts, server down
+            finally:
+                await nc.close()
+            gc.collect()
+    finally:
+        fake.close()
+        await fake.wait_closed()
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert unclosed == []

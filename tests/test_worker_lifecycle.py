@@ -376,6 +376,64 @@ async def test_a_stolen_request_whose_original_was_delivered_and_whose_worker_di
     assert mock.stats().requests == 1
 
 
+async def test_a_request_stolen_there_and_back_whose_first_run_died_still_runs(
+    tmp_path: Path,
+) -> None:
+    """Seen in the chaos cluster-kill9 run (1 request lost): replica-a's worker takes its
+    queued dispatch (claiming run 1) as replica-b steals it (a copy on b, the delivered
+    original kept); a's run dies (the whole cluster was killed under it). Later a's thief
+    steals b's copy back (a second copy, on a). Every copy's first run is run 1, which is
+    claimed: each steps back. So the original's redelivery must run, not hand over to
+    a copy "moved on": the request completes, one backend call."""
+    replicas = ["replica-a", "replica-b"]
+    async with MockBackend(MockSettings(output_tokens=3)) as mock:
+        config = pool(tmp_path, mock.url, replicas)
+        config = msgspec.structs.replace(
+            config, worker=msgspec.structs.replace(config.worker, ack_wait="1s")
+        )
+        async with (
+            Services(config, routers=0, backends=[]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            js = services.js
+            request = client.build_request("stolen there and back", route="chat")
+            await js.publish(
+                dispatch_subject("replica-a"),
+                encode(Dispatch(request=request, backend="replica-a")),
+                headers={"Nats-Msg-Id": msg_id(TENANT, request.id, "dispatch", 1)},
+            )
+            raw = await js.get_msg(
+                DISPATCH_STREAM, seq=1, subject=dispatch_subject("replica-a"), next=True
+            )
+            doomed = await js.pull_subscribe_bind(
+                durable=worker_consumer("replica-a"), stream=DISPATCH_STREAM
+            )
+            [delivered] = await doomed.fetch(1, timeout=5)
+            assert delivered.metadata.sequence.stream == raw.seq
+            assert await EventLog(js).claim_run(TENANT, request.id, 1, 1)
+            await doomed.unsubscribe()  # its worker dies: redelivered after 1 s
+            adapters = {name: make_backend(name, config.backends[name]) for name in replicas}
+            b = Worker(services.nc, js, config, "replica-b", adapters["replica-b"], name="b")
+            a = Worker(services.nc, js, config, "replica-a", adapters["replica-a"], name="a")
+            assert await b._steal(raw, "replica-a") is True  # a copy on b; the original kept
+            copy = await js.get_msg(
+                DISPATCH_STREAM, seq=1, subject=dispatch_subject("replica-b"), next=True
+            )
+            assert await a._steal(copy, "replica-b") is True  # and back: a copy on a
+            assert sorted(await queued(js)) == [dispatch_subject("replica-a")] * 2
+            await a.start()
+            try:
+                result = await client.handle(request.id).result(timeout=15)
+            finally:
+                await a.close()
+                for adapter in adapters.values():
+                    await adapter.close()
+            runs = await started_runs(js, request.id)
+    assert result.backend == "replica-a"
+    assert [(run.worker, run.delivery) for run in runs] == [("a", 2)]
+    assert mock.stats().requests == 1
+
+
 class BrokerSilentTwice:
     """A backend call interrupted twice by a broker that does not answer (as a
     run's publishes are while a stream elects a leader), then answering."""

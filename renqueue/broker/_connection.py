@@ -109,6 +109,7 @@ async def connect(
 
     async def on_error(exc: Exception) -> None:
         last_error[:] = [exc]
+        client.attempt_failed()
         if _refused(exc) and not client.is_connected:
             refused.add(str(exc))  # names the address: one per server refused
             if len(refused) >= len(servers):

@@ -535,6 +535,15 @@ class EventLog:
         by two replicas at once)."""
         return await self._create(run_claim_key(tenant, request_id, attempt, run), b"")
 
+    async def run_claimed(self, tenant: str, request_id: str, attempt: int, run: int) -> bool:
+        """Whether run ``run`` of ``attempt`` of a request is claimed (one direct get)."""
+        subject = f"$KV.{TERMINAL_BUCKET}.{run_claim_key(tenant, request_id, attempt, run)}"
+        try:
+            await self._js.get_msg(_CLAIMS_STREAM, subject=subject, direct=True)
+        except NatsNotFoundError:
+            return False
+        return True
+
     async def _create(self, key: str, value: bytes) -> bool:
         """Create ``key`` in the ``rq-terminal`` bucket; False if it exists (compare-and-set)."""
         try:

@@ -833,6 +833,20 @@ class Connection:
         self._closing = True
         await _call(self._nc.close())
 
+    def attempt_failed(self) -> None:
+        """Called from nats-py's ``error_cb``: while (re)connecting, the error is a
+        failed attempt, and nats-py leaves that attempt's socket open when the server
+        accepted the TCP connection but never sent its INFO (a node shutting down or
+        starting): it reuses the transport and overwrites its stream writer on the
+        next attempt, so the socket stays open until garbage collection (one per
+        attempt through a whole-cluster restart). Close it now."""
+        if not (self._nc.is_connecting or self._nc.is_reconnecting):
+            return
+        transport = self._nc._transport  # nats-py keeps it only in a private attribute
+        if transport is not None:
+            with contextlib.suppress(Exception):
+                transport.close()  # type: ignore[no-untyped-call]  # nats-py: unannotated
+
     def closed_by_server(self) -> bool:
         """Called when nats-py reports the connection closed: sets :attr:`lost`
         (and returns True) unless this side closed it."""

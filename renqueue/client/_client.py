@@ -50,7 +50,9 @@ class Client(Closing):
     #: How long the server keeps the tap while no one listens (a disconnect).
     tap_inactive_threshold: float = 30.0
     #: Seconds a submit that finds no stream (a cluster electing a leader, or a
-    #: level that is not configured) is retried before UnknownPriorityError.
+    #: level that is not configured) is retried before the requests stream's
+    #: subjects are read: UnknownPriorityError if it lacks the level, else the
+    #: submit goes on retrying (``submit_patience``).
     no_stream_grace: float = 3.0
     #: Seconds a submit keeps publishing a request again while the broker does
     #: not answer (less if its deadline comes first); then the last error is

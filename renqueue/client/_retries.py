@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from ..broker import Connection, trace_headers
+from ..broker import Connection, JetStreamApi, reply_error, trace_headers
 from ..errors import (
     NatsClosedError,
     NatsNoRespondersError,
@@ -27,12 +27,14 @@ from ..errors import (
 )
 from ..logs import get_logger
 from ..schema import (
+    REQUESTS_STREAM,
     InferenceRequest,
     TraceParent,
     encode,
     msg_id,
     request_limit,
     request_subject,
+    subject_matches,
 )
 
 if TYPE_CHECKING:
@@ -54,6 +56,8 @@ _RETRY_MAX: Final = 2.0
 #: Longest one try of a submit's publish waits for its ack (nats-py's default
 #: for a JetStream request); a retry waits no longer than the time left.
 _PUBLISH_WAIT: Final = 5.0
+#: A publish that found no stream is tried again after 50 ms, doubling up to this.
+_NO_STREAM_DELAY_MAX: Final = 0.5
 
 
 class Published(enum.Enum):
@@ -90,7 +94,7 @@ async def retrying(nc: Connection, what: str, read: Callable[[], Awaitable[T]], 
             delay = min(_RETRY_MAX, delay * 2)
 
 
-async def publish(  # noqa: PLR0912 - one branch per way a try ends, in one loop
+async def publish(
     client: Client, request: InferenceRequest, *, trace: TraceParent | None = None
 ) -> Published:
     """Publish ``request``: stored now, stored before (a resubmit), or
@@ -99,8 +103,12 @@ async def publish(  # noqa: PLR0912 - one branch per way a try ends, in one loop
     "No responders" means no stream listens on the subject: the level is
     not configured, or, for a few seconds, a cluster is electing the
     stream's leader. So it is retried with the same message id (a publish
-    is idempotent) for :attr:`Client.no_stream_grace` seconds before it is taken
-    to mean an unknown level.
+    is idempotent) for :attr:`Client.no_stream_grace` seconds; then JetStream
+    is asked for the requests stream's subjects. Only a stream that answers
+    without this level means an unknown level; a stream that lists it (no
+    leader yet), is not found, or does not answer (a whole cluster starting
+    again: longer than the grace) is a broker that does not answer, retried as
+    below.
 
     A publish the broker does not answer (no ack in time, a reconnect, a
     full outbound buffer, a 503) is retried with the same message id,
@@ -114,15 +122,7 @@ async def publish(  # noqa: PLR0912 - one branch per way a try ends, in one loop
     out may have been stored (its ack lost): a retry the broker reports
     as a duplicate then found that try, not someone else's request.
     """
-    data = encode(request)
-    limit = request_limit(client.nc.max_payload)
-    if len(data) > limit:
-        # Refused here: over the broker's limit the server would close
-        # this connection, and every request on it would wait.
-        raise NatsPayloadTooLargeError(
-            f"request {request.id} is {len(data)} bytes, over the {limit} the broker "
-            "takes (its max_payload less the services' headroom)"
-        )
+    data = _encoded(client, request)
     loop = asyncio.get_running_loop()
     subject = request_subject(request.priority, request.tenant)
     headers = {"Nats-Msg-Id": msg_id(request.tenant, request.id)}
@@ -145,9 +145,10 @@ async def publish(  # noqa: PLR0912 - one branch per way a try ends, in one loop
             if no_stream_until is None:
                 no_stream_until = now + client.no_stream_grace
             if now + no_stream_delay > no_stream_until:
-                raise UnknownPriorityError(request.priority, request_id=request.id) from exc
+                await _no_stream(client, request, subject, exc, left=give_up - now)
+                no_stream_until = loop.time() + client.no_stream_grace
             await asyncio.sleep(no_stream_delay)
-            no_stream_delay = min(0.5, no_stream_delay * 2)
+            no_stream_delay = min(_NO_STREAM_DELAY_MAX, no_stream_delay * 2)
             continue
         except NatsClosedError:
             raise
@@ -177,6 +178,19 @@ async def publish(  # noqa: PLR0912 - one branch per way a try ends, in one loop
         return Published.FOUND_ON_RETRY if maybe_stored else Published.DUPLICATE
 
 
+def _encoded(client: Client, request: InferenceRequest) -> bytes:
+    """``request`` as it is published, refused here over the broker's limit:
+    the server would close this connection, and every request on it would wait."""
+    data = encode(request)
+    limit = request_limit(client.nc.max_payload)
+    if len(data) > limit:
+        raise NatsPayloadTooLargeError(
+            f"request {request.id} is {len(data)} bytes, over the {limit} the broker "
+            "takes (its max_payload less the services' headroom)"
+        )
+    return data
+
+
 def _not_stored(request: InferenceRequest, full: StoreFullError) -> StoreFullError:
     """``full`` as a submitter reads it: which request, and what to do."""
     return StoreFullError(
@@ -184,3 +198,53 @@ def _not_stored(request: InferenceRequest, full: StoreFullError) -> StoreFullErr
         "again once there is room (`renqueue status` shows each store against its limit)",
         err_code=full.err_code,
     )
+
+
+async def _no_stream(
+    client: Client,
+    request: InferenceRequest,
+    subject: str,
+    exc: NatsNoRespondersError,
+    *,
+    left: float,
+) -> None:
+    """A submit found no stream for longer than the grace: raise
+    :class:`UnknownPriorityError` if JetStream says no stream takes the level,
+    :class:`NatsUnavailableError` if the time is up; else (a stream without a
+    leader, or a JetStream that cannot answer yet) return, to publish again."""
+    if await _no_stream_takes(client, subject, within=left):
+        raise UnknownPriorityError(request.priority, request_id=request.id) from exc
+    if left <= _NO_STREAM_DELAY_MAX:
+        raise NatsUnavailableError(
+            f"no stream took request {request.id} on {subject} in time: the broker is not"
+            f" answering (is a cluster starting again?), or {REQUESTS_STREAM} is not"
+            " provisioned"
+        ) from exc
+    log.warning(
+        "a stream takes this level but does not answer yet; publishing again",
+        request_id=request.id,
+        subject=subject,
+    )
+
+
+async def _no_stream_takes(client: Client, subject: str, *, within: float) -> bool:
+    """Whether JetStream says that no stream takes ``subject``: the requests stream
+    answers with its configuration and none of its subjects matches. ``False`` when one
+    does (its leader is being elected), when the stream is not found or JetStream
+    cannot answer within ``within`` seconds: a cluster starting again answers that
+    way for a while (its stream list comes back empty too, so that list is not asked)."""
+    api = JetStreamApi(client.js)
+    try:
+        async with asyncio.timeout(max(0.1, within)):
+            response = await api.call(f"STREAM.INFO.{REQUESTS_STREAM}")
+    except NatsClosedError:
+        raise
+    except TRANSIENT:
+        return False
+    if reply_error(response) is not None:
+        return False
+    config = response.get("config") if isinstance(response, dict) else None
+    patterns = config.get("subjects") if isinstance(config, dict) else None
+    if not isinstance(patterns, list):
+        return False
+    return not any(isinstance(p, str) and subject_matches(p, subject) for p in patterns)

@@ -207,7 +207,27 @@ class Thief:
     async def hand_over(self, delivery: Delivery, move: Stolen, events: list[Any]) -> bool:
         """Finish a thief's ``move`` of this delivery's message and be done
         with it, if the copy can still run; False (keep and run this message)
-        otherwise."""
+        otherwise.
+
+        A copy's first run has the number of this message's first run (runs are
+        numbered per attempt), so on a redelivery whose first run is claimed (an
+        earlier delivery of this message ran, and its worker died), no copy can run:
+        every copy steps back for that claim, however many moves away it is (A -> B
+        -> A). This message then runs, with a run number of its own. (If the claim
+        was a copy's own run, still going, the backend is called twice; the
+        terminal claim keeps one outcome.)
+        """
+        request = delivery.dispatch.request
+        first_run = delivery.number - delivery.delivered + 1
+        if delivery.delivered > 1 and await self._log.run_claimed(
+            request.tenant, request.id, delivery.dispatch.attempt, first_run
+        ):
+            log.info(
+                "an earlier run of this message claimed the run its stolen copy would need;"
+                " running the original",
+                request_id=request.id,
+            )
+            return False
         moved = await self.move(
             delivery.dispatch, move.to_backend, delivery.stream_seq, delivery.trace
         )
