@@ -33,6 +33,7 @@ from renqueue import (
 )
 from renqueue.broker import DeadLetters, EventLog
 from renqueue.config import Config
+from renqueue.errors import NatsNotFoundError
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import DLQ_STREAM, Completed, Rejected, Started, msg_id, request_subject
 from renqueue.services.worker import Worker
@@ -474,6 +475,60 @@ async def test_a_rejected_request_sent_again_under_its_id_is_refused_not_routed(
     dead_letters = DeadLetters(client.js)
     again = await dead_letters.requeue(await dead_letters.get(dead.seq))
     assert (await client.handle(again.new_id).result(timeout=10)).backend == "b1"
+
+
+async def test_a_malformed_copy_of_a_running_request_does_not_end_it(tmp_path: Path) -> None:
+    """Issue 30 (found by ``make fuzz``): a valid request sent with its header, the
+    same again (a duplicate, not stored), then the same body without the header
+    (stored: no message id to deduplicate it). The third is malformed, and its
+    rejection, recorded under the body's id, claimed the terminal of the request
+    while it ran: the worker's completion (the backend already called) was
+    dropped and the request ended ``rejected``. A copy of a request admitted
+    from another message is now dead-lettered on its own (``Nats-Msg-Id``
+    ``<tenant>:<id>:dlq:requests:rejected-<seq>``) and ends nothing."""
+    settings = MockSettings(ttft=2.0, tokens_per_second=0, output_tokens=8)
+    async with (
+        MockBackend(settings) as slow,
+        Services(make_config(tmp_path, {"b1": (slow.url, 4)})) as services,
+        Client(services.nc, tenant="t1") as client,
+    ):
+        request = client.build_request("hi", route="chat", request_id="running-one")
+        data = msgspec.json.encode(request)
+        js, subject = client.js, request_subject("normal", "t1")
+        header = {"Nats-Msg-Id": msg_id("t1", request.id)}
+        assert not (await js.publish(subject, data, headers=header)).duplicate
+        assert (await js.publish(subject, data, headers=header)).duplicate
+        log = EventLog(js)
+
+        async def started() -> bool:
+            return bool(await log.history("t1", request.id, kind="started"))
+
+        await until(started, "the request runs")
+        copy = await js.publish(subject, data)  # no header: malformed
+        assert not copy.duplicate
+
+        async def copy_read() -> bool:
+            # Whichever comes first: the copy's dead letter, or any end of the request.
+            if await log.history("t1", request.id, kind="rejected"):
+                return True
+            try:
+                await js.get_last_msg(DLQ_STREAM, "rq.dlq.requests")
+            except NatsNotFoundError:
+                return False
+            return True
+
+        await until(copy_read, "the router read the malformed copy")
+        result = await client.handle(request.id).result(timeout=20)
+        assert result.backend == "b1"
+        assert await kinds(client, request.id) == ["submitted", "routed", "started", "completed"]
+        dead = await js.get_last_msg(DLQ_STREAM, "rq.dlq.requests")
+        headers = dead.headers or {}
+        assert headers["Nats-Msg-Id"] == f"t1:running-one:dlq:requests:rejected-{copy.seq}"
+        assert headers["Rq-Request-Id"] == request.id
+        assert headers["Rq-Reason"].startswith("malformed: ")
+        assert "does not end it" in headers["Rq-Reason"]
+        assert dead.data == data
+        assert slow.stats().requests == 1
 
 
 async def test_a_rejection_is_named_by_the_payload_id_else_the_header_id_else_the_sequence(

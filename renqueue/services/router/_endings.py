@@ -111,6 +111,45 @@ class Endings:
             return False
         return True
 
+    async def reject_copy(
+        self, msg: Message, request_id: str, tenant: str, error: Exception
+    ) -> bool:
+        """Dead-letter ``msg``, a copy of request ``request_id`` that would be
+        rejected, while that request was admitted from another message: the
+        copy ends nothing (no terminal claim, no event: the request's outcome
+        is its own), and its dead letter is its own (``...:rejected-<seq>``).
+        False when that could not be recorded (``msg`` is delivered again)."""
+        code = getattr(error, "code", "malformed")
+        seq = msg.metadata.sequence.stream
+        metrics.REJECTED.labels(code).inc()
+        log.warning(
+            "a copy of an admitted request rejected; the request is not ended by it",
+            request_id=request_id,
+            error_type=code,
+            reason=str(error),
+        )
+        try:
+            await self._log.dead_letter(
+                "requests",
+                msg.data,
+                reason=(
+                    f"{code}: {error} (a copy of request {request_id}, which was admitted "
+                    "from another message: this copy was not run and does not end it)"
+                ),
+                source_subject=msg.subject,
+                source_seq=seq,
+                tenant=tenant,
+                request_id=request_id,
+                copy=f"rejected-{seq}",
+            )
+            await msg.ack()
+        except Exception as exc:
+            log.exception("could not record rejection", request_id=request_id, error=str(exc))
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
+            return False
+        return True
+
     async def expire(
         self,
         msg: Message,

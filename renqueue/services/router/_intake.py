@@ -38,7 +38,7 @@ from typing import Any, Final
 import msgspec
 
 from ... import metrics, schema
-from ...broker import Message, PubAck, PullSubscription, next_hop, trace_of
+from ...broker import Message, PubAck, PullSubscription, next_hop, submitted_of, trace_of
 from ...coordination import CancelWatch, Coalescer, coalesce_key
 from ...errors import (
     NatsError,
@@ -277,7 +277,10 @@ class Intake:
         it already ended (:meth:`_ended`)."""
         admitted = admit(msg, level, self._config, max_bytes=request_limit(self._nc.max_payload))
         if isinstance(admitted, Refused):
-            await self._endings.reject(msg, *admitted)
+            if await self._admitted_elsewhere(msg, admitted):
+                await self._endings.reject_copy(msg, *admitted)
+            else:
+                await self._endings.reject(msg, *admitted)
             return None
         if await self._ended(msg, admitted, level, claims):
             return None
@@ -300,6 +303,33 @@ class Intake:
             return admitted
         await self._endings.reject(msg, admitted.id, admitted.tenant, error)
         return None
+
+    async def _admitted_elsewhere(self, msg: Message, refused: Refused) -> bool:
+        """Whether the request ``refused`` names was admitted from another
+        message than ``msg``: then ``msg`` is a copy (the same body sent again
+        without its header, say, or under another one), and its rejection must
+        not end the request, which may be running (:meth:`Endings.reject_copy`).
+
+        Admitted from another message: held here from another message, or a
+        ``submitted`` event of it was logged at another time than ``msg`` was
+        stored (a first submit's ``submitted`` is at its message's storing).
+        A services' requeue is the request itself, never a copy. A copy read
+        before the request itself (on another level's subject, say) finds
+        neither, and is rejected under the id as before.
+        """
+        request_id, tenant, _ = refused
+        seq = msg.metadata.sequence.stream
+        if is_requeue_subject(msg.subject) or request_id == f"invalid-{seq}":
+            return False
+        if any(
+            item.request.tenant == tenant
+            and item.request.id == request_id
+            and item.msg.metadata.sequence.stream != seq
+            for item in self._hold
+        ):
+            return True
+        first = await submitted_of(self._js, tenant, request_id)
+        return first is not None and first.at != stored_at(msg)
 
     async def _ended(
         self, msg: Message, request: InferenceRequest, level: str, claims: Claims
