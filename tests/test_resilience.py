@@ -137,7 +137,9 @@ async def test_one_failure_after_hand_backs_is_not_three_failures(
     take = Intake._take
     failed: list[int] = []
 
-    async def flaky(self: Intake, msg: Message, level: str, rank: int, now: float) -> None:
+    async def flaky(
+        self: Intake, msg: Message, level: str, rank: int, now: float, *args: Any, **kw: Any
+    ) -> None:
         if b'"handed-back"' in msg.data:
             if msg.metadata.num_delivered < 3:
                 await msg.nak(delay=0.1)  # a hand-back
@@ -145,7 +147,7 @@ async def test_one_failure_after_hand_backs_is_not_three_failures(
             if not failed:
                 failed.append(1)
                 raise RuntimeError("a one-off fault, on one delivery")
-        await take(self, msg, level, rank, now)
+        await take(self, msg, level, rank, now, *args, **kw)
 
     monkeypatch.setattr(Intake, "_take", flaky)
     async with MockBackend(FAST) as mock:
