@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import msgspec
+from prometheus_client import REGISTRY
 
 from renqueue import Client, Services, parse_config
 from renqueue.config import Config
@@ -90,6 +91,17 @@ def _stamp(msg: object) -> float:
     return float(stamp.timestamp()) if stamp is not None else float("nan")
 
 
+def _rejected() -> float:
+    """``renqueue_rejected_total`` of this process, over every error type."""
+    return sum(
+        sample.value
+        for metric in REGISTRY.collect()
+        if metric.name == "renqueue_rejected"
+        for sample in metric.samples
+        if sample.name == "renqueue_rejected_total"
+    )
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=2000)
@@ -113,7 +125,8 @@ async def main() -> None:
         f"rejections ({args.kind}, {args.count} over {args.tenants} tenant(s)): "
         f"{result['rate_per_s']:.1f}/s over {result['span_s']:.2f} s "
         f"(wall {result['wall_s']:.1f} s); 1-minute load {load:.1f} at the start, "
-        f"{os.getloadavg()[0]:.1f} at the end"
+        f"{os.getloadavg()[0]:.1f} at the end; {result['dead_letters']:.0f} dead letters, "
+        f"renqueue_rejected_total {_rejected():.0f}"
     )
 
 
