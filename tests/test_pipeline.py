@@ -33,7 +33,7 @@ from renqueue import (
 )
 from renqueue.broker import DeadLetters, EventLog
 from renqueue.config import Config
-from renqueue.errors import NatsNotFoundError
+from renqueue.errors import NatsNotFoundError, TenantBacklogFullError
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import DLQ_STREAM, Completed, Rejected, Started, msg_id, request_subject
 from renqueue.services.worker import Worker
@@ -580,3 +580,28 @@ async def test_a_level_not_configured_gets_no_responders_status_503(stack: Servi
             await nc.request(subject, b"{}", timeout=5)
     finally:
         await nc.close()
+
+
+async def test_a_tenant_over_its_backlog_at_a_level_is_refused_and_others_are_not(
+    tmp_path: Path,
+) -> None:
+    """Issue 30 (``make fuzz``: one tenant's flood slowed every tenant's requests,
+    which waited behind it in the level's queue). ``router.tenant_backlog`` caps
+    the requests one tenant may have waiting at one level (the requests stream's
+    ``max_msgs_per_subject``: a level's subject is the tenant's own): past it the
+    broker refuses the submit, typed, and another tenant's submits are stored."""
+    config = make_config(tmp_path, {"b1": ("http://127.0.0.1:9", 1)}, router={"tenant_backlog": 2})
+    async with (
+        Services(config, routers=0, backends=[], projector=False) as services,
+        Client(services.nc, tenant="flood") as flood,
+        Client(services.nc, tenant="calm") as calm,
+    ):
+        for i in range(2):
+            await flood.submit("x", route="chat", request_id=f"f{i}")
+        with pytest.raises(TenantBacklogFullError, match="per subject") as info:
+            await flood.submit("x", route="chat", request_id="f2")
+        assert info.value.code == "tenant_backlog_full"
+        await flood.submit("x", route="chat", priority="high", request_id="f3")  # another level
+        await calm.submit("x", route="chat", request_id="c0")
+        stored = await services.js.stream_info("RQ_REQUESTS")
+        assert stored.state.messages == 4

@@ -65,6 +65,7 @@ from ..errors import (
     NatsPayloadTooLargeError,
     NatsTimeoutError,
     NatsUnavailableError,
+    TenantBacklogFullError,
     WrongLastSequenceError,
 )
 
@@ -144,6 +145,9 @@ MessageMetadata = _Msg.Metadata
 #: JetStream's "wrong last sequence" errors: a compare-and-set found the
 #: subject (a KV key) moved on. 10164 is what a clustered stream sends.
 WRONG_LAST_SEQUENCE: Final = frozenset({10071, 10164})
+#: JSStreamStoreFailedF: a publish the stream refused to store; its
+#: description says why ("maximum messages per subject exceeded", ...).
+_STORE_FAILED: Final = 10077
 #: JetStream API errors that mean "not now" (nats-server's errors.json),
 #: besides any with the HTTP-like code 503. Every other error is a refusal.
 NOT_NOW: Final = frozenset(
@@ -253,6 +257,10 @@ def _api_error(exc: nats.js.errors.APIError, text: str) -> NatsError:
         or (err_code == _MSG_DELETE_FAILED and _says_gone(str(description)))
     ):
         return NatsNotFoundError(text)  # KV keys and buckets too; a delete of what is gone
+    if err_code == _STORE_FAILED and "per subject" in str(description):
+        # A stream's max_msgs_per_subject with discard_new_per_subject: on
+        # RQ_REQUESTS, router.tenant_backlog (a 503, but no "not now": refused).
+        return TenantBacklogFullError(str(description), status=status, err_code=err_code)
     if (
         isinstance(exc, nats.js.errors.ServiceUnavailableError)
         or status == 503
