@@ -38,7 +38,8 @@ It prints and checks:
   queues must drain; a stored request (``rq.req``) must have exactly one terminal event
   under an id the router records it by (the body's id, the ``Nats-Msg-Id``'s, or
   ``invalid-<seq>``); and ``renqueue_rejected_total``, the requests admitted and ended
-  and the runs a worker dropped as already ended (``renqueue_duplicate_completions_total``)
+  the runs a worker dropped as already ended (``renqueue_duplicate_completions_total``)
+  and the copies the router refused as already ended (``renqueue_ended_resubmits_total``)
   must add up to at least the stored requests. A stored cancellation is either a
   cancellation of what its subject names (valid: the tenant's own word) or counted by
   ``renqueue_misdirected_messages_total{receiver="cancels"}``. A publish the server
@@ -1998,6 +1999,7 @@ async def run(
             rejected = metric_delta(before, after, "renqueue_rejected_total")
             misdirected = metric_delta(before, after, "renqueue_misdirected_messages_total")
             duplicates = metric_delta(before, after, "renqueue_duplicate_completions_total")
+            refused_ended = metric_delta(before, after, "renqueue_ended_resubmits_total")
             gateway_calls = metric_delta(before, after, "renqueue_gateway_requests_total")
             audit["rejected_metric_delta"] = sum(rejected.values())
             up_alive = s.up.returncode is None
@@ -2040,8 +2042,12 @@ async def run(
     late_not_completed = sum(1 for kind in audit["good_late"].values() if kind != "completed")
     good_bad = len(fuzzed.failed) + len(baseline.failed) + late_not_completed
     audit["dropped_as_ended"] = sum(duplicates.values())
+    audit["refused_as_ended"] = sum(refused_ended.values())
     accounted = (
-        audit["rejected_metric_delta"] + audit["dropped_as_ended"] + audit["admitted_and_ended"]
+        audit["rejected_metric_delta"]
+        + audit["dropped_as_ended"]
+        + audit["refused_as_ended"]
+        + audit["admitted_and_ended"]
     )
     nats_unaccounted = (
         audit["outcomes"].get("unaccounted", 0)
@@ -2107,6 +2113,7 @@ async def run(
             "renqueue_rejected_total": rejected,
             "renqueue_misdirected_messages_total": misdirected,
             "renqueue_duplicate_completions_total": duplicates,
+            "renqueue_ended_resubmits_total": refused_ended,
             "renqueue_gateway_requests_total": gateway_calls,
         },
         "service_log": findings,
@@ -2150,7 +2157,8 @@ def print_report(report: dict[str, Any]) -> None:
         f"    stored requests {n['stored_requests']}: rejected {n['stored_and_rejected']} "
         f"(renqueue_rejected_total +{n['rejected_metric_delta']:g}), admitted and ended "
         f"{n['admitted_and_ended']}, dropped by a worker as already ended "
-        f"{n['dropped_as_ended']:g}; left in RQ_REQUESTS {n['left_in_requests_stream']}; "
+        f"{n['dropped_as_ended']:g}, refused by the router as already ended "
+        f"{n.get('refused_as_ended', 0):g}; left in RQ_REQUESTS {n['left_in_requests_stream']}; "
         f"cancellations valid {n['valid_cancels']}, dropped {n['dropped_cancels']}"
     )
     admitted = {
