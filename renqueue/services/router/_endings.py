@@ -11,9 +11,8 @@ request is delivered again, and ended then.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from ... import metrics
 from ...broker import EventLog, Message
@@ -78,15 +77,15 @@ class Endings:
         request is ended all the same and the followers are left to their
         deadlines or the advisory reader. ``unseen``: a request never admitted
         (it never ran, so it has no chunks to look up: its final chunk is the
-        first), rejected when read: its dead letter and its end are written
-        at once (each is idempotent: a redelivery writes what is missing)."""
+        first)."""
         code = getattr(error, "code", "malformed")
         self.rejected += 1
         metrics.REJECTED.labels(code).inc()
         metrics.TERMINAL.labels("rejected").inc()
         log.warning("request rejected", request_id=request_id, error_type=code, reason=str(error))
         try:
-            dead = self._log.dead_letter(
+            # First: a rejection in the log always has its dead letter.
+            await self._log.dead_letter(
                 "requests",
                 msg.data,
                 reason=f"{code}: {error}",
@@ -96,17 +95,10 @@ class Endings:
                 request_id=request_id,
             )
             event = rejection(request_id, tenant, self._clock(), error)
-            if unseen and request is None:
-                _raise_first(
-                    await asyncio.gather(
-                        dead, self._log.finish(event, delivery=1, seq=0), return_exceptions=True
-                    )
-                )
-                await msg.ack()
-                return True
-            await dead
             if request is None:
-                await self._log.finish(event)
+                # A request never admitted never ran: no chunks to look up.
+                first = 1 if unseen else None
+                await self._log.finish(event, delivery=first, seq=0 if unseen else None)
             else:
                 try:
                     await self.end(request, event)
@@ -182,10 +174,3 @@ class Endings:
             log.exception("could not record expiry", request_id=request.id, error=str(exc))
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
-
-
-def _raise_first(results: Iterable[object]) -> None:
-    """Raise the first exception among ``asyncio.gather(..., return_exceptions=True)``'s results."""
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
