@@ -31,11 +31,21 @@ from renqueue import (
     Services,
     parse_config,
 )
-from renqueue.broker import DeadLetters, EventLog
+from renqueue.broker import DeadLetters, EventLog, read_subject
 from renqueue.config import Config
 from renqueue.errors import NatsNotFoundError, TenantBacklogFullError
 from renqueue.mock import MockBackend, MockSettings
-from renqueue.schema import DLQ_STREAM, Completed, Rejected, Started, msg_id, request_subject
+from renqueue.schema import (
+    DLQ_STREAM,
+    EVENT_DECODER,
+    EVENTS_STREAM,
+    Completed,
+    Rejected,
+    Started,
+    kind_of,
+    msg_id,
+    request_subject,
+)
 from renqueue.services.worker import Worker
 
 
@@ -605,3 +615,39 @@ async def test_a_tenant_over_its_backlog_at_a_level_is_refused_and_others_are_no
         await calm.submit("x", route="chat", request_id="c0")
         stored = await services.js.stream_info("RQ_REQUESTS")
         assert stored.state.messages == 4
+
+
+async def test_a_batchs_good_requests_are_taken_before_its_rejections(tmp_path: Path) -> None:
+    """Issue 30 (``make fuzz``: one tenant's bad requests, rejected one at a time
+    in the level every tenant's requests wait in, slowed everyone): a fetched
+    batch's good requests are taken first, and its rejections recorded after,
+    all at once. Twenty bad requests, then a good one, all waiting before the
+    router starts: the good one's ``submitted`` is logged before any rejection."""
+    config = make_config(tmp_path, {"b1": ("http://127.0.0.1:9", 1)})
+    async with (
+        Services(config, routers=0, backends=[], projector=False) as services,
+        Client(services.nc, tenant="bad") as bad,
+        Client(services.nc, tenant="good") as good,
+    ):
+        for i in range(20):
+            request = bad.build_request("x", route="chat", request_id=f"bad-{i}")
+            await bad.js.publish(request_subject("normal", "bad"), msgspec.json.encode(request))
+        await good.submit("x", route="chat", request_id="good-0")
+    async with Services(config, backends=[]) as services:
+        assert services.js is not None
+        log = EventLog(services.js)
+
+        async def all_read() -> bool:
+            return all([await log.history("bad", f"bad-{i}") for i in range(20)]) and bool(
+                await log.history("good", "good-0", kind="submitted")
+            )
+
+        await until(all_read, "the router read every request")
+        seqs = await read_subject(services.nc, services.js, EVENTS_STREAM, "rq.evt.*.*.*")
+        order = [
+            (event.tenant, kind_of(event))
+            for _, data in seqs
+            if kind_of(event := EVENT_DECODER.decode(data)) in ("submitted", "rejected")
+        ]
+    assert order[0] == ("good", "submitted")
+    assert sorted(order[1:]) == [("bad", "rejected")] * 20

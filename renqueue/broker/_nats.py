@@ -21,6 +21,8 @@ by what a caller can do about it::
     ├── NatsNotFoundError         no such message, key, stream, consumer or bucket
     ├── WrongLastSequenceError    a compare-and-set found its subject moved on
     └── NatsApiError              JetStream refused the operation (status, err_code)
+        └── TenantBacklogFullError  a submit past router.tenant_backlog (err_code
+                                    10077, "maximum messages per subject exceeded")
 
 Data that JetStream returns (publish acks, stored messages, KV entries, stream
 and consumer info) and the configs it takes are nats-py's plain dataclasses,
