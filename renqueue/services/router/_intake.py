@@ -152,7 +152,8 @@ class Intake:
                 claims = await self._claims_of(msgs)
                 while pending:
                     head = pending[0]
-                    read = None if self._hold.holds_message(head) else self._read(head, level)
+                    held = self._hold.holds_message(head)
+                    read = None if held else self._read_safely(head, level)
                     if isinstance(read, Refused):
                         # Rejected after the batch's valid requests, all at once.
                         refused.append((head, read))
@@ -180,14 +181,24 @@ class Intake:
             finally:
                 self._parts.wake.set()
 
+    def _read_safely(self, msg: Message, level: str) -> InferenceRequest | Refused | None:
+        """:meth:`_read`, or ``None`` if it raises (a bug the request triggers):
+        then :meth:`_take` reads it again, where a failure is the request's own
+        (:meth:`_untakeable`), never the level loop's."""
+        try:
+            return self._read(msg, level)
+        except Exception:  # noqa: BLE001 - raised again in _take, and handled there
+            return None
+
     def _read(self, msg: Message, level: str) -> InferenceRequest | Refused:
         """``msg`` decoded and validated (pure: no I/O), or why it is refused."""
         return admit(msg, level, self._config, max_bytes=request_limit(self._nc.max_payload))
 
     async def _reject_all(self, refused: list[tuple[Message, Refused]]) -> None:
         """Reject a batch's refused requests all at once: their round trips (a
-        lookup, the dead letter and the terminal claim, the terminal event and
-        final chunk) overlap, and the client's writes of many share a flush,
+        lookup, the dead letter, the terminal claim, the terminal event and
+        final chunk, one after another for each) overlap across the batch, and
+        the client's writes of many share a flush,
         so a flood of bad requests costs a few round trips a batch, not a few
         a request. A failure of the broker is raised once all are done (the
         loop restarts; what was not recorded is delivered again); any other
