@@ -28,26 +28,38 @@ from prometheus_client import REGISTRY
 
 from renqueue import Client, Services, parse_config
 from renqueue.config import Config
-from renqueue.schema import DLQ_STREAM, request_subject
+from renqueue.errors import NatsNotFoundError
+
+try:  # not in trees before router.tenant_backlog (the script measures those too)
+    from renqueue.errors import TenantBacklogFullError
+except ImportError:  # pragma: no cover
+    TenantBacklogFullError = NatsNotFoundError  # type: ignore[misc,assignment]
+from renqueue.schema import DLQ_STREAM, EVENTS_STREAM, event_subject, request_subject
 
 
-def make_config(data_dir: Path) -> Config:
-    return parse_config(
-        {
-            "nats": {"data_dir": str(data_dir), "port": -1},
-            "backends": {"b": {"base_url": "http://127.0.0.1:9", "model": "mock"}},
-            "routes": {"chat": {"backends": ["b"]}},
-        }
-    )
+def make_config(data_dir: Path, tenant_backlog: int = 0) -> Config:
+    raw: dict[str, object] = {
+        "nats": {"data_dir": str(data_dir), "port": -1},
+        "backends": {"b": {"base_url": "http://127.0.0.1:9", "model": "mock"}},
+        "routes": {"chat": {"backends": ["b"]}},
+    }
+    if tenant_backlog:
+        raw["router"] = {"tenant_backlog": tenant_backlog}
+    return parse_config(raw)
 
 
-async def flood(config: Config, count: int, kind: str, tenants: int, level: str) -> None:
+async def flood(
+    config: Config, count: int, kind: str, tenants: int, level: str, *, good: bool
+) -> int:
+    """Publish the backlog (and, ``good``, then one valid request of tenant
+    ``calm``); the number of malformed requests stored (the rest refused)."""
     async with Services(config, routers=0, backends=[], projector=False) as services:
         assert services.nc is not None
         assert services.js is not None
         names = [f"t{i}" for i in range(tenants)]
         clients = {name: Client(services.nc, tenant=name) for name in names}
         futures = []
+        refused = 0
         for i in range(count):
             tenant = names[i % tenants]
             subject = request_subject(level, tenant)
@@ -58,11 +70,22 @@ async def flood(config: Config, count: int, kind: str, tenants: int, level: str)
                     "hi", route="chat", priority=level, request_id=f"flood-{i}"
                 )
                 data = msgspec.json.encode(request)
-            futures.append(await services.js.publish_async(subject, data))
-        await asyncio.gather(*futures)
+            if getattr(config.router, "tenant_backlog", 0):
+                # One at a time: a refused publish_async may never resolve (seen here).
+                try:
+                    await services.js.publish(subject, data)
+                except TenantBacklogFullError:
+                    refused += 1
+            else:
+                futures.append(await services.js.publish_async(subject, data))
+        acks = await asyncio.gather(*futures, return_exceptions=True)
+        if good:
+            calm = Client(services.nc, tenant="calm")
+            await calm.submit("hi", route="chat", priority=level, request_id="calm-0")
+        return count - refused - sum(1 for ack in acks if isinstance(ack, BaseException))
 
 
-async def drain(config: Config, count: int) -> dict[str, float]:
+async def drain(config: Config, count: int, *, good: bool) -> dict[str, float]:
     started = time.monotonic()
     async with Services(config, routers=1, backends=[]) as services:
         assert services.js is not None
@@ -76,8 +99,18 @@ async def drain(config: Config, count: int) -> dict[str, float]:
         wall = time.monotonic() - started
         first = await services.js.get_msg(DLQ_STREAM, seq=info.state.first_seq)
         last = await services.js.get_msg(DLQ_STREAM, seq=info.state.last_seq)
+        calm_at = float("nan")
+        if good:
+            subject = event_subject("calm", "calm-0", "submitted")
+            while time.monotonic() - started < 900:
+                try:
+                    calm_at = _stamp(await services.js.get_last_msg(EVENTS_STREAM, subject))
+                    break
+                except NatsNotFoundError:
+                    await asyncio.sleep(0.1)
     span = _stamp(last) - _stamp(first)
     return {
+        "calm_after_first_s": calm_at - _stamp(first),
         "dead_letters": float(info.state.messages),
         "span_s": span,
         "rate_per_s": (count - 1) / span if span > 0 else float("inf"),
@@ -109,25 +142,43 @@ async def main() -> None:
     parser.add_argument("--tenants", type=int, default=1)
     parser.add_argument("--level", default="normal")
     parser.add_argument("--profile", type=Path)
+    parser.add_argument(
+        "--good",
+        action="store_true",
+        help="after the backlog, one valid request of another tenant (calm) at the level",
+    )
+    parser.add_argument("--tenant-backlog", type=int, default=0, help="router.tenant_backlog")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rq-rejections-") as tmp:
-        config = make_config(Path(tmp) / "nats")
-        await flood(config, args.count, args.kind, args.tenants, args.level)
+        config = make_config(Path(tmp) / "nats", args.tenant_backlog)
+        stored = await flood(
+            config, args.count, args.kind, args.tenants, args.level, good=args.good
+        )
         load = os.getloadavg()[0]
         profile = cProfile.Profile() if args.profile else None
         if profile is not None:
             profile.enable()
-        result = await drain(config, args.count)
+        result = await drain(config, stored, good=args.good)
         if profile is not None:
             profile.disable()
             profile.dump_stats(args.profile)
     print(
-        f"rejections ({args.kind}, {args.count} over {args.tenants} tenant(s)): "
+        f"rejections ({args.kind}, {stored} over {args.tenants} tenant(s)): "
         f"{result['rate_per_s']:.1f}/s over {result['span_s']:.2f} s "
         f"(wall {result['wall_s']:.1f} s); 1-minute load {load:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end; {result['dead_letters']:.0f} dead letters, "
         f"renqueue_rejected_total {_rejected():.0f}"
     )
+    if stored < args.count:
+        print(
+            f"  refused at the publish (router.tenant_backlog {args.tenant_backlog}): "
+            f"{args.count - stored}"
+        )
+    if args.good:
+        print(
+            "  calm's request logged `submitted` "
+            f"{result['calm_after_first_s']:.2f} s after the first dead letter"
+        )
 
 
 if __name__ == "__main__":
