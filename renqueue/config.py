@@ -848,6 +848,12 @@ class RouterConfig(_Section, frozen=True, kw_only=True):
     capacity_refresh: Duration = "50ms"
     ack_wait: Duration = "30s"
     max_deliver: Annotated[int, Meta(ge=1)] = 10
+    #: Requests one tenant may have waiting to be routed at one level (the
+    #: requests stream's ``max_msgs_per_subject``: a level's subject is per
+    #: tenant); past it the broker refuses the submit
+    #: (:class:`~renqueue.errors.TenantBacklogFullError`), so one tenant's flood
+    #: puts at most this many of its requests ahead of another's. 0: no cap.
+    tenant_backlog: Annotated[int, Meta(ge=0)] = 0
     #: A coalescing group expires this long after its last change (a join, a
     #: follower leaving, its leader ending); ``"0s"``: never.
     coalesce_ttl: Duration = "1h"

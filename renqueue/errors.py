@@ -16,6 +16,8 @@ The tree, by what a caller can do about it::
     │   ├── NatsNotFoundError       no such message, key, stream, consumer or bucket
     │   ├── WrongLastSequenceError  a compare-and-set found its subject moved on
     │   └── NatsApiError            JetStream refused; carries status, err_code
+    │       └── TenantBacklogFullError  the tenant has router.tenant_backlog requests
+    │                                   waiting at that level: not stored; later
     ├── ServiceFailedError          a service loop cannot go on: the process stops
     ├── ProjectionVersionError      the stored projection is a newer version's: a
     │                               newer projector runs; this one must not write
@@ -84,6 +86,7 @@ __all__ = [
     "RetryableBackendError",
     "ServiceFailedError",
     "StoreFullError",
+    "TenantBacklogFullError",
     "TokensExpiredError",
     "UnknownPriorityError",
     "UnknownRouteError",
@@ -201,6 +204,15 @@ class NatsApiError(NatsError):
         self.status = status
         self.err_code = err_code
         super().__init__(f"{message} (status {status}, err_code {err_code})")
+
+
+class TenantBacklogFullError(NatsApiError):
+    """A submit refused by the broker: the tenant already has
+    ``router.tenant_backlog`` requests waiting to be routed at that level (the
+    requests stream's ``max_msgs_per_subject``; its subject is the tenant's).
+    Nothing was stored; submit it again once some of those are routed."""
+
+    code = "tenant_backlog_full"
 
 
 class NatsPayloadTooLargeError(NatsError):

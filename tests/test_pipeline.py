@@ -31,10 +31,21 @@ from renqueue import (
     Services,
     parse_config,
 )
-from renqueue.broker import DeadLetters, EventLog
+from renqueue.broker import DeadLetters, EventLog, read_subject
 from renqueue.config import Config
+from renqueue.errors import NatsNotFoundError, TenantBacklogFullError
 from renqueue.mock import MockBackend, MockSettings
-from renqueue.schema import DLQ_STREAM, Completed, Rejected, Started, msg_id, request_subject
+from renqueue.schema import (
+    DLQ_STREAM,
+    EVENT_DECODER,
+    EVENTS_STREAM,
+    Completed,
+    Rejected,
+    Started,
+    kind_of,
+    msg_id,
+    request_subject,
+)
 from renqueue.services.worker import Worker
 
 
@@ -482,6 +493,60 @@ async def test_a_rejected_request_sent_again_under_its_id_is_refused_not_routed(
     assert (await client.handle(again.new_id).result(timeout=10)).backend == "b1"
 
 
+async def test_a_malformed_copy_of_a_running_request_does_not_end_it(tmp_path: Path) -> None:
+    """Issue 30 (found by ``make fuzz``): a valid request sent with its header, the
+    same again (a duplicate, not stored), then the same body without the header
+    (stored: no message id to deduplicate it). The third is malformed, and its
+    rejection, recorded under the body's id, claimed the terminal of the request
+    while it ran: the worker's completion (the backend already called) was
+    dropped and the request ended ``rejected``. A copy of a request admitted
+    from another message is now dead-lettered on its own (``Nats-Msg-Id``
+    ``<tenant>:<id>:dlq:requests:rejected-<seq>``) and ends nothing."""
+    settings = MockSettings(ttft=2.0, tokens_per_second=0, output_tokens=8)
+    async with (
+        MockBackend(settings) as slow,
+        Services(make_config(tmp_path, {"b1": (slow.url, 4)})) as services,
+        Client(services.nc, tenant="t1") as client,
+    ):
+        request = client.build_request("hi", route="chat", request_id="running-one")
+        data = msgspec.json.encode(request)
+        js, subject = client.js, request_subject("normal", "t1")
+        header = {"Nats-Msg-Id": msg_id("t1", request.id)}
+        assert not (await js.publish(subject, data, headers=header)).duplicate
+        assert (await js.publish(subject, data, headers=header)).duplicate
+        log = EventLog(js)
+
+        async def started() -> bool:
+            return bool(await log.history("t1", request.id, kind="started"))
+
+        await until(started, "the request runs")
+        copy = await js.publish(subject, data)  # no header: malformed
+        assert not copy.duplicate
+
+        async def copy_read() -> bool:
+            # Whichever comes first: the copy's dead letter, or any end of the request.
+            if await log.history("t1", request.id, kind="rejected"):
+                return True
+            try:
+                await js.get_last_msg(DLQ_STREAM, "rq.dlq.requests")
+            except NatsNotFoundError:
+                return False
+            return True
+
+        await until(copy_read, "the router read the malformed copy")
+        result = await client.handle(request.id).result(timeout=20)
+        assert result.backend == "b1"
+        assert await kinds(client, request.id) == ["submitted", "routed", "started", "completed"]
+        dead = await js.get_last_msg(DLQ_STREAM, "rq.dlq.requests")
+        headers = dead.headers or {}
+        assert headers["Nats-Msg-Id"] == f"t1:running-one:dlq:requests:rejected-{copy.seq}"
+        assert headers["Rq-Request-Id"] == request.id
+        assert headers["Rq-Reason"].startswith("malformed: ")
+        assert "does not end it" in headers["Rq-Reason"]
+        assert dead.data == data
+        assert slow.stats().requests == 1
+
+
 async def test_a_rejection_is_named_by_the_payload_id_else_the_header_id_else_the_sequence(
     client: Client,
 ) -> None:
@@ -505,9 +570,15 @@ async def test_a_rejection_is_named_by_the_payload_id_else_the_header_id_else_th
     log = EventLog(js)
     for unnamed in ("hdr-1", "not-read", "hdr-3"):
         assert await log.history("t1", unnamed) == []
-    dead = await js.get_last_msg(DLQ_STREAM, "rq.dlq.requests")
-    assert dead.data == b"{not json"
-    assert (dead.headers or {})["Nats-Msg-Id"] == f"t1:invalid-{ack.seq}:dlq:requests"
+    # A batch's rejections are recorded at once: their dead letters in any order.
+    info = await js.stream_info(DLQ_STREAM)
+    dead_letters = [
+        await js.get_msg(DLQ_STREAM, seq=seq)
+        for seq in range(info.state.first_seq, info.state.last_seq + 1)
+    ]
+    junk = [dead for dead in dead_letters if dead.data == b"{not json"]
+    assert len(junk) == 1
+    assert (junk[0].headers or {})["Nats-Msg-Id"] == f"t1:invalid-{ack.seq}:dlq:requests"
 
 
 async def test_a_level_not_configured_gets_no_responders_status_503(stack: Services) -> None:
@@ -525,3 +596,64 @@ async def test_a_level_not_configured_gets_no_responders_status_503(stack: Servi
             await nc.request(subject, b"{}", timeout=5)
     finally:
         await nc.close()
+
+
+async def test_a_tenant_over_its_backlog_at_a_level_is_refused_and_others_are_not(
+    tmp_path: Path,
+) -> None:
+    """Issue 30 (``make fuzz``: one tenant's flood slowed every tenant's requests,
+    which waited behind it in the level's queue). ``router.tenant_backlog`` caps
+    the requests one tenant may have waiting at one level (the requests stream's
+    ``max_msgs_per_subject``: a level's subject is the tenant's own): past it the
+    broker refuses the submit, typed, and another tenant's submits are stored."""
+    config = make_config(tmp_path, {"b1": ("http://127.0.0.1:9", 1)}, router={"tenant_backlog": 2})
+    async with (
+        Services(config, routers=0, backends=[], projector=False) as services,
+        Client(services.nc, tenant="flood") as flood,
+        Client(services.nc, tenant="calm") as calm,
+    ):
+        for i in range(2):
+            await flood.submit("x", route="chat", request_id=f"f{i}")
+        with pytest.raises(TenantBacklogFullError, match="per subject") as info:
+            await flood.submit("x", route="chat", request_id="f2")
+        assert info.value.code == "tenant_backlog_full"
+        await flood.submit("x", route="chat", priority="high", request_id="f3")  # another level
+        await calm.submit("x", route="chat", request_id="c0")
+        stored = await services.js.stream_info("RQ_REQUESTS")
+        assert stored.state.messages == 4
+
+
+async def test_a_batchs_good_requests_are_taken_before_its_rejections(tmp_path: Path) -> None:
+    """Issue 30 (``make fuzz``: one tenant's bad requests, rejected one at a time
+    in the level every tenant's requests wait in, slowed everyone): a fetched
+    batch's good requests are taken first, and its rejections recorded after,
+    all at once. Twenty bad requests, then a good one, all waiting before the
+    router starts: the good one's ``submitted`` is logged before any rejection."""
+    config = make_config(tmp_path, {"b1": ("http://127.0.0.1:9", 1)})
+    async with (
+        Services(config, routers=0, backends=[], projector=False) as services,
+        Client(services.nc, tenant="bad") as bad,
+        Client(services.nc, tenant="good") as good,
+    ):
+        for i in range(20):
+            request = bad.build_request("x", route="chat", request_id=f"bad-{i}")
+            await bad.js.publish(request_subject("normal", "bad"), msgspec.json.encode(request))
+        await good.submit("x", route="chat", request_id="good-0")
+    async with Services(config, backends=[]) as services:
+        assert services.js is not None
+        log = EventLog(services.js)
+
+        async def all_read() -> bool:
+            return all([await log.history("bad", f"bad-{i}") for i in range(20)]) and bool(
+                await log.history("good", "good-0", kind="submitted")
+            )
+
+        await until(all_read, "the router read every request")
+        seqs = await read_subject(services.nc, services.js, EVENTS_STREAM, "rq.evt.*.*.*")
+        order = [
+            (event.tenant, kind_of(event))
+            for _, data in seqs
+            if kind_of(event := EVENT_DECODER.decode(data)) in ("submitted", "rejected")
+        ]
+    assert order[0] == ("good", "submitted")
+    assert sorted(order[1:]) == [("bad", "rejected")] * 20

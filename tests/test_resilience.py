@@ -138,7 +138,7 @@ async def test_one_failure_after_hand_backs_is_not_three_failures(
     failed: list[int] = []
 
     async def flaky(
-        self: Intake, msg: Message, level: str, rank: int, now: float, *rest: Any
+        self: Intake, msg: Message, level: str, rank: int, now: float, *args: Any, **kw: Any
     ) -> None:
         if b'"handed-back"' in msg.data:
             if msg.metadata.num_delivered < 3:
@@ -147,7 +147,7 @@ async def test_one_failure_after_hand_backs_is_not_three_failures(
             if not failed:
                 failed.append(1)
                 raise RuntimeError("a one-off fault, on one delivery")
-        await take(self, msg, level, rank, now, *rest)
+        await take(self, msg, level, rank, now, *args, **kw)
 
     monkeypatch.setattr(Intake, "_take", flaky)
     async with MockBackend(FAST) as mock:

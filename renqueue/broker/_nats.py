@@ -23,6 +23,8 @@ by what a caller can do about it::
     ├── NatsNotFoundError         no such message, key, stream, consumer or bucket
     ├── WrongLastSequenceError    a compare-and-set found its subject moved on
     └── NatsApiError              JetStream refused the operation (status, err_code)
+        └── TenantBacklogFullError  a submit past router.tenant_backlog (err_code
+                                    10077, "maximum messages per subject exceeded")
 
 Data that JetStream returns (publish acks, stored messages, KV entries, stream
 and consumer info) and the configs it takes are nats-py's plain dataclasses,
@@ -68,6 +70,7 @@ from ..errors import (
     NatsTimeoutError,
     NatsUnavailableError,
     StoreFullError,
+    TenantBacklogFullError,
     WrongLastSequenceError,
 )
 
@@ -148,6 +151,9 @@ MessageMetadata = _Msg.Metadata
 #: JetStream's "wrong last sequence" errors: a compare-and-set found the
 #: subject (a KV key) moved on. 10164 is what a clustered stream sends.
 WRONG_LAST_SEQUENCE: Final = frozenset({10071, 10164})
+#: JSStreamStoreFailedF: a publish the stream refused to store; its
+#: description says why ("maximum messages per subject exceeded", ...).
+_STORE_FAILED: Final = 10077
 #: JetStream API errors that mean "not now" (nats-server's errors.json),
 #: besides any with the HTTP-like code 503. Every other error is a refusal.
 NOT_NOW: Final = frozenset(
@@ -262,6 +268,10 @@ def _api_error(exc: nats.js.errors.APIError, text: str) -> NatsError:
         or (err_code == _MSG_DELETE_FAILED and _says_gone(str(description)))
     ):
         return NatsNotFoundError(text)  # KV keys and buckets too; a delete of what is gone
+    if err_code == _STORE_FAILED and "per subject" in str(description):
+        # A stream's max_msgs_per_subject with discard_new_per_subject: on
+        # RQ_REQUESTS, router.tenant_backlog (a 503, but no "not now": refused).
+        return TenantBacklogFullError(str(description), status=status, err_code=err_code)
     if err_code in STORE_FULL:
         return StoreFullError(str(description or text), err_code=err_code)
     if (

@@ -473,6 +473,11 @@ def _stream_config(directory: Path, spec: _StreamSpec, config: Config) -> dict[s
             )
     if spec.name == REQUESTS_STREAM:
         _check_layout(path, desired["subjects"], [requests_of_level(p) for p in config.priorities])
+        # router.tenant_backlog: a tenant's requests waiting at one level (its
+        # own subject), refused by the broker past it; 0 (-1 here): no cap.
+        backlog = config.router.tenant_backlog
+        desired["max_msgs_per_subject"] = backlog if backlog > 0 else -1
+        desired["discard_new_per_subject"] = backlog > 0
     return desired
 
 

@@ -103,6 +103,7 @@ class Endings:
         error: Exception,
         *,
         request: InferenceRequest | None = None,
+        unseen: bool = False,
     ) -> bool:
         """Dead-letter ``msg`` and end its request ``rejected``; False when that
         could not be recorded (``msg`` is delivered again). Given the decoded
@@ -110,7 +111,9 @@ class Endings:
         followers get their outcome first, as :meth:`end` does; if that
         raises for a reason other than the broker (the request's own bug), the
         request is ended all the same and the followers are left to their
-        deadlines or the advisory reader."""
+        deadlines or the advisory reader. ``unseen``: a request never admitted
+        (it never ran, so it has no chunks to look up: its final chunk is the
+        first)."""
         code = getattr(error, "code", "malformed")
         self._ending(tenant, request_id)
         self.rejected += 1
@@ -118,6 +121,7 @@ class Endings:
         metrics.TERMINAL.labels("rejected").inc()
         log.warning("request rejected", request_id=request_id, error_type=code, reason=str(error))
         try:
+            # First: a rejection in the log always has its dead letter.
             await self._log.dead_letter(
                 "requests",
                 msg.data,
@@ -130,7 +134,9 @@ class Endings:
             )
             event = rejection(request_id, tenant, self._clock(), error)
             if request is None:
-                await self._log.finish(event)
+                # A request never admitted never ran: no chunks to look up.
+                first = 1 if unseen else None
+                await self._log.finish(event, delivery=first, seq=0 if unseen else None)
             else:
                 try:
                     await self.end(request, event)
@@ -141,6 +147,45 @@ class Endings:
                         "could not hand the rejection to followers", request_id=request_id
                     )
                     await self._log.finish(event)
+            await msg.ack()
+        except Exception as exc:
+            log.exception("could not record rejection", request_id=request_id, error=str(exc))
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
+            return False
+        return True
+
+    async def reject_copy(
+        self, msg: Message, request_id: str, tenant: str, error: Exception
+    ) -> bool:
+        """Dead-letter ``msg``, a copy of request ``request_id`` that would be
+        rejected, while that request was admitted from another message: the
+        copy ends nothing (no terminal claim, no event: the request's outcome
+        is its own), and its dead letter is its own (``...:rejected-<seq>``).
+        False when that could not be recorded (``msg`` is delivered again)."""
+        code = getattr(error, "code", "malformed")
+        seq = msg.metadata.sequence.stream
+        metrics.REJECTED.labels(code).inc()
+        log.warning(
+            "a copy of an admitted request rejected; the request is not ended by it",
+            request_id=request_id,
+            error_type=code,
+            reason=str(error),
+        )
+        try:
+            await self._log.dead_letter(
+                "requests",
+                msg.data,
+                reason=(
+                    f"{code}: {error} (a copy of request {request_id}, which was admitted "
+                    "from another message: this copy was not run and does not end it)"
+                ),
+                source_subject=msg.subject,
+                source_seq=seq,
+                tenant=tenant,
+                request_id=request_id,
+                copy=f"rejected-{seq}",
+            )
             await msg.ack()
         except Exception as exc:
             log.exception("could not record rejection", request_id=request_id, error=str(exc))

@@ -33,12 +33,20 @@ import contextlib
 import functools
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, Literal, NamedTuple
 
 import msgspec
 
 from ... import metrics, schema
-from ...broker import Message, PubAck, PullSubscription, StoredClaim, next_hop, trace_of
+from ...broker import (
+    Message,
+    PubAck,
+    PullSubscription,
+    StoredClaim,
+    next_hop,
+    submitted_of,
+    trace_of,
+)
 from ...coordination import CancelWatch, Coalescer, coalesce_key
 from ...errors import (
     NatsError,
@@ -154,12 +162,20 @@ class Intake:
                 continue
             now = self._clock()
             pending = deque(msgs)
+            refused: list[tuple[Message, Refused]] = []
             try:
                 claims = await self._claims_of(msgs)
                 while pending:
                     head = pending[0]
+                    held = self._hold.holds_message(head)
+                    read = None if held else self._read_safely(head, level)
+                    if isinstance(read, Refused):
+                        # Rejected after the batch's valid requests, all at once.
+                        refused.append((head, read))
+                        pending.popleft()
+                        continue
                     try:
-                        await self._take(head, level, rank, now, claims)
+                        await self._take(head, level, rank, now, claims, read=read)
                     except NatsPayloadTooLargeError as exc:  # this request's, not the broker's
                         await self._untakeable(head, exc)
                     except NatsError:
@@ -169,15 +185,66 @@ class Intake:
                     else:
                         self._take_failures.pop(head.metadata.sequence.stream, None)
                     pending.popleft()
+                await self._reject_all(refused)
             except BaseException:
                 # Failed or stopped mid-batch: what was not taken goes back now,
-                # not after a whole ack_wait.
-                for msg in pending:
+                # not after a whole ack_wait (a nak of one acked since is ignored).
+                for msg in (*pending, *(msg for msg, _ in refused)):
                     with contextlib.suppress(Exception):
                         await msg.nak(delay=SHUTDOWN_NAK_DELAY)
                 raise
             finally:
                 self._parts.wake.set()
+
+    def _read_safely(self, msg: Message, level: str) -> InferenceRequest | Refused | None:
+        """:meth:`_read`, or ``None`` if it raises (a bug the request triggers):
+        then :meth:`_take` reads it again, where a failure is the request's own
+        (:meth:`_untakeable`), never the level loop's."""
+        try:
+            return self._read(msg, level)
+        except Exception:  # noqa: BLE001 - raised again in _take, and handled there
+            return None
+
+    def _read(self, msg: Message, level: str) -> InferenceRequest | Refused:
+        """``msg`` decoded and validated (pure: no I/O), or why it is refused."""
+        return admit(msg, level, self._config, max_bytes=request_limit(self._nc.max_payload))
+
+    async def _reject_all(self, refused: list[tuple[Message, Refused]]) -> None:
+        """Reject a batch's refused requests all at once: their round trips (a
+        lookup, the dead letter, the terminal claim, the terminal event and
+        final chunk, one after another for each) overlap across the batch, and
+        the client's writes of many share a flush,
+        so a flood of bad requests costs a few round trips a batch, not a few
+        a request. A failure of the broker is raised once all are done (the
+        loop restarts; what was not recorded is delivered again); any other
+        is the request's own (:meth:`_untakeable`)."""
+        if not refused:
+            return
+        results = await asyncio.gather(
+            *(self._reject_read(msg, why) for msg, why in refused), return_exceptions=True
+        )
+        broker: NatsError | None = None
+        for (msg, _), result in zip(refused, results, strict=True):
+            if isinstance(result, NatsError) and not isinstance(result, NatsPayloadTooLargeError):
+                broker = broker or result
+            elif isinstance(result, Exception):
+                await self._untakeable(msg, result)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                self._take_failures.pop(msg.metadata.sequence.stream, None)
+        if broker is not None:
+            raise broker
+
+    async def _reject_read(self, msg: Message, refused: Refused) -> None:
+        """Reject one request refused when read: on its own if it is a copy of
+        a request admitted from another message (:meth:`_admitted_elsewhere`),
+        else under its id."""
+        seen = await self._admitted_elsewhere(msg, refused)
+        if seen == "copy":
+            await self._endings.reject_copy(msg, *refused)
+        else:
+            await self._endings.reject(msg, *refused, unseen=seen == "unseen")
 
     async def _untakeable(self, msg: Message, exc: Exception) -> None:
         """Taking ``msg`` failed for a reason other than the broker (a bug the
@@ -241,14 +308,22 @@ class Intake:
             return None
 
     async def _take(
-        self, msg: Message, level: str, rank: int, now: float, claims: Claims | None = None
+        self,
+        msg: Message,
+        level: str,
+        rank: int,
+        now: float,
+        claims: Claims | None = None,
+        *,
+        read: InferenceRequest | Refused | None = None,
     ) -> None:
-        """Admit one fetched request: log it, settle it, or hold it for dispatch."""
+        """Admit one fetched request: log it, settle it, or hold it for dispatch.
+        ``read``: what :meth:`_read` made of it already, if it was."""
         if self._hold.holds_message(msg):
             # Delivered again while held (a nak from a router that lost the
             # lease, an ack timer that ran out): the held one stands for it.
             return
-        request = await self._admit(msg, level, now, claims)
+        request = await self._admit(msg, level, now, claims, read=read)
         if request is None:
             return
         arrived = await arrival(self._js, msg, request)
@@ -288,14 +363,20 @@ class Intake:
         )
 
     async def _admit(
-        self, msg: Message, level: str, now: float, claims: Claims | None
+        self,
+        msg: Message,
+        level: str,
+        now: float,
+        claims: Claims | None,
+        *,
+        read: InferenceRequest | Refused | None = None,
     ) -> InferenceRequest | None:
-        """Decode and validate one request; reject it (terminally) if it is bad,
-        or if it is new and its tenant's hard daily budget is spent; drop it if
-        it already ended (:meth:`_ended`)."""
-        admitted = admit(msg, level, self._config, max_bytes=request_limit(self._nc.max_payload))
+        """Decode and validate one request (unless ``read`` is what that gave);
+        reject it (terminally) if it is bad, or if it is new and its tenant's
+        hard daily budget is spent; drop it if it already ended (:meth:`_ended`)."""
+        admitted = self._read(msg, level) if read is None else read
         if isinstance(admitted, Refused):
-            await self._endings.reject(msg, *admitted)
+            await self._reject_read(msg, admitted)
             return None
         if await self._ended(msg, admitted, level, claims):
             return None
@@ -318,6 +399,42 @@ class Intake:
             return admitted
         await self._endings.reject(msg, admitted.id, admitted.tenant, error)
         return None
+
+    async def _admitted_elsewhere(
+        self, msg: Message, refused: Refused
+    ) -> Literal["copy", "own", "unseen"]:
+        """Whether the request ``refused`` names was admitted from another
+        message than ``msg`` (``"copy"``): then ``msg`` is a copy (the same body
+        sent again without its header, say, or under another one), and its
+        rejection must not end the request, which may be running
+        (:meth:`Endings.reject_copy`). ``"unseen"``: the request was never
+        admitted (so it never ran: it has no chunks); ``"own"``: admitted from
+        ``msg`` itself, or a services' requeue of it.
+
+        Admitted from another message: held here from another message, or a
+        ``submitted`` event of it was logged at another time than ``msg`` was
+        stored (a first submit's ``submitted`` is at its message's storing).
+        A services' requeue is the request itself, never a copy. A copy read
+        before the request itself (on another level's subject, say) finds
+        neither, and is rejected under the id as before.
+        """
+        request_id, tenant, _ = refused
+        seq = msg.metadata.sequence.stream
+        if is_requeue_subject(msg.subject):
+            return "own"
+        if request_id == f"invalid-{seq}":
+            return "unseen"
+        if any(
+            item.request.tenant == tenant
+            and item.request.id == request_id
+            and item.msg.metadata.sequence.stream != seq
+            for item in self._hold
+        ):
+            return "copy"
+        first = await submitted_of(self._js, tenant, request_id)
+        if first is None:
+            return "unseen"
+        return "own" if first.at == stored_at(msg) else "copy"
 
     async def _ended(
         self, msg: Message, request: InferenceRequest, level: str, claims: Claims | None
