@@ -19,6 +19,7 @@ log says comes first, and a redelivery that finds it completes the rest.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import time
@@ -28,6 +29,7 @@ from ... import metrics
 from ...backends.base import Backend
 from ...broker import EventLog, JetStream
 from ...coordination import Coalescer, coalesce_key
+from ...errors import StoreFullError
 from ...logs import get_logger
 from ...policy import FailurePolicy, backoff, cancelled_at_worker
 from ...schema import Completed, ErrorType, Event, Failed, Fallback, InferenceRequest
@@ -73,8 +75,7 @@ class Outcomes:
         that finds the terminal claim and drops the run. Followers sharing
         this request's call get their outcome first, so a crash cannot strand
         them."""
-        await self.hand_out(delivery.dispatch.request, event)
-        first = await self._events.finish(event, delivery=delivery.number, seq=delivery.chunks.seq)
+        first = await self._record(delivery, event)
         kind = type(event).__name__.lower()
         if first:
             metrics.TERMINAL.labels(kind).inc()
@@ -89,6 +90,42 @@ class Outcomes:
             log.warning("duplicate terminal event dropped", kind=kind)
             metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
         await delivery.done()
+
+    async def _record(self, delivery: Delivery, event: Event) -> bool:
+        """Hand ``event`` out to the request's followers, then claim and log it
+        (:meth:`EventLog.finish`); whether this claim was the first.
+
+        A full store (the claims' bucket, the event log, the state bucket,
+        the server's store) refuses the write: the outcome is held here and
+        written again after a backoff, for as long as it takes, the
+        delivery's lease renewed meanwhile by its run's keep-alive. Handing
+        the dispatch back instead would run it, and pay its backend, again on
+        every redelivery while the store is full. A claim made before the
+        event log refused its event is this run's own: it counts as first."""
+        request = delivery.dispatch.request
+        refusals = 0
+        while True:
+            try:
+                if refusals:
+                    held = await self._events.claim_of(request.tenant, request.id)
+                    if held is not None and held.event == event:
+                        await self.hand_out(request, event)
+                        await self._events.settle(held)
+                        return True
+                await self.hand_out(request, event)
+                return await self._events.finish(
+                    event, delivery=delivery.number, seq=delivery.chunks.seq
+                )
+            except StoreFullError as exc:
+                refusals += 1
+                delay = backoff(refusals, self._policy, random.random)
+                log.warning(
+                    "a store is full: holding the run's outcome until there is room",
+                    error=str(exc),
+                    retry_in=delay,
+                    refusals=refusals,
+                )
+                await asyncio.sleep(delay)
 
     async def fail(
         self,
