@@ -108,6 +108,20 @@ def test_a_store_may_be_sized_on_its_own_and_sizes_that_do_not_fit_fail_at_load(
         parse_config({"nats": {"max_file_store": "lots"}})
 
 
+async def test_a_store_sized_zero_is_refused_at_load_not_left_unlimited(
+    isolated_nc: Connection,
+) -> None:
+    """Review finding: ``max_bytes = 0`` (or a size that rounds down to 0
+    bytes) passed the config, and JetStream reads a 0 as no limit: the store
+    meant to be the smallest was unbounded."""
+    await isolated_nc.client.jetstream().add_stream(name="ZERO", subjects=["zero"], max_bytes=0)
+    info = await isolated_nc.jetstream().stream_info("ZERO")
+    assert info.config.max_bytes == -1  # the server's reading of 0
+    for zero in (0, "0MB", "0.0001K"):
+        with pytest.raises(ConfigError, match=r"events\.max_bytes is 0 bytes"):
+            parse_config({"nats": {"events": {"max_bytes": zero}}})
+
+
 # ------------------------------------------------------------- the admission
 
 
