@@ -334,7 +334,9 @@ class _Context(_JetStreamContext):
     publish's future went on waiting for its timeout. A stream at its byte
     limit (``store_full``), a wrong expected sequence: each publish waited out
     its ack timeout, as if the broker did not answer. Here the error ends the
-    future, as nats-py means it to.
+    future, as nats-py means it to. And a ``publish_async`` whose publish
+    raises ends the future it registered (:meth:`publish_async`) instead of
+    leaving it pending, holding one of the context's pending slots for good.
     """
 
     async def publish_async(  # noqa: PLR0917 - nats-py's signature
