@@ -27,13 +27,13 @@ from collections.abc import Callable
 
 from ... import metrics
 from ...backends.base import Backend
-from ...broker import EventLog, JetStream
+from ...broker import EventLog, JetStream, PubAck
 from ...coordination import Coalescer, coalesce_key
 from ...errors import StoreFullError
 from ...logs import get_logger
 from ...policy import FailurePolicy, backoff, cancelled_at_worker
-from ...schema import Completed, ErrorType, Event, Failed, Fallback, InferenceRequest
-from ._call import reported_limits
+from ...schema import Completed, ErrorType, Event, Failed, Fallback, InferenceRequest, Started
+from ._call import reported_limits, settle
 from ._delivery import Delivery
 from ._yielding import put_back, requeue
 
@@ -90,6 +90,43 @@ class Outcomes:
             log.warning("duplicate terminal event dropped", kind=kind)
             metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
         await delivery.done()
+
+    async def settle_held(
+        self, pending_acks: list[asyncio.Future[PubAck]], started: Started
+    ) -> None:
+        """Wait until a finished run's publishes are stored (:func:`settle`).
+
+        Its ``started`` is published with an ack not awaited before the
+        backend call: a full event log refuses it only once the call has been
+        made. Then the run's outcome is held, not handed back (a redelivery
+        would call the backend again, and be refused again): ``started`` is
+        written again after a backoff until there is room (a duplicate if it
+        was stored after all), the lease renewed meanwhile by the run's
+        keep-alive. A refused token chunk (only a full server store refuses
+        one) is not sent again: the outcome holds the answer."""
+        try:
+            await settle(pending_acks, self._js.connection)
+        except StoreFullError as exc:
+            refused = exc
+        else:
+            return
+        refusals = 0
+        while True:
+            refusals += 1
+            delay = backoff(refusals, self._policy, random.random)
+            log.warning(
+                "a store is full: holding the run's outcome until its start is recorded",
+                error=str(refused),
+                retry_in=delay,
+                refusals=refusals,
+            )
+            await asyncio.sleep(delay)
+            try:
+                await self._events.append(started)
+            except StoreFullError as exc:
+                refused = exc
+            else:
+                return
 
     async def _record(self, delivery: Delivery, event: Event) -> bool:
         """Hand ``event`` out to the request's followers, then claim and log it
