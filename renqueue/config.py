@@ -298,6 +298,13 @@ class NatsConfig(_Section, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.store_bytes < 1024 * 1024:
             raise ValueError(f"max_file_store must be at least 1MB, not {self.max_file_store!r}")
+        for store in STORE_SHARES:
+            if self.max_bytes(store) == 0:
+                # JetStream reads a max_bytes of 0 as no limit at all.
+                raise ValueError(
+                    f"{store}.max_bytes is 0 bytes ({getattr(self, store).max_bytes!r}), which "
+                    "JetStream would read as no limit: give a size, or -1 for no limit"
+                )
         reserved = LEASE_BYTES + sum(max(0, self.max_bytes(s)) for s in STORE_SHARES)
         if reserved > self.store_bytes:
             raise ValueError(

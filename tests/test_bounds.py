@@ -45,6 +45,7 @@ from renqueue.schema import (
     EVENTS_STREAM,
     REQUEST_DECODER,
     REQUESTS_STREAM,
+    TERMINAL_BUCKET,
     CancelRequested,
     ChatMessage,
     GenerationParams,
@@ -105,6 +106,20 @@ def test_a_store_may_be_sized_on_its_own_and_sizes_that_do_not_fit_fail_at_load(
         parse_config({"nats": {"max_file_store": "10MB", "events": {"max_bytes": "20MB"}}})
     with pytest.raises(ConfigError, match=r"nats\.max_file_store"):
         parse_config({"nats": {"max_file_store": "lots"}})
+
+
+async def test_a_store_sized_zero_is_refused_at_load_not_left_unlimited(
+    isolated_nc: Connection,
+) -> None:
+    """Review finding: ``max_bytes = 0`` (or a size that rounds down to 0
+    bytes) passed the config, and JetStream reads a 0 as no limit: the store
+    meant to be the smallest was unbounded."""
+    await isolated_nc.client.jetstream().add_stream(name="ZERO", subjects=["zero"], max_bytes=0)
+    info = await isolated_nc.jetstream().stream_info("ZERO")
+    assert info.config.max_bytes == -1  # the server's reading of 0
+    for zero in (0, "0MB", "0.0001K"):
+        with pytest.raises(ConfigError, match=r"events\.max_bytes is 0 bytes"):
+            parse_config({"nats": {"events": {"max_bytes": zero}}})
 
 
 # ------------------------------------------------------------- the admission
@@ -360,6 +375,43 @@ async def test_a_full_event_log_stops_work_without_losing_it_until_its_limit_is_
             for handle in handles:
                 ends = [e for e in await log.history(TENANT, handle.id) if is_terminal(e)]
                 assert [kind_of(e) for e in ends] == ["completed"]
+        # Review finding: a run's ``started`` refused by the full log was seen
+        # only after its backend call; the run was handed back and called
+        # again, every redelivery, until the log had room.
+        assert mock.stats().requests == len(handles), "a backend was called again"
+
+
+async def test_a_full_claims_bucket_holds_finished_runs_instead_of_calling_the_backend_again(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The terminal claims' bucket refuses new claims when full (``discard:
+    new``), while the event log still has room. A run that finished on its
+    backend then cannot record its outcome: its worker holds the outcome and
+    writes it once there is room, instead of handing the dispatch back to be
+    run (and its backend paid) again on every redelivery. Once the limit is
+    raised every request ends completed, and the backend was called once per
+    request."""
+    count = 24
+    async with MockBackend(FAST) as mock:
+        small = config_of(isolated_server.url, mock.url, claims={"max_bytes": 6 * 1024})
+        async with Services(small) as services, Client(services.nc, tenant=TENANT) as client:
+            handles = [
+                await client.submit("c" * 100, route="chat", request_id=f"c-{i}")
+                for i in range(count)
+            ]
+            js = client.js
+
+            async def a_run_could_not_claim() -> bool:
+                info = await js.stream_info(f"KV_{TERMINAL_BUCKET}")
+                return mock.stats().completed > (info.state.messages or 0)
+
+            await until(a_run_could_not_claim, "a finished run finds the claims bucket full")
+            raised = config_of(isolated_server.url, mock.url, claims={"max_bytes": "8MB"})
+            assert services.nc is not None
+            await provision(services.nc, raised)
+            results = [await h.result(timeout=60) for h in handles]
+        assert all(result.text for result in results)
+        assert mock.stats().requests == count, "a finished run's backend was called again"
 
 
 async def test_a_stream_at_its_limit_takes_requests_again_once_the_limit_is_raised(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 from pathlib import Path
 
 import nats.errors
@@ -224,6 +225,49 @@ async def test_a_publish_cancelled_while_waiting_for_a_slot_is_cancelled(
     with pytest.raises(asyncio.CancelledError):
         await task
     assert task.cancelled()
+
+
+async def test_a_publish_async_refused_while_reconnecting_leaves_no_slot_taken(
+    tmp_path: Path,
+) -> None:
+    """Review finding: nats-py 2.16 registers a ``publish_async``'s future
+    (and takes one of its 4,000 pending slots) before it publishes; a publish
+    that then raises (its outbound buffer full while it reconnects, a closing
+    connection) left that future pending for good and its slot taken. A
+    reconnect under load refuses thousands: once they took every slot, every
+    later ``publish_async`` on the connection failed (5 s for a slot, then
+    unavailable), the broker back or not."""
+    store = tmp_path / "nats"
+    server = EmbeddedServer(store, port=-1)
+    await server.start()
+    port = server.port
+    nc = await connect(server.url, name="refused-while-reconnecting")
+    try:
+        await nc.client.jetstream().add_stream(name="S", subjects=["s"])
+        js = nc.jetstream()
+        await (await js.publish_async("s", b"before"))
+        await server.close()
+        while nc.is_connected:  # noqa: ASYNC110 - until nats-py sees the server gone
+            await asyncio.sleep(0.01)
+        buffered: list[asyncio.Future[object]] = []
+        refused = 0
+        while refused < 50:
+            try:
+                buffered.append(await js.publish_async("s", b"x" * 65536))
+            except NatsUnavailableError:
+                refused += 1
+        server = EmbeddedServer(store, port=port)
+        await server.start()
+        for future in buffered:  # sent once reconnected: acked, or given up on
+            with contextlib.suppress(NatsError):
+                await future
+        ack = await (await js.publish_async("s", b"after"))
+        assert ack.stream == "S"
+        # Every publish answered: none holds a slot (4,000 such and none is free).
+        assert js._js.publish_async_pending() == 0
+    finally:
+        await nc.close()
+        await server.close()
 
 
 async def test_a_publish_with_a_free_slot_starts_no_task_and_its_ack_is_ours(

@@ -236,6 +236,15 @@ CASES = [
     ),
     pytest.param(
         ONE_SLOT,
+        [arrive("r1"), arrive("r2", deadline=31 * 86400.0)],
+        A,
+        {"r1": ("completed", 0.2, "a"), "r2": ("rejected", 0.0, None)},
+        # Review finding: the router bounds it by the request's stored time;
+        # the simulation checked it against no time at all, and admitted it.
+        id="a deadline further ahead of its arrival than admission allows is rejected",
+    ),
+    pytest.param(
+        ONE_SLOT,
         [arrive("r1", cancelled_at=0.05), arrive("r2")],
         A,
         {"r1": ("cancelled", 0.05, None), "r2": ("completed", 0.25, "a")},

@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import datetime
 import json
+import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
 
@@ -343,8 +344,63 @@ class _Context(_JetStreamContext):
     publish's future went on waiting for its timeout. A stream at its byte
     limit (``store_full``), a wrong expected sequence: each publish waited out
     its ack timeout, as if the broker did not answer. Here the error ends the
-    future, as nats-py means it to.
+    future, as nats-py means it to. And a ``publish_async`` whose publish
+    raises ends the future it registered (:meth:`publish_async`) instead of
+    leaving it pending, holding one of the context's pending slots for good.
     """
+
+    async def publish_async(  # noqa: PLR0917 - nats-py's signature
+        self,
+        subject: str,
+        payload: bytes = b"",
+        wait_stall: float | None = None,
+        stream: str | None = None,
+        headers: dict[str, Any] | None = None,
+        msg_ttl: float | None = None,
+    ) -> asyncio.Future[PubAck]:
+        """nats-py 2.16's ``publish_async``, but a publish that raises (its
+        outbound buffer full while reconnecting, a closing connection, a
+        cancellation while it flushes) cancels the future it registered. In
+        nats-py that future stayed pending for good and held one of the
+        context's pending slots: a reconnect under load refused thousands,
+        and once they held every slot no ``publish_async`` on the connection
+        got one again."""
+        if not self._async_reply_prefix:
+            await self._init_async_reply()
+        assert self._async_reply_prefix
+        hdr = headers
+        if stream is not None:
+            hdr = {**(hdr or {}), "Nats-Expected-Stream": stream}
+        if msg_ttl is not None:
+            hdr = {**(hdr or {}), "Nats-TTL": str(int(msg_ttl))}
+        slots = self._publish_async_pending_semaphore
+        try:
+            await asyncio.wait_for(slots.acquire(), timeout=wait_stall)
+        except (TimeoutError, asyncio.CancelledError):
+            raise nats.js.errors.TooManyStalledMsgsError from None
+        token = self._nc._nuid.next()
+        token.extend(secrets.token_hex(2).encode())
+        key = token.decode()
+        inbox = self._async_reply_prefix[:]
+        inbox.extend(token)
+        future: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
+        futures = self._publish_async_futures
+
+        def handle_done(_: asyncio.Future[PubAck]) -> None:
+            futures.pop(key, None)
+            if not futures:
+                self._publish_async_completed_event.set()
+            slots.release()
+
+        future.add_done_callback(handle_done)
+        futures[key] = future
+        self._publish_async_completed_event.clear()
+        try:
+            await self._nc.publish(subject, payload, reply=inbox.decode(), headers=hdr)
+        except BaseException:
+            future.cancel()  # nothing was sent, or nothing can be told of it
+            raise
+        return future
 
     async def _handle_async_reply(self, msg: _Msg) -> None:
         try:

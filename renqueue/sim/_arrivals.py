@@ -102,7 +102,7 @@ class Arrivals:
         """Admission of a new request, as the router's: ``False`` if it is rejected."""
         world, request = self.world, item.request
         config = world.config
-        error = self.refusal(request)
+        error = self.refusal(request, at=item.arrival.at)
         if error is not None:
             world.fold(rejection(request.id, request.tenant, world.now, error))
             self.end(item, "rejected")
@@ -123,13 +123,16 @@ class Arrivals:
         )
         return True
 
-    def refusal(self, request: InferenceRequest) -> InvalidRequestError | None:
-        """Why the router would reject ``request`` under this config (``None``: it would not)."""
+    def refusal(
+        self, request: InferenceRequest, *, at: float | None = None
+    ) -> InvalidRequestError | None:
+        """Why the router would reject ``request`` under this config (``None``: it would not).
+        ``at``: when it was stored, which bounds how far ahead its deadline may be."""
         config = self.world.config
         if request.priority not in config.priorities:
             return UnknownPriorityError(request.priority, request_id=request.id)
         try:
-            validate(request, level=request.priority, tenant=request.tenant, config=config)
+            validate(request, level=request.priority, tenant=request.tenant, config=config, now=at)
         except InvalidRequestError as exc:
             return exc
         budget = budget_of(request.tenant, self.world.policy.budgets)

@@ -19,6 +19,7 @@ log says comes first, and a redelivery that finds it completes the rest.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import time
@@ -26,12 +27,13 @@ from collections.abc import Callable
 
 from ... import metrics
 from ...backends.base import Backend
-from ...broker import EventLog, JetStream
+from ...broker import EventLog, JetStream, PubAck
 from ...coordination import Coalescer, coalesce_key
+from ...errors import StoreFullError
 from ...logs import get_logger
 from ...policy import FailurePolicy, backoff, cancelled_at_worker
-from ...schema import Completed, ErrorType, Event, Failed, Fallback, InferenceRequest
-from ._call import reported_limits
+from ...schema import Completed, ErrorType, Event, Failed, Fallback, InferenceRequest, Started
+from ._call import reported_limits, settle
 from ._delivery import Delivery
 from ._yielding import put_back, requeue
 
@@ -73,8 +75,7 @@ class Outcomes:
         that finds the terminal claim and drops the run. Followers sharing
         this request's call get their outcome first, so a crash cannot strand
         them."""
-        await self.hand_out(delivery.dispatch.request, event)
-        first = await self._events.finish(event, delivery=delivery.number, seq=delivery.chunks.seq)
+        first = await self._record(delivery, event)
         kind = type(event).__name__.lower()
         if first:
             metrics.TERMINAL.labels(kind).inc()
@@ -89,6 +90,79 @@ class Outcomes:
             log.warning("duplicate terminal event dropped", kind=kind)
             metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
         await delivery.done()
+
+    async def settle_held(
+        self, pending_acks: list[asyncio.Future[PubAck]], started: Started
+    ) -> None:
+        """Wait until a finished run's publishes are stored (:func:`settle`).
+
+        Its ``started`` is published with an ack not awaited before the
+        backend call: a full event log refuses it only once the call has been
+        made. Then the run's outcome is held, not handed back (a redelivery
+        would call the backend again, and be refused again): ``started`` is
+        written again after a backoff until there is room (a duplicate if it
+        was stored after all), the lease renewed meanwhile by the run's
+        keep-alive. A refused token chunk (only a full server store refuses
+        one) is not sent again: the outcome holds the answer."""
+        try:
+            await settle(pending_acks, self._js.connection)
+        except StoreFullError as exc:
+            refused = exc
+        else:
+            return
+        refusals = 0
+        while True:
+            refusals += 1
+            delay = backoff(refusals, self._policy, random.random)
+            log.warning(
+                "a store is full: holding the run's outcome until its start is recorded",
+                error=str(refused),
+                retry_in=delay,
+                refusals=refusals,
+            )
+            await asyncio.sleep(delay)
+            try:
+                await self._events.append(started)
+            except StoreFullError as exc:
+                refused = exc
+            else:
+                return
+
+    async def _record(self, delivery: Delivery, event: Event) -> bool:
+        """Hand ``event`` out to the request's followers, then claim and log it
+        (:meth:`EventLog.finish`); whether this claim was the first.
+
+        A full store (the claims' bucket, the event log, the state bucket,
+        the server's store) refuses the write: the outcome is held here and
+        written again after a backoff, for as long as it takes, the
+        delivery's lease renewed meanwhile by its run's keep-alive. Handing
+        the dispatch back instead would run it, and pay its backend, again on
+        every redelivery while the store is full. A claim made before the
+        event log refused its event is this run's own: it counts as first."""
+        request = delivery.dispatch.request
+        refusals = 0
+        while True:
+            try:
+                if refusals:
+                    held = await self._events.claim_of(request.tenant, request.id)
+                    if held is not None and held.event == event:
+                        await self.hand_out(request, event)
+                        await self._events.settle(held)
+                        return True
+                await self.hand_out(request, event)
+                return await self._events.finish(
+                    event, delivery=delivery.number, seq=delivery.chunks.seq
+                )
+            except StoreFullError as exc:
+                refusals += 1
+                delay = backoff(refusals, self._policy, random.random)
+                log.warning(
+                    "a store is full: holding the run's outcome until there is room",
+                    error=str(exc),
+                    retry_in=delay,
+                    refusals=refusals,
+                )
+                await asyncio.sleep(delay)
 
     async def fail(
         self,

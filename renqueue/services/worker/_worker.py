@@ -77,6 +77,7 @@ from ...schema import (
     CancelRequested,
     Completed,
     Dispatch,
+    Started,
     capacity_subject,
     msg_id,
     preempt_subjects,
@@ -375,9 +376,10 @@ class Worker(Lifecycle):
         request = dispatch.request
         if await self._gate.refuses(delivery):
             return
-        pending_acks = await self._start_run(delivery)
-        if pending_acks is None:
+        begun = await self._start_run(delivery)
+        if begun is None:
             return
+        started, pending_acks = begun
         # The call runs as a task of its own, so a cancellation or preemption
         # can stop it (closing the backend's HTTP stream) without stopping this run.
         rank = self._rank_of(dispatch)
@@ -418,14 +420,14 @@ class Worker(Lifecycle):
             await self._backend_failed(delivery, exc, pending_acks=pending_acks)
             return
         except Expiry:
-            await settle(pending_acks, self._nc)
+            await self._outcomes.settle_held(pending_acks, started)
             await self._outcomes.finish(delivery, expired_running(request, self._clock()))
             return
         finally:
             self._calls.pop(scoped, None)
             self._preemptible.runs.pop(scoped, None)
             call.cancel()
-        await settle(pending_acks, self._nc)
+        await self._outcomes.settle_held(pending_acks, started)
         await self._outcomes.finish(delivery, outcome)
 
     async def _call_stopped(self, delivery: Delivery, preempted_by: str | None) -> None:
@@ -439,8 +441,11 @@ class Worker(Lifecycle):
         else:
             await self._outcomes.cancel(delivery, stage="running")
 
-    async def _start_run(self, delivery: Delivery) -> list[asyncio.Future[PubAck]] | None:
-        """Record ``started``; the pending acks to wait for, or ``None`` to step back."""
+    async def _start_run(
+        self, delivery: Delivery
+    ) -> tuple[Started, list[asyncio.Future[PubAck]]] | None:
+        """Record ``started``: it and the pending acks to wait for (its ack is
+        not awaited before the call), or ``None`` to step back."""
         dispatch = delivery.dispatch
         request = dispatch.request
         # In a pool, a queued dispatch may be stolen by a sibling while it is
@@ -454,7 +459,7 @@ class Worker(Lifecycle):
             await delivery.done()
             return None
         started = delivery.run.started(at=self._clock(), worker=self._name)
-        return [await self._log.append_async(started)]
+        return started, [await self._log.append_async(started)]
 
     def _rank_of(self, dispatch: Dispatch) -> int:
         """The priority passed down to the backend: the effective one when bound."""
