@@ -6,8 +6,11 @@ then on real nats-servers with the mock backend over loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,7 @@ from renqueue.broker import (
     provision,
     translate,
 )
-from renqueue.config import LEASE_BYTES, STORE_SHARES, Config
+from renqueue.config import LEASE_BYTES, STORE_SHARES, Config, load_config
 from renqueue.coordination import NEAR_LIMIT, read_status, render_status
 from renqueue.coordination._cancellation import cancel_of
 from renqueue.errors import ConfigError, OutOfRangeError, StoreFullError
@@ -558,3 +561,57 @@ async def test_status_shows_each_store_against_its_limit_and_warns_near_it(
     assert near[0].startswith("  RQ_REQUESTS: "), lines
     assert near[0].endswith("full (over 80%)"), lines
     assert msgspec.json.decode(msgspec.json.encode(report))["near_limit"] == [REQUESTS_STREAM]
+
+
+async def cli_submit(
+    config: Path, url: str, request_id: str, tenant: str = "default"
+) -> tuple[int, str]:
+    """``renqueue submit`` as a user runs it: its exit code and stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "renqueue", "-c", str(config), "--nats", url,
+        "submit", "x", "--route", "chat", "--id", request_id, "--tenant", tenant, "--wait", "20",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "RENQUEUE_CONFIG": ""},
+    )  # fmt: skip
+    _out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, err.decode()
+
+
+async def test_a_submit_the_broker_refuses_exits_3_from_the_cli_saying_why(
+    isolated_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A full store and a tenant's full backlog are refusals (nothing stored,
+    the broker answered): ``submit`` exits 3 with one line saying which, as
+    docs/cli.md's exit codes say. Before, a full store was reported as NATS
+    lost (exit 4) and a full backlog as an unexpected error."""
+    config = tmp_path / "renqueue.toml"
+    config.write_text(
+        '[nats.requests]\nmax_bytes = "64KB"\n[router]\ntenant_backlog = 1\n'
+        '[backends.b]\nbase_url = "http://127.0.0.1:1"\nmodel = "m"\n'
+        '[routes.chat]\nbackends = ["b"]\n'
+    )
+    nc = await connect(isolated_server.url, name="filler")
+    try:
+        await provision(nc, load_config(config))
+        async with Client(nc, tenant="default") as client:
+            await client.submit("x", route="chat", request_id="first")
+        code, err = await cli_submit(config, isolated_server.url, "second")
+        assert code == 3, err
+        assert "tenant_backlog" in err
+        assert "Traceback" not in err
+        # Fill the stream with other tenants' requests (a backlog of 1 each).
+        for index in range(2000):
+            async with Client(nc, tenant=f"t{index}") as other:
+                try:
+                    await other.submit("x", route="chat", request_id="fill")
+                except StoreFullError:
+                    break
+        else:
+            pytest.fail("the requests stream never filled")
+        code, err = await cli_submit(config, isolated_server.url, "third", tenant="unseen")
+    finally:
+        await nc.close()
+    assert code == 3, err
+    assert "store is full" in err
+    assert "Traceback" not in err

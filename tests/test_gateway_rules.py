@@ -22,6 +22,7 @@ from renqueue.errors import (
     MalformedRequestError,
     NatsTimeoutError,
     StoreFullError,
+    TenantBacklogFullError,
     UnsupportedFeatureError,
 )
 from renqueue.gateway import ApiError, KeyStore, digest, new_key
@@ -787,6 +788,15 @@ def test_exceptions_map_to_statuses_without_details() -> None:
     full = from_error(StoreFullError("maximum bytes exceeded", err_code=10077))
     assert (full.status, full.code, full.type) == (503, "store_full", "server_error")
     assert full.retry_after is not None
+    backlog = from_error(
+        TenantBacklogFullError("maximum messages per subject exceeded", status=503, err_code=10077)
+    )
+    assert (backlog.status, backlog.code, backlog.type) == (
+        429,
+        "tenant_backlog_full",
+        "invalid_request_error",
+    )
+    assert backlog.retry_after is not None
     assert (
         from_error(MalformedRequestError("Expected `float` - at `$.params.top_p`")).param == "top_p"
     )

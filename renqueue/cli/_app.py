@@ -11,7 +11,13 @@ from typing import Any, TypeVar
 import click
 
 from ..config import Config, load_config
-from ..errors import ConnectionFailedError, RenQueueError, RequestFailedError
+from ..errors import (
+    ConnectionFailedError,
+    RenQueueError,
+    RequestFailedError,
+    StoreFullError,
+    TenantBacklogFullError,
+)
 from ..logs import configure_logging, get_logger
 from ._common import (
     EXIT_ERROR,
@@ -248,8 +254,8 @@ def _report(exc: RenQueueError, *, client: bool) -> int:
         print(f"renqueue: {exc} [{exc.error_type}]", file=sys.stderr)
         return EXIT_UNSUCCESSFUL
     print(f"renqueue: {exc}", file=sys.stderr)
-    if isinstance(exc, NoSuchRequest):
-        return EXIT_UNSUCCESSFUL
+    if isinstance(exc, NoSuchRequest | StoreFullError | TenantBacklogFullError):
+        return EXIT_UNSUCCESSFUL  # refused, nothing stored: the request did not succeed
     if isinstance(exc, Interrupted):
         return EXIT_INTERRUPTED
     if isinstance(exc, WaitTimeout):

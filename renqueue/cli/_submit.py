@@ -19,6 +19,7 @@ from ..errors import (
     RenQueueError,
     RequestCancelledError,
     RequestFailedError,
+    StoreFullError,
 )
 from ._app import cli, command, globals_of, setup
 from ._common import (
@@ -287,6 +288,8 @@ async def _submit(
         handle = await client.submit(**request)
         progress["id"] = handle.id
         result = await _follow(handle, stream=options["stream"], as_json=options["json"])
+    except StoreFullError:
+        raise  # the broker answered: refused, not unreachable (exit 3)
     except NatsUnavailableError as exc:
         raise Unreachable(f"lost NATS at {url}: {exc}") from exc
     except asyncio.CancelledError:

@@ -23,6 +23,7 @@ from ..errors import (
     NatsPayloadTooLargeError,
     NatsUnavailableError,
     StoreFullError,
+    TenantBacklogFullError,
     UnknownPriorityError,
 )
 from ..logs import get_logger
@@ -152,8 +153,8 @@ async def publish(
             continue
         except NatsClosedError:
             raise
-        except StoreFullError as exc:
-            # A full store does not empty within a submit's patience: say so now.
+        except (StoreFullError, TenantBacklogFullError) as exc:
+            # Refused, nothing stored; neither passes within a submit's patience.
             raise _not_stored(request, exc) from exc
         except TRANSIENT as exc:
             if client.nc.is_closed:
@@ -191,12 +192,22 @@ def _encoded(client: Client, request: InferenceRequest) -> bytes:
     return data
 
 
-def _not_stored(request: InferenceRequest, full: StoreFullError) -> StoreFullError:
-    """``full`` as a submitter reads it: which request, and what to do."""
+def _not_stored(
+    request: InferenceRequest, refusal: StoreFullError | TenantBacklogFullError
+) -> StoreFullError | TenantBacklogFullError:
+    """``refusal`` as a submitter reads it: which request, and what to do."""
+    if isinstance(refusal, TenantBacklogFullError):
+        return TenantBacklogFullError(
+            f"request {request.id} was not stored: tenant {request.tenant} already has "
+            f"router.tenant_backlog requests waiting at level {request.priority}; "
+            "submit it again once some of them are routed",
+            status=refusal.status,
+            err_code=refusal.err_code,
+        )
     return StoreFullError(
-        f"request {request.id} was not stored: the queue's store is full ({full}); send it "
+        f"request {request.id} was not stored: the queue's store is full ({refusal}); send it "
         "again once there is room (`renqueue status` shows each store against its limit)",
-        err_code=full.err_code,
+        err_code=refusal.err_code,
     )
 
 

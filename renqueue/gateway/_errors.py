@@ -33,6 +33,7 @@ from ..errors import (
     OutOfRangeError,
     RenQueueError,
     StoreFullError,
+    TenantBacklogFullError,
     UnknownPriorityError,
     UnknownRouteError,
     UnsupportedFeatureError,
@@ -131,6 +132,7 @@ CODES: Final = frozenset(
         "too_many_in_flight",
         "key_in_flight_limit",
         "store_full",
+        "tenant_backlog_full",
         "out_of_range",
         "no_backend_available",
         # The HTTP layer: a request that never got as far as a handler.
@@ -309,6 +311,16 @@ def from_error(  # noqa: PLR0911 - one answer per kind of error, in one place
             "the queue's store is full (nothing was stored); try again later",
             type=SERVER,
             code="store_full",
+            retry_after=_STORE_FULL_RETRY,
+        )
+    if isinstance(exc, TenantBacklogFullError):
+        # router.tenant_backlog: this tenant has that many requests waiting at
+        # the level already; nothing was stored. Its own limit, as a rate limit is.
+        return ApiError(
+            429,
+            "too many of your requests are waiting at this priority (router.tenant_backlog; "
+            "nothing was stored); try again once some have started",
+            code="tenant_backlog_full",
             retry_after=_STORE_FULL_RETRY,
         )
     if isinstance(exc, NatsPayloadTooLargeError):
