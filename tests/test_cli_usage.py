@@ -417,3 +417,28 @@ async def test_init_into_a_missing_directory_is_one_line_and_exit_2(tmp_path: Pa
     assert "cannot write" in err
     assert "Traceback" not in err
     assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["submit", "hi", "--id", "*"],
+        ["submit", "hi", "--tenant", ">"],
+        ["cancel", "a.b"],
+        ["cancel", "ok", "--tenant", "*"],
+        ["audit", "\x1b[2J"],
+        ["audit", "x" * 129],
+    ],
+)
+def test_a_tenant_or_request_id_the_schema_refuses_is_a_usage_error_before_connecting(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A wildcard (``*``, ``>``), a dot or an escape sequence in an id or a
+    tenant would name other requests' subjects, or echo control bytes back: the
+    command line refuses it as the schema would, exit 2, before connecting
+    (``--nats`` names a port nothing listens on: a connection attempt would
+    exit 4)."""
+    assert main(["--nats", "nats://127.0.0.1:1", *args]) == 2
+    err = capsys.readouterr().err
+    assert "letters, digits, - and _" in err
+    assert "\x1b" not in err

@@ -12,7 +12,19 @@ import msgspec
 
 from ..config import Config
 from ._app import cli, command, globals_of, setup
-from ._common import NoSuchRequest, close, console, fitted, local_time, reach, rounded, table, text
+from ._common import (
+    NoSuchRequest,
+    RequestIdName,
+    TenantName,
+    close,
+    console,
+    fitted,
+    local_time,
+    reach,
+    rounded,
+    table,
+    text,
+)
 
 if TYPE_CHECKING:
     from ..schema import Event
@@ -27,8 +39,8 @@ _COMMON = ("v", "kind", "request_id", "tenant", "at")
     short_help="One request's timeline from the event log.",
     epilog="Example: renqueue audit req-42 --tenant acme",
 )
-@click.argument("request_id")
-@click.option("--tenant", help="Tenant the request is for (default: any).")
+@click.argument("request_id", type=RequestIdName())
+@click.option("--tenant", type=TenantName(), help="Tenant the request is for (default: any).")
 @click.pass_context
 def audit(ctx: click.Context, request_id: str, tenant: str | None) -> None:
     """Every event of REQUEST_ID, in log order: when (local time), what, and

@@ -339,17 +339,41 @@ class NewDeadline(click.ParamType[tuple[bool, float | None]]):
             self.fail(f"must be keep, none or a duration (60s, 10m), got {value!r}", param, ctx)
 
 
-class TenantName(click.ParamType[str]):
-    name = "TENANT"
+class _Named(click.ParamType[str]):
+    """A tenant name or request id as the schema allows one (letters, digits,
+    ``-`` and ``_``): refused before connecting otherwise, so that ``*`` or
+    ``>`` cannot name every tenant's or request's subjects, and no escape
+    sequence is echoed back. The pattern is the schema's own."""
+
+    def __init__(self, name: str, what: str, longest: int, kind: Any) -> None:
+        self.name = name
+        self._what = what
+        self._longest = longest
+        self._kind = kind
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        import re
-
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value):
+        try:
+            return msgspec.convert(value, self._kind)
+        except msgspec.ValidationError:
             self.fail(
-                f"a tenant name is 1 to 64 letters, digits, - and _, got {value!r}", param, ctx
+                f"{self._what} is 1 to {self._longest} letters, digits, - and _, got {value!r}",
+                param,
+                ctx,
             )
-        return value
+
+
+def TenantName() -> click.ParamType[str]:
+    """A tenant name (``[A-Za-z0-9_-]{1,64}``)."""
+    from ..schema._messages import Name
+
+    return _Named("TENANT", "a tenant name", 64, Name)
+
+
+def RequestIdName() -> click.ParamType[str]:
+    """A request id (``[A-Za-z0-9_-]{1,128}``)."""
+    from ..schema._messages import RequestId
+
+    return _Named("REQUEST_ID", "a request id", 128, RequestId)
 
 
 POSITIVE = click.IntRange(min=1)

@@ -25,6 +25,8 @@ from ._app import cli, command, globals_of, setup
 from ._common import (
     Interrupted,
     NoSuchRequest,
+    RequestIdName,
+    TenantName,
     Unreachable,
     WaitTimeout,
     client_url,
@@ -75,8 +77,13 @@ def _param(text: str) -> tuple[str, Any]:
 )
 @click.option("--route", help="Route (model group) to run on (default: the config's first).")
 @click.option("--priority", help="Priority level (default: the config's default_priority).")
-@click.option("--tenant", default="default", help="Tenant the request is for.")
-@click.option("--id", "request_id", help="Request id, the idempotency key (default: random).")
+@click.option("--tenant", type=TenantName(), default="default", help="Tenant the request is for.")
+@click.option(
+    "--id",
+    "request_id",
+    type=RequestIdName(),
+    help="Request id, the idempotency key (default: random).",
+)
 @click.option("--max-tokens", type=click.IntRange(min=1), help="Answer length cap (tokens).")
 @click.option("--timeout", type=float, help="Deadline, seconds from now (default: none).")
 @click.option(
@@ -338,8 +345,8 @@ _TERMINAL = frozenset({"completed", "failed", "expired", "cancelled", "rejected"
     short_help="Cancel a request: a queued one never runs, a running one is stopped.",
     epilog="Example: renqueue cancel req-42 --wait 10",
 )
-@click.argument("request_id")
-@click.option("--tenant", default="default", help="Tenant the request is for.")
+@click.argument("request_id", type=RequestIdName())
+@click.option("--tenant", type=TenantName(), default="default", help="Tenant the request is for.")
 @click.option("--reason", default="", help="Why (kept in the cancelled event).")
 @click.option(
     "--wait",
