@@ -526,15 +526,17 @@ async def test_followers_of_a_leader_that_runs_out_of_deliveries_run_on_their_ow
     assert [kind_of(e) for e in events if is_terminal(e)] == ["failed"]
 
 
-async def test_a_copy_in_the_batch_of_the_message_that_ended_its_id_is_not_routed(
+async def test_a_rejected_copy_and_its_correction_in_one_batch_run_the_correction_once(
     tmp_path: Path, isolated_server: Any
 ) -> None:
-    """Review of issue 30's fix: the terminal claims of a fetched batch are
-    looked up once, before any of it is taken. A request rejected for its
-    old-style ``Nats-Msg-Id`` and sent again with the right header, both read
-    in one fetch, found no claim in that lookup (the first was rejected after
-    it): the copy was admitted, routed and dropped by the worker. A claim this
-    router writes after the lookup is seen by the copies read after it."""
+    """Review of issue 30's fix: a request rejected for its old-style
+    ``Nats-Msg-Id`` and sent again with the right header, both read in one
+    fetch, was admitted, routed and dropped by the worker (the claims of a
+    batch are looked up once, before the rejection was written). A batch's
+    good requests are now taken before its rejections (``make fuzz``), so the
+    correction is admitted first and runs once, to its own end; the bad copy
+    is then a copy of an admitted request: dead-lettered on its own, ending
+    nothing. Nothing is routed that a worker drops."""
     async with MockBackend(MockSettings(output_tokens=4)) as mock:
         config = write_config(
             tmp_path / "rq.toml", nats_url=isolated_server.url, backend_url=mock.url
@@ -559,14 +561,22 @@ async def test_a_copy_in_the_batch_of_the_message_that_ended_its_id_is_not_route
                 return info.state.messages == 0  # a work queue: acked once read
 
             await until(read, "a router read both copies")
+
+            async def ended() -> bool:
+                return "completed" in [kind_of(e) for e in await histories(js, request.id)]
+
+            await until(ended, "the correction completed")
             events = await histories(js, request.id)
             dead = await js.get_last_msg(DLQ_STREAM, dlq_subject("requests"))
-    assert [kind_of(e) for e in events] == ["rejected"], describe(events)
-    # Its one dead letter is the rejection's: the copy was sent before the
-    # request ended, so it is dropped without one of its own (see the test below).
-    assert (dead.headers or {})["Rq-Reason"].startswith("malformed"), dead.headers
+    assert [kind_of(e) for e in events] == ["submitted", "routed", "started", "completed"], (
+        describe(events)
+    )
+    # The bad copy's dead letter is its own, and says it ended nothing.
+    reason = (dead.headers or {})["Rq-Reason"]
+    assert reason.startswith("malformed"), dead.headers
+    assert "this copy was not run and does not end it" in reason
     assert dead.seq == 1
-    assert mock.stats().requests == 0
+    assert mock.stats().requests == 1
 
 
 async def test_the_message_that_ended_a_request_read_again_by_a_new_binder_is_no_dead_letter(

@@ -146,6 +146,9 @@ async def test_batch_request_starts_within_its_aging_bound_under_urgent_load(
             for handle in urgent:
                 history = await EventLog(client.js).history("t", handle.id)
                 urgent_starts += [e.at for e in history if isinstance(e, Started)]
+            for handle in earlier:
+                history = await EventLog(client.js).history("t", handle.id)
+                urgent_starts += [e.at for e in history if isinstance(e, Started)]
 
     [started] = [e for e in events if isinstance(e, Started)]
     promoted = [e for e in events if isinstance(e, Promoted)]
@@ -157,9 +160,14 @@ async def test_batch_request_starts_within_its_aging_bound_under_urgent_load(
         ("high", "critical"),
     ]
     # It ran once it had aged to the top (not before: the slot was never
-    # free of urgent work), within the bound plus a few slot turnovers of
-    # slack, while urgent work submitted after it was still waiting.
-    assert bound - 0.05 <= started.at - submitted_at < bound + 0.6
+    # free of urgent work), and then at the head of the critical level: at
+    # most the call in service and one already handed to the worker started
+    # between its promotion to critical and its own start (counted in events,
+    # not seconds: a loaded machine stretches the seconds, not the order),
+    # while urgent work submitted after it was still waiting.
+    assert started.at - submitted_at >= bound - 0.05
+    to_critical = promoted[-1].at
+    assert sum(1 for at in urgent_starts if to_critical < at < started.at) <= 2
     assert sum(1 for at in urgent_starts if at > started.at) >= 10
 
 
