@@ -274,12 +274,18 @@ def plan_for(setting: Setting, *, quick: bool, requests: int | None, rate: float
     return Plan(requests=requests or 1000, rate=rate or 15.0, tail=max(60.0, 3 * ack_wait + 30.0))
 
 
+#: Each nats-server's JetStream file store; the services' streams get their shares
+#: of it (``[nats] max_file_store``), as they must on a server of one's own.
+FILE_STORE = "4GB"
+
+
 def config_text(setting: Setting, url: str, mocks: dict[str, str]) -> str:
     lines = [
         "# Written by bench/chaos.py.",
         "[nats]",
         f'url = "{url}"',
         f"replicas = {3 if setting.nodes == 3 else 1}",
+        f'max_file_store = "{FILE_STORE}"',
         "",
         "[router]",
         f'ack_wait = "{setting.router_ack_wait:g}s"',
@@ -333,7 +339,7 @@ class NatsNode:
             f"server_name: {name}\nhost: 127.0.0.1\nport: {self.port}\n"
             'max_payload: 8MB\nmax_pending: 64MB\nwrite_deadline: "10s"\n'
             f'jetstream {{\n  store_dir: "{directory / "store"}"\n'
-            "  max_memory_store: 256MB\n  max_file_store: 4GB\n}\n"
+            f"  max_memory_store: 256MB\n  max_file_store: {FILE_STORE}\n}}\n"
         )
         if cluster:
             routes = "\n".join(f"    nats-route://127.0.0.1:{port}" for port in cluster)

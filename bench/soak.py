@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos import (
+    FILE_STORE,
     Backend,
     Fleet,
     NatsNode,
@@ -105,6 +106,7 @@ def config_text(url: str, mocks: dict[str, str]) -> str:
         "# Written by bench/soak.py.",
         "[nats]",
         f'url = "{url}"',
+        f'max_file_store = "{FILE_STORE}"',
         "",
         "[worker]",
         'retry_delay = "200ms"',

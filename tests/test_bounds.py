@@ -36,7 +36,7 @@ from renqueue.broker import (
 from renqueue.config import LEASE_BYTES, STORE_SHARES, Config, load_config
 from renqueue.coordination import NEAR_LIMIT, read_status, render_status
 from renqueue.coordination._cancellation import cancel_of
-from renqueue.errors import ConfigError, OutOfRangeError, StoreFullError
+from renqueue.errors import ConfigError, OutOfRangeError, ProvisionError, StoreFullError
 from renqueue.gateway import ApiError, Gateway, digest
 from renqueue.gateway._errors import from_terminal
 from renqueue.gateway._openai import parse_chat
@@ -615,3 +615,25 @@ async def test_a_submit_the_broker_refuses_exits_3_from_the_cli_saying_why(
     assert code == 3, err
     assert "store is full" in err
     assert "Traceback" not in err
+
+
+async def test_a_server_too_small_for_the_stores_is_refused_saying_what_to_set(
+    tmp_path: Path,
+) -> None:
+    """A nats-server of one's own whose JetStream store is smaller than
+    ``[nats] max_file_store`` (16 GiB by default) cannot reserve the streams'
+    byte limits: provisioning says which setting to change, not only NATS's
+    "insufficient storage resources" (``make soak`` met it on a 4 GB server)."""
+    server = EmbeddedServer(tmp_path / "small", port=-1, max_file_store=1024**3)
+    await server.start()
+    try:
+        nc = await connect(server.url, name="provision")
+        try:
+            with pytest.raises(ProvisionError, match="insufficient storage") as caught:
+                await provision(nc, config_of())
+            assert "set max_file_store to at most the server's" in str(caught.value)
+            await provision(nc, config_of(max_file_store="512MB"))  # fits: provisioned
+        finally:
+            await nc.close()
+    finally:
+        await server.close()

@@ -694,7 +694,10 @@ async def _ensure_stream_now(
                 return ProvisionItem(kind="stream", name=name, action=Action.CREATED)
             if error[0] == STREAM_NAME_IN_USE:
                 continue
-            raise ProvisionError(f"stream {name} ({source}): NATS refused to create it: {error[1]}")
+            raise ProvisionError(
+                f"stream {name} ({source}): NATS refused to create it: {error[1]}"
+                + _no_room_hint(error[0], desired)
+            )
         if error is not None:
             raise ProvisionError(f"stream {name}: cannot read its config: {error[1]}")
         return await _update_stream(api, info["config"], desired, source=source)
@@ -821,3 +824,21 @@ def _raise_refused(reply: Any, what: str, changes: Sequence[str]) -> None:
         raise ProvisionError(
             f"{what}: NATS refused the update ({error[1]}); differing fields: {'; '.join(changes)}"
         )
+
+
+#: nats-server's "insufficient storage resources available" (a stream's
+#: max_bytes over what the server's or account's JetStream store has left).
+_NO_ROOM: Final = frozenset({10047, 10023})
+
+
+def _no_room_hint(err_code: int | None, desired: dict[str, Any]) -> str:
+    """What to do when the server has no room for a stream's ``max_bytes``:
+    they are shares of ``[nats] max_file_store`` (16 GiB by default), which a
+    server of one's own with a smaller JetStream store cannot reserve."""
+    if err_code not in _NO_ROOM:
+        return ""
+    return (
+        f" (it asks max_bytes {desired.get('max_bytes')}, a share of [nats] max_file_store: "
+        "set max_file_store to at most the server's jetstream max_file_store, less what "
+        "other streams on it reserve; docs/operations.md#storage)"
+    )
