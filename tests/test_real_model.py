@@ -54,6 +54,7 @@ from renqueue.schema import (
     FellBack,
     InferenceRequest,
     Preempted,
+    Retrying,
     Started,
 )
 
@@ -330,12 +331,57 @@ async def test_past_its_one_slot_the_server_cuts_the_running_stream_and_renqueue
 
     config = config_of(isolated_server.url, local(llama, slots=1))
     async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+        cuts_before = llama.log_text().count(DISCONNECTED)
         handles = [
             await client.submit(LONG_PROMPT, route="chat", params=long_params(12)) for _ in range(3)
         ]
         outcomes = [await h.result(timeout=90) for h in handles]
+        log = EventLog(client.js)
+        histories = [await log.history(TENANT, h.id) for h in handles]
     assert [r.finish_reason for r in outcomes] == ["length"] * 3
     assert [r.usage.completion_tokens for r in outcomes] == [12] * 3
+    # Each served by one call, none cut: a second call sent past the slot would have cut
+    # the running one (the server logs that) and shown as a retry or a fallback.
+    assert llama.log_text().count(DISCONNECTED) == cuts_before
+    for events in histories:
+        assert sum(isinstance(e, Started) for e in events) == 1, describe(events)
+        assert not [e for e in events if isinstance(e, Retrying | FellBack)], describe(events)
+
+
+async def test_past_its_slot_through_renqueue_a_cut_stream_falls_back_and_is_never_an_answer(
+    isolated_server: EmbeddedServer, llama: LlamaServer
+) -> None:
+    """The backend declared with two slots, one more than the server has: Ren-Queue sends
+    two calls at once and the server cuts one of them short (a bare ``[DONE]``, no
+    ``finish_reason``). Ren-Queue takes the cut stream for what it is, a broken one (or a
+    malformed one, cut before its first token), never for an answer: the request falls
+    back to the next tier. What ``concurrency = 1`` (the test above) keeps from happening."""
+    tokens = 48
+    async with MockBackend(MockSettings(ttft=0.01, output_tokens=5)) as paid:
+        config = config_of(
+            isolated_server.url, {**local(llama, slots=2), "paid": (paid.url, "m", 4)}
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            cuts_before = llama.log_text().count(DISCONNECTED)
+            handles = [
+                await client.submit(LONG_PROMPT, route="chat", params=long_params(tokens))
+                for _ in range(2)
+            ]
+            outcomes = [await h.result(timeout=90) for h in handles]
+            log = EventLog(client.js)
+            histories = [await log.history(TENANT, h.id) for h in handles]
+    fell = [e for events in histories for e in events if isinstance(e, FellBack)]
+    assert fell, [describe(events) for events in histories]
+    assert {e.backend for e in fell} == {"local"}
+    assert {e.error_class for e in fell} <= {"broken_stream", "malformed"}
+    assert llama.log_text().count(DISCONNECTED) > cuts_before
+    assert paid.stats().completed >= 1
+    for result in outcomes:
+        # An answer of the real model is whole; anything cut went on to the paid tier.
+        if result.backend == "local":
+            assert (result.finish_reason, result.usage.completion_tokens) == ("length", tokens)
+        else:
+            assert result.backend == "paid"
 
 
 # ------------------------------------------------- cancellation and deadlines
@@ -527,4 +573,8 @@ async def test_the_real_demo_answers_with_the_real_model_and_shows_its_speed() -
     assert ttft_ms > 0
     assert rate > 0
     assert "learned from the log (what the router plans with): local " in text
+    # The model's own words, as the summary shows them: "[stop] Paris is ...".
+    first_answer = lines[lines.index("  Some of the real model's answers:") + 1].split()
+    assert first_answer[0] in {"[stop]", "[length]"}, text
+    assert len(first_answer) > 1, text
     assert "OK: 6/6 requests reached a terminal state" in text
