@@ -4,14 +4,19 @@ anything. The server itself runs in tests/test_real_model.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import REAL_MODEL_TESTS
 from test_cli import run
 
 from renqueue.llamacpp import CMAKE_ARGS, LLAMA_CPP_SPEC, MODEL_FILE, MODEL_SPEC, cached_model
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def made(venv: Path, **stamp: object) -> Path:
@@ -67,3 +72,25 @@ async def test_demo_venv_goes_with_real() -> None:
     code, _out, err = await run("-m", "renqueue", "demo", "--venv", "somewhere")
     assert code == 2
     assert "--venv goes with --real" in err
+
+
+async def test_without_the_venv_the_suite_says_it_skipped_the_real_model_and_why(
+    tmp_path: Path,
+) -> None:
+    """``make test`` on a machine without the venv: the real model's tests are skipped, and
+    the summary says so in a line of its own, with the reason (never silently), also when
+    the suite runs on xdist workers as ``make test`` runs it."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1",
+        "tests/test_real_model.py",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT,
+        env={**os.environ, "RENQUEUE_REAL_VENV": str(tmp_path / "no-venv")},
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 100)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    [summary] = [line for line in text.splitlines() if line.startswith(REAL_MODEL_TESTS)]
+    assert "tests skipped: no cached real-model venv at " in summary
+    assert str(tmp_path / "no-venv") in summary
+    assert "`make test-real` makes it" in summary
+    assert " passed" not in text
