@@ -578,3 +578,31 @@ async def test_the_real_demo_answers_with_the_real_model_and_shows_its_speed() -
     assert first_answer[0] in {"[stop]", "[length]"}, text
     assert len(first_answer) > 1, text
     assert "OK: 6/6 requests reached a terminal state" in text
+
+
+# ------------------------------------------------------------------ the bench
+
+
+@pytest.mark.timeout(400)
+async def test_the_real_bench_measures_renqueue_against_the_server_directly(
+    tmp_path: Path,
+) -> None:
+    """``make bench-real`` (``bench/pipeline.py --real``), at its smallest: one call each way
+    at one caller, every one the 32 tokens asked for, and the difference reported (its
+    numbers are bench/README.md's business, not this test's)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / "bench" / "pipeline.py"), "--real", "--levels", "1",
+        "--real-requests", "1", "--real-rounds", "1", "--real-venv", str(VENV),
+        "--out", str(tmp_path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 380)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    report = msgspec.json.decode((tmp_path / "pipeline-real-latest.json").read_bytes())
+    [row] = report["levels"].values()
+    for path in ("direct", "renqueue"):
+        assert (row[path]["requests"], row[path]["errors"]) == (1, 0), text
+        assert row[path]["latency"]["p50_ms"] > 0
+    assert set(row["added_ms"]) >= {"latency_p50_ms", "first_token_p50_ms"}
+    assert " 1 added     latency p50 " in text
