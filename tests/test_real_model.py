@@ -433,11 +433,21 @@ async def test_a_deadline_that_expires_mid_call_ends_the_request_and_the_generat
 
 
 async def test_a_critical_request_preempts_a_batch_call_on_the_real_server(
-    isolated_server: EmbeddedServer, llama: LlamaServer
+    isolated_server: EmbeddedServer, model: RealModel, tmp_path: Path
 ) -> None:
     """The batch call holds the server's one slot; a critical request takes it (the
     batch call is closed, the server stops it), then the batch request runs again
-    (and is cancelled there: its whole answer would take minutes)."""
+    (and is cancelled there: its whole answer would take minutes).
+
+    On a server that does not cut a running call for a new one (``interrupt_requests``
+    off): the critical call gets the model only because Ren-Queue closed the batch
+    call. With the default server a preemption that never closed it would pass
+    unnoticed, the critical call itself cutting the batch stream short."""
+    async with LlamaServer(model, log=tmp_path / "llama.log", interrupt_requests=False) as llama:
+        await _preempt(isolated_server, llama)
+
+
+async def _preempt(isolated_server: EmbeddedServer, llama: LlamaServer) -> None:
     config = config_of(isolated_server.url, local(llama))
     before = llama.log_text().count(DISCONNECTED)
     async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
