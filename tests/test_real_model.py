@@ -7,7 +7,8 @@ is skipped, and ``make test`` says so in its summary (tests/conftest.py).
 
 The server runs as a user gets it (``python -m llama_cpp.server --model ...``, its
 defaults: one generation at a time, ``interrupt_requests`` on); a module's worth of
-tests share one server, and the test that kills it starts its own. The answers are
+tests share one server, and the test that kills it starts its own, as does the
+preemption test (with ``interrupt_requests`` off). The answers are
 the model's own: the tests make them long where they need a call still running
 (``min_tokens``, llama-cpp-python's own parameter, holds its end of turn back) and
 greedy where they compare texts (``temperature`` 0).
