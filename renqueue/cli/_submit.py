@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import select
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import click
 import msgspec
@@ -21,6 +24,7 @@ from ..errors import (
     RequestFailedError,
     StoreFullError,
 )
+from ..schema import MAX_TEXT
 from ._app import cli, command, globals_of, setup
 from ._common import (
     Interrupted,
@@ -105,9 +109,13 @@ def submit(ctx: click.Context, /, **options: Any) -> None:
     """Submit one request and wait for its answer: the prompt from PROMPT, a
     file (-f), or stdin (-), or a whole conversation (--messages). An unknown
     route or level is refused before anything is sent."""
+    started = time.monotonic()
     config = setup(ctx)
     options["json"] = globals_of(ctx).json
-    messages = _messages(options)
+    _utf8(options["prompt"], "PROMPT")
+    _utf8(options["system"], "--system")
+    wait = options["wait"]
+    messages = _messages(options, deadline=None if wait is None else started + wait)
     _within_limits(messages, options["system"])
     route, priority = _checked(config, options["route"], options["priority"])
     params = dict(_param(text) for text in options["params"])
@@ -138,8 +146,9 @@ def submit(ctx: click.Context, /, **options: Any) -> None:
         ) from None
 
 
-def _messages(options: dict[str, Any]) -> str | list[dict[str, Any]]:
-    """The prompt as text, or the conversation (``--messages``, ``--system``)."""
+def _messages(options: dict[str, Any], *, deadline: float | None) -> str | list[dict[str, Any]]:
+    """The prompt as text, or the conversation (``--messages``, ``--system``),
+    read by ``deadline`` (``--wait``'s end)."""
     prompt, file, messages_file = (
         options["prompt"],
         options["prompt_file"],
@@ -149,11 +158,14 @@ def _messages(options: dict[str, Any]) -> str | list[dict[str, Any]]:
     if given != 1:
         raise click.UsageError("give one of PROMPT, -f FILE (or - for stdin), --messages FILE")
     if messages_file is not None:
-        text = _read(messages_file)
+        text = _read(messages_file, most=_MESSAGES_BYTES, deadline=deadline, what="--messages")
         try:
-            conversation = json.loads(text)
-        except ValueError as exc:
+            # msgspec: no NaN, and a depth bound rather than a RecursionError.
+            conversation = msgspec.json.decode(text)
+        except msgspec.DecodeError as exc:
             raise click.BadParameter(f"not JSON: {exc}", param_hint="--messages") from None
+        except RecursionError:
+            raise click.BadParameter("nested too deeply", param_hint="--messages") from None
         if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
             raise click.BadParameter(
                 "must be a JSON list of {role, content} objects", param_hint="--messages"
@@ -164,8 +176,10 @@ def _messages(options: dict[str, Any]) -> str | list[dict[str, Any]]:
     if prompt in (None, "-"):
         # As the shell's $(...) does: a file's (or stdin's) last newline ends
         # the file, it is not part of the prompt. Only one: the rest is text.
-        text = _read(file if file is not None else Path(prompt)).removesuffix("\n")
-        text = text.removesuffix("\r")
+        source = file if file is not None else Path(prompt)
+        what = "PROMPT" if file is None else "-f"
+        text = _read(source, most=_PROMPT_BYTES, deadline=deadline, what=what)
+        text = text.removesuffix("\n").removesuffix("\r")
     else:
         text = prompt
     if not text.strip():
@@ -176,8 +190,6 @@ def _messages(options: dict[str, Any]) -> str | list[dict[str, Any]]:
 def _within_limits(messages: str | list[dict[str, Any]], system: str | None) -> None:
     """Refuse, before connecting, a message longer than a request may carry
     (:data:`renqueue.schema.MAX_TEXT` characters), in one line with the limit."""
-    from ..schema import MAX_TEXT
-
     if isinstance(messages, str):
         texts = [("the prompt", messages), ("--system", system or "")]
     else:
@@ -199,13 +211,82 @@ class PromptTooLarge(RenQueueError):
     """A message longer than a request may carry (exit 2, nothing sent)."""
 
 
-def _read(path: Path) -> str:
-    if str(path) == "-":
-        return sys.stdin.read()
+#: The most a prompt file or stdin may hold: a message has at most
+#: :data:`~renqueue.schema.MAX_TEXT` characters, 4 bytes each at most in UTF-8
+#: (and a last CR LF). A stream that goes on past it is refused unread.
+_PROMPT_BYTES: Final = 4 * MAX_TEXT + 2
+#: The most a ``--messages`` file may hold: NATS carries no message over 64 MiB.
+_MESSAGES_BYTES: Final = 64 * 1024 * 1024
+
+
+def _read(path: Path, *, most: int, deadline: float | None, what: str) -> str:
+    """``path`` (``-``: stdin) as UTF-8 text: at most ``most`` bytes (a stream
+    that never ends, ``/dev/zero``, is refused there, not read for ever) and
+    until ``deadline`` (``time.monotonic()``; ``--wait`` bounds a stdin that
+    never ends too). A usage error, in one line, for what cannot be read."""
+    fd, owned, name = _opened(path, what)
+    chunks: list[bytes] = []
+    size = 0
     try:
-        return path.read_text()
+        while size <= most:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    raise WaitTimeout(
+                        f"{name} did not end within the --wait bound: nothing was submitted"
+                    )
+            chunk = os.read(fd, min(1 << 20, most + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
     except OSError as exc:
-        raise click.BadParameter(f"cannot read {path}: {exc.strerror}") from None
+        raise click.BadParameter(f"cannot read {name}: {exc.strerror}") from None
+    finally:
+        if owned:
+            os.close(fd)
+    if size > most:
+        if most == _PROMPT_BYTES:
+            raise PromptTooLarge(
+                f"{name} holds more than {MAX_TEXT:,} characters, the most a message may "
+                "have: shorten it, or split it into several requests"
+            )
+        raise click.BadParameter(
+            f"{name} is over {most // (1024 * 1024)} MiB, more than NATS carries in a message",
+            param_hint=what,
+        )
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(
+            f"{name} is not UTF-8 text (byte {exc.start})", param_hint=what
+        ) from None
+
+
+def _opened(path: Path, what: str) -> tuple[int, bool, str]:
+    """``path``'s file descriptor (``-``: stdin's), whether it is ours to close, its name."""
+    if str(path) != "-":
+        try:
+            return os.open(path, os.O_RDONLY), True, str(path)
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        return (sys.stdin or sys.__stdin__).fileno(), False, "stdin"  # type: ignore[union-attr]
+    except (AttributeError, OSError, ValueError):
+        raise click.BadParameter("cannot read stdin: it is closed", param_hint=what) from None
+
+
+def _utf8(text: str | None, what: str) -> None:
+    """Refuse text the shell passed that is not UTF-8 (an argument's bad bytes
+    reach Python as lone surrogates, which no JSON can carry)."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise click.BadParameter(
+            f"is not UTF-8 text (character {exc.start + 1})", param_hint=what
+        ) from None
 
 
 def _checked(config: Config, route: str | None, priority: str | None) -> tuple[str, str]:
