@@ -1462,6 +1462,23 @@ def _check_split(config: Config, route_name: str, source: str | None) -> None:
             )
 
 
+#: The largest config file read (bytes): a config is a few KiB; a file past
+#: this (a log given by mistake, ``/dev/zero``) is refused, not read for ever.
+MAX_CONFIG_BYTES: Final = 16 * 1024 * 1024
+
+
+def _read_config(file: Path) -> bytes:
+    """``file``'s bytes, at most :data:`MAX_CONFIG_BYTES` of them."""
+    with file.open("rb") as stream:
+        raw = stream.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"over {MAX_CONFIG_BYTES // (1024 * 1024)} MiB: not a config file",
+            source=str(file),
+        )
+    return raw
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -1477,7 +1494,7 @@ def load_config(
     source = str(file)
     if file.exists():
         try:
-            data = tomllib.loads(file.read_text(encoding="utf-8"))
+            data = tomllib.loads(_read_config(file).decode("utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"not valid TOML: {exc}", source=source) from exc
         except UnicodeDecodeError as exc:
