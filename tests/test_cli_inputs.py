@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cli import write_config
 
 #: Nothing listens here: a command that got as far as connecting exits 4.
 NOWHERE = "nats://127.0.0.1:1"
@@ -134,3 +135,26 @@ async def test_wait_bounds_a_stdin_that_never_ends() -> None:
         os.close(write_end)
     assert code == 4, err
     one_line(err, "stdin did not end within the --wait bound: nothing was submitted")
+
+
+@pytest.mark.parametrize(
+    ("param", "says"),
+    [
+        ("stream=true", "--param: stream cannot be set"),
+        ("model=gpt-4o", "--param: model cannot be set"),
+        ("n=5", "--param: n cannot be set"),
+        ("x=" + "[" * 100 + "]" * 100, "--param: nested deeper than 64 levels"),
+        ("x=" + "[" * 50_000 + "]" * 50_000, "--param: x is nested too deeply"),
+    ],
+    ids=["stream", "model", "n", "deep", "deeper"],
+)
+async def test_a_param_the_router_would_reject_is_refused_before_sending(
+    tmp_path: Path, param: str, says: str
+) -> None:
+    """`--param stream=true` (or model, n, ...) was published and then rejected
+    by the router (exit 3, a rejected request in the log); a value nested
+    50,000 deep was a RecursionError traceback. Both are usage errors now."""
+    config = write_config(tmp_path, "http://127.0.0.1:1/v1")
+    code, err = await submit("hi", "-c", str(config), "--route", "chat", "--param", param)
+    assert code == 2, err
+    one_line(err, says)

@@ -48,6 +48,8 @@ def _param(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except ValueError:
         return key, value
+    except RecursionError:
+        raise click.BadParameter(f"{key} is nested too deeply", param_hint="--param") from None
 
 
 @command(
@@ -342,7 +344,7 @@ async def _bounded(run: Any, wait: float | None, progress: dict[str, Any]) -> No
 
 def _generation(params: dict[str, Any], max_tokens: int | None) -> Any:
     """``--param`` items as the request's parameters (unknown ones in ``extra``)."""
-    from ..schema import GenerationParams
+    from ..schema import MAX_JSON_DEPTH, RESERVED_EXTRA, GenerationParams, too_deep
 
     if not params:
         return None
@@ -351,6 +353,20 @@ def _generation(params: dict[str, Any], max_tokens: int | None) -> Any:
     known = set(GenerationParams.__struct_fields__)
     fields: dict[str, Any] = {k: v for k, v in params.items() if k in known}
     extra = {k: v for k, v in params.items() if k not in known}
+    # Refused here, before anything is sent, as the router would refuse them
+    # after (exit 3, a rejected request in the log).
+    reserved = sorted(set(extra) & RESERVED_EXTRA)
+    if reserved:
+        raise click.BadParameter(
+            f"{', '.join(reserved)} cannot be set: Ren-Queue sets it, or it would change "
+            "the call's cost, model or what the provider keeps (use --route, --stream, "
+            "--max-tokens)",
+            param_hint="--param",
+        )
+    if too_deep(extra):
+        raise click.BadParameter(
+            f"nested deeper than {MAX_JSON_DEPTH} levels", param_hint="--param"
+        )
     if extra:
         fields["extra"] = extra
     try:
