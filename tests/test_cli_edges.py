@@ -103,6 +103,18 @@ async def test_reasons_and_details_wrap_whole_in_an_80_column_terminal(tmp_path:
             rejected = lines[next(n for n, line in enumerate(lines) if " rejected " in line) :]
             assert squeezed(reason) in squeezed(column(rejected, "details", header)), out
 
+            # 40 columns: the details column was 10 wide, every word folded
+            # (error_type / =unknown...); each event's details go under it instead.
+            code, out, err = await run_with({"COLUMNS": "40"}, *base, "audit", "lost-1")
+            assert code == 0, err
+            _title, *lines = out.splitlines()
+            assert max(map(len, lines)) <= 40, out
+            words = {word for line in lines for word in line.split()}
+            assert "error_type=unknown_route" in words, out
+            missing = {w for w in reason.split() if len(w) <= 30 and not any(w in x for x in lines)}
+            assert not missing, (missing, out)
+            assert squeezed(reason) in squeezed(out), out
+
             code, out, err = await run_with(env, *base, "dlq", "list")
             assert code == 0, err
             lines = out.splitlines()
