@@ -158,3 +158,26 @@ async def test_a_param_the_router_would_reject_is_refused_before_sending(
     code, err = await submit("hi", "-c", str(config), "--route", "chat", "--param", param)
     assert code == 2, err
     one_line(err, says)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--wait", "nan", "must be a finite number"),
+        ("--wait", "inf", "must be a finite number"),
+        ("--timeout", "nan", "must be a finite number"),
+        ("--timeout", "-5", "is not in the range 0<x<=2592000"),
+        ("--timeout", "1e300", "is not in the range 0<x<=2592000"),
+        ("--max-cost", "nan", "must be a finite number"),
+    ],
+)
+async def test_a_number_no_request_can_carry_is_refused_before_sending(
+    tmp_path: Path, option: str, value: str, says: str
+) -> None:
+    """`--wait nan` ended at once, 'could not submit within nan s' (exit 4);
+    `--timeout -5` or `1e300` was published and then expired or rejected
+    (exit 3); `--timeout nan` and `--max-cost nan` were sent as they were."""
+    config = write_config(tmp_path, "http://127.0.0.1:1/v1")
+    code, err = await submit("hi", "-c", str(config), option, value)
+    assert code == 2, err
+    one_line(err, says)

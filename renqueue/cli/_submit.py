@@ -24,9 +24,11 @@ from ..errors import (
     RequestFailedError,
     StoreFullError,
 )
-from ..schema import MAX_TEXT
+from ..schema import MAX_DEADLINE_AHEAD, MAX_TEXT
 from ._app import cli, command, globals_of, setup
 from ._common import (
+    SECONDS,
+    Finite,
     Interrupted,
     NoSuchRequest,
     RequestIdName,
@@ -91,9 +93,15 @@ def _param(text: str) -> tuple[str, Any]:
     help="Request id, the idempotency key (default: random).",
 )
 @click.option("--max-tokens", type=click.IntRange(min=1), help="Answer length cap (tokens).")
-@click.option("--timeout", type=float, help="Deadline, seconds from now (default: none).")
 @click.option(
-    "--max-cost", type=float, help="Spend ceiling in US dollars (never bound where over it)."
+    "--timeout",
+    type=Finite(min=0, min_open=True, max=MAX_DEADLINE_AHEAD),
+    help="Deadline, seconds from now, at most 30 days (default: none).",
+)
+@click.option(
+    "--max-cost",
+    type=Finite(min=0),
+    help="Spend ceiling in US dollars (never bound where over it; default: none).",
 )
 @click.option(
     "--complexity",
@@ -102,7 +110,7 @@ def _param(text: str) -> tuple[str, Any]:
 )
 @click.option(
     "--wait",
-    type=click.FloatRange(min=0, min_open=True),
+    type=SECONDS,
     help="Bound on the whole command in seconds, connecting included (default: no bound).",
 )
 @click.option("--stream", is_flag=True, help="Print tokens as they come.")
@@ -447,7 +455,7 @@ _TERMINAL = frozenset({"completed", "failed", "expired", "cancelled", "rejected"
 @click.option("--reason", default="", help="Why (kept in the cancelled event).")
 @click.option(
     "--wait",
-    type=click.FloatRange(min=0, min_open=True),
+    type=SECONDS,
     help="Wait up to this many seconds for the request to end (default: do not wait).",
 )
 @click.pass_context
