@@ -181,3 +181,47 @@ async def test_a_number_no_request_can_carry_is_refused_before_sending(
     code, err = await submit("hi", "-c", str(config), option, value)
     assert code == 2, err
     one_line(err, says)
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("nats://user:secret@host[:4222", "not a NATS URL: 'host[:4222' (Invalid IPv6 URL)"),
+        ("nats://host:99999", "not a NATS URL: 'nats://host:99999' (Port out of range"),
+    ],
+    ids=["bracket", "port"],
+)
+async def test_a_nats_url_that_does_not_parse_is_a_usage_error(url: str, says: str) -> None:
+    """`--nats 'nats://host[:4222'` was a ValueError traceback, a port past
+    65535 an AssertionError one: one line, exit 2, the password not shown."""
+    code, err = await submit("hi", "--nats", url)
+    assert code == 2, err
+    one_line(err, says)
+    assert "secret" not in err
+
+
+@pytest.mark.parametrize(
+    "content", [b"\xff\xfe" + bytes(range(256)), b"nats://x\x1b[31m:4222\n", b"n" * 5000]
+)
+async def test_a_damaged_url_file_of_up_is_one_line(tmp_path: Path, content: bytes) -> None:
+    """A client command reads the URL `up` wrote in its data_dir: one of binary
+    bytes was a UnicodeDecodeError traceback, one with an escape a ValueError
+    one (a bracket read as IPv6). It is named as damaged, exit 2."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "nats.url").write_bytes(content)
+    config = tmp_path / "renqueue.toml"
+    config.write_text(
+        f'[nats]\nurl = ""\ndata_dir = "{data}"\n[backends.b]\nbase_url = "http://127.0.0.1:1/v1"'
+        '\nmodel = "m"\n[routes.chat]\nbackends = ["b"]\n'
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "renqueue", "-c", str(config), "submit", "hi",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "RENQUEUE_CONFIG": "", "RENQUEUE_NATS_URL": ""},
+    )  # fmt: skip
+    _out, errb = await asyncio.wait_for(proc.communicate(), 60)
+    err = errb.decode(errors="replace")
+    assert proc.returncode == 2, err
+    one_line(err, "nats.url is damaged (not a URL): remove it, or restart `renqueue up`")
+    assert "\x1b" not in err
