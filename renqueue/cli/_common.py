@@ -364,14 +364,14 @@ class _Named(click.ParamType[str]):
 
 def TenantName() -> click.ParamType[str]:
     """A tenant name (``[A-Za-z0-9_-]{1,64}``)."""
-    from ..schema._messages import Name
+    from ..schema import Name
 
     return _Named("TENANT", "a tenant name", 64, Name)
 
 
 def RequestIdName() -> click.ParamType[str]:
     """A request id (``[A-Za-z0-9_-]{1,128}``)."""
-    from ..schema._messages import RequestId
+    from ..schema import RequestId
 
     return _Named("REQUEST_ID", "a request id", 128, RequestId)
 
