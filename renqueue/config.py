@@ -1462,6 +1462,39 @@ def _check_split(config: Config, route_name: str, source: str | None) -> None:
             )
 
 
+#: The largest config file read (bytes): a config is a few KiB; a file past
+#: this (a log given by mistake, ``/dev/zero``) is refused, not read for ever.
+MAX_CONFIG_BYTES: Final = 16 * 1024 * 1024
+
+
+def read_toml(file: str | os.PathLike[str]) -> dict[str, Any]:
+    """A TOML file (a config, a what-if file) as a table: at most
+    :data:`MAX_CONFIG_BYTES` read; every way it can fail (unreadable, too
+    large, not UTF-8, not TOML, nested too deeply) a :class:`ConfigError`
+    naming the file."""
+    source = str(file)
+    try:
+        with open(file, "rb") as stream:
+            raw = stream.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"over {MAX_CONFIG_BYTES // (1024 * 1024)} MiB: not a config file", source=source
+            )
+        return tomllib.loads(raw.decode("utf-8"))
+    except FileNotFoundError as exc:
+        raise ConfigError("file not found", source=source) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"not valid TOML: {exc}", source=source) from exc
+    except UnicodeDecodeError as exc:
+        why = f"not UTF-8 (byte {exc.start}): TOML is UTF-8"
+        raise ConfigError(why, source=source) from exc
+    except RecursionError as exc:
+        # tomllib parses nested arrays and inline tables by recursion.
+        raise ConfigError("not valid TOML: nested too deeply", source=source) from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", source=source) from exc
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -1476,18 +1509,7 @@ def load_config(
     file = Path(candidate) if candidate else Path("renqueue.toml")
     source = str(file)
     if file.exists():
-        try:
-            data = tomllib.loads(file.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"not valid TOML: {exc}", source=source) from exc
-        except UnicodeDecodeError as exc:
-            why = f"not UTF-8 (byte {exc.start}): TOML is UTF-8"
-            raise ConfigError(why, source=source) from exc
-        except RecursionError as exc:
-            # tomllib parses nested arrays and inline tables by recursion.
-            raise ConfigError("not valid TOML: nested too deeply", source=source) from exc
-        except OSError as exc:
-            raise ConfigError(f"cannot read: {exc.strerror}", source=source) from exc
+        data = read_toml(file)
     elif candidate:
         raise ConfigError("file not found", source=source)
     else:

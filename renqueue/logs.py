@@ -25,6 +25,7 @@ print as ``***``; NATS URLs are logged through
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
@@ -142,7 +143,8 @@ def configure_logging(
 
     One handler on the root logger writing to ``stream`` (default: stderr):
     Ren-Queue's lines at ``level``, other libraries' at ``WARNING`` or above.
-    ``json=None`` picks JSON unless the stream is a terminal. structlog's own
+    ``json=None`` picks JSON unless the stream is a terminal, whose lines are
+    coloured unless ``$NO_COLOR`` is set (https://no-color.org). structlog's own
     default (print to stdout) is replaced too, so any ``structlog.get_logger()``
     in the application lands on the same handler. Calling it again replaces
     the earlier set-up.
@@ -150,7 +152,8 @@ def configure_logging(
     out = sys.stderr if stream is None else stream
     tty = out.isatty()
     use_json = not tty if json is None else json
-    renderer: Any = structlog.dev.ConsoleRenderer(colors=tty)
+    # https://no-color.org: NO_COLOR set and not empty turns colours off.
+    renderer: Any = structlog.dev.ConsoleRenderer(colors=tty and not os.environ.get("NO_COLOR"))
     if use_json:
         renderer = structlog.processors.JSONRenderer()
     numeric = logging.getLevelName(level.upper())

@@ -103,6 +103,18 @@ async def test_reasons_and_details_wrap_whole_in_an_80_column_terminal(tmp_path:
             rejected = lines[next(n for n, line in enumerate(lines) if " rejected " in line) :]
             assert squeezed(reason) in squeezed(column(rejected, "details", header)), out
 
+            # 40 columns: the details column was 10 wide, every word folded
+            # (error_type / =unknown...); each event's details go under it instead.
+            code, out, err = await run_with({"COLUMNS": "40"}, *base, "audit", "lost-1")
+            assert code == 0, err
+            _title, *lines = out.splitlines()
+            assert max(map(len, lines)) <= 40, out
+            words = {word for line in lines for word in line.split()}
+            assert "error_type=unknown_route" in words, out
+            missing = {w for w in reason.split() if len(w) <= 30 and not any(w in x for x in lines)}
+            assert not missing, (missing, out)
+            assert squeezed(reason) in squeezed(out), out
+
             code, out, err = await run_with(env, *base, "dlq", "list")
             assert code == 0, err
             lines = out.splitlines()
@@ -136,9 +148,11 @@ async def run_with(env: dict[str, str], *args: str) -> tuple[int, str, str]:
 
 async def test_status_says_ok_for_a_healthy_backend_in_a_table_that_fits(tmp_path: Path) -> None:
     """The health column once said `closed` (the circuit's state) for a
-    healthy backend; it says `ok`, and --json keeps the circuit's fields."""
+    healthy backend; it says `ok`, and --json keeps the circuit's fields. In a
+    terminal 40 columns wide, the backends table folded its numbers a digit a
+    line (32 slots read `3` over `2`): each backend is a record there instead."""
     async with MockBackend(MockSettings(output_tokens=4)) as mock:
-        config = write_config(tmp_path, mock.url)
+        config = write_config(tmp_path, mock.url, slots=32)
         async with renqueue_up(config) as (_proc, _url):
             base = ("-m", "renqueue", "-c", str(config))
             code, out, err = await run_with({"COLUMNS": "80"}, *base, "status")
@@ -147,6 +161,12 @@ async def test_status_says_ok_for_a_healthy_backend_in_a_table_that_fits(tmp_pat
             backends = out.split("\nBackends\n")[1].split("\n\n")[0].splitlines()
             assert backends[0].split()[:2] == ["backend", "health"]
             assert backends[1].split()[:2] == ["mock", "ok"], out
+            code, out, err = await run_with({"COLUMNS": "40"}, *base, "status")
+            assert code == 0, err
+            assert max(map(len, out.splitlines())) <= 40, out
+            backends = out.split("\nBackends\n")[1].split("\n\n")[0]
+            assert backends.startswith("  mock: health ok; in flight 0;"), out
+            assert re.search(r"\bslots\s+32;", backends), out
             code, out, err = await run(*base, "status", "--json")
             assert code == 0, err
             [mock_json] = json.loads(out)["backends"]

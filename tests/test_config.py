@@ -180,6 +180,23 @@ def test_a_config_file_too_deep_or_not_utf8_is_a_config_error(
         load_config(file, environ={})
 
 
+def test_a_config_file_past_the_bound_is_refused_unread(tmp_path: Path) -> None:
+    """A config file was read whole, whatever its size: 300 MB took 21 s and
+    650 MB of memory before it failed, and `-c /dev/zero` never ended. A file
+    past renqueue.config.MAX_CONFIG_BYTES (16 MiB; a config is a few KiB) is
+    refused at once."""
+    bound = 16 * 1024 * 1024
+    huge = tmp_path / "huge.toml"
+    huge.write_bytes(b"#" * bound + b"\n")
+    with pytest.raises(ConfigError, match=r"huge\.toml: over 16 MiB: not a config file"):
+        load_config(huge, environ={})
+    with pytest.raises(ConfigError, match=r"/dev/zero: over 16 MiB"):
+        load_config("/dev/zero", environ={})
+    just = tmp_path / "just.toml"
+    just.write_bytes(b"#" * (bound - 1) + b"\n")
+    assert load_config(just, environ={}).routes == {}
+
+
 def test_api_key_comes_from_env_and_never_prints(monkeypatch: pytest.MonkeyPatch) -> None:
     config = parse_config({"backends": {"a": {**BACKEND, "api_key_env": "RQ_TEST_KEY"}}})
     monkeypatch.setenv("RQ_TEST_KEY", "sk-live-SECRET")

@@ -108,6 +108,31 @@ def test_the_cli_configuration_renders_json_lines_with_fields() -> None:
     assert "timestamp" in lines[0]
 
 
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_log_lines_on_a_terminal_have_no_colour_under_no_color(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`NO_COLOR=1 renqueue -v submit ...` on a terminal still coloured its log
+    lines (https://no-color.org: set and not empty means none)."""
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    coloured = Terminal()
+    configure_logging(level="INFO", stream=coloured)
+    get_logger("test-logs").info("hello", answer=42)
+    assert "\x1b[" in coloured.getvalue()
+    monkeypatch.setenv("NO_COLOR", "1")
+    plain = Terminal()
+    configure_logging(level="INFO", stream=plain)
+    get_logger("test-logs").info("hello", answer=42)
+    assert "hello" in plain.getvalue()
+    assert "answer=42" in plain.getvalue()
+    assert "\x1b" not in plain.getvalue()
+
+
 @pytest.mark.usefixtures("restore_logging")
 def test_a_closed_log_stream_drops_lines_instead_of_raising() -> None:
     out = io.StringIO()

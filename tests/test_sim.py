@@ -822,6 +822,29 @@ def test_a_bad_what_if_file_is_a_config_error_naming_the_field(
     assert str(path) in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        (b"#" * (16 * 1024 * 1024) + b"\n", "over 16 MiB: not a config file"),
+        (b"a = " + b"[" * 5000 + b"]" * 5000, "not valid TOML: nested too deeply"),
+        (b'[nats]\nurl = "caf\xe9"\n', "not UTF-8 (byte 17)"),
+    ],
+    ids=["huge", "deep", "latin1"],
+)
+def test_a_what_if_file_is_read_as_the_config_is(
+    tmp_path: Path, content: bytes, error: str
+) -> None:
+    """`replay --what-if` read its file whole (`--what-if /dev/zero` never
+    ended) and a deeply nested one was a RecursionError: the config's reader,
+    bounded, reads it now."""
+    path = tmp_path / "other.toml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_what_if(path)
+    assert error in str(info.value)
+    assert str(path) in str(info.value)
+
+
 def test_a_trace_survives_a_round_trip_through_json() -> None:
     trace = trace_of([submitted("r1", 0.0), completed("r1", 0.5, "a")], since=T, until=T + 1)
     assert msgspec.json.decode(msgspec.json.encode(trace), type=Trace) == trace

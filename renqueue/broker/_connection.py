@@ -27,9 +27,10 @@ from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
 from ..config import Config, NatsConfig, parse_duration
-from ..errors import ConnectionFailedError
+from ..errors import ConfigError, ConnectionFailedError
 from ..logs import get_logger
 from ..tasks import Fatal
+from ..text import printable
 from ._embedded import url_file
 from ._nats import Connection
 
@@ -68,12 +69,38 @@ def resolve_nats_url(config: Config) -> str | None:
         return config.nats.url
     path = url_file(Path(config.nats.data_dir))
     try:
-        url = path.read_text().strip()
+        with path.open("rb") as file:
+            raw = file.read(_LONGEST_URL + 1)
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise ConnectionFailedError(f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        url = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        url = None
+    if url is None or len(raw) > _LONGEST_URL or not url.isprintable():
+        raise ConfigError(
+            f"{path} is damaged (not a URL): remove it, or restart `renqueue up`, which writes it",
+            path="$.nats.data_dir",
+        )
     return url or None
+
+
+#: The longest URL file read (``<data_dir>/nats.url``, written by ``up``).
+_LONGEST_URL: Final = 4096
+
+
+def check_url(url: str) -> None:
+    """Raise :class:`ConfigError` for a NATS URL (comma-separated for a
+    cluster) that no server could have: one that does not parse (a bracket
+    left open, a port past 65535), named without its password."""
+    for one in url.split(","):
+        try:
+            urlsplit(one.strip()).port  # noqa: B018 - parses the port, or raises
+        except ValueError as exc:
+            shown = printable(one.strip().rpartition("@")[2])[:200]
+            raise ConfigError(f"not a NATS URL: {shown!r} ({exc})", path="$.nats.url") from None
 
 
 async def connect(
@@ -98,6 +125,7 @@ async def connect(
     server of ``url`` refused the connection: nothing listens on the port
     (a service keeps trying for ``timeout``, as NATS may be starting beside it).
     """
+    check_url(url)
     nats_config = config if config is not None else NatsConfig()
     shown = redact_url(url)
     bound = log.bind(nats_name=name, url=shown)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import click
 import msgspec
@@ -92,6 +92,8 @@ def timeline(
     out = console()
     numeric = [title == "+s" for title in titles]
     widths = fitted(titles, rows, numeric, out.width - indent, keep=[True] * (len(titles) - 1))
+    if widths[-1] < _NARROWEST_DETAILS:
+        return _stacked(titles, rows, numeric, widths, header=header, width=out.width - indent)
     grid = table(
         *(
             Column(title, justify="right" if right else "left", overflow="fold", width=width)
@@ -104,6 +106,43 @@ def timeline(
     with out.capture() as captured:
         out.print(grid, width=out.width - indent)
     return "\n".join(line.rstrip() for line in captured.get().splitlines())
+
+
+#: The narrowest details column worth a table: below it (a terminal 40 columns
+#: wide), each event's details go under it, the terminal's whole width.
+_NARROWEST_DETAILS: Final = 30
+
+
+def _stacked(
+    titles: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    numeric: Sequence[bool],
+    widths: Sequence[int],
+    *,
+    header: bool,
+    width: int,
+) -> str:
+    """The timeline for a narrow terminal: each event's time, offset and kind
+    on a line, its details wrapped under it (no word cut), two spaces in."""
+    import textwrap
+
+    def line(cells: Sequence[str]) -> str:
+        return " ".join(
+            cell.rjust(w) if right else cell.ljust(w)
+            for cell, right, w in zip(cells, numeric, widths, strict=False)
+        ).rstrip()
+
+    lines = [line(titles[:-1])] if header else []
+    for row in rows:
+        lines.append(line(row[:-1]))
+        lines += textwrap.wrap(
+            row[-1],
+            width=max(width, 12),
+            initial_indent="  ",
+            subsequent_indent="  ",
+            break_on_hyphens=False,
+        )
+    return "\n".join(lines)
 
 
 def details(kind: str, data: dict[str, Any]) -> str:

@@ -379,6 +379,21 @@ def RequestIdName() -> click.ParamType[str]:
 POSITIVE = click.IntRange(min=1)
 
 
+class Finite(click.FloatRange):
+    """A :class:`click.FloatRange` that refuses ``nan`` and ``inf`` too (a
+    range lets ``nan`` through: every comparison with it is false)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"must be a finite number, got {value!r}", param, ctx)
+        return number
+
+
+#: Seconds: more than 0, finite (``--wait``).
+SECONDS = Finite(min=0, min_open=True)
+
+
 class Interval(click.ParamType[float]):
     """``status --interval``: seconds, at least :data:`MIN_INTERVAL`, finite."""
 

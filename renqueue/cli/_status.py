@@ -132,6 +132,17 @@ def status_tables(report: StatusReport, width: int) -> list[Any]:
             shown.append(text("  none yet"))
             continue
         widths = fitted(section.columns, section.rows, section.numeric, width - 2)
+        if sum(widths) + len(widths) - 1 > width - 2:
+            # Too narrow for the table: Rich would fold its names and numbers
+            # a character a line (slots 32 read as 3 over 2). Each row as a
+            # record instead: its name, then each column's title and value.
+            grid = table(Column(no_wrap=True), Column(overflow="fold"))
+            grid.show_header = False
+            for name, *cells in section.rows:
+                pairs = zip(section.columns[1:], cells, strict=True)
+                grid.add_row(text(f"{name}:"), text("; ".join(f"{t} {c}" for t, c in pairs)))
+            shown.append(indented(grid))
+            continue
         columns = [
             Column(title, justify="right" if right else "left", overflow="fold", width=w)
             for title, right, w in zip(section.columns, section.numeric, widths, strict=True)

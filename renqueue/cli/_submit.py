@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import select
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import click
 import msgspec
@@ -21,8 +24,11 @@ from ..errors import (
     RequestFailedError,
     StoreFullError,
 )
+from ..schema import MAX_DEADLINE_AHEAD, MAX_TEXT
 from ._app import cli, command, globals_of, setup
 from ._common import (
+    SECONDS,
+    Finite,
     Interrupted,
     NoSuchRequest,
     RequestIdName,
@@ -44,6 +50,8 @@ def _param(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except ValueError:
         return key, value
+    except RecursionError:
+        raise click.BadParameter(f"{key} is nested too deeply", param_hint="--param") from None
 
 
 @command(
@@ -85,9 +93,15 @@ def _param(text: str) -> tuple[str, Any]:
     help="Request id, the idempotency key (default: random).",
 )
 @click.option("--max-tokens", type=click.IntRange(min=1), help="Answer length cap (tokens).")
-@click.option("--timeout", type=float, help="Deadline, seconds from now (default: none).")
 @click.option(
-    "--max-cost", type=float, help="Spend ceiling in US dollars (never bound where over it)."
+    "--timeout",
+    type=Finite(min=0, min_open=True, max=MAX_DEADLINE_AHEAD),
+    help="Deadline, seconds from now, at most 30 days (default: none).",
+)
+@click.option(
+    "--max-cost",
+    type=Finite(min=0),
+    help="Spend ceiling in US dollars (never bound where over it; default: none).",
 )
 @click.option(
     "--complexity",
@@ -96,7 +110,7 @@ def _param(text: str) -> tuple[str, Any]:
 )
 @click.option(
     "--wait",
-    type=click.FloatRange(min=0, min_open=True),
+    type=SECONDS,
     help="Bound on the whole command in seconds, connecting included (default: no bound).",
 )
 @click.option("--stream", is_flag=True, help="Print tokens as they come.")
@@ -105,9 +119,13 @@ def submit(ctx: click.Context, /, **options: Any) -> None:
     """Submit one request and wait for its answer: the prompt from PROMPT, a
     file (-f), or stdin (-), or a whole conversation (--messages). An unknown
     route or level is refused before anything is sent."""
+    started = time.monotonic()
     config = setup(ctx)
     options["json"] = globals_of(ctx).json
-    messages = _messages(options)
+    _utf8(options["prompt"], "PROMPT")
+    _utf8(options["system"], "--system")
+    wait = options["wait"]
+    messages = _messages(options, deadline=None if wait is None else started + wait)
     _within_limits(messages, options["system"])
     route, priority = _checked(config, options["route"], options["priority"])
     params = dict(_param(text) for text in options["params"])
@@ -138,8 +156,9 @@ def submit(ctx: click.Context, /, **options: Any) -> None:
         ) from None
 
 
-def _messages(options: dict[str, Any]) -> str | list[dict[str, Any]]:
-    """The prompt as text, or the conversation (``--messages``, ``--system``)."""
+def _messages(options: dict[str, Any], *, deadline: float | None) -> str | list[dict[str, Any]]:
+    """The prompt as text, or the conversation (``--messages``, ``--system``),
+    read by ``deadline`` (``--wait``'s end)."""
     prompt, file, messages_file = (
         options["prompt"],
         options["prompt_file"],
@@ -149,11 +168,14 @@ def _messages(options: dict[str, Any]) -> str | list[dict[str, Any]]:
     if given != 1:
         raise click.UsageError("give one of PROMPT, -f FILE (or - for stdin), --messages FILE")
     if messages_file is not None:
-        text = _read(messages_file)
+        text = _read(messages_file, most=_MESSAGES_BYTES, deadline=deadline, what="--messages")
         try:
-            conversation = json.loads(text)
-        except ValueError as exc:
+            # msgspec: no NaN, and a depth bound rather than a RecursionError.
+            conversation = msgspec.json.decode(text)
+        except msgspec.DecodeError as exc:
             raise click.BadParameter(f"not JSON: {exc}", param_hint="--messages") from None
+        except RecursionError:
+            raise click.BadParameter("nested too deeply", param_hint="--messages") from None
         if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
             raise click.BadParameter(
                 "must be a JSON list of {role, content} objects", param_hint="--messages"
@@ -164,8 +186,10 @@ def _messages(options: dict[str, Any]) -> str | list[dict[str, Any]]:
     if prompt in (None, "-"):
         # As the shell's $(...) does: a file's (or stdin's) last newline ends
         # the file, it is not part of the prompt. Only one: the rest is text.
-        text = _read(file if file is not None else Path(prompt)).removesuffix("\n")
-        text = text.removesuffix("\r")
+        source = file if file is not None else Path(prompt)
+        what = "PROMPT" if file is None else "-f"
+        text = _read(source, most=_PROMPT_BYTES, deadline=deadline, what=what)
+        text = text.removesuffix("\n").removesuffix("\r")
     else:
         text = prompt
     if not text.strip():
@@ -176,8 +200,6 @@ def _messages(options: dict[str, Any]) -> str | list[dict[str, Any]]:
 def _within_limits(messages: str | list[dict[str, Any]], system: str | None) -> None:
     """Refuse, before connecting, a message longer than a request may carry
     (:data:`renqueue.schema.MAX_TEXT` characters), in one line with the limit."""
-    from ..schema import MAX_TEXT
-
     if isinstance(messages, str):
         texts = [("the prompt", messages), ("--system", system or "")]
     else:
@@ -199,13 +221,82 @@ class PromptTooLarge(RenQueueError):
     """A message longer than a request may carry (exit 2, nothing sent)."""
 
 
-def _read(path: Path) -> str:
-    if str(path) == "-":
-        return sys.stdin.read()
+#: The most a prompt file or stdin may hold: a message has at most
+#: :data:`~renqueue.schema.MAX_TEXT` characters, 4 bytes each at most in UTF-8
+#: (and a last CR LF). A stream that goes on past it is refused unread.
+_PROMPT_BYTES: Final = 4 * MAX_TEXT + 2
+#: The most a ``--messages`` file may hold: NATS carries no message over 64 MiB.
+_MESSAGES_BYTES: Final = 64 * 1024 * 1024
+
+
+def _read(path: Path, *, most: int, deadline: float | None, what: str) -> str:
+    """``path`` (``-``: stdin) as UTF-8 text: at most ``most`` bytes (a stream
+    that never ends, ``/dev/zero``, is refused there, not read for ever) and
+    until ``deadline`` (``time.monotonic()``; ``--wait`` bounds a stdin that
+    never ends too). A usage error, in one line, for what cannot be read."""
+    fd, owned, name = _opened(path, what)
+    chunks: list[bytes] = []
+    size = 0
     try:
-        return path.read_text()
+        while size <= most:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    raise WaitTimeout(
+                        f"{name} did not end within the --wait bound: nothing was submitted"
+                    )
+            chunk = os.read(fd, min(1 << 20, most + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
     except OSError as exc:
-        raise click.BadParameter(f"cannot read {path}: {exc.strerror}") from None
+        raise click.BadParameter(f"cannot read {name}: {exc.strerror}") from None
+    finally:
+        if owned:
+            os.close(fd)
+    if size > most:
+        if most == _PROMPT_BYTES:
+            raise PromptTooLarge(
+                f"{name} holds more than {MAX_TEXT:,} characters, the most a message may "
+                "have: shorten it, or split it into several requests"
+            )
+        raise click.BadParameter(
+            f"{name} is over {most // (1024 * 1024)} MiB, more than NATS carries in a message",
+            param_hint=what,
+        )
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(
+            f"{name} is not UTF-8 text (byte {exc.start})", param_hint=what
+        ) from None
+
+
+def _opened(path: Path, what: str) -> tuple[int, bool, str]:
+    """``path``'s file descriptor (``-``: stdin's), whether it is ours to close, its name."""
+    if str(path) != "-":
+        try:
+            return os.open(path, os.O_RDONLY), True, str(path)
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        return (sys.stdin or sys.__stdin__).fileno(), False, "stdin"  # type: ignore[union-attr]
+    except (AttributeError, OSError, ValueError):
+        raise click.BadParameter("cannot read stdin: it is closed", param_hint=what) from None
+
+
+def _utf8(text: str | None, what: str) -> None:
+    """Refuse text the shell passed that is not UTF-8 (an argument's bad bytes
+    reach Python as lone surrogates, which no JSON can carry)."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise click.BadParameter(
+            f"is not UTF-8 text (character {exc.start + 1})", param_hint=what
+        ) from None
 
 
 def _checked(config: Config, route: str | None, priority: str | None) -> tuple[str, str]:
@@ -261,7 +352,7 @@ async def _bounded(run: Any, wait: float | None, progress: dict[str, Any]) -> No
 
 def _generation(params: dict[str, Any], max_tokens: int | None) -> Any:
     """``--param`` items as the request's parameters (unknown ones in ``extra``)."""
-    from ..schema import GenerationParams
+    from ..schema import MAX_JSON_DEPTH, RESERVED_EXTRA, GenerationParams, too_deep
 
     if not params:
         return None
@@ -270,6 +361,20 @@ def _generation(params: dict[str, Any], max_tokens: int | None) -> Any:
     known = set(GenerationParams.__struct_fields__)
     fields: dict[str, Any] = {k: v for k, v in params.items() if k in known}
     extra = {k: v for k, v in params.items() if k not in known}
+    # Refused here, before anything is sent, as the router would refuse them
+    # after (exit 3, a rejected request in the log).
+    reserved = sorted(set(extra) & RESERVED_EXTRA)
+    if reserved:
+        raise click.BadParameter(
+            f"{', '.join(reserved)} cannot be set: Ren-Queue sets it, or it would change "
+            "the call's cost, model or what the provider keeps (use --route, --stream, "
+            "--max-tokens)",
+            param_hint="--param",
+        )
+    if too_deep(extra):
+        raise click.BadParameter(
+            f"nested deeper than {MAX_JSON_DEPTH} levels", param_hint="--param"
+        )
     if extra:
         fields["extra"] = extra
     try:
@@ -350,7 +455,7 @@ _TERMINAL = frozenset({"completed", "failed", "expired", "cancelled", "rejected"
 @click.option("--reason", default="", help="Why (kept in the cancelled event).")
 @click.option(
     "--wait",
-    type=click.FloatRange(min=0, min_open=True),
+    type=SECONDS,
     help="Wait up to this many seconds for the request to end (default: do not wait).",
 )
 @click.pass_context

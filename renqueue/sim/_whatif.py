@@ -12,15 +12,12 @@ same seed, and sums up each run (:class:`Comparison`), the recorded one first.
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any
 
 import msgspec
 from msgspec import Struct
 
-from ..config import Config, parse_config
+from ..config import Config, parse_config, read_toml
 from ..errors import ConfigError
 from ._models import ModelSpec, fit_models
 from ._outcomes import Simulation
@@ -42,14 +39,7 @@ def load_what_if(path: str | os.PathLike[str]) -> WhatIfFile:
     """Read a what-if config file; raises :class:`~renqueue.errors.ConfigError`
     naming the file (and the field) when it cannot be read or is not valid."""
     source = str(path)
-    try:
-        data: dict[str, Any] = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError as exc:
-        raise ConfigError("file not found", source=source) from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"not valid TOML: {exc}", source=source) from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read: {exc}", source=source) from exc
+    data = read_toml(path)
     extra = data.pop("whatif", {})
     if not isinstance(extra, Mapping) or set(extra) - {"models"}:
         raise ConfigError("expected a table with only 'models'", path="$.whatif", source=source)
