@@ -238,12 +238,13 @@ class BucketConfig(_Section, frozen=True, kw_only=True):
 
 #: Each store's default ``max_bytes``, as a share of ``nats.max_file_store``
 #: (by its ``[nats.<name>]`` table): sized by what a request leaves in each at
-#: the default ages (docs/operations.md#storage). They add up to 97 %; the
+#: the default ages (docs/operations.md#storage). They add up to 98 %; the
 #: leases' bucket takes :data:`LEASE_BYTES` besides.
 STORE_SHARES: Final = {
     "requests": 0.10,
     "dispatch": 0.05,
     "events": 0.40,
+    "cancels": 0.01,
     "tokens": 0.15,
     "dlq": 0.10,
     "claims": 0.12,
@@ -272,6 +273,9 @@ class NatsConfig(_Section, frozen=True, kw_only=True):
     requests: RetentionConfig = RetentionConfig()
     dispatch: RetentionConfig = RetentionConfig()
     events: RetentionConfig = RetentionConfig(max_age="30d")
+    #: Clients' cancellations (``RQ_CANCELS``), kept until the event log has
+    #: sourced them (at once, unless the log is full: then for ``max_age``).
+    cancels: RetentionConfig = RetentionConfig(max_age="1d")
     tokens: RetentionConfig = RetentionConfig(max_age="1h")
     dlq: RetentionConfig = RetentionConfig(max_age="30d")
     #: The terminal claims' bucket (``rq-terminal``; its age is ``events.max_age``).

@@ -110,9 +110,7 @@ def test_a_store_may_be_sized_on_its_own_and_sizes_that_do_not_fit_fail_at_load(
         parse_config({"nats": {"max_file_store": "lots"}})
 
 
-@pytest.mark.parametrize(
-    "store", ["requests", "dispatch", "events", "tokens", "dlq", "claims", "state", "advisories"]
-)
+@pytest.mark.parametrize("store", sorted(STORE_SHARES))
 def test_a_store_with_no_byte_limit_is_refused_at_load_saying_why(store: str) -> None:
     """Issue 30 item 4: every store is bounded. ``max_bytes = -1`` (the
     committed renqueue.toml had it for the event log) was taken as "no limit

@@ -13,12 +13,38 @@ from typing import Any
 import msgspec
 import pytest
 from prometheus_client import REGISTRY
+from test_binder import until
 
 from renqueue import Client, RequestCancelledError, RequestExpiredError, Services, parse_config
 from renqueue.broker import EventLog, provision
 from renqueue.coordination import CancelWatch
+from renqueue.errors import NatsNotFoundError
 from renqueue.mock import MockBackend, MockSettings
-from renqueue.schema import Cancelled, CancelRequested, Expired, Started, encode, event_subject
+from renqueue.schema import (
+    EVENTS_STREAM,
+    Cancelled,
+    CancelRequested,
+    Expired,
+    Started,
+    encode,
+    event_subject,
+)
+
+
+async def in_the_log(js: Any, tenant: str, request_id: str) -> None:
+    """Wait until the log has sourced ``request_id``'s cancellation from
+    ``RQ_CANCELS`` (where a client's ``cancel`` is acknowledged)."""
+
+    async def there() -> bool:
+        try:
+            await js.get_last_msg(
+                EVENTS_STREAM, event_subject(tenant, request_id, "cancel_requested"), direct=True
+            )
+        except NatsNotFoundError:
+            return False
+        return True
+
+    await until(there, f"the log has {tenant}/{request_id}'s cancellation")
 
 
 @pytest.fixture
@@ -209,6 +235,7 @@ async def test_the_watch_starts_at_once_when_every_cancellation_is_past_its_hori
     await provision(nc, parse_config({"routes": {}, "backends": {}}))
     old = CancelRequested(request_id="old-one", tenant="t", at=time.time())
     await EventLog(js).append(old)
+    await in_the_log(js, "t", "old-one")
     # The watch's clock is a day ahead: the cancellation is past its horizon.
     watch = CancelWatch(js, horizon=60.0, clock=lambda: time.time() + 86_400)
     try:
@@ -269,6 +296,7 @@ async def test_a_flood_of_cancellations_stays_bounded_and_forgotten_ones_are_sti
         for i in range(flood)
     ]
     await asyncio.gather(*acks)
+    await in_the_log(js, "evil", f"made-up-{flood - 1}")
     watch = CancelWatch(js, keep=50)
     try:
         await asyncio.wait_for(watch.start(), 10)
