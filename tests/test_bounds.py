@@ -46,6 +46,7 @@ from renqueue.policy import validate
 from renqueue.schema import (
     DLQ_STREAM,
     EVENTS_STREAM,
+    MAX_EXTRA_BYTES,
     REQUEST_DECODER,
     REQUESTS_STREAM,
     TERMINAL_BUCKET,
@@ -158,6 +159,9 @@ async def test_a_store_sized_zero_is_refused_at_load_not_left_unlimited(
         ({"deadline": 1e300}, "deadline"),
         ({"deadline": time.time() + 31 * 86400}, "deadline"),
         ({"metadata": {f"k{i}": "v" * 300 for i in range(60)}}, "metadata"),
+        # Issue 30 item 4: an unknown parameter of 5 MB went to the backend and the log.
+        ({"params": {"extra": {"top_k": 40, "guided_json": "x" * 5_000_000}}}, r"params\.extra"),
+        ({"params": {"extra": {f"k{i}": "v" * 1100 for i in range(60)}}}, r"params\.extra"),
     ],
 )
 def test_fields_past_their_bounds_are_rejected_out_of_range(
@@ -182,6 +186,13 @@ def test_fields_at_their_bounds_pass() -> None:
         deadline=time.time() + 29 * 86400,
         metadata={f"k{i}": "v" * 510 for i in range(30)},  # more than OpenAI's 16 x 576
     )
+    request = msgspec.structs.replace(
+        request,
+        params=msgspec.structs.replace(
+            request.params, extra={"top_k": 40, "guided_json": "x" * (MAX_EXTRA_BYTES - 40)}
+        ),
+    )
+    assert len(msgspec.json.encode(request.params.extra)) <= MAX_EXTRA_BYTES
     validate(request, level="normal", tenant=TENANT, config=config_of(), now=time.time())
     validate(msgspec.structs.replace(request, v=1, params=GenerationParams(seed=-(2**63))),
              level="normal", tenant=TENANT, config=config_of())  # fmt: skip
