@@ -5,9 +5,10 @@ through the real services on a real nats-server), this sends:
 
 - **NATS** (``--nats``, 10,000): hostile messages from tenant ``globex``, connected with
   its own credentials under ``nats/auth.conf``, on every subject a tenant may publish to:
-  ``rq.req.<level>.globex`` (requests), ``rq.evt.globex.<id>.cancel_requested``
-  (cancellations) and the JetStream API subjects of its permissions (consumer creates,
-  direct gets, consumer deletes; among them consumers that deliver its own events to the
+  ``rq.req.<level>.globex`` (requests), ``rq.cancel.globex.<id>`` (cancellations, which
+  the log sources as ``rq.evt.globex.<id>.cancel_requested``; one over 4096 bytes is
+  refused by the broker) and the JetStream API subjects of its permissions (consumer
+  creates, direct gets, consumer deletes; among them consumers that deliver its own events to the
   services' core subjects, ``rq.capacity.*``, ``rq.boost.*``, ``rq.preempt.*``). Random
   (bytes, broken and huge and deep JSON, wrong types) and structure-aware (requests and
   cancellations drawn by Hypothesis, then bent: forged tenants and ids, ``Nats-Msg-Id``
@@ -106,6 +107,8 @@ from renqueue.schema import (
     EVENTS_STREAM,
     REQUESTS_STREAM,
     TERMINAL_KINDS,
+    cancel_subject,
+    event_subject,
     kind_of,
 )
 
@@ -643,7 +646,7 @@ def nats_plan(count: int, seed: int, mode: Mode) -> list[list[Part]]:
                     Part(
                         "reorder",
                         "cancel",
-                        f"rq.evt.{EVIL}.{rid}.cancel_requested",
+                        cancel_subject(EVIL, rid),
                         _json_bytes(cancel),
                     )
                 )
@@ -669,11 +672,7 @@ def nats_plan(count: int, seed: int, mode: Mode) -> list[list[Part]]:
                 **over,
             }
             data = _expand_big(_json_bytes(body), budget)
-            chain.append(
-                Part(
-                    "cancel_structured", "cancel", f"rq.evt.{EVIL}.{target}.cancel_requested", data
-                )
-            )
+            chain.append(Part("cancel_structured", "cancel", cancel_subject(EVIL, target), data))
         elif pick == "cancel_random":
             data = rng.choice(
                 [
@@ -684,9 +683,7 @@ def nats_plan(count: int, seed: int, mode: Mode) -> list[list[Part]]:
                     _json_bytes({"kind": "completed", "request_id": rid, "tenant": EVIL}),
                 ]
             )
-            chain.append(
-                Part("cancel_random", "cancel", f"rq.evt.{EVIL}.{rid}.cancel_requested", data)
-            )
+            chain.append(Part("cancel_random", "cancel", cancel_subject(EVIL, rid), data))
         elif pick == "api":
             name = f"fz-{rng.getrandbits(40):010x}"
             options = [
@@ -1249,7 +1246,10 @@ async def nats_child(args: argparse.Namespace) -> dict[str, Any]:
                 out["seq"] = ack.seq
                 if part.kind == "cancel":
                     # As the services read it: a cancellation of what its subject names?
-                    out["valid"] = cancel_of(part.subject, part.payload) is not None
+                    # (the log's subject for it: RQ_EVENTS sources rq.cancel.<t>.<id>).
+                    _, _, tenant, rid = part.subject.split(".", 3)
+                    logged = event_subject(tenant, rid, "cancel_requested")
+                    out["valid"] = cancel_of(logged, part.payload) is not None
         except nats.errors.MaxPayloadError as exc:
             out["outcome"] = "refused"
             out["detail"] = f"MaxPayloadError: {exc}"[:200]

@@ -194,12 +194,25 @@ def parse_size(value: int | str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
 
 
+def _bounded(max_bytes: int | str | None) -> None:
+    """Refuse a store with no byte limit (``-1``): every store is bounded
+    (issue 30 item 4), or one store fills the server's whole store and then
+    every write fails, the services' too (docs/operations.md#storage)."""
+    if max_bytes is not None and parse_size(max_bytes) < 0:
+        raise ValueError(
+            f"max_bytes = {max_bytes!r} (no limit) is refused: every store must be "
+            "bounded, or it can fill the server's whole store and stop every write "
+            "(docs/operations.md#storage); give a size such as 2GB, or leave it unset "
+            "for its share of nats.max_file_store"
+        )
+
+
 class RetentionConfig(_Section, frozen=True, kw_only=True):
     """Limits of one stream. ``max_age = "0s"`` means no age limit.
 
     ``max_bytes``: a size (bytes, or ``"512MB"``); unset: the stream's share
-    of ``nats.max_file_store`` (:data:`STORE_SHARES`); ``-1``: no limit of its
-    own (only the server's store bounds it).
+    of ``nats.max_file_store`` (:data:`STORE_SHARES`). No limit (``-1``) is
+    refused: every store is bounded.
     """
 
     max_age: Duration = "0s"
@@ -209,6 +222,9 @@ class RetentionConfig(_Section, frozen=True, kw_only=True):
     def max_age_seconds(self) -> float:
         return parse_duration(self.max_age)
 
+    def __post_init__(self) -> None:
+        _bounded(self.max_bytes)
+
 
 class BucketConfig(_Section, frozen=True, kw_only=True):
     """The byte limit of a KV bucket or a stream with no age setting of its own
@@ -216,15 +232,19 @@ class BucketConfig(_Section, frozen=True, kw_only=True):
 
     max_bytes: ByteSize | None = None
 
+    def __post_init__(self) -> None:
+        _bounded(self.max_bytes)
+
 
 #: Each store's default ``max_bytes``, as a share of ``nats.max_file_store``
 #: (by its ``[nats.<name>]`` table): sized by what a request leaves in each at
-#: the default ages (docs/operations.md#storage). They add up to 97 %; the
+#: the default ages (docs/operations.md#storage). They add up to 98 %; the
 #: leases' bucket takes :data:`LEASE_BYTES` besides.
 STORE_SHARES: Final = {
     "requests": 0.10,
     "dispatch": 0.05,
     "events": 0.40,
+    "cancels": 0.01,
     "tokens": 0.15,
     "dlq": 0.10,
     "claims": 0.12,
@@ -253,6 +273,9 @@ class NatsConfig(_Section, frozen=True, kw_only=True):
     requests: RetentionConfig = RetentionConfig()
     dispatch: RetentionConfig = RetentionConfig()
     events: RetentionConfig = RetentionConfig(max_age="30d")
+    #: Clients' cancellations (``RQ_CANCELS``), kept until the event log has
+    #: sourced them (at once, unless the log is full: then for ``max_age``).
+    cancels: RetentionConfig = RetentionConfig(max_age="1d")
     tokens: RetentionConfig = RetentionConfig(max_age="1h")
     dlq: RetentionConfig = RetentionConfig(max_age="30d")
     #: The terminal claims' bucket (``rq-terminal``; its age is ``events.max_age``).
@@ -289,13 +312,19 @@ class NatsConfig(_Section, frozen=True, kw_only=True):
 
     def max_bytes(self, store: str) -> int:
         """The ``max_bytes`` of ``store`` (a key of :data:`STORE_SHARES`): its
-        own setting, else its share of ``max_file_store``; -1: no limit."""
+        own setting, else its share of ``max_file_store``."""
         limits: RetentionConfig | BucketConfig = getattr(self, store)
         if limits.max_bytes is not None:
             return parse_size(limits.max_bytes)
         return max(1, int(self.store_bytes * STORE_SHARES[store]))
 
     def __post_init__(self) -> None:
+        if self.store_bytes < 0:
+            raise ValueError(
+                f"max_file_store = {self.max_file_store!r} (no limit) is refused: the "
+                "JetStream store must be bounded, and every store's default max_bytes is a "
+                "share of it (docs/operations.md#storage); give a size such as 16GB"
+            )
         if self.store_bytes < 1024 * 1024:
             raise ValueError(f"max_file_store must be at least 1MB, not {self.max_file_store!r}")
         for store in STORE_SHARES:
@@ -303,9 +332,9 @@ class NatsConfig(_Section, frozen=True, kw_only=True):
                 # JetStream reads a max_bytes of 0 as no limit at all.
                 raise ValueError(
                     f"{store}.max_bytes is 0 bytes ({getattr(self, store).max_bytes!r}), which "
-                    "JetStream would read as no limit: give a size, or -1 for no limit"
+                    "JetStream would read as no limit: give a size"
                 )
-        reserved = LEASE_BYTES + sum(max(0, self.max_bytes(s)) for s in STORE_SHARES)
+        reserved = LEASE_BYTES + sum(self.max_bytes(s) for s in STORE_SHARES)
         if reserved > self.store_bytes:
             raise ValueError(
                 f"the stores' max_bytes add up to {reserved} bytes, over max_file_store "

@@ -46,6 +46,7 @@ from renqueue.policy import validate
 from renqueue.schema import (
     DLQ_STREAM,
     EVENTS_STREAM,
+    MAX_EXTRA_BYTES,
     REQUEST_DECODER,
     REQUESTS_STREAM,
     TERMINAL_BUCKET,
@@ -104,11 +105,29 @@ def test_a_store_may_be_sized_on_its_own_and_sizes_that_do_not_fit_fail_at_load(
     ).nats
     assert nats_config.max_bytes("events") == 512 * 1024**2
     assert nats_config.max_bytes("claims") == 1_000_000
-    assert parse_config({"nats": {"dlq": {"max_bytes": -1}}}).nats.max_bytes("dlq") == -1
     with pytest.raises(ConfigError, match=r"add up to .* over max_file_store.*at \$\.nats"):
         parse_config({"nats": {"max_file_store": "10MB", "events": {"max_bytes": "20MB"}}})
     with pytest.raises(ConfigError, match=r"nats\.max_file_store"):
         parse_config({"nats": {"max_file_store": "lots"}})
+
+
+@pytest.mark.parametrize("store", sorted(STORE_SHARES))
+def test_a_store_with_no_byte_limit_is_refused_at_load_saying_why(store: str) -> None:
+    """Issue 30 item 4: every store is bounded. ``max_bytes = -1`` (the
+    committed renqueue.toml had it for the event log) was taken as "no limit
+    of its own", which lets one store fill the server's whole store."""
+    with pytest.raises(ConfigError, match=rf"no limit.*must be bounded.*at \$\.nats\.{store}"):
+        parse_config({"nats": {store: {"max_bytes": -1}}})
+
+
+def test_a_jetstream_store_with_no_limit_is_refused_at_load_saying_why() -> None:
+    with pytest.raises(ConfigError, match=r"max_file_store = -1 \(no limit\).*must be bounded"):
+        parse_config({"nats": {"max_file_store": -1}})
+
+
+def test_the_committed_config_bounds_every_store() -> None:
+    nats_config = load_config(Path(__file__).parents[1] / "renqueue.toml").nats
+    assert all(nats_config.max_bytes(store) > 0 for store in STORE_SHARES)
 
 
 async def test_a_store_sized_zero_is_refused_at_load_not_left_unlimited(
@@ -140,6 +159,9 @@ async def test_a_store_sized_zero_is_refused_at_load_not_left_unlimited(
         ({"deadline": 1e300}, "deadline"),
         ({"deadline": time.time() + 31 * 86400}, "deadline"),
         ({"metadata": {f"k{i}": "v" * 300 for i in range(60)}}, "metadata"),
+        # Issue 30 item 4: an unknown parameter of 5 MB went to the backend and the log.
+        ({"params": {"extra": {"top_k": 40, "guided_json": "x" * 5_000_000}}}, r"params\.extra"),
+        ({"params": {"extra": {f"k{i}": "v" * 1100 for i in range(60)}}}, r"params\.extra"),
     ],
 )
 def test_fields_past_their_bounds_are_rejected_out_of_range(
@@ -164,6 +186,13 @@ def test_fields_at_their_bounds_pass() -> None:
         deadline=time.time() + 29 * 86400,
         metadata={f"k{i}": "v" * 510 for i in range(30)},  # more than OpenAI's 16 x 576
     )
+    request = msgspec.structs.replace(
+        request,
+        params=msgspec.structs.replace(
+            request.params, extra={"top_k": 40, "guided_json": "x" * (MAX_EXTRA_BYTES - 40)}
+        ),
+    )
+    assert len(msgspec.json.encode(request.params.extra)) <= MAX_EXTRA_BYTES
     validate(request, level="normal", tenant=TENANT, config=config_of(), now=time.time())
     validate(msgspec.structs.replace(request, v=1, params=GenerationParams(seed=-(2**63))),
              level="normal", tenant=TENANT, config=config_of())  # fmt: skip
@@ -437,30 +466,42 @@ async def test_a_full_server_store_refuses_submits_and_nothing_is_lost_when_it_g
     tmp_path: Path,
 ) -> None:
     """Item 7 on a small store: the embedded server capped at 2 MB
-    (``max_file_store``) and the requests stream given no limit of its own
-    (``-1``), so the server's store is what fills. Then nothing can write,
-    not even the services (why every store has a limit by default:
-    docs/operations.md#storage): submits are refused ``store_full``, and
-    once the store is given room (the server started again with a bigger
-    cap) every request stored before runs to its end."""
+    (``max_file_store``), shared with a stream that is not Ren-Queue's and
+    has no byte limit (every store of Ren-Queue's has one: a config without
+    is refused), which fills the server's store. Then nothing can write,
+    not even the services (docs/operations.md#storage): submits are refused
+    ``store_full``, and once the store is given room (the server started
+    again with a bigger cap) every request stored before runs to its end."""
     data = tmp_path / "nats"
     small, big = 2 * 1024 * 1024, 64 * 1024 * 1024
+    config = config_of("", max_file_store=small)
     async with EmbeddedServer(data, port=-1, max_file_store=small) as server:
-        config = config_of(server.url, max_file_store=small, requests={"max_bytes": -1})
         nc = await connect(server.url, name="filler")
         try:
             await provision(nc, config)
+            js = nc.jetstream()
+            await js.context.add_stream(name="OTHER", subjects=["other.>"])
             async with Client(nc, tenant=TENANT) as client:
-                taken, refused = await fill(client, "tiny", size=20_000)
+                taken = [f"tiny-{n}" for n in range(3)]
+                for rid in taken:
+                    await client.submit("x" * 20_000, route="chat", request_id=rid)
+                for _ in range(100):
+                    try:
+                        await js.publish("other.fill", b"o" * 100_000)
+                    except StoreFullError:
+                        break
+                else:
+                    pytest.fail("the server's store never filled")
+                with pytest.raises(StoreFullError) as refused:
+                    await client.submit("x" * 20_000, route="chat", request_id="tiny-refused")
         finally:
             await nc.close()
-    assert refused.err_code == 10023
-    assert taken
+    assert refused.value.err_code == 10023
     async with (
         EmbeddedServer(data, port=-1, max_file_store=big) as server,
         MockBackend(FAST) as mock,
     ):
-        config = config_of(server.url, mock.url, max_file_store=big, requests={"max_bytes": -1})
+        config = config_of(server.url, mock.url, max_file_store=small)
         async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
             for rid in taken:
                 assert (await client.handle(rid).result(timeout=30)).text

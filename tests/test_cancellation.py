@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -13,12 +14,39 @@ from typing import Any
 import msgspec
 import pytest
 from prometheus_client import REGISTRY
+from test_binder import until
 
 from renqueue import Client, RequestCancelledError, RequestExpiredError, Services, parse_config
 from renqueue.broker import EventLog, provision
 from renqueue.coordination import CancelWatch
+from renqueue.errors import NatsNotFoundError
 from renqueue.mock import MockBackend, MockSettings
-from renqueue.schema import Cancelled, CancelRequested, Expired, Started, encode, event_subject
+from renqueue.schema import (
+    EVENTS_STREAM,
+    Cancelled,
+    CancelRequested,
+    Expired,
+    Started,
+    cancel_subject,
+    encode,
+    event_subject,
+)
+
+
+async def in_the_log(js: Any, tenant: str, request_id: str) -> None:
+    """Wait until the log has sourced ``request_id``'s cancellation from
+    ``RQ_CANCELS`` (where a client's ``cancel`` is acknowledged)."""
+
+    async def there() -> bool:
+        try:
+            await js.get_last_msg(
+                EVENTS_STREAM, event_subject(tenant, request_id, "cancel_requested"), direct=True
+            )
+        except NatsNotFoundError:
+            return False
+        return True
+
+    await until(there, f"the log has {tenant}/{request_id}'s cancellation")
 
 
 @pytest.fixture
@@ -209,6 +237,7 @@ async def test_the_watch_starts_at_once_when_every_cancellation_is_past_its_hori
     await provision(nc, parse_config({"routes": {}, "backends": {}}))
     old = CancelRequested(request_id="old-one", tenant="t", at=time.time())
     await EventLog(js).append(old)
+    await in_the_log(js, "t", "old-one")
     # The watch's clock is a day ahead: the cancellation is past its horizon.
     watch = CancelWatch(js, horizon=60.0, clock=lambda: time.time() + 86_400)
     try:
@@ -251,6 +280,36 @@ async def test_a_cancel_that_lands_while_a_run_starts_is_not_missed(
     assert slow.stats().completed == 0
 
 
+async def test_a_starting_watch_knows_a_cancellation_the_log_has_not_sourced_yet(
+    isolated_nc: Any,
+) -> None:
+    """Clients' cancellations are acknowledged by RQ_CANCELS and sourced into
+    the log a moment later (134 ms for the first after the stream is made,
+    measured): a router starting in between read none in the log and ran a
+    request cancelled while it waited. A starting watch reads RQ_CANCELS's
+    last minute too. Here the log does not source at all."""
+    js = isolated_nc.jetstream()
+    await provision(isolated_nc, parse_config({"routes": {}, "backends": {}}))
+    reply = await isolated_nc.request(f"$JS.API.STREAM.INFO.{EVENTS_STREAM}", b"", timeout=2)
+    unsourced = json.loads(reply.data)["config"]
+    unsourced.pop("sources")
+    reply = await isolated_nc.request(
+        f"$JS.API.STREAM.UPDATE.{EVENTS_STREAM}", json.dumps(unsourced).encode(), timeout=2
+    )
+    assert "error" not in json.loads(reply.data), reply.data
+    await EventLog(js).append(CancelRequested(request_id="waiting", tenant="t", at=time.time()))
+    forged = CancelRequested(request_id="someone-else", tenant="t", at=time.time())
+    await js.publish(cancel_subject("t", "not-that-one"), encode(forged))
+    watch = CancelWatch(js)
+    try:
+        await asyncio.wait_for(watch.start(), 10)
+        assert watch.is_cancelled("t", "waiting")
+        assert not watch.is_cancelled("t", "not-that-one")
+        assert not watch.is_cancelled("t", "someone-else")
+    finally:
+        await watch.close()
+
+
 async def test_a_flood_of_cancellations_stays_bounded_and_forgotten_ones_are_still_honoured(
     isolated_nc: Any,
 ) -> None:
@@ -269,6 +328,7 @@ async def test_a_flood_of_cancellations_stays_bounded_and_forgotten_ones_are_sti
         for i in range(flood)
     ]
     await asyncio.gather(*acks)
+    await in_the_log(js, "evil", f"made-up-{flood - 1}")
     watch = CancelWatch(js, keep=50)
     try:
         await asyncio.wait_for(watch.start(), 10)

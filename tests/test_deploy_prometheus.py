@@ -36,6 +36,8 @@ ALERTS = {
     "ProjectionLagging",
     "NoBinder",
     "ExporterDown",
+    # Issue 30 item 4: store use, where `renqueue status` warns.
+    "StoreNearLimit",
 }
 
 

@@ -25,7 +25,7 @@ from test_binder import until
 from test_fallback import FAST, config_for, failing
 
 from renqueue import Client, Services, parse_config
-from renqueue.broker import EmbeddedServer, EventLog, JetStream, connect, provision
+from renqueue.broker import STORES, EmbeddedServer, EventLog, JetStream, connect, provision
 from renqueue.config import Config
 from renqueue.coordination import (
     ArmFigures,
@@ -42,7 +42,13 @@ from renqueue.coordination import (
 from renqueue.coordination._exporter import COMPLETIONS
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.policy import LimitUsage
-from renqueue.schema import EVENTS_STREAM, CancelRequested, Routed, request_subject
+from renqueue.schema import (
+    EVENTS_STREAM,
+    REQUESTS_STREAM,
+    CancelRequested,
+    Routed,
+    request_subject,
+)
 from renqueue.state import BackendState
 
 TENANT = "acme"
@@ -382,6 +388,57 @@ async def test_a_scrape_on_the_event_loop_never_waits(isolated_server: EmbeddedS
             await until(read, "the reading the scrape asked for")
             second = Scrape(generate_latest(registry).decode())
             assert second("renqueue_exporter_up") == 1
+    finally:
+        await nc.close()
+
+
+async def test_each_store_s_bytes_and_limit_are_exported_as_the_broker_holds_them(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Issue 30 item 4: Prometheus sees store use, not only ``renqueue status``.
+    Requests waiting in a 16 KB requests stream (no router runs) show as its
+    bytes against its limit, every provisioned stream and bucket has a limit,
+    and the whole store's use and cap and the warning threshold are there, so
+    StoreNearLimit can fire at the threshold ``renqueue status`` uses."""
+    config = parse_config(
+        {
+            "nats": {
+                "url": isolated_server.url,
+                "max_file_store": "64MB",
+                "store_warn": 0.5,
+                "requests": {"max_bytes": 16 * 1024},
+            },
+            "backends": {"b": {"base_url": "http://127.0.0.1:1", "model": "m"}},
+            "routes": {"chat": {"backends": ["b"]}},
+        }
+    )
+    nc = await connect(isolated_server.url, name="test-exporter")
+    try:
+        js = nc.jetstream()
+        await provision(js, config)
+        for n in range(10):
+            await js.publish(
+                request_subject("normal", TENANT), b"x" * 1000,
+                headers={"Nats-Msg-Id": f"{TENANT}:filler-{n}"},
+            )  # fmt: skip
+        held = (await js.stream_info(REQUESTS_STREAM)).state.bytes
+        async with exporting(js, config) as (registry, _):
+            now = await scrape(registry)
+        assert now("renqueue_store_bytes", store=REQUESTS_STREAM) == held > 10_000
+        assert now("renqueue_store_limit_bytes", store=REQUESTS_STREAM) == 16 * 1024
+        for store in STORES:
+            assert now("renqueue_store_bytes", store=store) is not None, store
+            limit = now("renqueue_store_limit_bytes", store=store)
+            assert limit is not None, store
+            assert limit > 0, store
+        assert now("renqueue_store_limit_bytes", store=EVENTS_STREAM) == config.nats.max_bytes(
+            "events"
+        )
+        used = now("renqueue_jetstream_used_bytes")
+        assert used is not None
+        assert used >= held
+        assert now("renqueue_jetstream_limit_bytes") == 64 * 1024 * 1024
+        assert now("renqueue_store_warn_ratio") == 0.5
     finally:
         await nc.close()
 

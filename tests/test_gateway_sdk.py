@@ -919,14 +919,14 @@ async def test_an_sdk_retry_reaching_another_gateway_process_joins_the_request(
 
 async def cancelled_events(stack: Stack, tenant: str) -> asyncio.Queue[Any]:
     """Every ``cancel_requested`` event of ``tenant`` from now on (core NATS sees
-    JetStream publishes)."""
+    JetStream publishes: those to ``RQ_CANCELS``, which the log sources)."""
     queue: asyncio.Queue[Any] = asyncio.Queue()
     assert stack.services.nc is not None
 
     async def on(msg: Any) -> None:
         queue.put_nowait(EVENT_DECODER.decode(msg.data))
 
-    await stack.services.nc.subscribe(f"rq.evt.{tenant}.*.cancel_requested", cb=on)
+    await stack.services.nc.subscribe(f"rq.cancel.{tenant}.*", cb=on)
     return queue
 
 

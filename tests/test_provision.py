@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_binder import until
 
+from renqueue import Client
 from renqueue.broker import (
     STREAMS_DIR_ENV,
     Action,
@@ -23,15 +25,19 @@ from renqueue.errors import NatsTimeoutError, ProvisionError
 from renqueue.schema import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
+    CANCEL_SOURCE,
+    CANCELS_STREAM,
     DISPATCH_STREAM,
     DLQ_STREAM,
     EVENTS_STREAM,
+    MAX_CANCEL_BYTES,
     REQUESTS_STREAM,
     ROUTER_DELIVERY_BACKSTOP,
     STATE_BUCKET,
     TERMINAL_BUCKET,
     TOKENS_STREAM,
     dispatch_subject,
+    event_subject,
     requests_of_level,
     router_consumer,
     worker_consumer,
@@ -354,3 +360,49 @@ async def test_a_deployment_from_before_the_requeue_subject_is_upgraded_in_place
     consumer = await js.consumer_info(REQUESTS_STREAM, router_consumer("normal"))
     assert consumer.config.filter_subject == "rq.req.normal.>"
     assert consumer.num_pending == 1
+
+
+async def test_a_deployment_from_before_rq_cancels_is_upgraded_in_place(
+    isolated_nc: Connection,
+) -> None:
+    """Issue 30 item 4: clients cancel on RQ_CANCELS, which the log sources.
+    An event log provisioned before it (no sources, no RQ_CANCELS) gets both
+    from the next provisioning, keeping every event, and a cancellation
+    published then reaches the log on its old subject."""
+    config = make_config()
+    await provision(isolated_nc, config)
+    js = isolated_nc.jetstream()
+    # As the previous version left it.
+    old = await stream_config(isolated_nc, EVENTS_STREAM)
+    old.pop("sources")
+    reply = await isolated_nc.request(
+        f"$JS.API.STREAM.UPDATE.{EVENTS_STREAM}", json.dumps(old).encode(), timeout=2
+    )
+    assert "error" not in json.loads(reply.data), reply.data
+    assert await js.context.delete_stream(CANCELS_STREAM)
+    await js.publish(event_subject("t1", "older", "cancel_requested"), b"{}")
+
+    report = await provision(isolated_nc, config)
+    assert CANCELS_STREAM in report.created
+    assert EVENTS_STREAM in report.updated
+    assert (await stream_config(isolated_nc, EVENTS_STREAM))["sources"] == [CANCEL_SOURCE]
+    assert (await stream_config(isolated_nc, CANCELS_STREAM))["max_msg_size"] == MAX_CANCEL_BYTES
+    async with Client(isolated_nc, tenant="t1") as client:
+        await client.handle("newer").cancel("changed my mind")
+
+    async def both_in_the_log() -> bool:
+        info = await js.stream_info(EVENTS_STREAM)
+        return info.state.messages == 2
+
+    await until(both_in_the_log, "the new cancellation to reach the log")
+    newer = await js.get_last_msg(EVENTS_STREAM, event_subject("t1", "newer", "cancel_requested"))
+    assert b"changed my mind" in newer.data
+
+
+async def test_an_event_log_that_does_not_source_the_cancellations_is_refused(
+    isolated_nc: Connection, tmp_path: Path
+) -> None:
+    streams = copy_streams(tmp_path)
+    edit_json(streams / "events.json", sources=[])
+    with pytest.raises(ProvisionError, match=r"events\.json: sources .* cancellations"):
+        await provision(isolated_nc, make_config(), streams_dir=streams)

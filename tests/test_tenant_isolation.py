@@ -21,10 +21,25 @@ import pytest
 from prometheus_client import REGISTRY
 
 from renqueue import Client, RequestCancelledError, Services, parse_config
-from renqueue.broker import AckPolicy, Connection, DeliverPolicy, EmbeddedServer, EventLog
-from renqueue.errors import NatsNotFoundError
+from renqueue.broker import (
+    AckPolicy,
+    Connection,
+    DeliverPolicy,
+    EmbeddedServer,
+    EventLog,
+    JetStreamApi,
+)
+from renqueue.errors import NatsError, NatsNotFoundError
 from renqueue.mock import MockBackend, MockSettings
-from renqueue.schema import EVENTS_STREAM, TOKENS_STREAM, Completed, request_subject
+from renqueue.schema import (
+    CANCELS_STREAM,
+    EVENTS_STREAM,
+    MAX_CANCEL_BYTES,
+    TOKENS_STREAM,
+    Completed,
+    cancel_subject,
+    request_subject,
+)
 
 AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"
 PASSWORDS = {
@@ -436,18 +451,39 @@ async def aim(stack: Stack, tenant: Tenant, name: str, stored_on: str, deliver_t
     assert tenant.errors == []  # nothing here is refused: the server does it all
 
 
+async def cancel_as(stack: Stack, tenant: Tenant, name: str, request_id: str, payload: Any) -> int:
+    """Publish ``payload`` as ``tenant``'s (named ``name``) cancellation of
+    ``request_id`` (on ``RQ_CANCELS``, the one subject of the log's a tenant
+    writes), and wait until the log has sourced it: its sequence there."""
+    data = json.dumps(payload).encode()
+    await tenant.nc.jetstream(timeout=2).publish(cancel_subject(name, request_id), data)
+    logged = f"rq.evt.{name}.{request_id}.cancel_requested"
+    seq = 0
+
+    async def sourced() -> bool:
+        nonlocal seq
+        try:
+            last = await stack.services.js.get_last_msg(EVENTS_STREAM, logged)
+        except NatsNotFoundError:
+            return False
+        seq = last.seq
+        return last.data == data
+
+    await until(sourced, f"the log to source {logged}")
+    return seq
+
+
 async def test_another_tenants_consumer_cannot_inject_tokens_into_a_stream(stack: Stack) -> None:
     acme = await raw_tenant(stack, "acme")
     rid = "victim-stream"
     try:
         # Chunk-shaped payloads on acme's own (tenant-writable) cancel subject.
         carrier = f"rq.evt.acme.{rid}-carrier.cancel_requested"
-        js = acme.nc.jetstream(timeout=2)
         for chunk in (
             {"request_id": rid, "delivery": 50, "seq": 0, "text": "INJECTED BY ACME"},
             {"request_id": rid, "delivery": 50, "seq": 1, "final": True},
         ):
-            await js.publish(carrier, json.dumps(chunk).encode())
+            await cancel_as(stack, acme, "acme", f"{rid}-carrier", chunk)
         before = misdirected("tokens")
         async with await tenant_client(stack, "globex") as globex:
             stream = globex.handle(rid).stream(timeout=10)
@@ -487,13 +523,11 @@ async def test_a_forged_result_on_the_cancel_subject_resolves_nothing(stack: Sta
                 "usage": {"prompt_tokens": 0, "completion_tokens": 0},
                 "cost": 1e6,
             }
-            ack = await forger.nc.jetstream(timeout=2).publish(
-                f"rq.evt.acme.{handle.id}.cancel_requested", json.dumps(forged).encode()
-            )
+            seq = await cancel_as(stack, forger, "acme", handle.id, forged)
 
             async def tap_has_it() -> bool:
                 info = await stack.services.js.consumer_info(EVENTS_STREAM, acme._tap.name)
-                return info.delivered.stream_seq >= ack.seq
+                return info.delivered.stream_seq >= seq
 
             await until(tap_has_it, "the tap to deliver the forged event")
             await handle.cancel()
@@ -514,7 +548,7 @@ async def test_a_tenants_consumer_cannot_speak_for_the_services(stack: Stack) ->
     try:
         carrier = "rq.evt.acme.carrier.cancel_requested"
         boost = {"leader": "my-batch-job", "rank": 0, "submitted": 0.0}
-        await acme.nc.jetstream(timeout=2).publish(carrier, json.dumps(boost).encode())
+        await cancel_as(stack, acme, "acme", "carrier", boost)
         for receiver, target in (
             ("boost", "rq.boost.acme"),
             ("capacity", "rq.capacity.b1"),
@@ -538,3 +572,45 @@ async def test_a_tenants_consumer_cannot_speak_for_the_services(stack: Stack) ->
     async with await tenant_client(stack, "acme") as client:
         handle = await client.submit("after", route="chat")
         assert (await handle.result(timeout=10)).text
+
+
+async def test_a_tenant_s_oversized_cancellation_is_refused_by_the_broker_and_never_stored(
+    stack: Stack,
+) -> None:
+    """Issue 30 item 4: a 5 MB cancellation used to be stored in the 30-day
+    event log (the services then ignored it, but the bytes stayed). A tenant
+    may now write cancellations only to RQ_CANCELS, whose max_msg_size is
+    MAX_CANCEL_BYTES: on every subject a tenant may cancel on, it is refused
+    and the JetStream store does not grow by it. A cancellation within the
+    bound still works, through the log."""
+    api = JetStreamApi(stack.services.js)
+
+    async def stored() -> int:
+        info = await api.call("INFO")
+        assert isinstance(info, dict)
+        return int(info["storage"])
+
+    acme = await raw_tenant(stack, "acme")
+    try:
+        huge = json.dumps(
+            {"kind": "cancel_requested", "v": 2, "request_id": "big", "tenant": "acme",
+             "at": 0.0, "reason": "x" * 5_000_000}
+        ).encode()  # fmt: skip
+        before = await stored()
+        js = acme.nc.jetstream(timeout=2)
+        for subject in (cancel_subject("acme", "big"), "rq.evt.acme.big.cancel_requested"):
+            with pytest.raises(NatsError):
+                await js.publish(subject, huge)
+        # The services' own writes meanwhile (the projection's checkpoint) are a few bytes.
+        assert await stored() - before < 64 * 1024
+        cancels = await stack.services.js.stream_info(CANCELS_STREAM)
+        assert cancels.config.max_msg_size == MAX_CANCEL_BYTES
+        assert cancels.state.messages == 0
+    finally:
+        await acme.nc.close()
+    stack.mock.update(ttft=30.0)  # the request runs until it is cancelled
+    async with await tenant_client(stack, "acme") as client:
+        handle = await client.submit("cancel me", route="chat")
+        await handle.cancel("a reason within the bound")
+        with pytest.raises(RequestCancelledError):
+            await handle.result(timeout=10)

@@ -76,6 +76,7 @@ from ..schema import (
     Submitted,
     TerminalClaim,
     TokenChunk,
+    cancel_subject,
     dlq_subject,
     encode,
     event_subject,
@@ -459,6 +460,10 @@ class EventLog:
         self._timeout = timeout
 
     def _subject(self, event: Event) -> str:
+        if isinstance(event, CancelRequested):
+            # A cancellation goes through RQ_CANCELS (size-capped by the
+            # broker), which the log sources onto its cancel_requested subject.
+            return cancel_subject(event.tenant, event.request_id)
         return event_subject(event.tenant, event.request_id, kind_of(event))
 
     async def append(self, event: Event) -> bool:

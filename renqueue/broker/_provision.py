@@ -36,7 +36,9 @@ Values from the config override the files at provision time (see
 from ``nats.<stream>``; ``max_bytes`` of every stream and bucket from
 ``nats.<store>.max_bytes``, else its share of ``nats.max_file_store``
 (:meth:`renqueue.config.NatsConfig.max_bytes`); ``duplicate_window`` from
-``nats.duplicate_window`` on the requests, dispatch and events streams; the
+``nats.duplicate_window`` on the requests, dispatch and events streams;
+``max_msg_size`` of ``RQ_CANCELS`` from :data:`renqueue.schema.MAX_CANCEL_BYTES`
+(and the event log's ``sources`` must be :data:`renqueue.schema.CANCEL_SOURCE`); the
 request subjects from ``priorities``; the consumers from ``priorities``,
 ``backends``, ``router`` and ``worker``.
 
@@ -67,14 +69,18 @@ from ..logs import get_logger
 from ..schema import (
     ADVISORIES_CONSUMER,
     ADVISORIES_STREAM,
+    CANCEL_SOURCE,
+    CANCELS_STREAM,
     DISPATCH_STREAM,
     DLQ_STREAM,
     EVENTS_STREAM,
     LEASE_BUCKET,
+    MAX_CANCEL_BYTES,
     REQUESTS_STREAM,
     STATE_BUCKET,
     TERMINAL_BUCKET,
     TOKENS_STREAM,
+    cancel_subject,
     dispatch_subject,
     max_deliveries_advisory,
     requests_of_level,
@@ -213,6 +219,8 @@ class _StreamSpec(msgspec.Struct, frozen=True):
 _STREAMS: Final = (
     _StreamSpec("requests.json", REQUESTS_STREAM, "requests", dedupe=True, store="requests"),
     _StreamSpec("dispatch.json", DISPATCH_STREAM, "dispatch", dedupe=True, store="dispatch"),
+    # Before the event log, which sources it.
+    _StreamSpec("cancels.json", CANCELS_STREAM, "cancels", dedupe=False, store="cancels"),
     _StreamSpec("events.json", EVENTS_STREAM, "events", dedupe=True, store="events"),
     _StreamSpec("tokens.json", TOKENS_STREAM, "tokens", dedupe=False, store="tokens"),
     _StreamSpec("dlq.json", DLQ_STREAM, "dlq", dedupe=False, store="dlq"),
@@ -471,6 +479,16 @@ def _stream_config(directory: Path, spec: _StreamSpec, config: Config) -> dict[s
                 f"stream {spec.name}: nats.duplicate_window ({nats_config.duplicate_window}) "
                 f"exceeds nats.{spec.retention}.max_age; NATS requires it to be at most max_age"
             )
+    if spec.name == CANCELS_STREAM:
+        _check_layout(path, desired["subjects"], [cancel_subject("*", "*")])
+        # The broker refuses a bigger cancellation before anything is stored
+        # (the services would ignore it: renqueue.coordination._cancellation).
+        desired["max_msg_size"] = MAX_CANCEL_BYTES
+    if spec.name == EVENTS_STREAM and desired.get("sources") != [CANCEL_SOURCE]:
+        raise ProvisionError(
+            f"{path}: sources are {desired.get('sources')!r}, but renqueue.schema expects "
+            f"[{CANCEL_SOURCE!r}]: clients' cancellations would never reach the log"
+        )
     if spec.name == REQUESTS_STREAM:
         _check_layout(path, desired["subjects"], [requests_of_level(p) for p in config.priorities])
         # router.tenant_backlog: a tenant's requests waiting at one level (its

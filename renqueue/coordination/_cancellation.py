@@ -1,13 +1,22 @@
 """Following cancellation requests: which requests must not run, or must stop.
 
-A client cancels by appending a ``cancel_requested`` event to the log, on the
-subject ``rq.evt.<tenant>.<request_id>.cancel_requested``. Routers and workers
+A client cancels by publishing a ``cancel_requested`` event to
+``rq.cancel.<tenant>.<request_id>`` (``RQ_CANCELS``, which refuses one over
+``MAX_CANCEL_BYTES``); the log sources it as
+``rq.evt.<tenant>.<request_id>.cancel_requested``, about a millisecond later
+(an older client may still publish there directly). Routers and workers
 learn of it through one :class:`CancelWatch` per process: a loop (supervised,
 see :mod:`renqueue.tasks`) that reads ``rq.evt.*.*.cancel_requested`` through
 an ephemeral pull consumer starting ``horizon`` seconds back, so a process
 that starts (or restarts) later still knows every recent cancellation. If the
 loop fails it is started again from the message after the last one it read:
-no cancellation is skipped.
+no cancellation is skipped. A starting watch first reads the last minute of
+``RQ_CANCELS`` too: a cancellation acknowledged there that the log has not
+sourced yet (the first after the stream is made took 134 ms; longer while
+the server sets the source up again after a restart) is known before any
+request is run. A running watch learns of a cancellation once the log has
+it: one that arrives while the log's source is being set up again may let
+the request start, and then stops it (stage ``running``).
 
 The subject is the authority: a cancellation is known by (tenant, request id)
 as its subject names them. Tenants may publish any payload on their own
@@ -75,12 +84,14 @@ from ..errors import NatsError, NatsNotFoundError
 from ..lifecycle import Lifecycle
 from ..logs import get_logger, misdirected
 from ..schema import (
+    CANCELS_STREAM,
     EVENT_DECODER,
     EVENTS_STREAM,
     FETCH_TIMEOUT,
     MAX_CANCEL_BYTES,
     MAX_REASON_LENGTH,
     CancelRequested,
+    cancel_subject,
     event_subject,
 )
 from ..tasks import Supervisor, cancel_and_wait
@@ -103,6 +114,10 @@ _INACTIVE: Final = 30.0
 
 #: How long :meth:`CancelWatch.start` waits to have read every logged cancellation.
 _CATCH_UP: Final = 10.0
+
+#: How far back a starting watch also reads ``RQ_CANCELS`` itself (seconds):
+#: cancellations acknowledged there that the log may not have sourced yet.
+_UNSOURCED: Final = 60.0
 
 #: Most cancellations held in memory: past this, the oldest are forgotten
 #: (a tenant can publish any number of them, with made-up ids).
@@ -173,6 +188,9 @@ class CancelWatch(Lifecycle):
         #: (tenant, request id) -> server time the cancellation was stored, in
         #: the order read (the oldest first: forgotten first).
         self._cancelled: OrderedDict[tuple[str, str], float] = OrderedDict()
+        #: Cancellations read from ``RQ_CANCELS`` at the start that the log had
+        #: not sourced yet (at most ``keep``): each goes once the log's copy is read.
+        self._unsourced: set[tuple[str, str]] = set()
         #: Cancellations forgotten (past the horizon, or over ``keep``).
         self.forgotten = 0
         self._listeners: list[Callable[[CancelRequested], None]] = []
@@ -192,6 +210,7 @@ class CancelWatch(Lifecycle):
         """Start the loop; return once every cancellation already logged is known,
         so no router or worker acts on a request before it could know."""
         self._known_since = self._clock() - self._horizon
+        await self._read_unsourced()
         self._supervisor.spawn(LOOP, self._follow)
         waiting = asyncio.create_task(self._caught_up.wait())
         failed = asyncio.create_task(self._supervisor.failed.wait())
@@ -238,7 +257,8 @@ class CancelWatch(Lifecycle):
 
     def is_cancelled(self, tenant: str, request_id: str) -> bool:
         """Whether ``tenant``'s request ``request_id`` was cancelled (as far as read)."""
-        return (tenant, request_id) in self._cancelled
+        key = (tenant, request_id)
+        return key in self._cancelled or key in self._unsourced
 
     async def was_cancelled(self, tenant: str, request_id: str, since: float) -> bool:
         """Like :meth:`is_cancelled`, for a request that exists since ``since`` (Unix s).
@@ -263,6 +283,57 @@ class CancelWatch(Lifecycle):
         return True
 
     # ------------------------------------------------------------------ loop
+
+    async def _read_unsourced(self) -> None:
+        """Hold the cancellations ``RQ_CANCELS`` took in the last
+        :data:`_UNSOURCED` seconds, before the log's are read: the log sources
+        each a moment after the client's ack (about a millisecond; longer while
+        its source is set up again, after the stream is created or the server
+        restarts), and a request cancelled then must not run. Only remembered
+        here, apart from the log's (the log's copy is what listeners get,
+        what is counted when it is no cancellation, and what replaces this
+        one once read). Best effort: a failure is logged, the log still has
+        them all."""
+        since = datetime.datetime.fromtimestamp(
+            max(self._known_since, self._clock() - _UNSOURCED), tz=datetime.UTC
+        )
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_TIME,
+            opt_start_time=since,
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=_INACTIVE,
+            mem_storage=True,
+            num_replicas=1,
+        )
+        try:
+            psub = await self._js.pull_subscribe(
+                cancel_subject("*", "*"), stream=CANCELS_STREAM, config=config
+            )
+        except NatsError as exc:  # no RQ_CANCELS yet (a log provisioned before it)
+            log.warning("cannot read RQ_CANCELS; the log's cancellations only", error=str(exc))
+            return
+        try:
+            pending = (await psub.consumer_info()).num_pending
+            while pending:
+                try:
+                    msgs = await psub.fetch(batch=_BATCH, timeout=FETCH_TIMEOUT)
+                except TimeoutError:
+                    break
+                for msg in msgs:
+                    pending = msg.metadata.num_pending
+                    parts = msg.subject.split(".")
+                    if len(parts) != 4:
+                        continue
+                    logged = event_subject(parts[2], parts[3], "cancel_requested")
+                    event = cancel_of(logged, msg.data)
+                    if event is not None and len(self._unsourced) < self._keep:
+                        self._unsourced.add((event.tenant, event.request_id))
+        except NatsError as exc:
+            log.warning("reading RQ_CANCELS failed; the log's cancellations only", error=str(exc))
+        finally:
+            with contextlib.suppress(NatsError):
+                await psub.unsubscribe()
+            await delete_consumer(self._js, CANCELS_STREAM, psub.consumer)
 
     async def _subscribe(self) -> PullSubscription:
         if self._next_seq:
@@ -320,6 +391,7 @@ class CancelWatch(Lifecycle):
     def _remember(self, key: tuple[str, str], stored: float) -> None:
         """Hold one cancellation (the newest read), then forget what is too old
         or too many: from the front, so each read costs O(1) amortised."""
+        self._unsourced.discard(key)
         self._cancelled[key] = stored
         self._cancelled.move_to_end(key)
         horizon = stored - self._horizon

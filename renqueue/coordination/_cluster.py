@@ -6,8 +6,9 @@ process at once into one :class:`ClusterReading`: the projector's checkpoint
 each A/B split's arms: the same figures ``renqueue status`` and ``renqueue ab
 status`` show), the router and worker consumers (requests waiting at each
 level, dispatches at each backend), the oldest request of each level, the
-dead-letter stream's size, the binder's lease and how far the checkpoint lags
-the log. :func:`cluster_families` turns a reading into the metric families of
+dead-letter stream's size, each stream's and bucket's bytes against its limit
+(as ``renqueue status`` reads them), the binder's lease and how far the
+checkpoint lags the log. :func:`cluster_families` turns a reading into the metric families of
 :data:`SERIES`, with no I/O of its own.
 
 Labels are names the config or the services chose (backends, levels, tenants,
@@ -120,6 +121,18 @@ SERIES: Final = (
            "candidates) or hard (past it requests are refused)"),
     Series("renqueue_dlq_messages", "gauge", (),
            "Dead letters in RQ_DLQ"),
+    Series("renqueue_store_bytes", "gauge", ("store",),
+           "Bytes the stream (a KV bucket's: KV_<bucket>) holds"),
+    Series("renqueue_store_limit_bytes", "gauge", ("store",),
+           "The stream's byte limit (max_bytes) as the server holds it (absent if it has none)"),
+    Series("renqueue_jetstream_used_bytes", "gauge", (),
+           "Bytes the JetStream account stores, every stream together"),
+    Series("renqueue_jetstream_limit_bytes", "gauge", (),
+           "The cap those bytes count against: nats.max_file_store, or the account's own "
+           "storage limit if it has one"),
+    Series("renqueue_store_warn_ratio", "gauge", (),
+           "The fraction of a limit past which a store is near it (nats.store_warn; "
+           "renqueue status says near limit)"),
     Series("renqueue_ab_arm_requests_total", "counter", ("route", "arm"),
            "Requests placed on the A/B split's arm"),
     Series("renqueue_ab_arm_failures_total", "counter", ("route", "arm"),
@@ -258,6 +271,7 @@ def cluster_families(
     families = _Families()
     families.add("renqueue_exporter_up", 1.0 if up else 0.0)
     families.add("renqueue_binder_term", float(term))
+    families.add("renqueue_store_warn_ratio", config.nats.store_warn)
     for level in config.level_policies():
         bound = math.inf if level.age_after is None else level.age_after
         families.add("renqueue_level_aging_bound_seconds", bound, level.name)
@@ -279,6 +293,13 @@ def _add_reading(
     families.add("renqueue_projection_lag_seconds", reading.lag_seconds)
     if reading.dlq_messages is not None:
         families.add("renqueue_dlq_messages", float(reading.dlq_messages))
+    for store in status.stores:
+        families.add("renqueue_store_bytes", float(store.bytes), store.name)
+        if store.max_bytes > 0:
+            families.add("renqueue_store_limit_bytes", float(store.max_bytes), store.name)
+    families.add("renqueue_jetstream_used_bytes", float(status.store_used))
+    if status.store_limit > 0:
+        families.add("renqueue_jetstream_limit_bytes", float(status.store_limit))
     for level in status.levels:
         if level.waiting is not None:
             families.add("renqueue_level_waiting_requests", float(level.waiting), level.name)

@@ -38,7 +38,15 @@ from ..errors import (
     WrongLastSequenceError,
 )
 from ..logs import get_logger
-from ..schema import EVENT_DECODER, EVENTS_STREAM, STATE_BUCKET, CancelRequested, event_subject
+from ..schema import (
+    CANCELS_STREAM,
+    EVENT_DECODER,
+    EVENTS_STREAM,
+    STATE_BUCKET,
+    CancelRequested,
+    cancel_subject,
+    event_subject,
+)
 from ..tasks import Supervisor
 from . import _metrics as metrics
 from ._errors import ApiError, from_error
@@ -361,12 +369,18 @@ class Submissions:
         return request_id
 
     async def _cancelled_by_disconnect(self, tenant: str, request_id: str) -> bool:
+        # In the log, or stored in RQ_CANCELS and not yet sourced into it.
         try:
             raw = await self._js().get_last_msg(
                 EVENTS_STREAM, event_subject(tenant, request_id, "cancel_requested"), direct=True
             )
         except NatsNotFoundError:
-            return False
+            try:
+                raw = await self._js().get_last_msg(
+                    CANCELS_STREAM, cancel_subject(tenant, request_id), direct=True
+                )
+            except NatsNotFoundError:
+                return False
         with contextlib.suppress(msgspec.DecodeError):
             event = EVENT_DECODER.decode(raw.data or b"")
             return isinstance(event, CancelRequested) and event.reason == DISCONNECTED

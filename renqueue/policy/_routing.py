@@ -29,6 +29,7 @@ from ..errors import (
 )
 from ..schema import (
     MAX_DEADLINE_AHEAD,
+    MAX_EXTRA_BYTES,
     MAX_JSON_DEPTH,
     MAX_METADATA_BYTES,
     MAX_STOP_LENGTH,
@@ -216,7 +217,9 @@ def check_bounds(request: InferenceRequest, *, now: float | None = None) -> None
     not a finite time, or further than
     :data:`~renqueue.schema.MAX_DEADLINE_AHEAD` past ``now`` (when given);
     ``metadata`` over :data:`~renqueue.schema.MAX_METADATA_BYTES` (keys and
-    values, UTF-8). A stop string of megabytes is never sent to a backend."""
+    values, UTF-8); ``params.extra`` over :data:`~renqueue.schema.MAX_EXTRA_BYTES`
+    (as JSON). A stop string (or an unknown parameter) of megabytes is never
+    sent to a backend, nor kept in the log."""
     rid = request.id
     if request.v < OLDEST_VERSION:
         raise OutOfRangeError(
@@ -255,6 +258,15 @@ def check_bounds(request: InferenceRequest, *, now: float | None = None) -> None
             f"{size} bytes of keys and values, over the {MAX_METADATA_BYTES} it may carry",
             request_id=rid,
         )
+    if params.extra:
+        extra = len(msgspec.json.encode(params.extra))
+        if extra > MAX_EXTRA_BYTES:
+            raise OutOfRangeError(
+                "params.extra",
+                f"{extra} bytes of parameters Ren-Queue does not know (as JSON), over the "
+                f"{MAX_EXTRA_BYTES} a request may carry",
+                request_id=rid,
+            )
 
 
 def _check_services_fields(request: InferenceRequest, tenant: str, *, requeue: bool) -> None:

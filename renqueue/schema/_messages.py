@@ -24,6 +24,7 @@ __all__ = [
     "EVENT_DECODER",
     "MAX_CANCEL_BYTES",
     "MAX_DEADLINE_AHEAD",
+    "MAX_EXTRA_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_METADATA_BYTES",
     "MAX_REASON_LENGTH",
@@ -953,6 +954,10 @@ SEED_MAX: Final = 2**63 - 1
 MAX_DEADLINE_AHEAD: Final = 30 * 86400.0
 #: UTF-8 bytes of a request's ``metadata``, keys and values together.
 MAX_METADATA_BYTES: Final = 16_384
+#: Bytes of a request's ``params.extra`` (the parameters Ren-Queue does not
+#: know, passed to the backend as they are), as JSON: vLLM's sampling knobs
+#: and a guided-decoding schema fit; a megabyte of them is no parameter.
+MAX_EXTRA_BYTES: Final = 65_536
 #: Bytes of a ``cancel_requested`` event (its JSON): a bigger one is no cancellation.
 MAX_CANCEL_BYTES: Final = 4096
 #: Characters of a cancellation's ``reason``.

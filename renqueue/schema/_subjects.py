@@ -8,6 +8,9 @@ publishing its own requests and reading its own tokens and events::
     rq.dispatch.<backend>                  routing decisions, one subject per backend
     rq.evt.<tenant>.<request_id>.<kind>    the event log
     rq.evt._system.<backend>.<kind>        the event log: a backend's circuit and probes
+    rq.cancel.<tenant>.<request_id>        a client's cancellation (RQ_CANCELS, at most
+                                           MAX_CANCEL_BYTES a message), which the event
+                                           log sources as rq.evt.<tenant>.<id>.cancel_requested
     rq.tok.<tenant>.<request_id>           streamed token chunks
     rq.dlq.<stage>                         dead letters (stage: requests, dispatch)
     rq.capacity.<backend>                  core NATS: a worker freed a slot (not stored)
@@ -19,7 +22,7 @@ publishing its own requests and reading its own tokens and events::
                                            (captured in RQ_ADVISORIES)
 
 A tenant's permissions (``nats/auth.conf``): publish ``rq.req.*.<tenant>`` and
-``rq.evt.<tenant>.*.cancel_requested``; subscribe ``rq.tok.<tenant>.>``; and
+``rq.cancel.<tenant>.*``; subscribe ``rq.tok.<tenant>.>``; and
 JetStream API subjects that carry the tenant: named single-filter consumers
 and last-by-subject direct gets under ``rq.evt.<tenant>.`` / ``rq.tok.<tenant>.``.
 
@@ -28,7 +31,8 @@ A tenant may not publish to any other subject, but it can make the server
 request body, which no permission checks. What arrives that way keeps the
 subject it was stored under (one of the tenant's own ``rq.evt.<tenant>.…``
 or ``rq.tok.<tenant>.…``), with a payload the services wrote or, on
-``cancel_requested``, the tenant wrote; idle heartbeats and flow-control
+``cancel_requested`` (sourced from its ``rq.cancel.<tenant>.<request_id>``),
+the tenant wrote; idle heartbeats and flow-control
 messages of such a consumer arrive with the deliver subject itself and an
 empty body. So every receiver of a core subscription checks that
 ``msg.subject`` is one it subscribed for (:func:`subject_matches`) and drops
@@ -43,6 +47,8 @@ __all__ = [
     "ADVISORIES_CONSUMER",
     "ADVISORIES_STREAM",
     "BINDER_LEASE",
+    "CANCELS_STREAM",
+    "CANCEL_SOURCE",
     "DISPATCH_STREAM",
     "DLQ_STREAM",
     "EVENTS_STREAM",
@@ -58,6 +64,7 @@ __all__ = [
     "TERMINAL_BUCKET",
     "TOKENS_STREAM",
     "boost_subject",
+    "cancel_subject",
     "capacity_subject",
     "dispatch_subject",
     "dlq_subject",
@@ -85,6 +92,23 @@ EVENTS_STREAM: Final = "RQ_EVENTS"
 TOKENS_STREAM: Final = "RQ_TOKENS"
 DLQ_STREAM: Final = "RQ_DLQ"
 ADVISORIES_STREAM: Final = "RQ_ADVISORIES"
+#: Clients' cancellations, each at most ``MAX_CANCEL_BYTES`` (its
+#: ``max_msg_size``): the event log sources them (:data:`CANCEL_SOURCE`), so a
+#: tenant never writes to the log itself and an oversized cancellation is
+#: refused by the broker before anything is stored.
+CANCELS_STREAM: Final = "RQ_CANCELS"
+#: How ``RQ_EVENTS`` takes in ``RQ_CANCELS`` (its ``sources`` entry, in NATS's
+#: stream config schema): ``rq.cancel.<tenant>.<request_id>`` becomes
+#: ``rq.evt.<tenant>.<request_id>.cancel_requested``.
+CANCEL_SOURCE: Final = {
+    "name": CANCELS_STREAM,
+    "subject_transforms": [
+        {
+            "src": "rq.cancel.*.*",
+            "dest": "rq.evt.{{wildcard(1)}}.{{wildcard(2)}}.cancel_requested",
+        }
+    ],
+}
 STATE_BUCKET: Final = "rq-state"
 #: Claims only services can write: a request's one terminal outcome, a pool run.
 TERMINAL_BUCKET: Final = "rq-terminal"
@@ -189,6 +213,12 @@ SYSTEM_TENANT: Final = "_system"
 
 def event_subject(tenant: str, request_id: str, kind: str) -> str:
     return f"rq.evt.{tenant}.{request_id}.{kind}"
+
+
+def cancel_subject(tenant: str, request_id: str) -> str:
+    """Where a client asks for ``request_id`` to be cancelled (``RQ_CANCELS``);
+    the log has it as ``event_subject(tenant, request_id, "cancel_requested")``."""
+    return f"rq.cancel.{tenant}.{request_id}"
 
 
 def events_of_request(tenant: str, request_id: str) -> str:
