@@ -53,9 +53,26 @@ HEADER = wire_size(b"", {"Nats-Msg-Id": msg_id(TENANT, "too-big")})
 
 
 def hostile(request_id: str, size: int) -> bytes:
-    """A request payload of exactly ``size`` bytes (a long user message)."""
-    empty = raw_request(request_id, b'""')
-    return raw_request(request_id, b'"' + b"x" * (size - len(empty)) + b'"')
+    """A request payload of exactly ``size`` bytes: long user messages, each
+    under ``MAX_TEXT`` (the bulk in ``params.extra`` would be refused
+    ``out_of_range`` past 64 KiB, whatever the size)."""
+
+    def build(lengths: list[int]) -> bytes:
+        turns = b",".join(
+            b'{"role":"user","content":"' + b"x" * length + b'"}' for length in lengths
+        )
+        return (
+            b'{"id":"' + request_id.encode() + b'","tenant":"' + TENANT.encode() + b'",'
+            b'"route":"chat","messages":[' + turns + b"]}"
+        )
+
+    turns = max(1, -(-size // 900_000))
+    room = size - len(build([0] * turns))
+    lengths = [room // turns] * turns
+    lengths[-1] += room - sum(lengths)
+    data = build(lengths)
+    assert len(data) == size
+    return data
 
 
 async def publish_around_the_client(nc: Connection, request_id: str, total: int) -> bytes:
