@@ -67,7 +67,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Final
+from typing import Final, NamedTuple
 
 import msgspec
 
@@ -76,6 +76,7 @@ from ..broker import (
     ConsumerConfig,
     DeliverPolicy,
     JetStream,
+    JetStreamApi,
     Message,
     PullSubscription,
     delete_consumer,
@@ -96,7 +97,7 @@ from ..schema import (
 )
 from ..tasks import Supervisor, cancel_and_wait
 
-__all__ = ["CANCELS", "CancelWatch", "cancel_of"]
+__all__ = ["CANCELS", "CancelSource", "CancelWatch", "cancel_of", "read_cancel_source"]
 
 log = get_logger("cancellation")
 
@@ -404,3 +405,43 @@ class CancelWatch(Lifecycle):
             # What the watch covers starts after what it forgot: an older
             # request is looked up in the log (was_cancelled).
             self._known_since = max(self._known_since, math.nextafter(at, math.inf))
+
+
+class CancelSource(NamedTuple):
+    """Where the event log's copying of ``RQ_CANCELS`` stands."""
+
+    #: The last sequence of ``RQ_CANCELS`` the log took in (its source entry's
+    #: ``seq``); ``None``: the log has no source of ``RQ_CANCELS``.
+    taken: int | None
+    #: ``RQ_CANCELS``'s last sequence, and how many messages it holds.
+    last_seq: int
+    messages: int
+
+    @property
+    def unsourced(self) -> int:
+        """How many of its messages the log has not taken in: all of them
+        without a source, or with one past its end (the stream was made
+        again; the server notices only after a while)."""
+        if self.taken is None or self.taken > self.last_seq:
+            return self.messages
+        return min(self.messages, self.last_seq - self.taken)
+
+
+async def read_cancel_source(js: JetStream) -> CancelSource | None:
+    """Read :class:`CancelSource` (``None`` without ``RQ_CANCELS``): from the
+    log's source entry's ``seq``, not its ``lag``, which stays 0 while the log
+    is full and the copy waits."""
+    api = JetStreamApi(js)
+    events, cancels = await asyncio.gather(
+        api.call(f"STREAM.INFO.{EVENTS_STREAM}"), api.call(f"STREAM.INFO.{CANCELS_STREAM}")
+    )
+    state = cancels.get("state") if isinstance(cancels, dict) and "error" not in cancels else None
+    if not isinstance(state, dict):
+        return None
+    sources = (events.get("sources") if isinstance(events, dict) else None) or []
+    taken = [int(s.get("seq", 0)) for s in sources if s.get("name") == CANCELS_STREAM]
+    return CancelSource(
+        taken=taken[0] if taken else None,
+        last_seq=int(state.get("last_seq", 0)),
+        messages=int(state.get("messages", 0)),
+    )
