@@ -26,11 +26,17 @@ from test_binder import until
 from test_startup import ServiceProcess, service_config
 
 from renqueue import Client
-from renqueue.broker import EmbeddedServer, EventLog, connect, provision
+from renqueue.broker import (
+    EmbeddedServer,
+    EventLog,
+    JetStreamApi,
+    connect,
+    provision,
+)
 from renqueue.config import parse_config
 from renqueue.errors import NatsError, NatsUnavailableError
 from renqueue.mock import MockBackend, MockSettings
-from renqueue.schema import EVENTS_STREAM, cancel_requested, event_subject
+from renqueue.schema import CANCELS_STREAM, EVENTS_STREAM, cancel_requested, event_subject
 
 
 def free_port() -> int:
@@ -256,3 +262,45 @@ async def until_answers(publish: Callable[[], Awaitable[object]]) -> None:
             await asyncio.sleep(0.2)
         else:
             return
+
+
+async def test_a_replicated_log_from_before_rq_cancels_is_upgraded_in_place(
+    tmp_path: Path,
+) -> None:
+    """`renqueue provision` of this version on a three-replica deployment of the
+    previous one (no RQ_CANCELS, a log that sources nothing, holding events):
+    RQ_CANCELS is made with three replicas, the log gets its source in place
+    keeping every event, and a cancellation then reaches the log once."""
+    async with cluster(tmp_path) as nodes:
+        config = parse_config({"nats": {"url": nodes.url, "replicas": 3}})
+        nc = await connect(nodes.url, name="provision")
+        try:
+            # As the previous version left it (this one's provisioning refuses a
+            # log without the source): no RQ_CANCELS, no source.
+            await provision(nc, config)
+            api = JetStreamApi(nc)
+            old = (await api.call(f"STREAM.INFO.{EVENTS_STREAM}"))["config"]
+            old.pop("sources")
+            assert "error" not in await api.call(f"STREAM.UPDATE.{EVENTS_STREAM}", old)
+            assert "error" not in await api.call(f"STREAM.DELETE.{CANCELS_STREAM}")
+            js = nc.jetstream()
+            await js.publish(event_subject("t", "older", "cancel_requested"), b"{}")
+
+            report = await provision(nc, config)
+            assert CANCELS_STREAM in report.created
+            assert EVENTS_STREAM in report.updated
+            cancels = (await api.call(f"STREAM.INFO.{CANCELS_STREAM}"))["config"]
+            assert cancels["num_replicas"] == 3
+            await EventLog(js).append(cancel_requested("newer", "t", at=time.time()))
+
+            async def copied() -> bool:
+                have = await logged_cancellations(nc)
+                return event_subject("t", "newer", "cancel_requested") in have
+
+            await until(copied, "the log has the new cancellation")
+            assert await logged_cancellations(nc) == {
+                event_subject("t", "older", "cancel_requested"): 1,
+                event_subject("t", "newer", "cancel_requested"): 1,
+            }
+        finally:
+            await nc.close()
