@@ -75,6 +75,7 @@ from ..policy import (
     limit_usage,
 )
 from ..schema import (
+    CANCELS_STREAM,
     DISPATCH_STREAM,
     EVENTS_STREAM,
     REQUESTS_STREAM,
@@ -539,6 +540,12 @@ def status_sections(report: StatusReport) -> list[StatusSection]:
         _level_section(report.levels),
         _tenant_section(report.tenants),
         *_store_sections(report),
+        _notes(
+            "Cancellations not in the log (routers and workers do not know them yet)",
+            [(CANCELS_STREAM, f"{report.cancels_unsourced} waiting to be sourced")]
+            if report.cancels_unsourced
+            else [],
+        ),
     ]
     return [section for section in found if section is not None]
 
