@@ -310,6 +310,37 @@ async def test_a_starting_watch_knows_a_cancellation_the_log_has_not_sourced_yet
         await watch.close()
 
 
+async def test_a_starting_watch_knows_a_cancellation_waiting_for_a_full_log_past_a_minute(
+    isolated_nc: Any,
+) -> None:
+    """A cancellation acknowledged while the log is full waits in RQ_CANCELS
+    until the log has room (the server copies it then, in order). A watch
+    starting two minutes later read only RQ_CANCELS's last minute, so it did
+    not know it, and the waiting request could run. It now reads RQ_CANCELS
+    from where the log's source stopped."""
+    js = isolated_nc.jetstream()
+    await provision(isolated_nc, parse_config({"routes": {}, "backends": {}}))
+    before = CancelRequested(request_id="sourced", tenant="t", at=time.time())
+    await EventLog(js).append(before)
+    await in_the_log(js, "t", "sourced")
+    reply = await isolated_nc.request(f"$JS.API.STREAM.INFO.{EVENTS_STREAM}", b"", timeout=2)
+    info = json.loads(reply.data)
+    full = {**info["config"], "max_bytes": info["state"]["bytes"] + 1}
+    reply = await isolated_nc.request(
+        f"$JS.API.STREAM.UPDATE.{EVENTS_STREAM}", json.dumps(full).encode(), timeout=2
+    )
+    assert "error" not in json.loads(reply.data), reply.data
+    await EventLog(js).append(CancelRequested(request_id="waiting", tenant="t", at=time.time()))
+    # The watch starts two minutes on (its clock), the log still full.
+    watch = CancelWatch(js, clock=lambda: time.time() + 120)
+    try:
+        await asyncio.wait_for(watch.start(), 20)
+        assert watch.is_cancelled("t", "waiting")
+        assert watch.is_cancelled("t", "sourced")
+    finally:
+        await watch.close()
+
+
 async def test_a_flood_of_cancellations_stays_bounded_and_forgotten_ones_are_still_honoured(
     isolated_nc: Any,
 ) -> None:

@@ -11,21 +11,32 @@ same under load.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+from test_binder import until
 from test_startup import ServiceProcess, service_config
 
 from renqueue import Client
-from renqueue.broker import EmbeddedServer, connect, provision
+from renqueue.broker import (
+    EmbeddedServer,
+    EventLog,
+    JetStreamApi,
+    connect,
+    provision,
+)
 from renqueue.config import parse_config
-from renqueue.errors import NatsUnavailableError
+from renqueue.errors import NatsError, NatsUnavailableError
 from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import CANCELS_STREAM, EVENTS_STREAM, cancel_requested, event_subject
 
 
 def free_port() -> int:
@@ -184,3 +195,112 @@ async def test_a_service_rides_out_the_loss_of_the_whole_cluster_without_a_resta
         assert service.proc is not None
         assert service.proc.returncode is None, service.text()[-3000:]
         assert await service.stop() == 0, service.text()[-3000:]
+
+
+async def logged_cancellations(nc: Any) -> dict[str, int]:
+    """How many copies of each cancellation the log holds (by subject)."""
+    reply = await nc.request(
+        f"$JS.API.STREAM.INFO.{EVENTS_STREAM}",
+        json.dumps({"subjects_filter": event_subject("t", "*", "cancel_requested")}).encode(),
+        timeout=5,
+    )
+    info = json.loads(reply.data)
+    if "error" in info:
+        raise NatsError(str(info["error"]))
+    subjects: dict[str, int] = info["state"].get("subjects") or {}
+    return subjects
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "kill-9"])
+async def test_a_cancellation_acked_before_the_cluster_is_lost_reaches_the_log_once(
+    tmp_path: Path, kill: bool
+) -> None:
+    """With three replicas, RQ_EVENTS sources RQ_CANCELS: a cancellation
+    acknowledged by RQ_CANCELS just before every node stops (or is killed) is in
+    the log once the cluster is back, and the sourcing, set up again by the
+    servers, copies nothing twice (a copy made before the loss is not made again)
+    and takes the next cancellation too."""
+    async with cluster(tmp_path) as nodes:
+        await provisioned(nodes)
+        nc = await connect(nodes.url, name="client")
+        try:
+            log = EventLog(nc.jetstream())
+            await log.append(cancel_requested("before", "t", at=time.time()))
+
+            async def copied(*ids: str) -> bool:
+                try:
+                    have = await logged_cancellations(nc)
+                except NatsError:  # RQ_EVENTS has no leader yet
+                    return False
+                return all(event_subject("t", i, "cancel_requested") in have for i in ids)
+
+            await until(lambda: copied("before"), "the log has the first cancellation")
+            await log.append(cancel_requested("at-the-loss", "t", at=time.time()))
+            await nodes.stop(kill=kill)
+            await nodes.start()
+            await until_answers(lambda: log.append(cancel_requested("after", "t", at=time.time())))
+            await until(
+                lambda: copied("before", "at-the-loss", "after"),
+                "the log has every cancellation",
+                within=60,
+            )
+            assert set((await logged_cancellations(nc)).values()) == {1}
+        finally:
+            await nc.close()
+
+
+async def until_answers(publish: Callable[[], Awaitable[object]]) -> None:
+    """``publish`` once the cluster has a leader for its stream again."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    while True:
+        try:
+            await publish()
+        except (NatsUnavailableError, TimeoutError):
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+        else:
+            return
+
+
+async def test_a_replicated_log_from_before_rq_cancels_is_upgraded_in_place(
+    tmp_path: Path,
+) -> None:
+    """`renqueue provision` of this version on a three-replica deployment of the
+    previous one (no RQ_CANCELS, a log that sources nothing, holding events):
+    RQ_CANCELS is made with three replicas, the log gets its source in place
+    keeping every event, and a cancellation then reaches the log once."""
+    async with cluster(tmp_path) as nodes:
+        config = parse_config({"nats": {"url": nodes.url, "replicas": 3}})
+        nc = await connect(nodes.url, name="provision")
+        try:
+            # As the previous version left it (this one's provisioning refuses a
+            # log without the source): no RQ_CANCELS, no source.
+            await provision(nc, config)
+            api = JetStreamApi(nc)
+            old = (await api.call(f"STREAM.INFO.{EVENTS_STREAM}"))["config"]
+            old.pop("sources")
+            assert "error" not in await api.call(f"STREAM.UPDATE.{EVENTS_STREAM}", old)
+            assert "error" not in await api.call(f"STREAM.DELETE.{CANCELS_STREAM}")
+            js = nc.jetstream()
+            await js.publish(event_subject("t", "older", "cancel_requested"), b"{}")
+
+            report = await provision(nc, config)
+            assert CANCELS_STREAM in report.created
+            assert EVENTS_STREAM in report.updated
+            cancels = (await api.call(f"STREAM.INFO.{CANCELS_STREAM}"))["config"]
+            assert cancels["num_replicas"] == 3
+            await EventLog(js).append(cancel_requested("newer", "t", at=time.time()))
+
+            async def copied() -> bool:
+                have = await logged_cancellations(nc)
+                return event_subject("t", "newer", "cancel_requested") in have
+
+            await until(copied, "the log has the new cancellation")
+            assert await logged_cancellations(nc) == {
+                event_subject("t", "older", "cancel_requested"): 1,
+                event_subject("t", "newer", "cancel_requested"): 1,
+            }
+        finally:
+            await nc.close()

@@ -38,6 +38,8 @@ ALERTS = {
     "ExporterDown",
     # Issue 30 item 4: store use, where `renqueue status` warns.
     "StoreNearLimit",
+    # Cancellations acknowledged by RQ_CANCELS that the log has not sourced.
+    "CancellationsNotSourced",
 }
 
 

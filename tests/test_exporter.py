@@ -25,7 +25,15 @@ from test_binder import until
 from test_fallback import FAST, config_for, failing
 
 from renqueue import Client, Services, parse_config
-from renqueue.broker import STORES, EmbeddedServer, EventLog, JetStream, connect, provision
+from renqueue.broker import (
+    STORES,
+    EmbeddedServer,
+    EventLog,
+    JetStream,
+    JetStreamApi,
+    connect,
+    provision,
+)
 from renqueue.config import Config
 from renqueue.coordination import (
     ArmFigures,
@@ -40,6 +48,7 @@ from renqueue.coordination import (
     cluster_families,
 )
 from renqueue.coordination._exporter import COMPLETIONS
+from renqueue.errors import NatsNotFoundError
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.policy import LimitUsage
 from renqueue.schema import (
@@ -47,6 +56,7 @@ from renqueue.schema import (
     REQUESTS_STREAM,
     CancelRequested,
     Routed,
+    event_subject,
     request_subject,
 )
 from renqueue.state import BackendState
@@ -439,6 +449,72 @@ async def test_each_store_s_bytes_and_limit_are_exported_as_the_broker_holds_the
         assert used >= held
         assert now("renqueue_jetstream_limit_bytes") == 64 * 1024 * 1024
         assert now("renqueue_store_warn_ratio") == 0.5
+    finally:
+        await nc.close()
+
+
+async def test_cancellations_the_log_has_not_sourced_are_exported(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Clients cancel on RQ_CANCELS, and the services read the log's copy: a
+    cancellation acknowledged but not copied is one they do not know. Seen by
+    Prometheus (CancellationsNotSourced): 0 once the log took it in; with the
+    log's source gone, every cancellation RQ_CANCELS holds; with the log full
+    (the server's own source ``lag`` says 0 then), the one that waits, until
+    the log has room and takes it in."""
+    config = parse_config(
+        {
+            "nats": {"url": isolated_server.url},
+            "backends": {"b": {"base_url": "http://127.0.0.1:1", "model": "m"}},
+            "routes": {"chat": {"backends": ["b"]}},
+        }
+    )
+    nc = await connect(isolated_server.url, name="test-exporter")
+    api = JetStreamApi(nc)
+
+    async def update_events(**change: Any) -> None:
+        info = await api.call(f"STREAM.INFO.{EVENTS_STREAM}")
+        stream = {k: v for k, v in info["config"].items() if k not in change or v is not None}
+        stream.update({k: v for k, v in change.items() if v is not None})
+        for key in [k for k, v in change.items() if v is None]:
+            stream.pop(key, None)
+        reply = await api.call(f"STREAM.UPDATE.{EVENTS_STREAM}", stream)
+        assert "error" not in reply, reply
+
+    async def unsourced(js: JetStream) -> float | None:
+        async with exporting(js, config) as (registry, _):
+            return (await scrape(registry))("renqueue_cancels_unsourced_messages")
+
+    async def logged(js: JetStream, request_id: str) -> bool:
+        subject = event_subject(TENANT, request_id, "cancel_requested")
+        try:
+            await js.get_last_msg(EVENTS_STREAM, subject, direct=True)
+        except NatsNotFoundError:
+            return False
+        return True
+
+    try:
+        js = nc.jetstream()
+        await provision(js, config)
+        log = EventLog(js)
+        await log.append(CancelRequested(request_id="taken", tenant=TENANT, at=time.time()))
+        await until(lambda: logged(js, "taken"), "the log took the cancellation in")
+        assert await unsourced(js) == 0
+
+        # The log full: the next cancellation waits in RQ_CANCELS.
+        held = (await js.stream_info(EVENTS_STREAM)).state.bytes
+        await update_events(max_bytes=held + 1)
+        await log.append(CancelRequested(request_id="waits", tenant=TENANT, at=time.time()))
+        assert await unsourced(js) == 1
+        assert not await logged(js, "waits")
+        await update_events(max_bytes=config.nats.max_bytes("events"))
+        await until(lambda: logged(js, "waits"), "the log took the waiting one in")
+        assert await unsourced(js) == 0
+
+        # The log's source removed: nothing RQ_CANCELS holds reaches it.
+        await update_events(sources=None)
+        await log.append(CancelRequested(request_id="lost", tenant=TENANT, at=time.time()))
+        assert await unsourced(js) == 3
     finally:
         await nc.close()
 

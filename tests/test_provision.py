@@ -406,3 +406,20 @@ async def test_an_event_log_that_does_not_source_the_cancellations_is_refused(
     edit_json(streams / "events.json", sources=[])
     with pytest.raises(ProvisionError, match=r"events\.json: sources .* cancellations"):
         await provision(isolated_nc, make_config(), streams_dir=streams)
+
+
+async def test_a_copy_of_the_streams_from_before_rq_cancels_is_refused_naming_the_file(
+    isolated_nc: Connection, tmp_path: Path
+) -> None:
+    """docs/operations.md#upgrade: an edited copy of streams/ from before
+    RQ_CANCELS ($RENQUEUE_STREAMS_DIR) has no cancels.json and no source in
+    events.json; provision says which file is missing, and creates nothing."""
+    streams = copy_streams(tmp_path)
+    (streams / "cancels.json").unlink()
+    events = json.loads((streams / "events.json").read_text())
+    del events["sources"]
+    (streams / "events.json").write_text(json.dumps(events))
+    with pytest.raises(ProvisionError, match=r"cancels\.json: definition file not found"):
+        await provision(isolated_nc, make_config(), streams_dir=streams)
+    reply = await isolated_nc.request("$JS.API.STREAM.NAMES", b"", timeout=2)
+    assert not json.loads(reply.data).get("streams")

@@ -337,6 +337,17 @@ def test_render_status_lines() -> None:
     ]
 
 
+def test_cancellations_the_log_has_not_sourced_are_named() -> None:
+    """A cancellation acknowledged by RQ_CANCELS but not in the log is one the
+    services do not know: status says how many wait (none: no section)."""
+    assert not any("Cancellations not in the log" in line for line in render_status(REPORT))
+    waiting = msgspec.structs.replace(REPORT, cancels_unsourced=3)
+    text = "\n".join(render_status(waiting))
+    assert "Cancellations not in the log" in text
+    assert "RQ_CANCELS" in text
+    assert "3 waiting to be sourced" in text
+
+
 def test_render_status_before_any_projection() -> None:
     empty = StatusReport(
         at=T,

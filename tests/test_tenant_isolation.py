@@ -181,6 +181,22 @@ async def check_refusals(stack: Stack, *, globex_request: str) -> None:
                 headers={"Nats-Msg-Id": "acme:x:requeue:1"},
             )
         await acme.violation('publish to "rq.req.normal.acme.requeue"')
+        # Cancelling another tenant's request: its cancel subject is not acme's.
+        forged = {"v": 2, "kind": "cancel_requested", "request_id": globex_request,
+                  "tenant": "globex", "at": 0.0, "reason": "forged"}  # fmt: skip
+        with pytest.raises(TimeoutError):
+            await js.publish(cancel_subject("globex", globex_request), json.dumps(forged).encode())
+        await acme.violation(f'publish to "rq.cancel.globex.{globex_request}"')
+        # Nor its own, straight into the log (the subject before RQ_CANCELS).
+        with pytest.raises(TimeoutError):
+            await js.publish("rq.evt.acme.x.cancel_requested", b"{}")
+        await acme.violation('publish to "rq.evt.acme.x.cancel_requested"')
+        # Nor reading what others cancel: RQ_CANCELS grants no reads at all.
+        with pytest.raises(TimeoutError):
+            await js.get_last_msg(
+                CANCELS_STREAM, cancel_subject("globex", globex_request), direct=True
+            )
+        await acme.violation(f'"$js.api.direct.get.rq_cancels.rq.cancel.globex.{globex_request}')
 
         # Subscribing to another tenant's tokens: denied, nothing arrives.
         received: list[bytes] = []

@@ -10,11 +10,13 @@ see :mod:`renqueue.tasks`) that reads ``rq.evt.*.*.cancel_requested`` through
 an ephemeral pull consumer starting ``horizon`` seconds back, so a process
 that starts (or restarts) later still knows every recent cancellation. If the
 loop fails it is started again from the message after the last one it read:
-no cancellation is skipped. A starting watch first reads the last minute of
-``RQ_CANCELS`` too: a cancellation acknowledged there that the log has not
-sourced yet (the first after the stream is made took 134 ms; longer while
-the server sets the source up again after a restart) is known before any
-request is run. A running watch learns of a cancellation once the log has
+no cancellation is skipped. A starting watch first reads ``RQ_CANCELS`` too,
+from the first message the log's source has not taken in (the last minute
+of it when the log has no such source, or one past its end): a cancellation
+acknowledged there that the log has not sourced yet (the first after the
+stream is made took 134 ms; longer while the server sets the source up again
+after a restart; as long as the log is full) is known before any request is
+run. A running watch learns of a cancellation once the log has
 it: one that arrives while the log's source is being set up again may let
 the request start, and then stops it (stage ``running``).
 
@@ -67,7 +69,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Final
+from typing import Final, NamedTuple
 
 import msgspec
 
@@ -76,6 +78,7 @@ from ..broker import (
     ConsumerConfig,
     DeliverPolicy,
     JetStream,
+    JetStreamApi,
     Message,
     PullSubscription,
     delete_consumer,
@@ -96,7 +99,7 @@ from ..schema import (
 )
 from ..tasks import Supervisor, cancel_and_wait
 
-__all__ = ["CANCELS", "CancelWatch", "cancel_of"]
+__all__ = ["CANCELS", "CancelSource", "CancelWatch", "cancel_of", "read_cancel_source"]
 
 log = get_logger("cancellation")
 
@@ -285,8 +288,9 @@ class CancelWatch(Lifecycle):
     # ------------------------------------------------------------------ loop
 
     async def _read_unsourced(self) -> None:
-        """Hold the cancellations ``RQ_CANCELS`` took in the last
-        :data:`_UNSOURCED` seconds, before the log's are read: the log sources
+        """Hold the cancellations ``RQ_CANCELS`` took that the log has not
+        sourced (from its source's position; without one, the last
+        :data:`_UNSOURCED` seconds), before the log's are read: the log sources
         each a moment after the client's ack (about a millisecond; longer while
         its source is set up again, after the stream is created or the server
         restarts), and a request cancelled then must not run. Only remembered
@@ -294,17 +298,24 @@ class CancelWatch(Lifecycle):
         what is counted when it is no cancellation, and what replaces this
         one once read). Best effort: a failure is logged, the log still has
         them all."""
-        since = datetime.datetime.fromtimestamp(
-            max(self._known_since, self._clock() - _UNSOURCED), tz=datetime.UTC
-        )
-        config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_TIME,
-            opt_start_time=since,
-            ack_policy=AckPolicy.NONE,
-            inactive_threshold=_INACTIVE,
-            mem_storage=True,
-            num_replicas=1,
-        )
+        start = await self._unsourced_since()
+        if start is not None:
+            # Exactly what the log has not taken in, however long it waited
+            # (the log full for more than a minute, say).
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start
+            )
+        else:
+            since = datetime.datetime.fromtimestamp(
+                max(self._known_since, self._clock() - _UNSOURCED), tz=datetime.UTC
+            )
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since
+            )
+        config.ack_policy = AckPolicy.NONE
+        config.inactive_threshold = _INACTIVE
+        config.mem_storage = True
+        config.num_replicas = 1
         try:
             psub = await self._js.pull_subscribe(
                 cancel_subject("*", "*"), stream=CANCELS_STREAM, config=config
@@ -334,6 +345,18 @@ class CancelWatch(Lifecycle):
             with contextlib.suppress(NatsError):
                 await psub.unsubscribe()
             await delete_consumer(self._js, CANCELS_STREAM, psub.consumer)
+
+    async def _unsourced_since(self) -> int | None:
+        """The first sequence of ``RQ_CANCELS`` the log has not sourced, if
+        the log's source entry tells (``None``: it has none, or one past
+        ``RQ_CANCELS``'s end, or the server did not answer)."""
+        try:
+            source = await read_cancel_source(self._js)
+        except NatsError:
+            return None
+        if source is None or source.taken is None or source.taken > source.last_seq:
+            return None
+        return source.taken + 1
 
     async def _subscribe(self) -> PullSubscription:
         if self._next_seq:
@@ -404,3 +427,43 @@ class CancelWatch(Lifecycle):
             # What the watch covers starts after what it forgot: an older
             # request is looked up in the log (was_cancelled).
             self._known_since = max(self._known_since, math.nextafter(at, math.inf))
+
+
+class CancelSource(NamedTuple):
+    """Where the event log's copying of ``RQ_CANCELS`` stands."""
+
+    #: The last sequence of ``RQ_CANCELS`` the log took in (its source entry's
+    #: ``seq``); ``None``: the log has no source of ``RQ_CANCELS``.
+    taken: int | None
+    #: ``RQ_CANCELS``'s last sequence, and how many messages it holds.
+    last_seq: int
+    messages: int
+
+    @property
+    def unsourced(self) -> int:
+        """How many of its messages the log has not taken in: all of them
+        without a source, or with one past its end (the stream was made
+        again; the server notices only after a while)."""
+        if self.taken is None or self.taken > self.last_seq:
+            return self.messages
+        return min(self.messages, self.last_seq - self.taken)
+
+
+async def read_cancel_source(js: JetStream) -> CancelSource | None:
+    """Read :class:`CancelSource` (``None`` without ``RQ_CANCELS``): from the
+    log's source entry's ``seq``, not its ``lag``, which stays 0 while the log
+    is full and the copy waits."""
+    api = JetStreamApi(js)
+    events, cancels = await asyncio.gather(
+        api.call(f"STREAM.INFO.{EVENTS_STREAM}"), api.call(f"STREAM.INFO.{CANCELS_STREAM}")
+    )
+    state = cancels.get("state") if isinstance(cancels, dict) and "error" not in cancels else None
+    if not isinstance(state, dict):
+        return None
+    sources = (events.get("sources") if isinstance(events, dict) else None) or []
+    taken = [int(s.get("seq", 0)) for s in sources if s.get("name") == CANCELS_STREAM]
+    return CancelSource(
+        taken=taken[0] if taken else None,
+        last_seq=int(state.get("last_seq", 0)),
+        messages=int(state.get("messages", 0)),
+    )

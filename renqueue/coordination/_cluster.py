@@ -130,6 +130,9 @@ SERIES: Final = (
     Series("renqueue_jetstream_limit_bytes", "gauge", (),
            "The cap those bytes count against: nats.max_file_store, or the account's own "
            "storage limit if it has one"),
+    Series("renqueue_cancels_unsourced_messages", "gauge", (),
+           "Clients' cancellations RQ_CANCELS holds that the event log has not sourced "
+           "(the services do not know them yet)"),
     Series("renqueue_store_warn_ratio", "gauge", (),
            "The fraction of a limit past which a store is near it (nats.store_warn; "
            "renqueue status says near limit)"),
@@ -300,6 +303,8 @@ def _add_reading(
     families.add("renqueue_jetstream_used_bytes", float(status.store_used))
     if status.store_limit > 0:
         families.add("renqueue_jetstream_limit_bytes", float(status.store_limit))
+    if status.cancels_unsourced is not None:
+        families.add("renqueue_cancels_unsourced_messages", float(status.cancels_unsourced))
     for level in status.levels:
         if level.waiting is not None:
             families.add("renqueue_level_waiting_requests", float(level.waiting), level.name)

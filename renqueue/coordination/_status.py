@@ -75,6 +75,7 @@ from ..policy import (
     limit_usage,
 )
 from ..schema import (
+    CANCELS_STREAM,
     DISPATCH_STREAM,
     EVENTS_STREAM,
     REQUESTS_STREAM,
@@ -85,6 +86,7 @@ from ..schema import (
 )
 from ..state import BackendState, ProjectionState, utc_day
 from ..text import clock, printable, shorten
+from ._cancellation import read_cancel_source
 from ._verify import read_checkpoint
 
 __all__ = [
@@ -233,6 +235,12 @@ class StatusReport(Struct, frozen=True, kw_only=True):
     #: What is near its limit: stream names, and ``store`` for the whole store.
     #: Empty when nothing is.
     near_limit: tuple[str, ...] = ()
+    #: Clients' cancellations ``RQ_CANCELS`` holds that the event log has not
+    #: taken in (its source is behind: the log is full, the source is being set
+    #: up again, or missing); ``None`` when ``RQ_CANCELS`` is not there. A
+    #: moment's worth is normal; more means cancellations wait, unknown to the
+    #: services.
+    cancels_unsourced: int | None = None
 
 
 # -------------------------------------------------------------------- reading
@@ -259,11 +267,12 @@ async def status_of(
     state = ProjectionState() if checkpoint is None else checkpoint
     names = [*config.backends, *sorted(set(state.backends) - set(config.backends))]
     out = out_of_service_here(config)
-    stream, queues, levels, (stores, used, cap) = await asyncio.gather(
+    stream, queues, levels, (stores, used, cap), unsourced = await asyncio.gather(
         js.stream_info(EVENTS_STREAM),
         asyncio.gather(*(_pending(js, DISPATCH_STREAM, worker_consumer(n)) for n in names)),
         asyncio.gather(*(_level(js, level, at) for level in config.priorities)),
         _stores(js, config),
+        cancels_unsourced(js),
     )
     backends = tuple(
         backend_status(
@@ -308,7 +317,15 @@ async def status_of(
             *(s.name for s in stores if s.near_limit),
             *(("store",) if _near(used, cap, config.nats.store_warn) else ()),
         ),
+        cancels_unsourced=unsourced,
     )
+
+
+async def cancels_unsourced(js: JetStream) -> int | None:
+    """How many of ``RQ_CANCELS``'s messages the event log has not sourced
+    (:attr:`StatusReport.cancels_unsourced`); ``None`` without ``RQ_CANCELS``."""
+    source = await read_cancel_source(js)
+    return None if source is None else source.unsourced
 
 
 async def _stores(js: JetStream, config: Config) -> tuple[tuple[StoreStatus, ...], int, int]:
@@ -523,6 +540,12 @@ def status_sections(report: StatusReport) -> list[StatusSection]:
         _level_section(report.levels),
         _tenant_section(report.tenants),
         *_store_sections(report),
+        _notes(
+            "Cancellations not in the log (routers and workers do not know them yet)",
+            [(CANCELS_STREAM, f"{report.cancels_unsourced} waiting to be sourced")]
+            if report.cancels_unsourced
+            else [],
+        ),
     ]
     return [section for section in found if section is not None]
 
