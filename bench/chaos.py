@@ -131,6 +131,10 @@ BACKENDS = (
     Backend(name="gamma", slots=6, failure_rate=0.03, workers=2),
 )
 ROUTERS = 2
+#: The nats-server's ``max_file_store``; the config's ``nats.max_file_store`` says the
+#: same, or the streams' ``max_bytes`` (shares of the config's) exceed it and NATS
+#: refuses to create them ("insufficient storage resources").
+NATS_FILE_STORE = "4GB"
 
 
 @dataclass(frozen=True)
@@ -280,6 +284,8 @@ def config_text(setting: Setting, url: str, mocks: dict[str, str]) -> str:
         "[nats]",
         f'url = "{url}"',
         f"replicas = {3 if setting.nodes == 3 else 1}",
+        # The nats-server's own cap (NatsNode): each stream's max_bytes is a share of it.
+        f'max_file_store = "{NATS_FILE_STORE}"',
         "",
         "[router]",
         f'ack_wait = "{setting.router_ack_wait:g}s"',
@@ -333,7 +339,7 @@ class NatsNode:
             f"server_name: {name}\nhost: 127.0.0.1\nport: {self.port}\n"
             'max_payload: 8MB\nmax_pending: 64MB\nwrite_deadline: "10s"\n'
             f'jetstream {{\n  store_dir: "{directory / "store"}"\n'
-            "  max_memory_store: 256MB\n  max_file_store: 4GB\n}\n"
+            f"  max_memory_store: 256MB\n  max_file_store: {NATS_FILE_STORE}\n}}\n"
         )
         if cluster:
             routes = "\n".join(f"    nats-route://127.0.0.1:{port}" for port in cluster)
