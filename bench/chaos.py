@@ -1647,7 +1647,37 @@ def restart_phases(
         record.setdefault("phases", {})[name] = round(value, 2)
         sums.setdefault(name, []).append(value)
 
+    workers_of = Counter(slot.backend for slot in fleet.slots if slot.role == "worker")
+    bound: list[tuple[str, float, float]] = []  # (backend, routed at, next step at)
+    for history in events.values():
+        for index, logged in enumerate(history):
+            if isinstance(logged.event, Routed):
+                after = next(
+                    (
+                        later.at
+                        for later in history[index + 1 :]
+                        if isinstance(later.event, Started | Stolen)
+                        or kind_of(later.event) in TERMINAL_KINDS
+                    ),
+                    None,
+                )
+                if after is not None:
+                    bound.append((logged.event.backend, logged.at, after))
     for r in restarts:
+        backend = r["slot"].split("-")[1] if r["role"] == "worker" else None
+        if backend is not None and workers_of[backend] == 1:
+            # Requests bound to the backend while its only worker was being replaced:
+            # how long each waited for a worker (its run started, or it was stolen).
+            until = r["ready_at"] if r["order"] == "stop-first" else r["exited_at"]
+            waits = [
+                step - at
+                for name, at, step in bound
+                if name == backend and r["term_at"] <= at <= (until or at)
+            ]
+            note(r, "bound_while_restarting", float(len(waits)))
+            if waits:
+                note(r, "bound_while_restarting_wait_max", max(waits))
+                sums.setdefault("bound_while_restarting_wait", []).extend(waits)
         new = _log_lines(r.get("new_log"))
         connected = _first(new, "nats connected")
         provisioned = _first(new, "provisioned")
