@@ -160,6 +160,8 @@ class Setting:
     #: before the old one gets SIGTERM, as a Kubernetes rolling update with maxSurge)
     #: or ``stop-first`` (SIGTERM, exit, then the new one).
     rolling_order: str = "start-first"
+    #: ``router.require_worker``: bind nothing to a backend no worker asks for work.
+    require_worker: bool = False
     #: A control run: the setting's load and config without its faults (``--control``);
     #: its deadlines are audited as ``rolling``'s are, for comparison.
     control: bool = False
@@ -295,6 +297,7 @@ def config_text(setting: Setting, url: str, mocks: dict[str, str]) -> str:
         "[router]",
         f'ack_wait = "{setting.router_ack_wait:g}s"',
         f"max_deliver = {setting.router_max_deliver}",
+        *(["require_worker = true"] if setting.require_worker else []),
         "",
         "[worker]",
         f'ack_wait = "{setting.worker_ack_wait:g}s"',
@@ -2197,6 +2200,12 @@ def main() -> None:
         " ready before the old one gets SIGTERM, as a Kubernetes rolling update with"
         " maxSurge; the default) or stop-first (SIGTERM, exit, then the new one)",
     )
+    parser.add_argument(
+        "--require-worker",
+        action="store_true",
+        help="set router.require_worker: the binder binds nothing to a backend no worker"
+        " asks for work (one whose only worker is being replaced, stop-first)",
+    )
     parser.add_argument("--seed", type=int, default=6)
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, stores)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
@@ -2210,6 +2219,10 @@ def main() -> None:
         setting = SETTINGS[name]
         if args.kill_every is not None:
             setting = dataclasses.replace(setting, kill_every=args.kill_every)
+        if args.require_worker:
+            setting = dataclasses.replace(
+                setting, require_worker=True, about=f"{setting.about}; router.require_worker"
+            )
         if setting.rolling:
             setting = dataclasses.replace(
                 setting,

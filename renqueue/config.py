@@ -870,9 +870,9 @@ class RouterConfig(_Section, frozen=True, kw_only=True):
     #: Bind to a backend only while a worker asks it for work (its consumer has
     #: a pull waiting): one with no live worker (stopped, restarting, not yet
     #: started) counts as full, so its requests wait in the priority subjects or
-    #: go to another backend of the route. ``false``: bind up to its slots
-    #: whatever; requests then wait in its queue until a worker comes.
-    require_worker: bool = True
+    #: go to another backend of the route. ``false`` (the default, for now): bind
+    #: up to its slots whatever; requests then wait in its queue until a worker comes.
+    require_worker: bool = False
 
     def __post_init__(self) -> None:
         ttl = parse_duration(self.lease_ttl)

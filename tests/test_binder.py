@@ -747,7 +747,8 @@ async def test_nothing_is_bound_to_a_backend_whose_worker_has_stopped(
     """Issue #30 item 6 (a rolling restart, stop-first): while a backend's only
     worker restarted, the binder went on binding to it (its consumer had room), and
     those requests waited in its queue for the new worker although the route's other
-    backend had free slots. A backend no worker asks for work counts as full now."""
+    backend had free slots. With ``router.require_worker``, a backend no worker asks
+    for work counts as full."""
     async with MockBackend(MockSettings(ttft=0.01, output_tokens=2, concurrency=8)) as mock:
         config = parse_config(
             {
@@ -757,7 +758,7 @@ async def test_nothing_is_bound_to_a_backend_whose_worker_has_stopped(
                     for name in ("a", "b")
                 },
                 "routes": {"chat": {"backends": ["a", "b"]}},
-                "router": {"capacity_refresh": "20ms"},
+                "router": {"capacity_refresh": "20ms", "require_worker": True},
             }
         )
         async with (
@@ -785,7 +786,7 @@ async def test_nothing_is_bound_to_a_backend_whose_worker_has_stopped(
 async def test_require_worker_false_binds_to_a_backend_with_no_worker(
     isolated_server: EmbeddedServer,
 ) -> None:
-    """``router.require_worker = false``: the old rule, room is the consumer's slots
+    """``router.require_worker = false`` (the default): room is the consumer's slots
     whatever pulls them (what is bound waits in the backend's queue for a worker)."""
     config = parse_config(
         {

@@ -20,8 +20,8 @@ a busy backend frees a slot per completed call, and a read per freed slot put
 a broker round trip in front of nearly every round. The worker consumer's
 ``max_ack_pending`` caps concurrency at the broker in any case.
 
-Room counts only where a worker asks for work (``router.require_worker``, the
-default): a worker with a free slot always has a pull waiting on its consumer
+With ``router.require_worker`` (off by default), room counts only where a
+worker asks for work: a worker with a free slot always has a pull waiting on its consumer
 (``num_waiting``), so a consumer with room and no pull waiting has no live
 worker (stopped, restarting, crashed, not started yet). Such a backend counts
 as full until a worker pulls again: nothing more is bound there, and requests
