@@ -2080,7 +2080,11 @@ def print_report(report: dict[str, Any]) -> None:
             print(
                 "  phases (p50/max, n): "
                 + "; ".join(
-                    f"{name} {_seconds(v['p50'])}/{_seconds(v['max'])} ({v['n']})"
+                    (
+                        f"{name} {v['p50']:g}/{v['max']:g} ({v['n']} restarts)"
+                        if name == "bound_while_restarting"
+                        else f"{name} {_seconds(v['p50'])}/{_seconds(v['max'])} ({v['n']})"
+                    )
                     for name, v in r["phases"].items()
                 )
             )
