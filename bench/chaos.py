@@ -2067,7 +2067,7 @@ def print_report(report: dict[str, Any]) -> None:
     if "rolling" in report:
         r = report["rolling"]
         print(
-            f"  rolling ({r['order']}): {r['restarts']} restarts {r['restarts_by_role']}"
+            f"  rolling ({r['order'] or 'none'}): {r['restarts']} restarts {r['restarts_by_role']}"
             f" ({r['passes']:.1f} passes), exit codes {r['exit_codes']}, forced {r['forced']},"
             f" never ready {r['never_ready']}, SIGTERM->exit p50"
             f" {_seconds(r['term_to_exit']['p50'])} max {_seconds(r['term_to_exit']['max'])},"
@@ -2148,7 +2148,7 @@ def summary_line(report: dict[str, Any]) -> str:
     if "rolling" in report:
         r = report["rolling"]
         extra = (
-            f", rolling restarts {r['restarts']} ({r['order']}, forced {r['forced']}),"
+            f", rolling restarts {r['restarts']} ({r['order'] or 'none'}, forced {r['forced']}),"
             " deadline requests"
             f" {r['with_deadline']}: expired {r['expired']} ({r['expired_while_restarting']}"
             f" during a restart), ended >1 s past deadline {r['ended_over_deadline_by_1s']}"
