@@ -131,6 +131,9 @@ BACKENDS = (
     Backend(name="gamma", slots=6, failure_rate=0.03, workers=2),
 )
 ROUTERS = 2
+#: The nats-server's ``max_file_store``; the config's ``nats.max_file_store`` says the
+#: same, or the streams' ``max_bytes`` (shares of the config's) exceed it and NATS
+#: refuses to create them ("insufficient storage resources").
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,12 @@ class Setting:
     #: Restart every router and worker one at a time (SIGTERM, wait for the exit, start
     #: again, wait until ready, next) for as long as the arrivals last.
     rolling: bool = False
+    #: How the rolling restart replaces a process: ``start-first`` (the new one ready
+    #: before the old one gets SIGTERM, as a Kubernetes rolling update with maxSurge)
+    #: or ``stop-first`` (SIGTERM, exit, then the new one).
+    rolling_order: str = "start-first"
+    #: ``router.require_worker``: bind nothing to a backend no worker asks for work.
+    require_worker: bool = False
     #: A control run: the setting's load and config without its faults (``--control``);
     #: its deadlines are audited as ``rolling``'s are, for comparison.
     control: bool = False
@@ -246,9 +255,10 @@ SETTINGS = {
         deadline_share=0.25,
         deadline_range=(4.0, 12.0),
         about=(
-            "one nats-server, every router and worker restarted one at a time (SIGTERM, exit,"
-            " start, ready, next) while the arrivals last; a quarter of the requests carry a"
-            " 4-12 s deadline"
+            "one nats-server, every router and worker replaced one at a time while the"
+            " arrivals last (start-first: a new process started and ready, then SIGTERM to"
+            " the old one; stop-first: SIGTERM, exit, start, ready); a quarter of the requests"
+            " carry a 4-12 s deadline"
         ),
     ),
 }
@@ -290,6 +300,7 @@ def config_text(setting: Setting, url: str, mocks: dict[str, str]) -> str:
         "[router]",
         f'ack_wait = "{setting.router_ack_wait:g}s"',
         f"max_deliver = {setting.router_max_deliver}",
+        *(["require_worker = true"] if setting.require_worker else []),
         "",
         "[worker]",
         f'ack_wait = "{setting.worker_ack_wait:g}s"',
@@ -589,32 +600,61 @@ class Fleet:
         )
         await self._spawn(slot)
 
-    async def restart(self, slot: Slot, *, within: float = 60.0) -> None:
-        """Stop ``slot``'s process as an operator would (SIGTERM, wait for it to exit,
-        ``kill -9`` after ``within``), start a new one and wait until it is ready."""
+    async def restart(
+        self, slot: Slot, *, order: str = "start-first", within: float = 60.0
+    ) -> None:
+        """Replace ``slot``'s process as an operator would.
+
+        ``start-first`` (a Kubernetes rolling update with ``maxSurge``): start the new
+        process, wait until it is ready, then SIGTERM the old one and wait for it to
+        exit. ``stop-first``: SIGTERM the old one, wait for its exit, start the new
+        one and wait until it is ready. An old process still running ``within``
+        seconds after SIGTERM is ``kill -9``-ed (counted as forced); a new one not
+        ready within it is counted as never ready.
+        """
         proc = slot.proc
         if proc is None or proc.returncode is not None:
             return
         self.killed_pids.add(proc.pid)  # its exit is ours, not its own
-        record: dict[str, Any] = {"slot": slot.name, "role": slot.role}
-        record["term_at"] = time.time()
-        record["t"] = round(time.monotonic() - self._t0, 2)
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            code = await asyncio.wait_for(proc.wait(), within)
-        except TimeoutError:
+        record: dict[str, Any] = {
+            "slot": slot.name,
+            "role": slot.role,
+            "order": order,
+            "old_log": str(slot.log),
+            "t": round(time.monotonic() - self._t0, 2),
+        }
+
+        async def stop_old() -> None:
+            record["term_at"] = time.time()
             with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            code = await proc.wait()
-            record["forced"] = True
-        record["exit_code"] = code
-        record["exited_at"] = time.time()
-        await self._spawn(slot)
-        deadline = time.monotonic() + within
-        while not slot.is_ready() and time.monotonic() < deadline:  # noqa: ASYNC110 - a log
-            await asyncio.sleep(0.1)
-        record["ready_at"] = time.time() if slot.is_ready() else None
+                proc.send_signal(signal.SIGTERM)
+            try:
+                code = await asyncio.wait_for(proc.wait(), within)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                code = await proc.wait()
+                record["forced"] = True
+            record["exit_code"] = code
+            record["exited_at"] = time.time()
+
+        async def start_new() -> None:
+            await self._spawn(slot)
+            record["new_log"] = str(slot.log)
+            record["spawned_at"] = self.spawned_at[slot.log] if slot.log else time.time()
+            deadline = time.monotonic() + within
+            while not slot.is_ready() and time.monotonic() < deadline:  # noqa: ASYNC110 - a log
+                await asyncio.sleep(0.05)
+            record["ready_at"] = time.time() if slot.is_ready() else None
+
+        if order == "start-first":
+            await start_new()
+            await stop_old()
+            record["began_at"], record["ended_at"] = record["spawned_at"], record["exited_at"]
+        else:
+            await stop_old()
+            await start_new()
+            record["began_at"], record["ended_at"] = record["term_at"], record["ready_at"]
         self.restarts.append(record)
 
     async def stop(self) -> None:
@@ -696,10 +736,20 @@ async def cluster_outage(
     record["up"] = {"t": round(loop.time() - t0, 2)}
 
 
+#: How a rolling restart replaces a process (``--rolling-order``).
+ROLLING_ORDERS = ("start-first", "stop-first")
+
+
 async def rolling_restarts(
-    fleet: Fleet, stop: asyncio.Event, *, start_after: float, pause: float = 1.0
+    fleet: Fleet,
+    stop: asyncio.Event,
+    *,
+    start_after: float,
+    order: str = "start-first",
+    pause: float = 1.0,
 ) -> None:
-    """Restart every router and worker, one at a time, in passes, until ``stop``."""
+    """Restart every router and worker, one at a time (:meth:`Fleet.restart` in
+    ``order``), in passes, until ``stop``."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), start_after)
     passes = 0
@@ -707,7 +757,7 @@ async def rolling_restarts(
         for slot in list(fleet.slots):
             if stop.is_set() and passes > 0:
                 return
-            await fleet.restart(slot)
+            await fleet.restart(slot, order=order)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), pause)
         passes += 1
@@ -1447,8 +1497,10 @@ async def rolling_report(js: Any, tracks: list[Track], fleet: Fleet) -> dict[str
     under way, by the role restarting)."""
     events = await read_events(js)
     restarts = fleet.restarts
+    # A request is judged against every restart under way while it waited: from the
+    # restart's first step (SIGTERM, or the new process's start) to its last.
     windows = [
-        (r["term_at"], r["ready_at"] if r["ready_at"] is not None else float("inf"), r["role"])
+        (r["began_at"], r["ended_at"] if r["ended_at"] is not None else float("inf"), r["role"])
         for r in restarts
     ]
     deadlined = [t for t in tracks if t.acked and t.request is not None and t.request.deadline]
@@ -1498,8 +1550,18 @@ async def rolling_report(js: Any, tracks: list[Track], fleet: Fleet) -> dict[str
             else:
                 expired_outside += 1
     stop_s = [r["exited_at"] - r["term_at"] for r in restarts]
-    ready_s = [r["ready_at"] - r["exited_at"] for r in restarts if r["ready_at"] is not None]
+    ready_s = [r["ready_at"] - r["spawned_at"] for r in restarts if r["ready_at"] is not None]
+    # How long the slot had no process taking work: stop-first, SIGTERM -> the new
+    # one ready; start-first none (the old one works until the new one is ready).
+    gap_s = [
+        max(0.0, (r["ready_at"] or r["term_at"]) - r["term_at"])
+        if r["order"] == "stop-first"
+        else 0.0
+        for r in restarts
+    ]
+    phases = restart_phases(restarts, fleet, events)
     return {
+        "order": restarts[0]["order"] if restarts else None,
         "restarts": len(restarts),
         "restarts_by_role": dict(Counter(r["role"] for r in restarts)),
         "passes": len(restarts) / max(1, len(fleet.slots)),
@@ -1507,10 +1569,12 @@ async def rolling_report(js: Any, tracks: list[Track], fleet: Fleet) -> dict[str
         "forced": sum(1 for r in restarts if r.get("forced")),
         "never_ready": sum(1 for r in restarts if r["ready_at"] is None),
         "term_to_exit": {"p50": percentile(stop_s, 50), "max": max(stop_s, default=float("nan"))},
-        "exit_to_ready": {
+        "start_to_ready": {
             "p50": percentile(ready_s, 50),
             "max": max(ready_s, default=float("nan")),
         },
+        "without_process": {"p50": percentile(gap_s, 50), "max": max(gap_s, default=float("nan"))},
+        "phases": phases,
         "self_exits": len(fleet.self_exits),
         "with_deadline": len(deadlined),
         "completed_by_deadline": completed_in_time,
@@ -1527,13 +1591,134 @@ async def rolling_report(js: Any, tracks: list[Track], fleet: Fleet) -> dict[str
                 "slot": r["slot"],
                 "t": r["t"],
                 "term_to_exit_s": round(r["exited_at"] - r["term_at"], 2),
-                "exit_to_ready_s": None
+                "start_to_ready_s": None
                 if r["ready_at"] is None
-                else round(r["ready_at"] - r["exited_at"], 2),
+                else round(r["ready_at"] - r["spawned_at"], 2),
                 "exit_code": r["exit_code"],
+                **r.get("phases", {}),
             }
             for r in restarts
         ],
+    }
+
+
+def _log_lines(path: str | Path | None) -> list[tuple[float, dict[str, Any]]]:
+    """A service log's JSON lines: (timestamp, entry), in order."""
+    found: list[tuple[float, dict[str, Any]]] = []
+    if path is None:
+        return found
+    with contextlib.suppress(OSError):
+        for line in Path(path).read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                entry = json.loads(line)
+                found.append((datetime.fromisoformat(entry["timestamp"]).timestamp(), entry))
+    return found
+
+
+def _first(lines: list[tuple[float, dict[str, Any]]], event: str) -> float | None:
+    return next((at for at, entry in lines if entry.get("event") == event), None)
+
+
+def restart_phases(
+    restarts: list[dict[str, Any]], fleet: Fleet, events: dict[str, list[Logged]]
+) -> dict[str, Any]:
+    """Where a restart's time goes, from the processes' own logs (each record gets a
+    ``phases`` entry; the figures over all restarts are returned).
+
+    A new process: spawn -> ``nats connected`` (the interpreter, imports, config),
+    -> ``provisioned`` (the streams and consumers checked), -> ``... started`` (the
+    rest: a worker's consumer, a router's state and lease). The old one: SIGTERM ->
+    ``... stopped`` (a worker's drain) -> exit (the rest of the shutdown). A binder
+    stopped: SIGTERM -> the next ``router is binding`` in any router's log
+    (``handover``) and -> the first ``routed`` event of that new term.
+    """
+    router_logs = [path for path in fleet.log_files() if path.name.startswith("router-")]
+    bindings: list[tuple[float, int]] = []
+    for path in router_logs:
+        for at, entry in _log_lines(path):
+            if entry.get("event") == "router is binding":
+                bindings.append((at, int(entry.get("term") or 0)))
+    bindings.sort()
+    first_routed: dict[int, float] = {}
+    for history in events.values():
+        for logged in history:
+            if isinstance(logged.event, Routed):
+                term = logged.event.term
+                first_routed[term] = min(first_routed.get(term, logged.at), logged.at)
+    sums: dict[str, list[float]] = {}
+
+    def note(record: dict[str, Any], name: str, value: float | None) -> None:
+        if value is None:
+            return
+        record.setdefault("phases", {})[name] = round(value, 2)
+        sums.setdefault(name, []).append(value)
+
+    workers_of = Counter(slot.backend for slot in fleet.slots if slot.role == "worker")
+    bound: list[tuple[str, float, float]] = []  # (backend, routed at, next step at)
+    for history in events.values():
+        for index, logged in enumerate(history):
+            if isinstance(logged.event, Routed):
+                after = next(
+                    (
+                        later.at
+                        for later in history[index + 1 :]
+                        if isinstance(later.event, Started | Stolen)
+                        or kind_of(later.event) in TERMINAL_KINDS
+                    ),
+                    None,
+                )
+                if after is not None:
+                    bound.append((logged.event.backend, logged.at, after))
+    for r in restarts:
+        backend = r["slot"].split("-")[1] if r["role"] == "worker" else None
+        if backend is not None and workers_of[backend] == 1:
+            # Requests bound to the backend while its only worker was being replaced:
+            # how long each waited for a worker (its run started, or it was stolen).
+            until = r["ready_at"] if r["order"] == "stop-first" else r["exited_at"]
+            waits = [
+                step - at
+                for name, at, step in bound
+                if name == backend and r["term_at"] <= at <= (until or at)
+            ]
+            note(r, "bound_while_restarting", float(len(waits)))
+            if waits:
+                note(r, "bound_while_restarting_wait_max", max(waits))
+                sums.setdefault("bound_while_restarting_wait", []).extend(waits)
+        new = _log_lines(r.get("new_log"))
+        connected = _first(new, "nats connected")
+        provisioned = _first(new, "provisioned")
+        ready = _first(new, f"{r['role']} started")
+        spawned = r.get("spawned_at")
+        if spawned is not None and connected is not None:
+            note(r, "spawn_to_connected", connected - spawned)
+        if connected is not None and provisioned is not None:
+            note(r, "connected_to_provisioned", provisioned - connected)
+        if provisioned is not None and ready is not None:
+            note(r, "provisioned_to_ready", ready - provisioned)
+        old = _log_lines(r.get("old_log"))
+        stopped = _first(old, f"{r['role']} stopped")
+        if stopped is not None:
+            note(r, "term_to_stopped", stopped - r["term_at"])
+            note(r, "stopped_to_exit", r["exited_at"] - stopped)
+        if r["role"] != "router":
+            continue
+        # Was it the binder when it got SIGTERM? Its last term began before, and it
+        # did not stand by since.
+        began = [
+            at for at, e in old if e.get("event") == "router is binding" and at <= r["term_at"]
+        ]
+        stood = [at for at, e in old if e.get("event") == "router stands by" and at <= r["term_at"]]
+        if not began or (stood and stood[-1] > began[-1]):
+            continue
+        nxt = next(((at, term) for at, term in bindings if at > r["term_at"]), None)
+        if nxt is None:
+            continue
+        note(r, "binder_handover", nxt[0] - r["term_at"])
+        if nxt[1] in first_routed:
+            note(r, "binder_term_to_first_routed", first_routed[nxt[1]] - r["term_at"])
+    return {
+        name: {"p50": percentile(values, 50), "max": max(values), "n": len(values)}
+        for name, values in sums.items()
     }
 
 
@@ -1738,7 +1923,12 @@ async def run_setting(
             roller: asyncio.Task[None] | None = None
             if setting.rolling:
                 roller = asyncio.create_task(
-                    rolling_restarts(fleet, stop_kills, start_after=0.5 + window / 10)
+                    rolling_restarts(
+                        fleet,
+                        stop_kills,
+                        start_after=0.5 + window / 10,
+                        order=setting.rolling_order,
+                    )
                 )
             if setting.kill_node:
                 node_task = asyncio.create_task(
@@ -1880,12 +2070,27 @@ def print_report(report: dict[str, Any]) -> None:
     if "rolling" in report:
         r = report["rolling"]
         print(
-            f"  rolling: {r['restarts']} restarts {r['restarts_by_role']} ({r['passes']:.1f}"
-            f" passes), exit codes {r['exit_codes']}, forced {r['forced']}, never ready"
-            f" {r['never_ready']}, SIGTERM->exit p50 {_seconds(r['term_to_exit']['p50'])} max"
-            f" {_seconds(r['term_to_exit']['max'])}, exit->ready p50"
-            f" {_seconds(r['exit_to_ready']['p50'])} max {_seconds(r['exit_to_ready']['max'])}"
+            f"  rolling ({r['order'] or 'none'}): {r['restarts']} restarts {r['restarts_by_role']}"
+            f" ({r['passes']:.1f} passes), exit codes {r['exit_codes']}, forced {r['forced']},"
+            f" never ready {r['never_ready']}, SIGTERM->exit p50"
+            f" {_seconds(r['term_to_exit']['p50'])} max {_seconds(r['term_to_exit']['max'])},"
+            f" start->ready p50 {_seconds(r['start_to_ready']['p50'])} max"
+            f" {_seconds(r['start_to_ready']['max'])}, slot without a process p50"
+            f" {_seconds(r['without_process']['p50'])} max"
+            f" {_seconds(r['without_process']['max'])}"
         )
+        if r["phases"]:
+            print(
+                "  phases (p50/max, n): "
+                + "; ".join(
+                    (
+                        f"{name} {v['p50']:g}/{v['max']:g} ({v['n']} restarts)"
+                        if name == "bound_while_restarting"
+                        else f"{name} {_seconds(v['p50'])}/{_seconds(v['max'])} ({v['n']})"
+                    )
+                    for name, v in r["phases"].items()
+                )
+            )
         print(
             f"  deadlines: {r['with_deadline']} requests with one; completed in time"
             f" {r['completed_by_deadline']}, expired {r['expired']} (while a restart was under"
@@ -1897,7 +2102,8 @@ def print_report(report: dict[str, Any]) -> None:
             "  restarts: "
             + "; ".join(
                 f"{x['slot']} at {x['t']}s stop {x['term_to_exit_s']}s ready"
-                f" {x['exit_to_ready_s']}s"
+                f" {x['start_to_ready_s']}s"
+                + (f" handover {x['binder_handover']}s" if "binder_handover" in x else "")
                 for x in r["timeline"]
             )
         )
@@ -1945,7 +2151,8 @@ def summary_line(report: dict[str, Any]) -> str:
     if "rolling" in report:
         r = report["rolling"]
         extra = (
-            f", rolling restarts {r['restarts']} (forced {r['forced']}), deadline requests"
+            f", rolling restarts {r['restarts']} ({r['order'] or 'none'}, forced {r['forced']}),"
+            " deadline requests"
             f" {r['with_deadline']}: expired {r['expired']} ({r['expired_while_restarting']}"
             f" during a restart), ended >1 s past deadline {r['ended_over_deadline_by_1s']}"
         )
@@ -1992,6 +2199,20 @@ def main() -> None:
         help="the same load and config without the setting's faults (no kills, no NATS"
         " outage, no rolling restart): what the faults add, e.g. to the deadline misses",
     )
+    parser.add_argument(
+        "--rolling-order",
+        choices=ROLLING_ORDERS,
+        default="start-first",
+        help="how `rolling` replaces each process: start-first (the new one started and"
+        " ready before the old one gets SIGTERM, as a Kubernetes rolling update with"
+        " maxSurge; the default) or stop-first (SIGTERM, exit, then the new one)",
+    )
+    parser.add_argument(
+        "--require-worker",
+        action="store_true",
+        help="set router.require_worker: the binder binds nothing to a backend no worker"
+        " asks for work (one whose only worker is being replaced, stop-first)",
+    )
     parser.add_argument("--seed", type=int, default=6)
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, stores)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
@@ -2005,6 +2226,16 @@ def main() -> None:
         setting = SETTINGS[name]
         if args.kill_every is not None:
             setting = dataclasses.replace(setting, kill_every=args.kill_every)
+        if args.require_worker:
+            setting = dataclasses.replace(
+                setting, require_worker=True, about=f"{setting.about}; router.require_worker"
+            )
+        if setting.rolling:
+            setting = dataclasses.replace(
+                setting,
+                rolling_order=args.rolling_order,
+                about=f"{setting.about}; order: {args.rolling_order}",
+            )
         if args.control:
             setting = dataclasses.replace(
                 setting,

@@ -896,6 +896,12 @@ class RouterConfig(_Section, frozen=True, kw_only=True):
     #: The binder's lease (renqueue.coordination._lease): a dead binder's standby takes
     #: over about this long (plus ~0.3 s of server expiry) after it died.
     lease_ttl: Duration = "1s"
+    #: Bind to a backend only while a worker asks it for work (its consumer has
+    #: a pull waiting): one with no live worker (stopped, restarting, not yet
+    #: started) counts as full, so its requests wait in the priority subjects or
+    #: go to another backend of the route. ``false`` (the default, for now): bind
+    #: up to its slots whatever; requests then wait in its queue until a worker comes.
+    require_worker: bool = False
 
     def __post_init__(self) -> None:
         ttl = parse_duration(self.lease_ttl)

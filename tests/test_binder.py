@@ -739,3 +739,74 @@ async def test_a_dispatch_whose_ack_times_out_stays_counted(
         assert stored == 2, f"{stored} dispatches for a backend of concurrency 2"
     finally:
         await nc.close()
+
+
+async def test_nothing_is_bound_to_a_backend_whose_worker_has_stopped(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """Issue #30 item 6 (a rolling restart, stop-first): while a backend's only
+    worker restarted, the binder went on binding to it (its consumer had room), and
+    those requests waited in its queue for the new worker although the route's other
+    backend had free slots. With ``router.require_worker``, a backend no worker asks
+    for work counts as full."""
+    async with MockBackend(MockSettings(ttft=0.01, output_tokens=2, concurrency=8)) as mock:
+        config = parse_config(
+            {
+                "nats": {"url": isolated_server.url},
+                "backends": {
+                    name: {"base_url": mock.url, "model": "m", "limits": {"concurrency": 2}}
+                    for name in ("a", "b")
+                },
+                "routes": {"chat": {"backends": ["a", "b"]}},
+                "router": {"capacity_refresh": "20ms", "require_worker": True},
+            }
+        )
+        async with (
+            Services(config, routers=1, backends=["a", "b"]) as services,
+            Client(services.nc, tenant=TENANT) as client,
+        ):
+            log = EventLog(services.js)
+
+            async def backend_of(handle: Any) -> str:
+                await handle.result(timeout=20)
+                events = [e for e in await log.history(TENANT, handle.id) if isinstance(e, Routed)]
+                return events[-1].backend
+
+            # Both workers up: the route's first backend takes the work.
+            assert await backend_of(await client.submit("first", route="chat")) == "a"
+            worker_a = next(w for w in services.workers if w.backend_name == "a")
+            await worker_a.close()  # a's worker stops (SIGTERM), no other runs
+            for n in range(4):
+                handle = await client.submit(f"after a stopped {n}", route="chat")
+                assert await backend_of(handle) == "b"
+            info = await services.js.consumer_info(DISPATCH_STREAM, "worker-a")
+            assert (info.num_pending, info.num_ack_pending) == (0, 0)
+
+
+async def test_require_worker_false_binds_to_a_backend_with_no_worker(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """``router.require_worker = false`` (the default): room is the consumer's slots
+    whatever pulls them (what is bound waits in the backend's queue for a worker)."""
+    config = parse_config(
+        {
+            "nats": {"url": isolated_server.url},
+            "backends": {
+                "a": {"base_url": "http://127.0.0.1:9", "model": "m", "limits": {"concurrency": 2}}
+            },
+            "routes": {"chat": {"backends": ["a"]}},
+            "router": {"capacity_refresh": "20ms", "require_worker": False},
+        }
+    )
+    async with (
+        Services(config, routers=1, backends=[]) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        for n in range(3):
+            await client.submit(f"r{n}", route="chat")
+
+        async def queued() -> bool:
+            info = await services.js.consumer_info(DISPATCH_STREAM, "worker-a")
+            return info.num_pending == 2
+
+        await until(queued, "the backend's two slots are bound, with no worker")

@@ -19,6 +19,15 @@ only from the broker. With room to spare a freed slot changes no decision
 a busy backend frees a slot per completed call, and a read per freed slot put
 a broker round trip in front of nearly every round. The worker consumer's
 ``max_ack_pending`` caps concurrency at the broker in any case.
+
+With ``router.require_worker`` (off by default), room counts only where a
+worker asks for work: a worker with a free slot always has a pull waiting on its consumer
+(``num_waiting``), so a consumer with room and no pull waiting has no live
+worker (stopped, restarting, crashed, not started yet). Such a backend counts
+as full until a worker pulls again: nothing more is bound there, and requests
+wait in their priority subjects or go to another backend of the route, instead
+of waiting in a queue no one reads. (What is already queued there waits for a
+worker, or for a pool sibling to steal it.)
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ class Capacity:
         self._health = health
         self._config = config
         self._refresh = refresh
+        self._require_worker = config.router.require_worker
         #: The broker's count at its last read.
         self._known: dict[str, int] = dict.fromkeys(config.backends, 0)
         #: Dispatches on their way: store not yet confirmed.
@@ -136,7 +146,12 @@ class Capacity:
             except BaseException:
                 self._confirmed[name] += confirmed
                 raise
-            self._known[name] = (info.num_pending or 0) + (info.num_ack_pending or 0)
+            known = (info.num_pending or 0) + (info.num_ack_pending or 0)
+            capacity = self._config.backends[name].limits.concurrency
+            if self._require_worker and not info.num_waiting and known < capacity:
+                # Room, but no worker asks for work there: none is alive.
+                known = capacity
+            self._known[name] = known
             self._at[name] = now
 
     def _room_for(self, name: str, demand: Mapping[str, int] | None) -> bool:
