@@ -29,6 +29,7 @@ from renqueue.policy import (
     RouteRules,
     Wait,
     Waiting,
+    _predict,
     effective_rank,
     plan,
 )
@@ -254,7 +255,6 @@ def test_a_backlog_with_every_slot_taken_is_planned_without_a_prediction_per_req
     all of them each round: one with no deadline can only wait, so the round
     predicts no finish for it (it did, per candidate: ~150 us a request, the
     binder's whole time in a backlog). Those with a deadline are predicted."""
-    from renqueue.policy import _predict
 
     calls = Counter[str]()
     predict = _predict.predict
