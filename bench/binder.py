@@ -243,6 +243,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 left = (await nc.client.jetstream().stream_info(REQUESTS_STREAM)).state.messages
             finally:
                 await drains.stop()
+                with contextlib.suppress(OSError):
+                    (args.out / "binder-last.log").write_bytes(
+                        (Path(tmp) / "binder.log").read_bytes()
+                    )
                 if binder is not None and binder.returncode is None:
                     binder.terminate()
                     with contextlib.suppress(TimeoutError):
