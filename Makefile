@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: browser screenshots setup demo demo-real real-venv test test-real lint typecheck check bench bench-compare bench-scheduling bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers bench-whatif bench-real chaos fuzz soak clean
+.PHONY: browser screenshots setup demo demo-real real-venv test test-real lint typecheck check bench bench-compare bench-scheduling bench-binder bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers bench-whatif bench-real chaos fuzz soak clean
 
 setup: $(STAMP)
 
@@ -70,6 +70,13 @@ bench-compare: $(STAMP)
 
 bench-scheduling: $(STAMP)
 	$(BIN)/python bench/scheduling.py
+
+# The binder's ceiling (issue #31 item 4, docs/scaling.md): binds a second of one elected
+# binder over instant backends, against raw publish_async in the same run; steady state,
+# then a take-over with a backlog (every request may have been bound before).
+bench-binder: $(STAMP)
+	$(BIN)/python bench/binder.py
+	$(BIN)/python bench/binder.py --takeover
 
 # A burst against mock free tiers (compressed clock) and a paid backend: Ren-Queue against
 # LiteLLM's Router on the same mocks (issue #8). LiteLLM lives only in its own venv,

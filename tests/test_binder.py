@@ -472,6 +472,71 @@ async def test_a_slow_dispatch_store_never_overfills_a_backend(
         await nc.close()
 
 
+class HeldDecisions:
+    """The router's JetStream, but ``routed`` events are not sent until
+    ``release`` is set (a broker slow to ack the decision); it counts the
+    binder's capacity reads."""
+
+    def __init__(self, js: Any) -> None:
+        self._js = js
+        self.release = asyncio.Event()
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+    async def publish_async(self, subject: str, payload: bytes = b"", headers: Any = None) -> Any:
+        if subject.endswith(".routed"):
+            await self.release.wait()
+        return await self._js.publish_async(subject, payload, headers=headers)
+
+    async def consumer_info(self, stream: str, name: str) -> Any:
+        self.reads += 1
+        return await self._js.consumer_info(stream, name)
+
+
+async def test_a_stored_dispatch_is_counted_once_while_its_decision_is_on_its_way(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The soak's binder counted p50 29 requests in flight where the broker
+    counted 23: a dispatch stayed counted as "on its way" until its decision's
+    ack came back too (40-120 ms on a loaded broker), while the broker counted
+    it already, so its slot sat idle. A dispatch's slot is settled by its own
+    ack: after a read of the load, each stored dispatch is counted once."""
+    config = two_slots(isolated_server.url)
+    nc = await connect(isolated_server.url, name="held-decisions")
+    try:
+        js = nc.jetstream()
+        await provision(nc, config)
+        async with Client(nc, tenant=TENANT) as client:
+            for n in range(4):
+                await client.submit(f"q{n}", route="chat", request_id=f"r{n}")
+            router = Router(nc, js, config, name="binder")
+            held = HeldDecisions(js)
+            router._round._dispatcher._log._js = held  # type: ignore[attr-defined]
+            router._round._capacity._js = held  # type: ignore[assignment]
+            await router.start()
+            try:
+
+                async def both_stored() -> bool:
+                    return (await js.stream_info(DISPATCH_STREAM)).state.messages == 2
+
+                await until(both_stored, "both slots' dispatches were stored")
+                reads = held.reads
+
+                async def read_twice_since() -> bool:
+                    return held.reads >= reads + 2
+
+                await until(read_twice_since, "the binder read the load twice more")
+                counted = router._round._capacity.in_flight("a")
+            finally:
+                held.release.set()
+                await router.close()
+        assert counted == 2, f"2 dispatches stored, counted as {counted} in flight"
+    finally:
+        await nc.close()
+
+
 NO_CONSUMER_DELETE = """
 jetstream {}
 authorization {

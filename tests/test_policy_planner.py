@@ -26,8 +26,10 @@ from renqueue.policy import (
     NoRoom,
     PlanPolicy,
     Promote,
+    RouteRules,
     Wait,
     Waiting,
+    _predict,
     effective_rank,
     plan,
 )
@@ -244,6 +246,37 @@ def test_a_wait_names_every_candidate_of_its_route() -> None:
 
 
 ALL_FULL = backends(view("a", in_flight=1), view("b", in_flight=1, tier=2))
+
+
+def test_a_backlog_with_every_slot_taken_is_planned_without_a_prediction_per_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A binder holds thousands of requests while every slot is taken, and plans
+    all of them each round: one with no deadline can only wait, so the round
+    predicts no finish for it (it did, per candidate: ~150 us a request, the
+    binder's whole time in a backlog). Those with a deadline are predicted."""
+
+    calls = Counter[str]()
+    predict = _predict.predict
+
+    def counted(request: InferenceRequest, view: BackendView, *args: Any, **kw: Any) -> Any:
+        calls[request.id] += 1
+        return predict(request, view, *args, **kw)
+
+    monkeypatch.setattr(_predict, "predict", counted)
+    waiting = [held(ref, ref % 5, waited=ref / 100) for ref in range(1, 501)]
+    waiting.append(held(501, NORMAL, deadline=NOW + 60))
+    for strategy in ("cheapest", "cascade"):
+        policy = msgspec.structs.replace(
+            POLICY, rules={"chat": msgspec.convert({"strategy": strategy}, RouteRules)}
+        )
+        actions = plan(waiting, ALL_FULL, NOW, policy)
+        waits = [a for a in actions if isinstance(a, Wait)]
+        assert len(waits) == len(waiting)
+        assert all(a.reason == FULL for a in waits if a.ref != 501)
+        asked = {a.ref for a in actions if isinstance(a, AskPreemption)}
+        assert asked == {item.ref for item in waiting if item.rank == CRITICAL}
+    assert set(calls) == {"r501"}
 
 
 PREEMPTION_CASES = {

@@ -629,6 +629,38 @@ async def test_two_projectors_at_once_never_clobber_the_stored_state(
     assert len(seen) > 2
 
 
+async def test_of_two_projectors_over_a_busy_log_one_writes_and_the_other_stands_by(
+    events_js: JetStream,
+) -> None:
+    """The soak's two router processes each ran a projector: both folded every
+    event and raced to write, the loser refolding after each of ~3 conflicts a
+    second (its consumer made again each time). The one that loses a write now
+    stands by while the stored state keeps moving, and takes over, folding on
+    from the stored state, once the writer stops."""
+    events = random_log(707, requests=200)
+    half = len(events) // 2
+    async with (
+        Projector(events_js, name="p1", flush_interval=0.02, stand_by=0.5) as p1,
+        Projector(events_js, name="p2", flush_interval=0.02, stand_by=0.5) as p2,
+    ):
+        for start in range(0, half, 10):
+            await publish(events_js, events[start : start + 10])
+            await asyncio.sleep(0.03)  # a log that grows across many flush intervals
+        async with asyncio.timeout(10):
+            await p1.sync()
+        assert p1.conflicts + p2.conflicts <= 2, (p1.conflicts, p2.conflicts)
+        assert p1.stood_by + p2.stood_by >= 1
+        writer, standby = (p1, p2) if p1.writes >= p2.writes else (p2, p1)
+        writes = standby.writes
+        await writer.close()
+        await publish(events_js, events[half:])
+        async with asyncio.timeout(10):
+            live = await standby.sync()
+        assert standby.writes > writes  # it took over
+    assert live == await rebuild(events_js)
+    assert live.submitted == 200
+
+
 async def test_a_projector_never_overwrites_a_newer_state_written_by_another(
     events_js: JetStream, projector: Projector
 ) -> None:

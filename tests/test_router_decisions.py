@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from renqueue.config import parse_config
@@ -106,3 +108,36 @@ async def test_a_freed_slot_is_read_at_once_only_when_room_is_short() -> None:
     capacity.freed("a")
     await capacity.refresh(["a"])  # no demand given: always read
     assert broker.reads == 3
+
+
+class OverlappingReads:
+    """Stands in for JetStream's consumer info: each read waits until every
+    backend's read was sent, so reads sent one after another never finish."""
+
+    def __init__(self, backends: int) -> None:
+        self.backends = backends
+        self.sent: list[str] = []
+        self.all_sent = asyncio.Event()
+
+    async def consumer_info(self, _stream: str, consumer: str) -> object:
+        self.sent.append(consumer)
+        if len(self.sent) == self.backends:
+            self.all_sent.set()
+        await self.all_sent.wait()
+
+        class Info:
+            num_pending = 0
+            num_ack_pending = 1
+
+        return Info()
+
+
+async def test_a_round_reads_every_backends_load_in_one_round_trip() -> None:
+    """The soak's binder spent most of each round reading the load of its
+    backends one after another (p50 24 ms, p90 119 ms a round on a loaded
+    broker, for 3 backends): the reads now go out together."""
+    broker = OverlappingReads(backends=2)
+    capacity = Capacity(broker, CONFIG, refresh=0.0, clock=lambda: 0.0)  # type: ignore[arg-type]
+    await asyncio.wait_for(capacity.refresh(["a", "b"]), 5.0)
+    assert sorted(broker.sent) == ["worker-a", "worker-b"]
+    assert (capacity.in_flight("a"), capacity.in_flight("b")) == (1, 1)

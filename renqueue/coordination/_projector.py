@@ -190,8 +190,10 @@ class Projector(Lifecycle):
 
     Writes are coalesced (at most one per ``flush_interval``) and made with
     ``kv.update(..., last=revision)``. On a conflict another projector wrote
-    first: this one adopts the stored state and its revision, and refolds the
-    log from the stored sequence. A write is only ever based on the latest
+    first: this one adopts the stored state and its revision and stands by
+    while the stored state keeps moving; once it has not moved for
+    ``stand_by`` seconds, it adopts it again and folds the log on from its
+    sequence (:meth:`_stand_by`). A write is only ever based on the latest
     stored value, so the stored ``last_seq`` never goes backwards.
 
     Messages that do not decode as events are skipped and counted in the
@@ -215,6 +217,7 @@ class Projector(Lifecycle):
         clock: Callable[[], float] = time.monotonic,
         supervisor: Supervisor | None = None,
         republish_every: float = 30.0,
+        stand_by: float = 2.0,
     ) -> None:
         self._js = js
         self._name = name
@@ -225,6 +228,7 @@ class Projector(Lifecycle):
         self._fetch_timeout = fetch_timeout
         self._batch = batch
         self._clock = clock
+        self._stand_by_for = stand_by
         self._kv: KeyValue | None = None
         self._state = ProjectionState()
         self._revision = 0
@@ -235,6 +239,8 @@ class Projector(Lifecycle):
         self._views = ViewPublisher(clock=clock, republish_every=republish_every)
         self.writes = 0
         self.conflicts = 0
+        #: Times this projector stood by for another that writes (see :meth:`_stand_by`).
+        self.stood_by = 0
         #: Checkpoint writes refused as over the broker's ``max_payload``; while
         #: the state is that big, the checkpoint is tried every
         #: ``_OVERSIZED_PAUSE`` seconds and the views are kept up meanwhile.
@@ -398,10 +404,33 @@ class Projector(Lifecycle):
                 )
                 if self._state.last_seq > self._stored_seq and not oversized:
                     if not await self._flush():
-                        raise _Restart
+                        await self._stand_by()
                 else:  # the checkpoint is written (or too big for now); the views are behind
                     await self._views.publish(self._state)
                     self._last_write = self._clock()
+
+    async def _stand_by(self) -> None:
+        """Another projector wrote first: it is alive and folds the same log.
+        Fold nothing while it keeps writing (both folding every event, each
+        write by one making the other refold, cost each process its CPU and
+        the broker a consumer made again per conflict: ~3 a second in the
+        soak); take over once the stored state has not moved for ``stand_by``
+        seconds (that projector stopped, or the log is idle), from the state
+        stored then. Raises :class:`_Restart` (the log is read again from there)."""
+        self.stood_by += 1
+        await self._release()
+        revision = self._revision
+        quiet_since = self._clock()
+        pause = max(0.01, min(0.5, self._stand_by_for / 4))
+        while self.status is ProjectorStatus.RUNNING:
+            await asyncio.sleep(pause)
+            entry = await self._bucket.latest(STATE_KEY)
+            if entry is not None and entry.revision != revision:
+                revision, quiet_since = entry.revision, self._clock()
+            elif self._clock() - quiet_since >= self._stand_by_for:
+                break
+        await self._load()
+        raise _Restart
 
     def _dirty(self) -> bool:
         """Folded past the checkpoint, or the views are behind it (a view write

@@ -288,8 +288,12 @@ class _Round:
         expire = _expiry(item, candidates, views, now)
         if expire is not None:
             return [_noted(expire, note)]
-        cost = _reservation(request, candidates, views, self.policy)
         seen = _probe_turn(request, candidates, views, self.floors)
+        if _full_for(item, candidates, seen, self.policy):
+            # What the choice below answers then, without its predictions: a
+            # held backlog is mostly this, and a round plans all of it.
+            return self._wait_full(item, candidates, note)
+        cost = _reservation(request, candidates, views, self.policy)
         rules = self.policy.rules.get(request.route, _CHEAPEST)
         overdue = _overdue(item, views, now)
         pick = choose_in_time(
@@ -327,6 +331,13 @@ class _Round:
         if isinstance(pick.backend, NoRoom):
             return self._wait(item, pick, candidates=candidates, seen=seen, cost=cost, note=note)
         return [_noted(self._bind(item, pick, pick.backend, cost), note)]
+
+    def _wait_full(self, item: Waiting, candidates: Sequence[str], note: str) -> list[Action]:
+        """:meth:`_wait` for a request every capable slot of which is taken
+        and that has no deadline to predict against (:func:`_full_for`)."""
+        ask = _preemption(item, candidates, self.views, self.now, self.policy)
+        wait = Wait(ref=item.ref, backends=tuple(candidates), reason=NoRoom.FULL.value)
+        return [ask, _noted(wait, note)] if ask is not None else [_noted(wait, note)]
 
     def _wait(
         self,
@@ -410,6 +421,28 @@ def _patient(item: Waiting, policy: PlanPolicy) -> InferenceRequest:
     if request.deadline is not None or patience is None:
         return request
     return msgspec.structs.replace(request, deadline=item.submitted + patience)
+
+
+def _full_for(
+    item: Waiting,
+    candidates: Sequence[str],
+    seen: Mapping[str, BackendView],
+    policy: PlanPolicy,
+) -> bool:
+    """Whether ``item`` can only wait, with no prediction to make: it has no
+    deadline (nor a level's patience, which lends it one), and some capable
+    candidate exists but every capable slot is taken.
+
+    :func:`choose_in_time` (either strategy) then finds nothing that can start,
+    nothing to wait for (that needs a deadline) and no candidate passed over
+    for its quota (only one with a free slot is), so the request waits
+    ``NoRoom.FULL``, asking for a preemption if its level may: exactly what
+    :meth:`_Round._wait` answers for it, without a prediction per candidate.
+    """
+    if _patient(item, policy).deadline is not None:
+        return False
+    able = capable(item.request, candidates, seen)
+    return bool(able) and all(view.free <= 0 for view in able)
 
 
 def _overdue(item: Waiting, views: Mapping[str, BackendView], now: float) -> frozenset[str]:

@@ -32,6 +32,7 @@ worker, or for a pool sibling to steal it.)
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -129,30 +130,40 @@ class Capacity:
         """Read the broker's count of each of ``backends`` that is due: every
         ``refresh`` seconds, and at once after a freed slot was announced if
         its counted room is short of ``demand`` (how many held requests may
-        go there; ``None``: always short)."""
-        for name in backends:
-            now = self._clock()
-            if not (
-                force
-                or now - self._at[name] >= self._refresh
-                or (name in self._freed and not self._room_for(name, demand))
-            ):
-                continue
-            self._freed.discard(name)
-            # Confirmed before this read began: the broker's answer counts them.
-            confirmed, self._confirmed[name] = self._confirmed[name], 0
-            try:
-                info = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(name))
-            except BaseException:
-                self._confirmed[name] += confirmed
-                raise
-            known = (info.num_pending or 0) + (info.num_ack_pending or 0)
-            capacity = self._config.backends[name].limits.concurrency
-            if self._require_worker and not info.num_waiting and known < capacity:
-                # Room, but no worker asks for work there: none is alive.
-                known = capacity
-            self._known[name] = known
-            self._at[name] = now
+        go there; ``None``: always short). The reads go out together: a round
+        waits one round trip for them, not one per backend."""
+        now = self._clock()
+        due = [
+            name
+            for name in backends
+            if force
+            or now - self._at[name] >= self._refresh
+            or (name in self._freed and not self._room_for(name, demand))
+        ]
+        results = await asyncio.gather(
+            *(self._read(name, now) for name in due), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _read(self, name: str, now: float) -> None:
+        """Read backend ``name``'s count from the broker (begun at ``now``)."""
+        self._freed.discard(name)
+        # Confirmed before this read began: the broker's answer counts them.
+        confirmed, self._confirmed[name] = self._confirmed[name], 0
+        try:
+            info = await self._js.consumer_info(DISPATCH_STREAM, worker_consumer(name))
+        except BaseException:
+            self._confirmed[name] += confirmed
+            raise
+        known = (info.num_pending or 0) + (info.num_ack_pending or 0)
+        capacity = self._config.backends[name].limits.concurrency
+        if self._require_worker and not info.num_waiting and known < capacity:
+            # Room, but no worker asks for work there: none is alive.
+            known = capacity
+        self._known[name] = known
+        self._at[name] = now
 
     def _room_for(self, name: str, demand: Mapping[str, int] | None) -> bool:
         """Whether ``name``'s counted room takes every request of ``demand`` there."""
