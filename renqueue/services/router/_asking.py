@@ -87,16 +87,19 @@ async def ask_preemption(
         for backend in backends:
             await nc.publish(preempt_subject(backend), ask, reply=inbox)
         await _until_settled(arrived, offers, unbeatable)
+        # What came by now (no await since): a later offer is not weighed.
+        # Cascade order first (where the request would be routed), then the
+        # least urgent run, then the most recently started (least work lost).
+        ranked = sorted(
+            offers, key=lambda offer: (order[offer.backend], -offer.rank, offer.running)
+        )
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
     if not waiting():
         return False
-    # Cascade order first (where the request would be routed), then the
-    # least urgent run, then the most recently started (least work lost).
-    offers.sort(key=lambda offer: (order[offer.backend], -offer.rank, offer.running))
     confirm = encode(Confirm(by=request.id, tenant=request.tenant, rank=rank))
-    for offer in offers:
+    for offer in ranked:
         if not waiting():
             return False
         try:

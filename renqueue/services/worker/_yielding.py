@@ -186,4 +186,6 @@ async def put_back(js: JetStream, delivery: Delivery, *, fallback: Fallback | No
             msg_id(request.tenant, request.id, "requeue", dispatch.attempt),
             headers=trace_headers(trace),
         )
-    await delivery.done()
+    # The slot goes to whoever waits for it (after a preemption: the urgent
+    # request): announced once the broker counts it free.
+    await delivery.done(confirmed=True)
