@@ -20,6 +20,7 @@ from renqueue import Client, Services, parse_config
 from renqueue.broker import Connection, EmbeddedServer, EventLog, provision
 from renqueue.config import Config
 from renqueue.mock import MockBackend, MockSettings
+from renqueue.policy import least_urgent_victim
 from renqueue.schema import (
     DISPATCH_STREAM,
     Dispatch,
@@ -299,3 +300,14 @@ async def test_a_backend_s_preempt_grace_keeps_the_slot_until_the_server_let_go(
             events = await histories(client, [batch.id])
     assert [e.by for e in events[batch.id] if isinstance(e, Preempted)] == [urgent.id]
     assert mock.stats().busy == 0
+
+
+def test_the_least_urgent_victim_is_the_least_urgent_preemptible_level() -> None:
+    """An offer of a run at this rank on the first candidate cannot be beaten."""
+    defaults = parse_config({})
+    assert least_urgent_victim(defaults.level_policies()) == defaults.priority_rank("batch")
+    only_low = parse_config({"levels": {"batch": {"preemptible": False}}})
+    assert least_urgent_victim(only_low.level_policies()) == only_low.priority_rank("low")
+    kept = {"preemptible": False}
+    none = parse_config({"levels": {"low": kept, "batch": kept}})
+    assert least_urgent_victim(none.level_policies()) is None
