@@ -443,6 +443,10 @@ class BaseBackendConfig(_Section, frozen=True, kw_only=True, tag_field="adapter"
     first_token_timeout: Duration | None = None
     #: The longest a whole call may take; unset: no limit but the request's deadline.
     total_timeout: Duration | None = None
+    #: How long a preempted call's slot stays taken after its stream is closed,
+    #: for a server that refuses calls past its concurrency (429, 503) and notices
+    #: a closed stream only at its next write; "0s": released at once.
+    preempt_grace: Duration = "0s"
     #: The model's context window in tokens (prompt + output), when known: a
     #: request that failed for its context length falls back only to
     #: candidates with a larger declared window.

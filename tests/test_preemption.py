@@ -17,12 +17,23 @@ from typing import Any
 import pytest
 
 from renqueue import Client, Services, parse_config
-from renqueue.broker import EmbeddedServer, EventLog
+from renqueue.broker import Connection, EmbeddedServer, EventLog, provision
 from renqueue.config import Config
 from renqueue.mock import MockBackend, MockSettings
-from renqueue.schema import Preempted, Started
+from renqueue.policy import least_urgent_victim
+from renqueue.schema import (
+    DISPATCH_STREAM,
+    Dispatch,
+    Preempted,
+    Started,
+    dispatch_subject,
+    encode,
+    worker_consumer,
+)
+from renqueue.services.router import _asking
 from renqueue.services.router._hold import Held
-from renqueue.services.worker._yielding import Preemptible, Run
+from renqueue.services.worker._delivery import Delivery
+from renqueue.services.worker._yielding import Preemptible, Run, put_back
 
 TENANT = "t"
 AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"
@@ -207,3 +218,96 @@ async def test_a_run_of_a_request_put_back_the_most_times_is_never_preempted() -
     finally:
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)
+
+
+async def test_an_offer_no_other_can_beat_is_confirmed_without_waiting_for_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one worker's offer is a batch run on the route's first backend: no
+    offer can beat it, so the router confirms it at once. (Before: the router
+    always collected offers for a fixed window, 200 ms of every preemption;
+    made endless here, the urgent request waited for the batch run to end.)"""
+    monkeypatch.setattr(_asking, "OFFER_WINDOW", 3600.0)
+    long_batch = MockSettings(ttft=0.0, tokens_per_second=10, output_tokens=3000)
+    async with MockBackend(long_batch) as mock:
+        config = config_of({"data_dir": str(tmp_path / "nats"), "port": -1}, {"b": (mock.url, 1)})
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            batch = await client.submit("long batch", route="chat", priority="batch")
+            await until_started(client, batch.id)
+            urgent = await client.submit("now", route="chat", priority="critical", max_tokens=2)
+            await until_started(client, urgent.id, within=30)
+            await batch.cancel("seen enough")
+            events = await histories(client, [batch.id])
+    assert [e.by for e in events[batch.id] if isinstance(e, Preempted)] == [urgent.id]
+
+
+async def test_a_put_back_is_counted_free_by_the_broker_before_its_slot_is_announced(
+    isolated_server: EmbeddedServer, isolated_nc: Connection
+) -> None:
+    """A worker announces a freed slot once the put-back is done, and the
+    binder then reads the worker consumer's counts: they must no longer count
+    the dispatch put back. (Before: the ack was not waited for, and the read
+    could still count it now and then: the urgent request waited for the
+    binder's next periodic read.)"""
+    config = config_of({"url": isolated_server.url}, {"b": ("http://127.0.0.1:9/v1", 1)})
+    await provision(isolated_nc, config)
+    js = isolated_nc.jetstream()
+    psub = await js.pull_subscribe_bind(durable=worker_consumer("b"), stream=DISPATCH_STREAM)
+    client = Client(isolated_nc, tenant=TENANT)
+    still_counted = 0
+    for n in range(100):
+        request = client.build_request(f"put back {n}", route="chat", priority="batch")
+        await js.publish(dispatch_subject("b"), encode(Dispatch(request=request, backend="b")))
+        [msg] = await psub.fetch(batch=1, timeout=5)
+        delivery = Delivery(msg, ack_wait=30)
+        delivery.open(backend="b", stride=10)
+        await put_back(js, delivery)
+        info = await js.consumer_info(DISPATCH_STREAM, worker_consumer("b"))
+        still_counted += (info.num_ack_pending or 0) + (info.num_pending or 0)
+    assert still_counted == 0
+
+
+async def test_a_backend_s_preempt_grace_keeps_the_slot_until_the_server_let_go(
+    tmp_path: Path,
+) -> None:
+    """A server that refuses calls past its one slot (429) and notices a
+    closed stream only at its next write: with ``preempt_grace`` the urgent
+    call reaches it once it let the preempted call go, and is never refused."""
+    refusing = MockSettings(ttft=0.0, tokens_per_second=25, output_tokens=50, concurrency=1)
+    async with MockBackend(refusing) as mock:
+        config = parse_config(
+            {
+                "nats": {"data_dir": str(tmp_path / "nats"), "port": -1},
+                "backends": {
+                    "b": {
+                        "base_url": mock.url,
+                        "model": "m",
+                        "limits": {"concurrency": 1},
+                        "preempt_grace": "1s",
+                    }
+                },
+                "routes": {"chat": {"backends": ["b"]}},
+                "worker": {"retry_delay": "100ms", "drain_timeout": "1s"},
+                "router": {"capacity_refresh": "20ms"},
+            }
+        )
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            batch = await client.submit("long batch", route="chat", priority="batch")
+            await until_started(client, batch.id)
+            urgent = await client.submit("now", route="chat", priority="critical", max_tokens=2)
+            for handle in (urgent, batch):
+                await handle.result(timeout=30)
+            events = await histories(client, [batch.id])
+    assert [e.by for e in events[batch.id] if isinstance(e, Preempted)] == [urgent.id]
+    assert mock.stats().busy == 0
+
+
+def test_the_least_urgent_victim_is_the_least_urgent_preemptible_level() -> None:
+    """An offer of a run at this rank on the first candidate cannot be beaten."""
+    defaults = parse_config({})
+    assert least_urgent_victim(defaults.level_policies()) == defaults.priority_rank("batch")
+    only_low = parse_config({"levels": {"batch": {"preemptible": False}}})
+    assert least_urgent_victim(only_low.level_policies()) == only_low.priority_rank("low")
+    kept = {"preemptible": False}
+    none = parse_config({"levels": {"low": kept, "batch": kept}})
+    assert least_urgent_victim(none.level_policies()) is None

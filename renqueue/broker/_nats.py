@@ -448,6 +448,11 @@ class Message:
     async def ack(self) -> None:
         await _call(self._msg.ack())
 
+    async def ack_sync(self, timeout: float = 1.0) -> None:  # noqa: ASYNC109 - nats-py's own
+        """Ack, and wait until the broker has taken it (its consumer counts no
+        longer include the message)."""
+        await _call(self._msg.ack_sync(timeout=timeout))
+
     async def nak(self, delay: float | None = None) -> None:
         await _call(self._msg.nak(delay=delay))
 

@@ -14,7 +14,7 @@ that read the broker, ask these functions, and carry out what they answer.
   :class:`Bind`, :class:`AskPreemption`, :class:`Wait` (the promise it
   keeps: :func:`promise`).
 - Preemption (``_preemption``): :func:`may_preempt`, :func:`preempting_rank`,
-  :func:`choose_victim`.
+  :func:`choose_victim`, :func:`least_urgent_victim`.
 - A worker's failed run (``_failure``): :func:`after_failure` under a
   :class:`FailurePolicy` and a route's :class:`FallbackPolicy` (over its
   :class:`Candidate` s, :class:`RouteFacts`), answering :class:`Retry`,
@@ -180,7 +180,7 @@ from ._predict import (
     service_time,
     typical_call,
 )
-from ._preemption import choose_victim, may_preempt, preempting_rank
+from ._preemption import choose_victim, least_urgent_victim, may_preempt, preempting_rank
 from ._quota import (
     Cost,
     Learned,
@@ -338,6 +338,7 @@ __all__ = [
     "learn",
     "learn_call",
     "learn_fault",
+    "least_urgent_victim",
     "left_out_for",
     "limit_usage",
     "limits_of",

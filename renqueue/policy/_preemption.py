@@ -42,3 +42,12 @@ def choose_victim(
         if run_rank > rank and policies[run_rank].preemptible
     ]
     return max(eligible)[2] if eligible else None
+
+
+def least_urgent_victim(policies: Sequence[LevelPolicy]) -> int | None:
+    """The least urgent rank a run can be preempted at (``None``: no level is
+    preemptible). An offer of a run at this rank on the first candidate backend
+    in cascade order is the best offer any worker can make but for which of
+    such runs: the router may take it without waiting for others."""
+    ranks = [policy.rank for policy in policies if policy.preemptible]
+    return max(ranks) if ranks else None

@@ -9,9 +9,13 @@ ask, by the worker process that holds it:
    those backends receives it (no queue group). A worker holding a run that
    may be preempted for the ask's rank (:func:`renqueue.policy.choose_victim`)
    answers with an :class:`Offer`; the others stay silent.
-2. **Confirm.** After :data:`OFFER_WINDOW` seconds the router takes the best
-   offer (the first backend in cascade order, then the least urgent run, then
-   the most recently started) and sends a :class:`Confirm` to that worker's
+2. **Confirm.** The router takes the best offer (the first backend in cascade
+   order, then the least urgent run, then the most recently started) as soon
+   as no better one can come: at once for a run of the least urgent
+   preemptible level on the first candidate, else :data:`OFFER_SETTLE`
+   seconds after the first offer (every worker hears the ask at the same
+   moment), or :data:`OFFER_WINDOW` seconds after the ask when none came; it
+   sends a :class:`Confirm` to that worker's
    own subject ``rq.preempt.<backend>.<token>``. The worker preempts its best
    victim for the rank (which may differ from the one offered, if that one
    ended meanwhile) and answers with an :class:`Answer`. A worker that has no
@@ -42,6 +46,7 @@ __all__ = [
     "CONFIRM_DECODER",
     "CONFIRM_TIMEOUT",
     "OFFER_DECODER",
+    "OFFER_SETTLE",
     "OFFER_WINDOW",
     "Answer",
     "Ask",
@@ -49,8 +54,11 @@ __all__ = [
     "Offer",
 ]
 
-#: Seconds the router collects offers after an ask.
+#: Seconds the router collects offers after an ask at most (when none comes).
 OFFER_WINDOW: Final = 0.2
+#: Seconds the router waits for other workers' offers after the first one,
+#: unless that one cannot be beaten.
+OFFER_SETTLE: Final = 0.02
 #: Seconds the router waits for a confirmed worker's answer.
 CONFIRM_TIMEOUT: Final = 1.0
 

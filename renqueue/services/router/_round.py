@@ -54,6 +54,7 @@ from ...policy import (
     Wait,
     Waiting,
     budget_exhausted,
+    least_urgent_victim,
     plan,
     promise,
 )
@@ -124,6 +125,12 @@ class Round:
     @functools.cached_property
     def _plan_policy(self) -> PlanPolicy:
         return self._config.plan_policy()
+
+    @functools.cached_property
+    def _least_urgent(self) -> int | None:
+        """The least urgent rank a run may be preempted at (an offer of one is
+        taken at once)."""
+        return least_urgent_victim(self._config.level_policies())
 
     async def on_freed(self, msg: Message) -> None:
         """A worker freed a slot of its backend: a round may bind more."""
@@ -372,7 +379,12 @@ class Round:
     async def _ask_preemption(self, item: Held, rank: int, backends: list[str]) -> None:
         """Free one slot for ``item`` (:func:`ask_preemption`), while it still waits here."""
         if await ask_preemption(
-            self._nc, item.request, rank, backends, waiting=lambda: self._hold.holds(item)
+            self._nc,
+            item.request,
+            rank,
+            backends,
+            waiting=lambda: self._hold.holds(item),
+            least_urgent=self._least_urgent,
         ):
             item.preempted_one = True
 

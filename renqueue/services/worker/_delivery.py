@@ -89,9 +89,19 @@ class Delivery:
         """How many times the broker has delivered it (this time included)."""
         return int(self._msg.metadata.num_delivered)
 
-    async def done(self) -> None:
-        """Its work is over and recorded: the broker forgets it (``ack``)."""
-        await self._msg.ack()
+    async def done(self, *, confirmed: bool = False) -> None:
+        """Its work is over and recorded: the broker forgets it (``ack``).
+
+        ``confirmed``: wait until the broker has taken the ack (``ack_sync``),
+        so that a read of the consumer's counts made after this returns sees
+        the slot free: the binder reads that count when the worker announces
+        the freed slot, and an ack still on its way would leave the slot
+        unseen until the binder's next periodic read.
+        """
+        if confirmed:
+            await self._msg.ack_sync()
+        else:
+            await self._msg.ack()
 
     async def hand_back(self, *, after: float) -> None:
         """Deliver it again after ``after`` seconds (``nak`` with a delay)."""

@@ -92,7 +92,7 @@ from ._gate import Gate
 from ._outcomes import Outcomes
 from ._probe import Prober
 from ._stealing import STEAL_INTERVAL, Thief
-from ._yielding import PREEMPT_GRACE, Preemptible, Run
+from ._yielding import Preemptible, Run
 
 __all__ = ["Worker"]
 
@@ -128,6 +128,8 @@ class Worker(Lifecycle):
         #: Run numbers of one attempt stay below this: the broker's delivery limit.
         self._stride = config.worker.deliveries
         self._drain_timeout = parse_duration(config.worker.drain_timeout)
+        #: Seconds a preempted call's slot stays taken after its stream is closed.
+        self._preempt_grace = parse_duration(self._backend_config.preempt_grace)
         self._caller = Caller(js, backend_name, self._backend_config, backend, clock=clock)
         #: How a failed run is retried or ended (:func:`renqueue.policy.after_failure`).
         policy = config.worker.failure_policy()
@@ -434,9 +436,11 @@ class Worker(Lifecycle):
         """Its call was stopped: preempted for the request ``preempted_by``,
         else cancelled by request."""
         if preempted_by is not None:
-            # The HTTP stream is closed; give the backend a moment to see
-            # the disconnect before its slot goes to the urgent request.
-            await asyncio.sleep(PREEMPT_GRACE)
+            # The HTTP stream is closed: the slot goes to the urgent request
+            # now, or after the backend's grace (one that refuses calls past
+            # its concurrency may not have seen the disconnect yet).
+            if self._preempt_grace > 0:
+                await asyncio.sleep(self._preempt_grace)
             await self._outcomes.requeue(delivery, delivery.number, preempted_by)
         else:
             await self._outcomes.cancel(delivery, stage="running")

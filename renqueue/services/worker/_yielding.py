@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 
@@ -39,12 +39,9 @@ from ...schema import (
 from ...schema import Run as Recorded  # its events; ``Run`` here is a call as preemption sees it
 from ._delivery import Delivery
 
-__all__ = ["PREEMPT_GRACE", "Preemptible", "Run", "put_back", "requeue"]
+__all__ = ["Preemptible", "Run", "put_back", "requeue"]
 
 log = get_logger("worker")
-
-#: Seconds between closing a preempted call and releasing its slot.
-PREEMPT_GRACE: Final = 0.1
 
 
 class Run(msgspec.Struct, kw_only=True):
@@ -189,4 +186,6 @@ async def put_back(js: JetStream, delivery: Delivery, *, fallback: Fallback | No
             msg_id(request.tenant, request.id, "requeue", dispatch.attempt),
             headers=trace_headers(trace),
         )
-    await delivery.done()
+    # The slot goes to whoever waits for it (after a preemption: the urgent
+    # request): announced once the broker counts it free.
+    await delivery.done(confirmed=True)
