@@ -10,9 +10,11 @@ sends (:meth:`HTTPBackend._payload`), how its stream is read (a
 an error body names its class (:meth:`HTTPBackend._error_class`). Everything
 else is here, once:
 
-- **One pooled** :class:`httpx.AsyncClient` per adapter, sharded (or one
-  injected and shared between adapters): connection reuse is most of the
-  per-request cost on a fast local backend.
+- **One pooled** :class:`httpx.AsyncClient` per adapter (or one injected and
+  shared between adapters): connection reuse is most of the per-request cost
+  on a fast local backend. Its bytes move on aiohttp's client
+  (:mod:`._aiohttp`; :attr:`HTTPBackend.transport`), which costs a fraction
+  of httpx's own transport per call (``bench/http_clients.py``).
 - **The call's clock** (:class:`Clock`): a first-token deadline
   (``first_token_timeout``) and a whole-call deadline (``total_timeout``),
   each wait on the network bounded by the next one, never across a
@@ -726,7 +728,7 @@ class HTTPBackend(Closing):
     #: What moves the bytes under its :class:`httpx.AsyncClient` (unless one is
     #: injected): ``"aiohttp"`` (:class:`._aiohttp.AiohttpTransport`) or
     #: ``"httpcore"`` (httpx's own); see :func:`_pools`.
-    transport: ClassVar[Transport] = "httpcore"
+    transport: ClassVar[Transport] = "aiohttp"
     #: Where a call goes, after ``base_url``: (streaming, not streaming);
     #: ``{model}`` stands for the model's name, URL-quoted.
     paths: ClassVar[tuple[str, str]]
