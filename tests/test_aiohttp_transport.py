@@ -22,7 +22,7 @@ from aiohttp import web
 from renqueue.backends._aiohttp import AiohttpTransport
 from renqueue.backends.openai import OpenAIBackend
 from renqueue.config import BackendConfig
-from renqueue.errors import FailureClass, RetryableBackendError
+from renqueue.errors import BackendError, FailureClass, RetryableBackendError
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import ChatMessage, InferenceRequest
 
@@ -206,3 +206,27 @@ async def test_a_silent_server_is_a_read_timeout() -> None:
         await adapter.close()
     assert isinstance(caught.value.__cause__, httpx.ReadTimeout)
     assert caught.value.failure is FailureClass.FIRST_TOKEN_TIMEOUT
+
+
+async def test_a_proxy_from_the_environment_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HTTP_PROXY`` routes the adapter's calls through that proxy, as on httpx's own
+    transport (a client given ``transport=`` would ignore it)."""
+    seen: list[str] = []
+
+    async def proxy(request: web.Request) -> web.StreamResponse:
+        seen.append(str(request.url))  # a forward proxy is asked for the absolute URL
+        return web.Response(status=418, text="a proxy")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", proxy)
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    async with serve(app) as origin:
+        monkeypatch.setenv("HTTP_PROXY", origin)
+        config = BackendConfig(base_url="http://backend.invalid/v1", model="m")
+        adapter = OpenAIBackend("proxied", config)
+        with pytest.raises(BackendError) as caught:
+            await adapter.complete(REQUEST)
+        await adapter.close()
+    assert caught.value.status == 418
+    assert seen == ["http://backend.invalid/v1/chat/completions"]

@@ -26,8 +26,12 @@ What the transport keeps of httpx's behaviour:
   generating. A response read to its end gives its connection back to the pool.
 - **Bodies are not decoded here** (``auto_decompress=False``): httpx decodes
   ``Content-Encoding`` itself, as with its own transport. No cookies are kept here
-  (httpx's client keeps them), no redirects followed (httpx decides), no proxy read
-  from the environment (httpx mounts its own proxy transport for proxied URLs).
+  (httpx's client keeps them), no redirects followed (httpx decides).
+- **Proxies from the environment** (``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``,
+  ``NO_PROXY``) are honoured as httpx honours them: :class:`AiohttpClient` gives
+  httpx's client this transport as its default one only, so httpx still routes a
+  proxied URL to its own proxy transport. (An ``httpx.AsyncClient`` given a
+  ``transport=`` would ignore the environment's proxies.)
 """
 
 from __future__ import annotations
@@ -35,12 +39,12 @@ from __future__ import annotations
 import contextlib
 import ssl
 from collections.abc import AsyncIterator, Iterator
-from typing import Final
+from typing import Any, Final
 
 import aiohttp
 import httpx
 
-__all__ = ["AiohttpTransport"]
+__all__ = ["AiohttpClient", "AiohttpTransport"]
 
 #: aiohttp's exceptions as httpx's, most specific first (the first that matches wins).
 _ERRORS: Final[tuple[tuple[type[BaseException], type[httpx.TransportError]], ...]] = (
@@ -156,3 +160,27 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
+
+
+#: httpx's own default pool limits.
+_DEFAULT_LIMITS: Final = httpx.Limits(max_connections=100, max_keepalive_connections=20)
+
+
+class AiohttpClient(httpx.AsyncClient):
+    """An :class:`httpx.AsyncClient` whose default transport is :class:`AiohttpTransport`
+    (of the client's ``limits``); a URL the environment proxies goes, as in httpx,
+    through httpx's own proxy transport."""
+
+    def _init_transport(  # noqa: PLR0917 - httpx's own signature
+        self,
+        verify: ssl.SSLContext | str | bool = True,
+        cert: Any = None,  # not used: client certificates are not configurable here
+        trust_env: bool = True,
+        http1: bool = True,
+        http2: bool = False,
+        limits: httpx.Limits = _DEFAULT_LIMITS,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> httpx.AsyncBaseTransport:
+        if transport is not None:
+            return transport
+        return AiohttpTransport(limits=limits, verify=verify, trust_env=trust_env)

@@ -69,7 +69,7 @@ from ..schema import (
     Usage,
     parse_traceparent,
 )
-from ._aiohttp import AiohttpTransport
+from ._aiohttp import AiohttpClient
 from ._limits import LearnedLimits, parse_limits
 from ._sse import MAX_EVENT_BYTES, ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation, ToolCall
@@ -702,7 +702,7 @@ def _pools(
     if transport == "aiohttp":
         room = concurrency + 4
         limits = httpx.Limits(max_connections=room, max_keepalive_connections=room)
-        return [httpx.AsyncClient(timeout=timeout, transport=AiohttpTransport(limits=limits))]
+        return [AiohttpClient(timeout=timeout, limits=limits)]
     shards = max(1, min(16, -(-concurrency // _CALLS_PER_POOL)))
     per_pool = -(-concurrency // shards) + 4
     limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
