@@ -429,6 +429,9 @@ def nats_stats(nc: Any) -> dict[str, int]:
     return {key: int(nc.client.stats[key]) for key in ("in_msgs", "out_msgs")}
 
 
+HTTP_CLIENT = "http client (httpx, aiohttp client, httpcore, h11, anyio)"
+
+
 def _category(filename: str, func: str) -> str:
     """Which part of the stack a profiled function belongs to."""
     path = filename.replace("\\", "/")
@@ -439,10 +442,16 @@ def _category(filename: str, func: str) -> str:
             return "failed imports (sniffio)"
         return "C builtins (msgspec, str, ...)"
     for marker, name in (
-        ("/httpx/", "http client (httpx, httpcore, h11, anyio)"),
-        ("/httpcore/", "http client (httpx, httpcore, h11, anyio)"),
-        ("/h11/", "http client (httpx, httpcore, h11, anyio)"),
-        ("/anyio/", "http client (httpx, httpcore, h11, anyio)"),
+        # The adapters' client: httpx's API over aiohttp's client (renqueue/backends/_aiohttp.py;
+        # this process runs no aiohttp server), or over httpcore, h11 and anyio.
+        ("/httpx/", HTTP_CLIENT),
+        ("/httpcore/", HTTP_CLIENT),
+        ("/h11/", HTTP_CLIENT),
+        ("/anyio/", HTTP_CLIENT),
+        ("/aiohttp/", HTTP_CLIENT),
+        ("/multidict/", HTTP_CLIENT),
+        ("/yarl/", HTTP_CLIENT),
+        ("/renqueue/backends/_aiohttp.py", HTTP_CLIENT),
         ("/nats/", "nats-py"),
         ("/renqueue/", "renqueue"),
         ("/structlog/", "structlog"),
