@@ -740,6 +740,8 @@ class HTTPBackend(Closing):
         self._config = config
         base, model = config.base_url.rstrip("/"), quote(config.model, safe="")
         self._urls = tuple(base + path.format(model=model) for path in self.paths)
+        # Parsed once: httpx parses a URL given as text on every call.
+        self._targets = tuple(httpx.URL(url) for url in self._urls)
         self._timeout = httpx.Timeout(
             parse_duration(config.timeout), connect=parse_duration(config.connect_timeout)
         )
@@ -917,7 +919,7 @@ class HTTPBackend(Closing):
         slow consumer is not cut off by it."""
         call = pool.stream(
             "POST",
-            self._urls[0],
+            self._targets[0],
             content=body,
             headers=headers,
             timeout=self._timeout,
@@ -970,7 +972,7 @@ class HTTPBackend(Closing):
             with self._pool() as pool:
                 async with clock.bounded():
                     response = await pool.post(
-                        self._urls[1],
+                        self._targets[1],
                         content=body,
                         headers=_traced(self._json_headers, traceparent),
                         timeout=self._timeout,
