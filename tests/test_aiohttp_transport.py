@@ -12,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import gzip
 import socket
+import ssl
+import subprocess
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
 from _loopback import serve
 from aiohttp import web
 
-from renqueue.backends._aiohttp import AiohttpTransport
+from renqueue.backends._aiohttp import AiohttpClient, AiohttpTransport
 from renqueue.backends.openai import OpenAIBackend
 from renqueue.config import BackendConfig
 from renqueue.errors import BackendError, FailureClass, RetryableBackendError
@@ -230,3 +233,48 @@ async def test_a_proxy_from_the_environment_is_used(monkeypatch: pytest.MonkeyPa
         await adapter.close()
     assert caught.value.status == 418
     assert seen == ["http://backend.invalid/v1/chat/completions"]
+
+
+@pytest.fixture
+def certificate(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key (the system's openssl)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+async def test_tls_is_verified_against_the_environments_roots(
+    certificate: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An https backend: its certificate is checked (``SSL_CERT_FILE``, as httpx reads it,
+    else certifi's roots), and one that does not check out is a connect error."""
+    cert, key = certificate
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    server = Peers()
+    runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
+    await site.start()
+    origin = f"https://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+        monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+        untrusted = AiohttpClient(timeout=5.0)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            await untrusted.post(f"{origin}/once", content=b"{}")
+        await untrusted.aclose()
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        async with AiohttpClient(timeout=5.0) as trusted:
+            response = await trusted.post(f"{origin}/once", content=b"{}")
+        assert response.text == "done"
+    finally:
+        await runner.cleanup()
