@@ -156,6 +156,29 @@ async def test_a_cancelled_adapter_call_stops_the_backend() -> None:
     assert stats.tokens_out < 50
 
 
+async def test_a_call_cancelled_before_its_first_token_hangs_up() -> None:
+    """Preempted while the backend is still thinking (before any byte of the answer):
+    the connection is closed, so the backend sees the client gone and answers no one."""
+    async with MockBackend(MockSettings(ttft=0.5, output_tokens=5)) as mock:
+        adapter = OpenAIBackend("mock", BackendConfig(base_url=mock.url, model="m"))
+        task = asyncio.create_task(adapter.complete(REQUEST))
+        for _ in range(400):  # the mock's counters have no event to wait on
+            if mock.stats().in_flight:
+                break
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(400):
+            if mock.stats().disconnects:
+                break
+            await asyncio.sleep(0.005)
+        stats = mock.stats()
+        await adapter.close()
+    assert stats.disconnects == 1
+    assert stats.completed == 0
+
+
 async def test_a_compressed_body_is_decoded_by_httpx(
     peers: tuple[Peers, str], client: httpx.AsyncClient
 ) -> None:
