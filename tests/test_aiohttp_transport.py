@@ -53,6 +53,7 @@ class Peers:
         app.router.add_post("/once", self.once)
         app.router.add_post("/endless", self.endless)
         app.router.add_get("/gzip", self.gzipped)
+        app.router.add_get("/long-header", self.long_header)
         return app
 
     def _note(self, request: web.Request) -> None:
@@ -62,6 +63,9 @@ class Peers:
     async def once(self, request: web.Request) -> web.StreamResponse:
         self._note(request)
         return web.Response(text="done", headers={"x-ratelimit-remaining-requests": "7"})
+
+    async def long_header(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(text="done", headers={"x-long": "a" * 12_000})
 
     async def endless(self, request: web.Request) -> web.StreamResponse:
         self._note(request)
@@ -185,6 +189,15 @@ async def test_a_compressed_body_is_decoded_by_httpx(
     _server, origin = peers
     response = await client.get(f"{origin}/gzip")
     assert response.json() == {"ok": True}
+
+
+async def test_a_header_longer_than_8_kib_is_read(
+    peers: tuple[Peers, str], client: httpx.AsyncClient
+) -> None:
+    """As on httpx's own transport (h11 reads a head of up to 16 KiB)."""
+    _server, origin = peers
+    response = await client.get(f"{origin}/long-header")
+    assert len(response.headers["x-long"]) == 12_000
 
 
 async def test_a_refused_connect_is_a_connect_error() -> None:

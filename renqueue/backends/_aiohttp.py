@@ -46,6 +46,9 @@ import httpx
 
 __all__ = ["AiohttpClient", "AiohttpTransport"]
 
+#: The longest response status line or header aiohttp reads (h11's bound on a whole head).
+_MAX_HEAD: Final = 16 * 1024
+
 #: aiohttp's exceptions as httpx's, most specific first (the first that matches wins).
 _ERRORS: Final[tuple[tuple[type[BaseException], type[httpx.TransportError]], ...]] = (
     (aiohttp.ConnectionTimeoutError, httpx.ConnectTimeout),
@@ -123,6 +126,10 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             connector=connector,
             cookie_jar=aiohttp.DummyCookieJar(),
             auto_decompress=False,
+            # A response head as large as httpx's own transport read (h11: 16 KiB);
+            # aiohttp's default refuses any header line over 8 KiB.
+            max_line_size=_MAX_HEAD,
+            max_field_size=_MAX_HEAD,
             timeout=aiohttp.ClientTimeout(total=None),
         )
 
