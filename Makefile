@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: browser screenshots setup demo demo-real real-venv test test-real lint typecheck check bench bench-compare bench-scheduling bench-binder bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers bench-whatif bench-real chaos fuzz soak clean
+.PHONY: browser screenshots setup demo demo-real real-venv test test-real lint typecheck check bench bench-compare bench-scheduling bench-binder bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers bench-http bench-whatif bench-real chaos fuzz soak clean
 
 setup: $(STAMP)
 
@@ -112,6 +112,12 @@ bench-whatif: $(STAMP)
 # proxy's packages added on the first run.
 bench-gateway: $(STAMP)
 	$(BIN)/python bench/gateway.py
+
+# The adapters' HTTP client alone (issue 31): raw aiohttp, the adapter on httpx's own
+# transport and on its aiohttp transport, streamed and whole, C=1/16/64, on asyncio and
+# uvloop; Python CPU ms per request. About 4 minutes (--quick: about 1).
+bench-http: $(STAMP)
+	$(BIN)/python bench/http_clients.py $(HTTP_ARGS)
 
 # The gateway's HTTP server, chosen by measurement: the same endpoint on aiohttp, uvicorn,
 # granian and raw h11 (in a venv of their own, .renqueue/bench-servers/venv).

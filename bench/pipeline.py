@@ -11,9 +11,9 @@ is meant to be read are the ratios against baselines measured in the same run:
 1. Broker ceiling: what this nats-server + nats-py can do on a plain R1 file
    stream (acked publishes, windowed and one at a time; fetch(100) + ack).
 2. Mock ceiling: the instant mock backend called directly, streaming, with the
-   project's OpenAI adapter (httpx) and with raw aiohttp, at the pipeline's
-   concurrency levels: proves the mock is not the bottleneck, and gives the
-   direct-call latency the pipeline's "added latency" is measured against.
+   project's OpenAI adapter (httpx's API on its aiohttp transport) and with raw
+   aiohttp, at the pipeline's concurrency levels: proves the mock is not the
+   bottleneck, and gives the direct-call latency the pipeline's "added latency" is measured against.
 3. Pipeline: ``Services`` + ``Client``, closed loop (C submitters, each
    submit -> result, repeated), throughput and client-observed latency; one
    streamed variant (consume ``handle.stream()`` then the result).
@@ -429,6 +429,9 @@ def nats_stats(nc: Any) -> dict[str, int]:
     return {key: int(nc.client.stats[key]) for key in ("in_msgs", "out_msgs")}
 
 
+HTTP_CLIENT = "http client (httpx, aiohttp client, httpcore, h11, anyio)"
+
+
 def _category(filename: str, func: str) -> str:
     """Which part of the stack a profiled function belongs to."""
     path = filename.replace("\\", "/")
@@ -439,10 +442,16 @@ def _category(filename: str, func: str) -> str:
             return "failed imports (sniffio)"
         return "C builtins (msgspec, str, ...)"
     for marker, name in (
-        ("/httpx/", "http client (httpx, httpcore, h11, anyio)"),
-        ("/httpcore/", "http client (httpx, httpcore, h11, anyio)"),
-        ("/h11/", "http client (httpx, httpcore, h11, anyio)"),
-        ("/anyio/", "http client (httpx, httpcore, h11, anyio)"),
+        # The adapters' client: httpx's API over aiohttp's client (renqueue/backends/_aiohttp.py;
+        # this process runs no aiohttp server), or over httpcore, h11 and anyio.
+        ("/httpx/", HTTP_CLIENT),
+        ("/httpcore/", HTTP_CLIENT),
+        ("/h11/", HTTP_CLIENT),
+        ("/anyio/", HTTP_CLIENT),
+        ("/aiohttp/", HTTP_CLIENT),
+        ("/multidict/", HTTP_CLIENT),
+        ("/yarl/", HTTP_CLIENT),
+        ("/renqueue/backends/_aiohttp.py", HTTP_CLIENT),
         ("/nats/", "nats-py"),
         ("/renqueue/", "renqueue"),
         ("/structlog/", "structlog"),
@@ -779,7 +788,7 @@ def print_report(report: dict[str, Any]) -> None:
         + (": the mock is not the bottleneck" if raw_ratio > 2 else ": WARNING, mock-bound")
     )
     print(
-        f"  the project's adapter (httpx) alone, called directly, does"
+        f"  the project's adapter (httpx API, aiohttp transport) alone, called directly, does"
         f" {best['mock_adapter_over_pipeline']:.1f}x the pipeline's rate at C={top}"
         " (it runs inside the worker, so it is part of the pipeline's cost)"
     )
@@ -1040,6 +1049,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             httpcore=package_version("httpcore"),
             httpx=httpx.__version__,
             aiohttp=aiohttp.__version__,
+            event_loop=args.loop,
         ),
         "mock_settings": {"ttft": 0.0, "tokens_per_second": 0, "output_tokens": OUTPUT_TOKENS},
     }
@@ -1077,6 +1087,12 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
     parser.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="the event loop everything in this process runs on (asyncio)",
+    )
+    parser.add_argument(
         "--real",
         action="store_true",
         help="instead: Ren-Queue's added latency over a real model server (llama-cpp-python"
@@ -1105,7 +1121,12 @@ def main() -> None:
         print(f"\n  JSON: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
         print(f"  total {report['total_seconds']:.0f}s")
         return
-    report = asyncio.run(run(args))
+    if args.loop == "uvloop":
+        import uvloop  # noqa: PLC0415 - only when asked for
+
+        report = uvloop.run(run(args))
+    else:
+        report = asyncio.run(run(args))
     print_report(report)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"pipeline-{report['timestamp']}.json"

@@ -19,6 +19,7 @@ from _loopback import serve
 from aiohttp import web
 
 from renqueue.backends import LearnedLimits, make_backend
+from renqueue.backends._aiohttp import AiohttpTransport
 from renqueue.backends.base import Backend, Delta
 from renqueue.backends.openai import OpenAIBackend
 from renqueue.config import BackendConfig
@@ -440,9 +441,16 @@ async def scripted() -> AsyncIterator[str]:
         yield origin
 
 
-@pytest.fixture
-async def scripted_backend(scripted: str) -> AsyncIterator[Callable[[str], OpenAIBackend]]:
-    client = httpx.AsyncClient()
+@pytest.fixture(params=["aiohttp", "httpcore"])
+async def scripted_backend(
+    scripted: str, request: pytest.FixtureRequest
+) -> AsyncIterator[Callable[[str], OpenAIBackend]]:
+    """Adapters on one injected client, on each transport: every broken or odd server
+    must read the same whichever moves the bytes."""
+    if request.param == "aiohttp":
+        client = httpx.AsyncClient(transport=AiohttpTransport(limits=httpx.Limits()))
+    else:
+        client = httpx.AsyncClient()
     adapters: list[OpenAIBackend] = []
 
     def build(scenario: str) -> OpenAIBackend:

@@ -10,9 +10,11 @@ sends (:meth:`HTTPBackend._payload`), how its stream is read (a
 an error body names its class (:meth:`HTTPBackend._error_class`). Everything
 else is here, once:
 
-- **One pooled** :class:`httpx.AsyncClient` per adapter, sharded (or one
-  injected and shared between adapters): connection reuse is most of the
-  per-request cost on a fast local backend.
+- **One pooled** :class:`httpx.AsyncClient` per adapter (or one injected and
+  shared between adapters): connection reuse is most of the per-request cost
+  on a fast local backend. Its bytes move on aiohttp's client
+  (:mod:`._aiohttp`; :attr:`HTTPBackend.transport`), which costs a fraction
+  of httpx's own transport per call (``bench/http_clients.py``).
 - **The call's clock** (:class:`Clock`): a first-token deadline
   (``first_token_timeout``) and a whole-call deadline (``total_timeout``),
   each wait on the network bounded by the next one, never across a
@@ -41,7 +43,7 @@ import contextlib
 import re
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Final, NamedTuple, TypeVar
+from typing import Any, ClassVar, Final, Literal, NamedTuple, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -67,6 +69,7 @@ from ..schema import (
     Usage,
     parse_traceparent,
 )
+from ._aiohttp import AiohttpClient
 from ._limits import LearnedLimits, parse_limits
 from ._sse import MAX_EVENT_BYTES, ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation, ToolCall
@@ -81,6 +84,7 @@ __all__ = [
     "SSEParser",
     "StreamParser",
     "ToolCallPieces",
+    "Transport",
     "arguments_object",
     "bad_request_class",
     "common_finish",
@@ -678,6 +682,32 @@ def _traced(headers: httpx.Headers, traceparent: str | None) -> httpx.Headers:
 
 # ------------------------------------------------------------------ adapter
 
+#: What an adapter's pools send through (:attr:`HTTPBackend.transport`).
+Transport = Literal["aiohttp", "httpcore"]
+
+
+def _pools(
+    transport: Transport, concurrency: int, timeout: httpx.Timeout
+) -> list[httpx.AsyncClient]:
+    """An adapter's own connection pools, for ``concurrency`` calls at once.
+
+    On aiohttp, one pool: its cost per call does not grow with its size. On
+    httpcore, several small pools instead of one big one: httpcore rescans every
+    connection of a pool on each request start and close, so its cost per call
+    grows with the pool (encode/httpcore#1035; at 64 concurrent calls, one pool
+    spent ~5 ms of CPU per call, eight pools ~2 ms: bench/README.md). Each pool
+    has room for its share of the declared concurrency; the broker, not the
+    pool, bounds load.
+    """
+    if transport == "aiohttp":
+        room = concurrency + 4
+        limits = httpx.Limits(max_connections=room, max_keepalive_connections=room)
+        return [AiohttpClient(timeout=timeout, limits=limits)]
+    shards = max(1, min(16, -(-concurrency // _CALLS_PER_POOL)))
+    per_pool = -(-concurrency // shards) + 4
+    limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
+    return [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(shards)]
+
 
 class HTTPBackend(Closing):
     """A backend reached over HTTP: the base of every adapter (module docstring).
@@ -695,6 +725,10 @@ class HTTPBackend(Closing):
     limit_style: LimitStyle = "auto"
     #: The parser of this format's stream.
     parser: ClassVar[type[StreamParser]] = StreamParser
+    #: What moves the bytes under its :class:`httpx.AsyncClient` (unless one is
+    #: injected): ``"aiohttp"`` (:class:`._aiohttp.AiohttpTransport`) or
+    #: ``"httpcore"`` (httpx's own); see :func:`_pools`.
+    transport: ClassVar[Transport] = "aiohttp"
     #: Where a call goes, after ``base_url``: (streaming, not streaming);
     #: ``{model}`` stands for the model's name, URL-quoted.
     paths: ClassVar[tuple[str, str]]
@@ -706,6 +740,8 @@ class HTTPBackend(Closing):
         self._config = config
         base, model = config.base_url.rstrip("/"), quote(config.model, safe="")
         self._urls = tuple(base + path.format(model=model) for path in self.paths)
+        # Parsed once: httpx parses a URL given as text on every call.
+        self._targets = tuple(httpx.URL(url) for url in self._urls)
         self._timeout = httpx.Timeout(
             parse_duration(config.timeout), connect=parse_duration(config.connect_timeout)
         )
@@ -731,24 +767,7 @@ class HTTPBackend(Closing):
         self._json_headers = _SecretHeaders({**base_headers, "Accept": "application/json"})
         self._owns_client = client is None
         if client is None:
-            # Several small pools instead of one big one: httpcore rescans
-            # every connection of a pool on each request start and close, so
-            # its cost per call grows with the pool (encode/httpcore#1035; at
-            # 64 concurrent calls, one pool spent ~5 ms of CPU per call, eight
-            # pools ~2 ms: bench/README.md). Each pool has room for its share
-            # of the declared concurrency; the broker, not the pool, bounds load.
-            concurrency = config.limits.concurrency
-            shards = max(1, min(16, -(-concurrency // _CALLS_PER_POOL)))
-            per_pool = -(-concurrency // shards) + 4
-            self._pools = [
-                httpx.AsyncClient(
-                    timeout=self._timeout,
-                    limits=httpx.Limits(
-                        max_connections=per_pool, max_keepalive_connections=per_pool
-                    ),
-                )
-                for _ in range(shards)
-            ]
+            self._pools = _pools(self.transport, config.limits.concurrency, self._timeout)
         else:
             self._pools = [client]
         self._busy = [0] * len(self._pools)
@@ -900,7 +919,7 @@ class HTTPBackend(Closing):
         slow consumer is not cut off by it."""
         call = pool.stream(
             "POST",
-            self._urls[0],
+            self._targets[0],
             content=body,
             headers=headers,
             timeout=self._timeout,
@@ -953,7 +972,7 @@ class HTTPBackend(Closing):
             with self._pool() as pool:
                 async with clock.bounded():
                     response = await pool.post(
-                        self._urls[1],
+                        self._targets[1],
                         content=body,
                         headers=_traced(self._json_headers, traceparent),
                         timeout=self._timeout,

@@ -1,0 +1,193 @@
+"""An httpx transport on aiohttp's client: the adapters keep httpx's API, aiohttp moves the bytes.
+
+Measured (``bench/http_clients.py``): on an instant local backend, httpx's own
+transport (httpcore + h11 + anyio) costs most of an adapter call's CPU; aiohttp's
+connection pool and C HTTP parser do the same work for a fraction of it. The
+adapters still build, send and read :class:`httpx.Request` and
+:class:`httpx.Response` (headers, status, timeouts, error classes), so nothing above
+this module changes.
+
+What the transport keeps of httpx's behaviour:
+
+- **Timeouts**, from the request's ``timeout`` extension: ``connect`` bounds the TCP
+  (and TLS) connect, ``read`` each wait for bytes, ``pool`` the wait for a free
+  connection plus the connect. (``write`` has no aiohttp counterpart: a request body
+  is small and written at once.)
+- **Errors** as httpx's own classes, chosen as httpcore chooses them: a refused or
+  unresolvable connect is :class:`httpx.ConnectError`, a connect or pool wait past
+  its deadline :class:`httpx.ConnectTimeout`, a silence past ``read``
+  :class:`httpx.ReadTimeout`, a server that hung up or broke the framing
+  :class:`httpx.RemoteProtocolError`, a reset :class:`httpx.ReadError`, a URL
+  aiohttp cannot reach :class:`httpx.UnsupportedProtocol`. (The httpx-aiohttp
+  package's transport reports a refused connect as a connect *timeout*, which the
+  adapters would record as the wrong failure class; hence this module.)
+- **Closing a response early closes its connection**: a stream the caller stopped
+  reading (cancelled, preempted) hangs up on the server, which then stops
+  generating. A response read to its end gives its connection back to the pool.
+- **Bodies are not decoded here** (``auto_decompress=False``): httpx decodes
+  ``Content-Encoding`` itself, as with its own transport. No cookies are kept here
+  (httpx's client keeps them), no redirects followed (httpx decides).
+- **Proxies from the environment** (``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``,
+  ``NO_PROXY``) are honoured as httpx honours them: :class:`AiohttpClient` gives
+  httpx's client this transport as its default one only, so httpx still routes a
+  proxied URL to its own proxy transport. (An ``httpx.AsyncClient`` given a
+  ``transport=`` would ignore the environment's proxies.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ssl
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Final
+
+import aiohttp
+import httpx
+
+__all__ = ["AiohttpClient", "AiohttpTransport"]
+
+#: The longest response status line or header aiohttp reads (h11's bound on a whole head).
+_MAX_HEAD: Final = 16 * 1024
+
+#: aiohttp's exceptions as httpx's, most specific first (the first that matches wins).
+_ERRORS: Final[tuple[tuple[type[BaseException], type[httpx.TransportError]], ...]] = (
+    (aiohttp.ConnectionTimeoutError, httpx.ConnectTimeout),
+    (aiohttp.SocketTimeoutError, httpx.ReadTimeout),
+    (aiohttp.ServerTimeoutError, httpx.ReadTimeout),
+    (aiohttp.ClientProxyConnectionError, httpx.ProxyError),
+    (aiohttp.ClientConnectorError, httpx.ConnectError),
+    (aiohttp.InvalidUrlClientError, httpx.UnsupportedProtocol),
+    (aiohttp.ServerDisconnectedError, httpx.RemoteProtocolError),
+    (aiohttp.ClientPayloadError, httpx.RemoteProtocolError),
+    (aiohttp.ClientResponseError, httpx.RemoteProtocolError),
+    (aiohttp.ClientOSError, httpx.ReadError),
+    (aiohttp.ClientError, httpx.TransportError),
+)
+
+
+@contextlib.contextmanager
+def _as_httpx(request: httpx.Request) -> Iterator[None]:
+    """aiohttp's exceptions raised inside, as httpx's (the original as the cause)."""
+    try:
+        yield
+    except aiohttp.ClientError as exc:
+        for theirs, ours in _ERRORS:
+            if isinstance(exc, theirs):
+                raise ours(str(exc) or type(exc).__name__, request=request) from exc
+        raise  # pragma: no cover - aiohttp.ClientError is the last row
+
+
+class _ResponseStream(httpx.AsyncByteStream):
+    """A response body as it arrives: each chunk what one network read brought."""
+
+    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
+        self._response = response
+        self._request = request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        with _as_httpx(self._request):
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+
+    async def aclose(self) -> None:
+        if self._response.content.at_eof():
+            self._response.release()  # read to its end: the connection goes back to the pool
+        else:
+            self._response.close()  # stopped early: hang up, so the server stops too
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """One aiohttp connection pool of ``limits.max_connections`` (module docstring).
+
+    Its session is made on the first request (aiohttp binds it to the running loop)
+    and closed by :meth:`aclose`.
+    """
+
+    def __init__(
+        self,
+        *,
+        limits: httpx.Limits,
+        verify: ssl.SSLContext | str | bool = True,
+        trust_env: bool = True,
+    ) -> None:
+        self._limits = limits
+        self._ssl = httpx.create_ssl_context(verify=verify, trust_env=trust_env)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _new_session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=self._limits.max_connections or 0,
+            keepalive_timeout=(
+                self._limits.keepalive_expiry if self._limits.keepalive_expiry is not None else 5.0
+            ),
+            ssl=self._ssl,
+        )
+        return aiohttp.ClientSession(
+            connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False,
+            # A response head as large as httpx's own transport read (h11: 16 KiB);
+            # aiohttp's default refuses any header line over 8 KiB.
+            max_line_size=_MAX_HEAD,
+            max_field_size=_MAX_HEAD,
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._session is None:
+            self._session = self._new_session()
+        timeout = request.extensions.get("timeout", {})
+        body = await request.aread() or None
+        with _as_httpx(request):
+            response = await self._session.request(
+                request.method,
+                str(request.url),
+                headers=request.headers.multi_items(),
+                data=body,
+                allow_redirects=False,
+                compress=None,
+                timeout=aiohttp.ClientTimeout(
+                    total=None,
+                    connect=timeout.get("pool"),
+                    sock_connect=timeout.get("connect"),
+                    sock_read=timeout.get("read"),
+                ),
+            )
+        extensions = {"http_version": b"HTTP/1.1"}
+        if response.reason:
+            extensions["reason_phrase"] = response.reason.encode("ascii", errors="replace")
+        return httpx.Response(
+            status_code=response.status,
+            headers=response.raw_headers,
+            stream=_ResponseStream(response, request),
+            extensions=extensions,
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+
+#: httpx's own default pool limits.
+_DEFAULT_LIMITS: Final = httpx.Limits(max_connections=100, max_keepalive_connections=20)
+
+
+class AiohttpClient(httpx.AsyncClient):
+    """An :class:`httpx.AsyncClient` whose default transport is :class:`AiohttpTransport`
+    (of the client's ``limits``); a URL the environment proxies goes, as in httpx,
+    through httpx's own proxy transport."""
+
+    def _init_transport(  # noqa: PLR0917 - httpx's own signature
+        self,
+        verify: ssl.SSLContext | str | bool = True,
+        cert: Any = None,  # not used: client certificates are not configurable here
+        trust_env: bool = True,
+        http1: bool = True,
+        http2: bool = False,
+        limits: httpx.Limits = _DEFAULT_LIMITS,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> httpx.AsyncBaseTransport:
+        if transport is not None:
+            return transport
+        return AiohttpTransport(limits=limits, verify=verify, trust_env=trust_env)

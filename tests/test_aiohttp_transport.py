@@ -1,0 +1,316 @@
+"""The adapters' transport on aiohttp (renqueue/backends/_aiohttp.py): what it must keep
+of httpx's own (connections reused, a stream stopped early hangs up, errors of the same
+classes, timeouts), against real servers on loopback.
+
+The wire formats' behaviour on it (odd and broken streams, statuses, rate-limit
+headers, error bodies) is checked in tests/test_openai_adapter.py, whose scripted
+servers run on both transports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import socket
+import ssl
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from _loopback import serve
+from aiohttp import web
+
+from renqueue.backends._aiohttp import AiohttpClient, AiohttpTransport
+from renqueue.backends.openai import OpenAIBackend
+from renqueue.config import BackendConfig
+from renqueue.errors import BackendError, FailureClass, RetryableBackendError
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import ChatMessage, InferenceRequest
+
+REQUEST = InferenceRequest(
+    id="req-1", route="chat", messages=[ChatMessage(role="user", content="hi")]
+)
+
+
+def test_adapters_move_their_bytes_on_aiohttp() -> None:
+    adapter = OpenAIBackend("m", BackendConfig(base_url="http://127.0.0.1:1/v1", model="m"))
+    assert adapter.transport == "aiohttp"
+    assert len(adapter._pools) == 1
+    assert isinstance(adapter._pools[0]._transport, AiohttpTransport)
+
+
+class Peers:
+    """A server that remembers which client connection (its port) each request came on."""
+
+    def __init__(self) -> None:
+        self.ports: list[int] = []
+        self.hung_up = asyncio.Event()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/once", self.once)
+        app.router.add_post("/endless", self.endless)
+        app.router.add_get("/gzip", self.gzipped)
+        app.router.add_get("/long-header", self.long_header)
+        return app
+
+    def _note(self, request: web.Request) -> None:
+        assert request.transport is not None
+        self.ports.append(request.transport.get_extra_info("peername")[1])
+
+    async def once(self, request: web.Request) -> web.StreamResponse:
+        self._note(request)
+        return web.Response(text="done", headers={"x-ratelimit-remaining-requests": "7"})
+
+    async def long_header(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(text="done", headers={"x-long": "a" * 12_000})
+
+    async def endless(self, request: web.Request) -> web.StreamResponse:
+        self._note(request)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            while True:
+                await response.write(b"data: x\n\n")
+                await asyncio.sleep(0.01)
+        except (ConnectionError, asyncio.CancelledError):
+            self.hung_up.set()
+            raise
+
+    async def gzipped(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(
+            body=gzip.compress(b'{"ok": true}'),
+            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+        )
+
+
+@pytest.fixture
+async def peers() -> AsyncIterator[tuple[Peers, str]]:
+    server = Peers()
+    async with serve(server.app()) as origin:
+        yield server, origin
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    transport = AiohttpTransport(limits=httpx.Limits(max_connections=4))
+    async with httpx.AsyncClient(transport=transport, timeout=5.0) as http:
+        yield http
+
+
+async def test_a_finished_response_gives_its_connection_back(
+    peers: tuple[Peers, str], client: httpx.AsyncClient
+) -> None:
+    server, origin = peers
+    for _ in range(3):
+        response = await client.post(f"{origin}/once", content=b"{}")
+        assert response.text == "done"
+        assert response.headers["x-ratelimit-remaining-requests"] == "7"
+    assert len(set(server.ports)) == 1
+
+
+async def test_a_stream_stopped_early_hangs_up(
+    peers: tuple[Peers, str], client: httpx.AsyncClient
+) -> None:
+    """A cancelled read (a worker's call cancelled or preempted) closes the connection:
+    the server sees the hang-up and stops, and the connection is never reused."""
+    server, origin = peers
+    started = asyncio.Event()
+
+    async def read() -> None:
+        async with client.stream("POST", f"{origin}/endless", content=b"{}") as response:
+            async for _ in response.aiter_bytes():
+                started.set()
+
+    reader = asyncio.create_task(read())
+    await started.wait()
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    await asyncio.wait_for(server.hung_up.wait(), 5.0)
+    await client.post(f"{origin}/once", content=b"{}")
+    assert len(set(server.ports)) == 2
+
+
+async def test_a_cancelled_adapter_call_stops_the_backend() -> None:
+    """The adapter on its own pools: cancelling the task that reads a stream ends the
+    backend's generation (the mock counts the disconnect, no more tokens go out)."""
+    async with MockBackend(MockSettings(output_tokens=500, tokens_per_second=100)) as mock:
+        adapter = OpenAIBackend("mock", BackendConfig(base_url=mock.url, model="m"))
+        first = asyncio.Event()
+
+        async def call() -> None:
+            async for _ in adapter.stream(REQUEST):
+                first.set()
+
+        task = asyncio.create_task(call())
+        await first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(400):  # the mock's counter has no event to wait on
+            if mock.stats().disconnects:
+                break
+            await asyncio.sleep(0.005)
+        stats = mock.stats()
+        await adapter.close()
+    assert stats.disconnects == 1
+    assert stats.tokens_out < 50
+
+
+async def test_a_call_cancelled_before_its_first_token_hangs_up() -> None:
+    """Preempted while the backend is still thinking (before any byte of the answer):
+    the connection is closed, so the backend sees the client gone and answers no one."""
+    async with MockBackend(MockSettings(ttft=0.5, output_tokens=5)) as mock:
+        adapter = OpenAIBackend("mock", BackendConfig(base_url=mock.url, model="m"))
+        task = asyncio.create_task(adapter.complete(REQUEST))
+        for _ in range(400):  # the mock's counters have no event to wait on
+            if mock.stats().in_flight:
+                break
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(400):
+            if mock.stats().disconnects:
+                break
+            await asyncio.sleep(0.005)
+        stats = mock.stats()
+        await adapter.close()
+    assert stats.disconnects == 1
+    assert stats.completed == 0
+
+
+async def test_a_compressed_body_is_decoded_by_httpx(
+    peers: tuple[Peers, str], client: httpx.AsyncClient
+) -> None:
+    _server, origin = peers
+    response = await client.get(f"{origin}/gzip")
+    assert response.json() == {"ok": True}
+
+
+async def test_a_header_longer_than_8_kib_is_read(
+    peers: tuple[Peers, str], client: httpx.AsyncClient
+) -> None:
+    """As on httpx's own transport (h11 reads a head of up to 16 KiB)."""
+    _server, origin = peers
+    response = await client.get(f"{origin}/long-header")
+    assert len(response.headers["x-long"]) == 12_000
+
+
+async def test_a_refused_connect_is_a_connect_error() -> None:
+    """Not a connect *timeout* (what the httpx-aiohttp package reports): the adapter
+    records a refused connect as ``connect``, a slow one as ``connect_timeout``."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    adapter = OpenAIBackend(
+        "gone", BackendConfig(base_url=f"http://127.0.0.1:{port}/v1", model="m")
+    )
+    with pytest.raises(RetryableBackendError) as caught:
+        await adapter.complete(REQUEST)
+    await adapter.close()
+    assert isinstance(caught.value.__cause__, httpx.ConnectError)
+    assert caught.value.failure is FailureClass.CONNECT
+
+
+async def test_a_full_pool_waits_at_most_the_pool_timeout(
+    peers: tuple[Peers, str],
+) -> None:
+    _server, origin = peers
+    transport = AiohttpTransport(limits=httpx.Limits(max_connections=1))
+    timeout = httpx.Timeout(5.0, pool=0.2)
+    async with (
+        httpx.AsyncClient(transport=transport, timeout=timeout) as http,
+        http.stream("POST", f"{origin}/endless", content=b"{}"),
+    ):
+        with pytest.raises(httpx.ConnectTimeout):
+            await http.post(f"{origin}/once", content=b"{}")
+
+
+async def test_a_silent_server_is_a_read_timeout() -> None:
+    async def silent(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(10)
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", silent)
+    async with serve(app) as origin:
+        config = BackendConfig(base_url=f"{origin}/v1", model="m", timeout="100ms")
+        adapter = OpenAIBackend("slow", config)
+        with pytest.raises(RetryableBackendError) as caught:
+            await adapter.complete(REQUEST)
+        await adapter.close()
+    assert isinstance(caught.value.__cause__, httpx.ReadTimeout)
+    assert caught.value.failure is FailureClass.FIRST_TOKEN_TIMEOUT
+
+
+async def test_a_proxy_from_the_environment_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HTTP_PROXY`` routes the adapter's calls through that proxy, as on httpx's own
+    transport (a client given ``transport=`` would ignore it)."""
+    seen: list[str] = []
+
+    async def proxy(request: web.Request) -> web.StreamResponse:
+        seen.append(str(request.url))  # a forward proxy is asked for the absolute URL
+        return web.Response(status=418, text="a proxy")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", proxy)
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    async with serve(app) as origin:
+        monkeypatch.setenv("HTTP_PROXY", origin)
+        config = BackendConfig(base_url="http://backend.invalid/v1", model="m")
+        adapter = OpenAIBackend("proxied", config)
+        with pytest.raises(BackendError) as caught:
+            await adapter.complete(REQUEST)
+        await adapter.close()
+    assert caught.value.status == 418
+    assert seen == ["http://backend.invalid/v1/chat/completions"]
+
+
+@pytest.fixture
+def certificate(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key (the system's openssl)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+async def test_tls_is_verified_against_the_environments_roots(
+    certificate: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An https backend: its certificate is checked (``SSL_CERT_FILE``, as httpx reads it,
+    else certifi's roots), and one that does not check out is a connect error."""
+    cert, key = certificate
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    server = Peers()
+    runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
+    await site.start()
+    origin = f"https://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+        monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+        untrusted = AiohttpClient(timeout=5.0)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            await untrusted.post(f"{origin}/once", content=b"{}")
+        await untrusted.aclose()
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        async with AiohttpClient(timeout=5.0) as trusted:
+            response = await trusted.post(f"{origin}/once", content=b"{}")
+        assert response.text == "done"
+    finally:
+        await runner.cleanup()
