@@ -298,24 +298,11 @@ class CancelWatch(Lifecycle):
         what is counted when it is no cancellation, and what replaces this
         one once read). Best effort: a failure is logged, the log still has
         them all."""
-        start = await self._unsourced_since()
-        if start is not None:
-            # Exactly what the log has not taken in, however long it waited
-            # (the log full for more than a minute, say).
-            config = ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start
-            )
-        else:
-            since = datetime.datetime.fromtimestamp(
-                max(self._known_since, self._clock() - _UNSOURCED), tz=datetime.UTC
-            )
-            config = ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since
-            )
-        config.ack_policy = AckPolicy.NONE
-        config.inactive_threshold = _INACTIVE
-        config.mem_storage = True
-        config.num_replicas = 1
+        # From exactly what the log has not taken in, however long it waited
+        # (the log full for more than a minute, say), else the last minute.
+        config = _reader(
+            await self._unsourced_since(), max(self._known_since, self._clock() - _UNSOURCED)
+        )
         try:
             psub = await self._js.pull_subscribe(
                 cancel_subject("*", "*"), stream=CANCELS_STREAM, config=config
@@ -359,19 +346,7 @@ class CancelWatch(Lifecycle):
         return source.taken + 1
 
     async def _subscribe(self) -> PullSubscription:
-        if self._next_seq:
-            config = ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._next_seq
-            )
-        else:
-            since = datetime.datetime.fromtimestamp(self._known_since, tz=datetime.UTC)
-            config = ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since
-            )
-        config.ack_policy = AckPolicy.NONE
-        config.inactive_threshold = _INACTIVE
-        config.mem_storage = True
-        config.num_replicas = 1
+        config = _reader(self._next_seq or None, self._known_since)
         return await self._js.pull_subscribe(CANCELS, stream=EVENTS_STREAM, config=config)
 
     async def _follow(self) -> None:
@@ -467,3 +442,22 @@ async def read_cancel_source(js: JetStream) -> CancelSource | None:
         last_seq=int(state.get("last_seq", 0)),
         messages=int(state.get("messages", 0)),
     )
+
+
+def _reader(start_seq: int | None, since: float) -> ConsumerConfig:
+    """An ephemeral reader's consumer: from ``start_seq`` if given, else from
+    the server time ``since``; no acks, in memory, one replica."""
+    if start_seq is not None:
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq
+        )
+    else:
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_TIME,
+            opt_start_time=datetime.datetime.fromtimestamp(since, tz=datetime.UTC),
+        )
+    config.ack_policy = AckPolicy.NONE
+    config.inactive_threshold = _INACTIVE
+    config.mem_storage = True
+    config.num_replicas = 1
+    return config

@@ -148,10 +148,8 @@ class Endings:
                     )
                     await self._log.finish(event)
             await msg.ack()
-        except Exception as exc:
-            log.exception("could not record rejection", request_id=request_id, error=str(exc))
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=1.0)
+        except Exception as exc:  # noqa: BLE001 - logged with its traceback there
+            await _not_recorded(msg, request_id, exc)
             return False
         return True
 
@@ -187,10 +185,8 @@ class Endings:
                 copy=f"rejected-{seq}",
             )
             await msg.ack()
-        except Exception as exc:
-            log.exception("could not record rejection", request_id=request_id, error=str(exc))
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=1.0)
+        except Exception as exc:  # noqa: BLE001 - logged with its traceback there
+            await _not_recorded(msg, request_id, exc)
             return False
         return True
 
@@ -212,3 +208,11 @@ class Endings:
             log.exception("could not record expiry", request_id=request.id, error=str(exc))
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
+
+
+async def _not_recorded(msg: Message, request_id: str, exc: Exception) -> None:
+    """A rejection that could not be recorded: logged, and ``msg`` delivered
+    again a second later."""
+    log.exception("could not record rejection", request_id=request_id, error=str(exc))
+    with contextlib.suppress(Exception):
+        await msg.nak(delay=1.0)

@@ -113,14 +113,7 @@ class Outcomes:
         refusals = 0
         while True:
             refusals += 1
-            delay = backoff(refusals, self._policy, random.random)
-            log.warning(
-                "a store is full: holding the run's outcome until its start is recorded",
-                error=str(refused),
-                retry_in=delay,
-                refusals=refusals,
-            )
-            await asyncio.sleep(delay)
+            await self._hold_for_room(refusals, refused, "until its start is recorded")
             try:
                 await self._events.append(started)
             except StoreFullError as exc:
@@ -155,14 +148,18 @@ class Outcomes:
                 )
             except StoreFullError as exc:
                 refusals += 1
-                delay = backoff(refusals, self._policy, random.random)
-                log.warning(
-                    "a store is full: holding the run's outcome until there is room",
-                    error=str(exc),
-                    retry_in=delay,
-                    refusals=refusals,
-                )
-                await asyncio.sleep(delay)
+                await self._hold_for_room(refusals, exc, "until there is room")
+
+    async def _hold_for_room(self, refusals: int, refused: StoreFullError, until: str) -> None:
+        """Wait out the ``refusals``-th refusal of a full store (capped backoff), saying so."""
+        delay = backoff(refusals, self._policy, random.random)
+        log.warning(
+            f"a store is full: holding the run's outcome {until}",
+            error=str(refused),
+            retry_in=delay,
+            refusals=refusals,
+        )
+        await asyncio.sleep(delay)
 
     async def fail(
         self,
