@@ -675,6 +675,12 @@ class GeminiConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="gemini"):
 AnyBackendConfig = BackendConfig | AnthropicConfig | OllamaConfig | TGIConfig | GeminiConfig
 #: The adapters, for messages.
 ADAPTERS: Final = ("openai", "anthropic", "ollama", "tgi", "gemini")
+#: Every key some adapter's backend table takes.
+_ADAPTER_OPTIONS: Final = frozenset(
+    f.encode_name
+    for config in (BackendConfig, AnthropicConfig, OllamaConfig, TGIConfig, GeminiConfig)
+    for f in msgspec.structs.fields(config)
+)
 
 
 class FallbackConfig(_Section, frozen=True, kw_only=True):
@@ -1267,7 +1273,8 @@ def _convert(
     """``value`` as ``type_``, or a :class:`ConfigError` at the offending field's path.
 
     An unknown key's error says "did you mean" when a known key of that table
-    (or one below it) is close (:func:`_did_you_mean`), else ``unknown_note``.
+    (or one below it) is close (:func:`_did_you_mean`); ``unknown_note``
+    instead when the key is some adapter's option (another adapter's, then).
     """
     try:
         return msgspec.convert(value, type_, strict=True)
@@ -1277,8 +1284,11 @@ def _convert(
         field = path + where[1:] if where else path
         unknown = _UNKNOWN_FIELD.match(message)
         if unknown is not None:
-            hint = _did_you_mean(unknown["key"], _tables_at(type_, value, where or "$"))
-            message += hint or unknown_note
+            # An option of another adapter's is named as such before any spelling guess.
+            other = unknown_note if unknown["key"] in _ADAPTER_OPTIONS else ""
+            message += other or _did_you_mean(
+                unknown["key"], _tables_at(type_, value, where or "$")
+            )
         raise ConfigError(message, path=field, source=source) from exc
 
 

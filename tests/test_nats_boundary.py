@@ -362,8 +362,10 @@ async def test_a_connect_cancelled_midway_leaves_no_half_open_client() -> None:
     """A shutdown during a (re)connect cancels it: the client is closed, not
     left trying in the background (the review of issue #29)."""
     accepted = asyncio.Event()
+    writers: list[asyncio.StreamWriter] = []
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
         accepted.set()  # a peer that never says INFO: the connect waits
         await reader.read()
         writer.close()
@@ -383,3 +385,5 @@ async def test_a_connect_cancelled_midway_leaves_no_half_open_client() -> None:
     finally:
         server.close()
         await server.wait_closed()
+        for writer in writers:  # the handler may still wait in read() when the test ends
+            writer.close()
