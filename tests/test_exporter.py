@@ -262,9 +262,17 @@ async def test_a_failing_backend_shows_down_with_its_circuit_open(
                     assert (await handle.result(timeout=20)).backend == "steady"
 
                 async def opened() -> bool:
-                    return (await scrape(registry))("renqueue_backend_up", backend="flaky") == 0
+                    # The exporter folds the log as it comes: wait for both facts.
+                    now = await scrape(registry)
+                    return (
+                        now("renqueue_backend_up", backend="flaky") == 0
+                        and now(
+                            "renqueue_backend_calls_total", backend="steady", outcome="completed"
+                        )
+                        == 3
+                    )
 
-                await until(opened, "flaky shows down")
+                await until(opened, "flaky shows down and steady's three calls are counted")
                 after = await scrape(registry)
         finally:
             await nc.close()
