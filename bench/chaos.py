@@ -289,6 +289,26 @@ def plan_for(setting: Setting, *, quick: bool, requests: int | None, rate: float
 FILE_STORE = "4GB"
 
 
+def backends_toml(backends: tuple[Backend, ...], mocks: dict[str, str], route: str) -> list[str]:
+    """The config lines of ``backends`` (on their mocks' URLs) and of ``route``
+    cascading over them in order."""
+    lines: list[str] = []
+    for backend in backends:
+        lines += [
+            "",
+            f"[backends.{backend.name}]",
+            f'base_url = "{mocks[backend.name]}"',
+            'model = "mock"',
+        ]
+        if backend.pool is not None:
+            lines.append(f'pool = "{backend.pool}"')
+        if backend.failure_rate:
+            lines += ["cost_input_per_mtok = 0.5", "cost_output_per_mtok = 1.5"]
+        lines += [f"[backends.{backend.name}.limits]", f"concurrency = {backend.slots}"]
+    names = ", ".join(f'"{b.name}"' for b in backends)
+    return [*lines, "", f"[routes.{route}]", f"backends = [{names}]", ""]
+
+
 def config_text(setting: Setting, url: str, mocks: dict[str, str]) -> str:
     lines = [
         "# Written by bench/chaos.py.",
@@ -313,21 +333,7 @@ def config_text(setting: Setting, url: str, mocks: dict[str, str]) -> str:
         'retry_delay = "200ms"',
         'drain_timeout = "2s"',
     ]
-    for backend in BACKENDS:
-        lines += [
-            "",
-            f"[backends.{backend.name}]",
-            f'base_url = "{mocks[backend.name]}"',
-            'model = "mock"',
-        ]
-        if backend.pool is not None:
-            lines.append(f'pool = "{backend.pool}"')
-        if backend.failure_rate:
-            lines += ["cost_input_per_mtok = 0.5", "cost_output_per_mtok = 1.5"]
-        lines += [f"[backends.{backend.name}.limits]", f"concurrency = {backend.slots}"]
-    names = ", ".join(f'"{b.name}"' for b in BACKENDS)
-    lines += ["", f"[routes.{ROUTE}]", f"backends = [{names}]", ""]
-    return "\n".join(lines)
+    return "\n".join([*lines, *backends_toml(BACKENDS, mocks, ROUTE)])
 
 
 # ------------------------------------------------------------------ nats-server

@@ -61,6 +61,7 @@ from chaos import (
     Backend,
     Fleet,
     NatsNode,
+    backends_toml,
     provision_with_retries,
     stored,
     until_jetstream_answers,
@@ -112,21 +113,7 @@ def config_text(url: str, mocks: dict[str, str]) -> str:
         'retry_delay = "200ms"',
         'drain_timeout = "2s"',
     ]
-    for backend in BACKENDS:
-        lines += [
-            "",
-            f"[backends.{backend.name}]",
-            f'base_url = "{mocks[backend.name]}"',
-            'model = "mock"',
-        ]
-        if backend.pool is not None:
-            lines.append(f'pool = "{backend.pool}"')
-        if backend.failure_rate:
-            lines += ["cost_input_per_mtok = 0.5", "cost_output_per_mtok = 1.5"]
-        lines += [f"[backends.{backend.name}.limits]", f"concurrency = {backend.slots}"]
-    names = ", ".join(f'"{b.name}"' for b in BACKENDS)
-    lines += ["", f"[routes.{ROUTE}]", f"backends = [{names}]", ""]
-    return "\n".join(lines)
+    return "\n".join([*lines, *backends_toml(BACKENDS, mocks, ROUTE)])
 
 
 # ------------------------------------------------------------------- processes
