@@ -77,7 +77,10 @@ def write_config(
         f'[worker]\nack_wait = "{worker_ack_wait}"\nretry_delay = "100ms"\n'
         f'drain_timeout = "1s"\n'
         f'[backends.b]\nbase_url = "{backend_url}"\nmodel = "mock"\n'
-        f"[backends.b.limits]\nconcurrency = {slots}\n"
+        # The mock refuses calls past its concurrency (429), as some servers do:
+        # a preempted call's slot is kept until the mock has let the call go.
+        + ('preempt_grace = "100ms"\n' if preemption else "")
+        + f"[backends.b.limits]\nconcurrency = {slots}\n"
         f'[routes.chat]\nbackends = ["b"]\n'
     )
     # Preemption (a critical request taking a low or batch run's slot) restarts
@@ -552,7 +555,7 @@ async def test_router_killed_during_preemption_coalescing_and_cancellation_loses
     backend call is accounted for by a ``started`` event."""
     slots = 2
     # ~0.4 s a call, streamed a token every 50 ms: a preempted call's closed
-    # stream is seen at the mock's next write, within the worker's 100 ms grace.
+    # stream is seen at the mock's next write, within the backend's preempt_grace (100 ms).
     # (With ttft=0.4 and no streaming gaps the mock sees it only after the grace:
     # each preempting call then got one 429 "Too many concurrent requests",
     # was retried 1 s later and completed; max_in_flight_seen stayed 2.)
