@@ -381,8 +381,10 @@ async def test_a_429_without_retry_after_cools_the_backend_down_for_everyone(
         config = config_for(
             isolated_server.url,
             {"limited": limited, "good": good},
-            retry_delay="2s",
-            max_retry_delay="4s",
+            # A backoff step far longer than the five requests take, even on a
+            # starved machine (2 s was outlived at load 15 on 2 cores).
+            retry_delay="60s",
+            max_retry_delay="120s",
         )
         async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
             log = EventLog(client.js)
