@@ -31,11 +31,14 @@ import cProfile
 import json
 import os
 import pstats
+import shutil
+import signal
+import sys
 import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -43,14 +46,32 @@ from typing import Any
 import aiohttp
 import httpx
 import msgspec
-from common import RESULTS, ROOT, machine_info, mock_process, package_version, percentile
+from chaos import (
+    FILE_STORE,
+    Fleet,
+    NatsNode,
+    backends_toml,
+    provision_with_retries,
+    until_jetstream_answers,
+)
+from chaos import Backend as FleetBackend
+from common import (
+    RESULTS,
+    ROOT,
+    litellm_python,
+    machine_info,
+    mock_process,
+    package_version,
+    percentile,
+    run_litellm_phase,
+)
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 
 from renqueue import Client, Services, parse_config
 from renqueue.backends import make_backend
 from renqueue.backends.base import Backend
 from renqueue.broker import EmbeddedServer, connect
-from renqueue.config import Config
+from renqueue.config import Config, load_config
 from renqueue.llamacpp import DEFAULT_VENV, MODEL_NAME, LlamaServer, ensure_model
 from renqueue.logs import configure_logging
 from renqueue.schema import (
@@ -467,9 +488,10 @@ def _category(filename: str, func: str) -> str:
     return "other python"
 
 
-def profile_breakdown(profile: cProfile.Profile, top: int = 15) -> dict[str, Any]:
+def profile_breakdown(profile: cProfile.Profile | pstats.Stats, top: int = 15) -> dict[str, Any]:
     """Own time per part of the stack (share of all), and the top functions by own time."""
-    stats: dict[tuple[str, int, str], tuple[Any, ...]] = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    source = profile if isinstance(profile, pstats.Stats) else pstats.Stats(profile)
+    stats: dict[tuple[str, int, str], tuple[Any, ...]] = source.stats  # type: ignore[attr-defined]
     total = sum(entry[2] for entry in stats.values()) or 1.0
     parts: dict[str, float] = {}
     for (filename, _line, func), entry in stats.items():
@@ -803,6 +825,367 @@ def print_report(report: dict[str, Any]) -> None:
                 print(f"    {share:>5.0%}  {part}")
 
 
+# ------------------------------------------------- separate processes (issue 31 item 2)
+
+#: The services' processes are launched by this under ``--procs`` with a profile window
+#: (cProfile ready, started and stopped by signals), else as ``python -m renqueue``.
+PROFILED = Path(__file__).resolve().parent / "_profiled.py"
+
+
+@dataclass(frozen=True)
+class ProcsShape:
+    """How many of each process ``--procs`` runs, and the backend's slots."""
+
+    routers: int
+    workers: int
+    slots: int
+
+
+def procs_config_text(url: str, mock_url: str, shape: ProcsShape) -> str:
+    """The config every service process reads: the mock as one backend with ``slots``
+    slots, one route over it, the nats-server's file store as its share."""
+    lines = [
+        "# Written by bench/pipeline.py --procs.",
+        "[nats]",
+        f'url = "{url}"',
+        f'max_file_store = "{FILE_STORE}"',
+        "",
+        "[worker]",
+        'drain_timeout = "5s"',
+    ]
+    backend = FleetBackend(name=BACKEND, slots=shape.slots, workers=shape.workers)
+    return "\n".join([*lines, *backends_toml((backend,), {BACKEND: mock_url}, "chat")])
+
+
+async def litellm_closed_loop(
+    mock_url: str, plan: Plan, *, fresh: bool
+) -> tuple[dict[str, Any] | None, str]:
+    """LiteLLM's Router (its own venv, ``bench/_litellm_phase.py``'s ``closed-loop`` mode)
+    on the same mock at the same levels: whole answers, one model group, no retries. Its
+    report per level, or ``None`` and why it did not run."""
+    python, note = await asyncio.to_thread(litellm_python, fresh)
+    if python is None:
+        return None, note
+    payload = {
+        "mode": "closed-loop",
+        "backends": [
+            {"name": BACKEND, "url": mock_url, "price_in_per_mtok": 0, "price_out_per_mtok": 0}
+        ],
+        "levels": list(plan.levels),
+        "warmup_s": plan.warmup_seconds,
+        "seconds": plan.pipeline_seconds,
+        "timeout_s": 60,
+        "prompt": PROMPT,
+        "max_tokens": OUTPUT_TOKENS,
+        "router_kwargs": {"num_retries": 0},
+    }
+    limit = len(plan.levels) * (plan.warmup_seconds + plan.pipeline_seconds + 60) + 60
+    phase = await run_litellm_phase(python, payload, limit=limit)
+    if phase.report is None:
+        return None, f"{note}; {phase.error}"
+    levels: dict[str, Any] = {}
+    for got in phase.report["levels"]:
+        done = len(got["latencies"])
+        seconds = got["seconds"] or float("nan")
+        levels[str(got["concurrency"])] = {
+            "requests": done,
+            "errors": got["errors"],
+            "error_samples": got["error_samples"],
+            "seconds": got["seconds"],
+            "requests_per_s": done / seconds if done else 0.0,
+            "latency": latency_summary(got["latencies"]),
+            "cpu_cores": got["cpu_s"] / seconds if done else 0.0,
+            "cpu_ms_per_request": got["cpu_s"] / max(1, done) * 1000,
+        }
+    return {
+        "install": note,
+        "version": phase.report["litellm_version"],
+        "router_settings": phase.report["router_settings"],
+        "call": "router.acompletion, whole answer (not streamed), num_retries=0",
+        "levels": levels,
+    }, note
+
+
+def signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+async def procs_profile(
+    names: dict[str, int],
+    directory: Path,
+    call: Callable[[LoopResult], Awaitable[float]],
+    level: int,
+    seconds: float,
+) -> dict[str, Any]:
+    """A window of ``seconds`` at ``level`` with every service process under cProfile
+    (``bench/_profiled.py``): each one's share of own time by part of the stack and its
+    top functions."""
+    signal_all(list(names.values()), signal.SIGUSR1)
+    result = await closed_loop(call, level, seconds)
+    signal_all(list(names.values()), signal.SIGUSR2)
+    deadline = time.monotonic() + 30
+    out: dict[str, Any] = {
+        "concurrency": level,
+        "requests": result.completed,
+        "requests_per_s_under_profiler": result.rate,
+        "processes": {},
+    }
+    for name, pid in names.items():
+        path = directory / f"{pid}.prof"
+        while not path.exists() and time.monotonic() < deadline:  # noqa: ASYNC110 - a file
+            await asyncio.sleep(0.1)
+        if not path.exists():
+            out["processes"][name] = {"missing": f"no profile from pid {pid}"}
+            continue
+        out["processes"][name] = profile_breakdown(pstats.Stats(str(path)))
+    return out
+
+
+async def procs_pipeline(
+    mock_url: str, mock_pid: int, plan: Plan, shape: ProcsShape, *, profile: bool
+) -> dict[str, Any]:
+    """One nats-server, ``renqueue router`` and ``renqueue worker -b mock`` processes
+    (``bench/chaos.py``'s ``Fleet``), the client in this process: closed loops at each
+    level, every process's CPU from /proc; then, if ``profile``, a cProfile window."""
+    out: dict[str, Any] = {
+        "shape": msgspec.to_builtins(shape.__dict__),
+        "levels": {},
+    }
+    workdir = Path(tempfile.mkdtemp(prefix="renqueue-bench-procs-"))
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            node = NatsNode("bench-procs", workdir / "nats")
+            await node.start()
+            stack.push_async_callback(node.stop)
+            config_file = workdir / "renqueue.toml"
+            config_file.write_text(procs_config_text(node.url, mock_url, shape))
+            config = load_config(config_file, environ={})
+            nc = await connect(node.url, name="bench-client", config=config.nats)
+            stack.push_async_callback(nc.close)
+            await until_jetstream_answers(nc)
+            await provision_with_retries(nc, config)
+            profiles = workdir / "profiles"
+            profiles.mkdir()
+            fleet = Fleet(
+                config_file,
+                node.url,
+                workdir / "logs",
+                routers=shape.routers,
+                backends=(FleetBackend(name=BACKEND, slots=shape.slots, workers=shape.workers),),
+                launcher=[sys.executable, str(PROFILED)] if profile else None,
+                env={"PIPELINE_PROFILE_DIR": str(profiles)},
+            )
+            stack.push_async_callback(fleet.stop)
+            await fleet.start()
+            services = {slot.name: slot.proc.pid for slot in fleet.slots if slot.proc}
+            client = Client(nc, tenant=TENANT)
+            stack.push_async_callback(client.close)
+            js = nc.jetstream()
+            pids = {
+                "client": os.getpid(),
+                **services,
+                "nats_server": node.proc.pid if node.proc else 0,
+                "mock": mock_pid,
+            }
+            python_names = ["client", *services]
+            cpu = CpuMeter(pids)
+
+            async def submit_result(_result: LoopResult) -> float:
+                start = time.perf_counter()
+                handle = await client.submit(PROMPT, route="chat", priority="normal", timeout=60)
+                await handle.result(timeout=60)
+                return time.perf_counter() - start
+
+            for level in plan.levels:
+                await closed_loop(submit_result, level, plan.warmup_seconds)
+                before = await stream_counts(js)
+                cpu.start()
+                result = await closed_loop(submit_result, level, plan.pipeline_seconds)
+                busy = cpu.stop()
+                after = await stream_counts(js)
+                done = max(1, result.completed)
+                stored = {name: (after[name] - before[name]) / done for name in after}
+                per_request = {
+                    name: round(cores * result.elapsed / done * 1000, 3)
+                    for name, cores in busy.items()
+                }
+                out["levels"][str(level)] = {
+                    "requests": result.completed,
+                    "errors": result.errors,
+                    "error_samples": result.error_samples,
+                    "seconds": result.elapsed,
+                    "requests_per_s": result.rate,
+                    "latency": latency_summary(result.latencies),
+                    "cpu_cores": busy,
+                    "cpu_ms_per_request": per_request,
+                    "python_cpu_ms_per_request": sum(per_request[n] for n in python_names),
+                    "all_cpu_ms_per_request": sum(per_request.values()),
+                    "stored_msgs_per_request": stored,
+                    "stored_msgs_per_request_total": sum(stored.values()),
+                }
+                print(f"  procs C={level}: {result.rate:.0f} req/s", flush=True)
+            if profile:
+                top = max(plan.levels)
+                out["profile"] = await procs_profile(
+                    services, profiles, submit_result, top, plan.pipeline_seconds / 2
+                )
+            out["service_self_exits"] = fleet.self_exits
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return out
+
+
+def procs_analysis(report: dict[str, Any]) -> dict[str, Any]:
+    """Per level: the added p50 over a direct adapter call, the ratio to LiteLLM's Router,
+    and the rate the machine's cores would allow at this CPU per request."""
+    cores = os.cpu_count() or 1
+    litellm = (report.get("litellm") or {}).get("levels", {})
+    out: dict[str, Any] = {}
+    for level, row in report["procs"]["levels"].items():
+        adapter = report["mock"]["adapter_httpx"].get(level)
+        other = litellm.get(level)
+        per_request = row["all_cpu_ms_per_request"]
+        out[level] = {
+            "added_p50_ms": row["latency"]["p50_ms"] - adapter["latency"]["p50_ms"]
+            if adapter
+            else None,
+            "vs_litellm_router": row["requests_per_s"] / other["requests_per_s"]
+            if other and other["requests_per_s"]
+            else None,
+            "cpu_bound_requests_per_s": cores * 1000 / per_request if per_request else None,
+        }
+    return out
+
+
+async def run_procs(args: argparse.Namespace) -> dict[str, Any]:
+    """``--procs``: the mock's direct-call baseline, LiteLLM's Router, then the services as
+    separate processes, all on the same mock process."""
+    plan = QUICK if args.quick else FULL
+    if args.levels:
+        plan = replace(plan, levels=tuple(int(x) for x in args.levels.split(",")))
+    if args.seconds:
+        plan = replace(plan, pipeline_seconds=args.seconds, mock_seconds=min(args.seconds, 4.0))
+    shape = ProcsShape(routers=args.routers, workers=args.workers, slots=args.slots)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    report: dict[str, Any] = {
+        "benchmark": "pipeline-procs",
+        "timestamp": stamp,
+        "mode": "quick" if args.quick else "full",
+        "plan": msgspec.to_builtins(plan.__dict__),
+        "machine": machine_info(httpx=httpx.__version__, aiohttp=aiohttp.__version__),
+        "mock_settings": {"ttft": 0.0, "tokens_per_second": 0, "output_tokens": OUTPUT_TOKENS},
+    }
+    started = time.perf_counter()
+    async with mock_process(ttft=0.0, output_tokens=OUTPUT_TOKENS) as (mock_url, mock_pid):
+        print("1/3 mock backend, called directly ...", flush=True)
+        report["mock"] = await mock_ceiling(mock_url, mock_pid, plan)
+        if args.no_litellm:
+            report["litellm_missing"] = "--no-litellm"
+        else:
+            print("2/3 LiteLLM's Router on the same mock ...", flush=True)
+            litellm, note = await litellm_closed_loop(mock_url, plan, fresh=args.fresh_litellm)
+            report["litellm"] = litellm
+            if litellm is None:
+                report["litellm_missing"] = note
+        print(
+            f"3/3 Ren-Queue: {shape.routers} router + {shape.workers} worker processes ...",
+            flush=True,
+        )
+        report["procs"] = await procs_pipeline(
+            mock_url, mock_pid, plan, shape, profile=not args.no_profile
+        )
+    report["analysis"] = procs_analysis(report)
+    report["total_seconds"] = time.perf_counter() - started
+    return report
+
+
+def print_procs_report(report: dict[str, Any]) -> None:
+    machine = report["machine"]
+    procs = report["procs"]
+    shape = procs["shape"]
+    analysis = report["analysis"]
+    litellm = report.get("litellm") or {}
+    print()
+    print(
+        f"Ren-Queue as separate processes  {report['timestamp']}"
+        f"  commit {machine['git_commit'][:12]}"
+    )
+    print(
+        f"  {machine['cpu_count']} cpus ({machine['cpu_model']}), load at start"
+        f" {machine['loadavg_at_start'][0]:.2f}; nats-server, {shape['routers']} router +"
+        f" {shape['workers']} worker processes, the client in the bench process, the mock"
+        f" ({OUTPUT_TOKENS} tokens, instant) in its own; {shape['slots']} slots"
+    )
+    if litellm:
+        print(f"  LiteLLM {litellm['version']} Router: {litellm['call']}")
+    else:
+        print(f"  LiteLLM: not run: {report.get('litellm_missing')}")
+    print(
+        f"\n  {'C':>3} {'req/s':>7} {'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7} {'+p50 ms':>8}"
+        f" {'LiteLLM':>8} {'ratio':>6} {'py ms/req':>9} {'all ms/req':>10} {'cpu-bound':>9}"
+        f" {'stored':>6}"
+    )
+    for level, row in procs["levels"].items():
+        an = analysis[level]
+        lat = row["latency"]
+        other = litellm.get("levels", {}).get(level) if litellm else None
+        added = an["added_p50_ms"]
+        print(
+            f"  {level:>3} {fmt(row['requests_per_s']):>7} {lat['p50_ms']:>7.2f}"
+            f" {lat['p90_ms']:>7.2f} {lat['p99_ms']:>7.2f}"
+            f" {added if added is not None else float('nan'):>8.2f}"
+            f" {fmt(other['requests_per_s']) if other else '-':>8}"
+            f" {an['vs_litellm_router'] or float('nan'):>5.1f}x"
+            f" {row['python_cpu_ms_per_request']:>9.2f} {row['all_cpu_ms_per_request']:>10.2f}"
+            f" {fmt(an['cpu_bound_requests_per_s'] or 0):>9}"
+            f" {row['stored_msgs_per_request_total']:>6.2f}"
+            + (f"  errors {row['errors']}: {row['error_samples'][:1]}" if row["errors"] else "")
+        )
+    names = list(next(iter(procs["levels"].values()))["cpu_cores"])
+    print("\n  CPU per process: ms per request / cores busy")
+    print(f"  {'C':>3} " + " ".join(f"{name:>17}" for name in names))
+    for level, row in procs["levels"].items():
+        cells = [
+            f"{row['cpu_ms_per_request'][name]:>7.2f} / {row['cpu_cores'][name]:>5.2f}"
+            for name in names
+        ]
+        print(f"  {level:>3} " + " ".join(f"{cell:>17}" for cell in cells))
+    if litellm:
+        print("\n  LiteLLM's Router (its process): req/s, p50/p90/p99 ms, CPU ms per request")
+        for level, row in litellm["levels"].items():
+            lat = row["latency"]
+            print(
+                f"  {level:>3} {fmt(row['requests_per_s']):>7} {lat['p50_ms']:>7.2f}"
+                f" {lat['p90_ms']:>7.2f} {lat['p99_ms']:>7.2f} {row['cpu_ms_per_request']:>7.2f}"
+                f" ({row['cpu_cores']:.2f} cores)"
+                + (f"  errors {row['errors']}: {row['error_samples'][:1]}" if row["errors"] else "")
+            )
+    prof = procs.get("profile")
+    if prof:
+        print(
+            f"\n  cProfile of each service process, C={prof['concurrency']},"
+            f" {fmt(prof['requests_per_s_under_profiler'])} req/s under the profiler:"
+        )
+        for name, got in prof["processes"].items():
+            if "missing" in got:
+                print(f"    {name}: {got['missing']}")
+                continue
+            parts = ", ".join(
+                f"{part} {share:.0%}"
+                for part, share in got["share_of_own_time"].items()
+                if share >= 0.03
+            )
+            print(f"    {name}: {parts}")
+            for entry in got["top_functions"][:8]:
+                print(
+                    f"      {entry['own_s']:>6.3f} s own  {entry['calls']:>8}  {entry['function']}"
+                )
+    if procs.get("service_self_exits"):
+        print(f"\n  WARNING: services exited by themselves: {procs['service_self_exits']}")
+
+
 # ------------------------------------------------------------- a real model (issue #32)
 
 #: The real model's answers in the run: this many tokens each (its end of turn held back
@@ -1108,8 +1491,35 @@ def main() -> None:
         default=ROOT / DEFAULT_VENV,
         help="--real: the server's venv, made if missing (.renqueue/real-venv)",
     )
+    parser.add_argument(
+        "--procs",
+        action="store_true",
+        help="instead: the deployed shape, every service a process of its own (nats-server,"
+        " --routers `renqueue router`, --workers `renqueue worker`, the mock), the client in"
+        " this process; and LiteLLM's Router on the same mock at the same levels",
+    )
+    parser.add_argument("--routers", type=int, default=1, help="--procs: router processes (1)")
+    parser.add_argument("--workers", type=int, default=2, help="--procs: worker processes (2)")
+    parser.add_argument(
+        "--seconds", type=float, default=0.0, help="--procs: seconds measured per level"
+    )
+    parser.add_argument("--no-litellm", action="store_true", help="--procs: skip LiteLLM")
+    parser.add_argument(
+        "--fresh-litellm", action="store_true", help="--procs: remake the LiteLLM venv first"
+    )
     args = parser.parse_args()
     configure_logging(level="WARNING")
+    if args.procs:
+        report = asyncio.run(run_procs(args))
+        print_procs_report(report)
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"pipeline-procs-{report['timestamp']}.json"
+        text = json.dumps(report, indent=2) + "\n"
+        path.write_text(text)
+        (args.out / "pipeline-procs-latest.json").write_text(text)
+        print(f"\n  JSON: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+        print(f"  total {report['total_seconds']:.0f}s")
+        return
     if args.real:
         report = asyncio.run(run_real(args))
         print_real_report(report)
