@@ -830,6 +830,8 @@ def print_report(report: dict[str, Any]) -> None:
 #: The services' processes are launched by this under ``--procs`` with a profile window
 #: (cProfile ready, started and stopped by signals), else as ``python -m renqueue``.
 PROFILED = Path(__file__).resolve().parent / "_profiled.py"
+#: Seconds ``--procs`` measures the processes' CPU with no requests.
+IDLE_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -998,6 +1000,12 @@ async def procs_pipeline(
                 await handle.result(timeout=60)
                 return time.perf_counter() - start
 
+            # What the processes use with nothing to do (timers, leases, heartbeats): part
+            # of each level's CPU, a larger part the lower the rate.
+            await closed_loop(submit_result, 1, plan.warmup_seconds)
+            cpu.start()
+            await asyncio.sleep(IDLE_SECONDS)
+            out["idle_cpu_cores"] = cpu.stop()
             for level in plan.levels:
                 await closed_loop(submit_result, level, plan.warmup_seconds)
                 before = await stream_counts(js)
@@ -1145,13 +1153,18 @@ def print_procs_report(report: dict[str, Any]) -> None:
         )
     names = list(next(iter(procs["levels"].values()))["cpu_cores"])
     print("\n  CPU per process: ms per request / cores busy")
-    print(f"  {'C':>3} " + " ".join(f"{name:>17}" for name in names))
+    print(f"  {'C':>4} " + " ".join(f"{name:>17}" for name in names))
+    idle = procs.get("idle_cpu_cores", {})
+    print(
+        f"  {'idle':>4} "
+        + " ".join(f"{'- / ' + format(idle.get(n, 0), '5.2f'):>17}" for n in names)
+    )
     for level, row in procs["levels"].items():
         cells = [
             f"{row['cpu_ms_per_request'][name]:>7.2f} / {row['cpu_cores'][name]:>5.2f}"
             for name in names
         ]
-        print(f"  {level:>3} " + " ".join(f"{cell:>17}" for cell in cells))
+        print(f"  {level:>4} " + " ".join(f"{cell:>17}" for cell in cells))
     if litellm:
         print("\n  LiteLLM's Router (its process): req/s, p50/p90/p99 ms, CPU ms per request")
         for level, row in litellm["levels"].items():
