@@ -31,8 +31,8 @@ import cProfile
 import json
 import os
 import pstats
+import re
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -488,10 +488,9 @@ def _category(filename: str, func: str) -> str:
     return "other python"
 
 
-def profile_breakdown(profile: cProfile.Profile | pstats.Stats, top: int = 15) -> dict[str, Any]:
+def profile_breakdown(profile: cProfile.Profile, top: int = 15) -> dict[str, Any]:
     """Own time per part of the stack (share of all), and the top functions by own time."""
-    source = profile if isinstance(profile, pstats.Stats) else pstats.Stats(profile)
-    stats: dict[tuple[str, int, str], tuple[Any, ...]] = source.stats  # type: ignore[attr-defined]
+    stats: dict[tuple[str, int, str], tuple[Any, ...]] = pstats.Stats(profile).stats  # type: ignore[attr-defined]
     total = sum(entry[2] for entry in stats.values()) or 1.0
     parts: dict[str, float] = {}
     for (filename, _line, func), entry in stats.items():
@@ -827,9 +826,8 @@ def print_report(report: dict[str, Any]) -> None:
 
 # ------------------------------------------------- separate processes (issue 31 item 2)
 
-#: The services' processes are launched by this under ``--procs`` with a profile window
-#: (cProfile ready, started and stopped by signals), else as ``python -m renqueue``.
-PROFILED = Path(__file__).resolve().parent / "_profiled.py"
+#: Samples a second py-spy takes of each service process in ``--procs``'s profile window.
+PYSPY_RATE = 100
 #: Seconds ``--procs`` measures the processes' CPU with no requests.
 IDLE_SECONDS = 2.0
 
@@ -908,10 +906,84 @@ async def litellm_closed_loop(
     }, note
 
 
-def signal_all(pids: list[int], signum: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
+def pyspy_binary() -> str | None:
+    """py-spy (a dev dependency): beside this Python, or on the PATH."""
+    here = Path(sys.executable).parent / "py-spy"
+    return str(here) if here.exists() else shutil.which("py-spy")
+
+
+_FRAME = re.compile(r"^(?P<func>.*) \((?P<file>.*):(?P<line>\d+)\)$")
+
+
+def pyspy_breakdown(raw: str, top: int = 12) -> dict[str, Any]:
+    """py-spy's collapsed stacks (``--format raw``: ``frame;frame;... count`` a line, each
+    frame ``function (file:line)``, idle samples left out): each part of the stack's share
+    of the samples (by the innermost Python frame: time in C code counts for the Python
+    function that called it), the top functions by own samples, and the project's
+    functions by samples they were on the stack for (own and below)."""
+    own: dict[tuple[str, str], int] = {}
+    inclusive: dict[tuple[str, str], int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = []
+        for frame in stack.split(";"):
+            match = _FRAME.match(frame)
+            if match:
+                frames.append((match["func"], match["file"]))
+        if not frames:
+            continue
+        total += count
+        own[frames[-1]] = own.get(frames[-1], 0) + count
+        for key in set(frames):
+            inclusive[key] = inclusive.get(key, 0) + count
+    parts: dict[str, int] = {}
+    for (func, filename), count in own.items():
+        part = _category(filename, func)
+        parts[part] = parts.get(part, 0) + count
+    total = total or 1
+
+    def rows(counts: dict[tuple[str, str], int]) -> list[dict[str, Any]]:
+        ranked = sorted(counts.items(), key=lambda item: -item[1])[:top]
+        return [
+            {"function": f"{func} ({_short(filename)})", "share": round(n / total, 3)}
+            for (func, filename), n in ranked
+        ]
+
+    return {
+        "samples": total,
+        "share_of_samples": {
+            k: round(v / total, 3) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
+        },
+        "top_own": rows(own),
+        "top_renqueue_inclusive": rows(
+            {
+                key: n
+                for key, n in inclusive.items()
+                if "/renqueue/" in key[1].replace("\\", "/")
+                and not any(part in key[1].replace("\\", "/") for part in _ENTRY_FRAMES)
+            }
+        ),
+    }
+
+
+_PACKAGE_ROOT = re.compile(r"^.*/(?:site-packages|lib/python3\.\d+)/")
+
+
+def _short(filename: str) -> str:
+    """A path from its package down (``renqueue/services/worker/_call.py``, ``asyncio/...``)."""
+    path = _PACKAGE_ROOT.sub("", filename.replace("\\", "/"))
+    if "/renqueue/" in path:
+        path = "renqueue/" + path.rsplit("/renqueue/", 1)[1]
+    return path
+
+
+#: Frames every sample of a service has under it (the CLI's entry, the task supervisor's
+#: wrapper): left out of the project's functions by samples below them.
+_ENTRY_FRAMES = ("/renqueue/cli/", "/renqueue/__main__.py", "/renqueue/tasks.py")
 
 
 async def procs_profile(
@@ -921,27 +993,46 @@ async def procs_profile(
     level: int,
     seconds: float,
 ) -> dict[str, Any]:
-    """A window of ``seconds`` at ``level`` with every service process under cProfile
-    (``bench/_profiled.py``): each one's share of own time by part of the stack and its
-    top functions."""
-    signal_all(list(names.values()), signal.SIGUSR1)
+    """A window of ``seconds`` at ``level`` with py-spy sampling every service process
+    (``PYSPY_RATE`` a second, without pausing it): each one's samples by part of the stack
+    and its top functions. py-spy runs as processes of its own beside them, so the rate
+    under the profiler is a little lower."""
+    binary = pyspy_binary()
+    if binary is None:
+        return {"missing": "py-spy not found (a dev dependency: pip install py-spy)"}
+    spies: dict[str, tuple[asyncio.subprocess.Process, Path]] = {}
+    for name, pid in names.items():
+        out_file = directory / f"{name}.txt"
+        spies[name] = (
+            await asyncio.create_subprocess_exec(
+                binary, "record", "--pid", str(pid), "--duration", f"{seconds:g}",
+                "--rate", str(PYSPY_RATE), "--nonblocking", "--full-filenames",
+                "--format", "raw", "--output", str(out_file),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+            ),
+            out_file,
+        )  # fmt: skip
     result = await closed_loop(call, level, seconds)
-    signal_all(list(names.values()), signal.SIGUSR2)
-    deadline = time.monotonic() + 30
     out: dict[str, Any] = {
+        "profiler": f"py-spy {PYSPY_RATE}/s, nonblocking, idle samples left out",
         "concurrency": level,
         "requests": result.completed,
         "requests_per_s_under_profiler": result.rate,
         "processes": {},
     }
-    for name, pid in names.items():
-        path = directory / f"{pid}.prof"
-        while not path.exists() and time.monotonic() < deadline:  # noqa: ASYNC110 - a file
-            await asyncio.sleep(0.1)
-        if not path.exists():
-            out["processes"][name] = {"missing": f"no profile from pid {pid}"}
+    for name, (proc, out_file) in spies.items():
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), seconds + 30)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            err = b"timed out"
+        if proc.returncode != 0 or not out_file.exists():
+            why = err.decode(errors="replace").strip()[-300:]
+            out["processes"][name] = {"missing": f"py-spy exited {proc.returncode}: {why}"}
             continue
-        out["processes"][name] = profile_breakdown(pstats.Stats(str(path)))
+        out["processes"][name] = pyspy_breakdown(out_file.read_text())
     return out
 
 
@@ -950,7 +1041,7 @@ async def procs_pipeline(
 ) -> dict[str, Any]:
     """One nats-server, ``renqueue router`` and ``renqueue worker -b mock`` processes
     (``bench/chaos.py``'s ``Fleet``), the client in this process: closed loops at each
-    level, every process's CPU from /proc; then, if ``profile``, a cProfile window."""
+    level, every process's CPU from /proc; then, if ``profile``, a py-spy window."""
     out: dict[str, Any] = {
         "shape": msgspec.to_builtins(shape.__dict__),
         "levels": {},
@@ -976,8 +1067,6 @@ async def procs_pipeline(
                 workdir / "logs",
                 routers=shape.routers,
                 backends=(FleetBackend(name=BACKEND, slots=shape.slots, workers=shape.workers),),
-                launcher=[sys.executable, str(PROFILED)] if profile else None,
-                env={"PIPELINE_PROFILE_DIR": str(profiles)},
             )
             stack.push_async_callback(fleet.stop)
             await fleet.start()
@@ -1037,7 +1126,7 @@ async def procs_pipeline(
             if profile:
                 top = max(plan.levels)
                 out["profile"] = await procs_profile(
-                    services, profiles, submit_result, top, plan.pipeline_seconds / 2
+                    services, profiles, submit_result, top, plan.pipeline_seconds
                 )
             out["service_self_exits"] = fleet.self_exits
     finally:
@@ -1176,10 +1265,13 @@ def print_procs_report(report: dict[str, Any]) -> None:
                 + (f"  errors {row['errors']}: {row['error_samples'][:1]}" if row["errors"] else "")
             )
     prof = procs.get("profile")
-    if prof:
+    if prof and "missing" in prof:
+        print(f"\n  profile: not taken: {prof['missing']}")
+    elif prof:
         print(
-            f"\n  cProfile of each service process, C={prof['concurrency']},"
-            f" {fmt(prof['requests_per_s_under_profiler'])} req/s under the profiler:"
+            f"\n  py-spy on each service process, C={prof['concurrency']},"
+            f" {fmt(prof['requests_per_s_under_profiler'])} req/s while sampled"
+            " (share of the process's CPU samples):"
         )
         for name, got in prof["processes"].items():
             if "missing" in got:
@@ -1187,14 +1279,16 @@ def print_procs_report(report: dict[str, Any]) -> None:
                 continue
             parts = ", ".join(
                 f"{part} {share:.0%}"
-                for part, share in got["share_of_own_time"].items()
+                for part, share in got["share_of_samples"].items()
                 if share >= 0.03
             )
-            print(f"    {name}: {parts}")
-            for entry in got["top_functions"][:8]:
-                print(
-                    f"      {entry['own_s']:>6.3f} s own  {entry['calls']:>8}  {entry['function']}"
-                )
+            print(f"    {name} ({got['samples']} samples): {parts}")
+            print("      own:")
+            for entry in got["top_own"][:8]:
+                print(f"      {entry['share']:>6.1%}  {entry['function']}")
+            print("      renqueue, own and below:")
+            for entry in got["top_renqueue_inclusive"][:8]:
+                print(f"      {entry['share']:>6.1%}  {entry['function']}")
     if procs.get("service_self_exits"):
         print(f"\n  WARNING: services exited by themselves: {procs['service_self_exits']}")
 
@@ -1476,7 +1570,9 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=256, help="backend concurrency (256)")
     parser.add_argument("--levels", default="", help="client concurrency levels, e.g. 1,16,64")
     parser.add_argument(
-        "--no-profile", action="store_true", help="skip the cProfile window (attribution only)"
+        "--no-profile",
+        action="store_true",
+        help="skip the cProfile window (--procs: the py-spy window; attribution only)",
     )
     parser.add_argument(
         "--profile-out", type=Path, default=None, help="also write the cProfile stats here (pstats)"
