@@ -858,14 +858,11 @@ def procs_config_text(url: str, mock_url: str, shape: ProcsShape) -> str:
 
 
 async def litellm_closed_loop(
-    mock_url: str, plan: Plan, *, fresh: bool
+    python: Path, note: str, mock_url: str, plan: Plan
 ) -> tuple[dict[str, Any] | None, str]:
-    """LiteLLM's Router (its own venv, ``bench/_litellm_phase.py``'s ``closed-loop`` mode)
-    on the same mock at the same levels: whole answers, one model group, no retries. Its
-    report per level, or ``None`` and why it did not run."""
-    python, note = await asyncio.to_thread(litellm_python, fresh)
-    if python is None:
-        return None, note
+    """LiteLLM's Router (its own venv's ``python``, ``bench/_litellm_phase.py``'s
+    ``closed-loop`` mode) on the same mock at ``plan``'s levels: whole answers, one model
+    group, no retries. Its report per level, or ``None`` and why it did not run."""
     payload = {
         "mode": "closed-loop",
         "backends": [
@@ -1037,11 +1034,19 @@ async def procs_profile(
 
 
 async def procs_pipeline(
-    mock_url: str, mock_pid: int, plan: Plan, shape: ProcsShape, *, profile: bool
+    mock_url: str,
+    mock_pid: int,
+    plan: Plan,
+    shape: ProcsShape,
+    *,
+    profile: bool,
+    before_level: Callable[[int], Awaitable[None]] | None = None,
 ) -> dict[str, Any]:
     """One nats-server, ``renqueue router`` and ``renqueue worker -b mock`` processes
     (``bench/chaos.py``'s ``Fleet``), the client in this process: closed loops at each
-    level, every process's CPU from /proc; then, if ``profile``, a py-spy window."""
+    level, every process's CPU from /proc; then, if ``profile``, a py-spy window.
+    ``before_level(C)`` is awaited before each level (the baselines measured at that
+    level, so both see the machine's load of the same minute)."""
     out: dict[str, Any] = {
         "shape": msgspec.to_builtins(shape.__dict__),
         "levels": {},
@@ -1096,6 +1101,8 @@ async def procs_pipeline(
             await asyncio.sleep(IDLE_SECONDS)
             out["idle_cpu_cores"] = cpu.stop()
             for level in plan.levels:
+                if before_level is not None:
+                    await before_level(level)
                 await closed_loop(submit_result, level, plan.warmup_seconds)
                 before = await stream_counts(js)
                 cpu.start()
@@ -1136,7 +1143,10 @@ async def procs_pipeline(
 
 def procs_analysis(report: dict[str, Any]) -> dict[str, Any]:
     """Per level: the added p50 over a direct adapter call, the ratio to LiteLLM's Router,
-    and the rate the machine's cores would allow at this CPU per request."""
+    and the rate the machine's cores would allow at this CPU per request (every process of
+    the deployment: the services, the client, nats-server, the mock), beside the rate one
+    core allows LiteLLM's Router at its CPU per request (its process alone). On a loaded
+    machine the rates measured move with the load; the CPU per request moves much less."""
     cores = os.cpu_count() or 1
     litellm = (report.get("litellm") or {}).get("levels", {})
     out: dict[str, Any] = {}
@@ -1153,12 +1163,19 @@ def procs_analysis(report: dict[str, Any]) -> dict[str, Any]:
             else None,
             "cpu_bound_requests_per_s": cores * 1000 / per_request if per_request else None,
         }
+        if other and other["cpu_ms_per_request"]:
+            # LiteLLM's Router is one process on one event loop: one core at most.
+            ceiling = 1000 / other["cpu_ms_per_request"]
+            out[level]["litellm_cpu_bound_requests_per_s"] = ceiling
+            if per_request:
+                out[level]["cpu_bound_vs_litellm"] = cores * 1000 / per_request / ceiling
     return out
 
 
 async def run_procs(args: argparse.Namespace) -> dict[str, Any]:
-    """``--procs``: the mock's direct-call baseline, LiteLLM's Router, then the services as
-    separate processes, all on the same mock process."""
+    """``--procs``: the services as separate processes and, before each level, its
+    baselines at the same level: the mock called directly, LiteLLM's Router; all on the
+    same mock process."""
     plan = QUICK if args.quick else FULL
     if args.levels:
         plan = replace(plan, levels=tuple(int(x) for x in args.levels.split(",")))
@@ -1175,23 +1192,43 @@ async def run_procs(args: argparse.Namespace) -> dict[str, Any]:
         "mock_settings": {"ttft": 0.0, "tokens_per_second": 0, "output_tokens": OUTPUT_TOKENS},
     }
     started = time.perf_counter()
+    python: Path | None = None
+    note = ""
+    if args.no_litellm:
+        report["litellm_missing"] = "--no-litellm"
+    else:
+        python, note = await asyncio.to_thread(litellm_python, args.fresh_litellm)
+        if python is None:
+            report["litellm_missing"] = note
+    report["mock"] = {"adapter_httpx": {}, "raw_aiohttp": {}}
     async with mock_process(ttft=0.0, output_tokens=OUTPUT_TOKENS) as (mock_url, mock_pid):
-        print("1/3 mock backend, called directly ...", flush=True)
-        report["mock"] = await mock_ceiling(mock_url, mock_pid, plan)
-        if args.no_litellm:
-            report["litellm_missing"] = "--no-litellm"
-        else:
-            print("2/3 LiteLLM's Router on the same mock ...", flush=True)
-            litellm, note = await litellm_closed_loop(mock_url, plan, fresh=args.fresh_litellm)
-            report["litellm"] = litellm
-            if litellm is None:
-                report["litellm_missing"] = note
+
+        async def baselines(level: int) -> None:
+            """At each level, first the mock called directly, then LiteLLM's Router."""
+            one = replace(plan, levels=(level,))
+            print(f"  C={level}: the mock called directly ...", flush=True)
+            for client, rows in (await mock_ceiling(mock_url, mock_pid, one)).items():
+                report["mock"][client].update(rows)
+            if python is None or report.get("litellm_missing"):
+                return
+            print(f"  C={level}: LiteLLM's Router on the same mock ...", flush=True)
+            got, why = await litellm_closed_loop(python, note, mock_url, one)
+            if got is None:
+                report["litellm_missing"] = why
+                report["litellm"] = None
+                return
+            if report.get("litellm") is None:
+                report["litellm"] = got
+            else:
+                report["litellm"]["levels"].update(got["levels"])
+
         print(
-            f"3/3 Ren-Queue: {shape.routers} router + {shape.workers} worker processes ...",
+            f"Ren-Queue: {shape.routers} router + {shape.workers} worker processes, each level"
+            " after its baselines ...",
             flush=True,
         )
         report["procs"] = await procs_pipeline(
-            mock_url, mock_pid, plan, shape, profile=not args.no_profile
+            mock_url, mock_pid, plan, shape, profile=not args.no_profile, before_level=baselines
         )
     report["analysis"] = procs_analysis(report)
     report["total_seconds"] = time.perf_counter() - started
@@ -1264,6 +1301,19 @@ def print_procs_report(report: dict[str, Any]) -> None:
                 f" ({row['cpu_cores']:.2f} cores)"
                 + (f"  errors {row['errors']}: {row['error_samples'][:1]}" if row["errors"] else "")
             )
+    if litellm:
+        print(
+            "\n  CPU-bound estimate (the rate the CPU per request allows: Ren-Queue on every"
+            f" core, {machine['cpu_count']}, for all its processes and the mock; LiteLLM's"
+            " Router on one, its process's CPU):"
+        )
+        for level, an in analysis.items():
+            if "litellm_cpu_bound_requests_per_s" in an:
+                print(
+                    f"  {level:>3} Ren-Queue {fmt(an['cpu_bound_requests_per_s'] or 0):>6} req/s,"
+                    f" LiteLLM {fmt(an['litellm_cpu_bound_requests_per_s']):>5} req/s:"
+                    f" {an.get('cpu_bound_vs_litellm', float('nan')):.1f}x"
+                )
     prof = procs.get("profile")
     if prof and "missing" in prof:
         print(f"\n  profile: not taken: {prof['missing']}")
