@@ -1658,7 +1658,7 @@ def main() -> None:
         " this process; and LiteLLM's Router on the same mock at the same levels",
     )
     parser.add_argument("--routers", type=int, default=1, help="--procs: router processes (1)")
-    parser.add_argument("--workers", type=int, default=2, help="--procs: worker processes (2)")
+    parser.add_argument("--workers", type=int, default=1, help="--procs: worker processes (1)")
     parser.add_argument(
         "--seconds", type=float, default=0.0, help="--procs: seconds measured per level"
     )
