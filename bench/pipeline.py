@@ -20,6 +20,13 @@ is meant to be read are the ratios against baselines measured in the same run:
 
 Results: a table on stdout, JSON in ``bench/results/pipeline-<UTC>.json`` and
 ``bench/results/pipeline-latest.json``.
+
+``--procs`` (``make bench-procs``, issue 31 item 2) runs the deployed shape instead: a
+nats-server, ``--routers`` ``renqueue router`` and ``--workers`` ``renqueue worker``
+processes, the mock in its own, the client here; before each level the mock called
+directly and LiteLLM's Router (its own venv) at the same level; every process's CPU per
+request from /proc; a py-spy window on the services. JSON:
+``bench/results/pipeline-procs-<UTC>.json``. ``--real``: Ren-Queue over a real model.
 """
 
 from __future__ import annotations
