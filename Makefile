@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: browser screenshots setup demo demo-real real-venv test test-real lint typecheck check bench bench-compare bench-scheduling bench-binder bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers bench-http bench-whatif bench-real chaos fuzz soak clean
+.PHONY: browser screenshots setup demo demo-real real-venv test test-real lint typecheck check bench bench-compare bench-procs bench-scheduling bench-binder bench-ratelimits bench-faults bench-economics bench-ab bench-gateway bench-gateway-servers bench-http bench-whatif bench-real chaos fuzz soak clean
 
 setup: $(STAMP)
 
@@ -67,6 +67,12 @@ OLD ?= 51190ec
 ROUNDS ?= 3
 bench-compare: $(STAMP)
 	$(BIN)/python bench/compare.py --old $(OLD) --rounds $(ROUNDS)
+
+# The deployed shape (issue 31 item 2): one nats-server, router and worker processes
+# (PROCS_ARGS: --routers N --workers N), the client in the bench, the mock in its own;
+# LiteLLM's Router on the same mock at the same levels (its venv as bench-ratelimits').
+bench-procs: $(STAMP)
+	$(BIN)/python bench/pipeline.py --procs $(PROCS_ARGS)
 
 bench-scheduling: $(STAMP)
 	$(BIN)/python bench/scheduling.py

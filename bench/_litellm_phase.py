@@ -1,5 +1,5 @@
-"""The LiteLLM side of ``bench/ratelimits.py``, ``bench/faults.py`` and ``bench/economics.py``,
-through ``litellm.Router``.
+"""The LiteLLM side of ``bench/ratelimits.py``, ``bench/faults.py``, ``bench/economics.py``
+and ``bench/pipeline.py --procs``, through ``litellm.Router``.
 
 Run by those benchmarks with the Python of the benchmark-only venv that has
 ``litellm`` (``.renqueue/bench-litellm/venv``), never with the project's: LiteLLM is
@@ -20,6 +20,11 @@ imports). Its ``mode`` says what to do with the requests:
   start, streamed (``stream=True``), and must end within ``deadline`` seconds of being
   sent (else it counts as expired). The default routing strategy (``simple-shuffle``:
   one deployment per group, so no choice).
+- ``closed-loop`` (``pipeline.py --procs``): at each of the plan's ``levels`` (C), C
+  tasks each repeat one call (``prompt``, ``max_tokens``, not streamed) to the first
+  backend's model group for ``warmup_s`` seconds, then for ``seconds`` seconds counted:
+  per level the completions, their latencies, the errors and the CPU seconds this
+  process used in the counted window (``time.process_time``). No per-request rows.
 - ``trace`` (``economics.py``): as ``open-loop`` (each request at its ``at``), not
   streamed, but each request says its own cascade (``models``: the first is the model
   group asked for, the rest its ``fallbacks``), its ``priority`` (an integer, lower
@@ -373,6 +378,56 @@ async def _warm_up(router: Router, plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+async def closed_loop(plan: dict[str, Any]) -> dict[str, Any]:
+    """C tasks each repeating one whole call, at each level (see the module docstring)."""
+    group = plan["backends"][0]["name"]
+    router = Router(
+        model_list=model_list(plan), timeout=plan["timeout_s"], **plan.get("router_kwargs", {})
+    )
+    settings = _settings(router)
+    await _ready()
+    messages = [{"role": "user", "content": plan["prompt"]}]
+
+    async def window(level: int, seconds: float) -> dict[str, Any]:
+        latencies: list[float] = []
+        errors: list[str] = []
+        end = time.perf_counter() + seconds
+        began = time.perf_counter()
+        last = began
+
+        async def one() -> None:
+            nonlocal last
+            while time.perf_counter() < end:
+                start = time.perf_counter()
+                try:
+                    await router.acompletion(
+                        model=group, messages=messages, max_tokens=plan["max_tokens"]
+                    )
+                except Exception as exc:  # noqa: BLE001 - counted, the run goes on
+                    errors.append(_error_text(exc))
+                    await asyncio.sleep(0.01)
+                    continue
+                last = time.perf_counter()
+                latencies.append(last - start)
+
+        cpu = time.process_time()
+        await asyncio.gather(*(one() for _ in range(level)))
+        return {
+            "concurrency": level,
+            "seconds": last - began,
+            "cpu_s": time.process_time() - cpu,
+            "latencies": latencies,
+            "errors": len(errors),
+            "error_samples": errors[:3],
+        }
+
+    levels = []
+    for level in plan["levels"]:
+        await window(level, plan["warmup_s"])
+        levels.append(await window(level, plan["seconds"]))
+    return {"litellm_version": _version(), "router_settings": settings, "levels": levels}
+
+
 def _shown(plan: dict[str, Any]) -> list[dict[str, Any]]:
     """The model list as given to the Router, without the (dummy) key."""
     return [
@@ -391,7 +446,12 @@ def main() -> None:
     logging.getLogger("LiteLLM").setLevel(logging.ERROR)
     logging.getLogger("LiteLLM Router").setLevel(logging.ERROR)
     logging.getLogger("LiteLLM Proxy").setLevel(logging.ERROR)
-    modes = {"burst": burst, "open-loop": open_loop, "trace": trace}
+    modes = {
+        "burst": burst,
+        "open-loop": open_loop,
+        "trace": trace,
+        "closed-loop": closed_loop,
+    }
     report = asyncio.run(modes[plan.get("mode", "burst")](plan))
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")

@@ -20,6 +20,13 @@ is meant to be read are the ratios against baselines measured in the same run:
 
 Results: a table on stdout, JSON in ``bench/results/pipeline-<UTC>.json`` and
 ``bench/results/pipeline-latest.json``.
+
+``--procs`` (``make bench-procs``, issue 31 item 2) runs the deployed shape instead: a
+nats-server, ``--routers`` ``renqueue router`` and ``--workers`` ``renqueue worker``
+processes, the mock in its own, the client here; before each level the mock called
+directly and LiteLLM's Router (its own venv) at the same level; every process's CPU per
+request from /proc; a py-spy window on the services. JSON:
+``bench/results/pipeline-procs-<UTC>.json``. ``--real``: Ren-Queue over a real model.
 """
 
 from __future__ import annotations
@@ -31,11 +38,14 @@ import cProfile
 import json
 import os
 import pstats
+import re
+import shutil
+import sys
 import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -43,14 +53,32 @@ from typing import Any
 import aiohttp
 import httpx
 import msgspec
-from common import RESULTS, ROOT, machine_info, mock_process, package_version, percentile
+from chaos import (
+    FILE_STORE,
+    Fleet,
+    NatsNode,
+    backends_toml,
+    provision_with_retries,
+    until_jetstream_answers,
+)
+from chaos import Backend as FleetBackend
+from common import (
+    RESULTS,
+    ROOT,
+    litellm_python,
+    machine_info,
+    mock_process,
+    package_version,
+    percentile,
+    run_litellm_phase,
+)
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 
 from renqueue import Client, Services, parse_config
 from renqueue.backends import make_backend
 from renqueue.backends.base import Backend
 from renqueue.broker import EmbeddedServer, connect
-from renqueue.config import Config
+from renqueue.config import Config, load_config
 from renqueue.llamacpp import DEFAULT_VENV, MODEL_NAME, LlamaServer, ensure_model
 from renqueue.logs import configure_logging
 from renqueue.schema import (
@@ -803,6 +831,525 @@ def print_report(report: dict[str, Any]) -> None:
                 print(f"    {share:>5.0%}  {part}")
 
 
+# ------------------------------------------------- separate processes (issue 31 item 2)
+
+#: Samples a second py-spy takes of each service process in ``--procs``'s profile window.
+PYSPY_RATE = 100
+#: Seconds ``--procs`` measures the processes' CPU with no requests.
+IDLE_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class ProcsShape:
+    """How many of each process ``--procs`` runs, and the backend's slots."""
+
+    routers: int
+    workers: int
+    slots: int
+
+
+def procs_config_text(url: str, mock_url: str, shape: ProcsShape) -> str:
+    """The config every service process reads: the mock as one backend with ``slots``
+    slots, one route over it, the nats-server's file store as its share."""
+    lines = [
+        "# Written by bench/pipeline.py --procs.",
+        "[nats]",
+        f'url = "{url}"',
+        f'max_file_store = "{FILE_STORE}"',
+        "",
+        "[worker]",
+        'drain_timeout = "5s"',
+    ]
+    backend = FleetBackend(name=BACKEND, slots=shape.slots, workers=shape.workers)
+    return "\n".join([*lines, *backends_toml((backend,), {BACKEND: mock_url}, "chat")])
+
+
+async def litellm_closed_loop(
+    python: Path, note: str, mock_url: str, plan: Plan
+) -> tuple[dict[str, Any] | None, str]:
+    """LiteLLM's Router (its own venv's ``python``, ``bench/_litellm_phase.py``'s
+    ``closed-loop`` mode) on the same mock at ``plan``'s levels: whole answers, one model
+    group, no retries. Its report per level, or ``None`` and why it did not run."""
+    payload = {
+        "mode": "closed-loop",
+        "backends": [
+            {"name": BACKEND, "url": mock_url, "price_in_per_mtok": 0, "price_out_per_mtok": 0}
+        ],
+        "levels": list(plan.levels),
+        "warmup_s": plan.warmup_seconds,
+        "seconds": plan.pipeline_seconds,
+        "timeout_s": 60,
+        "prompt": PROMPT,
+        "max_tokens": OUTPUT_TOKENS,
+        "router_kwargs": {"num_retries": 0},
+    }
+    limit = len(plan.levels) * (plan.warmup_seconds + plan.pipeline_seconds + 60) + 60
+    phase = await run_litellm_phase(python, payload, limit=limit)
+    if phase.report is None:
+        return None, f"{note}; {phase.error}"
+    levels: dict[str, Any] = {}
+    for got in phase.report["levels"]:
+        done = len(got["latencies"])
+        seconds = got["seconds"] or float("nan")
+        levels[str(got["concurrency"])] = {
+            "requests": done,
+            "errors": got["errors"],
+            "error_samples": got["error_samples"],
+            "seconds": got["seconds"],
+            "requests_per_s": done / seconds if done else 0.0,
+            "latency": latency_summary(got["latencies"]),
+            "cpu_cores": got["cpu_s"] / seconds if done else 0.0,
+            "cpu_ms_per_request": got["cpu_s"] / max(1, done) * 1000,
+        }
+    return {
+        "install": note,
+        "version": phase.report["litellm_version"],
+        "router_settings": phase.report["router_settings"],
+        "call": "router.acompletion, whole answer (not streamed), num_retries=0",
+        "levels": levels,
+    }, note
+
+
+def pyspy_binary() -> str | None:
+    """py-spy (a dev dependency): beside this Python, or on the PATH."""
+    here = Path(sys.executable).parent / "py-spy"
+    return str(here) if here.exists() else shutil.which("py-spy")
+
+
+_FRAME = re.compile(r"^(?P<func>.*) \((?P<file>.*):(?P<line>\d+)\)$")
+
+
+def pyspy_breakdown(raw: str, top: int = 12) -> dict[str, Any]:
+    """py-spy's collapsed stacks (``--format raw``: ``frame;frame;... count`` a line, each
+    frame ``function (file:line)``, idle samples left out): each part of the stack's share
+    of the samples (by the innermost Python frame: time in C code counts for the Python
+    function that called it), the top functions by own samples, and the project's
+    functions by samples they were on the stack for (own and below)."""
+    own: dict[tuple[str, str], int] = {}
+    inclusive: dict[tuple[str, str], int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = []
+        for frame in stack.split(";"):
+            match = _FRAME.match(frame)
+            if match:
+                frames.append((match["func"], match["file"]))
+        if not frames:
+            continue
+        total += count
+        own[frames[-1]] = own.get(frames[-1], 0) + count
+        for key in set(frames):
+            inclusive[key] = inclusive.get(key, 0) + count
+    parts: dict[str, int] = {}
+    for (func, filename), count in own.items():
+        part = _category(filename, func)
+        parts[part] = parts.get(part, 0) + count
+    total = total or 1
+
+    def rows(counts: dict[tuple[str, str], int]) -> list[dict[str, Any]]:
+        ranked = sorted(counts.items(), key=lambda item: -item[1])[:top]
+        return [
+            {"function": f"{func} ({_short(filename)})", "share": round(n / total, 3)}
+            for (func, filename), n in ranked
+        ]
+
+    return {
+        "samples": total,
+        "share_of_samples": {
+            k: round(v / total, 3) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
+        },
+        "top_own": rows(own),
+        "top_renqueue_inclusive": rows(
+            {
+                key: n
+                for key, n in inclusive.items()
+                if "/renqueue/" in key[1].replace("\\", "/")
+                and not any(part in key[1].replace("\\", "/") for part in _ENTRY_FRAMES)
+            }
+        ),
+    }
+
+
+_PACKAGE_ROOT = re.compile(r"^.*/(?:site-packages|lib/python3\.\d+)/")
+
+
+def _short(filename: str) -> str:
+    """A path from its package down (``renqueue/services/worker/_call.py``, ``asyncio/...``)."""
+    path = _PACKAGE_ROOT.sub("", filename.replace("\\", "/"))
+    if "/renqueue/" in path:
+        path = "renqueue/" + path.rsplit("/renqueue/", 1)[1]
+    return path
+
+
+#: Frames every sample of a service has under it (the CLI's entry, the task supervisor's
+#: wrapper): left out of the project's functions by samples below them.
+_ENTRY_FRAMES = ("/renqueue/cli/", "/renqueue/__main__.py", "/renqueue/tasks.py")
+
+
+async def procs_profile(
+    names: dict[str, int],
+    directory: Path,
+    call: Callable[[LoopResult], Awaitable[float]],
+    level: int,
+    seconds: float,
+) -> dict[str, Any]:
+    """A window of ``seconds`` at ``level`` with py-spy sampling every service process
+    (``PYSPY_RATE`` a second, without pausing it): each one's samples by part of the stack
+    and its top functions. py-spy runs as processes of its own beside them, so the rate
+    under the profiler is a little lower."""
+    binary = pyspy_binary()
+    if binary is None:
+        return {"missing": "py-spy not found (a dev dependency: pip install py-spy)"}
+    spies: dict[str, tuple[asyncio.subprocess.Process, Path]] = {}
+    for name, pid in names.items():
+        out_file = directory / f"{name}.txt"
+        spies[name] = (
+            await asyncio.create_subprocess_exec(
+                binary, "record", "--pid", str(pid), "--duration", f"{seconds:g}",
+                "--rate", str(PYSPY_RATE), "--nonblocking", "--full-filenames",
+                "--format", "raw", "--output", str(out_file),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+            ),
+            out_file,
+        )  # fmt: skip
+    result = await closed_loop(call, level, seconds)
+    out: dict[str, Any] = {
+        "profiler": f"py-spy {PYSPY_RATE}/s, nonblocking, idle samples left out",
+        "concurrency": level,
+        "requests": result.completed,
+        "requests_per_s_under_profiler": result.rate,
+        "processes": {},
+    }
+    for name, (proc, out_file) in spies.items():
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), seconds + 30)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            err = b"timed out"
+        if proc.returncode != 0 or not out_file.exists():
+            why = err.decode(errors="replace").strip()[-300:]
+            out["processes"][name] = {"missing": f"py-spy exited {proc.returncode}: {why}"}
+            continue
+        out["processes"][name] = pyspy_breakdown(out_file.read_text())
+    return out
+
+
+async def procs_pipeline(
+    mock_url: str,
+    mock_pid: int,
+    plan: Plan,
+    shape: ProcsShape,
+    *,
+    profile: bool,
+    before_level: Callable[[int], Awaitable[None]] | None = None,
+) -> dict[str, Any]:
+    """One nats-server, ``renqueue router`` and ``renqueue worker -b mock`` processes
+    (``bench/chaos.py``'s ``Fleet``), the client in this process: closed loops at each
+    level, every process's CPU from /proc; then, if ``profile``, a py-spy window.
+    ``before_level(C)`` is awaited before each level (the baselines measured at that
+    level, so both see the machine's load of the same minute)."""
+    out: dict[str, Any] = {
+        "shape": msgspec.to_builtins(shape.__dict__),
+        "levels": {},
+    }
+    workdir = Path(tempfile.mkdtemp(prefix="renqueue-bench-procs-"))
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            node = NatsNode("bench-procs", workdir / "nats")
+            await node.start()
+            stack.push_async_callback(node.stop)
+            config_file = workdir / "renqueue.toml"
+            config_file.write_text(procs_config_text(node.url, mock_url, shape))
+            config = load_config(config_file, environ={})
+            nc = await connect(node.url, name="bench-client", config=config.nats)
+            stack.push_async_callback(nc.close)
+            await until_jetstream_answers(nc)
+            await provision_with_retries(nc, config)
+            profiles = workdir / "profiles"
+            profiles.mkdir()
+            fleet = Fleet(
+                config_file,
+                node.url,
+                workdir / "logs",
+                routers=shape.routers,
+                backends=(FleetBackend(name=BACKEND, slots=shape.slots, workers=shape.workers),),
+            )
+            stack.push_async_callback(fleet.stop)
+            await fleet.start()
+            services = {slot.name: slot.proc.pid for slot in fleet.slots if slot.proc}
+            client = Client(nc, tenant=TENANT)
+            stack.push_async_callback(client.close)
+            js = nc.jetstream()
+            pids = {
+                "client": os.getpid(),
+                **services,
+                "nats_server": node.proc.pid if node.proc else 0,
+                "mock": mock_pid,
+            }
+            python_names = ["client", *services]
+            cpu = CpuMeter(pids)
+
+            async def submit_result(_result: LoopResult) -> float:
+                start = time.perf_counter()
+                handle = await client.submit(PROMPT, route="chat", priority="normal", timeout=60)
+                await handle.result(timeout=60)
+                return time.perf_counter() - start
+
+            # What the processes use with nothing to do (timers, leases, heartbeats): part
+            # of each level's CPU, a larger part the lower the rate.
+            await closed_loop(submit_result, 1, plan.warmup_seconds)
+            cpu.start()
+            await asyncio.sleep(IDLE_SECONDS)
+            out["idle_cpu_cores"] = cpu.stop()
+            for level in plan.levels:
+                if before_level is not None:
+                    await before_level(level)
+                await closed_loop(submit_result, level, plan.warmup_seconds)
+                before = await stream_counts(js)
+                cpu.start()
+                result = await closed_loop(submit_result, level, plan.pipeline_seconds)
+                busy = cpu.stop()
+                after = await stream_counts(js)
+                done = max(1, result.completed)
+                stored = {name: (after[name] - before[name]) / done for name in after}
+                per_request = {
+                    name: round(cores * result.elapsed / done * 1000, 3)
+                    for name, cores in busy.items()
+                }
+                out["levels"][str(level)] = {
+                    "requests": result.completed,
+                    "errors": result.errors,
+                    "error_samples": result.error_samples,
+                    "seconds": result.elapsed,
+                    "requests_per_s": result.rate,
+                    "latency": latency_summary(result.latencies),
+                    "cpu_cores": busy,
+                    "cpu_ms_per_request": per_request,
+                    "python_cpu_ms_per_request": sum(per_request[n] for n in python_names),
+                    "all_cpu_ms_per_request": sum(per_request.values()),
+                    "stored_msgs_per_request": stored,
+                    "stored_msgs_per_request_total": sum(stored.values()),
+                }
+                print(f"  procs C={level}: {result.rate:.0f} req/s", flush=True)
+            if profile:
+                top = max(plan.levels)
+                out["profile"] = await procs_profile(
+                    services, profiles, submit_result, top, plan.pipeline_seconds
+                )
+            out["service_self_exits"] = fleet.self_exits
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return out
+
+
+def procs_analysis(report: dict[str, Any]) -> dict[str, Any]:
+    """Per level: the added p50 over a direct adapter call, the ratio to LiteLLM's Router,
+    and the rate the machine's cores would allow at this CPU per request (every process of
+    the deployment: the services, the client, nats-server, the mock), beside the rate one
+    core allows LiteLLM's Router at its CPU per request (its process alone). On a loaded
+    machine the rates measured move with the load; the CPU per request moves much less."""
+    cores = os.cpu_count() or 1
+    litellm = (report.get("litellm") or {}).get("levels", {})
+    out: dict[str, Any] = {}
+    for level, row in report["procs"]["levels"].items():
+        adapter = report["mock"]["adapter_httpx"].get(level)
+        other = litellm.get(level)
+        per_request = row["all_cpu_ms_per_request"]
+        out[level] = {
+            "added_p50_ms": row["latency"]["p50_ms"] - adapter["latency"]["p50_ms"]
+            if adapter
+            else None,
+            "vs_litellm_router": row["requests_per_s"] / other["requests_per_s"]
+            if other and other["requests_per_s"]
+            else None,
+            "cpu_bound_requests_per_s": cores * 1000 / per_request if per_request else None,
+        }
+        if other and other["cpu_ms_per_request"]:
+            # LiteLLM's Router is one process on one event loop: one core at most.
+            ceiling = 1000 / other["cpu_ms_per_request"]
+            out[level]["litellm_cpu_bound_requests_per_s"] = ceiling
+            if per_request:
+                out[level]["cpu_bound_vs_litellm"] = cores * 1000 / per_request / ceiling
+    return out
+
+
+async def run_procs(args: argparse.Namespace) -> dict[str, Any]:
+    """``--procs``: the services as separate processes and, before each level, its
+    baselines at the same level: the mock called directly, LiteLLM's Router; all on the
+    same mock process."""
+    plan = QUICK if args.quick else FULL
+    if args.levels:
+        plan = replace(plan, levels=tuple(int(x) for x in args.levels.split(",")))
+    if args.seconds:
+        plan = replace(plan, pipeline_seconds=args.seconds, mock_seconds=min(args.seconds, 4.0))
+    shape = ProcsShape(routers=args.routers, workers=args.workers, slots=args.slots)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    report: dict[str, Any] = {
+        "benchmark": "pipeline-procs",
+        "timestamp": stamp,
+        "mode": "quick" if args.quick else "full",
+        "plan": msgspec.to_builtins(plan.__dict__),
+        "machine": machine_info(httpx=httpx.__version__, aiohttp=aiohttp.__version__),
+        "mock_settings": {"ttft": 0.0, "tokens_per_second": 0, "output_tokens": OUTPUT_TOKENS},
+    }
+    started = time.perf_counter()
+    python: Path | None = None
+    note = ""
+    if args.no_litellm:
+        report["litellm_missing"] = "--no-litellm"
+    else:
+        python, note = await asyncio.to_thread(litellm_python, args.fresh_litellm)
+        if python is None:
+            report["litellm_missing"] = note
+    report["mock"] = {"adapter_httpx": {}, "raw_aiohttp": {}}
+    async with mock_process(ttft=0.0, output_tokens=OUTPUT_TOKENS) as (mock_url, mock_pid):
+
+        async def baselines(level: int) -> None:
+            """At each level, first the mock called directly, then LiteLLM's Router."""
+            one = replace(plan, levels=(level,))
+            print(f"  C={level}: the mock called directly ...", flush=True)
+            for client, rows in (await mock_ceiling(mock_url, mock_pid, one)).items():
+                report["mock"][client].update(rows)
+            if python is None or report.get("litellm_missing"):
+                return
+            print(f"  C={level}: LiteLLM's Router on the same mock ...", flush=True)
+            got, why = await litellm_closed_loop(python, note, mock_url, one)
+            if got is None:
+                report["litellm_missing"] = why
+                report["litellm"] = None
+                return
+            if report.get("litellm") is None:
+                report["litellm"] = got
+            else:
+                report["litellm"]["levels"].update(got["levels"])
+
+        print(
+            f"Ren-Queue: {shape.routers} router + {shape.workers} worker processes, each level"
+            " after its baselines ...",
+            flush=True,
+        )
+        report["procs"] = await procs_pipeline(
+            mock_url, mock_pid, plan, shape, profile=not args.no_profile, before_level=baselines
+        )
+    report["analysis"] = procs_analysis(report)
+    report["total_seconds"] = time.perf_counter() - started
+    return report
+
+
+def print_procs_report(report: dict[str, Any]) -> None:
+    machine = report["machine"]
+    procs = report["procs"]
+    shape = procs["shape"]
+    analysis = report["analysis"]
+    litellm = report.get("litellm") or {}
+    print()
+    print(
+        f"Ren-Queue as separate processes  {report['timestamp']}"
+        f"  commit {machine['git_commit'][:12]}"
+    )
+    print(
+        f"  {machine['cpu_count']} cpus ({machine['cpu_model']}), load at start"
+        f" {machine['loadavg_at_start'][0]:.2f}; nats-server, {shape['routers']} router +"
+        f" {shape['workers']} worker processes, the client in the bench process, the mock"
+        f" ({OUTPUT_TOKENS} tokens, instant) in its own; {shape['slots']} slots"
+    )
+    if litellm:
+        print(f"  LiteLLM {litellm['version']} Router: {litellm['call']}")
+    else:
+        print(f"  LiteLLM: not run: {report.get('litellm_missing')}")
+    print(
+        f"\n  {'C':>3} {'req/s':>7} {'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7} {'+p50 ms':>8}"
+        f" {'LiteLLM':>8} {'ratio':>6} {'py ms/req':>9} {'all ms/req':>10} {'cpu-bound':>9}"
+        f" {'stored':>6}"
+    )
+    for level, row in procs["levels"].items():
+        an = analysis[level]
+        lat = row["latency"]
+        other = litellm.get("levels", {}).get(level) if litellm else None
+        added = an["added_p50_ms"]
+        print(
+            f"  {level:>3} {fmt(row['requests_per_s']):>7} {lat['p50_ms']:>7.2f}"
+            f" {lat['p90_ms']:>7.2f} {lat['p99_ms']:>7.2f}"
+            f" {added if added is not None else float('nan'):>8.2f}"
+            f" {fmt(other['requests_per_s']) if other else '-':>8}"
+            f" {an['vs_litellm_router'] or float('nan'):>5.1f}x"
+            f" {row['python_cpu_ms_per_request']:>9.2f} {row['all_cpu_ms_per_request']:>10.2f}"
+            f" {fmt(an['cpu_bound_requests_per_s'] or 0):>9}"
+            f" {row['stored_msgs_per_request_total']:>6.2f}"
+            + (f"  errors {row['errors']}: {row['error_samples'][:1]}" if row["errors"] else "")
+        )
+    names = list(next(iter(procs["levels"].values()))["cpu_cores"])
+    print("\n  CPU per process: ms per request / cores busy")
+    print(f"  {'C':>4} " + " ".join(f"{name:>17}" for name in names))
+    idle = procs.get("idle_cpu_cores", {})
+    print(
+        f"  {'idle':>4} "
+        + " ".join(f"{'- / ' + format(idle.get(n, 0), '5.2f'):>17}" for n in names)
+    )
+    for level, row in procs["levels"].items():
+        cells = [
+            f"{row['cpu_ms_per_request'][name]:>7.2f} / {row['cpu_cores'][name]:>5.2f}"
+            for name in names
+        ]
+        print(f"  {level:>4} " + " ".join(f"{cell:>17}" for cell in cells))
+    if litellm:
+        print("\n  LiteLLM's Router (its process): req/s, p50/p90/p99 ms, CPU ms per request")
+        for level, row in litellm["levels"].items():
+            lat = row["latency"]
+            print(
+                f"  {level:>3} {fmt(row['requests_per_s']):>7} {lat['p50_ms']:>7.2f}"
+                f" {lat['p90_ms']:>7.2f} {lat['p99_ms']:>7.2f} {row['cpu_ms_per_request']:>7.2f}"
+                f" ({row['cpu_cores']:.2f} cores)"
+                + (f"  errors {row['errors']}: {row['error_samples'][:1]}" if row["errors"] else "")
+            )
+    if litellm:
+        print(
+            "\n  CPU-bound estimate (the rate the CPU per request allows: Ren-Queue on every"
+            f" core, {machine['cpu_count']}, for all its processes and the mock; LiteLLM's"
+            " Router on one, its process's CPU):"
+        )
+        for level, an in analysis.items():
+            if "litellm_cpu_bound_requests_per_s" in an:
+                print(
+                    f"  {level:>3} Ren-Queue {fmt(an['cpu_bound_requests_per_s'] or 0):>6} req/s,"
+                    f" LiteLLM {fmt(an['litellm_cpu_bound_requests_per_s']):>5} req/s:"
+                    f" {an.get('cpu_bound_vs_litellm', float('nan')):.1f}x"
+                )
+    prof = procs.get("profile")
+    if prof and "missing" in prof:
+        print(f"\n  profile: not taken: {prof['missing']}")
+    elif prof:
+        print(
+            f"\n  py-spy on each service process, C={prof['concurrency']},"
+            f" {fmt(prof['requests_per_s_under_profiler'])} req/s while sampled"
+            " (share of the process's CPU samples):"
+        )
+        for name, got in prof["processes"].items():
+            if "missing" in got:
+                print(f"    {name}: {got['missing']}")
+                continue
+            parts = ", ".join(
+                f"{part} {share:.0%}"
+                for part, share in got["share_of_samples"].items()
+                if share >= 0.03
+            )
+            print(f"    {name} ({got['samples']} samples): {parts}")
+            print("      own:")
+            for entry in got["top_own"][:8]:
+                print(f"      {entry['share']:>6.1%}  {entry['function']}")
+            print("      renqueue, own and below:")
+            for entry in got["top_renqueue_inclusive"][:8]:
+                print(f"      {entry['share']:>6.1%}  {entry['function']}")
+    if procs.get("service_self_exits"):
+        print(f"\n  WARNING: services exited by themselves: {procs['service_self_exits']}")
+
+
 # ------------------------------------------------------------- a real model (issue #32)
 
 #: The real model's answers in the run: this many tokens each (its end of turn held back
@@ -1080,7 +1627,9 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=256, help="backend concurrency (256)")
     parser.add_argument("--levels", default="", help="client concurrency levels, e.g. 1,16,64")
     parser.add_argument(
-        "--no-profile", action="store_true", help="skip the cProfile window (attribution only)"
+        "--no-profile",
+        action="store_true",
+        help="skip the cProfile window (--procs: the py-spy window; attribution only)",
     )
     parser.add_argument(
         "--profile-out", type=Path, default=None, help="also write the cProfile stats here (pstats)"
@@ -1108,8 +1657,35 @@ def main() -> None:
         default=ROOT / DEFAULT_VENV,
         help="--real: the server's venv, made if missing (.renqueue/real-venv)",
     )
+    parser.add_argument(
+        "--procs",
+        action="store_true",
+        help="instead: the deployed shape, every service a process of its own (nats-server,"
+        " --routers `renqueue router`, --workers `renqueue worker`, the mock), the client in"
+        " this process; and LiteLLM's Router on the same mock at the same levels",
+    )
+    parser.add_argument("--routers", type=int, default=1, help="--procs: router processes (1)")
+    parser.add_argument("--workers", type=int, default=1, help="--procs: worker processes (1)")
+    parser.add_argument(
+        "--seconds", type=float, default=0.0, help="--procs: seconds measured per level"
+    )
+    parser.add_argument("--no-litellm", action="store_true", help="--procs: skip LiteLLM")
+    parser.add_argument(
+        "--fresh-litellm", action="store_true", help="--procs: remake the LiteLLM venv first"
+    )
     args = parser.parse_args()
     configure_logging(level="WARNING")
+    if args.procs:
+        report = asyncio.run(run_procs(args))
+        print_procs_report(report)
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"pipeline-procs-{report['timestamp']}.json"
+        text = json.dumps(report, indent=2) + "\n"
+        path.write_text(text)
+        (args.out / "pipeline-procs-latest.json").write_text(text)
+        print(f"\n  JSON: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+        print(f"  total {report['total_seconds']:.0f}s")
+        return
     if args.real:
         report = asyncio.run(run_real(args))
         print_real_report(report)
