@@ -21,6 +21,12 @@ REPO = Path(__file__).resolve().parent.parent
 LITELLM_VENV = REPO / ".renqueue" / "bench-litellm" / "venv"
 
 
+def _ptrace_refused(why: str) -> bool:
+    """py-spy reads another process's memory: a machine that forbids it (a
+    container without CAP_SYS_PTRACE, Yama's ptrace_scope) refuses it."""
+    return any(word in why for word in ("Permission denied", "Operation not permitted", "ptrace"))
+
+
 def run_procs(tmp_path: Path, *extra: str) -> tuple[dict[str, Any], str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RENQUEUE_")}
     done = subprocess.run(
@@ -55,7 +61,9 @@ def test_the_separate_process_pipeline_bench_runs(tmp_path: Path) -> None:
     profiled = procs["profile"]["processes"]
     assert set(profiled) == {"router-0", "worker-mock-0"}
     for got in profiled.values():
-        assert "missing" not in got
+        if "missing" in got and _ptrace_refused(got["missing"]):
+            continue  # a container without ptrace: the bench says so and goes on
+        assert "missing" not in got, got
         assert got["samples"] > 0
         assert got["top_own"]
     assert report["litellm_missing"] == "--no-litellm"
