@@ -24,7 +24,8 @@ LITELLM_VENV = REPO / ".renqueue" / "bench-litellm" / "venv"
 def _ptrace_refused(why: str) -> bool:
     """py-spy reads another process's memory: a machine that forbids it (a
     container without CAP_SYS_PTRACE, Yama's ptrace_scope) refuses it."""
-    return any(word in why for word in ("Permission denied", "Operation not permitted", "ptrace"))
+    why = why.lower()
+    return any(word in why for word in ("permission denied", "operation not permitted", "ptrace"))
 
 
 def run_procs(tmp_path: Path, *extra: str) -> tuple[dict[str, Any], str]:
