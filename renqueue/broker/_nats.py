@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import datetime
 import json
-import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
 
@@ -301,13 +300,25 @@ async def _call(operation: Awaitable[_T]) -> _T:
 
 
 class _AckFuture(asyncio.Future[PubAck]):
-    """The future :meth:`JetStream.publish_async` returns: it ends as nats-py's
-    (``source``) does, with nats-py's errors translated, and cancelling it
-    cancels ``source`` (nats-py then frees its pending slot).
+    """The future of a publish's ack that :class:`_Context` registers with
+    nats-py: one future per publish, whose errors are ours. Whatever sets an
+    exception on it (nats-py's ack handler, our own, a timeout) sets the
+    one :func:`translate` makes of it, so nothing relays it through a second future (a
+    done callback and a turn of the event loop more on every publish, and a
+    request makes several)."""
 
-    Cancellation goes through :meth:`cancel` rather than a done callback: a
-    callback costs a turn of the event loop on every publish, and a request
-    makes several."""
+    def set_exception(self, exception: type[BaseException] | BaseException) -> None:
+        if isinstance(exception, type):
+            exception = exception()
+        super().set_exception(translate(exception))
+
+
+class _Relay(asyncio.Future[PubAck]):
+    """The future :meth:`JetStream.publish_async` returns over a context that is
+    not a :class:`_Context` (nats-py's own, as an application or a test may
+    hand one): it ends as nats-py's (``source``) does, with nats-py's errors
+    translated, and cancelling it cancels ``source`` (nats-py then frees its
+    pending slot)."""
 
     def __init__(self, source: asyncio.Future[PubAck]) -> None:
         super().__init__(loop=source.get_loop())
@@ -331,12 +342,66 @@ class _AckFuture(asyncio.Future[PubAck]):
 
 
 def _translated_future(future: asyncio.Future[PubAck]) -> asyncio.Future[PubAck]:
-    """A future that ends as ``future`` does, with nats-py's errors translated."""
-    return _AckFuture(future)
+    """A future that ends as ``future`` does, with nats-py's errors translated
+    (``future`` itself if it is one of ours already)."""
+    return future if isinstance(future, _AckFuture) else _Relay(future)
+
+
+class _AckReply(msgspec.Struct):
+    """A JetStream publish ack as the server writes it (JSON): the fields
+    :class:`PubAck` has, or an ``error``. Unknown fields are ignored, as
+    nats-py's ``PubAck.from_response`` ignores them."""
+
+    stream: str | None = None
+    seq: int | None = None
+    domain: str | None = None
+    duplicate: bool | None = None
+    batch: str | None = None
+    count: int | None = None
+    val: str | None = None
+    error: dict[str, Any] | None = None
+
+
+_ACK_DECODER: Final = msgspec.json.Decoder(_AckReply)
+#: The header of a status reply, and the status that says no stream stored it.
+_STATUS: Final = "Status"
+_NO_RESPONDERS: Final = "503"
+
+
+def _pub_ack(data: bytes) -> PubAck:
+    """The :class:`PubAck` in a publish's reply; nats-py's (typed) ``APIError``
+    if the reply is a JetStream error. What nats-py 2.16 reads, with msgspec
+    instead of ``json`` and a dataclass built field by field (a reply whose
+    fields are not of the expected types is read as nats-py reads it)."""
+    try:
+        reply = _ACK_DECODER.decode(data)
+    except msgspec.DecodeError:
+        response = json.loads(data)
+        if "error" in response:
+            nats.js.errors.APIError.from_error(response["error"])  # raises the typed error
+        return PubAck.from_response(response)
+    if reply.error is not None:
+        nats.js.errors.APIError.from_error(reply.error)  # raises the typed error
+    return PubAck(
+        stream=reply.stream,  # type: ignore[arg-type]  # nats-py's own: None if not sent
+        seq=reply.seq,  # type: ignore[arg-type]
+        domain=reply.domain,
+        duplicate=reply.duplicate,
+        batch_id=reply.batch,
+        batch_size=reply.count,
+        val=reply.val,
+    )
+
+
+def _expire(future: asyncio.Future[PubAck]) -> None:
+    """A synchronous publish's timer: no ack in time."""
+    if not future.done():
+        future.set_exception(nats.errors.TimeoutError())
 
 
 class _Context(_JetStreamContext):
-    """nats-py's JetStream context, with its asynchronous acks' errors delivered.
+    """nats-py's JetStream context, with its asynchronous acks' errors delivered,
+    and every publish's ack read from one subscription.
 
     nats-py 2.16 reads a ``publish_async`` ack that is a JetStream error with
     ``APIError.from_error``, which raises instead of returning: the error
@@ -347,6 +412,16 @@ class _Context(_JetStreamContext):
     future, as nats-py means it to. And a ``publish_async`` whose publish
     raises ends the future it registered (:meth:`publish_async`) instead of
     leaving it pending, holding one of the context's pending slots for good.
+
+    Per message, what nats-py does costs a request several futures, timers
+    and turns of the event loop; here (measured in ``bench/pipeline.py``):
+    one future per publish (an :class:`_AckFuture`, registered where
+    nats-py's reply handler finds it); its token the connection's NUID alone
+    (unique within the process; nats-py appends two random bytes, a
+    ``urandom`` system call per publish); acks read with msgspec; and a
+    publish that waits for its ack (:meth:`publish_acked`) goes through the
+    same reply subscription with one timer, instead of nats-py's request
+    (a future, a done callback, ``wait_for``'s future and timer).
     """
 
     async def publish_async(  # noqa: PLR0917 - nats-py's signature
@@ -375,15 +450,17 @@ class _Context(_JetStreamContext):
             hdr = {**(hdr or {}), "Nats-TTL": str(int(msg_ttl))}
         slots = self._publish_async_pending_semaphore
         try:
-            await asyncio.wait_for(slots.acquire(), timeout=wait_stall)
+            if wait_stall is None:
+                await slots.acquire()
+            else:
+                await asyncio.wait_for(slots.acquire(), timeout=wait_stall)
         except (TimeoutError, asyncio.CancelledError):
             raise nats.js.errors.TooManyStalledMsgsError from None
         token = self._nc._nuid.next()
-        token.extend(secrets.token_hex(2).encode())
         key = token.decode()
         inbox = self._async_reply_prefix[:]
         inbox.extend(token)
-        future: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
+        future = _AckFuture()
         futures = self._publish_async_futures
 
         def handle_done(_: asyncio.Future[PubAck]) -> None:
@@ -402,15 +479,62 @@ class _Context(_JetStreamContext):
             raise
         return future
 
-    async def _handle_async_reply(self, msg: _Msg) -> None:
+    async def publish_acked(
+        self,
+        subject: str,
+        payload: bytes,
+        *,
+        timeout: float,  # noqa: ASYNC109 - nats-py's own parameter
+        headers: dict[str, Any] | None,
+    ) -> PubAck:
+        """Publish and wait up to ``timeout`` for the ack, as nats-py's ``publish``
+        (the same errors, translated), through the asynchronous acks'
+        subscription. It takes none of ``publish_async``'s pending slots: the
+        caller waits for its ack, which bounds how many are pending."""
+        if not self._async_reply_prefix:
+            await self._init_async_reply()
+        assert self._async_reply_prefix
+        token = self._nc._nuid.next()
+        key = token.decode()
+        inbox = self._async_reply_prefix[:]
+        inbox.extend(token)
+        loop = asyncio.get_running_loop()
+        future = _AckFuture(loop=loop)
+        futures = self._publish_async_futures
+        futures[key] = future
+        self._publish_async_completed_event.clear()
+        timer = loop.call_later(timeout, _expire, future)
         try:
-            await super()._handle_async_reply(msg)
-        except nats.js.errors.APIError as exc:
-            # The token is the reply subject's tail, as nats-py reads it.
-            token = msg.subject[len(self._async_reply_prefix or b"") :]
-            future = self._publish_async_futures.get(token)
-            if future is not None and not future.done():
-                future.set_exception(exc)
+            await self._nc.publish(subject, payload, reply=inbox.decode(), headers=headers)
+            return await future
+        finally:
+            timer.cancel()
+            futures.pop(key, None)
+            if not futures:
+                self._publish_async_completed_event.set()
+
+    async def _handle_async_reply(self, msg: _Msg) -> None:
+        """An ack (or an error) for a publish of this context: ends its future.
+
+        nats-py 2.16's, but the ack read with msgspec, and an error ending the
+        future instead of escaping (nats-py's ``APIError.from_error`` raises)."""
+        # The token is the reply subject's tail, as nats-py reads it.
+        token = msg.subject[len(self._async_reply_prefix or b"") :]
+        future = self._publish_async_futures.get(token)
+        if future is None or future.done():
+            return
+        headers = msg.headers
+        if headers and headers.get(_STATUS) == _NO_RESPONDERS:
+            future.set_exception(nats.js.errors.NoStreamResponseError())
+            return
+        try:
+            ack = _pub_ack(msg.data)
+        except nats.errors.Error as exc:
+            future.set_exception(exc)
+        except ValueError as exc:  # not JSON at all: no ack
+            future.set_exception(nats.errors.Error(f"an ack that is not JSON: {exc}"))
+        else:
+            future.set_result(ack)
 
 
 class Message:
@@ -670,12 +794,18 @@ class JetStream:
         msg_ttl: float | None = None,
     ) -> PubAck:
         """Publish and wait for the stream's ack."""
-        extra = {"Nats-Expected-Stream": stream} if stream else {}
+        hdr = headers
+        if stream:
+            hdr = {**(hdr or {}), "Nats-Expected-Stream": stream}
         if msg_ttl is not None:
-            extra["Nats-TTL"] = str(int(msg_ttl))
-        _refuse_oversized(self.connection, payload, {**(headers or {}), **extra})
+            hdr = {**(hdr or {}), "Nats-TTL": str(int(msg_ttl))}
+        _refuse_oversized(self.connection, payload, hdr)
+        context = self._js
+        if isinstance(context, _Context):
+            wait = context._timeout if timeout is None else timeout
+            return await _call(context.publish_acked(subject, payload, timeout=wait, headers=hdr))
         return await _call(
-            self._js.publish(
+            context.publish(
                 subject, payload, timeout=timeout, stream=stream, headers=headers, msg_ttl=msg_ttl
             )
         )
