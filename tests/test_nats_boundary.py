@@ -24,6 +24,7 @@ from renqueue.broker._nats import (
     STREAM_NOT_FOUND,
     JetStreamApi,
     PullSubscription,
+    _pub_ack,
     reply_error,
     translate,
 )
@@ -192,6 +193,69 @@ async def test_missing_things_are_not_found(isolated_js: JetStream) -> None:
 async def test_a_publish_no_stream_stores_has_no_responders(isolated_js: JetStream) -> None:
     with pytest.raises(NatsNoRespondersError):
         await isolated_js.publish("nobody.stores.this", b"x")
+
+
+async def test_a_publish_that_waits_for_its_ack_reads_it_as_nats_py_does(
+    isolated_nc: Connection,
+) -> None:
+    """Our context waits for a publish's ack on the asynchronous acks'
+    subscription (one future, one timer) instead of nats-py's request: the
+    ack, the duplicate flag, the refusals and the timeout are what nats-py's
+    ``publish`` gave, translated; and no publish is left registered after."""
+    js = isolated_nc.jetstream()
+    await js.context.add_stream(name="ACKED", subjects=["acked.>"])
+    first = await js.publish("acked.a", b"x", headers={"Nats-Msg-Id": "one"})
+    assert (first.stream, first.seq, first.duplicate) == ("ACKED", 1, None)
+    again = await js.publish("acked.a", b"x", headers={"Nats-Msg-Id": "one"})
+    assert (again.seq, again.duplicate) == (1, True)
+    with pytest.raises(WrongLastSequenceError) as caught:
+        await js.publish("acked.a", b"y", headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+    assert isinstance(caught.value.__cause__, nats.js.errors.APIError)
+    with pytest.raises(NatsApiError):
+        await js.publish("acked.b", b"y", stream="ANOTHER")  # the stream is not the one named
+    with pytest.raises(NatsNoRespondersError):
+        await js.publish("nobody.stores.this", b"x")
+
+    async def silent(_: object) -> None:
+        return None  # a core subscriber that never answers: no ack comes
+
+    await isolated_nc.subscribe("silent.x", cb=silent)  # type: ignore[arg-type]
+    with pytest.raises(NatsTimeoutError):
+        await js.publish("silent.x", b"x", timeout=0.2)
+    assert js.context.publish_async_pending() == 0
+
+
+async def test_a_publish_async_has_one_future_whose_errors_are_ours(
+    isolated_nc: Connection,
+) -> None:
+    """The future ``publish_async`` returns is the one nats-py's reply handler
+    ends (no second future relaying it), and an error set on it is ours."""
+    js = isolated_nc.jetstream()
+    await js.context.add_stream(name="ONE", subjects=["one.>"])
+    future = await js.publish_async("one.a", b"x")
+    assert list(js.context._publish_async_futures.values()) == [future]
+    assert (await future).stream == "ONE"
+    refused = await js.publish_async("nowhere.a", b"x")
+    with pytest.raises(NatsNoRespondersError):
+        await refused
+    cancelled = await js.publish_async("one.b", b"x")
+    cancelled.cancel()
+    await asyncio.sleep(0)  # its done callback frees the slot and the registration
+    assert js.context.publish_async_pending() == 0
+
+
+def test_an_ack_is_read_as_nats_py_reads_it() -> None:
+    """Acks are read with msgspec; a refusal raises nats-py's typed error, and a
+    reply whose fields are not of the expected types is read as nats-py does."""
+    ack = _pub_ack(b'{"stream":"S","seq":7,"duplicate":true,"domain":"d","extra":1}')
+    assert (ack.stream, ack.seq, ack.duplicate, ack.domain) == ("S", 7, True, "d")
+    with pytest.raises(nats.js.errors.APIError) as caught:
+        _pub_ack(b'{"error":{"code":400,"err_code":10071,"description":"wrong last sequence"}}')
+    assert caught.value.err_code == 10071
+    assert isinstance(translate(caught.value), WrongLastSequenceError)
+    with pytest.raises(nats.js.errors.ServiceUnavailableError):
+        _pub_ack(b'{"error":{"code":503,"err_code":10077,"description":"full"}}')
+    assert _pub_ack(b'{"stream":"S","seq":"7"}').seq == "7"  # nats-py's reading, as it was
 
 
 async def test_a_request_nobody_answers(isolated_nc: Connection) -> None:

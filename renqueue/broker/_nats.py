@@ -310,7 +310,10 @@ class _AckFuture(asyncio.Future[PubAck]):
     def set_exception(self, exception: type[BaseException] | BaseException) -> None:
         if isinstance(exception, type):
             exception = exception()
-        super().set_exception(translate(exception))
+        ours = translate(exception)
+        if ours is not exception:
+            ours.__cause__ = exception  # as ``raise ours from exception`` would
+        super().set_exception(ours)
 
 
 class _Relay(asyncio.Future[PubAck]):
