@@ -407,6 +407,51 @@ async def test_a_batch_fetch_takes_buffered_messages_without_a_task_each(
         await psub.fetch(10, timeout=0.2)
 
 
+async def test_a_fetch_that_waits_starts_no_task_and_a_close_ends_it(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """nats-py's ``next_msg`` waits in two tasks (and a ``uuid4``): every fetch
+    waits at least once, for the server's answer to its pull. Ours waits in the
+    caller's task: fetches one message at a time start no task; a fetch of an
+    empty consumer still times out; and one waiting when the connection is
+    closed ends with ``NatsClosedError``, as nats-py's does (its ``close``
+    cancels the waits it knows of), not at its timeout."""
+    nc = await connect(isolated_server.url, name="waiting-fetch")
+    js = nc.jetstream()
+    await js.context.add_stream(name="WAIT", subjects=["wait.>"])
+    psub = await js.pull_subscribe("wait.>", durable="waiter", stream="WAIT")
+    for i in range(20):
+        await js.publish(f"wait.{i}", str(i).encode())
+    loop = asyncio.get_running_loop()
+    created = 0
+    default = loop.get_task_factory()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal created
+        created += 1
+        if default is not None:
+            return default(loop, coro, **kwargs)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(counting)
+    try:
+        got = [(await psub.fetch(1, timeout=5.0))[0].data for _ in range(20)]
+    finally:
+        loop.set_task_factory(default)
+    assert got == [str(i).encode() for i in range(20)]
+    assert created == 0, f"{created} tasks for 20 fetches"
+    with pytest.raises(NatsTimeoutError):
+        await psub.fetch(10, timeout=0.2)
+    waiting = asyncio.create_task(psub.fetch(1, timeout=60.0))
+    calls = psub._sub._sub._pending_next_msgs_calls
+    while not calls:  # noqa: ASYNC110 - yield until the fetch waits for its answer
+        await asyncio.sleep(0)
+    await nc.close()
+    with pytest.raises(NatsClosedError):
+        await waiting
+    assert not waiting.cancelled()
+
+
 async def test_a_fetch_whose_deadline_passes_inside_nats_py_is_our_timeout() -> None:
     """nats-py raises the builtin TimeoutError (not its own) when the deadline
     passes between its no-wait probe and its waiting pull: seen on a loaded CI

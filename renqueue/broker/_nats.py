@@ -614,32 +614,77 @@ class Subscription:
 
 
 def _take_buffered_first(sub: _Subscription) -> None:
-    """Make ``sub.next_msg`` return a message already buffered without a task.
+    """Make ``sub.next_msg`` take a message without a task of its own.
 
     nats-py's ``next_msg`` runs every call in a task of its own, under
-    ``asyncio.wait_for`` (a second task), even when the message is already in
-    the subscription's queue, so a ``fetch(n)`` costs two tasks and at least
-    one turn of the event loop *per message*. In a busy process a turn is
-    long: the projector, fetching 512 events at a time, fell seconds behind
-    the log. A message that is already buffered is taken at once here, with
-    the same bookkeeping as nats-py's own (pending size, ``task_done``);
-    waiting for one that is not goes through nats-py's ``next_msg`` as before
-    (its timeout, its cancellation on unsubscribe). Set per instance: the
-    nats-py class is left as it is, and so is a subscription of a nats-py whose
-    internals are not the ones this relies on (``pyproject.toml`` pins 2.16).
+    ``asyncio.wait_for`` (a second task), with a ``uuid4`` to name it, even
+    when the message is already in the subscription's queue, so a
+    ``fetch(n)`` costs two tasks and at least one turn of the event loop *per
+    message*. In a busy process a turn is long: the projector, fetching 512
+    events at a time, fell seconds behind the log. A message that is already
+    buffered is taken at once here, with the same bookkeeping as nats-py's
+    own (pending size, ``task_done``); one that is not is awaited in the
+    caller's task, under ``asyncio.timeout`` (one timer, no task): every
+    fetch waits so at least once (the server's answer to its pull request).
+    As in nats-py, the wait ends in ``nats.errors.TimeoutError`` after
+    ``timeout``, and in ``ConnectionClosedError`` when the connection is
+    closed meanwhile (nats-py's ``close`` cancels what is registered in the
+    subscription's ``_pending_next_msgs_calls``: here a future whose
+    cancellation interrupts the wait). Set per instance: the nats-py class is
+    left as it is, and so is a subscription of a nats-py whose internals are
+    not the ones this relies on (``pyproject.toml`` pins 2.16).
     """
-    if not all(hasattr(sub, name) for name in ("_pending_queue", "_pending_size", "_conn")):
+    names = ("_pending_queue", "_pending_size", "_conn", "_pending_next_msgs_calls")
+    if not all(hasattr(sub, name) for name in names):
         return
     original = sub.next_msg
 
     async def next_msg(timeout: float | None = 1.0) -> _Msg:  # noqa: ASYNC109 - nats-py's
         queue = sub._pending_queue
-        if queue.empty() or sub._conn.is_closed:
+        conn = sub._conn
+        calls = sub._pending_next_msgs_calls
+        if conn.is_closed or calls is None:
             return await original(timeout)
-        msg: _Msg = queue.get_nowait()
+        if queue.empty():
+            msg = await _wait(queue, calls, conn, timeout)
+        else:
+            msg = queue.get_nowait()
         sub._pending_size -= len(msg.data)
         queue.task_done()
         return msg
+
+    async def _wait(
+        queue: asyncio.Queue[_Msg],
+        calls: dict[Any, Any],
+        conn: _Client,
+        timeout: float | None,  # noqa: ASYNC109 - nats-py's
+    ) -> _Msg:
+        task = asyncio.current_task()
+        assert task is not None
+        closer: asyncio.Future[None] = task.get_loop().create_future()
+        waiting = True
+
+        def on_close(_: asyncio.Future[None]) -> None:
+            if waiting and not task.done():
+                task.cancel()
+
+        closer.add_done_callback(on_close)
+        calls[closer] = closer
+        try:
+            async with asyncio.timeout(timeout):
+                return await queue.get()
+        except TimeoutError:
+            if conn.is_closed:
+                raise nats.errors.ConnectionClosedError from None
+            raise nats.errors.TimeoutError from None
+        except asyncio.CancelledError:
+            if closer.cancelled() and conn.is_closed:
+                task.uncancel()
+                raise nats.errors.ConnectionClosedError from None
+            raise
+        finally:
+            waiting = False
+            calls.pop(closer, None)
 
     sub.next_msg = next_msg  # type: ignore[method-assign]
 
