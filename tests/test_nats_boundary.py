@@ -19,7 +19,7 @@ import nats.js.errors
 import pytest
 from nats.aio.msg import Msg
 
-from renqueue.broker import Connection, EmbeddedServer, JetStream, connect
+from renqueue.broker import Connection, EmbeddedServer, JetStream, Message, connect
 from renqueue.broker._nats import (
     STREAM_NOT_FOUND,
     JetStreamApi,
@@ -256,6 +256,28 @@ def test_an_ack_is_read_as_nats_py_reads_it() -> None:
     with pytest.raises(nats.js.errors.ServiceUnavailableError):
         _pub_ack(b'{"error":{"code":503,"err_code":10077,"description":"full"}}')
     assert _pub_ack(b'{"stream":"S","seq":"7"}').seq == "7"  # nats-py's reading, as it was
+
+
+async def test_a_request_waits_with_one_timer_and_leaves_nothing_registered(
+    isolated_nc: Connection,
+) -> None:
+    """Our client's requests (direct gets, JetStream API calls) wait for their
+    reply with one timer instead of nats-py's ``wait_for``: the reply comes,
+    a silent responder is a timeout, and no request stays registered."""
+
+    async def echo(msg: Message) -> None:
+        await msg.respond(b"re:" + msg.data)
+
+    async def silent(_: Message) -> None:
+        return None
+
+    await isolated_nc.subscribe("echo", cb=echo)
+    await isolated_nc.subscribe("silent", cb=silent)
+    replies = await asyncio.gather(*(isolated_nc.request("echo", b"%d" % i) for i in range(5)))
+    assert [reply.data for reply in replies] == [b"re:%d" % i for i in range(5)]
+    with pytest.raises(NatsTimeoutError):
+        await isolated_nc.request("silent", b"x", timeout=0.2)
+    assert isolated_nc.client._resp_map == {}
 
 
 async def test_a_request_nobody_answers(isolated_nc: Connection) -> None:

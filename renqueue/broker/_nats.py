@@ -44,7 +44,7 @@ from typing import Any, Final, TypeVar
 import msgspec
 import nats.errors
 import nats.js.errors
-from nats.aio.client import Client as _Client
+from nats.aio.client import Client as _NatsPyClient
 from nats.aio.msg import Msg as _Msg
 from nats.aio.subscription import Subscription as _Subscription
 from nats.js.api import (
@@ -144,7 +144,7 @@ class KeyEntry(msgspec.Struct, frozen=True):
 PUBLISH_STALL_WAIT: Final = 5.0
 
 #: nats-py's own client: an application may hand one to :meth:`Connection.of`.
-NatsClient = _Client
+NatsClient = _NatsPyClient
 #: A JetStream delivery's metadata: stream and consumer sequence, deliveries, time.
 MessageMetadata = _Msg.Metadata
 
@@ -540,6 +540,53 @@ class _Context(_JetStreamContext):
             future.set_result(ack)
 
 
+def _expire_request(future: asyncio.Future[_Msg]) -> None:
+    """A request's timer: no reply in time."""
+    if not future.done():
+        future.set_exception(nats.errors.TimeoutError())
+
+
+class _Client(_NatsPyClient):
+    """nats-py's client, its requests waited for with one timer.
+
+    nats-py 2.16's request (``_request_new_style``) registers a future with a
+    done callback, draws two random bytes (a ``urandom`` system call) beside
+    the connection's NUID for the reply subject, and waits under
+    ``asyncio.wait_for`` (a future, a timer and a callback more): on every
+    direct get and JetStream API call. Here: the NUID alone (unique within
+    the process), the future registered where nats-py's reply handler finds
+    it, one timer; the same errors (``nats.errors.TimeoutError`` after
+    ``timeout``, a draining connection refused)."""
+
+    async def _request_new_style(
+        self,
+        subject: str,
+        payload: bytes,
+        timeout: float = 1,  # noqa: ASYNC109 - nats-py's
+        headers: dict[str, Any] | None = None,
+    ) -> _Msg:
+        if self.is_draining_pubs:
+            raise nats.errors.ConnectionDrainingError
+        if not self._resp_sub_prefix:
+            await self._init_request_sub()
+        assert self._resp_sub_prefix
+        token = self._nuid.next()
+        key = token.decode()
+        inbox = self._resp_sub_prefix[:]
+        inbox.extend(token)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[_Msg] = loop.create_future()
+        responses = self._resp_map
+        responses[key] = future
+        timer = loop.call_later(timeout, _expire_request, future)
+        try:
+            await self.publish(subject, payload, reply=inbox.decode(), headers=headers)
+            return await future
+        finally:
+            timer.cancel()
+            responses.pop(key, None)
+
+
 class Message:
     """One message delivered to a subscription or a pull consumer."""
 
@@ -656,7 +703,7 @@ def _take_buffered_first(sub: _Subscription) -> None:
     async def _wait(
         queue: asyncio.Queue[_Msg],
         calls: dict[Any, Any],
-        conn: _Client,
+        conn: _NatsPyClient,
         timeout: float | None,  # noqa: ASYNC109 - nats-py's
     ) -> _Msg:
         task = asyncio.current_task()
@@ -986,11 +1033,11 @@ class Connection:
     """A connection to NATS (see :func:`renqueue.broker.connect` for how one is opened)."""
 
     @classmethod
-    def of(cls, nc: Connection | _Client) -> Connection:
+    def of(cls, nc: Connection | _NatsPyClient) -> Connection:
         """``nc`` itself, or nats-py's client ``nc`` wrapped (an application's own)."""
         return nc if isinstance(nc, Connection) else cls(nc)
 
-    def __init__(self, nc: _Client | None = None) -> None:
+    def __init__(self, nc: _NatsPyClient | None = None) -> None:
         """Wrap nats-py's ``nc``, or (without one) a client still to be :meth:`open`ed."""
         self._nc = nc if nc is not None else _Client()
         self._js: JetStream | None = None
@@ -1128,7 +1175,7 @@ class Connection:
         return None if url is None else f"{url.hostname}:{url.port}"
 
     @property
-    def client(self) -> _Client:
+    def client(self) -> _NatsPyClient:
         """nats-py's client, for what the handles do not cover (tests, benchmarks)."""
         return self._nc
 
