@@ -12,11 +12,13 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
+import random
 from pathlib import Path
 
 import nats.errors
 import nats.js.errors
 import pytest
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from renqueue.broker import Connection, EmbeddedServer, JetStream, Message, connect
@@ -24,6 +26,7 @@ from renqueue.broker._nats import (
     STREAM_NOT_FOUND,
     JetStreamApi,
     PullSubscription,
+    _Client,
     _pub_ack,
     reply_error,
     translate,
@@ -278,6 +281,22 @@ async def test_a_request_waits_with_one_timer_and_leaves_nothing_registered(
     with pytest.raises(NatsTimeoutError):
         await isolated_nc.request("silent", b"x", timeout=0.2)
     assert isolated_nc.client._resp_map == {}
+
+
+def test_our_header_parser_reads_every_header_block_as_nats_py_does() -> None:
+    """Our client parses received headers without nats-py's generator over
+    each name's characters; the result is nats-py's for every block: names
+    with whitespace of any kind (inside, or ``str.isspace`` characters that
+    ``bytes.strip`` leaves), non-ASCII names, empty names, bad UTF-8 values."""
+    pieces = [b"a", b"Z", b"-", b":", b" ", b"\t", b"\r\n", b"\x1c", b"\x1f", b"\x0b"]
+    pieces += [b"\x85", b"\xc3\xa9", b"\xff", b"\r", b"\n", b"0"]
+    rng = random.Random(31)
+    blocks = [b"Nats-Msg-Id: t:r:routed:1\r\n\r\n", b"\x1cX: y\r\n", b" : v\r\n"]
+    blocks += [
+        b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 12))) for _ in range(20000)
+    ]
+    for block in blocks:
+        assert _Client._parse_header_lines(block) == Client._parse_header_lines(block), block
 
 
 async def test_a_request_nobody_answers(isolated_nc: Connection) -> None:
