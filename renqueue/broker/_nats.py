@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import itertools
 import json
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
@@ -396,6 +397,18 @@ def _pub_ack(data: bytes) -> PubAck:
     )
 
 
+_TOKENS: Final = itertools.count(1)
+
+
+def _reply_token() -> str:
+    """The last token of a reply subject, after its context's or its client's
+    own prefix (which holds a NUID of its own): unique within the process, and
+    not as long as nats-py's NUIDs (22 characters, 26 with its random bytes),
+    so never one of theirs. nats-py draws a NUID (a loop over its characters)
+    and two random bytes (a ``urandom`` system call) per request."""
+    return format(next(_TOKENS), "x")
+
+
 def _expire(future: asyncio.Future[PubAck]) -> None:
     """A synchronous publish's timer: no ack in time."""
     if not future.done():
@@ -419,9 +432,8 @@ class _Context(_JetStreamContext):
     Per message, what nats-py does costs a request several futures, timers
     and turns of the event loop; here (measured in ``bench/pipeline.py``):
     one future per publish (an :class:`_AckFuture`, registered where
-    nats-py's reply handler finds it); its token the connection's NUID alone
-    (unique within the process; nats-py appends two random bytes, a
-    ``urandom`` system call per publish); acks read with msgspec; and a
+    nats-py's reply handler finds it); its token a counter
+    (:func:`_reply_token`); acks read with msgspec; and a
     publish that waits for its ack (:meth:`publish_acked`) goes through the
     same reply subscription with one timer, instead of nats-py's request
     (a future, a done callback, ``wait_for``'s future and timer).
@@ -459,10 +471,9 @@ class _Context(_JetStreamContext):
                 await asyncio.wait_for(slots.acquire(), timeout=wait_stall)
         except (TimeoutError, asyncio.CancelledError):
             raise nats.js.errors.TooManyStalledMsgsError from None
-        token = self._nc._nuid.next()
-        key = token.decode()
+        key = _reply_token()
         inbox = self._async_reply_prefix[:]
-        inbox.extend(token)
+        inbox.extend(key.encode())
         future = _AckFuture()
         futures = self._publish_async_futures
 
@@ -497,10 +508,9 @@ class _Context(_JetStreamContext):
         if not self._async_reply_prefix:
             await self._init_async_reply()
         assert self._async_reply_prefix
-        token = self._nc._nuid.next()
-        key = token.decode()
+        key = _reply_token()
         inbox = self._async_reply_prefix[:]
-        inbox.extend(token)
+        inbox.extend(key.encode())
         loop = asyncio.get_running_loop()
         future = _AckFuture(loop=loop)
         futures = self._publish_async_futures
@@ -550,13 +560,13 @@ class _Client(_NatsPyClient):
     """nats-py's client, its requests waited for with one timer.
 
     nats-py 2.16's request (``_request_new_style``) registers a future with a
-    done callback, draws two random bytes (a ``urandom`` system call) beside
-    the connection's NUID for the reply subject, and waits under
-    ``asyncio.wait_for`` (a future, a timer and a callback more): on every
-    direct get and JetStream API call. Here: the NUID alone (unique within
-    the process), the future registered where nats-py's reply handler finds
-    it, one timer; the same errors (``nats.errors.TimeoutError`` after
-    ``timeout``, a draining connection refused)."""
+    done callback, draws a NUID and two random bytes (a ``urandom`` system
+    call) for the reply subject, and waits under ``asyncio.wait_for`` (a
+    future, a timer and a callback more): on every direct get and JetStream
+    API call. Here: a counter's token (:func:`_reply_token`), the future
+    registered where nats-py's reply handler finds it, one timer; the same
+    errors (``nats.errors.TimeoutError`` after ``timeout``, a draining
+    connection refused)."""
 
     @staticmethod
     def _parse_header_lines(raw: bytes) -> dict[str, str]:
@@ -594,10 +604,9 @@ class _Client(_NatsPyClient):
         if not self._resp_sub_prefix:
             await self._init_request_sub()
         assert self._resp_sub_prefix
-        token = self._nuid.next()
-        key = token.decode()
+        key = _reply_token()
         inbox = self._resp_sub_prefix[:]
-        inbox.extend(token)
+        inbox.extend(key.encode())
         loop = asyncio.get_running_loop()
         future: asyncio.Future[_Msg] = loop.create_future()
         responses = self._resp_map
