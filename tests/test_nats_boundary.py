@@ -12,18 +12,22 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
+import random
 from pathlib import Path
 
 import nats.errors
 import nats.js.errors
 import pytest
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from renqueue.broker import Connection, EmbeddedServer, JetStream, connect
+from renqueue.broker import Connection, EmbeddedServer, JetStream, Message, connect
 from renqueue.broker._nats import (
     STREAM_NOT_FOUND,
     JetStreamApi,
     PullSubscription,
+    _Client,
+    _pub_ack,
     reply_error,
     translate,
 )
@@ -194,6 +198,107 @@ async def test_a_publish_no_stream_stores_has_no_responders(isolated_js: JetStre
         await isolated_js.publish("nobody.stores.this", b"x")
 
 
+async def test_a_publish_that_waits_for_its_ack_reads_it_as_nats_py_does(
+    isolated_nc: Connection,
+) -> None:
+    """Our context waits for a publish's ack on the asynchronous acks'
+    subscription (one future, one timer) instead of nats-py's request: the
+    ack, the duplicate flag, the refusals and the timeout are what nats-py's
+    ``publish`` gave, translated; and no publish is left registered after."""
+    js = isolated_nc.jetstream()
+    await js.context.add_stream(name="ACKED", subjects=["acked.>"])
+    first = await js.publish("acked.a", b"x", headers={"Nats-Msg-Id": "one"})
+    assert (first.stream, first.seq, first.duplicate) == ("ACKED", 1, None)
+    again = await js.publish("acked.a", b"x", headers={"Nats-Msg-Id": "one"})
+    assert (again.seq, again.duplicate) == (1, True)
+    with pytest.raises(WrongLastSequenceError) as caught:
+        await js.publish("acked.a", b"y", headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+    assert isinstance(caught.value.__cause__, nats.js.errors.APIError)
+    with pytest.raises(NatsApiError):
+        await js.publish("acked.b", b"y", stream="ANOTHER")  # the stream is not the one named
+    with pytest.raises(NatsNoRespondersError):
+        await js.publish("nobody.stores.this", b"x")
+
+    async def silent(_: object) -> None:
+        return None  # a core subscriber that never answers: no ack comes
+
+    await isolated_nc.subscribe("silent.x", cb=silent)  # type: ignore[arg-type]
+    with pytest.raises(NatsTimeoutError):
+        await js.publish("silent.x", b"x", timeout=0.2)
+    assert js.context.publish_async_pending() == 0
+
+
+async def test_a_publish_async_has_one_future_whose_errors_are_ours(
+    isolated_nc: Connection,
+) -> None:
+    """The future ``publish_async`` returns is the one nats-py's reply handler
+    ends (no second future relaying it), and an error set on it is ours."""
+    js = isolated_nc.jetstream()
+    await js.context.add_stream(name="ONE", subjects=["one.>"])
+    future = await js.publish_async("one.a", b"x")
+    assert list(js.context._publish_async_futures.values()) == [future]
+    assert (await future).stream == "ONE"
+    refused = await js.publish_async("nowhere.a", b"x")
+    with pytest.raises(NatsNoRespondersError):
+        await refused
+    cancelled = await js.publish_async("one.b", b"x")
+    cancelled.cancel()
+    await asyncio.sleep(0)  # its done callback frees the slot and the registration
+    assert js.context.publish_async_pending() == 0
+
+
+def test_an_ack_is_read_as_nats_py_reads_it() -> None:
+    """Acks are read with msgspec; a refusal raises nats-py's typed error, and a
+    reply whose fields are not of the expected types is read as nats-py does."""
+    ack = _pub_ack(b'{"stream":"S","seq":7,"duplicate":true,"domain":"d","extra":1}')
+    assert (ack.stream, ack.seq, ack.duplicate, ack.domain) == ("S", 7, True, "d")
+    with pytest.raises(nats.js.errors.APIError) as caught:
+        _pub_ack(b'{"error":{"code":400,"err_code":10071,"description":"wrong last sequence"}}')
+    assert caught.value.err_code == 10071
+    assert isinstance(translate(caught.value), WrongLastSequenceError)
+    with pytest.raises(nats.js.errors.ServiceUnavailableError):
+        _pub_ack(b'{"error":{"code":503,"err_code":10077,"description":"full"}}')
+    assert _pub_ack(b'{"stream":"S","seq":"7"}').seq == "7"  # nats-py's reading, as it was
+
+
+async def test_a_request_waits_with_one_timer_and_leaves_nothing_registered(
+    isolated_nc: Connection,
+) -> None:
+    """Our client's requests (direct gets, JetStream API calls) wait for their
+    reply with one timer instead of nats-py's ``wait_for``: the reply comes,
+    a silent responder is a timeout, and no request stays registered."""
+
+    async def echo(msg: Message) -> None:
+        await msg.respond(b"re:" + msg.data)
+
+    async def silent(_: Message) -> None:
+        return None
+
+    await isolated_nc.subscribe("echo", cb=echo)
+    await isolated_nc.subscribe("silent", cb=silent)
+    replies = await asyncio.gather(*(isolated_nc.request("echo", b"%d" % i) for i in range(5)))
+    assert [reply.data for reply in replies] == [b"re:%d" % i for i in range(5)]
+    with pytest.raises(NatsTimeoutError):
+        await isolated_nc.request("silent", b"x", timeout=0.2)
+    assert isolated_nc.client._resp_map == {}
+
+
+def test_our_header_parser_reads_every_header_block_as_nats_py_does() -> None:
+    """Our client parses received headers without nats-py's generator over
+    each name's characters; the result is nats-py's for every block: names
+    with whitespace of any kind (inside, or ``str.isspace`` characters that
+    ``bytes.strip`` leaves), non-ASCII names, empty names, bad UTF-8 values."""
+    pieces = [b"a", b"Z", b"-", b":", b" ", b"\t", b"\r\n", b"\x1c", b"\x1f", b"\x0b"]
+    pieces += [b"\x85", b"\xc3\xa9", b"\xff", b"\r", b"\n", b"0"]
+    rng = random.Random(31)
+    blocks = [b"Nats-Msg-Id: t:r:routed:1\r\n\r\n", b"\x1cX: y\r\n", b" : v\r\n"]
+    blocks += [
+        b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 12))) for _ in range(20000)
+    ]
+    for block in blocks:
+        assert _Client._parse_header_lines(block) == Client._parse_header_lines(block), block
+
+
 async def test_a_request_nobody_answers(isolated_nc: Connection) -> None:
     with pytest.raises(NatsUnavailableError):  # no responders, or a timeout: both retryable
         await isolated_nc.request("nobody.listens", b"x", timeout=0.5)
@@ -341,6 +446,51 @@ async def test_a_batch_fetch_takes_buffered_messages_without_a_task_each(
     assert created < 50, f"{created} tasks for 200 messages"
     with pytest.raises(NatsTimeoutError):
         await psub.fetch(10, timeout=0.2)
+
+
+async def test_a_fetch_that_waits_starts_no_task_and_a_close_ends_it(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """nats-py's ``next_msg`` waits in two tasks (and a ``uuid4``): every fetch
+    waits at least once, for the server's answer to its pull. Ours waits in the
+    caller's task: fetches one message at a time start no task; a fetch of an
+    empty consumer still times out; and one waiting when the connection is
+    closed ends with ``NatsClosedError``, as nats-py's does (its ``close``
+    cancels the waits it knows of), not at its timeout."""
+    nc = await connect(isolated_server.url, name="waiting-fetch")
+    js = nc.jetstream()
+    await js.context.add_stream(name="WAIT", subjects=["wait.>"])
+    psub = await js.pull_subscribe("wait.>", durable="waiter", stream="WAIT")
+    for i in range(20):
+        await js.publish(f"wait.{i}", str(i).encode())
+    loop = asyncio.get_running_loop()
+    created = 0
+    default = loop.get_task_factory()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal created
+        created += 1
+        if default is not None:
+            return default(loop, coro, **kwargs)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(counting)
+    try:
+        got = [(await psub.fetch(1, timeout=5.0))[0].data for _ in range(20)]
+    finally:
+        loop.set_task_factory(default)
+    assert got == [str(i).encode() for i in range(20)]
+    assert created == 0, f"{created} tasks for 20 fetches"
+    with pytest.raises(NatsTimeoutError):
+        await psub.fetch(10, timeout=0.2)
+    waiting = asyncio.create_task(psub.fetch(1, timeout=60.0))
+    calls = psub._sub._sub._pending_next_msgs_calls
+    while not calls:  # noqa: ASYNC110 - yield until the fetch waits for its answer
+        await asyncio.sleep(0)
+    await nc.close()
+    with pytest.raises(NatsClosedError):
+        await waiting
+    assert not waiting.cancelled()
 
 
 async def test_a_fetch_whose_deadline_passes_inside_nats_py_is_our_timeout() -> None:

@@ -144,6 +144,11 @@ class StoredClaim(NamedTuple):
     stored: float | None
 
 
+#: Event types published without a message id (see :func:`msg_id_of`), as a
+#: tuple: ``isinstance`` with ``A | B`` builds the union on every call.
+_NO_MSG_ID: Final = (Started, Retrying, FellBack, Probed, CancelRequested)
+
+
 def msg_id_of(event: Event) -> str | None:
     """The JetStream message id that makes publishing ``event`` idempotent
     (scoped by tenant: see :func:`renqueue.schema.msg_id`), or ``None``.
@@ -165,7 +170,7 @@ def msg_id_of(event: Event) -> str | None:
     tenant, rid = event.tenant, event.request_id
     if is_terminal(event):
         raise ValueError(f"{kind_of(event)} is terminal: publish it with EventLog.finish")
-    if isinstance(event, Started | Retrying | FellBack | Probed | CancelRequested):
+    if isinstance(event, _NO_MSG_ID):
         return None
     parts: tuple[object, ...] = ()
     if isinstance(event, Preempted):

@@ -37,15 +37,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import itertools
 import json
-import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
 
 import msgspec
 import nats.errors
 import nats.js.errors
-from nats.aio.client import Client as _Client
+from nats.aio.client import Client as _NatsPyClient
 from nats.aio.msg import Msg as _Msg
 from nats.aio.subscription import Subscription as _Subscription
 from nats.js.api import (
@@ -145,7 +145,7 @@ class KeyEntry(msgspec.Struct, frozen=True):
 PUBLISH_STALL_WAIT: Final = 5.0
 
 #: nats-py's own client: an application may hand one to :meth:`Connection.of`.
-NatsClient = _Client
+NatsClient = _NatsPyClient
 #: A JetStream delivery's metadata: stream and consumer sequence, deliveries, time.
 MessageMetadata = _Msg.Metadata
 
@@ -301,13 +301,28 @@ async def _call(operation: Awaitable[_T]) -> _T:
 
 
 class _AckFuture(asyncio.Future[PubAck]):
-    """The future :meth:`JetStream.publish_async` returns: it ends as nats-py's
-    (``source``) does, with nats-py's errors translated, and cancelling it
-    cancels ``source`` (nats-py then frees its pending slot).
+    """The future of a publish's ack that :class:`_Context` registers with
+    nats-py: one future per publish, whose errors are ours. Whatever sets an
+    exception on it (nats-py's ack handler, our own, a timeout) sets the
+    one :func:`translate` makes of it, so nothing relays it through a second future (a
+    done callback and a turn of the event loop more on every publish, and a
+    request makes several)."""
 
-    Cancellation goes through :meth:`cancel` rather than a done callback: a
-    callback costs a turn of the event loop on every publish, and a request
-    makes several."""
+    def set_exception(self, exception: type[BaseException] | BaseException) -> None:
+        if isinstance(exception, type):
+            exception = exception()
+        ours = translate(exception)
+        if ours is not exception:
+            ours.__cause__ = exception  # as ``raise ours from exception`` would
+        super().set_exception(ours)
+
+
+class _Relay(asyncio.Future[PubAck]):
+    """The future :meth:`JetStream.publish_async` returns over a context that is
+    not a :class:`_Context` (nats-py's own, as an application or a test may
+    hand one): it ends as nats-py's (``source``) does, with nats-py's errors
+    translated, and cancelling it cancels ``source`` (nats-py then frees its
+    pending slot)."""
 
     def __init__(self, source: asyncio.Future[PubAck]) -> None:
         super().__init__(loop=source.get_loop())
@@ -331,12 +346,78 @@ class _AckFuture(asyncio.Future[PubAck]):
 
 
 def _translated_future(future: asyncio.Future[PubAck]) -> asyncio.Future[PubAck]:
-    """A future that ends as ``future`` does, with nats-py's errors translated."""
-    return _AckFuture(future)
+    """A future that ends as ``future`` does, with nats-py's errors translated
+    (``future`` itself if it is one of ours already)."""
+    return future if isinstance(future, _AckFuture) else _Relay(future)
+
+
+class _AckReply(msgspec.Struct):
+    """A JetStream publish ack as the server writes it (JSON): the fields
+    :class:`PubAck` has, or an ``error``. Unknown fields are ignored, as
+    nats-py's ``PubAck.from_response`` ignores them."""
+
+    stream: str | None = None
+    seq: int | None = None
+    domain: str | None = None
+    duplicate: bool | None = None
+    batch: str | None = None
+    count: int | None = None
+    val: str | None = None
+    error: dict[str, Any] | None = None
+
+
+_ACK_DECODER: Final = msgspec.json.Decoder(_AckReply)
+#: The header of a status reply, and the status that says no stream stored it.
+_STATUS: Final = "Status"
+_NO_RESPONDERS: Final = "503"
+
+
+def _pub_ack(data: bytes) -> PubAck:
+    """The :class:`PubAck` in a publish's reply; nats-py's (typed) ``APIError``
+    if the reply is a JetStream error. What nats-py 2.16 reads, with msgspec
+    instead of ``json`` and a dataclass built field by field (a reply whose
+    fields are not of the expected types is read as nats-py reads it)."""
+    try:
+        reply = _ACK_DECODER.decode(data)
+    except msgspec.DecodeError:
+        response = json.loads(data)
+        if "error" in response:
+            nats.js.errors.APIError.from_error(response["error"])  # raises the typed error
+        return PubAck.from_response(response)
+    if reply.error is not None:
+        nats.js.errors.APIError.from_error(reply.error)  # raises the typed error
+    return PubAck(
+        stream=reply.stream,  # type: ignore[arg-type]  # nats-py's own: None if not sent
+        seq=reply.seq,  # type: ignore[arg-type]
+        domain=reply.domain,
+        duplicate=reply.duplicate,
+        batch_id=reply.batch,
+        batch_size=reply.count,
+        val=reply.val,
+    )
+
+
+_TOKENS: Final = itertools.count(1)
+
+
+def _reply_token() -> str:
+    """The last token of a reply subject, after its context's or its client's
+    own prefix (which holds a NUID of its own): unique within the process, and
+    not as long as nats-py's NUIDs (22 characters, 26 with its random bytes),
+    so never one of theirs. nats-py draws a NUID (a loop over its characters)
+    and two random bytes (a ``urandom`` system call) per request."""
+    return format(next(_TOKENS), "x")
+
+
+def _expire(future: asyncio.Future[PubAck]) -> None:
+    """A synchronous publish's timer: no ack in time."""
+    if not future.done():
+        future.set_exception(nats.errors.TimeoutError())
 
 
 class _Context(_JetStreamContext):
-    """nats-py's JetStream context, with its asynchronous acks' errors delivered.
+    """nats-py's JetStream context, with its asynchronous acks' errors delivered,
+    and every publish's ack read from one subscription.
 
     nats-py 2.16 reads a ``publish_async`` ack that is a JetStream error with
     ``APIError.from_error``, which raises instead of returning: the error
@@ -347,6 +428,15 @@ class _Context(_JetStreamContext):
     future, as nats-py means it to. And a ``publish_async`` whose publish
     raises ends the future it registered (:meth:`publish_async`) instead of
     leaving it pending, holding one of the context's pending slots for good.
+
+    Per message, what nats-py does costs a request several futures, timers
+    and turns of the event loop; here (measured in ``bench/pipeline.py``):
+    one future per publish (an :class:`_AckFuture`, registered where
+    nats-py's reply handler finds it); its token a counter
+    (:func:`_reply_token`); acks read with msgspec; and a
+    publish that waits for its ack (:meth:`publish_acked`) goes through the
+    same reply subscription with one timer, instead of nats-py's request
+    (a future, a done callback, ``wait_for``'s future and timer).
     """
 
     async def publish_async(  # noqa: PLR0917 - nats-py's signature
@@ -375,15 +465,16 @@ class _Context(_JetStreamContext):
             hdr = {**(hdr or {}), "Nats-TTL": str(int(msg_ttl))}
         slots = self._publish_async_pending_semaphore
         try:
-            await asyncio.wait_for(slots.acquire(), timeout=wait_stall)
+            if wait_stall is None:
+                await slots.acquire()
+            else:
+                await asyncio.wait_for(slots.acquire(), timeout=wait_stall)
         except (TimeoutError, asyncio.CancelledError):
             raise nats.js.errors.TooManyStalledMsgsError from None
-        token = self._nc._nuid.next()
-        token.extend(secrets.token_hex(2).encode())
-        key = token.decode()
+        key = _reply_token()
         inbox = self._async_reply_prefix[:]
-        inbox.extend(token)
-        future: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
+        inbox.extend(key.encode())
+        future = _AckFuture()
         futures = self._publish_async_futures
 
         def handle_done(_: asyncio.Future[PubAck]) -> None:
@@ -402,15 +493,131 @@ class _Context(_JetStreamContext):
             raise
         return future
 
-    async def _handle_async_reply(self, msg: _Msg) -> None:
+    async def publish_acked(
+        self,
+        subject: str,
+        payload: bytes,
+        *,
+        timeout: float,  # noqa: ASYNC109 - nats-py's own parameter
+        headers: dict[str, Any] | None,
+    ) -> PubAck:
+        """Publish and wait up to ``timeout`` for the ack, as nats-py's ``publish``
+        (the same errors, translated), through the asynchronous acks'
+        subscription. It takes none of ``publish_async``'s pending slots: the
+        caller waits for its ack, which bounds how many are pending."""
+        if not self._async_reply_prefix:
+            await self._init_async_reply()
+        assert self._async_reply_prefix
+        key = _reply_token()
+        inbox = self._async_reply_prefix[:]
+        inbox.extend(key.encode())
+        loop = asyncio.get_running_loop()
+        future = _AckFuture(loop=loop)
+        futures = self._publish_async_futures
+        futures[key] = future
+        self._publish_async_completed_event.clear()
+        timer = loop.call_later(timeout, _expire, future)
         try:
-            await super()._handle_async_reply(msg)
-        except nats.js.errors.APIError as exc:
-            # The token is the reply subject's tail, as nats-py reads it.
-            token = msg.subject[len(self._async_reply_prefix or b"") :]
-            future = self._publish_async_futures.get(token)
-            if future is not None and not future.done():
-                future.set_exception(exc)
+            await self._nc.publish(subject, payload, reply=inbox.decode(), headers=headers)
+            return await future
+        finally:
+            timer.cancel()
+            futures.pop(key, None)
+            if not futures:
+                self._publish_async_completed_event.set()
+
+    async def _handle_async_reply(self, msg: _Msg) -> None:
+        """An ack (or an error) for a publish of this context: ends its future.
+
+        nats-py 2.16's, but the ack read with msgspec, and an error ending the
+        future instead of escaping (nats-py's ``APIError.from_error`` raises)."""
+        # The token is the reply subject's tail, as nats-py reads it.
+        token = msg.subject[len(self._async_reply_prefix or b"") :]
+        future = self._publish_async_futures.get(token)
+        if future is None or future.done():
+            return
+        headers = msg.headers
+        if headers and headers.get(_STATUS) == _NO_RESPONDERS:
+            future.set_exception(nats.js.errors.NoStreamResponseError())
+            return
+        try:
+            ack = _pub_ack(msg.data)
+        except nats.errors.Error as exc:
+            future.set_exception(exc)
+        except ValueError as exc:  # not JSON at all: no ack
+            future.set_exception(nats.errors.Error(f"an ack that is not JSON: {exc}"))
+        else:
+            future.set_result(ack)
+
+
+def _expire_request(future: asyncio.Future[_Msg]) -> None:
+    """A request's timer: no reply in time."""
+    if not future.done():
+        future.set_exception(nats.errors.TimeoutError())
+
+
+class _Client(_NatsPyClient):
+    """nats-py's client, its requests waited for with one timer.
+
+    nats-py 2.16's request (``_request_new_style``) registers a future with a
+    done callback, draws a NUID and two random bytes (a ``urandom`` system
+    call) for the reply subject, and waits under ``asyncio.wait_for`` (a
+    future, a timer and a callback more): on every direct get and JetStream
+    API call. Here: a counter's token (:func:`_reply_token`), the future
+    registered where nats-py's reply handler finds it, one timer; the same
+    errors (``nats.errors.TimeoutError`` after ``timeout``, a draining
+    connection refused)."""
+
+    @staticmethod
+    def _parse_header_lines(raw: bytes) -> dict[str, str]:
+        """nats-py 2.16's header parser (``Name: Value`` lines), the same result
+        for every input (a test compares them), without a generator expression
+        over each name's characters: it ran for every header of every message
+        received (a stored event's message id, a pull's status)."""
+        out: dict[str, str] = {}
+        for line in raw.split(b"\r\n"):
+            if not line:
+                continue
+            name, sep, value = line.partition(b":")
+            if not sep:
+                continue
+            try:
+                key = name.strip().decode("ascii")
+            except UnicodeDecodeError:
+                continue
+            # nats-py skips a name with whitespace in it (``str.isspace``, which
+            # is what ``split`` cuts at): then it is not one piece, itself.
+            if key and key.split() != [key]:
+                continue
+            out[key] = value.strip().decode("utf-8", "replace")
+        return out
+
+    async def _request_new_style(
+        self,
+        subject: str,
+        payload: bytes,
+        timeout: float = 1,  # noqa: ASYNC109 - nats-py's
+        headers: dict[str, Any] | None = None,
+    ) -> _Msg:
+        if self.is_draining_pubs:
+            raise nats.errors.ConnectionDrainingError
+        if not self._resp_sub_prefix:
+            await self._init_request_sub()
+        assert self._resp_sub_prefix
+        key = _reply_token()
+        inbox = self._resp_sub_prefix[:]
+        inbox.extend(key.encode())
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[_Msg] = loop.create_future()
+        responses = self._resp_map
+        responses[key] = future
+        timer = loop.call_later(timeout, _expire_request, future)
+        try:
+            await self.publish(subject, payload, reply=inbox.decode(), headers=headers)
+            return await future
+        finally:
+            timer.cancel()
+            responses.pop(key, None)
 
 
 class Message:
@@ -487,32 +694,77 @@ class Subscription:
 
 
 def _take_buffered_first(sub: _Subscription) -> None:
-    """Make ``sub.next_msg`` return a message already buffered without a task.
+    """Make ``sub.next_msg`` take a message without a task of its own.
 
     nats-py's ``next_msg`` runs every call in a task of its own, under
-    ``asyncio.wait_for`` (a second task), even when the message is already in
-    the subscription's queue, so a ``fetch(n)`` costs two tasks and at least
-    one turn of the event loop *per message*. In a busy process a turn is
-    long: the projector, fetching 512 events at a time, fell seconds behind
-    the log. A message that is already buffered is taken at once here, with
-    the same bookkeeping as nats-py's own (pending size, ``task_done``);
-    waiting for one that is not goes through nats-py's ``next_msg`` as before
-    (its timeout, its cancellation on unsubscribe). Set per instance: the
-    nats-py class is left as it is, and so is a subscription of a nats-py whose
-    internals are not the ones this relies on (``pyproject.toml`` pins 2.16).
+    ``asyncio.wait_for`` (a second task), with a ``uuid4`` to name it, even
+    when the message is already in the subscription's queue, so a
+    ``fetch(n)`` costs two tasks and at least one turn of the event loop *per
+    message*. In a busy process a turn is long: the projector, fetching 512
+    events at a time, fell seconds behind the log. A message that is already
+    buffered is taken at once here, with the same bookkeeping as nats-py's
+    own (pending size, ``task_done``); one that is not is awaited in the
+    caller's task, under ``asyncio.timeout`` (one timer, no task): every
+    fetch waits so at least once (the server's answer to its pull request).
+    As in nats-py, the wait ends in ``nats.errors.TimeoutError`` after
+    ``timeout``, and in ``ConnectionClosedError`` when the connection is
+    closed meanwhile (nats-py's ``close`` cancels what is registered in the
+    subscription's ``_pending_next_msgs_calls``: here a future whose
+    cancellation interrupts the wait). Set per instance: the nats-py class is
+    left as it is, and so is a subscription of a nats-py whose internals are
+    not the ones this relies on (``pyproject.toml`` pins 2.16).
     """
-    if not all(hasattr(sub, name) for name in ("_pending_queue", "_pending_size", "_conn")):
+    names = ("_pending_queue", "_pending_size", "_conn", "_pending_next_msgs_calls")
+    if not all(hasattr(sub, name) for name in names):
         return
     original = sub.next_msg
 
     async def next_msg(timeout: float | None = 1.0) -> _Msg:  # noqa: ASYNC109 - nats-py's
         queue = sub._pending_queue
-        if queue.empty() or sub._conn.is_closed:
+        conn = sub._conn
+        calls = sub._pending_next_msgs_calls
+        if conn.is_closed or calls is None:
             return await original(timeout)
-        msg: _Msg = queue.get_nowait()
+        if queue.empty():
+            msg = await _wait(queue, calls, conn, timeout)
+        else:
+            msg = queue.get_nowait()
         sub._pending_size -= len(msg.data)
         queue.task_done()
         return msg
+
+    async def _wait(
+        queue: asyncio.Queue[_Msg],
+        calls: dict[Any, Any],
+        conn: _NatsPyClient,
+        timeout: float | None,  # noqa: ASYNC109 - nats-py's
+    ) -> _Msg:
+        task = asyncio.current_task()
+        assert task is not None
+        closer: asyncio.Future[None] = task.get_loop().create_future()
+        waiting = True
+
+        def on_close(_: asyncio.Future[None]) -> None:
+            if waiting and not task.done():
+                task.cancel()
+
+        closer.add_done_callback(on_close)
+        calls[closer] = closer
+        try:
+            async with asyncio.timeout(timeout):
+                return await queue.get()
+        except TimeoutError:
+            if conn.is_closed:
+                raise nats.errors.ConnectionClosedError from None
+            raise nats.errors.TimeoutError from None
+        except asyncio.CancelledError:
+            if closer.cancelled() and conn.is_closed:
+                task.uncancel()
+                raise nats.errors.ConnectionClosedError from None
+            raise
+        finally:
+            waiting = False
+            calls.pop(closer, None)
 
     sub.next_msg = next_msg  # type: ignore[method-assign]
 
@@ -670,12 +922,18 @@ class JetStream:
         msg_ttl: float | None = None,
     ) -> PubAck:
         """Publish and wait for the stream's ack."""
-        extra = {"Nats-Expected-Stream": stream} if stream else {}
+        hdr = headers
+        if stream:
+            hdr = {**(hdr or {}), "Nats-Expected-Stream": stream}
         if msg_ttl is not None:
-            extra["Nats-TTL"] = str(int(msg_ttl))
-        _refuse_oversized(self.connection, payload, {**(headers or {}), **extra})
+            hdr = {**(hdr or {}), "Nats-TTL": str(int(msg_ttl))}
+        _refuse_oversized(self.connection, payload, hdr)
+        context = self._js
+        if isinstance(context, _Context):
+            wait = context._timeout if timeout is None else timeout
+            return await _call(context.publish_acked(subject, payload, timeout=wait, headers=hdr))
         return await _call(
-            self._js.publish(
+            context.publish(
                 subject, payload, timeout=timeout, stream=stream, headers=headers, msg_ttl=msg_ttl
             )
         )
@@ -808,11 +1066,11 @@ class Connection:
     """A connection to NATS (see :func:`renqueue.broker.connect` for how one is opened)."""
 
     @classmethod
-    def of(cls, nc: Connection | _Client) -> Connection:
+    def of(cls, nc: Connection | _NatsPyClient) -> Connection:
         """``nc`` itself, or nats-py's client ``nc`` wrapped (an application's own)."""
         return nc if isinstance(nc, Connection) else cls(nc)
 
-    def __init__(self, nc: _Client | None = None) -> None:
+    def __init__(self, nc: _NatsPyClient | None = None) -> None:
         """Wrap nats-py's ``nc``, or (without one) a client still to be :meth:`open`ed."""
         self._nc = nc if nc is not None else _Client()
         self._js: JetStream | None = None
@@ -950,7 +1208,7 @@ class Connection:
         return None if url is None else f"{url.hostname}:{url.port}"
 
     @property
-    def client(self) -> _Client:
+    def client(self) -> _NatsPyClient:
         """nats-py's client, for what the handles do not cover (tests, benchmarks)."""
         return self._nc
 

@@ -346,6 +346,12 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else 0.0
 
 
+#: Event types, as tuples: ``isinstance`` with ``A | B`` builds the union on
+#: every call (the fold runs for every event of the log).
+_TERMINAL: Final = (Completed, Failed, Rejected, Expired, Cancelled)
+_CALL_OUTCOMES: Final = (Completed, FellBack, Retrying, Failed)
+
+
 def _bump(counts: dict[str, int], key: str) -> dict[str, int]:
     return {**counts, key: counts.get(key, 0) + 1}
 
@@ -441,7 +447,7 @@ class Folding:
             self._set_tenant(event.tenant, submitted=tenant.submitted + 1)
         else:
             self._on_backend(event, at)
-        if isinstance(event, Completed | Failed | Rejected | Expired | Cancelled):
+        if isinstance(event, _TERMINAL):
             kind = kind_of(event)
             tenant = self._tenants.get(event.tenant, _EMPTY_TENANT)
             self.terminal = _bump(self.terminal, kind)
@@ -454,7 +460,7 @@ class Folding:
 
     def _probe_outcome(self, event: Event) -> None:
         """Count the outcome of a half-open circuit's probe call (only that call's)."""
-        if not isinstance(event, Completed | FellBack | Retrying | Failed) or not event.backend:
+        if not isinstance(event, _CALL_OUTCOMES) or not event.backend:
             return
         backend = self._backends.get(event.backend, EMPTY_BACKEND)
         key = f"{msg_id(event.tenant, event.request_id)}:{event.attempt}"

@@ -54,6 +54,8 @@ __all__ = ["STALE_ASSIGNED", "ArmRequest", "SplitState", "Splits", "SplitsBuilde
 #: forgotten (as the fold's in-flight entries are): its outcome is never counted.
 STALE_ASSIGNED: Final = 6 * 3600.0
 _SWEEP_EVERY: Final = 60.0
+#: The terminal event types, as a tuple (``isinstance`` with ``A | B`` builds the union per call).
+_ENDED: Final = (Completed, Failed, Expired, Cancelled, Rejected)
 #: The longest reason kept.
 _REASON_CHARS: Final = 500
 
@@ -118,7 +120,7 @@ class SplitsBuilder:
         if isinstance(event, Routed):
             if event.split and event.arm:
                 self._routed(event, at)
-        elif isinstance(event, Completed | Failed | Expired | Cancelled | Rejected):
+        elif isinstance(event, _ENDED):
             if self._requests or (isinstance(event, Expired) and event.split):
                 self._ended(event, at)
         elif isinstance(event, SplitChanged):
