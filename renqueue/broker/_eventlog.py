@@ -81,6 +81,7 @@ from ..schema import (
     encode,
     event_subject,
     events_of_request,
+    facts,
     is_terminal,
     kind_of,
     msg_id,
@@ -442,7 +443,7 @@ def _decode_events(raws: list[tuple[int, str, bytes]]) -> list[Event]:
         if not subject_agrees(subject, event):
             misdirected("events", subject, kind=kind_of(event))
             continue
-        events.append(event)
+        events.extend(facts(event))  # a submitted bound at once: the pair, as written apart
     return events
 
 

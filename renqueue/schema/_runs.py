@@ -44,6 +44,7 @@ from ._subjects import SYSTEM_TENANT
 __all__ = [
     "Run",
     "arm_of",
+    "bound_at_once",
     "cancel_requested",
     "cancelled",
     "circuit_changed",
@@ -366,6 +367,23 @@ def submitted(request: InferenceRequest, *, at: float, traceparent: str | None =
         at=at,
         request=request,
         traceparent=traceparent,
+    )
+
+
+def bound_at_once(first: Submitted, decision: Routed) -> Submitted:
+    """``first`` (a request's ``submitted``) carrying its first binding,
+    ``decision``: the one stored event of a request the binder bound in the
+    first round after it read it (:func:`~renqueue.schema.facts` reads it as
+    the pair)."""
+    if (decision.tenant, decision.request_id) != (first.tenant, first.request_id):
+        raise ValueError("a request's submitted event carries only its own binding")
+    return Submitted(
+        request_id=first.request_id,
+        tenant=first.tenant,
+        at=first.at,
+        request=first.request,
+        traceparent=first.traceparent,
+        routed=decision,
     )
 
 

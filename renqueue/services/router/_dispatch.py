@@ -33,13 +33,17 @@ from ...logs import get_logger
 from ...policy import BIND_REASON
 from ...schema import (
     DISPATCH_STREAM,
+    EVENT_DECODER,
+    EVENTS_STREAM,
     Dispatch,
     Event,
     InferenceRequest,
     Routed,
     Started,
     Stolen,
+    Submitted,
     TraceParent,
+    bound_at_once,
     dispatch_subject,
     encode,
     failed,
@@ -49,7 +53,7 @@ from ...schema import (
     router_max_deliveries,
 )
 from ._capacity import Slot
-from ._hold import Held
+from ._hold import Held, log_first
 from ._ledger import Reserved
 
 __all__ = ["ACKS_TIMEOUT", "STORE_FULL_DELAY", "Dispatcher"]
@@ -219,13 +223,28 @@ class Dispatcher:
         maybe_bound = meta.num_delivered > 1 or meta.sequence.stream < self.term_first_seq
         sent: asyncio.Future[PubAck] | None = None
         backend: str | None = None
+        together: asyncio.Future[PubAck] | None = None
         try:
             if maybe_bound:
-                logged_to = await self._logged_backend(request, dispatch.attempt)
-                if logged_to is not None and logged_to != slot.backend:
+                # Its first word on its own (a copy of one an earlier bind
+                # stored is deduplicated), then the earlier decision, if any.
+                await log_first(item, self._log)
+                logged = await self._logged_decision(request, dispatch.attempt)
+                if logged is not None:
                     # Its decision is in the log: it stands (the dispatch goes there).
+                    logged_to, carried = logged
                     dispatch = msgspec.structs.replace(dispatch, backend=logged_to)
                     decision = msgspec.structs.replace(decision, backend=logged_to)
+                    if carried:  # logged again as it was: deduplicated into it
+                        item.carried = True
+            elif item.logged is None and item.first is not None:
+                # Bound in the first round after it was read: its first word and
+                # this decision are one stored event, published ahead of the
+                # dispatch, so a dispatch stored never lacks them (a binder that
+                # dies between the two leaves a decision logged, which stands
+                # for the next one: above).
+                together = await self._log.append_async(bound_at_once(item.first, decision))
+                item.logged = together
             sent = await self._js.publish_async(
                 dispatch_subject(dispatch.backend),
                 encode(dispatch),
@@ -242,6 +261,8 @@ class Dispatcher:
             if maybe_bound:
                 ack = await self._kept_alive(item.msg, shielded)
                 backend = await self._log_decision(item, decision, ack, reserved)
+            elif together is not None:
+                backend = await self._logged_together(item, decision, reserved, shielded)
             else:
                 backend = await self._append_decision(item, decision, reserved, shielded)
             await item.msg.ack()
@@ -287,13 +308,53 @@ class Dispatcher:
         dispatched: Awaitable[PubAck] | None = None,
     ) -> str:
         """Publish ``routed`` and await it with the request's ``submitted`` (and,
-        if given, its dispatch's) ack; the reservation is then the decision's."""
-        logged = await self._log.append_async(routed)
+        if given, its dispatch's) ack; the reservation is then the decision's.
+        A decision an earlier bind logged in the request's ``submitted``
+        (``item.carried``) is published as that again: deduplicated into it."""
+        if item.carried and item.first is not None:
+            logged = await self._log.append_async(bound_at_once(item.first, routed))
+        else:
+            logged = await self._log.append_async(routed)
         acks = [ack for ack in (dispatched, item.logged, logged) if ack is not None]
         *_, decision = await self._kept_alive(item.msg, asyncio.gather(*acks))
         if reserved is not None:
             reserved.logged(routed.backend, decision.seq)
         return routed.backend
+
+    async def _logged_together(
+        self,
+        item: Held,
+        routed: Routed,
+        reserved: Reserved | None,
+        dispatched: Awaitable[PubAck],
+    ) -> str:
+        """Await the ``submitted`` event that carries ``routed`` (published)
+        with the dispatch's ack; the reservation is then the decision's.
+
+        Deduplicated (a ``submitted`` of the request is stored already: a copy
+        read again past the requests' duplicate window while the first still
+        waits), it may not carry this decision: then ``routed`` is logged on
+        its own."""
+        assert item.logged is not None
+        together, _ = await self._kept_alive(item.msg, asyncio.gather(item.logged, dispatched))
+        if together.duplicate and not await self._carries(together.seq, routed):
+            return await self._append_decision(item, routed, reserved)
+        if reserved is not None:
+            reserved.logged(routed.backend, together.seq)
+        return routed.backend
+
+    async def _carries(self, seq: int, routed: Routed) -> bool:
+        """Whether the event stored at ``seq`` carries a decision of ``routed``'s attempt."""
+        stored = await self._js.get_msg(EVENTS_STREAM, seq=seq)
+        with contextlib.suppress(msgspec.DecodeError):
+            event = EVENT_DECODER.decode(stored.data or b"")
+            return (
+                isinstance(event, Submitted)
+                and event.routed is not None
+                and (event.tenant, event.request_id) == (routed.tenant, routed.request_id)
+                and event.routed.attempt == routed.attempt
+            )
+        return False
 
     async def _dispatch_failed(self, item: Held, exc: Exception) -> None:
         """A bind failed: the request waits again (nak), or, out of dispatch
@@ -330,11 +391,21 @@ class Dispatcher:
         """The acks given (``None`` skipped), awaited together, in their order."""
         return asyncio.gather(*(ack for ack in acks if ack is not None))
 
-    async def _logged_backend(self, request: InferenceRequest, attempt: int) -> str | None:
-        """The backend of a ``routed`` decision already logged for this attempt, if any."""
-        for event in reversed(await self._log.history(request.tenant, request.id, kind="routed")):
-            if isinstance(event, Routed) and event.attempt == attempt:
-                return event.backend
+    async def _logged_decision(
+        self, request: InferenceRequest, attempt: int
+    ) -> tuple[str, bool] | None:
+        """The backend of a decision already logged for this attempt, if any,
+        and whether the request's ``submitted`` event carries it (the request
+        was bound in the first round after it was read), else a ``routed``."""
+        history = self._log.history
+        tenant, rid = request.tenant, request.id
+        alone, first = await asyncio.gather(
+            history(tenant, rid, kind="routed"), history(tenant, rid, kind="submitted")
+        )
+        for events, carried in ((alone, False), (first, True)):
+            for event in reversed(events):
+                if isinstance(event, Routed) and event.attempt == attempt:
+                    return event.backend, carried
         return None
 
     async def _earlier_dispatch(

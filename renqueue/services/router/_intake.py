@@ -10,7 +10,9 @@ ended (its terminal claim is taken: a resubmit past the duplicate window, or
 under another message id) is not admitted again (:meth:`Intake._ended`: the
 one place this is decided; the worker's gate still drops a run of a request
 that ended after it was routed); its ``submitted`` event, the log's first
-word on it, is written; then it is settled at once if it is
+word on it, is written (for a request read for the first time that cannot
+coalesce, left to its first round: bound then, its binding carries it, one
+stored event instead of two); then it is settled at once if it is
 already past its deadline or cancelled, joins a coalescing group if it
 follows another's call, or is placed (its A/B arm and tier, ``_placement``)
 and held for the round.
@@ -78,7 +80,7 @@ from ._admission import (
     rejection_id,
     subject_token,
 )
-from ._hold import BOOST_DECODER, Held, stored_at
+from ._hold import BOOST_DECODER, Held, first_then, stored_at
 from ._parts import Parts
 
 __all__ = ["UNTAKEABLE_AFTER", "Intake"]
@@ -333,16 +335,25 @@ class Intake:
             # there before it comes back, whatever the projection says.
             self._parts.ledger.pause(*arrived.paused)
         # The log's first word on a request, written by whoever reads it
-        # first, so it always precedes its `routed` event (a redelivery
-        # writes it again under the same message id: stored once).
+        # first, so it always precedes its `routed` event or carries it (a
+        # redelivery writes it again under the same message id: stored once).
         # Its trace: the one it was published in (a valid ``traceparent``
         # header), else the one logged when it was first read (a copy put
         # back without one), else a new one, begun here.
         trace = trace_of(msg.headers) or arrived.trace or next_hop(None)
-        logged = await self._log.append_async(
-            schema.submitted(request, at=submitted, traceparent=trace.header)
+        first = schema.submitted(request, at=submitted, traceparent=trace.header)
+        # A request read for the first time (no earlier bind can have logged
+        # anything of it), new (a requeue's first word is in the log already)
+        # and that coalesces with no other: its first word waits for its first
+        # round, whose binding carries it (one stored event, not two); a round
+        # that does not bind it logs it on its own (Held.logged).
+        defer = (
+            request.requeues == 0
+            and msg.metadata.num_delivered == 1
+            and coalesce_key(request) is None
         )
-        if await self._settle_on_read(msg, request, logged, now, since=submitted):
+        logged = None if defer else await self._log.append_async(first)
+        if await self._settle_on_read(msg, request, first, logged, now, since=submitted):
             return
         if await self._follows(msg, request, logged, now):
             return
@@ -355,6 +366,7 @@ class Intake:
                 rank=rank,
                 submitted=submitted,
                 touched=now,
+                first=first,
                 logged=logged,
                 parent=await parent_of(self._js, request, self._config),
                 estimate=estimate,
@@ -497,14 +509,16 @@ class Intake:
         self,
         msg: Message,
         request: InferenceRequest,
-        logged: asyncio.Future[PubAck],
+        first: schema.Submitted,
+        logged: asyncio.Future[PubAck] | None,
         now: float,
         *,
         since: float,
     ) -> bool:
         """End a request that is already past its deadline or cancelled when read.
 
-        After its ``submitted`` event, so the log still starts with it.
+        After its ``submitted`` event, ``first`` (published here if ``logged``
+        is ``None``: not yet), so the log still starts with it.
         ``since``: when its wait began (server time); a cancellation older
         than what the watch holds is looked up in the log.
         """
@@ -514,6 +528,8 @@ class Intake:
         )
         if not (expired or cancelled):
             return False
+        if logged is None:
+            logged = await self._log.append_async(first)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(logged, 10.0)
         if expired:
@@ -523,11 +539,16 @@ class Intake:
         return True
 
     async def _follows(
-        self, msg: Message, request: InferenceRequest, logged: asyncio.Future[PubAck], now: float
+        self,
+        msg: Message,
+        request: InferenceRequest,
+        logged: asyncio.Future[PubAck] | None,
+        now: float,
     ) -> bool:
-        """Join the request's coalescing group; True if it follows another's call."""
+        """Join the request's coalescing group; True if it follows another's call.
+        (One that may coalesce has its ``submitted`` event ``logged`` already.)"""
         key = coalesce_key(request)
-        if key is None:
+        if key is None or logged is None:
             return False
         try:
             leader = await self._coalescer.join(request, key)
@@ -597,7 +618,8 @@ class Intake:
         """
         item = self._hold.remove_request(event.tenant, event.request_id)
         if item is not None:
-            self._parts.inflight.spawn(self._endings.cancel(item.msg, item.request))
+            cancel = functools.partial(self._endings.cancel, item.msg, item.request)
+            self._parts.inflight.spawn(first_then(item, self._log, cancel))
             return
         self._end_follower_cancelled(event.tenant, event.request_id)
 
