@@ -224,19 +224,18 @@ class Dispatcher:
         sent: asyncio.Future[PubAck] | None = None
         backend: str | None = None
         together: asyncio.Future[PubAck] | None = None
+        earlier: tuple[Routed, int] | None = None
         try:
             if maybe_bound:
                 # Its first word on its own (a copy of one an earlier bind
                 # stored is deduplicated), then the earlier decision, if any.
                 await log_first(item, self._log)
-                logged = await self._logged_decision(request, dispatch.attempt)
-                if logged is not None:
+                earlier = await self._log.decision_of(request.tenant, request.id, dispatch.attempt)
+                if earlier is not None:
                     # Its decision is in the log: it stands (the dispatch goes there).
-                    logged_to, carried = logged
+                    logged_to = earlier[0].backend
                     dispatch = msgspec.structs.replace(dispatch, backend=logged_to)
                     decision = msgspec.structs.replace(decision, backend=logged_to)
-                    if carried:  # logged again as it was: deduplicated into it
-                        item.carried = True
             elif item.logged is None and item.first is not None:
                 # Bound in the first round after it was read: its first word and
                 # this decision are one stored event, published ahead of the
@@ -258,7 +257,14 @@ class Dispatcher:
             # is a slot idle: ~6 of 28 on a loaded broker, where acks took 40-120 ms).
             sent.add_done_callback(functools.partial(_settle, slot, backend=dispatch.backend))
             shielded = asyncio.shield(sent)  # a timeout stops the wait, not the ack (finally)
-            if maybe_bound:
+            if earlier is not None:
+                # Logged already (on its own, or carried by its `submitted`):
+                # nothing more to log; the reservation is that decision's.
+                await self._kept_alive(item.msg, self._acks(shielded, item.logged))
+                backend = decision.backend
+                if reserved is not None:
+                    reserved.logged(backend, earlier[1])
+            elif maybe_bound:
                 ack = await self._kept_alive(item.msg, shielded)
                 backend = await self._log_decision(item, decision, ack, reserved)
             elif together is not None:
@@ -309,12 +315,8 @@ class Dispatcher:
     ) -> str:
         """Publish ``routed`` and await it with the request's ``submitted`` (and,
         if given, its dispatch's) ack; the reservation is then the decision's.
-        A decision an earlier bind logged in the request's ``submitted``
-        (``item.carried``) is published as that again: deduplicated into it."""
-        if item.carried and item.first is not None:
-            logged = await self._log.append_async(bound_at_once(item.first, routed))
-        else:
-            logged = await self._log.append_async(routed)
+        """
+        logged = await self._log.append_async(routed)
         acks = [ack for ack in (dispatched, item.logged, logged) if ack is not None]
         *_, decision = await self._kept_alive(item.msg, asyncio.gather(*acks))
         if reserved is not None:
@@ -390,23 +392,6 @@ class Dispatcher:
     def _acks(*acks: asyncio.Future[PubAck] | None) -> Awaitable[list[PubAck]]:
         """The acks given (``None`` skipped), awaited together, in their order."""
         return asyncio.gather(*(ack for ack in acks if ack is not None))
-
-    async def _logged_decision(
-        self, request: InferenceRequest, attempt: int
-    ) -> tuple[str, bool] | None:
-        """The backend of a decision already logged for this attempt, if any,
-        and whether the request's ``submitted`` event carries it (the request
-        was bound in the first round after it was read), else a ``routed``."""
-        history = self._log.history
-        tenant, rid = request.tenant, request.id
-        alone, first = await asyncio.gather(
-            history(tenant, rid, kind="routed"), history(tenant, rid, kind="submitted")
-        )
-        for events, carried in ((alone, False), (first, True)):
-            for event in reversed(events):
-                if isinstance(event, Routed) and event.attempt == attempt:
-                    return event.backend, carried
-        return None
 
     async def _earlier_dispatch(
         self, request: InferenceRequest, attempt: int, seq: int

@@ -71,9 +71,6 @@ class Held(msgspec.Struct, kw_only=True):
     #: :func:`~renqueue.schema.bound_at_once`); otherwise the round logs it on
     #: its own (:func:`log_first`) before anything else about the request.
     logged: asyncio.Future[PubAck] | None = None
-    #: An earlier bind of its attempt logged its decision in its ``submitted``
-    #: event: its decision is logged again as that (deduplicated into it).
-    carried: bool = False
     #: The parent's (rank, submitted_at), when the request names a known parent.
     parent: tuple[int, float] | None = None
     #: The most urgent rank already announced as inherited.
