@@ -80,7 +80,7 @@ from ._admission import (
     rejection_id,
     subject_token,
 )
-from ._hold import BOOST_DECODER, Held, first_then, stored_at
+from ._hold import BOOST_DECODER, Held, first_then, log_first, stored_at
 from ._parts import Parts
 
 __all__ = ["UNTAKEABLE_AFTER", "Intake"]
@@ -167,26 +167,7 @@ class Intake:
             refused: list[tuple[Message, Refused]] = []
             try:
                 claims = await self._claims_of(msgs)
-                while pending:
-                    head = pending[0]
-                    held = self._hold.holds_message(head)
-                    read = None if held else self._read_safely(head, level)
-                    if isinstance(read, Refused):
-                        # Rejected after the batch's valid requests, all at once.
-                        refused.append((head, read))
-                        pending.popleft()
-                        continue
-                    try:
-                        await self._take(head, level, rank, now, claims, read=read)
-                    except NatsPayloadTooLargeError as exc:  # this request's, not the broker's
-                        await self._untakeable(head, exc)
-                    except NatsError:
-                        raise  # the broker's: the loop restarts (and the batch goes back)
-                    except Exception as exc:  # noqa: BLE001 - one request must never stop a level
-                        await self._untakeable(head, exc)
-                    else:
-                        self._take_failures.pop(head.metadata.sequence.stream, None)
-                    pending.popleft()
+                await self._take_all(pending, refused, level, rank=rank, now=now, claims=claims)
                 await self._reject_all(refused)
             except BaseException:
                 # Failed or stopped mid-batch: what was not taken goes back now,
@@ -197,6 +178,49 @@ class Intake:
                 raise
             finally:
                 self._parts.wake.set()
+
+    async def _take_all(
+        self,
+        pending: deque[Message],
+        refused: list[tuple[Message, Refused]],
+        level: str,
+        *,
+        rank: int,
+        now: float,
+        claims: Claims,
+    ) -> None:
+        """Take a fetched batch's good requests, in order (each off ``pending``
+        once taken), and gather its refusals into ``refused`` for
+        :meth:`_reject_all`. A failure of the broker is raised (the loop
+        restarts; ``pending`` goes back); any other is the request's own."""
+        taken: list[Held] = []
+        while pending:
+            head = pending[0]
+            held = self._hold.holds_message(head)
+            read = None if held else self._read_safely(head, level)
+            if isinstance(read, Refused):
+                # Rejected after the batch's valid requests, all at once.
+                refused.append((head, read))
+                pending.popleft()
+                continue
+            try:
+                item = await self._take(head, level, rank, now, claims, read=read)
+            except NatsPayloadTooLargeError as exc:  # this request's, not the broker's
+                await self._untakeable(head, exc)
+            except NatsError:
+                raise  # the broker's: the loop restarts (and the batch goes back)
+            except Exception as exc:  # noqa: BLE001 - one request must never stop a level
+                await self._untakeable(head, exc)
+            else:
+                self._take_failures.pop(head.metadata.sequence.stream, None)
+                if item is not None:
+                    taken.append(item)
+            pending.popleft()
+        if refused:
+            # The batch's good requests are in the log before its rejections
+            # (their first words, left for their binding to carry, on their own now).
+            for item in taken:
+                await log_first(item, self._log)
 
     def _read_safely(self, msg: Message, level: str) -> InferenceRequest | Refused | None:
         """:meth:`_read`, or ``None`` if it raises (a bug the request triggers):
@@ -318,16 +342,16 @@ class Intake:
         claims: Claims | None = None,
         *,
         read: InferenceRequest | Refused | None = None,
-    ) -> None:
-        """Admit one fetched request: log it, settle it, or hold it for dispatch.
-        ``read``: what :meth:`_read` made of it already, if it was."""
+    ) -> Held | None:
+        """Admit one fetched request: log it, settle it, or hold it for dispatch
+        (then it is returned). ``read``: what :meth:`_read` made of it already, if it was."""
         if self._hold.holds_message(msg):
             # Delivered again while held (a nak from a router that lost the
             # lease, an ack timer that ran out): the held one stands for it.
-            return
+            return None
         request = await self._admit(msg, level, now, claims, read=read)
         if request is None:
-            return
+            return None
         arrived = await arrival(self._js, msg, request)
         submitted = arrived.submitted
         if arrived.paused is not None:
@@ -354,25 +378,24 @@ class Intake:
         )
         logged = None if defer else await self._log.append_async(first)
         if await self._settle_on_read(msg, request, first, logged, now, since=submitted):
-            return
+            return None
         if await self._follows(msg, request, logged, now):
-            return
+            return None
         request, estimate = self._parts.placement.place(request, self._parts.live())
-        self._hold.add(
-            level,
-            Held(
-                msg=msg,
-                request=request,
-                rank=rank,
-                submitted=submitted,
-                touched=now,
-                first=first,
-                logged=logged,
-                parent=await parent_of(self._js, request, self._config),
-                estimate=estimate,
-                trace=trace,
-            ),
+        item = Held(
+            msg=msg,
+            request=request,
+            rank=rank,
+            submitted=submitted,
+            touched=now,
+            first=first,
+            logged=logged,
+            parent=await parent_of(self._js, request, self._config),
+            estimate=estimate,
+            trace=trace,
         )
+        self._hold.add(level, item)
+        return item
 
     async def _admit(
         self,
