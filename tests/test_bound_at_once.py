@@ -367,3 +367,40 @@ async def _pending_on(server: EmbeddedServer, backend: str) -> int:
         )
     finally:
         await nc.close()
+
+
+async def test_a_binding_whose_one_event_is_deduplicated_is_logged_on_its_own(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The request's ``submitted`` is stored already under its message id when
+    the binder binds it at once (the round logged it on its own meanwhile, or
+    a copy of a request still waiting was read past the requests' duplicate
+    window): the event carrying the decision is deduplicated into that one,
+    which does not carry it, so the decision is logged on its own."""
+    config = two_backends(isolated_server.url)
+    nc = await connect(isolated_server.url, name="dedup")
+    try:
+        js = nc.jetstream()
+        await provision(nc, config)
+        router = Router(nc, js, config, name="binder")
+        await router.start()
+        try:
+            async with Client(nc, tenant=TENANT) as client:
+                request = client.build_request("hello", route="chat", request_id="r1")
+                earlier = submitted(request, at=1.0)
+                await js.publish(
+                    event_subject(TENANT, "r1", "submitted"),
+                    encode(earlier),
+                    headers={"Nats-Msg-Id": msg_id(TENANT, "r1", "submitted")},
+                )
+                await client.submit("hello", route="chat", request_id="r1")
+                await until(lambda: settled(js), "the request message is settled")
+        finally:
+            await router.close()
+        kinds = [kind for kind, _ in await stored(js, "r1")]
+        history = await EventLog(js).history(TENANT, "r1")
+    finally:
+        await nc.close()
+    assert kinds == ["submitted", "routed"]
+    assert history[0] == earlier
+    assert isinstance(history[1], Routed)

@@ -268,7 +268,9 @@ class Dispatcher:
                 ack = await self._kept_alive(item.msg, shielded)
                 backend = await self._log_decision(item, decision, ack, reserved)
             elif together is not None:
-                backend = await self._logged_together(item, decision, reserved, shielded)
+                backend = await self._logged_together(
+                    item, decision, reserved, together=together, dispatched=shielded
+                )
             else:
                 backend = await self._append_decision(item, decision, reserved, shielded)
             await item.msg.ack()
@@ -328,21 +330,23 @@ class Dispatcher:
         item: Held,
         routed: Routed,
         reserved: Reserved | None,
+        *,
+        together: asyncio.Future[PubAck],
         dispatched: Awaitable[PubAck],
     ) -> str:
-        """Await the ``submitted`` event that carries ``routed`` (published)
+        """Await ``together``, the ``submitted`` event that carries ``routed``,
         with the dispatch's ack; the reservation is then the decision's.
 
-        Deduplicated (a ``submitted`` of the request is stored already: a copy
-        read again past the requests' duplicate window while the first still
+        Deduplicated (a ``submitted`` of the request is stored already: one the
+        round logged on its own while this bind was under way, or a copy read
+        again past the requests' duplicate window while the first still
         waits), it may not carry this decision: then ``routed`` is logged on
         its own."""
-        assert item.logged is not None
-        together, _ = await self._kept_alive(item.msg, asyncio.gather(item.logged, dispatched))
-        if together.duplicate and not await self._carries(together.seq, routed):
+        stored, _ = await self._kept_alive(item.msg, asyncio.gather(together, dispatched))
+        if stored.duplicate and not await self._carries(stored.seq, routed):
             return await self._append_decision(item, routed, reserved)
         if reserved is not None:
-            reserved.logged(routed.backend, together.seq)
+            reserved.logged(routed.backend, stored.seq)
         return routed.backend
 
     async def _carries(self, seq: int, routed: Routed) -> bool:

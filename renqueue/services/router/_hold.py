@@ -103,7 +103,9 @@ async def log_first(item: Held, events: EventLog) -> None:
     is its ack) unless it is published already: before any other event of
     the request that does not carry it."""
     if item.logged is None and item.first is not None:
-        item.logged = await events.append_async(item.first)
+        logged = await events.append_async(item.first)
+        if item.logged is None:  # (its binding may have published it meanwhile)
+            item.logged = logged
 
 
 async def first_then(item: Held, events: EventLog, then: Callable[[], Awaitable[object]]) -> None:
