@@ -137,10 +137,14 @@ async def test_a_request_bound_at_once_is_one_stored_event_and_one_that_waits_tw
     assert carried.routed.backend == "b"
     assert carried.routed.attempt == 1
     assert carried.traceparent is not None
+    # Neither is stored as it was read: each says when it was (the what-if's read delay).
+    assert carried.read is not None
+    assert carried.at <= carried.read <= carried.routed.at
     assert [kind for kind, _ in two] == ["submitted", "routed", "started", "completed"]
     alone = two[0][1]
     assert isinstance(alone, Submitted)
     assert alone.routed is None
+    assert alone.read is not None
     # Read back, both are what the pair stored apart always was.
     for events in histories:
         assert [kind_of(e) for e in events] == ["submitted", "routed", "started", "completed"]

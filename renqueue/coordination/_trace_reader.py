@@ -103,9 +103,8 @@ async def read_events(js: JetStream, *, start: float) -> Read:
                     continue
                 events.extend(facts(event))  # a submitted bound at once: the pair
                 if isinstance(event, Submitted):
-                    # Stored as it was read; one bound at once, as it was bound.
-                    stored = meta.timestamp.timestamp()
-                    read = stored if event.routed is None else min(stored, event.routed.at)
+                    # Stored as it was read, unless it says when it was read.
+                    read = meta.timestamp.timestamp() if event.read is None else event.read
                     read_at.setdefault(msg_id(event.tenant, event.request_id), read)
                 if pending == 0:
                     break

@@ -534,6 +534,10 @@ class Submitted(_EventBase, frozen=True, kw_only=True, tag="submitted"):
     #: ``routed`` event follows on its own), was settled when read, and in
     #: events from before. Readers see the pair through :func:`facts`.
     routed: Routed | None = None
+    #: When the binder read the request (its clock), for one whose event was
+    #: not stored as it was read (left for its first round: bound at once, or
+    #: logged once that round let it wait); ``None``: its storing says it.
+    read: float | None = None
 
 
 #: Every ``error_type`` the services write (``rejected``, ``failed``,

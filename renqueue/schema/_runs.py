@@ -358,15 +358,23 @@ def routed(
     )
 
 
-def submitted(request: InferenceRequest, *, at: float, traceparent: str | None = None) -> Submitted:
+def submitted(
+    request: InferenceRequest,
+    *,
+    at: float,
+    traceparent: str | None = None,
+    read: float | None = None,
+) -> Submitted:
     """The log's first word on ``request``: its wait began ``at`` (server time),
-    in the trace ``traceparent`` names (W3C, as the router sent it on)."""
+    in the trace ``traceparent`` names (W3C, as the router sent it on);
+    ``read``: when the binder read it, if the event is not stored as it is read."""
     return Submitted(
         request_id=request.id,
         tenant=request.tenant,
         at=at,
         request=request,
         traceparent=traceparent,
+        read=read,
     )
 
 
@@ -384,6 +392,7 @@ def bound_at_once(first: Submitted, decision: Routed) -> Submitted:
         request=first.request,
         traceparent=first.traceparent,
         routed=decision,
+        read=first.read,
     )
 
 

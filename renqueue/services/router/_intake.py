@@ -365,16 +365,19 @@ class Intake:
         # header), else the one logged when it was first read (a copy put
         # back without one), else a new one, begun here.
         trace = trace_of(msg.headers) or arrived.trace or next_hop(None)
-        first = schema.submitted(request, at=submitted, traceparent=trace.header)
         # A request read for the first time (no earlier bind can have logged
         # anything of it), new (a requeue's first word is in the log already)
         # and that coalesces with no other: its first word waits for its first
         # round, whose binding carries it (one stored event, not two); a round
-        # that does not bind it logs it on its own (Held.logged).
+        # that does not bind it logs it on its own (Held.logged). It says when
+        # it was read, which its storing no longer does.
         defer = (
             request.requeues == 0
             and msg.metadata.num_delivered == 1
             and coalesce_key(request) is None
+        )
+        first = schema.submitted(
+            request, at=submitted, traceparent=trace.header, read=now if defer else None
         )
         logged = None if defer else await self._log.append_async(first)
         if await self._settle_on_read(msg, request, first, logged, now, since=submitted):
