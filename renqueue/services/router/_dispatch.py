@@ -4,7 +4,10 @@ A :class:`Dispatcher` turns one :class:`~renqueue.policy.Bind` the round
 planner decided into its publishes: the :class:`~renqueue.schema.Dispatch` on
 the backend's subject and the ``routed`` event, both under per-attempt
 message ids (so a bind repeated for the same attempt stores neither twice),
-then acks the request's message. It keeps the request's ack timer alive
+then acks the request's message. A request bound in the first round after
+the binder read it has its ``submitted`` event carry the decision instead
+(one stored event, under the ``submitted`` message id), published ahead of
+the dispatch. It keeps the request's ack timer alive
 while the acks are on their way, settles the capacity :class:`Slot` the
 round counted, and owns the budget of failed dispatches: a request whose
 dispatch fails goes back to wait (nak), and after ``router.max_deliver``
@@ -316,8 +319,7 @@ class Dispatcher:
         dispatched: Awaitable[PubAck] | None = None,
     ) -> str:
         """Publish ``routed`` and await it with the request's ``submitted`` (and,
-        if given, its dispatch's) ack; the reservation is then the decision's.
-        """
+        if given, its dispatch's) ack; the reservation is then the decision's."""
         logged = await self._log.append_async(routed)
         acks = [ack for ack in (dispatched, item.logged, logged) if ack is not None]
         *_, decision = await self._kept_alive(item.msg, asyncio.gather(*acks))
