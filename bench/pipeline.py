@@ -642,10 +642,11 @@ OPS_PER_REQUEST: dict[str, dict[str, str | int]] = {
     "acked_publishes": {
         # The instant mock's tokens arrive in one network read, and the worker
         # publishes one chunk per read: one text chunk per answer here.
-        "count": 8,
+        "count": 7,
         "detail": (
             "client: request (js.publish); "
-            "router: submitted event + dispatch + routed event (publish_async); "
+            "router: submitted event carrying the routed decision (a request bound "
+            "in the first round after it was read) + dispatch (publish_async); "
             "worker: started event + one token chunk per network read from the "
             "backend (1 for the instant mock; publish_async) + completed event and "
             "final chunk (publish_async, awaited together)"
@@ -656,8 +657,8 @@ OPS_PER_REQUEST: dict[str, dict[str, str | int]] = {
         "detail": "router fetches + acks the request; worker fetches + acks the dispatch",
     },
     "push_deliveries": {
-        "count": 4,
-        "detail": "client event tap (ordered consumer): submitted, routed, started, completed",
+        "count": 3,
+        "detail": "client event tap (ordered consumer): submitted (+ routed), started, completed",
     },
 }
 

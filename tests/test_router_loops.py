@@ -295,7 +295,10 @@ async def test_a_fetch_loop_whose_submitted_publish_raises_is_logged_and_restart
     event raises (here three times); the loop is logged and started again,
     what it had fetched goes back to the queue, and every request still
     completes through this router, each logged once. The error is a
-    transient broker fault: a warning naming it, without a traceback (issue #29)."""
+    transient broker fault: a warning naming it, without a traceback (issue #29).
+    (The requests may coalesce, so their `submitted` is published when read; a
+    request bound at once has it published with its binding, by its dispatch's
+    task: tests/test_bound_at_once.py.)"""
     caplog.set_level(logging.WARNING, logger="renqueue")
     async with MockBackend(MockSettings(ttft=0.0, output_tokens=2)) as mock:
         config = make_config(user_url(server, "svc"), mock)
@@ -308,7 +311,8 @@ async def test_a_fetch_loop_whose_submitted_publish_raises_is_logged_and_restart
             await router.start()
             try:
                 handles = [
-                    await client.submit(f"q{n}", route="chat", request_id=f"f{n}") for n in range(4)
+                    await client.submit(f"q{n}", route="chat", request_id=f"f{n}", coalesce=True)
+                    for n in range(4)
                 ]
                 results = await asyncio.gather(*(h.result(timeout=30) for h in handles))
             finally:

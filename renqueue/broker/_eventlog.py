@@ -81,6 +81,7 @@ from ..schema import (
     encode,
     event_subject,
     events_of_request,
+    facts,
     is_terminal,
     kind_of,
     msg_id,
@@ -447,7 +448,7 @@ def _decode_events(raws: list[tuple[int, str, bytes]]) -> list[Event]:
         if not subject_agrees(subject, event):
             misdirected("events", subject, kind=kind_of(event))
             continue
-        events.append(event)
+        events.extend(facts(event))  # a submitted bound at once: the pair, as written apart
     return events
 
 
@@ -678,24 +679,53 @@ class EventLog:
 
     async def history(self, tenant: str, request_id: str, *, kind: str = "*") -> list[Event]:
         """All events of one request (of one ``kind``, if given), in log order,
-        reading only that request's subjects.
+        reading only that request's subjects. A ``submitted`` event that
+        carries the request's binding is read as the pair it stands for
+        (:func:`~renqueue.schema.facts`): ``kind="routed"`` finds that
+        binding too, ``kind="submitted"`` the ``submitted`` alone.
 
         For services: ``next_by_subj`` gets carry the subject in the request
         body, which permissions cannot check (``tenant`` may be ``*``). A
         tenant uses :meth:`read`.
         """
-        subject = (
-            events_of_request(tenant, request_id)
-            if kind == "*"
-            else event_subject(tenant, request_id, kind)
+        if kind == "*":
+            return _decode_events(await self._raws(events_of_request(tenant, request_id)))
+        # A request bound at once has its binding in its `submitted` event.
+        kinds = ("submitted", "routed") if kind == "routed" else (kind,)
+        found = await asyncio.gather(
+            *(self._raws(event_subject(tenant, request_id, each)) for each in kinds)
         )
+        raws = sorted(raw for each in found for raw in each)
+        return [event for event in _decode_events(raws) if kind_of(event) == kind]
+
+    async def decision_of(
+        self, tenant: str, request_id: str, attempt: int
+    ) -> tuple[Routed, int] | None:
+        """The ``routed`` decision logged for the request's ``attempt``, if
+        any, and the sequence of the stored event that says it (its own, or
+        the request's ``submitted`` when it was bound at once)."""
+        found = await asyncio.gather(
+            *(
+                self._raws(event_subject(tenant, request_id, each))
+                for each in ("submitted", "routed")
+            )
+        )
+        for seq, subject, data in sorted((raw for each in found for raw in each), reverse=True):
+            for event in _decode_events([(seq, subject, data)]):
+                if isinstance(event, Routed) and event.attempt == attempt:
+                    return event, seq
+        return None
+
+    async def _raws(self, subject: str) -> list[tuple[int, str, bytes]]:
+        """Every message on ``subject`` (may have wildcards), in log order:
+        ``(seq, subject, data)``."""
         raws: list[tuple[int, str, bytes]] = []
         seq = 1
         while True:
             try:
                 raw = await self._js.get_msg(EVENTS_STREAM, seq=seq, subject=subject, next=True)
             except NatsNotFoundError:
-                return _decode_events(raws)
+                return raws
             raws.append((raw.seq, raw.subject or "", raw.data or b""))
             seq = raw.seq + 1
 

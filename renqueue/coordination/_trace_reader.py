@@ -33,7 +33,7 @@ from ..broker import (
     subject_agrees,
 )
 from ..errors import NatsError, NatsTimeoutError, RenQueueError
-from ..schema import EVENT_DECODER, EVENTS_STREAM, Event, Submitted, msg_id
+from ..schema import EVENT_DECODER, EVENTS_STREAM, Event, Submitted, facts, msg_id
 from ..sim import WARMUP, Trace, trace_of
 
 __all__ = ["Read", "read_events", "read_trace"]
@@ -101,11 +101,11 @@ async def read_events(js: JetStream, *, start: float) -> Read:
                 if not subject_agrees(msg.subject, event):
                     dropped += 1
                     continue
-                events.append(event)
+                events.extend(facts(event))  # a submitted bound at once: the pair
                 if isinstance(event, Submitted):
-                    read_at.setdefault(
-                        msg_id(event.tenant, event.request_id), meta.timestamp.timestamp()
-                    )
+                    # Stored as it was read, unless it says when it was read.
+                    read = meta.timestamp.timestamp() if event.read is None else event.read
+                    read_at.setdefault(msg_id(event.tenant, event.request_id), read)
                 if pending == 0:
                     break
     finally:

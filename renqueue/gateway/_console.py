@@ -400,12 +400,13 @@ class Console:
                     {"reason": self.feed.down}
                 )
             chunks = [head]
+            written = _Written(sent)
             for seq, data in kept:
-                if seq > sent:
-                    chunks.append(b"id: %d\ndata: %s\n\n" % (seq, data))
-                    sent = seq
+                chunk = b"id: %d\ndata: %s\n\n" % (seq, data)
+                if written.fresh(seq, chunk):
+                    chunks.append(chunk)
             await response.write(b"".join(chunks))
-            await self._pump(response, subscriber.queue, sent)
+            await self._pump(response, subscriber.queue, written)
             return response
         finally:
             self._streams.discard(subscriber)
@@ -415,7 +416,7 @@ class Console:
         self,
         response: web.StreamResponse,
         queue: asyncio.Queue[tuple[int, bytes] | None],
-        sent: int,
+        written: _Written,
     ) -> None:
         """Write what the feed hands over, as many at a time as are waiting."""
         while True:
@@ -436,14 +437,38 @@ class Console:
                 seq, frame = item
                 if seq <= NOTICE:  # a notice; after RESTART, the log's sequences start over
                     chunks.append(frame)
-                    sent = 0 if seq == RESTART else sent
-                elif seq > sent:
+                    written = _Written(0) if seq == RESTART else written
+                elif written.fresh(seq, frame):
                     chunks.append(frame)
-                    sent = seq
             if chunks:
                 await response.write(b"".join(chunks))
             if ended:
                 return
+
+
+class _Written:
+    """What an event stream has written: the last sequence and its frames. A
+    stored event that stands for two (a request bound at once: its
+    ``submitted`` and its ``routed``) is two frames under one sequence; a
+    frame the feed hands over again (kept, then queued) is written once."""
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+        #: The frames written at ``seq``; ``None``: all of them (a reconnecting
+        #: console named it, or nothing was written yet).
+        self._frames: set[bytes] | None = None
+
+    def fresh(self, seq: int, frame: bytes) -> bool:
+        """Whether ``frame`` (at ``seq``) is still to be written; then it counts as written."""
+        if seq < self.seq:
+            return False
+        if seq > self.seq:
+            self.seq, self._frames = seq, {frame}
+            return True
+        if self._frames is None or frame in self._frames:
+            return False
+        self._frames.add(frame)
+        return True
 
 
 def _last_event_id(value: str | None) -> int | None:

@@ -57,6 +57,7 @@ from ..schema import (
     Event,
     InferenceRequest,
     Submitted,
+    facts,
     kind_of,
 )
 from ..tasks import Supervisor
@@ -389,14 +390,17 @@ class EventFeed:
             return  # not an event of ours: nothing to show
         if not subject_agrees(subject, event):
             return  # a payload that disagrees with its subject is no fact
-        encoded = msgspec.json.encode(summary(seq, event))
-        if len(self._ring) == self._backlog:
-            self._forgotten = self._ring[0][0]
-        self._ring.append((seq, encoded))
-        item = (seq, frame(seq, encoded))
-        self.delivered += 1
-        for subscriber in list(self._subscribers):
-            subscriber.put(item)
+        # A request bound at once: its submit and its binding, two lines as
+        # before they were stored as one (both under the one sequence).
+        for fact in facts(event):
+            encoded = msgspec.json.encode(summary(seq, fact))
+            if len(self._ring) == self._backlog:
+                self._forgotten = self._ring[0][0]
+            self._ring.append((seq, encoded))
+            item = (seq, frame(seq, encoded))
+            self.delivered += 1
+            for subscriber in list(self._subscribers):
+                subscriber.put(item)
 
 
 def _reason(exc: Exception) -> str:

@@ -85,6 +85,7 @@ __all__ = [
     "Usage",
     "encode",
     "error_type_of",
+    "facts",
     "is_terminal",
     "kind_of",
     "request_limit",
@@ -527,6 +528,16 @@ class Submitted(_EventBase, frozen=True, kw_only=True, tag="submitted"):
     #: new trace's when it came with none or a malformed one. ``None`` in
     #: events from before tracing.
     traceparent: str | None = None
+    #: The request's first binding, when the binder bound it in the first
+    #: round after it read it: then this one stored event says both (one
+    #: message fewer per request). ``None`` when the request waited (its
+    #: ``routed`` event follows on its own), was settled when read, and in
+    #: events from before. Readers see the pair through :func:`facts`.
+    routed: Routed | None = None
+    #: When the binder read the request (its clock), for one whose event was
+    #: not stored as it was read (left for its first round: bound at once, or
+    #: logged once that round let it wait); ``None``: its storing says it.
+    read: float | None = None
 
 
 #: Every ``error_type`` the services write (``rejected``, ``failed``,
@@ -889,6 +900,21 @@ class TerminalClaim(Struct, frozen=True, kw_only=True):
 def is_terminal(event: Event) -> bool:
     """True for events that end a request: exactly one of them exists per request."""
     return isinstance(event, _TERMINAL_TYPES)
+
+
+def facts(event: Event) -> tuple[Event, ...]:
+    """The events one stored event stands for, in log order: a ``submitted``
+    that carries its request's first binding (``routed``) is that
+    ``submitted`` (without it) and then that ``routed``; any other event is
+    itself. A binding that names another request than its ``submitted``
+    (no service writes one) is not a fact of it: dropped."""
+    if not isinstance(event, Submitted) or event.routed is None:
+        return (event,)
+    bound = event.routed
+    first = msgspec.structs.replace(event, routed=None)
+    if bound.tenant != event.tenant or bound.request_id != event.request_id:
+        return (first,)
+    return (first, bound)
 
 
 def kind_of(event: Event) -> str:

@@ -44,6 +44,7 @@ from ._subjects import SYSTEM_TENANT
 __all__ = [
     "Run",
     "arm_of",
+    "bound_at_once",
     "cancel_requested",
     "cancelled",
     "circuit_changed",
@@ -357,15 +358,41 @@ def routed(
     )
 
 
-def submitted(request: InferenceRequest, *, at: float, traceparent: str | None = None) -> Submitted:
+def submitted(
+    request: InferenceRequest,
+    *,
+    at: float,
+    traceparent: str | None = None,
+    read: float | None = None,
+) -> Submitted:
     """The log's first word on ``request``: its wait began ``at`` (server time),
-    in the trace ``traceparent`` names (W3C, as the router sent it on)."""
+    in the trace ``traceparent`` names (W3C, as the router sent it on);
+    ``read``: when the binder read it, if the event is not stored as it is read."""
     return Submitted(
         request_id=request.id,
         tenant=request.tenant,
         at=at,
         request=request,
         traceparent=traceparent,
+        read=read,
+    )
+
+
+def bound_at_once(first: Submitted, decision: Routed) -> Submitted:
+    """``first`` (a request's ``submitted``) carrying its first binding,
+    ``decision``: the one stored event of a request the binder bound in the
+    first round after it read it (:func:`~renqueue.schema.facts` reads it as
+    the pair)."""
+    if (decision.tenant, decision.request_id) != (first.tenant, first.request_id):
+        raise ValueError("a request's submitted event carries only its own binding")
+    return Submitted(
+        request_id=first.request_id,
+        tenant=first.tenant,
+        at=first.at,
+        request=first.request,
+        traceparent=first.traceparent,
+        routed=decision,
+        read=first.read,
     )
 
 

@@ -53,6 +53,7 @@ from ..schema import (
     Routed,
     Started,
     Submitted,
+    facts,
     is_terminal,
     kind_of,
     msg_id,
@@ -403,7 +404,7 @@ def trace_of(
     warm: list[Event] = []
     reader = _Reader(since, until)
     count = 0
-    for event in events:
+    for event in (fact for stored in events for fact in facts(stored)):
         if not math.isfinite(event.at):
             dropped += 1
             continue

@@ -65,6 +65,7 @@ from ..schema import (
     Routed,
     Started,
     Submitted,
+    facts,
     kind_of,
     msg_id,
 )
@@ -433,6 +434,12 @@ class Folding:
         self.last_seq = max(self.last_seq, seq)
 
     def apply(self, event: Event, seq: int | None) -> None:
+        if isinstance(event, Submitted) and event.routed is not None:
+            # A request bound at once: its submit and its binding, folded
+            # as the two events they were before they were stored as one.
+            for fact in facts(event):
+                self.apply(fact, seq)
+            return
         at = _finite(event.at)
         self.events += 1
         if seq is not None:

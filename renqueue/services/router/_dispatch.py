@@ -4,7 +4,10 @@ A :class:`Dispatcher` turns one :class:`~renqueue.policy.Bind` the round
 planner decided into its publishes: the :class:`~renqueue.schema.Dispatch` on
 the backend's subject and the ``routed`` event, both under per-attempt
 message ids (so a bind repeated for the same attempt stores neither twice),
-then acks the request's message. It keeps the request's ack timer alive
+then acks the request's message. A request bound in the first round after
+the binder read it has its ``submitted`` event carry the decision instead
+(one stored event, under the ``submitted`` message id), published ahead of
+the dispatch. It keeps the request's ack timer alive
 while the acks are on their way, settles the capacity :class:`Slot` the
 round counted, and owns the budget of failed dispatches: a request whose
 dispatch fails goes back to wait (nak), and after ``router.max_deliver``
@@ -33,13 +36,17 @@ from ...logs import get_logger
 from ...policy import BIND_REASON
 from ...schema import (
     DISPATCH_STREAM,
+    EVENT_DECODER,
+    EVENTS_STREAM,
     Dispatch,
     Event,
     InferenceRequest,
     Routed,
     Started,
     Stolen,
+    Submitted,
     TraceParent,
+    bound_at_once,
     dispatch_subject,
     encode,
     failed,
@@ -49,7 +56,7 @@ from ...schema import (
     router_max_deliveries,
 )
 from ._capacity import Slot
-from ._hold import Held
+from ._hold import Held, log_first
 from ._ledger import Reserved
 
 __all__ = ["ACKS_TIMEOUT", "STORE_FULL_DELAY", "Dispatcher"]
@@ -219,13 +226,27 @@ class Dispatcher:
         maybe_bound = meta.num_delivered > 1 or meta.sequence.stream < self.term_first_seq
         sent: asyncio.Future[PubAck] | None = None
         backend: str | None = None
+        together: asyncio.Future[PubAck] | None = None
+        earlier: tuple[Routed, int] | None = None
         try:
             if maybe_bound:
-                logged_to = await self._logged_backend(request, dispatch.attempt)
-                if logged_to is not None and logged_to != slot.backend:
+                # Its first word on its own (a copy of one an earlier bind
+                # stored is deduplicated), then the earlier decision, if any.
+                await log_first(item, self._log)
+                earlier = await self._log.decision_of(request.tenant, request.id, dispatch.attempt)
+                if earlier is not None:
                     # Its decision is in the log: it stands (the dispatch goes there).
+                    logged_to = earlier[0].backend
                     dispatch = msgspec.structs.replace(dispatch, backend=logged_to)
                     decision = msgspec.structs.replace(decision, backend=logged_to)
+            elif item.logged is None and item.first is not None:
+                # Bound in the first round after it was read: its first word and
+                # this decision are one stored event, published ahead of the
+                # dispatch, so a dispatch stored never lacks them (a binder that
+                # dies between the two leaves a decision logged, which stands
+                # for the next one: above).
+                together = await self._log.append_async(bound_at_once(item.first, decision))
+                item.logged = together
             sent = await self._js.publish_async(
                 dispatch_subject(dispatch.backend),
                 encode(dispatch),
@@ -239,9 +260,20 @@ class Dispatcher:
             # is a slot idle: ~6 of 28 on a loaded broker, where acks took 40-120 ms).
             sent.add_done_callback(functools.partial(_settle, slot, backend=dispatch.backend))
             shielded = asyncio.shield(sent)  # a timeout stops the wait, not the ack (finally)
-            if maybe_bound:
+            if earlier is not None:
+                # Logged already (on its own, or carried by its `submitted`):
+                # nothing more to log; the reservation is that decision's.
+                await self._kept_alive(item.msg, self._acks(shielded, item.logged))
+                backend = decision.backend
+                if reserved is not None:
+                    reserved.logged(backend, earlier[1])
+            elif maybe_bound:
                 ack = await self._kept_alive(item.msg, shielded)
                 backend = await self._log_decision(item, decision, ack, reserved)
+            elif together is not None:
+                backend = await self._logged_together(
+                    item, decision, reserved, together=together, dispatched=shielded
+                )
             else:
                 backend = await self._append_decision(item, decision, reserved, shielded)
             await item.msg.ack()
@@ -295,6 +327,43 @@ class Dispatcher:
             reserved.logged(routed.backend, decision.seq)
         return routed.backend
 
+    async def _logged_together(
+        self,
+        item: Held,
+        routed: Routed,
+        reserved: Reserved | None,
+        *,
+        together: asyncio.Future[PubAck],
+        dispatched: Awaitable[PubAck],
+    ) -> str:
+        """Await ``together``, the ``submitted`` event that carries ``routed``,
+        with the dispatch's ack; the reservation is then the decision's.
+
+        Deduplicated (a ``submitted`` of the request is stored already: one the
+        round logged on its own while this bind was under way, or a copy read
+        again past the requests' duplicate window while the first still
+        waits), it may not carry this decision: then ``routed`` is logged on
+        its own."""
+        stored, _ = await self._kept_alive(item.msg, asyncio.gather(together, dispatched))
+        if stored.duplicate and not await self._carries(stored.seq, routed):
+            return await self._append_decision(item, routed, reserved)
+        if reserved is not None:
+            reserved.logged(routed.backend, stored.seq)
+        return routed.backend
+
+    async def _carries(self, seq: int, routed: Routed) -> bool:
+        """Whether the event stored at ``seq`` carries a decision of ``routed``'s attempt."""
+        stored = await self._js.get_msg(EVENTS_STREAM, seq=seq)
+        with contextlib.suppress(msgspec.DecodeError):
+            event = EVENT_DECODER.decode(stored.data or b"")
+            return (
+                isinstance(event, Submitted)
+                and event.routed is not None
+                and (event.tenant, event.request_id) == (routed.tenant, routed.request_id)
+                and event.routed.attempt == routed.attempt
+            )
+        return False
+
     async def _dispatch_failed(self, item: Held, exc: Exception) -> None:
         """A bind failed: the request waits again (nak), or, out of dispatch
         attempts (or at the consumer's last delivery), fails for the record
@@ -329,13 +398,6 @@ class Dispatcher:
     def _acks(*acks: asyncio.Future[PubAck] | None) -> Awaitable[list[PubAck]]:
         """The acks given (``None`` skipped), awaited together, in their order."""
         return asyncio.gather(*(ack for ack in acks if ack is not None))
-
-    async def _logged_backend(self, request: InferenceRequest, attempt: int) -> str | None:
-        """The backend of a ``routed`` decision already logged for this attempt, if any."""
-        for event in reversed(await self._log.history(request.tenant, request.id, kind="routed")):
-            if isinstance(event, Routed) and event.attempt == attempt:
-                return event.backend
-        return None
 
     async def _earlier_dispatch(
         self, request: InferenceRequest, attempt: int, seq: int

@@ -12,17 +12,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Annotated, Final
 
 import msgspec
 
-from ...broker import Message, PubAck
+from ...broker import EventLog, Message, PubAck
 from ...logs import get_logger
 from ...policy import LevelPolicy, pick_key
-from ...schema import SHUTDOWN_NAK_DELAY, ComplexityEstimate, InferenceRequest, TraceParent
+from ...schema import (
+    SHUTDOWN_NAK_DELAY,
+    ComplexityEstimate,
+    InferenceRequest,
+    Submitted,
+    TraceParent,
+)
 
-__all__ = ["BOOST_DECODER", "Boost", "Held", "Hold", "stored_at"]
+__all__ = ["BOOST_DECODER", "Boost", "Held", "Hold", "first_then", "log_first", "stored_at"]
 
 log = get_logger("router")
 
@@ -55,7 +61,15 @@ class Held(msgspec.Struct, kw_only=True):
     touched: float
     #: Promotions already announced as events.
     promoted: int = 0
-    #: The ack of the request's ``submitted`` event, awaited before it is routed.
+    #: The request's ``submitted`` event, the log's first word on it (its
+    #: request as read, before placement; its trace; ``submitted``).
+    first: Submitted | None = None
+    #: The ack of the stored event that says ``first``, awaited before the
+    #: request's message is acked. ``None`` while it is not yet published: the
+    #: intake leaves a request read for the first time to its first round, and
+    #: if that round binds it, its binding carries it (one stored event,
+    #: :func:`~renqueue.schema.bound_at_once`); otherwise the round logs it on
+    #: its own (:func:`log_first`) before anything else about the request.
     logged: asyncio.Future[PubAck] | None = None
     #: The parent's (rank, submitted_at), when the request names a known parent.
     parent: tuple[int, float] | None = None
@@ -82,6 +96,23 @@ class Held(msgspec.Struct, kw_only=True):
         return pick_key(
             self.rank, self.submitted, now, policies, parent=self.parent, boost=self.boost
         )
+
+
+async def log_first(item: Held, events: EventLog) -> None:
+    """Publish ``item``'s ``submitted`` event (pipelined: :attr:`Held.logged`
+    is its ack) unless it is published already: before any other event of
+    the request that does not carry it."""
+    if item.logged is None and item.first is not None:
+        logged = await events.append_async(item.first)
+        if item.logged is None:  # (its binding may have published it meanwhile)
+            item.logged = logged
+
+
+async def first_then(item: Held, events: EventLog, then: Callable[[], Awaitable[object]]) -> None:
+    """:func:`log_first`, then ``then()``: an event about a request the
+    intake left unlogged (a promotion, an ending) follows its ``submitted``."""
+    await log_first(item, events)
+    await then()
 
 
 def _seq(item: Held) -> int:

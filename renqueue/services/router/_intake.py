@@ -10,7 +10,9 @@ ended (its terminal claim is taken: a resubmit past the duplicate window, or
 under another message id) is not admitted again (:meth:`Intake._ended`: the
 one place this is decided; the worker's gate still drops a run of a request
 that ended after it was routed); its ``submitted`` event, the log's first
-word on it, is written; then it is settled at once if it is
+word on it, is written (for a request read for the first time that cannot
+coalesce, left to its first round: bound then, its binding carries it, one
+stored event instead of two); then it is settled at once if it is
 already past its deadline or cancelled, joins a coalescing group if it
 follows another's call, or is placed (its A/B arm and tier, ``_placement``)
 and held for the round.
@@ -78,7 +80,7 @@ from ._admission import (
     rejection_id,
     subject_token,
 )
-from ._hold import BOOST_DECODER, Held, stored_at
+from ._hold import BOOST_DECODER, Held, first_then, log_first, stored_at
 from ._parts import Parts
 
 __all__ = ["UNTAKEABLE_AFTER", "Intake"]
@@ -165,26 +167,7 @@ class Intake:
             refused: list[tuple[Message, Refused]] = []
             try:
                 claims = await self._claims_of(msgs)
-                while pending:
-                    head = pending[0]
-                    held = self._hold.holds_message(head)
-                    read = None if held else self._read_safely(head, level)
-                    if isinstance(read, Refused):
-                        # Rejected after the batch's valid requests, all at once.
-                        refused.append((head, read))
-                        pending.popleft()
-                        continue
-                    try:
-                        await self._take(head, level, rank, now, claims, read=read)
-                    except NatsPayloadTooLargeError as exc:  # this request's, not the broker's
-                        await self._untakeable(head, exc)
-                    except NatsError:
-                        raise  # the broker's: the loop restarts (and the batch goes back)
-                    except Exception as exc:  # noqa: BLE001 - one request must never stop a level
-                        await self._untakeable(head, exc)
-                    else:
-                        self._take_failures.pop(head.metadata.sequence.stream, None)
-                    pending.popleft()
+                await self._take_all(pending, refused, level, rank=rank, now=now, claims=claims)
                 await self._reject_all(refused)
             except BaseException:
                 # Failed or stopped mid-batch: what was not taken goes back now,
@@ -195,6 +178,49 @@ class Intake:
                 raise
             finally:
                 self._parts.wake.set()
+
+    async def _take_all(
+        self,
+        pending: deque[Message],
+        refused: list[tuple[Message, Refused]],
+        level: str,
+        *,
+        rank: int,
+        now: float,
+        claims: Claims,
+    ) -> None:
+        """Take a fetched batch's good requests, in order (each off ``pending``
+        once taken), and gather its refusals into ``refused`` for
+        :meth:`_reject_all`. A failure of the broker is raised (the loop
+        restarts; ``pending`` goes back); any other is the request's own."""
+        taken: list[Held] = []
+        while pending:
+            head = pending[0]
+            held = self._hold.holds_message(head)
+            read = None if held else self._read_safely(head, level)
+            if isinstance(read, Refused):
+                # Rejected after the batch's valid requests, all at once.
+                refused.append((head, read))
+                pending.popleft()
+                continue
+            try:
+                item = await self._take(head, level, rank, now, claims, read=read)
+            except NatsPayloadTooLargeError as exc:  # this request's, not the broker's
+                await self._untakeable(head, exc)
+            except NatsError:
+                raise  # the broker's: the loop restarts (and the batch goes back)
+            except Exception as exc:  # noqa: BLE001 - one request must never stop a level
+                await self._untakeable(head, exc)
+            else:
+                self._take_failures.pop(head.metadata.sequence.stream, None)
+                if item is not None:
+                    taken.append(item)
+            pending.popleft()
+        if refused:
+            # The batch's good requests are in the log before its rejections
+            # (their first words, left for their binding to carry, on their own now).
+            for item in taken:
+                await log_first(item, self._log)
 
     def _read_safely(self, msg: Message, level: str) -> InferenceRequest | Refused | None:
         """:meth:`_read`, or ``None`` if it raises (a bug the request triggers):
@@ -316,16 +342,16 @@ class Intake:
         claims: Claims | None = None,
         *,
         read: InferenceRequest | Refused | None = None,
-    ) -> None:
-        """Admit one fetched request: log it, settle it, or hold it for dispatch.
-        ``read``: what :meth:`_read` made of it already, if it was."""
+    ) -> Held | None:
+        """Admit one fetched request: log it, settle it, or hold it for dispatch
+        (then it is returned). ``read``: what :meth:`_read` made of it already, if it was."""
         if self._hold.holds_message(msg):
             # Delivered again while held (a nak from a router that lost the
             # lease, an ack timer that ran out): the held one stands for it.
-            return
+            return None
         request = await self._admit(msg, level, now, claims, read=read)
         if request is None:
-            return
+            return None
         arrived = await arrival(self._js, msg, request)
         submitted = arrived.submitted
         if arrived.paused is not None:
@@ -333,34 +359,46 @@ class Intake:
             # there before it comes back, whatever the projection says.
             self._parts.ledger.pause(*arrived.paused)
         # The log's first word on a request, written by whoever reads it
-        # first, so it always precedes its `routed` event (a redelivery
-        # writes it again under the same message id: stored once).
+        # first, so it always precedes its `routed` event or carries it (a
+        # redelivery writes it again under the same message id: stored once).
         # Its trace: the one it was published in (a valid ``traceparent``
         # header), else the one logged when it was first read (a copy put
         # back without one), else a new one, begun here.
         trace = trace_of(msg.headers) or arrived.trace or next_hop(None)
-        logged = await self._log.append_async(
-            schema.submitted(request, at=submitted, traceparent=trace.header)
+        # A request read for the first time (no earlier bind can have logged
+        # anything of it), new (a requeue's first word is in the log already)
+        # and that coalesces with no other: its first word waits for its first
+        # round, whose binding carries it (one stored event, not two); a round
+        # that does not bind it logs it on its own (Held.logged). It says when
+        # it was read, which its storing no longer does.
+        defer = (
+            request.requeues == 0
+            and msg.metadata.num_delivered == 1
+            and coalesce_key(request) is None
         )
-        if await self._settle_on_read(msg, request, logged, now, since=submitted):
-            return
+        first = schema.submitted(
+            request, at=submitted, traceparent=trace.header, read=now if defer else None
+        )
+        logged = None if defer else await self._log.append_async(first)
+        if await self._settle_on_read(msg, request, first, logged, now, since=submitted):
+            return None
         if await self._follows(msg, request, logged, now):
-            return
+            return None
         request, estimate = self._parts.placement.place(request, self._parts.live())
-        self._hold.add(
-            level,
-            Held(
-                msg=msg,
-                request=request,
-                rank=rank,
-                submitted=submitted,
-                touched=now,
-                logged=logged,
-                parent=await parent_of(self._js, request, self._config),
-                estimate=estimate,
-                trace=trace,
-            ),
+        item = Held(
+            msg=msg,
+            request=request,
+            rank=rank,
+            submitted=submitted,
+            touched=now,
+            first=first,
+            logged=logged,
+            parent=await parent_of(self._js, request, self._config),
+            estimate=estimate,
+            trace=trace,
         )
+        self._hold.add(level, item)
+        return item
 
     async def _admit(
         self,
@@ -497,14 +535,16 @@ class Intake:
         self,
         msg: Message,
         request: InferenceRequest,
-        logged: asyncio.Future[PubAck],
+        first: schema.Submitted,
+        logged: asyncio.Future[PubAck] | None,
         now: float,
         *,
         since: float,
     ) -> bool:
         """End a request that is already past its deadline or cancelled when read.
 
-        After its ``submitted`` event, so the log still starts with it.
+        After its ``submitted`` event, ``first`` (published here if ``logged``
+        is ``None``: not yet), so the log still starts with it.
         ``since``: when its wait began (server time); a cancellation older
         than what the watch holds is looked up in the log.
         """
@@ -514,6 +554,8 @@ class Intake:
         )
         if not (expired or cancelled):
             return False
+        if logged is None:
+            logged = await self._log.append_async(first)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(logged, 10.0)
         if expired:
@@ -523,11 +565,16 @@ class Intake:
         return True
 
     async def _follows(
-        self, msg: Message, request: InferenceRequest, logged: asyncio.Future[PubAck], now: float
+        self,
+        msg: Message,
+        request: InferenceRequest,
+        logged: asyncio.Future[PubAck] | None,
+        now: float,
     ) -> bool:
-        """Join the request's coalescing group; True if it follows another's call."""
+        """Join the request's coalescing group; True if it follows another's call.
+        (One that may coalesce has its ``submitted`` event ``logged`` already.)"""
         key = coalesce_key(request)
-        if key is None:
+        if key is None or logged is None:
             return False
         try:
             leader = await self._coalescer.join(request, key)
@@ -597,7 +644,8 @@ class Intake:
         """
         item = self._hold.remove_request(event.tenant, event.request_id)
         if item is not None:
-            self._parts.inflight.spawn(self._endings.cancel(item.msg, item.request))
+            cancel = functools.partial(self._endings.cancel, item.msg, item.request)
+            self._parts.inflight.spawn(first_then(item, self._log, cancel))
             return
         self._end_follower_cancelled(event.tenant, event.request_id)
 

@@ -72,7 +72,7 @@ from ._capacity import Capacity
 from ._catch_up import CatchUp
 from ._circuits import Circuits, change_event
 from ._dispatch import Dispatcher
-from ._hold import Held
+from ._hold import Held, first_then, log_first
 from ._parts import Parts
 
 __all__ = ["Round"]
@@ -269,20 +269,25 @@ class Round:
                 self._announce_promotion(item, action)
             elif isinstance(action, Expire):
                 gone.add(action.ref)
-                self._inflight.spawn(
-                    self._endings.expire(item.msg, item.request, now, reason=action.reason)
+                expire = functools.partial(
+                    self._endings.expire, item.msg, item.request, now, reason=action.reason
                 )
+                self._inflight.spawn(first_then(item, self._log, expire))
             elif isinstance(action, Refuse):
                 gone.add(action.ref)
                 request = item.request
                 error = budget_exhausted(
                     request, action.daily, action.spent, now, mode=action.mode, cost=action.cost
                 )
-                self._inflight.spawn(
-                    self._endings.reject(
-                        item.msg, request.id, request.tenant, error, request=request
-                    )
+                reject = functools.partial(
+                    self._endings.reject,
+                    item.msg,
+                    request.id,
+                    request.tenant,
+                    error,
+                    request=request,
                 )
+                self._inflight.spawn(first_then(item, self._log, reject))
             elif isinstance(action, Bind) and action.backend in held_back:
                 # Its quota is judged on a view that may not know yet what the
                 # previous binder spent: it waits (held) for the view.
@@ -295,6 +300,11 @@ class Round:
             elif isinstance(action, Wait):
                 waiting.update(action.backends)
                 item.waiting_for = promise(item.waiting_for, action)
+        # A request this round did not bind waits: its first word, left for
+        # its binding to carry, goes into the log on its own now.
+        for ref, item in items.items():
+            if item.logged is None and ref not in gone:
+                self._inflight.spawn(log_first(item, self._log))
         return waiting, gone
 
     def _bind(self, item: Held, action: Bind, now: float, term: int) -> None:
@@ -365,7 +375,9 @@ class Round:
             item.promoted = action.promoted
         else:
             item.inherited = action.rank
-        self._inflight.spawn(self._log.append(event))
+        self._inflight.spawn(
+            first_then(item, self._log, functools.partial(self._log.append, event))
+        )
 
     def _maybe_preempt(self, item: Held, action: AskPreemption, now: float) -> None:
         """An urgent request finds every capable slot taken: ask for a
