@@ -251,7 +251,10 @@ class Caller:
         trace: TraceParent,
     ) -> None:
         """Read the backend's stream into ``answer``, each delta with text,
-        tool calls or log probabilities published as the run's next chunk."""
+        tool calls or log probabilities published as the run's next chunk;
+        except those that came with the stream's end (``Delta.end``), held
+        for the final chunk (``answer.held``), and all of them for a request
+        submitted with ``stream`` false."""
         subject = token_subject(request.tenant, request.id)
         stream = self._backend.stream(request, priority=rank, traceparent=trace.header)
         try:
@@ -297,7 +300,10 @@ class Caller:
                     answer.kept_logprobs = _keep_logprobs(
                         answer.logprobs, delta.logprobs, answer.kept_logprobs
                     )
-                    if len(answer.logprobs) - kept < len(delta.logprobs) and answer.held:
+                    if (
+                        len(answer.logprobs) - kept < len(delta.logprobs)
+                        and answer.held is not None
+                    ):
                         # The event keeps them within a budget: the final
                         # chunk could not carry them all from it.
                         await self._flush(request, run, pending_acks, chunks, answer)
