@@ -121,8 +121,9 @@ async def test_a_request_submitted_without_stream_stores_no_chunk_and_its_result
 
 
 async def test_the_gateway_submits_whole_answers_without_chunks(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(TokenFollower, "IDLE", 0.1)
     settings = MockSettings(ttft=0.0, tokens_per_second=0, output_tokens=8)
     async with MockBackend(settings) as mock:
         async for stack in start(tmp_path, mock):
@@ -151,6 +152,11 @@ async def whole_and_streamed(stack: Stack) -> None:
     async with stack.client("acme") as client:
         await final_stored(client, "acme", stream_id)
         assert await no_chunk_stored(client, "acme", whole_id)
+    async with stack.http(ACME) as http:
+        # A whole answer has no stream to join.
+        joined = await http.get(f"/requests/{whole_id}/stream")
+        assert joined.status_code == 410, joined.text
+        assert joined.json()["error"]["code"] == "stream_expired"
     assert content
     assert "".join(pieces) == content
 
