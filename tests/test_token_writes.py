@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from test_binder import until
+from test_coalescing import _wait_coalesced
 from test_final_chunks import make_config, stored_chunks
 from test_gateway_sdk import ACME, Stack, start
 
@@ -174,3 +175,23 @@ async def final_stored(client: Client, tenant: str, request_id: str) -> None:
         return bool(json.loads(last.data or b"{}").get("final"))
 
     await until(stored, f"the final chunk of {request_id} is stored")
+
+
+async def test_a_coalesced_follower_gets_the_whole_answer_in_one_final_chunk(
+    tmp_path: Path,
+) -> None:
+    # The leader's call takes a while (its first token after 0.5 s): time to join it.
+    async with MockBackend(MockSettings(ttft=0.5, tokens_per_second=0, output_tokens=4)) as mock:
+        config = make_config(tmp_path, mock.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            leader = await client.submit("same", route="chat", coalesce=True)
+            follower = await client.submit("same", route="chat", coalesce=True)
+            await _wait_coalesced(client, follower.id)
+            chunks = [chunk async for chunk in follower.stream(timeout=10)]
+            led = await leader.result(timeout=10)
+            shared = await follower.result(timeout=10)
+            stored = await stored_chunks(client, follower.id)
+    assert shared.text == led.text
+    [only] = chunks
+    assert (only.final, only.delivery, only.seq, only.text) == (True, 1, 0, led.text)
+    assert [(c["final"], c["text"]) for c in stored] == [(True, led.text)]
