@@ -546,7 +546,10 @@ async def pipeline(
 
             async def submit_result(_result: LoopResult) -> float:
                 start = time.perf_counter()
-                handle = await client.submit(PROMPT, route="chat", priority="normal", timeout=60)
+                # Only the result is wanted: no token chunks (stream=False).
+                handle = await client.submit(
+                    PROMPT, route="chat", priority="normal", timeout=60, stream=False
+                )
                 await handle.result(timeout=60)
                 return time.perf_counter() - start
 
@@ -640,16 +643,18 @@ async def pipeline(
 #: JetStream operations one completed request costs, read from the code (see README).
 OPS_PER_REQUEST: dict[str, dict[str, str | int]] = {
     "acked_publishes": {
-        # The instant mock's tokens arrive in one network read, and the worker
-        # publishes one chunk per read: one text chunk per answer here.
-        "count": 7,
+        # The closed loop only wants results (submit(stream=False)): no token
+        # chunk is stored. A streamed request adds one chunk per network read
+        # from the backend, the last read's (with the stream's end) being the
+        # final chunk: one chunk in all for the instant mock.
+        "count": 5,
         "detail": (
             "client: request (js.publish); "
             "router: submitted event carrying the routed decision (a request bound "
             "in the first round after it was read) + dispatch (publish_async); "
-            "worker: started event + one token chunk per network read from the "
-            "backend (1 for the instant mock; publish_async) + completed event and "
-            "final chunk (publish_async, awaited together)"
+            "worker: started event + completed event (publish_async); no token "
+            "chunk (stream=False; a streamed request: + 1 final chunk carrying the "
+            "instant mock's one read)"
         ),
     },
     "pull_deliveries_acked": {

@@ -40,8 +40,10 @@ The tree, by what a caller can do about it::
     │   ├── RequestRejectedError    rejected as invalid before routing
     │   ├── RequestExpiredError     its deadline passed
     │   └── RequestCancelledError   cancelled
-    └── TokensExpiredError          client side: a request ended, its token stream is no
-                                    longer stored (past ``nats.tokens.max_age``)
+    ├── TokensExpiredError          client side: a request ended, its token stream is no
+    │                               longer stored (past ``nats.tokens.max_age``)
+    └── TokensNotStreamedError      client side: the request was submitted with
+                                    ``stream=False``: it has no token stream
 
 Foreign errors (httpx, nats, msgspec) are translated once, at the boundary
 where they occur, with ``raise ... from exc``. Messages never contain secrets.
@@ -88,6 +90,7 @@ __all__ = [
     "StoreFullError",
     "TenantBacklogFullError",
     "TokensExpiredError",
+    "TokensNotStreamedError",
     "UnknownPriorityError",
     "UnknownRouteError",
     "UnprocessableRequestError",
@@ -605,4 +608,21 @@ class TokensExpiredError(RenQueueError):
             f"request {request_id} has ended ({outcome}) but its token stream is no longer "
             "stored (tokens are kept for nats.tokens.max_age, 1 h by default): "
             "use result() for its outcome and text"
+        )
+
+
+class TokensNotStreamedError(RenQueueError):
+    """Client side: ``stream()`` on a request submitted with ``stream=False``.
+
+    Such a request stores no token chunk: its answer is whole in its
+    ``completed`` event. Use ``RequestHandle.result()``.
+    """
+
+    code = "tokens_not_streamed"
+
+    def __init__(self, *, request_id: str) -> None:
+        self.request_id = request_id
+        super().__init__(
+            f"request {request_id} was submitted with stream=False: it has no token "
+            "stream; use result() for its outcome and whole text"
         )

@@ -247,8 +247,11 @@ async def test_a_reader_that_stops_reading_holds_a_bounded_queue_and_loses_nothi
             result = await handle.result(timeout=20)  # ended while nobody read
             held = follower._live.qsize()
             texts = []
-            while not (chunk := await follower.next()).final:
-                texts.append(chunk.text)
+            while True:
+                chunk = await follower.next()
+                texts.append(chunk.text)  # the final chunk's too (the last read's)
+                if chunk.final:
+                    break
             await follower.close()
     assert held <= 64
     assert "".join(texts) == result.text

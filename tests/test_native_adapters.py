@@ -108,6 +108,7 @@ async def test_stream_yields_text_then_usage_and_finish_reason(
     assert deltas[-1] == Delta(
         usage=Usage(prompt_tokens=prompt_tokens(adapter), completion_tokens=4),
         finish_reason="stop",
+        end=True,
     )
     assert mock.stats().completed == 1
 

@@ -99,7 +99,7 @@ async def test_stream_yields_text_deltas_then_usage_and_finish_reason(
     assert "".join(d.text for d in deltas) == "tok0 tok1 tok2 tok3"
     assert [d.usage for d in deltas[:-1]] == [None] * (len(deltas) - 1)
     assert deltas[-1] == Delta(
-        usage=Usage(prompt_tokens=2, completion_tokens=4), finish_reason="stop"
+        usage=Usage(prompt_tokens=2, completion_tokens=4), finish_reason="stop", end=True
     )
 
 
@@ -510,8 +510,9 @@ async def test_json_answer_to_a_stream_request_is_accepted(
 ) -> None:
     deltas = await collect(scripted_backend("json"), make_request())
     assert deltas == [
-        Delta(text="whole"),
-        Delta(usage=Usage(prompt_tokens=1, completion_tokens=1), finish_reason="stop"),
+        # A whole body read at once: its text came with the end.
+        Delta(text="whole", end=True),
+        Delta(usage=Usage(prompt_tokens=1, completion_tokens=1), finish_reason="stop", end=True),
     ]
 
 

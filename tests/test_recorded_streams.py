@@ -534,7 +534,7 @@ async def test_anthropic_basic_stream(adapter: Callable[[str], HTTPBackend]) -> 
     deltas = await collect(adapter("anthropic-basic"))
     assert text(deltas) == "Hello there!"
     assert deltas[-1] == Delta(
-        usage=Usage(prompt_tokens=11, completion_tokens=6), finish_reason="stop"
+        usage=Usage(prompt_tokens=11, completion_tokens=6), finish_reason="stop", end=True
     )
 
 
@@ -576,7 +576,7 @@ async def test_ollama_stream_and_its_final_counts(adapter: Callable[[str], HTTPB
     assert text(deltas) == "The"
     # The docs' final object has no done_reason: a done line is a stop.
     assert deltas[-1] == Delta(
-        usage=Usage(prompt_tokens=26, completion_tokens=282), finish_reason="stop"
+        usage=Usage(prompt_tokens=26, completion_tokens=282), finish_reason="stop", end=True
     )
 
 
@@ -616,7 +616,7 @@ async def test_gemini_stream(adapter: Callable[[str], HTTPBackend]) -> None:
     deltas = await collect(adapter("gemini-stream"))
     assert text(deltas) == GEMINI_TEXT
     assert deltas[-1] == Delta(
-        usage=Usage(prompt_tokens=399, completion_tokens=191), finish_reason="stop"
+        usage=Usage(prompt_tokens=399, completion_tokens=191), finish_reason="stop", end=True
     )
     deltas = await collect(adapter("gemini-max-tokens"))
     assert deltas[-1].finish_reason == "length"

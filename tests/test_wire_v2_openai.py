@@ -703,3 +703,5 @@ async def test_a_request_with_tools_completes_with_its_tool_call_end_to_end(
     assert [(d.index, d.id, d.name) for d in deltas] == [(0, event.tool_calls[0].id, "get_weather")]
     assert deltas[0].arguments == event.tool_calls[0].arguments
     assert "".join(c.text for c in chunks) == event.text == ""
+    # The adapter hands the calls over once the answer is read: in the final chunk.
+    assert [c.final for c in chunks if c.tool_calls] == [True]

@@ -898,6 +898,7 @@ class HTTPBackend(Closing):
             usage=parser.usage(request),
             finish_reason=last.finish_reason,
             tool_calls=last.tool_calls,
+            end=True,
         )
 
     async def _stream_from(
@@ -912,7 +913,10 @@ class HTTPBackend(Closing):
     ) -> AsyncIterator[Delta]:
         """Read the stream. Everything that arrived in one network read becomes
         one :class:`Delta`: a fast backend's burst of tokens costs one publish
-        downstream, and a slow one's single token is not held back.
+        downstream, and a slow one's single token is not held back. The read
+        that also brought the stream's end marker gives its delta ``end``:
+        the worker sends that text with the final chunk, one publish fewer
+        (only when it ended as a whole answer: see :meth:`StreamParser.unfinished`).
 
         Each wait on the network is bounded by the clock's next deadline (the
         first token's, else the whole call's): never across a ``yield``, so a
@@ -938,7 +942,7 @@ class HTTPBackend(Closing):
                     raw = await response.aread()
                 generation = self._whole(raw, request)
                 if generation.text or generation.logprobs:
-                    yield Delta(text=generation.text, logprobs=generation.logprobs)
+                    yield Delta(text=generation.text, logprobs=generation.logprobs, end=True)
                 parser.adopt(generation)
                 return
             pieces = response.aiter_bytes().__aiter__()
@@ -949,10 +953,13 @@ class HTTPBackend(Closing):
                 except StopAsyncIteration:
                     break
                 text = self._feed(parser, piece, request)
+                # Ended here, as a whole answer (a stream cut short at its end
+                # marker streams what came, as any broken stream).
+                end = parser.complete and parser.unfinished() is None
                 if parser.logprobs:
-                    yield Delta(text=text, logprobs=parser.take_logprobs())
+                    yield Delta(text=text, logprobs=parser.take_logprobs(), end=end)
                 elif text:
-                    yield Delta(text=text)
+                    yield Delta(text=text, end=end)
             self._feed(parser, None, request)
         finally:
             await call.__aexit__(None, None, None)

@@ -37,6 +37,11 @@ class Delta(Struct, frozen=True, kw_only=True):
     tool_calls: tuple[ToolCall, ...] = ()
     #: The log probabilities of this piece's tokens (a request that asked for them).
     logprobs: tuple[TokenLogprob, ...] = ()
+    #: The stream's end came with this piece (in the same network read, or
+    #: this is the last delta): no text follows it, so a consumer may send it
+    #: with the answer's end instead of on its own. Only a hint: ``False``
+    #: is always correct, and the stream still ends when the iterator does.
+    end: bool = False
 
 
 class Generation(Struct, frozen=True, kw_only=True):

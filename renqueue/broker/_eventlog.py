@@ -61,8 +61,8 @@ from ..schema import (
     TOKEN_DECODER,
     TOKENS_STREAM,
     CancelRequested,
+    ChunkTail,
     CircuitChanged,
-    Completed,
     Event,
     FellBack,
     Preempted,
@@ -75,13 +75,13 @@ from ..schema import (
     Stolen,
     Submitted,
     TerminalClaim,
-    TokenChunk,
     cancel_subject,
     dlq_subject,
     encode,
     event_subject,
     events_of_request,
     facts,
+    final_chunk,
     is_terminal,
     kind_of,
     msg_id,
@@ -489,7 +489,13 @@ class EventLog:
         )
 
     async def finish(
-        self, event: Event, *, delivery: int | None = None, seq: int | None = None
+        self,
+        event: Event,
+        *,
+        delivery: int | None = None,
+        seq: int | None = None,
+        tail: ChunkTail | None = None,
+        stream: bool = True,
     ) -> bool:
         """End the request with terminal ``event``, exactly once, and close its token stream.
 
@@ -503,13 +509,18 @@ class EventLog:
         ends the request and that run's next chunk ``seq`` (the defaults for a
         missing one: ``1`` and ``0``). With neither given (a caller that ran
         nothing: a router), the final chunk follows the last chunk stored for
-        the request, or is ``(1, 0)`` if there is none.
+        the request, or is ``(1, 0)`` if there is none. ``tail``: what of a
+        ``completed`` event the final chunk carries itself (the run's last
+        read, not streamed in a chunk of its own). ``stream`` false (a request
+        submitted with ``stream`` false): no final chunk at all.
         """
         if not is_terminal(event):
             raise ValueError(f"{kind_of(event)} is not a terminal event")
-        if delivery is None and seq is None:
+        if stream and delivery is None and seq is None:
             delivery, seq = await self._after_last_chunk(event.tenant, event.request_id)
-        claim = TerminalClaim(event=event, delivery=delivery or 1, seq=seq or 0)
+        claim = TerminalClaim(
+            event=event, delivery=delivery or 1, seq=seq or 0, tail=tail, stream=stream
+        )
         if not await self._create(terminal_key(event.tenant, event.request_id), encode(claim)):
             existing = await self.claim_of(event.tenant, event.request_id)
             if existing is not None:
@@ -570,19 +581,10 @@ class EventLog:
 
     async def _publish_terminal(self, claim: TerminalClaim, *, check_final: bool) -> None:
         event = claim.event
-        # The first chunk of a run after the first restarts the stream, even
-        # when it is the final one (a run that ended without text): the text of
-        # earlier runs is void, never the answer.
-        completed = event if isinstance(event, Completed) else None
-        chunk = TokenChunk(
-            request_id=event.request_id,
-            delivery=claim.delivery,
-            seq=claim.seq,
-            final=True,
-            restart=claim.delivery > 1 and claim.seq == 0,
-            finish_reason=None if completed is None else completed.finish_reason,
-            usage=None if completed is None else completed.usage,
-        )
+        if not claim.stream:
+            await self._store_terminal(event)  # a request nobody streams: no chunk
+            return
+        chunk = final_chunk(claim)
         subject = token_subject(event.tenant, event.request_id)
 
         async def close_stream() -> None:

@@ -126,6 +126,7 @@ class Client(Closing):
         parent_id: str | None = None,
         dedupe_key: str | None = None,
         coalesce: bool = False,
+        stream: bool = True,
     ) -> InferenceRequest:
         """Build and validate a request, without sending it (see :meth:`submit_request`).
 
@@ -165,6 +166,7 @@ class Client(Closing):
             "parent_id": parent_id,
             "dedupe_key": dedupe_key,
             "coalesce": coalesce,
+            "stream": stream,
         }
         try:
             # Decoding validates every constraint (constructors do not).
@@ -194,6 +196,7 @@ class Client(Closing):
         parent_id: str | None = None,
         dedupe_key: str | None = None,
         coalesce: bool = False,
+        stream: bool = True,
         traceparent: str | None = None,
     ) -> RequestHandle:
         """Submit a request; the handle streams its tokens and waits for its result.
@@ -237,6 +240,11 @@ class Client(Closing):
                 backend call.
             coalesce: Share a call with identical requests (same route,
                 messages and parameters).
+            stream: ``False`` when only :meth:`RequestHandle.result` will be
+                wanted: no token chunk is stored for the request (fewer
+                writes; the result is the same, whole), and
+                :meth:`RequestHandle.stream` raises
+                :class:`TokensNotStreamedError`.
             traceparent: A W3C ``traceparent`` (``00-<trace id>-<parent
                 id>-<flags>``) to carry the request in: its trace id goes
                 on, under a span of the submit's own. ``None``, or one that
@@ -257,7 +265,7 @@ class Client(Closing):
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
             params=params, timeout=timeout, deadline=deadline, max_cost=max_cost,
             complexity=complexity, metadata=metadata, parent_id=parent_id, dedupe_key=dedupe_key,
-            coalesce=coalesce), traceparent=traceparent)  # fmt: skip
+            coalesce=coalesce, stream=stream), traceparent=traceparent)  # fmt: skip
 
     async def submit_request(
         self, request: InferenceRequest, *, traceparent: str | None = None
@@ -330,6 +338,7 @@ class Client(Closing):
             found_on_retry=published is Published.FOUND_ON_RETRY,
             waiter=waiter,
             traceparent=trace.header,
+            streamed=request.stream,
         )
 
     def handle(self, request_id: str) -> RequestHandle:

@@ -18,6 +18,7 @@ from ..errors import (
     RequestExpiredError,
     RequestFailedError,
     RequestRejectedError,
+    TokensNotStreamedError,
 )
 from ..schema import (
     Cancelled,
@@ -102,6 +103,7 @@ class RequestHandle:
         found_on_retry: bool = False,
         waiter: asyncio.Future[Event] | None = None,
         traceparent: str | None = None,
+        streamed: bool | None = None,
     ) -> None:
         self._client = client
         self._waiter = waiter
@@ -119,6 +121,9 @@ class RequestHandle:
         #: with (its ``trace_id`` names the request's trace); ``None`` for a
         #: handle not made by a submit (:meth:`Client.handle`).
         self.traceparent = traceparent
+        #: Whether the request was submitted to be streamed (its ``stream``
+        #: field); ``None`` for a handle not made by a submit (not known).
+        self.streamed = streamed
 
     def __repr__(self) -> str:
         return f"RequestHandle(id={self.id!r}, tenant={self.tenant!r})"
@@ -132,7 +137,16 @@ class RequestHandle:
 
         A chunk with ``restart=True`` begins a new run of the request (the
         earlier run was interrupted): text streamed before it is void.
-        ``timeout`` bounds the wait for each next chunk.
+        ``timeout`` bounds the wait for each next chunk. The final chunk
+        (``final=True``) is yielded, last, when it carries text, tool calls
+        or log probabilities (the backend's last read, which also ended its
+        stream); one without is not.
+
+        A request this handle submitted with ``stream=False`` has no chunks:
+        this raises :class:`TokensNotStreamedError` at once. (Through a
+        handle that did not submit it, :meth:`Client.handle`, such a request
+        looks like one whose chunks aged out: :class:`TokensExpiredError`
+        once it has ended.)
 
         Chunks are kept ``nats.tokens.max_age`` (1 h by default). For a
         request that has ended and whose chunks are no longer all stored,
@@ -144,12 +158,16 @@ class RequestHandle:
         older than ``nats.events.max_age``) is waited for, as is a broker
         that does not answer for a while (a restart, a node down).
         """
+        if self.streamed is False:
+            raise TokensNotStreamedError(request_id=self.id)
         follower = TokenFollower(self._client, self.tenant, self.id)
         try:
             await asyncio.wait_for(follower.start(), timeout)
             while True:
                 chunk = await asyncio.wait_for(follower.next(), timeout)
                 if chunk.final:
+                    if chunk.text or chunk.tool_calls or chunk.logprobs:
+                        yield chunk
                     return
                 yield chunk
         finally:

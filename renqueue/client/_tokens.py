@@ -53,8 +53,9 @@ class TokenFollower:
 
     The final chunk carries its run and the run's next ``seq``: the stream
     ends once every chunk before it is handed out. A final chunk with
-    ``seq`` 0 (a run that streamed nothing, or one written before final
-    chunks carried their position) ends it after one more read of the store.
+    ``seq`` 0 and text (a run whose whole answer came in its last read) ends
+    it at once; one without (a run that streamed nothing, or one written
+    before final chunks carried their position) after one more read of the store.
 
     Chunks are kept ``nats.tokens.max_age`` (1 h by default). A stream that
     cannot end from what is stored (its chunks aged out) would wait forever,
@@ -189,6 +190,10 @@ class TokenFollower:
         final = self._final
         if final is None:
             return None
+        if final.seq == 0 and final.delivery >= self._run and _carries(final):
+            # A run's whole answer (its one read): nothing of its run before it,
+            # and earlier runs are void.
+            return final
         if final.seq > 0 and final.delivery >= self._run:
             if final.delivery == self._run and self._next >= final.seq:
                 return final
@@ -247,3 +252,9 @@ class TokenFollower:
             if reconnects != self._reconnects:
                 self._reconnects = reconnects
                 await self._read_store()  # live chunks were lost while disconnected
+
+
+def _carries(chunk: TokenChunk) -> bool:
+    """Whether ``chunk`` has content (a final chunk with text was written by
+    this version: its position is to be trusted)."""
+    return bool(chunk.text or chunk.tool_calls or chunk.logprobs)

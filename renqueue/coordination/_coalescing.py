@@ -12,8 +12,8 @@ cannot deliver a leader, the advisory reader when its message ran out of
 deliveries; and again, since it is idempotent, by whoever finds a leader
 already ended: a worker handed its dispatch, the advisory reader):
 
-- the leader **completed**: each follower gets the same text (one token
-  chunk) and a ``completed`` copy with ``shared_with`` = the leader and no
+- the leader **completed**: each follower gets the same text (its final
+  token chunk carries it all) and a ``completed`` copy with ``shared_with`` = the leader and no
   cost (the spend is the leader's);
 - the leader's **backend call failed** for good: each follower gets
   ``failed`` (``error_type`` ``shared_call_failed``): the same call would fail
@@ -82,11 +82,11 @@ from ..logs import get_logger
 from ..schema import (
     EVENTS_STREAM,
     STATE_BUCKET,
+    ChunkTail,
     Completed,
     Event,
     Failed,
     InferenceRequest,
-    TokenChunk,
     cancelled,
     encode,
     error_type_of,
@@ -95,8 +95,6 @@ from ..schema import (
     failed,
     msg_id,
     request_subject,
-    token_subject,
-    tool_call_deltas,
 )
 from ._coalescing_log import followers_in_log, preempted_attempt
 
@@ -376,21 +374,8 @@ class Coalescer:
             copy = msgspec.structs.replace(
                 outcome, request_id=follower, tenant=tenant, at=now, cost=0.0, shared_with=leader
             )
-            shared = bool(outcome.text or outcome.tool_calls)
-            if shared:
-                chunk = TokenChunk(
-                    request_id=follower,
-                    seq=0,
-                    text=outcome.text,
-                    tool_calls=tool_call_deltas(outcome.tool_calls, 0),
-                    logprobs=outcome.logprobs,
-                )
-                await self._js.publish(
-                    token_subject(tenant, follower),
-                    encode(chunk),
-                    headers={"Nats-Msg-Id": msg_id(tenant, follower, "shared")},
-                )
-            await self._log.finish(copy, seq=1 if shared else 0)
+            # The whole answer in its final chunk (one chunk, in the claim).
+            await self._log.finish(copy, delivery=1, seq=0, tail=ChunkTail())
         elif (
             isinstance(outcome, Failed)
             and outcome.backend is not None

@@ -270,6 +270,8 @@ class Submissions:
                 deadline=sub.deadline,
                 max_cost=sub.max_cost,
                 metadata=metadata,
+                # A whole answer is read from its `completed` event: no chunks.
+                stream=sub.stream,
             )
             handle = await client.submit_request(built, traceparent=sub.traceparent)
         except Exception as exc:

@@ -43,6 +43,7 @@ __all__ = [
     "CancelRequested",
     "Cancelled",
     "ChatMessage",
+    "ChunkTail",
     "CircuitChanged",
     "Coalesced",
     "Completed",
@@ -86,6 +87,7 @@ __all__ = [
     "encode",
     "error_type_of",
     "facts",
+    "final_chunk",
     "is_terminal",
     "kind_of",
     "request_limit",
@@ -435,6 +437,11 @@ class InferenceRequest(Struct, frozen=True, kw_only=True):
     #: ``route`` (one of the split's arms); set by the binder, never by a
     #: client (a request put back to routing keeps its arm).
     split: Name | None = None
+    #: Whether the client follows the request's token stream. ``False``: it
+    #: only waits for the outcome, and no token chunk is stored for the
+    #: request (not even a final one): the answer is whole in its
+    #: ``completed`` event (``text``, ``tool_calls``, ``logprobs``).
+    stream: bool = True
 
 
 class Dispatch(Struct, frozen=True, kw_only=True):
@@ -882,6 +889,17 @@ TERMINAL_KINDS: Final = frozenset({"completed", "failed", "rejected", "expired",
 _TERMINAL_TYPES: Final = (Completed, Failed, Rejected, Expired, Cancelled)
 
 
+class ChunkTail(Struct, frozen=True, kw_only=True):
+    """Where a final chunk's own content starts in its ``completed`` event:
+    the chunk carries ``text[text:]``, ``tool_calls[tool_calls:]`` (as pieces
+    numbered from there) and ``logprobs[logprobs:]``; the run streamed what
+    comes before in chunks of its own."""
+
+    text: Count = 0
+    tool_calls: Count = 0
+    logprobs: Count = 0
+
+
 class TerminalClaim(Struct, frozen=True, kw_only=True):
     """The claim on a request's one terminal outcome, value of key
     ``<tenant>.<request_id>`` in the ``rq-terminal`` KV bucket (services only).
@@ -895,6 +913,46 @@ class TerminalClaim(Struct, frozen=True, kw_only=True):
     event: Event
     delivery: int = 1
     seq: int = 0
+    #: What of a ``completed`` event its final chunk carries itself (the
+    #: run's last network read, which also ended the backend's stream);
+    #: ``None``: the final chunk carries no text.
+    tail: ChunkTail | None = None
+    #: ``False`` for a request submitted with ``stream`` false: no final
+    #: chunk is published (no chunk at all is stored for it).
+    stream: bool = True
+
+
+def final_chunk(claim: TerminalClaim) -> TokenChunk:
+    """The final chunk of the request ``claim`` ends, at its ``(delivery, seq)``.
+
+    The first chunk of a run after the first restarts the stream, even when
+    it is the final one (a run that ended without text, or whose whole
+    answer came in its last read): the text of earlier runs is void, never
+    the answer. A ``completed`` outcome's chunk says why the answer ended and
+    the tokens it counted, and carries its :class:`ChunkTail`, if any.
+    """
+    event = claim.event
+    completed = event if isinstance(event, Completed) else None
+    text = ""
+    calls: tuple[ToolCallDelta, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    tail = claim.tail
+    if completed is not None and tail is not None:
+        text = completed.text[tail.text :]
+        calls = tool_call_deltas(completed.tool_calls[tail.tool_calls :], tail.tool_calls)
+        logprobs = completed.logprobs[tail.logprobs :]
+    return TokenChunk(
+        request_id=event.request_id,
+        delivery=claim.delivery,
+        seq=claim.seq,
+        text=text,
+        final=True,
+        restart=claim.delivery > 1 and claim.seq == 0,
+        tool_calls=calls,
+        finish_reason=None if completed is None else completed.finish_reason,
+        usage=None if completed is None else completed.usage,
+        logprobs=logprobs,
+    )
 
 
 def is_terminal(event: Event) -> bool:

@@ -2,7 +2,12 @@
 
 Each chunk carries the run that produced it (``delivery``) and its place in
 that run (``seq``); the first chunk of a run after the first is marked
-``restart``: what an earlier run streamed is void. The chunks are
+``restart``: what an earlier run streamed is void. One chunk per network
+read, published as soon as the read is done; except the read that also
+brought the stream's end (the adapter's :attr:`~renqueue.backends.base.Delta.end`):
+its text goes out in the final chunk, with the ``completed`` event (a
+:class:`~renqueue.schema.ChunkTail` in the terminal claim), one publish fewer.
+A request submitted with ``stream`` false gets no chunk at all. The chunks are
 published without awaiting their acks one by one: the run awaits them all
 (:func:`settle`) before its terminal event, so the log never records an
 outcome whose tokens are not stored.
@@ -27,12 +32,13 @@ import msgspec
 
 from ... import metrics
 from ...backends import MAX_TOOL_CALLS, LearnedLimits, reported
-from ...backends.base import Backend
+from ...backends.base import Backend, Delta
 from ...broker import Connection, JetStream, PubAck, hop
 from ...config import BaseBackendConfig
 from ...errors import FailureClass, NatsTimeoutError, NatsUnavailableError, RetryableBackendError
 from ...logs import get_logger
 from ...schema import (
+    ChunkTail,
     Completed,
     Dispatch,
     InferenceRequest,
@@ -58,9 +64,12 @@ class Expiry(Exception):
 
 
 class Chunks(msgspec.Struct):
-    """The token chunks a run has streamed so far: the next chunk's ``seq``."""
+    """The token chunks a run has streamed so far: the next chunk's ``seq``;
+    and, once its call completed, what of the answer its final chunk carries
+    (the last read's, when it also brought the stream's end)."""
 
     seq: int = 0
+    tail: ChunkTail | None = None
 
 
 #: Longest a run waits for the acks of what it published while the connection
@@ -196,6 +205,8 @@ class Caller:
                     )
             except TimeoutError as exc:
                 raise Expiry from exc
+        if answer.held is not None:
+            chunks.tail = answer.held.tail
         duration = time.monotonic() - answer.started
         usage = answer.usage or Usage()
         cost = self._backend_config.cost(usage.prompt_tokens, usage.completion_tokens)
@@ -240,7 +251,10 @@ class Caller:
         trace: TraceParent,
     ) -> None:
         """Read the backend's stream into ``answer``, each delta with text,
-        tool calls or log probabilities published as the run's next chunk."""
+        tool calls or log probabilities published as the run's next chunk;
+        except those that came with the stream's end (``Delta.end``), held
+        for the final chunk (``answer.held``), and all of them for a request
+        submitted with ``stream`` false."""
         subject = token_subject(request.tenant, request.id)
         stream = self._backend.stream(request, priority=rank, traceparent=trace.header)
         try:
@@ -249,28 +263,110 @@ class Caller:
                     if answer.ttft is None:
                         answer.ttft = time.monotonic() - answer.started
                     new_calls = self._checked_calls(request, delta.tool_calls, len(answer.calls))
-                    chunk = TokenChunk(
-                        request_id=request.id,
-                        delivery=run,
-                        seq=chunks.seq,
-                        text=delta.text,
-                        restart=run > 1 and chunks.seq == 0,
-                        tool_calls=tool_call_deltas(new_calls, len(answer.calls)),
-                        logprobs=delta.logprobs,
-                    )
-                    pending_acks.append(await self._js.publish_async(subject, encode(chunk)))
-                    chunks.seq += 1
+                    if request.stream:
+                        if delta.end and answer.held is None:
+                            # With the stream's end: sent in the final chunk.
+                            answer.held = _Held(
+                                tail=ChunkTail(
+                                    text=answer.text_length,
+                                    tool_calls=len(answer.calls),
+                                    logprobs=len(answer.logprobs),
+                                )
+                            )
+                        if answer.held is not None and not delta.end:
+                            # Text after the end (a server that went on): as it comes.
+                            await self._flush(request, run, pending_acks, chunks, answer)
+                        if answer.held is not None:
+                            answer.held.add(delta, new_calls)
+                        else:
+                            await self._publish(
+                                subject,
+                                TokenChunk(
+                                    request_id=request.id,
+                                    delivery=run,
+                                    seq=chunks.seq,
+                                    text=delta.text,
+                                    restart=run > 1 and chunks.seq == 0,
+                                    tool_calls=tool_call_deltas(new_calls, len(answer.calls)),
+                                    logprobs=delta.logprobs,
+                                ),
+                                pending_acks,
+                                chunks,
+                            )
                     answer.parts.append(delta.text)
+                    answer.text_length += len(delta.text)
                     answer.calls.extend(new_calls)
+                    kept = len(answer.logprobs)
                     answer.kept_logprobs = _keep_logprobs(
                         answer.logprobs, delta.logprobs, answer.kept_logprobs
                     )
+                    if (
+                        len(answer.logprobs) - kept < len(delta.logprobs)
+                        and answer.held is not None
+                    ):
+                        # The event keeps them within a budget: the final
+                        # chunk could not carry them all from it.
+                        await self._flush(request, run, pending_acks, chunks, answer)
                 if delta.usage is not None:
                     answer.usage = delta.usage
                 if delta.finish_reason is not None:
                     answer.finish_reason = delta.finish_reason
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
+
+    async def _publish(
+        self,
+        subject: str,
+        chunk: TokenChunk,
+        pending_acks: list[asyncio.Future[PubAck]],
+        chunks: Chunks,
+    ) -> None:
+        """Publish ``chunk`` (its ack awaited by :func:`settle`), the run's next."""
+        pending_acks.append(await self._js.publish_async(subject, encode(chunk)))
+        chunks.seq += 1
+
+    async def _flush(
+        self,
+        request: InferenceRequest,
+        run: int,
+        pending_acks: list[asyncio.Future[PubAck]],
+        chunks: Chunks,
+        answer: _Answer,
+    ) -> None:
+        """Publish what was held for the final chunk as a chunk of its own."""
+        held, answer.held = answer.held, None
+        if held is None or held.empty:
+            return
+        chunk = TokenChunk(
+            request_id=request.id,
+            delivery=run,
+            seq=chunks.seq,
+            text="".join(held.parts),
+            restart=run > 1 and chunks.seq == 0,
+            tool_calls=tool_call_deltas(held.calls, held.tail.tool_calls),
+            logprobs=tuple(held.logprobs),
+        )
+        await self._publish(token_subject(request.tenant, request.id), chunk, pending_acks, chunks)
+
+
+class _Held(msgspec.Struct, kw_only=True):
+    """What a run holds for its final chunk: what came with the stream's end."""
+
+    #: Where it starts in the answer.
+    tail: ChunkTail
+    parts: list[str] = msgspec.field(default_factory=list)
+    calls: list[ToolCall] = msgspec.field(default_factory=list)
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.parts or self.calls or self.logprobs)
+
+    def add(self, delta: Delta, calls: Sequence[ToolCall]) -> None:
+        if delta.text:
+            self.parts.append(delta.text)
+        self.calls.extend(calls)
+        self.logprobs.extend(delta.logprobs)
 
 
 class _Answer(msgspec.Struct, kw_only=True):
@@ -282,8 +378,12 @@ class _Answer(msgspec.Struct, kw_only=True):
     parts: list[str] = msgspec.field(default_factory=list)
     calls: list[ToolCall] = msgspec.field(default_factory=list)
     logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+    #: Characters of text so far (of ``parts``).
+    text_length: int = 0
     #: Bytes of ``logprobs`` (the completed event carries them within a budget).
     kept_logprobs: int = 0
+    #: What came with the stream's end, for the final chunk.
+    held: _Held | None = None
     usage: Usage | None = None
     finish_reason: str | None = None
 

@@ -144,7 +144,11 @@ class Outcomes:
                         return True
                 await self.hand_out(request, event)
                 return await self._events.finish(
-                    event, delivery=delivery.number, seq=delivery.chunks.seq
+                    event,
+                    delivery=delivery.number,
+                    seq=delivery.chunks.seq,
+                    tail=delivery.chunks.tail if isinstance(event, Completed) else None,
+                    stream=request.stream,
                 )
             except StoreFullError as exc:
                 refusals += 1
