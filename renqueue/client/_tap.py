@@ -42,7 +42,15 @@ from ..broker import (
 )
 from ..errors import NatsError
 from ..logs import get_logger, misdirected
-from ..schema import EVENT_DECODER, EVENTS_STREAM, Event, event_subject, is_terminal, kind_of
+from ..schema import (
+    EVENT_DECODER,
+    EVENTS_STREAM,
+    TERMINAL_KINDS,
+    Event,
+    event_subject,
+    is_terminal,
+    kind_of,
+)
 from ._retries import retrying
 
 if TYPE_CHECKING:
@@ -259,6 +267,12 @@ class EventTap:
         if cseq != self._cseq + 1:
             self._wake.set()
         self._cseq = cseq
+        # Only a terminal event of a request waited for is acted on: the
+        # others (most of a request's events) are not decoded at all. The
+        # subject is rq.evt.<tenant>.<request_id>.<kind> (ids have no dots).
+        tokens = msg.subject.split(".")
+        if len(tokens) != 5 or tokens[4] not in TERMINAL_KINDS or tokens[3] not in self._waiters:
+            return
         try:
             event = EVENT_DECODER.decode(msg.data)
         except msgspec.DecodeError:
