@@ -132,15 +132,11 @@ class Answers:
                 await self.outcome(handle)  # raises the failure, before any byte is sent
             sse.response = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": handle.id})
             await sse.response.prepare(request)
-            # The headers go out with the role chunk and the first text chunk:
-            # one write; then one per chunk, and the end in one more.
-            sse.begin()
+            await sse.begin()
             current = first
             while current is not None:
-                if not sse.text(current):
-                    await sse.flush()
+                if not await sse.text(current):
                     return sse.response  # restarted after text was sent: said in the stream
-                await sse.flush()
                 current = await chunks.next()
             try:
                 result = await self.outcome(handle)
@@ -165,11 +161,7 @@ class Answers:
 
 class _Sse:
     """One streamed answer: what was sent, and what comes next (see
-    :func:`parse_last_event_id` for the event ids).
-
-    Its events are gathered and written together by :meth:`flush` (and the
-    last ones with the end of the answer, by :meth:`end`): each write is a
-    system call, and the events that are ready at one moment are one write."""
+    :func:`parse_last_event_id` for the event ids)."""
 
     def __init__(
         self, request_id: str, route: str, created: int, include_usage: bool, after: _After
@@ -182,31 +174,22 @@ class _Sse:
         self.response: web.StreamResponse | None = None
         self.text_sent = after.stage not in {"start", "role"}
         self.tool_calls = ToolCallPieces(request_id)
-        self._out: list[bytes] = []
 
     def _chunk(self, **fields: Any) -> bytes:
         return chunk_bytes(
             self.request_id, self.route, self.created, with_usage=self.include_usage, **fields
         )
 
-    def _write(self, data: bytes, event_id: str | None = None) -> None:
-        self._out.append(_sse(data, event_id))
+    async def _write(self, data: bytes, event_id: str | None = None) -> None:
+        assert self.response is not None
+        await self.response.write(_sse(data, event_id))
 
-    async def flush(self) -> None:
-        """Write the events gathered since the last write, if any."""
-        if self._out:
-            assert self.response is not None
-            data = b"".join(self._out)
-            self._out.clear()
-            await self.response.write(data)
-
-    def begin(self) -> None:
+    async def begin(self) -> None:
         if self.after.stage == "start":
-            self._write(self._chunk(role="assistant", content=""), "0")
+            await self._write(self._chunk(role="assistant", content=""), "0")
 
-    def text(self, chunk: TokenChunk) -> bool:
-        """Send ``chunk`` (at the next :meth:`flush`) unless the client has it;
-        False if it voids text already sent."""
+    async def text(self, chunk: TokenChunk) -> bool:
+        """Send ``chunk`` unless the client has it; False if it voids text already sent."""
         after = self.after
         if after.stage in {"end", "usage"}:
             return True
@@ -217,7 +200,7 @@ class _Sse:
             return True
         if chunk.restart:
             if self.text_sent:
-                self._write(_restarted(self.request_id))
+                await self._write(_restarted(self.request_id))
                 return False
             self.tool_calls.restart()
         pieces = self.tool_calls.pieces(chunk.tool_calls)
@@ -227,29 +210,24 @@ class _Sse:
             tool_calls=pieces,
             logprobs=chunk.logprobs,
         )
-        self._write(data, f"{chunk.delivery}.{chunk.seq}")
+        await self._write(data, f"{chunk.delivery}.{chunk.seq}")
         self.text_sent = True
         return True
 
     async def end(self, result: Result) -> None:
-        """The finish chunk, the usage chunk if asked for, ``[DONE]`` and the end
-        of the answer: one write."""
         if self.after.stage not in {"end", "usage"}:
             finish = finish_reason(result.finish_reason, tool_calls=bool(result.tool_calls))
-            self._write(self._chunk(finish=finish), "end")
+            await self._write(self._chunk(finish=finish), "end")
         if self.include_usage and self.after.stage != "usage":
             counts = usage(result.usage.prompt_tokens, result.usage.completion_tokens)
-            self._write(self._chunk(final_usage=counts), "usage")
-        self._out.append(_DONE)
+            await self._write(self._chunk(final_usage=counts), "usage")
         assert self.response is not None
-        data = b"".join(self._out)
-        self._out.clear()
-        await self.response.write_eof(data)
+        await self.response.write(_DONE)
+        await self.response.write_eof()
 
     async def error(self, exc: ApiError) -> None:
         """A failure after the status line: an ``error`` event, as OpenAI sends."""
-        self._write(exc.body())
-        await self.flush()
+        await self._write(exc.body())
 
 
 class ClientGone(Exception):
