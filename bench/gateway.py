@@ -285,11 +285,20 @@ def cpu_seconds(pid: int) -> float:
 
 @contextlib.asynccontextmanager
 async def renqueue_side(
-    mock_url: str, workdir: Path, *, split: bool = False
+    mock_url: str, workdir: Path, *, split: bool = False, profile: Path | None = None
 ) -> AsyncIterator[tuple[str, str]]:
     """``renqueue up`` with the gateway (``split``: ``renqueue up`` without it, and
     ``renqueue gateway`` in a process of its own); its chat-completions URL and its
-    NATS URL."""
+    NATS URL. ``profile``: a folder where each process writes its cProfile stats
+    (``up.prof``, ``gateway.prof``: CPU time, ``bench/_profiled.py``) when it stops."""
+
+    def python(name: str) -> list[str]:
+        if profile is None:
+            return [sys.executable]
+        profile.mkdir(parents=True, exist_ok=True)
+        script = Path(__file__).resolve().parent / "_profiled.py"
+        return [sys.executable, str(script), str(profile / f"{name}.prof")]
+
     port = free_port()
     config = workdir / "renqueue.toml"
     config.write_text(
@@ -314,7 +323,7 @@ enabled = {"false" if split else "true"}
     )
     log = (workdir / "renqueue.log").open("w")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable,
+        *python("up"),
         "-m",
         "renqueue",
         "--log-level",
@@ -337,7 +346,7 @@ enabled = {"false" if split else "true"}
                 await asyncio.sleep(0.05)
             await asyncio.sleep(1.0)  # provisioning, after the url file is written
             gateway = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "renqueue", "--log-level", "WARNING", "-c", str(config),
+                *python("gateway"), "-m", "renqueue", "--log-level", "WARNING", "-c", str(config),
                 "--nats", url_file.read_text().strip(), "gateway",
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, cwd=workdir,
             )  # fmt: skip
@@ -497,7 +506,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if "renqueue" in args.sides or "client" in args.sides:
                 (workdir / "rq").mkdir()
                 url, nats_url = await stack.enter_async_context(
-                    renqueue_side(mock_url, workdir / "rq", split=args.split_gateway)
+                    renqueue_side(
+                        mock_url, workdir / "rq", split=args.split_gateway, profile=args.profile
+                    )
                 )
                 if "client" in args.sides:
                     targets["client"] = (nats_url, "")
@@ -622,6 +633,13 @@ def main() -> None:
         "--split-gateway",
         action="store_true",
         help="run the gateway as a process of its own (renqueue gateway) beside renqueue up",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="run renqueue up (and the gateway's own process) under cProfile; its stats"
+        " go to this folder (up.prof, gateway.prof) when they stop",
     )
     parser.add_argument("--fresh-litellm", action="store_true", help="remake its venv first")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")

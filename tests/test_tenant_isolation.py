@@ -35,10 +35,12 @@ from renqueue.schema import (
     CANCELS_STREAM,
     EVENTS_STREAM,
     MAX_CANCEL_BYTES,
+    TERMINAL_KINDS,
     TOKENS_STREAM,
     Completed,
     cancel_subject,
     request_subject,
+    subject_matches,
 )
 
 AUTH_CONF = Path(__file__).resolve().parent.parent / "nats" / "auth.conf"
@@ -319,11 +321,17 @@ async def test_tap_deleted_by_the_server_is_recreated_and_nothing_is_missed(
         # three silent heartbeats): only the log can resolve it.
         stack.mock.update(ttft=0.3)
         handle = await acme.submit("while the tap is gone", route="chat")
-        await stack.services.js.delete_consumer(EVENTS_STREAM, acme._tap.name)
+        names = acme._tap.names
+        for name in names:
+            await stack.services.js.delete_consumer(EVENTS_STREAM, name)
         result = await handle.result(timeout=10)
         assert result.text
-        info = await stack.services.js.consumer_info(EVENTS_STREAM, acme._tap.name)
-        assert info.config.filter_subject == "rq.evt.acme.*.*"
+        filters = set()
+        for name in names:
+            info = await stack.services.js.consumer_info(EVENTS_STREAM, name)
+            filters.add(info.config.filter_subject)
+        # One consumer per terminal kind: the tap sees a request's end, not its steps.
+        assert filters == {f"rq.evt.acme.*.{kind}" for kind in TERMINAL_KINDS}
         # The new tap resolves the next request live.
         stack.mock.update(ttft=0.0)
         assert (await (await acme.submit("after", route="chat")).result(timeout=10)).text
@@ -332,8 +340,9 @@ async def test_tap_deleted_by_the_server_is_recreated_and_nothing_is_missed(
         await acme.close()
         assert time.monotonic() - started < 3
     # Closing deleted the tap.
-    with pytest.raises(NatsNotFoundError):
-        await stack.services.js.consumer_info(EVENTS_STREAM, acme._tap.name)
+    for name in names:
+        with pytest.raises(NatsNotFoundError):
+            await stack.services.js.consumer_info(EVENTS_STREAM, name)
     events = await EventLog(stack.services.js).history("acme", handle.id)
     assert sum(isinstance(e, Completed) for e in events) == 1
 
@@ -539,13 +548,15 @@ async def test_a_forged_result_on_the_cancel_subject_resolves_nothing(stack: Sta
                 "usage": {"prompt_tokens": 0, "completion_tokens": 0},
                 "cost": 1e6,
             }
-            seq = await cancel_as(stack, forger, "acme", handle.id, forged)
-
-            async def tap_has_it() -> bool:
-                info = await stack.services.js.consumer_info(EVENTS_STREAM, acme._tap.name)
-                return info.delivered.stream_seq >= seq
-
-            await until(tap_has_it, "the tap to deliver the forged event")
+            await cancel_as(stack, forger, "acme", handle.id, forged)
+            # The tap's consumers follow the terminal kinds alone: the forged
+            # payload, logged on the cancel subject, is none of theirs.
+            logged = f"rq.evt.acme.{handle.id}.cancel_requested"
+            assert len(acme._tap.names) == 5
+            for name in acme._tap.names:
+                info = await stack.services.js.consumer_info(EVENTS_STREAM, name)
+                assert info.config.filter_subject is not None
+                assert not subject_matches(info.config.filter_subject, logged)
             await handle.cancel()
             with pytest.raises(RequestCancelledError):
                 await handle.result(timeout=10)

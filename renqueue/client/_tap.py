@@ -1,18 +1,22 @@
-"""The client's event tap: one consumer following the tenant's events, which
-resolves the handles waiting for their request's end.
+"""The client's event tap: consumers following the tenant's terminal events,
+which resolve the handles waiting for their request's end.
 
-A named push consumer on RQ_EVENTS with the one filter rq.evt.<tenant>.*.*:
-its create subject names the filter, so a tenant's permissions allow it (an
+One named push consumer on RQ_EVENTS per terminal kind (``completed``,
+``failed``, ``rejected``, ``expired``, ``cancelled``), each with the one filter
+rq.evt.<tenant>.*.<kind>: a request's other events (submitted, routed,
+started, ...) are never delivered to the client, which acts only on its end.
+Each create subject names its filter, so a tenant's permissions allow it (an
 unnamed or ordered consumer's create subject does not, and cannot be allowed
-without exposing every tenant). Push, not pull: a pull needs
+without exposing every tenant; several filters in one consumer are in its
+body, likewise). Push, not pull: a pull needs
 $JS.API.CONSUMER.MSG.NEXT.<stream>.<name>, which no permission can confine to
 a tenant's own consumers, and a callback cannot swallow a cancellation the
 way a pending fetch can. Deliveries are unacknowledged; each carries its
 consumer sequence and each idle heartbeat the last one sent, so a loss (slow
 consumer, reconnect) shows as a gap, and silence as a consumer that is gone
-(deleted after a long disconnect, or a server restart). On either, the tap
-is re-created (a no-op if it still exists) and the pending waiters are
-checked against the log: nothing is missed.
+(deleted after a long disconnect, or a server restart). On either, the tap's
+consumers are re-created (a no-op for those that still exist) and the
+pending waiters are checked against the log: nothing is missed.
 
 Every delivery is taken on its subject's word, never its payload's: an event
 is accepted only if the tap's own consumer delivered it and its subject
@@ -42,7 +46,15 @@ from ..broker import (
 )
 from ..errors import NatsError
 from ..logs import get_logger, misdirected
-from ..schema import EVENT_DECODER, EVENTS_STREAM, Event, event_subject, is_terminal, kind_of
+from ..schema import (
+    EVENT_DECODER,
+    EVENTS_STREAM,
+    TERMINAL_KINDS,
+    Event,
+    event_subject,
+    is_terminal,
+    kind_of,
+)
 from ._retries import retrying
 
 if TYPE_CHECKING:
@@ -73,6 +85,20 @@ class Waiter:
         self.stored = False
 
 
+class _Feed:
+    """One consumer of the tap: the tenant's terminal events of one kind."""
+
+    __slots__ = ("cseq", "inbox", "kind", "name", "seen", "sub")
+
+    def __init__(self, kind: str, name: str, inbox: str) -> None:
+        self.kind = kind
+        self.name = name
+        self.inbox = inbox
+        self.sub: Subscription | None = None
+        self.cseq = 0  # consumer sequence of the last delivery
+        self.seen = -math.inf  # loop time of the last message or heartbeat; never
+
+
 class EventTap:
     """The tap of one client (module docstring), and the waiters it resolves.
 
@@ -82,32 +108,43 @@ class EventTap:
 
     def __init__(self, client: Client) -> None:
         self._client = client
-        #: The consumer's name (made when the tap is first needed).
+        #: The consumers' common name (``<name>-<kind>`` each; made when the
+        #: tap is first needed).
         self.name = ""
-        self._inbox = ""
-        self._sub: Subscription | None = None
-        self._cseq = 0  # consumer sequence of the last delivery
-        self._seen = -math.inf  # loop time of the last message or heartbeat; never
+        #: Its consumers, by name and by inbox.
+        self._feeds: dict[str, _Feed] = {}
+        self._by_inbox: dict[str, _Feed] = {}
+        self._following = False
         self._wake = asyncio.Event()  # a gap was seen: sweep the waiters
         self._watch: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._waiters: dict[str, Waiter] = {}
         self._closed = False
 
+    @property
+    def names(self) -> list[str]:
+        """The names of the tap's consumers (none before it is first needed)."""
+        return list(self._feeds)
+
     async def close(self) -> None:
-        """Stop following: the watch, the consumer, and every waiter still waiting."""
+        """Stop following: the watch, the consumers, and every waiter still waiting."""
         self._closed = True
         watch, self._watch = self._watch, None
         if watch is not None:
             watch.cancel()
             await asyncio.wait({watch}, timeout=1.0)
         nc = self._client.nc
-        if self._sub is not None:
-            with contextlib.suppress(NatsError):
-                await self._sub.unsubscribe()
-            self._sub = None
+        if self._following:
+            self._following = False
+            for feed in self._feeds.values():
+                if feed.sub is not None:
+                    with contextlib.suppress(NatsError):
+                        await feed.sub.unsubscribe()
+                    feed.sub = None
             if not nc.is_closed:
-                await delete_consumer(self._client.js, EVENTS_STREAM, self.name)
+                await asyncio.gather(
+                    *(delete_consumer(self._client.js, EVENTS_STREAM, name) for name in self._feeds)
+                )
         for waiter in self._waiters.values():
             waiter.future.cancel()
 
@@ -145,33 +182,49 @@ class EventTap:
         finally:
             self.release(request_id, waiter)
 
-    # ------------------------------------------------------------- the consumer
+    # ------------------------------------------------------------- the consumers
 
     async def ensure(self) -> None:
+        if self._following:
+            return
         async with self._lock:
-            if self._sub is not None:
+            if self._following:
                 return
             if self._closed:
                 raise RuntimeError("client is closed")
+            nc = self._client.nc
             self.name = f"rq-tap-{self._client.tenant}-{uuid.uuid4().hex[:16]}"
-            self._inbox = self._client.nc.new_inbox()
-            sub = await self._client.nc.subscribe(self._inbox, cb=self._on_message)
+            feeds = [
+                _Feed(kind, f"{self.name}-{kind}", nc.new_inbox())
+                for kind in sorted(TERMINAL_KINDS)
+            ]
             try:
-                await self._create()
+                for feed in feeds:
+                    feed.sub = await nc.subscribe(feed.inbox, cb=self._deliver)
+                await asyncio.gather(*(self._create(feed) for feed in feeds))
             except BaseException:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+                for feed in feeds:
+                    if feed.sub is not None:
+                        with contextlib.suppress(Exception):
+                            await feed.sub.unsubscribe()
                 raise
-            self._sub = sub
+            self._feeds = {feed.name: feed for feed in feeds}
+            self._by_inbox = {feed.inbox: feed for feed in feeds}
+            self._following = True
             self._watch = asyncio.create_task(self._watch_loop(), name=f"renqueue-tap-{self.name}")
 
-    async def _create(self) -> None:
-        """Create the tap consumer; with the same name and config, a no-op if it exists."""
+    async def _deliver(self, msg: Message) -> None:
+        # Looked up at each message: a test stands in for it.
+        await self._on_message(msg)
+
+    async def _create(self, feed: _Feed) -> None:
+        """Create one of the tap's consumers; with the same name and config, a
+        no-op if it exists."""
         info = await self._client.js.add_consumer(
             EVENTS_STREAM,
-            name=self.name,
-            filter_subject=event_subject(self._client.tenant, "*", "*"),
-            deliver_subject=self._inbox,
+            name=feed.name,
+            filter_subject=event_subject(self._client.tenant, "*", feed.kind),
+            deliver_subject=feed.inbox,
             deliver_policy=DeliverPolicy.NEW,
             ack_policy=AckPolicy.NONE,
             idle_heartbeat=self._client.tap_heartbeat,
@@ -180,8 +233,8 @@ class EventTap:
             num_replicas=1,
         )
         delivered = info.delivered.consumer_seq if info.delivered is not None else 0
-        self._cseq = delivered or 0
-        self._seen = asyncio.get_running_loop().time()
+        feed.cseq = delivered or 0
+        feed.seen = asyncio.get_running_loop().time()
 
     async def _watch_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -200,14 +253,18 @@ class EventTap:
             reconnected = self._client.nc.is_connected and self._client.nc.reconnects != reconnects
             if reconnected:
                 reconnects = self._client.nc.reconnects
-            silent = reconnected or loop.time() - self._seen > 3 * self._client.tap_heartbeat
-            owed = owed or gap or silent
+            quiet = loop.time() - 3 * self._client.tap_heartbeat
+            silent = [feed for feed in self._feeds.values() if reconnected or feed.seen < quiet]
+            owed = owed or gap or bool(silent)
             if not owed:
                 continue
             try:
                 if silent:
+                    # All of them (a no-op for those that exist): one gone
+                    # says the others may be (a server restart loses them all).
+                    feeds = list(self._feeds.values())
                     async with self._lock:
-                        await self._create()
+                        await asyncio.gather(*(self._create(feed) for feed in feeds))
                     log.info("event tap re-created", consumer=self.name)
                 # What the tap missed is only in the log: a sweep that fails
                 # (a direct get timing out while a node is down) is owed still,
@@ -236,29 +293,32 @@ class EventTap:
             raise failed[0]
 
     async def _on_message(self, msg: Message) -> None:
-        self._seen = asyncio.get_running_loop().time()
+        now = asyncio.get_running_loop().time()
         headers = msg.headers
         if headers and headers.get("Status"):
-            # An idle heartbeat carries the last consumer sequence sent.
-            last = headers.get("Nats-Last-Consumer")
-            if last is not None and last.isdigit() and int(last) > self._cseq:
-                self._cseq = int(last)
-                self._wake.set()
+            self._heartbeat(msg.subject, headers, now)
             return
         try:
             meta = msg.metadata
         except Exception:  # noqa: BLE001 - not a JetStream delivery: not ours
             misdirected("tap", msg.subject)
             return
-        if meta.stream != EVENTS_STREAM or meta.consumer != self.name:
+        feed = self._feeds.get(meta.consumer) if meta.stream == EVENTS_STREAM else None
+        if feed is None:
             # Another consumer delivering to this inbox (its name is in the
             # delivery's reply subject, which the server sets).
             misdirected("tap", msg.subject, consumer=meta.consumer)
             return
+        feed.seen = now
         cseq = meta.sequence.consumer
-        if cseq != self._cseq + 1:
+        if cseq != feed.cseq + 1:
             self._wake.set()
-        self._cseq = cseq
+        feed.cseq = cseq
+        # Only the end of a request waited for is decoded. The subject is
+        # rq.evt.<tenant>.<request_id>.<kind> (ids have no dots).
+        tokens = msg.subject.split(".")
+        if len(tokens) != 5 or tokens[3] not in self._waiters:
+            return
         try:
             event = EVENT_DECODER.decode(msg.data)
         except msgspec.DecodeError:
@@ -272,6 +332,18 @@ class EventTap:
             return
         if is_terminal(event):
             self._resolve(event)
+
+    def _heartbeat(self, inbox: str, headers: dict[str, str], now: float) -> None:
+        """An idle heartbeat, on a consumer's inbox: it carries the last consumer
+        sequence sent."""
+        feed = self._by_inbox.get(inbox)
+        if feed is None:
+            return
+        feed.seen = now
+        last = headers.get("Nats-Last-Consumer")
+        if last is not None and last.isdigit() and int(last) > feed.cseq:
+            feed.cseq = int(last)
+            self._wake.set()
 
     def _resolve(self, event: Event) -> None:
         waiter = self._waiters.pop(event.request_id, None)

@@ -43,9 +43,8 @@ and is closed after the answer.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from types import TracebackType
 from typing import Any, Final
 
 from aiohttp import web
@@ -104,28 +103,46 @@ def plain_body(request: web.BaseRequest) -> None:
         )
 
 
-@contextlib.asynccontextmanager
-async def body_deadline(seconds: float) -> AsyncIterator[None]:
+class body_deadline:
     """Around the reading of a request's body: 408 ``body_timeout`` when it has
     not all arrived within ``seconds``, 400 ``malformed_body`` when its
     framing is broken (a bad chunk, a length it does not have) or it does not
-    decompress by its ``Content-Encoding`` (aiohttp's RequestPayloadError)."""
-    try:
-        async with asyncio.timeout(seconds):
-            yield
-    except TimeoutError:
-        raise ApiError(
-            408,
-            f"the request's body did not arrive within {seconds:g} s of its headers",
-            code="body_timeout",
-            retry=False,
-        ) from None
-    except (HttpProcessingError, web.RequestPayloadError) as exc:
-        raise ApiError(
-            400,
-            f"the request's body is not valid HTTP/1.1: {_reason(exc)}",
-            code="malformed_body",
-        ) from None
+    decompress by its ``Content-Encoding`` (aiohttp's RequestPayloadError).
+
+    A class, not a generator: it is entered on every call."""
+
+    __slots__ = ("_seconds", "_timeout")
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._timeout = asyncio.timeout(seconds)
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self._timeout.__aexit__(kind, exc, tb)
+            if isinstance(exc, TimeoutError):
+                raise exc
+        except TimeoutError:
+            raise ApiError(
+                408,
+                f"the request's body did not arrive within {self._seconds:g} s of its headers",
+                code="body_timeout",
+                retry=False,
+            ) from None
+        if isinstance(exc, HttpProcessingError | web.RequestPayloadError):
+            raise ApiError(
+                400,
+                f"the request's body is not valid HTTP/1.1: {_reason(exc)}",
+                code="malformed_body",
+            ) from None
 
 
 class GatewayRunner(web.AppRunner):

@@ -47,7 +47,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 import msgspec
@@ -101,6 +101,24 @@ class _Tenant:
     def __init__(self, client: Client) -> None:
         self.client = client
         self.in_flight = 0
+
+
+class _Slot:
+    """A call of a tenant in flight, for a ``with`` block (:meth:`Gateway._slot`;
+    a class, not a generator: it is entered on every call)."""
+
+    __slots__ = ("_tenant",)
+
+    def __init__(self, tenant: _Tenant) -> None:
+        self._tenant = tenant
+
+    def __enter__(self) -> None:
+        self._tenant.in_flight += 1
+        metrics.IN_FLIGHT.inc()
+
+    def __exit__(self, *_exc: object) -> None:
+        self._tenant.in_flight -= 1
+        metrics.IN_FLIGHT.dec()
 
 
 class Gateway(Lifecycle):
@@ -162,6 +180,7 @@ class Gateway(Lifecycle):
         self._keeper_loop = f"{name}-nats-connection"
         self._created = int(time.time())
         self._routes = sorted(config.routes)
+        self._body_timeout = self._gw.timeouts[1]
 
     @property
     def supervisor(self) -> Supervisor:
@@ -317,8 +336,9 @@ class Gateway(Lifecycle):
                 response.force_close()
         if 400 <= response.status < 500:
             metrics.REJECTED.labels(reason_of(error.code if error else None)).inc()
-        metrics.CALLS.labels(endpoint, str(response.status)).inc()
-        metrics.LATENCY.labels(endpoint).observe(time.perf_counter() - start)
+        calls, latency = metrics.of_call(endpoint, response.status)
+        calls.inc()
+        latency.observe(time.perf_counter() - start)
         return response
 
     def _too_large(self) -> ApiError:
@@ -369,7 +389,7 @@ class Gateway(Lifecycle):
         length = request.content_length
         if length is not None and length > self._gw.max_body:
             raise self._too_large()
-        async with body_deadline(self._gw.timeouts[1]):
+        async with body_deadline(self._body_timeout):
             return await request.read()
 
     def _tenant_of(self, request: web.Request) -> str:
@@ -393,9 +413,8 @@ class Gateway(Lifecycle):
             tenant = self._tenants[name] = _Tenant(Client(self._nc, tenant=name))
         return tenant
 
-    @contextlib.contextmanager
-    def _slot(self, tenant: _Tenant) -> Iterator[None]:
-        """One more call of ``tenant`` in flight for the block; 429 past
+    def _slot(self, tenant: _Tenant) -> _Slot:
+        """One more call of ``tenant`` in flight for a ``with`` block; 429 past
         ``max_in_flight``. Resumed streams count too: each holds a subscription."""
         limit = self._gw.max_in_flight
         if limit and tenant.in_flight >= limit:
@@ -406,13 +425,7 @@ class Gateway(Lifecycle):
                 code="too_many_in_flight",
                 retry_after=1.0,
             )
-        tenant.in_flight += 1
-        metrics.IN_FLIGHT.inc()
-        try:
-            yield
-        finally:
-            tenant.in_flight -= 1
-            metrics.IN_FLIGHT.dec()
+        return _Slot(tenant)
 
     async def _route_of(self, tenant: str, request_id: str) -> str:
         """The route of one of the tenant's requests; 404 if the tenant has none by that id."""

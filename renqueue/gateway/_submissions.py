@@ -20,12 +20,12 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Final, NamedTuple
 
 import msgspec
 
-from ..broker import JetStream, KeyValue, submitted_of
+from ..broker import JetStream, KeyValue, PubAck, submitted_of
 from ..client import Client, RequestHandle
 from ..config import Config, parse_duration
 from ..errors import (
@@ -68,6 +68,9 @@ ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 #: Requests this process submitted lately, by (tenant, id): their route, so
 #: that they can be followed before a router has logged them.
 _RECENT: Final = 10_000
+#: Seconds a shared fingerprint's ack is waited for before its write is handed to
+#: a supervised job (as long as nats-py waits for a JetStream publish's ack).
+_SHARE_ACK_WAIT: Final = 5.0
 _KEY_RE: Final = re.compile(rf"^[\x21-\x7e]{{1,{MAX_KEY_LENGTH}}}$")
 
 
@@ -116,6 +119,27 @@ def _maybe_stored(exc: BaseException) -> bool:
     )
 
 
+class _Following:
+    """A call of this process following a request, for a ``with`` block
+    (:meth:`Submissions.following`; a class, not a generator: it is entered on
+    every call)."""
+
+    __slots__ = ("_counts", "_key")
+
+    def __init__(self, counts: collections.Counter[tuple[str, str]], key: tuple[str, str]) -> None:
+        self._counts = counts
+        self._key = key
+
+    def __enter__(self) -> None:
+        self._counts[self._key] += 1
+
+    def __exit__(self, *_exc: object) -> None:
+        counts, key = self._counts, self._key
+        counts[key] -= 1
+        if counts[key] <= 0:
+            del counts[key]
+
+
 class Submissions:
     """Submits chat calls, joins their retries, cancels those whose client went away.
 
@@ -137,6 +161,7 @@ class Submissions:
         self._supervisor = supervisor
         window = config.gateway.retry_memory or config.nats.duplicate_window
         self._memory = RetryMemory(parse_duration(window))
+        self._share_ttl = str(max(1, math.ceil(self._memory.ttl)))
         self._state: KeyValue | None = None
         #: Calls of this process following each request, by (tenant, id).
         self._following: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -211,17 +236,9 @@ class Submissions:
         while len(self._recent) > _RECENT:
             del self._recent[next(iter(self._recent))]
 
-    @contextlib.contextmanager
-    def following(self, tenant: str, request_id: str) -> Iterator[None]:
-        """One more call of this process follows the request, for the block."""
-        key = (tenant, request_id)
-        self._following[key] += 1
-        try:
-            yield
-        finally:
-            self._following[key] -= 1
-            if self._following[key] <= 0:
-                del self._following[key]
+    def following(self, tenant: str, request_id: str) -> _Following:
+        """One more call of this process follows the request, for a ``with`` block."""
+        return _Following(self._following, (tenant, request_id))
 
     # ------------------------------------------------------------ submitting
 
@@ -259,7 +276,7 @@ class Submissions:
             # Before the publish: one whose ack is lost may still be stored,
             # and the SDK's retry of it must join it, not make a second.
             self._memory.remember(print_, request_id)
-            self._share(tenant, print_, request_id)
+            await self._share(tenant, print_, request_id)
         try:
             built = client.build_request(
                 sub.messages,
@@ -337,18 +354,47 @@ class Submissions:
 
         self._supervisor.spawn_job(f"forget-{name}", delete)
 
-    def _share(self, tenant: str, print_: str, request_id: str) -> None:
-        """Tell every gateway process which request this body made (a
-        supervised background job: the answer does not wait for it)."""
-        name = shared_key(tenant, print_)
-        headers = {"Nats-TTL": str(max(1, math.ceil(self._memory.ttl)))}
+    async def _share(self, tenant: str, print_: str, request_id: str) -> None:
+        """Tell every gateway process which request this body made; the answer
+        does not wait for it.
 
-        async def put() -> None:
-            await self._js().publish(
-                f"$KV.{STATE_BUCKET}.{name}", request_id.encode(), headers=headers
+        Published at once, in the same write to the broker as the request's own
+        publish that follows, and its ack is read by a callback rather than
+        awaited: no task, no timer. A publish that raises, or an ack that
+        is an error or never comes, hands the write to a supervised
+        background job, which retries it until it is stored."""
+        name = shared_key(tenant, print_)
+        subject = f"$KV.{STATE_BUCKET}.{name}"
+        value = request_id.encode()
+        headers = {"Nats-TTL": self._share_ttl}
+
+        def again(reason: BaseException | None) -> None:
+            log.info(
+                "sharing a body fingerprint failed; retrying",
+                error=repr(reason) if reason else "no ack in time",
             )
 
-        self._supervisor.spawn_job(f"share-{name}", put)
+            async def put() -> None:
+                await self._js().publish(subject, value, headers=headers)
+
+            with contextlib.suppress(RuntimeError):  # the gateway is stopping
+                self._supervisor.spawn_job(f"share-{name}", put)
+
+        try:
+            ack = await self._js().publish_async(subject, value, headers=headers)
+        except Exception as exc:  # noqa: BLE001 - the supervised job retries it
+            again(exc)
+            return
+        late = asyncio.get_running_loop().call_later(_SHARE_ACK_WAIT, ack.cancel)
+
+        def acked(ack: asyncio.Future[PubAck]) -> None:
+            late.cancel()
+            if ack.cancelled():
+                again(None)
+            elif (exc := ack.exception()) is not None:
+                again(exc)
+
+        ack.add_done_callback(acked)
 
     async def _shared(self, tenant: str, print_: str) -> str | None:
         """The request another gateway process made of this body, if it shared it."""
