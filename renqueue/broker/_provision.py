@@ -108,6 +108,7 @@ __all__ = [
     "Action",
     "ProvisionItem",
     "ProvisionReport",
+    "ensure_router_consumers",
     "find_streams_dir",
     "provision",
     "renew_router_consumers",
@@ -368,6 +369,15 @@ async def renew_router_consumers(
 
     # Concurrently: on a cluster each is a replicated change (~100 ms).
     await asyncio.gather(*(renew(desired) for desired in configs))
+
+
+async def ensure_router_consumers(
+    js_or_nc: Connection | JetStream, configs: Sequence[dict[str, Any]]
+) -> None:
+    """Create the router consumers ``configs`` that do not exist (update those that differ)."""
+    api = JetStreamApi(js_or_nc)
+    for desired in configs:
+        await _ensure_consumer_now(api, REQUESTS_STREAM, desired, source="the router")
 
 
 # -- waiting for JetStream ---------------------------------------------------
