@@ -516,6 +516,17 @@ def _stream_config(directory: Path, spec: _StreamSpec, config: Config) -> dict[s
         )
     if spec.name == REQUESTS_STREAM:
         _check_layout(path, desired["subjects"], [requests_of_level(p) for p in config.priorities])
+        if config.sharded():
+            # Binding split in groups: only subjects a consumer reads are
+            # stored (a route no group has would wait unread for ever).
+            desired["subjects"] = [
+                subject
+                for level in config.priorities
+                for subject in [
+                    *forwarded_subjects(level),
+                    *(s for route in config.routes for s in requests_of_route(level, route)),
+                ]
+            ]
         # router.tenant_backlog: a tenant's requests waiting at one level (its
         # own subject), refused by the broker past it; 0 (-1 here): no cap.
         backlog = config.router.tenant_backlog

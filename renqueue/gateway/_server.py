@@ -162,6 +162,8 @@ class Gateway(Lifecycle):
         self._keeper_loop = f"{name}-nats-connection"
         self._created = int(time.time())
         self._routes = sorted(config.routes)
+        #: Binding split in groups: requests go to their route's subject (no forward).
+        self._sharded = config.sharded()
 
     @property
     def supervisor(self) -> Supervisor:
@@ -390,7 +392,8 @@ class Gateway(Lifecycle):
         if tenant is None:
             if self._nc is None:
                 raise RuntimeError("the gateway is not running")
-            tenant = self._tenants[name] = _Tenant(Client(self._nc, tenant=name))
+            client = Client(self._nc, tenant=name, route_subjects=self._sharded)
+            tenant = self._tenants[name] = _Tenant(client)
         return tenant
 
     @contextlib.contextmanager
