@@ -198,7 +198,7 @@ async def test_a_route_subject_that_disagrees_with_the_payload_is_rejected(
             await client.handle(request.id).result(timeout=20)
         assert info.value.error_type == "malformed"
         # A route no group has, sent without its route: forwarded to the first
-        # group's first route, where admission rejects it (not its subject's)., sent without its route: forwarded, then rejected.
+        # group's first route, where admission rejects it (not its subject's).
         unknown = await client.submit("hi", route="no-such-route")
         with pytest.raises(RequestRejectedError):
             await unknown.result(timeout=20)
