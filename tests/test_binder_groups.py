@@ -24,9 +24,9 @@ from test_restarts import LEVELS, RouterProcess, assert_nothing_left, audit
 
 from renqueue import Client, Services
 from renqueue.broker import EmbeddedServer, EventLog, connect
-from renqueue.config import Config, load_config
+from renqueue.config import Config, load_config, parse_config
 from renqueue.coordination import read_lease
-from renqueue.errors import RequestRejectedError
+from renqueue.errors import ConfigError, RequestRejectedError
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import (
     FORWARD_CONSUMER,
@@ -117,9 +117,45 @@ def test_the_config_makes_two_groups_and_their_consumers(tmp_path: Path) -> None
         ("r1", ("r1",), ("b1",)),
         ("r2", ("r2",), ("b2",)),
     ]
+    # Each group's binder sees its own routes and backends only.
+    first = config.for_group(config.binding_groups()[0])
+    assert (list(first.routes), list(first.backends)) == (["r1"], ["b1"])
     assert router_consumer("normal", "r1") == "router-r1-normal"
     assert binder_lease("r1") == "binder.r1"
     assert request_subject("normal", TENANT, route="r1") == "rq.req.normal.t.r1"
+
+
+def test_groups_are_merged_never_split() -> None:
+    backends = {name: {"base_url": "http://x", "model": "m"} for name in ("b1", "b2", "b3")}
+    merged = parse_config(
+        {
+            "backends": backends,
+            "routes": {
+                "r1": {"backends": ["b1"], "group": "g"},
+                "r2": {"backends": ["b2"], "group": "g"},
+                "r3": {"backends": ["b3", "b1"]},
+            },
+        }
+    )
+    assert not merged.sharded()
+    assert [(g.name, g.routes) for g in merged.binding_groups()] == [("g", ("r1", "r2", "r3"))]
+    with pytest.raises(ConfigError, match="can be merged, never split"):
+        parse_config(
+            {
+                "backends": backends,
+                "routes": {
+                    "r1": {"backends": ["b1"], "group": "g"},
+                    "r2": {"backends": ["b1"], "group": "h"},
+                },
+            }
+        )
+    with pytest.raises(ConfigError, match="may not be named 'requeue'"):
+        parse_config(
+            {
+                "backends": backends,
+                "routes": {"requeue": {"backends": ["b1"]}, "r2": {"backends": ["b2"]}},
+            }
+        )
 
 
 async def test_two_routers_bind_one_group_each_at_once(
