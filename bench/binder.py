@@ -85,6 +85,8 @@ def routes_of(groups: int) -> list[str]:
 
 def config_text(url: str, backends: int, slots: int, groups: int = 1) -> str:
     lines = ["# Written by bench/binder.py.", "[nats]", f'url = "{url}"', ""]
+    if groups > 1:
+        lines += ["[router]", "split_binding = true", ""]
     names = [f"b{n}" for n in range(backends)]
     for name in names:
         lines += [

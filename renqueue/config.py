@@ -914,6 +914,9 @@ class RouterConfig(_Section, frozen=True, kw_only=True):
     #: The binder's lease (renqueue.coordination._lease): a dead binder's standby takes
     #: over about this long (plus ~0.3 s of server expiry) after it died.
     lease_ttl: Duration = "1s"
+    #: Split binding in groups (docs/scaling.md): routes sharing no backend are
+    #: bound by binders of their own, one lease each. Off: one binder for all.
+    split_binding: bool = False
     #: Bind to a backend only while a worker asks it for work (its consumer has
     #: a pull waiting): one with no live worker (stopped, restarting, not yet
     #: started) counts as full, so its requests wait in the priority subjects or
@@ -1111,10 +1114,11 @@ class Config(_Section, frozen=True, kw_only=True):
         return binding_groups(self)
 
     def sharded(self) -> bool:
-        """Whether binding is split over several groups: each a lease, a binder
-        and request subjects that name the route (``rq.req.<level>.<tenant>.<route>``).
-        With one group, every subject and consumer is the unsharded one."""
-        return len(self.binding_groups()) > 1
+        """Whether binding is split over several groups (``router.split_binding``
+        and more than one group): each a lease, a binder and request subjects that
+        name the route (``rq.req.<level>.<tenant>.<route>``). Otherwise every
+        subject, consumer and lease is the unsplit one."""
+        return self.router.split_binding and len(self.binding_groups()) > 1
 
     def for_group(self, group: BindingGroup) -> Config:
         """This config as ``group``'s binder sees it: its routes and backends only,
@@ -1591,7 +1595,7 @@ def _check_groups(config: Config, source: str | None) -> None:
         groups = binding_groups(config)
     except ValueError as exc:
         raise ConfigError(str(exc), path="$.routes", source=source) from None
-    if len(groups) > 1 and "requeue" in config.routes:
+    if config.router.split_binding and len(groups) > 1 and "requeue" in config.routes:
         raise ConfigError(
             "a route may not be named 'requeue' when binding is split in groups: "
             "rq.req.<level>.<tenant>.requeue is the services' requeue subject",

@@ -58,6 +58,7 @@ def write_config(path: Path, *, nats_url: str, backend_url: str, slots: int = 4)
     text = (
         f'[nats]\nurl = "{nats_url}"\n'
         f'[router]\nack_wait = "2s"\ncapacity_refresh = "20ms"\nlease_ttl = "1s"\n'
+        "split_binding = true\n"
         f'[worker]\nack_wait = "2s"\nretry_delay = "100ms"\ndrain_timeout = "1s"\n'
     )
     for backend, route in zip(("b1", "b2"), ROUTES, strict=True):
@@ -138,6 +139,10 @@ def test_groups_are_merged_never_split() -> None:
         }
     )
     assert not merged.sharded()
+    # Routes sharing no backend are groups of their own only when asked.
+    apart = {"r1": {"backends": ["b1"]}, "r2": {"backends": ["b2"]}}
+    assert len(parse_config({"backends": backends, "routes": apart}).binding_groups()) == 2
+    assert not parse_config({"backends": backends, "routes": apart}).sharded()
     assert [(g.name, g.routes) for g in merged.binding_groups()] == [("g", ("r1", "r2", "r3"))]
     with pytest.raises(ConfigError, match="can be merged, never split"):
         parse_config(
@@ -154,6 +159,7 @@ def test_groups_are_merged_never_split() -> None:
             {
                 "backends": backends,
                 "routes": {"requeue": {"backends": ["b1"]}, "r2": {"backends": ["b2"]}},
+                "router": {"split_binding": True},
             }
         )
 
