@@ -52,13 +52,15 @@ async def until(check: Callable[[], Awaitable[bool]], what: str, within: float =
         await asyncio.sleep(0.02)
 
 
-def write_config(path: Path, *, nats_url: str, backend_url: str, slots: int = 4) -> Path:
+def write_config(
+    path: Path, *, nats_url: str, backend_url: str, slots: int = 4, split: bool = True
+) -> Path:
     """Routes r1 -> b1 and r2 -> b2: two binding groups. Short ack waits and
     lease ttl, so a killed router's work comes back quickly."""
     text = (
         f'[nats]\nurl = "{nats_url}"\n'
         f'[router]\nack_wait = "2s"\ncapacity_refresh = "20ms"\nlease_ttl = "1s"\n'
-        "split_binding = true\n"
+        f"split_binding = {str(split).lower()}\n"
         f'[worker]\nack_wait = "2s"\nretry_delay = "100ms"\ndrain_timeout = "1s"\n'
     )
     for backend, route in zip(("b1", "b2"), ROUTES, strict=True):
@@ -75,10 +77,14 @@ def write_config(path: Path, *, nats_url: str, backend_url: str, slots: int = 4)
 
 
 @asynccontextmanager
-async def stack(tmp_path: Path, server: EmbeddedServer) -> AsyncIterator[tuple[Path, Config]]:
+async def stack(
+    tmp_path: Path, server: EmbeddedServer, *, split: bool = True
+) -> AsyncIterator[tuple[Path, Config]]:
     """A mock backend and the two-group config file; yields (file, config)."""
     async with MockBackend(MockSettings(ttft=0.01, output_tokens=2, concurrency=64)) as mock:
-        file = write_config(tmp_path / "rq.toml", nats_url=server.url, backend_url=mock.url)
+        file = write_config(
+            tmp_path / "rq.toml", nats_url=server.url, backend_url=mock.url, split=split
+        )
         yield file, load_config(file, environ={})
 
 
@@ -309,3 +315,33 @@ async def test_a_killed_routers_group_is_taken_over_and_nothing_is_lost_or_run_t
                 if router.proc is not None:
                     await asyncio.wait_for(router.proc.wait(), 10)
             await nc.close()
+
+
+async def test_unsplit_a_route_subject_is_read_by_the_one_binder(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """Without ``split_binding`` the layout is the unsplit one (one lease, one
+    consumer a level), and a request naming its route in the subject is read
+    and checked like any other."""
+    async with (
+        stack(tmp_path, isolated_server, split=False) as (_file, config),
+        Services(config, routers=1) as services,
+        Client(services.nc, tenant=TENANT, route_subjects=True) as client,
+    ):
+        js = services.js
+        assert not config.sharded()
+        [router] = services.routers
+        assert router.binding_groups == []
+        await js.consumer_info(REQUESTS_STREAM, router_consumer("normal"))
+        assert (await read_lease(js, binder_lease())) is not None
+        handles = await submit_both(client, "unsplit", 5)
+        await asyncio.gather(*(h.result(timeout=30) for h in handles))
+        await audit(js, handles)
+        request = client.build_request("hi", route="r2", request_id="unsplit-wrong-route")
+        await js.publish(
+            request_subject("normal", TENANT, route="r1"),
+            msgspec.json.encode(request),
+            headers={"Nats-Msg-Id": msg_id(TENANT, request.id)},
+        )
+        with pytest.raises(RequestRejectedError, match="does not match subject route"):
+            await client.handle(request.id).result(timeout=20)
