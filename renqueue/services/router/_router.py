@@ -57,6 +57,7 @@ the stages are the loops around them that do the NATS work.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import os
@@ -128,6 +129,7 @@ class Binder:
         cancels: CancelWatch | None,
         supervisor: Supervisor,
         may_seek: Callable[[], bool] = lambda: True,
+        seek_lock: asyncio.Lock | None = None,
     ) -> None:
         #: The group bound here (None: binding is not split).
         self.group = group
@@ -170,6 +172,7 @@ class Binder:
             round_=self.round,
             group=None if group is None else group.name,
             may_seek=may_seek,
+            seek_lock=seek_lock,
         )
 
     def held_term(self) -> int | None:
@@ -218,6 +221,7 @@ class Router(Lifecycle):
                 held=lambda: [binder.held_term() for binder in self._binders],
             )
         share = self._share
+        seek_lock = asyncio.Lock()
         #: One binder per binding group (one, over the whole config, when not split).
         self._binders = [
             Binder(
@@ -231,6 +235,7 @@ class Router(Lifecycle):
                 cancels=cancels,
                 supervisor=self._supervisor,
                 may_seek=(lambda: True) if share is None else share.may_seek,
+                seek_lock=seek_lock,
             )
             for group in groups
         ]

@@ -73,6 +73,7 @@ class Term:
         round_: Round,
         group: str | None = None,
         may_seek: Callable[[], bool] = lambda: True,
+        seek_lock: asyncio.Lock | None = None,
     ) -> None:
         self._nc = parts.nc
         self._js = parts.js
@@ -89,6 +90,9 @@ class Term:
         self.group = group
         #: Whether this router may seek the lease now (its share of the groups).
         self._may_seek = may_seek
+        #: Held while judging ``may_seek`` and seeking: a router's terms seek
+        #: one at a time, so two cannot both take the last lease of its share.
+        self._seek_lock = seek_lock if seek_lock is not None else asyncio.Lock()
         self._consumer_configs: list[dict[str, Any]] = []
         #: The lease term whose fetch and dispatch loops run (None: standing by).
         self.current: int | None = None
@@ -117,7 +121,7 @@ class Term:
         # One attempt now, so a lone router binds as soon as it has started.
         # A term that cannot begin yet is the lease loop's to retry (and, if
         # it never can, to give the lease up): not a reason to fail the start.
-        if self._may_seek() and await self._lease.try_acquire():
+        if await self._seek():
             async with self._lock:
                 try:
                     await self._begin_counted()
@@ -142,9 +146,7 @@ class Term:
         loop = asyncio.get_running_loop()
         while True:
             if not self._lease.held and (
-                loop.time() < self._sit_out_until
-                or not self._may_seek()
-                or not await self._lease.try_acquire()
+                loop.time() < self._sit_out_until or not await self._seek()
             ):
                 await asyncio.sleep(poll)
                 continue
@@ -187,6 +189,11 @@ class Term:
             else:
                 continue
             await self.give_up(why)
+
+    async def _seek(self) -> bool:
+        """Seek the lease if this router may hold one more (see ``may_seek``)."""
+        async with self._seek_lock:
+            return self._may_seek() and await self._lease.try_acquire()
 
     async def give_up(self, why: str) -> None:
         """End the term, give the lease up and stay out of the race for ``5 * ttl``."""
