@@ -79,10 +79,12 @@ bench-scheduling: $(STAMP)
 
 # The binder's ceiling (issue #31 item 4, docs/scaling.md): binds a second of one elected
 # binder over instant backends, against raw publish_async in the same run; steady state,
-# then a take-over with a backlog (every request may have been bound before).
+# then a take-over with a backlog (every request may have been bound before); then binding
+# split in two groups over two router processes (docs/scaling.md, binding in groups).
 bench-binder: $(STAMP)
 	$(BIN)/python bench/binder.py
 	$(BIN)/python bench/binder.py --takeover
+	$(BIN)/python bench/binder.py --groups 2 --routers 2
 
 # A burst against mock free tiers (compressed clock) and a paid backend: Ren-Queue against
 # LiteLLM's Router on the same mocks (issue #8). LiteLLM lives only in its own venv,

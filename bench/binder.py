@@ -16,9 +16,12 @@ What runs, on one embedded nats-server (own temporary store):
    a real worker costs ~3 ms of Python per request, so on two cores workers would be
    the ceiling measured, not the binder.
 4. The binder: one ``renqueue router`` process (the production shape: it also runs the
-   projector), started once the requests wait. ``--binder-pythonpath`` runs it from
-   another checkout's package (to measure a version before and after a change in the
-   same conditions).
+   projector), started once the requests wait. ``--groups N`` splits binding in N
+   groups (N routes, each over its own share of the backends: docs/scaling.md) and
+   ``--routers R`` runs R router processes, which share the groups' leases; requests
+   go to their route's subject (``--old-subject``: to today's, each forwarded first).
+   ``--binder-pythonpath`` runs it from another checkout's package (to measure a
+   version before and after a change in the same conditions).
 
 The rate is read in the steady part: from the 10th to the 90th percentile of the
 dispatches drained (the lease, the consumers made again and the first fetches are
@@ -49,12 +52,14 @@ from nats.js.api import StorageType, StreamConfig
 
 from renqueue.broker import EmbeddedServer, connect, provision
 from renqueue.config import parse_config
+from renqueue.coordination import read_lease
 from renqueue.schema import (
     DISPATCH_STREAM,
     EVENTS_STREAM,
     REQUESTS_STREAM,
     ChatMessage,
     InferenceRequest,
+    binder_lease,
     capacity_subject,
     encode,
     msg_id,
@@ -73,8 +78,15 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def config_text(url: str, backends: int, slots: int) -> str:
+def routes_of(groups: int) -> list[str]:
+    """The routes: one per binding group (``chat`` alone when not split)."""
+    return [ROUTE] if groups <= 1 else [f"{ROUTE}{g}" for g in range(groups)]
+
+
+def config_text(url: str, backends: int, slots: int, groups: int = 1) -> str:
     lines = ["# Written by bench/binder.py.", "[nats]", f'url = "{url}"', ""]
+    if groups > 1:
+        lines += ["[router]", "split_binding = true", ""]
     names = [f"b{n}" for n in range(backends)]
     for name in names:
         lines += [
@@ -85,7 +97,11 @@ def config_text(url: str, backends: int, slots: int) -> str:
             f"concurrency = {slots}",
             "",
         ]
-    lines += [f"[routes.{ROUTE}]", "backends = [" + ", ".join(f'"{n}"' for n in names) + "]"]
+    routes = routes_of(groups)
+    for index, route in enumerate(routes):
+        # Route g takes every groups-th backend: the routes share none (a group each).
+        mine = names[index :: len(routes)]
+        lines += [f"[routes.{route}]", "backends = [" + ", ".join(f'"{n}"' for n in mine) + "]"]
     return "\n".join(lines) + "\n"
 
 
@@ -106,24 +122,26 @@ async def raw_publish_rate(nc: Any, seconds: float) -> float:
     return rate
 
 
-async def preload(nc: Any, count: int) -> None:
-    """``count`` requests waiting at the five levels, published as a client does."""
+async def preload(nc: Any, count: int, routes: list[str], *, route_subjects: bool) -> None:
+    """``count`` requests waiting at the five levels, published as a client does,
+    round-robin over ``routes`` (to each route's subject with ``route_subjects``)."""
     js = nc.client.jetstream()
     window = 512
     for first in range(0, count, window):
         futures = []
         for n in range(first, min(count, first + window)):
             level = LEVELS[n % len(LEVELS)]
+            route = routes[n % len(routes)]
             request = InferenceRequest(
                 id=f"q{n}",
                 tenant=TENANT,
-                route=ROUTE,
+                route=route,
                 priority=level,
                 messages=[ChatMessage(role="user", content="hi")],
             )
             futures.append(
                 await js.publish_async(
-                    request_subject(level, TENANT),
+                    request_subject(level, TENANT, route=route if route_subjects else None),
                     encode(request),
                     headers={"Nats-Msg-Id": msg_id(TENANT, request.id)},
                 )
@@ -187,17 +205,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="renqueue-bench-binder-") as tmp:
         async with EmbeddedServer(Path(tmp) / "nats", port=-1) as server:
             nc = await connect(server.url, name="bench-binder")
-            binder: asyncio.subprocess.Process | None = None
+            binders: list[asyncio.subprocess.Process] = []
+            routes = routes_of(args.groups)
+            route_subjects = args.groups > 1 and not args.old_subject
             drains = Drains(nc, names, batch=args.drain_batch)
             try:
                 raw = await raw_publish_rate(nc, args.baseline_seconds)
                 print(f"   raw publish_async (windows of 256): {raw:,.0f} msgs/s", flush=True)
                 path = Path(tmp) / "renqueue.toml"
-                path.write_text(config_text(server.url, args.backends, args.slots))
+                path.write_text(config_text(server.url, args.backends, args.slots, args.groups))
                 config = parse_config(tomllib.loads(path.read_text()), source=str(path))
                 await provision(nc, config)
                 if args.takeover:
-                    await preload(nc, args.requests)
+                    await preload(nc, args.requests, routes, route_subjects=route_subjects)
                     print(f"   {args.requests} requests waiting; starting the binder", flush=True)
                 await drains.start()
                 env = {k: v for k, v in os.environ.items() if not k.startswith("RENQUEUE_")}
@@ -206,38 +226,39 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 log = log_path.open("w")
                 started = time.monotonic()
                 profile = ["-m", "cProfile", "-o", args.profile] if args.profile else []
-                binder = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    *profile,
-                    "-m",
-                    "renqueue",
-                    "-c",
-                    str(path),
-                    "router",
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                    env=env,
-                )
+                for _ in range(args.routers):
+                    binders.append(
+                        await asyncio.create_subprocess_exec(
+                            sys.executable,
+                            *profile,
+                            "-m",
+                            "renqueue",
+                            "-c",
+                            str(path),
+                            "router",
+                            stdin=asyncio.subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=log,
+                            env=env,
+                        )
+                    )
                 if not args.takeover:
-                    # Steady state: requests published once its term has begun (those
-                    # stored before may have been bound by an earlier binder: each costs
-                    # a log lookup, measured with --takeover).
-                    while "router is binding" not in log_path.read_text():
-                        if binder.returncode is not None or time.monotonic() > started + 60:
-                            raise RuntimeError(f"the binder did not bind: {log_path.read_text()}")
-                        await asyncio.sleep(0.05)
-                    print(f"   binder bound; publishing {args.requests} requests", flush=True)
+                    # Steady state: requests published once every group's term has
+                    # begun and the terms are spread (those stored before may have
+                    # been bound by an earlier binder: each costs a log lookup,
+                    # measured with --takeover).
+                    await until_spread(nc, args, binders, started, log_path)
+                    print(f"   binders bound; publishing {args.requests} requests", flush=True)
                     started = time.monotonic()
-                    await preload(nc, args.requests)
-                cpu_before = proc_cpu_seconds(binder.pid)
+                    await preload(nc, args.requests, routes, route_subjects=route_subjects)
+                cpu_before = sum(proc_cpu_seconds(b.pid) for b in binders)
                 deadline = started + args.timeout
                 while drains.drained < args.requests and time.monotonic() < deadline:
-                    if binder.returncode is not None:
-                        raise RuntimeError(f"the binder exited {binder.returncode}: see its log")
+                    if any(b.returncode is not None for b in binders):
+                        raise RuntimeError("a binder exited: see its log")
                     await asyncio.sleep(0.2)
                 ended = time.monotonic()
-                cpu = proc_cpu_seconds(binder.pid) - cpu_before
+                cpu = sum(proc_cpu_seconds(b.pid) for b in binders) - cpu_before
                 drained = drains.drained
                 info = await nc.client.jetstream().stream_info(EVENTS_STREAM)
                 left = (await nc.client.jetstream().stream_info(REQUESTS_STREAM)).state.messages
@@ -247,8 +268,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     (args.out / "binder-last.log").write_bytes(
                         (Path(tmp) / "binder.log").read_bytes()
                     )
-                if binder is not None and binder.returncode is None:
-                    binder.terminate()
+                for binder in binders:
+                    if binder.returncode is None:
+                        binder.terminate()
+                for binder in binders:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(binder.wait(), 10)
                     if binder.returncode is None:
@@ -273,7 +296,34 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "events_stored": info.state.messages,
         "binder_pythonpath": args.binder_pythonpath or str(ROOT),
         "mode": "takeover" if args.takeover else "steady",
+        "groups": args.groups,
+        "routers": args.routers,
+        "subjects": "route"
+        if route_subjects
+        else "level (forwarded)"
+        if args.groups > 1
+        else "level",
     }
+
+
+async def until_spread(
+    nc: Any, args: argparse.Namespace, binders: list[Any], started: float, log_path: Path
+) -> None:
+    """Until every group's lease is held, by at most ceil(groups / routers) terms a router."""
+    js = nc.jetstream()
+    groups = routes_of(args.groups) if args.groups > 1 else [None]
+    most = -(-len(groups) // args.routers)
+    while True:
+        holders = [await read_lease(js, binder_lease(group)) for group in groups]
+        names = [h.holder for h in holders if h is not None]
+        if len(names) == len(groups) and all(names.count(n) <= most for n in names):
+            text = await asyncio.to_thread(log_path.read_text)
+            if text.count("router is binding") >= len(groups):
+                return
+        if any(b.returncode is not None for b in binders) or time.monotonic() > started + 60:
+            text = await asyncio.to_thread(log_path.read_text)
+            raise RuntimeError(f"the binders did not bind: {text[-3000:]}")
+        await asyncio.sleep(0.05)
 
 
 def main() -> None:
@@ -296,10 +346,22 @@ def main() -> None:
     parser.add_argument(
         "--profile", default=None, help="run the binder under cProfile, writing this file"
     )
+    parser.add_argument(
+        "--groups", type=int, default=1, help="binding groups (routes sharing no backend)"
+    )
+    parser.add_argument("--routers", type=int, default=1, help="router processes")
+    parser.add_argument(
+        "--old-subject",
+        action="store_true",
+        help="with --groups: publish to rq.req.<level>.<tenant> (each request forwarded)",
+    )
     args = parser.parse_args()
+    if args.backends < args.groups:
+        parser.error("--backends must be at least --groups (a group has its own backends)")
     print(
         f"== binder ceiling: {args.requests} requests, {args.backends} backends x "
-        f"{args.slots} slots, instant drains, {'take-over' if args.takeover else 'steady'};"
+        f"{args.slots} slots, {args.groups} group(s), {args.routers} router(s), instant drains,"
+        f" {'take-over' if args.takeover else 'steady'};"
         f" load average {os.getloadavg()[0]:.2f}",
         flush=True,
     )

@@ -15,6 +15,7 @@ Environment overrides (applied after the file):
 from __future__ import annotations
 
 import difflib
+import itertools
 import math
 import os
 import re
@@ -65,6 +66,7 @@ __all__ = [
     "AnyBackendConfig",
     "BackendConfig",
     "BaseBackendConfig",
+    "BindingGroup",
     "BucketConfig",
     "ByteSize",
     "Config",
@@ -88,6 +90,7 @@ __all__ = [
     "TGIConfig",
     "TGIParameters",
     "WorkerConfig",
+    "binding_groups",
     "load_config",
     "parse_config",
     "parse_duration",
@@ -834,6 +837,11 @@ class RouteConfig(_Section, frozen=True, kw_only=True):
     spread: Annotated[float, Meta(ge=0, le=10)] = 1.0
     #: Split its traffic between routes (arms) by weight; unset: no split.
     ab: SplitConfig | None = None
+    #: The binding group this route is bound in (docs/scaling.md): routes
+    #: naming one group are bound by one binder even when they share no
+    #: backend (groups are merged, never split). Unset: its connected
+    #: component of routes and backends is its group.
+    group: Name | None = None
 
     def rules(self) -> RouteRules:
         """How the planner chooses among this route's candidates."""
@@ -906,6 +914,9 @@ class RouterConfig(_Section, frozen=True, kw_only=True):
     #: The binder's lease (renqueue.coordination._lease): a dead binder's standby takes
     #: over about this long (plus ~0.3 s of server expiry) after it died.
     lease_ttl: Duration = "1s"
+    #: Split binding in groups (docs/scaling.md): routes sharing no backend are
+    #: bound by binders of their own, one lease each. Off: one binder for all.
+    split_binding: bool = False
     #: Bind to a backend only while a worker asks it for work (its consumer has
     #: a pull waiting): one with no live worker (stopped, restarting, not yet
     #: started) counts as full, so its requests wait in the priority subjects or
@@ -1096,6 +1107,28 @@ class Config(_Section, frozen=True, kw_only=True):
             self,
             backends={n: b for n, b in self.backends.items() if n not in out},
             routes={n: r for n, r in routes.items() if r.backends},
+        )
+
+    def binding_groups(self) -> tuple[BindingGroup, ...]:
+        """The binding groups (docs/scaling.md), by name: see :func:`binding_groups`."""
+        return binding_groups(self)
+
+    def sharded(self) -> bool:
+        """Whether binding is split over several groups (``router.split_binding``
+        and more than one group): each a lease, a binder and request subjects that
+        name the route (``rq.req.<level>.<tenant>.<route>``). Otherwise every
+        subject, consumer and lease is the unsplit one."""
+        return self.router.split_binding and len(self.binding_groups()) > 1
+
+    def for_group(self, group: BindingGroup) -> Config:
+        """This config as ``group``'s binder sees it: its routes and backends only,
+        so no slot, quota, circuit or preemption is shared with another group."""
+        routes = set(group.routes)
+        backends = set(group.backends)
+        return msgspec.structs.replace(
+            self,
+            routes={n: r for n, r in self.routes.items() if n in routes},
+            backends={n: b for n, b in self.backends.items() if n in backends},
         )
 
     def highest_tier(self, route: str) -> int:
@@ -1490,6 +1523,85 @@ def _check_references(config: Config, source: str | None) -> None:
                     source=source,
                 )
         _check_split(config, route_name, source)
+    _check_groups(config, source)
+
+
+class BindingGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """Routes bound in one place, and their candidate backends (docs/scaling.md)."""
+
+    name: str
+    routes: tuple[str, ...]
+    backends: tuple[str, ...]
+
+
+def binding_groups(config: Config) -> tuple[BindingGroup, ...]:
+    """The binding groups of ``config``, by name. Pure.
+
+    A group is a connected component of the graph of routes and backends, a
+    route joined to each of its candidates and to the arms of its A/B split;
+    routes naming one ``group`` are joined too (groups are merged, never split).
+    A group is named by its routes' ``group``, else by its first route by name.
+    Two groups share no backend, so no slot, quota, circuit or preemption.
+    Raises :class:`ValueError` for routes of one component naming two groups,
+    or a group's name that is another group's.
+    """
+    parent: dict[str, str] = {}
+
+    def find(node: str) -> str:
+        while parent.setdefault(node, node) != node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    def join(a: str, b: str) -> None:
+        parent[find(a)] = find(b)
+
+    for name, route in config.routes.items():
+        node = f"r:{name}"
+        find(node)
+        for backend in route.backends:
+            join(node, f"b:{backend}")
+        for arm in route.ab.arms if route.ab is not None else ():
+            join(node, f"r:{arm}")
+        if route.group is not None:
+            join(node, f"g:{route.group}")
+    members: dict[str, list[str]] = {}
+    for name in sorted(config.routes):
+        members.setdefault(find(f"r:{name}"), []).append(name)
+    groups: list[BindingGroup] = []
+    for routes in members.values():
+        names = {g for r in routes if (g := config.routes[r].group) is not None}
+        if len(names) > 1:
+            raise ValueError(
+                f"routes {', '.join(routes)} share backends (or an A/B split), so they are "
+                f"one binding group, but name groups {', '.join(sorted(names))}: a group "
+                "can be merged, never split"
+            )
+        backends = sorted({b for r in routes for b in config.routes[r].backends})
+        name = names.pop() if names else routes[0]
+        groups.append(BindingGroup(name=name, routes=tuple(routes), backends=tuple(backends)))
+    groups.sort(key=lambda group: group.name)
+    for first, second in itertools.pairwise(groups):
+        if first.name == second.name:
+            raise ValueError(
+                f"two binding groups are named {first.name!r} (routes {', '.join(first.routes)};"
+                f" {', '.join(second.routes)}): name one of them with `group`"
+            )
+    return tuple(groups)
+
+
+def _check_groups(config: Config, source: str | None) -> None:
+    try:
+        groups = binding_groups(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc), path="$.routes", source=source) from None
+    if config.router.split_binding and len(groups) > 1 and "requeue" in config.routes:
+        raise ConfigError(
+            "a route may not be named 'requeue' when binding is split in groups: "
+            "rq.req.<level>.<tenant>.requeue is the services' requeue subject",
+            path="$.routes.requeue",
+            source=source,
+        )
 
 
 def _check_split(config: Config, route_name: str, source: str | None) -> None:

@@ -17,7 +17,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", [[], ["--takeover"]], ids=["steady", "takeover"])
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["--takeover"], ["--groups", "2", "--routers", "2"]],
+    ids=["steady", "takeover", "two-groups"],
+)
 def test_the_binder_bench_binds_every_request_once(tmp_path: Path, mode: list[str]) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RENQUEUE_")}
     done = subprocess.run(
@@ -32,4 +36,5 @@ def test_the_binder_bench_binds_every_request_once(tmp_path: Path, mode: list[st
     report = json.loads((tmp_path / "binder-latest.json").read_text())
     assert (report["bound"], report["left_waiting"]) == (400, 0)
     assert report["binds_per_s"] > 0
-    assert report["mode"] == ("takeover" if mode else "steady")
+    assert report["mode"] == ("takeover" if "--takeover" in mode else "steady")
+    assert report["groups"] == (2 if "--groups" in mode else 1)

@@ -57,7 +57,7 @@ import json
 import os
 import random
 import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
@@ -74,6 +74,7 @@ from ..schema import (
     DISPATCH_STREAM,
     DLQ_STREAM,
     EVENTS_STREAM,
+    FORWARD_CONSUMER,
     LEASE_BUCKET,
     MAX_CANCEL_BYTES,
     REQUESTS_STREAM,
@@ -82,8 +83,10 @@ from ..schema import (
     TOKENS_STREAM,
     cancel_subject,
     dispatch_subject,
+    forwarded_subjects,
     max_deliveries_advisory,
     requests_of_level,
+    requests_of_route,
     router_consumer,
     router_max_deliveries,
     worker_consumer,
@@ -105,6 +108,7 @@ __all__ = [
     "Action",
     "ProvisionItem",
     "ProvisionReport",
+    "ensure_router_consumers",
     "find_streams_dir",
     "provision",
     "renew_router_consumers",
@@ -293,6 +297,10 @@ async def provision(
     items: list[ProvisionItem] = []
     for spec, desired in streams:
         items.append(await _ensure_stream(api, desired, source=str(directory / spec.file)))
+    if config.sharded() or await _has_group_consumers(api):
+        await _drop_other_router_consumers(
+            api, (d["durable_name"] for s, d, _ in consumers if s == REQUESTS_STREAM)
+        )
     for stream, desired, source in consumers:
         items.append(await _ensure_consumer(api, stream, desired, source=source))
     kv = await _ensure_stream(api, _kv_stream_config(config), source="renqueue.broker.provision")
@@ -317,14 +325,22 @@ async def provision(
 
 
 def router_consumer_configs(
-    config: Config, *, streams_dir: Path | None = None
+    config: Config, *, streams_dir: Path | None = None, group: str | None = None
 ) -> list[dict[str, Any]]:
-    """The router consumers' configs (one per level), rendered from ``streams/``."""
+    """The router consumers' configs (one per level), rendered from ``streams/``;
+    ``group``: binding group ``group``'s (binding split in groups), or
+    :data:`~renqueue.schema.FORWARD_CONSUMER`'s alone for ``FORWARD_CONSUMER``."""
     directory = find_streams_dir(streams_dir)
+    if group is None:
+        names = {router_consumer(level) for level in config.priorities}
+    elif group == FORWARD_CONSUMER:
+        names = {FORWARD_CONSUMER}
+    else:
+        names = {router_consumer(level, group) for level in config.priorities}
     return [
         desired
         for stream, desired, _source in _consumer_configs(directory, config)
-        if stream == REQUESTS_STREAM
+        if stream == REQUESTS_STREAM and desired["durable_name"] in names
     ]
 
 
@@ -353,6 +369,15 @@ async def renew_router_consumers(
 
     # Concurrently: on a cluster each is a replicated change (~100 ms).
     await asyncio.gather(*(renew(desired) for desired in configs))
+
+
+async def ensure_router_consumers(
+    js_or_nc: Connection | JetStream, configs: Sequence[dict[str, Any]]
+) -> None:
+    """Create the router consumers ``configs`` that do not exist (update those that differ)."""
+    api = JetStreamApi(js_or_nc)
+    for desired in configs:
+        await _ensure_consumer_now(api, REQUESTS_STREAM, desired, source="the router")
 
 
 # -- waiting for JetStream ---------------------------------------------------
@@ -491,6 +516,17 @@ def _stream_config(directory: Path, spec: _StreamSpec, config: Config) -> dict[s
         )
     if spec.name == REQUESTS_STREAM:
         _check_layout(path, desired["subjects"], [requests_of_level(p) for p in config.priorities])
+        if config.sharded():
+            # Binding split in groups: only subjects a consumer reads are
+            # stored (a route no group has would wait unread for ever).
+            desired["subjects"] = [
+                subject
+                for level in config.priorities
+                for subject in [
+                    *forwarded_subjects(level),
+                    *(s for route in config.routes for s in requests_of_route(level, route)),
+                ]
+            ]
         # router.tenant_backlog: a tenant's requests waiting at one level (its
         # own subject), refused by the broker past it; 0 (-1 here): no cap.
         backlog = config.router.tenant_backlog
@@ -540,7 +576,13 @@ def _consumer_configs(directory: Path, config: Config) -> list[tuple[str, dict[s
         values = {**common, "priority": level}
         rendered = _render(router_template, values, router_path)
         _check_consumer(router_path, rendered, router_consumer(level), requests_of_level(level))
-        result.append((REQUESTS_STREAM, rendered, str(router_path)))
+        if not config.sharded():
+            result.append((REQUESTS_STREAM, rendered, str(router_path)))
+    if config.sharded():
+        result.extend(
+            (REQUESTS_STREAM, desired, str(router_path))
+            for desired in _group_consumers(router_template, common, router_path, config)
+        )
     for name, backend in config.backends.items():
         values = {**common, "backend": name, "backend.concurrency": backend.limits.concurrency}
         rendered = _render(worker_template, values, worker_path)
@@ -559,6 +601,61 @@ def _consumer_configs(directory: Path, config: Config) -> list[tuple[str, dict[s
         )
     result.append((ADVISORIES_STREAM, advisories, str(advisories_path)))
     return result
+
+
+def _group_consumers(
+    template: Any, common: Mapping[str, Any], path: Path, config: Config
+) -> list[dict[str, Any]]:
+    """Binding split in groups (docs/scaling.md): the router template rendered
+    once per group and level, filtering that group's routes' subjects, and the
+    forwarding consumer of requests published without their route. Their
+    filters never overlap (a route may not be named ``requeue``)."""
+    consumers: list[dict[str, Any]] = []
+    for group in config.binding_groups():
+        for level in config.priorities:
+            rendered = _render(template, {**common, "priority": level}, path)
+            del rendered["filter_subject"]
+            rendered["durable_name"] = router_consumer(level, group.name)
+            rendered["description"] = (
+                f"Binder of group {group.name} pulls priority level {level} from RQ_REQUESTS"
+            )
+            rendered["filter_subjects"] = [
+                subject for route in group.routes for subject in requests_of_route(level, route)
+            ]
+            consumers.append(rendered)
+    forward = _render(template, {**common, "priority": config.priorities[0]}, path)
+    del forward["filter_subject"]
+    forward["durable_name"] = FORWARD_CONSUMER
+    forward["description"] = "Routers re-publish requests sent without their route under it"
+    forward["filter_subjects"] = [
+        subject for level in config.priorities for subject in forwarded_subjects(level)
+    ]
+    consumers.append(forward)
+    return consumers
+
+
+async def _has_group_consumers(api: JetStreamApi) -> bool:
+    """Whether RQ_REQUESTS has the forwarding consumer of binding split in groups."""
+    return (
+        reply_error(await api.call(f"CONSUMER.INFO.{REQUESTS_STREAM}.{FORWARD_CONSUMER}")) is None
+    )
+
+
+async def _drop_other_router_consumers(api: JetStreamApi, keep: Iterable[str]) -> None:
+    """Delete router consumers of RQ_REQUESTS this config does not have (binding
+    split in groups, or no longer): their filters would overlap the new ones,
+    which a work-queue stream refuses. Their messages stay in the stream."""
+    wanted = set(keep)
+    reply = await api.call(f"CONSUMER.NAMES.{REQUESTS_STREAM}", {"offset": 0})
+    error = reply_error(reply)
+    if error is not None:
+        raise ProvisionError(f"cannot list the consumers of {REQUESTS_STREAM}: {error[1]}")
+    for name in reply.get("consumers") or []:
+        if str(name).startswith("router-") and name not in wanted:
+            dropped = reply_error(await api.call(f"CONSUMER.DELETE.{REQUESTS_STREAM}.{name}"))
+            if dropped is not None and dropped[0] != CONSUMER_NOT_FOUND:
+                raise ProvisionError(f"cannot delete consumer {REQUESTS_STREAM}/{name}")
+            log.info("consumer deleted", consumer=f"{REQUESTS_STREAM}/{name}")
 
 
 def _render(template: Any, values: Mapping[str, Any], path: Path) -> Any:

@@ -66,10 +66,17 @@ class Client(Closing):
         *,
         tenant: str = "default",
         owns_connection: bool = False,
+        route_subjects: bool = False,
     ) -> None:
         self.nc = Connection.of(nc)
         self.js = self.nc.jetstream()
         self.tenant = tenant
+        #: Publish each request to the subject naming its route
+        #: (``rq.req.<level>.<tenant>.<route>``): for a deployment whose binding
+        #: is split in groups (docs/scaling.md), where a request without its
+        #: route is forwarded to it first (one more stored message). The
+        #: tenant's permissions must allow it (nats/auth.conf).
+        self.route_subjects = route_subjects
         self._owns = owns_connection
         #: Follows the tenant's events from the first submit; resolves handles.
         self._tap = EventTap(self)
@@ -84,15 +91,20 @@ class Client(Closing):
         name: str = "client",
         inbox_prefix: str | None = None,
         user_credentials: str | None = None,
+        route_subjects: bool = False,
     ) -> Self:
         """Connect to ``url`` (``nats://user:password@host:port`` for a password user).
 
         ``inbox_prefix`` is the inbox the user may subscribe to (``_INBOX_acme``
-        in ``nats/auth.conf``); ``user_credentials`` a NATS ``.creds`` file.
+        in ``nats/auth.conf``); ``user_credentials`` a NATS ``.creds`` file;
+        ``route_subjects``: see :attr:`route_subjects`.
         """
         config = NatsConfig(credentials_file=user_credentials, inbox_prefix=inbox_prefix)
         return cls(
-            await connect(url, name=name, config=config), tenant=tenant, owns_connection=True
+            await connect(url, name=name, config=config),
+            tenant=tenant,
+            owns_connection=True,
+            route_subjects=route_subjects,
         )
 
     async def close(self) -> None:

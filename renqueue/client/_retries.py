@@ -125,7 +125,8 @@ async def publish(
     """
     data = _encoded(client, request)
     loop = asyncio.get_running_loop()
-    subject = request_subject(request.priority, request.tenant)
+    route = request.route if client.route_subjects else None
+    subject = request_subject(request.priority, request.tenant, route=route)
     headers = {"Nats-Msg-Id": msg_id(request.tenant, request.id)}
     if trace is not None:
         headers.update(trace_headers(trace))

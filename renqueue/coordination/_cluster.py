@@ -31,7 +31,7 @@ from ..broker import JetStream
 from ..config import Config
 from ..errors import NatsNotFoundError
 from ..policy import EVERY_TENANT
-from ..schema import BINDER_LEASE, DLQ_STREAM, EVENTS_STREAM, STATE_BUCKET
+from ..schema import BINDER_LEASE, DLQ_STREAM, EVENTS_STREAM, STATE_BUCKET, binder_lease
 from ._lease import LeaseHolder, read_lease
 from ._split_status import SplitReport, splits_of
 from ._status import BackendStatus, StatusReport, out_of_service_here, status_of
@@ -190,7 +190,7 @@ async def read_cluster(
     read = await read_checkpoint(await js.key_value(STATE_BUCKET))
     state = None if read is None else read[0]
     status, dlq, binder = await asyncio.gather(
-        status_of(js, config, state, at), _dlq_messages(js), read_lease(js, BINDER_LEASE)
+        status_of(js, config, state, at), _dlq_messages(js), _binder(js, config)
     )
     return ClusterReading(
         at=at,
@@ -200,6 +200,15 @@ async def read_cluster(
         binder=binder,
         lag_seconds=await _lag(js, status, at),
     )
+
+
+async def _binder(js: JetStream, config: Config) -> LeaseHolder | None:
+    """Who holds the binder's lease; binding split in groups: the first group's
+    holder while every group's lease is held (``None`` while one is not)."""
+    if not config.sharded():
+        return await read_lease(js, BINDER_LEASE)
+    holders = [await read_lease(js, binder_lease(g.name)) for g in config.binding_groups()]
+    return None if None in holders else holders[0]
 
 
 async def _dlq_messages(js: JetStream) -> int | None:

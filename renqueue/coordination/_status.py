@@ -270,7 +270,7 @@ async def status_of(
     stream, queues, levels, (stores, used, cap), unsourced = await asyncio.gather(
         js.stream_info(EVENTS_STREAM),
         asyncio.gather(*(_pending(js, DISPATCH_STREAM, worker_consumer(n)) for n in names)),
-        asyncio.gather(*(_level(js, level, at) for level in config.priorities)),
+        asyncio.gather(*(_level(js, level, at, _groups(config)) for level in config.priorities)),
         _stores(js, config),
         cancels_unsourced(js),
     )
@@ -452,9 +452,18 @@ async def _pending(js: JetStream, stream: str, consumer: str) -> tuple[int, int]
     return info.num_pending or 0, info.num_ack_pending or 0
 
 
-async def _level(js: JetStream, level: str, now: float) -> LevelStatus:
-    counts = await _pending(js, REQUESTS_STREAM, router_consumer(level))
-    waiting = None if counts is None else sum(counts)
+def _groups(config: Config) -> list[str | None]:
+    """The binding groups whose router consumers count a level's waiting requests
+    (``[None]``: binding not split, one consumer a level)."""
+    return [g.name for g in config.binding_groups()] if config.sharded() else [None]
+
+
+async def _level(js: JetStream, level: str, now: float, groups: list[str | None]) -> LevelStatus:
+    """A level's waiting requests: its router consumers' (one per binding group)
+    pending and held; with binding split, not those still to be forwarded."""
+    found = [await _pending(js, REQUESTS_STREAM, router_consumer(level, g)) for g in groups]
+    counts = [c for c in found if c is not None]
+    waiting = None if not counts else sum(sum(c) for c in counts)
     try:
         oldest = await js.get_msg(
             REQUESTS_STREAM, seq=1, subject=requests_of_level(level), next=True

@@ -181,6 +181,8 @@ class Gateway(Lifecycle):
         self._created = int(time.time())
         self._routes = sorted(config.routes)
         self._body_timeout = self._gw.timeouts[1]
+        #: Binding split in groups: requests go to their route's subject (no forward).
+        self._sharded = config.sharded()
 
     @property
     def supervisor(self) -> Supervisor:
@@ -410,7 +412,8 @@ class Gateway(Lifecycle):
         if tenant is None:
             if self._nc is None:
                 raise RuntimeError("the gateway is not running")
-            tenant = self._tenants[name] = _Tenant(Client(self._nc, tenant=name))
+            client = Client(self._nc, tenant=name, route_subjects=self._sharded)
+            tenant = self._tenants[name] = _Tenant(client)
         return tenant
 
     def _slot(self, tenant: _Tenant) -> _Slot:

@@ -167,15 +167,17 @@ def validate(
     message_id: str | None = None,
     requeue: bool = False,
     now: float | None = None,
+    route: str | None = None,
 ) -> None:
     """Check a decoded request against where it was published and the config.
 
-    The subject is authoritative: a payload naming another tenant or level is
-    rejected (a tenant must not be able to speak for another). ``message_id``
-    is the publish's ``Nats-Msg-Id``: it must be ``<tenant>:<id>`` (a requeue
-    by the services: ``<tenant>:<id>:requeue:...``, see
-    :func:`renqueue.broker.publish_stored`), so that deduplication is scoped
-    by tenant. ``None`` skips that check (a request not read from the stream).
+    The subject is authoritative: a payload naming another tenant or level
+    (or route, when the subject names one: ``route``) is rejected (a tenant
+    must not be able to speak for another). ``message_id`` is the publish's
+    ``Nats-Msg-Id``: it must be ``<tenant>:<id>`` (a requeue by the services:
+    ``<tenant>:<id>:requeue:...``, see :func:`renqueue.broker.publish_stored`),
+    so that deduplication is scoped by tenant. ``None`` skips that check (a
+    request not read from the stream).
     ``requeue``: it was read from the services' requeue subject (which no
     tenant may publish to); only such a request may carry ``requeues`` (a
     tenant setting it ran one id many times at once, billed once), or a
@@ -189,7 +191,20 @@ def validate(
     """
     _check_services_fields(request, tenant, requeue=requeue)
     check_bounds(request, now=now)
-    _check_subject(request, level=level, tenant=tenant, message_id=message_id, requeue=requeue)
+    _check_subject(
+        request,
+        level=level,
+        tenant=tenant,
+        message_id=message_id,
+        requeue=requeue,
+        forwarded=route is not None,
+    )
+    if route is not None and request.route != route:
+        # Binding split in groups: the subject decided which binder reads it.
+        raise MalformedRequestError(
+            f"route {request.route[:200]!r} does not match subject route {route!r}",
+            request_id=request.id,
+        )
     most = config.max_priority_of(tenant)
     if (
         most is not None
@@ -310,10 +325,16 @@ def _check_subject(
     tenant: str,
     message_id: str | None,
     requeue: bool,
+    forwarded: bool = False,
 ) -> None:
-    """The request is what its subject and message id say: their tenant and level."""
+    """The request is what its subject and message id say: their tenant and level.
+
+    ``forwarded``: the subject names a route, so the id may be a router's
+    forwarded copy's (``<tenant>:<id>:forwarded``, see
+    :mod:`renqueue.services.router._forward`)."""
     if message_id is not None and not (
         message_id == msg_id(tenant, request.id)
+        or (forwarded and message_id == msg_id(tenant, request.id, "forwarded"))
         or (requeue and message_id.startswith(msg_id(tenant, request.id, "requeue")))
     ):
         raise MalformedRequestError(

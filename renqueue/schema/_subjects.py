@@ -5,6 +5,10 @@ publishing its own requests and reading its own tokens and events::
 
     rq.req.<priority>.<tenant>             requests, one subject per priority level
     rq.req.<priority>.<tenant>.requeue     services only: a request put back (preempted, ...)
+    rq.req.<priority>.<tenant>.<route>[.requeue]
+                                           the same, naming the route: binding split in
+                                           groups (docs/scaling.md); the route is checked
+                                           against the payload's (the subject is the authority)
     rq.dispatch.<backend>                  routing decisions, one subject per backend
     rq.evt.<tenant>.<request_id>.<kind>    the event log
     rq.evt._system.<backend>.<kind>        the event log: a backend's circuit and probes
@@ -21,8 +25,9 @@ publishing its own requests and reading its own tokens and events::
                                            the server: a message ran out of deliveries
                                            (captured in RQ_ADVISORIES)
 
-A tenant's permissions (``nats/auth.conf``): publish ``rq.req.*.<tenant>`` and
-``rq.cancel.<tenant>.*``; subscribe ``rq.tok.<tenant>.>``; and
+A tenant's permissions (``nats/auth.conf``): publish ``rq.req.*.<tenant>``,
+``rq.req.*.<tenant>.*`` (a route; ``requeue`` is refused by admission, not by
+the permission) and ``rq.cancel.<tenant>.*``; subscribe ``rq.tok.<tenant>.>``; and
 JetStream API subjects that carry the tenant: named single-filter consumers
 and last-by-subject direct gets under ``rq.evt.<tenant>.`` / ``rq.tok.<tenant>.``.
 
@@ -53,6 +58,7 @@ __all__ = [
     "DLQ_STREAM",
     "EVENTS_STREAM",
     "FETCH_TIMEOUT",
+    "FORWARD_CONSUMER",
     "LEASE_BUCKET",
     "PREEMPT_ASK",
     "REQUESTS_STREAM",
@@ -63,6 +69,7 @@ __all__ = [
     "SYSTEM_TENANT",
     "TERMINAL_BUCKET",
     "TOKENS_STREAM",
+    "binder_lease",
     "boost_subject",
     "cancel_subject",
     "capacity_subject",
@@ -70,6 +77,7 @@ __all__ = [
     "dlq_subject",
     "event_subject",
     "events_of_request",
+    "forwarded_subjects",
     "is_requeue_subject",
     "max_deliveries_advisory",
     "msg_id",
@@ -77,6 +85,8 @@ __all__ = [
     "preempt_subjects",
     "request_subject",
     "requests_of_level",
+    "requests_of_route",
+    "route_of_subject",
     "router_consumer",
     "router_max_deliveries",
     "run_claim_key",
@@ -116,6 +126,18 @@ TERMINAL_BUCKET: Final = "rq-terminal"
 LEASE_BUCKET: Final = "rq-leases"
 #: The key of the binder's lease: the one router that binds requests to backends.
 BINDER_LEASE: Final = "binder"
+#: With binding split in groups: the consumer of requests published without
+#: their route (``rq.req.<level>.<tenant>[.requeue]``), which every router
+#: reads to re-publish each under its route, for its group's binder.
+FORWARD_CONSUMER: Final = "router-forward"
+
+
+def binder_lease(group: str | None = None) -> str:
+    """The key of a binder's lease: :data:`BINDER_LEASE`, or ``binder.<group>``
+    when binding is split in groups (one lease, one binder, per group)."""
+    return BINDER_LEASE if group is None else f"{BINDER_LEASE}.{group}"
+
+
 #: The durable consumer on RQ_ADVISORIES that ends requests out of deliveries.
 ADVISORIES_CONSUMER: Final = "advisories"
 
@@ -161,22 +183,46 @@ def subject_matches(pattern: str, subject: str) -> bool:
 REQUEUE_SUFFIX = "requeue"
 
 
-def request_subject(priority: str, tenant: str, *, requeue: bool = False) -> str:
+def request_subject(
+    priority: str, tenant: str, *, requeue: bool = False, route: str | None = None
+) -> str:
     """Where a request waits; ``requeue``: the services' own subject for putting
     one back (a preemption, a coalesced follower left to run alone), which no
-    tenant may publish to, so only a request read there may carry ``requeues``."""
+    tenant may publish to, so only a request read there may carry ``requeues``.
+    ``route``: the subject naming the request's route, which binding split in
+    groups filters by (``rq.req.<priority>.<tenant>.<route>[.requeue]``)."""
     subject = f"rq.req.{priority}.{tenant}"
+    if route is not None:
+        subject = f"{subject}.{route}"
     return f"{subject}.{REQUEUE_SUFFIX}" if requeue else subject
 
 
 def is_requeue_subject(subject: str) -> bool:
-    """True for ``rq.req.<priority>.<tenant>.requeue`` (published by services only)."""
+    """True for ``rq.req.<priority>.<tenant>[.<route>].requeue`` (services only)."""
     parts = subject.split(".")
-    return len(parts) == 5 and parts[4] == REQUEUE_SUFFIX
+    return len(parts) in (5, 6) and parts[-1] == REQUEUE_SUFFIX
+
+
+def route_of_subject(subject: str) -> str | None:
+    """The route a request subject names (``rq.req.<p>.<t>.<route>[.requeue]``), if any."""
+    parts = subject.split(".")
+    if len(parts) == 6 or (len(parts) == 5 and parts[4] != REQUEUE_SUFFIX):
+        return parts[4]
+    return None
 
 
 def requests_of_level(priority: str) -> str:
     return f"rq.req.{priority}.>"
+
+
+def requests_of_route(priority: str, route: str) -> list[str]:
+    """The subjects of ``route``'s requests at one level (its group's consumer's filters)."""
+    return [f"rq.req.{priority}.*.{route}", f"rq.req.{priority}.*.{route}.{REQUEUE_SUFFIX}"]
+
+
+def forwarded_subjects(priority: str) -> list[str]:
+    """The request subjects without a route at one level (:data:`FORWARD_CONSUMER`'s)."""
+    return [f"rq.req.{priority}.*", f"rq.req.{priority}.*.{REQUEUE_SUFFIX}"]
 
 
 def dispatch_subject(backend: str) -> str:
@@ -261,8 +307,9 @@ def max_deliveries_advisory(stream: str, consumer: str = "*") -> str:
     return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
 
 
-def router_consumer(priority: str) -> str:
-    return f"router-{priority}"
+def router_consumer(priority: str, group: str | None = None) -> str:
+    """The router consumer of one level (of one binding group's routes, when split)."""
+    return f"router-{priority}" if group is None else f"router-{group}-{priority}"
 
 
 def worker_consumer(backend: str) -> str:

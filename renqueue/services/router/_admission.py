@@ -36,6 +36,7 @@ from ...schema import (
     event_subject,
     is_requeue_subject,
     parse_traceparent,
+    route_of_subject,
 )
 from ._hold import stored_at
 
@@ -107,6 +108,7 @@ def admit(
             message_id=header,
             requeue=is_requeue_subject(msg.subject),
             now=stored_at(msg),
+            route=route_of_subject(msg.subject),
         )
     except (msgspec.DecodeError, InvalidRequestError) as exc:
         error = exc if isinstance(exc, InvalidRequestError) else MalformedRequestError(str(exc))

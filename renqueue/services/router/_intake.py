@@ -635,19 +635,21 @@ class Intake:
         if self._hold.boost(subject_token(msg.subject, 2), boost):
             self._parts.wake.set()
 
-    def on_cancel_requested(self, event: CancelRequested) -> None:
+    def on_cancel_requested(self, event: CancelRequested, *, followers: bool = True) -> None:
         """Drop a held request at once; later reads check the watch on admission.
 
         The watch passes only events whose tenant and id are their subject's,
         and the match is on both: a tenant never cancels another's request. A
-        request held nowhere may be a coalesced follower: it ends on its own.
+        request held nowhere may be a coalesced follower: it ends on its own
+        (``followers``: here; one binder of a router split in groups ends them).
         """
         item = self._hold.remove_request(event.tenant, event.request_id)
         if item is not None:
             cancel = functools.partial(self._endings.cancel, item.msg, item.request)
             self._parts.inflight.spawn(first_then(item, self._log, cancel))
             return
-        self._end_follower_cancelled(event.tenant, event.request_id)
+        if followers:
+            self._end_follower_cancelled(event.tenant, event.request_id)
 
     def _end_follower_cancelled(self, tenant: str, request_id: str) -> None:
         """End a cancelled coalesced follower (if it is one), retried until done."""

@@ -19,6 +19,12 @@ whose binding loops keeps failing, or whose term cannot begin, gives the
 lease up and sits the race out for a while, so a healthy router binds. What
 it held is then forgotten, not nak'ed: the next binder's fresh consumers
 deliver it.
+
+With binding split in groups (docs/scaling.md) a router runs one term per
+group whose lease it holds (``binder.<group>``), each with its own consumers,
+hold and books; ``may_seek`` keeps it from seeking more leases than its share
+(:class:`~._share.Share`), and :meth:`Term.give_up` hands one back when it
+holds more.
 """
 
 from __future__ import annotations
@@ -58,7 +64,16 @@ class Term:
     """The binder's lease and the term this router binds in (see the module docstring)."""
 
     def __init__(
-        self, parts: Parts, *, name: str, supervisor: Supervisor, intake: Intake, round_: Round
+        self,
+        parts: Parts,
+        *,
+        name: str,
+        supervisor: Supervisor,
+        intake: Intake,
+        round_: Round,
+        group: str | None = None,
+        may_seek: Callable[[], bool] = lambda: True,
+        seek_lock: asyncio.Lock | None = None,
     ) -> None:
         self._nc = parts.nc
         self._js = parts.js
@@ -71,6 +86,13 @@ class Term:
         self._supervisor = supervisor
         self._intake = intake
         self._round = round_
+        #: The binding group this term binds (None: binding is not split).
+        self.group = group
+        #: Whether this router may seek the lease now (its share of the groups).
+        self._may_seek = may_seek
+        #: Held while judging ``may_seek`` and seeking: a router's terms seek
+        #: one at a time, so two cannot both take the last lease of its share.
+        self._seek_lock = seek_lock if seek_lock is not None else asyncio.Lock()
         self._consumer_configs: list[dict[str, Any]] = []
         #: The lease term whose fetch and dispatch loops run (None: standing by).
         self.current: int | None = None
@@ -99,7 +121,7 @@ class Term:
         # One attempt now, so a lone router binds as soon as it has started.
         # A term that cannot begin yet is the lease loop's to retry (and, if
         # it never can, to give the lease up): not a reason to fail the start.
-        if await self._lease.try_acquire():
+        if await self._seek():
             async with self._lock:
                 try:
                     await self._begin_counted()
@@ -124,7 +146,7 @@ class Term:
         loop = asyncio.get_running_loop()
         while True:
             if not self._lease.held and (
-                loop.time() < self._sit_out_until or not await self._lease.try_acquire()
+                loop.time() < self._sit_out_until or not await self._seek()
             ):
                 await asyncio.sleep(poll)
                 continue
@@ -145,7 +167,6 @@ class Term:
         for ``5 * ttl``, so a healthy router binds.
         """
         ttl = self._lease.ttl
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(ttl / 5)
             if not self._lease.held:
@@ -167,12 +188,23 @@ class Term:
                 why = "the binder's term cannot begin"
             else:
                 continue
-            self._sit_out_until = loop.time() + 5 * ttl
-            self._failed_beginnings = 0
-            async with self._lock:
-                await self._end(why)
-            await self._lease.release()
-            log.warning("router gave the binder's lease up", router=self._name, reason=why)
+            await self.give_up(why)
+
+    async def _seek(self) -> bool:
+        """Seek the lease if this router may hold one more (see ``may_seek``)."""
+        async with self._seek_lock:
+            return self._may_seek() and await self._lease.try_acquire()
+
+    async def give_up(self, why: str) -> None:
+        """End the term, give the lease up and stay out of the race for ``5 * ttl``."""
+        self._sit_out_until = asyncio.get_running_loop().time() + 5 * self._lease.ttl
+        self._failed_beginnings = 0
+        async with self._lock:
+            await self._end(why)
+        await self._lease.release()
+        log.warning(
+            "router gave the binder's lease up", router=self._name, group=self.group, reason=why
+        )
 
     async def _begin_counted(self) -> None:
         """:meth:`_begin`, counting failed beginnings in a row (the give-up rule)."""
@@ -196,7 +228,7 @@ class Term:
         await renew_router_consumers(self._nc, self._consumer_configs)
         for level in self._levels:
             psub = await self._js.pull_subscribe_bind(
-                durable=router_consumer(level), stream=REQUESTS_STREAM
+                durable=router_consumer(level, self.group), stream=REQUESTS_STREAM
             )
             self._pull_subs.append(psub)
             self._supervise(
@@ -206,7 +238,7 @@ class Term:
         self._supervise("keepalive", self._keepalive_loop)
         self.current = term
         metrics.BINDING.labels(self._name).set(1)
-        log.info("router is binding", router=self._name, term=term)
+        log.info("router is binding", router=self._name, term=term, group=self.group)
 
     async def _end(self, why: str | None) -> None:
         """Stop fetching and binding; forget what was held (not nak'ed: the

@@ -1,0 +1,135 @@
+"""Requests published without their route, when binding is split in groups.
+
+With several binding groups (docs/scaling.md) each group's binder reads only
+its routes' subjects (``rq.req.<level>.<tenant>.<route>[.requeue]``). A
+client written from the unsharded docs publishes to ``rq.req.<level>.<tenant>``,
+and services of an older version requeue to ``...<tenant>.requeue``: those
+are read by one consumer (:data:`~renqueue.schema.FORWARD_CONSUMER`) that every
+router reads, and each is published again under the route its payload names,
+then acked. Forwarding decides nothing that is shared: the request is then
+admitted (validated, rejected or held) by its group's binder, the one place,
+exactly as if the client had named the route. A payload that does not decode,
+or names no configured route, is forwarded to the first group's first route,
+where admission rejects it (malformed, or its route not the subject's).
+
+Each copy carries its original's ``Nats-Msg-Id`` followed by ``:forwarded``:
+the stream's duplicate window would drop a copy under the same id, and a
+forward tried again after a lost ack is stored once. Admission accepts that id
+on a subject naming a route only (a tenant gains nothing by using it itself:
+it is another id for the window, as the same id after the window would be).
+
+What it costs: one more stored message, publish and ack per such request, and
+its wait is counted from the copy's storing (the server's time of it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Final
+
+import msgspec
+
+from ...broker import Connection, JetStream, Message, PullSubscription
+from ...config import Config
+from ...errors import NatsError
+from ...logs import get_logger
+from ...schema import (
+    FETCH_TIMEOUT,
+    FORWARD_CONSUMER,
+    REQUESTS_STREAM,
+    SHUTDOWN_NAK_DELAY,
+    is_requeue_subject,
+    request_subject,
+)
+
+__all__ = ["FORWARDED_SUFFIX", "Forwarder"]
+
+log = get_logger("router")
+
+#: The last part of a forwarded copy's ``Nats-Msg-Id``.
+FORWARDED_SUFFIX: Final = "forwarded"
+
+#: Requests forwarded per fetch.
+_BATCH: Final = 64
+#: How long a request whose copy could not be stored waits before it is tried again.
+_RETRY_DELAY: Final = 1.0
+
+
+class _Route(msgspec.Struct):
+    """The one field of a request forwarding reads."""
+
+    route: str = ""
+
+
+_ROUTE_DECODER: Final = msgspec.json.Decoder(_Route)
+
+
+class Forwarder:
+    """Re-publishes requests sent without their route under it (see the module docstring)."""
+
+    def __init__(self, nc: Connection, js: JetStream, config: Config) -> None:
+        self._nc = nc
+        self._js = js
+        self._routes = frozenset(config.routes)
+        groups = config.binding_groups()
+        #: Where a request naming no configured route goes, to be rejected.
+        self._fallback = groups[0].routes[0]
+        #: Requests forwarded by this router.
+        self.forwarded = 0
+
+    def subject_of(self, msg: Message) -> str:
+        """The routed subject ``msg`` is forwarded to. Pure."""
+        _rq, _req, level, tenant, *_rest = msg.subject.split(".")
+        try:
+            route = _ROUTE_DECODER.decode(msg.data).route
+        except msgspec.DecodeError:
+            route = ""
+        if route not in self._routes:
+            route = self._fallback
+        return request_subject(level, tenant, requeue=is_requeue_subject(msg.subject), route=route)
+
+    async def loop(self, psub: PullSubscription) -> None:
+        """Forward what the consumer delivers; a failed pull ends the loop (restarted)."""
+        while True:
+            try:
+                msgs = await psub.fetch(batch=_BATCH, timeout=FETCH_TIMEOUT)
+            except TimeoutError:
+                continue
+            try:
+                await self._forward(msgs)
+            except BaseException:
+                for msg in msgs:
+                    with contextlib.suppress(Exception):
+                        await msg.nak(delay=SHUTDOWN_NAK_DELAY)
+                raise
+
+    async def _forward(self, msgs: list[Message]) -> None:
+        copies = []
+        for msg in msgs:
+            headers = dict(msg.headers or {})
+            claimed = headers.get("Nats-Msg-Id")
+            if claimed:
+                headers["Nats-Msg-Id"] = f"{claimed}:{FORWARDED_SUFFIX}"
+            copies.append(await self._js.publish_async(self.subject_of(msg), msg.data, headers))
+        results = await asyncio.gather(*copies, return_exceptions=True)
+        for msg, result in zip(msgs, results, strict=True):
+            if isinstance(result, NatsError):
+                # The broker refused it (a tenant's backlog full on that
+                # subject) or did not answer: the original waits, and is tried again.
+                log.warning(
+                    "a request could not be forwarded to its route",
+                    subject=msg.subject,
+                    error=str(result),
+                )
+                await msg.nak(delay=_RETRY_DELAY)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                await msg.ack()
+                self.forwarded += 1
+
+
+async def open_forwarding(js: JetStream) -> PullSubscription:
+    """Bind to the forwarding consumer (provisioned with the groups' consumers)."""
+    return await js.pull_subscribe_bind(durable=FORWARD_CONSUMER, stream=REQUESTS_STREAM)

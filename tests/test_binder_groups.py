@@ -1,0 +1,347 @@
+"""Binding split in groups (issue 31 item 4, docs/scaling.md).
+
+Two routes that share no backend are two binding groups: each has its own
+lease (``binder.<group>``), term, consumers and books, and a router may hold
+several terms. These tests pin: two routers bind one group each at once; one
+router binds both; a killed router's group is taken over by the other; a
+request sent to today's subject (no route) is forwarded to its group's binder;
+a route subject that disagrees with the payload is rejected; and nothing is
+lost or run twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from test_restarts import LEVELS, RouterProcess, assert_nothing_left, audit
+
+from renqueue import Client, Services
+from renqueue.broker import EmbeddedServer, EventLog, connect
+from renqueue.config import Config, load_config, parse_config
+from renqueue.coordination import read_lease
+from renqueue.errors import ConfigError, RequestRejectedError
+from renqueue.mock import MockBackend, MockSettings
+from renqueue.schema import (
+    FORWARD_CONSUMER,
+    REQUESTS_STREAM,
+    Routed,
+    binder_lease,
+    msg_id,
+    request_subject,
+    router_consumer,
+)
+
+TENANT = "t"
+ROUTES = ("r1", "r2")
+ROUTE_OF = {"b1": "r1", "b2": "r2"}
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, within: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not await check():
+        if loop.time() > deadline:
+            pytest.fail(f"timed out after {within} s waiting until {what}")
+        await asyncio.sleep(0.02)
+
+
+def write_config(
+    path: Path, *, nats_url: str, backend_url: str, slots: int = 4, split: bool = True
+) -> Path:
+    """Routes r1 -> b1 and r2 -> b2: two binding groups. Short ack waits and
+    lease ttl, so a killed router's work comes back quickly."""
+    text = (
+        f'[nats]\nurl = "{nats_url}"\n'
+        f'[router]\nack_wait = "2s"\ncapacity_refresh = "20ms"\nlease_ttl = "1s"\n'
+        f"split_binding = {str(split).lower()}\n"
+        f'[worker]\nack_wait = "2s"\nretry_delay = "100ms"\ndrain_timeout = "1s"\n'
+    )
+    for backend, route in zip(("b1", "b2"), ROUTES, strict=True):
+        text += (
+            f'[backends.{backend}]\nbase_url = "{backend_url}"\nmodel = "mock"\n'
+            f"[backends.{backend}.limits]\nconcurrency = {slots}\n"
+            f'[routes.{route}]\nbackends = ["{backend}"]\n'
+        )
+    for level in LEVELS:
+        text += f"[levels.{level}]\n"
+        text += "preempts = false\n" if level == "critical" else "preemptible = false\n"
+    path.write_text(text)
+    return path
+
+
+@asynccontextmanager
+async def stack(
+    tmp_path: Path, server: EmbeddedServer, *, split: bool = True
+) -> AsyncIterator[tuple[Path, Config]]:
+    """A mock backend and the two-group config file; yields (file, config)."""
+    async with MockBackend(MockSettings(ttft=0.01, output_tokens=2, concurrency=64)) as mock:
+        file = write_config(
+            tmp_path / "rq.toml", nats_url=server.url, backend_url=mock.url, split=split
+        )
+        yield file, load_config(file, environ={})
+
+
+async def holders(js: Any) -> dict[str, str | None]:
+    """Who holds each group's lease."""
+    found = {group: await read_lease(js, binder_lease(group)) for group in ROUTES}
+    return {group: None if held is None else held.holder for group, held in found.items()}
+
+
+async def submit_both(client: Client, prefix: str, count: int) -> list[Any]:
+    """``count`` requests to each route, round-robin over the levels."""
+    return [
+        await client.submit(f"{prefix} {n}", route=route, priority=LEVELS[n % len(LEVELS)])
+        for n in range(count)
+        for route in ROUTES
+    ]
+
+
+async def routed_by(js: Any, handles: list[Any]) -> dict[str, set[str]]:
+    """The routers (lease holders) that bound each route's requests."""
+    log = EventLog(js)
+    by_route: dict[str, set[str]] = {route: set() for route in ROUTES}
+    for handle in handles:
+        for event in await log.history(TENANT, handle.id):
+            if isinstance(event, Routed):
+                by_route[ROUTE_OF[event.backend]].add(event.router)
+    return by_route
+
+
+def test_the_config_makes_two_groups_and_their_consumers(tmp_path: Path) -> None:
+    config = load_config(
+        write_config(tmp_path / "rq.toml", nats_url="nats://x:1", backend_url="http://x"),
+        environ={},
+    )
+    assert config.sharded()
+    assert [(g.name, g.routes, g.backends) for g in config.binding_groups()] == [
+        ("r1", ("r1",), ("b1",)),
+        ("r2", ("r2",), ("b2",)),
+    ]
+    # Each group's binder sees its own routes and backends only.
+    first = config.for_group(config.binding_groups()[0])
+    assert (list(first.routes), list(first.backends)) == (["r1"], ["b1"])
+    assert router_consumer("normal", "r1") == "router-r1-normal"
+    assert binder_lease("r1") == "binder.r1"
+    assert request_subject("normal", TENANT, route="r1") == "rq.req.normal.t.r1"
+
+
+def test_groups_are_merged_never_split() -> None:
+    backends = {name: {"base_url": "http://x", "model": "m"} for name in ("b1", "b2", "b3")}
+    merged = parse_config(
+        {
+            "backends": backends,
+            "routes": {
+                "r1": {"backends": ["b1"], "group": "g"},
+                "r2": {"backends": ["b2"], "group": "g"},
+                "r3": {"backends": ["b3", "b1"]},
+            },
+        }
+    )
+    assert not merged.sharded()
+    # Routes sharing no backend are groups of their own only when asked.
+    apart = {"r1": {"backends": ["b1"]}, "r2": {"backends": ["b2"]}}
+    assert len(parse_config({"backends": backends, "routes": apart}).binding_groups()) == 2
+    assert not parse_config({"backends": backends, "routes": apart}).sharded()
+    assert [(g.name, g.routes) for g in merged.binding_groups()] == [("g", ("r1", "r2", "r3"))]
+    with pytest.raises(ConfigError, match="can be merged, never split"):
+        parse_config(
+            {
+                "backends": backends,
+                "routes": {
+                    "r1": {"backends": ["b1"], "group": "g"},
+                    "r2": {"backends": ["b1"], "group": "h"},
+                },
+            }
+        )
+    with pytest.raises(ConfigError, match="may not be named 'requeue'"):
+        parse_config(
+            {
+                "backends": backends,
+                "routes": {"requeue": {"backends": ["b1"]}, "r2": {"backends": ["b2"]}},
+                "router": {"split_binding": True},
+            }
+        )
+
+
+async def test_two_routers_bind_one_group_each_at_once(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    async with (
+        stack(tmp_path, isolated_server) as (_file, config),
+        Services(config, routers=2) as services,
+        Client(services.nc, tenant=TENANT) as old_client,
+        Client(services.nc, tenant=TENANT, route_subjects=True) as client,
+    ):
+        js = services.js
+        routers = services.routers
+
+        async def spread() -> bool:
+            groups = [router.binding_groups for router in routers]
+            return sorted(g for held in groups for g in held) == list(ROUTES) and all(
+                len(held) == 1 for held in groups
+            )
+
+        await until(spread, "each router binds one group")
+        held = await holders(js)
+        assert held["r1"] != held["r2"]
+        # Today's subject (forwarded to the route's) and the route's own.
+        handles = [*await submit_both(old_client, "old", 10), *await submit_both(client, "new", 10)]
+        await asyncio.gather(*(h.result(timeout=30) for h in handles))
+        await audit(js, handles)
+        # Each group's requests were bound by that group's binder only.
+        assert await routed_by(js, handles) == {route: {held[route]} for route in ROUTES}
+        assert sum(router.forwarded for router in routers) == 20
+        await assert_nothing_left(js)
+
+
+async def test_one_router_binds_both_groups(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    async with (
+        stack(tmp_path, isolated_server) as (_file, config),
+        Services(config, routers=1) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        js = services.js
+        [router] = services.routers
+        await until(
+            lambda: asyncio.sleep(0, router.binding_groups == list(ROUTES)),
+            "the router binds both groups",
+        )
+        assert await holders(js) == dict.fromkeys(ROUTES, router.holder)
+        for level in LEVELS:
+            for route in ROUTES:
+                await js.consumer_info(REQUESTS_STREAM, router_consumer(level, route))
+        await js.consumer_info(REQUESTS_STREAM, FORWARD_CONSUMER)
+        handles = await submit_both(client, "one", 15)
+        await asyncio.gather(*(h.result(timeout=30) for h in handles))
+        await audit(js, handles)
+        assert await routed_by(js, handles) == {route: {router.holder} for route in ROUTES}
+        await assert_nothing_left(js)
+
+
+async def test_a_route_subject_that_disagrees_with_the_payload_is_rejected(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    async with (
+        stack(tmp_path, isolated_server) as (_file, config),
+        Services(config, routers=1) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        js = services.js
+        request = client.build_request("hi", route="r2", request_id="wrong-route")
+        await js.publish(
+            request_subject("normal", TENANT, route="r1"),
+            msgspec.json.encode(request),
+            headers={"Nats-Msg-Id": msg_id(TENANT, request.id)},
+        )
+        with pytest.raises(RequestRejectedError, match="does not match subject route") as info:
+            await client.handle(request.id).result(timeout=20)
+        assert info.value.error_type == "malformed"
+        # A route no group has, sent without its route: forwarded to the first
+        # group's first route, where admission rejects it (not its subject's).
+        unknown = await client.submit("hi", route="no-such-route")
+        with pytest.raises(RequestRejectedError):
+            await unknown.result(timeout=20)
+        # The forwarded copy's id is accepted only with its route in the subject.
+        forged = client.build_request("hi", route="r1", request_id="forged-forward")
+        await js.publish(
+            request_subject("normal", TENANT),
+            msgspec.json.encode(forged),
+            headers={"Nats-Msg-Id": msg_id(TENANT, forged.id, "forwarded")},
+        )
+        with pytest.raises(RequestRejectedError, match="Nats-Msg-Id"):
+            await client.handle(forged.id).result(timeout=20)
+        # Nothing is left waiting (the rejected have their dead-letter copies).
+        assert (await js.stream_info(REQUESTS_STREAM)).state.messages == 0
+
+
+async def test_a_killed_routers_group_is_taken_over_and_nothing_is_lost_or_run_twice(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    async with stack(tmp_path, isolated_server) as (file, config):
+        started: list[RouterProcess] = []
+        nc = await connect(isolated_server.url, name="test-client")
+        try:
+            async with (
+                Services(config, routers=0, name="workers") as _workers,
+                Client(nc, tenant=TENANT) as client,
+            ):
+                js = nc.jetstream()
+                for index in range(2):
+                    router = RouterProcess(file, tmp_path / f"router-{index}.log")
+                    started.append(router)
+                    await router.start()
+
+                async def spread() -> bool:
+                    held = await holders(js)
+                    return None not in held.values() and held["r1"] != held["r2"]
+
+                await until(spread, "each router process binds one group")
+                held = await holders(js)
+                victim = next(
+                    r
+                    for r in started
+                    if f":{r.proc.pid}:" in str(held["r1"])  # type: ignore[union-attr]
+                )
+                survivor = next(r for r in started if r is not victim)
+                before = await submit_both(client, "before", 20)
+                victim.signal(signal.SIGKILL)
+                await asyncio.wait_for(victim.proc.wait(), 10)  # type: ignore[union-attr]
+                after = await submit_both(client, "after", 20)
+
+                async def taken_over() -> bool:
+                    now = await holders(js)
+                    return now["r1"] is not None and now["r1"] == now["r2"] == held["r2"]
+
+                await until(taken_over, "the surviving router binds both groups")
+                handles = [*before, *after]
+                await asyncio.gather(*(h.result(timeout=60) for h in handles))
+                await audit(js, handles)
+                await assert_nothing_left(js)
+                assert survivor.proc is not None
+                assert survivor.proc.returncode is None
+        finally:
+            for router in started:
+                router.cleanup()
+            for router in started:
+                if router.proc is not None:
+                    await asyncio.wait_for(router.proc.wait(), 10)
+            await nc.close()
+
+
+async def test_unsplit_a_route_subject_is_read_by_the_one_binder(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """Without ``split_binding`` the layout is the unsplit one (one lease, one
+    consumer a level), and a request naming its route in the subject is read
+    and checked like any other."""
+    async with (
+        stack(tmp_path, isolated_server, split=False) as (_file, config),
+        Services(config, routers=1) as services,
+        Client(services.nc, tenant=TENANT, route_subjects=True) as client,
+    ):
+        js = services.js
+        assert not config.sharded()
+        [router] = services.routers
+        assert router.binding_groups == []
+        await js.consumer_info(REQUESTS_STREAM, router_consumer("normal"))
+        assert (await read_lease(js, binder_lease())) is not None
+        handles = await submit_both(client, "unsplit", 5)
+        await asyncio.gather(*(h.result(timeout=30) for h in handles))
+        await audit(js, handles)
+        request = client.build_request("hi", route="r2", request_id="unsplit-wrong-route")
+        await js.publish(
+            request_subject("normal", TENANT, route="r1"),
+            msgspec.json.encode(request),
+            headers={"Nats-Msg-Id": msg_id(TENANT, request.id)},
+        )
+        with pytest.raises(RequestRejectedError, match="does not match subject route"):
+            await client.handle(request.id).result(timeout=20)
