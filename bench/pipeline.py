@@ -662,8 +662,8 @@ OPS_PER_REQUEST: dict[str, dict[str, str | int]] = {
         "detail": "router fetches + acks the request; worker fetches + acks the dispatch",
     },
     "push_deliveries": {
-        "count": 3,
-        "detail": "client event tap (ordered consumer): submitted (+ routed), started, completed",
+        "count": 1,
+        "detail": "client event tap (one push consumer per terminal kind): the completed event",
     },
 }
 
