@@ -103,6 +103,7 @@ from renqueue.schema import (
     Started,
     Stolen,
     Submitted,
+    facts,
     kind_of,
     token_subject,
 )
@@ -1019,10 +1020,12 @@ async def _read_events_once(js: Any) -> dict[str, list[Logged]]:
                 meta = msg.metadata
                 pending = meta.num_pending
                 with contextlib.suppress(msgspec.DecodeError):
-                    event = EVENT_DECODER.decode(msg.data)
+                    stored = EVENT_DECODER.decode(msg.data)
                     rid = msg.subject.split(".")[3]
-                    by_id.setdefault(rid, []).append(
+                    # A `submitted` carrying its binding: the pair, under its one sequence.
+                    by_id.setdefault(rid, []).extend(
                         Logged(seq=meta.sequence.stream, at=meta.timestamp.timestamp(), event=event)
+                        for event in facts(stored)
                     )
     finally:
         with contextlib.suppress(Exception):

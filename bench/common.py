@@ -26,7 +26,7 @@ import httpx
 import msgspec
 
 from renqueue.broker import AckPolicy, ConsumerConfig, DeliverPolicy, find_nats_server
-from renqueue.schema import EVENT_DECODER, EVENTS_STREAM
+from renqueue.schema import EVENT_DECODER, EVENTS_STREAM, facts
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -257,11 +257,13 @@ async def read_stream_stamped(js: Any, stream: str, subject: str) -> list[tuple[
 
 async def read_events(js: Any, subject: str) -> list[Any]:
     """Every event on ``subject`` (a filter such as ``rq.evt.bench.>``) in the log, in
-    order; messages that do not decode are skipped."""
+    order, a stored event that stands for two (a ``submitted`` carrying its request's
+    binding) read as that pair (``schema.facts``); messages that do not decode are
+    skipped."""
     events: list[Any] = []
     for data in await read_stream(js, EVENTS_STREAM, subject):
         with contextlib.suppress(msgspec.DecodeError):
-            events.append(EVENT_DECODER.decode(data))
+            events.extend(facts(EVENT_DECODER.decode(data)))
     return events
 
 

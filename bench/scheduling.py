@@ -124,6 +124,7 @@ from renqueue.schema import (
     TokenChunk,
     dispatch_subject,
     encode,
+    facts,
     is_terminal,
     msg_id,
     router_consumer,
@@ -1223,6 +1224,10 @@ class RouterTap:
     async def start(self) -> None:
         self._subs.append(await self._nc.subscribe(f"$JS.ACK.{REQUESTS_STREAM}.>", cb=self._on_ack))
         self._subs.append(await self._nc.subscribe(f"rq.evt.{TENANT}.*.routed", cb=self._on_routed))
+        # A request bound at once: its binding is carried by its `submitted` event.
+        self._subs.append(
+            await self._nc.subscribe(f"rq.evt.{TENANT}.*.submitted", cb=self._on_submitted)
+        )
         await self._nc.flush()
 
     async def watch(self, who: str) -> str:
@@ -1285,6 +1290,12 @@ class RouterTap:
         self.binds.append((now, who))
         self.binders.setdefault(msg.subject.split(".")[3], (who, now))
 
+    async def _on_submitted(self, msg: Any) -> None:
+        with contextlib.suppress(msgspec.DecodeError):
+            event = EVENT_DECODER.decode(msg.data)
+            if isinstance(event, Submitted) and event.routed is not None:
+                await self._on_routed(msg)
+
     def summary(self) -> dict[str, int]:
         return {
             "deliveries": len(self.deliveries),
@@ -1304,7 +1315,8 @@ async def read_events_stamped(js: Any) -> list[tuple[Any, float]]:
     events: list[tuple[Any, float]] = []
     for data, stored in await read_stream_stamped(js, EVENTS_STREAM, f"rq.evt.{TENANT}.>"):
         with contextlib.suppress(msgspec.DecodeError):
-            events.append((EVENT_DECODER.decode(data), stored))
+            # A `submitted` carrying its binding: the pair, both stored then.
+            events.extend((fact, stored) for fact in facts(EVENT_DECODER.decode(data)))
     return events
 
 

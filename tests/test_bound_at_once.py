@@ -408,3 +408,98 @@ async def test_a_binding_whose_one_event_is_deduplicated_is_logged_on_its_own(
     assert kinds == ["submitted", "routed"]
     assert history[0] == earlier
     assert isinstance(history[1], Routed)
+
+
+class _Watched(asyncio.Future[Any]):
+    """A publish's ack that says when someone begins to wait for it."""
+
+    def __init__(self, waited: asyncio.Event) -> None:
+        super().__init__()
+        self._waited = waited
+
+    def add_done_callback(self, fn: Any, *, context: Any = None) -> None:
+        self._waited.set()
+        super().add_done_callback(fn, context=context)
+
+
+class LateFirstWord:
+    """The next binder's JetStream, where its own ``submitted`` of r1 (a
+    redelivery's, deduplicated by its message id) is stored only after the
+    dead binder's one event, still on its way when the next binder read r1
+    again, has landed: that lands once the next binder waits for its own
+    ``submitted``'s ack, or once it has read r1's decisions without doing so."""
+
+    def __init__(self, js: Any, late: bytes) -> None:
+        self._js = js
+        self._late = late
+        self._go = asyncio.Event()
+        self._reads = 0
+        self._landing: asyncio.Task[None] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+    async def get_msg(self, stream: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await self._js.get_msg(stream, *args, **kwargs)
+        finally:
+            if str(kwargs.get("subject", "")).startswith(f"rq.evt.{TENANT}.r1."):
+                self._reads += 1
+                if self._reads >= 2:  # both of decision_of's subjects read
+                    self._go.set()
+
+    async def publish_async(self, subject: str, payload: bytes = b"", **kwargs: Any) -> Any:
+        if subject != event_subject(TENANT, "r1", "submitted") or self._landing is not None:
+            return await self._js.publish_async(subject, payload, **kwargs)
+        ack = _Watched(self._go)
+
+        async def land() -> None:
+            await self._go.wait()
+            await self._js.publish(
+                subject, self._late, headers={"Nats-Msg-Id": msg_id(TENANT, "r1", "submitted")}
+            )
+            try:
+                ack.set_result(await self._js.publish(subject, payload, **kwargs))
+            except Exception as exc:
+                ack.set_exception(exc)
+
+        self._landing = asyncio.create_task(land())
+        return ack
+
+
+async def test_a_dead_binders_one_event_landing_late_is_the_one_decision(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The dead binder's ``submitted`` carrying r1's binding to ``b`` was on its
+    way when the next binder read r1 again (stored before its term: it may have
+    been bound). The next binder's own ``submitted`` of r1 is then deduplicated
+    into that one; so its read of r1's decisions must come after its own
+    ``submitted`` is acked, or it misses the decision, dispatches elsewhere and
+    logs a second ``routed`` for the attempt (the carried one is under the
+    ``submitted`` message id, so the ``routed`` one's does not stop it)."""
+    config = two_backends(isolated_server.url)
+    nc = await connect(isolated_server.url, name="late-one-event")
+    try:
+        js = nc.jetstream()
+        await provision(nc, config)
+        async with Client(nc, tenant=TENANT) as client:
+            await client.submit("hello", route="chat", request_id="r1")
+            request = await _request_of(js)
+            decision = routed(
+                request, at=1.0, backend="b", attempt=1, priority="normal", queue_wait=0.0
+            )
+            late = encode(bound_at_once(submitted(request, at=1.0), decision))
+            router = Router(nc, LateFirstWord(js, late), config, name="next-binder")
+            await router.start()
+            try:
+                await until(lambda: settled(js), "the request message is settled")
+            finally:
+                await router.close()
+            history = await EventLog(js).history(TENANT, "r1")
+            on_a = (await js.consumer_info(DISPATCH_STREAM, "worker-a")).num_pending
+            on_b = (await js.consumer_info(DISPATCH_STREAM, "worker-b")).num_pending
+    finally:
+        await nc.close()
+    decisions = [(e.attempt, e.backend) for e in history if isinstance(e, Routed)]
+    assert decisions == [(1, "b")], [kind_of(e) for e in history]
+    assert (on_a, on_b) == (0, 1)

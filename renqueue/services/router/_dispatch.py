@@ -230,10 +230,7 @@ class Dispatcher:
         earlier: tuple[Routed, int] | None = None
         try:
             if maybe_bound:
-                # Its first word on its own (a copy of one an earlier bind
-                # stored is deduplicated), then the earlier decision, if any.
-                await log_first(item, self._log)
-                earlier = await self._log.decision_of(request.tenant, request.id, dispatch.attempt)
+                earlier = await self._decision_logged(item, dispatch.attempt)
                 if earlier is not None:
                     # Its decision is in the log: it stands (the dispatch goes there).
                     logged_to = earlier[0].backend
@@ -289,6 +286,23 @@ class Dispatcher:
             self.routed += 1
             metrics.ROUTED.labels(backend, decision.priority).inc()
             metrics.QUEUE_WAIT.labels(decision.priority).observe(decision.queue_wait)
+
+    async def _decision_logged(self, item: Held, attempt: int) -> tuple[Routed, int] | None:
+        """For a request that may have been bound before: its first word on its
+        own (a copy of one an earlier bind stored is deduplicated), then the
+        decision logged for ``attempt``, if any, and the sequence of the event
+        that says it.
+
+        The decisions are read only once its first word is stored: an earlier
+        bind's ``submitted`` carrying one, still on its way, is then stored too
+        (this one was deduplicated into it), or never will be (deduplicated
+        into this one: that bind then logs its decision apart, under the
+        ``routed`` message id this bind's shares). Read sooner, it could be
+        missed, and a second decision logged for the attempt."""
+        await log_first(item, self._log)
+        if item.logged is not None:
+            await self._kept_alive(item.msg, asyncio.shield(item.logged))
+        return await self._log.decision_of(item.request.tenant, item.request.id, attempt)
 
     async def _log_decision(
         self, item: Held, routed: Routed, ack: PubAck, reserved: Reserved | None
