@@ -14,12 +14,15 @@ language would.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _loopback import serve
+from aiohttp import web
 from test_binder import until
 from test_coalescing import _wait_coalesced
 from test_final_chunks import make_config, stored_chunks
@@ -195,3 +198,41 @@ async def test_a_coalesced_follower_gets_the_whole_answer_in_one_final_chunk(
     [only] = chunks
     assert (only.final, only.delivery, only.seq, only.text) == (True, 1, 0, led.text)
     assert [(c["final"], c["text"]) for c in stored] == [(True, led.text)]
+
+
+# ------------------------------------------- a backend that ends its body late
+
+_CHUNK = 'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n'
+_FINISH = 'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+
+
+async def test_the_read_with_the_end_marker_is_not_held_until_the_body_ends(
+    tmp_path: Path,
+) -> None:
+    # A server (or a proxy before it) that sends its last token and [DONE] in
+    # one write, then keeps the body open: the token is a slow backend's
+    # token, it is not held back until the body ends.
+    release = asyncio.Event()
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write((_CHUNK % "Hello" + _FINISH + "data: [DONE]\n\n").encode())
+        await release.wait()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    async with serve(app) as origin:
+        config = make_config(tmp_path, f"{origin}/v1")
+        try:
+            async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+                handle = await client.submit("hi", route="chat")
+                chunks = handle.stream(timeout=10).__aiter__()
+                first = await asyncio.wait_for(anext(chunks), 10)
+                assert first.text == "Hello"
+                release.set()
+                assert (await handle.result(timeout=10)).text == "Hello"
+        finally:
+            release.set()

@@ -464,6 +464,11 @@ class StreamParser:
     #: where the end marker is the finish (Ollama's ``done``, TGI's final event,
     #: Gemini's ``finishReason``).
     unreasoned: ClassVar[str | None] = None
+    #: Nothing of the answer follows its end marker (OpenAI's ``[DONE]``,
+    #: Anthropic's ``message_stop``, Ollama's done line, TGI's final event):
+    #: once it is read, as a whole answer, the body is not read further. False
+    #: where the end is a finish reason something may follow (Gemini's usage).
+    ends_at_marker: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.complete = False
@@ -955,11 +960,17 @@ class HTTPBackend(Closing):
                 text = self._feed(parser, piece, request)
                 # Ended here, as a whole answer (a stream cut short at its end
                 # marker streams what came, as any broken stream).
-                end = parser.complete and parser.unfinished() is None
+                end = parser.ends_at_marker and parser.complete and parser.unfinished() is None
                 if parser.logprobs:
                     yield Delta(text=text, logprobs=parser.take_logprobs(), end=end)
                 elif text:
                     yield Delta(text=text, end=end)
+                if end:
+                    # The answer is whole: not waiting for the body's end (a
+                    # server or proxy may hold it open), the worker holding
+                    # this read's text until the stream ends. The transport
+                    # keeps the connection if the body's end already came.
+                    break
             self._feed(parser, None, request)
         finally:
             await call.__aexit__(None, None, None)
