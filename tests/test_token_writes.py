@@ -28,12 +28,24 @@ from test_coalescing import _wait_coalesced
 from test_final_chunks import make_config, stored_chunks
 from test_gateway_sdk import ACME, Stack, start
 
-from renqueue import Client, Services, TokenChunk, TokensExpiredError, TokensNotStreamedError
+from renqueue import (
+    Client,
+    Services,
+    TokenChunk,
+    TokensExpiredError,
+    TokensNotStreamedError,
+)
 from renqueue.broker import EventLog
 from renqueue.client._tokens import TokenFollower
 from renqueue.errors import NatsNotFoundError
 from renqueue.mock import MockBackend, MockSettings
-from renqueue.schema import TOKENS_STREAM, Completed, token_subject
+from renqueue.schema import (
+    REQUEST_DECODER,
+    TOKENS_STREAM,
+    Completed,
+    encode,
+    token_subject,
+)
 
 TENANT = "t"
 
@@ -236,3 +248,25 @@ async def test_the_read_with_the_end_marker_is_not_held_until_the_body_ends(
                 assert (await handle.result(timeout=10)).text == "Hello"
         finally:
             release.set()
+
+
+async def test_a_request_written_without_stream_gets_chunks_an_older_reader_reads_whole(
+    tmp_path: Path, instant: MockBackend
+) -> None:
+    # An older client writes no `stream` and drops a final chunk's text (it
+    # ended its stream at `final`): its requests keep the shape it reads, the
+    # text in chunks of their own and an empty final chunk, whatever the
+    # upgraded workers do for clients that say `stream`.
+    config = make_config(tmp_path, instant.url)
+    async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+        built = client.build_request("hi", route="chat")
+        raw = json.loads(encode(built))
+        del raw["stream"]
+        old = REQUEST_DECODER.decode(json.dumps(raw).encode())
+        handle = await client.submit_request(old)
+        text = (await handle.result(timeout=10)).text
+        stored = await stored_chunks(client, handle.id)
+    assert text
+    assert stored[-1]["final"] is True
+    assert stored[-1]["text"] == ""  # what an older reader drops is empty
+    assert "".join(chunk["text"] for chunk in stored[:-1]) == text
