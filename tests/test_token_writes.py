@@ -27,9 +27,12 @@ from test_binder import until
 from test_coalescing import _wait_coalesced
 from test_final_chunks import make_config, stored_chunks
 from test_gateway_sdk import ACME, Stack, start
+from test_resilience import config_of, one_mb_server
 
 from renqueue import (
     Client,
+    GenerationParams,
+    RequestFailedError,
     Services,
     TokenChunk,
     TokensExpiredError,
@@ -270,3 +273,20 @@ async def test_a_request_written_without_stream_gets_chunks_an_older_reader_read
     assert stored[-1]["final"] is True
     assert stored[-1]["text"] == ""  # what an older reader drops is empty
     assert "".join(chunk["text"] for chunk in stored[:-1]) == text
+
+
+async def test_an_answer_too_big_to_record_still_streams_its_last_read(tmp_path: Path) -> None:
+    # Its `completed` event is over a 1 MB broker: the request fails, and the
+    # last read's text, held for a final chunk that cannot carry it, is
+    # streamed as a chunk of its own, as every other read was.
+    settings = MockSettings(ttft=0.01, output_tokens=150_000)
+    async with MockBackend(settings) as mock, one_mb_server(tmp_path) as server:
+        config = config_of(mock.url, nats_url=server.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            handle = await client.submit(
+                "a long answer", route="chat", params=GenerationParams(max_tokens=150_000)
+            )
+            text = "".join([chunk.text async for chunk in handle.stream(timeout=60)])
+            with pytest.raises(RequestFailedError, match="too big to record whole"):
+                await handle.result(timeout=60)
+    assert text.endswith(" tok149999")
