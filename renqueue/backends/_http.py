@@ -60,6 +60,7 @@ from ..errors import (
     RetryableBackendError,
 )
 from ..lifecycle import Closing
+from ..logs import get_logger
 from ..policy import estimate_input_tokens
 from ..schema import (
     TRACEPARENT,
@@ -101,6 +102,11 @@ __all__ = [
 
 _T = TypeVar("_T")
 
+log = get_logger("backend")
+
+#: Longest a body read past its end marker is read on for its end (in the
+#: background: the answer is whole) before the connection is hung up.
+DRAIN_WAIT: Final = 5.0
 #: Longest provider error text carried into an exception message.
 _DETAIL_LIMIT: Final = 300
 #: Concurrent calls per connection pool (see ``HTTPBackend.__init__``).
@@ -777,6 +783,9 @@ class HTTPBackend(Closing):
             self._pools = [client]
         self._busy = [0] * len(self._pools)
         self._closed = False
+        #: Bodies read past their end marker to their end, in the background
+        #: (:meth:`_drain`), so that their connections go back to the pool.
+        self._draining: set[asyncio.Task[None]] = set()
         #: The latest rate-limit reading from this backend (any call,
         #: including 429s); ``None`` until a response says anything about limits.
         self.last_rate_limit: LearnedLimits | None = None
@@ -800,6 +809,9 @@ class HTTPBackend(Closing):
         if self._closed:
             return
         self._closed = True
+        for task in list(self._draining):
+            task.cancel()
+        await asyncio.gather(*self._draining, return_exceptions=True)
         if self._owns_client:
             for pool in self._pools:
                 await pool.aclose()
@@ -935,6 +947,7 @@ class HTTPBackend(Closing):
         )
         async with clock.bounded():
             response = await call.__aenter__()
+        ended = False
         try:
             if not response.is_success:
                 async with clock.bounded():
@@ -966,14 +979,43 @@ class HTTPBackend(Closing):
                 elif text:
                     yield Delta(text=text, end=end)
                 if end:
-                    # The answer is whole: not waiting for the body's end (a
-                    # server or proxy may hold it open), the worker holding
-                    # this read's text until the stream ends. The transport
-                    # keeps the connection if the body's end already came.
+                    # The answer is whole: not waiting here for the body's end
+                    # (a server or proxy may hold it open while the worker
+                    # holds this read's text until the stream ends); it is
+                    # read in the background, the connection then reused.
+                    ended = True
                     break
             self._feed(parser, None, request)
         finally:
-            await call.__aexit__(None, None, None)
+            if ended:
+                self._drain(call, pieces)
+            else:
+                await call.__aexit__(None, None, None)
+
+    def _drain(self, call: Any, pieces: AsyncIterator[bytes]) -> None:
+        """Read what is left of a body past its end marker (its end, as a
+        rule: what a server sends after it is no part of the answer), within
+        :data:`DRAIN_WAIT`, then close the response: back to the pool when
+        its end came, else hung up."""
+
+        async def drain() -> None:
+            try:
+                async with asyncio.timeout(DRAIN_WAIT):
+                    async for _ in pieces:
+                        pass
+            except (TimeoutError, httpx.HTTPError):
+                pass  # hung up below; the answer was whole already
+            finally:
+                await call.__aexit__(None, None, None)
+
+        task = asyncio.get_running_loop().create_task(drain(), name=f"{self._name}-drain")
+        self._draining.add(task)
+        task.add_done_callback(self._drained)
+
+    def _drained(self, task: asyncio.Task[None]) -> None:
+        self._draining.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("closing a response read past its end failed", error=repr(task.exception()))
 
     async def complete(
         self,
