@@ -290,3 +290,22 @@ async def test_an_answer_too_big_to_record_still_streams_its_last_read(tmp_path:
             with pytest.raises(RequestFailedError, match="too big to record whole"):
                 await handle.result(timeout=60)
     assert text.endswith(" tok149999")
+
+
+async def test_an_answer_too_big_to_record_and_not_streamed_does_not_say_streamed(
+    tmp_path: Path,
+) -> None:
+    settings = MockSettings(ttft=0.01, output_tokens=150_000)
+    async with MockBackend(settings) as mock, one_mb_server(tmp_path) as server:
+        config = config_of(mock.url, nats_url=server.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            handle = await client.submit(
+                "a long answer",
+                route="chat",
+                params=GenerationParams(max_tokens=150_000),
+                stream=False,
+            )
+            with pytest.raises(RequestFailedError, match="too big to record whole") as caught:
+                await handle.result(timeout=60)
+            assert await no_chunk_stored(client, TENANT, handle.id)
+    assert "streamed" not in str(caught.value).replace("not streamed", "")
