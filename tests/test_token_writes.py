@@ -46,6 +46,7 @@ from renqueue.schema import (
     REQUEST_DECODER,
     TOKENS_STREAM,
     Completed,
+    InferenceRequest,
     encode,
     token_subject,
 )
@@ -309,3 +310,26 @@ async def test_an_answer_too_big_to_record_and_not_streamed_does_not_say_streame
                 await handle.result(timeout=60)
             assert await no_chunk_stored(client, TENANT, handle.id)
     assert "streamed" not in str(caught.value).replace("not streamed", "")
+
+
+def _as_an_older_client_writes(request: InferenceRequest) -> InferenceRequest:
+    """``request`` without ``stream``, as a client older than the field writes it."""
+    raw = json.loads(encode(request))
+    del raw["stream"]
+    return REQUEST_DECODER.decode(json.dumps(raw).encode())
+
+
+async def test_a_coalesced_follower_from_an_older_client_gets_its_text_in_a_chunk(
+    tmp_path: Path,
+) -> None:
+    async with MockBackend(MockSettings(ttft=0.5, tokens_per_second=0, output_tokens=4)) as mock:
+        config = make_config(tmp_path, mock.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            leader = await client.submit("same", route="chat", coalesce=True)
+            built = client.build_request("same", route="chat", coalesce=True)
+            follower = await client.submit_request(_as_an_older_client_writes(built))
+            await _wait_coalesced(client, follower.id)
+            led = await leader.result(timeout=10)
+            assert (await follower.result(timeout=10)).text == led.text
+            stored = await stored_chunks(client, follower.id)
+    assert [(c["final"], c["text"]) for c in stored] == [(False, led.text), (True, "")]
