@@ -70,7 +70,7 @@ from ..schema import (
     Usage,
     parse_traceparent,
 )
-from ._aiohttp import AiohttpClient
+from ._aiohttp import AiohttpClient, ResponseStream
 from ._limits import LearnedLimits, parse_limits
 from ._sse import MAX_EVENT_BYTES, ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation, ToolCall
@@ -720,6 +720,15 @@ def _pools(
     return [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(shards)]
 
 
+def _read_to_end(response: httpx.Response) -> bool:
+    """Whether ``response``'s body is known to be read to its end (its end
+    came with its last read, as a rule: nothing is left to drain)."""
+    # httpx's client wraps the transport's stream (BoundAsyncStream._stream);
+    # a later httpx that does not only costs a drain task.
+    stream = getattr(response.stream, "_stream", response.stream)
+    return isinstance(stream, ResponseStream) and stream.at_end()
+
+
 class HTTPBackend(Closing):
     """A backend reached over HTTP: the base of every adapter (module docstring).
 
@@ -987,7 +996,7 @@ class HTTPBackend(Closing):
                     break
             self._feed(parser, None, request)
         finally:
-            if ended:
+            if ended and not _read_to_end(response):
                 self._drain(call, pieces)
             else:
                 await call.__aexit__(None, None, None)
