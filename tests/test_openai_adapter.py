@@ -678,3 +678,39 @@ async def test_tokens_arriving_apart_are_not_held_back() -> None:
         deltas = await collect(adapter, make_request())
         await adapter.close()
     assert len([d for d in deltas if d.text]) == 5
+
+
+async def test_a_body_ended_after_its_end_marker_keeps_its_connection() -> None:
+    # The adapter stops waiting at [DONE] (the answer is whole: nothing is
+    # held back), but the body's end, sent a moment later, is still read:
+    # the connection goes back to the pool, not hung up (a TLS handshake
+    # saved on the next call to a remote API).
+    peers: list[object] = []
+    release = asyncio.Event()
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        assert request.transport is not None
+        peers.append(request.transport.get_extra_info("peername"))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write((CHUNK % "Hi" + FINISH + "data: [DONE]\n\n").encode())
+        await release.wait()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    async with serve(app) as origin:
+        adapter = OpenAIBackend("late", config_for(f"{origin}/v1"))
+        try:
+            deltas = await collect(adapter, make_request())  # returns before the body ends
+            assert "".join(d.text for d in deltas) == "Hi"
+            assert deltas[-1].finish_reason == "stop"
+            release.set()
+            await asyncio.gather(*adapter._draining)  # the body's end, read
+            await collect(adapter, make_request())
+        finally:
+            release.set()
+            await adapter.close()
+    assert len(peers) == 2
+    assert peers[0] == peers[1]  # the same connection

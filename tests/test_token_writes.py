@@ -14,23 +14,42 @@ language would.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _loopback import serve
+from aiohttp import web
 from test_binder import until
 from test_coalescing import _wait_coalesced
 from test_final_chunks import make_config, stored_chunks
 from test_gateway_sdk import ACME, Stack, start
+from test_resilience import config_of, one_mb_server
 
-from renqueue import Client, Services, TokenChunk, TokensExpiredError, TokensNotStreamedError
+from renqueue import (
+    Client,
+    GenerationParams,
+    RequestFailedError,
+    Services,
+    TokenChunk,
+    TokensExpiredError,
+    TokensNotStreamedError,
+)
 from renqueue.broker import EventLog
 from renqueue.client._tokens import TokenFollower
 from renqueue.errors import NatsNotFoundError
 from renqueue.mock import MockBackend, MockSettings
-from renqueue.schema import TOKENS_STREAM, Completed, token_subject
+from renqueue.schema import (
+    REQUEST_DECODER,
+    TOKENS_STREAM,
+    Completed,
+    InferenceRequest,
+    encode,
+    token_subject,
+)
 
 TENANT = "t"
 
@@ -195,3 +214,122 @@ async def test_a_coalesced_follower_gets_the_whole_answer_in_one_final_chunk(
     [only] = chunks
     assert (only.final, only.delivery, only.seq, only.text) == (True, 1, 0, led.text)
     assert [(c["final"], c["text"]) for c in stored] == [(True, led.text)]
+
+
+# ------------------------------------------- a backend that ends its body late
+
+_CHUNK = 'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n'
+_FINISH = 'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+
+
+async def test_the_read_with_the_end_marker_is_not_held_until_the_body_ends(
+    tmp_path: Path,
+) -> None:
+    # A server (or a proxy before it) that sends its last token and [DONE] in
+    # one write, then keeps the body open: the token is a slow backend's
+    # token, it is not held back until the body ends.
+    release = asyncio.Event()
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write((_CHUNK % "Hello" + _FINISH + "data: [DONE]\n\n").encode())
+        await release.wait()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    async with serve(app) as origin:
+        config = make_config(tmp_path, f"{origin}/v1")
+        try:
+            async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+                handle = await client.submit("hi", route="chat")
+                chunks = handle.stream(timeout=10).__aiter__()
+                first = await asyncio.wait_for(anext(chunks), 10)
+                assert first.text == "Hello"
+                release.set()
+                assert (await handle.result(timeout=10)).text == "Hello"
+        finally:
+            release.set()
+
+
+async def test_a_request_written_without_stream_gets_chunks_an_older_reader_reads_whole(
+    tmp_path: Path, instant: MockBackend
+) -> None:
+    # An older client writes no `stream` and drops a final chunk's text (it
+    # ended its stream at `final`): its requests keep the shape it reads, the
+    # text in chunks of their own and an empty final chunk, whatever the
+    # upgraded workers do for clients that say `stream`.
+    config = make_config(tmp_path, instant.url)
+    async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+        built = client.build_request("hi", route="chat")
+        raw = json.loads(encode(built))
+        del raw["stream"]
+        old = REQUEST_DECODER.decode(json.dumps(raw).encode())
+        handle = await client.submit_request(old)
+        text = (await handle.result(timeout=10)).text
+        stored = await stored_chunks(client, handle.id)
+    assert text
+    assert stored[-1]["final"] is True
+    assert stored[-1]["text"] == ""  # what an older reader drops is empty
+    assert "".join(chunk["text"] for chunk in stored[:-1]) == text
+
+
+async def test_an_answer_too_big_to_record_still_streams_its_last_read(tmp_path: Path) -> None:
+    # Its `completed` event is over a 1 MB broker: the request fails, and the
+    # last read's text, held for a final chunk that cannot carry it, is
+    # streamed as a chunk of its own, as every other read was.
+    settings = MockSettings(ttft=0.01, output_tokens=150_000)
+    async with MockBackend(settings) as mock, one_mb_server(tmp_path) as server:
+        config = config_of(mock.url, nats_url=server.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            handle = await client.submit(
+                "a long answer", route="chat", params=GenerationParams(max_tokens=150_000)
+            )
+            text = "".join([chunk.text async for chunk in handle.stream(timeout=60)])
+            with pytest.raises(RequestFailedError, match="too big to record whole"):
+                await handle.result(timeout=60)
+    assert text.endswith(" tok149999")
+
+
+async def test_an_answer_too_big_to_record_and_not_streamed_does_not_say_streamed(
+    tmp_path: Path,
+) -> None:
+    settings = MockSettings(ttft=0.01, output_tokens=150_000)
+    async with MockBackend(settings) as mock, one_mb_server(tmp_path) as server:
+        config = config_of(mock.url, nats_url=server.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            handle = await client.submit(
+                "a long answer",
+                route="chat",
+                params=GenerationParams(max_tokens=150_000),
+                stream=False,
+            )
+            with pytest.raises(RequestFailedError, match="too big to record whole") as caught:
+                await handle.result(timeout=60)
+            assert await no_chunk_stored(client, TENANT, handle.id)
+    assert "streamed" not in str(caught.value).replace("not streamed", "")
+
+
+def _as_an_older_client_writes(request: InferenceRequest) -> InferenceRequest:
+    """``request`` without ``stream``, as a client older than the field writes it."""
+    raw = json.loads(encode(request))
+    del raw["stream"]
+    return REQUEST_DECODER.decode(json.dumps(raw).encode())
+
+
+async def test_a_coalesced_follower_from_an_older_client_gets_its_text_in_a_chunk(
+    tmp_path: Path,
+) -> None:
+    async with MockBackend(MockSettings(ttft=0.5, tokens_per_second=0, output_tokens=4)) as mock:
+        config = make_config(tmp_path, mock.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            leader = await client.submit("same", route="chat", coalesce=True)
+            built = client.build_request("same", route="chat", coalesce=True)
+            follower = await client.submit_request(_as_an_older_client_writes(built))
+            await _wait_coalesced(client, follower.id)
+            led = await leader.result(timeout=10)
+            assert (await follower.result(timeout=10)).text == led.text
+            stored = await stored_chunks(client, follower.id)
+    assert [(c["final"], c["text"]) for c in stored] == [(False, led.text), (True, "")]

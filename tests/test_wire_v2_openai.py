@@ -686,6 +686,7 @@ async def test_a_request_with_tools_completes_with_its_tool_call_end_to_end(
             route="chat",
             messages=[ChatMessage(role="user", content="weather?")],
             params=GenerationParams(tools=(WEATHER,), tool_choice="required"),
+            stream=True,  # a reader of final chunks' text (not saying it: the older shape)
         )
         async with Services(config) as services, Client(services.nc, tenant="t1") as client:
             handle = await client.submit_request(request)

@@ -44,7 +44,7 @@ from typing import Any, Final
 import aiohttp
 import httpx
 
-__all__ = ["AiohttpClient", "AiohttpTransport"]
+__all__ = ["AiohttpClient", "AiohttpTransport", "ResponseStream"]
 
 #: The longest response status line or header aiohttp reads (h11's bound on a whole head).
 _MAX_HEAD: Final = 16 * 1024
@@ -77,7 +77,7 @@ def _as_httpx(request: httpx.Request) -> Iterator[None]:
         raise  # pragma: no cover - aiohttp.ClientError is the last row
 
 
-class _ResponseStream(httpx.AsyncByteStream):
+class ResponseStream(httpx.AsyncByteStream):
     """A response body as it arrives: each chunk what one network read brought."""
 
     def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
@@ -88,6 +88,10 @@ class _ResponseStream(httpx.AsyncByteStream):
         with _as_httpx(self._request):
             async for chunk in self._response.content.iter_any():
                 yield chunk
+
+    def at_end(self) -> bool:
+        """Whether the whole body has been read (its end too)."""
+        return self._response.content.at_eof()
 
     async def aclose(self) -> None:
         if self._response.content.at_eof():
@@ -159,7 +163,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         return httpx.Response(
             status_code=response.status,
             headers=response.raw_headers,
-            stream=_ResponseStream(response, request),
+            stream=ResponseStream(response, request),
             extensions=extensions,
         )
 

@@ -60,6 +60,7 @@ from ..errors import (
     RetryableBackendError,
 )
 from ..lifecycle import Closing
+from ..logs import get_logger
 from ..policy import estimate_input_tokens
 from ..schema import (
     TRACEPARENT,
@@ -69,7 +70,7 @@ from ..schema import (
     Usage,
     parse_traceparent,
 )
-from ._aiohttp import AiohttpClient
+from ._aiohttp import AiohttpClient, ResponseStream
 from ._limits import LearnedLimits, parse_limits
 from ._sse import MAX_EVENT_BYTES, ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation, ToolCall
@@ -101,6 +102,11 @@ __all__ = [
 
 _T = TypeVar("_T")
 
+log = get_logger("backend")
+
+#: Longest a body read past its end marker is read on for its end (in the
+#: background: the answer is whole) before the connection is hung up.
+DRAIN_WAIT: Final = 5.0
 #: Longest provider error text carried into an exception message.
 _DETAIL_LIMIT: Final = 300
 #: Concurrent calls per connection pool (see ``HTTPBackend.__init__``).
@@ -464,6 +470,11 @@ class StreamParser:
     #: where the end marker is the finish (Ollama's ``done``, TGI's final event,
     #: Gemini's ``finishReason``).
     unreasoned: ClassVar[str | None] = None
+    #: Nothing of the answer follows its end marker (OpenAI's ``[DONE]``,
+    #: Anthropic's ``message_stop``, Ollama's done line, TGI's final event):
+    #: once it is read, as a whole answer, the body is not read further. False
+    #: where the end is a finish reason something may follow (Gemini's usage).
+    ends_at_marker: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.complete = False
@@ -709,6 +720,15 @@ def _pools(
     return [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(shards)]
 
 
+def _read_to_end(response: httpx.Response) -> bool:
+    """Whether ``response``'s body is known to be read to its end (its end
+    came with its last read, as a rule: nothing is left to drain)."""
+    # httpx's client wraps the transport's stream (BoundAsyncStream._stream);
+    # a later httpx that does not only costs a drain task.
+    stream = getattr(response.stream, "_stream", response.stream)
+    return isinstance(stream, ResponseStream) and stream.at_end()
+
+
 class HTTPBackend(Closing):
     """A backend reached over HTTP: the base of every adapter (module docstring).
 
@@ -772,6 +792,9 @@ class HTTPBackend(Closing):
             self._pools = [client]
         self._busy = [0] * len(self._pools)
         self._closed = False
+        #: Bodies read past their end marker to their end, in the background
+        #: (:meth:`_drain`), so that their connections go back to the pool.
+        self._draining: set[asyncio.Task[None]] = set()
         #: The latest rate-limit reading from this backend (any call,
         #: including 429s); ``None`` until a response says anything about limits.
         self.last_rate_limit: LearnedLimits | None = None
@@ -795,6 +818,9 @@ class HTTPBackend(Closing):
         if self._closed:
             return
         self._closed = True
+        for task in list(self._draining):
+            task.cancel()
+        await asyncio.gather(*self._draining, return_exceptions=True)
         if self._owns_client:
             for pool in self._pools:
                 await pool.aclose()
@@ -930,6 +956,7 @@ class HTTPBackend(Closing):
         )
         async with clock.bounded():
             response = await call.__aenter__()
+        ended = False
         try:
             if not response.is_success:
                 async with clock.bounded():
@@ -955,14 +982,49 @@ class HTTPBackend(Closing):
                 text = self._feed(parser, piece, request)
                 # Ended here, as a whole answer (a stream cut short at its end
                 # marker streams what came, as any broken stream).
-                end = parser.complete and parser.unfinished() is None
+                end = parser.ends_at_marker and parser.complete and parser.unfinished() is None
                 if parser.logprobs:
                     yield Delta(text=text, logprobs=parser.take_logprobs(), end=end)
                 elif text:
                     yield Delta(text=text, end=end)
+                if end:
+                    # The answer is whole: not waiting here for the body's end
+                    # (a server or proxy may hold it open while the worker
+                    # holds this read's text until the stream ends); it is
+                    # read in the background, the connection then reused.
+                    ended = True
+                    break
             self._feed(parser, None, request)
         finally:
-            await call.__aexit__(None, None, None)
+            if ended and not _read_to_end(response):
+                self._drain(call, pieces)
+            else:
+                await call.__aexit__(None, None, None)
+
+    def _drain(self, call: Any, pieces: AsyncIterator[bytes]) -> None:
+        """Read what is left of a body past its end marker (its end, as a
+        rule: what a server sends after it is no part of the answer), within
+        :data:`DRAIN_WAIT`, then close the response: back to the pool when
+        its end came, else hung up."""
+
+        async def drain() -> None:
+            try:
+                async with asyncio.timeout(DRAIN_WAIT):
+                    async for _ in pieces:
+                        pass
+            except (TimeoutError, httpx.HTTPError):
+                pass  # hung up below; the answer was whole already
+            finally:
+                await call.__aexit__(None, None, None)
+
+        task = asyncio.get_running_loop().create_task(drain(), name=f"{self._name}-drain")
+        self._draining.add(task)
+        task.add_done_callback(self._drained)
+
+    def _drained(self, task: asyncio.Task[None]) -> None:
+        self._draining.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("closing a response read past its end failed", error=repr(task.exception()))
 
     async def complete(
         self,

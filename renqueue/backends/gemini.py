@@ -313,6 +313,8 @@ class _ResponseParser(SSEParser):
     """Folds ``GenerateContentResponse`` chunks into text, finish reason, counts and calls."""
 
     incomplete: ClassVar[str] = "stream ended before a finishReason"
+    #: A chunk with usage only may follow the one with the finishReason.
+    ends_at_marker: ClassVar[bool] = False
 
     def event(self, event: ServerSentEvent) -> str:
         return self.response(event.data.encode())

@@ -13,7 +13,9 @@ deliveries; and again, since it is idempotent, by whoever finds a leader
 already ended: a worker handed its dispatch, the advisory reader):
 
 - the leader **completed**: each follower gets the same text (its final
-  token chunk carries it all) and a ``completed`` copy with ``shared_with`` = the leader and no
+  token chunk carries it all; for a request that did not say ``stream``, a
+  chunk of its own before an empty final one; none for ``stream`` false)
+  and a ``completed`` copy with ``shared_with`` = the leader and no
   cost (the spend is the leader's);
 - the leader's **backend call failed** for good: each follower gets
   ``failed`` (``error_type`` ``shared_call_failed``): the same call would fail
@@ -87,6 +89,7 @@ from ..schema import (
     Event,
     Failed,
     InferenceRequest,
+    TokenChunk,
     cancelled,
     encode,
     error_type_of,
@@ -95,6 +98,8 @@ from ..schema import (
     failed,
     msg_id,
     request_subject,
+    token_subject,
+    tool_call_deltas,
 )
 from ._coalescing_log import followers_in_log, preempted_attempt
 
@@ -374,8 +379,31 @@ class Coalescer:
             copy = msgspec.structs.replace(
                 outcome, request_id=follower, tenant=tenant, at=now, cost=0.0, shared_with=leader
             )
-            # The whole answer in its final chunk (one chunk, in the claim).
-            await self._log.finish(copy, delivery=1, seq=0, tail=ChunkTail())
+            request = await self._submitted(tenant, follower)
+            stream = None if request is None else request.stream
+            if stream is True:
+                # The whole answer in its final chunk (one chunk, in the claim).
+                await self._log.finish(copy, delivery=1, seq=0, tail=ChunkTail())
+            elif stream is False:
+                await self._log.finish(copy, stream=False)  # no chunk at all
+            else:
+                # A client that may drop a final chunk's text (it did not say
+                # `stream`): the answer in a chunk of its own, as before.
+                shared = bool(copy.text or copy.tool_calls or copy.logprobs)
+                if shared:
+                    chunk = TokenChunk(
+                        request_id=follower,
+                        seq=0,
+                        text=copy.text,
+                        tool_calls=tool_call_deltas(copy.tool_calls, 0),
+                        logprobs=copy.logprobs,
+                    )
+                    await self._js.publish(
+                        token_subject(tenant, follower),
+                        encode(chunk),
+                        headers={"Nats-Msg-Id": msg_id(tenant, follower, "shared")},
+                    )
+                await self._log.finish(copy, delivery=1, seq=1 if shared else 0)
         elif (
             isinstance(outcome, Failed)
             and outcome.backend is not None

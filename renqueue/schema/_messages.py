@@ -440,8 +440,13 @@ class InferenceRequest(Struct, frozen=True, kw_only=True):
     #: Whether the client follows the request's token stream. ``False``: it
     #: only waits for the outcome, and no token chunk is stored for the
     #: request (not even a final one): the answer is whole in its
-    #: ``completed`` event (``text``, ``tool_calls``, ``logprobs``).
-    stream: bool = True
+    #: ``completed`` event (``text``, ``tool_calls``, ``logprobs``). ``True``:
+    #: it does, and it reads a final chunk's text (the run's last read, which
+    #: also brought the backend's end of stream, is sent in the final chunk).
+    #: ``None`` (not written: a client older than the field, whose reader may
+    #: drop a final chunk's text): streamed, every read a chunk of its own and
+    #: the final chunk empty, as before.
+    stream: bool | None = None
 
 
 class Dispatch(Struct, frozen=True, kw_only=True):

@@ -81,7 +81,7 @@ class Endings:
         key = coalesce_key(request)
         if key is not None:
             await self._coalescer.leader_ended(request.tenant, request.id, key, event)
-        await self._log.finish(event, stream=request.stream)
+        await self._log.finish(event, stream=request.stream is not False)
 
     async def cancel(self, msg: Message, request: InferenceRequest) -> None:
         """End a request cancelled before it was routed."""

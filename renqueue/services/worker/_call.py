@@ -253,8 +253,9 @@ class Caller:
         """Read the backend's stream into ``answer``, each delta with text,
         tool calls or log probabilities published as the run's next chunk;
         except those that came with the stream's end (``Delta.end``), held
-        for the final chunk (``answer.held``), and all of them for a request
-        submitted with ``stream`` false."""
+        for the final chunk (``answer.held``) when the request says its client
+        reads a final chunk's text (``stream`` true), and all of them for a
+        request submitted with ``stream`` false."""
         subject = token_subject(request.tenant, request.id)
         stream = self._backend.stream(request, priority=rank, traceparent=trace.header)
         try:
@@ -263,8 +264,8 @@ class Caller:
                     if answer.ttft is None:
                         answer.ttft = time.monotonic() - answer.started
                     new_calls = self._checked_calls(request, delta.tool_calls, len(answer.calls))
-                    if request.stream:
-                        if delta.end and answer.held is None:
+                    if request.stream is not False:
+                        if delta.end and answer.held is None and request.stream:
                             # With the stream's end: sent in the final chunk.
                             answer.held = _Held(
                                 tail=ChunkTail(

@@ -109,10 +109,16 @@ class Failures:
             log.error(
                 "the answer is over the broker's largest message; request fails", error=str(exc)
             )
+            # Streamed, unless its client said it would not read the stream.
+            streamed = delivery.dispatch.request.stream is not False
             await self._outcomes.fail(
                 delivery,
                 error_type="answer_too_large",
-                reason=f"its answer was streamed, but is too big to record whole: {exc}",
+                reason=(
+                    f"its answer was streamed, but is too big to record whole: {exc}"
+                    if streamed
+                    else f"its answer is too big to record whole (not streamed): {exc}"
+                ),
                 error_class=INTERNAL,
             )
             return

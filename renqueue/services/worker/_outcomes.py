@@ -25,14 +25,28 @@ import random
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from ... import metrics
 from ...backends.base import Backend
 from ...broker import EventLog, JetStream, PubAck
 from ...coordination import Coalescer, coalesce_key
-from ...errors import StoreFullError
+from ...errors import NatsError, NatsPayloadTooLargeError, StoreFullError
 from ...logs import get_logger
 from ...policy import FailurePolicy, backoff, cancelled_at_worker
-from ...schema import Completed, ErrorType, Event, Failed, Fallback, InferenceRequest, Started
+from ...schema import (
+    Completed,
+    ErrorType,
+    Event,
+    Failed,
+    Fallback,
+    InferenceRequest,
+    Started,
+    TerminalClaim,
+    encode,
+    final_chunk,
+    token_subject,
+)
 from ._call import reported_limits, settle
 from ._delivery import Delivery
 from ._yielding import put_back, requeue
@@ -75,7 +89,11 @@ class Outcomes:
         that finds the terminal claim and drops the run. Followers sharing
         this request's call get their outcome first, so a crash cannot strand
         them."""
-        first = await self._record(delivery, event)
+        try:
+            first = await self._record(delivery, event)
+        except NatsPayloadTooLargeError:
+            await self._stream_tail(delivery, event)
+            raise
         kind = type(event).__name__.lower()
         if first:
             metrics.TERMINAL.labels(kind).inc()
@@ -90,6 +108,27 @@ class Outcomes:
             log.warning("duplicate terminal event dropped", kind=kind)
             metrics.DUPLICATES_DROPPED.labels(self._backend_name).inc()
         await delivery.done()
+
+    async def _stream_tail(self, delivery: Delivery, event: Event) -> None:
+        """A ``completed`` event too big to record (the run then fails): what
+        its final chunk would have carried, the answer's last read, streamed
+        as a chunk of its own, so that a streaming client has every piece the
+        backend sent, as for every other read."""
+        tail = delivery.chunks.tail
+        delivery.chunks.tail = None
+        if not isinstance(event, Completed) or tail is None:
+            return
+        final = final_chunk(
+            TerminalClaim(event=event, delivery=delivery.number, seq=delivery.chunks.seq, tail=tail)
+        )
+        chunk = msgspec.structs.replace(final, final=False, finish_reason=None, usage=None)
+        request = delivery.dispatch.request
+        try:
+            await self._js.publish(token_subject(request.tenant, request.id), encode(chunk))
+        except NatsError as exc:  # too large itself, or the broker gone: the failure says it
+            log.warning("could not stream the answer's last read", error=str(exc))
+            return
+        delivery.chunks.seq += 1
 
     async def settle_held(
         self, pending_acks: list[asyncio.Future[PubAck]], started: Started
@@ -148,7 +187,7 @@ class Outcomes:
                     delivery=delivery.number,
                     seq=delivery.chunks.seq,
                     tail=delivery.chunks.tail if isinstance(event, Completed) else None,
-                    stream=request.stream,
+                    stream=request.stream is not False,
                 )
             except StoreFullError as exc:
                 refusals += 1
