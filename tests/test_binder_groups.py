@@ -53,13 +53,19 @@ async def until(check: Callable[[], Awaitable[bool]], what: str, within: float =
 
 
 def write_config(
-    path: Path, *, nats_url: str, backend_url: str, slots: int = 4, split: bool = True
+    path: Path,
+    *,
+    nats_url: str,
+    backend_url: str,
+    slots: int = 4,
+    split: bool = True,
+    lease_ttl: str = "1s",
 ) -> Path:
     """Routes r1 -> b1 and r2 -> b2: two binding groups. Short ack waits and
     lease ttl, so a killed router's work comes back quickly."""
     text = (
         f'[nats]\nurl = "{nats_url}"\n'
-        f'[router]\nack_wait = "2s"\ncapacity_refresh = "20ms"\nlease_ttl = "1s"\n'
+        f'[router]\nack_wait = "2s"\ncapacity_refresh = "20ms"\nlease_ttl = "{lease_ttl}"\n'
         f"split_binding = {str(split).lower()}\n"
         f'[worker]\nack_wait = "2s"\nretry_delay = "100ms"\ndrain_timeout = "1s"\n'
     )
@@ -78,12 +84,16 @@ def write_config(
 
 @asynccontextmanager
 async def stack(
-    tmp_path: Path, server: EmbeddedServer, *, split: bool = True
+    tmp_path: Path, server: EmbeddedServer, *, split: bool = True, lease_ttl: str = "1s"
 ) -> AsyncIterator[tuple[Path, Config]]:
     """A mock backend and the two-group config file; yields (file, config)."""
     async with MockBackend(MockSettings(ttft=0.01, output_tokens=2, concurrency=64)) as mock:
         file = write_config(
-            tmp_path / "rq.toml", nats_url=server.url, backend_url=mock.url, split=split
+            tmp_path / "rq.toml",
+            nats_url=server.url,
+            backend_url=mock.url,
+            split=split,
+            lease_ttl=lease_ttl,
         )
         yield file, load_config(file, environ={})
 
@@ -345,3 +355,33 @@ async def test_unsplit_a_route_subject_is_read_by_the_one_binder(
         )
         with pytest.raises(RequestRejectedError, match="does not match subject route"):
             await client.handle(request.id).result(timeout=20)
+
+
+async def test_a_stopped_routers_groups_are_taken_over_before_its_heartbeat_expires(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """A router stopped gracefully takes its heartbeat away with its leases, so
+    the other's share grows at once: it binds both groups long before the
+    heartbeat would have expired (a lease ttl of 30 s here)."""
+    async with (
+        stack(tmp_path, isolated_server, lease_ttl="30s") as (_file, config),
+        Services(config, routers=2) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        js = services.js
+        first, second = services.routers
+
+        async def spread() -> bool:
+            return len(first.binding_groups) == len(second.binding_groups) == 1
+
+        await until(spread, "each router binds one group")
+        await first.close()
+        await until(
+            lambda: asyncio.sleep(0, second.binding_groups == list(ROUTES)),
+            "the other router binds both groups (its share grew at the stop)",
+            within=15.0,
+        )
+        handles = await submit_both(client, "after", 5)
+        await asyncio.gather(*(h.result(timeout=30) for h in handles))
+        await audit(js, handles)
+        assert await routed_by(js, handles) == {route: {second.holder} for route in ROUTES}

@@ -386,6 +386,13 @@ class Router(Lifecycle):
         jobs = [job for b in self._binders for job in self._supervisor.jobs(b.intake.job_prefix)]
         await self._supervisor.cancel(*self._loops, *jobs)
         self._loops.clear()
+        if self._share is not None:
+            # First: the others count this router out while it still holds its
+            # leases, so each is sought as soon as it is released below.
+            try:
+                await self._share.leave()
+            except Exception as exc:  # noqa: BLE001 - then it expires within the ttl
+                log.warning("could not take the router's heartbeat away", error=str(exc))
         for binder in self._binders:
             await binder.term.close()
         # Unsubscribe, or a pull that expires after the fetch task is gone

@@ -7,7 +7,9 @@ fewer than ``ceil(groups / routers)``, and gives one up (the newest term) while
 it holds more. Routers are counted by a heartbeat key each in the leases'
 bucket (``routers.<id>``, written every ``ttl / 5`` and expired by the server
 ``ttl`` after the last write, as a lease is): a router that died stops
-counting within ``ttl``, and the others' share grows to take its groups.
+counting within ``ttl``, and the others' share grows to take its groups; a
+router stopped gracefully takes its heartbeat away first (:meth:`Share.leave`),
+so the others' share grows at their next count (within ``ttl / 5``).
 
 A router that cannot count (the bucket does not answer) counts itself alone,
 so it may seek every group: a group left without a binder is worse than two
@@ -93,6 +95,18 @@ class Share:
             return
         subjects = (reply.get("state") or {}).get("subjects") or {}
         self.routers = max(1, len(subjects))
+
+    async def leave(self) -> None:
+        """Take this router's heartbeat away (a graceful stop): the others'
+        share grows at their next count, not ``ttl`` later when it would have
+        expired. Purged, not deleted: a delete marker is a message, and would
+        still be counted."""
+        reply = await JetStreamApi(self._js).call(
+            f"STREAM.PURGE.KV_{LEASE_BUCKET}", {"filter": f"$KV.{LEASE_BUCKET}.{self.key}"}
+        )
+        error = reply_error(reply)
+        if error is not None:
+            log.warning("could not take the router's heartbeat away", error=error[1])
 
     async def loop(self, give_up: Callable[[int], object]) -> None:
         """Beat every ``ttl / 5``; give the newest term up while holding too many."""
