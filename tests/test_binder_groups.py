@@ -256,7 +256,7 @@ async def test_a_route_subject_that_disagrees_with_the_payload_is_rejected(
             await client.handle(request.id).result(timeout=20)
         assert info.value.error_type == "malformed"
         # A route no group has, sent without its route: forwarded to the first
-        # group's first route, where admission rejects it (not its subject's).
+        # group's first route, where admission rejects it (unknown_route).
         unknown = await client.submit("hi", route="no-such-route")
         with pytest.raises(RequestRejectedError):
             await unknown.result(timeout=20)
@@ -385,3 +385,21 @@ async def test_a_stopped_routers_groups_are_taken_over_before_its_heartbeat_expi
         await asyncio.gather(*(h.result(timeout=30) for h in handles))
         await audit(js, handles)
         assert await routed_by(js, handles) == {route: {second.holder} for route in ROUTES}
+
+
+async def test_an_unknown_route_sent_without_its_route_is_rejected_as_unknown_route(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """Split or not, a client written from the unsplit docs is told the same:
+    a route the config does not have is ``unknown_route`` (forwarded to the
+    first group's subject, it must not become ``malformed``)."""
+    async with (
+        stack(tmp_path, isolated_server) as (_file, config),
+        Services(config, routers=1) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        unknown = await client.submit("hi", route="no-such-route")
+        with pytest.raises(RequestRejectedError) as info:
+            await unknown.result(timeout=20)
+        assert info.value.error_type == "unknown_route"
+        assert services.routers[0].forwarded == 1

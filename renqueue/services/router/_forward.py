@@ -10,7 +10,8 @@ then acked. Forwarding decides nothing that is shared: the request is then
 admitted (validated, rejected or held) by its group's binder, the one place,
 exactly as if the client had named the route. A payload that does not decode,
 or names no configured route, is forwarded to the first group's first route,
-where admission rejects it (malformed, or its route not the subject's).
+where admission rejects it (malformed, or unknown_route as unsplit: a
+forwarded copy whose route the config does not have is told so).
 
 Each copy carries its original's ``Nats-Msg-Id`` followed by ``:forwarded``:
 the stream's duplicate window would drop a copy under the same id, and a
