@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -31,12 +32,15 @@ from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import (
     FORWARD_CONSUMER,
     REQUESTS_STREAM,
+    Failed,
     Routed,
     binder_lease,
+    is_terminal,
     msg_id,
     request_subject,
     router_consumer,
 )
+from renqueue.services import AdvisoryReader, MaxDeliveries
 
 TENANT = "t"
 ROUTES = ("r1", "r2")
@@ -403,3 +407,45 @@ async def test_an_unknown_route_sent_without_its_route_is_rejected_as_unknown_ro
             await unknown.result(timeout=20)
         assert info.value.error_type == "unknown_route"
         assert services.routers[0].forwarded == 1
+
+
+async def test_a_request_on_a_route_subject_out_of_deliveries_is_failed_as_its_tenants(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """The advisory reader, the backstop that ends a request its consumer gave
+    up on, reads the tenant from route subjects too: a put-back forwarded to
+    ``rq.req.<level>.<tenant>.<route>.requeue`` ends as its tenant's request,
+    not as an ``unknown`` tenant's while its own waits for ever."""
+    async with (
+        stack(tmp_path, isolated_server) as (_file, config),
+        Services(config, routers=0) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        js = services.js
+        reader = AdvisoryReader(js)
+        cases = {
+            "put-back": (
+                request_subject("normal", TENANT, route="r1", requeue=True),
+                msg_id(TENANT, "put-back", "requeue", 1, "forwarded"),
+            ),
+            "forwarded": (
+                request_subject("normal", TENANT, route="r2"),
+                msg_id(TENANT, "forwarded", "forwarded"),
+            ),
+        }
+        for request_id, (subject, header) in cases.items():
+            request = client.build_request("hi", route=subject.split(".")[4], request_id=request_id)
+            ack = await js.publish(
+                subject, msgspec.json.encode(request), headers={"Nats-Msg-Id": header}
+            )
+            advisory = MaxDeliveries(
+                stream=REQUESTS_STREAM,
+                consumer=router_consumer("normal", "r1"),
+                stream_seq=ack.seq,
+                deliveries=200,
+            )
+            await reader.handle(advisory, at=time.time())
+            ended = [e for e in await EventLog(js).history(TENANT, request_id) if is_terminal(e)]
+            assert [type(e) for e in ended] == [Failed], request_id
+            assert isinstance(ended[0], Failed)
+            assert ended[0].error_type == "undeliverable"
