@@ -273,8 +273,13 @@ async def test_a_route_subject_that_disagrees_with_the_payload_is_rejected(
         )
         with pytest.raises(RequestRejectedError, match="Nats-Msg-Id"):
             await client.handle(forged.id).result(timeout=20)
-        # Nothing is left waiting (the rejected have their dead-letter copies).
-        assert (await js.stream_info(REQUESTS_STREAM)).state.messages == 0
+
+        # Nothing is left waiting (the rejected have their dead-letter copies);
+        # a rejection is told before its message is acked, so wait for the acks.
+        async def drained() -> bool:
+            return (await js.stream_info(REQUESTS_STREAM)).state.messages == 0
+
+        await until(drained, "every rejected request's message is acked")
 
 
 async def test_a_killed_routers_group_is_taken_over_and_nothing_is_lost_or_run_twice(
