@@ -454,3 +454,30 @@ async def test_a_request_on_a_route_subject_out_of_deliveries_is_failed_as_its_t
             assert [type(e) for e in ended] == [Failed], request_id
             assert isinstance(ended[0], Failed)
             assert ended[0].error_type == "undeliverable"
+
+
+async def test_a_forwarded_copy_carries_none_of_the_publishers_expectations(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """A ``Nats-Expected-*`` header a tenant set on its publish held for the
+    original's storing; copied onto the forwarded copy it would be refused for
+    ever (nak'ed, retried every second, never bound). Forwarding keeps the
+    id (with ``:forwarded``) and the trace, not the publisher's conditions."""
+    async with (
+        stack(tmp_path, isolated_server) as (_file, config),
+        Services(config, routers=1) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        js = services.js
+        request = client.build_request("hi", route="r1", request_id="expecting")
+        last = (await js.stream_info(REQUESTS_STREAM)).state.last_seq
+        await js.publish(
+            request_subject("normal", TENANT),
+            msgspec.json.encode(request),
+            headers={
+                "Nats-Msg-Id": msg_id(TENANT, request.id),
+                "Nats-Expected-Last-Sequence": str(last),
+            },
+        )
+        assert (await client.handle(request.id).result(timeout=20)).text
+        assert services.routers[0].forwarded == 1

@@ -13,7 +13,10 @@ or names no configured route, is forwarded to the first group's first route,
 where admission rejects it (malformed, or unknown_route as unsplit: a
 forwarded copy whose route the config does not have is told so).
 
-Each copy carries its original's ``Nats-Msg-Id`` followed by ``:forwarded``:
+Each copy carries its original's headers but the server's (``Nats-*``: an
+expectation such as ``Nats-Expected-Last-Sequence`` held for the original's
+storing, and would refuse the copy for ever), and its original's
+``Nats-Msg-Id`` followed by ``:forwarded``:
 the stream's duplicate window would drop a copy under the same id, and a
 forward tried again after a lost ack is stored once. Admission accepts that id
 on a subject naming a route only (a tenant gains nothing by using it itself:
@@ -108,8 +111,8 @@ class Forwarder:
     async def _forward(self, msgs: list[Message]) -> None:
         copies = []
         for msg in msgs:
-            headers = dict(msg.headers or {})
-            claimed = headers.get("Nats-Msg-Id")
+            headers = _carried(msg.headers)
+            claimed = (msg.headers or {}).get("Nats-Msg-Id")
             if claimed:
                 headers["Nats-Msg-Id"] = f"{claimed}:{FORWARDED_SUFFIX}"
             copies.append(await self._js.publish_async(self.subject_of(msg), msg.data, headers))
@@ -129,6 +132,14 @@ class Forwarder:
             else:
                 await msg.ack()
                 self.forwarded += 1
+
+
+def _carried(headers: dict[str, str] | None) -> dict[str, str]:
+    """The headers a forwarded copy carries: the publisher's own (the trace),
+    not the server's ``Nats-*`` ones. Those were conditions of the original's
+    storing (``Nats-Expected-Last-Sequence``, ...): on the copy they could
+    refuse it for ever. Its ``Nats-Msg-Id`` is set by the caller."""
+    return {k: v for k, v in (headers or {}).items() if not k.lower().startswith("nats-")}
 
 
 async def open_forwarding(js: JetStream) -> PullSubscription:
