@@ -25,6 +25,7 @@ from test_restarts import LEVELS, RouterProcess, assert_nothing_left, audit
 
 from renqueue import Client, Services
 from renqueue.broker import EmbeddedServer, EventLog, connect
+from renqueue.broker._nats import wire_size
 from renqueue.config import Config, load_config, parse_config
 from renqueue.coordination import read_lease
 from renqueue.errors import ConfigError, RequestRejectedError
@@ -481,3 +482,38 @@ async def test_a_forwarded_copy_carries_none_of_the_publishers_expectations(
         )
         assert (await client.handle(request.id).result(timeout=20)).text
         assert services.routers[0].forwarded == 1
+
+
+async def test_a_request_whose_forwarded_copy_cannot_fit_is_rejected_and_routers_serve_on(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """A tenant's request just under the broker's ``max_payload`` on today's
+    subject: its copy (``:forwarded`` makes its id longer) cannot be sent. It
+    is rejected as too big (as the binder rejects it unsplit), not a failure of
+    the forwarding loop that, retried on every router, would take each down."""
+    async with (
+        stack(tmp_path, isolated_server) as (_file, config),
+        Services(config, routers=1) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        nc = services.nc
+        assert nc is not None
+        request_id = "near-the-limit"
+        headers = {"Nats-Msg-Id": msg_id(TENANT, request_id)}
+
+        def payload(length: int) -> bytes:
+            return (
+                b'{"id":"' + request_id.encode() + b'","tenant":"' + TENANT.encode() + b'",'
+                b'"route":"r1","messages":[{"role":"user","content":"' + b"x" * length + b'"}]}'
+            )
+
+        room = nc.max_payload - 1 - wire_size(payload(0), headers)
+        data = payload(room)
+        assert wire_size(data, headers) == nc.max_payload - 1
+        await nc.jetstream().publish(request_subject("normal", TENANT), data, headers=headers)
+        with pytest.raises(RequestRejectedError, match="largest message") as info:
+            await client.handle(request_id).result(timeout=20)
+        assert info.value.error_type == "malformed"
+        after = await client.submit("still served", route="r2")
+        assert (await after.result(timeout=20)).text
+        assert services.supervisor.reason is None

@@ -34,9 +34,9 @@ from typing import Final
 
 import msgspec
 
-from ...broker import Connection, JetStream, Message, PullSubscription
+from ...broker import Connection, JetStream, Message, PubAck, PullSubscription
 from ...config import Config
-from ...errors import NatsError
+from ...errors import MalformedRequestError, NatsError, NatsPayloadTooLargeError
 from ...logs import get_logger
 from ...schema import (
     FETCH_TIMEOUT,
@@ -44,8 +44,11 @@ from ...schema import (
     REQUESTS_STREAM,
     SHUTDOWN_NAK_DELAY,
     is_requeue_subject,
+    request_limit,
     request_subject,
 )
+from ._admission import rejection_id
+from ._endings import Endings
 
 __all__ = ["FORWARDED_SUFFIX", "Forwarder"]
 
@@ -72,9 +75,11 @@ _ROUTE_DECODER: Final = msgspec.json.Decoder(_Route)
 class Forwarder:
     """Re-publishes requests sent without their route under it (see the module docstring)."""
 
-    def __init__(self, nc: Connection, js: JetStream, config: Config) -> None:
+    def __init__(self, nc: Connection, js: JetStream, config: Config, endings: Endings) -> None:
         self._nc = nc
         self._js = js
+        #: Ends a request whose copy cannot be sent (too big for the broker).
+        self._endings = endings
         self._routes = frozenset(config.routes)
         groups = config.binding_groups()
         #: Where a request naming no configured route goes, to be rejected.
@@ -109,16 +114,26 @@ class Forwarder:
                 raise
 
     async def _forward(self, msgs: list[Message]) -> None:
-        copies = []
+        copies: list[asyncio.Future[PubAck]] = []
         for msg in msgs:
             headers = _carried(msg.headers)
             claimed = (msg.headers or {}).get("Nats-Msg-Id")
             if claimed:
                 headers["Nats-Msg-Id"] = f"{claimed}:{FORWARDED_SUFFIX}"
-            copies.append(await self._js.publish_async(self.subject_of(msg), msg.data, headers))
+            try:
+                copies.append(await self._js.publish_async(self.subject_of(msg), msg.data, headers))
+            except NatsPayloadTooLargeError as exc:
+                # Its id made longer, the copy is over the broker's max_payload:
+                # one request's, told below (a loop failing on it would fail on
+                # every router, each in turn, for ever).
+                refused: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
+                refused.set_exception(exc)
+                copies.append(refused)
         results = await asyncio.gather(*copies, return_exceptions=True)
         for msg, result in zip(msgs, results, strict=True):
-            if isinstance(result, NatsError):
+            if isinstance(result, NatsPayloadTooLargeError):
+                await self._too_big(msg)
+            elif isinstance(result, NatsError):
                 # The broker refused it (a tenant's backlog full on that
                 # subject) or did not answer: the original waits, and is tried again.
                 log.warning(
@@ -132,6 +147,19 @@ class Forwarder:
             else:
                 await msg.ack()
                 self.forwarded += 1
+
+    async def _too_big(self, msg: Message) -> None:
+        """Reject a request whose copy cannot be sent, as its binder would
+        (admission refuses a request this close to ``max_payload``: the
+        services' messages carrying it would not fit)."""
+        request_id, tenant = rejection_id(msg)
+        error = MalformedRequestError(
+            f"the request is {len(msg.data)} bytes, over the "
+            f"{request_limit(self._nc.max_payload)} the broker's largest message leaves "
+            "for it (send images by https URL, or smaller)",
+            request_id=request_id,
+        )
+        await self._endings.reject(msg, request_id, tenant, error, unseen=True)
 
 
 def _carried(headers: dict[str, str] | None) -> dict[str, str]:

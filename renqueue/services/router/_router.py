@@ -247,7 +247,9 @@ class Router(Lifecycle):
             for backend in binder.group.backends
         }
         #: Requests sent without their route, sent on to it (binding split in groups).
-        self._forwarder = Forwarder(nc, js, config) if share is not None else None
+        self._forwarder = (
+            None if share is None else Forwarder(nc, js, config, self._binders[0].parts.endings)
+        )
         first = self._binders[0]
         #: The (first) binder's parts: the lease, the books (binding not split: the only ones).
         self._parts = first.parts
