@@ -517,3 +517,34 @@ async def test_a_request_whose_forwarded_copy_cannot_fit_is_rejected_and_routers
         after = await client.submit("still served", route="r2")
         assert (await after.result(timeout=20)).text
         assert services.supervisor.reason is None
+
+
+async def test_a_group_given_up_for_failing_is_taken_by_a_healthy_router_meanwhile(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """A binder that gives its group's lease up for failing (its loops keep
+    failing, its term cannot begin) sits the race out for ``5 * lease_ttl``
+    so that a healthy router binds, as unsplit. Its heartbeat goes with it:
+    counted, it kept the other router to its share (one group) and the group
+    had no binder for the whole sit-out (10 s here)."""
+    async with (
+        stack(tmp_path, isolated_server, lease_ttl="2s") as (_file, config),
+        Services(config, routers=2) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        first, second = services.routers
+
+        async def spread() -> bool:
+            return len(first.binding_groups) == len(second.binding_groups) == 1
+
+        await until(spread, "each router binds one group")
+        [group] = second.binding_groups
+        [sick] = [b for b in second._binders if b.group is not None and b.group.name == group]
+        await sick.term.give_up("a binding loop keeps failing (the test)")
+        await until(
+            lambda: asyncio.sleep(0, first.binding_groups == list(ROUTES)),
+            "the healthy router binds the group given up, while the other sits out",
+            within=8.0,
+        )
+        handles = await submit_both(client, "meanwhile", 3)
+        await asyncio.gather(*(h.result(timeout=30) for h in handles))

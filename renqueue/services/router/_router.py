@@ -219,6 +219,7 @@ class Router(Lifecycle):
                 groups=len(groups),
                 ttl=parse_duration(config.router.lease_ttl),
                 held=lambda: [binder.held_term() for binder in self._binders],
+                failing=lambda: any(binder.term.sitting_out() for binder in self._binders),
             )
         share = self._share
         seek_lock = asyncio.Lock()
@@ -356,7 +357,9 @@ class Router(Lifecycle):
 
     async def _give_up(self, index: int) -> None:
         """Hand group ``index``'s lease back: this router holds more than its share."""
-        await self._binders[index].term.give_up("this router holds more groups than its share")
+        await self._binders[index].term.give_up(
+            "this router holds more groups than its share", failing=False
+        )
 
     async def _forward_loop(self) -> None:
         assert self._forwarder is not None

@@ -9,7 +9,9 @@ bucket (``routers.<id>``, written every ``ttl / 5`` and expired by the server
 ``ttl`` after the last write, as a lease is): a router that died stops
 counting within ``ttl``, and the others' share grows to take its groups; a
 router stopped gracefully takes its heartbeat away first (:meth:`Share.leave`),
-so the others' share grows at their next count (within ``ttl / 5``).
+so the others' share grows at their next count (within ``ttl / 5``); so does
+a router one of whose terms gave its lease up for failing, while it sits the
+race out (a healthy router takes the group meanwhile, as unsplit).
 
 A router that cannot count (the bucket does not answer) counts itself alone,
 so it may seek every group: a group left without a binder is worse than two
@@ -51,11 +53,13 @@ class Share:
         groups: int,
         ttl: float,
         held: Callable[[], Sequence[int | None]],
+        failing: Callable[[], bool] = lambda: False,
     ) -> None:
         self._js = js
         self._groups = groups
         self._ttl = ttl
         self._held = held
+        self._failing = failing
         self.key = f"{HEARTBEAT_PREFIX}.{uuid.uuid4().hex}"
         #: The routers counted by their heartbeats (this one included).
         self.routers = 1
@@ -80,9 +84,15 @@ class Share:
         return max(held)[1]
 
     async def beat(self) -> None:
-        """Write this router's heartbeat, then count the routers."""
-        kv = await self._js.key_value(LEASE_BUCKET)
-        await kv.put(self.key, b"")
+        """Write this router's heartbeat, then count the routers. A router one
+        of whose terms gave its lease up for failing (and sits the race out)
+        takes its heartbeat away instead: counted, it would keep the others
+        to their share, and its group without a binder until it is back."""
+        if self._failing():
+            await self.leave()
+        else:
+            kv = await self._js.key_value(LEASE_BUCKET)
+            await kv.put(self.key, b"")
         api = JetStreamApi(self._js)
         reply = await api.call(
             f"STREAM.INFO.KV_{LEASE_BUCKET}",
