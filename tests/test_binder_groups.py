@@ -24,7 +24,7 @@ import pytest
 from test_restarts import LEVELS, RouterProcess, assert_nothing_left, audit
 
 from renqueue import Client, Services
-from renqueue.broker import EmbeddedServer, EventLog, connect
+from renqueue.broker import EmbeddedServer, EventLog, connect, router_consumer_configs
 from renqueue.broker._nats import wire_size
 from renqueue.config import Config, load_config, parse_config
 from renqueue.coordination import read_lease
@@ -145,6 +145,24 @@ def test_the_config_makes_two_groups_and_their_consumers(tmp_path: Path) -> None
     assert router_consumer("normal", "r1") == "router-r1-normal"
     assert binder_lease("r1") == "binder.r1"
     assert request_subject("normal", TENANT, route="r1") == "rq.req.normal.t.r1"
+
+
+def test_the_forwarding_consumer_gives_a_killed_routers_requests_back_soon() -> None:
+    """No successor re-creates the forwarding consumer (it has no lease): what
+    a killed router had fetched from it comes back after its ack wait, which
+    is short (5 s), not the router consumers' (``router.ack_wait``, 30 s by
+    default): put-backs and requests sent without their route go through it."""
+    config = parse_config(
+        {
+            "backends": {n: {"base_url": "http://x", "model": "m"} for n in ("b1", "b2")},
+            "routes": {"r1": {"backends": ["b1"]}, "r2": {"backends": ["b2"]}},
+            "router": {"split_binding": True, "ack_wait": "30s"},
+        }
+    )
+    [forward] = router_consumer_configs(config, group=FORWARD_CONSUMER)
+    assert forward["ack_wait"] == 5_000_000_000
+    [group, *_] = router_consumer_configs(config, group="r1")
+    assert group["ack_wait"] == 30_000_000_000
 
 
 def test_groups_are_merged_never_split() -> None:
