@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,7 +24,8 @@ import pytest
 from test_restarts import LEVELS, RouterProcess, assert_nothing_left, audit
 
 from renqueue import Client, Services
-from renqueue.broker import EmbeddedServer, EventLog, connect
+from renqueue.broker import EmbeddedServer, EventLog, connect, router_consumer_configs
+from renqueue.broker._nats import wire_size
 from renqueue.config import Config, load_config, parse_config
 from renqueue.coordination import read_lease
 from renqueue.errors import ConfigError, RequestRejectedError
@@ -31,12 +33,15 @@ from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import (
     FORWARD_CONSUMER,
     REQUESTS_STREAM,
+    Failed,
     Routed,
     binder_lease,
+    is_terminal,
     msg_id,
     request_subject,
     router_consumer,
 )
+from renqueue.services import AdvisoryReader, MaxDeliveries
 
 TENANT = "t"
 ROUTES = ("r1", "r2")
@@ -53,13 +58,19 @@ async def until(check: Callable[[], Awaitable[bool]], what: str, within: float =
 
 
 def write_config(
-    path: Path, *, nats_url: str, backend_url: str, slots: int = 4, split: bool = True
+    path: Path,
+    *,
+    nats_url: str,
+    backend_url: str,
+    slots: int = 4,
+    split: bool = True,
+    lease_ttl: str = "1s",
 ) -> Path:
     """Routes r1 -> b1 and r2 -> b2: two binding groups. Short ack waits and
     lease ttl, so a killed router's work comes back quickly."""
     text = (
         f'[nats]\nurl = "{nats_url}"\n'
-        f'[router]\nack_wait = "2s"\ncapacity_refresh = "20ms"\nlease_ttl = "1s"\n'
+        f'[router]\nack_wait = "2s"\ncapacity_refresh = "20ms"\nlease_ttl = "{lease_ttl}"\n'
         f"split_binding = {str(split).lower()}\n"
         f'[worker]\nack_wait = "2s"\nretry_delay = "100ms"\ndrain_timeout = "1s"\n'
     )
@@ -78,12 +89,16 @@ def write_config(
 
 @asynccontextmanager
 async def stack(
-    tmp_path: Path, server: EmbeddedServer, *, split: bool = True
+    tmp_path: Path, server: EmbeddedServer, *, split: bool = True, lease_ttl: str = "1s"
 ) -> AsyncIterator[tuple[Path, Config]]:
     """A mock backend and the two-group config file; yields (file, config)."""
     async with MockBackend(MockSettings(ttft=0.01, output_tokens=2, concurrency=64)) as mock:
         file = write_config(
-            tmp_path / "rq.toml", nats_url=server.url, backend_url=mock.url, split=split
+            tmp_path / "rq.toml",
+            nats_url=server.url,
+            backend_url=mock.url,
+            split=split,
+            lease_ttl=lease_ttl,
         )
         yield file, load_config(file, environ={})
 
@@ -130,6 +145,24 @@ def test_the_config_makes_two_groups_and_their_consumers(tmp_path: Path) -> None
     assert router_consumer("normal", "r1") == "router-r1-normal"
     assert binder_lease("r1") == "binder.r1"
     assert request_subject("normal", TENANT, route="r1") == "rq.req.normal.t.r1"
+
+
+def test_the_forwarding_consumer_gives_a_killed_routers_requests_back_soon() -> None:
+    """No successor re-creates the forwarding consumer (it has no lease): what
+    a killed router had fetched from it comes back after its ack wait, which
+    is short (5 s), not the router consumers' (``router.ack_wait``, 30 s by
+    default): put-backs and requests sent without their route go through it."""
+    config = parse_config(
+        {
+            "backends": {n: {"base_url": "http://x", "model": "m"} for n in ("b1", "b2")},
+            "routes": {"r1": {"backends": ["b1"]}, "r2": {"backends": ["b2"]}},
+            "router": {"split_binding": True, "ack_wait": "30s"},
+        }
+    )
+    [forward] = router_consumer_configs(config, group=FORWARD_CONSUMER)
+    assert forward["ack_wait"] == 5_000_000_000
+    [group, *_] = router_consumer_configs(config, group="r1")
+    assert group["ack_wait"] == 30_000_000_000
 
 
 def test_groups_are_merged_never_split() -> None:
@@ -246,7 +279,7 @@ async def test_a_route_subject_that_disagrees_with_the_payload_is_rejected(
             await client.handle(request.id).result(timeout=20)
         assert info.value.error_type == "malformed"
         # A route no group has, sent without its route: forwarded to the first
-        # group's first route, where admission rejects it (not its subject's).
+        # group's first route, where admission rejects it (unknown_route).
         unknown = await client.submit("hi", route="no-such-route")
         with pytest.raises(RequestRejectedError):
             await unknown.result(timeout=20)
@@ -259,8 +292,13 @@ async def test_a_route_subject_that_disagrees_with_the_payload_is_rejected(
         )
         with pytest.raises(RequestRejectedError, match="Nats-Msg-Id"):
             await client.handle(forged.id).result(timeout=20)
-        # Nothing is left waiting (the rejected have their dead-letter copies).
-        assert (await js.stream_info(REQUESTS_STREAM)).state.messages == 0
+
+        # Nothing is left waiting (the rejected have their dead-letter copies);
+        # a rejection is told before its message is acked, so wait for the acks.
+        async def drained() -> bool:
+            return (await js.stream_info(REQUESTS_STREAM)).state.messages == 0
+
+        await until(drained, "every rejected request's message is acked")
 
 
 async def test_a_killed_routers_group_is_taken_over_and_nothing_is_lost_or_run_twice(
@@ -345,3 +383,186 @@ async def test_unsplit_a_route_subject_is_read_by_the_one_binder(
         )
         with pytest.raises(RequestRejectedError, match="does not match subject route"):
             await client.handle(request.id).result(timeout=20)
+
+
+async def test_a_stopped_routers_groups_are_taken_over_before_its_heartbeat_expires(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """A router stopped gracefully takes its heartbeat away with its leases, so
+    the other's share grows at once: it binds both groups long before the
+    heartbeat would have expired (a lease ttl of 30 s here)."""
+    async with (
+        stack(tmp_path, isolated_server, lease_ttl="30s") as (_file, config),
+        Services(config, routers=2) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        js = services.js
+        first, second = services.routers
+
+        async def spread() -> bool:
+            return len(first.binding_groups) == len(second.binding_groups) == 1
+
+        await until(spread, "each router binds one group")
+        await first.close()
+        await until(
+            lambda: asyncio.sleep(0, second.binding_groups == list(ROUTES)),
+            "the other router binds both groups (its share grew at the stop)",
+            within=15.0,
+        )
+        handles = await submit_both(client, "after", 5)
+        await asyncio.gather(*(h.result(timeout=30) for h in handles))
+        await audit(js, handles)
+        assert await routed_by(js, handles) == {route: {second.holder} for route in ROUTES}
+
+
+async def test_an_unknown_route_sent_without_its_route_is_rejected_as_unknown_route(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """Split or not, a client written from the unsplit docs is told the same:
+    a route the config does not have is ``unknown_route`` (forwarded to the
+    first group's subject, it must not become ``malformed``)."""
+    async with (
+        stack(tmp_path, isolated_server) as (_file, config),
+        Services(config, routers=1) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        unknown = await client.submit("hi", route="no-such-route")
+        with pytest.raises(RequestRejectedError) as info:
+            await unknown.result(timeout=20)
+        assert info.value.error_type == "unknown_route"
+        assert services.routers[0].forwarded == 1
+
+
+async def test_a_request_on_a_route_subject_out_of_deliveries_is_failed_as_its_tenants(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """The advisory reader, the backstop that ends a request its consumer gave
+    up on, reads the tenant from route subjects too: a put-back forwarded to
+    ``rq.req.<level>.<tenant>.<route>.requeue`` ends as its tenant's request,
+    not as an ``unknown`` tenant's while its own waits for ever."""
+    async with (
+        stack(tmp_path, isolated_server) as (_file, config),
+        Services(config, routers=0) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        js = services.js
+        reader = AdvisoryReader(js)
+        cases = {
+            "put-back": (
+                request_subject("normal", TENANT, route="r1", requeue=True),
+                msg_id(TENANT, "put-back", "requeue", 1, "forwarded"),
+            ),
+            "forwarded": (
+                request_subject("normal", TENANT, route="r2"),
+                msg_id(TENANT, "forwarded", "forwarded"),
+            ),
+        }
+        for request_id, (subject, header) in cases.items():
+            request = client.build_request("hi", route=subject.split(".")[4], request_id=request_id)
+            ack = await js.publish(
+                subject, msgspec.json.encode(request), headers={"Nats-Msg-Id": header}
+            )
+            advisory = MaxDeliveries(
+                stream=REQUESTS_STREAM,
+                consumer=router_consumer("normal", "r1"),
+                stream_seq=ack.seq,
+                deliveries=200,
+            )
+            await reader.handle(advisory, at=time.time())
+            ended = [e for e in await EventLog(js).history(TENANT, request_id) if is_terminal(e)]
+            assert [type(e) for e in ended] == [Failed], request_id
+            assert isinstance(ended[0], Failed)
+            assert ended[0].error_type == "undeliverable"
+
+
+async def test_a_forwarded_copy_carries_none_of_the_publishers_expectations(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """A ``Nats-Expected-*`` header a tenant set on its publish held for the
+    original's storing; copied onto the forwarded copy it would be refused for
+    ever (nak'ed, retried every second, never bound). Forwarding keeps the
+    id (with ``:forwarded``) and the trace, not the publisher's conditions."""
+    async with (
+        stack(tmp_path, isolated_server) as (_file, config),
+        Services(config, routers=1) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        js = services.js
+        request = client.build_request("hi", route="r1", request_id="expecting")
+        last = (await js.stream_info(REQUESTS_STREAM)).state.last_seq
+        await js.publish(
+            request_subject("normal", TENANT),
+            msgspec.json.encode(request),
+            headers={
+                "Nats-Msg-Id": msg_id(TENANT, request.id),
+                "Nats-Expected-Last-Sequence": str(last),
+            },
+        )
+        assert (await client.handle(request.id).result(timeout=20)).text
+        assert services.routers[0].forwarded == 1
+
+
+async def test_a_request_whose_forwarded_copy_cannot_fit_is_rejected_and_routers_serve_on(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """A tenant's request just under the broker's ``max_payload`` on today's
+    subject: its copy (``:forwarded`` makes its id longer) cannot be sent. It
+    is rejected as too big (as the binder rejects it unsplit), not a failure of
+    the forwarding loop that, retried on every router, would take each down."""
+    async with (
+        stack(tmp_path, isolated_server) as (_file, config),
+        Services(config, routers=1) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        nc = services.nc
+        assert nc is not None
+        request_id = "near-the-limit"
+        headers = {"Nats-Msg-Id": msg_id(TENANT, request_id)}
+
+        def payload(length: int) -> bytes:
+            return (
+                b'{"id":"' + request_id.encode() + b'","tenant":"' + TENANT.encode() + b'",'
+                b'"route":"r1","messages":[{"role":"user","content":"' + b"x" * length + b'"}]}'
+            )
+
+        room = nc.max_payload - 1 - wire_size(payload(0), headers)
+        data = payload(room)
+        assert wire_size(data, headers) == nc.max_payload - 1
+        await nc.jetstream().publish(request_subject("normal", TENANT), data, headers=headers)
+        with pytest.raises(RequestRejectedError, match="largest message") as info:
+            await client.handle(request_id).result(timeout=20)
+        assert info.value.error_type == "malformed"
+        after = await client.submit("still served", route="r2")
+        assert (await after.result(timeout=20)).text
+        assert services.supervisor.reason is None
+
+
+async def test_a_group_given_up_for_failing_is_taken_by_a_healthy_router_meanwhile(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """A binder that gives its group's lease up for failing (its loops keep
+    failing, its term cannot begin) sits the race out for ``5 * lease_ttl``
+    so that a healthy router binds, as unsplit. Its heartbeat goes with it:
+    counted, it kept the other router to its share (one group) and the group
+    had no binder for the whole sit-out (10 s here)."""
+    async with (
+        stack(tmp_path, isolated_server, lease_ttl="2s") as (_file, config),
+        Services(config, routers=2) as services,
+        Client(services.nc, tenant=TENANT) as client,
+    ):
+        first, second = services.routers
+
+        async def spread() -> bool:
+            return len(first.binding_groups) == len(second.binding_groups) == 1
+
+        await until(spread, "each router binds one group")
+        [group] = second.binding_groups
+        [sick] = [b for b in second._binders if b.group is not None and b.group.name == group]
+        await sick.term.give_up("a binding loop keeps failing (the test)")
+        await until(
+            lambda: asyncio.sleep(0, first.binding_groups == list(ROUTES)),
+            "the healthy router binds the group given up, while the other sits out",
+            within=8.0,
+        )
+        handles = await submit_both(client, "meanwhile", 3)
+        await asyncio.gather(*(h.result(timeout=30) for h in handles))

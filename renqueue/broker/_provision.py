@@ -603,6 +603,10 @@ def _consumer_configs(directory: Path, config: Config) -> list[tuple[str, dict[s
     return result
 
 
+#: The forwarding consumer's ack wait at most (ns): see :func:`_group_consumers`.
+_FORWARD_ACK_WAIT_NS: Final = 5_000_000_000
+
+
 def _group_consumers(
     template: Any, common: Mapping[str, Any], path: Path, config: Config
 ) -> list[dict[str, Any]]:
@@ -627,6 +631,10 @@ def _group_consumers(
     del forward["filter_subject"]
     forward["durable_name"] = FORWARD_CONSUMER
     forward["description"] = "Routers re-publish requests sent without their route under it"
+    # No lease, no successor re-creating it: what a killed router had fetched
+    # comes back only after ack_wait. Forwarding a batch takes milliseconds
+    # (a copy sent again after a slow ack is dropped by its id), so a short one.
+    forward["ack_wait"] = min(forward["ack_wait"], _FORWARD_ACK_WAIT_NS)
     forward["filter_subjects"] = [
         subject for level in config.priorities for subject in forwarded_subjects(level)
     ]

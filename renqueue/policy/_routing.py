@@ -199,8 +199,15 @@ def validate(
         requeue=requeue,
         forwarded=route is not None,
     )
-    if route is not None and request.route != route:
+    if (
+        route is not None
+        and request.route != route
+        and not (_is_forwarded(message_id) and request.route not in config.routes)
+    ):
         # Binding split in groups: the subject decided which binder reads it.
+        # A router's forwarded copy disagrees with its subject only when its
+        # route is none the config has: that is told below (unknown_route),
+        # as it would be unsplit.
         raise MalformedRequestError(
             f"route {request.route[:200]!r} does not match subject route {route!r}",
             request_id=request.id,
@@ -316,6 +323,11 @@ def _check_services_fields(request: InferenceRequest, tenant: str, *, requeue: b
             "split is set by the services only, on rq.req.<priority>.<tenant>.requeue",
             request_id=request.id,
         )
+
+
+def _is_forwarded(message_id: str | None) -> bool:
+    """Whether ``message_id`` is a router's forwarded copy's (``...:forwarded``)."""
+    return message_id is not None and message_id.endswith(":forwarded")
 
 
 def _check_subject(

@@ -243,7 +243,8 @@ def _about(advisory: MaxDeliveries, stored: StoredMessage) -> _Subject:
             request=request,
         )
     parts = stored.subject.split(".")
-    tenant = parts[3] if len(parts) in (4, 5) and _is_id(parts[3]) else "unknown"
+    # rq.req.<level>.<tenant>[.<route>][.requeue] (a route: binding split in groups)
+    tenant = parts[3] if len(parts) in (4, 5, 6) and _is_id(parts[3]) else "unknown"
     # The id the publish vouched for (``Nats-Msg-Id: <tenant>:<id>``), as the router reads it.
     header = str((stored.headers or {}).get("Nats-Msg-Id", ""))
     scope, _, rest = header.partition(":")

@@ -10,9 +10,13 @@ then acked. Forwarding decides nothing that is shared: the request is then
 admitted (validated, rejected or held) by its group's binder, the one place,
 exactly as if the client had named the route. A payload that does not decode,
 or names no configured route, is forwarded to the first group's first route,
-where admission rejects it (malformed, or its route not the subject's).
+where admission rejects it (malformed, or unknown_route as unsplit: a
+forwarded copy whose route the config does not have is told so).
 
-Each copy carries its original's ``Nats-Msg-Id`` followed by ``:forwarded``:
+Each copy carries its original's headers but the server's (``Nats-*``: an
+expectation such as ``Nats-Expected-Last-Sequence`` held for the original's
+storing, and would refuse the copy for ever), and its original's
+``Nats-Msg-Id`` followed by ``:forwarded``:
 the stream's duplicate window would drop a copy under the same id, and a
 forward tried again after a lost ack is stored once. Admission accepts that id
 on a subject naming a route only (a tenant gains nothing by using it itself:
@@ -30,9 +34,9 @@ from typing import Final
 
 import msgspec
 
-from ...broker import Connection, JetStream, Message, PullSubscription
+from ...broker import Connection, JetStream, Message, PubAck, PullSubscription
 from ...config import Config
-from ...errors import NatsError
+from ...errors import MalformedRequestError, NatsError, NatsPayloadTooLargeError
 from ...logs import get_logger
 from ...schema import (
     FETCH_TIMEOUT,
@@ -40,8 +44,11 @@ from ...schema import (
     REQUESTS_STREAM,
     SHUTDOWN_NAK_DELAY,
     is_requeue_subject,
+    request_limit,
     request_subject,
 )
+from ._admission import rejection_id
+from ._endings import Endings
 
 __all__ = ["FORWARDED_SUFFIX", "Forwarder"]
 
@@ -68,9 +75,11 @@ _ROUTE_DECODER: Final = msgspec.json.Decoder(_Route)
 class Forwarder:
     """Re-publishes requests sent without their route under it (see the module docstring)."""
 
-    def __init__(self, nc: Connection, js: JetStream, config: Config) -> None:
+    def __init__(self, nc: Connection, js: JetStream, config: Config, endings: Endings) -> None:
         self._nc = nc
         self._js = js
+        #: Ends a request whose copy cannot be sent (too big for the broker).
+        self._endings = endings
         self._routes = frozenset(config.routes)
         groups = config.binding_groups()
         #: Where a request naming no configured route goes, to be rejected.
@@ -105,16 +114,26 @@ class Forwarder:
                 raise
 
     async def _forward(self, msgs: list[Message]) -> None:
-        copies = []
+        copies: list[asyncio.Future[PubAck]] = []
         for msg in msgs:
-            headers = dict(msg.headers or {})
-            claimed = headers.get("Nats-Msg-Id")
+            headers = _carried(msg.headers)
+            claimed = (msg.headers or {}).get("Nats-Msg-Id")
             if claimed:
                 headers["Nats-Msg-Id"] = f"{claimed}:{FORWARDED_SUFFIX}"
-            copies.append(await self._js.publish_async(self.subject_of(msg), msg.data, headers))
+            try:
+                copies.append(await self._js.publish_async(self.subject_of(msg), msg.data, headers))
+            except NatsPayloadTooLargeError as exc:
+                # Its id made longer, the copy is over the broker's max_payload:
+                # one request's, told below (a loop failing on it would fail on
+                # every router, each in turn, for ever).
+                refused: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
+                refused.set_exception(exc)
+                copies.append(refused)
         results = await asyncio.gather(*copies, return_exceptions=True)
         for msg, result in zip(msgs, results, strict=True):
-            if isinstance(result, NatsError):
+            if isinstance(result, NatsPayloadTooLargeError):
+                await self._too_big(msg)
+            elif isinstance(result, NatsError):
                 # The broker refused it (a tenant's backlog full on that
                 # subject) or did not answer: the original waits, and is tried again.
                 log.warning(
@@ -128,6 +147,27 @@ class Forwarder:
             else:
                 await msg.ack()
                 self.forwarded += 1
+
+    async def _too_big(self, msg: Message) -> None:
+        """Reject a request whose copy cannot be sent, as its binder would
+        (admission refuses a request this close to ``max_payload``: the
+        services' messages carrying it would not fit)."""
+        request_id, tenant = rejection_id(msg)
+        error = MalformedRequestError(
+            f"the request is {len(msg.data)} bytes, over the "
+            f"{request_limit(self._nc.max_payload)} the broker's largest message leaves "
+            "for it (send images by https URL, or smaller)",
+            request_id=request_id,
+        )
+        await self._endings.reject(msg, request_id, tenant, error, unseen=True)
+
+
+def _carried(headers: dict[str, str] | None) -> dict[str, str]:
+    """The headers a forwarded copy carries: the publisher's own (the trace),
+    not the server's ``Nats-*`` ones. Those were conditions of the original's
+    storing (``Nats-Expected-Last-Sequence``, ...): on the copy they could
+    refuse it for ever. Its ``Nats-Msg-Id`` is set by the caller."""
+    return {k: v for k, v in (headers or {}).items() if not k.lower().startswith("nats-")}
 
 
 async def open_forwarding(js: JetStream) -> PullSubscription:

@@ -219,6 +219,7 @@ class Router(Lifecycle):
                 groups=len(groups),
                 ttl=parse_duration(config.router.lease_ttl),
                 held=lambda: [binder.held_term() for binder in self._binders],
+                failing=lambda: any(binder.term.sitting_out() for binder in self._binders),
             )
         share = self._share
         seek_lock = asyncio.Lock()
@@ -247,7 +248,9 @@ class Router(Lifecycle):
             for backend in binder.group.backends
         }
         #: Requests sent without their route, sent on to it (binding split in groups).
-        self._forwarder = Forwarder(nc, js, config) if share is not None else None
+        self._forwarder = (
+            None if share is None else Forwarder(nc, js, config, self._binders[0].parts.endings)
+        )
         first = self._binders[0]
         #: The (first) binder's parts: the lease, the books (binding not split: the only ones).
         self._parts = first.parts
@@ -354,7 +357,9 @@ class Router(Lifecycle):
 
     async def _give_up(self, index: int) -> None:
         """Hand group ``index``'s lease back: this router holds more than its share."""
-        await self._binders[index].term.give_up("this router holds more groups than its share")
+        await self._binders[index].term.give_up(
+            "this router holds more groups than its share", failing=False
+        )
 
     async def _forward_loop(self) -> None:
         assert self._forwarder is not None
@@ -386,6 +391,13 @@ class Router(Lifecycle):
         jobs = [job for b in self._binders for job in self._supervisor.jobs(b.intake.job_prefix)]
         await self._supervisor.cancel(*self._loops, *jobs)
         self._loops.clear()
+        if self._share is not None:
+            # First: the others count this router out while it still holds its
+            # leases, so each is sought as soon as it is released below.
+            try:
+                await self._share.leave()
+            except Exception as exc:  # noqa: BLE001 - then it expires within the ttl
+                log.warning("could not take the router's heartbeat away", error=str(exc))
         for binder in self._binders:
             await binder.term.close()
         # Unsubscribe, or a pull that expires after the fetch task is gone

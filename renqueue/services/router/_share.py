@@ -7,7 +7,11 @@ fewer than ``ceil(groups / routers)``, and gives one up (the newest term) while
 it holds more. Routers are counted by a heartbeat key each in the leases'
 bucket (``routers.<id>``, written every ``ttl / 5`` and expired by the server
 ``ttl`` after the last write, as a lease is): a router that died stops
-counting within ``ttl``, and the others' share grows to take its groups.
+counting within ``ttl``, and the others' share grows to take its groups; a
+router stopped gracefully takes its heartbeat away first (:meth:`Share.leave`),
+so the others' share grows at their next count (within ``ttl / 5``); so does
+a router one of whose terms gave its lease up for failing, while it sits the
+race out (a healthy router takes the group meanwhile, as unsplit).
 
 A router that cannot count (the bucket does not answer) counts itself alone,
 so it may seek every group: a group left without a binder is worse than two
@@ -49,11 +53,13 @@ class Share:
         groups: int,
         ttl: float,
         held: Callable[[], Sequence[int | None]],
+        failing: Callable[[], bool] = lambda: False,
     ) -> None:
         self._js = js
         self._groups = groups
         self._ttl = ttl
         self._held = held
+        self._failing = failing
         self.key = f"{HEARTBEAT_PREFIX}.{uuid.uuid4().hex}"
         #: The routers counted by their heartbeats (this one included).
         self.routers = 1
@@ -78,9 +84,15 @@ class Share:
         return max(held)[1]
 
     async def beat(self) -> None:
-        """Write this router's heartbeat, then count the routers."""
-        kv = await self._js.key_value(LEASE_BUCKET)
-        await kv.put(self.key, b"")
+        """Write this router's heartbeat, then count the routers. A router one
+        of whose terms gave its lease up for failing (and sits the race out)
+        takes its heartbeat away instead: counted, it would keep the others
+        to their share, and its group without a binder until it is back."""
+        if self._failing():
+            await self.leave()
+        else:
+            kv = await self._js.key_value(LEASE_BUCKET)
+            await kv.put(self.key, b"")
         api = JetStreamApi(self._js)
         reply = await api.call(
             f"STREAM.INFO.KV_{LEASE_BUCKET}",
@@ -93,6 +105,18 @@ class Share:
             return
         subjects = (reply.get("state") or {}).get("subjects") or {}
         self.routers = max(1, len(subjects))
+
+    async def leave(self) -> None:
+        """Take this router's heartbeat away (a graceful stop): the others'
+        share grows at their next count, not ``ttl`` later when it would have
+        expired. Purged, not deleted: a delete marker is a message, and would
+        still be counted."""
+        reply = await JetStreamApi(self._js).call(
+            f"STREAM.PURGE.KV_{LEASE_BUCKET}", {"filter": f"$KV.{LEASE_BUCKET}.{self.key}"}
+        )
+        error = reply_error(reply)
+        if error is not None:
+            log.warning("could not take the router's heartbeat away", error=error[1])
 
     async def loop(self, give_up: Callable[[int], object]) -> None:
         """Beat every ``ttl / 5``; give the newest term up while holding too many."""

@@ -101,6 +101,8 @@ class Term:
         #: Until when (loop time) this router stays out of the race for the
         #: lease after giving it up.
         self._sit_out_until = -math.inf  # loop time; never sat out
+        #: Until when it sits out for failing (not for its share of the groups).
+        self._failed_until = -math.inf
         #: Terms that failed to begin in a row (reset when one begins).
         self._failed_beginnings = 0
         #: Terms begin and end one at a time (the lease and renewal loops both end them).
@@ -195,9 +197,21 @@ class Term:
         async with self._seek_lock:
             return self._may_seek() and await self._lease.try_acquire()
 
-    async def give_up(self, why: str) -> None:
-        """End the term, give the lease up and stay out of the race for ``5 * ttl``."""
-        self._sit_out_until = asyncio.get_running_loop().time() + 5 * self._lease.ttl
+    def sitting_out(self) -> bool:
+        """Whether this term gave its lease up for failing and sits the race out
+        (binding split in groups: the router then does not count in the share,
+        so another router may take the group meanwhile)."""
+        return asyncio.get_running_loop().time() < self._failed_until
+
+    async def give_up(self, why: str, *, failing: bool = True) -> None:
+        """End the term, give the lease up and, ``failing``, stay out of the race
+        for ``5 * ttl`` (:meth:`sitting_out`). Not failing (given up for the
+        router's share of the groups) it does not sit out: the share alone
+        keeps it from seeking the lease again, and lets it as soon as its
+        share grows (a sit-out left that group without a binder meanwhile)."""
+        if failing:
+            self._sit_out_until = asyncio.get_running_loop().time() + 5 * self._lease.ttl
+            self._failed_until = self._sit_out_until
         self._failed_beginnings = 0
         async with self._lock:
             await self._end(why)
