@@ -12,6 +12,7 @@ lost or run twice.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,10 +25,16 @@ import pytest
 from test_restarts import LEVELS, RouterProcess, assert_nothing_left, audit
 
 from renqueue import Client, Services
-from renqueue.broker import EmbeddedServer, EventLog, connect, router_consumer_configs
+from renqueue.broker import (
+    EmbeddedServer,
+    EventLog,
+    connect,
+    provision,
+    router_consumer_configs,
+)
 from renqueue.broker._nats import wire_size
 from renqueue.config import Config, load_config, parse_config
-from renqueue.coordination import read_lease
+from renqueue.coordination import Coalescer, read_lease
 from renqueue.errors import ConfigError, RequestRejectedError
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import (
@@ -42,6 +49,8 @@ from renqueue.schema import (
     router_consumer,
 )
 from renqueue.services import AdvisoryReader, MaxDeliveries
+from renqueue.services.router._endings import Endings
+from renqueue.services.router._forward import ACKS_WAIT, Forwarder, open_forwarding
 
 TENANT = "t"
 ROUTES = ("r1", "r2")
@@ -566,3 +575,52 @@ async def test_a_group_given_up_for_failing_is_taken_by_a_healthy_router_meanwhi
         )
         handles = await submit_both(client, "meanwhile", 3)
         await asyncio.gather(*(h.result(timeout=30) for h in handles))
+
+
+def _stopped(pid: int) -> bool:
+    """The process is stopped (a signal is taken when the process next runs:
+    until then, a thread on the other core may still answer)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+async def test_a_copy_whose_ack_never_comes_hands_its_request_back_and_forwarding_goes_on(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """The broker stops answering (SIGSTOP: a hung server) between the copy's
+    publish and its ack. The forwarder waits for the ack at most
+    ``ACKS_WAIT`` and hands the original back, instead of waiting for ever:
+    before, one lost ack stopped that router's forwarding for good, silently.
+    Once the broker answers again the request is forwarded, once."""
+    pid = isolated_server.pid
+    assert pid is not None
+    async with stack(tmp_path, isolated_server) as (_file, config):
+        nc = await connect(isolated_server.url, name="test-forwarder")
+        try:
+            js = nc.jetstream()
+            await provision(nc, config)
+            endings = Endings(EventLog(js), Coalescer(js), clock=time.time)
+            forwarder = Forwarder(nc, js, config, endings)
+            psub = await open_forwarding(js)
+            request = {"id": "hung", "tenant": TENANT, "route": "r1"}
+            body = {**request, "messages": [{"role": "user", "content": "hi"}]}
+            headers = {"Nats-Msg-Id": msg_id(TENANT, "hung")}
+            await js.publish(
+                request_subject("normal", TENANT), msgspec.json.encode(body), headers=headers
+            )
+            [msg] = await psub.fetch(batch=1, timeout=10)
+            os.kill(pid, signal.SIGSTOP)
+            await until(lambda: asyncio.to_thread(_stopped, pid), "the server is stopped")
+            try:
+                async with asyncio.timeout(ACKS_WAIT + 20):
+                    await forwarder._forward([msg])
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert forwarder.forwarded == 0
+            # Handed back: delivered again, and forwarded this time.
+            [again] = await psub.fetch(batch=1, timeout=30)
+            assert again.data == msg.data
+            await forwarder._forward([again])
+            assert forwarder.forwarded == 1
+        finally:
+            await nc.close()

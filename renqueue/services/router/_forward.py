@@ -36,7 +36,12 @@ import msgspec
 
 from ...broker import Connection, JetStream, Message, PubAck, PullSubscription
 from ...config import Config
-from ...errors import MalformedRequestError, NatsError, NatsPayloadTooLargeError
+from ...errors import (
+    MalformedRequestError,
+    NatsError,
+    NatsPayloadTooLargeError,
+    NatsTimeoutError,
+)
 from ...logs import get_logger
 from ...schema import (
     FETCH_TIMEOUT,
@@ -61,6 +66,12 @@ FORWARDED_SUFFIX: Final = "forwarded"
 _BATCH: Final = 64
 #: How long a request whose copy could not be stored waits before it is tried again.
 _RETRY_DELAY: Final = 1.0
+#: How long the copies' acks are waited for: an ack that never comes (lost
+#: across a broker restart; nats-py tells a refused ``publish_async`` only to
+#: its error callback) must not stop forwarding. Under the forwarding
+#: consumer's own ack wait (5 s), so the original is handed back by this
+#: router before the broker gives it to another.
+ACKS_WAIT: Final = 4.0
 
 
 class _Route(msgspec.Struct):
@@ -129,7 +140,7 @@ class Forwarder:
                 refused: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
                 refused.set_exception(exc)
                 copies.append(refused)
-        results = await asyncio.gather(*copies, return_exceptions=True)
+        results = await _answered(copies, ACKS_WAIT)
         for msg, result in zip(msgs, results, strict=True):
             if isinstance(result, NatsPayloadTooLargeError):
                 await self._too_big(msg)
@@ -160,6 +171,28 @@ class Forwarder:
             request_id=request_id,
         )
         await self._endings.reject(msg, request_id, tenant, error, unseen=True)
+
+
+async def _answered(
+    copies: list[asyncio.Future[PubAck]], within: float
+) -> list[PubAck | BaseException]:
+    """Each copy's ack, or its error; a copy not answered ``within`` seconds is
+    a :class:`NatsTimeoutError` (its original is handed back and forwarded
+    again: a copy that was stored after all is dropped by its message id)."""
+    if copies:
+        await asyncio.wait(copies, timeout=within)
+    results: list[PubAck | BaseException] = []
+    for copy in copies:
+        if not copy.done():
+            copy.cancel()
+            results.append(NatsTimeoutError(f"no ack for the forwarded copy within {within:g} s"))
+        elif copy.cancelled():
+            results.append(NatsTimeoutError("the forwarded copy's publish was cancelled"))
+        elif (exc := copy.exception()) is not None:
+            results.append(exc)
+        else:
+            results.append(copy.result())
+    return results
 
 
 def _carried(headers: dict[str, str] | None) -> dict[str, str]:
