@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import shutil
 import time
@@ -908,6 +909,48 @@ async def test_an_sdk_retry_reaching_another_gateway_process_joins_the_request(
         ) as retry_http:
             retried = await retry_http.post("/chat/completions", json=body)
         answered = await first
+    assert answered.status_code == retried.status_code == 200, retried.text
+    assert answered.json()["id"] == retried.json()["id"]
+    assert await submitted_count(stack, "acme", answered.json()["id"]) == 1
+    assert mock.stats().requests == 1
+
+
+async def test_a_fingerprint_the_bucket_refuses_is_written_again_and_a_retry_elsewhere_joins(
+    stack: Stack, mock: MockBackend, tmp_path: Path
+) -> None:
+    """The fingerprint goes out with the request's publish; when the bucket
+    refuses it (here: rq-state's largest message made smaller than the
+    entry), a supervised job writes it again once the bucket takes it, and an
+    SDK retry reaching another gateway process still joins the first try's
+    request (the test's own stack: the bucket refuses every writer meanwhile)."""
+    js = stack.services.js
+    assert js is not None
+    bucket = f"KV_{STATE_BUCKET}"
+    kept = (await js.context.stream_info(bucket)).config
+    await js.context.update_stream(dataclasses.replace(kept, max_msg_size=16))
+    config = make_config(tmp_path, mock)
+    body = {"model": "chat", "messages": [{"role": "user", "content": "refused at first"}]}
+    async with Gateway(config, url=stack.services.url) as other, stack.http() as first_http:
+        first = asyncio.create_task(first_http.post("/chat/completions", json=body))
+
+        async def handed_to_a_job() -> bool:
+            return bool(stack.gateway.supervisor.jobs("share-"))
+
+        await until(handed_to_a_job, "the refused fingerprint was handed to a job")
+        await js.context.update_stream(kept)
+
+        async def shared() -> bool:
+            kv = await js.key_value(STATE_BUCKET)
+            return any(key.startswith("gw.acme.") for key in await kv.keys())
+
+        await until(shared, "the job wrote the fingerprint")
+        answered = await first
+        async with httpx.AsyncClient(
+            base_url=other.url,
+            headers={"Authorization": f"Bearer {ACME}", "x-stainless-retry-count": "1"},
+            timeout=30,
+        ) as retry_http:
+            retried = await retry_http.post("/chat/completions", json=body)
     assert answered.status_code == retried.status_code == 200, retried.text
     assert answered.json()["id"] == retried.json()["id"]
     assert await submitted_count(stack, "acme", answered.json()["id"]) == 1
