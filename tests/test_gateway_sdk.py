@@ -957,6 +957,36 @@ async def test_a_fingerprint_the_bucket_refuses_is_written_again_and_a_retry_els
     assert mock.stats().requests == 1
 
 
+async def test_a_fingerprint_written_again_late_names_the_newest_request_of_its_body(
+    stack: Stack, mock: MockBackend
+) -> None:
+    """Two first tries of one body while the bucket refuses writes: the job
+    that writes the fingerprint once the bucket takes it shares the newer
+    request, not the older one it was started for (an SDK retry of the newer
+    one must join it, not the older one)."""
+    js = stack.services.js
+    assert js is not None
+    bucket = f"KV_{STATE_BUCKET}"
+    kept = (await js.context.stream_info(bucket)).config
+    await js.context.update_stream(dataclasses.replace(kept, max_msg_size=16))
+    body = {"model": "chat", "messages": [{"role": "user", "content": "said twice"}]}
+    async with stack.http() as http:
+        older = await http.post("/chat/completions", json=body)
+        assert stack.gateway.supervisor.jobs("share-")
+        newer = await http.post("/chat/completions", json=body)
+    assert older.status_code == newer.status_code == 200, newer.text
+    assert older.json()["id"] != newer.json()["id"]
+    await js.context.update_stream(kept)
+    kv = await js.key_value(STATE_BUCKET)
+
+    async def written() -> bool:
+        return not stack.gateway.supervisor.jobs("share-")
+
+    await until(written, "the job wrote the fingerprint")
+    (key,) = [key for key in await kv.keys() if key.startswith("gw.acme.")]
+    assert (await kv.get(key)).value.decode() == newer.json()["id"]
+
+
 # ---------------------------------------------------------- disconnect and resume
 
 
