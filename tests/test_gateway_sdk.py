@@ -11,6 +11,7 @@ import asyncio
 import base64
 import dataclasses
 import json
+import logging
 import shutil
 import time
 from collections.abc import AsyncIterator
@@ -28,7 +29,7 @@ from renqueue import Client, RequestCancelledError, Services, parse_config
 from renqueue.broker import EventLog, JetStream
 from renqueue.config import Config
 from renqueue.errors import NatsTimeoutError
-from renqueue.gateway import Gateway, digest
+from renqueue.gateway import Gateway, _submissions, digest
 from renqueue.gateway._idempotency import id_for_key
 from renqueue.mock import FaultSpec, MockBackend, MockSettings
 from renqueue.schema import (
@@ -985,6 +986,43 @@ async def test_a_fingerprint_written_again_late_names_the_newest_request_of_its_
     await until(written, "the job wrote the fingerprint")
     (key,) = [key for key in await kv.keys() if key.startswith("gw.acme.")]
     assert (await kv.get(key)).value.decode() == newer.json()["id"]
+
+
+async def test_a_fingerprint_whose_ack_does_not_come_in_time_is_written_again(
+    stack: Stack,
+    mock: MockBackend,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The other fallback: the fingerprint's ack not read in time (the wait
+    made nothing here, so it never is) hands the write to the job, and an SDK
+    retry reaching another gateway process joins the first try's request."""
+    monkeypatch.setattr(_submissions, "_SHARE_ACK_WAIT", 0.0)
+    caplog.set_level(logging.INFO, logger="renqueue.gateway")
+    js = stack.services.js
+    assert js is not None
+    config = make_config(tmp_path, mock)
+    body = {"model": "chat", "messages": [{"role": "user", "content": "no ack in time"}]}
+    async with Gateway(config, url=stack.services.url) as other, stack.http() as first_http:
+        answered = await first_http.post("/chat/completions", json=body)
+
+        async def written_again() -> bool:
+            kv = await js.key_value(STATE_BUCKET)
+            keys = [key for key in await kv.keys() if key.startswith("gw.acme.")]
+            handed = any("no ack in time" in str(r.msg) for r in caplog.records)
+            return handed and bool(keys) and not stack.gateway.supervisor.jobs("share-")
+
+        await until(written_again, "the job wrote the fingerprint")
+        async with httpx.AsyncClient(
+            base_url=other.url,
+            headers={"Authorization": f"Bearer {ACME}", "x-stainless-retry-count": "1"},
+            timeout=30,
+        ) as retry_http:
+            retried = await retry_http.post("/chat/completions", json=body)
+    assert answered.status_code == retried.status_code == 200, retried.text
+    assert answered.json()["id"] == retried.json()["id"]
+    assert mock.stats().requests == 1
 
 
 # ---------------------------------------------------------- disconnect and resume
