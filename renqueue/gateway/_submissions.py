@@ -358,7 +358,7 @@ class Submissions:
 
         Published at once, in the same write to the broker as the request's own
         publish that follows, and its ack is read by a callback rather than
-        awaited: no task, no timer. A publish that raises, or an ack that
+        awaited: no task (one timer bounds the wait for it). A publish that raises, or an ack that
         is an error or never comes, hands the write to a supervised
         background job, which retries it until it is stored (the newest
         request of the body then, if this process still remembers one)."""
