@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from renqueue import Client, Services, TokensExpiredError, UnknownPriorityError,
 from renqueue.broker import Connection, EmbeddedServer, EventLog, provision
 from renqueue.broker._eventlog import _anything_to_deliver
 from renqueue.client._tokens import TokenFollower
-from renqueue.errors import NatsTimeoutError
+from renqueue.errors import NatsError, NatsTimeoutError
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import (
     EVENTS_STREAM,
@@ -455,3 +456,26 @@ def test_a_replay_does_not_stop_on_a_create_response_that_counts_deliveries_out(
     assert _anything_to_deliver(created(pending=0, delivered=3))  # on their way already
     assert _anything_to_deliver(created(pending=2, delivered=0))
     assert not _anything_to_deliver(created(pending=0, delivered=0))  # aged out since the get
+
+
+async def test_a_tap_whose_consumers_are_not_all_made_leaves_none_behind(
+    streams: tuple[Connection, Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One of the tap's five consumers is refused (here: a consumer of another
+    config already has its name): the call that needed the tap fails, and the
+    four made with it are deleted rather than left to expire, unread; the
+    other consumer, not the tap's, is left alone."""
+    _, nc = streams
+    js = nc.jetstream()
+    fixed = uuid.UUID(int=0xABCDEF)
+    monkeypatch.setattr(uuid, "uuid4", lambda: fixed)
+    prefix = f"rq-tap-t-{fixed.hex[:16]}"
+    await js.add_consumer(
+        EVENTS_STREAM, name=f"{prefix}-failed", filter_subject="rq.evt.t.*.failed"
+    )  # a pull consumer: not the tap's config
+    client = Client(nc, tenant="t")
+    with pytest.raises(NatsError):
+        await client._tap.ensure()
+    names = {info.name for info in await js.context.consumers_info(EVENTS_STREAM)}
+    assert names == {f"{prefix}-failed"}, names
+    await client.close()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
+import logging
 import shutil
 import time
 from collections.abc import AsyncIterator
@@ -27,7 +29,7 @@ from renqueue import Client, RequestCancelledError, Services, parse_config
 from renqueue.broker import EventLog, JetStream
 from renqueue.config import Config
 from renqueue.errors import NatsTimeoutError
-from renqueue.gateway import Gateway, digest
+from renqueue.gateway import Gateway, _submissions, digest
 from renqueue.gateway._idempotency import id_for_key
 from renqueue.mock import FaultSpec, MockBackend, MockSettings
 from renqueue.schema import (
@@ -911,6 +913,115 @@ async def test_an_sdk_retry_reaching_another_gateway_process_joins_the_request(
     assert answered.status_code == retried.status_code == 200, retried.text
     assert answered.json()["id"] == retried.json()["id"]
     assert await submitted_count(stack, "acme", answered.json()["id"]) == 1
+    assert mock.stats().requests == 1
+
+
+async def test_a_fingerprint_the_bucket_refuses_is_written_again_and_a_retry_elsewhere_joins(
+    stack: Stack, mock: MockBackend, tmp_path: Path
+) -> None:
+    """The fingerprint goes out with the request's publish; when the bucket
+    refuses it (here: rq-state's largest message made smaller than the
+    entry), a supervised job writes it again once the bucket takes it, and an
+    SDK retry reaching another gateway process still joins the first try's
+    request (the test's own stack: the bucket refuses every writer meanwhile)."""
+    js = stack.services.js
+    assert js is not None
+    bucket = f"KV_{STATE_BUCKET}"
+    kept = (await js.context.stream_info(bucket)).config
+    await js.context.update_stream(dataclasses.replace(kept, max_msg_size=16))
+    config = make_config(tmp_path, mock)
+    body = {"model": "chat", "messages": [{"role": "user", "content": "refused at first"}]}
+    async with Gateway(config, url=stack.services.url) as other, stack.http() as first_http:
+        first = asyncio.create_task(first_http.post("/chat/completions", json=body))
+
+        async def handed_to_a_job() -> bool:
+            return bool(stack.gateway.supervisor.jobs("share-"))
+
+        await until(handed_to_a_job, "the refused fingerprint was handed to a job")
+        await js.context.update_stream(kept)
+
+        async def shared() -> bool:
+            kv = await js.key_value(STATE_BUCKET)
+            return any(key.startswith("gw.acme.") for key in await kv.keys())
+
+        await until(shared, "the job wrote the fingerprint")
+        answered = await first
+        async with httpx.AsyncClient(
+            base_url=other.url,
+            headers={"Authorization": f"Bearer {ACME}", "x-stainless-retry-count": "1"},
+            timeout=30,
+        ) as retry_http:
+            retried = await retry_http.post("/chat/completions", json=body)
+    assert answered.status_code == retried.status_code == 200, retried.text
+    assert answered.json()["id"] == retried.json()["id"]
+    assert await submitted_count(stack, "acme", answered.json()["id"]) == 1
+    assert mock.stats().requests == 1
+
+
+async def test_a_fingerprint_written_again_late_names_the_newest_request_of_its_body(
+    stack: Stack, mock: MockBackend
+) -> None:
+    """Two first tries of one body while the bucket refuses writes: the job
+    that writes the fingerprint once the bucket takes it shares the newer
+    request, not the older one it was started for (an SDK retry of the newer
+    one must join it, not the older one)."""
+    js = stack.services.js
+    assert js is not None
+    bucket = f"KV_{STATE_BUCKET}"
+    kept = (await js.context.stream_info(bucket)).config
+    await js.context.update_stream(dataclasses.replace(kept, max_msg_size=16))
+    body = {"model": "chat", "messages": [{"role": "user", "content": "said twice"}]}
+    async with stack.http() as http:
+        older = await http.post("/chat/completions", json=body)
+        assert stack.gateway.supervisor.jobs("share-")
+        newer = await http.post("/chat/completions", json=body)
+    assert older.status_code == newer.status_code == 200, newer.text
+    assert older.json()["id"] != newer.json()["id"]
+    await js.context.update_stream(kept)
+    kv = await js.key_value(STATE_BUCKET)
+
+    async def written() -> bool:
+        return not stack.gateway.supervisor.jobs("share-")
+
+    await until(written, "the job wrote the fingerprint")
+    (key,) = [key for key in await kv.keys() if key.startswith("gw.acme.")]
+    assert (await kv.get(key)).value.decode() == newer.json()["id"]
+
+
+async def test_a_fingerprint_whose_ack_does_not_come_in_time_is_written_again(
+    stack: Stack,
+    mock: MockBackend,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The other fallback: the fingerprint's ack not read in time (the wait
+    made nothing here, so it never is) hands the write to the job, and an SDK
+    retry reaching another gateway process joins the first try's request."""
+    monkeypatch.setattr(_submissions, "_SHARE_ACK_WAIT", 0.0)
+    caplog.set_level(logging.INFO, logger="renqueue.gateway")
+    js = stack.services.js
+    assert js is not None
+    config = make_config(tmp_path, mock)
+    body = {"model": "chat", "messages": [{"role": "user", "content": "no ack in time"}]}
+    async with Gateway(config, url=stack.services.url) as other, stack.http() as first_http:
+        answered = await first_http.post("/chat/completions", json=body)
+
+        async def written_again() -> bool:
+            kv = await js.key_value(STATE_BUCKET)
+            keys = [key for key in await kv.keys() if key.startswith("gw.acme.")]
+            handed = any("no ack in time" in str(r.msg) for r in caplog.records)
+            return handed and bool(keys) and not stack.gateway.supervisor.jobs("share-")
+
+        await until(written_again, "the job wrote the fingerprint")
+        async with httpx.AsyncClient(
+            base_url=other.url,
+            headers={"Authorization": f"Bearer {ACME}", "x-stainless-retry-count": "1"},
+            timeout=30,
+        ) as retry_http:
+            retried = await retry_http.post("/chat/completions", json=body)
+    assert answered.status_code == retried.status_code == 200, retried.text
+    assert answered.json()["id"] == retried.json()["id"]
     assert mock.stats().requests == 1
 
 

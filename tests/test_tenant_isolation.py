@@ -347,6 +347,27 @@ async def test_tap_deleted_by_the_server_is_recreated_and_nothing_is_missed(
     assert sum(isinstance(e, Completed) for e in events) == 1
 
 
+async def test_one_of_the_taps_consumers_deleted_is_noticed_though_the_others_beat(
+    stack: Stack,
+) -> None:
+    """Only the ``completed`` consumer is gone; the four others go on sending
+    heartbeats. Its own silence is noticed: it is made again, and the result
+    that ended meanwhile comes from the log."""
+    acme = await tenant_client(stack, "acme")
+    acme.tap_heartbeat = 0.3
+    try:
+        await (await acme.submit("warm up", route="chat")).result(timeout=10)
+        stack.mock.update(ttft=0.3)
+        handle = await acme.submit("while one consumer is gone", route="chat")
+        (completed,) = [name for name in acme._tap.names if name.endswith("-completed")]
+        await stack.services.js.delete_consumer(EVENTS_STREAM, completed)
+        assert (await handle.result(timeout=10)).text
+        info = await stack.services.js.consumer_info(EVENTS_STREAM, completed)
+        assert info.config.filter_subject == "rq.evt.acme.*.completed"
+    finally:
+        await acme.close()
+
+
 async def test_a_lost_tap_delivery_shows_as_a_gap_and_the_log_resolves_it(stack: Stack) -> None:
     acme = await tenant_client(stack, "acme")
     acme.tap_heartbeat = 0.3

@@ -201,7 +201,7 @@ class EventTap:
             try:
                 for feed in feeds:
                     feed.sub = await nc.subscribe(feed.inbox, cb=self._deliver)
-                await asyncio.gather(*(self._create(feed) for feed in feeds))
+                await self._create_all(feeds)
             except BaseException:
                 for feed in feeds:
                     if feed.sub is not None:
@@ -212,6 +212,21 @@ class EventTap:
             self._by_inbox = {feed.inbox: feed for feed in feeds}
             self._following = True
             self._watch = asyncio.create_task(self._watch_loop(), name=f"renqueue-tap-{self.name}")
+
+    async def _create_all(self, feeds: list[_Feed]) -> None:
+        """Create the tap's consumers; if any is refused, delete those made (not
+        left to expire unread, five more at each later try) and raise."""
+        made = await asyncio.gather(*(self._create(feed) for feed in feeds), return_exceptions=True)
+        refused = [error for error in made if isinstance(error, BaseException)]
+        if refused:
+            await asyncio.gather(
+                *(
+                    delete_consumer(self._client.js, EVENTS_STREAM, feed.name)
+                    for feed, error in zip(feeds, made, strict=True)
+                    if error is None
+                )
+            )
+            raise refused[0]
 
     async def _deliver(self, msg: Message) -> None:
         # Looked up at each message: a test stands in for it.

@@ -360,9 +360,10 @@ class Submissions:
 
         Published at once, in the same write to the broker as the request's own
         publish that follows, and its ack is read by a callback rather than
-        awaited: no task, no timer. A publish that raises, or an ack that
+        awaited: no task (one timer bounds the wait for it). A publish that raises, or an ack that
         is an error or never comes, hands the write to a supervised
-        background job, which retries it until it is stored."""
+        background job, which retries it until it is stored (the newest
+        request of the body then, if this process still remembers one)."""
         name = shared_key(tenant, print_)
         subject = f"$KV.{STATE_BUCKET}.{name}"
         value = request_id.encode()
@@ -375,7 +376,14 @@ class Submissions:
             )
 
             async def put() -> None:
-                await self._js().publish(subject, value, headers=headers)
+                # The newest request of this body this process made, read at
+                # each try: a later call of the body may have been made since
+                # (this job, running, kept its own write from starting), and
+                # one forgotten (never stored, or its client went away) is not
+                # shared again after ``_forget`` deleted it.
+                newest = self._memory.recall(print_)
+                if newest is not None:
+                    await self._js().publish(subject, newest.encode(), headers=headers)
 
             with contextlib.suppress(RuntimeError):  # the gateway is stopping
                 self._supervisor.spawn_job(f"share-{name}", put)
