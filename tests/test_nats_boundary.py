@@ -247,6 +247,33 @@ async def test_a_publish_async_has_one_future_whose_errors_are_ours(
     assert js.context.publish_async_pending() == 0
 
 
+@pytest.mark.parametrize("reply", [b"[]", b"{}", b'{"error":null}', b'{"error":{}}', b"1"])
+async def test_a_reply_that_is_not_an_ack_ends_the_publish_with_an_error(
+    isolated_nc: Connection, reply: bytes
+) -> None:
+    """Whatever answers a publish's reply subject (a core responder here: any
+    client allowed to publish there could) with something that is not an ack
+    ends the publish with a :class:`NatsError` at once: neither a success with
+    no stream and no sequence, nor an error escaping the reply handler while
+    the publish waits out its timeout (``publish_async``'s, which has none,
+    for good)."""
+    js = isolated_nc.jetstream()
+
+    async def liar(msg: Message) -> None:
+        await msg.respond(reply)
+
+    await isolated_nc.subscribe("liar.x", cb=liar)
+    with pytest.raises(NatsError) as caught:
+        await js.publish("liar.x", b"x", timeout=30)
+    assert not isinstance(caught.value, NatsTimeoutError)
+    future = await js.publish_async("liar.x", b"x")
+    with pytest.raises(NatsError) as caught:
+        async with asyncio.timeout(30):  # a guard: before the fix it never ended
+            await future
+    assert not isinstance(caught.value, NatsTimeoutError)
+    assert js.context.publish_async_pending() == 0
+
+
 def test_an_ack_is_read_as_nats_py_reads_it() -> None:
     """Acks are read with msgspec; a refusal raises nats-py's typed error, and a
     reply whose fields are not of the expected types is read as nats-py does."""

@@ -386,6 +386,10 @@ def _pub_ack(data: bytes) -> PubAck:
         return PubAck.from_response(response)
     if reply.error is not None:
         nats.js.errors.APIError.from_error(reply.error)  # raises the typed error
+    if reply.stream is None or reply.seq is None:
+        # nats-py's ``PubAck.from_response`` raised a TypeError on it (the
+        # future then waited for good): no stream stored it, as far as it says.
+        raise nats.errors.Error(f"a reply to a publish that is not an ack: {data[:200]!r}")
     return PubAck(
         stream=reply.stream,  # type: ignore[arg-type]  # nats-py's own: None if not sent
         seq=reply.seq,  # type: ignore[arg-type]
@@ -544,8 +548,12 @@ class _Context(_JetStreamContext):
             ack = _pub_ack(msg.data)
         except nats.errors.Error as exc:
             future.set_exception(exc)
-        except ValueError as exc:  # not JSON at all: no ack
-            future.set_exception(nats.errors.Error(f"an ack that is not JSON: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - not JSON, not an ack or an error: told
+            # Whoever can publish to the reply subject can send anything: the
+            # publish ends with an error instead of waiting for good (an
+            # exception escaping here goes to the error callback, not to it).
+            text = f"a reply to a publish that is not an ack: {type(exc).__name__}: {exc}"
+            future.set_exception(nats.errors.Error(text))
         else:
             future.set_result(ack)
 
