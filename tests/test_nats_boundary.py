@@ -20,14 +20,17 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.client import JetStreamContext
 
 from renqueue.broker import Connection, EmbeddedServer, JetStream, Message, connect
 from renqueue.broker._nats import (
+    _CONTEXT_PARTS,
     STREAM_NOT_FOUND,
     JetStreamApi,
     PullSubscription,
     _Client,
     _pub_ack,
+    _require_nats_py_parts,
     reply_error,
     translate,
 )
@@ -272,6 +275,30 @@ async def test_a_reply_that_is_not_an_ack_ends_the_publish_with_an_error(
             await future
     assert not isinstance(caught.value, NatsTimeoutError)
     assert js.context.publish_async_pending() == 0
+
+
+async def test_a_nats_py_without_the_parts_we_rely_on_fails_at_start(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The broker relies on nats-py 2.16's private parts (its requests' and acks'
+    registries, its reply handlers): a nats-py that moved one (an upgrade past
+    the pin) fails when the connection or the context is made, naming it,
+    instead of every request waiting out its timeout. A whole nats-py client
+    is taken, connected or not, as an application hands one."""
+    client = Client()
+    await client.connect(isolated_server.url)
+    try:
+        Connection.of(client).jetstream()  # the real thing: nothing missing
+        del client._resp_map  # as a nats-py that keeps its requests elsewhere
+        with pytest.raises(RuntimeError, match="_resp_map"):
+            Connection.of(client)
+        client._resp_map = {}
+        context = client.jetstream()
+        del context._publish_async_futures  # as a nats-py that keeps its acks elsewhere
+        with pytest.raises(RuntimeError, match="_publish_async_futures"):
+            _require_nats_py_parts(context, JetStreamContext, _CONTEXT_PARTS, set())
+    finally:
+        await client.close()
 
 
 def test_an_ack_is_read_as_nats_py_reads_it() -> None:

@@ -391,8 +391,8 @@ def _pub_ack(data: bytes) -> PubAck:
         # future then waited for good): no stream stored it, as far as it says.
         raise nats.errors.Error(f"a reply to a publish that is not an ack: {data[:200]!r}")
     return PubAck(
-        stream=reply.stream,  # type: ignore[arg-type]  # nats-py's own: None if not sent
-        seq=reply.seq,  # type: ignore[arg-type]
+        stream=reply.stream,
+        seq=reply.seq,
         domain=reply.domain,
         duplicate=reply.duplicate,
         batch_id=reply.batch,
@@ -419,6 +419,61 @@ def _expire(future: asyncio.Future[PubAck]) -> None:
         future.set_exception(nats.errors.TimeoutError())
 
 
+#: nats-py's private parts this module relies on (``pyproject.toml`` pins 2.16),
+#: on its client and on its JetStream context. :func:`_require_nats_py_parts`
+#: checks them when a connection or a context is made: a nats-py that moved one
+#: fails at start, saying which, instead of misbehaving (a request registered
+#: where no reply handler looks waits out its timeout, every time).
+_CLIENT_PARTS: Final = (
+    "_resp_map",  # where _request_sub_callback finds a request's future
+    "_resp_sub_prefix",
+    "_init_request_sub",
+    "_request_sub_callback",
+    "_request_new_style",  # what request() calls: _Client overrides it
+    "_parse_header_lines",  # what _process_headers calls: _Client overrides it
+    "_process_headers",
+    "_inbox_prefix",
+    "_nuid",
+    "_transport",  # Connection.attempt_failed
+)
+_CONTEXT_PARTS: Final = (
+    "_publish_async_futures",  # where the ack handler finds a publish's future
+    "_publish_async_completed_event",
+    "_publish_async_pending_semaphore",
+    "_async_reply_prefix",
+    "_init_async_reply",
+    "_handle_async_reply",  # what _init_async_reply subscribes: _Context overrides it
+    "_timeout",
+    "_prefix",
+)
+
+
+def _require_nats_py_parts(
+    owner: object, base: type, parts: tuple[str, ...], checked: set[type]
+) -> None:
+    """Raise a ``RuntimeError`` naming the parts of nats-py's ``base`` (a
+    method the class lacks, an attribute ``owner`` lacks) this module relies
+    on and does not find. Classes are checked once, instances every time
+    (cheap: a handful of ``hasattr``)."""
+    missing = [name for name in parts if not hasattr(owner, name)]
+    if base not in checked:
+        missing += [
+            f"{base.__name__}.{name}"
+            for name in parts
+            if callable(getattr(owner, name, None)) and not hasattr(base, name)
+        ]
+        if not missing:
+            checked.add(base)
+    if missing:
+        raise RuntimeError(
+            "this nats-py is not the one renqueue.broker relies on (pyproject.toml pins "
+            f"nats-py 2.16: its private parts): missing {', '.join(sorted(set(missing)))}"
+        )
+
+
+_CHECKED: Final[set[type]] = set()
+
+
 class _Context(_JetStreamContext):
     """nats-py's JetStream context, with its asynchronous acks' errors delivered,
     and every publish's ack read from one subscription.
@@ -442,6 +497,10 @@ class _Context(_JetStreamContext):
     same reply subscription with one timer, instead of nats-py's request
     (a future, a done callback, ``wait_for``'s future and timer).
     """
+
+    def __init__(self, conn: _NatsPyClient, **params: Any) -> None:
+        super().__init__(conn, **params)
+        _require_nats_py_parts(self, _JetStreamContext, _CONTEXT_PARTS, _CHECKED)
 
     async def publish_async(  # noqa: PLR0917 - nats-py's signature
         self,
@@ -1081,6 +1140,7 @@ class Connection:
     def __init__(self, nc: _NatsPyClient | None = None) -> None:
         """Wrap nats-py's ``nc``, or (without one) a client still to be :meth:`open`ed."""
         self._nc = nc if nc is not None else _Client()
+        _require_nats_py_parts(self._nc, _NatsPyClient, _CLIENT_PARTS, _CHECKED)
         self._js: JetStream | None = None
         #: Set when the connection ends without :meth:`close` or :meth:`drain`:
         #: the server closed it (nats-py does not reconnect after a protocol
