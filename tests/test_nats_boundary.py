@@ -231,6 +231,22 @@ async def test_a_publish_that_waits_for_its_ack_reads_it_as_nats_py_does(
     assert js.context.publish_async_pending() == 0
 
 
+async def test_contexts_made_per_call_do_not_each_subscribe_to_wait_for_acks(
+    isolated_nc: Connection,
+) -> None:
+    """A publish that waits for its ack waits on the connection's one reply
+    subscription: a context made per call (``jetstream(timeout=...)``, as an
+    application or a test may) does not leave a subscription of its own
+    behind, for the connection's life, per context."""
+    await isolated_nc.jetstream().context.add_stream(name="PER", subjects=["per.>"])
+    await isolated_nc.request("$JS.API.INFO", b"")  # the reply subscription, made once
+    before = len(isolated_nc.client._subs)
+    for i in range(20):
+        ack = await isolated_nc.jetstream(timeout=5).publish("per.x", b"%d" % i)
+        assert ack.seq == i + 1
+    assert len(isolated_nc.client._subs) == before
+
+
 async def test_a_publish_async_has_one_future_whose_errors_are_ours(
     isolated_nc: Connection,
 ) -> None:
