@@ -20,14 +20,17 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.client import JetStreamContext
 
 from renqueue.broker import Connection, EmbeddedServer, JetStream, Message, connect
 from renqueue.broker._nats import (
+    _CONTEXT_PARTS,
     STREAM_NOT_FOUND,
     JetStreamApi,
     PullSubscription,
     _Client,
     _pub_ack,
+    _require_nats_py_parts,
     reply_error,
     translate,
 )
@@ -228,6 +231,22 @@ async def test_a_publish_that_waits_for_its_ack_reads_it_as_nats_py_does(
     assert js.context.publish_async_pending() == 0
 
 
+async def test_contexts_made_per_call_do_not_each_subscribe_to_wait_for_acks(
+    isolated_nc: Connection,
+) -> None:
+    """A publish that waits for its ack waits on the connection's one reply
+    subscription: a context made per call (``jetstream(timeout=...)``, as an
+    application or a test may) does not leave a subscription of its own
+    behind, for the connection's life, per context."""
+    await isolated_nc.jetstream().context.add_stream(name="PER", subjects=["per.>"])
+    await isolated_nc.request("$JS.API.INFO", b"")  # the reply subscription, made once
+    before = len(isolated_nc.client._subs)
+    for i in range(20):
+        ack = await isolated_nc.jetstream(timeout=5).publish("per.x", b"%d" % i)
+        assert ack.seq == i + 1
+    assert len(isolated_nc.client._subs) == before
+
+
 async def test_a_publish_async_has_one_future_whose_errors_are_ours(
     isolated_nc: Connection,
 ) -> None:
@@ -245,6 +264,57 @@ async def test_a_publish_async_has_one_future_whose_errors_are_ours(
     cancelled.cancel()
     await asyncio.sleep(0)  # its done callback frees the slot and the registration
     assert js.context.publish_async_pending() == 0
+
+
+@pytest.mark.parametrize("reply", [b"[]", b"{}", b'{"error":null}', b'{"error":{}}', b"1"])
+async def test_a_reply_that_is_not_an_ack_ends_the_publish_with_an_error(
+    isolated_nc: Connection, reply: bytes
+) -> None:
+    """Whatever answers a publish's reply subject (a core responder here: any
+    client allowed to publish there could) with something that is not an ack
+    ends the publish with a :class:`NatsError` at once: neither a success with
+    no stream and no sequence, nor an error escaping the reply handler while
+    the publish waits out its timeout (``publish_async``'s, which has none,
+    for good)."""
+    js = isolated_nc.jetstream()
+
+    async def liar(msg: Message) -> None:
+        await msg.respond(reply)
+
+    await isolated_nc.subscribe("liar.x", cb=liar)
+    with pytest.raises(NatsError) as caught:
+        await js.publish("liar.x", b"x", timeout=30)
+    assert not isinstance(caught.value, NatsTimeoutError)
+    future = await js.publish_async("liar.x", b"x")
+    with pytest.raises(NatsError) as caught:
+        async with asyncio.timeout(30):  # a guard: before the fix it never ended
+            await future
+    assert not isinstance(caught.value, NatsTimeoutError)
+    assert js.context.publish_async_pending() == 0
+
+
+async def test_a_nats_py_without_the_parts_we_rely_on_fails_at_start(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The broker relies on nats-py 2.16's private parts (its requests' and acks'
+    registries, its reply handlers): a nats-py that moved one (an upgrade past
+    the pin) fails when the connection or the context is made, naming it,
+    instead of every request waiting out its timeout. A whole nats-py client
+    is taken, connected or not, as an application hands one."""
+    client = Client()
+    await client.connect(isolated_server.url)
+    try:
+        Connection.of(client).jetstream()  # the real thing: nothing missing
+        del client._resp_map  # as a nats-py that keeps its requests elsewhere
+        with pytest.raises(RuntimeError, match="_resp_map"):
+            Connection.of(client)
+        client._resp_map = {}
+        context = client.jetstream()
+        del context._publish_async_futures  # as a nats-py that keeps its acks elsewhere
+        with pytest.raises(RuntimeError, match="_publish_async_futures"):
+            _require_nats_py_parts(context, JetStreamContext, _CONTEXT_PARTS, set())
+    finally:
+        await client.close()
 
 
 def test_an_ack_is_read_as_nats_py_reads_it() -> None:

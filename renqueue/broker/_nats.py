@@ -386,9 +386,13 @@ def _pub_ack(data: bytes) -> PubAck:
         return PubAck.from_response(response)
     if reply.error is not None:
         nats.js.errors.APIError.from_error(reply.error)  # raises the typed error
+    if reply.stream is None or reply.seq is None:
+        # nats-py's ``PubAck.from_response`` raised a TypeError on it (the
+        # future then waited for good): no stream stored it, as far as it says.
+        raise nats.errors.Error(f"a reply to a publish that is not an ack: {data[:200]!r}")
     return PubAck(
-        stream=reply.stream,  # type: ignore[arg-type]  # nats-py's own: None if not sent
-        seq=reply.seq,  # type: ignore[arg-type]
+        stream=reply.stream,
+        seq=reply.seq,
         domain=reply.domain,
         duplicate=reply.duplicate,
         batch_id=reply.batch,
@@ -409,10 +413,59 @@ def _reply_token() -> str:
     return format(next(_TOKENS), "x")
 
 
-def _expire(future: asyncio.Future[PubAck]) -> None:
-    """A synchronous publish's timer: no ack in time."""
-    if not future.done():
-        future.set_exception(nats.errors.TimeoutError())
+#: nats-py's private parts this module relies on (``pyproject.toml`` pins 2.16),
+#: on its client and on its JetStream context. :func:`_require_nats_py_parts`
+#: checks them when a connection or a context is made: a nats-py that moved one
+#: fails at start, saying which, instead of misbehaving (a request registered
+#: where no reply handler looks waits out its timeout, every time).
+_CLIENT_PARTS: Final = (
+    "_resp_map",  # where _request_sub_callback finds a request's future
+    "_resp_sub_prefix",
+    "_init_request_sub",
+    "_request_sub_callback",
+    "_request_new_style",  # what request() calls: _Client overrides it
+    "_parse_header_lines",  # what _process_headers calls: _Client overrides it
+    "_process_headers",
+    "_inbox_prefix",
+    "_nuid",
+    "_transport",  # Connection.attempt_failed
+)
+_CONTEXT_PARTS: Final = (
+    "_publish_async_futures",  # where the ack handler finds a publish's future
+    "_publish_async_completed_event",
+    "_publish_async_pending_semaphore",
+    "_async_reply_prefix",
+    "_init_async_reply",
+    "_handle_async_reply",  # what _init_async_reply subscribes: _Context overrides it
+    "_timeout",
+    "_prefix",
+)
+
+
+def _require_nats_py_parts(
+    owner: object, base: type, parts: tuple[str, ...], checked: set[type]
+) -> None:
+    """Raise a ``RuntimeError`` naming the parts of nats-py's ``base`` (a
+    method the class lacks, an attribute ``owner`` lacks) this module relies
+    on and does not find. Classes are checked once, instances every time
+    (cheap: a handful of ``hasattr``)."""
+    missing = [name for name in parts if not hasattr(owner, name)]
+    if base not in checked:
+        missing += [
+            f"{base.__name__}.{name}"
+            for name in parts
+            if callable(getattr(owner, name, None)) and not hasattr(base, name)
+        ]
+        if not missing:
+            checked.add(base)
+    if missing:
+        raise RuntimeError(
+            "this nats-py is not the one renqueue.broker relies on (pyproject.toml pins "
+            f"nats-py 2.16: its private parts): missing {', '.join(sorted(set(missing)))}"
+        )
+
+
+_CHECKED: Final[set[type]] = set()
 
 
 class _Context(_JetStreamContext):
@@ -434,10 +487,14 @@ class _Context(_JetStreamContext):
     one future per publish (an :class:`_AckFuture`, registered where
     nats-py's reply handler finds it); its token a counter
     (:func:`_reply_token`); acks read with msgspec; and a
-    publish that waits for its ack (:meth:`publish_acked`) goes through the
-    same reply subscription with one timer, instead of nats-py's request
-    (a future, a done callback, ``wait_for``'s future and timer).
+    publish that waits for its ack (:meth:`publish_acked`) is a request
+    with one timer (:func:`_request`), instead of nats-py's request (a
+    future, a done callback, ``wait_for``'s future and timer).
     """
+
+    def __init__(self, conn: _NatsPyClient, **params: Any) -> None:
+        super().__init__(conn, **params)
+        _require_nats_py_parts(self, _JetStreamContext, _CONTEXT_PARTS, _CHECKED)
 
     async def publish_async(  # noqa: PLR0917 - nats-py's signature
         self,
@@ -502,29 +559,22 @@ class _Context(_JetStreamContext):
         headers: dict[str, Any] | None,
     ) -> PubAck:
         """Publish and wait up to ``timeout`` for the ack, as nats-py's ``publish``
-        (the same errors, translated), through the asynchronous acks'
-        subscription. It takes none of ``publish_async``'s pending slots: the
-        caller waits for its ack, which bounds how many are pending."""
-        if not self._async_reply_prefix:
-            await self._init_async_reply()
-        assert self._async_reply_prefix
-        key = _reply_token()
-        inbox = self._async_reply_prefix[:]
-        inbox.extend(key.encode())
-        loop = asyncio.get_running_loop()
-        future = _AckFuture(loop=loop)
-        futures = self._publish_async_futures
-        futures[key] = future
-        self._publish_async_completed_event.clear()
-        timer = loop.call_later(timeout, _expire, future)
+        (the same errors), as a request on the client's one reply subscription
+        with one future and one timer (:func:`_request`). Not on this
+        context's asynchronous acks' subscription: a context made per call
+        (``Connection.jetstream(timeout=...)``) would subscribe once more per
+        context, for the connection's life. It takes none of
+        ``publish_async``'s pending slots: the caller waits for its ack."""
+        msg = await _request(self._nc, subject, payload, timeout, headers)
+        if msg.headers and msg.headers.get(_STATUS) == _NO_RESPONDERS:
+            raise nats.js.errors.NoStreamResponseError  # no stream stores the subject
         try:
-            await self._nc.publish(subject, payload, reply=inbox.decode(), headers=headers)
-            return await future
-        finally:
-            timer.cancel()
-            futures.pop(key, None)
-            if not futures:
-                self._publish_async_completed_event.set()
+            return _pub_ack(msg.data)
+        except nats.errors.Error:
+            raise
+        except Exception as exc:  # not JSON, not an ack or an error: told, typed
+            text = f"a reply to a publish that is not an ack: {type(exc).__name__}: {exc}"
+            raise nats.errors.Error(text) from exc
 
     async def _handle_async_reply(self, msg: _Msg) -> None:
         """An ack (or an error) for a publish of this context: ends its future.
@@ -544,8 +594,12 @@ class _Context(_JetStreamContext):
             ack = _pub_ack(msg.data)
         except nats.errors.Error as exc:
             future.set_exception(exc)
-        except ValueError as exc:  # not JSON at all: no ack
-            future.set_exception(nats.errors.Error(f"an ack that is not JSON: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - not JSON, not an ack or an error: told
+            # Whoever can publish to the reply subject can send anything: the
+            # publish ends with an error instead of waiting for good (an
+            # exception escaping here goes to the error callback, not to it).
+            text = f"a reply to a publish that is not an ack: {type(exc).__name__}: {exc}"
+            future.set_exception(nats.errors.Error(text))
         else:
             future.set_result(ack)
 
@@ -599,25 +653,40 @@ class _Client(_NatsPyClient):
         timeout: float = 1,  # noqa: ASYNC109 - nats-py's
         headers: dict[str, Any] | None = None,
     ) -> _Msg:
-        if self.is_draining_pubs:
-            raise nats.errors.ConnectionDrainingError
-        if not self._resp_sub_prefix:
-            await self._init_request_sub()
-        assert self._resp_sub_prefix
-        key = _reply_token()
-        inbox = self._resp_sub_prefix[:]
-        inbox.extend(key.encode())
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[_Msg] = loop.create_future()
-        responses = self._resp_map
-        responses[key] = future
-        timer = loop.call_later(timeout, _expire_request, future)
-        try:
-            await self.publish(subject, payload, reply=inbox.decode(), headers=headers)
-            return await future
-        finally:
-            timer.cancel()
-            responses.pop(key, None)
+        return await _request(self, subject, payload, timeout, headers)
+
+
+async def _request(
+    nc: _NatsPyClient,
+    subject: str,
+    payload: bytes,
+    timeout: float,  # noqa: ASYNC109 - nats-py's
+    headers: dict[str, Any] | None,
+) -> _Msg:
+    """nats-py 2.16's ``_request_new_style`` on ``nc`` (its one reply
+    subscription, its registry of requests), with a counter's token and one
+    timer: the reply, ``nats.errors.TimeoutError`` after ``timeout``, a
+    draining connection refused. A no-responders status is the reply (its
+    caller reads it), as in nats-py."""
+    if nc.is_draining_pubs:
+        raise nats.errors.ConnectionDrainingError
+    if not nc._resp_sub_prefix:
+        await nc._init_request_sub()
+    assert nc._resp_sub_prefix
+    key = _reply_token()
+    inbox = nc._resp_sub_prefix[:]
+    inbox.extend(key.encode())
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_Msg] = loop.create_future()
+    responses = nc._resp_map
+    responses[key] = future
+    timer = loop.call_later(timeout, _expire_request, future)
+    try:
+        await nc.publish(subject, payload, reply=inbox.decode(), headers=headers)
+        return await future
+    finally:
+        timer.cancel()
+        responses.pop(key, None)
 
 
 class Message:
@@ -1073,6 +1142,7 @@ class Connection:
     def __init__(self, nc: _NatsPyClient | None = None) -> None:
         """Wrap nats-py's ``nc``, or (without one) a client still to be :meth:`open`ed."""
         self._nc = nc if nc is not None else _Client()
+        _require_nats_py_parts(self._nc, _NatsPyClient, _CLIENT_PARTS, _CHECKED)
         self._js: JetStream | None = None
         #: Set when the connection ends without :meth:`close` or :meth:`drain`:
         #: the server closed it (nats-py does not reconnect after a protocol
