@@ -9,6 +9,7 @@ cannot change still ends start-up at once with a clear message.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -21,8 +22,14 @@ import pytest
 
 from renqueue import Client
 from renqueue.broker import EmbeddedServer, connect, provision
+from renqueue.broker._nats import JetStreamApi
+from renqueue.broker._provision import (
+    _answered,
+    _drop_other_router_consumers,
+    _has_group_consumers,
+)
 from renqueue.config import parse_config
-from renqueue.errors import ConnectionFailedError
+from renqueue.errors import ConnectionFailedError, NatsUnavailableError
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.schema import REQUESTS_STREAM
 
@@ -216,3 +223,32 @@ async def test_a_stream_nats_cannot_change_fails_fast(isolated_server: EmbeddedS
     assert proc.returncode == 2, text
     assert "NATS cannot change storage" in text
     assert RETRYING not in text
+
+
+async def test_the_router_consumer_checks_wait_for_jetstream_like_every_step(
+    tmp_path: Path,
+) -> None:
+    """Provisioning asks whether binding is split in groups (the forwarding
+    consumer) and may drop router consumers; both are JetStream API calls. With
+    JetStream unable to answer (one node of three), they wait as every other
+    step does, up to ``nats.startup_wait``, instead of failing at once: a worker
+    started while a node was down exited with "JetStream did not answer
+    $JS.API.CONSUMER.INFO.RQ_REQUESTS.router-forward" (chaos, cluster setting)."""
+    first, *_ = cluster_nodes(tmp_path)
+    async with running(first):
+        nc = await connect(first.url, name="test")
+        try:
+            api = JetStreamApi(nc, patience=1.0)
+            with pytest.raises(NatsUnavailableError):
+                await _has_group_consumers(api)  # the bare call cannot wait
+            for step, attempt in (
+                ("the forwarding consumer", _has_group_consumers),
+                (
+                    "the router consumers",
+                    functools.partial(_drop_other_router_consumers, keep=()),
+                ),
+            ):
+                with pytest.raises(ConnectionFailedError, match=r"nats.startup_wait \(1s\)"):
+                    await _answered(api, step, attempt)
+        finally:
+            await nc.close()

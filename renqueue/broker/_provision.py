@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import importlib.resources
 import json
 import os
@@ -297,9 +298,14 @@ async def provision(
     items: list[ProvisionItem] = []
     for spec, desired in streams:
         items.append(await _ensure_stream(api, desired, source=str(directory / spec.file)))
-    if config.sharded() or await _has_group_consumers(api):
-        await _drop_other_router_consumers(
-            api, (d["durable_name"] for s, d, _ in consumers if s == REQUESTS_STREAM)
+    # Both wait while JetStream cannot answer, as every other step does (a
+    # service started while a node is down must wait for it, not exit).
+    if config.sharded() or await _answered(api, "the forwarding consumer", _has_group_consumers):
+        keep = frozenset(d["durable_name"] for s, d, _ in consumers if s == REQUESTS_STREAM)
+        await _answered(
+            api,
+            "the router consumers",
+            functools.partial(_drop_other_router_consumers, keep=keep),
         )
     for stream, desired, source in consumers:
         items.append(await _ensure_consumer(api, stream, desired, source=source))
@@ -640,6 +646,15 @@ def _group_consumers(
     ]
     consumers.append(forward)
     return consumers
+
+
+async def _answered(
+    api: JetStreamApi, step: str, attempt: Callable[[JetStreamApi], Awaitable[_T]]
+) -> _T:
+    """``attempt(api)`` once JetStream answers it (:func:`until_jetstream_answers`)."""
+    return await until_jetstream_answers(
+        step, lambda: attempt(api), nc=api.nc, patience=api.patience
+    )
 
 
 async def _has_group_consumers(api: JetStreamApi) -> bool:
