@@ -327,7 +327,8 @@ def test_a_late_decision_of_a_request_run_again_elsewhere_is_folded_in_any_order
     ordered = fold_many(ProjectionState(), [*head, second, run2, end2])
     for tail in ([run2, end2, second], [run2, second, end2]):
         state = fold_many(ProjectionState(), [*head, *tail])
-        assert state.reserved == {} and state.ended == {}, tail
+        assert state.reserved == {}, tail
+        assert state.ended == {}, tail
         assert state.tenants["t"].committed == 0.0, tail
         _same_spend(ordered, state, str(tail))
     # The first decision landing after the second: the newer one's reservation stands.
@@ -354,7 +355,8 @@ def test_an_end_whose_decision_never_comes_is_swept_and_survives_a_checkpoint() 
     # Resumed from the checkpoint, the late decision is consumed as live.
     resumed = fold_many(decode_state(encode_state(state)), [COSTLY])
     assert resumed == fold_many(state, [COSTLY])
-    assert resumed.reserved == {} and resumed.ended == {}
+    assert resumed.reserved == {}
+    assert resumed.ended == {}
     later = fold_many(state, [started("r9", T + STALE_IN_FLIGHT + 120)])
     assert later.ended == {}
 
@@ -365,6 +367,8 @@ def test_a_stored_state_of_version_10_loads_and_is_upgraded_in_place() -> None:
     del old["ended"]
     old["v"] = 10
     state = decode_state(msgspec.json.encode(old))
-    assert state.v == 10 and state.ended == {}
-    assert 10 in UPGRADED_IN_PLACE and STATE_VERSION == 11
+    assert state.v == 10
+    assert state.ended == {}
+    assert 10 in UPGRADED_IN_PLACE
+    assert STATE_VERSION == 11
     assert state.reserved["t:r1"].started
