@@ -10,8 +10,28 @@ from __future__ import annotations
 import msgspec
 
 from renqueue.policy import Cost, Limit, check, used
-from renqueue.schema import Completed, Preempted, ReportedLimit, Retrying, Routed, Started, Usage
-from renqueue.state import ProjectionState, fold_many
+from renqueue.schema import (
+    Cancelled,
+    Completed,
+    Event,
+    Expired,
+    Failed,
+    Preempted,
+    ReportedLimit,
+    Retrying,
+    Routed,
+    Started,
+    Usage,
+)
+from renqueue.state import (
+    STALE_IN_FLIGHT,
+    STATE_VERSION,
+    UPGRADED_IN_PLACE,
+    ProjectionState,
+    decode_state,
+    encode_state,
+    fold_many,
+)
 
 T = 1_800_000_000.0
 PER_MINUTE = Limit(kind="requests", count=3, window=60.0)
@@ -225,3 +245,130 @@ def test_a_put_back_for_a_spent_quota_marks_the_backend_exhausted_for_its_hold()
     )
     quota = quota_of(state)
     assert quota.exhausted_until == T + 600.0
+
+
+# A binder that may have bound a request before logs its decision only once the
+# dispatch is stored, so a fast worker's run, and even its end, can be stored
+# before that `routed` (tests/test_restarts.py saw "submitted, started,
+# completed, routed"). The fold must give the same state in either order.
+COSTLY = msgspec.structs.replace(routed("r1", T, tokens=600), estimated_cost=0.25)
+
+
+def _ends() -> list[tuple[str, list[Event]]]:
+    run = started("r1", T + 0.1)
+    return [
+        ("completed under", [run, completed("r1", T + 2.0, used_tokens=100)]),
+        ("completed over", [run, completed("r1", T + 2.0, used_tokens=900)]),
+        (
+            "failed",
+            [
+                run,
+                Failed(
+                    request_id="r1",
+                    tenant="t",
+                    at=T + 2.0,
+                    error_type="backend_fatal",
+                    reason="x",
+                    backend="free",
+                    attempt=1,
+                ),
+            ],
+        ),
+        ("expired", [run, Expired(request_id="r1", tenant="t", at=T + 2.0, stage="running")]),
+        ("cancelled", [run, Cancelled(request_id="r1", tenant="t", at=T + 2.0, stage="running")]),
+    ]
+
+
+def _same_spend(first: ProjectionState, second: ProjectionState, label: str) -> None:
+    for now in (T + 2.0, T + 30.0, T + 61.0, T + 62.5):
+        for limit in (PER_MINUTE, TOKENS):
+            assert used(quota_of(first), limit, now) == used(quota_of(second), limit, now), (
+                label,
+                limit,
+                now,
+            )
+
+
+def test_a_decision_logged_after_its_request_ended_reserves_nothing() -> None:
+    """Regression: the late `routed` made a reservation for a request that was
+    over: its tenant's `committed` kept the estimate and the backend's quota
+    the token estimate besides the tokens used, until the 6-hour sweep."""
+    for label, (run, end) in _ends():
+        first = fold_many(ProjectionState(), [COSTLY, run, end])
+        late = fold_many(ProjectionState(), [run, end, COSTLY])
+        for state in (first, late):
+            assert state.reserved == {}, label
+            assert state.tenants["t"].committed == 0.0, label
+            assert state.in_flight_count == 0, label
+        _same_spend(first, late, label)
+        # One request for the call, whichever order.
+        assert used(quota_of(late), PER_MINUTE, T + 3) == 1, label
+        assert late.ended == {}, label  # consumed by its decision
+
+
+def test_tokens_used_are_counted_once_when_the_decision_comes_last() -> None:
+    late = fold_many(
+        ProjectionState(),
+        [started("r1", T + 0.1), completed("r1", T + 2.0, used_tokens=100), COSTLY],
+    )
+    assert used(quota_of(late), TOKENS, T + 3) == 100  # not 600 + 100
+
+
+def test_a_late_decision_of_a_request_run_again_elsewhere_is_folded_in_any_order() -> None:
+    """Put back (fell back, preempted) and bound again: the second decision
+    may land after the run it dispatched ended, and the first one's too."""
+    first = routed("r1", T, tokens=300)
+    second = msgspec.structs.replace(
+        routed("r1", T + 1.0, tokens=600), attempt=2, estimated_cost=0.5
+    )
+    run2 = msgspec.structs.replace(started("r1", T + 1.1), attempt=2)
+    end2 = msgspec.structs.replace(completed("r1", T + 2.0, used_tokens=100), attempt=2)
+    head = [first, started("r1", T + 0.1), preempted("r1", T + 0.5)]
+    ordered = fold_many(ProjectionState(), [*head, second, run2, end2])
+    for tail in ([run2, end2, second], [run2, second, end2]):
+        state = fold_many(ProjectionState(), [*head, *tail])
+        assert state.reserved == {}, tail
+        assert state.ended == {}, tail
+        assert state.tenants["t"].committed == 0.0, tail
+        _same_spend(ordered, state, str(tail))
+    # The first decision landing after the second: the newer one's reservation stands.
+    both = fold_many(
+        ProjectionState(), [started("r1", T + 0.1), preempted("r1", T + 0.5), second, first]
+    )
+    assert both.reserved["t:r1"].attempt == 2
+    assert both.tenants["t"].committed == 0.5
+
+
+def test_a_coalesced_followers_end_and_a_request_that_never_ran_leave_no_mark() -> None:
+    follower = completed("r1", T + 2.0, used_tokens=100, shared_with="lead")
+    waited = Expired(request_id="r2", tenant="t", at=T + 2.0, stage="queued")
+    state = fold_many(ProjectionState(), [follower, waited])
+    assert state.ended == {}
+
+
+def test_an_end_whose_decision_never_comes_is_swept_and_survives_a_checkpoint() -> None:
+    state = fold_many(
+        ProjectionState(), [started("r1", T + 0.1), completed("r1", T + 2.0, used_tokens=100)]
+    )
+    assert set(state.ended) == {"t:r1"}
+    assert decode_state(encode_state(state)) == state
+    # Resumed from the checkpoint, the late decision is consumed as live.
+    resumed = fold_many(decode_state(encode_state(state)), [COSTLY])
+    assert resumed == fold_many(state, [COSTLY])
+    assert resumed.reserved == {}
+    assert resumed.ended == {}
+    later = fold_many(state, [started("r9", T + STALE_IN_FLIGHT + 120)])
+    assert later.ended == {}
+
+
+def test_a_stored_state_of_version_10_loads_and_is_upgraded_in_place() -> None:
+    stored = encode_state(fold_many(ProjectionState(), [COSTLY, started("r1", T + 0.1)]))
+    old = msgspec.json.decode(stored)
+    del old["ended"]
+    old["v"] = 10
+    state = decode_state(msgspec.json.encode(old))
+    assert state.v == 10
+    assert state.ended == {}
+    assert 10 in UPGRADED_IN_PLACE
+    assert STATE_VERSION == 11
+    assert state.reserved["t:r1"].started

@@ -15,7 +15,18 @@ provider last said of its limits), plus one small entry per request that has
 started and not yet ended and one per request whose ``routed`` decision
 reserved quota, both keyed ``<tenant>:<request id>`` (dropped at its terminal
 event, and swept after :data:`STALE_IN_FLIGHT` seconds of event time so a lost
-terminal event cannot leak an entry forever).
+terminal event cannot leak an entry forever), and one per request that ended
+while its decision was not folded yet (below), swept the same way.
+
+A binder that may have bound a request before logs its decision only once the
+dispatch is stored, so a fast worker's ``started`` and even its terminal event
+can be stored before that ``routed``. The fold gives the same state in either
+order: a terminal of a call whose decision is not folded leaves an
+:class:`Ended` mark (the call's backend, attempt, time and the tokens it
+spent), and the late ``routed`` of that attempt consumes it instead of
+reserving: it spends what its decision would have (one request, and the token
+estimate reconciled with the tokens used), and nothing stays reserved or
+committed for a request that is over.
 
 Quota, in event time: a ``routed`` decision spends one request and the token
 estimate it reserved; another call for the same decision (a retry, a run on a
@@ -81,6 +92,7 @@ __all__ = [
     "TENANT_WRITTEN_KINDS",
     "UPGRADED_IN_PLACE",
     "BackendState",
+    "Ended",
     "InFlight",
     "ProjectionState",
     "Reservation",
@@ -107,13 +119,16 @@ __all__ = [
 #: 9: reservations carry the decision's estimated cost, tenants the sum of
 #: theirs (``committed``: what calls bound and not ended may still spend).
 #: 10: backends count every failure that blamed them (``faults``).
-STATE_VERSION: Final = 10
+#: 11: the state marks requests that ended before their decision was folded
+#: (``ended``), so a late ``routed`` reserves nothing.
+STATE_VERSION: Final = 11
 
 #: Older versions a projector takes as they are stored, only marking them
 #: current: every version since added fields with defaults and changed no
-#: meaning (10's ``faults`` count from the upgrade on). Older than these, it
-#: folds the log again (what is past the log's ``max_age`` is then lost).
-UPGRADED_IN_PLACE: Final = frozenset({9})
+#: meaning (10's ``faults`` count from the upgrade on; 11's ``ended`` marks
+#: only requests that end after it). Older than these, it folds the log again
+#: (what is past the log's ``max_age`` is then lost).
+UPGRADED_IN_PLACE: Final = frozenset({9, 10})
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
 #: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
@@ -254,6 +269,21 @@ class Reservation(Struct, frozen=True, array_like=True):
     cost: float = 0.0
 
 
+class Ended(Struct, frozen=True, array_like=True):
+    """A request that ended (at ``at``) while the decision of its call (of
+    ``attempt``, on ``backend``) was not folded: its late ``routed`` reserves nothing.
+
+    ``tokens``: what its completion spent at ``at`` with no reservation to
+    reconcile (0 for any other end), which that decision's estimate is
+    reconciled with when it comes.
+    """
+
+    backend: str
+    at: float
+    attempt: int
+    tokens: int = 0
+
+
 class ProjectionState(Struct, frozen=True, kw_only=True):
     """The whole projection, as stored in KV under :data:`STATE_KEY`.
 
@@ -284,6 +314,9 @@ class ProjectionState(Struct, frozen=True, kw_only=True):
     in_flight_dropped: int = 0
     last_sweep_at: float = 0.0
     mismatched: int = 0
+    #: Requests that ended before their decision was folded (a binder's late
+    #: ``routed``), by ``<tenant>:<request id>``, until it comes.
+    ended: dict[str, Ended] = {}
     #: A/B splits: each one's state and per-arm figures (:mod:`renqueue.state._splits`).
     splits: Splits = Splits()
 
@@ -381,6 +414,7 @@ class Folding:
         self._tenants = state.tenants
         self._in_flight = state.in_flight
         self._reserved = state.reserved
+        self._ended = state.ended
         self._copied: set[str] = set()
         self._splits = SplitsBuilder(state.splits)
 
@@ -394,6 +428,8 @@ class Folding:
             self._tenants = dict(self._tenants)
         elif name == "reserved":
             self._reserved = dict(self._reserved)
+        elif name == "ended":
+            self._ended = dict(self._ended)
         else:
             self._in_flight = dict(self._in_flight)
 
@@ -460,6 +496,7 @@ class Folding:
             self.terminal = _bump(self.terminal, kind)
             self._set_tenant(event.tenant, terminal=_bump(tenant.terminal, kind))
             key = msg_id(event.tenant, event.request_id)
+            self._mark_ended(event, key, at)
             self._end(key)
             self._release(key)
         if self.log_time - self.last_sweep_at >= _SWEEP_EVERY:
@@ -649,11 +686,61 @@ class Folding:
         if exhausted_until is not None:
             self._cool_down(name, _finite(exhausted_until), exhausted=True)
 
+    def _mark_ended(self, event: Event, key: str, at: float) -> None:
+        """Mark a request ending while the decision of its call is not folded
+        (none reserved for its attempt): its ``routed`` is yet to come."""
+        running = self._in_flight.get(key)
+        attempt, backend, tokens = 0, "", 0
+        if isinstance(event, Completed):
+            if event.shared_with is None:  # a follower made no call of its own
+                attempt, backend = event.attempt, event.backend
+                tokens = event.usage.prompt_tokens + event.usage.completion_tokens
+        elif isinstance(event, Failed) and event.backend is not None:
+            attempt, backend = event.attempt, event.backend
+        if not attempt and running is not None:  # ended while its call ran
+            attempt, backend, tokens = running.attempt, running.backend, 0
+        if attempt <= 0:
+            return  # no call of its own: nothing was or will be decided for one
+        reservation = self._reserved.get(key)
+        if reservation is not None and reservation.attempt >= attempt:
+            return  # its decision is folded: the reservation ends with it
+        self._own("ended")
+        self._ended[key] = Ended(backend, at, attempt, max(0, tokens))
+
+    def _late_route(self, event: Routed, ended: Ended, key: str, at: float) -> None:
+        """The decision of a request already over: it spends what it would
+        have, had it come first, and reserves nothing."""
+        tokens = max(0, event.reserved_tokens)
+        if event.attempt != ended.attempt:  # an older decision (a newer one may follow)
+            self._spend(event.backend, Cost(requests=1, tokens=tokens), at)
+            return
+        self._own("ended")
+        del self._ended[key]
+        if not ended.tokens or ended.backend != event.backend:
+            # Nothing to reconcile: an end that reconciles none leaves the estimate spent.
+            self._spend(event.backend, Cost(requests=1, tokens=tokens), at)
+            return
+        # Its completion spent the tokens used at its end: as if the decision had
+        # come first, the part of them the estimate covered moves to the decision
+        # (reconciled: the estimate down to what was used, the excess at the end).
+        moved = min(tokens, ended.tokens)
+        quota = reconcile(
+            self._quota(event.backend), reserved=moved, used=0, reserved_at=ended.at, at=ended.at
+        )
+        self._set_backend(event.backend, quota=reserve(quota, Cost(requests=1, tokens=moved), at))
+
     def _route(self, event: Routed, at: float) -> None:
         """A decision reserves one request and its token estimate of the backend's quota."""
         key = msg_id(event.tenant, event.request_id)
         tokens = max(0, event.reserved_tokens)
+        ended = self._ended.get(key)
+        if ended is not None:
+            self._late_route(event, ended, key, at)
+            return
         self._spend(event.backend, Cost(requests=1, tokens=tokens), at)
+        current = self._reserved.get(key)
+        if current is not None and current.attempt > event.attempt:
+            return  # an older decision logged late: a newer one reserves
         running = self._in_flight.get(key)
         begun = (
             running is not None
@@ -677,7 +764,11 @@ class Folding:
             key = msg_id(event.tenant, event.request_id)
             reservation = self._reserved.get(key)
             used = event.usage.prompt_tokens + event.usage.completion_tokens
-            if reservation is not None and reservation.backend == event.backend:
+            if (
+                reservation is not None
+                and reservation.backend == event.backend
+                and reservation.attempt == event.attempt
+            ):
                 quota = reconcile(
                     self._quota(event.backend),
                     reserved=reservation.tokens,
@@ -732,6 +823,11 @@ class Folding:
         self.in_flight_dropped += len(stale)
         for key in [key for key, entry in self._reserved.items() if entry.at < horizon]:
             self._release(key)
+        old = [key for key, entry in self._ended.items() if entry.at < horizon]
+        if old:
+            self._own("ended")
+            for key in old:
+                del self._ended[key]
 
     def freeze(self) -> ProjectionState:
         return ProjectionState(
@@ -750,5 +846,6 @@ class Folding:
             in_flight_dropped=self.in_flight_dropped,
             last_sweep_at=self.last_sweep_at,
             mismatched=self.mismatched,
+            ended=self._ended,
             splits=self._splits.freeze(),
         )
