@@ -1103,7 +1103,10 @@ async def procs_pipeline(
 
             async def submit_result(_result: LoopResult) -> float:
                 start = time.perf_counter()
-                handle = await client.submit(PROMPT, route="chat", priority="normal", timeout=60)
+                # Only the result is wanted, as in the one-process mode: no token chunks.
+                handle = await client.submit(
+                    PROMPT, route="chat", priority="normal", timeout=60, stream=False
+                )
                 await handle.result(timeout=60)
                 return time.perf_counter() - start
 
