@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from test_binder import until
+from _waits import until
 from test_fallback import FAST, failing
 from test_restarts import TENANT
 

@@ -10,11 +10,12 @@ is delivered to the new binder at once, not after ``router.ack_wait``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _waits import until
 from test_restarts import (
     LEVELS,
     assert_nothing_left,
@@ -46,15 +47,6 @@ from renqueue.services.router import Router
 from renqueue.services.router import _term as term_module
 
 TENANT = "t"
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, within: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not await check():
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {within} s waiting until {what}")
-        await asyncio.sleep(0.02)
 
 
 def strict_config(url: str, mock: MockBackend, slots: int) -> Config:

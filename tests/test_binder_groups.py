@@ -15,13 +15,14 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from _waits import until
 from test_restarts import LEVELS, RouterProcess, assert_nothing_left, audit
 
 from renqueue import Client, Services
@@ -55,15 +56,6 @@ from renqueue.services.router._forward import ACKS_WAIT, Forwarder, open_forward
 TENANT = "t"
 ROUTES = ("r1", "r2")
 ROUTE_OF = {"b1": "r1", "b2": "r2"}
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, within: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not await check():
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {within} s waiting until {what}")
-        await asyncio.sleep(0.02)
 
 
 def write_config(

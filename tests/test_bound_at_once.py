@@ -12,11 +12,12 @@ and nothing logged twice for the next one.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
 import pytest
+from _waits import until
 from test_binder import two_backends
 
 from renqueue import Client, Services, parse_config
@@ -54,15 +55,6 @@ from renqueue.state import ProjectionState, fold_many
 
 TENANT = "t"
 LEVELS = ("critical", "high", "normal", "low", "batch")
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, within: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not await check():
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {within} s waiting until {what}")
-        await asyncio.sleep(0.02)
 
 
 async def stored(js: Any, request_id: str) -> list[tuple[str, Event]]:

@@ -19,7 +19,7 @@ import httpx
 import msgspec
 import nats.js.errors
 import pytest
-from test_binder import until
+from _waits import until
 
 from renqueue import Client, RequestRejectedError, Services, parse_config
 from renqueue.broker import (

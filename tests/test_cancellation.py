@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from _waits import until
 from prometheus_client import REGISTRY
-from test_binder import until
 
 from renqueue import Client, RequestCancelledError, RequestExpiredError, Services, parse_config
 from renqueue.broker import EventLog, provision

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 from _loopback import serve
+from _waits import until
 from aiohttp import web
-from test_binder import until
 from test_fallback import FAST, config_for, failing, routed
 from test_quota_exhausted import describe, results
 from test_restarts import TENANT

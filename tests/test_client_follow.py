@@ -19,8 +19,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from _waits import until
 from nats.js.api import ConsumerConfig, ConsumerInfo, SequenceInfo
-from test_binder import until
 
 from renqueue import Client, Services, TokensExpiredError, UnknownPriorityError, parse_config
 from renqueue.broker import Connection, EmbeddedServer, EventLog, provision

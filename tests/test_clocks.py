@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from _clock_sentinels import find, find_in_source
-from test_binder import until
+from _waits import until
 from test_projection import events_js, publish, started, stored
 
 from renqueue.broker import JetStream

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_binder import until
+from _waits import until
 from test_startup import ServiceProcess, service_config
 
 from renqueue import Client

@@ -17,7 +17,7 @@ from typing import Any, get_args
 import httpx
 import msgspec
 import pytest
-from test_binder import until
+from _waits import until
 from test_dlq import poison
 from test_gateway_sdk import ACME, MESSAGES, Stack, mock, start  # noqa: F401 - fixture
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import openai
 import pytest
+from _waits import until
 from PIL import Image  # matplotlib's dependency, in the dev extra
 from playwright.async_api import async_playwright
-from test_binder import until
 from test_dlq import poison
 
 from renqueue import Services, parse_config

@@ -14,13 +14,14 @@ import json
 import os
 import re
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from _waits import until
 
 from renqueue import Client, RequestFailedError, RequestRejectedError, Services, load_config
 from renqueue.broker import EventLog
@@ -56,15 +57,6 @@ SECRET = "sk-test-5ecret-do-not-print"
 def backend_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """The services read the backend's key from the environment, as in production."""
     monkeypatch.setenv("RQ_TEST_KEY", SECRET)
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, within: float = 15.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not await check():
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {within} s waiting until {what}")
-        await asyncio.sleep(0.02)  # poll interval of the condition
 
 
 def write_config(

@@ -20,13 +20,14 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from _waits import until
 
 from renqueue import Client, RequestFailedError, RequestRejectedError, Services, load_config
 from renqueue.broker import EventLog, JetStreamApi, connect, provision, read_subject, reply_error
@@ -64,15 +65,6 @@ from renqueue.schema import (
 )
 
 TENANT = "t"
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, within: float = 15.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not await check():
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {within} s waiting until {what}")
-        await asyncio.sleep(0.02)
 
 
 def write_config(path: Path, *, nats_url: str, backend_url: str, extra: str = "") -> Config:

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from _waits import until
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_binder import until
 from test_fallback import FAST, config_for, failing
 
 from renqueue import Client, Services, parse_config

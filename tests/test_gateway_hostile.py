@@ -23,8 +23,8 @@ import httpx
 import msgspec
 import openai
 import pytest
+from _waits import until
 from prometheus_client import REGISTRY
-from test_binder import until
 
 from renqueue import parse_config
 from renqueue.config import Config

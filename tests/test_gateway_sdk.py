@@ -22,8 +22,8 @@ import httpx
 import msgspec
 import openai
 import pytest
+from _waits import until
 from openai.types.chat import ChatCompletionMessageFunctionToolCall, ParsedFunctionToolCall
-from test_binder import until
 
 from renqueue import Client, RequestCancelledError, Services, parse_config
 from renqueue.broker import EventLog, JetStream

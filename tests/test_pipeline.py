@@ -19,9 +19,9 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import pytest
+from _waits import until
 from nats.aio.client import Client as NatsClient
 from prometheus_client import REGISTRY
-from test_dlq import until
 
 from renqueue import (
     Client,

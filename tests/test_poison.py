@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_binder import until
+from _waits import until
 from test_fallback import FAST
 from test_restarts import TENANT
 from test_wire_v2_hostile import config_of, nested, raw_request

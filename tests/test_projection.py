@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from _waits import until
 from prometheus_client import REGISTRY
-from test_binder import until
 
 from renqueue.broker import Connection, EmbeddedServer, EventLog, JetStream, connect, provision
 from renqueue.config import parse_config

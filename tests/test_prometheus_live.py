@@ -28,8 +28,8 @@ import prometheus_client
 import yaml
 from _loopback import serve
 from _prometheus import GRAFANA_DIR, PROMETHEUS_DIR, alert_rules, load_yaml, prometheus
+from _waits import until
 from aiohttp import web
-from test_binder import until
 from test_restarts import TENANT
 
 from renqueue import Client, Services

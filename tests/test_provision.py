@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_binder import until
+from _waits import until
 
 from renqueue import Client
 from renqueue.broker import (

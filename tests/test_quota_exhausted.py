@@ -22,7 +22,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from test_binder import held, until
+from _waits import until
+from test_binder import held
 from test_restarts import TENANT
 
 from renqueue import Client, RequestHandle, Services, parse_config

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from test_binder import until
+from _waits import until
 from test_restarts import TENANT
 
 from renqueue import Client, Services, parse_config

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from test_binder import until
+from _waits import until
 from test_cli import run
 
 from renqueue import Client, RequestFailedError, Services, load_config

@@ -19,7 +19,7 @@ from typing import Any
 
 import openai
 import pytest
-from test_binder import until
+from _waits import until
 from test_gateway_sdk import MESSAGES, start
 from test_poison import run_in_background, trip_the_router
 from test_restarts import TENANT

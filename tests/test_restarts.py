@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _waits import until
 
 from renqueue import Client, Services
 from renqueue.broker import Connection, EmbeddedServer, EventLog, connect
@@ -192,15 +193,6 @@ async def router_processes(
         for router in started:
             if router.proc is not None:
                 await asyncio.wait_for(router.proc.wait(), 10)
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, within: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not await check():
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {within} s waiting until {what}")
-        await asyncio.sleep(0.02)
 
 
 async def held(js: Any) -> int:

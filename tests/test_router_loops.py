@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _waits import until
 
 from renqueue import Client, Services, parse_config
 from renqueue.broker import EmbeddedServer, EventLog, connect
@@ -80,15 +81,6 @@ async def server(tmp_path: Path) -> AsyncIterator[EmbeddedServer]:
     conf.write_text(SERVER_CONF)
     async with EmbeddedServer(tmp_path / "nats", port=-1, config_file=conf) as server:
         yield server
-
-
-async def until(check: Any, what: str, within: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not await check():
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {within} s waiting until {what}")
-        await asyncio.sleep(0.02)
 
 
 async def held(js: Any) -> int:

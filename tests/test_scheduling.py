@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from test_binder import until
+from _waits import until
 
 from renqueue import Client, Config, ConfigError, RequestExpiredError, Services, parse_config
 from renqueue.broker import EventLog

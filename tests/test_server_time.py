@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
+from _waits import until
 
 from renqueue import Client, RequestCancelledError, Services, parse_config
 from renqueue.broker import EventLog
@@ -48,15 +48,6 @@ def one_slot(tmp_path: Path, url: str, nats_url: str = "") -> Config:
             "router": {"capacity_refresh": "20ms"},
         }
     )
-
-
-async def until(check: Any, what: str, within: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not await check():
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {within} s waiting until {what}")
-        await asyncio.sleep(0.02)
 
 
 async def start_of(client: Client, request_id: str) -> float:

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 from _loopback import serve
+from _waits import until
 from aiohttp import web
-from test_binder import until
 from test_coalescing import _wait_coalesced
 from test_final_chunks import make_config, stored_chunks
 from test_gateway_sdk import ACME, Stack, start

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from _waits import until
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from test_binder import until
 from test_fallback import FAST, config_for, failing
 from test_gateway_sdk import MESSAGES, Stack, start
 
