@@ -1630,6 +1630,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def write_report(report: dict[str, Any], out: Path, stem: str) -> None:
+    """``report`` as ``<stem>-<timestamp>.json`` and ``<stem>-latest.json`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}-{report['timestamp']}.json"
+    text = json.dumps(report, indent=2) + "\n"
+    path.write_text(text)
+    (out / f"{stem}-latest.json").write_text(text)
+    print(f"\n  JSON: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    print(f"  total {report['total_seconds']:.0f}s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="shorter runs (about a minute)")
@@ -1687,24 +1698,12 @@ def main() -> None:
     if args.procs:
         report = asyncio.run(run_procs(args))
         print_procs_report(report)
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"pipeline-procs-{report['timestamp']}.json"
-        text = json.dumps(report, indent=2) + "\n"
-        path.write_text(text)
-        (args.out / "pipeline-procs-latest.json").write_text(text)
-        print(f"\n  JSON: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
-        print(f"  total {report['total_seconds']:.0f}s")
+        write_report(report, args.out, "pipeline-procs")
         return
     if args.real:
         report = asyncio.run(run_real(args))
         print_real_report(report)
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"pipeline-real-{report['timestamp']}.json"
-        text = json.dumps(report, indent=2) + "\n"
-        path.write_text(text)
-        (args.out / "pipeline-real-latest.json").write_text(text)
-        print(f"\n  JSON: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
-        print(f"  total {report['total_seconds']:.0f}s")
+        write_report(report, args.out, "pipeline-real")
         return
     if args.loop == "uvloop":
         import uvloop  # noqa: PLC0415 - only when asked for
@@ -1713,13 +1712,7 @@ def main() -> None:
     else:
         report = asyncio.run(run(args))
     print_report(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"pipeline-{report['timestamp']}.json"
-    text = json.dumps(report, indent=2, sort_keys=False) + "\n"
-    path.write_text(text)
-    (args.out / "pipeline-latest.json").write_text(text)
-    print(f"\n  JSON: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
-    print(f"  total {report['total_seconds']:.0f}s")
+    write_report(report, args.out, "pipeline")
 
 
 if __name__ == "__main__":
