@@ -13,6 +13,7 @@ import ast
 import asyncio
 import contextlib
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import nats.errors
@@ -62,6 +63,30 @@ def imports_nats(path: Path) -> bool:
         ):
             return True
     return False
+
+
+class _Tasks:
+    created = 0
+
+
+@contextlib.contextmanager
+def tasks_created() -> Iterator[_Tasks]:
+    """Count the tasks the running loop creates inside the block."""
+    loop = asyncio.get_running_loop()
+    tasks = _Tasks()
+    default = loop.get_task_factory()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro, **kwargs):  # type: ignore[no-untyped-def]
+        tasks.created += 1
+        if default is not None:
+            return default(loop, coro, **kwargs)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(counting)
+    try:
+        yield tasks
+    finally:
+        loop.set_task_factory(default)
 
 
 def test_only_the_boundary_imports_nats() -> None:
@@ -456,23 +481,9 @@ async def test_a_publish_with_a_free_slot_starts_no_task_and_its_ack_is_ours(
     js = JetStream(context, isolated_nc)
     await context.add_stream(name="ACKS", subjects=["acks.>"])
     await (await js.publish_async("acks.warm", b"x"))  # nats-py subscribes its reply inbox once
-    loop = asyncio.get_running_loop()
-    created = 0
-    default = loop.get_task_factory()
-
-    def counting(loop: asyncio.AbstractEventLoop, coro, **kwargs):  # type: ignore[no-untyped-def]
-        nonlocal created
-        created += 1
-        if default is not None:
-            return default(loop, coro, **kwargs)
-        return asyncio.Task(coro, loop=loop, **kwargs)
-
-    loop.set_task_factory(counting)
-    try:
+    with tasks_created() as tasks:
         acks = [await js.publish_async(f"acks.{i}", b"x") for i in range(2)]
-    finally:
-        loop.set_task_factory(default)
-    assert created == 0, f"{created} tasks for 2 publishes"
+    assert tasks.created == 0, f"{tasks.created} tasks for 2 publishes"
     assert [ack.stream for ack in await asyncio.gather(*acks)] == ["ACKS", "ACKS"]
     with pytest.raises(NatsNoRespondersError):
         await (await js.publish_async("nowhere", b"x"))
@@ -494,26 +505,12 @@ async def test_a_batch_fetch_takes_buffered_messages_without_a_task_each(
     for i in range(200):
         await isolated_js.publish(f"fast.{i}", str(i).encode())
     psub = await isolated_js.pull_subscribe("fast.>", durable="reader", stream="FAST")
-    loop = asyncio.get_running_loop()
-    created = 0
-    default = loop.get_task_factory()
-
-    def counting(loop: asyncio.AbstractEventLoop, coro, **kwargs):  # type: ignore[no-untyped-def]
-        nonlocal created
-        created += 1
-        if default is not None:
-            return default(loop, coro, **kwargs)
-        return asyncio.Task(coro, loop=loop, **kwargs)
-
-    loop.set_task_factory(counting)
-    try:
+    with tasks_created() as tasks:
         got: list[bytes] = []
         while len(got) < 200:
             got.extend(msg.data for msg in await psub.fetch(200, timeout=2.0))
-    finally:
-        loop.set_task_factory(default)
     assert got == [str(i).encode() for i in range(200)]
-    assert created < 50, f"{created} tasks for 200 messages"
+    assert tasks.created < 50, f"{tasks.created} tasks for 200 messages"
     with pytest.raises(NatsTimeoutError):
         await psub.fetch(10, timeout=0.2)
 
@@ -533,24 +530,10 @@ async def test_a_fetch_that_waits_starts_no_task_and_a_close_ends_it(
     psub = await js.pull_subscribe("wait.>", durable="waiter", stream="WAIT")
     for i in range(20):
         await js.publish(f"wait.{i}", str(i).encode())
-    loop = asyncio.get_running_loop()
-    created = 0
-    default = loop.get_task_factory()
-
-    def counting(loop: asyncio.AbstractEventLoop, coro, **kwargs):  # type: ignore[no-untyped-def]
-        nonlocal created
-        created += 1
-        if default is not None:
-            return default(loop, coro, **kwargs)
-        return asyncio.Task(coro, loop=loop, **kwargs)
-
-    loop.set_task_factory(counting)
-    try:
+    with tasks_created() as tasks:
         got = [(await psub.fetch(1, timeout=5.0))[0].data for _ in range(20)]
-    finally:
-        loop.set_task_factory(default)
     assert got == [str(i).encode() for i in range(20)]
-    assert created == 0, f"{created} tasks for 20 fetches"
+    assert tasks.created == 0, f"{tasks.created} tasks for 20 fetches"
     with pytest.raises(NatsTimeoutError):
         await psub.fetch(10, timeout=0.2)
     waiting = asyncio.create_task(psub.fetch(1, timeout=60.0))
