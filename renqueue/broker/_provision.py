@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import functools
 import importlib.resources
 import json
 import os
@@ -300,12 +299,12 @@ async def provision(
         items.append(await _ensure_stream(api, desired, source=str(directory / spec.file)))
     # Both wait while JetStream cannot answer, as every other step does (a
     # service started while a node is down must wait for it, not exit).
-    if config.sharded() or await _answered(api, "the forwarding consumer", _has_group_consumers):
+    if config.sharded() or await _answered(
+        api, "the forwarding consumer", lambda: _has_group_consumers(api)
+    ):
         keep = frozenset(d["durable_name"] for s, d, _ in consumers if s == REQUESTS_STREAM)
         await _answered(
-            api,
-            "the router consumers",
-            functools.partial(_drop_other_router_consumers, keep=keep),
+            api, "the router consumers", lambda: _drop_other_router_consumers(api, keep)
         )
     for stream, desired, source in consumers:
         items.append(await _ensure_consumer(api, stream, desired, source=source))
@@ -648,13 +647,10 @@ def _group_consumers(
     return consumers
 
 
-async def _answered(
-    api: JetStreamApi, step: str, attempt: Callable[[JetStreamApi], Awaitable[_T]]
-) -> _T:
-    """``attempt(api)`` once JetStream answers it (:func:`until_jetstream_answers`)."""
-    return await until_jetstream_answers(
-        step, lambda: attempt(api), nc=api.nc, patience=api.patience
-    )
+async def _answered(api: JetStreamApi, step: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
+    """``attempt()`` once JetStream answers it (:func:`until_jetstream_answers`,
+    with ``api``'s connection and patience): every provisioning step waits so."""
+    return await until_jetstream_answers(step, attempt, nc=api.nc, patience=api.patience)
 
 
 async def _has_group_consumers(api: JetStreamApi) -> bool:
@@ -809,11 +805,10 @@ async def _ensure_stream(
     api: JetStreamApi, desired: dict[str, Any], *, source: str
 ) -> ProvisionItem:
     """Create or update one stream, waiting while JetStream cannot answer."""
-    return await until_jetstream_answers(
+    return await _answered(
+        api,
         f"stream {desired['name']}",
         lambda: _ensure_stream_now(api, desired, source=source),
-        nc=api.nc,
-        patience=api.patience,
     )
 
 
@@ -896,11 +891,10 @@ async def _ensure_consumer(
     api: JetStreamApi, stream: str, desired: dict[str, Any], *, source: str
 ) -> ProvisionItem:
     """Create or update one consumer, waiting while JetStream cannot answer."""
-    return await until_jetstream_answers(
+    return await _answered(
+        api,
         f"consumer {stream}/{desired['durable_name']}",
         lambda: _ensure_consumer_now(api, stream, desired, source=source),
-        nc=api.nc,
-        patience=api.patience,
     )
 
 
