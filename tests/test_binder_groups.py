@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import pytest
 from _waits import until
+from test_exporter import exporting, scrape
 from test_restarts import LEVELS, RouterProcess, assert_nothing_left, audit
 
 from renqueue import Client, Services
@@ -259,6 +260,54 @@ async def test_one_router_binds_both_groups(
         await audit(js, handles)
         assert await routed_by(js, handles) == {route: {router.holder} for route in ROUTES}
         await assert_nothing_left(js)
+
+
+async def test_the_exporter_shows_each_groups_binder(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """Split in groups, each group's lease is a series of its own: held or not,
+    and its term, kept once its router gives the lease up (the unlabelled pair
+    speaks for all the groups together)."""
+    async with stack(tmp_path, isolated_server) as (_file, config):
+        nc = await connect(isolated_server.url, name="test-group-exporter")
+        try:
+            js = nc.jetstream()
+            await provision(js, config)
+            async with exporting(js, config) as (registry, _):
+                first = await scrape(registry)
+                for route in ROUTES:
+                    assert first("renqueue_binder_group_present", group=route) == 0
+                    assert first("renqueue_binder_group_term", group=route) == 0
+                async with Services(config, routers=1) as services:
+                    [router] = services.routers
+
+                    async def both_held() -> bool:
+                        now = await scrape(registry)
+                        return all(
+                            now("renqueue_binder_group_present", group=route) == 1
+                            for route in ROUTES
+                        )
+
+                    await until(both_held, "the exporter sees both groups' binders")
+                    terms = {
+                        route: held.term
+                        for route in ROUTES
+                        if (held := await read_lease(js, binder_lease(route))) is not None
+                    }
+                    assert sorted(terms) == list(ROUTES)
+                    held = await scrape(registry)
+                    for route in ROUTES:
+                        assert held("renqueue_binder_group_term", group=route) == terms[route] > 0
+                    assert held("renqueue_binder_present") == 1
+                    assert router.binding_groups == list(ROUTES)
+                # The router gave its leases up: no binder; each group's last term is kept.
+                gone = await scrape(registry)
+                for route in ROUTES:
+                    assert gone("renqueue_binder_group_present", group=route) == 0
+                    assert gone("renqueue_binder_group_term", group=route) == terms[route]
+                assert gone("renqueue_binder_present") == 0
+        finally:
+            await nc.close()
 
 
 async def test_a_route_subject_that_disagrees_with_the_payload_is_rejected(

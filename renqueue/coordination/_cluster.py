@@ -21,7 +21,7 @@ import asyncio
 import datetime
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Final, Literal
 
 from msgspec import Struct
@@ -146,9 +146,16 @@ SERIES: Final = (
            "1 for the split's state (live, promoted, rolled_back), 0 for the others"),
     Series("renqueue_binder_term", "gauge", (),
            "The binder's lease term (the lease's revision when it was taken; grows with each "
-           "take-over); the last one seen while none holds it; 0 when none was ever seen"),
+           "take-over); the last one seen while none holds it; 0 when none was ever seen. "
+           "Binding split in groups: the first group's (see renqueue_binder_group_term)"),
     Series("renqueue_binder_present", "gauge", (),
-           "1 while a router holds the binder's lease, else 0"),
+           "1 while a router holds the binder's lease, else 0. Binding split in groups: 1 "
+           "while every group's lease is held"),
+    Series("renqueue_binder_group_term", "gauge", ("group",),
+           "Binding split in groups: the group's binder term (its lease's revision when it "
+           "was taken); the last one seen while none holds it; 0 when none was ever seen"),
+    Series("renqueue_binder_group_present", "gauge", ("group",),
+           "Binding split in groups: 1 while a router holds the group's binder lease, else 0"),
     Series("renqueue_projection_lag_events", "gauge", (),
            "Events in the log not yet folded into the projection's checkpoint"),
     Series("renqueue_projection_lag_seconds", "gauge", (),
@@ -172,8 +179,12 @@ class ClusterReading(Struct, frozen=True, kw_only=True):
     splits: tuple[SplitReport, ...]
     #: Messages in the dead-letter stream (``None``: no such stream).
     dlq_messages: int | None
-    #: Who holds the binder's lease (``None``: no one now).
+    #: Who holds the binder's lease (``None``: no one now); binding split in
+    #: groups, the first group's holder while every group's lease is held.
     binder: LeaseHolder | None
+    #: Binding split in groups: each group's name and who holds its lease
+    #: (``None``: no one now), in the config's order. Empty when not split.
+    groups: tuple[tuple[str, LeaseHolder | None], ...] = ()
     #: Age of the oldest event the checkpoint has not folded; 0 when caught up.
     lag_seconds: float
 
@@ -189,8 +200,8 @@ async def read_cluster(
     at = time.time() if now is None else now
     read = await read_checkpoint(await js.key_value(STATE_BUCKET))
     state = None if read is None else read[0]
-    status, dlq, binder = await asyncio.gather(
-        status_of(js, config, state, at), _dlq_messages(js), _binder(js, config)
+    status, dlq, (binder, groups) = await asyncio.gather(
+        status_of(js, config, state, at), _dlq_messages(js), _binders(js, config)
     )
     return ClusterReading(
         at=at,
@@ -198,17 +209,23 @@ async def read_cluster(
         splits=tuple(splits_of(config, state, at)),
         dlq_messages=dlq,
         binder=binder,
+        groups=groups,
         lag_seconds=await _lag(js, status, at),
     )
 
 
-async def _binder(js: JetStream, config: Config) -> LeaseHolder | None:
-    """Who holds the binder's lease; binding split in groups: the first group's
-    holder while every group's lease is held (``None`` while one is not)."""
+async def _binders(
+    js: JetStream, config: Config
+) -> tuple[LeaseHolder | None, tuple[tuple[str, LeaseHolder | None], ...]]:
+    """Who holds the binder's lease, and each group's holder when binding is
+    split in groups (then the first's stands for all while every lease is held,
+    ``None`` while one is not)."""
     if not config.sharded():
-        return await read_lease(js, BINDER_LEASE)
-    holders = [await read_lease(js, binder_lease(g.name)) for g in config.binding_groups()]
-    return None if None in holders else holders[0]
+        return await read_lease(js, BINDER_LEASE), ()
+    names = [group.name for group in config.binding_groups()]
+    holders = await asyncio.gather(*(read_lease(js, binder_lease(name)) for name in names))
+    groups = tuple(zip(names, holders, strict=True))
+    return (None if None in holders else holders[0]), groups
 
 
 async def _dlq_messages(js: JetStream) -> int | None:
@@ -275,14 +292,20 @@ def cluster_families(
     up: bool,
     term: int,
     out: Iterable[str] = (),
+    group_terms: Mapping[str, int] | None = None,
 ) -> list[Metric]:
     """The gauge and counter families of :data:`SERIES` for ``reading`` (the
     last one read; ``None``: none yet), whether the last read succeeded
-    (``up``), and the last binder's term seen (``term``). ``out``: backends
-    out of service here. The histograms are the exporter's own. Pure."""
+    (``up``), and the last binder's term seen (``term``; binding split in
+    groups, each group's in ``group_terms``, 0 for one never seen). ``out``:
+    backends out of service here. The histograms are the exporter's own. Pure."""
     families = _Families()
     families.add("renqueue_exporter_up", 1.0 if up else 0.0)
     families.add("renqueue_binder_term", float(term))
+    if config.sharded():
+        seen = group_terms or {}
+        for group in config.binding_groups():
+            families.add("renqueue_binder_group_term", float(seen.get(group.name, 0)), group.name)
     families.add("renqueue_store_warn_ratio", config.nats.store_warn)
     for level in config.level_policies():
         bound = math.inf if level.age_after is None else level.age_after
@@ -301,6 +324,8 @@ def _add_reading(
     status = reading.status
     families.add("renqueue_exporter_read_timestamp_seconds", reading.at)
     families.add("renqueue_binder_present", 0.0 if reading.binder is None else 1.0)
+    for group, holder in reading.groups:
+        families.add("renqueue_binder_group_present", 0.0 if holder is None else 1.0, group)
     families.add("renqueue_projection_lag_events", float(status.events_behind))
     families.add("renqueue_projection_lag_seconds", reading.lag_seconds)
     if reading.dlq_messages is not None:

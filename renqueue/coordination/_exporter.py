@@ -116,6 +116,8 @@ class ClusterMetrics(Collector):
         self._up = False
         #: The last binder's term seen (kept while no one holds the lease).
         self._term = 0
+        #: Binding split in groups: each group's last binder term seen.
+        self._group_terms: dict[str, int] = {}
         #: When a read last ended (``clock`` time), well or not.
         self._tried_at = -float("inf")
         self._failing = False
@@ -198,6 +200,9 @@ class ClusterMetrics(Collector):
         self._up = True
         if reading.binder is not None:
             self._term = reading.binder.term
+        for group, holder in reading.groups:
+            if holder is not None:
+                self._group_terms[group] = holder.term
         if self._failing:
             log.info("reading the cluster again")
         self._failing = False
@@ -233,7 +238,12 @@ class ClusterMetrics(Collector):
     def collect(self) -> Iterable[Metric]:
         self._refresh_for_scrape()
         yield from cluster_families(
-            self._reading, self.config, up=self._up, term=self._term, out=self._out
+            self._reading,
+            self.config,
+            up=self._up,
+            term=self._term,
+            out=self._out,
+            group_terms=self._group_terms,
         )
         yield from self.ttft.collect()
         yield from self.duration.collect()
