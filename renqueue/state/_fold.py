@@ -21,7 +21,9 @@ while its decision was not folded yet (below), swept the same way.
 A binder that may have bound a request before logs its decision only once the
 dispatch is stored, so a fast worker's ``started`` and even its terminal event
 can be stored before that ``routed``. The fold gives the same state in either
-order: a terminal of a call whose decision is not folded leaves an
+order: a terminal of a call whose decision is not folded (a ``completed``
+or ``failed`` run, a worker's ``expired`` or ``cancelled``, which name their
+run even before its call began, or any end of a call that started) leaves an
 :class:`Ended` mark (the call's backend, attempt, time and the tokens it
 spent), and the late ``routed`` of that attempt consumes it instead of
 reserving: it spends what its decision would have (one request, and the token
@@ -121,14 +123,17 @@ __all__ = [
 #: 10: backends count every failure that blamed them (``faults``).
 #: 11: the state marks requests that ended before their decision was folded
 #: (``ended``), so a late ``routed`` reserves nothing.
-STATE_VERSION: Final = 11
+#: 12: an ``ended`` mark says whether its request completed (``completed``: a
+#: completion that used no tokens still reconciles its late decision's estimate).
+STATE_VERSION: Final = 12
 
 #: Older versions a projector takes as they are stored, only marking them
 #: current: every version since added fields with defaults and changed no
 #: meaning (10's ``faults`` count from the upgrade on; 11's ``ended`` marks
-#: only requests that end after it). Older than these, it folds the log again
+#: only requests that end after it, and a mark stored by 11 reads as not
+#: ``completed``: as 11 folded it). Older than these, it folds the log again
 #: (what is past the log's ``max_age`` is then lost).
-UPGRADED_IN_PLACE: Final = frozenset({9, 10})
+UPGRADED_IN_PLACE: Final = frozenset({9, 10, 11})
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
 #: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
@@ -275,13 +280,15 @@ class Ended(Struct, frozen=True, array_like=True):
 
     ``tokens``: what its completion spent at ``at`` with no reservation to
     reconcile (0 for any other end), which that decision's estimate is
-    reconciled with when it comes.
+    reconciled with when it comes; ``completed``: it ended with that
+    completion (so even 0 tokens used reconciles the estimate away).
     """
 
     backend: str
     at: float
     attempt: int
     tokens: int = 0
+    completed: bool = False
 
 
 class ProjectionState(Struct, frozen=True, kw_only=True):
@@ -384,6 +391,9 @@ def _finite(value: float) -> float:
 #: every call (the fold runs for every event of the log).
 _TERMINAL: Final = (Completed, Failed, Rejected, Expired, Cancelled)
 _CALL_OUTCOMES: Final = (Completed, FellBack, Retrying, Failed)
+#: Terminal events that name the run they ended at when a worker (or the
+#: dead-letter of a dispatch) ended it: ``backend`` and ``attempt``.
+_RUN_ENDS: Final = (Failed, Expired, Cancelled)
 
 
 def _bump(counts: dict[str, int], key: str) -> dict[str, int]:
@@ -690,12 +700,15 @@ class Folding:
         """Mark a request ending while the decision of its call is not folded
         (none reserved for its attempt): its ``routed`` is yet to come."""
         running = self._in_flight.get(key)
-        attempt, backend, tokens = 0, "", 0
+        attempt, backend, tokens, completed = 0, "", 0, False
         if isinstance(event, Completed):
             if event.shared_with is None:  # a follower made no call of its own
-                attempt, backend = event.attempt, event.backend
+                attempt, backend, completed = event.attempt, event.backend, True
                 tokens = event.usage.prompt_tokens + event.usage.completion_tokens
-        elif isinstance(event, Failed) and event.backend is not None:
+        elif isinstance(event, _RUN_ENDS) and event.backend is not None:
+            # Ended at its run (a worker's end, even before the call began: a
+            # deadline passed or a cancel read before the call), or dead-lettered
+            # out of deliveries: that dispatch's decision may be yet to come.
             attempt, backend = event.attempt, event.backend
         if not attempt and running is not None:  # ended while its call ran
             attempt, backend, tokens = running.attempt, running.backend, 0
@@ -705,7 +718,7 @@ class Folding:
         if reservation is not None and reservation.attempt >= attempt:
             return  # its decision is folded: the reservation ends with it
         self._own("ended")
-        self._ended[key] = Ended(backend, at, attempt, max(0, tokens))
+        self._ended[key] = Ended(backend, at, attempt, max(0, tokens), completed)
 
     def _late_route(self, event: Routed, ended: Ended, key: str, at: float) -> None:
         """The decision of a request already over: it spends what it would
@@ -716,7 +729,7 @@ class Folding:
             return
         self._own("ended")
         del self._ended[key]
-        if not ended.tokens or ended.backend != event.backend:
+        if not (ended.completed or ended.tokens) or ended.backend != event.backend:
             # Nothing to reconcile: an end that reconciles none leaves the estimate spent.
             self._spend(event.backend, Cost(requests=1, tokens=tokens), at)
             return

@@ -1,0 +1,201 @@
+"""A decision logged after its run's events: the fold gives the same state in either order.
+
+A binder that may have bound a request before logs its decision (``routed``)
+only once the dispatch is stored, so a fast worker's events, even the
+request's end, can be stored before it. What used to depend on that order:
+a request that ended before its call began (its deadline passed or it
+was cancelled at the worker) left its late decision's quota and cost reserved
+until the 6-hour sweep. Every event here is built by the services' own
+constructors (``renqueue.schema`` ``Run`` and friends, ``renqueue.policy``'s endings).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+import pytest
+
+from renqueue.policy import (
+    Limit,
+    cancelled_at_worker,
+    cancelled_waiting,
+    expired_before_call,
+    expired_running,
+    expired_waiting,
+    used,
+)
+from renqueue.schema import (
+    EVENT_DECODER,
+    ChatMessage,
+    Event,
+    InferenceRequest,
+    Run,
+    Usage,
+    encode,
+    failed,
+    routed,
+)
+from renqueue.state import (
+    STALE_IN_FLIGHT,
+    STATE_VERSION,
+    UPGRADED_IN_PLACE,
+    ProjectionState,
+    decode_state,
+    diff_states,
+    encode_state,
+    fold_many,
+)
+
+T = 1_800_000_000.0
+PER_MINUTE = Limit(kind="requests", count=3, window=60.0)
+TOKENS = Limit(kind="tokens", count=1000, window=60.0)
+
+
+def request(rid: str = "r1") -> InferenceRequest:
+    return InferenceRequest(
+        id=rid, tenant="t", route="chat", messages=[ChatMessage(role="user", content="hi")]
+    )
+
+
+def decision(rid: str = "r1", *, backend: str = "free", probe: bool = False) -> Event:
+    return routed(
+        request(rid),
+        at=T,
+        backend=backend,
+        attempt=1,
+        priority="normal",
+        queue_wait=0.0,
+        reserved_tokens=600,
+        probe=probe,
+        estimated_cost=0.25,
+    )
+
+
+def run_of(rid: str = "r1", backend: str = "free") -> Run:
+    return Run(request_id=rid, tenant="t", backend=backend, attempt=1, delivery=1)
+
+
+#: What may differ with the order, and why it does not matter: when the fold
+#: last swept (at its first event) and the latest time a backend's spend log
+#: recorded (a completion folded first spends its tokens at its end, the
+#: decision then takes them back: the slots hold the same counts).
+ORDER_SHOWS: Final = {"last_sweep_at", "splits.last_sweep_at", "backends.free.quota.spend.newest"}
+
+
+def disagree(first: ProjectionState, late: ProjectionState) -> set[str]:
+    """Where the two states differ, beyond :data:`ORDER_SHOWS`."""
+    return {diff.path for diff in diff_states(first, late)} - ORDER_SHOWS
+
+
+RUN = run_of()
+# How a run's request ends before (or while) its decision is folded, by kind.
+ENDS: dict[str, list[Event]] = {
+    # The worker's gate, before its call: no `started`, nothing in flight.
+    "expired before its call": [expired_before_call(RUN, T + 1.0)],
+    "cancelled before its call": [cancelled_at_worker(RUN, T + 1.0, "queued")],
+    # During its call.
+    "expired during its call": [
+        RUN.started(at=T + 0.1, worker="w"),
+        expired_running(RUN, T + 1.0),
+    ],
+    "cancelled during its call": [
+        RUN.started(at=T + 0.1, worker="w"),
+        cancelled_at_worker(RUN, T + 1.0, "running"),
+    ],
+    "failed at its run": [
+        RUN.failed(at=T + 1.0, error_type="backend_fatal", reason="x", error_class="fatal")
+    ],
+    # Out of deliveries: dead-lettered, failed by the advisory watcher.
+    "dead-lettered": [
+        failed(
+            "r1",
+            "t",
+            at=T + 1.0,
+            error_type="undeliverable",
+            reason="ran out of deliveries",
+            backend="free",
+            attempt=1,
+        )
+    ],
+    "completed": [
+        RUN.started(at=T + 0.1, worker="w"),
+        RUN.completed(at=T + 1.0, text="x", usage=Usage(prompt_tokens=100), cost=0.0),
+    ],
+    "completed over its estimate": [
+        RUN.started(at=T + 0.1, worker="w"),
+        RUN.completed(at=T + 1.0, text="x", usage=Usage(prompt_tokens=900), cost=0.0),
+    ],
+    # A provider that reported no usage: its estimate is reconciled away all the same.
+    "completed using no tokens": [
+        RUN.started(at=T + 0.1, worker="w"),
+        RUN.completed(at=T + 1.0, text="x", usage=Usage(), cost=0.0),
+    ],
+    # Run on a pool sibling that stole its dispatch, expired there before its call.
+    "expired before its call on a sibling": [
+        expired_before_call(run_of(backend="free-2"), T + 1.0)
+    ],
+}
+
+
+@pytest.mark.parametrize("kind", list(ENDS))
+def test_a_decision_logged_after_its_request_ended_folds_as_if_it_came_first(kind: str) -> None:
+    """Regression (expired or cancelled before its call): the late decision
+    reserved quota, and its cost in its tenant's `committed`, until the sweep."""
+    first = fold_many(ProjectionState(), [decision(), *ENDS[kind]])
+    late = fold_many(ProjectionState(), [*ENDS[kind], decision()])
+    assert late.reserved == {}
+    assert late.tenants["t"].committed == 0.0
+    assert late.ended == {}  # the mark was consumed
+    assert disagree(first, late) == set()
+    assert used(late.backend("free").quota, PER_MINUTE, T + 2.0) == 1  # type: ignore[arg-type]
+
+
+def test_a_router_ends_a_request_it_never_dispatched_and_leaves_no_mark() -> None:
+    """Ended while waiting to be routed: no decision will come, so nothing is kept."""
+    state = fold_many(
+        ProjectionState(),
+        [expired_waiting(request("a"), T + 1.0), cancelled_waiting(request("b"), T + 1.0)],
+    )
+    assert state.ended == {}
+
+
+def test_the_mark_of_an_end_whose_decision_never_comes_is_swept_after_the_horizon() -> None:
+    marked = fold_many(ProjectionState(), [expired_before_call(RUN, T + 1.0)])
+    assert set(marked.ended) == {"t:r1"}
+    assert decode_state(encode_state(marked)) == marked  # survives a checkpoint
+    clock = run_of("other")  # another request's events move the log's clock
+    kept = fold_many(marked, [clock.started(at=T + STALE_IN_FLIGHT - 60.0, worker="w")])
+    assert set(kept.ended) == {"t:r1"}
+    gone = fold_many(kept, [clock.started(at=T + 1.0 + STALE_IN_FLIGHT + 60.0, worker="w")])
+    assert gone.ended == {}
+
+
+def test_an_old_logs_worker_end_without_its_run_folds_as_it_did() -> None:
+    """An `expired` written before it named its run decodes, and folds as it
+    did then (no mark): a replay of an old log gives the state it gave."""
+    raw = msgspec.json.decode(encode(expired_before_call(RUN, T + 1.0)))
+    del raw["backend"], raw["attempt"]
+    old = EVENT_DECODER.decode(msgspec.json.encode(raw))
+    assert (old.backend, old.attempt) == (None, 0)  # type: ignore[union-attr]
+    state = fold_many(ProjectionState(), [old, decision()])
+    assert state.ended == {}
+    assert set(state.reserved) == {"t:r1"}  # as before: released by the sweep
+
+
+def test_stored_states_of_versions_10_and_11_load_and_are_upgraded_in_place() -> None:
+    marked = fold_many(ProjectionState(), [expired_before_call(RUN, T + 1.0)])
+    for version in (10, 11):
+        old = msgspec.json.decode(encode_state(marked))
+        old["v"] = version
+        if version == 10:
+            del old["ended"]
+        else:  # 11's marks had no `completed`
+            old["ended"]["t:r1"] = old["ended"]["t:r1"][:4]
+        loaded = decode_state(msgspec.json.encode(old))
+        assert loaded.v == version
+        assert version in UPGRADED_IN_PLACE
+        if version == 11:
+            assert loaded.ended["t:r1"].completed is False
+            assert fold_many(loaded, [decision()]).reserved == {}
+    assert STATE_VERSION == 12
