@@ -2,10 +2,12 @@
 
 A binder that may have bound a request before logs its decision (``routed``)
 only once the dispatch is stored, so a fast worker's events, even the
-request's end, can be stored before it. What used to depend on that order:
-a request that ended before its call began (its deadline passed or it
+request's end, can be stored before it. Two things used to depend on that
+order: a request that ended before its call began (its deadline passed or it
 was cancelled at the worker) left its late decision's quota and cost reserved
-until the 6-hour sweep. Every event here is built by the services' own
+until the 6-hour sweep; and a half-open circuit's probe call whose outcome
+came before its decision was never counted (the circuit waited a cool-off
+for another probe). Every event here is built by the services' own
 constructors (``renqueue.schema`` ``Run`` and friends, ``renqueue.policy``'s endings).
 """
 
@@ -17,21 +19,26 @@ import msgspec
 import pytest
 
 from renqueue.policy import (
+    Circuit,
+    CircuitRules,
     Limit,
     cancelled_at_worker,
     cancelled_waiting,
     expired_before_call,
     expired_running,
     expired_waiting,
+    next_circuit,
     used,
 )
 from renqueue.schema import (
     EVENT_DECODER,
     ChatMessage,
     Event,
+    Fallback,
     InferenceRequest,
     Run,
     Usage,
+    circuit_changed,
     encode,
     failed,
     routed,
@@ -39,6 +46,7 @@ from renqueue.schema import (
 from renqueue.state import (
     STALE_IN_FLIGHT,
     STATE_VERSION,
+    UNROUTED_KEPT,
     UPGRADED_IN_PLACE,
     ProjectionState,
     decode_state,
@@ -50,6 +58,7 @@ from renqueue.state import (
 T = 1_800_000_000.0
 PER_MINUTE = Limit(kind="requests", count=3, window=60.0)
 TOKENS = Limit(kind="tokens", count=1000, window=60.0)
+RULES = CircuitRules()
 
 
 def request(rid: str = "r1") -> InferenceRequest:
@@ -183,11 +192,91 @@ def test_an_old_logs_worker_end_without_its_run_folds_as_it_did() -> None:
     assert set(state.reserved) == {"t:r1"}  # as before: released by the sweep
 
 
+# ------------------------------------------------------------ a probe's late decision
+
+
+HALF_OPEN = circuit_changed(
+    "free", at=T - 1.0, state="half_open", previous="open", reason="cooled off"
+)
+PROBE = run_of("p")
+
+
+def probe_outcomes() -> dict[str, list[Event]]:
+    fault = {"error_type": "backend_unavailable", "error_class": "connect", "reason": "refused"}
+    return {
+        "completed": [
+            PROBE.started(at=T + 0.1, worker="w"),
+            PROBE.completed(at=T + 1.0, text="x", usage=Usage(), cost=0.0),
+        ],
+        "fell back": [
+            PROBE.started(at=T + 0.1, worker="w"),
+            PROBE.fell_back(at=T + 1.0, fallback=Fallback(), probe=True, **fault),  # type: ignore[arg-type]
+        ],
+        "retried then completed": [
+            PROBE.started(at=T + 0.1, worker="w"),
+            PROBE.retrying(at=T + 0.5, retry_after=0.1, **fault),  # type: ignore[arg-type]
+            PROBE.completed(at=T + 1.0, text="x", usage=Usage(), cost=0.0),
+        ],
+        "failed": [PROBE.failed(at=T + 1.0, error_type="backend_fatal", reason="x")],
+    }
+
+
+@pytest.mark.parametrize("kind", list(probe_outcomes()))
+def test_a_probe_calls_outcome_counts_when_its_decision_is_logged_after_it(kind: str) -> None:
+    """Regression: the outcome came while the fold did not know the call was
+    the probe, and the decision that said so came after it: never counted, the
+    circuit stayed half-open until another cool-off and another probe."""
+    outcome = probe_outcomes()[kind]
+    first = fold_many(ProjectionState(), [HALF_OPEN, decision("p", probe=True), *outcome])
+    late = fold_many(ProjectionState(), [HALF_OPEN, *outcome, decision("p", probe=True)])
+    # Put back to be bound again, its reservation (until the next decision)
+    # knows its call had begun only in log order: a later start of this same
+    # attempt (the old dispatch run again) would spend one request more.
+    put_back = {"reserved.t:p.started"} if kind == "fell back" else set()
+    assert disagree(first, late) == put_back
+    backend = late.backend("free")
+    assert backend.ok_since_circuit + backend.faults_since_circuit > 0
+    assert backend.unrouted == ()
+    assert backend.probe_call == "t:p:1"
+    moved = next_circuit(Circuit(state="half_open", since=T - 1.0), backend, RULES, T + 2.0)
+    assert moved.state == ("closed" if kind == "completed" else "open")
+
+
+def test_only_the_probes_late_outcome_counts_and_what_is_kept_is_bounded() -> None:
+    others = [run_of(f"o{n}") for n in range(UNROUTED_KEPT + 2)]
+    ends = [
+        run.completed(at=T + 1.0 + n, text="x", usage=Usage(), cost=0.0)
+        for n, run in enumerate(others)
+    ]
+    state = fold_many(ProjectionState(), [HALF_OPEN, *ends])
+    assert [call for call, _, _ in state.backend("free").unrouted] == [
+        f"t:o{n}:1" for n in range(2, UNROUTED_KEPT + 2)
+    ]
+    # Their decisions, not probes, count nothing and take their entries away.
+    routed_late = fold_many(state, [decision(f"o{n}") for n in range(UNROUTED_KEPT + 2)])
+    assert routed_late.backend("free").unrouted == ()
+    assert routed_late.backend("free").ok_since_circuit == 0
+    # A call whose decision was folded is not the probe: nothing kept.
+    folded = fold_many(ProjectionState(), [HALF_OPEN, decision("o0"), ends[0]]).backend("free")
+    assert (folded.unrouted, folded.ok_since_circuit) == ((), 0)
+    # The next circuit event starts the counts afresh, these too.
+    opened = circuit_changed("free", at=T + 30, state="open", previous="half_open", reason="r")
+    assert fold_many(state, [opened]).backend("free").unrouted == ()
+    # Outcomes in a closed circuit are not kept.
+    assert fold_many(ProjectionState(), ends).backend("free").unrouted == ()
+
+
 def test_stored_states_of_versions_10_and_11_load_and_are_upgraded_in_place() -> None:
-    marked = fold_many(ProjectionState(), [expired_before_call(RUN, T + 1.0)])
+    marked = fold_many(
+        ProjectionState(),
+        [HALF_OPEN, *probe_outcomes()["completed"], expired_before_call(RUN, T + 1.0)],
+    )
+    assert marked.backend("free").unrouted  # kept, in the stored state too
+    assert decode_state(encode_state(marked)) == marked
     for version in (10, 11):
         old = msgspec.json.decode(encode_state(marked))
         old["v"] = version
+        del old["backends"]["free"]["unrouted"]
         if version == 10:
             del old["ended"]
         else:  # 11's marks had no `completed`
@@ -195,6 +284,7 @@ def test_stored_states_of_versions_10_and_11_load_and_are_upgraded_in_place() ->
         loaded = decode_state(msgspec.json.encode(old))
         assert loaded.v == version
         assert version in UPGRADED_IN_PLACE
+        assert loaded.backend("free").unrouted == ()
         if version == 11:
             assert loaded.ended["t:r1"].completed is False
             assert fold_many(loaded, [decision()]).reserved == {}

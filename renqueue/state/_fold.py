@@ -29,6 +29,10 @@ spent), and the late ``routed`` of that attempt consumes it instead of
 reserving: it spends what its decision would have (one request, and the token
 estimate reconciled with the tokens used), and nothing stays reserved or
 committed for a request that is over.
+The same holds for a half-open circuit's probe call, whose outcome alone
+moves the circuit: an outcome logged there for a call whose decision is not
+folded is kept on its backend (``unrouted``: the latest few, cleared by the
+next ``circuit`` event), and the probe's late ``routed`` counts it.
 
 Quota, in event time: a ``routed`` decision spends one request and the token
 estimate it reserved; another call for the same decision (a retry, a run on a
@@ -92,6 +96,7 @@ __all__ = [
     "STATE_KEY",
     "STATE_VERSION",
     "TENANT_WRITTEN_KINDS",
+    "UNROUTED_KEPT",
     "UPGRADED_IN_PLACE",
     "BackendState",
     "Ended",
@@ -124,14 +129,17 @@ __all__ = [
 #: 11: the state marks requests that ended before their decision was folded
 #: (``ended``), so a late ``routed`` reserves nothing.
 #: 12: an ``ended`` mark says whether its request completed (``completed``: a
-#: completion that used no tokens still reconciles its late decision's estimate).
+#: completion that used no tokens still reconciles its late decision's estimate),
+#: and backends keep the outcomes of calls logged in a half-open circuit before
+#: their decision (``unrouted``), so a probe's late ``routed`` still counts its outcome.
 STATE_VERSION: Final = 12
 
 #: Older versions a projector takes as they are stored, only marking them
 #: current: every version since added fields with defaults and changed no
 #: meaning (10's ``faults`` count from the upgrade on; 11's ``ended`` marks
 #: only requests that end after it, and a mark stored by 11 reads as not
-#: ``completed``: as 11 folded it). Older than these, it folds the log again
+#: ``completed``: as 11 folded it; ``unrouted`` keeps only outcomes logged
+#: after the upgrade). Older than these, it folds the log again
 #: (what is past the log's ``max_age`` is then lost).
 UPGRADED_IN_PLACE: Final = frozenset({9, 10, 11})
 
@@ -149,6 +157,9 @@ STATE_KEY: Final = "projection"
 STALE_IN_FLIGHT: Final = 6 * 3600.0
 #: How often (event time) the in-flight map is swept for stale entries.
 _SWEEP_EVERY: Final = 60.0
+#: Outcomes of calls not routed yet a backend keeps while half-open
+#: (``BackendState.unrouted``): the binder binds one call there, its probe.
+UNROUTED_KEPT: Final = 4
 
 
 # ---------------------------------------------------------------------- state
@@ -219,6 +230,13 @@ class BackendState(Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: ``ok_since_circuit`` / ``faults_since_circuit`` (a call that began
     #: before the circuit opened decides nothing).
     probe_call: str = ""
+    #: Outcomes of calls whose decision was not folded yet, logged after its
+    #: latest ``circuit`` event while that is ``half_open``: ``(call, completed,
+    #: faults)``, ``call`` as in ``probe_call``, the latest
+    #: :data:`UNROUTED_KEPT`. A probe's ``routed`` logged after its outcome (a
+    #: rebind logs its decision once the dispatch is stored) counts its entry
+    #: then, as if it had come first; a ``circuit`` event clears them all.
+    unrouted: tuple[tuple[str, int, int], ...] = ()
 
 
 class TenantState(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -513,19 +531,58 @@ class Folding:
             self._sweep()
 
     def _probe_outcome(self, event: Event) -> None:
-        """Count the outcome of a half-open circuit's probe call (only that call's)."""
+        """Count the outcome of a half-open circuit's probe call (only that call's).
+
+        An outcome of a call whose decision is not folded yet may be the
+        probe's (its ``routed`` may land later): it is kept until that comes
+        (:meth:`_probe_routed`)."""
         if not isinstance(event, _CALL_OUTCOMES) or not event.backend:
             return
         backend = self._backends.get(event.backend, EMPTY_BACKEND)
-        key = f"{msg_id(event.tenant, event.request_id)}:{event.attempt}"
-        if backend.circuit != "half_open" or backend.probe_call != key:
+        if backend.circuit != "half_open":
             return
         if isinstance(event, Completed):
-            if event.shared_with is None:
-                self._set_backend(event.backend, ok_since_circuit=backend.ok_since_circuit + 1)
+            ok, fault = int(event.shared_with is None), 0
+        else:
+            ok, fault = 0, int(is_backend_fault(event.error_type, event.error_class))
+        if not ok and not fault:
             return
-        if is_backend_fault(event.error_type, event.error_class):
-            self._set_backend(event.backend, faults_since_circuit=backend.faults_since_circuit + 1)
+        key = msg_id(event.tenant, event.request_id)
+        call = f"{key}:{event.attempt}"
+        if backend.probe_call == call:
+            self._set_backend(
+                event.backend,
+                ok_since_circuit=backend.ok_since_circuit + ok,
+                faults_since_circuit=backend.faults_since_circuit + fault,
+            )
+            return
+        reservation = self._reserved.get(key)
+        if reservation is not None and reservation.attempt >= event.attempt:
+            return  # its decision is folded, and was not the probe
+        kept = [entry for entry in backend.unrouted if entry[0] != call]
+        before = next((entry for entry in backend.unrouted if entry[0] == call), (call, 0, 0))
+        kept.append((call, before[1] + ok, before[2] + fault))
+        self._set_backend(event.backend, unrouted=tuple(kept[-UNROUTED_KEPT:]))
+
+    def _probe_routed(self, event: Routed, key: str) -> None:
+        """A decision: a probe's names its backend's probe call, and counts the
+        outcome that call logged before it; any other's call is not the probe."""
+        backend = self._backends.get(event.backend, EMPTY_BACKEND)
+        call = f"{key}:{event.attempt}"
+        kept = tuple(entry for entry in backend.unrouted if entry[0] != call)
+        if not event.probe:
+            if len(kept) != len(backend.unrouted):
+                self._set_backend(event.backend, unrouted=kept)
+            return
+        changes: dict[str, Any] = {"probe_call": call}
+        if len(kept) != len(backend.unrouted):  # its outcome came first (half-open since)
+            _, ok, fault = next(entry for entry in backend.unrouted if entry[0] == call)
+            changes.update(
+                unrouted=kept,
+                ok_since_circuit=backend.ok_since_circuit + ok,
+                faults_since_circuit=backend.faults_since_circuit + fault,
+            )
+        self._set_backend(event.backend, **changes)
 
     def _on_backend(self, event: Event, at: float) -> None:
         """An event about a backend call: a decision, a start, a failed run, an end."""
@@ -568,6 +625,7 @@ class Folding:
             "ok_since_circuit": 0,
             "faults_since_circuit": 0,
             "probe_since_circuit": None,
+            "unrouted": (),
         }
         if event.state == "closed":  # counted afresh from here
             changes.update(consecutive_failures=0, outcomes=())
@@ -727,6 +785,7 @@ class Folding:
         if event.attempt != ended.attempt:  # an older decision (a newer one may follow)
             self._spend(event.backend, Cost(requests=1, tokens=tokens), at)
             return
+        self._probe_routed(event, key)
         self._own("ended")
         del self._ended[key]
         if not (ended.completed or ended.tokens) or ended.backend != event.backend:
@@ -768,8 +827,7 @@ class Folding:
         )
         if cost:
             self._commit(event.tenant, cost)
-        if event.probe:
-            self._set_backend(event.backend, probe_call=f"{key}:{event.attempt}")
+        self._probe_routed(event, key)
 
     def _complete(self, event: Completed, at: float) -> None:
         self._provider_said(event.backend, event.limits, at, None)
