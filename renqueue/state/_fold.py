@@ -568,6 +568,8 @@ class Folding:
         """A decision: a probe's names its backend's probe call, and counts the
         outcome that call logged before it; any other's call is not the probe."""
         backend = self._backends.get(event.backend, EMPTY_BACKEND)
+        if not event.probe and not backend.unrouted:
+            return
         call = f"{key}:{event.attempt}"
         kept = tuple(entry for entry in backend.unrouted if entry[0] != call)
         if not event.probe:
