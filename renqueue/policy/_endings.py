@@ -6,7 +6,10 @@ Its deadline passes (:func:`past_deadline`) while it waits to be routed
 cancelled while it waits (:func:`cancelled_waiting`, the router's) or at its
 worker (:func:`cancelled_at_worker`); it is refused (:func:`rejection`). The
 router and the worker build these endings here, and the what-if simulator
-with them, so the stage and the reason each carries are written once.
+with them, so the stage and the reason each carries are written once. A
+worker's endings are of its run (:class:`~renqueue.schema.Run`) and name it
+(backend, attempt): the projection's fold matches them with a decision
+logged after them.
 """
 
 from __future__ import annotations
