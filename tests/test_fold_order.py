@@ -289,3 +289,63 @@ def test_stored_states_of_versions_10_and_11_load_and_are_upgraded_in_place() ->
             assert loaded.ended["t:r1"].completed is False
             assert fold_many(loaded, [decision()]).reserved == {}
     assert STATE_VERSION == 12
+
+
+def test_a_probes_decision_logged_after_a_later_attempts_still_counts_its_outcome() -> None:
+    """Regression: a probe's `routed` folded after the request's next attempt's
+    decision (or after its end at that attempt: a binder that took over logs the
+    decision of a dispatch stored before it) took the early way out of the
+    fold's decision (an older decision: spend only) and never named the probe
+    call: its outcome, kept while its decision was not folded, was never counted."""
+    fault = {"error_type": "backend_unavailable", "error_class": "connect", "reason": "refused"}
+    probe = Run(request_id="p", tenant="t", backend="free", attempt=1, delivery=1)
+    then = Run(request_id="p", tenant="t", backend="paid", attempt=2, delivery=1)
+    probe_decision = routed(
+        request("p"),
+        at=T,
+        backend="free",
+        attempt=1,
+        priority="normal",
+        queue_wait=0.0,
+        reserved_tokens=600,
+        probe=True,
+        estimated_cost=0.25,
+    )
+    next_decision = routed(
+        request("p"),
+        at=T + 1.5,
+        backend="paid",
+        attempt=2,
+        priority="normal",
+        queue_wait=0.0,
+        reserved_tokens=600,
+        estimated_cost=0.25,
+    )
+    runs: list[Event] = [
+        probe.started(at=T + 0.5, worker="w"),
+        probe.fell_back(at=T + 1.0, fallback=Fallback(), probe=True, **fault),  # type: ignore[arg-type]
+    ]
+    ends: list[Event] = [
+        then.started(at=T + 2.0, worker="w"),
+        then.completed(at=T + 3.0, text="x", usage=Usage(prompt_tokens=10), cost=0.0),
+    ]
+    first = fold_many(ProjectionState(), [HALF_OPEN, probe_decision, *runs, next_decision, *ends])
+    orders = {
+        "after the next decision": [HALF_OPEN, *runs, next_decision, probe_decision, *ends],
+        "after the end at the next attempt": [
+            HALF_OPEN,
+            *runs,
+            *ends,
+            probe_decision,
+            next_decision,
+        ],
+    }
+    for name, events in orders.items():
+        late = fold_many(ProjectionState(), events)
+        backend = late.backend("free")
+        assert (backend.faults_since_circuit, backend.probe_call, backend.unrouted) == (
+            1,
+            "t:p:1",
+            (),
+        ), name
+        assert not {d for d in disagree(first, late) if d.startswith("backends.free")}, name

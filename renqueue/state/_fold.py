@@ -787,7 +787,6 @@ class Folding:
         if event.attempt != ended.attempt:  # an older decision (a newer one may follow)
             self._spend(event.backend, Cost(requests=1, tokens=tokens), at)
             return
-        self._probe_routed(event, key)
         self._own("ended")
         del self._ended[key]
         if not (ended.completed or ended.tokens) or ended.backend != event.backend:
@@ -806,6 +805,10 @@ class Folding:
     def _route(self, event: Routed, at: float) -> None:
         """A decision reserves one request and its token estimate of the backend's quota."""
         key = msg_id(event.tenant, event.request_id)
+        # Whichever way the decision is folded below (even an older attempt's,
+        # logged after a newer one's or after the request's end): its call is
+        # or is not its backend's probe, as if it had come first.
+        self._probe_routed(event, key)
         tokens = max(0, event.reserved_tokens)
         ended = self._ended.get(key)
         if ended is not None:
@@ -829,7 +832,6 @@ class Folding:
         )
         if cost:
             self._commit(event.tenant, cost)
-        self._probe_routed(event, key)
 
     def _complete(self, event: Completed, at: float) -> None:
         self._provider_said(event.backend, event.limits, at, None)
