@@ -18,6 +18,7 @@ from typing import Final
 import msgspec
 import pytest
 
+from renqueue.cli._audit import details
 from renqueue.policy import (
     Circuit,
     CircuitRules,
@@ -41,6 +42,7 @@ from renqueue.schema import (
     circuit_changed,
     encode,
     failed,
+    kind_of,
     routed,
 )
 from renqueue.state import (
@@ -349,3 +351,19 @@ def test_a_probes_decision_logged_after_a_later_attempts_still_counts_its_outcom
             (),
         ), name
         assert not {d for d in disagree(first, late) if d.startswith("backends.free")}, name
+
+
+def test_the_audit_names_a_workers_run_on_its_end_and_no_attempt_on_a_routers() -> None:
+    """The run's fields an `expired`/`cancelled` carries read in `renqueue audit`
+    where a worker ended it; a router's end (no run: `null`/0) shows no
+    `attempt=0`, which named no attempt the request ever had."""
+
+    def shown(event: Event) -> str:
+        return details(kind_of(event), msgspec.json.decode(encode(event)))
+
+    at_worker = shown(expired_before_call(RUN, T + 1.0))
+    assert "backend=free" in at_worker
+    assert "attempt=1" in at_worker
+    for waiting in (expired_waiting(request(), T + 1.0), cancelled_waiting(request(), T + 1.0)):
+        assert "attempt" not in shown(waiting)
+        assert "backend" not in shown(waiting)
