@@ -370,5 +370,5 @@ def test_a_stored_state_of_version_10_loads_and_is_upgraded_in_place() -> None:
     assert state.v == 10
     assert state.ended == {}
     assert 10 in UPGRADED_IN_PLACE
-    assert STATE_VERSION == 11
+    assert STATE_VERSION >= 11
     assert state.reserved["t:r1"].started

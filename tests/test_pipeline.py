@@ -40,11 +40,16 @@ from renqueue.schema import (
     EVENT_DECODER,
     EVENTS_STREAM,
     Completed,
+    Dispatch,
+    Expired,
     Rejected,
     Started,
+    dispatch_subject,
+    encode,
     kind_of,
     msg_id,
     request_subject,
+    routed,
 )
 from renqueue.services.worker import Worker
 
@@ -224,6 +229,48 @@ async def test_deadline_passed_while_waiting_expires_without_backend_call(
         await handle.result(timeout=10)
     assert mock.stats().requests == 0
     assert await kinds(client, handle.id) == ["submitted", "expired"]
+
+
+async def test_a_dispatch_past_its_deadline_expires_at_its_run_and_its_late_decision_holds_nothing(
+    stack: Services, client: Client, mock: MockBackend
+) -> None:
+    """A rebind logs its decision once the dispatch is stored: the worker can
+    end the request first (here its deadline passed before the call). The
+    `expired` names the run, and the live projection reserves nothing for the
+    decision that lands after it (it used to hold its quota and cost for 6 h)."""
+    request = client.build_request("too late", route="chat", deadline=time.time() - 1)
+    await client.js.publish(
+        dispatch_subject("b1"),
+        encode(Dispatch(request=request, backend="b1", attempt=1)),
+        headers={"Nats-Msg-Id": msg_id("t1", request.id, "dispatch", 1)},
+    )
+    log = EventLog(client.js)
+
+    async def ended() -> bool:
+        return any(isinstance(e, Expired) for e in await log.history("t1", request.id))
+
+    await until(ended, "the worker ended the dispatch")
+    [expired] = [e for e in await log.history("t1", request.id) if isinstance(e, Expired)]
+    assert (expired.stage, expired.backend, expired.attempt) == ("queued", "b1", 1)
+    late = routed(
+        request,
+        at=time.time(),
+        backend="b1",
+        attempt=1,
+        priority="normal",
+        queue_wait=0.0,
+        reserved_tokens=100,
+        estimated_cost=0.01,
+    )
+    assert await log.append(late)
+    assert stack.projector is not None
+    async with asyncio.timeout(10):
+        state = await stack.projector.sync()
+    key = msg_id("t1", request.id)
+    assert key not in state.reserved
+    assert key not in state.ended
+    assert state.tenants["t1"].committed == 0.0
+    assert mock.stats().requests == 0
 
 
 async def test_higher_levels_start_first_when_a_slot_frees(tmp_path: Path) -> None:

@@ -165,5 +165,6 @@ def details(kind: str, data: dict[str, Any]) -> str:
     return "  ".join(
         f"{key}={rounded(value, limit=2000)}"
         for key, value in data.items()
-        if value not in (None, "", [], {})
+        # Attempts count from 1: 0 is an end that named no run (a router's).
+        if value not in (None, "", [], {}) and not (key == "attempt" and value == 0)
     )

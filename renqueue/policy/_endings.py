@@ -6,7 +6,10 @@ Its deadline passes (:func:`past_deadline`) while it waits to be routed
 cancelled while it waits (:func:`cancelled_waiting`, the router's) or at its
 worker (:func:`cancelled_at_worker`); it is refused (:func:`rejection`). The
 router and the worker build these endings here, and the what-if simulator
-with them, so the stage and the reason each carries are written once.
+with them, so the stage and the reason each carries are written once. A
+worker's endings are of its run (:class:`~renqueue.schema.Run`) and name it
+(backend, attempt): the projection's fold matches them with a decision
+logged after them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from ..schema import (
     Expired,
     InferenceRequest,
     Rejected,
+    Run,
     arm_of,
     cancelled,
     error_type_of,
@@ -39,27 +43,17 @@ def expired_waiting(request: InferenceRequest, at: float, reason: str = DEADLINE
     )
 
 
-def expired_before_call(request: InferenceRequest, at: float) -> Expired:
-    """The worker ends ``request`` (``queued``): its deadline passed before its backend call."""
-    return expired(
-        request.id,
-        request.tenant,
-        at=at,
-        stage="queued",
-        reason="deadline passed before the backend call",
-    )
+def expired_before_call(run: Run, at: float) -> Expired:
+    """The worker ends ``run``'s request (``queued``): its deadline passed before its
+    backend call. The event names the run (its backend and attempt): its decision
+    may be logged after it (see :mod:`renqueue.state._fold`)."""
+    return run.expired(at=at, stage="queued", reason="deadline passed before the backend call")
 
 
-def expired_running(request: InferenceRequest, at: float) -> Expired:
-    """The worker ends ``request`` (``running``): its deadline passed during
+def expired_running(run: Run, at: float) -> Expired:
+    """The worker ends ``run``'s request (``running``): its deadline passed during
     generation (the call runs under a timeout of the time left)."""
-    return expired(
-        request.id,
-        request.tenant,
-        at=at,
-        stage="running",
-        reason="deadline passed during generation",
-    )
+    return run.expired(at=at, stage="running", reason="deadline passed during generation")
 
 
 def cancelled_waiting(request: InferenceRequest, at: float) -> Cancelled:
@@ -73,10 +67,10 @@ def cancelled_waiting(request: InferenceRequest, at: float) -> Cancelled:
     )
 
 
-def cancelled_at_worker(request: InferenceRequest, at: float, stage: str) -> Cancelled:
-    """The worker ends ``request``: cancelled before its call (``queued``) or during it
-    (``running``)."""
-    return cancelled(request.id, request.tenant, at=at, stage=stage, reason="cancelled by request")
+def cancelled_at_worker(run: Run, at: float, stage: str) -> Cancelled:
+    """The worker ends ``run``'s request: cancelled before its call (``queued``) or
+    during it (``running``). The event names the run, as :func:`expired_before_call`'s."""
+    return run.cancelled(at=at, stage=stage, reason="cancelled by request")
 
 
 def rejection(request_id: str, tenant: str, at: float, error: Exception) -> Rejected:

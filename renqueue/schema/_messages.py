@@ -835,6 +835,12 @@ class Expired(_EventBase, frozen=True, kw_only=True, tag="expired"):
     #: counted against that arm even if it was never routed.
     split: str = ""
     arm: str = ""
+    #: The run it ended at, when its worker ended it (its dispatch's backend
+    #: and attempt): the call whose ``routed`` may yet be logged (a rebind logs
+    #: it once the dispatch is stored). ``None``/0 when a router ended it, and
+    #: in events from before these fields.
+    backend: str | None = None
+    attempt: int = 0
 
 
 class SplitChanged(_EventBase, frozen=True, kw_only=True, tag="ab"):
@@ -866,6 +872,9 @@ class Cancelled(_EventBase, frozen=True, kw_only=True, tag="cancelled"):
 
     stage: str
     reason: str = ""
+    #: The run it ended at, when its worker ended it (as in ``expired``).
+    backend: str | None = None
+    attempt: int = 0
 
 
 Event = (

@@ -196,6 +196,30 @@ class Run(Struct, frozen=True, kw_only=True):
             logprobs=logprobs,
         )
 
+    def expired(self, *, at: float, stage: str, reason: str = "") -> Expired:
+        """The run's request expired at its worker (before its call or during it)."""
+        return expired(
+            self.request_id,
+            self.tenant,
+            at=at,
+            stage=stage,
+            reason=reason,
+            backend=self.backend,
+            attempt=self.attempt,
+        )
+
+    def cancelled(self, *, at: float, stage: str, reason: str = "") -> Cancelled:
+        """The run's request was cancelled at its worker (before its call or during it)."""
+        return cancelled(
+            self.request_id,
+            self.tenant,
+            at=at,
+            stage=stage,
+            reason=reason,
+            backend=self.backend,
+            attempt=self.attempt,
+        )
+
     def failed(
         self,
         *,
@@ -255,8 +279,12 @@ def expired(
     reason: str = "",
     split: str = "",
     arm: str = "",
+    backend: str | None = None,
+    attempt: int = 0,
 ) -> Expired:
-    """A request's deadline passed at ``stage`` (``queued``, ``running``, ...)."""
+    """A request's deadline passed at ``stage`` (``queued``, ``running``, ...);
+    ``backend`` and ``attempt`` name the run a worker ended it at
+    (:meth:`Run.expired`)."""
     return Expired(
         request_id=request_id,
         tenant=tenant,
@@ -265,14 +293,32 @@ def expired(
         reason=reason,
         split=split,
         arm=arm,
+        backend=backend,
+        attempt=attempt,
     )
 
 
 def cancelled(
-    request_id: str, tenant: str, *, at: float, stage: str, reason: str = ""
+    request_id: str,
+    tenant: str,
+    *,
+    at: float,
+    stage: str,
+    reason: str = "",
+    backend: str | None = None,
+    attempt: int = 0,
 ) -> Cancelled:
-    """A request was cancelled at ``stage``."""
-    return Cancelled(request_id=request_id, tenant=tenant, at=at, stage=stage, reason=reason)
+    """A request was cancelled at ``stage``; ``backend`` and ``attempt`` name
+    the run a worker ended it at (:meth:`Run.cancelled`)."""
+    return Cancelled(
+        request_id=request_id,
+        tenant=tenant,
+        at=at,
+        stage=stage,
+        reason=reason,
+        backend=backend,
+        attempt=attempt,
+    )
 
 
 def rejected(

@@ -104,7 +104,7 @@ class Calls:
         assert backend is not None
         if past_deadline(request, world.now):
             self.leave(item)
-            world.fold(expired_before_call(request, world.now))
+            world.fold(expired_before_call(world.run_of(item), world.now))
             self.arrivals.end(item, "expired")
             return
         item.run += 1
@@ -146,7 +146,7 @@ class Calls:
         assert drawn is not None
         if item.ending == CUT:
             self.leave(item)
-            self.world.fold(expired_running(item.request, self.world.now))
+            self.world.fold(expired_running(self.world.run_of(item), self.world.now))
             self.arrivals.end(item, "expired")
         elif drawn.failure is not None:
             self.run_failed(item, drawn.failure)
@@ -287,7 +287,7 @@ class Calls:
         world = self.world
         if item.backend is not None:
             self.leave(item)
-            world.fold(cancelled_at_worker(item.request, world.now, "running"))
+            world.fold(cancelled_at_worker(world.run_of(item), world.now, "running"))
         else:
             world.fold(cancelled_waiting(item.request, world.now))
         self.arrivals.end(item, "cancelled")

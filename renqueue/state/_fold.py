@@ -21,12 +21,18 @@ while its decision was not folded yet (below), swept the same way.
 A binder that may have bound a request before logs its decision only once the
 dispatch is stored, so a fast worker's ``started`` and even its terminal event
 can be stored before that ``routed``. The fold gives the same state in either
-order: a terminal of a call whose decision is not folded leaves an
+order: a terminal of a call whose decision is not folded (a ``completed``
+or ``failed`` run, a worker's ``expired`` or ``cancelled``, which name their
+run even before its call began, or any end of a call that started) leaves an
 :class:`Ended` mark (the call's backend, attempt, time and the tokens it
 spent), and the late ``routed`` of that attempt consumes it instead of
 reserving: it spends what its decision would have (one request, and the token
 estimate reconciled with the tokens used), and nothing stays reserved or
 committed for a request that is over.
+The same holds for a half-open circuit's probe call, whose outcome alone
+moves the circuit: an outcome logged there for a call whose decision is not
+folded is kept on its backend (``unrouted``: the latest few, cleared by the
+next ``circuit`` event), and the probe's late ``routed`` counts it.
 
 Quota, in event time: a ``routed`` decision spends one request and the token
 estimate it reserved; another call for the same decision (a retry, a run on a
@@ -90,6 +96,7 @@ __all__ = [
     "STATE_KEY",
     "STATE_VERSION",
     "TENANT_WRITTEN_KINDS",
+    "UNROUTED_KEPT",
     "UPGRADED_IN_PLACE",
     "BackendState",
     "Ended",
@@ -121,14 +128,20 @@ __all__ = [
 #: 10: backends count every failure that blamed them (``faults``).
 #: 11: the state marks requests that ended before their decision was folded
 #: (``ended``), so a late ``routed`` reserves nothing.
-STATE_VERSION: Final = 11
+#: 12: an ``ended`` mark says whether its request completed (``completed``: a
+#: completion that used no tokens still reconciles its late decision's estimate),
+#: and backends keep the outcomes of calls logged in a half-open circuit before
+#: their decision (``unrouted``), so a probe's late ``routed`` still counts its outcome.
+STATE_VERSION: Final = 12
 
 #: Older versions a projector takes as they are stored, only marking them
 #: current: every version since added fields with defaults and changed no
 #: meaning (10's ``faults`` count from the upgrade on; 11's ``ended`` marks
-#: only requests that end after it). Older than these, it folds the log again
+#: only requests that end after it, and a mark stored by 11 reads as not
+#: ``completed``: as 11 folded it; ``unrouted`` keeps only outcomes logged
+#: after the upgrade). Older than these, it folds the log again
 #: (what is past the log's ``max_age`` is then lost).
-UPGRADED_IN_PLACE: Final = frozenset({9, 10})
+UPGRADED_IN_PLACE: Final = frozenset({9, 10, 11})
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
 #: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
@@ -144,6 +157,9 @@ STATE_KEY: Final = "projection"
 STALE_IN_FLIGHT: Final = 6 * 3600.0
 #: How often (event time) the in-flight map is swept for stale entries.
 _SWEEP_EVERY: Final = 60.0
+#: Outcomes of calls not routed yet a backend keeps while half-open
+#: (``BackendState.unrouted``): the binder binds one call there, its probe.
+UNROUTED_KEPT: Final = 4
 
 
 # ---------------------------------------------------------------------- state
@@ -214,6 +230,13 @@ class BackendState(Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: ``ok_since_circuit`` / ``faults_since_circuit`` (a call that began
     #: before the circuit opened decides nothing).
     probe_call: str = ""
+    #: Outcomes of calls whose decision was not folded yet, logged after its
+    #: latest ``circuit`` event while that is ``half_open``: ``(call, completed,
+    #: faults)``, ``call`` as in ``probe_call``, the latest
+    #: :data:`UNROUTED_KEPT`. A probe's ``routed`` logged after its outcome (a
+    #: rebind logs its decision once the dispatch is stored) counts its entry
+    #: then, as if it had come first; a ``circuit`` event clears them all.
+    unrouted: tuple[tuple[str, int, int], ...] = ()
 
 
 class TenantState(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -275,13 +298,15 @@ class Ended(Struct, frozen=True, array_like=True):
 
     ``tokens``: what its completion spent at ``at`` with no reservation to
     reconcile (0 for any other end), which that decision's estimate is
-    reconciled with when it comes.
+    reconciled with when it comes; ``completed``: it ended with that
+    completion (so even 0 tokens used reconciles the estimate away).
     """
 
     backend: str
     at: float
     attempt: int
     tokens: int = 0
+    completed: bool = False
 
 
 class ProjectionState(Struct, frozen=True, kw_only=True):
@@ -384,6 +409,9 @@ def _finite(value: float) -> float:
 #: every call (the fold runs for every event of the log).
 _TERMINAL: Final = (Completed, Failed, Rejected, Expired, Cancelled)
 _CALL_OUTCOMES: Final = (Completed, FellBack, Retrying, Failed)
+#: Terminal events that name the run they ended at when a worker (or the
+#: dead-letter of a dispatch) ended it: ``backend`` and ``attempt``.
+_RUN_ENDS: Final = (Failed, Expired, Cancelled)
 
 
 def _bump(counts: dict[str, int], key: str) -> dict[str, int]:
@@ -503,19 +531,60 @@ class Folding:
             self._sweep()
 
     def _probe_outcome(self, event: Event) -> None:
-        """Count the outcome of a half-open circuit's probe call (only that call's)."""
+        """Count the outcome of a half-open circuit's probe call (only that call's).
+
+        An outcome of a call whose decision is not folded yet may be the
+        probe's (its ``routed`` may land later): it is kept until that comes
+        (:meth:`_probe_routed`)."""
         if not isinstance(event, _CALL_OUTCOMES) or not event.backend:
             return
         backend = self._backends.get(event.backend, EMPTY_BACKEND)
-        key = f"{msg_id(event.tenant, event.request_id)}:{event.attempt}"
-        if backend.circuit != "half_open" or backend.probe_call != key:
+        if backend.circuit != "half_open":
             return
         if isinstance(event, Completed):
-            if event.shared_with is None:
-                self._set_backend(event.backend, ok_since_circuit=backend.ok_since_circuit + 1)
+            ok, fault = int(event.shared_with is None), 0
+        else:
+            ok, fault = 0, int(is_backend_fault(event.error_type, event.error_class))
+        if not ok and not fault:
             return
-        if is_backend_fault(event.error_type, event.error_class):
-            self._set_backend(event.backend, faults_since_circuit=backend.faults_since_circuit + 1)
+        key = msg_id(event.tenant, event.request_id)
+        call = f"{key}:{event.attempt}"
+        if backend.probe_call == call:
+            self._set_backend(
+                event.backend,
+                ok_since_circuit=backend.ok_since_circuit + ok,
+                faults_since_circuit=backend.faults_since_circuit + fault,
+            )
+            return
+        reservation = self._reserved.get(key)
+        if reservation is not None and reservation.attempt >= event.attempt:
+            return  # its decision is folded, and was not the probe
+        kept = [entry for entry in backend.unrouted if entry[0] != call]
+        before = next((entry for entry in backend.unrouted if entry[0] == call), (call, 0, 0))
+        kept.append((call, before[1] + ok, before[2] + fault))
+        self._set_backend(event.backend, unrouted=tuple(kept[-UNROUTED_KEPT:]))
+
+    def _probe_routed(self, event: Routed, key: str) -> None:
+        """A decision: a probe's names its backend's probe call, and counts the
+        outcome that call logged before it; any other's call is not the probe."""
+        backend = self._backends.get(event.backend, EMPTY_BACKEND)
+        if not event.probe and not backend.unrouted:
+            return
+        call = f"{key}:{event.attempt}"
+        kept = tuple(entry for entry in backend.unrouted if entry[0] != call)
+        if not event.probe:
+            if len(kept) != len(backend.unrouted):
+                self._set_backend(event.backend, unrouted=kept)
+            return
+        changes: dict[str, Any] = {"probe_call": call}
+        if len(kept) != len(backend.unrouted):  # its outcome came first (half-open since)
+            _, ok, fault = next(entry for entry in backend.unrouted if entry[0] == call)
+            changes.update(
+                unrouted=kept,
+                ok_since_circuit=backend.ok_since_circuit + ok,
+                faults_since_circuit=backend.faults_since_circuit + fault,
+            )
+        self._set_backend(event.backend, **changes)
 
     def _on_backend(self, event: Event, at: float) -> None:
         """An event about a backend call: a decision, a start, a failed run, an end."""
@@ -558,6 +627,7 @@ class Folding:
             "ok_since_circuit": 0,
             "faults_since_circuit": 0,
             "probe_since_circuit": None,
+            "unrouted": (),
         }
         if event.state == "closed":  # counted afresh from here
             changes.update(consecutive_failures=0, outcomes=())
@@ -690,12 +760,15 @@ class Folding:
         """Mark a request ending while the decision of its call is not folded
         (none reserved for its attempt): its ``routed`` is yet to come."""
         running = self._in_flight.get(key)
-        attempt, backend, tokens = 0, "", 0
+        attempt, backend, tokens, completed = 0, "", 0, False
         if isinstance(event, Completed):
             if event.shared_with is None:  # a follower made no call of its own
-                attempt, backend = event.attempt, event.backend
+                attempt, backend, completed = event.attempt, event.backend, True
                 tokens = event.usage.prompt_tokens + event.usage.completion_tokens
-        elif isinstance(event, Failed) and event.backend is not None:
+        elif isinstance(event, _RUN_ENDS) and event.backend is not None:
+            # Ended at its run (a worker's end, even before the call began: a
+            # deadline passed or a cancel read before the call), or dead-lettered
+            # out of deliveries: that dispatch's decision may be yet to come.
             attempt, backend = event.attempt, event.backend
         if not attempt and running is not None:  # ended while its call ran
             attempt, backend, tokens = running.attempt, running.backend, 0
@@ -705,7 +778,7 @@ class Folding:
         if reservation is not None and reservation.attempt >= attempt:
             return  # its decision is folded: the reservation ends with it
         self._own("ended")
-        self._ended[key] = Ended(backend, at, attempt, max(0, tokens))
+        self._ended[key] = Ended(backend, at, attempt, max(0, tokens), completed)
 
     def _late_route(self, event: Routed, ended: Ended, key: str, at: float) -> None:
         """The decision of a request already over: it spends what it would
@@ -716,7 +789,7 @@ class Folding:
             return
         self._own("ended")
         del self._ended[key]
-        if not ended.tokens or ended.backend != event.backend:
+        if not (ended.completed or ended.tokens) or ended.backend != event.backend:
             # Nothing to reconcile: an end that reconciles none leaves the estimate spent.
             self._spend(event.backend, Cost(requests=1, tokens=tokens), at)
             return
@@ -732,6 +805,10 @@ class Folding:
     def _route(self, event: Routed, at: float) -> None:
         """A decision reserves one request and its token estimate of the backend's quota."""
         key = msg_id(event.tenant, event.request_id)
+        # Whichever way the decision is folded below (even an older attempt's,
+        # logged after a newer one's or after the request's end): its call is
+        # or is not its backend's probe, as if it had come first.
+        self._probe_routed(event, key)
         tokens = max(0, event.reserved_tokens)
         ended = self._ended.get(key)
         if ended is not None:
@@ -755,8 +832,6 @@ class Folding:
         )
         if cost:
             self._commit(event.tenant, cost)
-        if event.probe:
-            self._set_backend(event.backend, probe_call=f"{key}:{event.attempt}")
 
     def _complete(self, event: Completed, at: float) -> None:
         self._provider_said(event.backend, event.limits, at, None)

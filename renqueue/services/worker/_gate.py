@@ -74,7 +74,7 @@ class Gate:
             return True
         now = self._clock()
         if past_deadline(request, now):
-            await self._outcomes.finish(delivery, expired_before_call(request, now))
+            await self._outcomes.finish(delivery, expired_before_call(delivery.run, now))
             return True
         if self._cancels is not None and await self._cancels.was_cancelled(
             request.tenant, request.id, since=dispatch.routed_at

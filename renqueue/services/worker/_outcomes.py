@@ -236,7 +236,7 @@ class Outcomes:
 
     async def cancel(self, delivery: Delivery, *, stage: str) -> None:
         """End the request ``cancelled`` at ``stage``, as its tenant asked."""
-        ended = cancelled_at_worker(delivery.dispatch.request, self._clock(), stage)
+        ended = cancelled_at_worker(delivery.run, self._clock(), stage)
         await self.finish(delivery, ended)
 
     async def hand_out(self, request: InferenceRequest, event: Event) -> None:

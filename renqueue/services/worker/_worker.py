@@ -423,7 +423,7 @@ class Worker(Lifecycle):
             return
         except Expiry:
             await self._outcomes.settle_held(pending_acks, started)
-            await self._outcomes.finish(delivery, expired_running(request, self._clock()))
+            await self._outcomes.finish(delivery, expired_running(delivery.run, self._clock()))
             return
         finally:
             self._calls.pop(scoped, None)
