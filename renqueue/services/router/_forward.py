@@ -41,6 +41,7 @@ from ...errors import (
     NatsError,
     NatsPayloadTooLargeError,
     NatsTimeoutError,
+    TenantBacklogFullError,
 )
 from ...logs import get_logger
 from ...schema import (
@@ -51,6 +52,7 @@ from ...schema import (
     is_requeue_subject,
     request_limit,
     request_subject,
+    route_of_subject,
 )
 from ._admission import rejection_id
 from ._endings import Endings
@@ -126,13 +128,14 @@ class Forwarder:
 
     async def _forward(self, msgs: list[Message]) -> None:
         copies: list[asyncio.Future[PubAck]] = []
-        for msg in msgs:
+        subjects = [self.subject_of(msg) for msg in msgs]
+        for msg, subject in zip(msgs, subjects, strict=True):
             headers = _carried(msg.headers)
             claimed = (msg.headers or {}).get("Nats-Msg-Id")
             if claimed:
                 headers["Nats-Msg-Id"] = f"{claimed}:{FORWARDED_SUFFIX}"
             try:
-                copies.append(await self._js.publish_async(self.subject_of(msg), msg.data, headers))
+                copies.append(await self._js.publish_async(subject, msg.data, headers))
             except NatsPayloadTooLargeError as exc:
                 # Its id made longer, the copy is over the broker's max_payload:
                 # one request's, told below (a loop failing on it would fail on
@@ -141,12 +144,20 @@ class Forwarder:
                 refused.set_exception(exc)
                 copies.append(refused)
         results = await _answered(copies, ACKS_WAIT)
-        for msg, result in zip(msgs, results, strict=True):
+        for msg, subject, result in zip(msgs, subjects, results, strict=True):
             if isinstance(result, NatsPayloadTooLargeError):
                 await self._too_big(msg)
+            elif isinstance(result, TenantBacklogFullError) and not is_requeue_subject(subject):
+                # The tenant's own route subject is full: handed back, it
+                # would hold a place of this consumer's max_ack_pending, which
+                # every tenant's requests share, for as long as that tenant
+                # keeps its backlog (F11).
+                await self._over_backlog(msg, subject, result)
             elif isinstance(result, NatsError):
-                # The broker refused it (a tenant's backlog full on that
-                # subject) or did not answer: the original waits, and is tried again.
+                # Not the tenant's doing (the stream or the server's store
+                # full, the broker not answering: every tenant's copies alike),
+                # or a put-back (the services' own, bounded by its tenant's
+                # requeue subject): the original waits, and is tried again.
                 log.warning(
                     "a request could not be forwarded to its route",
                     subject=msg.subject,
@@ -158,6 +169,25 @@ class Forwarder:
             else:
                 await msg.ack()
                 self.forwarded += 1
+
+    async def _over_backlog(
+        self, msg: Message, subject: str, refusal: TenantBacklogFullError
+    ) -> None:
+        """Reject a request whose route's subject is at ``router.tenant_backlog``,
+        as the broker refuses a submit to it: the tenant is over its cap there.
+        Its original is acked once the rejection (its dead letter, then its
+        ``rejected`` event) is stored, else delivered again (:meth:`Endings.reject`)."""
+        request_id, tenant = rejection_id(msg)
+        level = msg.subject.split(".")[2]
+        error = TenantBacklogFullError(
+            f"tenant {tenant} already has router.tenant_backlog requests waiting for "
+            f"route {route_of_subject(subject)} at level {level}; this request, sent "
+            "without its route, could not join them: submit it again under a new id once "
+            "some of them are routed",
+            status=refusal.status,
+            err_code=refusal.err_code,
+        )
+        await self._endings.reject(msg, request_id, tenant, error, unseen=True)
 
     async def _too_big(self, msg: Message) -> None:
         """Reject a request whose copy cannot be sent, as its binder would
