@@ -63,8 +63,7 @@ def write_config(path: Path, nats_url: str) -> Config:
     """Routes r1 -> b1 and r2 -> b2 (two binding groups), a tenant backlog of
     ``BACKLOG``. No backend is called: no binder runs."""
     text = (
-        f'[nats]\nurl = "{nats_url}"\n'
-        f"[router]\nsplit_binding = true\ntenant_backlog = {BACKLOG}\n"
+        f'[nats]\nurl = "{nats_url}"\n[router]\nsplit_binding = true\ntenant_backlog = {BACKLOG}\n'
     )
     for backend, route in (("b1", "r1"), ("b2", "r2")):
         text += (

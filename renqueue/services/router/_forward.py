@@ -22,6 +22,18 @@ forward tried again after a lost ack is stored once. Admission accepts that id
 on a subject naming a route only (a tenant gains nothing by using it itself:
 it is another id for the window, as the same id after the window would be).
 
+A copy not stored: its original is acked only once something of it is
+stored (the copy, else a rejection's dead letter and event). What the
+forwarder hands back (``nak``, delivered again a second later) it holds
+meanwhile in the consumer's ``max_ack_pending``, which every tenant's
+requests share: so only what is no tenant's doing (the stream or the
+server's store full, no ack in time: every tenant's copies alike) and the
+services' put-backs (bounded by their tenant's requeue subject). A copy
+refused because its *tenant's* route subject is at ``router.tenant_backlog``
+ends its request ``rejected``, ``tenant_backlog_full``, as the broker refuses
+a submit to that subject: held and tried again, enough of them stopped every
+other tenant's forwarding (review finding F11; docs/scaling.md).
+
 What it costs: one more stored message, publish and ack per such request, and
 its wait is counted from the copy's storing (the server's time of it).
 """
