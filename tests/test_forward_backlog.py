@@ -31,6 +31,7 @@ import msgspec
 import pytest
 from _waits import until
 
+from renqueue import Client, Services
 from renqueue.broker import (
     Connection,
     EmbeddedServer,
@@ -43,7 +44,7 @@ from renqueue.broker import (
 )
 from renqueue.config import Config, load_config
 from renqueue.coordination import Coalescer
-from renqueue.errors import StoreFullError, TenantBacklogFullError
+from renqueue.errors import RequestRejectedError, StoreFullError, TenantBacklogFullError
 from renqueue.schema import (
     FORWARD_CONSUMER,
     REQUESTS_STREAM,
@@ -251,6 +252,42 @@ async def test_a_copy_refused_by_a_full_stream_waits_and_is_forwarded_once_there
         await forwarder._forward([again])
         assert forwarder.forwarded == 1
         assert await waiting(js, request_subject(LEVEL, "t", route="r1")) == 1
+
+
+async def test_a_client_sending_without_the_route_is_told_tenant_backlog_full_by_the_event(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """The services and the Python client, end to end: a tenant's requests
+    wait on its route (no worker, so none is bound) up to its cap. Named in
+    the subject, the next submit is refused at its publish
+    (``TenantBacklogFullError``, nothing stored); sent without its route, it
+    is stored, then rejected by the forwarder, and the client's handle says
+    ``tenant_backlog_full``. Another tenant's request sent so is forwarded."""
+    config = write_config(tmp_path / "rq.toml", isolated_server.url)
+    async with Services(config, routers=1, backends=[]) as services:
+        assert services.nc is not None
+        async with (
+            Client(services.nc, tenant="flood", route_subjects=True) as named,
+            Client(services.nc, tenant="flood") as unnamed,
+            Client(services.nc, tenant="quiet") as other,
+        ):
+            for n in range(BACKLOG):
+                await named.submit(f"waiting {n}", route="r1")
+            with pytest.raises(TenantBacklogFullError):
+                await named.submit("refused at its publish", route="r1")
+            handle = await unnamed.submit("sent without its route", route="r1")
+            with pytest.raises(RequestRejectedError) as info:
+                await handle.result(timeout=30)
+            assert info.value.error_type == "tenant_backlog_full"
+            [router] = services.routers
+            assert router.forwarded == 0
+            await other.submit("another tenant's", route="r1")
+
+            async def forwarded() -> bool:
+                return router.forwarded == 1
+
+            await until(forwarded, "the other tenant's request is forwarded")
+            assert services.supervisor.reason is None
 
 
 async def log_of(js: JetStream, tenant: str, request_id: str) -> list[Any]:
