@@ -169,7 +169,8 @@ async def test_one_tenants_full_route_does_not_stop_another_tenants_forwarding(
             # Only once the flood's requests were all delivered does the other
             # tenant publish: it is then behind all of them.
             async def flood_delivered() -> bool:
-                return (await psub.consumer_info()).delivered.stream_seq >= 2 * BACKLOG
+                delivered = (await psub.consumer_info()).delivered
+                return delivered is not None and delivered.stream_seq >= 2 * BACKLOG
 
             await until(flood_delivered, "the flood's unrouted requests are delivered")
             await publish(js, "quiet", "hello")
