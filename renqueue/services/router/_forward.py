@@ -156,6 +156,7 @@ class Forwarder:
                 refused.set_exception(exc)
                 copies.append(refused)
         results = await _answered(copies, ACKS_WAIT)
+        over: list[tuple[Message, str, TenantBacklogFullError]] = []
         for msg, subject, result in zip(msgs, subjects, results, strict=True):
             if isinstance(result, NatsPayloadTooLargeError):
                 await self._too_big(msg)
@@ -163,8 +164,9 @@ class Forwarder:
                 # The tenant's own route subject is full: handed back, it
                 # would hold a place of this consumer's max_ack_pending, which
                 # every tenant's requests share, for as long as that tenant
-                # keeps its backlog (F11).
-                await self._over_backlog(msg, subject, result)
+                # keeps its backlog (F11). Ended together, below: one at a
+                # time, a flood's rejections would keep the batch behind it.
+                over.append((msg, subject, result))
             elif isinstance(result, NatsError):
                 # Not the tenant's doing (the stream or the server's store
                 # full, the broker not answering: every tenant's copies alike),
@@ -181,6 +183,7 @@ class Forwarder:
             else:
                 await msg.ack()
                 self.forwarded += 1
+        await asyncio.gather(*(self._over_backlog(*one) for one in over))
 
     async def _over_backlog(
         self, msg: Message, subject: str, refusal: TenantBacklogFullError
