@@ -62,9 +62,12 @@ BACKLOG = 3
 
 def write_config(path: Path, nats_url: str) -> Config:
     """Routes r1 -> b1 and r2 -> b2 (two binding groups), a tenant backlog of
-    ``BACKLOG``. No backend is called: no binder runs."""
+    ``BACKLOG``. No backend is called: no worker runs, and a binder binds
+    only to a backend whose worker asks for work (``require_worker``: its
+    first count of a backend is read before it binds anything there)."""
     text = (
-        f'[nats]\nurl = "{nats_url}"\n[router]\nsplit_binding = true\ntenant_backlog = {BACKLOG}\n'
+        f'[nats]\nurl = "{nats_url}"\n[router]\nsplit_binding = true\n'
+        f"tenant_backlog = {BACKLOG}\nrequire_worker = true\n"
     )
     for backend, route in (("b1", "r1"), ("b2", "r2")):
         text += (
@@ -259,7 +262,7 @@ async def test_a_client_sending_without_the_route_is_told_tenant_backlog_full_by
     tmp_path: Path, isolated_server: EmbeddedServer
 ) -> None:
     """The services and the Python client, end to end: a tenant's requests
-    wait on its route (no worker, so none is bound) up to its cap. Named in
+    wait on its route up to its cap (no worker: none is bound). Named in
     the subject, the next submit is refused at its publish
     (``TenantBacklogFullError``, nothing stored); sent without its route, it
     is stored, then rejected by the forwarder, and the client's handle says
@@ -282,6 +285,8 @@ async def test_a_client_sending_without_the_route_is_told_tenant_backlog_full_by
             assert info.value.error_type == "tenant_backlog_full"
             [router] = services.routers
             assert router.forwarded == 0
+            js = named.js
+            assert await waiting(js, request_subject(LEVEL, "flood", route="r1")) == BACKLOG
             await other.submit("another tenant's", route="r1")
 
             async def forwarded() -> bool:
