@@ -299,3 +299,38 @@ async def test_a_client_sending_without_the_route_is_told_tenant_backlog_full_by
 async def log_of(js: JetStream, tenant: str, request_id: str) -> list[Any]:
     """The request's events (none: nothing ended it)."""
     return await EventLog(js).history(tenant, request_id)
+
+
+async def test_a_rejection_that_cannot_be_recorded_leaves_the_request_waiting(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """The original is acked only once its rejection is stored: with the
+    dead-letter stream refusing (full, ``discard: new`` for the test), the
+    request over its tenant's backlog is handed back, not acked; once the
+    stream takes it, the next delivery ends it ``tenant_backlog_full``."""
+    async with forwarding(tmp_path, isolated_server) as (_nc, js, _config, forwarder):
+        for n in range(BACKLOG):
+            await publish(js, "flood", f"waiting-{n}", route="r1")
+        await publish(js, "flood", "over")
+        api = JetStreamApi(js)
+        await js.publish("rq.dlq.requests", b"taking the only place")
+        info = await api.call("STREAM.INFO.RQ_DLQ")
+        dlq = info["config"]
+        full = {**dlq, "discard": "new", "max_msgs": info["state"]["messages"]}
+        reply = await api.call("STREAM.UPDATE.RQ_DLQ", full)
+        assert reply.get("error") is None, reply
+        psub = await open_forwarding(js)
+        [msg] = await psub.fetch(batch=1, timeout=10)
+        await forwarder._forward([msg])
+        assert await log_of(js, "flood", "over") == []
+        assert await waiting(js, request_subject(LEVEL, "flood")) == 1
+        reply = await api.call("STREAM.UPDATE.RQ_DLQ", dlq)
+        assert reply.get("error") is None, reply
+        [again] = await psub.fetch(batch=1, timeout=10)
+        assert again.data == msg.data
+        await forwarder._forward([again])
+        [ended] = await EventLog(js).history("flood", "over", kind="rejected")
+        assert isinstance(ended, Rejected)
+        assert ended.error_type == "tenant_backlog_full"
+        assert await waiting(js, request_subject(LEVEL, "flood")) == 0
+        assert forwarder.forwarded == 0
