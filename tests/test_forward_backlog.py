@@ -12,9 +12,11 @@ forwarding. These tests pin what the forwarder does at each refusal: a
 tenant's full route ends its request (``rejected``, ``tenant_backlog_full``:
 the tenant is over its cap, as the broker tells an unsplit submit) and holds
 nothing; a put-back (the services' own) or a full stream (every tenant's
-copies refused alike) is handed back and forwarded once room comes back.
-Each runs the forwarder on a real nats-server, without binders, so the
-route subjects keep what is published to them.
+copies refused alike) is handed back and forwarded once room comes back;
+a rejection that cannot be stored leaves its original un-acked. Each but
+the end-to-end one runs the forwarder on a real nats-server without
+binders, so the route subjects keep what is published to them. (A copy
+over the broker's ``max_payload``: tests/test_binder_groups.py.)
 """
 
 from __future__ import annotations
