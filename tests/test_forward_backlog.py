@@ -181,14 +181,16 @@ async def test_one_tenants_full_route_does_not_stop_another_tenants_forwarding(
             await publish(js, "quiet", "hello")
 
             async def quiet_forwarded() -> bool:
-                return await waiting(js, request_subject(LEVEL, "quiet", route="r1")) == 1
+                # Counted once its original is acked, after its copy is stored:
+                # the loop is stopped only then.
+                return forwarder.forwarded == 1
 
             await until(quiet_forwarded, "the other tenant's request is forwarded")
         finally:
             loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
-        assert forwarder.forwarded == 1
+        assert await waiting(js, request_subject(LEVEL, "quiet", route="r1")) == 1
         # The flood's waiting requests are its own, untouched; the ones sent
         # without their route are ended, told why, and gone from the stream.
         assert await waiting(js, request_subject(LEVEL, "flood", route="r1")) == BACKLOG

@@ -21,6 +21,12 @@ the stream's duplicate window would drop a copy under the same id, and a
 forward tried again after a lost ack is stored once. Admission accepts that id
 on a subject naming a route only (a tenant gains nothing by using it itself:
 it is another id for the window, as the same id after the window would be).
+Deduplication is stream-wide, and another tenant may take that id first on
+its own subject: a duplicate ack counts only if the message it names is this
+copy, still there; else the copy is published again under the id and a random
+suffix, which admission accepts too (:func:`~renqueue.broker.surely_stored`,
+as the services' put-backs are). Read as stored, the original would be acked
+with no copy anywhere: the request lost.
 
 A copy not stored: its original is acked only once something of it is
 stored (the copy, else a rejection's dead letter and event). What the
@@ -46,7 +52,7 @@ from typing import Final
 
 import msgspec
 
-from ...broker import Connection, JetStream, Message, PubAck, PullSubscription
+from ...broker import Connection, JetStream, Message, PubAck, PullSubscription, surely_stored
 from ...config import Config
 from ...errors import (
     MalformedRequestError,
@@ -141,9 +147,13 @@ class Forwarder:
     async def _forward(self, msgs: list[Message]) -> None:
         copies: list[asyncio.Future[PubAck]] = []
         subjects = [self.subject_of(msg) for msg in msgs]
+        ids: list[str | None] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ACKS_WAIT
         for msg, subject in zip(msgs, subjects, strict=True):
             headers = _carried(msg.headers)
             claimed = (msg.headers or {}).get("Nats-Msg-Id")
+            ids.append(f"{claimed}:{FORWARDED_SUFFIX}" if claimed else None)
             if claimed:
                 headers["Nats-Msg-Id"] = f"{claimed}:{FORWARDED_SUFFIX}"
             try:
@@ -156,6 +166,7 @@ class Forwarder:
                 refused.set_exception(exc)
                 copies.append(refused)
         results = await _answered(copies, ACKS_WAIT)
+        await self._confirm(msgs, subjects, ids, results, deadline - loop.time())
         over: list[tuple[Message, str, TenantBacklogFullError]] = []
         for msg, subject, result in zip(msgs, subjects, results, strict=True):
             if isinstance(result, NatsPayloadTooLargeError):
@@ -184,6 +195,34 @@ class Forwarder:
                 await msg.ack()
                 self.forwarded += 1
         await asyncio.gather(*(self._over_backlog(*one) for one in over))
+
+    async def _confirm(
+        self,
+        msgs: list[Message],
+        subjects: list[str],
+        ids: list[str | None],
+        results: list[PubAck | BaseException],
+        within: float,
+    ) -> None:
+        """Replace, in ``results``, each duplicate ack whose message is not
+        this copy (another tenant took its id first, on its own subject) by
+        the ack of the copy published again under a suffixed id, or its error
+        (:func:`~renqueue.broker.surely_stored`), all at once and within
+        ``within`` seconds (what is left of :data:`ACKS_WAIT`): read as stored,
+        its original would be acked with no copy anywhere, the request lost."""
+        checks: dict[int, asyncio.Future[PubAck]] = {}
+        for index, (msg, subject, message_id, result) in enumerate(
+            zip(msgs, subjects, ids, results, strict=True)
+        ):
+            if isinstance(result, PubAck) and result.duplicate and message_id is not None:
+                headers = _carried(msg.headers)
+                checks[index] = asyncio.ensure_future(
+                    surely_stored(self._js, result, subject, msg.data, message_id, headers=headers)
+                )
+        if checks:
+            confirmed = await _answered(list(checks.values()), max(within, 0.0))
+            for index, result in zip(checks, confirmed, strict=True):
+                results[index] = result
 
     async def _over_backlog(
         self, msg: Message, subject: str, refusal: TenantBacklogFullError
