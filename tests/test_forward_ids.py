@@ -16,17 +16,25 @@ an earlier try not stored twice, and end to end, the request served.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import msgspec
 import pytest
 from test_binder_groups import stack
-from test_forward_backlog import LEVEL, body, forwarding, publish, waiting
+from test_forward_backlog import BACKLOG, LEVEL, body, forwarding, publish, waiting
 
 from renqueue import Client, Services
-from renqueue.broker import EmbeddedServer, JetStream
+from renqueue.broker import EmbeddedServer, EventLog, JetStream
 from renqueue.errors import NatsNotFoundError
-from renqueue.schema import REQUESTS_STREAM, msg_id, request_subject
+from renqueue.schema import (
+    REQUEST_DECODER,
+    REQUESTS_STREAM,
+    is_terminal,
+    msg_id,
+    request_subject,
+    submitted,
+)
 from renqueue.services.router._forward import open_forwarding
 
 TENANT = "t"
@@ -124,3 +132,43 @@ async def test_a_request_whose_copys_id_was_taken_is_served_end_to_end(
         )
         assert (await client.handle("x").result(timeout=20)).text
         assert services.supervisor.reason is None
+
+
+@pytest.mark.parametrize("copy", ["stored-by-a-lost-ack", "sent-again"])
+async def test_a_copy_over_the_backlog_of_a_request_admitted_elsewhere_does_not_end_it(
+    tmp_path: Path, isolated_server: EmbeddedServer, copy: str
+) -> None:
+    """Request ``x`` was admitted (its ``submitted`` event logged; it may be
+    running) from another message than the one forwarded now: a copy an
+    earlier try stored whose ack was lost, since bound and gone (then the
+    duplicate names nothing left and the copy is published again), or the
+    same request sent again by its tenant under another header. Its
+    tenant's route subject is now full. The copy refused is dead-lettered as
+    a copy (as the binder's :meth:`Endings.reject_copy`), and the request is
+    not ended ``rejected`` under the run that may be serving it."""
+    async with forwarding(tmp_path, isolated_server) as (_nc, js, _config, forwarder):
+        routed = request_subject(LEVEL, TENANT, route="r1")
+        data = body(TENANT, "x")
+        header = msg_id(TENANT, "x")
+        if copy == "stored-by-a-lost-ack":
+            ack = await js.publish(
+                routed, data, headers={"Nats-Msg-Id": msg_id(TENANT, "x", "forwarded")}
+            )
+            assert await js.delete_msg(REQUESTS_STREAM, ack.seq)  # bound
+        else:
+            header = msg_id(TENANT, "x", "again")
+        request = REQUEST_DECODER.decode(data)
+        await EventLog(js).append(submitted(request, at=time.time()))
+        for n in range(BACKLOG):
+            await publish(js, TENANT, f"waiting-{n}", route="r1")
+        await js.publish(request_subject(LEVEL, TENANT), data, headers={"Nats-Msg-Id": header})
+        psub = await open_forwarding(js)
+        [msg] = await psub.fetch(batch=1, timeout=10)
+        await forwarder._forward([msg])
+        assert [e for e in await EventLog(js).history(TENANT, "x") if is_terminal(e)] == []
+        assert await waiting(js, request_subject(LEVEL, TENANT)) == 0
+        letter = await js.get_last_msg("RQ_DLQ", "rq.dlq.requests")
+        assert (letter.headers or {}).get("Nats-Msg-Id") == msg_id(
+            TENANT, "x", "dlq", "requests", f"rejected-{msg.metadata.sequence.stream}"
+        )
+        assert forwarder.forwarded == 0
