@@ -30,12 +30,14 @@ from renqueue.errors import NatsNotFoundError
 from renqueue.schema import (
     REQUEST_DECODER,
     REQUESTS_STREAM,
+    Rejected,
     is_terminal,
     msg_id,
     request_subject,
     submitted,
 )
 from renqueue.services.router._forward import open_forwarding
+from renqueue.services.router._hold import stored_at
 
 TENANT = "t"
 #: The tenant that takes ``TENANT``'s copy's id first.
@@ -172,3 +174,26 @@ async def test_a_copy_over_the_backlog_of_a_request_admitted_elsewhere_does_not_
             TENANT, "x", "dlq", "requests", f"rejected-{msg.metadata.sequence.stream}"
         )
         assert forwarder.forwarded == 0
+
+
+async def test_a_request_admitted_from_the_very_message_forwarded_is_ended_over_the_backlog(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """A ``submitted`` event at the forwarded message's own storing: the
+    request was admitted from it (held by an unsplit binder before binding
+    was split), so that message is the request, not a copy of it: over its
+    tenant's backlog it is ended ``rejected`` (dropped as a copy, it would be
+    lost)."""
+    async with forwarding(tmp_path, isolated_server) as (_nc, js, _config, forwarder):
+        for n in range(BACKLOG):
+            await publish(js, TENANT, f"waiting-{n}", route="r1")
+        await publish(js, TENANT, "x")
+        psub = await open_forwarding(js)
+        [msg] = await psub.fetch(batch=1, timeout=10)
+        request = REQUEST_DECODER.decode(msg.data)
+        await EventLog(js).append(submitted(request, at=stored_at(msg)))
+        await forwarder._forward([msg])
+        [ended] = await EventLog(js).history(TENANT, "x", kind="rejected")
+        assert isinstance(ended, Rejected)
+        assert ended.error_type == "tenant_backlog_full"
+        assert await waiting(js, request_subject(LEVEL, TENANT)) == 0

@@ -52,7 +52,15 @@ from typing import Final
 
 import msgspec
 
-from ...broker import Connection, JetStream, Message, PubAck, PullSubscription, surely_stored
+from ...broker import (
+    Connection,
+    JetStream,
+    Message,
+    PubAck,
+    PullSubscription,
+    submitted_of,
+    surely_stored,
+)
 from ...config import Config
 from ...errors import (
     MalformedRequestError,
@@ -72,8 +80,9 @@ from ...schema import (
     request_subject,
     route_of_subject,
 )
-from ._admission import rejection_id
+from ._admission import claimed_id, rejection_id
 from ._endings import Endings
+from ._hold import stored_at
 
 __all__ = ["FORWARDED_SUFFIX", "Forwarder"]
 
@@ -230,7 +239,14 @@ class Forwarder:
         """Reject a request whose route's subject is at ``router.tenant_backlog``,
         as the broker refuses a submit to it: the tenant is over its cap there.
         Its original is acked once the rejection (its dead letter, then its
-        ``rejected`` event) is stored, else delivered again (:meth:`Endings.reject`)."""
+        ``rejected`` event) is stored, else delivered again (:meth:`Endings.reject`).
+
+        A request admitted from another message (its ``submitted`` event is
+        logged, at another time than ``msg`` was stored: a copy an earlier try
+        stored, whose ack was lost, since bound; the request sent again by its
+        tenant under another header) may be running: this copy of it is
+        dead-lettered as a copy and ends nothing (:meth:`Endings.reject_copy`,
+        as its binder would)."""
         request_id, tenant = rejection_id(msg)
         level = msg.subject.split(".")[2]
         error = TenantBacklogFullError(
@@ -241,7 +257,26 @@ class Forwarder:
             status=refusal.status,
             err_code=refusal.err_code,
         )
-        await self._endings.reject(msg, request_id, tenant, error, unseen=True)
+        try:
+            first = None
+            if claimed_id(msg) is not None:
+                first = await submitted_of(self._js, tenant, request_id)
+        except NatsError as exc:
+            log.warning(
+                "could not tell whether a request over its backlog was admitted; "
+                "it is delivered again",
+                subject=msg.subject,
+                error=str(exc),
+            )
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=_RETRY_DELAY)
+            return
+        # Admitted from this very message (held by an unsplit binder before
+        # binding was split, say): its own, ended as any request over it.
+        if first is not None and first.at != stored_at(msg):
+            await self._endings.reject_copy(msg, request_id, tenant, error)
+        else:
+            await self._endings.reject(msg, request_id, tenant, error, unseen=True)
 
     async def _too_big(self, msg: Message) -> None:
         """Reject a request whose copy cannot be sent, as its binder would
