@@ -162,9 +162,10 @@ class Forwarder:
         for msg, subject in zip(msgs, subjects, strict=True):
             headers = _carried(msg.headers)
             claimed = (msg.headers or {}).get("Nats-Msg-Id")
-            ids.append(f"{claimed}:{FORWARDED_SUFFIX}" if claimed else None)
-            if claimed:
-                headers["Nats-Msg-Id"] = f"{claimed}:{FORWARDED_SUFFIX}"
+            copy_id = f"{claimed}:{FORWARDED_SUFFIX}" if claimed else None
+            ids.append(copy_id)
+            if copy_id is not None:
+                headers["Nats-Msg-Id"] = copy_id
             try:
                 copies.append(await self._js.publish_async(subject, msg.data, headers))
             except NatsPayloadTooLargeError as exc:
