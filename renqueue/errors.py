@@ -213,7 +213,9 @@ class TenantBacklogFullError(NatsApiError):
     """A submit refused by the broker: the tenant already has
     ``router.tenant_backlog`` requests waiting to be routed at that level (the
     requests stream's ``max_msgs_per_subject``; its subject is the tenant's).
-    Nothing was stored; submit it again once some of those are routed."""
+    Nothing was stored; submit it again once some of those are routed. With
+    binding split in groups, also why a request sent without its route is
+    ended ``rejected`` (its route's subject full: it cannot be forwarded)."""
 
     code = "tenant_backlog_full"
 

@@ -763,6 +763,24 @@ def test_terminal_events_map_to_statuses() -> None:
         assert from_terminal(event, now=NOW).status == status, error_class
 
 
+def test_a_request_rejected_over_its_tenants_backlog_is_a_429_as_its_refused_submit() -> None:
+    """``tenant_backlog_full`` is the tenant's own limit whether the broker
+    refused the submit (a 429) or the forwarder ended a request sent without
+    its route (binding split in groups): the same 429, not a 400 "invalid
+    request". Not to be retried as it is (the SDK's retry of the same body
+    joins this ended request): submitted again under a new id."""
+    event = Rejected(
+        request_id="r", tenant="t", at=NOW, error_type="tenant_backlog_full", reason="full"
+    )
+    error = from_terminal(event, now=NOW)
+    refused = from_error(
+        TenantBacklogFullError("maximum messages per subject exceeded", status=503, err_code=10077)
+    )
+    assert (error.status, error.code, error.type) == (refused.status, refused.code, refused.type)
+    assert error.headers()["x-should-retry"] == "false"
+    assert "full" in error.message
+
+
 def test_a_feature_no_backend_has_is_a_400_naming_it() -> None:
     reason = str(UnsupportedFeatureError("chat", ["vision", "logprobs"]))
     event = Rejected(

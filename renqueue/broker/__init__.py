@@ -50,6 +50,7 @@ from ._eventlog import (
     read_subject,
     subject_agrees,
     submitted_of,
+    surely_stored,
 )
 from ._nats import (
     NOT_NOW,
@@ -152,6 +153,7 @@ __all__ = [
     "router_consumer_configs",
     "subject_agrees",
     "submitted_of",
+    "surely_stored",
     "trace_headers",
     "trace_of",
     "translate",

@@ -114,6 +114,7 @@ __all__ = [
     "read_messages",
     "read_subject",
     "subject_agrees",
+    "surely_stored",
 ]
 
 _MSG_ID: Final = "Nats-Msg-Id"
@@ -211,23 +212,46 @@ async def publish_stored(
     with ids of their choice: a "duplicate" ack may mean that another tenant
     took the id first, on its own subject, and nothing of ours was stored.
     So a duplicate counts only when the message it names is still there, on
-    ``subject``, with ``payload``. Otherwise the payload is published again
-    under ``message_id`` plus a random suffix (a uuid4, which nobody can take
-    first). Trade-off: a genuine retry whose first copy was already consumed
-    is then stored twice, and may run twice; the terminal claim keeps one
-    outcome (and the dispatch's own message id usually drops the second).
+    ``subject``, with ``payload`` (:func:`surely_stored`).
     """
     ack = await js.publish(subject, payload, headers={**(headers or {}), _MSG_ID: message_id})
+    await surely_stored(js, ack, subject, payload, message_id, headers=headers)
+
+
+async def surely_stored(
+    js: JetStream,
+    ack: PubAck,
+    subject: str,
+    payload: bytes,
+    message_id: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> PubAck:
+    """The ack of a copy of ``payload`` surely stored on ``subject``, given
+    ``ack``, the answer to publishing it there under ``message_id`` (with
+    ``headers`` besides): ``ack`` itself, unless it is a duplicate whose
+    message is not ours.
+
+    Deduplication is stream-wide and tenants publish with ids of their
+    choice: a duplicate counts only when the message it names is still
+    there, on ``subject``, with ``payload``. Otherwise the payload is
+    published again under ``message_id`` plus a random suffix (a uuid4, which
+    nobody can take first), and that publish's ack is returned (its errors
+    raised). Trade-off: a genuine retry whose first copy was already
+    consumed is then stored twice, and may run twice; the terminal claim
+    keeps one outcome (and the dispatch's own message id usually drops the
+    second). For publishes whose acks are awaited together (the forwarder's).
+    """
     if not ack.duplicate:
-        return
+        return ack
     stored = None
     if ack.seq:
         with contextlib.suppress(NatsNotFoundError):
             stored = await js.get_msg(ack.stream, seq=ack.seq)
     if stored is not None and stored.subject == subject and stored.data == payload:
-        return  # ours, from an earlier try, still waiting to be read
+        return ack  # ours, from an earlier try, still waiting to be read
     again = {**(headers or {}), _MSG_ID: f"{message_id}:{uuid.uuid4().hex}"}
-    await js.publish(subject, payload, headers=again)
+    return await js.publish(subject, payload, headers=again)
 
 
 async def delete_consumer(js: JetStream, stream: str, name: str) -> None:

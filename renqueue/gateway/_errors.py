@@ -262,6 +262,12 @@ def _rejected(event: Rejected, *, now: float) -> ApiError:
             retry_after=max(1.0, resets_at - now),
             retry=False,
         )
+    if kind == TenantBacklogFullError.code:
+        # Binding split in groups: sent without its route, to a route where the
+        # tenant is at router.tenant_backlog (the forwarder's). Its own limit,
+        # as when the broker refuses the submit; not retried as it is (the
+        # same body joins this ended request): sent again under a new id.
+        return ApiError(429, message, code=kind, retry_after=_STORE_FULL_RETRY, retry=False)
     if kind == "unknown_route":
         return ApiError(404, message, code="model_not_found", param="model", retry=False)
     if kind == "priority_not_allowed":

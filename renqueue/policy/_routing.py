@@ -326,8 +326,23 @@ def _check_services_fields(request: InferenceRequest, tenant: str, *, requeue: b
 
 
 def _is_forwarded(message_id: str | None) -> bool:
-    """Whether ``message_id`` is a router's forwarded copy's (``...:forwarded``)."""
-    return message_id is not None and message_id.endswith(":forwarded")
+    """Whether ``message_id`` is a router's forwarded copy's (``...:forwarded``,
+    or ``...:forwarded:<uuid4 hex>`` when its id was taken first, see
+    :func:`renqueue.broker.surely_stored`)."""
+    if message_id is None:
+        return False
+    head, _, suffix = message_id.rpartition(":")
+    return message_id.endswith(":forwarded") or (head.endswith(":forwarded") and _is_suffix(suffix))
+
+
+def _is_suffix(text: str) -> bool:
+    """Whether ``text`` is the random suffix an id taken first is published
+    again with (a uuid4's 32 hex digits, :func:`renqueue.broker.surely_stored`)."""
+    return len(text) == _SUFFIX_LENGTH and all(c in _HEX for c in text)
+
+
+_SUFFIX_LENGTH: Final = 32
+_HEX: Final = frozenset("0123456789abcdef")
 
 
 def _check_subject(
@@ -343,10 +358,18 @@ def _check_subject(
 
     ``forwarded``: the subject names a route, so the id may be a router's
     forwarded copy's (``<tenant>:<id>:forwarded``, see
-    :mod:`renqueue.services.router._forward`)."""
+    :mod:`renqueue.services.router._forward`; followed by ``:<uuid4 hex>`` when
+    another tenant took that id first, :func:`renqueue.broker.surely_stored`)."""
+    copy = msg_id(tenant, request.id, "forwarded")
     if message_id is not None and not (
         message_id == msg_id(tenant, request.id)
-        or (forwarded and message_id == msg_id(tenant, request.id, "forwarded"))
+        or (
+            forwarded
+            and (
+                message_id == copy
+                or (message_id.startswith(f"{copy}:") and _is_suffix(message_id[len(copy) + 1 :]))
+            )
+        )
         or (requeue and message_id.startswith(msg_id(tenant, request.id, "requeue")))
     ):
         raise MalformedRequestError(

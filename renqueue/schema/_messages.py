@@ -567,6 +567,9 @@ ErrorType = Literal[
     "budget_exhausted",
     "unprocessable",
     "out_of_range",
+    # rejected by the forwarder (binding split in groups): the tenant's route
+    # subject is at router.tenant_backlog (renqueue.services.router._forward)
+    "tenant_backlog_full",
     # failed (and retrying, fell_back): its runs did not end well
     "rate_limited",
     "quota_exhausted",

@@ -21,6 +21,24 @@ the stream's duplicate window would drop a copy under the same id, and a
 forward tried again after a lost ack is stored once. Admission accepts that id
 on a subject naming a route only (a tenant gains nothing by using it itself:
 it is another id for the window, as the same id after the window would be).
+Deduplication is stream-wide, and another tenant may take that id first on
+its own subject: a duplicate ack counts only if the message it names is this
+copy, still there; else the copy is published again under the id and a random
+suffix, which admission accepts too (:func:`~renqueue.broker.surely_stored`,
+as the services' put-backs are). Read as stored, the original would be acked
+with no copy anywhere: the request lost.
+
+A copy not stored: its original is acked only once something of it is
+stored (the copy, else a rejection's dead letter and event). What the
+forwarder hands back (``nak``, delivered again a second later) it holds
+meanwhile in the consumer's ``max_ack_pending``, which every tenant's
+requests share: so only what is no tenant's doing (the stream or the
+server's store full, no ack in time: every tenant's copies alike) and the
+services' put-backs (bounded by their tenant's requeue subject). A copy
+refused because its *tenant's* route subject is at ``router.tenant_backlog``
+ends its request ``rejected``, ``tenant_backlog_full``, as the broker refuses
+a submit to that subject: held and tried again, enough of them stopped every
+other tenant's forwarding (review finding F11; docs/scaling.md).
 
 What it costs: one more stored message, publish and ack per such request, and
 its wait is counted from the copy's storing (the server's time of it).
@@ -34,13 +52,22 @@ from typing import Final
 
 import msgspec
 
-from ...broker import Connection, JetStream, Message, PubAck, PullSubscription
+from ...broker import (
+    Connection,
+    JetStream,
+    Message,
+    PubAck,
+    PullSubscription,
+    submitted_of,
+    surely_stored,
+)
 from ...config import Config
 from ...errors import (
     MalformedRequestError,
     NatsError,
     NatsPayloadTooLargeError,
     NatsTimeoutError,
+    TenantBacklogFullError,
 )
 from ...logs import get_logger
 from ...schema import (
@@ -51,9 +78,11 @@ from ...schema import (
     is_requeue_subject,
     request_limit,
     request_subject,
+    route_of_subject,
 )
-from ._admission import rejection_id
+from ._admission import claimed_id, rejection_id
 from ._endings import Endings
+from ._hold import stored_at
 
 __all__ = ["FORWARDED_SUFFIX", "Forwarder"]
 
@@ -126,13 +155,19 @@ class Forwarder:
 
     async def _forward(self, msgs: list[Message]) -> None:
         copies: list[asyncio.Future[PubAck]] = []
-        for msg in msgs:
+        subjects = [self.subject_of(msg) for msg in msgs]
+        ids: list[str | None] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ACKS_WAIT
+        for msg, subject in zip(msgs, subjects, strict=True):
             headers = _carried(msg.headers)
             claimed = (msg.headers or {}).get("Nats-Msg-Id")
-            if claimed:
-                headers["Nats-Msg-Id"] = f"{claimed}:{FORWARDED_SUFFIX}"
+            copy_id = f"{claimed}:{FORWARDED_SUFFIX}" if claimed else None
+            ids.append(copy_id)
+            if copy_id is not None:
+                headers["Nats-Msg-Id"] = copy_id
             try:
-                copies.append(await self._js.publish_async(self.subject_of(msg), msg.data, headers))
+                copies.append(await self._js.publish_async(subject, msg.data, headers))
             except NatsPayloadTooLargeError as exc:
                 # Its id made longer, the copy is over the broker's max_payload:
                 # one request's, told below (a loop failing on it would fail on
@@ -141,12 +176,23 @@ class Forwarder:
                 refused.set_exception(exc)
                 copies.append(refused)
         results = await _answered(copies, ACKS_WAIT)
-        for msg, result in zip(msgs, results, strict=True):
+        await self._confirm(msgs, subjects, ids, results, deadline - loop.time())
+        over: list[tuple[Message, str, TenantBacklogFullError]] = []
+        for msg, subject, result in zip(msgs, subjects, results, strict=True):
             if isinstance(result, NatsPayloadTooLargeError):
                 await self._too_big(msg)
+            elif isinstance(result, TenantBacklogFullError) and not is_requeue_subject(subject):
+                # The tenant's own route subject is full: handed back, it
+                # would hold a place of this consumer's max_ack_pending, which
+                # every tenant's requests share, for as long as that tenant
+                # keeps its backlog (F11). Ended together, below: one at a
+                # time, a flood's rejections would keep the batch behind it.
+                over.append((msg, subject, result))
             elif isinstance(result, NatsError):
-                # The broker refused it (a tenant's backlog full on that
-                # subject) or did not answer: the original waits, and is tried again.
+                # Not the tenant's doing (the stream or the server's store
+                # full, the broker not answering: every tenant's copies alike),
+                # or a put-back (the services' own, bounded by its tenant's
+                # requeue subject): the original waits, and is tried again.
                 log.warning(
                     "a request could not be forwarded to its route",
                     subject=msg.subject,
@@ -158,6 +204,80 @@ class Forwarder:
             else:
                 await msg.ack()
                 self.forwarded += 1
+        await asyncio.gather(*(self._over_backlog(*one) for one in over))
+
+    async def _confirm(
+        self,
+        msgs: list[Message],
+        subjects: list[str],
+        ids: list[str | None],
+        results: list[PubAck | BaseException],
+        within: float,
+    ) -> None:
+        """Replace, in ``results``, each duplicate ack whose message is not
+        this copy (another tenant took its id first, on its own subject) by
+        the ack of the copy published again under a suffixed id, or its error
+        (:func:`~renqueue.broker.surely_stored`), all at once and within
+        ``within`` seconds (what is left of :data:`ACKS_WAIT`): read as stored,
+        its original would be acked with no copy anywhere, the request lost."""
+        checks: dict[int, asyncio.Future[PubAck]] = {}
+        for index, (msg, subject, message_id, result) in enumerate(
+            zip(msgs, subjects, ids, results, strict=True)
+        ):
+            if isinstance(result, PubAck) and result.duplicate and message_id is not None:
+                headers = _carried(msg.headers)
+                checks[index] = asyncio.ensure_future(
+                    surely_stored(self._js, result, subject, msg.data, message_id, headers=headers)
+                )
+        if checks:
+            confirmed = await _answered(list(checks.values()), max(within, 0.0))
+            for index, result in zip(checks, confirmed, strict=True):
+                results[index] = result
+
+    async def _over_backlog(
+        self, msg: Message, subject: str, refusal: TenantBacklogFullError
+    ) -> None:
+        """Reject a request whose route's subject is at ``router.tenant_backlog``,
+        as the broker refuses a submit to it: the tenant is over its cap there.
+        Its original is acked once the rejection (its dead letter, then its
+        ``rejected`` event) is stored, else delivered again (:meth:`Endings.reject`).
+
+        A request admitted from another message (its ``submitted`` event is
+        logged, at another time than ``msg`` was stored: a copy an earlier try
+        stored, whose ack was lost, since bound; the request sent again by its
+        tenant under another header) may be running: this copy of it is
+        dead-lettered as a copy and ends nothing (:meth:`Endings.reject_copy`,
+        as its binder would)."""
+        request_id, tenant = rejection_id(msg)
+        level = msg.subject.split(".")[2]
+        error = TenantBacklogFullError(
+            f"tenant {tenant} already has router.tenant_backlog requests waiting for "
+            f"route {route_of_subject(subject)} at level {level}; this request, sent "
+            "without its route, could not join them: submit it again under a new id once "
+            "some of them are routed",
+            status=refusal.status,
+            err_code=refusal.err_code,
+        )
+        try:
+            first = None
+            if claimed_id(msg) is not None:
+                first = await submitted_of(self._js, tenant, request_id)
+        except NatsError as exc:
+            log.warning(
+                "could not tell whether a request over its backlog was admitted; "
+                "it is delivered again",
+                subject=msg.subject,
+                error=str(exc),
+            )
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=_RETRY_DELAY)
+            return
+        # Admitted from this very message (held by an unsplit binder before
+        # binding was split, say): its own, ended as any request over it.
+        if first is not None and first.at != stored_at(msg):
+            await self._endings.reject_copy(msg, request_id, tenant, error)
+        else:
+            await self._endings.reject(msg, request_id, tenant, error, unseen=True)
 
     async def _too_big(self, msg: Message) -> None:
         """Reject a request whose copy cannot be sent, as its binder would
