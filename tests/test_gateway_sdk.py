@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 import msgspec
 import openai
+import prometheus_client
 import pytest
 from _waits import until
 from openai.types.chat import ChatCompletionMessageFunctionToolCall, ParsedFunctionToolCall
@@ -30,7 +32,7 @@ from renqueue.broker import EventLog, JetStream
 from renqueue.config import Config
 from renqueue.errors import NatsTimeoutError
 from renqueue.gateway import Gateway, _submissions, digest
-from renqueue.gateway._idempotency import id_for_key
+from renqueue.gateway._idempotency import claim_key, id_for_key
 from renqueue.mock import FaultSpec, MockBackend, MockSettings
 from renqueue.schema import (
     EVENT_DECODER,
@@ -1334,6 +1336,130 @@ async def test_a_keyed_submit_whose_retry_finds_another_body_under_its_key_is_a_
             extra_headers={"Idempotency-Key": "raced"},
         )
     assert raced
+
+
+def joined_by_key() -> float:
+    return (
+        prometheus_client.REGISTRY.get_sample_value(
+            "renqueue_gateway_retries_joined_total", {"how": "idempotency_key"}
+        )
+        or 0.0
+    )
+
+
+@contextlib.asynccontextmanager
+async def unread_stack(tmp_path: Path, mock: MockBackend) -> AsyncIterator[tuple[Stack, Config]]:
+    """A stack whose requests no router reads (none runs): a request stays in
+    the requests stream, and no ``submitted`` event is ever written for it."""
+    config = make_config(tmp_path, mock)
+    async with (
+        Services(config, routers=0, backends=[]) as services,
+        Gateway(config, url=services.url) as gateway,
+    ):
+        stack = Stack(services, gateway)
+        try:
+            yield stack, make_config(tmp_path, mock, nats={"url": services.url})
+        finally:
+            await stack.close()
+
+
+async def test_a_key_resent_with_another_body_while_no_router_has_read_it_is_a_422(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """Review i33: a resend of a key whose request no router had read yet (no
+    ``submitted`` event to compare bodies with) was checked for about 3 s, then
+    the key was trusted: another body joined the first request and was answered
+    with its text. The key's claim (its body's fingerprint, written before the
+    first publish) refuses it at once, however long the first waits unread."""
+    headers = {"Idempotency-Key": "unread-1"}
+    rid = id_for_key("unread-1")
+    async with unread_stack(tmp_path, mock) as (stack, routed), stack.http() as http:
+        first = asyncio.create_task(
+            http.post(
+                "/chat/completions",
+                json={"model": "chat", "messages": [{"role": "user", "content": "A"}]},
+                headers=headers,
+            )
+        )
+
+        async def stored() -> bool:
+            return stack.gateway._submissions.recent("acme", rid) is not None
+
+        await until(stored, "the first request is stored")
+        joined = joined_by_key()
+        other = asyncio.create_task(
+            http.post(
+                "/chat/completions",
+                json={"model": "chat", "messages": [{"role": "user", "content": "B"}]},
+                headers=headers,
+            )
+        )
+
+        async def answered_or_joined() -> bool:
+            return other.done() or joined_by_key() > joined
+
+        await until(answered_or_joined, "the resend is answered, or joins the first")
+        if not other.done():
+            # It joined the first request (the bug): a router answers both, so
+            # that this test ends with what the resend was answered.
+            async with Services(routed, routers=1, provision_streams=False):
+                answer = await other
+        else:
+            answer = await other
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["error"]["code"] == "idempotency_key_reused"
+    assert mock.stats().requests <= 1
+
+
+async def test_past_a_keys_claim_a_resend_is_checked_against_the_log_never_joined_unchecked(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """The key's claim lives two duplicate windows (``nats.duplicate_window``).
+    Past it (its entry gone: deleted here, as its expiry removes it) while
+    JetStream still knows the id and no router has read the request, a resend's
+    publish is a duplicate of a request whose body nothing on record tells: it
+    is a 409 ``idempotency_key_unverified`` (retried by the SDKs), never joined.
+    Once a router has read it, its ``submitted`` event tells: the same body
+    joins it, another is a 422."""
+    key = "claim-gone-1"
+    rid = id_for_key(key)
+    headers = {"Idempotency-Key": key}
+    a = {"model": "chat", "messages": [{"role": "user", "content": "A"}]}
+    b = {"model": "chat", "messages": [{"role": "user", "content": "B"}]}
+    async with unread_stack(tmp_path, mock) as (stack, routed):
+        assert stack.services.js is not None
+        state = await stack.services.js.key_value(STATE_BUCKET)
+        name = claim_key("acme", rid)
+        async with stack.http() as http:
+            first = asyncio.create_task(http.post("/chat/completions", json=a, headers=headers))
+
+            async def stored() -> bool:
+                return stack.gateway._submissions.recent("acme", rid) is not None
+
+            await until(stored, "the first request is stored")
+            await state.delete(name)  # past the claim's life
+            unverified = await http.post("/chat/completions", json=b, headers=headers)
+
+            async def unclaimed() -> bool:
+                entry = await state.latest(name)
+                return entry is not None and entry.operation is not None
+
+            # The resend's own claim, of a body not known to be the stored one, is taken back.
+            await until(unclaimed, "the resend's claim is taken back")
+            async with Services(routed, routers=1, provision_streams=False):
+                done = await first
+                other = await http.post("/chat/completions", json=b, headers=headers)
+                same = await http.post("/chat/completions", json=a, headers=headers)
+    assert unverified.status_code == 409, unverified.text
+    assert unverified.json()["error"]["code"] == "idempotency_key_unverified"
+    assert unverified.headers["retry-after"] == "1"
+    assert done.status_code == 200, done.text
+    assert other.status_code == 422, other.text
+    assert same.status_code == 200, same.text
+    assert same.json()["id"] == done.json()["id"] == rid
+    assert mock.stats().requests == 1
 
 
 async def test_resumed_streams_count_against_the_in_flight_limit(

@@ -3,7 +3,8 @@
 :class:`Submissions` reads a chat body into a submission (:mod:`._openai`),
 submits it through the tenant's :class:`~renqueue.Client`, or joins the
 request a retry of it already made: by its ``Idempotency-Key`` (the id is
-derived from it, and a key sent again with another body is refused), or,
+derived from it, and claimed for its body before the publish: a key sent
+again with another body is refused), or,
 for an SDK's own retry without a key, by the body's fingerprint, which this
 process remembers and shares with every other gateway process through the
 ``rq-state`` bucket. It also cancels the request of a client that went
@@ -50,7 +51,7 @@ from ..schema import (
 from ..tasks import Supervisor
 from . import _metrics as metrics
 from ._errors import ApiError, from_error
-from ._idempotency import MAX_KEY_LENGTH, RetryMemory, shared_key
+from ._idempotency import MAX_KEY_LENGTH, RetryMemory, claim_key, shared_key
 from ._openai import Submission, parse_chat, translate
 
 __all__ = ["BODY_KEY", "DISCONNECTED", "ID_RE", "Submissions", "new_id", "no_model"]
@@ -72,6 +73,11 @@ _RECENT: Final = 10_000
 #: a supervised job (as long as nats-py waits for a JetStream publish's ack).
 _SHARE_ACK_WAIT: Final = 5.0
 _KEY_RE: Final = re.compile(rf"^[\x21-\x7e]{{1,{MAX_KEY_LENGTH}}}$")
+#: How many duplicate windows a key's claim lives: past one window JetStream
+#: forgets the publish's message id, but a publish is sent again for up to the
+#: Client's ``submit_patience`` after the claim, and the server forgets ids on
+#: a timer of the window's length (an id may outlive it by as much again).
+_CLAIM_WINDOWS: Final = 2
 
 
 class Origin(NamedTuple):
@@ -92,6 +98,18 @@ def no_model(route: str) -> ApiError:
         f"the model {route[:64]!r} does not exist: it must name a route (GET /v1/models)",
         code="model_not_found",
         param="model",
+    )
+
+
+def _key_unverified() -> ApiError:
+    return ApiError(
+        409,
+        "a request under this Idempotency-Key is stored, but was not yet read, and was "
+        "submitted without the key's body on record: its body cannot be compared with "
+        "this one; send it again in a moment",
+        param="Idempotency-Key",
+        code="idempotency_key_unverified",
+        retry_after=1,
     )
 
 
@@ -162,6 +180,8 @@ class Submissions:
         window = config.gateway.retry_memory or config.nats.duplicate_window
         self._memory = RetryMemory(parse_duration(window))
         self._share_ttl = str(max(1, math.ceil(self._memory.ttl)))
+        duplicates = parse_duration(config.nats.duplicate_window)
+        self._claim_ttl = max(1, math.ceil(_CLAIM_WINDOWS * duplicates))
         self._state: KeyValue | None = None
         #: Calls of this process following each request, by (tenant, id).
         self._following: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -257,6 +277,7 @@ class Submissions:
         tenant = client.tenant
         metadata = sub.metadata
         js = self._js()
+        claim: int | None = None  # the revision of the key's claim, if this call made it
         if key is not None:
             existing = await submitted_of(js, tenant, request_id)
             if existing is not None:
@@ -266,6 +287,9 @@ class Submissions:
                 created = int(existing.request.submitted_at)
                 self._remember_recent(tenant, request_id, Origin(sub.route, created))
                 return client.handle(request_id)
+            # Before the publish: a resend of the key with another body, at any
+            # moment after this, meets the claim and is refused.
+            claim = await self._claim(tenant, request_id, print_)
             metadata = {**metadata, BODY_KEY: print_}
         elif retry and (joined := await self._joinable(tenant, print_)) is not None:
             # Published again under the id the first try used: a duplicate if
@@ -295,14 +319,14 @@ class Submissions:
             answer = from_error(exc)
             if key is None and not _maybe_stored(exc):
                 self._forget(tenant, print_, request_id)
+            elif claim is not None and not _maybe_stored(exc):
+                self._unclaim(tenant, request_id, claim)  # nothing stored: the key is free
             raise answer from exc
-        if key is not None and (handle.duplicate or handle.found_on_retry):
-            # A retry of the publish that found the request stored found, all
-            # but surely, its own lost first try; but a resend of the key with
-            # another body at the same moment looks the same: checked too.
-            await self._same_body(tenant, request_id, print_)
-            if handle.duplicate:
-                metrics.RETRIES_JOINED.labels("idempotency_key").inc()
+        if claim is not None and (handle.duplicate or handle.found_on_retry):
+            # Stored, and not by a call that found this body's claim: checked.
+            await self._same_body(tenant, request_id, print_, claim, ours=handle.found_on_retry)
+        if key is not None and handle.duplicate:
+            metrics.RETRIES_JOINED.labels("idempotency_key").inc()
         created = int(built.submitted_at)
         if handle.duplicate or handle.found_on_retry:
             # The stored request is an earlier try's: its creation, if known.
@@ -320,19 +344,64 @@ class Submissions:
         stored = await submitted_of(self._js(), tenant, request_id)
         return built if stored is None else int(stored.request.submitted_at)
 
-    async def _same_body(self, tenant: str, request_id: str, print_: str) -> None:
-        """A keyed submit that was a duplicate: 422 if the request under that
-        key has another body (its ``submitted`` event may be a moment behind
-        the first publish: waited for briefly, then the key is trusted)."""
+    async def _claim(self, tenant: str, request_id: str, print_: str) -> int | None:
+        """Claim an idempotency key's request for this body (its fingerprint
+        ``print_``), for :data:`_CLAIM_WINDOWS` duplicate windows: the claim's
+        revision if this call made it, ``None`` if a call of the same body had;
+        422 if a call of another body had. The one place a key's body is
+        decided: a compare-and-set, whichever gateway process asks."""
+        state = await self._bucket()
+        name = claim_key(tenant, request_id)
+        value = print_.encode()
+        for _ in range(3):
+            try:
+                return await state.create(name, value, msg_ttl=self._claim_ttl)
+            except WrongLastSequenceError:
+                pass
+            entry = await state.latest(name)
+            if entry is None or entry.operation is not None:
+                continue  # expired or deleted since: claimed again
+            if entry.value != value:
+                raise _key_reused()
+            return None
+        raise _key_unverified()  # claimed and gone again, three times in a row
+
+    def _unclaim(self, tenant: str, request_id: str, revision: int) -> None:
+        """Take back this call's claim of a key (at ``revision``, no later one):
+        nothing was stored under it, or what is stored is not known to be its body."""
+        name = claim_key(tenant, request_id)
+
+        async def delete() -> None:
+            state = await self._bucket()
+            with contextlib.suppress(WrongLastSequenceError):
+                await state.delete(name, last=revision)
+
+        self._supervisor.spawn_job(f"unclaim-{name}", delete)
+
+    async def _same_body(
+        self, tenant: str, request_id: str, print_: str, claim: int, *, ours: bool
+    ) -> None:
+        """A keyed submit that claimed the key and found its request stored: a
+        publisher that took no claim stored it (a gateway of an earlier version,
+        a :class:`~renqueue.Client` naming the id itself, a claim gone while
+        JetStream still knew the id), or, when ``ours`` (found by a retry of this
+        call's publish), all but surely this call's own first try. Compared with
+        its ``submitted`` event, waited for about 3 s: another body is a 422;
+        none by then is a 409 (never joined unchecked) unless ``ours``. The claim
+        is taken back when the stored request is not known to have this body."""
         delay = 0.05
         for _ in range(6):
             existing = await submitted_of(self._js(), tenant, request_id)
             if existing is not None:
                 if existing.request.metadata.get(BODY_KEY, print_) != print_:
+                    self._unclaim(tenant, request_id, claim)
                     raise _key_reused()
                 return
             await asyncio.sleep(delay)
             delay *= 2
+        if not ours:
+            self._unclaim(tenant, request_id, claim)
+            raise _key_unverified()
 
     # ------------------------------------------------------------ remembering
 
