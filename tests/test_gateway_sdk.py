@@ -810,6 +810,15 @@ async def test_an_idempotency_key_makes_a_resend_join_the_same_request(
     assert again.choices[0].message.content == first.choices[0].message.content
     assert mock.stats().requests == 1
     assert await submitted_count(stack, "acme", first.id) == 1
+    # The key's claim: its body's fingerprint, confirmed (no longer pending) once stored.
+    assert stack.services.js is not None
+    state = await stack.services.js.key_value(STATE_BUCKET)
+
+    async def confirmed() -> bool:
+        entry = await state.latest(claim_key("acme", first.id))
+        return entry is not None and len(entry.value) == 64 and entry.value.isalnum()
+
+    await until(confirmed, "the key's claim is confirmed")
     # Scoped by tenant: the same key from another tenant is its own request.
     theirs = await stack.sdk(GLOBEX).chat.completions.create(
         model="chat", messages=MESSAGES, extra_headers=headers
@@ -1460,6 +1469,30 @@ async def test_past_a_keys_claim_a_resend_is_checked_against_the_log_never_joine
     assert same.status_code == 200, same.text
     assert same.json()["id"] == done.json()["id"] == rid
     assert mock.stats().requests == 1
+
+
+async def test_a_key_whose_request_was_stored_without_a_claim_is_never_joined_unchecked(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """A request stored under a key's id by a publisher that took no claim (a
+    gateway of an earlier version; here a Client naming the id), and not read by
+    a router: a call of the key claims it pending and finds the request stored,
+    with no body to compare; so does a call of the same body that finds that
+    pending claim. Both are a 409 ``idempotency_key_unverified``, neither joins."""
+    key = "no-claim-1"
+    rid = id_for_key(key)
+    headers = {"Idempotency-Key": key}
+    body = {"model": "chat", "messages": [{"role": "user", "content": "B"}]}
+    async with unread_stack(tmp_path, mock) as (stack, _routed), stack.http() as http:
+        async with stack.client() as client:
+            await client.submit("A", route="chat", request_id=rid)
+        answers = await asyncio.gather(
+            http.post("/chat/completions", json=body, headers=headers),
+            http.post("/chat/completions", json=body, headers=headers),
+        )
+    for answer in answers:
+        assert answer.status_code == 409, answer.text
+        assert answer.json()["error"]["code"] == "idempotency_key_unverified"
 
 
 async def test_resumed_streams_count_against_the_in_flight_limit(

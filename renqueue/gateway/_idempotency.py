@@ -16,10 +16,12 @@ Two ways a retry is recognised:
   that no router has read yet (no ``submitted`` event) would be published a
   second time under the same id. A key is never taken for another body: its
   first call claims it before the publish (:func:`claim_key`, a compare-and-set
-  entry holding the body's fingerprint, living two duplicate windows), and a
+  entry holding the body's fingerprint, living two duplicate windows, pending
+  until the stored request is known to have that body, then confirmed), and a
   call with another body meets the claim (422); past the claim, the
-  ``submitted`` event tells, and a request stored with neither on record is a
-  409 rather than joined (see ``Submissions._same_body``).
+  ``submitted`` event tells, and a request found stored while no claim of its
+  body is confirmed is compared with that event, or a 409 rather than joined
+  (see ``Submissions._same_body``).
 - **An SDK's own retry without a key.** The official SDKs resend the same
   body with ``x-stainless-retry-count`` above 0 and no idempotency key
   (the openai Python SDK sets none). Each gateway process remembers, for

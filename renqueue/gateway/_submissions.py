@@ -78,6 +78,20 @@ _KEY_RE: Final = re.compile(rf"^[\x21-\x7e]{{1,{MAX_KEY_LENGTH}}}$")
 #: Client's ``submit_patience`` after the claim, and the server forgets ids on
 #: a timer of the window's length (an id may outlive it by as much again).
 _CLAIM_WINDOWS: Final = 2
+#: What a claim's value starts with until the request under the key is known
+#: to have the claimed body (then its value is the fingerprint alone).
+_PENDING: Final = b"?"
+
+
+class _Claim(NamedTuple):
+    """A key's claim as a keyed submit made or found it (:meth:`Submissions._claim`)."""
+
+    revision: int
+    #: Made by this call; else found, made by an earlier call of the same body.
+    made: bool
+    #: The request under the key is known to have this body (its claimant
+    #: stored it, or compared it with its ``submitted`` event); else pending.
+    confirmed: bool
 
 
 class Origin(NamedTuple):
@@ -277,7 +291,7 @@ class Submissions:
         tenant = client.tenant
         metadata = sub.metadata
         js = self._js()
-        claim: int | None = None  # the revision of the key's claim, if this call made it
+        claim: _Claim | None = None
         if key is not None:
             existing = await submitted_of(js, tenant, request_id)
             if existing is not None:
@@ -319,12 +333,11 @@ class Submissions:
             answer = from_error(exc)
             if key is None and not _maybe_stored(exc):
                 self._forget(tenant, print_, request_id)
-            elif claim is not None and not _maybe_stored(exc):
+            elif claim is not None and claim.made and not _maybe_stored(exc):
                 self._unclaim(tenant, request_id, claim)  # nothing stored: the key is free
             raise answer from exc
-        if claim is not None and (handle.duplicate or handle.found_on_retry):
-            # Stored, and not by a call that found this body's claim: checked.
-            await self._same_body(tenant, request_id, print_, claim, ours=handle.found_on_retry)
+        if claim is not None and not claim.confirmed:
+            await self._settle(tenant, request_id, print_, claim, handle)
         if key is not None and handle.duplicate:
             metrics.RETRIES_JOINED.labels("idempotency_key").inc()
         created = int(built.submitted_at)
@@ -344,64 +357,106 @@ class Submissions:
         stored = await submitted_of(self._js(), tenant, request_id)
         return built if stored is None else int(stored.request.submitted_at)
 
-    async def _claim(self, tenant: str, request_id: str, print_: str) -> int | None:
+    async def _claim(self, tenant: str, request_id: str, print_: str) -> _Claim:
         """Claim an idempotency key's request for this body (its fingerprint
-        ``print_``), for :data:`_CLAIM_WINDOWS` duplicate windows: the claim's
-        revision if this call made it, ``None`` if a call of the same body had;
-        422 if a call of another body had. The one place a key's body is
-        decided: a compare-and-set, whichever gateway process asks."""
+        ``print_``), for :data:`_CLAIM_WINDOWS` duplicate windows, or find the
+        claim of an earlier call of the same body; 422 if a call of another body
+        claimed it. The one place a key's body is decided: a compare-and-set,
+        whichever gateway process asks. A claim is made pending, and confirmed
+        once the request under the key is known to have its body."""
         state = await self._bucket()
         name = claim_key(tenant, request_id)
         value = print_.encode()
         for _ in range(3):
             try:
-                return await state.create(name, value, msg_ttl=self._claim_ttl)
+                revision = await state.create(name, _PENDING + value, msg_ttl=self._claim_ttl)
+                return _Claim(revision, made=True, confirmed=False)
             except WrongLastSequenceError:
                 pass
             entry = await state.latest(name)
             if entry is None or entry.operation is not None:
                 continue  # expired or deleted since: claimed again
-            if entry.value != value:
+            if entry.value.removeprefix(_PENDING) != value:
                 raise _key_reused()
-            return None
+            confirmed = not entry.value.startswith(_PENDING)
+            return _Claim(entry.revision, made=False, confirmed=confirmed)
         raise _key_unverified()  # claimed and gone again, three times in a row
 
-    def _unclaim(self, tenant: str, request_id: str, revision: int) -> None:
-        """Take back this call's claim of a key (at ``revision``, no later one):
+    async def _settle(
+        self, tenant: str, request_id: str, print_: str, claim: _Claim, handle: RequestHandle
+    ) -> None:
+        """A pending claim after its call's publish: confirmed if the publish
+        stored the request; else checked (:meth:`_same_body`)."""
+        if handle.duplicate or handle.found_on_retry:
+            ours = claim.made and handle.found_on_retry
+            await self._same_body(tenant, request_id, print_, claim, ours=ours)
+        else:
+            self._confirm(tenant, request_id, print_, claim)
+
+    def _confirm(self, tenant: str, request_id: str, print_: str, claim: _Claim) -> None:
+        """The request under the key has the claimed body: later calls of it join
+        it unchecked. Written in the background (a compare-and-set on the
+        claim's revision, its life starting again), so the answer does not wait;
+        until it lands, a call of the same body that finds the request stored
+        compares its body as for a pending claim."""
+        name = claim_key(tenant, request_id)
+        headers = {
+            "Nats-Expected-Last-Subject-Sequence": str(claim.revision),
+            "Nats-TTL": str(self._claim_ttl),
+        }
+
+        async def confirm() -> None:
+            with contextlib.suppress(WrongLastSequenceError):  # moved on: not ours to say
+                await self._js().publish(
+                    f"$KV.{STATE_BUCKET}.{name}", print_.encode(), headers=headers
+                )
+
+        self._supervisor.spawn_job(f"confirm-{name}", confirm)
+
+    def _unclaim(self, tenant: str, request_id: str, claim: _Claim) -> None:
+        """Take back this call's claim of a key (at its revision, no later one):
         nothing was stored under it, or what is stored is not known to be its body."""
         name = claim_key(tenant, request_id)
 
         async def delete() -> None:
             state = await self._bucket()
             with contextlib.suppress(WrongLastSequenceError):
-                await state.delete(name, last=revision)
+                await state.delete(name, last=claim.revision)
 
         self._supervisor.spawn_job(f"unclaim-{name}", delete)
 
     async def _same_body(
-        self, tenant: str, request_id: str, print_: str, claim: int, *, ours: bool
+        self, tenant: str, request_id: str, print_: str, claim: _Claim, *, ours: bool
     ) -> None:
-        """A keyed submit that claimed the key and found its request stored: a
-        publisher that took no claim stored it (a gateway of an earlier version,
-        a :class:`~renqueue.Client` naming the id itself, a claim gone while
-        JetStream still knew the id), or, when ``ours`` (found by a retry of this
-        call's publish), all but surely this call's own first try. Compared with
-        its ``submitted`` event, waited for about 3 s: another body is a 422;
-        none by then is a 409 (never joined unchecked) unless ``ours``. The claim
-        is taken back when the stored request is not known to have this body."""
+        """A keyed submit whose claim is pending found the key's request stored:
+        by the call that made the claim (the same body), or by a publisher that
+        took no claim (a gateway of an earlier version, a
+        :class:`~renqueue.Client` naming the id itself, a claim gone while
+        JetStream still knew the id); when ``ours`` (found by a retry of the
+        publish of this call, which made the claim), all but surely by this
+        call's own first try. Compared with its ``submitted`` event, waited for
+        about 3 s: the same body confirms the claim, another is a 422; none by
+        then is a 409 (never joined unchecked) unless ``ours``. A claim this
+        call made is taken back when the stored request is not known to have
+        its body."""
         delay = 0.05
         for _ in range(6):
             existing = await submitted_of(self._js(), tenant, request_id)
             if existing is not None:
                 if existing.request.metadata.get(BODY_KEY, print_) != print_:
-                    self._unclaim(tenant, request_id, claim)
+                    if claim.made:
+                        self._unclaim(tenant, request_id, claim)
                     raise _key_reused()
+                self._confirm(tenant, request_id, print_, claim)
                 return
             await asyncio.sleep(delay)
             delay *= 2
-        if not ours:
+        if ours:
+            self._confirm(tenant, request_id, print_, claim)
+            return
+        if claim.made:
             self._unclaim(tenant, request_id, claim)
-            raise _key_unverified()
+        raise _key_unverified()
 
     # ------------------------------------------------------------ remembering
 
