@@ -28,9 +28,9 @@ from _waits import until
 from openai.types.chat import ChatCompletionMessageFunctionToolCall, ParsedFunctionToolCall
 
 from renqueue import Client, RequestCancelledError, Services, parse_config
-from renqueue.broker import EventLog, JetStream
+from renqueue.broker import EventLog, JetStream, KeyValue
 from renqueue.config import Config
-from renqueue.errors import NatsTimeoutError
+from renqueue.errors import NatsTimeoutError, StoreFullError
 from renqueue.gateway import Gateway, _submissions, digest
 from renqueue.gateway._idempotency import claim_key, id_for_key
 from renqueue.mock import FaultSpec, MockBackend, MockSettings
@@ -1493,6 +1493,39 @@ async def test_a_key_whose_request_was_stored_without_a_claim_is_never_joined_un
     for answer in answers:
         assert answer.status_code == 409, answer.text
         assert answer.json()["error"]["code"] == "idempotency_key_unverified"
+
+
+async def fill(state: KeyValue) -> None:
+    """Fill a bucket up to its last few bytes: big entries, then the smallest."""
+    for size, prefix in ((1024, "big"), (1, "f")):
+        for n in range(100_000):
+            try:
+                await state.put(f"{prefix}.{n}", b"x" * size)
+            except StoreFullError:
+                break
+        else:
+            pytest.fail("the bucket never filled")
+
+
+async def test_a_keyed_call_is_a_503_store_full_when_its_claim_cannot_be_written(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """The claim is written before the publish: with the ``rq-state`` bucket at
+    its ``max_bytes`` (it refuses new entries) a keyed call stores nothing and is
+    a 503 ``store_full``, as a full requests stream makes it, never a 500."""
+    async for stack in start(tmp_path, mock, nats={"state": {"max_bytes": "64KB"}}):
+        assert stack.services.js is not None
+        state = await stack.services.js.key_value(STATE_BUCKET)
+        await fill(state)
+        async with stack.http() as http:
+            answer = await http.post(
+                "/chat/completions",
+                json={"model": "chat", "messages": MESSAGES},
+                headers={"Idempotency-Key": "no-room-1"},
+            )
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "store_full"
+    assert mock.stats().requests == 0
 
 
 async def test_resumed_streams_count_against_the_in_flight_limit(
