@@ -1357,17 +1357,20 @@ def joined_by_key() -> float:
 
 
 @contextlib.asynccontextmanager
-async def unread_stack(tmp_path: Path, mock: MockBackend) -> AsyncIterator[tuple[Stack, Config]]:
+async def unread_stack(
+    tmp_path: Path, mock: MockBackend, **extra: Any
+) -> AsyncIterator[tuple[Stack, Config]]:
     """A stack whose requests no router reads (none runs): a request stays in
     the requests stream, and no ``submitted`` event is ever written for it."""
-    config = make_config(tmp_path, mock)
+    config = make_config(tmp_path, mock, **extra)
     async with (
         Services(config, routers=0, backends=[]) as services,
         Gateway(config, url=services.url) as gateway,
     ):
         stack = Stack(services, gateway)
         try:
-            yield stack, make_config(tmp_path, mock, nats={"url": services.url})
+            nats = {**extra.get("nats", {}), "url": services.url}
+            yield stack, make_config(tmp_path, mock, **{**extra, "nats": nats})
         finally:
             await stack.close()
 
@@ -1526,6 +1529,46 @@ async def test_a_keyed_call_is_a_503_store_full_when_its_claim_cannot_be_written
     assert answer.status_code == 503, answer.text
     assert answer.json()["error"]["code"] == "store_full"
     assert mock.stats().requests == 0
+
+
+async def test_a_keyed_call_that_stored_nothing_gives_its_claim_back(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """A keyed call the broker refuses (here the tenant's backlog is full:
+    ``router.tenant_backlog``) stored nothing under its key: its claim is taken
+    back, so the key may be sent again with another body (refused here for the
+    backlog again, 429, not 422 for the body)."""
+    key = "refused-1"
+    name = claim_key("acme", id_for_key(key))
+    headers = {"Idempotency-Key": key}
+    async with (
+        unread_stack(tmp_path, mock, router={"tenant_backlog": 1}) as (stack, _routed),
+        stack.http() as http,
+    ):
+        assert stack.services.js is not None
+        state = await stack.services.js.key_value(STATE_BUCKET)
+        async with stack.client() as client:
+            await client.submit("fills the backlog", route="chat")
+        full = await http.post(
+            "/chat/completions",
+            json={"model": "chat", "messages": [{"role": "user", "content": "A"}]},
+            headers=headers,
+        )
+
+        async def given_back() -> bool:
+            entry = await state.latest(name)
+            return entry is not None and entry.operation is not None
+
+        await until(given_back, "the refused call's claim is given back")
+        other = await http.post(
+            "/chat/completions",
+            json={"model": "chat", "messages": [{"role": "user", "content": "B"}]},
+            headers=headers,
+        )
+    assert full.status_code == 429, full.text
+    assert full.json()["error"]["code"] == "tenant_backlog_full"
+    assert other.status_code == 429, other.text
+    assert other.json()["error"]["code"] == "tenant_backlog_full"
 
 
 async def test_resumed_streams_count_against_the_in_flight_limit(
