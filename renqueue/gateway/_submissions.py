@@ -411,7 +411,8 @@ class Submissions:
                     f"$KV.{STATE_BUCKET}.{name}", print_.encode(), headers=headers
                 )
 
-        self._supervisor.spawn_job(f"confirm-{name}", confirm)
+        with contextlib.suppress(RuntimeError):  # the gateway is stopping: left pending
+            self._supervisor.spawn_job(f"confirm-{name}", confirm)
 
     def _unclaim(self, tenant: str, request_id: str, claim: _Claim) -> None:
         """Take back this call's claim of a key (at its revision, no later one):
@@ -423,7 +424,8 @@ class Submissions:
             with contextlib.suppress(WrongLastSequenceError):
                 await state.delete(name, last=claim.revision)
 
-        self._supervisor.spawn_job(f"unclaim-{name}", delete)
+        with contextlib.suppress(RuntimeError):  # the gateway is stopping: it expires instead
+            self._supervisor.spawn_job(f"unclaim-{name}", delete)
 
     async def _same_body(
         self, tenant: str, request_id: str, print_: str, claim: _Claim, *, ours: bool
