@@ -438,9 +438,12 @@ class Submissions:
         publish of this call, which made the claim), all but surely by this
         call's own first try. Compared with its ``submitted`` event, waited for
         about 3 s: the same body confirms the claim, another is a 422; none by
-        then is a 409 (never joined unchecked) unless ``ours``. A claim this
-        call made is taken back when the stored request is not known to have
-        its body."""
+        then is a 409 (never joined unchecked) unless ``ours``. A claim another
+        call confirms meanwhile (its publish stored the request) is joined. A
+        claim this call made is taken back when the stored request is not known
+        to have its body."""
+        state = await self._bucket()
+        name = claim_key(tenant, request_id)
         delay = 0.05
         for _ in range(6):
             existing = await submitted_of(self._js(), tenant, request_id)
@@ -451,6 +454,9 @@ class Submissions:
                     raise _key_reused()
                 self._confirm(tenant, request_id, print_, claim)
                 return
+            entry = await state.latest(name)
+            if entry is not None and entry.operation is None and entry.value == print_.encode():
+                return  # confirmed by the call whose publish stored it
             await asyncio.sleep(delay)
             delay *= 2
         if ours:
