@@ -1571,6 +1571,35 @@ async def test_a_keyed_call_that_stored_nothing_gives_its_claim_back(
     assert other.json()["error"]["code"] == "tenant_backlog_full"
 
 
+async def test_calls_of_one_key_and_body_at_once_join_one_request_while_none_is_read(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """Two calls of one key and one body at the same moment, no router reading:
+    one stores the request and confirms the key's claim, the other joins it
+    (having found the claim confirmed, or pending and then confirmed), never a
+    409 for a body that is its own."""
+    key = "twice-at-once"
+    headers = {"Idempotency-Key": key}
+    body = {"model": "chat", "messages": [{"role": "user", "content": "A"}]}
+    async with unread_stack(tmp_path, mock) as (stack, _routed), stack.http() as http:
+        joined = joined_by_key()
+        calls = [
+            asyncio.create_task(http.post("/chat/completions", json=body, headers=headers))
+            for _ in range(2)
+        ]
+
+        async def one_joined_or_answered() -> bool:
+            return joined_by_key() > joined or any(call.done() for call in calls)
+
+        await until(one_joined_or_answered, "a call joins the other's request, or is answered")
+        answered = [call.result().text for call in calls if call.done()]
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+    assert answered == []
+    assert joined_by_key() == joined + 1
+
+
 async def test_resumed_streams_count_against_the_in_flight_limit(
     tmp_path: Path, mock: MockBackend
 ) -> None:
