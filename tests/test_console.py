@@ -28,7 +28,13 @@ from renqueue.coordination import read_status
 from renqueue.errors import ConfigError
 from renqueue.gateway import digest
 from renqueue.gateway._console import COOKIE, SESSION_AGE, Sessions
-from renqueue.gateway._console_feed import SHOWN, TEXT_SHOWN, EventFeed
+from renqueue.gateway._console_feed import (
+    SHOWN,
+    TEXT_SHOWN,
+    EventFeed,
+    event_id,
+    parse_event_id,
+)
 from renqueue.mock import MockBackend
 from renqueue.schema import (
     EVENTS_STREAM,
@@ -422,6 +428,17 @@ async def test_curl_reads_the_console_api_as_the_docs_show(stack: Stack) -> None
 def expired(request_id: str) -> tuple[str, bytes]:
     event = Expired(request_id=request_id, tenant="acme", at=1.0, stage="queued", reason="late")
     return event_subject("acme", request_id, "expired"), msgspec.json.encode(event)
+
+
+def test_a_lines_sse_id_names_its_position_and_reads_back() -> None:
+    """Pure: ``<seq>`` for an event's first line, ``<seq>.<part>`` for the next."""
+    for position, text in (((7, 0), "7"), ((7, 1), "7.1"), ((10**18, 1), f"{10**18}.1")):
+        assert event_id(position) == text
+        assert parse_event_id(text) == position
+        assert parse_event_id(f" {text} ") == position
+    assert parse_event_id(None) is None
+    for junk in ("", "7.", ".1", "7.1.1", "7.1234", "7.-1", "²", "1" * 20, "7,1"):
+        assert parse_event_id(junk) is None, junk
 
 
 def test_a_feed_that_no_longer_keeps_what_a_console_missed_says_so() -> None:
