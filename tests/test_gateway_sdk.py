@@ -30,9 +30,9 @@ from openai.types.chat import ChatCompletionMessageFunctionToolCall, ParsedFunct
 from renqueue import Client, RequestCancelledError, Services, parse_config
 from renqueue.broker import EventLog, JetStream, KeyValue
 from renqueue.config import Config
-from renqueue.errors import NatsTimeoutError, StoreFullError
+from renqueue.errors import NatsNotFoundError, NatsTimeoutError, StoreFullError
 from renqueue.gateway import Gateway, _submissions, digest
-from renqueue.gateway._idempotency import claim_key, id_for_key
+from renqueue.gateway._idempotency import claim_key, fingerprint, id_for_key, shared_key
 from renqueue.mock import FaultSpec, MockBackend, MockSettings
 from renqueue.schema import (
     EVENT_DECODER,
@@ -1569,6 +1569,54 @@ async def test_a_keyed_call_that_stored_nothing_gives_its_claim_back(
     assert full.json()["error"]["code"] == "tenant_backlog_full"
     assert other.status_code == 429, other.text
     assert other.json()["error"]["code"] == "tenant_backlog_full"
+
+
+async def test_a_refused_call_leaves_nothing_in_rq_state_past_its_entrys_life(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """Review i33: a call the broker refuses gives back what it wrote in
+    ``rq-state`` (a keyed call its key's claim, an unkeyed one its shared body
+    fingerprint), a KV delete: a delete marker, which ``rq-state`` (no
+    ``max_age``) kept for ever, one per key, however many calls were refused; a
+    tenant could fill the bucket with them (cheap 429s or 400s, a new key each),
+    and with it the projection's room. The marker expires as the entry would."""
+    key = "refused-gone-1"
+    extra: dict[str, Any] = {
+        "router": {"tenant_backlog": 1},
+        "nats": {"duplicate_window": "1s"},  # the claim: 2 s, the fingerprint: 1 s
+    }
+    async with (
+        unread_stack(tmp_path, mock, **extra) as (stack, _routed),
+        stack.http() as http,
+    ):
+        assert stack.services.js is not None
+        js = stack.services.js
+        async with stack.client() as client:
+            await client.submit("fills the backlog", route="chat")
+        keyed = {"model": "chat", "messages": [{"role": "user", "content": "A"}]}
+        plain = json.dumps({"model": "chat", "messages": [{"role": "user", "content": "B"}]})
+        refused = [
+            await http.post("/chat/completions", json=keyed, headers={"Idempotency-Key": key}),
+            await http.post(
+                "/chat/completions",
+                content=plain.encode(),
+                headers={"content-type": "application/json"},
+            ),
+        ]
+        names = [
+            claim_key("acme", id_for_key(key)),
+            shared_key("acme", fingerprint("acme", plain.encode())),
+        ]
+
+        async def gone() -> bool:
+            for name in names:
+                with contextlib.suppress(NatsNotFoundError):
+                    await js.get_last_msg(f"KV_{STATE_BUCKET}", f"$KV.{STATE_BUCKET}.{name}")
+                    return False
+            return True
+
+        await until(gone, "rq-state keeps nothing of the refused calls")
+    assert [r.status_code for r in refused] == [429, 429], [r.text for r in refused]
 
 
 async def test_calls_of_one_key_and_body_at_once_join_one_request_while_none_is_read(

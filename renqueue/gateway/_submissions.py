@@ -420,9 +420,8 @@ class Submissions:
         name = claim_key(tenant, request_id)
 
         async def delete() -> None:
-            state = await self._bucket()
             with contextlib.suppress(WrongLastSequenceError):
-                await state.delete(name, last=claim.revision)
+                await self._delete(name, claim.revision, self._claim_ttl)
 
         with contextlib.suppress(RuntimeError):  # the gateway is stopping: it expires instead
             self._supervisor.spawn_job(f"unclaim-{name}", delete)
@@ -466,6 +465,19 @@ class Submissions:
             self._unclaim(tenant, request_id, claim)
         raise _key_unverified()
 
+    async def _delete(self, name: str, revision: int, ttl: int | str) -> None:
+        """Delete entry ``name`` of the ``rq-state`` bucket at ``revision`` (a
+        compare-and-set: :class:`WrongLastSequenceError` if it moved on), by a
+        delete marker that expires in ``ttl`` seconds, as the entry would have:
+        ``rq-state`` has no ``max_age``, and a plain KV delete's marker (nats-py
+        sets no TTL on one) would be kept for ever, one per key given back."""
+        headers = {
+            "KV-Operation": "DEL",
+            "Nats-Expected-Last-Subject-Sequence": str(revision),
+            "Nats-TTL": str(ttl),
+        }
+        await self._js().publish(f"$KV.{STATE_BUCKET}.{name}", b"", headers=headers)
+
     # ------------------------------------------------------------ remembering
 
     def _forget(self, tenant: str, print_: str, request_id: str) -> None:
@@ -482,7 +494,7 @@ class Submissions:
             # Only ours: another process may have shared the same body since.
             if entry is not None and entry.value == request_id.encode():
                 with contextlib.suppress(WrongLastSequenceError):
-                    await state.delete(name, last=entry.revision)
+                    await self._delete(name, entry.revision, self._share_ttl)
 
         self._supervisor.spawn_job(f"forget-{name}", delete)
 
