@@ -1619,6 +1619,92 @@ async def test_a_refused_call_leaves_nothing_in_rq_state_past_its_entrys_life(
     assert [r.status_code for r in refused] == [429, 429], [r.text for r in refused]
 
 
+async def test_a_key_whose_claim_is_confirmed_is_joined_without_publishing_again(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """Review i33: a call of a key whose claim is confirmed (the request under
+    it is stored, with this body) published the request again, to be told it
+    was a duplicate. Past the duplicate window (JetStream no longer knows the
+    id) and before a router read it (no ``submitted`` event), that publish
+    stored the request a second time under the same id, while the claim (two
+    windows) said it was stored. It joins, publishing nothing."""
+    key = "confirmed-1"
+    name = claim_key("acme", id_for_key(key))
+    headers = {"Idempotency-Key": key}
+    body = {"model": "chat", "messages": [{"role": "user", "content": "A"}]}
+    async with unread_stack(tmp_path, mock) as (stack, _routed), stack.http() as http:
+        assert stack.services.js is not None
+        assert stack.services.nc is not None
+        state = await stack.services.js.key_value(STATE_BUCKET)
+        first = asyncio.create_task(http.post("/chat/completions", json=body, headers=headers))
+
+        async def confirmed() -> bool:
+            entry = await state.latest(name)
+            return entry is not None and entry.operation is None and len(entry.value) == 64
+
+        await until(confirmed, "the key's claim is confirmed")
+        published: list[bytes] = []
+
+        async def on(msg: Any) -> None:
+            published.append(msg.data)
+
+        # Core NATS sees every publish to the requests stream, a duplicate too.
+        await stack.services.nc.subscribe("rq.req.>", cb=on)
+        await stack.services.nc.flush()
+        joined = joined_by_key()
+        again = asyncio.create_task(http.post("/chat/completions", json=body, headers=headers))
+
+        async def has_joined() -> bool:
+            return joined_by_key() > joined or again.done()
+
+        await until(has_joined, "the second call joins the first's request")
+        await stack.services.nc.flush()
+        for call in (first, again):
+            call.cancel()
+        await asyncio.gather(first, again, return_exceptions=True)
+    assert joined_by_key() == joined + 1
+    assert published == []
+
+
+async def test_a_claim_left_pending_by_a_gateway_gone_before_its_publish_is_taken_up(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """A gateway killed between a key's claim and its publish leaves the claim
+    pending, nothing stored: the next call of the same body stores the request
+    and confirms the claim (no 409, no wait), one of another body is a 422."""
+    key = "orphan-1"
+    rid = id_for_key(key)
+    name = claim_key("acme", rid)
+    headers = {"Idempotency-Key": key}
+    body = json.dumps({"model": "chat", "messages": MESSAGES}).encode()
+    print_ = fingerprint("acme", body)
+    async for stack in start(tmp_path, mock):
+        assert stack.services.js is not None
+        state = await stack.services.js.key_value(STATE_BUCKET)
+        await state.create(name, b"?" + print_.encode(), msg_ttl=60)  # the dead gateway's
+        async with stack.http() as http:
+            other = await http.post(
+                "/chat/completions",
+                json={"model": "chat", "messages": [{"role": "user", "content": "B"}]},
+                headers=headers,
+            )
+            answer = await http.post(
+                "/chat/completions",
+                content=body,
+                headers={**headers, "content-type": "application/json"},
+            )
+
+        async def confirmed(state: KeyValue = state) -> bool:
+            entry = await state.latest(name)
+            return entry is not None and entry.value == print_.encode()
+
+        await until(confirmed, "the claim is confirmed")
+    assert other.status_code == 422, other.text
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["id"] == rid
+    assert mock.stats().requests == 1
+
+
 async def test_calls_of_one_key_and_body_at_once_join_one_request_while_none_is_read(
     tmp_path: Path, mock: MockBackend
 ) -> None:

@@ -304,6 +304,13 @@ class Submissions:
             # Before the publish: a resend of the key with another body, at any
             # moment after this, meets the claim and is refused.
             claim = await self._claim(tenant, request_id, print_)
+            if claim.confirmed:
+                # Stored with this body: joined, not published again (past the
+                # duplicate window, before a router read it, that would store it twice).
+                metrics.RETRIES_JOINED.labels("idempotency_key").inc()
+                created = await self._created_of_stored(tenant, request_id, int(time.time()))
+                self._remember_recent(tenant, request_id, Origin(sub.route, created))
+                return client.handle(request_id)
             metadata = {**metadata, BODY_KEY: print_}
         elif retry and (joined := await self._joinable(tenant, print_)) is not None:
             # Published again under the id the first try used: a duplicate if
