@@ -33,6 +33,7 @@ from renqueue.config import Config
 from renqueue.errors import NatsNotFoundError, NatsTimeoutError, StoreFullError
 from renqueue.gateway import Gateway, _submissions, digest
 from renqueue.gateway._idempotency import claim_key, fingerprint, id_for_key, shared_key
+from renqueue.gateway._submissions import BODY_KEY
 from renqueue.mock import FaultSpec, MockBackend, MockSettings
 from renqueue.schema import (
     EVENT_DECODER,
@@ -1700,6 +1701,53 @@ async def test_a_claim_left_pending_by_a_gateway_gone_before_its_publish_is_take
 
         await until(confirmed, "the claim is confirmed")
     assert other.status_code == 422, other.text
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["id"] == rid
+    assert mock.stats().requests == 1
+
+
+async def test_a_claim_left_pending_after_its_request_was_stored_is_joined_by_its_body(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """Review rev-i33-gw (finding 3): a gateway killed, or a handler cancelled,
+    after its keyed publish stored the request and before the claim was
+    confirmed left the claim pending. The next call of the same body waited
+    ~3 s, then got 409s until a router read the request (minutes behind a deep
+    backlog), so the SDK gave up on a request that was queued. A pending claim
+    of this very body, with the request stored, is joined (as before claims);
+    another body is still a 422."""
+    key = "stored-then-gone"
+    rid = id_for_key(key)
+    headers = {"Idempotency-Key": key, "content-type": "application/json"}
+    body = json.dumps({"model": "chat", "messages": MESSAGES}).encode()
+    print_ = fingerprint("acme", body)
+    async with unread_stack(tmp_path, mock) as (stack, routed), stack.http() as http:
+        assert stack.services.js is not None
+        assert stack.services.nc is not None
+        state = await stack.services.js.key_value(STATE_BUCKET)
+        # What the gone gateway left: its claim, pending, and its request, stored.
+        await state.create(claim_key("acme", rid), b"?" + print_.encode(), msg_ttl=60)
+        async with Client(stack.services.nc, tenant="acme") as client:
+            built = client.build_request(
+                MESSAGES, route="chat", request_id=rid, metadata={BODY_KEY: print_}
+            )
+            await client.submit_request(built)
+        joined = joined_by_key()
+        call = asyncio.create_task(http.post("/chat/completions", content=body, headers=headers))
+
+        async def answered_or_joined() -> bool:
+            return call.done() or joined_by_key() > joined
+
+        await until(answered_or_joined, "the call is answered, or joins the stored request")
+        assert not call.done(), call.result().text  # joined, not a 409
+        other = await http.post(
+            "/chat/completions",
+            json={"model": "chat", "messages": [{"role": "user", "content": "B"}]},
+            headers={"Idempotency-Key": key},
+        )
+        assert other.status_code == 422, other.text
+        async with Services(routed, routers=1, provision_streams=False):
+            answer = await call
     assert answer.status_code == 200, answer.text
     assert answer.json()["id"] == rid
     assert mock.stats().requests == 1

@@ -81,6 +81,10 @@ _CLAIM_WINDOWS: Final = 2
 #: What a claim's value starts with until the request under the key is known
 #: to have the claimed body (then its value is the fingerprint alone).
 _PENDING: Final = b"?"
+#: A pending claim still unchanged this long after another call of its body
+#: found the request stored was left by a call that went away (a live one
+#: settles its claim within its ~3 s wait): the request is joined.
+_CLAIMER_GONE_AFTER: Final = 5.0
 
 
 class _Claim(NamedTuple):
@@ -444,7 +448,13 @@ class Submissions:
         publish of this call, which made the claim), all but surely by this
         call's own first try. Compared with its ``submitted`` event, waited for
         about 3 s: the same body confirms the claim, another is a 422; none by
-        then is a 409 (never joined unchecked) unless ``ours``. A claim another
+        then is a 409 (never joined unchecked) unless ``ours``, or the claim is
+        another call's (of this very body: another's was a 422 already) and is
+        still pending, unchanged, :data:`_CLAIMER_GONE_AFTER` seconds later (a
+        live claimer settles it within its own wait): that call's publish
+        stored the request and it went away before confirming (killed, or
+        cancelled by its client's timeout), so the request is joined rather
+        than refused until a router reads it. A claim another
         call confirms meanwhile (its publish stored the request) is joined. A
         claim this call made is taken back when the stored request is not known
         to have its body."""
@@ -465,12 +475,30 @@ class Submissions:
                 return  # confirmed by the call whose publish stored it
             await asyncio.sleep(delay)
             delay *= 2
-        if ours:
+        if ours or (not claim.made and await self._claimer_gone(name, print_, claim)):
             self._confirm(tenant, request_id, print_, claim)
             return
         if claim.made:
             self._unclaim(tenant, request_id, claim)
         raise _key_unverified()
+
+    async def _claimer_gone(self, name: str, print_: str, claim: _Claim) -> bool:
+        """Whether the request under the pending claim ``name`` another call made
+        for this body (at ``claim.revision``) may be joined: the claim is
+        confirmed meanwhile, or still pending at that revision
+        :data:`_CLAIMER_GONE_AFTER` seconds on (left by a call that went away:
+        a live claimer confirms it or takes it back within its own wait)."""
+        state = await self._bucket()
+        deadline = time.monotonic() + _CLAIMER_GONE_AFTER
+        while time.monotonic() < deadline:
+            entry = await state.latest(name)
+            if entry is None or entry.operation is not None:
+                return False  # taken back: what is stored is not known to be this body
+            if entry.revision != claim.revision:
+                return entry.value == print_.encode()  # confirmed, or claimed anew
+
+            await asyncio.sleep(0.25)
+        return True
 
     async def _delete(self, name: str, revision: int, ttl: int | str) -> None:
         """Delete entry ``name`` of the ``rq-state`` bucket at ``revision`` (a
