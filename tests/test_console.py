@@ -28,7 +28,13 @@ from renqueue.coordination import read_status
 from renqueue.errors import ConfigError
 from renqueue.gateway import digest
 from renqueue.gateway._console import COOKIE, SESSION_AGE, Sessions
-from renqueue.gateway._console_feed import SHOWN, TEXT_SHOWN, EventFeed
+from renqueue.gateway._console_feed import (
+    SHOWN,
+    TEXT_SHOWN,
+    EventFeed,
+    event_id,
+    parse_event_id,
+)
 from renqueue.mock import MockBackend
 from renqueue.schema import (
     EVENTS_STREAM,
@@ -219,19 +225,24 @@ async def read_events(
     response: httpx.Response | AsyncIterator[str], wanted: Any, within: float = 20.0
 ) -> list[dict[str, Any]]:
     """Data of the stream's events until ``wanted(events)`` holds (from a response,
-    or from its lines, to read on where an earlier call stopped)."""
+    or from its lines, to read on where an earlier call stopped); an event's SSE
+    id, when it has one, as ``_id``."""
     events: list[dict[str, Any]] = []
     lines = response.aiter_lines() if isinstance(response, httpx.Response) else response
 
     async def read() -> None:
         event_type = "message"
+        event_id: str | None = None
         async for line in lines:
             if line.startswith("event: "):
                 event_type = line[7:]
+            elif line.startswith("id: "):
+                event_id = line[4:]
             elif line.startswith("data: "):
                 data = json.loads(line[6:])
-                events.append({"type": event_type, **data})
-                event_type = "message"
+                said = {} if event_id is None else {"_id": event_id}
+                events.append({"type": event_type, **data, **said})
+                event_type, event_id = "message", None
                 if wanted(events):
                     return
 
@@ -277,14 +288,51 @@ async def test_the_event_stream_delivers_new_events_and_resumes(stack: Stack) ->
         assert all(kinds == ["submitted", "routed"] for kinds in shared), shared
         assert kinds[:2] == ["submitted", "routed"]
         assert mine[0]["seq"] == mine[1]["seq"]
-        # A console that reconnects names the last event it got: it gets what came after.
-        resume_after = mine[0]["seq"]
+        # Each line has an id of its own: the second of a pair, `<seq>.1`.
+        assert mine[0]["_id"] == str(mine[0]["seq"])
+        assert mine[1]["_id"] == f"{mine[1]['seq']}.1"
+        # A console that reconnects names the last line it got: it gets what came after.
+        resume_after = mine[1]["seq"]
         async with client.stream(
-            "GET", "/console/api/events", headers={"Last-Event-ID": str(resume_after)}
+            "GET", "/console/api/events", headers={"Last-Event-ID": mine[1]["_id"]}
         ) as response:
             again = await read_events(response, lambda got: any(e["seq"] >= seqs[-1] for e in got))
         assert again[0]["seq"] == resume_after + 1
         assert [e["seq"] for e in again] == [s for s in seqs if s > resume_after][: len(again)]
+
+
+async def test_a_console_that_reconnects_after_any_line_gets_every_later_one_once(
+    stack: Stack,
+) -> None:
+    """Review i33: a request bound at once is one stored event shown as two lines
+    (its `submitted`, then its `routed`), which both had the event's sequence as
+    their SSE id: a console that reconnected between them named that sequence and
+    never got the `routed`. Every line has an id of its own, in order, so a
+    reconnect after any line, between the two of a pair too, resumes with the
+    line after it: nothing lost, nothing twice."""
+    async with console(stack) as client:
+        async with client.stream("GET", "/console/api/events") as response:
+            (request_id,) = await complete(stack, 1)
+            lines = await read_events(
+                response,
+                lambda got: any(
+                    e.get("request_id") == request_id and e.get("kind") == "completed" for e in got
+                ),
+            )
+        lines = [e for e in lines if e["type"] == "message"]
+        ids = [e["_id"] for e in lines]
+        mine = [e for e in lines if e.get("request_id") == request_id]
+        assert [e["kind"] for e in mine[:2]] == ["submitted", "routed"]
+        assert mine[0]["seq"] == mine[1]["seq"]  # the pair: one stored event
+        pair = lines.index(mine[0])
+        # Between the two lines of the pair first, then after every other line.
+        for at in [pair, *range(len(lines) - 1)]:
+            async with client.stream(
+                "GET", "/console/api/events", headers={"Last-Event-ID": ids[at]}
+            ) as response:
+                again = await read_events(response, lambda got: got[-1].get("_id") == ids[-1])
+            assert [e["_id"] for e in again] == ids[at + 1 :], ids[at]
+    assert len(set(ids)) == len(ids), ids  # one id per line
 
 
 async def test_every_console_shares_one_tail_of_the_log(stack: Stack) -> None:
@@ -382,6 +430,17 @@ def expired(request_id: str) -> tuple[str, bytes]:
     return event_subject("acme", request_id, "expired"), msgspec.json.encode(event)
 
 
+def test_a_lines_sse_id_names_its_position_and_reads_back() -> None:
+    """Pure: ``<seq>`` for an event's first line, ``<seq>.<part>`` for the next."""
+    for position, text in (((7, 0), "7"), ((7, 1), "7.1"), ((10**18, 1), f"{10**18}.1")):
+        assert event_id(position) == text
+        assert parse_event_id(text) == position
+        assert parse_event_id(f" {text} ") == position
+    assert parse_event_id(None) is None
+    for junk in ("", "7.", ".1", "7.1.1", "7.1234", "7.-1", "²", "1" * 20, "7,1"):
+        assert parse_event_id(junk) is None, junk
+
+
 def test_a_feed_that_no_longer_keeps_what_a_console_missed_says_so() -> None:
     """Pure: the ring of the latest events, and the gap a reconnecting console is told of."""
     feed = EventFeed(lambda: pytest.fail("no NATS here"), Supervisor("test"), backlog=3)
@@ -390,10 +449,11 @@ def test_a_feed_that_no_longer_keeps_what_a_console_missed_says_so() -> None:
     # A payload that disagrees with its subject is no fact: not shown.
     subject, _ = expired("r6")
     feed._take(6, subject, expired("r7")[1])
-    assert [seq for seq, _ in feed.recent()] == [3, 4, 5]
-    assert feed.since(1) is None  # 2 is gone: the console is told of a gap
-    assert [seq for seq, _ in feed.since(2) or []] == [3, 4, 5]
-    assert feed.since(6) == []
+    assert [at for at, _ in feed.recent()] == [(3, 0), (4, 0), (5, 0)]
+    assert feed.since((1, 0)) is None  # 2 is gone: the console is told of a gap
+    assert [at for at, _ in feed.since((2, 0)) or []] == [(3, 0), (4, 0), (5, 0)]
+    assert [at for at, _ in feed.since((3, 0)) or []] == [(4, 0), (5, 0)]
+    assert feed.since((6, 0)) == []
     line = msgspec.json.decode(feed.recent()[0][1])
     assert line == {
         "seq": 3,
@@ -512,10 +572,10 @@ async def test_the_console_never_shows_a_prompt_tool_arguments_or_tokens(stack: 
     assert timeline.text.count(SECRET_TOKEN) == (TEXT_SHOWN - 3) // len(SECRET_TOKEN)
 
 
-async def test_a_last_event_id_that_is_not_ascii_digits_is_ignored(stack: Stack) -> None:
+async def test_a_last_event_id_not_of_the_feeds_form_is_ignored(stack: Stack) -> None:
     (request_id,) = await complete(stack, 1)
     async with console(stack) as client:
-        for junk in ("²", "١٢", "12x", "-1", "9" * 20):
+        for junk in ("²", "١٢", "12x", "-1", "9" * 20, "1.", ".1", "1.2.3", "1.x", "1.²"):
             async with client.stream(
                 "GET", "/console/api/events", headers={"Last-Event-ID": junk.encode()}
             ) as response:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
@@ -21,16 +22,18 @@ from typing import Any
 import httpx
 import msgspec
 import openai
+import prometheus_client
 import pytest
 from _waits import until
 from openai.types.chat import ChatCompletionMessageFunctionToolCall, ParsedFunctionToolCall
 
 from renqueue import Client, RequestCancelledError, Services, parse_config
-from renqueue.broker import EventLog, JetStream
+from renqueue.broker import EventLog, JetStream, KeyValue
 from renqueue.config import Config
-from renqueue.errors import NatsTimeoutError
+from renqueue.errors import NatsNotFoundError, NatsTimeoutError, StoreFullError
 from renqueue.gateway import Gateway, _submissions, digest
-from renqueue.gateway._idempotency import id_for_key
+from renqueue.gateway._idempotency import claim_key, fingerprint, id_for_key, shared_key
+from renqueue.gateway._submissions import BODY_KEY
 from renqueue.mock import FaultSpec, MockBackend, MockSettings
 from renqueue.schema import (
     EVENT_DECODER,
@@ -808,6 +811,15 @@ async def test_an_idempotency_key_makes_a_resend_join_the_same_request(
     assert again.choices[0].message.content == first.choices[0].message.content
     assert mock.stats().requests == 1
     assert await submitted_count(stack, "acme", first.id) == 1
+    # The key's claim: its body's fingerprint, confirmed (no longer pending) once stored.
+    assert stack.services.js is not None
+    state = await stack.services.js.key_value(STATE_BUCKET)
+
+    async def confirmed() -> bool:
+        entry = await state.latest(claim_key("acme", first.id))
+        return entry is not None and len(entry.value) == 64 and entry.value.isalnum()
+
+    await until(confirmed, "the key's claim is confirmed")
     # Scoped by tenant: the same key from another tenant is its own request.
     theirs = await stack.sdk(GLOBEX).chat.completions.create(
         model="chat", messages=MESSAGES, extra_headers=headers
@@ -1334,6 +1346,440 @@ async def test_a_keyed_submit_whose_retry_finds_another_body_under_its_key_is_a_
             extra_headers={"Idempotency-Key": "raced"},
         )
     assert raced
+
+
+def joined_by_key() -> float:
+    return (
+        prometheus_client.REGISTRY.get_sample_value(
+            "renqueue_gateway_retries_joined_total", {"how": "idempotency_key"}
+        )
+        or 0.0
+    )
+
+
+@contextlib.asynccontextmanager
+async def unread_stack(
+    tmp_path: Path, mock: MockBackend, **extra: Any
+) -> AsyncIterator[tuple[Stack, Config]]:
+    """A stack whose requests no router reads (none runs): a request stays in
+    the requests stream, and no ``submitted`` event is ever written for it."""
+    config = make_config(tmp_path, mock, **extra)
+    async with (
+        Services(config, routers=0, backends=[]) as services,
+        Gateway(config, url=services.url) as gateway,
+    ):
+        stack = Stack(services, gateway)
+        try:
+            nats = {**extra.get("nats", {}), "url": services.url}
+            yield stack, make_config(tmp_path, mock, **{**extra, "nats": nats})
+        finally:
+            await stack.close()
+
+
+async def test_a_key_resent_with_another_body_while_no_router_has_read_it_is_a_422(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """Review i33: a resend of a key whose request no router had read yet (no
+    ``submitted`` event to compare bodies with) was checked for about 3 s, then
+    the key was trusted: another body joined the first request and was answered
+    with its text. The key's claim (its body's fingerprint, written before the
+    first publish) refuses it at once, however long the first waits unread."""
+    headers = {"Idempotency-Key": "unread-1"}
+    rid = id_for_key("unread-1")
+    async with unread_stack(tmp_path, mock) as (stack, routed), stack.http() as http:
+        first = asyncio.create_task(
+            http.post(
+                "/chat/completions",
+                json={"model": "chat", "messages": [{"role": "user", "content": "A"}]},
+                headers=headers,
+            )
+        )
+
+        async def stored() -> bool:
+            return stack.gateway._submissions.recent("acme", rid) is not None
+
+        await until(stored, "the first request is stored")
+        joined = joined_by_key()
+        other = asyncio.create_task(
+            http.post(
+                "/chat/completions",
+                json={"model": "chat", "messages": [{"role": "user", "content": "B"}]},
+                headers=headers,
+            )
+        )
+
+        async def answered_or_joined() -> bool:
+            return other.done() or joined_by_key() > joined
+
+        await until(answered_or_joined, "the resend is answered, or joins the first")
+        if not other.done():
+            # It joined the first request (the bug): a router answers both, so
+            # that this test ends with what the resend was answered.
+            async with Services(routed, routers=1, provision_streams=False):
+                answer = await other
+        else:
+            answer = await other
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["error"]["code"] == "idempotency_key_reused"
+    assert mock.stats().requests <= 1
+
+
+async def test_past_a_keys_claim_a_resend_is_checked_against_the_log_never_joined_unchecked(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """The key's claim lives two duplicate windows (``nats.duplicate_window``).
+    Past it (its entry gone: deleted here, as its expiry removes it) while
+    JetStream still knows the id and no router has read the request, a resend's
+    publish is a duplicate of a request whose body nothing on record tells: it
+    is a 409 ``idempotency_key_unverified`` (retried by the SDKs), never joined.
+    Once a router has read it, its ``submitted`` event tells: the same body
+    joins it, another is a 422."""
+    key = "claim-gone-1"
+    rid = id_for_key(key)
+    headers = {"Idempotency-Key": key}
+    a = {"model": "chat", "messages": [{"role": "user", "content": "A"}]}
+    b = {"model": "chat", "messages": [{"role": "user", "content": "B"}]}
+    async with unread_stack(tmp_path, mock) as (stack, routed):
+        assert stack.services.js is not None
+        state = await stack.services.js.key_value(STATE_BUCKET)
+        name = claim_key("acme", rid)
+        async with stack.http() as http:
+            first = asyncio.create_task(http.post("/chat/completions", json=a, headers=headers))
+
+            async def stored() -> bool:
+                return stack.gateway._submissions.recent("acme", rid) is not None
+
+            await until(stored, "the first request is stored")
+            await state.delete(name)  # past the claim's life
+            unverified = await http.post("/chat/completions", json=b, headers=headers)
+
+            async def unclaimed() -> bool:
+                entry = await state.latest(name)
+                return entry is not None and entry.operation is not None
+
+            # The resend's own claim, of a body not known to be the stored one, is taken back.
+            await until(unclaimed, "the resend's claim is taken back")
+            async with Services(routed, routers=1, provision_streams=False):
+                done = await first
+                other = await http.post("/chat/completions", json=b, headers=headers)
+                same = await http.post("/chat/completions", json=a, headers=headers)
+    assert unverified.status_code == 409, unverified.text
+    assert unverified.json()["error"]["code"] == "idempotency_key_unverified"
+    assert unverified.headers["retry-after"] == "1"
+    assert done.status_code == 200, done.text
+    assert other.status_code == 422, other.text
+    assert same.status_code == 200, same.text
+    assert same.json()["id"] == done.json()["id"] == rid
+    assert mock.stats().requests == 1
+
+
+async def test_a_key_whose_request_was_stored_without_a_claim_is_never_joined_unchecked(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """A request stored under a key's id by a publisher that took no claim (a
+    gateway of an earlier version; here a Client naming the id), and not read by
+    a router: a call of the key claims it pending and finds the request stored,
+    with no body to compare; so does a call of the same body that finds that
+    pending claim. Both are a 409 ``idempotency_key_unverified``, neither joins."""
+    key = "no-claim-1"
+    rid = id_for_key(key)
+    headers = {"Idempotency-Key": key}
+    body = {"model": "chat", "messages": [{"role": "user", "content": "B"}]}
+    async with unread_stack(tmp_path, mock) as (stack, _routed), stack.http() as http:
+        async with stack.client() as client:
+            await client.submit("A", route="chat", request_id=rid)
+        answers = await asyncio.gather(
+            http.post("/chat/completions", json=body, headers=headers),
+            http.post("/chat/completions", json=body, headers=headers),
+        )
+    for answer in answers:
+        assert answer.status_code == 409, answer.text
+        assert answer.json()["error"]["code"] == "idempotency_key_unverified"
+
+
+async def fill(state: KeyValue) -> None:
+    """Fill a bucket up to its last few bytes: big entries, then the smallest."""
+    for size, prefix in ((1024, "big"), (1, "f")):
+        for n in range(100_000):
+            try:
+                await state.put(f"{prefix}.{n}", b"x" * size)
+            except StoreFullError:
+                break
+        else:
+            pytest.fail("the bucket never filled")
+
+
+async def test_a_keyed_call_is_a_503_store_full_when_its_claim_cannot_be_written(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """The claim is written before the publish: with the ``rq-state`` bucket at
+    its ``max_bytes`` (it refuses new entries) a keyed call stores nothing and is
+    a 503 ``store_full``, as a full requests stream makes it, never a 500."""
+    async for stack in start(tmp_path, mock, nats={"state": {"max_bytes": "64KB"}}):
+        assert stack.services.js is not None
+        state = await stack.services.js.key_value(STATE_BUCKET)
+        await fill(state)
+        async with stack.http() as http:
+            answer = await http.post(
+                "/chat/completions",
+                json={"model": "chat", "messages": MESSAGES},
+                headers={"Idempotency-Key": "no-room-1"},
+            )
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "store_full"
+    assert mock.stats().requests == 0
+
+
+async def test_a_keyed_call_that_stored_nothing_gives_its_claim_back(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """A keyed call the broker refuses (here the tenant's backlog is full:
+    ``router.tenant_backlog``) stored nothing under its key: its claim is taken
+    back, so the key may be sent again with another body (refused here for the
+    backlog again, 429, not 422 for the body)."""
+    key = "refused-1"
+    name = claim_key("acme", id_for_key(key))
+    headers = {"Idempotency-Key": key}
+    async with (
+        unread_stack(tmp_path, mock, router={"tenant_backlog": 1}) as (stack, _routed),
+        stack.http() as http,
+    ):
+        assert stack.services.js is not None
+        state = await stack.services.js.key_value(STATE_BUCKET)
+        async with stack.client() as client:
+            await client.submit("fills the backlog", route="chat")
+        full = await http.post(
+            "/chat/completions",
+            json={"model": "chat", "messages": [{"role": "user", "content": "A"}]},
+            headers=headers,
+        )
+
+        async def given_back() -> bool:
+            entry = await state.latest(name)
+            return entry is not None and entry.operation is not None
+
+        await until(given_back, "the refused call's claim is given back")
+        other = await http.post(
+            "/chat/completions",
+            json={"model": "chat", "messages": [{"role": "user", "content": "B"}]},
+            headers=headers,
+        )
+    assert full.status_code == 429, full.text
+    assert full.json()["error"]["code"] == "tenant_backlog_full"
+    assert other.status_code == 429, other.text
+    assert other.json()["error"]["code"] == "tenant_backlog_full"
+
+
+async def test_a_refused_call_leaves_nothing_in_rq_state_past_its_entrys_life(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """Review i33: a call the broker refuses gives back what it wrote in
+    ``rq-state`` (a keyed call its key's claim, an unkeyed one its shared body
+    fingerprint), a KV delete: a delete marker, which ``rq-state`` (no
+    ``max_age``) kept for ever, one per key, however many calls were refused; a
+    tenant could fill the bucket with them (cheap 429s or 400s, a new key each),
+    and with it the projection's room. The marker expires as the entry would."""
+    key = "refused-gone-1"
+    extra: dict[str, Any] = {
+        "router": {"tenant_backlog": 1},
+        "nats": {"duplicate_window": "1s"},  # the claim: 2 s, the fingerprint: 1 s
+    }
+    async with (
+        unread_stack(tmp_path, mock, **extra) as (stack, _routed),
+        stack.http() as http,
+    ):
+        assert stack.services.js is not None
+        js = stack.services.js
+        async with stack.client() as client:
+            await client.submit("fills the backlog", route="chat")
+        keyed = {"model": "chat", "messages": [{"role": "user", "content": "A"}]}
+        plain = json.dumps({"model": "chat", "messages": [{"role": "user", "content": "B"}]})
+        refused = [
+            await http.post("/chat/completions", json=keyed, headers={"Idempotency-Key": key}),
+            await http.post(
+                "/chat/completions",
+                content=plain.encode(),
+                headers={"content-type": "application/json"},
+            ),
+        ]
+        names = [
+            claim_key("acme", id_for_key(key)),
+            shared_key("acme", fingerprint("acme", plain.encode())),
+        ]
+
+        async def gone() -> bool:
+            for name in names:
+                with contextlib.suppress(NatsNotFoundError):
+                    await js.get_last_msg(f"KV_{STATE_BUCKET}", f"$KV.{STATE_BUCKET}.{name}")
+                    return False
+            return True
+
+        await until(gone, "rq-state keeps nothing of the refused calls")
+    assert [r.status_code for r in refused] == [429, 429], [r.text for r in refused]
+
+
+async def test_a_key_whose_claim_is_confirmed_is_joined_without_publishing_again(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """Review i33: a call of a key whose claim is confirmed (the request under
+    it is stored, with this body) published the request again, to be told it
+    was a duplicate. Past the duplicate window (JetStream no longer knows the
+    id) and before a router read it (no ``submitted`` event), that publish
+    stored the request a second time under the same id, while the claim (two
+    windows) said it was stored. It joins, publishing nothing."""
+    key = "confirmed-1"
+    name = claim_key("acme", id_for_key(key))
+    headers = {"Idempotency-Key": key}
+    body = {"model": "chat", "messages": [{"role": "user", "content": "A"}]}
+    async with unread_stack(tmp_path, mock) as (stack, _routed), stack.http() as http:
+        assert stack.services.js is not None
+        assert stack.services.nc is not None
+        state = await stack.services.js.key_value(STATE_BUCKET)
+        first = asyncio.create_task(http.post("/chat/completions", json=body, headers=headers))
+
+        async def confirmed() -> bool:
+            entry = await state.latest(name)
+            return entry is not None and entry.operation is None and len(entry.value) == 64
+
+        await until(confirmed, "the key's claim is confirmed")
+        published: list[bytes] = []
+
+        async def on(msg: Any) -> None:
+            published.append(msg.data)
+
+        # Core NATS sees every publish to the requests stream, a duplicate too.
+        await stack.services.nc.subscribe("rq.req.>", cb=on)
+        await stack.services.nc.flush()
+        joined = joined_by_key()
+        again = asyncio.create_task(http.post("/chat/completions", json=body, headers=headers))
+
+        async def has_joined() -> bool:
+            return joined_by_key() > joined or again.done()
+
+        await until(has_joined, "the second call joins the first's request")
+        await stack.services.nc.flush()
+        for call in (first, again):
+            call.cancel()
+        await asyncio.gather(first, again, return_exceptions=True)
+    assert joined_by_key() == joined + 1
+    assert published == []
+
+
+async def test_a_claim_left_pending_by_a_gateway_gone_before_its_publish_is_taken_up(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """A gateway killed between a key's claim and its publish leaves the claim
+    pending, nothing stored: the next call of the same body stores the request
+    and confirms the claim (no 409, no wait), one of another body is a 422."""
+    key = "orphan-1"
+    rid = id_for_key(key)
+    name = claim_key("acme", rid)
+    headers = {"Idempotency-Key": key}
+    body = json.dumps({"model": "chat", "messages": MESSAGES}).encode()
+    print_ = fingerprint("acme", body)
+    async for stack in start(tmp_path, mock):
+        assert stack.services.js is not None
+        state = await stack.services.js.key_value(STATE_BUCKET)
+        await state.create(name, b"?" + print_.encode(), msg_ttl=60)  # the dead gateway's
+        async with stack.http() as http:
+            other = await http.post(
+                "/chat/completions",
+                json={"model": "chat", "messages": [{"role": "user", "content": "B"}]},
+                headers=headers,
+            )
+            answer = await http.post(
+                "/chat/completions",
+                content=body,
+                headers={**headers, "content-type": "application/json"},
+            )
+
+        async def confirmed(state: KeyValue = state) -> bool:
+            entry = await state.latest(name)
+            return entry is not None and entry.value == print_.encode()
+
+        await until(confirmed, "the claim is confirmed")
+    assert other.status_code == 422, other.text
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["id"] == rid
+    assert mock.stats().requests == 1
+
+
+async def test_a_claim_left_pending_after_its_request_was_stored_is_joined_by_its_body(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """Review rev-i33-gw (finding 3): a gateway killed, or a handler cancelled,
+    after its keyed publish stored the request and before the claim was
+    confirmed left the claim pending. The next call of the same body waited
+    ~3 s, then got 409s until a router read the request (minutes behind a deep
+    backlog), so the SDK gave up on a request that was queued. A pending claim
+    of this very body, with the request stored, is joined (as before claims);
+    another body is still a 422."""
+    key = "stored-then-gone"
+    rid = id_for_key(key)
+    headers = {"Idempotency-Key": key, "content-type": "application/json"}
+    body = json.dumps({"model": "chat", "messages": MESSAGES}).encode()
+    print_ = fingerprint("acme", body)
+    async with unread_stack(tmp_path, mock) as (stack, routed), stack.http() as http:
+        assert stack.services.js is not None
+        assert stack.services.nc is not None
+        state = await stack.services.js.key_value(STATE_BUCKET)
+        # What the gone gateway left: its claim, pending, and its request, stored.
+        await state.create(claim_key("acme", rid), b"?" + print_.encode(), msg_ttl=60)
+        async with Client(stack.services.nc, tenant="acme") as client:
+            built = client.build_request(
+                MESSAGES, route="chat", request_id=rid, metadata={BODY_KEY: print_}
+            )
+            await client.submit_request(built)
+        joined = joined_by_key()
+        call = asyncio.create_task(http.post("/chat/completions", content=body, headers=headers))
+
+        async def answered_or_joined() -> bool:
+            return call.done() or joined_by_key() > joined
+
+        await until(answered_or_joined, "the call is answered, or joins the stored request")
+        assert not call.done(), call.result().text  # joined, not a 409
+        other = await http.post(
+            "/chat/completions",
+            json={"model": "chat", "messages": [{"role": "user", "content": "B"}]},
+            headers={"Idempotency-Key": key},
+        )
+        assert other.status_code == 422, other.text
+        async with Services(routed, routers=1, provision_streams=False):
+            answer = await call
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["id"] == rid
+    assert mock.stats().requests == 1
+
+
+async def test_calls_of_one_key_and_body_at_once_join_one_request_while_none_is_read(
+    tmp_path: Path, mock: MockBackend
+) -> None:
+    """Two calls of one key and one body at the same moment, no router reading:
+    one stores the request and confirms the key's claim, the other joins it
+    (having found the claim confirmed, or pending and then confirmed), never a
+    409 for a body that is its own."""
+    key = "twice-at-once"
+    headers = {"Idempotency-Key": key}
+    body = {"model": "chat", "messages": [{"role": "user", "content": "A"}]}
+    async with unread_stack(tmp_path, mock) as (stack, _routed), stack.http() as http:
+        joined = joined_by_key()
+        calls = [
+            asyncio.create_task(http.post("/chat/completions", json=body, headers=headers))
+            for _ in range(2)
+        ]
+
+        async def one_joined_or_answered() -> bool:
+            return joined_by_key() > joined or any(call.done() for call in calls)
+
+        await until(one_joined_or_answered, "a call joins the other's request, or is answered")
+        answered = [call.result().text for call in calls if call.done()]
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+    assert answered == []
+    assert joined_by_key() == joined + 1
 
 
 async def test_resumed_streams_count_against_the_in_flight_limit(

@@ -16,8 +16,10 @@ admin_keys`` names at least one key:
   only when ``RQ_DLQ`` changed), so consoles cost NATS the same whether one is
   open or fifty;
 - ``GET /console/api/events``: the event log as server-sent events, from the
-  one shared tail (:class:`~._console_feed.EventFeed`), resumable by
-  ``Last-Event-ID`` (anything but ASCII digits is ignored); an ``event: gap``
+  one shared tail (:class:`~._console_feed.EventFeed`), each line under an id
+  of its own (its event's stream sequence, ``<seq>.1`` for the second line of
+  one stored event), resumable by ``Last-Event-ID`` after any line (an id not
+  of that form is ignored); an ``event: gap``
   says some were missed (reload the snapshot), an ``event: error`` that the
   tail is down (it retries on its own);
 - ``GET /console/api/requests/{id}`` (``?tenant=``): a request's timeline,
@@ -58,7 +60,16 @@ from ..errors import NatsError
 from ..schema import DLQ_STREAM, Event, kind_of
 from ..tasks import Supervisor
 from ._connections import body_deadline, plain_body
-from ._console_feed import NOTICE, RESTART, EventFeed, Subscriber, shown
+from ._console_feed import (
+    NOTICE,
+    RESTART,
+    EventFeed,
+    Position,
+    Subscriber,
+    frame,
+    parse_event_id,
+    shown,
+)
 from ._errors import ApiError, bearer_key
 from ._keys import MAX_KEY_LENGTH, KeyStore, digest
 from ._submissions import ID_RE
@@ -376,7 +387,7 @@ class Console:
         self._admin(request)
         if self._closing:
             raise ApiError(503, "the gateway is stopping", type="server_error", code="unavailable")
-        last = _last_event_id(request.headers.get("Last-Event-ID"))
+        last = parse_event_id(request.headers.get("Last-Event-ID"))
         subscriber = await self.feed.subscribe()
         self._streams.add(subscriber)
         try:
@@ -390,21 +401,20 @@ class Console:
             await response.prepare(request)
             kept = self.feed.recent() if last is None else self.feed.since(last)
             head = b"retry: 2000\n\n"
-            sent = last or 0
+            sent = last or (0, 0)
             if kept is None:  # some events after ``last`` are no longer kept
                 head += b"event: gap\ndata: {}\n\n"
                 kept = self.feed.recent()
-                sent = 0
+                sent = (0, 0)
             if self.feed.down is not None:
                 head += b"event: error\ndata: %s\n\n" % msgspec.json.encode(
                     {"reason": self.feed.down}
                 )
             chunks = [head]
             written = _Written(sent)
-            for seq, data in kept:
-                chunk = b"id: %d\ndata: %s\n\n" % (seq, data)
-                if written.fresh(seq, chunk):
-                    chunks.append(chunk)
+            for position, data in kept:
+                if written.fresh(position):
+                    chunks.append(frame(position, data))
             await response.write(b"".join(chunks))
             await self._pump(response, subscriber.queue, written)
             return response
@@ -415,7 +425,7 @@ class Console:
     async def _pump(
         self,
         response: web.StreamResponse,
-        queue: asyncio.Queue[tuple[int, bytes] | None],
+        queue: asyncio.Queue[tuple[Position, bytes] | None],
         written: _Written,
     ) -> None:
         """Write what the feed hands over, as many at a time as are waiting."""
@@ -434,12 +444,12 @@ class Console:
                 if item is None:
                     ended = True
                     break
-                seq, frame = item
-                if seq <= NOTICE:  # a notice; after RESTART, the log's sequences start over
-                    chunks.append(frame)
-                    written = _Written(0) if seq == RESTART else written
-                elif written.fresh(seq, frame):
-                    chunks.append(frame)
+                position, chunk = item
+                if position[0] <= NOTICE:  # a notice; after RESTART, the log starts over
+                    chunks.append(chunk)
+                    written = _Written((0, 0)) if position[0] == RESTART else written
+                elif written.fresh(position):
+                    chunks.append(chunk)
             if chunks:
                 await response.write(b"".join(chunks))
             if ended:
@@ -447,37 +457,19 @@ class Console:
 
 
 class _Written:
-    """What an event stream has written: the last sequence and its frames. A
-    stored event that stands for two (a request bound at once: its
-    ``submitted`` and its ``routed``) is two frames under one sequence; a
-    frame the feed hands over again (kept, then queued) is written once."""
+    """What an event stream has written: the position of its last line. Lines
+    come in position order; one the feed hands over again (kept, then queued)
+    is written once."""
 
-    def __init__(self, seq: int) -> None:
-        self.seq = seq
-        #: The frames written at ``seq``; ``None``: all of them (a reconnecting
-        #: console named it, or nothing was written yet).
-        self._frames: set[bytes] | None = None
+    def __init__(self, position: Position) -> None:
+        self.position = position
 
-    def fresh(self, seq: int, frame: bytes) -> bool:
-        """Whether ``frame`` (at ``seq``) is still to be written; then it counts as written."""
-        if seq < self.seq:
+    def fresh(self, position: Position) -> bool:
+        """Whether the line at ``position`` is still to be written; then it counts as written."""
+        if position <= self.position:
             return False
-        if seq > self.seq:
-            self.seq, self._frames = seq, {frame}
-            return True
-        if self._frames is None or frame in self._frames:
-            return False
-        self._frames.add(frame)
+        self.position = position
         return True
-
-
-def _last_event_id(value: str | None) -> int | None:
-    """The sequence a reconnecting console names; ``None`` (not named) for
-    anything but 1-19 ASCII digits (``str.isdigit`` also takes ``²``)."""
-    text = (value or "").strip()
-    if not text or len(text) > 19 or not (text.isascii() and text.isdigit()):
-        return None
-    return int(text)
 
 
 def _same_origin(request: web.Request) -> None:

@@ -17,10 +17,15 @@ serving the tenants. When it is back, consoles get an ``event: gap`` (reload
 the snapshot); a log that was replaced (re-provisioned: its sequences start
 over) is read from its start.
 
-A subscriber that reconnects names the last event it got (SSE's
-``Last-Event-ID``, the event's stream sequence); :meth:`EventFeed.since`
-gives what came after it from the ring, or says that the ring no longer
-reaches back that far (a *gap*: the page then reloads its snapshot). A
+Every line the browser gets has an id of its own, in the order the lines
+come (:func:`event_id`): the event's stream sequence, ``<seq>.1`` for the
+second line of a stored event that stands for two (a request bound at once:
+its ``submitted``, then its ``routed``, both stored at ``<seq>``). A
+subscriber that reconnects names the last line it got (SSE's
+``Last-Event-ID``); :meth:`EventFeed.since` gives what came after that line
+from the ring (the second line of a pair too, when the first was the last
+one got), or says that the ring no longer reaches back that far (a *gap*:
+the page then reloads its snapshot). A
 subscriber too slow to take what comes (its queue full) is closed, never
 waited for: the feed keeps pace with the log, and the browser reconnects from
 where it was.
@@ -62,7 +67,16 @@ from ..schema import (
 )
 from ..tasks import Supervisor
 
-__all__ = ["SHOWN", "EventFeed", "Subscriber", "shown", "summary"]
+__all__ = [
+    "SHOWN",
+    "EventFeed",
+    "Position",
+    "Subscriber",
+    "event_id",
+    "parse_event_id",
+    "shown",
+    "summary",
+]
 
 log = get_logger("gateway.console")
 
@@ -77,6 +91,14 @@ _HEALTHY: Final = 30.0
 #: subscriber got (:data:`NOTICE`), or that the log started over (:data:`RESTART`).
 NOTICE: Final = 0
 RESTART: Final = -1
+#: Where a line stands in the feed: the stream sequence of its event, and which
+#: of the lines that event stands for (0, or 1 for the ``routed`` of a request
+#: bound at once: :func:`~renqueue.schema.facts`). Lines are in this order.
+Position = tuple[int, int]
+#: A part above any line's: ``(seq, _EVERY_PART)`` is after every line of ``seq``.
+_EVERY_PART: Final = 1 << 30
+#: The longest ``Last-Event-ID`` taken: a sequence (19 digits), a dot, a part.
+_ID_LENGTH: Final = 24
 #: Frames a subscriber may have waiting before it is dropped as too slow.
 QUEUE_SIZE: Final = 2000
 #: The longest value of one field shown in an event's line.
@@ -196,9 +218,29 @@ def _short(value: object) -> str:
     return text if len(text) <= _FIELD_WIDTH else text[: _FIELD_WIDTH - 3] + "..."
 
 
-def frame(seq: int, data: bytes) -> bytes:
-    """One server-sent event: its id is the event's stream sequence."""
-    return b"id: %d\ndata: %s\n\n" % (seq, data)
+def event_id(position: Position) -> str:
+    """The SSE id of the line at ``position``: its event's stream sequence, with
+    ``.<part>`` after it for any line but the first of its event. Pure."""
+    seq, part = position
+    return str(seq) if part == 0 else f"{seq}.{part}"
+
+
+def parse_event_id(value: str | None) -> Position | None:
+    """The position a reconnecting console names (:func:`event_id`'s form:
+    ``<seq>`` or ``<seq>.<part>``, ASCII digits); ``None`` (not named) for
+    anything else (``str.isdigit`` also takes ``²``). Pure."""
+    text = (value or "").strip()
+    if not text or len(text) > _ID_LENGTH or not text.isascii():
+        return None
+    seq, dot, part = text.partition(".")
+    if not seq.isdigit() or len(seq) > 19 or (dot and not (part.isdigit() and len(part) < 4)):
+        return None
+    return int(seq), int(part) if dot else 0
+
+
+def frame(position: Position, data: bytes) -> bytes:
+    """One server-sent event: its id says its position (:func:`event_id`)."""
+    return b"id: %s\ndata: %s\n\n" % (event_id(position).encode(), data)
 
 
 class Subscriber:
@@ -207,10 +249,10 @@ class Subscriber:
     __slots__ = ("closed", "queue")
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue(QUEUE_SIZE)
+        self.queue: asyncio.Queue[tuple[Position, bytes] | None] = asyncio.Queue(QUEUE_SIZE)
         self.closed = False
 
-    def put(self, item: tuple[int, bytes]) -> None:
+    def put(self, item: tuple[Position, bytes]) -> None:
         if self.closed:
             return
         try:
@@ -249,12 +291,12 @@ class EventFeed:
         self._retry_max = retry_max
         #: The log's creation time as last seen (a new one: it was replaced).
         self._log_created: object = None
-        self._ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=backlog)
+        self._ring: collections.deque[tuple[Position, bytes]] = collections.deque(maxlen=backlog)
         self._subscribers: set[Subscriber] = set()
         self._lock = asyncio.Lock()
         self._running = False
-        #: The newest sequence no longer kept (events up to it are gone from the ring).
-        self._forgotten = 0
+        #: The newest line no longer kept (lines up to it are gone from the ring).
+        self._forgotten: Position = (0, 0)
         #: The stream sequence of the last event read (0: none yet).
         self.last_seq = 0
         #: Events handed to subscribers since the feed was made.
@@ -292,13 +334,13 @@ class EventFeed:
                 self._running = False
                 await self._supervisor.cancel(self._name)
 
-    def since(self, seq: int) -> list[tuple[int, bytes]] | None:
-        """The events kept after ``seq``; ``None`` if some after it are no longer kept."""
-        if seq < self._forgotten or (self.last_seq and seq > self.last_seq):
+    def since(self, position: Position) -> list[tuple[Position, bytes]] | None:
+        """The lines kept after ``position``; ``None`` if some after it are no longer kept."""
+        if position < self._forgotten or (self.last_seq and position[0] > self.last_seq):
             return None  # some are gone, or it names events of a log since replaced
-        return [(s, data) for s, data in self._ring if s > seq]
+        return [(at, data) for at, data in self._ring if at > position]
 
-    def recent(self) -> list[tuple[int, bytes]]:
+    def recent(self) -> list[tuple[Position, bytes]]:
         return list(self._ring)
 
     async def _run(self) -> None:
@@ -326,7 +368,8 @@ class EventFeed:
 
     def _tell(self, seq: int, event: str, data: dict[str, object]) -> None:
         """Hand every subscriber a notice (``event: <event>``)."""
-        item = (seq, b"event: %s\ndata: %s\n\n" % (event.encode(), msgspec.json.encode(data)))
+        notice = b"event: %s\ndata: %s\n\n" % (event.encode(), msgspec.json.encode(data))
+        item = ((seq, 0), notice)
         for subscriber in list(self._subscribers):
             subscriber.put(item)
 
@@ -371,13 +414,13 @@ class EventFeed:
         if replaced or last < self.last_seq:  # re-provisioned: its sequences start over
             log.warning("the event log was replaced: the console feed reads it from its start")
             self._ring.clear()
-            self.last_seq = self._forgotten = 0
+            self.last_seq, self._forgotten = 0, (0, 0)
             self._tell(RESTART, "gap", {"reason": "the event log was replaced"})
         if self.last_seq and last - self.last_seq <= self._backlog:
             return self.last_seq + 1
         start = max(1, last - self._backlog + 1)
         # What lies before ``start`` is not read: a console that saw less is told.
-        self._forgotten = max(self._forgotten, start - 1)
+        self._forgotten = max(self._forgotten, (start - 1, _EVERY_PART))
         return start
 
     def _take(self, seq: int, subject: str, data: bytes) -> None:
@@ -391,13 +434,14 @@ class EventFeed:
         if not subject_agrees(subject, event):
             return  # a payload that disagrees with its subject is no fact
         # A request bound at once: its submit and its binding, two lines as
-        # before they were stored as one (both under the one sequence).
-        for fact in facts(event):
+        # before they were stored as one (one sequence, a part each).
+        for part, fact in enumerate(facts(event)):
+            position = (seq, part)
             encoded = msgspec.json.encode(summary(seq, fact))
             if len(self._ring) == self._backlog:
                 self._forgotten = self._ring[0][0]
-            self._ring.append((seq, encoded))
-            item = (seq, frame(seq, encoded))
+            self._ring.append((position, encoded))
+            item = (position, frame(position, encoded))
             self.delivered += 1
             for subscriber in list(self._subscribers):
                 subscriber.put(item)

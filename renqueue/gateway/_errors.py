@@ -129,6 +129,7 @@ CODES: Final = frozenset(
         "stream_expired",
         "stream_restarted",
         "idempotency_key_reused",
+        "idempotency_key_unverified",
         "too_many_in_flight",
         "key_in_flight_limit",
         "store_full",

@@ -14,7 +14,14 @@ Two ways a retry is recognised:
   submitted again, for as long as the log keeps events (``nats.events.max_age``,
   30 days by default). Left: a request published more than the window ago
   that no router has read yet (no ``submitted`` event) would be published a
-  second time under the same id.
+  second time under the same id. A key is never taken for another body: its
+  first call claims it before the publish (:func:`claim_key`, a compare-and-set
+  entry holding the body's fingerprint, living two duplicate windows, pending
+  until the stored request is known to have that body, then confirmed), and a
+  call with another body meets the claim (422); past the claim, the
+  ``submitted`` event tells, and a request found stored while no claim of its
+  body is confirmed is compared with that event, or a 409 rather than joined
+  (see ``Submissions._same_body``).
 - **An SDK's own retry without a key.** The official SDKs resend the same
   body with ``x-stainless-retry-count`` above 0 and no idempotency key
   (the openai Python SDK sets none). Each gateway process remembers, for
@@ -38,7 +45,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Final
 
-__all__ = ["RetryMemory", "fingerprint", "id_for_key", "shared_key"]
+__all__ = ["RetryMemory", "claim_key", "fingerprint", "id_for_key", "shared_key"]
 
 #: The longest idempotency key accepted (Stripe's limit).
 MAX_KEY_LENGTH: Final = 255
@@ -56,6 +63,12 @@ def id_for_key(key: str) -> str:
 def fingerprint(tenant: str, body: bytes) -> str:
     """What identifies one body of one tenant (its retries resend it unchanged)."""
     return hashlib.sha256(tenant.encode() + b"\0" + body).hexdigest()
+
+
+def claim_key(tenant: str, request_id: str) -> str:
+    """Where the claim of an idempotency key's request (its body's fingerprint)
+    is kept in the ``rq-state`` bucket."""
+    return f"gw.{tenant}.key.{request_id}"
 
 
 def shared_key(tenant: str, print_: str) -> str:

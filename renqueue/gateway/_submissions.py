@@ -3,7 +3,8 @@
 :class:`Submissions` reads a chat body into a submission (:mod:`._openai`),
 submits it through the tenant's :class:`~renqueue.Client`, or joins the
 request a retry of it already made: by its ``Idempotency-Key`` (the id is
-derived from it, and a key sent again with another body is refused), or,
+derived from it, and claimed for its body before the publish: a key sent
+again with another body is refused), or,
 for an SDK's own retry without a key, by the body's fingerprint, which this
 process remembers and shares with every other gateway process through the
 ``rq-state`` bucket. It also cancels the request of a client that went
@@ -50,7 +51,7 @@ from ..schema import (
 from ..tasks import Supervisor
 from . import _metrics as metrics
 from ._errors import ApiError, from_error
-from ._idempotency import MAX_KEY_LENGTH, RetryMemory, shared_key
+from ._idempotency import MAX_KEY_LENGTH, RetryMemory, claim_key, shared_key
 from ._openai import Submission, parse_chat, translate
 
 __all__ = ["BODY_KEY", "DISCONNECTED", "ID_RE", "Submissions", "new_id", "no_model"]
@@ -72,6 +73,29 @@ _RECENT: Final = 10_000
 #: a supervised job (as long as nats-py waits for a JetStream publish's ack).
 _SHARE_ACK_WAIT: Final = 5.0
 _KEY_RE: Final = re.compile(rf"^[\x21-\x7e]{{1,{MAX_KEY_LENGTH}}}$")
+#: How many duplicate windows a key's claim lives: past one window JetStream
+#: forgets the publish's message id, but a publish is sent again for up to the
+#: Client's ``submit_patience`` after the claim, and the server forgets ids on
+#: a timer of the window's length (an id may outlive it by as much again).
+_CLAIM_WINDOWS: Final = 2
+#: What a claim's value starts with until the request under the key is known
+#: to have the claimed body (then its value is the fingerprint alone).
+_PENDING: Final = b"?"
+#: A pending claim still unchanged this long after another call of its body
+#: found the request stored was left by a call that went away (a live one
+#: settles its claim within its ~3 s wait): the request is joined.
+_CLAIMER_GONE_AFTER: Final = 5.0
+
+
+class _Claim(NamedTuple):
+    """A key's claim as a keyed submit made or found it (:meth:`Submissions._claim`)."""
+
+    revision: int
+    #: Made by this call; else found, made by an earlier call of the same body.
+    made: bool
+    #: The request under the key is known to have this body (its claimant
+    #: stored it, or compared it with its ``submitted`` event); else pending.
+    confirmed: bool
 
 
 class Origin(NamedTuple):
@@ -92,6 +116,18 @@ def no_model(route: str) -> ApiError:
         f"the model {route[:64]!r} does not exist: it must name a route (GET /v1/models)",
         code="model_not_found",
         param="model",
+    )
+
+
+def _key_unverified() -> ApiError:
+    return ApiError(
+        409,
+        "a request under this Idempotency-Key is stored, but was not yet read, and was "
+        "submitted without the key's body on record: its body cannot be compared with "
+        "this one; send it again in a moment",
+        param="Idempotency-Key",
+        code="idempotency_key_unverified",
+        retry_after=1,
     )
 
 
@@ -162,6 +198,8 @@ class Submissions:
         window = config.gateway.retry_memory or config.nats.duplicate_window
         self._memory = RetryMemory(parse_duration(window))
         self._share_ttl = str(max(1, math.ceil(self._memory.ttl)))
+        duplicates = parse_duration(config.nats.duplicate_window)
+        self._claim_ttl = max(1, math.ceil(_CLAIM_WINDOWS * duplicates))
         self._state: KeyValue | None = None
         #: Calls of this process following each request, by (tenant, id).
         self._following: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -257,6 +295,7 @@ class Submissions:
         tenant = client.tenant
         metadata = sub.metadata
         js = self._js()
+        claim: _Claim | None = None
         if key is not None:
             existing = await submitted_of(js, tenant, request_id)
             if existing is not None:
@@ -264,6 +303,16 @@ class Submissions:
                     raise _key_reused()
                 metrics.RETRIES_JOINED.labels("idempotency_key").inc()
                 created = int(existing.request.submitted_at)
+                self._remember_recent(tenant, request_id, Origin(sub.route, created))
+                return client.handle(request_id)
+            # Before the publish: a resend of the key with another body, at any
+            # moment after this, meets the claim and is refused.
+            claim = await self._claim(tenant, request_id, print_)
+            if claim.confirmed:
+                # Stored with this body: joined, not published again (past the
+                # duplicate window, before a router read it, that would store it twice).
+                metrics.RETRIES_JOINED.labels("idempotency_key").inc()
+                created = await self._created_of_stored(tenant, request_id, int(time.time()))
                 self._remember_recent(tenant, request_id, Origin(sub.route, created))
                 return client.handle(request_id)
             metadata = {**metadata, BODY_KEY: print_}
@@ -295,14 +344,13 @@ class Submissions:
             answer = from_error(exc)
             if key is None and not _maybe_stored(exc):
                 self._forget(tenant, print_, request_id)
+            elif claim is not None and claim.made and not _maybe_stored(exc):
+                self._unclaim(tenant, request_id, claim)  # nothing stored: the key is free
             raise answer from exc
-        if key is not None and (handle.duplicate or handle.found_on_retry):
-            # A retry of the publish that found the request stored found, all
-            # but surely, its own lost first try; but a resend of the key with
-            # another body at the same moment looks the same: checked too.
-            await self._same_body(tenant, request_id, print_)
-            if handle.duplicate:
-                metrics.RETRIES_JOINED.labels("idempotency_key").inc()
+        if claim is not None and not claim.confirmed:
+            await self._settle(tenant, request_id, print_, claim, handle)
+        if key is not None and handle.duplicate:
+            metrics.RETRIES_JOINED.labels("idempotency_key").inc()
         created = int(built.submitted_at)
         if handle.duplicate or handle.found_on_retry:
             # The stored request is an earlier try's: its creation, if known.
@@ -320,19 +368,150 @@ class Submissions:
         stored = await submitted_of(self._js(), tenant, request_id)
         return built if stored is None else int(stored.request.submitted_at)
 
-    async def _same_body(self, tenant: str, request_id: str, print_: str) -> None:
-        """A keyed submit that was a duplicate: 422 if the request under that
-        key has another body (its ``submitted`` event may be a moment behind
-        the first publish: waited for briefly, then the key is trusted)."""
+    async def _claim(self, tenant: str, request_id: str, print_: str) -> _Claim:
+        """Claim an idempotency key's request for this body (its fingerprint
+        ``print_``), for :data:`_CLAIM_WINDOWS` duplicate windows, or find the
+        claim of an earlier call of the same body; 422 if a call of another body
+        claimed it. The one place a key's body is decided: a compare-and-set,
+        whichever gateway process asks. A claim is made pending, and confirmed
+        once the request under the key is known to have its body."""
+        state = await self._bucket()
+        name = claim_key(tenant, request_id)
+        value = print_.encode()
+        for _ in range(3):
+            try:
+                revision = await state.create(name, _PENDING + value, msg_ttl=self._claim_ttl)
+                return _Claim(revision, made=True, confirmed=False)
+            except WrongLastSequenceError:
+                pass
+            entry = await state.latest(name)
+            if entry is None or entry.operation is not None:
+                continue  # expired or deleted since: claimed again
+            if entry.value.removeprefix(_PENDING) != value:
+                raise _key_reused()
+            confirmed = not entry.value.startswith(_PENDING)
+            return _Claim(entry.revision, made=False, confirmed=confirmed)
+        raise _key_unverified()  # claimed and gone again, three times in a row
+
+    async def _settle(
+        self, tenant: str, request_id: str, print_: str, claim: _Claim, handle: RequestHandle
+    ) -> None:
+        """A pending claim after its call's publish: confirmed if the publish
+        stored the request; else checked (:meth:`_same_body`)."""
+        if handle.duplicate or handle.found_on_retry:
+            ours = claim.made and handle.found_on_retry
+            await self._same_body(tenant, request_id, print_, claim, ours=ours)
+        else:
+            self._confirm(tenant, request_id, print_, claim)
+
+    def _confirm(self, tenant: str, request_id: str, print_: str, claim: _Claim) -> None:
+        """The request under the key has the claimed body: later calls of it join
+        it unchecked. Written in the background (a compare-and-set on the
+        claim's revision, its life starting again), so the answer does not wait;
+        until it lands, a call of the same body that finds the request stored
+        compares its body as for a pending claim."""
+        name = claim_key(tenant, request_id)
+        headers = {
+            "Nats-Expected-Last-Subject-Sequence": str(claim.revision),
+            "Nats-TTL": str(self._claim_ttl),
+        }
+
+        async def confirm() -> None:
+            with contextlib.suppress(WrongLastSequenceError):  # moved on: not ours to say
+                await self._js().publish(
+                    f"$KV.{STATE_BUCKET}.{name}", print_.encode(), headers=headers
+                )
+
+        with contextlib.suppress(RuntimeError):  # the gateway is stopping: left pending
+            self._supervisor.spawn_job(f"confirm-{name}", confirm)
+
+    def _unclaim(self, tenant: str, request_id: str, claim: _Claim) -> None:
+        """Take back this call's claim of a key (at its revision, no later one):
+        nothing was stored under it, or what is stored is not known to be its body."""
+        name = claim_key(tenant, request_id)
+
+        async def delete() -> None:
+            with contextlib.suppress(WrongLastSequenceError):
+                await self._delete(name, claim.revision, self._claim_ttl)
+
+        with contextlib.suppress(RuntimeError):  # the gateway is stopping: it expires instead
+            self._supervisor.spawn_job(f"unclaim-{name}", delete)
+
+    async def _same_body(
+        self, tenant: str, request_id: str, print_: str, claim: _Claim, *, ours: bool
+    ) -> None:
+        """A keyed submit whose claim is pending found the key's request stored:
+        by the call that made the claim (the same body), or by a publisher that
+        took no claim (a gateway of an earlier version, a
+        :class:`~renqueue.Client` naming the id itself, a claim gone while
+        JetStream still knew the id); when ``ours`` (found by a retry of the
+        publish of this call, which made the claim), all but surely by this
+        call's own first try. Compared with its ``submitted`` event, waited for
+        about 3 s: the same body confirms the claim, another is a 422; none by
+        then is a 409 (never joined unchecked) unless ``ours``, or the claim is
+        another call's (of this very body: another's was a 422 already) and is
+        still pending, unchanged, :data:`_CLAIMER_GONE_AFTER` seconds later (a
+        live claimer settles it within its own wait): that call's publish
+        stored the request and it went away before confirming (killed, or
+        cancelled by its client's timeout), so the request is joined rather
+        than refused until a router reads it. A claim another
+        call confirms meanwhile (its publish stored the request) is joined. A
+        claim this call made is taken back when the stored request is not known
+        to have its body."""
+        state = await self._bucket()
+        name = claim_key(tenant, request_id)
         delay = 0.05
         for _ in range(6):
             existing = await submitted_of(self._js(), tenant, request_id)
             if existing is not None:
                 if existing.request.metadata.get(BODY_KEY, print_) != print_:
+                    if claim.made:
+                        self._unclaim(tenant, request_id, claim)
                     raise _key_reused()
+                self._confirm(tenant, request_id, print_, claim)
                 return
+            entry = await state.latest(name)
+            if entry is not None and entry.operation is None and entry.value == print_.encode():
+                return  # confirmed by the call whose publish stored it
             await asyncio.sleep(delay)
             delay *= 2
+        if ours or (not claim.made and await self._claimer_gone(name, print_, claim)):
+            self._confirm(tenant, request_id, print_, claim)
+            return
+        if claim.made:
+            self._unclaim(tenant, request_id, claim)
+        raise _key_unverified()
+
+    async def _claimer_gone(self, name: str, print_: str, claim: _Claim) -> bool:
+        """Whether the request under the pending claim ``name`` another call made
+        for this body (at ``claim.revision``) may be joined: the claim is
+        confirmed meanwhile, or still pending at that revision
+        :data:`_CLAIMER_GONE_AFTER` seconds on (left by a call that went away:
+        a live claimer confirms it or takes it back within its own wait)."""
+        state = await self._bucket()
+        deadline = time.monotonic() + _CLAIMER_GONE_AFTER
+        while time.monotonic() < deadline:
+            entry = await state.latest(name)
+            if entry is None or entry.operation is not None:
+                return False  # taken back: what is stored is not known to be this body
+            if entry.revision != claim.revision:
+                return entry.value == print_.encode()  # confirmed, or claimed anew
+
+            await asyncio.sleep(0.25)
+        return True
+
+    async def _delete(self, name: str, revision: int, ttl: int | str) -> None:
+        """Delete entry ``name`` of the ``rq-state`` bucket at ``revision`` (a
+        compare-and-set: :class:`WrongLastSequenceError` if it moved on), by a
+        delete marker that expires in ``ttl`` seconds, as the entry would have:
+        ``rq-state`` has no ``max_age``, and a plain KV delete's marker (nats-py
+        sets no TTL on one) would be kept for ever, one per key given back."""
+        headers = {
+            "KV-Operation": "DEL",
+            "Nats-Expected-Last-Subject-Sequence": str(revision),
+            "Nats-TTL": str(ttl),
+        }
+        await self._js().publish(f"$KV.{STATE_BUCKET}.{name}", b"", headers=headers)
 
     # ------------------------------------------------------------ remembering
 
@@ -350,7 +529,7 @@ class Submissions:
             # Only ours: another process may have shared the same body since.
             if entry is not None and entry.value == request_id.encode():
                 with contextlib.suppress(WrongLastSequenceError):
-                    await state.delete(name, last=entry.revision)
+                    await self._delete(name, entry.revision, self._share_ttl)
 
         self._supervisor.spawn_job(f"forget-{name}", delete)
 
