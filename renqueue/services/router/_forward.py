@@ -204,6 +204,10 @@ class Forwarder:
             else:
                 await msg.ack()
                 self.forwarded += 1
+        if over:
+            # Up to ACKS_WAIT of the consumer's ack wait is spent: its timer starts
+            # again, so no other router forwards (and runs) what is being ended here.
+            await asyncio.gather(*(m.in_progress() for m, _, _ in over), return_exceptions=True)
         await asyncio.gather(*(self._over_backlog(*one) for one in over))
 
     async def _confirm(
@@ -283,6 +287,8 @@ class Forwarder:
         """Reject a request whose copy cannot be sent, as its binder would
         (admission refuses a request this close to ``max_payload``: the
         services' messages carrying it would not fit)."""
+        with contextlib.suppress(NatsError):
+            await msg.in_progress()  # its ack timer starts again, as for one over its backlog
         request_id, tenant = rejection_id(msg)
         error = MalformedRequestError(
             f"the request is {len(msg.data)} bytes, over the "
