@@ -40,6 +40,7 @@ import os
 import pstats
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -50,6 +51,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import _floor
 import aiohttp
 import httpx
 import msgspec
@@ -108,6 +110,8 @@ class Plan:
     mock_seconds: float
     warmup_seconds: float
     pipeline_seconds: float
+    #: Seconds the floor (``bench/_floor.py``) is measured per level and HTTP variant.
+    floor_seconds: float
 
 
 FULL = Plan(
@@ -117,6 +121,7 @@ FULL = Plan(
     mock_seconds=4.0,
     warmup_seconds=2.0,
     pipeline_seconds=10.0,
+    floor_seconds=5.0,
 )
 QUICK = Plan(
     levels=(1, 16, 64),
@@ -125,8 +130,12 @@ QUICK = Plan(
     mock_seconds=1.5,
     warmup_seconds=1.0,
     pipeline_seconds=4.0,
+    floor_seconds=2.0,
 )
 
+
+#: Seconds the processes' CPU is measured with no requests (before the levels).
+IDLE_SECONDS = 2.0
 
 # --------------------------------------------------------------------- helpers
 
@@ -441,6 +450,156 @@ async def mock_ceiling(mock_url: str, mock_pid: int, plan: Plan) -> dict[str, An
     return out
 
 
+# --------------------------------------------------------------------- the floor
+
+
+async def floor_level(
+    client: _floor.FloorClient,
+    nc: Any,
+    variant: str,
+    level: int,
+    plan: Plan,
+    cpu: CpuMeter,
+    python_names: list[str],
+) -> dict[str, Any]:
+    """The floor (``bench/_floor.py``) in HTTP ``variant`` at ``level``, closed loop, as
+    the pipeline is measured: its rate, its latency, each process's CPU per request
+    (``python_names``: the Python ones, the rest nats-server and the mock), and the
+    messages it stored per request."""
+
+    async def call(_result: LoopResult) -> float:
+        return await client.call(variant)
+
+    await closed_loop(call, level, min(1.0, plan.warmup_seconds))
+    before = await _floor.stored(nc)
+    cpu.start()
+    result = await closed_loop(call, level, plan.floor_seconds)
+    busy = cpu.stop()
+    after = await _floor.stored(nc)
+    done = max(1, result.completed)
+    stored = {name: (after[name] - before[name]) / done for name in after}
+    per_request = {
+        name: round(cores * result.elapsed / done * 1000, 3) for name, cores in busy.items()
+    }
+    return {
+        "requests": result.completed,
+        "errors": result.errors,
+        "error_samples": result.error_samples,
+        "seconds": result.elapsed,
+        "requests_per_s": result.rate,
+        "latency": latency_summary(result.latencies),
+        "cpu_cores": busy,
+        "cpu_ms_per_request": per_request,
+        "python_cpu_ms_per_request": sum(per_request[n] for n in python_names),
+        "all_cpu_ms_per_request": sum(per_request.values()),
+        "stored_msgs_per_request": stored,
+        "stored_msgs_per_request_total": sum(stored.values()),
+    }
+
+
+def floor_analysis(
+    pipe_levels: dict[str, Any], floor: dict[str, Any], mock: dict[str, Any]
+) -> dict[str, Any]:
+    """Per level and HTTP variant: the floor's figures beside the pipeline's, and the
+    pipeline over the floor. Added latency is p50 minus the direct call's p50 of the
+    same HTTP client (the pipeline's and the adapter floor's: the adapter called
+    directly; the aiohttp floor's: bare aiohttp called directly)."""
+    direct = {"adapter": mock["adapter_httpx"], "aiohttp": mock["raw_aiohttp"]}
+    out: dict[str, Any] = {}
+    for level, pipe in pipe_levels.items():
+        adapter = direct["adapter"].get(level)
+        pipe_added = pipe["latency"]["p50_ms"] - adapter["latency"]["p50_ms"] if adapter else None
+        row: dict[str, Any] = {"pipeline_added_p50_ms": pipe_added}
+        for variant, levels in floor.items():
+            got = levels.get(level)
+            if got is None:
+                continue
+            base = direct[variant].get(level)
+            added = got["latency"]["p50_ms"] - base["latency"]["p50_ms"] if base else None
+            rate = got["requests_per_s"]
+            row[variant] = {
+                "floor_requests_per_s": rate,
+                "floor_p50_ms": got["latency"]["p50_ms"],
+                "floor_added_p50_ms": added,
+                "floor_python_cpu_ms_per_request": got["python_cpu_ms_per_request"],
+                "floor_all_cpu_ms_per_request": got["all_cpu_ms_per_request"],
+                "pipeline_over_floor_requests_per_s": pipe["requests_per_s"] / rate
+                if rate
+                else None,
+                "pipeline_over_floor_added_p50": pipe_added / added
+                if pipe_added is not None and added
+                else None,
+                "floor_share_of_pipeline_added_p50": added / pipe_added
+                if added is not None and pipe_added
+                else None,
+                "pipeline_over_floor_python_cpu": pipe["python_cpu_ms_per_request"]
+                / got["python_cpu_ms_per_request"]
+                if got["python_cpu_ms_per_request"]
+                else None,
+                "pipeline_over_floor_all_cpu": pipe["all_cpu_ms_per_request"]
+                / got["all_cpu_ms_per_request"]
+                if got["all_cpu_ms_per_request"]
+                else None,
+            }
+        out[level] = row
+    return out
+
+
+def print_floor(report: dict[str, Any], pipe: dict[str, Any], what: str) -> None:
+    """The floor beside the pipeline, per level and HTTP variant."""
+    floor = pipe.get("floor")
+    if not floor:
+        print(f"\n  floor: not measured ({report.get('floor_missing', '-')})")
+        return
+    analysis = report["floor_analysis"]
+    print(
+        f"\n  The floor (bench/_floor.py: the same 5 stored messages a request and the same"
+        f" hops, no Ren-Queue logic; {what}), and the pipeline over it:"
+    )
+    print(
+        f"  {'C':>3} {'floor of':<8} {'req/s':>7} {'p50 ms':>7} {'+p50 ms':>8} {'py ms/req':>9}"
+        f" {'all ms/req':>10} {'stored':>6} | {'pipe req/s':>10} {'+p50':>6} {'py cpu':>6}"
+        f" {'all cpu':>7}"
+    )
+    nan = float("nan")
+    for level, row in analysis.items():
+        pipe_row = pipe["levels"][level]
+        added = row["pipeline_added_p50_ms"]
+        print(
+            f"  {level:>3} {'pipeline':<8} {fmt(pipe_row['requests_per_s']):>7}"
+            f" {pipe_row['latency']['p50_ms']:>7.2f} {added if added is not None else nan:>8.2f}"
+            f" {pipe_row['python_cpu_ms_per_request']:>9.2f}"
+            f" {pipe_row['all_cpu_ms_per_request']:>10.2f}"
+            f" {pipe_row['stored_msgs_per_request_total']:>6.2f} |"
+        )
+        for variant in _floor.VARIANTS:
+            an = row.get(variant)
+            if an is None:
+                continue
+            got = floor[variant][level]
+            floor_added = an["floor_added_p50_ms"]
+
+            def ratio(value: float | None) -> str:
+                return f"{value:.2f}x" if value is not None else "-"
+
+            print(
+                f"  {level:>3} {variant:<8} {fmt(got['requests_per_s']):>7}"
+                f" {got['latency']['p50_ms']:>7.2f}"
+                f" {floor_added if floor_added is not None else nan:>8.2f}"
+                f" {got['python_cpu_ms_per_request']:>9.2f} {got['all_cpu_ms_per_request']:>10.2f}"
+                f" {got['stored_msgs_per_request_total']:>6.2f} |"
+                f" {ratio(an['pipeline_over_floor_requests_per_s']):>10}"
+                f" {ratio(an['pipeline_over_floor_added_p50']):>6}"
+                f" {ratio(an['pipeline_over_floor_python_cpu']):>6}"
+                f" {ratio(an['pipeline_over_floor_all_cpu']):>7}"
+                + (f"  errors {got['errors']}: {got['error_samples'][:1]}" if got["errors"] else "")
+            )
+    print(
+        "  (+p50: p50 minus the direct call's p50 of the same HTTP client, measured at the"
+        " same level; pipe columns: the pipeline's figure over the floor's)"
+    )
+
+
 # ------------------------------------------------------------------ pipeline
 
 
@@ -528,15 +687,36 @@ async def pipeline(
     *,
     profile: bool,
     profile_out: Path | None = None,
+    floor: bool = True,
 ) -> dict[str, Any]:
-    """Services + Client on the instant mock: closed loops at each level, then one streamed."""
+    """Services + Client on the instant mock: closed loops at each level, then one streamed.
+    Before each level, if ``floor``, the floor (``bench/_floor.py``) at that level in each
+    HTTP variant: its router and workers as tasks of this process, on the same
+    nats-server, on streams of their own (the services idle meanwhile: what they use
+    idle is ``idle_cpu_cores``)."""
     out: dict[str, Any] = {"backend_slots": slots, "levels": {}, "streamed": {}}
     with tempfile.TemporaryDirectory(prefix="renqueue-bench-pipeline-") as tmp:
         config = bench_config(tmp, mock_url, slots)
-        async with Services(config, name="bench") as services:
+        async with Services(config, name="bench") as services, contextlib.AsyncExitStack() as stack:
             assert services.server is not None
             client_nc = await connect(services.url, name="bench-client")
             client = Client(client_nc, tenant=TENANT)
+            floor_client: _floor.FloorClient | None = None
+            floor_services: dict[str, Any] = {}
+            if floor:
+                # The floor's services on a connection of their own, its client on another,
+                # as the pipeline's services and client are.
+                floor_nc = await connect(services.url, name="bench-floor")
+                stack.push_async_callback(floor_nc.close)
+                floor_services = await stack.enter_async_context(
+                    _floor.in_process(floor_nc, mock_url, slots)
+                )
+                floor_client_nc = await connect(services.url, name="bench-floor-client")
+                stack.push_async_callback(floor_client_nc.close)
+                floor_client = _floor.FloorClient(floor_client_nc)
+                await floor_client.start()
+                stack.push_async_callback(floor_client.close)
+                out["floor"] = {variant: {} for variant in _floor.VARIANTS}
             pids = {
                 "python": os.getpid(),
                 "nats_server": services.server.pid or 0,
@@ -594,6 +774,7 @@ async def pipeline(
                     "latency": latency_summary(result.latencies),
                     "cpu_cores": busy,
                     "python_cpu_ms_per_request": busy["python"] * result.elapsed / done * 1000,
+                    "all_cpu_ms_per_request": sum(busy.values()) * result.elapsed / done * 1000,
                     "stored_msgs_per_request": stored,
                     "stored_msgs_per_request_total": sum(stored.values()),
                     "nats_msgs_per_request": {
@@ -608,10 +789,27 @@ async def pipeline(
                 return row
 
             try:
+                # What this process (the services, the floor's, the clients) uses with nothing
+                # to do: part of each level's CPU, the floor's too.
+                await closed_loop(submit_result, 1, plan.warmup_seconds)
+                cpu.start()
+                await asyncio.sleep(IDLE_SECONDS)
+                out["idle_cpu_cores"] = cpu.stop()
                 for level in plan.levels:
+                    if floor_client is not None:
+                        for variant in _floor.VARIANTS:
+                            got = await floor_level(
+                                floor_client, client_nc, variant, level, plan, cpu, ["python"]
+                            )
+                            out["floor"][variant][str(level)] = got
+                            print(
+                                f"  floor ({variant}) C={level}: {got['requests_per_s']:.0f}",
+                                flush=True,
+                            )
                     out["levels"][str(level)] = await measure(submit_result, level)
                     print(
-                        f"  pipeline C={level}: {out['levels'][str(level)]['requests_per_s']:.0f}"
+                        f"  pipeline C={level}: {out['levels'][str(level)]['requests_per_s']:.0f}",
+                        flush=True,
                     )
                 out["streamed"][str(plan.stream_level)] = await measure(
                     submit_stream_result, plan.stream_level
@@ -632,6 +830,9 @@ async def pipeline(
                     }
                 out["worker_completed"] = sum(w.completed for w in services.workers)
                 out["router_routed"] = sum(r.routed for r in services.routers)
+                out["floor_service_errors"] = {
+                    name: tasks.samples for name, tasks in floor_services.items() if tasks.errors
+                }
             finally:
                 await client.close()
                 await client_nc.drain()
@@ -826,6 +1027,7 @@ def print_report(report: dict[str, Any]) -> None:
         f" {best['mock_adapter_over_pipeline']:.1f}x the pipeline's rate at C={top}"
         " (it runs inside the worker, so it is part of the pipeline's cost)"
     )
+    print_floor(report, pipe, "client, router and workers in one process")
     prof = pipe.get("profile")
     if prof:
         print(
@@ -841,8 +1043,6 @@ def print_report(report: dict[str, Any]) -> None:
 
 #: Samples a second py-spy takes of each service process in ``--procs``'s profile window.
 PYSPY_RATE = 100
-#: Seconds ``--procs`` measures the processes' CPU with no requests.
-IDLE_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -1046,6 +1246,56 @@ async def procs_profile(
     return out
 
 
+#: The floor's services as processes (``--procs``).
+FLOOR_SCRIPT = Path(__file__).resolve().parent / "_floor.py"
+
+
+@contextlib.asynccontextmanager
+async def floor_processes(
+    url: str, mock_url: str, slots: int, logs: Path
+) -> AsyncIterator[dict[str, int]]:
+    """The floor's router and its workers (one per HTTP variant) as processes of their
+    own (``python bench/_floor.py``), each ready (its consumer bound) when this yields
+    their pids by name (``floor-router``, ``floor-worker-<variant>``); stopped (SIGTERM,
+    then killed) on exit."""
+    await asyncio.to_thread(logs.mkdir, parents=True, exist_ok=True)
+    script = str(FLOOR_SCRIPT)
+    commands = {"floor-router": ["router"]}
+    for variant in _floor.VARIANTS:
+        commands[f"floor-worker-{variant}"] = [
+            "worker", "--variant", variant, "--mock-url", mock_url, "--slots", str(slots),
+        ]  # fmt: skip
+    procs: dict[str, asyncio.subprocess.Process] = {}
+    try:
+        for name, extra in commands.items():
+            with (logs / f"{name}.log").open("wb") as err:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, script, *extra, "--url", url,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=err,
+                )  # fmt: skip
+            procs[name] = proc
+        for name, proc in procs.items():
+            assert proc.stdout is not None
+            try:
+                line = await asyncio.wait_for(proc.stdout.readline(), 60)
+            except TimeoutError:
+                line = b""
+            if line.strip() != b"ready":
+                text = (logs / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the floor's {name} did not start: {text}")
+        yield {name: proc.pid for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
 async def procs_pipeline(
     mock_url: str,
     mock_pid: int,
@@ -1054,10 +1304,14 @@ async def procs_pipeline(
     *,
     profile: bool,
     before_level: Callable[[int], Awaitable[None]] | None = None,
+    floor: bool = True,
 ) -> dict[str, Any]:
     """One nats-server, ``renqueue router`` and ``renqueue worker -b mock`` processes
     (``bench/chaos.py``'s ``Fleet``), the client in this process: closed loops at each
     level, every process's CPU from /proc; then, if ``profile``, a py-spy window.
+    If ``floor``, before each level (after ``before_level``) the floor at that level in
+    each HTTP variant, its router and workers processes of their own
+    (:func:`floor_processes`) on the same nats-server, its client here.
     ``before_level(C)`` is awaited before each level (the baselines measured at that
     level, so both see the machine's load of the same minute)."""
     out: dict[str, Any] = {
@@ -1112,6 +1366,19 @@ async def procs_pipeline(
 
             # What the processes use with nothing to do (timers, leases, heartbeats): part
             # of each level's CPU, a larger part the lower the rate.
+            floor_client: _floor.FloorClient | None = None
+            floor_pids: dict[str, int] = {}
+            if floor:
+                await _floor.provision(nc, shape.slots)
+                floor_pids = await stack.enter_async_context(
+                    floor_processes(node.url, mock_url, shape.slots, workdir / "logs")
+                )
+                floor_nc = await connect(node.url, name="bench-floor-client", config=config.nats)
+                stack.push_async_callback(floor_nc.close)
+                floor_client = _floor.FloorClient(floor_nc)
+                await floor_client.start()
+                stack.push_async_callback(floor_client.close)
+                out["floor"] = {variant: {} for variant in _floor.VARIANTS}
             await closed_loop(submit_result, 1, plan.warmup_seconds)
             cpu.start()
             await asyncio.sleep(IDLE_SECONDS)
@@ -1119,6 +1386,26 @@ async def procs_pipeline(
             for level in plan.levels:
                 if before_level is not None:
                     await before_level(level)
+                if floor_client is not None:
+                    for variant in _floor.VARIANTS:
+                        floor_cpu = CpuMeter(
+                            {
+                                "client": os.getpid(),
+                                "floor-router": floor_pids["floor-router"],
+                                "floor-worker": floor_pids[f"floor-worker-{variant}"],
+                                "nats_server": pids["nats_server"],
+                                "mock": mock_pid,
+                            }
+                        )
+                        got = await floor_level(
+                            floor_client, nc, variant, level, plan, floor_cpu,
+                            ["client", "floor-router", "floor-worker"],
+                        )  # fmt: skip
+                        out["floor"][variant][str(level)] = got
+                        print(
+                            f"  floor ({variant}) C={level}: {got['requests_per_s']:.0f} req/s",
+                            flush=True,
+                        )
                 await closed_loop(submit_result, level, plan.warmup_seconds)
                 before = await stream_counts(js)
                 cpu.start()
@@ -1196,7 +1483,12 @@ async def run_procs(args: argparse.Namespace) -> dict[str, Any]:
     if args.levels:
         plan = replace(plan, levels=tuple(int(x) for x in args.levels.split(",")))
     if args.seconds:
-        plan = replace(plan, pipeline_seconds=args.seconds, mock_seconds=min(args.seconds, 4.0))
+        plan = replace(
+            plan,
+            pipeline_seconds=args.seconds,
+            mock_seconds=min(args.seconds, 4.0),
+            floor_seconds=min(args.seconds, plan.floor_seconds),
+        )
     shape = ProcsShape(routers=args.routers, workers=args.workers, slots=args.slots)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     report: dict[str, Any] = {
@@ -1244,9 +1536,21 @@ async def run_procs(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
         report["procs"] = await procs_pipeline(
-            mock_url, mock_pid, plan, shape, profile=not args.no_profile, before_level=baselines
+            mock_url,
+            mock_pid,
+            plan,
+            shape,
+            profile=not args.no_profile,
+            before_level=baselines,
+            floor=not args.no_floor,
         )
     report["analysis"] = procs_analysis(report)
+    if "floor" in report["procs"]:
+        report["floor_analysis"] = floor_analysis(
+            report["procs"]["levels"], report["procs"]["floor"], report["mock"]
+        )
+    else:
+        report["floor_missing"] = "--no-floor"
     report["total_seconds"] = time.perf_counter() - started
     return report
 
@@ -1330,6 +1634,9 @@ def print_procs_report(report: dict[str, Any]) -> None:
                     f" LiteLLM {fmt(an['litellm_cpu_bound_requests_per_s']):>5} req/s:"
                     f" {an.get('cpu_bound_vs_litellm', float('nan')):.1f}x"
                 )
+    print_floor(
+        report, procs, "its router and each worker a process of its own, its client in the bench"
+    )
     prof = procs.get("profile")
     if prof and "missing" in prof:
         print(f"\n  profile: not taken: {prof['missing']}")
@@ -1587,14 +1894,7 @@ def print_real_report(report: dict[str, Any]) -> None:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = QUICK if args.quick else FULL
     if args.levels:
-        plan = Plan(
-            levels=tuple(int(x) for x in args.levels.split(",")),
-            stream_level=plan.stream_level,
-            broker_seconds=plan.broker_seconds,
-            mock_seconds=plan.mock_seconds,
-            warmup_seconds=plan.warmup_seconds,
-            pipeline_seconds=plan.pipeline_seconds,
-        )
+        plan = replace(plan, levels=tuple(int(x) for x in args.levels.split(",")))
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     report: dict[str, Any] = {
         "benchmark": "pipeline",
@@ -1623,8 +1923,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             args.slots,
             profile=not args.no_profile,
             profile_out=args.profile_out,
+            floor=not args.no_floor,
         )
     report["analysis"] = analyse(report["broker"], report["mock"], report["pipeline"])
+    if "floor" in report["pipeline"]:
+        report["floor_analysis"] = floor_analysis(
+            report["pipeline"]["levels"], report["pipeline"]["floor"], report["mock"]
+        )
+    else:
+        report["floor_missing"] = "--no-floor"
     report["ops_per_request_detail"] = OPS_PER_REQUEST
     report["total_seconds"] = time.perf_counter() - started
     return report
@@ -1653,6 +1960,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--profile-out", type=Path, default=None, help="also write the cProfile stats here (pstats)"
+    )
+    parser.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip the floor (bench/_floor.py: the same durable steps, no Ren-Queue logic)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
     parser.add_argument(
