@@ -17,6 +17,10 @@ is meant to be read are the ratios against baselines measured in the same run:
 3. Pipeline: ``Services`` + ``Client``, closed loop (C submitters, each
    submit -> result, repeated), throughput and client-observed latency; one
    streamed variant (consume ``handle.stream()`` then the result).
+4. The floor (``bench/_floor.py``), before each pipeline level at that level: the same
+   hops and 5 stored messages a request through the project's broker layer, with no
+   Ren-Queue logic, its worker calling the mock with the project's adapter and with bare
+   aiohttp: what the durable steps cost on these libraries, beside the pipeline.
 
 Results: a table on stdout, JSON in ``bench/results/pipeline-<UTC>.json`` and
 ``bench/results/pipeline-latest.json``.
@@ -24,8 +28,9 @@ Results: a table on stdout, JSON in ``bench/results/pipeline-<UTC>.json`` and
 ``--procs`` (``make bench-procs``, issue 31 item 2) runs the deployed shape instead: a
 nats-server, ``--routers`` ``renqueue router`` and ``--workers`` ``renqueue worker``
 processes, the mock in its own, the client here; before each level the mock called
-directly and LiteLLM's Router (its own venv) at the same level; every process's CPU per
-request from /proc; a py-spy window on the services. JSON:
+directly, LiteLLM's Router (its own venv) and the floor (its router and workers processes
+of their own) at the same level; every process's CPU per request from /proc; a py-spy
+window on the services. JSON:
 ``bench/results/pipeline-procs-<UTC>.json``. ``--real``: Ren-Queue over a real model.
 """
 
@@ -598,6 +603,13 @@ def print_floor(report: dict[str, Any], pipe: dict[str, Any], what: str) -> None
         "  (+p50: p50 minus the direct call's p50 of the same HTTP client, measured at the"
         " same level; pipe columns: the pipeline's figure over the floor's)"
     )
+    idle = pipe.get("idle_cpu_cores")
+    if idle and "python" in idle:
+        # One process: the idle services' timers are in the floor's Python CPU too.
+        print(
+            f"  idle, no requests: this process {idle['python']:.3f} cores (the services'"
+            " timers and heartbeats: in the floor's py ms/req too, as in the pipeline's)"
+        )
 
 
 # ------------------------------------------------------------------ pipeline
