@@ -466,20 +466,25 @@ async def floor_level(
     plan: Plan,
     cpu: CpuMeter,
     python_names: list[str],
+    connections: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The floor (``bench/_floor.py``) in HTTP ``variant`` at ``level``, closed loop, as
     the pipeline is measured: its rate, its latency, each process's CPU per request
-    (``python_names``: the Python ones, the rest nats-server and the mock), and the
-    messages it stored per request."""
+    (``python_names``: the Python ones, the rest nats-server and the mock), the
+    messages it stored per request, and (``connections``: ``services`` and ``client``,
+    where they are in this process) NATS protocol messages per request on each."""
 
     async def call(_result: LoopResult) -> float:
         return await client.call(variant)
 
+    conns = connections or {}
     await closed_loop(call, level, min(1.0, plan.warmup_seconds))
     before = await _floor.stored(nc)
+    msgs_before = {name: nats_stats(conn) for name, conn in conns.items()}
     cpu.start()
     result = await closed_loop(call, level, plan.floor_seconds)
     busy = cpu.stop()
+    msgs_after = {name: nats_stats(conn) for name, conn in conns.items()}
     after = await _floor.stored(nc)
     done = max(1, result.completed)
     stored = {name: (after[name] - before[name]) / done for name in after}
@@ -499,6 +504,12 @@ async def floor_level(
         "all_cpu_ms_per_request": sum(per_request.values()),
         "stored_msgs_per_request": stored,
         "stored_msgs_per_request_total": sum(stored.values()),
+        "nats_msgs_per_request": {
+            f"{name}_{way}": (msgs_after[name][f"{way}_msgs"] - msgs_before[name][f"{way}_msgs"])
+            / done
+            for name in conns
+            for way in ("in", "out")
+        },
     }
 
 
@@ -603,6 +614,18 @@ def print_floor(report: dict[str, Any], pipe: dict[str, Any], what: str) -> None
         "  (+p50: p50 minus the direct call's p50 of the same HTTP client, measured at the"
         " same level; pipe columns: the pipeline's figure over the floor's)"
     )
+    for variant in _floor.VARIANTS:
+        for level, got in floor.get(variant, {}).items():
+            msgs = got.get("nats_msgs_per_request")
+            ours = pipe["levels"][level].get("nats_msgs_per_request")
+            if msgs and ours and level == max(floor[variant], key=int):
+                print(
+                    f"  NATS protocol msgs/request at C={level}, floor ({variant}): services"
+                    f" in {msgs['services_in']:.1f} out {msgs['services_out']:.1f}, client"
+                    f" in {msgs['client_in']:.1f} out {msgs['client_out']:.1f}; pipeline:"
+                    f" services in {ours['services_in']:.1f} out {ours['services_out']:.1f},"
+                    f" client in {ours['client_in']:.1f} out {ours['client_out']:.1f}"
+                )
     idle = pipe.get("idle_cpu_cores")
     if idle and "python" in idle:
         # One process: the idle services' timers are in the floor's Python CPU too.
@@ -811,8 +834,9 @@ async def pipeline(
                     if floor_client is not None:
                         for variant in _floor.VARIANTS:
                             got = await floor_level(
-                                floor_client, client_nc, variant, level, plan, cpu, ["python"]
-                            )
+                                floor_client, client_nc, variant, level, plan, cpu, ["python"],
+                                {"services": floor_nc, "client": floor_client_nc},
+                            )  # fmt: skip
                             out["floor"][variant][str(level)] = got
                             print(
                                 f"  floor ({variant}) C={level}: {got['requests_per_s']:.0f}",
