@@ -513,6 +513,17 @@ async def floor_level(
     }
 
 
+def cpu_bound_rate(row: dict[str, Any], cores: int) -> float | None:
+    """The rate a closed-loop ``row``'s CPU per request allows on a quiet machine: every
+    process's CPU on all ``cores`` together, and each process (one event loop) on one
+    core at most. ``None`` if it used none."""
+    done = row["requests"]
+    per_request = [busy * row["seconds"] / done * 1000 for busy in row["cpu_cores"].values()]
+    if not done or not sum(per_request):
+        return None
+    return min(cores * 1000 / sum(per_request), *(1000 / ms for ms in per_request if ms))
+
+
 def floor_analysis(
     pipe_levels: dict[str, Any], floor: dict[str, Any], mock: dict[str, Any]
 ) -> dict[str, Any]:
@@ -521,11 +532,15 @@ def floor_analysis(
     same HTTP client (the pipeline's and the adapter floor's: the adapter called
     directly; the aiohttp floor's: bare aiohttp called directly)."""
     direct = {"adapter": mock["adapter_httpx"], "aiohttp": mock["raw_aiohttp"]}
+    cores = os.cpu_count() or 1
     out: dict[str, Any] = {}
     for level, pipe in pipe_levels.items():
         adapter = direct["adapter"].get(level)
         pipe_added = pipe["latency"]["p50_ms"] - adapter["latency"]["p50_ms"] if adapter else None
-        row: dict[str, Any] = {"pipeline_added_p50_ms": pipe_added}
+        row: dict[str, Any] = {
+            "pipeline_added_p50_ms": pipe_added,
+            "pipeline_cpu_bound_requests_per_s": cpu_bound_rate(pipe, cores),
+        }
         for variant, levels in floor.items():
             got = levels.get(level)
             if got is None:
@@ -542,12 +557,17 @@ def floor_analysis(
                 "pipeline_over_floor_requests_per_s": pipe["requests_per_s"] / rate
                 if rate
                 else None,
+                # Only where both add something: at C >= 16 the direct call's p50 is its
+                # own process's queue, which a floor spread over processes may beat.
                 "pipeline_over_floor_added_p50": pipe_added / added
-                if pipe_added is not None and added
+                if pipe_added is not None and added is not None and added > 0 < pipe_added
                 else None,
                 "floor_share_of_pipeline_added_p50": added / pipe_added
-                if added is not None and pipe_added
+                if pipe_added is not None and added is not None and added > 0 < pipe_added
                 else None,
+                # The rate the floor's CPU per request allows on a quiet machine: what a
+                # loaded machine hides.
+                "floor_cpu_bound_requests_per_s": cpu_bound_rate(got, cores),
                 "pipeline_over_floor_python_cpu": pipe["python_cpu_ms_per_request"]
                 / got["python_cpu_ms_per_request"]
                 if got["python_cpu_ms_per_request"]
@@ -574,8 +594,8 @@ def print_floor(report: dict[str, Any], pipe: dict[str, Any], what: str) -> None
     )
     print(
         f"  {'C':>3} {'floor of':<8} {'req/s':>7} {'p50 ms':>7} {'+p50 ms':>8} {'py ms/req':>9}"
-        f" {'all ms/req':>10} {'stored':>6} | {'pipe req/s':>10} {'+p50':>6} {'py cpu':>6}"
-        f" {'all cpu':>7}"
+        f" {'all ms/req':>10} {'cpu-bound':>9} {'stored':>6} | {'pipe req/s':>10} {'+p50':>6}"
+        f" {'py cpu':>6} {'all cpu':>7}"
     )
     nan = float("nan")
     for level, row in analysis.items():
@@ -586,6 +606,7 @@ def print_floor(report: dict[str, Any], pipe: dict[str, Any], what: str) -> None
             f" {pipe_row['latency']['p50_ms']:>7.2f} {added if added is not None else nan:>8.2f}"
             f" {pipe_row['python_cpu_ms_per_request']:>9.2f}"
             f" {pipe_row['all_cpu_ms_per_request']:>10.2f}"
+            f" {fmt(row['pipeline_cpu_bound_requests_per_s'] or 0):>9}"
             f" {pipe_row['stored_msgs_per_request_total']:>6.2f} |"
         )
         for variant in _floor.VARIANTS:
@@ -603,6 +624,7 @@ def print_floor(report: dict[str, Any], pipe: dict[str, Any], what: str) -> None
                 f" {got['latency']['p50_ms']:>7.2f}"
                 f" {floor_added if floor_added is not None else nan:>8.2f}"
                 f" {got['python_cpu_ms_per_request']:>9.2f} {got['all_cpu_ms_per_request']:>10.2f}"
+                f" {fmt(an['floor_cpu_bound_requests_per_s'] or 0):>9}"
                 f" {got['stored_msgs_per_request_total']:>6.2f} |"
                 f" {ratio(an['pipeline_over_floor_requests_per_s']):>10}"
                 f" {ratio(an['pipeline_over_floor_added_p50']):>6}"
@@ -611,8 +633,10 @@ def print_floor(report: dict[str, Any], pipe: dict[str, Any], what: str) -> None
                 + (f"  errors {got['errors']}: {got['error_samples'][:1]}" if got["errors"] else "")
             )
     print(
-        "  (+p50: p50 minus the direct call's p50 of the same HTTP client, measured at the"
-        " same level; pipe columns: the pipeline's figure over the floor's)"
+        "  (+p50: p50 minus the direct call's p50 of the same HTTP client at the same level;"
+        " at C >= 16 that p50 is mostly its own process's queue. cpu-bound: the rate the"
+        " CPU per request allows on a quiet machine, all processes on all cores and each on"
+        " one at most. pipe columns: the pipeline's figure over the floor's)"
     )
     for variant in _floor.VARIANTS:
         for level, got in floor.get(variant, {}).items():
