@@ -1,7 +1,7 @@
 """Benchmark of the foundation pipeline: client -> router -> worker -> mock LLM -> client.
 
 Run with ``make bench`` (about 2-3 minutes) or ``python bench/pipeline.py --quick``
-(about a minute). Everything runs on loopback: an embedded nats-server, an
+(about 70 s, the floor about 20 of them). Everything runs on loopback: an embedded nats-server, an
 instant mock LLM in a child process, and the routers, workers and client in
 this process (as ``renqueue demo`` and the tests run them).
 
@@ -2010,7 +2010,7 @@ def write_report(report: dict[str, Any], out: Path, stem: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="shorter runs (about a minute)")
+    parser.add_argument("--quick", action="store_true", help="shorter runs (about 70 s)")
     parser.add_argument("--slots", type=int, default=256, help="backend concurrency (256)")
     parser.add_argument("--levels", default="", help="client concurrency levels, e.g. 1,16,64")
     parser.add_argument(
