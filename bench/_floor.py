@@ -25,6 +25,16 @@ The HTTP call comes in two variants: ``adapter`` (the project's OpenAI adapter, 
 API on the aiohttp transport: what a worker calls) and ``aiohttp`` (a bare aiohttp
 session reading the SSE lines).
 
+Left out of both, and done by Ren-Queue for every request: the terminal claim. Ren-Queue's
+binder looks up each fetched request's claim (one direct get a request, a batch's sent
+together: ``services/router/_intake.py``), its worker looks it up again before the call
+(``services/worker/_gate.py``) and creates it (an acked write to the ``rq-terminal`` KV
+bucket, a sixth stored message) before publishing ``completed``
+(``broker/_eventlog.py``'s ``finish``): three more round trips a request, one of them
+awaited by the binder, two by the worker. The optional variant ``claim``
+(``bench/pipeline.py --floor-claim``) is ``adapter`` with those three, on a bucket of
+its own (``floor-terminal``, configured as ``rq-terminal``).
+
 In ``bench/pipeline.py``'s one-process mode the three run as tasks in the bench's
 process; in ``--procs`` the router and each worker are processes of their own, started
 from this file (``python bench/_floor.py router|worker ...``), each printing ``ready``
@@ -50,16 +60,30 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from renqueue import parse_config
 from renqueue.backends import make_backend
 from renqueue.backends.base import Backend
-from renqueue.broker import AckPolicy, Connection, DeliverPolicy, Message, connect
+from renqueue.broker import (
+    AckPolicy,
+    Connection,
+    DeliverPolicy,
+    JetStream,
+    Message,
+    connect,
+)
+from renqueue.errors import NatsNotFoundError
 from renqueue.schema import REQUEST_DECODER, InferenceRequest
 
 REQUESTS = "FLOOR_REQUESTS"
 DISPATCH = "FLOOR_DISPATCH"
 EVENTS = "FLOOR_EVENTS"
-STREAMS = (REQUESTS, DISPATCH, EVENTS)
+#: The terminal claims' bucket of the ``claim`` variant (as ``rq-terminal``).
+CLAIMS_BUCKET = "floor-terminal"
+CLAIMS = f"KV_{CLAIMS_BUCKET}"
+STREAMS = (REQUESTS, DISPATCH, EVENTS, CLAIMS)
 ROUTER_CONSUMER = "floor-router"
-#: The HTTP client variants of the worker's call.
+#: The HTTP client variants of the worker's call (measured by default).
 VARIANTS = ("adapter", "aiohttp")
+#: The ``adapter`` variant with Ren-Queue's terminal claim (module docstring): optional.
+CLAIM = "claim"
+ALL_VARIANTS = (*VARIANTS, CLAIM)
 TENANT = "bench"
 BACKEND = "mock"
 PROMPT = "Say something short."
@@ -78,6 +102,11 @@ EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 #: pipeline's ``submitted``/``started``; ``completed`` carries the answer's text.
 SUBMITTED = b'{"kind":"submitted","routed":{"backend":"mock","attempt":1}}' + b" " * 300
 STARTED = b'{"kind":"started","backend":"mock","attempt":1,"run":1}' + b" " * 150
+
+
+def claim_subject(request_id: str) -> str:
+    """The key of a request's terminal claim, as ``$KV.rq-terminal.<tenant>.<id>``."""
+    return f"$KV.{CLAIMS_BUCKET}.{TENANT}.{request_id}"
 
 
 def worker_consumer(variant: str) -> str:
@@ -107,8 +136,9 @@ REQUEST_BYTES = msgspec.json.encode(the_request())
 
 async def provision(nc: Connection, slots: int) -> None:
     """The floor's streams (as Ren-Queue's: file, R1; requests and dispatch work queues,
-    events limits) and its pull consumers (explicit acks; the worker's capped at
-    ``slots`` pending, as a backend's concurrency caps Ren-Queue's)."""
+    events limits; the ``claim`` variant's bucket as ``rq-terminal``) and its pull
+    consumers (explicit acks; the workers' capped at ``slots`` pending, as a backend's
+    concurrency caps Ren-Queue's)."""
     js = nc.client.jetstream()
     common: dict[str, Any] = {
         "storage": StorageType.FILE,
@@ -138,6 +168,18 @@ async def provision(nc: Connection, slots: int) -> None:
             **common,
         )
     )
+    await js.add_stream(
+        StreamConfig(
+            name=CLAIMS,
+            subjects=[f"$KV.{CLAIMS_BUCKET}.>"],
+            retention=RetentionPolicy.LIMITS,
+            max_msgs_per_subject=1,
+            allow_direct=True,
+            allow_rollup_hdrs=True,
+            deny_delete=True,
+            **{**common, "duplicate_window": 120.0},
+        )
+    )
     ours = nc.jetstream()
     await ours.add_consumer(
         REQUESTS,
@@ -148,7 +190,7 @@ async def provision(nc: Connection, slots: int) -> None:
         max_ack_pending=10_000,
         max_waiting=512,
     )
-    for variant in VARIANTS:
+    for variant in ALL_VARIANTS:
         await ours.add_consumer(
             DISPATCH,
             durable_name=worker_consumer(variant),
@@ -161,7 +203,8 @@ async def provision(nc: Connection, slots: int) -> None:
 
 
 async def stored(nc: Connection) -> dict[str, int]:
-    """Messages ever stored per floor stream (last sequence; work queues delete on ack)."""
+    """Messages ever stored per floor stream (last sequence; work queues delete on ack;
+    the claims' bucket stores one a request of the ``claim`` variant only)."""
     js = nc.jetstream()
     return {name: int((await js.stream_info(name)).state.last_seq) for name in STREAMS}
 
@@ -221,10 +264,25 @@ async def router(nc: Connection, tasks: _Tasks) -> Coroutine[Any, Any, None]:
                 msgs = await psub.fetch(batch=FETCH_BATCH, timeout=FETCH_TIMEOUT)
             except TimeoutError:
                 continue
+            claimed = [msg for msg in msgs if msg.subject.endswith(f".{CLAIM}")]
+            if claimed:
+                # As Ren-Queue's intake: the batch's terminal claims looked up together.
+                await asyncio.gather(
+                    *(claim_of(js, (msg.headers or {})[MSG_ID]) for msg in claimed)
+                )
             for msg in msgs:
                 tasks.spawn(bind(msg))
 
     return loop()
+
+
+async def claim_of(js: JetStream, request_id: str) -> bytes | None:
+    """The request's terminal claim, if any: one direct get (``EventLog.stored_claim``)."""
+    try:
+        raw = await js.get_msg(CLAIMS, subject=claim_subject(request_id), direct=True)
+    except NatsNotFoundError:
+        return None
+    return raw.data
 
 
 def http_call(
@@ -232,7 +290,7 @@ def http_call(
 ) -> contextlib.AbstractAsyncContextManager[Callable[[], Awaitable[bytes]]]:
     """The worker's call to the mock in ``variant``: a coroutine function returning the
     answer's text (bytes), in a context that owns the client's pool."""
-    return _adapter_call(mock_url) if variant == "adapter" else _aiohttp_call(mock_url)
+    return _aiohttp_call(mock_url) if variant == "aiohttp" else _adapter_call(mock_url)
 
 
 @contextlib.asynccontextmanager
@@ -303,19 +361,26 @@ async def worker(
     js = nc.jetstream()
     psub = await js.pull_subscribe_bind(durable=worker_consumer(variant), stream=DISPATCH)
 
+    claims = variant == CLAIM
+
     async def run(msg: Message) -> None:
         request_id = (msg.headers or {})[MSG_ID].split(":", 1)[0]
         prefix = f"fl.evt.{TENANT}.{request_id}"
+        if claims and await claim_of(js, request_id) is not None:  # as the worker's gate
+            await msg.ack()
+            return
         started = await js.publish_async(
             f"{prefix}.started", STARTED, headers={MSG_ID: f"{request_id}:started:1:1"}
         )
         text = await call()
         await started
-        await js.publish(
-            f"{prefix}.completed",
-            b'{"kind":"completed","text":"' + text + b'"}',
-            headers={EXPECTED_LAST_SUBJECT_SEQ: "0"},
-        )
+        completed = b'{"kind":"completed","text":"' + text + b'"}'
+        if claims:
+            # As EventLog.finish: the claim (holding the event) created, then the event.
+            await js.publish(
+                claim_subject(request_id), completed, headers={EXPECTED_LAST_SUBJECT_SEQ: "0"}
+            )
+        await js.publish(f"{prefix}.completed", completed, headers={EXPECTED_LAST_SUBJECT_SEQ: "0"})
         await msg.ack()
 
     async def loop() -> None:
@@ -394,14 +459,16 @@ class FloorClient:
 
 
 @contextlib.asynccontextmanager
-async def in_process(nc: Connection, mock_url: str, slots: int) -> AsyncIterator[dict[str, _Tasks]]:
+async def in_process(
+    nc: Connection, mock_url: str, slots: int, variants: tuple[str, ...] = VARIANTS
+) -> AsyncIterator[dict[str, _Tasks]]:
     """The floor's router and both workers as tasks of this process, on ``nc`` (the
     floor's streams provisioned first); yields their task sets (errors counted there)."""
     await provision(nc, slots)
-    services = {"router": _Tasks("router"), **{v: _Tasks(f"worker-{v}") for v in VARIANTS}}
+    services = {"router": _Tasks("router"), **{v: _Tasks(f"worker-{v}") for v in variants}}
     async with contextlib.AsyncExitStack() as stack:
         loops = [asyncio.create_task(await router(nc, services["router"]))]
-        for variant in VARIANTS:
+        for variant in variants:
             call = await stack.enter_async_context(http_call(variant, mock_url))
             loops.append(
                 asyncio.create_task(await worker(nc, variant, call, slots, services[variant]))
@@ -452,7 +519,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="a process of the floor (bench/pipeline.py)")
     parser.add_argument("role", choices=("router", "worker"))
     parser.add_argument("--url", required=True, help="the nats-server")
-    parser.add_argument("--variant", choices=VARIANTS, default="adapter")
+    parser.add_argument("--variant", choices=ALL_VARIANTS, default="adapter")
     parser.add_argument("--mock-url", default="")
     parser.add_argument("--slots", type=int, default=256)
     asyncio.run(_serve(parser.parse_args()))

@@ -185,6 +185,33 @@ class CpuMeter:
         }
 
 
+#: Longest the floor waits for the pipeline's processes to be idle again (:func:`settle`).
+SETTLE_MOST = 15.0
+#: Cores over their idle use that the watched processes may use together and count as idle.
+SETTLE_MARGIN = 0.05
+#: Seconds of one window of :func:`settle`.
+SETTLE_WINDOW = 0.3
+
+
+async def settle(pids: dict[str, int], idle: dict[str, float], most: float = SETTLE_MOST) -> float:
+    """Wait until the processes ``pids`` use, together, at most what they used with nothing
+    to do (``idle``: cores by name) plus :data:`SETTLE_MARGIN` over a window, or ``most``
+    seconds; the seconds waited. Before the floor is measured: the pipeline's work still
+    under way when its level ended (the projector folding its events, acks, timers) would
+    otherwise be measured as the floor's (its CPU in the one-process mode, its rate in
+    both)."""
+    started = time.perf_counter()
+    meter = CpuMeter(pids)
+    limit = sum(idle.get(name, 0.0) for name in pids) + SETTLE_MARGIN
+    while True:
+        meter.start()
+        await asyncio.sleep(SETTLE_WINDOW)
+        busy = sum(meter.stop().values())
+        waited = time.perf_counter() - started
+        if busy <= limit or waited >= most:
+            return round(waited, 2)
+
+
 @dataclass
 class LoopResult:
     """A closed-loop run: completions in the window, their latencies, errors."""
@@ -467,12 +494,16 @@ async def floor_level(
     cpu: CpuMeter,
     python_names: list[str],
     connections: dict[str, Any] | None = None,
+    idle: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The floor (``bench/_floor.py``) in HTTP ``variant`` at ``level``, closed loop, as
     the pipeline is measured: its rate, its latency, each process's CPU per request
     (``python_names``: the Python ones, the rest nats-server and the mock), the
     messages it stored per request, and (``connections``: ``services`` and ``client``,
-    where they are in this process) NATS protocol messages per request on each."""
+    where they are in this process) NATS protocol messages per request on each.
+    ``idle``: the cores the measured processes use with nothing to do, for
+    ``python_idle_ms_per_request`` (what of its Python CPU a request that idle use is at
+    its rate: in the one-process mode, the pipeline's idle services are in it)."""
 
     async def call(_result: LoopResult) -> float:
         return await client.call(variant)
@@ -501,6 +532,11 @@ async def floor_level(
         "cpu_cores": busy,
         "cpu_ms_per_request": per_request,
         "python_cpu_ms_per_request": sum(per_request[n] for n in python_names),
+        "python_idle_ms_per_request": round(
+            sum(idle.get(n, 0.0) for n in python_names) * 1000 / result.rate, 3
+        )
+        if result.rate and idle is not None
+        else None,
         "all_cpu_ms_per_request": sum(per_request.values()),
         "stored_msgs_per_request": stored,
         "stored_msgs_per_request_total": sum(stored.values()),
@@ -531,7 +567,11 @@ def floor_analysis(
     pipeline over the floor. Added latency is p50 minus the direct call's p50 of the
     same HTTP client (the pipeline's and the adapter floor's: the adapter called
     directly; the aiohttp floor's: bare aiohttp called directly)."""
-    direct = {"adapter": mock["adapter_httpx"], "aiohttp": mock["raw_aiohttp"]}
+    direct = {
+        "adapter": mock["adapter_httpx"],
+        "aiohttp": mock["raw_aiohttp"],
+        _floor.CLAIM: mock["adapter_httpx"],
+    }
     cores = os.cpu_count() or 1
     out: dict[str, Any] = {}
     for level, pipe in pipe_levels.items():
@@ -609,7 +649,7 @@ def print_floor(report: dict[str, Any], pipe: dict[str, Any], what: str) -> None
             f" {fmt(row['pipeline_cpu_bound_requests_per_s'] or 0):>9}"
             f" {pipe_row['stored_msgs_per_request_total']:>6.2f} |"
         )
-        for variant in _floor.VARIANTS:
+        for variant in _floor.ALL_VARIANTS:
             an = row.get(variant)
             if an is None:
                 continue
@@ -638,7 +678,26 @@ def print_floor(report: dict[str, Any], pipe: dict[str, Any], what: str) -> None
         " CPU per request allows on a quiet machine, all processes on all cores and each on"
         " one at most. pipe columns: the pipeline's figure over the floor's)"
     )
-    for variant in _floor.VARIANTS:
+    print(
+        "  Left out of the floor, done by Ren-Queue for each request: the terminal claim (a"
+        " direct get in the router, another in the worker, and the acked create of a sixth"
+        " stored message, in rq-terminal, before completed; 'stored' above counts neither"
+        " side's)"
+        + (
+            ", which the claim row has (adapter with the three)"
+            if _floor.CLAIM in floor
+            else "; --floor-claim adds a floor row with it"
+        )
+        + "; trace headers; lease, capacity and view messages."
+    )
+    settled = pipe.get("floor_settle_seconds", {})
+    if settled:
+        print(
+            "  before each level's floor, waited for the pipeline's processes to be idle: "
+            + ", ".join(f"C={level} {seconds:.1f} s" for level, seconds in settled.items())
+            + f" (at most {SETTLE_MOST:.0f})"
+        )
+    for variant in _floor.ALL_VARIANTS:
         for level, got in floor.get(variant, {}).items():
             msgs = got.get("nats_msgs_per_request")
             ours = pipe["levels"][level].get("nats_msgs_per_request")
@@ -653,9 +712,16 @@ def print_floor(report: dict[str, Any], pipe: dict[str, Any], what: str) -> None
     idle = pipe.get("idle_cpu_cores")
     if idle and "python" in idle:
         # One process: the idle services' timers are in the floor's Python CPU too.
+        shares = ", ".join(
+            f"{variant} C={level} {got['python_idle_ms_per_request']:.3f}"
+            for variant, levels in floor.items()
+            for level, got in levels.items()
+            if got.get("python_idle_ms_per_request") is not None
+        )
         print(
-            f"  idle, no requests: this process {idle['python']:.3f} cores (the services'"
-            " timers and heartbeats: in the floor's py ms/req too, as in the pipeline's)"
+            f"  idle, no requests: this process {idle['python']:.3f} cores (the pipeline's"
+            " services' timers and heartbeats, the floor's polls: in the floor's py ms/req"
+            " too, as in the pipeline's); at the floor's rates that is, in ms/req: " + shares
         )
 
 
@@ -747,12 +813,13 @@ async def pipeline(
     profile: bool,
     profile_out: Path | None = None,
     floor: bool = True,
+    floor_variants: tuple[str, ...] = _floor.VARIANTS,
 ) -> dict[str, Any]:
     """Services + Client on the instant mock: closed loops at each level, then one streamed.
     Before each level, if ``floor``, the floor (``bench/_floor.py``) at that level in each
-    HTTP variant: its router and workers as tasks of this process, on the same
-    nats-server, on streams of their own (the services idle meanwhile: what they use
-    idle is ``idle_cpu_cores``)."""
+    of ``floor_variants``: its router and workers as tasks of this process, on the same
+    nats-server, on streams of their own, once the services are idle again
+    (:func:`settle`; what they use idle is ``idle_cpu_cores``)."""
     out: dict[str, Any] = {"backend_slots": slots, "levels": {}, "streamed": {}}
     with tempfile.TemporaryDirectory(prefix="renqueue-bench-pipeline-") as tmp:
         config = bench_config(tmp, mock_url, slots)
@@ -768,14 +835,15 @@ async def pipeline(
                 floor_nc = await connect(services.url, name="bench-floor")
                 stack.push_async_callback(floor_nc.close)
                 floor_services = await stack.enter_async_context(
-                    _floor.in_process(floor_nc, mock_url, slots)
+                    _floor.in_process(floor_nc, mock_url, slots, floor_variants)
                 )
                 floor_client_nc = await connect(services.url, name="bench-floor-client")
                 stack.push_async_callback(floor_client_nc.close)
                 floor_client = _floor.FloorClient(floor_client_nc)
                 await floor_client.start()
                 stack.push_async_callback(floor_client.close)
-                out["floor"] = {variant: {} for variant in _floor.VARIANTS}
+                out["floor"] = {variant: {} for variant in floor_variants}
+                out["floor_settle_seconds"] = {}
             pids = {
                 "python": os.getpid(),
                 "nats_server": services.server.pid or 0,
@@ -848,18 +916,26 @@ async def pipeline(
                 return row
 
             try:
-                # What this process (the services, the floor's, the clients) uses with nothing
-                # to do: part of each level's CPU, the floor's too.
-                await closed_loop(submit_result, 1, plan.warmup_seconds)
-                cpu.start()
-                await asyncio.sleep(IDLE_SECONDS)
-                out["idle_cpu_cores"] = cpu.stop()
+                if floor_client is not None:
+                    # What this process (the services, the floor's, the clients) uses with
+                    # nothing to do: part of each level's CPU, the floor's too. Only with
+                    # the floor (which waits for it, :func:`settle`): without it the levels
+                    # run as they did before it (bench/compare.py runs both sides so).
+                    await closed_loop(submit_result, 1, plan.warmup_seconds)
+                    cpu.start()
+                    await asyncio.sleep(IDLE_SECONDS)
+                    out["idle_cpu_cores"] = cpu.stop()
                 for level in plan.levels:
                     if floor_client is not None:
-                        for variant in _floor.VARIANTS:
+                        out["floor_settle_seconds"][str(level)] = await settle(
+                            {"python": pids["python"], "nats_server": pids["nats_server"]},
+                            out["idle_cpu_cores"],
+                        )
+                        for variant in floor_variants:
                             got = await floor_level(
                                 floor_client, client_nc, variant, level, plan, cpu, ["python"],
                                 {"services": floor_nc, "client": floor_client_nc},
+                                out["idle_cpu_cores"],
                             )  # fmt: skip
                             out["floor"][variant][str(level)] = got
                             print(
@@ -1312,19 +1388,27 @@ FLOOR_SCRIPT = Path(__file__).resolve().parent / "_floor.py"
 
 @contextlib.asynccontextmanager
 async def floor_processes(
-    url: str, mock_url: str, slots: int, logs: Path
+    url: str,
+    mock_url: str,
+    slots: int,
+    logs: Path,
+    *,
+    variants: tuple[str, ...] = _floor.VARIANTS,
+    workers: int = 1,
 ) -> AsyncIterator[dict[str, int]]:
-    """The floor's router and its workers (one per HTTP variant) as processes of their
-    own (``python bench/_floor.py``), each ready (its consumer bound) when this yields
-    their pids by name (``floor-router``, ``floor-worker-<variant>``); stopped (SIGTERM,
+    """The floor's router and its workers (``workers`` per variant, as many as the
+    deployed shape has of the backend, on one consumer) as processes of their own
+    (``python bench/_floor.py``), each ready (its consumer bound) when this yields their
+    pids by name (``floor-router``, ``floor-worker-<variant>-<i>``); stopped (SIGTERM,
     then killed) on exit."""
     await asyncio.to_thread(logs.mkdir, parents=True, exist_ok=True)
     script = str(FLOOR_SCRIPT)
     commands = {"floor-router": ["router"]}
-    for variant in _floor.VARIANTS:
-        commands[f"floor-worker-{variant}"] = [
-            "worker", "--variant", variant, "--mock-url", mock_url, "--slots", str(slots),
-        ]  # fmt: skip
+    for variant in variants:
+        for i in range(workers):
+            commands[f"floor-worker-{variant}-{i}"] = [
+                "worker", "--variant", variant, "--mock-url", mock_url, "--slots", str(slots),
+            ]  # fmt: skip
     procs: dict[str, asyncio.subprocess.Process] = {}
     try:
         for name, extra in commands.items():
@@ -1365,13 +1449,15 @@ async def procs_pipeline(
     profile: bool,
     before_level: Callable[[int], Awaitable[None]] | None = None,
     floor: bool = True,
+    floor_variants: tuple[str, ...] = _floor.VARIANTS,
 ) -> dict[str, Any]:
     """One nats-server, ``renqueue router`` and ``renqueue worker -b mock`` processes
     (``bench/chaos.py``'s ``Fleet``), the client in this process: closed loops at each
     level, every process's CPU from /proc; then, if ``profile``, a py-spy window.
-    If ``floor``, before each level (after ``before_level``) the floor at that level in
-    each HTTP variant, its router and workers processes of their own
-    (:func:`floor_processes`) on the same nats-server, its client here.
+    If ``floor``, before each level (after ``before_level``, once Ren-Queue's processes
+    are idle again: :func:`settle`) the floor at that level in each of
+    ``floor_variants``, its router and workers (as many as the shape's) processes of
+    their own (:func:`floor_processes`) on the same nats-server, its client here.
     ``before_level(C)`` is awaited before each level (the baselines measured at that
     level, so both see the machine's load of the same minute)."""
     out: dict[str, Any] = {
@@ -1431,14 +1517,22 @@ async def procs_pipeline(
             if floor:
                 await _floor.provision(nc, shape.slots)
                 floor_pids = await stack.enter_async_context(
-                    floor_processes(node.url, mock_url, shape.slots, workdir / "logs")
+                    floor_processes(
+                        node.url,
+                        mock_url,
+                        shape.slots,
+                        workdir / "logs",
+                        variants=floor_variants,
+                        workers=shape.workers,
+                    )
                 )
                 floor_nc = await connect(node.url, name="bench-floor-client", config=config.nats)
                 stack.push_async_callback(floor_nc.close)
                 floor_client = _floor.FloorClient(floor_nc)
                 await floor_client.start()
                 stack.push_async_callback(floor_client.close)
-                out["floor"] = {variant: {} for variant in _floor.VARIANTS}
+                out["floor"] = {variant: {} for variant in floor_variants}
+                out["floor_settle_seconds"] = {}
             await closed_loop(submit_result, 1, plan.warmup_seconds)
             cpu.start()
             await asyncio.sleep(IDLE_SECONDS)
@@ -1447,19 +1541,27 @@ async def procs_pipeline(
                 if before_level is not None:
                     await before_level(level)
                 if floor_client is not None:
-                    for variant in _floor.VARIANTS:
+                    watched = ["client", *services, "nats_server"]
+                    out["floor_settle_seconds"][str(level)] = await settle(
+                        {name: pids[name] for name in watched}, out["idle_cpu_cores"]
+                    )
+                    for variant in floor_variants:
+                        floor_workers = {
+                            f"floor-worker-{i}": floor_pids[f"floor-worker-{variant}-{i}"]
+                            for i in range(shape.workers)
+                        }
                         floor_cpu = CpuMeter(
                             {
                                 "client": os.getpid(),
                                 "floor-router": floor_pids["floor-router"],
-                                "floor-worker": floor_pids[f"floor-worker-{variant}"],
+                                **floor_workers,
                                 "nats_server": pids["nats_server"],
                                 "mock": mock_pid,
                             }
                         )
                         got = await floor_level(
                             floor_client, nc, variant, level, plan, floor_cpu,
-                            ["client", "floor-router", "floor-worker"],
+                            ["client", "floor-router", *floor_workers],
                         )  # fmt: skip
                         out["floor"][variant][str(level)] = got
                         print(
@@ -1603,6 +1705,7 @@ async def run_procs(args: argparse.Namespace) -> dict[str, Any]:
             profile=not args.no_profile,
             before_level=baselines,
             floor=not args.no_floor,
+            floor_variants=floor_variants(args),
         )
     report["analysis"] = procs_analysis(report)
     if "floor" in report["procs"]:
@@ -1951,6 +2054,11 @@ def print_real_report(report: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------ main
 
 
+def floor_variants(args: argparse.Namespace) -> tuple[str, ...]:
+    """The floor's variants measured: both HTTP clients, and the claim one if asked."""
+    return (*_floor.VARIANTS, _floor.CLAIM) if args.floor_claim else _floor.VARIANTS
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = QUICK if args.quick else FULL
     if args.levels:
@@ -1984,6 +2092,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             profile=not args.no_profile,
             profile_out=args.profile_out,
             floor=not args.no_floor,
+            floor_variants=floor_variants(args),
         )
     report["analysis"] = analyse(report["broker"], report["mock"], report["pipeline"])
     if "floor" in report["pipeline"]:
@@ -2025,6 +2134,11 @@ def main() -> None:
         "--no-floor",
         action="store_true",
         help="skip the floor (bench/_floor.py: the same durable steps, no Ren-Queue logic)",
+    )
+    parser.add_argument(
+        "--floor-claim",
+        action="store_true",
+        help="also the floor's claim variant (adapter with Ren-Queue's terminal claim)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
     parser.add_argument(

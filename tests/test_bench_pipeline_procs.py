@@ -69,7 +69,7 @@ def test_the_separate_process_pipeline_bench_runs(tmp_path: Path) -> None:
         assert row["requests"] > 0, variant
         assert row["errors"] == 0, row["error_samples"]
         assert set(row["cpu_ms_per_request"]) == {
-            "client", "floor-router", "floor-worker", "nats_server", "mock",
+            "client", "floor-router", "floor-worker-0", "nats_server", "mock",
         }  # fmt: skip
         assert row["python_cpu_ms_per_request"] > 0
         # Exactly the pipeline's five: the request, the dispatch, three events.
@@ -77,12 +77,14 @@ def test_the_separate_process_pipeline_bench_runs(tmp_path: Path) -> None:
             "FLOOR_REQUESTS": 1.0,
             "FLOOR_DISPATCH": 1.0,
             "FLOOR_EVENTS": 3.0,
+            "KV_floor-terminal": 0.0,  # the claim variant only (--floor-claim)
         }
         got = report["floor_analysis"]["2"][variant]
         assert got["floor_added_p50_ms"] is not None
         assert got["pipeline_over_floor_requests_per_s"] > 0
         assert got["pipeline_over_floor_python_cpu"] > 0
     assert "The floor (bench/_floor.py" in stdout
+    assert set(procs["floor_settle_seconds"]) == {"2"}
     profiled = procs["profile"]["processes"]
     assert set(profiled) == {"router-0", "worker-mock-0"}
     for got in profiled.values():
