@@ -681,10 +681,10 @@ def print_floor(report: dict[str, Any], pipe: dict[str, Any], what: str) -> None
     print(
         "  Left out of the floor, done by Ren-Queue for each request: the terminal claim (a"
         " direct get in the router, another in the worker, and the acked create of a sixth"
-        " stored message, in rq-terminal, before completed; 'stored' above counts neither"
-        " side's)"
+        " stored message, in rq-terminal, before completed: the pipeline's 'stored' leaves"
+        " it out)"
         + (
-            ", which the claim row has (adapter with the three)"
+            ", which the claim row has (adapter with the three: its 'stored' counts it)"
             if _floor.CLAIM in floor
             else "; --floor-claim adds a floor row with it"
         )
