@@ -212,6 +212,9 @@ def pipeline_command(checkout: Checkout, out: Path, *, quick: bool, levels: str)
         ("--quick", ["--quick"], quick),
         ("--levels", ["--levels", levels], True),
         ("--no-profile", ["--no-profile"], True),  # the profile window measures nothing compared
+        # Nor does the floor (bench/_floor.py), and a side without it would run its levels
+        # back to back where the other ran the floor between them.
+        ("--no-floor", ["--no-floor"], True),
         ("--out", ["--out", str(out)], True),
     ]
     for option, words, use in wanted:

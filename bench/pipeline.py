@@ -1,7 +1,7 @@
 """Benchmark of the foundation pipeline: client -> router -> worker -> mock LLM -> client.
 
 Run with ``make bench`` (about 2-3 minutes) or ``python bench/pipeline.py --quick``
-(about a minute). Everything runs on loopback: an embedded nats-server, an
+(about 70 s, the floor about 20 of them). Everything runs on loopback: an embedded nats-server, an
 instant mock LLM in a child process, and the routers, workers and client in
 this process (as ``renqueue demo`` and the tests run them).
 
@@ -17,6 +17,10 @@ is meant to be read are the ratios against baselines measured in the same run:
 3. Pipeline: ``Services`` + ``Client``, closed loop (C submitters, each
    submit -> result, repeated), throughput and client-observed latency; one
    streamed variant (consume ``handle.stream()`` then the result).
+4. The floor (``bench/_floor.py``), before each pipeline level at that level: the same
+   hops and 5 stored messages a request through the project's broker layer, with no
+   Ren-Queue logic, its worker calling the mock with the project's adapter and with bare
+   aiohttp: what the durable steps cost on these libraries, beside the pipeline.
 
 Results: a table on stdout, JSON in ``bench/results/pipeline-<UTC>.json`` and
 ``bench/results/pipeline-latest.json``.
@@ -24,8 +28,9 @@ Results: a table on stdout, JSON in ``bench/results/pipeline-<UTC>.json`` and
 ``--procs`` (``make bench-procs``, issue 31 item 2) runs the deployed shape instead: a
 nats-server, ``--routers`` ``renqueue router`` and ``--workers`` ``renqueue worker``
 processes, the mock in its own, the client here; before each level the mock called
-directly and LiteLLM's Router (its own venv) at the same level; every process's CPU per
-request from /proc; a py-spy window on the services. JSON:
+directly, LiteLLM's Router (its own venv) and the floor (its router and workers processes
+of their own) at the same level; every process's CPU per request from /proc; a py-spy
+window on the services. JSON:
 ``bench/results/pipeline-procs-<UTC>.json``. ``--real``: Ren-Queue over a real model.
 """
 
@@ -40,6 +45,7 @@ import os
 import pstats
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -50,6 +56,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import _floor
 import aiohttp
 import httpx
 import msgspec
@@ -108,6 +115,8 @@ class Plan:
     mock_seconds: float
     warmup_seconds: float
     pipeline_seconds: float
+    #: Seconds the floor (``bench/_floor.py``) is measured per level and HTTP variant.
+    floor_seconds: float
 
 
 FULL = Plan(
@@ -117,6 +126,7 @@ FULL = Plan(
     mock_seconds=4.0,
     warmup_seconds=2.0,
     pipeline_seconds=10.0,
+    floor_seconds=5.0,
 )
 QUICK = Plan(
     levels=(1, 16, 64),
@@ -125,8 +135,12 @@ QUICK = Plan(
     mock_seconds=1.5,
     warmup_seconds=1.0,
     pipeline_seconds=4.0,
+    floor_seconds=2.0,
 )
 
+
+#: Seconds the processes' CPU is measured with no requests (before the levels).
+IDLE_SECONDS = 2.0
 
 # --------------------------------------------------------------------- helpers
 
@@ -169,6 +183,33 @@ class CpuMeter:
             name: round((proc_cpu_seconds(pid) - self._before[name]) / wall, 3)
             for name, pid in self._pids.items()
         }
+
+
+#: Longest the floor waits for the pipeline's processes to be idle again (:func:`settle`).
+SETTLE_MOST = 15.0
+#: Cores over their idle use that the watched processes may use together and count as idle.
+SETTLE_MARGIN = 0.05
+#: Seconds of one window of :func:`settle`.
+SETTLE_WINDOW = 0.3
+
+
+async def settle(pids: dict[str, int], idle: dict[str, float], most: float = SETTLE_MOST) -> float:
+    """Wait until the processes ``pids`` use, together, at most what they used with nothing
+    to do (``idle``: cores by name) plus :data:`SETTLE_MARGIN` over a window, or ``most``
+    seconds; the seconds waited. Before the floor is measured: the pipeline's work still
+    under way when its level ended (the projector folding its events, acks, timers) would
+    otherwise be measured as the floor's (its CPU in the one-process mode, its rate in
+    both)."""
+    started = time.perf_counter()
+    meter = CpuMeter(pids)
+    limit = sum(idle.get(name, 0.0) for name in pids) + SETTLE_MARGIN
+    while True:
+        meter.start()
+        await asyncio.sleep(SETTLE_WINDOW)
+        busy = sum(meter.stop().values())
+        waited = time.perf_counter() - started
+        if busy <= limit or waited >= most:
+            return round(waited, 2)
 
 
 @dataclass
@@ -441,6 +482,249 @@ async def mock_ceiling(mock_url: str, mock_pid: int, plan: Plan) -> dict[str, An
     return out
 
 
+# --------------------------------------------------------------------- the floor
+
+
+async def floor_level(
+    client: _floor.FloorClient,
+    nc: Any,
+    variant: str,
+    level: int,
+    plan: Plan,
+    cpu: CpuMeter,
+    python_names: list[str],
+    connections: dict[str, Any] | None = None,
+    idle: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """The floor (``bench/_floor.py``) in HTTP ``variant`` at ``level``, closed loop, as
+    the pipeline is measured: its rate, its latency, each process's CPU per request
+    (``python_names``: the Python ones, the rest nats-server and the mock), the
+    messages it stored per request, and (``connections``: ``services`` and ``client``,
+    where they are in this process) NATS protocol messages per request on each.
+    ``idle``: the cores the measured processes use with nothing to do, for
+    ``python_idle_ms_per_request`` (what of its Python CPU a request that idle use is at
+    its rate: in the one-process mode, the pipeline's idle services are in it)."""
+
+    async def call(_result: LoopResult) -> float:
+        return await client.call(variant)
+
+    conns = connections or {}
+    await closed_loop(call, level, min(1.0, plan.warmup_seconds))
+    before = await _floor.stored(nc)
+    msgs_before = {name: nats_stats(conn) for name, conn in conns.items()}
+    cpu.start()
+    result = await closed_loop(call, level, plan.floor_seconds)
+    busy = cpu.stop()
+    msgs_after = {name: nats_stats(conn) for name, conn in conns.items()}
+    after = await _floor.stored(nc)
+    done = max(1, result.completed)
+    stored = {name: (after[name] - before[name]) / done for name in after}
+    per_request = {
+        name: round(cores * result.elapsed / done * 1000, 3) for name, cores in busy.items()
+    }
+    return {
+        "requests": result.completed,
+        "errors": result.errors,
+        "error_samples": result.error_samples,
+        "seconds": result.elapsed,
+        "requests_per_s": result.rate,
+        "latency": latency_summary(result.latencies),
+        "cpu_cores": busy,
+        "cpu_ms_per_request": per_request,
+        "python_cpu_ms_per_request": sum(per_request[n] for n in python_names),
+        "python_idle_ms_per_request": round(
+            sum(idle.get(n, 0.0) for n in python_names) * 1000 / result.rate, 3
+        )
+        if result.rate and idle is not None
+        else None,
+        "all_cpu_ms_per_request": sum(per_request.values()),
+        "stored_msgs_per_request": stored,
+        "stored_msgs_per_request_total": sum(stored.values()),
+        "nats_msgs_per_request": {
+            f"{name}_{way}": (msgs_after[name][f"{way}_msgs"] - msgs_before[name][f"{way}_msgs"])
+            / done
+            for name in conns
+            for way in ("in", "out")
+        },
+    }
+
+
+def cpu_bound_rate(row: dict[str, Any], cores: int) -> float | None:
+    """The rate a closed-loop ``row``'s CPU per request allows on a quiet machine: every
+    process's CPU on all ``cores`` together, and each process (one event loop) on one
+    core at most. ``None`` if it used none."""
+    done = row["requests"]
+    per_request = [busy * row["seconds"] / done * 1000 for busy in row["cpu_cores"].values()]
+    if not done or not sum(per_request):
+        return None
+    return min(cores * 1000 / sum(per_request), *(1000 / ms for ms in per_request if ms))
+
+
+def floor_analysis(
+    pipe_levels: dict[str, Any], floor: dict[str, Any], mock: dict[str, Any]
+) -> dict[str, Any]:
+    """Per level and HTTP variant: the floor's figures beside the pipeline's, and the
+    pipeline over the floor. Added latency is p50 minus the direct call's p50 of the
+    same HTTP client (the pipeline's and the adapter floor's: the adapter called
+    directly; the aiohttp floor's: bare aiohttp called directly)."""
+    direct = {
+        "adapter": mock["adapter_httpx"],
+        "aiohttp": mock["raw_aiohttp"],
+        _floor.CLAIM: mock["adapter_httpx"],
+    }
+    cores = os.cpu_count() or 1
+    out: dict[str, Any] = {}
+    for level, pipe in pipe_levels.items():
+        adapter = direct["adapter"].get(level)
+        pipe_added = pipe["latency"]["p50_ms"] - adapter["latency"]["p50_ms"] if adapter else None
+        row: dict[str, Any] = {
+            "pipeline_added_p50_ms": pipe_added,
+            "pipeline_cpu_bound_requests_per_s": cpu_bound_rate(pipe, cores),
+        }
+        for variant, levels in floor.items():
+            got = levels.get(level)
+            if got is None:
+                continue
+            base = direct[variant].get(level)
+            added = got["latency"]["p50_ms"] - base["latency"]["p50_ms"] if base else None
+            rate = got["requests_per_s"]
+            row[variant] = {
+                "floor_requests_per_s": rate,
+                "floor_p50_ms": got["latency"]["p50_ms"],
+                "floor_added_p50_ms": added,
+                "floor_python_cpu_ms_per_request": got["python_cpu_ms_per_request"],
+                "floor_all_cpu_ms_per_request": got["all_cpu_ms_per_request"],
+                "pipeline_over_floor_requests_per_s": pipe["requests_per_s"] / rate
+                if rate
+                else None,
+                # Only where both add something: at C >= 16 the direct call's p50 is its
+                # own process's queue, which a floor spread over processes may beat.
+                "pipeline_over_floor_added_p50": pipe_added / added
+                if pipe_added is not None and added is not None and added > 0 < pipe_added
+                else None,
+                "floor_share_of_pipeline_added_p50": added / pipe_added
+                if pipe_added is not None and added is not None and added > 0 < pipe_added
+                else None,
+                # The rate the floor's CPU per request allows on a quiet machine: what a
+                # loaded machine hides.
+                "floor_cpu_bound_requests_per_s": cpu_bound_rate(got, cores),
+                "pipeline_over_floor_python_cpu": pipe["python_cpu_ms_per_request"]
+                / got["python_cpu_ms_per_request"]
+                if got["python_cpu_ms_per_request"]
+                else None,
+                "pipeline_over_floor_all_cpu": pipe["all_cpu_ms_per_request"]
+                / got["all_cpu_ms_per_request"]
+                if got["all_cpu_ms_per_request"]
+                else None,
+            }
+        out[level] = row
+    return out
+
+
+def print_floor(report: dict[str, Any], pipe: dict[str, Any], what: str) -> None:
+    """The floor beside the pipeline, per level and HTTP variant."""
+    floor = pipe.get("floor")
+    if not floor:
+        print(f"\n  floor: not measured ({report.get('floor_missing', '-')})")
+        return
+    analysis = report["floor_analysis"]
+    print(
+        f"\n  The floor (bench/_floor.py: the same 5 stored messages a request and the same"
+        f" hops, no Ren-Queue logic; {what}), and the pipeline over it:"
+    )
+    print(
+        f"  {'C':>3} {'floor of':<8} {'req/s':>7} {'p50 ms':>7} {'+p50 ms':>8} {'py ms/req':>9}"
+        f" {'all ms/req':>10} {'cpu-bound':>9} {'stored':>6} | {'pipe req/s':>10} {'+p50':>6}"
+        f" {'py cpu':>6} {'all cpu':>7}"
+    )
+    nan = float("nan")
+    for level, row in analysis.items():
+        pipe_row = pipe["levels"][level]
+        added = row["pipeline_added_p50_ms"]
+        print(
+            f"  {level:>3} {'pipeline':<8} {fmt(pipe_row['requests_per_s']):>7}"
+            f" {pipe_row['latency']['p50_ms']:>7.2f} {added if added is not None else nan:>8.2f}"
+            f" {pipe_row['python_cpu_ms_per_request']:>9.2f}"
+            f" {pipe_row['all_cpu_ms_per_request']:>10.2f}"
+            f" {fmt(row['pipeline_cpu_bound_requests_per_s'] or 0):>9}"
+            f" {pipe_row['stored_msgs_per_request_total']:>6.2f} |"
+        )
+        for variant in _floor.ALL_VARIANTS:
+            an = row.get(variant)
+            if an is None:
+                continue
+            got = floor[variant][level]
+            floor_added = an["floor_added_p50_ms"]
+
+            def ratio(value: float | None) -> str:
+                return f"{value:.2f}x" if value is not None else "-"
+
+            print(
+                f"  {level:>3} {variant:<8} {fmt(got['requests_per_s']):>7}"
+                f" {got['latency']['p50_ms']:>7.2f}"
+                f" {floor_added if floor_added is not None else nan:>8.2f}"
+                f" {got['python_cpu_ms_per_request']:>9.2f} {got['all_cpu_ms_per_request']:>10.2f}"
+                f" {fmt(an['floor_cpu_bound_requests_per_s'] or 0):>9}"
+                f" {got['stored_msgs_per_request_total']:>6.2f} |"
+                f" {ratio(an['pipeline_over_floor_requests_per_s']):>10}"
+                f" {ratio(an['pipeline_over_floor_added_p50']):>6}"
+                f" {ratio(an['pipeline_over_floor_python_cpu']):>6}"
+                f" {ratio(an['pipeline_over_floor_all_cpu']):>7}"
+                + (f"  errors {got['errors']}: {got['error_samples'][:1]}" if got["errors"] else "")
+            )
+    print(
+        "  (+p50: p50 minus the direct call's p50 of the same HTTP client at the same level;"
+        " at C >= 16 that p50 is mostly its own process's queue. cpu-bound: the rate the"
+        " CPU per request allows on a quiet machine, all processes on all cores and each on"
+        " one at most. pipe columns: the pipeline's figure over the floor's)"
+    )
+    print(
+        "  Left out of the floor, done by Ren-Queue for each request: the terminal claim (a"
+        " direct get in the router, another in the worker, and the acked create of a sixth"
+        " stored message, in rq-terminal, before completed: the pipeline's 'stored' leaves"
+        " it out)"
+        + (
+            ", which the claim row has (adapter with the three: its 'stored' counts it)"
+            if _floor.CLAIM in floor
+            else "; --floor-claim adds a floor row with it"
+        )
+        + "; trace headers; lease, capacity and view messages."
+    )
+    settled = pipe.get("floor_settle_seconds", {})
+    if settled:
+        print(
+            "  before each level's floor, waited for the pipeline's processes to be idle: "
+            + ", ".join(f"C={level} {seconds:.1f} s" for level, seconds in settled.items())
+            + f" (at most {SETTLE_MOST:.0f})"
+        )
+    for variant in _floor.ALL_VARIANTS:
+        for level, got in floor.get(variant, {}).items():
+            msgs = got.get("nats_msgs_per_request")
+            ours = pipe["levels"][level].get("nats_msgs_per_request")
+            if msgs and ours and level == max(floor[variant], key=int):
+                print(
+                    f"  NATS protocol msgs/request at C={level}, floor ({variant}): services"
+                    f" in {msgs['services_in']:.1f} out {msgs['services_out']:.1f}, client"
+                    f" in {msgs['client_in']:.1f} out {msgs['client_out']:.1f}; pipeline:"
+                    f" services in {ours['services_in']:.1f} out {ours['services_out']:.1f},"
+                    f" client in {ours['client_in']:.1f} out {ours['client_out']:.1f}"
+                )
+    idle = pipe.get("idle_cpu_cores")
+    if idle and "python" in idle:
+        # One process: the idle services' timers are in the floor's Python CPU too.
+        shares = ", ".join(
+            f"{variant} C={level} {got['python_idle_ms_per_request']:.3f}"
+            for variant, levels in floor.items()
+            for level, got in levels.items()
+            if got.get("python_idle_ms_per_request") is not None
+        )
+        print(
+            f"  idle, no requests: this process {idle['python']:.3f} cores (the pipeline's"
+            " services' timers and heartbeats, the floor's polls: in the floor's py ms/req"
+            " too, as in the pipeline's); at the floor's rates that is, in ms/req: " + shares
+        )
+
+
 # ------------------------------------------------------------------ pipeline
 
 
@@ -528,15 +812,38 @@ async def pipeline(
     *,
     profile: bool,
     profile_out: Path | None = None,
+    floor: bool = True,
+    floor_variants: tuple[str, ...] = _floor.VARIANTS,
 ) -> dict[str, Any]:
-    """Services + Client on the instant mock: closed loops at each level, then one streamed."""
+    """Services + Client on the instant mock: closed loops at each level, then one streamed.
+    Before each level, if ``floor``, the floor (``bench/_floor.py``) at that level in each
+    of ``floor_variants``: its router and workers as tasks of this process, on the same
+    nats-server, on streams of their own, once the services are idle again
+    (:func:`settle`; what they use idle is ``idle_cpu_cores``)."""
     out: dict[str, Any] = {"backend_slots": slots, "levels": {}, "streamed": {}}
     with tempfile.TemporaryDirectory(prefix="renqueue-bench-pipeline-") as tmp:
         config = bench_config(tmp, mock_url, slots)
-        async with Services(config, name="bench") as services:
+        async with Services(config, name="bench") as services, contextlib.AsyncExitStack() as stack:
             assert services.server is not None
             client_nc = await connect(services.url, name="bench-client")
             client = Client(client_nc, tenant=TENANT)
+            floor_client: _floor.FloorClient | None = None
+            floor_services: dict[str, Any] = {}
+            if floor:
+                # The floor's services on a connection of their own, its client on another,
+                # as the pipeline's services and client are.
+                floor_nc = await connect(services.url, name="bench-floor")
+                stack.push_async_callback(floor_nc.close)
+                floor_services = await stack.enter_async_context(
+                    _floor.in_process(floor_nc, mock_url, slots, floor_variants)
+                )
+                floor_client_nc = await connect(services.url, name="bench-floor-client")
+                stack.push_async_callback(floor_client_nc.close)
+                floor_client = _floor.FloorClient(floor_client_nc)
+                await floor_client.start()
+                stack.push_async_callback(floor_client.close)
+                out["floor"] = {variant: {} for variant in floor_variants}
+                out["floor_settle_seconds"] = {}
             pids = {
                 "python": os.getpid(),
                 "nats_server": services.server.pid or 0,
@@ -594,6 +901,7 @@ async def pipeline(
                     "latency": latency_summary(result.latencies),
                     "cpu_cores": busy,
                     "python_cpu_ms_per_request": busy["python"] * result.elapsed / done * 1000,
+                    "all_cpu_ms_per_request": sum(busy.values()) * result.elapsed / done * 1000,
                     "stored_msgs_per_request": stored,
                     "stored_msgs_per_request_total": sum(stored.values()),
                     "nats_msgs_per_request": {
@@ -608,10 +916,36 @@ async def pipeline(
                 return row
 
             try:
+                if floor_client is not None:
+                    # What this process (the services, the floor's, the clients) uses with
+                    # nothing to do: part of each level's CPU, the floor's too. Only with
+                    # the floor (which waits for it, :func:`settle`): without it the levels
+                    # run as they did before it (bench/compare.py runs both sides so).
+                    await closed_loop(submit_result, 1, plan.warmup_seconds)
+                    cpu.start()
+                    await asyncio.sleep(IDLE_SECONDS)
+                    out["idle_cpu_cores"] = cpu.stop()
                 for level in plan.levels:
+                    if floor_client is not None:
+                        out["floor_settle_seconds"][str(level)] = await settle(
+                            {"python": pids["python"], "nats_server": pids["nats_server"]},
+                            out["idle_cpu_cores"],
+                        )
+                        for variant in floor_variants:
+                            got = await floor_level(
+                                floor_client, client_nc, variant, level, plan, cpu, ["python"],
+                                {"services": floor_nc, "client": floor_client_nc},
+                                out["idle_cpu_cores"],
+                            )  # fmt: skip
+                            out["floor"][variant][str(level)] = got
+                            print(
+                                f"  floor ({variant}) C={level}: {got['requests_per_s']:.0f}",
+                                flush=True,
+                            )
                     out["levels"][str(level)] = await measure(submit_result, level)
                     print(
-                        f"  pipeline C={level}: {out['levels'][str(level)]['requests_per_s']:.0f}"
+                        f"  pipeline C={level}: {out['levels'][str(level)]['requests_per_s']:.0f}",
+                        flush=True,
                     )
                 out["streamed"][str(plan.stream_level)] = await measure(
                     submit_stream_result, plan.stream_level
@@ -632,6 +966,9 @@ async def pipeline(
                     }
                 out["worker_completed"] = sum(w.completed for w in services.workers)
                 out["router_routed"] = sum(r.routed for r in services.routers)
+                out["floor_service_errors"] = {
+                    name: tasks.samples for name, tasks in floor_services.items() if tasks.errors
+                }
             finally:
                 await client.close()
                 await client_nc.drain()
@@ -826,6 +1163,7 @@ def print_report(report: dict[str, Any]) -> None:
         f" {best['mock_adapter_over_pipeline']:.1f}x the pipeline's rate at C={top}"
         " (it runs inside the worker, so it is part of the pipeline's cost)"
     )
+    print_floor(report, pipe, "client, router and workers in one process")
     prof = pipe.get("profile")
     if prof:
         print(
@@ -841,8 +1179,6 @@ def print_report(report: dict[str, Any]) -> None:
 
 #: Samples a second py-spy takes of each service process in ``--procs``'s profile window.
 PYSPY_RATE = 100
-#: Seconds ``--procs`` measures the processes' CPU with no requests.
-IDLE_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -1046,6 +1382,64 @@ async def procs_profile(
     return out
 
 
+#: The floor's services as processes (``--procs``).
+FLOOR_SCRIPT = Path(__file__).resolve().parent / "_floor.py"
+
+
+@contextlib.asynccontextmanager
+async def floor_processes(
+    url: str,
+    mock_url: str,
+    slots: int,
+    logs: Path,
+    *,
+    variants: tuple[str, ...] = _floor.VARIANTS,
+    workers: int = 1,
+) -> AsyncIterator[dict[str, int]]:
+    """The floor's router and its workers (``workers`` per variant, as many as the
+    deployed shape has of the backend, on one consumer) as processes of their own
+    (``python bench/_floor.py``), each ready (its consumer bound) when this yields their
+    pids by name (``floor-router``, ``floor-worker-<variant>-<i>``); stopped (SIGTERM,
+    then killed) on exit."""
+    await asyncio.to_thread(logs.mkdir, parents=True, exist_ok=True)
+    script = str(FLOOR_SCRIPT)
+    commands = {"floor-router": ["router"]}
+    for variant in variants:
+        for i in range(workers):
+            commands[f"floor-worker-{variant}-{i}"] = [
+                "worker", "--variant", variant, "--mock-url", mock_url, "--slots", str(slots),
+            ]  # fmt: skip
+    procs: dict[str, asyncio.subprocess.Process] = {}
+    try:
+        for name, extra in commands.items():
+            with (logs / f"{name}.log").open("wb") as err:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, script, *extra, "--url", url,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=err,
+                )  # fmt: skip
+            procs[name] = proc
+        for name, proc in procs.items():
+            assert proc.stdout is not None
+            try:
+                line = await asyncio.wait_for(proc.stdout.readline(), 60)
+            except TimeoutError:
+                line = b""
+            if line.strip() != b"ready":
+                text = (logs / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the floor's {name} did not start: {text}")
+        yield {name: proc.pid for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
 async def procs_pipeline(
     mock_url: str,
     mock_pid: int,
@@ -1054,10 +1448,16 @@ async def procs_pipeline(
     *,
     profile: bool,
     before_level: Callable[[int], Awaitable[None]] | None = None,
+    floor: bool = True,
+    floor_variants: tuple[str, ...] = _floor.VARIANTS,
 ) -> dict[str, Any]:
     """One nats-server, ``renqueue router`` and ``renqueue worker -b mock`` processes
     (``bench/chaos.py``'s ``Fleet``), the client in this process: closed loops at each
     level, every process's CPU from /proc; then, if ``profile``, a py-spy window.
+    If ``floor``, before each level (after ``before_level``, once Ren-Queue's processes
+    are idle again: :func:`settle`) the floor at that level in each of
+    ``floor_variants``, its router and workers (as many as the shape's) processes of
+    their own (:func:`floor_processes`) on the same nats-server, its client here.
     ``before_level(C)`` is awaited before each level (the baselines measured at that
     level, so both see the machine's load of the same minute)."""
     out: dict[str, Any] = {
@@ -1112,6 +1512,27 @@ async def procs_pipeline(
 
             # What the processes use with nothing to do (timers, leases, heartbeats): part
             # of each level's CPU, a larger part the lower the rate.
+            floor_client: _floor.FloorClient | None = None
+            floor_pids: dict[str, int] = {}
+            if floor:
+                await _floor.provision(nc, shape.slots)
+                floor_pids = await stack.enter_async_context(
+                    floor_processes(
+                        node.url,
+                        mock_url,
+                        shape.slots,
+                        workdir / "logs",
+                        variants=floor_variants,
+                        workers=shape.workers,
+                    )
+                )
+                floor_nc = await connect(node.url, name="bench-floor-client", config=config.nats)
+                stack.push_async_callback(floor_nc.close)
+                floor_client = _floor.FloorClient(floor_nc)
+                await floor_client.start()
+                stack.push_async_callback(floor_client.close)
+                out["floor"] = {variant: {} for variant in floor_variants}
+                out["floor_settle_seconds"] = {}
             await closed_loop(submit_result, 1, plan.warmup_seconds)
             cpu.start()
             await asyncio.sleep(IDLE_SECONDS)
@@ -1119,6 +1540,34 @@ async def procs_pipeline(
             for level in plan.levels:
                 if before_level is not None:
                     await before_level(level)
+                if floor_client is not None:
+                    watched = ["client", *services, "nats_server"]
+                    out["floor_settle_seconds"][str(level)] = await settle(
+                        {name: pids[name] for name in watched}, out["idle_cpu_cores"]
+                    )
+                    for variant in floor_variants:
+                        floor_workers = {
+                            f"floor-worker-{i}": floor_pids[f"floor-worker-{variant}-{i}"]
+                            for i in range(shape.workers)
+                        }
+                        floor_cpu = CpuMeter(
+                            {
+                                "client": os.getpid(),
+                                "floor-router": floor_pids["floor-router"],
+                                **floor_workers,
+                                "nats_server": pids["nats_server"],
+                                "mock": mock_pid,
+                            }
+                        )
+                        got = await floor_level(
+                            floor_client, nc, variant, level, plan, floor_cpu,
+                            ["client", "floor-router", *floor_workers],
+                        )  # fmt: skip
+                        out["floor"][variant][str(level)] = got
+                        print(
+                            f"  floor ({variant}) C={level}: {got['requests_per_s']:.0f} req/s",
+                            flush=True,
+                        )
                 await closed_loop(submit_result, level, plan.warmup_seconds)
                 before = await stream_counts(js)
                 cpu.start()
@@ -1196,7 +1645,12 @@ async def run_procs(args: argparse.Namespace) -> dict[str, Any]:
     if args.levels:
         plan = replace(plan, levels=tuple(int(x) for x in args.levels.split(",")))
     if args.seconds:
-        plan = replace(plan, pipeline_seconds=args.seconds, mock_seconds=min(args.seconds, 4.0))
+        plan = replace(
+            plan,
+            pipeline_seconds=args.seconds,
+            mock_seconds=min(args.seconds, 4.0),
+            floor_seconds=min(args.seconds, plan.floor_seconds),
+        )
     shape = ProcsShape(routers=args.routers, workers=args.workers, slots=args.slots)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     report: dict[str, Any] = {
@@ -1244,9 +1698,22 @@ async def run_procs(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
         report["procs"] = await procs_pipeline(
-            mock_url, mock_pid, plan, shape, profile=not args.no_profile, before_level=baselines
+            mock_url,
+            mock_pid,
+            plan,
+            shape,
+            profile=not args.no_profile,
+            before_level=baselines,
+            floor=not args.no_floor,
+            floor_variants=floor_variants(args),
         )
     report["analysis"] = procs_analysis(report)
+    if "floor" in report["procs"]:
+        report["floor_analysis"] = floor_analysis(
+            report["procs"]["levels"], report["procs"]["floor"], report["mock"]
+        )
+    else:
+        report["floor_missing"] = "--no-floor"
     report["total_seconds"] = time.perf_counter() - started
     return report
 
@@ -1330,6 +1797,9 @@ def print_procs_report(report: dict[str, Any]) -> None:
                     f" LiteLLM {fmt(an['litellm_cpu_bound_requests_per_s']):>5} req/s:"
                     f" {an.get('cpu_bound_vs_litellm', float('nan')):.1f}x"
                 )
+    print_floor(
+        report, procs, "its router and each worker a process of its own, its client in the bench"
+    )
     prof = procs.get("profile")
     if prof and "missing" in prof:
         print(f"\n  profile: not taken: {prof['missing']}")
@@ -1584,17 +2054,15 @@ def print_real_report(report: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------ main
 
 
+def floor_variants(args: argparse.Namespace) -> tuple[str, ...]:
+    """The floor's variants measured: both HTTP clients, and the claim one if asked."""
+    return (*_floor.VARIANTS, _floor.CLAIM) if args.floor_claim else _floor.VARIANTS
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = QUICK if args.quick else FULL
     if args.levels:
-        plan = Plan(
-            levels=tuple(int(x) for x in args.levels.split(",")),
-            stream_level=plan.stream_level,
-            broker_seconds=plan.broker_seconds,
-            mock_seconds=plan.mock_seconds,
-            warmup_seconds=plan.warmup_seconds,
-            pipeline_seconds=plan.pipeline_seconds,
-        )
+        plan = replace(plan, levels=tuple(int(x) for x in args.levels.split(",")))
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     report: dict[str, Any] = {
         "benchmark": "pipeline",
@@ -1623,8 +2091,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             args.slots,
             profile=not args.no_profile,
             profile_out=args.profile_out,
+            floor=not args.no_floor,
+            floor_variants=floor_variants(args),
         )
     report["analysis"] = analyse(report["broker"], report["mock"], report["pipeline"])
+    if "floor" in report["pipeline"]:
+        report["floor_analysis"] = floor_analysis(
+            report["pipeline"]["levels"], report["pipeline"]["floor"], report["mock"]
+        )
+    else:
+        report["floor_missing"] = "--no-floor"
     report["ops_per_request_detail"] = OPS_PER_REQUEST
     report["total_seconds"] = time.perf_counter() - started
     return report
@@ -1643,7 +2119,7 @@ def write_report(report: dict[str, Any], out: Path, stem: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="shorter runs (about a minute)")
+    parser.add_argument("--quick", action="store_true", help="shorter runs (about 70 s)")
     parser.add_argument("--slots", type=int, default=256, help="backend concurrency (256)")
     parser.add_argument("--levels", default="", help="client concurrency levels, e.g. 1,16,64")
     parser.add_argument(
@@ -1653,6 +2129,16 @@ def main() -> None:
     )
     parser.add_argument(
         "--profile-out", type=Path, default=None, help="also write the cProfile stats here (pstats)"
+    )
+    parser.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip the floor (bench/_floor.py: the same durable steps, no Ren-Queue logic)",
+    )
+    parser.add_argument(
+        "--floor-claim",
+        action="store_true",
+        help="also the floor's claim variant (adapter with Ren-Queue's terminal claim)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
     parser.add_argument(

@@ -1,8 +1,10 @@
 """``bench/pipeline.py --procs`` (bench/README.md, *Separate processes*; ``make
 bench-procs``): the deployed shape starts (a nats-server, ``renqueue router`` and
 ``renqueue worker`` processes, the mock in its own), the client's requests complete
-through it, every process's CPU is counted, the profile window gets a profile from
-each service process, and no service exits by itself. LiteLLM's Router side runs only
+through it, every process's CPU is counted, the floor (the same five stored messages
+with no Ren-Queue logic, ``bench/_floor.py``) is measured beside it in both HTTP
+variants, the profile window gets a profile from each service process, and no service
+exits by itself. LiteLLM's Router side runs only
 where its venv is already made (making it takes minutes and the network). Rates are
 not checked here (speed belongs to the bench); this keeps the command working."""
 
@@ -59,6 +61,30 @@ def test_the_separate_process_pipeline_bench_runs(tmp_path: Path) -> None:
         # test's business: other work changes it).
         assert row["stored_msgs_per_request_total"] > 0
         assert report["analysis"][level]["added_p50_ms"] is not None
+    # The floor (bench/_floor.py): the same durable steps with no Ren-Queue logic, its
+    # router and workers processes of their own, in both HTTP variants at every level.
+    assert set(procs["floor"]) == {"adapter", "aiohttp"}
+    for variant, levels in procs["floor"].items():
+        row = levels["2"]
+        assert row["requests"] > 0, variant
+        assert row["errors"] == 0, row["error_samples"]
+        assert set(row["cpu_ms_per_request"]) == {
+            "client", "floor-router", "floor-worker-0", "nats_server", "mock",
+        }  # fmt: skip
+        assert row["python_cpu_ms_per_request"] > 0
+        # Exactly the pipeline's five: the request, the dispatch, three events.
+        assert row["stored_msgs_per_request"] == {
+            "FLOOR_REQUESTS": 1.0,
+            "FLOOR_DISPATCH": 1.0,
+            "FLOOR_EVENTS": 3.0,
+            "KV_floor-terminal": 0.0,  # the claim variant only (--floor-claim)
+        }
+        got = report["floor_analysis"]["2"][variant]
+        assert got["floor_added_p50_ms"] is not None
+        assert got["pipeline_over_floor_requests_per_s"] > 0
+        assert got["pipeline_over_floor_python_cpu"] > 0
+    assert "The floor (bench/_floor.py" in stdout
+    assert set(procs["floor_settle_seconds"]) == {"2"}
     profiled = procs["profile"]["processes"]
     assert set(profiled) == {"router-0", "worker-mock-0"}
     for got in profiled.values():
