@@ -545,9 +545,10 @@ async def test_followers_of_a_hand_out_cut_short_are_found_in_the_log(
     group of its own: it finds its followers in the log (their `coalesced`
     events) and ends each once. (Before: they were stranded.)
 
-    The blocker holds the slot until the leader is cancelled (its call never
-    ends on its own; it is cancelled then): with a 1 s blocker, a loaded
-    machine ran the leader before the test had closed its group."""
+    The blocker holds the slot until the followers have joined the newcomer
+    (its call never ends on its own; it is cancelled then): with a 1 s
+    blocker, a loaded machine ran the leader before the test had closed its
+    group."""
     async with Client(stack.nc, tenant="t") as client:
         same = client.build_request("cut", route="chat", coalesce=True)
         slow.update(output_tokens=10_000)  # 250 s at 40 tokens/s: past the test's timeout
@@ -573,6 +574,17 @@ async def test_followers_of_a_hand_out_cut_short_are_found_in_the_log(
         await leader.cancel()
         with pytest.raises(RequestCancelledError):
             await leader.result(timeout=10)
+
+        async def joined_the_newcomer() -> bool:
+            # Put back on their queue, the followers join the newcomer's group
+            # (open while it waits for the slot).
+            for handle in followers:
+                events = await history(client, handle.id)
+                if not any(isinstance(e, Coalesced) and e.leader == newcomer.id for e in events):
+                    return False
+            return True
+
+        await _until(joined_the_newcomer, "the followers joined the newcomer's call")
         await blocker.cancel()  # the slot is free for the newcomer
         with pytest.raises(RequestCancelledError):
             await blocker.result(timeout=10)
