@@ -577,12 +577,14 @@ async def test_followers_of_a_hand_out_cut_short_are_found_in_the_log(
 
         async def joined_the_newcomer() -> bool:
             # Put back on their queue, the followers join the newcomer's group
-            # (open while it waits for the slot).
-            for handle in followers:
-                events = await history(client, handle.id)
-                if not any(isinstance(e, Coalesced) and e.leader == newcomer.id for e in events):
-                    return False
-            return True
+            # (open while it waits for the slot). Seen in the group: their
+            # second `coalesced` event has the first one's message id.
+            group = await group_of(stack.js, same)
+            return (
+                group is not None
+                and group.leader == newcomer.id
+                and all(handle.id in group.followers for handle in followers)
+            )
 
         await _until(joined_the_newcomer, "the followers joined the newcomer's call")
         await blocker.cancel()  # the slot is free for the newcomer
