@@ -580,12 +580,14 @@ async def test_router_killed_during_preemption_coalescing_and_cancellation_loses
     takes over. Every request ends exactly once and as it should, and every
     backend call is accounted for by a ``started`` event."""
     slots = 2
-    # ~0.4 s a call, streamed a token every 50 ms: a preempted call's closed
+    # ~2 s a call, streamed a token every 50 ms: a preempted call's closed
     # stream is seen at the mock's next write, within the backend's preempt_grace (1 s).
+    # (0.4 s calls ended, on a loaded machine, faster than the starved router
+    # bound the next: the two slots were never full at once.)
     # (With ttft=0.4 and no streaming gaps the mock sees it only after the grace:
     # each preempting call then got one 429 "Too many concurrent requests",
     # was retried 1 s later and completed; max_in_flight_seen stayed 2.)
-    settings = MockSettings(ttft=0.02, output_tokens=8, tokens_per_second=20, concurrency=slots)
+    settings = MockSettings(ttft=0.02, output_tokens=40, tokens_per_second=20, concurrency=slots)
     async with stack(tmp_path, isolated_server, settings, age_after="300ms", preemption=True) as (
         mock,
         _config,
@@ -644,7 +646,7 @@ async def test_router_killed_during_preemption_coalescing_and_cancellation_loses
         await submit("urgent late", "critical", "urgent-late")
 
         results = await asyncio.gather(
-            *(handle.result(timeout=60) for handle in handles), return_exceptions=True
+            *(handle.result(timeout=180) for handle in handles), return_exceptions=True
         )
         outcome = dict(zip([h.id for h in handles], results, strict=True))
         cancelled_ids = {h.id for h in cancelled}
