@@ -19,6 +19,7 @@ from renqueue import (
     RequestCancelledError,
     RequestExpiredError,
     RequestFailedError,
+    RequestHandle,
     Services,
     parse_config,
 )
@@ -75,10 +76,10 @@ async def terminals(client: Client, request_id: str) -> list[Event]:
     return [e for e in await history(client, request_id) if is_terminal(e)]
 
 
-async def occupy(client: Client) -> object:
+async def occupy(client: Client) -> RequestHandle:
     """Take the backend's only slot; return once the blocker is generating."""
     blocker = await client.submit("blocker", route="chat")
-    stream = blocker.stream(timeout=10)
+    stream = blocker.stream(timeout=30)
     await anext(stream)
     await stream.aclose()
     return blocker
@@ -542,10 +543,17 @@ async def test_followers_of_a_hand_out_cut_short_are_found_in_the_log(
     before it ran again, an identical request found the group closed and
     replaced it with a group of its own. The leader's next hand-out finds no
     group of its own: it finds its followers in the log (their `coalesced`
-    events) and ends each once. (Before: they were stranded.)"""
+    events) and ends each once. (Before: they were stranded.)
+
+    The blocker holds the slot until the followers have joined the newcomer
+    (its call never ends on its own; it is cancelled then): with a 1 s
+    blocker, a loaded machine ran the leader before the test had closed its
+    group."""
     async with Client(stack.nc, tenant="t") as client:
         same = client.build_request("cut", route="chat", coalesce=True)
-        await occupy(client)
+        slow.update(output_tokens=10_000)  # 250 s at 40 tokens/s: past the test's timeout
+        blocker = await occupy(client)
+        slow.update(output_tokens=40)  # the calls after the blocker's: 1 s each
         leader = await client.submit("cut", route="chat", coalesce=True)
         followers = [await client.submit("cut", route="chat", coalesce=True) for _ in "ab"]
         for handle in followers:
@@ -566,13 +574,30 @@ async def test_followers_of_a_hand_out_cut_short_are_found_in_the_log(
         await leader.cancel()
         with pytest.raises(RequestCancelledError):
             await leader.result(timeout=10)
+
+        async def joined_the_newcomer() -> bool:
+            # Put back on their queue, the followers join the newcomer's group
+            # (open while it waits for the slot). Seen in the group: their
+            # second `coalesced` event has the first one's message id.
+            group = await group_of(stack.js, same)
+            return (
+                group is not None
+                and group.leader == newcomer.id
+                and all(handle.id in group.followers for handle in followers)
+            )
+
+        await _until(joined_the_newcomer, "the followers joined the newcomer's call")
+        await blocker.cancel()  # the slot is free for the newcomer
+        with pytest.raises(RequestCancelledError):
+            await blocker.result(timeout=10)
         text = (await newcomer.result(timeout=20)).text
         for handle in followers:
             assert (await handle.result(timeout=20)).text == text
         for handle in (leader, newcomer, *followers):
             assert len(await terminals(client, handle.id)) == 1
-    # The blocker and the newcomer's call, shared with the followers.
-    assert slow.stats().completed == 2
+    # One call completed: the newcomer's, shared with the followers (the
+    # blocker's was cancelled).
+    assert slow.stats().completed == 1
 
 
 async def test_a_follower_put_back_takes_a_routing_attempt_no_earlier_one_used(

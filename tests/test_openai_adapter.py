@@ -672,12 +672,34 @@ def test_key_with_illegal_characters_fails_at_construction(
 
 
 async def test_tokens_arriving_apart_are_not_held_back() -> None:
-    # Paced tokens arrive in separate reads: each becomes its own delta at once.
-    async with MockBackend(MockSettings(tokens_per_second=50, output_tokens=5)) as paced:
-        adapter = OpenAIBackend("paced", config_for(paced.url))
-        deltas = await collect(adapter, make_request())
-        await adapter.close()
-    assert len([d for d in deltas if d.text]) == 5
+    """Tokens that arrive in separate reads each become their own delta at once.
+    The server sends the next token only once the adapter has yielded the last
+    one as a delta: an adapter that held a token back, waiting for more, would
+    never get the next one (the call would hang and time out). (Before, tokens
+    50 ms apart from the mock: on a loaded machine two could land in one read.)"""
+    sent = 5
+    yielded: asyncio.Queue[str] = asyncio.Queue()
+
+    async def paced(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for index in range(sent):
+            await response.write((CHUNK % f"tok{index} ").encode())
+            assert await yielded.get() == f"tok{index} "  # not before it was a delta
+        await response.write((FINISH + "data: [DONE]\n\n").encode())
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", paced)
+    texts = []
+    async with serve(app) as origin, OpenAIBackend("paced", config_for(f"{origin}/v1")) as adapter:
+        async with asyncio.timeout(30):  # a bound for a held-back token, not a timing
+            async for delta in adapter.stream(make_request()):
+                if delta.text:
+                    texts.append(delta.text)
+                    yielded.put_nowait(delta.text)
+    assert texts == [f"tok{index} " for index in range(sent)]
 
 
 async def test_a_body_ended_after_its_end_marker_keeps_its_connection() -> None:

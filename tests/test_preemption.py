@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _waits import until
 
 from renqueue import Client, Services, parse_config
 from renqueue.broker import Connection, EmbeddedServer, EventLog, provision
 from renqueue.config import Config
+from renqueue.errors import RequestCancelledError
 from renqueue.mock import MockBackend, MockSettings
 from renqueue.policy import least_urgent_victim
 from renqueue.schema import (
@@ -45,6 +47,17 @@ PASSWORDS = {
 }
 #: Runs of the long requests: ~2 s (50 tokens at 25/s); urgent ones: 2 tokens.
 LONG = MockSettings(ttft=0.0, tokens_per_second=25, output_tokens=50)
+#: Runs that outlast any test (10,000 tokens at 25/s: past the per-test
+#: timeout): a run admitted under these lasts until it is preempted or
+#: cancelled, so a test's steps never race its end, however loaded the machine.
+#: A token every 40 ms, so a preempted call's closed stream is seen at once.
+ENDLESS = MockSettings(ttft=0.0, tokens_per_second=25, output_tokens=10_000)
+
+
+def short_from_now(mock: MockBackend) -> None:
+    """Calls the mock admits from now on are short (the runs it already
+    admitted keep their length): a preempted run's rerun ends."""
+    mock.update(output_tokens=4)
 
 
 def config_of(nats: dict[str, Any], backends: dict[str, tuple[str, int]]) -> Config:
@@ -62,7 +75,7 @@ def config_of(nats: dict[str, Any], backends: dict[str, tuple[str, int]]) -> Con
     )
 
 
-async def until_started(client: Client, request_id: str, within: float = 10.0) -> None:
+async def until_started(client: Client, request_id: str, within: float = 30.0) -> None:
     log = EventLog(client.js)
     async with asyncio.timeout(within):
         while True:
@@ -84,8 +97,13 @@ async def test_the_ask_reaches_the_worker_holding_the_run_to_preempt(
     request, B a ``normal`` (not preemptible) or ``low`` (preemptible, but more
     urgent than batch) one. A critical request preempts A's batch run, once,
     and never B's run. (Before: the ask went to one worker of a queue group,
-    chosen at random, which preempted its own run or answered "none".)"""
-    async with MockBackend(LONG) as mock:
+    chosen at random, which preempted its own run or answered "none".)
+
+    Both runs last until the urgent request is done (``ENDLESS``): B's is
+    then cancelled, still in its one run. (Before, 2 s runs: on a loaded
+    machine A's could end before the urgent request was routed, and nothing
+    was preempted.)"""
+    async with MockBackend(ENDLESS) as mock:
         # The broker allows two runs of backend b; each worker process one.
         shared = config_of({"data_dir": str(tmp_path / "nats"), "port": -1}, {"b": (mock.url, 2)})
         async with Services(shared, backends=[]) as services:
@@ -98,15 +116,28 @@ async def test_the_ask_reaches_the_worker_holding_the_run_to_preempt(
                     async with Services(one_each, **only, projector=False, name="worker-b"):
                         busy = await client.submit("long", route="chat", priority=other)
                         await until_started(client, busy.id)
+
+                        async def both_admitted() -> bool:
+                            # `started` can be logged before the mock admits
+                            # the call: only then is its length fixed.
+                            return mock.stats().in_flight == 2
+
+                        await until(both_admitted, "the mock admitted both long calls")
+                        short_from_now(mock)
                         urgent = await client.submit(
                             "now", route="chat", priority="critical", max_tokens=2
                         )
-                        for handle in (urgent, busy, batch):
+                        for handle in (urgent, batch):
                             await handle.result(timeout=30)
+                        await busy.cancel()
+                        [ended] = await asyncio.gather(
+                            busy.result(timeout=30), return_exceptions=True
+                        )
                 events = await histories(client, [batch.id, busy.id, urgent.id])
     preempted = [(rid, e.by) for rid, es in events.items() for e in es if isinstance(e, Preempted)]
     assert preempted == [(batch.id, urgent.id)]
     assert sum(isinstance(e, Started) for e in events[busy.id]) == 1
+    assert isinstance(ended, RequestCancelledError), ended  # still in its one run
 
 
 @pytest.fixture

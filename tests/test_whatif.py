@@ -223,6 +223,9 @@ async def replay(recording: Recording, *args: str) -> tuple[int, str, str]:
     )
 
 
+#: The tests of the command run it several times, each bounded by ``run`` (a
+#: loaded machine stretches its start-up): bounds for a hang, not timings.
+@pytest.mark.timeout(600)
 async def test_the_command_prints_the_recorded_run_beside_both_simulations(
     recording: Recording,
 ) -> None:
@@ -256,6 +259,7 @@ async def test_the_command_prints_the_recorded_run_beside_both_simulations(
     assert 0 < report["columns"][1]["levels"]["batch"]["attainment"] <= 1
 
 
+@pytest.mark.timeout(900)
 async def test_the_command_says_clearly_what_it_cannot_replay(
     recording: Recording, tmp_path: Path
 ) -> None:
