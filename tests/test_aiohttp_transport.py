@@ -314,3 +314,106 @@ async def test_tls_is_verified_against_the_environments_roots(
         assert response.text == "done"
     finally:
         await runner.cleanup()
+
+
+class Recorder:
+    """An OpenAI-like server that records each call's headers; it sets a cookie on
+    the first call (a load balancer's sticky session) and streams or answers whole."""
+
+    def __init__(self) -> None:
+        self.headers: list[dict[str, str]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.headers.append({name.lower(): value for name, value in request.headers.items()})
+        cookie = {"Set-Cookie": "lb=node-3; Path=/"} if len(self.headers) == 1 else {}
+        body = await request.json()
+        if not body.get("stream"):
+            answer = b'{"choices":[{"message":{"content":"hi"},"finish_reason":"stop"}]}'
+            return web.Response(body=answer, content_type="application/json", headers=cookie)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **cookie})
+        await response.prepare(request)
+        await response.write(
+            b'data: {"choices":[{"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
+            b"data: [DONE]\n\n"
+        )
+        return response
+
+
+def _sent(headers: dict[str, str]) -> dict[str, str]:
+    """What a call sent, less what differs between two calls of the same body anyway."""
+    return {name: value for name, value in headers.items() if name not in {"host"}}
+
+
+async def test_the_direct_path_sends_what_the_clients_own_send_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An adapter's own pool sends straight to its transport (AiohttpClient.open): the
+    same headers as through httpx's client (its defaults, the key, the trace header),
+    streamed and whole."""
+    monkeypatch.setenv("I33_KEY", "sk-test-0123456789")
+    server = Recorder()
+    trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    async with serve(server.app()) as origin:
+        config = BackendConfig(base_url=f"{origin}/v1", model="m", api_key_env="I33_KEY")
+        own = OpenAIBackend("own", config)
+        assert own._prepared[0] is not None  # the direct path is the one taken
+        async with httpx.AsyncClient(transport=AiohttpTransport(limits=httpx.Limits())) as http:
+            injected = OpenAIBackend("injected", config, client=http)
+            assert injected._prepared == [None]
+            for adapter in (injected, own):  # the injected one first: it takes the cookie
+                deltas = [d async for d in adapter.stream(REQUEST, traceparent=trace)]
+                assert "".join(d.text for d in deltas) == "hi"
+                assert (await adapter.complete(REQUEST, traceparent=trace)).text == "hi"
+            await injected.close()
+        await own.close()
+    assert len(server.headers) == 4
+    by_httpx_stream, by_httpx_whole, direct_stream, direct_whole = map(_sent, server.headers)
+    by_httpx_whole.pop("cookie")  # the cookie the first call was given (next test)
+    assert direct_stream == by_httpx_stream
+    assert direct_whole == by_httpx_whole
+    assert direct_stream["authorization"] == "Bearer sk-test-0123456789"
+    assert direct_stream["accept"] == "text/event-stream"
+    assert direct_stream["traceparent"] == trace
+    assert direct_stream["user-agent"].startswith("python-httpx/")
+    assert "gzip" in direct_stream["accept-encoding"]
+
+
+async def test_a_cookie_the_backend_sets_is_sent_back() -> None:
+    """As httpx's client keeps cookies (a load balancer's sticky session), so does the
+    adapter's own pool on its direct path: the cookie of the first answer goes with
+    every later call."""
+    server = Recorder()
+    async with serve(server.app()) as origin:
+        adapter = OpenAIBackend("own", BackendConfig(base_url=f"{origin}/v1", model="m"))
+        _ = [d async for d in adapter.stream(REQUEST)]
+        await adapter.complete(REQUEST)
+        _ = [d async for d in adapter.stream(REQUEST)]
+        await adapter.close()
+    assert [headers.get("cookie") for headers in server.headers] == [
+        None,
+        "lb=node-3",
+        "lb=node-3",
+    ]
+
+
+async def test_the_direct_path_masks_the_key_and_refuses_a_closed_client(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("I33_KEY", "sk-test-0123456789")
+    config = BackendConfig(base_url="http://127.0.0.1:1/v1", model="m", api_key_env="I33_KEY")
+    adapter = OpenAIBackend("own", config)
+    prepared = adapter._prepared[0]
+    assert prepared is not None
+    for call in prepared:
+        assert "sk-test" not in repr(call.headers)
+    pool = adapter._pools[0]
+    assert isinstance(pool, AiohttpClient)
+    await pool.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        await pool.open(prepared[0], b"{}")
+    await adapter.close()

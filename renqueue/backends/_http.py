@@ -70,7 +70,7 @@ from ..schema import (
     Usage,
     parse_traceparent,
 )
-from ._aiohttp import AiohttpClient, ResponseStream
+from ._aiohttp import AiohttpClient, Prepared, ResponseStream
 from ._limits import LearnedLimits, parse_limits
 from ._sse import MAX_EVENT_BYTES, ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation, ToolCall
@@ -680,15 +680,11 @@ class _SecretHeaders(httpx.Headers):
         return f"Headers({shown!r})"
 
 
-def _traced(headers: httpx.Headers, traceparent: str | None) -> httpx.Headers:
-    """``headers`` with a ``traceparent`` header, when ``traceparent`` is a
-    valid one (written anew from its parts); else ``headers`` as they are."""
+def _trace_header(traceparent: str | None) -> tuple[str, str] | None:
+    """The ``traceparent`` header to send, when ``traceparent`` is a valid one
+    (written anew from its parts); else ``None``."""
     trace = parse_traceparent(traceparent)
-    if trace is None:
-        return headers
-    traced = _SecretHeaders(headers)
-    traced[TRACEPARENT] = trace.header
-    return traced
+    return None if trace is None else (TRACEPARENT, trace.header)
 
 
 # ------------------------------------------------------------------ adapter
@@ -791,6 +787,21 @@ class HTTPBackend(Closing):
         else:
             self._pools = [client]
         self._busy = [0] * len(self._pools)
+        #: Per pool, its (streaming, not streaming) call prepared once, where
+        #: the pool is an own :class:`AiohttpClient` (:meth:`AiohttpClient.open`).
+        self._prepared: list[tuple[Prepared, Prepared] | None] = [
+            (
+                pool.prepare(
+                    "POST", self._targets[0], headers=self._stream_headers, timeout=self._timeout
+                ),
+                pool.prepare(
+                    "POST", self._targets[1], headers=self._json_headers, timeout=self._timeout
+                ),
+            )
+            if self._owns_client and isinstance(pool, AiohttpClient)
+            else None
+            for pool in self._pools
+        ]
         self._closed = False
         #: Bodies read past their end marker to their end, in the background
         #: (:meth:`_drain`), so that their connections go back to the pool.
@@ -826,14 +837,38 @@ class HTTPBackend(Closing):
                 await pool.aclose()
 
     @contextlib.contextmanager
-    def _pool(self) -> Iterator[httpx.AsyncClient]:
-        """The least busy connection pool, counted busy for the duration."""
-        index = min(range(len(self._busy)), key=self._busy.__getitem__)
-        self._busy[index] += 1
+    def _pool(self) -> Iterator[int]:
+        """The least busy connection pool's index, counted busy for the duration."""
+        busy = self._busy
+        index = 0 if len(busy) == 1 else min(range(len(busy)), key=busy.__getitem__)
+        busy[index] += 1
         try:
-            yield self._pools[index]
+            yield index
         finally:
-            self._busy[index] -= 1
+            busy[index] -= 1
+
+    async def _open(
+        self, pool: int, streaming: bool, body: bytes, trace: tuple[str, str] | None
+    ) -> httpx.Response:
+        """Send one call on pool ``pool`` (``streaming``: to the streaming
+        path); the response open, its body unread (the caller closes it)."""
+        prepared = self._prepared[pool]
+        client = self._pools[pool]
+        if prepared is not None:
+            assert isinstance(client, AiohttpClient)
+            return await client.open(prepared[0 if streaming else 1], body, header=trace)
+        headers = self._stream_headers if streaming else self._json_headers
+        if trace is not None:
+            headers = _SecretHeaders(headers)
+            headers[trace[0]] = trace[1]
+        request = client.build_request(
+            "POST",
+            self._targets[0 if streaming else 1],
+            content=body,
+            headers=headers,
+            timeout=self._timeout,
+        )
+        return await client.send(request, stream=True)
 
     def auth_headers(self) -> httpx.Headers:
         """The headers that carry its key, in its format (what a health probe
@@ -893,11 +928,11 @@ class HTTPBackend(Closing):
         body = self._body(request, priority, stream=True)
         parser = self.parser()
         clock = Clock(self._first_token_timeout, self._total_timeout)
-        headers = _traced(self._stream_headers, traceparent)
+        trace = _trace_header(traceparent)
         try:
             with self._pool() as pool:
                 async for delta in self._stream_from(
-                    pool, body, parser, request, clock, headers=headers
+                    pool, body, parser, request, clock, trace=trace
                 ):
                     clock.first_token()
                     yield delta
@@ -929,13 +964,13 @@ class HTTPBackend(Closing):
 
     async def _stream_from(
         self,
-        pool: httpx.AsyncClient,
+        pool: int,
         body: bytes,
         parser: StreamParser,
         request: InferenceRequest,
         clock: Clock,
         *,
-        headers: httpx.Headers,
+        trace: tuple[str, str] | None,
     ) -> AsyncIterator[Delta]:
         """Read the stream. Everything that arrived in one network read becomes
         one :class:`Delta`: a fast backend's burst of tokens costs one publish
@@ -947,15 +982,8 @@ class HTTPBackend(Closing):
         Each wait on the network is bounded by the clock's next deadline (the
         first token's, else the whole call's): never across a ``yield``, so a
         slow consumer is not cut off by it."""
-        call = pool.stream(
-            "POST",
-            self._targets[0],
-            content=body,
-            headers=headers,
-            timeout=self._timeout,
-        )
         async with clock.bounded():
-            response = await call.__aenter__()
+            response = await self._open(pool, True, body, trace)
         ended = False
         try:
             if not response.is_success:
@@ -997,11 +1025,11 @@ class HTTPBackend(Closing):
             self._feed(parser, None, request)
         finally:
             if ended and not _read_to_end(response):
-                self._drain(call, pieces)
+                self._drain(response, pieces)
             else:
-                await call.__aexit__(None, None, None)
+                await response.aclose()
 
-    def _drain(self, call: Any, pieces: AsyncIterator[bytes]) -> None:
+    def _drain(self, response: httpx.Response, pieces: AsyncIterator[bytes]) -> None:
         """Read what is left of a body past its end marker (its end, as a
         rule: what a server sends after it is no part of the answer), within
         :data:`DRAIN_WAIT`, then close the response: back to the pool when
@@ -1015,7 +1043,7 @@ class HTTPBackend(Closing):
             except (TimeoutError, httpx.HTTPError):
                 pass  # hung up below; the answer was whole already
             finally:
-                await call.__aexit__(None, None, None)
+                await response.aclose()
 
         task = asyncio.get_running_loop().create_task(drain(), name=f"{self._name}-drain")
         self._draining.add(task)
@@ -1040,12 +1068,11 @@ class HTTPBackend(Closing):
         try:
             with self._pool() as pool:
                 async with clock.bounded():
-                    response = await pool.post(
-                        self._targets[1],
-                        content=body,
-                        headers=_traced(self._json_headers, traceparent),
-                        timeout=self._timeout,
-                    )
+                    response = await self._open(pool, False, body, _trace_header(traceparent))
+                    try:
+                        await response.aread()
+                    finally:
+                        await response.aclose()
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, request, clock) from exc
         except TimeoutError as exc:
