@@ -417,3 +417,34 @@ async def test_the_direct_path_masks_the_key_and_refuses_a_closed_client(
     with pytest.raises(RuntimeError, match="closed"):
         await pool.open(prepared[0], b"{}")
     await adapter.close()
+
+
+async def test_an_encoded_answer_is_decoded_on_the_direct_path() -> None:
+    """The adapter reads a body straight off the transport only when there is nothing
+    to decode: a gzip-encoded stream or whole answer is decoded by httpx, as before."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body.get("stream"):
+            data = (
+                b'data: {"choices":[{"delta":{"content":"zipped"},"finish_reason":"stop"}]}\n\n'
+                b"data: [DONE]\n\n"
+            )
+            kind = "text/event-stream"
+        else:
+            data = b'{"choices":[{"message":{"content":"zipped"},"finish_reason":"stop"}]}'
+            kind = "application/json"
+        return web.Response(
+            body=gzip.compress(data), headers={"Content-Encoding": "gzip", "Content-Type": kind}
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    async with serve(app) as origin:
+        adapter = OpenAIBackend("zipped", BackendConfig(base_url=f"{origin}/v1", model="m"))
+        deltas = [d async for d in adapter.stream(REQUEST)]
+        whole = await adapter.complete(REQUEST)
+        await adapter.close()
+    assert "".join(d.text for d in deltas) == "zipped"
+    assert deltas[-1].finish_reason == "stop"
+    assert whole.text == "zipped"

@@ -66,16 +66,21 @@ _ERRORS: Final[tuple[tuple[type[BaseException], type[httpx.TransportError]], ...
 )
 
 
+def _translated(exc: aiohttp.ClientError, request: httpx.Request) -> httpx.TransportError:
+    """aiohttp's exception as httpx's (the first row of :data:`_ERRORS` it is)."""
+    for theirs, ours in _ERRORS:
+        if isinstance(exc, theirs):
+            return ours(str(exc) or type(exc).__name__, request=request)
+    raise AssertionError("aiohttp.ClientError is the last row")  # pragma: no cover
+
+
 @contextlib.contextmanager
 def _as_httpx(request: httpx.Request) -> Iterator[None]:
     """aiohttp's exceptions raised inside, as httpx's (the original as the cause)."""
     try:
         yield
     except aiohttp.ClientError as exc:
-        for theirs, ours in _ERRORS:
-            if isinstance(exc, theirs):
-                raise ours(str(exc) or type(exc).__name__, request=request) from exc
-        raise  # pragma: no cover - aiohttp.ClientError is the last row
+        raise _translated(exc, request) from exc
 
 
 def client_timeout(timeout: Mapping[str, float | None]) -> aiohttp.ClientTimeout:
@@ -91,16 +96,28 @@ def _client_timeout(
 
 
 class ResponseStream(httpx.AsyncByteStream):
-    """A response body as it arrives: each chunk what one network read brought."""
+    """A response body as it arrives: each chunk what one network read brought.
+
+    Besides httpx's reading (through :class:`httpx.Response`), the adapters read
+    it straight (:meth:`pieces`, :meth:`read`) when httpx has nothing to decode:
+    one iterator object, no async generators stacked on each other.
+    """
 
     def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
         self._response = response
         self._request = request
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return _Pieces(self._response.content, self._request)
+
+    def pieces(self) -> AsyncIterator[bytes]:
+        """The body's pieces as they arrive, as httpx's errors."""
+        return _Pieces(self._response.content, self._request)
+
+    async def read(self) -> bytes:
+        """The whole body (its bytes as they came: no content decoding)."""
         with _as_httpx(self._request):
-            async for chunk in self._response.content.iter_any():
-                yield chunk
+            return await self._response.read()
 
     def at_end(self) -> bool:
         """Whether the whole body has been read (its end too)."""
@@ -111,6 +128,29 @@ class ResponseStream(httpx.AsyncByteStream):
             self._response.release()  # read to its end: the connection goes back to the pool
         else:
             self._response.close()  # stopped early: hang up, so the server stops too
+
+
+class _Pieces:
+    """What one network read brought, read after read, until the body's end
+    (aiohttp's ``iter_any``, its errors as httpx's)."""
+
+    __slots__ = ("_content", "_request")
+
+    def __init__(self, content: aiohttp.StreamReader, request: httpx.Request) -> None:
+        self._content = content
+        self._request = request
+
+    def __aiter__(self) -> _Pieces:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            piece = await self._content.readany()
+        except aiohttp.ClientError as exc:
+            raise _translated(exc, self._request) from exc
+        if not piece:
+            raise StopAsyncIteration
+        return piece
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):

@@ -716,6 +716,30 @@ def _pools(
     return [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(shards)]
 
 
+def _straight(response: httpx.Response) -> ResponseStream | None:
+    """``response``'s body as the aiohttp transport gives it, when httpx has
+    nothing to do to read it (the response came from :meth:`AiohttpClient.open`,
+    no ``Content-Encoding`` to decode); else ``None``."""
+    stream = response.stream
+    if isinstance(stream, ResponseStream) and "content-encoding" not in response.headers:
+        return stream
+    return None
+
+
+def _pieces(response: httpx.Response) -> AsyncIterator[bytes]:
+    """``response``'s body as it arrives, each piece what one network read
+    brought (decoded, if it is encoded): read straight off the aiohttp
+    transport where it can be (:func:`_straight`), else as httpx reads it."""
+    stream = _straight(response)
+    return response.aiter_bytes().__aiter__() if stream is None else stream.pieces()
+
+
+async def _read(response: httpx.Response) -> bytes:
+    """``response``'s whole body (decoded, if it is encoded), as :func:`_pieces` reads it."""
+    stream = _straight(response)
+    return await response.aread() if stream is None else await stream.read()
+
+
 def _read_to_end(response: httpx.Response) -> bool:
     """Whether ``response``'s body is known to be read to its end (its end
     came with its last read, as a rule: nothing is left to drain)."""
@@ -988,19 +1012,19 @@ class HTTPBackend(Closing):
         try:
             if not response.is_success:
                 async with clock.bounded():
-                    await response.aread()
-                raise self._status_error(response, request)
+                    error = await _read(response)
+                raise self._status_error(response, error, request)
             self._observe(response)
             if parser.content_type not in response.headers.get("content-type", ""):
                 # A server that ignored the stream flag and sent one JSON body.
                 async with clock.bounded():
-                    raw = await response.aread()
+                    raw = await _read(response)
                 generation = self._whole(raw, request)
                 if generation.text or generation.logprobs:
                     yield Delta(text=generation.text, logprobs=generation.logprobs, end=True)
                 parser.adopt(generation)
                 return
-            pieces = response.aiter_bytes().__aiter__()
+            pieces = _pieces(response)
             while True:
                 try:
                     async with clock.bounded():
@@ -1070,7 +1094,7 @@ class HTTPBackend(Closing):
                 async with clock.bounded():
                     response = await self._open(pool, False, body, _trace_header(traceparent))
                     try:
-                        await response.aread()
+                        answer = await _read(response)
                     finally:
                         await response.aclose()
         except httpx.HTTPError as exc:
@@ -1078,9 +1102,9 @@ class HTTPBackend(Closing):
         except TimeoutError as exc:
             raise clock.timed_out(self._name, request) from exc
         if not response.is_success:
-            raise self._status_error(response, request)
+            raise self._status_error(response, answer, request)
         self._observe(response)
-        return self._whole(response.content, request)
+        return self._whole(answer, request)
 
     # ------------------------------------------------------------- helpers
 
@@ -1150,9 +1174,10 @@ class HTTPBackend(Closing):
         """Scrub the key from text that came from outside (bodies, foreign errors)."""
         return text.replace(self._key, "***") if self._key else text
 
-    def _status_error(self, response: httpx.Response, request: InferenceRequest) -> BackendError:
+    def _status_error(
+        self, response: httpx.Response, body: bytes, request: InferenceRequest
+    ) -> BackendError:
         status = response.status_code
-        body = response.content
         limits = self._observe(response, body)
         return error_for(
             self._error_class(body) or status_class(status, body),
