@@ -103,9 +103,16 @@ class ResponseStream(httpx.AsyncByteStream):
     one iterator object, no async generators stacked on each other.
     """
 
+    __slots__ = ("_request", "_response", "encoded", "sets_cookie")
+
     def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
         self._response = response
         self._request = request
+        headers = response.headers  # (a multidict in C: lookups cost next to nothing)
+        #: The body has a ``Content-Encoding`` (httpx decodes it when it reads it).
+        self.encoded = "Content-Encoding" in headers
+        #: The response sets a cookie (the client keeps it).
+        self.sets_cookie = "Set-Cookie" in headers
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return _Pieces(self._response.content, self._request)
@@ -320,7 +327,8 @@ class AiohttpClient(httpx.AsyncClient):
         response = await transport.send(
             request, url=call.text, headers=items, body=content or None, limits=call.aiohttp
         )
-        if "set-cookie" in response.headers:
+        stream = response.stream
+        if isinstance(stream, ResponseStream) and stream.sets_cookie:
             self.cookies.extract_cookies(response)
         return response
 

@@ -721,9 +721,7 @@ def _straight(response: httpx.Response) -> ResponseStream | None:
     nothing to do to read it (the response came from :meth:`AiohttpClient.open`,
     no ``Content-Encoding`` to decode); else ``None``."""
     stream = response.stream
-    if isinstance(stream, ResponseStream) and "content-encoding" not in response.headers:
-        return stream
-    return None
+    return stream if isinstance(stream, ResponseStream) and not stream.encoded else None
 
 
 def _pieces(response: httpx.Response) -> AsyncIterator[bytes]:
@@ -1226,6 +1224,10 @@ class HTTPBackend(Closing):
         )
 
 
+#: The scope of a wait with no deadline (:meth:`Clock.bounded`).
+_UNBOUNDED: Final = contextlib.nullcontext()
+
+
 class Clock:
     """The deadlines of one call: the first token's (``first_token_timeout``
     from the start) and the whole call's (``total_timeout``)."""
@@ -1248,9 +1250,11 @@ class Clock:
             return first if self._total is None else self._total
         return min(first, self._total)
 
-    def bounded(self) -> asyncio.Timeout:
-        """A scope for one wait on the network: it ends at the next deadline."""
-        return asyncio.timeout_at(self.deadline())
+    def bounded(self) -> contextlib.AbstractAsyncContextManager[object]:
+        """A scope for one wait on the network: it ends at the next deadline
+        (none: nothing to arm, the same empty scope every time)."""
+        deadline = self.deadline()
+        return _UNBOUNDED if deadline is None else asyncio.timeout_at(deadline)
 
     def timed_out(self, backend: str, request: InferenceRequest) -> RetryableBackendError:
         """The error of a wait cut by :meth:`bounded`."""
