@@ -36,10 +36,9 @@ What the transport keeps of httpx's behaviour:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import ssl
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Final
 
 import aiohttp
@@ -72,15 +71,6 @@ def _translated(exc: aiohttp.ClientError, request: httpx.Request) -> httpx.Trans
         if isinstance(exc, theirs):
             return ours(str(exc) or type(exc).__name__, request=request)
     raise AssertionError("aiohttp.ClientError is the last row")  # pragma: no cover
-
-
-@contextlib.contextmanager
-def _as_httpx(request: httpx.Request) -> Iterator[None]:
-    """aiohttp's exceptions raised inside, as httpx's (the original as the cause)."""
-    try:
-        yield
-    except aiohttp.ClientError as exc:
-        raise _translated(exc, request) from exc
 
 
 def client_timeout(timeout: Mapping[str, float | None]) -> aiohttp.ClientTimeout:
@@ -123,8 +113,10 @@ class ResponseStream(httpx.AsyncByteStream):
 
     async def read(self) -> bytes:
         """The whole body (its bytes as they came: no content decoding)."""
-        with _as_httpx(self._request):
+        try:
             return await self._response.read()
+        except aiohttp.ClientError as exc:
+            raise _translated(exc, self._request) from exc
 
     def at_end(self) -> bool:
         """Whether the whole body has been read (its end too)."""
@@ -220,7 +212,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         ``limits`` (its parts, converted once by the caller: :meth:`AiohttpClient.open`)."""
         if self._session is None:
             self._session = self._new_session()
-        with _as_httpx(request):
+        try:
             response = await self._session.request(
                 request.method,
                 url,
@@ -230,6 +222,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 compress=None,
                 timeout=limits,
             )
+        except aiohttp.ClientError as exc:
+            raise _translated(exc, request) from exc
         extensions = {"http_version": b"HTTP/1.1"}
         if response.reason:
             extensions["reason_phrase"] = response.reason.encode("ascii", errors="replace")

@@ -858,11 +858,15 @@ class HTTPBackend(Closing):
             for pool in self._pools:
                 await pool.aclose()
 
+    def _pool(self) -> contextlib.AbstractContextManager[int]:
+        """The least busy connection pool's index, counted busy for the duration
+        (one pool, as on aiohttp: nothing to count)."""
+        return _ONLY_POOL if len(self._busy) == 1 else self._least_busy()
+
     @contextlib.contextmanager
-    def _pool(self) -> Iterator[int]:
-        """The least busy connection pool's index, counted busy for the duration."""
+    def _least_busy(self) -> Iterator[int]:
         busy = self._busy
-        index = 0 if len(busy) == 1 else min(range(len(busy)), key=busy.__getitem__)
+        index = min(range(len(busy)), key=busy.__getitem__)
         busy[index] += 1
         try:
             yield index
@@ -1224,6 +1228,8 @@ class HTTPBackend(Closing):
         )
 
 
+#: The one pool of an adapter that has one (:meth:`HTTPBackend._pool`).
+_ONLY_POOL: Final = contextlib.nullcontext(0)
 #: The scope of a wait with no deadline (:meth:`Clock.bounded`).
 _UNBOUNDED: Final = contextlib.nullcontext()
 
