@@ -32,6 +32,21 @@ What the transport keeps of httpx's behaviour:
   httpx's client this transport as its default one only, so httpx still routes a
   proxied URL to its own proxy transport. (An ``httpx.AsyncClient`` given a
   ``transport=`` would ignore the environment's proxies.)
+
+**The direct path** (:meth:`AiohttpClient.open`). httpx's client spends, per call,
+more CPU than the transport under it: building and merging the request's headers,
+its chain of send steps, and walking its cookie jar for every response
+(``bench/README.md``, *The adapters' HTTP client*). An adapter's own pool converts
+each kind of call it makes once (:meth:`AiohttpClient.prepare`: the URL, the
+client's headers merged under the adapter's, the timeouts as aiohttp's) and sends
+it straight to this transport, still as an :class:`httpx.Request` answered by an
+:class:`httpx.Response` with httpx's error classes; what it skips it skips only
+where it does nothing (no proxy for the URL, no cookie kept, no auth, hooks,
+params or redirects), and a cookie a response sets is kept as the client keeps it.
+A body with no ``Content-Encoding`` is then read straight off
+:class:`ResponseStream` (:meth:`ResponseStream.pieces`, :meth:`ResponseStream.read`),
+not through httpx's stacked async generators; an encoded one through httpx, which
+decodes it.
 """
 
 from __future__ import annotations

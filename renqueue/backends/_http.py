@@ -14,7 +14,10 @@ else is here, once:
   shared between adapters): connection reuse is most of the per-request cost
   on a fast local backend. Its bytes move on aiohttp's client
   (:mod:`._aiohttp`; :attr:`HTTPBackend.transport`), which costs a fraction
-  of httpx's own transport per call (``bench/http_clients.py``).
+  of httpx's own transport per call (``bench/http_clients.py``); an adapter's
+  own pool sends each call past httpx's client layer, its kinds of call
+  prepared once (:meth:`._aiohttp.AiohttpClient.open`), an injected client
+  through its ordinary ``send``.
 - **The call's clock** (:class:`Clock`): a first-token deadline
   (``first_token_timeout``) and a whole-call deadline (``total_timeout``),
   each wait on the network bounded by the next one, never across a
