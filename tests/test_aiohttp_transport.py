@@ -448,3 +448,32 @@ async def test_an_encoded_answer_is_decoded_on_the_direct_path() -> None:
     assert "".join(d.text for d in deltas) == "zipped"
     assert deltas[-1].finish_reason == "stop"
     assert whole.text == "zipped"
+
+
+@pytest.mark.parametrize("part", ["_transport_for_url", "_init_transport"])
+def test_an_httpx_without_the_private_parts_relied_on_fails_at_start(
+    monkeypatch: pytest.MonkeyPatch, part: str
+) -> None:
+    """AiohttpClient relies on two private methods of httpx's client (pyproject.toml pins
+    httpx's minor versions): an httpx that moved one fails when the adapter is built,
+    naming it, not on every call with an AttributeError (nor by quietly dropping aiohttp)."""
+    monkeypatch.delattr(httpx.AsyncClient, part)
+    with pytest.raises(RuntimeError, match=rf"httpx.*{part}"):
+        OpenAIBackend("m", BackendConfig(base_url="http://127.0.0.1:1/v1", model="m"))
+
+
+def test_an_httpx_whose_init_transport_takes_other_arguments_fails_at_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """httpx 0.27's _init_transport also took ``app``: AiohttpClient's override would
+    fail with a bare TypeError. It is named instead."""
+    original = httpx.AsyncClient._init_transport
+
+    def older(
+        self: httpx.AsyncClient, *args: object, app: object = None, **kwargs: object
+    ) -> object:
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(httpx.AsyncClient, "_init_transport", older)
+    with pytest.raises(RuntimeError, match=r"httpx.*_init_transport.*app"):
+        OpenAIBackend("m", BackendConfig(base_url="http://127.0.0.1:1/v1", model="m"))

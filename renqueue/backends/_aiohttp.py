@@ -52,6 +52,7 @@ decodes it.
 from __future__ import annotations
 
 import functools
+import inspect
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Final
@@ -259,11 +260,54 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 #: httpx's own default pool limits.
 _DEFAULT_LIMITS: Final = httpx.Limits(max_connections=100, max_keepalive_connections=20)
 
+#: httpx's private methods :class:`AiohttpClient` relies on (``pyproject.toml`` pins
+#: httpx's minor versions): ``_init_transport``, overridden (what httpx's client
+#: calls for its default transport, with the arguments below) and
+#: ``_transport_for_url`` (the transport a URL goes to: a proxy's, or the default one).
+#: :func:`_require_httpx_parts` checks them when a client is made: an httpx that
+#: moved one fails at start, saying which, instead of failing every call with an
+#: ``AttributeError`` or quietly moving the bytes on its own transport.
+_HTTPX_PARTS: Final = ("_init_transport", "_transport_for_url")
+_INIT_TRANSPORT_ARGS: Final = frozenset(
+    {"verify", "cert", "trust_env", "http1", "http2", "limits", "transport"}
+)
+
+
+def _require_httpx_parts() -> None:
+    """Raise a ``RuntimeError`` naming what of httpx's private parts
+    (:data:`_HTTPX_PARTS`) this module relies on and does not find."""
+    missing = [
+        f"AsyncClient.{name}"
+        for name in _HTTPX_PARTS
+        if not callable(getattr(httpx.AsyncClient, name, None))
+    ]
+    if not missing:
+        init = inspect.signature(httpx.AsyncClient._init_transport).parameters
+        other = sorted(set(init) - {"self"} - _INIT_TRANSPORT_ARGS)
+        if other:
+            missing.append(
+                f"AsyncClient._init_transport as AiohttpClient overrides it (it takes "
+                f"{', '.join(other)} too)"
+            )
+    if missing:
+        raise RuntimeError(
+            "this httpx is not the one renqueue.backends relies on (pyproject.toml pins "
+            f"httpx 0.28-0.29: its private parts): missing {'; '.join(missing)}"
+        )
+
 
 class AiohttpClient(httpx.AsyncClient):
     """An :class:`httpx.AsyncClient` whose default transport is :class:`AiohttpTransport`
     (of the client's ``limits``); a URL the environment proxies goes, as in httpx,
-    through httpx's own proxy transport."""
+    through httpx's own proxy transport.
+
+    Made only with an httpx whose private parts it relies on are as it expects
+    (:data:`_HTTPX_PARTS`; else a ``RuntimeError`` naming them).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        _require_httpx_parts()
+        super().__init__(**kwargs)
 
     def _init_transport(  # noqa: PLR0917 - httpx's own signature
         self,
