@@ -477,3 +477,108 @@ def test_an_httpx_whose_init_transport_takes_other_arguments_fails_at_start(
     monkeypatch.setattr(httpx.AsyncClient, "_init_transport", older)
     with pytest.raises(RuntimeError, match=r"httpx.*_init_transport.*app"):
         OpenAIBackend("m", BackendConfig(base_url="http://127.0.0.1:1/v1", model="m"))
+
+
+class Staller:
+    """A backend (raw asyncio: it sees the client's hang-up as its end of input) that
+    sends the head and part of its body, then goes silent."""
+
+    def __init__(self) -> None:
+        self.hung_up = 0
+        self.both_hung_up = asyncio.Event()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        streaming = b'"stream":true' in await reader.readexactly(length)
+        kind = b"text/event-stream" if streaming else b"application/json"
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: " + kind + b"\r\nContent-Length: 10000\r\n\r\n"
+        )
+        writer.write(
+            b'data: {"choices":[{"delta":{"content":"hi"},"finish_reason":null}]}\n\ndata: {"ch'
+            if streaming
+            else b'{"choices":[{"message":{"content":"h'
+        )
+        await writer.drain()
+        assert await reader.read() == b""  # silent until the client hangs up
+        self.hung_up += 1
+        if self.hung_up == 2:
+            self.both_hung_up.set()
+        writer.close()
+
+
+async def _stream_text(adapter: OpenAIBackend, into: list[str]) -> None:
+    async for delta in adapter.stream(REQUEST):
+        into.append(delta.text)
+
+
+async def test_a_body_that_stalls_midway_times_out_on_the_direct_path() -> None:
+    """An adapter's own pool (the direct path, its body read straight off aiohttp)
+    still bounds each read by ``timeout``: a body that stops midway is a stall after
+    text, a first-token timeout before it, each from httpx's ReadTimeout, and the
+    connection is hung up (not left in the pool)."""
+    server = Staller()
+    listener = await asyncio.start_server(server.serve, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    config = BackendConfig(base_url=f"http://127.0.0.1:{port}/v1", model="m", timeout="200ms")
+    adapter = OpenAIBackend("stalls", config)
+    assert adapter._prepared[0] is not None
+    deltas: list[str] = []
+    with pytest.raises(RetryableBackendError) as streamed:
+        await _stream_text(adapter, deltas)
+    with pytest.raises(RetryableBackendError) as whole:
+        await adapter.complete(REQUEST)
+    pool = adapter._pools[0]._transport
+    assert isinstance(pool, AiohttpTransport)
+    assert pool._session is not None
+    assert not pool._session.connector._acquired  # type: ignore[union-attr]
+    await asyncio.wait_for(server.both_hung_up.wait(), 5.0)
+    await adapter.close()
+    listener.close()
+    await listener.wait_closed()
+    assert deltas == ["hi"]
+    assert streamed.value.failure is FailureClass.BROKEN_STREAM
+    assert "stall" in str(streamed.value)
+    assert isinstance(streamed.value.__cause__, httpx.ReadTimeout)
+    assert whole.value.failure is FailureClass.FIRST_TOKEN_TIMEOUT
+    assert isinstance(whole.value.__cause__, httpx.ReadTimeout)
+
+
+@pytest.mark.parametrize("no_proxy", [None, "127.0.0.1"])
+async def test_the_direct_path_honours_proxy_and_no_proxy_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, no_proxy: str | None
+) -> None:
+    """An adapter's own pool sends a URL the environment proxies to httpx's proxy
+    transport (never straight to the backend), and one ``NO_PROXY`` names straight."""
+    via_proxy: list[str] = []
+
+    async def proxy(request: web.Request) -> web.StreamResponse:
+        via_proxy.append(str(request.url))
+        answer = b'{"choices":[{"message":{"content":"proxied"},"finish_reason":"stop"}]}'
+        return web.Response(body=answer, content_type="application/json")
+
+    async def backend(request: web.Request) -> web.StreamResponse:
+        answer = b'{"choices":[{"message":{"content":"straight"},"finish_reason":"stop"}]}'
+        return web.Response(body=answer, content_type="application/json")
+
+    proxy_app, backend_app = web.Application(), web.Application()
+    proxy_app.router.add_route("*", "/{tail:.*}", proxy)
+    backend_app.router.add_post("/v1/chat/completions", backend)
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    async with serve(proxy_app) as proxy_origin, serve(backend_app) as origin:
+        monkeypatch.setenv("HTTP_PROXY", proxy_origin)
+        if no_proxy is not None:
+            monkeypatch.setenv("NO_PROXY", no_proxy)
+        adapter = OpenAIBackend("maybe-proxied", BackendConfig(base_url=f"{origin}/v1", model="m"))
+        answer = (await adapter.complete(REQUEST)).text
+        await adapter.close()
+    if no_proxy is None:
+        assert (answer, via_proxy) == ("proxied", [f"{origin}/v1/chat/completions"])
+    else:
+        assert (answer, via_proxy) == ("straight", [])
