@@ -483,9 +483,13 @@ class Staller:
     """A backend (raw asyncio: it sees the client's hang-up as its end of input) that
     sends the head and part of its body, then goes silent."""
 
-    def __init__(self) -> None:
+    def __init__(self, answers: int = 2) -> None:
         self.hung_up = 0
         self.both_hung_up = asyncio.Event()
+        #: Set once ``answers`` partial answers have gone out.
+        self.answered = asyncio.Event()
+        self._answers = answers
+        self._sent = 0
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
@@ -505,6 +509,9 @@ class Staller:
             else b'{"choices":[{"message":{"content":"h'
         )
         await writer.drain()
+        self._sent += 1
+        if self._sent == self._answers:
+            self.answered.set()
         assert await reader.read() == b""  # silent until the client hangs up
         self.hung_up += 1
         if self.hung_up == 2:
@@ -582,3 +589,36 @@ async def test_the_direct_path_honours_proxy_and_no_proxy_from_the_environment(
         assert (answer, via_proxy) == ("proxied", [f"{origin}/v1/chat/completions"])
     else:
         assert (answer, via_proxy) == ("straight", [])
+
+
+async def test_calls_in_flight_when_the_adapter_closes_fail_typed_and_promptly() -> None:
+    """Closing an adapter (its pool) while calls are still reading their bodies ends
+    them with a typed, retryable error: one waiting for bytes was never woken (aiohttp
+    drops the read timeout of a connection its pool closes: the call hung for good),
+    one between two reads got aiohttp's bare RuntimeError("Connection closed.")."""
+    server = Staller(answers=3)
+    listener = await asyncio.start_server(server.serve, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    config = BackendConfig(base_url=f"http://127.0.0.1:{port}/v1", model="m", timeout="60s")
+    adapter = OpenAIBackend("closing", config)
+    between_reads = adapter.stream(REQUEST)
+    assert (await anext(between_reads)).text == "hi"
+    first = asyncio.Event()
+
+    async def waiting() -> None:
+        async for _ in adapter.stream(REQUEST):
+            first.set()
+
+    waiting_stream = asyncio.create_task(waiting())
+    waiting_whole = asyncio.create_task(adapter.complete(REQUEST))
+    await first.wait()  # its first token read: now waiting for more
+    await server.answered.wait()  # the whole answer's head and first bytes sent
+    await adapter.close()
+    errors: list[BackendError] = []
+    for call in (anext(between_reads), waiting_stream, waiting_whole):
+        with pytest.raises(BackendError) as caught:
+            await asyncio.wait_for(call, 10.0)  # a bound on a hang, not a timing check
+        errors.append(caught.value)
+    listener.close()
+    await listener.wait_closed()
+    assert all(error.retryable for error in errors), errors

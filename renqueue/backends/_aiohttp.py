@@ -24,6 +24,8 @@ What the transport keeps of httpx's behaviour:
 - **Closing a response early closes its connection**: a stream the caller stopped
   reading (cancelled, preempted) hangs up on the server, which then stops
   generating. A response read to its end gives its connection back to the pool.
+  Closing the transport ends every body still being read with an error (not a
+  wait that never ends: aiohttp's own session close leaves such a reader waiting).
 - **Bodies are not decoded here** (``auto_decompress=False``): httpx decodes
   ``Content-Encoding`` itself, as with its own transport. No cookies are kept here
   (httpx's client keeps them), no redirects followed (httpx decides).
@@ -109,11 +111,17 @@ class ResponseStream(httpx.AsyncByteStream):
     one iterator object, no async generators stacked on each other.
     """
 
-    __slots__ = ("_request", "_response", "encoded", "sets_cookie")
+    __slots__ = ("_open", "_request", "_response", "encoded", "sets_cookie")
 
-    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
+    def __init__(
+        self,
+        response: aiohttp.ClientResponse,
+        request: httpx.Request,
+        open_responses: set[aiohttp.ClientResponse],
+    ) -> None:
         self._response = response
         self._request = request
+        self._open = open_responses
         headers = response.headers  # (a multidict in C: lookups cost next to nothing)
         #: The body has a ``Content-Encoding`` (httpx decodes it when it reads it).
         self.encoded = "Content-Encoding" in headers
@@ -139,6 +147,7 @@ class ResponseStream(httpx.AsyncByteStream):
         return self._response.content.at_eof()
 
     async def aclose(self) -> None:
+        self._open.discard(self._response)
         if self._response.content.at_eof():
             self._response.release()  # read to its end: the connection goes back to the pool
         else:
@@ -185,6 +194,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         self._limits = limits
         self._ssl = httpx.create_ssl_context(verify=verify, trust_env=trust_env)
         self._session: aiohttp.ClientSession | None = None
+        #: The responses given out and not closed yet (:meth:`aclose` closes them).
+        self._responses: set[aiohttp.ClientResponse] = set()
 
     def _new_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
@@ -240,18 +251,26 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             )
         except aiohttp.ClientError as exc:
             raise _translated(exc, request) from exc
+        self._responses.add(response)
         extensions = {"http_version": b"HTTP/1.1"}
         if response.reason:
             extensions["reason_phrase"] = response.reason.encode("ascii", errors="replace")
         return httpx.Response(
             status_code=response.status,
             headers=response.raw_headers,
-            stream=ResponseStream(response, request),
+            stream=ResponseStream(response, request, self._responses),
             extensions=extensions,
             request=request,
         )
 
     async def aclose(self) -> None:
+        # A body still being read ends with an error (aiohttp's "Connection closed",
+        # as httpx's TransportError) first: closing the session alone leaves its
+        # reader waiting for good (its read timeout dropped with the connection)
+        # or, between two reads, raising a bare RuntimeError.
+        responses, self._responses = self._responses, set()
+        for response in responses:
+            response.close()
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
