@@ -622,3 +622,37 @@ async def test_calls_in_flight_when_the_adapter_closes_fail_typed_and_promptly()
     listener.close()
     await listener.wait_closed()
     assert all(error.retryable for error in errors), errors
+
+
+async def test_no_exception_a_failed_call_chains_holds_the_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A broken response head (aiohttp's ClientResponseError, kept as the cause of
+    httpx's error, itself the cause of the adapter's) carried the request's headers,
+    key included, in its repr (its request_info): nothing of the chain may."""
+
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTQ/9 what\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    monkeypatch.setenv("I33_KEY", "sk-test-0123456789")
+    listener = await asyncio.start_server(garbage, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    config = BackendConfig(base_url=f"http://127.0.0.1:{port}/v1", model="m", api_key_env="I33_KEY")
+    adapter = OpenAIBackend("garbage", config)
+    with pytest.raises(BackendError) as caught:
+        await adapter.complete(REQUEST)
+    await adapter.close()
+    listener.close()
+    await listener.wait_closed()
+    chain: list[BaseException] = []
+    error: BaseException | None = caught.value
+    while error is not None and len(chain) < 10:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    assert len(chain) > 2  # the adapter's, httpx's, aiohttp's (and its own causes)
+    for error in chain:
+        assert "sk-test" not in repr(error), type(error)
+        assert "sk-test" not in str(error), type(error)

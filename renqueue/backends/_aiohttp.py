@@ -61,6 +61,7 @@ from typing import Any, Final
 
 import aiohttp
 import httpx
+from multidict import CIMultiDict, CIMultiDictProxy
 
 __all__ = ["AiohttpClient", "AiohttpTransport", "Prepared", "ResponseStream", "client_timeout"]
 
@@ -83,8 +84,17 @@ _ERRORS: Final[tuple[tuple[type[BaseException], type[httpx.TransportError]], ...
 )
 
 
+#: What an aiohttp exception kept as a cause says of the request's headers: nothing.
+_NO_HEADERS: Final = CIMultiDictProxy(CIMultiDict[str]())
+
+
 def _translated(exc: aiohttp.ClientError, request: httpx.Request) -> httpx.TransportError:
-    """aiohttp's exception as httpx's (the first row of :data:`_ERRORS` it is)."""
+    """aiohttp's exception as httpx's (the first row of :data:`_ERRORS` it is).
+
+    ``exc`` stays the cause, less the request's headers it holds (a response
+    error's ``request_info``: the key, in its repr)."""
+    if isinstance(exc, aiohttp.ClientResponseError):
+        exc.request_info = exc.request_info._replace(headers=_NO_HEADERS)
     for theirs, ours in _ERRORS:
         if isinstance(exc, theirs):
             return ours(str(exc) or type(exc).__name__, request=request)
