@@ -20,6 +20,7 @@ import math
 import os
 import re
 import tomllib
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Final, Literal, TypeVar
@@ -491,6 +492,13 @@ class BaseBackendConfig(_Section, frozen=True, kw_only=True, tag_field="adapter"
                     f"the {self.adapter} adapter cannot send {', '.join(beyond)} "
                     f"(it can: {', '.join(sorted(self.ADAPTER_FEATURES)) or 'none of them'})"
                 )
+        if "@" in urllib.parse.urlsplit(self.base_url).netloc:
+            # Never echoed: it holds a password. aiohttp refuses a URL's credentials
+            # next to the key's header, and a URL reaches logs and error messages.
+            raise ValueError(
+                "base_url must not carry credentials (user:password@): give the key "
+                "in api_key_env or api_key_file"
+            )
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
         if self.api_key_env is not None and self.api_key_file is not None:

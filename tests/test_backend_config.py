@@ -234,3 +234,18 @@ async def test_a_gemini_model_may_be_named_as_googles_resource() -> None:
         "https://generativelanguage.googleapis.com/v1beta/models/gemini-2.0-flash:generateContent",
     )
     await built.close()
+
+
+@pytest.mark.parametrize("key", [None, "RQ_TEST_KEY"])
+def test_a_base_url_with_credentials_fails_at_load_without_echoing_them(key: str | None) -> None:
+    """A base_url with ``user:password@`` failed every call with aiohttp's bare
+    ValueError when the adapter sends its key header too ("Cannot combine
+    AUTHORIZATION header with ... credentials encoded in URL"), and its password
+    would reach logs and errors with the URL (repr, messages). Refused at load,
+    naming the rule, never the password."""
+    with pytest.raises(ConfigError) as caught:
+        backend(base_url="http://user:s3cr3t-pw@127.0.0.1:8000/v1", api_key_env=key)
+    assert caught.value.path == "$.backends.b"
+    assert "credentials" in str(caught.value)
+    assert "s3cr3t" not in str(caught.value)
+    assert "s3cr3t" not in repr(caught.value)

@@ -441,27 +441,31 @@ async def scripted() -> AsyncIterator[str]:
         yield origin
 
 
-@pytest.fixture(params=["aiohttp", "httpcore"])
+@pytest.fixture(params=["aiohttp", "httpcore", "own"])
 async def scripted_backend(
     scripted: str, request: pytest.FixtureRequest
 ) -> AsyncIterator[Callable[[str], OpenAIBackend]]:
-    """Adapters on one injected client, on each transport: every broken or odd server
-    must read the same whichever moves the bytes."""
+    """Adapters on one injected client, on each transport, and adapters on their own
+    pools (``own``: the direct path past httpx's client, AiohttpClient.open): every
+    broken or odd server must read the same whichever moves the bytes."""
+    client: httpx.AsyncClient | None = None
     if request.param == "aiohttp":
         client = httpx.AsyncClient(transport=AiohttpTransport(limits=httpx.Limits()))
-    else:
+    elif request.param == "httpcore":
         client = httpx.AsyncClient()
     adapters: list[OpenAIBackend] = []
 
     def build(scenario: str) -> OpenAIBackend:
         adapter = OpenAIBackend(scenario, config_for(f"{scripted}/{scenario}/v1"), client=client)
+        assert (adapter._prepared[0] is not None) == (client is None)
         adapters.append(adapter)
         return adapter
 
     yield build
     for adapter in adapters:
         await adapter.close()
-    await client.aclose()
+    if client is not None:
+        await client.aclose()
 
 
 async def test_sse_comments_crlf_and_usage_only_chunk(

@@ -24,6 +24,8 @@ What the transport keeps of httpx's behaviour:
 - **Closing a response early closes its connection**: a stream the caller stopped
   reading (cancelled, preempted) hangs up on the server, which then stops
   generating. A response read to its end gives its connection back to the pool.
+  Closing the transport ends every body still being read with an error (not a
+  wait that never ends: aiohttp's own session close leaves such a reader waiting).
 - **Bodies are not decoded here** (``auto_decompress=False``): httpx decodes
   ``Content-Encoding`` itself, as with its own transport. No cookies are kept here
   (httpx's client keeps them), no redirects followed (httpx decides).
@@ -32,19 +34,36 @@ What the transport keeps of httpx's behaviour:
   httpx's client this transport as its default one only, so httpx still routes a
   proxied URL to its own proxy transport. (An ``httpx.AsyncClient`` given a
   ``transport=`` would ignore the environment's proxies.)
+
+**The direct path** (:meth:`AiohttpClient.open`). httpx's client spends, per call,
+more CPU than the transport under it: building and merging the request's headers,
+its chain of send steps, and walking its cookie jar for every response
+(``bench/README.md``, *The adapters' HTTP client*). An adapter's own pool converts
+each kind of call it makes once (:meth:`AiohttpClient.prepare`: the URL, the
+client's headers merged under the adapter's, the timeouts as aiohttp's) and sends
+it straight to this transport, still as an :class:`httpx.Request` answered by an
+:class:`httpx.Response` with httpx's error classes; what it skips it skips only
+where it does nothing (no proxy for the URL, no cookie kept, no auth, hooks,
+params or redirects), and a cookie a response sets is kept as the client keeps it.
+A body with no ``Content-Encoding`` is then read straight off
+:class:`ResponseStream` (:meth:`ResponseStream.pieces`, :meth:`ResponseStream.read`),
+not through httpx's stacked async generators; an encoded one through httpx, which
+decodes it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
+import inspect
 import ssl
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Final
 
 import aiohttp
 import httpx
+from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = ["AiohttpClient", "AiohttpTransport", "ResponseStream"]
+__all__ = ["AiohttpClient", "AiohttpTransport", "Prepared", "ResponseStream", "client_timeout"]
 
 #: The longest response status line or header aiohttp reads (h11's bound on a whole head).
 _MAX_HEAD: Final = 16 * 1024
@@ -65,39 +84,107 @@ _ERRORS: Final[tuple[tuple[type[BaseException], type[httpx.TransportError]], ...
 )
 
 
-@contextlib.contextmanager
-def _as_httpx(request: httpx.Request) -> Iterator[None]:
-    """aiohttp's exceptions raised inside, as httpx's (the original as the cause)."""
-    try:
-        yield
-    except aiohttp.ClientError as exc:
-        for theirs, ours in _ERRORS:
-            if isinstance(exc, theirs):
-                raise ours(str(exc) or type(exc).__name__, request=request) from exc
-        raise  # pragma: no cover - aiohttp.ClientError is the last row
+#: What an aiohttp exception kept as a cause says of the request's headers: nothing.
+_NO_HEADERS: Final = CIMultiDictProxy(CIMultiDict[str]())
+
+
+def _translated(exc: aiohttp.ClientError, request: httpx.Request) -> httpx.TransportError:
+    """aiohttp's exception as httpx's (the first row of :data:`_ERRORS` it is).
+
+    ``exc`` stays the cause, less the request's headers it holds (a response
+    error's ``request_info``: the key, in its repr)."""
+    if isinstance(exc, aiohttp.ClientResponseError):
+        exc.request_info = exc.request_info._replace(headers=_NO_HEADERS)
+    for theirs, ours in _ERRORS:
+        if isinstance(exc, theirs):
+            return ours(str(exc) or type(exc).__name__, request=request)
+    raise AssertionError("aiohttp.ClientError is the last row")  # pragma: no cover
+
+
+def client_timeout(timeout: Mapping[str, float | None]) -> aiohttp.ClientTimeout:
+    """httpx's timeout extension (``Timeout.as_dict()``) as aiohttp's (module docstring)."""
+    return _client_timeout(timeout.get("pool"), timeout.get("connect"), timeout.get("read"))
+
+
+@functools.lru_cache(maxsize=64)
+def _client_timeout(
+    pool: float | None, connect: float | None, read: float | None
+) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=None, connect=pool, sock_connect=connect, sock_read=read)
 
 
 class ResponseStream(httpx.AsyncByteStream):
-    """A response body as it arrives: each chunk what one network read brought."""
+    """A response body as it arrives: each chunk what one network read brought.
 
-    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
+    Besides httpx's reading (through :class:`httpx.Response`), the adapters read
+    it straight (:meth:`pieces`, :meth:`read`) when httpx has nothing to decode:
+    one iterator object, no async generators stacked on each other.
+    """
+
+    __slots__ = ("_open", "_request", "_response", "encoded", "sets_cookie")
+
+    def __init__(
+        self,
+        response: aiohttp.ClientResponse,
+        request: httpx.Request,
+        open_responses: set[aiohttp.ClientResponse],
+    ) -> None:
         self._response = response
         self._request = request
+        self._open = open_responses
+        headers = response.headers  # (a multidict in C: lookups cost next to nothing)
+        #: The body has a ``Content-Encoding`` (httpx decodes it when it reads it).
+        self.encoded = "Content-Encoding" in headers
+        #: The response sets a cookie (the client keeps it).
+        self.sets_cookie = "Set-Cookie" in headers
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        with _as_httpx(self._request):
-            async for chunk in self._response.content.iter_any():
-                yield chunk
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return _Pieces(self._response.content, self._request)
+
+    def pieces(self) -> AsyncIterator[bytes]:
+        """The body's pieces as they arrive, as httpx's errors."""
+        return _Pieces(self._response.content, self._request)
+
+    async def read(self) -> bytes:
+        """The whole body (its bytes as they came: no content decoding)."""
+        try:
+            return await self._response.read()
+        except aiohttp.ClientError as exc:
+            raise _translated(exc, self._request) from exc
 
     def at_end(self) -> bool:
         """Whether the whole body has been read (its end too)."""
         return self._response.content.at_eof()
 
     async def aclose(self) -> None:
+        self._open.discard(self._response)
         if self._response.content.at_eof():
             self._response.release()  # read to its end: the connection goes back to the pool
         else:
             self._response.close()  # stopped early: hang up, so the server stops too
+
+
+class _Pieces:
+    """What one network read brought, read after read, until the body's end
+    (aiohttp's ``iter_any``, its errors as httpx's)."""
+
+    __slots__ = ("_content", "_request")
+
+    def __init__(self, content: aiohttp.StreamReader, request: httpx.Request) -> None:
+        self._content = content
+        self._request = request
+
+    def __aiter__(self) -> _Pieces:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            piece = await self._content.readany()
+        except aiohttp.ClientError as exc:
+            raise _translated(exc, self._request) from exc
+        if not piece:
+            raise StopAsyncIteration
+        return piece
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
@@ -117,6 +204,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         self._limits = limits
         self._ssl = httpx.create_ssl_context(verify=verify, trust_env=trust_env)
         self._session: aiohttp.ClientSession | None = None
+        #: The responses given out and not closed yet (:meth:`aclose` closes them).
+        self._responses: set[aiohttp.ClientResponse] = set()
 
     def _new_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
@@ -138,36 +227,60 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         )
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeout = request.extensions.get("timeout", {})
+        return await self.send(
+            request,
+            url=str(request.url),
+            headers=request.headers.multi_items(),
+            body=await request.aread() or None,
+            limits=client_timeout(timeout),
+        )
+
+    async def send(
+        self,
+        request: httpx.Request,
+        *,
+        url: str,
+        headers: Sequence[tuple[str, str]],
+        body: bytes | None,
+        limits: aiohttp.ClientTimeout,
+    ) -> httpx.Response:
+        """Send ``request`` as ``url``, ``headers`` and ``body`` say it, within
+        ``limits`` (its parts, converted once by the caller: :meth:`AiohttpClient.open`)."""
         if self._session is None:
             self._session = self._new_session()
-        timeout = request.extensions.get("timeout", {})
-        body = await request.aread() or None
-        with _as_httpx(request):
+        try:
             response = await self._session.request(
                 request.method,
-                str(request.url),
-                headers=request.headers.multi_items(),
+                url,
+                headers=headers,
                 data=body,
                 allow_redirects=False,
                 compress=None,
-                timeout=aiohttp.ClientTimeout(
-                    total=None,
-                    connect=timeout.get("pool"),
-                    sock_connect=timeout.get("connect"),
-                    sock_read=timeout.get("read"),
-                ),
+                timeout=limits,
             )
+        except aiohttp.ClientError as exc:
+            raise _translated(exc, request) from exc
+        self._responses.add(response)
         extensions = {"http_version": b"HTTP/1.1"}
         if response.reason:
             extensions["reason_phrase"] = response.reason.encode("ascii", errors="replace")
         return httpx.Response(
             status_code=response.status,
             headers=response.raw_headers,
-            stream=ResponseStream(response, request),
+            stream=ResponseStream(response, request, self._responses),
             extensions=extensions,
+            request=request,
         )
 
     async def aclose(self) -> None:
+        # A body still being read ends with an error (aiohttp's "Connection closed",
+        # as httpx's TransportError) first: closing the session alone leaves its
+        # reader waiting for good (its read timeout dropped with the connection)
+        # or, between two reads, raising a bare RuntimeError.
+        responses, self._responses = self._responses, set()
+        for response in responses:
+            response.close()
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
@@ -176,11 +289,54 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 #: httpx's own default pool limits.
 _DEFAULT_LIMITS: Final = httpx.Limits(max_connections=100, max_keepalive_connections=20)
 
+#: httpx's private methods :class:`AiohttpClient` relies on (``pyproject.toml`` pins
+#: httpx's minor versions): ``_init_transport``, overridden (what httpx's client
+#: calls for its default transport, with the arguments below) and
+#: ``_transport_for_url`` (the transport a URL goes to: a proxy's, or the default one).
+#: :func:`_require_httpx_parts` checks them when a client is made: an httpx that
+#: moved one fails at start, saying which, instead of failing every call with an
+#: ``AttributeError`` or quietly moving the bytes on its own transport.
+_HTTPX_PARTS: Final = ("_init_transport", "_transport_for_url")
+_INIT_TRANSPORT_ARGS: Final = frozenset(
+    {"verify", "cert", "trust_env", "http1", "http2", "limits", "transport"}
+)
+
+
+def _require_httpx_parts() -> None:
+    """Raise a ``RuntimeError`` naming what of httpx's private parts
+    (:data:`_HTTPX_PARTS`) this module relies on and does not find."""
+    missing = [
+        f"AsyncClient.{name}"
+        for name in _HTTPX_PARTS
+        if not callable(getattr(httpx.AsyncClient, name, None))
+    ]
+    if not missing:
+        init = inspect.signature(httpx.AsyncClient._init_transport).parameters
+        other = sorted(set(init) - {"self"} - _INIT_TRANSPORT_ARGS)
+        if other:
+            missing.append(
+                f"AsyncClient._init_transport as AiohttpClient overrides it (it takes "
+                f"{', '.join(other)} too)"
+            )
+    if missing:
+        raise RuntimeError(
+            "this httpx is not the one renqueue.backends relies on (pyproject.toml pins "
+            f"httpx 0.28-0.29: its private parts): missing {'; '.join(missing)}"
+        )
+
 
 class AiohttpClient(httpx.AsyncClient):
     """An :class:`httpx.AsyncClient` whose default transport is :class:`AiohttpTransport`
     (of the client's ``limits``); a URL the environment proxies goes, as in httpx,
-    through httpx's own proxy transport."""
+    through httpx's own proxy transport.
+
+    Made only with an httpx whose private parts it relies on are as it expects
+    (:data:`_HTTPX_PARTS`; else a ``RuntimeError`` naming them).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        _require_httpx_parts()
+        super().__init__(**kwargs)
 
     def _init_transport(  # noqa: PLR0917 - httpx's own signature
         self,
@@ -195,3 +351,83 @@ class AiohttpClient(httpx.AsyncClient):
         if transport is not None:
             return transport
         return AiohttpTransport(limits=limits, verify=verify, trust_env=trust_env)
+
+    def prepare(
+        self, method: str, url: httpx.URL, *, headers: httpx.Headers, timeout: httpx.Timeout
+    ) -> Prepared:
+        """One kind of call (method, URL, headers, timeout), converted once for :meth:`open`.
+
+        The client's own headers are merged under ``headers`` here, as its
+        ``build_request`` would merge them on each call (``headers`` keeps its
+        class: a repr that masks a key stays masked).
+        """
+        merged = type(headers)(self.headers)
+        merged.update(headers)
+        return Prepared(method, url, merged, timeout)
+
+    async def open(
+        self, call: Prepared, content: bytes, *, header: tuple[str, str] | None = None
+    ) -> httpx.Response:
+        """Send ``call`` with body ``content`` (and one more ``header``); the
+        response is open, its body unread (the caller reads and closes it).
+
+        What ``stream()`` and ``post()`` would do, at a fraction of their CPU:
+        the request goes straight to the transport, its headers, URL and
+        timeout converted once (:meth:`prepare`), when nothing of the client's
+        own send applies to it: no proxy for its URL, no cookie kept, no auth,
+        no event hooks, no params, no redirects to follow. Otherwise (and on a
+        closed client) it goes through :meth:`send`, as any request. A
+        response that sets a cookie has it kept, as the client keeps it (later
+        calls then go through :meth:`send`, which sends it).
+        """
+        headers, items = call.headers, call.items
+        if header is not None:
+            headers = type(headers)(headers)
+            headers[header[0]] = header[1]
+            items = [*items, header]
+        transport = self._transport_for_url(call.url)
+        if (
+            not isinstance(transport, AiohttpTransport)
+            or self.is_closed
+            or self.cookies
+            or self.auth is not None
+            or self.params
+            or self.follow_redirects
+            or any(self.event_hooks.values())
+        ):
+            request = self.build_request(
+                call.method, call.url, content=content, headers=headers, timeout=call.timeout
+            )
+            return await self.send(request, stream=True)
+        request = httpx.Request(
+            call.method,
+            call.url,
+            headers=headers,
+            stream=httpx.ByteStream(content),
+            extensions=call.extensions,
+        )
+        response = await transport.send(
+            request, url=call.text, headers=items, body=content or None, limits=call.aiohttp
+        )
+        stream = response.stream
+        if isinstance(stream, ResponseStream) and stream.sets_cookie:
+            self.cookies.extract_cookies(response)
+        return response
+
+
+class Prepared:
+    """One kind of call, its parts in every form :meth:`AiohttpClient.open` needs them."""
+
+    __slots__ = ("aiohttp", "extensions", "headers", "items", "method", "text", "timeout", "url")
+
+    def __init__(
+        self, method: str, url: httpx.URL, headers: httpx.Headers, timeout: httpx.Timeout
+    ) -> None:
+        self.method = method
+        self.url = url
+        self.text = str(url)
+        self.headers = headers
+        self.items = headers.multi_items()
+        self.timeout = timeout
+        self.extensions = {"timeout": timeout.as_dict()}
+        self.aiohttp = client_timeout(self.extensions["timeout"])

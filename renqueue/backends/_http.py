@@ -14,7 +14,10 @@ else is here, once:
   shared between adapters): connection reuse is most of the per-request cost
   on a fast local backend. Its bytes move on aiohttp's client
   (:mod:`._aiohttp`; :attr:`HTTPBackend.transport`), which costs a fraction
-  of httpx's own transport per call (``bench/http_clients.py``).
+  of httpx's own transport per call (``bench/http_clients.py``); an adapter's
+  own pool sends each call past httpx's client layer, its kinds of call
+  prepared once (:meth:`._aiohttp.AiohttpClient.open`), an injected client
+  through its ordinary ``send``.
 - **The call's clock** (:class:`Clock`): a first-token deadline
   (``first_token_timeout``) and a whole-call deadline (``total_timeout``),
   each wait on the network bounded by the next one, never across a
@@ -70,7 +73,7 @@ from ..schema import (
     Usage,
     parse_traceparent,
 )
-from ._aiohttp import AiohttpClient, ResponseStream
+from ._aiohttp import AiohttpClient, Prepared, ResponseStream
 from ._limits import LearnedLimits, parse_limits
 from ._sse import MAX_EVENT_BYTES, ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation, ToolCall
@@ -680,15 +683,11 @@ class _SecretHeaders(httpx.Headers):
         return f"Headers({shown!r})"
 
 
-def _traced(headers: httpx.Headers, traceparent: str | None) -> httpx.Headers:
-    """``headers`` with a ``traceparent`` header, when ``traceparent`` is a
-    valid one (written anew from its parts); else ``headers`` as they are."""
+def _trace_header(traceparent: str | None) -> tuple[str, str] | None:
+    """The ``traceparent`` header to send, when ``traceparent`` is a valid one
+    (written anew from its parts); else ``None``."""
     trace = parse_traceparent(traceparent)
-    if trace is None:
-        return headers
-    traced = _SecretHeaders(headers)
-    traced[TRACEPARENT] = trace.header
-    return traced
+    return None if trace is None else (TRACEPARENT, trace.header)
 
 
 # ------------------------------------------------------------------ adapter
@@ -718,6 +717,28 @@ def _pools(
     per_pool = -(-concurrency // shards) + 4
     limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
     return [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(shards)]
+
+
+def _straight(response: httpx.Response) -> ResponseStream | None:
+    """``response``'s body as the aiohttp transport gives it, when httpx has
+    nothing to do to read it (the response came from :meth:`AiohttpClient.open`,
+    no ``Content-Encoding`` to decode); else ``None``."""
+    stream = response.stream
+    return stream if isinstance(stream, ResponseStream) and not stream.encoded else None
+
+
+def _pieces(response: httpx.Response) -> AsyncIterator[bytes]:
+    """``response``'s body as it arrives, each piece what one network read
+    brought (decoded, if it is encoded): read straight off the aiohttp
+    transport where it can be (:func:`_straight`), else as httpx reads it."""
+    stream = _straight(response)
+    return response.aiter_bytes().__aiter__() if stream is None else stream.pieces()
+
+
+async def _read(response: httpx.Response) -> bytes:
+    """``response``'s whole body (decoded, if it is encoded), as :func:`_pieces` reads it."""
+    stream = _straight(response)
+    return await response.aread() if stream is None else await stream.read()
 
 
 def _read_to_end(response: httpx.Response) -> bool:
@@ -791,6 +812,21 @@ class HTTPBackend(Closing):
         else:
             self._pools = [client]
         self._busy = [0] * len(self._pools)
+        #: Per pool, its (streaming, not streaming) call prepared once, where
+        #: the pool is an own :class:`AiohttpClient` (:meth:`AiohttpClient.open`).
+        self._prepared: list[tuple[Prepared, Prepared] | None] = [
+            (
+                pool.prepare(
+                    "POST", self._targets[0], headers=self._stream_headers, timeout=self._timeout
+                ),
+                pool.prepare(
+                    "POST", self._targets[1], headers=self._json_headers, timeout=self._timeout
+                ),
+            )
+            if self._owns_client and isinstance(pool, AiohttpClient)
+            else None
+            for pool in self._pools
+        ]
         self._closed = False
         #: Bodies read past their end marker to their end, in the background
         #: (:meth:`_drain`), so that their connections go back to the pool.
@@ -825,15 +861,43 @@ class HTTPBackend(Closing):
             for pool in self._pools:
                 await pool.aclose()
 
+    def _pool(self) -> contextlib.AbstractContextManager[int]:
+        """The least busy connection pool's index, counted busy for the duration
+        (one pool, as on aiohttp: nothing to count)."""
+        return _ONLY_POOL if len(self._busy) == 1 else self._least_busy()
+
     @contextlib.contextmanager
-    def _pool(self) -> Iterator[httpx.AsyncClient]:
-        """The least busy connection pool, counted busy for the duration."""
-        index = min(range(len(self._busy)), key=self._busy.__getitem__)
-        self._busy[index] += 1
+    def _least_busy(self) -> Iterator[int]:
+        busy = self._busy
+        index = min(range(len(busy)), key=busy.__getitem__)
+        busy[index] += 1
         try:
-            yield self._pools[index]
+            yield index
         finally:
-            self._busy[index] -= 1
+            busy[index] -= 1
+
+    async def _open(
+        self, pool: int, streaming: bool, body: bytes, trace: tuple[str, str] | None
+    ) -> httpx.Response:
+        """Send one call on pool ``pool`` (``streaming``: to the streaming
+        path); the response open, its body unread (the caller closes it)."""
+        prepared = self._prepared[pool]
+        client = self._pools[pool]
+        if prepared is not None:
+            assert isinstance(client, AiohttpClient)
+            return await client.open(prepared[0 if streaming else 1], body, header=trace)
+        headers = self._stream_headers if streaming else self._json_headers
+        if trace is not None:
+            headers = _SecretHeaders(headers)
+            headers[trace[0]] = trace[1]
+        request = client.build_request(
+            "POST",
+            self._targets[0 if streaming else 1],
+            content=body,
+            headers=headers,
+            timeout=self._timeout,
+        )
+        return await client.send(request, stream=True)
 
     def auth_headers(self) -> httpx.Headers:
         """The headers that carry its key, in its format (what a health probe
@@ -893,11 +957,11 @@ class HTTPBackend(Closing):
         body = self._body(request, priority, stream=True)
         parser = self.parser()
         clock = Clock(self._first_token_timeout, self._total_timeout)
-        headers = _traced(self._stream_headers, traceparent)
+        trace = _trace_header(traceparent)
         try:
             with self._pool() as pool:
                 async for delta in self._stream_from(
-                    pool, body, parser, request, clock, headers=headers
+                    pool, body, parser, request, clock, trace=trace
                 ):
                     clock.first_token()
                     yield delta
@@ -929,13 +993,13 @@ class HTTPBackend(Closing):
 
     async def _stream_from(
         self,
-        pool: httpx.AsyncClient,
+        pool: int,
         body: bytes,
         parser: StreamParser,
         request: InferenceRequest,
         clock: Clock,
         *,
-        headers: httpx.Headers,
+        trace: tuple[str, str] | None,
     ) -> AsyncIterator[Delta]:
         """Read the stream. Everything that arrived in one network read becomes
         one :class:`Delta`: a fast backend's burst of tokens costs one publish
@@ -947,32 +1011,25 @@ class HTTPBackend(Closing):
         Each wait on the network is bounded by the clock's next deadline (the
         first token's, else the whole call's): never across a ``yield``, so a
         slow consumer is not cut off by it."""
-        call = pool.stream(
-            "POST",
-            self._targets[0],
-            content=body,
-            headers=headers,
-            timeout=self._timeout,
-        )
         async with clock.bounded():
-            response = await call.__aenter__()
+            response = await self._open(pool, True, body, trace)
         ended = False
         try:
             if not response.is_success:
                 async with clock.bounded():
-                    await response.aread()
-                raise self._status_error(response, request)
+                    error = await _read(response)
+                raise self._status_error(response, error, request)
             self._observe(response)
             if parser.content_type not in response.headers.get("content-type", ""):
                 # A server that ignored the stream flag and sent one JSON body.
                 async with clock.bounded():
-                    raw = await response.aread()
+                    raw = await _read(response)
                 generation = self._whole(raw, request)
                 if generation.text or generation.logprobs:
                     yield Delta(text=generation.text, logprobs=generation.logprobs, end=True)
                 parser.adopt(generation)
                 return
-            pieces = response.aiter_bytes().__aiter__()
+            pieces = _pieces(response)
             while True:
                 try:
                     async with clock.bounded():
@@ -997,11 +1054,11 @@ class HTTPBackend(Closing):
             self._feed(parser, None, request)
         finally:
             if ended and not _read_to_end(response):
-                self._drain(call, pieces)
+                self._drain(response, pieces)
             else:
-                await call.__aexit__(None, None, None)
+                await response.aclose()
 
-    def _drain(self, call: Any, pieces: AsyncIterator[bytes]) -> None:
+    def _drain(self, response: httpx.Response, pieces: AsyncIterator[bytes]) -> None:
         """Read what is left of a body past its end marker (its end, as a
         rule: what a server sends after it is no part of the answer), within
         :data:`DRAIN_WAIT`, then close the response: back to the pool when
@@ -1015,7 +1072,7 @@ class HTTPBackend(Closing):
             except (TimeoutError, httpx.HTTPError):
                 pass  # hung up below; the answer was whole already
             finally:
-                await call.__aexit__(None, None, None)
+                await response.aclose()
 
         task = asyncio.get_running_loop().create_task(drain(), name=f"{self._name}-drain")
         self._draining.add(task)
@@ -1040,20 +1097,19 @@ class HTTPBackend(Closing):
         try:
             with self._pool() as pool:
                 async with clock.bounded():
-                    response = await pool.post(
-                        self._targets[1],
-                        content=body,
-                        headers=_traced(self._json_headers, traceparent),
-                        timeout=self._timeout,
-                    )
+                    response = await self._open(pool, False, body, _trace_header(traceparent))
+                    try:
+                        answer = await _read(response)
+                    finally:
+                        await response.aclose()
         except httpx.HTTPError as exc:
             raise self._transport_error(exc, request, clock) from exc
         except TimeoutError as exc:
             raise clock.timed_out(self._name, request) from exc
         if not response.is_success:
-            raise self._status_error(response, request)
+            raise self._status_error(response, answer, request)
         self._observe(response)
-        return self._whole(response.content, request)
+        return self._whole(answer, request)
 
     # ------------------------------------------------------------- helpers
 
@@ -1123,9 +1179,10 @@ class HTTPBackend(Closing):
         """Scrub the key from text that came from outside (bodies, foreign errors)."""
         return text.replace(self._key, "***") if self._key else text
 
-    def _status_error(self, response: httpx.Response, request: InferenceRequest) -> BackendError:
+    def _status_error(
+        self, response: httpx.Response, body: bytes, request: InferenceRequest
+    ) -> BackendError:
         status = response.status_code
-        body = response.content
         limits = self._observe(response, body)
         return error_for(
             self._error_class(body) or status_class(status, body),
@@ -1174,6 +1231,12 @@ class HTTPBackend(Closing):
         )
 
 
+#: The one pool of an adapter that has one (:meth:`HTTPBackend._pool`).
+_ONLY_POOL: Final = contextlib.nullcontext(0)
+#: The scope of a wait with no deadline (:meth:`Clock.bounded`).
+_UNBOUNDED: Final = contextlib.nullcontext()
+
+
 class Clock:
     """The deadlines of one call: the first token's (``first_token_timeout``
     from the start) and the whole call's (``total_timeout``)."""
@@ -1196,9 +1259,11 @@ class Clock:
             return first if self._total is None else self._total
         return min(first, self._total)
 
-    def bounded(self) -> asyncio.Timeout:
-        """A scope for one wait on the network: it ends at the next deadline."""
-        return asyncio.timeout_at(self.deadline())
+    def bounded(self) -> contextlib.AbstractAsyncContextManager[object]:
+        """A scope for one wait on the network: it ends at the next deadline
+        (none: nothing to arm, the same empty scope every time)."""
+        deadline = self.deadline()
+        return _UNBOUNDED if deadline is None else asyncio.timeout_at(deadline)
 
     def timed_out(self, backend: str, request: InferenceRequest) -> RetryableBackendError:
         """The error of a wait cut by :meth:`bounded`."""

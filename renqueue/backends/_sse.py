@@ -116,31 +116,23 @@ class SSEDecoder:
 
         Raises :class:`SSEError` when a line or an event outgrows the bound.
         """
-        if not piece:
+        buffer = self._lines_of(piece)
+        if buffer is None:
             return []
-        if self._cr_ended:
-            self._cr_ended = False
-            if piece[0] == 0x0A:  # the LF of a CRLF split between two reads
-                piece = piece[1:]
-                if not piece:
-                    return []
-        if b"\n" not in piece and b"\r" not in piece:
-            # No line ends here: keep the piece (joined once, when one does).
-            self._pending.append(piece)
-            self._pending_bytes += len(piece)
-            if self._pending_bytes > self._max:
-                raise SSEError(f"event-stream line longer than {self._max} bytes")
-            return []
-        if self._pending:
-            self._pending.append(piece)
-            buffer = b"".join(self._pending)
-        else:
-            buffer = piece
         events: list[ServerSentEvent] = []
+        limit = self._max
         for line in self._split(buffer):
-            event = self._line(line)
-            if event is not None:
-                events.append(event)
+            if line[:5] == b"data:" and len(line) <= limit:
+                # The line nearly every event is made of, read here (as _line reads it).
+                self._data_bytes += len(line)
+                if self._data_bytes > limit:
+                    raise SSEError(f"event-stream event larger than {limit} bytes")
+                value = line[6:] if line[5:6] == b" " else line[5:]
+                self._data.append(value.decode("utf-8", "replace"))
+            else:
+                event = self._line(line)
+                if event is not None:
+                    events.append(event)
         return events
 
     def finish(self) -> ServerSentEvent | None:
@@ -166,6 +158,29 @@ class SSEDecoder:
         return self._dispatch()
 
     # -- internals ----------------------------------------------------------
+
+    def _lines_of(self, piece: bytes) -> bytes | None:
+        """``piece`` with what was kept of an incomplete line before it, if a
+        line ends in it; else ``None`` (the piece kept, waiting for a line end)."""
+        if not piece:
+            return None
+        if self._cr_ended:
+            self._cr_ended = False
+            if piece[0] == 0x0A:  # the LF of a CRLF split between two reads
+                piece = piece[1:]
+                if not piece:
+                    return None
+        if b"\n" not in piece and b"\r" not in piece:
+            # No line ends here: keep the piece (joined once, when one does).
+            self._pending.append(piece)
+            self._pending_bytes += len(piece)
+            if self._pending_bytes > self._max:
+                raise SSEError(f"event-stream line longer than {self._max} bytes")
+            return None
+        if self._pending:
+            self._pending.append(piece)
+            return b"".join(self._pending)
+        return piece
 
     def _split(self, buffer: bytes) -> list[bytes]:
         """The complete lines of ``buffer``; the incomplete rest is kept for later."""

@@ -135,6 +135,11 @@ class Caller:
         self._backend_config = backend_config
         self._backend = backend
         self._clock = clock
+        # This backend's series, looked up once (``labels()`` locks and checks on each call).
+        self._completed = metrics.BACKEND_CALLS.labels(backend_name, "completed")
+        self._latency = metrics.BACKEND_LATENCY.labels(backend_name)
+        self._input_tokens = metrics.TOKENS.labels(backend_name, "input")
+        self._output_tokens = metrics.TOKENS.labels(backend_name, "output")
 
     def _checked_calls(
         self, request: InferenceRequest, calls: Sequence[ToolCall], before: int
@@ -221,10 +226,10 @@ class Caller:
                 prompt_tokens=usage.prompt_tokens,
                 completion_tokens=usage.completion_tokens,
             )
-        metrics.BACKEND_CALLS.labels(self._backend_name, "completed").inc()
-        metrics.BACKEND_LATENCY.labels(self._backend_name).observe(duration)
-        metrics.TOKENS.labels(self._backend_name, "input").inc(usage.prompt_tokens)
-        metrics.TOKENS.labels(self._backend_name, "output").inc(usage.completion_tokens)
+        self._completed.inc()
+        self._latency.observe(duration)
+        self._input_tokens.inc(usage.prompt_tokens)
+        self._output_tokens.inc(usage.completion_tokens)
         return Run.of(dispatch, run, backend=self._backend_name).completed(
             at=self._clock(),
             text="".join(answer.parts),
