@@ -167,11 +167,11 @@ def msg_id_of(event: Event) -> str | None:
     ``coalesced`` event names its leader in its id: a follower put back (its
     leader ended on its own) may join another leader within the duplicate
     window, and that second join is a fact of its own, while a retried
-    publish of the same join is stored once. A ``circuit`` change is the binder's, once per change: its time is in its
-    id; so is an ``ab`` change's (with its state), the binder's or an
-    operator's. ``cancel_requested`` has none: it is idempotent, and a tenant
-    publishing the id of another's cancellation first (on its own subject)
-    would drop it.
+    publish of the same join is stored once. A ``circuit`` change is the
+    binder's, once per change: its time is in its id; so is an ``ab``
+    change's (with its state), the binder's or an operator's.
+    ``cancel_requested`` has none: it is idempotent, and a tenant publishing
+    the id of another's cancellation first (on its own subject) would drop it.
     """
     tenant, rid = event.tenant, event.request_id
     if is_terminal(event):
