@@ -629,8 +629,9 @@ async def test_followers_of_a_hand_out_cut_short_are_found_in_the_log(
 
         async def joined_the_newcomer() -> bool:
             # Put back on their queue, the followers join the newcomer's group
-            # (open while it waits for the slot). Seen in the group: their
-            # second `coalesced` event has the first one's message id.
+            # (open while it waits for the slot). Seen in the group, where all
+            # of them are at once (their second `coalesced` events are logged
+            # one by one).
             group = await group_of(stack.js, same)
             return (
                 group is not None
