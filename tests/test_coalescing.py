@@ -459,6 +459,58 @@ async def test_a_group_expires_while_its_leader_waits_and_its_followers_still_en
     assert mock.stats().requests == 3
 
 
+async def test_a_follower_that_joins_a_second_leader_has_both_joins_in_the_log(
+    tmp_path: Path,
+) -> None:
+    """A follower whose leader ends on its own (cancelled) is put back and
+    joins a new leader within the duplicate window: its second `coalesced`
+    event is stored too, naming the new leader (before: it had the first
+    one's message id, `<tenant>:<id>:coalesced`, and was dropped as a
+    duplicate, so the log said it followed the cancelled leader while its
+    completion named the other)."""
+    async with MockBackend(MockSettings(ttft=0.0, output_tokens=4)) as mock:
+        config = unrun_config(tmp_path, mock.url)
+        # No worker yet: the blocker's dispatch takes the slot and waits unrun.
+        async with (
+            Services(config, backends=[]) as services,
+            Client(services.nc, tenant="t") as client,
+        ):
+            same = client.build_request("twice", route="chat", coalesce=True)
+            blocker = await client.submit("blocker", route="chat")
+            first = await client.submit("twice", route="chat", coalesce=True)
+            followers = [await client.submit("twice", route="chat", coalesce=True) for _ in "ab"]
+            for handle in followers:
+                await _wait_coalesced(client, handle.id)
+            await first.cancel()
+            with pytest.raises(RequestCancelledError):
+                await first.result(timeout=10)
+            ids = {handle.id for handle in followers}
+
+            async def regrouped() -> bool:
+                # Put back, one of the two leads a group and the other joins it.
+                group = await group_of(services.js, same)
+                return (
+                    group is not None
+                    and group.leader in ids
+                    and group.followers == sorted(ids - {group.leader})
+                )
+
+            await _until(regrouped, "the followers put back form a group of their own")
+            group = await group_of(services.js, same)
+            assert group is not None
+            [again] = group.followers
+            async with workers_of(config, services):
+                for handle in (blocker, *followers):
+                    await handle.result(timeout=20)
+            [copy] = await terminals(client, again)
+            assert isinstance(copy, Completed)
+            assert copy.shared_with == group.leader
+            joins = [e.leader for e in await history(client, again) if isinstance(e, Coalesced)]
+            assert joins == [first.id, group.leader]
+    # The blocker's call and the new leader's (shared with the other follower).
+    assert mock.stats().requests == 2
+
+
 async def test_a_leader_whose_call_fails_for_good_fails_its_followers_once(
     tmp_path: Path,
 ) -> None:
@@ -577,8 +629,9 @@ async def test_followers_of_a_hand_out_cut_short_are_found_in_the_log(
 
         async def joined_the_newcomer() -> bool:
             # Put back on their queue, the followers join the newcomer's group
-            # (open while it waits for the slot). Seen in the group: their
-            # second `coalesced` event has the first one's message id.
+            # (open while it waits for the slot). Seen in the group, where all
+            # of them are at once (their second `coalesced` events are logged
+            # one by one).
             group = await group_of(stack.js, same)
             return (
                 group is not None

@@ -16,6 +16,7 @@ from renqueue.schema import (
     SCHEMA_VERSION,
     TOKEN_DECODER,
     ChatMessage,
+    Coalesced,
     Completed,
     Failed,
     GenerationParams,
@@ -92,6 +93,9 @@ def test_events_decode_by_kind_and_terminal_ones_have_no_msg_id() -> None:
         with pytest.raises(ValueError, match=r"EventLog\.finish"):
             msg_id_of(terminal)
     assert msg_id_of(routed) == "t:r:routed:1"
+    # A follower put back may join a second leader: each join has an id of its own.
+    joins = [Coalesced(request_id="r", tenant="t", at=1.0, leader=lead) for lead in "ab"]
+    assert [msg_id_of(join) for join in joins] == ["t:r:coalesced:a", "t:r:coalesced:b"]
 
 
 def test_old_events_without_new_fields_still_decode() -> None:

@@ -674,7 +674,11 @@ async def test_router_killed_during_preemption_coalescing_and_cancellation_loses
         starts = [e.delivery for e in events if isinstance(e, Started)]
         preempted = {e.delivery for e in events if isinstance(e, Preempted)}
         retried = {e.delivery for e in events if isinstance(e, Retrying)}
-        leaders = {e.leader for e in events if isinstance(e, Coalesced)}
+        # The last join stands: a follower put back (its leader ended on its
+        # own) may join another, or run on its own (routed after its last join).
+        joins = [i for i, e in enumerate(events) if isinstance(e, Coalesced)]
+        moved = [i for i, e in enumerate(events) if isinstance(e, Routed)]
+        last_join = events[joins[-1]] if joins and not moved[-1:] > joins[-1:] else None
         if len(terminals) != 1:
             problems.append(f"{rid}: not exactly one end: {describe(events)}")
             continue
@@ -696,9 +700,9 @@ async def test_router_killed_during_preemption_coalescing_and_cancellation_loses
         if not isinstance(end, Completed):
             problems.append(f"{rid}: did not complete: {describe(events)}")
             continue
-        if leaders:
+        if isinstance(last_join, Coalesced):
             # A follower: shares its leader's call, never runs one of its own.
-            [leader] = leaders
+            leader = last_join.leader
             followers[rid] = leader
             if end.shared_with != leader or starts or "routed" in kinds:
                 problems.append(f"{rid}: follower of {leader}, yet {describe(events)}")

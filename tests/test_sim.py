@@ -558,10 +558,15 @@ def test_a_trace_holds_the_window_s_requests_and_what_became_of_each() -> None:
         submitted("r3", 4.0),
         Coalesced(request_id="r3", tenant="t1", at=T + 4, leader="r1"),
         Cancelled(request_id="r3", tenant="t1", at=T + 4.5, stage="queued"),
+        submitted("r4", 5.0),
+        # r4 joins r2's call, is put back when r2 ends on its own, joins r1's:
+        # the last join stands.
+        Coalesced(request_id="r4", tenant="t1", at=T + 5, leader="r2"),
+        Coalesced(request_id="r4", tenant="t1", at=T + 6, leader="r1"),
         submitted("late", 11.0),
     ]
     trace = trace_of(events, since=T, until=T + 10)
-    assert [a.request.id for a in trace.arrivals] == ["r1", "r2", "r3"]
+    assert [a.request.id for a in trace.arrivals] == ["r1", "r2", "r3", "r4"]
     assert trace.arrivals[0].at == T
     assert trace.arrivals[0].recorded == Recorded(
         kind="completed", at=T + 0.33, backend="a", cost=0.5, prompt_tokens=10, output_tokens=21
@@ -569,6 +574,7 @@ def test_a_trace_holds_the_window_s_requests_and_what_became_of_each() -> None:
     assert trace.arrivals[1].recorded.kind == "expired"
     assert trace.arrivals[2].recorded.leader == "r1"
     assert trace.arrivals[2].cancelled_at == T + 4.5
+    assert trace.arrivals[3].recorded.leader == "r1"
     # The call of r1: 0.1 s to the first token, 0.2 s after, 0.02 s from its decision.
     r1 = next(call for call in trace.calls if call.ttft == 0.1 and call.tokens == 21)
     assert r1.generating == pytest.approx(0.2)

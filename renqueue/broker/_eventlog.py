@@ -63,6 +63,7 @@ from ..schema import (
     CancelRequested,
     ChunkTail,
     CircuitChanged,
+    Coalesced,
     Event,
     FellBack,
     Preempted,
@@ -163,11 +164,14 @@ def msg_id_of(event: Event) -> str | None:
     that run (in a pool, the holder of the run's claim), so a forged id cannot
     hide a run or a failed run (which the retry budget counts); nor has
     ``probed`` (published by a worker when its probe's answer changes). A
-    ``circuit`` change is the binder's, once per change: its time is in its
-    id; so is an ``ab`` change's (with its state), the binder's or an
-    operator's. ``cancel_requested`` has none: it is idempotent, and a tenant
-    publishing the id of another's cancellation first (on its own subject)
-    would drop it.
+    ``coalesced`` event names its leader in its id: a follower put back (its
+    leader ended on its own) may join another leader within the duplicate
+    window, and that second join is a fact of its own, while a retried
+    publish of the same join is stored once. A ``circuit`` change is the
+    binder's, once per change: its time is in its id; so is an ``ab``
+    change's (with its state), the binder's or an operator's.
+    ``cancel_requested`` has none: it is idempotent, and a tenant publishing
+    the id of another's cancellation first (on its own subject) would drop it.
     """
     tenant, rid = event.tenant, event.request_id
     if is_terminal(event):
@@ -181,6 +185,8 @@ def msg_id_of(event: Event) -> str | None:
         parts = (event.attempt,)
     elif isinstance(event, Stolen):
         parts = (event.attempt, event.from_seq)
+    elif isinstance(event, Coalesced):
+        parts = (event.leader,)
     elif isinstance(event, Promoted):
         parts = (event.to_level,)
     elif isinstance(event, CircuitChanged):

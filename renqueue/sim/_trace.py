@@ -249,7 +249,9 @@ class _Reader:
         elif isinstance(event, Retrying | FellBack | Failed):
             self._failed(key, event)
         elif isinstance(event, Coalesced):
-            self.leaders.setdefault(key, event.leader)
+            # The last join stands: a follower put back (its leader ended on
+            # its own) may join another, whose call it then shares.
+            self.leaders[key] = event.leader
         if is_terminal(event) and key not in self.recorded:
             self.recorded[key] = self._outcome(event)
             if isinstance(event, Cancelled):
