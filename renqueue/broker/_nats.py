@@ -428,7 +428,17 @@ _CLIENT_PARTS: Final = (
     "_process_headers",
     "_inbox_prefix",
     "_nuid",
-    "_transport",  # Connection.attempt_failed
+    "_transport",  # Connection.attempt_failed, _close
+    "_connect_to_server",  # _Client overrides it (and _process_connect_init)
+    "_process_connect_init",
+    "_status",  # _close: what nats-py's close did not finish, this does
+    "_pending",
+    "_pending_data_size",
+    "_reconnection_task",
+    "_reading_task",
+    "_ping_interval_task",
+    "_flusher_task",
+    "_subs",
 )
 _CONTEXT_PARTS: Final = (
     "_publish_async_futures",  # where the ack handler finds a publish's future
@@ -611,7 +621,8 @@ def _expire_request(future: asyncio.Future[_Msg]) -> None:
 
 
 class _Client(_NatsPyClient):
-    """nats-py's client, its requests waited for with one timer.
+    """nats-py's client, its requests waited for with one timer, and its
+    reconnects stopped when asked.
 
     nats-py 2.16's request (``_request_new_style``) registers a future with a
     done callback, draws a NUID and two random bytes (a ``urandom`` system
@@ -620,7 +631,24 @@ class _Client(_NatsPyClient):
     API call. Here: a counter's token (:func:`_reply_token`), the future
     registered where nats-py's reply handler finds it, one timer; the same
     errors (``nats.errors.TimeoutError`` after ``timeout``, a draining
-    connection refused)."""
+    connection refused).
+
+    nats-py's close cancels the task that reconnects, once; but each attempt
+    waits under ``asyncio.wait_for``, which on Python 3.11 swallows a
+    cancellation that comes as what it waits for ends (an attempt refused, a
+    node hanging up before its INFO). The attempt's error is then caught as
+    a failed attempt, and the task went on reconnecting after the close, for
+    good (the event loop's shutdown waited for it, for good too). Here an
+    attempt does not begin, nor go on to its handshake, in a task asked to
+    stop (the first connect too: :meth:`Connection.open`'s timeout)."""
+
+    async def _connect_to_server(self, s: Any) -> None:
+        _stop_if_cancelled()
+        await super()._connect_to_server(s)
+
+    async def _process_connect_init(self) -> None:
+        _stop_if_cancelled()
+        await super()._process_connect_init()
 
     @staticmethod
     def _parse_header_lines(raw: bytes) -> dict[str, str]:
@@ -654,6 +682,14 @@ class _Client(_NatsPyClient):
         headers: dict[str, Any] | None = None,
     ) -> _Msg:
         return await _request(self, subject, payload, timeout, headers)
+
+
+def _stop_if_cancelled() -> None:
+    """Raise ``CancelledError`` in a task asked to stop (whether or not an
+    ``asyncio.wait_for`` swallowed the cancellation on its way)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 async def _request(
@@ -1161,13 +1197,13 @@ class Connection:
                 await self._nc.connect(**options)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             self._closing = True
-            await self._nc.close()
+            await _close(self._nc)
             raise ConnectionFailedError(str(exc) or type(exc).__name__) from exc
         except asyncio.CancelledError:
             # Cancelled while connecting (a shutdown): no half-open client is left.
             self._closing = True
             with contextlib.suppress(Exception):
-                await asyncio.shield(self._nc.close())
+                await asyncio.shield(_close(self._nc))
             raise
 
     @property
@@ -1229,8 +1265,9 @@ class Connection:
         await _call(self._nc.drain())
 
     async def close(self) -> None:
+        """Close for good, in bounded time whatever the server does (see :func:`_close`)."""
         self._closing = True
-        await _call(self._nc.close())
+        await _close(self._nc)
 
     def attempt_failed(self) -> None:
         """Called from nats-py's ``error_cb``: while (re)connecting, the error is a
@@ -1281,6 +1318,89 @@ class Connection:
     def client(self) -> _NatsPyClient:
         """nats-py's client, for what the handles do not cover (tests, benchmarks)."""
         return self._nc
+
+
+#: Longest :meth:`Connection.close` lets nats-py wait for the server to take
+#: what is left to send, and for its socket to close: then the socket is let
+#: go (a server stopped or cut off takes nothing, and nats-py waited for good).
+CLOSE_WAIT: Final = 5.0
+
+
+async def _close(nc: _NatsPyClient) -> None:
+    """nats-py's ``close``, bounded, and whatever it left undone done.
+
+    nats-py's close flushes what is left to send and waits until its socket
+    is closed, both for as long as the server takes: for good when the
+    server is stopped (``SIGSTOP``) or cut off (no reset), with the socket
+    full. Reconnecting (or connecting), it also wrote what was published
+    meanwhile into the dead or half-open socket of the last attempt: to a
+    stopped server, the same wait; to a closed socket, a
+    ``ConnectionResetError`` out of its close, which then skipped the rest
+    (its subscriptions' tasks were left running). And a reconnect whose
+    cancellation was swallowed (see :class:`_Client`) outlived the close.
+    Here: what is published while reconnecting is dropped (no server gets it
+    once the reconnecting stops); the socket is aborted after
+    :data:`CLOSE_WAIT`; every task of the client's ends, the socket is
+    closed and the client is left closed.
+    """
+    if not nc.is_connected:
+        nc._pending = []
+        nc._pending_data_size = 0
+    closing = asyncio.ensure_future(nc.close())
+    try:
+        await asyncio.wait({closing}, timeout=CLOSE_WAIT)
+        if not closing.done():
+            _abort(nc._transport)  # the waits on the socket end with it
+            await asyncio.wait({closing}, timeout=CLOSE_WAIT)
+    finally:
+        if not closing.done():
+            closing.cancel()
+            await asyncio.wait({closing}, timeout=CLOSE_WAIT)
+        await _closed_for_good(nc)
+    exc = closing.exception() if closing.done() and not closing.cancelled() else None
+    if exc is not None and not isinstance(exc, OSError):  # an OSError: the socket was gone
+        raise translate(exc) from exc
+
+
+async def _closed_for_good(nc: _NatsPyClient) -> None:
+    """End what nats-py's close left behind: its tasks (a reconnect that
+    went on), its subscriptions' tasks (a close that raised), its socket."""
+    nc._status = _NatsPyClient.CLOSED
+    current = asyncio.current_task()
+    tasks = {
+        task
+        for task in (
+            nc._reconnection_task,
+            nc._reading_task,
+            nc._ping_interval_task,
+            nc._flusher_task,
+            *(sub._wait_for_msgs_task for sub in nc._subs.values()),
+        )
+        if task is not None and not task.done() and task is not current
+    }
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + CLOSE_WAIT
+    while tasks and loop.time() < give_up:
+        for task in tasks:
+            task.cancel()  # again: a first cancellation may have been swallowed
+        _, tasks = await asyncio.wait(tasks, timeout=0.1)
+    nc._subs.clear()
+    _abort(nc._transport)
+    # asyncio closes an aborted socket on the loop's next turn. Not its writer's
+    # wait_closed(): nats-py's reconnect awaited that future and, cancelled, cancelled it.
+    await asyncio.sleep(0)
+
+
+def _writers(transport: object) -> list[asyncio.StreamWriter]:
+    """nats-py's TCP transport's stream writers: the TLS one, and the bare one under it."""
+    found = (getattr(transport, name, None) for name in ("_io_writer", "_bare_io_writer"))
+    return [writer for writer in found if isinstance(writer, asyncio.StreamWriter)]
+
+
+def _abort(transport: object) -> None:
+    """Close nats-py's TCP transport at once, what it still had to send dropped."""
+    for writer in _writers(transport):
+        writer.transport.abort()
 
 
 #: How long one raw JetStream API request waits for its reply.

@@ -1,0 +1,198 @@
+"""Closing a connection ends it in bounded time, whatever the server is doing:
+gone, stopped (``SIGSTOP``), or hanging up on every reconnect attempt.
+
+After :meth:`Connection.close` returns, the client is closed, none of
+nats-py's tasks runs on (no reconnect attempt goes on), and its socket is
+closed. Every close here is itself bounded by a generous ``asyncio.wait_for``,
+so a close that hangs fails its test instead of hanging the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from _waits import until
+from test_reconnect import stopped
+
+from renqueue.broker import Connection, EmbeddedServer, connect
+from renqueue.broker import _nats as nats_boundary
+from renqueue.config import NatsConfig
+
+#: Far more than a close takes; reached only by a close that hangs.
+HANGS: float = 60.0
+
+
+class Node:
+    """A TCP front for a real nats-server on loopback: while up it forwards each
+    connection to the server; while down it hangs up on each as it comes (a
+    node shutting down or starting, as through a whole-cluster restart)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.up = True
+        self.hung_up = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._pipes: set[asyncio.Task[None]] = set()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.up:
+            writer.close()
+            self.hung_up.set()
+            return
+        upstream_reader, upstream = await asyncio.open_connection("127.0.0.1", self.port)
+        self._writers |= {writer, upstream}
+        for source, sink in ((reader, upstream), (upstream_reader, writer)):
+            pipe = asyncio.create_task(self._pipe(source, sink))
+            self._pipes.add(pipe)
+            pipe.add_done_callback(self._pipes.discard)
+
+    @staticmethod
+    async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await source.read(65536):
+                sink.write(data)
+                await sink.drain()
+        sink.close()
+
+    def go_down(self) -> None:
+        """Drop every forwarded connection at once; hang up on every new one."""
+        self.up = False
+        for writer in self._writers:
+            writer.transport.abort()
+        self._writers.clear()
+
+
+@contextlib.asynccontextmanager
+async def node_for(nats_url: str) -> AsyncIterator[tuple[Node, str]]:
+    node = Node(int(nats_url.rsplit(":", 1)[1]))
+    server = await asyncio.start_server(node._accept, "127.0.0.1", 0)
+    try:
+        yield node, f"nats://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        node.go_down()
+        server.close()
+        await server.wait_closed()
+        for pipe in list(node._pipes):
+            pipe.cancel()
+        await asyncio.gather(*node._pipes, return_exceptions=True)
+
+
+def nothing_left(nc: Connection) -> None:
+    """Assert the client is closed, none of its tasks runs, its socket is closed."""
+    client = nc.client
+    assert nc.is_closed
+    tasks = [
+        client._reconnection_task,
+        client._reading_task,
+        client._ping_interval_task,
+        client._flusher_task,
+    ]
+    assert [task for task in tasks if task is not None and not task.done()] == []
+    writer = client._transport._io_writer
+    assert writer.transport.is_closing()
+    socket = writer.get_extra_info("socket")
+    assert socket is None or socket.fileno() == -1, socket
+
+
+@pytest.mark.parametrize("turns", range(8))
+async def test_a_close_while_reconnecting_to_a_node_that_hangs_up_stops_reconnecting(
+    nats_url: str, turns: int
+) -> None:
+    """nats-py's close cancelled its reconnecting task once; an attempt that
+    ended (the node hung up) as the cancellation came swallowed it (Python
+    3.11's ``asyncio.wait_for``), and the task went on reconnecting after the
+    close, for good: the event loop's shutdown then waited for it, for good.
+    The close comes a few turns of the event loop after a hang-up, so that
+    one of them lands as an attempt ends."""
+    async with node_for(nats_url) as (node, url):
+        nc = await connect(url, name="test-close-hang-up", timeout=10)
+        node.go_down()
+        await asyncio.wait_for(node.hung_up.wait(), HANGS)  # it is reconnecting
+
+        async def close_after_turns() -> None:
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            await nc.close()
+
+        await asyncio.wait_for(close_after_turns(), HANGS)
+        nothing_left(nc)
+
+
+@contextlib.asynccontextmanager
+async def frozen(server: EmbeddedServer) -> AsyncIterator[None]:
+    """The server stopped (``SIGSTOP``) for the block: its sockets take nothing."""
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        await stopped(server.pid)
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.pid, signal.SIGCONT)
+
+
+async def fill(nc: Connection, until: Callable[[], bool]) -> None:
+    """Publish 10 KB messages until ``until()`` (or nats-py refuses more)."""
+    with contextlib.suppress(Exception):
+        while not until():
+            await asyncio.wait_for(nc.publish("test.close.fill", b"x" * 10_000), 5)
+
+
+async def test_a_close_while_connected_to_a_stopped_server_with_a_full_socket_returns(
+    isolated_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats-py's close flushed what was left to send to a server that takes
+    nothing, and waited for it for good. It is given ``CLOSE_WAIT``, then the
+    socket is let go."""
+    monkeypatch.setattr(nats_boundary, "CLOSE_WAIT", 0.5)
+    nc = await connect(isolated_server.url, name="test-close-frozen")
+    async with frozen(isolated_server):
+        client = nc.client
+        # Past the socket's buffers: what nats-py holds waits for a flush that cannot end.
+        await fill(nc, lambda: client._pending_data_size > 0 or not nc.is_connected)
+        assert nc.is_connected  # long before the pings say the server is gone
+        await asyncio.wait_for(nc.close(), HANGS)
+        nothing_left(nc)
+
+
+async def test_a_close_while_reconnecting_with_publishes_held_returns(
+    isolated_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reconnecting, nats-py's close wrote what was published meanwhile into
+    the last attempt's socket and waited to flush it: for good to a stopped
+    server (here the old socket, full, still closing), or it raised
+    ``ConnectionResetError`` (a socket already closed) and skipped the rest of
+    its close. What is held while reconnecting is dropped: no server gets it."""
+    monkeypatch.setattr(nats_boundary, "CLOSE_WAIT", 0.5)
+    # Pings every 0.2 s: nats-py gives the stopped server up after three unanswered.
+    config = NatsConfig(ping_interval="200ms")
+    nc = await connect(isolated_server.url, name="test-close-frozen-reconnecting", config=config)
+    async with frozen(isolated_server):
+        client = nc.client
+        # Until nats-py's flush times out and it reconnects, holding what is published.
+        await fill(nc, lambda: not nc.is_connected)
+        assert client.is_reconnecting
+        await asyncio.wait_for(nc.close(), HANGS)
+        nothing_left(nc)
+
+
+async def test_a_close_while_the_server_is_gone_with_publishes_held_returns(
+    isolated_server: EmbeddedServer,
+) -> None:
+    nc = await connect(isolated_server.url, name="test-close-gone")
+    await isolated_server.close()
+
+    async def reconnecting() -> bool:
+        return nc.client.is_reconnecting
+
+    await until(reconnecting, "the connection reconnecting", within=HANGS)
+    await nc.publish("test.close.held", b"held while reconnecting")
+    assert nc.client._pending_data_size > 0
+    await asyncio.wait_for(nc.close(), HANGS)  # no ConnectionResetError
+    nothing_left(nc)
