@@ -1275,8 +1275,10 @@ class Connection:
         accepted the TCP connection but never sent its INFO (a node shutting down or
         starting): it reuses the transport and overwrites its stream writer on the
         next attempt, so the socket stays open until garbage collection (one per
-        attempt through a whole-cluster restart). Close it now."""
-        if not (self._nc.is_connecting or self._nc.is_reconnecting):
+        attempt through a whole-cluster restart). Close it now. Closed too: an
+        attempt that a close's cancellation did not stop (see :class:`_Client`) ends
+        while the client says it is closed, and its socket was left the same way."""
+        if not (self._nc.is_connecting or self._nc.is_reconnecting or self._nc.is_closed):
             return
         transport = self._nc._transport  # nats-py keeps it only in a private attribute
         if transport is not None:
