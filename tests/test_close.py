@@ -22,6 +22,7 @@ from test_reconnect import stopped
 from renqueue.broker import Connection, EmbeddedServer, connect
 from renqueue.broker import _nats as nats_boundary
 from renqueue.config import NatsConfig
+from renqueue.errors import NatsUnavailableError
 
 #: Far more than a close takes; reached only by a close that hangs.
 HANGS: float = 60.0
@@ -221,4 +222,21 @@ async def test_a_close_while_the_server_is_gone_with_publishes_held_returns(
     await nc.publish("test.close.held", b"held while reconnecting")
     assert nc.client._pending_data_size > 0
     await asyncio.wait_for(nc.close(), HANGS)  # no ConnectionResetError
+    nothing_left(nc)
+
+
+async def test_a_drain_while_reconnecting_is_refused_but_ends_closed(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """nats-py refuses a drain while reconnecting; the services log that and
+    stop, and the connection went on reconnecting after them, for good."""
+    nc = await connect(isolated_server.url, name="test-drain-gone")
+    await isolated_server.close()
+
+    async def reconnecting() -> bool:
+        return nc.client.is_reconnecting
+
+    await until(reconnecting, "the connection reconnecting", within=HANGS)
+    with pytest.raises(NatsUnavailableError, match="reconnecting"):
+        await asyncio.wait_for(nc.drain(), HANGS)
     nothing_left(nc)

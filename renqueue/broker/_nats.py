@@ -1261,8 +1261,14 @@ class Connection:
         await _call(self._nc.flush(timeout))
 
     async def drain(self) -> None:
+        """Drain the subscriptions, then what is left to send, then close. A drain
+        that fails still ends closed (then raises): nats-py refuses one while
+        reconnecting, and the connection went on reconnecting after it, for good."""
         self._closing = True
-        await _call(self._nc.drain())
+        try:
+            await _call(self._nc.drain())
+        finally:
+            await _close(self._nc)  # closed already after a drain: what is left, if anything
 
     async def close(self) -> None:
         """Close for good, in bounded time whatever the server does (see :func:`_close`)."""
