@@ -14,9 +14,11 @@ import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 from _waits import until
+from test_cluster_loss import cluster
 from test_reconnect import stopped
 
 from renqueue.broker import Connection, EmbeddedServer, connect
@@ -240,3 +242,19 @@ async def test_a_drain_while_reconnecting_is_refused_but_ends_closed(
     with pytest.raises(NatsUnavailableError, match="reconnecting"):
         await asyncio.wait_for(nc.drain(), HANGS)
     nothing_left(nc)
+
+
+async def test_a_close_while_the_whole_cluster_is_gone_returns(tmp_path: Path) -> None:
+    """Every node of a three-node cluster killed: the connection tries each
+    URL in turn, each refused; a close stops that and leaves no socket."""
+    async with cluster(tmp_path) as nodes:
+        nc = await connect(nodes.url, name="test-close-cluster-gone", timeout=10)
+        await nodes.stop(kill=True)
+
+        async def reconnecting() -> bool:
+            return nc.client.is_reconnecting
+
+        await until(reconnecting, "the connection reconnecting", within=HANGS)
+        await asyncio.wait_for(nc.close(), HANGS)
+        nothing_left(nc)
+        assert [sockets_to(port) for port in nodes.ports] == [set()] * len(nodes.ports)
