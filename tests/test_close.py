@@ -21,10 +21,10 @@ from _waits import until
 from test_cluster_loss import cluster
 from test_reconnect import stopped
 
-from renqueue.broker import Connection, EmbeddedServer, connect
+from renqueue.broker import Connection, EmbeddedServer, Message, connect
 from renqueue.broker import _nats as nats_boundary
 from renqueue.config import NatsConfig
-from renqueue.errors import NatsUnavailableError
+from renqueue.errors import NatsClosedError, NatsUnavailableError
 
 #: Far more than a close takes; reached only by a close that hangs.
 HANGS: float = 60.0
@@ -258,3 +258,56 @@ async def test_a_close_while_the_whole_cluster_is_gone_returns(tmp_path: Path) -
         await asyncio.wait_for(nc.close(), HANGS)
         nothing_left(nc)
         assert [sockets_to(port) for port in nodes.ports] == [set()] * len(nodes.ports)
+
+
+@contextlib.asynccontextmanager
+async def silent(nats_url: str, subject: str) -> AsyncIterator[None]:
+    """A subscriber on ``subject`` that never answers: a request to it waits."""
+    listener = await connect(nats_url, name="test-close-silent")
+
+    async def ignore(_: Message) -> None:
+        return None
+
+    try:
+        await listener.subscribe(subject, ignore)
+        await listener.flush()
+        yield
+    finally:
+        await listener.close()
+
+
+async def test_an_ack_awaited_when_the_connection_closes_fails_closed(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """A ``publish_async`` whose ack had not come when the connection closed:
+    its future waited for good (nothing reads an ack after a close)."""
+    async with silent(isolated_server.url, "test.close.silent"):
+        nc = await connect(isolated_server.url, name="test-close-ack")
+        future = await nc.jetstream().publish_async("test.close.silent", b"x")
+        await asyncio.wait_for(nc.close(), HANGS)
+        with pytest.raises(NatsClosedError):
+            await asyncio.wait_for(future, HANGS)
+
+
+async def test_a_publish_waiting_for_its_ack_when_the_connection_closes_fails_closed(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """A JetStream publish (a submit's) waiting for its ack as the connection
+    closes fails as closed: before, it waited out its whole timeout and then
+    said the broker did not answer (a reason to try again)."""
+    async with silent(isolated_server.url, "test.close.silent"):
+        nc = await connect(isolated_server.url, name="test-close-request")
+        publishing = asyncio.ensure_future(
+            nc.jetstream().publish("test.close.silent", b"x", timeout=HANGS)
+        )
+
+        async def waiting() -> bool:
+            return bool(nc.client._resp_map) and nc.client._pending_data_size == 0
+
+        try:
+            await until(waiting, "the publish sent, waiting for its ack", within=HANGS)
+            await asyncio.wait_for(nc.close(), HANGS)
+            with pytest.raises(NatsClosedError):
+                await asyncio.wait_for(publishing, HANGS / 2)
+        finally:
+            publishing.cancel()

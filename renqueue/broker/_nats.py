@@ -39,6 +39,7 @@ import contextlib
 import datetime
 import itertools
 import json
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
 
@@ -477,6 +478,11 @@ def _require_nats_py_parts(
 
 _CHECKED: Final[set[type]] = set()
 
+#: Each client's contexts (:class:`_Context`): a close ends their acks' futures.
+_CONTEXTS: Final[weakref.WeakKeyDictionary[_NatsPyClient, weakref.WeakSet[_Context]]] = (
+    weakref.WeakKeyDictionary()
+)
+
 
 class _Context(_JetStreamContext):
     """nats-py's JetStream context, with its asynchronous acks' errors delivered,
@@ -505,6 +511,7 @@ class _Context(_JetStreamContext):
     def __init__(self, conn: _NatsPyClient, **params: Any) -> None:
         super().__init__(conn, **params)
         _require_nats_py_parts(self, _JetStreamContext, _CONTEXT_PARTS, _CHECKED)
+        _CONTEXTS.setdefault(conn, weakref.WeakSet()).add(self)
 
     async def publish_async(  # noqa: PLR0917 - nats-py's signature
         self,
@@ -1393,10 +1400,24 @@ async def _closed_for_good(nc: _NatsPyClient) -> None:
             task.cancel()  # again: a first cancellation may have been swallowed
         _, tasks = await asyncio.wait(tasks, timeout=0.1)
     nc._subs.clear()
+    _fail_waiting(nc)
     _abort(nc._transport)
     # asyncio closes an aborted socket on the loop's next turn. Not its writer's
     # wait_closed(): nats-py's reconnect awaited that future and, cancelled, cancelled it.
     await asyncio.sleep(0)
+
+
+def _fail_waiting(nc: _NatsPyClient) -> None:
+    """End every request and every ``publish_async`` ack still waited for on
+    ``nc`` as closed: nothing reads a reply after a close, and they waited out
+    their timeouts (a submit's publish then said the broker did not answer, a
+    reason to try again), or for good (an ack's future has no timer)."""
+    waiting = [*nc._resp_map.values()]
+    for context in _CONTEXTS.get(nc, ()):
+        waiting += context._publish_async_futures.values()
+    for future in waiting:
+        if not future.done():
+            future.set_exception(nats.errors.ConnectionClosedError())
 
 
 def _writers(transport: object) -> list[asyncio.StreamWriter]:
