@@ -44,6 +44,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
 
 import msgspec
+import nats.aio.subscription
+import nats.aio.transport
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as _NatsPyClient
@@ -441,6 +443,10 @@ _CLIENT_PARTS: Final = (
     "_flusher_task",
     "_subs",
 )
+#: What :func:`_close` reaches inside a TCP transport (to let its socket go)
+#: and a subscription (to end its task): attributes its ``__init__`` sets.
+_TRANSPORT_PARTS: Final = ("_io_writer", "_bare_io_writer")
+_SUBSCRIPTION_PARTS: Final = ("_wait_for_msgs_task",)
 _CONTEXT_PARTS: Final = (
     "_publish_async_futures",  # where the ack handler finds a publish's future
     "_publish_async_completed_event",
@@ -474,6 +480,19 @@ def _require_nats_py_parts(
             "this nats-py is not the one renqueue.broker relies on (pyproject.toml pins "
             f"nats-py 2.16: its private parts): missing {', '.join(sorted(set(missing)))}"
         )
+
+
+def _require_close_parts(checked: set[type]) -> None:
+    """:func:`_require_nats_py_parts` for what a close reaches in nats-py's TCP
+    transport and subscriptions, on an instance of each (made once a process:
+    neither does any I/O when made)."""
+    transport = nats.aio.transport.TcpTransport
+    subscription = nats.aio.subscription.Subscription
+    if transport not in checked:
+        made = transport()  # type: ignore[no-untyped-call]  # nats-py: unannotated
+        _require_nats_py_parts(made, transport, _TRANSPORT_PARTS, checked)
+    if subscription not in checked:
+        _require_nats_py_parts(subscription(None), subscription, _SUBSCRIPTION_PARTS, checked)
 
 
 _CHECKED: Final[set[type]] = set()
@@ -1186,6 +1205,7 @@ class Connection:
         """Wrap nats-py's ``nc``, or (without one) a client still to be :meth:`open`ed."""
         self._nc = nc if nc is not None else _Client()
         _require_nats_py_parts(self._nc, _NatsPyClient, _CLIENT_PARTS, _CHECKED)
+        _require_close_parts(_CHECKED)
         self._js: JetStream | None = None
         #: Set when the connection ends without :meth:`close` or :meth:`drain`:
         #: the server closed it (nats-py does not reconnect after a protocol
