@@ -260,6 +260,32 @@ async def test_a_close_while_the_whole_cluster_is_gone_returns(tmp_path: Path) -
         assert [sockets_to(port) for port in nodes.ports] == [set()] * len(nodes.ports)
 
 
+async def test_a_second_close_waits_for_the_first(
+    isolated_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close while another is under way (a process's shutdown and a keeper,
+    a drain and a close) found the client closed already and let its socket
+    go at once, under the first close still flushing (workers' acks among what
+    it writes, to a server that is slow, not gone), and returned before it:
+    after a close returns, no close goes on."""
+    monkeypatch.setattr(nats_boundary, "CLOSE_WAIT", 0.5)
+    nc = await connect(isolated_server.url, name="test-close-twice")
+    async with frozen(isolated_server):
+        client = nc.client
+        await fill(nc, lambda: client._pending_data_size > 0 or not nc.is_connected)
+        assert nc.is_connected
+        first = asyncio.ensure_future(nc.close())
+
+        async def under_way() -> bool:
+            return client.is_closed
+
+        await until(under_way, "the first close under way", within=HANGS)
+        await asyncio.wait_for(nc.close(), HANGS)
+        assert first.done()
+        await first
+        nothing_left(nc)
+
+
 @contextlib.asynccontextmanager
 async def silent(nats_url: str, subject: str) -> AsyncIterator[None]:
     """A subscriber on ``subject`` that never answers: a request to it waits."""

@@ -1361,7 +1361,30 @@ class Connection:
 CLOSE_WAIT: Final = 5.0
 
 
+#: Each client's close under way (:func:`_close`).
+_CLOSING: Final[weakref.WeakKeyDictionary[_NatsPyClient, asyncio.Future[None]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 async def _close(nc: _NatsPyClient) -> None:
+    """:func:`_close_once`, or, while another close of ``nc`` is under way,
+    wait for that one: a second close found the client closed already and
+    let its socket go at once, under the first still flushing, and returned
+    before it."""
+    under_way = _CLOSING.get(nc)
+    if under_way is not None:
+        await asyncio.wait({under_way})
+        return
+    _CLOSING[nc] = done = asyncio.get_running_loop().create_future()
+    try:
+        await _close_once(nc)
+    finally:
+        del _CLOSING[nc]
+        done.set_result(None)
+
+
+async def _close_once(nc: _NatsPyClient) -> None:
     """nats-py's ``close``, bounded, and whatever it left undone done.
 
     nats-py's close flushes what is left to send and waits until its socket
