@@ -337,3 +337,40 @@ async def test_a_publish_waiting_for_its_ack_when_the_connection_closes_fails_cl
                 await asyncio.wait_for(publishing, HANGS / 2)
         finally:
             publishing.cancel()
+
+
+async def test_a_task_that_went_on_after_a_cancellation_still_connects(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """An attempt stops in a task asked to stop; a task that was asked once,
+    caught the cancellation and went on (without ``uncancel()``: a cancel
+    that Python 3.11's ``asyncio.wait_for`` swallowed, a loop that carries on)
+    is not asked again: its connect connected. Counted from the connect's
+    start, as ``asyncio.timeout`` counts."""
+    task = asyncio.current_task()
+    assert task is not None
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.sleep(0)
+    assert task.cancelling() == 1
+    # In this task (not under asyncio.wait_for, whose own task starts at no cancellation).
+    nc = await connect(isolated_server.url, name="test-close-went-on", timeout=HANGS)
+    try:
+        assert nc.is_connected
+    finally:
+        await nc.close()
+        task.uncancel()
+
+
+async def test_a_connect_that_timed_out_leaves_the_task_free_to_connect(
+    nats_url: str,
+) -> None:
+    """``asyncio.timeout`` cancels a connect, then takes its cancellation back:
+    the same task's next connect is not taken for one asked to stop."""
+    async with node_for(nats_url) as (node, url):
+        node.up = False  # each attempt hung up on: the connect goes on retrying
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await connect(url, name="test-close-timed-out", timeout=HANGS)
+        nc = await asyncio.wait_for(connect(nats_url, name="test-close-after"), HANGS)
+        await nc.close()

@@ -666,15 +666,41 @@ class _Client(_NatsPyClient):
     a failed attempt, and the task went on reconnecting after the close, for
     good (the event loop's shutdown waited for it, for good too). Here an
     attempt does not begin, nor go on to its handshake, in a task asked to
-    stop (the first connect too: :meth:`Connection.open`'s timeout)."""
+    stop (the first connect too: :meth:`Connection.open`'s timeout). Asked
+    since the connect began, as ``asyncio.timeout`` counts: a caller's task
+    that caught a cancellation before and went on (without ``uncancel()``)
+    still connects."""
+
+    #: The first connect's task, and the cancellations it had when it began.
+    _connecting_in: tuple[asyncio.Task[Any], int] | None = None
+
+    async def connect(self, *args: Any, **kwargs: Any) -> None:
+        task = asyncio.current_task()
+        self._connecting_in = None if task is None else (task, task.cancelling())
+        try:
+            await super().connect(*args, **kwargs)
+        finally:
+            self._connecting_in = None
 
     async def _connect_to_server(self, s: Any) -> None:
-        _stop_if_cancelled()
+        self._stop_if_cancelled()
         await super()._connect_to_server(s)
 
     async def _process_connect_init(self) -> None:
-        _stop_if_cancelled()
+        self._stop_if_cancelled()
         await super()._process_connect_init()
+
+    def _stop_if_cancelled(self) -> None:
+        """Raise ``CancelledError`` in a task asked to stop since its connect
+        began (whether or not an ``asyncio.wait_for`` swallowed the
+        cancellation on its way): nats-py's reconnecting task, at all."""
+        task = asyncio.current_task()
+        if task is None:
+            return
+        began = self._connecting_in
+        before = began[1] if began is not None and began[0] is task else 0
+        if task.cancelling() > before:
+            raise asyncio.CancelledError
 
     @staticmethod
     def _parse_header_lines(raw: bytes) -> dict[str, str]:
@@ -708,14 +734,6 @@ class _Client(_NatsPyClient):
         headers: dict[str, Any] | None = None,
     ) -> _Msg:
         return await _request(self, subject, payload, timeout, headers)
-
-
-def _stop_if_cancelled() -> None:
-    """Raise ``CancelledError`` in a task asked to stop (whether or not an
-    ``asyncio.wait_for`` swallowed the cancellation on its way)."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 async def _request(
