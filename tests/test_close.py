@@ -374,3 +374,31 @@ async def test_a_connect_that_timed_out_leaves_the_task_free_to_connect(
                 await connect(url, name="test-close-timed-out", timeout=HANGS)
         nc = await asyncio.wait_for(connect(nats_url, name="test-close-after"), HANGS)
         await nc.close()
+
+
+@pytest.mark.parametrize("turns", range(5))
+async def test_a_close_cancelled_twice_still_leaves_nothing(
+    isolated_server: EmbeddedServer, turns: int
+) -> None:
+    """A close whose task is cancelled (a shutdown's timeout), and cancelled
+    again as it ends nats-py's close (a second timeout, the event loop's
+    shutdown): the cancellation cut the close short before it let the socket
+    go (left open until the garbage collector found it). Whatever the await
+    a cancellation lands on, the close ends what it can without waiting."""
+    nc = await connect(isolated_server.url, name="test-close-cancelled")
+    async with frozen(isolated_server):
+        client = nc.client
+        await fill(nc, lambda: client._pending_data_size > 0 or not nc.is_connected)
+        closer = asyncio.ensure_future(nc.close())
+
+        async def under_way() -> bool:
+            return client.is_closed
+
+        await until(under_way, "the close under way", within=HANGS)
+        closer.cancel()
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        closer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(closer, HANGS)
+        nothing_left(nc)

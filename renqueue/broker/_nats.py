@@ -1429,10 +1429,14 @@ async def _close_once(nc: _NatsPyClient) -> None:
             _abort(nc._transport)  # the waits on the socket end with it
             await asyncio.wait({closing}, timeout=CLOSE_WAIT)
     finally:
-        if not closing.done():
-            closing.cancel()
-            await asyncio.wait({closing}, timeout=CLOSE_WAIT)
-        await _closed_for_good(nc)
+        # Cancelled at any of these waits (a shutdown's timeout, then the event
+        # loop's), the close still ends what it can without waiting.
+        try:
+            if not closing.done():
+                closing.cancel()
+                await asyncio.wait({closing}, timeout=CLOSE_WAIT)
+        finally:
+            await _closed_for_good(nc)
     exc = closing.exception() if closing.done() and not closing.cancelled() else None
     if exc is not None and not isinstance(exc, OSError):  # an OSError: the socket was gone
         raise translate(exc) from exc
@@ -1456,13 +1460,15 @@ async def _closed_for_good(nc: _NatsPyClient) -> None:
     }
     loop = asyncio.get_running_loop()
     give_up = loop.time() + CLOSE_WAIT
-    while tasks and loop.time() < give_up:
-        for task in tasks:
-            task.cancel()  # again: a first cancellation may have been swallowed
-        _, tasks = await asyncio.wait(tasks, timeout=0.1)
-    nc._subs.clear()
-    _fail_waiting(nc)
-    _abort(nc._transport)
+    try:
+        while tasks and loop.time() < give_up:
+            for task in tasks:
+                task.cancel()  # again: a first cancellation may have been swallowed
+            _, tasks = await asyncio.wait(tasks, timeout=0.1)
+    finally:  # cancelled while waiting for them too
+        nc._subs.clear()
+        _fail_waiting(nc)
+        _abort(nc._transport)
     # asyncio closes an aborted socket on the loop's next turn. Not its writer's
     # wait_closed(): nats-py's reconnect awaited that future and, cancelled, cancelled it.
     await asyncio.sleep(0)
