@@ -402,3 +402,33 @@ async def test_a_close_cancelled_twice_still_leaves_nothing(
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(closer, HANGS)
         nothing_left(nc)
+
+
+async def test_a_publish_held_while_reconnecting_fails_closed_at_a_close(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """A JetStream publish (a submit's) made while reconnecting is held, then
+    dropped by a close: it fails as closed, never reports it stored, and does
+    not wait out its timeout."""
+    nc = await connect(isolated_server.url, name="test-close-held-publish")
+    await isolated_server.close()
+
+    async def reconnecting() -> bool:
+        return nc.client.is_reconnecting
+
+    await until(reconnecting, "the connection reconnecting", within=HANGS)
+    publishing = asyncio.ensure_future(
+        nc.jetstream().publish("test.close.held", b"x", timeout=HANGS)
+    )
+
+    async def held() -> bool:
+        return nc.client._pending_data_size > 0
+
+    try:
+        await until(held, "the publish held", within=HANGS)
+        await asyncio.wait_for(nc.close(), HANGS)
+        with pytest.raises(NatsClosedError):
+            await asyncio.wait_for(publishing, HANGS / 2)
+        nothing_left(nc)
+    finally:
+        publishing.cancel()
