@@ -432,3 +432,33 @@ async def test_a_publish_held_while_reconnecting_fails_closed_at_a_close(
         nothing_left(nc)
     finally:
         publishing.cancel()
+
+
+async def test_a_fetch_waiting_when_a_close_lets_the_socket_go_fails_closed(
+    isolated_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats-py's close ends the waits of its subscriptions (a pull's fetch)
+    after its flush: a close that lets the socket go (a stopped server) ended
+    nats-py's before that, and a fetch waited out its whole timeout."""
+    monkeypatch.setattr(nats_boundary, "CLOSE_WAIT", 0.5)
+    nc = await connect(isolated_server.url, name="test-close-fetch")
+    js = nc.jetstream()
+    await js.context.add_stream(name="CLOSE", subjects=["test.close.stream.>"])
+    psub = await js.pull_subscribe("test.close.stream.>", durable="waiter", stream="CLOSE")
+    waiting = asyncio.ensure_future(psub.fetch(1, timeout=HANGS))
+    calls = psub._sub._sub._pending_next_msgs_calls
+
+    async def fetch_waits() -> bool:
+        return bool(calls)
+
+    try:
+        await until(fetch_waits, "the fetch waiting", within=HANGS)
+        async with frozen(isolated_server):
+            client = nc.client
+            await fill(nc, lambda: client._pending_data_size > 0 or not nc.is_connected)
+            await asyncio.wait_for(nc.close(), HANGS)
+            with pytest.raises(NatsClosedError):
+                await asyncio.wait_for(waiting, HANGS / 2)
+            nothing_left(nc)
+    finally:
+        waiting.cancel()
