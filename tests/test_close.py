@@ -462,3 +462,32 @@ async def test_a_fetch_waiting_when_a_close_lets_the_socket_go_fails_closed(
             nothing_left(nc)
     finally:
         waiting.cancel()
+
+
+async def test_an_ack_awaited_when_the_server_closes_the_connection_fails_closed(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The server closes a connection (a message over its max_payload, headers
+    counted: nats-py does not reconnect then): a ``publish_async`` whose ack
+    had not come waited for good, a request for its timeout."""
+    async with silent(isolated_server.url, "test.close.silent"):
+        nc = await connect(isolated_server.url, name="test-close-by-server")
+        future = await nc.jetstream().publish_async("test.close.silent", b"x")
+        asking = asyncio.ensure_future(nc.request("test.close.silent", b"x", timeout=HANGS))
+
+        async def asked() -> bool:
+            return bool(nc.client._resp_map) and nc.client._pending_data_size == 0
+
+        try:
+            await until(asked, "the request sent", within=HANGS)
+            # nats-py checks the payload alone; the server counts the headers too.
+            over = b"x" * (nc.max_payload - 10)
+            await nc.client.publish("test.close.over", over, headers={"Pad": "y" * 100})
+            await asyncio.wait_for(nc.lost.wait(), HANGS)
+            with pytest.raises(NatsClosedError):
+                await asyncio.wait_for(future, HANGS / 2)
+            with pytest.raises(NatsClosedError):
+                await asyncio.wait_for(asking, HANGS / 2)
+        finally:
+            asking.cancel()
+            await nc.close()

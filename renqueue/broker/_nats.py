@@ -1338,7 +1338,10 @@ class Connection:
 
     def closed_by_server(self) -> bool:
         """Called when nats-py reports the connection closed: sets :attr:`lost`
-        (and returns True) unless this side closed it."""
+        (and returns True) unless this side closed it. Either way what still
+        waits for an answer fails as closed: nothing reads one any more (a
+        ``publish_async`` ack's future waited for good)."""
+        _fail_waiting(self._nc)
         if self._closing:
             return False
         self.lost.set()
