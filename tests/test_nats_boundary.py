@@ -15,7 +15,10 @@ import contextlib
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import nats.aio.subscription
+import nats.aio.transport
 import nats.errors
 import nats.js.errors
 import pytest
@@ -24,6 +27,7 @@ from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
 
 from renqueue.broker import Connection, EmbeddedServer, JetStream, Message, connect
+from renqueue.broker import _nats as nats_boundary
 from renqueue.broker._nats import (
     _CONTEXT_PARTS,
     STREAM_NOT_FOUND,
@@ -340,6 +344,34 @@ async def test_a_nats_py_without_the_parts_we_rely_on_fails_at_start(
             _require_nats_py_parts(context, JetStreamContext, _CONTEXT_PARTS, set())
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "part"),
+    [
+        (nats.aio.transport, "TcpTransport", "_io_writer"),
+        (nats.aio.transport, "TcpTransport", "_bare_io_writer"),
+        (nats.aio.subscription, "Subscription", "_wait_for_msgs_task"),
+    ],
+)
+def test_a_nats_py_whose_close_parts_moved_fails_at_start(
+    monkeypatch: pytest.MonkeyPatch, module: Any, name: str, part: str
+) -> None:
+    """A close lets a socket go through the transport's stream writers and ends
+    the subscriptions' tasks: a nats-py that moved one fails when a connection
+    is made, naming it, instead of a close that leaves a socket open (a writer
+    not found) or raises half-way (a task not found)."""
+    original = getattr(module, name)
+
+    class Moved(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            delattr(self, part)
+
+    monkeypatch.setattr(module, name, Moved)
+    monkeypatch.setattr(nats_boundary, "_CHECKED", set())
+    with pytest.raises(RuntimeError, match=part):
+        Connection()
 
 
 def test_an_ack_is_read_as_nats_py_reads_it() -> None:

@@ -39,10 +39,13 @@ import contextlib
 import datetime
 import itertools
 import json
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
 
 import msgspec
+import nats.aio.subscription
+import nats.aio.transport
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as _NatsPyClient
@@ -428,8 +431,22 @@ _CLIENT_PARTS: Final = (
     "_process_headers",
     "_inbox_prefix",
     "_nuid",
-    "_transport",  # Connection.attempt_failed
+    "_transport",  # Connection.attempt_failed, _close
+    "_connect_to_server",  # _Client overrides it (and _process_connect_init)
+    "_process_connect_init",
+    "_status",  # _close: what nats-py's close did not finish, this does
+    "_pending",
+    "_pending_data_size",
+    "_reconnection_task",
+    "_reading_task",
+    "_ping_interval_task",
+    "_flusher_task",
+    "_subs",
 )
+#: What :func:`_close` reaches inside a TCP transport (to let its socket go)
+#: and a subscription (to end its task): attributes its ``__init__`` sets.
+_TRANSPORT_PARTS: Final = ("_io_writer", "_bare_io_writer")
+_SUBSCRIPTION_PARTS: Final = ("_wait_for_msgs_task",)
 _CONTEXT_PARTS: Final = (
     "_publish_async_futures",  # where the ack handler finds a publish's future
     "_publish_async_completed_event",
@@ -465,7 +482,25 @@ def _require_nats_py_parts(
         )
 
 
+def _require_close_parts(checked: set[type]) -> None:
+    """:func:`_require_nats_py_parts` for what a close reaches in nats-py's TCP
+    transport and subscriptions, on an instance of each (made once a process:
+    neither does any I/O when made)."""
+    transport = nats.aio.transport.TcpTransport
+    subscription = nats.aio.subscription.Subscription
+    if transport not in checked:
+        made = transport()  # type: ignore[no-untyped-call]  # nats-py: unannotated
+        _require_nats_py_parts(made, transport, _TRANSPORT_PARTS, checked)
+    if subscription not in checked:
+        _require_nats_py_parts(subscription(None), subscription, _SUBSCRIPTION_PARTS, checked)
+
+
 _CHECKED: Final[set[type]] = set()
+
+#: Each client's contexts (:class:`_Context`): a close ends their acks' futures.
+_CONTEXTS: Final[weakref.WeakKeyDictionary[_NatsPyClient, weakref.WeakSet[_Context]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class _Context(_JetStreamContext):
@@ -495,6 +530,7 @@ class _Context(_JetStreamContext):
     def __init__(self, conn: _NatsPyClient, **params: Any) -> None:
         super().__init__(conn, **params)
         _require_nats_py_parts(self, _JetStreamContext, _CONTEXT_PARTS, _CHECKED)
+        _CONTEXTS.setdefault(conn, weakref.WeakSet()).add(self)
 
     async def publish_async(  # noqa: PLR0917 - nats-py's signature
         self,
@@ -611,7 +647,8 @@ def _expire_request(future: asyncio.Future[_Msg]) -> None:
 
 
 class _Client(_NatsPyClient):
-    """nats-py's client, its requests waited for with one timer.
+    """nats-py's client, its requests waited for with one timer, and its
+    reconnects stopped when asked.
 
     nats-py 2.16's request (``_request_new_style``) registers a future with a
     done callback, draws a NUID and two random bytes (a ``urandom`` system
@@ -620,7 +657,50 @@ class _Client(_NatsPyClient):
     API call. Here: a counter's token (:func:`_reply_token`), the future
     registered where nats-py's reply handler finds it, one timer; the same
     errors (``nats.errors.TimeoutError`` after ``timeout``, a draining
-    connection refused)."""
+    connection refused).
+
+    nats-py's close cancels the task that reconnects, once; but each attempt
+    waits under ``asyncio.wait_for``, which on Python 3.11 swallows a
+    cancellation that comes as what it waits for ends (an attempt refused, a
+    node hanging up before its INFO). The attempt's error is then caught as
+    a failed attempt, and the task went on reconnecting after the close, for
+    good (the event loop's shutdown waited for it, for good too). Here an
+    attempt does not begin, nor go on to its handshake, in a task asked to
+    stop (the first connect too: :meth:`Connection.open`'s timeout). Asked
+    since the connect began, as ``asyncio.timeout`` counts: a caller's task
+    that caught a cancellation before and went on (without ``uncancel()``)
+    still connects."""
+
+    #: The first connect's task, and the cancellations it had when it began.
+    _connecting_in: tuple[asyncio.Task[Any], int] | None = None
+
+    async def connect(self, *args: Any, **kwargs: Any) -> None:
+        task = asyncio.current_task()
+        self._connecting_in = None if task is None else (task, task.cancelling())
+        try:
+            await super().connect(*args, **kwargs)
+        finally:
+            self._connecting_in = None
+
+    async def _connect_to_server(self, s: Any) -> None:
+        self._stop_if_cancelled()
+        await super()._connect_to_server(s)
+
+    async def _process_connect_init(self) -> None:
+        self._stop_if_cancelled()
+        await super()._process_connect_init()
+
+    def _stop_if_cancelled(self) -> None:
+        """Raise ``CancelledError`` in a task asked to stop since its connect
+        began (whether or not an ``asyncio.wait_for`` swallowed the
+        cancellation on its way): nats-py's reconnecting task, at all."""
+        task = asyncio.current_task()
+        if task is None:
+            return
+        began = self._connecting_in
+        before = began[1] if began is not None and began[0] is task else 0
+        if task.cancelling() > before:
+            raise asyncio.CancelledError
 
     @staticmethod
     def _parse_header_lines(raw: bytes) -> dict[str, str]:
@@ -1143,6 +1223,7 @@ class Connection:
         """Wrap nats-py's ``nc``, or (without one) a client still to be :meth:`open`ed."""
         self._nc = nc if nc is not None else _Client()
         _require_nats_py_parts(self._nc, _NatsPyClient, _CLIENT_PARTS, _CHECKED)
+        _require_close_parts(_CHECKED)
         self._js: JetStream | None = None
         #: Set when the connection ends without :meth:`close` or :meth:`drain`:
         #: the server closed it (nats-py does not reconnect after a protocol
@@ -1161,13 +1242,13 @@ class Connection:
                 await self._nc.connect(**options)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             self._closing = True
-            await self._nc.close()
+            await _close(self._nc)
             raise ConnectionFailedError(str(exc) or type(exc).__name__) from exc
         except asyncio.CancelledError:
             # Cancelled while connecting (a shutdown): no half-open client is left.
             self._closing = True
             with contextlib.suppress(Exception):
-                await asyncio.shield(self._nc.close())
+                await asyncio.shield(_close(self._nc))
             raise
 
     @property
@@ -1225,12 +1306,19 @@ class Connection:
         await _call(self._nc.flush(timeout))
 
     async def drain(self) -> None:
+        """Drain the subscriptions, then what is left to send, then close. A drain
+        that fails still ends closed (then raises): nats-py refuses one while
+        reconnecting, and the connection went on reconnecting after it, for good."""
         self._closing = True
-        await _call(self._nc.drain())
+        try:
+            await _call(self._nc.drain())
+        finally:
+            await _close(self._nc)  # closed already after a drain: what is left, if anything
 
     async def close(self) -> None:
+        """Close for good, in bounded time whatever the server does (see :func:`_close`)."""
         self._closing = True
-        await _call(self._nc.close())
+        await _close(self._nc)
 
     def attempt_failed(self) -> None:
         """Called from nats-py's ``error_cb``: while (re)connecting, the error is a
@@ -1238,8 +1326,10 @@ class Connection:
         accepted the TCP connection but never sent its INFO (a node shutting down or
         starting): it reuses the transport and overwrites its stream writer on the
         next attempt, so the socket stays open until garbage collection (one per
-        attempt through a whole-cluster restart). Close it now."""
-        if not (self._nc.is_connecting or self._nc.is_reconnecting):
+        attempt through a whole-cluster restart). Close it now. Closed too: an
+        attempt that a close's cancellation did not stop (see :class:`_Client`) ends
+        while the client says it is closed, and its socket was left the same way."""
+        if not (self._nc.is_connecting or self._nc.is_reconnecting or self._nc.is_closed):
             return
         transport = self._nc._transport  # nats-py keeps it only in a private attribute
         if transport is not None:
@@ -1248,7 +1338,10 @@ class Connection:
 
     def closed_by_server(self) -> bool:
         """Called when nats-py reports the connection closed: sets :attr:`lost`
-        (and returns True) unless this side closed it."""
+        (and returns True) unless this side closed it. Either way what still
+        waits for an answer fails as closed: nothing reads one any more (a
+        ``publish_async`` ack's future waited for good)."""
+        _fail_waiting(self._nc)
         if self._closing:
             return False
         self.lost.set()
@@ -1281,6 +1374,132 @@ class Connection:
     def client(self) -> _NatsPyClient:
         """nats-py's client, for what the handles do not cover (tests, benchmarks)."""
         return self._nc
+
+
+#: Longest :meth:`Connection.close` lets nats-py wait for the server to take
+#: what is left to send, and for its socket to close: then the socket is let
+#: go (a server stopped or cut off takes nothing, and nats-py waited for good).
+CLOSE_WAIT: Final = 5.0
+
+
+#: Each client's close under way (:func:`_close`).
+_CLOSING: Final[weakref.WeakKeyDictionary[_NatsPyClient, asyncio.Future[None]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def _close(nc: _NatsPyClient) -> None:
+    """:func:`_close_once`, or, while another close of ``nc`` is under way,
+    wait for that one: a second close found the client closed already and
+    let its socket go at once, under the first still flushing, and returned
+    before it."""
+    under_way = _CLOSING.get(nc)
+    if under_way is not None:
+        await asyncio.wait({under_way})
+        return
+    _CLOSING[nc] = done = asyncio.get_running_loop().create_future()
+    try:
+        await _close_once(nc)
+    finally:
+        del _CLOSING[nc]
+        done.set_result(None)
+
+
+async def _close_once(nc: _NatsPyClient) -> None:
+    """nats-py's ``close``, bounded, and whatever it left undone done.
+
+    nats-py's close flushes what is left to send and waits until its socket
+    is closed, both for as long as the server takes: for good when the
+    server is stopped (``SIGSTOP``) or cut off (no reset), with the socket
+    full. Reconnecting (or connecting), it also wrote what was published
+    meanwhile into the dead or half-open socket of the last attempt: to a
+    stopped server, the same wait; to a closed socket, a
+    ``ConnectionResetError`` out of its close, which then skipped the rest
+    (its subscriptions' tasks were left running). And a reconnect whose
+    cancellation was swallowed (see :class:`_Client`) outlived the close.
+    Here: what is published while reconnecting is dropped (no server gets it
+    once the reconnecting stops); the socket is aborted after
+    :data:`CLOSE_WAIT`; every task of the client's ends, the socket is
+    closed and the client is left closed.
+    """
+    if not nc.is_connected:
+        nc._pending = []
+        nc._pending_data_size = 0
+    closing = asyncio.ensure_future(nc.close())
+    try:
+        await asyncio.wait({closing}, timeout=CLOSE_WAIT)
+        if not closing.done():
+            _abort(nc._transport)  # the waits on the socket end with it
+            await asyncio.wait({closing}, timeout=CLOSE_WAIT)
+    finally:
+        # Cancelled at any of these waits (a shutdown's timeout, then the event
+        # loop's), the close still ends what it can without waiting.
+        try:
+            if not closing.done():
+                closing.cancel()
+                await asyncio.wait({closing}, timeout=CLOSE_WAIT)
+        finally:
+            await _closed_for_good(nc)
+    exc = closing.exception() if closing.done() and not closing.cancelled() else None
+    if exc is not None and not isinstance(exc, OSError):  # an OSError: the socket was gone
+        raise translate(exc) from exc
+
+
+async def _closed_for_good(nc: _NatsPyClient) -> None:
+    """End what nats-py's close left behind: its tasks (a reconnect that
+    went on), its subscriptions' tasks (a close that raised), its socket."""
+    nc._status = _NatsPyClient.CLOSED
+    current = asyncio.current_task()
+    tasks = {
+        task
+        for task in (
+            nc._reconnection_task,
+            nc._reading_task,
+            nc._ping_interval_task,
+            nc._flusher_task,
+            *(sub._wait_for_msgs_task for sub in nc._subs.values()),
+        )
+        if task is not None and not task.done() and task is not current
+    }
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + CLOSE_WAIT
+    try:
+        while tasks and loop.time() < give_up:
+            for task in tasks:
+                task.cancel()  # again: a first cancellation may have been swallowed
+            _, tasks = await asyncio.wait(tasks, timeout=0.1)
+    finally:  # cancelled while waiting for them too
+        nc._subs.clear()
+        _fail_waiting(nc)
+        _abort(nc._transport)
+    # asyncio closes an aborted socket on the loop's next turn. Not its writer's
+    # wait_closed(): nats-py's reconnect awaited that future and, cancelled, cancelled it.
+    await asyncio.sleep(0)
+
+
+def _fail_waiting(nc: _NatsPyClient) -> None:
+    """End every request and every ``publish_async`` ack still waited for on
+    ``nc`` as closed: nothing reads a reply after a close, and they waited out
+    their timeouts (a submit's publish then said the broker did not answer, a
+    reason to try again), or for good (an ack's future has no timer)."""
+    waiting = [*nc._resp_map.values()]
+    for context in _CONTEXTS.get(nc, ()):
+        waiting += context._publish_async_futures.values()
+    for future in waiting:
+        if not future.done():
+            future.set_exception(nats.errors.ConnectionClosedError())
+
+
+def _writers(transport: object) -> list[asyncio.StreamWriter]:
+    """nats-py's TCP transport's stream writers: the TLS one, and the bare one under it."""
+    found = (getattr(transport, name, None) for name in ("_io_writer", "_bare_io_writer"))
+    return [writer for writer in found if isinstance(writer, asyncio.StreamWriter)]
+
+
+def _abort(transport: object) -> None:
+    """Close nats-py's TCP transport at once, what it still had to send dropped."""
+    for writer in _writers(transport):
+        writer.transport.abort()
 
 
 #: How long one raw JetStream API request waits for its reply.
