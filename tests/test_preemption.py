@@ -60,6 +60,17 @@ def short_from_now(mock: MockBackend) -> None:
     mock.update(output_tokens=4)
 
 
+async def until_admitted(mock: MockBackend, calls: int) -> None:
+    """Wait until ``mock`` has ``calls`` calls in flight: a request's
+    ``started`` can be logged before the mock admits its call, and only then
+    is the call's length fixed (so only then may :func:`short_from_now`)."""
+
+    async def admitted() -> bool:
+        return mock.stats().in_flight == calls
+
+    await until(admitted, f"the mock admitted {calls} long call(s)")
+
+
 def config_of(nats: dict[str, Any], backends: dict[str, tuple[str, int]]) -> Config:
     return parse_config(
         {
@@ -116,13 +127,7 @@ async def test_the_ask_reaches_the_worker_holding_the_run_to_preempt(
                     async with Services(one_each, **only, projector=False, name="worker-b"):
                         busy = await client.submit("long", route="chat", priority=other)
                         await until_started(client, busy.id)
-
-                        async def both_admitted() -> bool:
-                            # `started` can be logged before the mock admits
-                            # the call: only then is its length fixed.
-                            return mock.stats().in_flight == 2
-
-                        await until(both_admitted, "the mock admitted both long calls")
+                        await until_admitted(mock, 2)
                         short_from_now(mock)
                         urgent = await client.submit(
                             "now", route="chat", priority="critical", max_tokens=2
@@ -155,8 +160,13 @@ async def test_one_urgent_request_preempts_one_run_under_the_auth_config(
     """Two candidate backends, each full with a batch run: one critical request
     preempts exactly one of them. (Before: ``auth.conf`` refused the worker's
     answer, the router timed out and asked the next backend, which preempted
-    a second run for the same request.)"""
-    async with MockBackend(LONG) as first, MockBackend(LONG) as second:
+    a second run for the same request.)
+
+    Both batch runs last until preempted or cancelled (``ENDLESS``): the
+    preempted one reruns short and completes, the other is then cancelled,
+    still in its one run. (Before, 2 s runs: on a loaded machine they could
+    end before the urgent request was routed, and nothing was preempted.)"""
+    async with MockBackend(ENDLESS) as first, MockBackend(ENDLESS) as second:
         config = config_of(
             {"url": auth_server, "inbox_prefix": "_INBOX_renqueue"},
             {"b1": (first.url, 1), "b2": (second.url, 1)},
@@ -168,13 +178,27 @@ async def test_one_urgent_request_preempts_one_run_under_the_auth_config(
             ]
             for handle in batches:
                 await until_started(client, handle.id)
+            for mock in (first, second):
+                await until_admitted(mock, 1)
+                short_from_now(mock)
             urgent = await client.submit("now", route="chat", priority="critical", max_tokens=2)
-            for handle in (urgent, *batches):
-                await handle.result(timeout=30)
+            await urgent.result(timeout=30)
+            # The preempted batch reruns short and ends; the other still runs.
+            ends = {asyncio.ensure_future(h.result(timeout=30)): h for h in batches}
+            done, running = await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+            for end in running:
+                await ends[end].cancel()
+            outcomes = await asyncio.gather(*done, *running, return_exceptions=True)
             events = await histories(client, [h.id for h in (*batches, urgent)])
     preempted = [(rid, e.by) for rid, es in events.items() for e in es if isinstance(e, Preempted)]
-    assert len(preempted) == 1
-    assert preempted[0][1] == urgent.id
+    assert preempted == [(ends[end].id, urgent.id) for end in done]
+    for end, outcome in zip([*done, *running], outcomes, strict=True):
+        if end in done:
+            assert not isinstance(outcome, BaseException), outcome
+            assert outcome.text
+        else:  # still in its one run
+            assert isinstance(outcome, RequestCancelledError), outcome
+            assert sum(isinstance(e, Started) for e in events[ends[end].id]) == 1
 
 
 async def test_a_preempted_request_is_not_lost_to_a_requeue_id_another_tenant_took(
@@ -183,8 +207,12 @@ async def test_a_preempted_request_is_not_lost_to_a_requeue_id_another_tenant_to
     """Another tenant publishes, on its own subject, with the message id the
     victim's requeue after a preemption will carry: the requeue is then a
     "duplicate" that stored nothing of the victim's. The worker must not ack
-    the preempted dispatch until a copy is surely stored, or the request is lost."""
-    async with MockBackend(LONG) as mock:
+    the preempted dispatch until a copy is surely stored, or the request is lost.
+
+    The batch run lasts until preempted (``ENDLESS``), its rerun is short.
+    (Before, a 2 s run: on a loaded machine it could end before the urgent
+    request was routed, and nothing was preempted.)"""
+    async with MockBackend(ENDLESS) as mock:
         config = config_of({"data_dir": str(tmp_path / "nats"), "port": -1}, {"b": (mock.url, 1)})
         async with (
             Services(config) as services,
@@ -200,6 +228,8 @@ async def test_a_preempted_request_is_not_lost_to_a_requeue_id_another_tenant_to
                 "long batch", route="chat", priority="batch", request_id="victim"
             )
             await until_started(client, batch.id)
+            await until_admitted(mock, 1)
+            short_from_now(mock)
             urgent = await client.submit("now", route="chat", priority="critical", max_tokens=2)
             await urgent.result(timeout=30)
             assert (await batch.result(timeout=30)).text
