@@ -113,6 +113,33 @@ async def test_a_copy_stored_by_an_earlier_try_is_not_stored_twice(
         assert forwarder.forwarded == 1
 
 
+async def test_a_copy_an_earlier_try_stored_and_its_binder_read_since_is_not_stored_again(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """A copy stored while its ack was lost (its router killed), then read by
+    its binder (gone from the stream, the request admitted): forwarded again
+    by another router, the duplicate names nothing left, but the request's
+    ``submitted`` event says the copy was its own. Nothing more is stored
+    (a second copy, under a suffixed id, was dead-lettered as a copy by its
+    binder: the suite's router-kill test saw that dead letter)."""
+    async with forwarding(tmp_path, isolated_server) as (_nc, js, _config, forwarder):
+        routed = request_subject(LEVEL, TENANT, route="r1")
+        data = body(TENANT, "x")
+        ack = await js.publish(
+            routed, data, headers={"Nats-Msg-Id": msg_id(TENANT, "x", "forwarded")}
+        )
+        assert await js.delete_msg(REQUESTS_STREAM, ack.seq)  # read and acked by its binder
+        await EventLog(js).append(submitted(REQUEST_DECODER.decode(data), at=time.time()))
+        await publish(js, TENANT, "x")
+        psub = await open_forwarding(js)
+        [msg] = await psub.fetch(batch=1, timeout=10)
+        await forwarder._forward([msg])
+        assert await stored_ids(js, routed) == []
+        assert await waiting(js, request_subject(LEVEL, TENANT)) == 0
+        assert forwarder.forwarded == 1
+        assert (await js.stream_info("RQ_DLQ")).state.messages == 0
+
+
 async def test_a_request_whose_copys_id_was_taken_is_served_end_to_end(
     tmp_path: Path, isolated_server: EmbeddedServer
 ) -> None:
@@ -142,12 +169,13 @@ async def test_a_copy_over_the_backlog_of_a_request_admitted_elsewhere_does_not_
 ) -> None:
     """Request ``x`` was admitted (its ``submitted`` event logged; it may be
     running) from another message than the one forwarded now: a copy an
-    earlier try stored whose ack was lost, since bound and gone (then the
-    duplicate names nothing left and the copy is published again), or the
-    same request sent again by its tenant under another header. Its
-    tenant's route subject is now full. The copy refused is dead-lettered as
-    a copy (as the binder's :meth:`Endings.reject_copy`), and the request is
-    not ended ``rejected`` under the run that may be serving it."""
+    earlier try stored whose ack was lost, since bound and gone (the
+    duplicate names nothing left, but the request is admitted: that copy was
+    its own, and nothing is sent again), or the same request sent again by
+    its tenant under another header. Its tenant's route subject is now full.
+    The copy refused is dead-lettered as a copy (as the binder's
+    :meth:`Endings.reject_copy`), and the request is not ended ``rejected``
+    under the run that may be serving it."""
     async with forwarding(tmp_path, isolated_server) as (_nc, js, _config, forwarder):
         routed = request_subject(LEVEL, TENANT, route="r1")
         data = body(TENANT, "x")
@@ -169,6 +197,11 @@ async def test_a_copy_over_the_backlog_of_a_request_admitted_elsewhere_does_not_
         await forwarder._forward([msg])
         assert [e for e in await EventLog(js).history(TENANT, "x") if is_terminal(e)] == []
         assert await waiting(js, request_subject(LEVEL, TENANT)) == 0
+        if copy == "stored-by-a-lost-ack":
+            # The copy gone was its own (the request is admitted): not sent again.
+            assert (await js.stream_info("RQ_DLQ")).state.messages == 0
+            assert forwarder.forwarded == 1
+            return
         letter = await js.get_last_msg("RQ_DLQ", "rq.dlq.requests")
         assert (letter.headers or {}).get("Nats-Msg-Id") == msg_id(
             TENANT, "x", "dlq", "requests", f"rejected-{msg.metadata.sequence.stream}"

@@ -45,7 +45,7 @@ import asyncio
 import contextlib
 import hashlib
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Final, NamedTuple
 
 import msgspec
@@ -232,6 +232,7 @@ async def surely_stored(
     message_id: str,
     *,
     headers: Mapping[str, str] | None = None,
+    consumed: Callable[[], Awaitable[bool]] | None = None,
 ) -> PubAck:
     """The ack of a copy of ``payload`` surely stored on ``subject``, given
     ``ack``, the answer to publishing it there under ``message_id`` (with
@@ -246,7 +247,11 @@ async def surely_stored(
     raised). Trade-off: a genuine retry whose first copy was already
     consumed is then stored twice, and may run twice; the terminal claim
     keeps one outcome (and the dispatch's own message id usually drops the
-    second). For publishes whose acks are awaited together (the forwarder's).
+    second). ``consumed``, when given, tells that trade-off's case apart: asked
+    only when the message the duplicate names is gone, it says whether ours
+    was there and has been read (the forwarder: its request is admitted or
+    ended, which only the services can log); then the duplicate stands. For
+    publishes whose acks are awaited together (the forwarder's).
     """
     if not ack.duplicate:
         return ack
@@ -256,6 +261,8 @@ async def surely_stored(
             stored = await js.get_msg(ack.stream, seq=ack.seq)
     if stored is not None and stored.subject == subject and stored.data == payload:
         return ack  # ours, from an earlier try, still waiting to be read
+    if stored is None and consumed is not None and await consumed():
+        return ack  # ours, from an earlier try, read since
     again = {**(headers or {}), _MSG_ID: f"{message_id}:{uuid.uuid4().hex}"}
     return await js.publish(subject, payload, headers=again)
 

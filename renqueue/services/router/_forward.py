@@ -48,12 +48,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 import msgspec
 
 from ...broker import (
     Connection,
+    EventLog,
     JetStream,
     Message,
     PubAck,
@@ -231,12 +233,42 @@ class Forwarder:
             if isinstance(result, PubAck) and result.duplicate and message_id is not None:
                 headers = _carried(msg.headers)
                 checks[index] = asyncio.ensure_future(
-                    surely_stored(self._js, result, subject, msg.data, message_id, headers=headers)
+                    surely_stored(
+                        self._js,
+                        result,
+                        subject,
+                        msg.data,
+                        message_id,
+                        headers=headers,
+                        consumed=self._read_since(msg, subject),
+                    )
                 )
         if checks:
             confirmed = await _answered(list(checks.values()), max(within, 0.0))
             for index, result in zip(checks, confirmed, strict=True):
                 results[index] = result
+
+    def _read_since(self, msg: Message, subject: str) -> Callable[[], Awaitable[bool]] | None:
+        """For a request (not a put-back) whose copy's id names a message gone:
+        whether its request was admitted or ended since (its ``submitted`` event
+        or terminal claim, which only the services write), so that copy was
+        ours, stored by a try whose ack was lost (a killed router) and read by
+        its binder. Then it is not stored again: a second copy would be
+        dead-lettered as a copy by its binder. Another tenant that took the id
+        cannot make the request admitted. A put-back's request was admitted
+        before, so it cannot tell: ``None`` (published again, as
+        :func:`~renqueue.broker.publish_stored` does)."""
+        claimed = claimed_id(msg)
+        if claimed is None or is_requeue_subject(subject):
+            return None
+        tenant, request_id = claimed
+
+        async def read_since() -> bool:
+            if await submitted_of(self._js, tenant, request_id, direct=False) is not None:
+                return True
+            return await EventLog(self._js).stored_claim(tenant, request_id) is not None
+
+        return read_since
 
     async def _over_backlog(
         self, msg: Message, subject: str, refusal: TenantBacklogFullError
