@@ -117,8 +117,9 @@ def request_subject(variant: str) -> str:
     return f"fl.req.normal.{TENANT}.{variant}"
 
 
-def the_request() -> InferenceRequest:
-    """The one request the floor's client sends (its bytes) and its adapter calls with."""
+def the_request(stream: bool | None = False) -> InferenceRequest:
+    """The one request the floor's client sends (its bytes) and its adapter calls with
+    (``stream``: its field; ``bench/pipeline.py``'s closed loop sends it with ``None``)."""
     raw = {
         "id": uuid.uuid4().hex,
         "tenant": TENANT,
@@ -126,7 +127,7 @@ def the_request() -> InferenceRequest:
         "messages": [{"role": "user", "content": PROMPT}],
         "priority": "normal",
         "submitted_at": time.time(),
-        "stream": False,
+        "stream": stream,
     }
     return REQUEST_DECODER.decode(msgspec.json.encode(raw))
 

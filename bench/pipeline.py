@@ -378,15 +378,8 @@ def bench_config(data_dir: str, mock_url: str, slots: int) -> Config:
 
 
 def bench_request() -> InferenceRequest:
-    raw = {
-        "id": uuid.uuid4().hex,
-        "tenant": TENANT,
-        "route": "chat",
-        "messages": [{"role": "user", "content": PROMPT}],
-        "priority": "normal",
-        "submitted_at": time.time(),
-    }
-    return REQUEST_DECODER.decode(msgspec.json.encode(raw))
+    """The request the direct-call baselines send (the floor's, no ``stream`` field)."""
+    return _floor.the_request(stream=None)
 
 
 async def mock_ceiling(mock_url: str, mock_pid: int, plan: Plan) -> dict[str, Any]:
@@ -518,6 +511,34 @@ async def floor_level(
     msgs_after = {name: nats_stats(conn) for name, conn in conns.items()}
     after = await _floor.stored(nc)
     done = max(1, result.completed)
+    return {
+        **measured_row(result, busy, python_names, before, after),
+        "python_idle_ms_per_request": round(
+            sum(idle.get(n, 0.0) for n in python_names) * 1000 / result.rate, 3
+        )
+        if result.rate and idle is not None
+        else None,
+        "nats_msgs_per_request": {
+            f"{name}_{way}": (msgs_after[name][f"{way}_msgs"] - msgs_before[name][f"{way}_msgs"])
+            / done
+            for name in conns
+            for way in ("in", "out")
+        },
+    }
+
+
+def measured_row(
+    result: LoopResult,
+    busy: dict[str, float],
+    python_names: list[str],
+    before: dict[str, int],
+    after: dict[str, int],
+) -> dict[str, Any]:
+    """A measured closed loop's figures, as the floor and the ``--procs`` levels report
+    them: its rate and latency, each process's cores busy (``busy``) and CPU ms per
+    request (``python_names``: the Python ones; all), and the messages stored per request
+    in each stream (``before``/``after``: stored counts)."""
+    done = max(1, result.completed)
     stored = {name: (after[name] - before[name]) / done for name in after}
     per_request = {
         name: round(cores * result.elapsed / done * 1000, 3) for name, cores in busy.items()
@@ -532,20 +553,9 @@ async def floor_level(
         "cpu_cores": busy,
         "cpu_ms_per_request": per_request,
         "python_cpu_ms_per_request": sum(per_request[n] for n in python_names),
-        "python_idle_ms_per_request": round(
-            sum(idle.get(n, 0.0) for n in python_names) * 1000 / result.rate, 3
-        )
-        if result.rate and idle is not None
-        else None,
         "all_cpu_ms_per_request": sum(per_request.values()),
         "stored_msgs_per_request": stored,
         "stored_msgs_per_request_total": sum(stored.values()),
-        "nats_msgs_per_request": {
-            f"{name}_{way}": (msgs_after[name][f"{way}_msgs"] - msgs_before[name][f"{way}_msgs"])
-            / done
-            for name in conns
-            for way in ("in", "out")
-        },
     }
 
 
@@ -1574,26 +1584,7 @@ async def procs_pipeline(
                 result = await closed_loop(submit_result, level, plan.pipeline_seconds)
                 busy = cpu.stop()
                 after = await stream_counts(js)
-                done = max(1, result.completed)
-                stored = {name: (after[name] - before[name]) / done for name in after}
-                per_request = {
-                    name: round(cores * result.elapsed / done * 1000, 3)
-                    for name, cores in busy.items()
-                }
-                out["levels"][str(level)] = {
-                    "requests": result.completed,
-                    "errors": result.errors,
-                    "error_samples": result.error_samples,
-                    "seconds": result.elapsed,
-                    "requests_per_s": result.rate,
-                    "latency": latency_summary(result.latencies),
-                    "cpu_cores": busy,
-                    "cpu_ms_per_request": per_request,
-                    "python_cpu_ms_per_request": sum(per_request[n] for n in python_names),
-                    "all_cpu_ms_per_request": sum(per_request.values()),
-                    "stored_msgs_per_request": stored,
-                    "stored_msgs_per_request_total": sum(stored.values()),
-                }
+                out["levels"][str(level)] = measured_row(result, busy, python_names, before, after)
                 print(f"  procs C={level}: {result.rate:.0f} req/s", flush=True)
             if profile:
                 top = max(plan.levels)

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from _waits import until
 
 from renqueue.broker import EmbeddedServer, connect
 from renqueue.mock import MockBackend, MockSettings
@@ -118,10 +119,15 @@ async def test_procs_starts_as_many_floor_workers_a_variant_as_the_shape(
                     await client.call("aiohttp")
             finally:
                 await client.close()
-            info = await nc.jetstream().consumer_info(
-                floor.DISPATCH, floor.worker_consumer("aiohttp")
-            )
-            assert info.num_ack_pending == 0
+            js = nc.jetstream()
+
+            async def all_acked() -> bool:
+                # A worker acks its dispatch after `completed` is stored, which the
+                # client may have read first: wait for the last ack, not a sleep.
+                info = await js.consumer_info(floor.DISPATCH, floor.worker_consumer("aiohttp"))
+                return info.num_ack_pending == 0 and info.num_pending == 0
+
+            await until(all_acked, "every dispatch is acked by a floor worker")
     finally:
         await nc.close()
 
