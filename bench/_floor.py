@@ -117,6 +117,19 @@ def request_subject(variant: str) -> str:
     return f"fl.req.normal.{TENANT}.{variant}"
 
 
+async def streamed_text(adapter: Backend, request: InferenceRequest) -> str:
+    """The text of ``adapter``'s streamed answer to ``request``, its stream closed
+    (as the worker reads a call): the floor's call and the pipeline's direct one."""
+    text = ""
+    stream = adapter.stream(request)
+    try:
+        async for delta in stream:
+            text += delta.text
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    return text
+
+
 def the_request(stream: bool | None = False) -> InferenceRequest:
     """The one request the floor's client sends (its bytes) and its adapter calls with
     (``stream``: its field; ``bench/pipeline.py``'s closed loop sends it with ``None``)."""
@@ -309,14 +322,7 @@ async def _adapter_call(mock_url: str) -> AsyncIterator[Callable[[], Awaitable[b
     request = the_request()
 
     async def call() -> bytes:
-        text = ""
-        stream = adapter.stream(request)
-        try:
-            async for delta in stream:
-                text += delta.text
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
-        return text.encode()
+        return (await streamed_text(adapter, request)).encode()
 
     try:
         yield call

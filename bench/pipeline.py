@@ -410,13 +410,7 @@ async def mock_ceiling(mock_url: str, mock_pid: int, plan: Plan) -> dict[str, An
         async def call(_result: LoopResult) -> float:
             request = bench_request()
             start = time.perf_counter()
-            text = ""
-            stream = adapter.stream(request)
-            try:
-                async for delta in stream:
-                    text += delta.text
-            finally:
-                await stream.aclose()  # type: ignore[attr-defined]
+            text = await _floor.streamed_text(adapter, request)
             # Tokens that arrive in one read come as one delta: count words.
             tokens = len(text.split())
             if tokens != OUTPUT_TOKENS:
@@ -518,12 +512,19 @@ async def floor_level(
         )
         if result.rate and idle is not None
         else None,
-        "nats_msgs_per_request": {
-            f"{name}_{way}": (msgs_after[name][f"{way}_msgs"] - msgs_before[name][f"{way}_msgs"])
-            / done
-            for name in conns
-            for way in ("in", "out")
-        },
+        "nats_msgs_per_request": nats_per_request(msgs_before, msgs_after, done),
+    }
+
+
+def nats_per_request(
+    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], done: int
+) -> dict[str, float]:
+    """NATS protocol messages per request on each named connection, each way
+    (``<name>_in``, ``<name>_out``), from :func:`nats_stats` before and after."""
+    return {
+        f"{name}_{way}": (after[name][f"{way}_msgs"] - before[name][f"{way}_msgs"]) / done
+        for name in after
+        for way in ("in", "out")
     }
 
 
@@ -888,38 +889,18 @@ async def pipeline(
                 call: Callable[[LoopResult], Awaitable[float]], level: int
             ) -> dict[str, Any]:
                 await closed_loop(call, level, plan.warmup_seconds)
+                conns = {"services": services.nc, "client": client_nc}
                 streams_before = await stream_counts(services.js)
-                svc_before = nats_stats(services.nc)
-                cli_before = nats_stats(client_nc)
+                msgs_before = {name: nats_stats(conn) for name, conn in conns.items()}
                 cpu.start()
                 result = await closed_loop(call, level, plan.pipeline_seconds)
                 busy = cpu.stop()
                 streams_after = await stream_counts(services.js)
-                svc_after = nats_stats(services.nc)
-                cli_after = nats_stats(client_nc)
+                msgs_after = {name: nats_stats(conn) for name, conn in conns.items()}
                 done = max(1, result.completed)
-                stored = {
-                    name: (streams_after[name] - streams_before[name]) / done
-                    for name in streams_after
-                }
                 row: dict[str, Any] = {
-                    "requests": result.completed,
-                    "errors": result.errors,
-                    "error_samples": result.error_samples,
-                    "seconds": result.elapsed,
-                    "requests_per_s": result.rate,
-                    "latency": latency_summary(result.latencies),
-                    "cpu_cores": busy,
-                    "python_cpu_ms_per_request": busy["python"] * result.elapsed / done * 1000,
-                    "all_cpu_ms_per_request": sum(busy.values()) * result.elapsed / done * 1000,
-                    "stored_msgs_per_request": stored,
-                    "stored_msgs_per_request_total": sum(stored.values()),
-                    "nats_msgs_per_request": {
-                        "services_in": (svc_after["in_msgs"] - svc_before["in_msgs"]) / done,
-                        "services_out": (svc_after["out_msgs"] - svc_before["out_msgs"]) / done,
-                        "client_in": (cli_after["in_msgs"] - cli_before["in_msgs"]) / done,
-                        "client_out": (cli_after["out_msgs"] - cli_before["out_msgs"]) / done,
-                    },
+                    **measured_row(result, busy, ["python"], streams_before, streams_after),
+                    "nats_msgs_per_request": nats_per_request(msgs_before, msgs_after, done),
                 }
                 if result.first_token:
                     row["first_chunk"] = latency_summary(result.first_token)
