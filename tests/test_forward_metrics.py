@@ -25,6 +25,7 @@ from prometheus_client import REGISTRY
 from test_forward_backlog import BACKLOG, LEVEL, body, forwarding, publish, waiting
 
 from renqueue.broker import EmbeddedServer, EventLog
+from renqueue.coordination import cluster_families, read_cluster
 from renqueue.schema import Rejected, msg_id, request_subject
 from renqueue.services.router._forward import open_forwarding
 
@@ -127,3 +128,27 @@ async def test_duplicate_acks_are_counted_by_what_their_check_found(
         assert await waiting(js, request_subject(LEVEL, "t", route="r1")) == 2
     assert sample("renqueue_forward_duplicates_total", outcome="stored") == stored + 1
     assert sample("renqueue_forward_duplicates_total", outcome="republished") == republished + 1
+
+
+async def test_the_exporter_shows_the_requests_waiting_to_be_forwarded(
+    tmp_path: Path, isolated_server: EmbeddedServer
+) -> None:
+    """The cluster-wide view (``renqueue_forward_waiting_requests``, alert
+    ``ForwardingStalled``): requests sent without their route, at the
+    forwarding consumer and not yet acked, whichever router will forward them;
+    none once they are forwarded."""
+    async with forwarding(tmp_path, isolated_server) as (_nc, js, config, forwarder):
+        await publish(js, "t", "x")
+        await publish(js, "t", "y")
+        waiting_two = await read_cluster(js, config)
+        psub = await open_forwarding(js)
+        msgs = await psub.fetch(batch=2, timeout=10)
+        while len(msgs) < 2:
+            msgs += await psub.fetch(batch=2 - len(msgs), timeout=10)
+        await forwarder._forward(msgs)
+        forwarded = await read_cluster(js, config)
+    assert waiting_two.forward_waiting == 2
+    assert forwarded.forward_waiting == 0
+    families = cluster_families(waiting_two, config, up=True, term=1)
+    [family] = [f for f in families if f.name == "renqueue_forward_waiting_requests"]
+    assert [s.value for s in family.samples] == [2.0]
