@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -33,7 +34,8 @@ from _waits import until
 from test_gateway_sdk import ACME, Stack, joined_by_key, make_config, mock, start, unread_stack
 
 from renqueue import Services
-from renqueue.broker import KeyValue
+from renqueue.broker import JetStream, KeyValue
+from renqueue.errors import NatsTimeoutError
 from renqueue.gateway import Gateway
 from renqueue.gateway._idempotency import claim_key, fingerprint, id_for_key
 from renqueue.gateway._submissions import BODY_KEY
@@ -185,6 +187,84 @@ async def test_a_claim_taken_over_is_put_back_when_its_first_body_was_stored_unr
     assert answer.json()["id"] == rid
     assert refused.status_code == 422, refused.text
     assert mock.stats().requests == 1
+
+
+async def test_a_call_whose_claim_was_taken_over_meanwhile_never_joins_the_takers_request(
+    tmp_path: Path, mock: MockBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Call A (gateway one) claims its key; its first publish is not answered
+    for longer than the grace (its ack lost, nothing stored), so call B of
+    another body (gateway two) takes the claim over, stores its request and
+    confirms the claim. A's publish, sent again, finds a request stored: not
+    its own first try, as a retry after a lost ack would otherwise assume
+    (joined unchecked, A would be answered with B's text), since its claim is
+    no longer its own: with no router to tell the bodies apart, a 409."""
+    key = "slow-claimer-1"
+    rid = id_for_key(key)
+    name = claim_key("acme", rid)
+    headers = {"Idempotency-Key": key, "Authorization": f"Bearer {ACME}"}
+    real = JetStream.publish
+    held: list[str] = []
+    config = make_config(tmp_path, mock)
+    async with Services(config, routers=0, backends=[]) as services:
+        assert services.js is not None
+        state = await services.js.key_value(STATE_BUCKET)
+
+        async def claim_holds(body: bytes, *, pending: bool) -> bool:
+            entry = await state.latest(name)
+            value = fingerprint("acme", body).encode()
+            return entry is not None and entry.value == (b"?" + value if pending else value)
+
+        body_a = b'{"model": "chat", "messages": [{"role": "user", "content": "A"}]}'
+        body_b = b'{"model": "chat", "messages": [{"role": "user", "content": "B"}]}'
+
+        async def a_slow(self: JetStream, subject: str, payload: bytes = b"", **kwargs: Any) -> Any:
+            if subject.startswith("rq.req.") and b'"A"' in payload and not held:
+                held.append(subject)
+                # Not answered until B has taken the claim over and stored its request.
+                await until(
+                    lambda: claim_holds(body_b, pending=False), "B's claim is confirmed", 60
+                )
+                raise NatsTimeoutError("nats: timeout")
+            return await real(self, subject, payload, **kwargs)
+
+        monkeypatch.setattr(JetStream, "publish", a_slow)
+        async with (
+            Gateway(config, url=services.url) as one,
+            Gateway(config, url=services.url) as two,
+            _http(one.url, headers) as first,
+            _http(two.url, headers) as second,
+        ):
+            call_a = asyncio.create_task(
+                first.post(
+                    "/chat/completions",
+                    content=body_a,
+                    headers={"content-type": "application/json"},
+                )
+            )
+            await until(lambda: claim_holds(body_a, pending=True), "A's claim is made")
+            call_b = asyncio.create_task(
+                second.post(
+                    "/chat/completions",
+                    content=body_b,
+                    headers={"content-type": "application/json"},
+                )
+            )
+
+            async def a_answered_or_joined() -> bool:
+                return call_a.done() or one._submissions.recent("acme", rid) is not None
+
+            await until(a_answered_or_joined, "A is answered, or joins B's request", 60)
+            joined = not call_a.done()
+            call_b.cancel()
+            call_a.cancel()
+            results = await asyncio.gather(call_a, call_b, return_exceptions=True)
+    assert held
+    assert not joined, "A joined B's request"
+    answer = results[0]
+    assert isinstance(answer, httpx.Response)
+    assert answer.status_code == 409, answer.text
+    assert answer.json()["error"]["code"] == "idempotency_key_unverified"
 
 
 async def test_a_request_stored_without_a_body_on_record_is_joined_only_by_its_own_content(

@@ -580,7 +580,7 @@ class Submissions:
             # Unless another call took this claim over meanwhile (this call's
             # publish took longer than the grace): the request found may be its.
             entry = await state.latest(name)
-            ours = entry is not None and entry.value == _PENDING + print_.encode()
+            ours = entry is not None and entry.value.removeprefix(_PENDING) == print_.encode()
         if ours or (not claim.made and await self._claimer_gone(name, print_, claim)):
             self._confirm(tenant, request_id, print_, claim)
             return
