@@ -122,7 +122,8 @@ async def test_duplicate_acks_are_counted_by_what_their_check_found(
         await publish(js, "t", "theirs")
         psub = await open_forwarding(js)
         msgs = await psub.fetch(batch=2, timeout=10)
-        assert len(msgs) == 2
+        while len(msgs) < 2:
+            msgs += await psub.fetch(batch=2 - len(msgs), timeout=10)
         await forwarder._forward(msgs)
         assert forwarder.forwarded == 2
         assert await waiting(js, request_subject(LEVEL, "t", route="r1")) == 2
