@@ -203,10 +203,14 @@ class NatsApiError(NatsError):
 
     code = "nats_api"
 
-    def __init__(self, message: str, *, status: int | None, err_code: int | None) -> None:
+    def __init__(
+        self, message: str, *, status: int | None, err_code: int | None, plain: bool = False
+    ) -> None:
         self.status = status
         self.err_code = err_code
-        super().__init__(f"{message} (status {status}, err_code {err_code})")
+        # ``plain``: ``message`` is for the submitter (a rejected event's reason,
+        # which the gateway answers with): the broker's codes stay in the fields.
+        super().__init__(message if plain else f"{message} (status {status}, err_code {err_code})")
 
 
 class TenantBacklogFullError(NatsApiError):

@@ -11,6 +11,10 @@ __all__ = [
     "COST",
     "DUPLICATES_DROPPED",
     "ENDED_RESUBMITS",
+    "FORWARDED",
+    "FORWARD_DUPLICATES",
+    "FORWARD_REJECTED",
+    "FORWARD_RETRIES",
     "IN_FLIGHT",
     "MISDIRECTED",
     "QUEUE_WAIT",
@@ -90,4 +94,29 @@ AB_ROLLBACKS = Counter(
     "renqueue_ab_rollbacks_total",
     "Automatic rollbacks of an A/B split to its control arm, decided by this binder",
     ["route"],
+)
+#: The forwarder's (binding split in groups: renqueue/services/router/_forward.py).
+FORWARDED = Counter(
+    "renqueue_forwarded_total",
+    "Requests sent without their route that this router's forwarder stored under it "
+    "(binding split in groups), by route and level",
+    ["route", "priority"],
+)
+FORWARD_REJECTED = Counter(
+    "renqueue_forward_rejected_total",
+    "Requests sent without their route that this router's forwarder refused and "
+    "dead-lettered instead of forwarding, by error type",
+    ["error_type"],
+)
+FORWARD_RETRIES = Counter(
+    "renqueue_forward_retries_total",
+    "Requests (or put-backs) this router's forwarder handed back to be tried again, "
+    "their copy not stored, by kind and the error's code",
+    ["kind", "reason"],
+)
+FORWARD_DUPLICATES = Counter(
+    "renqueue_forward_duplicates_total",
+    "Forwarded copies JetStream called duplicates, checked by this router's forwarder, "
+    "by what the check found",
+    ["outcome"],
 )

@@ -40,6 +40,8 @@ ALERTS = {
     "StoreNearLimit",
     # Cancellations acknowledged by RQ_CANCELS that the log has not sourced.
     "CancellationsNotSourced",
+    # Binding split in groups: requests sent without their route not forwarded.
+    "ForwardingStalled",
 }
 
 

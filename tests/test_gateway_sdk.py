@@ -1672,7 +1672,8 @@ async def test_a_claim_left_pending_by_a_gateway_gone_before_its_publish_is_take
 ) -> None:
     """A gateway killed between a key's claim and its publish leaves the claim
     pending, nothing stored: the next call of the same body stores the request
-    and confirms the claim (no 409, no wait), one of another body is a 422."""
+    and confirms the claim (no 409, no wait). (One of another body takes the
+    claim over after a grace: tests/test_gateway_idempotency.py.)"""
     key = "orphan-1"
     rid = id_for_key(key)
     name = claim_key("acme", rid)
@@ -1684,11 +1685,6 @@ async def test_a_claim_left_pending_by_a_gateway_gone_before_its_publish_is_take
         state = await stack.services.js.key_value(STATE_BUCKET)
         await state.create(name, b"?" + print_.encode(), msg_ttl=60)  # the dead gateway's
         async with stack.http() as http:
-            other = await http.post(
-                "/chat/completions",
-                json={"model": "chat", "messages": [{"role": "user", "content": "B"}]},
-                headers=headers,
-            )
             answer = await http.post(
                 "/chat/completions",
                 content=body,
@@ -1700,7 +1696,6 @@ async def test_a_claim_left_pending_by_a_gateway_gone_before_its_publish_is_take
             return entry is not None and entry.value == print_.encode()
 
         await until(confirmed, "the claim is confirmed")
-    assert other.status_code == 422, other.text
     assert answer.status_code == 200, answer.text
     assert answer.json()["id"] == rid
     assert mock.stats().requests == 1

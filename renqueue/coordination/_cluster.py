@@ -7,7 +7,8 @@ each A/B split's arms: the same figures ``renqueue status`` and ``renqueue ab
 status`` show), the router and worker consumers (requests waiting at each
 level, dispatches at each backend), the oldest request of each level, the
 dead-letter stream's size, each stream's and bucket's bytes against its limit
-(as ``renqueue status`` reads them), the binder's lease and how far the
+(as ``renqueue status`` reads them), the binder's lease, the requests waiting
+to be forwarded to their route (binding split in groups) and how far the
 checkpoint lags the log. :func:`cluster_families` turns a reading into the metric families of
 :data:`SERIES`, with no I/O of its own.
 
@@ -31,7 +32,15 @@ from ..broker import JetStream
 from ..config import Config
 from ..errors import NatsNotFoundError
 from ..policy import EVERY_TENANT
-from ..schema import BINDER_LEASE, DLQ_STREAM, EVENTS_STREAM, STATE_BUCKET, binder_lease
+from ..schema import (
+    BINDER_LEASE,
+    DLQ_STREAM,
+    EVENTS_STREAM,
+    FORWARD_CONSUMER,
+    REQUESTS_STREAM,
+    STATE_BUCKET,
+    binder_lease,
+)
 from ._lease import LeaseHolder, read_lease
 from ._split_status import SplitReport, splits_of
 from ._status import BackendStatus, StatusReport, out_of_service_here, status_of
@@ -156,6 +165,10 @@ SERIES: Final = (
            "was taken); the last one seen while none holds it; 0 when none was ever seen"),
     Series("renqueue_binder_group_present", "gauge", ("group",),
            "Binding split in groups: 1 while a router holds the group's binder lease, else 0"),
+    Series("renqueue_forward_waiting_requests", "gauge", (),
+           "Binding split in groups: requests sent without their route that the forwarding "
+           "consumer (router-forward) has not seen acked: not yet delivered, or delivered and "
+           "being forwarded or handed back to be tried again"),
     Series("renqueue_projection_lag_events", "gauge", (),
            "Events in the log not yet folded into the projection's checkpoint"),
     Series("renqueue_projection_lag_seconds", "gauge", (),
@@ -187,6 +200,9 @@ class ClusterReading(Struct, frozen=True, kw_only=True):
     groups: tuple[tuple[str, LeaseHolder | None], ...] = ()
     #: Age of the oldest event the checkpoint has not folded; 0 when caught up.
     lag_seconds: float
+    #: Binding split in groups: requests at the forwarding consumer not acked
+    #: (pending and held); ``None`` when not split, or it has no such consumer.
+    forward_waiting: int | None = None
 
 
 async def read_cluster(
@@ -200,8 +216,11 @@ async def read_cluster(
     at = time.time() if now is None else now
     read = await read_checkpoint(await js.key_value(STATE_BUCKET))
     state = None if read is None else read[0]
-    status, dlq, (binder, groups) = await asyncio.gather(
-        status_of(js, config, state, at), _dlq_messages(js), _binders(js, config)
+    status, dlq, (binder, groups), forward = await asyncio.gather(
+        status_of(js, config, state, at),
+        _dlq_messages(js),
+        _binders(js, config),
+        _forward_waiting(js, config),
     )
     return ClusterReading(
         at=at,
@@ -211,7 +230,20 @@ async def read_cluster(
         binder=binder,
         groups=groups,
         lag_seconds=await _lag(js, status, at),
+        forward_waiting=forward,
     )
+
+
+async def _forward_waiting(js: JetStream, config: Config) -> int | None:
+    """Requests the forwarding consumer holds or has yet to deliver (binding
+    split in groups only: ``None`` otherwise, or when it is not provisioned)."""
+    if not config.sharded():
+        return None
+    try:
+        info = await js.consumer_info(REQUESTS_STREAM, FORWARD_CONSUMER)
+    except NatsNotFoundError:
+        return None
+    return (info.num_pending or 0) + (info.num_ack_pending or 0)
 
 
 async def _binders(
@@ -318,14 +350,21 @@ def cluster_families(
     return list(families.by_name.values())
 
 
+def _add_binding(families: _Families, reading: ClusterReading) -> None:
+    """The binders' leases, and what waits to be forwarded (binding split in groups)."""
+    families.add("renqueue_binder_present", 0.0 if reading.binder is None else 1.0)
+    for group, holder in reading.groups:
+        families.add("renqueue_binder_group_present", 0.0 if holder is None else 1.0, group)
+    if reading.forward_waiting is not None:
+        families.add("renqueue_forward_waiting_requests", float(reading.forward_waiting))
+
+
 def _add_reading(
     families: _Families, reading: ClusterReading, config: Config, out: frozenset[str]
 ) -> None:
     status = reading.status
     families.add("renqueue_exporter_read_timestamp_seconds", reading.at)
-    families.add("renqueue_binder_present", 0.0 if reading.binder is None else 1.0)
-    for group, holder in reading.groups:
-        families.add("renqueue_binder_group_present", 0.0 if holder is None else 1.0, group)
+    _add_binding(families, reading)
     families.add("renqueue_projection_lag_events", float(status.events_behind))
     families.add("renqueue_projection_lag_seconds", reading.lag_seconds)
     if reading.dlq_messages is not None:

@@ -18,10 +18,14 @@ Two ways a retry is recognised:
   first call claims it before the publish (:func:`claim_key`, a compare-and-set
   entry holding the body's fingerprint, living two duplicate windows, pending
   until the stored request is known to have that body, then confirmed), and a
-  call with another body meets the claim (422); past the claim, the
-  ``submitted`` event tells, and a request found stored while no claim of its
-  body is confirmed is compared with that event, or a 409 rather than joined
-  (see ``Submissions._same_body``).
+  call with another body meets the claim (422), unless the claim is pending and
+  abandoned: unchanged for a grace with no request under the key on record, it
+  is taken over by compare-and-set (``Submissions._take_over``: a key whose
+  first call never stored its request may be used again, as Stripe's). Past
+  the claim, the ``submitted`` event tells, and a request found stored while no
+  claim of its body is confirmed is compared with that event, or a 409 rather
+  than joined (see ``Submissions._same_body``); one with no body fingerprint
+  on record (not published by a gateway) is compared by its content.
 - **An SDK's own retry without a key.** The official SDKs resend the same
   body with ``x-stainless-retry-count`` above 0 and no idempotency key
   (the openai Python SDK sets none). Each gateway process remembers, for

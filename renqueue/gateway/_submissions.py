@@ -45,6 +45,7 @@ from ..schema import (
     EVENTS_STREAM,
     STATE_BUCKET,
     CancelRequested,
+    InferenceRequest,
     cancel_subject,
     event_subject,
 )
@@ -83,7 +84,9 @@ _CLAIM_WINDOWS: Final = 2
 _PENDING: Final = b"?"
 #: A pending claim still unchanged this long after another call of its body
 #: found the request stored was left by a call that went away (a live one
-#: settles its claim within its ~3 s wait): the request is joined.
+#: settles its claim within its ~3 s wait): the request is joined. Also how
+#: long a pending claim of another body must stay unchanged, with no request
+#: under the key on record, before a call takes it over (:meth:`Submissions._take_over`).
 _CLAIMER_GONE_AFTER: Final = 5.0
 
 
@@ -96,6 +99,10 @@ class _Claim(NamedTuple):
     #: The request under the key is known to have this body (its claimant
     #: stored it, or compared it with its ``submitted`` event); else pending.
     confirmed: bool
+    #: The value of the pending claim of another body this call took over
+    #: (:meth:`Submissions._take_over`): what it puts back, rather than delete,
+    #: when it gives the claim back.
+    taken_from: bytes | None = None
 
 
 class Origin(NamedTuple):
@@ -138,6 +145,23 @@ def _key_reused() -> ApiError:
         param="Idempotency-Key",
         code="idempotency_key_reused",
     )
+
+
+def _same_request(stored: InferenceRequest, print_: str, sub: Submission) -> bool:
+    """Whether ``stored``, the request under a key, is what this body asks
+    (its fingerprint ``print_``, its submission ``sub``). By the fingerprint a
+    gateway records in its metadata (:data:`BODY_KEY`, every gateway has); a
+    request with none was not published by a gateway (a :class:`~renqueue.Client`
+    or a raw publish of the tenant naming the key's id itself, or
+    ``renqueue dlq requeue`` of one) and is compared by what it asks instead:
+    its route (the one the client named, if a split placed it), messages and
+    parameters. Joined unchecked, a call of another body would be answered
+    with that request's text."""
+    recorded = stored.metadata.get(BODY_KEY)
+    if recorded is not None:
+        return recorded == print_
+    asked = stored.split or stored.route
+    return (asked, stored.messages, stored.params) == (sub.route, sub.messages, sub.params)
 
 
 def _maybe_stored(exc: BaseException) -> bool:
@@ -299,7 +323,7 @@ class Submissions:
         if key is not None:
             existing = await submitted_of(js, tenant, request_id)
             if existing is not None:
-                if existing.request.metadata.get(BODY_KEY, print_) != print_:
+                if not _same_request(existing.request, print_, sub):
                     raise _key_reused()
                 metrics.RETRIES_JOINED.labels("idempotency_key").inc()
                 created = int(existing.request.submitted_at)
@@ -307,7 +331,7 @@ class Submissions:
                 return client.handle(request_id)
             # Before the publish: a resend of the key with another body, at any
             # moment after this, meets the claim and is refused.
-            claim = await self._claim(tenant, request_id, print_)
+            claim = await self._claim(tenant, request_id, print_, sub)
             if claim.confirmed:
                 # Stored with this body: joined, not published again (past the
                 # duplicate window, before a router read it, that would store it twice).
@@ -348,7 +372,7 @@ class Submissions:
                 self._unclaim(tenant, request_id, claim)  # nothing stored: the key is free
             raise answer from exc
         if claim is not None and not claim.confirmed:
-            await self._settle(tenant, request_id, print_, claim, handle)
+            await self._settle(tenant, request_id, print_, claim, handle, sub=sub)
         if key is not None and handle.duplicate:
             metrics.RETRIES_JOINED.labels("idempotency_key").inc()
         created = int(built.submitted_at)
@@ -368,13 +392,14 @@ class Submissions:
         stored = await submitted_of(self._js(), tenant, request_id)
         return built if stored is None else int(stored.request.submitted_at)
 
-    async def _claim(self, tenant: str, request_id: str, print_: str) -> _Claim:
+    async def _claim(self, tenant: str, request_id: str, print_: str, sub: Submission) -> _Claim:
         """Claim an idempotency key's request for this body (its fingerprint
         ``print_``), for :data:`_CLAIM_WINDOWS` duplicate windows, or find the
         claim of an earlier call of the same body; 422 if a call of another body
-        claimed it. The one place a key's body is decided: a compare-and-set,
-        whichever gateway process asks. A claim is made pending, and confirmed
-        once the request under the key is known to have its body."""
+        claimed it, unless that claim was abandoned (:meth:`_take_over`). The
+        one place a key's body is decided: a compare-and-set, whichever gateway
+        process asks. A claim is made pending, and confirmed once the request
+        under the key is known to have its body."""
         state = await self._bucket()
         name = claim_key(tenant, request_id)
         value = print_.encode()
@@ -387,20 +412,78 @@ class Submissions:
             entry = await state.latest(name)
             if entry is None or entry.operation is not None:
                 continue  # expired or deleted since: claimed again
-            if entry.value.removeprefix(_PENDING) != value:
-                raise _key_reused()
-            confirmed = not entry.value.startswith(_PENDING)
-            return _Claim(entry.revision, made=False, confirmed=confirmed)
+            if entry.value.removeprefix(_PENDING) == value:
+                confirmed = not entry.value.startswith(_PENDING)
+                return _Claim(entry.revision, made=False, confirmed=confirmed)
+            if not entry.value.startswith(_PENDING):
+                raise _key_reused()  # the request under the key has another body
+            taken = await self._take_over(tenant, request_id, print_, sub, entry.revision)
+            if taken is not None:
+                return taken
+            # Moved on meanwhile (settled, given back, taken by another call): read again.
         raise _key_unverified()  # claimed and gone again, three times in a row
 
+    async def _take_over(
+        self, tenant: str, request_id: str, print_: str, sub: Submission, revision: int
+    ) -> _Claim | None:
+        """Take over the pending claim of another body at ``revision`` if it was
+        abandoned; ``None`` if it moved on (read it again); 422 if it stands.
+
+        A live claimer settles its claim within moments of its publish
+        (confirmed, or given back). One still pending, unchanged, after
+        :data:`_CLAIMER_GONE_AFTER` seconds, with no ``submitted`` event under
+        the key, was left by a call that went away between its claim and its
+        publish (a gateway killed; Stripe's "a key whose first request never
+        completed may be used again"): this call takes it over, by a
+        compare-and-set on that revision, so of two calls (two gateway
+        processes) one takes it; the other reads the winner's claim. The
+        claimer may have stored its request and gone before confirming, and no
+        router read it yet: the publish that follows is then a duplicate, and
+        its check (:meth:`_same_body`) puts the abandoned claim back and
+        answers 422 or 409 rather than join it (within the duplicate window;
+        past it, a request stored and unread that long would be stored a
+        second time, as for a claim expired: docs/gateway.md)."""
+        state = await self._bucket()
+        name = claim_key(tenant, request_id)
+        deadline = time.monotonic() + _CLAIMER_GONE_AFTER
+        while True:
+            entry = await state.latest(name)
+            if entry is None or entry.operation is not None or entry.revision != revision:
+                return None
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.25)
+        existing = await submitted_of(self._js(), tenant, request_id)
+        if existing is not None and not _same_request(existing.request, print_, sub):
+            raise _key_reused()
+        headers = {
+            "Nats-Expected-Last-Subject-Sequence": str(revision),
+            "Nats-TTL": str(self._claim_ttl),
+        }
+        try:
+            ack = await self._js().publish(
+                f"$KV.{STATE_BUCKET}.{name}", _PENDING + print_.encode(), headers=headers
+            )
+        except WrongLastSequenceError:
+            return None  # another call took it first, or its claimer settled it
+        log.info("an abandoned Idempotency-Key claim was taken over", request_id=request_id)
+        return _Claim(ack.seq, made=True, confirmed=False, taken_from=entry.value)
+
     async def _settle(
-        self, tenant: str, request_id: str, print_: str, claim: _Claim, handle: RequestHandle
+        self,
+        tenant: str,
+        request_id: str,
+        print_: str,
+        claim: _Claim,
+        handle: RequestHandle,
+        *,
+        sub: Submission,
     ) -> None:
         """A pending claim after its call's publish: confirmed if the publish
         stored the request; else checked (:meth:`_same_body`)."""
         if handle.duplicate or handle.found_on_retry:
-            ours = claim.made and handle.found_on_retry
-            await self._same_body(tenant, request_id, print_, claim, ours=ours)
+            ours = claim.made and claim.taken_from is None and handle.found_on_retry
+            await self._same_body(tenant, request_id, print_, sub, claim, ours=ours)
         else:
             self._confirm(tenant, request_id, print_, claim)
 
@@ -427,18 +510,36 @@ class Submissions:
 
     def _unclaim(self, tenant: str, request_id: str, claim: _Claim) -> None:
         """Take back this call's claim of a key (at its revision, no later one):
-        nothing was stored under it, or what is stored is not known to be its body."""
+        nothing was stored under it, or what is stored is not known to be its body.
+        A claim taken over (:meth:`_take_over`) is given back as it was found:
+        pending for its first body, whose calls may still join what it stored."""
         name = claim_key(tenant, request_id)
 
         async def delete() -> None:
             with contextlib.suppress(WrongLastSequenceError):
-                await self._delete(name, claim.revision, self._claim_ttl)
+                if claim.taken_from is None:
+                    await self._delete(name, claim.revision, self._claim_ttl)
+                    return
+                headers = {
+                    "Nats-Expected-Last-Subject-Sequence": str(claim.revision),
+                    "Nats-TTL": str(self._claim_ttl),
+                }
+                await self._js().publish(
+                    f"$KV.{STATE_BUCKET}.{name}", claim.taken_from, headers=headers
+                )
 
         with contextlib.suppress(RuntimeError):  # the gateway is stopping: it expires instead
             self._supervisor.spawn_job(f"unclaim-{name}", delete)
 
     async def _same_body(
-        self, tenant: str, request_id: str, print_: str, claim: _Claim, *, ours: bool
+        self,
+        tenant: str,
+        request_id: str,
+        print_: str,
+        sub: Submission,
+        claim: _Claim,
+        *,
+        ours: bool,
     ) -> None:
         """A keyed submit whose claim is pending found the key's request stored:
         by the call that made the claim (the same body), or by a publisher that
@@ -464,7 +565,7 @@ class Submissions:
         for _ in range(6):
             existing = await submitted_of(self._js(), tenant, request_id)
             if existing is not None:
-                if existing.request.metadata.get(BODY_KEY, print_) != print_:
+                if not _same_request(existing.request, print_, sub):
                     if claim.made:
                         self._unclaim(tenant, request_id, claim)
                     raise _key_reused()
@@ -475,6 +576,11 @@ class Submissions:
                 return  # confirmed by the call whose publish stored it
             await asyncio.sleep(delay)
             delay *= 2
+        if ours:
+            # Unless another call took this claim over meanwhile (this call's
+            # publish took longer than the grace): the request found may be its.
+            entry = await state.latest(name)
+            ours = entry is not None and entry.value.removeprefix(_PENDING) == print_.encode()
         if ours or (not claim.made and await self._claimer_gone(name, print_, claim)):
             self._confirm(tenant, request_id, print_, claim)
             return

@@ -42,6 +42,10 @@ other tenant's forwarding (review finding F11; docs/scaling.md).
 
 What it costs: one more stored message, publish and ack per such request, and
 its wait is counted from the copy's storing (the server's time of it).
+
+What it did is counted in the router's per-process series (docs/metrics.md):
+``renqueue_forwarded_total``, ``renqueue_forward_rejected_total``,
+``renqueue_forward_retries_total`` and ``renqueue_forward_duplicates_total``.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from typing import Final
 
 import msgspec
 
+from ... import metrics
 from ...broker import (
     Connection,
     EventLog,
@@ -93,6 +98,9 @@ log = get_logger("router")
 #: The last part of a forwarded copy's ``Nats-Msg-Id``.
 FORWARDED_SUFFIX: Final = "forwarded"
 
+#: The ``reason`` of a retry whose refusal (its dead letter, its ``rejected``
+#: event) could not be stored: the request is delivered again.
+REJECTION_NOT_RECORDED: Final = "rejection_not_recorded"
 #: Requests forwarded per fetch.
 _BATCH: Final = 64
 #: How long a request whose copy could not be stored waits before it is tried again.
@@ -200,12 +208,14 @@ class Forwarder:
                     subject=msg.subject,
                     error=str(result),
                 )
+                _retried(subject, result.code)
                 await msg.nak(delay=_RETRY_DELAY)
             elif isinstance(result, BaseException):
                 raise result
             else:
                 await msg.ack()
                 self.forwarded += 1
+                metrics.FORWARDED.labels(route_of_subject(subject), subject.split(".")[2]).inc()
         if over:
             # Up to ACKS_WAIT of the consumer's ack wait is spent: its timer starts
             # again, so no other router forwards (and runs) what is being ended here.
@@ -227,6 +237,8 @@ class Forwarder:
         ``within`` seconds (what is left of :data:`ACKS_WAIT`): read as stored,
         its original would be acked with no copy anywhere, the request lost."""
         checks: dict[int, asyncio.Future[PubAck]] = {}
+        #: The duplicates found read since (their copy ours, consumed: not published again).
+        read: set[int] = set()
         for index, (msg, subject, message_id, result) in enumerate(
             zip(msgs, subjects, ids, results, strict=True)
         ):
@@ -240,12 +252,15 @@ class Forwarder:
                         msg.data,
                         message_id,
                         headers=headers,
-                        consumed=self._read_since(msg, subject),
+                        consumed=_noted(self._read_since(msg, subject), read, index),
                     )
                 )
         if checks:
             confirmed = await _answered(list(checks.values()), max(within, 0.0))
             for index, result in zip(checks, confirmed, strict=True):
+                metrics.FORWARD_DUPLICATES.labels(
+                    _checked(results[index], result, index in read)
+                ).inc()
                 results[index] = result
 
     def _read_since(self, msg: Message, subject: str) -> Callable[[], Awaitable[bool]] | None:
@@ -286,13 +301,17 @@ class Forwarder:
         as its binder would)."""
         request_id, tenant = rejection_id(msg)
         level = msg.subject.split(".")[2]
+        # Its text is the event's reason, which the gateway and the client show
+        # the user: what happened and what to do, not the broker's codes (kept
+        # in the error's fields, and logged with the refusal).
         error = TenantBacklogFullError(
-            f"tenant {tenant} already has router.tenant_backlog requests waiting for "
-            f"route {route_of_subject(subject)} at level {level}; this request, sent "
-            "without its route, could not join them: submit it again under a new id once "
-            "some of them are routed",
+            f"Tenant {tenant}'s backlog for route {route_of_subject(subject)} at level "
+            f"{level} is full: it already has as many requests waiting there as "
+            "router.tenant_backlog allows, so this request was not queued. Retry later, "
+            "under a new request id, once some of them have started.",
             status=refusal.status,
             err_code=refusal.err_code,
+            plain=True,
         )
         try:
             first = None
@@ -305,15 +324,17 @@ class Forwarder:
                 subject=msg.subject,
                 error=str(exc),
             )
+            _retried(subject, exc.code)
             with contextlib.suppress(Exception):
                 await msg.nak(delay=_RETRY_DELAY)
             return
         # Admitted from this very message (held by an unsplit binder before
         # binding was split, say): its own, ended as any request over it.
         if first is not None and first.at != stored_at(msg):
-            await self._endings.reject_copy(msg, request_id, tenant, error)
+            recorded = await self._endings.reject_copy(msg, request_id, tenant, error)
         else:
-            await self._endings.reject(msg, request_id, tenant, error, unseen=True)
+            recorded = await self._endings.reject(msg, request_id, tenant, error, unseen=True)
+        _refused(subject, error.code, recorded=recorded)
 
     async def _too_big(self, msg: Message) -> None:
         """Reject a request whose copy cannot be sent, as its binder would
@@ -328,7 +349,50 @@ class Forwarder:
             "for it (send images by https URL, or smaller)",
             request_id=request_id,
         )
-        await self._endings.reject(msg, request_id, tenant, error, unseen=True)
+        recorded = await self._endings.reject(msg, request_id, tenant, error, unseen=True)
+        _refused(msg.subject, error.code, recorded=recorded)
+
+
+def _retried(subject: str, reason: str) -> None:
+    """Count a request (or put-back) handed back because its copy was not stored."""
+    kind = "put_back" if is_requeue_subject(subject) else "request"
+    metrics.FORWARD_RETRIES.labels(kind, reason).inc()
+
+
+def _refused(subject: str, error_type: str, *, recorded: bool) -> None:
+    """Count a request refused instead of forwarded, once its refusal is
+    recorded; else it is delivered again: a retry, for that reason."""
+    if recorded:
+        metrics.FORWARD_REJECTED.labels(error_type).inc()
+    else:
+        _retried(subject, REJECTION_NOT_RECORDED)
+
+
+def _noted(
+    consumed: Callable[[], Awaitable[bool]] | None, read: set[int], index: int
+) -> Callable[[], Awaitable[bool]] | None:
+    """``consumed``, noting in ``read`` that copy ``index`` was found read since."""
+    if consumed is None:
+        return None
+
+    async def noting() -> bool:
+        if answer := await consumed():
+            read.add(index)
+        return answer
+
+    return noting
+
+
+def _checked(duplicate: PubAck | BaseException, result: PubAck | BaseException, read: bool) -> str:
+    """What checking a duplicate ack found, as ``renqueue_forward_duplicates_total``
+    says it: the copy itself, still waiting (``stored``) or read since (``read``);
+    another's message under its id, so published again under a suffixed one
+    (``republished``); or the check or that publish failed (``failed``: handed back)."""
+    if isinstance(result, BaseException):
+        return "failed"
+    if result is not duplicate:
+        return "republished"
+    return "read" if read else "stored"
 
 
 async def _answered(
