@@ -345,12 +345,11 @@ class Worker(Lifecycle):
         """One delivery, from fetch to its answer. Its lease is renewed for as
         long as this task is alive, whatever phase it is in."""
         delivery = Delivery(msg, ack_wait=self._ack_wait)
-        keepalive = asyncio.create_task(delivery.keep_alive(asyncio.current_task()))
+        delivery.keep_alive()
         try:
             await self._handle_leased(delivery)
         finally:
-            keepalive.cancel()
-            await asyncio.wait([keepalive])
+            delivery.stop_renewing()
 
     async def _handle_leased(self, delivery: Delivery) -> None:
         try:
