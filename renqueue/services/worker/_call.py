@@ -26,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from typing import Final
+from types import TracebackType
+from typing import Any, Final
 
 import msgspec
 
@@ -54,13 +55,77 @@ from ...schema import (
     tool_call_deltas,
 )
 
-__all__ = ["ACK_WAIT", "Caller", "Chunks", "Expiry", "settle"]
+__all__ = ["ACK_WAIT", "CallStop", "CallStopped", "Caller", "Chunks", "Expiry", "settle"]
 
 log = get_logger("worker")
 
 
 class Expiry(Exception):
     """The request's deadline passed during the backend call."""
+
+
+class CallStopped(Exception):
+    """The backend call was stopped (:meth:`CallStop.cancel`), or never made."""
+
+
+class CallStop:
+    """Stops a backend call that runs in its run's own task: a cancellation or
+    a preemption stops the call (closing the backend's HTTP stream), never
+    the run, which goes on to record why.
+
+    The call is made inside ``with stop:``. :meth:`cancel` cancels the task
+    once while the call is under way; the block then raises
+    :class:`CallStopped` in place of that cancellation, the task's own
+    cancellation count as it was. A cancellation of the task for any other
+    reason (shutdown) goes through as it came, stopped or not. Stopped before
+    the block, the call is never made (:class:`CallStopped` on entry).
+    :meth:`cancel` is called from other tasks and callbacks only (a
+    cancellation watch, a preemption's confirm), never from the call itself.
+    """
+
+    __slots__ = ("_cancelling", "_ended", "_live", "_task", "stopped")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self._task = task
+        self._cancelling = 0
+        self._live = False
+        self._ended = False
+        #: Whether :meth:`cancel` was called.
+        self.stopped = False
+
+    def cancel(self) -> None:
+        """Stop the call (idempotent; a no-op once it has ended)."""
+        if self.stopped or self._ended:
+            return
+        self.stopped = True
+        if self._live:
+            self._task.cancel()
+
+    def done(self) -> bool:
+        """Whether the call has ended."""
+        return self._ended
+
+    def __enter__(self) -> None:
+        if self.stopped:
+            self._ended = True
+            raise CallStopped
+        self._cancelling = self._task.cancelling()
+        self._live = True
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._live = False
+        self._ended = True
+        if not self.stopped:
+            return
+        # The task was cancelled once for the stop: that cancellation is taken back.
+        if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise CallStopped from None
+        # Else the call ended its own way, or the task is cancelled for another reason too.
 
 
 class Chunks(msgspec.Struct):
