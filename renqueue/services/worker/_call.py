@@ -156,8 +156,18 @@ async def settle(
     ``within`` seconds; a failed publish raises its own error. The acks still
     pending are then cancelled: the run is handed back, not finished.
     """
-    if not pending_acks:
-        return
+    for ack in pending_acks:
+        if not ack.done():
+            await _acked(pending_acks, nc, within)
+            break
+    for ack in pending_acks:
+        ack.result()  # the first failed publish's error, if any
+    pending_acks.clear()
+
+
+async def _acked(pending_acks: list[asyncio.Future[PubAck]], nc: Connection, within: float) -> None:
+    """Wait until every ack in ``pending_acks`` is in (:func:`settle`, the acks not
+    all in yet); the pending ones are cancelled when it gives up."""
     loop = asyncio.get_running_loop()
     give_up = loop.time() + within
     acks = asyncio.gather(*pending_acks)
@@ -180,7 +190,6 @@ async def settle(
                 )
     finally:
         acks.cancel()  # a no-op once done; else the pending acks are given up
-    pending_acks.clear()
 
 
 class Caller:

@@ -147,6 +147,10 @@ class Worker(Lifecycle):
             clock=clock,
         )
         self._running: set[asyncio.Task[None]] = set()
+        # This backend's series, looked up once (``labels()`` locks and checks on each call).
+        self._in_flight = metrics.IN_FLIGHT.labels(backend_name)
+        #: Where a freed slot is announced.
+        self._capacity_subject = capacity_subject(backend_name)
         # Keyed by msg_id(tenant, request id): ids are scoped by tenant.
         self._calls: dict[str, CallStop] = {}
         self._preemptible = Preemptible(backend_name, config.level_policies())
@@ -358,7 +362,7 @@ class Worker(Lifecycle):
             return
         trace_id = delivery.trace.trace_id  # its log lines join the request's trace
         with bound_request(request.id, backend=self._backend_name, trace_id=trace_id):
-            metrics.IN_FLIGHT.labels(self._backend_name).inc()
+            self._in_flight.inc()
             try:
                 await self._run(delivery)
             except asyncio.CancelledError:
@@ -367,9 +371,9 @@ class Worker(Lifecycle):
             except Exception as exc:  # noqa: BLE001 - one request must never kill the worker
                 await self._failures.unexpected(delivery, exc)
             finally:
-                metrics.IN_FLIGHT.labels(self._backend_name).dec()
+                self._in_flight.dec()
                 with contextlib.suppress(Exception):
-                    await self._nc.publish(capacity_subject(self._backend_name), b"")
+                    await self._nc.publish(self._capacity_subject, b"")
 
     async def _run(self, delivery: Delivery) -> None:
         dispatch = delivery.dispatch
