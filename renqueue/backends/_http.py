@@ -74,7 +74,7 @@ from ..schema import (
     parse_traceparent,
 )
 from ._aiohttp import AiohttpClient, Prepared, ResponseStream
-from ._limits import LearnedLimits, parse_limits
+from ._limits import LearnedLimits, names_limits, parse_limits
 from ._sse import MAX_EVENT_BYTES, ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation, ToolCall
 
@@ -288,8 +288,12 @@ def given_params(request: InferenceRequest, names: Mapping[str, str]) -> dict[st
     """The request's parameters that are set, each under the name ``names``
     gives its field (``{"max_tokens": "num_predict", ...}``)."""
     params = request.params
-    given = ((name, getattr(params, field)) for field, name in names.items())
-    return {name: value for name, value in given if value is not None}
+    given = {}
+    for field, name in names.items():
+        value = getattr(params, field)
+        if value is not None:
+            given[name] = value
+    return given
 
 
 def system_and_turns(
@@ -1019,7 +1023,7 @@ class HTTPBackend(Closing):
                 async with clock.bounded():
                     error = await _read(response)
                 raise self._status_error(response, error, request)
-            self._observe(response)
+            self._observe_success(response)
             if parser.content_type not in response.headers.get("content-type", ""):
                 # A server that ignored the stream flag and sent one JSON body.
                 async with clock.bounded():
@@ -1108,7 +1112,7 @@ class HTTPBackend(Closing):
             raise clock.timed_out(self._name, request) from exc
         if not response.is_success:
             raise self._status_error(response, answer, request)
-        self._observe(response)
+        self._observe_success(response)
         return self._whole(answer, request)
 
     # ------------------------------------------------------------- helpers
@@ -1117,6 +1121,12 @@ class HTTPBackend(Closing):
         if self._closed:
             raise FatalBackendError("adapter is closed", backend=self._name, request_id=request.id)
         return _ENCODER.encode(self._payload(request, priority, stream=stream))
+
+    def _observe_success(self, response: httpx.Response) -> None:
+        """Read what a success says about our limits: only when a header may
+        say something of them (:func:`names_limits`; most backends send none)."""
+        if names_limits(response.headers.raw):
+            self._observe(response)
 
     def _observe(self, response: httpx.Response, body: bytes | None = None) -> LearnedLimits:
         """Read what ``response`` (and its error ``body``) says about our limits."""
