@@ -342,7 +342,11 @@ class Caller:
                 if delta.text or delta.tool_calls or delta.logprobs:
                     if answer.ttft is None:
                         answer.ttft = time.monotonic() - answer.started
-                    new_calls = self._checked_calls(request, delta.tool_calls, len(answer.calls))
+                    new_calls = (
+                        self._checked_calls(request, delta.tool_calls, len(answer.calls))
+                        if delta.tool_calls
+                        else ()
+                    )
                     if request.stream is not False:
                         if delta.end and answer.held is None and request.stream:
                             # With the stream's end: sent in the final chunk.
