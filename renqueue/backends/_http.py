@@ -45,7 +45,7 @@ import binascii
 import contextlib
 import re
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Final, Literal, NamedTuple, TypeVar
 from urllib.parse import quote
 
@@ -880,16 +880,17 @@ class HTTPBackend(Closing):
         finally:
             busy[index] -= 1
 
-    async def _open(
+    def _open(
         self, pool: int, streaming: bool, body: bytes, trace: tuple[str, str] | None
-    ) -> httpx.Response:
+    ) -> Awaitable[httpx.Response]:
         """Send one call on pool ``pool`` (``streaming``: to the streaming
-        path); the response open, its body unread (the caller closes it)."""
+        path); the response open, its body unread (the caller closes it).
+        What to await for it: the client's own send (no frame of its own here)."""
         prepared = self._prepared[pool]
         client = self._pools[pool]
         if prepared is not None:
             assert isinstance(client, AiohttpClient)
-            return await client.open(prepared[0 if streaming else 1], body, header=trace)
+            return client.open(prepared[0 if streaming else 1], body, header=trace)
         headers = self._stream_headers if streaming else self._json_headers
         if trace is not None:
             headers = _SecretHeaders(headers)
@@ -901,7 +902,7 @@ class HTTPBackend(Closing):
             headers=headers,
             timeout=self._timeout,
         )
-        return await client.send(request, stream=True)
+        return client.send(request, stream=True)
 
     def auth_headers(self) -> httpx.Headers:
         """The headers that carry its key, in its format (what a health probe
