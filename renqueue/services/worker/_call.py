@@ -24,6 +24,7 @@ request that long (issue #29).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -192,6 +193,10 @@ async def _acked(pending_acks: list[asyncio.Future[PubAck]], nc: Connection, wit
         acks.cancel()  # a no-op once done; else the pending acks are given up
 
 
+#: The scope of a call whose request has no deadline (:meth:`Caller.call`).
+_UNBOUNDED: Final = contextlib.nullcontext()
+
+
 class Caller:
     """Calls one backend, within its declared request rates, and streams the answer."""
 
@@ -278,7 +283,7 @@ class Caller:
         }
         with hop("renqueue.backend_call", trace, kind="client", attributes=attributes) as sent:
             try:
-                async with asyncio.timeout(timeout):
+                async with _UNBOUNDED if timeout is None else asyncio.timeout(timeout):
                     await self._stream(
                         request, run, pending_acks, chunks, answer, rank=rank, trace=sent
                     )
