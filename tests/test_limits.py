@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from renqueue.backends import LearnedLimits, LimitWindow, parse_limits
-from renqueue.backends._limits import DAY, HOUR, MINUTE
+from renqueue.backends._limits import DAY, HOUR, MINUTE, names_limits
 
 #: 2025-06-15T15:06:40Z (08:06:40 in US Pacific, summer time).
 NOW = 1_750_000_000.0
@@ -791,6 +791,31 @@ def test_any_headers_and_body_parse_without_raising_into_sane_values(
     headers: dict[str, str], body: Any, status: int | None, style: Any, now: float
 ) -> None:
     check_sane(parse_limits(headers, now=now, status=status, body=body, style=style), now)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    headers=HEADERS,
+    style=st.sampled_from(
+        ["auto", "openai", "groq", "cerebras", "openrouter", "anthropic", "gemini", "ietf"]
+    ),
+)
+def test_a_success_whose_header_names_say_nothing_of_limits_has_none(
+    headers: dict[str, str], style: Any
+) -> None:
+    """The adapters read a success's headers only when :func:`names_limits`
+    finds a name that may say something of limits: without one, a success
+    has nothing :func:`parse_limits` would read."""
+    raw = [(name.encode(), value.encode()) for name, value in headers.items()]
+    if not names_limits(raw):
+        assert parse_limits(headers, now=NOW, status=200, style=style).empty
+
+
+def test_the_names_that_may_say_something_of_limits() -> None:
+    assert names_limits([(b"X-RateLimit-Remaining-Requests", b"5")])
+    assert names_limits([(b"content-type", b"text/plain"), (b"Retry-After", b"3")])
+    assert not names_limits([(b"content-type", b"text/event-stream"), (b"x-request-id", b"r")])
+    assert not names_limits([])
 
 
 @settings(max_examples=EXAMPLES, deadline=None)

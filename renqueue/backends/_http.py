@@ -45,7 +45,7 @@ import binascii
 import contextlib
 import re
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Final, Literal, NamedTuple, TypeVar
 from urllib.parse import quote
 
@@ -74,7 +74,7 @@ from ..schema import (
     parse_traceparent,
 )
 from ._aiohttp import AiohttpClient, Prepared, ResponseStream
-from ._limits import LearnedLimits, parse_limits
+from ._limits import LearnedLimits, names_limits, parse_limits
 from ._sse import MAX_EVENT_BYTES, ServerSentEvent, SSEDecoder, SSEError
 from .base import Delta, Generation, ToolCall
 
@@ -288,8 +288,12 @@ def given_params(request: InferenceRequest, names: Mapping[str, str]) -> dict[st
     """The request's parameters that are set, each under the name ``names``
     gives its field (``{"max_tokens": "num_predict", ...}``)."""
     params = request.params
-    given = ((name, getattr(params, field)) for field, name in names.items())
-    return {name: value for name, value in given if value is not None}
+    given = {}
+    for field, name in names.items():
+        value = getattr(params, field)
+        if value is not None:
+            given[name] = value
+    return given
 
 
 def system_and_turns(
@@ -876,16 +880,17 @@ class HTTPBackend(Closing):
         finally:
             busy[index] -= 1
 
-    async def _open(
+    def _open(
         self, pool: int, streaming: bool, body: bytes, trace: tuple[str, str] | None
-    ) -> httpx.Response:
+    ) -> Awaitable[httpx.Response]:
         """Send one call on pool ``pool`` (``streaming``: to the streaming
-        path); the response open, its body unread (the caller closes it)."""
+        path); the response open, its body unread (the caller closes it).
+        What to await for it: the client's own send (no frame of its own here)."""
         prepared = self._prepared[pool]
         client = self._pools[pool]
         if prepared is not None:
             assert isinstance(client, AiohttpClient)
-            return await client.open(prepared[0 if streaming else 1], body, header=trace)
+            return client.open(prepared[0 if streaming else 1], body, header=trace)
         headers = self._stream_headers if streaming else self._json_headers
         if trace is not None:
             headers = _SecretHeaders(headers)
@@ -897,7 +902,7 @@ class HTTPBackend(Closing):
             headers=headers,
             timeout=self._timeout,
         )
-        return await client.send(request, stream=True)
+        return client.send(request, stream=True)
 
     def auth_headers(self) -> httpx.Headers:
         """The headers that carry its key, in its format (what a health probe
@@ -1019,7 +1024,7 @@ class HTTPBackend(Closing):
                 async with clock.bounded():
                     error = await _read(response)
                 raise self._status_error(response, error, request)
-            self._observe(response)
+            self._observe_success(response)
             if parser.content_type not in response.headers.get("content-type", ""):
                 # A server that ignored the stream flag and sent one JSON body.
                 async with clock.bounded():
@@ -1108,7 +1113,7 @@ class HTTPBackend(Closing):
             raise clock.timed_out(self._name, request) from exc
         if not response.is_success:
             raise self._status_error(response, answer, request)
-        self._observe(response)
+        self._observe_success(response)
         return self._whole(answer, request)
 
     # ------------------------------------------------------------- helpers
@@ -1117,6 +1122,12 @@ class HTTPBackend(Closing):
         if self._closed:
             raise FatalBackendError("adapter is closed", backend=self._name, request_id=request.id)
         return _ENCODER.encode(self._payload(request, priority, stream=stream))
+
+    def _observe_success(self, response: httpx.Response) -> None:
+        """Read what a success says about our limits: only when a header may
+        say something of them (:func:`names_limits`; most backends send none)."""
+        if names_limits(response.headers.raw):
+            self._observe(response)
 
     def _observe(self, response: httpx.Response, body: bytes | None = None) -> LearnedLimits:
         """Read what ``response`` (and its error ``body``) says about our limits."""

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from email.utils import parsedate_to_datetime
 from typing import Any, Final, Literal
@@ -79,6 +79,7 @@ __all__ = [
     "LearnedLimits",
     "LimitKind",
     "LimitWindow",
+    "names_limits",
     "parse_limits",
     "reported",
 ]
@@ -816,6 +817,22 @@ def _read_ietf(headers: dict[str, str], reading: _Reading) -> None:
 # ------------------------------------------------------------------ entry
 
 
+#: What the name of a header that may say something of limits holds (lower case).
+_LIMIT_NAMES: Final = ("ratelimit", "retry-after")
+_LIMIT_NAMES_RAW: Final = tuple(part.encode() for part in _LIMIT_NAMES)
+
+
+def names_limits(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether a header of ``headers`` (raw names and values) may say something
+    of limits: without one, :func:`parse_limits` finds nothing in a success."""
+    for name, _value in headers:
+        lowered = name.lower()
+        for part in _LIMIT_NAMES_RAW:
+            if part in lowered:
+                return True
+    return False
+
+
 def parse_limits(
     headers: Mapping[str, str],
     *,
@@ -837,7 +854,7 @@ def parse_limits(
     reading = _Reading(now)
     lowered = _lower(headers)
     error = _error_of(_decoded(body)) if status is None or status >= 400 else None
-    if error is None and not any("ratelimit" in name or "retry-after" in name for name in lowered):
+    if error is None and not any(part in name for name in lowered for part in _LIMIT_NAMES):
         return reading.result()  # the usual success response of a backend without limits
     _read_retry(lowered, reading)
     _read_quota_error(error, reading)

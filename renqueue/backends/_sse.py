@@ -129,6 +129,12 @@ class SSEDecoder:
                     raise SSEError(f"event-stream event larger than {limit} bytes")
                 value = line[6:] if line[5:6] == b" " else line[5:]
                 self._data.append(value.decode("utf-8", "replace"))
+            elif not line:
+                # The blank line that ends nearly every event (as _line reads it).
+                if self._data:
+                    events.append(self._dispatch())
+                else:
+                    self._event = ""
             else:
                 event = self._line(line)
                 if event is not None:

@@ -24,9 +24,11 @@ request that long (issue #29).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Final
+from types import TracebackType
+from typing import Any, Final
 
 import msgspec
 
@@ -54,13 +56,77 @@ from ...schema import (
     tool_call_deltas,
 )
 
-__all__ = ["ACK_WAIT", "Caller", "Chunks", "Expiry", "settle"]
+__all__ = ["ACK_WAIT", "CallStop", "CallStopped", "Caller", "Chunks", "Expiry", "settle"]
 
 log = get_logger("worker")
 
 
 class Expiry(Exception):
     """The request's deadline passed during the backend call."""
+
+
+class CallStopped(Exception):
+    """The backend call was stopped (:meth:`CallStop.cancel`), or never made."""
+
+
+class CallStop:
+    """Stops a backend call that runs in its run's own task: a cancellation or
+    a preemption stops the call (closing the backend's HTTP stream), never
+    the run, which goes on to record why.
+
+    The call is made inside ``with stop:``. :meth:`cancel` cancels the task
+    once while the call is under way; the block then raises
+    :class:`CallStopped` in place of that cancellation, the task's own
+    cancellation count as it was. A cancellation of the task for any other
+    reason (shutdown) goes through as it came, stopped or not. Stopped before
+    the block, the call is never made (:class:`CallStopped` on entry).
+    :meth:`cancel` is called from other tasks and callbacks only (a
+    cancellation watch, a preemption's confirm), never from the call itself.
+    """
+
+    __slots__ = ("_cancelling", "_ended", "_live", "_task", "stopped")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self._task = task
+        self._cancelling = 0
+        self._live = False
+        self._ended = False
+        #: Whether :meth:`cancel` was called.
+        self.stopped = False
+
+    def cancel(self) -> None:
+        """Stop the call (idempotent; a no-op once it has ended)."""
+        if self.stopped or self._ended:
+            return
+        self.stopped = True
+        if self._live:
+            self._task.cancel()
+
+    def done(self) -> bool:
+        """Whether the call has ended."""
+        return self._ended
+
+    def __enter__(self) -> None:
+        if self.stopped:
+            self._ended = True
+            raise CallStopped
+        self._cancelling = self._task.cancelling()
+        self._live = True
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._live = False
+        self._ended = True
+        if not self.stopped:
+            return
+        # The task was cancelled once for the stop: that cancellation is taken back.
+        if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise CallStopped from None
+        # Else the call ended its own way, or the task is cancelled for another reason too.
 
 
 class Chunks(msgspec.Struct):
@@ -91,8 +157,18 @@ async def settle(
     ``within`` seconds; a failed publish raises its own error. The acks still
     pending are then cancelled: the run is handed back, not finished.
     """
-    if not pending_acks:
-        return
+    for ack in pending_acks:
+        if not ack.done():
+            await _acked(pending_acks, nc, within)
+            break
+    for ack in pending_acks:
+        ack.result()  # the first failed publish's error, if any
+    pending_acks.clear()
+
+
+async def _acked(pending_acks: list[asyncio.Future[PubAck]], nc: Connection, within: float) -> None:
+    """Wait until every ack in ``pending_acks`` is in (:func:`settle`, the acks not
+    all in yet); the pending ones are cancelled when it gives up."""
     loop = asyncio.get_running_loop()
     give_up = loop.time() + within
     acks = asyncio.gather(*pending_acks)
@@ -115,7 +191,10 @@ async def settle(
                 )
     finally:
         acks.cancel()  # a no-op once done; else the pending acks are given up
-    pending_acks.clear()
+
+
+#: The scope of a call whose request has no deadline (:meth:`Caller.call`).
+_UNBOUNDED: Final = contextlib.nullcontext()
 
 
 class Caller:
@@ -204,7 +283,7 @@ class Caller:
         }
         with hop("renqueue.backend_call", trace, kind="client", attributes=attributes) as sent:
             try:
-                async with asyncio.timeout(timeout):
+                async with _UNBOUNDED if timeout is None else asyncio.timeout(timeout):
                     await self._stream(
                         request, run, pending_acks, chunks, answer, rank=rank, trace=sent
                     )
@@ -268,7 +347,11 @@ class Caller:
                 if delta.text or delta.tool_calls or delta.logprobs:
                     if answer.ttft is None:
                         answer.ttft = time.monotonic() - answer.started
-                    new_calls = self._checked_calls(request, delta.tool_calls, len(answer.calls))
+                    new_calls = (
+                        self._checked_calls(request, delta.tool_calls, len(answer.calls))
+                        if delta.tool_calls
+                        else ()
+                    )
                     if request.stream is not False:
                         if delta.end and answer.held is None and request.stream:
                             # With the stream's end: sent in the final chunk.

@@ -2,9 +2,9 @@
 
 A :class:`Delivery` is a worker's hold on one message of the dispatch stream,
 from fetch to answer. It renews the message's lease for as long as the run
-that holds it is alive (:meth:`Delivery.keep_alive`), and every answer the
-worker gives the broker for the message goes through it, named for what it
-means:
+that holds it is alive (:meth:`Delivery.keep_alive` until
+:meth:`Delivery.stop_renewing`), and every answer the worker gives the broker
+for the message goes through it, named for what it means:
 
 - :meth:`~Delivery.done` (``ack``): the message's work is over and in the log
   (an outcome, a put-back to routing, a hand-over to a stolen copy, a step back);
@@ -22,7 +22,6 @@ chunks it streamed so far.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from ...broker import Message, next_hop, trace_of
 from ...logs import get_logger
@@ -54,6 +53,10 @@ class Delivery:
         self._msg = msg
         #: Its lease is renewed every third of the consumer's ``ack_wait``.
         self._renew_every = max(0.1, ack_wait / 3)
+        #: The next renewal's timer, while its lease is kept alive.
+        self._renewal: asyncio.TimerHandle | None = None
+        #: A renewal under way.
+        self._renewing: asyncio.Task[None] | None = None
 
     def open(self, *, backend: str, stride: int) -> Dispatch:
         """Decode the dispatch it carries and number its run on ``backend``;
@@ -115,13 +118,31 @@ class Delivery:
         """Its run is alive: renew its lease (``in_progress``)."""
         await self._msg.in_progress()
 
-    async def keep_alive(self, run: asyncio.Task[Any] | None) -> None:
-        """Renew the lease every third of ``ack_wait`` while ``run`` is alive."""
-        while run is None or not run.done():
-            await asyncio.sleep(self._renew_every)
-            if run is not None and run.done():
-                return
-            try:
-                await self.still_working()
-            except Exception as exc:  # noqa: BLE001 - the next renewal may get through
-                log.warning("could not renew a running request's lease", error=str(exc))
+    def keep_alive(self) -> None:
+        """Renew the lease every third of ``ack_wait`` until :meth:`stop_renewing`.
+
+        A timer, not a task of its own: a renewal that falls due runs in a
+        short task, and the next is timed when it is done.
+        """
+        self._renewal = asyncio.get_running_loop().call_later(self._renew_every, self._renew)
+
+    def stop_renewing(self) -> None:
+        """No more renewals: its run has ended (one under way is cancelled)."""
+        renewal, self._renewal = self._renewal, None
+        if renewal is not None:
+            renewal.cancel()
+        if self._renewing is not None:
+            self._renewing.cancel()
+            self._renewing = None
+
+    def _renew(self) -> None:
+        self._renewing = asyncio.get_running_loop().create_task(self._renew_once())
+
+    async def _renew_once(self) -> None:
+        try:
+            await self.still_working()
+        except Exception as exc:  # noqa: BLE001 - the next renewal may get through
+            log.warning("could not renew a running request's lease", error=str(exc))
+        if self._renewal is not None:  # still running: the next renewal
+            self._renewing = None
+            self._renewal = asyncio.get_running_loop().call_later(self._renew_every, self._renew)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 
 import msgspec
+from prometheus_client import Counter
 
 from ... import metrics
 from ...backends.base import Backend
@@ -77,6 +78,10 @@ class Outcomes:
         self._backend = backend
         self._policy = policy
         self._clock = clock
+        # Its series, looked up once (``labels()`` locks and checks on each call).
+        self._cost = metrics.COST.labels(backend_name)
+        #: Terminal counts by kind (``completed``, ``failed``, ...), as they come.
+        self._terminal: dict[str, Counter] = {}
         self.completed = 0
         self.failed = 0
         #: Backend faults in a row in this worker's own calls (a completion resets
@@ -96,12 +101,15 @@ class Outcomes:
             raise
         kind = type(event).__name__.lower()
         if first:
-            metrics.TERMINAL.labels(kind).inc()
+            terminal = self._terminal.get(kind)
+            if terminal is None:
+                terminal = self._terminal[kind] = metrics.TERMINAL.labels(kind)
+            terminal.inc()
             if isinstance(event, Completed):
                 self.completed += 1
                 if event.shared_with is None:
                     self.faults_in_a_row = 0
-                metrics.COST.labels(self._backend_name).inc(event.cost)
+                self._cost.inc(event.cost)
             elif isinstance(event, Failed):
                 self.failed += 1
         else:

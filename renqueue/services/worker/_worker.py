@@ -75,7 +75,6 @@ from ...schema import (
     MAX_REQUEUES,
     SHUTDOWN_NAK_DELAY,
     CancelRequested,
-    Completed,
     Dispatch,
     Started,
     capacity_subject,
@@ -85,7 +84,7 @@ from ...schema import (
 )
 from ...state import is_backend_fault
 from ...tasks import Supervisor, cancel_and_wait
-from ._call import Caller, Expiry, settle
+from ._call import Caller, CallStop, CallStopped, Expiry, settle
 from ._delivery import Delivery
 from ._failures import Failures
 from ._gate import Gate
@@ -148,8 +147,12 @@ class Worker(Lifecycle):
             clock=clock,
         )
         self._running: set[asyncio.Task[None]] = set()
+        # This backend's series, looked up once (``labels()`` locks and checks on each call).
+        self._in_flight = metrics.IN_FLIGHT.labels(backend_name)
+        #: Where a freed slot is announced.
+        self._capacity_subject = capacity_subject(backend_name)
         # Keyed by msg_id(tenant, request id): ids are scoped by tenant.
-        self._calls: dict[str, asyncio.Task[Completed]] = {}
+        self._calls: dict[str, CallStop] = {}
         self._preemptible = Preemptible(backend_name, config.level_policies())
         self._thief = Thief(
             js,
@@ -345,12 +348,11 @@ class Worker(Lifecycle):
         """One delivery, from fetch to its answer. Its lease is renewed for as
         long as this task is alive, whatever phase it is in."""
         delivery = Delivery(msg, ack_wait=self._ack_wait)
-        keepalive = asyncio.create_task(delivery.keep_alive(asyncio.current_task()))
+        delivery.keep_alive()
         try:
             await self._handle_leased(delivery)
         finally:
-            keepalive.cancel()
-            await asyncio.wait([keepalive])
+            delivery.stop_renewing()
 
     async def _handle_leased(self, delivery: Delivery) -> None:
         try:
@@ -360,7 +362,7 @@ class Worker(Lifecycle):
             return
         trace_id = delivery.trace.trace_id  # its log lines join the request's trace
         with bound_request(request.id, backend=self._backend_name, trace_id=trace_id):
-            metrics.IN_FLIGHT.labels(self._backend_name).inc()
+            self._in_flight.inc()
             try:
                 await self._run(delivery)
             except asyncio.CancelledError:
@@ -369,9 +371,9 @@ class Worker(Lifecycle):
             except Exception as exc:  # noqa: BLE001 - one request must never kill the worker
                 await self._failures.unexpected(delivery, exc)
             finally:
-                metrics.IN_FLIGHT.labels(self._backend_name).dec()
+                self._in_flight.dec()
                 with contextlib.suppress(Exception):
-                    await self._nc.publish(capacity_subject(self._backend_name), b"")
+                    await self._nc.publish(self._capacity_subject, b"")
 
     async def _run(self, delivery: Delivery) -> None:
         dispatch = delivery.dispatch
@@ -382,39 +384,37 @@ class Worker(Lifecycle):
         if begun is None:
             return
         started, pending_acks = begun
-        # The call runs as a task of its own, so a cancellation or preemption
-        # can stop it (closing the backend's HTTP stream) without stopping this run.
+        # The call runs in this task: a cancellation or preemption stops it
+        # (closing the backend's HTTP stream) through its CallStop, not this run.
+        this = asyncio.current_task()
+        assert this is not None  # a run is a task of its own (_fetch_loop)
+        stop = CallStop(this)
         rank = self._rank_of(dispatch)
-        call = asyncio.create_task(
-            self._caller.call(
-                dispatch,
-                delivery.number,
-                pending_acks,
-                delivery.chunks,
-                rank=rank,
-                trace=delivery.trace,
-            )
-        )
         scoped = msg_id(request.tenant, request.id)
-        self._calls[scoped] = call
+        self._calls[scoped] = stop
         # A run is judged at the level it was bound at: one that aged to the top
         # is not preemptible, or aging could never get it through.
         self._preemptible.runs[scoped] = Run(
             rank=rank,
             started=time.monotonic(),
-            call=call,
+            call=stop,
             may_requeue=dispatch.attempt <= MAX_REQUEUES,
         )
         # A cancellation read after the gate looked and before the call was
         # registered found nothing to stop: look again, now that it would.
         if self._cancels is not None and self._cancels.is_cancelled(request.tenant, request.id):
-            call.cancel()
+            stop.cancel()
         try:
-            outcome = await call
-        except asyncio.CancelledError:
-            this = asyncio.current_task()
-            if not (call.cancelled() and this is not None and not this.cancelling()):
-                raise  # shutdown: the delivery is handed back by _handle_leased
+            with stop:
+                outcome = await self._caller.call(
+                    dispatch,
+                    delivery.number,
+                    pending_acks,
+                    delivery.chunks,
+                    rank=rank,
+                    trace=delivery.trace,
+                )
+        except CallStopped:
             await settle(pending_acks, self._nc)
             await self._call_stopped(delivery, self._preemptible.runs[scoped].preempted_by)
             return
@@ -428,7 +428,6 @@ class Worker(Lifecycle):
         finally:
             self._calls.pop(scoped, None)
             self._preemptible.runs.pop(scoped, None)
-            call.cancel()
         await self._outcomes.settle_held(pending_acks, started)
         await self._outcomes.finish(delivery, outcome)
 

@@ -10,10 +10,9 @@ back to wait on its priority subject, keeping its submit time (:func:`requeue`).
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from typing import Any
+from typing import Protocol
 
 import msgspec
 
@@ -39,9 +38,18 @@ from ...schema import (
 from ...schema import Run as Recorded  # its events; ``Run`` here is a call as preemption sees it
 from ._delivery import Delivery
 
-__all__ = ["Preemptible", "Run", "put_back", "requeue"]
+__all__ = ["Preemptible", "Run", "Stoppable", "put_back", "requeue"]
 
 log = get_logger("worker")
+
+
+class Stoppable(Protocol):
+    """A backend call in progress that can be stopped (a
+    :class:`~._call.CallStop`, or a task)."""
+
+    def cancel(self) -> object: ...
+
+    def done(self) -> bool: ...
 
 
 class Run(msgspec.Struct, kw_only=True):
@@ -49,7 +57,7 @@ class Run(msgspec.Struct, kw_only=True):
 
     rank: int
     started: float
-    call: asyncio.Task[Any]
+    call: Stoppable
     preempted_by: str | None = None
     #: False for a run of a request put back :data:`MAX_REQUEUES` times
     #: already: it cannot be put back again, so it is never preempted.
