@@ -472,16 +472,14 @@ def test_the_audit_names_a_workers_run_on_its_end_and_no_attempt_on_a_routers() 
         assert "backend" not in shown(waiting)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, not fixed: the A/B splits' part of the fold counts a request's end "
-    "on its arm only if its decision came first (an end before it is not counted, and "
-    "the late decision holds an arm entry until the splits' sweep)",
-)
-@pytest.mark.parametrize("kind", ["expired before its call", "completed"])
+@pytest.mark.parametrize("kind", list(ENDS))
 def test_an_arms_request_whose_decision_is_logged_after_its_end_is_counted_on_its_arm(
     kind: str,
 ) -> None:
+    """Regression (a strict xfail before): the A/B part of the fold counted a
+    request's end on its arm only if its decision came first; an end before it
+    was not counted, and the late decision held an arm entry until the splits'
+    sweep. The end is now kept until the decision, which counts both."""
     on_arm = msgspec.structs.replace(request(), split="chat", route="canary")
     arm_decision = routed(
         on_arm,
@@ -497,3 +495,37 @@ def test_an_arms_request_whose_decision_is_logged_after_its_end_is_counted_on_it
     late = fold_many(ProjectionState(), [*ENDS[kind], arm_decision])
     assert late.splits.requests == {}
     assert {path for path in disagree(first, late) if path.startswith("splits")} == set()
+
+
+def test_a_newer_decision_logged_after_an_end_its_older_arm_counted_counts_nothing_more() -> None:
+    """Attempt 1 was routed on an arm, put back, and expired at attempt 2
+    before attempt 2's decision was folded: the arm (attempt 1's) counted the
+    end. Regression: attempt 2's late decision counted the request a second
+    time and held an arm entry until the splits' sweep."""
+    fault = {"error_type": "backend_unavailable", "error_class": "connect", "reason": "refused"}
+    on_arm = msgspec.structs.replace(request(), split="chat", route="canary")
+    decisions = [
+        routed(
+            on_arm,
+            at=T + 2.0 * (attempt - 1),
+            backend="free",
+            attempt=attempt,
+            priority="normal",
+            queue_wait=0.0,
+            reserved_tokens=600,
+            estimated_cost=0.25,
+        )
+        for attempt in (1, 2)
+    ]
+    then = Run(request_id="r1", tenant="t", backend="free", attempt=2, delivery=1)
+    put_back: list[Event] = [
+        RUN.started(at=T + 0.5, worker="w"),
+        RUN.retrying(at=T + 1.0, retry_after=0.1, requeued=True, **fault),  # type: ignore[arg-type]
+    ]
+    end = expired_before_call(then, T + 3.0)
+    first = fold_many(ProjectionState(), [decisions[0], *put_back, decisions[1], end])
+    late = fold_many(ProjectionState(), [decisions[0], *put_back, end, decisions[1]])
+    assert late.splits.requests == {}
+    assert late.splits.ended == {}
+    assert {path for path in disagree(first, late) if path.startswith("splits")} == set()
+    nothing_held(late)

@@ -135,7 +135,8 @@ __all__ = [
 #: their decision (``unrouted``), so a probe's late ``routed`` still counts its outcome.
 #: 13: reservations count their request's decisions folded (``decided``), and an
 #: ``ended`` mark the older attempts' decisions still to come (``older``) and whether
-#: its own came (``decided``): an older attempt's late ``routed`` reserves nothing.
+#: its own came (``decided``): an older attempt's late ``routed`` reserves nothing;
+#: the A/B splits keep an end folded before its decision (``splits.ended``) for it.
 STATE_VERSION: Final = 13
 
 #: Older versions a projector takes as they are stored, only marking them
@@ -144,8 +145,8 @@ STATE_VERSION: Final = 13
 #: only requests that end after it, and a mark stored by 11 reads as not
 #: ``completed``: as 11 folded it; ``unrouted`` keeps only outcomes logged
 #: after the upgrade; 12's reservations and marks read as counting no older
-#: decisions: as 12 folded them). Older than these, it folds the log again
-#: (what is past the log's ``max_age`` is then lost).
+#: decisions, and its splits as keeping no end: as 12 folded them). Older than
+#: these, it folds the log again (what is past the log's ``max_age`` is then lost).
 UPGRADED_IN_PLACE: Final = frozenset({9, 10, 11, 12})
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
@@ -776,7 +777,9 @@ class Folding:
         if exhausted_until is not None:
             self._cool_down(name, _finite(exhausted_until), exhausted=True)
 
-    def _mark_ended(self, event: Event, key: str, at: float) -> None:
+    def _mark_ended(
+        self, event: Completed | Failed | Rejected | Expired | Cancelled, key: str, at: float
+    ) -> None:
         """Mark a request ending while the decision of its call is not folded
         (none reserved for its attempt): its ``routed`` is yet to come."""
         running = self._in_flight.get(key)
@@ -814,6 +817,7 @@ class Folding:
                 self._ended[key] = Ended(backend, at, attempt, older=older, decided=True)
             return
         self._ended[key] = Ended(backend, at, attempt, max(0, tokens), completed, older)
+        self._splits.ended_before_decision(event, key, at)
 
     def _late_route(self, event: Routed, ended: Ended, key: str, at: float) -> None:
         """The decision of a request already over: it spends what it would
