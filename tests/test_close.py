@@ -244,6 +244,90 @@ async def test_a_drain_while_reconnecting_is_refused_but_ends_closed(
     nothing_left(nc)
 
 
+#: Well below the ~20 s nats-py's drain waited out against a stopped server (two
+#: 10 s flushes): a drain that reaches it did not give up, whatever the machine's load.
+DRAIN_GAVE_UP: float = 10.0
+
+
+async def test_a_drain_to_a_stopped_server_gives_up_when_it_does_not_answer(
+    isolated_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A service shutting down after its server stopped answering (``SIGSTOP``)
+    drained for about 20 s: nats-py's drain flushes twice, each waiting 10 s
+    for a pong. The drain pings as it begins and gives up, closed, when that
+    ping goes unanswered for ``DRAIN_ANSWER``."""
+    monkeypatch.setattr(nats_boundary, "CLOSE_WAIT", 0.5)
+    nc = await connect(isolated_server.url, name="test-drain-frozen")
+
+    async def ignore(_: Message) -> None:
+        return None
+
+    await nc.subscribe("test.drain.frozen", ignore)  # a subscription to drain
+    await nc.flush()
+    async with frozen(isolated_server):
+        with pytest.raises(NatsUnavailableError, match="did not answer"):
+            await asyncio.wait_for(nc.drain(), DRAIN_GAVE_UP)
+        nothing_left(nc)
+
+
+async def test_a_drain_to_a_live_server_still_waits_for_its_handlers(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The drain's ping answered, nothing is given up: a handler still busy
+    with a delivered message, and the message queued behind it, are handled
+    before the drain ends (here the handler is held past the ping's answer)."""
+    nc = await connect(isolated_server.url, name="test-drain-live")
+    handled: list[bytes] = []
+    began = asyncio.Event()
+    release = asyncio.Event()
+
+    async def slow(msg: Message) -> None:
+        began.set()
+        await release.wait()
+        handled.append(msg.data)
+
+    await nc.subscribe("test.drain.live", slow)
+    await nc.publish("test.drain.live", b"1")
+    await nc.publish("test.drain.live", b"2")
+    await asyncio.wait_for(began.wait(), HANGS)
+    pongs = nc.client._pongs_received
+    draining = asyncio.ensure_future(nc.drain())
+
+    async def answered() -> bool:
+        return nc.client._pongs_received > pongs
+
+    try:
+        await until(answered, "the drain's ping answered", within=HANGS)
+        release.set()
+        await asyncio.wait_for(draining, HANGS)
+    finally:
+        draining.cancel()
+    assert handled == [b"1", b"2"]
+    nothing_left(nc)
+
+
+async def test_a_drain_as_the_server_is_killed_gives_up_when_the_connection_is_lost(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The server killed just before a drain, the client not yet aware: nats-py
+    began the drain, saw the connection lost and started reconnecting, and its
+    drain still waited 10 s for a pong no server would send. The drain gives
+    up as soon as nats-py reconnects, and ends closed."""
+    nc = await connect(isolated_server.url, name="test-drain-killed")
+
+    async def ignore(_: Message) -> None:
+        return None
+
+    await nc.subscribe("test.drain.killed", ignore)
+    await nc.flush()
+    assert isolated_server.pid is not None
+    os.kill(isolated_server.pid, signal.SIGKILL)
+    assert nc.is_connected  # no await since the kill: the client has not seen it yet
+    with pytest.raises(NatsUnavailableError, match="lost"):
+        await asyncio.wait_for(nc.drain(), DRAIN_GAVE_UP)
+    nothing_left(nc)
+
+
 async def test_a_close_while_the_whole_cluster_is_gone_returns(tmp_path: Path) -> None:
     """Every node of a three-node cluster killed: the connection tries each
     URL in turn, each refused; a close stops that and leaves no socket."""

@@ -268,29 +268,41 @@ def test_only_the_probes_late_outcome_counts_and_what_is_kept_is_bounded() -> No
     assert fold_many(ProjectionState(), ends).backend("free").unrouted == ()
 
 
-def test_stored_states_of_versions_10_and_11_load_and_are_upgraded_in_place() -> None:
+def test_stored_states_of_versions_10_to_12_load_and_are_upgraded_in_place() -> None:
     marked = fold_many(
         ProjectionState(),
-        [HALF_OPEN, *probe_outcomes()["completed"], expired_before_call(RUN, T + 1.0)],
+        [
+            HALF_OPEN,
+            *probe_outcomes()["completed"],
+            expired_before_call(RUN, T + 1.0),
+            decision("kept"),
+        ],
     )
     assert marked.backend("free").unrouted  # kept, in the stored state too
     assert decode_state(encode_state(marked)) == marked
-    for version in (10, 11):
+    for version in (10, 11, 12):
         old = msgspec.json.decode(encode_state(marked))
         old["v"] = version
         del old["backends"]["free"]["unrouted"]
+        old["reserved"]["t:kept"] = old["reserved"]["t:kept"][:6]  # no `decided` before 13
         if version == 10:
             del old["ended"]
-        else:  # 11's marks had no `completed`
+        elif version == 11:  # 11's marks had no `completed`
             old["ended"]["t:r1"] = old["ended"]["t:r1"][:4]
+        else:  # 12's had no `older`, `decided`
+            old["ended"]["t:r1"] = old["ended"]["t:r1"][:5]
         loaded = decode_state(msgspec.json.encode(old))
         assert loaded.v == version
         assert version in UPGRADED_IN_PLACE
         assert loaded.backend("free").unrouted == ()
+        assert loaded.reserved["t:kept"].decided == 0  # not counted: no mark for older ones
+        if version >= 11:
+            assert (loaded.ended["t:r1"].older, loaded.ended["t:r1"].decided) == (0, False)
+            assert "t:r1" not in fold_many(loaded, [decision()]).ended
         if version == 11:
             assert loaded.ended["t:r1"].completed is False
-            assert fold_many(loaded, [decision()]).reserved == {}
-    assert STATE_VERSION == 12
+            assert fold_many(loaded, [decision()]).reserved.keys() == {"t:kept"}
+    assert STATE_VERSION == 13
 
 
 def test_a_probes_decision_logged_after_a_later_attempts_still_counts_its_outcome() -> None:
@@ -353,6 +365,97 @@ def test_a_probes_decision_logged_after_a_later_attempts_still_counts_its_outcom
         assert not {d for d in disagree(first, late) if d.startswith("backends.free")}, name
 
 
+def nothing_held(state: ProjectionState) -> None:
+    """No reservation, cost committed, call in flight or mark is left."""
+    assert state.reserved == {}
+    assert {tenant.committed for tenant in state.tenants.values()} <= {0.0}
+    assert state.in_flight == {}
+    assert {name: b.in_flight for name, b in state.backends.items() if b.in_flight} == {}
+    assert state.ended == {}
+
+
+FIRST_ATTEMPT = Run(request_id="r1", tenant="t", backend="free", attempt=1, delivery=1)
+SECOND_ATTEMPT = Run(request_id="r1", tenant="t", backend="paid", attempt=2, delivery=1)
+
+
+def attempt_decision(attempt: int, backend: str, at: float) -> Event:
+    return routed(
+        request(),
+        at=at,
+        backend=backend,
+        attempt=attempt,
+        priority="normal",
+        queue_wait=0.0,
+        reserved_tokens=600,
+        estimated_cost=0.25,
+    )
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        "newer decision first",
+        "newer decision after the end",
+        "older decision between the end and the newer one",
+    ],
+)
+def test_an_older_attempts_decision_logged_after_the_request_ended_at_a_newer_one_reserves_nothing(
+    order: str,
+) -> None:
+    """Regression: the request fell back from attempt 1 and completed at
+    attempt 2, and attempt 1's decision (a binder that took over logs the
+    decision of a dispatch stored before it) was folded after all that: with
+    nothing left of the request, it reserved its quota and committed its cost
+    until the 6-hour sweep."""
+    fault = {"error_type": "backend_unavailable", "error_class": "connect", "reason": "refused"}
+    older, newer = attempt_decision(1, "free", T), attempt_decision(2, "paid", T + 1.5)
+    runs: list[Event] = [
+        FIRST_ATTEMPT.started(at=T + 0.5, worker="w"),
+        FIRST_ATTEMPT.fell_back(at=T + 1.0, fallback=Fallback(), **fault),  # type: ignore[arg-type]
+    ]
+    end: list[Event] = [
+        SECOND_ATTEMPT.started(at=T + 2.0, worker="w"),
+        SECOND_ATTEMPT.completed(at=T + 3.0, text="x", usage=Usage(prompt_tokens=10), cost=0.0),
+    ]
+    first = fold_many(ProjectionState(), [older, *runs, newer, *end])
+    nothing_held(first)
+    orders = {
+        "newer decision first": [*runs, newer, *end, older],
+        "newer decision after the end": [*runs, *end, newer, older],
+        "older decision between the end and the newer one": [*runs, *end, older, newer],
+    }
+    late = fold_many(ProjectionState(), orders[order])
+    nothing_held(late)
+    # Each decision spent its request on its backend, in either order.
+    assert used(late.backend("free").quota, PER_MINUTE, T + 4.0) == 1  # type: ignore[arg-type]
+    assert used(late.backend("paid").quota, PER_MINUTE, T + 4.0) == 1  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("taken_over_start", ["none", "before the end", "after the end"])
+def test_a_stolen_runs_completion_before_its_decision_leaves_nothing_in_flight(
+    taken_over_start: str,
+) -> None:
+    """A pool sibling (``free-2``) ran the dispatch bound to ``free`` and
+    completed it before the decision was folded; the run it took over (on
+    ``free``) may have logged its start too, even after the completion (its
+    worker's publish stored late). Regression (after the end): that start put
+    the request in flight on ``free`` after its end, for good (until the sweep)."""
+    stolen_run = run_of(backend="free-2")
+    taken_over = RUN.started(at=T + 0.1, worker="w")
+    ran: list[Event] = [
+        stolen_run.started(at=T + 0.2, worker="w2"),
+        stolen_run.completed(at=T + 1.0, text="x", usage=Usage(prompt_tokens=100), cost=0.0),
+    ]
+    events = {
+        "none": ran,
+        "before the end": [taken_over, *ran],
+        "after the end": [*ran, taken_over],
+    }[taken_over_start]
+    late = fold_many(ProjectionState(), [*events, decision()])
+    nothing_held(late)
+    assert late.backend("free-2").calls_completed == 1
+
+
 def test_the_audit_names_a_workers_run_on_its_end_and_no_attempt_on_a_routers() -> None:
     """The run's fields an `expired`/`cancelled` carries read in `renqueue audit`
     where a worker ended it; a router's end (no run: `null`/0) shows no
@@ -369,16 +472,14 @@ def test_the_audit_names_a_workers_run_on_its_end_and_no_attempt_on_a_routers() 
         assert "backend" not in shown(waiting)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, not fixed: the A/B splits' part of the fold counts a request's end "
-    "on its arm only if its decision came first (an end before it is not counted, and "
-    "the late decision holds an arm entry until the splits' sweep)",
-)
-@pytest.mark.parametrize("kind", ["expired before its call", "completed"])
+@pytest.mark.parametrize("kind", list(ENDS))
 def test_an_arms_request_whose_decision_is_logged_after_its_end_is_counted_on_its_arm(
     kind: str,
 ) -> None:
+    """Regression (a strict xfail before): the A/B part of the fold counted a
+    request's end on its arm only if its decision came first; an end before it
+    was not counted, and the late decision held an arm entry until the splits'
+    sweep. The end is now kept until the decision, which counts both."""
     on_arm = msgspec.structs.replace(request(), split="chat", route="canary")
     arm_decision = routed(
         on_arm,
@@ -394,3 +495,37 @@ def test_an_arms_request_whose_decision_is_logged_after_its_end_is_counted_on_it
     late = fold_many(ProjectionState(), [*ENDS[kind], arm_decision])
     assert late.splits.requests == {}
     assert {path for path in disagree(first, late) if path.startswith("splits")} == set()
+
+
+def test_a_newer_decision_logged_after_an_end_its_older_arm_counted_counts_nothing_more() -> None:
+    """Attempt 1 was routed on an arm, put back, and expired at attempt 2
+    before attempt 2's decision was folded: the arm (attempt 1's) counted the
+    end. Regression: attempt 2's late decision counted the request a second
+    time and held an arm entry until the splits' sweep."""
+    fault = {"error_type": "backend_unavailable", "error_class": "connect", "reason": "refused"}
+    on_arm = msgspec.structs.replace(request(), split="chat", route="canary")
+    decisions = [
+        routed(
+            on_arm,
+            at=T + 2.0 * (attempt - 1),
+            backend="free",
+            attempt=attempt,
+            priority="normal",
+            queue_wait=0.0,
+            reserved_tokens=600,
+            estimated_cost=0.25,
+        )
+        for attempt in (1, 2)
+    ]
+    then = Run(request_id="r1", tenant="t", backend="free", attempt=2, delivery=1)
+    put_back: list[Event] = [
+        RUN.started(at=T + 0.5, worker="w"),
+        RUN.retrying(at=T + 1.0, retry_after=0.1, requeued=True, **fault),  # type: ignore[arg-type]
+    ]
+    end = expired_before_call(then, T + 3.0)
+    first = fold_many(ProjectionState(), [decisions[0], *put_back, decisions[1], end])
+    late = fold_many(ProjectionState(), [decisions[0], *put_back, end, decisions[1]])
+    assert late.splits.requests == {}
+    assert late.splits.ended == {}
+    assert {path for path in disagree(first, late) if path.startswith("splits")} == set()
+    nothing_held(late)

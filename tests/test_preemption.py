@@ -45,8 +45,6 @@ PASSWORDS = {
     "RQ_TENANT_GLOBEX_PASSWORD": "globex-secret",
     "RQ_SYS_PASSWORD": "sys-secret",
 }
-#: Runs of the long requests: ~2 s (50 tokens at 25/s); urgent ones: 2 tokens.
-LONG = MockSettings(ttft=0.0, tokens_per_second=25, output_tokens=50)
 #: Runs that outlast any test (10,000 tokens at 25/s: past the per-test
 #: timeout): a run admitted under these lasts until it is preempted or
 #: cancelled, so a test's steps never race its end, however loaded the machine.
@@ -241,12 +239,19 @@ async def test_nothing_is_preempted_for_a_request_that_stopped_waiting(tmp_path:
     """The router confirms a preemption after its offer window: if the urgent
     request was bound, ended or handed back meanwhile, it needs no slot and no
     run may be preempted for it. (Before: the confirm went out regardless.)
-    White box: the window is too short to hit from outside without sleeps."""
-    async with MockBackend(LONG) as mock:
+    White box: the window is too short to hit from outside without sleeps.
+
+    The batch run lasts until it is cancelled (``ENDLESS``), and its call is
+    running at the mock when the ask goes out and still when it is answered:
+    the worker had a run to offer all along. (Before, a 2 s run: on a loaded
+    machine it could end before the ask, and nothing could be preempted at
+    all, whatever the router did.)"""
+    async with MockBackend(ENDLESS) as mock:
         config = config_of({"data_dir": str(tmp_path / "nats"), "port": -1}, {"b": (mock.url, 1)})
         async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
             batch = await client.submit("long", route="chat", priority="batch")
             await until_started(client, batch.id)
+            await until_admitted(mock, 1)
             urgent = client.build_request("urgent", route="chat", priority="critical")
             now = services.routers[0]._round._clock()
             gone = Held(
@@ -257,8 +262,13 @@ async def test_nothing_is_preempted_for_a_request_that_stopped_waiting(tmp_path:
                 touched=now,
             )  # held by no router
             await services.routers[0]._round._ask_preemption(gone, gone.rank, ["b"])
-            await batch.result(timeout=20)
+            assert not gone.preempted_one
+            # The batch call never stopped: the one call, still running.
+            assert (mock.stats().in_flight, mock.stats().requests) == (1, 1)
+            await batch.cancel()
+            [ended] = await asyncio.gather(batch.result(timeout=30), return_exceptions=True)
             history = (await histories(client, [batch.id]))[batch.id]
+    assert isinstance(ended, RequestCancelledError), ended  # still in its one run
     assert not any(isinstance(event, Preempted) for event in history)
     assert mock.stats().requests == 1
 

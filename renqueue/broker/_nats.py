@@ -1308,10 +1308,16 @@ class Connection:
     async def drain(self) -> None:
         """Drain the subscriptions, then what is left to send, then close. A drain
         that fails still ends closed (then raises): nats-py refuses one while
-        reconnecting, and the connection went on reconnecting after it, for good."""
+        reconnecting, and the connection went on reconnecting after it, for good.
+        A drain gives up, closed, with :class:`NatsUnavailableError`, once the
+        server is gone (see :func:`_drain_unless_gone`): nats-py's own drain
+        waited about 20 s for a stopped server, 10 s for one just killed."""
         self._closing = True
         try:
-            await _call(self._nc.drain())
+            if self._nc.is_connected and not self._nc.is_draining:
+                await _drain_unless_gone(self._nc)
+            else:  # nats-py's refusal (reconnecting, closed), or a drain under way
+                await _call(self._nc.drain())
         finally:
             await _close(self._nc)  # closed already after a drain: what is left, if anything
 
@@ -1380,6 +1386,75 @@ class Connection:
 #: what is left to send, and for its socket to close: then the socket is let
 #: go (a server stopped or cut off takes nothing, and nats-py waited for good).
 CLOSE_WAIT: Final = 5.0
+
+
+#: Longest :meth:`Connection.drain` waits for the server to answer the ping
+#: it sends as it begins (seconds; nats-py's flush takes whole ones).
+DRAIN_ANSWER: Final = 2
+
+
+async def _drain_unless_gone(nc: _NatsPyClient) -> None:
+    """nats-py's drain, given up (then :class:`NatsUnavailableError`) once the
+    server is seen gone: when the ping sent as the drain begins is not answered
+    within :data:`DRAIN_ANSWER` (a server stopped, or cut off), or when nats-py
+    starts reconnecting (the connection lost: it stops reading, and no pong can
+    come). nats-py's drain waited out a 10 s flush for each subscription and
+    another for what was left to send, for nothing (or raised the socket's
+    ``ConnectionResetError``). What a server that answered has taken stays
+    taken; what it has not (an ack, a publish) was never acked to anyone, and
+    the broker delivers the message again. The drain's tasks (and its
+    subscriptions') end before this returns (see :func:`_ended`)."""
+    reading = nc._reading_task
+    reconnecting_before = nc._reconnection_task  # a new one: the connection was lost
+
+    def lost() -> bool:
+        return nc._reconnection_task is not reconnecting_before
+
+    answered = asyncio.ensure_future(nc.flush(DRAIN_ANSWER))
+    draining = asyncio.ensure_future(nc.drain())
+    waits: set[asyncio.Future[Any]] = {draining, answered}
+    if reading is not None:
+        waits.add(reading)
+    try:
+        while not draining.done():
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if lost():
+                break
+            if answered in done and not draining.done():
+                waits.discard(answered)
+                if answered.cancelled() or answered.exception() is not None:
+                    raise NatsUnavailableError(
+                        f"nats: the server did not answer within {DRAIN_ANSWER}s; "
+                        "closed without draining"
+                    )
+            if reading is not None and reading in done:
+                waits.discard(reading)  # nats-py's own close of a drain that ends
+    finally:
+        await _ended({answered, draining})
+    exc = None if draining.cancelled() else draining.exception()
+    if lost():
+        raise NatsUnavailableError(
+            "nats: the connection was lost while draining; closed without draining"
+        ) from exc
+    if exc is not None:
+        raise translate(exc) from exc
+
+
+async def _ended(tasks: set[asyncio.Future[Any]]) -> None:
+    """Cancel ``tasks`` until they end, for at most :data:`CLOSE_WAIT`: again
+    and again, as a first cancellation may be swallowed (nats-py's drain
+    catches one, then flushes). Their outcomes are read (none is reported
+    as never retrieved)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + CLOSE_WAIT
+    left = {task for task in tasks if not task.done()}
+    while left and loop.time() < give_up:
+        for task in left:
+            task.cancel()
+        _, left = await asyncio.wait(left, timeout=0.1)
+    for task in tasks - left:
+        if not task.cancelled():
+            task.exception()
 
 
 #: Each client's close under way (:func:`_close`).

@@ -32,7 +32,7 @@ from ._fold import (
     is_backend_fault,
     utc_day,
 )
-from ._splits import STALE_ASSIGNED, ArmRequest, Splits, SplitState
+from ._splits import STALE_ASSIGNED, ArmEnd, ArmRequest, Splits, SplitState
 
 __all__ = [
     "BACKEND_FAULTS",
@@ -44,6 +44,7 @@ __all__ = [
     "TENANT_WRITTEN_KINDS",
     "UNROUTED_KEPT",
     "UPGRADED_IN_PLACE",
+    "ArmEnd",
     "ArmRequest",
     "BackendState",
     "Difference",

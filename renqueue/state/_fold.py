@@ -28,7 +28,8 @@ run even before its call began, or any end of a call that started) leaves an
 spent), and the late ``routed`` of that attempt consumes it instead of
 reserving: it spends what its decision would have (one request, and the token
 estimate reconciled with the tokens used), and nothing stays reserved or
-committed for a request that is over.
+committed for a request that is over. Older attempts' decisions logged after
+the end are counted the same way (``Reservation.decided``, ``Ended.older``).
 The same holds for a half-open circuit's probe call, whose outcome alone
 moves the circuit: an outcome logged there for a call whose decision is not
 folded is kept on its backend (``unrouted``: the latest few, cleared by the
@@ -132,16 +133,21 @@ __all__ = [
 #: completion that used no tokens still reconciles its late decision's estimate),
 #: and backends keep the outcomes of calls logged in a half-open circuit before
 #: their decision (``unrouted``), so a probe's late ``routed`` still counts its outcome.
-STATE_VERSION: Final = 12
+#: 13: reservations count their request's decisions folded (``decided``), and an
+#: ``ended`` mark the older attempts' decisions still to come (``older``) and whether
+#: its own came (``decided``): an older attempt's late ``routed`` reserves nothing;
+#: the A/B splits keep an end folded before its decision (``splits.ended``) for it.
+STATE_VERSION: Final = 13
 
 #: Older versions a projector takes as they are stored, only marking them
 #: current: every version since added fields with defaults and changed no
 #: meaning (10's ``faults`` count from the upgrade on; 11's ``ended`` marks
 #: only requests that end after it, and a mark stored by 11 reads as not
 #: ``completed``: as 11 folded it; ``unrouted`` keeps only outcomes logged
-#: after the upgrade). Older than these, it folds the log again
-#: (what is past the log's ``max_age`` is then lost).
-UPGRADED_IN_PLACE: Final = frozenset({9, 10, 11})
+#: after the upgrade; 12's reservations and marks read as counting no older
+#: decisions, and its splits as keeping no end: as 12 folded them). Older than
+#: these, it folds the log again (what is past the log's ``max_age`` is then lost).
+UPGRADED_IN_PLACE: Final = frozenset({9, 10, 11, 12})
 
 #: Event kinds a tenant may publish itself (``nats/auth.conf``: only
 #: ``rq.evt.<tenant>.*.cancel_requested``). Their payloads are the tenant's
@@ -290,6 +296,10 @@ class Reservation(Struct, frozen=True, array_like=True):
     attempt: int = 0
     #: The decision's estimated cost (``routed.estimated_cost``), in its tenant's ``committed``.
     cost: float = 0.0
+    #: How many of its request's decisions (attempts up to ``attempt``) are
+    #: folded: fewer than ``attempt``, an older one is still to come when the
+    #: request ends (0: not counted, a state stored before version 13).
+    decided: int = 0
 
 
 class Ended(Struct, frozen=True, array_like=True):
@@ -307,6 +317,10 @@ class Ended(Struct, frozen=True, array_like=True):
     attempt: int
     tokens: int = 0
     completed: bool = False
+    #: Older attempts' decisions still to come (each reserves nothing either),
+    #: and whether its own attempt's came already (the mark waits for the older).
+    older: int = 0
+    decided: bool = False
 
 
 class ProjectionState(Struct, frozen=True, kw_only=True):
@@ -660,6 +674,13 @@ class Folding:
     def _start(self, event: Started, at: float) -> None:
         backend = self._backends.get(event.backend, EMPTY_BACKEND)
         key = msg_id(event.tenant, event.request_id)
+        ended = self._ended.get(key)
+        if ended is not None and ended.attempt >= event.attempt:
+            # A start logged after its request ended, its decision not folded
+            # yet (a run another worker took over, its start stored late): a
+            # call, never in flight (nothing would end it).
+            self._set_backend(event.backend, calls_started=backend.calls_started + 1)
+            return
         previous = self._in_flight.get(key)
         self._own("in_flight")
         self._in_flight[key] = InFlight(event.backend, at, event.attempt)
@@ -756,7 +777,9 @@ class Folding:
         if exhausted_until is not None:
             self._cool_down(name, _finite(exhausted_until), exhausted=True)
 
-    def _mark_ended(self, event: Event, key: str, at: float) -> None:
+    def _mark_ended(
+        self, event: Completed | Failed | Rejected | Expired | Cancelled, key: str, at: float
+    ) -> None:
         """Mark a request ending while the decision of its call is not folded
         (none reserved for its attempt): its ``routed`` is yet to come."""
         running = self._in_flight.get(key)
@@ -775,20 +798,45 @@ class Folding:
         if attempt <= 0:
             return  # no call of its own: nothing was or will be decided for one
         reservation = self._reserved.get(key)
-        if reservation is not None and reservation.attempt >= attempt:
-            return  # its decision is folded: the reservation ends with it
+        if reservation is not None and reservation.attempt > attempt:
+            return  # a newer decision is folded: the reservation ends with it
+        # Older attempts' decisions not folded yet: each is logged late too (0
+        # for a reservation stored before version 13, which counted none).
+        if reservation is None:
+            older = attempt - 1
+        elif reservation.decided:
+            folded = reservation.decided - (reservation.attempt == attempt)
+            older = max(0, attempt - 1 - folded)
+        else:
+            older = 0
         self._own("ended")
-        self._ended[key] = Ended(backend, at, attempt, max(0, tokens), completed)
+        if reservation is not None and reservation.attempt == attempt:
+            # Its decision is folded: the reservation ends with it, the mark
+            # waits only for the older ones.
+            if older:
+                self._ended[key] = Ended(backend, at, attempt, older=older, decided=True)
+            return
+        self._ended[key] = Ended(backend, at, attempt, max(0, tokens), completed, older)
+        self._splits.ended_before_decision(event, key, at)
 
     def _late_route(self, event: Routed, ended: Ended, key: str, at: float) -> None:
         """The decision of a request already over: it spends what it would
         have, had it come first, and reserves nothing."""
         tokens = max(0, event.reserved_tokens)
-        if event.attempt != ended.attempt:  # an older decision (a newer one may follow)
+        if event.attempt != ended.attempt or ended.decided:  # another attempt's decision
             self._spend(event.backend, Cost(requests=1, tokens=tokens), at)
+            if event.attempt < ended.attempt and ended.older:
+                self._own("ended")
+                if ended.older == 1 and ended.decided:
+                    del self._ended[key]  # the last decision to come
+                else:
+                    self._ended[key] = msgspec.structs.replace(ended, older=ended.older - 1)
             return
         self._own("ended")
-        del self._ended[key]
+        if ended.older:  # older decisions still to come
+            self._ended[key] = msgspec.structs.replace(ended, decided=True)
+        else:
+            del self._ended[key]
         if not (ended.completed or ended.tokens) or ended.backend != event.backend:
             # Nothing to reconcile: an end that reconciles none leaves the estimate spent.
             self._spend(event.backend, Cost(requests=1, tokens=tokens), at)
@@ -817,7 +865,14 @@ class Folding:
         self._spend(event.backend, Cost(requests=1, tokens=tokens), at)
         current = self._reserved.get(key)
         if current is not None and current.attempt > event.attempt:
-            return  # an older decision logged late: a newer one reserves
+            # An older decision logged late: a newer one reserves (and counts it).
+            if current.decided:
+                self._own("reserved")
+                self._reserved[key] = msgspec.structs.replace(current, decided=current.decided + 1)
+            return
+        # Counted on from the request's previous reservation (not counted: not from one
+        # stored before version 13).
+        decided = 1 if current is None else current.decided and current.decided + 1
         running = self._in_flight.get(key)
         begun = (
             running is not None
@@ -828,7 +883,13 @@ class Folding:
         self._release(key)
         self._own("reserved")
         self._reserved[key] = Reservation(
-            event.backend, at, tokens, started=begun, attempt=event.attempt, cost=cost
+            event.backend,
+            at,
+            tokens,
+            started=begun,
+            attempt=event.attempt,
+            cost=cost,
+            decided=decided,
         )
         if cost:
             self._commit(event.tenant, cost)

@@ -14,6 +14,10 @@ time, so a replay rebuilds it exactly:
   the client's doing and counts nothing. An ``expired`` event that names an
   arm (a request that waited on it and was never routed) counts as a request
   and an expiry of that arm;
+- a terminal event folded before the request's decision (the fold's ``Ended``
+  mark: a binder logs a decision once its dispatch is stored) is kept
+  (``ended``) until that decision comes: one that names an arm then counts the
+  request and that outcome, as if it had come first;
 - an ``ab`` event (``rq.evt._system.<route>.ab`` only) moves the split's
   state: an operator's always, the binder's automatic rollback only while the
   split is live. Going ``live`` again empties every arm's recent buckets, so
@@ -21,7 +25,8 @@ time, so a replay rebuilds it exactly:
 
 Bounded: per split, per arm, one total and at most ``AB_HORIZON / AB_BUCKET``
 (20) buckets (:class:`~renqueue.policy.ArmStats`), plus one small entry per request
-routed on an arm and not yet ended, dropped at its end and swept after
+routed on an arm and not yet ended, dropped at its end, and one per request ended
+before its decision, dropped at the decision, both swept after
 :data:`STALE_ASSIGNED` seconds of event time.
 """
 
@@ -48,7 +53,7 @@ from ..schema import (
 )
 from ._faults import is_backend_fault
 
-__all__ = ["STALE_ASSIGNED", "ArmRequest", "SplitState", "Splits", "SplitsBuilder"]
+__all__ = ["STALE_ASSIGNED", "ArmEnd", "ArmRequest", "SplitState", "Splits", "SplitsBuilder"]
 
 #: A request on an arm with no terminal event for this long (event time) is
 #: forgotten (as the fold's in-flight entries are): its outcome is never counted.
@@ -67,6 +72,21 @@ class ArmRequest(Struct, frozen=True, array_like=True):
     split: str
     arm: str
     since: float
+
+
+class ArmEnd(Struct, frozen=True, array_like=True):
+    """A request's end folded before its decision: when, and what its arm
+    counts if the decision names one (``outcome``: ``completed``, ``failed``,
+    ``expired``, or ``""`` for none; a completion's cost, call duration and
+    time to first token; whether a failure blamed the backend), or ``counted``: an
+    older attempt's decision had put it on an arm, which counted it."""
+
+    at: float
+    outcome: str
+    cost: float = 0.0
+    duration: float = 0.0
+    ttft: float | None = None
+    fault: bool = False
 
 
 class SplitState(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -90,6 +110,8 @@ class Splits(Struct, frozen=True, kw_only=True, omit_defaults=True):
     routes: dict[str, SplitState] = {}
     requests: dict[str, ArmRequest] = {}
     last_sweep_at: float = 0.0
+    #: Requests that ended before their decision was folded, by ``<tenant>:<request id>``.
+    ended: dict[str, ArmEnd] = {}
 
 
 _EMPTY_SPLIT: Final = SplitState()
@@ -110,15 +132,20 @@ class SplitsBuilder:
         self._routes = splits.routes
         self._requests = splits.requests
         self._last_sweep_at = splits.last_sweep_at
+        self._pending = splits.ended
         self._routes_own = False
         self._requests_own = False
+        self._pending_own = False
+        #: The request whose end the event being folded counted on its arm.
+        self._counted = ""
         #: Arms whose figures changed, by (split, arm): frozen into ``_routes`` at freeze.
         self._working: dict[tuple[str, str], ArmTally] = {}
 
     def apply(self, event: Event, at: float, log_time: float) -> None:
         """Fold one event the services wrote (stamped ``at``; the log's clock is ``log_time``)."""
+        self._counted = ""
         if isinstance(event, Routed):
-            if event.split and event.arm:
+            if (event.split and event.arm) or self._pending:
                 self._routed(event, at)
         elif isinstance(event, _ENDED):
             if self._requests or (isinstance(event, Expired) and event.split):
@@ -131,7 +158,10 @@ class SplitsBuilder:
     def freeze(self) -> Splits:
         self._settle()
         return Splits(
-            routes=self._routes, requests=self._requests, last_sweep_at=self._last_sweep_at
+            routes=self._routes,
+            requests=self._requests,
+            last_sweep_at=self._last_sweep_at,
+            ended=self._pending,
         )
 
     def _settle(self, route: str | None = None) -> None:
@@ -156,6 +186,34 @@ class SplitsBuilder:
             self._requests, self._requests_own = dict(self._requests), True
         return self._requests
 
+    def _own_pending(self) -> dict[str, ArmEnd]:
+        if not self._pending_own:
+            self._pending, self._pending_own = dict(self._pending), True
+        return self._pending
+
+    def ended_before_decision(
+        self, event: Completed | Failed | Expired | Cancelled | Rejected, key: str, at: float
+    ) -> None:
+        """The fold marked ``event`` (the end of request ``key``) as come before
+        its decision: kept for that decision, which may name an arm."""
+        if key in self._requests:
+            return  # on an arm: its end is counted there
+        if key == self._counted:  # counted on the arm an older decision named
+            end = ArmEnd(at, "counted")
+        elif isinstance(event, Completed):
+            end = (
+                ArmEnd(at, "")  # a coalesced follower: its leader's call is counted
+                if event.shared_with is not None
+                else ArmEnd(at, "completed", _finite(event.cost), event.duration, event.ttft)
+            )
+        elif isinstance(event, Failed):
+            end = ArmEnd(at, "failed", fault=is_backend_fault(event.error_type, event.error_class))
+        elif isinstance(event, Expired):
+            end = ArmEnd(at, "expired")
+        else:
+            end = ArmEnd(at, "")
+        self._own_pending()[key] = end
+
     def _count(self, split: str, arm: str, at: float, delta: Tally) -> None:
         working = self._working.get((split, arm))
         if working is None:
@@ -165,6 +223,18 @@ class SplitsBuilder:
 
     def _routed(self, event: Routed, at: float) -> None:
         key = msg_id(event.tenant, event.request_id)
+        end = self._pending.get(key)
+        if end is not None:  # the decision of a request already over
+            del self._own_pending()[key]
+            if event.split and event.arm and end.outcome != "counted":
+                since = at - max(0.0, _finite(event.queue_wait))
+                self._count(event.split, event.arm, at, Tally(requests=1))
+                delta = _outcome(end, since)
+                if delta is not None:
+                    self._count(event.split, event.arm, end.at, delta)
+            return
+        if not (event.split and event.arm):
+            return
         entry = self._requests.get(key)
         if entry is not None and (entry.split, entry.arm) == (event.split, event.arm):
             return  # another attempt on the same arm: the same request
@@ -177,6 +247,7 @@ class SplitsBuilder:
         entry = self._requests.get(key)
         if entry is not None:
             del self._own_requests()[key]
+            self._counted = key
             requests = 0
         elif isinstance(event, Expired) and event.split and event.arm:
             entry, requests = ArmRequest(event.split, event.arm, at), 1
@@ -241,6 +312,31 @@ class SplitsBuilder:
             requests = self._own_requests()
             for key in stale:
                 del requests[key]
+        old = [key for key, end in self._pending.items() if end.at < horizon]
+        if old:
+            pending = self._own_pending()
+            for key in old:
+                del pending[key]
+
+
+def _outcome(end: ArmEnd, since: float) -> Tally | None:
+    """What an arm counts for ``end`` (a request whose wait began at ``since``), as
+    :meth:`SplitsBuilder._ended` counts an end that came after its decision."""
+    if end.outcome == "completed":
+        latency = max(0.0, end.at - since)
+        return Tally(
+            completed=1,
+            cost=end.cost,
+            latency=((bin_of(latency), 1),),
+            ttft=()
+            if end.ttft is None
+            else ((bin_of(_first_token(latency, end.duration, end.ttft)), 1),),
+        )
+    if end.outcome == "failed":
+        return Tally(failed=1 if end.fault else 0)
+    if end.outcome == "expired":
+        return Tally(expired=1)
+    return None
 
 
 def _first_token(latency: float, duration: float, ttft: float) -> float:
