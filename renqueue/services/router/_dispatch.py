@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Awaitable, Callable
-from typing import Final, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Final
 
 import msgspec
 
@@ -75,13 +75,18 @@ _FAILURES_KEPT: Final = 10_000
 #: comes back as work is done, and the request must not fail for waiting.
 STORE_FULL_DELAY: Final = 5.0
 
-_T = TypeVar("_T")
-
-
 #: How long a dispatch whose ack has not come stays counted as on its way;
 #: then it counts as stored (nats-py never completes the ack of a publish the
 #: server refused without answering).
 _UNANSWERED_GRACE: Final = ACKS_TIMEOUT
+
+
+def _raise_failed(acks: Iterable[asyncio.Future[PubAck]]) -> None:
+    """Raise the error of the first of ``acks`` that came back one (cancelled:
+    ``CancelledError``)."""
+    for ack in acks:
+        if ack.done() and (error := ack.exception()) is not None:
+            raise error
 
 
 def _settle(slot: Slot, sent: asyncio.Future[PubAck] | None, *, backend: str) -> None:
@@ -256,23 +261,23 @@ class Dispatcher:
             # by its own ack, not after the decision's (a slot counted twice meanwhile
             # is a slot idle: ~6 of 28 on a loaded broker, where acks took 40-120 ms).
             sent.add_done_callback(functools.partial(_settle, slot, backend=dispatch.backend))
-            shielded = asyncio.shield(sent)  # a timeout stops the wait, not the ack (finally)
+            # (A timeout stops the waits for ``sent``, never ``sent`` itself: _kept_alive.)
             if earlier is not None:
                 # Logged already (on its own, or carried by its `submitted`):
                 # nothing more to log; the reservation is that decision's.
-                await self._kept_alive(item.msg, self._acks(shielded, item.logged))
+                await self._kept_alive(item.msg, sent, item.logged, spare=sent)
                 backend = decision.backend
                 if reserved is not None:
                     reserved.logged(backend, earlier[1])
             elif maybe_bound:
-                ack = await self._kept_alive(item.msg, shielded)
+                (ack,) = await self._kept_alive(item.msg, sent, spare=sent)
                 backend = await self._log_decision(item, decision, ack, reserved)
             elif together is not None:
                 backend = await self._logged_together(
-                    item, decision, reserved, together=together, dispatched=shielded
+                    item, decision, reserved, together=together, dispatched=sent
                 )
             else:
-                backend = await self._append_decision(item, decision, reserved, shielded)
+                backend = await self._append_decision(item, decision, reserved, sent)
             await item.msg.ack()
         except Exception as exc:  # noqa: BLE001 - the request goes back to wait, nothing lost
             await self._dispatch_failed(item, exc)
@@ -300,8 +305,7 @@ class Dispatcher:
         ``routed`` message id this bind's shares). Read sooner, it could be
         missed, and a second decision logged for the attempt."""
         await log_first(item, self._log)
-        if item.logged is not None:
-            await self._kept_alive(item.msg, asyncio.shield(item.logged))
+        await self._kept_alive(item.msg, item.logged, spare=item.logged)
         return await self._log.decision_of(item.request.tenant, item.request.id, attempt)
 
     async def _log_decision(
@@ -321,7 +325,7 @@ class Dispatcher:
                     routed, backend=backend, reason=_EARLIER_DISPATCH_REASON
                 )
         if backend is None:
-            await self._kept_alive(item.msg, self._acks(item.logged))
+            await self._kept_alive(item.msg, item.logged)
             return None
         return await self._append_decision(item, routed, reserved)
 
@@ -330,13 +334,14 @@ class Dispatcher:
         item: Held,
         routed: Routed,
         reserved: Reserved | None,
-        dispatched: Awaitable[PubAck] | None = None,
+        dispatched: asyncio.Future[PubAck] | None = None,
     ) -> str:
         """Publish ``routed`` and await it with the request's ``submitted`` (and,
         if given, its dispatch's) ack; the reservation is then the decision's."""
         logged = await self._log.append_async(routed)
-        acks = [ack for ack in (dispatched, item.logged, logged) if ack is not None]
-        *_, decision = await self._kept_alive(item.msg, asyncio.gather(*acks))
+        *_, decision = await self._kept_alive(
+            item.msg, dispatched, item.logged, logged, spare=dispatched
+        )
         if reserved is not None:
             reserved.logged(routed.backend, decision.seq)
         return routed.backend
@@ -348,7 +353,7 @@ class Dispatcher:
         reserved: Reserved | None,
         *,
         together: asyncio.Future[PubAck],
-        dispatched: Awaitable[PubAck],
+        dispatched: asyncio.Future[PubAck],
     ) -> str:
         """Await ``together``, the ``submitted`` event that carries ``routed``,
         with the dispatch's ack; the reservation is then the decision's.
@@ -358,7 +363,7 @@ class Dispatcher:
         again past the requests' duplicate window while the first still
         waits), it may not carry this decision: then ``routed`` is logged on
         its own."""
-        stored, _ = await self._kept_alive(item.msg, asyncio.gather(together, dispatched))
+        stored, _ = await self._kept_alive(item.msg, together, dispatched, spare=dispatched)
         if stored.duplicate and not await self._carries(stored.seq, routed):
             return await self._append_decision(item, routed, reserved)
         if reserved is not None:
@@ -408,11 +413,6 @@ class Dispatcher:
             return
         await self._fail_undeliverable(item, exc)
 
-    @staticmethod
-    def _acks(*acks: asyncio.Future[PubAck] | None) -> Awaitable[list[PubAck]]:
-        """The acks given (``None`` skipped), awaited together, in their order."""
-        return asyncio.gather(*(ack for ack in acks if ack is not None))
-
     async def _earlier_dispatch(
         self, request: InferenceRequest, attempt: int, seq: int
     ) -> str | None:
@@ -442,33 +442,53 @@ class Dispatcher:
             )
         return backend
 
-    async def _kept_alive(self, msg: Message, acks: Awaitable[_T]) -> _T:
-        """Await ``acks`` (the publishes of a decision) within ``ACKS_TIMEOUT``
-        (or ``router.ack_wait`` if shorter),
-        keeping ``msg``'s ack timer alive meanwhile: a slow broker must not let
-        the request be redelivered (and bound again) while its decision is
-        still on its way. An ack that never comes (nats-py reports a refused
-        ``publish_async`` only to the error callback) is a failed dispatch."""
-        loop = asyncio.get_running_loop()
-        timeout = min(ACKS_TIMEOUT, self._ack_wait)
-        deadline = loop.time() + timeout
-        interval = max(0.1, self._ack_wait / 3)
-        waiting = asyncio.ensure_future(acks)
-        try:
-            while not waiting.done():
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise TimeoutError(f"no acks for the decision within {timeout:g} s")
-                await asyncio.wait({waiting}, timeout=min(interval, remaining))
-                if not waiting.done():
-                    with contextlib.suppress(Exception):
-                        await msg.in_progress()
-            return waiting.result()
-        finally:
-            if not waiting.done():
-                waiting.cancel()
-                with contextlib.suppress(BaseException):
-                    await waiting
+    async def _kept_alive(
+        self,
+        msg: Message,
+        *acks: asyncio.Future[PubAck] | None,
+        spare: asyncio.Future[PubAck] | None = None,
+    ) -> list[PubAck]:
+        """Await ``acks`` (the publishes of a decision; ``None`` skipped) within
+        ``ACKS_TIMEOUT`` (or ``router.ack_wait`` if shorter), keeping ``msg``'s
+        ack timer alive meanwhile: a slow broker must not let the request be
+        redelivered (and bound again) while its decision is still on its way.
+        An ack that never comes (nats-py reports a refused ``publish_async``
+        only to the error callback) is a failed dispatch. Their results, in
+        their order; the first failure raised as soon as it comes.
+
+        Given up on (a timeout, or this task cancelled), the acks still
+        pending are cancelled (which frees their pending slots), all but
+        ``spare``: the dispatch's, whose own answer settles its slot
+        (:func:`_settle`), or a ``submitted`` event's ack the request's next
+        steps await again. One ``asyncio.wait`` on the acks themselves: no
+        gathering or shielding future between them and this wait."""
+        futures = [ack for ack in acks if ack is not None]
+        _raise_failed(futures)
+        pending = {ack for ack in futures if not ack.done()}
+        if pending:
+            loop = asyncio.get_running_loop()
+            timeout = min(ACKS_TIMEOUT, self._ack_wait)
+            deadline = loop.time() + timeout
+            interval = max(0.1, self._ack_wait / 3)
+            try:
+                while pending:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise TimeoutError(f"no acks for the decision within {timeout:g} s")
+                    done, pending = await asyncio.wait(
+                        pending,
+                        timeout=min(interval, remaining),
+                        return_when=asyncio.FIRST_EXCEPTION,
+                    )
+                    _raise_failed(done)
+                    if pending:
+                        with contextlib.suppress(Exception):
+                            await msg.in_progress()
+            finally:
+                for ack in pending:
+                    if ack is not spare:
+                        ack.cancel()
+        return [ack.result() for ack in futures]
 
     async def _fail_undeliverable(self, item: Held, exc: Exception) -> None:
         request = item.request
