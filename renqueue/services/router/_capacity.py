@@ -140,6 +140,10 @@ class Capacity:
             or now - self._at[name] >= self._refresh
             or (name in self._freed and not self._room_for(name, demand))
         ]
+        if len(due) <= 1:
+            for name in due:  # (the usual case: no task to gather one read in)
+                await self._read(name, now)
+            return
         results = await asyncio.gather(
             *(self._read(name, now) for name in due), return_exceptions=True
         )

@@ -314,7 +314,10 @@ class Intake:
         ``Nats-Msg-Id`` names: an admitted request's own (see :func:`claimed_id`)."""
         mark = self._endings.mark()
         keys = sorted({key for msg in msgs if (key := claimed_id(msg)) is not None})
-        found = await asyncio.gather(*(self._claim_of(*key) for key in keys))
+        if len(keys) == 1:
+            found = [await self._claim_of(*keys[0])]  # (no task to gather one lookup in)
+        else:
+            found = await asyncio.gather(*(self._claim_of(*key) for key in keys))
         return Claims(dict(zip(keys, found, strict=True)), mark)
 
     async def _claim_now(self, key: tuple[str, str], claims: Claims | None) -> StoredClaim | None:
