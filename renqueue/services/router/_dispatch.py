@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Final
 
 import msgspec
+from prometheus_client import Counter, Histogram
 
 from ... import metrics
 from ...broker import EventLog, JetStream, Message, PubAck, hop, trace_headers
@@ -140,6 +141,8 @@ class Dispatcher:
         self._dispatch_failures: dict[str, int] = {}
         #: Requests bound (their decisions stored) by this dispatcher.
         self.routed = 0
+        #: Each (backend, priority)'s metrics series (:meth:`_series`).
+        self._metrics: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         #: The first request-stream sequence no earlier binder can have seen
         #: (set as a term begins): one below it may have been bound by one.
         self.term_first_seq = 0
@@ -289,8 +292,21 @@ class Dispatcher:
         self._dispatch_failures.pop(msg_id(request.tenant, request.id), None)
         if backend is not None:
             self.routed += 1
-            metrics.ROUTED.labels(backend, decision.priority).inc()
-            metrics.QUEUE_WAIT.labels(decision.priority).observe(decision.queue_wait)
+            routed_total, queue_wait = self._series(backend, decision.priority)
+            routed_total.inc()
+            queue_wait.observe(decision.queue_wait)
+
+    def _series(self, backend: str, priority: str) -> tuple[Counter, Histogram]:
+        """The ``routed`` and queue wait series of ``backend`` and ``priority``,
+        looked up once (``labels()`` locks and checks on each call)."""
+        series = self._metrics.get((backend, priority))
+        if series is None:
+            series = (
+                metrics.ROUTED.labels(backend, priority),
+                metrics.QUEUE_WAIT.labels(priority),
+            )
+            self._metrics[(backend, priority)] = series
+        return series
 
     async def _decision_logged(self, item: Held, attempt: int) -> tuple[Routed, int] | None:
         """For a request that may have been bound before: its first word on its
