@@ -65,7 +65,6 @@ from ...schema import (
     SplitChanged,
     capacity_subject,
     promoted,
-    subject_matches,
 )
 from ._asking import ask_preemption
 from ._capacity import Capacity
@@ -79,6 +78,8 @@ __all__ = ["Round"]
 
 log = get_logger("router")
 
+#: ``rq.capacity.``: a worker's word that it freed a slot of the backend named next.
+_FREED_PREFIX: Final = capacity_subject("")
 #: Seconds between rounds while nothing waits: each backend's circuit is
 #: judged (and a change logged) at least this often.
 _IDLE_ROUND: Final = 1.0
@@ -135,11 +136,13 @@ class Round:
     async def on_freed(self, msg: Message) -> None:
         """A worker freed a slot of its backend: a round may bind more."""
         # A tenant's push consumer can deliver here (its messages keep their
-        # own subjects): only rq.capacity.<backend> is a worker's word.
-        if not subject_matches(capacity_subject("*"), msg.subject):
-            misdirected("capacity", msg.subject)
+        # own subjects): only rq.capacity.<backend> (one token) is a worker's word.
+        subject = msg.subject
+        backend = subject.removeprefix(_FREED_PREFIX)
+        if backend == subject or "." in backend:
+            misdirected("capacity", subject)
             return
-        self._capacity.freed(msg.subject.rsplit(".", 1)[-1])
+        self._capacity.freed(backend)
         self._parts.wake.set()
 
     async def begin(self) -> None:
