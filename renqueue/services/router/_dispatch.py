@@ -134,7 +134,6 @@ class Dispatcher:
         self._holder = holder
         self._clock = clock
         self._end_request = end_request
-        self._policies = config.level_policies()
         self._ack_wait = parse_duration(config.router.ack_wait)
         self._max_deliveries = router_max_deliveries(config.router.max_deliver)
         #: Failed dispatches seen, per ``<tenant>:<id>``.
@@ -156,6 +155,7 @@ class Dispatcher:
         reason: str = BIND_REASON,
         *,
         term: int,
+        effective_rank: int,
         reserved: Reserved | None = None,
         probe: bool = False,
         predicted: float | None = None,
@@ -163,6 +163,8 @@ class Dispatcher:
     ) -> None:
         """Dispatch ``item`` to the slot's backend, log the ``routed`` decision, ack it.
 
+        ``effective_rank``: the rank it competed at in the round that bound it
+        (:attr:`~renqueue.policy.Bind.effective_rank`).
         ``probe``: the backend's circuit is half-open and this call is its probe.
         Both go under per-attempt message ids, so a bind repeated for the same
         attempt stores neither twice (:meth:`_send`).
@@ -175,7 +177,7 @@ class Dispatcher:
             backend=slot.backend,
             attempt=attempt,
             routed_at=now,
-            effective_rank=item.key(now, self._policies)[0],
+            effective_rank=effective_rank,
             reserved_tokens=tokens,
             probe=probe,
         )

@@ -331,6 +331,7 @@ class Round:
                 now,
                 action.reason,
                 term=term,
+                effective_rank=action.effective_rank,
                 reserved=reserved,
                 probe=action.probe,
                 predicted=action.predicted,
