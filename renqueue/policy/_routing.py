@@ -526,6 +526,8 @@ def estimated_cost(request: InferenceRequest, backend: Priced) -> float:
     """US dollars a call of ``request`` may cost at ``backend`` (a config or a
     view): its estimated prompt and the most it may generate (``max_tokens``,
     else :data:`DEFAULT_MAX_TOKENS`)."""
+    if not (backend.cost_input_per_mtok or backend.cost_output_per_mtok):
+        return 0.0  # a free backend (most local ones): no prompt to estimate
     prompt = estimate_input_tokens(request)
     output = request.params.max_tokens or DEFAULT_MAX_TOKENS
     return (
