@@ -92,6 +92,8 @@ def _raise_failed(acks: Iterable[asyncio.Future[PubAck]]) -> None:
 
 def _settle(slot: Slot, sent: asyncio.Future[PubAck] | None, *, backend: str) -> None:
     """Settle ``slot`` by what became of its dispatch ``sent`` (to ``backend``)."""
+    if slot.settled:
+        return  # (by ``sent``'s answer: its done callback came first)
     if sent is None or backend != slot.backend:
         slot.dropped()  # never sent, or sent elsewhere (the broker counts it there)
     elif not sent.done():
