@@ -270,7 +270,15 @@ class Round:
         gone: set[int] = set()
         for action in actions:
             item = items[action.ref]
-            if isinstance(action, Promote | Inherit):
+            if isinstance(action, Bind):  # (the usual action first)
+                if action.backend in held_back:
+                    # Its quota is judged on a view that may not know yet what
+                    # the previous binder spent: it waits (held) for the view.
+                    waiting.add(action.backend)
+                else:
+                    gone.add(action.ref)
+                    self._bind(item, action, now, term)
+            elif isinstance(action, Promote | Inherit):
                 self._announce_promotion(item, action)
             elif isinstance(action, Expire):
                 gone.add(action.ref)
@@ -293,13 +301,6 @@ class Round:
                     request=request,
                 )
                 self._inflight.spawn(first_then(item, self._log, reject))
-            elif isinstance(action, Bind) and action.backend in held_back:
-                # Its quota is judged on a view that may not know yet what the
-                # previous binder spent: it waits (held) for the view.
-                waiting.add(action.backend)
-            elif isinstance(action, Bind):
-                gone.add(action.ref)
-                self._bind(item, action, now, term)
             elif isinstance(action, AskPreemption):
                 self._maybe_preempt(item, action, now)
             elif isinstance(action, Wait):
