@@ -270,8 +270,8 @@ class _Round:
         """``item``'s decision (and a preemption ask before a wait), using up
         what it takes for the requests after it."""
         request, views, now = item.request, self.views, self.now
-        candidates, note = _affordable(request, views, self.policy, self.today)
         budget = budget_of(request.tenant, self.policy.budgets)
+        candidates, note = _affordable(request, budget, views, self.policy, self.today)
         if not candidates and self.policy.routes.get(request.route) and budget is not None:
             spent = self.today.get(request.tenant, 0.0)
             priced = [views[n] for n in self.policy.routes[request.route] if n in views]
@@ -289,16 +289,15 @@ class _Round:
         if expire is not None:
             return [_noted(expire, note)]
         seen = _probe_turn(request, candidates, views, self.floors)
-        if _full_for(item, candidates, seen, self.policy):
+        patient = _patient(item, self.policy)
+        if _full_for(item, patient, candidates, seen):
             # What the choice below answers then, without its predictions: a
             # held backlog is mostly this, and a round plans all of it.
             return self._wait_full(item, candidates, note)
         cost = _reservation(request, candidates, views, self.policy)
         rules = self.policy.rules.get(request.route, _CHEAPEST)
         overdue = _overdue(item, views, now)
-        pick = choose_in_time(
-            _patient(item, self.policy), candidates, seen, cost, now, rules=rules, overdue=overdue
-        )
+        pick = choose_in_time(patient, candidates, seen, cost, now, rules=rules, overdue=overdue)
         fallback = request.fallback
         if (
             isinstance(pick.backend, NoRoom)
@@ -320,7 +319,7 @@ class _Round:
                 )
                 return [_noted(Wait(ref=item.ref, backends=tuple(candidates), reason=reason), note)]
             pick = choose_in_time(
-                _unexcluded(_patient(item, self.policy)),
+                _unexcluded(patient),
                 candidates,
                 seen,
                 cost,
@@ -330,7 +329,7 @@ class _Round:
             )
         if isinstance(pick.backend, NoRoom):
             return self._wait(item, pick, candidates=candidates, seen=seen, cost=cost, note=note)
-        return [_noted(self._bind(item, pick, pick.backend, cost), note)]
+        return [_noted(self._bind(item, pick, pick.backend, cost, budget), note)]
 
     def _wait_full(self, item: Waiting, candidates: Sequence[str], note: str) -> list[Action]:
         """:meth:`_wait` for a request every capable slot of which is taken
@@ -379,9 +378,11 @@ class _Round:
         actions.append(_noted(wait, note))
         return actions
 
-    def _bind(self, item: Waiting, pick: Pick, choice: str, cost: Cost) -> Bind:
+    def _bind(
+        self, item: Waiting, pick: Pick, choice: str, cost: Cost, budget: Budget | None
+    ) -> Bind:
         """Bind ``item`` to ``choice``: its slot, its quota and its tenant's
-        budget are used up for the rest of the round."""
+        ``budget`` are used up for the rest of the round."""
         request, now = item.request, self.now
         view = self.views[choice]
         # Tokens are reserved where a token limit applies; elsewhere the
@@ -398,7 +399,7 @@ class _Round:
             BIND_REASON if not passed else _passed_reason(passed, f"bound to {choice}")
         )
         price = estimated_cost(request, view)
-        if view.paid and budget_of(request.tenant, self.policy.budgets) is not None:
+        if view.paid and budget is not None:
             self.today[request.tenant] = self.today.get(request.tenant, 0.0) + price
         return Bind(
             ref=item.ref,
@@ -425,12 +426,13 @@ def _patient(item: Waiting, policy: PlanPolicy) -> InferenceRequest:
 
 def _full_for(
     item: Waiting,
+    patient: InferenceRequest,
     candidates: Sequence[str],
     seen: Mapping[str, BackendView],
-    policy: PlanPolicy,
 ) -> bool:
     """Whether ``item`` can only wait, with no prediction to make: it has no
-    deadline (nor a level's patience, which lends it one), and some capable
+    deadline (``patient``, its :func:`_patient` request: nor a level's
+    patience, which lends it one), and some capable
     candidate exists but every capable slot is taken.
 
     :func:`choose_in_time` (either strategy) then finds nothing that can start,
@@ -439,7 +441,7 @@ def _full_for(
     ``NoRoom.FULL``, asking for a preemption if its level may: exactly what
     :meth:`_Round._wait` answers for it, without a prediction per candidate.
     """
-    if _patient(item, policy).deadline is not None:
+    if patient.deadline is not None:
         return False
     able = capable(item.request, candidates, seen)
     return bool(able) and all(view.free <= 0 for view in able)
@@ -507,15 +509,15 @@ def _noted(action: _Reasoned, note: str) -> _Reasoned:
 
 def _affordable(
     request: InferenceRequest,
+    budget: Budget | None,
     views: Mapping[str, BackendView],
     policy: PlanPolicy,
     spent: Mapping[str, float],
 ) -> tuple[list[str], str]:
-    """``request``'s route candidates that its tenant's budget allows
+    """``request``'s route candidates that its tenant's ``budget`` allows
     (:func:`within_budget`), and a note for its reasons when the budget left
     some out."""
     candidates = list(policy.routes.get(request.route, ()))
-    budget = budget_of(request.tenant, policy.budgets)
     if budget is None:
         return candidates, ""
     today = spent.get(request.tenant, 0.0)

@@ -273,7 +273,8 @@ def check_bounds(request: InferenceRequest, *, now: float | None = None) -> None
                 f" of the submit, not {deadline:.6g}",
                 request_id=rid,
             )
-    size = sum(len(k.encode()) + len(v.encode()) for k, v in request.metadata.items())
+    metadata = request.metadata
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in metadata.items()) if metadata else 0
     if size > MAX_METADATA_BYTES:
         raise OutOfRangeError(
             "metadata",
@@ -360,7 +361,7 @@ def _check_subject(
     forwarded copy's (``<tenant>:<id>:forwarded``, see
     :mod:`renqueue.services.router._forward`; followed by ``:<uuid4 hex>`` when
     another tenant took that id first, :func:`renqueue.broker.surely_stored`)."""
-    copy = msg_id(tenant, request.id, "forwarded")
+    copy = msg_id(tenant, request.id, "forwarded") if forwarded else ""
     if message_id is not None and not (
         message_id == msg_id(tenant, request.id)
         or (
@@ -398,6 +399,9 @@ def _check_params(request: InferenceRequest) -> None:
     Ren-Queue's own fields, and for free-form JSON nested past
     :data:`MAX_JSON_DEPTH` (adapters and providers recurse into it)."""
     params = request.params
+    schema = params.response_format.json_schema if params.response_format else None
+    if not (params.extra or params.tools or schema):
+        return  # (most requests: nothing free-form to look into)
     reserved = sorted(key for key in params.extra if key in RESERVED_EXTRA)
     if reserved:
         raise MalformedRequestError(
@@ -411,7 +415,6 @@ def _check_params(request: InferenceRequest) -> None:
             f"give {', '.join(known)[:200]} as params fields, not in params.extra",
             request_id=request.id,
         )
-    schema = params.response_format.json_schema if params.response_format else None
     nested = [
         ("params.extra", params.extra),
         *((f"params.tools[{i}].parameters", t.parameters) for i, t in enumerate(params.tools)),
@@ -523,6 +526,8 @@ def estimated_cost(request: InferenceRequest, backend: Priced) -> float:
     """US dollars a call of ``request`` may cost at ``backend`` (a config or a
     view): its estimated prompt and the most it may generate (``max_tokens``,
     else :data:`DEFAULT_MAX_TOKENS`)."""
+    if not (backend.cost_input_per_mtok or backend.cost_output_per_mtok):
+        return 0.0  # a free backend (most local ones): no prompt to estimate
     prompt = estimate_input_tokens(request)
     output = request.params.max_tokens or DEFAULT_MAX_TOKENS
     return (

@@ -146,9 +146,17 @@ def record(log: SpendLog, at: float, *, requests: int = 0, tokens: int = 0) -> S
             return log
         return SpendLog(slots=log.slots, newest=newest, ages_at=ages_at)
     start = _slot_of(at, length)
-    index = bisect.bisect_left(log.slots, (start, length), key=_key)
+    key = (start, length)
+    last = _key(log.slots[-1]) if log.slots else None
+    # The newest slot, or a new one after it, is the usual one: no search for it.
+    if last == key:
+        index = len(log.slots) - 1
+    elif last is None or last < key:
+        index = len(log.slots)
+    else:
+        index = bisect.bisect_left(log.slots, key, key=_key)
     updated = list(log.slots)
-    if index < len(updated) and _key(updated[index]) == (start, length):
+    if index < len(updated) and _key(updated[index]) == key:
         slot = updated[index]
         updated[index] = Slot(start, length, slot.requests + requests, slot.tokens + tokens)
     else:

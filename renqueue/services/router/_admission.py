@@ -10,6 +10,7 @@ event), never at a time a client wrote into the payload.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from typing import Final, NamedTuple
 
@@ -55,7 +56,8 @@ __all__ = [
 
 log = get_logger("router")
 
-_ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+#: An id (a tenant, a request id): 1 to 128 of ``A-Z a-z 0-9 - _``.
+_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 #: The most a request's JSON grows when the services encode it again (a
@@ -79,18 +81,19 @@ def admit(
     over ``max_bytes`` (:func:`~renqueue.schema.request_limit` of the broker's
     ``max_payload``) is refused: the services' own messages carrying it
     would be over the broker's limit."""
-    request_id, tenant = rejection_id(msg)
+    subject, data = msg.subject, msg.data
+    tenant = subject_token(subject, 3)
     header = str((msg.headers or {}).get("Nats-Msg-Id", ""))
-    if max_bytes is not None and len(msg.data) > max_bytes:
+    if max_bytes is not None and len(data) > max_bytes:
         too_big = MalformedRequestError(
-            f"the request is {len(msg.data)} bytes, over the {max_bytes} the broker's "
+            f"the request is {len(data)} bytes, over the {max_bytes} the broker's "
             "largest message leaves for it (send images by https URL, or smaller)"
         )
-        return Refused(request_id, tenant, too_big)
+        return Refused(rejection_id(msg)[0], tenant, too_big)
+    request: InferenceRequest | None = None
     try:
-        request = REQUEST_DECODER.decode(msg.data)
-        request_id = request.id
-        if max_bytes is not None and len(msg.data) > max_bytes // _MOST_GROWTH:
+        request = REQUEST_DECODER.decode(data)
+        if max_bytes is not None and len(data) > max_bytes // _MOST_GROWTH:
             # Numbers re-encode longer than a client may write them (``9e15``:
             # ``9000000000000000.0``): what the services write must fit too.
             size = len(encode(request))
@@ -106,12 +109,14 @@ def admit(
             tenant=tenant,
             config=config,
             message_id=header,
-            requeue=is_requeue_subject(msg.subject),
+            requeue=is_requeue_subject(subject),
             now=stored_at(msg),
-            route=route_of_subject(msg.subject),
+            route=route_of_subject(subject),
         )
     except (msgspec.DecodeError, InvalidRequestError) as exc:
         error = exc if isinstance(exc, InvalidRequestError) else MalformedRequestError(str(exc))
+        # Under the payload's id once it decodes (see rejection_id).
+        request_id = rejection_id(msg)[0] if request is None else request.id
         return Refused(request_id, tenant, error)
     return request
 
@@ -302,4 +307,4 @@ def subject_token(subject: str, index: int) -> str:
 
 
 def _is_id(text: str) -> bool:
-    return 0 < len(text) <= 128 and all(ch in _ID_OK for ch in text)
+    return _ID.fullmatch(text) is not None

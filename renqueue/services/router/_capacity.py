@@ -140,6 +140,10 @@ class Capacity:
             or now - self._at[name] >= self._refresh
             or (name in self._freed and not self._room_for(name, demand))
         ]
+        if len(due) <= 1:
+            for name in due:  # (the usual case: no task to gather one read in)
+                await self._read(name, now)
+            return
         results = await asyncio.gather(
             *(self._read(name, now) for name in due), return_exceptions=True
         )
@@ -176,12 +180,13 @@ class Capacity:
 class Slot:
     """One decided dispatch, counted by :class:`Capacity` until it is settled."""
 
-    __slots__ = ("_capacity", "_settled", "backend")
+    __slots__ = ("_capacity", "backend", "settled")
 
     def __init__(self, capacity: Capacity, backend: str) -> None:
         self._capacity = capacity
         self.backend = backend
-        self._settled = False
+        #: Settled already (read only: :meth:`stored` and :meth:`dropped` set it).
+        self.settled = False
 
     def stored(self) -> None:
         """The broker confirmed the dispatch: counted until a later read counts it."""
@@ -192,6 +197,6 @@ class Slot:
         self._settle(stored=False)
 
     def _settle(self, *, stored: bool) -> None:
-        if not self._settled:
-            self._settled = True
+        if not self.settled:
+            self.settled = True
             self._capacity._settle(self.backend, stored=stored)

@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Awaitable, Callable
-from typing import Final, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Final
 
 import msgspec
+from prometheus_client import Counter, Histogram
 
 from ... import metrics
 from ...broker import EventLog, JetStream, Message, PubAck, hop, trace_headers
@@ -75,17 +76,24 @@ _FAILURES_KEPT: Final = 10_000
 #: comes back as work is done, and the request must not fail for waiting.
 STORE_FULL_DELAY: Final = 5.0
 
-_T = TypeVar("_T")
-
-
 #: How long a dispatch whose ack has not come stays counted as on its way;
 #: then it counts as stored (nats-py never completes the ack of a publish the
 #: server refused without answering).
 _UNANSWERED_GRACE: Final = ACKS_TIMEOUT
 
 
+def _raise_failed(acks: Iterable[asyncio.Future[PubAck]]) -> None:
+    """Raise the error of the first of ``acks`` that came back one (cancelled:
+    ``CancelledError``)."""
+    for ack in acks:
+        if ack.done() and (error := ack.exception()) is not None:
+            raise error
+
+
 def _settle(slot: Slot, sent: asyncio.Future[PubAck] | None, *, backend: str) -> None:
     """Settle ``slot`` by what became of its dispatch ``sent`` (to ``backend``)."""
+    if slot.settled:
+        return  # (by ``sent``'s answer: its done callback came first)
     if sent is None or backend != slot.backend:
         slot.dropped()  # never sent, or sent elsewhere (the broker counts it there)
     elif not sent.done():
@@ -128,13 +136,14 @@ class Dispatcher:
         self._holder = holder
         self._clock = clock
         self._end_request = end_request
-        self._policies = config.level_policies()
         self._ack_wait = parse_duration(config.router.ack_wait)
         self._max_deliveries = router_max_deliveries(config.router.max_deliver)
         #: Failed dispatches seen, per ``<tenant>:<id>``.
         self._dispatch_failures: dict[str, int] = {}
         #: Requests bound (their decisions stored) by this dispatcher.
         self.routed = 0
+        #: Each (backend, priority)'s metrics series (:meth:`_series`).
+        self._metrics: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         #: The first request-stream sequence no earlier binder can have seen
         #: (set as a term begins): one below it may have been bound by one.
         self.term_first_seq = 0
@@ -148,6 +157,7 @@ class Dispatcher:
         reason: str = BIND_REASON,
         *,
         term: int,
+        effective_rank: int,
         reserved: Reserved | None = None,
         probe: bool = False,
         predicted: float | None = None,
@@ -155,6 +165,8 @@ class Dispatcher:
     ) -> None:
         """Dispatch ``item`` to the slot's backend, log the ``routed`` decision, ack it.
 
+        ``effective_rank``: the rank it competed at in the round that bound it
+        (:attr:`~renqueue.policy.Bind.effective_rank`).
         ``probe``: the backend's circuit is half-open and this call is its probe.
         Both go under per-attempt message ids, so a bind repeated for the same
         attempt stores neither twice (:meth:`_send`).
@@ -167,7 +179,7 @@ class Dispatcher:
             backend=slot.backend,
             attempt=attempt,
             routed_at=now,
-            effective_rank=item.key(now, self._policies)[0],
+            effective_rank=effective_rank,
             reserved_tokens=tokens,
             probe=probe,
         )
@@ -256,23 +268,23 @@ class Dispatcher:
             # by its own ack, not after the decision's (a slot counted twice meanwhile
             # is a slot idle: ~6 of 28 on a loaded broker, where acks took 40-120 ms).
             sent.add_done_callback(functools.partial(_settle, slot, backend=dispatch.backend))
-            shielded = asyncio.shield(sent)  # a timeout stops the wait, not the ack (finally)
+            # (A timeout stops the waits for ``sent``, never ``sent`` itself: _kept_alive.)
             if earlier is not None:
                 # Logged already (on its own, or carried by its `submitted`):
                 # nothing more to log; the reservation is that decision's.
-                await self._kept_alive(item.msg, self._acks(shielded, item.logged))
+                await self._kept_alive(item.msg, sent, item.logged, spare=sent)
                 backend = decision.backend
                 if reserved is not None:
                     reserved.logged(backend, earlier[1])
             elif maybe_bound:
-                ack = await self._kept_alive(item.msg, shielded)
+                (ack,) = await self._kept_alive(item.msg, sent, spare=sent)
                 backend = await self._log_decision(item, decision, ack, reserved)
             elif together is not None:
                 backend = await self._logged_together(
-                    item, decision, reserved, together=together, dispatched=shielded
+                    item, decision, reserved, together=together, dispatched=sent
                 )
             else:
-                backend = await self._append_decision(item, decision, reserved, shielded)
+                backend = await self._append_decision(item, decision, reserved, sent)
             await item.msg.ack()
         except Exception as exc:  # noqa: BLE001 - the request goes back to wait, nothing lost
             await self._dispatch_failed(item, exc)
@@ -284,8 +296,21 @@ class Dispatcher:
         self._dispatch_failures.pop(msg_id(request.tenant, request.id), None)
         if backend is not None:
             self.routed += 1
-            metrics.ROUTED.labels(backend, decision.priority).inc()
-            metrics.QUEUE_WAIT.labels(decision.priority).observe(decision.queue_wait)
+            routed_total, queue_wait = self._series(backend, decision.priority)
+            routed_total.inc()
+            queue_wait.observe(decision.queue_wait)
+
+    def _series(self, backend: str, priority: str) -> tuple[Counter, Histogram]:
+        """The ``routed`` and queue wait series of ``backend`` and ``priority``,
+        looked up once (``labels()`` locks and checks on each call)."""
+        series = self._metrics.get((backend, priority))
+        if series is None:
+            series = (
+                metrics.ROUTED.labels(backend, priority),
+                metrics.QUEUE_WAIT.labels(priority),
+            )
+            self._metrics[(backend, priority)] = series
+        return series
 
     async def _decision_logged(self, item: Held, attempt: int) -> tuple[Routed, int] | None:
         """For a request that may have been bound before: its first word on its
@@ -300,8 +325,7 @@ class Dispatcher:
         ``routed`` message id this bind's shares). Read sooner, it could be
         missed, and a second decision logged for the attempt."""
         await log_first(item, self._log)
-        if item.logged is not None:
-            await self._kept_alive(item.msg, asyncio.shield(item.logged))
+        await self._kept_alive(item.msg, item.logged, spare=item.logged)
         return await self._log.decision_of(item.request.tenant, item.request.id, attempt)
 
     async def _log_decision(
@@ -321,7 +345,7 @@ class Dispatcher:
                     routed, backend=backend, reason=_EARLIER_DISPATCH_REASON
                 )
         if backend is None:
-            await self._kept_alive(item.msg, self._acks(item.logged))
+            await self._kept_alive(item.msg, item.logged)
             return None
         return await self._append_decision(item, routed, reserved)
 
@@ -330,13 +354,14 @@ class Dispatcher:
         item: Held,
         routed: Routed,
         reserved: Reserved | None,
-        dispatched: Awaitable[PubAck] | None = None,
+        dispatched: asyncio.Future[PubAck] | None = None,
     ) -> str:
         """Publish ``routed`` and await it with the request's ``submitted`` (and,
         if given, its dispatch's) ack; the reservation is then the decision's."""
         logged = await self._log.append_async(routed)
-        acks = [ack for ack in (dispatched, item.logged, logged) if ack is not None]
-        *_, decision = await self._kept_alive(item.msg, asyncio.gather(*acks))
+        *_, decision = await self._kept_alive(
+            item.msg, dispatched, item.logged, logged, spare=dispatched
+        )
         if reserved is not None:
             reserved.logged(routed.backend, decision.seq)
         return routed.backend
@@ -348,7 +373,7 @@ class Dispatcher:
         reserved: Reserved | None,
         *,
         together: asyncio.Future[PubAck],
-        dispatched: Awaitable[PubAck],
+        dispatched: asyncio.Future[PubAck],
     ) -> str:
         """Await ``together``, the ``submitted`` event that carries ``routed``,
         with the dispatch's ack; the reservation is then the decision's.
@@ -358,7 +383,7 @@ class Dispatcher:
         again past the requests' duplicate window while the first still
         waits), it may not carry this decision: then ``routed`` is logged on
         its own."""
-        stored, _ = await self._kept_alive(item.msg, asyncio.gather(together, dispatched))
+        stored, _ = await self._kept_alive(item.msg, together, dispatched, spare=dispatched)
         if stored.duplicate and not await self._carries(stored.seq, routed):
             return await self._append_decision(item, routed, reserved)
         if reserved is not None:
@@ -408,11 +433,6 @@ class Dispatcher:
             return
         await self._fail_undeliverable(item, exc)
 
-    @staticmethod
-    def _acks(*acks: asyncio.Future[PubAck] | None) -> Awaitable[list[PubAck]]:
-        """The acks given (``None`` skipped), awaited together, in their order."""
-        return asyncio.gather(*(ack for ack in acks if ack is not None))
-
     async def _earlier_dispatch(
         self, request: InferenceRequest, attempt: int, seq: int
     ) -> str | None:
@@ -442,33 +462,53 @@ class Dispatcher:
             )
         return backend
 
-    async def _kept_alive(self, msg: Message, acks: Awaitable[_T]) -> _T:
-        """Await ``acks`` (the publishes of a decision) within ``ACKS_TIMEOUT``
-        (or ``router.ack_wait`` if shorter),
-        keeping ``msg``'s ack timer alive meanwhile: a slow broker must not let
-        the request be redelivered (and bound again) while its decision is
-        still on its way. An ack that never comes (nats-py reports a refused
-        ``publish_async`` only to the error callback) is a failed dispatch."""
-        loop = asyncio.get_running_loop()
-        timeout = min(ACKS_TIMEOUT, self._ack_wait)
-        deadline = loop.time() + timeout
-        interval = max(0.1, self._ack_wait / 3)
-        waiting = asyncio.ensure_future(acks)
-        try:
-            while not waiting.done():
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise TimeoutError(f"no acks for the decision within {timeout:g} s")
-                await asyncio.wait({waiting}, timeout=min(interval, remaining))
-                if not waiting.done():
-                    with contextlib.suppress(Exception):
-                        await msg.in_progress()
-            return waiting.result()
-        finally:
-            if not waiting.done():
-                waiting.cancel()
-                with contextlib.suppress(BaseException):
-                    await waiting
+    async def _kept_alive(
+        self,
+        msg: Message,
+        *acks: asyncio.Future[PubAck] | None,
+        spare: asyncio.Future[PubAck] | None = None,
+    ) -> list[PubAck]:
+        """Await ``acks`` (the publishes of a decision; ``None`` skipped) within
+        ``ACKS_TIMEOUT`` (or ``router.ack_wait`` if shorter), keeping ``msg``'s
+        ack timer alive meanwhile: a slow broker must not let the request be
+        redelivered (and bound again) while its decision is still on its way.
+        An ack that never comes (nats-py reports a refused ``publish_async``
+        only to the error callback) is a failed dispatch. Their results, in
+        their order; the first failure raised as soon as it comes.
+
+        Given up on (a timeout, or this task cancelled), the acks still
+        pending are cancelled (which frees their pending slots), all but
+        ``spare``: the dispatch's, whose own answer settles its slot
+        (:func:`_settle`), or a ``submitted`` event's ack the request's next
+        steps await again. One ``asyncio.wait`` on the acks themselves: no
+        gathering or shielding future between them and this wait."""
+        futures = [ack for ack in acks if ack is not None]
+        _raise_failed(futures)
+        pending = {ack for ack in futures if not ack.done()}
+        if pending:
+            loop = asyncio.get_running_loop()
+            timeout = min(ACKS_TIMEOUT, self._ack_wait)
+            deadline = loop.time() + timeout
+            interval = max(0.1, self._ack_wait / 3)
+            try:
+                while pending:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise TimeoutError(f"no acks for the decision within {timeout:g} s")
+                    done, pending = await asyncio.wait(
+                        pending,
+                        timeout=min(interval, remaining),
+                        return_when=asyncio.FIRST_EXCEPTION,
+                    )
+                    _raise_failed(done)
+                    if pending:
+                        with contextlib.suppress(Exception):
+                            await msg.in_progress()
+            finally:
+                for ack in pending:
+                    if ack is not spare:
+                        ack.cancel()
+        return [ack.result() for ack in futures]
 
     async def _fail_undeliverable(self, item: Held, exc: Exception) -> None:
         request = item.request

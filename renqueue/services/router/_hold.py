@@ -19,7 +19,6 @@ import msgspec
 
 from ...broker import EventLog, Message, PubAck
 from ...logs import get_logger
-from ...policy import LevelPolicy, pick_key
 from ...schema import (
     SHUTDOWN_NAK_DELAY,
     ComplexityEstimate,
@@ -91,11 +90,6 @@ class Held(msgspec.Struct, kw_only=True):
     #: The trace it arrived in (the submitting hop's span): its dispatch is
     #: sent under a span of the router's own in the same trace.
     trace: TraceParent | None = None
-
-    def key(self, now: float, policies: list[LevelPolicy]) -> tuple[int, float]:
-        return pick_key(
-            self.rank, self.submitted, now, policies, parent=self.parent, boost=self.boost
-        )
 
 
 async def log_first(item: Held, events: EventLog) -> None:

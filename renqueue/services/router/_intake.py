@@ -314,7 +314,10 @@ class Intake:
         ``Nats-Msg-Id`` names: an admitted request's own (see :func:`claimed_id`)."""
         mark = self._endings.mark()
         keys = sorted({key for msg in msgs if (key := claimed_id(msg)) is not None})
-        found = await asyncio.gather(*(self._claim_of(*key) for key in keys))
+        if len(keys) == 1:
+            found = [await self._claim_of(*keys[0])]  # (no task to gather one lookup in)
+        else:
+            found = await asyncio.gather(*(self._claim_of(*key) for key in keys))
         return Claims(dict(zip(keys, found, strict=True)), mark)
 
     async def _claim_now(self, key: tuple[str, str], claims: Claims | None) -> StoredClaim | None:
@@ -371,18 +374,15 @@ class Intake:
         # round, whose binding carries it (one stored event, not two); a round
         # that does not bind it logs it on its own (Held.logged). It says when
         # it was read, which its storing no longer does.
-        defer = (
-            request.requeues == 0
-            and msg.metadata.num_delivered == 1
-            and coalesce_key(request) is None
-        )
+        key = coalesce_key(request)
+        defer = request.requeues == 0 and msg.metadata.num_delivered == 1 and key is None
         first = schema.submitted(
             request, at=submitted, traceparent=trace.header, read=now if defer else None
         )
         logged = None if defer else await self._log.append_async(first)
         if await self._settle_on_read(msg, request, first, logged, now, since=submitted):
             return None
-        if await self._follows(msg, request, logged, now):
+        if key is not None and await self._follows(msg, request, key, logged, now):
             return None
         request, estimate = self._parts.placement.place(request, self._parts.live())
         item = Held(
@@ -568,13 +568,14 @@ class Intake:
         self,
         msg: Message,
         request: InferenceRequest,
+        key: str,
         logged: asyncio.Future[PubAck] | None,
         now: float,
     ) -> bool:
-        """Join the request's coalescing group; True if it follows another's call.
-        (One that may coalesce has its ``submitted`` event ``logged`` already.)"""
-        key = coalesce_key(request)
-        if key is None or logged is None:
+        """Join the request's coalescing group (``key``, its :func:`coalesce_key`);
+        True if it follows another's call. (One that may coalesce has its
+        ``submitted`` event ``logged`` already.)"""
+        if logged is None:
             return False
         try:
             leader = await self._coalescer.join(request, key)

@@ -65,7 +65,6 @@ from ...schema import (
     SplitChanged,
     capacity_subject,
     promoted,
-    subject_matches,
 )
 from ._asking import ask_preemption
 from ._capacity import Capacity
@@ -79,6 +78,8 @@ __all__ = ["Round"]
 
 log = get_logger("router")
 
+#: ``rq.capacity.``: a worker's word that it freed a slot of the backend named next.
+_FREED_PREFIX: Final = capacity_subject("")
 #: Seconds between rounds while nothing waits: each backend's circuit is
 #: judged (and a change logged) at least this often.
 _IDLE_ROUND: Final = 1.0
@@ -135,11 +136,13 @@ class Round:
     async def on_freed(self, msg: Message) -> None:
         """A worker freed a slot of its backend: a round may bind more."""
         # A tenant's push consumer can deliver here (its messages keep their
-        # own subjects): only rq.capacity.<backend> is a worker's word.
-        if not subject_matches(capacity_subject("*"), msg.subject):
-            misdirected("capacity", msg.subject)
+        # own subjects): only rq.capacity.<backend> (one token) is a worker's word.
+        subject = msg.subject
+        backend = subject.removeprefix(_FREED_PREFIX)
+        if backend == subject or "." in backend:
+            misdirected("capacity", subject)
             return
-        self._capacity.freed(msg.subject.rsplit(".", 1)[-1])
+        self._capacity.freed(backend)
         self._parts.wake.set()
 
     async def begin(self) -> None:
@@ -176,8 +179,10 @@ class Round:
                 # With requests waiting for room, look again after the refresh
                 # interval even if no worker announces a freed slot; with none,
                 # every second all the same (circuits move with time).
+                # (A timeout around the wait: no task to run it in, as wait_for made.)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), refresh if waiting else _IDLE_ROUND)
+                    async with asyncio.timeout(refresh if waiting else _IDLE_ROUND):
+                        await wake.wait()
                 wake.clear()
         except Exception as exc:
             self._parts.dispatching.clear()
@@ -265,7 +270,15 @@ class Round:
         gone: set[int] = set()
         for action in actions:
             item = items[action.ref]
-            if isinstance(action, Promote | Inherit):
+            if isinstance(action, Bind):  # (the usual action first)
+                if action.backend in held_back:
+                    # Its quota is judged on a view that may not know yet what
+                    # the previous binder spent: it waits (held) for the view.
+                    waiting.add(action.backend)
+                else:
+                    gone.add(action.ref)
+                    self._bind(item, action, now, term)
+            elif isinstance(action, Promote | Inherit):
                 self._announce_promotion(item, action)
             elif isinstance(action, Expire):
                 gone.add(action.ref)
@@ -288,13 +301,6 @@ class Round:
                     request=request,
                 )
                 self._inflight.spawn(first_then(item, self._log, reject))
-            elif isinstance(action, Bind) and action.backend in held_back:
-                # Its quota is judged on a view that may not know yet what the
-                # previous binder spent: it waits (held) for the view.
-                waiting.add(action.backend)
-            elif isinstance(action, Bind):
-                gone.add(action.ref)
-                self._bind(item, action, now, term)
             elif isinstance(action, AskPreemption):
                 self._maybe_preempt(item, action, now)
             elif isinstance(action, Wait):
@@ -326,6 +332,7 @@ class Round:
                 now,
                 action.reason,
                 term=term,
+                effective_rank=action.effective_rank,
                 reserved=reserved,
                 probe=action.probe,
                 predicted=action.predicted,

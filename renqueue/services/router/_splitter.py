@@ -70,6 +70,8 @@ class Splitter:
     def place(self, request: InferenceRequest, live: LiveState | None) -> InferenceRequest:
         """``request`` on the arm it goes to now (unchanged when it is on it
         already, or its route has no split)."""
+        if not self._splits:
+            return request  # (no A/B split configured: every request stays put)
         placed = on_arm(
             self._splits,
             lambda name: self.status(name, live),
