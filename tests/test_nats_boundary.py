@@ -410,6 +410,44 @@ async def test_a_request_waits_with_one_timer_and_leaves_nothing_registered(
     assert isolated_nc.client._resp_map == {}
 
 
+async def test_replies_and_acks_are_taken_as_they_are_read(isolated_nc: Connection) -> None:
+    """A request's reply and a ``publish_async`` ack are handed over by the task
+    that reads the socket, not queued for their subscription's task (a turn of
+    the event loop each): they come with those tasks stopped. A taker that
+    raises is reported to the error callback, and the connection goes on."""
+    js = isolated_nc.jetstream()
+    await js.context.add_stream(name="INLINE", subjects=["inline.>"], allow_direct=True)
+    await (await js.publish_async("inline.warm", b"x"))  # both reply inboxes subscribed
+    client = isolated_nc.client
+    assert isinstance(client, nats_boundary._Client)
+    for sid in client._inline:
+        task = client._subs[sid]._wait_for_msgs_task
+        assert task is not None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert (await js.publish("inline.a", b"x")).seq == 2  # a request: publish_acked
+    assert (await (await js.publish_async("inline.b", b"x"))).seq == 3
+    assert (await js.get_msg("INLINE", seq=3, direct=True)).data == b"x"
+
+    reported: list[Exception] = []
+
+    async def report(exc: Exception) -> None:
+        reported.append(exc)
+
+    def broken(_: Msg) -> None:
+        raise ValueError("broken")
+
+    client._error_cb = report
+    sid = next(sid for sid, take in client._inline.items() if take == client._reply_arrived)
+    client._inline[sid] = broken
+    with pytest.raises(NatsTimeoutError):
+        await isolated_nc.request("$JS.API.INFO", b"", timeout=0.5)
+    assert [str(exc) for exc in reported] == ["broken"]
+    client._inline[sid] = client._reply_arrived
+    assert (await js.publish("inline.c", b"x")).seq == 4
+
+
 def test_our_header_parser_reads_every_header_block_as_nats_py_does() -> None:
     """Our client parses received headers without nats-py's generator over
     each name's characters; the result is nats-py's for every block: names

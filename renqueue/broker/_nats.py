@@ -432,6 +432,9 @@ _CLIENT_PARTS: Final = (
     "_resp_sub_prefix",
     "_init_request_sub",
     "_request_sub_callback",
+    "_process_msg",  # _Client overrides it: replies and acks taken inline
+    "_build_message",
+    "stats",
     "_request_new_style",  # what request() calls: _Client overrides it
     "_parse_header_lines",  # what _process_headers calls: _Client overrides it
     "_process_headers",
@@ -618,11 +621,22 @@ class _Context(_JetStreamContext):
             text = f"a reply to a publish that is not an ack: {type(exc).__name__}: {exc}"
             raise nats.errors.Error(text) from exc
 
+    async def _init_async_reply(self) -> None:
+        await super()._init_async_reply()
+        if isinstance(self._nc, _Client):
+            assert self._async_reply_prefix
+            self._nc.take_inline(self._async_reply_prefix, self._ack_arrived)
+
     async def _handle_async_reply(self, msg: _Msg) -> None:
+        """What nats-py's subscription calls (a client not a :class:`_Client`)."""
+        self._ack_arrived(msg)
+
+    def _ack_arrived(self, msg: _Msg) -> None:
         """An ack (or an error) for a publish of this context: ends its future.
 
-        nats-py 2.16's, but the ack read with msgspec, and an error ending the
-        future instead of escaping (nats-py's ``APIError.from_error`` raises)."""
+        nats-py 2.16's ``_handle_async_reply``, but the ack read with msgspec,
+        and an error ending the future instead of escaping (nats-py's
+        ``APIError.from_error`` raises)."""
         # The token is the reply subject's tail, as nats-py reads it.
         token = msg.subject[len(self._async_reply_prefix or b"") :]
         future = self._publish_async_futures.get(token)
@@ -679,6 +693,62 @@ class _Client(_NatsPyClient):
 
     #: The first connect's task, and the cancellations it had when it began.
     _connecting_in: tuple[asyncio.Task[Any], int] | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Subscriptions (by sid) whose messages are handed over as they are
+        #: read (:meth:`take_inline`).
+        self._inline: dict[int, Callable[[_Msg], None]] = {}
+
+    async def _init_request_sub(self) -> None:
+        await super()._init_request_sub()
+        assert self._resp_sub_prefix
+        self.take_inline(self._resp_sub_prefix, self._reply_arrived)
+
+    def take_inline(self, prefix: bytearray, take: Callable[[_Msg], None]) -> None:
+        """Hand each message of the subscription on ``<prefix>*`` (made just
+        before: requests' replies, ``publish_async`` acks) to ``take`` as it is
+        read, in the reading task.
+
+        In nats-py each went into the subscription's queue, for its task to
+        wake up (a turn of the event loop) and call its callback (a
+        coroutine), which then woke the task waiting for it (another turn):
+        on every request's reply and every publish's ack. ``take`` only ends a
+        future: it never waits, nor does it need the order a queue keeps
+        (messages are still taken in the order they are read)."""
+        subject = prefix.decode() + "*"
+        for sid, sub in self._subs.items():
+            if sub.subject == subject:
+                self._inline[sid] = take
+
+    def _reply_arrived(self, msg: _Msg) -> None:
+        """nats-py 2.16's ``_request_sub_callback``: a reply ends its request's future."""
+        future = self._resp_map.get(msg.subject[len(self._resp_sub_prefix or b"") :])
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    async def _process_msg(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
+    ) -> None:
+        """nats-py 2.16's, but a message of a subscription taken inline
+        (:meth:`take_inline`) is handed over at once; an error its taker raises
+        goes to the error callback, as one from a subscription's callback."""
+        take = self._inline.get(sid)
+        if take is None:
+            await super()._process_msg(sid, subject, reply, data, headers)
+            return
+        stats = self.stats
+        stats["in_msgs"] += 1
+        stats["in_bytes"] += len(data)
+        sub = self._subs.get(sid)
+        if sub is None:  # unsubscribed meanwhile
+            return
+        sub._received += 1
+        hdr = await self._process_headers(headers) if headers else None
+        try:
+            take(self._build_message(sid, subject, reply, data, hdr))
+        except Exception as exc:  # noqa: BLE001 - as nats-py's subscription task does
+            await self._error_cb(exc)
 
     async def connect(self, *args: Any, **kwargs: Any) -> None:
         task = asyncio.current_task()
