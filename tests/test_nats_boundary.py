@@ -33,6 +33,7 @@ from renqueue.broker._nats import (
     STREAM_NOT_FOUND,
     JetStreamApi,
     PullSubscription,
+    StoredMessage,
     _Client,
     _pub_ack,
     _require_nats_py_parts,
@@ -223,6 +224,48 @@ async def test_missing_things_are_not_found(isolated_js: JetStream) -> None:
     with pytest.raises(NatsNotFoundError):
         await kv.get("absent")
     assert await kv.latest("absent") is None
+
+
+async def test_our_last_message_direct_get_is_nats_pys(isolated_nc: Connection) -> None:
+    """A ``last_by_subj`` direct get is ours (one request, read straight into a
+    ``StoredMessage``): for every answer the same result as through nats-py's
+    ``get_msg``, and the same errors (ours) as :func:`translate` makes of
+    nats-py's: a 404, no responders (no direct gets on the stream), a stream
+    name nats-py refuses."""
+    js = isolated_nc.jetstream()
+    context = js.context
+    await context.add_stream(name="DG", subjects=["dg.>"], allow_direct=True)
+    await context.add_stream(name="NODG", subjects=["nodg.>"])
+    await js.publish("dg.a", b"first")
+    await js.publish("dg.a", b"last", headers={"Rq-X": "y", "Nats-Msg-Id": "m1"})
+    await js.publish("dg.b", b"")
+
+    async def theirs(stream: str, subject: str) -> StoredMessage | BaseException:
+        try:
+            return StoredMessage.of(await context.get_msg(stream, subject=subject, direct=True))
+        except Exception as exc:
+            return translate(exc)
+
+    async def ours(stream: str, subject: str) -> StoredMessage | BaseException:
+        try:
+            return await js.get_last_msg(stream, subject, direct=True)
+        except Exception as exc:
+            return exc
+
+    cases = [("DG", "dg.a"), ("DG", "dg.b"), ("DG", "dg.none"), ("NODG", "nodg.a")]
+    cases += [("D.G", "dg.a"), ("", "dg.a"), ("D G", "dg.a")]
+    for stream, subject in cases:
+        mine, reference = await ours(stream, subject), await theirs(stream, subject)
+        if isinstance(reference, BaseException):
+            assert type(mine) is type(reference), (stream, subject, mine, reference)
+            assert str(mine) == str(reference)
+        else:
+            assert mine == reference, (stream, subject)
+    found = await js.get_msg("DG", subject="dg.a", direct=True)
+    assert (found.data, found.seq, found.subject) == (b"last", 2, "dg.a")
+    assert found.headers is not None
+    assert found.headers["Rq-X"] == "y"
+    assert found.time is not None
 
 
 async def test_a_publish_no_stream_stores_has_no_responders(isolated_js: JetStream) -> None:

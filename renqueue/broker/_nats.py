@@ -39,6 +39,7 @@ import contextlib
 import datetime
 import itertools
 import json
+import re
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
@@ -845,6 +846,60 @@ async def _request(
         responses.pop(key, None)
 
 
+#: What nats-py 2.16 refuses in a stream's name (``nats.js.manager``).
+_BAD_STREAM_NAME: Final = re.compile(r"[>*. /\\\t\r\n]")
+#: The texts of the errors a direct get's status replies become (as
+#: :func:`translate` words nats-py's), made once.
+_NO_RESPONDERS_TEXT: Final = str(nats.errors.NoRespondersError())
+_NOT_FOUND_TEXT: Final = str(nats.js.errors.NotFoundError())
+
+
+async def _last_direct(context: _Context, stream: str, subject: str) -> StoredMessage:
+    """The last message stored on ``subject`` in ``stream``, by a direct get:
+    nats-py 2.16's ``get_msg(stream, subject=subject, direct=True)``, the same
+    request, reply and errors, read straight into a :class:`StoredMessage`.
+
+    nats-py checks the stream's name a character at a time (a generator), dumps
+    an empty JSON body it then drops, and raises a 404 as an exception that
+    :func:`translate` reads (three objects and their text): on several gets a
+    request (terminal and run claims, last chunks), most of them 404s. A reply
+    without the ``Nats-Subject`` header (nats-py: a ``KeyError``) is a
+    :class:`NatsError`."""
+    if not stream or _BAD_STREAM_NAME.search(stream):
+        raise ValueError(
+            f"nats: invalid stream name: {stream!r}" if stream else "nats: stream name is required"
+        )
+    api_subject = f"{context._prefix}.DIRECT.GET.{stream}.{subject}"
+    try:
+        msg = await _request(context._nc, api_subject, b"", context._timeout, None)
+    except nats.errors.Error as exc:
+        raise translate(exc) from exc
+    headers = msg.headers or {}
+    status = headers.get(_STATUS)
+    if status == _NO_RESPONDERS:  # what nats-py's request() checks first
+        raise NatsNoRespondersError(_NO_RESPONDERS_TEXT)
+    data = msg.data
+    if status and not data:
+        if status == "404":
+            raise NatsNotFoundError(_NOT_FOUND_TEXT)
+        try:
+            nats.js.errors.APIError.from_msg(msg)  # raises the typed error
+        except nats.errors.Error as exc:
+            raise translate(exc) from exc
+    stored_on = headers.get("Nats-Subject")
+    if stored_on is None:
+        raise NatsError(f"a reply to a direct get of {api_subject} without Nats-Subject")
+    seq = headers.get("Nats-Sequence")
+    stamp = headers.get("Nats-Time-Stamp")
+    return StoredMessage(
+        int(seq) if seq else 0,
+        stored_on,
+        data or b"",
+        msg.headers,
+        RawStreamMsg._parse_utc_iso(stamp) if stamp else None,
+    )
+
+
 class Message:
     """One message delivered to a subscription or a pull consumer."""
 
@@ -1206,6 +1261,9 @@ class JetStream:
         next: bool = False,
     ) -> StoredMessage:
         """One stored message; :class:`NatsNotFoundError` if there is none."""
+        context = self._js
+        if direct and subject and seq is None and not next and isinstance(context, _Context):
+            return await _last_direct(context, stream_name, subject)
         return StoredMessage.of(
             await _call(
                 self._js.get_msg(stream_name, seq=seq, subject=subject, direct=direct, next=next)
@@ -1216,6 +1274,9 @@ class JetStream:
         self, stream_name: str, subject: str, direct: bool = False
     ) -> StoredMessage:
         """The last message stored on ``subject``; :class:`NatsNotFoundError` if none."""
+        context = self._js
+        if direct and subject and isinstance(context, _Context):
+            return await _last_direct(context, stream_name, subject)
         return StoredMessage.of(
             await _call(self._js.get_last_msg(stream_name, subject, direct=direct))
         )
