@@ -491,6 +491,61 @@ async def test_replies_and_acks_are_taken_as_they_are_read(isolated_nc: Connecti
     assert (await js.publish("inline.c", b"x")).seq == 4
 
 
+async def test_our_publish_queues_what_nats_pys_does(isolated_nc: Connection) -> None:
+    """Our client's ``publish`` is nats-py's in one call: for every subject,
+    reply, payload and headers the same bytes queued, or the same error; and in
+    every state of the client the same refusal (closed, draining, reconnecting
+    with a buffer disabled or full) or the same bytes buffered."""
+    client = isolated_nc.client
+    cases: list[tuple[str, bytes, str, dict[str, str] | None]] = [
+        ("a.b", b"x", "", None),
+        ("a.b", b"", "_INBOX.r", None),
+        ("a.b", b"\x00\xff" * 50, "_INBOX.r", {"Nats-Msg-Id": "t:r:routed:1"}),
+        ("a.b", b"x", "", {" Key ": " value\r\nwith breaks ", "": "skipped", "é": "x"}),
+        ("a.b", b"x", "", {"bad key": "x"}),
+        ("a.b", b"x", "", {"Rq-Tenant": "tenant-é", "Rq-Empty": ""}),
+        ("a.b", b"x", "", {}),
+        ("", b"x", "", None),
+        ("a b", b"x", "", None),
+        ("a.b\r\nPUB x 1", b"x", "", None),
+        ("a.b", b"x", "bad reply", None),
+        ("a.b", b"x" * (client.max_payload + 1), "", None),
+    ]
+
+    ours_of = nats_boundary._Client.publish
+
+    async def queued(publish: Any, nc: Client, case: Any) -> bytes | str:
+        try:
+            await publish(nc, *case[:3], headers=case[3])
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return bytes(nc._pending[-1])  # the flusher has not run: nothing awaited since
+
+    for case in cases:
+        assert await queued(ours_of, client, case) == await queued(Client.publish, client, case), (
+            case
+        )
+
+    def unconnected(status: int, buffer: int, *, skip: bool = False) -> Client:
+        made = nats_boundary._Client()
+        made._status = status
+        made._max_pending_size = buffer
+        made._skip_subject_validation = skip
+        return made
+
+    states = [Client.CLOSED, Client.DRAINING_PUBS, Client.DRAINING_SUBS, Client.RECONNECTING]
+    for status in states:
+        for buffer in (0, 30, 1 << 20):
+            for case in cases[:3]:
+                ours = await queued(ours_of, unconnected(status, buffer), case)
+                theirs = await queued(Client.publish, unconnected(status, buffer), case)
+                assert ours == theirs, (status, buffer, case)
+    for case in cases[7:11]:
+        ours = await queued(ours_of, unconnected(0, 1 << 20, skip=True), case)
+        theirs = await queued(Client.publish, unconnected(0, 1 << 20, skip=True), case)
+        assert ours == theirs, case
+
+
 def test_our_header_parser_reads_every_header_block_as_nats_py_does() -> None:
     """Our client parses received headers without nats-py's generator over
     each name's characters; the result is nats-py's for every block: names
