@@ -240,8 +240,8 @@ def _refuse_oversized(
     server counts both and closes the connection of a client that sends more
     (``maximum payload exceeded``), after which nats-py does not reconnect:
     one oversized message would cut every loop of the process off."""
-    size = wire_size(payload, headers)
-    if size > connection.max_payload:
+    size = wire_size(payload, headers) if headers else len(payload)
+    if size > connection._nc._max_payload:  # not through two properties: on every publish
         raise NatsPayloadTooLargeError(
             f"a message of {size} bytes (headers included) is over the server's "
             f"max_payload of {connection.max_payload}"
@@ -412,16 +412,14 @@ def _pub_ack(data: bytes) -> PubAck:
     )
 
 
+#: The last token of a reply subject, after its context's or its client's own
+#: prefix (which holds a NUID of its own), is the next of these in hex
+#: (``format(next(_TOKENS), "x")``, written out where it is used: a call less
+#: on every request): unique within the process, and not as long as nats-py's
+#: NUIDs (22 characters, 26 with its random bytes), so never one of theirs.
+#: nats-py draws a NUID (a loop over its characters) and two random bytes (a
+#: ``urandom`` system call) per request.
 _TOKENS: Final = itertools.count(1)
-
-
-def _reply_token() -> str:
-    """The last token of a reply subject, after its context's or its client's
-    own prefix (which holds a NUID of its own): unique within the process, and
-    not as long as nats-py's NUIDs (22 characters, 26 with its random bytes),
-    so never one of theirs. nats-py draws a NUID (a loop over its characters)
-    and two random bytes (a ``urandom`` system call) per request."""
-    return format(next(_TOKENS), "x")
 
 
 #: nats-py's private parts this module relies on (``pyproject.toml`` pins 2.16),
@@ -537,7 +535,7 @@ class _Context(_JetStreamContext):
     and turns of the event loop; here (measured in ``bench/pipeline.py``):
     one future per publish (an :class:`_AckFuture`, registered where
     nats-py's reply handler finds it); its token a counter
-    (:func:`_reply_token`); acks read with msgspec; and a
+    (:data:`_TOKENS`); acks read with msgspec; and a
     publish that waits for its ack (:meth:`publish_acked`) is a request
     with one timer (:func:`_request`), instead of nats-py's request (a
     future, a done callback, ``wait_for``'s future and timer).
@@ -580,7 +578,7 @@ class _Context(_JetStreamContext):
                 await asyncio.wait_for(slots.acquire(), timeout=wait_stall)
         except (TimeoutError, asyncio.CancelledError):
             raise nats.js.errors.TooManyStalledMsgsError from None
-        key = _reply_token()
+        key = format(next(_TOKENS), "x")
         inbox = self._async_reply_prefix[:]
         inbox.extend(key.encode())
         future = _AckFuture()
@@ -708,7 +706,7 @@ class _Client(_NatsPyClient):
     done callback, draws a NUID and two random bytes (a ``urandom`` system
     call) for the reply subject, and waits under ``asyncio.wait_for`` (a
     future, a timer and a callback more): on every direct get and JetStream
-    API call. Here: a counter's token (:func:`_reply_token`), the future
+    API call. Here: a counter's token (:data:`_TOKENS`), the future
     registered where nats-py's reply handler finds it, one timer; the same
     errors (``nats.errors.TimeoutError`` after ``timeout``, a draining
     connection refused).
@@ -918,7 +916,7 @@ async def _request(
     if not nc._resp_sub_prefix:
         await nc._init_request_sub()
     assert nc._resp_sub_prefix
-    key = _reply_token()
+    key = format(next(_TOKENS), "x")
     inbox = nc._resp_sub_prefix[:]
     inbox.extend(key.encode())
     loop = asyncio.get_running_loop()
@@ -1479,7 +1477,7 @@ class Connection:
     @property
     def max_payload(self) -> int:
         """The server's largest message (headers and payload), in bytes."""
-        return int(self._nc.max_payload)
+        return self._nc._max_payload
 
     def jetstream(self, *, timeout: float | None = None) -> JetStream:
         """This connection's JetStream context; with ``timeout`` (seconds per
