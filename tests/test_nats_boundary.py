@@ -431,12 +431,13 @@ def test_an_ack_is_read_as_nats_py_reads_it() -> None:
     assert _pub_ack(b'{"stream":"S","seq":"7"}').seq == "7"  # nats-py's reading, as it was
 
 
-async def test_a_request_waits_with_one_timer_and_leaves_nothing_registered(
+async def test_requests_wait_under_one_timer_and_leave_nothing_registered(
     isolated_nc: Connection,
 ) -> None:
     """Our client's requests (direct gets, JetStream API calls) wait for their
-    reply with one timer instead of nats-py's ``wait_for``: the reply comes,
-    a silent responder is a timeout, and no request stays registered."""
+    reply under the client's one timer instead of a ``wait_for`` each: the
+    reply comes, a silent responder is a timeout at its own deadline, and no
+    request stays registered."""
 
     async def echo(msg: Message) -> None:
         await msg.respond(b"re:" + msg.data)
@@ -451,6 +452,18 @@ async def test_a_request_waits_with_one_timer_and_leaves_nothing_registered(
     with pytest.raises(NatsTimeoutError):
         await isolated_nc.request("silent", b"x", timeout=0.2)
     assert isolated_nc.client._resp_map == {}
+    # One timer for all: a request whose deadline comes first still ends at it,
+    # with one of a later deadline waiting, which then ends at its own.
+    longer = asyncio.ensure_future(isolated_nc.request("silent", b"x", timeout=3.0))
+    await asyncio.sleep(0)
+    async with asyncio.timeout(20):  # a guard: the earlier deadline must not wait for the later
+        with pytest.raises(NatsTimeoutError):
+            await isolated_nc.request("silent", b"x", timeout=0.1)
+        assert not longer.done()
+        with pytest.raises(NatsTimeoutError):
+            await longer
+    assert isolated_nc.client._resp_map == {}
+    assert nats_boundary._DEADLINES[isolated_nc.client]._waiting == {}
 
 
 async def test_replies_and_acks_are_taken_as_they_are_read(isolated_nc: Connection) -> None:

@@ -537,8 +537,8 @@ class _Context(_JetStreamContext):
     nats-py's reply handler finds it); its token a counter
     (:data:`_TOKENS`); acks read with msgspec; and a
     publish that waits for its ack (:meth:`publish_acked`) is a request
-    with one timer (:func:`_request`), instead of nats-py's request (a
-    future, a done callback, ``wait_for``'s future and timer).
+    without a timer of its own (:func:`_request`), instead of nats-py's
+    request (a future, a done callback, ``wait_for``'s future and timer).
     """
 
     def __init__(self, conn: _NatsPyClient, **params: Any) -> None:
@@ -610,7 +610,7 @@ class _Context(_JetStreamContext):
     ) -> PubAck:
         """Publish and wait up to ``timeout`` for the ack, as nats-py's ``publish``
         (the same errors), as a request on the client's one reply subscription
-        with one future and one timer (:func:`_request`). Not on this
+        with one future and no timer of its own (:func:`_request`). Not on this
         context's asynchronous acks' subscription: a context made per call
         (``Connection.jetstream(timeout=...)``) would subscribe once more per
         context, for the connection's life. It takes none of
@@ -693,13 +693,67 @@ def _header_block(headers: Mapping[str, str]) -> bytes:
 
 
 def _expire_request(future: asyncio.Future[_Msg]) -> None:
-    """A request's timer: no reply in time."""
+    """A request's deadline passed: no reply in time."""
     if not future.done():
         future.set_exception(nats.errors.TimeoutError())
 
 
+class _Deadlines:
+    """When each of a client's requests stops waiting for its reply, watched by
+    one timer set for the earliest.
+
+    A timer per request (``call_later``, and its ``cancel`` when the reply
+    came: seven calls into asyncio, and the event loop's heap) cost every
+    direct get and acked publish, about five a request. Here a request is a
+    dict entry, and the timer moves only when a request's deadline comes
+    before the one it is set for: with requests of one timeout, when it goes
+    off (a deadline that, its reply come, usually no longer counts). A
+    request still ends at its deadline, not later."""
+
+    __slots__ = ("_at", "_timer", "_waiting")
+
+    def __init__(self) -> None:
+        self._waiting: dict[asyncio.Future[_Msg], float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        #: When the timer goes off.
+        self._at = 0.0
+
+    def watch(
+        self, future: asyncio.Future[_Msg], timeout: float, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """End ``future`` with ``nats.errors.TimeoutError`` in ``timeout`` seconds
+        unless it ends, or is :meth:`forget`-ten, before."""
+        deadline = loop.time() + timeout
+        self._waiting[future] = deadline
+        if self._timer is None or deadline < self._at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._at = deadline
+            self._timer = loop.call_at(deadline, self._expire, loop)
+
+    def forget(self, future: asyncio.Future[_Msg]) -> None:
+        self._waiting.pop(future, None)
+
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        waiting = self._waiting
+        now = loop.time()
+        for future in [future for future, deadline in waiting.items() if deadline <= now]:
+            del waiting[future]
+            _expire_request(future)
+        if waiting:
+            self._at = min(waiting.values())
+            self._timer = loop.call_at(self._at, self._expire, loop)
+
+
+#: Each client's :class:`_Deadlines`.
+_DEADLINES: Final[weakref.WeakKeyDictionary[_NatsPyClient, _Deadlines]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 class _Client(_NatsPyClient):
-    """nats-py's client, its requests waited for with one timer, and its
+    """nats-py's client, its requests waited for under one timer, and its
     reconnects stopped when asked.
 
     nats-py 2.16's request (``_request_new_style``) registers a future with a
@@ -707,7 +761,8 @@ class _Client(_NatsPyClient):
     call) for the reply subject, and waits under ``asyncio.wait_for`` (a
     future, a timer and a callback more): on every direct get and JetStream
     API call. Here: a counter's token (:data:`_TOKENS`), the future
-    registered where nats-py's reply handler finds it, one timer; the same
+    registered where nats-py's reply handler finds it, the client's one
+    timer for all its requests (:class:`_Deadlines`); the same
     errors (``nats.errors.TimeoutError`` after ``timeout``, a draining
     connection refused).
 
@@ -907,28 +962,32 @@ async def _request(
     headers: dict[str, Any] | None,
 ) -> _Msg:
     """nats-py 2.16's ``_request_new_style`` on ``nc`` (its one reply
-    subscription, its registry of requests), with a counter's token and one
-    timer: the reply, ``nats.errors.TimeoutError`` after ``timeout``, a
-    draining connection refused. A no-responders status is the reply (its
-    caller reads it), as in nats-py."""
-    if nc.is_draining_pubs:
+    subscription, its registry of requests), with a counter's token and the
+    client's one timer (:class:`_Deadlines`): the reply,
+    ``nats.errors.TimeoutError`` after ``timeout``, a draining connection
+    refused. A no-responders status is the reply (its caller reads it), as
+    in nats-py."""
+    if nc._status == _DRAINING_PUBS:  # nats-py's is_draining_pubs
         raise nats.errors.ConnectionDrainingError
     if not nc._resp_sub_prefix:
         await nc._init_request_sub()
     assert nc._resp_sub_prefix
     key = format(next(_TOKENS), "x")
-    inbox = nc._resp_sub_prefix[:]
-    inbox.extend(key.encode())
     loop = asyncio.get_running_loop()
     future: asyncio.Future[_Msg] = loop.create_future()
     responses = nc._resp_map
     responses[key] = future
-    timer = loop.call_later(timeout, _expire_request, future)
+    deadlines = _DEADLINES.get(nc)
+    if deadlines is None:
+        deadlines = _DEADLINES[nc] = _Deadlines()
+    deadlines.watch(future, timeout, loop)
     try:
-        await nc.publish(subject, payload, reply=inbox.decode(), headers=headers)
+        await nc.publish(
+            subject, payload, reply=nc._resp_sub_prefix.decode() + key, headers=headers
+        )
         return await future
     finally:
-        timer.cancel()
+        deadlines.forget(future)
         responses.pop(key, None)
 
 
