@@ -559,6 +559,33 @@ async def test_our_publish_queues_what_nats_pys_does(isolated_nc: Connection) ->
         assert ours == theirs, case
 
 
+def test_our_metadata_is_nats_pys() -> None:
+    """A delivery's metadata read from its ack subject is nats-py's: with a
+    domain or without, and the same error (ours) for what is not an ack subject."""
+    replies = [
+        "$JS.ACK.RQ_EVENTS.rq-projector.1.42.17.1765000000123456789.0",
+        "$JS.ACK.S.c.3.1.1.1700000000000000000.12",
+        "$JS.ACK.hub.ACCHASH.S.c.2.5.4.1700000000000000000.0.rand",
+        "$JS.ACK._.ACCHASH.S.c.2.5.4.1700000000000000000.0",
+        "",
+        "_INBOX.abc.1",
+        "$JS.ACK.S.c.3.1.1.1700000000000000000",
+        "$JS.NAK.S.c.3.1.1.1700000000000000000.12",
+    ]
+    for reply in replies:
+        try:
+            theirs: object = Msg.Metadata._from_reply(reply)
+        except nats.errors.Error as exc:
+            theirs = type(translate(exc))
+        try:
+            ours: object = nats_boundary._metadata_of(reply)
+        except NatsError as exc:
+            ours = type(exc)
+        assert ours == theirs, reply
+    with pytest.raises(NatsError):
+        _ = Message(Msg(None, subject="s", reply="")).metadata  # type: ignore[arg-type]
+
+
 def test_our_header_parser_reads_every_header_block_as_nats_py_does() -> None:
     """Our client parses received headers without nats-py's generator over
     each name's characters; the result is nats-py's for every block: names

@@ -1045,6 +1045,35 @@ async def _last_direct(context: _Context, stream: str, subject: str) -> StoredMe
     )
 
 
+_SequencePair: Final = MessageMetadata.SequencePair
+#: Tokens of an ack subject without a domain:
+#: ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>``.
+_ACK_TOKENS: Final = 9
+
+
+def _metadata_of(reply: str) -> MessageMetadata:
+    """nats-py 2.16's ``Msg.metadata`` of a delivery whose ack subject is
+    ``reply``: the same fields, the same errors (ours). The form without a
+    domain (what our streams deliver) is read here, two calls fewer on every
+    delivery; any other by nats-py (a test compares them)."""
+    tokens = reply.split(".")
+    if len(tokens) == _ACK_TOKENS and tokens[0] == "$JS" and tokens[1] == "ACK":
+        return MessageMetadata(
+            sequence=_SequencePair(stream=int(tokens[5]), consumer=int(tokens[6])),
+            num_pending=int(tokens[8]),
+            num_delivered=int(tokens[4]),
+            timestamp=datetime.datetime.fromtimestamp(
+                int(tokens[7]) / 1_000_000_000.0, datetime.UTC
+            ),
+            stream=tokens[2],
+            consumer=tokens[3],
+        )
+    try:
+        return MessageMetadata._from_reply(reply)
+    except nats.errors.Error as exc:
+        raise translate(exc) from exc
+
+
 class Message:
     """One message delivered to a subscription or a pull consumer."""
 
@@ -1065,10 +1094,7 @@ class Message:
         """The JetStream delivery's metadata; :class:`NatsError` if it is not one."""
         meta = self._meta
         if meta is None:
-            try:
-                meta = self._meta = self._msg.metadata
-            except nats.errors.Error as exc:
-                raise translate(exc) from exc
+            meta = self._meta = _metadata_of(self.reply)
         return meta
 
     async def ack(self) -> None:
