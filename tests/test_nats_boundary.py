@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import nats.aio.client
 import nats.aio.subscription
 import nats.aio.transport
 import nats.errors
@@ -415,6 +416,19 @@ def test_a_nats_py_whose_close_parts_moved_fails_at_start(
     monkeypatch.setattr(nats_boundary, "_CHECKED", set())
     with pytest.raises(RuntimeError, match=part):
         Connection()
+
+
+@pytest.mark.parametrize(
+    "name", ["_SUBJECT_INVALID_RE", "_HEADER_KEY_RE", "_HEADER_VALUE_NEWLINES"]
+)
+def test_a_nats_py_without_the_constants_our_publish_uses_fails_naming_them(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Our client's ``publish`` uses nats-py's own subject and header patterns:
+    a nats-py without one fails when the module is imported, naming it."""
+    monkeypatch.delattr(nats.aio.client, name)
+    with pytest.raises(RuntimeError, match=f"nats.aio.client.{name}"):
+        nats_boundary._nats_py_constant(name)
 
 
 def test_an_ack_is_read_as_nats_py_reads_it() -> None:

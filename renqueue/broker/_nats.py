@@ -659,10 +659,23 @@ class _Context(_JetStreamContext):
             future.set_result(ack)
 
 
+def _nats_py_constant(name: str) -> Any:
+    """nats-py 2.16's private constant ``name`` of ``nats.aio.client``: a nats-py
+    without it fails when this module is imported, naming it (as
+    :func:`_require_nats_py_parts` does for a connection's parts)."""
+    try:
+        return getattr(nats.aio.client, name)
+    except AttributeError:
+        raise RuntimeError(
+            "this nats-py is not the one renqueue.broker relies on (pyproject.toml pins "
+            f"nats-py 2.16: its private parts): missing nats.aio.client.{name}"
+        ) from None
+
+
 #: nats-py 2.16's own patterns and states, for :meth:`_Client.publish`.
-_SUBJECT_INVALID: Final = nats.aio.client._SUBJECT_INVALID_RE
-_HEADER_KEY: Final = nats.aio.client._HEADER_KEY_RE
-_HEADER_VALUE_NEWLINES: Final = nats.aio.client._HEADER_VALUE_NEWLINES
+_SUBJECT_INVALID: Final[re.Pattern[str]] = _nats_py_constant("_SUBJECT_INVALID_RE")
+_HEADER_KEY: Final[re.Pattern[str]] = _nats_py_constant("_HEADER_KEY_RE")
+_HEADER_VALUE_NEWLINES: Final[dict[int, str]] = _nats_py_constant("_HEADER_VALUE_NEWLINES")
 _CLOSED: Final = _NatsPyClient.CLOSED
 _DRAINING_PUBS: Final = _NatsPyClient.DRAINING_PUBS
 _CONNECTED: Final = _NatsPyClient.CONNECTED
