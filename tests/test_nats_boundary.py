@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import nats.aio.client
 import nats.aio.subscription
 import nats.aio.transport
 import nats.errors
@@ -33,6 +34,7 @@ from renqueue.broker._nats import (
     STREAM_NOT_FOUND,
     JetStreamApi,
     PullSubscription,
+    StoredMessage,
     _Client,
     _pub_ack,
     _require_nats_py_parts,
@@ -225,6 +227,48 @@ async def test_missing_things_are_not_found(isolated_js: JetStream) -> None:
     assert await kv.latest("absent") is None
 
 
+async def test_our_last_message_direct_get_is_nats_pys(isolated_nc: Connection) -> None:
+    """A ``last_by_subj`` direct get is ours (one request, read straight into a
+    ``StoredMessage``): for every answer the same result as through nats-py's
+    ``get_msg``, and the same errors (ours) as :func:`translate` makes of
+    nats-py's: a 404, no responders (no direct gets on the stream), a stream
+    name nats-py refuses."""
+    js = isolated_nc.jetstream()
+    context = js.context
+    await context.add_stream(name="DG", subjects=["dg.>"], allow_direct=True)
+    await context.add_stream(name="NODG", subjects=["nodg.>"])
+    await js.publish("dg.a", b"first")
+    await js.publish("dg.a", b"last", headers={"Rq-X": "y", "Nats-Msg-Id": "m1"})
+    await js.publish("dg.b", b"")
+
+    async def theirs(stream: str, subject: str) -> StoredMessage | BaseException:
+        try:
+            return StoredMessage.of(await context.get_msg(stream, subject=subject, direct=True))
+        except Exception as exc:
+            return translate(exc)
+
+    async def ours(stream: str, subject: str) -> StoredMessage | BaseException:
+        try:
+            return await js.get_last_msg(stream, subject, direct=True)
+        except Exception as exc:
+            return exc
+
+    cases = [("DG", "dg.a"), ("DG", "dg.b"), ("DG", "dg.none"), ("NODG", "nodg.a")]
+    cases += [("D.G", "dg.a"), ("", "dg.a"), ("D G", "dg.a")]
+    for stream, subject in cases:
+        mine, reference = await ours(stream, subject), await theirs(stream, subject)
+        if isinstance(reference, BaseException):
+            assert type(mine) is type(reference), (stream, subject, mine, reference)
+            assert str(mine) == str(reference)
+        else:
+            assert mine == reference, (stream, subject)
+    found = await js.get_msg("DG", subject="dg.a", direct=True)
+    assert (found.data, found.seq, found.subject) == (b"last", 2, "dg.a")
+    assert found.headers is not None
+    assert found.headers["Rq-X"] == "y"
+    assert found.time is not None
+
+
 async def test_a_publish_no_stream_stores_has_no_responders(isolated_js: JetStream) -> None:
     with pytest.raises(NatsNoRespondersError):
         await isolated_js.publish("nobody.stores.this", b"x")
@@ -374,6 +418,19 @@ def test_a_nats_py_whose_close_parts_moved_fails_at_start(
         Connection()
 
 
+@pytest.mark.parametrize(
+    "name", ["_SUBJECT_INVALID_RE", "_HEADER_KEY_RE", "_HEADER_VALUE_NEWLINES"]
+)
+def test_a_nats_py_without_the_constants_our_publish_uses_fails_naming_them(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Our client's ``publish`` uses nats-py's own subject and header patterns:
+    a nats-py without one fails when the module is imported, naming it."""
+    monkeypatch.delattr(nats.aio.client, name)
+    with pytest.raises(RuntimeError, match=f"nats.aio.client.{name}"):
+        nats_boundary._nats_py_constant(name)
+
+
 def test_an_ack_is_read_as_nats_py_reads_it() -> None:
     """Acks are read with msgspec; a refusal raises nats-py's typed error, and a
     reply whose fields are not of the expected types is read as nats-py does."""
@@ -388,12 +445,13 @@ def test_an_ack_is_read_as_nats_py_reads_it() -> None:
     assert _pub_ack(b'{"stream":"S","seq":"7"}').seq == "7"  # nats-py's reading, as it was
 
 
-async def test_a_request_waits_with_one_timer_and_leaves_nothing_registered(
+async def test_requests_wait_under_one_timer_and_leave_nothing_registered(
     isolated_nc: Connection,
 ) -> None:
     """Our client's requests (direct gets, JetStream API calls) wait for their
-    reply with one timer instead of nats-py's ``wait_for``: the reply comes,
-    a silent responder is a timeout, and no request stays registered."""
+    reply under the client's one timer instead of a ``wait_for`` each: the
+    reply comes, a silent responder is a timeout at its own deadline, and no
+    request stays registered."""
 
     async def echo(msg: Message) -> None:
         await msg.respond(b"re:" + msg.data)
@@ -408,6 +466,138 @@ async def test_a_request_waits_with_one_timer_and_leaves_nothing_registered(
     with pytest.raises(NatsTimeoutError):
         await isolated_nc.request("silent", b"x", timeout=0.2)
     assert isolated_nc.client._resp_map == {}
+    # One timer for all: a request whose deadline comes first still ends at it,
+    # with one of a later deadline waiting, which then ends at its own.
+    longer = asyncio.ensure_future(isolated_nc.request("silent", b"x", timeout=3.0))
+    await asyncio.sleep(0)
+    async with asyncio.timeout(20):  # a guard: the earlier deadline must not wait for the later
+        with pytest.raises(NatsTimeoutError):
+            await isolated_nc.request("silent", b"x", timeout=0.1)
+        assert not longer.done()
+        with pytest.raises(NatsTimeoutError):
+            await longer
+    assert isolated_nc.client._resp_map == {}
+    assert nats_boundary._DEADLINES[isolated_nc.client]._waiting == {}
+
+
+async def test_replies_and_acks_are_taken_as_they_are_read(isolated_nc: Connection) -> None:
+    """A request's reply and a ``publish_async`` ack are handed over by the task
+    that reads the socket, not queued for their subscription's task (a turn of
+    the event loop each): they come with those tasks stopped. A taker that
+    raises is reported to the error callback, and the connection goes on."""
+    js = isolated_nc.jetstream()
+    await js.context.add_stream(name="INLINE", subjects=["inline.>"], allow_direct=True)
+    await (await js.publish_async("inline.warm", b"x"))  # both reply inboxes subscribed
+    client = isolated_nc.client
+    assert isinstance(client, nats_boundary._Client)
+    for sid in client._inline:
+        task = client._subs[sid]._wait_for_msgs_task
+        assert task is not None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert (await js.publish("inline.a", b"x")).seq == 2  # a request: publish_acked
+    assert (await (await js.publish_async("inline.b", b"x"))).seq == 3
+    assert (await js.get_msg("INLINE", seq=3, direct=True)).data == b"x"
+
+    reported: list[Exception] = []
+
+    async def report(exc: Exception) -> None:
+        reported.append(exc)
+
+    def broken(_: Msg) -> None:
+        raise ValueError("broken")
+
+    client._error_cb = report
+    sid = next(sid for sid, take in client._inline.items() if take == client._reply_arrived)
+    client._inline[sid] = broken
+    with pytest.raises(NatsTimeoutError):
+        await isolated_nc.request("$JS.API.INFO", b"", timeout=0.5)
+    assert [str(exc) for exc in reported] == ["broken"]
+    client._inline[sid] = client._reply_arrived
+    assert (await js.publish("inline.c", b"x")).seq == 4
+
+
+async def test_our_publish_queues_what_nats_pys_does(isolated_nc: Connection) -> None:
+    """Our client's ``publish`` is nats-py's in one call: for every subject,
+    reply, payload and headers the same bytes queued, or the same error; and in
+    every state of the client the same refusal (closed, draining, reconnecting
+    with a buffer disabled or full) or the same bytes buffered."""
+    client = isolated_nc.client
+    cases: list[tuple[str, bytes, str, dict[str, str] | None]] = [
+        ("a.b", b"x", "", None),
+        ("a.b", b"", "_INBOX.r", None),
+        ("a.b", b"\x00\xff" * 50, "_INBOX.r", {"Nats-Msg-Id": "t:r:routed:1"}),
+        ("a.b", b"x", "", {" Key ": " value\r\nwith breaks ", "": "skipped", "é": "x"}),
+        ("a.b", b"x", "", {"bad key": "x"}),
+        ("a.b", b"x", "", {"Rq-Tenant": "tenant-é", "Rq-Empty": ""}),
+        ("a.b", b"x", "", {}),
+        ("", b"x", "", None),
+        ("a b", b"x", "", None),
+        ("a.b\r\nPUB x 1", b"x", "", None),
+        ("a.b", b"x", "bad reply", None),
+        ("a.b", b"x" * (client.max_payload + 1), "", None),
+    ]
+
+    ours_of = nats_boundary._Client.publish
+
+    async def queued(publish: Any, nc: Client, case: Any) -> bytes | str:
+        try:
+            await publish(nc, *case[:3], headers=case[3])
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return bytes(nc._pending[-1])  # the flusher has not run: nothing awaited since
+
+    for case in cases:
+        assert await queued(ours_of, client, case) == await queued(Client.publish, client, case), (
+            case
+        )
+
+    def unconnected(status: int, buffer: int, *, skip: bool = False) -> Client:
+        made = nats_boundary._Client()
+        made._status = status
+        made._max_pending_size = buffer
+        made._skip_subject_validation = skip
+        return made
+
+    states = [Client.CLOSED, Client.DRAINING_PUBS, Client.DRAINING_SUBS, Client.RECONNECTING]
+    for status in states:
+        for buffer in (0, 30, 1 << 20):
+            for case in cases[:3]:
+                ours = await queued(ours_of, unconnected(status, buffer), case)
+                theirs = await queued(Client.publish, unconnected(status, buffer), case)
+                assert ours == theirs, (status, buffer, case)
+    for case in cases[7:11]:
+        ours = await queued(ours_of, unconnected(0, 1 << 20, skip=True), case)
+        theirs = await queued(Client.publish, unconnected(0, 1 << 20, skip=True), case)
+        assert ours == theirs, case
+
+
+def test_our_metadata_is_nats_pys() -> None:
+    """A delivery's metadata read from its ack subject is nats-py's: with a
+    domain or without, and the same error (ours) for what is not an ack subject."""
+    replies = [
+        "$JS.ACK.RQ_EVENTS.rq-projector.1.42.17.1765000000123456789.0",
+        "$JS.ACK.S.c.3.1.1.1700000000000000000.12",
+        "$JS.ACK.hub.ACCHASH.S.c.2.5.4.1700000000000000000.0.rand",
+        "$JS.ACK._.ACCHASH.S.c.2.5.4.1700000000000000000.0",
+        "",
+        "_INBOX.abc.1",
+        "$JS.ACK.S.c.3.1.1.1700000000000000000",
+        "$JS.NAK.S.c.3.1.1.1700000000000000000.12",
+    ]
+    for reply in replies:
+        try:
+            theirs: object = Msg.Metadata._from_reply(reply)
+        except nats.errors.Error as exc:
+            theirs = type(translate(exc))
+        try:
+            ours: object = nats_boundary._metadata_of(reply)
+        except NatsError as exc:
+            ours = type(exc)
+        assert ours == theirs, reply
+    with pytest.raises(NatsError):
+        _ = Message(Msg(None, subject="s", reply="")).metadata  # type: ignore[arg-type]
 
 
 def test_our_header_parser_reads_every_header_block_as_nats_py_does() -> None:

@@ -39,11 +39,13 @@ import contextlib
 import datetime
 import itertools
 import json
+import re
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
 
 import msgspec
+import nats.aio.client
 import nats.aio.subscription
 import nats.aio.transport
 import nats.errors
@@ -220,8 +222,14 @@ def wire_size(payload: bytes, headers: Mapping[str, str] | None = None) -> int:
     each ended by CRLF, and a blank line). An upper bound: nats-py trims values."""
     if not headers:
         return len(payload)
-    lines = sum(len(key.encode()) + len(str(value).encode()) + 4 for key, value in headers.items())
-    return len(payload) + len(b"NATS/1.0\r\n") + lines + 2
+    size = len(payload) + _HEADER_FRAME
+    for key, value in headers.items():  # a loop, not a generator: on every publish
+        size += len(key.encode()) + len(str(value).encode()) + 4
+    return size
+
+
+#: The header block's own bytes: ``NATS/1.0`` and its CRLF, and the blank line's.
+_HEADER_FRAME: Final = len(b"NATS/1.0\r\n") + 2
 
 
 def _refuse_oversized(
@@ -232,8 +240,8 @@ def _refuse_oversized(
     server counts both and closes the connection of a client that sends more
     (``maximum payload exceeded``), after which nats-py does not reconnect:
     one oversized message would cut every loop of the process off."""
-    size = wire_size(payload, headers)
-    if size > connection.max_payload:
+    size = wire_size(payload, headers) if headers else len(payload)
+    if size > connection._nc._max_payload:  # not through two properties: on every publish
         raise NatsPayloadTooLargeError(
             f"a message of {size} bytes (headers included) is over the server's "
             f"max_payload of {connection.max_payload}"
@@ -348,12 +356,6 @@ class _Relay(asyncio.Future[PubAck]):
             self.set_result(done.result())
 
 
-def _translated_future(future: asyncio.Future[PubAck]) -> asyncio.Future[PubAck]:
-    """A future that ends as ``future`` does, with nats-py's errors translated
-    (``future`` itself if it is one of ours already)."""
-    return future if isinstance(future, _AckFuture) else _Relay(future)
-
-
 class _AckReply(msgspec.Struct):
     """A JetStream publish ack as the server writes it (JSON): the fields
     :class:`PubAck` has, or an ``error``. Unknown fields are ignored, as
@@ -404,16 +406,14 @@ def _pub_ack(data: bytes) -> PubAck:
     )
 
 
+#: The last token of a reply subject, after its context's or its client's own
+#: prefix (which holds a NUID of its own), is the next of these in hex
+#: (``format(next(_TOKENS), "x")``, written out where it is used: a call less
+#: on every request): unique within the process, and not as long as nats-py's
+#: NUIDs (22 characters, 26 with its random bytes), so never one of theirs.
+#: nats-py draws a NUID (a loop over its characters) and two random bytes (a
+#: ``urandom`` system call) per request.
 _TOKENS: Final = itertools.count(1)
-
-
-def _reply_token() -> str:
-    """The last token of a reply subject, after its context's or its client's
-    own prefix (which holds a NUID of its own): unique within the process, and
-    not as long as nats-py's NUIDs (22 characters, 26 with its random bytes),
-    so never one of theirs. nats-py draws a NUID (a loop over its characters)
-    and two random bytes (a ``urandom`` system call) per request."""
-    return format(next(_TOKENS), "x")
 
 
 #: nats-py's private parts this module relies on (``pyproject.toml`` pins 2.16),
@@ -426,6 +426,14 @@ _CLIENT_PARTS: Final = (
     "_resp_sub_prefix",
     "_init_request_sub",
     "_request_sub_callback",
+    "_process_msg",  # _Client overrides it: replies and acks taken inline
+    "_build_message",
+    "stats",
+    "_skip_subject_validation",  # _Client.publish: nats-py's own, in one call
+    "_max_pending_size",
+    "_max_payload",
+    "_flush_queue",
+    "_flush_pending",
     "_request_new_style",  # what request() calls: _Client overrides it
     "_parse_header_lines",  # what _process_headers calls: _Client overrides it
     "_process_headers",
@@ -521,10 +529,10 @@ class _Context(_JetStreamContext):
     and turns of the event loop; here (measured in ``bench/pipeline.py``):
     one future per publish (an :class:`_AckFuture`, registered where
     nats-py's reply handler finds it); its token a counter
-    (:func:`_reply_token`); acks read with msgspec; and a
+    (:data:`_TOKENS`); acks read with msgspec; and a
     publish that waits for its ack (:meth:`publish_acked`) is a request
-    with one timer (:func:`_request`), instead of nats-py's request (a
-    future, a done callback, ``wait_for``'s future and timer).
+    without a timer of its own (:func:`_request`), instead of nats-py's
+    request (a future, a done callback, ``wait_for``'s future and timer).
     """
 
     def __init__(self, conn: _NatsPyClient, **params: Any) -> None:
@@ -564,7 +572,7 @@ class _Context(_JetStreamContext):
                 await asyncio.wait_for(slots.acquire(), timeout=wait_stall)
         except (TimeoutError, asyncio.CancelledError):
             raise nats.js.errors.TooManyStalledMsgsError from None
-        key = _reply_token()
+        key = format(next(_TOKENS), "x")
         inbox = self._async_reply_prefix[:]
         inbox.extend(key.encode())
         future = _AckFuture()
@@ -596,7 +604,7 @@ class _Context(_JetStreamContext):
     ) -> PubAck:
         """Publish and wait up to ``timeout`` for the ack, as nats-py's ``publish``
         (the same errors), as a request on the client's one reply subscription
-        with one future and one timer (:func:`_request`). Not on this
+        with one future and no timer of its own (:func:`_request`). Not on this
         context's asynchronous acks' subscription: a context made per call
         (``Connection.jetstream(timeout=...)``) would subscribe once more per
         context, for the connection's life. It takes none of
@@ -612,11 +620,22 @@ class _Context(_JetStreamContext):
             text = f"a reply to a publish that is not an ack: {type(exc).__name__}: {exc}"
             raise nats.errors.Error(text) from exc
 
+    async def _init_async_reply(self) -> None:
+        await super()._init_async_reply()
+        if isinstance(self._nc, _Client):
+            assert self._async_reply_prefix
+            self._nc.take_inline(self._async_reply_prefix, self._ack_arrived)
+
     async def _handle_async_reply(self, msg: _Msg) -> None:
+        """What nats-py's subscription calls (a client not a :class:`_Client`)."""
+        self._ack_arrived(msg)
+
+    def _ack_arrived(self, msg: _Msg) -> None:
         """An ack (or an error) for a publish of this context: ends its future.
 
-        nats-py 2.16's, but the ack read with msgspec, and an error ending the
-        future instead of escaping (nats-py's ``APIError.from_error`` raises)."""
+        nats-py 2.16's ``_handle_async_reply``, but the ack read with msgspec,
+        and an error ending the future instead of escaping (nats-py's
+        ``APIError.from_error`` raises)."""
         # The token is the reply subject's tail, as nats-py reads it.
         token = msg.subject[len(self._async_reply_prefix or b"") :]
         future = self._publish_async_futures.get(token)
@@ -640,22 +659,117 @@ class _Context(_JetStreamContext):
             future.set_result(ack)
 
 
+def _nats_py_constant(name: str) -> Any:
+    """nats-py 2.16's private constant ``name`` of ``nats.aio.client``: a nats-py
+    without it fails when this module is imported, naming it (as
+    :func:`_require_nats_py_parts` does for a connection's parts)."""
+    try:
+        return getattr(nats.aio.client, name)
+    except AttributeError:
+        raise RuntimeError(
+            "this nats-py is not the one renqueue.broker relies on (pyproject.toml pins "
+            f"nats-py 2.16: its private parts): missing nats.aio.client.{name}"
+        ) from None
+
+
+#: nats-py 2.16's own patterns and states, for :meth:`_Client.publish`.
+_SUBJECT_INVALID: Final[re.Pattern[str]] = _nats_py_constant("_SUBJECT_INVALID_RE")
+_HEADER_KEY: Final[re.Pattern[str]] = _nats_py_constant("_HEADER_KEY_RE")
+_HEADER_VALUE_NEWLINES: Final[dict[int, str]] = _nats_py_constant("_HEADER_VALUE_NEWLINES")
+_CLOSED: Final = _NatsPyClient.CLOSED
+_DRAINING_PUBS: Final = _NatsPyClient.DRAINING_PUBS
+_CONNECTED: Final = _NatsPyClient.CONNECTED
+_DRAINING_SUBS: Final = _NatsPyClient.DRAINING_SUBS
+
+
+def _header_block(headers: Mapping[str, str]) -> bytes:
+    """nats-py 2.16's header block (``_send_publish``): names trimmed, an empty
+    one skipped, one that is not a token refused, values trimmed and their
+    line breaks made spaces."""
+    lines = [b"NATS/1.0\r\n"]
+    for name, value in headers.items():
+        key = name.strip()
+        if not key:
+            continue
+        if not _HEADER_KEY.fullmatch(key):
+            raise nats.errors.BadHeaderError(key)
+        value_bytes = value.strip().translate(_HEADER_VALUE_NEWLINES).encode()
+        lines.append(b"%b: %b\r\n" % (key.encode(), value_bytes))
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
 def _expire_request(future: asyncio.Future[_Msg]) -> None:
-    """A request's timer: no reply in time."""
+    """A request's deadline passed: no reply in time."""
     if not future.done():
         future.set_exception(nats.errors.TimeoutError())
 
 
+class _Deadlines:
+    """When each of a client's requests stops waiting for its reply, watched by
+    one timer set for the earliest.
+
+    A timer per request (``call_later``, and its ``cancel`` when the reply
+    came: seven calls into asyncio, and the event loop's heap) cost every
+    direct get and acked publish, about five a request. Here a request is a
+    dict entry, and the timer moves only when a request's deadline comes
+    before the one it is set for: with requests of one timeout, when it goes
+    off (a deadline that, its reply come, usually no longer counts). A
+    request still ends at its deadline, not later."""
+
+    __slots__ = ("_at", "_timer", "_waiting")
+
+    def __init__(self) -> None:
+        self._waiting: dict[asyncio.Future[_Msg], float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        #: When the timer goes off.
+        self._at = 0.0
+
+    def watch(
+        self, future: asyncio.Future[_Msg], timeout: float, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """End ``future`` with ``nats.errors.TimeoutError`` in ``timeout`` seconds
+        unless it ends, or is :meth:`forget`-ten, before."""
+        deadline = loop.time() + timeout
+        self._waiting[future] = deadline
+        if self._timer is None or deadline < self._at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._at = deadline
+            self._timer = loop.call_at(deadline, self._expire, loop)
+
+    def forget(self, future: asyncio.Future[_Msg]) -> None:
+        self._waiting.pop(future, None)
+
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        waiting = self._waiting
+        now = loop.time()
+        for future in [future for future, deadline in waiting.items() if deadline <= now]:
+            del waiting[future]
+            _expire_request(future)
+        if waiting:
+            self._at = min(waiting.values())
+            self._timer = loop.call_at(self._at, self._expire, loop)
+
+
+#: Each client's :class:`_Deadlines`.
+_DEADLINES: Final[weakref.WeakKeyDictionary[_NatsPyClient, _Deadlines]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 class _Client(_NatsPyClient):
-    """nats-py's client, its requests waited for with one timer, and its
+    """nats-py's client, its requests waited for under one timer, and its
     reconnects stopped when asked.
 
     nats-py 2.16's request (``_request_new_style``) registers a future with a
     done callback, draws a NUID and two random bytes (a ``urandom`` system
     call) for the reply subject, and waits under ``asyncio.wait_for`` (a
     future, a timer and a callback more): on every direct get and JetStream
-    API call. Here: a counter's token (:func:`_reply_token`), the future
-    registered where nats-py's reply handler finds it, one timer; the same
+    API call. Here: a counter's token (:data:`_TOKENS`), the future
+    registered where nats-py's reply handler finds it, the client's one
+    timer for all its requests (:class:`_Deadlines`); the same
     errors (``nats.errors.TimeoutError`` after ``timeout``, a draining
     connection refused).
 
@@ -673,6 +787,117 @@ class _Client(_NatsPyClient):
 
     #: The first connect's task, and the cancellations it had when it began.
     _connecting_in: tuple[asyncio.Task[Any], int] | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Subscriptions (by sid) whose messages are handed over as they are
+        #: read (:meth:`take_inline`).
+        self._inline: dict[int, Callable[[_Msg], None]] = {}
+
+    async def _init_request_sub(self) -> None:
+        await super()._init_request_sub()
+        assert self._resp_sub_prefix
+        self.take_inline(self._resp_sub_prefix, self._reply_arrived)
+
+    def take_inline(self, prefix: bytearray, take: Callable[[_Msg], None]) -> None:
+        """Hand each message of the subscription on ``<prefix>*`` (made just
+        before: requests' replies, ``publish_async`` acks) to ``take`` as it is
+        read, in the reading task.
+
+        In nats-py each went into the subscription's queue, for its task to
+        wake up (a turn of the event loop) and call its callback (a
+        coroutine), which then woke the task waiting for it (another turn):
+        on every request's reply and every publish's ack. ``take`` only ends a
+        future: it never waits, nor does it need the order a queue keeps
+        (messages are still taken in the order they are read)."""
+        subject = prefix.decode() + "*"
+        for sid, sub in self._subs.items():
+            if sub.subject == subject:
+                self._inline[sid] = take
+
+    async def publish(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        reply: str = "",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """nats-py 2.16's ``publish`` (with its ``_send_publish`` and
+        ``_send_command``) in one call: the same checks in the same order, the
+        same errors, the same bytes queued (a test compares them), with its
+        own patterns. nats-py's made seven calls more of every publish (its
+        status properties, its subject check twice, its command builders):
+        about twelve publishes a request, acks included."""
+        if not self._skip_subject_validation:
+            if not subject or _SUBJECT_INVALID.search(subject):
+                raise nats.errors.BadSubjectError
+            if reply and _SUBJECT_INVALID.search(reply):
+                raise nats.errors.BadSubjectError
+        size = len(payload)
+        if self._status != _CONNECTED:
+            self._refuse_unconnected(size)
+        if size > self._max_payload:
+            raise nats.errors.MaxPayloadError
+        if not subject:
+            raise nats.errors.BadSubjectError
+        if headers is None:
+            command = b"%b%b\r\n" % (f"PUB {subject} {reply} {size}\r\n".encode(), payload)
+        else:
+            block = _header_block(headers)
+            line = f"HPUB {subject} {reply} {len(block)} {len(block) + size}\r\n"
+            command = b"%b%b%b\r\n" % (line.encode(), block, payload)
+        stats = self.stats
+        stats["out_msgs"] += 1
+        stats["out_bytes"] += size
+        self._pending.append(command)
+        self._pending_data_size += len(command)
+        if self._max_pending_size > 0 and self._pending_data_size > self._max_pending_size:
+            await self._flush_pending(force_flush=True)
+        if self._flush_queue is not None and self._flush_queue.empty():
+            await self._flush_pending()
+
+    def _refuse_unconnected(self, size: int) -> None:
+        """nats-py's refusals of a publish of ``size`` bytes while not connected:
+        closed, draining what is left to send, or (reconnecting) its buffer
+        disabled or full. Draining its subscriptions, it still publishes."""
+        status = self._status
+        if status == _CLOSED:
+            raise nats.errors.ConnectionClosedError
+        if status == _DRAINING_PUBS:
+            raise nats.errors.ConnectionDrainingError
+        if status != _DRAINING_SUBS and (
+            self._max_pending_size <= 0 or size + self._pending_data_size > self._max_pending_size
+        ):
+            raise nats.errors.OutboundBufferLimitError
+
+    def _reply_arrived(self, msg: _Msg) -> None:
+        """nats-py 2.16's ``_request_sub_callback``: a reply ends its request's future."""
+        future = self._resp_map.get(msg.subject[len(self._resp_sub_prefix or b"") :])
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    async def _process_msg(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
+    ) -> None:
+        """nats-py 2.16's, but a message of a subscription taken inline
+        (:meth:`take_inline`) is handed over at once; an error its taker raises
+        goes to the error callback, as one from a subscription's callback."""
+        take = self._inline.get(sid)
+        if take is None:
+            await super()._process_msg(sid, subject, reply, data, headers)
+            return
+        stats = self.stats
+        stats["in_msgs"] += 1
+        stats["in_bytes"] += len(data)
+        sub = self._subs.get(sid)
+        if sub is None:  # unsubscribed meanwhile
+            return
+        sub._received += 1
+        hdr = await self._process_headers(headers) if headers else None
+        try:
+            take(self._build_message(sid, subject, reply, data, hdr))
+        except Exception as exc:  # noqa: BLE001 - as nats-py's subscription task does
+            await self._error_cb(exc)
 
     async def connect(self, *args: Any, **kwargs: Any) -> None:
         task = asyncio.current_task()
@@ -744,65 +969,146 @@ async def _request(
     headers: dict[str, Any] | None,
 ) -> _Msg:
     """nats-py 2.16's ``_request_new_style`` on ``nc`` (its one reply
-    subscription, its registry of requests), with a counter's token and one
-    timer: the reply, ``nats.errors.TimeoutError`` after ``timeout``, a
-    draining connection refused. A no-responders status is the reply (its
-    caller reads it), as in nats-py."""
-    if nc.is_draining_pubs:
+    subscription, its registry of requests), with a counter's token and the
+    client's one timer (:class:`_Deadlines`): the reply,
+    ``nats.errors.TimeoutError`` after ``timeout``, a draining connection
+    refused. A no-responders status is the reply (its caller reads it), as
+    in nats-py."""
+    if nc._status == _DRAINING_PUBS:  # nats-py's is_draining_pubs
         raise nats.errors.ConnectionDrainingError
     if not nc._resp_sub_prefix:
         await nc._init_request_sub()
     assert nc._resp_sub_prefix
-    key = _reply_token()
-    inbox = nc._resp_sub_prefix[:]
-    inbox.extend(key.encode())
+    key = format(next(_TOKENS), "x")
     loop = asyncio.get_running_loop()
     future: asyncio.Future[_Msg] = loop.create_future()
     responses = nc._resp_map
     responses[key] = future
-    timer = loop.call_later(timeout, _expire_request, future)
+    deadlines = _DEADLINES.get(nc)
+    if deadlines is None:
+        deadlines = _DEADLINES[nc] = _Deadlines()
+    deadlines.watch(future, timeout, loop)
     try:
-        await nc.publish(subject, payload, reply=inbox.decode(), headers=headers)
+        await nc.publish(
+            subject, payload, reply=nc._resp_sub_prefix.decode() + key, headers=headers
+        )
         return await future
     finally:
-        timer.cancel()
+        deadlines.forget(future)
         responses.pop(key, None)
+
+
+#: What nats-py 2.16 refuses in a stream's name (``nats.js.manager``).
+_BAD_STREAM_NAME: Final = re.compile(r"[>*. /\\\t\r\n]")
+#: The texts of the errors a direct get's status replies become (as
+#: :func:`translate` words nats-py's), made once.
+_NO_RESPONDERS_TEXT: Final = str(nats.errors.NoRespondersError())
+_NOT_FOUND_TEXT: Final = str(nats.js.errors.NotFoundError())
+
+
+async def _last_direct(context: _Context, stream: str, subject: str) -> StoredMessage:
+    """The last message stored on ``subject`` in ``stream``, by a direct get:
+    nats-py 2.16's ``get_msg(stream, subject=subject, direct=True)``, the same
+    request, reply and errors, read straight into a :class:`StoredMessage`.
+
+    nats-py checks the stream's name a character at a time (a generator), dumps
+    an empty JSON body it then drops, and raises a 404 as an exception that
+    :func:`translate` reads (three objects and their text): on several gets a
+    request (terminal and run claims, last chunks), most of them 404s. A reply
+    without the ``Nats-Subject`` header (nats-py: a ``KeyError``) is a
+    :class:`NatsError`."""
+    if not stream or _BAD_STREAM_NAME.search(stream):
+        raise ValueError(
+            f"nats: invalid stream name: {stream!r}" if stream else "nats: stream name is required"
+        )
+    api_subject = f"{context._prefix}.DIRECT.GET.{stream}.{subject}"
+    try:
+        msg = await _request(context._nc, api_subject, b"", context._timeout, None)
+    except nats.errors.Error as exc:
+        raise translate(exc) from exc
+    headers = msg.headers or {}
+    status = headers.get(_STATUS)
+    if status == _NO_RESPONDERS:  # what nats-py's request() checks first
+        raise NatsNoRespondersError(_NO_RESPONDERS_TEXT)
+    data = msg.data
+    if status and not data:
+        if status == "404":
+            raise NatsNotFoundError(_NOT_FOUND_TEXT)
+        try:
+            nats.js.errors.APIError.from_msg(msg)  # raises the typed error
+        except nats.errors.Error as exc:
+            raise translate(exc) from exc
+    stored_on = headers.get("Nats-Subject")
+    if stored_on is None:
+        raise NatsError(f"a reply to a direct get of {api_subject} without Nats-Subject")
+    seq = headers.get("Nats-Sequence")
+    stamp = headers.get("Nats-Time-Stamp")
+    return StoredMessage(
+        int(seq) if seq else 0,
+        stored_on,
+        data or b"",
+        msg.headers,
+        RawStreamMsg._parse_utc_iso(stamp) if stamp else None,
+    )
+
+
+_SequencePair: Final = MessageMetadata.SequencePair
+#: Tokens of an ack subject without a domain:
+#: ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>``.
+_ACK_TOKENS: Final = 9
+
+
+def _metadata_of(reply: str) -> MessageMetadata:
+    """nats-py 2.16's ``Msg.metadata`` of a delivery whose ack subject is
+    ``reply``: the same fields, the same errors (ours). The form without a
+    domain (what our streams deliver) is read here, two calls fewer on every
+    delivery; any other by nats-py (a test compares them)."""
+    tokens = reply.split(".")
+    if len(tokens) == _ACK_TOKENS and tokens[0] == "$JS" and tokens[1] == "ACK":
+        return MessageMetadata(
+            sequence=_SequencePair(stream=int(tokens[5]), consumer=int(tokens[6])),
+            num_pending=int(tokens[8]),
+            num_delivered=int(tokens[4]),
+            timestamp=datetime.datetime.fromtimestamp(
+                int(tokens[7]) / 1_000_000_000.0, datetime.UTC
+            ),
+            stream=tokens[2],
+            consumer=tokens[3],
+        )
+    try:
+        return MessageMetadata._from_reply(reply)
+    except nats.errors.Error as exc:
+        raise translate(exc) from exc
 
 
 class Message:
     """One message delivered to a subscription or a pull consumer."""
 
-    __slots__ = ("_msg",)
+    __slots__ = ("_meta", "_msg", "data", "headers", "reply", "subject")
 
     def __init__(self, msg: _Msg) -> None:
         self._msg = msg
-
-    @property
-    def subject(self) -> str:
-        return self._msg.subject
-
-    @property
-    def reply(self) -> str:
-        return self._msg.reply
-
-    @property
-    def data(self) -> bytes:
-        return self._msg.data
-
-    @property
-    def headers(self) -> dict[str, str] | None:
-        return self._msg.headers
+        # Read once here (plain attributes): a property each, read on every
+        # message by several layers, cost a call per read.
+        self.subject: str = msg.subject
+        self.reply: str = msg.reply
+        self.data: bytes = msg.data
+        self.headers: dict[str, str] | None = msg.headers
+        self._meta: MessageMetadata | None = None
 
     @property
     def metadata(self) -> MessageMetadata:
         """The JetStream delivery's metadata; :class:`NatsError` if it is not one."""
-        try:
-            return self._msg.metadata
-        except nats.errors.Error as exc:
-            raise translate(exc) from exc
+        meta = self._meta
+        if meta is None:
+            meta = self._meta = _metadata_of(self.reply)
+        return meta
 
     async def ack(self) -> None:
-        await _call(self._msg.ack())
+        try:  # not through _call: a coroutine less on every message
+            await self._msg.ack()
+        except nats.errors.Error as exc:
+            raise translate(exc) from exc
 
     async def ack_sync(self, timeout: float = 1.0) -> None:  # noqa: ASYNC109 - nats-py's own
         """Ack, and wait until the broker has taken it (its consumer counts no
@@ -935,9 +1241,9 @@ class PullSubscription:
     ) -> list[Message]:
         """Up to ``batch`` messages; :class:`NatsTimeoutError` when none come within ``timeout``."""
         try:
-            msgs = await _call(self._sub.fetch(batch, timeout, heartbeat))
-        except NatsError:
-            raise
+            msgs = await self._sub.fetch(batch, timeout, heartbeat)
+        except nats.errors.Error as exc:
+            raise translate(exc) from exc
         except TimeoutError as exc:
             # nats-py raises the builtin one when the deadline passed between its
             # no-wait probe and its waiting pull (seen under load), its own otherwise.
@@ -1080,7 +1386,10 @@ class JetStream:
         context = self._js
         if isinstance(context, _Context):
             wait = context._timeout if timeout is None else timeout
-            return await _call(context.publish_acked(subject, payload, timeout=wait, headers=hdr))
+            try:  # not through _call: a coroutine less on every publish
+                return await context.publish_acked(subject, payload, timeout=wait, headers=hdr)
+            except nats.errors.Error as exc:
+                raise translate(exc) from exc
         return await _call(
             context.publish(
                 subject, payload, timeout=timeout, stream=stream, headers=headers, msg_ttl=msg_ttl
@@ -1119,7 +1428,9 @@ class JetStream:
             raise translate(exc) from exc
         except nats.errors.Error as exc:
             raise translate(exc) from exc
-        return _translated_future(future)
+        # Ours ends with our errors already; nats-py's own is relayed (a context
+        # that is not ours: an application's).
+        return future if isinstance(future, _AckFuture) else _Relay(future)
 
     async def get_msg(
         self,
@@ -1130,6 +1441,9 @@ class JetStream:
         next: bool = False,
     ) -> StoredMessage:
         """One stored message; :class:`NatsNotFoundError` if there is none."""
+        context = self._js
+        if direct and subject and seq is None and not next and isinstance(context, _Context):
+            return await _last_direct(context, stream_name, subject)
         return StoredMessage.of(
             await _call(
                 self._js.get_msg(stream_name, seq=seq, subject=subject, direct=direct, next=next)
@@ -1140,6 +1454,9 @@ class JetStream:
         self, stream_name: str, subject: str, direct: bool = False
     ) -> StoredMessage:
         """The last message stored on ``subject``; :class:`NatsNotFoundError` if none."""
+        context = self._js
+        if direct and subject and isinstance(context, _Context):
+            return await _last_direct(context, stream_name, subject)
         return StoredMessage.of(
             await _call(self._js.get_last_msg(stream_name, subject, direct=direct))
         )
@@ -1254,7 +1571,7 @@ class Connection:
     @property
     def max_payload(self) -> int:
         """The server's largest message (headers and payload), in bytes."""
-        return int(self._nc.max_payload)
+        return self._nc._max_payload
 
     def jetstream(self, *, timeout: float | None = None) -> JetStream:
         """This connection's JetStream context; with ``timeout`` (seconds per
@@ -1275,7 +1592,10 @@ class Connection:
         """Publish (core NATS: no ack). :class:`NatsPayloadTooLargeError` for a
         message over the server's ``max_payload``, headers counted."""
         _refuse_oversized(self, payload, headers)
-        await _call(self._nc.publish(subject, payload, reply=reply, headers=headers))
+        try:  # not through _call: a coroutine less on every publish
+            await self._nc.publish(subject, payload, reply=reply, headers=headers)
+        except nats.errors.Error as exc:
+            raise translate(exc) from exc
 
     async def subscribe(self, subject: str, cb: Handler, queue: str = "") -> Subscription:
         """Subscribe ``cb`` to ``subject``; it is called with each :class:`Message`."""
