@@ -221,6 +221,18 @@ async def test_a_timeline_is_the_requests_history(stack: Stack) -> None:
     assert bad_tenant.status_code == 400
 
 
+async def test_an_id_or_tenant_with_a_trailing_newline_is_refused_as_such(stack: Stack) -> None:
+    """``^...$`` matches before a final newline: ``abc\n`` passed the id check and reached
+    a lookup of a subject NATS refuses. An id is its characters and nothing after."""
+    async with console(stack) as client:
+        bad_id = await client.get("/console/api/requests/abc%0A")
+        bad_tenant = await client.get("/console/api/requests/abc", params={"tenant": "acme\n"})
+    assert bad_id.status_code == 400, bad_id.text
+    assert bad_id.json()["error"]["code"] == "invalid_id"
+    assert bad_tenant.status_code == 400, bad_tenant.text
+    assert bad_tenant.json()["error"]["code"] == "invalid_tenant"
+
+
 async def read_events(
     response: httpx.Response | AsyncIterator[str], wanted: Any, within: float = 20.0
 ) -> list[dict[str, Any]]:

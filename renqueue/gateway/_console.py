@@ -367,9 +367,9 @@ class Console:
         self._admin(request)
         request_id = request.match_info["id"]
         tenant = request.query.get("tenant", "") or "*"
-        if not ID_RE.match(request_id):
+        if not ID_RE.fullmatch(request_id):
             raise ApiError(400, "a request id is 1-128 of A-Z a-z 0-9 _ -", code="invalid_id")
-        if tenant != "*" and not ID_RE.match(tenant):
+        if tenant != "*" and not ID_RE.fullmatch(tenant):
             raise ApiError(400, "a tenant is 1-64 of A-Z a-z 0-9 _ -", code="invalid_tenant")
         events = await EventLog(self._js()).history(tenant, request_id)
         if not events:

@@ -437,7 +437,7 @@ class Gateway(Lifecycle):
     async def _origin_of(self, tenant: str, request_id: str) -> Origin:
         """The route and creation of one of the tenant's requests; 404 if the
         tenant has none by that id."""
-        if not ID_RE.match(request_id):
+        if not ID_RE.fullmatch(request_id):
             raise _no_such(request_id)
         origin = self._submissions.recent(tenant, request_id)
         if origin is not None:

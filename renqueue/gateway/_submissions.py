@@ -65,8 +65,9 @@ DISCONNECTED: Final = "client disconnected"
 #: The request metadata entry holding the body's fingerprint, for requests
 #: with an idempotency key: a key sent again with another body is refused.
 BODY_KEY: Final = "rq_body_sha256"
-#: A request id as the gateway takes it from a path or the ``rq-state`` bucket.
-ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+#: A request id as the gateway takes it from a path or the ``rq-state`` bucket (use
+#: ``fullmatch``: an id is these characters and nothing after, not even a newline).
+ID_RE: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
 #: Requests this process submitted lately, by (tenant, id): their route, so
 #: that they can be followed before a router has logged them.
 _RECENT: Final = 10_000
@@ -697,7 +698,7 @@ class Submissions:
         except NatsNotFoundError:
             return None
         request_id = entry.value.decode("utf-8", "replace")
-        return request_id if ID_RE.match(request_id) else None
+        return request_id if ID_RE.fullmatch(request_id) else None
 
     async def _joinable(self, tenant: str, print_: str) -> str | None:
         """The request an SDK retry repeats, if this process remembers it and it
