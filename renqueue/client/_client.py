@@ -7,7 +7,6 @@ that its event tap (:mod:`._tap`) resolves when the request ends.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -29,7 +28,7 @@ from ..schema import (
 )
 from ._handle import RequestHandle
 from ._retries import Published, publish
-from ._tap import EventTap
+from ._tap import EventTap, Waiter
 
 __all__ = ["Client"]
 
@@ -326,7 +325,7 @@ class Client(Closing):
             # unseen by the tap. The handle reads the request's own events.
             self._tap.release(request.id, waiter)
             return self._handle_on(request, published, trace)
-        return self._handle_on(request, published, trace, waiter=waiter.future)
+        return self._handle_on(request, published, trace, waiter=waiter)
 
     async def _publish(self, request: InferenceRequest, trace: TraceParent) -> Published:
         """The one publish of a submit: stored now, stored before (a resubmit),
@@ -339,7 +338,7 @@ class Client(Closing):
         published: Published,
         trace: TraceParent,
         *,
-        waiter: asyncio.Future[Event] | None = None,
+        waiter: Waiter | None = None,
     ) -> RequestHandle:
         """The handle a submit of ``request`` returns, saying what its publish found."""
         return RequestHandle(
