@@ -1073,6 +1073,8 @@ MAX_JSON_DEPTH: Final = 64
 def too_deep(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
     """Whether decoded JSON ``value`` nests deeper than ``limit`` (walked
     without recursion, so any depth is safe to ask about)."""
+    if not value and limit > 0:  # None, {}, []: the usual ``extra`` and schemas
+        return False
     stack: list[tuple[object, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()

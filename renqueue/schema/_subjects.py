@@ -287,6 +287,8 @@ def msg_id(tenant: str, request_id: str, *parts: object) -> str:
     cannot contain ``:``, so ids of different tenants never collide. A client
     submits with ``msg_id(tenant, request_id)``.
     """
+    if not parts:  # the common case, without the join
+        return f"{tenant}:{request_id}"
     return ":".join((tenant, request_id, *map(str, parts)))
 
 
