@@ -7,8 +7,8 @@ that its event tap (:mod:`._tap`) resolves when the request ends.
 
 from __future__ import annotations
 
+import secrets
 import time
-import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
@@ -154,7 +154,9 @@ class Client(Closing):
             messages.insert(0, {"role": "system", "content": system})
         now = time.time()
         raw = {
-            "id": request_id or uuid.uuid4().hex,
+            # 128 random bits as 32 hex digits, the shape uuid4().hex had,
+            # without building a UUID (a tenth of the CPU).
+            "id": request_id or secrets.token_hex(16),
             "tenant": self.tenant,
             "route": route,
             "messages": messages,
