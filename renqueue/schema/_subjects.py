@@ -171,12 +171,13 @@ def subject_matches(pattern: str, subject: str) -> bool:
     token, ``>`` one or more at the end) subscribes to."""
     want = pattern.split(".")
     have = subject.split(".")
+    tokens = len(have)
     for index, part in enumerate(want):
         if part == ">":
-            return len(have) > index
-        if index >= len(have) or part not in ("*", have[index]):
+            return tokens > index
+        if index >= tokens or part not in ("*", have[index]):
             return False
-    return len(have) == len(want)
+    return tokens == len(want)
 
 
 #: Last token of the services' requeue subject, ``rq.req.<priority>.<tenant>.requeue``.
