@@ -14,7 +14,7 @@ import asyncio
 import datetime
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -479,3 +479,48 @@ async def test_a_tap_whose_consumers_are_not_all_made_leaves_none_behind(
     names = {info.name for info in await js.context.consumers_info(EVENTS_STREAM)}
     assert names == {f"{prefix}-failed"}, names
     await client.close()
+
+
+async def test_a_result_that_timed_out_or_was_cancelled_leaves_the_handle_waiting(
+    streams: tuple[Connection, Connection],
+) -> None:
+    """A result() that times out, or whose caller is cancelled, ends only
+    that wait: the handle still gets the outcome, as does another wait on it;
+    a wait left when the client closes is cancelled."""
+    _, loud = streams
+    async with Client(loud, tenant="t") as client:
+        handle = await client.submit("hi", route="chat", request_id="waited", stream=False)
+        with pytest.raises(TimeoutError):
+            await handle.result(timeout=0.05)
+        with pytest.raises(TimeoutError):
+            await handle.result(timeout=0)
+        cancelled = asyncio.create_task(handle.result())
+        waiting = asyncio.create_task(handle.result(timeout=30))
+        await until(_waits_on_tap(client, "waited", 2), "both results wait on the tap")
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert await _waits_on_tap(client, "waited", 1)()  # the other wait stays
+        usage = Usage(prompt_tokens=1, completion_tokens=1)
+        outcome = Completed(
+            request_id="waited", tenant="t", at=1.0, backend="b", attempt=1, delivery=1,
+            text="ok", usage=usage, cost=0.0,
+        )  # fmt: skip
+        await end(loud, outcome)
+        assert (await waiting).text == "ok"
+        assert (await handle.result(timeout=0)).text == "ok"
+        left = await client.submit("hi", route="chat", request_id="left", stream=False)
+        pending = asyncio.create_task(left.result())
+        await until(_waits_on_tap(client, "left", 1), "the result waits on the tap")
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+    with pytest.raises(asyncio.CancelledError):
+        await left.result()
+
+
+def _waits_on_tap(client: Client, request_id: str, waits: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        waiter = client._tap._waiters.get(request_id)
+        return waiter is not None and len(waiter._waiting) == waits
+
+    return check

@@ -7,9 +7,8 @@ that its event tap (:mod:`._tap`) resolves when the request ends.
 
 from __future__ import annotations
 
-import asyncio
+import secrets
 import time
-import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
@@ -29,7 +28,7 @@ from ..schema import (
 )
 from ._handle import RequestHandle
 from ._retries import Published, publish
-from ._tap import EventTap
+from ._tap import EventTap, Waiter
 
 __all__ = ["Client"]
 
@@ -155,7 +154,9 @@ class Client(Closing):
             messages.insert(0, {"role": "system", "content": system})
         now = time.time()
         raw = {
-            "id": request_id or uuid.uuid4().hex,
+            # 128 random bits as 32 hex digits, the shape uuid4().hex had,
+            # without building a UUID (a tenth of the CPU).
+            "id": request_id or secrets.token_hex(16),
             "tenant": self.tenant,
             "route": route,
             "messages": messages,
@@ -326,7 +327,7 @@ class Client(Closing):
             # unseen by the tap. The handle reads the request's own events.
             self._tap.release(request.id, waiter)
             return self._handle_on(request, published, trace)
-        return self._handle_on(request, published, trace, waiter=waiter.future)
+        return self._handle_on(request, published, trace, waiter=waiter)
 
     async def _publish(self, request: InferenceRequest, trace: TraceParent) -> Published:
         """The one publish of a submit: stored now, stored before (a resubmit),
@@ -339,7 +340,7 @@ class Client(Closing):
         published: Published,
         trace: TraceParent,
         *,
-        waiter: asyncio.Future[Event] | None = None,
+        waiter: Waiter | None = None,
     ) -> RequestHandle:
         """The handle a submit of ``request`` returns, saying what its publish found."""
         return RequestHandle(

@@ -38,6 +38,7 @@ from ._tokens import TokenFollower
 
 if TYPE_CHECKING:
     from ._client import Client
+    from ._tap import Waiter
 
 __all__ = ["RequestHandle", "Result"]
 
@@ -101,7 +102,7 @@ class RequestHandle:
         *,
         duplicate: bool = False,
         found_on_retry: bool = False,
-        waiter: asyncio.Future[Event] | None = None,
+        waiter: Waiter | None = None,
         traceparent: str | None = None,
         streamed: bool | None = None,
     ) -> None:
@@ -195,7 +196,7 @@ class RequestHandle:
     ) -> Result:
         """Wait for the request to end. Raises a :class:`RequestFailedError` unless completed."""
         if self._waiter is not None:
-            event = await asyncio.wait_for(asyncio.shield(self._waiter), timeout)
+            event = await self._waiter.wait(timeout)
         else:
             event = await asyncio.wait_for(self._read_terminal(), timeout)
         return _raise_for(event)

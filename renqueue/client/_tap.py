@@ -66,23 +66,75 @@ log = get_logger("client")
 
 
 class Waiter:
-    """The future of one request's terminal event, shared by every handle of
-    this client that follows it through the tap.
+    """One request's terminal event, awaited by every handle of this client
+    that follows it through the tap.
 
     ``holders`` counts the submits of the request still being published and
-    the handles given the future: it is dropped only when none is left, so a
+    the handles given the waiter: it is dropped only when none is left, so a
     submit whose publish raised, or was a duplicate, never takes it from a
     resubmit that shares it. ``stored``: a submit of this client stored the
     request (a publish that was no duplicate), after the tap was following
     events, so the tap (or a sweep of the log) sees its end.
+
+    Each :meth:`wait` awaits a future of its own, which the tap resolves
+    directly (one wakeup, one timer): a wait that times out or is cancelled
+    ends only itself, never the others or a later one.
     """
 
-    __slots__ = ("future", "holders", "stored")
+    __slots__ = ("_waiting", "closed", "event", "holders", "stored")
 
-    def __init__(self, future: asyncio.Future[Event]) -> None:
-        self.future = future
+    def __init__(self) -> None:
+        self.event: Event | None = None
+        #: The tap closed before the event came: every wait is cancelled.
+        self.closed = False
         self.holders = 0
         self.stored = False
+        self._waiting: list[asyncio.Future[Event]] = []
+
+    def resolve(self, event: Event) -> None:
+        """The request ended with ``event``: every wait returns it (the first one only counts)."""
+        if self.event is not None or self.closed:
+            return
+        self.event = event
+        for future in self._waiting:
+            if not future.done():
+                future.set_result(event)
+        self._waiting.clear()
+
+    def close(self) -> None:
+        """The tap stops: a wait not resolved (and every later one) is cancelled."""
+        if self.event is not None:
+            return
+        self.closed = True
+        for future in self._waiting:
+            future.cancel()
+        self._waiting.clear()
+
+    async def wait(self, timeout: float | None = None) -> Event:  # noqa: ASYNC109 - one deadline
+        """The terminal event; :class:`TimeoutError` after ``timeout`` seconds
+        (``None``: no limit), :class:`asyncio.CancelledError` if the tap closes first."""
+        if self.event is not None:
+            return self.event
+        if self.closed:
+            raise asyncio.CancelledError
+        if timeout is not None and timeout <= 0:
+            raise TimeoutError
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Event] = loop.create_future()
+        self._waiting.append(future)
+        timer = None if timeout is None else loop.call_later(timeout, _time_out, future)
+        try:
+            return await future
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if future in self._waiting:  # timed out or cancelled: not resolved
+                self._waiting.remove(future)
+
+
+def _time_out(future: asyncio.Future[Event]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
 
 
 class _Feed:
@@ -146,7 +198,7 @@ class EventTap:
                     *(delete_consumer(self._client.js, EVENTS_STREAM, name) for name in self._feeds)
                 )
         for waiter in self._waiters.values():
-            waiter.future.cancel()
+            waiter.close()
 
     # ------------------------------------------------------------- waiters
 
@@ -154,8 +206,7 @@ class EventTap:
         """The waiter of ``request_id`` (made if there is none), held once more."""
         waiter = self._waiters.get(request_id)
         if waiter is None:
-            future = asyncio.get_running_loop().create_future()
-            waiter = self._waiters[request_id] = Waiter(future)
+            waiter = self._waiters[request_id] = Waiter()
         waiter.holders += 1
         return waiter
 
@@ -178,7 +229,7 @@ class EventTap:
             ended = await retrying(client.nc, "looking up a result", lookup, request_id=request_id)
             if ended is not None:
                 return ended
-            return await asyncio.shield(waiter.future)
+            return await waiter.wait()
         finally:
             self.release(request_id, waiter)
 
@@ -362,5 +413,5 @@ class EventTap:
 
     def _resolve(self, event: Event) -> None:
         waiter = self._waiters.pop(event.request_id, None)
-        if waiter is not None and not waiter.future.done():
-            waiter.future.set_result(event)
+        if waiter is not None:
+            waiter.resolve(event)

@@ -992,9 +992,16 @@ def facts(event: Event) -> tuple[Event, ...]:
     return (first, bound)
 
 
+#: Each event type's tag, read once: ``__struct_config__`` is built anew at each access.
+_KINDS: Final[dict[type, str]] = {kind: str(kind.__struct_config__.tag) for kind in get_args(Event)}
+
+
 def kind_of(event: Event) -> str:
     """The event's tag, which is also the last token of its subject."""
-    return str(type(event).__struct_config__.tag)
+    try:
+        return _KINDS[type(event)]
+    except KeyError:  # not one of the wire's own types (a subclass)
+        return str(type(event).__struct_config__.tag)
 
 
 _T = TypeVar("_T")
@@ -1073,6 +1080,8 @@ MAX_JSON_DEPTH: Final = 64
 def too_deep(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
     """Whether decoded JSON ``value`` nests deeper than ``limit`` (walked
     without recursion, so any depth is safe to ask about)."""
+    if not value and limit > 0:  # None, {}, []: the usual ``extra`` and schemas
+        return False
     stack: list[tuple[object, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()

@@ -171,12 +171,13 @@ def subject_matches(pattern: str, subject: str) -> bool:
     token, ``>`` one or more at the end) subscribes to."""
     want = pattern.split(".")
     have = subject.split(".")
+    tokens = len(have)
     for index, part in enumerate(want):
         if part == ">":
-            return len(have) > index
-        if index >= len(have) or part not in ("*", have[index]):
+            return tokens > index
+        if index >= tokens or part not in ("*", have[index]):
             return False
-    return len(have) == len(want)
+    return tokens == len(want)
 
 
 #: Last token of the services' requeue subject, ``rq.req.<priority>.<tenant>.requeue``.
@@ -287,6 +288,8 @@ def msg_id(tenant: str, request_id: str, *parts: object) -> str:
     cannot contain ``:``, so ids of different tenants never collide. A client
     submits with ``msg_id(tenant, request_id)``.
     """
+    if not parts:  # the common case, without the join
+        return f"{tenant}:{request_id}"
     return ":".join((tenant, request_id, *map(str, parts)))
 
 

@@ -19,6 +19,7 @@ Making span ids takes randomness, which is not this pure module's:
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 from msgspec import Struct
@@ -31,8 +32,14 @@ TRACEPARENT: Final = "traceparent"
 #: first 55 characters are version 00's).
 MAX_TRACEPARENT: Final = 512
 
-_HEX: Final = frozenset("0123456789abcdef")
-_V00_LENGTH: Final = 55
+#: Version, trace id, parent id and flags (lowercase hex), then what a later
+#: version may add after a dash (anything: only its first 55 characters are read).
+_SHAPE: Final = re.compile(
+    r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?", re.DOTALL
+)
+_SPAN_ID: Final = re.compile(r"[0-9a-f]{16}")
+_ZERO_TRACE: Final = "0" * 32
+_ZERO_SPAN: Final = "0" * 16
 
 
 class TraceParent(Struct, frozen=True, kw_only=True):
@@ -52,7 +59,7 @@ class TraceParent(Struct, frozen=True, kw_only=True):
 
     def child(self, span_id: str) -> TraceParent:
         """The same trace, sent by the hop whose span is ``span_id``."""
-        if not _is_hex(span_id, 16):
+        if _SPAN_ID.fullmatch(span_id) is None or span_id == _ZERO_SPAN:
             raise ValueError(f"a span id is 16 lowercase hex digits, not all zeros: {span_id!r}")
         return TraceParent(trace_id=self.trace_id, parent_id=span_id, flags=self.flags)
 
@@ -64,32 +71,15 @@ def parse_traceparent(value: object) -> TraceParent | None:
     """
     if not isinstance(value, str) or len(value) > MAX_TRACEPARENT:
         return None
-    value = value.strip(" \t")
-    if not _well_shaped(value):
+    shape = _SHAPE.fullmatch(value.strip(" \t"))
+    if shape is None:
         return None
-    trace_id, parent_id, flags = value[3:35], value[36:52], value[53:55]
-    if not (_is_hex(trace_id, 32) and _is_hex(parent_id, 16) and _is_hex(flags, 2, zeros=True)):
+    version, trace_id, parent_id, flags, more = shape.groups()
+    # Version ff is invalid; only a later version than 00 may add fields.
+    if version == "ff" or (more is not None and version == "00"):
+        return None
+    if trace_id == _ZERO_TRACE or parent_id == _ZERO_SPAN:
         return None
     # Only the flag this version defines (sampled) is carried on.
     sampled = "01" if int(flags, 16) & 1 else "00"
     return TraceParent(trace_id=trace_id, parent_id=parent_id, flags=sampled)
-
-
-def _well_shaped(value: str) -> bool:
-    """A known version, its dashes where they belong, no more than it may have."""
-    if len(value) < _V00_LENGTH or value[2] != "-" or value[35] != "-" or value[52] != "-":
-        return False
-    version = value[:2]
-    if not _is_hex(version, 2, zeros=True) or version == "ff":
-        return False
-    if len(value) == _V00_LENGTH:
-        return True
-    # Only a later version may add fields, after a dash.
-    return version != "00" and value[_V00_LENGTH] == "-"
-
-
-def _is_hex(text: str, length: int, *, zeros: bool = False) -> bool:
-    """``text`` is ``length`` lowercase hex digits (not all zeros unless ``zeros``)."""
-    if len(text) != length or not set(text) <= _HEX:
-        return False
-    return zeros or set(text) != {"0"}

@@ -415,8 +415,9 @@ def _ewma(previous: float | None, sample: float, weight: float = 0.2) -> float:
 
 def _finite(value: float) -> float:
     # JSON has no inf/nan: a non-finite value would not survive the KV round
-    # trip, and a resumed projector would diverge from a replay.
-    return value if math.isfinite(value) else 0.0
+    # trip, and a resumed projector would diverge from a replay. (Compared
+    # rather than math.isfinite: no call, and nan compares false.)
+    return value if -math.inf < value < math.inf else 0.0
 
 
 #: Event types, as tuples: ``isinstance`` with ``A | B`` builds the union on
@@ -520,8 +521,8 @@ class Folding:
             return
         at = _finite(event.at)
         self.events += 1
-        if seq is not None:
-            self.last_seq = max(self.last_seq, seq)
+        if seq is not None and seq > self.last_seq:
+            self.last_seq = seq
         if isinstance(event, CancelRequested):
             return  # the tenant's word: counted, never a fact, never the clock
         self.log_time = max(self.log_time, at)
@@ -896,6 +897,8 @@ class Folding:
 
     def _complete(self, event: Completed, at: float) -> None:
         self._provider_said(event.backend, event.limits, at, None)
+        # Its quota's change goes in with the rest (one replace of the backend).
+        quota: dict[str, Quota] = {}
         if event.shared_with is None:  # a coalesced follower made no call of its own
             key = msg_id(event.tenant, event.request_id)
             reservation = self._reserved.get(key)
@@ -905,20 +908,21 @@ class Folding:
                 and reservation.backend == event.backend
                 and reservation.attempt == event.attempt
             ):
-                quota = reconcile(
+                quota["quota"] = reconcile(
                     self._quota(event.backend),
                     reserved=reservation.tokens,
                     used=used,
                     reserved_at=reservation.at,
                     at=at,
                 )
-                self._set_backend(event.backend, quota=quota)
-            else:
-                self._spend(event.backend, Cost(requests=0, tokens=used), at)
+            else:  # as _spend does
+                spent = Cost(requests=0, tokens=used)
+                quota["quota"] = reserve(self._quota(event.backend), spent, at)
         backend = self._backends.get(event.backend, EMPTY_BACKEND)
         cost = _finite(event.cost)
         self._set_backend(
             event.backend,
+            **quota,
             calls_completed=backend.calls_completed + 1,
             consecutive_failures=0,
             outcomes=self._outcome(event.backend, at, fault=False),
