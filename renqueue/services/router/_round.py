@@ -176,8 +176,10 @@ class Round:
                 # With requests waiting for room, look again after the refresh
                 # interval even if no worker announces a freed slot; with none,
                 # every second all the same (circuits move with time).
+                # (asyncio.timeout, not wait_for: no task made for each wait.)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), refresh if waiting else _IDLE_ROUND)
+                    async with asyncio.timeout(refresh if waiting else _IDLE_ROUND):
+                        await wake.wait()
                 wake.clear()
         except Exception as exc:
             self._parts.dispatching.clear()
