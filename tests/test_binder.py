@@ -658,6 +658,43 @@ async def test_earlier_lease_loop_failures_never_make_a_healthy_binder_give_up(
         await nc.close()
 
 
+async def test_a_binder_whose_lease_is_lost_stands_by_and_binds_again_once_it_is_free(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The lease loop sleeps while a term runs (only the term's end gives it
+    anything to do): a binder whose lease is taken from it (here its key
+    deleted under it, as the server's expiry would after a stall) ends its
+    term at the next renewal, and its lease loop seeks the lease again and
+    begins a new term."""
+    config = two_backends(isolated_server.url)
+    nc = await connect(isolated_server.url, name="lost")
+    try:
+        js = nc.jetstream()
+        await provision(nc, config)
+        router = Router(nc, js, config, name="lost")
+        await router.start()
+        try:
+            assert router.binding
+            first = await read_lease(js, "binder")
+            assert first is not None
+            await (await js.key_value("rq-leases")).delete("binder")
+
+            async def new_term() -> bool:
+                now = await read_lease(js, "binder")
+                return (
+                    router.binding
+                    and now is not None
+                    and now.holder == router.holder
+                    and now.term > first.term
+                )
+
+            await until(new_term, "the router binds again, in a new term")
+        finally:
+            await router.close()
+    finally:
+        await nc.close()
+
+
 class RefusedFirstDispatch:
     """The router's JetStream, but the first dispatch of ``request_id`` is
     refused (the dispatch stream had no leader for a moment)."""

@@ -291,7 +291,8 @@ class ConnectionKeeper:
                 raise Fatal(f"{self._name} has no connection to keep")
             if not self._owed:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(nc.lost.wait(), self.EVERY)
+                    async with asyncio.timeout(self.EVERY):  # no task made for each look
+                        await nc.lost.wait()
             if nc.lost.is_set() or self._owed:
                 await self._renewed(nc)
                 down_since = None

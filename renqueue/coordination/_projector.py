@@ -71,6 +71,9 @@ log = get_logger("projection")
 _BATCH: Final = 512
 #: Seconds between tries of a checkpoint over the broker's ``max_payload``.
 _OVERSIZED_PAUSE: Final = 30.0
+#: Seconds between looks, while the log is idle, at whether the fold's consumer
+#: is still there (a server restart loses it).
+_CHECK_IDLE_EVERY: Final = 5.0
 
 
 def _fold_messages(builder: Folding, msgs: Iterable[Message]) -> None:
@@ -212,7 +215,7 @@ class Projector(Lifecycle):
         *,
         name: str = "projector",
         flush_interval: float = 0.1,
-        fetch_timeout: float = 1.0,
+        fetch_timeout: float = 5.0,
         batch: int = _BATCH,
         clock: Callable[[], float] = time.monotonic,
         supervisor: Supervisor | None = None,
@@ -373,19 +376,21 @@ class Projector(Lifecycle):
                 continue
 
     async def _consume(self, psub: PullSubscription) -> None:
-        idle = 0
+        # An idle log is waited on in long pulls (events end them at once),
+        # each no longer than until the views are due to be written again.
+        checked = self._clock()
         while self.status is ProjectorStatus.RUNNING:
-            dirty = self._dirty()
-            timeout = self._fetch_timeout
-            if dirty:
+            if self._dirty():
                 due = self._last_write + self._flush_interval - self._clock()
-                timeout = min(timeout, max(0.01, due))
+            else:
+                due = self._views.due_in()
+            timeout = min(self._fetch_timeout, max(0.01, due))
             try:
                 msgs = await psub.fetch(self._batch, timeout=timeout)
             except TimeoutError:
                 msgs = []
             if msgs:
-                idle = 0
+                checked = self._clock()
                 builder = Folding(self._state)
                 _fold_messages(builder, msgs)
                 dropped = (builder.skipped - self._state.skipped) + (
@@ -394,10 +399,9 @@ class Projector(Lifecycle):
                 if dropped > 0:  # a tenant's cancel_requested subjects carry any payload
                     metrics.MISDIRECTED.labels("projection").inc(dropped)
                 self._state = builder.freeze()
-            else:
-                idle += 1
-                if idle % 5 == 0:
-                    await self._check_consumer(psub)
+            elif self._clock() - checked >= _CHECK_IDLE_EVERY:
+                checked = self._clock()
+                await self._check_consumer(psub)
             if self._dirty() and self._clock() - self._last_write >= self._flush_interval:
                 oversized = (
                     self._oversized_until is not None and self._clock() < self._oversized_until

@@ -127,6 +127,10 @@ class ViewPublisher:
             or self._clock() - self._last_full_publish >= self._republish_every
         )
 
+    def due_in(self) -> float:
+        """Seconds until every view is due to be written again (0 or less: due now)."""
+        return self._last_full_publish + self._republish_every - self._clock()
+
     def _skip(self, kind: str, name: str) -> bool:
         """Whether ``name`` cannot be a view key (then counted and logged, once)."""
         if _VIEW_NAME.fullmatch(name):

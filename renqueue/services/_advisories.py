@@ -50,7 +50,6 @@ from ..schema import (
     ADVISORIES_STREAM,
     DISPATCH_DECODER,
     DISPATCH_STREAM,
-    FETCH_TIMEOUT,
     REQUEST_DECODER,
     REQUESTS_STREAM,
     Event,
@@ -66,6 +65,10 @@ log = get_logger("advisories")
 
 #: Advisories handled per fetch.
 _BATCH: Final = 16
+#: Seconds one pull waits at the server (an advisory ends it at once). Longer
+#: than the services' ``FETCH_TIMEOUT``, which a shutdown's nak delay must
+#: outlast: nothing here is nak'ed at a stop, and an idle reader pulls less often.
+_FETCH_TIMEOUT: Final = 5.0
 #: Longest wait before an advisory whose handling failed is tried again.
 _MAX_RETRY: Final = 30.0
 _ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
@@ -126,7 +129,7 @@ class AdvisoryReader(Lifecycle):
         try:
             while True:
                 try:
-                    msgs = await psub.fetch(batch=_BATCH, timeout=FETCH_TIMEOUT)
+                    msgs = await psub.fetch(batch=_BATCH, timeout=_FETCH_TIMEOUT)
                 except TimeoutError:
                     continue
                 for msg in msgs:

@@ -3,7 +3,8 @@
 Exactly one router binds at a time: the holder of the binder's lease
 (:mod:`renqueue.coordination._lease`, a key in the ``rq-leases`` KV bucket
 that the server expires ``router.lease_ttl`` after its last renewal); the
-others stand by, seeking the lease every 100 ms (:meth:`Term.lease_loop`).
+others stand by, seeking the lease every 100 ms (:meth:`Term.lease_loop`,
+which sleeps while a term runs here: only its end gives it anything to do).
 Renewals run in a loop of their own (:meth:`Term.renew_loop`), so a term that
 is slow to begin never lets the lease run out.
 
@@ -107,6 +108,10 @@ class Term:
         self._failed_beginnings = 0
         #: Terms begin and end one at a time (the lease and renewal loops both end them).
         self._lock = asyncio.Lock()
+        #: Set while no term runs here (cleared when one begins, set when it ends):
+        #: what the lease loop waits for while a term runs.
+        self._ended = asyncio.Event()
+        self._ended.set()
 
     async def open(self, consumer_configs: list[dict[str, Any]]) -> None:
         """Judge the lease by the bucket's ttl, and seek it once (bind if it is free).
@@ -143,10 +148,17 @@ class Term:
         lease run out. A term begins only while the lease is valid, so a
         router whose lease expired meanwhile never re-creates the consumers
         of a binder that took over.
+
+        While a term of the lease held runs, there is nothing to seek or
+        begin until it ends (the lease lost or given up: :meth:`_end`), so
+        the loop waits for that instead of looking every ``poll``.
         """
         poll = min(0.1, self._lease.ttl / 5)
         loop = asyncio.get_running_loop()
         while True:
+            if self.current is not None and self.current == self._lease.term:
+                await self._ended.wait()
+                continue
             if not self._lease.held and (
                 loop.time() < self._sit_out_until or not await self._seek()
             ):
@@ -251,6 +263,7 @@ class Term:
         self._supervise("dispatch", functools.partial(self._round.loop, term or 0))
         self._supervise("keepalive", self._keepalive_loop)
         self.current = term
+        self._ended.clear()
         metrics.BINDING.labels(self._name).set(1)
         log.info("router is binding", router=self._name, term=term, group=self.group)
 
@@ -268,6 +281,7 @@ class Term:
         dropped = self._hold.clear()
         was = self.current
         self.current = None
+        self._ended.set()
         metrics.BINDING.labels(self._name).set(0)
         if why is not None and was is not None:
             log.warning("router stands by", router=self._name, term=was, reason=why, held=dropped)
