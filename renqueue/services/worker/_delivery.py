@@ -3,8 +3,9 @@
 A :class:`Delivery` is a worker's hold on one message of the dispatch stream,
 from fetch to answer. It renews the message's lease for as long as the run
 that holds it is alive (:meth:`Delivery.keep_alive` until
-:meth:`Delivery.stop_renewing`, or until the message's last answer), and every answer the worker gives the broker
-for the message goes through it, named for what it means:
+:meth:`Delivery.stop_renewing`, or until the message's last answer), and
+every answer the worker gives the broker for the message goes through it,
+named for what it means:
 
 - :meth:`~Delivery.done` (``ack``): the message's work is over and in the log
   (an outcome, a put-back to routing, a hand-over to a stolen copy, a step back);
