@@ -8,10 +8,13 @@ count as it was. A shutdown's cancellation of the run goes through as it came.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
+from renqueue import parse_config
 from renqueue.services.worker._call import CallStop, CallStopped
+from renqueue.services.worker._yielding import Preemptible, Run
 
 
 async def test_a_call_stopped_while_under_way_ends_in_call_stopped_and_the_run_goes_on() -> None:
@@ -124,3 +127,40 @@ async def test_a_call_that_ended_is_not_stopped_after() -> None:
     stop.cancel()  # too late: a no-op
     assert stop.done()
     assert not stop.stopped
+
+
+async def test_a_call_being_stopped_is_not_offered_to_a_preemption() -> None:
+    """A call stopped (a cancellation by request) that is still closing its
+    stream is no run to preempt: offered, its run would be recorded as
+    preempted and put back to routing, not as the cancellation it is."""
+    policies = parse_config({}).level_policies()
+    batch = parse_config({}).priority_rank("batch")
+    preemptible = Preemptible("b", policies)
+    entered = asyncio.Event()
+    closing = asyncio.Event()
+    closed = asyncio.Event()
+    stops: list[CallStop] = []
+
+    async def run() -> None:
+        this = asyncio.current_task()
+        assert this is not None
+        stop = CallStop(this)
+        stops.append(stop)
+        preemptible.runs["t:r"] = Run(rank=batch, started=0.0, call=stop)
+        with contextlib.suppress(CallStopped), stop:
+            entered.set()
+            try:
+                await asyncio.Event().wait()
+            finally:
+                closing.set()
+                await closed.wait()  # the backend's stream closing
+
+    task = asyncio.create_task(run())
+    await entered.wait()
+    assert preemptible.victim(0) == "t:r"
+    stops[0].cancel()
+    await closing.wait()
+    assert preemptible.victim(0) is None
+    closed.set()
+    await task
+    assert preemptible.victim(0) is None

@@ -61,3 +61,38 @@ async def test_a_lease_is_renewed_while_its_run_lives_and_runs_out_after(
     assert again.metadata.num_delivered == 2
     assert renewed.qsize() == renewals
     await again.ack()
+
+
+async def test_a_delivery_handed_back_is_not_renewed_while_its_run_ends(
+    isolated_server: EmbeddedServer, isolated_nc: Connection
+) -> None:
+    """A hand-back (``nak`` with a delay) is the message's last answer: a
+    renewal after it (its run still finishing, say on a connection slow to
+    flush) would reset the broker's timer to a whole ``ack_wait`` from then,
+    again and again, and the message would not come back after its delay."""
+    config = parse_config(
+        {
+            "nats": {"url": isolated_server.url},
+            "backends": {"b": {"base_url": "http://127.0.0.1:9/v1", "model": "m"}},
+            "routes": {"chat": {"backends": ["b"]}},
+            "worker": {"ack_wait": "1s"},
+        }
+    )
+    await provision(isolated_nc, config)
+    js = isolated_nc.jetstream()
+    psub = await js.pull_subscribe_bind(durable=worker_consumer("b"), stream=DISPATCH_STREAM)
+    request = Client(isolated_nc, tenant=TENANT).build_request("handed back", route="chat")
+    await js.publish(dispatch_subject("b"), encode(Dispatch(request=request, backend="b")))
+    [msg] = await psub.fetch(batch=1, timeout=5)
+    delivery = Delivery(msg, ack_wait=1.0)
+    delivery.keep_alive()
+    try:
+        # Longer than a renewal's period (1/3 s): a renewal falls due before it is over.
+        await delivery.hand_back(after=0.6)
+        # The run has not ended yet (stop_renewing not called): the message
+        # comes back after its delay all the same.
+        [again] = await psub.fetch(batch=1, timeout=8)
+    finally:
+        delivery.stop_renewing()
+    assert again.metadata.num_delivered == 2
+    await again.ack()

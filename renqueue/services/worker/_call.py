@@ -103,8 +103,10 @@ class CallStop:
             self._task.cancel()
 
     def done(self) -> bool:
-        """Whether the call has ended."""
-        return self._ended
+        """Whether there is nothing left to stop: the call has ended, or is
+        being stopped (closing its stream). A preemption offers only a call
+        not done: one stopped for a cancellation is recorded as cancelled."""
+        return self._ended or self.stopped
 
     def __enter__(self) -> None:
         if self.stopped:

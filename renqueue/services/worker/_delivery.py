@@ -3,8 +3,9 @@
 A :class:`Delivery` is a worker's hold on one message of the dispatch stream,
 from fetch to answer. It renews the message's lease for as long as the run
 that holds it is alive (:meth:`Delivery.keep_alive` until
-:meth:`Delivery.stop_renewing`), and every answer the worker gives the broker
-for the message goes through it, named for what it means:
+:meth:`Delivery.stop_renewing`, or until the message's last answer), and
+every answer the worker gives the broker for the message goes through it,
+named for what it means:
 
 - :meth:`~Delivery.done` (``ack``): the message's work is over and in the log
   (an outcome, a put-back to routing, a hand-over to a stolen copy, a step back);
@@ -101,17 +102,25 @@ class Delivery:
         the freed slot, and an ack still on its way would leave the slot
         unseen until the binder's next periodic read.
         """
+        self.stop_renewing()  # its last answer: no renewal after it
         if confirmed:
             await self._msg.ack_sync()
         else:
             await self._msg.ack()
 
     async def hand_back(self, *, after: float) -> None:
-        """Deliver it again after ``after`` seconds (``nak`` with a delay)."""
+        """Deliver it again after ``after`` seconds (``nak`` with a delay).
+
+        No renewal after it: the broker would take one for the lease of a
+        delivery still pending and reset its timer to a whole ``ack_wait``
+        (nats-server's progress update), putting the redelivery off.
+        """
+        self.stop_renewing()
         await self._msg.nak(delay=after)
 
     async def give_up(self) -> None:
         """Never deliver it again (``term``): it cannot be run by anyone."""
+        self.stop_renewing()  # its last answer: no renewal after it
         await self._msg.term()
 
     async def still_working(self) -> None:
@@ -127,7 +136,10 @@ class Delivery:
         self._renewal = asyncio.get_running_loop().call_later(self._renew_every, self._renew)
 
     def stop_renewing(self) -> None:
-        """No more renewals: its run has ended (one under way is cancelled)."""
+        """No more renewals: its run has ended, or the message has its last
+        answer (:meth:`done`, :meth:`hand_back`, :meth:`give_up` call it
+        first). A renewal under way is cancelled: one not begun never sends,
+        and one that did sent before that answer."""
         renewal, self._renewal = self._renewal, None
         if renewal is not None:
             renewal.cancel()

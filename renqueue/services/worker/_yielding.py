@@ -45,7 +45,8 @@ log = get_logger("worker")
 
 class Stoppable(Protocol):
     """A backend call in progress that can be stopped (a
-    :class:`~._call.CallStop`, or a task)."""
+    :class:`~._call.CallStop`, or a task); ``done()`` once there is nothing
+    left to stop (ended, or being stopped already)."""
 
     def cancel(self) -> object: ...
 
