@@ -82,8 +82,8 @@ from typing import Any
 
 import httpx
 import msgspec
-from chaos import Backend as ChaosBackend
 from chaos import (
+    FILE_STORE,
     Fleet,
     NatsNode,
     Slot,
@@ -91,6 +91,7 @@ from chaos import (
     provision_with_retries,
     until_jetstream_answers,
 )
+from chaos import Backend as ChaosBackend
 from common import (
     RESULTS,
     ROOT,
@@ -1161,6 +1162,9 @@ def binding_config_text(
         "",
         "[nats]",
         f'url = "{url}"',
+        # The streams' shares of the store NatsNode gives its server (the default, 16GB,
+        # asks more than that server has: RQ_EVENTS was refused).
+        f'max_file_store = "{FILE_STORE}"',
         *([f'inbox_prefix = "{inbox_prefix}"'] if inbox_prefix else []),
         "",
         "[worker]",

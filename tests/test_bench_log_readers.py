@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 
 from renqueue.broker import EmbeddedServer, connect, provision
-from renqueue.config import parse_config
+from renqueue.config import parse_config, parse_size
 from renqueue.schema import (
     ChatMessage,
     Event,
@@ -109,3 +110,15 @@ async def test_the_benches_read_a_submitted_carrying_its_binding_as_the_pair(
         await tap.stop()
     finally:
         await nc.close()
+
+
+def test_the_binding_parts_streams_fit_the_store_of_its_server(
+    bench: dict[str, ModuleType],
+) -> None:
+    """scheduling's binding part runs its own nats-server (chaos.NatsNode, max_file_store
+    chaos.FILE_STORE): its config must ask the streams' shares of that store, not of the
+    16GB default (the server refused RQ_EVENTS's 6.4GB, and the part could not start)."""
+    chaos, scheduling = bench["chaos"], bench["scheduling"]
+    text = scheduling.binding_config_text("nats://127.0.0.1:4222", "http://127.0.0.1:9", 4)
+    config = parse_config(tomllib.loads(text))
+    assert config.nats.store_bytes == parse_size(chaos.FILE_STORE)
