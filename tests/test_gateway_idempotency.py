@@ -337,6 +337,82 @@ async def test_a_claim_taken_over_and_left_pending_never_joins_its_body_to_the_f
     assert mock.stats().requests == 0
 
 
+async def test_a_lost_ack_retry_never_takes_a_claim_another_call_took_over_for_its_own(
+    tmp_path: Path, mock: MockBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Call A claims its key and its first publish is not answered (its ack
+    lost, nothing stored). Meanwhile call B of another body took the claim
+    over and stored its request, and, B gone, a later call of body A took
+    B's claim over in turn (a claim of A's body again, marked taken over).
+    A's publish, sent again, finds a request stored: B's. Its claim names
+    its body, but not as A made it: not A's first try, so not joined
+    unchecked (A would be answered with B's text) but a 409."""
+    key = "taken-twice-1"
+    rid = id_for_key(key)
+    name = claim_key("acme", rid)
+    body_a = b'{"model": "chat", "messages": [{"role": "user", "content": "A"}]}'
+    body_b = b'{"model": "chat", "messages": [{"role": "user", "content": "B"}]}'
+    real = JetStream.publish
+    held: list[str] = []
+    go = asyncio.Event()
+
+    async def a_lost(self: JetStream, subject: str, payload: bytes = b"", **kwargs: Any) -> Any:
+        if subject.startswith("rq.req.") and b'"A"' in payload and not held:
+            held.append(subject)
+            await go.wait()
+            raise NatsTimeoutError("nats: timeout")  # its ack lost: sent again
+        return await real(self, subject, payload, **kwargs)
+
+    async with unread_stack(tmp_path, mock) as (stack, _routed), stack.http() as http:
+        assert stack.services.js is not None
+        state = await stack.services.js.key_value(STATE_BUCKET)
+        pending_a = b"?" + fingerprint("acme", body_a).encode()
+        monkeypatch.setattr(JetStream, "publish", a_lost)
+        call_a = asyncio.create_task(
+            http.post(
+                "/chat/completions",
+                content=body_a,
+                headers={"Idempotency-Key": key, "content-type": "application/json"},
+            )
+        )
+        try:
+
+            async def a_publishing() -> bool:
+                entry = await state.latest(name)
+                return entry is not None and entry.value == pending_a and bool(held)
+
+            await until(a_publishing, "A claimed the key and publishes")
+            # B took A's claim over and stored its request ...
+            async with stack.client() as client:
+                built = client.build_request(
+                    [{"role": "user", "content": "B"}],
+                    route="chat",
+                    request_id=rid,
+                    metadata={BODY_KEY: fingerprint("acme", body_b)},
+                )
+                await client.submit_request(built)
+            entry = await state.latest(name)
+            assert entry is not None
+            taken_b = b"?!" + fingerprint("acme", body_b).encode()
+            revision = await state.update(name, taken_b, last=entry.revision)
+            # ... and a later call of body A took B's claim over in turn.
+            await state.update(name, b"?!" + pending_a[1:], last=revision)
+            go.set()
+
+            async def a_answered_or_joined() -> bool:
+                return call_a.done() or stack.gateway._submissions.recent("acme", rid) is not None
+
+            await until(a_answered_or_joined, "A is answered, or joins B's request", 60)
+            assert call_a.done(), "A joined B's request"
+            answer = await call_a
+        finally:
+            go.set()
+            call_a.cancel()
+            await asyncio.gather(call_a, return_exceptions=True)
+    assert answer.status_code == 409, answer.text
+    assert answer.json()["error"]["code"] == "idempotency_key_unverified"
+
+
 async def test_a_request_stored_without_a_body_on_record_is_joined_only_by_its_own_content(
     tmp_path: Path, mock: MockBackend
 ) -> None:

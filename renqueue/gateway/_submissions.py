@@ -595,8 +595,11 @@ class Submissions:
         if ours:
             # Unless another call took this claim over meanwhile (this call's
             # publish took longer than the grace): the request found may be its.
+            # Pending as this call made it (or put back so), not a claim of its
+            # body taken over by a later call (:data:`_TAKEN`): that one may
+            # have taken it from a call of another body that stored its request.
             entry = await state.latest(name)
-            ours = entry is not None and _claimed(entry.value) == print_.encode()
+            ours = entry is not None and entry.value == _PENDING + print_.encode()
         # A claim taken over is not trusted so: its call's publish may have
         # met the first claim's request, of another body, and not come back.
         gone = not claim.made and not claim.taken
