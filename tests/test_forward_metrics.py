@@ -150,6 +150,12 @@ async def test_the_exporter_shows_the_requests_waiting_to_be_forwarded(
         forwarded = await read_cluster(js, config)
     assert waiting_two.forward_waiting == 2
     assert forwarded.forward_waiting == 0
+    # The ack floor (alert ForwardingStalled) moves on as requests are forwarded.
+    assert waiting_two.forward_floor is not None
+    assert forwarded.forward_floor is not None
+    assert forwarded.forward_floor > waiting_two.forward_floor
     families = cluster_families(waiting_two, config, up=True, term=1)
     [family] = [f for f in families if f.name == "renqueue_forward_waiting_requests"]
     assert [s.value for s in family.samples] == [2.0]
+    [floor] = [f for f in families if f.name == "renqueue_forward_ack_floor"]
+    assert [s.value for s in floor.samples] == [float(waiting_two.forward_floor)]

@@ -267,6 +267,152 @@ async def test_a_call_whose_claim_was_taken_over_meanwhile_never_joins_the_taker
     assert answer.json()["error"]["code"] == "idempotency_key_unverified"
 
 
+async def test_a_claim_taken_over_and_left_pending_never_joins_its_body_to_the_first_request(
+    tmp_path: Path, mock: MockBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of the take-over: the abandoned claim's call had stored its
+    request A (unread), and call B1 took the claim over, but its own publish
+    never came back (its gateway killed, or the publish slow: a lost ack sent
+    again) so it neither found the duplicate nor put the claim back. B's SDK
+    retry (B2) then met a pending claim of its own body unchanged past the
+    grace and took it for "its claimer stored the request and went away":
+    it joined A's request and would be answered with A's text. A claim made
+    by a take-over says so: its claimer's publish may have met another body's
+    request, so B2 is a 409 until a router tells the bodies apart."""
+    key = "taken-and-gone-1"
+    rid = id_for_key(key)
+    body_a = b'{"model": "chat", "messages": [{"role": "user", "content": "A"}]}'
+    body_b = b'{"model": "chat", "messages": [{"role": "user", "content": "B"}]}'
+    headers = {"Idempotency-Key": key, "content-type": "application/json"}
+    real = JetStream.publish
+    held: list[str] = []
+    release = asyncio.Event()
+
+    async def b_gone(self: JetStream, subject: str, payload: bytes = b"", **kwargs: Any) -> Any:
+        if subject.startswith("rq.req.") and b'"B"' in payload and not held:
+            held.append(subject)
+            await release.wait()  # B1's publish never answered while the test runs
+            raise NatsTimeoutError("nats: timeout")
+        return await real(self, subject, payload, **kwargs)
+
+    async with unread_stack(tmp_path, mock) as (stack, _routed), stack.http() as http:
+        state, name = await abandoned_claim(stack, key, body_a)
+        async with stack.client() as client:
+            built = client.build_request(
+                [{"role": "user", "content": "A"}],
+                route="chat",
+                request_id=rid,
+                metadata={BODY_KEY: fingerprint("acme", body_a)},
+            )
+            await client.submit_request(built)
+        monkeypatch.setattr(JetStream, "publish", b_gone)
+        first = asyncio.create_task(http.post("/chat/completions", content=body_b, headers=headers))
+        try:
+
+            async def b_publishing() -> bool:
+                entry = await state.latest(name)
+                taken = entry is not None and entry.value.endswith(
+                    fingerprint("acme", body_b).encode()
+                )
+                return taken and bool(held)
+
+            await until(b_publishing, "B1 took the claim over and publishes", 60)
+            joined = joined_by_key()
+            retry = asyncio.create_task(
+                http.post("/chat/completions", content=body_b, headers=headers)
+            )
+
+            async def answered_or_joined() -> bool:
+                return retry.done() or joined_by_key() > joined
+
+            await until(answered_or_joined, "B2 is answered, or joins A's request", 60)
+            assert retry.done(), "B2 joined A's request"
+            answer = await retry
+        finally:
+            release.set()
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+    assert answer.status_code == 409, answer.text
+    assert answer.json()["error"]["code"] == "idempotency_key_unverified"
+    assert mock.stats().requests == 0
+
+
+async def test_a_lost_ack_retry_never_takes_a_claim_another_call_took_over_for_its_own(
+    tmp_path: Path, mock: MockBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Call A claims its key and its first publish is not answered (its ack
+    lost, nothing stored). Meanwhile call B of another body took the claim
+    over and stored its request, and, B gone, a later call of body A took
+    B's claim over in turn (a claim of A's body again, marked taken over).
+    A's publish, sent again, finds a request stored: B's. Its claim names
+    its body, but not as A made it: not A's first try, so not joined
+    unchecked (A would be answered with B's text) but a 409."""
+    key = "taken-twice-1"
+    rid = id_for_key(key)
+    name = claim_key("acme", rid)
+    body_a = b'{"model": "chat", "messages": [{"role": "user", "content": "A"}]}'
+    body_b = b'{"model": "chat", "messages": [{"role": "user", "content": "B"}]}'
+    real = JetStream.publish
+    held: list[str] = []
+    go = asyncio.Event()
+
+    async def a_lost(self: JetStream, subject: str, payload: bytes = b"", **kwargs: Any) -> Any:
+        if subject.startswith("rq.req.") and b'"A"' in payload and not held:
+            held.append(subject)
+            await go.wait()
+            raise NatsTimeoutError("nats: timeout")  # its ack lost: sent again
+        return await real(self, subject, payload, **kwargs)
+
+    async with unread_stack(tmp_path, mock) as (stack, _routed), stack.http() as http:
+        assert stack.services.js is not None
+        state = await stack.services.js.key_value(STATE_BUCKET)
+        pending_a = b"?" + fingerprint("acme", body_a).encode()
+        monkeypatch.setattr(JetStream, "publish", a_lost)
+        call_a = asyncio.create_task(
+            http.post(
+                "/chat/completions",
+                content=body_a,
+                headers={"Idempotency-Key": key, "content-type": "application/json"},
+            )
+        )
+        try:
+
+            async def a_publishing() -> bool:
+                entry = await state.latest(name)
+                return entry is not None and entry.value == pending_a and bool(held)
+
+            await until(a_publishing, "A claimed the key and publishes")
+            # B took A's claim over and stored its request ...
+            async with stack.client() as client:
+                built = client.build_request(
+                    [{"role": "user", "content": "B"}],
+                    route="chat",
+                    request_id=rid,
+                    metadata={BODY_KEY: fingerprint("acme", body_b)},
+                )
+                await client.submit_request(built)
+            entry = await state.latest(name)
+            assert entry is not None
+            taken_b = b"?!" + fingerprint("acme", body_b).encode()
+            revision = await state.update(name, taken_b, last=entry.revision)
+            # ... and a later call of body A took B's claim over in turn.
+            await state.update(name, b"?!" + pending_a[1:], last=revision)
+            go.set()
+
+            async def a_answered_or_joined() -> bool:
+                return call_a.done() or stack.gateway._submissions.recent("acme", rid) is not None
+
+            await until(a_answered_or_joined, "A is answered, or joins B's request", 60)
+            assert call_a.done(), "A joined B's request"
+            answer = await call_a
+        finally:
+            go.set()
+            call_a.cancel()
+            await asyncio.gather(call_a, return_exceptions=True)
+    assert answer.status_code == 409, answer.text
+    assert answer.json()["error"]["code"] == "idempotency_key_unverified"
+
+
 async def test_a_request_stored_without_a_body_on_record_is_joined_only_by_its_own_content(
     tmp_path: Path, mock: MockBackend
 ) -> None:

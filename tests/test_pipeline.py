@@ -664,6 +664,10 @@ async def test_a_tenant_over_its_backlog_at_a_level_is_refused_and_others_are_no
         with pytest.raises(TenantBacklogFullError, match=r"router\.tenant_backlog") as info:
             await flood.submit("x", route="chat", request_id="f2")
         assert info.value.code == "tenant_backlog_full"
+        # What the submitter reads: which request and what to do, not the
+        # broker's codes (kept in the error's fields).
+        assert "err_code" not in str(info.value), str(info.value)
+        assert (info.value.status, info.value.err_code) == (503, 10077)
         await flood.submit("x", route="chat", priority="high", request_id="f3")  # another level
         await calm.submit("x", route="chat", request_id="c0")
         stored = await services.js.stream_info("RQ_REQUESTS")

@@ -204,6 +204,7 @@ def _not_stored(
             "submit it again once some of them are routed",
             status=refusal.status,
             err_code=refusal.err_code,
+            plain=True,
         )
     return StoreFullError(
         f"request {request.id} was not stored: the queue's store is full ({refusal}); send it "

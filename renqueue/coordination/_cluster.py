@@ -169,6 +169,10 @@ SERIES: Final = (
            "Binding split in groups: requests sent without their route that the forwarding "
            "consumer (router-forward) has not seen acked: not yet delivered, or delivered and "
            "being forwarded or handed back to be tried again"),
+    Series("renqueue_forward_ack_floor", "gauge", (),
+           "Binding split in groups: the requests stream's sequence up to which the forwarding "
+           "consumer has every request acked (forwarded or refused); still while the oldest "
+           "waits, however many others are forwarded"),
     Series("renqueue_projection_lag_events", "gauge", (),
            "Events in the log not yet folded into the projection's checkpoint"),
     Series("renqueue_projection_lag_seconds", "gauge", (),
@@ -203,6 +207,9 @@ class ClusterReading(Struct, frozen=True, kw_only=True):
     #: Binding split in groups: requests at the forwarding consumer not acked
     #: (pending and held); ``None`` when not split, or it has no such consumer.
     forward_waiting: int | None = None
+    #: The forwarding consumer's ack floor (its stream sequence), read with
+    #: ``forward_waiting``: it moves on as long as requests are forwarded.
+    forward_floor: int | None = None
 
 
 async def read_cluster(
@@ -230,20 +237,23 @@ async def read_cluster(
         binder=binder,
         groups=groups,
         lag_seconds=await _lag(js, status, at),
-        forward_waiting=forward,
+        forward_waiting=None if forward is None else forward[0],
+        forward_floor=None if forward is None else forward[1],
     )
 
 
-async def _forward_waiting(js: JetStream, config: Config) -> int | None:
-    """Requests the forwarding consumer holds or has yet to deliver (binding
-    split in groups only: ``None`` otherwise, or when it is not provisioned)."""
+async def _forward_waiting(js: JetStream, config: Config) -> tuple[int, int] | None:
+    """Requests the forwarding consumer holds or has yet to deliver, and its
+    ack floor's stream sequence (binding split in groups only: ``None``
+    otherwise, or when it is not provisioned)."""
     if not config.sharded():
         return None
     try:
         info = await js.consumer_info(REQUESTS_STREAM, FORWARD_CONSUMER)
     except NatsNotFoundError:
         return None
-    return (info.num_pending or 0) + (info.num_ack_pending or 0)
+    floor = 0 if info.ack_floor is None else info.ack_floor.stream_seq or 0
+    return (info.num_pending or 0) + (info.num_ack_pending or 0), floor
 
 
 async def _binders(
@@ -357,6 +367,8 @@ def _add_binding(families: _Families, reading: ClusterReading) -> None:
         families.add("renqueue_binder_group_present", 0.0 if holder is None else 1.0, group)
     if reading.forward_waiting is not None:
         families.add("renqueue_forward_waiting_requests", float(reading.forward_waiting))
+    if reading.forward_floor is not None:
+        families.add("renqueue_forward_ack_floor", float(reading.forward_floor))
 
 
 def _add_reading(

@@ -83,6 +83,12 @@ _CLAIM_WINDOWS: Final = 2
 #: What a claim's value starts with until the request under the key is known
 #: to have the claimed body (then its value is the fingerprint alone).
 _PENDING: Final = b"?"
+#: What a pending claim made by a take-over (:meth:`Submissions._take_over`)
+#: starts with: its call's publish may find another body's request stored (the
+#: abandoned claim's call stored it and went away), so a call of its body that
+#: finds a request stored never takes this claim, unsettled, for "its claimer
+#: stored the request and went away" (:meth:`Submissions._claimer_gone`).
+_TAKEN: Final = _PENDING + b"!"
 #: A pending claim still unchanged this long after another call of its body
 #: found the request stored was left by a call that went away (a live one
 #: settles its claim within its ~3 s wait): the request is joined. Also how
@@ -104,6 +110,14 @@ class _Claim(NamedTuple):
     #: (:meth:`Submissions._take_over`): what it puts back, rather than delete,
     #: when it gives the claim back.
     taken_from: bytes | None = None
+    #: Pending, made by a take-over (:data:`_TAKEN`): the request under the key
+    #: may be the first claim's, of another body.
+    taken: bool = False
+
+
+def _claimed(value: bytes) -> bytes:
+    """The fingerprint a claim's value names, pending, taken over or confirmed."""
+    return value.removeprefix(_TAKEN).removeprefix(_PENDING)
 
 
 class Origin(NamedTuple):
@@ -413,9 +427,10 @@ class Submissions:
             entry = await state.latest(name)
             if entry is None or entry.operation is not None:
                 continue  # expired or deleted since: claimed again
-            if entry.value.removeprefix(_PENDING) == value:
+            if _claimed(entry.value) == value:
                 confirmed = not entry.value.startswith(_PENDING)
-                return _Claim(entry.revision, made=False, confirmed=confirmed)
+                by_take_over = entry.value.startswith(_TAKEN)
+                return _Claim(entry.revision, made=False, confirmed=confirmed, taken=by_take_over)
             if not entry.value.startswith(_PENDING):
                 raise _key_reused()  # the request under the key has another body
             taken = await self._take_over(tenant, request_id, print_, sub, entry.revision)
@@ -463,12 +478,12 @@ class Submissions:
         }
         try:
             ack = await self._js().publish(
-                f"$KV.{STATE_BUCKET}.{name}", _PENDING + print_.encode(), headers=headers
+                f"$KV.{STATE_BUCKET}.{name}", _TAKEN + print_.encode(), headers=headers
             )
         except WrongLastSequenceError:
             return None  # another call took it first, or its claimer settled it
         log.info("an abandoned Idempotency-Key claim was taken over", request_id=request_id)
-        return _Claim(ack.seq, made=True, confirmed=False, taken_from=entry.value)
+        return _Claim(ack.seq, made=True, confirmed=False, taken_from=entry.value, taken=True)
 
     async def _settle(
         self,
@@ -556,7 +571,8 @@ class Submissions:
         live claimer settles it within its own wait): that call's publish
         stored the request and it went away before confirming (killed, or
         cancelled by its client's timeout), so the request is joined rather
-        than refused until a router reads it. A claim another
+        than refused until a router reads it (not a claim made by a take-over:
+        :data:`_TAKEN`). A claim another
         call confirms meanwhile (its publish stored the request) is joined. A
         claim this call made is taken back when the stored request is not known
         to have its body."""
@@ -580,9 +596,15 @@ class Submissions:
         if ours:
             # Unless another call took this claim over meanwhile (this call's
             # publish took longer than the grace): the request found may be its.
+            # Pending as this call made it (or put back so), not a claim of its
+            # body taken over by a later call (:data:`_TAKEN`): that one may
+            # have taken it from a call of another body that stored its request.
             entry = await state.latest(name)
-            ours = entry is not None and entry.value.removeprefix(_PENDING) == print_.encode()
-        if ours or (not claim.made and await self._claimer_gone(name, print_, claim)):
+            ours = entry is not None and entry.value == _PENDING + print_.encode()
+        # A claim taken over is not trusted so: its call's publish may have
+        # met the first claim's request, of another body, and not come back.
+        gone = not claim.made and not claim.taken
+        if ours or (gone and await self._claimer_gone(name, print_, claim)):
             self._confirm(tenant, request_id, print_, claim)
             return
         if claim.made:

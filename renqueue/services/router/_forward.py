@@ -303,7 +303,7 @@ class Forwarder:
         level = msg.subject.split(".")[2]
         # Its text is the event's reason, which the gateway and the client show
         # the user: what happened and what to do, not the broker's codes (kept
-        # in the error's fields, and logged with the refusal).
+        # in the error's fields; the error type says which refusal it was).
         error = TenantBacklogFullError(
             f"Tenant {tenant}'s backlog for route {route_of_subject(subject)} at level "
             f"{level} is full: it already has as many requests waiting there as "
