@@ -150,3 +150,29 @@ async def test_no_failed_ack_is_left_never_retrieved(isolated_js: JetStream) -> 
     finally:
         loop.set_exception_handler(None)
     assert reported == []
+
+
+async def test_an_ack_failed_before_the_wait_gives_the_others_up_as_one_failing_in_it(
+    isolated_js: JetStream,
+) -> None:
+    # The request's `submitted` failed before its decision's wait began: the
+    # `routed` still pending is given up on (cancelled) and the spared
+    # dispatch's answer still read, as when the failure comes during the wait.
+    dispatcher, msg = await _dispatcher_and_message(isolated_js, "EARLY")
+    loop = asyncio.get_running_loop()
+    reported = _unretrieved(loop)
+    try:
+        spared, failed_before, pending = (loop.create_future() for _ in range(3))
+        failed_before.set_exception(StoreFullError("the event log is full"))
+        assert await _failed_wait(
+            dispatcher, msg, spared, failed_before, pending, spare=spared
+        ) == ("StoreFullError")
+        assert pending.cancelled()
+        assert not spared.done()
+        spared.set_exception(StoreFullError("the dispatch queue is full"))
+        await asyncio.sleep(0)  # (its done callbacks run)
+        del spared, failed_before, pending
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert reported == []

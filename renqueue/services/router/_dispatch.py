@@ -499,33 +499,32 @@ class Dispatcher:
         retrieved". One ``asyncio.wait`` on the acks themselves: no gathering
         or shielding future between them and this wait."""
         futures = [ack for ack in acks if ack is not None]
-        _raise_failed(futures)
         pending = {ack for ack in futures if not ack.done()}
-        if pending:
-            loop = asyncio.get_running_loop()
-            timeout = min(ACKS_TIMEOUT, self._ack_wait)
-            deadline = loop.time() + timeout
-            interval = max(0.1, self._ack_wait / 3)
-            try:
-                while pending:
-                    remaining = deadline - loop.time()
-                    if remaining <= 0:
-                        raise TimeoutError(f"no acks for the decision within {timeout:g} s")
-                    done, pending = await asyncio.wait(
-                        pending,
-                        timeout=min(interval, remaining),
-                        return_when=asyncio.FIRST_EXCEPTION,
-                    )
-                    if done:
-                        _raise_failed(futures)  # (in their order, not the set's)
-                    if pending:
-                        with contextlib.suppress(Exception):
-                            await msg.in_progress()
-            finally:
-                for ack in pending:
-                    # (One that came back meanwhile cannot be cancelled: read it.)
-                    if ack is spare or not ack.cancel():
-                        _read_when_answered(ack)
+        loop = asyncio.get_running_loop()
+        timeout = min(ACKS_TIMEOUT, self._ack_wait)
+        deadline = loop.time() + timeout
+        interval = max(0.1, self._ack_wait / 3)
+        try:
+            _raise_failed(futures)  # (one failed already: the others are given up on too)
+            while pending:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise TimeoutError(f"no acks for the decision within {timeout:g} s")
+                done, pending = await asyncio.wait(
+                    pending,
+                    timeout=min(interval, remaining),
+                    return_when=asyncio.FIRST_EXCEPTION,
+                )
+                if done:
+                    _raise_failed(futures)  # (in their order, not the set's)
+                if pending:
+                    with contextlib.suppress(Exception):
+                        await msg.in_progress()
+        finally:
+            for ack in pending:
+                # (One that came back meanwhile cannot be cancelled: read it.)
+                if ack is spare or not ack.cancel():
+                    _read_when_answered(ack)
         return [ack.result() for ack in futures]
 
     async def _fail_undeliverable(self, item: Held, exc: Exception) -> None:
