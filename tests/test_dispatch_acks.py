@@ -176,3 +176,22 @@ async def test_an_ack_failed_before_the_wait_gives_the_others_up_as_one_failing_
     finally:
         loop.set_exception_handler(None)
     assert reported == []
+
+
+async def test_a_spared_ack_answered_after_a_timeout_is_read(isolated_js: JetStream) -> None:
+    # The request's `submitted` spared by the wait for it (a decision's first
+    # step), answered with a failure only after that wait timed out.
+    dispatcher, msg = await _dispatcher_and_message(isolated_js, "LATE")
+    loop = asyncio.get_running_loop()
+    reported = _unretrieved(loop)
+    try:
+        spared = loop.create_future()
+        with pytest.raises(TimeoutError):
+            await dispatcher._kept_alive(msg, spared, spare=spared)
+        spared.set_exception(StoreFullError("the event log is full"))
+        await asyncio.sleep(0)  # (its done callbacks run)
+        del spared
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert reported == []
