@@ -11,6 +11,7 @@ while the request's message is kept in progress meanwhile.
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -96,3 +97,101 @@ async def test_a_cancelled_wait_cancels_the_pending_acks_but_the_spared_one(
         await waiting
     assert never.cancelled()
     assert not spared.done()
+
+
+def _unretrieved(loop: asyncio.AbstractEventLoop) -> list[dict[str, object]]:
+    """Start collecting what ``loop`` reports of futures whose exception no one
+    read (``Future exception was never retrieved``, reported as they are freed)."""
+    reported: list[dict[str, object]] = []
+
+    def handler(_: asyncio.AbstractEventLoop, context: dict[str, object]) -> None:
+        if "never retrieved" in str(context.get("message", "")):
+            reported.append(context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+    return reported
+
+
+async def _failed_wait(dispatcher: Dispatcher, msg: Message, *acks: object, spare: object) -> str:
+    """``_kept_alive`` over ``acks``: the name of the error it raised (the error
+    itself is not kept: its traceback would keep the futures alive)."""
+    try:
+        await dispatcher._kept_alive(msg, *acks, spare=spare)  # type: ignore[arg-type]
+    except StoreFullError as exc:
+        return type(exc).__name__
+    return "nothing"
+
+
+async def test_no_failed_ack_is_left_never_retrieved(isolated_js: JetStream) -> None:
+    # Two acks that fail together (the event log full: the request's
+    # `submitted` and its `routed`), two that had failed before the wait, and
+    # a spared one (the dispatch's) that fails after the wait gave up: each
+    # failure is read, as gather and shield read them, and none is reported.
+    dispatcher, msg = await _dispatcher_and_message(isolated_js, "UNREAD")
+    loop = asyncio.get_running_loop()
+    reported = _unretrieved(loop)
+    try:
+        spared, first, second = (loop.create_future() for _ in range(3))
+        loop.call_soon(first.set_exception, StoreFullError("the event log is full"))
+        loop.call_soon(second.set_exception, StoreFullError("the event log is full"))
+        assert await _failed_wait(dispatcher, msg, spared, first, second, spare=spared) == (
+            "StoreFullError"
+        )
+        spared.set_exception(StoreFullError("the dispatch queue is full"))
+        await asyncio.sleep(0)  # (its done callbacks run)
+        failed_before = [loop.create_future() for _ in range(2)]
+        for ack in failed_before:
+            ack.set_exception(StoreFullError("the event log is full"))
+        assert await _failed_wait(dispatcher, msg, *failed_before, spare=None) == ("StoreFullError")
+        del spared, first, second, failed_before, ack
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert reported == []
+
+
+async def test_an_ack_failed_before_the_wait_gives_the_others_up_as_one_failing_in_it(
+    isolated_js: JetStream,
+) -> None:
+    # The request's `submitted` failed before its decision's wait began: the
+    # `routed` still pending is given up on (cancelled) and the spared
+    # dispatch's answer still read, as when the failure comes during the wait.
+    dispatcher, msg = await _dispatcher_and_message(isolated_js, "EARLY")
+    loop = asyncio.get_running_loop()
+    reported = _unretrieved(loop)
+    try:
+        spared, failed_before, pending = (loop.create_future() for _ in range(3))
+        failed_before.set_exception(StoreFullError("the event log is full"))
+        assert await _failed_wait(
+            dispatcher, msg, spared, failed_before, pending, spare=spared
+        ) == ("StoreFullError")
+        assert pending.cancelled()
+        assert not spared.done()
+        spared.set_exception(StoreFullError("the dispatch queue is full"))
+        await asyncio.sleep(0)  # (its done callbacks run)
+        del spared, failed_before, pending
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert reported == []
+
+
+async def test_a_spared_ack_answered_after_a_timeout_is_read(isolated_js: JetStream) -> None:
+    # The request's `submitted` spared by the wait for it (a decision's first
+    # step), answered with a failure only after that wait timed out.
+    dispatcher, msg = await _dispatcher_and_message(isolated_js, "LATE")
+    loop = asyncio.get_running_loop()
+    reported = _unretrieved(loop)
+    try:
+        spared = loop.create_future()
+        with pytest.raises(TimeoutError):
+            await dispatcher._kept_alive(msg, spared, spare=spared)
+        spared.set_exception(StoreFullError("the event log is full"))
+        await asyncio.sleep(0)  # (its done callbacks run)
+        del spared
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert reported == []

@@ -83,11 +83,25 @@ _UNANSWERED_GRACE: Final = ACKS_TIMEOUT
 
 
 def _raise_failed(acks: Iterable[asyncio.Future[PubAck]]) -> None:
-    """Raise the error of the first of ``acks`` that came back one (cancelled:
-    ``CancelledError``)."""
+    """Raise the error of the first of ``acks`` (in their order) that came
+    back one (cancelled: ``CancelledError``). Every one that came back is
+    read, so none that failed too is left "never retrieved" (as
+    ``asyncio.gather`` read them)."""
+    first: BaseException | None = None
     for ack in acks:
-        if ack.done() and (error := ack.exception()) is not None:
-            raise error
+        if ack.done():
+            error = asyncio.CancelledError() if ack.cancelled() else ack.exception()
+            if first is None:
+                first = error
+    if first is not None:
+        raise first
+
+
+def _read_when_answered(ack: asyncio.Future[PubAck]) -> None:
+    """Read ``ack``'s answer when it comes (no one awaits it any more): a
+    failure is then not reported as a "Future exception was never retrieved"
+    (as ``asyncio.shield`` read it)."""
+    ack.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
 def _settle(slot: Slot, sent: asyncio.Future[PubAck] | None, *, backend: str) -> None:
@@ -476,38 +490,41 @@ class Dispatcher:
         only to the error callback) is a failed dispatch. Their results, in
         their order; the first failure raised as soon as it comes.
 
-        Given up on (a timeout, or this task cancelled), the acks still
-        pending are cancelled (which frees their pending slots), all but
+        Given up on (a failure, a timeout, or this task cancelled), the acks
+        still pending are cancelled (which frees their pending slots), all but
         ``spare``: the dispatch's, whose own answer settles its slot
         (:func:`_settle`), or a ``submitted`` event's ack the request's next
-        steps await again. One ``asyncio.wait`` on the acks themselves: no
-        gathering or shielding future between them and this wait."""
+        steps await again; its answer is still read when it comes, and every
+        failure that came back is read, so none is reported as "never
+        retrieved". One ``asyncio.wait`` on the acks themselves: no gathering
+        or shielding future between them and this wait."""
         futures = [ack for ack in acks if ack is not None]
-        _raise_failed(futures)
         pending = {ack for ack in futures if not ack.done()}
-        if pending:
-            loop = asyncio.get_running_loop()
-            timeout = min(ACKS_TIMEOUT, self._ack_wait)
-            deadline = loop.time() + timeout
-            interval = max(0.1, self._ack_wait / 3)
-            try:
-                while pending:
-                    remaining = deadline - loop.time()
-                    if remaining <= 0:
-                        raise TimeoutError(f"no acks for the decision within {timeout:g} s")
-                    done, pending = await asyncio.wait(
-                        pending,
-                        timeout=min(interval, remaining),
-                        return_when=asyncio.FIRST_EXCEPTION,
-                    )
-                    _raise_failed(done)
-                    if pending:
-                        with contextlib.suppress(Exception):
-                            await msg.in_progress()
-            finally:
-                for ack in pending:
-                    if ack is not spare:
-                        ack.cancel()
+        loop = asyncio.get_running_loop()
+        timeout = min(ACKS_TIMEOUT, self._ack_wait)
+        deadline = loop.time() + timeout
+        interval = max(0.1, self._ack_wait / 3)
+        try:
+            _raise_failed(futures)  # (one failed already: the others are given up on too)
+            while pending:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise TimeoutError(f"no acks for the decision within {timeout:g} s")
+                done, pending = await asyncio.wait(
+                    pending,
+                    timeout=min(interval, remaining),
+                    return_when=asyncio.FIRST_EXCEPTION,
+                )
+                if done:
+                    _raise_failed(futures)  # (in their order, not the set's)
+                if pending:
+                    with contextlib.suppress(Exception):
+                        await msg.in_progress()
+        finally:
+            for ack in pending:
+                # (One that came back meanwhile cannot be cancelled: read it.)
+                if ack is spare or not ack.cancel():
+                    _read_when_answered(ack)
         return [ack.result() for ack in futures]
 
     async def _fail_undeliverable(self, item: Held, exc: Exception) -> None:

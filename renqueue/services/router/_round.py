@@ -85,6 +85,14 @@ _FREED_PREFIX: Final = capacity_subject("")
 _IDLE_ROUND: Final = 1.0
 
 
+def freed_backend(subject: str) -> str | None:
+    """The backend a worker's word on ``subject`` says it freed a slot of:
+    ``subject`` is ``rq.capacity.<one token>`` (as ``subject_matches`` of
+    ``capacity_subject("*")`` judges, without splitting it); else ``None``."""
+    backend = subject.removeprefix(_FREED_PREFIX)
+    return None if backend == subject or "." in backend else backend
+
+
 class Round:
     """The binder's rounds (see the module docstring)."""
 
@@ -137,10 +145,9 @@ class Round:
         """A worker freed a slot of its backend: a round may bind more."""
         # A tenant's push consumer can deliver here (its messages keep their
         # own subjects): only rq.capacity.<backend> (one token) is a worker's word.
-        subject = msg.subject
-        backend = subject.removeprefix(_FREED_PREFIX)
-        if backend == subject or "." in backend:
-            misdirected("capacity", subject)
+        backend = freed_backend(msg.subject)
+        if backend is None:
+            misdirected("capacity", msg.subject)
             return
         self._capacity.freed(backend)
         self._parts.wake.set()
