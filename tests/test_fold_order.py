@@ -529,3 +529,88 @@ def test_a_newer_decision_logged_after_an_end_its_older_arm_counted_counts_nothi
     assert late.splits.ended == {}
     assert {path for path in disagree(first, late) if path.startswith("splits")} == set()
     nothing_held(late)
+
+
+def arm_attempt_decision(attempt: int, at: float) -> Event:
+    """Attempt ``attempt``'s decision of a request on arm ``canary`` of split ``chat``."""
+    on_arm = msgspec.structs.replace(request(), split="chat", route="canary")
+    return routed(
+        on_arm,
+        at=at,
+        backend="free",
+        attempt=attempt,
+        priority="normal",
+        queue_wait=0.0,
+        reserved_tokens=600,
+        estimated_cost=0.25,
+    )
+
+
+@pytest.mark.parametrize(
+    "order", ["end, older, newer", "end, newer, older", "newer, end, older", "older, end, newer"]
+)
+def test_an_arms_request_whose_two_decisions_are_folded_around_its_end_counts_once(
+    order: str,
+) -> None:
+    """Attempt 1 put back, attempt 2 completed, on the same arm: in order the
+    arm counts one request and one completion. Regression: with the end folded
+    before both decisions, the first to come (even the older one) took the end
+    kept for the decision, and the other counted the request a second time and
+    held an arm entry until the splits' 6-hour sweep; an older decision folded
+    after the end its newer one counted did the same."""
+    fault = {"error_type": "backend_unavailable", "error_class": "connect", "reason": "refused"}
+    older, newer = arm_attempt_decision(1, T), arm_attempt_decision(2, T + 1.5)
+    then = Run(request_id="r1", tenant="t", backend="free", attempt=2, delivery=1)
+    put_back: list[Event] = [
+        RUN.started(at=T + 0.5, worker="w"),
+        RUN.retrying(at=T + 1.0, retry_after=0.1, requeued=True, **fault),  # type: ignore[arg-type]
+    ]
+    end: list[Event] = [
+        then.started(at=T + 2.0, worker="w"),
+        then.completed(at=T + 3.0, text="x", usage=Usage(prompt_tokens=10), cost=0.0),
+    ]
+    first = fold_many(ProjectionState(), [older, *put_back, newer, *end])
+    late = fold_many(
+        ProjectionState(),
+        {
+            "end, older, newer": [*put_back, *end, older, newer],
+            "end, newer, older": [*put_back, *end, newer, older],
+            "newer, end, older": [*put_back, newer, *end, older],
+            "older, end, newer": [older, *put_back, *end, newer],
+        }[order],
+    )
+    assert (late.splits.requests, late.splits.ended) == ({}, {})
+    nothing_held(late)
+    arm = late.splits.routes["chat"].arms["canary"].total
+    assert (arm.requests, arm.completed) == (1, 1)
+    differ = {path for path in disagree(first, late) if path.startswith("splits")}
+    if order.index("newer") < order.index("older"):
+        # An older decision folded after a newer one (with or without the end
+        # between) times the arm's wait from the newer one's: as before 13.
+        differ = {path for path in differ if "latency" not in path}
+    assert differ == set()
+
+
+def test_marks_for_older_decisions_that_never_come_are_swept_after_the_horizon() -> None:
+    """A request whose first decision was its attempt 2 (a coalesced follower
+    put back runs as attempt 2; attempt 1 was never decided), ended on an arm
+    with that decision folded after its end: the fold's mark waits for an
+    attempt 1 decision that never comes, and the splits keep the end for it.
+    Both are swept at the horizon (6 hours of event time), not kept for good."""
+    then = Run(request_id="r1", tenant="t", backend="free", attempt=2, delivery=1)
+    ended = fold_many(
+        ProjectionState(),
+        [
+            then.started(at=T + 2.0, worker="w"),
+            then.completed(at=T + 3.0, text="x", usage=Usage(prompt_tokens=10), cost=0.0),
+            arm_attempt_decision(2, T + 1.5),
+        ],
+    )
+    assert set(ended.ended) == {"t:r1"}  # an attempt 1 decision may still come
+    assert ended.splits.routes["chat"].arms["canary"].total.completed == 1
+    assert decode_state(encode_state(ended)) == ended  # survives a checkpoint
+    clock = run_of("other")  # another request's events move the log's clock
+    kept = fold_many(ended, [clock.started(at=T + STALE_IN_FLIGHT - 60.0, worker="w")])
+    assert set(kept.ended) == {"t:r1"}
+    gone = fold_many(kept, [clock.started(at=T + 3.0 + STALE_IN_FLIGHT + 60.0, worker="w")])
+    assert (gone.ended, gone.splits.ended, gone.splits.requests) == ({}, {}, {})
