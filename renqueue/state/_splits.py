@@ -26,7 +26,8 @@ time, so a replay rebuilds it exactly:
 Bounded: per split, per arm, one total and at most ``AB_HORIZON / AB_BUCKET``
 (20) buckets (:class:`~renqueue.policy.ArmStats`), plus one small entry per request
 routed on an arm and not yet ended, dropped at its end, and one per request ended
-before its decision, dropped at the decision, both swept after
+before its decision (or its older attempts'), dropped at the last to come,
+both swept after
 :data:`STALE_ASSIGNED` seconds of event time.
 """
 
