@@ -10,7 +10,7 @@ service user's inbox).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -235,7 +235,9 @@ async def test_a_preempted_request_is_not_lost_to_a_requeue_id_another_tenant_to
     assert [e.by for e in events[batch.id] if isinstance(e, Preempted)] == [urgent.id]
 
 
-async def test_nothing_is_preempted_for_a_request_that_stopped_waiting(tmp_path: Path) -> None:
+async def test_nothing_is_preempted_for_a_request_that_stopped_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The router confirms a preemption after its offer window: if the urgent
     request was bound, ended or handed back meanwhile, it needs no slot and no
     run may be preempted for it. (Before: the confirm went out regardless.)
@@ -245,7 +247,20 @@ async def test_nothing_is_preempted_for_a_request_that_stopped_waiting(tmp_path:
     running at the mock when the ask goes out and still when it is answered:
     the worker had a run to offer all along. (Before, a 2 s run: on a loaded
     machine it could end before the ask, and nothing could be preempted at
-    all, whatever the router did.)"""
+    all, whatever the router did.) The offer window waits here for the
+    worker's offer before it settles: on a loaded machine the offer could miss
+    the window, and nothing would be preempted whatever the router did."""
+    weighed: list[int] = []
+    settle = _asking._until_settled
+
+    async def after_an_offer(
+        arrived: asyncio.Event, offers: list[Any], unbeatable: Callable[[], bool]
+    ) -> None:
+        await asyncio.wait_for(arrived.wait(), 30.0)
+        await settle(arrived, offers, unbeatable)
+        weighed.append(len(offers))
+
+    monkeypatch.setattr(_asking, "_until_settled", after_an_offer)
     async with MockBackend(ENDLESS) as mock:
         config = config_of({"data_dir": str(tmp_path / "nats"), "port": -1}, {"b": (mock.url, 1)})
         async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
@@ -262,6 +277,7 @@ async def test_nothing_is_preempted_for_a_request_that_stopped_waiting(tmp_path:
                 touched=now,
             )  # held by no router
             await services.routers[0]._round._ask_preemption(gone, gone.rank, ["b"])
+            assert weighed == [1]  # the worker's offer of the batch run came, and was weighed
             assert not gone.preempted_one
             # The batch call never stopped: the one call, still running.
             assert (mock.stats().in_flight, mock.stats().requests) == (1, 1)

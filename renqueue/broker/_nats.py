@@ -1709,8 +1709,13 @@ CLOSE_WAIT: Final = 5.0
 
 
 #: Longest :meth:`Connection.drain` waits for the server to answer the ping
-#: it sends as it begins (seconds; nats-py's flush takes whole ones).
-DRAIN_ANSWER: Final = 2
+#: it sends as it begins (seconds; nats-py's flush takes whole ones): nats-py's
+#: own flush timeout, and the connection's default ``nats.ping_interval``. A
+#: server that answers later is taken for gone, and the handlers still busy
+#: with its messages are cancelled: on a loaded machine a live server's pong
+#: (or the client's loop reading it) can take seconds, so the bound is not
+#: short. A connection seen lost (nats-py reconnecting) is given up at once.
+DRAIN_ANSWER: Final = 10
 
 
 async def _drain_unless_gone(nc: _NatsPyClient) -> None:

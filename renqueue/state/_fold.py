@@ -816,9 +816,10 @@ class Folding:
             # waits only for the older ones.
             if older:
                 self._ended[key] = Ended(backend, at, attempt, older=older, decided=True)
+                self._splits.ended_after_decision(key, at, attempt, older)
             return
         self._ended[key] = Ended(backend, at, attempt, max(0, tokens), completed, older)
-        self._splits.ended_before_decision(event, key, at)
+        self._splits.ended_before_decision(event, key, at, attempt, older)
 
     def _late_route(self, event: Routed, ended: Ended, key: str, at: float) -> None:
         """The decision of a request already over: it spends what it would

@@ -26,7 +26,8 @@ time, so a replay rebuilds it exactly:
 Bounded: per split, per arm, one total and at most ``AB_HORIZON / AB_BUCKET``
 (20) buckets (:class:`~renqueue.policy.ArmStats`), plus one small entry per request
 routed on an arm and not yet ended, dropped at its end, and one per request ended
-before its decision, dropped at the decision, both swept after
+before its decision (or its older attempts'), dropped at the last to come,
+both swept after
 :data:`STALE_ASSIGNED` seconds of event time.
 """
 
@@ -79,7 +80,11 @@ class ArmEnd(Struct, frozen=True, array_like=True):
     counts if the decision names one (``outcome``: ``completed``, ``failed``,
     ``expired``, or ``""`` for none; a completion's cost, call duration and
     time to first token; whether a failure blamed the backend), or ``counted``: an
-    older attempt's decision had put it on an arm, which counted it."""
+    older attempt's decision had put it on an arm, which counted it; ``done``:
+    its decision came, only older attempts' are still to come (they count nothing).
+    ``attempt`` is the end's (0: not known), ``older`` its older attempts'
+    decisions still to come (as the fold's ``Ended`` mark counts them), and
+    ``since`` the earliest wait one of them began (0.0: none came)."""
 
     at: float
     outcome: str
@@ -87,6 +92,9 @@ class ArmEnd(Struct, frozen=True, array_like=True):
     duration: float = 0.0
     ttft: float | None = None
     fault: bool = False
+    attempt: int = 0
+    older: int = 0
+    since: float = 0.0
 
 
 class SplitState(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -192,10 +200,16 @@ class SplitsBuilder:
         return self._pending
 
     def ended_before_decision(
-        self, event: Completed | Failed | Expired | Cancelled | Rejected, key: str, at: float
+        self,
+        event: Completed | Failed | Expired | Cancelled | Rejected,
+        key: str,
+        at: float,
+        attempt: int,
+        older: int,
     ) -> None:
-        """The fold marked ``event`` (the end of request ``key``) as come before
-        its decision: kept for that decision, which may name an arm."""
+        """The fold marked ``event`` (the end of request ``key`` at ``attempt``) as
+        come before its decision, with ``older`` older attempts' decisions to
+        come too: kept for that decision, which may name an arm, and for them."""
         if key in self._requests:
             return  # on an arm: its end is counted there
         if key == self._counted:  # counted on the arm an older decision named
@@ -212,7 +226,14 @@ class SplitsBuilder:
             end = ArmEnd(at, "expired")
         else:
             end = ArmEnd(at, "")
-        self._own_pending()[key] = end
+        self._own_pending()[key] = msgspec.structs.replace(end, attempt=attempt, older=older)
+
+    def ended_after_decision(self, key: str, at: float, attempt: int, older: int) -> None:
+        """The fold marked request ``key``'s end (at ``attempt``, its decision
+        folded) as waiting for ``older`` older attempts' decisions: if its arm
+        counted the end, they count nothing more there."""
+        if key == self._counted:
+            self._own_pending()[key] = ArmEnd(at, "done", attempt=attempt, older=older)
 
     def _count(self, split: str, arm: str, at: float, delta: Tally) -> None:
         working = self._working.get((split, arm))
@@ -224,10 +245,28 @@ class SplitsBuilder:
     def _routed(self, event: Routed, at: float) -> None:
         key = msg_id(event.tenant, event.request_id)
         end = self._pending.get(key)
-        if end is not None:  # the decision of a request already over
-            del self._own_pending()[key]
+        if end is not None:  # a decision of a request already over
+            since = at - max(0.0, _finite(event.queue_wait))
+            if end.since:
+                since = min(since, end.since)
+            if end.outcome == "done" or (end.attempt and event.attempt != end.attempt):
+                # Another attempt's decision (as the fold's ``_late_route``): it
+                # counts nothing; an older one is one fewer to come.
+                if event.attempt < end.attempt and end.older:
+                    if end.older == 1 and end.outcome == "done":
+                        del self._own_pending()[key]
+                    else:
+                        self._own_pending()[key] = msgspec.structs.replace(
+                            end, older=end.older - 1, since=since
+                        )
+                return
+            if end.older:  # its own decision: the older ones still to come count nothing
+                self._own_pending()[key] = ArmEnd(
+                    end.at, "done", attempt=end.attempt, older=end.older
+                )
+            else:
+                del self._own_pending()[key]
             if event.split and event.arm and end.outcome != "counted":
-                since = at - max(0.0, _finite(event.queue_wait))
                 self._count(event.split, event.arm, at, Tally(requests=1))
                 delta = _outcome(end, since)
                 if delta is not None:
