@@ -615,3 +615,23 @@ async def test_a_timeout_that_is_not_a_number_ends_the_wait_at_once() -> None:
         with pytest.raises(TimeoutError):
             wait.send(None)  # ended at its first step: nothing awaited
     assert not waiter._waiting
+
+
+async def test_follows_that_time_out_leave_no_waiter_on_the_tap(
+    streams: tuple[Connection, Connection],
+) -> None:
+    """A handle not made by a submit follows its request through the tap:
+    hundreds of its result() calls at once, each timing out, leave nothing
+    held on the tap, and a later one still gets the end."""
+    _, loud = streams
+    async with Client(loud, tenant="t") as client:
+        handle = client.handle("ghost")
+        waits = [handle.result(timeout=0.5) for _ in range(200)]
+        outcomes = await asyncio.gather(*waits, return_exceptions=True)
+        assert all(isinstance(outcome, TimeoutError) for outcome in outcomes)
+        assert "ghost" not in client._tap._waiters
+        last = asyncio.create_task(handle.result(timeout=30))
+        await until(_waits_on_tap(client, "ghost", 1), "the last result waits on the tap")
+        await end(loud, _ended("ghost"))
+        assert (await last).text == "ok"
+        assert "ghost" not in client._tap._waiters
