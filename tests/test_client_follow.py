@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import gc
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -25,6 +27,7 @@ from nats.js.api import ConsumerConfig, ConsumerInfo, SequenceInfo
 from renqueue import Client, Services, TokensExpiredError, UnknownPriorityError, parse_config
 from renqueue.broker import Connection, EmbeddedServer, EventLog, provision
 from renqueue.broker._eventlog import _anything_to_deliver
+from renqueue.client._tap import Waiter, _time_out
 from renqueue.client._tokens import TokenFollower
 from renqueue.errors import NatsError, NatsTimeoutError
 from renqueue.mock import MockBackend, MockSettings
@@ -524,3 +527,111 @@ def _waits_on_tap(client: Client, request_id: str, waits: int) -> Callable[[], A
         return waiter is not None and len(waiter._waiting) == waits
 
     return check
+
+
+def _ended(request_id: str) -> Completed:
+    usage = Usage(prompt_tokens=1, completion_tokens=1)
+    return Completed(
+        request_id=request_id, tenant="t", at=1.0, backend="b", attempt=1, delivery=1,
+        text="ok", usage=usage, cost=0.0,
+    )  # fmt: skip
+
+
+async def test_an_end_that_comes_as_a_wait_times_out_is_returned_not_a_timeout() -> None:
+    """The wait's deadline fires and the tap resolves the request in the same
+    turn of the loop, before the waiting task runs again: the end is known,
+    so the wait returns it rather than a :class:`TimeoutError`. (The wait is
+    stepped by hand, so that turn is exactly what the loop would run.)"""
+    waiter = Waiter()
+    wait = waiter.wait(timeout=3600)
+    pending = wait.send(None)  # the wait's own future, awaited
+    assert isinstance(pending, asyncio.Future)
+    _time_out(pending)  # its deadline fires...
+    waiter.resolve(_ended("raced"))  # ...and the end comes, the same turn
+    with pytest.raises(StopIteration) as stopped:
+        wait.send(None)
+    assert stopped.value.value.text == "ok"
+
+
+async def test_a_wait_timed_out_and_cancelled_the_same_turn_leaves_no_unretrieved_error() -> None:
+    """The deadline fires, then the waiting task is cancelled before it runs
+    again: the wait ends cancelled, and nothing is left for the loop to report
+    as "exception was never retrieved" (a spurious error log in a client)."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    try:
+        waiter = Waiter()
+        wait = waiter.wait(timeout=3600)
+        pending = wait.send(None)
+        _time_out(pending)
+        with pytest.raises(asyncio.CancelledError):
+            wait.throw(asyncio.CancelledError())
+        del pending, wait
+        gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
+    assert reported == []
+    assert waiter.event is None
+    assert not waiter._waiting
+
+
+async def test_many_waits_that_time_out_or_are_cancelled_leave_nothing_on_the_waiter() -> None:
+    """Thousands of result() calls on one handle, each with its own deadline,
+    time out or are cancelled: none is left on the waiter (no growth), and a
+    wait after them still gets the end."""
+    waiter = Waiter()
+    waits = [waiter.wait(timeout=3600) for _ in range(3000)]
+    futures = [wait.send(None) for wait in waits]
+    assert len(waiter._waiting) == 3000
+    for n, (wait, future) in enumerate(zip(waits, futures, strict=True)):
+        if n % 2:
+            _time_out(future)
+            with pytest.raises(TimeoutError):
+                wait.send(None)
+        else:
+            with pytest.raises(asyncio.CancelledError):
+                wait.throw(asyncio.CancelledError())
+    assert not waiter._waiting
+    last = asyncio.create_task(waiter.wait(timeout=3600))
+    await until(lambda: _has_waits(waiter, 1), "the last wait waits")
+    waiter.resolve(_ended("many"))
+    assert (await last).text == "ok"
+    assert not waiter._waiting
+
+
+async def _has_waits(waiter: Waiter, waits: int) -> bool:
+    return len(waiter._waiting) == waits
+
+
+async def test_a_timeout_that_is_not_a_number_ends_the_wait_at_once() -> None:
+    """``result(timeout=nan)`` is no deadline the loop can keep (a NaN in its
+    timer heap misorders every other timer of the loop): it times out at once,
+    with no timer, as a timeout of 0 does."""
+    waiter = Waiter()
+    for timeout in (math.nan, 0, -1.0):
+        wait = waiter.wait(timeout=timeout)
+        with pytest.raises(TimeoutError):
+            wait.send(None)  # ended at its first step: nothing awaited
+    assert not waiter._waiting
+
+
+async def test_follows_that_time_out_leave_no_waiter_on_the_tap(
+    streams: tuple[Connection, Connection],
+) -> None:
+    """A handle not made by a submit follows its request through the tap:
+    hundreds of its result() calls at once, each timing out, leave nothing
+    held on the tap, and a later one still gets the end."""
+    _, loud = streams
+    async with Client(loud, tenant="t") as client:
+        handle = client.handle("ghost")
+        waits = [handle.result(timeout=0.5) for _ in range(200)]
+        outcomes = await asyncio.gather(*waits, return_exceptions=True)
+        assert all(isinstance(outcome, TimeoutError) for outcome in outcomes)
+        assert "ghost" not in client._tap._waiters
+        last = asyncio.create_task(handle.result(timeout=30))
+        await until(_waits_on_tap(client, "ghost", 1), "the last result waits on the tap")
+        await end(loud, _ended("ghost"))
+        assert (await last).text == "ok"
+        assert "ghost" not in client._tap._waiters

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 
@@ -77,3 +78,15 @@ async def test_params_carry_the_whole_chat_format_and_arguments_replace_theirs(
     # The wire's bounds hold for params as for arguments.
     with pytest.raises(MalformedRequestError):
         client.build_request("hi", route="chat", params=GenerationParams(top_logprobs=99))
+
+
+async def test_a_request_made_without_an_id_gets_32_random_hex_digits(nc: Connection) -> None:
+    """docs/wire-format.md: ``Client.submit`` makes an unguessable id, 128
+    random bits as 32 lowercase hex digits (the shape a uuid4's ``hex`` had),
+    which the wire's id rule takes; each request its own."""
+    client = Client(nc, tenant="acme")
+    ids = {client.build_request("hi", route="chat").id for _ in range(200)}
+    assert len(ids) == 200
+    for made in ids:
+        assert re.fullmatch(r"[0-9a-f]{32}", made), made
+    assert client.build_request("hi", route="chat", request_id="mine").id == "mine"

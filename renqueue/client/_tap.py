@@ -89,7 +89,11 @@ class Waiter:
         self.closed = False
         self.holders = 0
         self.stored = False
-        self._waiting: list[asyncio.Future[Event]] = []
+        #: The futures of the waits not ended (a dict: in order, and each
+        #: taken out at once when its wait ends, however many there are).
+        #: A deadline resolves its wait's future with ``None``, never an
+        #: exception, which no one might read (a wait cancelled in the same turn).
+        self._waiting: dict[asyncio.Future[Event | None], None] = {}
 
     def resolve(self, event: Event) -> None:
         """The request ended with ``event``: every wait returns it (the first one only counts)."""
@@ -112,29 +116,38 @@ class Waiter:
 
     async def wait(self, timeout: float | None = None) -> Event:  # noqa: ASYNC109 - one deadline
         """The terminal event; :class:`TimeoutError` after ``timeout`` seconds
-        (``None``: no limit), :class:`asyncio.CancelledError` if the tap closes first."""
+        (``None``: no limit; not above 0, NaN too: at once), :class:`asyncio.CancelledError`
+        if the tap closes first."""
         if self.event is not None:
             return self.event
         if self.closed:
             raise asyncio.CancelledError
-        if timeout is not None and timeout <= 0:
+        # ``not > 0``: a NaN is no deadline (in the loop's timer heap it
+        # would misorder every other timer).
+        if timeout is not None and not timeout > 0:
             raise TimeoutError
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Event] = loop.create_future()
-        self._waiting.append(future)
+        future: asyncio.Future[Event | None] = loop.create_future()
+        self._waiting[future] = None
         timer = None if timeout is None else loop.call_later(timeout, _time_out, future)
         try:
-            return await future
+            event = await future
         finally:
             if timer is not None:
                 timer.cancel()
-            if future in self._waiting:  # timed out or cancelled: not resolved
-                self._waiting.remove(future)
+            self._waiting.pop(future, None)  # timed out or cancelled: not resolved
+        if event is not None:
+            return event
+        # Timed out; an end the tap saw in the same turn of the loop still counts.
+        if self.event is not None:
+            return self.event
+        raise TimeoutError
 
 
-def _time_out(future: asyncio.Future[Event]) -> None:
+def _time_out(future: asyncio.Future[Event | None]) -> None:
+    """A wait's deadline: its future says "no event" (``None``)."""
     if not future.done():
-        future.set_exception(TimeoutError())
+        future.set_result(None)
 
 
 class _Feed:
