@@ -220,7 +220,7 @@ def wire_size(payload: bytes, headers: Mapping[str, str] | None = None) -> int:
     """Bytes a message counts against the server's ``max_payload``: its payload
     and its headers as nats-py writes them (``NATS/1.0``, ``Key: value`` lines,
     each ended by CRLF, and a blank line). An upper bound: nats-py trims values."""
-    if not headers:
+    if headers is None:  # {} is an HPUB too: nats-py sends its (empty) header block
         return len(payload)
     size = len(payload) + _HEADER_FRAME
     for key, value in headers.items():  # a loop, not a generator: on every publish
@@ -240,7 +240,7 @@ def _refuse_oversized(
     server counts both and closes the connection of a client that sends more
     (``maximum payload exceeded``), after which nats-py does not reconnect:
     one oversized message would cut every loop of the process off."""
-    size = wire_size(payload, headers) if headers else len(payload)
+    size = len(payload) if headers is None else wire_size(payload, headers)
     if size > connection._nc._max_payload:  # not through two properties: on every publish
         raise NatsPayloadTooLargeError(
             f"a message of {size} bytes (headers included) is over the server's "
