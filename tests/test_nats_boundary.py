@@ -568,12 +568,18 @@ async def test_a_message_nats_py_cannot_read_stops_no_reader(
                     hostile, b"HPUB %b %d %d\r\n%b\r\n" % (subject.encode(), size, size, block)
                 )
                 assert (await isolated_nc.request("echo", b"2", timeout=5)).data == b"re:2"
+        # A subject that is not UTF-8, on a wildcard subscription: nats-py's
+        # decode raised there the same way.
+        await isolated_nc.subscribe("plain.>", keep)
+        await isolated_nc.flush()  # the server has the subscription
+        await send_raw(hostile, b"PUB plain.\xff 1\r\nx\r\n")
+        assert (await isolated_nc.request("echo", b"3", timeout=5)).data == b"re:3"
         await hostile.publish("plain", b"after")
         async with asyncio.timeout(10):
             assert await seen.get() == b"after"
     finally:
         await hostile.close()
-    assert len(reported) == 4
+    assert len(reported) == 5
     assert all(isinstance(exc, NatsError) for exc in reported)
 
 
