@@ -482,6 +482,35 @@ async def test_requests_wait_under_one_timer_and_leave_nothing_registered(
     assert nats_boundary._DEADLINES[isolated_nc.client]._waiting == {}
 
 
+async def test_requests_cancelled_or_sharing_a_deadline_leave_nothing_registered(
+    isolated_nc: Connection,
+) -> None:
+    """Under the one timer: requests cancelled while they wait leave neither
+    their future nor their deadline behind, and requests of the same deadline
+    all end at it, with the timeout."""
+    client = isolated_nc.client
+    waiting = [
+        asyncio.ensure_future(isolated_nc.request("silent", b"x", timeout=60)) for _ in range(3)
+    ]
+    while len(client._resp_map) < len(waiting):  # noqa: ASYNC110 - until all are registered
+        await asyncio.sleep(0)
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert client._resp_map == {}
+    assert nats_boundary._DEADLINES[client]._waiting == {}
+    loop = asyncio.get_running_loop()
+    futures = [loop.create_future() for _ in range(5)]
+    deadlines = nats_boundary._Deadlines()
+    for future in futures:
+        deadlines.watch(future, 0.05, loop)
+    async with asyncio.timeout(20):
+        done = await asyncio.gather(*futures, return_exceptions=True)
+    assert all(isinstance(exc, nats.errors.TimeoutError) for exc in done)
+    assert deadlines._waiting == {}
+    assert deadlines._timer is None
+
+
 async def test_replies_and_acks_are_taken_as_they_are_read(isolated_nc: Connection) -> None:
     """A request's reply and a ``publish_async`` ack are handed over by the task
     that reads the socket, not queued for their subscription's task (a turn of
