@@ -932,6 +932,8 @@ class _Client(_NatsPyClient):
             sub._received += 1
             hdr = await self._process_headers(headers) if headers else None
             take(self._build_message(sid, subject, reply, data, hdr))
+        except (OSError, nats.errors.ProtocolError):
+            raise  # what nats-py's reading task reconnects on (a flow control reply's write)
         except Exception as exc:  # noqa: BLE001 - the reading task must go on
             name = subject.decode("utf-8", "replace")
             error = NatsError(f"a message on {name!r} dropped: {type(exc).__name__}: {exc}")
