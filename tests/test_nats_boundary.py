@@ -21,6 +21,7 @@ import nats.aio.client
 import nats.aio.subscription
 import nats.aio.transport
 import nats.errors
+import nats.js.api
 import nats.js.errors
 import pytest
 from nats.aio.client import Client
@@ -396,6 +397,7 @@ async def test_a_nats_py_without_the_parts_we_rely_on_fails_at_start(
         (nats.aio.transport, "TcpTransport", "_io_writer"),
         (nats.aio.transport, "TcpTransport", "_bare_io_writer"),
         (nats.aio.subscription, "Subscription", "_wait_for_msgs_task"),
+        (nats.aio.subscription, "Subscription", "_received"),
     ],
 )
 def test_a_nats_py_whose_close_parts_moved_fails_at_start(
@@ -480,6 +482,35 @@ async def test_requests_wait_under_one_timer_and_leave_nothing_registered(
     assert nats_boundary._DEADLINES[isolated_nc.client]._waiting == {}
 
 
+async def test_requests_cancelled_or_sharing_a_deadline_leave_nothing_registered(
+    isolated_nc: Connection,
+) -> None:
+    """Under the one timer: requests cancelled while they wait leave neither
+    their future nor their deadline behind, and requests of the same deadline
+    all end at it, with the timeout."""
+    client = isolated_nc.client
+    waiting = [
+        asyncio.ensure_future(isolated_nc.request("silent", b"x", timeout=60)) for _ in range(3)
+    ]
+    while len(client._resp_map) < len(waiting):  # noqa: ASYNC110 - until all are registered
+        await asyncio.sleep(0)
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert client._resp_map == {}
+    assert nats_boundary._DEADLINES[client]._waiting == {}
+    loop = asyncio.get_running_loop()
+    futures = [loop.create_future() for _ in range(5)]
+    deadlines = nats_boundary._Deadlines()
+    for future in futures:
+        deadlines.watch(future, 0.05, loop)
+    async with asyncio.timeout(20):
+        done = await asyncio.gather(*futures, return_exceptions=True)
+    assert all(isinstance(exc, nats.errors.TimeoutError) for exc in done)
+    assert deadlines._waiting == {}
+    assert deadlines._timer is None
+
+
 async def test_replies_and_acks_are_taken_as_they_are_read(isolated_nc: Connection) -> None:
     """A request's reply and a ``publish_async`` ack are handed over by the task
     that reads the socket, not queued for their subscription's task (a turn of
@@ -513,9 +544,135 @@ async def test_replies_and_acks_are_taken_as_they_are_read(isolated_nc: Connecti
     client._inline[sid] = broken
     with pytest.raises(NatsTimeoutError):
         await isolated_nc.request("$JS.API.INFO", b"", timeout=0.5)
-    assert [str(exc) for exc in reported] == ["broken"]
+    assert [str(exc.__cause__) for exc in reported] == ["broken"]  # the message named
     client._inline[sid] = client._reply_arrived
     assert (await js.publish("inline.c", b"x")).seq == 4
+
+
+async def send_raw(nc: Connection, command: bytes) -> None:
+    """``command`` written as it is on ``nc``'s socket: what a hostile client sends."""
+    client = nc.client
+    client._pending.append(command)
+    client._pending_data_size += len(command)
+    await nc.flush()  # the server has routed it when its PONG comes
+
+
+async def test_a_message_nats_py_cannot_read_stops_no_reader(
+    isolated_server: EmbeddedServer, isolated_nc: Connection
+) -> None:
+    """A header block shorter than nats-py reads (``NATS/1.0`` alone, one byte:
+    the server passes it on as it is) raised ``IndexError`` in the task that
+    reads the socket, which ended: every message of the connection stalled
+    until pings found it stale, as often as anyone who may publish to one of
+    its subjects liked. Sent to a reply inbox (read there, inline) or to a
+    subscription: reported to the error callback, dropped, and the connection
+    goes on reading."""
+    client = isolated_nc.client
+
+    async def echo(msg: Message) -> None:
+        await msg.respond(b"re:" + msg.data)
+
+    seen: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def keep(msg: Message) -> None:
+        seen.put_nowait(msg.data)
+
+    await isolated_nc.subscribe("echo", echo)
+    await isolated_nc.subscribe("plain", keep)
+    assert (await isolated_nc.request("echo", b"1")).data == b"re:1"
+    reported: list[Exception] = []
+
+    async def report(exc: Exception) -> None:
+        reported.append(exc)
+
+    client._error_cb = report
+    hostile = await connect(isolated_server.url, name="hostile")
+    try:
+        assert client._resp_sub_prefix
+        inbox = client._resp_sub_prefix.decode() + "zz"
+        for subject in (inbox, "plain"):
+            for block in (b"NATS/1.0", b"X"):
+                size = len(block)
+                await send_raw(
+                    hostile, b"HPUB %b %d %d\r\n%b\r\n" % (subject.encode(), size, size, block)
+                )
+                assert (await isolated_nc.request("echo", b"2", timeout=5)).data == b"re:2"
+        # A subject that is not UTF-8, on a wildcard subscription: nats-py's
+        # decode raised there the same way.
+        await isolated_nc.subscribe("plain.>", keep)
+        await isolated_nc.flush()  # the server has the subscription
+        await send_raw(hostile, b"PUB plain.\xff 1\r\nx\r\n")
+        assert (await isolated_nc.request("echo", b"3", timeout=5)).data == b"re:3"
+        await hostile.publish("plain", b"after")
+        async with asyncio.timeout(10):
+            assert await seen.get() == b"after"
+    finally:
+        await hostile.close()
+    assert len(reported) == 5
+    assert all(isinstance(exc, NatsError) for exc in reported)
+
+
+async def test_an_error_callback_that_raises_stops_no_reader(
+    isolated_server: EmbeddedServer, isolated_nc: Connection
+) -> None:
+    """What the reading task reports goes to the error callback; one that raises
+    (an application's) ended the reading task with it. It is logged instead,
+    and the connection goes on reading."""
+    client = isolated_nc.client
+
+    async def echo(msg: Message) -> None:
+        await msg.respond(b"re:" + msg.data)
+
+    await isolated_nc.subscribe("echo", echo)
+    assert (await isolated_nc.request("echo", b"1")).data == b"re:1"
+
+    async def failing(exc: Exception) -> None:
+        raise RuntimeError("the error callback failed")
+
+    client._error_cb = failing
+    sid = next(sid for sid, take in client._inline.items() if take == client._reply_arrived)
+
+    def broken(_: Msg) -> None:
+        raise ValueError("broken")
+
+    client._inline[sid] = broken
+    with pytest.raises(NatsTimeoutError):
+        await isolated_nc.request("echo", b"2", timeout=0.5)
+    client._inline[sid] = client._reply_arrived
+    assert (await isolated_nc.request("echo", b"3", timeout=5)).data == b"re:3"
+
+
+async def test_a_nats_py_without_the_error_callback_our_reader_reports_to_fails_at_start(
+    isolated_server: EmbeddedServer,
+) -> None:
+    """The reading task reports to nats-py's ``_error_cb`` what a reply's taker
+    raises: a nats-py without it fails when the connection is made, naming it,
+    instead of an ``AttributeError`` ending the reading task."""
+    client = Client()
+    del client._error_cb
+    with pytest.raises(RuntimeError, match="_error_cb"):
+        Connection.of(client)
+
+
+@pytest.mark.parametrize(
+    ("owner", "name"),
+    [
+        (nats.js.api.RawStreamMsg, "_parse_utc_iso"),
+        (Msg.Metadata, "_from_reply"),
+        (nats.js.errors.APIError, "from_msg"),
+    ],
+)
+def test_a_nats_py_without_the_helpers_our_reads_use_fails_naming_them(
+    monkeypatch: pytest.MonkeyPatch, owner: type, name: str
+) -> None:
+    """A direct get's time, a delivery's metadata with a domain, a direct get's
+    error are read by nats-py's own helpers: a nats-py without one fails when
+    the module is imported, naming it, not on the first get or delivery."""
+    for klass in owner.__mro__:
+        if name in vars(klass):
+            monkeypatch.delattr(klass, name)
+    with pytest.raises(RuntimeError, match=name):
+        nats_boundary._nats_py_part(owner, name)
 
 
 async def test_our_publish_queues_what_nats_pys_does(isolated_nc: Connection) -> None:

@@ -226,6 +226,19 @@ async def test_a_message_over_max_payload_with_its_headers_is_refused_before_it_
     assert isolated_nc.is_connected
 
 
+async def test_an_empty_header_block_counts_towards_max_payload(isolated_nc: Connection) -> None:
+    """``headers={}`` is not ``headers=None``: nats-py sends an HPUB with its
+    header block (``NATS/1.0`` and two line ends, 12 bytes), which the server
+    counts. A payload within 12 bytes of the limit was let through as if it
+    had no headers, and the server closed the connection (no reconnect)."""
+    assert wire_size(b"x", {}) == 1 + len(b"NATS/1.0\r\n\r\n")
+    payload = b"x" * (isolated_nc.max_payload - 4)
+    with pytest.raises(NatsPayloadTooLargeError):
+        await isolated_nc.publish("anything", payload, headers={})
+    await isolated_nc.flush()
+    assert isolated_nc.is_connected
+
+
 async def publish_every_past_crasher(nc: Connection) -> None:
     """One of each message that has ever stopped a loop of the services."""
     js = nc.jetstream()

@@ -79,6 +79,7 @@ from ..errors import (
     TenantBacklogFullError,
     WrongLastSequenceError,
 )
+from ..logs import get_logger
 
 __all__ = [
     "API_TIMEOUT",
@@ -220,7 +221,7 @@ def wire_size(payload: bytes, headers: Mapping[str, str] | None = None) -> int:
     """Bytes a message counts against the server's ``max_payload``: its payload
     and its headers as nats-py writes them (``NATS/1.0``, ``Key: value`` lines,
     each ended by CRLF, and a blank line). An upper bound: nats-py trims values."""
-    if not headers:
+    if headers is None:  # {} is an HPUB too: nats-py sends its (empty) header block
         return len(payload)
     size = len(payload) + _HEADER_FRAME
     for key, value in headers.items():  # a loop, not a generator: on every publish
@@ -240,7 +241,7 @@ def _refuse_oversized(
     server counts both and closes the connection of a client that sends more
     (``maximum payload exceeded``), after which nats-py does not reconnect:
     one oversized message would cut every loop of the process off."""
-    size = wire_size(payload, headers) if headers else len(payload)
+    size = len(payload) if headers is None else wire_size(payload, headers)
     if size > connection._nc._max_payload:  # not through two properties: on every publish
         raise NatsPayloadTooLargeError(
             f"a message of {size} bytes (headers included) is over the server's "
@@ -416,6 +417,8 @@ def _pub_ack(data: bytes) -> PubAck:
 _TOKENS: Final = itertools.count(1)
 
 
+log = get_logger("nats")
+
 #: nats-py's private parts this module relies on (``pyproject.toml`` pins 2.16),
 #: on its client and on its JetStream context. :func:`_require_nats_py_parts`
 #: checks them when a connection or a context is made: a nats-py that moved one
@@ -428,6 +431,7 @@ _CLIENT_PARTS: Final = (
     "_request_sub_callback",
     "_process_msg",  # _Client overrides it: replies and acks taken inline
     "_build_message",
+    "_error_cb",  # _Client._report: what the reading task reports goes there
     "stats",
     "_skip_subject_validation",  # _Client.publish: nats-py's own, in one call
     "_max_pending_size",
@@ -452,9 +456,10 @@ _CLIENT_PARTS: Final = (
     "_subs",
 )
 #: What :func:`_close` reaches inside a TCP transport (to let its socket go)
-#: and a subscription (to end its task): attributes its ``__init__`` sets.
+#: and a subscription (to end its task; and its count of messages, which
+#: :meth:`_Client._process_msg` keeps): attributes its ``__init__`` sets.
 _TRANSPORT_PARTS: Final = ("_io_writer", "_bare_io_writer")
-_SUBSCRIPTION_PARTS: Final = ("_wait_for_msgs_task",)
+_SUBSCRIPTION_PARTS: Final = ("_wait_for_msgs_task", "_received")
 _CONTEXT_PARTS: Final = (
     "_publish_async_futures",  # where the ack handler finds a publish's future
     "_publish_async_completed_event",
@@ -479,7 +484,7 @@ def _require_nats_py_parts(
         missing += [
             f"{base.__name__}.{name}"
             for name in parts
-            if callable(getattr(owner, name, None)) and not hasattr(base, name)
+            if callable(getattr(type(owner), name, None)) and not hasattr(base, name)
         ]
         if not missing:
             checked.add(base)
@@ -671,6 +676,30 @@ def _nats_py_constant(name: str) -> Any:
             f"nats-py 2.16: its private parts): missing nats.aio.client.{name}"
         ) from None
 
+
+def _nats_py_part(owner: type, name: str) -> Any:
+    """nats-py 2.16's private helper ``name`` of the class ``owner``: a nats-py
+    without it fails when this module is imported, naming it."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise RuntimeError(
+            "this nats-py is not the one renqueue.broker relies on (pyproject.toml pins "
+            f"nats-py 2.16: its private parts): missing {owner.__qualname__}.{name}"
+        ) from None
+
+
+#: nats-py's helpers for what :func:`_last_direct` and :func:`_metadata_of`
+#: read: a direct get's time and error, a delivery's metadata with a domain.
+_parse_utc_iso: Final[Callable[[str], datetime.datetime]] = _nats_py_part(
+    RawStreamMsg, "_parse_utc_iso"
+)
+_metadata_from_reply: Final[Callable[[str], MessageMetadata]] = _nats_py_part(
+    _Msg.Metadata, "_from_reply"
+)
+_api_error_from_msg: Final[Callable[[_Msg], Any]] = _nats_py_part(
+    nats.js.errors.APIError, "from_msg"
+)
 
 #: nats-py 2.16's own patterns and states, for :meth:`_Client.publish`.
 _SUBJECT_INVALID: Final[re.Pattern[str]] = _nats_py_constant("_SUBJECT_INVALID_RE")
@@ -880,24 +909,48 @@ class _Client(_NatsPyClient):
         self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
     ) -> None:
         """nats-py 2.16's, but a message of a subscription taken inline
-        (:meth:`take_inline`) is handed over at once; an error its taker raises
-        goes to the error callback, as one from a subscription's callback."""
-        take = self._inline.get(sid)
-        if take is None:
-            await super()._process_msg(sid, subject, reply, data, headers)
-            return
-        stats = self.stats
-        stats["in_msgs"] += 1
-        stats["in_bytes"] += len(data)
-        sub = self._subs.get(sid)
-        if sub is None:  # unsubscribed meanwhile
-            return
-        sub._received += 1
-        hdr = await self._process_headers(headers) if headers else None
+        (:meth:`take_inline`) is handed over at once.
+
+        This runs in the task that reads the socket: what escapes it ends that
+        task (nats-py logs it and stops reading), and every message of the
+        connection then stalls until pings find it stale. So what a taker
+        raises, and what nats-py raises reading a message (a header block
+        shorter than ``NATS/1.0`` and its line end: an ``IndexError``, which
+        anyone who may publish to one of our subjects can send), is reported to
+        the error callback (:meth:`_report`) and the message dropped."""
         try:
+            take = self._inline.get(sid)
+            if take is None:
+                await super()._process_msg(sid, subject, reply, data, headers)
+                return
+            stats = self.stats
+            stats["in_msgs"] += 1
+            stats["in_bytes"] += len(data)
+            sub = self._subs.get(sid)
+            if sub is None:  # unsubscribed meanwhile
+                return
+            sub._received += 1
+            hdr = await self._process_headers(headers) if headers else None
             take(self._build_message(sid, subject, reply, data, hdr))
-        except Exception as exc:  # noqa: BLE001 - as nats-py's subscription task does
-            await self._error_cb(exc)
+        except (OSError, nats.errors.ProtocolError):
+            raise  # what nats-py's reading task reconnects on (a flow control reply's write)
+        except Exception as exc:  # noqa: BLE001 - the reading task must go on
+            name = subject.decode("utf-8", "replace")
+            error = NatsError(f"a message on {name!r} dropped: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            await self._report(error)
+
+    async def _report(self, error: Exception) -> None:
+        """``error`` to nats-py's error callback, from the reading task: one
+        that raises (an application's) is logged, not let end the task."""
+        try:
+            await self._error_cb(error)
+        except Exception as exc:  # the reading task must go on
+            log.exception(
+                "nats error callback failed",
+                error=f"{type(error).__name__}: {error}",
+                callback_error=f"{type(exc).__name__}: {exc}",
+            )
 
     async def connect(self, *args: Any, **kwargs: Any) -> None:
         task = asyncio.current_task()
@@ -1035,7 +1088,7 @@ async def _last_direct(context: _Context, stream: str, subject: str) -> StoredMe
         if status == "404":
             raise NatsNotFoundError(_NOT_FOUND_TEXT)
         try:
-            nats.js.errors.APIError.from_msg(msg)  # raises the typed error
+            _api_error_from_msg(msg)  # raises the typed error
         except nats.errors.Error as exc:
             raise translate(exc) from exc
     stored_on = headers.get("Nats-Subject")
@@ -1048,7 +1101,7 @@ async def _last_direct(context: _Context, stream: str, subject: str) -> StoredMe
         stored_on,
         data or b"",
         msg.headers,
-        RawStreamMsg._parse_utc_iso(stamp) if stamp else None,
+        _parse_utc_iso(stamp) if stamp else None,
     )
 
 
@@ -1076,7 +1129,7 @@ def _metadata_of(reply: str) -> MessageMetadata:
             consumer=tokens[3],
         )
     try:
-        return MessageMetadata._from_reply(reply)
+        return _metadata_from_reply(reply)
     except nats.errors.Error as exc:
         raise translate(exc) from exc
 
