@@ -377,13 +377,18 @@ class Projector(Lifecycle):
 
     async def _consume(self, psub: PullSubscription) -> None:
         # An idle log is waited on in long pulls (events end them at once),
-        # each no longer than until the views are due to be written again.
+        # each no longer than until the views are due to be written again, or
+        # the consumer to be looked at: a pull lost with a server restart is
+        # silent, and a pull that ran past the look kept the fold blind for
+        # its whole length.
         checked = self._clock()
         while self.status is ProjectorStatus.RUNNING:
+            now = self._clock()
             if self._dirty():
-                due = self._last_write + self._flush_interval - self._clock()
+                due = self._last_write + self._flush_interval - now
             else:
                 due = self._views.due_in()
+            due = min(due, checked + _CHECK_IDLE_EVERY - now)
             timeout = min(self._fetch_timeout, max(0.01, due))
             try:
                 msgs = await psub.fetch(self._batch, timeout=timeout)
