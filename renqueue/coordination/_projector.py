@@ -388,8 +388,11 @@ class Projector(Lifecycle):
                 due = self._last_write + self._flush_interval - now
             else:
                 due = self._views.due_in()
-            due = min(due, checked + _CHECK_IDLE_EVERY - now)
-            timeout = min(self._fetch_timeout, max(0.01, due))
+            look_in = checked + _CHECK_IDLE_EVERY - now
+            timeout = min(self._fetch_timeout, max(0.01, due), max(0.01, look_in))
+            # An empty pull that lasted until the look is due ends in it (the
+            # server ends a pull a little before the client's timeout).
+            looks = look_in <= timeout
             try:
                 msgs = await psub.fetch(self._batch, timeout=timeout)
             except TimeoutError:
@@ -404,7 +407,7 @@ class Projector(Lifecycle):
                 if dropped > 0:  # a tenant's cancel_requested subjects carry any payload
                     metrics.MISDIRECTED.labels("projection").inc(dropped)
                 self._state = builder.freeze()
-            elif self._clock() - checked >= _CHECK_IDLE_EVERY:
+            elif looks or self._clock() - checked >= _CHECK_IDLE_EVERY:
                 checked = self._clock()
                 await self._check_consumer(psub)
             if self._dirty() and self._clock() - self._last_write >= self._flush_interval:
