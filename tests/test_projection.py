@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -845,6 +846,47 @@ async def test_a_state_view_sees_writes_made_after_the_server_restarted(
                 await view.wait_for(2)
             if store == "lost":
                 assert view.reopened >= 1
+    finally:
+        await nc.close()
+        await server.close()
+
+
+async def test_a_projector_folds_what_comes_after_a_server_restart_whatever_its_pull_length(
+    tmp_path: Path,
+) -> None:
+    """A server restart loses the projector's (in-memory) consumer and the pull
+    waiting on it, silently: only the idle check of the consumer finds it. That
+    check runs every 5 s of idleness, so no idle pull may outlast it (here the
+    pulls could last a minute, and the views are not due for an hour): a pull
+    that ran on past the check's time kept the fold blind for its whole length
+    (with the default 5 s pulls cut short by the views' republish, ~10 s)."""
+    server = EmbeddedServer(tmp_path / "nats", port=-1)
+    await server.start()
+    port = server.port
+    nc = await connect(server.url, name="test-projector-restart")
+    try:
+        js = nc.jetstream()
+        await provision(nc, parse_config({}))
+        await publish(js, [started("before")])
+        async with Projector(js, fetch_timeout=60.0, republish_every=3600.0) as projector:
+
+            async def folded(seq: int) -> bool:
+                return projector.state.last_seq >= seq
+
+            await until(functools.partial(folded, 1), "the first event is folded")
+            await server.close()
+            server = EmbeddedServer(tmp_path / "nats", port=port)
+            await server.start()  # back on the same address, the store kept
+
+            async def appended() -> bool:
+                try:  # the first calls may land while the client still reconnects
+                    await publish(js, [started("after")])
+                except Exception:  # retried until the server answers
+                    return False
+                return True
+
+            await until(appended, "the server takes an event again")
+            await until(functools.partial(folded, 2), "the event after the restart is folded")
     finally:
         await nc.close()
         await server.close()

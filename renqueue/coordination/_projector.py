@@ -377,14 +377,22 @@ class Projector(Lifecycle):
 
     async def _consume(self, psub: PullSubscription) -> None:
         # An idle log is waited on in long pulls (events end them at once),
-        # each no longer than until the views are due to be written again.
+        # each no longer than until the views are due to be written again, or
+        # the consumer to be looked at: a pull lost with a server restart is
+        # silent, and a pull that ran past the look kept the fold blind for
+        # its whole length.
         checked = self._clock()
         while self.status is ProjectorStatus.RUNNING:
+            now = self._clock()
             if self._dirty():
-                due = self._last_write + self._flush_interval - self._clock()
+                due = self._last_write + self._flush_interval - now
             else:
                 due = self._views.due_in()
-            timeout = min(self._fetch_timeout, max(0.01, due))
+            look_in = checked + _CHECK_IDLE_EVERY - now
+            timeout = min(self._fetch_timeout, max(0.01, due), max(0.01, look_in))
+            # An empty pull that lasted until the look is due ends in it (the
+            # server ends a pull a little before the client's timeout).
+            looks = look_in <= timeout
             try:
                 msgs = await psub.fetch(self._batch, timeout=timeout)
             except TimeoutError:
@@ -399,7 +407,7 @@ class Projector(Lifecycle):
                 if dropped > 0:  # a tenant's cancel_requested subjects carry any payload
                     metrics.MISDIRECTED.labels("projection").inc(dropped)
                 self._state = builder.freeze()
-            elif self._clock() - checked >= _CHECK_IDLE_EVERY:
+            elif looks or self._clock() - checked >= _CHECK_IDLE_EVERY:
                 checked = self._clock()
                 await self._check_consumer(psub)
             if self._dirty() and self._clock() - self._last_write >= self._flush_interval:

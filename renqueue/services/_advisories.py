@@ -65,9 +65,15 @@ log = get_logger("advisories")
 
 #: Advisories handled per fetch.
 _BATCH: Final = 16
-#: Seconds one pull waits at the server (an advisory ends it at once). Longer
-#: than the services' ``FETCH_TIMEOUT``, which a shutdown's nak delay must
-#: outlast: nothing here is nak'ed at a stop, and an idle reader pulls less often.
+#: Seconds one pull waits at the server (an advisory ends it at once): longer
+#: than the services' ``FETCH_TIMEOUT``, so an idle reader pulls less often.
+#: What that costs: a pull lost with a server restart or a consumer leader's
+#: move is silent until it expires, so advisories stored meanwhile are read up
+#: to this much later; and one left by a process that hangs (still connected,
+#: not reading) takes the advisory that comes meanwhile, for the consumer's
+#: ``ack_wait``. A reader that stops unsubscribes, and the server gives nothing
+#: to a pull no one listens to. Nothing here is nak'ed at a stop, so
+#: ``SHUTDOWN_NAK_DELAY`` need not outlast it.
 _FETCH_TIMEOUT: Final = 5.0
 #: Longest wait before an advisory whose handling failed is tried again.
 _MAX_RETRY: Final = 30.0
