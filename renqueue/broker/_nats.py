@@ -39,6 +39,7 @@ import contextlib
 import datetime
 import itertools
 import json
+import math
 import re
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
@@ -751,8 +752,8 @@ class _Deadlines:
     def __init__(self) -> None:
         self._waiting: dict[asyncio.Future[_Msg], float] = {}
         self._timer: asyncio.TimerHandle | None = None
-        #: When the timer goes off.
-        self._at = 0.0
+        #: When the timer goes off: never while none is set.
+        self._at = math.inf
 
     def watch(
         self, future: asyncio.Future[_Msg], timeout: float, loop: asyncio.AbstractEventLoop
@@ -772,6 +773,7 @@ class _Deadlines:
 
     def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
+        self._at = math.inf
         waiting = self._waiting
         now = loop.time()
         for future in [future for future, deadline in waiting.items() if deadline <= now]:
