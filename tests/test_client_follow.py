@@ -617,6 +617,31 @@ async def test_a_timeout_that_is_not_a_number_ends_the_wait_at_once() -> None:
     assert not waiter._waiting
 
 
+async def test_a_nan_timeout_of_a_handle_not_from_a_submit_puts_no_nan_in_the_loop(
+    streams: tuple[Connection, Connection],
+) -> None:
+    """``result()`` of a handle made by ``Client.handle`` and ``stream()`` wait with
+    ``asyncio.wait_for``: a NaN timeout became a NaN timer in the loop's heap, which
+    misorders every other timer of the loop. It times out at once, as ``Waiter``'s does."""
+    _, loud = streams
+    loop = asyncio.get_running_loop()
+
+    def nan_timers() -> list[asyncio.TimerHandle]:
+        return [h for h in loop._scheduled if math.isnan(h.when())]  # type: ignore[attr-defined]
+
+    async with Client(loud, tenant="t") as client:
+        for wait in (
+            client.handle("ghost").result(timeout=math.nan),
+            anext(client.handle("ghost").stream(timeout=math.nan)),
+        ):
+            task = asyncio.create_task(wait)
+            await asyncio.sleep(0)  # one step of the task: its wait_for has begun
+            assert nan_timers() == []
+            with pytest.raises(TimeoutError):
+                await task
+    assert nan_timers() == []
+
+
 async def test_follows_that_time_out_leave_no_waiter_on_the_tap(
     streams: tuple[Connection, Connection],
 ) -> None:

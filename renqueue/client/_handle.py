@@ -163,6 +163,7 @@ class RequestHandle:
             raise TokensNotStreamedError(request_id=self.id)
         follower = TokenFollower(self._client, self.tenant, self.id)
         try:
+            timeout = _kept(timeout)
             await asyncio.wait_for(follower.start(), timeout)
             while True:
                 chunk = await asyncio.wait_for(follower.next(), timeout)
@@ -198,7 +199,7 @@ class RequestHandle:
         if self._waiter is not None:
             event = await self._waiter.wait(timeout)
         else:
-            event = await asyncio.wait_for(self._read_terminal(), timeout)
+            event = await asyncio.wait_for(self._read_terminal(), _kept(timeout))
         return _raise_for(event)
 
     async def _read_terminal(self) -> Event:
@@ -217,3 +218,10 @@ class RequestHandle:
                 return event
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
+
+
+def _kept(timeout: float | None) -> float | None:
+    """``timeout`` as a deadline the event loop can keep: a NaN (or a negative
+    number) is none (in the loop's timer heap a NaN misorders every other timer
+    of the loop), so it is 0, time out at once, as :meth:`Waiter.wait` does."""
+    return timeout if timeout is None or timeout > 0 else 0.0
