@@ -154,6 +154,7 @@ async def idle_cores(cpu: CpuMeter) -> dict[str, float]:
     await asyncio.sleep(IDLE_SECONDS)
     return cpu.stop()
 
+
 # --------------------------------------------------------------------- helpers
 
 
