@@ -32,8 +32,9 @@ range over its rounds, (max - min) / median, i.e. how far apart two runs of the 
 code landed in this very comparison. A metric is "slower by X %" when both readings
 are worse by more than their bands, "inconclusive" when only one is (the ceiling, a
 few seconds of its own, is noisy too), else "no worse". An added latency "slower" while
-the end-to-end latency of the same percentile is no worse is "baseline moved": the
-direct call it is measured over got faster (a faster adapter), no request got slower.
+the end-to-end latency of the same percentile is no worse and its raw median not higher
+is "baseline moved": the direct call it is measured over got faster (a faster adapter),
+no request got slower.
 Exit status: 0 nothing slower,
 1 something slower, 2 a run or the set-up failed.
 
@@ -470,10 +471,18 @@ def summarise(
             }
         for added, end_to_end in BASELINED.items():
             row, whole = table[level][added], table[level][end_to_end]
-            if row["outcome"] == "slower" and whole["outcome"] in ("no_worse", "better"):
+            # "No worse" alone would let a real regression through: an end-to-end rise
+            # within a wide band is "no worse" while the added latency's narrower band
+            # calls it slower, and the direct call had not moved. A moved baseline needs
+            # the end-to-end median not higher at all (so the direct call's median fell).
+            if (
+                row["outcome"] == "slower"
+                and whole["outcome"] in ("no_worse", "better")
+                and whole["raw"]["worse_by"] <= 0
+            ):
                 row["outcome"] = "baseline_moved"
                 row["verdict"] = (
-                    f"baseline moved: {row['verdict']}, but {whole['label']} no worse"
+                    f"baseline moved: {row['verdict']}, but {whole['label']} not higher"
                     f" ({whole['verdict']}), so the direct call it is measured over got"
                     " faster; not slower"
                 )
@@ -696,8 +705,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                 " band = max over the sides of (max-min)/median over its rounds; a metric is"
                 " slower when both readings are worse by more than their bands, inconclusive"
                 " when one is; an added latency slower while the end-to-end latency of the"
-                " same percentile is no worse is 'baseline moved' (the direct call it is"
-                " measured over got faster), not slower"
+                " same percentile is no worse and its raw median not higher is 'baseline"
+                " moved' (the direct call it is measured over got faster), not slower"
             ),
         },
         "runs": runs,

@@ -84,3 +84,17 @@ def test_a_noisy_reading_within_its_band_is_no_worse(compare: ModuleType) -> Non
     new = [report(rps=r, added=20.0, latency=30.0) for r in (380, 480, 590)]
     table, _, _ = compare.summarise(runs(old, new), ["16"])
     assert table["16"]["requests_per_s"]["outcome"] == "no_worse"
+
+
+def test_added_latency_slower_with_end_to_end_worse_within_its_band_stays_slower(
+    compare: ModuleType,
+) -> None:
+    """A real regression: the direct call did not move, every request got ~3 ms slower.
+    The end-to-end latency's wide band hides its 9 % rise ("no worse"), but no request
+    got faster, so the added latency's rise is not a moved baseline: it is slower."""
+    old = [report(rps=500, added=20.0 + d, latency=30.0 + 10 * d) for d in (0.0, 0.2, 0.4)]
+    new = [report(rps=500, added=23.0 + d, latency=33.0 + 10 * d) for d in (0.0, 0.2, 0.4)]
+    table, _, _ = compare.summarise(runs(old, new), ["16"])
+    assert table["16"]["latency_p50_ms"]["outcome"] == "no_worse"  # within its band
+    for added in ("added_p50_ms", "added_p99_ms"):
+        assert table["16"][added]["outcome"] == "slower", table["16"][added]["verdict"]
