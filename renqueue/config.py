@@ -1473,7 +1473,7 @@ def _check_names(config: Config, source: str | None) -> None:
     name_re = re.compile(_NAME)
     for section, names in (("backends", config.backends), ("routes", config.routes)):
         for name in names:
-            if not name_re.match(name):
+            if not name_re.fullmatch(name):
                 raise ConfigError(
                     f"invalid name {name!r}: use letters, digits, - and _",
                     path=f"$.{section}.{name}",

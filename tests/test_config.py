@@ -49,6 +49,13 @@ BACKEND = {"base_url": "http://127.0.0.1:1/v1", "model": "m"}
             "Invalid enum value 'grok'",
         ),
         ({"backends": {"bad.name": BACKEND}}, "$.backends.bad.name", "invalid name"),
+        # "^...$" matches before a final newline: a name is its characters, nothing after.
+        ({"backends": {"gpu\n": BACKEND}}, "$.backends.gpu\n", "invalid name"),
+        (
+            {"backends": {"a": BACKEND}, "routes": {"r\n": {"backends": ["a"]}}},
+            "$.routes.r\n",
+            "invalid name",
+        ),
         (
             {"backends": {"a": BACKEND}, "routes": {"r": {"backends": ["a", "zz"]}}},
             "$.routes.r.backends[1]",
