@@ -291,7 +291,7 @@ class Submissions:
                 retry=False,
             )
         key = headers.get("Idempotency-Key")
-        if key is not None and not _KEY_RE.match(key):
+        if key is not None and not _KEY_RE.fullmatch(key):
             raise ApiError(
                 400,
                 f"Idempotency-Key must be 1 to {MAX_KEY_LENGTH} printable ASCII characters",
