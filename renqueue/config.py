@@ -109,7 +109,7 @@ Duration = Annotated[str, Meta(pattern=r"^\s*\d+(\.\d+)?\s*(ms|s|m|h|d)\s*$")]
 LimitStyle = Literal[
     "auto", "openai", "groq", "cerebras", "openrouter", "anthropic", "gemini", "ietf"
 ]
-InboxPrefix = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*$")]
+InboxPrefix = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*(?!\n)$")]
 
 _DURATION_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _WINDOW_WORDS: Final = {
@@ -564,12 +564,12 @@ class AnthropicConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="anthrop
 
     base_url: str = "https://api.anthropic.com/v1"
     #: The ``anthropic-version`` header.
-    anthropic_version: Annotated[str, Meta(pattern=r"^[0-9A-Za-z._-]{1,64}$")] = "2023-06-01"
+    anthropic_version: Annotated[str, Meta(pattern=r"^[0-9A-Za-z._-]{1,64}(?!\n)$")] = "2023-06-01"
     #: Output tokens asked for when the request sets no ``max_tokens``
     #: (the Messages API requires one).
     max_tokens: Annotated[int, Meta(ge=1, le=1_000_000)] = 4096
     #: ``anthropic-beta`` header values (beta features), joined with commas.
-    beta: list[Annotated[str, Meta(pattern=r"^[0-9A-Za-z._-]{1,128}$")]] = []
+    beta: list[Annotated[str, Meta(pattern=r"^[0-9A-Za-z._-]{1,128}(?!\n)$")]] = []
 
 
 class OllamaOptions(_Section, frozen=True, kw_only=True, omit_defaults=True):
@@ -604,7 +604,7 @@ class OllamaOptions(_Section, frozen=True, kw_only=True, omit_defaults=True):
 
 #: Ollama's ``keep_alive``: a duration (``"5m"``, ``"1h"``, ``"-1m"``) or seconds
 #: (``0`` unloads the model after the call, a negative number keeps it loaded).
-KeepAlive = Annotated[str, Meta(pattern=r"^-?\d+(\.\d+)?(ms|s|m|h)$")] | int
+KeepAlive = Annotated[str, Meta(pattern=r"^-?\d+(\.\d+)?(ms|s|m|h)(?!\n)$")] | int
 
 
 class OllamaConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="ollama"):
@@ -656,7 +656,7 @@ class TGIConfig(BaseBackendConfig, frozen=True, kw_only=True, tag="tgi"):
 class GeminiSafetySetting(_Section, frozen=True, kw_only=True):
     """One of Gemini's ``safetySettings``: a harm category and its blocking threshold."""
 
-    category: Annotated[str, Meta(pattern=r"^HARM_CATEGORY_[A-Z_]{1,64}$")]
+    category: Annotated[str, Meta(pattern=r"^HARM_CATEGORY_[A-Z_]{1,64}(?!\n)$")]
     threshold: Literal[
         "HARM_BLOCK_THRESHOLD_UNSPECIFIED",
         "BLOCK_LOW_AND_ABOVE",
@@ -731,7 +731,7 @@ class ComplexityConfig(_Section, frozen=True, kw_only=True):
     #: The scorer: ``heuristic`` (no download; prompt length, requested output,
     #: code and math markers, conversation depth), or ``module.path:name``, a
     #: learned one (:func:`renqueue.policy.load_estimator`), loaded at start.
-    estimator: Annotated[str, Meta(pattern=r"^(heuristic|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")] = (
+    estimator: Annotated[str, Meta(pattern=r"^(heuristic|[A-Za-z_][\w.]*:[A-Za-z_]\w*)(?!\n)$")] = (
         "heuristic"
     )
 
@@ -741,7 +741,7 @@ class ComplexityConfig(_Section, frozen=True, kw_only=True):
 
 
 #: A split's sticky key: the tenant, or a field of the request's ``metadata``.
-SplitKey = Annotated[str, Meta(pattern=r"^(tenant|metadata\.[^\s]{1,64})$")]
+SplitKey = Annotated[str, Meta(pattern=r"^(tenant|metadata\.[^\s]{1,64})(?!\n)$")]
 
 
 class RollbackConfig(_Section, frozen=True, kw_only=True):
@@ -1006,7 +1006,7 @@ class GatewayKey(_Section, frozen=True, kw_only=True):
     (``renqueue gateway keygen TENANT`` makes a key and prints this entry)."""
 
     tenant: Name
-    sha256: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+    sha256: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}(?!\n)$")]
 
 
 class GatewayConfig(_Section, frozen=True, kw_only=True):
@@ -1050,7 +1050,7 @@ class GatewayConfig(_Section, frozen=True, kw_only=True):
     #: The SHA-256 digests (64 hex digits) of the admin keys, which open the web
     #: console (``/console``; ``renqueue gateway keygen --admin`` makes one). No
     #: admin key: no console. An admin key speaks for no tenant.
-    admin_keys: list[Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]] = []
+    admin_keys: list[Annotated[str, Meta(pattern=r"^[0-9a-f]{64}(?!\n)$")]] = []
 
     def __post_init__(self) -> None:
         for name in ("header_timeout", "body_timeout", "idle_timeout", "send_timeout"):

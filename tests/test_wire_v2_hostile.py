@@ -275,3 +275,33 @@ async def test_the_router_rejects_a_request_too_big_for_its_own_messages(
                 await client.handle("too-big").result(timeout=20)
             after = await client.submit("still served", route="chat")
             assert (await after.result(timeout=20)).text
+
+
+def test_an_id_or_name_ending_in_a_newline_is_not_one() -> None:
+    """msgspec's patterns search: ``^...$`` let ``abc\\n`` through (``$`` matches
+    before a final newline), an id that makes no subject and a tenant or route no
+    subject of its own can name. (The patterns stay ECMA-262 ones for ``renqueue schema``.)"""
+    for field, value in (("id", "abc"), ("tenant", TENANT), ("route", "chat")):
+        body = json.loads(raw_request("r", b"1"))
+        REQUEST_DECODER.decode(json.dumps(body).encode())
+        body[field] = value + "\n"
+        with pytest.raises(msgspec.ValidationError):
+            REQUEST_DECODER.decode(json.dumps(body).encode())
+
+
+async def test_a_request_whose_id_ends_in_a_newline_is_dead_lettered_and_its_level_flows(
+    isolated_server: EmbeddedServer,
+) -> None:
+    async with MockBackend(FAST) as mock:
+        config = config_of(mock.url, nats_url=isolated_server.url)
+        async with Services(config) as services, Client(services.nc, tenant=TENANT) as client:
+            body = json.loads(raw_request("x", b"1"))
+            body["id"] = "nl\n"
+            await client.js.publish(
+                request_subject("normal", TENANT),
+                json.dumps(body).encode(),
+                headers={"Nats-Msg-Id": msg_id(TENANT, "nl")},
+            )
+            normal = await client.submit("after it", route="chat")
+            result = await normal.result(timeout=20)
+    assert result.text

@@ -106,8 +106,8 @@ MAX_TEXT: Final = 1_000_000
 SCHEMA_VERSION: Final = 2
 
 #: Ids and names become NATS subject tokens: no dots, spaces or wildcards.
-RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
-Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}(?!\n)$")]
+Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}(?!\n)$")]
 NonNegative = Annotated[float, Meta(ge=0)]
 Count = Annotated[int, Meta(ge=0)]
 
@@ -230,7 +230,7 @@ class ChatMessage(Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 #: Tool and function names, as OpenAI allows them.
-ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}(?!\n)$")]
 
 
 class Tool(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -254,7 +254,7 @@ class NamedTool(Struct, frozen=True, kw_only=True):
 class JsonSchema(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The schema a ``json_schema`` response format holds the answer to."""
 
-    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}(?!\n)$")]
     schema: dict[str, Any] = {}
     description: Annotated[str, Meta(max_length=100_000)] = ""
     strict: bool | None = None

@@ -88,7 +88,7 @@ class _AnthropicMessage(Struct):
 
 
 class _AnthropicTool(Struct):
-    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
+    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,128}(?!\n)$")]
     input_schema: dict[str, Any]
     description: str | None = None
 
