@@ -293,7 +293,7 @@ class ConnectionKeeper:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.EVERY):  # no task made for each look
                         await nc.lost.wait()
-            if nc.lost.is_set() or self._owed:
+            if nc.lost.is_set() or nc.closed_unasked or self._owed:
                 await self._renewed(nc)
                 down_since = None
             elif nc.is_connected:

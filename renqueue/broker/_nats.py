@@ -1733,6 +1733,13 @@ class Connection:
         return self._nc.is_closed
 
     @property
+    def closed_unasked(self) -> bool:
+        """Closed, and not by this side. nats-py closes on a server's ``-ERR`` in a
+        task of its own, which races the reconnect that the socket's end starts:
+        it can end closed without calling back, :attr:`lost` never set."""
+        return self._nc.is_closed and not self._closing
+
+    @property
     def is_connected(self) -> bool:
         return self._nc.is_connected
 
