@@ -472,14 +472,8 @@ class Submissions:
         existing = await submitted_of(self._js(), tenant, request_id)
         if existing is not None and not _same_request(existing.request, print_, sub):
             raise _key_reused()
-        headers = {
-            "Nats-Expected-Last-Subject-Sequence": str(revision),
-            "Nats-TTL": str(self._claim_ttl),
-        }
         try:
-            ack = await self._js().publish(
-                f"$KV.{STATE_BUCKET}.{name}", _TAKEN + print_.encode(), headers=headers
-            )
+            ack = await self._write_at(name, _TAKEN + print_.encode(), revision, self._claim_ttl)
         except WrongLastSequenceError:
             return None  # another call took it first, or its claimer settled it
         log.info("an abandoned Idempotency-Key claim was taken over", request_id=request_id)
@@ -510,16 +504,10 @@ class Submissions:
         until it lands, a call of the same body that finds the request stored
         compares its body as for a pending claim."""
         name = claim_key(tenant, request_id)
-        headers = {
-            "Nats-Expected-Last-Subject-Sequence": str(claim.revision),
-            "Nats-TTL": str(self._claim_ttl),
-        }
 
         async def confirm() -> None:
             with contextlib.suppress(WrongLastSequenceError):  # moved on: not ours to say
-                await self._js().publish(
-                    f"$KV.{STATE_BUCKET}.{name}", print_.encode(), headers=headers
-                )
+                await self._write_at(name, print_.encode(), claim.revision, self._claim_ttl)
 
         with contextlib.suppress(RuntimeError):  # the gateway is stopping: left pending
             self._supervisor.spawn_job(f"confirm-{name}", confirm)
@@ -535,14 +523,8 @@ class Submissions:
             with contextlib.suppress(WrongLastSequenceError):
                 if claim.taken_from is None:
                     await self._delete(name, claim.revision, self._claim_ttl)
-                    return
-                headers = {
-                    "Nats-Expected-Last-Subject-Sequence": str(claim.revision),
-                    "Nats-TTL": str(self._claim_ttl),
-                }
-                await self._js().publish(
-                    f"$KV.{STATE_BUCKET}.{name}", claim.taken_from, headers=headers
-                )
+                else:
+                    await self._write_at(name, claim.taken_from, claim.revision, self._claim_ttl)
 
         with contextlib.suppress(RuntimeError):  # the gateway is stopping: it expires instead
             self._supervisor.spawn_job(f"unclaim-{name}", delete)
@@ -635,12 +617,18 @@ class Submissions:
         delete marker that expires in ``ttl`` seconds, as the entry would have:
         ``rq-state`` has no ``max_age``, and a plain KV delete's marker (nats-py
         sets no TTL on one) would be kept for ever, one per key given back."""
-        headers = {
-            "KV-Operation": "DEL",
-            "Nats-Expected-Last-Subject-Sequence": str(revision),
-            "Nats-TTL": str(ttl),
-        }
-        await self._js().publish(f"$KV.{STATE_BUCKET}.{name}", b"", headers=headers)
+        await self._write_at(name, b"", revision, ttl, operation="DEL")
+
+    async def _write_at(
+        self, name: str, value: bytes, revision: int, ttl: int | str, *, operation: str = ""
+    ) -> PubAck:
+        """Write entry ``name`` of the ``rq-state`` bucket at ``revision`` (a
+        compare-and-set: :class:`WrongLastSequenceError` if it moved on), to live
+        ``ttl`` seconds from now; ``operation`` ``"DEL"``: a delete marker."""
+        headers = {"Nats-Expected-Last-Subject-Sequence": str(revision), "Nats-TTL": str(ttl)}
+        if operation:
+            headers["KV-Operation"] = operation
+        return await self._js().publish(f"$KV.{STATE_BUCKET}.{name}", value, headers=headers)
 
     # ------------------------------------------------------------ remembering
 
